@@ -1,0 +1,191 @@
+/*
+ * core.h — the bottom layer of the engine: errors, devices, storage, allocator accounting,
+ * tensors (views over refcounted storage) and the counter-based RNG.
+ *
+ * Ownership: every fsdp_storage and fsdp_tensor is refcounted. A function that returns a new
+ * object through an `out` pointer hands the caller one reference, to be dropped with
+ * fsdp_tensor_release / fsdp_storage_release. Releasing NULL is a no-op. Refcounts are atomic:
+ * rank threads may share storages (zero-copy collectives).
+ *
+ * Errors: fallible functions return int (FSDP_OK = 0, FSDP_ERR = -1) and leave a message in
+ * the calling thread's error slot (fsdp_error_msg). Nothing here exits, aborts on user input,
+ * or touches Lua. asserts guard broken invariants only.
+ */
+#ifndef FSDP_CORE_H
+#define FSDP_CORE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define FSDP_OK 0
+#define FSDP_ERR (-1)
+#define FSDP_MAX_DIMS 8
+
+/* ---- errors (error.c) ------------------------------------------------------------------ */
+
+/* Set this thread's error message (printf-style). Always returns FSDP_ERR so callers can
+ * `return fsdp_error("...")`. */
+int fsdp_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* Prepend context to the current message: "ctx: <old message>". Returns FSDP_ERR. */
+int fsdp_error_context(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* The calling thread's last message ("" when none). Valid until the next fsdp_error*. */
+const char *fsdp_error_msg(void);
+void fsdp_error_clear(void);
+
+/* ---- dtypes, roles ------------------------------------------------------------------- */
+
+typedef enum { FSDP_DTYPE_F32 = 0 } fsdp_dtype;
+size_t fsdp_dtype_size(fsdp_dtype dt);
+const char *fsdp_dtype_name(fsdp_dtype dt);
+
+/* What a buffer is for; the allocator accounts live and peak bytes per device and role. */
+typedef enum {
+  FSDP_ROLE_OTHER = 0,
+  FSDP_ROLE_PARAMS,
+  FSDP_ROLE_GRADS,
+  FSDP_ROLE_OPTIM,
+  FSDP_ROLE_ACTIVATIONS,
+  FSDP_ROLE_GATHERED,
+  FSDP_ROLE_COUNT
+} fsdp_role;
+const char *fsdp_role_name(fsdp_role r); /* "other","params","grads","optim","activations","gathered" */
+
+/* ---- devices (device.c) ---------------------------------------------------------------- */
+
+/* A device is a vtable chosen by name at run time. Callers never branch on which device it is;
+ * they ask `has_data`. A cuda device adds one more instance of this struct. */
+typedef struct fsdp_device_i {
+  const char *name;                                  /* "cpu", "meta" */
+  bool has_data;                                     /* false: shape only (meta) */
+  int (*alloc)(void **out, size_t bytes);            /* zeroed memory; meta sets *out = NULL */
+  void (*free)(void *ptr, size_t bytes);
+  /* copy between two buffers of this device; optional (NULL on meta) */
+  int (*copy)(void *dst, const void *src, size_t bytes);
+} fsdp_device_i;
+
+extern const fsdp_device_i fsdp_device_cpu;
+extern const fsdp_device_i fsdp_device_meta;
+/* Look a device up by name; NULL with an error naming it (and the known ones) if unknown. */
+const fsdp_device_i *fsdp_device_find(const char *name);
+
+/* ---- allocator accounting (alloc.c) ------------------------------------------------------ */
+
+#define FSDP_MAX_DEVICES 4
+typedef struct fsdp_mem_counts {
+  int64_t live[FSDP_ROLE_COUNT];
+  int64_t peak[FSDP_ROLE_COUNT];
+  int64_t live_total, peak_total;
+} fsdp_mem_counts;
+
+typedef struct fsdp_mem_report {
+  int ndevices;
+  const char *device[FSDP_MAX_DEVICES];
+  fsdp_mem_counts counts[FSDP_MAX_DEVICES];
+} fsdp_mem_report;
+
+/* A memory domain is the accounting unit: one per rank (the thread that runs a rank sets its
+ * own with fsdp_mem_domain_set); threads that set none use the process domain. A storage
+ * remembers the domain it was allocated in, so freeing it on another thread (GC) still
+ * decrements the right counters. Domains are never freed while storages point at them. */
+typedef struct fsdp_mem_domain fsdp_mem_domain;
+fsdp_mem_domain *fsdp_mem_domain_new(void);   /* NULL on OOM */
+void fsdp_mem_domain_set(fsdp_mem_domain *d); /* NULL: back to the process domain */
+fsdp_mem_domain *fsdp_mem_domain_current(void);
+void fsdp_mem_report_get(const fsdp_mem_domain *d, fsdp_mem_report *out); /* d NULL: current */
+void fsdp_mem_reset_peak(fsdp_mem_domain *d);
+/* Cap on the live bytes of data-holding devices in a domain (0 = none). FSDP_MEM_LIMIT in the
+ * environment (bytes, or with K/M/G suffix) sets the process default. An allocation past the
+ * cap fails with an error naming the request, the live bytes and the cap. */
+void fsdp_mem_set_limit(fsdp_mem_domain *d, int64_t bytes);
+
+/* ---- storage (storage.c) ------------------------------------------------------------- */
+
+typedef struct fsdp_storage {
+  int refcount; /* atomic */
+  const fsdp_device_i *device;
+  void *data; /* NULL on meta */
+  size_t bytes;
+  fsdp_role role;
+  fsdp_mem_domain *domain;
+} fsdp_storage;
+
+int fsdp_storage_new(fsdp_storage **out, const fsdp_device_i *dev, size_t bytes, fsdp_role role);
+/* Wrap memory the caller owns (not freed, not accounted); used for zero-copy views. */
+int fsdp_storage_wrap(fsdp_storage **out, void *data, size_t bytes);
+void fsdp_storage_retain(fsdp_storage *s);
+void fsdp_storage_release(fsdp_storage *s);
+
+/* ---- tensors (tensor.c) ------------------------------------------------------------ */
+
+typedef struct fsdp_node fsdp_node; /* autograd/ */
+
+typedef struct fsdp_tensor {
+  int refcount; /* atomic */
+  fsdp_storage *storage; /* never NULL once created; may be swapped (fsdp_tensor_set_storage) */
+  int64_t offset;        /* in elements */
+  int ndim;
+  int64_t shape[FSDP_MAX_DIMS];
+  int64_t strides[FSDP_MAX_DIMS]; /* in elements */
+  fsdp_dtype dtype;
+  bool requires_grad; /* leaf: set by user; non-leaf: produced by a recorded op */
+  bool is_param;      /* a parameter: identity is stable, storage may change (FSDP) */
+  bool is_leaf;       /* not produced by a recorded op */
+  struct fsdp_tensor *grad; /* owned reference or NULL */
+  uint64_t version;   /* bumped by in-place writes */
+  void *user;         /* opaque slot for the layer above (e.g. FSDP parameter record) */
+} fsdp_tensor;
+
+/* New contiguous tensor, zero-filled on data devices. ndim 0 is a scalar (numel 1). */
+int fsdp_tensor_new(fsdp_tensor **out, const fsdp_device_i *dev, fsdp_dtype dt, int ndim,
+                    const int64_t *shape, fsdp_role role);
+/* Shorthand: cpu, f32, role activations. */
+int fsdp_tensor_new_f32(fsdp_tensor **out, int ndim, const int64_t *shape);
+/* A new tensor sharing `t`'s storage with the given geometry (no checks beyond bounds). */
+int fsdp_tensor_new_view(fsdp_tensor **out, fsdp_tensor *t, int64_t offset, int ndim,
+                         const int64_t *shape, const int64_t *strides);
+void fsdp_tensor_retain(fsdp_tensor *t);
+void fsdp_tensor_release(fsdp_tensor *t); /* also releases grad when the last ref goes */
+
+int64_t fsdp_tensor_numel(const fsdp_tensor *t);
+bool fsdp_tensor_is_contiguous(const fsdp_tensor *t);
+bool fsdp_tensor_same_shape(const fsdp_tensor *a, const fsdp_tensor *b);
+/* "(2, 3)" into buf; returns buf. */
+char *fsdp_shape_str(char *buf, size_t n, int ndim, const int64_t *shape);
+#define FSDP_SHAPE_STR(t) fsdp_shape_str((char[96]){0}, 96, (t)->ndim, (t)->shape)
+
+/* Pointer to element 0 of the view (storage data + offset). NULL with error
+ * "<what>: tensor on meta device has no data" when the device has none. */
+float *fsdp_tensor_data(const fsdp_tensor *t, const char *what);
+
+/* Views (share storage; no autograd here — autograd/ops records them). */
+int fsdp_tensor_view(fsdp_tensor **out, fsdp_tensor *t, int ndim, const int64_t *shape);
+/* shape may hold one -1 (inferred). Needs t contiguous; error names both shapes. */
+int fsdp_tensor_transpose(fsdp_tensor **out, fsdp_tensor *t, int d0, int d1);
+int fsdp_tensor_narrow(fsdp_tensor **out, fsdp_tensor *t, int dim, int64_t start, int64_t len);
+/* t itself (retained) if contiguous, else a contiguous copy. */
+int fsdp_tensor_contiguous(fsdp_tensor **out, fsdp_tensor *t);
+/* Deep copy into new contiguous storage on t's device, same role. */
+int fsdp_tensor_clone(fsdp_tensor **out, fsdp_tensor *t);
+/* dst <- src, elementwise over any strides; shapes must match (or numel when `flat`). */
+int fsdp_tensor_copy(fsdp_tensor *dst, const fsdp_tensor *src);
+int fsdp_tensor_fill(fsdp_tensor *t, float v);
+/* Replace t's backing storage (FSDP gather/reshard). Geometry is left to the caller. */
+void fsdp_tensor_set_storage(fsdp_tensor *t, fsdp_storage *s, int64_t offset);
+/* Set or drop (g NULL) the gradient; retains g. */
+void fsdp_tensor_set_grad(fsdp_tensor *t, fsdp_tensor *g);
+
+/* ---- RNG (rng.c): Philox4x32-10, counter based --------------------------------------- */
+
+/* Every random value is a pure function of (key, element index): a stream never depends on
+ * the order tensors are created in, and a rank can generate any slice [first, first+n) of a
+ * parameter's values on its own. */
+uint64_t fsdp_rng_key(uint64_t seed, const char *stream); /* hash of seed and a name/path */
+uint64_t fsdp_rng_key_mix(uint64_t key, uint64_t value);  /* derive a sub-key */
+void fsdp_philox4x32(uint32_t out[4], uint64_t key, uint64_t counter);
+/* out[i] = uniform in [0, 1) for element first+i */
+void fsdp_rng_uniform(float *out, int64_t n, uint64_t key, uint64_t first);
+/* out[i] = mean + std * N(0,1) for element first+i (Box-Muller on Philox output) */
+void fsdp_rng_normal(float *out, int64_t n, uint64_t key, uint64_t first, float mean, float std);
+
+#endif

@@ -1,0 +1,153 @@
+/*
+ * kernels.h — CPU math on dense, contiguous, row-major f32 buffers: forward and backward of
+ * every op the engine records. No tensors, no allocation (callers pass scratch), no errors:
+ * callers (autograd/ops.c) validate shapes and indices before calling.
+ *
+ * Conventions (llm.c): outputs first, then inputs, then sizes. A shape comment on each pointer.
+ * Backward functions ACCUMULATE (+=) into input gradients (dinp, dweight, ...): the caller
+ * zero-fills a fresh gradient buffer, and a tensor used twice receives the sum.
+ * GEMM goes through OpenBLAS (cblas_sgemm); nothing on a hot path is a naive triple loop.
+ */
+#ifndef FSDP_KERNELS_CPU_H
+#define FSDP_KERNELS_CPU_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+/* ---- BLAS ---------------------------------------------------------------------------- */
+
+/* c = alpha * op(a) @ op(b) + beta * c, row-major; op(a) (M, K), op(b) (K, N), c (M, N).
+ * lda/ldb/ldc are row strides of the stored matrices (as in cblas). */
+void fsdp_cpu_gemm(float *c, const float *a, const float *b, int M, int N, int K, bool trans_a,
+                   bool trans_b, float alpha, float beta, int lda, int ldb, int ldc);
+/* Set how many threads OpenBLAS uses for calls from now on (ranks call it with max(1, C/N)). */
+void fsdp_cpu_set_blas_threads(int n);
+int fsdp_cpu_get_blas_threads(void);
+
+/* ---- linear / matmul ------------------------------------------------------------------- */
+
+/* out (M, N) = inp (M, K) @ weight(N, K)^T + bias (N) ; bias may be NULL */
+void fsdp_cpu_linear_forward(float *out, const float *inp, const float *weight,
+                             const float *bias, int M, int K, int N);
+/* dinp (M, K) += dout @ weight ; dweight (N, K) += dout^T @ inp ; dbias (N) += sum_m dout.
+ * Any of dinp, dweight, dbias may be NULL (not needed). */
+void fsdp_cpu_linear_backward(float *dinp, float *dweight, float *dbias, const float *dout,
+                              const float *inp, const float *weight, int M, int K, int N);
+
+/* Batched matmul: for each b < B: out[b] (M, N) = a[b] (M, K) @ b[b] (K, N). */
+void fsdp_cpu_bmm_forward(float *out, const float *a, const float *b, int B, int M, int K, int N);
+/* da[b] += dout[b] @ b[b]^T ; db[b] += a[b]^T @ dout[b] ; either may be NULL */
+void fsdp_cpu_bmm_backward(float *da, float *db, const float *dout, const float *a,
+                           const float *b, int B, int M, int K, int N);
+
+/* ---- elementwise with broadcasting over leading dimensions ------------------------------
+ * a has n elements, b has m elements, n % m == 0: b repeats along the leading dimensions
+ * (b's shape is a suffix of a's). out has n elements. m == n is the plain case. */
+typedef enum { FSDP_BIN_ADD, FSDP_BIN_SUB, FSDP_BIN_MUL, FSDP_BIN_DIV } fsdp_binop;
+void fsdp_cpu_binary_forward(float *out, const float *a, const float *b, int64_t n, int64_t m,
+                             fsdp_binop op);
+/* da (n) += ..., db (m) += sum over repeats of ...; da or db may be NULL */
+void fsdp_cpu_binary_backward(float *da, float *db, const float *dout, const float *a,
+                              const float *b, int64_t n, int64_t m, fsdp_binop op);
+/* out = a * s + t (scale and shift by scalars) */
+void fsdp_cpu_affine_forward(float *out, const float *a, float s, float t, int64_t n);
+/* da += dout * s */
+void fsdp_cpu_affine_backward(float *da, const float *dout, float s, int64_t n);
+
+/* ---- activations ------------------------------------------------------------------------ */
+
+void fsdp_cpu_relu_forward(float *out, const float *inp, int64_t n);
+void fsdp_cpu_relu_backward(float *dinp, const float *dout, const float *inp, int64_t n);
+/* GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
+void fsdp_cpu_gelu_forward(float *out, const float *inp, int64_t n);
+void fsdp_cpu_gelu_backward(float *dinp, const float *dout, const float *inp, int64_t n);
+
+/* Dropout with probability p: mask[i] = (u_i >= p) ? 1/(1-p) : 0 where u_i is
+ * fsdp_rng_uniform(key, first + i); out = inp * mask. mask (n) is saved for backward. */
+void fsdp_cpu_dropout_forward(float *out, float *mask, const float *inp, int64_t n, float p,
+                              uint64_t key, uint64_t first);
+void fsdp_cpu_dropout_backward(float *dinp, const float *dout, const float *mask, int64_t n);
+
+/* ---- embedding --------------------------------------------------------------------------- */
+
+/* out (N, C) = weight[ids[i]] ; ids (N) hold integral values in [0, V) (checked by caller) */
+void fsdp_cpu_embedding_forward(float *out, const float *ids, const float *weight, int64_t N,
+                                int C);
+/* dweight (V, C) += scatter-add of dout (N, C) rows at ids */
+void fsdp_cpu_embedding_backward(float *dweight, const float *dout, const float *ids,
+                                 int64_t N, int C);
+
+/* ---- normalisation, softmax ---------------------------------------------------------------- */
+
+/* out (N, C) = (inp - mean) * rstd * weight + bias ; mean (N), rstd (N) saved for backward;
+ * bias may be NULL */
+void fsdp_cpu_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
+                                const float *weight, const float *bias, int64_t N, int C,
+                                float eps);
+/* dinp (N, C) += ..., dweight (C) += ..., dbias (C) += ... ; dweight/dbias may be NULL */
+void fsdp_cpu_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
+                                 const float *inp, const float *weight, const float *mean,
+                                 const float *rstd, int64_t N, int C);
+
+/* out (N, C) = softmax of each row of inp (N, C) */
+void fsdp_cpu_softmax_forward(float *out, const float *inp, int64_t N, int C);
+/* dinp += out * (dout - sum(dout * out)) per row */
+void fsdp_cpu_softmax_backward(float *dinp, const float *dout, const float *out, int64_t N, int C);
+
+/* ---- attention ------------------------------------------------------------------------------ */
+
+/* Causal multi-head self-attention on a fused qkv projection (llm.c layout).
+ * qkv (B, T, 3C): q = qkv[..., 0:C], k = qkv[..., C:2C], v = qkv[..., 2C:3C], each split into
+ * NH heads of hs = C / NH. att (B, NH, T, T) receives the softmax probabilities (saved for
+ * backward; entries above the diagonal are 0). out (B, T, C) = heads concatenated.
+ * Scores are scaled by 1/sqrt(hs). Uses sgemm per (b, head). */
+void fsdp_cpu_attention_forward(float *out, float *att, const float *qkv, int B, int T, int C,
+                                int NH);
+/* dqkv (B, T, 3C) += ... ; scratch (B, NH, T, T) is caller-provided workspace (overwritten). */
+void fsdp_cpu_attention_backward(float *dqkv, float *scratch, const float *dout,
+                                 const float *qkv, const float *att, int B, int T, int C,
+                                 int NH);
+
+/* ---- losses and reductions ------------------------------------------------------------------- */
+
+/* Cross-entropy fused with log-softmax over rows of logits (N, V) with integral targets (N).
+ * Rows whose target == ignore_index are skipped. lse (N) receives each row's log-sum-exp
+ * (saved for backward). Returns the mean loss over counted rows (0 when none) and stores the
+ * count in *count. */
+float fsdp_cpu_cross_entropy_forward(float *lse, const float *logits, const float *targets,
+                                     int64_t N, int V, int ignore_index, int64_t *count);
+/* dlogits (N, V) += dloss / count * (softmax - onehot) on counted rows */
+void fsdp_cpu_cross_entropy_backward(float *dlogits, float dloss, const float *logits,
+                                     const float *lse, const float *targets, int64_t N, int V,
+                                     int ignore_index, int64_t count);
+
+/* mean((a - b)^2) over n elements */
+float fsdp_cpu_mse_forward(const float *a, const float *b, int64_t n);
+/* da += dloss * 2 (a - b) / n ; db -= the same ; either may be NULL */
+void fsdp_cpu_mse_backward(float *da, float *db, float dloss, const float *a, const float *b,
+                           int64_t n);
+
+/* Sum of n elements (pairwise / blocked in double for accuracy). */
+double fsdp_cpu_sum(const float *a, int64_t n);
+/* Reduce inp (outer, R, inner) over the middle axis: out (outer, inner) = sum_r inp. */
+void fsdp_cpu_sum_dim_forward(float *out, const float *inp, int64_t outer, int64_t R, int64_t inner);
+/* dinp (outer, R, inner) += broadcast of dout (outer, inner) */
+void fsdp_cpu_sum_dim_backward(float *dinp, const float *dout, int64_t outer, int64_t R, int64_t inner);
+/* Sum of squares (double) — used by gradient-norm clipping. */
+double fsdp_cpu_sumsq(const float *a, int64_t n);
+
+/* ---- optimizers (update in place, over flat buffers) ------------------------------------------ */
+
+/* SGD with momentum and (coupled, L2) weight decay, PyTorch semantics:
+ * g = grad + wd * p ; buf = momentum * buf + g (buf = g on the first step) ; p -= lr * buf.
+ * buf may be NULL when momentum == 0. */
+void fsdp_cpu_sgd_step(float *param, float *buf, const float *grad, int64_t n, float lr,
+                       float momentum, float weight_decay, bool first_step);
+/* AdamW (decoupled weight decay), PyTorch semantics; step counts from 1:
+ * p -= lr * wd * p ; m = b1 m + (1-b1) g ; v = b2 v + (1-b2) g^2 ;
+ * p -= lr * (m / (1 - b1^step)) / (sqrt(v / (1 - b2^step)) + eps) */
+void fsdp_cpu_adamw_step(float *param, float *m, float *v, const float *grad, int64_t n,
+                         float lr, float beta1, float beta2, float eps, float weight_decay,
+                         int64_t step);
+
+#endif

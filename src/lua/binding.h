@@ -1,0 +1,40 @@
+/*
+ * binding.h — shared pieces of the `fsdp.core` Lua module (the only code that includes lua.h
+ * besides src/cli). Each src/lua/l_*.c file registers its functions into the module table.
+ *
+ * Error rule: C engine calls return FSDP_ERR and leave a message; binding code frees its
+ * temporaries first and then raises with fsdp_lua_error(L), which never returns. Nothing
+ * that owns a resource may be live across a lua_error (LuaJIT unwinds C frames).
+ */
+#ifndef FSDP_LUA_BINDING_H
+#define FSDP_LUA_BINDING_H
+
+#include <lauxlib.h>
+#include <lua.h>
+
+#include "core/core.h"
+
+#define FSDP_TENSOR_MT "fsdp.Tensor"
+
+/* Push t as a Lua tensor. Steals one reference. The same C tensor always maps to the same
+ * userdata while that userdata is alive (identity: m.head.weight == m.wte.weight). */
+void fsdp_lua_push_tensor(lua_State *L, fsdp_tensor *t);
+/* The tensor at idx (borrowed), or a Lua error "bad argument #idx to 'fn' (tensor expected,
+ * got <type>)"; a freed tensor raises "tensor was freed". */
+fsdp_tensor *fsdp_lua_check_tensor(lua_State *L, int idx);
+/* NULL when the value at idx is not a (live) tensor. */
+fsdp_tensor *fsdp_lua_to_tensor(lua_State *L, int idx);
+/* Raise the calling thread's engine error as a Lua error (prefixing nothing). */
+int fsdp_lua_error(lua_State *L);
+/* Read a shape from a Lua array (or varargs of numbers starting at idx). Returns ndim. */
+int fsdp_lua_check_shape(lua_State *L, int idx, int64_t *shape);
+
+/* Registration of each binding file into the module table at the top of the stack. */
+void fsdp_lua_open_tensor(lua_State *L);
+void fsdp_lua_open_ops(lua_State *L);
+void fsdp_lua_open_data(lua_State *L);
+
+/* luaopen for require "fsdp.core" (exported from fsdp/core.so and preloaded by fsdprun). */
+int luaopen_fsdp_core(lua_State *L);
+
+#endif
