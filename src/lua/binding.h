@@ -13,6 +13,7 @@
 #include <lua.h>
 
 #include "core/core.h"
+#include "fsdp.h"
 
 #define FSDP_TENSOR_MT "fsdp.Tensor"
 
@@ -35,6 +36,6 @@ void fsdp_lua_open_ops(lua_State *L);
 void fsdp_lua_open_data(lua_State *L);
 
 /* luaopen for require "fsdp.core" (exported from fsdp/core.so and preloaded by fsdprun). */
-int luaopen_fsdp_core(lua_State *L);
+/* luaopen_fsdp_core is declared in include/fsdp.h (FSDP_API). */
 
 #endif
