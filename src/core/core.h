@@ -68,6 +68,11 @@ extern const fsdp_device_i fsdp_device_cpu;
 extern const fsdp_device_i fsdp_device_meta;
 /* Look a device up by name; NULL with an error naming it (and the known ones) if unknown. */
 const fsdp_device_i *fsdp_device_find(const char *name);
+/* The registry behind fsdp_device_find, in a fixed order (cpu first): device i is column i of
+ * a fsdp_mem_report. fsdp_device_index gives -1 for a device that is not registered. */
+int fsdp_device_count(void);
+const fsdp_device_i *fsdp_device_at(int i); /* NULL when i is out of range */
+int fsdp_device_index(const fsdp_device_i *dev);
 
 /* ---- allocator accounting (alloc.c) ------------------------------------------------------ */
 
@@ -94,10 +99,29 @@ void fsdp_mem_domain_set(fsdp_mem_domain *d); /* NULL: back to the process domai
 fsdp_mem_domain *fsdp_mem_domain_current(void);
 void fsdp_mem_report_get(const fsdp_mem_domain *d, fsdp_mem_report *out); /* d NULL: current */
 void fsdp_mem_reset_peak(fsdp_mem_domain *d);
-/* Cap on the live bytes of data-holding devices in a domain (0 = none). FSDP_MEM_LIMIT in the
- * environment (bytes, or with K/M/G suffix) sets the process default. An allocation past the
- * cap fails with an error naming the request, the live bytes and the cap. */
+/* Cap on the live bytes of each data-holding device in a domain (0 = none; meta allocations
+ * are counted but never capped). FSDP_MEM_LIMIT in the environment (bytes, or with K/M/G
+ * suffix) sets the process domain's cap, read once; new domains start with the process
+ * domain's cap at the time they are made. An allocation past the cap fails with an error
+ * naming the request, the live bytes and the cap, and counts nothing. */
 void fsdp_mem_set_limit(fsdp_mem_domain *d, int64_t bytes);
+int64_t fsdp_mem_get_limit(const fsdp_mem_domain *d); /* d NULL: current; 0 = none */
+/* Drop the creator's reference to a domain made by fsdp_mem_domain_new. The domain is freed
+ * once no storage allocated in it is live (deferred, like closing a SQLite connection with
+ * live statements), so storages freed later (GC, another thread) still find their counters.
+ * The process domain and NULL are ignored. If d is the calling thread's current domain the
+ * thread goes back to the process domain; other threads must not still have it current. */
+void fsdp_mem_domain_free(fsdp_mem_domain *d);
+/* Parse a size as FSDP_MEM_LIMIT takes it: "1048576", "512K", "1.5M", "2G", "2GiB", "64mb"
+ * (K/M/G/T are powers of 1024). FSDP_ERR with a message naming the text if malformed. */
+int fsdp_mem_parse_size(const char *text, int64_t *out);
+/* The accounting step of an allocation, for storage.c (and future allocators: everyone else
+ * allocates through fsdp_storage_new). charge checks the cap and counts `bytes` of `role` on
+ * `dev` in domain d (which it keeps alive until the matching uncharge); on error nothing is
+ * counted. uncharge undoes exactly one charge, from any thread. */
+int fsdp_mem_charge(fsdp_mem_domain *d, const fsdp_device_i *dev, fsdp_role role, size_t bytes);
+void fsdp_mem_uncharge(fsdp_mem_domain *d, const fsdp_device_i *dev, fsdp_role role,
+                       size_t bytes);
 
 /* ---- storage (storage.c) ------------------------------------------------------------- */
 
@@ -107,7 +131,7 @@ typedef struct fsdp_storage {
   void *data; /* NULL on meta */
   size_t bytes;
   fsdp_role role;
-  fsdp_mem_domain *domain;
+  fsdp_mem_domain *domain; /* where it was charged; NULL for wrapped memory */
 } fsdp_storage;
 
 int fsdp_storage_new(fsdp_storage **out, const fsdp_device_i *dev, size_t bytes, fsdp_role role);
@@ -159,17 +183,20 @@ char *fsdp_shape_str(char *buf, size_t n, int ndim, const int64_t *shape);
 float *fsdp_tensor_data(const fsdp_tensor *t, const char *what);
 
 /* Views (share storage; no autograd here — autograd/ops records them). */
-int fsdp_tensor_view(fsdp_tensor **out, fsdp_tensor *t, int ndim, const int64_t *shape);
 /* shape may hold one -1 (inferred). Needs t contiguous; error names both shapes. */
+int fsdp_tensor_view(fsdp_tensor **out, fsdp_tensor *t, int ndim, const int64_t *shape);
+/* Swap dims d0 and d1 (0-based). */
 int fsdp_tensor_transpose(fsdp_tensor **out, fsdp_tensor *t, int d0, int d1);
 int fsdp_tensor_narrow(fsdp_tensor **out, fsdp_tensor *t, int dim, int64_t start, int64_t len);
 /* t itself (retained) if contiguous, else a contiguous copy. */
 int fsdp_tensor_contiguous(fsdp_tensor **out, fsdp_tensor *t);
 /* Deep copy into new contiguous storage on t's device, same role. */
 int fsdp_tensor_clone(fsdp_tensor **out, fsdp_tensor *t);
-/* dst <- src, elementwise over any strides; shapes must match (or numel when `flat`). */
+/* dst <- src, elementwise over any strides (overlapping views of one storage are handled);
+ * shapes must match exactly (view one side first to copy across shapes). Bumps dst->version.
+ * A meta dst takes nothing (shape only); a meta src into a data-holding dst is an error. */
 int fsdp_tensor_copy(fsdp_tensor *dst, const fsdp_tensor *src);
-int fsdp_tensor_fill(fsdp_tensor *t, float v);
+int fsdp_tensor_fill(fsdp_tensor *t, float v); /* any strides; bumps version; no-op on meta */
 /* Replace t's backing storage (FSDP gather/reshard). Geometry is left to the caller. */
 void fsdp_tensor_set_storage(fsdp_tensor *t, fsdp_storage *s, int64_t offset);
 /* Set or drop (g NULL) the gradient; retains g. */
@@ -182,7 +209,12 @@ void fsdp_tensor_set_grad(fsdp_tensor *t, fsdp_tensor *g);
  * parameter's values on its own. */
 uint64_t fsdp_rng_key(uint64_t seed, const char *stream); /* hash of seed and a name/path */
 uint64_t fsdp_rng_key_mix(uint64_t key, uint64_t value);  /* derive a sub-key */
+/* One Philox4x32-10 block with key (k0, k1) = (low, high 32 bits of key) and counter
+ * (c0, c1, c2, c3) = (low, high 32 bits of counter, 0, 0). */
 void fsdp_philox4x32(uint32_t out[4], uint64_t key, uint64_t counter);
+/* The full-width primitive (Random123's philox4x32_R(10, ctr, key)); checked against its
+ * known-answer vectors. */
+void fsdp_philox4x32_10(uint32_t out[4], const uint32_t ctr[4], const uint32_t key[2]);
 /* out[i] = uniform in [0, 1) for element first+i */
 void fsdp_rng_uniform(float *out, int64_t n, uint64_t key, uint64_t first);
 /* out[i] = mean + std * N(0,1) for element first+i (Box-Muller on Philox output) */
