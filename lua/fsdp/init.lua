@@ -1,0 +1,120 @@
+-- fsdp: the user-facing module. Tensors, autograd and kernels come from the C module
+-- fsdp.core; nn, optim, data and log are Lua submodules loaded on first use.
+--
+-- The module table is registered in package.loaded before any submodule loads, so a
+-- submodule may `require "fsdp"` at its top and see every function defined here.
+
+local core = require "fsdp.core"
+
+local fsdp = {}
+package.loaded.fsdp = fsdp
+
+fsdp.core = core
+fsdp.version = core.version
+fsdp.Tensor = core.Tensor -- the tensor method table (add methods here from Lua)
+fsdp.F = core.F
+
+for _, name in ipairs { "tensor", "zeros", "ones", "full", "empty", "randn", "rand", "arange" } do
+  fsdp[name] = core[name]
+end
+
+-- ranks ------------------------------------------------------------------------------------
+-- One process, one rank until the communicator lands (the FSDP-core issue replaces these).
+function fsdp.rank() return 0 end
+function fsdp.world_size() return 1 end
+function fsdp.backend() return "local" end
+
+local reduce_ops = { sum = true, mean = true, max = true, min = true }
+
+--- Collective. Reduce a number or a tensor over every rank ("sum" | "mean" | "max" | "min").
+function fsdp.all_reduce(x, op)
+  op = op or "sum"
+  if not reduce_ops[op] then
+    error(("all_reduce: unknown op %q (sum, mean, max, min)"):format(tostring(op)), 2)
+  end
+  if type(x) ~= "number" and getmetatable(x) ~= getmetatable(core.zeros(0)) then
+    error("all_reduce: expected a number or a tensor, got " .. type(x), 2)
+  end
+  return x
+end
+
+--- Collective. Rank root's value on every rank.
+function fsdp.broadcast(x, root)
+  root = root or 0
+  if type(root) ~= "number" or root < 0 or root >= fsdp.world_size() or root % 1 ~= 0 then
+    error(("broadcast: root %s is not a rank in [0, %d)"):format(tostring(root), fsdp.world_size()), 2)
+  end
+  return x
+end
+
+--- Collective. Returns when every rank has called it.
+function fsdp.barrier() end
+
+-- seeds and autograd ------------------------------------------------------------------------
+function fsdp.manual_seed(n) core.manual_seed(n) end
+function fsdp.seed() return core.seed() end
+fsdp.is_grad_enabled = core.is_grad_enabled
+
+--- Run fn(...) with gradient recording off; returns fn's results. The previous mode comes
+--- back even when fn raises.
+function fsdp.no_grad(fn, ...)
+  local prev = core.set_grad_enabled(false)
+  local res = { pcall(fn, ...) }
+  core.set_grad_enabled(prev)
+  if not res[1] then error(res[2], 0) end
+  return unpack(res, 2, table.maxn(res))
+end
+
+-- memory ------------------------------------------------------------------------------------
+--- Live bytes by role on the cpu device, with peaks; `devices` holds every device's table.
+function fsdp.memory()
+  local m = core.memory()
+  local cpu = m.cpu or {}
+  return {
+    live = cpu.live or 0, peak = cpu.peak or 0,
+    params = cpu.params or 0, grads = cpu.grads or 0, optim = cpu.optim or 0,
+    gathered = cpu.gathered or 0, activations = cpu.activations or 0, other = cpu.other or 0,
+    devices = m,
+  }
+end
+
+-- recipe arguments: --key=value (numbers and true/false converted), --flag (true) -------------
+local function parse_args(argv)
+  local args = {}
+  for i = 1, #(argv or {}) do
+    local a = argv[i]
+    local k, v = tostring(a):match("^%-%-([%w_%-%.]+)=(.*)$")
+    if k then
+      if v == "true" then v = true elseif v == "false" then v = false
+      else v = tonumber(v) or v end
+      args[k] = v
+    else
+      local flag = tostring(a):match("^%-%-([%w_%-%.]+)$")
+      if flag then args[flag] = true else args[#args + 1] = a end
+    end
+  end
+  return args
+end
+fsdp.parse_args = parse_args
+fsdp.args = parse_args(rawget(_G, "arg"))
+
+-- submodules, loaded on first use ------------------------------------------------------------
+local lazy = {
+  nn = "fsdp.nn", optim = "fsdp.optim", data = "fsdp.data", log = "fsdp.log",
+}
+setmetatable(fsdp, {
+  __index = function(t, k)
+    if lazy[k] then
+      local m = require(lazy[k])
+      rawset(t, k, m)
+      return m
+    end
+    if k == "clip_grad_norm" then
+      local f = t.optim.clip_grad_norm
+      rawset(t, k, f)
+      return f
+    end
+  end,
+})
+
+return fsdp

@@ -1,0 +1,120 @@
+/*
+ * autograd.h — the tape (a Wengert list) and the differentiable ops built on the kernels.
+ *
+ * Every op that runs while gradients are enabled and has an input that requires a gradient
+ * appends one node to the calling thread's tape. A node retains its output, its inputs and
+ * whatever it saved for backward; so activations live exactly as long as the tape needs them.
+ * fsdp_backward walks the tape from the newest node to the oldest: a node whose output got a
+ * gradient accumulates (+=) into its inputs' gradients; then the node is freed and, for a
+ * non-leaf output, so is that output's gradient. Leaf tensors that require a gradient
+ * (parameters) keep theirs in t->grad and accumulate across backward calls until dropped.
+ *
+ * Hook nodes carry a callback instead of math: backward calls it when it reaches the node's
+ * place in the tape. FSDP uses them to gather a unit before its backward and reduce-scatter
+ * its gradients after.
+ *
+ * The tape is per thread: each rank (a thread, with its own Lua state) has its own.
+ */
+#ifndef FSDP_AUTOGRAD_H
+#define FSDP_AUTOGRAD_H
+
+#include "core/core.h"
+
+#define FSDP_NODE_MAX_IN 4
+#define FSDP_NODE_MAX_SAVED 4
+
+typedef int (*fsdp_backward_fn)(fsdp_node *n);
+typedef int (*fsdp_hook_fn)(void *ud);
+
+struct fsdp_node {
+  const char *op; /* for error messages: "linear", "layernorm", ... */
+  fsdp_backward_fn backward;
+  fsdp_tensor *out; /* retained */
+  int nin;
+  fsdp_tensor *in[FSDP_NODE_MAX_IN]; /* retained; NULL for optional inputs (bias) */
+  int nsaved;
+  fsdp_tensor *saved[FSDP_NODE_MAX_SAVED]; /* retained */
+  float f[4];    /* scalar arguments */
+  int64_t i[8];  /* integer arguments (sizes, dims) */
+  fsdp_hook_fn hook; /* hook node when non-NULL */
+  void *hook_ud;
+  void (*hook_free)(void *ud); /* called once when the node is freed; may be NULL */
+};
+
+/* ---- grad mode ----------------------------------------------------------------------- */
+bool fsdp_grad_enabled(void);
+bool fsdp_set_grad_enabled(bool on); /* returns the previous mode */
+
+/* ---- tape ----------------------------------------------------------------------------- */
+/* A fresh node (zeroed), not yet on the tape. NULL with an error on OOM. */
+fsdp_node *fsdp_node_new(const char *op, fsdp_backward_fn backward);
+/* Append n to this thread's tape (takes ownership; frees it on failure). */
+int fsdp_tape_push(fsdp_node *n);
+/* Record a hook node; ud is freed with hook_free when the node is freed (run or discarded). */
+int fsdp_tape_hook(fsdp_hook_fn fn, void *ud, void (*hook_free)(void *));
+int64_t fsdp_tape_size(void);
+/* Drop every recorded node without running backward (frees saved activations). */
+void fsdp_tape_clear(void);
+
+/* Run backward from `root`. grad NULL means d(root)/d(root) = 1, only for a one-element root.
+ * Consumes the whole tape (see above). */
+int fsdp_backward(fsdp_tensor *root, fsdp_tensor *grad);
+
+/* The gradient buffer of t, created zero-filled when absent (contiguous, t's shape). Used by
+ * backward functions before they accumulate. Role: grads for leaves, activations otherwise. */
+float *fsdp_grad_acc(fsdp_tensor *t);
+/* Whether op outputs from these inputs need recording. */
+bool fsdp_needs_grad(fsdp_tensor *const *in, int n);
+
+/* ---- differentiable ops (ops.c) --------------------------------------------------------
+ * All return FSDP_OK and a new tensor in *out (one reference), or FSDP_ERR with a message that
+ * names the op and the shapes involved. Inputs may be any strided view: ops make contiguous
+ * copies where their kernels need them. */
+
+typedef enum { FSDP_OP_ADD, FSDP_OP_SUB, FSDP_OP_MUL, FSDP_OP_DIV } fsdp_binary_op;
+/* Broadcasting: the smaller operand's shape must be a suffix of the larger's. */
+int fsdp_op_binary(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b, fsdp_binary_op op);
+/* out = a * s + t */
+int fsdp_op_affine(fsdp_tensor **out, fsdp_tensor *a, float s, float t);
+
+typedef enum {
+  FSDP_UNARY_RELU, FSDP_UNARY_GELU, FSDP_UNARY_EXP, FSDP_UNARY_LOG, FSDP_UNARY_SQRT,
+  FSDP_UNARY_TANH, FSDP_UNARY_SIGMOID
+} fsdp_unary_op;
+int fsdp_op_unary(fsdp_tensor **out, fsdp_tensor *a, fsdp_unary_op op);
+int fsdp_op_pow(fsdp_tensor **out, fsdp_tensor *a, float p);
+
+int fsdp_op_matmul(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b);
+int fsdp_op_linear(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *w, fsdp_tensor *b);
+int fsdp_op_embedding(fsdp_tensor **out, fsdp_tensor *ids, fsdp_tensor *w);
+int fsdp_op_layernorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *w, fsdp_tensor *b,
+                      float eps);
+int fsdp_op_softmax(fsdp_tensor **out, fsdp_tensor *x);
+int fsdp_op_attention(fsdp_tensor **out, fsdp_tensor *qkv, int n_head);
+/* Dropout draws from the thread's seeded stream (fsdp_rng_next_dropout). */
+int fsdp_op_dropout(fsdp_tensor **out, fsdp_tensor *x, float p);
+int fsdp_op_cross_entropy(fsdp_tensor **out, fsdp_tensor *logits, fsdp_tensor *targets,
+                          int ignore_index);
+int fsdp_op_mse(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b);
+int fsdp_op_sum(fsdp_tensor **out, fsdp_tensor *a);            /* all elements, 0-dim */
+int fsdp_op_mean(fsdp_tensor **out, fsdp_tensor *a);
+int fsdp_op_sum_dim(fsdp_tensor **out, fsdp_tensor *a, int dim, bool mean); /* dim 0-based */
+
+/* Views, recorded so gradients flow through them. */
+int fsdp_op_view(fsdp_tensor **out, fsdp_tensor *a, int ndim, const int64_t *shape);
+int fsdp_op_transpose(fsdp_tensor **out, fsdp_tensor *a, int d0, int d1);
+int fsdp_op_narrow(fsdp_tensor **out, fsdp_tensor *a, int dim, int64_t start, int64_t len);
+int fsdp_op_contiguous(fsdp_tensor **out, fsdp_tensor *a);
+/* A new tensor sharing storage, not recorded, requires_grad false. */
+int fsdp_op_detach(fsdp_tensor **out, fsdp_tensor *a);
+
+/* ---- random streams (rng_state.c) ----------------------------------------------------
+ * Per-thread seed (fsdp.manual_seed) and the offsets of the anonymous streams (randn,
+ * dropout). Same seed and same sequence of calls => same values on every rank. */
+void fsdp_rng_manual_seed(uint64_t seed);
+uint64_t fsdp_rng_seed(void);
+/* Reserve n elements of the named anonymous stream: returns its key, and the first element
+ * index in *first. */
+uint64_t fsdp_rng_reserve(const char *stream, int64_t n, uint64_t *first);
+
+#endif

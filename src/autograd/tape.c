@@ -1,0 +1,186 @@
+/*
+ * tape.c — the per-thread tape, grad mode, backward, and the per-thread random streams.
+ *
+ * Ownership: the tape owns its nodes; a node owns one reference to each tensor it points at.
+ * Backward frees each node right after running it, so the activations it saved are released
+ * as early as the reverse walk allows (peak memory is the forward's, not forward + backward).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "autograd/autograd.h"
+
+static _Thread_local bool grad_on = true;
+static _Thread_local fsdp_node **tape;
+static _Thread_local int64_t tape_len, tape_cap;
+
+bool fsdp_grad_enabled(void) { return grad_on; }
+
+bool fsdp_set_grad_enabled(bool on) {
+  bool prev = grad_on;
+  grad_on = on;
+  return prev;
+}
+
+bool fsdp_needs_grad(fsdp_tensor *const *in, int n) {
+  if (!grad_on) return false;
+  for (int i = 0; i < n; i++)
+    if (in[i] && in[i]->requires_grad) return true;
+  return false;
+}
+
+fsdp_node *fsdp_node_new(const char *op, fsdp_backward_fn backward) {
+  fsdp_node *n = calloc(1, sizeof *n);
+  if (!n) {
+    fsdp_error("%s: out of memory recording the autograd node", op);
+    return NULL;
+  }
+  n->op = op;
+  n->backward = backward;
+  return n;
+}
+
+static void node_free(fsdp_node *n) {
+  if (!n) return;
+  fsdp_tensor_release(n->out);
+  for (int i = 0; i < n->nin; i++) fsdp_tensor_release(n->in[i]);
+  for (int i = 0; i < n->nsaved; i++) fsdp_tensor_release(n->saved[i]);
+  if (n->hook_free) n->hook_free(n->hook_ud);
+  free(n);
+}
+
+int fsdp_tape_push(fsdp_node *n) {
+  if (tape_len == tape_cap) {
+    int64_t cap = tape_cap ? tape_cap * 2 : 256;
+    fsdp_node **t = realloc(tape, (size_t)cap * sizeof *t);
+    if (!t) {
+      const char *op = n->op;
+      node_free(n);
+      return fsdp_error("%s: out of memory growing the autograd tape", op);
+    }
+    tape = t;
+    tape_cap = cap;
+  }
+  tape[tape_len++] = n;
+  return FSDP_OK;
+}
+
+int fsdp_tape_hook(fsdp_hook_fn fn, void *ud, void (*hook_free)(void *)) {
+  fsdp_node *n = fsdp_node_new("hook", NULL);
+  if (!n) {
+    if (hook_free) hook_free(ud);
+    return FSDP_ERR;
+  }
+  n->hook = fn;
+  n->hook_ud = ud;
+  n->hook_free = hook_free;
+  return fsdp_tape_push(n);
+}
+
+int64_t fsdp_tape_size(void) { return tape_len; }
+
+void fsdp_tape_clear(void) {
+  /* Free newest first: mirrors backward, so outputs die before the inputs they came from. */
+  while (tape_len > 0) node_free(tape[--tape_len]);
+  free(tape);
+  tape = NULL;
+  tape_cap = 0;
+}
+
+float *fsdp_grad_acc(fsdp_tensor *t) {
+  if (!t->grad) {
+    fsdp_tensor *g;
+    fsdp_role role = t->is_leaf ? FSDP_ROLE_GRADS : FSDP_ROLE_ACTIVATIONS;
+    if (fsdp_tensor_new(&g, t->storage->device, t->dtype, t->ndim, t->shape, role)) return NULL;
+    t->grad = g; /* the new reference moves into t */
+  }
+  return fsdp_tensor_data(t->grad, "gradient");
+}
+
+int fsdp_backward(fsdp_tensor *root, fsdp_tensor *grad) {
+  if (!root->requires_grad) {
+    return fsdp_error("backward: the tensor %s does not require a gradient (nothing that "
+                      "produced it requires one, or it was computed under no_grad)",
+                      FSDP_SHAPE_STR(root));
+  }
+  if (root->is_leaf) {
+    /* d(root)/d(root): accumulate the seed straight into the leaf. */
+  } else if (tape_len == 0) {
+    return fsdp_error("backward: nothing was recorded (backward already ran over this graph, "
+                      "or the forward ran under no_grad)");
+  }
+  if (grad) {
+    if (!fsdp_tensor_same_shape(grad, root))
+      return fsdp_error("backward: gradient shape %s does not match tensor shape %s",
+                        FSDP_SHAPE_STR(grad), FSDP_SHAPE_STR(root));
+  } else if (fsdp_tensor_numel(root) != 1) {
+    return fsdp_error("backward: tensor %s has %lld elements; call backward on a scalar (e.g. "
+                      "a loss) or pass a gradient of the same shape",
+                      FSDP_SHAPE_STR(root), (long long)fsdp_tensor_numel(root));
+  }
+  float *g = fsdp_grad_acc(root);
+  if (!g) return fsdp_error_context("backward");
+  if (grad) {
+    fsdp_tensor *tmp;
+    if (fsdp_tensor_contiguous(&tmp, grad)) return fsdp_error_context("backward");
+    const float *s = fsdp_tensor_data(tmp, "backward gradient");
+    int64_t n = fsdp_tensor_numel(root);
+    if (s)
+      for (int64_t i = 0; i < n; i++) g[i] += s[i];
+    fsdp_tensor_release(tmp);
+    if (!s) return FSDP_ERR;
+  } else {
+    g[0] += 1.0f;
+  }
+
+  int rc = FSDP_OK;
+  while (tape_len > 0) {
+    fsdp_node *n = tape[--tape_len];
+    if (n->hook) {
+      rc = n->hook(n->hook_ud);
+      if (rc) fsdp_error_context("backward hook");
+    } else if (n->out->grad) {
+      rc = n->backward(n);
+      if (rc) fsdp_error_context("backward of %s", n->op);
+      /* every consumer of a non-leaf output is newer, so its gradient is complete and used */
+      if (!n->out->is_leaf) fsdp_tensor_set_grad(n->out, NULL);
+    }
+    node_free(n);
+    if (rc) {
+      fsdp_tape_clear(); /* a half-run backward leaves nothing usable behind */
+      return FSDP_ERR;
+    }
+  }
+  if (!root->is_leaf) fsdp_tensor_set_grad(root, NULL);
+  return FSDP_OK;
+}
+
+/* ---- per-thread random streams -------------------------------------------------------- */
+
+#define RNG_STREAMS 4
+static _Thread_local uint64_t rng_seed = 0;
+static _Thread_local struct {
+  const char *name;
+  uint64_t next;
+} rng_streams[RNG_STREAMS];
+
+void fsdp_rng_manual_seed(uint64_t seed) {
+  rng_seed = seed;
+  memset(rng_streams, 0, sizeof rng_streams);
+}
+
+uint64_t fsdp_rng_seed(void) { return rng_seed; }
+
+uint64_t fsdp_rng_reserve(const char *stream, int64_t n, uint64_t *first) {
+  int slot = -1;
+  for (int i = 0; i < RNG_STREAMS; i++) {
+    if (rng_streams[i].name && strcmp(rng_streams[i].name, stream) == 0) { slot = i; break; }
+    if (!rng_streams[i].name && slot < 0) slot = i;
+  }
+  if (slot < 0) slot = RNG_STREAMS - 1; /* names are engine constants; never more than a few */
+  if (!rng_streams[slot].name) rng_streams[slot].name = stream;
+  *first = rng_streams[slot].next;
+  /* keep each call's range aligned to a Philox block so normals pair up the same way */
+  rng_streams[slot].next += (uint64_t)((n + 3) & ~(int64_t)3);
+  return fsdp_rng_key(rng_seed, stream);
+}

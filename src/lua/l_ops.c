@@ -1,0 +1,298 @@
+/*
+ * l_ops.c — the functional ops (fsdp.F), grad mode, seeding and parameter initialisation,
+ * optimizer update kernels and memory accounting, as functions of the `fsdp.core` module.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "autograd/autograd.h"
+#include "kernels/cpu/kernels.h"
+#include "lua/binding.h"
+
+#define PUSH_OR_RAISE(call)                                                                        \
+  do {                                                                                             \
+    fsdp_tensor *out_;                                                                             \
+    if (call) fsdp_lua_error(L);                                                                   \
+    fsdp_lua_push_tensor(L, out_);                                                                 \
+    return 1;                                                                                      \
+  } while (0)
+#define OUT (&out_)
+
+static fsdp_tensor *opt_tensor(lua_State *L, int idx) {
+  return lua_isnoneornil(L, idx) ? NULL : fsdp_lua_check_tensor(L, idx);
+}
+
+/* ---- fsdp.F ---------------------------------------------------------------------------- */
+
+static int f_linear(lua_State *L) {
+  PUSH_OR_RAISE(fsdp_op_linear(OUT, fsdp_lua_check_tensor(L, 1), fsdp_lua_check_tensor(L, 2),
+                               opt_tensor(L, 3)));
+}
+
+static int f_embedding(lua_State *L) {
+  PUSH_OR_RAISE(fsdp_op_embedding(OUT, fsdp_lua_check_tensor(L, 1), fsdp_lua_check_tensor(L, 2)));
+}
+
+static int f_layernorm(lua_State *L) {
+  PUSH_OR_RAISE(fsdp_op_layernorm(OUT, fsdp_lua_check_tensor(L, 1), fsdp_lua_check_tensor(L, 2),
+                                  opt_tensor(L, 3), (float)luaL_optnumber(L, 4, 1e-5)));
+}
+
+static int f_attention(lua_State *L) {
+  PUSH_OR_RAISE(fsdp_op_attention(OUT, fsdp_lua_check_tensor(L, 1), (int)luaL_checkinteger(L, 2)));
+}
+
+static int f_dropout(lua_State *L) {
+  fsdp_tensor *x = fsdp_lua_check_tensor(L, 1);
+  float p = (float)luaL_checknumber(L, 2);
+  if (p == 0.0f) {
+    lua_settop(L, 1);
+    return 1;
+  }
+  PUSH_OR_RAISE(fsdp_op_dropout(OUT, x, p));
+}
+
+static int f_unary(lua_State *L, fsdp_unary_op op) {
+  PUSH_OR_RAISE(fsdp_op_unary(OUT, fsdp_lua_check_tensor(L, 1), op));
+}
+static int f_gelu(lua_State *L) { return f_unary(L, FSDP_UNARY_GELU); }
+static int f_relu(lua_State *L) { return f_unary(L, FSDP_UNARY_RELU); }
+static int f_softmax(lua_State *L) { PUSH_OR_RAISE(fsdp_op_softmax(OUT, fsdp_lua_check_tensor(L, 1))); }
+
+static int f_cross_entropy(lua_State *L) {
+  fsdp_tensor *logits = fsdp_lua_check_tensor(L, 1), *targets = fsdp_lua_check_tensor(L, 2);
+  int ignore = -1;
+  if (lua_istable(L, 3)) {
+    lua_getfield(L, 3, "ignore_index");
+    if (!lua_isnil(L, -1)) ignore = (int)luaL_checkinteger(L, -1);
+    lua_pop(L, 1);
+  } else if (lua_isnumber(L, 3)) {
+    ignore = (int)lua_tointeger(L, 3);
+  }
+  PUSH_OR_RAISE(fsdp_op_cross_entropy(OUT, logits, targets, ignore));
+}
+
+static int f_mse(lua_State *L) {
+  PUSH_OR_RAISE(fsdp_op_mse(OUT, fsdp_lua_check_tensor(L, 1), fsdp_lua_check_tensor(L, 2)));
+}
+
+static const luaL_Reg F[] = {
+    {"linear", f_linear},   {"embedding", f_embedding}, {"layernorm", f_layernorm},
+    {"attention", f_attention}, {"dropout", f_dropout}, {"gelu", f_gelu},
+    {"relu", f_relu},       {"softmax", f_softmax},     {"cross_entropy", f_cross_entropy},
+    {"mse", f_mse},         {NULL, NULL}};
+
+/* ---- grad mode, seeds ------------------------------------------------------------------- */
+
+static int l_set_grad_enabled(lua_State *L) {
+  lua_pushboolean(L, fsdp_set_grad_enabled(lua_toboolean(L, 1)));
+  return 1;
+}
+
+static int l_is_grad_enabled(lua_State *L) {
+  lua_pushboolean(L, fsdp_grad_enabled());
+  return 1;
+}
+
+static int l_tape_size(lua_State *L) {
+  lua_pushnumber(L, (lua_Number)fsdp_tape_size());
+  return 1;
+}
+
+static int l_tape_clear(lua_State *L) {
+  fsdp_tape_clear();
+  return 0;
+}
+
+static uint64_t check_seed(lua_State *L, int idx) {
+  lua_Number s = luaL_checknumber(L, idx);
+  if (s != floor(s) || s < 0 || s > 9007199254740992.0)
+    luaL_error(L, "seed must be an integer in [0, 2^53], got %g", (double)s);
+  return (uint64_t)s;
+}
+
+static int l_manual_seed(lua_State *L) {
+  fsdp_rng_manual_seed(check_seed(L, 1));
+  return 0;
+}
+
+static int l_seed(lua_State *L) {
+  lua_pushnumber(L, (lua_Number)fsdp_rng_seed());
+  return 1;
+}
+
+/* ---- parameters and initialisation -------------------------------------------------- */
+
+/* Mark t as a parameter. Its data moves into storage accounted as params (the same tensor
+ * object, so references stay valid). */
+static int l_parameter(lua_State *L) {
+  fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
+  if (!t->is_leaf)
+    luaL_error(L, "Parameter: tensor %s was computed by a recorded op; pass a leaf (use detach())",
+               FSDP_SHAPE_STR(t));
+  int64_t n = fsdp_tensor_numel(t);
+  if (t->storage->role != FSDP_ROLE_PARAMS || !fsdp_tensor_is_contiguous(t) || t->offset != 0 ||
+      t->storage->bytes != (size_t)n * sizeof(float)) {
+    fsdp_tensor *p;
+    if (fsdp_tensor_new(&p, t->storage->device, t->dtype, t->ndim, t->shape, FSDP_ROLE_PARAMS))
+      fsdp_lua_error(L);
+    if (t->storage->device->has_data && fsdp_tensor_copy(p, t)) {
+      fsdp_tensor_release(p);
+      fsdp_lua_error(L);
+    }
+    fsdp_tensor_set_storage(t, p->storage, 0);
+    memcpy(t->strides, p->strides, sizeof t->strides);
+    fsdp_tensor_release(p);
+  }
+  t->requires_grad = true;
+  t->is_param = true;
+  lua_settop(L, 1);
+  return 1;
+}
+
+static float *init_target(lua_State *L, fsdp_tensor *t, const char *what) {
+  if (!t->storage->device->has_data) return NULL; /* meta: values come at materialize time */
+  if (!fsdp_tensor_is_contiguous(t))
+    luaL_error(L, "%s: needs a contiguous tensor, got a strided view %s", what, FSDP_SHAPE_STR(t));
+  return fsdp_tensor_data(t, what);
+}
+
+static int l_init_normal(lua_State *L) {
+  fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
+  uint64_t seed = check_seed(L, 2);
+  const char *path = luaL_checkstring(L, 3);
+  float mean = (float)luaL_optnumber(L, 4, 0.0), std = (float)luaL_optnumber(L, 5, 1.0);
+  float *d = init_target(L, t, "init_normal");
+  if (d) fsdp_rng_normal(d, fsdp_tensor_numel(t), fsdp_rng_key(seed, path), 0, mean, std);
+  t->version++;
+  return 0;
+}
+
+static int l_init_uniform(lua_State *L) {
+  fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
+  uint64_t seed = check_seed(L, 2);
+  const char *path = luaL_checkstring(L, 3);
+  float lo = (float)luaL_optnumber(L, 4, 0.0), hi = (float)luaL_optnumber(L, 5, 1.0);
+  float *d = init_target(L, t, "init_uniform");
+  if (d) {
+    int64_t n = fsdp_tensor_numel(t);
+    fsdp_rng_uniform(d, n, fsdp_rng_key(seed, path), 0);
+    for (int64_t i = 0; i < n; i++) d[i] = lo + (hi - lo) * d[i];
+  }
+  t->version++;
+  return 0;
+}
+
+/* ---- optimizer updates ----------------------------------------------------------------- */
+
+static float *flat(lua_State *L, int idx, int64_t n, const char *what, const char *role) {
+  fsdp_tensor *t = fsdp_lua_check_tensor(L, idx);
+  if (fsdp_tensor_numel(t) != n)
+    luaL_error(L, "%s: %s has %d elements, the parameter has %d", what, role,
+               (int)fsdp_tensor_numel(t), (int)n);
+  if (!fsdp_tensor_is_contiguous(t)) luaL_error(L, "%s: %s must be contiguous", what, role);
+  float *d = fsdp_tensor_data(t, what);
+  if (!d) fsdp_lua_error(L);
+  t->version++;
+  return d;
+}
+
+static int l_sgd_step(lua_State *L) {
+  fsdp_tensor *p = fsdp_lua_check_tensor(L, 1);
+  int64_t n = fsdp_tensor_numel(p);
+  float *pd = flat(L, 1, n, "sgd_step", "parameter");
+  float *g = flat(L, 2, n, "sgd_step", "gradient");
+  float *buf = lua_isnoneornil(L, 3) ? NULL : flat(L, 3, n, "sgd_step", "momentum buffer");
+  float lr = (float)luaL_checknumber(L, 4), mom = (float)luaL_optnumber(L, 5, 0),
+        wd = (float)luaL_optnumber(L, 6, 0);
+  bool first = lua_toboolean(L, 7);
+  if (mom != 0.0f && !buf) luaL_error(L, "sgd_step: momentum %g needs a buffer", (double)mom);
+  fsdp_cpu_sgd_step(pd, buf, g, n, lr, mom, wd, first);
+  return 0;
+}
+
+static int l_adamw_step(lua_State *L) {
+  fsdp_tensor *p = fsdp_lua_check_tensor(L, 1);
+  int64_t n = fsdp_tensor_numel(p);
+  float *pd = flat(L, 1, n, "adamw_step", "parameter");
+  float *g = flat(L, 2, n, "adamw_step", "gradient");
+  float *m = flat(L, 3, n, "adamw_step", "first moment");
+  float *v = flat(L, 4, n, "adamw_step", "second moment");
+  float lr = (float)luaL_checknumber(L, 5), b1 = (float)luaL_checknumber(L, 6),
+        b2 = (float)luaL_checknumber(L, 7), eps = (float)luaL_checknumber(L, 8),
+        wd = (float)luaL_checknumber(L, 9);
+  lua_Number step = luaL_checknumber(L, 10);
+  if (step < 1 || step != floor(step)) luaL_error(L, "adamw_step: step must be an integer >= 1");
+  fsdp_cpu_adamw_step(pd, m, v, g, n, lr, b1, b2, eps, wd, (int64_t)step);
+  return 0;
+}
+
+static int l_sumsq(lua_State *L) {
+  fsdp_tensor *t = fsdp_lua_check_tensor(L, 1), *c;
+  if (!fsdp_tensor_data(t, "sumsq") || fsdp_tensor_contiguous(&c, t)) fsdp_lua_error(L);
+  double s = fsdp_cpu_sumsq(fsdp_tensor_data(c, "sumsq"), fsdp_tensor_numel(c));
+  fsdp_tensor_release(c);
+  lua_pushnumber(L, s);
+  return 1;
+}
+
+/* ---- memory, threads ------------------------------------------------------------------- */
+
+static int l_memory(lua_State *L) {
+  fsdp_mem_report r;
+  fsdp_mem_report_get(NULL, &r);
+  lua_newtable(L);
+  for (int d = 0; d < r.ndevices; d++) {
+    const fsdp_mem_counts *c = &r.counts[d];
+    lua_newtable(L);
+    for (int k = 0; k < FSDP_ROLE_COUNT; k++) {
+      lua_pushnumber(L, (lua_Number)c->live[k]);
+      lua_setfield(L, -2, fsdp_role_name((fsdp_role)k));
+      lua_pushnumber(L, (lua_Number)c->peak[k]);
+      lua_pushfstring(L, "peak_%s", fsdp_role_name((fsdp_role)k));
+      lua_insert(L, -2);
+      lua_settable(L, -3);
+    }
+    lua_pushnumber(L, (lua_Number)c->live_total);
+    lua_setfield(L, -2, "live");
+    lua_pushnumber(L, (lua_Number)c->peak_total);
+    lua_setfield(L, -2, "peak");
+    lua_setfield(L, -2, r.device[d]);
+  }
+  return 1;
+}
+
+static int l_reset_peak(lua_State *L) {
+  fsdp_mem_reset_peak(fsdp_mem_domain_current());
+  return 0;
+}
+
+static int l_set_threads(lua_State *L) {
+  int n = (int)luaL_checkinteger(L, 1);
+  if (n < 1) luaL_error(L, "set_threads: need at least 1 thread, got %d", n);
+  fsdp_cpu_set_blas_threads(n);
+  return 0;
+}
+
+static int l_get_threads(lua_State *L) {
+  lua_pushinteger(L, fsdp_cpu_get_blas_threads());
+  return 1;
+}
+
+static const luaL_Reg funcs[] = {
+    {"set_grad_enabled", l_set_grad_enabled}, {"is_grad_enabled", l_is_grad_enabled},
+    {"tape_size", l_tape_size},   {"tape_clear", l_tape_clear},
+    {"manual_seed", l_manual_seed}, {"seed", l_seed},
+    {"parameter", l_parameter},   {"init_normal", l_init_normal},
+    {"init_uniform", l_init_uniform}, {"sgd_step", l_sgd_step},
+    {"adamw_step", l_adamw_step}, {"sumsq", l_sumsq},
+    {"memory", l_memory},         {"reset_peak", l_reset_peak},
+    {"set_threads", l_set_threads}, {"get_threads", l_get_threads},
+    {NULL, NULL}};
+
+void fsdp_lua_open_ops(lua_State *L) {
+  luaL_register(L, NULL, funcs);
+  lua_newtable(L);
+  luaL_register(L, NULL, F);
+  lua_setfield(L, -2, "F");
+}
