@@ -34,6 +34,7 @@ int fsdp_lua_check_shape(lua_State *L, int idx, int64_t *shape);
 void fsdp_lua_open_tensor(lua_State *L);
 void fsdp_lua_open_ops(lua_State *L);
 void fsdp_lua_open_data(lua_State *L);
+void fsdp_lua_open_bench(lua_State *L);
 
 /* luaopen for require "fsdp.core" (exported from fsdp/core.so and preloaded by fsdprun). */
 /* luaopen_fsdp_core is declared in include/fsdp.h (FSDP_API). */

@@ -11,6 +11,7 @@ FSDP_API int luaopen_fsdp_core(lua_State *L) {
   lua_newtable(L);
   fsdp_lua_open_tensor(L);
   fsdp_lua_open_ops(L);
+  fsdp_lua_open_bench(L);
   if (fsdp_lua_open_data) fsdp_lua_open_data(L);
   lua_pushstring(L, FSDP_VERSION_STRING);
   lua_setfield(L, -2, "version");

@@ -1,0 +1,52 @@
+/*
+ * l_bench.c — measurement helpers for bench/ scripts: a wall clock and raw OpenBLAS sgemm
+ * throughput at a given shape, measured in the same process as the thing being compared.
+ */
+#include <stdlib.h>
+#include <time.h>
+
+#include "kernels/cpu/kernels.h"
+#include "lua/binding.h"
+
+static double now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int l_clock(lua_State *L) {
+  lua_pushnumber(L, now());
+  return 1;
+}
+
+/* sgemm_gflops(M, N, K, seconds) -> GFLOP/s of c (M,N) = a (M,K) @ b (K,N)^T repeated for at
+ * least `seconds` (after one warm-up call), with the current BLAS thread count. */
+static int l_sgemm_gflops(lua_State *L) {
+  int M = (int)luaL_checkinteger(L, 1), N = (int)luaL_checkinteger(L, 2),
+      K = (int)luaL_checkinteger(L, 3);
+  double secs = luaL_optnumber(L, 4, 1.0);
+  if (M <= 0 || N <= 0 || K <= 0) luaL_error(L, "sgemm_gflops: sizes must be positive");
+  float *a = calloc((size_t)M * K, sizeof(float)), *b = calloc((size_t)K * N, sizeof(float)),
+        *c = calloc((size_t)M * N, sizeof(float));
+  if (!a || !b || !c) {
+    free(a), free(b), free(c);
+    return luaL_error(L, "sgemm_gflops: out of memory");
+  }
+  for (size_t i = 0; i < (size_t)M * K; i++) a[i] = (float)(i % 7) * 0.1f;
+  for (size_t i = 0; i < (size_t)K * N; i++) b[i] = (float)(i % 5) * 0.1f;
+  fsdp_cpu_gemm(c, a, b, M, N, K, false, true, 1.0f, 0.0f, K, K, N);
+  int iters = 0;
+  double t0 = now(), t;
+  do {
+    fsdp_cpu_gemm(c, a, b, M, N, K, false, true, 1.0f, 0.0f, K, K, N);
+    iters++;
+    t = now() - t0;
+  } while (t < secs);
+  free(a), free(b), free(c);
+  lua_pushnumber(L, 2.0 * M * N * K * iters / t / 1e9);
+  return 1;
+}
+
+static const luaL_Reg funcs[] = {{"clock", l_clock}, {"sgemm_gflops", l_sgemm_gflops}, {NULL, NULL}};
+
+void fsdp_lua_open_bench(lua_State *L) { luaL_register(L, NULL, funcs); }
