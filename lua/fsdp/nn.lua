@@ -1,0 +1,52 @@
+-- fsdp.nn — neural-network modules (owner: nn). See docs/nn.md.
+--
+-- The pieces live in lua/fsdp/nn/: module.lua (the Module protocol, registration, traversal,
+-- error paths, path-based initialisation), layers.lua (Linear ... Block), gpt.lua (GPT).
+-- This file assembles the public table and nn.F.
+
+local fsdp = require "fsdp"
+local base = require "fsdp.nn.module"
+local L = require "fsdp.nn.layers"
+local GPT = require "fsdp.nn.gpt"
+
+local nn = {}
+
+nn.Module = base.Module
+nn.is_module = base.is_module
+nn.is_param = base.is_param
+nn.isinstance = base.isinstance
+nn.class_of = base.class_of
+nn.init_tree = base.init_tree
+nn.init_record = base.init_record
+
+-- nn.Parameter(t) marks t as a parameter (requires_grad, is_param) and returns it (the same
+-- tensor object). t must be a leaf.
+function nn.Parameter(t)
+  if not base.is_tensor(t) then
+    base.raise(("nn.Parameter: expected a tensor (got %s)"):format(type(t)))
+  end
+  return fsdp.core.parameter(t)
+end
+
+for _, name in ipairs{"Linear", "Embedding", "LayerNorm", "ReLU", "GELU", "Dropout", "Sequential",
+    "ModuleList", "CausalSelfAttention", "MLP", "Block"} do
+  nn[name] = L[name]
+end
+nn.GPT = GPT
+
+-- nn.F: every fsdp.F op (looked up at call time, so ops the engine adds later appear here),
+-- plus the losses with their documented signatures.
+nn.F = setmetatable({}, {__index = function(_, k) return fsdp.F[k] end})
+
+-- cross_entropy(logits (..., C), targets (...), {ignore_index = -1}) -> mean over the
+-- positions whose target is not ignore_index (0-dim tensor). Targets are class ids from 0.
+function nn.F.cross_entropy(logits, targets, opts)
+  return fsdp.F.cross_entropy(logits, targets, opts)
+end
+
+-- mse(a, b) -> mean of (a - b)^2 over all elements (0-dim tensor).
+function nn.F.mse(a, b)
+  return fsdp.F.mse(a, b)
+end
+
+return nn

@@ -1,0 +1,273 @@
+-- fsdp.nn.layers — the built-in layers and containers (owner: nn).
+--
+-- Every forward is a few fsdp.F calls on whole tensors (no per-element Lua) and creates no
+-- tensor it does not need. Dropout is applied only in training mode and only when p > 0.
+-- Each class with parameters defines reset_parameters() over its own parameters only (see
+-- module.lua, "construction and initialisation"); the values follow PyTorch's defaults.
+
+local fsdp = require "fsdp"
+local base = require "fsdp.nn.module"
+
+local Module, is_module = base.Module, base.is_module
+local L = {}
+
+-- A new parameter of the given shape. Its values are set by reset_parameters once the outermost
+-- constructor returns; sharding's meta builds replace this allocation (one place to change).
+function L.new_param(shape)
+  return fsdp.core.parameter(fsdp.zeros(shape))
+end
+
+local function check_int(v, what, fn, min)
+  if type(v) ~= "number" or v ~= math.floor(v) or v < (min or 1) then
+    base.raise(("%s: %s must be an integer >= %d (got %s)"):format(fn, what, min or 1, tostring(v)))
+  end
+end
+
+local function check_p(p, fn)
+  if type(p) ~= "number" or p < 0 or p >= 1 then
+    base.raise(("%s: dropout p must be a number in [0, 1) (got %s)"):format(fn, tostring(p)))
+  end
+end
+
+local function dropout(self, x, p)
+  if p > 0 and self.training then return fsdp.F.dropout(x, p) end
+  return x
+end
+L.dropout = dropout
+
+-- ---- Linear -------------------------------------------------------------------------------
+
+local Linear = Module:extend("Linear")
+L.Linear = Linear
+
+-- Linear(in, out, {bias = true}): y = x W^T + b with W (out, in), b (out).
+function Linear:init(i, o, opts)
+  check_int(i, "in_features", "nn.Linear")
+  check_int(o, "out_features", "nn.Linear")
+  opts = opts or {}
+  self.in_features, self.out_features = i, o
+  self.weight = L.new_param{o, i}
+  if opts.bias ~= false then self.bias = L.new_param{o} end
+end
+
+function Linear:reset_parameters()
+  local k = 1 / math.sqrt(self.in_features) -- PyTorch default (kaiming_uniform(a=sqrt 5))
+  self:init_param("weight", "uniform", -k, k)
+  if self.bias ~= nil then self:init_param("bias", "uniform", -k, k) end
+end
+
+function Linear:forward(x)
+  return fsdp.F.linear(x, self.weight, self.bias)
+end
+
+function Linear:extra_repr()
+  return ("%d -> %d%s"):format(self.in_features, self.out_features,
+    self.bias == nil and ", bias=false" or "")
+end
+
+-- ---- Embedding ----------------------------------------------------------------------------
+
+local Embedding = Module:extend("Embedding")
+L.Embedding = Embedding
+
+-- Embedding(n, d): ids (any shape, integral values in [0, n)) -> (ids.shape..., d).
+function Embedding:init(n, d)
+  check_int(n, "num_embeddings", "nn.Embedding")
+  check_int(d, "embedding_dim", "nn.Embedding")
+  self.num_embeddings, self.embedding_dim = n, d
+  self.weight = L.new_param{n, d}
+end
+
+function Embedding:reset_parameters()
+  self:init_param("weight", "normal", 0, 1)
+end
+
+function Embedding:forward(ids)
+  return fsdp.F.embedding(ids, self.weight)
+end
+
+function Embedding:extra_repr()
+  return ("%d, %d"):format(self.num_embeddings, self.embedding_dim)
+end
+
+-- ---- LayerNorm ----------------------------------------------------------------------------
+
+local LayerNorm = Module:extend("LayerNorm")
+L.LayerNorm = LayerNorm
+
+-- LayerNorm(d, {eps = 1e-5, bias = true}): normalises over the last dimension.
+function LayerNorm:init(d, opts)
+  check_int(d, "normalized_shape", "nn.LayerNorm")
+  opts = opts or {}
+  self.dim, self.eps = d, opts.eps or 1e-5
+  self.weight = L.new_param{d}
+  if opts.bias ~= false then self.bias = L.new_param{d} end
+end
+
+function LayerNorm:reset_parameters()
+  self:init_param("weight", "constant", 1)
+  if self.bias ~= nil then self:init_param("bias", "constant", 0) end
+end
+
+function LayerNorm:forward(x)
+  return fsdp.F.layernorm(x, self.weight, self.bias, self.eps)
+end
+
+function LayerNorm:extra_repr()
+  return ("%d, eps=%g%s"):format(self.dim, self.eps, self.bias == nil and ", bias=false" or "")
+end
+
+-- ---- activations and dropout --------------------------------------------------------------
+
+local ReLU = Module:extend("ReLU")
+L.ReLU = ReLU
+function ReLU:forward(x) return fsdp.F.relu(x) end
+
+local GELU = Module:extend("GELU")
+L.GELU = GELU
+function GELU:forward(x) return fsdp.F.gelu(x) end -- tanh form, as GPT-2
+
+local Dropout = Module:extend("Dropout")
+L.Dropout = Dropout
+
+-- Dropout(p = 0.5): zeroes elements with probability p and scales the rest by 1/(1-p) in
+-- training mode; the identity in eval mode or when p == 0.
+function Dropout:init(p)
+  if p == nil then p = 0.5 end
+  check_p(p, "nn.Dropout")
+  self.p = p
+end
+
+function Dropout:forward(x) return dropout(self, x, self.p) end
+function Dropout:extra_repr() return ("p=%g"):format(self.p) end
+
+-- ---- containers ---------------------------------------------------------------------------
+
+-- Accepts f{a, b, c} and f(a, b, c); the children become self[1], self[2], ...
+local function fill_list(self, fn, ...)
+  local n, list = select("#", ...), {...}
+  if n == 1 and type(list[1]) == "table" and not is_module(list[1]) then
+    list = list[1]
+    n = #list
+  end
+  for i = 1, n do
+    if not is_module(list[i]) then
+      base.raise(("%s: element %d is not a module (got %s)"):format(fn, i, type(list[i])))
+    end
+    self[i] = list[i]
+  end
+end
+
+local Sequential = Module:extend("Sequential")
+L.Sequential = Sequential
+
+-- Sequential{m1, m2, ...} (or Sequential(m1, m2, ...)): forward feeds each child's output to
+-- the next. Children are s[1], s[2], ... with paths "1", "2", ...
+function Sequential:init(...) fill_list(self, "nn.Sequential", ...) end
+
+function Sequential:forward(x)
+  for i = 1, #self do x = self[i](x) end
+  return x
+end
+
+function Sequential:extra_repr() return tostring(#self) end
+
+local ModuleList = Module:extend("ModuleList")
+L.ModuleList = ModuleList
+
+-- ModuleList{m1, m2, ...}: a registered list of modules; l[i], #l, ipairs(l), l:append(m).
+-- It has no forward: iterate over it.
+function ModuleList:init(...) fill_list(self, "nn.ModuleList", ...) end
+
+function ModuleList:append(m)
+  if not is_module(m) then
+    base.raise(("ModuleList:append: not a module (got %s)"):format(type(m)))
+  end
+  self[#self + 1] = m
+  return self
+end
+
+function ModuleList:forward()
+  error("ModuleList has no forward: iterate over its modules", 0)
+end
+
+function ModuleList:extra_repr() return tostring(#self) end
+
+-- ---- transformer pieces -------------------------------------------------------------------
+
+local CausalSelfAttention = Module:extend("CausalSelfAttention")
+L.CausalSelfAttention = CausalSelfAttention
+
+-- CausalSelfAttention(d, heads, {dropout = 0}): x (B, T, d) -> (B, T, d). Children qkv
+-- (Linear d -> 3d) and proj (Linear d -> d). The attention itself is the fused causal kernel
+-- fsdp.F.attention; dropout (training only) is applied to the output projection (residual
+-- dropout), not to the attention weights, which the fused kernel never materialises.
+function CausalSelfAttention:init(d, heads, opts)
+  check_int(d, "d", "nn.CausalSelfAttention")
+  check_int(heads, "heads", "nn.CausalSelfAttention")
+  if d % heads ~= 0 then
+    base.raise(("nn.CausalSelfAttention: d=%d is not a multiple of heads=%d"):format(d, heads))
+  end
+  opts = opts or {}
+  self.d, self.heads, self.dropout = d, heads, opts.dropout or 0
+  check_p(self.dropout, "nn.CausalSelfAttention")
+  self.qkv = Linear(d, 3 * d)
+  self.proj = Linear(d, d)
+end
+
+function CausalSelfAttention:forward(x)
+  local y = fsdp.F.attention(self.qkv(x), self.heads) -- (B, T, d)
+  return dropout(self, self.proj(y), self.dropout)
+end
+
+function CausalSelfAttention:extra_repr()
+  return ("d=%d, heads=%d"):format(self.d, self.heads)
+end
+
+local MLP = Module:extend("MLP")
+L.MLP = MLP
+
+-- MLP(d, hidden = 4d, {dropout = 0}): proj(gelu(fc(x))). Children fc, proj.
+function MLP:init(d, hidden, opts)
+  check_int(d, "d", "nn.MLP")
+  hidden = hidden or 4 * d
+  check_int(hidden, "hidden", "nn.MLP")
+  opts = opts or {}
+  self.dropout = opts.dropout or 0
+  check_p(self.dropout, "nn.MLP")
+  self.fc = Linear(d, hidden)
+  self.proj = Linear(hidden, d)
+end
+
+function MLP:forward(x)
+  return dropout(self, self.proj(fsdp.F.gelu(self.fc(x))), self.dropout)
+end
+
+function MLP:extra_repr()
+  return ("%d -> %d -> %d"):format(self.fc.in_features, self.fc.out_features,
+    self.proj.out_features)
+end
+
+local Block = Module:extend("Block")
+L.Block = Block
+
+-- Block(d, heads, {dropout = 0, hidden = 4d}): pre-norm transformer block,
+--   x = x + attn(ln1(x));  x = x + mlp(ln2(x)).   Children ln1, attn, ln2, mlp.
+function Block:init(d, heads, opts)
+  opts = opts or {}
+  self.ln1 = LayerNorm(d)
+  self.attn = CausalSelfAttention(d, heads, {dropout = opts.dropout})
+  self.ln2 = LayerNorm(d)
+  self.mlp = MLP(d, opts.hidden or 4 * d, {dropout = opts.dropout})
+end
+
+function Block:forward(x)
+  x = x + self.attn(self.ln1(x))
+  return x + self.mlp(self.ln2(x))
+end
+
+function Block:extra_repr()
+  return ("d=%d, heads=%d"):format(self.attn.d, self.attn.heads)
+end
+
+return L

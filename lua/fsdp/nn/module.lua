@@ -1,0 +1,621 @@
+-- fsdp.nn.module — the Module class protocol (owner: nn).
+--
+-- What lives here: classes (Module:extend), construction (calling a class), field registration
+-- (modules and parameters assigned to fields, in assignment order), traversal (parameters,
+-- named_parameters, modules, named_modules, children), train/eval, the module call (m(x) runs
+-- m:forward(x); an error raised inside a submodule gets the submodule's path prefixed), and the
+-- path-based parameter initialisation scheme (docs/nn.md, "Initialisation").
+--
+-- Instance layout. A module instance is a Lua table whose user-visible fields live in a side
+-- table (rawget(m, FIELDS)): every assignment m.k = v therefore goes through __newindex, so
+-- reassigning a registered field keeps its position and assigning nil removes it. The names of
+-- registered fields (those holding a module or a parameter) are kept in assignment order in
+-- rawget(m, ORDER). Integer keys (m[1], m[2], ... of Sequential / ModuleList) are stored raw in
+-- the instance's array part so that #m and ipairs(m) work under LuaJIT (no __len on tables);
+-- they come after the named fields in traversal order. Raw fields whose names start with "__"
+-- are this file's bookkeeping, never user fields.
+--
+-- Invariants: a parameter is an object with a stable identity (DESIGN.md); this file never
+-- copies or replaces a parameter, it only holds references. Traversals deduplicate modules and
+-- parameters by identity: a parameter (or module) reachable twice is reported once, under the
+-- first path in traversal order.
+
+local fsdp = require "fsdp"
+
+local M = {}
+
+local FIELDS = "__fields"   -- name -> value, every user field
+local ORDER = "__order"     -- array of registered field names, assignment order
+local KEYS = "__init_keys"  -- own parameter field name -> init key ("<top>/<path>"), owners only
+local SEED = "__init_seed"  -- the seed the keys were assigned under
+local SPECS = "__init_specs" -- field name -> {kind, a, b}: init override set by an ancestor
+local HOOKS = "__hooks"     -- {pre = {...}, post = {...}} or nil
+
+-- ---- value kinds --------------------------------------------------------------------------
+
+local tensor_mt -- the tensor metatable, fetched on first use (fsdp.core is loaded by then)
+
+local function is_tensor(v)
+  if type(v) ~= "userdata" then return false end
+  if tensor_mt == nil then tensor_mt = getmetatable(fsdp.zeros{1}) end
+  return getmetatable(v) == tensor_mt
+end
+
+local function is_module(v)
+  if type(v) ~= "table" then return false end
+  local mt = getmetatable(v)
+  return mt ~= nil and rawget(mt, "__fsdp_module") == true
+end
+
+local function is_param(v)
+  return is_tensor(v) and v.is_param == true
+end
+
+M.is_tensor, M.is_module, M.is_param = is_tensor, is_module, is_param
+
+-- ---- traversal ----------------------------------------------------------------------------
+
+local function join(prefix, name)
+  if prefix == "" then return tostring(name) end
+  return prefix .. "." .. tostring(name)
+end
+
+-- Depth-first, pre-order walk in registration order (named fields, then m[1], m[2], ...).
+-- on_module(path, m) once per distinct module; on_param(path, p, owner, name) once per
+-- distinct parameter, under its first path. Either callback may be nil.
+local function walk(m, prefix, seen, on_module, on_param)
+  if on_module then on_module(prefix, m) end
+  local fields, order = rawget(m, FIELDS), rawget(m, ORDER)
+  local function visit(name, v)
+    if v == nil or seen[v] then return end
+    seen[v] = true
+    if is_module(v) then
+      walk(v, join(prefix, name), seen, on_module, on_param)
+    elseif on_param then
+      on_param(join(prefix, name), v, m, name)
+    end
+  end
+  for i = 1, #order do
+    local name = order[i]
+    visit(name, fields[name])
+  end
+  for i = 1, #m do visit(i, rawget(m, i)) end
+end
+
+local function collect_params(m)
+  local paths, params = {}, {}
+  walk(m, "", {[m] = true}, nil, function(path, p)
+    paths[#paths + 1] = path
+    params[#params + 1] = p
+  end)
+  return paths, params
+end
+
+local function collect_modules(m)
+  local paths, mods = {}, {}
+  walk(m, "", {[m] = true}, function(path, sub)
+    paths[#paths + 1] = path
+    mods[#mods + 1] = sub
+  end, nil)
+  return paths, mods
+end
+
+local function pairs_iter(a, b)
+  local i = 0
+  return function()
+    i = i + 1
+    if a[i] ~= nil then return a[i], b[i] end
+  end
+end
+
+-- ---- classes ------------------------------------------------------------------------------
+
+local call_module, set_field, module_tostring -- defined below
+local construct
+
+local function make_class(name, parent)
+  local C = {}
+  local mt = {
+    __fsdp_module = true,
+    __class = C,
+    __index = function(self, k)
+      local v = rawget(self, FIELDS)[k]
+      if v ~= nil then return v end
+      return C[k]
+    end,
+    __newindex = function(self, k, v) set_field(self, k, v) end,
+    __call = function(self, ...) return call_module(self, ...) end,
+    __tostring = function(self) return module_tostring(self) end,
+  }
+  rawset(C, "__name", name)
+  rawset(C, "__mt", mt)
+  rawset(C, "super", parent)
+  setmetatable(C, {
+    __index = parent,
+    __call = function(cls, ...) return construct(cls, ...) end,
+    __tostring = function() return "nn." .. name end,
+  })
+  return C
+end
+
+local Module = make_class("Module", nil)
+M.Module = Module
+
+-- Module:extend(name) -> a new class whose parent is self.
+function Module:extend(name)
+  if type(name) ~= "string" or name == "" then
+    error("Module:extend(name): name must be a non-empty string", 2)
+  end
+  return make_class(name, self)
+end
+
+-- The class of a module instance (or nil).
+function M.class_of(m)
+  if not is_module(m) then return nil end
+  return rawget(getmetatable(m), "__class")
+end
+
+-- isinstance(m, C): m's class is C or derives from it.
+function M.isinstance(m, C)
+  local c = M.class_of(m)
+  while c ~= nil do
+    if c == C then return true end
+    c = rawget(c, "super")
+  end
+  return false
+end
+
+function Module:type_name() return rawget(M.class_of(self), "__name") end
+
+-- Default constructor and forward.
+function Module:init() end
+
+function Module:forward()
+  error(("%s has no forward"):format(self:type_name()), 0)
+end
+
+-- ---- fields -------------------------------------------------------------------------------
+
+local function describe(v)
+  if is_module(v) then return v:type_name() end
+  if is_tensor(v) then return "tensor" end
+  return type(v)
+end
+
+set_field = function(self, k, v)
+  if type(k) == "number" then
+    -- array part: only modules and parameters (Sequential, ModuleList, lists of parameters)
+    if v ~= nil and not is_module(v) and not is_param(v) then
+      error(("%s[%s]: integer fields hold modules or parameters (got %s)")
+        :format(self:type_name(), tostring(k), describe(v)), 3)
+    end
+    rawset(self, k, v)
+    return
+  end
+  if type(v) == "table" and not is_module(v) and is_module(rawget(v, 1)) then
+    error(("%s.%s: a plain table of modules is not registered; use nn.ModuleList{...}")
+      :format(self:type_name(), tostring(k)), 3)
+  end
+  local fields, order = rawget(self, FIELDS), rawget(self, ORDER)
+  local pos
+  for i = 1, #order do
+    if order[i] == k then pos = i break end
+  end
+  local register = v ~= nil and (is_module(v) or is_param(v))
+  fields[k] = v
+  if register and pos == nil then
+    order[#order + 1] = k
+  elseif not register and pos ~= nil then
+    table.remove(order, pos)
+  end
+end
+
+-- ---- traversal API ------------------------------------------------------------------------
+
+-- Array of the distinct parameters, in traversal order.
+function Module:parameters()
+  local _, params = collect_params(self)
+  return params
+end
+
+-- Iterator of (path, parameter); a tied parameter appears once, under its first path.
+function Module:named_parameters()
+  return pairs_iter(collect_params(self))
+end
+
+-- Array of the distinct modules (self first), pre-order.
+function Module:modules()
+  local _, mods = collect_modules(self)
+  return mods
+end
+
+-- Iterator of (path, module); the root has path "".
+function Module:named_modules()
+  return pairs_iter(collect_modules(self))
+end
+
+-- Direct children (registered modules), in order, deduplicated.
+function Module:named_children()
+  local names, mods, seen = {}, {}, {}
+  local fields, order = rawget(self, FIELDS), rawget(self, ORDER)
+  local function add(name, v)
+    if is_module(v) and not seen[v] then
+      seen[v] = true
+      names[#names + 1] = tostring(name)
+      mods[#mods + 1] = v
+    end
+  end
+  for i = 1, #order do add(order[i], fields[order[i]]) end
+  for i = 1, #self do add(i, rawget(self, i)) end
+  return pairs_iter(names, mods)
+end
+
+function Module:children()
+  local out = {}
+  for _, m in self:named_children() do out[#out + 1] = m end
+  return out
+end
+
+-- Number of elements over the distinct parameters.
+function Module:num_parameters()
+  local n = 0
+  for _, p in ipairs(self:parameters()) do n = n + p:numel() end
+  return n
+end
+
+-- train(mode) sets m.training on every module of the tree (mode defaults to true); eval() is
+-- train(false). Both return self.
+function Module:train(mode)
+  mode = mode ~= false
+  for _, m in ipairs(self:modules()) do rawget(m, FIELDS).training = mode end
+  return self
+end
+
+function Module:eval() return self:train(false) end
+
+-- Drops every parameter's gradient (p.grad = nil): the next backward allocates afresh.
+function Module:zero_grad()
+  for _, p in ipairs(self:parameters()) do p.grad = nil end
+end
+
+-- ---- forward hooks (used by sharding to gather/reshard around a unit's forward) -------------
+
+-- fn(module, ...inputs) runs before forward; returns a handle with :remove().
+function Module:register_forward_pre_hook(fn) return M._add_hook(self, "pre", fn) end
+-- fn(module, output) runs after forward (first result only); its return value is ignored.
+function Module:register_forward_hook(fn) return M._add_hook(self, "post", fn) end
+
+function M._add_hook(m, kind, fn)
+  if type(fn) ~= "function" then error("hook must be a function", 3) end
+  local hooks = rawget(m, HOOKS)
+  if hooks == nil then
+    hooks = {pre = {}, post = {}}
+    rawset(m, HOOKS, hooks)
+  end
+  local list = hooks[kind]
+  list[#list + 1] = fn
+  return {remove = function()
+    for i = #list, 1, -1 do
+      if list[i] == fn then table.remove(list, i) break end
+    end
+    if #hooks.pre == 0 and #hooks.post == 0 then rawset(m, HOOKS, nil) end
+  end}
+end
+
+local function run_post(self, post, ...)
+  for i = 1, #post do post[i](self, (...)) end
+  return ...
+end
+
+local function run_forward(self, ...)
+  local hooks = rawget(self, HOOKS)
+  if hooks == nil then return self:forward(...) end
+  for i = 1, #hooks.pre do hooks.pre[i](self, ...) end
+  return run_post(self, hooks.post, self:forward(...))
+end
+
+-- ---- the module call and error paths --------------------------------------------------------
+--
+-- Only the outermost module call (the one the user made) runs under xpcall; nested calls are
+-- plain calls that push themselves on `stack`. When an error is raised anywhere below, the
+-- handler runs at the error point (the stack is still intact), reads the chain of active module
+-- calls and prefixes the innermost module's path relative to the outermost one, once:
+--   "blocks.2.mlp.fc (Linear): linear: ... shapes ..."
+-- The original message is kept whole. When it has no "file:line:" location (errors from C ops)
+-- and the innermost Lua frame that raised it is user code (not the nn library), that location is
+-- inserted, so errors in a custom forward still say where they happened.
+
+local stack, top = {}, 0
+local this_source = debug.getinfo(1, "S").source
+local lib_dir = this_source:match("^@(.*)/nn/module%.lua$") -- .../lua/fsdp
+
+local function is_lib_source(src)
+  return lib_dir ~= nil and src:sub(1, #lib_dir + 2) == "@" .. lib_dir .. "/"
+end
+
+-- "file:line: " of the innermost stack frame outside the fsdp Lua library (the user's code),
+-- or "" when there is none. Library errors about bad arguments point there.
+function M.user_where()
+  for level = 2, 60 do
+    local info = debug.getinfo(level, "Sl")
+    if info == nil then break end
+    if info.what ~= "C" and info.currentline and info.currentline > 0
+        and not is_lib_source(info.source) then
+      return ("%s:%d: "):format(info.short_src, info.currentline)
+    end
+  end
+  return ""
+end
+
+-- Raise msg located at the user's code (see user_where).
+function M.raise(msg) error(M.user_where() .. msg, 0) end
+
+-- Path of `child` inside `parent`'s tree (first path), or nil if it is not a descendant.
+local function path_within(parent, child)
+  local found
+  walk(parent, "", {[parent] = true}, function(path, m)
+    if found == nil and rawequal(m, child) then found = path end
+  end, nil)
+  return found
+end
+
+local function error_prefix()
+  local path = ""
+  for i = 2, top do
+    local rel = path_within(stack[i - 1], stack[i])
+    if rel == nil then
+      path = "" -- called from outside its caller's tree: restart from here
+    elseif rel ~= "" then
+      path = path == "" and rel or (path .. "." .. rel)
+    end
+  end
+  local name = stack[top]:type_name()
+  if path == "" then return name .. ": " end
+  return ("%s (%s): "):format(path, name)
+end
+
+local function on_error(e)
+  if type(e) ~= "string" or top == 0 then return e end
+  local msg = e
+  if not msg:match("^[^\n]-:%d+: ") then
+    for level = 2, 40 do
+      local info = debug.getinfo(level, "Sl")
+      if info == nil then break end
+      if info.what ~= "C" and info.currentline and info.currentline > 0 then
+        if not is_lib_source(info.source) then
+          msg = ("%s:%d: %s"):format(info.short_src, info.currentline, msg)
+        end
+        break
+      end
+    end
+  end
+  return error_prefix() .. msg
+end
+
+local function pop(my, ...)
+  stack[my] = nil
+  top = my - 1
+  return ...
+end
+
+local function finish_outer(ok, ...)
+  for i = #stack, 1, -1 do stack[i] = nil end
+  top = 0
+  if not ok then error((...), 0) end
+  return ...
+end
+
+call_module = function(self, ...)
+  local my = top + 1
+  top = my
+  stack[my] = self
+  if my == 1 then return finish_outer(xpcall(run_forward, on_error, self, ...)) end
+  return pop(my, run_forward(self, ...))
+end
+
+-- ---- construction and initialisation --------------------------------------------------------
+--
+-- A parameter's initial values are a pure function of (seed, key, element index) where
+-- key = "<top>/<path>": <path> is its first path in the tree of the outermost construction
+-- that contains it, and <top> counts outermost constructions since the last fsdp.manual_seed.
+-- Constructors nest (GPT builds Blocks builds Linears); only when the outermost one returns are
+-- keys assigned (assign_keys) and every module's reset_parameters run. A module that is built
+-- standalone and then put into a container is initialised again when the container's
+-- constructor returns, under its final path, so creation order never matters.
+--
+-- reset_parameters() of a module initialises only the parameters it owns (those whose first
+-- path runs through one of its own fields), through init_param, which honours an init spec
+-- that an ancestor set with set_init (GPT does this for its Linears and Embeddings). Keeping
+-- every reset local to its module is what lets a sharded materialize initialise unit by unit.
+
+local records = setmetatable({}, {__mode = "k"}) -- parameter -> {seed, key, kind, a, b}
+M.init_records = records
+
+local depth = 0
+local top_count, top_seed = 0, nil
+local hooked_manual_seed -- the fsdp.manual_seed wrapper installed below
+
+-- Reset the outermost-construction counter whenever fsdp.manual_seed runs. fsdp.manual_seed
+-- belongs to the lead's init.lua; it is wrapped here (once, lazily, so the order in which
+-- init.lua defines it does not matter). A seed value change is detected as well.
+local function ensure_seed_hook()
+  local f = fsdp.manual_seed
+  if f ~= nil and f ~= hooked_manual_seed then
+    hooked_manual_seed = function(...)
+      top_count, top_seed = 0, nil
+      return f(...)
+    end
+    fsdp.manual_seed = hooked_manual_seed
+  end
+end
+
+local function next_top()
+  ensure_seed_hook()
+  local seed = fsdp.seed()
+  if seed ~= top_seed then top_count, top_seed = 0, seed end
+  top_count = top_count + 1
+  return top_count, seed
+end
+
+-- Give every distinct parameter of root's tree its key; owners record it by field name.
+local function assign_keys(root, top_index, seed)
+  local prefix = tostring(top_index) .. "/"
+  walk(root, "", {[root] = true}, function(_, m)
+    rawset(m, KEYS, {})
+    rawset(m, SEED, seed)
+  end, function(path, p, owner, name)
+    local key = prefix .. path
+    rawget(owner, KEYS)[name] = key
+    local r = records[p]
+    if r == nil then
+      r = {}
+      records[p] = r
+    end
+    r.seed, r.key, r.kind, r.a, r.b = seed, key, nil, nil, nil
+  end)
+end
+
+-- Run every module's reset_parameters over root's tree (keys already assigned).
+function M.init_tree(root)
+  for _, m in ipairs(root:modules()) do m:reset_parameters() end
+  return root
+end
+
+construct = function(C, ...)
+  local self = setmetatable({[FIELDS] = {training = true}, [ORDER] = {}}, rawget(C, "__mt"))
+  local d = depth
+  depth = d + 1
+  if d > 0 then
+    self:init(...)
+    depth = d
+    return self
+  end
+  local ok, err = pcall(self.init, self, ...)
+  depth = 0
+  if not ok then error(err, 0) end
+  assign_keys(self, next_top())
+  M.init_tree(self)
+  return self
+end
+
+-- set_init(name, kind, a, b): from now on this module's parameter field `name` is initialised
+-- with kind "normal" (mean a, std b), "uniform" ([a, b)) or "constant" (a), whatever its class's
+-- reset_parameters asks for. Used by containers with their own init policy (GPT). Takes effect
+-- at the next reset_parameters (the outermost constructor runs it when it returns).
+function Module:set_init(name, kind, a, b)
+  if kind ~= "normal" and kind ~= "uniform" and kind ~= "constant" then
+    error(("set_init: kind must be normal, uniform or constant (got %s)"):format(tostring(kind)), 2)
+  end
+  local specs = rawget(self, SPECS)
+  if specs == nil then
+    specs = {}
+    rawset(self, SPECS, specs)
+  end
+  specs[name] = {kind, a, b}
+end
+
+-- init_param(name, kind, a, b): fill this module's parameter field `name` from its key: the
+-- building block of reset_parameters. An ancestor's set_init spec wins over (kind, a, b).
+-- Does nothing (returns false) for a parameter this module does not own (a tie first reached
+-- through another module), before keys exist (inside a constructor), or on the meta device
+-- (the spec is still recorded for materialize).
+function Module:init_param(name, kind, a, b)
+  local spec = rawget(self, SPECS)
+  spec = spec and spec[name]
+  if spec then kind, a, b = spec[1], spec[2], spec[3] end
+  local keys = rawget(self, KEYS)
+  local key = keys and keys[name]
+  local p = self[name]
+  if key == nil or p == nil then return false end
+  local seed = rawget(self, SEED)
+  local r = records[p]
+  if r == nil then
+    r = {seed = seed, key = key}
+    records[p] = r
+  end
+  r.kind, r.a, r.b = kind, a, b
+  if p.device == "meta" then return false end
+  if kind == "normal" then
+    fsdp.core.init_normal(p, seed, key, a, b)
+  elseif kind == "uniform" then
+    fsdp.core.init_uniform(p, seed, key, a, b)
+  elseif kind == "constant" then
+    p:fill(a)
+  else
+    error(("init_param: unknown kind %s"):format(tostring(kind)), 2)
+  end
+  return true
+end
+
+-- Default: parameters given by the user (nn.Parameter fields) keep their values unless an
+-- ancestor set an init spec for them. Classes with parameters override this.
+function Module:reset_parameters()
+  local specs = rawget(self, SPECS)
+  if specs == nil then return end
+  for name in pairs(specs) do self:init_param(name) end
+end
+
+-- The init record of a parameter: {seed =, key =, kind =, a =, b =} (kind nil: the values are
+-- the user's own). For materialize and inspection.
+function M.init_record(p) return records[p] end
+
+-- ---- printing -------------------------------------------------------------------------------
+
+function Module:extra_repr() return "" end
+
+local function shape_str(t)
+  return table.concat(t:shape(), "x")
+end
+
+local function fmt_count(n)
+  local s = tostring(n)
+  local out = s:reverse():gsub("(%d%d%d)", "%1,"):reverse()
+  return (out:gsub("^,", ""))
+end
+
+module_tostring = function(root)
+  -- first path of every parameter, to point out ties
+  local first = {}
+  for path, p in root:named_parameters() do first[p] = path end
+  local lines, seen = {}, {}
+  local n = 0
+  for p in pairs(first) do n = n + p:numel() end
+  local function line(m, indent, label, path)
+    local extra = m:extra_repr()
+    local head = m:type_name() .. (extra ~= "" and ("(" .. extra .. ")") or "")
+    local notes = {}
+    local fields, order = rawget(m, FIELDS), rawget(m, ORDER)
+    local own = {}
+    for i = 1, #order do own[#own + 1] = {order[i], fields[order[i]]} end
+    for i = 1, #m do own[#own + 1] = {i, rawget(m, i)} end
+    for _, e in ipairs(own) do
+      local name, v = e[1], e[2]
+      if is_param(v) then
+        local here = path == "" and tostring(name) or (path .. "." .. tostring(name))
+        if first[v] ~= here then notes[#notes + 1] = ("%s tied to %s"):format(name, first[v]) end
+      end
+    end
+    if #notes > 0 then head = head .. " [" .. table.concat(notes, "; ") .. "]" end
+    lines[#lines + 1] = indent .. (label and (label .. ": ") or "") .. head
+    for _, e in ipairs(own) do
+      local name, v = e[1], e[2]
+      local sub = path == "" and tostring(name) or (path .. "." .. tostring(name))
+      if is_module(v) then
+        if seen[v] then
+          lines[#lines + 1] = indent .. "  " .. tostring(name) .. ": (shared) " .. v:type_name()
+        else
+          seen[v] = true
+          line(v, indent .. "  ", tostring(name), sub)
+        end
+      elseif is_param(v) and m.extra_repr == Module.extra_repr then
+        lines[#lines + 1] = indent .. "  " .. tostring(name) .. ": Parameter(" .. shape_str(v) .. ")"
+      end
+    end
+  end
+  seen[root] = true
+  line(root, "", nil, "")
+  lines[1] = lines[1] .. ("  -- %s parameters"):format(fmt_count(n))
+  return table.concat(lines, "\n")
+end
+
+return M

@@ -1,0 +1,308 @@
+-- fsdp.optim — optimizers, gradient clipping and learning-rate schedules (owner: nn).
+-- See docs/nn.md ("optim").
+--
+-- Optimizers keep per-parameter state tensors, created lazily on the first step that sees a
+-- gradient, and update each parameter with one fused C kernel call (fsdp.core.sgd_step /
+-- fsdp.core.adamw_step): no per-element Lua. State is keyed by the parameter object, whose
+-- identity is stable (DESIGN.md, invariant 1), and reported by parameter path.
+--
+-- Every parameter iteration of this file goes through optim.named_params, the one place
+-- sharding changes to make optimizers and clip_grad_norm act on shards.
+
+local fsdp = require "fsdp"
+
+local optim = {}
+
+local function is_module(x)
+  local nn = package.loaded["fsdp.nn"]
+  return nn ~= nil and nn.is_module(x)
+end
+
+local function where()
+  local nn_module = package.loaded["fsdp.nn.module"]
+  return nn_module and nn_module.user_where() or ""
+end
+
+local function raise(msg) error(where() .. msg, 0) end
+
+-- named_params(model_or_params) -> array of {path =, param =} in traversal order. A module
+-- gives its distinct parameters under their first paths; an array of parameters gives paths
+-- "1", "2", ... (duplicates dropped).
+function optim.named_params(x)
+  local out = {}
+  if is_module(x) then
+    for path, p in x:named_parameters() do out[#out + 1] = {path = path, param = p} end
+    return out
+  end
+  if type(x) ~= "table" then
+    raise(("expected a module or an array of parameters (got %s)"):format(type(x)))
+  end
+  local seen = {}
+  for i, p in ipairs(x) do
+    if type(p) ~= "userdata" then
+      raise(("parameter %d is not a tensor (got %s)"):format(i, type(p)))
+    end
+    if not seen[p] then
+      seen[p] = true
+      out[#out + 1] = {path = tostring(i), param = p}
+    end
+  end
+  return out
+end
+
+-- Optimizer state buffers: zeros shaped like p (one place, so accounting can tag them).
+local function state_zeros(p)
+  return fsdp.zeros(p:shape())
+end
+
+local function number_opt(opts, k, default, min)
+  local v = opts[k]
+  if v == nil then v = default end
+  if type(v) ~= "number" or v ~= v or (min and v < min) then
+    raise(("%s must be a number%s (got %s)"):format(k, min and (" >= " .. min) or "", tostring(v)))
+  end
+  return v
+end
+
+-- ---- the common optimizer part -------------------------------------------------------------
+
+local Optimizer = {}
+Optimizer.__index = Optimizer
+
+local function new_optimizer(cls, kind, model, opts)
+  if type(opts) ~= "table" then raise(kind .. ": expects an options table {lr = ...}") end
+  local self = setmetatable({}, cls)
+  self.kind = kind
+  self.model = model
+  self.params = optim.named_params(model) -- {path, param}, fixed at construction
+  self.state = {}                         -- param -> {step =, <buffers>}
+  self.step_count = 0
+  return self
+end
+
+-- Drop every parameter's gradient (p.grad = nil).
+function Optimizer:zero_grad()
+  for _, e in ipairs(self.params) do e.param.grad = nil end
+end
+
+-- {kind =, step =, lr =, hyper = {...}, state = {[path] = {step =, <name> = tensor, ...}}}.
+-- The state tensors are the live buffers (clone them to keep a snapshot).
+function Optimizer:state_dict()
+  local state = {}
+  for _, e in ipairs(self.params) do
+    local st = self.state[e.param]
+    if st then
+      local copy = {}
+      for k, v in pairs(st) do copy[k] = v end
+      state[e.path] = copy
+    end
+  end
+  return {kind = self.kind, step = self.step_count, lr = self.lr, hyper = self:hyper(), state = state}
+end
+
+-- Restore from a state_dict (values are copied into this optimizer's own buffers).
+function Optimizer:load_state_dict(sd)
+  if type(sd) ~= "table" or sd.kind ~= self.kind then
+    raise(("load_state_dict: expected a %s state_dict (got %s)")
+      :format(self.kind, type(sd) == "table" and tostring(sd.kind) or type(sd)))
+  end
+  local by_path = {}
+  for _, e in ipairs(self.params) do by_path[e.path] = e.param end
+  for path in pairs(sd.state or {}) do
+    if by_path[path] == nil then raise(("load_state_dict: unknown parameter %s"):format(path)) end
+  end
+  self.step_count, self.lr = sd.step or 0, sd.lr or self.lr
+  for k, v in pairs(sd.hyper or {}) do self[k] = v end
+  self.state = {}
+  for path, saved in pairs(sd.state or {}) do
+    local p = by_path[path]
+    local st = {}
+    for k, v in pairs(saved) do
+      if type(v) == "userdata" then
+        st[k] = state_zeros(p)
+        st[k]:copy(v)
+      else
+        st[k] = v
+      end
+    end
+    self.state[p] = st
+  end
+end
+
+-- ---- SGD ---------------------------------------------------------------------------------
+
+local SGD = setmetatable({}, {__index = Optimizer})
+SGD.__index = SGD
+optim.SGD_class = SGD
+
+-- SGD(model_or_params, {lr =, momentum = 0, weight_decay = 0}) — PyTorch semantics:
+-- g = grad + wd * p; buf = momentum * buf + g (buf = g on its first step); p -= lr * buf.
+function optim.SGD(model, opts)
+  local self = new_optimizer(SGD, "SGD", model, opts)
+  self.lr = number_opt(opts, "lr", nil, 0)
+  self.momentum = number_opt(opts, "momentum", 0, 0)
+  self.weight_decay = number_opt(opts, "weight_decay", 0, 0)
+  return self
+end
+
+function SGD:hyper() return {momentum = self.momentum, weight_decay = self.weight_decay} end
+
+-- One update of every parameter that has a gradient; parameters without one are skipped.
+function SGD:step()
+  self.step_count = self.step_count + 1
+  local lr, momentum, wd = self.lr, self.momentum, self.weight_decay
+  for _, e in ipairs(self.params) do
+    local p = e.param
+    local g = p.grad
+    if g ~= nil then
+      local st = self.state[p]
+      if st == nil then
+        st = {step = 0}
+        self.state[p] = st
+      end
+      local first = false
+      if momentum ~= 0 and st.momentum_buffer == nil then
+        st.momentum_buffer = state_zeros(p)
+        first = true
+      end
+      st.step = st.step + 1
+      fsdp.core.sgd_step(p, g, st.momentum_buffer, lr, momentum, wd, first)
+    end
+  end
+end
+
+-- ---- AdamW -------------------------------------------------------------------------------
+
+local AdamW = setmetatable({}, {__index = Optimizer})
+AdamW.__index = AdamW
+optim.AdamW_class = AdamW
+
+-- Parameters with fewer than 2 dimensions (biases, norm scales and shifts) get no weight decay.
+function optim.default_no_decay(path, p) return p:dim() < 2 end
+
+-- AdamW(model_or_params, {lr = 1e-3, betas = {0.9, 0.999}, eps = 1e-8, weight_decay = 0.01,
+--   no_decay = function(path, p) -> true to exempt p from weight decay}) — decoupled weight
+-- decay as in PyTorch's AdamW (p -= lr * wd * p, then the Adam update with bias correction).
+function optim.AdamW(model, opts)
+  opts = opts or {}
+  local self = new_optimizer(AdamW, "AdamW", model, opts)
+  self.lr = number_opt(opts, "lr", 1e-3, 0)
+  local betas = opts.betas or {0.9, 0.999}
+  if type(betas) ~= "table" or type(betas[1]) ~= "number" or type(betas[2]) ~= "number"
+      or betas[1] < 0 or betas[1] >= 1 or betas[2] < 0 or betas[2] >= 1 then
+    raise("AdamW: betas must be {beta1, beta2} with each in [0, 1)")
+  end
+  self.betas = {betas[1], betas[2]}
+  self.eps = number_opt(opts, "eps", 1e-8, 0)
+  self.weight_decay = number_opt(opts, "weight_decay", 0.01, 0)
+  local no_decay = opts.no_decay or optim.default_no_decay
+  if type(no_decay) ~= "function" then raise("AdamW: no_decay must be a function(path, p)") end
+  self.decay = {} -- param -> true when weight decay applies
+  self.no_decay_paths = {}
+  for _, e in ipairs(self.params) do
+    if no_decay(e.path, e.param) then
+      self.no_decay_paths[#self.no_decay_paths + 1] = e.path
+    else
+      self.decay[e.param] = true
+    end
+  end
+  return self
+end
+
+function AdamW:hyper()
+  return {betas = {self.betas[1], self.betas[2]}, eps = self.eps, weight_decay = self.weight_decay}
+end
+
+function AdamW:step()
+  self.step_count = self.step_count + 1
+  local lr, b1, b2, eps, wd = self.lr, self.betas[1], self.betas[2], self.eps, self.weight_decay
+  for _, e in ipairs(self.params) do
+    local p = e.param
+    local g = p.grad
+    if g ~= nil then
+      local st = self.state[p]
+      if st == nil then
+        st = {step = 0, exp_avg = state_zeros(p), exp_avg_sq = state_zeros(p)}
+        self.state[p] = st
+      end
+      st.step = st.step + 1
+      fsdp.core.adamw_step(p, g, st.exp_avg, st.exp_avg_sq, lr, b1, b2, eps,
+        self.decay[p] and wd or 0, st.step)
+    end
+  end
+end
+
+-- ---- gradient clipping ---------------------------------------------------------------------
+
+-- clip_grad_norm(model_or_params, max_norm) -> total_norm: the L2 norm over all gradients
+-- (as one vector). If it exceeds max_norm every gradient is scaled in place by
+-- max_norm / (total_norm + 1e-6) (PyTorch's clip_grad_norm_). Parameters without gradient are
+-- skipped.
+function optim.clip_grad_norm(model, max_norm)
+  if type(max_norm) ~= "number" or max_norm <= 0 then
+    raise(("clip_grad_norm: max_norm must be a positive number (got %s)"):format(tostring(max_norm)))
+  end
+  local grads = {}
+  for _, e in ipairs(optim.named_params(model)) do
+    local g = e.param.grad
+    if g ~= nil then grads[#grads + 1] = g end
+  end
+  local sq = 0
+  for i = 1, #grads do sq = sq + fsdp.core.sumsq(grads[i]) end
+  local total = math.sqrt(sq)
+  local coef = max_norm / (total + 1e-6)
+  if coef < 1 then
+    for i = 1, #grads do grads[i]:mul_(coef) end
+  end
+  return total
+end
+
+-- ---- schedules ---------------------------------------------------------------------------
+
+local Cosine = {}
+Cosine.__index = Cosine
+
+-- cosine(opt, {warmup = 0, total =, min_lr = 0, lr = opt.lr}) -> scheduler s.
+--   s:lr(k): lr * k / warmup for k <= warmup (linear from 0), then
+--            min_lr + (lr - min_lr) * (1 + cos(pi * (k - warmup) / (total - warmup))) / 2
+--            until k = total, min_lr after.
+--   s:step(): k = k + 1 and opt.lr = s:lr(k). Call it once per iteration before opt:step(), so
+--   the first update uses s:lr(1). Creating the scheduler sets opt.lr = s:lr(0).
+function optim.cosine(opt, opts)
+  if type(opt) ~= "table" or opt.lr == nil then raise("cosine: first argument must be an optimizer") end
+  opts = opts or {}
+  local s = setmetatable({opt = opt, k = 0}, Cosine)
+  s.base_lr = number_opt(opts, "lr", opt.lr, 0)
+  s.warmup = number_opt(opts, "warmup", 0, 0)
+  s.total = number_opt(opts, "total", nil, 0)
+  s.min_lr = number_opt(opts, "min_lr", 0, 0)
+  opt.lr = s:lr(0)
+  return s
+end
+
+function Cosine:lr(k)
+  local lr, warmup, total = self.base_lr, self.warmup, self.total
+  if warmup > 0 and k <= warmup then return lr * k / warmup end
+  if k >= total then return self.min_lr end
+  local progress = (k - warmup) / (total - warmup)
+  return self.min_lr + (lr - self.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+end
+
+function Cosine:step()
+  self.k = self.k + 1
+  self.opt.lr = self:lr(self.k)
+  return self.opt.lr
+end
+
+function Cosine:state_dict()
+  return {kind = "cosine", step = self.k, warmup = self.warmup, total = self.total,
+    min_lr = self.min_lr, lr = self.base_lr}
+end
+
+function Cosine:load_state_dict(sd)
+  self.k, self.warmup, self.total = sd.step, sd.warmup, sd.total
+  self.min_lr, self.base_lr = sd.min_lr, sd.lr
+  self.opt.lr = self:lr(self.k)
+end
+
+return optim
