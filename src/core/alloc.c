@@ -62,6 +62,7 @@ static int parse_size(const char *text, int64_t *out, char *err, size_t errn) {
   double v = p ? strtod(p, &end) : 0;
   if (!p || end == p || !(v >= 0) || isinf(v)) goto bad;
   p = end;
+  while (isspace((unsigned char)*p)) p++; /* "3 K" */
   double mult = 1;
   switch (tolower((unsigned char)*p)) {
   case 'k': mult = 1024.0; break;

@@ -14,7 +14,9 @@
  * second the angle; lane 0/2 gets r cos, lane 1/3 gets r sin. With 24-bit u1 the largest
  * |value| is sqrt(2 ln 2^24) ~ 5.77 std: tails beyond that (probability ~1e-8) are cut.
  */
-#define _GNU_SOURCE /* sincosf */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* sincosf (the build defines it for every file) */
+#endif
 #include <math.h>
 #include <stdint.h>
 
