@@ -98,7 +98,7 @@ int fsdp_tensor_new(fsdp_tensor **out, const fsdp_device_i *dev, fsdp_dtype dt, 
   if (!dev) return fsdp_error("new tensor: no device given");
   size_t esize = fsdp_dtype_size(dt);
   if (!esize) return fsdp_error("new tensor: unknown dtype %d", (int)dt);
-  int64_t numel;
+  int64_t numel = 0;
   if (check_shape("new tensor", ndim, shape, esize, &numel) != FSDP_OK) return FSDP_ERR;
   fsdp_storage *s;
   if (fsdp_storage_new(&s, dev, (size_t)numel * esize, role) != FSDP_OK) return FSDP_ERR;
@@ -118,7 +118,7 @@ int fsdp_tensor_new_view(fsdp_tensor **out, fsdp_tensor *t, int64_t offset, int 
                          const int64_t *shape, const int64_t *strides) {
   *out = NULL;
   size_t esize = fsdp_dtype_size(t->dtype);
-  int64_t numel;
+  int64_t numel = 0;
   if (check_shape("view", ndim, shape, esize, &numel) != FSDP_OK) return FSDP_ERR;
   if (ndim > 0 && !strides) return fsdp_error("view: no strides given");
   int64_t cap = (int64_t)(t->storage->bytes / esize);
@@ -306,23 +306,40 @@ static void loop_init(fsdp_loop *L, int ndim, const int64_t *shape, const int64_
   L->n = n;
 }
 
+/* Two innermost dims where one side is strided along the innermost one (a transpose): walk
+ * them in TILE x TILE tiles, so the strided side's cache lines are reused within a tile
+ * instead of each being fetched once per element. */
+#define TILE 32
+static void copy_tiles(float *d, const float *s, int64_t rows, int64_t cols, int64_t dr,
+                       int64_t dc, int64_t sr, int64_t sc) {
+  for (int64_t i0 = 0; i0 < rows; i0 += TILE)
+    for (int64_t j0 = 0; j0 < cols; j0 += TILE) {
+      const int64_t i1 = i0 + TILE < rows ? i0 + TILE : rows;
+      const int64_t j1 = j0 + TILE < cols ? j0 + TILE : cols;
+      for (int64_t i = i0; i < i1; i++)
+        for (int64_t j = j0; j < j1; j++) d[i * dr + j * dc] = s[i * sr + j * sc];
+    }
+}
+
 /* dst (geometry a) <- src (geometry b); numel > 0 */
 static void copy_loop(float *dst, const float *src, const fsdp_loop *L) {
   const int in = L->n - 1;
   const int64_t m = L->size[in], da = L->sa[in], sb = L->sb[in];
+  const bool tiled = L->n >= 2 && (da != 1 || sb != 1);
+  const int nouter = tiled ? in - 1 : in; /* dims walked by the odometer */
   int64_t outer = 1;
-  for (int k = 0; k < in; k++) outer *= L->size[k];
+  for (int k = 0; k < nouter; k++) outer *= L->size[k];
   int64_t idx[FSDP_MAX_DIMS] = {0}, od = 0, os = 0;
   for (int64_t o = 0; o < outer; o++) {
     float *d = dst + od;
     const float *s = src + os;
-    if (da == 1 && sb == 1)
+    if (tiled)
+      copy_tiles(d, s, L->size[in - 1], m, L->sa[in - 1], da, L->sb[in - 1], sb);
+    else if (da == 1 && sb == 1)
       memcpy(d, s, (size_t)m * sizeof *d);
-    else if (da == 1)
-      for (int64_t j = 0; j < m; j++) d[j] = s[j * sb];
-    else
+    else /* a single strided dim */
       for (int64_t j = 0; j < m; j++) d[j * da] = s[j * sb];
-    for (int k = in - 1; k >= 0; k--) { /* odometer over the outer dims */
+    for (int k = nouter - 1; k >= 0; k--) { /* odometer over the outer dims */
       od += L->sa[k], os += L->sb[k];
       if (++idx[k] < L->size[k]) break;
       od -= L->sa[k] * L->size[k], os -= L->sb[k] * L->size[k];

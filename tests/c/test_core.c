@@ -507,6 +507,26 @@ static void test_copy_strided(void **state) {
   }
 }
 
+/* Shapes past the 32 x 32 tile of the transposed-copy path, both directions, with a batch dim. */
+static void test_copy_transposed_tiles(void **state) {
+  (void)state;
+  fsdp_tensor *base = arange(3, SHAPE(3, 70, 45)), *tt, *c;
+  assert_int_equal(fsdp_tensor_transpose(&tt, base, 1, 2), FSDP_OK); /* (3, 45, 70) */
+  assert_int_equal(fsdp_tensor_contiguous(&c, tt), FSDP_OK);
+  int64_t i[3] = {0};
+  do {
+    assert_true(*at(c, i) == *at(base, SHAPE(i[0], i[2], i[1])));
+  } while (next_index(i, 3, c->shape));
+  /* strided destination: write c back through the transposed view of a zeroed tensor */
+  fsdp_tensor *z = mk(3, SHAPE(3, 70, 45)), *zt;
+  assert_int_equal(fsdp_tensor_transpose(&zt, z, 1, 2), FSDP_OK);
+  assert_int_equal(fsdp_tensor_copy(zt, c), FSDP_OK);
+  assert_memory_equal(fsdp_tensor_data(z, "t"), fsdp_tensor_data(base, "t"),
+                      3 * 70 * 45 * sizeof(float));
+  fsdp_tensor *all[] = {base, tt, c, z, zt};
+  for (size_t k = 0; k < sizeof all / sizeof all[0]; k++) fsdp_tensor_release(all[k]);
+}
+
 static void test_copy_errors_and_overlap(void **state) {
   (void)state;
   fsdp_tensor *a = mk(2, SHAPE(2, 3)), *b = mk(2, SHAPE(3, 2));
@@ -943,6 +963,7 @@ int main(void) {
       T(test_new_view_bounds),
       T(test_contiguous_and_clone),
       T(test_copy_strided),
+      T(test_copy_transposed_tiles),
       T(test_copy_errors_and_overlap),
       T(test_fill),
       T(test_meta),
