@@ -187,6 +187,7 @@ float *fsdp_tensor_data(const fsdp_tensor *t, const char *what);
 int fsdp_tensor_view(fsdp_tensor **out, fsdp_tensor *t, int ndim, const int64_t *shape);
 /* Swap dims d0 and d1 (0-based). */
 int fsdp_tensor_transpose(fsdp_tensor **out, fsdp_tensor *t, int d0, int d1);
+/* Elements [start, start + len) of dim (0-based); out of range is an error naming all four. */
 int fsdp_tensor_narrow(fsdp_tensor **out, fsdp_tensor *t, int dim, int64_t start, int64_t len);
 /* t itself (retained) if contiguous, else a contiguous copy. */
 int fsdp_tensor_contiguous(fsdp_tensor **out, fsdp_tensor *t);
