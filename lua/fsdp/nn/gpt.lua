@@ -149,19 +149,22 @@ local function draw(logits, temperature, top_k, u)
 end
 GPT.draw = draw -- exposed for tests
 
--- generate(prompt, n, {temperature = 1, top_k = nil, seed = fsdp.seed()}) -> Lua array of ids:
--- the prompt (a table of ids, or a (T) / (1, T) tensor) followed by n sampled ids. Runs in eval
+-- generate(prompt, n, {temperature = 1, top_k = nil, seed = nil}) -> Lua array of ids: the
+-- prompt (a table of ids, or a (T) / (1, T) tensor) followed by n sampled ids. Runs in eval
 -- mode under no_grad (the training flag is restored after). temperature 0 is greedy. Draws
--- come from the counter-based generator keyed by (seed, call number, position), so a run is
--- reproducible and every rank samples the same text.
+-- come from the counter-based generator: with opts.seed they are keyed by (seed, position), so
+-- the same call gives the same text; without it by (fsdp.seed(), call number, position), so
+-- successive calls differ but a run is reproducible and every rank samples the same text.
 function GPT:generate(prompt, n, opts)
   opts = opts or {}
   local ids = prompt_ids(prompt)
   if #ids == 0 then base.raise("GPT:generate: empty prompt") end
   local temperature = opts.temperature or 1
-  local seed = opts.seed or fsdp.seed()
-  sample_calls = sample_calls + 1
-  local stream = "generate/" .. sample_calls .. "/"
+  local seed, stream = opts.seed, "generate/"
+  if seed == nil then
+    sample_calls = sample_calls + 1
+    seed, stream = fsdp.seed(), "generate/" .. sample_calls .. "/"
+  end
   local was_training = self.training
   self:eval()
   local u = fsdp.zeros{1}

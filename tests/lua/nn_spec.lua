@@ -1,0 +1,608 @@
+-- nn_spec.lua — fsdp.nn: module protocol, registration and paths, ties, path-based
+-- initialisation, train/eval, error paths, layer forwards against hand computation, GPT and a
+-- small regression that trains. Run: busted --lua=luajit tests/lua/nn_spec.lua
+
+local fsdp = require "fsdp"
+local nn = fsdp.nn
+local F = nn.F
+
+local function flat(t)
+  local out = {}
+  local function go(x)
+    if type(x) == "table" then for i = 1, #x do go(x[i]) end else out[#out + 1] = x end
+  end
+  go(type(t) == "userdata" and t:totable() or t)
+  return out
+end
+
+local function assert_close(a, b, tol, what)
+  a, b = flat(a), flat(b)
+  assert.are.equal(#b, #a, (what or "") .. ": element count")
+  tol = tol or 1e-5
+  for i = 1, #a do
+    local d = math.abs(a[i] - b[i])
+    if d > tol * (1 + math.abs(b[i])) then
+      error(("%s: element %d differs: %.7g vs %.7g"):format(what or "values", i, a[i], b[i]), 2)
+    end
+  end
+end
+
+local function same_values(a, b)
+  a, b = flat(a), flat(b)
+  if #a ~= #b then return false end
+  for i = 1, #a do if a[i] ~= b[i] then return false end end
+  return true
+end
+
+local function paths_of(m)
+  local out = {}
+  for path in m:named_parameters() do out[#out + 1] = path end
+  return out
+end
+
+local function small_gpt(extra)
+  local cfg = {vocab = 11, ctx = 8, d = 8, layers = 2, heads = 2}
+  for k, v in pairs(extra or {}) do cfg[k] = v end
+  return nn.GPT(cfg)
+end
+
+-- a custom class used by several tests
+local Pair = nn.Module:extend("Pair")
+function Pair:init(d)
+  self.first = nn.Linear(d, d)
+  self.scale = nn.Parameter(fsdp.ones{d})
+  self.note = "plain values are not registered"
+  self.second = nn.Linear(d, d, {bias = false})
+end
+function Pair:forward(x) return self.second(self.first(x) * self.scale) end
+
+describe("nn.Module registration", function()
+  it("registers modules and parameters in assignment order with dotted paths", function()
+    local m = Pair(3)
+    assert.are.same({"first.weight", "first.bias", "scale", "second.weight"}, paths_of(m))
+    assert.are.equal(4, #m:parameters())
+    assert.are.equal("plain values are not registered", m.note)
+    local names = {}
+    for path, sub in m:named_modules() do names[#names + 1] = path .. "=" .. sub:type_name() end
+    assert.are.same({"=Pair", "first=Linear", "second=Linear"}, names)
+    assert.are.equal(2, #m:children())
+    assert.is_true(rawequal(m:children()[1], m.first))
+  end)
+
+  it("keeps a reassigned field in place and drops a field set to nil", function()
+    local m = Pair(3)
+    local old = m.first
+    m.first = nn.Linear(3, 3, {bias = false})
+    assert.is_false(rawequal(old, m.first))
+    assert.are.same({"first.weight", "scale", "second.weight"}, paths_of(m))
+    m.scale = nil
+    assert.are.same({"first.weight", "second.weight"}, paths_of(m))
+    m.scale = nn.Parameter(fsdp.ones{3}) -- re-added: goes to the end
+    assert.are.same({"first.weight", "second.weight", "scale"}, paths_of(m))
+    m.second = 42 -- a plain value replaces a module: unregistered
+    assert.are.same({"first.weight", "scale"}, paths_of(m))
+    assert.are.equal(42, m.second)
+  end)
+
+  it("refuses a plain table of modules (use ModuleList)", function()
+    local Bad = nn.Module:extend("Bad")
+    function Bad:init() self.layers = {nn.Linear(2, 2)} end
+    assert.has_error(function() Bad() end)
+    local ok, err = pcall(Bad)
+    assert.is_false(ok)
+    assert.truthy(err:find("ModuleList", 1, true))
+  end)
+
+  it("supports subclasses calling the parent constructor", function()
+    local Base = nn.Module:extend("Base")
+    function Base:init(d) self.fc = nn.Linear(d, d) end
+    local Child = Base:extend("Child")
+    function Child:init(d)
+      Base.init(self, d)
+      self.extra = nn.Linear(d, 1)
+    end
+    function Child:forward(x) return self.extra(self.fc(x)) end
+    local c = Child(4)
+    assert.are.same({"fc.weight", "fc.bias", "extra.weight", "extra.bias"}, paths_of(c))
+    assert.is_true(nn.isinstance(c, Base))
+    assert.is_true(nn.isinstance(c, nn.Module))
+    assert.is_false(nn.isinstance(c, nn.Linear))
+    assert.are.same({2, 1}, c(fsdp.zeros{2, 4}):shape())
+  end)
+
+  it("names ModuleList and Sequential children 1, 2, ... and supports #, [i], ipairs, append", function()
+    local l = nn.ModuleList{nn.Linear(2, 2), nn.ReLU()}
+    assert.are.equal(2, #l)
+    l:append(nn.Linear(2, 3, {bias = false}))
+    assert.are.equal(3, #l)
+    assert.are.equal("ReLU", l[2]:type_name())
+    local n = 0
+    for i, sub in ipairs(l) do
+      n = n + 1
+      assert.is_true(rawequal(sub, l[i]))
+    end
+    assert.are.equal(3, n)
+    assert.are.same({"1.weight", "1.bias", "3.weight"}, paths_of(l))
+    local s = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    assert.are.same({"1.weight", "1.bias", "2.weight", "2.bias"}, paths_of(s))
+    assert.has_error(function() nn.Sequential{nn.Linear(2, 2), 3} end)
+    assert.has_error(function() l:append(3) end)
+  end)
+
+  it("gives GPT the documented children and paths", function()
+    local m = small_gpt()
+    local kids = {}
+    for name in m:named_children() do kids[#kids + 1] = name end
+    assert.are.same({"wte", "wpe", "blocks", "ln_f", "head"}, kids)
+    local paths = paths_of(m)
+    assert.are.equal("wte.weight", paths[1])
+    assert.are.equal("wpe.weight", paths[2])
+    assert.are.equal("blocks.1.ln1.weight", paths[3])
+    local set = {}
+    for _, p in ipairs(paths) do set[p] = true end
+    assert.is_true(set["blocks.1.mlp.fc.weight"])
+    assert.is_true(set["blocks.2.attn.qkv.bias"])
+    assert.is_true(set["blocks.2.attn.proj.weight"])
+    assert.is_true(set["ln_f.bias"])
+    assert.is_nil(set["head.weight"]) -- tied: listed once, as wte.weight
+    assert.is_nil(set["head.bias"])
+    -- 2 embeddings + 2 blocks x 12 + ln_f 2
+    assert.are.equal(2 + 2 * 12 + 2, #paths)
+    assert.is_true(rawequal(m.blocks[1].mlp.fc, m.blocks[1].mlp.fc))
+  end)
+
+  it("prints a readable tree", function()
+    local s = tostring(small_gpt())
+    assert.truthy(s:find("GPT(vocab=11, ctx=8, d=8, layers=2, heads=2, tie=true)", 1, true))
+    assert.truthy(s:find("\n  blocks: ModuleList(2)\n    1: Block", 1, true))
+    assert.truthy(s:find("qkv: Linear(8 -> 24)", 1, true))
+    assert.truthy(s:find("head: Linear(8 -> 11, bias=false) [weight tied to wte.weight]", 1, true))
+    local p = tostring(Pair(2))
+    assert.truthy(p:find("scale: Parameter(2)", 1, true))
+  end)
+
+  it("counts parameters once", function()
+    local m = small_gpt()
+    local n = 0
+    for _, p in ipairs(m:parameters()) do n = n + p:numel() end
+    assert.are.equal(n, m:num_parameters())
+    local untied = small_gpt{tie = false}
+    assert.are.equal(n + 11 * 8, untied:num_parameters())
+  end)
+end)
+
+describe("nn ties", function()
+  it("GPT's head weight is the embedding parameter itself", function()
+    local m = small_gpt()
+    assert.is_true(rawequal(m.head.weight, m.wte.weight))
+    local count = 0
+    for _, p in ipairs(m:parameters()) do
+      if rawequal(p, m.wte.weight) then count = count + 1 end
+    end
+    assert.are.equal(1, count)
+    local u = small_gpt{tie = false}
+    assert.is_false(rawequal(u.head.weight, u.wte.weight))
+  end)
+
+  it("accumulates the gradients of both uses into the one tied parameter", function()
+    fsdp.manual_seed(11)
+    local tied = small_gpt()
+    local untied = small_gpt{tie = false}
+    -- same values everywhere; the untied head starts as a copy of the embedding
+    local src = {}
+    for path, p in tied:named_parameters() do src[path] = p end
+    for path, p in untied:named_parameters() do
+      p:copy(path == "head.weight" and tied.wte.weight or src[path])
+    end
+    local ids = fsdp.tensor{{1, 2, 3, 4, 5}, {6, 7, 8, 9, 10}}
+    local targets = fsdp.tensor{{2, 3, 4, 5, 6}, {7, 8, 9, 10, 0}}
+    local lt = F.cross_entropy(tied(ids), targets)
+    lt:backward() -- one graph at a time: backward frees the tape
+    local lu = F.cross_entropy(untied(ids), targets)
+    lu:backward()
+    assert_close(lt:item(), lu:item(), 1e-6, "losses")
+    local summed = untied.wte.weight.grad + untied.head.weight.grad
+    assert_close(tied.wte.weight.grad, summed, 1e-4, "tied gradient")
+    -- and the sum is not just one of the two parts
+    assert.is_false(same_values(tied.wte.weight.grad, untied.wte.weight.grad))
+    assert.is_false(same_values(tied.wte.weight.grad, untied.head.weight.grad))
+    assert_close(tied.blocks[2].mlp.fc.weight.grad, untied.blocks[2].mlp.fc.weight.grad, 1e-4,
+      "other gradients")
+  end)
+end)
+
+describe("nn path-based initialisation", function()
+  it("gives the same values for the same seed and different values for another seed", function()
+    fsdp.manual_seed(5)
+    local a = small_gpt()
+    fsdp.manual_seed(5)
+    local b = small_gpt()
+    fsdp.manual_seed(6)
+    local c = small_gpt()
+    local pb, pc = b:parameters(), c:parameters()
+    for i, p in ipairs(a:parameters()) do
+      assert.is_true(same_values(p, pb[i]))
+    end
+    assert.is_false(same_values(a.blocks[1].attn.qkv.weight, pc[5]))
+    assert.is_false(same_values(a.wte.weight, c.wte.weight))
+  end)
+
+  it("gives two standalone layers of the same shape different values", function()
+    fsdp.manual_seed(1)
+    local l1, l2 = nn.Linear(4, 4), nn.Linear(4, 4)
+    assert.is_false(same_values(l1.weight, l2.weight))
+    assert.is_false(same_values(l1.bias, l2.bias))
+  end)
+
+  it("is a pure function of (seed, top-level construction number, final path)", function()
+    fsdp.manual_seed(7)
+    local s = nn.Sequential{nn.Linear(3, 4), nn.Linear(4, 2)} -- outermost constructions 1, 2, 3
+    local k = 1 / math.sqrt(3)
+    local expect = fsdp.zeros{4, 3}
+    fsdp.core.init_uniform(expect, 7, "3/1.weight", -k, k)
+    assert.is_true(same_values(s[1].weight, expect))
+    k = 1 / math.sqrt(4)
+    expect = fsdp.zeros{2}
+    fsdp.core.init_uniform(expect, 7, "3/2.bias", -k, k)
+    assert.is_true(same_values(s[2].bias, expect))
+    local rec = nn.init_record(s[2].weight)
+    assert.are.equal("3/2.weight", rec.key)
+    assert.are.equal(7, rec.seed)
+    assert.are.equal("uniform", rec.kind)
+  end)
+
+  it("does not depend on creation order: children are re-initialised by final path", function()
+    fsdp.manual_seed(3)
+    local a1, a2 = nn.Linear(3, 4), nn.Linear(4, 2)
+    local before = a1.weight:clone()
+    local sa = nn.Sequential{a1, a2}
+    assert.is_false(same_values(before, sa[1].weight)) -- re-initialised when adopted
+    fsdp.manual_seed(3)
+    local b2 = nn.Linear(4, 2) -- built in the other order
+    local b1 = nn.Linear(3, 4)
+    local sb = nn.Sequential{b1, b2}
+    for i, p in ipairs(sa:parameters()) do
+      assert.is_true(same_values(p, sb:parameters()[i]))
+    end
+  end)
+
+  it("gives a subtree the same values whether built inside the container or outside", function()
+    local Two = nn.Module:extend("Two")
+    function Two:init()
+      self[1] = nn.Linear(3, 4) -- built inside: paths "1.*", "2.*" as in Sequential
+      self[2] = nn.Linear(4, 2)
+    end
+    fsdp.manual_seed(9)
+    local inside = Two() -- outermost construction 1
+    fsdp.manual_seed(9)
+    nn.ReLU()
+    nn.ReLU() -- two outermost constructions, so that the Sequential below is number 3
+    local outside = nn.Sequential{nn.Linear(3, 4), nn.Linear(4, 2)} -- numbers 3, 4, 5
+    -- the Sequential is construction 5, Two was 1: same paths, different top numbers
+    assert.is_false(same_values(inside[1].weight, outside[1].weight))
+    fsdp.manual_seed(9)
+    for _ = 1, 4 do nn.ReLU() end
+    local inside5 = Two() -- now also construction number 5
+    for i, p in ipairs(inside5:parameters()) do
+      assert.is_true(same_values(p, outside:parameters()[i]))
+    end
+  end)
+
+  it("restarts construction numbers at manual_seed", function()
+    fsdp.manual_seed(4)
+    local a = nn.Linear(2, 2)
+    nn.Linear(2, 2)
+    fsdp.manual_seed(4)
+    local b = nn.Linear(2, 2)
+    assert.is_true(same_values(a.weight, b.weight))
+  end)
+
+  it("does not depend on the stream consumed by randn", function()
+    fsdp.manual_seed(2)
+    local a = small_gpt()
+    fsdp.manual_seed(2)
+    fsdp.randn{100}
+    local b = small_gpt()
+    assert.is_true(same_values(a.blocks[2].mlp.fc.weight, b.blocks[2].mlp.fc.weight))
+  end)
+
+  it("follows GPT-2 initialisation in GPT and PyTorch defaults standalone", function()
+    fsdp.manual_seed(12)
+    local m = nn.GPT{vocab = 64, ctx = 32, d = 32, layers = 3, heads = 4}
+    local function expect_normal(path, p, std)
+      local e = fsdp.zeros(p:shape())
+      fsdp.core.init_normal(e, 12, "1/" .. path, 0, std)
+      assert.is_true(same_values(p, e), path)
+    end
+    expect_normal("wte.weight", m.wte.weight, 0.02)
+    expect_normal("wpe.weight", m.wpe.weight, 0.02)
+    expect_normal("blocks.1.attn.qkv.weight", m.blocks[1].attn.qkv.weight, 0.02)
+    expect_normal("blocks.3.mlp.fc.weight", m.blocks[3].mlp.fc.weight, 0.02)
+    local resid = 0.02 / math.sqrt(2 * 3)
+    expect_normal("blocks.2.attn.proj.weight", m.blocks[2].attn.proj.weight, resid)
+    expect_normal("blocks.3.mlp.proj.weight", m.blocks[3].mlp.proj.weight, resid)
+    for _, v in ipairs(flat(m.blocks[1].attn.qkv.bias)) do assert.are.equal(0, v) end
+    for _, v in ipairs(flat(m.blocks[2].ln2.weight)) do assert.are.equal(1, v) end
+    for _, v in ipairs(flat(m.ln_f.bias)) do assert.are.equal(0, v) end
+    -- standalone layers: Linear uniform(+-1/sqrt(in)), Embedding N(0, 1), LayerNorm 1/0
+    local l = nn.Linear(16, 200)
+    local k = 1 / math.sqrt(16)
+    local w = flat(l.weight)
+    local lo, hi = math.huge, -math.huge
+    for _, v in ipairs(w) do lo, hi = math.min(lo, v), math.max(hi, v) end
+    assert.is_true(lo >= -k and hi <= k and lo < -0.9 * k and hi > 0.9 * k)
+    local e = flat(nn.Embedding(100, 50).weight)
+    local s2 = 0
+    for _, v in ipairs(e) do s2 = s2 + v * v end
+    assert.is_true(math.abs(math.sqrt(s2 / #e) - 1) < 0.05)
+    local ln = nn.LayerNorm(5)
+    assert.are.same({1, 1, 1, 1, 1}, ln.weight:totable())
+    assert.are.same({0, 0, 0, 0, 0}, ln.bias:totable())
+  end)
+
+  it("re-creates the construction values with init_tree and reset_parameters", function()
+    fsdp.manual_seed(8)
+    local m = small_gpt()
+    local saved = {}
+    for _, p in ipairs(m:parameters()) do saved[#saved + 1] = p:clone() end
+    for _, p in ipairs(m:parameters()) do p:fill(0.5) end
+    nn.init_tree(m)
+    for i, p in ipairs(m:parameters()) do assert.is_true(same_values(p, saved[i])) end
+    m.blocks[1].mlp.proj.weight:fill(3)
+    m.blocks[1].mlp.proj:reset_parameters() -- own parameters only, with GPT's spec
+    assert.is_true(same_values(m.blocks[1].mlp.proj.weight, saved[13]))
+    -- the head does not own the tied weight: resetting it leaves the embedding alone
+    m.head:reset_parameters()
+    assert.is_true(same_values(m.wte.weight, saved[1]))
+  end)
+
+  it("keeps user-given parameter values in custom modules", function()
+    local m = Pair(2)
+    assert.are.same({1, 1}, m.scale:totable())
+  end)
+end)
+
+describe("nn train/eval and dropout", function()
+  it("propagates the training flag through the tree", function()
+    local m = small_gpt()
+    assert.is_true(m.training and m.blocks[2].mlp.training)
+    assert.are.equal(m, m:eval())
+    assert.is_false(m.training)
+    assert.is_false(m.blocks[2].mlp.fc.training)
+    m:train()
+    assert.is_true(m.blocks[2].attn.training)
+  end)
+
+  it("drops in training mode and is the identity in eval mode or with p = 0", function()
+    fsdp.manual_seed(1)
+    local x = fsdp.ones{1000}
+    local d = nn.Dropout(0.5)
+    local y = flat(d(x))
+    local zeros, twos = 0, 0
+    for _, v in ipairs(y) do
+      if v == 0 then zeros = zeros + 1 elseif math.abs(v - 2) < 1e-6 then twos = twos + 1 end
+    end
+    assert.are.equal(1000, zeros + twos)
+    assert.is_true(zeros > 400 and zeros < 600)
+    d:eval()
+    assert.is_true(rawequal(d(x), x))
+    assert.is_true(rawequal(nn.Dropout(0)(x), x))
+    assert.has_error(function() nn.Dropout(1) end)
+  end)
+
+  it("makes GPT with dropout deterministic in eval mode only", function()
+    fsdp.manual_seed(3)
+    local m = small_gpt{dropout = 0.3}
+    local ids = fsdp.tensor{{1, 2, 3}}
+    local a, b = m(ids), m(ids)
+    assert.is_false(same_values(a, b))
+    m:eval()
+    assert.is_true(same_values(m(ids), m(ids)))
+  end)
+end)
+
+describe("nn errors", function()
+  it("prefixes the path of the failing submodule, once", function()
+    local m = small_gpt()
+    m.blocks[2].mlp.fc = nn.Linear(9, 32) -- wrong input width
+    local ok, err = pcall(m, fsdp.tensor{{1, 2, 3}})
+    assert.is_false(ok)
+    assert.truthy(err:find("^blocks%.2%.mlp%.fc %(Linear%): "), err)
+    assert.truthy(err:lower():find("linear"), err)
+    local _, n = err:gsub("%(Linear%)", "")
+    assert.are.equal(1, n)
+    assert.is_nil(err:find("blocks.2.mlp.fc (Linear): blocks", 1, true))
+    -- the call stack is reset: a later error reports its own path
+    local ok2, err2 = pcall(m.blocks[1], fsdp.zeros{1, 3, 7})
+    assert.is_false(ok2)
+    assert.truthy(err2:find("^ln1 %(LayerNorm%): "), err2)
+    -- and a good call still works
+    assert.are.same({1, 3, 8}, m.blocks[1](fsdp.zeros{1, 3, 8}):shape())
+  end)
+
+  it("keeps the location of an error raised in a custom forward", function()
+    local Boom = nn.Module:extend("Boom")
+    function Boom:forward() error("boom") end
+    local Outer = nn.Module:extend("Outer")
+    function Outer:init() self.inner = nn.Sequential{nn.ReLU(), Boom()} end
+    function Outer:forward(x) return self.inner(x) end
+    local ok, err = pcall(Outer(), fsdp.zeros{2})
+    assert.is_false(ok)
+    assert.truthy(err:find("^inner%.2 %(Boom%): .*nn_spec%.lua:%d+: boom$"), err)
+  end)
+
+  it("names both lengths when a sequence is longer than the context", function()
+    local m = small_gpt()
+    local ok, err = pcall(m, fsdp.zeros{1, 9})
+    assert.is_false(ok)
+    assert.truthy(err:find("T=9", 1, true), err)
+    assert.truthy(err:find("ctx=8", 1, true), err)
+  end)
+
+  it("rejects bad constructor arguments with the caller's location", function()
+    local ok, err = pcall(nn.Linear, 0, 3)
+    assert.is_false(ok)
+    assert.truthy(err:find("in_features"), err)
+    ok, err = pcall(nn.CausalSelfAttention, 10, 3)
+    assert.is_false(ok)
+    assert.truthy(err:find("multiple of heads"), err)
+    assert.has_error(function() nn.GPT{vocab = 10} end)
+  end)
+end)
+
+describe("nn layer forwards", function()
+  it("Linear computes x W^T + b", function()
+    local l = nn.Linear(3, 2)
+    l.weight:copy(fsdp.tensor{{1, 2, 3}, {-1, 0.5, 2}})
+    l.bias:copy(fsdp.tensor{0.5, -1})
+    local x = fsdp.tensor{{1, 0, -1}, {2, 1, 0.5}}
+    local expect = {{1 - 3 + 0.5, -1 - 2 - 1}, {2 + 2 + 1.5 + 0.5, -2 + 0.5 + 1 - 1}}
+    assert_close(l(x), expect, 1e-6, "linear")
+    local nb = nn.Linear(3, 2, {bias = false})
+    assert.is_nil(nb.bias)
+    nb.weight:copy(l.weight)
+    assert_close(nb(x), {{-2, -3}, {5.5, -0.5}}, 1e-6, "linear without bias")
+    -- leading dimensions are kept
+    assert.are.same({2, 5, 2}, l(fsdp.zeros{2, 5, 3}):shape())
+  end)
+
+  it("Embedding looks rows up by 0-based id", function()
+    local e = nn.Embedding(4, 2)
+    e.weight:copy(fsdp.tensor{{0, 1}, {10, 11}, {20, 21}, {30, 31}})
+    assert_close(e(fsdp.tensor{{3, 0}, {1, 1}}), {{{30, 31}, {0, 1}}, {{10, 11}, {10, 11}}}, 0, "emb")
+  end)
+
+  it("LayerNorm normalises over the last dimension", function()
+    local ln = nn.LayerNorm(4)
+    ln.weight:copy(fsdp.tensor{1, 2, 0.5, 1})
+    ln.bias:copy(fsdp.tensor{0, 1, 0, -1})
+    local rows = {{1, 2, 3, 4}, {-2, 0, 2, 10}}
+    local expect = {}
+    for r, row in ipairs(rows) do
+      local mean, var = 0, 0
+      for _, v in ipairs(row) do mean = mean + v / 4 end
+      for _, v in ipairs(row) do var = var + (v - mean) ^ 2 / 4 end
+      local w, b = {1, 2, 0.5, 1}, {0, 1, 0, -1}
+      expect[r] = {}
+      for i, v in ipairs(row) do
+        expect[r][i] = (v - mean) / math.sqrt(var + 1e-5) * w[i] + b[i]
+      end
+    end
+    assert_close(ln(fsdp.tensor(rows)), expect, 1e-5, "layernorm")
+  end)
+
+  it("ReLU and GELU match their formulas", function()
+    local x = {-2, -0.5, 0, 0.7, 3}
+    local r, g = {}, {}
+    for i, v in ipairs(x) do
+      r[i] = math.max(v, 0)
+      local c = math.sqrt(2 / math.pi)
+      local u = c * (v + 0.044715 * v ^ 3)
+      local th = (math.exp(u) - math.exp(-u)) / (math.exp(u) + math.exp(-u))
+      g[i] = 0.5 * v * (1 + th)
+    end
+    assert_close(nn.ReLU()(fsdp.tensor(x)), r, 1e-6, "relu")
+    assert_close(nn.GELU()(fsdp.tensor(x)), g, 1e-5, "gelu")
+  end)
+
+  it("Sequential feeds each output to the next module", function()
+    local s = nn.Sequential{nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1)}
+    s[1].weight:copy(fsdp.tensor{{1, 0}, {0, -1}})
+    s[1].bias:copy(fsdp.tensor{0, 0})
+    s[3].weight:copy(fsdp.tensor{{2, 3}})
+    s[3].bias:copy(fsdp.tensor{1})
+    -- x = (1, 2): h = relu(1, -2) = (1, 0); y = 2 + 1 = 3
+    assert_close(s(fsdp.tensor{{1, 2}}), {{3}}, 1e-6, "sequential")
+  end)
+
+  it("Block and CausalSelfAttention keep the shape and are causal", function()
+    fsdp.manual_seed(2)
+    local b = nn.Block(8, 2)
+    local x = fsdp.randn{1, 5, 8}
+    local y = b(x)
+    assert.are.same({1, 5, 8}, y:shape())
+    -- changing the last position leaves the earlier outputs unchanged
+    local x2 = x:clone()
+    x2:set(1, 5, 1, 7)
+    local y2 = b(x2)
+    assert_close(y:narrow(2, 1, 4), y2:narrow(2, 1, 4), 1e-6, "causal prefix")
+    assert.is_false(same_values(y:narrow(2, 5, 1), y2:narrow(2, 5, 1)))
+  end)
+
+  it("nn.F losses match hand computation and re-export fsdp.F", function()
+    local logits = {{1, 2, 0.5}, {0, -1, 3}}
+    local targets = {1, 2}
+    local loss = 0
+    for r, row in ipairs(logits) do
+      local z = 0
+      for _, v in ipairs(row) do z = z + math.exp(v) end
+      loss = loss + (math.log(z) - row[targets[r] + 1]) / 2
+    end
+    assert_close(F.cross_entropy(fsdp.tensor(logits), fsdp.tensor(targets)):item(), loss, 1e-6, "ce")
+    assert_close(F.mse(fsdp.tensor{1, 2, 3}, fsdp.tensor{1, 0, 0}):item(), (4 + 9) / 3, 1e-6, "mse")
+    assert.are.equal(fsdp.F.linear, F.linear)
+    assert.are.equal(fsdp.F.attention, F.attention)
+  end)
+end)
+
+describe("nn GPT", function()
+  it("maps ids (B, T) to logits (B, T, vocab)", function()
+    local m = small_gpt()
+    assert.are.same({3, 4, 11}, m(fsdp.zeros{3, 4}):shape())
+    assert.are.same({1, 8, 11}, m(fsdp.zeros{1, 8}):shape())
+  end)
+
+  it("generates reproducibly, in eval mode, without recording", function()
+    fsdp.manual_seed(4)
+    local m = small_gpt{dropout = 0.1}
+    local out = m:generate({1, 2, 3}, 12, {seed = 99, top_k = 5})
+    assert.are.equal(15, #out)
+    assert.are.same({1, 2, 3}, {out[1], out[2], out[3]})
+    for _, id in ipairs(out) do assert.is_true(id >= 0 and id < 11 and id % 1 == 0) end
+    assert.are.same(out, m:generate(fsdp.tensor{{1, 2, 3}}, 12, {seed = 99, top_k = 5}))
+    assert.is_true(m.training) -- restored
+    -- greedy = top_k 1 = the argmax of the last logits
+    local greedy = m:generate({4}, 1, {temperature = 0})
+    m:eval()
+    local last = m(fsdp.tensor{{4}}):totable()[1][1]
+    local best = 1
+    for i = 2, #last do if last[i] > last[best] then best = i end end
+    assert.are.equal(best - 1, greedy[2])
+    assert.are.same(greedy, m:generate({4}, 1, {top_k = 1, seed = 1}))
+  end)
+
+  it("samples from the softmax distribution", function()
+    local draw = nn.GPT.draw
+    local logits = {math.log(1), math.log(3)} -- p = 0.25, 0.75
+    assert.are.equal(0, draw(logits, 1, nil, 0.2))
+    assert.are.equal(1, draw(logits, 1, nil, 0.3))
+    assert.are.equal(1, draw(logits, 1, 1, 0.0)) -- top_k 1 keeps only the best
+    assert.are.equal(1, draw(logits, 0, nil, 0.0)) -- greedy
+  end)
+end)
+
+describe("nn training", function()
+  it("trains a small MLP regression (loss falls by 10x)", function()
+    fsdp.manual_seed(1)
+    local n = 64
+    local xs, ys = {}, {}
+    for i = 1, n do
+      local a, b = (i % 8) / 4 - 1, math.floor((i - 1) / 8) / 4 - 1
+      xs[i] = {a, b}
+      ys[i] = {a * b + 0.5 * a}
+    end
+    local x, y = fsdp.tensor(xs), fsdp.tensor(ys)
+    local model = nn.Sequential{nn.Linear(2, 32), nn.GELU(), nn.Linear(32, 1)}
+    local opt = fsdp.optim.AdamW(model, {lr = 0.01, weight_decay = 0})
+    local first, last
+    for step = 1, 300 do
+      opt:zero_grad()
+      local loss = F.mse(model(x), y)
+      loss:backward()
+      opt:step()
+      if step == 1 then first = loss:item() end
+      last = loss:item()
+    end
+    assert.is_true(last < first / 10, ("loss %g -> %g"):format(first, last))
+  end)
+end)

@@ -1,0 +1,265 @@
+-- optim_spec.lua — fsdp.optim: SGD and AdamW against hand-computed steps, weight-decay
+-- exclusions, state, clip_grad_norm, the warmup + cosine schedule.
+-- Run: busted --lua=luajit tests/lua/optim_spec.lua
+
+local fsdp = require "fsdp"
+local nn = fsdp.nn
+local optim = fsdp.optim
+
+local function flat(t)
+  local out = {}
+  local function go(x)
+    if type(x) == "table" then for i = 1, #x do go(x[i]) end else out[#out + 1] = x end
+  end
+  go(type(t) == "userdata" and t:totable() or t)
+  return out
+end
+
+local function assert_close(a, b, tol, what)
+  a, b = flat(a), flat(b)
+  assert.are.equal(#b, #a, (what or "") .. ": element count")
+  tol = tol or 1e-5
+  for i = 1, #a do
+    if math.abs(a[i] - b[i]) > tol * (1 + math.abs(b[i])) then
+      error(("%s: element %d differs: %.7g vs %.7g"):format(what or "values", i, a[i], b[i]), 2)
+    end
+  end
+end
+
+local function param(values) return nn.Parameter(fsdp.tensor(values)) end
+
+-- loss = 0.5 * sum(c * p^2) so that grad = c * p (depends on the current p)
+local function quad_backward(ps, cs)
+  local loss
+  for i, p in ipairs(ps) do
+    local term = (p * p * fsdp.tensor(cs[i])):sum() * 0.5
+    loss = loss and (loss + term) or term
+  end
+  loss:backward()
+end
+
+local function map2(a, b, f)
+  local out = {}
+  for i = 1, #a do out[i] = f(a[i], b[i]) end
+  return out
+end
+
+describe("optim.SGD", function()
+  it("matches two hand-computed steps with momentum and weight decay", function()
+    local p0, c = {1, -2, 3}, {0.5, 1, -1}
+    local p = param(p0)
+    local opt = optim.SGD({p}, {lr = 0.1, momentum = 0.9, weight_decay = 0.01})
+    local lr, mu, wd = 0.1, 0.9, 0.01
+    -- hand: g = c*p + wd*p; buf = g (first), then mu*buf + g; p = p - lr*buf
+    local g1 = map2(c, p0, function(ci, pi) return ci * pi + wd * pi end)
+    local buf = g1
+    local p1 = map2(p0, buf, function(pi, bi) return pi - lr * bi end)
+    local g2 = map2(c, p1, function(ci, pi) return ci * pi + wd * pi end)
+    buf = map2(buf, g2, function(bi, gi) return mu * bi + gi end)
+    local p2 = map2(p1, buf, function(pi, bi) return pi - lr * bi end)
+    quad_backward({p}, {c})
+    opt:step()
+    assert_close(p, p1, 1e-6, "after step 1")
+    opt:zero_grad()
+    assert.is_nil(p.grad)
+    quad_backward({p}, {c})
+    opt:step()
+    assert_close(p, p2, 1e-6, "after step 2")
+    local sd = opt:state_dict()
+    assert.are.equal(2, sd.step)
+    assert.are.equal(0.1, sd.lr)
+    assert.are.equal(0.9, sd.hyper.momentum)
+    assert_close(sd.state["1"].momentum_buffer, buf, 1e-6, "momentum buffer")
+  end)
+
+  it("without momentum is plain gradient descent and keeps no buffer", function()
+    local p = param{2, 4}
+    local opt = optim.SGD({p}, {lr = 0.5})
+    quad_backward({p}, {{1, 1}})
+    opt:step()
+    assert_close(p, {1, 2}, 1e-7, "p")
+    assert.is_nil(opt:state_dict().state["1"].momentum_buffer)
+  end)
+
+  it("skips parameters without a gradient and follows opt.lr", function()
+    local m = nn.Sequential{nn.Linear(2, 2), nn.Linear(2, 2)}
+    local opt = optim.SGD(m, {lr = 0.1})
+    local w1, w2 = m[1].weight:clone(), m[2].weight:clone()
+    m[1](fsdp.ones{1, 2}):sum():backward() -- only the first layer gets gradients
+    assert.is_nil(m[2].weight.grad)
+    opt.lr = 0
+    opt:step()
+    assert_close(m[1].weight, w1, 0, "lr 0 leaves weights")
+    opt.lr = 0.1
+    opt:step()
+    assert.is_false(pcall(assert_close, m[1].weight, w1, 0))
+    assert_close(m[2].weight, w2, 0, "no gradient, no update")
+    local st = opt:state_dict().state
+    assert.is_not_nil(st["1.weight"])
+    assert.is_nil(st["2.weight"])
+  end)
+
+  it("rejects bad options", function()
+    assert.has_error(function() optim.SGD({param{1}}, {}) end)
+    assert.has_error(function() optim.SGD({param{1}}, {lr = -1}) end)
+    assert.has_error(function() optim.SGD(3, {lr = 1}) end)
+  end)
+end)
+
+describe("optim.AdamW", function()
+  -- hand-computed AdamW (PyTorch): p *= 1 - lr*wd; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+  -- p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+  local function adamw_ref(p, m, v, g, t, lr, b1, b2, eps, wd)
+    local np, nm, nv = {}, {}, {}
+    for i = 1, #p do
+      local pi = p[i] * (1 - lr * wd)
+      nm[i] = b1 * m[i] + (1 - b1) * g[i]
+      nv[i] = b2 * v[i] + (1 - b2) * g[i] * g[i]
+      local denom = math.sqrt(nv[i]) / math.sqrt(1 - b2 ^ t) + eps
+      np[i] = pi - lr / (1 - b1 ^ t) * nm[i] / denom
+    end
+    return np, nm, nv
+  end
+
+  it("matches two hand-computed steps, with decay on matrices only", function()
+    local lr, b1, b2, eps, wd = 0.1, 0.9, 0.99, 1e-8, 0.1
+    local W0, b0 = {{1, -2}, {3, 0.5}}, {1, -1}
+    local cW, cb = {{0.5, 1}, {-1, 2}}, {3, -0.25}
+    local W, b = param(W0), param(b0)
+    local opt = optim.AdamW({W, b}, {lr = lr, betas = {b1, b2}, eps = eps, weight_decay = wd})
+    assert.are.same({"2"}, opt.no_decay_paths) -- the 1-D parameter
+    local pw, pb = flat(W0), flat(b0)
+    local mw, vw, mb, vb = {0, 0, 0, 0}, {0, 0, 0, 0}, {0, 0}, {0, 0}
+    for t = 1, 2 do
+      local gw = map2(flat(cW), pw, function(c, x) return c * x end)
+      local gb = map2(cb, pb, function(c, x) return c * x end)
+      pw, mw, vw = adamw_ref(pw, mw, vw, gw, t, lr, b1, b2, eps, wd)
+      pb, mb, vb = adamw_ref(pb, mb, vb, gb, t, lr, b1, b2, eps, 0)
+      opt:zero_grad()
+      quad_backward({W, b}, {cW, cb})
+      opt:step()
+      assert_close(W, pw, 1e-5, "W after step " .. t)
+      assert_close(b, pb, 1e-5, "b after step " .. t)
+    end
+    local sd = opt:state_dict()
+    assert.are.equal("AdamW", sd.kind)
+    assert.are.equal(2, sd.step)
+    assert.are.same({b1, b2}, sd.hyper.betas)
+    assert.are.equal(2, sd.state["1"].step)
+    assert_close(sd.state["1"].exp_avg, mw, 1e-5, "exp_avg")
+    assert_close(sd.state["2"].exp_avg_sq, vb, 1e-5, "exp_avg_sq")
+  end)
+
+  it("exempts biases and norms from weight decay by default, or as no_decay says", function()
+    local function run(opts)
+      fsdp.manual_seed(1)
+      local m = nn.Sequential{nn.Linear(3, 3), nn.LayerNorm(3)}
+      local before = {}
+      for path, p in m:named_parameters() do
+        p:fill(0.7) -- nonzero everywhere, so that decay always shows
+        before[path] = p:clone()
+      end
+      opts.lr, opts.weight_decay = 0.1, 0.5
+      local opt = optim.AdamW(m, opts)
+      ;(m(fsdp.ones{2, 3}):sum() * 0):backward() -- zero gradients: only decay moves weights
+      opt:step()
+      local scaled = {}
+      for path, p in m:named_parameters() do
+        local expect = before[path] * 0.95 -- 1 - lr * wd
+        if pcall(assert_close, p, expect, 1e-6) then
+          scaled[#scaled + 1] = path
+        else
+          assert_close(p, before[path], 0, path .. " unchanged")
+        end
+      end
+      return scaled, opt.no_decay_paths
+    end
+    local scaled, exempt = run{}
+    assert.are.same({"1.weight"}, scaled)
+    assert.are.same({"1.bias", "2.weight", "2.bias"}, exempt)
+    scaled = run{no_decay = function(path) return path:match("^2%.") ~= nil end}
+    assert.are.same({"1.weight", "1.bias"}, scaled)
+  end)
+
+  it("restores its state from a state_dict", function()
+    local function fresh() return param{{1, 2}, {-3, 4}} end
+    local c = {{1, 2}, {0.5, -1}}
+    local pa = fresh()
+    local a = optim.AdamW({pa}, {lr = 0.05})
+    for _ = 1, 2 do
+      a:zero_grad()
+      quad_backward({pa}, {c})
+      a:step()
+    end
+    local pb = fresh()
+    local b = optim.AdamW({pb}, {lr = 0.05})
+    quad_backward({pb}, {c})
+    b:step()
+    local sd = b:state_dict()
+    local b2 = optim.AdamW({pb}, {lr = 1})
+    b2:load_state_dict(sd)
+    assert.are.equal(0.05, b2.lr)
+    b2:zero_grad()
+    quad_backward({pb}, {c})
+    b2:step()
+    assert_close(pb, pa, 1e-6, "resumed")
+    assert.has_error(function() b2:load_state_dict(optim.SGD({pb}, {lr = 1}):state_dict()) end)
+  end)
+end)
+
+describe("optim.clip_grad_norm", function()
+  it("returns the total norm and scales gradients above max_norm", function()
+    local p, q, unused = param{1, 1}, param{1, 1, 1}, param{5}
+    local function grads()
+      p.grad, q.grad = nil, nil
+      ;((p * fsdp.tensor{3, 4}):sum() + (q * fsdp.tensor{0, 0, 12}):sum()):backward()
+    end
+    grads()
+    local total = optim.clip_grad_norm({p, q, unused}, 100)
+    assert_close(total, 13, 1e-6, "total")
+    assert_close(p.grad, {3, 4}, 0, "below max_norm: unchanged")
+    total = fsdp.clip_grad_norm({p, q, unused}, 1)
+    assert_close(total, 13, 1e-6, "total before clipping")
+    assert_close(p.grad, {3 / 13, 4 / 13}, 1e-5, "clipped p")
+    assert_close(q.grad, {0, 0, 12 / 13}, 1e-5, "clipped q")
+    assert_close(optim.clip_grad_norm({p, q}, 1), 1, 1e-5, "norm after clipping")
+    assert.is_nil(unused.grad)
+  end)
+
+  it("works on a module", function()
+    local m = nn.Linear(2, 1)
+    m.weight:copy(fsdp.tensor{{1, 1}})
+    m(fsdp.tensor{{3, 4}}):sum():backward() -- grads: weight (3, 4), bias 1
+    assert_close(optim.clip_grad_norm(m, 1e9), math.sqrt(26), 1e-6, "norm")
+  end)
+end)
+
+describe("optim.cosine", function()
+  it("warms up linearly, then follows a cosine down to min_lr", function()
+    local opt = optim.SGD({param{1}}, {lr = 1})
+    local s = optim.cosine(opt, {warmup = 10, total = 110, min_lr = 0.1})
+    assert.are.equal(0, opt.lr) -- s:lr(0)
+    assert_close(s:lr(5), 0.5, 1e-12, "warmup middle")
+    assert_close(s:lr(10), 1, 1e-12, "warmup end")
+    assert_close(s:lr(35), 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)), 1e-12, "quarter")
+    assert_close(s:lr(60), 0.55, 1e-12, "half way")
+    assert_close(s:lr(110), 0.1, 1e-12, "end")
+    assert_close(s:lr(500), 0.1, 1e-12, "after the end")
+    for _ = 1, 5 do s:step() end
+    assert_close(opt.lr, 0.5, 1e-12, "opt.lr after 5 steps")
+    local sd = s:state_dict()
+    assert.are.equal(5, sd.step)
+    assert.are.equal(10, sd.warmup)
+    assert.are.equal(110, sd.total)
+  end)
+
+  it("without warmup starts at lr", function()
+    local opt = optim.AdamW({param{1}}, {lr = 0.3})
+    local s = optim.cosine(opt, {total = 4})
+    assert.are.equal(0.3, opt.lr)
+    s:step()
+    assert_close(opt.lr, 0.15 * (1 + math.cos(math.pi / 4)), 1e-12, "step 1")
+    s:step()
+    assert_close(opt.lr, 0.15, 1e-12, "step 2")
+  end)
+end)
