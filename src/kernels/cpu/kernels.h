@@ -135,6 +135,8 @@ void fsdp_cpu_sum_dim_forward(float *out, const float *inp, int64_t outer, int64
 void fsdp_cpu_sum_dim_backward(float *dinp, const float *dout, int64_t outer, int64_t R, int64_t inner);
 /* Sum of squares (double) — used by gradient-norm clipping. */
 double fsdp_cpu_sumsq(const float *a, int64_t n);
+/* out (C) += column sums of inp (R, C), accumulated in double: bias-style gradients. */
+void fsdp_cpu_colsum_acc(float *out, const float *inp, int64_t R, int64_t C);
 
 /* ---- optimizers (update in place, over flat buffers) ------------------------------------------ */
 
