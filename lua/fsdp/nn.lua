@@ -28,6 +28,21 @@ function nn.Parameter(t)
   return fsdp.core.parameter(t)
 end
 
+-- nn.new_param(shape): a new parameter for a custom module, on the current parameter device
+-- (fill it in the module's reset_parameters with self:init_param for path-based values).
+nn.new_param = L.new_param
+
+-- nn.set_param_device(device) -> previous: "meta" makes new_param create shape-only
+-- parameters (what fsdp.meta uses), nil goes back to the cpu.
+function nn.set_param_device(device)
+  if device ~= nil and device ~= "meta" and device ~= "cpu" then
+    base.raise(("nn.set_param_device: unknown device %s"):format(tostring(device)))
+  end
+  local prev = L.param_device
+  L.param_device = device ~= "cpu" and device or nil
+  return prev
+end
+
 for _, name in ipairs{"Linear", "Embedding", "LayerNorm", "ReLU", "GELU", "Dropout", "Sequential",
     "ModuleList", "CausalSelfAttention", "MLP", "Block"} do
   nn[name] = L[name]

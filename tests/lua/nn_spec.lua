@@ -356,6 +356,36 @@ describe("nn path-based initialisation", function()
     assert.is_true(same_values(m.wte.weight, saved[1]))
   end)
 
+  it("records on a meta model the specs that give the eager model's values", function()
+    fsdp.manual_seed(21)
+    local eager = small_gpt()
+    fsdp.manual_seed(21)
+    local prev = nn.set_param_device("meta")
+    local ok, meta = pcall(small_gpt)
+    nn.set_param_device(prev)
+    assert.is_true(ok, meta)
+    local eager_params = eager:parameters()
+    local n = 0
+    for i, p in ipairs(meta:parameters()) do
+      assert.are.equal("meta", p.device)
+      local r = nn.init_record(p)
+      local t = fsdp.zeros(p:shape())
+      if r.kind == "normal" then
+        fsdp.core.init_normal(t, r.seed, r.key, r.a, r.b)
+      elseif r.kind == "uniform" then
+        fsdp.core.init_uniform(t, r.seed, r.key, r.a, r.b)
+      else
+        assert.are.equal("constant", r.kind)
+        t:fill(r.a)
+      end
+      assert.is_true(same_values(t, eager_params[i]), r.key)
+      n = n + 1
+    end
+    assert.are.equal(#eager_params, n)
+    assert.is_true(rawequal(meta.head.weight, meta.wte.weight))
+    assert.are.equal("cpu", nn.Linear(2, 2).weight.device)
+  end)
+
   it("keeps user-given parameter values in custom modules", function()
     local m = Pair(2)
     assert.are.same({1, 1}, m.scale:totable())
@@ -407,8 +437,7 @@ describe("nn errors", function()
     m.blocks[2].mlp.fc = nn.Linear(9, 32) -- wrong input width
     local ok, err = pcall(m, fsdp.tensor{{1, 2, 3}})
     assert.is_false(ok)
-    assert.truthy(err:find("^blocks%.2%.mlp%.fc %(Linear%): "), err)
-    assert.truthy(err:lower():find("linear"), err)
+    assert.truthy(err:find("^blocks%.2%.mlp%.fc %(Linear%): linear: [^\n]*%(32, 9%)"), err)
     local _, n = err:gsub("%(Linear%)", "")
     assert.are.equal(1, n)
     assert.is_nil(err:find("blocks.2.mlp.fc (Linear): blocks", 1, true))
@@ -429,6 +458,25 @@ describe("nn errors", function()
     local ok, err = pcall(Outer(), fsdp.zeros{2})
     assert.is_false(ok)
     assert.truthy(err:find("^inner%.2 %(Boom%): .*nn_spec%.lua:%d+: boom$"), err)
+  end)
+
+  it("adds the user's location to an engine error raised in a custom forward", function()
+    local Bad = nn.Module:extend("Bad")
+    function Bad:forward(x)
+      local y = x:matmul(fsdp.zeros{5, 2}) -- (2, 3) x (5, 2)
+      return y
+    end
+    local Holder = nn.Module:extend("Holder")
+    function Holder:init() self.bad = Bad() end
+    function Holder:forward(x) return self.bad(x) end
+    local ok, err = pcall(Holder(), fsdp.zeros{2, 3})
+    assert.is_false(ok)
+    assert.truthy(err:find("^bad %(Bad%): [^\n]*nn_spec%.lua:%d+: matmul"), err)
+    -- a tail call leaves no user frame: no library location either
+    function Bad:forward(x) return x:matmul(fsdp.zeros{5, 2}) end
+    ok, err = pcall(Holder(), fsdp.zeros{2, 3})
+    assert.is_false(ok)
+    assert.truthy(err:find("^bad %(Bad%): matmul"), err)
   end)
 
   it("names both lengths when a sequence is longer than the context", function()
@@ -515,6 +563,18 @@ describe("nn layer forwards", function()
     assert_close(s(fsdp.tensor{{1, 2}}), {{3}}, 1e-6, "sequential")
   end)
 
+  it("Block is x + attn(ln1(x)), then + mlp(ln2(.))", function()
+    fsdp.manual_seed(2)
+    local b = nn.Block(8, 2)
+    b.ln1.weight:fill(0.5)
+    b.ln2.weight:fill(2) -- distinct norms, so that swapping them shows
+    b.ln2.bias:fill(0.1)
+    local x = fsdp.randn{2, 3, 8}
+    local h = x + b.attn.proj(F.attention(b.attn.qkv(b.ln1(x)), 2))
+    local expect = h + b.mlp.proj(F.gelu(b.mlp.fc(b.ln2(h))))
+    assert_close(b(x), expect, 1e-5, "block")
+  end)
+
   it("Block and CausalSelfAttention keep the shape and are causal", function()
     fsdp.manual_seed(2)
     local b = nn.Block(8, 2)
@@ -550,6 +610,16 @@ describe("nn GPT", function()
     local m = small_gpt()
     assert.are.same({3, 4, 11}, m(fsdp.zeros{3, 4}):shape())
     assert.are.same({1, 8, 11}, m(fsdp.zeros{1, 8}):shape())
+  end)
+
+  it("composes token and position embeddings, blocks, ln_f and the head", function()
+    fsdp.manual_seed(6)
+    local m = small_gpt()
+    local ids = fsdp.tensor{{3, 1, 4, 1, 5}, {9, 2, 6, 5, 3}}
+    local x = m.wte(ids) + m.wpe(fsdp.tensor{0, 1, 2, 3, 4})
+    for i = 1, #m.blocks do x = m.blocks[i](x) end
+    local expect = F.linear(m.ln_f(x), m.wte.weight, nil)
+    assert_close(m(ids), expect, 1e-5, "logits")
   end)
 
   it("generates reproducibly, in eval mode, without recording", function()

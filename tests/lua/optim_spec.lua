@@ -99,6 +99,14 @@ describe("optim.SGD", function()
     assert.is_nil(st["2.weight"])
   end)
 
+  it("updates a parameter listed twice once", function()
+    local p = param{2, 4}
+    local opt = optim.SGD({p, p}, {lr = 0.5})
+    quad_backward({p}, {{1, 1}})
+    opt:step()
+    assert_close(p, {1, 2}, 1e-7, "p")
+  end)
+
   it("rejects bad options", function()
     assert.has_error(function() optim.SGD({param{1}}, {}) end)
     assert.has_error(function() optim.SGD({param{1}}, {lr = -1}) end)

@@ -11,10 +11,20 @@ local base = require "fsdp.nn.module"
 local Module, is_module = base.Module, base.is_module
 local L = {}
 
--- A new parameter of the given shape. Its values are set by reset_parameters once the outermost
--- constructor returns; sharding's meta builds replace this allocation (one place to change).
+-- The device new parameters are created on: nil (cpu) or "meta" (shape only), set through
+-- nn.set_param_device while fsdp.meta builds a model.
+L.param_device = nil
+
+-- A new parameter of the given shape (zeros, or meta). Its values are set by reset_parameters
+-- once the outermost constructor returns. Every built-in layer allocates through here.
 function L.new_param(shape)
-  return fsdp.core.parameter(fsdp.zeros(shape))
+  local t
+  if L.param_device ~= nil then
+    t = fsdp.empty(shape, {device = L.param_device})
+  else
+    t = fsdp.zeros(shape)
+  end
+  return fsdp.core.parameter(t)
 end
 
 local function check_int(v, what, fn, min)

@@ -333,6 +333,15 @@ local function is_lib_source(src)
   return lib_dir ~= nil and src:sub(1, #lib_dir + 2) == "@" .. lib_dir .. "/"
 end
 
+-- The same test for a file name as it appears in a message (a short_src, maybe "...tail").
+local function is_lib_file(file)
+  if lib_dir == nil then return false end
+  local tail = file:match("^%.%.%.(.*)$")
+  if tail == nil then return file:sub(1, #lib_dir + 1) == lib_dir .. "/" end
+  local rel = tail:match("^.*/fsdp/(.*)$") or tail:match("^fsdp/(.*)$")
+  return rel ~= nil and (lib_dir .. "/" .. rel):sub(-#tail) == tail
+end
+
 -- "file:line: " of the innermost stack frame outside the fsdp Lua library (the user's code),
 -- or "" when there is none. Library errors about bad arguments point there.
 function M.user_where()
@@ -377,15 +386,24 @@ end
 local function on_error(e)
   if type(e) ~= "string" or top == 0 then return e end
   local msg = e
-  if not msg:match("^[^\n]-:%d+: ") then
-    for level = 2, 40 do
-      local info = debug.getinfo(level, "Sl")
-      if info == nil then break end
-      if info.what ~= "C" and info.currentline and info.currentline > 0 then
-        if not is_lib_source(info.source) then
-          msg = ("%s:%d: %s"):format(info.short_src, info.currentline, msg)
+  -- An engine op (a C function other than `error`) locates its message at its Lua caller.
+  -- When that caller is the library (a built-in forward, or a tail call that left only the
+  -- module-call frame) the location says nothing: drop it, and name the innermost Lua frame
+  -- instead when that is user code. Errors raised by Lua code keep their message untouched.
+  local raiser = debug.getinfo(2, "Sf")
+  if raiser ~= nil and raiser.what == "C" and raiser.func ~= error then
+    local file, rest = msg:match("^([^\n]-):%d+: (.*)$")
+    if file ~= nil and is_lib_file(file) then msg, file = rest, nil end
+    if file == nil then
+      for level = 3, 40 do
+        local info = debug.getinfo(level, "Sl")
+        if info == nil then break end
+        if info.what ~= "C" and info.currentline and info.currentline > 0 then
+          if not is_lib_source(info.source) then
+            msg = ("%s:%d: %s"):format(info.short_src, info.currentline, msg)
+          end
+          break
         end
-        break
       end
     end
   end
