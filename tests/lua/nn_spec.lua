@@ -431,6 +431,25 @@ describe("nn train/eval and dropout", function()
   end)
 end)
 
+describe("nn forward hooks", function()
+  it("runs pre and post hooks around forward until removed", function()
+    local l = nn.Linear(2, 3)
+    local log = {}
+    local h1 = l:register_forward_pre_hook(function(m, x)
+      log[#log + 1] = {"pre", rawequal(m, l), x:shape()[2]}
+    end)
+    local h2 = l:register_forward_hook(function(m, out)
+      log[#log + 1] = {"post", rawequal(m, l), out:shape()[2]}
+    end)
+    l(fsdp.zeros{1, 2})
+    assert.are.same({{"pre", true, 2}, {"post", true, 3}}, log)
+    h1.remove()
+    h2.remove()
+    l(fsdp.zeros{1, 2})
+    assert.are.equal(2, #log)
+  end)
+end)
+
 describe("nn errors", function()
   it("prefixes the path of the failing submodule, once", function()
     local m = small_gpt()
@@ -674,5 +693,27 @@ describe("nn training", function()
       last = loss:item()
     end
     assert.is_true(last < first / 10, ("loss %g -> %g"):format(first, last))
+  end)
+
+  it("overfits a tiny tied GPT with AdamW, clipping and a cosine schedule", function()
+    fsdp.manual_seed(3)
+    local m = nn.GPT{vocab = 11, ctx = 8, d = 16, layers = 1, heads = 2}
+    local x = fsdp.tensor{{1, 2, 3, 4, 5, 6, 7, 8}, {8, 7, 6, 5, 4, 3, 2, 1}}
+    local y = fsdp.tensor{{2, 3, 4, 5, 6, 7, 8, 9}, {7, 6, 5, 4, 3, 2, 1, 0}}
+    local opt = fsdp.optim.AdamW(m, {lr = 0.02})
+    local sched = fsdp.optim.cosine(opt, {warmup = 5, total = 80})
+    local first, last
+    for step = 1, 80 do
+      sched:step()
+      opt:zero_grad()
+      local loss = F.cross_entropy(m(x), y)
+      loss:backward()
+      fsdp.clip_grad_norm(m, 1.0)
+      opt:step()
+      if step == 1 then first = loss:item() end
+      last = loss:item()
+    end
+    assert.is_true(last < first / 5, ("loss %g -> %g"):format(first, last))
+    assert.are.same({1, 2, 3, 4, 5, 6, 7, 8, 9}, m:generate({1}, 8, {temperature = 0}))
   end)
 end)
