@@ -2,7 +2,7 @@
  * activations.c — ReLU, GELU (tanh approximation) and dropout, forward and backward.
  * Owner: kernels.
  *
- * GELU uses the vectorised tanh of vmath.h (one code path for full vectors and tails, so a
+ * GELU uses the vectorised exp of vmath.h (tanh(u) written through sigmoid(2u)) (one code path for full vectors and tails, so a
  * value's result does not depend on where it sits in the buffer). Its backward is the exact
  * derivative of the same tanh formula. Dropout draws its uniforms from the counter-based
  * core RNG into the mask buffer itself, so no scratch is needed and element i's decision is a
@@ -23,9 +23,11 @@ void fsdp_cpu_relu_backward(float *dinp, const float *dout, const float *inp, in
   for (int64_t i = 0; i < n; i++) dinp[i] += inp[i] > 0.0f ? dout[i] : 0.0f;
 }
 
+/* 0.5 x (1 + tanh(u)) == x * sigmoid(2u) == x / (1 + e^{-2u}),  u = s (x + a x^3): one exp and
+ * one division, and no 1 + tanh cancellation for negative x. */
 static inline fsdp_vf gelu_v(fsdp_vf x) {
-  fsdp_vf t = fsdp_vf_tanh(GELU_S * (x + GELU_A * x * x * x));
-  return 0.5f * x * (1.0f + t);
+  fsdp_vf u = GELU_S * (x + GELU_A * x * x * x);
+  return x / (1.0f + fsdp_vf_exp(-2.0f * u));
 }
 
 void fsdp_cpu_gelu_forward(float *out, const float *inp, int64_t n) {
@@ -37,11 +39,13 @@ void fsdp_cpu_gelu_forward(float *out, const float *inp, int64_t n) {
   }
 }
 
-/* d gelu / dx = 0.5 (1 + t) + 0.5 x (1 - t^2) s (1 + 3 a x^2),  t = tanh(s (x + a x^3)) */
+/* d gelu / dx = 0.5 (1 + t) + 0.5 x (1 - t^2) u',  t = tanh(u), u' = s (1 + 3 a x^2);
+ * with q = sigmoid(2u) = (1 + t) / 2 this is q + 2 x q (1 - q) u'. */
 static inline fsdp_vf gelu_grad_v(fsdp_vf x) {
   fsdp_vf x2 = x * x;
-  fsdp_vf t = fsdp_vf_tanh(GELU_S * (x + GELU_A * x2 * x));
-  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * (GELU_S * (1.0f + 3.0f * GELU_A * x2));
+  fsdp_vf u = GELU_S * (x + GELU_A * x2 * x);
+  fsdp_vf q = 1.0f / (1.0f + fsdp_vf_exp(-2.0f * u));
+  return q + 2.0f * x * q * (1.0f - q) * (GELU_S * (1.0f + 3.0f * GELU_A * x2));
 }
 
 void fsdp_cpu_gelu_backward(float *dinp, const float *dout, const float *inp, int64_t n) {

@@ -7,6 +7,17 @@
  * Backward functions ACCUMULATE (+=) into input gradients (dinp, dweight, ...): the caller
  * zero-fills a fresh gradient buffer, and a tensor used twice receives the sum.
  * GEMM goes through OpenBLAS (cblas_sgemm); nothing on a hot path is a naive triple loop.
+ *
+ * Aliasing: outputs never alias inputs, except where a function says so: the elementwise
+ * forwards (binary, affine, relu, gelu, dropout) may run in place with out == input exactly,
+ * and gradient outputs of one call may be the same buffer where an op takes the same tensor
+ * twice (binary_backward da == db for x * x, mse_backward, linear/bmm_backward).
+ * Determinism: results are pure functions of the inputs (fixed reduction orders, no threads
+ * other than OpenBLAS's), so reruns are bitwise identical for a fixed BLAS thread count.
+ * Precision: reductions over unbounded lengths (sum, sumsq, mse, column sums, cross-entropy
+ * losses, bias gradients) accumulate in double; row reductions over a feature dimension use
+ * float SIMD lanes with double between blocks. exp / tanh are SIMD polynomials within 2 ulp.
+ * Owner: kernels (the .c files of src/kernels/cpu; vmath.h there is private to them).
  */
 #ifndef FSDP_KERNELS_CPU_H
 #define FSDP_KERNELS_CPU_H
@@ -17,10 +28,12 @@
 /* ---- BLAS ---------------------------------------------------------------------------- */
 
 /* c = alpha * op(a) @ op(b) + beta * c, row-major; op(a) (M, K), op(b) (K, N), c (M, N).
- * lda/ldb/ldc are row strides of the stored matrices (as in cblas). */
+ * lda/ldb/ldc are row strides of the stored matrices (as in cblas).
+ * beta == 0 ignores the contents of c (NaN included). M, N or K == 0 is allowed. */
 void fsdp_cpu_gemm(float *c, const float *a, const float *b, int M, int N, int K, bool trans_a,
                    bool trans_b, float alpha, float beta, int lda, int ldb, int ldc);
-/* Set how many threads OpenBLAS uses for calls from now on (ranks call it with max(1, C/N)). */
+/* Set how many threads OpenBLAS uses for calls from now on (ranks call it with max(1, C/N));
+ * n < 1 means 1. The setting is process-wide (OpenBLAS has no per-thread count). */
 void fsdp_cpu_set_blas_threads(int n);
 int fsdp_cpu_get_blas_threads(void);
 
@@ -63,7 +76,8 @@ void fsdp_cpu_gelu_forward(float *out, const float *inp, int64_t n);
 void fsdp_cpu_gelu_backward(float *dinp, const float *dout, const float *inp, int64_t n);
 
 /* Dropout with probability p: mask[i] = (u_i >= p) ? 1/(1-p) : 0 where u_i is
- * fsdp_rng_uniform(key, first + i); out = inp * mask. mask (n) is saved for backward. */
+ * fsdp_rng_uniform(key, first + i); out = inp * mask. mask (n) is saved for backward.
+ * p <= 0: mask all ones (no RNG call); p >= 1: mask all zeros. */
 void fsdp_cpu_dropout_forward(float *out, float *mask, const float *inp, int64_t n, float p,
                               uint64_t key, uint64_t first);
 void fsdp_cpu_dropout_backward(float *dinp, const float *dout, const float *mask, int64_t n);
@@ -80,16 +94,17 @@ void fsdp_cpu_embedding_backward(float *dweight, const float *dout, const float 
 /* ---- normalisation, softmax ---------------------------------------------------------------- */
 
 /* out (N, C) = (inp - mean) * rstd * weight + bias ; mean (N), rstd (N) saved for backward;
- * bias may be NULL */
+ * rstd = 1 / sqrt(biased variance + eps). bias may be NULL; weight may be NULL (taken as 1). */
 void fsdp_cpu_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
                                 const float *weight, const float *bias, int64_t N, int C,
                                 float eps);
-/* dinp (N, C) += ..., dweight (C) += ..., dbias (C) += ... ; dweight/dbias may be NULL */
+/* dinp (N, C) += ..., dweight (C) += ..., dbias (C) += ... ; any of the three may be NULL;
+ * weight NULL as in the forward. */
 void fsdp_cpu_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
                                  const float *inp, const float *weight, const float *mean,
                                  const float *rstd, int64_t N, int C);
 
-/* out (N, C) = softmax of each row of inp (N, C) */
+/* out (N, C) = softmax of each row of inp (N, C); -inf entries get probability 0 */
 void fsdp_cpu_softmax_forward(float *out, const float *inp, int64_t N, int C);
 /* dinp += out * (dout - sum(dout * out)) per row */
 void fsdp_cpu_softmax_backward(float *dinp, const float *dout, const float *out, int64_t N, int C);
@@ -103,7 +118,8 @@ void fsdp_cpu_softmax_backward(float *dinp, const float *dout, const float *out,
  * Scores are scaled by 1/sqrt(hs). Uses sgemm per (b, head). */
 void fsdp_cpu_attention_forward(float *out, float *att, const float *qkv, int B, int T, int C,
                                 int NH);
-/* dqkv (B, T, 3C) += ... ; scratch (B, NH, T, T) is caller-provided workspace (overwritten). */
+/* dqkv (B, T, 3C) += ... ; scratch (B, NH, T, T) is caller-provided workspace (its lower
+ * triangle is overwritten; no contents are read). att is the forward's. */
 void fsdp_cpu_attention_backward(float *dqkv, float *scratch, const float *dout,
                                  const float *qkv, const float *att, int B, int T, int C,
                                  int NH);
@@ -113,7 +129,8 @@ void fsdp_cpu_attention_backward(float *dqkv, float *scratch, const float *dout,
 /* Cross-entropy fused with log-softmax over rows of logits (N, V) with integral targets (N).
  * Rows whose target == ignore_index are skipped. lse (N) receives each row's log-sum-exp
  * (saved for backward). Returns the mean loss over counted rows (0 when none) and stores the
- * count in *count. */
+ * count in *count. Rows are stable for any logit range (row max subtracted); targets are
+ * converted with (int) and must be valid class ids on counted rows (checked by the caller). */
 float fsdp_cpu_cross_entropy_forward(float *lse, const float *logits, const float *targets,
                                      int64_t N, int V, int ignore_index, int64_t *count);
 /* dlogits (N, V) += dloss / count * (softmax - onehot) on counted rows */
