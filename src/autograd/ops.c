@@ -25,10 +25,28 @@ static int64_t prod(const int64_t *s, int n) {
   return p;
 }
 
-/* A contiguous version of t whose data is readable: t retained, or a copy. */
+/* A contiguous version of t whose data is readable: t retained, or a copy accounted as an
+ * activation (a strided view of a parameter is copied for the kernel; the copy is not a
+ * parameter). The error names the op and the tensor's shape. */
 static int contig(fsdp_tensor **out, fsdp_tensor *t, const char *op) {
-  if (!fsdp_tensor_data(t, op)) return FSDP_ERR;
-  if (fsdp_tensor_contiguous(out, t)) return fsdp_error_context("%s", op);
+  *out = NULL;
+  if (!t->storage->device->has_data)
+    return fsdp_error("%s: tensor %s on %s device has no data", op, FSDP_SHAPE_STR(t),
+                      t->storage->device->name);
+  if (fsdp_tensor_is_contiguous(t)) {
+    fsdp_tensor_retain(t);
+    *out = t;
+    return FSDP_OK;
+  }
+  fsdp_tensor *c;
+  if (fsdp_tensor_new(&c, t->storage->device, t->dtype, t->ndim, t->shape,
+                      FSDP_ROLE_ACTIVATIONS))
+    return fsdp_error_context("%s", op);
+  if (fsdp_tensor_copy(c, t)) {
+    fsdp_tensor_release(c);
+    return fsdp_error_context("%s", op);
+  }
+  *out = c;
   return FSDP_OK;
 }
 
@@ -108,11 +126,14 @@ static void contiguous_strides(int64_t *st, int nd, const int64_t *shape) {
   }
 }
 
-static bool is_integral_in(const float *v, int64_t n, int64_t lo, int64_t hi, int64_t ignore,
+/* Every v[i] an integer in [lo, hi) (or equal to *ignore when ignore is non-NULL); else the
+ * first offending index in *bad. Compares in float: casting NaN or a huge value to an integer
+ * type would be undefined. */
+static bool is_integral_in(const float *v, int64_t n, int64_t lo, int64_t hi, const int *ignore,
                            int64_t *bad) {
   for (int64_t i = 0; i < n; i++) {
     float x = v[i];
-    if ((int64_t)x == ignore && x == (float)ignore) continue;
+    if (ignore && x == (float)*ignore) continue;
     if (!(x >= (float)lo && x < (float)hi) || x != floorf(x)) {
       *bad = i;
       return false;
@@ -330,13 +351,15 @@ int fsdp_op_pow(fsdp_tensor **out, fsdp_tensor *a, float p) {
 
 /* ---- matmul, linear ------------------------------------------------------------------- */
 
-/* i[0..3] = batch, M, K, N ; batch 0 means "a flattened to (M, K) times 2-D b" */
+/* i[0..3] = batch, M, K, N ; i[4] = 1 for a batched product, 0 for "a flattened to (M, K)
+ * times a 2-D b" */
 static int bw_matmul(fsdp_node *n) {
   float *da, *db;
   if (grad_of(n, 0, &da) || grad_of(n, 1, &db)) return FSDP_ERR;
   int B = (int)n->i[0], M = (int)n->i[1], K = (int)n->i[2], N = (int)n->i[3];
+  if (B == 0 || M == 0 || K == 0 || N == 0) return FSDP_OK; /* an empty product: zero grads */
   const float *g = D(n->out->grad), *a = D(n->saved[0]), *b = D(n->saved[1]);
-  if (B == 0) {
+  if (!n->i[4]) {
     if (da) fsdp_cpu_gemm(da, g, b, M, K, N, false, true, 1.0f, 1.0f, N, N, K);
     if (db) fsdp_cpu_gemm(db, a, g, K, N, M, true, false, 1.0f, 1.0f, K, N, N);
   } else {
@@ -346,7 +369,7 @@ static int bw_matmul(fsdp_node *n) {
 }
 
 int fsdp_op_matmul(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b) {
-  int64_t B = 0, M, K, N;
+  int64_t B = 1, M, K, N;
   int64_t oshape[FSDP_MAX_DIMS];
   int ond;
   if (a->ndim < 1 || b->ndim < 2) goto bad;
@@ -370,7 +393,6 @@ int fsdp_op_matmul(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b) {
     ond = a->ndim;
     memcpy(oshape, a->shape, sizeof(int64_t) * (size_t)ond);
     oshape[ond - 1] = N;
-    if (B == 0) B = 0; /* an empty batch computes nothing */
   }
   fsdp_tensor *ac = NULL, *bc = NULL;
   int rc = FSDP_ERR;
@@ -387,10 +409,11 @@ int fsdp_op_matmul(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b) {
   fsdp_node *node;
   rc = record("matmul", bw_matmul, *out, in, 2, sv, 2, &node);
   if (node) {
-    node->i[0] = b->ndim == 2 ? 0 : B;
+    node->i[0] = B;
     node->i[1] = M;
     node->i[2] = K;
     node->i[3] = N;
+    node->i[4] = b->ndim != 2;
   }
   if (rc) fsdp_tensor_release(*out);
 done:
@@ -469,7 +492,7 @@ int fsdp_op_embedding(fsdp_tensor **out, fsdp_tensor *ids, fsdp_tensor *w) {
   int rc = FSDP_ERR;
   if (contig(&ic, ids, "embedding") || contig(&wc, w, "embedding")) goto done;
   int64_t bad;
-  if (!is_integral_in(D(ic), N, 0, V, INT64_MIN, &bad)) {
+  if (!is_integral_in(D(ic), N, 0, V, NULL, &bad)) {
     fsdp_error("embedding: id %g at position %lld is not an integer in [0, %lld) (weight %s)",
                (double)D(ic)[bad], (long long)bad + 1, (long long)V, FSDP_SHAPE_STR(w));
     goto done;
@@ -620,7 +643,8 @@ static int bw_dropout(fsdp_node *n) {
 
 int fsdp_op_dropout(fsdp_tensor **out, fsdp_tensor *x, float p) {
   if (!(p >= 0.0f && p < 1.0f))
-    return fsdp_error("dropout: probability %g is not in [0, 1)", (double)p);
+    return fsdp_error("dropout: probability %g is not in [0, 1) (input %s)", (double)p,
+                      FSDP_SHAPE_STR(x));
   fsdp_tensor *xc = NULL, *mask = NULL;
   int rc = FSDP_ERR;
   if (contig(&xc, x, "dropout")) goto done;
@@ -665,10 +689,11 @@ int fsdp_op_cross_entropy(fsdp_tensor **out, fsdp_tensor *logits, fsdp_tensor *t
   int rc = FSDP_ERR;
   if (contig(&lc, logits, "cross_entropy") || contig(&tc, targets, "cross_entropy")) goto done;
   int64_t bad;
-  if (!is_integral_in(D(tc), N, 0, V, ignore_index, &bad)) {
+  if (!is_integral_in(D(tc), N, 0, V, &ignore_index, &bad)) {
     fsdp_error("cross_entropy: target %g at position %lld is not a class in [0, %lld) nor the "
-               "ignore index %d",
-               (double)D(tc)[bad], (long long)bad + 1, (long long)V, ignore_index);
+               "ignore index %d (logits %s, targets %s)",
+               (double)D(tc)[bad], (long long)bad + 1, (long long)V, ignore_index,
+               FSDP_SHAPE_STR(logits), FSDP_SHAPE_STR(targets));
     goto done;
   }
   if (new_out(&lse, 1, &N, "cross_entropy") || new_out(out, 0, NULL, "cross_entropy")) goto done;
@@ -804,11 +829,23 @@ int fsdp_op_sum_dim(fsdp_tensor **out, fsdp_tensor *a, int dim, bool mean) {
 
 /* ---- views ------------------------------------------------------------------------------- */
 
-/* view/contiguous: the flat logical order is unchanged, gradients add elementwise */
+/* view/contiguous: the flat logical order is unchanged, gradients add elementwise. When the
+ * input is a non-leaf without a gradient yet, it takes the output's gradient buffer as its
+ * own (a view of it: gradient buffers are contiguous in logical order, so the bytes are the
+ * same): no zero-fill and no pass over what can be a (B*T, V) logits gradient. The output's
+ * gradient is dropped right after this node, so nothing else writes through the alias. Leaf
+ * gradients (parameters) keep their own storage, accounted as grads. */
 static int bw_flat(fsdp_node *n) {
+  fsdp_tensor *in = n->in[0];
+  if (!in->requires_grad) return FSDP_OK;
+  if (!in->grad && !in->is_leaf && fsdp_tensor_is_contiguous(n->out->grad)) {
+    fsdp_tensor *g;
+    if (fsdp_tensor_view(&g, n->out->grad, in->ndim, in->shape)) return FSDP_ERR;
+    in->grad = g; /* the new reference moves into in */
+    return FSDP_OK;
+  }
   float *da;
   if (grad_of(n, 0, &da)) return FSDP_ERR;
-  if (!da) return FSDP_OK;
   const float *g = D(n->out->grad);
   int64_t N = fsdp_tensor_numel(n->out);
   for (int64_t i = 0; i < N; i++) da[i] += g[i];
@@ -821,7 +858,14 @@ int fsdp_op_contiguous(fsdp_tensor **out, fsdp_tensor *a) {
     *out = a;
     return FSDP_OK;
   }
-  if (fsdp_tensor_contiguous(out, a)) return fsdp_error_context("contiguous");
+  /* a meta tensor gives a meta copy (shape only); data copies are accounted as activations */
+  if (fsdp_tensor_new(out, a->storage->device, a->dtype, a->ndim, a->shape,
+                      FSDP_ROLE_ACTIVATIONS))
+    return fsdp_error_context("contiguous");
+  if (fsdp_tensor_copy(*out, a)) {
+    fsdp_tensor_release(*out);
+    return fsdp_error_context("contiguous");
+  }
   int rc = record("contiguous", bw_flat, *out, &a, 1, NULL, 0, NULL);
   if (rc) fsdp_tensor_release(*out);
   return rc;
@@ -829,7 +873,7 @@ int fsdp_op_contiguous(fsdp_tensor **out, fsdp_tensor *a) {
 
 int fsdp_op_view(fsdp_tensor **out, fsdp_tensor *a, int ndim, const int64_t *shape) {
   fsdp_tensor *ac;
-  if (fsdp_op_contiguous(&ac, a)) return fsdp_error_context("view");
+  if (fsdp_op_contiguous(&ac, a)) return fsdp_error_context("view %s", FSDP_SHAPE_STR(a));
   int rc = fsdp_tensor_view(out, ac, ndim, shape);
   if (!rc) {
     rc = record("view", bw_flat, *out, &ac, 1, NULL, 0, NULL);
@@ -856,7 +900,7 @@ static int bw_transpose(fsdp_node *n) {
 }
 
 int fsdp_op_transpose(fsdp_tensor **out, fsdp_tensor *a, int d0, int d1) {
-  if (fsdp_tensor_transpose(out, a, d0, d1)) return fsdp_error_context("transpose");
+  if (fsdp_tensor_transpose(out, a, d0, d1)) return FSDP_ERR; /* "transpose: ..." */
   fsdp_node *node;
   int rc = record("transpose", bw_transpose, *out, &a, 1, NULL, 0, &node);
   if (node) {
@@ -881,7 +925,7 @@ static int bw_narrow(fsdp_node *n) {
 }
 
 int fsdp_op_narrow(fsdp_tensor **out, fsdp_tensor *a, int dim, int64_t start, int64_t len) {
-  if (fsdp_tensor_narrow(out, a, dim, start, len)) return fsdp_error_context("narrow");
+  if (fsdp_tensor_narrow(out, a, dim, start, len)) return FSDP_ERR; /* "narrow: ..." */
   fsdp_node *node;
   int rc = record("narrow", bw_narrow, *out, &a, 1, NULL, 0, &node);
   if (node) {

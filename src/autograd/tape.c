@@ -42,6 +42,9 @@ fsdp_node *fsdp_node_new(const char *op, fsdp_backward_fn backward) {
 
 static void node_free(fsdp_node *n) {
   if (!n) return;
+  /* A non-leaf's gradient only means something while its node is on the tape: a node dropped
+   * without running (tape cleared, backward failed half-way) must not leave one behind. */
+  if (n->out && !n->out->is_leaf) fsdp_tensor_set_grad(n->out, NULL);
   fsdp_tensor_release(n->out);
   for (int i = 0; i < n->nin; i++) fsdp_tensor_release(n->in[i]);
   for (int i = 0; i < n->nsaved; i++) fsdp_tensor_release(n->saved[i]);
@@ -103,11 +106,16 @@ int fsdp_backward(fsdp_tensor *root, fsdp_tensor *grad) {
                       "produced it requires one, or it was computed under no_grad)",
                       FSDP_SHAPE_STR(root));
   }
-  if (root->is_leaf) {
-    /* d(root)/d(root): accumulate the seed straight into the leaf. */
-  } else if (tape_len == 0) {
-    return fsdp_error("backward: nothing was recorded (backward already ran over this graph, "
-                      "or the forward ran under no_grad)");
+  if (!root->is_leaf) {
+    /* The root must still be on the tape: otherwise its graph is gone (a second backward over
+     * the same graph, or a cleared tape) and walking the tape would silently do nothing but
+     * drop whatever else was recorded. The root is almost always the newest node. */
+    int64_t k = tape_len - 1;
+    while (k >= 0 && tape[k]->out != root) k--;
+    if (k < 0)
+      return fsdp_error("backward: the graph of tensor %s is no longer recorded (backward "
+                        "already ran over it, or the tape was cleared)",
+                        FSDP_SHAPE_STR(root));
   }
   if (grad) {
     if (!fsdp_tensor_same_shape(grad, root))
@@ -132,6 +140,8 @@ int fsdp_backward(fsdp_tensor *root, fsdp_tensor *grad) {
   } else {
     g[0] += 1.0f;
   }
+  /* d(leaf)/d(leaf): the seed is the whole answer; other recorded graphs stay recorded. */
+  if (root->is_leaf) return FSDP_OK;
 
   int rc = FSDP_OK;
   while (tape_len > 0) {

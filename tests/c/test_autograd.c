@@ -1,0 +1,1192 @@
+/*
+ * test_autograd.c — the autograd layer (src/autograd): every differentiable op's gradient
+ * against central finite differences, the tape's bookkeeping (accumulation, freeing, no_grad,
+ * hooks, memory), and every op's error paths. Owner: grad.
+ *
+ * Gradient checks: for an op out = f(in...), the autograd gradient of L = sum(out * R) (R a
+ * fixed random tensor, passed to fsdp_backward as the seed gradient) w.r.t. each input is
+ * compared with (L(x + eps) - L(x - eps)) / 2 eps, with L summed in double from the f32
+ * forward. The error reported is max_i |autograd_i - fd_i| / max_i |fd_i| (the gradient's
+ * own scale, so entries near zero do not blow it up); a deliberately wrong backward is
+ * checked to fail the same test (test_gradcheck_catches_wrong_backward).
+ */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "autograd/autograd.h"
+
+/* ---- helpers ---------------------------------------------------------------------------- */
+
+static uint64_t lcg_state = 88172645463325252ull;
+static void rng_reset(uint64_t s) { lcg_state = s ? s : 1; }
+static double urand(void) { /* xorshift64*: uniform in [0, 1) */
+  lcg_state ^= lcg_state >> 12;
+  lcg_state ^= lcg_state << 25;
+  lcg_state ^= lcg_state >> 27;
+  return (double)((lcg_state * 2685821657736338717ull) >> 11) / 9007199254740992.0;
+}
+
+#define SHAPE(...) ((const int64_t[]){__VA_ARGS__})
+#define NDIM(...) ((int)(sizeof((int64_t[]){__VA_ARGS__}) / sizeof(int64_t)))
+
+static fsdp_tensor *mk(int ndim, const int64_t *shape) {
+  fsdp_tensor *t;
+  assert_int_equal(fsdp_tensor_new_f32(&t, ndim, shape), FSDP_OK);
+  return t;
+}
+
+/* uniform in [lo, hi) */
+static fsdp_tensor *rnd(int ndim, const int64_t *shape, double lo, double hi) {
+  fsdp_tensor *t = mk(ndim, shape);
+  float *d = fsdp_tensor_data(t, "test");
+  for (int64_t i = 0; i < fsdp_tensor_numel(t); i++) d[i] = (float)(lo + (hi - lo) * urand());
+  return t;
+}
+
+/* magnitude in [lo, hi), random sign: keeps values away from kinks and poles */
+static fsdp_tensor *rnd_away(int ndim, const int64_t *shape, double lo, double hi) {
+  fsdp_tensor *t = rnd(ndim, shape, lo, hi);
+  float *d = fsdp_tensor_data(t, "test");
+  for (int64_t i = 0; i < fsdp_tensor_numel(t); i++)
+    if (urand() < 0.5) d[i] = -d[i];
+  return t;
+}
+
+static fsdp_tensor *from(int ndim, const int64_t *shape, const float *v) {
+  fsdp_tensor *t = mk(ndim, shape);
+  memcpy(fsdp_tensor_data(t, "test"), v, sizeof(float) * (size_t)fsdp_tensor_numel(t));
+  return t;
+}
+
+static fsdp_tensor *meta(int ndim, const int64_t *shape) {
+  fsdp_tensor *t;
+  assert_int_equal(fsdp_tensor_new(&t, &fsdp_device_meta, FSDP_DTYPE_F32, ndim, shape,
+                                   FSDP_ROLE_ACTIVATIONS),
+                   FSDP_OK);
+  return t;
+}
+
+/* A transposed (non-contiguous) view of a fresh random tensor of shape (..., b, a), so the
+ * view has shape (..., a, b). The view holds the only reference to its storage. */
+static fsdp_tensor *rnd_transposed(int ndim, const int64_t *shape, double lo, double hi) {
+  int64_t s[FSDP_MAX_DIMS];
+  memcpy(s, shape, sizeof(int64_t) * (size_t)ndim);
+  s[ndim - 1] = shape[ndim - 2];
+  s[ndim - 2] = shape[ndim - 1];
+  fsdp_tensor *base = rnd(ndim, s, lo, hi), *v;
+  assert_int_equal(fsdp_tensor_transpose(&v, base, ndim - 2, ndim - 1), FSDP_OK);
+  fsdp_tensor_release(base);
+  assert_false(fsdp_tensor_is_contiguous(v));
+  return v;
+}
+
+/* Pointer to element i (row-major logical order) of any strided view. */
+static float *elem(fsdp_tensor *t, int64_t i) {
+  int64_t off = 0;
+  for (int k = t->ndim - 1; k >= 0; k--) {
+    off += (i % t->shape[k]) * t->strides[k];
+    i /= t->shape[k];
+  }
+  return fsdp_tensor_data(t, "test") + off;
+}
+
+/* Logical-order contents of t as a malloc'd double array. */
+static double *values(fsdp_tensor *t) {
+  int64_t n = fsdp_tensor_numel(t);
+  double *v = malloc(sizeof(double) * (size_t)(n ? n : 1));
+  for (int64_t i = 0; i < n; i++) v[i] = *elem(t, i);
+  return v;
+}
+
+static int64_t live_bytes(fsdp_role role) {
+  fsdp_mem_report r;
+  fsdp_mem_report_get(NULL, &r);
+  return r.counts[0].live[role];
+}
+
+/* rc must be FSDP_ERR and the message must contain every given substring. */
+static void expect_err_(int rc, const char *file, int line, ...) {
+  const char *msg = fsdp_error_msg();
+  if (rc != FSDP_ERR) {
+    fprintf(stderr, "%s:%d: expected FSDP_ERR, got %d\n", file, line, rc);
+    fail();
+  }
+  va_list ap;
+  va_start(ap, line);
+  for (const char *s; (s = va_arg(ap, const char *));) {
+    if (!strstr(msg, s)) {
+      fprintf(stderr, "%s:%d: error message \"%s\" lacks \"%s\"\n", file, line, msg, s);
+      va_end(ap);
+      fail();
+    }
+  }
+  va_end(ap);
+}
+#define EXPECT_ERR(rc, ...) expect_err_((rc), __FILE__, __LINE__, __VA_ARGS__, (const char *)NULL)
+
+/* ---- the gradient checker ---------------------------------------------------------------- */
+
+/* gc_case literals below leave the optional trailing fields (eps, tol) to their defaults */
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
+
+typedef int (*fwd_fn)(fsdp_tensor **out, fsdp_tensor **in, const void *ctx);
+
+typedef struct {
+  const char *name;
+  fwd_fn f;
+  const void *ctx;
+  int nin;
+  fsdp_tensor *in[4];
+  unsigned wrt;   /* bit k: check the gradient w.r.t. in[k] */
+  double eps;     /* 0: 1e-2 */
+  double tol;     /* 0: 2e-3 */
+} gc_case;
+
+static double loss_value(fsdp_tensor *out, const double *R) {
+  double L = 0;
+  for (int64_t i = 0; i < fsdp_tensor_numel(out); i++) L += (double)*elem(out, i) * R[i];
+  return L;
+}
+
+/* Runs the check; returns the worst error over the checked inputs (and prints each). The
+ * inputs keep their values; their requires_grad and grad are reset afterwards. */
+static double gradcheck_measure(gc_case *c) {
+  double eps = c->eps > 0 ? c->eps : 1e-2, worst = 0;
+  fsdp_tape_clear();
+  bool prev = fsdp_set_grad_enabled(true);
+  for (int k = 0; k < c->nin; k++) {
+    if (!c->in[k]) continue;
+    c->in[k]->requires_grad = false;
+    fsdp_tensor_set_grad(c->in[k], NULL);
+  }
+  for (int k = 0; k < c->nin; k++)
+    if (c->wrt & (1u << k)) c->in[k]->requires_grad = true;
+
+  fsdp_tensor *out = NULL;
+  if (c->f(&out, c->in, c->ctx)) {
+    fprintf(stderr, "%s: forward failed: %s\n", c->name, fsdp_error_msg());
+    fail();
+  }
+  assert_true(out->requires_grad);
+  assert_false(out->is_leaf);
+  int64_t n = fsdp_tensor_numel(out);
+  fsdp_tensor *R = rnd(out->ndim, out->shape, -1, 1);
+  double *Rv = values(R);
+  if (fsdp_backward(out, R)) {
+    fprintf(stderr, "%s: backward failed: %s\n", c->name, fsdp_error_msg());
+    fail();
+  }
+  assert_int_equal(fsdp_tape_size(), 0);
+  assert_null(out->grad); /* a non-leaf's gradient is freed once used */
+  fsdp_tensor_release(out);
+  fsdp_tensor_release(R);
+
+  fsdp_set_grad_enabled(false);
+  for (int k = 0; k < c->nin; k++) {
+    if (!(c->wrt & (1u << k))) continue;
+    fsdp_tensor *x = c->in[k];
+    if (!x->grad) {
+      fprintf(stderr, "%s: input %d got no gradient\n", c->name, k);
+      fail();
+    }
+    assert_true(fsdp_tensor_same_shape(x->grad, x));
+    assert_true(fsdp_tensor_is_contiguous(x->grad));
+    double *ag = values(x->grad);
+    int64_t m = fsdp_tensor_numel(x);
+    double maxdiff = 0, maxfd = 0, maxrel = 0;
+    for (int64_t i = 0; i < m; i++) {
+      float *p = elem(x, i), v = *p;
+      double L[2];
+      for (int s = 0; s < 2; s++) {
+        *p = (float)(v + (s ? -eps : eps));
+        fsdp_tensor *o;
+        if (c->f(&o, c->in, c->ctx)) {
+          fprintf(stderr, "%s: forward failed: %s\n", c->name, fsdp_error_msg());
+          fail();
+        }
+        assert_int_equal(fsdp_tensor_numel(o), n);
+        L[s] = loss_value(o, Rv);
+        fsdp_tensor_release(o);
+      }
+      *p = v;
+      /* the step actually taken in f32 */
+      double h = ((double)(float)(v + eps) - (double)(float)(v - eps));
+      double fd = (L[0] - L[1]) / h;
+      double d = fabs(ag[i] - fd);
+      if (d > maxdiff) maxdiff = d;
+      if (fabs(fd) > maxfd) maxfd = fabs(fd);
+      double rel = d / fmax(fabs(fd), 1e-3);
+      if (rel > maxrel) maxrel = rel;
+    }
+    double err = maxdiff / fmax(maxfd, 1e-6);
+    printf("  gradcheck %-34s d/in%d: max err %.2e (scaled), max elementwise rel %.2e, "
+           "max |g| %.2e\n",
+           c->name, k, err, maxrel, maxfd);
+    if (err > worst) worst = err;
+    free(ag);
+  }
+  assert_int_equal(fsdp_tape_size(), 0); /* nothing recorded under no_grad */
+  free(Rv);
+  for (int k = 0; k < c->nin; k++) {
+    if (!c->in[k]) continue;
+    c->in[k]->requires_grad = false;
+    fsdp_tensor_set_grad(c->in[k], NULL);
+  }
+  fsdp_set_grad_enabled(prev);
+  return worst;
+}
+
+static void gradcheck(gc_case c) {
+  double tol = c.tol > 0 ? c.tol : 2e-3;
+  double err = gradcheck_measure(&c);
+  if (!(err <= tol)) {
+    fprintf(stderr, "%s: gradient error %.3e exceeds %.1e\n", c.name, err, tol);
+    fail();
+  }
+  for (int k = 0; k < c.nin; k++) {
+    bool dup = false;
+    for (int j = 0; j < k; j++) dup |= c.in[j] == c.in[k];
+    if (!dup) fsdp_tensor_release(c.in[k]);
+  }
+}
+
+/* ---- forward functions (ctx carries the op's scalar arguments) ----------------------------- */
+
+static int f_binary(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  return fsdp_op_binary(o, in[0], in[1], *(const fsdp_binary_op *)ctx);
+}
+static int f_affine(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  const float *st = ctx;
+  return fsdp_op_affine(o, in[0], st[0], st[1]);
+}
+static int f_unary(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  return fsdp_op_unary(o, in[0], *(const fsdp_unary_op *)ctx);
+}
+static int f_pow(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  return fsdp_op_pow(o, in[0], *(const float *)ctx);
+}
+static int f_matmul(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  return fsdp_op_matmul(o, in[0], in[1]);
+}
+static int f_linear(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  return fsdp_op_linear(o, in[0], in[1], in[2]);
+}
+static int f_embedding(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  return fsdp_op_embedding(o, in[0], in[1]);
+}
+static int f_layernorm(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  return fsdp_op_layernorm(o, in[0], in[1], in[2], 1e-5f);
+}
+static int f_softmax(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  return fsdp_op_softmax(o, in[0]);
+}
+static int f_attention(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  return fsdp_op_attention(o, in[0], *(const int *)ctx);
+}
+static int f_dropout(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  fsdp_rng_manual_seed(1234); /* the same mask on every call */
+  return fsdp_op_dropout(o, in[0], *(const float *)ctx);
+}
+static int f_cross_entropy(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  return fsdp_op_cross_entropy(o, in[0], in[1], *(const int *)ctx);
+}
+static int f_mse(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  return fsdp_op_mse(o, in[0], in[1]);
+}
+static int f_sum(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  return fsdp_op_sum(o, in[0]);
+}
+static int f_mean(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  return fsdp_op_mean(o, in[0]);
+}
+typedef struct {
+  int dim;
+  bool mean;
+} sum_dim_ctx;
+static int f_sum_dim(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  const sum_dim_ctx *c = ctx;
+  return fsdp_op_sum_dim(o, in[0], c->dim, c->mean);
+}
+typedef struct {
+  int ndim;
+  int64_t shape[FSDP_MAX_DIMS];
+} view_ctx;
+static int f_view(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  const view_ctx *c = ctx;
+  return fsdp_op_view(o, in[0], c->ndim, c->shape);
+}
+static int f_transpose(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  const int *d = ctx;
+  return fsdp_op_transpose(o, in[0], d[0], d[1]);
+}
+static int f_narrow(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  const int64_t *a = ctx; /* dim, start, len */
+  return fsdp_op_narrow(o, in[0], (int)a[0], a[1], a[2]);
+}
+static int f_contiguous(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  return fsdp_op_contiguous(o, in[0]);
+}
+/* a composite: narrow -> transpose -> view -> matmul -> gelu -> sum_dim */
+static int f_composite(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  fsdp_tensor *a = NULL, *b = NULL, *c = NULL, *d = NULL, *e = NULL;
+  int rc = fsdp_op_narrow(&a, in[0], 1, 1, 4) || fsdp_op_transpose(&b, a, 0, 1) ||
+           fsdp_op_view(&c, b, 2, SHAPE(2, 6)) || fsdp_op_matmul(&d, c, in[1]) ||
+           fsdp_op_unary(&e, d, FSDP_UNARY_GELU) || fsdp_op_sum_dim(o, e, 0, true);
+  fsdp_tensor_release(a);
+  fsdp_tensor_release(b);
+  fsdp_tensor_release(c);
+  fsdp_tensor_release(d);
+  fsdp_tensor_release(e);
+  return rc ? FSDP_ERR : FSDP_OK;
+}
+
+/* ---- gradient checks --------------------------------------------------------------------- */
+
+static const fsdp_binary_op OP_ADD = FSDP_OP_ADD, OP_SUB = FSDP_OP_SUB, OP_MUL = FSDP_OP_MUL,
+                            OP_DIV = FSDP_OP_DIV;
+
+static void test_grad_binary(void **state) {
+  (void)state;
+  rng_reset(1);
+  const fsdp_binary_op *ops[] = {&OP_ADD, &OP_SUB, &OP_MUL, &OP_DIV};
+  const char *names[] = {"add", "sub", "mul", "div"};
+  for (int i = 0; i < 4; i++) {
+    char nm[64];
+    snprintf(nm, sizeof nm, "%s same shape", names[i]);
+    gradcheck((gc_case){nm, f_binary, ops[i], 2,
+                        {rnd_away(2, SHAPE(3, 4), 0.5, 1.5), rnd_away(2, SHAPE(3, 4), 0.5, 1.5)},
+                        3});
+    snprintf(nm, sizeof nm, "%s (2,3,4) op (3,4)", names[i]);
+    gradcheck((gc_case){nm, f_binary, ops[i], 2,
+                        {rnd_away(3, SHAPE(2, 3, 4), 0.5, 1.5), rnd_away(2, SHAPE(3, 4), 0.5, 1.5)},
+                        3});
+    snprintf(nm, sizeof nm, "%s (4) op (2,3,4)", names[i]);
+    gradcheck((gc_case){nm, f_binary, ops[i], 2,
+                        {rnd_away(1, SHAPE(4), 0.5, 1.5), rnd_away(3, SHAPE(2, 3, 4), 0.5, 1.5)},
+                        3});
+    snprintf(nm, sizeof nm, "%s (2,3) op scalar", names[i]);
+    gradcheck((gc_case){nm, f_binary, ops[i], 2,
+                        {rnd_away(2, SHAPE(2, 3), 0.5, 1.5), rnd_away(0, NULL, 0.5, 1.5)}, 3});
+    snprintf(nm, sizeof nm, "%s scalar op (2,3)", names[i]);
+    gradcheck((gc_case){nm, f_binary, ops[i], 2,
+                        {rnd_away(0, NULL, 0.5, 1.5), rnd_away(2, SHAPE(2, 3), 0.5, 1.5)}, 3});
+    snprintf(nm, sizeof nm, "%s transposed inputs", names[i]);
+    gradcheck((gc_case){nm, f_binary, ops[i], 2,
+                        {rnd_transposed(3, SHAPE(2, 3, 4), 0.5, 1.5),
+                         rnd_transposed(2, SHAPE(3, 4), 0.5, 1.5)},
+                        3});
+  }
+}
+
+static void test_grad_affine(void **state) {
+  (void)state;
+  rng_reset(2);
+  static const float st[2] = {-1.5f, 0.25f};
+  gradcheck((gc_case){"affine", f_affine, st, 1, {rnd(2, SHAPE(3, 4), -1, 1)}, 1});
+  gradcheck((gc_case){"affine transposed", f_affine, st, 1,
+                      {rnd_transposed(2, SHAPE(3, 4), -1, 1)}, 1});
+}
+
+static void test_grad_unary(void **state) {
+  (void)state;
+  rng_reset(3);
+  static const fsdp_unary_op ops[] = {FSDP_UNARY_RELU, FSDP_UNARY_GELU, FSDP_UNARY_EXP,
+                                      FSDP_UNARY_LOG,  FSDP_UNARY_SQRT, FSDP_UNARY_TANH,
+                                      FSDP_UNARY_SIGMOID};
+  static const char *names[] = {"relu", "gelu", "exp", "log", "sqrt", "tanh", "sigmoid"};
+  for (int i = 0; i < 7; i++) {
+    bool positive = ops[i] == FSDP_UNARY_LOG || ops[i] == FSDP_UNARY_SQRT;
+    char nm[64];
+    snprintf(nm, sizeof nm, "%s", names[i]);
+    /* values 0.05 or more from relu's kink, positive for log and sqrt */
+    fsdp_tensor *x = positive ? rnd(3, SHAPE(2, 3, 5), 0.3, 2.0) : rnd_away(3, SHAPE(2, 3, 5), 0.05, 3.0);
+    gradcheck((gc_case){nm, f_unary, &ops[i], 1, {x}, 1});
+    snprintf(nm, sizeof nm, "%s transposed", names[i]);
+    x = positive ? rnd_transposed(2, SHAPE(4, 3), 0.3, 2.0) : rnd_transposed(2, SHAPE(4, 3), 0.05, 3.0);
+    if (!positive) { /* random signs */
+      for (int64_t j = 0; j < 12; j++)
+        if (urand() < 0.5) *elem(x, j) = -*elem(x, j);
+    }
+    gradcheck((gc_case){nm, f_unary, &ops[i], 1, {x}, 1});
+  }
+}
+
+static void test_grad_pow(void **state) {
+  (void)state;
+  rng_reset(4);
+  static const float ps[] = {2.0f, 3.0f, 0.5f, -1.0f, 1.5f};
+  for (int i = 0; i < 5; i++) {
+    char nm[64];
+    snprintf(nm, sizeof nm, "pow %g", (double)ps[i]);
+    gradcheck((gc_case){nm, f_pow, &ps[i], 1, {rnd(2, SHAPE(3, 4), 0.5, 2.0)}, 1});
+  }
+  gradcheck((gc_case){"pow 2 of negative, transposed", f_pow, &ps[0], 1,
+                      {rnd_transposed(2, SHAPE(3, 4), -2.0, -0.5)}, 1});
+}
+
+static void test_grad_matmul(void **state) {
+  (void)state;
+  rng_reset(5);
+  gradcheck((gc_case){"matmul (3,4)@(4,5)", f_matmul, NULL, 2,
+                      {rnd(2, SHAPE(3, 4), -1, 1), rnd(2, SHAPE(4, 5), -1, 1)}, 3});
+  gradcheck((gc_case){"matmul (2,3,4)@(2,4,5)", f_matmul, NULL, 2,
+                      {rnd(3, SHAPE(2, 3, 4), -1, 1), rnd(3, SHAPE(2, 4, 5), -1, 1)}, 3});
+  gradcheck((gc_case){"matmul (2,2,3,4)@(2,2,4,5)", f_matmul, NULL, 2,
+                      {rnd(4, SHAPE(2, 2, 3, 4), -1, 1), rnd(4, SHAPE(2, 2, 4, 5), -1, 1)}, 3});
+  gradcheck((gc_case){"matmul (2,3,4)@(4,5)", f_matmul, NULL, 2,
+                      {rnd(3, SHAPE(2, 3, 4), -1, 1), rnd(2, SHAPE(4, 5), -1, 1)}, 3});
+  gradcheck((gc_case){"matmul (4)@(4,5)", f_matmul, NULL, 2,
+                      {rnd(1, SHAPE(4), -1, 1), rnd(2, SHAPE(4, 5), -1, 1)}, 3});
+  gradcheck((gc_case){"matmul transposed inputs", f_matmul, NULL, 2,
+                      {rnd_transposed(2, SHAPE(3, 4), -1, 1), rnd_transposed(2, SHAPE(4, 5), -1, 1)},
+                      3});
+  gradcheck((gc_case){"matmul batched transposed", f_matmul, NULL, 2,
+                      {rnd_transposed(3, SHAPE(2, 3, 4), -1, 1),
+                       rnd_transposed(3, SHAPE(2, 4, 5), -1, 1)},
+                      3});
+  gradcheck((gc_case){"matmul only b", f_matmul, NULL, 2,
+                      {rnd(2, SHAPE(3, 4), -1, 1), rnd(2, SHAPE(4, 5), -1, 1)}, 2});
+}
+
+static void test_grad_linear(void **state) {
+  (void)state;
+  rng_reset(6);
+  gradcheck((gc_case){"linear bias, x (2,3,4)", f_linear, NULL, 3,
+                      {rnd(3, SHAPE(2, 3, 4), -1, 1), rnd(2, SHAPE(5, 4), -1, 1),
+                       rnd(1, SHAPE(5), -1, 1)},
+                      7});
+  gradcheck((gc_case){"linear no bias, x (3,4)", f_linear, NULL, 3,
+                      {rnd(2, SHAPE(3, 4), -1, 1), rnd(2, SHAPE(5, 4), -1, 1), NULL}, 3});
+  gradcheck((gc_case){"linear x (4)", f_linear, NULL, 3,
+                      {rnd(1, SHAPE(4), -1, 1), rnd(2, SHAPE(5, 4), -1, 1), rnd(1, SHAPE(5), -1, 1)},
+                      7});
+  gradcheck((gc_case){"linear transposed x and w", f_linear, NULL, 3,
+                      {rnd_transposed(2, SHAPE(3, 4), -1, 1), rnd_transposed(2, SHAPE(5, 4), -1, 1),
+                       rnd(1, SHAPE(5), -1, 1)},
+                      7});
+  gradcheck((gc_case){"linear only weight", f_linear, NULL, 3,
+                      {rnd(2, SHAPE(3, 4), -1, 1), rnd(2, SHAPE(5, 4), -1, 1), rnd(1, SHAPE(5), -1, 1)},
+                      2});
+}
+
+static void test_grad_embedding(void **state) {
+  (void)state;
+  rng_reset(7);
+  static const float ids[] = {0, 4, 2, 2, 1, 4}; /* repeats: gradients must add */
+  gradcheck((gc_case){"embedding ids (2,3), w (5,4)", f_embedding, NULL, 2,
+                      {from(2, SHAPE(2, 3), ids), rnd(2, SHAPE(5, 4), -1, 1)}, 2});
+  gradcheck((gc_case){"embedding transposed w", f_embedding, NULL, 2,
+                      {from(1, SHAPE(6), ids), rnd_transposed(2, SHAPE(5, 4), -1, 1)}, 2});
+}
+
+static void test_grad_layernorm(void **state) {
+  (void)state;
+  rng_reset(8);
+  gradcheck((gc_case){"layernorm bias (2,3,6)", f_layernorm, NULL, 3,
+                      {rnd(3, SHAPE(2, 3, 6), -2, 2), rnd(1, SHAPE(6), 0.5, 1.5),
+                       rnd(1, SHAPE(6), -1, 1)},
+                      7});
+  gradcheck((gc_case){"layernorm no bias (4,5)", f_layernorm, NULL, 3,
+                      {rnd(2, SHAPE(4, 5), -2, 2), rnd(1, SHAPE(5), 0.5, 1.5), NULL}, 3,
+                      });
+  gradcheck((gc_case){"layernorm transposed x", f_layernorm, NULL, 3,
+                      {rnd_transposed(2, SHAPE(4, 5), -2, 2), rnd(1, SHAPE(5), 0.5, 1.5),
+                       rnd(1, SHAPE(5), -1, 1)},
+                      7});
+}
+
+static void test_grad_softmax(void **state) {
+  (void)state;
+  rng_reset(9);
+  gradcheck((gc_case){"softmax (2,3,5)", f_softmax, NULL, 1, {rnd(3, SHAPE(2, 3, 5), -2, 2)}, 1});
+  gradcheck((gc_case){"softmax transposed", f_softmax, NULL, 1,
+                      {rnd_transposed(2, SHAPE(4, 5), -2, 2)}, 1});
+}
+
+static void test_grad_attention(void **state) {
+  (void)state;
+  rng_reset(10);
+  static const int nh3 = 3, nh1 = 1, nh2 = 2;
+  gradcheck((gc_case){"attention B2 T5 C6 NH3", f_attention, &nh3, 1,
+                      {rnd(3, SHAPE(2, 5, 18), -1, 1)}, 1});
+  gradcheck((gc_case){"attention B1 T7 C4 NH1", f_attention, &nh1, 1,
+                      {rnd(3, SHAPE(1, 7, 12), -1, 1)}, 1});
+  gradcheck((gc_case){"attention B1 T1 C4 NH2", f_attention, &nh2, 1,
+                      {rnd(3, SHAPE(1, 1, 12), -1, 1)}, 1});
+  /* a strided qkv: a narrowed slice of a wider buffer */
+  fsdp_tensor *wide = rnd(3, SHAPE(2, 3, 15), -1, 1), *qkv;
+  assert_int_equal(fsdp_tensor_narrow(&qkv, wide, 2, 1, 12), FSDP_OK);
+  fsdp_tensor_release(wide);
+  gradcheck((gc_case){"attention narrowed qkv NH2", f_attention, &nh2, 1, {qkv}, 1});
+}
+
+/* ~70 positions: T = 70 spans the kernel's 64-row causal blocks */
+static void test_grad_attention_long(void **state) {
+  (void)state;
+  rng_reset(11);
+  static const int nh = 2;
+  gradcheck((gc_case){"attention B1 T70 C4 NH2", f_attention, &nh, 1,
+                      {rnd(3, SHAPE(1, 70, 12), -1, 1)}, 1});
+}
+
+static void test_grad_dropout(void **state) {
+  (void)state;
+  rng_reset(12);
+  static const float p = 0.3f;
+  fsdp_tensor *x = rnd_away(2, SHAPE(8, 16), 0.5, 1.5);
+  gradcheck((gc_case){"dropout p=0.3", f_dropout, &p, 1, {x}, 1});
+
+  /* the mask: every output is 0 or x / (1 - p); the gradient is R * (the same mask) */
+  x = rnd_away(2, SHAPE(8, 16), 0.5, 1.5);
+  x->requires_grad = true;
+  fsdp_tensor *y, *R = rnd(2, SHAPE(8, 16), -1, 1);
+  fsdp_rng_manual_seed(99);
+  assert_int_equal(fsdp_op_dropout(&y, x, p), FSDP_OK);
+  const float *xv = fsdp_tensor_data(x, "t"), *yv = fsdp_tensor_data(y, "t"),
+              *rv = fsdp_tensor_data(R, "t");
+  int zeros = 0;
+  float scale = 1.0f / (1.0f - p);
+  float mask[128];
+  for (int i = 0; i < 128; i++) {
+    if (yv[i] == 0.0f) {
+      mask[i] = 0;
+      zeros++;
+    } else {
+      assert_float_equal(yv[i], xv[i] * scale, 1e-6);
+      mask[i] = scale;
+    }
+  }
+  printf("  dropout p=0.3: %d of 128 dropped\n", zeros);
+  assert_true(zeros > 128 * 0.15 && zeros < 128 * 0.45);
+  assert_int_equal(fsdp_backward(y, R), FSDP_OK);
+  const float *g = fsdp_tensor_data(x->grad, "t");
+  for (int i = 0; i < 128; i++) assert_float_equal(g[i], rv[i] * mask[i], 1e-6);
+
+  /* same seed => same mask; the stream moves on => a different one */
+  fsdp_tensor *y2, *y3;
+  fsdp_rng_manual_seed(99);
+  assert_int_equal(fsdp_op_dropout(&y2, x, p), FSDP_OK);
+  assert_memory_equal(fsdp_tensor_data(y2, "t"), yv, sizeof(float) * 128);
+  assert_int_equal(fsdp_op_dropout(&y3, x, p), FSDP_OK);
+  assert_memory_not_equal(fsdp_tensor_data(y3, "t"), yv, sizeof(float) * 128);
+  /* p = 0 is the identity */
+  fsdp_tensor *y4;
+  static const float zero = 0.0f;
+  assert_int_equal(fsdp_op_dropout(&y4, x, zero), FSDP_OK);
+  assert_memory_equal(fsdp_tensor_data(y4, "t"), xv, sizeof(float) * 128);
+  fsdp_tape_clear();
+  fsdp_tensor_release(y);
+  fsdp_tensor_release(y2);
+  fsdp_tensor_release(y3);
+  fsdp_tensor_release(y4);
+  fsdp_tensor_release(R);
+  fsdp_tensor_release(x);
+}
+
+static void test_grad_cross_entropy(void **state) {
+  (void)state;
+  rng_reset(13);
+  static const int ign = -1, ign7 = 7;
+  static const float t1[] = {0, 3, -1, 2, 4, -1}, t2[] = {1, 7, 0, 4, 7, 3}, t3[] = {2, 0, 1, 4};
+  gradcheck((gc_case){"cross_entropy (6,5) ignore -1", f_cross_entropy, &ign, 2,
+                      {rnd(2, SHAPE(6, 5), -2, 2), from(1, SHAPE(6), t1)}, 1});
+  gradcheck((gc_case){"cross_entropy (2,3,5) ignore 7", f_cross_entropy, &ign7, 2,
+                      {rnd(3, SHAPE(2, 3, 5), -2, 2), from(2, SHAPE(2, 3), t2)}, 1});
+  gradcheck((gc_case){"cross_entropy (2,2,5) flat targets", f_cross_entropy, &ign, 2,
+                      {rnd(3, SHAPE(2, 2, 5), -2, 2), from(1, SHAPE(4), t3)}, 1});
+  gradcheck((gc_case){"cross_entropy transposed logits", f_cross_entropy, &ign, 2,
+                      {rnd_transposed(2, SHAPE(4, 5), -2, 2), from(1, SHAPE(4), t3)}, 1});
+  gradcheck((gc_case){"cross_entropy V=37 (vector tail)", f_cross_entropy, &ign, 2,
+                      {rnd(2, SHAPE(4, 37), -3, 3), from(1, SHAPE(4), t3)}, 1});
+
+  /* the value: mean over counted rows of lse - logit[target] */
+  static const float lg[] = {1, 2, 3, 0, 0, 0}, tg[] = {2, -1};
+  fsdp_tensor *l = from(2, SHAPE(2, 3), lg), *t = from(1, SHAPE(2), tg), *o;
+  assert_int_equal(fsdp_op_cross_entropy(&o, l, t, -1), FSDP_OK);
+  double want = log(exp(1) + exp(2) + exp(3)) - 3;
+  assert_float_equal(fsdp_tensor_data(o, "t")[0], want, 1e-6);
+  fsdp_tensor_release(o);
+  fsdp_tensor_release(l);
+  fsdp_tensor_release(t);
+
+  /* every target ignored: loss 0 and a zero gradient, not NaN */
+  static const float all_ign[] = {-1, -1};
+  l = rnd(2, SHAPE(2, 3), -1, 1);
+  l->requires_grad = true;
+  t = from(1, SHAPE(2), all_ign);
+  assert_int_equal(fsdp_op_cross_entropy(&o, l, t, -1), FSDP_OK);
+  assert_float_equal(fsdp_tensor_data(o, "t")[0], 0.0f, 0);
+  assert_int_equal(fsdp_backward(o, NULL), FSDP_OK);
+  for (int i = 0; i < 6; i++) assert_float_equal(fsdp_tensor_data(l->grad, "t")[i], 0.0f, 0);
+  fsdp_tensor_release(o);
+  fsdp_tensor_release(l);
+  fsdp_tensor_release(t);
+}
+
+static void test_grad_mse(void **state) {
+  (void)state;
+  rng_reset(14);
+  gradcheck((gc_case){"mse (3,4)", f_mse, NULL, 2,
+                      {rnd(2, SHAPE(3, 4), -1, 1), rnd(2, SHAPE(3, 4), -1, 1)}, 3});
+  gradcheck((gc_case){"mse transposed", f_mse, NULL, 2,
+                      {rnd_transposed(2, SHAPE(3, 4), -1, 1), rnd(2, SHAPE(3, 4), -1, 1)}, 3});
+  fsdp_tensor *a = rnd(2, SHAPE(3, 4), -1, 1);
+  gradcheck((gc_case){"mse(a, a) same tensor", f_mse, NULL, 2, {a, a}, 3});
+}
+
+static void test_grad_reductions(void **state) {
+  (void)state;
+  rng_reset(15);
+  gradcheck((gc_case){"sum (2,3,4)", f_sum, NULL, 1, {rnd(3, SHAPE(2, 3, 4), -1, 1)}, 1});
+  gradcheck((gc_case){"mean (2,3,4)", f_mean, NULL, 1, {rnd(3, SHAPE(2, 3, 4), -1, 1)}, 1});
+  gradcheck((gc_case){"sum transposed", f_sum, NULL, 1, {rnd_transposed(2, SHAPE(3, 4), -1, 1)}, 1});
+  gradcheck((gc_case){"mean of scalar", f_mean, NULL, 1, {rnd(0, NULL, -1, 1)}, 1});
+  for (int d = 0; d < 3; d++)
+    for (int m = 0; m < 2; m++) {
+      sum_dim_ctx c = {d, m == 1};
+      char nm[64];
+      snprintf(nm, sizeof nm, "%s dim %d of (2,3,4)", m ? "mean" : "sum", d);
+      gradcheck((gc_case){nm, f_sum_dim, &c, 1, {rnd(3, SHAPE(2, 3, 4), -1, 1)}, 1});
+      snprintf(nm, sizeof nm, "%s dim %d of transposed", m ? "mean" : "sum", d);
+      gradcheck((gc_case){nm, f_sum_dim, &c, 1, {rnd_transposed(3, SHAPE(2, 3, 4), -1, 1)}, 1});
+    }
+}
+
+static void test_grad_views(void **state) {
+  (void)state;
+  rng_reset(16);
+  view_ctx v1 = {2, {4, 6}}, v2 = {3, {2, -1, 3}};
+  gradcheck((gc_case){"view (2,3,4)->(4,6)", f_view, &v1, 1, {rnd(3, SHAPE(2, 3, 4), -1, 1)}, 1});
+  gradcheck((gc_case){"view transposed->(2,-1,3)", f_view, &v2, 1,
+                      {rnd_transposed(3, SHAPE(2, 3, 4), -1, 1)}, 1});
+  static const int tr01[2] = {0, 1}, tr02[2] = {0, 2}, tr11[2] = {1, 1};
+  gradcheck((gc_case){"transpose 0,1", f_transpose, tr01, 1, {rnd(3, SHAPE(2, 3, 4), -1, 1)}, 1});
+  gradcheck((gc_case){"transpose 0,2", f_transpose, tr02, 1, {rnd(3, SHAPE(2, 3, 4), -1, 1)}, 1});
+  gradcheck((gc_case){"transpose 1,1", f_transpose, tr11, 1, {rnd(3, SHAPE(2, 3, 4), -1, 1)}, 1});
+  gradcheck((gc_case){"transpose of transposed", f_transpose, tr01, 1,
+                      {rnd_transposed(2, SHAPE(3, 4), -1, 1)}, 1});
+  static const int64_t n0[3] = {0, 1, 2}, n1[3] = {1, 0, 1}, n2[3] = {2, 2, 2};
+  gradcheck((gc_case){"narrow dim0", f_narrow, n0, 1, {rnd(3, SHAPE(3, 3, 4), -1, 1)}, 1});
+  gradcheck((gc_case){"narrow dim1", f_narrow, n1, 1, {rnd(3, SHAPE(3, 3, 4), -1, 1)}, 1});
+  gradcheck((gc_case){"narrow dim2", f_narrow, n2, 1, {rnd(3, SHAPE(3, 3, 4), -1, 1)}, 1});
+  gradcheck((gc_case){"narrow of transposed", f_narrow, n1, 1,
+                      {rnd_transposed(2, SHAPE(3, 4), -1, 1)}, 1});
+  gradcheck((gc_case){"contiguous of transposed", f_contiguous, NULL, 1,
+                      {rnd_transposed(3, SHAPE(2, 3, 4), -1, 1)}, 1});
+  gradcheck((gc_case){"composite narrow/transpose/view/matmul/gelu/mean", f_composite, NULL, 2,
+                      {rnd(2, SHAPE(3, 6), -1, 1), rnd(2, SHAPE(6, 5), -1, 1)}, 3});
+}
+
+/* The checker itself must catch a wrong gradient: an op whose backward is 10% off. */
+static int bw_wrong(fsdp_node *n) {
+  float *da = fsdp_grad_acc(n->in[0]);
+  if (!da) return FSDP_ERR;
+  const float *g = fsdp_tensor_data(n->out->grad, "t");
+  for (int64_t i = 0; i < fsdp_tensor_numel(n->out); i++) da[i] += 2.2f * g[i];
+  return FSDP_OK;
+}
+static int f_wrong_double(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  if (fsdp_op_affine(o, in[0], 2.0f, 0.0f)) return FSDP_ERR;
+  if (fsdp_grad_enabled() && fsdp_tape_size() > 0) {
+    /* swap the recorded node's backward for the wrong one */
+    fsdp_node *n = fsdp_node_new("wrong", bw_wrong);
+    n->out = *o;
+    fsdp_tensor_retain(*o);
+    n->nin = 1;
+    n->in[0] = in[0];
+    fsdp_tensor_retain(in[0]);
+    fsdp_tape_clear();
+    (*o)->requires_grad = true;
+    (*o)->is_leaf = false;
+    if (fsdp_tape_push(n)) return FSDP_ERR;
+  }
+  return FSDP_OK;
+}
+static void test_gradcheck_catches_wrong_backward(void **state) {
+  (void)state;
+  rng_reset(17);
+  gc_case c = {"deliberately wrong backward", f_wrong_double, NULL, 1, {rnd(2, SHAPE(3, 3), -1, 1)}, 1};
+  double err = gradcheck_measure(&c);
+  assert_true(err > 0.05);
+  fsdp_tensor_release(c.in[0]);
+}
+
+/* ---- tape semantics ---------------------------------------------------------------------- */
+
+static void test_used_twice(void **state) {
+  (void)state;
+  rng_reset(20);
+  fsdp_tensor *x = rnd(1, SHAPE(5), -1, 1), *y, *z, *s;
+  x->requires_grad = true;
+  /* y = x * x ; z = y + x ; s = sum(z) => ds/dx = 2x + 1 */
+  assert_int_equal(fsdp_op_binary(&y, x, x, FSDP_OP_MUL), FSDP_OK);
+  assert_int_equal(fsdp_op_binary(&z, y, x, FSDP_OP_ADD), FSDP_OK);
+  assert_int_equal(fsdp_op_sum(&s, z), FSDP_OK);
+  assert_int_equal(fsdp_tape_size(), 3);
+  assert_int_equal(fsdp_backward(s, NULL), FSDP_OK);
+  const float *xv = fsdp_tensor_data(x, "t"), *g = fsdp_tensor_data(x->grad, "t");
+  for (int i = 0; i < 5; i++) assert_float_equal(g[i], 2 * xv[i] + 1, 1e-6);
+  assert_null(y->grad);
+  assert_null(z->grad);
+  assert_null(s->grad);
+  fsdp_tensor_release(y);
+  fsdp_tensor_release(z);
+  fsdp_tensor_release(s);
+  fsdp_tensor_release(x);
+}
+
+static void test_accumulate_and_free(void **state) {
+  (void)state;
+  rng_reset(21);
+  fsdp_tensor *w = rnd(2, SHAPE(3, 4), -1, 1), *x = rnd(2, SHAPE(2, 4), -1, 1);
+  w->requires_grad = true;
+  int64_t act0 = live_bytes(FSDP_ROLE_ACTIVATIONS);
+  float first[12];
+  for (int round = 0; round < 2; round++) {
+    fsdp_tensor *h, *a, *l;
+    assert_int_equal(fsdp_op_linear(&h, x, w, NULL), FSDP_OK);
+    assert_int_equal(fsdp_op_unary(&a, h, FSDP_UNARY_TANH), FSDP_OK);
+    assert_int_equal(fsdp_op_sum(&l, a), FSDP_OK);
+    assert_int_equal(fsdp_backward(l, NULL), FSDP_OK);
+    assert_int_equal(fsdp_tape_size(), 0);
+    assert_null(h->grad); /* non-leaf gradients are freed after backward */
+    assert_null(a->grad);
+    assert_null(x->grad); /* x does not require a gradient */
+    assert_non_null(w->grad);
+    const float *g = fsdp_tensor_data(w->grad, "t");
+    if (round == 0) memcpy(first, g, sizeof first);
+    else
+      for (int i = 0; i < 12; i++) assert_float_equal(g[i], 2 * first[i], 1e-6);
+    fsdp_tensor_release(h);
+    fsdp_tensor_release(a);
+    fsdp_tensor_release(l);
+  }
+  /* every activation (outputs, saved tensors, non-leaf gradients) is gone */
+  assert_int_equal(live_bytes(FSDP_ROLE_ACTIVATIONS), act0);
+  assert_int_equal(live_bytes(FSDP_ROLE_GRADS) >= 12 * 4, true);
+  int64_t grads = live_bytes(FSDP_ROLE_GRADS);
+  fsdp_tensor_release(w);
+  assert_int_equal(live_bytes(FSDP_ROLE_GRADS), grads - 12 * 4);
+  fsdp_tensor_release(x);
+}
+
+static void test_no_grad(void **state) {
+  (void)state;
+  rng_reset(22);
+  fsdp_tensor *x = rnd(2, SHAPE(2, 3), -1, 1), *y, *z;
+  x->requires_grad = true;
+  bool prev = fsdp_set_grad_enabled(false);
+  assert_true(prev);
+  assert_false(fsdp_grad_enabled());
+  assert_int_equal(fsdp_op_unary(&y, x, FSDP_UNARY_EXP), FSDP_OK);
+  assert_int_equal(fsdp_op_sum(&z, y), FSDP_OK);
+  assert_int_equal(fsdp_tape_size(), 0);
+  assert_false(y->requires_grad);
+  assert_true(y->is_leaf);
+  EXPECT_ERR(fsdp_backward(z, NULL), "backward", "does not require a gradient");
+  assert_true(fsdp_set_grad_enabled(prev) == false);
+  assert_true(fsdp_grad_enabled());
+  fsdp_tensor_release(y);
+  fsdp_tensor_release(z);
+  /* an op whose inputs need no gradient records nothing either */
+  x->requires_grad = false;
+  assert_int_equal(fsdp_op_unary(&y, x, FSDP_UNARY_EXP), FSDP_OK);
+  assert_int_equal(fsdp_tape_size(), 0);
+  fsdp_tensor_release(y);
+  fsdp_tensor_release(x);
+}
+
+static void test_backward_errors(void **state) {
+  (void)state;
+  rng_reset(23);
+  fsdp_tensor *x = rnd(2, SHAPE(2, 3), -1, 1), *y, *s;
+  x->requires_grad = true;
+  assert_int_equal(fsdp_op_unary(&y, x, FSDP_UNARY_TANH), FSDP_OK);
+  /* non-scalar root without a gradient */
+  EXPECT_ERR(fsdp_backward(y, NULL), "backward", "(2, 3)", "6 elements");
+  assert_int_equal(fsdp_tape_size(), 1); /* a refused backward leaves the tape alone */
+  /* gradient of the wrong shape */
+  fsdp_tensor *g = rnd(1, SHAPE(6), -1, 1);
+  EXPECT_ERR(fsdp_backward(y, g), "backward", "(6)", "(2, 3)");
+  fsdp_tensor_release(g);
+  assert_int_equal(fsdp_op_sum(&s, y), FSDP_OK);
+  assert_int_equal(fsdp_backward(s, NULL), FSDP_OK);
+  /* twice */
+  EXPECT_ERR(fsdp_backward(s, NULL), "backward", "already");
+  assert_null(s->grad);
+  /* twice, with something else recorded in between: still an error, not a silent no-op */
+  fsdp_tensor *other;
+  assert_int_equal(fsdp_op_unary(&other, x, FSDP_UNARY_RELU), FSDP_OK);
+  assert_int_equal(fsdp_tape_size(), 1);
+  EXPECT_ERR(fsdp_backward(s, NULL), "backward", "already");
+  assert_int_equal(fsdp_tape_size(), 1);
+  fsdp_tape_clear();
+  fsdp_tensor_release(other);
+  /* backward from a leaf that requires a gradient: d(x)/d(x) */
+  fsdp_tensor *one = rnd(0, NULL, -1, 1);
+  one->requires_grad = true;
+  assert_int_equal(fsdp_backward(one, NULL), FSDP_OK);
+  assert_float_equal(fsdp_tensor_data(one->grad, "t")[0], 1.0f, 0);
+  fsdp_tensor_release(one);
+  fsdp_tensor_release(y);
+  fsdp_tensor_release(s);
+  fsdp_tensor_release(x);
+}
+
+/* ---- hooks ------------------------------------------------------------------------------- */
+
+typedef struct {
+  int id;
+  int *order; /* shared log of firing order */
+  int *n_fired;
+  fsdp_tensor *watch_have, *watch_none; /* must / must not have a gradient when it fires */
+  bool ok;
+  int fail;     /* return an error when nonzero */
+  int *n_freed;
+} hook_ud;
+
+static int hook_fn(void *p) {
+  hook_ud *u = p;
+  u->order[(*u->n_fired)++] = u->id;
+  u->ok = (!u->watch_have || u->watch_have->grad) && (!u->watch_none || !u->watch_none->grad);
+  if (u->fail) return fsdp_error("hook %d refused", u->id);
+  return FSDP_OK;
+}
+
+static void hook_free(void *p) {
+  hook_ud *u = p;
+  (*u->n_freed)++;
+}
+
+static void test_hooks(void **state) {
+  (void)state;
+  rng_reset(24);
+  int order[4] = {0}, fired = 0, freed = 0;
+  fsdp_tensor *x = rnd(2, SHAPE(2, 3), -1, 1), *h1, *h2, *h3, *l;
+  x->requires_grad = true;
+  hook_ud a = {.id = 1, .order = order, .n_fired = &fired, .n_freed = &freed};
+  hook_ud b = {.id = 2, .order = order, .n_fired = &fired, .n_freed = &freed};
+  assert_int_equal(fsdp_op_unary(&h1, x, FSDP_UNARY_TANH), FSDP_OK);
+  assert_int_equal(fsdp_tape_hook(hook_fn, &a, hook_free), FSDP_OK); /* between h1 and h2 */
+  assert_int_equal(fsdp_op_unary(&h2, h1, FSDP_UNARY_EXP), FSDP_OK);
+  assert_int_equal(fsdp_tape_hook(hook_fn, &b, hook_free), FSDP_OK); /* between h2 and h3 */
+  assert_int_equal(fsdp_op_affine(&h3, h2, 2.0f, 0.0f), FSDP_OK);
+  assert_int_equal(fsdp_op_sum(&l, h3), FSDP_OK);
+  assert_int_equal(fsdp_tape_size(), 6);
+  /* when b fires, h2's gradient is complete and h1's not started; when a fires, h1 has one
+   * and x does not yet */
+  a.watch_have = h1;
+  a.watch_none = x;
+  b.watch_have = h2;
+  b.watch_none = h1;
+  assert_int_equal(fsdp_backward(l, NULL), FSDP_OK);
+  assert_int_equal(fired, 2);
+  assert_int_equal(order[0], 2);
+  assert_int_equal(order[1], 1);
+  assert_true(a.ok);
+  assert_true(b.ok);
+  assert_int_equal(freed, 2); /* each ud freed once, after it ran */
+  assert_int_equal(fsdp_tape_size(), 0);
+  assert_non_null(x->grad);
+  fsdp_tensor_release(h1);
+  fsdp_tensor_release(h2);
+  fsdp_tensor_release(h3);
+  fsdp_tensor_release(l);
+
+  /* cleared without backward: not run, but freed */
+  fired = freed = 0;
+  assert_int_equal(fsdp_op_unary(&h1, x, FSDP_UNARY_TANH), FSDP_OK);
+  assert_int_equal(fsdp_tape_hook(hook_fn, &a, hook_free), FSDP_OK);
+  assert_int_equal(fsdp_tape_hook(hook_fn, &b, hook_free), FSDP_OK);
+  fsdp_tape_clear();
+  assert_int_equal(fired, 0);
+  assert_int_equal(freed, 2);
+  assert_int_equal(fsdp_tape_size(), 0);
+  fsdp_tensor_release(h1);
+
+  /* a hook with no free function */
+  fired = freed = 0;
+  assert_int_equal(fsdp_tape_hook(hook_fn, &a, NULL), FSDP_OK);
+  fsdp_tape_clear();
+  assert_int_equal(freed, 0);
+
+  /* a failing hook fails backward with its message, and the tape is dropped (freeing uds) */
+  fired = freed = 0;
+  fsdp_tensor_set_grad(x, NULL);
+  a.fail = 1;
+  a.watch_have = a.watch_none = b.watch_have = b.watch_none = NULL;
+  assert_int_equal(fsdp_op_unary(&h1, x, FSDP_UNARY_TANH), FSDP_OK);
+  assert_int_equal(fsdp_tape_hook(hook_fn, &b, hook_free), FSDP_OK);
+  assert_int_equal(fsdp_tape_hook(hook_fn, &a, hook_free), FSDP_OK);
+  assert_int_equal(fsdp_op_sum(&l, h1), FSDP_OK);
+  EXPECT_ERR(fsdp_backward(l, NULL), "hook", "hook 1 refused");
+  assert_int_equal(fired, 1); /* b never ran */
+  assert_int_equal(freed, 2);
+  assert_int_equal(fsdp_tape_size(), 0);
+  assert_null(h1->grad); /* nothing half-computed left on non-leaves */
+  fsdp_tensor_release(h1);
+  fsdp_tensor_release(l);
+  fsdp_tensor_release(x);
+}
+
+static void test_tape_clear_frees_activations(void **state) {
+  (void)state;
+  rng_reset(25);
+  fsdp_tensor *w = rnd(2, SHAPE(8, 8), -1, 1), *wl = rnd(1, SHAPE(8), 0.5, 1.5);
+  w->requires_grad = true;
+  wl->requires_grad = true;
+  int64_t act0 = live_bytes(FSDP_ROLE_ACTIVATIONS);
+  fsdp_tensor *x = rnd(3, SHAPE(2, 4, 24), -1, 1), *qkv_t, *a, *h, *n, *g, *l;
+  static const float tg[] = {0, 1, 2, 3, 4, 5, 6, 7};
+  fsdp_tensor *t = from(2, SHAPE(4, 2), tg);
+  x->requires_grad = true;
+  /* a transposed input makes ops save contiguous copies: those must go too */
+  assert_int_equal(fsdp_op_transpose(&qkv_t, x, 0, 1), FSDP_OK);
+  assert_int_equal(fsdp_op_attention(&a, qkv_t, 2), FSDP_OK);
+  assert_int_equal(fsdp_op_linear(&h, a, w, NULL), FSDP_OK);
+  assert_int_equal(fsdp_op_layernorm(&n, h, wl, NULL, 1e-5f), FSDP_OK);
+  assert_int_equal(fsdp_op_unary(&g, n, FSDP_UNARY_GELU), FSDP_OK);
+  assert_int_equal(fsdp_op_cross_entropy(&l, g, t, -1), FSDP_OK);
+  assert_true(fsdp_tape_size() >= 5);
+  /* drop our references: only the tape keeps the graph alive now */
+  fsdp_tensor_release(qkv_t);
+  fsdp_tensor_release(a);
+  fsdp_tensor_release(h);
+  fsdp_tensor_release(n);
+  fsdp_tensor_release(g);
+  int64_t act1 = live_bytes(FSDP_ROLE_ACTIVATIONS);
+  fsdp_tensor_release(x);
+  fsdp_tensor_release(t);
+  fsdp_tensor_release(l);
+  assert_true(act1 > act0);
+  fsdp_tape_clear();
+  assert_int_equal(fsdp_tape_size(), 0);
+  assert_int_equal(live_bytes(FSDP_ROLE_ACTIVATIONS), act0);
+  fsdp_tensor_release(w);
+  fsdp_tensor_release(wl);
+}
+
+static void test_detach(void **state) {
+  (void)state;
+  rng_reset(26);
+  fsdp_tensor *x = rnd(2, SHAPE(2, 3), -1, 1), *y, *d, *z;
+  x->requires_grad = true;
+  assert_int_equal(fsdp_op_unary(&y, x, FSDP_UNARY_EXP), FSDP_OK);
+  assert_int_equal(fsdp_op_detach(&d, y), FSDP_OK);
+  assert_false(d->requires_grad);
+  assert_true(d->is_leaf);
+  assert_ptr_equal(fsdp_tensor_data(d, "t"), fsdp_tensor_data(y, "t"));
+  fsdp_tape_clear();
+  assert_int_equal(fsdp_op_unary(&z, d, FSDP_UNARY_EXP), FSDP_OK);
+  assert_int_equal(fsdp_tape_size(), 0);
+  fsdp_tensor_release(x);
+  fsdp_tensor_release(y);
+  fsdp_tensor_release(d);
+  fsdp_tensor_release(z);
+}
+
+/* ---- error paths ---------------------------------------------------------------------------- */
+
+static void test_errors_shapes(void **state) {
+  (void)state;
+  rng_reset(30);
+  int64_t act0 = live_bytes(FSDP_ROLE_ACTIVATIONS);
+  fsdp_tensor *o = NULL;
+  fsdp_tensor *a23 = rnd(2, SHAPE(2, 3), -1, 1), *b4 = rnd(1, SHAPE(4), -1, 1),
+              *b45 = rnd(2, SHAPE(4, 5), -1, 1), *b234 = rnd(3, SHAPE(2, 3, 4), -1, 1),
+              *b345 = rnd(3, SHAPE(3, 4, 5), -1, 1), *s = rnd(0, NULL, -1, 1);
+  a23->requires_grad = true; /* errors must not record anything either */
+
+  const char *bn[] = {"add", "sub", "mul", "div"};
+  for (int i = 0; i < 4; i++) {
+    EXPECT_ERR(fsdp_op_binary(&o, a23, b4, (fsdp_binary_op)i), bn[i], "(2, 3)", "(4)",
+               "broadcast");
+    EXPECT_ERR(fsdp_op_binary(&o, b4, a23, (fsdp_binary_op)i), bn[i], "(2, 3)", "(4)");
+  }
+  EXPECT_ERR(fsdp_op_matmul(&o, a23, b45), "matmul", "(2, 3)", "(4, 5)");
+  EXPECT_ERR(fsdp_op_matmul(&o, b234, b345), "matmul", "(2, 3, 4)", "(3, 4, 5)");
+  EXPECT_ERR(fsdp_op_matmul(&o, a23, b4), "matmul", "(2, 3)", "(4)");
+  EXPECT_ERR(fsdp_op_matmul(&o, s, b45), "matmul", "()", "(4, 5)");
+  EXPECT_ERR(fsdp_op_linear(&o, a23, b4, NULL), "linear", "weight", "(4)");
+  EXPECT_ERR(fsdp_op_linear(&o, a23, b45, NULL), "linear", "(2, 3)", "(4, 5)");
+  fsdp_tensor *w53 = rnd(2, SHAPE(5, 3), -1, 1);
+  EXPECT_ERR(fsdp_op_linear(&o, a23, w53, b4), "linear", "bias", "(4)", "(5, 3)");
+  EXPECT_ERR(fsdp_op_linear(&o, s, w53, NULL), "linear", "()", "(5, 3)");
+
+  static const float bad_ids[][2] = {{0, 5}, {1.5f, 0}, {-1, 0}, {NAN, 0}};
+  const char *bad_txt[] = {"5", "1.5", "-1", "nan"};
+  for (int i = 0; i < 4; i++) {
+    fsdp_tensor *ids = from(1, SHAPE(2), bad_ids[i]), *w = rnd(2, SHAPE(5, 3), -1, 1);
+    w->requires_grad = true;
+    EXPECT_ERR(fsdp_op_embedding(&o, ids, w), "embedding", bad_txt[i], "(5, 3)", "[0, 5)");
+    fsdp_tensor_release(ids);
+    fsdp_tensor_release(w);
+  }
+  EXPECT_ERR(fsdp_op_embedding(&o, a23, b4), "embedding", "weight", "(4)");
+
+  fsdp_tensor *w2 = rnd(1, SHAPE(2), -1, 1), *w3 = rnd(1, SHAPE(3), -1, 1);
+  EXPECT_ERR(fsdp_op_layernorm(&o, a23, w2, NULL, 1e-5f), "layernorm", "(2, 3)", "(2)");
+  EXPECT_ERR(fsdp_op_layernorm(&o, a23, w3, w2, 1e-5f), "layernorm", "(2, 3)", "(2)");
+  EXPECT_ERR(fsdp_op_layernorm(&o, a23, a23, NULL, 1e-5f), "layernorm", "(2, 3)");
+  EXPECT_ERR(fsdp_op_softmax(&o, s), "softmax", "scalar");
+
+  fsdp_tensor *q2 = rnd(2, SHAPE(5, 18), -1, 1), *q17 = rnd(3, SHAPE(2, 5, 17), -1, 1),
+              *q18 = rnd(3, SHAPE(2, 5, 18), -1, 1);
+  EXPECT_ERR(fsdp_op_attention(&o, q2, 3), "attention", "(5, 18)");
+  EXPECT_ERR(fsdp_op_attention(&o, q17, 1), "attention", "(2, 5, 17)", "3C");
+  EXPECT_ERR(fsdp_op_attention(&o, q18, 4), "attention", "(2, 5, 18)", "4 heads", "6 channels");
+  EXPECT_ERR(fsdp_op_attention(&o, q18, 0), "attention", "(2, 5, 18)", "0 heads");
+  EXPECT_ERR(fsdp_op_attention(&o, q18, -2), "attention", "(2, 5, 18)");
+
+  EXPECT_ERR(fsdp_op_dropout(&o, a23, 1.0f), "dropout", "probability 1", "(2, 3)");
+  EXPECT_ERR(fsdp_op_dropout(&o, a23, -0.1f), "dropout", "-0.1", "(2, 3)");
+  EXPECT_ERR(fsdp_op_dropout(&o, a23, NAN), "dropout", "nan");
+
+  fsdp_tensor *lg = rnd(2, SHAPE(2, 3), -1, 1);
+  static const float t_range[] = {0, 3}, t_frac[] = {0.5f, 1}, t_neg[] = {-2, 1};
+  fsdp_tensor *tr = from(1, SHAPE(2), t_range), *tf = from(1, SHAPE(2), t_frac),
+              *tn = from(1, SHAPE(2), t_neg), *t3 = from(1, SHAPE(3), (float[]){0, 1, 2});
+  EXPECT_ERR(fsdp_op_cross_entropy(&o, lg, tr, -1), "cross_entropy", "target 3", "[0, 3)",
+             "(2, 3)");
+  EXPECT_ERR(fsdp_op_cross_entropy(&o, lg, tf, -1), "cross_entropy", "0.5", "(2, 3)");
+  EXPECT_ERR(fsdp_op_cross_entropy(&o, lg, tn, -1), "cross_entropy", "-2", "ignore");
+  EXPECT_ERR(fsdp_op_cross_entropy(&o, lg, t3, -1), "cross_entropy", "(3)", "(2, 3)");
+  EXPECT_ERR(fsdp_op_cross_entropy(&o, s, t3, -1), "cross_entropy", "scalar");
+
+  EXPECT_ERR(fsdp_op_mse(&o, a23, b4), "mse", "(2, 3)", "(4)");
+  EXPECT_ERR(fsdp_op_sum_dim(&o, a23, 2, false), "sum", "dimension", "(2, 3)");
+  EXPECT_ERR(fsdp_op_sum_dim(&o, a23, -1, true), "mean", "dimension", "(2, 3)");
+  EXPECT_ERR(fsdp_op_view(&o, a23, 2, SHAPE(4, 2)), "view", "(4, 2)", "(2, 3)");
+  EXPECT_ERR(fsdp_op_view(&o, a23, 2, SHAPE(-1, -1)), "view", "(2, 3)");
+  EXPECT_ERR(fsdp_op_view(&o, a23, 2, SHAPE(-1, 4)), "view", "(-1, 4)", "(2, 3)");
+  EXPECT_ERR(fsdp_op_transpose(&o, a23, 0, 2), "transpose", "(2, 3)");
+  EXPECT_ERR(fsdp_op_narrow(&o, a23, 1, 2, 2), "narrow", "(2, 3)");
+  EXPECT_ERR(fsdp_op_narrow(&o, a23, 2, 0, 1), "narrow", "(2, 3)");
+  /* context is added once, not stacked ("transpose: transpose: ...") */
+  fsdp_op_transpose(&o, a23, 0, 2);
+  assert_null(strstr(fsdp_error_msg(), "transpose: transpose"));
+  fsdp_op_narrow(&o, a23, 1, 2, 2);
+  assert_null(strstr(fsdp_error_msg(), "narrow: narrow"));
+
+  assert_int_equal(fsdp_tape_size(), 0);
+  fsdp_tensor *all[] = {a23, b4, b45, b234, b345, s, w53, w2, w3, q2, q17, q18, lg, tr, tf, tn, t3};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) fsdp_tensor_release(all[i]);
+  assert_int_equal(live_bytes(FSDP_ROLE_ACTIVATIONS), act0); /* nothing leaked on error paths */
+}
+
+static void test_errors_meta(void **state) {
+  (void)state;
+  rng_reset(31);
+  fsdp_tensor *o = NULL;
+  fsdp_tensor *m23 = meta(2, SHAPE(2, 3)), *c23 = rnd(2, SHAPE(2, 3), -1, 1),
+              *m53 = meta(2, SHAPE(5, 3)), *m3 = meta(1, SHAPE(3)), *c3 = rnd(1, SHAPE(3), 1, 2),
+              *mq = meta(3, SHAPE(1, 2, 6)), *mids = meta(1, SHAPE(2)),
+              *cw = rnd(2, SHAPE(5, 3), -1, 1);
+  m53->requires_grad = true;
+#define META(call, op, shape) EXPECT_ERR(call, op, "has no data", "meta", shape)
+  META(fsdp_op_binary(&o, m23, c23, FSDP_OP_ADD), "add", "(2, 3)");
+  META(fsdp_op_binary(&o, c23, m23, FSDP_OP_MUL), "mul", "(2, 3)");
+  META(fsdp_op_affine(&o, m23, 1, 2), "affine", "(2, 3)");
+  META(fsdp_op_unary(&o, m23, FSDP_UNARY_GELU), "gelu", "(2, 3)");
+  META(fsdp_op_pow(&o, m23, 2), "pow", "(2, 3)");
+  fsdp_tensor *m34 = meta(2, SHAPE(3, 4));
+  META(fsdp_op_matmul(&o, c23, m34), "matmul", "(3, 4)");
+  META(fsdp_op_matmul(&o, m23, m34), "matmul", "(2, 3)");
+  fsdp_tensor_release(m34);
+  META(fsdp_op_linear(&o, c23, m53, NULL), "linear", "(5, 3)");
+  META(fsdp_op_linear(&o, m23, cw, NULL), "linear", "(2, 3)");
+  META(fsdp_op_embedding(&o, mids, cw), "embedding", "(2)");
+  META(fsdp_op_layernorm(&o, m23, c3, NULL, 1e-5f), "layernorm", "(2, 3)");
+  META(fsdp_op_layernorm(&o, c23, m3, NULL, 1e-5f), "layernorm", "(3)");
+  META(fsdp_op_softmax(&o, m23), "softmax", "(2, 3)");
+  META(fsdp_op_attention(&o, mq, 1), "attention", "(1, 2, 6)");
+  META(fsdp_op_dropout(&o, m23, 0.5f), "dropout", "(2, 3)");
+  META(fsdp_op_cross_entropy(&o, m23, mids, -1), "cross_entropy", "(2, 3)");
+  META(fsdp_op_mse(&o, m23, c23), "mse", "(2, 3)");
+  META(fsdp_op_sum(&o, m23), "sum", "(2, 3)");
+  META(fsdp_op_mean(&o, m23), "mean", "(2, 3)");
+  META(fsdp_op_sum_dim(&o, m23, 0, false), "sum", "(2, 3)");
+#undef META
+  /* shape-only ops work on meta tensors and give meta tensors */
+  fsdp_tensor *mt, *mc, *mv, *mn;
+  assert_int_equal(fsdp_op_transpose(&mt, m23, 0, 1), FSDP_OK);
+  assert_int_equal(fsdp_op_contiguous(&mc, mt), FSDP_OK);
+  assert_int_equal(fsdp_op_view(&mv, mt, 1, SHAPE(-1)), FSDP_OK);
+  assert_int_equal(fsdp_op_narrow(&mn, mt, 0, 1, 2), FSDP_OK);
+  fsdp_tensor *ms[] = {mt, mc, mv, mn};
+  for (int i = 0; i < 4; i++) {
+    assert_false(ms[i]->storage->device->has_data);
+    EXPECT_ERR(fsdp_op_sum(&o, ms[i]), "sum", "has no data");
+    fsdp_tensor_release(ms[i]);
+  }
+  fsdp_tape_clear();
+  assert_int_equal(fsdp_tape_size(), 0);
+  fsdp_tensor *all[] = {m23, c23, m53, m3, c3, mq, mids, cw};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) fsdp_tensor_release(all[i]);
+}
+
+/* Empty dimensions compute nothing and do not crash (nor call BLAS with bad leading dims). */
+static void test_empty(void **state) {
+  (void)state;
+  rng_reset(32);
+  fsdp_tensor *a = rnd(3, SHAPE(0, 3, 4), -1, 1), *b = rnd(3, SHAPE(0, 4, 5), -1, 1),
+              *x = rnd(2, SHAPE(0, 4), -1, 1), *w = rnd(2, SHAPE(5, 4), -1, 1), *o, *s;
+  a->requires_grad = b->requires_grad = w->requires_grad = true;
+  assert_int_equal(fsdp_op_matmul(&o, a, b), FSDP_OK);
+  assert_int_equal(o->shape[0], 0);
+  assert_int_equal(fsdp_op_sum(&s, o), FSDP_OK);
+  assert_int_equal(fsdp_backward(s, NULL), FSDP_OK);
+  fsdp_tensor_release(o);
+  fsdp_tensor_release(s);
+  assert_int_equal(fsdp_op_linear(&o, x, w, NULL), FSDP_OK);
+  assert_int_equal(fsdp_op_sum(&s, o), FSDP_OK);
+  assert_int_equal(fsdp_backward(s, NULL), FSDP_OK);
+  for (int i = 0; i < 20; i++) assert_float_equal(fsdp_tensor_data(w->grad, "t")[i], 0, 0);
+  fsdp_tensor_release(o);
+  fsdp_tensor_release(s);
+  fsdp_tensor_release(a);
+  fsdp_tensor_release(b);
+  fsdp_tensor_release(x);
+  fsdp_tensor_release(w);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_gradcheck_catches_wrong_backward),
+      cmocka_unit_test(test_grad_binary),
+      cmocka_unit_test(test_grad_affine),
+      cmocka_unit_test(test_grad_unary),
+      cmocka_unit_test(test_grad_pow),
+      cmocka_unit_test(test_grad_matmul),
+      cmocka_unit_test(test_grad_linear),
+      cmocka_unit_test(test_grad_embedding),
+      cmocka_unit_test(test_grad_layernorm),
+      cmocka_unit_test(test_grad_softmax),
+      cmocka_unit_test(test_grad_attention),
+      cmocka_unit_test(test_grad_attention_long),
+      cmocka_unit_test(test_grad_dropout),
+      cmocka_unit_test(test_grad_cross_entropy),
+      cmocka_unit_test(test_grad_mse),
+      cmocka_unit_test(test_grad_reductions),
+      cmocka_unit_test(test_grad_views),
+      cmocka_unit_test(test_used_twice),
+      cmocka_unit_test(test_accumulate_and_free),
+      cmocka_unit_test(test_no_grad),
+      cmocka_unit_test(test_backward_errors),
+      cmocka_unit_test(test_hooks),
+      cmocka_unit_test(test_tape_clear_frees_activations),
+      cmocka_unit_test(test_detach),
+      cmocka_unit_test(test_errors_shapes),
+      cmocka_unit_test(test_errors_meta),
+      cmocka_unit_test(test_empty),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
