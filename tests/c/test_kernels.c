@@ -263,7 +263,7 @@ static void test_linear(void **state) {
   free(c.out), free(c.inp), free(c.weight), free(c.bias), free(c.w);
 }
 
-/* ---- bmm -------------------------------------------------------------------------------------- */
+/* ---- bmm ------------------------------------------------------------------------------------- */
 
 typedef struct {
   float *out, *a, *b, *w;
@@ -304,7 +304,7 @@ static void test_bmm(void **state) {
   free(c.out), free(c.a), free(c.b), free(c.w);
 }
 
-/* ---- binary with broadcasting, affine --------------------------------------------------------- */
+/* ---- binary with broadcasting, affine -------------------------------------------------------- */
 
 typedef struct {
   float *out, *a, *b, *w;
@@ -389,7 +389,7 @@ static void test_affine(void **state) {
   free(a), free(out), free(want), free(prior), free(da), free(g);
 }
 
-/* ---- activations ------------------------------------------------------------------------------ */
+/* ---- activations ----------------------------------------------------------------------------- */
 
 typedef struct {
   float *out, *inp, *w, *mask;
@@ -464,7 +464,9 @@ static void test_dropout(void **state) {
   int64_t kept = 0;
   for (int64_t i = 0; i < n; i++) {
     float want_mask = u[i] >= p ? 1.0f / (1.0f - p) : 0.0f;
-    if (c.mask[i] != want_mask) fail_msg("dropout mask[%lld] %g want %g", (long long)i, c.mask[i], want_mask);
+    if (c.mask[i] != want_mask) {
+      fail_msg("dropout mask[%lld] %g want %g", (long long)i, c.mask[i], want_mask);
+    }
     if (fabsf(c.out[i] - c.inp[i] * want_mask) > 1e-6f) fail_msg("dropout out[%lld]", (long long)i);
     kept += c.mask[i] != 0.0f;
   }
@@ -489,7 +491,7 @@ static void test_dropout(void **state) {
   free(c.out), free(c.inp), free(c.w), free(c.mask);
 }
 
-/* ---- embedding -------------------------------------------------------------------------------- */
+/* ---- embedding ------------------------------------------------------------------------------- */
 
 typedef struct {
   float *out, *ids, *weight, *w;
@@ -525,7 +527,7 @@ static void test_embedding(void **state) {
   free(prior), free(d), free(want), free(g), free(c.out), free(c.weight), free(c.w);
 }
 
-/* ---- layernorm -------------------------------------------------------------------------------- */
+/* ---- layernorm ------------------------------------------------------------------------------- */
 
 typedef struct {
   float *out, *mean, *rstd, *inp, *weight, *bias, *w;
@@ -550,7 +552,8 @@ static void ref_layernorm(double *out, double *mean, double *rstd, const float *
     v /= C;
     double s = 1.0 / sqrt(v + eps);
     for (int c = 0; c < C; c++) {
-      out[n * C + c] = (inp[n * C + c] - m) * s * (weight ? weight[c] : 1.0) + (bias ? bias[c] : 0.0);
+      double w = weight ? weight[c] : 1.0, b = bias ? bias[c] : 0.0;
+      out[n * C + c] = (inp[n * C + c] - m) * s * w + b;
     }
     mean[n] = m, rstd[n] = s;
   }
@@ -608,7 +611,7 @@ static void test_layernorm(void **state) {
   }
 }
 
-/* ---- softmax ---------------------------------------------------------------------------------- */
+/* ---- softmax --------------------------------------------------------------------------------- */
 
 typedef struct {
   float *out, *inp, *w;
@@ -648,7 +651,7 @@ static void test_softmax(void **state) {
   free(prior), free(d), free(g), free(want), free(c.out), free(c.inp), free(c.w);
 }
 
-/* ---- attention -------------------------------------------------------------------------------- */
+/* ---- attention ------------------------------------------------------------------------------- */
 
 typedef struct {
   float *out, *att, *qkv, *w;
@@ -688,7 +691,9 @@ static void ref_attention(double *out, double *att, const float *qkv, int B, int
         double *o = out + ((int64_t)b * T + t) * C + h * hs;
         for (int i = 0; i < hs; i++) {
           double acc = 0;
-          for (int s = 0; s <= t; s++) acc += a[s] * qkv[((int64_t)b * T + s) * 3 * C + 2 * C + h * hs + i];
+          for (int s = 0; s <= t; s++) {
+            acc += a[s] * qkv[((int64_t)b * T + s) * 3 * C + 2 * C + h * hs + i];
+          }
           o[i] = acc;
         }
       }
@@ -708,7 +713,9 @@ static void run_attention_case(int B, int T, int C, int NH, int64_t fd_step) {
   check_close_d("attention att", c.att, want_att, natt, 1e-4, 1e-6);
   for (int64_t i = 0; i < natt; i++) { /* exact zeros above the diagonal */
     int64_t t = (i / T) % T, s = i % T;
-    if (s > t && c.att[i] != 0.0f) fail_msg("att[%lld] above diagonal is %g", (long long)i, c.att[i]);
+    if (s > t && c.att[i] != 0.0f) {
+      fail_msg("att[%lld] above diagonal is %g", (long long)i, c.att[i]);
+    }
   }
   float *prior = frand(nqkv, -1, 1), *d = fcopy(prior, nqkv), *scratch = frand(natt, -9, 9);
   fsdp_cpu_attention_backward(d, scratch, c.w, c.qkv, c.att, B, T, C, NH);
@@ -727,7 +734,7 @@ static void test_attention(void **state) {
   run_attention_case(1, 70, 16, 2, 7); /* more than one 64-row causal block */
 }
 
-/* ---- cross-entropy ------------------------------------------------------------------------------ */
+/* ---- cross-entropy --------------------------------------------------------------------------- */
 
 typedef struct {
   float *lse, *logits, *targets, dloss;
@@ -819,7 +826,7 @@ static void test_cross_entropy_wide(void **state) {
   free(logits), free(lse), free(want_g), free(d);
 }
 
-/* ---- mse --------------------------------------------------------------------------------------- */
+/* ---- mse ------------------------------------------------------------------------------------- */
 
 typedef struct {
   float *a, *b, dloss;
@@ -859,7 +866,7 @@ static void test_mse(void **state) {
   free(c.a), free(c.b);
 }
 
-/* ---- reductions ------------------------------------------------------------------------------- */
+/* ---- reductions ------------------------------------------------------------------------------ */
 
 static void test_sum(void **state) {
   (void)state;
@@ -939,7 +946,7 @@ static void test_colsum(void **state) {
   free(inp), free(prior), free(out), free(want);
 }
 
-/* ---- optimizers -------------------------------------------------------------------------------- */
+/* ---- optimizers ------------------------------------------------------------------------------ */
 
 /* One parameter, two steps, numbers worked out by hand (lr 0.1, momentum 0.9, wd 0.01):
  *   step 1: g = 0.5 + 0.01 * 1 = 0.51;          buf = 0.51 (first step: buf = g)

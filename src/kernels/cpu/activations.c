@@ -2,11 +2,12 @@
  * activations.c — ReLU, GELU (tanh approximation) and dropout, forward and backward.
  * Owner: kernels.
  *
- * GELU uses the vectorised exp of vmath.h (tanh(u) written through sigmoid(2u)) (one code path for full vectors and tails, so a
- * value's result does not depend on where it sits in the buffer). Its backward is the exact
- * derivative of the same tanh formula. Dropout draws its uniforms from the counter-based
- * core RNG into the mask buffer itself, so no scratch is needed and element i's decision is a
- * pure function of (key, first + i): any rank can reproduce any slice.
+ * GELU uses the vectorised exp of vmath.h, with tanh(u) written through sigmoid(2u); one code
+ * path serves full vectors and tails, so a value's result does not depend on where it sits in
+ * the buffer. Its backward is the exact derivative of the same tanh formula.
+ * Dropout draws its uniforms from the counter-based core RNG into the mask buffer itself, so
+ * no scratch is needed and element i's decision is a pure function of (key, first + i): any
+ * rank can reproduce any slice.
  */
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/vmath.h"
@@ -51,8 +52,8 @@ static inline fsdp_vf gelu_grad_v(fsdp_vf x) {
 void fsdp_cpu_gelu_backward(float *dinp, const float *dout, const float *inp, int64_t n) {
   int64_t i = 0;
   for (; i + FSDP_VW <= n; i += FSDP_VW) {
-    fsdp_vf d = fsdp_vf_load(dinp + i) + gelu_grad_v(fsdp_vf_load(inp + i)) * fsdp_vf_load(dout + i);
-    fsdp_vf_store(dinp + i, d);
+    fsdp_vf grad = gelu_grad_v(fsdp_vf_load(inp + i));
+    fsdp_vf_store(dinp + i, fsdp_vf_load(dinp + i) + grad * fsdp_vf_load(dout + i));
   }
   if (i < n) {
     int rem = (int)(n - i);

@@ -147,15 +147,17 @@ void fsdp_cpu_mse_backward(float *da, float *db, float dloss, const float *a, co
 /* Sum of n elements (pairwise / blocked in double for accuracy). */
 double fsdp_cpu_sum(const float *a, int64_t n);
 /* Reduce inp (outer, R, inner) over the middle axis: out (outer, inner) = sum_r inp. */
-void fsdp_cpu_sum_dim_forward(float *out, const float *inp, int64_t outer, int64_t R, int64_t inner);
+void fsdp_cpu_sum_dim_forward(float *out, const float *inp, int64_t outer, int64_t R,
+                              int64_t inner);
 /* dinp (outer, R, inner) += broadcast of dout (outer, inner) */
-void fsdp_cpu_sum_dim_backward(float *dinp, const float *dout, int64_t outer, int64_t R, int64_t inner);
+void fsdp_cpu_sum_dim_backward(float *dinp, const float *dout, int64_t outer, int64_t R,
+                               int64_t inner);
 /* Sum of squares (double) — used by gradient-norm clipping. */
 double fsdp_cpu_sumsq(const float *a, int64_t n);
 /* out (C) += column sums of inp (R, C), accumulated in double: bias-style gradients. */
 void fsdp_cpu_colsum_acc(float *out, const float *inp, int64_t R, int64_t C);
 
-/* ---- optimizers (update in place, over flat buffers) ------------------------------------------ */
+/* ---- optimizers (update in place, over flat buffers) ----------------------------------------- */
 
 /* SGD with momentum and (coupled, L2) weight decay, PyTorch semantics:
  * g = grad + wd * p ; buf = momentum * buf + g (buf = g on the first step) ; p -= lr * buf.

@@ -16,7 +16,9 @@ typedef double fsdp_vd __attribute__((vector_size(FSDP_VW * 8)));
 double fsdp_cpu_sum(const float *a, int64_t n) {
   fsdp_vd acc = {0};
   int64_t i = 0;
-  for (; i + FSDP_VW <= n; i += FSDP_VW) acc += __builtin_convertvector(fsdp_vf_load(a + i), fsdp_vd);
+  for (; i + FSDP_VW <= n; i += FSDP_VW) {
+    acc += __builtin_convertvector(fsdp_vf_load(a + i), fsdp_vd);
+  }
   double s = 0.0;
   for (int l = 0; l < FSDP_VW; l++) s += acc[l];
   for (; i < n; i++) s += a[i];
