@@ -18,62 +18,92 @@
   } while (0)
 #define OUT (&out_)
 
-static fsdp_tensor *opt_tensor(lua_State *L, int idx) {
-  return lua_isnoneornil(L, idx) ? NULL : fsdp_lua_check_tensor(L, idx);
+/* The tensor argument idx of fsdp.F.<fn>, or a Lua error naming fn: through a tail call or
+ * pcall Lua itself cannot name the function ("bad argument #1 to '?'"). */
+static fsdp_tensor *arg(lua_State *L, int idx, const char *fn) {
+  fsdp_tensor *t = fsdp_lua_to_tensor(L, idx);
+  if (t) return t;
+  if (luaL_testudata(L, idx, FSDP_TENSOR_MT))
+    luaL_error(L, "%s: argument #%d is a freed tensor (t:free() was called on it)", fn, idx);
+  luaL_error(L, "bad argument #%d to '%s' (tensor expected, got %s)", idx, fn,
+             luaL_typename(L, idx));
+  return NULL;
+}
+
+static fsdp_tensor *opt_arg(lua_State *L, int idx, const char *fn) {
+  return lua_isnoneornil(L, idx) ? NULL : arg(L, idx, fn);
+}
+
+static lua_Number num_arg(lua_State *L, int idx, const char *fn, const char *what) {
+  if (lua_type(L, idx) != LUA_TNUMBER)
+    luaL_error(L, "bad argument #%d to '%s' (%s: number expected, got %s)", idx, fn, what,
+               luaL_typename(L, idx));
+  return lua_tonumber(L, idx);
 }
 
 /* ---- fsdp.F ---------------------------------------------------------------------------- */
 
 static int f_linear(lua_State *L) {
-  PUSH_OR_RAISE(fsdp_op_linear(OUT, fsdp_lua_check_tensor(L, 1), fsdp_lua_check_tensor(L, 2),
-                               opt_tensor(L, 3)));
+  fsdp_tensor *x = arg(L, 1, "linear"), *w = arg(L, 2, "linear"), *b = opt_arg(L, 3, "linear");
+  PUSH_OR_RAISE(fsdp_op_linear(OUT, x, w, b));
 }
 
 static int f_embedding(lua_State *L) {
-  PUSH_OR_RAISE(fsdp_op_embedding(OUT, fsdp_lua_check_tensor(L, 1), fsdp_lua_check_tensor(L, 2)));
+  fsdp_tensor *ids = arg(L, 1, "embedding"), *w = arg(L, 2, "embedding");
+  PUSH_OR_RAISE(fsdp_op_embedding(OUT, ids, w));
 }
 
 static int f_layernorm(lua_State *L) {
-  PUSH_OR_RAISE(fsdp_op_layernorm(OUT, fsdp_lua_check_tensor(L, 1), fsdp_lua_check_tensor(L, 2),
-                                  opt_tensor(L, 3), (float)luaL_optnumber(L, 4, 1e-5)));
+  fsdp_tensor *x = arg(L, 1, "layernorm"), *w = arg(L, 2, "layernorm"),
+              *b = opt_arg(L, 3, "layernorm");
+  float eps = lua_isnoneornil(L, 4) ? 1e-5f : (float)num_arg(L, 4, "layernorm", "eps");
+  PUSH_OR_RAISE(fsdp_op_layernorm(OUT, x, w, b, eps));
 }
 
 static int f_attention(lua_State *L) {
-  PUSH_OR_RAISE(fsdp_op_attention(OUT, fsdp_lua_check_tensor(L, 1), (int)luaL_checkinteger(L, 2)));
+  fsdp_tensor *qkv = arg(L, 1, "attention");
+  lua_Number nh = num_arg(L, 2, "attention", "n_head");
+  if (nh != floor(nh) || nh < 1 || nh > 1 << 20)
+    luaL_error(L, "attention: n_head must be a positive integer, got %g (qkv %s)", (double)nh,
+               FSDP_SHAPE_STR(qkv));
+  PUSH_OR_RAISE(fsdp_op_attention(OUT, qkv, (int)nh));
 }
 
 static int f_dropout(lua_State *L) {
-  fsdp_tensor *x = fsdp_lua_check_tensor(L, 1);
-  float p = (float)luaL_checknumber(L, 2);
-  if (p == 0.0f) {
+  fsdp_tensor *x = arg(L, 1, "dropout");
+  float p = (float)num_arg(L, 2, "dropout", "p");
+  if (p == 0.0f) { /* the identity: no mask, nothing recorded */
     lua_settop(L, 1);
     return 1;
   }
   PUSH_OR_RAISE(fsdp_op_dropout(OUT, x, p));
 }
 
-static int f_unary(lua_State *L, fsdp_unary_op op) {
-  PUSH_OR_RAISE(fsdp_op_unary(OUT, fsdp_lua_check_tensor(L, 1), op));
+static int f_unary(lua_State *L, fsdp_unary_op op, const char *fn) {
+  PUSH_OR_RAISE(fsdp_op_unary(OUT, arg(L, 1, fn), op));
 }
-static int f_gelu(lua_State *L) { return f_unary(L, FSDP_UNARY_GELU); }
-static int f_relu(lua_State *L) { return f_unary(L, FSDP_UNARY_RELU); }
-static int f_softmax(lua_State *L) { PUSH_OR_RAISE(fsdp_op_softmax(OUT, fsdp_lua_check_tensor(L, 1))); }
+static int f_gelu(lua_State *L) { return f_unary(L, FSDP_UNARY_GELU, "gelu"); }
+static int f_relu(lua_State *L) { return f_unary(L, FSDP_UNARY_RELU, "relu"); }
+static int f_softmax(lua_State *L) { PUSH_OR_RAISE(fsdp_op_softmax(OUT, arg(L, 1, "softmax"))); }
 
 static int f_cross_entropy(lua_State *L) {
-  fsdp_tensor *logits = fsdp_lua_check_tensor(L, 1), *targets = fsdp_lua_check_tensor(L, 2);
-  int ignore = -1;
+  fsdp_tensor *logits = arg(L, 1, "cross_entropy"), *targets = arg(L, 2, "cross_entropy");
+  lua_Number ignore = -1;
   if (lua_istable(L, 3)) {
     lua_getfield(L, 3, "ignore_index");
-    if (!lua_isnil(L, -1)) ignore = (int)luaL_checkinteger(L, -1);
+    if (!lua_isnil(L, -1)) ignore = num_arg(L, -1, "cross_entropy", "ignore_index");
     lua_pop(L, 1);
-  } else if (lua_isnumber(L, 3)) {
-    ignore = (int)lua_tointeger(L, 3);
+  } else if (!lua_isnoneornil(L, 3)) {
+    ignore = num_arg(L, 3, "cross_entropy", "ignore_index");
   }
-  PUSH_OR_RAISE(fsdp_op_cross_entropy(OUT, logits, targets, ignore));
+  if (ignore != floor(ignore) || fabs(ignore) > 1e9)
+    luaL_error(L, "cross_entropy: ignore_index must be an integer, got %g", (double)ignore);
+  PUSH_OR_RAISE(fsdp_op_cross_entropy(OUT, logits, targets, (int)ignore));
 }
 
 static int f_mse(lua_State *L) {
-  PUSH_OR_RAISE(fsdp_op_mse(OUT, fsdp_lua_check_tensor(L, 1), fsdp_lua_check_tensor(L, 2)));
+  fsdp_tensor *a = arg(L, 1, "mse"), *b = arg(L, 2, "mse");
+  PUSH_OR_RAISE(fsdp_op_mse(OUT, a, b));
 }
 
 static const luaL_Reg F[] = {

@@ -81,6 +81,25 @@ static fsdp_tensor *opt_tensor(lua_State *L, int idx) {
   return lua_isnoneornil(L, idx) ? NULL : fsdp_lua_check_tensor(L, idx);
 }
 
+/* Like fsdp_lua_check_tensor, naming the function itself: Lua cannot name a metamethod or a
+ * function reached through a tail call ("bad argument #1 to '?'"). */
+static fsdp_tensor *arg_tensor(lua_State *L, int idx, const char *fn) {
+  tensor_box *b = luaL_testudata(L, idx, FSDP_TENSOR_MT);
+  if (!b)
+    luaL_error(L, "bad argument #%d to '%s' (tensor expected, got %s)", idx, fn,
+               luaL_typename(L, idx));
+  if (!b->t) luaL_error(L, "%s: argument #%d is a freed tensor (t:free() was called on it)", fn, idx);
+  return b->t;
+}
+
+/* The data of t, or a Lua error naming the op, the shape and the device. */
+static float *need_data(lua_State *L, fsdp_tensor *t, const char *what) {
+  if (!t->storage->device->has_data)
+    luaL_error(L, "%s: tensor %s is on the %s device and has no data", what, FSDP_SHAPE_STR(t),
+               t->storage->device->name);
+  return fsdp_tensor_data(t, what);
+}
+
 int fsdp_lua_check_shape(lua_State *L, int idx, int64_t *shape) {
   int n = 0;
   if (lua_istable(L, idx)) {
@@ -158,10 +177,19 @@ static int l_ones(lua_State *L) { return filled(L, 1.0f); }
 
 static int l_empty(lua_State *L) { return filled(L, 0.0f); }
 
+/* full(shape_table, v) or full(d1, d2, ..., v): with varargs the last number is the value. */
 static int l_full(lua_State *L) {
   int64_t shape[FSDP_MAX_DIMS];
+  float v;
+  if (lua_istable(L, 1)) {
+    v = (float)luaL_checknumber(L, 2);
+  } else {
+    int top = lua_gettop(L);
+    if (top < 1) luaL_error(L, "full: expected a shape and a value");
+    v = (float)luaL_checknumber(L, top);
+    lua_settop(L, top - 1);
+  }
   int n = fsdp_lua_check_shape(L, 1, shape);
-  float v = (float)luaL_checknumber(L, lua_istable(L, 1) ? 2 : n + 1);
   fsdp_tensor *t = new_tensor(L, &fsdp_device_cpu, n, shape);
   fsdp_tensor_fill(t, v);
   fsdp_lua_push_tensor(L, t);
@@ -220,12 +248,15 @@ static int nested_shape(lua_State *L, int idx, int64_t *shape) {
 }
 
 static void nested_fill(lua_State *L, int idx, int dim, int n, const int64_t *shape, float **p) {
-  if ((int64_t)lua_objlen(L, idx) != shape[dim] || (dim == n - 1 && 0))
+  if ((int64_t)lua_objlen(L, idx) != shape[dim])
     luaL_error(L, "tensor: ragged nested table (dimension %d has %d entries here, %d in the "
                "first row)", dim + 1, (int)lua_objlen(L, idx), (int)shape[dim]);
   for (int64_t i = 0; i < shape[dim]; i++) {
     lua_rawgeti(L, idx, (int)i + 1);
     if (dim == n - 1) {
+      if (lua_type(L, -1) == LUA_TTABLE)
+        luaL_error(L, "tensor: ragged nested table (a row where a number was expected, at "
+                   "depth %d)", dim + 1);
       if (lua_type(L, -1) != LUA_TNUMBER)
         luaL_error(L, "tensor: entry is a %s, expected a number", luaL_typename(L, -1));
       *(*p)++ = (float)lua_tonumber(L, -1);
@@ -252,7 +283,7 @@ static int l_tensor(lua_State *L) {
     fsdp_lua_error(L);
   fsdp_lua_push_tensor(L, t); /* owned by Lua before anything can raise */
   float *p = fsdp_tensor_data(t, "tensor");
-  if (fsdp_tensor_numel(t) > 0) nested_fill(L, 1, 0, n, shape, &p);
+  nested_fill(L, 1, 0, n, shape, &p); /* also with no elements: {{}, {1}} is still ragged */
   return 1;
 }
 
@@ -279,9 +310,7 @@ static int l_dim(lua_State *L) {
 }
 
 static const float *read_data(lua_State *L, fsdp_tensor *t, const char *what) {
-  const float *d = fsdp_tensor_data(t, what);
-  if (!d) fsdp_lua_error(L);
-  return d;
+  return need_data(L, t, what);
 }
 
 static int l_item(lua_State *L) {
@@ -322,8 +351,9 @@ static int64_t position(lua_State *L, fsdp_tensor *t, int idx, const char *what)
   for (int k = 0; k < t->ndim; k++) {
     lua_Number v = luaL_checknumber(L, idx + k);
     if (v != floor(v) || v < 1 || v > (lua_Number)t->shape[k])
-      luaL_error(L, "%s: position %g is out of range for dimension %d of size %d (positions "
-                 "start at 1)", what, (double)v, k + 1, (int)t->shape[k]);
+      luaL_error(L, "%s: position %g is out of range for dimension %d of size %d in a tensor %s "
+                 "(positions start at 1)", what, (double)v, k + 1, (int)t->shape[k],
+                 FSDP_SHAPE_STR(t));
     off += ((int64_t)v - 1) * t->strides[k];
   }
   return off;
@@ -377,10 +407,18 @@ static int l_copy(lua_State *L) {
   return 1;
 }
 
+/* A detached deep copy (not recorded; requires_grad false). Accounted as an activation even
+ * when t is a parameter: a copy of a parameter is not one. */
 static int l_clone(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1), *c;
-  if (fsdp_tensor_clone(&c, t)) fsdp_lua_error(L);
-  c->requires_grad = false;
+  if (fsdp_tensor_new(&c, t->storage->device, t->dtype, t->ndim, t->shape,
+                      FSDP_ROLE_ACTIVATIONS))
+    fsdp_lua_error(L);
+  if (fsdp_tensor_copy(c, t)) {
+    fsdp_tensor_release(c);
+    fsdp_lua_error(L);
+  }
+  c->version = 0;
   fsdp_lua_push_tensor(L, c);
   return 1;
 }
@@ -437,6 +475,12 @@ static int l_narrow(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
   int dim = check_dim(L, t, 2, "narrow");
   lua_Number start = luaL_checknumber(L, 3), len = luaL_checknumber(L, 4);
+  lua_Number size = (lua_Number)t->shape[dim];
+  if (start != floor(start) || len != floor(len) || start < 1 || len < 0 ||
+      start - 1 + len > size)
+    luaL_error(L, "narrow: start %g, length %g is out of range for dimension %d of size %g in a "
+               "tensor %s (positions start at 1)", (double)start, (double)len, dim + 1,
+               (double)size, FSDP_SHAPE_STR(t));
   PUSH_OR_RAISE(fsdp_op_narrow(OUT, t, dim, (int64_t)start - 1, (int64_t)len));
 }
 
@@ -476,11 +520,15 @@ static int l_pow(lua_State *L) {
   PUSH_OR_RAISE(fsdp_op_pow(OUT, fsdp_lua_check_tensor(L, 1), (float)luaL_checknumber(L, 2)));
 }
 
+static const char *const arith_name[] = {"add", "sub", "mul", "div"};
+
 /* Arithmetic: tensor op tensor, tensor op number, number op tensor. */
 static int arith(lua_State *L, fsdp_binary_op op) {
   fsdp_tensor *a = fsdp_lua_to_tensor(L, 1), *b = fsdp_lua_to_tensor(L, 2);
   bool an = lua_type(L, 1) == LUA_TNUMBER, bn = lua_type(L, 2) == LUA_TNUMBER;
   if (a && b) PUSH_OR_RAISE(fsdp_op_binary(OUT, a, b, op));
+  /* with a number the op is an affine map (or pow): name the operator the user wrote */
+  if ((a && bn) || (an && b)) need_data(L, a ? a : b, arith_name[op]);
   if (a && bn) {
     float s = (float)lua_tonumber(L, 2);
     switch (op) {
@@ -510,9 +558,13 @@ static int arith(lua_State *L, fsdp_binary_op op) {
   }
   /* a freed tensor or a wrong type: name what was given */
   for (int i = 1; i <= 2; i++) {
-    if (lua_type(L, i) != LUA_TNUMBER) fsdp_lua_check_tensor(L, i);
+    tensor_box *bx = luaL_testudata(L, i, FSDP_TENSOR_MT);
+    if (bx && !bx->t)
+      luaL_error(L, "%s: operand %d is a freed tensor (t:free() was called on it)",
+                 arith_name[op], i);
   }
-  return luaL_error(L, "arithmetic needs tensors or numbers");
+  return luaL_error(L, "%s: expected tensors or numbers, got %s and %s", arith_name[op],
+                    a ? "tensor" : luaL_typename(L, 1), b ? "tensor" : luaL_typename(L, 2));
 }
 
 static int l_add(lua_State *L) { return arith(L, FSDP_OP_ADD); }
@@ -520,7 +572,7 @@ static int l_sub(lua_State *L) { return arith(L, FSDP_OP_SUB); }
 static int l_mul(lua_State *L) { return arith(L, FSDP_OP_MUL); }
 static int l_div(lua_State *L) { return arith(L, FSDP_OP_DIV); }
 static int l_unm(lua_State *L) {
-  PUSH_OR_RAISE(fsdp_op_affine(OUT, fsdp_lua_check_tensor(L, 1), -1.0f, 0.0f));
+  PUSH_OR_RAISE(fsdp_op_affine(OUT, arg_tensor(L, 1, "neg"), -1.0f, 0.0f));
 }
 
 static int l_backward(lua_State *L) {
@@ -673,15 +725,19 @@ static int l_tostring(lua_State *L) {
 
 /* ---- fields ------------------------------------------------------------------------------ */
 
+/* __index: methods first (the method table is upvalue 1: one rawget on the hot path), then
+ * fields. Unknown string keys give nil (duck typing: `if v.forward then`); other keys are an
+ * error, since t[i] looks like element access and silently giving nil would hide a bug. */
 static int l_index(lua_State *L) {
   tensor_box *bx = luaL_checkudata(L, 1, FSDP_TENSOR_MT);
-  if (lua_type(L, 2) == LUA_TSTRING) {
-    lua_getmetatable(L, 1);
-    lua_getfield(L, -1, "__methods");
-    lua_pushvalue(L, 2);
-    lua_rawget(L, -2);
-    if (!lua_isnil(L, -1)) return 1;
-    lua_pop(L, 3);
+  lua_pushvalue(L, 2);
+  lua_rawget(L, lua_upvalueindex(1));
+  if (!lua_isnil(L, -1)) return 1;
+  lua_pop(L, 1);
+  if (lua_type(L, 2) != LUA_TSTRING)
+    luaL_error(L, "tensor: cannot index a tensor with a %s; use t:get(i, ...) and t:set(i, ..., "
+               "v) for elements (positions start at 1)", luaL_typename(L, 2));
+  {
     const char *k = lua_tostring(L, 2);
     fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
     if (strcmp(k, "grad") == 0) {
@@ -751,7 +807,7 @@ static const luaL_Reg methods[] = {
     {"mul_", l_mul_},         {NULL, NULL}};
 
 static const luaL_Reg metamethods[] = {
-    {"__index", l_index}, {"__newindex", l_newindex}, {"__gc", l_gc},
+    {"__newindex", l_newindex}, {"__gc", l_gc},
     {"__tostring", l_tostring}, {"__add", l_add},     {"__sub", l_sub},
     {"__mul", l_mul},     {"__div", l_div},           {"__unm", l_unm},
     {NULL, NULL}};
@@ -777,6 +833,9 @@ void fsdp_lua_open_tensor(lua_State *L) {
   luaL_register(L, NULL, methods);
   lua_pushvalue(L, -1);
   lua_setfield(L, -3, "__methods");
+  lua_pushvalue(L, -1);
+  lua_pushcclosure(L, l_index, 1);
+  lua_setfield(L, -3, "__index");
   lua_setfield(L, -3, "Tensor"); /* module.Tensor = methods, so Lua code can add methods */
   lua_pop(L, 1);
   luaL_register(L, NULL, constructors);

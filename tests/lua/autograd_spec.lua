@@ -1,0 +1,296 @@
+-- autograd_spec.lua — autograd from Lua: backward through fsdp.F and tensor methods against
+-- finite differences, gradient accumulation and dropping, no_grad, the errors backward gives,
+-- memory accounting, and fsdp.args parsing. Owner: grad.
+-- Run: busted --lua=luajit tests/lua/autograd_spec.lua
+
+local fsdp = require "fsdp"
+local F = fsdp.F
+local core = fsdp.core
+
+local function flat(x)
+  local out = {}
+  local function go(v)
+    if type(v) == "table" then for i = 1, #v do go(v[i]) end else out[#out + 1] = v end
+  end
+  go(type(x) == "userdata" and x:totable() or x)
+  return out
+end
+
+local function assert_error_has(fn, ...)
+  local ok, err = pcall(fn)
+  assert.is_false(ok, "expected an error")
+  err = tostring(err)
+  for _, s in ipairs { ... } do
+    if not err:find(s, 1, true) then
+      error(("error message %q lacks %q"):format(err, s), 2)
+    end
+  end
+  return err
+end
+
+-- element i (1-based, row-major) of a contiguous tensor, through a flat view
+local function getf(t, i) return t:view(-1):get(i) end
+local function setf(t, i, v) t:view(-1):set(i, v) end
+
+-- Central differences of loss_fn() (a function returning a 1-element tensor) w.r.t. every
+-- element of x, computed under no_grad; compared with x.grad from one backward.
+-- Returns the worst |autograd - fd| / max |fd|.
+local function check_grad(loss_fn, xs, eps)
+  eps = eps or 1e-2
+  for _, x in ipairs(xs) do x.grad = nil end
+  local loss = loss_fn()
+  loss:backward()
+  assert.are.equal(0, core.tape_size())
+  local worst = 0
+  for _, x in ipairs(xs) do
+    assert.is_not_nil(x.grad, "no gradient")
+    local ag = flat(x.grad)
+    local maxd, maxfd = 0, 0
+    fsdp.no_grad(function()
+      for i = 1, x:numel() do
+        local v = getf(x, i)
+        setf(x, i, v + eps)
+        local lp = loss_fn():item()
+        setf(x, i, v - eps)
+        local lm = loss_fn():item()
+        setf(x, i, v)
+        local fd = (lp - lm) / (2 * eps)
+        maxd = math.max(maxd, math.abs(fd - ag[i]))
+        maxfd = math.max(maxfd, math.abs(fd))
+      end
+    end)
+    worst = math.max(worst, maxd / math.max(maxfd, 1e-6))
+  end
+  return worst
+end
+
+describe("backward", function()
+  before_each(function() core.tape_clear() end)
+
+  it("matches finite differences through a small model", function()
+    fsdp.manual_seed(3)
+    local x = fsdp.randn { 2, 3, 4 }
+    local w1 = core.parameter(fsdp.randn { 6, 4 } * 0.5)
+    local b1 = core.parameter(fsdp.randn { 6 } * 0.1)
+    local g = core.parameter(fsdp.ones { 6 } + fsdp.randn { 6 } * 0.1)
+    local w2 = core.parameter(fsdp.randn { 5, 6 } * 0.5)
+    local targets = fsdp.tensor { { 0, 4, -1 }, { 2, 1, 3 } }
+    local function loss_fn()
+      local h = F.layernorm(F.linear(x, w1, b1), g, nil)
+      h = F.gelu(h)
+      local logits = F.linear(h, w2)
+      local ce = F.cross_entropy(logits, targets, { ignore_index = -1 })
+      -- a second use of w2 (through a transposed view) and arithmetic with numbers
+      local reg = (w2:transpose(1, 2):matmul(w2) * w2:sum()):mean()
+      return ce + 0.01 * reg + (2 - h:narrow(2, 2, 2)):pow(2):mean() / 4
+    end
+    local err = check_grad(loss_fn, { w1, b1, g, w2 })
+    print(("\n  composite model: max scaled gradient error %.2e"):format(err))
+    assert.is_true(err < 2e-3)
+  end)
+
+  it("matches finite differences through attention and an embedding", function()
+    fsdp.manual_seed(4)
+    local wte = core.parameter(fsdp.randn { 7, 6 })
+    local wqkv = core.parameter(fsdp.randn { 18, 6 } * 0.3)
+    local ids = fsdp.tensor { { 1, 5, 5, 0, 6 }, { 2, 2, 3, 4, 1 } }
+    local targets = fsdp.tensor { { 5, 5, 0, 6, 1 }, { 2, 3, 4, 1, 0 } }
+    local function loss_fn()
+      local h = F.embedding(ids, wte)                  -- (2, 5, 6)
+      local a = F.attention(F.linear(h, wqkv), 3)      -- (2, 5, 6)
+      local logits = (h + a):matmul(wte:transpose(1, 2)) -- tied head: (2, 5, 7)
+      return F.cross_entropy(logits:view { -1, 7 }, targets:view(-1))
+    end
+    local err = check_grad(loss_fn, { wte, wqkv })
+    print(("  attention + tied embedding: max scaled gradient error %.2e"):format(err))
+    assert.is_true(err < 2e-3)
+  end)
+
+  it("gives exact gradients for simple cases", function()
+    local x = fsdp.tensor { 1, 2, 3 }
+    x.requires_grad = true
+    local l = (x * x):sum()
+    l:backward()
+    assert.are.same({ 2, 4, 6 }, x.grad:totable())
+    -- a tensor used twice gets the sum; leaves accumulate across backward calls
+    l = (x + x):sum() + x:sum()
+    l:backward()
+    assert.are.same({ 5, 7, 9 }, x.grad:totable())
+    x.grad = nil
+    l = (2 / x):sum()
+    l:backward()
+    local g = x.grad:totable()
+    assert.is_true(math.abs(g[1] + 2) < 1e-6 and math.abs(g[2] + 0.5) < 1e-6)
+    x.grad = nil
+    l = -(x:mean())
+    l:backward()
+    assert.is_true(math.abs(x.grad:get(1) + 1 / 3) < 1e-6)
+  end)
+
+  it("frees non-leaf gradients and the tape", function()
+    local w = core.parameter(fsdp.randn { 3, 3 })
+    local h = F.relu(w:matmul(w))
+    local l = h:sum()
+    assert.is_true(core.tape_size() >= 3)
+    assert.is_true(h.requires_grad)
+    assert.is_false(h.is_leaf)
+    l:backward()
+    assert.are.equal(0, core.tape_size())
+    assert.is_nil(h.grad)
+    assert.is_nil(l.grad)
+    assert.is_not_nil(w.grad)
+  end)
+
+  it("errors clearly on misuse", function()
+    local w = core.parameter(fsdp.randn { 2, 3 })
+    local y = w * 2
+    assert_error_has(function() y:backward() end, "backward", "(2, 3)", "6 elements")
+    assert_error_has(function() y:backward(fsdp.ones(3)) end, "backward", "(3)", "(2, 3)")
+    y:backward(fsdp.ones(2, 3)) -- an explicit gradient of the right shape works
+    assert.are.same({ { 2, 2, 2 }, { 2, 2, 2 } }, w.grad:totable())
+    local l = (w * 3):sum()
+    l:backward()
+    assert_error_has(function() l:backward() end, "backward", "already")
+    assert_error_has(function() fsdp.ones(1):backward() end, "backward",
+      "does not require a gradient")
+    assert_error_has(function() y.requires_grad = false end, "requires_grad", "leaf")
+    assert_error_has(function() core.parameter(w * 1) end, "Parameter", "leaf")
+  end)
+
+  it("detach cuts the graph", function()
+    local w = core.parameter(fsdp.ones(2))
+    local d = (w * 3):detach()
+    assert.is_false(d.requires_grad)
+    assert.are.same({ 3, 3 }, d:totable())
+    local l = (w * d):sum()
+    l:backward()
+    assert.are.same({ 3, 3 }, w.grad:totable())
+  end)
+end)
+
+describe("no_grad", function()
+  before_each(function() core.tape_clear() end)
+
+  it("records nothing and returns fn's results", function()
+    local w = core.parameter(fsdp.ones(2))
+    local a, b = fsdp.no_grad(function(k) return w * k, "second" end, 5)
+    assert.are.equal("second", b)
+    assert.is_false(a.requires_grad)
+    assert.are.equal(0, core.tape_size())
+    assert.is_true(fsdp.is_grad_enabled())
+  end)
+
+  it("restores the mode when fn errors", function()
+    local ok, err = pcall(fsdp.no_grad, function() error("boom") end)
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("boom", 1, true))
+    assert.is_true(fsdp.is_grad_enabled())
+    -- nested: the inner call restores the outer (disabled) mode
+    fsdp.no_grad(function()
+      pcall(fsdp.no_grad, function() error("inner") end)
+      assert.is_false(fsdp.is_grad_enabled())
+    end)
+    assert.is_true(fsdp.is_grad_enabled())
+  end)
+end)
+
+describe("functional ops", function()
+  before_each(function() core.tape_clear() end)
+
+  it("cross_entropy honours ignore_index and validates targets", function()
+    local logits = fsdp.tensor { { 0, 0 }, { 10, 0 } }
+    local all = F.cross_entropy(logits, fsdp.tensor { 0, 1 }):item()
+    local one = F.cross_entropy(logits, fsdp.tensor { 0, -1 }):item()
+    assert.is_true(math.abs(one - math.log(2)) < 1e-6)
+    assert.is_true(all > one)
+    local other = F.cross_entropy(logits, fsdp.tensor { 0, 5 }, { ignore_index = 5 }):item()
+    assert.is_true(math.abs(other - one) < 1e-6)
+    assert_error_has(function() F.cross_entropy(logits, fsdp.tensor { 0, 2 }) end,
+      "cross_entropy", "target 2", "[0, 2)")
+    assert_error_has(function() F.cross_entropy(logits, fsdp.tensor { 0.5, 1 }) end,
+      "cross_entropy", "0.5")
+    assert_error_has(function() F.cross_entropy(logits, fsdp.tensor { 0, 1, 1 }) end,
+      "cross_entropy", "(3)", "(2, 2)")
+  end)
+
+  it("embedding validates ids", function()
+    local w = fsdp.randn { 4, 3 }
+    assert.are.same({ 2, 2, 3 }, F.embedding(fsdp.tensor { { 0, 3 }, { 1, 1 } }, w):shape())
+    assert_error_has(function() F.embedding(fsdp.tensor { 4 }, w) end, "embedding", "4",
+      "[0, 4)", "(4, 3)")
+    assert_error_has(function() F.embedding(fsdp.tensor { 1.5 }, w) end, "embedding", "1.5")
+  end)
+
+  it("linear, layernorm and attention name the shapes on mismatch", function()
+    local x = fsdp.ones(2, 3)
+    assert_error_has(function() F.linear(x, fsdp.ones(4, 5)) end, "linear", "(2, 3)", "(4, 5)")
+    assert_error_has(function() F.linear(x, fsdp.ones(4, 3), fsdp.ones(5)) end, "linear", "bias")
+    assert_error_has(function() F.layernorm(x, fsdp.ones(4)) end, "layernorm", "(2, 3)", "(4)")
+    assert_error_has(function() F.attention(fsdp.ones(1, 2, 18), 4) end, "attention",
+      "(1, 2, 18)", "4 heads")
+    assert_error_has(function() F.attention(fsdp.ones(1, 2, 18), 0) end, "attention", "n_head")
+    assert_error_has(function() F.mse(x, fsdp.ones(3, 2)) end, "mse", "(2, 3)", "(3, 2)")
+  end)
+
+  it("dropout is seeded, scaled and checked", function()
+    local x = fsdp.ones(1000)
+    fsdp.manual_seed(1)
+    local a = F.dropout(x, 0.25)
+    fsdp.manual_seed(1)
+    local b = F.dropout(x, 0.25)
+    assert.are.same(a:totable(), b:totable())
+    local zeros = 0
+    for _, v in ipairs(a:totable()) do
+      if v == 0 then zeros = zeros + 1 else assert.is_true(math.abs(v - 4 / 3) < 1e-6) end
+    end
+    assert.is_true(zeros > 180 and zeros < 320)
+    assert.is_true(rawequal(F.dropout(x, 0), x))
+    assert_error_has(function() F.dropout(x, 1) end, "dropout", "probability 1", "(1000)")
+    assert_error_has(function() F.dropout(x, -0.5) end, "dropout", "-0.5")
+  end)
+end)
+
+describe("memory", function()
+  it("reports parameter and gradient bytes", function()
+    core.tape_clear()
+    collectgarbage()
+    local m0 = fsdp.memory()
+    local p = core.parameter(fsdp.randn { 16, 8 })
+    local m1 = fsdp.memory()
+    assert.are.equal(m0.params + 16 * 8 * 4, m1.params)
+    assert.are.equal(m0.grads, m1.grads)
+    local x = fsdp.randn { 4, 8 }
+    F.linear(x, p):sum():backward()
+    local m2 = fsdp.memory()
+    assert.are.equal(m0.grads + 16 * 8 * 4, m2.grads)
+    assert.are.equal(m1.params, m2.params)
+    assert.is_true(m2.peak >= m2.live)
+    assert.is_true(m2.live >= m2.params + m2.grads)
+    -- a clone of a parameter is not a parameter
+    local c = p:clone()
+    assert.are.equal(m2.params, fsdp.memory().params)
+    c:free()
+    p.grad = nil
+    assert.are.equal(m0.grads, fsdp.memory().grads)
+    p:free()
+    assert.are.equal(m0.params, fsdp.memory().params)
+  end)
+end)
+
+describe("fsdp.args", function()
+  it("parses --key=value, --flag and positionals", function()
+    local a = fsdp.parse_args { "--lr=0.5", "--name=gpt", "--fast", "--on=true", "--off=false",
+      "data.txt", "--n-layers=4" }
+    assert.are.equal(0.5, a.lr)
+    assert.are.equal("gpt", a.name)
+    assert.is_true(a.fast)
+    assert.is_true(a.on)
+    assert.is_false(a.off)
+    assert.are.equal(4, a["n-layers"])
+    assert.are.equal("data.txt", a[1])
+    assert.are.same({}, fsdp.parse_args {})
+    assert.are.same({}, fsdp.parse_args(nil))
+    assert.are.equal("table", type(fsdp.args))
+    assert.are.equal("", fsdp.parse_args { "--empty=" }.empty)
+  end)
+end)
