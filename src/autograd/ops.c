@@ -50,8 +50,9 @@ static int contig(fsdp_tensor **out, fsdp_tensor *t, const char *op) {
   return FSDP_OK;
 }
 
+/* Op outputs: every forward kernel writes its whole output, so no clearing is needed. */
 static int new_out(fsdp_tensor **out, int ndim, const int64_t *shape, const char *op) {
-  if (fsdp_tensor_new_f32(out, ndim, shape)) return fsdp_error_context("%s", op);
+  if (fsdp_tensor_new_f32_uninit(out, ndim, shape)) return fsdp_error_context("%s", op);
   return FSDP_OK;
 }
 
@@ -404,6 +405,8 @@ int fsdp_op_matmul(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b) {
                     (int)K, (int)N, (int)N);
     else
       fsdp_cpu_bmm_forward(D(*out), D(ac), D(bc), (int)B, (int)M, (int)K, (int)N);
+  } else {
+    fsdp_tensor_fill(*out, 0.0f); /* an empty inner dimension sums nothing */
   }
   fsdp_tensor *in[2] = {a, b}, *sv[2] = {ac, bc};
   fsdp_node *node;

@@ -59,6 +59,8 @@ typedef struct fsdp_device_i {
   const char *name;                                  /* "cpu", "meta" */
   bool has_data;                                     /* false: shape only (meta) */
   int (*alloc)(void **out, size_t bytes);            /* zeroed memory; meta sets *out = NULL */
+  /* optional: memory whose contents are unspecified (for buffers a kernel overwrites whole) */
+  int (*alloc_uninit)(void **out, size_t bytes);
   void (*free)(void *ptr, size_t bytes);
   /* copy between two buffers of this device; optional (NULL on meta) */
   int (*copy)(void *dst, const void *src, size_t bytes);
@@ -68,6 +70,10 @@ extern const fsdp_device_i fsdp_device_cpu;
 extern const fsdp_device_i fsdp_device_meta;
 /* Look a device up by name; NULL with an error naming it (and the known ones) if unknown. */
 const fsdp_device_i *fsdp_device_find(const char *name);
+/* The cpu device keeps freed blocks of >= 64 KiB for reuse, up to FSDP_CPU_CACHE bytes
+ * (default 2 GiB, 0 disables). Cached bytes are not live bytes. trim gives them back. */
+void fsdp_device_cpu_trim(void);
+size_t fsdp_device_cpu_cached_bytes(void);
 /* The registry behind fsdp_device_find, in a fixed order (cpu first): device i is column i of
  * a fsdp_mem_report. fsdp_device_index gives -1 for a device that is not registered. */
 int fsdp_device_count(void);
@@ -135,6 +141,10 @@ typedef struct fsdp_storage {
 } fsdp_storage;
 
 int fsdp_storage_new(fsdp_storage **out, const fsdp_device_i *dev, size_t bytes, fsdp_role role);
+/* Like fsdp_storage_new, but the contents are unspecified (for a buffer the caller overwrites
+ * whole): saves clearing memory on the hot path. */
+int fsdp_storage_new_uninit(fsdp_storage **out, const fsdp_device_i *dev, size_t bytes,
+                            fsdp_role role);
 /* Wrap memory the caller owns (not freed, not accounted); used for zero-copy views. */
 int fsdp_storage_wrap(fsdp_storage **out, void *data, size_t bytes);
 void fsdp_storage_retain(fsdp_storage *s);
@@ -165,6 +175,8 @@ int fsdp_tensor_new(fsdp_tensor **out, const fsdp_device_i *dev, fsdp_dtype dt, 
                     const int64_t *shape, fsdp_role role);
 /* Shorthand: cpu, f32, role activations. */
 int fsdp_tensor_new_f32(fsdp_tensor **out, int ndim, const int64_t *shape);
+/* cpu, f32, role activations, contents unspecified: for op outputs a kernel writes whole. */
+int fsdp_tensor_new_f32_uninit(fsdp_tensor **out, int ndim, const int64_t *shape);
 /* A new tensor sharing `t`'s storage with the given geometry (no checks beyond bounds). */
 int fsdp_tensor_new_view(fsdp_tensor **out, fsdp_tensor *t, int64_t offset, int ndim,
                          const int64_t *shape, const int64_t *strides);

@@ -12,8 +12,8 @@
 
 #include "core/core.h"
 
-int fsdp_storage_new(fsdp_storage **out, const fsdp_device_i *dev, size_t bytes,
-                     fsdp_role role) {
+static int storage_new(fsdp_storage **out, const fsdp_device_i *dev, size_t bytes,
+                       fsdp_role role, bool zero) {
   *out = NULL;
   if (!dev) return fsdp_error("storage: no device given");
   fsdp_mem_domain *domain = fsdp_mem_domain_current();
@@ -24,7 +24,8 @@ int fsdp_storage_new(fsdp_storage **out, const fsdp_device_i *dev, size_t bytes,
     return fsdp_error("storage: out of host memory for the storage header");
   }
   void *data = NULL;
-  if (dev->alloc(&data, bytes) != FSDP_OK) {
+  int (*alloc)(void **, size_t) = !zero && dev->alloc_uninit ? dev->alloc_uninit : dev->alloc;
+  if (alloc(&data, bytes) != FSDP_OK) {
     free(s);
     fsdp_mem_uncharge(domain, dev, role, bytes);
     return FSDP_ERR;
@@ -33,6 +34,16 @@ int fsdp_storage_new(fsdp_storage **out, const fsdp_device_i *dev, size_t bytes,
                       .role = role, .domain = domain};
   *out = s;
   return FSDP_OK;
+}
+
+int fsdp_storage_new(fsdp_storage **out, const fsdp_device_i *dev, size_t bytes,
+                     fsdp_role role) {
+  return storage_new(out, dev, bytes, role, true);
+}
+
+int fsdp_storage_new_uninit(fsdp_storage **out, const fsdp_device_i *dev, size_t bytes,
+                            fsdp_role role) {
+  return storage_new(out, dev, bytes, role, false);
 }
 
 int fsdp_storage_wrap(fsdp_storage **out, void *data, size_t bytes) {

@@ -92,8 +92,8 @@ static int tensor_make(fsdp_tensor **out, fsdp_storage *s, int64_t offset, int n
   return FSDP_OK;
 }
 
-int fsdp_tensor_new(fsdp_tensor **out, const fsdp_device_i *dev, fsdp_dtype dt, int ndim,
-                    const int64_t *shape, fsdp_role role) {
+static int tensor_new(fsdp_tensor **out, const fsdp_device_i *dev, fsdp_dtype dt, int ndim,
+                      const int64_t *shape, fsdp_role role, bool zero) {
   *out = NULL;
   if (!dev) return fsdp_error("new tensor: no device given");
   size_t esize = fsdp_dtype_size(dt);
@@ -101,12 +101,24 @@ int fsdp_tensor_new(fsdp_tensor **out, const fsdp_device_i *dev, fsdp_dtype dt, 
   int64_t numel = 0;
   if (check_shape("new tensor", ndim, shape, esize, &numel) != FSDP_OK) return FSDP_ERR;
   fsdp_storage *s;
-  if (fsdp_storage_new(&s, dev, (size_t)numel * esize, role) != FSDP_OK) return FSDP_ERR;
+  if ((zero ? fsdp_storage_new : fsdp_storage_new_uninit)(&s, dev, (size_t)numel * esize, role) !=
+      FSDP_OK)
+    return FSDP_ERR;
   int64_t strides[FSDP_MAX_DIMS];
   contiguous_strides(strides, ndim, shape);
   int rc = tensor_make(out, s, 0, ndim, shape, strides, dt);
   fsdp_storage_release(s); /* the tensor holds it now (or nobody does) */
   return rc;
+}
+
+int fsdp_tensor_new(fsdp_tensor **out, const fsdp_device_i *dev, fsdp_dtype dt, int ndim,
+                    const int64_t *shape, fsdp_role role) {
+  return tensor_new(out, dev, dt, ndim, shape, role, true);
+}
+
+int fsdp_tensor_new_f32_uninit(fsdp_tensor **out, int ndim, const int64_t *shape) {
+  return tensor_new(out, &fsdp_device_cpu, FSDP_DTYPE_F32, ndim, shape, FSDP_ROLE_ACTIVATIONS,
+                    false);
 }
 
 int fsdp_tensor_new_f32(fsdp_tensor **out, int ndim, const int64_t *shape) {
@@ -446,7 +458,8 @@ int fsdp_tensor_fill(fsdp_tensor *t, float v) {
 int fsdp_tensor_clone(fsdp_tensor **out, fsdp_tensor *t) {
   *out = NULL;
   fsdp_tensor *c;
-  if (fsdp_tensor_new(&c, t->storage->device, t->dtype, t->ndim, t->shape, t->storage->role) !=
+  /* uninitialised: the copy below writes every element */
+  if (tensor_new(&c, t->storage->device, t->dtype, t->ndim, t->shape, t->storage->role, false) !=
       FSDP_OK)
     return FSDP_ERR;
   if (fsdp_tensor_copy(c, t) != FSDP_OK) {

@@ -949,6 +949,37 @@ static void test_concurrent_cap_and_refcounts(void **state) {
   fsdp_tensor_release(shared);
 }
 
+
+/* The cpu block cache: a freed large block is reused for the next request of its size, a
+ * zeroed request gets zeros even when the block was dirty, and trim returns everything. */
+static void test_cpu_cache(void **state) {
+  (void)state;
+  fsdp_device_cpu_trim();
+  assert_int_equal(fsdp_device_cpu_cached_bytes(), 0);
+  int64_t n = 1 << 16; /* 256 KiB: above the cache's 64 KiB floor */
+  fsdp_tensor *a;
+  assert_int_equal(fsdp_tensor_new_f32_uninit(&a, 1, &n), FSDP_OK);
+  float *pa = fsdp_tensor_data(a, "test");
+  for (int64_t i = 0; i < n; i++) pa[i] = 7.0f;
+  fsdp_tensor_release(a);
+  assert_int_equal(fsdp_device_cpu_cached_bytes(), (size_t)n * 4);
+  fsdp_tensor *b;
+  assert_int_equal(fsdp_tensor_new_f32(&b, 1, &n), FSDP_OK);
+  float *pb = fsdp_tensor_data(b, "test");
+  assert_ptr_equal(pb, pa); /* the same block came back ... */
+  for (int64_t i = 0; i < n; i++) assert_true(pb[i] == 0.0f); /* ... cleared */
+  assert_int_equal(fsdp_device_cpu_cached_bytes(), 0);
+  fsdp_tensor_release(b);
+  /* a small block is never cached */
+  int64_t small = 16;
+  fsdp_tensor *c;
+  assert_int_equal(fsdp_tensor_new_f32(&c, 1, &small), FSDP_OK);
+  fsdp_tensor_release(c);
+  assert_int_equal(fsdp_device_cpu_cached_bytes(), (size_t)n * 4);
+  fsdp_device_cpu_trim();
+  assert_int_equal(fsdp_device_cpu_cached_bytes(), 0);
+}
+
 int main(void) {
   setenv("FSDP_MEM_LIMIT", "64M", 1); /* read once, on the first allocation */
   const struct CMUnitTest tests[] = {
@@ -976,6 +1007,7 @@ int main(void) {
       T(test_domains_on_threads),
       T(test_free_on_other_thread),
       T(test_concurrent_cap_and_refcounts),
+      T(test_cpu_cache),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
