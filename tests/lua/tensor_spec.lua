@@ -342,6 +342,19 @@ describe("lifetime and identity", function()
     assert_error_has(function() t.grad = 5 end, "tensor expected")
   end)
 
+  it("dead tensors do not pile up between collections (the binding counts their bytes)", function()
+    collectgarbage()
+    local before = fsdp.memory().activations
+    local peak = 0
+    for _ = 1, 400 do -- 400 MiB allocated in all, 1 MiB at a time, never collected by hand
+      local t = fsdp.zeros(256, 1024)
+      peak = math.max(peak, fsdp.memory().activations - before)
+      t = nil
+    end
+    print(("\n  1 MiB tensors x 400: at most %.0f MiB of them alive at once"):format(peak / 2 ^ 20))
+    assert.is_true(peak < 160 * 2 ^ 20)
+  end)
+
   it("many short-lived tensors are collected", function()
     local before = fsdp.memory().activations
     for _ = 1, 200 do local _ = fsdp.zeros(64, 64) + 1 end
