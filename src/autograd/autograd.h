@@ -36,6 +36,11 @@ struct fsdp_node {
   fsdp_tensor *saved[FSDP_NODE_MAX_SAVED]; /* retained */
   float f[4];    /* scalar arguments */
   int64_t i[8];  /* integer arguments (sizes, dims) */
+  /* Versions (fsdp_tensor.version) of saved[k] and of out when recorded: backward refuses to
+   * read a tensor that was modified in place since, instead of computing a wrong gradient. */
+  uint64_t saved_version[FSDP_NODE_MAX_SAVED];
+  uint64_t out_version;
+  bool reads_out;    /* backward reads out's values (exp, softmax, ...): out is checked too */
   fsdp_hook_fn hook; /* hook node when non-NULL */
   void *hook_ud;
   void (*hook_free)(void *ud); /* called once when the node is freed; may be NULL */

@@ -78,8 +78,12 @@ static int record(const char *op, fsdp_backward_fn fn, fsdp_tensor *out, fsdp_te
   n->nsaved = nsaved;
   for (int i = 0; i < nsaved; i++) {
     n->saved[i] = saved[i];
-    if (saved[i]) fsdp_tensor_retain(saved[i]);
+    if (saved[i]) {
+      fsdp_tensor_retain(saved[i]);
+      n->saved_version[i] = saved[i]->version;
+    }
   }
+  n->out_version = out->version;
   if (node_out) *node_out = n;
   return fsdp_tape_push(n);
 }
@@ -314,7 +318,11 @@ int fsdp_op_unary(fsdp_tensor **out, fsdp_tensor *a, fsdp_unary_op op) {
     }
     fsdp_node *node;
     rc = record(name, bw_unary, *out, &a, 1, &ac, 1, &node);
-    if (node) node->i[0] = op;
+    if (node) {
+      node->i[0] = op;
+      node->reads_out = op == FSDP_UNARY_EXP || op == FSDP_UNARY_SQRT ||
+                        op == FSDP_UNARY_TANH || op == FSDP_UNARY_SIGMOID;
+    }
     if (rc) fsdp_tensor_release(*out);
   }
   fsdp_tensor_release(ac);
@@ -583,6 +591,7 @@ int fsdp_op_softmax(fsdp_tensor **out, fsdp_tensor *x) {
     if (node) {
       node->i[0] = N;
       node->i[1] = C;
+      node->reads_out = true;
     }
     if (rc) fsdp_tensor_release(*out);
   }
@@ -855,31 +864,43 @@ static int bw_flat(fsdp_node *n) {
   return FSDP_OK;
 }
 
+/* A contiguous copy of a, not recorded: accounted as an activation; a meta tensor gives a
+ * meta copy (views and copies are shape-only operations). */
+static int copy_contiguous(fsdp_tensor **out, fsdp_tensor *a) {
+  if (fsdp_tensor_new(out, a->storage->device, a->dtype, a->ndim, a->shape,
+                      FSDP_ROLE_ACTIVATIONS))
+    return FSDP_ERR;
+  if (fsdp_tensor_copy(*out, a)) {
+    fsdp_tensor_release(*out);
+    *out = NULL;
+    return FSDP_ERR;
+  }
+  return FSDP_OK;
+}
+
 int fsdp_op_contiguous(fsdp_tensor **out, fsdp_tensor *a) {
   if (fsdp_tensor_is_contiguous(a)) {
     fsdp_tensor_retain(a);
     *out = a;
     return FSDP_OK;
   }
-  /* a meta tensor gives a meta copy (shape only); data copies are accounted as activations */
-  if (fsdp_tensor_new(out, a->storage->device, a->dtype, a->ndim, a->shape,
-                      FSDP_ROLE_ACTIVATIONS))
-    return fsdp_error_context("contiguous");
-  if (fsdp_tensor_copy(*out, a)) {
-    fsdp_tensor_release(*out);
-    return fsdp_error_context("contiguous");
-  }
+  if (copy_contiguous(out, a)) return fsdp_error_context("contiguous");
   int rc = record("contiguous", bw_flat, *out, &a, 1, NULL, 0, NULL);
   if (rc) fsdp_tensor_release(*out);
   return rc;
 }
 
+/* Like reshape: a non-contiguous input is copied first. The copy is recorded only once the
+ * view is known to be valid, so a bad shape leaves nothing on the tape. */
 int fsdp_op_view(fsdp_tensor **out, fsdp_tensor *a, int ndim, const int64_t *shape) {
-  fsdp_tensor *ac;
-  if (fsdp_op_contiguous(&ac, a)) return fsdp_error_context("view %s", FSDP_SHAPE_STR(a));
+  fsdp_tensor *ac = a;
+  bool copied = !fsdp_tensor_is_contiguous(a);
+  if (!copied) fsdp_tensor_retain(a);
+  else if (copy_contiguous(&ac, a)) return fsdp_error_context("view %s", FSDP_SHAPE_STR(a));
   int rc = fsdp_tensor_view(out, ac, ndim, shape);
   if (!rc) {
-    rc = record("view", bw_flat, *out, &ac, 1, NULL, 0, NULL);
+    if (copied) rc = record("contiguous", bw_flat, ac, &a, 1, NULL, 0, NULL);
+    if (!rc) rc = record("view", bw_flat, *out, &ac, 1, NULL, 0, NULL);
     if (rc) fsdp_tensor_release(*out);
   }
   fsdp_tensor_release(ac);

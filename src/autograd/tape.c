@@ -100,6 +100,21 @@ float *fsdp_grad_acc(fsdp_tensor *t) {
   return fsdp_tensor_data(t->grad, "gradient");
 }
 
+/* The tensors n's backward reads must be as they were when n was recorded. */
+static int check_versions(const fsdp_node *n) {
+  for (int k = 0; k <= n->nsaved; k++) {
+    const fsdp_tensor *t = k < n->nsaved ? n->saved[k] : (n->reads_out ? n->out : NULL);
+    uint64_t want = k < n->nsaved ? n->saved_version[k] : n->out_version;
+    if (t && t->version != want)
+      return fsdp_error("a tensor %s that %s saved for its gradient was modified in place "
+                        "after the forward (version %llu, now %llu); modify a clone() "
+                        "instead, or modify it after backward",
+                        FSDP_SHAPE_STR(t), n->op, (unsigned long long)want,
+                        (unsigned long long)t->version);
+  }
+  return FSDP_OK;
+}
+
 int fsdp_backward(fsdp_tensor *root, fsdp_tensor *grad) {
   if (!root->requires_grad) {
     return fsdp_error("backward: the tensor %s does not require a gradient (nothing that "
@@ -150,7 +165,8 @@ int fsdp_backward(fsdp_tensor *root, fsdp_tensor *grad) {
       rc = n->hook(n->hook_ud);
       if (rc) fsdp_error_context("backward hook");
     } else if (n->out->grad) {
-      rc = n->backward(n);
+      rc = check_versions(n);
+      if (!rc) rc = n->backward(n);
       if (rc) fsdp_error_context("backward of %s", n->op);
       /* every consumer of a non-leaf output is newer, so its gradient is complete and used */
       if (!n->out->is_leaf) fsdp_tensor_set_grad(n->out, NULL);

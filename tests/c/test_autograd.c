@@ -841,6 +841,42 @@ static void test_backward_errors(void **state) {
   fsdp_tensor_release(x);
 }
 
+/* A tensor saved for backward and modified in place afterwards is refused, not used. */
+static void test_inplace_after_forward(void **state) {
+  (void)state;
+  rng_reset(27);
+  fsdp_tensor *w = rnd(2, SHAPE(3, 4), -1, 1), *x = rnd(2, SHAPE(2, 4), -1, 1), *h, *l;
+  w->requires_grad = true;
+  /* the input linear saved (x itself: contiguous) */
+  assert_int_equal(fsdp_op_linear(&h, x, w, NULL), FSDP_OK);
+  assert_int_equal(fsdp_op_sum(&l, h), FSDP_OK);
+  assert_int_equal(fsdp_tensor_fill(x, 0.0f), FSDP_OK);
+  EXPECT_ERR(fsdp_backward(l, NULL), "backward of linear", "(2, 4)", "modified in place");
+  assert_int_equal(fsdp_tape_size(), 0);
+  fsdp_tensor_release(h);
+  fsdp_tensor_release(l);
+  /* an output exp reads in its backward */
+  fsdp_tensor *e, *s;
+  assert_int_equal(fsdp_op_unary(&e, w, FSDP_UNARY_EXP), FSDP_OK);
+  assert_int_equal(fsdp_op_sum(&s, e), FSDP_OK);
+  assert_int_equal(fsdp_tensor_fill(e, 1.0f), FSDP_OK);
+  EXPECT_ERR(fsdp_backward(s, NULL), "backward of exp", "(3, 4)", "modified in place");
+  fsdp_tensor_release(e);
+  fsdp_tensor_release(s);
+  /* an output mul does not read: modifying it is fine and the gradient is exact */
+  fsdp_tensor_set_grad(w, NULL);
+  fsdp_tensor *m;
+  assert_int_equal(fsdp_op_affine(&m, w, 3.0f, 0.0f), FSDP_OK);
+  assert_int_equal(fsdp_op_sum(&s, m), FSDP_OK);
+  assert_int_equal(fsdp_tensor_fill(m, 7.0f), FSDP_OK);
+  assert_int_equal(fsdp_backward(s, NULL), FSDP_OK);
+  for (int i = 0; i < 12; i++) assert_float_equal(fsdp_tensor_data(w->grad, "t")[i], 3.0f, 0);
+  fsdp_tensor_release(m);
+  fsdp_tensor_release(s);
+  fsdp_tensor_release(w);
+  fsdp_tensor_release(x);
+}
+
 /* ---- hooks ------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -1067,6 +1103,12 @@ static void test_errors_shapes(void **state) {
   EXPECT_ERR(fsdp_op_view(&o, a23, 2, SHAPE(4, 2)), "view", "(4, 2)", "(2, 3)");
   EXPECT_ERR(fsdp_op_view(&o, a23, 2, SHAPE(-1, -1)), "view", "(2, 3)");
   EXPECT_ERR(fsdp_op_view(&o, a23, 2, SHAPE(-1, 4)), "view", "(-1, 4)", "(2, 3)");
+  fsdp_tensor *a23t;
+  assert_int_equal(fsdp_op_transpose(&a23t, a23, 0, 1), FSDP_OK);
+  fsdp_tape_clear();
+  EXPECT_ERR(fsdp_op_view(&o, a23t, 2, SHAPE(4, 2)), "view", "(4, 2)", "(3, 2)");
+  assert_int_equal(fsdp_tape_size(), 0); /* the copy a strided view needs is not recorded */
+  fsdp_tensor_release(a23t);
   EXPECT_ERR(fsdp_op_transpose(&o, a23, 0, 2), "transpose", "(2, 3)");
   EXPECT_ERR(fsdp_op_narrow(&o, a23, 1, 2, 2), "narrow", "(2, 3)");
   EXPECT_ERR(fsdp_op_narrow(&o, a23, 2, 0, 1), "narrow", "(2, 3)");
@@ -1181,6 +1223,7 @@ int main(void) {
       cmocka_unit_test(test_accumulate_and_free),
       cmocka_unit_test(test_no_grad),
       cmocka_unit_test(test_backward_errors),
+      cmocka_unit_test(test_inplace_after_forward),
       cmocka_unit_test(test_hooks),
       cmocka_unit_test(test_tape_clear_frees_activations),
       cmocka_unit_test(test_detach),

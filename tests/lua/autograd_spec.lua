@@ -157,6 +157,20 @@ describe("backward", function()
     assert_error_has(function() core.parameter(w * 1) end, "Parameter", "leaf")
   end)
 
+  it("refuses a saved tensor modified in place before backward", function()
+    local w = core.parameter(fsdp.randn { 2, 3 })
+    local x = fsdp.randn { 4, 3 }
+    local l = F.linear(x, w):sum()
+    x:set(1, 1, 5)
+    assert_error_has(function() l:backward() end, "backward of linear", "(4, 3)",
+      "modified in place")
+    assert.are.equal(0, core.tape_size())
+    local e = w:exp()
+    l = e:sum()
+    e:mul_(2)
+    assert_error_has(function() l:backward() end, "backward of exp", "modified in place")
+  end)
+
   it("detach cuts the graph", function()
     local w = core.parameter(fsdp.ones(2))
     local d = (w * 3):detach()
