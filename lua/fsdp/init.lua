@@ -51,8 +51,16 @@ end
 function fsdp.barrier() end
 
 -- seeds and autograd ------------------------------------------------------------------------
-function fsdp.manual_seed(n) core.manual_seed(n) end
+local seed_epoch = 0
+--- Same seed => same values on every rank. Also restarts nn's count of outermost module
+--- constructions (docs/nn.md, "Initialisation"), through seed_epoch.
+function fsdp.manual_seed(n)
+  core.manual_seed(n)
+  seed_epoch = seed_epoch + 1
+end
 function fsdp.seed() return core.seed() end
+--- How many times manual_seed has run: lets nn restart its construction count.
+function fsdp.seed_epoch() return seed_epoch end
 fsdp.is_grad_enabled = core.is_grad_enabled
 
 --- Run fn(...) with gradient recording off; returns fn's results. The previous mode comes

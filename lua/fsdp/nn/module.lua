@@ -450,29 +450,15 @@ local records = setmetatable({}, {__mode = "k"}) -- parameter -> {seed, key, kin
 M.init_records = records
 
 local depth = 0
-local top_count, top_seed = 0, nil
-local hooked_manual_seed -- the fsdp.manual_seed wrapper installed below
+local top_count, top_epoch = 0, nil
 
--- Reset the outermost-construction counter whenever fsdp.manual_seed runs. fsdp.manual_seed
--- belongs to the lead's init.lua; it is wrapped here (once, lazily, so the order in which
--- init.lua defines it does not matter). A seed value change is detected as well.
-local function ensure_seed_hook()
-  local f = fsdp.manual_seed
-  if f ~= nil and f ~= hooked_manual_seed then
-    hooked_manual_seed = function(...)
-      top_count, top_seed = 0, nil
-      return f(...)
-    end
-    fsdp.manual_seed = hooked_manual_seed
-  end
-end
-
+-- The k-th outermost construction since the last fsdp.manual_seed (fsdp.seed_epoch counts
+-- manual_seed calls), with the seed in force.
 local function next_top()
-  ensure_seed_hook()
-  local seed = fsdp.seed()
-  if seed ~= top_seed then top_count, top_seed = 0, seed end
+  local epoch = fsdp.seed_epoch()
+  if epoch ~= top_epoch then top_count, top_epoch = 0, epoch end
   top_count = top_count + 1
-  return top_count, seed
+  return top_count, fsdp.seed()
 end
 
 -- Give every distinct parameter of root's tree its key; owners record it by field name.
