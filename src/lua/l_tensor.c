@@ -137,7 +137,7 @@ int fsdp_lua_check_shape(lua_State *L, int idx, int64_t *shape) {
         luaL_error(L, "shape entry %d is a %s, expected a number", i + 1, luaL_typename(L, -1));
       lua_Number v = lua_tonumber(L, -1);
       lua_pop(L, 1);
-      if (v != floor(v) || v < -1)
+      if (v != floor(v) || v < -1 || v > 9007199254740992.0)
         luaL_error(L, "shape entry %d is %g; sizes are integers >= 0", i + 1, (double)v);
       shape[i] = (int64_t)v;
     }
@@ -147,7 +147,7 @@ int fsdp_lua_check_shape(lua_State *L, int idx, int64_t *shape) {
   for (int i = idx; i <= top && lua_type(L, i) == LUA_TNUMBER; i++) {
     if (n == FSDP_MAX_DIMS) luaL_error(L, "shape has more than %d dimensions", FSDP_MAX_DIMS);
     lua_Number v = lua_tonumber(L, i);
-    if (v != floor(v) || v < -1)
+    if (v != floor(v) || v < -1 || v > 9007199254740992.0)
       luaL_error(L, "shape entry %d is %g; sizes are integers >= 0", n + 1, (double)v);
     shape[n++] = (int64_t)v;
   }
@@ -164,17 +164,23 @@ static void check_sizes(lua_State *L, int n, const int64_t *shape) {
 /* ---- constructors ---------------------------------------------------------------------- */
 
 /* Index of an options table argument after a shape given as table or varargs. */
-static int opts_index(lua_State *L, int idx) {
-  if (lua_istable(L, idx) && lua_istable(L, idx + 1)) return idx + 1;
-  int top = lua_gettop(L);
-  if (top >= idx && lua_istable(L, top) && !(top == idx)) return top;
-  return 0;
+/* Index of the options table that may follow a shape read from idx (a table, or ndim numbers),
+ * 0 when there is none; anything else there is an error rather than silently ignored. */
+static int opts_index(lua_State *L, int idx, int ndim, const char *fn) {
+  int next = lua_istable(L, idx) ? idx + 1 : idx + ndim;
+  if (lua_isnoneornil(L, next)) return 0;
+  if (!lua_istable(L, next))
+    luaL_error(L, "%s: expected an options table (e.g. {device = \"meta\"}) after the shape, "
+               "got a %s", fn, luaL_typename(L, next));
+  return next;
 }
 
 static const fsdp_device_i *opt_device(lua_State *L, int opts) {
   if (!opts) return &fsdp_device_cpu;
   lua_getfield(L, opts, "device");
-  const char *name = lua_isnil(L, -1) ? "cpu" : luaL_checkstring(L, -1);
+  if (!lua_isnil(L, -1) && lua_type(L, -1) != LUA_TSTRING)
+    luaL_error(L, "device must be a name (\"cpu\" or \"meta\"), got a %s", luaL_typename(L, -1));
+  const char *name = lua_isnil(L, -1) ? "cpu" : lua_tostring(L, -1);
   const fsdp_device_i *d = fsdp_device_find(name);
   lua_pop(L, 1);
   if (!d) fsdp_lua_error(L);
@@ -188,20 +194,20 @@ static fsdp_tensor *new_tensor(lua_State *L, const fsdp_device_i *dev, int n, co
   return t;
 }
 
-static int filled(lua_State *L, float v) {
+static int filled(lua_State *L, float v, const char *fn) {
   int64_t shape[FSDP_MAX_DIMS];
   int n = fsdp_lua_check_shape(L, 1, shape);
-  const fsdp_device_i *dev = opt_device(L, opts_index(L, 1));
+  const fsdp_device_i *dev = opt_device(L, opts_index(L, 1, n, fn));
   fsdp_tensor *t = new_tensor(L, dev, n, shape);
   if (v != 0.0f && dev->has_data) fsdp_tensor_fill(t, v);
   fsdp_lua_push_tensor(L, t);
   return 1;
 }
 
-static int l_zeros(lua_State *L) { return filled(L, 0.0f); }
-static int l_ones(lua_State *L) { return filled(L, 1.0f); }
-
-static int l_empty(lua_State *L) { return filled(L, 0.0f); }
+static int l_zeros(lua_State *L) { return filled(L, 0.0f, "zeros"); }
+static int l_ones(lua_State *L) { return filled(L, 1.0f, "ones"); }
+/* zero-filled too: the allocator hands out zeroed memory anyway */
+static int l_empty(lua_State *L) { return filled(L, 0.0f, "empty"); }
 
 /* full(shape_table, v) or full(d1, d2, ..., v): with varargs the last number is the value. */
 static int l_full(lua_State *L) {
@@ -249,8 +255,11 @@ static int l_arange(lua_State *L) {
     b = luaL_checknumber(L, 1);
   }
   if (step == 0) luaL_error(L, "arange: step must not be 0");
-  int64_t n = (int64_t)ceil((b - a) / step);
-  if (n < 0) n = 0;
+  lua_Number count = ceil((b - a) / step);
+  if (!(count < 9007199254740992.0)) /* also NaN and inf */
+    luaL_error(L, "arange: [%g, %g) in steps of %g is not a finite range", (double)a, (double)b,
+               (double)step);
+  int64_t n = count > 0 ? (int64_t)count : 0;
   fsdp_tensor *t = new_tensor(L, &fsdp_device_cpu, 1, &n);
   float *d = fsdp_tensor_data(t, "arange");
   for (int64_t i = 0; i < n; i++) d[i] = (float)(a + (lua_Number)i * step);

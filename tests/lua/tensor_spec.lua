@@ -91,6 +91,16 @@ describe("constructors", function()
     assert_error_has(function() fsdp.zeros { 1, 1, 1, 1, 1, 1, 1, 1, 1 } end, "at most 8")
   end)
 
+  it("rejects non-finite sizes and ranges", function()
+    assert_error_has(function() fsdp.zeros(math.huge) end, "shape entry 1")
+    assert_error_has(function() fsdp.zeros { 0 / 0 } end, "shape entry 1")
+    assert_error_has(function() fsdp.arange(math.huge) end, "arange", "finite")
+    assert_error_has(function() fsdp.arange(0 / 0) end, "arange")
+    assert_error_has(function() fsdp.arange(0, 1, 0) end, "arange", "step")
+    assert_error_has(function() fsdp.zeros(2 ^ 40, 2 ^ 40) end, "too many elements")
+    assert.are.equal(0, fsdp.arange(-3):numel())
+  end)
+
   it("randn follows the seed", function()
     fsdp.manual_seed(5)
     local a = fsdp.randn { 3, 4 }
@@ -125,6 +135,9 @@ describe("constructors", function()
     assert.are.same({ 3, 2 }, m:transpose(1, 2):shape())
     assert.truthy(tostring(m):find("meta", 1, true))
     assert_error_has(function() fsdp.empty({ 2 }, { device = "tpu" }) end, "tpu")
+    assert_error_has(function() fsdp.empty({ 2 }, { device = 5 }) end, "device", "number")
+    assert_error_has(function() fsdp.empty({ 2 }, "meta") end, "empty", "options table", "string")
+    assert_error_has(function() fsdp.zeros(2, 3, "meta") end, "zeros", "options table")
   end)
 end)
 
@@ -361,6 +374,51 @@ describe("lifetime and identity", function()
     collectgarbage()
     collectgarbage()
     assert.is_true(fsdp.memory().activations <= before + 64 * 64 * 4 * 2)
+  end)
+end)
+
+describe("bad arguments never crash", function()
+  it("every method, F op and constructor raises a plain error on any argument mix", function()
+    local freed = fsdp.ones(2)
+    freed:free()
+    local vals = {
+      function() return nil end, function() return 0 end, function() return -1 end,
+      function() return 2.5 end, function() return 0 / 0 end, function() return math.huge end,
+      function() return "x" end, function() return {} end, function() return { 2, 3 } end,
+      function() return { { 1, 2 }, { 3, 4 } } end, function() return true end,
+      function() return fsdp.ones(2, 3) end, function() return fsdp.ones(3) end,
+      function() return fsdp.tensor(2) end, function() return fsdp.zeros(0) end,
+      function() return freed end, function() return fsdp.empty({ 2, 3 }, { device = "meta" }) end,
+      function() return fsdp.ones(2, 3):transpose(1, 2) end, function() return print end,
+    }
+    local fns = {}
+    for k, f in pairs(fsdp.Tensor) do if k ~= "free" then fns[#fns + 1] = { "Tensor." .. k, f } end end
+    for k, f in pairs(fsdp.F) do fns[#fns + 1] = { "F." .. k, f } end
+    for _, k in ipairs { "tensor", "zeros", "ones", "full", "empty", "randn", "rand", "arange" } do
+      fns[#fns + 1] = { k, fsdp[k] }
+    end
+    for _, k in ipairs { "parameter", "init_normal", "init_uniform", "sumsq", "sgd_step",
+      "adamw_step" } do
+      fns[#fns + 1] = { "core." .. k, fsdp.core[k] }
+    end
+    local calls, errors = 0, 0
+    for _, nf in ipairs(fns) do
+      for i = 1, #vals do
+        for j = 1, #vals do
+          local ok, err = pcall(nf[2], vals[i](), vals[j](), vals[(i + j) % #vals + 1]())
+          calls = calls + 1
+          if not ok then
+            errors = errors + 1
+            if type(err) ~= "string" or #err == 0 then
+              error(nf[1] .. " raised a non-message error: " .. tostring(err))
+            end
+          end
+        end
+      end
+      fsdp.core.tape_clear()
+    end
+    assert.is_true(fsdp.is_grad_enabled())
+    assert.is_true(calls > 10000 and errors > calls / 2)
   end)
 end)
 
