@@ -155,6 +155,7 @@ static int bw_binary(fsdp_node *n) {
   float *da, *db;
   if (grad_of(n, 0, &da) || grad_of(n, 1, &db)) return FSDP_ERR;
   int64_t N = n->i[0], M = n->i[1];
+  if (M == 0) return FSDP_OK; /* no elements (then N is 0 too) */
   fsdp_cpu_binary_backward(da, db, D(n->out->grad), D(n->saved[0]), D(n->saved[1]), N, M,
                            (fsdp_binop)n->i[2]);
   return FSDP_OK;
@@ -174,6 +175,7 @@ static int bw_expand(fsdp_node *n) {
   if (grad_of(n, 0, &da)) return FSDP_ERR;
   const float *g = D(n->out->grad);
   int64_t N = n->i[0], M = n->i[1];
+  if (M == 0) return FSDP_OK;
   for (int64_t r = 0; r < N / M; r++)
     for (int64_t j = 0; j < M; j++) da[j] += g[r * M + j];
   return FSDP_OK;
@@ -190,7 +192,7 @@ static int expand_to(fsdp_tensor **out, fsdp_tensor *a, const fsdp_tensor *like,
   }
   float *o = D(*out);
   const float *s = D(ac);
-  for (int64_t r = 0; r < N / M; r++) memcpy(o + r * M, s, (size_t)M * sizeof(float));
+  for (int64_t r = 0; M > 0 && r < N / M; r++) memcpy(o + r * M, s, (size_t)M * sizeof(float));
   fsdp_node *node;
   int rc = record("expand", bw_expand, *out, &a, 1, NULL, 0, &node);
   if (node) {

@@ -1194,6 +1194,30 @@ static void test_empty(void **state) {
   for (int i = 0; i < 20; i++) assert_float_equal(fsdp_tensor_data(w->grad, "t")[i], 0, 0);
   fsdp_tensor_release(o);
   fsdp_tensor_release(s);
+  /* broadcasting with no elements, both ways round */
+  fsdp_tensor *e0 = rnd(1, SHAPE(0), -1, 1), *e20 = rnd(2, SHAPE(2, 0), -1, 1);
+  e0->requires_grad = e20->requires_grad = true;
+  for (int k = 0; k < 4; k++) {
+    assert_int_equal(fsdp_op_binary(&o, e0, e20, (fsdp_binary_op)k), FSDP_OK);
+    assert_int_equal(o->ndim, 2);
+    assert_int_equal(fsdp_op_sum(&s, o), FSDP_OK);
+    assert_int_equal(fsdp_backward(s, NULL), FSDP_OK);
+    fsdp_tensor_release(o);
+    fsdp_tensor_release(s);
+    assert_int_equal(fsdp_op_binary(&o, e20, e0, (fsdp_binary_op)k), FSDP_OK);
+    assert_int_equal(fsdp_op_mean(&s, o), FSDP_OK);
+    assert_int_equal(fsdp_backward(s, NULL), FSDP_OK);
+    fsdp_tensor_release(o);
+    fsdp_tensor_release(s);
+  }
+  /* an empty reduction is 0 (sum) */
+  fsdp_tensor *e30 = rnd(2, SHAPE(3, 0), -1, 1);
+  assert_int_equal(fsdp_op_sum_dim(&o, e30, 1, false), FSDP_OK);
+  for (int i = 0; i < 3; i++) assert_float_equal(fsdp_tensor_data(o, "t")[i], 0.0f, 0);
+  fsdp_tensor_release(o);
+  fsdp_tensor_release(e30);
+  fsdp_tensor_release(e0);
+  fsdp_tensor_release(e20);
   fsdp_tensor_release(a);
   fsdp_tensor_release(b);
   fsdp_tensor_release(x);
