@@ -92,8 +92,11 @@ static int64_t check_array_int(lua_State *L, int idx, int i, int64_t lo, int64_t
 
 static int l_gunzip(lua_State *L) {
   const char *path = luaL_checkstring(L, 1);
-  int64_t max = lua_isnoneornil(L, 2) ? -1 : check_int(L, 2, "gunzip", "max_bytes");
-  if (lua_gettop(L) >= 2 && max < 0) luaL_error(L, "gunzip: max_bytes must be >= 0");
+  int64_t max = -1; /* -1: the whole file */
+  if (!lua_isnoneornil(L, 2)) {
+    max = check_int(L, 2, "gunzip", "max_bytes");
+    if (max < 0) luaL_error(L, "gunzip: max_bytes must be >= 0");
+  }
   closer *c = closer_push(L);
   errno = 0;
   c->gz = gzopen(path, "rb");

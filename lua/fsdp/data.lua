@@ -1,0 +1,484 @@
+-- fsdp.data: dataset loaders (Fashion-MNIST from Debian's IDX files, byte-level text).
+-- Owner: cli. The byte crunching is C (fsdp.core: gunzip, from_bytes, index_rows,
+-- byte_windows; src/lua/l_data.c); this file holds the policy: file discovery, IDX parsing,
+-- splits, seeded order and the rank slicing of global batches. docs/data.md is the manual.
+--
+-- Invariants every loader keeps:
+--  * The global batch of step k is a pure function of (seed, k): the same on every rank and at
+--    every world size. Each rank takes its own contiguous slice of it: rank r of W gets
+--    positions [r*B/W, (r+1)*B/W) (B must be divisible by W).
+--  * `loader:batches(n)` continues from `loader.cursor` (the number of batches served so far)
+--    and yields the global step number cursor+1, cursor+2, ...; set loader.cursor to resume.
+--  * Token ids and labels are f32 tensors holding integral values starting at 0.
+
+local fsdp = require "fsdp"
+local core = require "fsdp.core"
+local bit = require "bit"
+
+local data = {}
+
+local floor = math.floor
+
+-- ---- a small seeded PRNG (identical on every platform: only 32-bit integer bit ops) --------
+
+-- a * b modulo 2^32 without losing bits in a double: split b into 16-bit halves.
+local function mul32(a, b)
+  local lo, hi = b % 65536, floor(b / 65536) % 65536
+  return bit.tobit(a * lo + bit.tobit(a * hi) * 65536)
+end
+
+-- murmur3's finalizer: a good 32-bit mixer.
+local function fmix32(h)
+  h = bit.bxor(h, bit.rshift(h, 16))
+  h = mul32(h, 0x85ebca6b)
+  h = bit.bxor(h, bit.rshift(h, 13))
+  h = mul32(h, 0xc2b2ae35)
+  return bit.bxor(h, bit.rshift(h, 16))
+end
+
+local Rng = {}
+Rng.__index = Rng
+
+--- A xorshift128 generator keyed by (seed, stream): seed any number, stream an integer
+--- (epoch or step). Streams are independent, so any epoch or step can be produced directly.
+function Rng.new(seed, stream)
+  seed = floor(tonumber(seed) or 0)
+  local lo, hi = seed % 4294967296, floor(seed / 4294967296) % 4294967296
+  stream = floor(stream or 0) % 4294967296
+  local s = {}
+  local h = fmix32(bit.tobit(lo + 0x9e3779b9))
+  for i = 1, 4 do
+    h = fmix32(bit.bxor(h, bit.tobit(hi * 0x10001 + i)))
+    h = fmix32(bit.bxor(h, bit.tobit(stream + 0x7f4a7c15 * i)))
+    s[i] = h
+  end
+  if s[1] == 0 and s[2] == 0 and s[3] == 0 and s[4] == 0 then s[1] = 1 end
+  local r = setmetatable({ s[1], s[2], s[3], s[4] }, Rng)
+  for _ = 1, 8 do r:u32() end
+  return r
+end
+
+--- Next value, an integer in [0, 2^32).
+function Rng:u32()
+  local t = bit.bxor(self[1], bit.lshift(self[1], 11))
+  self[1], self[2], self[3] = self[2], self[3], self[4]
+  local w = self[4]
+  w = bit.bxor(bit.bxor(w, bit.rshift(w, 19)), bit.bxor(t, bit.rshift(t, 8)))
+  self[4] = w
+  return w % 4294967296
+end
+
+--- An integer in [0, n).
+function Rng:below(n)
+  return floor(self:u32() / 4294967296 * n)
+end
+
+data.Rng = Rng
+
+--- Array 1..n in the order of the seeded permutation for (seed, stream) (Fisher-Yates).
+function data.permutation(n, seed, stream)
+  local rng = Rng.new(seed, stream)
+  local p = {}
+  for i = 1, n do p[i] = i end
+  for i = n, 2, -1 do
+    local j = rng:below(i) + 1
+    p[i], p[j] = p[j], p[i]
+  end
+  return p
+end
+
+-- ---- shared helpers -------------------------------------------------------------------------
+
+local function is_count(v) return type(v) == "number" and v >= 1 and v % 1 == 0 end
+
+local function check_count(fn, what, v)
+  if not is_count(v) then
+    error(("%s: %s must be a positive integer, got %s"):format(fn, what, tostring(v)), 3)
+  end
+  return v
+end
+
+local function file_exists(path)
+  local f = io.open(path, "rb")
+  if f then f:close() return true end
+  return false
+end
+
+-- This rank and the world size: options rank= / world_size= (for tests and host programs that
+-- shard data themselves) override fsdp.rank() / fsdp.world_size().
+local function rank_world(self)
+  local rank = self.opts.rank or fsdp.rank()
+  local world = self.opts.world_size or fsdp.world_size()
+  return rank, world
+end
+
+local function check_rank_world(fn, opts)
+  if opts.world_size ~= nil then check_count(fn, "world_size", opts.world_size) end
+  if opts.rank ~= nil then
+    local w = opts.world_size or fsdp.world_size()
+    if type(opts.rank) ~= "number" or opts.rank % 1 ~= 0 or opts.rank < 0 or opts.rank >= w then
+      error(("%s: rank %s is not in [0, %d)"):format(fn, tostring(opts.rank), w), 3)
+    end
+  end
+end
+
+-- The size of this rank's slice of a global batch B.
+local function local_batch(fn, B, world)
+  if B % world ~= 0 then
+    error(("%s: batch %d is not divisible by the world size %d"):format(fn, B, world), 3)
+  end
+  return B / world
+end
+
+-- ---- IDX files --------------------------------------------------------------------------
+
+local function be32(s, i)
+  local a, b, c, d = s:byte(i, i + 3)
+  return ((a * 256 + b) * 256 + c) * 256 + d
+end
+
+--- Read an IDX file of unsigned bytes (gzip-compressed or plain): returns its dims (array) and
+--- an f32 tensor of shape dims whose values are the bytes times opts.scale (default 1).
+--- opts.limit keeps only the first `limit` items along the first dimension (and reads only
+--- those bytes).
+function data.read_idx(path, opts)
+  opts = opts or {}
+  if not file_exists(path) then
+    error(("read_idx: cannot open %s: No such file or directory"):format(path), 2)
+  end
+  local head = core.gunzip(path, 4)
+  if #head < 4 or head:byte(1) ~= 0 or head:byte(2) ~= 0 then
+    error(("read_idx: %s is not an IDX file (bad magic)"):format(path), 2)
+  end
+  if head:byte(3) ~= 0x08 then
+    error(("read_idx: %s: element type 0x%02x is not supported (only unsigned bytes, 0x08)")
+      :format(path, head:byte(3)), 2)
+  end
+  local ndim = head:byte(4)
+  if ndim < 1 then error(("read_idx: %s: IDX file with 0 dimensions"):format(path), 2) end
+  local hsize = 4 + 4 * ndim
+  local hdr = core.gunzip(path, hsize)
+  if #hdr < hsize then
+    error(("read_idx: %s: truncated header (%d of %d bytes)"):format(path, #hdr, hsize), 2)
+  end
+  local dims, item = {}, 1
+  for d = 1, ndim do
+    dims[d] = be32(hdr, 5 + 4 * (d - 1))
+    if d > 1 then item = item * dims[d] end
+  end
+  local n = dims[1]
+  if opts.limit ~= nil then
+    check_count("read_idx", "limit", opts.limit)
+    if opts.limit < n then n = opts.limit end
+  end
+  local want = hsize + n * item
+  local bytes = core.gunzip(path, opts.limit ~= nil and want or nil)
+  if #bytes < want then
+    error(("read_idx: %s: truncated: the header promises %d bytes of data, the file has %d")
+      :format(path, want - hsize, #bytes - hsize), 2)
+  end
+  dims[1] = n
+  return dims, core.from_bytes(bytes, hsize, dims, opts.scale or 1)
+end
+
+-- ---- Fashion-MNIST ----------------------------------------------------------------------
+
+local FASHION_FILES = {
+  train = { "train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz" },
+  test = { "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz" },
+}
+
+local FashionMNIST = {}
+FashionMNIST.__index = FashionMNIST
+data.FashionMNIST = FashionMNIST
+
+--- fsdp.data.fashion_mnist{split = "train"|"test", batch =, shuffle =, seed =, dir =, limit =,
+--- rank =, world_size =}: images (N, 784) in [0, 1] and labels (N) in 0..9.
+function data.fashion_mnist(opts)
+  local fn = "fsdp.data.fashion_mnist"
+  opts = opts or {}
+  if type(opts) ~= "table" then error(fn .. ": expected an options table", 2) end
+  local split = opts.split or "train"
+  local files = FASHION_FILES[split]
+  if not files then
+    error(("%s: split must be \"train\" or \"test\", got %s"):format(fn, tostring(split)), 2)
+  end
+  check_count(fn, "batch", opts.batch)
+  check_rank_world(fn, opts)
+  local dir = opts.dir or "/usr/share/datasets/fashion-mnist"
+  local ipath, lpath = dir .. "/" .. files[1], dir .. "/" .. files[2]
+  for _, p in ipairs { ipath, lpath } do
+    if not file_exists(p) then
+      error(("%s: %s not found: install dataset-fashion-mnist (scripts/install-deps)")
+        :format(fn, p), 2)
+    end
+  end
+  local idims, images = data.read_idx(ipath, { limit = opts.limit, scale = 1 / 255 })
+  local ldims, labels = data.read_idx(lpath, { limit = opts.limit })
+  if #idims ~= 3 or #ldims ~= 1 or idims[1] ~= ldims[1] then
+    error(("%s: %s and %s do not match (images %s, labels %s)"):format(fn, ipath, lpath,
+      table.concat(idims, "x"), table.concat(ldims, "x")), 2)
+  end
+  local n = idims[1]
+  local features = idims[2] * idims[3]
+  local self = setmetatable({
+    split = split, batch = opts.batch, n = n, features = features, classes = 10,
+    shuffle = opts.shuffle == nil and split == "train" or not not opts.shuffle,
+    seed = opts.seed or fsdp.seed(), cursor = 0, opts = opts,
+    images = images:view { n, features }, labels = labels,
+  }, FashionMNIST)
+  return self
+end
+
+--- Number of examples in the split.
+function FashionMNIST:size() return self.n end
+
+-- Order of the examples in an epoch (array of 1-based rows), cached for the current epoch.
+function FashionMNIST:_order(epoch)
+  if not self.shuffle then epoch = 0 end
+  if self._order_epoch ~= epoch then
+    if self.shuffle then
+      self._order_cache = data.permutation(self.n, self.seed, epoch)
+    else
+      local p = {}
+      for i = 1, self.n do p[i] = i end
+      self._order_cache = p
+    end
+    self._order_epoch = epoch
+  end
+  return self._order_cache
+end
+
+--- Iterator of (step, x, y) for n steps: x (B/W, 784), y (B/W). Epochs hold floor(N/B)
+--- global batches (the remainder is dropped); each epoch is reshuffled with its own seeded
+--- permutation.
+function FashionMNIST:batches(n)
+  local fn = "fashion_mnist:batches"
+  check_count(fn, "n", n)
+  local B = self.batch
+  local rank, world = rank_world(self)
+  local Bl = local_batch(fn, B, world)
+  if B > self.n then
+    error(("%s: batch %d is larger than the %s split (%d examples)"):format(fn, B, self.split,
+      self.n), 2)
+  end
+  local per_epoch = floor(self.n / B)
+  local done = 0
+  return function()
+    if done >= n then return nil end
+    done = done + 1
+    local k = self.cursor
+    self.cursor = k + 1
+    local order = self:_order(floor(k / per_epoch))
+    local base = (k % per_epoch) * B + rank * Bl
+    local idx = {}
+    for j = 1, Bl do idx[j] = order[base + j] end
+    return k + 1, core.index_rows(self.images, idx), core.index_rows(self.labels, idx)
+  end
+end
+
+--- Iterator of (i, x, y) over the whole split in file order, in batches of opts.batch (or the
+--- loader's batch); the last batch may be smaller. Every rank sees every example.
+function FashionMNIST:epoch(opts)
+  opts = opts or {}
+  local B = check_count("fashion_mnist:epoch", "batch", opts.batch or self.batch)
+  local pos, i = 1, 0
+  return function()
+    if pos > self.n then return nil end
+    local cnt = math.min(B, self.n - pos + 1)
+    local idx = {}
+    for j = 1, cnt do idx[j] = pos + j - 1 end
+    pos, i = pos + cnt, i + 1
+    return i, core.index_rows(self.images, idx), core.index_rows(self.labels, idx)
+  end
+end
+
+-- ---- byte-level text ----------------------------------------------------------------------
+
+local function read_file(path)
+  local f, err = io.open(path, "rb")
+  if not f then error(err, 0) end
+  local s = f:read("*a")
+  f:close()
+  return s
+end
+
+-- The files a text loader reads from `path`: the file itself, or for a folder its regular
+-- text files sorted by name. Skipped: names starting with ".", *.dat (fortune's binary
+-- indexes), *.u8 (fortune's UTF-8 aliases), symbolic links, folders and other non-regular
+-- entries, and any file containing a NUL byte (binary).
+function data.text_files(path)
+  local kind, err = core.file_kind(path)
+  if kind == "link" then
+    local f = io.open(path, "rb")
+    if f then f:close() kind = "file" end
+  end
+  if kind == nil then
+    local hint = path:find("^/usr/share/games/fortunes") and " (install fortunes: scripts/install-deps)"
+      or ""
+    error(("fsdp.data.text: cannot open %s%s"):format(err, hint), 0)
+  end
+  if kind == "file" then return { path } end
+  if kind ~= "dir" then error(("fsdp.data.text: %s is not a file or a folder"):format(path), 0) end
+  local entries = core.list_dir(path)
+  table.sort(entries, function(a, b) return a.name < b.name end)
+  local files = {}
+  for _, e in ipairs(entries) do
+    local name = e.name
+    if e.kind == "file" and not name:find("^%.") and not name:find("%.dat$")
+      and not name:find("%.u8$") then
+      files[#files + 1] = path .. "/" .. name
+    end
+  end
+  return files
+end
+
+local Text = {}
+Text.__index = Text
+data.Text = Text
+
+--- fsdp.data.text(path, {ctx =, batch =, split = "train"|"val", val_fraction = 0.1, seed =,
+--- rank =, world_size =}): the split's bytes as token ids 0..255.
+function data.text(path, opts)
+  local fn = "fsdp.data.text"
+  if type(path) ~= "string" then error(fn .. ": path must be a string", 2) end
+  opts = opts or {}
+  check_count(fn, "ctx", opts.ctx)
+  check_count(fn, "batch", opts.batch)
+  check_rank_world(fn, opts)
+  local split = opts.split or "train"
+  if split ~= "train" and split ~= "val" then
+    error(("%s: split must be \"train\" or \"val\", got %s"):format(fn, tostring(split)), 2)
+  end
+  local vf = opts.val_fraction or 0.1
+  if type(vf) ~= "number" or vf < 0 or vf >= 1 then
+    error(("%s: val_fraction must be in [0, 1), got %s"):format(fn, tostring(vf)), 2)
+  end
+  local ok, files = pcall(data.text_files, path)
+  if not ok then error(files, 2) end
+  local parts, used = {}, {}
+  for _, f in ipairs(files) do
+    local s = read_file(f)
+    if not s:find("\0", 1, true) then
+      -- The validation split is the last val_fraction of every file: each file (each fortune
+      -- category) is represented in both splits.
+      local cut = floor(#s * (1 - vf))
+      parts[#parts + 1] = split == "train" and s:sub(1, cut) or s:sub(cut + 1)
+      used[#used + 1] = f
+    end
+  end
+  if #used == 0 then error(("%s: no text files in %s"):format(fn, path), 2) end
+  local bytes = table.concat(parts)
+  return setmetatable({
+    path = path, files = used, split = split, ctx = opts.ctx, batch = opts.batch, vocab = 256,
+    bytes = bytes, seed = opts.seed or fsdp.seed(), cursor = 0, opts = opts,
+  }, Text)
+end
+
+--- Bytes in the split.
+function Text:size() return #self.bytes end
+
+function Text:_check_room(fn)
+  if #self.bytes < self.ctx + 1 then
+    error(("%s: the %s split of %s has %d bytes; a window of ctx = %d needs %d"):format(fn,
+      self.split, self.path, #self.bytes, self.ctx, self.ctx + 1), 3)
+  end
+end
+
+--- Iterator of (step, x, y) for n steps: x, y (B/W, ctx), y is x shifted by one byte. The
+--- global batch of step k holds B windows at seeded random starts (stream k).
+function Text:batches(n)
+  local fn = "text:batches"
+  check_count(fn, "n", n)
+  local B = self.batch
+  local rank, world = rank_world(self)
+  local Bl = local_batch(fn, B, world)
+  self:_check_room(fn)
+  local span = #self.bytes - self.ctx -- number of valid starts: [0, span)
+  local done = 0
+  return function()
+    if done >= n then return nil end
+    done = done + 1
+    local k = self.cursor
+    self.cursor = k + 1
+    local rng = Rng.new(self.seed, k)
+    local starts = {}
+    for j = 1, B do
+      local s = rng:below(span)
+      local l = j - rank * Bl
+      if l >= 1 and l <= Bl then starts[l] = s end
+    end
+    local x, y = core.byte_windows(self.bytes, starts, self.ctx)
+    return k + 1, x, y
+  end
+end
+
+--- Iterator of (i, x, y) over non-overlapping windows at 0, ctx, 2*ctx, ... in batches of the
+--- loader's batch (the last may be smaller), for validation loss. Every rank sees every
+--- window. opts: a number (max_batches) or {max_batches =, batch =}.
+function Text:epoch(opts)
+  if type(opts) == "number" then opts = { max_batches = opts } end
+  opts = opts or {}
+  local fn = "text:epoch"
+  local B = check_count(fn, "batch", opts.batch or self.batch)
+  if opts.max_batches ~= nil then check_count(fn, "max_batches", opts.max_batches) end
+  self:_check_room(fn)
+  local ctx = self.ctx
+  local nwin = floor((#self.bytes - 1) / ctx) -- windows whose target fits
+  local nb = math.ceil(nwin / B)
+  if opts.max_batches and opts.max_batches < nb then nb = opts.max_batches end
+  local i = 0
+  return function()
+    if i >= nb then return nil end
+    local first = i * B
+    local cnt = math.min(B, nwin - first)
+    local starts = {}
+    for j = 1, cnt do starts[j] = (first + j - 1) * ctx end
+    i = i + 1
+    local x, y = core.byte_windows(self.bytes, starts, ctx)
+    return i, x, y
+  end
+end
+
+--- Token ids (a table of numbers, nested tables, or a tensor) -> string.
+function Text:decode(ids)
+  if type(ids) ~= "table" and type(ids) ~= "number" then
+    if type(ids) == "userdata" and ids.totable then
+      ids = ids:totable()
+    else
+      error("text:decode: expected a tensor or a table of ids, got " .. type(ids), 2)
+    end
+  end
+  local flat = {}
+  local function walk(v)
+    if type(v) == "table" then
+      for i = 1, #v do walk(v[i]) end
+    else
+      if type(v) ~= "number" or v % 1 ~= 0 or v < 0 or v > 255 then
+        error(("text:decode: id %s at position %d is not a byte (0..255)")
+          :format(tostring(v), #flat + 1), 0)
+      end
+      flat[#flat + 1] = v
+    end
+  end
+  local ok, err = pcall(walk, ids)
+  if not ok then error(err, 2) end
+  local out = {}
+  for i = 1, #flat, 4096 do
+    out[#out + 1] = string.char(unpack(flat, i, math.min(i + 4095, #flat)))
+  end
+  return table.concat(out)
+end
+
+--- String -> table of token ids (its bytes).
+function Text:encode(str)
+  if type(str) ~= "string" then error("text:encode: expected a string, got " .. type(str), 2) end
+  local ids = {}
+  for i = 1, #str, 4096 do
+    local chunk = { str:byte(i, math.min(i + 4095, #str)) }
+    for j = 1, #chunk do ids[#ids + 1] = chunk[j] end
+  end
+  return ids
+end
+
+return data
