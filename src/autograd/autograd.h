@@ -62,7 +62,11 @@ int64_t fsdp_tape_size(void);
 void fsdp_tape_clear(void);
 
 /* Run backward from `root`. grad NULL means d(root)/d(root) = 1, only for a one-element root.
- * Consumes the whole tape (see above). */
+ * Consumes the whole tape (see above); root must still be on it (a second backward over the
+ * same graph is an error, not a silent no-op). A leaf root only gets its seed and leaves the
+ * tape alone. While it runs, grad mode is off (hooks may run ops; nothing is recorded) and a
+ * nested fsdp_backward (from a hook) is an error. A saved tensor modified in place since its
+ * op ran (its version changed) fails the backward with a message naming the op. */
 int fsdp_backward(fsdp_tensor *root, fsdp_tensor *grad);
 
 /* The gradient buffer of t, created zero-filled when absent (contiguous, t's shape). Used by

@@ -115,7 +115,13 @@ static int check_versions(const fsdp_node *n) {
   return FSDP_OK;
 }
 
+static _Thread_local bool in_backward;
+static int walk(fsdp_tensor *root);
+
 int fsdp_backward(fsdp_tensor *root, fsdp_tensor *grad) {
+  if (in_backward)
+    return fsdp_error("backward: called while a backward is running (from a hook); record "
+                      "the work and run it after backward returns");
   if (!root->requires_grad) {
     return fsdp_error("backward: the tensor %s does not require a gradient (nothing that "
                       "produced it requires one, or it was computed under no_grad)",
@@ -157,7 +163,18 @@ int fsdp_backward(fsdp_tensor *root, fsdp_tensor *grad) {
   }
   /* d(leaf)/d(leaf): the seed is the whole answer; other recorded graphs stay recorded. */
   if (root->is_leaf) return FSDP_OK;
+  /* Hooks may run ops (FSDP gathers): nothing they do is recorded onto the tape being
+   * consumed, and they cannot start a nested backward. */
+  in_backward = true;
+  bool prev = fsdp_set_grad_enabled(false);
+  int rc = walk(root);
+  fsdp_set_grad_enabled(prev);
+  in_backward = false;
+  return rc;
+}
 
+/* The reverse walk of fsdp_backward, once the root's gradient is seeded. */
+static int walk(fsdp_tensor *root) {
   int rc = FSDP_OK;
   while (tape_len > 0) {
     fsdp_node *n = tape[--tape_len];

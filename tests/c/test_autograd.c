@@ -973,6 +973,52 @@ static void test_hooks(void **state) {
   fsdp_tensor_release(x);
 }
 
+/* A hook that runs ops and tries a nested backward while backward runs. */
+typedef struct {
+  fsdp_tensor *x; /* requires a gradient */
+  bool grad_was_on, op_recorded, ok;
+  int nested_rc;
+  char nested_msg[256];
+} busy_ud;
+
+static int busy_hook(void *p) {
+  busy_ud *u = p;
+  u->grad_was_on = fsdp_grad_enabled();
+  int64_t before = fsdp_tape_size();
+  fsdp_tensor *y, *s;
+  u->ok = fsdp_op_unary(&y, u->x, FSDP_UNARY_EXP) == FSDP_OK &&
+          fsdp_op_sum(&s, y) == FSDP_OK;
+  u->op_recorded = fsdp_tape_size() != before || y->requires_grad;
+  u->nested_rc = fsdp_backward(s, NULL);
+  snprintf(u->nested_msg, sizeof u->nested_msg, "%s", fsdp_error_msg());
+  fsdp_tensor_release(y);
+  fsdp_tensor_release(s);
+  return FSDP_OK;
+}
+
+static void test_hook_runs_ops(void **state) {
+  (void)state;
+  rng_reset(28);
+  fsdp_tensor *x = rnd(1, SHAPE(3), -1, 1), *h, *l;
+  x->requires_grad = true;
+  busy_ud u = {.x = x};
+  assert_int_equal(fsdp_op_unary(&h, x, FSDP_UNARY_TANH), FSDP_OK);
+  assert_int_equal(fsdp_tape_hook(busy_hook, &u, NULL), FSDP_OK);
+  assert_int_equal(fsdp_op_sum(&l, h), FSDP_OK);
+  assert_int_equal(fsdp_backward(l, NULL), FSDP_OK);
+  assert_true(u.ok);
+  assert_false(u.grad_was_on);
+  assert_false(u.op_recorded);
+  assert_int_equal(u.nested_rc, FSDP_ERR);
+  assert_non_null(strstr(u.nested_msg, "while a backward is running"));
+  assert_true(fsdp_grad_enabled()); /* restored */
+  assert_int_equal(fsdp_tape_size(), 0);
+  assert_non_null(x->grad);
+  fsdp_tensor_release(h);
+  fsdp_tensor_release(l);
+  fsdp_tensor_release(x);
+}
+
 static void test_tape_clear_frees_activations(void **state) {
   (void)state;
   rng_reset(25);
@@ -1249,6 +1295,7 @@ int main(void) {
       cmocka_unit_test(test_backward_errors),
       cmocka_unit_test(test_inplace_after_forward),
       cmocka_unit_test(test_hooks),
+      cmocka_unit_test(test_hook_runs_ops),
       cmocka_unit_test(test_tape_clear_frees_activations),
       cmocka_unit_test(test_detach),
       cmocka_unit_test(test_errors_shapes),
