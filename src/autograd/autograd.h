@@ -14,6 +14,7 @@
  * its gradients after.
  *
  * The tape is per thread: each rank (a thread, with its own Lua state) has its own.
+ * Owner: grad (autograd.h, tape.c, ops.c).
  */
 #ifndef FSDP_AUTOGRAD_H
 #define FSDP_AUTOGRAD_H
@@ -117,7 +118,7 @@ int fsdp_op_contiguous(fsdp_tensor **out, fsdp_tensor *a);
 /* A new tensor sharing storage, not recorded, requires_grad false. */
 int fsdp_op_detach(fsdp_tensor **out, fsdp_tensor *a);
 
-/* ---- random streams (rng_state.c) ----------------------------------------------------
+/* ---- random streams (tape.c) ----------------------------------------------------
  * Per-thread seed (fsdp.manual_seed) and the offsets of the anonymous streams (randn,
  * dropout). Same seed and same sequence of calls => same values on every rank. */
 void fsdp_rng_manual_seed(uint64_t seed);

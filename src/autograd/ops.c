@@ -9,6 +9,7 @@
  *
  * Node layout convention: in[k] are the tensors gradients flow into (NULL for absent optional
  * inputs); saved[k] are contiguous copies (or the same tensors) the backward reads.
+ * Owner: grad.
  */
 #include <math.h>
 #include <stdlib.h>

@@ -1,6 +1,7 @@
 /*
  * l_ops.c — the functional ops (fsdp.F), grad mode, seeding and parameter initialisation,
  * optimizer update kernels and memory accounting, as functions of the `fsdp.core` module.
+ * Owner: grad.
  */
 #include <math.h>
 #include <string.h>
