@@ -301,6 +301,14 @@ static int f_cross_entropy(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
 static int f_mse(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
   return fsdp_op_mse(o, in[0], in[1]);
 }
+/* mse(a, 2a + 0.5): both of mse's gradients flow into the one input */
+static int f_mse_shifted(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  fsdp_tensor *b;
+  if (fsdp_op_affine(&b, in[0], 2.0f, 0.5f)) return FSDP_ERR;
+  int rc = fsdp_op_mse(o, in[0], b);
+  fsdp_tensor_release(b);
+  return rc;
+}
 static int f_sum(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
   return fsdp_op_sum(o, in[0]);
 }
@@ -639,7 +647,9 @@ static void test_grad_mse(void **state) {
   gradcheck((gc_case){"mse transposed", f_mse, NULL, 2,
                       {rnd_transposed(2, SHAPE(3, 4), -1, 1), rnd(2, SHAPE(3, 4), -1, 1)}, 3});
   fsdp_tensor *a = rnd(2, SHAPE(3, 4), -1, 1);
-  gradcheck((gc_case){"mse(a, a) same tensor", f_mse, NULL, 2, {a, a}, 3});
+  gradcheck((gc_case){"mse(a, 2a + 0.5) through one tensor", f_mse_shifted, NULL, 1, {a}, 1});
+  a = rnd_away(2, SHAPE(3, 4), 0.5, 1.5);
+  gradcheck((gc_case){"mul(a, a) same tensor", f_binary, &OP_MUL, 2, {a, a}, 3});
 }
 
 static void test_grad_reductions(void **state) {
