@@ -59,6 +59,12 @@ int fsdp_tape_push(fsdp_node *n);
 /* Record a hook node; ud is freed with hook_free when the node is freed (run or discarded). */
 int fsdp_tape_hook(fsdp_hook_fn fn, void *ud, void (*hook_free)(void *));
 int64_t fsdp_tape_size(void);
+/* Free the nodes nothing can reach any more (their output is referenced by the tape alone, and
+ * so, transitively, are their inputs' producers): the graph of a forward whose results were
+ * dropped without backward (an evaluation run with gradients on). Hook nodes are kept. Returns
+ * how many nodes were freed. fsdp_tape_push runs it as the tape grows; the Lua binding runs it
+ * after each collection it triggers. A no-op while backward runs. */
+int64_t fsdp_tape_prune(void);
 /* Drop every recorded node without running backward (frees saved activations). */
 void fsdp_tape_clear(void);
 

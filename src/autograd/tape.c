@@ -14,6 +14,10 @@
 static _Thread_local bool grad_on = true;
 static _Thread_local fsdp_node **tape;
 static _Thread_local int64_t tape_len, tape_cap;
+static _Thread_local bool in_backward;
+/* fsdp_tape_push prunes when the tape reaches this length (then twice what survived) */
+#define PRUNE_MIN 4096
+static _Thread_local int64_t prune_at = PRUNE_MIN;
 
 bool fsdp_grad_enabled(void) { return grad_on; }
 
@@ -54,6 +58,10 @@ static void node_free(fsdp_node *n) {
 }
 
 int fsdp_tape_push(fsdp_node *n) {
+  if (tape_len >= prune_at) {
+    fsdp_tape_prune();
+    prune_at = tape_len * 2 > PRUNE_MIN ? tape_len * 2 : PRUNE_MIN;
+  }
   if (tape_len == tape_cap) {
     int64_t cap = tape_cap ? tape_cap * 2 : 256;
     fsdp_node **t = realloc(tape, (size_t)cap * sizeof *t);
@@ -82,6 +90,28 @@ int fsdp_tape_hook(fsdp_hook_fn fn, void *ud, void (*hook_free)(void *)) {
 }
 
 int64_t fsdp_tape_size(void) { return tape_len; }
+
+/* A node whose output only the node itself still references can never be reached: no newer
+ * node consumes it (a consumer holds a reference) and nobody holds it to call backward on it.
+ * Walking newest to oldest, freeing such a node drops its references to its inputs, which may
+ * make older nodes unreachable in the same pass. Hook nodes stay: their place is their
+ * meaning. */
+int64_t fsdp_tape_prune(void) {
+  if (in_backward) return 0;
+  int64_t keep = tape_len, freed = 0;
+  for (int64_t r = tape_len - 1; r >= 0; r--) {
+    fsdp_node *n = tape[r];
+    if (!n->hook && __atomic_load_n(&n->out->refcount, __ATOMIC_ACQUIRE) == 1) {
+      node_free(n);
+      freed++;
+    } else {
+      tape[--keep] = n; /* keep >= r: only slots already read are written */
+    }
+  }
+  memmove(tape, tape + keep, (size_t)(tape_len - keep) * sizeof *tape);
+  tape_len -= keep;
+  return freed;
+}
 
 void fsdp_tape_clear(void) {
   /* Free newest first: mirrors backward, so outputs die before the inputs they came from. */
@@ -116,7 +146,6 @@ static int check_versions(const fsdp_node *n) {
   return FSDP_OK;
 }
 
-static _Thread_local bool in_backward;
 static int walk(fsdp_tensor *root);
 
 int fsdp_backward(fsdp_tensor *root, fsdp_tensor *grad) {

@@ -135,6 +135,11 @@ static int l_tape_clear(lua_State *L) {
   return 0;
 }
 
+static int l_tape_prune(lua_State *L) {
+  lua_pushnumber(L, (lua_Number)fsdp_tape_prune());
+  return 1;
+}
+
 static uint64_t check_seed(lua_State *L, int idx) {
   lua_Number s = luaL_checknumber(L, idx);
   if (s != floor(s) || s < 0 || s > 9007199254740992.0)
@@ -313,6 +318,7 @@ static int l_get_threads(lua_State *L) {
 static const luaL_Reg funcs[] = {
     {"set_grad_enabled", l_set_grad_enabled}, {"is_grad_enabled", l_is_grad_enabled},
     {"tape_size", l_tape_size},   {"tape_clear", l_tape_clear},
+    {"tape_prune", l_tape_prune},
     {"manual_seed", l_manual_seed}, {"seed", l_seed},
     {"parameter", l_parameter},   {"init_normal", l_init_normal},
     {"init_uniform", l_init_uniform}, {"sgd_step", l_sgd_step},

@@ -48,7 +48,9 @@ static void push_cache(lua_State *L) {
  * live set). So the binding counts the bytes of fresh storages it hands to Lua and runs a
  * full collection once that passes a threshold: at least 64 MiB, and 16x the Lua heap, so
  * the collection's cost (proportional to the Lua heap) stays small next to the allocation
- * it follows. Per thread, like the ranks' Lua states. */
+ * it follows. After collecting, the tape drops the graphs whose results were collected
+ * (fsdp_tape_prune): an evaluation loop run with gradients on does not pile up either. Per
+ * thread, like the ranks' Lua states. */
 #define GC_MIN_BYTES ((int64_t)64 << 20)
 static _Thread_local int64_t gc_pending, gc_threshold = GC_MIN_BYTES;
 
@@ -60,6 +62,7 @@ static void gc_account(lua_State *L, const fsdp_tensor *t) {
   if (gc_pending < gc_threshold) return;
   gc_pending = 0;
   lua_gc(L, LUA_GCCOLLECT, 0);
+  fsdp_tape_prune(); /* graphs whose results Lua just dropped */
   int64_t heap = (int64_t)lua_gc(L, LUA_GCCOUNT, 0) * 1024;
   gc_threshold = heap * 16 > GC_MIN_BYTES ? heap * 16 : GC_MIN_BYTES;
 }

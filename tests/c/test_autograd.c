@@ -1066,6 +1066,52 @@ static void test_tape_clear_frees_activations(void **state) {
   fsdp_tensor_release(wl);
 }
 
+/* Graphs whose results were all dropped are freed by fsdp_tape_prune; live ones stay whole. */
+static void test_prune(void **state) {
+  (void)state;
+  rng_reset(29);
+  int64_t act0 = live_bytes(FSDP_ROLE_ACTIVATIONS);
+  fsdp_tensor *x = rnd(2, SHAPE(4, 5), -1, 1), *h1, *h2, *h3;
+  x->requires_grad = true;
+  int fired = 0, freed = 0, order[4];
+  hook_ud u = {.id = 1, .order = order, .n_fired = &fired, .n_freed = &freed};
+  assert_int_equal(fsdp_op_unary(&h1, x, FSDP_UNARY_TANH), FSDP_OK);
+  assert_int_equal(fsdp_tape_hook(hook_fn, &u, hook_free), FSDP_OK);
+  assert_int_equal(fsdp_op_unary(&h2, h1, FSDP_UNARY_EXP), FSDP_OK);
+  assert_int_equal(fsdp_op_sum(&h3, h2), FSDP_OK);
+  assert_int_equal(fsdp_tape_prune(), 0); /* everything is held */
+  fsdp_tensor_release(h2);                /* held by the sum node still */
+  assert_int_equal(fsdp_tape_prune(), 0);
+  fsdp_tensor_release(h3); /* now sum and exp are unreachable; tanh's output is held */
+  assert_int_equal(fsdp_tape_prune(), 2);
+  assert_int_equal(fsdp_tape_size(), 2); /* tanh and the hook */
+  assert_int_equal(freed, 0);
+  /* the surviving graph still works */
+  fsdp_tensor *s;
+  assert_int_equal(fsdp_op_sum(&s, h1), FSDP_OK);
+  assert_int_equal(fsdp_backward(s, NULL), FSDP_OK);
+  assert_int_equal(fired, 1);
+  const float *xv = fsdp_tensor_data(x, "t"), *g = fsdp_tensor_data(x->grad, "t");
+  for (int i = 0; i < 20; i++) {
+    float t = tanhf(xv[i]);
+    assert_float_equal(g[i], 1 - t * t, 1e-6);
+  }
+  fsdp_tensor_release(s);
+  fsdp_tensor_release(h1);
+  /* dropped results never pile up: the tape prunes itself as it grows */
+  int64_t most = 0;
+  for (int i = 0; i < 10000; i++) {
+    fsdp_tensor *o;
+    assert_int_equal(fsdp_op_unary(&o, x, FSDP_UNARY_EXP), FSDP_OK);
+    fsdp_tensor_release(o);
+    if (fsdp_tape_size() > most) most = fsdp_tape_size();
+  }
+  assert_true(most <= 4096);
+  fsdp_tape_clear();
+  fsdp_tensor_release(x);
+  assert_int_equal(live_bytes(FSDP_ROLE_ACTIVATIONS), act0);
+}
+
 static void test_detach(void **state) {
   (void)state;
   rng_reset(26);
@@ -1307,6 +1353,7 @@ int main(void) {
       cmocka_unit_test(test_hooks),
       cmocka_unit_test(test_hook_runs_ops),
       cmocka_unit_test(test_tape_clear_frees_activations),
+      cmocka_unit_test(test_prune),
       cmocka_unit_test(test_detach),
       cmocka_unit_test(test_errors_shapes),
       cmocka_unit_test(test_errors_meta),
