@@ -1,0 +1,257 @@
+-- log_spec.lua — fsdp.log: the progress text, plain lines when not on a terminal, the
+-- redrawn line on one, rank 0 only, throughput and ETA from a fake clock, and JSONL that a
+-- small independent JSON decoder reads back. Owner: cli.
+-- Run: busted --lua=luajit tests/lua/log_spec.lua
+
+local fsdp = require "fsdp"
+local log = require "fsdp.log"
+
+-- An output handle that keeps what is written.
+local function sink()
+  local s = { text = "" }
+  function s:write(...)
+    for i = 1, select("#", ...) do self.text = self.text .. tostring((select(i, ...))) end
+    return self
+  end
+  function s:flush() end
+  return s
+end
+
+local function lines(text)
+  local out = {}
+  for l in text:gmatch("([^\n]*)\n") do out[#out + 1] = l end
+  return out
+end
+
+-- A deliberately separate JSON decoder (objects, arrays, strings, numbers, true/false/null).
+local function json_decode(s)
+  local pos = 1
+  local function ws() pos = s:find("[^ \t\r\n]", pos) or #s + 1 end
+  local value
+  local function str()
+    assert(s:sub(pos, pos) == '"', "string expected at " .. pos)
+    pos = pos + 1
+    local out = {}
+    while true do
+      local c = s:sub(pos, pos)
+      assert(c ~= "", "unterminated string")
+      if c == '"' then pos = pos + 1 break end
+      if c == "\\" then
+        local e = s:sub(pos + 1, pos + 1)
+        local map = { n = "\n", t = "\t", r = "\r", b = "\b", f = "\f", ['"'] = '"', ["\\"] = "\\", ["/"] = "/" }
+        if e == "u" then
+          out[#out + 1] = string.char(tonumber(s:sub(pos + 2, pos + 5), 16))
+          pos = pos + 6
+        else
+          out[#out + 1] = assert(map[e], "bad escape")
+          pos = pos + 2
+        end
+      else
+        assert(c:byte() >= 32, "raw control character in a JSON string")
+        out[#out + 1] = c
+        pos = pos + 1
+      end
+    end
+    return table.concat(out)
+  end
+  value = function()
+    ws()
+    local c = s:sub(pos, pos)
+    if c == "{" then
+      pos = pos + 1
+      local t, keys = {}, {}
+      ws()
+      if s:sub(pos, pos) == "}" then pos = pos + 1 return t, keys end
+      while true do
+        ws()
+        local k = str()
+        ws()
+        assert(s:sub(pos, pos) == ":", "':' expected")
+        pos = pos + 1
+        t[k] = value()
+        keys[#keys + 1] = k
+        ws()
+        local d = s:sub(pos, pos)
+        pos = pos + 1
+        if d == "}" then return t, keys end
+        assert(d == ",", "',' or '}' expected at " .. pos)
+      end
+    elseif c == "[" then
+      pos = pos + 1
+      local t = {}
+      ws()
+      if s:sub(pos, pos) == "]" then pos = pos + 1 return t end
+      while true do
+        t[#t + 1] = value()
+        ws()
+        local d = s:sub(pos, pos)
+        pos = pos + 1
+        if d == "]" then return t end
+        assert(d == ",", "',' or ']' expected")
+      end
+    elseif c == '"' then
+      return str()
+    elseif s:sub(pos, pos + 3) == "true" then pos = pos + 4 return true
+    elseif s:sub(pos, pos + 4) == "false" then pos = pos + 5 return false
+    elseif s:sub(pos, pos + 3) == "null" then pos = pos + 4 return nil
+    end
+    local num = s:match("^-?%d+%.?%d*[eE]?[-+]?%d*", pos)
+    assert(num and #num > 0, "value expected at " .. pos .. " in " .. s)
+    pos = pos + #num
+    return assert(tonumber(num))
+  end
+  local v, keys = value()
+  ws()
+  assert(pos == #s + 1, "trailing text in " .. s)
+  return v, keys
+end
+
+-- A clock the test moves by hand.
+local function fake_clock()
+  local c = { t = 100 }
+  c.fn = function() return c.t end
+  return c
+end
+
+after_each(function() log.finish() end)
+
+describe("fsdp.log", function()
+  it("is the callable table the fsdp module exposes", function()
+    assert.equal(log, fsdp.log)
+    assert.equal("function", type(getmetatable(log).__call))
+  end)
+
+  it("formats step, metrics (loss first, then by name), throughput and ETA", function()
+    assert.equal("step 12/500 | loss 2.3457 | 1234 tok/s | ETA 1m05s",
+      log.format(12, { loss = 2.34567 }, 500, 1234.4, 65))
+    assert.equal("step 3 | loss 0.5000 | acc 0.9100 | lr 3.000e-04 | n 7",
+      log.format(3, { n = 7, lr = 3e-4, acc = 0.91, loss = 0.5, name = "skip", tokens = 99 }))
+    assert.equal("step 1/10 | ETA 2h01m", log.format(1, {}, 10, nil, 7265))
+    assert.equal("step 10/10 | elapsed 9s", log.format(10, {}, 10, nil, nil, 9.2))
+  end)
+
+  it("prints plain lines at step 1, every `every` steps and the last step off a terminal", function()
+    local out, clock = sink(), fake_clock()
+    log.setup { total = 100, out = out, tty = false, clock = clock.fn, tokens_per_step = 1000 }
+    for step = 1, 100 do
+      clock.t = clock.t + 0.5
+      log(step, { loss = 1 / step })
+    end
+    local ls = lines(out.text)
+    -- default period: about 20 lines per run
+    assert.equal(21, #ls)
+    assert.equal("step 1/100 | loss 1", ls[1])
+    assert.equal("step 5/100 | loss 0.2000 | 2000 tok/s | ETA 48s", ls[2])
+    assert.equal("step 100/100 | loss 0.0100 | 2000 tok/s | elapsed 50s", ls[21])
+    assert.is_nil(out.text:find("\r", 1, true))
+  end)
+
+  it("uses every= when given and every 10 steps without a total", function()
+    local out = sink()
+    log.setup { out = out, tty = false, every = 3 }
+    for step = 1, 9 do log(step, { loss = 1 }) end
+    assert.equal(4, #lines(out.text)) -- 1, 3, 6, 9
+    local out2 = sink()
+    log.setup { out = out2, tty = false }
+    for step = 1, 25 do log(step, { loss = 1 }) end
+    local ls = lines(out2.text)
+    assert.same({ "step 1 | loss 1", "step 10 | loss 1", "step 20 | loss 1" }, ls)
+  end)
+
+  it("takes throughput from metrics.tokens over tokens_per_step", function()
+    local out, clock = sink(), fake_clock()
+    log.setup { out = out, tty = false, every = 1, clock = clock.fn, tokens_per_step = 10 }
+    log(1, { tokens = 300 })
+    clock.t = clock.t + 0.25
+    log(2, { tokens = 300 })
+    assert.equal("step 2 | 1200 tok/s", lines(out.text)[2])
+  end)
+
+  it("redraws one line on a terminal and ends it with finish()", function()
+    local out, clock = sink(), fake_clock()
+    log.setup { total = 4, out = out, tty = true, clock = clock.fn }
+    log(1, { loss = 4 })
+    clock.t = clock.t + 0.01
+    log(2, { loss = 3 }) -- within 0.1 s of the last draw: skipped
+    clock.t = clock.t + 1
+    log(3, { loss = 2 })
+    log(4, { loss = 1 }) -- the last step is always drawn
+    log.print("evaluating")
+    log.finish()
+    local expected = "\r\27[Kstep 1/4 | loss 4"
+      .. "\r\27[Kstep 3/4 | loss 2 | ETA 0s" -- 1 s to go at 0.8 * 0.01 + 0.2 * 1 s per step
+      .. "\r\27[Kstep 4/4 | loss 1 | elapsed 1s"
+      .. "\r\27[Kevaluating\n\r\27[Kstep 4/4 | loss 1 | elapsed 1s"
+      .. "\n"
+    assert.equal(expected, out.text)
+  end)
+
+  it("writes nothing on other ranks", function()
+    local out = sink()
+    local path = os.tmpname()
+    log.setup { out = out, tty = false, rank = 1, jsonl = path }
+    log(1, { loss = 1 })
+    log.print("x")
+    log.finish()
+    assert.equal("", out.text)
+    local f = io.open(path, "rb")
+    assert.equal("", f and f:read("*a") or "")
+    if f then f:close() end
+    os.remove(path)
+  end)
+
+  it("writes one JSON object per call with step, time and every metric", function()
+    local path = os.tmpname()
+    local clock = fake_clock()
+    log.setup { jsonl = path, out = sink(), tty = false, clock = clock.fn }
+    clock.t = clock.t + 1.5
+    log(1, { loss = 2.5, lr = 1e-3, note = 'a "q"\n\ttab\1', ok = true, acc = fsdp.tensor { 0.25 }:sum() })
+    clock.t = clock.t + 1
+    log(2, { loss = 0 / 0, sizes = { 1, 2 }, by = { a = 1 } })
+    log.finish()
+    local f = assert(io.open(path, "rb"))
+    local text = f:read("*a")
+    f:close()
+    os.remove(path)
+    local ls = lines(text)
+    assert.equal(2, #ls)
+    local r1, keys = json_decode(ls[1])
+    assert.same({ "step", "time", "loss", "acc", "lr", "note", "ok" }, keys)
+    assert.equal(1, r1.step)
+    assert.equal(1.5, r1.time)
+    assert.equal(2.5, r1.loss)
+    assert.equal(1e-3, r1.lr)
+    assert.equal(0.25, r1.acc)
+    assert.equal('a "q"\n\ttab\1', r1.note)
+    assert.is_true(r1.ok)
+    local r2 = json_decode(ls[2])
+    assert.equal(2, r2.step)
+    assert.equal(2.5, r2.time)
+    assert.is_nil(r2.loss) -- NaN is null
+    assert.same({ 1, 2 }, r2.sizes)
+    assert.same({ a = 1 }, r2.by)
+  end)
+
+  it("encodes numbers so that they read back exactly", function()
+    for _, v in ipairs { 0.1, 1 / 3, -2.5e-300, 123456789012, 2 ^ 60, 1e21 } do
+      assert.equal(v, json_decode(log.json(v)))
+    end
+    assert.equal("null", log.json(math.huge))
+    assert.equal('[1,"x",false,{"k":[2]}]', log.json { 1, "x", false, { k = { 2 } } })
+  end)
+
+  it("checks its arguments", function()
+    local ok, err = pcall(log, "one", {})
+    assert.is_false(ok)
+    assert.truthy(err:find("step must be a number", 1, true))
+    ok, err = pcall(log, 1, 5)
+    assert.is_false(ok)
+    assert.truthy(err:find("metrics must be a table", 1, true))
+    ok, err = pcall(log.setup, { total = -1 })
+    assert.is_false(ok)
+    assert.truthy(err:find("total must be a positive number", 1, true))
+    ok, err = pcall(log.setup, { jsonl = "/nonexistent-dir/x.jsonl" })
+    assert.is_false(ok)
+    assert.truthy(err:find("cannot open the JSONL file", 1, true))
+  end)
+end)
