@@ -199,8 +199,11 @@ static int repl_load(lua_State *L, fsdprun_opts *o, bool tty) {
   if (repl_is_quit(o->line)) return -1;
   const char *line = o->line;
   if (line[0] == '=') line++; /* Lua 5.1's "=expr" */
-  /* First as an expression, so `1 + 1` prints 2. */
-  lua_pushfstring(L, "return %s", line);
+  /* First as an expression, so `1 + 1` prints 2. The values pass through an identity function
+   * instead of `return <line>` so that a call in the line is not a tail call: `error("x")`
+   * then reports "stdin:1: x" rather than losing its position. The newline keeps a trailing
+   * comment from swallowing the closing parenthesis. */
+  lua_pushfstring(L, "return (function(...) return ... end)(%s\n)", line);
   size_t len;
   const char *code = lua_tolstring(L, -1, &len);
   int status = luaL_loadbuffer(L, code, len, "=stdin");
