@@ -4,15 +4,12 @@
  */
 #include "lua/binding.h"
 
-/* Weak until every binding file has landed; see l_data.c. */
-void fsdp_lua_open_data(lua_State *L) __attribute__((weak));
-
 FSDP_API int luaopen_fsdp_core(lua_State *L) {
   lua_newtable(L);
   fsdp_lua_open_tensor(L);
   fsdp_lua_open_ops(L);
   fsdp_lua_open_bench(L);
-  if (fsdp_lua_open_data) fsdp_lua_open_data(L);
+  fsdp_lua_open_data(L);
   lua_pushstring(L, FSDP_VERSION_STRING);
   lua_setfield(L, -2, "version");
   return 1;
