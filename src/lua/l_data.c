@@ -12,8 +12,8 @@
  *   list_dir(path) -> { {name =, kind =}, ... } (unsorted; kind as file_kind)
  *   file_kind(path) -> "file" | "dir" | "link" | "other", or nil, message (lstat: links not
  *                      followed)
- *   clock() -> seconds of a monotonic clock (for throughput and ETA)
  *
+ * (fsdp.log also uses core.clock, the monotonic clock that l_bench.c registers.)
  * Every argument is checked before anything is allocated. Resources that must outlive a call
  * that can raise (a gzFile, a DIR, a growing buffer) live in a `closer` userdata whose __gc
  * frees them, so a Lua error (including out of memory) never leaks them (binding.h's rule).
@@ -25,7 +25,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -291,13 +290,6 @@ static int l_list_dir(lua_State *L) {
   return 1;
 }
 
-static int l_clock(lua_State *L) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  lua_pushnumber(L, (lua_Number)ts.tv_sec + (lua_Number)ts.tv_nsec * 1e-9);
-  return 1;
-}
-
 static const luaL_Reg data_funcs[] = {
     {"gunzip", l_gunzip},
     {"from_bytes", l_from_bytes},
@@ -306,7 +298,6 @@ static const luaL_Reg data_funcs[] = {
     {"isatty", l_isatty},
     {"file_kind", l_file_kind},
     {"list_dir", l_list_dir},
-    {"clock", l_clock},
     {NULL, NULL},
 };
 
