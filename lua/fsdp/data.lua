@@ -413,9 +413,12 @@ function Text:batches(n)
   end
 end
 
---- Iterator of (i, x, y) over non-overlapping windows at 0, ctx, 2*ctx, ... in batches of the
---- loader's batch (the last may be smaller), for validation loss. Every rank sees every
---- window. opts: a number (max_batches) or {max_batches =, batch =}.
+--- Iterator of (i, x, y) over non-overlapping windows of ctx bytes (window w starts at
+--- w*ctx), in batches of the loader's batch (the last may be smaller), for validation loss.
+--- With max_batches below the full count, the max_batches*batch windows used are spread
+--- evenly over the whole split (window floor(j * total / used) for j = 0, 1, ...), so a capped
+--- evaluation still samples every file. Every rank sees every window.
+--- opts: a number (max_batches) or {max_batches =, batch =}.
 function Text:epoch(opts)
   if type(opts) == "number" then opts = { max_batches = opts } end
   opts = opts or {}
@@ -425,15 +428,16 @@ function Text:epoch(opts)
   self:_check_room(fn)
   local ctx = self.ctx
   local nwin = floor((#self.bytes - 1) / ctx) -- windows whose target fits
-  local nb = math.ceil(nwin / B)
-  if opts.max_batches and opts.max_batches < nb then nb = opts.max_batches end
+  local used = nwin
+  if opts.max_batches and opts.max_batches * B < nwin then used = opts.max_batches * B end
+  local nb = math.ceil(used / B)
   local i = 0
   return function()
     if i >= nb then return nil end
     local first = i * B
-    local cnt = math.min(B, nwin - first)
+    local cnt = math.min(B, used - first)
     local starts = {}
-    for j = 1, cnt do starts[j] = (first + j - 1) * ctx end
+    for j = 1, cnt do starts[j] = floor((first + j - 1) * nwin / used) * ctx end
     i = i + 1
     local x, y = core.byte_windows(self.bytes, starts, ctx)
     return i, x, y

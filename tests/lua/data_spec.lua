@@ -450,8 +450,19 @@ describe("text", function()
     for _, r in ipairs(e) do for _, row in ipairs(r.x:totable()) do all[#all + 1] = t:decode(row) end end
     assert.equal(13, #all)
     assert.equal(t.bytes:sub(1, 130), table.concat(all))
-    assert.equal(2, #collect(t:epoch(2)))
+    assert.equal(4, #collect(t:epoch(4)))
+    -- capped: 2 batches of 4 = 8 of the 13 windows, spread over the whole split, in order
+    local capped = collect(t:epoch(2))
+    assert.equal(2, #capped)
     assert.equal(2, #collect(t:epoch { max_batches = 2 }))
+    local got, want = {}, {}
+    for _, r in ipairs(capped) do
+      for _, row in ipairs(r.x:totable()) do got[#got + 1] = t:decode(row) end
+    end
+    for _, w in ipairs { 0, 1, 3, 4, 6, 8, 9, 11 } do -- floor(j * 13 / 8)
+      want[#want + 1] = t.bytes:sub(w * 10 + 1, w * 10 + 10)
+    end
+    assert.same(want, got)
   end)
 
   it("encodes and decodes bytes, tensors and nested tables", function()
