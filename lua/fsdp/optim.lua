@@ -52,7 +52,7 @@ end
 
 -- Optimizer state buffers: zeros shaped like p (one place, so accounting can tag them).
 local function state_zeros(p)
-  return fsdp.zeros(p:shape())
+  return fsdp.zeros(p:shape(), { role = "optim" })
 end
 
 local function number_opt(opts, k, default, min)

@@ -191,18 +191,43 @@ static const fsdp_device_i *opt_device(lua_State *L, int opts) {
   return d;
 }
 
-static fsdp_tensor *new_tensor(lua_State *L, const fsdp_device_i *dev, int n, const int64_t *shape) {
+/* opts.role: what the memory accounting files the tensor under ("params", "grads", "optim",
+ * "activations", "gathered", "other"); activations by default. */
+static fsdp_role opt_role(lua_State *L, int opts) {
+  if (!opts) return FSDP_ROLE_ACTIVATIONS;
+  lua_getfield(L, opts, "role");
+  fsdp_role role = FSDP_ROLE_ACTIVATIONS;
+  if (!lua_isnil(L, -1)) {
+    const char *name = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : "";
+    int k = 0;
+    while (k < FSDP_ROLE_COUNT && strcmp(fsdp_role_name((fsdp_role)k), name) != 0) k++;
+    if (k == FSDP_ROLE_COUNT)
+      luaL_error(L, "role must be one of params, grads, optim, activations, gathered, other; got %s",
+                 lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : luaL_typename(L, -1));
+    role = (fsdp_role)k;
+  }
+  lua_pop(L, 1);
+  return role;
+}
+
+static fsdp_tensor *new_tensor_role(lua_State *L, const fsdp_device_i *dev, int n,
+                                    const int64_t *shape, fsdp_role role) {
   fsdp_tensor *t;
   check_sizes(L, n, shape);
-  if (fsdp_tensor_new(&t, dev, FSDP_DTYPE_F32, n, shape, FSDP_ROLE_ACTIVATIONS)) fsdp_lua_error(L);
+  if (fsdp_tensor_new(&t, dev, FSDP_DTYPE_F32, n, shape, role)) fsdp_lua_error(L);
   return t;
+}
+
+static fsdp_tensor *new_tensor(lua_State *L, const fsdp_device_i *dev, int n, const int64_t *shape) {
+  return new_tensor_role(L, dev, n, shape, FSDP_ROLE_ACTIVATIONS);
 }
 
 static int filled(lua_State *L, float v, const char *fn) {
   int64_t shape[FSDP_MAX_DIMS];
   int n = fsdp_lua_check_shape(L, 1, shape);
-  const fsdp_device_i *dev = opt_device(L, opts_index(L, 1, n, fn));
-  fsdp_tensor *t = new_tensor(L, dev, n, shape);
+  int opts = opts_index(L, 1, n, fn);
+  const fsdp_device_i *dev = opt_device(L, opts);
+  fsdp_tensor *t = new_tensor_role(L, dev, n, shape, opt_role(L, opts));
   if (v != 0.0f && dev->has_data) fsdp_tensor_fill(t, v);
   fsdp_lua_push_tensor(L, t);
   return 1;

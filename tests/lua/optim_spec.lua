@@ -271,3 +271,16 @@ describe("optim.cosine", function()
     assert_close(opt.lr, 0.15, 1e-12, "step 2")
   end)
 end)
+
+describe("optimizer state accounting", function()
+  it("files AdamW moments under the optim role of fsdp.memory()", function()
+    collectgarbage()
+    local before = fsdp.memory().optim
+    local m = nn.Linear(10, 20)
+    local opt = fsdp.optim.AdamW(m, { lr = 1e-3 })
+    m(fsdp.randn { 3, 10 }):sum():backward()
+    opt:step()
+    -- two moments per parameter: (20*10 + 20) floats each
+    assert.are.equal(before + 2 * 4 * (20 * 10 + 20), fsdp.memory().optim)
+  end)
+end)
