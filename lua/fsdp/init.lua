@@ -32,7 +32,7 @@ function fsdp.all_reduce(x, op)
   if not reduce_ops[op] then
     error(("all_reduce: unknown op %q (sum, mean, max, min)"):format(tostring(op)), 2)
   end
-  if type(x) ~= "number" and getmetatable(x) ~= getmetatable(core.zeros(0)) then
+  if type(x) ~= "number" and not core.is_tensor(x) then
     error("all_reduce: expected a number or a tensor, got " .. type(x), 2)
   end
   return x

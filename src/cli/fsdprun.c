@@ -24,6 +24,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <signal.h>
+#include <time.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -82,9 +83,24 @@ static void on_sigalrm(int sig) {
   _exit(EXIT_INTERRUPTED);
 }
 
+static double monotonic_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts); /* async-signal-safe */
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 static void on_sigint(int sig) {
-  signal(sig, SIG_DFL); /* a second ^C kills at once */
+  (void)sig;
+  static volatile double first_at;
+  double now = monotonic_s();
+  if (g_interrupted) {
+    /* A second ^C kills at once. One ^C can arrive twice (coreutils timeout signals the child
+     * and then its process group), so a repeat within half a second is the same ^C. */
+    if (now - first_at < 0.5) return;
+    on_sigalrm(SIGALRM);
+  }
   g_interrupted = 1;
+  first_at = now;
   if (g_running_L != NULL) {
     /* lua_sethook is safe to call from a signal handler (lua.c and luajit.c rely on it). */
     lua_sethook(g_running_L, interrupt_hook, LUA_MASKCALL | LUA_MASKRET | LUA_MASKCOUNT, 1);
@@ -117,6 +133,7 @@ static int docall(lua_State *L, int narg, int nres) {
   int base = lua_gettop(L) - narg;
   lua_pushcfunction(L, traceback_handler);
   lua_insert(L, base);
+  g_interrupted = 0; /* each run may be interrupted once before a second ^C kills */
   g_running_L = L;
   signal(SIGINT, on_sigint);
   int status = lua_pcall(L, narg, nres, base);

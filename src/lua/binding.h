@@ -30,6 +30,17 @@ int fsdp_lua_error(lua_State *L);
 /* Read a shape from a Lua array (or varargs of numbers starting at idx). Returns ndim. */
 int fsdp_lua_check_shape(lua_State *L, int idx, int64_t *shape);
 
+/* In a binding function: run an op that returns a new tensor through OUT, then push it (the
+ * reference moves to Lua) and return 1, or raise the engine error. */
+#define PUSH_OR_RAISE(call)                                                                        \
+  do {                                                                                             \
+    fsdp_tensor *out_;                                                                             \
+    if (call) fsdp_lua_error(L);                                                                   \
+    fsdp_lua_push_tensor(L, out_);                                                                 \
+    return 1;                                                                                      \
+  } while (0)
+#define OUT (&out_)
+
 /* Registration of each binding file into the module table at the top of the stack. */
 void fsdp_lua_open_tensor(lua_State *L);
 void fsdp_lua_open_ops(lua_State *L);

@@ -10,15 +10,6 @@
 #include "kernels/cpu/kernels.h"
 #include "lua/binding.h"
 
-#define PUSH_OR_RAISE(call)                                                                        \
-  do {                                                                                             \
-    fsdp_tensor *out_;                                                                             \
-    if (call) fsdp_lua_error(L);                                                                   \
-    fsdp_lua_push_tensor(L, out_);                                                                 \
-    return 1;                                                                                      \
-  } while (0)
-#define OUT (&out_)
-
 /* The tensor argument idx of fsdp.F.<fn>, or a Lua error naming fn: through a tail call or
  * pcall Lua itself cannot name the function ("bad argument #1 to '?'"). */
 static fsdp_tensor *arg(lua_State *L, int idx, const char *fn) {

@@ -502,15 +502,6 @@ static int l_is_contiguous(lua_State *L) {
 
 /* ---- differentiable methods -------------------------------------------------------------- */
 
-#define PUSH_OR_RAISE(call)                                                                        \
-  do {                                                                                             \
-    fsdp_tensor *out_;                                                                             \
-    if (call) fsdp_lua_error(L);                                                                   \
-    fsdp_lua_push_tensor(L, out_);                                                                 \
-    return 1;                                                                                      \
-  } while (0)
-#define OUT (&out_)
-
 static int l_view(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
   int64_t shape[FSDP_MAX_DIMS];
@@ -876,7 +867,14 @@ static const luaL_Reg metamethods[] = {
     {"__mul", l_mul},     {"__div", l_div},           {"__unm", l_unm},
     {NULL, NULL}};
 
+/* is_tensor(x): true for a live tensor userdata (a freed one is false). */
+static int l_is_tensor(lua_State *L) {
+  lua_pushboolean(L, fsdp_lua_to_tensor(L, 1) != NULL);
+  return 1;
+}
+
 static const luaL_Reg constructors[] = {
+    {"is_tensor", l_is_tensor},
     {"tensor", l_tensor}, {"zeros", l_zeros}, {"ones", l_ones}, {"full", l_full},
     {"empty", l_empty},   {"randn", l_randn}, {"rand", l_rand}, {"arange", l_arange},
     {NULL, NULL}};
