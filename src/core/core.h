@@ -64,6 +64,10 @@ typedef struct fsdp_device_i {
   void (*free)(void *ptr, size_t bytes);
   /* copy between two buffers of this device; optional (NULL on meta) */
   int (*copy)(void *dst, const void *src, size_t bytes);
+  /* optional, devices without data: the error for reading a tensor's data, after
+   * "<what>: <tensor or parameter label> " — e.g. "is sharded: gather its unit (u:gather()) or
+   * use fsdp.full_params". NULL: "tensor on <name> device has no data". */
+  const char *no_data;
 } fsdp_device_i;
 
 extern const fsdp_device_i fsdp_device_cpu;
@@ -167,6 +171,7 @@ typedef struct fsdp_tensor {
   bool is_leaf;       /* not produced by a recorded op */
   struct fsdp_tensor *grad; /* owned reference or NULL */
   uint64_t version;   /* bumped by in-place writes */
+  char *label;        /* optional owned name for errors (a parameter's path); NULL if none */
   void *user;         /* opaque slot for the layer above (e.g. FSDP parameter record) */
 } fsdp_tensor;
 
@@ -212,6 +217,8 @@ int fsdp_tensor_copy(fsdp_tensor *dst, const fsdp_tensor *src);
 int fsdp_tensor_fill(fsdp_tensor *t, float v); /* any strides; bumps version; no-op on meta */
 /* Replace t's backing storage (FSDP gather/reshard). Geometry is left to the caller. */
 void fsdp_tensor_set_storage(fsdp_tensor *t, fsdp_storage *s, int64_t offset);
+/* Name the tensor in error messages (a parameter's path); copies label; NULL clears. */
+int fsdp_tensor_set_label(fsdp_tensor *t, const char *label);
 /* Set or drop (g NULL) the gradient; retains g. */
 void fsdp_tensor_set_grad(fsdp_tensor *t, fsdp_tensor *g);
 

@@ -165,7 +165,16 @@ void fsdp_tensor_release(fsdp_tensor *t) {
   if (old != 1) return;
   fsdp_tensor_release(t->grad);
   fsdp_storage_release(t->storage);
+  free(t->label);
   free(t);
+}
+
+int fsdp_tensor_set_label(fsdp_tensor *t, const char *label) {
+  char *copy = NULL;
+  if (label && !(copy = strdup(label))) return fsdp_error("label: out of memory");
+  free(t->label);
+  t->label = copy;
+  return FSDP_OK;
 }
 
 /* ---- queries -------------------------------------------------------------------------------- */
@@ -202,7 +211,11 @@ float *fsdp_tensor_data(const fsdp_tensor *t, const char *what) {
   }
   const fsdp_storage *s = t->storage;
   if (!s->device->has_data) {
-    fsdp_error("%s: tensor on %s device has no data", what, s->device->name);
+    if (s->device->no_data)
+      fsdp_error("%s: %s %s %s", what, t->is_param ? "parameter" : "tensor",
+                 t->label ? t->label : FSDP_SHAPE_STR(t), s->device->no_data);
+    else
+      fsdp_error("%s: tensor on %s device has no data", what, s->device->name);
     return NULL;
   }
   return (float *)s->data + t->offset;
