@@ -29,6 +29,8 @@ FSDP_API int luaopen_fsdp_core(lua_State *L) {
   fsdp_lua_open_ops(L);
   fsdp_lua_open_bench(L);
   fsdp_lua_open_data(L);
+  fsdp_lua_open_comm(L);
+  fsdp_lua_open_fsdp(L);
   lua_pushstring(L, FSDP_VERSION_STRING);
   lua_setfield(L, -2, "version");
   return 1;
