@@ -107,6 +107,10 @@ fsdp.parse_args = parse_args
 fsdp.args = parse_args(rawget(_G, "arg"))
 
 -- submodules, loaded on first use ------------------------------------------------------------
+local wrap_names = {
+  wrap = true, unwrap = true, is_wrapped = true, units = true, apply = true, full_params = true,
+  policy = true, shard = true, inspect = true,
+}
 local lazy = {
   nn = "fsdp.nn", optim = "fsdp.optim", data = "fsdp.data", log = "fsdp.log",
 }
@@ -121,6 +125,13 @@ setmetatable(fsdp, {
       local f = t.optim.clip_grad_norm
       rawset(t, k, f)
       return f
+    end
+    -- the sharding layer (lua/fsdp/wrap.lua): fsdp.wrap, unwrap, is_wrapped, units, apply,
+    -- full_params, policy, shard, inspect, ...
+    if wrap_names[k] then
+      local v = require("fsdp.wrap")[k]
+      rawset(t, k, v)
+      return v
     end
   end,
 })
