@@ -66,7 +66,7 @@ int fsdp_unit_new(fsdp_unit **out, fsdp_comm *c, const char *path, fsdp_tensor *
 void fsdp_unit_retain(fsdp_unit *u);
 void fsdp_unit_release(fsdp_unit *u);
 
-/* Queries. */
+/* Queries. Parameter indices are 0-based here (the Lua binding shows them 1-based). */
 const char *fsdp_unit_path(const fsdp_unit *u);
 int fsdp_unit_nparams(const fsdp_unit *u);
 const fsdp_unit_param *fsdp_unit_param_at(const fsdp_unit *u, int i);
@@ -77,6 +77,24 @@ int64_t fsdp_unit_shard_offset(const fsdp_unit *u); /* r*S (0 for NONE) */
 fsdp_unit_state fsdp_unit_state_get(const fsdp_unit *u);
 fsdp_strategy fsdp_unit_strategy(const fsdp_unit *u);
 fsdp_comm *fsdp_unit_comm(const fsdp_unit *u);
+
+bool fsdp_unit_is_root(const fsdp_unit *u);
+const char *fsdp_strategy_name(fsdp_strategy s); /* "full", "grad_op", "none" */
+/* Whether a prefetch (asynchronous all-gather) is in flight: issued, not yet consumed by a
+ * gather (or dropped by a reshard). */
+bool fsdp_unit_prefetching(const fsdp_unit *u);
+/* "begin" hooks of this unit on the tape that have not run yet (uses still to backward). */
+int fsdp_unit_pending_backward(const fsdp_unit *u);
+/* true once fsdp_unit_unshard ran: the unit holds no parameters; everything but queries,
+ * unshard and release is then an error. */
+bool fsdp_unit_is_empty(const fsdp_unit *u);
+/* The unit that owns parameter p (kept in p->user while p belongs to it), or NULL. Borrowed. */
+fsdp_unit *fsdp_param_unit(const fsdp_tensor *p);
+/* The part of parameter i that `rank` holds: returns its length (0 when none) and, 0-based,
+ * where it starts in the parameter's flattened elements (*param_first) and in that rank's
+ * shard (*shard_first). NONE: every rank holds every parameter whole. */
+int64_t fsdp_unit_param_slice(const fsdp_unit *u, int i, int rank, int64_t *param_first,
+                              int64_t *shard_first);
 /* The flat shard (S elements, role params) and gradient shard (S elements, role grads) as 1-D
  * tensors; new references. Writes to them land in the shard. */
 int fsdp_unit_shard(fsdp_unit *u, fsdp_tensor **out);

@@ -1,6 +1,382 @@
 /*
- * l_fsdp.c — the fsdp part of the fsdp.core module (placeholder until its owner fills it).
+ * l_fsdp.c — the units part of the fsdp.core module (FSDP_CONTRACT.md, "units"): units as Lua
+ * userdata over fsdp_unit (src/fsdp/unit.h), core.unit_new and core.param_unit.
+ *
+ * A box owns one reference to its unit; `__gc` drops it and is idempotent. As with tensors,
+ * a registry cache (weak values) maps a C unit to its box, so the same unit always comes back
+ * as the same userdata while that userdata lives (core.param_unit(p) == u). Units work on the
+ * calling thread's communicator (fsdp_comm_current()) at creation and keep it.
+ *
+ * Positions are 1-based here (parameter indices, slices) and 0-based in C; offsets are flat
+ * element offsets, 0-based as the contract says.
+ * Owner: units.
  */
+#include <string.h>
+
+#include "autograd/autograd.h"
+#include "comm/comm.h"
+#include "fsdp/unit.h"
 #include "lua/binding.h"
 
-void fsdp_lua_open_fsdp(lua_State *L) { (void)L; }
+#define FSDP_UNIT_MT "fsdp.Unit"
+
+typedef struct {
+  fsdp_unit *u;
+} unit_box;
+
+static const char UNIT_CACHE_KEY = 'u'; /* registry key (address) of the identity cache */
+
+/* Push u as a Lua unit. Steals one reference. */
+static void push_unit(lua_State *L, fsdp_unit *u) {
+  lua_pushlightuserdata(L, (void *)&UNIT_CACHE_KEY);
+  lua_rawget(L, LUA_REGISTRYINDEX);
+  lua_pushlightuserdata(L, u);
+  lua_rawget(L, -2);
+  unit_box *b = lua_touserdata(L, -1);
+  if (b && b->u == u) {
+    lua_remove(L, -2);
+    fsdp_unit_release(u); /* the box already holds one */
+    return;
+  }
+  lua_pop(L, 1);
+  b = lua_newuserdata(L, sizeof *b);
+  b->u = u;
+  luaL_getmetatable(L, FSDP_UNIT_MT);
+  lua_setmetatable(L, -2);
+  lua_pushlightuserdata(L, u);
+  lua_pushvalue(L, -2);
+  lua_rawset(L, -4);
+  lua_remove(L, -2);
+}
+
+static fsdp_unit *check_unit(lua_State *L, int idx) {
+  unit_box *b = luaL_testudata(L, idx, FSDP_UNIT_MT);
+  if (!b) {
+    const char *msg = lua_pushfstring(L, "unit expected, got %s", luaL_typename(L, idx));
+    luaL_argerror(L, idx, msg);
+  }
+  if (!b->u) luaL_error(L, "unit was freed");
+  return b->u;
+}
+
+static fsdp_unit *opt_unit(lua_State *L, int idx) {
+  return lua_isnoneornil(L, idx) ? NULL : check_unit(L, idx);
+}
+
+/* ---- core.unit_new(path, params, paths, opts) ------------------------------------------------ */
+
+static fsdp_strategy check_strategy(lua_State *L, const char *s) {
+  if (strcmp(s, "full") == 0) return FSDP_STRATEGY_FULL;
+  if (strcmp(s, "grad_op") == 0) return FSDP_STRATEGY_GRAD_OP;
+  if (strcmp(s, "none") == 0) return FSDP_STRATEGY_NONE;
+  luaL_error(L, "unit_new: unknown strategy '%s' (expected \"full\", \"grad_op\" or \"none\")", s);
+  return FSDP_STRATEGY_FULL;
+}
+
+static bool opt_bool(lua_State *L, int opts, const char *key, bool dflt) {
+  if (!opts) return dflt;
+  lua_getfield(L, opts, key);
+  bool v = lua_isnil(L, -1) ? dflt : lua_toboolean(L, -1);
+  lua_pop(L, 1);
+  return v;
+}
+
+static int l_unit_new(lua_State *L) {
+  const char *path = luaL_checkstring(L, 1);
+  luaL_checktype(L, 2, LUA_TTABLE);
+  luaL_checktype(L, 3, LUA_TTABLE);
+  int opts = lua_isnoneornil(L, 4) ? 0 : 4;
+  if (opts) luaL_checktype(L, 4, LUA_TTABLE);
+  int n = (int)lua_objlen(L, 2);
+  if ((int)lua_objlen(L, 3) != n)
+    luaL_error(L, "unit_new: %d parameters but %d paths", n, (int)lua_objlen(L, 3));
+  /* Temporary arrays as userdata: collected by Lua, so a Lua error leaks nothing. The path
+   * strings stay valid while the paths table (argument 3) is on the stack. */
+  fsdp_tensor **params = lua_newuserdata(L, sizeof *params * (size_t)(n ? n : 1));
+  const char **paths = lua_newuserdata(L, sizeof *paths * (size_t)(n ? n : 1));
+  for (int i = 0; i < n; i++) {
+    lua_rawgeti(L, 2, i + 1);
+    params[i] = fsdp_lua_to_tensor(L, -1);
+    if (!params[i])
+      luaL_error(L, "unit_new: params[%d] is a %s, expected a parameter tensor", i + 1,
+                 luaL_typename(L, -1));
+    lua_pop(L, 1);
+    lua_rawgeti(L, 3, i + 1);
+    if (lua_type(L, -1) != LUA_TSTRING)
+      luaL_error(L, "unit_new: paths[%d] is a %s, expected a string", i + 1,
+                 luaL_typename(L, -1));
+    paths[i] = lua_tostring(L, -1);
+    lua_pop(L, 1);
+  }
+  fsdp_unit_opts o = {.strategy = FSDP_STRATEGY_FULL, .reshard_after_forward = true};
+  if (opts) {
+    lua_getfield(L, opts, "strategy");
+    if (!lua_isnil(L, -1)) {
+      if (lua_type(L, -1) != LUA_TSTRING)
+        luaL_error(L, "unit_new: strategy must be a string, got a %s", luaL_typename(L, -1));
+      o.strategy = check_strategy(L, lua_tostring(L, -1));
+    }
+    lua_pop(L, 1);
+  }
+  o.is_root = opt_bool(L, opts, "root", false);
+  o.reshard_after_forward = opt_bool(L, opts, "reshard_after_forward", true);
+  fsdp_unit *u;
+  if (fsdp_unit_new(&u, fsdp_comm_current(), path, params, paths, n, &o)) fsdp_lua_error(L);
+  push_unit(L, u);
+  return 1;
+}
+
+static int l_param_unit(lua_State *L) {
+  fsdp_tensor *p = fsdp_lua_check_tensor(L, 1);
+  fsdp_unit *u = fsdp_param_unit(p);
+  if (!u) {
+    lua_pushnil(L);
+    return 1;
+  }
+  fsdp_unit_retain(u);
+  push_unit(L, u);
+  return 1;
+}
+
+/* ---- methods ------------------------------------------------------------------------------ */
+
+static int l_params(lua_State *L) {
+  fsdp_unit *u = check_unit(L, 1);
+  int n = fsdp_unit_nparams(u);
+  lua_createtable(L, n, 0);
+  for (int i = 0; i < n; i++) {
+    fsdp_tensor *p = fsdp_unit_param_at(u, i)->param;
+    fsdp_tensor_retain(p);
+    fsdp_lua_push_tensor(L, p);
+    lua_rawseti(L, -2, i + 1);
+  }
+  return 1;
+}
+
+static int l_paths(lua_State *L) {
+  fsdp_unit *u = check_unit(L, 1);
+  int n = fsdp_unit_nparams(u);
+  lua_createtable(L, n, 0);
+  for (int i = 0; i < n; i++) {
+    lua_pushstring(L, fsdp_unit_param_at(u, i)->path);
+    lua_rawseti(L, -2, i + 1);
+  }
+  return 1;
+}
+
+static int l_state(lua_State *L) {
+  fsdp_unit *u = check_unit(L, 1);
+  lua_pushstring(L, fsdp_unit_state_get(u) == FSDP_UNIT_GATHERED ? "gathered" : "sharded");
+  return 1;
+}
+
+static int l_strategy(lua_State *L) {
+  lua_pushstring(L, fsdp_strategy_name(fsdp_unit_strategy(check_unit(L, 1))));
+  return 1;
+}
+
+#define UNIT_ACTION(name, call)                                                                    \
+  static int name(lua_State *L) {                                                                  \
+    fsdp_unit *u = check_unit(L, 1);                                                               \
+    if (call) fsdp_lua_error(L);                                                                   \
+    return 0;                                                                                      \
+  }
+UNIT_ACTION(l_gather, fsdp_unit_gather(u))
+UNIT_ACTION(l_reshard, fsdp_unit_reshard(u))
+UNIT_ACTION(l_prefetch, fsdp_unit_prefetch(u))
+UNIT_ACTION(l_writeback, fsdp_unit_writeback(u))
+UNIT_ACTION(l_post_forward, fsdp_unit_post_forward(u))
+UNIT_ACTION(l_zero_grad, fsdp_unit_zero_grad(u))
+UNIT_ACTION(l_unshard, fsdp_unit_unshard(u))
+
+static int l_pre_forward(lua_State *L) {
+  fsdp_unit *u = check_unit(L, 1);
+  fsdp_unit *next = opt_unit(L, 2);
+  if (fsdp_unit_pre_forward(u, next)) fsdp_lua_error(L);
+  return 0;
+}
+
+static int l_set_backward_prefetch(lua_State *L) {
+  fsdp_unit *u = check_unit(L, 1);
+  fsdp_unit_set_backward_prefetch(u, opt_unit(L, 2));
+  return 0;
+}
+
+static int l_shard(lua_State *L) {
+  fsdp_tensor *t;
+  if (fsdp_unit_shard(check_unit(L, 1), &t)) fsdp_lua_error(L);
+  fsdp_lua_push_tensor(L, t);
+  return 1;
+}
+
+static int l_grad_shard(lua_State *L) {
+  fsdp_tensor *t;
+  if (fsdp_unit_grad_shard(check_unit(L, 1), &t)) fsdp_lua_error(L);
+  fsdp_lua_push_tensor(L, t);
+  return 1;
+}
+
+static void set_num(lua_State *L, const char *k, int64_t v) {
+  lua_pushnumber(L, (lua_Number)v);
+  lua_setfield(L, -2, k);
+}
+
+static int l_layout(lua_State *L) {
+  fsdp_unit *u = check_unit(L, 1);
+  int n = fsdp_unit_nparams(u), W = fsdp_comm_world(fsdp_unit_comm(u));
+  lua_createtable(L, n, 0);
+  for (int i = 0; i < n; i++) {
+    const fsdp_unit_param *q = fsdp_unit_param_at(u, i);
+    lua_createtable(L, 0, 5);
+    lua_pushstring(L, q->path);
+    lua_setfield(L, -2, "path");
+    set_num(L, "offset", q->offset);
+    set_num(L, "numel", q->numel);
+    lua_createtable(L, q->ndim, 0);
+    for (int d = 0; d < q->ndim; d++) {
+      lua_pushnumber(L, (lua_Number)q->shape[d]);
+      lua_rawseti(L, -2, d + 1);
+    }
+    lua_setfield(L, -2, "shape");
+    lua_createtable(L, 0, W);
+    for (int r = 0; r < W; r++) {
+      int64_t pf, sf, len = fsdp_unit_param_slice(u, i, r, &pf, &sf);
+      if (!len) continue;
+      lua_createtable(L, 2, 0);
+      lua_pushnumber(L, (lua_Number)(pf + 1));
+      lua_rawseti(L, -2, 1);
+      lua_pushnumber(L, (lua_Number)(pf + len));
+      lua_rawseti(L, -2, 2);
+      lua_rawseti(L, -2, r);
+    }
+    lua_setfield(L, -2, "slices");
+    lua_rawseti(L, -2, i + 1);
+  }
+  return 1;
+}
+
+static int l_local_slices(lua_State *L) {
+  fsdp_unit *u = check_unit(L, 1);
+  int n = fsdp_unit_nparams(u), rank = fsdp_comm_rank(fsdp_unit_comm(u)), k = 0;
+  lua_createtable(L, n, 0);
+  for (int i = 0; i < n; i++) {
+    int64_t pf, sf, len = fsdp_unit_param_slice(u, i, rank, &pf, &sf);
+    if (!len) continue;
+    const fsdp_unit_param *q = fsdp_unit_param_at(u, i);
+    lua_createtable(L, 0, 6);
+    set_num(L, "index", i + 1);
+    lua_pushstring(L, q->path);
+    lua_setfield(L, -2, "path");
+    fsdp_tensor_retain(q->param);
+    fsdp_lua_push_tensor(L, q->param);
+    lua_setfield(L, -2, "param");
+    set_num(L, "shard_first", sf + 1);
+    set_num(L, "shard_last", sf + len);
+    set_num(L, "param_first", pf + 1);
+    lua_rawseti(L, -2, ++k);
+  }
+  return 1;
+}
+
+static int l_numel(lua_State *L) {
+  lua_pushnumber(L, (lua_Number)fsdp_unit_numel(check_unit(L, 1)));
+  return 1;
+}
+static int l_padded_numel(lua_State *L) {
+  lua_pushnumber(L, (lua_Number)fsdp_unit_padded_numel(check_unit(L, 1)));
+  return 1;
+}
+static int l_shard_numel(lua_State *L) {
+  lua_pushnumber(L, (lua_Number)fsdp_unit_shard_numel(check_unit(L, 1)));
+  return 1;
+}
+
+static int l_tostring(lua_State *L) {
+  unit_box *b = luaL_checkudata(L, 1, FSDP_UNIT_MT);
+  if (!b->u) {
+    lua_pushstring(L, "unit(freed)");
+    return 1;
+  }
+  fsdp_unit *u = b->u;
+  lua_pushfstring(L, "unit('%s', %s, %d parameters, %d elements, %s)", fsdp_unit_path(u),
+                  fsdp_strategy_name(fsdp_unit_strategy(u)), fsdp_unit_nparams(u),
+                  (int)fsdp_unit_numel(u),
+                  fsdp_unit_state_get(u) == FSDP_UNIT_GATHERED ? "gathered" : "sharded");
+  return 1;
+}
+
+/* __index: methods (upvalue 1), then the fields path and is_root; other keys give nil. */
+static int l_index(lua_State *L) {
+  fsdp_unit *u = check_unit(L, 1);
+  lua_pushvalue(L, 2);
+  lua_rawget(L, lua_upvalueindex(1));
+  if (!lua_isnil(L, -1)) return 1;
+  lua_pop(L, 1);
+  const char *k = lua_tostring(L, 2);
+  if (k && strcmp(k, "path") == 0) {
+    lua_pushstring(L, fsdp_unit_path(u));
+    return 1;
+  }
+  if (k && strcmp(k, "is_root") == 0) {
+    lua_pushboolean(L, fsdp_unit_is_root(u));
+    return 1;
+  }
+  return 0;
+}
+
+static int l_gc(lua_State *L) {
+  unit_box *b = luaL_checkudata(L, 1, FSDP_UNIT_MT);
+  fsdp_unit *u = b->u;
+  b->u = NULL;
+  fsdp_unit_release(u);
+  return 0;
+}
+
+static const luaL_Reg methods[] = {
+    {"params", l_params},
+    {"paths", l_paths},
+    {"state", l_state},
+    {"strategy", l_strategy},
+    {"gather", l_gather},
+    {"reshard", l_reshard},
+    {"prefetch", l_prefetch},
+    {"writeback", l_writeback},
+    {"pre_forward", l_pre_forward},
+    {"post_forward", l_post_forward},
+    {"set_backward_prefetch", l_set_backward_prefetch},
+    {"shard", l_shard},
+    {"grad_shard", l_grad_shard},
+    {"zero_grad", l_zero_grad},
+    {"layout", l_layout},
+    {"local_slices", l_local_slices},
+    {"numel", l_numel},
+    {"padded_numel", l_padded_numel},
+    {"shard_numel", l_shard_numel},
+    {"unshard", l_unshard},
+    {NULL, NULL}};
+
+static const luaL_Reg functions[] = {
+    {"unit_new", l_unit_new}, {"param_unit", l_param_unit}, {NULL, NULL}};
+
+void fsdp_lua_open_fsdp(lua_State *L) {
+  lua_pushlightuserdata(L, (void *)&UNIT_CACHE_KEY); /* identity cache: weak values */
+  lua_newtable(L);
+  lua_newtable(L);
+  lua_pushstring(L, "v");
+  lua_setfield(L, -2, "__mode");
+  lua_setmetatable(L, -2);
+  lua_rawset(L, LUA_REGISTRYINDEX);
+
+  luaL_newmetatable(L, FSDP_UNIT_MT);
+  lua_pushcfunction(L, l_gc);
+  lua_setfield(L, -2, "__gc");
+  lua_pushcfunction(L, l_tostring);
+  lua_setfield(L, -2, "__tostring");
+  lua_newtable(L);
+  luaL_register(L, NULL, methods);
+  lua_pushcclosure(L, l_index, 1);
+  lua_setfield(L, -2, "__index");
+  lua_pop(L, 1);
+
+  luaL_register(L, NULL, functions);
+}

@@ -1,0 +1,851 @@
+/*
+ * unit.c — FSDP units (unit.h): the flat layout and its cross-rank check, the shard, gather /
+ * reshard / prefetch, and the autograd hooks that drive them during backward.
+ *
+ * Buffers of a unit (all 1-D f32 tensors on the cpu device, P padded elements, S per rank):
+ *   shard       (S)  role params    this rank's slice of the flat parameters (NONE: all P, and
+ *                                   the parameters view it directly)
+ *   grad_shard  (S)  role grads     this rank's slice of the averaged gradients (accumulates)
+ *   full        (P)  role gathered  only while gathered: what the parameters view
+ *   full_grad   (P)  role grads     only during backward: what the parameters' .grad view
+ * While sharded, every parameter is backed by `sharded`, a storage on the no-data "sharded"
+ * device with the unit's full logical size, at the parameter's flat offset: gathering or
+ * resharding swaps the storage and never touches a parameter's geometry, so views of a sharded
+ * parameter can still be made (and fail with the sharded message when read).
+ *
+ * Backward protocol (DESIGN.md "Units and shards"): pre_forward pushes a "begin" hook node and
+ * post_forward an "end" hook node, so the tape reads begin, <the unit's ops>, end. Backward
+ * walks newest first: "end" gathers the unit and points every parameter's .grad into a zeroed
+ * full gradient; the ops in between accumulate into it; "begin" fires after all of them. A unit
+ * called k times per forward has k begin/end pairs: `pending_bwd` counts the begins still to
+ * come and only the last one reduces, frees and reshards. An ancestor's pair encloses its inner
+ * units' pairs, so an ancestor's parameter used by an inner unit's op is gathered (and has its
+ * .grad) whenever that op runs, forward or backward.
+ *
+ * Every decision that leads to a collective (gathered or not, prefetch in flight or not, the
+ * pending count) depends only on state that is identical on all ranks (SPMD), so ranks issue
+ * the same collectives in the same order. Releasing a unit never communicates (Lua may collect
+ * it at different times on different ranks).
+ *
+ * Owner: units.
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "autograd/autograd.h"
+#include "fsdp/unit.h"
+
+/* ---- the sharded device ------------------------------------------------------------------ */
+
+static int sharded_alloc(void **out, size_t bytes) {
+  (void)bytes;
+  *out = NULL;
+  return FSDP_OK;
+}
+static void sharded_free(void *ptr, size_t bytes) { (void)ptr, (void)bytes; }
+
+const fsdp_device_i fsdp_device_sharded = {
+    .name = "sharded",
+    .has_data = false,
+    .alloc = sharded_alloc,
+    .free = sharded_free,
+    .no_data = "is sharded: gather its unit (u:gather()) or use fsdp.full_params",
+};
+
+/* The device is not in core's registry (it holds no bytes to account), so its storages are
+ * made here, unaccounted (domain NULL: release only frees the header). */
+static int sharded_storage_new(fsdp_storage **out, size_t bytes) {
+  fsdp_storage *s = malloc(sizeof *s);
+  if (!s) return fsdp_error("wrap: out of host memory for a storage header");
+  *s = (fsdp_storage){.refcount = 1, .device = &fsdp_device_sharded, .data = NULL,
+                      .bytes = bytes, .role = FSDP_ROLE_PARAMS, .domain = NULL};
+  *out = s;
+  return FSDP_OK;
+}
+
+/* ---- the unit ---------------------------------------------------------------------------- */
+
+struct fsdp_unit {
+  int refcount; /* atomic */
+  fsdp_comm *comm;
+  char *path;
+  fsdp_unit_opts opts;
+  int rank, world;
+  int n;
+  fsdp_unit_param *params;
+  int64_t numel, padded, shard_numel, shard_offset;
+  fsdp_tensor *shard;      // (S) role params (NONE: (P), viewed by the parameters)
+  fsdp_tensor *grad_shard; // (S) role grads
+  fsdp_tensor *full;       // (P) role gathered, while gathered (NONE: the shard)
+  fsdp_tensor *full_grad;  // (P) role grads, during backward
+  fsdp_storage *sharded;   /* no data; backs the parameters while sharded */
+  fsdp_comm_req *req;      /* a prefetch in flight ... */
+  fsdp_tensor *req_buf;    /* ... and the (P) buffer it gathers into */
+  fsdp_unit *bwd_prefetch; /* retained; may be NULL */
+  fsdp_unit_state state;
+  int pending_bwd; /* "begin" hooks on the tape that have not run */
+  int open_fwd;    /* pre_forwards that pushed a "begin" and await their post_forward */
+  bool emptied;    /* unshard ran: the unit holds no parameters */
+};
+
+static const char *strategy_name(fsdp_strategy s) {
+  return s == FSDP_STRATEGY_FULL ? "full" : s == FSDP_STRATEGY_GRAD_OP ? "grad_op" : "none";
+}
+
+/* A 1-D f32 cpu tensor of n elements; zero-filled, or with unspecified contents for a buffer a
+ * collective overwrites whole. */
+static int flat_new(fsdp_tensor **out, int64_t n, fsdp_role role, bool zero) {
+  if (zero) return fsdp_tensor_new(out, &fsdp_device_cpu, FSDP_DTYPE_F32, 1, &n, role);
+  *out = NULL;
+  fsdp_storage *s;
+  if (fsdp_storage_new_uninit(&s, &fsdp_device_cpu, (size_t)n * sizeof(float), role))
+    return FSDP_ERR;
+  /* core has no "tensor over this storage" constructor: make an empty header and swap */
+  int64_t none = 0;
+  fsdp_tensor *t;
+  if (fsdp_tensor_new(&t, &fsdp_device_meta, FSDP_DTYPE_F32, 1, &none, FSDP_ROLE_OTHER)) {
+    fsdp_storage_release(s);
+    return FSDP_ERR;
+  }
+  fsdp_tensor_set_storage(t, s, 0);
+  fsdp_storage_release(s);
+  t->shape[0] = n;
+  t->strides[0] = 1;
+  *out = t;
+  return FSDP_OK;
+}
+
+static float *flat_data(fsdp_tensor *t) { return (float *)t->storage->data + t->offset; }
+
+static int64_t round_up(int64_t x, int64_t m) { return m ? (x + m - 1) / m * m : x; }
+
+static int check_live(const fsdp_unit *u, const char *what) {
+  if (u->emptied)
+    return fsdp_error("%s: unit '%s' was unsharded (unwrapped) and holds no parameters", what,
+                      u->path);
+  return FSDP_OK;
+}
+
+/* ---- queries ----------------------------------------------------------------------------- */
+
+const char *fsdp_unit_path(const fsdp_unit *u) { return u->path; }
+int fsdp_unit_nparams(const fsdp_unit *u) { return u->n; }
+const fsdp_unit_param *fsdp_unit_param_at(const fsdp_unit *u, int i) {
+  return i >= 0 && i < u->n ? &u->params[i] : NULL;
+}
+int64_t fsdp_unit_numel(const fsdp_unit *u) { return u->numel; }
+int64_t fsdp_unit_padded_numel(const fsdp_unit *u) { return u->padded; }
+int64_t fsdp_unit_shard_numel(const fsdp_unit *u) { return u->shard_numel; }
+int64_t fsdp_unit_shard_offset(const fsdp_unit *u) { return u->shard_offset; }
+fsdp_unit_state fsdp_unit_state_get(const fsdp_unit *u) { return u->state; }
+fsdp_strategy fsdp_unit_strategy(const fsdp_unit *u) { return u->opts.strategy; }
+const char *fsdp_strategy_name(fsdp_strategy s) { return strategy_name(s); }
+fsdp_comm *fsdp_unit_comm(const fsdp_unit *u) { return u->comm; }
+bool fsdp_unit_is_root(const fsdp_unit *u) { return u->opts.is_root; }
+bool fsdp_unit_prefetching(const fsdp_unit *u) { return u->req != NULL; }
+int fsdp_unit_pending_backward(const fsdp_unit *u) { return u->pending_bwd; }
+bool fsdp_unit_is_empty(const fsdp_unit *u) { return u->emptied; }
+
+fsdp_unit *fsdp_param_unit(const fsdp_tensor *p) { return p ? (fsdp_unit *)p->user : NULL; }
+
+static int64_t slice_of(const fsdp_unit *u, const fsdp_unit_param *p, int rank,
+                        int64_t *param_first, int64_t *shard_first) {
+  *param_first = *shard_first = 0;
+  int64_t lo = 0, hi = u->padded; /* NONE: every rank holds everything */
+  if (u->opts.strategy != FSDP_STRATEGY_NONE) {
+    lo = (int64_t)rank * u->shard_numel;
+    hi = lo + u->shard_numel;
+  }
+  int64_t a = p->offset > lo ? p->offset : lo;
+  int64_t b = p->offset + p->numel < hi ? p->offset + p->numel : hi;
+  if (b <= a) return 0;
+  *param_first = a - p->offset;
+  *shard_first = a - lo;
+  return b - a;
+}
+
+int64_t fsdp_unit_param_slice(const fsdp_unit *u, int i, int rank, int64_t *param_first,
+                              int64_t *shard_first) {
+  *param_first = *shard_first = 0;
+  if (i < 0 || i >= u->n || rank < 0 || rank >= u->world) return 0;
+  return slice_of(u, &u->params[i], rank, param_first, shard_first);
+}
+
+int fsdp_unit_shard(fsdp_unit *u, fsdp_tensor **out) {
+  *out = NULL;
+  if (check_live(u, "shard")) return FSDP_ERR;
+  fsdp_tensor_retain(u->shard);
+  *out = u->shard;
+  return FSDP_OK;
+}
+
+int fsdp_unit_grad_shard(fsdp_unit *u, fsdp_tensor **out) {
+  *out = NULL;
+  if (check_live(u, "grad_shard")) return FSDP_ERR;
+  fsdp_tensor_retain(u->grad_shard);
+  *out = u->grad_shard;
+  return FSDP_OK;
+}
+
+/* ---- the cross-rank layout check --------------------------------------------------------- */
+
+/* Texts travel as floats holding two bytes each (whole numbers < 2^16: exact in f32). */
+#define TEXT_FLOATS 128 /* 255 characters and the terminator */
+
+static void text_pack(float *out, const char *s) {
+  size_t len = strlen(s);
+  if (len > 2 * TEXT_FLOATS - 1) len = 2 * TEXT_FLOATS - 1;
+  for (int k = 0; k < TEXT_FLOATS; k++) {
+    unsigned lo = 2 * (size_t)k < len ? (unsigned char)s[2 * k] : 0;
+    unsigned hi = 2 * (size_t)k + 1 < len ? (unsigned char)s[2 * k + 1] : 0;
+    out[k] = (float)(lo | hi << 8);
+  }
+}
+
+static void text_unpack(char *s, const float *in) { /* s holds 2 * TEXT_FLOATS bytes */
+  for (int k = 0; k < TEXT_FLOATS; k++) {
+    unsigned v = (unsigned)in[k];
+    s[2 * k] = (char)(v & 0xff);
+    s[2 * k + 1] = (char)(v >> 8);
+  }
+  s[2 * TEXT_FLOATS - 1] = '\0';
+}
+
+static uint64_t fnv1a(uint64_t h, const char *s) {
+  for (; *s; s++) h = (h ^ (unsigned char)*s) * 0x100000001b3ull;
+  return (h ^ 0xff) * 0x100000001b3ull; /* terminator: "ab"+"c" differs from "a"+"bc" */
+}
+#define FNV_BASIS 0xcbf29ce484222325ull
+
+/* A 64-bit hash as four 16-bit pieces in floats (exact). */
+static void hash_pack(float *out, uint64_t h) {
+  for (int k = 0; k < 4; k++) out[k] = (float)((h >> (16 * k)) & 0xffff);
+}
+
+/* "blocks.1.fc.weight (16, 16)" */
+static void param_desc(char *buf, size_t n, const char *path, const fsdp_tensor *t) {
+  snprintf(buf, n, "%s %s", path, FSDP_SHAPE_STR(t));
+}
+
+/* Exchange one text per rank: all[r * TEXT_FLOATS ...] gets rank r's. */
+static int text_exchange(fsdp_comm *c, float *all, const char *mine, const char *label) {
+  float packed[TEXT_FLOATS];
+  text_pack(packed, mine);
+  return fsdp_comm_all_gather(c, all, packed, TEXT_FLOATS, label);
+}
+
+/* Collective. Every rank learns whether every rank's layout (count, paths, shapes) and local
+ * validation agree; FSDP_ERR with the same explanation on every rank when not. `local_err` is
+ * this rank's validation error (NULL when fine): a rank that failed to validate still takes
+ * part, so its peers fail with its message instead of waiting for it. */
+static int layout_check(fsdp_comm *c, const char *upath, fsdp_tensor *const *params,
+                        const char *const *paths, int n, const char *local_err) {
+  int W = fsdp_comm_world(c);
+  enum { H = 6 };
+  float head[H];
+  float *all = NULL, *texts = NULL;
+  int rc = FSDP_ERR;
+  char desc[2 * TEXT_FLOATS];
+  uint64_t h = FNV_BASIS;
+  for (int i = 0; !local_err && i < n; i++) {
+    param_desc(desc, sizeof desc, paths[i], params[i]);
+    h = fnv1a(h, desc);
+  }
+  head[0] = (float)n;
+  head[1] = local_err ? 0.0f : 1.0f;
+  hash_pack(head + 2, h);
+  float *heads = malloc(sizeof(float) * H * (size_t)W);
+  if (!heads) return fsdp_error("wrap: unit '%s': out of host memory", upath);
+  if (fsdp_comm_all_gather(c, heads, head, H, upath)) {
+    fsdp_error_context("wrap: unit '%s': layout check", upath);
+    goto done;
+  }
+  int bad_rank = -1, max_n = 0;
+  for (int r = 0; r < W; r++) {
+    if (heads[r * H + 1] == 0.0f && bad_rank < 0) bad_rank = r;
+    if ((int)heads[r * H] > max_n) max_n = (int)heads[r * H];
+  }
+  if (bad_rank >= 0) { /* someone failed to validate: every rank says who and why */
+    texts = malloc(sizeof(float) * TEXT_FLOATS * (size_t)W);
+    if (!texts) {
+      fsdp_error("wrap: unit '%s': out of host memory", upath);
+      goto done;
+    }
+    char msg[2 * TEXT_FLOATS];
+    snprintf(msg, sizeof msg, "%s", local_err ? local_err : "");
+    if (text_exchange(c, texts, msg, upath)) goto done;
+    if (local_err) {
+      fsdp_error("%s", msg);
+    } else {
+      text_unpack(msg, texts + (size_t)bad_rank * TEXT_FLOATS);
+      fsdp_error("wrap: unit '%s' failed on rank %d: %s", upath, bad_rank, msg);
+    }
+    goto done;
+  }
+  bool same = true;
+  for (int r = 1; r < W; r++)
+    if (memcmp(heads, heads + r * H, sizeof head) != 0) same = false;
+  if (same) {
+    rc = FSDP_OK;
+    goto done;
+  }
+  /* The layouts differ: find the first differing parameter from per-parameter hashes (a
+   * missing parameter hashes as -1), then exchange its description. */
+  all = malloc(sizeof(float) * 4 * (size_t)max_n * (size_t)W);
+  float *mine = malloc(sizeof(float) * 4 * (size_t)(max_n ? max_n : 1));
+  texts = malloc(sizeof(float) * TEXT_FLOATS * (size_t)W);
+  if (!all || !mine || !texts) {
+    free(mine);
+    fsdp_error("wrap: unit '%s': out of host memory", upath);
+    goto done;
+  }
+  for (int i = 0; i < max_n; i++) {
+    if (i < n) {
+      param_desc(desc, sizeof desc, paths[i], params[i]);
+      hash_pack(mine + 4 * i, fnv1a(FNV_BASIS, desc));
+    } else {
+      for (int k = 0; k < 4; k++) mine[4 * i + k] = -1.0f;
+    }
+  }
+  int crc = max_n ? fsdp_comm_all_gather(c, all, mine, 4 * max_n, upath) : FSDP_OK;
+  free(mine);
+  if (crc) goto done;
+  int at = -1, other = -1;
+  for (int i = 0; i < max_n && at < 0; i++)
+    for (int r = 1; r < W; r++)
+      if (memcmp(all + 4 * i, all + (size_t)r * 4 * max_n + 4 * i, 4 * sizeof(float)) != 0) {
+        at = i;
+        other = r;
+        break;
+      }
+  if (at < 0) { /* counts equal to max_n everywhere and no per-parameter hash differs */
+    for (int r = 1; r < W && other < 0; r++)
+      if ((int)heads[r * H] != (int)heads[0]) other = r;
+    fsdp_error("wrap: unit '%s' differs across ranks (rank 0 and rank %d have different "
+               "parameter lists)",
+               upath, other < 0 ? 1 : other);
+    goto done;
+  }
+  if (at < n)
+    param_desc(desc, sizeof desc, paths[at], params[at]);
+  else
+    desc[0] = '\0';
+  if (text_exchange(c, texts, desc, upath)) goto done;
+  char a[2 * TEXT_FLOATS], b[2 * TEXT_FLOATS];
+  text_unpack(a, texts);
+  text_unpack(b, texts + (size_t)other * TEXT_FLOATS);
+  int n0 = (int)heads[0], nr = (int)heads[other * H];
+  if (n0 != nr)
+    fsdp_error("wrap: unit '%s' differs across ranks: rank 0 has %d parameters, rank %d has "
+               "%d; at parameter %d rank 0 has %s, rank %d has %s",
+               upath, n0, other, nr, at + 1, a[0] ? a : "none", other, b[0] ? b : "none");
+  else
+    fsdp_error("wrap: unit '%s' differs across ranks at parameter %d: rank 0 has %s, rank %d "
+               "has %s",
+               upath, at + 1, a, other, b);
+done:
+  free(heads);
+  free(all);
+  free(texts);
+  return rc;
+}
+
+/* This rank's validation of the parameters (before anything moves). */
+static int validate(const char *upath, fsdp_tensor *const *params, const char *const *paths,
+                    int n) {
+  for (int i = 0; i < n; i++) {
+    const fsdp_tensor *p = params[i];
+    const char *path = paths[i] ? paths[i] : "?";
+    if (!p || !paths[i])
+      return fsdp_error("wrap: unit '%s': parameter %d has no %s", upath, i + 1,
+                        p ? "path" : "tensor");
+    if (p->dtype != FSDP_DTYPE_F32)
+      return fsdp_error("wrap: unit '%s': parameter %s is %s; units hold f32", upath, path,
+                        fsdp_dtype_name(p->dtype));
+    if (p->user) {
+      const fsdp_unit *o = p->user;
+      return fsdp_error("wrap: parameter %s already belongs to unit '%s' (a parameter belongs "
+                        "to exactly one unit: the closest common wrapped ancestor of its uses)",
+                        path, o->path);
+    }
+    if (p->storage->device != &fsdp_device_cpu && p->storage->device != &fsdp_device_meta)
+      return fsdp_error("wrap: unit '%s': parameter %s is on the %s device; units take full "
+                        "parameters (cpu or meta)",
+                        upath, path, p->storage->device->name);
+    if (!p->is_leaf)
+      return fsdp_error("wrap: unit '%s': %s is not a leaf tensor (computed by a recorded op)",
+                        upath, path);
+    for (int j = 0; j < i; j++)
+      if (params[j] == p)
+        return fsdp_error("wrap: unit '%s': parameter %s is listed twice (also as %s); a unit "
+                          "takes distinct parameters",
+                          upath, path, paths[j]);
+  }
+  return FSDP_OK;
+}
+
+/* ---- construction ------------------------------------------------------------------------ */
+
+static void contiguous_strides(int64_t *strides, int ndim, const int64_t *shape) {
+  int64_t s = 1;
+  for (int i = ndim - 1; i >= 0; i--) {
+    strides[i] = s;
+    s *= shape[i] ? shape[i] : 1;
+  }
+}
+
+static void unit_free(fsdp_unit *u) {
+  if (u->req) { /* issued on every rank: waiting here is local */
+    fsdp_comm_wait(u->req);
+    u->req = NULL;
+  }
+  fsdp_tensor_release(u->req_buf);
+  for (int i = 0; i < u->n; i++) {
+    fsdp_tensor *p = u->params[i].param;
+    if (p->user == u) p->user = NULL;
+    if (u->full_grad && p->grad && p->grad->storage == u->full_grad->storage)
+      fsdp_tensor_set_grad(p, NULL);
+    fsdp_tensor_release(p);
+    free(u->params[i].path);
+  }
+  free(u->params);
+  fsdp_tensor_release(u->shard);
+  fsdp_tensor_release(u->grad_shard);
+  fsdp_tensor_release(u->full);
+  fsdp_tensor_release(u->full_grad);
+  fsdp_storage_release(u->sharded);
+  fsdp_unit_release(u->bwd_prefetch);
+  free(u->path);
+  free(u);
+}
+
+void fsdp_unit_retain(fsdp_unit *u) {
+  if (u) __atomic_fetch_add(&u->refcount, 1, __ATOMIC_RELAXED);
+}
+
+void fsdp_unit_release(fsdp_unit *u) {
+  if (!u) return;
+  if (__atomic_fetch_sub(&u->refcount, 1, __ATOMIC_ACQ_REL) == 1) unit_free(u);
+}
+
+int fsdp_unit_new(fsdp_unit **out, fsdp_comm *c, const char *path, fsdp_tensor *const *params,
+                  const char *const *paths, int n, const fsdp_unit_opts *opts) {
+  *out = NULL;
+  if (!c) return fsdp_error("wrap: unit '%s': no communicator", path ? path : "?");
+  if (!path) path = "";
+  fsdp_unit_opts o = opts ? *opts
+                          : (fsdp_unit_opts){.strategy = FSDP_STRATEGY_FULL,
+                                             .reshard_after_forward = true};
+  /* Local validation first, but its verdict travels with the layout check (collective). */
+  const char *local_err = NULL;
+  char errbuf[2 * TEXT_FLOATS];
+  if (n < 0 || (n > 0 && (!params || !paths))) {
+    fsdp_error("wrap: unit '%s': bad parameter list (%d parameters)", path, n);
+    n = 0;
+  } else if (o.strategy != FSDP_STRATEGY_FULL && o.strategy != FSDP_STRATEGY_GRAD_OP &&
+             o.strategy != FSDP_STRATEGY_NONE) {
+    fsdp_error("wrap: unit '%s': unknown strategy %d", path, (int)o.strategy);
+  } else if (validate(path, params, paths, n) == FSDP_OK) {
+    goto checked;
+  }
+  snprintf(errbuf, sizeof errbuf, "%s", fsdp_error_msg());
+  local_err = errbuf;
+checked:
+  if (layout_check(c, path, params, paths, local_err ? 0 : n, local_err)) return FSDP_ERR;
+
+  int W = fsdp_comm_world(c), R = fsdp_comm_rank(c);
+  fsdp_unit *u = calloc(1, sizeof *u);
+  if (!u) return fsdp_error("wrap: unit '%s': out of host memory", path);
+  u->refcount = 1;
+  u->comm = c;
+  u->opts = o;
+  u->rank = R;
+  u->world = W;
+  u->path = strdup(path);
+  u->params = calloc((size_t)(n ? n : 1), sizeof *u->params);
+  if (!u->path || !u->params) goto oom;
+  /* layout: each parameter at a multiple of FSDP_ALIGN, the total padded to W * FSDP_ALIGN */
+  int64_t end = 0;
+  for (int i = 0; i < n; i++) {
+    fsdp_unit_param *q = &u->params[i];
+    q->path = strdup(paths[i]);
+    if (!q->path) goto oom;
+    q->offset = round_up(end, FSDP_ALIGN);
+    q->numel = fsdp_tensor_numel(params[i]);
+    q->ndim = params[i]->ndim;
+    memcpy(q->shape, params[i]->shape, sizeof q->shape);
+    end = q->offset + q->numel;
+    u->numel += q->numel;
+  }
+  u->padded = round_up(end, (int64_t)W * FSDP_ALIGN);
+  bool none = o.strategy == FSDP_STRATEGY_NONE;
+  u->shard_numel = none ? u->padded : u->padded / W;
+  u->shard_offset = none ? 0 : (int64_t)R * u->shard_numel;
+  if (flat_new(&u->shard, u->shard_numel, FSDP_ROLE_PARAMS, true) ||
+      flat_new(&u->grad_shard, u->shard_numel, FSDP_ROLE_GRADS, true) ||
+      sharded_storage_new(&u->sharded, (size_t)u->padded * sizeof(float)))
+    goto fail;
+  /* fill this rank's slice from each full parameter (meta ones stay zero) */
+  float *shard = flat_data(u->shard);
+  for (int i = 0; i < n; i++) {
+    fsdp_tensor *p = params[i];
+    if (!p->storage->device->has_data) continue;
+    int64_t pf, sf, len = slice_of(u, &u->params[i], R, &pf, &sf);
+    if (!len) continue;
+    fsdp_tensor *pc;
+    if (fsdp_tensor_contiguous(&pc, p)) goto fail;
+    memcpy(shard + sf, fsdp_tensor_data(pc, "wrap") + pf, (size_t)len * sizeof(float));
+    fsdp_tensor_release(pc);
+  }
+  if (none) {
+    fsdp_tensor_retain(u->shard);
+    u->full = u->shard;
+  }
+  /* Nothing can fail from here: the parameters change backing only now. */
+  u->n = n;
+  for (int i = 0; i < n; i++) {
+    fsdp_tensor *p = params[i];
+    fsdp_unit_param *q = &u->params[i];
+    fsdp_tensor_retain(p);
+    q->param = p;
+    fsdp_tensor_set_label(p, q->path); /* best effort: only error messages use it */
+    fsdp_tensor_set_grad(p, NULL);     /* gradients live in the grad shard from now on */
+    contiguous_strides(p->strides, p->ndim, p->shape);
+    fsdp_tensor_set_storage(p, none ? u->shard->storage : u->sharded, q->offset);
+    p->user = u;
+  }
+  u->state = none ? FSDP_UNIT_GATHERED : FSDP_UNIT_SHARDED;
+  *out = u;
+  return FSDP_OK;
+oom:
+  fsdp_error("out of host memory");
+fail:
+  fsdp_error_context("wrap: unit '%s'", path);
+  for (int i = 0; u->params && i < n; i++) free(u->params[i].path); /* u->n is still 0 */
+  unit_free(u);
+  return FSDP_ERR;
+}
+
+/* ---- gather, reshard, prefetch -------------------------------------------------------------- */
+
+/* Point every parameter at `buf` (P elements) and make it the unit's full buffer. */
+static void install(fsdp_unit *u, fsdp_tensor *buf) {
+  fsdp_tensor_release(u->full);
+  u->full = buf; /* the reference moves in */
+  for (int i = 0; i < u->n; i++)
+    fsdp_tensor_set_storage(u->params[i].param, buf->storage, u->params[i].offset);
+  u->state = FSDP_UNIT_GATHERED;
+}
+
+static void coll_label(char *dst, const char *path) {
+  snprintf(dst, sizeof ((fsdp_coll *)0)->label, "%s", path);
+}
+
+/* Wait for the prefetch in flight and install its buffer. */
+static int finish_prefetch(fsdp_unit *u) {
+  fsdp_comm_req *req = u->req;
+  fsdp_tensor *buf = u->req_buf;
+  u->req = NULL;
+  u->req_buf = NULL;
+  if (fsdp_comm_wait(req)) {
+    fsdp_tensor_release(buf);
+    return fsdp_error_context("gather: unit '%s'", u->path);
+  }
+  install(u, buf);
+  return FSDP_OK;
+}
+
+int fsdp_unit_prefetch(fsdp_unit *u) {
+  if (check_live(u, "prefetch")) return FSDP_ERR;
+  if (u->state == FSDP_UNIT_GATHERED || u->req || u->padded == 0) return FSDP_OK;
+  fsdp_tensor *buf;
+  if (flat_new(&buf, u->padded, FSDP_ROLE_GATHERED, false))
+    return fsdp_error_context("prefetch: unit '%s'", u->path);
+  fsdp_coll coll = {.op = FSDP_COLL_ALL_GATHER, .dtype = FSDP_DTYPE_F32,
+                    .count = u->shard_numel, .send = flat_data(u->shard),
+                    .recv = flat_data(buf)};
+  coll_label(coll.label, u->path);
+  if (fsdp_comm_start(u->comm, &coll, &u->req)) {
+    u->req = NULL;
+    fsdp_tensor_release(buf);
+    return fsdp_error_context("prefetch: unit '%s'", u->path);
+  }
+  u->req_buf = buf;
+  return FSDP_OK;
+}
+
+int fsdp_unit_gather(fsdp_unit *u) {
+  if (check_live(u, "gather")) return FSDP_ERR;
+  if (u->state == FSDP_UNIT_GATHERED) return FSDP_OK;
+  if (u->req) return finish_prefetch(u);
+  fsdp_tensor *buf;
+  if (flat_new(&buf, u->padded, FSDP_ROLE_GATHERED, u->padded == 0))
+    return fsdp_error_context("gather: unit '%s'", u->path);
+  if (u->padded &&
+      fsdp_comm_all_gather(u->comm, flat_data(buf), flat_data(u->shard), u->shard_numel,
+                           u->path)) {
+    fsdp_tensor_release(buf);
+    return fsdp_error_context("gather: unit '%s'", u->path);
+  }
+  install(u, buf);
+  return FSDP_OK;
+}
+
+int fsdp_unit_reshard(fsdp_unit *u) {
+  if (check_live(u, "reshard")) return FSDP_ERR;
+  if (u->opts.strategy == FSDP_STRATEGY_NONE) return FSDP_OK;
+  if (u->req) { /* a prefetch nobody consumed: let it land, then drop it */
+    int rc = fsdp_comm_wait(u->req);
+    u->req = NULL;
+    fsdp_tensor_release(u->req_buf);
+    u->req_buf = NULL;
+    if (rc) return fsdp_error_context("reshard: unit '%s'", u->path);
+  }
+  if (u->state == FSDP_UNIT_SHARDED) return FSDP_OK;
+  for (int i = 0; i < u->n; i++)
+    fsdp_tensor_set_storage(u->params[i].param, u->sharded, u->params[i].offset);
+  fsdp_tensor_release(u->full);
+  u->full = NULL;
+  u->state = FSDP_UNIT_SHARDED;
+  return FSDP_OK;
+}
+
+int fsdp_unit_writeback(fsdp_unit *u) {
+  if (check_live(u, "writeback")) return FSDP_ERR;
+  if (u->state != FSDP_UNIT_GATHERED)
+    return fsdp_error("writeback: unit '%s' is not gathered (gather it, change its "
+                      "parameters, then write back)",
+                      u->path);
+  /* From each parameter's current data, wherever it points (normally the full buffer). */
+  float *shard = flat_data(u->shard);
+  for (int i = 0; i < u->n; i++) {
+    int64_t pf, sf, len = fsdp_unit_param_slice(u, i, u->rank, &pf, &sf);
+    if (!len) continue;
+    fsdp_tensor *pc;
+    if (fsdp_tensor_contiguous(&pc, u->params[i].param))
+      return fsdp_error_context("writeback: unit '%s'", u->path);
+    const float *src = fsdp_tensor_data(pc, "writeback");
+    if (!src) {
+      fsdp_tensor_release(pc);
+      return FSDP_ERR;
+    }
+    if (src + pf != shard + sf) memmove(shard + sf, src + pf, (size_t)len * sizeof(float));
+    fsdp_tensor_release(pc);
+  }
+  u->shard->version++;
+  return FSDP_OK;
+}
+
+int fsdp_unit_zero_grad(fsdp_unit *u) {
+  if (check_live(u, "zero_grad")) return FSDP_ERR;
+  return fsdp_tensor_fill(u->grad_shard, 0.0f);
+}
+
+void fsdp_unit_set_backward_prefetch(fsdp_unit *u, fsdp_unit *prev) {
+  if (prev == u) prev = NULL; /* a unit prefetching itself is a reference cycle, and useless */
+  fsdp_unit_retain(prev);
+  fsdp_unit_release(u->bwd_prefetch);
+  u->bwd_prefetch = prev;
+}
+
+/* ---- backward ------------------------------------------------------------------------------- */
+
+typedef struct {
+  fsdp_unit *u; /* retained */
+  bool begin;   /* "begin" (pushed by pre_forward) or "end" (pushed by post_forward) */
+  bool ran;
+} hook_ud;
+
+static bool grad_is_ours(const fsdp_unit *u, const fsdp_tensor *p) {
+  return u->full_grad && p->grad && p->grad->storage == u->full_grad->storage;
+}
+
+/* Drop the full gradient and the parameters' views of it. */
+static void drop_full_grad(fsdp_unit *u) {
+  for (int i = 0; i < u->n; i++)
+    if (grad_is_ours(u, u->params[i].param)) fsdp_tensor_set_grad(u->params[i].param, NULL);
+  fsdp_tensor_release(u->full_grad);
+  u->full_grad = NULL;
+}
+
+/* Backward reached the unit's last forward use: gather, prefetch the unit whose backward
+ * comes next, and give every parameter a .grad view into the zeroed full gradient. */
+static int hook_end(void *ud) {
+  hook_ud *h = ud;
+  fsdp_unit *u = h->u;
+  h->ran = true;
+  if (u->emptied) return FSDP_OK;
+  if (fsdp_unit_gather(u)) return FSDP_ERR;
+  if (u->bwd_prefetch && !u->bwd_prefetch->emptied && fsdp_unit_prefetch(u->bwd_prefetch))
+    return FSDP_ERR;
+  if (!u->full_grad && flat_new(&u->full_grad, u->padded, FSDP_ROLE_GRADS, true))
+    return fsdp_error_context("backward: unit '%s'", u->path);
+  float *fg = flat_data(u->full_grad);
+  for (int i = 0; i < u->n; i++) {
+    fsdp_unit_param *q = &u->params[i];
+    fsdp_tensor *p = q->param;
+    if (!p->requires_grad || grad_is_ours(u, p)) continue; /* 2nd use: same buffer */
+    /* A gradient that accumulated before (an op outside the unit's forward used p) joins. */
+    if (p->grad) {
+      fsdp_tensor *gc;
+      if (fsdp_tensor_contiguous(&gc, p->grad)) return FSDP_ERR;
+      const float *g = fsdp_tensor_data(gc, "backward");
+      if (g)
+        for (int64_t k = 0; k < q->numel; k++) fg[q->offset + k] += g[k];
+      fsdp_tensor_release(gc);
+      if (!g) return FSDP_ERR;
+    }
+    int64_t strides[FSDP_MAX_DIMS];
+    contiguous_strides(strides, q->ndim, q->shape);
+    fsdp_tensor *g;
+    if (fsdp_tensor_new_view(&g, u->full_grad, q->offset, q->ndim, q->shape, strides))
+      return fsdp_error_context("backward: unit '%s'", u->path);
+    fsdp_tensor_set_grad(p, g);
+    fsdp_tensor_release(g);
+  }
+  return FSDP_OK;
+}
+
+/* Every use of the unit has its gradient: average across ranks into the gradient shard (added:
+ * it accumulates until zero_grad), free the full gradient, reshard. */
+static int finish_backward(fsdp_unit *u) {
+  int rc = FSDP_OK;
+  if (u->full_grad && u->padded) {
+    float *gs = flat_data(u->grad_shard);
+    if (u->opts.strategy == FSDP_STRATEGY_NONE) {
+      float *fg = flat_data(u->full_grad);
+      rc = fsdp_comm_all_reduce(u->comm, fg, u->padded, FSDP_RED_AVG, u->path);
+      if (!rc)
+        for (int64_t k = 0; k < u->padded; k++) gs[k] += fg[k];
+    } else {
+      fsdp_tensor *tmp;
+      rc = flat_new(&tmp, u->shard_numel, FSDP_ROLE_GRADS, false);
+      if (!rc) {
+        float *t = flat_data(tmp);
+        rc = fsdp_comm_reduce_scatter(u->comm, t, flat_data(u->full_grad), u->shard_numel,
+                                      FSDP_RED_AVG, u->path);
+        if (!rc)
+          for (int64_t k = 0; k < u->shard_numel; k++) gs[k] += t[k];
+        fsdp_tensor_release(tmp);
+      }
+    }
+    if (rc) fsdp_error_context("backward: unit '%s'", u->path);
+    else u->grad_shard->version++;
+  }
+  drop_full_grad(u);
+  if (!rc && u->opts.strategy != FSDP_STRATEGY_NONE) rc = fsdp_unit_reshard(u);
+  return rc;
+}
+
+static int hook_begin(void *ud) {
+  hook_ud *h = ud;
+  fsdp_unit *u = h->u;
+  h->ran = true;
+  if (u->emptied) return FSDP_OK;
+  if (--u->pending_bwd > 0) return FSDP_OK; /* an earlier use of the unit is still to come */
+  return finish_backward(u);
+}
+
+/* A hook node freed without running (tape cleared, backward failed): forget the use it
+ * stood for. Nothing here communicates: ranks may clear tapes at different times. */
+static void hook_free(void *ud) {
+  hook_ud *h = ud;
+  fsdp_unit *u = h->u;
+  if (h->begin && !h->ran && !u->emptied && --u->pending_bwd == 0) drop_full_grad(u);
+  fsdp_unit_release(u);
+  free(h);
+}
+
+static int push_hook(fsdp_unit *u, bool begin) {
+  hook_ud *h = malloc(sizeof *h);
+  if (!h) return fsdp_error("forward: unit '%s': out of host memory", u->path);
+  fsdp_unit_retain(u);
+  *h = (hook_ud){.u = u, .begin = begin};
+  if (begin) u->pending_bwd++; /* before the push: a failed push frees h through hook_free */
+  return fsdp_tape_hook(begin ? hook_begin : hook_end, h, hook_free);
+}
+
+static bool recording(const fsdp_unit *u) {
+  if (!fsdp_grad_enabled()) return false;
+  for (int i = 0; i < u->n; i++)
+    if (u->params[i].param->requires_grad) return true;
+  return false;
+}
+
+int fsdp_unit_pre_forward(fsdp_unit *u, fsdp_unit *next) {
+  if (check_live(u, "forward")) return FSDP_ERR;
+  if (fsdp_unit_gather(u)) return FSDP_ERR;
+  if (next && next != u && !next->emptied && fsdp_unit_prefetch(next)) return FSDP_ERR;
+  if (recording(u)) {
+    /* a failed push has already released (hook_free) the pending use it counted */
+    if (push_hook(u, true)) return fsdp_error_context("forward: unit '%s'", u->path);
+    u->open_fwd++;
+  }
+  return FSDP_OK;
+}
+
+int fsdp_unit_post_forward(fsdp_unit *u) {
+  if (check_live(u, "forward")) return FSDP_ERR;
+  bool rec = u->open_fwd > 0;
+  if (rec) {
+    u->open_fwd--;
+    if (push_hook(u, false)) return fsdp_error_context("forward: unit '%s'", u->path);
+  }
+  /* Recorded: backward will come and gather again. FULL frees the parameters now unless the
+   * unit is the root (its backward starts right away) or asked to keep them; GRAD_OP keeps
+   * them until its backward. Not recorded: no backward will reshard, so both do it now. */
+  fsdp_strategy s = u->opts.strategy;
+  bool reshard = rec ? s == FSDP_STRATEGY_FULL && !u->opts.is_root && u->opts.reshard_after_forward
+                     : s != FSDP_STRATEGY_NONE;
+  return reshard ? fsdp_unit_reshard(u) : FSDP_OK;
+}
+
+/* ---- unshard ----------------------------------------------------------------------------------- */
+
+int fsdp_unit_unshard(fsdp_unit *u) {
+  if (u->emptied) return FSDP_OK;
+  if (fsdp_unit_gather(u)) return fsdp_error_context("unshard");
+  /* allocate everything first, so a failure leaves the unit as it was */
+  fsdp_tensor **dense = calloc((size_t)(u->n ? u->n : 1), sizeof *dense);
+  if (!dense) return fsdp_error("unshard: unit '%s': out of host memory", u->path);
+  const float *full = flat_data(u->full);
+  for (int i = 0; i < u->n; i++) {
+    fsdp_unit_param *q = &u->params[i];
+    if (fsdp_tensor_new(&dense[i], &fsdp_device_cpu, FSDP_DTYPE_F32, q->ndim, q->shape,
+                        FSDP_ROLE_PARAMS)) {
+      for (int j = 0; j < i; j++) fsdp_tensor_release(dense[j]);
+      free(dense);
+      return fsdp_error_context("unshard: unit '%s'", u->path);
+    }
+    memcpy(flat_data(dense[i]), full + q->offset, (size_t)q->numel * sizeof(float));
+  }
+  drop_full_grad(u);
+  for (int i = 0; i < u->n; i++) {
+    fsdp_unit_param *q = &u->params[i];
+    fsdp_tensor *p = q->param;
+    fsdp_tensor_set_storage(p, dense[i]->storage, 0);
+    fsdp_tensor_release(dense[i]);
+    if (p->user == u) p->user = NULL;
+    fsdp_tensor_release(p);
+    free(q->path);
+  }
+  free(dense);
+  u->n = 0;
+  if (u->req) {
+    fsdp_comm_wait(u->req);
+    u->req = NULL;
+  }
+  fsdp_tensor_release(u->req_buf);
+  fsdp_tensor_release(u->full);
+  fsdp_tensor_release(u->shard);
+  fsdp_tensor_release(u->grad_shard);
+  u->req_buf = u->full = u->shard = u->grad_shard = NULL;
+  fsdp_unit_release(u->bwd_prefetch);
+  u->bwd_prefetch = NULL;
+  u->numel = u->padded = u->shard_numel = u->shard_offset = 0;
+  u->state = FSDP_UNIT_SHARDED;
+  u->emptied = true;
+  return FSDP_OK;
+}
