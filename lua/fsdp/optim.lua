@@ -8,6 +8,17 @@
 --
 -- Every parameter iteration of this file goes through optim.named_params, the one place
 -- sharding changes to make optimizers and clip_grad_norm act on shards.
+--
+-- Sharded models (owner of this part: wrap; docs/fsdp.md "Optimizers on shards"). When the
+-- model given to an optimizer is a wrapped root (fsdp.wrap), the optimizer never touches
+-- parameters: each step walks the units (construction order) and, for each parameter slice of
+-- this rank's flat shard (u:local_slices()), runs the same fused kernel on the slice of the
+-- shard and of the gradient shard, with state tensors of the slice's size (role optim). The
+-- math is elementwise, so this equals the dense update restricted to the slice. Weight-decay
+-- exclusions are decided per parameter (path, parameter object) exactly as for a plain model.
+-- State is keyed by the parameter object; state_dict reports it per path with the slice's
+-- position (param_first, numel) so a sharded state is self-describing. clip_grad_norm sums
+-- squares over the local grad shards and needs one all_reduce (collective).
 
 local fsdp = require "fsdp"
 
@@ -24,6 +35,45 @@ local function where()
 end
 
 local function raise(msg) error(where() .. msg, 0) end
+
+-- The wrap root state of model when it is a wrapped root, else nil. A module inside a wrapped
+-- model (not its root), or an array holding sharded parameters, is an error: the optimizer
+-- must see the whole wrapped model to find the shards.
+local function wrap_state(x)
+  local w = package.loaded["fsdp.wrap"]
+  if w == nil then return nil end
+  if is_module(x) then
+    local R = w._root_state(x)
+    if R == nil and rawget(x, "__fsdp_wrap") ~= nil and not rawget(x, "__fsdp_wrap").dead then
+      raise("this module is part of a wrapped model: give the optimizer the wrapped root")
+    end
+    return R
+  end
+  local core = fsdp.core
+  if type(x) == "table" and core.param_unit then
+    for i, p in ipairs(x) do
+      if type(p) == "userdata" and core.param_unit(p) ~= nil then
+        raise(("parameter %d is sharded (its model is wrapped): give the optimizer the wrapped "
+          .. "model itself"):format(i))
+      end
+    end
+  end
+  return nil
+end
+optim.wrap_state = wrap_state
+
+-- The wrapped model's units and this rank's slices, checking the wrap is still the one the
+-- optimizer was made for. Calls fn(U, shard, grad_shard, slices) per unit, construction order.
+local function each_unit(R, what, fn)
+  if R.dead then
+    raise(what .. ": the model was unwrapped (or re-wrapped) after this optimizer was created; "
+      .. "create a new optimizer")
+  end
+  for _, U in ipairs(R.units) do
+    local u = U.unit
+    fn(U, u:shard(), u:grad_shard(), u:local_slices())
+  end
+end
 
 -- named_params(model_or_params) -> array of {path =, param =} in traversal order. A module
 -- gives its distinct parameters under their first paths; an array of parameters gives paths
@@ -76,17 +126,42 @@ local function new_optimizer(cls, kind, model, opts)
   self.model = model
   self.params = optim.named_params(model) -- {path, param}, fixed at construction
   self.state = {}                         -- param -> {step =, <buffers>}
+  self.wrapped = wrap_state(model)        -- the wrap root state: step the shards
   self.step_count = 0
   return self
 end
 
--- Drop every parameter's gradient (p.grad = nil).
+-- Drop every parameter's gradient (p.grad = nil); wrapped: also zero every gradient shard.
 function Optimizer:zero_grad()
   for _, e in ipairs(self.params) do e.param.grad = nil end
+  if self.wrapped then
+    each_unit(self.wrapped, "zero_grad", function(U) U.unit:zero_grad() end)
+  end
+end
+
+-- Wrapped models: fn(st, p_slice, g_slice, param, path) for every parameter slice this rank
+-- holds; st is the slice's state table (created empty with its size in st.numel).
+function Optimizer:each_slice(fn)
+  each_unit(self.wrapped, self.kind .. ":step", function(_, shard, gshard, slices)
+    for _, s in ipairs(slices) do
+      local n = s.shard_last - s.shard_first + 1
+      local p = s.param
+      local st = self.state[p]
+      if st == nil then
+        st = {step = 0}
+        self.state[p] = st
+        self.slice_of[p] = {param_first = s.param_first, numel = n}
+      end
+      fn(st, shard:narrow(1, s.shard_first, n), gshard:narrow(1, s.shard_first, n), p, s.path)
+    end
+  end)
 end
 
 -- {kind =, step =, lr =, hyper = {...}, state = {[path] = {step =, <name> = tensor, ...}}}.
 -- The state tensors are the live buffers (clone them to keep a snapshot).
+-- Wrapped: state holds this rank's slices only; each entry also has param_first (1-based
+-- position of the slice in the parameter's flattened elements) and numel, and the table has
+-- sharded = true, rank =, world_size =.
 function Optimizer:state_dict()
   local state = {}
   for _, e in ipairs(self.params) do
@@ -94,10 +169,18 @@ function Optimizer:state_dict()
     if st then
       local copy = {}
       for k, v in pairs(st) do copy[k] = v end
+      if self.wrapped then
+        local sl = self.slice_of[e.param]
+        copy.param_first, copy.numel = sl.param_first, sl.numel
+      end
       state[e.path] = copy
     end
   end
-  return {kind = self.kind, step = self.step_count, lr = self.lr, hyper = self:hyper(), state = state}
+  local sd = {kind = self.kind, step = self.step_count, lr = self.lr, hyper = self:hyper(), state = state}
+  if self.wrapped then
+    sd.sharded, sd.rank, sd.world_size = true, fsdp.rank(), fsdp.world_size()
+  end
+  return sd
 end
 
 -- Restore from a state_dict (values are copied into this optimizer's own buffers).
@@ -113,15 +196,33 @@ function Optimizer:load_state_dict(sd)
   end
   self.step_count, self.lr = sd.step or 0, sd.lr or self.lr
   for k, v in pairs(sd.hyper or {}) do self[k] = v end
+  if (sd.sharded == true) ~= (self.wrapped ~= nil) then
+    raise(("load_state_dict: the state_dict is %s but this optimizer's model is %s")
+      :format(sd.sharded and "sharded" or "dense", self.wrapped and "wrapped" or "not wrapped"))
+  end
+  if sd.sharded and (sd.world_size ~= fsdp.world_size() or sd.rank ~= fsdp.rank()) then
+    raise(("load_state_dict: this sharded state_dict is rank %s of %s; this is rank %d of %d")
+      :format(tostring(sd.rank), tostring(sd.world_size), fsdp.rank(), fsdp.world_size()))
+  end
+  local mine = {}
+  if self.wrapped then
+    self:each_slice(function() end) -- learn this rank's slices (creates empty states)
+    for p, sl in pairs(self.slice_of) do mine[p] = sl end
+  end
   self.state = {}
   for path, saved in pairs(sd.state or {}) do
     local p = by_path[path]
+    local sl = mine[p]
+    if self.wrapped and (sl == nil or sl.param_first ~= saved.param_first or sl.numel ~= saved.numel) then
+      raise(("load_state_dict: %s: the saved slice (first %s, %s elements) is not this rank's")
+        :format(path, tostring(saved.param_first), tostring(saved.numel)))
+    end
     local st = {}
     for k, v in pairs(saved) do
       if type(v) == "userdata" then
-        st[k] = state_zeros(p)
+        st[k] = sl and fsdp.zeros({sl.numel}, { role = "optim" }) or state_zeros(p)
         st[k]:copy(v)
-      else
+      elseif k ~= "param_first" and k ~= "numel" then
         st[k] = v
       end
     end
@@ -139,6 +240,7 @@ optim.SGD_class = SGD
 -- g = grad + wd * p; buf = momentum * buf + g (buf = g on its first step); p -= lr * buf.
 function optim.SGD(model, opts)
   local self = new_optimizer(SGD, "SGD", model, opts)
+  self.slice_of = {}
   self.lr = number_opt(opts, "lr", nil, 0)
   self.momentum = number_opt(opts, "momentum", 0, 0)
   self.weight_decay = number_opt(opts, "weight_decay", 0, 0)
@@ -151,6 +253,18 @@ function SGD:hyper() return {momentum = self.momentum, weight_decay = self.weigh
 function SGD:step()
   self.step_count = self.step_count + 1
   local lr, momentum, wd = self.lr, self.momentum, self.weight_decay
+  if self.wrapped then
+    self:each_slice(function(st, p, g)
+      local first = false
+      if momentum ~= 0 and st.momentum_buffer == nil then
+        st.momentum_buffer = fsdp.zeros({p:numel()}, { role = "optim" })
+        first = true
+      end
+      st.step = st.step + 1
+      fsdp.core.sgd_step(p, g, st.momentum_buffer, lr, momentum, wd, first)
+    end)
+    return
+  end
   for _, e in ipairs(self.params) do
     local p = e.param
     local g = p.grad
@@ -186,6 +300,7 @@ function optim.default_no_decay(path, p) return p:dim() < 2 end
 function optim.AdamW(model, opts)
   opts = opts or {}
   local self = new_optimizer(AdamW, "AdamW", model, opts)
+  self.slice_of = {}
   self.lr = number_opt(opts, "lr", 1e-3, 0)
   local betas = opts.betas or {0.9, 0.999}
   if type(betas) ~= "table" or type(betas[1]) ~= "number" or type(betas[2]) ~= "number"
@@ -216,6 +331,18 @@ end
 function AdamW:step()
   self.step_count = self.step_count + 1
   local lr, b1, b2, eps, wd = self.lr, self.betas[1], self.betas[2], self.eps, self.weight_decay
+  if self.wrapped then
+    self:each_slice(function(st, p, g, param)
+      if st.exp_avg == nil then
+        st.exp_avg = fsdp.zeros({p:numel()}, { role = "optim" })
+        st.exp_avg_sq = fsdp.zeros({p:numel()}, { role = "optim" })
+      end
+      st.step = st.step + 1
+      fsdp.core.adamw_step(p, g, st.exp_avg, st.exp_avg_sq, lr, b1, b2, eps,
+        self.decay[param] and wd or 0, st.step)
+    end)
+    return
+  end
   for _, e in ipairs(self.params) do
     local p = e.param
     local g = p.grad
@@ -238,9 +365,35 @@ end
 -- (as one vector). If it exceeds max_norm every gradient is scaled in place by
 -- max_norm / (total_norm + 1e-6) (PyTorch's clip_grad_norm_). Parameters without gradient are
 -- skipped.
+-- Wrapped model (collective): the squares are summed over this rank's slices of the gradient
+-- shards, then one all_reduce("sum") gives the global sum (units with strategy "none" hold the
+-- same averaged gradient on every rank: their part is added after the all_reduce, once); the
+-- gradient shards are scaled.
 function optim.clip_grad_norm(model, max_norm)
   if type(max_norm) ~= "number" or max_norm <= 0 then
     raise(("clip_grad_norm: max_norm must be a positive number (got %s)"):format(tostring(max_norm)))
+  end
+  local R = wrap_state(model)
+  if R then
+    local sq_sharded, sq_replicated = 0, 0
+    local gshards = {}
+    each_unit(R, "clip_grad_norm", function(U, _, g, slices)
+      gshards[#gshards + 1] = g
+      for _, s in ipairs(slices) do
+        local sq = fsdp.core.sumsq(g:narrow(1, s.shard_first, s.shard_last - s.shard_first + 1))
+        if U.strategy == "none" then
+          sq_replicated = sq_replicated + sq
+        else
+          sq_sharded = sq_sharded + sq
+        end
+      end
+    end)
+    local total = math.sqrt(fsdp.all_reduce(sq_sharded, "sum") + sq_replicated)
+    local coef = max_norm / (total + 1e-6)
+    if coef < 1 then
+      for i = 1, #gshards do gshards[i]:mul_(coef) end
+    end
+    return total
   end
   local grads = {}
   for _, e in ipairs(optim.named_params(model)) do

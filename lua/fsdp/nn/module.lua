@@ -13,7 +13,8 @@
 -- rawget(m, ORDER). Integer keys (m[1], m[2], ... of Sequential / ModuleList) are stored raw in
 -- the instance's array part so that #m and ipairs(m) work under LuaJIT (no __len on tables);
 -- they come after the named fields in traversal order. Raw fields whose names start with "__"
--- are this file's bookkeeping, never user fields.
+-- are this file's bookkeeping, never user fields (one exception: "__fsdp_wrap", the mark that
+-- lua/fsdp/wrap.lua puts on every module of a wrapped model).
 --
 -- Invariants: a parameter is an object with a stable identity (DESIGN.md); this file never
 -- copies or replaces a parameter, it only holds references. Traversals deduplicate modules and
@@ -273,9 +274,13 @@ end
 
 function Module:eval() return self:train(false) end
 
--- Drops every parameter's gradient (p.grad = nil): the next backward allocates afresh.
+-- Drops every parameter's gradient (p.grad = nil): the next backward allocates afresh. On a
+-- wrapped root (fsdp.wrap) it also zeroes every unit's gradient shard, where the gradients of
+-- a sharded model accumulate.
 function Module:zero_grad()
   for _, p in ipairs(self:parameters()) do p.grad = nil end
+  local w = package.loaded["fsdp.wrap"]
+  if w ~= nil and w._root_state(self) ~= nil then w._zero_grad(self) end
 end
 
 -- ---- forward hooks (used by sharding to gather/reshard around a unit's forward) -------------

@@ -1,0 +1,774 @@
+-- fsdp.wrap — the user-facing sharding layer (owner: wrap). docs/fsdp.md is the manual.
+--
+--   fsdp.wrap(model, opts)   fsdp.unwrap(model)   fsdp.is_wrapped(model)   fsdp.units(model)
+--   fsdp.full_params(model, fn, {writeback = true})   fsdp.apply(model, fn)
+--   fsdp.policy.modules{...} / .size(n) / .list{...}   fsdp.shard(param)   fsdp.inspect(x)
+--
+-- Everything here is Lua over the C units of fsdp.core (src/fsdp/unit.h, src/lua/l_fsdp.c):
+-- this file decides WHICH modules become units and WHICH unit owns each parameter, installs
+-- the forward hooks that drive a unit's gather/reshard, and walks units for full_params/apply.
+-- The state machine itself (gather, reshard, prefetch, tape hooks, reduce-scatter) is C's.
+--
+-- Invariants:
+--   * Wrapping never replaces a module or a parameter object (DESIGN.md invariant 1). The tree
+--     the user built is the tree that runs; a unit only changes what storage backs the
+--     parameters it owns. So #model:parameters() and saved references are unaffected.
+--   * Every collective here is issued in an order that depends only on the module tree (the
+--     same on every rank): units are created innermost first in post-order, and walked in
+--     construction order or in the tree's pre-order, never in the order of a Lua `pairs`.
+--   * Marks: every module of a wrapped tree carries the raw field `__fsdp_wrap` = the root's
+--     state R (a raw field rather than a weak table, so a dropped model is collectable);
+--     unwrap removes it. R.unit_of[module] is the unit record of a module that is a unit.
+--
+-- Unit records (U): {unit = <core unit>, module =, path =, parent = U or nil, hooks = {...},
+-- strategy =}. R: {model =, opts =, units = {U...} (construction order), unit_of = {},
+-- order = {U...} or nil (forward order, recorded on the first forward), busy = nil | what}.
+
+local fsdp = require "fsdp"
+local core = require "fsdp.core"
+
+local W = {}
+
+local MARK = "__fsdp_wrap"
+local ROOT_PATH = "(root)" -- the root unit's path (a label in collectives and reports)
+
+local function nnmod() return require "fsdp.nn" end
+local function base() return require "fsdp.nn.module" end
+
+local function raise(msg) base().raise(msg) end
+
+local function is_module(x) return base().is_module(x) end
+
+local function join(prefix, name)
+  if prefix == "" then return tostring(name) end
+  return prefix .. "." .. tostring(name)
+end
+
+local function note(msg)
+  if fsdp.rank() == 0 then
+    local log = package.loaded["fsdp.log"] or fsdp.log
+    if log and log.print then log.print(msg) else print(msg) end
+  end
+end
+
+-- The registered children and parameters of m in traversal order (named fields, then m[1],
+-- m[2], ...), as an array of {name, value}. The same order module.lua's walk uses.
+local function own_entries(m)
+  local fields, order = rawget(m, "__fields"), rawget(m, "__order")
+  local out = {}
+  for i = 1, #order do
+    local v = fields[order[i]]
+    if v ~= nil then out[#out + 1] = {order[i], v} end
+  end
+  for i = 1, #m do
+    local v = rawget(m, i)
+    if v ~= nil then out[#out + 1] = {i, v} end
+  end
+  return out
+end
+
+-- The root state of a module's wrapped tree, or nil.
+local function state_of(m)
+  if type(m) ~= "table" then return nil end
+  local R = rawget(m, MARK)
+  if R ~= nil and R.dead then return nil end
+  return R
+end
+
+-- ---- policies -----------------------------------------------------------------------------
+--
+-- A policy is a table {name =, select = function(module, path, numel) -> bool}: asked for
+-- every module below the root, bottom-up (children before parents), with numel = the number
+-- of parameter elements of the module's subtree not already claimed by a selected
+-- descendant. A plain function(module, path, numel) is accepted as a policy too.
+
+local Policy = {}
+Policy.__index = Policy
+Policy.__tostring = function(p) return "fsdp.policy." .. p.name end
+
+local function new_policy(name, select) return setmetatable({name = name, select = select}, Policy) end
+
+W.policy = {}
+
+-- modules{Class, ...}: every module that is an instance of one of the classes (or subclasses).
+function W.policy.modules(classes)
+  if type(classes) ~= "table" or #classes == 0 then
+    raise("fsdp.policy.modules: expects a list of module classes, e.g. {nn.Block}")
+  end
+  local names = {}
+  for i, c in ipairs(classes) do
+    if type(c) ~= "table" or rawget(c, "__name") == nil then
+      raise(("fsdp.policy.modules: element %d is not a module class (got %s)"):format(i, type(c)))
+    end
+    names[#names + 1] = "nn." .. rawget(c, "__name")
+  end
+  local nn = nnmod()
+  return new_policy("modules{" .. table.concat(names, ", ") .. "}", function(m)
+    for _, c in ipairs(classes) do
+      if nn.isinstance(m, c) then return true end
+    end
+    return false
+  end)
+end
+
+-- size(min_params): a module whose unclaimed parameter elements number at least min_params
+-- (like PyTorch's size_based_auto_wrap_policy; decided bottom-up).
+function W.policy.size(min_params)
+  if type(min_params) ~= "number" or min_params < 1 then
+    raise(("fsdp.policy.size: min_params must be a number >= 1 (got %s)"):format(tostring(min_params)))
+  end
+  return new_policy(("size(%d)"):format(min_params), function(_, _, numel)
+    return numel >= min_params
+  end)
+end
+
+-- list{m1, m2, ...}: exactly these module objects (each must be part of the wrapped model).
+function W.policy.list(mods)
+  if type(mods) ~= "table" then raise("fsdp.policy.list: expects a list of modules") end
+  local set = {}
+  for i, m in ipairs(mods) do
+    if not is_module(m) then
+      raise(("fsdp.policy.list: element %d is not a module (got %s)"):format(i, type(m)))
+    end
+    set[m] = i
+  end
+  local p = new_policy(("list{%d modules}"):format(#mods), function(m) return set[m] ~= nil end)
+  p.modules = mods
+  return p
+end
+
+local function policy_fn(policy)
+  if policy == nil then return nil end
+  if type(policy) == "function" then return policy end
+  if getmetatable(policy) == Policy then return policy.select end
+  raise("fsdp.wrap: policy must be fsdp.policy.modules{...}, .size(n), .list{...} or a function")
+end
+
+-- ---- options ------------------------------------------------------------------------------
+
+local strategies = {full = true, grad_op = true, none = true}
+local known_opts = {policy = true, strategy = true, reshard_after_forward = true, prefetch = true,
+  sync_module_states = true, init = true}
+
+local function check_opts(opts)
+  opts = opts or {}
+  if type(opts) ~= "table" then raise("fsdp.wrap: options must be a table") end
+  for k in pairs(opts) do
+    if not known_opts[k] then
+      raise(("fsdp.wrap: unknown option %s (policy, strategy, reshard_after_forward, prefetch, "
+        .. "sync_module_states, init)"):format(tostring(k)))
+    end
+  end
+  local o = {
+    policy = opts.policy,
+    strategy = opts.strategy or "full",
+    reshard_after_forward = opts.reshard_after_forward ~= false,
+    prefetch = opts.prefetch ~= false,
+    sync_module_states = opts.sync_module_states == true,
+  }
+  if not strategies[o.strategy] then
+    raise(("fsdp.wrap: strategy must be \"full\", \"grad_op\" or \"none\" (got %s)")
+      :format(tostring(opts.strategy)))
+  end
+  for _, k in ipairs{"reshard_after_forward", "prefetch", "sync_module_states"} do
+    if opts[k] ~= nil and type(opts[k]) ~= "boolean" then
+      raise(("fsdp.wrap: %s must be a boolean (got %s)"):format(k, type(opts[k])))
+    end
+  end
+  if opts.init ~= nil then
+    raise("fsdp.wrap: init is not supported yet (meta-device materialization comes with "
+      .. "fsdp.meta/fsdp.materialize)")
+  end
+  policy_fn(o.policy) -- validates
+  return o
+end
+
+-- ---- choosing units and owners ------------------------------------------------------------
+
+-- Selected unit modules: root, forced ones (inner units of an earlier wrap) and the policy's.
+-- Returns set module -> true.
+local function select_units(model, policy, forced)
+  local selected = {[model] = true}
+  for m in pairs(forced) do selected[m] = true end
+  local select = policy_fn(policy)
+  local nn = nnmod()
+  local seen = {[model] = true}
+  -- post-order: returns the set of unclaimed parameters of m's subtree (param -> numel)
+  local function visit(m, path)
+    local unclaimed = {}
+    for _, e in ipairs(own_entries(m)) do
+      local name, v = e[1], e[2]
+      if not seen[v] then
+        seen[v] = true
+        if is_module(v) then
+          local sub = visit(v, join(path, name))
+          for p, n in pairs(sub) do unclaimed[p] = n end
+        else
+          unclaimed[v] = v:numel()
+        end
+      end
+    end
+    if m ~= model then
+      if not selected[m] and select then
+        local numel = 0
+        for _, n in pairs(unclaimed) do numel = numel + n end
+        if select(m, path, numel) then selected[m] = true end
+      end
+      if selected[m] then
+        if nn.isinstance(m, nn.ModuleList) then
+          raise(("fsdp.wrap: the policy picked %s (ModuleList), which has no forward: its "
+            .. "parameters could never be gathered; pick its elements instead"):format(path))
+        end
+        return {}
+      end
+    end
+    return unclaimed
+  end
+  visit(model, "")
+  if getmetatable(policy) == Policy and policy.modules then
+    for i, m in ipairs(policy.modules) do
+      if not seen[m] and m ~= model then
+        raise(("fsdp.policy.list: module %d (%s) is not part of the wrapped model"):format(i, m:type_name()))
+      end
+    end
+  end
+  return selected
+end
+
+-- The owner of every distinct parameter: the deepest selected module that lies on EVERY
+-- reference path of the parameter (its closest common wrapped ancestor). Reference paths are
+-- enumerated without deduplicating modules, so a module shared by two parents counts both
+-- ways. Returns owner: param -> unit module.
+local function compute_owners(model, selected)
+  local common = {}  -- param -> array of unit modules common to all its paths (root first)
+  local chain, depth_of = {}, {}
+  local onstack = {}
+  local function visit(m)
+    if onstack[m] then return end -- a cycle: the first visit covers it
+    onstack[m] = true
+    local pushed = false
+    if selected[m] then
+      chain[#chain + 1] = m
+      depth_of[m] = (depth_of[m] or 0) + 1
+      pushed = true
+    end
+    for _, e in ipairs(own_entries(m)) do
+      local v = e[2]
+      if is_module(v) then
+        visit(v)
+      else
+        local c = common[v]
+        if c == nil then
+          local copy = {}
+          for i = 1, #chain do copy[i] = chain[i] end
+          common[v] = copy
+        else
+          local kept = {}
+          for i = 1, #c do
+            if (depth_of[c[i]] or 0) > 0 then kept[#kept + 1] = c[i] end
+          end
+          common[v] = kept
+        end
+      end
+    end
+    if pushed then
+      chain[#chain] = nil
+      depth_of[m] = depth_of[m] - 1
+    end
+    onstack[m] = nil
+  end
+  visit(model)
+  local owner = {}
+  for p, c in pairs(common) do owner[p] = c[#c] end
+  return owner
+end
+
+-- Unit modules in post-order (innermost first), with their paths and unit-tree parents.
+local function unit_order(model, selected)
+  local out, seen = {}, {[model] = true}
+  local function visit(m, path, parent)
+    local me = parent
+    local rec
+    if selected[m] then
+      rec = {module = m, path = (m == model) and ROOT_PATH or path, parent_module = parent}
+      me = m
+    end
+    for _, e in ipairs(own_entries(m)) do
+      local v = e[2]
+      if is_module(v) and not seen[v] then
+        seen[v] = true
+        visit(v, join(path, e[1]), me)
+      end
+    end
+    if rec then out[#out + 1] = rec end
+  end
+  visit(model, "", nil)
+  return out
+end
+
+-- ---- hooks: forward order and prefetch ----------------------------------------------------
+
+local function finish_recording(R)
+  local order = R.recording
+  R.recording, R.recorded = nil, nil
+  -- units never called in forward keep construction order, after the called ones
+  local inorder = {}
+  for _, U in ipairs(order) do inorder[U] = true end
+  for _, U in ipairs(R.units) do
+    if not inorder[U] then order[#order + 1] = U end
+  end
+  R.order = order
+  R.next = {}
+  for i, U in ipairs(order) do
+    R.next[U] = order[i + 1]
+    if R.opts.prefetch then U.unit:set_backward_prefetch(i > 1 and order[i - 1].unit or nil) end
+  end
+end
+
+local function install_hooks(R, U)
+  local is_root = U.module == R.model
+  local pre = U.module:register_forward_pre_hook(function()
+    if R.busy then return end -- inside full_params / apply: everything needed is gathered
+    if is_root and R.order == nil then R.recording, R.recorded = {}, {} end
+    if R.recording and not R.recorded[U] then
+      R.recorded[U] = true
+      R.recording[#R.recording + 1] = U
+    end
+    local nxt = R.opts.prefetch and R.next and R.next[U]
+    U.unit:pre_forward(nxt and nxt.unit or nil)
+  end)
+  local post = U.module:register_forward_hook(function()
+    if R.busy then return end
+    U.unit:post_forward()
+    if is_root and R.recording then finish_recording(R) end
+  end)
+  U.hooks = {pre, post}
+end
+
+-- ---- wrap / unwrap ------------------------------------------------------------------------
+
+local function strategy_of(R, m) return R.unit_of[m] and R.unit_of[m].strategy end
+
+local function teardown(R)
+  -- collective: every rank unshards the same units in the same (construction) order
+  for _, U in ipairs(R.units) do U.unit:unshard() end
+  for _, U in ipairs(R.units) do
+    for _, h in ipairs(U.hooks or {}) do h.remove() end
+    U.hooks = nil
+  end
+  for _, m in ipairs(R.members) do
+    if rawget(m, MARK) == R then rawset(m, MARK, nil) end
+  end
+  R.dead = true
+end
+
+--- Collective. Shard `model` in place (see the file header and docs/fsdp.md). Returns model.
+function W.wrap(model, opts)
+  if not is_module(model) then
+    raise(("fsdp.wrap: expected a module (got %s)"):format(type(model)))
+  end
+  local R0 = state_of(model)
+  if R0 ~= nil then
+    if R0.model == model then
+      note(("fsdp.wrap: the model is already wrapped (%d units, strategy %s); returning it "
+        .. "unchanged (fsdp.unwrap it first to wrap it differently)"):format(#R0.units, R0.opts.strategy))
+      return model
+    end
+    raise(("fsdp.wrap: this %s is part of a wrapped model (whose root is a %s); wrap or unwrap "
+      .. "that root instead"):format(model:type_name(), R0.model:type_name()))
+  end
+  local o = check_opts(opts)
+
+  -- Earlier wraps inside this tree: their units become forced boundaries (with their own
+  -- strategy), and the outer model becomes the root. A wrapped tree that merely overlaps
+  -- (its root is outside this model) is an error.
+  local members = model:modules()
+  local is_member = {}
+  for _, m in ipairs(members) do is_member[m] = true end
+  local inner, forced = {}, {}
+  for _, m in ipairs(members) do
+    local R = state_of(m)
+    if R ~= nil then
+      if R.model == m then
+        inner[#inner + 1] = R
+      elseif not is_member[R.model] then
+        raise(("fsdp.wrap: a %s inside this model is part of another wrapped model (a %s); "
+          .. "fsdp.unwrap that model first"):format(m:type_name(), R.model:type_name()))
+      end
+    end
+  end
+  for _, R in ipairs(inner) do
+    for _, U in ipairs(R.units) do
+      forced[U.module] = {strategy = U.strategy, reshard_after_forward = R.opts.reshard_after_forward}
+    end
+  end
+  local selected = select_units(model, o.policy, forced)
+
+  -- collective from here on
+  for _, R in ipairs(inner) do teardown(R) end
+  local paths, params = {}, {}
+  for path, p in model:named_parameters() do
+    local u = core.param_unit and core.param_unit(p)
+    if u ~= nil then
+      raise(("fsdp.wrap: parameter %s already belongs to unit %s of another wrapped model; "
+        .. "fsdp.unwrap that model first"):format(path, u.path))
+    end
+    paths[#paths + 1] = path
+    params[#params + 1] = p
+  end
+  if o.sync_module_states then
+    for i, p in ipairs(params) do
+      if p.device ~= "cpu" then
+        raise(("fsdp.wrap: sync_module_states needs materialized parameters (%s is on %s)")
+          :format(paths[i], p.device))
+      end
+      core.broadcast(p, 0, paths[i])
+    end
+  end
+
+  local owner = compute_owners(model, selected)
+  local R = {model = model, opts = o, units = {}, unit_of = {}, unit_of_param = {},
+    members = members}
+  local recs = unit_order(model, selected)
+  local rec_of = {}
+  for _, rec in ipairs(recs) do rec_of[rec.module] = rec end
+  for _, rec in ipairs(recs) do
+    local m = rec.module
+    local ps, pp = {}, {}
+    for i, p in ipairs(params) do
+      if owner[p] == m then
+        ps[#ps + 1] = p
+        pp[#pp + 1] = paths[i]
+      end
+    end
+    -- a picked module whose parameters all belong to an ancestor holds nothing: no unit
+    if #ps > 0 or m == model then
+      local f = forced[m]
+      local strategy = f and f.strategy or o.strategy
+      local raf = o.reshard_after_forward
+      if f then raf = f.reshard_after_forward end
+      local u = core.unit_new(rec.path, ps, pp, {strategy = strategy, root = (m == model),
+        reshard_after_forward = raf})
+      local U = {unit = u, module = m, path = rec.path, strategy = strategy, params = ps}
+      R.units[#R.units + 1] = U
+      R.unit_of[m] = U
+      for _, p in ipairs(ps) do R.unit_of_param[p] = U end
+    end
+  end
+  for _, U in ipairs(R.units) do
+    -- parent: the closest selected ancestor that became a unit (the root always is one)
+    local pm = rec_of[U.module].parent_module
+    while pm ~= nil and R.unit_of[pm] == nil do pm = rec_of[pm].parent_module end
+    U.parent = pm and R.unit_of[pm]
+    install_hooks(R, U)
+  end
+  for _, m in ipairs(members) do rawset(m, MARK, R) end
+  return model
+end
+
+--- Collective. Gather every unit, give each parameter its own dense storage back, remove the
+--- hooks and marks: a plain model again (same module and parameter objects). Returns model.
+function W.unwrap(model)
+  if not is_module(model) then
+    raise(("fsdp.unwrap: expected a module (got %s)"):format(type(model)))
+  end
+  local R = state_of(model)
+  if R == nil then return model end
+  if R.model ~= model then
+    raise(("fsdp.unwrap: this %s is part of a wrapped model; unwrap its root (a %s)")
+      :format(model:type_name(), R.model:type_name()))
+  end
+  if R.busy then raise("fsdp.unwrap: not inside fsdp." .. R.busy) end
+  teardown(R)
+  return model
+end
+
+--- true when model is the root of a wrapped model.
+function W.is_wrapped(model)
+  local R = state_of(model)
+  return R ~= nil and R.model == model
+end
+
+local function unit_list(R)
+  local list = R.order or R.units
+  local out = {}
+  for i, U in ipairs(list) do out[i] = U.unit end
+  return out
+end
+
+--- The units of a wrapped model: forward order once a forward ran, else construction order
+--- (innermost first, root last). {} for a plain model.
+function W.units(model)
+  local R = state_of(model)
+  if R == nil then return {} end
+  return unit_list(R)
+end
+
+-- ---- shards -------------------------------------------------------------------------------
+
+local function local_slice_of(u, p)
+  for _, s in ipairs(u:local_slices()) do
+    if rawequal(s.param, p) then return s end
+  end
+  return nil
+end
+
+--- This rank's slice of param as a flat tensor view (writes land in the shard); possibly
+--- empty. A parameter of a plain model: the whole parameter, flattened (a view).
+function W.shard(param)
+  if not base().is_tensor(param) then
+    raise(("fsdp.shard: expected a parameter (got %s)"):format(type(param)))
+  end
+  local u = core.param_unit and core.param_unit(param)
+  if u == nil then return param:detach():view{param:numel()} end
+  local s = local_slice_of(u, param)
+  if s == nil then return fsdp.zeros{0} end
+  return u:shard():narrow(1, s.shard_first, s.shard_last - s.shard_first + 1)
+end
+
+-- ---- full_params and apply ------------------------------------------------------------------
+
+-- Run fn with gradients off; returns ok, err.
+local function run_quiet(fn, ...)
+  local prev = core.set_grad_enabled(false)
+  local ok, err = pcall(fn, ...)
+  core.set_grad_enabled(prev)
+  return ok, err
+end
+
+-- Put back what `gathered` (array of {U, was_sharded}) changed: write back if asked, then
+-- reshard the units this call gathered. After an error: no writeback, best-effort reshard.
+local function restore(gathered, writeback, ok)
+  for i = #gathered, 1, -1 do
+    local U, was_sharded = gathered[i][1], gathered[i][2]
+    if ok then
+      if writeback then U.unit:writeback() end
+      if was_sharded then U.unit:reshard() end
+    elseif was_sharded then
+      pcall(U.unit.reshard, U.unit)
+    end
+  end
+end
+
+local function gather(U, list)
+  local was_sharded = U.unit:state() == "sharded"
+  U.unit:gather()
+  list[#list + 1] = {U, was_sharded}
+end
+
+--- Collective. fn(model) with full parameters; changes are written back to the shards
+--- (writeback = true). model may be the wrapped root (every unit is gathered: the whole model
+--- in memory) or a submodule of it (only the units owning parameters of its subtree). Returns
+--- fn's first result.
+function W.full_params(model, fn, opts)
+  if type(fn) ~= "function" then raise("fsdp.full_params: expects (model, fn[, opts])") end
+  opts = opts or {}
+  local writeback = opts.writeback ~= false
+  local R = state_of(model)
+  if R == nil then
+    local ok, res = run_quiet(fn, model)
+    if not ok then error(res, 0) end
+    return res
+  end
+  if R.busy then raise("fsdp.full_params: already inside fsdp." .. R.busy) end
+  local need = {}
+  if model == R.model then
+    for _, U in ipairs(R.units) do need[U] = true end
+  else
+    for _, p in ipairs(model:parameters()) do
+      local U = R.unit_of_param[p]
+      if U then need[U] = true end
+    end
+  end
+  local gathered = {}
+  R.busy = "full_params"
+  local ok, res = pcall(function()
+    for _, U in ipairs(R.units) do -- construction order: the same on every rank
+      if need[U] then gather(U, gathered) end
+    end
+    local fine, r = run_quiet(fn, model)
+    if not fine then error(r, 0) end
+    return r
+  end)
+  restore(gathered, writeback, ok)
+  R.busy = nil
+  if not ok then error(res, 0) end
+  return res
+end
+
+--- Collective. fn(module, path) for every module of model (pre-order, as named_modules), each
+--- called while the units on its path from the root are gathered (memory: the largest chain of
+--- nested units, not the model); changes are written back to the shards.
+function W.apply(model, fn)
+  if type(fn) ~= "function" then raise("fsdp.apply: expects (model, fn)") end
+  local R = state_of(model)
+  if R == nil then
+    local ok, err = run_quiet(function()
+      for path, m in model:named_modules() do fn(m, path) end
+    end)
+    if not ok then error(err, 0) end
+    return model
+  end
+  if R.busy then raise("fsdp.apply: already inside fsdp." .. R.busy) end
+  local gathered = {}
+  R.busy = "apply"
+  local ok, err = pcall(function()
+    -- when model is a submodule: first gather the units above it (root first), found along
+    -- its first path from the root
+    if model ~= R.model then
+      local chain
+      local seen = {[R.model] = true}
+      local function find(m, acc)
+        if m == model then chain = acc return true end
+        for _, e in ipairs(own_entries(m)) do
+          local v = e[2]
+          if is_module(v) and not seen[v] then
+            seen[v] = true
+            local a = acc
+            if R.unit_of[v] and v ~= model then
+              a = {unpack(acc)}
+              a[#a + 1] = R.unit_of[v]
+            end
+            if find(v, a) then return true end
+          end
+        end
+        return false
+      end
+      find(R.model, {R.unit_of[R.model]})
+      for _, U in ipairs(chain) do gather(U, gathered) end
+    end
+    local seen = {[model] = true}
+    local function visit(m, path)
+      local U = R.unit_of[m]
+      local mine = {}
+      if U then gather(U, mine) end
+      local fine, e = run_quiet(fn, m, path)
+      if fine then
+        for _, entry in ipairs(own_entries(m)) do
+          local v = entry[2]
+          if is_module(v) and not seen[v] then
+            seen[v] = true
+            visit(v, join(path, entry[1]))
+          end
+        end
+      end
+      restore(mine, true, fine)
+      if not fine then error(e, 0) end
+    end
+    visit(model, "")
+  end)
+  restore(gathered, true, ok)
+  R.busy = nil
+  if not ok then error(err, 0) end
+  return model
+end
+
+-- ---- inspection ---------------------------------------------------------------------------
+
+local Report = {}
+Report.__index = Report
+
+local function fmt_int(n)
+  local s = tostring(math.floor(n))
+  return (s:reverse():gsub("(%d%d%d)", "%1,"):reverse():gsub("^,", ""))
+end
+
+Report.__tostring = function(r)
+  local lines = {}
+  if r.kind == "param" then
+    lines[1] = ("parameter %s  shape %s  %s elements"):format(r.path or "?",
+      table.concat(r.shape, "x"), fmt_int(r.numel))
+    if r.unit then
+      lines[#lines + 1] = ("  unit %s (%s), %s; this rank (%d of %d) holds %s elements")
+        :format(r.unit, r.strategy, r.state, r.rank, r.world_size, fmt_int(r.local_numel))
+    else
+      lines[#lines + 1] = "  not sharded (dense storage)"
+    end
+    return table.concat(lines, "\n")
+  end
+  if not r.wrapped then
+    return ("%s: not wrapped, %s parameters (%s elements)"):format(r.type, fmt_int(r.nparams),
+      fmt_int(r.numel))
+  end
+  lines[1] = ("%s: wrapped, strategy %s, %d units, %s parameters (%s elements), rank %d of %d")
+    :format(r.type, r.strategy, #r.units, fmt_int(r.nparams), fmt_int(r.numel), r.rank, r.world_size)
+  for _, u in ipairs(r.units) do
+    lines[#lines + 1] = ("  %-24s %-8s %3d params  %10s elements  padded %10s  shard %10s")
+      :format(u.path, u.state, u.nparams, fmt_int(u.numel), fmt_int(u.padded_numel),
+        fmt_int(u.shard_numel))
+  end
+  return table.concat(lines, "\n")
+end
+
+--- A table describing a model (its units) or a parameter (its unit and slice); tostring()
+--- prints it.
+function W.inspect(x)
+  if is_module(x) then
+    local R = state_of(x)
+    local r = setmetatable({kind = "model", type = x:type_name(), wrapped = R ~= nil and R.model == x,
+      nparams = #x:parameters(), numel = x:num_parameters(), rank = fsdp.rank(),
+      world_size = fsdp.world_size()}, Report)
+    if r.wrapped then
+      r.strategy = R.opts.strategy
+      r.units = {}
+      for _, u in ipairs(unit_list(R)) do
+        r.units[#r.units + 1] = {path = u.path, state = u:state(), strategy = u:strategy(),
+          nparams = #u:params(), numel = u:numel(), padded_numel = u:padded_numel(),
+          shard_numel = u:shard_numel()}
+      end
+    end
+    return r
+  end
+  if base().is_tensor(x) then
+    local r = setmetatable({kind = "param", shape = x:shape(), numel = x:numel(),
+      rank = fsdp.rank(), world_size = fsdp.world_size()}, Report)
+    local u = core.param_unit and core.param_unit(x)
+    if u then
+      r.unit, r.strategy, r.state = u.path, u:strategy(), u:state()
+      local ps, pp = u:params(), u:paths()
+      for i = 1, #ps do if rawequal(ps[i], x) then r.path = pp[i] end end
+      for _, l in ipairs(u:layout()) do
+        if l.path == r.path then r.offset, r.slices = l.offset, l.slices end
+      end
+      local s = local_slice_of(u, x)
+      r.local_numel = s and (s.shard_last - s.shard_first + 1) or 0
+    end
+    return r
+  end
+  raise(("fsdp.inspect: expected a module or a parameter (got %s)"):format(type(x)))
+end
+
+-- ---- for optim.lua (not part of the fsdp table) ----------------------------------------------
+
+--- The root state when model is a wrapped root (nil otherwise).
+function W._root_state(model)
+  local R = state_of(model)
+  if R ~= nil and R.model == model then return R end
+  return nil
+end
+
+--- This rank's parameter slices of every unit, in construction order:
+--- array of {unit =, strategy =, path =, param =, shard_first =, shard_last =, param_first =}.
+function W._slices(model)
+  local R = W._root_state(model)
+  local out = {}
+  for _, U in ipairs(R.units) do
+    for _, s in ipairs(U.unit:local_slices()) do
+      out[#out + 1] = {unit = U.unit, strategy = U.strategy, path = s.path, param = s.param,
+        shard_first = s.shard_first, shard_last = s.shard_last, param_first = s.param_first}
+    end
+  end
+  return out
+end
+
+--- Zero every unit's gradient shard (Module:zero_grad and optimizers call it).
+function W._zero_grad(model)
+  local R = state_of(model)
+  if R == nil then return end
+  for _, U in ipairs(R.units) do U.unit:zero_grad() end
+end
+
+W._strategy_of = strategy_of
+W.ROOT_PATH = ROOT_PATH
+
+return W
