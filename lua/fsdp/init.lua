@@ -19,36 +19,25 @@ for _, name in ipairs { "tensor", "zeros", "ones", "full", "empty", "randn", "ra
 end
 
 -- ranks ------------------------------------------------------------------------------------
--- One process, one rank until the communicator lands (the FSDP-core issue replaces these).
-function fsdp.rank() return 0 end
-function fsdp.world_size() return 1 end
-function fsdp.backend() return "local" end
-
-local reduce_ops = { sum = true, mean = true, max = true, min = true }
-
---- Collective. Reduce a number or a tensor over every rank ("sum" | "mean" | "max" | "min").
-function fsdp.all_reduce(x, op)
-  op = op or "sum"
-  if not reduce_ops[op] then
-    error(("all_reduce: unknown op %q (sum, mean, max, min)"):format(tostring(op)), 2)
-  end
-  if type(x) ~= "number" and not core.is_tensor(x) then
-    error("all_reduce: expected a number or a tensor, got " .. type(x), 2)
-  end
-  return x
-end
-
---- Collective. Rank root's value on every rank.
-function fsdp.broadcast(x, root)
-  root = root or 0
-  if type(root) ~= "number" or root < 0 or root >= fsdp.world_size() or root % 1 ~= 0 then
-    error(("broadcast: root %s is not a rank in [0, %d)"):format(tostring(root), fsdp.world_size()), 2)
-  end
-  return x
-end
-
---- Collective. Returns when every rank has called it.
-function fsdp.barrier() end
+-- C-backed (src/lua/l_comm.c) on the calling thread's communicator: the rank's under
+-- `fsdprun -n N`, a world of one elsewhere. The collectives are called directly (no Lua
+-- wrapper) so that an error names the recipe line that made the call.
+fsdp.rank = core.rank             -- 0-based
+fsdp.world_size = core.world_size
+fsdp.backend = core.backend       -- "local" (threads of one process) | "mpi"
+--- Collective. Returns when every rank has called it. barrier(label?)
+fsdp.barrier = core.barrier
+--- Collective. all_reduce(x, op = "sum" | "mean" | "max" | "min", label?): a number gives the
+--- reduced number (exact, in double precision, the same bits on every rank); a contiguous
+--- tensor is reduced in place and returned.
+fsdp.all_reduce = core.all_reduce
+--- Collective. broadcast(x, root = 0, label?): rank root's number, or its tensor's values
+--- copied in place into x on every rank.
+fsdp.broadcast = core.broadcast
+--- This rank's traffic counters: {<op>_bytes =, <op>_calls = for all_gather, reduce_scatter,
+--- all_reduce, broadcast, barrier; calls = total; busy_s =, wait_s =}.
+fsdp.comm_stats = core.comm_stats
+fsdp.reset_comm_stats = core.reset_comm_stats
 
 -- seeds and autograd ------------------------------------------------------------------------
 local seed_epoch = 0

@@ -1,13 +1,34 @@
 /*
  * fsdprun.c — the `fsdprun` launcher: runs a Lua recipe (and -e chunks, and an interactive loop)
- * on the statically linked engine. Owner: cli.
+ * on the statically linked engine, on one rank or on N ranks that are threads of this process.
+ * Owner: launcher.
  *
- *   fsdprun [-n N] [-e CODE]... [-i] [--] recipe.lua [args...]
+ *   fsdprun [-n N] [--timeout=SECONDS] [-e CODE]... [-i] [--] recipe.lua [args...]
  *
- * Shaped like lua.c / luajit.c: the whole run happens inside one lua_cpcall; every chunk runs
- * under lua_pcall with a traceback message handler, so an error prints
+ * Shaped like lua.c / luajit.c: a rank's whole run happens inside one lua_cpcall; every chunk
+ * runs under lua_pcall with a traceback message handler, so an error prints
  * "fsdprun: <message>\n<traceback>" and the process exits 1. Usage errors exit 2, an interrupt
  * (SIGINT) exits 130.
+ *
+ * Ranks. Without -n there is one rank, run on the main thread, whose communicator is the
+ * world of one that fsdp_comm_current() makes on first use. With -n N (N >= 1) fsdprun makes
+ * one local group and N rank threads. Each thread has its own memory domain, its own
+ * communicator (set as the thread's current one) and its own lua_State set up exactly like the
+ * single rank's; all run the same -e chunks and recipe (SPMD). Threads share nothing in Lua;
+ * they meet only in collectives. A rank thread frees its communicator when its run ends, so a
+ * peer still waiting for it in a collective fails at once ("rank R left") instead of at the
+ * timeout. BLAS threads are set once, before the rank threads start, to
+ * max(1, cores / N) (FSDP_BLAS_THREADS overrides): OpenBLAS's count is process-wide.
+ *
+ * Failure is collective (DESIGN.md invariant 3). A rank whose chunk raises prints its report
+ * and only then aborts the communicator, so the root cause is on stderr before any peer wakes
+ * with "rank R failed: <message>". A report whose message is such a peer failure is one line;
+ * the root cause gets its traceback. The process exits after every rank thread has returned.
+ *
+ * Output. `print` is replaced in every rank's state by one that builds the whole line and
+ * writes it with one fwrite under g_out_mu, so lines of different ranks never interleave;
+ * error reports take the same lock (and flush stdout first, to keep the order on a shared
+ * pipe). io.write is Lua's own and unlocked.
  *
  * Library discovery never depends on the user's environment: package.path gets the first
  * existing of <exe dir>/../share/fsdprun/lua (installed tree) and FSDP_SOURCE_LUA_DIR (build
@@ -16,20 +37,22 @@
  * share tensors).
  *
  * SIGINT: like lua.c, the handler sets a Lua hook that raises "interrupted" at the next Lua
- * instruction. LuaJIT does not run hooks inside compiled traces (`while true do end` never
- * leaves its trace), so the handler also arms a grace timer: if the Lua code has not stopped
- * within FSDPRUN_INTERRUPT_GRACE_S seconds, the process prints "fsdprun: interrupted" and exits
- * 130 on its own. A second SIGINT kills at once (the handler resets itself to SIG_DFL).
+ * instruction, here in every rank's state that is running a chunk (g_running). LuaJIT does not
+ * run hooks inside compiled traces (`while true do end` never leaves its trace), and a rank may
+ * be blocked in C (a kernel, a collective), so the handler also arms a grace timer: if the run
+ * has not stopped within FSDPRUN_INTERRUPT_GRACE_S seconds, the process prints
+ * "fsdprun: interrupted" and exits 130 on its own. A second SIGINT kills at once.
  */
 #include <errno.h>
 #include <limits.h>
+#include <pthread.h>
 #include <signal.h>
-#include <time.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <lauxlib.h>
@@ -37,7 +60,10 @@
 #include <luajit.h>
 #include <lualib.h>
 
+#include "comm/comm.h"
+#include "core/core.h"
 #include "fsdp.h"
+#include "kernels/cpu/kernels.h"
 
 #ifndef FSDP_SOURCE_LUA_DIR
 #define FSDP_SOURCE_LUA_DIR ""
@@ -47,30 +73,101 @@
 #define EXIT_USAGE 2
 #define EXIT_INTERRUPTED 130
 #define FSDPRUN_INTERRUPT_GRACE_S 2
+#define FSDPRUN_MAX_RANKS 1024
+#define FSDPRUN_RANK_STACK (16u << 20) /* C stack of a rank thread: as much as a main thread */
 #define REPL_PROMPT "fsdp> "
 #define REPL_PROMPT2 ">> "
 
-/* What the command line asked for; argv indices refer to main's argv. */
+/* What the command line asked for; argv indices refer to main's argv. Read-only once the
+ * ranks run. */
 typedef struct fsdprun_opts {
   int argc;
   char **argv;
   int nranks;        /* -n; 1 when absent */
+  bool ranked;       /* -n given: rank threads over a local group (even for -n 1) */
+  double timeout;    /* --timeout; 0 when absent (the communicator's default) */
   bool interactive;  /* -i */
   int nexec;         /* number of -e chunks */
   const char **exec; /* (nexec) their code, in command-line order */
   int script;        /* argv index of the recipe; 0 when none */
-  int status;        /* process exit status, set by fsdprun_main */
-  char *line;        /* REPL line buffer (getline), freed by main */
-  size_t line_cap;
+  /* ranked runs: the recipe read once by main (stdin can be read only once), and its name */
+  char *source;
+  size_t source_len;
+  const char *chunkname;
 } fsdprun_opts;
+
+/* One rank: its thread, communicator and Lua state. */
+typedef struct rank_ctx {
+  const fsdprun_opts *o;
+  int rank, world;
+  fsdp_comm *comm; /* NULL: the thread's default (a world of one) */
+  lua_State *L;
+  int status;      /* this rank's exit status */
+  char *line;      /* REPL line buffer (getline) */
+  size_t line_cap;
+  pthread_t thread;
+} rank_ctx;
+
+/* ---- output ------------------------------------------------------------------------------ */
+
+static pthread_mutex_t g_out_mu = PTHREAD_MUTEX_INITIALIZER;
+
+/* print, as Lua's (tostring of each argument, tab-separated, newline), written as one line
+ * under g_out_mu. */
+static int rank_print(lua_State *L) {
+  int n = lua_gettop(L);
+  luaL_Buffer b;
+  luaL_buffinit(L, &b);
+  for (int i = 1; i <= n; i++) {
+    if (i > 1) luaL_addchar(&b, '\t');
+    lua_getglobal(L, "tostring");
+    lua_pushvalue(L, i);
+    lua_call(L, 1, 1);
+    if (lua_type(L, -1) != LUA_TSTRING && lua_type(L, -1) != LUA_TNUMBER)
+      return luaL_error(L, LUA_QL("tostring") " must return a string to " LUA_QL("print"));
+    luaL_addvalue(&b);
+  }
+  luaL_addchar(&b, '\n');
+  luaL_pushresult(&b);
+  size_t len;
+  const char *s = lua_tolstring(L, -1, &len);
+  pthread_mutex_lock(&g_out_mu);
+  fwrite(s, 1, len, stdout);
+  pthread_mutex_unlock(&g_out_mu);
+  return 0;
+}
+
+/* Write text (a whole report) to stderr under g_out_mu, stdout flushed first. */
+static void write_err(const char *text) {
+  pthread_mutex_lock(&g_out_mu);
+  fflush(stdout); /* keep stdout and stderr in order when both go to one pipe */
+  fputs(text, stderr);
+  fflush(stderr);
+  pthread_mutex_unlock(&g_out_mu);
+}
 
 /* ---- signals --------------------------------------------------------------------------- */
 
-static lua_State *volatile g_running_L; /* the state whose chunk a SIGINT should stop */
+/* g_running[r]: the state whose chunk a SIGINT should stop on rank r, or NULL. Each rank writes
+ * only its own slot; the handler reads them all. */
+static lua_State *volatile *g_running;
+static int g_nslots;
+static int g_nrunning; /* ranks inside docall; under g_sig_mu */
+static pthread_mutex_t g_sig_mu = PTHREAD_MUTEX_INITIALIZER;
 static volatile sig_atomic_t g_interrupted;
+static bool g_rearm_interrupt; /* one rank: each run may be interrupted once (the REPL) */
+
+static int traceback_handler(lua_State *L);
 
 static void interrupt_hook(lua_State *L, lua_Debug *ar) {
-  (void)ar;
+  /* Not inside the message handler: a rank blocked in a collective when ^C came fails with its
+   * peer's error, and raising again while that error is being handled would replace it with
+   * "error in error handling". The hook stays armed for the next chunk. */
+  if (lua_getinfo(L, "f", ar)) {
+    bool in_handler = lua_tocfunction(L, -1) == traceback_handler;
+    lua_pop(L, 1);
+    if (in_handler) return;
+  }
   lua_sethook(L, NULL, 0, 0);
   luaL_error(L, "interrupted");
 }
@@ -89,6 +186,13 @@ static double monotonic_s(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+static void set_interrupt_hook(lua_State *L) {
+  /* lua_sethook is safe to call from a signal handler (lua.c and luajit.c rely on it); from
+   * another thread it only swaps the hook fields and the dispatch table's entries, which the
+   * running thread reads as either the old or the new value. */
+  lua_sethook(L, interrupt_hook, LUA_MASKCALL | LUA_MASKRET | LUA_MASKCOUNT, 1);
+}
+
 static void on_sigint(int sig) {
   (void)sig;
   static volatile double first_at;
@@ -101,14 +205,40 @@ static void on_sigint(int sig) {
   }
   g_interrupted = 1;
   first_at = now;
-  if (g_running_L != NULL) {
-    /* lua_sethook is safe to call from a signal handler (lua.c and luajit.c rely on it). */
-    lua_sethook(g_running_L, interrupt_hook, LUA_MASKCALL | LUA_MASKRET | LUA_MASKCOUNT, 1);
-    signal(SIGALRM, on_sigalrm);
-    alarm(FSDPRUN_INTERRUPT_GRACE_S);
-  } else {
-    _exit(EXIT_INTERRUPTED);
+  bool any = false;
+  for (int r = 0; r < g_nslots; r++) {
+    lua_State *L = g_running[r];
+    if (L != NULL) {
+      set_interrupt_hook(L);
+      any = true;
+    }
   }
+  if (!any) _exit(EXIT_INTERRUPTED);
+  signal(SIGALRM, on_sigalrm);
+  alarm(FSDPRUN_INTERRUPT_GRACE_S);
+}
+
+/* A rank enters / leaves a chunk. The SIGINT handler is installed while any rank runs one. */
+static void running_enter(rank_ctx *rc, lua_State *L) {
+  pthread_mutex_lock(&g_sig_mu);
+  if (g_nrunning++ == 0) {
+    if (g_rearm_interrupt) g_interrupted = 0;
+    signal(SIGINT, on_sigint);
+  }
+  g_running[rc->rank] = L;
+  /* a ^C that came while this rank was between chunks stops this chunk too */
+  if (g_interrupted) set_interrupt_hook(L);
+  pthread_mutex_unlock(&g_sig_mu);
+}
+
+static void running_leave(rank_ctx *rc) {
+  pthread_mutex_lock(&g_sig_mu);
+  g_running[rc->rank] = NULL;
+  if (--g_nrunning == 0) {
+    signal(SIGINT, SIG_DFL);
+    alarm(0);
+  }
+  pthread_mutex_unlock(&g_sig_mu);
 }
 
 /* ---- running chunks -------------------------------------------------------------------- */
@@ -129,66 +259,148 @@ static int traceback_handler(lua_State *L) {
 
 /* Call the function below narg arguments on the stack under the traceback handler, with SIGINT
  * turned into a Lua error while it runs. Returns the lua_pcall status. */
-static int docall(lua_State *L, int narg, int nres) {
+static int docall(rank_ctx *rc, int narg, int nres) {
+  lua_State *L = rc->L;
   int base = lua_gettop(L) - narg;
   lua_pushcfunction(L, traceback_handler);
   lua_insert(L, base);
-  g_interrupted = 0; /* each run may be interrupted once before a second ^C kills */
-  g_running_L = L;
-  signal(SIGINT, on_sigint);
+  running_enter(rc, L);
   int status = lua_pcall(L, narg, nres, base);
-  signal(SIGINT, SIG_DFL);
-  alarm(0);
-  g_running_L = NULL;
+  running_leave(rc);
   lua_remove(L, base);
   return status;
 }
 
-/* Print the error message on top of the stack (if status is an error) and pop it. */
-static int report(lua_State *L, int status) {
+/* Whether msg reports another rank's failure ("rank R failed: ..." with R not this rank): the
+ * communicator's wording when a peer aborted or timed out. */
+static bool is_peer_failure(const char *msg, int rank) {
+  for (const char *p = strstr(msg, "rank "); p != NULL; p = strstr(p + 1, "rank ")) {
+    char *end;
+    long r = strtol(p + 5, &end, 10);
+    if (end != p + 5 && strncmp(end, " failed: ", 9) == 0 && r != rank) return true;
+  }
+  return false;
+}
+
+/* The first root-cause report of a multi-rank run (message without traceback), so that ranks
+ * failing with the very same error (a typo every rank runs into) say so in one line. */
+static char g_first_msg[512];
+static int g_first_rank = -1;
+
+/* Length of msg without its traceback. */
+static size_t message_len(const char *msg) {
+  const char *tb = strstr(msg, "\nstack traceback:");
+  return tb != NULL ? (size_t)(tb - msg) : strlen(msg);
+}
+
+/* Print the error message on top of the stack (if status is an error) and pop it. With several
+ * ranks the report is prefixed "[rank R] "; a peer's failure, or the same error a rank already
+ * reported in full, is cut to its first line. */
+static int report(rank_ctx *rc, int status) {
+  if (status == 0) return status;
+  lua_State *L = rc->L;
+  const char *msg = lua_tostring(L, -1);
+  if (msg == NULL) msg = "(error object is not a string)";
+  if (rc->world > 1) {
+    size_t len = strlen(msg), head = strcspn(msg, "\n");
+    int same_as = -1;
+    if (is_peer_failure(msg, rc->rank)) {
+      len = head;
+    } else {
+      size_t mlen = message_len(msg);
+      pthread_mutex_lock(&g_out_mu);
+      if (g_first_rank < 0) {
+        g_first_rank = rc->rank;
+        snprintf(g_first_msg, sizeof g_first_msg, "%.*s", (int)mlen, msg);
+      } else if (mlen < sizeof g_first_msg && strlen(g_first_msg) == mlen &&
+                 strncmp(g_first_msg, msg, mlen) == 0) {
+        same_as = g_first_rank;
+      }
+      pthread_mutex_unlock(&g_out_mu);
+    }
+    lua_pushfstring(L, PROGNAME ": [rank %d] ", rc->rank);
+    if (same_as >= 0) {
+      lua_pushlstring(L, msg, head);
+      lua_pushfstring(L, " (the same error as rank %d)\n", same_as);
+    } else {
+      lua_pushlstring(L, msg, len);
+      lua_pushliteral(L, "\n");
+    }
+    lua_concat(L, 3);
+  } else {
+    lua_pushfstring(L, PROGNAME ": %s\n", msg);
+  }
+  write_err(lua_tostring(L, -1));
+  lua_pop(L, 2);
+  return status;
+}
+
+/* A chunk failed and this rank's run ends: poison the group so peers fail fast with
+ * "rank R failed: <message>" (the message without the traceback). Called after report(), so
+ * the root cause is printed before any peer wakes. */
+static void fail_rank(rank_ctx *rc, const char *full_msg) {
+  rc->status = g_interrupted ? EXIT_INTERRUPTED : EXIT_FAILURE;
+  if (rc->comm == NULL) return;
+  size_t len = message_len(full_msg);
+  char msg[1024];
+  snprintf(msg, sizeof msg, "%.*s", (int)(len < sizeof msg ? len : sizeof msg - 1), full_msg);
+  fsdp_comm_abort(rc->comm, msg);
+}
+
+/* Run a chunk whose load status is given (the function, or the load error, on top) with narg
+ * arguments above it; on failure report it and end the rank. Returns the status. */
+static int run_chunk(rank_ctx *rc, int status, int narg) {
+  lua_State *L = rc->L;
+  if (status == 0) status = docall(rc, narg, 0);
   if (status != 0) {
-    const char *msg = lua_tostring(L, -1);
-    if (msg == NULL) msg = "(error object is not a string)";
-    fflush(stdout); /* keep stdout and stderr in order when both go to one pipe */
-    fprintf(stderr, PROGNAME ": %s\n", msg);
-    fflush(stderr);
+    const char *m = lua_tostring(L, -1);
+    lua_pushstring(L, m != NULL ? m : "(error object is not a string)");
+    lua_insert(L, -2);
+    report(rc, status);
+    fail_rank(rc, lua_tostring(L, -1));
     lua_pop(L, 1);
   }
   return status;
 }
 
-static int dostring(lua_State *L, const char *code, const char *chunkname) {
-  int status = luaL_loadbuffer(L, code, strlen(code), chunkname);
-  if (status == 0) status = docall(L, 0, 0);
-  return report(L, status);
+static int dostring(rank_ctx *rc, const char *code, const char *chunkname) {
+  int status = luaL_loadbuffer(rc->L, code, strlen(code), chunkname);
+  return run_chunk(rc, status, 0);
 }
 
-/* Load and run the recipe at argv[o->script] with argv[script+1..] as its varargs. */
-static int dorecipe(lua_State *L, const fsdprun_opts *o) {
-  const char *fname = o->argv[o->script];
-  if (strcmp(fname, "-") == 0) fname = NULL; /* stdin */
-  int status = luaL_loadfile(L, fname);
+/* Load and run the recipe with argv[script+1..] as its varargs. */
+static int dorecipe(rank_ctx *rc) {
+  lua_State *L = rc->L;
+  const fsdprun_opts *o = rc->o;
+  int status;
+  if (o->source != NULL) {
+    status = luaL_loadbuffer(L, o->source, o->source_len, o->chunkname);
+  } else {
+    const char *fname = o->argv[o->script];
+    if (strcmp(fname, "-") == 0) fname = NULL; /* stdin */
+    status = luaL_loadfile(L, fname);
+  }
+  int narg = 0;
   if (status == 0) {
-    int narg = o->argc - o->script - 1;
+    narg = o->argc - o->script - 1;
     luaL_checkstack(L, narg + 3, "too many arguments to the recipe");
     for (int i = o->script + 1; i < o->argc; i++) lua_pushstring(L, o->argv[i]);
-    status = docall(L, narg, 0);
   }
-  return report(L, status);
+  return run_chunk(rc, status, narg);
 }
 
 /* ---- the interactive loop (grows into the SPMD REPL with libedit later) ------------------ */
 
-/* Read one line into o->line without its newline, showing `prompt` when stdin is a terminal.
+/* Read one line into rc->line without its newline, showing `prompt` when stdin is a terminal.
  * Returns false at end of input. */
-static bool repl_readline(fsdprun_opts *o, const char *prompt, bool tty) {
+static bool repl_readline(rank_ctx *rc, const char *prompt, bool tty) {
   if (tty) {
     fputs(prompt, stdout);
     fflush(stdout);
   }
-  ssize_t n = getline(&o->line, &o->line_cap, stdin);
+  ssize_t n = getline(&rc->line, &rc->line_cap, stdin);
   if (n < 0) return false;
-  while (n > 0 && (o->line[n - 1] == '\n' || o->line[n - 1] == '\r')) o->line[--n] = '\0';
+  while (n > 0 && (rc->line[n - 1] == '\n' || rc->line[n - 1] == '\r')) rc->line[--n] = '\0';
   return true;
 }
 
@@ -211,10 +423,11 @@ static bool repl_is_quit(const char *line) {
 
 /* Read and compile one input (a line, or several for an unfinished statement). Returns 0 with
  * the function pushed, an error status with the message pushed, or -1 at EOF / :quit. */
-static int repl_load(lua_State *L, fsdprun_opts *o, bool tty) {
-  if (!repl_readline(o, REPL_PROMPT, tty)) return -1;
-  if (repl_is_quit(o->line)) return -1;
-  const char *line = o->line;
+static int repl_load(rank_ctx *rc, bool tty) {
+  lua_State *L = rc->L;
+  if (!repl_readline(rc, REPL_PROMPT, tty)) return -1;
+  if (repl_is_quit(rc->line)) return -1;
+  const char *line = rc->line;
   if (line[0] == '=') line++; /* Lua 5.1's "=expr" */
   /* First as an expression, so `1 + 1` prints 2. The values pass through an identity function
    * instead of `return <line>` so that a call in the line is not a tail call: `error("x")`
@@ -228,19 +441,19 @@ static int repl_load(lua_State *L, fsdprun_opts *o, bool tty) {
   if (status == 0) return 0;
   lua_pop(L, 1);
   /* Then as statements, reading continuation lines while the chunk is unfinished. */
-  lua_pushstring(L, o->line);
+  lua_pushstring(L, rc->line);
   for (;;) {
     code = lua_tolstring(L, -1, &len);
     status = luaL_loadbuffer(L, code, len, "=stdin");
     if (!repl_incomplete(L, status)) break;
     lua_pop(L, 1);
-    if (!repl_readline(o, REPL_PROMPT2, tty)) {
+    if (!repl_readline(rc, REPL_PROMPT2, tty)) {
       /* End of input inside a statement: report the syntax error as it stands. */
       status = luaL_loadbuffer(L, code, len, "=stdin");
       break;
     }
     lua_pushliteral(L, "\n");
-    lua_pushstring(L, o->line);
+    lua_pushstring(L, rc->line);
     lua_concat(L, 3);
   }
   lua_remove(L, -2); /* the source text */
@@ -254,24 +467,25 @@ static void repl_print(lua_State *L, int base) {
   lua_getglobal(L, "print");
   lua_insert(L, base + 1);
   if (lua_pcall(L, n, 0, 0) != 0) {
-    fflush(stdout);
-    fprintf(stderr, PROGNAME ": error calling 'print' (%s)\n", lua_tostring(L, -1));
-    lua_pop(L, 1);
+    lua_pushfstring(L, PROGNAME ": error calling 'print' (%s)\n", lua_tostring(L, -1));
+    write_err(lua_tostring(L, -1));
+    lua_pop(L, 2);
   }
   fflush(stdout);
 }
 
-static void repl_run(lua_State *L, fsdprun_opts *o) {
+static void repl_run(rank_ctx *rc) {
+  lua_State *L = rc->L;
   bool tty = isatty(STDIN_FILENO);
   int base = lua_gettop(L);
   for (;;) {
-    int status = repl_load(L, o, tty);
+    int status = repl_load(rc, tty);
     if (status == -1) break;
-    if (status == 0) status = docall(L, 0, LUA_MULTRET);
+    if (status == 0) status = docall(rc, 0, LUA_MULTRET);
     if (status == 0)
       repl_print(L, base);
     else
-      report(L, status);
+      report(rc, status);
     lua_settop(L, base);
   }
   if (tty) fputc('\n', stdout);
@@ -339,27 +553,226 @@ static void setup_arg(lua_State *L, const fsdprun_opts *o) {
   lua_setglobal(L, "arg");
 }
 
+/* A rank's run, inside lua_cpcall: set the state up, run the -e chunks, the recipe and the
+ * loop. rc->status says how it ended. */
 static int fsdprun_main(lua_State *L) {
-  fsdprun_opts *o = (fsdprun_opts *)lua_touserdata(L, 1);
+  rank_ctx *rc = (rank_ctx *)lua_touserdata(L, 1);
+  const fsdprun_opts *o = rc->o;
   lua_settop(L, 0);
   lua_gc(L, LUA_GCSTOP, 0);
   luaL_openlibs(L);
   lua_gc(L, LUA_GCRESTART, -1);
+  lua_register(L, "print", rank_print);
   setup_package(L);
   setup_arg(L, o);
-  for (int i = 0; i < o->nexec; i++) {
-    if (dostring(L, o->exec[i], "=(command line)") != 0) {
-      o->status = g_interrupted ? EXIT_INTERRUPTED : EXIT_FAILURE;
-      return 0;
+  for (int i = 0; i < o->nexec; i++)
+    if (dostring(rc, o->exec[i], "=(command line)") != 0) return 0;
+  if (o->script > 0 && dorecipe(rc) != 0) return 0;
+  if (o->interactive) repl_run(rc);
+  rc->status = EXIT_SUCCESS;
+  return 0;
+}
+
+/* Create the rank's state and run it; errors outside any chunk (out of memory in set-up) are
+ * reported and fail the rank like a chunk error. */
+static void run_rank(rank_ctx *rc) {
+  rc->status = EXIT_FAILURE;
+  rc->L = luaL_newstate();
+  if (rc->L == NULL) {
+    static const char msg[] = "cannot create the Lua state: not enough memory";
+    char line[128];
+    snprintf(line, sizeof line, PROGNAME ": %s\n", msg);
+    write_err(line);
+    if (rc->comm != NULL) fsdp_comm_abort(rc->comm, msg);
+    return;
+  }
+  int status = lua_cpcall(rc->L, fsdprun_main, rc);
+  if (status != 0) {
+    const char *m = lua_tostring(rc->L, -1);
+    lua_pushstring(rc->L, m != NULL ? m : "(error object is not a string)");
+    lua_insert(rc->L, -2);
+    report(rc, status);
+    fail_rank(rc, lua_tostring(rc->L, -1));
+    rc->status = EXIT_FAILURE;
+  }
+  lua_close(rc->L);
+  rc->L = NULL;
+}
+
+/* A rank thread: its memory domain and communicator are this thread's current ones. */
+static void *rank_thread(void *arg) {
+  rank_ctx *rc = arg;
+  fsdp_mem_domain *dom = fsdp_mem_domain_new();
+  if (dom == NULL) {
+    write_err(PROGNAME ": cannot create a memory domain: not enough memory\n");
+    fsdp_comm_abort(rc->comm, "cannot create a memory domain: not enough memory");
+    fsdp_comm_free(rc->comm);
+    rc->comm = NULL;
+    rc->status = EXIT_FAILURE;
+    return NULL;
+  }
+  fsdp_mem_domain_set(dom);
+  fsdp_comm_set_current(rc->comm);
+  run_rank(rc);
+  /* After lua_close, so that whatever the state's objects still had queued is waited for by
+   * their own finalizers first. From here this rank has left the group: a peer waiting for it
+   * in a collective fails at once ("rank R left") rather than at the timeout. */
+  fsdp_comm_free(rc->comm);
+  rc->comm = NULL;
+  fsdp_mem_domain_free(dom); /* freed once its last storage goes */
+  return NULL;
+}
+
+/* ---- several ranks ------------------------------------------------------------------------- */
+
+/* Read the recipe once (a file, or stdin for "-") into o->source, and check that it compiles,
+ * so a missing file or a syntax error is reported once rather than by every rank. Returns 0,
+ * or 1 after reporting. */
+static int load_recipe_once(fsdprun_opts *o) {
+  const char *fname = o->argv[o->script];
+  bool from_stdin = strcmp(fname, "-") == 0;
+  FILE *f = from_stdin ? stdin : fopen(fname, "rb");
+  if (f == NULL) {
+    fprintf(stderr, PROGNAME ": cannot open %s: %s\n", fname, strerror(errno));
+    return 1;
+  }
+  size_t cap = 1 << 16, len = 0;
+  char *buf = malloc(cap);
+  while (buf != NULL) {
+    size_t n = fread(buf + len, 1, cap - len, f);
+    len += n;
+    if (len < cap) break;
+    char *bigger = realloc(buf, cap * 2);
+    if (bigger == NULL) {
+      free(buf);
+      buf = NULL;
+      break;
+    }
+    buf = bigger;
+    cap *= 2;
+  }
+  bool read_failed = buf == NULL || ferror(f);
+  if (!from_stdin) fclose(f);
+  if (read_failed) {
+    fprintf(stderr, PROGNAME ": cannot read %s: %s\n", from_stdin ? "stdin" : fname,
+            buf == NULL ? "not enough memory" : strerror(errno));
+    free(buf);
+    return 1;
+  }
+  o->source = buf;
+  o->source_len = len;
+  if (from_stdin) {
+    o->chunkname = "=stdin";
+  } else {
+    size_t n = strlen(fname) + 2;
+    char *name = malloc(n);
+    if (name == NULL) {
+      fprintf(stderr, PROGNAME ": out of memory\n");
+      return 1;
+    }
+    snprintf(name, n, "@%s", fname);
+    o->chunkname = name;
+  }
+  lua_State *L = luaL_newstate();
+  if (L == NULL) {
+    fprintf(stderr, PROGNAME ": cannot create the Lua state: not enough memory\n");
+    return 1;
+  }
+  int status = luaL_loadbuffer(L, o->source, o->source_len, o->chunkname);
+  if (status != 0) fprintf(stderr, PROGNAME ": %s\n", lua_tostring(L, -1));
+  lua_close(L);
+  return status != 0 ? 1 : 0;
+}
+
+static bool parse_positive_int(const char *s, int *out);
+
+/* BLAS threads for N ranks: FSDP_BLAS_THREADS, else max(1, cores / N). Returns 0, or
+ * EXIT_USAGE after reporting a malformed FSDP_BLAS_THREADS. Without -n only the variable is
+ * applied (OpenBLAS keeps its own default otherwise, as before). */
+static int setup_blas_threads(const fsdprun_opts *o) {
+  const char *env = getenv("FSDP_BLAS_THREADS");
+  int n = 0;
+  if (env != NULL && env[0] != '\0') {
+    if (!parse_positive_int(env, &n)) {
+      fprintf(stderr, PROGNAME ": FSDP_BLAS_THREADS='%s' must be a positive integer\n", env);
+      return EXIT_USAGE;
+    }
+  } else if (o->ranked) {
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    if (cores < 1) cores = 1;
+    n = (int)(cores / o->nranks);
+    if (n < 1) n = 1;
+  }
+  if (n > 0) fsdp_cpu_set_blas_threads(n);
+  return 0;
+}
+
+/* Run N rank threads over one local group and wait for all of them. Returns the exit
+ * status: 0 when every rank succeeded, 130 when interrupted, else 1. */
+static int run_ranks(fsdprun_opts *o) {
+  int world = o->nranks;
+  if (o->script > 0 && load_recipe_once(o) != 0) return EXIT_FAILURE;
+  rank_ctx *ranks = calloc((size_t)world, sizeof *ranks);
+  g_running = calloc((size_t)world, sizeof *g_running);
+  fsdp_local_group *group = NULL;
+  if (ranks == NULL || g_running == NULL || fsdp_local_group_new(&group, world) != FSDP_OK) {
+    fprintf(stderr, PROGNAME ": cannot start %d ranks: %s\n", world,
+            ranks == NULL || g_running == NULL ? "out of memory" : fsdp_error_msg());
+    free(ranks);
+    free((void *)g_running);
+    return EXIT_FAILURE;
+  }
+  g_nslots = world;
+  g_rearm_interrupt = world == 1; /* -n 1 -i: each evaluation may be interrupted once */
+  int status = EXIT_SUCCESS, made = 0;
+  for (; made < world; made++) {
+    rank_ctx *rc = &ranks[made];
+    *rc = (rank_ctx){.o = o, .rank = made, .world = world};
+    if (fsdp_comm_local_new(&rc->comm, group, made) != FSDP_OK) {
+      fprintf(stderr, PROGNAME ": cannot create the communicator of rank %d: %s\n", made,
+              fsdp_error_msg());
+      status = EXIT_FAILURE;
+      break;
+    }
+    if (o->timeout > 0) fsdp_comm_set_timeout(rc->comm, o->timeout);
+  }
+  fsdp_local_group_release(group); /* the communicators keep it */
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setstacksize(&attr, FSDPRUN_RANK_STACK);
+  int started = 0;
+  if (status == EXIT_SUCCESS) {
+    for (; started < world; started++) {
+      int err = pthread_create(&ranks[started].thread, &attr, rank_thread, &ranks[started]);
+      if (err != 0) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "cannot start the thread of rank %d: %s", started,
+                 strerror(err));
+        write_err(PROGNAME ": ");
+        write_err(msg);
+        write_err("\n");
+        /* the ranks already running would wait for this one in their first collective */
+        fsdp_comm_abort(ranks[started].comm, msg);
+        status = EXIT_FAILURE;
+        break;
+      }
     }
   }
-  if (o->script > 0 && dorecipe(L, o) != 0) {
-    o->status = g_interrupted ? EXIT_INTERRUPTED : EXIT_FAILURE;
-    return 0;
+  pthread_attr_destroy(&attr);
+  bool interrupted = false;
+  for (int r = 0; r < started; r++) {
+    pthread_join(ranks[r].thread, NULL);
+    if (ranks[r].status == EXIT_INTERRUPTED) interrupted = true;
+    if (ranks[r].status != EXIT_SUCCESS && status == EXIT_SUCCESS) status = EXIT_FAILURE;
   }
-  if (o->interactive) repl_run(L, o);
-  o->status = EXIT_SUCCESS;
-  return 0;
+  if (interrupted) status = EXIT_INTERRUPTED;
+  for (int r = started; r < made; r++) fsdp_comm_free(ranks[r].comm); /* never started */
+  for (int r = 0; r < world; r++) free(ranks[r].line);
+  free(ranks);
+  g_nslots = 0;
+  free((void *)g_running);
+  g_running = NULL;
+  return status;
 }
 
 /* ---- command line ---------------------------------------------------------------------- */
@@ -370,9 +783,11 @@ static void print_usage(FILE *f) {
           "Run a Lua training recipe on the fsdprun engine.\n"
           "\n"
           "options:\n"
-          "  -n N        number of ranks (default 1)\n"
+          "  -n N        run N ranks, threads of this process (local backend; default 1)\n"
+          "  --timeout=SECONDS\n"
+          "              how long a collective waits for the other ranks (default 60)\n"
           "  -e CODE     run the Lua CODE before the recipe (may be repeated)\n"
-          "  -i          enter the interactive loop after the recipe (or alone)\n"
+          "  -i          enter the interactive loop after the recipe (or alone; one rank)\n"
           "  --          stop reading options\n"
           "  -h, --help  show this help and exit\n"
           "  -v, --version\n"
@@ -380,7 +795,8 @@ static void print_usage(FILE *f) {
           "\n"
           "A recipe named '-' is read from standard input. Recipe arguments are in the global\n"
           "`arg` (arg[0] is the recipe) and, parsed (--key=value, --flag), in fsdp.args.\n"
-          "Exit status: 0 success, 1 Lua error, 2 usage error, 130 interrupted.\n");
+          "Every rank runs the same recipe; errors are reported as '[rank R] ...'.\n"
+          "Exit status: 0 success, 1 Lua error (on any rank), 2 usage error, 130 interrupted.\n");
 }
 
 static int usage_error(const char *fmt, const char *a, const char *b) {
@@ -397,6 +813,16 @@ static bool parse_positive_int(const char *s, int *out) {
   long v = strtol(s, &end, 10);
   if (errno != 0 || *end != '\0' || v <= 0 || v > INT_MAX) return false;
   *out = (int)v;
+  return true;
+}
+
+static bool parse_seconds(const char *s, double *out) {
+  if ((s[0] < '0' || s[0] > '9') && s[0] != '.') return false;
+  errno = 0;
+  char *end;
+  double v = strtod(s, &end);
+  if (errno != 0 || *end != '\0' || !(v > 0) || v > 1e9) return false;
+  *out = v;
   return true;
 }
 
@@ -426,6 +852,14 @@ static int parse_args(fsdprun_opts *o) {
       o->interactive = true;
       continue;
     }
+    if (strncmp(a, "--timeout", 9) == 0 && (a[9] == '=' || a[9] == '\0')) {
+      const char *val = a[9] == '=' ? a + 10 : (i + 1 < argc ? argv[++i] : NULL);
+      if (val == NULL) return usage_error("--timeout needs a number of seconds%s%s", "", "");
+      if (!parse_seconds(val, &o->timeout))
+        return usage_error("--timeout '%s': the timeout must be a positive number of seconds%s",
+                           val, "");
+      continue;
+    }
     if (a[1] == 'n' || a[1] == 'e') {
       const char *val = a[2] != '\0' ? a + 2 : (i + 1 < argc ? argv[++i] : NULL);
       if (a[1] == 'n') {
@@ -433,6 +867,10 @@ static int parse_args(fsdprun_opts *o) {
         if (!parse_positive_int(val, &o->nranks))
           return usage_error("-n '%s': the number of ranks must be a positive integer%s", val,
                              "");
+        if (o->nranks > FSDPRUN_MAX_RANKS)
+          return usage_error("-n '%s': at most %s ranks run as threads of one process", val,
+                             "1024");
+        o->ranked = true;
       } else {
         if (val == NULL) return usage_error("-e needs Lua code as its argument%s%s", "", "");
         o->exec[o->nexec++] = val;
@@ -441,12 +879,11 @@ static int parse_args(fsdprun_opts *o) {
     }
     return usage_error("unknown option '%s'%s", a, "");
   }
-  if (o->nranks > 1) {
-    fprintf(stderr,
-            PROGNAME ": -n %d: multi-rank runs need the local communicator, which is not built "
-                     "yet\n",
-            o->nranks);
-    return EXIT_USAGE;
+  if (o->interactive && o->nranks > 1) {
+    char n[16];
+    snprintf(n, sizeof n, "%d", o->nranks);
+    return usage_error("-i with -n %s: the interactive loop runs on one rank only for now%s", n,
+                       "");
   }
   if (o->script == 0 && o->nexec == 0 && !o->interactive)
     return usage_error("no recipe given%s%s", "", "");
@@ -461,22 +898,35 @@ int main(int argc, char **argv) {
     return EXIT_FAILURE;
   }
   int rc = parse_args(&o);
+  if (rc < 0 && setup_blas_threads(&o) != 0) rc = EXIT_USAGE;
   if (rc >= 0) {
     free(o.exec);
     return rc;
   }
-  lua_State *L = luaL_newstate();
-  if (L == NULL) {
-    fprintf(stderr, PROGNAME ": cannot create the Lua state: not enough memory\n");
-    free(o.exec);
-    return EXIT_FAILURE;
+  if (o.timeout > 0) {
+    /* for communicators made later without fsdprun's help (the world of one reads it too) */
+    char val[32];
+    snprintf(val, sizeof val, "%g", o.timeout);
+    setenv("FSDP_TIMEOUT", val, 1);
   }
-  o.status = EXIT_FAILURE;
-  int status = lua_cpcall(L, fsdprun_main, &o);
-  report(L, status); /* only errors outside docall (e.g. out of memory in set-up) */
-  lua_close(L);
+  int status;
+  if (o.ranked) {
+    status = run_ranks(&o);
+  } else {
+    /* one rank on the main thread, in the process memory domain, with the world of one */
+    static lua_State *volatile slot[1];
+    g_running = slot;
+    g_nslots = 1;
+    g_rearm_interrupt = true;
+    rank_ctx rank0 = {.o = &o, .rank = 0, .world = 1};
+    run_rank(&rank0);
+    status = rank0.status;
+    free(rank0.line);
+  }
   fflush(stdout);
-  free(o.line);
+  free(o.source);
+  if (o.source != NULL && o.chunkname != NULL && o.chunkname[0] == '@')
+    free((void *)o.chunkname);
   free(o.exec);
-  return status != 0 ? EXIT_FAILURE : o.status;
+  return status;
 }
