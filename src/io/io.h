@@ -1,0 +1,196 @@
+/*
+ * io.h — the file-format layer of the engine: atomic files, the safetensors format (streaming
+ * writer, validating reader with per-tensor checksums) and a JSON helper for checkpoint
+ * indexes. Owner: io. This layer knows nothing of FSDP, units or ranks: it moves bytes between
+ * buffers and files. It calls src/core only (errors); the fsdp layer builds collective,
+ * sharded saving and loading on top of it. The format is specified in docs/checkpoints.md.
+ *
+ * Errors: fallible functions return FSDP_OK / FSDP_ERR and leave a message in the calling
+ * thread's error slot that names the file (and the tensor, where there is one), e.g.
+ *   "/ckpt/model.safetensors: tensor 'h.0.attn.w': checksum mismatch (stored 1f.., computed ..)".
+ * Nothing here exits, aborts on user input or touches Lua.
+ *
+ * Threads: every object is used by one thread at a time, except a reader, whose read and
+ * verify calls may run concurrently from several threads (ranks sharing one file): they use
+ * pread and keep no state between calls. The fault injector is per thread (one rank).
+ */
+#ifndef FSDP_IO_H
+#define FSDP_IO_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/core.h"
+
+typedef struct cJSON cJSON;
+
+/* ---- atomic files (atomic.c) ------------------------------------------------------------ */
+
+/* A file that appears under its final name whole or not at all. open creates
+ * "<dir>/.<name>.tmp.<pid>.<tid>" in the folder of `path` (so the rename cannot cross file
+ * systems); commit flushes, fsyncs, renames it over `path` and fsyncs the folder; abort (or a
+ * failed commit) removes it. Until commit, an existing file at `path` is never touched.
+ * A write that fails leaves the handle failed: later writes and commit return an error and the
+ * caller aborts. One writer per path per thread at a time: a leftover temporary of the same
+ * name (a crashed process whose pid and tid this one reuses) is replaced. Writes are buffered
+ * (1 MiB); writes larger than the buffer go straight to the file. */
+typedef struct fsdp_io_atomic fsdp_io_atomic;
+
+int fsdp_io_atomic_open(fsdp_io_atomic **out, const char *path);
+/* Append `bytes` bytes. */
+int fsdp_io_atomic_write(fsdp_io_atomic *f, const void *data, size_t bytes);
+/* Overwrite bytes already written, [offset, offset + bytes) within the current size (for
+ * fields patched after the fact, such as checksums in a header). */
+int fsdp_io_atomic_pwrite(fsdp_io_atomic *f, const void *data, size_t bytes, uint64_t offset);
+uint64_t fsdp_io_atomic_size(const fsdp_io_atomic *f); /* bytes written so far */
+const char *fsdp_io_atomic_path(const fsdp_io_atomic *f);      /* the final path */
+const char *fsdp_io_atomic_temp_path(const fsdp_io_atomic *f); /* the temporary's path */
+/* Make the file durable under its final name. Frees f whether it succeeds or not; on error the
+ * temporary is removed and an existing file at the final path is left as it was (unless only
+ * the final fsync of the folder failed: the message says so). */
+int fsdp_io_atomic_commit(fsdp_io_atomic *f);
+/* Remove the temporary and free f. NULL is a no-op. */
+void fsdp_io_atomic_abort(fsdp_io_atomic *f);
+
+/* Fault injection for tests of the layers above (disk full or permission denied on rank 1):
+ * this thread's next atomic-file system call at `point` fails with errno `err` as if the
+ * system had refused it; for FSDP_IO_FAULT_WRITE, once the file being written has reached
+ * `after_bytes` bytes. One shot: the fault clears when it fires. FSDP_IO_FAULT_NONE clears it. */
+typedef enum {
+  FSDP_IO_FAULT_NONE = 0,
+  FSDP_IO_FAULT_OPEN,   /* creating the temporary */
+  FSDP_IO_FAULT_WRITE,  /* writing data */
+  FSDP_IO_FAULT_FSYNC,  /* fsync of the file at commit */
+  FSDP_IO_FAULT_RENAME, /* the rename at commit */
+} fsdp_io_fault_point;
+void fsdp_io_fault_set(fsdp_io_fault_point point, int err, uint64_t after_bytes);
+/* "open", "write", "fsync", "rename" (and "none") -> point; -1 for an unknown name. */
+int fsdp_io_fault_point_from_name(const char *name);
+
+/* ---- safetensors (safetensors.c) -------------------------------------------------------- */
+
+/* The dtypes of the safetensors format with a whole number of bytes per element. F32 is 0 so
+ * that a zero-initialized entry means f32. The reader converts F16, BF16 and F64 to f32; the
+ * others are listed (their sizes make the layout checkable) but reading them is an error. */
+typedef enum {
+  FSDP_IO_F32 = 0,
+  FSDP_IO_F16,
+  FSDP_IO_BF16,
+  FSDP_IO_F64,
+  FSDP_IO_BOOL,
+  FSDP_IO_U8,
+  FSDP_IO_I8,
+  FSDP_IO_F8_E5M2,
+  FSDP_IO_F8_E4M3,
+  FSDP_IO_I16,
+  FSDP_IO_U16,
+  FSDP_IO_I32,
+  FSDP_IO_U32,
+  FSDP_IO_I64,
+  FSDP_IO_U64,
+  FSDP_IO_DTYPE_COUNT
+} fsdp_io_dtype;
+const char *fsdp_io_dtype_name(fsdp_io_dtype dt); /* "F32", ... */
+size_t fsdp_io_dtype_size(fsdp_io_dtype dt);
+/* The dtype of a safetensors name ("F32"); -1 for a name this build does not know. */
+int fsdp_io_dtype_from_name(const char *name);
+
+/* One tensor of a safetensors file. The writer reads name, dtype (must be F32) and the shape;
+ * the reader fills every field. Offsets are bytes within the data section (the file's bytes
+ * after the header), as in the format's "data_offsets". */
+typedef struct fsdp_io_st_entry {
+  const char *name;
+  fsdp_io_dtype dtype;
+  int ndim;
+  int64_t shape[FSDP_MAX_DIMS];
+  int64_t numel;       /* reader */
+  uint64_t begin, end; /* reader: data_offsets */
+  bool has_checksum;   /* reader: the file stores fsdp.xxh3_64.<name> */
+  uint64_t checksum;   /* reader: XXH3_64bits (seed 0) of the tensor's bytes in the file */
+} fsdp_io_st_entry;
+
+/* A __metadata__ pair (safetensors metadata is a map of strings to strings). */
+typedef struct fsdp_io_kv {
+  const char *key;
+  const char *value;
+} fsdp_io_kv;
+
+/* Keys this layer writes into __metadata__ (users may not set them): the checksum of the
+ * header ("fsdp.header.xxh3_64", always the first member of the header) and one checksum per
+ * tensor ("fsdp.xxh3_64." followed by the tensor's name). Values are 16 lowercase hex digits. */
+#define FSDP_IO_HEADER_CHECKSUM_KEY "fsdp.header.xxh3_64"
+#define FSDP_IO_CHECKSUM_PREFIX "fsdp.xxh3_64."
+/* The largest header accepted (as in the reference implementation). */
+#define FSDP_IO_ST_MAX_HEADER 100000000u
+
+/* -- writer: streams tensors to an atomic file; memory use is the header plus a 1 MiB buffer.
+ * open takes every entry (names unique, valid UTF-8, not "__metadata__"; dtype F32; at most
+ * FSDP_MAX_DIMS dims) and the metadata, lays the data out in entry order and writes the
+ * header. Then the tensors' bytes arrive in entry order, each tensor in one or several write
+ * calls (element ranges in order: one call per shard, say); entries with no elements need no
+ * call. commit checks every byte arrived, patches the checksums into the header and commits
+ * the file. Nothing appears at `path` before a successful commit. */
+typedef struct fsdp_io_st_writer fsdp_io_st_writer;
+
+int fsdp_io_st_writer_open(fsdp_io_st_writer **out, const char *path,
+                           const fsdp_io_st_entry *entries, int nentries,
+                           const fsdp_io_kv *metadata, int nmetadata);
+/* Append `count` f32 values to tensor `name`, which must be the first tensor not yet complete;
+ * a write past its end is an error naming the tensor. */
+int fsdp_io_st_writer_write(fsdp_io_st_writer *w, const char *name, const float *data,
+                            int64_t count);
+/* Frees w whether it succeeds or not (an error leaves the previous file, if any). */
+int fsdp_io_st_writer_commit(fsdp_io_st_writer *w);
+void fsdp_io_st_writer_abort(fsdp_io_st_writer *w); /* NULL is a no-op */
+
+/* -- reader: open reads the header once and validates it whole: the length field against the
+ * file size, the JSON (cJSON), every entry (dtype known, shape, data_offsets), sizes =
+ * numel * dtype size, offsets inside the data section, no overlaps, no holes, no trailing
+ * bytes, the header checksum when the file has one, the form of the tensor checksums. Reads
+ * then pread only the bytes asked for. */
+typedef struct fsdp_io_st_reader fsdp_io_st_reader;
+
+int fsdp_io_st_reader_open(fsdp_io_st_reader **out, const char *path);
+/* The same over bytes in memory (`size` bytes at `data`, borrowed: they must outlive the
+ * reader). `name` stands for the file in messages. For fuzzing and for files already read. */
+int fsdp_io_st_reader_open_memory(fsdp_io_st_reader **out, const char *name, const void *data,
+                                  size_t size);
+void fsdp_io_st_reader_close(fsdp_io_st_reader *r); /* NULL is a no-op */
+
+const char *fsdp_io_st_reader_path(const fsdp_io_st_reader *r);
+int fsdp_io_st_reader_count(const fsdp_io_st_reader *r);
+/* Entry i in the order of the header (0 <= i < count); owned by the reader. */
+const fsdp_io_st_entry *fsdp_io_st_reader_entry(const fsdp_io_st_reader *r, int i);
+/* The entry named `name`, or NULL with an error naming the file and the tensor. */
+const fsdp_io_st_entry *fsdp_io_st_reader_find(const fsdp_io_st_reader *r, const char *name);
+/* __metadata__ in the order of the header, checksum keys included; owned by the reader. */
+int fsdp_io_st_reader_metadata_count(const fsdp_io_st_reader *r);
+fsdp_io_kv fsdp_io_st_reader_metadata_at(const fsdp_io_st_reader *r, int i);
+const char *fsdp_io_st_reader_metadata_get(const fsdp_io_st_reader *r, const char *key);
+
+/* out[0..count) = elements [first, first + count) of tensor `name` (0-based element offsets
+ * into the flattened tensor), converted to f32. Reading a whole tensor (first 0, count numel)
+ * checks its checksum when the file has one; a range is not checked (see verify). */
+int fsdp_io_st_reader_read(fsdp_io_st_reader *r, float *out, const char *name, int64_t first,
+                           int64_t count);
+/* Read tensor `name` whole, in 1 MiB pieces, and check its checksum: for ranks that read only
+ * their range. FSDP_OK when the file has no checksum for it (entry->has_checksum says). */
+int fsdp_io_st_reader_verify(fsdp_io_st_reader *r, const char *name);
+
+/* ---- JSON documents (json.c) ------------------------------------------------------------ */
+
+/* Write `doc` (printed formatted, with a final newline) to `path` through an atomic file. */
+int fsdp_io_json_write_atomic(const char *path, const cJSON *doc);
+/* Read and parse the JSON document at `path` (at most 1 GiB); *out is the caller's, freed with
+ * cJSON_Delete. Errors name the file and, for bad JSON, the line and column. */
+int fsdp_io_json_read(const char *path, cJSON **out);
+/* The same over `size` bytes in memory; `name` stands for the file in messages. */
+int fsdp_io_json_parse(cJSON **out, const char *name, const char *text, size_t size);
+
+/* ---- helpers shared by the layer ------------------------------------------------------- */
+
+/* true when s[0..n) is well-formed UTF-8 (no overlongs, no surrogates, at most U+10FFFF). */
+bool fsdp_io_utf8_valid(const char *s, size_t n);
+
+#endif

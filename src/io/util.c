@@ -1,0 +1,59 @@
+/*
+ * util.c — small pieces the io layer shares: the safetensors dtype table and UTF-8
+ * validation (names and metadata must be valid UTF-8 for the JSON header to be readable by
+ * strict readers such as the reference Rust implementation).
+ */
+#include <string.h>
+
+#include "io/io.h"
+
+/* Names as the safetensors format spells them, and their sizes in bytes. */
+static const struct {
+  const char *name;
+  size_t size;
+} dtypes[FSDP_IO_DTYPE_COUNT] = {
+    [FSDP_IO_F32] = {"F32", 4},         [FSDP_IO_F16] = {"F16", 2},
+    [FSDP_IO_BF16] = {"BF16", 2},       [FSDP_IO_F64] = {"F64", 8},
+    [FSDP_IO_BOOL] = {"BOOL", 1},       [FSDP_IO_U8] = {"U8", 1},
+    [FSDP_IO_I8] = {"I8", 1},           [FSDP_IO_F8_E5M2] = {"F8_E5M2", 1},
+    [FSDP_IO_F8_E4M3] = {"F8_E4M3", 1}, [FSDP_IO_I16] = {"I16", 2},
+    [FSDP_IO_U16] = {"U16", 2},         [FSDP_IO_I32] = {"I32", 4},
+    [FSDP_IO_U32] = {"U32", 4},         [FSDP_IO_I64] = {"I64", 8},
+    [FSDP_IO_U64] = {"U64", 8},
+};
+
+const char *fsdp_io_dtype_name(fsdp_io_dtype dt) {
+  return (unsigned)dt < FSDP_IO_DTYPE_COUNT ? dtypes[dt].name : "?";
+}
+
+size_t fsdp_io_dtype_size(fsdp_io_dtype dt) {
+  return (unsigned)dt < FSDP_IO_DTYPE_COUNT ? dtypes[dt].size : 0;
+}
+
+int fsdp_io_dtype_from_name(const char *name) {
+  for (int i = 0; i < FSDP_IO_DTYPE_COUNT; i++)
+    if (strcmp(name, dtypes[i].name) == 0) return i;
+  return -1;
+}
+
+bool fsdp_io_utf8_valid(const char *s, size_t n) {
+  const unsigned char *p = (const unsigned char *)s, *end = p + n;
+  while (p < end) {
+    unsigned c = *p++;
+    if (c < 0x80) continue;
+    int more;
+    unsigned cp, min;
+    if ((c & 0xE0) == 0xC0) more = 1, cp = c & 0x1F, min = 0x80;
+    else if ((c & 0xF0) == 0xE0) more = 2, cp = c & 0x0F, min = 0x800;
+    else if ((c & 0xF8) == 0xF0) more = 3, cp = c & 0x07, min = 0x10000;
+    else return false;
+    if (end - p < more) return false;
+    for (int i = 0; i < more; i++) {
+      if ((p[i] & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (p[i] & 0x3F);
+    }
+    p += more;
+    if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+  }
+  return true;
+}
