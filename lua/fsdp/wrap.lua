@@ -308,20 +308,30 @@ end
 
 -- ---- hooks: forward order and prefetch ----------------------------------------------------
 
+-- The first forward of the root records two orders: `order`, the order in which units START
+-- their forward (pre hooks: the forward prefetch chain, and fsdp.units), and the order in
+-- which they FINISH it (post hooks). Backward meets the units' "end" hooks in the reverse of
+-- the finish order, so that reversed list is the backward prefetch chain: each unit
+-- prefetches the one whose backward comes next. Units never called come last, in
+-- construction order, and take part in no chain.
 local function finish_recording(R)
-  local order = R.recording
-  R.recording, R.recorded = nil, nil
-  -- units never called in forward keep construction order, after the called ones
-  local inorder = {}
-  for _, U in ipairs(order) do inorder[U] = true end
+  local order, done = R.recording, R.recording_post
+  R.recording, R.recording_post, R.recorded, R.finished = nil, nil, nil, nil
+  local called = {}
+  for _, U in ipairs(order) do called[U] = true end
+  local all = {}
+  for _, U in ipairs(order) do all[#all + 1] = U end
   for _, U in ipairs(R.units) do
-    if not inorder[U] then order[#order + 1] = U end
+    if not called[U] then all[#all + 1] = U end
   end
-  R.order = order
+  R.order = all
   R.next = {}
-  for i, U in ipairs(order) do
-    R.next[U] = order[i + 1]
-    if R.opts.prefetch then U.unit:set_backward_prefetch(i > 1 and order[i - 1].unit or nil) end
+  for i, U in ipairs(order) do R.next[U] = order[i + 1] end
+  if R.opts.prefetch then
+    for i = #done, 1, -1 do
+      local nxt = done[i - 1]
+      done[i].unit:set_backward_prefetch(nxt and nxt.unit or nil)
+    end
   end
 end
 
@@ -329,7 +339,9 @@ local function install_hooks(R, U)
   local is_root = U.module == R.model
   local pre = U.module:register_forward_pre_hook(function()
     if R.busy then return end -- inside full_params / apply: everything needed is gathered
-    if is_root and R.order == nil then R.recording, R.recorded = {}, {} end
+    if is_root and R.order == nil then
+      R.recording, R.recording_post, R.recorded, R.finished = {}, {}, {}, {}
+    end
     if R.recording and not R.recorded[U] then
       R.recorded[U] = true
       R.recording[#R.recording + 1] = U
@@ -340,6 +352,10 @@ local function install_hooks(R, U)
   local post = U.module:register_forward_hook(function()
     if R.busy then return end
     U.unit:post_forward()
+    if R.recording and not R.finished[U] then
+      R.finished[U] = true
+      R.recording_post[#R.recording_post + 1] = U
+    end
     if is_root and R.recording then finish_recording(R) end
   end)
   U.hooks = {pre, post}

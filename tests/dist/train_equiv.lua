@@ -1,0 +1,103 @@
+-- Equivalence run (tests/recipes/dist_equivalence.sh): train a small model for a fixed number
+-- of steps on a fixed global batch and write, on rank 0, the loss of every step and the final
+-- parameters (gathered with fsdp.full_params) to --out, every number in %a (exact bits).
+--
+--   fsdprun -n N tests/dist/train_equiv.lua --model=gpt|mlp --strategy=plain|full|grad_op|none
+--     [--steps=50] [--opt=adamw|sgd] [--prefetch=true] [--lr_scale=1] [--out=path]
+--
+-- strategy=plain trains the model unwrapped (the reference, at -n 1). Every rank takes its
+-- rows of the same global batch, so every world size sees the same data; the logged loss is
+-- the mean over ranks of the local mean loss (= the global mean, the slices being equal).
+local fsdp = require "fsdp"
+local nn = fsdp.nn
+local a = fsdp.args
+
+local model_kind = a.model or "gpt"
+local strategy = a.strategy or "full"
+local steps = a.steps or 50
+-- GPT trains with SGD, the MLP with AdamW by default: AdamW normalizes each gradient element
+-- by its own history, and the key bias of attention has an exactly-zero gradient (softmax is
+-- invariant to it), so AdamW turns its rounding noise (~1e-11) into steps of size lr, and any
+-- change in the order of float sums (sharding averages gradients across ranks) then makes the
+-- curves part. That is a property of the math, not of sharding (docs/fsdp.md).
+local opt_kind = a.opt or (model_kind == "gpt" and "sgd" or "adamw")
+local W, rank = fsdp.world_size(), fsdp.rank()
+local B = 8 -- global batch rows (divisible by 1, 2, 4)
+assert(B % W == 0, "global batch must divide among the ranks")
+
+fsdp.manual_seed(1234)
+local model, policy
+if model_kind == "gpt" then
+  model = nn.GPT{vocab = 32, ctx = 16, d = 32, layers = 3, heads = 2}
+  policy = fsdp.policy.modules{nn.Block}
+else
+  model = nn.Sequential{nn.Linear(20, 48), nn.ReLU(), nn.Linear(48, 48), nn.ReLU(), nn.Linear(48, 10)}
+  policy = fsdp.policy.size(1000)
+end
+if strategy ~= "plain" then
+  fsdp.wrap(model, {strategy = strategy, policy = policy, prefetch = a.prefetch ~= false})
+end
+local opt
+local lr_scale = a.lr_scale or 1 -- the shell test perturbs it to show the comparison can fail
+if opt_kind == "adamw" then
+  opt = fsdp.optim.AdamW(model, {lr = 3e-3 * lr_scale, weight_decay = 0.1})
+else
+  opt = fsdp.optim.SGD(model, {lr = 0.05 * lr_scale, momentum = 0.9, weight_decay = 1e-3})
+end
+
+-- The global batch of a step, from a formula (no RNG), and this rank's rows of it.
+local rows = B / W
+local first = rank * rows + 1
+local function batch(step)
+  if model_kind == "gpt" then
+    local T = 16
+    local x, y = {}, {}
+    for i = first, first + rows - 1 do
+      local xi, yi = {}, {}
+      for t = 1, T do
+        local v = (i * 7 + t * 3 + step * 5 + (i * t) % 5) % 32
+        xi[t] = v
+        yi[t] = (v * 3 + t) % 32
+      end
+      x[#x + 1], y[#y + 1] = xi, yi
+    end
+    return fsdp.tensor(x), fsdp.tensor(y)
+  end
+  local x, y = {}, {}
+  for i = first, first + rows - 1 do
+    local xi = {}
+    for j = 1, 20 do xi[j] = math.sin(step * 0.37 + i * 1.3 + j * 0.71) end
+    x[#x + 1] = xi
+    y[#y + 1] = math.floor((xi[1] + xi[2] + 2) * 2.5) % 10 -- learnable from x
+  end
+  return fsdp.tensor(x), fsdp.tensor(y)
+end
+
+local losses = {}
+for step = 1, steps do
+  local x, y = batch(step)
+  opt:zero_grad()
+  local loss = nn.F.cross_entropy(model(x), y)
+  loss:backward()
+  fsdp.clip_grad_norm(model, 1.0)
+  opt:step()
+  losses[step] = fsdp.all_reduce(loss:item(), "mean")
+end
+
+-- final parameters, gathered (the whole model: it is small)
+local lines = {}
+for i, l in ipairs(losses) do lines[#lines + 1] = ("loss %d %a"):format(i, l) end
+fsdp.full_params(model, function(m)
+  for path, p in m:named_parameters() do
+    local flat = p:view{p:numel()}:totable()
+    local vals = {}
+    for k = 1, #flat do vals[k] = ("%a"):format(flat[k]) end
+    lines[#lines + 1] = ("param %s %s"):format(path, table.concat(vals, " "))
+  end
+end, {writeback = false})
+
+if rank == 0 then
+  local out = a.out and assert(io.open(a.out, "w")) or io.stdout
+  out:write(table.concat(lines, "\n"), "\n")
+  if out ~= io.stdout then out:close() end
+end
