@@ -1,13 +1,19 @@
 /*
  * comm.h — the communicator: collectives between ranks behind one interface (a vtable per
  * backend), with asynchronous handles, collective failure (poison + timeout), fingerprints,
- * a flight recorder and traffic counters.
+ * a flight recorder and traffic counters. Owner: comm. docs/comm.md is the long version.
  *
  * Layering: src/comm calls only src/core. Everything above (fsdp/, lua/, cli/) talks to an
  * fsdp_comm through the functions below and never knows which backend runs.
  *
+ * Threads: a communicator belongs to one rank; one thread issues its collectives (start, run,
+ * the blocking calls) and waits on its handles. Stats, the flight recorder, abort and
+ * fsdp_comm_poisoned may be called from any thread.
+ *
  * Ordering: every collective a rank issues (blocking or asynchronous) takes the next sequence
- * number of that rank's communicator and completes in sequence order. Ranks must issue the
+ * number of that rank's communicator (1, 2, ...) and completes in sequence order: asynchronous
+ * ones run in FIFO order on a per-communicator worker thread, and a blocking call queues
+ * behind them (when nothing is queued it runs on the calling thread). Ranks must issue the
  * same collectives in the same order (SPMD); when they do not, the fingerprint check turns it
  * into an error naming both sides instead of a hang or a corruption.
  *
@@ -16,15 +22,22 @@
  * "rank R failed: <msg>". A collective that waits longer than the timeout (default 60 s,
  * FSDP_TIMEOUT seconds in the environment, or fsdp_comm_set_timeout) fails with an error naming
  * the collective, its label and the ranks that have not arrived, then poisons the group so
- * the others fail too. On any failure the rank's flight recorder is appended to the message.
+ * the others fail too. On any failure the rank's flight recorder is appended to the message
+ * ("\nflight recorder (rank R, newest last):\n#11 ...\n#12 ..."), as many of the newest entries
+ * as fit in the error slot. A collective whose peers have all arrived runs to completion on
+ * every rank even if the group is poisoned meanwhile: it succeeds or fails everywhere.
+ * Invalid arguments (NULL buffer, negative count, overlapping buffers, root out of range) are
+ * an error on the calling rank that also poisons the group: its peers could never complete.
  *
  * Buffers: counts are in elements (f32). A buffer passed to an asynchronous collective must
- * stay valid and untouched until fsdp_comm_wait returns.
+ * stay valid and untouched until fsdp_comm_wait returns. all_gather may run in place (send ==
+ * recv + rank * count); otherwise send and recv must not overlap.
  */
 #ifndef FSDP_COMM_H
 #define FSDP_COMM_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "core/core.h"
@@ -37,9 +50,12 @@ typedef enum {
   FSDP_COLL_BARRIER,
   FSDP_COLL_COUNT
 } fsdp_coll_op;
-const char *fsdp_coll_name(fsdp_coll_op op); /* "all_gather", ... */
+const char *fsdp_coll_name(fsdp_coll_op op); /* "all_gather", ...; "?" when out of range */
 
+/* AVG is SUM followed by one multiplication by (float)(1.0 / world) (see docs/comm.md). MAX and
+ * MIN propagate NaN. */
 typedef enum { FSDP_RED_SUM = 0, FSDP_RED_AVG, FSDP_RED_MAX, FSDP_RED_MIN } fsdp_reduce_op;
+const char *fsdp_reduce_name(fsdp_reduce_op red); /* "sum", "avg", "max", "min" */
 
 /* One collective, as issued by a rank. */
 typedef struct fsdp_coll {
@@ -62,46 +78,65 @@ typedef struct fsdp_comm_req fsdp_comm_req;
  * FSDP_OK or FSDP_ERR with a message. The generic layer (comm.c) gives every backend sequence
  * numbers, asynchronous handles (a per-communicator worker thread that runs queued collectives
  * in order, so compute overlaps them), fingerprints, the flight recorder and the counters.
- * A backend with native nonblocking collectives (MPI) may fill the optional slots instead. */
+ * A backend with native nonblocking collectives (MPI) may fill the optional slots instead.
+ * Arguments reaching a backend are already validated (see fsdp_comm_start). */
 typedef struct fsdp_comm_i {
   const char *name; /* "local", "mpi" */
   int (*run)(fsdp_comm *c, const fsdp_coll *coll, uint64_t seq);
-  /* Poison the group with msg (already formatted "rank R failed: ..."); wakes blocked peers. */
+  /* Poison the group with msg (already formatted "rank R failed: ..."); wakes blocked peers.
+   * Optional: NULL keeps the poison in the communicator itself (a world of one). */
   void (*abort)(fsdp_comm *c, const char *msg);
-  void (*free)(fsdp_comm *c);
-  /* optional: native asynchronous start/wait (NULL: the worker thread is used) */
+  void (*free)(fsdp_comm *c); /* optional: frees the backend's state (fsdp_comm_impl) */
+  /* optional: native asynchronous start/wait (NULL: the worker thread is used). start must
+   * not block on peers; its failure, or wait's, is the collective's failure. */
   int (*start)(fsdp_comm *c, const fsdp_coll *coll, uint64_t seq, void **native);
   int (*wait)(fsdp_comm *c, void *native);
+  /* optional (required with abort): whether the group is poisoned, by any rank */
+  bool (*poisoned)(const fsdp_comm *c);
 } fsdp_comm_i;
 
 /* ---- creating communicators ----------------------------------------------------------- */
 
 /* The local backend: ranks are threads of one process. A group is created once with the world
- * size; each rank thread then creates its communicator from it. The group is refcounted: it
- * lives until the last communicator made from it is freed. */
+ * size; each rank thread then creates its communicator from it (once per rank). The group is
+ * refcounted: it lives until the creator's reference and every communicator made from it are
+ * gone (fsdp_local_group_release after the rank threads are started is fine).
+ * A rank whose communicator is freed has left: a peer waiting for it in a collective fails at
+ * once ("rank R left ...") instead of at the timeout. */
 typedef struct fsdp_local_group fsdp_local_group;
-int fsdp_local_group_new(fsdp_local_group **out, int world);
-void fsdp_local_group_release(fsdp_local_group *g);
+int fsdp_local_group_new(fsdp_local_group **out, int world); /* 1 <= world <= 4096 */
+void fsdp_local_group_release(fsdp_local_group *g);         /* NULL is a no-op */
 int fsdp_comm_local_new(fsdp_comm **out, fsdp_local_group *g, int rank);
 
-/* A world of one (what a plain `luajit` or `fsdprun` without -n gets). */
+/* A world of one (what a plain `luajit` or `fsdprun` without -n gets). Its collectives are
+ * local copies (all_gather/reduce_scatter copy send to recv; avg multiplies by 1), counted in
+ * the stats and recorded like any other; asynchronous ones complete at start. */
 int fsdp_comm_single_new(fsdp_comm **out);
 
-void fsdp_comm_free(fsdp_comm *c); /* waits for queued collectives; NULL is a no-op */
+/* Creation reads FSDP_TIMEOUT (seconds > 0) and FSDP_DEBUG (1/true/yes/on) from the
+ * environment; a malformed FSDP_TIMEOUT is an error naming it. */
+
+/* Waits for queued collectives (each finishes, fails on a poisoned group, or times out), frees
+ * handles never waited on (waiting on them afterwards is a use-after-free) and, if c is the
+ * calling thread's current communicator, unsets it. NULL is a no-op. */
+void fsdp_comm_free(fsdp_comm *c);
 
 /* ---- the calling thread's communicator --------------------------------------------------- */
 
-/* Each rank thread sets its own; a thread that set none gets a world of one, created on first
- * use. Layers above take the communicator from here. */
+/* Each rank thread sets its own; a thread that set none (or set NULL) gets a world of one,
+ * created on first use and freed when the thread exits. set_current does not take ownership.
+ * fsdp_comm_current returns NULL only if creating that world of one fails (out of memory). */
 void fsdp_comm_set_current(fsdp_comm *c);
 fsdp_comm *fsdp_comm_current(void);
 
 int fsdp_comm_rank(const fsdp_comm *c);
 int fsdp_comm_world(const fsdp_comm *c);
-const char *fsdp_comm_backend(const fsdp_comm *c);
+const char *fsdp_comm_backend(const fsdp_comm *c); /* "local" (a world of one too), "mpi" */
 
 /* ---- collectives (all collective: every rank calls them in the same order) ----------------- */
 
+/* Blocking. FSDP_OK, or FSDP_ERR with the message (and flight recorder) in the error slot.
+ * label may be NULL (""); it is truncated to 63 bytes. */
 int fsdp_comm_all_gather(fsdp_comm *c, float *recv, const float *send, int64_t count,
                          const char *label);
 int fsdp_comm_reduce_scatter(fsdp_comm *c, float *recv, const float *send, int64_t count,
@@ -113,7 +148,9 @@ int fsdp_comm_barrier(fsdp_comm *c, const char *label);
 
 /* Asynchronous: start a collective and get a handle (never NULL on FSDP_OK). Exactly one
  * fsdp_comm_wait per handle; it frees the handle and returns the collective's status (with its
- * message in this thread's error slot). */
+ * message in this thread's error slot). Handles may be waited in any order (waiting on a later
+ * one first simply waits for the earlier ones to run too). start itself fails only on invalid
+ * arguments or out of memory (no sequence number is taken then). */
 int fsdp_comm_start(fsdp_comm *c, const fsdp_coll *coll, fsdp_comm_req **req);
 int fsdp_comm_wait(fsdp_comm_req *req);
 /* Blocking form of the same: start + wait. */
@@ -121,21 +158,29 @@ int fsdp_comm_run(fsdp_comm *c, const fsdp_coll *coll);
 
 /* ---- failure ------------------------------------------------------------------------------ */
 
-/* Poison the group: "rank <this rank> failed: <msg>". Idempotent; the first message wins. */
+/* Poison the group: "rank <this rank> failed: <msg>". Idempotent; the first message wins
+ * (whether it came from an abort, a timeout or a fingerprint mismatch). Any thread. */
 void fsdp_comm_abort(fsdp_comm *c, const char *msg);
 bool fsdp_comm_poisoned(const fsdp_comm *c);
-void fsdp_comm_set_timeout(fsdp_comm *c, double seconds); /* <= 0: default */
+void fsdp_comm_set_timeout(fsdp_comm *c, double seconds); /* <= 0: default (FSDP_TIMEOUT or 60) */
 double fsdp_comm_timeout(const fsdp_comm *c);
 
 /* ---- debugging and accounting ---------------------------------------------------------------- */
 
 /* Fingerprints (op, dtype, count, label) are always compared for op and count (a mismatch
- * there would corrupt memory); labels too on a label's first use and on every call when
- * FSDP_DEBUG=1 or fsdp_comm_set_debug(c, true). */
+ * there would corrupt memory), and for dtype, reduction and root; labels too on a label's
+ * first use on any rank and on every call when FSDP_DEBUG=1 or fsdp_comm_set_debug(c, true)
+ * on any rank. A mismatch fails the collective on every rank with
+ * "collective mismatch at #12: rank 0 called all_gather(f32 x1024, 'blocks.1') but rank 1
+ * called reduce_scatter(f32 x512 avg, 'blocks.2')" and poisons the group with it. */
 void fsdp_comm_set_debug(fsdp_comm *c, bool on);
+bool fsdp_comm_debug(const fsdp_comm *c);
 
-/* The last collectives of this rank, newest last, one per line:
- * "#12 all_gather f32 x1024 'blocks.1' done 0.4 ms". Writes at most n bytes; returns buf. */
+/* The last 64 collectives of this rank, newest last, one per line:
+ * "#12 all_gather f32 x1024 'blocks.1' done 0.4 ms" (states: queued, running, done, failed;
+ * the time is how long it ran, or has been queued/running so far). "(no collectives)\n" when
+ * empty. Writes at most n bytes (NUL included; the oldest lines are dropped to fit); returns
+ * buf. */
 char *fsdp_comm_flight_recorder(const fsdp_comm *c, char *buf, size_t n);
 
 typedef struct fsdp_comm_stats {
@@ -146,7 +191,27 @@ typedef struct fsdp_comm_stats {
   double busy_s;     /* time spent running collectives (on the worker or caller) */
   double wait_s;     /* time callers spent blocked in fsdp_comm_wait / blocking calls */
 } fsdp_comm_stats;
+/* Counted when a collective is issued (a failing one counts too). Any thread. */
 void fsdp_comm_get_stats(const fsdp_comm *c, fsdp_comm_stats *out);
 void fsdp_comm_reset_stats(fsdp_comm *c);
+
+/* ---- for backends (src/comm/ only) ----------------------------------------------------------- */
+
+/* Wrap a backend in a communicator: the generic layer owns it from here (vt->free(c) frees
+ * impl when the communicator is freed; on error nothing is taken). Reads the environment as
+ * described above. */
+int fsdp_comm_new_backend(fsdp_comm **out, const fsdp_comm_i *vt, void *impl, int rank,
+                          int world);
+void *fsdp_comm_impl(const fsdp_comm *c);
+/* Inside vt->run / vt->start: whether this collective's labels take part in the fingerprint
+ * (this rank's first use of the label, or debug on). Backends publish it and compare labels
+ * when any rank asks. */
+bool fsdp_comm_check_labels(const fsdp_comm *c);
+/* Fingerprint helpers: equal op, dtype, count (and red, root where they apply; label when
+ * labels is true); "all_gather(f32 x1024, 'blocks.1')" into buf (returns buf). */
+bool fsdp_coll_matches(const fsdp_coll *a, const fsdp_coll *b, bool labels);
+char *fsdp_coll_describe(char *buf, size_t n, const fsdp_coll *coll);
+/* Bytes the stats count for one collective on a world of `world` ranks. */
+int64_t fsdp_coll_bytes(const fsdp_coll *coll, int world);
 
 #endif

@@ -1,0 +1,783 @@
+/*
+ * comm.c — the generic layer of the communicator (comm.h): sequence numbers, the request queue
+ * and its worker thread, label fingerprint bookkeeping, the flight recorder, the counters, the
+ * calling thread's current communicator, and the world of one. Owner: comm.
+ *
+ * Threads and locks: everything mutable in a fsdp_comm is guarded by c->mu, except what only
+ * the thread running a collective touches (run_check_labels, read by the backend on that same
+ * thread). The backend runs with c->mu released, so stats and the recorder stay readable while
+ * a collective blocks. One collective runs at a time per communicator: on the worker thread, or
+ * inline on the caller when nothing is queued or running (a blocking call with an idle queue;
+ * any call on a world of one, which never waits). Requests leave the queue in FIFO order, which
+ * is sequence order.
+ *
+ * Error messages: a collective that fails on the worker thread leaves its message in the
+ * worker's (thread-local) error slot; exec_end() copies it, with the flight recorder appended, into
+ * the request, and fsdp_comm_wait moves it into the waiter's slot.
+ */
+#include "comm/comm.h"
+
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define FSDP_COMM_RECORDER 64
+/* The engine's error slot (error.c) holds 1024 bytes; messages are built to fit it. */
+#ifdef FSDP_ERROR_CAP
+#define FSDP_COMM_MSG_CAP FSDP_ERROR_CAP
+#else
+#define FSDP_COMM_MSG_CAP 1024
+#endif
+#define FSDP_COMM_DEFAULT_TIMEOUT 60.0
+
+typedef enum { REC_EMPTY = 0, REC_QUEUED, REC_RUNNING, REC_DONE, REC_FAILED } rec_state;
+static const char *const rec_state_name[] = {"", "queued", "running", "done", "failed"};
+
+typedef struct rec_entry {
+  uint64_t seq;
+  fsdp_coll_op op;
+  fsdp_dtype dtype;
+  int64_t count;
+  char label[64];
+  double t_issue, t_start, t_end; /* monotonic seconds */
+  rec_state state;
+} rec_entry;
+
+/* The set of labels this communicator has used (their first use takes part in the
+ * fingerprint). Open addressing, power-of-two capacity, at most half full. */
+typedef struct label_set {
+  char **slots;
+  size_t cap, n;
+} label_set;
+
+struct fsdp_comm_req {
+  fsdp_comm *c;
+  fsdp_coll coll;
+  uint64_t seq;
+  bool check_labels;
+  bool done;    /* guarded by c->mu */
+  int rc;
+  char *msg;    /* failure message (malloc'd), NULL on success */
+  void *native; /* backend handle (vt->start) */
+  fsdp_comm_req *next;             /* queue link */
+  fsdp_comm_req *prev_out, *next_out; /* outstanding list (not yet waited) */
+};
+
+struct fsdp_comm {
+  const fsdp_comm_i *vt;
+  void *impl;
+  int rank, world;
+  double t0; /* creation time */
+
+  pthread_mutex_t mu;
+  pthread_cond_t work_cv; /* worker: a request was queued, the caller's inline run ended, stop */
+  pthread_cond_t done_cv; /* waiters: a request completed */
+  uint64_t seq;           /* last sequence number issued */
+  fsdp_comm_req *head, *tail;  /* queued, not yet running */
+  fsdp_comm_req *outstanding;  /* every handle not yet waited */
+  bool worker_started, worker_busy, inline_busy, stop;
+  pthread_t worker;
+
+  double timeout;         /* seconds, > 0 */
+  double default_timeout; /* FSDP_TIMEOUT or 60 */
+  bool debug;
+  label_set labels;
+  fsdp_comm_stats stats;
+  rec_entry rec[FSDP_COMM_RECORDER];
+
+  /* poison for backends without an abort slot (a world of one) */
+  bool poisoned;
+  char poison[FSDP_COMM_MSG_CAP];
+
+  bool run_check_labels; /* the running collective's; only its running thread touches it */
+};
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* ---- names and fingerprints ------------------------------------------------------------- */
+
+const char *fsdp_coll_name(fsdp_coll_op op) {
+  static const char *const names[] = {"all_gather", "reduce_scatter", "all_reduce", "broadcast",
+                                      "barrier"};
+  return (unsigned)op < FSDP_COLL_COUNT ? names[op] : "?";
+}
+
+const char *fsdp_reduce_name(fsdp_reduce_op red) {
+  static const char *const names[] = {"sum", "avg", "max", "min"};
+  return (unsigned)red <= FSDP_RED_MIN ? names[red] : "?";
+}
+
+static bool op_has_red(fsdp_coll_op op) {
+  return op == FSDP_COLL_REDUCE_SCATTER || op == FSDP_COLL_ALL_REDUCE;
+}
+
+bool fsdp_coll_matches(const fsdp_coll *a, const fsdp_coll *b, bool labels) {
+  if (a->op != b->op || a->dtype != b->dtype || a->count != b->count) return false;
+  if (op_has_red(a->op) && a->red != b->red) return false;
+  if (a->op == FSDP_COLL_BROADCAST && a->root != b->root) return false;
+  if (labels && strncmp(a->label, b->label, sizeof a->label) != 0) return false;
+  return true;
+}
+
+char *fsdp_coll_describe(char *buf, size_t n, const fsdp_coll *coll) {
+  const char *dt = coll->dtype == FSDP_DTYPE_F32 ? "f32" : "?";
+  if (coll->op == FSDP_COLL_BARRIER) {
+    snprintf(buf, n, "barrier('%.63s')", coll->label);
+  } else if (op_has_red(coll->op)) {
+    snprintf(buf, n, "%s(%s x%lld %s, '%.63s')", fsdp_coll_name(coll->op), dt,
+             (long long)coll->count, fsdp_reduce_name(coll->red), coll->label);
+  } else if (coll->op == FSDP_COLL_BROADCAST) {
+    snprintf(buf, n, "broadcast(%s x%lld root %d, '%.63s')", dt, (long long)coll->count,
+             coll->root, coll->label);
+  } else {
+    snprintf(buf, n, "%s(%s x%lld, '%.63s')", fsdp_coll_name(coll->op), dt,
+             (long long)coll->count, coll->label);
+  }
+  return buf;
+}
+
+int64_t fsdp_coll_bytes(const fsdp_coll *coll, int world) {
+  int64_t elem = (int64_t)fsdp_dtype_size(coll->dtype);
+  switch (coll->op) {
+  case FSDP_COLL_ALL_GATHER:
+  case FSDP_COLL_REDUCE_SCATTER: return coll->count * world * elem;
+  case FSDP_COLL_ALL_REDUCE:
+  case FSDP_COLL_BROADCAST: return coll->count * elem;
+  default: return 0;
+  }
+}
+
+/* ---- label set -------------------------------------------------------------------------- */
+
+static uint64_t hash_str(const char *s) {
+  uint64_t h = 1469598103934665603ull; /* FNV-1a */
+  for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
+  return h;
+}
+
+/* Add label; true when it was not there yet. On OOM the label counts as new (an extra
+ * comparison is harmless; a missed one is not). */
+static bool label_set_add(label_set *ls, const char *label) {
+  if (2 * (ls->n + 1) > ls->cap) {
+    size_t cap = ls->cap ? 2 * ls->cap : 64;
+    char **slots = calloc(cap, sizeof *slots);
+    if (!slots) return true;
+    for (size_t i = 0; i < ls->cap; i++) {
+      if (!ls->slots[i]) continue;
+      size_t j = hash_str(ls->slots[i]) & (cap - 1);
+      while (slots[j]) j = (j + 1) & (cap - 1);
+      slots[j] = ls->slots[i];
+    }
+    free(ls->slots);
+    ls->slots = slots;
+    ls->cap = cap;
+  }
+  size_t j = hash_str(label) & (ls->cap - 1);
+  while (ls->slots[j]) {
+    if (strcmp(ls->slots[j], label) == 0) return false;
+    j = (j + 1) & (ls->cap - 1);
+  }
+  char *copy = strdup(label);
+  if (!copy) return true;
+  ls->slots[j] = copy;
+  ls->n++;
+  return true;
+}
+
+static void label_set_free(label_set *ls) {
+  for (size_t i = 0; i < ls->cap; i++) free(ls->slots[i]);
+  free(ls->slots);
+  ls->slots = NULL;
+  ls->cap = ls->n = 0;
+}
+
+/* ---- environment ------------------------------------------------------------------------ */
+
+static int env_timeout(double *out, bool strict) {
+  *out = FSDP_COMM_DEFAULT_TIMEOUT;
+  const char *s = getenv("FSDP_TIMEOUT");
+  if (!s || !*s) return FSDP_OK;
+  char *end;
+  double v = strtod(s, &end);
+  while (*end == ' ') end++;
+  if (end == s || *end || !(v > 0) || !isfinite(v)) {
+    if (!strict) return FSDP_OK;
+    return fsdp_error("FSDP_TIMEOUT: expected a number of seconds > 0, got '%s'", s);
+  }
+  *out = v;
+  return FSDP_OK;
+}
+
+static bool env_debug(void) {
+  const char *s = getenv("FSDP_DEBUG");
+  if (!s) return false;
+  return strcmp(s, "1") == 0 || strcasecmp(s, "true") == 0 || strcasecmp(s, "yes") == 0 ||
+         strcasecmp(s, "on") == 0;
+}
+
+/* ---- creation ------------------------------------------------------------------------------ */
+
+static int comm_create(fsdp_comm **out, const fsdp_comm_i *vt, void *impl, int rank, int world,
+                       bool strict_env) {
+  *out = NULL;
+  double timeout;
+  if (env_timeout(&timeout, strict_env) != FSDP_OK) return FSDP_ERR;
+  fsdp_comm *c = calloc(1, sizeof *c);
+  if (!c) return fsdp_error("communicator: out of memory");
+  c->vt = vt;
+  c->impl = impl;
+  c->rank = rank;
+  c->world = world;
+  c->t0 = now_s();
+  c->timeout = c->default_timeout = timeout;
+  c->debug = env_debug();
+  pthread_mutex_init(&c->mu, NULL);
+  pthread_cond_init(&c->work_cv, NULL);
+  pthread_cond_init(&c->done_cv, NULL);
+  *out = c;
+  return FSDP_OK;
+}
+
+int fsdp_comm_new_backend(fsdp_comm **out, const fsdp_comm_i *vt, void *impl, int rank,
+                          int world) {
+  if (!vt || !vt->run) return fsdp_error("communicator: backend without run");
+  if (world < 1 || rank < 0 || rank >= world) {
+    return fsdp_error("communicator: rank %d out of range for world %d", rank, world);
+  }
+  return comm_create(out, vt, impl, rank, world, true);
+}
+
+void *fsdp_comm_impl(const fsdp_comm *c) { return c->impl; }
+
+bool fsdp_comm_check_labels(const fsdp_comm *c) { return c->run_check_labels; }
+
+int fsdp_comm_rank(const fsdp_comm *c) { return c->rank; }
+int fsdp_comm_world(const fsdp_comm *c) { return c->world; }
+const char *fsdp_comm_backend(const fsdp_comm *c) { return c->vt->name; }
+
+/* ---- flight recorder --------------------------------------------------------------------- */
+
+static void fmt_duration(char *buf, size_t n, double s) {
+  if (s < 1.0) snprintf(buf, n, "%.1f ms", s * 1e3);
+  else snprintf(buf, n, "%.2f s", s);
+}
+
+static int rec_line(char *buf, size_t n, const rec_entry *e, double now) {
+  char dur[32] = "";
+  switch (e->state) {
+  case REC_QUEUED: fmt_duration(dur, sizeof dur, now - e->t_issue); break;
+  case REC_RUNNING: fmt_duration(dur, sizeof dur, now - e->t_start); break;
+  default: fmt_duration(dur, sizeof dur, e->t_end - e->t_start); break;
+  }
+  char what[40];
+  if (e->op == FSDP_COLL_BARRIER) snprintf(what, sizeof what, "barrier");
+  else snprintf(what, sizeof what, "%s %s x%lld", fsdp_coll_name(e->op),
+                fsdp_dtype_name(e->dtype), (long long)e->count);
+  return snprintf(buf, n, "#%llu %s '%s' %s %s\n", (unsigned long long)e->seq, what, e->label,
+                  rec_state_name[e->state], dur);
+}
+
+/* Render the recorder into buf (n bytes with the NUL), newest last, dropping the oldest lines
+ * that do not fit. Caller holds c->mu. Returns the length written. */
+static size_t rec_render_locked(const fsdp_comm *c, char *buf, size_t n) {
+  if (n == 0) return 0;
+  buf[0] = '\0';
+  double now = now_s();
+  /* entries in sequence order: seqs c->seq - k + 1 .. c->seq live at seq % RECORDER */
+  uint64_t newest = c->seq;
+  uint64_t have = newest < FSDP_COMM_RECORDER ? newest : FSDP_COMM_RECORDER;
+  if (have == 0) {
+    snprintf(buf, n, "(no collectives)\n");
+    return strlen(buf);
+  }
+  /* walk from the newest back while the lines fit, then write them oldest first */
+  size_t total = 0;
+  uint64_t first = newest + 1;
+  char line[192];
+  for (uint64_t k = 0; k < have; k++) {
+    const rec_entry *e = &c->rec[(newest - k) % FSDP_COMM_RECORDER];
+    int len = rec_line(line, sizeof line, e, now);
+    if (len < 0) break;
+    if (total + (size_t)len + 1 > n) break;
+    total += (size_t)len;
+    first = newest - k;
+  }
+  size_t at = 0;
+  for (uint64_t s = first; s <= newest && first <= newest; s++) {
+    const rec_entry *e = &c->rec[s % FSDP_COMM_RECORDER];
+    int len = rec_line(buf + at, n - at, e, now);
+    if (len < 0 || at + (size_t)len >= n) break;
+    at += (size_t)len;
+  }
+  buf[at] = '\0';
+  return at;
+}
+
+char *fsdp_comm_flight_recorder(const fsdp_comm *c, char *buf, size_t n) {
+  if (!buf || n == 0) return buf;
+  fsdp_comm *m = (fsdp_comm *)c; /* the lock is not part of the logical state */
+  pthread_mutex_lock(&m->mu);
+  rec_render_locked(c, buf, n);
+  pthread_mutex_unlock(&m->mu);
+  return buf;
+}
+
+/* "<msg>\nflight recorder (rank R, newest last):\n<lines>" into a new buffer of the error
+ * slot's size. Caller holds c->mu. */
+static char *failure_message_locked(const fsdp_comm *c, const char *msg) {
+  char *out = malloc(FSDP_COMM_MSG_CAP);
+  if (!out) return NULL;
+  int len = snprintf(out, FSDP_COMM_MSG_CAP, "%s\nflight recorder (rank %d, newest last):\n",
+                     msg, c->rank);
+  if (len < 0 || (size_t)len >= FSDP_COMM_MSG_CAP - 1) return out;
+  size_t at = (size_t)len;
+  at += rec_render_locked(c, out + at, FSDP_COMM_MSG_CAP - at);
+  if (at > 0 && out[at - 1] == '\n') out[at - 1] = '\0'; /* no trailing newline */
+  return out;
+}
+
+/* ---- stats -------------------------------------------------------------------------------- */
+
+void fsdp_comm_get_stats(const fsdp_comm *c, fsdp_comm_stats *out) {
+  fsdp_comm *m = (fsdp_comm *)c;
+  pthread_mutex_lock(&m->mu);
+  *out = c->stats;
+  pthread_mutex_unlock(&m->mu);
+}
+
+void fsdp_comm_reset_stats(fsdp_comm *c) {
+  pthread_mutex_lock(&c->mu);
+  memset(&c->stats, 0, sizeof c->stats);
+  pthread_mutex_unlock(&c->mu);
+}
+
+/* ---- settings and failure --------------------------------------------------------------- */
+
+void fsdp_comm_set_timeout(fsdp_comm *c, double seconds) {
+  pthread_mutex_lock(&c->mu);
+  c->timeout = seconds > 0 && isfinite(seconds) ? seconds : c->default_timeout;
+  pthread_mutex_unlock(&c->mu);
+}
+
+double fsdp_comm_timeout(const fsdp_comm *c) {
+  fsdp_comm *m = (fsdp_comm *)c;
+  pthread_mutex_lock(&m->mu);
+  double t = c->timeout;
+  pthread_mutex_unlock(&m->mu);
+  return t;
+}
+
+void fsdp_comm_set_debug(fsdp_comm *c, bool on) {
+  pthread_mutex_lock(&c->mu);
+  c->debug = on;
+  pthread_mutex_unlock(&c->mu);
+}
+
+bool fsdp_comm_debug(const fsdp_comm *c) {
+  fsdp_comm *m = (fsdp_comm *)c;
+  pthread_mutex_lock(&m->mu);
+  bool on = c->debug;
+  pthread_mutex_unlock(&m->mu);
+  return on;
+}
+
+void fsdp_comm_abort(fsdp_comm *c, const char *msg) {
+  if (!c) return;
+  char full[FSDP_COMM_MSG_CAP];
+  snprintf(full, sizeof full, "rank %d failed: %s", c->rank, msg ? msg : "(no message)");
+  if (c->vt->abort) {
+    c->vt->abort(c, full);
+    return;
+  }
+  pthread_mutex_lock(&c->mu);
+  if (!c->poisoned) {
+    c->poisoned = true;
+    memcpy(c->poison, full, sizeof full);
+  }
+  pthread_mutex_unlock(&c->mu);
+}
+
+bool fsdp_comm_poisoned(const fsdp_comm *c) {
+  if (c->vt->poisoned) return c->vt->poisoned(c);
+  fsdp_comm *m = (fsdp_comm *)c;
+  pthread_mutex_lock(&m->mu);
+  bool p = c->poisoned;
+  pthread_mutex_unlock(&m->mu);
+  return p;
+}
+
+/* ---- validation --------------------------------------------------------------------------- */
+
+static bool overlaps(const float *a, int64_t na, const float *b, int64_t nb) {
+  if (na == 0 || nb == 0) return false;
+  uintptr_t a0 = (uintptr_t)a, a1 = (uintptr_t)(a + na), b0 = (uintptr_t)b, b1 = (uintptr_t)(b + nb);
+  return a0 < b1 && b0 < a1;
+}
+
+static int validate(const fsdp_comm *c, const fsdp_coll *k) {
+  char what[160];
+  fsdp_coll_describe(what, sizeof what, k);
+  if ((unsigned)k->op >= FSDP_COLL_COUNT) return fsdp_error("collective: unknown op %d", (int)k->op);
+  if (k->dtype != FSDP_DTYPE_F32) return fsdp_error("%s: only f32 is supported", what);
+  if (k->count < 0) return fsdp_error("%s: negative count", what);
+  if (k->count > INT64_MAX / 8 / c->world) return fsdp_error("%s: count too large", what);
+  if (op_has_red(k->op) && (unsigned)k->red > FSDP_RED_MIN) {
+    return fsdp_error("%s: unknown reduction %d", what, (int)k->red);
+  }
+  int64_t n = k->count, w = c->world;
+  switch (k->op) {
+  case FSDP_COLL_ALL_GATHER:
+    if (n > 0 && (!k->send || !k->recv)) return fsdp_error("%s: NULL buffer", what);
+    if (k->send != k->recv + c->rank * n && overlaps(k->send, n, k->recv, n * w)) {
+      return fsdp_error("%s: send overlaps recv (in place means send == recv + rank * count)",
+                        what);
+    }
+    break;
+  case FSDP_COLL_REDUCE_SCATTER:
+    if (n > 0 && (!k->send || !k->recv)) return fsdp_error("%s: NULL buffer", what);
+    if (overlaps(k->send, n * w, k->recv, n)) return fsdp_error("%s: send overlaps recv", what);
+    break;
+  case FSDP_COLL_ALL_REDUCE:
+    if (n > 0 && !k->recv) return fsdp_error("%s: NULL buffer", what);
+    break;
+  case FSDP_COLL_BROADCAST:
+    if (k->root < 0 || k->root >= c->world) {
+      return fsdp_error("%s: root %d out of range for world %d", what, k->root, c->world);
+    }
+    if (n > 0 && !k->recv) return fsdp_error("%s: NULL buffer", what);
+    break;
+  case FSDP_COLL_BARRIER:
+    if (n != 0) return fsdp_error("%s: count must be 0", what);
+    break;
+  default: break;
+  }
+  return FSDP_OK;
+}
+
+/* ---- running ------------------------------------------------------------------------------ */
+
+/* A request runs in two halves on the thread that runs it: begin (recorder "running", the
+ * label flag, and for a native backend its start) and end (the collective itself or the native
+ * wait, then the recorder, busy time and failure message). c->mu not held on entry. */
+static void exec_begin(fsdp_comm *c, fsdp_comm_req *r) {
+  rec_entry *e = &c->rec[r->seq % FSDP_COMM_RECORDER];
+  pthread_mutex_lock(&c->mu);
+  if (e->seq == r->seq) { /* (a ring slot may already hold a newer collective) */
+    e->state = REC_RUNNING;
+    e->t_start = now_s();
+  }
+  c->run_check_labels = r->check_labels;
+  bool own_poison = !c->vt->abort && c->poisoned;
+  char poison[FSDP_COMM_MSG_CAP];
+  if (own_poison) memcpy(poison, c->poison, sizeof poison);
+  pthread_mutex_unlock(&c->mu);
+  r->rc = FSDP_OK;
+  if (own_poison) r->rc = fsdp_error("%s", poison);
+  else if (c->vt->start) r->rc = c->vt->start(c, &r->coll, r->seq, &r->native);
+}
+
+static void exec_end(fsdp_comm *c, fsdp_comm_req *r) {
+  double t0 = now_s();
+  int rc = r->rc;
+  if (rc == FSDP_OK) {
+    if (c->vt->start) rc = c->vt->wait(c, r->native);
+    else rc = c->vt->run(c, &r->coll, r->seq);
+  }
+  pthread_mutex_lock(&c->mu);
+  double t1 = now_s();
+  rec_entry *e = &c->rec[r->seq % FSDP_COMM_RECORDER];
+  /* busy: the collective's own time (for a native one, from its start to the end of wait) */
+  double t_start = e->seq == r->seq ? e->t_start : t0;
+  c->stats.busy_s += t1 - t_start;
+  if (e->seq == r->seq) {
+    e->state = rc == FSDP_OK ? REC_DONE : REC_FAILED;
+    e->t_end = t1;
+  }
+  r->rc = rc;
+  if (rc != FSDP_OK) r->msg = failure_message_locked(c, fsdp_error_msg());
+  pthread_mutex_unlock(&c->mu);
+}
+
+static void *worker_main(void *arg) {
+  fsdp_comm *c = arg;
+  pthread_mutex_lock(&c->mu);
+  for (;;) {
+    while ((!c->head && !c->stop) || c->inline_busy) pthread_cond_wait(&c->work_cv, &c->mu);
+    if (!c->head) break; /* stopping, and the queue is drained */
+    fsdp_comm_req *r = c->head;
+    c->head = r->next;
+    if (!c->head) c->tail = NULL;
+    r->next = NULL;
+    c->worker_busy = true;
+    pthread_mutex_unlock(&c->mu);
+    exec_begin(c, r);
+    exec_end(c, r);
+    pthread_mutex_lock(&c->mu);
+    r->done = true;
+    c->worker_busy = false;
+    pthread_cond_broadcast(&c->done_cv);
+  }
+  pthread_mutex_unlock(&c->mu);
+  return NULL;
+}
+
+typedef enum { PATH_INLINE, PATH_QUEUED, PATH_NATIVE } issue_path;
+
+/* Issue a collective: validate, take a sequence number, record it, count it, and decide who
+ * runs it: the caller now (inline), the worker (queued), or the backend natively. */
+static int issue(fsdp_comm *c, const fsdp_coll *coll, bool blocking, fsdp_comm_req **out,
+                 issue_path *path) {
+  *out = NULL;
+  if (!c) return fsdp_error("collective: no communicator");
+  if (!coll) return fsdp_error("collective: no fsdp_coll");
+  if (validate(c, coll) != FSDP_OK) {
+    /* the peers would wait for this rank forever: fail them too */
+    fsdp_comm_abort(c, fsdp_error_msg());
+    return FSDP_ERR;
+  }
+  fsdp_comm_req *r = calloc(1, sizeof *r);
+  if (!r) {
+    fsdp_error("%s: out of memory", fsdp_coll_name(coll->op));
+    fsdp_comm_abort(c, fsdp_error_msg());
+    return FSDP_ERR;
+  }
+  r->c = c;
+  r->coll = *coll;
+  r->coll.label[sizeof r->coll.label - 1] = '\0';
+
+  pthread_mutex_lock(&c->mu);
+  /* Inline when nothing is ahead of it and waiting on the caller's thread costs nothing: a
+   * blocking call, or a world of one (it never waits on peers). A native backend orders its
+   * own collectives: every one is started here, in sequence order. */
+  bool idle = !c->head && !c->worker_busy && !c->inline_busy;
+  if (c->vt->start) *path = PATH_NATIVE;
+  else if (idle && (blocking || c->world == 1)) *path = PATH_INLINE;
+  else *path = PATH_QUEUED;
+  if (*path == PATH_QUEUED && !c->worker_started) {
+    if (pthread_create(&c->worker, NULL, worker_main, c) != 0) {
+      pthread_mutex_unlock(&c->mu);
+      free(r);
+      fsdp_error("%s: cannot start the communicator's worker thread", fsdp_coll_name(coll->op));
+      fsdp_comm_abort(c, fsdp_error_msg());
+      return FSDP_ERR;
+    }
+    c->worker_started = true;
+  }
+  r->seq = ++c->seq;
+  bool first_use = label_set_add(&c->labels, r->coll.label);
+  r->check_labels = c->debug || first_use;
+  rec_entry *e = &c->rec[r->seq % FSDP_COMM_RECORDER];
+  memset(e, 0, sizeof *e);
+  e->seq = r->seq;
+  e->op = coll->op;
+  e->dtype = coll->dtype;
+  e->count = coll->count;
+  memcpy(e->label, r->coll.label, sizeof e->label);
+  e->t_issue = now_s();
+  e->state = REC_QUEUED;
+  c->stats.calls[coll->op]++;
+  c->stats.bytes[coll->op] += fsdp_coll_bytes(coll, c->world);
+  r->next_out = c->outstanding; /* outstanding list, for fsdp_comm_free */
+  if (c->outstanding) c->outstanding->prev_out = r;
+  c->outstanding = r;
+  if (*path == PATH_INLINE) {
+    c->inline_busy = true;
+  } else if (*path == PATH_QUEUED) {
+    if (c->tail) c->tail->next = r;
+    else c->head = r;
+    c->tail = r;
+    pthread_cond_signal(&c->work_cv);
+  }
+  pthread_mutex_unlock(&c->mu);
+  *out = r;
+  return FSDP_OK;
+}
+
+static void run_inline_now(fsdp_comm *c, fsdp_comm_req *r) {
+  exec_begin(c, r);
+  exec_end(c, r);
+  pthread_mutex_lock(&c->mu);
+  r->done = true;
+  c->inline_busy = false;
+  pthread_cond_signal(&c->work_cv);
+  pthread_cond_broadcast(&c->done_cv);
+  pthread_mutex_unlock(&c->mu);
+}
+
+static int issue_and_dispatch(fsdp_comm *c, const fsdp_coll *coll, bool blocking,
+                              fsdp_comm_req **out) {
+  issue_path path;
+  if (issue(c, coll, blocking, out, &path) != FSDP_OK) return FSDP_ERR;
+  if (path == PATH_INLINE) run_inline_now(c, *out);
+  else if (path == PATH_NATIVE) exec_begin(c, *out); /* finished in fsdp_comm_wait */
+  return FSDP_OK;
+}
+
+int fsdp_comm_start(fsdp_comm *c, const fsdp_coll *coll, fsdp_comm_req **req) {
+  *req = NULL;
+  return issue_and_dispatch(c, coll, false, req);
+}
+
+/* Wait for r (or, native, finish it here), unlink and free it; its status, with its message
+ * in the calling thread's error slot. */
+static int finish(fsdp_comm_req *r, double t_wait0) {
+  fsdp_comm *c = r->c;
+  if (c->vt->start) {
+    exec_end(c, r);
+    pthread_mutex_lock(&c->mu);
+    r->done = true;
+  } else {
+    pthread_mutex_lock(&c->mu);
+    while (!r->done) pthread_cond_wait(&c->done_cv, &c->mu);
+  }
+  c->stats.wait_s += now_s() - t_wait0;
+  if (r->prev_out) r->prev_out->next_out = r->next_out;
+  else c->outstanding = r->next_out;
+  if (r->next_out) r->next_out->prev_out = r->prev_out;
+  pthread_mutex_unlock(&c->mu);
+  int rc = r->rc;
+  if (rc != FSDP_OK) {
+    if (r->msg) fsdp_error("%s", r->msg);
+    else fsdp_error("%s #%llu failed (out of memory for its message)",
+                    fsdp_coll_name(r->coll.op), (unsigned long long)r->seq);
+  }
+  free(r->msg);
+  free(r);
+  return rc;
+}
+
+int fsdp_comm_wait(fsdp_comm_req *req) {
+  if (!req) return fsdp_error("fsdp_comm_wait: NULL handle");
+  return finish(req, now_s());
+}
+
+int fsdp_comm_run(fsdp_comm *c, const fsdp_coll *coll) {
+  double t0 = now_s();
+  fsdp_comm_req *r;
+  if (issue_and_dispatch(c, coll, true, &r) != FSDP_OK) return FSDP_ERR;
+  return finish(r, t0);
+}
+
+/* ---- the blocking shorthands ---------------------------------------------------------------- */
+
+static void set_label(fsdp_coll *k, const char *label) {
+  snprintf(k->label, sizeof k->label, "%s", label ? label : "");
+}
+
+int fsdp_comm_all_gather(fsdp_comm *c, float *recv, const float *send, int64_t count,
+                         const char *label) {
+  fsdp_coll k = {.op = FSDP_COLL_ALL_GATHER, .dtype = FSDP_DTYPE_F32, .count = count,
+                 .send = send, .recv = recv};
+  set_label(&k, label);
+  return fsdp_comm_run(c, &k);
+}
+
+int fsdp_comm_reduce_scatter(fsdp_comm *c, float *recv, const float *send, int64_t count,
+                             fsdp_reduce_op red, const char *label) {
+  fsdp_coll k = {.op = FSDP_COLL_REDUCE_SCATTER, .dtype = FSDP_DTYPE_F32, .red = red,
+                 .count = count, .send = send, .recv = recv};
+  set_label(&k, label);
+  return fsdp_comm_run(c, &k);
+}
+
+int fsdp_comm_all_reduce(fsdp_comm *c, float *buf, int64_t count, fsdp_reduce_op red,
+                         const char *label) {
+  fsdp_coll k = {.op = FSDP_COLL_ALL_REDUCE, .dtype = FSDP_DTYPE_F32, .red = red,
+                 .count = count, .recv = buf};
+  set_label(&k, label);
+  return fsdp_comm_run(c, &k);
+}
+
+int fsdp_comm_broadcast(fsdp_comm *c, float *buf, int64_t count, int root, const char *label) {
+  fsdp_coll k = {.op = FSDP_COLL_BROADCAST, .dtype = FSDP_DTYPE_F32, .root = root,
+                 .count = count, .recv = buf};
+  set_label(&k, label);
+  return fsdp_comm_run(c, &k);
+}
+
+int fsdp_comm_barrier(fsdp_comm *c, const char *label) {
+  fsdp_coll k = {.op = FSDP_COLL_BARRIER, .dtype = FSDP_DTYPE_F32};
+  set_label(&k, label);
+  return fsdp_comm_run(c, &k);
+}
+
+/* ---- freeing and the current communicator --------------------------------------------------- */
+
+static _Thread_local fsdp_comm *tl_current;
+static pthread_key_t lazy_key;
+static pthread_once_t lazy_once = PTHREAD_ONCE_INIT;
+
+void fsdp_comm_free(fsdp_comm *c) {
+  if (!c) return;
+  if (tl_current == c) tl_current = NULL;
+  pthread_mutex_lock(&c->mu);
+  c->stop = true;
+  pthread_cond_broadcast(&c->work_cv);
+  bool joined = c->worker_started;
+  pthread_mutex_unlock(&c->mu);
+  if (joined) pthread_join(c->worker, NULL); /* drains the queue first */
+  /* handles nobody waited on (a native one is finished first: the backend holds it) */
+  for (fsdp_comm_req *r = c->outstanding, *next; r; r = next) {
+    next = r->next_out;
+    if (c->vt->start && r->rc == FSDP_OK && !r->done) c->vt->wait(c, r->native);
+    free(r->msg);
+    free(r);
+  }
+  if (c->vt->free) c->vt->free(c);
+  label_set_free(&c->labels);
+  pthread_cond_destroy(&c->done_cv);
+  pthread_cond_destroy(&c->work_cv);
+  pthread_mutex_destroy(&c->mu);
+  free(c);
+}
+
+static void lazy_destroy(void *p) { fsdp_comm_free(p); }
+static void lazy_make_key(void) { pthread_key_create(&lazy_key, lazy_destroy); }
+
+void fsdp_comm_set_current(fsdp_comm *c) { tl_current = c; }
+
+static int single_create(fsdp_comm **out, bool strict_env);
+
+fsdp_comm *fsdp_comm_current(void) {
+  if (tl_current) return tl_current;
+  pthread_once(&lazy_once, lazy_make_key);
+  fsdp_comm *c = pthread_getspecific(lazy_key);
+  if (!c) {
+    if (single_create(&c, false) != FSDP_OK) return NULL;
+    pthread_setspecific(lazy_key, c);
+  }
+  return c;
+}
+
+/* ---- the world of one ----------------------------------------------------------------------- */
+
+/* Every collective of one rank is a local copy; the reductions see one contribution, so sum,
+ * max and min are the identity and avg multiplies by 1 (the same bits). */
+static int single_run(fsdp_comm *c, const fsdp_coll *k, uint64_t seq) {
+  (void)c;
+  (void)seq;
+  if ((k->op == FSDP_COLL_ALL_GATHER || k->op == FSDP_COLL_REDUCE_SCATTER) && k->count > 0 &&
+      k->recv != k->send) {
+    memcpy(k->recv, k->send, (size_t)k->count * sizeof(float));
+  }
+  return FSDP_OK;
+}
+
+static const fsdp_comm_i single_vt = {
+    .name = "local",
+    .run = single_run,
+};
+
+static int single_create(fsdp_comm **out, bool strict_env) {
+  return comm_create(out, &single_vt, NULL, 0, 1, strict_env);
+}
+
+int fsdp_comm_single_new(fsdp_comm **out) { return single_create(out, true); }

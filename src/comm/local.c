@@ -1,0 +1,458 @@
+/*
+ * local.c — the `local` backend: ranks are threads of one process sharing a fsdp_local_group.
+ * Owner: comm. The algorithm and its guarantees are described in docs/comm.md.
+ *
+ * Rendezvous. For the collective with sequence number s, each rank's running thread publishes
+ * its fsdp_coll (buffer pointers and fingerprint) in its slot of the group and waits until all
+ * W ranks have published s. The last to arrive compares the fingerprints and records the
+ * verdict (go_seq = s, go_ok); everyone reads it. Under the group mutex, "all arrived" and
+ * "poisoned" are decided once per collective: either the last rank arrives before any poison
+ * (the collective runs on every rank) or a poison comes first (it fails on every rank; the
+ * last rank sees the poison before publishing). The arrival wait is the only timed wait
+ * (pthread_cond_timedwait on CLOCK_MONOTONIC).
+ *
+ * Data, zero-copy: every rank reads its peers' buffers directly (no staging):
+ *   all_gather      rank r copies each rank p's send into its own recv[p*count, (p+1)*count)
+ *   reduce_scatter  rank r reduces chunk r of every rank's send, in rank order 0..W-1
+ *   all_reduce      reduce-scatter (rank r reduces its chunk of every rank's buffer, in rank
+ *                   order, into its own buffer), sync, all-gather of the reduced chunks
+ *   broadcast       every rank but the root copies the root's buffer
+ * then a completion sync, so that no rank returns (and frees or reuses its buffers) while a
+ * peer may still read them. The syncs after the arrival are untimed: every rank has arrived,
+ * and all that remains is bounded memory work on threads the engine owns; a poison raised
+ * meanwhile is seen by the next collective.
+ *
+ * Reproducibility: each output element is computed by exactly one rank, always as
+ * ((x0 + x1) + x2) + ... + x(W-1) in float (then * (float)(1.0/W) for avg), independent of
+ * tiling, vector width or which rank computes it; every other rank copies those bits. So all
+ * ranks hold identical bits, and runs repeat bit for bit.
+ */
+#include "comm/comm.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define LOCAL_MAX_WORLD 4096
+#define LOCAL_MSG_CAP 1024
+/* reduction tile: the running sums of one tile stay in L1 while every rank's input streams */
+#define LOCAL_TILE 2048
+/* all_reduce chunk boundaries at multiples of 16 floats (64 bytes): no two ranks write the
+ * same cache line */
+#define LOCAL_ALIGN 16
+
+typedef struct local_slot {
+  fsdp_coll coll;     /* published for the collective `arrived` */
+  bool check_labels;  /* this rank asks for a label comparison */
+  uint64_t arrived;   /* last sequence number published (0: none yet) */
+  uint64_t tick;      /* syncs passed inside collectives */
+  bool joined;        /* a communicator exists (or existed) for this rank */
+  bool left;          /* ... and was freed */
+} local_slot;
+
+struct fsdp_local_group {
+  int world;
+  int refs; /* creator + one per communicator; guarded by mu */
+  pthread_mutex_t mu;
+  pthread_cond_t cv; /* CLOCK_MONOTONIC; every state change broadcasts */
+  bool poisoned;
+  char poison[LOCAL_MSG_CAP];
+  uint64_t go_seq; /* last collective all ranks arrived at */
+  bool go_ok;      /* its fingerprints matched */
+  char verdict[LOCAL_MSG_CAP];
+  local_slot slot[];
+};
+
+typedef struct local_comm {
+  fsdp_local_group *g;
+  int rank;
+  const float **srcs; /* (world) scratch: the inputs of one reduction */
+} local_comm;
+
+/* ---- group --------------------------------------------------------------------------------- */
+
+int fsdp_local_group_new(fsdp_local_group **out, int world) {
+  *out = NULL;
+  if (world < 1 || world > LOCAL_MAX_WORLD) {
+    return fsdp_error("local group: world size %d out of range 1..%d", world, LOCAL_MAX_WORLD);
+  }
+  fsdp_local_group *g = calloc(1, sizeof *g + (size_t)world * sizeof(local_slot));
+  if (!g) return fsdp_error("local group: out of memory");
+  g->world = world;
+  g->refs = 1;
+  pthread_mutex_init(&g->mu, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&g->cv, &ca);
+  pthread_condattr_destroy(&ca);
+  *out = g;
+  return FSDP_OK;
+}
+
+void fsdp_local_group_release(fsdp_local_group *g) {
+  if (!g) return;
+  pthread_mutex_lock(&g->mu);
+  bool last = --g->refs == 0;
+  pthread_mutex_unlock(&g->mu);
+  if (!last) return;
+  pthread_cond_destroy(&g->cv);
+  pthread_mutex_destroy(&g->mu);
+  free(g);
+}
+
+/* ---- poison ------------------------------------------------------------------------------- */
+
+static void poison_locked(fsdp_local_group *g, const char *msg) {
+  if (!g->poisoned) {
+    g->poisoned = true;
+    size_t len = strlen(msg);
+    if (len >= sizeof g->poison) len = sizeof g->poison - 1; /* truncated, never overflowed */
+    memcpy(g->poison, msg, len);
+    g->poison[len] = '\0';
+  }
+  pthread_cond_broadcast(&g->cv);
+}
+
+static void local_abort(fsdp_comm *c, const char *msg) {
+  local_comm *lc = fsdp_comm_impl(c);
+  pthread_mutex_lock(&lc->g->mu);
+  poison_locked(lc->g, msg);
+  pthread_mutex_unlock(&lc->g->mu);
+}
+
+static bool local_poisoned(const fsdp_comm *c) {
+  local_comm *lc = fsdp_comm_impl(c);
+  pthread_mutex_lock(&lc->g->mu);
+  bool p = lc->g->poisoned;
+  pthread_mutex_unlock(&lc->g->mu);
+  return p;
+}
+
+/* ---- rendezvous ---------------------------------------------------------------------------- */
+
+static bool all_arrived(const fsdp_local_group *g, uint64_t seq) {
+  for (int p = 0; p < g->world; p++) {
+    if (g->slot[p].arrived != seq) return false;
+  }
+  return true;
+}
+
+/* The last rank to arrive: compare every rank's fingerprint with rank 0's. Labels take part
+ * when any rank asks (its first use of the label, or debug), so every rank reaches the same
+ * verdict. A mismatch poisons the group: the ranks have diverged. */
+static void decide_locked(fsdp_local_group *g, uint64_t seq) {
+  bool labels = false;
+  for (int p = 0; p < g->world; p++) labels |= g->slot[p].check_labels;
+  g->go_seq = seq;
+  g->go_ok = true;
+  for (int p = 1; p < g->world; p++) {
+    if (fsdp_coll_matches(&g->slot[0].coll, &g->slot[p].coll, labels)) continue;
+    char a[160], b[160];
+    snprintf(g->verdict, sizeof g->verdict,
+             "collective mismatch at #%llu: rank 0 called %s but rank %d called %s",
+             (unsigned long long)seq, fsdp_coll_describe(a, sizeof a, &g->slot[0].coll), p,
+             fsdp_coll_describe(b, sizeof b, &g->slot[p].coll));
+    g->go_ok = false;
+    poison_locked(g, g->verdict);
+    break;
+  }
+  pthread_cond_broadcast(&g->cv);
+}
+
+/* "ranks 2, 3 have not arrived (sequence numbers they reached: rank 2 #11, rank 3 none)" */
+static void describe_missing_locked(const fsdp_local_group *g, uint64_t seq, char *buf, size_t n) {
+  int missing = 0;
+  for (int p = 0; p < g->world; p++) missing += g->slot[p].arrived != seq;
+  size_t at = 0;
+  at += (size_t)snprintf(buf + at, n - at, "%s", missing == 1 ? "rank " : "ranks ");
+  int k = 0;
+  for (int p = 0; p < g->world && at < n; p++) {
+    if (g->slot[p].arrived == seq) continue;
+    at += (size_t)snprintf(buf + at, n - at, "%s%d", k++ ? ", " : "", p);
+  }
+  if (at < n) {
+    at += (size_t)snprintf(buf + at, n - at, " %s not arrived (%s reached:",
+                           missing == 1 ? "has" : "have",
+                           missing == 1 ? "sequence number it" : "sequence numbers they");
+  }
+  k = 0;
+  for (int p = 0; p < g->world && at < n; p++) {
+    const local_slot *s = &g->slot[p];
+    if (s->arrived == seq) continue;
+    char where[64];
+    if (!s->joined) snprintf(where, sizeof where, "never joined");
+    else if (s->arrived == 0) snprintf(where, sizeof where, "none");
+    else snprintf(where, sizeof where, "#%llu", (unsigned long long)s->arrived);
+    at += (size_t)snprintf(buf + at, n - at, "%s rank %d %s%s", k++ ? "," : "", p, where,
+                           s->left ? " (left)" : "");
+  }
+  if (at < n) snprintf(buf + at, n - at, ")");
+}
+
+static void deadline_after(struct timespec *ts, double seconds) {
+  if (seconds > 1e9) seconds = 1e9; /* ~30 years: keeps tv_sec in range */
+  clock_gettime(CLOCK_MONOTONIC, ts);
+  double whole = (double)(int64_t)seconds;
+  ts->tv_sec += (time_t)whole;
+  ts->tv_nsec += (long)((seconds - whole) * 1e9);
+  if (ts->tv_nsec >= 1000000000L) {
+    ts->tv_sec += 1;
+    ts->tv_nsec -= 1000000000L;
+  }
+}
+
+/* Publish and wait for every rank. FSDP_OK: the collective runs (fingerprints matched). */
+static int arrive(fsdp_comm *c, local_comm *lc, const fsdp_coll *coll, uint64_t seq) {
+  fsdp_local_group *g = lc->g;
+  int r = lc->rank;
+  double timeout = fsdp_comm_timeout(c);
+  pthread_mutex_lock(&g->mu);
+  if (g->poisoned) goto poisoned;
+  g->slot[r].coll = *coll;
+  g->slot[r].check_labels = fsdp_comm_check_labels(c);
+  g->slot[r].arrived = seq;
+  if (all_arrived(g, seq)) {
+    decide_locked(g, seq);
+  } else {
+    struct timespec deadline;
+    deadline_after(&deadline, timeout);
+    while (g->go_seq < seq) {
+      if (g->poisoned) goto poisoned;
+      for (int p = 0; p < g->world; p++) {
+        if (g->slot[p].left && g->slot[p].arrived != seq) {
+          char msg[LOCAL_MSG_CAP];
+          snprintf(msg, sizeof msg,
+                   "rank %d left the group (its communicator was freed) after #%llu: %s #%llu "
+                   "'%s' cannot complete",
+                   p, (unsigned long long)g->slot[p].arrived, fsdp_coll_name(coll->op),
+                   (unsigned long long)seq, coll->label);
+          char full[LOCAL_MSG_CAP + 32];
+          snprintf(full, sizeof full, "rank %d failed: %s", r, msg);
+          poison_locked(g, full);
+          pthread_mutex_unlock(&g->mu);
+          return fsdp_error("%s", msg);
+        }
+      }
+      int rc = pthread_cond_timedwait(&g->cv, &g->mu, &deadline);
+      if (rc == ETIMEDOUT && g->go_seq < seq && !g->poisoned) {
+        char missing[LOCAL_MSG_CAP / 2];
+        describe_missing_locked(g, seq, missing, sizeof missing);
+        char msg[LOCAL_MSG_CAP];
+        snprintf(msg, sizeof msg, "timeout after %g s in %s #%llu '%s': %s", timeout,
+                 fsdp_coll_name(coll->op), (unsigned long long)seq, coll->label, missing);
+        char full[LOCAL_MSG_CAP + 32];
+        snprintf(full, sizeof full, "rank %d failed: %s", r, msg);
+        poison_locked(g, full);
+        pthread_mutex_unlock(&g->mu);
+        return fsdp_error("%s", msg);
+      }
+    }
+  }
+  /* go_seq == seq: the verdict stays until this rank arrives at seq + 1 */
+  if (!g->go_ok) {
+    char verdict[LOCAL_MSG_CAP];
+    memcpy(verdict, g->verdict, sizeof verdict);
+    pthread_mutex_unlock(&g->mu);
+    return fsdp_error("%s", verdict);
+  }
+  pthread_mutex_unlock(&g->mu);
+  return FSDP_OK;
+
+poisoned:;
+  char poison[LOCAL_MSG_CAP];
+  memcpy(poison, g->poison, sizeof poison);
+  pthread_mutex_unlock(&g->mu);
+  return fsdp_error("%s", poison);
+}
+
+/* A sync inside a collective (all ranks have arrived): wait until every rank has passed as
+ * many syncs as this one. Untimed on purpose (see the file comment). */
+static void sync_ranks(local_comm *lc) {
+  fsdp_local_group *g = lc->g;
+  pthread_mutex_lock(&g->mu);
+  uint64_t t = ++g->slot[lc->rank].tick;
+  for (;;) {
+    bool all = true;
+    for (int p = 0; p < g->world; p++) all &= g->slot[p].tick >= t;
+    if (all) break;
+    pthread_cond_wait(&g->cv, &g->mu);
+  }
+  pthread_cond_broadcast(&g->cv);
+  pthread_mutex_unlock(&g->mu);
+}
+
+/* ---- kernels --------------------------------------------------------------------------------- */
+
+/* One pass per input over a tile: plain loops the compiler vectorises. max/min propagate NaN
+ * (a NaN anywhere gives NaN), with selects rather than branches. */
+static void tile_first2(float *restrict t, const float *restrict a, const float *restrict b,
+                        int64_t m, fsdp_reduce_op red) {
+  switch (red) {
+  case FSDP_RED_MAX:
+    for (int64_t i = 0; i < m; i++) t[i] = (b[i] > a[i] || b[i] != b[i]) ? b[i] : a[i];
+    break;
+  case FSDP_RED_MIN:
+    for (int64_t i = 0; i < m; i++) t[i] = (b[i] < a[i] || b[i] != b[i]) ? b[i] : a[i];
+    break;
+  default:
+    for (int64_t i = 0; i < m; i++) t[i] = a[i] + b[i];
+    break;
+  }
+}
+
+static void tile_acc(float *restrict t, const float *restrict b, int64_t m, fsdp_reduce_op red) {
+  switch (red) {
+  case FSDP_RED_MAX:
+    for (int64_t i = 0; i < m; i++) t[i] = (b[i] > t[i] || b[i] != b[i]) ? b[i] : t[i];
+    break;
+  case FSDP_RED_MIN:
+    for (int64_t i = 0; i < m; i++) t[i] = (b[i] < t[i] || b[i] != b[i]) ? b[i] : t[i];
+    break;
+  default:
+    for (int64_t i = 0; i < m; i++) t[i] += b[i];
+    break;
+  }
+}
+
+static void tile_scale_out(float *restrict out, const float *restrict t, int64_t m, float s) {
+  for (int64_t i = 0; i < m; i++) out[i] = t[i] * s;
+}
+
+/* out[i] = src[0][i] (+) src[1][i] (+) ... (+) src[n-1][i] for i < m, left to right; for AVG
+ * the sum is then multiplied by (float)(1.0 / n). out may be one of the inputs (all_reduce's
+ * own chunk): each tile is reduced into a scratch buffer before it is written. */
+static void reduce_f32(float *out, const float *const *src, int nsrc, int64_t m,
+                       fsdp_reduce_op red) {
+  float t[LOCAL_TILE] __attribute__((aligned(64)));
+  const float scale = (float)(1.0 / nsrc);
+  for (int64_t i0 = 0; i0 < m; i0 += LOCAL_TILE) {
+    int64_t k = m - i0 < LOCAL_TILE ? m - i0 : LOCAL_TILE;
+    if (nsrc == 1) {
+      memcpy(t, src[0] + i0, (size_t)k * sizeof(float));
+    } else {
+      tile_first2(t, src[0] + i0, src[1] + i0, k, red);
+      for (int p = 2; p < nsrc; p++) tile_acc(t, src[p] + i0, k, red);
+    }
+    if (red == FSDP_RED_AVG) tile_scale_out(out + i0, t, k, scale);
+    else memcpy(out + i0, t, (size_t)k * sizeof(float));
+  }
+}
+
+static void copy_f32(float *dst, const float *src, int64_t n) {
+  if (n > 0 && dst != src) memcpy(dst, src, (size_t)n * sizeof(float));
+}
+
+/* ---- run ----------------------------------------------------------------------------------- */
+
+static int local_run(fsdp_comm *c, const fsdp_coll *coll, uint64_t seq) {
+  local_comm *lc = fsdp_comm_impl(c);
+  fsdp_local_group *g = lc->g;
+  const int r = lc->rank, W = g->world;
+  if (arrive(c, lc, coll, seq) != FSDP_OK) return FSDP_ERR;
+  const int64_t n = coll->count;
+  if (coll->op == FSDP_COLL_BARRIER || n == 0) return FSDP_OK; /* same on every rank */
+  /* Peers' slots are stable until the final sync: they were published under the mutex before
+   * go, and a rank publishes again only after every rank passed that sync. */
+  const local_slot *s = g->slot;
+  switch (coll->op) {
+  case FSDP_COLL_ALL_GATHER:
+    /* start with the next rank's shard so the ranks do not all read rank 0 first */
+    for (int k = 0; k < W; k++) {
+      int p = (r + k) % W;
+      copy_f32(coll->recv + (int64_t)p * n, s[p].coll.send, n);
+    }
+    break;
+  case FSDP_COLL_REDUCE_SCATTER:
+    for (int p = 0; p < W; p++) lc->srcs[p] = s[p].coll.send + (int64_t)r * n;
+    reduce_f32(coll->recv, lc->srcs, W, n, coll->red);
+    break;
+  case FSDP_COLL_ALL_REDUCE: {
+    /* chunk p = [p * chunk, min(n, (p + 1) * chunk)), chunk a multiple of LOCAL_ALIGN */
+    int64_t chunk = (n + W - 1) / W;
+    chunk = (chunk + LOCAL_ALIGN - 1) / LOCAL_ALIGN * LOCAL_ALIGN;
+    int64_t lo = (int64_t)r * chunk < n ? (int64_t)r * chunk : n;
+    int64_t hi = lo + chunk < n ? lo + chunk : n;
+    for (int p = 0; p < W; p++) lc->srcs[p] = s[p].coll.recv + lo;
+    reduce_f32(coll->recv + lo, lc->srcs, W, hi - lo, coll->red);
+    sync_ranks(lc); /* every chunk reduced (and every read of the unreduced inputs done) */
+    for (int k = 1; k < W; k++) {
+      int p = (r + k) % W;
+      int64_t plo = (int64_t)p * chunk < n ? (int64_t)p * chunk : n;
+      int64_t phi = plo + chunk < n ? plo + chunk : n;
+      copy_f32(coll->recv + plo, s[p].coll.recv + plo, phi - plo);
+    }
+    break;
+  }
+  case FSDP_COLL_BROADCAST:
+    if (r != coll->root) copy_f32(coll->recv, s[coll->root].coll.recv, n);
+    break;
+  default: break;
+  }
+  sync_ranks(lc); /* nobody returns while a peer may still read its buffers */
+  return FSDP_OK;
+}
+
+/* ---- communicators ------------------------------------------------------------------------- */
+
+static void local_free(fsdp_comm *c) {
+  local_comm *lc = fsdp_comm_impl(c);
+  fsdp_local_group *g = lc->g;
+  pthread_mutex_lock(&g->mu);
+  g->slot[lc->rank].left = true;
+  pthread_cond_broadcast(&g->cv);
+  pthread_mutex_unlock(&g->mu);
+  free(lc->srcs);
+  free(lc);
+  fsdp_local_group_release(g);
+}
+
+static const fsdp_comm_i local_vt = {
+    .name = "local",
+    .run = local_run,
+    .abort = local_abort,
+    .free = local_free,
+    .poisoned = local_poisoned,
+};
+
+int fsdp_comm_local_new(fsdp_comm **out, fsdp_local_group *g, int rank) {
+  *out = NULL;
+  if (!g) return fsdp_error("local communicator: no group");
+  if (rank < 0 || rank >= g->world) {
+    return fsdp_error("local communicator: rank %d out of range for world %d", rank, g->world);
+  }
+  local_comm *lc = calloc(1, sizeof *lc);
+  const float **srcs = calloc((size_t)g->world, sizeof *srcs);
+  if (!lc || !srcs) {
+    free(lc);
+    free(srcs);
+    return fsdp_error("local communicator: out of memory");
+  }
+  lc->g = g;
+  lc->rank = rank;
+  lc->srcs = srcs;
+  pthread_mutex_lock(&g->mu);
+  if (g->slot[rank].joined) {
+    pthread_mutex_unlock(&g->mu);
+    free(srcs);
+    free(lc);
+    return fsdp_error("local communicator: rank %d already has a communicator in this group",
+                      rank);
+  }
+  g->slot[rank].joined = true;
+  g->refs++;
+  pthread_mutex_unlock(&g->mu);
+  if (fsdp_comm_new_backend(out, &local_vt, lc, rank, g->world) != FSDP_OK) {
+    pthread_mutex_lock(&g->mu);
+    g->slot[rank].joined = false;
+    pthread_mutex_unlock(&g->mu);
+    free(srcs);
+    free(lc);
+    fsdp_local_group_release(g);
+    return FSDP_ERR;
+  }
+  return FSDP_OK;
+}

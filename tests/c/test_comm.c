@@ -1,0 +1,1042 @@
+/*
+ * test_comm.c — the communicator (src/comm): every collective of the local backend against a
+ * serial reference at world sizes 1-4 (odd counts, count 0, in place, NaN), bitwise equality
+ * across ranks and runs, asynchronous handles (overlap, in-order and out-of-order waits, mixed
+ * with blocking calls), fingerprint mismatches, abort, timeout, a rank that leaves, the flight
+ * recorder, stats, the world of one, the current communicator, the environment, validation, and
+ * the generic layer over a native-async backend.
+ *
+ * Ranks are pthreads. cmocka's asserts must run on the main thread, so rank bodies record what
+ * they saw (status, message, first wrong element) in their rank_ctx and the main thread checks.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "comm/comm.h"
+
+#define MAXW 4
+#define MSG 2048
+#define NOTES 32
+
+/* ---- rank threads ----------------------------------------------------------------------------- */
+
+typedef struct rank_ctx rank_ctx;
+typedef void (*rank_body)(rank_ctx *);
+
+struct rank_ctx {
+  int rank, world;
+  fsdp_comm *c;
+  void *arg;
+  rank_body body;
+  fsdp_local_group *g;
+  double timeout;
+  bool keep;           /* body frees the communicator itself (or leaves it to the runner) */
+  /* what the body saw */
+  int nnotes;
+  int rc[NOTES];
+  char msg[NOTES][MSG];
+  double secs[NOTES];
+  char wrong[256];     /* first value mismatch, "" when none */
+  char big[8192];      /* a flight recorder */
+  int checks;          /* values compared (a test that checks nothing is a defect) */
+};
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void sleep_s(double s) {
+  struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+  nanosleep(&ts, NULL);
+}
+
+/* Record a collective's status and message (and how long it took since t0). */
+static void note(rank_ctx *x, int rc, double t0) {
+  if (x->nnotes >= NOTES) return;
+  int i = x->nnotes++;
+  x->rc[i] = rc;
+  x->secs[i] = now_s() - t0;
+  snprintf(x->msg[i], MSG, "%s", rc == FSDP_OK ? "" : fsdp_error_msg());
+}
+
+static void *rank_main(void *arg) {
+  rank_ctx *x = arg;
+  if (fsdp_comm_local_new(&x->c, x->g, x->rank) != FSDP_OK) {
+    snprintf(x->wrong, sizeof x->wrong, "local_new: %s", fsdp_error_msg());
+    return NULL;
+  }
+  if (x->timeout > 0) fsdp_comm_set_timeout(x->c, x->timeout);
+  fsdp_comm_set_current(x->c);
+  x->body(x);
+  if (!x->keep) fsdp_comm_free(x->c);
+  return NULL;
+}
+
+/* Run body on W rank threads of a fresh group; ctx[W] receives what each saw. */
+static void run_world(int W, double timeout, rank_body body, void *arg, rank_ctx *ctx) {
+  fsdp_local_group *g;
+  assert_int_equal(fsdp_local_group_new(&g, W), FSDP_OK);
+  pthread_t th[MAXW];
+  for (int r = 0; r < W; r++) {
+    memset(&ctx[r], 0, sizeof ctx[r]);
+    ctx[r].rank = r;
+    ctx[r].world = W;
+    ctx[r].arg = arg;
+    ctx[r].body = body;
+    ctx[r].g = g;
+    ctx[r].timeout = timeout;
+  }
+  for (int r = 0; r < W; r++) assert_int_equal(pthread_create(&th[r], NULL, rank_main, &ctx[r]), 0);
+  for (int r = 0; r < W; r++) pthread_join(th[r], NULL);
+  for (int r = 0; r < W; r++) {
+    if (ctx[r].keep && ctx[r].c) fsdp_comm_free(ctx[r].c);
+  }
+  fsdp_local_group_release(g); /* the last reference: frees the group */
+}
+
+/* ---- deterministic inputs and the serial reference -------------------------------------------- */
+
+/* Values spread over many exponents, so that float addition order shows in the low bits. */
+static float input(int rank, int64_t i, int salt) {
+  uint64_t h = (uint64_t)rank * 0x9E3779B97F4A7C15ull ^ (uint64_t)i * 0xC2B2AE3D27D4EB4Full ^
+               (uint64_t)salt * 0x165667B19E3779F9ull;
+  h ^= h >> 29;
+  h *= 0xBF58476D1CE4E5B9ull;
+  h ^= h >> 32;
+  float m = (float)(h % 100003) / 100003.0f - 0.5f;
+  return ldexpf(m, (int)(h >> 40) % 24 - 12);
+}
+
+static float ref_combine(float s, float x, fsdp_reduce_op red) {
+  switch (red) {
+  case FSDP_RED_MAX: return (x > s || x != x) ? x : s;
+  case FSDP_RED_MIN: return (x < s || x != x) ? x : s;
+  default: return s + x;
+  }
+}
+
+/* element i of the reduction over ranks 0..W-1 of input(p, i, salt), left to right */
+static float ref_reduce(int W, int64_t i, int salt, fsdp_reduce_op red) {
+  float s = input(0, i, salt);
+  for (int p = 1; p < W; p++) s = ref_combine(s, input(p, i, salt), red);
+  if (red == FSDP_RED_AVG) s = s * (float)(1.0 / W);
+  return s;
+}
+
+static bool same_bits(float a, float b) { return memcmp(&a, &b, sizeof a) == 0; }
+
+static void check_value(rank_ctx *x, const char *what, int64_t i, float got, float want) {
+  x->checks++;
+  if (x->wrong[0] || same_bits(got, want)) return;
+  snprintf(x->wrong, sizeof x->wrong, "rank %d %s: element %lld is %.9g, want %.9g", x->rank,
+           what, (long long)i, got, want);
+}
+
+static void expect_ok(rank_ctx *x, int rc, const char *what) {
+  if (rc != FSDP_OK && !x->wrong[0]) {
+    snprintf(x->wrong, sizeof x->wrong, "rank %d %s failed: %.200s", x->rank, what,
+             fsdp_error_msg());
+  }
+}
+
+/* Main thread: no rank saw a wrong value, and they compared something. */
+static void assert_ranks_right(rank_ctx *ctx, int W) {
+  for (int r = 0; r < W; r++) {
+    if (ctx[r].wrong[0]) fail_msg("%s", ctx[r].wrong);
+    assert_true(ctx[r].checks > 0);
+  }
+}
+
+static void assert_contains(const char *hay, const char *needle) {
+  if (!strstr(hay, needle)) fail_msg("\"%s\"\ndoes not contain \"%s\"", hay, needle);
+}
+
+/* ---- values ----------------------------------------------------------------------------------- */
+
+static const int64_t counts[] = {0, 1, 5, 17, 100, 2049, 4099, 10007};
+#define NCOUNTS ((int)(sizeof counts / sizeof counts[0]))
+
+static void body_values(rank_ctx *x) {
+  const int W = x->world, r = x->rank;
+  fsdp_comm *c = fsdp_comm_current();
+  for (int ci = 0; ci < NCOUNTS; ci++) {
+    int64_t n = counts[ci];
+    int salt = ci * 16;
+    float *send = malloc(sizeof(float) * (size_t)(n * W + 1));
+    float *recv = malloc(sizeof(float) * (size_t)(n * W + 1));
+    /* all_gather */
+    for (int64_t i = 0; i < n; i++) send[i] = input(r, i, salt);
+    expect_ok(x, fsdp_comm_all_gather(c, recv, send, n, "ag"), "all_gather");
+    for (int p = 0; p < W; p++)
+      for (int64_t i = 0; i < n; i++) check_value(x, "all_gather", p * n + i, recv[p * n + i], input(p, i, salt));
+    /* all_gather in place: this rank's shard already sits at recv + r * n */
+    for (int64_t i = 0; i < n * W; i++) recv[i] = -1.0f;
+    for (int64_t i = 0; i < n; i++) recv[r * n + i] = input(r, i, salt + 1);
+    expect_ok(x, fsdp_comm_all_gather(c, recv, recv + r * n, n, "ag_inplace"), "all_gather in place");
+    for (int p = 0; p < W; p++)
+      for (int64_t i = 0; i < n; i++) check_value(x, "all_gather in place", p * n + i, recv[p * n + i], input(p, i, salt + 1));
+    /* reduce_scatter and all_reduce, every reduction */
+    for (int red = FSDP_RED_SUM; red <= FSDP_RED_MIN; red++) {
+      int s2 = salt + 2 + red;
+      for (int64_t i = 0; i < n * W; i++) send[i] = input(r, i, s2);
+      expect_ok(x, fsdp_comm_reduce_scatter(c, recv, send, n, red, "rs"), "reduce_scatter");
+      for (int64_t i = 0; i < n; i++) check_value(x, "reduce_scatter", i, recv[i], ref_reduce(W, r * n + i, s2, red));
+      for (int64_t i = 0; i < n; i++) recv[i] = input(r, i, s2 + 8);
+      expect_ok(x, fsdp_comm_all_reduce(c, recv, n, red, "ar"), "all_reduce");
+      for (int64_t i = 0; i < n; i++) check_value(x, "all_reduce", i, recv[i], ref_reduce(W, i, s2 + 8, red));
+    }
+    /* broadcast from every root */
+    for (int root = 0; root < W; root++) {
+      for (int64_t i = 0; i < n; i++) recv[i] = input(r, i, salt + 13);
+      expect_ok(x, fsdp_comm_broadcast(c, recv, n, root, "bc"), "broadcast");
+      for (int64_t i = 0; i < n; i++) check_value(x, "broadcast", i, recv[i], input(root, i, salt + 13));
+    }
+    expect_ok(x, fsdp_comm_barrier(c, "barrier"), "barrier");
+    free(send);
+    free(recv);
+  }
+}
+
+static void test_values(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  for (int W = 1; W <= MAXW; W++) {
+    run_world(W, 0, body_values, NULL, ctx);
+    assert_ranks_right(ctx, W);
+  }
+}
+
+/* NaN anywhere makes max/min NaN on every rank; sum and avg propagate it by arithmetic. */
+static void body_nan(rank_ctx *x) {
+  float buf[40];
+  for (int i = 0; i < 40; i++) buf[i] = (float)(x->rank * 40 + i);
+  if (x->rank == x->world - 1) buf[3] = NAN;
+  if (x->rank == 0) buf[21] = NAN;
+  expect_ok(x, fsdp_comm_all_reduce(x->c, buf, 40, FSDP_RED_MAX, "nan"), "all_reduce max");
+  x->checks++;
+  if (!isnan(buf[3]) || !isnan(buf[21]) || buf[0] != (float)((x->world - 1) * 40))
+    snprintf(x->wrong, sizeof x->wrong, "rank %d: max gave %g %g %g", x->rank, buf[3], buf[21], buf[0]);
+  for (int i = 0; i < 40; i++) buf[i] = (float)(x->rank * 40 + i);
+  if (x->rank == 0) buf[7] = NAN;
+  expect_ok(x, fsdp_comm_all_reduce(x->c, buf, 40, FSDP_RED_MIN, "nan"), "all_reduce min");
+  x->checks++;
+  if (!isnan(buf[7]) || buf[8] != 8.0f)
+    snprintf(x->wrong, sizeof x->wrong, "rank %d: min gave %g %g", x->rank, buf[7], buf[8]);
+}
+
+static void test_nan(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  run_world(3, 0, body_nan, NULL, ctx);
+  assert_ranks_right(ctx, 3);
+}
+
+/* ---- reproducibility ------------------------------------------------------------------------- */
+
+#define REPRO_N 5003
+typedef struct repro_out {
+  float ar[MAXW][REPRO_N];
+  float rs[MAXW][REPRO_N];
+} repro_out;
+
+static void body_repro(rank_ctx *x) {
+  repro_out *o = x->arg;
+  const int W = x->world, r = x->rank;
+  float *send = malloc(sizeof(float) * REPRO_N * W);
+  for (int64_t i = 0; i < REPRO_N; i++) o->ar[r][i] = input(r, i, 99);
+  expect_ok(x, fsdp_comm_all_reduce(x->c, o->ar[r], REPRO_N, FSDP_RED_AVG, "avg"), "all_reduce");
+  for (int64_t i = 0; i < (int64_t)REPRO_N * W; i++) send[i] = input(r, i, 98);
+  /* every rank receives chunk r; put them side by side in o->rs[r] (REPRO_N / W each) */
+  int64_t n = REPRO_N / W;
+  expect_ok(x, fsdp_comm_reduce_scatter(x->c, o->rs[r], send, n, FSDP_RED_AVG, "avg_rs"),
+            "reduce_scatter");
+  x->checks++;
+  free(send);
+}
+
+static void test_bitwise_reproducible(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  repro_out *a = calloc(1, sizeof *a), *b = calloc(1, sizeof *b);
+  for (int W = 2; W <= MAXW; W++) {
+    run_world(W, 0, body_repro, a, ctx);
+    assert_ranks_right(ctx, W);
+    run_world(W, 0, body_repro, b, ctx);
+    assert_ranks_right(ctx, W);
+    /* all ranks hold the same bits, equal to the serial reference, and a second run repeats them */
+    for (int r = 0; r < W; r++) {
+      assert_memory_equal(a->ar[r], a->ar[0], sizeof a->ar[0]);
+      assert_memory_equal(b->ar[r], a->ar[r], sizeof a->ar[0]);
+      assert_memory_equal(b->rs[r], a->rs[r], sizeof(float) * (REPRO_N / W));
+    }
+    for (int64_t i = 0; i < REPRO_N; i++) {
+      float want = ref_reduce(W, i, 99, FSDP_RED_AVG);
+      if (!same_bits(a->ar[0][i], want)) fail_msg("W=%d element %lld: %.9g vs %.9g", W, (long long)i, a->ar[0][i], want);
+    }
+  }
+  /* the avg really is rounded twice (sum, then * 1/3): at W = 3 it differs from sum / 3
+   * somewhere, so the test above would notice another formula */
+  int differ = 0;
+  for (int64_t i = 0; i < REPRO_N; i++) {
+    float s = ref_reduce(3, i, 99, FSDP_RED_SUM);
+    differ += !same_bits(s * (float)(1.0 / 3), s / 3.0f);
+  }
+  assert_true(differ > 0);
+  free(a);
+  free(b);
+}
+
+/* ---- asynchronous ------------------------------------------------------------------------------ */
+
+#define ASYNC_N 3000
+#define ASYNC_K 5
+
+static fsdp_coll gather_coll(float *recv, const float *send, int64_t n, const char *label) {
+  fsdp_coll k = {.op = FSDP_COLL_ALL_GATHER, .dtype = FSDP_DTYPE_F32, .count = n,
+                 .send = send, .recv = recv};
+  snprintf(k.label, sizeof k.label, "%s", label);
+  return k;
+}
+
+static void body_async(rank_ctx *x) {
+  const int W = x->world, r = x->rank;
+  float *send[ASYNC_K], *recv[ASYNC_K];
+  for (int round = 0; round < 2; round++) {
+    fsdp_comm_req *req[ASYNC_K];
+    for (int k = 0; k < ASYNC_K; k++) {
+      send[k] = malloc(sizeof(float) * ASYNC_N);
+      recv[k] = malloc(sizeof(float) * ASYNC_N * W);
+      for (int64_t i = 0; i < ASYNC_N; i++) send[k][i] = input(r, i, 200 + k + 10 * round);
+      char label[16];
+      snprintf(label, sizeof label, "u%d", k);
+      fsdp_coll kc = gather_coll(recv[k], send[k], ASYNC_N, label);
+      expect_ok(x, fsdp_comm_start(x->c, &kc, &req[k]), "start");
+    }
+    /* compute while they run */
+    volatile double acc = 0;
+    for (int i = 0; i < 200000; i++) acc += i * 1e-9;
+    if (round == 0) {
+      for (int k = 0; k < ASYNC_K; k++) expect_ok(x, fsdp_comm_wait(req[k]), "wait in order");
+    } else {
+      for (int k = ASYNC_K - 1; k >= 0; k--) expect_ok(x, fsdp_comm_wait(req[k]), "wait reversed");
+    }
+    for (int k = 0; k < ASYNC_K; k++) {
+      for (int p = 0; p < W; p++)
+        for (int64_t i = 0; i < ASYNC_N; i++)
+          check_value(x, "async all_gather", p * ASYNC_N + i, recv[k][p * ASYNC_N + i], input(p, i, 200 + k + 10 * round));
+      free(send[k]);
+      free(recv[k]);
+    }
+  }
+  /* mixed: async A, blocking B (queues behind A), async C, wait C then A */
+  float a_send[64], a_recv[64 * MAXW], b[64], c_send[64 * MAXW], c_recv[64];
+  for (int i = 0; i < 64; i++) a_send[i] = input(r, i, 300);
+  for (int i = 0; i < 64; i++) b[i] = input(r, i, 301);
+  for (int i = 0; i < 64 * W; i++) c_send[i] = input(r, i, 302);
+  fsdp_coll ka = gather_coll(a_recv, a_send, 64, "A");
+  fsdp_coll kc = {.op = FSDP_COLL_REDUCE_SCATTER, .dtype = FSDP_DTYPE_F32, .red = FSDP_RED_SUM,
+                  .count = 64, .send = c_send, .recv = c_recv, .label = "C"};
+  fsdp_comm_req *ra, *rc;
+  expect_ok(x, fsdp_comm_start(x->c, &ka, &ra), "start A");
+  expect_ok(x, fsdp_comm_all_reduce(x->c, b, 64, FSDP_RED_SUM, "B"), "B");
+  expect_ok(x, fsdp_comm_start(x->c, &kc, &rc), "start C");
+  expect_ok(x, fsdp_comm_wait(rc), "wait C");
+  expect_ok(x, fsdp_comm_wait(ra), "wait A");
+  for (int p = 0; p < W; p++)
+    for (int i = 0; i < 64; i++) check_value(x, "A", p * 64 + i, a_recv[p * 64 + i], input(p, i, 300));
+  for (int i = 0; i < 64; i++) check_value(x, "B", i, b[i], ref_reduce(W, i, 301, FSDP_RED_SUM));
+  for (int i = 0; i < 64; i++) check_value(x, "C", i, c_recv[i], ref_reduce(W, r * 64 + i, 302, FSDP_RED_SUM));
+  /* the recorder shows them in issue order: A, B, C are the last three */
+  char rec[8192];
+  fsdp_comm_flight_recorder(x->c, rec, sizeof rec);
+  const char *pa = strstr(rec, "'A' done"), *pb = strstr(rec, "'B' done"), *pc = strstr(rec, "'C' done");
+  x->checks++;
+  if (!pa || !pb || !pc || !(pa < pb && pb < pc))
+    snprintf(x->wrong, sizeof x->wrong, "rank %d: recorder order wrong:\n%.200s", r, rec);
+}
+
+static void test_async(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  for (int W = 1; W <= MAXW; W++) {
+    run_world(W, 0, body_async, NULL, ctx);
+    assert_ranks_right(ctx, W);
+  }
+}
+
+/* Overlap: rank 1 arrives 300 ms late; rank 0's start returns at once and its compute (250 ms)
+ * runs meanwhile, so it spends well under 300 ms in wait although the collective takes longer. */
+static void body_overlap(rank_ctx *x) {
+  float send[256], recv[512];
+  for (int i = 0; i < 256; i++) send[i] = (float)(x->rank * 1000 + i);
+  if (x->rank == 1) {
+    sleep_s(0.3);
+    note(x, fsdp_comm_all_gather(x->c, recv, send, 256, "late"), now_s());
+    return;
+  }
+  fsdp_coll k = gather_coll(recv, send, 256, "late");
+  fsdp_comm_req *req;
+  double t0 = now_s();
+  expect_ok(x, fsdp_comm_start(x->c, &k, &req), "start");
+  double t_start = now_s() - t0;
+  sleep_s(0.25); /* "compute" */
+  double t1 = now_s();
+  int rc = fsdp_comm_wait(req);
+  double t_wait = now_s() - t1, t_total = now_s() - t0;
+  note(x, rc, t0);
+  x->secs[1] = t_start;
+  x->secs[2] = t_wait;
+  x->secs[3] = t_total;
+  fsdp_comm_stats st;
+  fsdp_comm_get_stats(x->c, &st);
+  x->secs[4] = st.wait_s;
+  x->secs[5] = st.busy_s;
+  for (int p = 0; p < 2; p++)
+    for (int i = 0; i < 256; i++) check_value(x, "late gather", p * 256 + i, recv[p * 256 + i], (float)(p * 1000 + i));
+}
+
+static void test_async_overlap(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  run_world(2, 0, body_overlap, NULL, ctx);
+  assert_int_equal(ctx[0].rc[0], FSDP_OK);
+  assert_int_equal(ctx[1].rc[0], FSDP_OK);
+  if (ctx[0].wrong[0]) fail_msg("%s", ctx[0].wrong);
+  assert_true(ctx[0].secs[1] < 0.1);              /* start did not block */
+  assert_true(ctx[0].secs[3] >= 0.29);             /* the collective waited for rank 1 */
+  assert_true(ctx[0].secs[2] < ctx[0].secs[3] - 0.2); /* most of it overlapped the compute */
+  assert_true(ctx[0].secs[4] <= ctx[0].secs[2] + 0.01);  /* wait_s counts the wait only */
+  assert_true(ctx[0].secs[5] >= 0.25);            /* busy_s counts the collective's time */
+}
+
+/* ---- fingerprints ----------------------------------------------------------------------------- */
+
+static void body_mismatch_op(rank_ctx *x) {
+  float send[1024 * 2], recv[1024 * 2];
+  memset(send, 0, sizeof send);
+  double t0 = now_s();
+  if (x->rank == 0) note(x, fsdp_comm_all_gather(x->c, recv, send, 1024, "blocks.1"), t0);
+  else note(x, fsdp_comm_reduce_scatter(x->c, recv, send, 512, FSDP_RED_SUM, "blocks.2"), t0);
+  /* the group is poisoned: the next collective fails too, with the same story */
+  note(x, fsdp_comm_barrier(x->c, "after"), now_s());
+}
+
+static void test_mismatch_op(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  run_world(2, 30, body_mismatch_op, NULL, ctx);
+  for (int r = 0; r < 2; r++) {
+    assert_int_equal(ctx[r].rc[0], FSDP_ERR);
+    assert_contains(ctx[r].msg[0], "collective mismatch at #1: rank 0 called all_gather(f32 x1024, "
+                                   "'blocks.1') but rank 1 called reduce_scatter(f32 x512 sum, 'blocks.2')");
+    assert_true(strncmp(ctx[r].msg[0], "collective mismatch", 19) == 0);
+    char hdr[64];
+    snprintf(hdr, sizeof hdr, "\nflight recorder (rank %d, newest last):\n", r);
+    assert_contains(ctx[r].msg[0], hdr);
+    assert_true(ctx[r].secs[0] < 5);
+    assert_int_equal(ctx[r].rc[1], FSDP_ERR);
+    assert_contains(ctx[r].msg[1], "collective mismatch at #1");
+  }
+}
+
+static void body_mismatch_count(rank_ctx *x) {
+  float buf[300] = {0};
+  note(x, fsdp_comm_all_reduce(x->c, buf, 100 + 100 * x->rank, FSDP_RED_AVG, "loss"), now_s());
+}
+
+static void test_mismatch_count(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  run_world(3, 30, body_mismatch_count, NULL, ctx);
+  for (int r = 0; r < 3; r++) {
+    assert_int_equal(ctx[r].rc[0], FSDP_ERR);
+    assert_contains(ctx[r].msg[0], "collective mismatch at #1: rank 0 called all_reduce(f32 x100 avg, "
+                                   "'loss') but rank 1 called all_reduce(f32 x200 avg, 'loss')");
+  }
+}
+
+/* Labels: compared on each label's first use and, with debug, always; not otherwise. */
+static void body_labels(rank_ctx *x) {
+  fsdp_comm *c = x->c;
+  const int r = x->rank;
+  note(x, fsdp_comm_barrier(c, "a"), now_s());                 /* first use, same: ok */
+  note(x, fsdp_comm_barrier(c, "b"), now_s());                 /* first use, same: ok */
+  note(x, fsdp_comm_barrier(c, r == 0 ? "a" : "b"), now_s());  /* seen before: not compared */
+  if (r == 1) fsdp_comm_set_debug(c, true);                    /* debug on one rank suffices */
+  note(x, fsdp_comm_barrier(c, r == 0 ? "a" : "b"), now_s());  /* compared: mismatch */
+}
+
+static void test_mismatch_label(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  run_world(2, 30, body_labels, NULL, ctx);
+  for (int r = 0; r < 2; r++) {
+    assert_int_equal(ctx[r].nnotes, 4);
+    assert_int_equal(ctx[r].rc[0], FSDP_OK);
+    assert_int_equal(ctx[r].rc[1], FSDP_OK);
+    assert_int_equal(ctx[r].rc[2], FSDP_OK);
+    assert_int_equal(ctx[r].rc[3], FSDP_ERR);
+    assert_contains(ctx[r].msg[3], "collective mismatch at #4: rank 0 called barrier('a') but "
+                                   "rank 1 called barrier('b')");
+  }
+}
+
+/* A label used for the first time on one rank only is compared (the other rank's reuse). */
+static void body_label_first_use(rank_ctx *x) {
+  note(x, fsdp_comm_barrier(x->c, "blocks.0"), now_s());
+  note(x, fsdp_comm_barrier(x->c, x->rank == 2 ? "blocks.9" : "blocks.0"), now_s());
+}
+
+static void test_label_first_use(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  run_world(3, 30, body_label_first_use, NULL, ctx);
+  for (int r = 0; r < 3; r++) {
+    assert_int_equal(ctx[r].rc[0], FSDP_OK);
+    assert_int_equal(ctx[r].rc[1], FSDP_ERR);
+    assert_contains(ctx[r].msg[1], "rank 0 called barrier('blocks.0') but rank 2 called barrier('blocks.9')");
+  }
+}
+
+/* ---- abort -------------------------------------------------------------------------------------- */
+
+static atomic_int aborted;
+
+/* rank 0 aborts while ranks 1..W-2 are blocked in a collective; rank W-1 enters one later */
+static void body_abort(rank_ctx *x) {
+  float buf[16] = {0};
+  const int W = x->world;
+  if (x->rank == 0) {
+    note(x, fsdp_comm_barrier(x->c, "start"), now_s());
+    sleep_s(0.1);
+    fsdp_comm_abort(x->c, "boom in forward");
+    atomic_store(&aborted, 1);
+    note(x, fsdp_comm_all_reduce(x->c, buf, 16, FSDP_RED_SUM, "grads"), now_s());
+    x->secs[NOTES - 1] = fsdp_comm_poisoned(x->c);
+  } else if (x->rank < W - 1) {
+    note(x, fsdp_comm_barrier(x->c, "start"), now_s());
+    note(x, fsdp_comm_all_reduce(x->c, buf, 16, FSDP_RED_SUM, "grads"), now_s());
+  } else {
+    note(x, fsdp_comm_barrier(x->c, "start"), now_s());
+    while (!atomic_load(&aborted)) sleep_s(0.005);
+    note(x, fsdp_comm_all_reduce(x->c, buf, 16, FSDP_RED_SUM, "grads"), now_s());
+    /* a second abort does not replace the first message */
+    fsdp_comm_abort(x->c, "second");
+    note(x, fsdp_comm_barrier(x->c, "again"), now_s());
+  }
+}
+
+static void test_abort(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  for (int W = 2; W <= MAXW; W++) {
+    atomic_store(&aborted, 0);
+    run_world(W, 30, body_abort, NULL, ctx);
+    for (int r = 0; r < W; r++) {
+      assert_int_equal(ctx[r].rc[0], FSDP_OK);
+      assert_int_equal(ctx[r].rc[1], FSDP_ERR);
+      assert_true(strncmp(ctx[r].msg[1], "rank 0 failed: boom in forward\nflight recorder (rank", 52) == 0);
+      assert_contains(ctx[r].msg[1], "all_reduce f32 x16 'grads' failed");
+      if (r > 0 && r < W - 1) assert_true(ctx[r].secs[1] < 5); /* blocked ones fail fast */
+    }
+    assert_true(ctx[0].secs[NOTES - 1] == 1.0);
+    assert_int_equal(ctx[W - 1].rc[2], FSDP_ERR);
+    assert_true(strncmp(ctx[W - 1].msg[2], "rank 0 failed: boom in forward", 30) == 0);
+  }
+}
+
+/* ---- timeout and a rank that leaves ----------------------------------------------------------- */
+
+static atomic_int reported;
+
+static void body_timeout(rank_ctx *x) {
+  float send[8] = {0}, recv[8 * MAXW];
+  if (x->rank == x->world - 1) {
+    /* alive but never arriving (as if stuck in compute); it enters once the others failed */
+    while (atomic_load(&reported) < x->world - 1) sleep_s(0.01);
+    note(x, fsdp_comm_all_gather(x->c, recv, send, 8, "blocks.1"), now_s());
+    return;
+  }
+  note(x, fsdp_comm_barrier(x->c, "warmup"), now_s()); /* everyone but the last: hangs */
+  note(x, fsdp_comm_all_gather(x->c, recv, send, 8, "blocks.1"), now_s());
+  atomic_fetch_add(&reported, 1);
+}
+
+static void test_timeout(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  atomic_store(&reported, 0);
+  double t0 = now_s();
+  run_world(3, 0.3, body_timeout, NULL, ctx);
+  assert_true(now_s() - t0 < 5);
+  /* ranks 0, 1 time out in the barrier (#1); whichever timed out first names rank 2, the
+   * other fails on the poison with that message */
+  int timed_out = 0;
+  for (int r = 0; r < 2; r++) {
+    assert_int_equal(ctx[r].rc[0], FSDP_ERR);
+    assert_true(ctx[r].secs[0] < 3);
+    assert_contains(ctx[r].msg[0], "timeout after 0.3 s in barrier #1 'warmup': rank 2 has not "
+                                   "arrived (sequence number it reached: rank 2 none)");
+    if (strncmp(ctx[r].msg[0], "timeout after", 13) == 0) timed_out++;
+    else assert_true(strncmp(ctx[r].msg[0], "rank ", 5) == 0 && strstr(ctx[r].msg[0], " failed: timeout after"));
+    assert_contains(ctx[r].msg[0], "\nflight recorder (rank");
+    assert_contains(ctx[r].msg[0], "#1 barrier 'warmup' failed");
+    assert_int_equal(ctx[r].rc[1], FSDP_ERR); /* later collectives fail at once */
+    assert_true(ctx[r].secs[1] < 1);
+  }
+  assert_true(timed_out >= 1);
+  /* the late rank enters afterwards and fails at once with the poison */
+  assert_int_equal(ctx[2].rc[0], FSDP_ERR);
+  assert_true(ctx[2].secs[0] < 1);
+  assert_contains(ctx[2].msg[0], " failed: timeout after 0.3 s in barrier #1 'warmup'");
+}
+
+static void body_timeout_two_b(rank_ctx *x) {
+  /* ranks 0: #1, #2; rank 1: #1 only; ranks 2, 3: #1 then stall */
+  note(x, fsdp_comm_barrier(x->c, "one"), now_s());
+  if (x->rank == 0) {
+    note(x, fsdp_comm_barrier(x->c, "two"), now_s());
+    atomic_store(&reported, 1);
+  } else {
+    while (!atomic_load(&reported)) sleep_s(0.01);
+  }
+}
+
+static void test_timeout_lists_missing(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  atomic_store(&reported, 0);
+  run_world(4, 0.3, body_timeout_two_b, NULL, ctx);
+  for (int r = 0; r < 4; r++) assert_int_equal(ctx[r].rc[0], FSDP_OK);
+  assert_int_equal(ctx[0].rc[1], FSDP_ERR);
+  assert_contains(ctx[0].msg[1], "timeout after 0.3 s in barrier #2 'two': ranks 1, 2, 3 have not "
+                                 "arrived (sequence numbers they reached: rank 1 #1, rank 2 #1, rank 3 #1)");
+}
+
+/* A rank whose communicator is freed has left: peers waiting for it fail at once. */
+static void body_leave(rank_ctx *x) {
+  if (x->rank == 1) {
+    note(x, fsdp_comm_barrier(x->c, "one"), now_s());
+    return; /* rank_main frees the communicator: rank 1 is gone */
+  }
+  note(x, fsdp_comm_barrier(x->c, "one"), now_s());
+  note(x, fsdp_comm_barrier(x->c, "two"), now_s());
+}
+
+static void test_rank_leaves(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  run_world(3, 30, body_leave, NULL, ctx);
+  for (int r = 0; r < 3; r++) assert_int_equal(ctx[r].rc[0], FSDP_OK);
+  for (int r = 0; r < 3; r += 2) {
+    assert_int_equal(ctx[r].rc[1], FSDP_ERR);
+    assert_true(ctx[r].secs[1] < 5);
+    assert_contains(ctx[r].msg[1], "rank 1 left the group (its communicator was freed) after #1");
+  }
+}
+
+/* Freeing a communicator with queued collectives on a poisoned group does not hang. */
+static void body_free_poisoned(rank_ctx *x) {
+  x->keep = true;
+  static float send[MAXW][64], recv[MAXW][64 * MAXW];
+  if (x->rank == 1) {
+    sleep_s(0.05);
+    fsdp_comm_abort(x->c, "rank 1 gave up");
+    return;
+  }
+  for (int k = 0; k < 3; k++) {
+    fsdp_coll kc = gather_coll(recv[x->rank], send[x->rank], 64, "pending");
+    fsdp_comm_req *req;
+    expect_ok(x, fsdp_comm_start(x->c, &kc, &req), "start");
+  }
+  x->checks++;
+  /* never waited: fsdp_comm_free drains them (they fail on the poison) and frees the handles */
+}
+
+static void test_free_poisoned(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  double t0 = now_s();
+  run_world(2, 30, body_free_poisoned, NULL, ctx);
+  assert_true(now_s() - t0 < 5);
+  if (ctx[0].wrong[0]) fail_msg("%s", ctx[0].wrong);
+}
+
+/* ---- flight recorder --------------------------------------------------------------------------- */
+
+static void body_recorder(rank_ctx *x) {
+  float buf[8] = {0}, big[8 * MAXW];
+  for (int i = 0; i < 70; i++) {
+    char label[16];
+    snprintf(label, sizeof label, "step%d", i + 1);
+    if (i % 2) expect_ok(x, fsdp_comm_all_reduce(x->c, buf, 8, FSDP_RED_SUM, label), "ar");
+    else expect_ok(x, fsdp_comm_all_gather(x->c, big, buf, 8, label), "ag");
+  }
+  x->checks++;
+  char *rec = malloc(16384);
+  fsdp_comm_flight_recorder(x->c, rec, 16384);
+  snprintf(x->big, sizeof x->big, "%s", rec);
+  /* a small buffer keeps the newest lines */
+  fsdp_comm_flight_recorder(x->c, rec, 100);
+  snprintf(x->msg[1], MSG, "%s", rec);
+  free(rec);
+}
+
+static void test_flight_recorder(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  run_world(2, 0, body_recorder, NULL, ctx);
+  assert_ranks_right(ctx, 2);
+  const char *rec = ctx[1].big;
+  int lines = 0;
+  for (const char *p = rec; *p; p++) lines += *p == '\n';
+  assert_int_equal(lines, 64);
+  assert_true(strncmp(rec, "#7 all_gather f32 x8 'step7' done ", 34) == 0);
+  assert_contains(rec, "\n#70 all_reduce f32 x8 'step70' done ");
+  assert_contains(rec, " ms\n");
+  assert_null(strstr(rec, "#6 "));
+  /* truncated to 100 bytes: the newest line survives whole, the oldest ones go */
+  const char *small = ctx[1].msg[1];
+  assert_true(strlen(small) < 100);
+  assert_contains(small, "#70 all_reduce f32 x8 'step70' done");
+  assert_null(strstr(small, "#7 "));
+
+  fsdp_comm *one;
+  assert_int_equal(fsdp_comm_single_new(&one), FSDP_OK);
+  char buf[128];
+  assert_string_equal(fsdp_comm_flight_recorder(one, buf, sizeof buf), "(no collectives)\n");
+  fsdp_comm_free(one);
+}
+
+/* States queued/running appear while a collective waits: rank 1 arrives late. */
+static void body_recorder_states(rank_ctx *x) {
+  float send[4] = {0}, recv[8];
+  if (x->rank == 1) {
+    sleep_s(0.2);
+    expect_ok(x, fsdp_comm_all_gather(x->c, recv, send, 4, "x"), "late");
+    expect_ok(x, fsdp_comm_all_gather(x->c, recv, send, 4, "y"), "late");
+    x->checks++;
+    return;
+  }
+  fsdp_coll k1 = gather_coll(recv, send, 4, "x");
+  float recv2[8];
+  fsdp_coll k2 = gather_coll(recv2, send, 4, "y");
+  fsdp_comm_req *a, *b;
+  expect_ok(x, fsdp_comm_start(x->c, &k1, &a), "start");
+  expect_ok(x, fsdp_comm_start(x->c, &k2, &b), "start");
+  sleep_s(0.05);
+  fsdp_comm_flight_recorder(x->c, x->msg[0], MSG);
+  expect_ok(x, fsdp_comm_wait(a), "wait");
+  expect_ok(x, fsdp_comm_wait(b), "wait");
+  x->checks++;
+}
+
+static void test_recorder_states(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  run_world(2, 0, body_recorder_states, NULL, ctx);
+  assert_ranks_right(ctx, 2);
+  assert_contains(ctx[0].msg[0], "#1 all_gather f32 x4 'x' running ");
+  assert_contains(ctx[0].msg[0], "#2 all_gather f32 x4 'y' queued ");
+}
+
+/* ---- stats ------------------------------------------------------------------------------------- */
+
+static void body_stats(rank_ctx *x) {
+  const int W = x->world;
+  float a[10 * MAXW] = {0}, b[10 * MAXW] = {0};
+  fsdp_comm_reset_stats(x->c);
+  expect_ok(x, fsdp_comm_all_gather(x->c, b, a, 10, "ag"), "ag");
+  expect_ok(x, fsdp_comm_all_gather(x->c, b, a, 10, "ag"), "ag");
+  expect_ok(x, fsdp_comm_reduce_scatter(x->c, a, b, 10, FSDP_RED_AVG, "rs"), "rs");
+  expect_ok(x, fsdp_comm_all_reduce(x->c, a, 7, FSDP_RED_SUM, "ar"), "ar");
+  expect_ok(x, fsdp_comm_broadcast(x->c, a, 3, 0, "bc"), "bc");
+  expect_ok(x, fsdp_comm_barrier(x->c, "b"), "b");
+  fsdp_comm_stats s;
+  fsdp_comm_get_stats(x->c, &s);
+  x->checks++;
+  int64_t want_calls[FSDP_COLL_COUNT] = {2, 1, 1, 1, 1};
+  int64_t want_bytes[FSDP_COLL_COUNT] = {2 * 40 * W, 40 * W, 28, 12, 0};
+  for (int op = 0; op < FSDP_COLL_COUNT; op++) {
+    if (s.calls[op] != want_calls[op] || s.bytes[op] != want_bytes[op])
+      snprintf(x->wrong, sizeof x->wrong, "rank %d %s: %lld calls %lld bytes", x->rank,
+               fsdp_coll_name(op), (long long)s.calls[op], (long long)s.bytes[op]);
+  }
+  if (!(s.busy_s > 0) || !(s.wait_s >= s.busy_s * 0.5))
+    snprintf(x->wrong, sizeof x->wrong, "rank %d: busy %g wait %g", x->rank, s.busy_s, s.wait_s);
+  fsdp_comm_reset_stats(x->c);
+  fsdp_comm_get_stats(x->c, &s);
+  if (s.calls[0] || s.bytes[0] || s.busy_s || s.wait_s)
+    snprintf(x->wrong, sizeof x->wrong, "rank %d: reset left counts", x->rank);
+}
+
+static void test_stats(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  for (int W = 1; W <= 3; W += 2) {
+    run_world(W, 0, body_stats, NULL, ctx);
+    assert_ranks_right(ctx, W);
+  }
+}
+
+/* ---- world of one, current communicator, environment ----------------------------------------------- */
+
+static void test_world_of_one(void **state) {
+  (void)state;
+  fsdp_comm *c;
+  assert_int_equal(fsdp_comm_single_new(&c), FSDP_OK);
+  assert_int_equal(fsdp_comm_rank(c), 0);
+  assert_int_equal(fsdp_comm_world(c), 1);
+  assert_string_equal(fsdp_comm_backend(c), "local");
+  float send[5] = {1, 2, 3, 4, 5}, recv[5] = {0}, buf[5] = {1.5f, -2, 3, 4, 5};
+  assert_int_equal(fsdp_comm_all_gather(c, recv, send, 5, "ag"), FSDP_OK);
+  assert_memory_equal(recv, send, sizeof send);
+  memset(recv, 0, sizeof recv);
+  assert_int_equal(fsdp_comm_reduce_scatter(c, recv, send, 5, FSDP_RED_AVG, "rs"), FSDP_OK);
+  assert_memory_equal(recv, send, sizeof send);
+  assert_int_equal(fsdp_comm_all_reduce(c, buf, 5, FSDP_RED_AVG, "ar"), FSDP_OK);
+  assert_true(buf[0] == 1.5f && buf[1] == -2.0f);
+  assert_int_equal(fsdp_comm_broadcast(c, buf, 5, 0, "bc"), FSDP_OK);
+  assert_int_equal(fsdp_comm_barrier(c, NULL), FSDP_OK);
+  assert_int_equal(fsdp_comm_all_gather(c, NULL, NULL, 0, "empty"), FSDP_OK);
+  /* async completes at start; still a handle to wait on */
+  fsdp_coll k = gather_coll(recv, send, 5, "async");
+  fsdp_comm_req *req = NULL;
+  assert_int_equal(fsdp_comm_start(c, &k, &req), FSDP_OK);
+  assert_non_null(req);
+  assert_int_equal(fsdp_comm_wait(req), FSDP_OK);
+  fsdp_comm_stats s;
+  fsdp_comm_get_stats(c, &s);
+  assert_int_equal(s.calls[FSDP_COLL_ALL_GATHER], 3);
+  assert_int_equal(s.bytes[FSDP_COLL_ALL_GATHER], 40);
+  assert_int_equal(s.bytes[FSDP_COLL_REDUCE_SCATTER], 20);
+  assert_int_equal(s.calls[FSDP_COLL_BARRIER], 1);
+  char rec[4096];
+  fsdp_comm_flight_recorder(c, rec, sizeof rec);
+  assert_contains(rec, "#1 all_gather f32 x5 'ag' done");
+  assert_contains(rec, "#5 barrier '' done");
+  assert_contains(rec, "#7 all_gather f32 x5 'async' done");
+  /* abort poisons a world of one too */
+  assert_false(fsdp_comm_poisoned(c));
+  fsdp_comm_abort(c, "oops");
+  assert_true(fsdp_comm_poisoned(c));
+  assert_int_equal(fsdp_comm_barrier(c, "x"), FSDP_ERR);
+  assert_true(strncmp(fsdp_error_msg(), "rank 0 failed: oops\nflight recorder (rank 0, newest last):\n", 58) == 0);
+  assert_contains(fsdp_error_msg(), "#8 barrier 'x' failed");
+  fsdp_comm_free(c);
+  fsdp_comm_free(NULL);
+}
+
+static void *thread_current(void *arg) {
+  fsdp_comm **out = arg;
+  out[0] = fsdp_comm_current();
+  out[1] = fsdp_comm_current();
+  float x = 2;
+  if (fsdp_comm_all_reduce(out[0], &x, 1, FSDP_RED_SUM, "x") != FSDP_OK || x != 2) out[1] = NULL;
+  return NULL; /* the lazily made world of one is freed at thread exit (valgrind checks) */
+}
+
+static void test_current(void **state) {
+  (void)state;
+  fsdp_comm *mine = fsdp_comm_current();
+  assert_non_null(mine);
+  assert_ptr_equal(fsdp_comm_current(), mine);
+  assert_int_equal(fsdp_comm_world(mine), 1);
+  fsdp_comm *seen[2];
+  pthread_t th;
+  pthread_create(&th, NULL, thread_current, seen);
+  pthread_join(th, NULL);
+  assert_non_null(seen[0]);
+  assert_ptr_equal(seen[0], seen[1]);
+  assert_ptr_not_equal(seen[0], mine);
+  /* set/unset; freeing the current one unsets it */
+  fsdp_comm *c;
+  assert_int_equal(fsdp_comm_single_new(&c), FSDP_OK);
+  fsdp_comm_set_current(c);
+  assert_ptr_equal(fsdp_comm_current(), c);
+  fsdp_comm_free(c);
+  assert_ptr_equal(fsdp_comm_current(), mine);
+  fsdp_comm_set_current(NULL);
+  assert_ptr_equal(fsdp_comm_current(), mine);
+}
+
+static void test_env(void **state) {
+  (void)state;
+  fsdp_comm *c;
+  setenv("FSDP_TIMEOUT", "2.5", 1);
+  setenv("FSDP_DEBUG", "1", 1);
+  assert_int_equal(fsdp_comm_single_new(&c), FSDP_OK);
+  assert_true(fsdp_comm_timeout(c) == 2.5);
+  assert_true(fsdp_comm_debug(c));
+  fsdp_comm_set_timeout(c, 7);
+  assert_true(fsdp_comm_timeout(c) == 7);
+  fsdp_comm_set_timeout(c, 0); /* back to the default, which is FSDP_TIMEOUT's */
+  assert_true(fsdp_comm_timeout(c) == 2.5);
+  fsdp_comm_free(c);
+  setenv("FSDP_TIMEOUT", "soon", 1);
+  assert_int_equal(fsdp_comm_single_new(&c), FSDP_ERR);
+  assert_contains(fsdp_error_msg(), "FSDP_TIMEOUT");
+  assert_contains(fsdp_error_msg(), "'soon'");
+  fsdp_local_group *g;
+  assert_int_equal(fsdp_local_group_new(&g, 2), FSDP_OK);
+  assert_int_equal(fsdp_comm_local_new(&c, g, 0), FSDP_ERR);
+  assert_contains(fsdp_error_msg(), "FSDP_TIMEOUT");
+  unsetenv("FSDP_TIMEOUT");
+  unsetenv("FSDP_DEBUG");
+  assert_int_equal(fsdp_comm_single_new(&c), FSDP_OK);
+  assert_true(fsdp_comm_timeout(c) == 60);
+  assert_false(fsdp_comm_debug(c));
+  fsdp_comm_free(c);
+  /* group errors: rank range, a rank twice, world range */
+  assert_int_equal(fsdp_comm_local_new(&c, g, 2), FSDP_ERR);
+  assert_contains(fsdp_error_msg(), "rank 2 out of range for world 2");
+  fsdp_comm *c0;
+  assert_int_equal(fsdp_comm_local_new(&c0, g, 0), FSDP_OK); /* the failed attempt did not take it */
+  assert_int_equal(fsdp_comm_local_new(&c, g, 0), FSDP_ERR);
+  assert_contains(fsdp_error_msg(), "rank 0 already has a communicator");
+  fsdp_comm_free(c0);
+  fsdp_local_group_release(g);
+  fsdp_local_group *bad;
+  assert_int_equal(fsdp_local_group_new(&bad, 0), FSDP_ERR);
+  fsdp_local_group_release(NULL);
+}
+
+/* Invalid arguments fail on the caller and poison the group so the peers do not wait. */
+static void body_invalid(rank_ctx *x) {
+  float buf[64] = {0};
+  if (x->rank == 0) {
+    note(x, fsdp_comm_all_gather(x->c, buf, buf + 3, 8, "overlap"), now_s());
+  } else {
+    note(x, fsdp_comm_all_gather(x->c, buf, buf + 32, 8, "overlap"), now_s());
+  }
+}
+
+static void test_invalid(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  run_world(2, 30, body_invalid, NULL, ctx);
+  assert_int_equal(ctx[0].rc[0], FSDP_ERR);
+  assert_contains(ctx[0].msg[0], "all_gather(f32 x8, 'overlap'): send overlaps recv");
+  assert_int_equal(ctx[1].rc[0], FSDP_ERR);
+  assert_true(ctx[1].secs[0] < 5);
+  assert_contains(ctx[1].msg[0], "rank 0 failed: all_gather(f32 x8, 'overlap'): send overlaps recv");
+
+  fsdp_comm *c;
+  assert_int_equal(fsdp_comm_single_new(&c), FSDP_OK);
+  float b[4];
+  assert_int_equal(fsdp_comm_broadcast(c, b, 4, 1, "r"), FSDP_ERR);
+  assert_contains(fsdp_error_msg(), "root 1 out of range for world 1");
+  fsdp_comm_free(c);
+  assert_int_equal(fsdp_comm_single_new(&c), FSDP_OK);
+  assert_int_equal(fsdp_comm_all_reduce(c, NULL, 4, FSDP_RED_SUM, "n"), FSDP_ERR);
+  assert_contains(fsdp_error_msg(), "NULL buffer");
+  fsdp_comm_free(c);
+  assert_int_equal(fsdp_comm_single_new(&c), FSDP_OK);
+  assert_int_equal(fsdp_comm_all_reduce(c, b, -1, FSDP_RED_SUM, "n"), FSDP_ERR);
+  assert_contains(fsdp_error_msg(), "negative count");
+  fsdp_comm_free(c);
+  assert_int_equal(fsdp_comm_wait(NULL), FSDP_ERR);
+}
+
+/* ---- the generic layer over a backend with native async slots ----------------------------- */
+
+typedef struct native_log {
+  int started[16], waited[16], nstart, nwait;
+  bool check[16];
+} native_log;
+
+static int native_run(fsdp_comm *c, const fsdp_coll *k, uint64_t seq) {
+  (void)c; (void)k; (void)seq;
+  return fsdp_error("native backend: run must not be called");
+}
+
+static int native_start(fsdp_comm *c, const fsdp_coll *k, uint64_t seq, void **h) {
+  native_log *log = fsdp_comm_impl(c);
+  log->check[log->nstart] = fsdp_comm_check_labels(c);
+  log->started[log->nstart++] = (int)seq;
+  *h = (void *)(uintptr_t)seq;
+  if (k->count > 0 && k->op == FSDP_COLL_ALL_GATHER) memcpy(k->recv, k->send, sizeof(float) * (size_t)k->count);
+  return FSDP_OK;
+}
+
+static int native_wait(fsdp_comm *c, void *h) {
+  native_log *log = fsdp_comm_impl(c);
+  log->waited[log->nwait++] = (int)(uintptr_t)h;
+  if ((uintptr_t)h == 3) return fsdp_error("native collective 3 broke");
+  return FSDP_OK;
+}
+
+static void native_free(fsdp_comm *c) { (void)c; /* the test owns the log */ }
+
+static const fsdp_comm_i native_vt = {.name = "native", .run = native_run, .start = native_start,
+                                       .wait = native_wait, .free = native_free};
+
+static void test_native_backend(void **state) {
+  (void)state;
+  native_log *log = calloc(1, sizeof *log);
+  fsdp_comm *c;
+  assert_int_equal(fsdp_comm_new_backend(&c, &native_vt, log, 0, 1), FSDP_OK);
+  assert_string_equal(fsdp_comm_backend(c), "native");
+  float s[3] = {1, 2, 3}, r[3];
+  fsdp_coll k = gather_coll(r, s, 3, "n");
+  fsdp_comm_req *q[4];
+  for (int i = 0; i < 4; i++) assert_int_equal(fsdp_comm_start(c, &k, &q[i]), FSDP_OK);
+  assert_int_equal(log->nstart, 4); /* started at issue, in order */
+  assert_int_equal(log->started[3], 4);
+  assert_true(log->check[0]);   /* first use of 'n' */
+  assert_false(log->check[1]);
+  assert_int_equal(fsdp_comm_wait(q[1]), FSDP_OK);
+  assert_int_equal(fsdp_comm_wait(q[2]), FSDP_ERR);
+  assert_true(strncmp(fsdp_error_msg(), "native collective 3 broke\nflight recorder (rank 0", 49) == 0);
+  assert_contains(fsdp_error_msg(), "#3 all_gather f32 x3 'n' failed");
+  assert_contains(fsdp_error_msg(), "#1 all_gather f32 x3 'n' running");
+  assert_int_equal(fsdp_comm_wait(q[0]), FSDP_OK);
+  assert_memory_equal(r, s, sizeof s);
+  /* q[3] never waited: free finishes it */
+  fsdp_comm_free(c);
+  assert_int_equal(log->nwait, 4);
+  assert_int_equal(log->waited[3], 4);
+  free(log);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_world_of_one),
+      cmocka_unit_test(test_values),
+      cmocka_unit_test(test_nan),
+      cmocka_unit_test(test_bitwise_reproducible),
+      cmocka_unit_test(test_async),
+      cmocka_unit_test(test_async_overlap),
+      cmocka_unit_test(test_mismatch_op),
+      cmocka_unit_test(test_mismatch_count),
+      cmocka_unit_test(test_mismatch_label),
+      cmocka_unit_test(test_label_first_use),
+      cmocka_unit_test(test_abort),
+      cmocka_unit_test(test_timeout),
+      cmocka_unit_test(test_timeout_lists_missing),
+      cmocka_unit_test(test_rank_leaves),
+      cmocka_unit_test(test_free_poisoned),
+      cmocka_unit_test(test_flight_recorder),
+      cmocka_unit_test(test_recorder_states),
+      cmocka_unit_test(test_stats),
+      cmocka_unit_test(test_current),
+      cmocka_unit_test(test_env),
+      cmocka_unit_test(test_invalid),
+      cmocka_unit_test(test_native_backend),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
