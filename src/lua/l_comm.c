@@ -92,8 +92,8 @@ static const fsdp_reduce_op reduce_ops[] = {FSDP_RED_SUM, FSDP_RED_AVG, FSDP_RED
 
 static fsdp_reduce_op check_reduce_op(lua_State *L, int idx, const char *fn) {
   if (lua_isnoneornil(L, idx)) return FSDP_RED_SUM;
-  const char *name = lua_tostring(L, idx);
-  if (lua_type(L, idx) == LUA_TSTRING) {
+  if (lua_type(L, idx) == LUA_TSTRING) { /* checked first: lua_tostring converts numbers */
+    const char *name = lua_tostring(L, idx);
     for (int i = 0; reduce_names[i] != NULL; i++)
       if (strcmp(name, reduce_names[i]) == 0) return reduce_ops[i];
     luaL_error(L, "%s: unknown op '%s' (sum, mean, max, min)", fn, name);

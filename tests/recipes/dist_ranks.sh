@@ -1,0 +1,126 @@
+#!/bin/sh
+# dist_ranks.sh — fsdprun -n N: rank()/world_size(), all_reduce (every op, numbers and
+# tensors) and broadcast equal the serial answer on every rank, barrier, comm_stats
+# (tests/dist/ranks_collectives.lua at -n 1, 2, 4 and without -n); recipe arguments, -e,
+# separate memory domains, --timeout and BLAS threads per rank (ranks_env.lua); whole output
+# lines (ranks_output.lua); the recipe read once (stdin, missing file, syntax error); -n,
+# --timeout, -i and FSDP_BLAS_THREADS validation. Owner: launcher. Run by ctest with FSDPRUN set.
+set -u
+: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
+SRC=${FSDP_SOURCE_DIR:-$(pwd)}
+D="$SRC/tests/dist"
+T=$(mktemp -d)
+trap 'rm -rf "$T"' EXIT
+failures=0
+
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+run() { "$@" >"$T/out" 2>"$T/err"; rc=$?; }
+expect_rc() { [ "$rc" -eq "$1" ] || fail "$2: exit status $rc, expected $1; stderr: $(cat "$T/err")"; }
+expect_has() { grep -qF -- "$2" "$T/$1" || fail "$3: std$1 lacks '$2'; it was: $(cat "$T/$1")"; }
+expect_lacks() { ! grep -qF -- "$2" "$T/$1" || fail "$3: std$1 has '$2'; it was: $(cat "$T/$1")"; }
+lines_of() { wc -l <"$T/$1" | tr -d ' '; }
+# expect_ranks N PREFIX: stdout has exactly the lines "PREFIX r N" for r = 0..N-1, in any order
+expect_ranks() {
+  want=$(r=0; while [ "$r" -lt "$1" ]; do echo "$2 $r $1"; r=$((r + 1)); done)
+  got=$(sort -n -k2 "$T/out")
+  [ "$got" = "$want" ] || fail "$2 at -n $1: stdout was '$(cat "$T/out")', expected '$want'"
+}
+
+# ---- collectives at 1, 2 and 4 ranks ------------------------------------------------------------
+for n in 1 2 4; do
+  run "$FSDPRUN" -n "$n" "$D/ranks_collectives.lua" --world="$n"
+  expect_rc 0 "collectives -n $n"
+  expect_ranks "$n" ok
+done
+run "$FSDPRUN" "$D/ranks_collectives.lua"
+expect_rc 0 "collectives without -n (a world of one)"
+expect_ranks 1 ok
+
+# ---- what each rank's state gets --------------------------------------------------------------------
+cores=$(getconf _NPROCESSORS_ONLN)
+per_rank=$((cores / 4))
+[ "$per_rank" -ge 1 ] || per_rank=1
+run "$FSDPRUN" -n 4 --timeout=7.5 -e 'FROM_E = "e" .. require("fsdp").rank()' \
+  "$D/ranks_env.lua" pos --lr=0.5 "--tag=x y"
+expect_rc 0 "env -n 4"
+[ "$(lines_of out)" = 4 ] || fail "env -n 4: $(cat "$T/out")"
+for r in 0 1 2 3; do
+  expect_has out "env $r threads=$per_rank timeout=7.5" "env -n 4: rank $r: BLAS threads max(1, $cores/4), --timeout"
+done
+run env FSDP_BLAS_THREADS=3 "$FSDPRUN" -n 2 --timeout 2 -e 'FROM_E = "e" .. require("fsdp").rank()' \
+  "$D/ranks_env.lua" pos --lr=0.5 "--tag=x y"
+expect_rc 0 "env FSDP_BLAS_THREADS=3 -n 2"
+expect_has out "env 0 threads=3 timeout=2" "FSDP_BLAS_THREADS overrides"
+expect_has out "env 1 threads=3 timeout=2" "FSDP_BLAS_THREADS overrides"
+
+# ---- output: 4 ranks x 300 lines, none cut by another rank -------------------------------------------
+run "$FSDPRUN" -n 4 "$D/ranks_output.lua" --lines=300
+expect_rc 0 "output"
+# a whole line: "line", the rank, three pieces of 97 copies of the rank's digit, a number
+bad=$(awk -F'\t' '
+  NF != 6 || $1 != "line" || $2 !~ /^[0-3]$/ || $6 !~ /^[0-9]+$/ { bad++; next }
+  { for (f = 3; f <= 5; f++) { s = $f; if (length(s) != 97 || gsub($2, "", s) != 97) { bad++; next } } }
+  END { print bad + 0 }' "$T/out")
+[ "$(lines_of out)" = 1200 ] || fail "output: $(lines_of out) lines, expected 1200"
+[ "$bad" = 0 ] || fail "output: $bad lines mixed from several ranks"
+for r in 0 1 2 3; do
+  [ "$(grep -c "^line	$r	" "$T/out")" = 300 ] || fail "output: rank $r did not print 300 whole lines"
+done
+
+# ---- the recipe is read once ------------------------------------------------------------------------------
+printf 'local f = require "fsdp"\nprint("stdin " .. f.rank() .. " " .. f.world_size())\n' >"$T/stdin.lua"
+"$FSDPRUN" -n 2 - <"$T/stdin.lua" >"$T/out" 2>"$T/err"
+rc=$?
+expect_rc 0 "recipe from stdin at -n 2"
+expect_ranks 2 stdin
+run "$FSDPRUN" -n 3 "$T/none.lua"
+expect_rc 1 "missing recipe at -n 3"
+[ "$(cat "$T/err")" = "fsdprun: cannot open $T/none.lua: No such file or directory" ] ||
+  fail "missing recipe at -n 3: stderr was '$(cat "$T/err")'"
+printf 'local x = 1\nlocal y = = 2\n' >"$T/syn.lua"
+run "$FSDPRUN" -n 3 "$T/syn.lua"
+expect_rc 1 "syntax error at -n 3"
+[ "$(lines_of err)" = 1 ] || fail "syntax error at -n 3: not reported once: $(cat "$T/err")"
+expect_has err "fsdprun: $T/syn.lua:2:" "syntax error at -n 3"
+# -n 1: the rank runs on a thread but reports like a single run (no [rank 0] prefix)
+printf 'error("solo")\n' >"$T/solo.lua"
+run "$FSDPRUN" -n 1 "$T/solo.lua"
+expect_rc 1 "-n 1 error"
+expect_has err "fsdprun: $T/solo.lua:1: solo" "-n 1 error"
+expect_lacks err "[rank" "-n 1 error has no rank prefix"
+# -n 1 -i: the interactive loop on the rank's thread, collectives included
+printf 'x = fsdp.all_reduce(21, "sum") * 2\nprint(x, fsdp.world_size(), fsdp.backend())\n' |
+  "$FSDPRUN" -n 1 -e 'fsdp = require "fsdp"' -i >"$T/out" 2>"$T/err"
+rc=$?
+expect_rc 0 "-n 1 -i"
+[ "$(cat "$T/out")" = "42	1	local" ] || fail "-n 1 -i: stdout was '$(cat "$T/out")'"
+
+# ---- usage errors: exit 2, nothing runs ----------------------------------------------------------------
+echo 'print("ran")' >"$T/ok.lua"
+check_usage() { # WHAT TEXT ARGS...
+  what=$1 text=$2
+  shift 2
+  run "$FSDPRUN" "$@"
+  expect_rc 2 "$what"
+  expect_has err "$text" "$what"
+  expect_lacks out "ran" "$what must not run the recipe"
+  [ "$(lines_of err)" = 1 ] || fail "$what: more than one line: $(cat "$T/err")"
+}
+check_usage "-n 0" "-n '0': the number of ranks must be a positive integer" -n 0 "$T/ok.lua"
+check_usage "-n x" "-n 'x': the number of ranks must be a positive integer" -n x "$T/ok.lua"
+check_usage "-n 2.5" "-n '2.5'" -n 2.5 "$T/ok.lua"
+check_usage "-n 5000" "-n '5000': at most 1024 ranks" -n 5000 "$T/ok.lua"
+check_usage "-i -n 2" "-i with -n 2: the interactive loop runs on one rank only for now" -i -n 2 "$T/ok.lua"
+check_usage "--timeout=0" "--timeout '0': the timeout must be a positive number of seconds" --timeout=0 -n 2 "$T/ok.lua"
+check_usage "--timeout=abc" "--timeout 'abc'" --timeout=abc "$T/ok.lua"
+check_usage "--timeout" "--timeout needs a number of seconds" --timeout
+run env FSDP_BLAS_THREADS=many "$FSDPRUN" -n 2 "$T/ok.lua"
+expect_rc 2 "FSDP_BLAS_THREADS=many"
+expect_has err "FSDP_BLAS_THREADS='many' must be a positive integer" "FSDP_BLAS_THREADS=many"
+expect_lacks out "ran" "FSDP_BLAS_THREADS=many"
+
+if [ "$failures" -ne 0 ]; then
+  echo "dist_ranks: $failures failure(s)"
+  exit 1
+fi
+echo "dist_ranks: ok"
