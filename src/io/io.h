@@ -136,8 +136,9 @@ typedef struct fsdp_io_st_writer fsdp_io_st_writer;
 int fsdp_io_st_writer_open(fsdp_io_st_writer **out, const char *path,
                            const fsdp_io_st_entry *entries, int nentries,
                            const fsdp_io_kv *metadata, int nmetadata);
-/* Append `count` f32 values to tensor `name`, which must be the first tensor not yet complete;
- * a write past its end is an error naming the tensor. */
+/* Append `count` f32 values to tensor `name`, which must be the first tensor not yet complete
+ * (a write of 0 values may name any tensor: an empty shard); a write past its end is an error
+ * naming the tensor. */
 int fsdp_io_st_writer_write(fsdp_io_st_writer *w, const char *name, const float *data,
                             int64_t count);
 /* Frees w whether it succeeds or not (an error leaves the previous file, if any). */

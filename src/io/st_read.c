@@ -239,6 +239,11 @@ static int attach_checksums(fsdp_io_st_reader *r, bool header_checked) {
                         r->path, name, value);
     e->has_checksum = true;
   }
+  for (int i = 0; i < r->n; i++)
+    if (r->e[i].has_checksum && !header_checked)
+      return fsdp_error("%s: header: the file has tensor checksums but no header checksum (its "
+                        "\"%s\" key was damaged or removed)",
+                        r->path, FSDP_IO_HEADER_CHECKSUM_KEY);
   return FSDP_OK;
 }
 

@@ -307,6 +307,7 @@ int fsdp_io_st_writer_write(fsdp_io_st_writer *w, const char *name, const float 
   if (w->cur == w->n || strcmp(w->e[w->cur].name, name) != 0) {
     int i = index_of(w, name);
     if (i < 0) return fsdp_error("%s: tensor '%s' is not one of the file's entries", path, name);
+    if (count == 0) return FSDP_OK; /* nothing to place: order does not matter */
     if (i < w->cur || w->cur == w->n)
       return fsdp_error("%s: tensor '%s' is already complete (%llu bytes); this write of %lld "
                         "elements runs past its end",
