@@ -614,7 +614,7 @@ static void run_inline_now(fsdp_comm *c, fsdp_comm_req *r) {
 
 static int issue_and_dispatch(fsdp_comm *c, const fsdp_coll *coll, bool blocking,
                               fsdp_comm_req **out) {
-  issue_path path;
+  issue_path path = PATH_QUEUED;
   if (issue(c, coll, blocking, out, &path) != FSDP_OK) return FSDP_ERR;
   if (path == PATH_INLINE) run_inline_now(c, *out);
   else if (path == PATH_NATIVE) exec_begin(c, *out); /* finished in fsdp_comm_wait */
