@@ -653,23 +653,25 @@ function W.apply(model, fn)
       find(R.model, {R.unit_of[R.model]})
       for _, U in ipairs(chain) do gather(U, gathered) end
     end
+    -- pre-order walk; `gathered` is the stack of units gathered on the current path, so an
+    -- error anywhere leaves exactly those for the restore below
     local seen = {[model] = true}
     local function visit(m, path)
       local U = R.unit_of[m]
-      local mine = {}
-      if U then gather(U, mine) end
+      if U then gather(U, gathered) end
       local fine, e = run_quiet(fn, m, path)
-      if fine then
-        for _, entry in ipairs(own_entries(m)) do
-          local v = entry[2]
-          if is_module(v) and not seen[v] then
-            seen[v] = true
-            visit(v, join(path, entry[1]))
-          end
+      if not fine then error(e, 0) end
+      for _, entry in ipairs(own_entries(m)) do
+        local v = entry[2]
+        if is_module(v) and not seen[v] then
+          seen[v] = true
+          visit(v, join(path, entry[1]))
         end
       end
-      restore(mine, true, fine)
-      if not fine then error(e, 0) end
+      if U then
+        restore({gathered[#gathered]}, true, true)
+        gathered[#gathered] = nil
+      end
     end
     visit(model, "")
   end)

@@ -1,0 +1,541 @@
+-- wrap_spec.lua — the sharding layer at world size 1 (lua/fsdp/wrap.lua, sharded optim):
+-- wrap/unwrap/re-wrap, idempotence, units and ownership (ties, shared modules), policies,
+-- the sharded-read error, full_params/apply with writeback, saved references, fsdp.shard,
+-- inspect, and sharded optimizers equal to dense ones. Multi-rank behaviour is in tests/dist/.
+-- Run: busted --lua=luajit tests/lua/wrap_spec.lua
+
+local fsdp = require "fsdp"
+local nn = fsdp.nn
+
+local function flat(t) return t:view{t:numel()}:totable() end
+
+local function same_values(a, b)
+  local x, y = flat(a), flat(b)
+  if #x ~= #y then return false end
+  for i = 1, #x do if x[i] ~= y[i] then return false end end
+  return true
+end
+
+local function unit_paths(model)
+  local out = {}
+  for _, u in ipairs(fsdp.units(model)) do out[#out + 1] = u.path end
+  return out
+end
+
+-- path -> unit path, from every unit's parameter list
+local function owners(model)
+  local out = {}
+  for _, u in ipairs(fsdp.units(model)) do
+    for _, p in ipairs(u:paths()) do out[p] = u.path end
+  end
+  return out
+end
+
+local function gpt(tie)
+  fsdp.manual_seed(42)
+  return nn.GPT{vocab = 11, ctx = 8, d = 8, layers = 2, heads = 2, tie = tie}
+end
+
+local ids = fsdp.tensor{{1, 2, 3, 4}, {5, 6, 7, 8}}
+
+local function quiet(fn)
+  -- wrap prints a note for an already wrapped model: keep the test output clean
+  local log = fsdp.log
+  local saved = log.print
+  local notes = {}
+  log.print = function(...) notes[#notes + 1] = table.concat({...}, " ") end
+  local ok, err = pcall(fn)
+  log.print = saved
+  if not ok then error(err, 0) end
+  return notes
+end
+
+describe("fsdp.wrap", function()
+  it("marks units in place: same modules, same parameter objects, same outputs", function()
+    local m = gpt()
+    local params = m:parameters()
+    local blocks1 = m.blocks[1]
+    local y0 = fsdp.no_grad(function() return m(ids) end)
+    assert.are.equal(m, fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}}))
+    assert.is_true(fsdp.is_wrapped(m))
+    assert.are.equal(blocks1, m.blocks[1])
+    local during = m:parameters()
+    assert.are.equal(#params, #during)
+    for i = 1, #params do assert.is_true(rawequal(params[i], during[i])) end
+    local y1 = fsdp.no_grad(function() return m(ids) end)
+    assert.is_true(same_values(y0, y1))
+    fsdp.unwrap(m)
+    assert.is_false(fsdp.is_wrapped(m))
+    local after = m:parameters()
+    assert.are.equal(#params, #after)
+    for i = 1, #params do
+      assert.is_true(rawequal(params[i], after[i]))
+      assert.are.equal("cpu", after[i].device)
+    end
+    assert.is_true(same_values(y0, fsdp.no_grad(function() return m(ids) end)))
+  end)
+
+  it("is idempotent: wrapping a wrapped model changes nothing and says so", function()
+    local m = gpt()
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    local before = fsdp.units(m)
+    local notes = quiet(function()
+      assert.are.equal(m, fsdp.wrap(m, {strategy = "none"}))
+    end)
+    assert.are.equal(1, #notes)
+    assert.truthy(notes[1]:find("already wrapped", 1, true))
+    local after = fsdp.units(m)
+    assert.are.equal(#before, #after)
+    for i = 1, #before do assert.is_true(rawequal(before[i], after[i])) end
+    assert.are.equal("full", after[1]:strategy())
+    fsdp.unwrap(m)
+    assert.are.equal(0, #fsdp.units(m))
+    -- unwrap of a plain model is a no-op
+    assert.are.equal(m, fsdp.unwrap(m))
+  end)
+
+  it("re-wraps an unwrapped model with other options", function()
+    local m = gpt()
+    local y0 = fsdp.no_grad(function() return m(ids) end)
+    for _, strategy in ipairs{"full", "grad_op", "none"} do
+      fsdp.wrap(m, {strategy = strategy, policy = fsdp.policy.modules{nn.Block}})
+      assert.are.equal(strategy, fsdp.units(m)[1]:strategy())
+      assert.is_true(same_values(y0, fsdp.no_grad(function() return m(ids) end)))
+      fsdp.unwrap(m)
+    end
+  end)
+
+  it("makes the root a unit and the picked modules units, innermost first", function()
+    local m = gpt()
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    assert.are.same({"blocks.1", "blocks.2", "(root)"}, unit_paths(m))
+    assert.is_true(fsdp.units(m)[3].is_root)
+    -- after a forward: forward order
+    fsdp.no_grad(function() return m(ids) end)
+    assert.are.same({"(root)", "blocks.1", "blocks.2"}, unit_paths(m))
+    fsdp.unwrap(m)
+  end)
+
+  it("gives a tied parameter to the root: GPT tie=true with one unit per Block", function()
+    local m = gpt(true)
+    assert.is_true(rawequal(m.head.weight, m.wte.weight))
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    local own = owners(m)
+    assert.are.equal("(root)", own["wte.weight"])
+    assert.is_nil(own["head.weight"]) -- one parameter, listed once, under its first path
+    assert.are.equal("blocks.2", own["blocks.2.mlp.fc.weight"])
+    assert.is_true(rawequal(m.head.weight, m.wte.weight))
+    local root = fsdp.units(m)[3]
+    assert.are.same({"wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"}, root:paths())
+    -- a step trains through both uses: forward + backward + step run and the tie holds
+    local opt = fsdp.optim.SGD(m, {lr = 0.1})
+    nn.F.cross_entropy(m(ids), ids):backward()
+    opt:step()
+    fsdp.unwrap(m)
+    assert.is_true(rawequal(m.head.weight, m.wte.weight))
+  end)
+
+  it("gives a parameter used from two units to their closest common wrapped ancestor", function()
+    local Pair = nn.Module:extend("Pair")
+    function Pair:init(shared)
+      self.a = nn.Linear(4, 4)
+      self.a.weight = shared -- a tie into another unit
+    end
+    function Pair:forward(x) return self.a(x) end
+    local Outer = nn.Module:extend("Outer")
+    function Outer:init()
+      self.first = nn.Linear(4, 4)
+      self.mid = nn.Sequential{Pair(self.first.weight), Pair(self.first.weight)}
+      self.shared = nn.Linear(4, 4)        -- a module referenced from two places
+      self.mid2 = nn.Sequential{self.shared, nn.ReLU()}
+    end
+    function Outer:forward(x)
+      return self.mid2(self.shared(self.mid(self.first(x))))
+    end
+    fsdp.manual_seed(1)
+    local m = Outer()
+    local x = fsdp.randn{3, 4}
+    local y0 = fsdp.no_grad(function() return m(x) end)
+    -- units: both Pairs and mid; first.weight is used by first (root) and both Pairs: root
+    fsdp.wrap(m, {policy = fsdp.policy.modules{Pair}})
+    local own = owners(m)
+    assert.are.equal("(root)", own["first.weight"])
+    assert.are.equal("mid.1", own["mid.1.a.bias"])
+    assert.are.equal("mid.2", own["mid.2.a.bias"])
+    -- shared (at "shared" and "mid2.1"): root's
+    assert.are.equal("(root)", own["shared.weight"])
+    assert.is_true(same_values(y0, fsdp.no_grad(function() return m(x) end)))
+    fsdp.unwrap(m)
+    -- the tie inside mid only: pick mid as a unit too; first.weight still root (used by first)
+    fsdp.wrap(m, {policy = fsdp.policy.list{m.mid, m.mid[1], m.mid[2], m.mid2}})
+    own = owners(m)
+    assert.are.equal("(root)", own["first.weight"])
+    -- shared is referenced by the root directly and from mid2: root
+    assert.are.equal("(root)", own["shared.weight"])
+    assert.is_nil(own["mid2.1.weight"])
+    fsdp.unwrap(m)
+    -- a parameter tied between two units under a common unit goes to that unit
+    local p = nn.Parameter(fsdp.ones{4, 4})
+    local a, b = Pair(p), Pair(p)
+    local inner = nn.Sequential{a, b}
+    local top = nn.Sequential{nn.Linear(4, 4), inner}
+    fsdp.wrap(top, {policy = fsdp.policy.list{a, b, inner}})
+    own = owners(top)
+    assert.are.equal("2", own["2.1.a.weight"])
+    assert.are.equal("2.1", own["2.1.a.bias"])
+    fsdp.unwrap(top)
+  end)
+
+  it("keeps the inner units of a model part of which is already wrapped", function()
+    fsdp.manual_seed(3)
+    local inner = nn.Linear(5, 5)
+    local m = nn.Sequential{nn.Linear(5, 5), inner}
+    local x = fsdp.randn{2, 5}
+    local y0 = fsdp.no_grad(function() return m(x) end)
+    fsdp.wrap(inner, {strategy = "grad_op"})
+    assert.is_true(fsdp.is_wrapped(inner))
+    fsdp.wrap(m)
+    assert.is_true(fsdp.is_wrapped(m))
+    assert.is_false(fsdp.is_wrapped(inner))
+    assert.are.same({"2", "(root)"}, unit_paths(m))
+    assert.are.equal("grad_op", fsdp.units(m)[1]:strategy()) -- the inner unit keeps its own
+    assert.are.equal(2, #m:parameters() / 2)
+    assert.is_true(same_values(y0, fsdp.no_grad(function() return m(x) end)))
+    fsdp.unwrap(m)
+    assert.is_false(fsdp.is_wrapped(inner))
+    assert.are.equal("cpu", inner.weight.device)
+  end)
+
+  it("refuses to wrap or unwrap a part of a wrapped model", function()
+    local m = gpt()
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    assert.has_error(function() fsdp.wrap(m.blocks[1]) end)
+    local ok, err = pcall(fsdp.wrap, m.blocks[1])
+    assert.is_false(ok)
+    assert.truthy(err:find("part of a wrapped model", 1, true))
+    ok, err = pcall(fsdp.unwrap, m.ln_f)
+    assert.is_false(ok)
+    assert.truthy(err:find("unwrap its root", 1, true))
+    -- a container holding a module of another wrapped model
+    ok, err = pcall(fsdp.wrap, nn.Sequential{m.blocks[2]})
+    assert.is_false(ok)
+    assert.truthy(err:find("another wrapped model", 1, true))
+    fsdp.unwrap(m)
+  end)
+
+  it("validates its options", function()
+    local m = gpt()
+    local function err_of(opts)
+      local ok, err = pcall(fsdp.wrap, m, opts)
+      assert.is_false(ok)
+      return err
+    end
+    assert.truthy(err_of{strategy = "zero3"}:find("strategy must be", 1, true))
+    assert.truthy(err_of{polcy = 1}:find("unknown option polcy", 1, true))
+    assert.truthy(err_of{prefetch = "yes"}:find("prefetch must be a boolean", 1, true))
+    assert.truthy(err_of{init = function() end}:find("init is not supported", 1, true))
+    assert.truthy(err_of{policy = 3}:find("policy must be", 1, true))
+    assert.is_false(fsdp.is_wrapped(m))
+  end)
+end)
+
+describe("fsdp.policy", function()
+  it("modules{Class} picks instances (subclasses included)", function()
+    local MyLinear = nn.Linear:extend("MyLinear")
+    fsdp.manual_seed(1)
+    local m = nn.Sequential{nn.Linear(4, 4), MyLinear(4, 4), nn.ReLU()}
+    fsdp.wrap(m, {policy = fsdp.policy.modules{MyLinear}})
+    assert.are.same({"2", "(root)"}, unit_paths(m))
+    fsdp.unwrap(m)
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Linear}})
+    assert.are.same({"1", "2", "(root)"}, unit_paths(m)) -- the root holds no parameter
+    assert.are.equal(0, fsdp.units(m)[3]:numel())
+    fsdp.unwrap(m)
+    assert.has_error(function() fsdp.policy.modules{} end)
+    assert.has_error(function() fsdp.policy.modules{"Linear"} end)
+  end)
+
+  it("size(n) picks, bottom-up, modules with at least n unclaimed elements", function()
+    local m = gpt() -- d = 8: a Block has 8*4 + 8*24+24 + 8*8+8 + 8*32+32 + 32*8+8 = 872
+    fsdp.wrap(m, {policy = fsdp.policy.size(300)})
+    -- mlp (fc 288 + proj 264 = 552) and attn (216 + 72 = 288 < 300) ... decided bottom-up
+    local paths = unit_paths(m)
+    assert.are.same({"blocks.1.mlp", "blocks.1", "blocks.2.mlp", "blocks.2", "(root)"}, paths)
+    fsdp.unwrap(m)
+    fsdp.wrap(m, {policy = fsdp.policy.size(1e9)})
+    assert.are.same({"(root)"}, unit_paths(m))
+    fsdp.unwrap(m)
+    assert.has_error(function() fsdp.policy.size(0) end)
+  end)
+
+  it("list{...} picks exactly these modules and names a stranger", function()
+    local m = gpt()
+    fsdp.wrap(m, {policy = fsdp.policy.list{m.blocks[2].mlp, m.ln_f}})
+    assert.are.same({"blocks.2.mlp", "ln_f", "(root)"}, unit_paths(m))
+    fsdp.unwrap(m)
+    local ok, err = pcall(fsdp.wrap, m, {policy = fsdp.policy.list{nn.Linear(2, 2)}})
+    assert.is_false(ok)
+    assert.truthy(err:find("not part of the wrapped model", 1, true))
+    assert.is_false(fsdp.is_wrapped(m))
+  end)
+
+  it("accepts a function and refuses a ModuleList unit", function()
+    local m = gpt()
+    fsdp.wrap(m, {policy = function(mod, path) return path == "blocks.1.attn" end})
+    assert.are.same({"blocks.1.attn", "(root)"}, unit_paths(m))
+    fsdp.unwrap(m)
+    local ok, err = pcall(fsdp.wrap, m, {policy = fsdp.policy.modules{nn.ModuleList}})
+    assert.is_false(ok)
+    assert.truthy(err:find("ModuleList", 1, true))
+    assert.is_false(fsdp.is_wrapped(m))
+  end)
+end)
+
+describe("sharded parameters", function()
+  it("raise an error naming fsdp.full_params when read", function()
+    local m = gpt()
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    local w = m.blocks[1].mlp.fc.weight
+    local ok, err = pcall(function() return w:sum() end)
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("fsdp.full_params", 1, true), tostring(err))
+    ok, err = pcall(function() return w:totable() end)
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("fsdp.full_params", 1, true), tostring(err))
+    -- the shape is still known
+    assert.are.same({32, 8}, w:shape())
+    fsdp.unwrap(m)
+  end)
+
+  it("fsdp.shard gives this rank's slice as a view (all of it at world size 1)", function()
+    local m = gpt()
+    local w = m.blocks[1].mlp.fc.weight
+    local dense = w:clone()
+    assert.are.equal(w:numel(), fsdp.shard(w):numel()) -- plain: the whole parameter
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    local s = fsdp.shard(w)
+    assert.are.equal(w:numel(), s:numel())
+    assert.is_true(same_values(s, dense))
+    s:fill(0.5) -- writes land in the shard
+    fsdp.full_params(m, function() assert.are.equal(0.5, w:get(3, 4)) end)
+    fsdp.unwrap(m)
+    assert.are.equal(0.5, w:get(1, 1))
+  end)
+end)
+
+describe("fsdp.full_params and fsdp.apply", function()
+  it("full_params shows full weights and writes changes back (or not)", function()
+    local m = gpt()
+    local saved = m.wpe.weight -- a reference taken before wrapping
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    local n = #m:parameters()
+    fsdp.full_params(m, function(model)
+      assert.are.equal(n, #model:parameters())
+      for _, u in ipairs(fsdp.units(m)) do assert.are.equal("gathered", u:state()) end
+      assert.is_true(rawequal(saved, model.wpe.weight))
+      saved:fill(2) -- through the old reference
+      model.blocks[2].ln1.bias:fill(3)
+    end)
+    for _, u in ipairs(fsdp.units(m)) do assert.are.equal("sharded", u:state()) end
+    fsdp.full_params(m, function(model)
+      assert.are.equal(2, model.wpe.weight:get(1, 1))
+      assert.are.equal(3, model.blocks[2].ln1.bias:get(5))
+      model.wpe.weight:fill(7)
+    end, {writeback = false})
+    fsdp.full_params(m, function(model) assert.are.equal(2, saved:get(2, 2)) end)
+    fsdp.unwrap(m)
+    assert.are.equal(2, saved:get(1, 1))
+  end)
+
+  it("full_params on a submodule gathers only the units it needs; a forward inside works", function()
+    local m = gpt()
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    local states
+    fsdp.full_params(m.blocks[2], function(b)
+      states = {}
+      for _, u in ipairs(fsdp.units(m)) do states[u.path] = u:state() end
+      local x = fsdp.randn{1, 3, 8}
+      local y = b(x) -- the block's hooks pass through: it stays gathered
+      assert.are.same({1, 3, 8}, y:shape())
+      assert.are.equal("gathered", fsdp.units(m)[2]:state())
+    end)
+    assert.are.same({["(root)"] = "sharded", ["blocks.1"] = "sharded", ["blocks.2"] = "gathered"},
+      states)
+    assert.are.equal("sharded", fsdp.units(m)[2]:state())
+    -- the whole model inside full_params: a forward runs on the full weights
+    local y0 = fsdp.no_grad(function() return m(ids) end)
+    fsdp.full_params(m, function(model) assert.is_true(same_values(y0, model(ids))) end)
+    fsdp.unwrap(m)
+  end)
+
+  it("apply visits every module with its path, units gathered along the path only", function()
+    local m = gpt()
+    local plain = {}
+    for path, mod in m:named_modules() do plain[#plain + 1] = path end
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    local visited, gathered_at = {}, {}
+    fsdp.apply(m, function(mod, path)
+      visited[#visited + 1] = path
+      local g = {}
+      for _, u in ipairs(fsdp.units(m)) do
+        if u:state() == "gathered" then g[#g + 1] = u.path end
+      end
+      table.sort(g)
+      gathered_at[path] = table.concat(g, ",")
+      if mod.weight then mod.weight:mul_(0) end -- every module's own weight sees full data
+    end)
+    assert.are.same(plain, visited)
+    assert.are.equal("(root)", gathered_at["wte"])
+    assert.are.equal("(root),blocks.1", gathered_at["blocks.1.mlp.fc"])
+    assert.are.equal("(root),blocks.2", gathered_at["blocks.2"])
+    assert.are.equal("(root)", gathered_at["head"])
+    for _, u in ipairs(fsdp.units(m)) do assert.are.equal("sharded", u:state()) end
+    -- written back
+    fsdp.full_params(m, function(model)
+      assert.are.equal(0, model.blocks[1].mlp.fc.weight:sum():item())
+      assert.are.equal(0, model.wte.weight:sum():item())
+      assert.are.equal(1, model.ln_f.bias:numel() > 0 and 1 or 0)
+    end)
+    -- apply on a submodule: paths relative to it, its ancestors' units gathered
+    local sub = {}
+    fsdp.apply(m.blocks[1], function(mod, path)
+      sub[#sub + 1] = path
+      assert.are.equal("gathered", fsdp.units(m)[#fsdp.units(m)]:state()) -- the root
+    end)
+    assert.are.equal("", sub[1])
+    assert.are.equal("ln1", sub[2])
+    fsdp.unwrap(m)
+  end)
+
+  it("apply and full_params leave the model usable after fn raises", function()
+    local m = gpt()
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    local ok, err = pcall(fsdp.apply, m, function(mod, path)
+      if path == "blocks.1.mlp" then error("boom in apply") end
+    end)
+    assert.is_false(ok)
+    assert.truthy(err:find("boom in apply", 1, true))
+    ok = pcall(fsdp.full_params, m, function() error("boom") end)
+    assert.is_false(ok)
+    for _, u in ipairs(fsdp.units(m)) do assert.are.equal("sharded", u:state()) end
+    fsdp.no_grad(function() return m(ids) end) -- hooks work again
+    fsdp.unwrap(m)
+  end)
+
+  it("work on a plain model too", function()
+    local m = gpt()
+    local n = 0
+    fsdp.apply(m, function() n = n + 1 end)
+    assert.are.equal(#m:modules(), n)
+    assert.are.equal(42, fsdp.full_params(m, function() return 42 end))
+  end)
+end)
+
+describe("fsdp.inspect", function()
+  it("describes a model and a parameter", function()
+    local m = gpt()
+    assert.truthy(tostring(fsdp.inspect(m)):find("not wrapped", 1, true))
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    local r = fsdp.inspect(m)
+    assert.is_true(r.wrapped)
+    assert.are.equal(3, #r.units)
+    local text = tostring(r)
+    assert.truthy(text:find("blocks.2", 1, true))
+    assert.truthy(text:find("(root)", 1, true))
+    local p = fsdp.inspect(m.head.weight)
+    assert.are.equal("(root)", p.unit)
+    assert.are.equal("wte.weight", p.path)
+    assert.truthy(tostring(p):find("wte.weight", 1, true))
+    fsdp.unwrap(m)
+  end)
+end)
+
+describe("optimizers on a wrapped model", function()
+  local function train(wrap, make_opt, steps)
+    local m = gpt()
+    if wrap then fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}}) end
+    local opt = make_opt(m)
+    local norms = {}
+    for i = 1, steps do
+      opt:zero_grad()
+      nn.F.cross_entropy(m(ids), ids):backward()
+      norms[i] = fsdp.clip_grad_norm(m, 0.5)
+      opt:step()
+    end
+    return m, opt, norms
+  end
+
+  for _, case in ipairs{
+    {"AdamW", function(m) return fsdp.optim.AdamW(m, {lr = 1e-2, weight_decay = 0.1}) end},
+    {"SGD", function(m) return fsdp.optim.SGD(m, {lr = 0.1, momentum = 0.9, weight_decay = 0.01}) end},
+  } do
+    it(case[1] .. " on shards equals " .. case[1] .. " on the plain model", function()
+      local plain, _, n0 = train(false, case[2], 4)
+      local wrapped, opt, n1 = train(true, case[2], 4)
+      for i = 1, #n0 do assert.is_true(math.abs(n0[i] - n1[i]) <= 1e-6 * n0[i]) end
+      fsdp.unwrap(wrapped)
+      local a, b = plain:parameters(), wrapped:parameters()
+      for i = 1, #a do
+        local x, y = flat(a[i]), flat(b[i])
+        for k = 1, #x do
+          assert.is_true(math.abs(x[k] - y[k]) <= 1e-6 * (1 + math.abs(x[k])),
+            ("param %d element %d: %g vs %g"):format(i, k, x[k], y[k]))
+        end
+      end
+      -- the optimizer refuses to step a model unwrapped under it
+      local ok, err = pcall(opt.step, opt)
+      assert.is_false(ok)
+      assert.truthy(err:find("unwrapped", 1, true))
+    end)
+  end
+
+  it("keeps per-slice state with weight-decay exclusions per parameter", function()
+    local m, opt = train(true, function(mm) return fsdp.optim.AdamW(mm, {lr = 1e-2}) end, 1)
+    local sd = opt:state_dict()
+    assert.is_true(sd.sharded)
+    assert.are.equal(0, sd.rank)
+    local st = sd.state["blocks.1.mlp.fc.weight"]
+    assert.are.equal(1, st.param_first)
+    assert.are.equal(256, st.numel)
+    assert.are.equal(256, st.exp_avg:numel())
+    assert.are.equal(1, st.step)
+    -- biases and norms are excluded from decay, by path, as for a plain model
+    local excluded = {}
+    for _, p in ipairs(opt.no_decay_paths) do excluded[p] = true end
+    assert.is_true(excluded["blocks.1.ln1.weight"])
+    assert.is_nil(excluded["blocks.1.mlp.fc.weight"])
+    -- optimizer state is accounted as optim
+    assert.is_true(fsdp.memory().optim >= 2 * 4 * m:num_parameters())
+    -- round trip
+    local before = flat(st.exp_avg)
+    opt:load_state_dict(sd)
+    assert.are.same(before, flat(opt:state_dict().state["blocks.1.mlp.fc.weight"].exp_avg))
+    fsdp.unwrap(m)
+  end)
+
+  it("zero_grad zeroes the gradient shards (optimizer and module)", function()
+    local m, opt = train(true, function(mm) return fsdp.optim.SGD(mm, {lr = 0.1}) end, 1)
+    nn.F.cross_entropy(m(ids), ids):backward()
+    local u = fsdp.units(m)[1]
+    assert.is_true(fsdp.core.sumsq(u:grad_shard()) > 0)
+    opt:zero_grad()
+    assert.are.equal(0, fsdp.core.sumsq(u:grad_shard()))
+    nn.F.cross_entropy(m(ids), ids):backward()
+    assert.is_true(fsdp.core.sumsq(u:grad_shard()) > 0)
+    m:zero_grad()
+    assert.are.equal(0, fsdp.core.sumsq(u:grad_shard()))
+    fsdp.unwrap(m)
+  end)
+
+  it("refuses a submodule or the sharded parameters of a wrapped model", function()
+    local m = gpt()
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    local ok, err = pcall(fsdp.optim.SGD, m.blocks[1], {lr = 1})
+    assert.is_false(ok)
+    assert.truthy(err:find("wrapped root", 1, true))
+    ok, err = pcall(fsdp.optim.SGD, m:parameters(), {lr = 1})
+    assert.is_false(ok)
+    assert.truthy(err:find("sharded", 1, true))
+    fsdp.unwrap(m)
+  end)
+end)
