@@ -1,0 +1,89 @@
+-- Shards at N ranks (tests/recipes/dist_shards.sh): what world-size-1 specs cannot show.
+--   * fsdp.shard(p) on every rank: the slices tile the parameter exactly (sizes add up, and
+--     their values, gathered by all_reduce, rebuild it); u:layout() agrees with the shards
+--   * fsdp.apply writes rank-dependent-free changes back into every rank's shard
+--   * sync_module_states = true: ranks that built different values all hold rank 0's
+--   * the sharded optimizer state covers each parameter exactly once across the ranks
+--   fsdprun -n N tests/dist/shards.lua
+local fsdp = require "fsdp"
+local nn = fsdp.nn
+local W, rank = fsdp.world_size(), fsdp.rank()
+
+local failures = 0
+local function check(ok, what)
+  if not ok then
+    failures = failures + 1
+    print(("[rank %d] FAIL: %s"):format(rank, what))
+  end
+end
+
+fsdp.manual_seed(11)
+local model = nn.GPT{vocab = 24, ctx = 8, d = 16, layers = 2, heads = 2}
+local dense = {}
+for path, p in model:named_parameters() do dense[path] = p:clone() end
+fsdp.wrap(model, {policy = fsdp.policy.modules{nn.Block}})
+
+-- slices tile each parameter; values rebuild it
+for path, p in model:named_parameters() do
+  local s = fsdp.shard(p)
+  local n = fsdp.all_reduce(s:numel(), "sum")
+  check(n == p:numel(), ("%s: shard sizes add up to %d, not %d"):format(path, n, p:numel()))
+  local u = fsdp.core.param_unit(p)
+  local rebuilt = fsdp.zeros{p:numel()}
+  for _, l in ipairs(u:layout()) do
+    if l.path == path then
+      local mine = l.slices[rank]
+      check((mine and (mine[2] - mine[1] + 1) or 0) == s:numel(), path .. ": layout slice size")
+      if mine then rebuilt:narrow(1, mine[1], mine[2] - mine[1] + 1):copy(s) end
+    end
+  end
+  fsdp.all_reduce(rebuilt, "sum")
+  local a, b = rebuilt:totable(), dense[path]:view{p:numel()}:totable()
+  local same = true
+  for k = 1, #b do if a[k] ~= b[k] then same = false break end end
+  check(same, path .. ": the shards rebuild the parameter")
+end
+
+-- apply: change every Linear's bias to 0.25 on every rank; full_params sees it
+fsdp.apply(model, function(m)
+  if nn.isinstance(m, nn.Linear) and m.bias then m.bias:fill(0.25) end
+end)
+fsdp.full_params(model, function(m)
+  for path, p in m:named_parameters() do
+    if path:match("%.bias$") and not path:match("ln") then
+      local lo, hi = p:min(), p:max()
+      if type(lo) ~= "number" then lo, hi = lo:item(), hi:item() end
+      check(lo == 0.25 and hi == 0.25, path .. ": written back by apply")
+    end
+  end
+end)
+
+-- the optimizer state of each parameter is split across ranks, exactly
+local opt = fsdp.optim.AdamW(model, {lr = 1e-3})
+local x = fsdp.tensor{{1, 2, 3, 4}}
+opt:zero_grad()
+nn.F.cross_entropy(model(x), x):backward()
+opt:step()
+local sd = opt:state_dict()
+for path, p in model:named_parameters() do
+  local st = sd.state[path]
+  local n = fsdp.all_reduce(st and st.exp_avg:numel() or 0, "sum")
+  check(n == p:numel(), ("%s: optimizer state covers %d of %d elements"):format(path, n, p:numel()))
+end
+fsdp.unwrap(model)
+
+-- sync_module_states: each rank builds its own values; after wrapping all hold rank 0's
+fsdp.manual_seed(100 + rank)
+local m2 = nn.Sequential{nn.Linear(8, 8), nn.Linear(8, 3)}
+local mine = m2[2].weight:sum():item()
+fsdp.wrap(m2, {sync_module_states = true, policy = fsdp.policy.list{m2[1]}})
+local s
+fsdp.full_params(m2, function(m) s = m[2].weight:sum():item() end)
+local s0 = fsdp.broadcast(s, 0)
+check(s == s0, "sync_module_states: every rank holds rank 0's values")
+if rank == 0 then check(s == mine, "sync_module_states: rank 0 keeps its own values") end
+if W > 1 and rank == 1 then check(s ~= mine, "rank 1 had other values before syncing") end
+fsdp.unwrap(m2)
+
+if rank == 0 then print(("shards at %d ranks: %d checks failed"):format(W, failures)) end
+if failures > 0 then error(("%d shard checks failed"):format(failures)) end
