@@ -158,8 +158,9 @@ int fsdp_io_atomic_open(fsdp_io_atomic **out, const char *path) {
   long tid = (long)gettid();
   f->path = strdup(path);
   f->dir = slash == NULL ? strdup(".") : dirlen == 0 ? strdup("/") : strndup(path, (size_t)dirlen);
-  f->tmp = slash != NULL ? dup_printf("%.*s/.%s.tmp.%ld.%ld", dirlen, path, base, (long)getpid(), tid)
-                         : dup_printf(".%s.tmp.%ld.%ld", base, (long)getpid(), tid);
+  long pid = (long)getpid();
+  f->tmp = slash != NULL ? dup_printf("%.*s/.%s.tmp.%ld.%ld", dirlen, path, base, pid, tid)
+                         : dup_printf(".%s.tmp.%ld.%ld", base, pid, tid);
   f->buf = malloc(ATOMIC_BUF_BYTES);
   if (f->path == NULL || f->dir == NULL || f->tmp == NULL || f->buf == NULL) {
     free_handle(f);

@@ -588,9 +588,9 @@ int fsdp_io_st_reader_read(fsdp_io_st_reader *r, float *out, const char *name, i
                       "can)",
                       r->path, name, fsdp_io_dtype_name(e->dtype));
   if (first < 0 || count < 0 || first > e->numel || count > e->numel - first)
-    return fsdp_error("%s: tensor '%s': %lld elements from element %lld are out of range (it has %lld)",
-                      r->path, name, (long long)count, (long long)first,
-                      (long long)e->numel);
+    return fsdp_error("%s: tensor '%s': %lld elements from element %lld are out of range (it "
+                      "has %lld)",
+                      r->path, name, (long long)count, (long long)first, (long long)e->numel);
   size_t esz = fsdp_io_dtype_size(e->dtype);
   bool whole = first == 0 && count == e->numel;
   uint64_t off = r->data_start + e->begin + (uint64_t)first * esz;

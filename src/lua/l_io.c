@@ -1,0 +1,589 @@
+/*
+ * l_io.c — the io layer (src/io) in `fsdp.core`: safetensors writers and readers, JSON
+ * documents, and the fault injector for tests. Owner: io. Registered by fsdp_lua_open_io
+ * (called from module.c). The checkpoint code of lua/fsdp builds fsdp.save / fsdp.load on it.
+ *
+ *   st_writer(path, entries, metadata) -> writer    entries = {{name =, shape = {...}}, ...}
+ *                                                   (dtype = "F32" may be given; it is the only
+ *                                                   one); metadata = {key = "value", ...},
+ *                                                   written sorted by key
+ *     w:write(name, tensor)   append the tensor's values (any shape; it is flattened) to entry
+ *                             `name`: entries are written in order, each in one or several
+ *                             calls (a shard at a time); non-contiguous tensors are copied
+ *     w:commit()              the file appears whole under `path`, or an error and nothing
+ *     w:abort()               drop the temporary; __gc aborts a writer never committed
+ *   st_open(path) -> reader
+ *     r:entries()             { {name =, shape = {...}, dtype = "F32", offset =, numel =,
+ *                             checksum = "16 hex digits" or nil}, ... } in header order;
+ *                             offset = first byte within the data section (data_offsets[1])
+ *     r:metadata()            { key = value } (the writer's checksum keys included)
+ *     r:read(name [, first [, count]]) -> f32 tensor: without first, the whole tensor in its
+ *                             shape (checksum checked); with first, a 1-D tensor of elements
+ *                             [first, first + count) of the flattened tensor — first is a
+ *                             0-based element offset, count defaults to the rest
+ *     r:verify([name])        check one tensor's checksum (or every tensor's) by reading it
+ *     r:path(), r:close()     close is idempotent; a closed reader raises on use
+ *   json_write(path, value)   value: tables (arrays 1..n, or string keys, written sorted),
+ *                             strings (UTF-8), finite numbers (exact: integers as integers,
+ *                             others with the fewest digits that read back the same double),
+ *                             booleans; an empty table is written as {}
+ *   json_read(path) -> value  objects and arrays become tables (arrays 1-based); null is nil
+ *   io_fault(point, errno_name_or_number [, after_bytes])   this thread's next atomic-file
+ *                             call at point ("open", "write", "fsync", "rename"; "none" clears)
+ *                             fails with that errno; see fsdp_io_fault_set
+ *
+ * Resource rule (binding.h): every C object that must survive a Lua error lives in a userdata
+ * whose __gc frees it (writer, reader, cJSON document), created before the call that fills it.
+ */
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "io/io.h"
+#include "lua/binding.h"
+
+#define WRITER_MT "fsdp.io.StWriter"
+#define READER_MT "fsdp.io.StReader"
+#define JSON_MT "fsdp.io.json"
+#define JSON_MAX_DEPTH 64
+
+typedef struct {
+  fsdp_io_st_writer *w;
+} writer_box;
+typedef struct {
+  fsdp_io_st_reader *r;
+} reader_box;
+typedef struct {
+  cJSON *doc;
+} json_box;
+
+/* ---- safetensors writer ---------------------------------------------------------------- */
+
+static int cmp_kv(const void *a, const void *b) {
+  return strcmp(((const fsdp_io_kv *)a)->key, ((const fsdp_io_kv *)b)->key);
+}
+
+static void check_entries(lua_State *L, int idx, fsdp_io_st_entry **out, int *nout) {
+  luaL_checktype(L, idx, LUA_TTABLE);
+  int n = (int)lua_objlen(L, idx);
+  /* scratch owned by Lua: freed by the collector even if a check below raises */
+  fsdp_io_st_entry *e = lua_newuserdata(L, sizeof *e * (size_t)(n > 0 ? n : 1));
+  memset(e, 0, sizeof *e * (size_t)(n > 0 ? n : 1));
+  for (int i = 0; i < n; i++) {
+    lua_rawgeti(L, idx, i + 1);
+    if (!lua_istable(L, -1))
+      luaL_error(L, "st_writer: entries[%d] must be a table {name =, shape =}, got %s", i + 1,
+                 luaL_typename(L, -1));
+    lua_getfield(L, -1, "name");
+    if (lua_type(L, -1) != LUA_TSTRING)
+      luaL_error(L, "st_writer: entries[%d].name must be a string, got %s", i + 1,
+                 luaL_typename(L, -1));
+    size_t len;
+    e[i].name = lua_tolstring(L, -1, &len); /* the string lives in the entries table */
+    if (strlen(e[i].name) != len)
+      luaL_error(L, "st_writer: entries[%d].name contains a zero byte", i + 1);
+    lua_pop(L, 1);
+    lua_getfield(L, -1, "dtype");
+    if (!lua_isnil(L, -1) &&
+        (lua_type(L, -1) != LUA_TSTRING || strcmp(lua_tostring(L, -1), "F32") != 0))
+      luaL_error(L, "st_writer: entries[%d] ('%s'): dtype must be \"F32\"", i + 1, e[i].name);
+    lua_pop(L, 1);
+    lua_getfield(L, -1, "shape");
+    if (!lua_istable(L, -1))
+      luaL_error(L, "st_writer: entries[%d] ('%s'): shape must be a table of sizes, got %s",
+                 i + 1, e[i].name, luaL_typename(L, -1));
+    e[i].ndim = fsdp_lua_check_shape(L, lua_gettop(L), e[i].shape);
+    for (int d = 0; d < e[i].ndim; d++)
+      if (e[i].shape[d] < 0)
+        luaL_error(L, "st_writer: entries[%d] ('%s'): size %d is negative", i + 1, e[i].name,
+                   d + 1);
+    lua_pop(L, 2);
+  }
+  *out = e;
+  *nout = n;
+}
+
+static void check_metadata(lua_State *L, int idx, fsdp_io_kv **out, int *nout) {
+  *out = NULL;
+  *nout = 0;
+  if (lua_isnoneornil(L, idx)) return;
+  luaL_checktype(L, idx, LUA_TTABLE);
+  int n = 0;
+  for (lua_pushnil(L); lua_next(L, idx); lua_pop(L, 1)) n++;
+  fsdp_io_kv *kv = lua_newuserdata(L, sizeof *kv * (size_t)(n > 0 ? n : 1));
+  int i = 0;
+  for (lua_pushnil(L); lua_next(L, idx); lua_pop(L, 1)) {
+    if (lua_type(L, -2) != LUA_TSTRING)
+      luaL_error(L, "st_writer: metadata keys must be strings, got a %s", luaL_typename(L, -2));
+    if (lua_type(L, -1) != LUA_TSTRING) /* no conversion: it would break lua_next */
+      luaL_error(L, "st_writer: metadata value of '%s' must be a string, got %s",
+                 lua_tostring(L, -2), luaL_typename(L, -1));
+    size_t klen, vlen;
+    kv[i].key = lua_tolstring(L, -2, &klen);
+    kv[i].value = lua_tolstring(L, -1, &vlen);
+    if (strlen(kv[i].key) != klen || strlen(kv[i].value) != vlen)
+      luaL_error(L, "st_writer: metadata '%s' contains a zero byte", kv[i].key);
+    i++;
+  }
+  qsort(kv, (size_t)n, sizeof *kv, cmp_kv); /* the same file for the same table */
+  *out = kv;
+  *nout = n;
+}
+
+static int l_st_writer(lua_State *L) {
+  const char *path = luaL_checkstring(L, 1);
+  lua_settop(L, 3); /* scratch userdata go above the arguments */
+  fsdp_io_st_entry *entries;
+  fsdp_io_kv *meta;
+  int n, nmeta;
+  check_entries(L, 2, &entries, &n);
+  check_metadata(L, 3, &meta, &nmeta);
+  writer_box *b = lua_newuserdata(L, sizeof *b);
+  b->w = NULL;
+  luaL_getmetatable(L, WRITER_MT);
+  lua_setmetatable(L, -2);
+  if (fsdp_io_st_writer_open(&b->w, path, entries, n, meta, nmeta)) return fsdp_lua_error(L);
+  return 1;
+}
+
+static writer_box *check_writer(lua_State *L, const char *fn) {
+  writer_box *b = luaL_checkudata(L, 1, WRITER_MT);
+  if (b->w == NULL) luaL_error(L, "%s: the writer is closed (committed or aborted)", fn);
+  return b;
+}
+
+static int l_writer_write(lua_State *L) {
+  writer_box *b = check_writer(L, "w:write");
+  const char *name = luaL_checkstring(L, 2);
+  fsdp_tensor *t = fsdp_lua_check_tensor(L, 3);
+  if (!t->storage->device->has_data)
+    luaL_error(L, "w:write('%s'): tensor %s is on the %s device and has no data", name,
+               FSDP_SHAPE_STR(t), t->storage->device->name);
+  fsdp_tensor *c;
+  if (fsdp_tensor_contiguous(&c, t)) return fsdp_lua_error(L);
+  const float *data = fsdp_tensor_data(c, "w:write");
+  int rc = data != NULL ? fsdp_io_st_writer_write(b->w, name, data, fsdp_tensor_numel(c))
+                        : FSDP_ERR;
+  fsdp_tensor_release(c);
+  if (rc) return fsdp_lua_error(L);
+  return 0;
+}
+
+static int l_writer_commit(lua_State *L) {
+  writer_box *b = check_writer(L, "w:commit");
+  fsdp_io_st_writer *w = b->w;
+  b->w = NULL; /* commit frees it whatever happens */
+  if (fsdp_io_st_writer_commit(w)) return fsdp_lua_error(L);
+  return 0;
+}
+
+static int l_writer_abort(lua_State *L) {
+  writer_box *b = luaL_checkudata(L, 1, WRITER_MT);
+  fsdp_io_st_writer_abort(b->w);
+  b->w = NULL;
+  return 0;
+}
+
+static int l_writer_tostring(lua_State *L) {
+  writer_box *b = luaL_checkudata(L, 1, WRITER_MT);
+  lua_pushfstring(L, "safetensors writer (%s)", b->w != NULL ? "open" : "closed");
+  return 1;
+}
+
+/* ---- safetensors reader ---------------------------------------------------------------- */
+
+static int l_st_open(lua_State *L) {
+  const char *path = luaL_checkstring(L, 1);
+  reader_box *b = lua_newuserdata(L, sizeof *b);
+  b->r = NULL;
+  luaL_getmetatable(L, READER_MT);
+  lua_setmetatable(L, -2);
+  if (fsdp_io_st_reader_open(&b->r, path)) return fsdp_lua_error(L);
+  return 1;
+}
+
+static fsdp_io_st_reader *check_reader(lua_State *L, const char *fn) {
+  reader_box *b = luaL_checkudata(L, 1, READER_MT);
+  if (b->r == NULL) luaL_error(L, "%s: the reader is closed", fn);
+  return b->r;
+}
+
+static void push_hex(lua_State *L, uint64_t v) {
+  char hex[17];
+  snprintf(hex, sizeof hex, "%016llx", (unsigned long long)v);
+  lua_pushstring(L, hex);
+}
+
+static int l_reader_entries(lua_State *L) {
+  fsdp_io_st_reader *r = check_reader(L, "r:entries");
+  int n = fsdp_io_st_reader_count(r);
+  lua_createtable(L, n, 0);
+  for (int i = 0; i < n; i++) {
+    const fsdp_io_st_entry *e = fsdp_io_st_reader_entry(r, i);
+    lua_createtable(L, 0, 6);
+    lua_pushstring(L, e->name);
+    lua_setfield(L, -2, "name");
+    lua_createtable(L, e->ndim, 0);
+    for (int d = 0; d < e->ndim; d++) {
+      lua_pushnumber(L, (lua_Number)e->shape[d]);
+      lua_rawseti(L, -2, d + 1);
+    }
+    lua_setfield(L, -2, "shape");
+    lua_pushstring(L, fsdp_io_dtype_name(e->dtype));
+    lua_setfield(L, -2, "dtype");
+    lua_pushnumber(L, (lua_Number)e->begin);
+    lua_setfield(L, -2, "offset");
+    lua_pushnumber(L, (lua_Number)e->numel);
+    lua_setfield(L, -2, "numel");
+    if (e->has_checksum) {
+      push_hex(L, e->checksum);
+      lua_setfield(L, -2, "checksum");
+    }
+    lua_rawseti(L, -2, i + 1);
+  }
+  return 1;
+}
+
+static int l_reader_metadata(lua_State *L) {
+  fsdp_io_st_reader *r = check_reader(L, "r:metadata");
+  int n = fsdp_io_st_reader_metadata_count(r);
+  lua_createtable(L, 0, n);
+  for (int i = 0; i < n; i++) {
+    fsdp_io_kv kv = fsdp_io_st_reader_metadata_at(r, i);
+    lua_pushstring(L, kv.value);
+    lua_setfield(L, -2, kv.key);
+  }
+  return 1;
+}
+
+/* An integer argument in [0, 2^53], or a Lua error naming it. */
+static int64_t check_count(lua_State *L, int idx, const char *what) {
+  if (lua_type(L, idx) != LUA_TNUMBER)
+    luaL_error(L, "r:read: %s must be a number, got %s", what, luaL_typename(L, idx));
+  lua_Number v = lua_tonumber(L, idx);
+  if (v != floor(v) || v < 0 || v > 9007199254740992.0)
+    luaL_error(L, "r:read: %s must be an integer >= 0, got %f", what, (double)v);
+  return (int64_t)v;
+}
+
+static int l_reader_read(lua_State *L) {
+  fsdp_io_st_reader *r = check_reader(L, "r:read");
+  const char *name = luaL_checkstring(L, 2);
+  const fsdp_io_st_entry *e = fsdp_io_st_reader_find(r, name);
+  if (e == NULL) return fsdp_lua_error(L);
+  int64_t first = 0, count = e->numel;
+  int ndim = e->ndim;
+  int64_t shape[FSDP_MAX_DIMS];
+  memcpy(shape, e->shape, sizeof shape);
+  if (!lua_isnoneornil(L, 3)) {
+    first = check_count(L, 3, "first");
+    count = lua_isnoneornil(L, 4) ? (first <= e->numel ? e->numel - first : 0)
+                                  : check_count(L, 4, "count");
+    ndim = 1;
+    shape[0] = count;
+  }
+  /* the range is checked before anything is allocated (an absurd count must not allocate) */
+  if (first > e->numel || count > e->numel - first) {
+    fsdp_error("%s: tensor '%s': %lld elements from element %lld are out of range (it has "
+               "%lld)",
+               fsdp_io_st_reader_path(r), name, (long long)count, (long long)first,
+               (long long)e->numel);
+    return fsdp_lua_error(L);
+  }
+  fsdp_tensor *t;
+  if (fsdp_tensor_new_f32_uninit(&t, ndim, shape)) return fsdp_lua_error(L);
+  float *out = fsdp_tensor_data(t, "r:read");
+  if (out == NULL || fsdp_io_st_reader_read(r, out, name, first, count)) {
+    fsdp_tensor_release(t);
+    return fsdp_lua_error(L);
+  }
+  fsdp_lua_push_tensor(L, t);
+  return 1;
+}
+
+static int l_reader_verify(lua_State *L) {
+  fsdp_io_st_reader *r = check_reader(L, "r:verify");
+  if (!lua_isnoneornil(L, 2)) {
+    if (fsdp_io_st_reader_verify(r, luaL_checkstring(L, 2))) return fsdp_lua_error(L);
+    return 0;
+  }
+  for (int i = 0; i < fsdp_io_st_reader_count(r); i++)
+    if (fsdp_io_st_reader_verify(r, fsdp_io_st_reader_entry(r, i)->name))
+      return fsdp_lua_error(L);
+  return 0;
+}
+
+static int l_reader_path(lua_State *L) {
+  lua_pushstring(L, fsdp_io_st_reader_path(check_reader(L, "r:path")));
+  return 1;
+}
+
+static int l_reader_close(lua_State *L) {
+  reader_box *b = luaL_checkudata(L, 1, READER_MT);
+  fsdp_io_st_reader_close(b->r);
+  b->r = NULL;
+  return 0;
+}
+
+static int l_reader_tostring(lua_State *L) {
+  reader_box *b = luaL_checkudata(L, 1, READER_MT);
+  if (b->r == NULL) lua_pushstring(L, "safetensors reader (closed)");
+  else
+    lua_pushfstring(L, "safetensors reader (%s, %d tensors)", fsdp_io_st_reader_path(b->r),
+                    fsdp_io_st_reader_count(b->r));
+  return 1;
+}
+
+/* ---- JSON ----------------------------------------------------------------------------- */
+
+static int json_gc(lua_State *L) {
+  json_box *b = luaL_checkudata(L, 1, JSON_MT);
+  cJSON_Delete(b->doc);
+  b->doc = NULL;
+  return 0;
+}
+
+static json_box *json_box_push(lua_State *L) {
+  json_box *b = lua_newuserdata(L, sizeof *b);
+  b->doc = NULL;
+  luaL_getmetatable(L, JSON_MT);
+  lua_setmetatable(L, -2);
+  return b;
+}
+
+/* The shortest of %.15g, %.16g, %.17g that reads back as exactly v; integers as integers. */
+static void format_number(char *buf, size_t n, double v) {
+  if (v == floor(v) && fabs(v) < 9007199254740992.0) {
+    snprintf(buf, n, "%lld", (long long)v);
+    return;
+  }
+  for (int prec = 15; prec <= 17; prec++) {
+    snprintf(buf, n, "%.*g", prec, v);
+    if (strtod(buf, NULL) == v) return;
+  }
+}
+
+static int cmp_cstr(const void *a, const void *b) {
+  return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+/* The value at idx as a new cJSON item, attached to parent under key (object) or appended
+ * (array) before its own children are built, so that the whole partial tree is owned by the
+ * document's box if a Lua error cuts the conversion short. `where` names the value in
+ * messages ("$.a.b[2]"). */
+static void to_json(lua_State *L, int idx, cJSON *parent, const char *key, const char *where,
+                    int depth, cJSON **root);
+
+static void attach(lua_State *L, cJSON *parent, const char *key, cJSON *item, cJSON **root,
+                   const char *where) {
+  if (item == NULL) luaL_error(L, "json_write: out of memory at %s", where);
+  if (parent == NULL) *root = item;
+  else if (key != NULL) cJSON_AddItemToObject(parent, key, item);
+  else cJSON_AddItemToArray(parent, item);
+}
+
+static void table_to_json(lua_State *L, int idx, cJSON *parent, const char *key,
+                          const char *where, int depth, cJSON **root) {
+  if (depth > JSON_MAX_DEPTH)
+    luaL_error(L, "json_write: %s is nested deeper than %d levels (a cycle?)", where,
+               JSON_MAX_DEPTH);
+  luaL_checkstack(L, 8, "json_write: too deep");
+  /* an array has exactly the keys 1..n (n >= 1); anything else needs string keys */
+  int count = 0, strings = 0;
+  double max = 0;
+  for (lua_pushnil(L); lua_next(L, idx); lua_pop(L, 1)) {
+    count++;
+    if (lua_type(L, -2) == LUA_TSTRING) {
+      strings++;
+    } else if (lua_type(L, -2) == LUA_TNUMBER) {
+      double k = lua_tonumber(L, -2);
+      if (k >= 1 && k == floor(k) && k > max) max = k;
+    } else {
+      luaL_error(L, "json_write: %s has a %s key; keys must be strings (or 1..n for an array)",
+                 where, luaL_typename(L, -2));
+    }
+  }
+  bool is_array = count > 0 && strings == 0 && max == (double)count;
+  if (!is_array && strings != count)
+    luaL_error(L, "json_write: %s mixes string keys and number keys, or is an array with "
+                  "holes; JSON has no such value",
+               where);
+  cJSON *item = is_array ? cJSON_CreateArray() : cJSON_CreateObject();
+  attach(L, parent, key, item, root, where);
+  char sub[256];
+  if (is_array) {
+    for (int i = 1; i <= count; i++) {
+      lua_rawgeti(L, idx, i);
+      snprintf(sub, sizeof sub, "%s[%d]", where, i);
+      to_json(L, lua_gettop(L), item, NULL, sub, depth + 1, root);
+      lua_pop(L, 1);
+    }
+    return;
+  }
+  /* keys sorted: the same table always gives the same file */
+  const char **keys = lua_newuserdata(L, sizeof *keys * (size_t)(count > 0 ? count : 1));
+  int n = 0;
+  for (lua_pushnil(L); lua_next(L, idx); lua_pop(L, 1)) {
+    size_t len;
+    keys[n] = lua_tolstring(L, -2, &len);
+    if (strlen(keys[n]) != len || !fsdp_io_utf8_valid(keys[n], len))
+      luaL_error(L, "json_write: %s has a key that is not valid UTF-8 text", where);
+    n++;
+  }
+  qsort(keys, (size_t)n, sizeof *keys, cmp_cstr);
+  for (int i = 0; i < n; i++) {
+    lua_pushstring(L, keys[i]);
+    lua_rawget(L, idx);
+    snprintf(sub, sizeof sub, "%s.%s", where, keys[i]);
+    to_json(L, lua_gettop(L), item, keys[i], sub, depth + 1, root);
+    lua_pop(L, 1);
+  }
+  lua_pop(L, 1); /* keys */
+}
+
+static void to_json(lua_State *L, int idx, cJSON *parent, const char *key, const char *where,
+                    int depth, cJSON **root) {
+  switch (lua_type(L, idx)) {
+  case LUA_TBOOLEAN:
+    attach(L, parent, key, cJSON_CreateBool(lua_toboolean(L, idx)), root, where);
+    break;
+  case LUA_TNUMBER: {
+    double v = lua_tonumber(L, idx);
+    if (!isfinite(v)) luaL_error(L, "json_write: %s is %f, which JSON cannot hold", where, v);
+    char buf[40];
+    format_number(buf, sizeof buf, v);
+    attach(L, parent, key, cJSON_CreateRaw(buf), root, where);
+    break;
+  }
+  case LUA_TSTRING: {
+    size_t len;
+    const char *s = lua_tolstring(L, idx, &len);
+    if (strlen(s) != len) luaL_error(L, "json_write: %s contains a zero byte", where);
+    if (!fsdp_io_utf8_valid(s, len)) luaL_error(L, "json_write: %s is not valid UTF-8", where);
+    attach(L, parent, key, cJSON_CreateString(s), root, where);
+    break;
+  }
+  case LUA_TTABLE: table_to_json(L, idx, parent, key, where, depth, root); break;
+  default:
+    luaL_error(L, "json_write: %s is a %s, which JSON cannot hold", where,
+               luaL_typename(L, idx));
+  }
+}
+
+static int l_json_write(lua_State *L) {
+  const char *path = luaL_checkstring(L, 1);
+  luaL_checkany(L, 2);
+  json_box *b = json_box_push(L);
+  to_json(L, 2, NULL, NULL, "$", 0, &b->doc);
+  int rc = fsdp_io_json_write_atomic(path, b->doc);
+  cJSON_Delete(b->doc);
+  b->doc = NULL;
+  if (rc) return fsdp_lua_error(L);
+  return 0;
+}
+
+static void from_json(lua_State *L, const cJSON *j) {
+  luaL_checkstack(L, 4, "json_read: too deep");
+  if (cJSON_IsObject(j)) {
+    lua_createtable(L, 0, cJSON_GetArraySize(j));
+    for (const cJSON *c = j->child; c != NULL; c = c->next) {
+      from_json(L, c);
+      lua_setfield(L, -2, c->string);
+    }
+  } else if (cJSON_IsArray(j)) {
+    lua_createtable(L, cJSON_GetArraySize(j), 0);
+    int i = 1;
+    for (const cJSON *c = j->child; c != NULL; c = c->next, i++) {
+      from_json(L, c);
+      lua_rawseti(L, -2, i);
+    }
+  } else if (cJSON_IsString(j)) {
+    lua_pushstring(L, j->valuestring);
+  } else if (cJSON_IsNumber(j)) {
+    lua_pushnumber(L, j->valuedouble);
+  } else if (cJSON_IsBool(j)) {
+    lua_pushboolean(L, cJSON_IsTrue(j));
+  } else {
+    lua_pushnil(L); /* null */
+  }
+}
+
+static int l_json_read(lua_State *L) {
+  const char *path = luaL_checkstring(L, 1);
+  json_box *b = json_box_push(L);
+  if (fsdp_io_json_read(path, &b->doc)) return fsdp_lua_error(L);
+  from_json(L, b->doc);
+  cJSON_Delete(b->doc);
+  b->doc = NULL;
+  return 1;
+}
+
+/* ---- fault injection ------------------------------------------------------------------- */
+
+static int l_io_fault(lua_State *L) {
+  const char *point = luaL_checkstring(L, 1);
+  int p = fsdp_io_fault_point_from_name(point);
+  if (p < 0)
+    return luaL_error(L, "io_fault: unknown point '%s' (open, write, fsync, rename or none)",
+                      point);
+  int err = 0;
+  if (lua_type(L, 2) == LUA_TNUMBER) {
+    err = (int)lua_tointeger(L, 2);
+  } else if (p != FSDP_IO_FAULT_NONE) {
+    static const struct {
+      const char *name;
+      int err;
+    } names[] = {{"ENOSPC", ENOSPC}, {"EACCES", EACCES}, {"EIO", EIO},     {"EDQUOT", EDQUOT},
+                 {"EROFS", EROFS},   {"EXDEV", EXDEV},   {"EPERM", EPERM}, {"ENOENT", ENOENT}};
+    const char *name = luaL_checkstring(L, 2);
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+      if (strcmp(name, names[i].name) == 0) err = names[i].err;
+    if (err == 0)
+      return luaL_error(L, "io_fault: unknown errno name '%s' (ENOSPC, EACCES, EIO, EDQUOT, "
+                           "EROFS, EXDEV, EPERM, ENOENT, or a number)",
+                        name);
+  }
+  lua_Number after = luaL_optnumber(L, 3, 0);
+  if (after < 0) return luaL_error(L, "io_fault: after_bytes must be >= 0");
+  fsdp_io_fault_set((fsdp_io_fault_point)p, err, (uint64_t)after);
+  return 0;
+}
+
+/* ---- registration ---------------------------------------------------------------------- */
+
+static const luaL_Reg writer_methods[] = {
+    {"write", l_writer_write}, {"commit", l_writer_commit}, {"abort", l_writer_abort},
+    {NULL, NULL}};
+static const luaL_Reg reader_methods[] = {
+    {"entries", l_reader_entries}, {"metadata", l_reader_metadata}, {"read", l_reader_read},
+    {"verify", l_reader_verify},   {"path", l_reader_path},         {"close", l_reader_close},
+    {NULL, NULL}};
+static const luaL_Reg io_funcs[] = {
+    {"st_writer", l_st_writer}, {"st_open", l_st_open},   {"json_write", l_json_write},
+    {"json_read", l_json_read}, {"io_fault", l_io_fault}, {NULL, NULL}};
+
+static void new_class(lua_State *L, const char *mt, const luaL_Reg *methods, lua_CFunction gc,
+                      lua_CFunction tostring) {
+  luaL_newmetatable(L, mt);
+  lua_newtable(L);
+  luaL_register(L, NULL, methods);
+  lua_setfield(L, -2, "__index");
+  lua_pushcfunction(L, gc);
+  lua_setfield(L, -2, "__gc");
+  lua_pushcfunction(L, tostring);
+  lua_setfield(L, -2, "__tostring");
+  lua_pop(L, 1);
+}
+
+void fsdp_lua_open_io(lua_State *L) {
+  new_class(L, WRITER_MT, writer_methods, l_writer_abort, l_writer_tostring);
+  new_class(L, READER_MT, reader_methods, l_reader_close, l_reader_tostring);
+  luaL_newmetatable(L, JSON_MT);
+  lua_pushcfunction(L, json_gc);
+  lua_setfield(L, -2, "__gc");
+  lua_pop(L, 1);
+  luaL_register(L, NULL, io_funcs);
+}
