@@ -47,6 +47,7 @@
 #include <limits.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -150,11 +151,11 @@ static void write_err(const char *text) {
 
 /* g_running[r]: the state whose chunk a SIGINT should stop on rank r, or NULL. Each rank writes
  * only its own slot; the handler reads them all. */
-static lua_State *volatile *g_running;
+static _Atomic(lua_State *) *g_running;
 static int g_nslots;
 static int g_nrunning; /* ranks inside docall; under g_sig_mu */
 static pthread_mutex_t g_sig_mu = PTHREAD_MUTEX_INITIALIZER;
-static volatile sig_atomic_t g_interrupted;
+static atomic_int g_interrupted; /* lock-free atomics are async-signal-safe */
 static bool g_rearm_interrupt; /* one rank: each run may be interrupted once (the REPL) */
 
 static int traceback_handler(lua_State *L);
@@ -195,7 +196,7 @@ static void set_interrupt_hook(lua_State *L) {
 
 static void on_sigint(int sig) {
   (void)sig;
-  static volatile double first_at;
+  static _Atomic double first_at;
   double now = monotonic_s();
   if (g_interrupted) {
     /* A second ^C kills at once. One ^C can arrive twice (coreutils timeout signals the child
@@ -914,7 +915,7 @@ int main(int argc, char **argv) {
     status = run_ranks(&o);
   } else {
     /* one rank on the main thread, in the process memory domain, with the world of one */
-    static lua_State *volatile slot[1];
+    static _Atomic(lua_State *) slot[1];
     g_running = slot;
     g_nslots = 1;
     g_rearm_interrupt = true;
