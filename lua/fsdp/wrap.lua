@@ -448,28 +448,37 @@ function W.wrap(model, opts)
   local recs = unit_order(model, selected)
   local rec_of = {}
   for _, rec in ipairs(recs) do rec_of[rec.module] = rec end
-  for _, rec in ipairs(recs) do
-    local m = rec.module
-    local ps, pp = {}, {}
-    for i, p in ipairs(params) do
-      if owner[p] == m then
-        ps[#ps + 1] = p
-        pp[#pp + 1] = paths[i]
+  local ok, err = pcall(function()
+    for _, rec in ipairs(recs) do
+      local m = rec.module
+      local ps, pp = {}, {}
+      for i, p in ipairs(params) do
+        if owner[p] == m then
+          ps[#ps + 1] = p
+          pp[#pp + 1] = paths[i]
+        end
+      end
+      -- a picked module whose parameters all belong to an ancestor holds nothing: no unit
+      if #ps > 0 or m == model then
+        local f = forced[m]
+        local strategy = f and f.strategy or o.strategy
+        local raf = o.reshard_after_forward
+        if f then raf = f.reshard_after_forward end
+        local u = core.unit_new(rec.path, ps, pp, {strategy = strategy, root = (m == model),
+          reshard_after_forward = raf})
+        local U = {unit = u, module = m, path = rec.path, strategy = strategy, params = ps}
+        R.units[#R.units + 1] = U
+        R.unit_of[m] = U
+        for _, p in ipairs(ps) do R.unit_of_param[p] = U end
       end
     end
-    -- a picked module whose parameters all belong to an ancestor holds nothing: no unit
-    if #ps > 0 or m == model then
-      local f = forced[m]
-      local strategy = f and f.strategy or o.strategy
-      local raf = o.reshard_after_forward
-      if f then raf = f.reshard_after_forward end
-      local u = core.unit_new(rec.path, ps, pp, {strategy = strategy, root = (m == model),
-        reshard_after_forward = raf})
-      local U = {unit = u, module = m, path = rec.path, strategy = strategy, params = ps}
-      R.units[#R.units + 1] = U
-      R.unit_of[m] = U
-      for _, p in ipairs(ps) do R.unit_of_param[p] = U end
-    end
+  end)
+  if not ok then
+    -- A unit that cannot be built fails on every rank alike (unit_new checks the layout
+    -- collectively first), so every rank undoes the units made so far, in the same order,
+    -- and the model is left plain.
+    for _, U in ipairs(R.units) do pcall(U.unit.unshard, U.unit) end
+    error(err, 0)
   end
   for _, U in ipairs(R.units) do
     -- parent: the closest selected ancestor that became a unit (the root always is one)

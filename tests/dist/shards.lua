@@ -4,6 +4,7 @@
 --   * fsdp.apply writes rank-dependent-free changes back into every rank's shard
 --   * sync_module_states = true: ranks that built different values all hold rank 0's
 --   * the sharded optimizer state covers each parameter exactly once across the ranks
+--   * models that differ across ranks: an error naming the parameter, the model left plain
 --   fsdprun -n N tests/dist/shards.lua
 local fsdp = require "fsdp"
 local nn = fsdp.nn
@@ -84,6 +85,21 @@ check(s == s0, "sync_module_states: every rank holds rank 0's values")
 if rank == 0 then check(s == mine, "sync_module_states: rank 0 keeps its own values") end
 if W > 1 and rank == 1 then check(s ~= mine, "rank 1 had other values before syncing") end
 fsdp.unwrap(m2)
+
+-- invariant 2: ranks that build different models get an error naming the difference, on
+-- every rank, and keep a plain, usable model
+if W > 1 then
+  fsdp.manual_seed(7)
+  local d = rank == W - 1 and 6 or 4
+  local m3 = nn.Sequential{nn.Linear(4, 4), nn.Sequential{nn.Linear(4, d), nn.Linear(d, 4)}}
+  local ok, err = pcall(fsdp.wrap, m3, {policy = fsdp.policy.list{m3[1], m3[2]}})
+  check(not ok, "wrapping different models on different ranks fails")
+  check(tostring(err):find("differs across ranks", 1, true) ~= nil and
+    tostring(err):find("2.1.weight", 1, true) ~= nil, "the error names the parameter: " .. tostring(err))
+  check(not fsdp.is_wrapped(m3) and m3[1].weight.device == "cpu", "the model is left plain")
+  local y = m3(fsdp.ones{1, 4}) -- usable
+  check(y:numel() == 4, "the plain model still runs")
+end
 
 if rank == 0 then print(("shards at %d ranks: %d checks failed"):format(W, failures)) end
 if failures > 0 then error(("%d shard checks failed"):format(failures)) end
