@@ -283,8 +283,9 @@ static bool is_peer_failure(const char *msg, int rank) {
   return false;
 }
 
-/* The first root-cause report of a multi-rank run (message without traceback), so that ranks
- * failing with the very same error (a typo every rank runs into) say so in one line. */
+/* The first line of the first root-cause report of a multi-rank run, so that ranks failing
+ * with the very same error (a typo every rank runs into, a collective mismatch both sides see)
+ * say so in one line. Only the first line: what follows (a flight recorder) is per rank. */
 static char g_first_msg[512];
 static int g_first_rank = -1;
 
@@ -308,13 +309,12 @@ static int report(rank_ctx *rc, int status) {
     if (is_peer_failure(msg, rc->rank)) {
       len = head;
     } else {
-      size_t mlen = message_len(msg);
       pthread_mutex_lock(&g_out_mu);
       if (g_first_rank < 0) {
         g_first_rank = rc->rank;
-        snprintf(g_first_msg, sizeof g_first_msg, "%.*s", (int)mlen, msg);
-      } else if (mlen < sizeof g_first_msg && strlen(g_first_msg) == mlen &&
-                 strncmp(g_first_msg, msg, mlen) == 0) {
+        snprintf(g_first_msg, sizeof g_first_msg, "%.*s", (int)head, msg);
+      } else if (head < sizeof g_first_msg && strlen(g_first_msg) == head &&
+                 strncmp(g_first_msg, msg, head) == 0) {
         same_as = g_first_rank;
       }
       pthread_mutex_unlock(&g_out_mu);

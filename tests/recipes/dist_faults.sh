@@ -93,6 +93,19 @@ within "every rank fails" 50
 [ "$(count err "(the same error as rank ")" = 3 ] || fail "every rank fails: not deduplicated: $(cat "$T/err")"
 [ "$(count err "stack traceback:")" = 1 ] || fail "every rank fails: $(cat "$T/err")"
 
+# ---- a collective mismatch: both sides see it; one full report ------------------------------------
+fault "label mismatch" -n 2 -e 'local f = require "fsdp"; f.barrier("b"); f.all_reduce(1, "sum", "lbl" .. f.rank())'
+within "label mismatch" 50
+expect_has err "collective mismatch at #2: rank 0 called all_reduce(f32 x8 sum, 'lbl0') but rank 1 called all_reduce(f32 x8 sum, 'lbl1')" "label mismatch"
+[ "$(count err "stack traceback:")" = 1 ] || fail "label mismatch: $(cat "$T/err")"
+expect_has err "(the same error as rank " "label mismatch"
+
+# ---- core.abort by hand: the aborting rank's own collective fails too ------------------------------
+fault "core.abort" -n 2 -e 'local c = require("fsdp").core; if c.rank() == 1 then c.abort("by hand") end; c.barrier()'
+within "core.abort" 50
+expect_has err "fsdprun: [rank 0] (command line):1: rank 1 failed: by hand" "core.abort: the peer"
+expect_has err "fsdprun: [rank 1] (command line):1: rank 1 failed: by hand" "core.abort: the rank itself"
+
 # ---- an -e chunk fails on both ranks ------------------------------------------------------------
 fault "-e fails" -n 2 -e 'error("from -e")' "$R"
 expect_has err "fsdprun: [rank 0] (command line):1: from -e" "-e fails"
