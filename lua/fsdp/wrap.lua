@@ -478,7 +478,8 @@ function W.wrap(model, opts)
     -- collectively first), so every rank undoes the units made so far, in the same order,
     -- and the model is left plain.
     for _, U in ipairs(R.units) do pcall(U.unit.unshard, U.unit) end
-    error(err, 0)
+    -- locate the engine's message at the user's call, not at this file
+    raise((tostring(err):gsub("^[^\n]-wrap%.lua:%d+: ", "")))
   end
   for _, U in ipairs(R.units) do
     -- parent: the closest selected ancestor that became a unit (the root always is one)
