@@ -363,8 +363,6 @@ end
 
 -- ---- wrap / unwrap ------------------------------------------------------------------------
 
-local function strategy_of(R, m) return R.unit_of[m] and R.unit_of[m].strategy end
-
 local function teardown(R)
   -- collective: every rank unshards the same units in the same (construction) order
   for _, U in ipairs(R.units) do U.unit:unshard() end
@@ -796,7 +794,6 @@ function W._zero_grad(model)
   for _, U in ipairs(R.units) do U.unit:zero_grad() end
 end
 
-W._strategy_of = strategy_of
 W.ROOT_PATH = ROOT_PATH
 
 return W
