@@ -596,6 +596,7 @@ static void run_rank(rank_ctx *rc) {
     fail_rank(rc, lua_tostring(rc->L, -1));
     rc->status = EXIT_FAILURE;
   }
+  lua_sethook(rc->L, NULL, 0, 0); /* an interrupt hook left armed must not fire in finalizers */
   lua_close(rc->L);
   rc->L = NULL;
 }
