@@ -83,12 +83,55 @@ struct fsdp_unit {
   fsdp_storage *sharded;   /* no data; backs the parameters while sharded */
   fsdp_comm_req *req;      /* a prefetch in flight ... */
   fsdp_tensor *req_buf;    /* ... and the (P) buffer it gathers into */
+  fsdp_unit *if_next;      /* the thread's list of units with a prefetch in flight */
+  fsdp_unit **if_pprev;    /* NULL when not on it */
   fsdp_unit *bwd_prefetch; /* retained; may be NULL */
   fsdp_unit_state state;
   int pending_bwd; /* "begin" hooks on the tape that have not run */
   int open_fwd;    /* pre_forwards that pushed a "begin" and await their post_forward */
   bool emptied;    /* unshard ran: the unit holds no parameters */
 };
+
+/* Units whose prefetch is in flight, per thread (a rank's units live on its thread). A
+ * prefetch that is never consumed would be consumed later with stale values (after an
+ * optimizer step changed the shard) while its send buffer, the shard, is still being read:
+ * the root drops every leftover at the end of its forward and of its backward. */
+static _Thread_local fsdp_unit *inflight_head;
+
+static void inflight_add(fsdp_unit *u) {
+  u->if_next = inflight_head;
+  if (inflight_head) inflight_head->if_pprev = &u->if_next;
+  inflight_head = u;
+  u->if_pprev = &inflight_head;
+}
+
+static void inflight_remove(fsdp_unit *u) {
+  if (!u->if_pprev) return;
+  *u->if_pprev = u->if_next;
+  if (u->if_next) u->if_next->if_pprev = u->if_pprev;
+  u->if_next = NULL;
+  u->if_pprev = NULL;
+}
+
+/* Wait for u's prefetch (already issued on every rank: waiting is local) and discard it. */
+static int drop_prefetch(fsdp_unit *u) {
+  if (!u->req) return FSDP_OK;
+  inflight_remove(u);
+  int rc = fsdp_comm_wait(u->req);
+  u->req = NULL;
+  fsdp_tensor_release(u->req_buf);
+  u->req_buf = NULL;
+  return rc;
+}
+
+static int drop_all_prefetches(void) {
+  int rc = FSDP_OK;
+  while (inflight_head) {
+    fsdp_unit *u = inflight_head;
+    if (drop_prefetch(u)) rc = fsdp_error_context("prefetch of unit '%s'", u->path);
+  }
+  return rc;
+}
 
 static const char *strategy_name(fsdp_strategy s) {
   return s == FSDP_STRATEGY_FULL ? "full" : s == FSDP_STRATEGY_GRAD_OP ? "grad_op" : "none";
@@ -397,11 +440,7 @@ static void contiguous_strides(int64_t *strides, int ndim, const int64_t *shape)
 }
 
 static void unit_free(fsdp_unit *u) {
-  if (u->req) { /* issued on every rank: waiting here is local */
-    fsdp_comm_wait(u->req);
-    u->req = NULL;
-  }
-  fsdp_tensor_release(u->req_buf);
+  drop_prefetch(u);
   for (int i = 0; i < u->n; i++) {
     fsdp_tensor *p = u->params[i].param;
     if (p->user == u) p->user = NULL;
@@ -547,6 +586,7 @@ static void coll_label(char *dst, const char *path) {
 static int finish_prefetch(fsdp_unit *u) {
   fsdp_comm_req *req = u->req;
   fsdp_tensor *buf = u->req_buf;
+  inflight_remove(u);
   u->req = NULL;
   u->req_buf = NULL;
   if (fsdp_comm_wait(req)) {
@@ -573,6 +613,7 @@ int fsdp_unit_prefetch(fsdp_unit *u) {
     return fsdp_error_context("prefetch: unit '%s'", u->path);
   }
   u->req_buf = buf;
+  inflight_add(u);
   return FSDP_OK;
 }
 
@@ -596,13 +637,8 @@ int fsdp_unit_gather(fsdp_unit *u) {
 int fsdp_unit_reshard(fsdp_unit *u) {
   if (check_live(u, "reshard")) return FSDP_ERR;
   if (u->opts.strategy == FSDP_STRATEGY_NONE) return FSDP_OK;
-  if (u->req) { /* a prefetch nobody consumed: let it land, then drop it */
-    int rc = fsdp_comm_wait(u->req);
-    u->req = NULL;
-    fsdp_tensor_release(u->req_buf);
-    u->req_buf = NULL;
-    if (rc) return fsdp_error_context("reshard: unit '%s'", u->path);
-  }
+  /* a prefetch nobody consumed: let it land, then drop it */
+  if (drop_prefetch(u)) return fsdp_error_context("reshard: unit '%s'", u->path);
   if (u->state == FSDP_UNIT_SHARDED) return FSDP_OK;
   for (int i = 0; i < u->n; i++)
     fsdp_tensor_set_storage(u->params[i].param, u->sharded, u->params[i].offset);
@@ -678,8 +714,10 @@ static int hook_end(void *ud) {
   h->ran = true;
   if (u->emptied) return FSDP_OK;
   if (fsdp_unit_gather(u)) return FSDP_ERR;
-  if (u->bwd_prefetch && !u->bwd_prefetch->emptied && fsdp_unit_prefetch(u->bwd_prefetch))
-    return FSDP_ERR;
+  /* only a unit whose backward is still to come in this backward (a "begin" of it is on the
+   * tape): a frozen unit's, or one not used in this forward, would never be consumed */
+  fsdp_unit *v = u->bwd_prefetch;
+  if (v && !v->emptied && v->pending_bwd > 0 && fsdp_unit_prefetch(v)) return FSDP_ERR;
   if (!u->full_grad && flat_new(&u->full_grad, u->padded, FSDP_ROLE_GRADS, true))
     return fsdp_error_context("backward: unit '%s'", u->path);
   float *fg = flat_data(u->full_grad);
@@ -736,6 +774,7 @@ static int finish_backward(fsdp_unit *u) {
   }
   drop_full_grad(u);
   if (!rc && u->opts.strategy != FSDP_STRATEGY_NONE) rc = fsdp_unit_reshard(u);
+  if (!rc && u->opts.is_root) rc = drop_all_prefetches(); /* the backward is over */
   return rc;
 }
 
@@ -753,7 +792,10 @@ static int hook_begin(void *ud) {
 static void hook_free(void *ud) {
   hook_ud *h = ud;
   fsdp_unit *u = h->u;
-  if (h->begin && !h->ran && !u->emptied && --u->pending_bwd == 0) drop_full_grad(u);
+  if (h->begin && !h->ran && !u->emptied && --u->pending_bwd == 0) {
+    drop_full_grad(u);
+    drop_prefetch(u);
+  }
   fsdp_unit_release(u);
   free(h);
 }
@@ -799,7 +841,9 @@ int fsdp_unit_post_forward(fsdp_unit *u) {
   fsdp_strategy s = u->opts.strategy;
   bool reshard = rec ? s == FSDP_STRATEGY_FULL && !u->opts.is_root && u->opts.reshard_after_forward
                      : s != FSDP_STRATEGY_NONE;
-  return reshard ? fsdp_unit_reshard(u) : FSDP_OK;
+  if (reshard && fsdp_unit_reshard(u)) return FSDP_ERR;
+  /* the forward is over: a forward prefetch still in flight was for a unit that did not run */
+  return u->opts.is_root ? drop_all_prefetches() : FSDP_OK;
 }
 
 /* ---- unshard ----------------------------------------------------------------------------------- */
@@ -833,15 +877,11 @@ int fsdp_unit_unshard(fsdp_unit *u) {
   }
   free(dense);
   u->n = 0;
-  if (u->req) {
-    fsdp_comm_wait(u->req);
-    u->req = NULL;
-  }
-  fsdp_tensor_release(u->req_buf);
+  drop_prefetch(u);
   fsdp_tensor_release(u->full);
   fsdp_tensor_release(u->shard);
   fsdp_tensor_release(u->grad_shard);
-  u->req_buf = u->full = u->shard = u->grad_shard = NULL;
+  u->full = u->shard = u->grad_shard = NULL;
   fsdp_unit_release(u->bwd_prefetch);
   u->bwd_prefetch = NULL;
   u->numel = u->padded = u->shard_numel = u->shard_offset = 0;

@@ -22,8 +22,33 @@
  * reduce-scattered (average over ranks) and ADDED into the unit's gradient shard (so gradients
  * accumulate across backward calls until fsdp_unit_zero_grad), and the full buffer is freed.
  *
- * Everything here that communicates is collective: all ranks call it in the same order.
- * Units are refcounted (the tape's hook nodes hold references).
+ * Backward protocol: pre_forward pushes a "begin" hook node onto the tape and post_forward an
+ * "end" hook node, so the unit's ops lie between them. Backward reaches "end" first: it gathers
+ * the unit (prefetching the backward-prefetch unit) and points each parameter's .grad into a
+ * zeroed full gradient buffer (role grads); a gradient a parameter already has from an op
+ * outside the unit's forward is added into it. "begin" fires after all the unit's ops: when it
+ * is the unit's last pending use (a unit called k times has k begin/end pairs) it reduces, frees
+ * the full gradient, drops the parameters' .grad and reshards (FULL and GRAD_OP, root too).
+ * A parameter used by two units belongs to their closest common ancestor unit, whose
+ * begin/end pair encloses the inner units' pairs, so it is gathered (and has its .grad)
+ * whenever an inner unit's op touches it, forward or backward.
+ *
+ * Prefetch safety: a prefetch (asynchronous all-gather) reads the shard until it is consumed,
+ * and a gather consumes it as is. So nothing may change a shard while its prefetch is in
+ * flight. The engine keeps that true on its own where it can: a backward prefetch is issued
+ * only for a unit whose backward is still to come, and the root drops every unconsumed
+ * prefetch of the thread at the end of its forward and of its backward (so an optimizer step
+ * after backward never races one). Without a root unit, reshard (or gather) a unit whose
+ * prefetch may be left over before changing its shard.
+ *
+ * Errors name the unit ("gather: unit 'blocks.1': ...") and, where there is one, the parameter
+ * path; layout errors start with "wrap: ". Parameter numbers in messages are 1-based.
+ *
+ * Everything here that communicates is collective: all ranks call it in the same order, and
+ * every decision to communicate depends only on state that is the same on every rank.
+ * Units are refcounted (the tape's hook nodes hold references); releasing never communicates.
+ * Units and their parameters belong to one rank thread (the in-flight prefetch list is per
+ * thread). Owner: units.
  */
 #ifndef FSDP_UNIT_H
 #define FSDP_UNIT_H
@@ -36,7 +61,9 @@
 typedef enum { FSDP_STRATEGY_FULL = 0, FSDP_STRATEGY_GRAD_OP, FSDP_STRATEGY_NONE } fsdp_strategy;
 typedef enum { FSDP_UNIT_SHARDED = 0, FSDP_UNIT_GATHERED } fsdp_unit_state;
 
-/* The device that backs a sharded parameter (has no data; see above). */
+/* The device that backs a sharded parameter (has no data; see above). It is not in core's
+ * device registry: its storages hold no bytes and are not accounted. A parameter's `device`
+ * reads "sharded". */
 extern const fsdp_device_i fsdp_device_sharded;
 
 typedef struct fsdp_unit_param {
@@ -60,10 +87,26 @@ typedef struct fsdp_unit fsdp_unit;
  * device, or meta — then the shard is left zero for a later materialize). Copies this rank's
  * slice into the new flat shard and leaves the unit SHARDED (NONE: gathered). Before anything
  * moves, the layout (paths and shapes) is compared across ranks: a mismatch is an error naming
- * the first differing parameter on each side, and nothing changes. */
+ * the first differing parameter on each side, and nothing changes, e.g.
+ *   "wrap: unit 'blocks.1' differs across ranks at parameter 3: rank 0 has blocks.1.fc.weight
+ *    (16, 16), rank 1 has blocks.1.fc.bias (16)"
+ *   "wrap: unit 'b' differs across ranks: rank 0 has 4 parameters, rank 1 has 5; at parameter 5
+ *    rank 0 has none, rank 1 has b.extra (4)"
+ * (rank 0 against the first rank that differs from it). This rank's own checks (a parameter
+ * listed twice, already in a unit — "wrap: parameter <path> already belongs to unit '<u>' ...",
+ * not f32, not cpu/meta, not a leaf) are made collective the same way: the failing rank gets its
+ * message, every other rank "wrap: unit '<path>' failed on rank R: <message>". The check costs
+ * one all-gather of 6 floats per rank (more only on a mismatch), labelled with the unit path.
+ * On success each parameter: gets its path as label (for error messages), loses any .grad,
+ * gets contiguous strides, is backed by the sharded storage (NONE: by the shard) at its flat
+ * offset, and records its unit in p->user (fsdp_param_unit). opts NULL: FULL, not root,
+ * reshard_after_forward. */
 int fsdp_unit_new(fsdp_unit **out, fsdp_comm *c, const char *path, fsdp_tensor *const *params,
                   const char *const *paths, int n, const fsdp_unit_opts *opts);
 void fsdp_unit_retain(fsdp_unit *u);
+/* The last release waits for (and discards) a prefetch in flight and lets go of the
+ * parameters, which stay as they are: released while sharded they keep no data (unshard
+ * first to keep the values). NULL is a no-op. */
 void fsdp_unit_release(fsdp_unit *u);
 
 /* Queries. Parameter indices are 0-based here (the Lua binding shows them 1-based). */
@@ -96,7 +139,8 @@ fsdp_unit *fsdp_param_unit(const fsdp_tensor *p);
 int64_t fsdp_unit_param_slice(const fsdp_unit *u, int i, int rank, int64_t *param_first,
                               int64_t *shard_first);
 /* The flat shard (S elements, role params) and gradient shard (S elements, role grads) as 1-D
- * tensors; new references. Writes to them land in the shard. */
+ * tensors; new references to the same tensor on every call (an optimizer may key its state on
+ * it). Writes to them land in the shard. NONE: the parameters view the shard itself. */
 int fsdp_unit_shard(fsdp_unit *u, fsdp_tensor **out);
 int fsdp_unit_grad_shard(fsdp_unit *u, fsdp_tensor **out);
 
@@ -108,24 +152,36 @@ int fsdp_unit_reshard(fsdp_unit *u);
 /* Collective. Start the all-gather asynchronously (no-op if gathered or already in flight). */
 int fsdp_unit_prefetch(fsdp_unit *u);
 /* Collective. Copy the gathered full buffer's values back into this rank's shard (after a
- * user changed parameters through full_params/apply with writeback). Needs the unit gathered. */
+ * user changed parameters through full_params/apply with writeback). Needs the unit gathered.
+ * Reads each parameter's current data (normally its view of the full buffer). */
 int fsdp_unit_writeback(fsdp_unit *u);
 
 /* Forward hooks (called by the Lua wrap layer around the unit module's forward). pre: gather
- * and, if gradients are recorded, push the unit's "begin" tape hook. post: push the "end" tape
- * hook (when recording) and reshard if the strategy says so. `next` (may be NULL) is the unit
- * to prefetch once this one is gathered (forward order). */
+ * (consuming a prefetch), then prefetch `next` (may be NULL: the unit whose forward comes next,
+ * in forward order), and when gradients are recorded (grad mode on and some parameter of the
+ * unit requires a gradient) push the "begin" hook. post: push the matching "end" hook when pre
+ * pushed one, then reshard: recorded — FULL when not root and reshard_after_forward, GRAD_OP
+ * and NONE never (backward needs them); not recorded (no_grad, frozen unit: no backward will
+ * come) — FULL and GRAD_OP always, root included. The root's post also drops leftover
+ * prefetches (see "Prefetch safety"). */
 int fsdp_unit_pre_forward(fsdp_unit *u, fsdp_unit *next);
 int fsdp_unit_post_forward(fsdp_unit *u);
-/* The unit to prefetch when this unit's backward begins (reverse forward order); may be NULL. */
+/* The unit to prefetch when this unit's "end" hook fires in backward: the unit whose backward
+ * comes next, i.e. the one whose post_forward ran just before this unit's (for a root around
+ * units 1..N run in order: root -> N, k -> k-1). Prefetched only if its backward is pending.
+ * prev is retained (a cycle of prefetch units would keep them alive: set NULL to break one;
+ * unshard clears it); u itself is ignored. */
 void fsdp_unit_set_backward_prefetch(fsdp_unit *u, fsdp_unit *prev);
 
 /* Gradient shard := 0. */
 int fsdp_unit_zero_grad(fsdp_unit *u);
 
 /* Collective. Gather, give every parameter its own dense storage (role params) holding its
- * full values, and detach the parameters from the unit (the unit keeps no parameter). Used by
- * unwrap; the unit should then be released. */
+ * full values, and detach the parameters from the unit (the unit keeps no parameter; p->user
+ * cleared; labels stay; grads dropped). Used by unwrap; the unit should then be released.
+ * Idempotent. Afterwards the unit is empty: numel 0, state SHARDED, and gather, reshard,
+ * prefetch, writeback, zero_grad, forward hooks, shard and grad_shard are errors ("... was
+ * unsharded (unwrapped) and holds no parameters"); hooks of it still on the tape do nothing. */
 int fsdp_unit_unshard(fsdp_unit *u);
 
 #endif

@@ -873,6 +873,63 @@ static void test_prefetch_overlap(void **state) {
   assert_true(info.compute_done < info.peer_issued);    /* computed before the peer joined */
 }
 
+/* Prefetches that would never be consumed are not left in flight (a later gather would hand
+ * out values from before the optimizer step): a frozen unit gets no backward prefetch, and the
+ * root drops leftovers at the end of its forward. */
+static bool rank_stale_prefetch(rank_ctx *ctx) {
+  fsdp_tensor *pf = param_new("frozen", 2, SHAPE(4, 4)), *pt = param_new("trained", 2, SHAPE(4, 4)),
+              *pr = param_new("root", 1, SHAPE(4)), *px = param_new("unused", 1, SHAPE(8));
+  pf->requires_grad = false;
+  const char *nf = "f.weight", *nt = "t.weight", *nr = "scale", *nx = "x.bias";
+  fsdp_unit_opts o = {.strategy = FSDP_STRATEGY_FULL, .reshard_after_forward = true};
+  fsdp_unit *f, *t, *root, *x;
+  CHECK_OK(fsdp_unit_new(&f, ctx->comm, "f", &pf, &nf, 1, &o));
+  CHECK_OK(fsdp_unit_new(&t, ctx->comm, "t", &pt, &nt, 1, &o));
+  CHECK_OK(fsdp_unit_new(&x, ctx->comm, "x", &px, &nx, 1, &o));
+  o.is_root = true;
+  CHECK_OK(fsdp_unit_new(&root, ctx->comm, "", &pr, &nr, 1, &o));
+  fsdp_unit_set_backward_prefetch(root, t);
+  fsdp_unit_set_backward_prefetch(t, f); /* f is frozen: its backward never comes */
+  fsdp_tensor *in = data_new("in", 2, 4), *h1, *h2, *h3, *loss;
+  fsdp_comm_reset_stats(ctx->comm);
+  CHECK_OK(fsdp_unit_pre_forward(root, f));
+  CHECK_OK(fsdp_unit_pre_forward(f, t));
+  CHECK(fsdp_unit_pending_backward(f) == 0); /* nothing to record for a frozen unit */
+  CHECK_OK(fsdp_op_linear(&h1, in, pf, NULL));
+  CHECK_OK(fsdp_unit_post_forward(f));
+  CHECK(fsdp_unit_state_get(f) == FSDP_UNIT_SHARDED);
+  CHECK_OK(fsdp_unit_pre_forward(t, x)); /* x's forward will not run */
+  CHECK(fsdp_unit_prefetching(x));
+  CHECK_OK(fsdp_op_linear(&h2, h1, pt, NULL));
+  CHECK_OK(fsdp_unit_post_forward(t));
+  CHECK_OK(fsdp_op_binary(&h3, h2, pr, FSDP_OP_MUL));
+  CHECK(fsdp_unit_prefetching(x));
+  CHECK_OK(fsdp_unit_post_forward(root));
+  CHECK(!fsdp_unit_prefetching(x)); /* dropped at the end of the forward */
+  CHECK(live(FSDP_ROLE_GATHERED) == fsdp_unit_padded_numel(root) * 4);
+  CHECK_OK(fsdp_op_sum(&loss, h3));
+  CHECK_OK(fsdp_backward(loss, NULL));
+  CHECK(!fsdp_unit_prefetching(f)); /* t's backward did not prefetch the frozen unit */
+  fsdp_comm_stats st;
+  fsdp_comm_get_stats(ctx->comm, &st);
+  /* forward: root, f (prefetched by root), t (prefetched by f), x (dropped); backward: t */
+  CHECK(st.calls[FSDP_COLL_ALL_GATHER] == 5);
+  CHECK(st.calls[FSDP_COLL_REDUCE_SCATTER] == 2); /* t and the root; not the frozen f */
+  CHECK(live(FSDP_ROLE_GATHERED) == 0);
+  fsdp_tensor *tensors[] = {loss, h1, h2, h3, in, pf, pt, pr, px};
+  for (size_t i = 0; i < sizeof tensors / sizeof *tensors; i++) fsdp_tensor_release(tensors[i]);
+  fsdp_unit_release(f);
+  fsdp_unit_release(t);
+  fsdp_unit_release(x);
+  fsdp_unit_release(root);
+  return true;
+}
+
+static void test_stale_prefetch(void **state) {
+  (void)state;
+  for (int W = 1; W <= 2; W++) run_ranks(W, rank_stale_prefetch, NULL);
+}
+
 /* ---- memory per rank ------------------------------------------------------------------------- */
 
 /* A root (2 small params) and three inner units of different sizes, FULL, no prefetch: at rest
@@ -1094,6 +1151,7 @@ int main(void) {
       cmocka_unit_test(test_module_called_twice),
       cmocka_unit_test(test_ancestor_param_in_inner_unit),
       cmocka_unit_test(test_prefetch_overlap),
+      cmocka_unit_test(test_stale_prefetch),
       cmocka_unit_test(test_memory),
       cmocka_unit_test(test_misc),
   };

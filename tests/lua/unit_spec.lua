@@ -1,0 +1,277 @@
+-- unit_spec.lua — the units API of fsdp.core (FSDP_CONTRACT.md "units") at world size 1:
+-- building a unit over a model's parameters, identity, layout and slices, the sharded error,
+-- gather/reshard/writeback, shard views, the forward hooks driving backward (gradient shard
+-- equals the unwrapped gradient, for every strategy), unshard, errors, collection.
+-- Run: busted --lua=luajit tests/lua/unit_spec.lua
+-- Owner: units.
+
+local fsdp = require "fsdp"
+local core = fsdp.core
+local nn = fsdp.nn
+local F = nn.F
+
+local function flat(t)
+  local out = {}
+  local function go(x)
+    if type(x) == "table" then for i = 1, #x do go(x[i]) end else out[#out + 1] = x end
+  end
+  go(type(t) == "userdata" and t:totable() or t)
+  return out
+end
+
+local function assert_close(a, b, tol, what)
+  a, b = flat(a), flat(b)
+  assert.are.equal(#b, #a, (what or "") .. ": element count")
+  tol = tol or 1e-6
+  for i = 1, #a do
+    if math.abs(a[i] - b[i]) > tol * (1 + math.abs(b[i])) then
+      error(("%s: element %d differs: %.9g vs %.9g"):format(what or "values", i, a[i], b[i]), 2)
+    end
+  end
+end
+
+local function errors_with(fn, needle)
+  local ok, err = pcall(fn)
+  assert.is_false(ok, "expected an error containing: " .. needle)
+  assert.is_truthy(tostring(err):find(needle, 1, true),
+    ("error %q does not contain %q"):format(tostring(err), needle))
+end
+
+-- A two-layer model and its parameters / paths in traversal order.
+local function model(seed)
+  fsdp.manual_seed(seed or 1)
+  local m = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2))
+  local paths, params = {}, {}
+  for path, p in m:named_parameters() do
+    paths[#paths + 1], params[#params + 1] = path, p
+  end
+  return m, params, paths
+end
+
+local function values_of(params)
+  local out = {}
+  for i, p in ipairs(params) do out[i] = flat(p) end
+  return out
+end
+
+describe("core.unit_new", function()
+  it("keeps the parameter objects and lays them out aligned and padded", function()
+    local m, params, paths = model()
+    local before = values_of(params)
+    local u = core.unit_new("net", params, paths, {strategy = "full", root = true})
+    assert.are.equal("net", u.path)
+    assert.is_true(u.is_root)
+    assert.are.equal("full", u:strategy())
+    assert.are.equal("sharded", u:state())
+    local ps = u:params()
+    assert.are.equal(#params, #ps)
+    for i = 1, #params do assert.is_true(rawequal(params[i], ps[i])) end
+    local mp = m:parameters()
+    for i = 1, #mp do assert.is_true(rawequal(mp[i], params[i])) end
+    assert.are.same(paths, u:paths())
+    -- 15, 5, 10, 2 elements at offsets 0, 16, 32, 48; end 50, padded to 64 (world 1 x 16)
+    assert.are.equal(32, u:numel())
+    assert.are.equal(64, u:padded_numel())
+    assert.are.equal(64, u:shard_numel())
+    local lay = u:layout()
+    assert.are.equal(4, #lay)
+    local offsets = {0, 16, 32, 48}
+    for i, e in ipairs(lay) do
+      assert.are.equal(paths[i], e.path)
+      assert.are.equal(offsets[i], e.offset)
+      assert.are.equal(params[i]:numel(), e.numel)
+      assert.are.same(params[i]:shape(), e.shape)
+      assert.are.same({[0] = {1, e.numel}}, e.slices)
+    end
+    local sl = u:local_slices()
+    assert.are.equal(4, #sl)
+    for i, s in ipairs(sl) do
+      assert.are.equal(i, s.index)
+      assert.are.equal(paths[i], s.path)
+      assert.is_true(rawequal(params[i], s.param))
+      assert.are.equal(offsets[i] + 1, s.shard_first)
+      assert.are.equal(offsets[i] + params[i]:numel(), s.shard_last)
+      assert.are.equal(1, s.param_first)
+    end
+    -- the shard holds the values; identity of the shard view is stable
+    local sh = u:shard()
+    assert.is_true(rawequal(sh, u:shard()))
+    assert.are.same({64}, sh:shape())
+    local sv = flat(sh)
+    for i, s in ipairs(sl) do
+      assert.are.same(before[i], {unpack(sv, s.shard_first, s.shard_last)})
+    end
+    assert.are.same({64}, u:grad_shard():shape())
+    assert.is_truthy(tostring(u):find("unit('net', full, 4 parameters, 32 elements, sharded)", 1, true))
+  end)
+
+  it("makes sharded parameters unreadable, with a message naming them", function()
+    local _, params, paths = model()
+    local u = core.unit_new("net", params, paths)
+    assert.are.equal("sharded", params[1].device)
+    errors_with(function() return params[1]:totable() end, "sharded")
+    errors_with(function() return params[3] + 1 end, "sharded")
+    assert.is_truthy(u)
+  end)
+
+  it("maps parameters to their unit (the same userdata) and others to nil", function()
+    local _, params, paths = model()
+    assert.is_nil(core.param_unit(params[1]))
+    local u = core.unit_new("net", params, paths)
+    for _, p in ipairs(params) do assert.is_true(rawequal(u, core.param_unit(p))) end
+    assert.is_nil(core.param_unit(fsdp.zeros{2}))
+  end)
+
+  it("rejects bad arguments and parameters already in a unit", function()
+    local _, params, paths = model()
+    errors_with(function() core.unit_new("x", params, {"a"}) end, "4 parameters but 1 paths")
+    errors_with(function() core.unit_new("x", {1}, {"a"}) end, "params[1] is a number")
+    errors_with(function() core.unit_new("x", params, paths, {strategy = "zero3"}) end,
+      "unknown strategy 'zero3'")
+    errors_with(function() core.unit_new("x", {params[1], params[1]}, {"a", "b"}) end,
+      "parameter b is listed twice (also as a)")
+    local u = core.unit_new("first", {params[1]}, {paths[1]})
+    errors_with(function() core.unit_new("second", {params[2], params[1]}, {paths[2], paths[1]}) end,
+      "wrap: parameter 1.weight already belongs to unit 'first'")
+    assert.are.equal("cpu", params[2].device) -- nothing moved
+    assert.is_truthy(u)
+  end)
+end)
+
+describe("gather, reshard, writeback", function()
+  it("gathers the exact values and reshards idempotently", function()
+    local _, params, paths = model()
+    local before = values_of(params)
+    local u = core.unit_new("net", params, paths)
+    u:gather(); u:gather()
+    assert.are.equal("gathered", u:state())
+    assert.are.same(before, values_of(params))
+    u:reshard(); u:reshard()
+    assert.are.equal("sharded", u:state())
+    errors_with(function() return params[2]:totable() end, "sharded")
+    u:prefetch()
+    u:gather()
+    assert.are.same(before, values_of(params))
+    assert.is_true(fsdp.memory().gathered >= 64 * 4) -- the full buffer is counted as gathered
+    u:reshard()
+  end)
+
+  it("lands writes to the shard view in the parameters, and writes back changed parameters", function()
+    local _, params, paths = model()
+    local u = core.unit_new("net", params, paths)
+    u:shard():set(1, 42)
+    u:gather()
+    assert.are.equal(42, params[1]:get(1, 1))
+    errors_with(function() u:reshard(); u:writeback() end, "not gathered")
+    u:gather()
+    params[3]:fill(2)
+    u:writeback()
+    u:reshard()
+    u:gather()
+    for _, v in ipairs(flat(params[3])) do assert.are.equal(2, v) end
+    assert.are.equal(42, params[1]:get(1, 1))
+  end)
+end)
+
+describe("forward hooks and backward", function()
+  -- One step of the model on x with the unit's hooks around the forward; returns the loss.
+  local function step(m, u, x, y)
+    u:pre_forward(nil)
+    local out = m(x)
+    u:post_forward()
+    local loss = F.mse(out, y)
+    loss:backward()
+    return loss:item()
+  end
+
+  for _, strategy in ipairs {"full", "grad_op", "none"} do
+    it("gives the unwrapped gradient in the gradient shard (" .. strategy .. ")", function()
+      local x, y = fsdp.randn{4, 3}, fsdp.randn{4, 2}
+      local ref, rparams = model(7)
+      F.mse(ref(x), y):backward()
+      local m, params, paths = model(7)
+      local u = core.unit_new("", params, paths, {strategy = strategy, root = true})
+      for s = 1, 2 do
+        step(m, u, x, y)
+        assert.are.equal(strategy == "none" and "gathered" or "sharded", u:state())
+        local g = flat(u:grad_shard())
+        for i, sl in ipairs(u:local_slices()) do
+          assert.is_nil(params[i].grad)
+          local want = flat(rparams[i].grad)
+          for k = 1, #want do want[k] = want[k] * s end -- accumulates until zero_grad
+          assert_close({unpack(g, sl.shard_first, sl.shard_last)}, want, 1e-6, sl.path)
+        end
+      end
+      u:zero_grad()
+      for _, v in ipairs(flat(u:grad_shard())) do assert.are.equal(0, v) end
+    end)
+  end
+
+  it("records nothing under no_grad and reshards after forward", function()
+    local m, params, paths = model()
+    local u = core.unit_new("", params, paths, {root = true})
+    fsdp.no_grad(function()
+      u:pre_forward(nil)
+      m(fsdp.randn{2, 3})
+      u:post_forward()
+    end)
+    assert.are.equal("sharded", u:state())
+  end)
+
+  it("accepts a next unit to prefetch and a backward prefetch unit", function()
+    local m1, p1, n1 = model(1)
+    local m2, p2, n2 = model(2)
+    local a = core.unit_new("a", p1, n1)
+    local b = core.unit_new("b", p2, n2)
+    a:set_backward_prefetch(b)
+    a:set_backward_prefetch(nil)
+    b:set_backward_prefetch(a)
+    a:pre_forward(b)
+    local h = m1(fsdp.randn{2, 3})
+    a:post_forward()
+    b:pre_forward(nil)
+    assert.are.equal("gathered", b:state())
+    local out = m2(h:matmul(fsdp.ones{2, 3}))
+    b:post_forward()
+    out:sum():backward()
+    assert.are.equal("sharded", a:state())
+    assert.are.equal("sharded", b:state())
+    errors_with(function() a:pre_forward(42) end, "unit expected")
+  end)
+end)
+
+describe("unshard", function()
+  it("gives every parameter dense storage with its current values and empties the unit", function()
+    local m, params, paths = model()
+    local u = core.unit_new("net", params, paths)
+    local sh = u:shard()
+    local sv = flat(sh)
+    for i = 1, #sv do sv[i] = sv[i] + 1 end
+    for i = 1, #sv do sh:set(i, sv[i]) end
+    u:gather()
+    local want = values_of(params)
+    u:reshard()
+    u:unshard()
+    u:unshard()
+    assert.are.same(want, values_of(params))
+    for _, p in ipairs(params) do
+      assert.are.equal("cpu", p.device)
+      assert.is_true(p.is_param)
+      assert.is_nil(core.param_unit(p))
+    end
+    assert.are.same({}, u:params())
+    errors_with(function() u:gather() end, "was unsharded")
+    -- the plain model works and can be put in a new unit
+    m(fsdp.randn{1, 3}):sum():backward()
+    local u2 = core.unit_new("again", params, paths)
+    u2:gather()
+    assert.are.same(want, values_of(params))
+  end)
+
+  it("lets collected units release their parameters", function()
+    local _, params, paths = model()
+    do core.unit_new("tmp", params, paths) end
+    collectgarbage(); collectgarbage()
+    assert.is_nil(core.param_unit(params[1]))
+  end)
+end)
