@@ -191,8 +191,9 @@ int fsdp_io_atomic_open(fsdp_io_atomic **out, const char *path) {
 
 int fsdp_io_atomic_write(fsdp_io_atomic *f, const void *data, size_t bytes) {
   if (f->failed) return fsdp_error("%s", f->errmsg);
+  if (bytes == 0) return FSDP_OK;
   const unsigned char *p = data;
-  if (f->used + bytes <= ATOMIC_BUF_BYTES) {
+  if (bytes < ATOMIC_BUF_BYTES && f->used + bytes <= ATOMIC_BUF_BYTES) {
     memcpy(f->buf + f->used, p, bytes);
     f->used += bytes;
     return FSDP_OK;
