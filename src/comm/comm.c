@@ -443,7 +443,10 @@ static int validate(const fsdp_comm *c, const fsdp_coll *k) {
     break;
   case FSDP_COLL_REDUCE_SCATTER:
     if (n > 0 && (!k->send || !k->recv)) return fsdp_error("%s: NULL buffer", what);
-    if (overlaps(k->send, n * w, k->recv, n)) return fsdp_error("%s: send overlaps recv", what);
+    if (k->recv != k->send + c->rank * n && overlaps(k->send, n * w, k->recv, n)) {
+      return fsdp_error("%s: send overlaps recv (in place means recv == send + rank * count)",
+                        what);
+    }
     break;
   case FSDP_COLL_ALL_REDUCE:
     if (n > 0 && !k->recv) return fsdp_error("%s: NULL buffer", what);

@@ -31,7 +31,8 @@
  *
  * Buffers: counts are in elements (f32). A buffer passed to an asynchronous collective must
  * stay valid and untouched until fsdp_comm_wait returns. all_gather may run in place (send ==
- * recv + rank * count); otherwise send and recv must not overlap.
+ * recv + rank * count), and so may reduce_scatter (recv == send + rank * count); otherwise send
+ * and recv must not overlap.
  */
 #ifndef FSDP_COMM_H
 #define FSDP_COMM_H

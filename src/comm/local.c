@@ -13,7 +13,9 @@
  *
  * Data, zero-copy: every rank reads its peers' buffers directly (no staging):
  *   all_gather      rank r copies each rank p's send into its own recv[p*count, (p+1)*count)
- *   reduce_scatter  rank r reduces chunk r of every rank's send, in rank order 0..W-1
+ *   reduce_scatter  rank r reduces chunk r of every rank's send, in rank order 0..W-1 (in place
+ *                   too: recv == send + r * count is read by rank r alone, tile by tile, before
+ *                   the tile is written)
  *   all_reduce      reduce-scatter (rank r reduces its chunk of every rank's buffer, in rank
  *                   order, into its own buffer), sync, all-gather of the reduced chunks
  *   broadcast       every rank but the root copies the root's buffer

@@ -199,6 +199,10 @@ static void body_values(rank_ctx *x) {
       expect_ok(x, fsdp_comm_all_reduce(c, recv, n, red, "ar"), "all_reduce");
       for (int64_t i = 0; i < n; i++) check_value(x, "all_reduce", i, recv[i], ref_reduce(W, i, s2 + 8, red));
     }
+    /* reduce_scatter in place: the result lands in this rank's own chunk of send */
+    for (int64_t i = 0; i < n * W; i++) send[i] = input(r, i, salt + 7);
+    expect_ok(x, fsdp_comm_reduce_scatter(c, send + r * n, send, n, FSDP_RED_AVG, "rs_inplace"), "reduce_scatter in place");
+    for (int64_t i = 0; i < n; i++) check_value(x, "reduce_scatter in place", i, send[r * n + i], ref_reduce(W, r * n + i, salt + 7, FSDP_RED_AVG));
     /* broadcast from every root */
     for (int root = 0; root < W; root++) {
       for (int64_t i = 0; i < n; i++) recv[i] = input(r, i, salt + 13);
