@@ -478,21 +478,22 @@ int fsdp_unit_new(fsdp_unit **out, fsdp_comm *c, const char *path, fsdp_tensor *
                           : (fsdp_unit_opts){.strategy = FSDP_STRATEGY_FULL,
                                              .reshard_after_forward = true};
   /* Local validation first, but its verdict travels with the layout check (collective). */
-  const char *local_err = NULL;
-  char errbuf[2 * TEXT_FLOATS];
-  if (n < 0 || (n > 0 && (!params || !paths))) {
+  int valid = FSDP_ERR;
+  if (n < 0 || (n > 0 && (!params || !paths)))
     fsdp_error("wrap: unit '%s': bad parameter list (%d parameters)", path, n);
-    n = 0;
-  } else if (o.strategy != FSDP_STRATEGY_FULL && o.strategy != FSDP_STRATEGY_GRAD_OP &&
-             o.strategy != FSDP_STRATEGY_NONE) {
+  else if (o.strategy != FSDP_STRATEGY_FULL && o.strategy != FSDP_STRATEGY_GRAD_OP &&
+           o.strategy != FSDP_STRATEGY_NONE)
     fsdp_error("wrap: unit '%s': unknown strategy %d", path, (int)o.strategy);
-  } else if (validate(path, params, paths, n) == FSDP_OK) {
-    goto checked;
+  else
+    valid = validate(path, params, paths, n);
+  char errbuf[2 * TEXT_FLOATS];
+  const char *local_err = NULL;
+  if (valid != FSDP_OK) {
+    snprintf(errbuf, sizeof errbuf, "%s", fsdp_error_msg());
+    local_err = errbuf;
+    n = 0; /* nothing of this rank's list is looked at again */
   }
-  snprintf(errbuf, sizeof errbuf, "%s", fsdp_error_msg());
-  local_err = errbuf;
-checked:
-  if (layout_check(c, path, params, paths, local_err ? 0 : n, local_err)) return FSDP_ERR;
+  if (layout_check(c, path, params, paths, n, local_err)) return FSDP_ERR;
 
   int W = fsdp_comm_world(c), R = fsdp_comm_rank(c);
   fsdp_unit *u = calloc(1, sizeof *u);

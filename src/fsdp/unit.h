@@ -78,7 +78,9 @@ typedef struct fsdp_unit_param {
 typedef struct fsdp_unit_opts {
   fsdp_strategy strategy;
   bool is_root;
-  bool reshard_after_forward; /* FULL only; default true (the root never reshards after forward) */
+  /* FULL only; the root never reshards after forward. "Default true" means: the Lua binding and
+   * fsdp_unit_new(opts = NULL) use true; a zero-initialised C struct says false. */
+  bool reshard_after_forward;
 } fsdp_unit_opts;
 
 typedef struct fsdp_unit fsdp_unit;
