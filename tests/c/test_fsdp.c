@@ -813,7 +813,7 @@ static bool rank_prefetch(rank_ctx *ctx) {
   CHECK_OK(fsdp_unit_pre_forward(a, NULL)); /* blocking: both ranks leave it together */
   fsdp_tensor *x = data_new("x", 64, 32), *y;
   if (R == 0) {
-    /* rank 0 issues b's all-gather and computes; rank 1 joins the all-gather only 200 ms
+    /* rank 0 issues b's all-gather and computes; rank 1 joins the all-gather only 300 ms
      * later, so rank 0's compute ran while its request was in flight */
     double t0 = now_s();
     CHECK_OK(fsdp_unit_prefetch(b));
@@ -825,7 +825,7 @@ static bool rank_prefetch(rank_ctx *ctx) {
     info->compute_done = now_s();
     info->in_flight_during_compute = fsdp_unit_prefetching(b);
   } else {
-    sleep_ms(200);
+    sleep_ms(300);
     info->peer_issued = now_s();
     CHECK_OK(fsdp_unit_prefetch(b));
   }
@@ -868,7 +868,7 @@ static void test_prefetch_overlap(void **state) {
   (void)state;
   overlap_info info = {0};
   run_ranks(2, rank_prefetch, &info);
-  assert_true(info.prefetch_s < 0.1);                   /* issuing did not wait for the peer */
+  assert_true(info.prefetch_s < 0.15);                  /* issuing did not wait for the peer */
   assert_true(info.in_flight_during_compute);
   assert_true(info.compute_done < info.peer_issued);    /* computed before the peer joined */
 }
