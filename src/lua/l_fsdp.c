@@ -13,7 +13,6 @@
  */
 #include <string.h>
 
-#include "autograd/autograd.h"
 #include "comm/comm.h"
 #include "fsdp/unit.h"
 #include "lua/binding.h"
