@@ -50,6 +50,7 @@ struct fsdp_io_st_reader {
 /* buf <- the file's bytes [off, off + n). A short read means the file shrank since open. */
 static int read_at(const fsdp_io_st_reader *r, void *buf, size_t n, uint64_t off,
                    const char *tensor) {
+  if (n == 0) return FSDP_OK;
   if (off > r->size || n > r->size - off)
     goto truncated;
   if (r->fd < 0) {
