@@ -759,16 +759,11 @@ static int finish_backward(fsdp_unit *u) {
       if (!rc)
         for (int64_t k = 0; k < u->padded; k++) gs[k] += fg[k];
     } else {
-      fsdp_tensor *tmp;
-      rc = flat_new(&tmp, u->shard_numel, FSDP_ROLE_GRADS, false);
-      if (!rc) {
-        float *t = flat_data(tmp);
-        rc = fsdp_comm_reduce_scatter(u->comm, t, flat_data(u->full_grad), u->shard_numel,
-                                      FSDP_RED_AVG, u->path);
-        if (!rc)
-          for (int64_t k = 0; k < u->shard_numel; k++) gs[k] += t[k];
-        fsdp_tensor_release(tmp);
-      }
+      /* in place: this rank's chunk of the full gradient receives the average */
+      float *fg = flat_data(u->full_grad), *mine = fg + u->shard_offset;
+      rc = fsdp_comm_reduce_scatter(u->comm, mine, fg, u->shard_numel, FSDP_RED_AVG, u->path);
+      if (!rc)
+        for (int64_t k = 0; k < u->shard_numel; k++) gs[k] += mine[k];
     }
     if (rc) fsdp_error_context("backward: unit '%s'", u->path);
     else u->grad_shard->version++;

@@ -996,7 +996,7 @@ static bool rank_memory(rank_ctx *ctx) {
   CHECK(peak(FSDP_ROLE_GATHERED) == (Pr + maxP) * 4);
   CHECK(live(FSDP_ROLE_GATHERED) == 0);
   CHECK(live(FSDP_ROLE_GRADS) == sumS * 4);
-  CHECK(peak(FSDP_ROLE_GRADS) <= (sumS + Pr + maxP + maxP / W) * 4);
+  CHECK(peak(FSDP_ROLE_GRADS) == (sumS + Pr + maxP) * 4); /* shards + 2 full gradients */
   CHECK(live(FSDP_ROLE_PARAMS) == sumS * 4);
   for (int k = 0; k < K; k++) {
     fsdp_unit_release(inner[k]);
