@@ -31,9 +31,7 @@ static int64_t prod(const int64_t *s, int n) {
  * parameter). The error names the op and the tensor's shape. */
 static int contig(fsdp_tensor **out, fsdp_tensor *t, const char *op) {
   *out = NULL;
-  if (!t->storage->device->has_data)
-    return fsdp_error("%s: tensor %s on %s device has no data", op, FSDP_SHAPE_STR(t),
-                      t->storage->device->name);
+  if (!fsdp_tensor_data(t, op)) return FSDP_ERR; /* names the tensor and why it has no data */
   if (fsdp_tensor_is_contiguous(t)) {
     fsdp_tensor_retain(t);
     *out = t;

@@ -699,11 +699,14 @@ static int setup_blas_threads(const fsdprun_opts *o) {
       fprintf(stderr, PROGNAME ": FSDP_BLAS_THREADS='%s' must be a positive integer\n", env);
       return EXIT_USAGE;
     }
-  } else if (o->ranked) {
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    if (cores < 1) cores = 1;
-    n = (int)(cores / o->nranks);
-    if (n < 1) n = 1;
+  } else if (o->ranked && o->nranks > 1) {
+    /* One BLAS thread per rank. max(1, cores/N) would oversubscribe nothing, but Debian's
+     * OpenBLAS 0.3.21 (pthread build) is not safe with several multithreaded callers at once:
+     * its gemm lock exists once per transpose variant, and a step mixes NN, NT and TN
+     * (docs/comm.md "BLAS threads"; measured 1.6 vs 47.5 GFLOP/s). One thread per caller is
+     * safe (tests/c/test_blas_threads.c) and, on this 2-core machine, what cores/N gives anyway.
+     * FSDP_BLAS_THREADS overrides. */
+    n = 1;
   }
   if (n > 0) fsdp_cpu_set_blas_threads(n);
   return 0;

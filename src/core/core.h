@@ -24,6 +24,9 @@
 
 /* ---- errors (error.c) ------------------------------------------------------------------ */
 
+/* Bytes of a thread's error message (failure reports carry a flight recorder). */
+#define FSDP_ERROR_CAP 4096
+
 /* Set this thread's error message (printf-style). Always returns FSDP_ERR so callers can
  * `return fsdp_error("...")`. */
 int fsdp_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

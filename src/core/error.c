@@ -12,7 +12,6 @@
 
 #include "core/core.h"
 
-#define FSDP_ERROR_CAP 1024
 
 static _Thread_local char error_msg[FSDP_ERROR_CAP];
 

@@ -215,7 +215,8 @@ float *fsdp_tensor_data(const fsdp_tensor *t, const char *what) {
       fsdp_error("%s: %s %s %s", what, t->is_param ? "parameter" : "tensor",
                  t->label ? t->label : FSDP_SHAPE_STR(t), s->device->no_data);
     else
-      fsdp_error("%s: tensor on %s device has no data", what, s->device->name);
+      fsdp_error("%s: tensor %s on %s device has no data", what, FSDP_SHAPE_STR(t),
+                 s->device->name);
     return NULL;
   }
   return (float *)s->data + t->offset;
@@ -421,8 +422,16 @@ int fsdp_tensor_copy(fsdp_tensor *dst, const fsdp_tensor *src) {
     return fsdp_error("copy: dtype mismatch: destination %s, source %s",
                       fsdp_dtype_name(dst->dtype), fsdp_dtype_name(src->dtype));
   const fsdp_device_i *ddev = dst->storage->device, *sdev = src->storage->device;
-  if (ddev->has_data && !sdev->has_data)
-    return fsdp_error("copy: source tensor on %s device has no data", sdev->name);
+  if (ddev->has_data && !sdev->has_data) {
+    fsdp_tensor_data(src, "copy: source"); /* names the tensor and why it has no data */
+    return FSDP_ERR;
+  }
+  /* A destination whose data lives elsewhere (a sharded parameter) must not swallow writes:
+   * that is how pruning through stale references silently did nothing (seeds/004). */
+  if (ddev->no_data) {
+    fsdp_tensor_data(dst, "copy");
+    return FSDP_ERR;
+  }
   if (ddev->has_data && ddev != sdev)
     return fsdp_error("copy: from a %s tensor to a %s tensor is not supported", sdev->name,
                       ddev->name);
@@ -460,6 +469,10 @@ int fsdp_tensor_copy(fsdp_tensor *dst, const fsdp_tensor *src) {
 }
 
 int fsdp_tensor_fill(fsdp_tensor *t, float v) {
+  if (t->storage->device->no_data) { /* sharded: writes must not vanish (see copy) */
+    fsdp_tensor_data(t, "fill");
+    return FSDP_ERR;
+  }
   t->version++;
   if (!t->storage->device->has_data || fsdp_tensor_numel(t) == 0) return FSDP_OK;
   fsdp_loop L;

@@ -124,10 +124,9 @@ static fsdp_tensor *arg_tensor(lua_State *L, int idx, const char *fn) {
 
 /* The data of t, or a Lua error naming the op, the shape and the device. */
 static float *need_data(lua_State *L, fsdp_tensor *t, const char *what) {
-  if (!t->storage->device->has_data)
-    luaL_error(L, "%s: tensor %s is on the %s device and has no data", what, FSDP_SHAPE_STR(t),
-               t->storage->device->name);
-  return fsdp_tensor_data(t, what);
+  float *d = fsdp_tensor_data(t, what); /* names the tensor and why it has no data */
+  if (!d) fsdp_lua_error(L);
+  return d;
 }
 
 int fsdp_lua_check_shape(lua_State *L, int idx, int64_t *shape) {
@@ -475,6 +474,8 @@ static int l_copy(lua_State *L) {
  * when t is a parameter: a copy of a parameter is not one. */
 static int l_clone(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1), *c;
+  /* a meta tensor clones to meta; a tensor whose data is elsewhere (sharded) cannot clone */
+  if (!t->storage->device->has_data && t->storage->device->no_data) need_data(L, t, "clone");
   if (fsdp_tensor_new(&c, t->storage->device, t->dtype, t->ndim, t->shape,
                       FSDP_ROLE_ACTIVATIONS))
     fsdp_lua_error(L);
@@ -804,7 +805,12 @@ static int l_index(lua_State *L) {
     if (strcmp(k, "requires_grad") == 0) { lua_pushboolean(L, t->requires_grad); return 1; }
     if (strcmp(k, "is_param") == 0) { lua_pushboolean(L, t->is_param); return 1; }
     if (strcmp(k, "is_leaf") == 0) { lua_pushboolean(L, t->is_leaf); return 1; }
+    if (strcmp(k, "has_data") == 0) {
+      lua_pushboolean(L, t->storage->device->has_data);
+      return 1;
+    }
     if (strcmp(k, "device") == 0) { lua_pushstring(L, t->storage->device->name); return 1; }
+    if (strcmp(k, "has_data") == 0) { lua_pushboolean(L, t->storage->device->has_data); return 1; }
     if (strcmp(k, "dtype") == 0) { lua_pushstring(L, fsdp_dtype_name(t->dtype)); return 1; }
     if (strcmp(k, "version") == 0) { lua_pushnumber(L, (lua_Number)t->version); return 1; }
   }

@@ -2,12 +2,16 @@
  * module.c — luaopen_fsdp_core: assembles the `fsdp.core` module from the binding files.
  * lua/fsdp/init.lua builds the user-facing `fsdp` module on top of it.
  */
+#include "autograd/autograd.h"
 #include "lua/binding.h"
 
-/* Runs when the Lua state closes (the sentinel lives in the registry): freed tensors' blocks
- * sit in the cpu device's cache, which nothing else would give back before the process ends. */
-static int trim_cache(lua_State *L) {
+/* Runs when the Lua state closes (the sentinel lives in the registry). The tape is this
+ * thread's and may still hold nodes (a forward without backward; FSDP hook nodes hold units
+ * and parameters): drop them while the communicator is still there. Freed tensors' blocks sit
+ * in the cpu device's cache, which nothing else would give back before the process ends. */
+static int close_state(lua_State *L) {
   (void)L;
+  fsdp_tape_clear();
   fsdp_device_cpu_trim();
   return 0;
 }
@@ -15,7 +19,7 @@ static int trim_cache(lua_State *L) {
 static void anchor_trim_sentinel(lua_State *L) {
   lua_newuserdata(L, 1);
   lua_newtable(L);
-  lua_pushcfunction(L, trim_cache);
+  lua_pushcfunction(L, close_state);
   lua_setfield(L, -2, "__gc");
   lua_setmetatable(L, -2);
   luaL_ref(L, LUA_REGISTRYINDEX);
@@ -31,6 +35,7 @@ FSDP_API int luaopen_fsdp_core(lua_State *L) {
   fsdp_lua_open_data(L);
   fsdp_lua_open_comm(L);
   fsdp_lua_open_fsdp(L);
+  fsdp_lua_open_io(L);
   lua_pushstring(L, FSDP_VERSION_STRING);
   lua_setfield(L, -2, "version");
   return 1;

@@ -717,3 +717,24 @@ describe("nn training", function()
     assert.are.same({1, 2, 3, 4, 5, 6, 7, 8, 9}, m:generate({1}, 8, {temperature = 0}))
   end)
 end)
+
+describe("adoption by a container", function()
+  it("re-initialises a fresh module by its final path but keeps a trained one", function()
+    fsdp.manual_seed(3)
+    local fresh = nn.Linear(4, 4)
+    local trained = nn.Linear(4, 4)
+    local opt = fsdp.optim.SGD(trained, { lr = 0.5 })
+    trained(fsdp.ones { 2, 4 }):sum():backward()
+    opt:step()
+    local trained_values = trained.weight:totable()
+    local fresh_values = fresh.weight:totable()
+    local seq = nn.Sequential { fresh, trained }
+    -- the fresh child now holds the values of its final path, so they changed ...
+    assert.are_not.same(fresh_values, seq[1].weight:totable())
+    -- ... and the trained child kept what training gave it
+    assert.are.same(trained_values, seq[2].weight:totable())
+    -- an explicit reset_parameters still resets the trained one
+    seq[2]:reset_parameters()
+    assert.are_not.same(trained_values, seq[2].weight:totable())
+  end)
+end)

@@ -466,27 +466,55 @@ local function next_top()
   return top_count, fsdp.seed()
 end
 
--- Give every distinct parameter of root's tree its key; owners record it by field name.
+-- A parameter is fresh while it holds exactly what automatic initialisation put there (or was
+-- never initialised) and its values are here (dense or meta). Only fresh parameters are
+-- re-keyed and re-initialised when an enclosing constructor adopts their module: a trained
+-- module (an optimizer step changed its version), values the user wrote, or a sharded
+-- parameter (its values live in a unit's shards) are kept.
+local function fresh(p)
+  if not p.has_data and p.device ~= "meta" then return false end
+  local r = records[p]
+  return r == nil or r.version == nil or r.version == p.version
+end
+
+-- Give every distinct fresh parameter of root's tree its key; owners record it by field name
+-- (a kept parameter keeps its key).
 local function assign_keys(root, top_index, seed)
   local prefix = tostring(top_index) .. "/"
   walk(root, "", {[root] = true}, function(_, m)
     rawset(m, KEYS, {})
     rawset(m, SEED, seed)
   end, function(path, p, owner, name)
+    local r = records[p]
+    if r ~= nil and not fresh(p) then
+      rawget(owner, KEYS)[name] = r.key
+      return
+    end
     local key = prefix .. path
     rawget(owner, KEYS)[name] = key
-    local r = records[p]
     if r == nil then
       r = {}
       records[p] = r
     end
-    r.seed, r.key, r.kind, r.a, r.b = seed, key, nil, nil, nil
+    r.seed, r.key, r.kind, r.a, r.b, r.version = seed, key, nil, nil, nil, nil
   end)
 end
+
+local auto_init = false -- true while a constructor initialises the tree it just built
 
 -- Run every module's reset_parameters over root's tree (keys already assigned).
 function M.init_tree(root)
   for _, m in ipairs(root:modules()) do m:reset_parameters() end
+  return root
+end
+
+-- The outermost constructor's initialisation: like init_tree, but parameters that are not
+-- fresh keep their values.
+local function auto_init_tree(root)
+  auto_init = true
+  local ok, err = pcall(M.init_tree, root)
+  auto_init = false
+  if not ok then error(err, 0) end
   return root
 end
 
@@ -503,7 +531,7 @@ construct = function(C, ...)
   depth = 0
   if not ok then error(err, 0) end
   assign_keys(self, next_top())
-  M.init_tree(self)
+  auto_init_tree(self)
   return self
 end
 
@@ -542,6 +570,7 @@ function Module:init_param(name, kind, a, b)
     r = {seed = seed, key = key}
     records[p] = r
   end
+  if auto_init and not fresh(p) then return false end
   r.kind, r.a, r.b = kind, a, b
   if p.device == "meta" then return false end
   if kind == "normal" then
@@ -553,6 +582,7 @@ function Module:init_param(name, kind, a, b)
   else
     error(("init_param: unknown kind %s"):format(tostring(kind)), 2)
   end
+  r.version = p.version
   return true
 end
 
