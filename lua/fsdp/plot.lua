@@ -230,7 +230,9 @@ end
 
 -- ---- numbers and text ---------------------------------------------------------------------
 
-local function finite(v) return type(v) == "number" and v == v and v ~= math.huge and v ~= -math.huge end
+-- Finite and small enough that differences of two values cannot overflow (|v| < 1e300);
+-- anything else is skipped like NaN.
+local function finite(v) return type(v) == "number" and v > -1e300 and v < 1e300 end
 
 local function log10(v) return math.log10(v) end
 
@@ -323,7 +325,9 @@ function plot.linear_ticks(lo, hi, n, snap, min_step)
     k0, k1 = math.ceil(lo / step - 1e-9), math.floor(hi / step + 1e-9)
   end
   local ticks = {}
-  for k = k0, k1 do ticks[#ticks + 1] = k * step end
+  if k1 - k0 <= 1000 then -- else rounding ate the range (values near the double limits)
+    for k = k0, k1 do ticks[#ticks + 1] = k * step end
+  end
   return lo, hi, step, ticks
 end
 
@@ -332,6 +336,9 @@ end
 --- there are more than `n`. Returns the tick values.
 function plot.log_ticks(lo, hi, n)
   n = n or 8
+  if not (lo > 0 and hi >= lo and hi < math.huge) then
+    error("fsdp.plot.log_ticks: needs 0 < lo <= hi < inf", 2)
+  end
   local e0, e1 = math.floor(log10(lo)), math.ceil(log10(hi))
   local best = {}
   for _, set in ipairs { { 1 }, { 1, 2, 5 }, { 1, 2, 3, 4, 5, 6, 7, 8, 9 } } do
@@ -540,6 +547,11 @@ function plot.svg(source, opts)
       end
     end
     if #series > 0 then panels[#panels + 1] = { spec = spec, series = series } end
+  end
+  if #panels == 0 and xkey == "time" then
+    local any = false
+    for _, r in ipairs(records) do if finite(r.time) then any = true break end end
+    if not any then error("no time values for the horizontal axis (try x = \"step\")", 0) end
   end
   if #panels == 0 then
     error(("no loss, val_loss, lr or sparsity values to plot (%d records%s)"):format(#records,
