@@ -16,7 +16,7 @@ build: deps $(BUILD)/Makefile
 	@cmake --build $(BUILD) -j $(JOBS)
 
 run: build
-	$(BUILD)/bin/fsdprun recipes/gpt_fortunes.lua
+	$(BUILD)/bin/fsdprun -n 2 recipes/gpt_fortunes.lua
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)

@@ -1,11 +1,12 @@
 #!/bin/sh
-# Smoke test of recipes/gpt_fortunes.lua in a short mode: a tiny GPT for 150 steps. The byte
+# Smoke test of recipes/gpt_fortunes.lua in a short mode at 2 ranks (as make run starts it):
+# a tiny GPT for 150 steps, fully sharded. The byte
 # loss starts at ln(256) = 5.55; it must fall below 3.0, print a validation loss and a sample,
 # and write JSONL metrics.
 set -eu
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-out=$("$FSDPRUN" recipes/gpt_fortunes.lua --steps=150 --d=64 --layers=2 --ctx=64 --eval_every=75 \
+out=$("$FSDPRUN" -n 2 recipes/gpt_fortunes.lua --steps=150 --d=64 --layers=2 --ctx=64 --eval_every=75 \
   --val_batches=4 --sample=40 --metrics="$tmp/m.jsonl" 2>&1) || {
   echo "$out"; echo "FAIL: gpt_fortunes exited nonzero"; exit 1; }
 val=$(echo "$out" | sed -n 's/.*val loss \([0-9.]*\) nats\/byte.*/\1/p')
