@@ -462,6 +462,25 @@ local function widen(lo, hi, minpad)
   return lo, hi
 end
 
+-- Text cut to at most n characters (UTF-8 aware), ending in an ellipsis when cut: the SVG
+-- cannot measure text, so lengths are estimated from the font size.
+local function fit(text, n)
+  n = math.max(2, math.floor(n + 1e-6))
+  local chars = 0
+  for i = 1, #text do
+    local b = text:byte(i)
+    if b < 0x80 or b >= 0xC0 then
+      chars = chars + 1
+      if chars == n then -- the n-th character starts here: cut before it if more follow
+        local rest = text:sub(i):gsub("^[%z\1-\127\192-\255][\128-\191]*", "", 1)
+        if rest == "" then return text end
+        return text:sub(1, i - 1) .. "\226\128\166"
+      end
+    end
+  end
+  return text
+end
+
 local function basename(path) return (tostring(path):match("([^/]*)$")) end
 
 -- How much of the polylines `drawn` (lists of pixel points) fall inside a rectangle:
@@ -518,7 +537,7 @@ function plot.svg(source, opts)
   local records, problems, name
   if type(source) == "string" then
     records, problems = plot.read(source)
-    name = source
+    name = source == "-" and "(stdin)" or source
   elseif type(source) == "table" then
     records, problems = source, {}
   else
@@ -588,7 +607,7 @@ function plot.svg(source, opts)
   w("<title>", esc(title), "</title>\n")
   w('<rect x="0" y="0" width="', W, '" height="', H, '" fill="#ffffff"/>\n')
   w('<text class="title" x="', L, '" y="24" font-size="16" font-weight="bold" fill="#222222">',
-    esc(title), "</text>\n")
+    esc(fit(title, (W - L - 8) / 9.8)), "</text>\n")
   do -- a line of facts under the title
     local facts = {}
     if name then facts[#facts + 1] = basename(name) end
@@ -599,7 +618,7 @@ function plot.svg(source, opts)
       facts[#facts + 1] = ("%d malformed line%s skipped"):format(#problems, #problems == 1 and "" or "s")
     end
     w('<text class="subtitle" x="', L, '" y="42" font-size="11" fill="#666666">',
-      esc(table.concat(facts, " \xC2\xB7 ")), "</text>\n")
+      esc(fit(table.concat(facts, " \xC2\xB7 "), (W - L - 8) / 6.2)), "</text>\n")
   end
 
   for pi, p in ipairs(panels) do
@@ -739,6 +758,7 @@ function plot.svg(source, opts)
     local lw = 0
     for _, e in ipairs(entries) do lw = math.max(lw, #e.text * 6.6 + 36) end
     lw = math.min(lw, plot_w - 8)
+    for _, e in ipairs(entries) do e.text = fit(e.text, (lw - 36) / 6.6) end
     local lh = #entries * 16 + 8
     local lx, ly = place_legend(drawn, lw, lh, L, top, plot_w, p.h)
     w('<g class="legend" font-size="11">\n')

@@ -443,6 +443,26 @@ describe("fsdp.plot.svg", function()
     assert.falsy(ps.loss.svg:find('class="xlabel"'))
   end)
 
+  it("cuts a title too long for the width, on a character boundary, and keeps it whole in <title>", function()
+    local long = ("\195\169t\195\169 "):rep(40) -- "été " x 40: two-byte characters
+    local svg = plot.svg(run_records(20), { title = long, width = 400 })
+    assert_xml(svg)
+    local shown = svg:match('<text class="title"[^>]*>([^<]*)</text>')
+    assert.truthy(#shown < #long)
+    assert.equal("\226\128\166", shown:sub(-3))
+    local body = shown:sub(1, -4)
+    assert.truthy(body:find("^[%z\1-\127\194-\244][\128-\191]*"), "starts on a character")
+    assert.falsy(body:sub(-1):find("[\194-\244]"), "no half character before the ellipsis")
+    assert.equal(long, svg:match("<title>([^<]*)</title>"))
+    local W = viewbox(svg)
+    local x = tonumber(svg:match('<text class="title" x="([%d.]+)"'))
+    local chars = select(2, shown:gsub("[^\128-\191]", ""))
+    assert.truthy(x + chars * 9.8 <= W, "estimated width inside the viewBox")
+    -- a title that fits is left alone
+    svg = plot.svg(run_records(20), { title = "short" })
+    assert.truthy(svg:find('font-weight="bold" fill="#222222">short</text>', 1, true))
+  end)
+
   it("leaves out panels for series that are absent", function()
     local recs = {}
     for s = 1, 20 do recs[s] = { step = s, lr = 0.1 * s, tokens = 100 } end
