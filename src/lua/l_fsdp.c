@@ -137,6 +137,69 @@ static int l_param_unit(lua_State *L) {
   return 1;
 }
 
+/* ---- parameters between meta and dense (fsdp.materialize, unwrap of a meta model) ---------- */
+
+static void contiguous_strides(int64_t *strides, int ndim, const int64_t *shape) {
+  int64_t s = 1;
+  for (int i = ndim - 1; i >= 0; i--) {
+    strides[i] = s;
+    s *= shape[i] ? shape[i] : 1;
+  }
+}
+
+static const char *param_name(const fsdp_tensor *p) { return p->label ? p->label : "parameter"; }
+
+/* core.param_materialize(p): a parameter on the meta device gets dense, zero-filled cpu storage
+ * of its size (role params), in place: the same tensor object, so every reference to it (a tie,
+ * an optimizer's list, a saved local) sees the new storage. Returns p. */
+static int l_param_materialize(lua_State *L) {
+  fsdp_tensor *p = fsdp_lua_check_tensor(L, 1);
+  if (p->storage->device != &fsdp_device_meta)
+    luaL_error(L, "param_materialize: %s is on the %s device, not meta", param_name(p),
+               p->storage->device->name);
+  if (fsdp_param_unit(p))
+    luaL_error(L, "param_materialize: %s belongs to a unit (materialize the wrapped model)",
+               param_name(p));
+  fsdp_storage *s;
+  if (fsdp_storage_new(&s, &fsdp_device_cpu, (size_t)fsdp_tensor_numel(p) * sizeof(float),
+                       FSDP_ROLE_PARAMS))
+    return fsdp_lua_error(L);
+  contiguous_strides(p->strides, p->ndim, p->shape);
+  fsdp_tensor_set_storage(p, s, 0);
+  fsdp_storage_release(s);
+  lua_settop(L, 1);
+  return 1;
+}
+
+/* core.param_to_meta(p): the reverse, for a parameter that never got values (unwrapping a model
+ * that was wrapped on meta and not materialized): its storage becomes a meta one (no data), in
+ * place; its gradient is dropped. Returns p. */
+static int l_param_to_meta(lua_State *L) {
+  fsdp_tensor *p = fsdp_lua_check_tensor(L, 1);
+  if (fsdp_param_unit(p))
+    luaL_error(L, "param_to_meta: %s belongs to a unit", param_name(p));
+  if (p->storage->device != &fsdp_device_meta) {
+    fsdp_storage *s;
+    if (fsdp_storage_new(&s, &fsdp_device_meta, (size_t)fsdp_tensor_numel(p) * sizeof(float),
+                         FSDP_ROLE_PARAMS))
+      return fsdp_lua_error(L);
+    contiguous_strides(p->strides, p->ndim, p->shape);
+    fsdp_tensor_set_storage(p, s, 0);
+    fsdp_storage_release(s);
+  }
+  fsdp_tensor_set_grad(p, NULL);
+  lua_settop(L, 1);
+  return 1;
+}
+
+/* core.same_storage(a, b): whether two tensors are backed by the same storage right now (ties:
+ * one object has one storage; tests check it through every state). */
+static int l_same_storage(lua_State *L) {
+  fsdp_tensor *a = fsdp_lua_check_tensor(L, 1), *b = fsdp_lua_check_tensor(L, 2);
+  lua_pushboolean(L, a->storage == b->storage);
+  return 1;
+}
+
 /* ---- methods ------------------------------------------------------------------------------ */
 
 static int l_params(lua_State *L) {
@@ -355,7 +418,9 @@ static const luaL_Reg methods[] = {
     {NULL, NULL}};
 
 static const luaL_Reg functions[] = {
-    {"unit_new", l_unit_new}, {"param_unit", l_param_unit}, {NULL, NULL}};
+    {"unit_new", l_unit_new}, {"param_unit", l_param_unit},
+    {"param_materialize", l_param_materialize}, {"param_to_meta", l_param_to_meta},
+    {"same_storage", l_same_storage}, {NULL, NULL}};
 
 void fsdp_lua_open_fsdp(lua_State *L) {
   lua_pushlightuserdata(L, (void *)&UNIT_CACHE_KEY); /* identity cache: weak values */

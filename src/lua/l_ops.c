@@ -184,26 +184,42 @@ static float *init_target(lua_State *L, fsdp_tensor *t, const char *what) {
   return fsdp_tensor_data(t, what);
 }
 
+/* The optional element offset (argument idx, default 0): t's first element gets the value of
+ * element `first` of the stream, so a rank fills its shard's slice of a parameter with exactly
+ * the values a whole-parameter fill puts there (fsdp.materialize on a wrapped model). 0-based,
+ * an integer in [0, 2^53]. */
+static uint64_t check_first(lua_State *L, int idx, const char *what) {
+  if (lua_isnoneornil(L, idx)) return 0;
+  lua_Number f = luaL_checknumber(L, idx);
+  if (f != floor(f) || f < 0 || f > 9007199254740992.0)
+    luaL_error(L, "%s: element offset must be an integer >= 0, got %g", what, (double)f);
+  return (uint64_t)f;
+}
+
+/* init_normal(t, seed, key, mean = 0, std = 1, first = 0) */
 static int l_init_normal(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
   uint64_t seed = check_seed(L, 2);
   const char *path = luaL_checkstring(L, 3);
   float mean = (float)luaL_optnumber(L, 4, 0.0), std = (float)luaL_optnumber(L, 5, 1.0);
+  uint64_t first = check_first(L, 6, "init_normal");
   float *d = init_target(L, t, "init_normal");
-  if (d) fsdp_rng_normal(d, fsdp_tensor_numel(t), fsdp_rng_key(seed, path), 0, mean, std);
+  if (d) fsdp_rng_normal(d, fsdp_tensor_numel(t), fsdp_rng_key(seed, path), first, mean, std);
   t->version++;
   return 0;
 }
 
+/* init_uniform(t, seed, key, lo = 0, hi = 1, first = 0) */
 static int l_init_uniform(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
   uint64_t seed = check_seed(L, 2);
   const char *path = luaL_checkstring(L, 3);
   float lo = (float)luaL_optnumber(L, 4, 0.0), hi = (float)luaL_optnumber(L, 5, 1.0);
+  uint64_t first = check_first(L, 6, "init_uniform");
   float *d = init_target(L, t, "init_uniform");
   if (d) {
     int64_t n = fsdp_tensor_numel(t);
-    fsdp_rng_uniform(d, n, fsdp_rng_key(seed, path), 0);
+    fsdp_rng_uniform(d, n, fsdp_rng_key(seed, path), first);
     for (int64_t i = 0; i < n; i++) d[i] = lo + (hi - lo) * d[i];
   }
   t->version++;
