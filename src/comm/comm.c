@@ -93,6 +93,9 @@ struct fsdp_comm {
   bool poisoned;
   char poison[FSDP_COMM_MSG_CAP];
 
+  /* fsdp_comm_set_refuse's message ("" when collectives are allowed); under mu */
+  char refuse[FSDP_COMM_MSG_CAP];
+
   bool run_check_labels; /* the running collective's; only its running thread touches it */
 };
 
@@ -405,6 +408,13 @@ void fsdp_comm_abort(fsdp_comm *c, const char *msg) {
   pthread_mutex_unlock(&c->mu);
 }
 
+void fsdp_comm_set_refuse(fsdp_comm *c, const char *msg) {
+  if (!c) return;
+  pthread_mutex_lock(&c->mu);
+  snprintf(c->refuse, sizeof c->refuse, "%s", msg ? msg : "");
+  pthread_mutex_unlock(&c->mu);
+}
+
 bool fsdp_comm_poisoned(const fsdp_comm *c) {
   if (c->vt->poisoned) return c->vt->poisoned(c);
   fsdp_comm *m = (fsdp_comm *)c;
@@ -541,6 +551,11 @@ static int issue(fsdp_comm *c, const fsdp_coll *coll, bool blocking, fsdp_comm_r
   *out = NULL;
   if (!c) return fsdp_error("collective: no communicator");
   if (!coll) return fsdp_error("collective: no fsdp_coll");
+  pthread_mutex_lock(&c->mu);
+  bool refused = c->refuse[0] != '\0';
+  if (refused) fsdp_error("%s '%s': %s", fsdp_coll_name(coll->op), coll->label, c->refuse);
+  pthread_mutex_unlock(&c->mu);
+  if (refused) return FSDP_ERR; /* this rank alone: nothing issued, nothing to poison */
   if (validate(c, coll) != FSDP_OK) {
     /* the peers would wait for this rank forever: fail them too */
     fsdp_comm_abort(c, fsdp_error_msg());

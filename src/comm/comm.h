@@ -163,6 +163,11 @@ int fsdp_comm_run(fsdp_comm *c, const fsdp_coll *coll);
  * (whether it came from an abort, a timeout or a fingerprint mismatch). Any thread. */
 void fsdp_comm_abort(fsdp_comm *c, const char *msg);
 bool fsdp_comm_poisoned(const fsdp_comm *c);
+/* While msg is non-NULL and non-empty, every collective issued on c (blocking or started)
+ * fails at once on the calling rank with "<op> '<label>': <msg>", taking no sequence number,
+ * counting nothing and poisoning nothing: the REPL's ":rank K" mode, where only one rank runs
+ * an input. NULL or "" lifts it. Any thread. */
+void fsdp_comm_set_refuse(fsdp_comm *c, const char *msg);
 void fsdp_comm_set_timeout(fsdp_comm *c, double seconds); /* <= 0: default (FSDP_TIMEOUT or 60) */
 double fsdp_comm_timeout(const fsdp_comm *c);
 

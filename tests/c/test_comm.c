@@ -1017,6 +1017,26 @@ static void test_native_backend(void **state) {
   free(log);
 }
 
+/* set_refuse: collectives fail at once on this rank, take no sequence number, count nothing,
+ * poison nothing; lifting it restores them. */
+static void test_refuse(void **state) {
+  (void)state;
+  fsdp_comm *c;
+  assert_int_equal(fsdp_comm_single_new(&c), FSDP_OK);
+  fsdp_comm_set_refuse(c, "collectives are off in :rank mode");
+  assert_int_equal(fsdp_comm_barrier(c, "probe"), FSDP_ERR);
+  assert_non_null(strstr(fsdp_error_msg(), "barrier 'probe': collectives are off in :rank mode"));
+  fsdp_comm_stats st;
+  fsdp_comm_get_stats(c, &st);
+  assert_int_equal(st.calls[FSDP_COLL_BARRIER], 0);
+  assert_false(fsdp_comm_poisoned(c));
+  fsdp_comm_set_refuse(c, NULL);
+  assert_int_equal(fsdp_comm_barrier(c, "probe"), FSDP_OK);
+  fsdp_comm_get_stats(c, &st);
+  assert_int_equal(st.calls[FSDP_COLL_BARRIER], 1);
+  fsdp_comm_free(c);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_world_of_one),
@@ -1041,6 +1061,7 @@ int main(void) {
       cmocka_unit_test(test_env),
       cmocka_unit_test(test_invalid),
       cmocka_unit_test(test_native_backend),
+      cmocka_unit_test(test_refuse),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
