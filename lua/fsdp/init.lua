@@ -100,6 +100,12 @@ local wrap_names = {
   wrap = true, unwrap = true, is_wrapped = true, units = true, apply = true, full_params = true,
   policy = true, shard = true, inspect = true,
 }
+-- names that live in other library files, resolved on first use
+local other_names = {
+  set_mask = "fsdp.mask", mask = "fsdp.mask", sparsity = "fsdp.mask", prune = "fsdp.mask",
+  save = "fsdp.checkpoint", load = "fsdp.checkpoint",
+  meta = "fsdp.meta", materialize = "fsdp.meta", ties = "fsdp.meta", retie = "fsdp.meta",
+}
 local lazy = {
   nn = "fsdp.nn", optim = "fsdp.optim", data = "fsdp.data", log = "fsdp.log",
 }
@@ -117,6 +123,11 @@ setmetatable(fsdp, {
     end
     -- the sharding layer (lua/fsdp/wrap.lua): fsdp.wrap, unwrap, is_wrapped, units, apply,
     -- full_params, policy, shard, inspect, ...
+    if other_names[k] then
+      local v = require(other_names[k])[k]
+      rawset(t, k, v)
+      return v
+    end
     if wrap_names[k] then
       local v = require("fsdp.wrap")[k]
       rawset(t, k, v)
