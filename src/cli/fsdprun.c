@@ -785,6 +785,8 @@ static int run_ranks(fsdprun_opts *o) {
 static void print_usage(FILE *f) {
   fprintf(f,
           "usage: " PROGNAME " [options] [--] recipe.lua [args...]\n"
+          "       " PROGNAME " plot metrics.jsonl [-o out.svg] [--title=TEXT]"
+          "   (see '" PROGNAME " plot --help')\n"
           "Run a Lua training recipe on the fsdprun engine.\n"
           "\n"
           "options:\n"
@@ -895,7 +897,39 @@ static int parse_args(fsdprun_opts *o) {
   return -1;
 }
 
+/* `fsdprun plot ARGS...`: a subcommand written in Lua (lua/fsdp/plot.lua, docs/plots.md). It
+ * needs no ranks and no engine, so it runs in a plain state of its own: fsdp.plot.command parses
+ * ARGS, prints its own messages and returns the exit status (0 written, 1 unreadable input or
+ * nothing to plot, 2 usage error). */
+static int run_plot(int argc, char **argv) {
+  lua_State *L = luaL_newstate();
+  if (L == NULL) {
+    fprintf(stderr, PROGNAME ": cannot create the Lua state: not enough memory\n");
+    return EXIT_FAILURE;
+  }
+  luaL_openlibs(L);
+  setup_package(L);
+  lua_pushcfunction(L, traceback_handler);
+  int status = luaL_loadstring(L, "return require('fsdp.plot').command({...})");
+  if (status == 0) {
+    luaL_checkstack(L, argc, "too many arguments to plot");
+    for (int i = 2; i < argc; i++) lua_pushstring(L, argv[i]);
+    status = lua_pcall(L, argc - 2, 1, 1);
+  }
+  int rc = EXIT_FAILURE;
+  if (status != 0) {
+    const char *msg = lua_tostring(L, -1);
+    fprintf(stderr, PROGNAME ": %s\n", msg != NULL ? msg : "(error object is not a string)");
+  } else {
+    rc = (int)lua_tointeger(L, -1);
+  }
+  lua_close(L);
+  fflush(stdout);
+  return rc;
+}
+
 int main(int argc, char **argv) {
+  if (argc >= 2 && strcmp(argv[1], "plot") == 0) return run_plot(argc, argv);
   fsdprun_opts o = {.argc = argc, .argv = argv, .nranks = 1};
   o.exec = calloc((size_t)argc + 1, sizeof *o.exec);
   if (o.exec == NULL) {
