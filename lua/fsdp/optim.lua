@@ -1,4 +1,5 @@
--- fsdp.optim — optimizers, gradient clipping and learning-rate schedules (owner: nn).
+-- fsdp.optim — optimizers, gradient clipping and learning-rate schedules (owner: masks, since
+-- wave 2; written by nn and wrap).
 -- See docs/nn.md ("optim").
 --
 -- Optimizers keep per-parameter state tensors, created lazily on the first step that sees a
@@ -19,6 +20,12 @@
 -- State is keyed by the parameter object; state_dict reports it per path with the slice's
 -- position (param_first, numel) so a sharded state is self-describing. clip_grad_norm sums
 -- squares over the local grad shards and needs one all_reduce (collective).
+--
+-- Masks (owner of this file now: masks; lua/fsdp/mask.lua, docs/pruning.md): a parameter with
+-- a mask has its gradient (shard slice) masked before the update kernel and its weights (shard
+-- slice) masked after it, so a pruned weight stays exactly 0 through momentum, Adam moments and
+-- weight decay; clip_grad_norm masks gradients before measuring them. Without fsdp.mask loaded
+-- no parameter has a mask and nothing extra runs.
 
 local fsdp = require "fsdp"
 
@@ -61,6 +68,30 @@ local function wrap_state(x)
   return nil
 end
 optim.wrap_state = wrap_state
+
+-- The mask record of parameter p (lua/fsdp/mask.lua), or nil. fsdp.mask is only consulted once
+-- something loaded it (no mask can exist before).
+local function mask_record(p)
+  local mk = package.loaded["fsdp.mask"]
+  return mk and mk._record(p)
+end
+
+-- This rank's mask slice for a shard slice of n elements of p, or nil.
+local function slice_mask(p, n, path)
+  local rec = mask_record(p)
+  if rec == nil or not rec.sharded or rec.slice == nil then return nil end
+  if rec.n ~= n then
+    raise(("%s: the mask holds %d elements of this rank's slice, the shard %d (the model was "
+      .. "re-wrapped without its masks?)"):format(path, rec.n, n))
+  end
+  return rec.slice
+end
+
+-- Mask a dense parameter's gradient (before a step) or values (after it).
+local function mask_dense(p, x)
+  local rec = mask_record(p)
+  if rec ~= nil and not rec.sharded then package.loaded["fsdp.mask"]._apply_plain(rec, x) end
+end
 
 -- The wrapped model's units and this rank's slices, checking the wrap is still the one the
 -- optimizer was made for. Calls fn(U, shard, grad_shard, slices) per unit, construction order.
@@ -152,7 +183,11 @@ function Optimizer:each_slice(fn)
         self.state[p] = st
         self.slice_of[p] = {param_first = s.param_first, numel = n}
       end
-      fn(st, shard:narrow(1, s.shard_first, n), gshard:narrow(1, s.shard_first, n), p, s.path)
+      local ps, gs = shard:narrow(1, s.shard_first, n), gshard:narrow(1, s.shard_first, n)
+      local m = slice_mask(p, n, s.path)
+      if m then fsdp.core.mask_apply(gs, m) end
+      fn(st, ps, gs, p, s.path)
+      if m then fsdp.core.mask_apply(ps, m) end
     end
   end)
 end
@@ -280,7 +315,9 @@ function SGD:step()
         first = true
       end
       st.step = st.step + 1
+      mask_dense(p, g)
       fsdp.core.sgd_step(p, g, st.momentum_buffer, lr, momentum, wd, first)
+      mask_dense(p, p)
     end
   end
 end
@@ -353,8 +390,10 @@ function AdamW:step()
         self.state[p] = st
       end
       st.step = st.step + 1
+      mask_dense(p, g)
       fsdp.core.adamw_step(p, g, st.exp_avg, st.exp_avg_sq, lr, b1, b2, eps,
         self.decay[p] and wd or 0, st.step)
+      mask_dense(p, p)
     end
   end
 end
@@ -380,7 +419,11 @@ function optim.clip_grad_norm(model, max_norm)
     each_unit(R, "clip_grad_norm", function(U, _, g, slices)
       gshards[#gshards + 1] = g
       for _, s in ipairs(slices) do
-        local sq = fsdp.core.sumsq(g:narrow(1, s.shard_first, s.shard_last - s.shard_first + 1))
+        local n = s.shard_last - s.shard_first + 1
+        local gs = g:narrow(1, s.shard_first, n)
+        local m = slice_mask(s.param, n, s.path)
+        if m then fsdp.core.mask_apply(gs, m) end
+        local sq = fsdp.core.sumsq(gs)
         if U.strategy == "none" then
           sq_replicated = sq_replicated + sq
         else
@@ -398,7 +441,10 @@ function optim.clip_grad_norm(model, max_norm)
   local grads = {}
   for _, e in ipairs(optim.named_params(model)) do
     local g = e.param.grad
-    if g ~= nil then grads[#grads + 1] = g end
+    if g ~= nil then
+      mask_dense(e.param, g)
+      grads[#grads + 1] = g
+    end
   end
   local sq = 0
   for i = 1, #grads do sq = sq + fsdp.core.sumsq(grads[i]) end

@@ -1,0 +1,506 @@
+-- fsdp.mask — masks that live with the shards (owner: masks). docs/pruning.md is the manual.
+--
+--   fsdp.set_mask(param, mask)   fsdp.mask(param)   fsdp.sparsity(model)   fsdp.prune (prune.lua)
+--
+-- A mask is a 0/1 value per element of a parameter (0 = pruned). It is stored in the form the
+-- parameter has (DESIGN.md "Masks and pruning"):
+--   * a parameter of a plain model: the full mask, a tensor of the parameter's shape;
+--   * a parameter owned by a unit (fsdp.wrap): only THIS rank's slice of it, a 1-D tensor laid
+--     out exactly like the parameter's slice in the unit's flat shard (u:local_slices()), or
+--     nothing when this rank holds no element of the parameter. No rank ever holds a full mask
+--     of a wrapped parameter (except fsdp.mask(param), which assembles one on request).
+-- Masks are kept per parameter OBJECT (a weak-keyed table): tied parameters are one object, so
+-- ties share one mask, and a reference saved before wrapping names the same mask after it.
+--
+-- Where masks are applied:
+--   * set_mask / prune.*: at once, to the weights (the shard, and the live full parameter when its
+--     unit is gathered);
+--   * the optimizers (optim.lua): to the gradient (shard) before every step and to the weights
+--     (shard) after it, so a masked weight stays exactly 0 through momentum, Adam moments and
+--     weight decay; clip_grad_norm masks the gradients before measuring them;
+--   * fsdp.apply / fsdp.full_params with writeback: to the shards right after the writeback.
+-- Conversions (wrap.lua calls these hooks): _on_wrap (full -> this rank's slice, no
+-- communication), _on_teardown (unwrap and re-wrap: slices -> full, one all_reduce per masked
+-- parameter of a sharded unit, collective), _on_writeback.
+--
+-- Record of a parameter p (records[p]):
+--   plain:   {full = tensor (p's shape), flat = 1-D view of it}
+--   sharded: {sharded = true, numel =, shape =, path =, slice = 1-D tensor or nil, first =
+--            (1-based position of the slice in p's flattened elements), n = #slice,
+--            shard_first = (1-based position of the slice in the unit's flat shard)}
+-- Every rank has a record for the same parameters (set_mask and prune are collective), which
+-- keeps the collectives of fsdp.mask and of teardown in step.
+
+local fsdp = require "fsdp"
+local core = require "fsdp.core"
+
+local M = {}
+package.loaded["fsdp.mask"] = M -- prune.lua requires this module back
+
+local records = setmetatable({}, {__mode = "k"})
+
+local function base() return require "fsdp.nn.module" end
+local function raise(msg) base().raise(msg) end
+
+local function is_module(x) return base().is_module(x) end
+local function is_tensor(x) return base().is_tensor(x) end
+
+local ROLE = {role = "other"}
+
+local function numel_of(shape)
+  local n = 1
+  for i = 1, #shape do n = n * shape[i] end
+  return n
+end
+
+local function shape_str(shape)
+  return "(" .. table.concat(shape, ", ") .. ")"
+end
+
+-- This rank's slice of parameter p in unit u (an entry of u:local_slices()), or nil.
+local function local_slice(u, p)
+  for _, s in ipairs(u:local_slices()) do
+    if rawequal(s.param, p) then return s end
+  end
+  return nil
+end
+
+-- The dotted path a unit gives p (its first use), for labels and messages.
+local function unit_path(u, p)
+  local ps, pp = u:params(), u:paths()
+  for i = 1, #ps do
+    if rawequal(ps[i], p) then return pp[i] end
+  end
+  return "?"
+end
+
+-- 1-D view of a dense parameter's values (no autograd).
+local function flat_param(p)
+  return p:detach():view{p:numel()}
+end
+
+local function is_replicated(u) return u:strategy() == "none" end
+
+-- A gathered unit (other than "none", whose parameters view the shard itself) holds a full copy
+-- that a change of the shards does not reach: gather it again. Collective; every rank has the
+-- same unit states.
+local function refresh(u)
+  if u:state() == "gathered" and not is_replicated(u) then
+    u:reshard()
+    u:gather()
+  end
+end
+M._refresh = refresh
+
+-- A sharded record for p from this rank's part of a full flat mask (or from nothing).
+local function sharded_record(u, p, full_flat, path)
+  local rec = {sharded = true, numel = p:numel(), shape = p:shape(), path = path, n = 0}
+  local s = local_slice(u, p)
+  if s ~= nil then
+    local n = s.shard_last - s.shard_first + 1
+    rec.first, rec.n, rec.shard_first = s.param_first, n, s.shard_first
+    rec.slice = fsdp.ones({n}, ROLE)
+    if full_flat ~= nil then rec.slice:copy(full_flat:narrow(1, s.param_first, n)) end
+  end
+  return rec
+end
+
+-- Apply a sharded record to the unit's shard.
+local function apply_sharded(u, rec, shard)
+  if rec.slice ~= nil then
+    shard = shard or u:shard()
+    core.mask_apply(shard:narrow(1, rec.shard_first, rec.n), rec.slice)
+  end
+end
+
+-- ---- the user API ---------------------------------------------------------------------------
+
+local function check_param(p, fn)
+  if not is_tensor(p) then
+    raise(("%s: expected a parameter (got %s)"):format(fn, type(p)))
+  end
+end
+
+--- set_mask(param, mask): mask is a 0/1 tensor of param's shape (nil removes param's mask).
+--- Collective when param is sharded (every rank passes the same mask: checked). The masked
+--- weights become 0 at once and stay 0 through every optimizer step.
+function M.set_mask(p, mask)
+  check_param(p, "fsdp.set_mask")
+  local u = core.param_unit(p)
+  if mask == nil then
+    records[p] = nil
+    return
+  end
+  if not is_tensor(mask) then
+    raise(("fsdp.set_mask: the mask must be a tensor of the parameter's shape (got %s)"):format(type(mask)))
+  end
+  local shape = p:shape()
+  local ms = mask:shape()
+  if #ms ~= #shape or mask:numel() ~= p:numel() then
+    raise(("fsdp.set_mask: the mask has shape %s, the parameter %s"):format(shape_str(ms), shape_str(shape)))
+  end
+  for i = 1, #shape do
+    if ms[i] ~= shape[i] then
+      raise(("fsdp.set_mask: the mask has shape %s, the parameter %s"):format(shape_str(ms), shape_str(shape)))
+    end
+  end
+  local full = fsdp.zeros(shape, ROLE)
+  full:copy(mask)
+  local flat = full:view{p:numel()}
+  local bad, zeros, hash = core.mask_check(flat)
+  if bad > 0 then
+    raise(("fsdp.set_mask: the mask must hold only 0 and 1 (%d other values)"):format(bad))
+  end
+  if u == nil then
+    records[p] = {full = full, flat = flat}
+    if p.device ~= "meta" then core.mask_apply(flat_param(p), flat) end
+    return
+  end
+  -- sharded: every rank must pass the same mask (a different one would leave the slices of
+  -- different masks side by side): compare the zero count and a hash of the zero positions
+  local path = unit_path(u, p)
+  local label = "set_mask " .. path
+  local zmax, zmin = fsdp.all_reduce(zeros, "max", label), fsdp.all_reduce(zeros, "min", label)
+  local hmax, hmin = fsdp.all_reduce(hash, "max", label), fsdp.all_reduce(hash, "min", label)
+  if zmax ~= zmin or hmax ~= hmin then
+    raise(("fsdp.set_mask: %s: the ranks passed different masks (zeros from %d to %d); "
+      .. "every rank must pass the same full mask"):format(path, zmin, zmax))
+  end
+  local rec = sharded_record(u, p, flat, path)
+  records[p] = rec
+  apply_sharded(u, rec)
+  -- a gathered unit: its live full parameter gets the full mask too (every rank has it)
+  if u:state() == "gathered" and not is_replicated(u) then core.mask_apply(flat_param(p), flat) end
+end
+
+--- mask(param) -> a new full-shape 0/1 tensor, or nil when param has no mask. Collective when
+--- param is sharded (the slices are summed with one all_reduce).
+function M.mask(p)
+  check_param(p, "fsdp.mask")
+  local rec = records[p]
+  if rec == nil then return nil end
+  if not rec.sharded then return rec.full:clone() end
+  local u = core.param_unit(p)
+  local full = fsdp.zeros{rec.numel}
+  if rec.slice ~= nil then full:narrow(1, rec.first, rec.n):copy(rec.slice) end
+  if u ~= nil and not is_replicated(u) then fsdp.all_reduce(full, "sum", "mask " .. rec.path) end
+  return full:view(rec.shape)
+end
+
+-- Is anything sharded in this model (then counting is collective)?
+local function any_sharded(params)
+  for _, e in ipairs(params) do
+    if core.param_unit(e.param) ~= nil then return true end
+  end
+  return false
+end
+
+local SparsityReport = {}
+SparsityReport.__index = SparsityReport
+
+--- sparsity(model [, {params = PATTERNS}]) -> {total =, zeros =, sparsity =, params = {[path] =
+--- {numel =, zeros =, sparsity =, masked =}}, order = {paths...}}. Counts exact zeros of the
+--- weights on this rank's shards; one all_reduce sums them (collective when the model is
+--- wrapped): nothing is gathered, and every rank gets the same table.
+function M.sparsity(model, opts)
+  if not is_module(model) then
+    raise(("fsdp.sparsity: expected a module (got %s)"):format(type(model)))
+  end
+  local params
+  if opts and opts.params then
+    params = require("fsdp.prune")._select(model, opts, "fsdp.sparsity")
+  else
+    params = {}
+    for path, p in model:named_parameters() do params[#params + 1] = {path = path, param = p} end
+  end
+  local collective = any_sharded(params)
+  local counts = {}
+  local rank = fsdp.rank()
+  for i, e in ipairs(params) do
+    local p = e.param
+    local z = 0
+    local u = core.param_unit(p)
+    if u == nil then
+      if p.device ~= "meta" then z = core.count_zeros(flat_param(p)) end
+    elseif not is_replicated(u) or rank == 0 then -- a replicated unit is counted once
+      local s = local_slice(u, p)
+      if s ~= nil then
+        z = core.count_zeros(u:shard():narrow(1, s.shard_first, s.shard_last - s.shard_first + 1))
+      end
+    end
+    counts[i] = z
+  end
+  if collective and #params > 0 then
+    -- hi/lo halves keep every count exact in float32 (see l_mask.c)
+    local n = #params
+    local t = fsdp.zeros{2 * n}
+    local vals = {}
+    for i = 1, n do
+      vals[i] = counts[i] % 4096
+      vals[n + i] = (counts[i] - vals[i]) / 4096
+    end
+    t:copy(fsdp.tensor(vals))
+    fsdp.all_reduce(t, "sum", "sparsity")
+    local r = t:totable()
+    for i = 1, n do counts[i] = r[n + i] * 4096 + r[i] end
+  end
+  local out = setmetatable({total = 0, zeros = 0, params = {}, order = {}}, SparsityReport)
+  for i, e in ipairs(params) do
+    local numel = e.param:numel()
+    out.params[e.path] = {numel = numel, zeros = counts[i], sparsity = numel > 0 and counts[i] / numel or 0,
+      masked = records[e.param] ~= nil}
+    out.order[i] = e.path
+    out.total = out.total + numel
+    out.zeros = out.zeros + counts[i]
+  end
+  out.sparsity = out.total > 0 and out.zeros / out.total or 0
+  return out
+end
+
+SparsityReport.__tostring = function(r)
+  local lines = {("%-40s %12s %12s %9s"):format("parameter", "numel", "zeros", "sparsity")}
+  for _, path in ipairs(r.order) do
+    local e = r.params[path]
+    lines[#lines + 1] = ("%-40s %12d %12d %8.2f%%%s"):format(path, e.numel, e.zeros,
+      100 * e.sparsity, e.masked and "  (masked)" or "")
+  end
+  lines[#lines + 1] = ("%-40s %12d %12d %8.2f%%"):format("total", r.total, r.zeros, 100 * r.sparsity)
+  return table.concat(lines, "\n")
+end
+
+-- ---- for prune.lua, optim.lua, checkpoint.lua (not part of the fsdp table) ---------------------
+
+--- The record of p (see the file header), or nil.
+function M._record(p) return records[p] end
+
+--- Replace p's record: plain (full = tensor of p's shape) or sharded (from sharded_record).
+function M._set_record(p, rec) records[p] = rec end
+
+--- A sharded record for p in unit u holding `slice` (this rank's part, or nil when the rank
+--- holds none); the slice is adopted, not copied.
+function M._sharded_record(u, p, path, slice)
+  local rec = sharded_record(u, p, nil, path)
+  if rec.slice ~= nil then
+    if slice == nil or slice:numel() ~= rec.n then
+      error(("mask: %s: a slice of %d elements was expected"):format(path, rec.n), 0)
+    end
+    rec.slice = slice
+  end
+  return rec
+end
+
+--- This rank's mask values for p as {first =, n =, numel =, shape =, mask = 1-D tensor (the
+--- live buffer: writes change the mask)} — first is the 1-based position of `mask`'s first
+--- element in p's flattened elements; a plain parameter gives the whole mask (first = 1). nil
+--- when p has no mask; {n = 0} when this rank holds no element of p. Not collective. For
+--- checkpoints: a sharded checkpoint saves these slices as they are.
+function M.local_mask(p)
+  local rec = records[p]
+  if rec == nil then return nil end
+  if not rec.sharded then
+    return {first = 1, n = p:numel(), numel = p:numel(), shape = p:shape(), mask = rec.flat}
+  end
+  return {first = rec.first, n = rec.n, numel = rec.numel, shape = rec.shape, mask = rec.slice}
+end
+
+--- Set this rank's mask values of p from a checkpoint's slice: `values` holds the elements
+--- first .. first + numel - 1 of p's flattened mask (it may cover more than this rank's slice:
+--- the part this rank holds is taken). Not collective, but every rank must call it for the
+--- same parameters (as with set_mask). The weights are masked at once. A plain parameter needs
+--- the whole mask (first = 1, numel = p:numel()).
+function M.set_local_mask(p, first, values)
+  check_param(p, "mask.set_local_mask")
+  local u = core.param_unit(p)
+  local flat = values:contiguous():view{values:numel()}
+  local last = first + flat:numel() - 1
+  if u == nil then
+    if first ~= 1 or flat:numel() ~= p:numel() then
+      raise(("mask.set_local_mask: a plain parameter needs its whole mask (%d elements)"):format(p:numel()))
+    end
+    local full = fsdp.zeros(p:shape(), ROLE)
+    full:view{p:numel()}:copy(flat)
+    records[p] = {full = full, flat = full:view{p:numel()}}
+    if p.device ~= "meta" then core.mask_apply(flat_param(p), records[p].flat) end
+    return
+  end
+  local rec = sharded_record(u, p, nil, unit_path(u, p))
+  if rec.slice ~= nil then
+    if rec.first < first or rec.first + rec.n - 1 > last then
+      raise(("mask.set_local_mask: %s: values cover elements %d..%d, this rank holds %d..%d")
+        :format(rec.path, first, last, rec.first, rec.first + rec.n - 1))
+    end
+    rec.slice:copy(flat:narrow(1, rec.first - first + 1, rec.n))
+  end
+  records[p] = rec
+  apply_sharded(u, rec)
+end
+
+-- The checkpoint interface (asked for by ckpt, /work/notes/requests.md). Elements are those of
+-- fsdp.shard(param): the flattened parameter's slice this rank holds (the whole parameter when
+-- it is not sharded, or its unit's strategy is "none").
+
+--- Whether param has a mask (local; the same answer on every rank).
+function M.has(p) return records[p] ~= nil end
+
+--- This rank's slice of param's mask as a 1-D tensor (the live buffer: read it, do not write
+--- it), an empty tensor when this rank holds no element of param, nil without a mask. Local.
+function M.local_slice(p)
+  local rec = records[p]
+  if rec == nil then return nil end
+  if not rec.sharded then return rec.flat end
+  return rec.slice or fsdp.zeros{0}
+end
+
+--- Collective when model is wrapped (every rank passes the same set of parameters): set each
+--- listed parameter's mask from this rank's slice (a 1-D tensor with fsdp.shard(param)'s
+--- elements), or remove it (false). The weights are masked at once.
+function M.set_local(model, slices)
+  if not is_module(model) or type(slices) ~= "table" then
+    raise("mask.set_local: expects (model, {[param] = slice or false, ...})")
+  end
+  local units, seen = {}, {}
+  for path, p in model:named_parameters() do
+    local v = slices[p]
+    if v == false then
+      records[p] = nil
+    elseif v ~= nil then
+      local u = core.param_unit(p)
+      if u == nil then
+        M.set_local_mask(p, 1, v)
+      else
+        local s = local_slice(u, p)
+        local n = s and (s.shard_last - s.shard_first + 1) or 0
+        if v:numel() ~= n then
+          raise(("mask.set_local: %s: this rank holds %d elements, the slice has %d"):format(path, n, v:numel()))
+        end
+        local rec = sharded_record(u, p, nil, path)
+        if rec.slice ~= nil then
+          rec.slice:copy(v:contiguous():view{n})
+          local bad = core.mask_check(rec.slice)
+          if bad > 0 then raise(("mask.set_local: %s: the mask must hold only 0 and 1"):format(path)) end
+        end
+        records[p] = rec
+        apply_sharded(u, rec)
+        if not seen[u] then seen[u] = true units[#units + 1] = u end
+      end
+    end
+  end
+  for _, u in ipairs(units) do refresh(u) end
+end
+
+--- The parameters of model that have a mask: array of {path =, param =} (named_parameters order).
+function M.masked(model)
+  local out = {}
+  for path, p in model:named_parameters() do
+    if records[p] ~= nil then out[#out + 1] = {path = path, param = p} end
+  end
+  return out
+end
+
+--- Mask a dense parameter's gradient or values (plain models; optim.lua). x: p.grad or p.
+function M._apply_plain(rec, x)
+  if x:is_contiguous() then
+    core.mask_apply(x:detach():view{x:numel()}, rec.flat)
+  else
+    local c = x:detach():contiguous()
+    core.mask_apply(c:view{c:numel()}, rec.flat)
+    x:detach():copy(c)
+  end
+end
+
+--- Re-apply every mask of model to its weights (plain or wrapped; collective when wrapped only
+--- if a unit is gathered and must be refreshed).
+function M.reapply(model)
+  local units, seen = {}, {}
+  for _, e in ipairs(M.masked(model)) do
+    local p, rec = e.param, records[e.param]
+    local u = core.param_unit(p)
+    if rec.sharded then
+      if u ~= nil then
+        apply_sharded(u, rec)
+        if not seen[u] then seen[u] = true units[#units + 1] = u end
+      end
+    elseif p.device ~= "meta" then
+      core.mask_apply(flat_param(p), rec.flat)
+    end
+  end
+  for _, u in ipairs(units) do refresh(u) end
+end
+
+-- ---- hooks called by wrap.lua ------------------------------------------------------------------
+
+--- After fsdp.wrap built the units of root state R: full masks become this rank's slices, and
+--- the shards are masked (no communication).
+function M._on_wrap(R)
+  for _, U in ipairs(R.units) do
+    local u = U.unit
+    local shard
+    local ps, pp = u:params(), u:paths()
+    for i, p in ipairs(ps) do
+      local rec = records[p]
+      if rec ~= nil and not rec.sharded then
+        local new = sharded_record(u, p, rec.flat, pp[i])
+        records[p] = new
+        if new.slice ~= nil then
+          shard = shard or u:shard()
+          apply_sharded(u, new, shard)
+        end
+      end
+    end
+  end
+end
+
+--- Before the units of R are unsharded (fsdp.unwrap, or an outer wrap absorbing R): slices
+--- become full masks again. Collective: one all_reduce("sum") per masked parameter of a
+--- sharded unit, in construction order (each element is held by exactly one rank, so the sum
+--- is exact).
+function M._on_teardown(R)
+  for _, U in ipairs(R.units) do
+    local u = U.unit
+    for _, p in ipairs(u:params()) do
+      local rec = records[p]
+      if rec ~= nil and rec.sharded then
+        local full = fsdp.zeros(rec.shape, ROLE)
+        local flat = full:view{rec.numel}
+        if rec.slice ~= nil then flat:narrow(1, rec.first, rec.n):copy(rec.slice) end
+        if not is_replicated(u) then fsdp.all_reduce(flat, "sum", "unwrap mask " .. rec.path) end
+        records[p] = {full = full, flat = flat}
+      end
+    end
+  end
+end
+
+--- After a unit's writeback (fsdp.apply / full_params): mask its shard again; a unit that
+--- stays gathered is gathered anew so its live parameters are masked too (collective).
+function M._on_writeback(U, was_sharded)
+  local u = U.unit
+  local shard, any = nil, false
+  for _, p in ipairs(u:params()) do
+    local rec = records[p]
+    if rec ~= nil and rec.sharded then
+      any = true
+      if rec.slice ~= nil then
+        shard = shard or u:shard()
+        apply_sharded(u, rec, shard)
+      end
+    end
+  end
+  if any and not was_sharded then refresh(u) end
+end
+
+-- ---- names of the fsdp table ---------------------------------------------------------------
+
+setmetatable(M, {__index = function(t, k)
+  if k == "prune" then
+    local v = require "fsdp.prune"
+    rawset(t, k, v)
+    return v
+  end
+end})
+
+-- Until init.lua's lazy loader knows these names, loading this module installs them.
+for _, k in ipairs{"set_mask", "mask", "sparsity"} do
+  if rawget(fsdp, k) == nil then rawset(fsdp, k, M[k]) end
+end
+
+return M

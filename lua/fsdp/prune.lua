@@ -1,0 +1,655 @@
+-- fsdp.prune — magnitude, N:M and scheduled pruning on shards (owner: masks).
+-- docs/pruning.md is the manual.
+--
+--   prune.magnitude(model, {params =, exclude =, sparsity =, scope = "param" | "global"})
+--   prune.nm(model, {params =, exclude =, n = 2, m = 4})
+--   prune.schedule{ modifier, ... } -> s;  s:step(model, step)
+--   prune.report(model, {params =, exclude =}) -> report (tostring: a table; report:json())
+--
+-- All of them are collective when the model is wrapped, and none gathers a unit: each rank
+-- works on its own slices of the weights (u:local_slices()) and the ranks agree through a few
+-- all_reduce calls of histograms.
+--
+-- Magnitude: a group (one parameter for scope "param", every selected parameter for "global")
+-- loses exactly k = floor(sparsity * numel + 0.5) elements: those with the smallest keys, where
+-- a masked element's key is below every live one and a live element's key is its magnitude;
+-- equal keys go by global position (the parameter's rank in the selection, then the flat
+-- index), so the chosen elements are the same at any world size. The k-th key is found by
+-- radix selection: three passes of 11/11/10 bits, each one histogram per group and one
+-- all_reduce of all groups' histograms together; when only part of the elements equal to that
+-- key are to go, three more passes select the cut-off position the same way (src/lua/l_mask.c
+-- holds the per-element loops). Cost: at most 6 all_reduce calls of G * 16 KiB (G groups),
+-- plus two passes over the local shard per call, whatever the model size.
+--
+-- N:M: along the last dimension (a Linear weight's input dimension) each group of m consecutive
+-- weights keeps its n largest (equal magnitudes: the lower index stays). A shard boundary can
+-- fall inside a group when m does not divide the flat layout's alignment (16 elements): such
+-- cut groups are listed from the unit layout (the same list on every rank), each rank puts the
+-- values it holds of them into one buffer, one all_reduce("sum") assembles them, and every rank
+-- decides those groups from the whole group. No alignment of the layout is needed.
+
+local fsdp = require "fsdp"
+local core = require "fsdp.core"
+local mask = require "fsdp.mask"
+
+local prune = {}
+
+local function base() return require "fsdp.nn.module" end
+local function raise(msg) base().raise(msg) end
+local function is_module(x) return base().is_module(x) end
+
+local ROLE = {role = "other"}
+
+-- ---- parameter selection ----------------------------------------------------------------------
+
+local function patterns(v, what, fn)
+  if v == nil then return nil end
+  if type(v) == "string" then return {v} end
+  if type(v) ~= "table" or #v == 0 then
+    raise(("%s: %s must be a Lua pattern or a list of them (got %s)"):format(fn, what, type(v)))
+  end
+  for i, s in ipairs(v) do
+    if type(s) ~= "string" then
+      raise(("%s: %s[%d] must be a string (got %s)"):format(fn, what, i, type(s)))
+    end
+  end
+  return v
+end
+
+local function matches(path, pats)
+  for _, pat in ipairs(pats) do
+    if path:find(pat) then return true end
+  end
+  return false
+end
+
+local function path_list(all)
+  local names = {}
+  for i, e in ipairs(all) do names[i] = e.path end
+  return table.concat(names, ", ")
+end
+
+--- The parameters of model selected by opts.params (default: every parameter with 2 or more
+--- dimensions) minus opts.exclude, in named_parameters order: array of {path =, param =}.
+--- A pattern that matches no parameter is an error listing the parameters.
+function prune._select(model, opts, fn)
+  if not is_module(model) then raise(("%s: expected a module (got %s)"):format(fn, type(model))) end
+  local inc = patterns(opts.params, "params", fn)
+  local exc = patterns(opts.exclude, "exclude", fn) or {}
+  local all = {}
+  for path, p in model:named_parameters() do all[#all + 1] = {path = path, param = p} end
+  for _, list in ipairs{inc or {}, exc} do
+    for _, pat in ipairs(list) do
+      local ok, hit = pcall(function()
+        for _, e in ipairs(all) do
+          if e.path:find(pat) then return true end
+        end
+        return false
+      end)
+      if not ok then raise(("%s: bad pattern %q: %s"):format(fn, pat, tostring(hit))) end
+      if not hit then
+        raise(("%s: the pattern %q matches no parameter; the parameters are: %s")
+          :format(fn, pat, path_list(all)))
+      end
+    end
+  end
+  local out = {}
+  for _, e in ipairs(all) do
+    local take
+    if inc then take = matches(e.path, inc) else take = #e.param:shape() >= 2 end
+    if take and not matches(e.path, exc) then out[#out + 1] = e end
+  end
+  if #out == 0 then
+    raise(("%s: no parameter left to prune (params %s, exclude %s); the parameters are: %s")
+      :format(fn, inc and table.concat(inc, " | ") or "(every weight with 2+ dimensions)",
+        #exc > 0 and table.concat(exc, " | ") or "-", path_list(all)))
+  end
+  return out
+end
+
+-- ---- this rank's pieces of the selected parameters --------------------------------------------
+
+-- For each selected entry: e.unit (nil for a plain parameter), e.numel, e.shape and e.piece =
+-- {x = 1-D view of the weights this rank holds (shard slice or whole parameter), m = current
+-- mask values (nil: none), first = 1-based position of x[1] in the parameter, n =, counts =
+-- false when another rank counts the same elements (replicated units: rank 0 counts)} or nil
+-- when the rank holds no element. Returns entries, collective (some parameter is sharded).
+local function pieces(entries, fn)
+  local collective = false
+  local rank = fsdp.rank()
+  local shards = {} -- unit -> its shard tensor (one per unit)
+  for _, e in ipairs(entries) do
+    local p = e.param
+    e.numel, e.shape = p:numel(), p:shape()
+    local u = core.param_unit(p)
+    e.unit = u
+    local rec = mask._record(p)
+    if u == nil then
+      if p.device ~= "cpu" then
+        raise(("%s: %s is on the %s device: materialize the model first"):format(fn, e.path, p.device))
+      end
+      e.piece = {x = p:detach():view{e.numel}, m = rec and rec.flat, first = 1, n = e.numel, counts = true}
+    else
+      collective = true
+      local s
+      for _, sl in ipairs(u:local_slices()) do
+        if rawequal(sl.param, p) then s = sl break end
+      end
+      if s ~= nil then
+        local n = s.shard_last - s.shard_first + 1
+        shards[u] = shards[u] or u:shard()
+        local m
+        if rec ~= nil and rec.sharded then m = rec.slice end
+        e.piece = {x = shards[u]:narrow(1, s.shard_first, n), m = m, first = s.param_first, n = n,
+          shard_first = s.shard_first, counts = u:strategy() ~= "none" or rank == 0}
+      end
+    end
+  end
+  return entries, collective
+end
+
+-- Store the new mask of entry e (values `mout` for its piece, or nil when it has none) and mask
+-- the weights.
+local function store(e, mout)
+  local p = e.param
+  if e.unit == nil then
+    local full = fsdp.zeros(e.shape, ROLE)
+    local flat = full:view{e.numel}
+    flat:copy(mout)
+    mask._set_record(p, {full = full, flat = flat})
+    core.mask_apply(e.piece.x, flat)
+    return
+  end
+  local rec = mask._sharded_record(e.unit, p, e.path, mout)
+  mask._set_record(p, rec)
+  if mout ~= nil then core.mask_apply(e.piece.x, mout) end
+end
+
+-- Gathered units of the entries get their full copies refreshed (collective, in entry order).
+local function refresh_units(entries)
+  local seen = {}
+  for _, e in ipairs(entries) do
+    if e.unit ~= nil and not seen[e.unit] then
+      seen[e.unit] = true
+      mask._refresh(e.unit)
+    end
+  end
+end
+
+-- ---- radix selection ------------------------------------------------------------------------
+
+local KEY_PASSES = {{21, 11}, {10, 11}, {0, 10}} -- {shift, width}: 32-bit keys
+local POS_PASSES = {{22, 11}, {11, 11}, {0, 11}} -- positions below 2^33
+
+local function decode(t, off, nb, b) -- count of bucket b (0-based) in the hi/lo histogram at off
+  return t[off + nb + b + 1] * 4096 + t[off + b + 1]
+end
+
+-- One lockstep radix selection over groups. Each group {pieces = {{x, m, gbase, counts}...},
+-- rem =} looks for its rem-th smallest value (key, or position among elements of key T);
+-- on return g.prefix is that value and g.rem what is left of rem within it, g.last the count of
+-- elements equal to it. hist(h, piece, g, shift, width) accumulates a piece's histogram.
+local function radix(groups, passes, collective, label, hist)
+  local G = #groups
+  for _, g in ipairs(groups) do g.prefix = 0 end
+  for _, pass in ipairs(passes) do
+    local shift, width = pass[1], pass[2]
+    local nb = 2 ^ width
+    local h = fsdp.zeros{G * 2 * nb}
+    for gi, g in ipairs(groups) do
+      if g.active then
+        local hg = h:narrow(1, (gi - 1) * 2 * nb + 1, 2 * nb)
+        for _, pc in ipairs(g.pieces) do
+          if pc.counts then hist(hg, pc, g, shift, width) end
+        end
+      end
+    end
+    if collective then fsdp.all_reduce(h, "sum", label) end
+    local t = h:totable()
+    for gi, g in ipairs(groups) do
+      if g.active then
+        local off = (gi - 1) * 2 * nb
+        local cum, chosen, c = 0, nil, 0
+        for b = 0, nb - 1 do
+          c = decode(t, off, nb, b)
+          if cum + c >= g.rem then chosen = b break end
+          cum = cum + c
+        end
+        if chosen == nil then
+          error(("prune: internal error: %s: %d elements short in radix selection"):format(label, g.rem - cum), 0)
+        end
+        g.rem = g.rem - cum
+        g.prefix = g.prefix * nb + chosen
+        g.last = c
+      end
+    end
+  end
+end
+
+-- Select, in every group, its k smallest elements (keys, then positions); sets g.T and g.P.
+local function select_groups(groups, collective, label)
+  for _, g in ipairs(groups) do
+    g.active = g.k > 0
+    g.rem = g.k
+  end
+  radix(groups, KEY_PASSES, collective, label, function(h, pc, g, shift, width)
+    core.mask_hist(h, pc.x, pc.m, g.prefix, shift, width)
+  end)
+  local need_pos = false
+  for _, g in ipairs(groups) do
+    if g.active then
+      g.T = g.prefix
+      if g.rem < g.last then -- only part of the elements with key T go: by position
+        need_pos = true
+      else
+        g.active = false
+        g.P = 2 ^ 53 -- every element of key T goes
+      end
+    else
+      g.T, g.P = 0, 0 -- nothing pruned
+    end
+  end
+  if need_pos then
+    radix(groups, POS_PASSES, collective, label, function(h, pc, g, shift, width)
+      core.mask_hist_pos(h, pc.x, pc.m, g.T, pc.gbase, g.prefix, shift, width)
+    end)
+    for _, g in ipairs(groups) do
+      if g.active then g.P = g.prefix + 1 end
+    end
+  end
+end
+
+local function check_sparsity(s, fn)
+  if type(s) ~= "number" or s ~= s or s < 0 or s > 1 then
+    raise(("%s: sparsity must be a number in [0, 1] (got %s)"):format(fn, tostring(s)))
+  end
+end
+
+--- Collective when wrapped. Prune the selected parameters to `sparsity` by magnitude.
+--- Returns {pruned =, numel =, params = {[path] = {numel =, pruned =}}} (pruned: this call's
+--- mask zeros, the same on every rank).
+function prune.magnitude(model, opts)
+  local fn = "prune.magnitude"
+  if type(opts) ~= "table" then raise(fn .. ": expects (model, {params =, sparsity =, scope =})") end
+  check_sparsity(opts.sparsity, fn)
+  local scope = opts.scope or "param"
+  if scope ~= "param" and scope ~= "global" then
+    raise(("%s: scope must be \"param\" or \"global\" (got %s)"):format(fn, tostring(scope)))
+  end
+  local entries, collective = pieces(prune._select(model, opts, fn), fn)
+  local groups = {}
+  local total = 0
+  for _, e in ipairs(entries) do total = total + e.numel end
+  if total >= 2 ^ 33 then raise(fn .. ": more than 2^33 elements selected") end
+  if scope == "global" then
+    local g = {pieces = {}, numel = total}
+    local gbase = 0
+    for _, e in ipairs(entries) do
+      if e.piece then
+        e.piece.gbase = gbase + e.piece.first - 1
+        g.pieces[#g.pieces + 1] = e.piece
+      end
+      gbase = gbase + e.numel
+    end
+    g.k = math.floor(opts.sparsity * total + 0.5)
+    groups[1] = g
+    for _, e in ipairs(entries) do e.group = g end
+  else
+    for i, e in ipairs(entries) do
+      local g = {pieces = {}, numel = e.numel}
+      if e.piece then
+        e.piece.gbase = e.piece.first - 1
+        g.pieces[1] = e.piece
+      end
+      g.k = math.floor(opts.sparsity * e.numel + 0.5)
+      groups[i] = g
+      e.group = g
+    end
+  end
+  select_groups(groups, collective, fn)
+  local res = {pruned = 0, numel = total, params = {}}
+  for _, e in ipairs(entries) do
+    local mout
+    local z = 0
+    if e.piece then
+      mout = fsdp.ones({e.piece.n}, ROLE)
+      z = core.mask_select(mout, e.piece.x, e.piece.m, e.group.T, e.piece.gbase, e.group.P)
+    end
+    store(e, mout)
+    res.params[e.path] = {numel = e.numel, pruned = z}
+  end
+  -- the per-parameter counts are local until summed; the totals are known exactly
+  for _, g in ipairs(groups) do res.pruned = res.pruned + g.k end
+  if scope == "param" then
+    for _, e in ipairs(entries) do res.params[e.path].pruned = e.group.k end
+  else
+    res.params = nil -- per-parameter figures: fsdp.sparsity(model)
+  end
+  refresh_units(entries)
+  return res
+end
+
+-- ---- N:M ---------------------------------------------------------------------------------------
+
+-- The groups of parameter e (0-based group numbers) that a rank boundary of its unit's layout
+-- cuts, sorted: the same list on every rank.
+local function cut_groups(e, m)
+  local u = e.unit
+  if u == nil or u:strategy() == "none" then return {} end
+  local entry
+  local ps = u:params()
+  local layout = u:layout()
+  for i = 1, #ps do
+    if rawequal(ps[i], e.param) then entry = layout[i] break end
+  end
+  local set, list = {}, {}
+  for r = 0, fsdp.world_size() - 1 do
+    local s = entry.slices[r]
+    if s ~= nil then
+      for _, b in ipairs{s[1] - 1, s[2]} do -- 0-based boundaries before element b
+        if b > 0 and b < e.numel and b % m ~= 0 then
+          local g = math.floor(b / m)
+          if not set[g] then set[g] = true list[#list + 1] = g end
+        end
+      end
+    end
+  end
+  table.sort(list)
+  return list
+end
+
+--- Collective when wrapped. N:M sparsity: along the last dimension, every m consecutive weights
+--- keep their n largest. Returns {groups =, cut_groups =} (cut_groups: groups split between
+--- ranks, decided from the assembled group).
+function prune.nm(model, opts)
+  local fn = "prune.nm"
+  if type(opts) ~= "table" then raise(fn .. ": expects (model, {params =, n = 2, m = 4})") end
+  local n, m = opts.n or 2, opts.m or 4
+  if type(n) ~= "number" or type(m) ~= "number" or n % 1 ~= 0 or m % 1 ~= 0 or m < 1 or n < 0
+      or n > m or m > 4096 then
+    raise(("%s: need integers 0 <= n <= m <= 4096 (got n = %s, m = %s)"):format(fn, tostring(n), tostring(m)))
+  end
+  local entries, collective = pieces(prune._select(model, opts, fn), fn)
+  for _, e in ipairs(entries) do
+    local last = e.shape[#e.shape] or 1
+    if last % m ~= 0 then
+      raise(("%s: %s has shape (%s): its last dimension %d is not a multiple of m = %d")
+        :format(fn, e.path, table.concat(e.shape, ", "), last, m))
+    end
+  end
+  -- full groups inside each piece
+  local res = {groups = 0, cut_groups = 0}
+  for _, e in ipairs(entries) do
+    res.groups = res.groups + e.numel / m
+    local pc = e.piece
+    if pc then
+      local a = pc.first - 1 -- 0-based start
+      pc.lead = (m - a % m) % m
+      pc.mout = fsdp.ones({pc.n}, ROLE)
+      core.mask_nm(pc.mout, pc.x, pc.m, n, m, pc.lead)
+    end
+  end
+  -- cut groups: one buffer for all of them, one all_reduce
+  local cuts = {}
+  for _, e in ipairs(entries) do
+    for _, g in ipairs(cut_groups(e, m)) do cuts[#cuts + 1] = {e = e, g = g} end
+  end
+  res.cut_groups = #cuts
+  if #cuts > 0 then
+    local buf = fsdp.zeros{#cuts * m}
+    for ci, c in ipairs(cuts) do
+      local pc = c.e.piece
+      if pc then
+        local a, lo = pc.first - 1, c.g * m
+        local from, to = math.max(lo, a), math.min(lo + m, a + pc.n) -- [from, to) held here
+        if to > from then
+          core.mask_values(buf:narrow(1, (ci - 1) * m + (from - lo) + 1, to - from),
+            pc.x:narrow(1, from - a + 1, to - from), pc.m and pc.m:narrow(1, from - a + 1, to - from))
+        end
+      end
+    end
+    if collective then fsdp.all_reduce(buf, "sum", fn .. " cut groups") end
+    local vals = buf:totable()
+    for ci, c in ipairs(cuts) do
+      local pc = c.e.piece
+      if pc then
+        local a, lo = pc.first - 1, c.g * m
+        local from, to = math.max(lo, a), math.min(lo + m, a + pc.n)
+        for i = from, to - 1 do
+          local vi, above = vals[(ci - 1) * m + (i - lo) + 1], 0
+          for j = lo, lo + m - 1 do
+            local vj = vals[(ci - 1) * m + (j - lo) + 1]
+            if j ~= i and (vj > vi or (vj == vi and j < i)) then above = above + 1 end
+          end
+          pc.mout:set(i - a + 1, above < n and 1 or 0)
+        end
+      end
+    end
+  end
+  for _, e in ipairs(entries) do store(e, e.piece and e.piece.mout) end
+  refresh_units(entries)
+  return res
+end
+
+-- ---- constant: hold the zeros there are ------------------------------------------------------
+
+--- Collective when wrapped (only to refresh gathered units). The mask of each selected
+--- parameter becomes (weight ~= 0): its current zeros are held from now on.
+function prune.hold(model, opts)
+  local fn = "prune.hold"
+  local entries = pieces(prune._select(model, opts or {}, fn), fn)
+  for _, e in ipairs(entries) do
+    local mout
+    if e.piece then
+      mout = fsdp.ones({e.piece.n}, ROLE)
+      core.mask_from_nonzero(mout, e.piece.x)
+    end
+    store(e, mout)
+  end
+  refresh_units(entries)
+end
+
+-- ---- schedules ----------------------------------------------------------------------------------
+
+local Schedule = {}
+Schedule.__index = Schedule
+
+local kinds = {gmp = true, constant = true, oneshot = true, nm = true}
+
+local function num(mod, i, k, default, min)
+  local v = mod[k]
+  if v == nil then v = default end
+  if type(v) ~= "number" or v ~= v or (min and v < min) then
+    raise(("prune.schedule: modifier %d (%s): %s must be a number%s (got %s)")
+      :format(i, tostring(mod.kind), k, min and (" >= " .. min) or "", tostring(mod[k])))
+  end
+  return v
+end
+
+--- The GMP sparsity at step t (Zhu & Gupta 2017): s_f + (s_i - s_f) (1 - p)^3 with
+--- p = (t - start) / (stop - start) clamped to [0, 1].
+function prune.gmp_sparsity(mod, t)
+  local p = (t - mod.start) / (mod.stop - mod.start)
+  p = math.max(0, math.min(1, p))
+  return mod.final + (mod.init - mod.final) * (1 - p) ^ 3
+end
+
+--- schedule{ modifier, ... } -> s. Modifiers (params/exclude: patterns, see _select):
+---   {kind = "gmp", params =, start =, stop =, every = 1, init = 0.05, final = 0.8, scope = "param"}
+---   {kind = "oneshot", params =, at = (or start), sparsity =, scope = "param"}
+---   {kind = "nm", params =, at = (or start), n = 2, m = 4}
+---   {kind = "constant", params =, start = 0}      (hold the current zeros as masks)
+--- s:step(model, step) once per optimizer step (collective when wrapped): runs what is due
+--- at `step` and returns an array of what ran ({kind =, step =, sparsity =, ...}), or nil.
+function prune.schedule(mods)
+  if type(mods) ~= "table" or #mods == 0 then
+    raise("prune.schedule: expects a list of modifiers, e.g. {{kind = \"gmp\", params = ..., "
+      .. "start = 0, stop = 100, final = 0.8}}")
+  end
+  local s = setmetatable({mods = {}}, Schedule)
+  for i, src in ipairs(mods) do
+    if type(src) ~= "table" or not kinds[src.kind] then
+      raise(("prune.schedule: modifier %d: kind must be \"gmp\", \"oneshot\", \"nm\" or "
+        .. "\"constant\" (got %s)"):format(i, type(src) == "table" and tostring(src.kind) or type(src)))
+    end
+    local mod = {kind = src.kind, params = src.params, exclude = src.exclude, index = i}
+    patterns(src.params, "params", "prune.schedule") -- validates
+    patterns(src.exclude, "exclude", "prune.schedule")
+    if src.kind == "gmp" then
+      mod.start = num(src, i, "start", 0, 0)
+      mod.stop = num(src, i, "stop", nil, 0)
+      if mod.stop <= mod.start then
+        raise(("prune.schedule: modifier %d (gmp): stop (%s) must be after start (%s)")
+          :format(i, tostring(mod.stop), tostring(mod.start)))
+      end
+      mod.every = num(src, i, "every", 1, 1)
+      mod.init = num(src, i, "init", 0.05, 0)
+      mod.final = num(src, i, "final", 0.8, 0)
+      check_sparsity(mod.init, "prune.schedule: modifier " .. i .. " (gmp): init")
+      check_sparsity(mod.final, "prune.schedule: modifier " .. i .. " (gmp): final")
+      mod.scope = src.scope or "param"
+      mod.next = mod.start
+    elseif src.kind == "oneshot" then
+      mod.at = num(src, i, "at", src.start or 0, 0)
+      mod.sparsity = src.sparsity
+      check_sparsity(mod.sparsity, "prune.schedule: modifier " .. i .. " (oneshot): sparsity")
+      mod.scope = src.scope or "param"
+    elseif src.kind == "nm" then
+      mod.at = num(src, i, "at", src.start or 0, 0)
+      mod.n = num(src, i, "n", 2, 0)
+      mod.m = num(src, i, "m", 4, 1)
+    else
+      mod.at = num(src, i, "start", 0, 0)
+    end
+    if mod.scope ~= nil and mod.scope ~= "param" and mod.scope ~= "global" then
+      raise(("prune.schedule: modifier %d: scope must be \"param\" or \"global\" (got %s)")
+        :format(i, tostring(mod.scope)))
+    end
+    s.mods[i] = mod
+  end
+  return s
+end
+
+-- Check every modifier's patterns against the model (once): an error lists the parameters.
+function Schedule:check(model)
+  if self.checked == model then return end
+  for _, mod in ipairs(self.mods) do
+    local ok, err = pcall(prune._select, model, mod, ("prune.schedule: modifier %d (%s)"):format(mod.index, mod.kind))
+    if not ok then error(err, 0) end
+  end
+  self.checked = model
+end
+
+function Schedule:step(model, t)
+  if type(t) ~= "number" then raise("schedule:step: expects (model, step)") end
+  self:check(model)
+  local ran
+  local function did(ev)
+    ran = ran or {}
+    ev.step = t
+    ran[#ran + 1] = ev
+  end
+  for _, mod in ipairs(self.mods) do
+    if mod.kind == "gmp" then
+      if not mod.done and t >= mod.next then
+        local sp = prune.gmp_sparsity(mod, t)
+        prune.magnitude(model, {params = mod.params, exclude = mod.exclude, sparsity = sp, scope = mod.scope})
+        did{kind = "gmp", sparsity = sp, modifier = mod.index}
+        if t >= mod.stop then
+          mod.done = true
+        else
+          -- the next due step on the grid start + j * every, and the stop step itself
+          local j = math.floor((t - mod.start) / mod.every) + 1
+          mod.next = math.min(mod.start + j * mod.every, mod.stop)
+        end
+      end
+    elseif not mod.done and t >= mod.at then
+      mod.done = true
+      if mod.kind == "oneshot" then
+        prune.magnitude(model, {params = mod.params, exclude = mod.exclude, sparsity = mod.sparsity,
+          scope = mod.scope})
+        did{kind = "oneshot", sparsity = mod.sparsity, modifier = mod.index}
+      elseif mod.kind == "nm" then
+        prune.nm(model, {params = mod.params, exclude = mod.exclude, n = mod.n, m = mod.m})
+        did{kind = "nm", n = mod.n, m = mod.m, modifier = mod.index}
+      else
+        prune.hold(model, {params = mod.params, exclude = mod.exclude})
+        did{kind = "constant", modifier = mod.index}
+      end
+    end
+  end
+  return ran
+end
+
+--- The sparsity a GMP/oneshot modifier aims at after step t (for logs); nil for others.
+function Schedule:target(t)
+  local out = {}
+  for _, mod in ipairs(self.mods) do
+    if mod.kind == "gmp" then
+      out[mod.index] = t < mod.start and 0 or prune.gmp_sparsity(mod, t)
+    elseif mod.kind == "oneshot" then
+      out[mod.index] = t < mod.at and 0 or mod.sparsity
+    end
+  end
+  return out
+end
+
+-- ---- report -------------------------------------------------------------------------------------
+
+local Report = {}
+Report.__index = Report
+
+--- Collective when wrapped (one all_reduce: fsdp.sparsity). A summary in the spirit of
+--- SparseML's: total and prunable parameter counts (prunable: opts.params/exclude, default
+--- every parameter with 2+ dimensions), their zeros, and per parameter numel and sparsity.
+function prune.report(model, opts)
+  opts = opts or {}
+  local sp = mask.sparsity(model)
+  local prunable = {}
+  for _, e in ipairs(prune._select(model, opts, "prune.report")) do prunable[e.path] = true end
+  local r = setmetatable({total = sp.total, sparse = sp.zeros, prunable = 0, prunable_sparse = 0,
+    params = {}, order = sp.order}, Report)
+  for _, path in ipairs(sp.order) do
+    local e = sp.params[path]
+    r.params[path] = {numel = e.numel, zeros = e.zeros, sparsity = e.sparsity,
+      prunable = prunable[path] == true, masked = e.masked}
+    if prunable[path] then
+      r.prunable = r.prunable + e.numel
+      r.prunable_sparse = r.prunable_sparse + e.zeros
+    end
+  end
+  r.sparsity = r.total > 0 and r.sparse / r.total or 0
+  r.prunable_sparsity = r.prunable > 0 and r.prunable_sparse / r.prunable or 0
+  return r
+end
+
+--- A plain table for JSON (fsdp.log metrics): {params_summary = {...}, params_info = {...}}.
+function Report:json()
+  local info = {}
+  for path, e in pairs(self.params) do
+    info[path] = {numel = e.numel, sparsity = e.sparsity, prunable = e.prunable}
+  end
+  return {
+    params_summary = {total = self.total, sparse = self.sparse, sparsity_percent = 100 * self.sparsity,
+      prunable = self.prunable, prunable_sparse = self.prunable_sparse,
+      prunable_sparsity_percent = 100 * self.prunable_sparsity},
+    params_info = info,
+  }
+end
+
+Report.__tostring = function(r)
+  local w = 12
+  for _, path in ipairs(r.order) do w = math.max(w, #path) end
+  local fmt = "%-" .. w .. "s %10s %9s  %s"
+  local lines = {fmt:format("parameter", "numel", "sparsity", "")}
+  for _, path in ipairs(r.order) do
+    local e = r.params[path]
+    lines[#lines + 1] = fmt:format(path, tostring(e.numel), ("%.2f%%"):format(100 * e.sparsity),
+      (e.prunable and "prunable" or "") .. (e.masked and ", masked" or ""))
+  end
+  lines[#lines + 1] = ("total %d parameters, %d zero (%.2f%%); prunable %d, %d zero (%.2f%%)")
+    :format(r.total, r.sparse, 100 * r.sparsity, r.prunable, r.prunable_sparse, 100 * r.prunable_sparsity)
+  return table.concat(lines, "\n")
+end
+
+return prune

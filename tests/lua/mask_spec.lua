@@ -1,0 +1,359 @@
+-- mask_spec.lua — masks at world size 1 (lua/fsdp/mask.lua, the mask part of optim.lua and the
+-- C helpers of src/lua/l_mask.c): set_mask/mask on plain and wrapped models, masked weights
+-- exactly 0 through SGD momentum, AdamW and weight decay (mask set mid-training too),
+-- clip_grad_norm on masked gradients, wrap/unwrap/re-wrap, full_params/apply writeback, ties,
+-- fsdp.sparsity against a direct count. Multi-rank behaviour: tests/dist/mask_*.lua.
+-- Run: busted --lua=luajit tests/lua/mask_spec.lua
+
+local fsdp = require "fsdp"
+require "fsdp.mask" -- installs fsdp.set_mask/mask/sparsity if init.lua does not know them yet
+local core = fsdp.core
+local nn = fsdp.nn
+
+local function flat(t) return t:view{t:numel()}:totable() end
+
+local function gpt(tie)
+  fsdp.manual_seed(7)
+  return nn.GPT{vocab = 16, ctx = 8, d = 16, layers = 2, heads = 2, tie = tie}
+end
+
+local ids = fsdp.tensor{{1, 2, 3, 4, 5, 6}, {7, 8, 9, 10, 11, 12}}
+local tgt = fsdp.tensor{{2, 3, 4, 5, 6, 7}, {8, 9, 10, 11, 12, 13}}
+
+-- A deterministic 0/1 mask of shape with about `frac` zeros.
+local function some_mask(shape, frac, salt)
+  local n = 1
+  for _, d in ipairs(shape) do n = n * d end
+  local v = {}
+  for i = 1, n do v[i] = ((i * 7919 + (salt or 0) * 104729) % 1000) / 1000 < frac and 0 or 1 end
+  return fsdp.tensor(v):view(shape)
+end
+
+-- Full values of a parameter (gathered when the model is wrapped).
+local function values(model, p)
+  local out
+  fsdp.full_params(model, function() out = flat(p) end, {writeback = false})
+  return out
+end
+
+local function train(model, opt, steps)
+  for _ = 1, steps do
+    opt:zero_grad()
+    nn.F.cross_entropy(model(ids), tgt):backward()
+    fsdp.clip_grad_norm(model, 1.0)
+    opt:step()
+  end
+end
+
+-- Every masked element of p is exactly 0 and at least `live` unmasked ones are not.
+local function assert_masked(model, p, m, live)
+  local v, mv = values(model, p), flat(m)
+  local nonzero = 0
+  for i = 1, #v do
+    if mv[i] == 0 then
+      assert.are.equal(0, v[i])
+    elseif v[i] ~= 0 then
+      nonzero = nonzero + 1
+    end
+  end
+  assert.is_true(nonzero >= (live or 1), "unmasked weights should train")
+end
+
+describe("l_mask.c helpers", function()
+  it("mask_apply writes +0 where the mask is 0, leaves the rest", function()
+    local x = fsdp.tensor{-1.5, 2, -3, 4}
+    core.mask_apply(x, fsdp.tensor{0, 1, 0, 1})
+    local v = x:totable()
+    assert.are.same({0, 2, 0, 4}, v)
+    assert.are.equal(math.huge, 1 / v[1]) -- +0, not -0
+    assert.has_error(function() core.mask_apply(x, fsdp.tensor{1, 1}) end)
+  end)
+
+  it("count_zeros and mask_check", function()
+    assert.are.equal(3, core.count_zeros(fsdp.tensor{0, 1, -0.0, 2, 0}))
+    local bad, zeros = core.mask_check(fsdp.tensor{0, 1, 0.5, 1, 0, 2})
+    assert.are.equal(2, bad)
+    assert.are.equal(2, zeros)
+    local _, _, h1 = core.mask_check(fsdp.tensor{0, 1, 1, 1})
+    local _, _, h2 = core.mask_check(fsdp.tensor{1, 0, 1, 1})
+    assert.are_not.equal(h1, h2)
+  end)
+
+  it("mask_select with a key found by the histograms prunes exactly the k smallest", function()
+    -- values with many exact ties; brute force: sort by (|x|, index)
+    local v = {}
+    for i = 1, 200 do v[i] = ((i * 37) % 11 - 5) * 0.25 end
+    local x = fsdp.tensor(v)
+    for _, k in ipairs{0, 1, 17, 100, 199, 200} do
+      local order = {}
+      for i = 1, #v do order[i] = i end
+      table.sort(order, function(a, b)
+        if math.abs(v[a]) ~= math.abs(v[b]) then return math.abs(v[a]) < math.abs(v[b]) end
+        return a < b
+      end)
+      local want = {}
+      for i = 1, #v do want[i] = 1 end
+      for j = 1, k do want[order[j]] = 0 end
+      -- radix over 32-bit keys, then positions (what prune.lua does, one group, one rank)
+      local T, P = 0, 0
+      if k > 0 then
+        local prefix, rem, last = 0, k, 0
+        for _, pass in ipairs{{21, 11}, {10, 11}, {0, 10}} do
+          local nb = 2 ^ pass[2]
+          local h = fsdp.zeros{2 * nb}
+          core.mask_hist(h, x, nil, prefix, pass[1], pass[2])
+          local t = h:totable()
+          local cum = 0
+          for b = 0, nb - 1 do
+            local c = t[nb + b + 1] * 4096 + t[b + 1]
+            if cum + c >= rem then prefix, rem, last = prefix * nb + b, rem - cum, c break end
+            cum = cum + c
+          end
+        end
+        T = prefix
+        if rem == last then
+          P = 2 ^ 53
+        else
+          local pp, prem = 0, rem
+          for _, pass in ipairs{{22, 11}, {11, 11}, {0, 11}} do
+            local nb = 2 ^ pass[2]
+            local h = fsdp.zeros{2 * nb}
+            core.mask_hist_pos(h, x, nil, T, 0, pp, pass[1], pass[2])
+            local t = h:totable()
+            local cum = 0
+            for b = 0, nb - 1 do
+              local c = t[nb + b + 1] * 4096 + t[b + 1]
+              if cum + c >= prem then pp, prem = pp * nb + b, prem - cum break end
+              cum = cum + c
+            end
+          end
+          P = pp + 1
+        end
+      end
+      local mout = fsdp.ones{#v}
+      assert.are.equal(k, core.mask_select(mout, x, nil, T, 0, P))
+      assert.are.same(want, mout:totable())
+    end
+  end)
+
+  it("keys put masked elements below every live one", function()
+    local x = fsdp.tensor{5, 0.1, 3, 0.2}
+    local m = fsdp.tensor{0, 1, 1, 1} -- element 1 is masked: smallest key although |5| is large
+    local mout = fsdp.ones{4}
+    -- key of a masked element is 0: T = 1 (the smallest live key is above it) prunes only it
+    assert.are.equal(1, core.mask_select(mout, x, m, 1, 0, 0))
+    assert.are.same({0, 1, 1, 1}, mout:totable())
+  end)
+
+  it("mask_nm keeps the n largest of each full group, lower index on ties", function()
+    local x = fsdp.tensor{9, 1, 2, 3, 1, 1, 1, 1, -4, 5, -6, 0.5, 7}
+    local mout = fsdp.full({13}, 7)
+    -- lead 1: groups [2..5], [6..9], [10..13]; element 1 untouched
+    assert.are.equal(3, core.mask_nm(mout, x, nil, 2, 4, 1))
+    assert.are.same({7, 0, 1, 1, 0, 1, 0, 0, 1, 0, 1, 0, 1}, mout:totable())
+    -- a mask: masked elements rank below every live one
+    local mout2 = fsdp.ones{4}
+    core.mask_nm(mout2, fsdp.tensor{9, 1, 2, 3}, fsdp.tensor{0, 1, 1, 1}, 2, 4, 0)
+    assert.are.same({0, 0, 1, 1}, mout2:totable())
+  end)
+end)
+
+describe("fsdp.set_mask / fsdp.mask", function()
+  it("masks a plain parameter at once and returns a copy of the mask", function()
+    local m = gpt()
+    local w = m.blocks[1].mlp.fc.weight
+    local mk = some_mask(w:shape(), 0.4)
+    assert.is_nil(fsdp.mask(w))
+    fsdp.set_mask(w, mk)
+    local got = fsdp.mask(w)
+    assert.are.same(flat(mk), flat(got))
+    got:fill(1) -- a copy: the stored mask does not change
+    assert.are.same(flat(mk), flat(fsdp.mask(w)))
+    local v, mv = flat(w), flat(mk)
+    for i = 1, #v do if mv[i] == 0 then assert.are.equal(0, v[i]) end end
+    fsdp.set_mask(w, nil)
+    assert.is_nil(fsdp.mask(w))
+  end)
+
+  it("checks shape and values", function()
+    local m = gpt()
+    local w = m.blocks[1].mlp.fc.weight
+    assert.has_error(function() fsdp.set_mask(w, fsdp.ones{3, 3}) end)
+    local bad = fsdp.ones(w:shape())
+    bad:set(1, 1, 0.5)
+    local ok, err = pcall(fsdp.set_mask, w, bad)
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("only 0 and 1", 1, true))
+    assert.has_error(function() fsdp.set_mask(w, 1) end)
+    assert.has_error(function() fsdp.set_mask({}, fsdp.ones{1}) end)
+  end)
+
+  it("works on a wrapped parameter and on a reference saved before wrapping", function()
+    local m = gpt()
+    local w = m.blocks[2].attn.qkv.weight -- saved before wrap
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    local mk = some_mask(w:shape(), 0.5, 3)
+    fsdp.set_mask(w, mk)
+    assert.are.same(flat(mk), flat(fsdp.mask(w)))
+    assert_masked(m, w, mk)
+    fsdp.unwrap(m)
+  end)
+
+  it("ties share one mask (GPT tie = true)", function()
+    local m = gpt(true)
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    local mk = some_mask(m.head.weight:shape(), 0.3, 5)
+    fsdp.set_mask(m.head.weight, mk)
+    assert.are.same(flat(mk), flat(fsdp.mask(m.wte.weight)))
+    local opt = fsdp.optim.SGD(m, {lr = 0.5, momentum = 0.9})
+    train(m, opt, 3)
+    assert_masked(m, m.wte.weight, mk)
+    fsdp.unwrap(m)
+  end)
+end)
+
+describe("masked weights stay exactly 0", function()
+  local cases = {
+    {"SGD momentum + weight decay", function(m) return fsdp.optim.SGD(m, {lr = 0.3, momentum = 0.9, weight_decay = 0.01}) end},
+    {"AdamW + weight decay", function(m) return fsdp.optim.AdamW(m, {lr = 0.05, weight_decay = 0.1}) end},
+  }
+  for _, wrapped in ipairs{false, true} do
+    for _, c in ipairs(cases) do
+      it(c[1] .. (wrapped and ", wrapped" or ", plain") .. ", mask set after momentum built up", function()
+        local m = gpt()
+        if wrapped then fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}}) end
+        local opt = c[2](m)
+        train(m, opt, 3) -- momentum / moments are nonzero everywhere now
+        local targets = {m.blocks[1].mlp.fc.weight, m.blocks[2].attn.proj.weight, m.wpe.weight,
+          m.blocks[1].mlp.fc.bias}
+        local masks = {}
+        for i, p in ipairs(targets) do
+          masks[i] = some_mask(p:shape(), 0.6, i)
+          fsdp.set_mask(p, masks[i])
+        end
+        train(m, opt, 5)
+        for i, p in ipairs(targets) do assert_masked(m, p, masks[i]) end
+        if wrapped then fsdp.unwrap(m) end
+      end)
+    end
+  end
+
+  it("the test can fail: without the optimizer's masking, weights regrow", function()
+    local m = gpt()
+    local opt = fsdp.optim.SGD(m, {lr = 0.3, momentum = 0.9})
+    train(m, opt, 2)
+    local w = m.blocks[1].mlp.fc.weight
+    local mk = some_mask(w:shape(), 0.5)
+    core.mask_apply(w:detach():view{w:numel()}, mk:view{w:numel()}) -- zeros, but no mask
+    train(m, opt, 2)
+    local v, mv, regrown = flat(w), flat(mk), 0
+    for i = 1, #v do if mv[i] == 0 and v[i] ~= 0 then regrown = regrown + 1 end end
+    assert.is_true(regrown > 0)
+  end)
+end)
+
+describe("clip_grad_norm", function()
+  it("measures masked gradients (plain and wrapped agree)", function()
+    local norms = {}
+    for k, wrapped in ipairs{false, true} do
+      local m = gpt()
+      local w = m.blocks[1].mlp.fc.weight
+      if wrapped then fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}}) end
+      fsdp.set_mask(w, some_mask(w:shape(), 0.9))
+      nn.F.cross_entropy(m(ids), tgt):backward()
+      norms[k] = fsdp.clip_grad_norm(m, 1e9)
+      if wrapped then fsdp.unwrap(m) end
+    end
+    -- the unmasked norm of the same model is larger
+    local m = gpt()
+    nn.F.cross_entropy(m(ids), tgt):backward()
+    local full = fsdp.clip_grad_norm(m, 1e9)
+    assert.is_true(math.abs(norms[1] - norms[2]) <= 1e-5 * norms[1])
+    assert.is_true(full > norms[1] * (1 + 1e-4))
+  end)
+end)
+
+describe("masks across wrap, unwrap, re-wrap and writeback", function()
+  it("survive wrap -> unwrap -> re-wrap with another strategy", function()
+    local m = gpt()
+    local w = m.blocks[1].attn.qkv.weight
+    local mk = some_mask(w:shape(), 0.5, 9)
+    fsdp.set_mask(w, mk)
+    for _, strategy in ipairs{"full", "grad_op", "none"} do
+      fsdp.wrap(m, {strategy = strategy, policy = fsdp.policy.modules{nn.Block}})
+      assert.are.same(flat(mk), flat(fsdp.mask(w)))
+      local opt = fsdp.optim.AdamW(m, {lr = 0.05})
+      train(m, opt, 2)
+      assert_masked(m, w, mk)
+      fsdp.unwrap(m)
+      assert.are.same(flat(mk), flat(fsdp.mask(w)))
+      assert_masked(m, w, mk)
+    end
+    -- an outer wrap absorbing an inner one keeps the mask
+    fsdp.wrap(m.blocks[1], {})
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    assert.are.same(flat(mk), flat(fsdp.mask(w)))
+    fsdp.unwrap(m)
+    assert.are.same(flat(mk), flat(fsdp.mask(w)))
+  end)
+
+  it("full_params and apply writeback re-apply the masks to the shards", function()
+    local m = gpt()
+    local w = m.blocks[2].mlp.proj.weight
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    local mk = some_mask(w:shape(), 0.5, 11)
+    fsdp.set_mask(w, mk)
+    fsdp.full_params(m, function() w:fill(3) end)
+    local v, mv = values(m, w), flat(mk)
+    for i = 1, #v do assert.are.equal(mv[i] == 0 and 0 or 3, v[i]) end
+    fsdp.apply(m, function(mod) if mod == m.blocks[2].mlp.proj then mod.weight:fill(2) end end)
+    v = values(m, w)
+    for i = 1, #v do assert.are.equal(mv[i] == 0 and 0 or 2, v[i]) end
+    -- sparsity reads the shards: exactly the masked count
+    local s = fsdp.sparsity(m)
+    assert.are.equal(#v - fsdp.tensor(mv):sum():item(), s.params["blocks.2.mlp.proj.weight"].zeros)
+    fsdp.unwrap(m)
+  end)
+
+  it("a mask set while the unit is gathered reaches the live parameters", function()
+    local m = gpt()
+    local w = m.blocks[1].mlp.fc.weight
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    local mk = some_mask(w:shape(), 0.5, 13)
+    fsdp.full_params(m, function()
+      fsdp.set_mask(w, mk)
+      local v, mv = flat(w), flat(mk)
+      for i = 1, #v do if mv[i] == 0 then assert.are.equal(0, v[i]) end end
+    end)
+    assert_masked(m, w, mk)
+    fsdp.unwrap(m)
+  end)
+end)
+
+describe("fsdp.sparsity", function()
+  it("counts zeros of every parameter (plain and wrapped give the same table)", function()
+    local m = gpt()
+    local w = m.blocks[1].mlp.fc.weight
+    fsdp.set_mask(w, some_mask(w:shape(), 0.25, 17))
+    local direct, total, zeros = {}, 0, 0
+    for path, p in m:named_parameters() do
+      local z = 0
+      for _, x in ipairs(flat(p)) do if x == 0 then z = z + 1 end end
+      direct[path] = z
+      total, zeros = total + p:numel(), zeros + z
+    end
+    local s1 = fsdp.sparsity(m)
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    local s2 = fsdp.sparsity(m)
+    fsdp.unwrap(m)
+    for _, s in ipairs{s1, s2} do
+      assert.are.equal(total, s.total)
+      assert.are.equal(zeros, s.zeros)
+      assert.are.equal(zeros / total, s.sparsity)
+      for path, z in pairs(direct) do assert.are.equal(z, s.params[path].zeros) end
+      assert.is_true(s.params["blocks.1.mlp.fc.weight"].masked)
+      assert.is_false(s.params["blocks.1.mlp.proj.weight"].masked)
+    end
+    assert.truthy(tostring(s2):find("blocks.1.mlp.fc.weight", 1, true))
+  end)
+end)
