@@ -20,9 +20,19 @@
 --     state R (a raw field rather than a weak table, so a dropped model is collectable);
 --     unwrap removes it. R.unit_of[module] is the unit record of a module that is a unit.
 --
+--   * Before any collective, wrap compares across ranks what it is about to build (units,
+--     parameter paths and shapes, ties, meta or not: meta.lua's _agree): a difference is the
+--     same error on every rank, naming the first differing item and the ranks on each side.
+--   * Meta parameters (fsdp.meta) are wrapped without storage: their shard slices stay zero
+--     and they are "pending" (R.pending) until fsdp.materialize / wrap{init =} / fsdp.load give
+--     them values; a forward, full_params or apply meanwhile is an error, and unwrap puts them
+--     back on meta. sync_module_states broadcasts rank 0's values unit by unit, just before
+--     each unit takes its slices (meta parameters on other ranks get storage only then).
+--
 -- Unit records (U): {unit = <core unit>, module =, path =, parent = U or nil, hooks = {...},
--- strategy =}. R: {model =, opts =, units = {U...} (construction order), unit_of = {},
--- order = {U...} or nil (forward order, recorded on the first forward), busy = nil | what}.
+-- strategy =, params =}. R: {model =, opts =, units = {U...} (construction order), unit_of =
+-- {}, unit_of_param = {}, order = {U...} or nil (forward order, recorded on the first
+-- forward), busy = nil | what, pending = nil | {param = true}}.
 
 local fsdp = require "fsdp"
 local core = require "fsdp.core"
@@ -175,10 +185,15 @@ local function check_opts(opts)
       raise(("fsdp.wrap: %s must be a boolean (got %s)"):format(k, type(opts[k])))
     end
   end
-  if opts.init ~= nil then
-    raise("fsdp.wrap: init is not supported yet (meta-device materialization comes with "
-      .. "fsdp.meta/fsdp.materialize)")
+  if opts.init ~= nil and opts.init ~= true and type(opts.init) ~= "function" then
+    raise(("fsdp.wrap: init must be a function(module, path) or true (got %s)"):format(type(opts.init)))
   end
+  if opts.init ~= nil and o.sync_module_states then
+    raise("fsdp.wrap: init and sync_module_states = true both given: with sync_module_states "
+      .. "every rank receives rank 0's values (meta parameters on the other ranks included), so "
+      .. "init would have nothing to do; drop one")
+  end
+  o.init = opts.init
   policy_fn(o.policy) -- validates
   return o
 end
@@ -335,10 +350,30 @@ local function finish_recording(R)
   end
 end
 
+-- The message for using a model whose meta parameters never got values (their shards hold
+-- zeros, which must never pass for a model).
+local function pending_error(R, what)
+  local n, first = 0, nil
+  for _, U in ipairs(R.units) do
+    local paths = U.unit:paths()
+    for i, p in ipairs(U.params) do
+      if R.pending[p] then
+        n = n + 1
+        first = first or paths[i]
+      end
+    end
+  end
+  return ("%s: %d parameter%s of this model %s still on the meta device (first: %s): give "
+    .. "them values with fsdp.materialize(model[, init_fn]) or fsdp.load, or wrap with init = "
+    .. "... or sync_module_states = true"):format(what, n, n == 1 and "" or "s",
+      n == 1 and "is" or "are", tostring(first))
+end
+
 local function install_hooks(R, U)
   local is_root = U.module == R.model
   local pre = U.module:register_forward_pre_hook(function()
     if R.busy then return end -- inside full_params / apply: everything needed is gathered
+    if R.pending then error(pending_error(R, "forward"), 0) end
     if is_root and R.order == nil then
       R.recording, R.recording_post, R.recorded, R.finished = {}, {}, {}, {}
     end
@@ -363,11 +398,110 @@ end
 
 -- ---- wrap / unwrap ------------------------------------------------------------------------
 
+local function shape_str(t) return "(" .. table.concat(t:shape(), ", ") .. ")" end
+
+-- Everything wrap decides from this rank's model alone, before any collective: the units and
+-- their parameters, and `entries`, the description ranks compare (meta.lua, _agree): every
+-- unit (construction order) and each of its parameters with path, shape, the other paths of
+-- a tie, and whether it is on meta (unless sync_module_states gives every rank rank 0's values).
+local function plan_wrap(model, o)
+  local meta = require "fsdp.meta"
+  -- Earlier wraps inside this tree: their units become forced boundaries (with their own
+  -- strategy), and the outer model becomes the root. A wrapped tree that merely overlaps
+  -- (its root is outside this model) is an error.
+  local members = model:modules()
+  local is_member = {}
+  for _, m in ipairs(members) do is_member[m] = true end
+  local inner, forced = {}, {}
+  for _, m in ipairs(members) do
+    local R = state_of(m)
+    if R ~= nil then
+      if R.model == m then
+        inner[#inner + 1] = R
+      elseif not is_member[R.model] then
+        raise(("fsdp.wrap: a %s inside this model is part of another wrapped model (a %s); "
+          .. "fsdp.unwrap that model first"):format(m:type_name(), R.model:type_name()))
+      end
+    end
+  end
+  local inner_unit, inner_pending = {}, {}
+  for _, R in ipairs(inner) do
+    for _, U in ipairs(R.units) do
+      forced[U.module] = {strategy = U.strategy, reshard_after_forward = R.opts.reshard_after_forward}
+      inner_unit[U.unit] = true
+    end
+    for p in pairs(R.pending or {}) do inner_pending[p] = true end
+  end
+  local selected = select_units(model, o.policy, forced)
+  local paths, params = {}, {}
+  for path, p in model:named_parameters() do
+    local u = core.param_unit(p)
+    if u ~= nil and not inner_unit[u] then
+      -- the one case where a parameter has no closest common wrapped ancestor: it is shared
+      -- with a model wrapped separately
+      raise(("fsdp.wrap: parameter %s is shared with another wrapped model (it belongs to its "
+        .. "unit '%s'): a parameter has exactly one owner, the closest wrapped module that "
+        .. "contains all its uses, and none contains both models; wrap one module that contains "
+        .. "both, or fsdp.unwrap the other model first"):format(path, u.path))
+    end
+    paths[#paths + 1] = path
+    params[#params + 1] = p
+  end
+  local function is_meta(p) return p.device == "meta" or inner_pending[p] == true end
+  if o.sync_module_states and fsdp.rank() == 0 then
+    for i, p in ipairs(params) do
+      if is_meta(p) then
+        raise(("fsdp.wrap: sync_module_states: rank 0's parameter %s is on the meta device; "
+          .. "rank 0 must hold the values it broadcasts (build or load the model there, or "
+          .. "fsdp.materialize it)"):format(paths[i]))
+      end
+    end
+  end
+  local owner = compute_owners(model, selected)
+  local recs = unit_order(model, selected)
+  local _, all = meta._all_paths(model)
+  local entries = {}
+  for _, rec in ipairs(recs) do
+    local ps, pp = {}, {}
+    for i, p in ipairs(params) do
+      if owner[p] == rec.module then
+        ps[#ps + 1] = p
+        pp[#pp + 1] = paths[i]
+      end
+    end
+    rec.ps, rec.pp = ps, pp
+    if #ps > 0 or rec.module == model then
+      entries[#entries + 1] = ("unit '%s'"):format(rec.path)
+      for i, p in ipairs(ps) do
+        local e = ("parameter %s %s in unit '%s'"):format(pp[i], shape_str(p), rec.path)
+        local ap = all[p]
+        if ap and #ap > 1 then e = e .. " tied to " .. table.concat(ap, ", ", 2) end
+        if not o.sync_module_states and is_meta(p) then e = e .. " on meta" end
+        entries[#entries + 1] = e
+      end
+    end
+  end
+  return {members = members, inner = inner, forced = forced, recs = recs, entries = entries}
+end
+
+-- A sentence for the cross-rank message when two ranks' entries differ only in "on meta".
+local function wrap_hint(a, b)
+  local x, y = a:gsub(" on meta$", ""), b:gsub(" on meta$", "")
+  if x == y and a ~= b then
+    return "a parameter is on the meta device on some ranks only: materialize the model on "
+      .. "every rank, or pass sync_module_states = true to give every rank rank 0's values"
+  end
+  return nil
+end
+
 local function teardown(R)
   -- collective: every rank unshards the same units in the same (construction) order
-  -- masks (lua/fsdp/mask.lua, owner masks): this rank's mask slices become full masks
-  if package.loaded["fsdp.mask"] then package.loaded["fsdp.mask"]._on_teardown(R) end
   for _, U in ipairs(R.units) do U.unit:unshard() end
+  -- parameters that never got values (wrapped on meta, not materialized) are meta again,
+  -- not zeros
+  if R.pending then
+    for p in pairs(R.pending) do core.param_to_meta(p) end
+  end
   for _, U in ipairs(R.units) do
     for _, h in ipairs(U.hooks or {}) do h.remove() end
     U.hooks = nil
@@ -395,71 +529,52 @@ function W.wrap(model, opts)
   end
   local o = check_opts(opts)
 
-  -- Earlier wraps inside this tree: their units become forced boundaries (with their own
-  -- strategy), and the outer model becomes the root. A wrapped tree that merely overlaps
-  -- (its root is outside this model) is an error.
-  local members = model:modules()
-  local is_member = {}
-  for _, m in ipairs(members) do is_member[m] = true end
-  local inner, forced = {}, {}
-  for _, m in ipairs(members) do
-    local R = state_of(m)
-    if R ~= nil then
-      if R.model == m then
-        inner[#inner + 1] = R
-      elseif not is_member[R.model] then
-        raise(("fsdp.wrap: a %s inside this model is part of another wrapped model (a %s); "
-          .. "fsdp.unwrap that model first"):format(m:type_name(), R.model:type_name()))
-      end
-    end
+  local meta = require "fsdp.meta"
+  local rank = fsdp.rank()
+  -- Local phase: everything this rank decides from its own model. An error here is not
+  -- raised yet: it travels with the cross-rank comparison below, so that every rank fails
+  -- with it instead of some waiting in a collective for a rank that gave up.
+  local plan
+  local ok0, err0 = pcall(function() plan = plan_wrap(model, o) end)
+  local local_err = (not ok0) and tostring(err0) or nil
+  -- Invariant 2: every rank is about to build the same units over the same parameters
+  -- (paths, shapes, ties, meta or not): one all_reduce when they agree, an error naming the
+  -- first difference and the ranks on each side when not.
+  local msg = meta._agree("fsdp.wrap", plan and plan.entries or {}, local_err, {subject = "the model",
+    hint = wrap_hint})
+  if msg then
+    if msg == local_err then error(msg, 0) end -- this rank's own error, already located
+    raise(msg)
   end
-  for _, R in ipairs(inner) do
-    for _, U in ipairs(R.units) do
-      forced[U.module] = {strategy = U.strategy, reshard_after_forward = R.opts.reshard_after_forward}
-    end
-  end
-  local selected = select_units(model, o.policy, forced)
+  local members, inner, forced, recs = plan.members, plan.inner, plan.forced, plan.recs
 
   -- collective from here on
   for _, R in ipairs(inner) do teardown(R) end
-  local paths, params = {}, {}
-  for path, p in model:named_parameters() do
-    local u = core.param_unit and core.param_unit(p)
-    if u ~= nil then
-      raise(("fsdp.wrap: parameter %s already belongs to unit %s of another wrapped model; "
-        .. "fsdp.unwrap that model first"):format(path, u.path))
-    end
-    paths[#paths + 1] = path
-    params[#params + 1] = p
-  end
-  if o.sync_module_states then
-    for i, p in ipairs(params) do
-      if p.device ~= "cpu" then
-        raise(("fsdp.wrap: sync_module_states needs materialized parameters (%s is on %s)")
-          :format(paths[i], p.device))
-      end
-      core.broadcast(p, 0, paths[i])
-    end
-  end
-
-  local owner = compute_owners(model, selected)
   local R = {model = model, opts = o, units = {}, unit_of = {}, unit_of_param = {},
     members = members}
-  local recs = unit_order(model, selected)
   local rec_of = {}
   for _, rec in ipairs(recs) do rec_of[rec.module] = rec end
+  local pending, filled = {}, {}
   local ok, err = pcall(function()
     for _, rec in ipairs(recs) do
-      local m = rec.module
-      local ps, pp = {}, {}
-      for i, p in ipairs(params) do
-        if owner[p] == m then
-          ps[#ps + 1] = p
-          pp[#pp + 1] = paths[i]
-        end
-      end
+      local m, ps, pp = rec.module, rec.ps, rec.pp
       -- a picked module whose parameters all belong to an ancestor holds nothing: no unit
       if #ps > 0 or m == model then
+        if o.sync_module_states then
+          -- rank 0's values, one unit at a time: a meta parameter on another rank gets storage
+          -- just before its unit takes its slice and frees it (peak: this unit + the shards)
+          for i, p in ipairs(ps) do
+            if rank ~= 0 and p.device == "meta" then
+              core.param_materialize(p)
+              filled[p] = true
+            end
+            core.broadcast(p, 0, pp[i])
+          end
+        else
+          for _, p in ipairs(ps) do
+            if p.device == "meta" then pending[p] = true end
+          end
+        end
         local f = forced[m]
         local strategy = f and f.strategy or o.strategy
         local raf = o.reshard_after_forward
@@ -478,9 +593,16 @@ function W.wrap(model, opts)
     -- collectively first), so every rank undoes the units made so far, in the same order,
     -- and the model is left plain.
     for _, U in ipairs(R.units) do pcall(U.unit.unshard, U.unit) end
+    for p in pairs(pending) do
+      if core.param_unit(p) == nil then pcall(core.param_to_meta, p) end
+    end
+    for p in pairs(filled) do
+      if core.param_unit(p) == nil then pcall(core.param_to_meta, p) end
+    end
     -- locate the engine's message at the user's call, not at this file
     raise((tostring(err):gsub("^[^\n]-wrap%.lua:%d+: ", "")))
   end
+  if next(pending) ~= nil then R.pending = pending end
   for _, U in ipairs(R.units) do
     -- parent: the closest selected ancestor that became a unit (the root always is one)
     local pm = rec_of[U.module].parent_module
@@ -489,8 +611,10 @@ function W.wrap(model, opts)
     install_hooks(R, U)
   end
   for _, m in ipairs(members) do rawset(m, MARK, R) end
-  -- masks (lua/fsdp/mask.lua, owner masks): full masks become this rank's slices
-  if package.loaded["fsdp.mask"] then package.loaded["fsdp.mask"]._on_wrap(R) end
+  if o.init ~= nil and R.pending then
+    local fine, e = pcall(meta._materialize_wrapped, R, o.init ~= true and o.init or nil, "fsdp.wrap")
+    if not fine then raise((tostring(e):gsub("^[^\n]-meta%.lua:%d+: ", ""))) end
+  end
   return model
 end
 
@@ -570,11 +694,7 @@ local function restore(gathered, writeback, ok)
   for i = #gathered, 1, -1 do
     local U, was_sharded = gathered[i][1], gathered[i][2]
     if ok then
-      if writeback then
-        U.unit:writeback()
-        -- masks (lua/fsdp/mask.lua, owner masks): the shard is masked again
-        if package.loaded["fsdp.mask"] then package.loaded["fsdp.mask"]._on_writeback(U, was_sharded) end
-      end
+      if writeback then U.unit:writeback() end
       if was_sharded then U.unit:reshard() end
     elseif was_sharded then
       pcall(U.unit.reshard, U.unit)
@@ -603,6 +723,7 @@ function W.full_params(model, fn, opts)
     return res
   end
   if R.busy then raise("fsdp.full_params: already inside fsdp." .. R.busy) end
+  if R.pending then raise(pending_error(R, "fsdp.full_params")) end
   local need = {}
   if model == R.model then
     for _, U in ipairs(R.units) do need[U] = true end
@@ -642,6 +763,7 @@ function W.apply(model, fn)
     return model
   end
   if R.busy then raise("fsdp.apply: already inside fsdp." .. R.busy) end
+  if R.pending then raise(pending_error(R, "fsdp.apply")) end
   local gathered = {}
   R.busy = "apply"
   local ok, err = pcall(function()

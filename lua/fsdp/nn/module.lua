@@ -598,6 +598,42 @@ end
 -- the user's own). For materialize and inspection.
 function M.init_record(p) return records[p] end
 
+-- ---- for fsdp.materialize and fsdp.retie (lua/fsdp/meta.lua) --------------------------------
+
+-- The init owner of every distinct parameter of root's tree that has one: param ->
+-- {module =, name =}, the module whose own field (with an init key) reaches it first. Only that
+-- module's reset_parameters initialises it (see "construction and initialisation").
+function M.init_owners(root)
+  local out = {}
+  walk(root, "", {[root] = true}, nil, function(_, p, owner, name)
+    local keys = rawget(owner, KEYS)
+    if keys ~= nil and keys[name] ~= nil then out[p] = {module = owner, name = name} end
+  end)
+  return out
+end
+
+-- After fields were reassigned (fsdp.retie made two fields hold one parameter): a module keeps
+-- the init key of a field only while it is that parameter's first path, so a tied parameter is
+-- still initialised once, by the module that reaches it first, with that module's key (what an
+-- eagerly tied model does). Returns root.
+function M.drop_unowned_keys(root)
+  local first = {}
+  walk(root, "", {[root] = true}, nil, function(_, p, owner, name)
+    first[p] = {owner, name}
+  end)
+  for _, m in ipairs(root:modules()) do
+    local keys = rawget(m, KEYS)
+    if keys ~= nil then
+      for name in pairs(keys) do
+        local p = rawget(m, FIELDS)[name]
+        local f = p ~= nil and first[p]
+        if not f or f[1] ~= m or f[2] ~= name then keys[name] = nil end
+      end
+    end
+  end
+  return root
+end
+
 -- ---- printing -------------------------------------------------------------------------------
 
 function Module:extra_repr() return "" end
