@@ -22,7 +22,8 @@
 -- plus two passes over the local shard per call, whatever the model size.
 --
 -- N:M: along the last dimension (a Linear weight's input dimension) each group of m consecutive
--- weights keeps its n largest (equal magnitudes: the lower index stays). A shard boundary can
+-- weights keeps its n largest (the m - n smallest go, in the order of magnitude pruning: masked
+-- first, then by magnitude, equal magnitudes lower index first). A shard boundary can
 -- fall inside a group when m does not divide the flat layout's alignment (16 elements): such
 -- cut groups are listed from the unit layout (the same list on every rank), each rank puts the
 -- values it holds of them into one buffer, one all_reduce("sum") assembles them, and every rank
@@ -419,7 +420,7 @@ function prune.nm(model, opts)
           local vi, above = vals[(ci - 1) * m + (i - lo) + 1], 0
           for j = lo, lo + m - 1 do
             local vj = vals[(ci - 1) * m + (j - lo) + 1]
-            if j ~= i and (vj > vi or (vj == vi and j < i)) then above = above + 1 end
+            if j ~= i and (vj > vi or (vj == vi and j > i)) then above = above + 1 end
           end
           pc.mout:set(i - a + 1, above < n and 1 or 0)
         end

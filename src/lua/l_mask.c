@@ -25,8 +25,9 @@
  * 2^36 per bucket, which a single float could not hold.
  *
  * N:M along a row: mask_nm keeps the n largest of each group of m consecutive elements, by the
- * value v = -1 for a masked element, +inf for a NaN, |x| otherwise; equal values keep the lower
- * index. mask_values writes those v for the groups a shard boundary cuts (Lua gathers them).
+ * value v = -1 for a masked element, +inf for a NaN, |x| otherwise; among equal values the lower
+ * index goes first (the order of magnitude pruning: by value, then position).
+ * mask_values writes those v for the groups a shard boundary cuts (Lua gathers them).
  *
  *   mask_apply(x, m)                        x[i] = 0 where m[i] == 0 (in place; exact +0)
  *   count_zeros(x) -> n                     elements equal to 0 (+0 or -0)
@@ -281,7 +282,7 @@ static int l_mask_nm(lua_State *L) {
       for (int64_t j = g; j < g + M; j++) {
         if (j == i) continue;
         float vj = value_of(x[j], m, j);
-        above += vj > vi || (vj == vi && j < i);
+        above += vj > vi || (vj == vi && j > i);
       }
       mo[i] = above < keep ? 1.0f : 0.0f;
     }
