@@ -265,6 +265,94 @@ function Optimizer:load_state_dict(sd)
   end
 end
 
+-- ---- checkpoint support (added by ckpt; the caller is lua/fsdp/checkpoint.lua) -------------
+--
+-- State as per-parameter flat element ranges, so that a checkpoint can store each rank's
+-- slice and load it back at another world size (resharding). Positions are 0-based here.
+
+-- -> array, in parameter order, of {path =, param =, first =, count =, scalars = {step =, ...},
+-- tensors = {name = 1-D tensor of count elements (a view of the live buffer)}}: one entry per
+-- parameter that has state on this rank. Wrapped: this rank's slice (first = its offset in the
+-- parameter's flattened elements); plain: the whole parameter (first 0, count numel).
+function Optimizer:export_slices()
+  local out = {}
+  for _, e in ipairs(self.params) do
+    local st = self.state[e.param]
+    if st then
+      local first, count
+      if self.wrapped then
+        local sl = self.slice_of[e.param]
+        first, count = sl.param_first - 1, sl.numel
+      else
+        first, count = 0, e.param:numel()
+      end
+      local scalars, tensors = {}, {}
+      for k, v in pairs(st) do
+        if type(v) == "userdata" then
+          tensors[k] = v:view{count}
+        else
+          scalars[k] = v
+        end
+      end
+      out[#out + 1] = {path = e.path, param = e.param, first = first, count = count,
+        scalars = scalars, tensors = tensors}
+    end
+  end
+  return out
+end
+
+-- Replace the whole state: list as export_slices returns it (param, first, count, scalars,
+-- tensors: values are copied into new buffers; parameters absent from the list get no state);
+-- info = {step =, lr =, hyper = {...}} restores the optimizer's step count, learning rate and
+-- hyper-parameters. Wrapped: each slice must be this rank's slice of the parameter; plain: the
+-- whole parameter. Checks everything before changing anything.
+function Optimizer:import_slices(list, info)
+  local known = {}
+  for _, e in ipairs(self.params) do known[e.param] = e.path end
+  local mine = {}
+  if self.wrapped then
+    each_unit(self.wrapped, "import_slices", function(_, _, _, slices)
+      for _, s in ipairs(slices) do
+        mine[s.param] = {first = s.param_first - 1, count = s.shard_last - s.shard_first + 1}
+      end
+    end)
+  end
+  for _, it in ipairs(list) do
+    local path = known[it.param]
+    if path == nil then raise("import_slices: a parameter this optimizer does not update") end
+    local want = self.wrapped and mine[it.param] or {first = 0, count = it.param:numel()}
+    if want == nil or want.first ~= it.first or want.count ~= it.count then
+      raise(("import_slices: %s: elements [%d, %d) are not this rank's part of the parameter")
+        :format(path, it.first, it.first + it.count))
+    end
+    for k, t in pairs(it.tensors or {}) do
+      if t:numel() ~= it.count then
+        raise(("import_slices: %s: state %s has %d elements, expected %d")
+          :format(path, k, t:numel(), it.count))
+      end
+    end
+  end
+  local state, slice_of = {}, {}
+  for _, it in ipairs(list) do
+    local st = {}
+    for k, v in pairs(it.scalars or {}) do st[k] = v end
+    if st.step == nil then st.step = 0 end
+    for k, t in pairs(it.tensors or {}) do
+      local buf = self.wrapped and fsdp.zeros({it.count}, { role = "optim" }) or state_zeros(it.param)
+      buf:view{it.count}:copy(t:view{it.count})
+      st[k] = buf
+    end
+    state[it.param] = st
+    if self.wrapped then slice_of[it.param] = {param_first = it.first + 1, numel = it.count} end
+  end
+  self.state = state
+  if self.wrapped then self.slice_of = slice_of end
+  info = info or {}
+  if info.step ~= nil then self.step_count = info.step end
+  if info.lr ~= nil then self.lr = info.lr end
+  for k, v in pairs(info.hyper or {}) do self[k] = v end
+end
+
 -- ---- SGD ---------------------------------------------------------------------------------
 
 local SGD = setmetatable({}, {__index = Optimizer})

@@ -1,9 +1,10 @@
 /*
  * io.h — the file-format layer of the engine: atomic files, the safetensors format (streaming
  * writer, validating reader with per-tensor checksums) and a JSON helper for checkpoint
- * indexes. Owner: io. This layer knows nothing of FSDP, units or ranks: it moves bytes between
- * buffers and files. It calls src/core only (errors); the fsdp layer builds collective,
- * sharded saving and loading on top of it. The format is specified in docs/checkpoints.md.
+ * indexes, the sharded checkpoint index's schema check and a few folder operations.
+ * Owner: ckpt (written by io). This layer knows nothing of FSDP, units or ranks: it moves
+ * bytes between buffers and files. It calls src/core only (errors); the fsdp layer
+ * (lua/fsdp/checkpoint.lua) builds collective, sharded saving and loading on top of it. The format is specified in docs/checkpoints.md.
  *
  * Errors: fallible functions return FSDP_OK / FSDP_ERR and leave a message in the calling
  * thread's error slot that names the file (and the tensor, where there is one), e.g.
@@ -188,6 +189,32 @@ int fsdp_io_json_write_atomic(const char *path, const cJSON *doc);
 int fsdp_io_json_read(const char *path, cJSON **out);
 /* The same over `size` bytes in memory; `name` stands for the file in messages. */
 int fsdp_io_json_parse(cJSON **out, const char *name, const char *text, size_t size);
+
+/* ---- sharded checkpoint index (index.c) --------------------------------------------------- */
+
+/* The index of a sharded checkpoint (docs/checkpoints.md "Sharded checkpoints"): a JSON object
+ * naming one safetensors file per rank and, per parameter, which flat element range each rank
+ * file holds. check validates the whole schema (index.c lists every rule: files one per rank,
+ * plain names; params unique, shapes, slices tiling [0, numel) exactly; optimizer, rng,
+ * loaders); errors name `name` (the file), the field and the parameter. parse and read also
+ * check, and leave *out NULL on any error. */
+#define FSDP_IO_INDEX_FORMAT "fsdprun.sharded"
+#define FSDP_IO_INDEX_VERSION 1
+int fsdp_io_index_check(const cJSON *doc, const char *name);
+int fsdp_io_index_parse(cJSON **out, const char *name, const char *text, size_t size);
+int fsdp_io_index_read(const char *path, cJSON **out);
+
+/* ---- folders (fs.c) ------------------------------------------------------------------------ */
+
+/* Create `path` and its missing parents (mode 0777 & umask); an existing folder is fine. */
+int fsdp_io_mkdirs(const char *path);
+/* The names in folder `path` (not "." and ".."), unsorted; free with fsdp_io_listdir_free. */
+int fsdp_io_listdir(const char *path, char ***names, int *count);
+void fsdp_io_listdir_free(char **names, int count);
+/* unlink; a missing file is not an error. */
+int fsdp_io_remove(const char *path);
+/* fsync a folder (makes earlier renames and removals in it durable). */
+int fsdp_io_fsync_dir(const char *path);
 
 /* ---- helpers shared by the layer ------------------------------------------------------- */
 

@@ -1,7 +1,8 @@
 /*
  * l_io.c — the io layer (src/io) in `fsdp.core`: safetensors writers and readers, JSON
- * documents, and the fault injector for tests. Owner: io. Registered by fsdp_lua_open_io
+ * documents, and the fault injector for tests. Registered by fsdp_lua_open_io
  * (called from module.c). The checkpoint code of lua/fsdp builds fsdp.save / fsdp.load on it.
+ * Owner: ckpt (written by io).
  *
  *   st_writer(path, entries, metadata) -> writer    entries = {{name =, shape = {...}}, ...}
  *                                                   (dtype = "F32" may be given; it is the only
@@ -32,16 +33,30 @@
  *                             call at point ("open", "write", "fsync", "rename"; "none" clears)
  *                             fails with that errno; see fsdp_io_fault_set
  *
+ * Checkpoint support (owner: ckpt; used by lua/fsdp/checkpoint.lua):
+ *   json_encode(value) -> compact JSON text (the rules of json_write); json_decode(text
+ *                             [, name]) -> value (name stands for the source in messages)
+ *   ckpt_index_read(path) -> table   read and fully check a sharded checkpoint index
+ *                             (fsdp_io_index_read); ckpt_index_write(path, tbl) checks the
+ *                             same rules, then writes it through an atomic file
+ *   io_mkdirs(path)  io_listdir(path) -> sorted names  io_remove(path)  io_fsync_dir(path)
+ *   io_size(path) -> bytes of a regular file, or nil and the message
+ *   rng_state() -> {seed = "16 hex", streams = {randn = "16 hex", rand =, dropout =}}: the
+ *                             calling thread's random state (autograd.h); set_rng_state(t)
+ *                             restores one (streams absent from t restart at 0)
+ *
  * Resource rule (binding.h): every C object that must survive a Lua error lives in a userdata
  * whose __gc frees it (writer, reader, cJSON document), created before the call that fills it.
  */
 #include <cjson/cJSON.h>
 #include <errno.h>
+#include <sys/stat.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "autograd/autograd.h"
 #include "io/io.h"
 #include "lua/binding.h"
 
@@ -521,6 +536,192 @@ static int l_json_read(lua_State *L) {
   return 1;
 }
 
+/* ---- checkpoint support (owner: ckpt) ------------------------------------------------------ */
+
+static int l_json_encode(lua_State *L) {
+  luaL_checkany(L, 1);
+  json_box *b = json_box_push(L);
+  to_json(L, 1, NULL, NULL, "$", 0, &b->doc);
+  char *text = cJSON_PrintUnformatted(b->doc);
+  cJSON_Delete(b->doc);
+  b->doc = NULL;
+  if (text == NULL) return luaL_error(L, "json_encode: out of memory");
+  lua_pushstring(L, text);
+  cJSON_free(text);
+  return 1;
+}
+
+static int l_json_decode(lua_State *L) {
+  size_t n;
+  const char *text = luaL_checklstring(L, 1, &n);
+  const char *name = luaL_optstring(L, 2, "(json text)");
+  json_box *b = json_box_push(L);
+  if (fsdp_io_json_parse(&b->doc, name, text, n)) return fsdp_lua_error(L);
+  from_json(L, b->doc);
+  cJSON_Delete(b->doc);
+  b->doc = NULL;
+  return 1;
+}
+
+static int l_ckpt_index_read(lua_State *L) {
+  const char *path = luaL_checkstring(L, 1);
+  json_box *b = json_box_push(L);
+  if (fsdp_io_index_read(path, &b->doc)) return fsdp_lua_error(L);
+  from_json(L, b->doc);
+  cJSON_Delete(b->doc);
+  b->doc = NULL;
+  return 1;
+}
+
+/* The index is printed, parsed back and checked as text, so the check sees exactly what a
+ * reader will (numbers are raw text in the tree to_json builds), then written atomically. */
+static int l_ckpt_index_write(lua_State *L) {
+  const char *path = luaL_checkstring(L, 1);
+  luaL_checktype(L, 2, LUA_TTABLE);
+  json_box *b = json_box_push(L);
+  to_json(L, 2, NULL, NULL, "$", 0, &b->doc);
+  char *text = cJSON_Print(b->doc);
+  cJSON_Delete(b->doc);
+  b->doc = NULL;
+  if (text == NULL) return luaL_error(L, "ckpt_index_write: out of memory");
+  cJSON *parsed = NULL;
+  int rc = fsdp_io_index_parse(&parsed, path, text, strlen(text));
+  cJSON_Delete(parsed);
+  if (rc == FSDP_OK) {
+    fsdp_io_atomic *f;
+    rc = fsdp_io_atomic_open(&f, path);
+    if (rc == FSDP_OK) {
+      if (fsdp_io_atomic_write(f, text, strlen(text)) || fsdp_io_atomic_write(f, "\n", 1)) {
+        fsdp_io_atomic_abort(f);
+        rc = FSDP_ERR;
+      } else {
+        rc = fsdp_io_atomic_commit(f);
+      }
+    }
+  }
+  cJSON_free(text);
+  if (rc) return fsdp_lua_error(L);
+  return 0;
+}
+
+static int l_io_mkdirs(lua_State *L) {
+  if (fsdp_io_mkdirs(luaL_checkstring(L, 1))) return fsdp_lua_error(L);
+  return 0;
+}
+
+static int cmp_name(const void *a, const void *b) {
+  return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+static int l_io_listdir(lua_State *L) {
+  const char *path = luaL_checkstring(L, 1);
+  char **names;
+  int n;
+  if (fsdp_io_listdir(path, &names, &n)) return fsdp_lua_error(L);
+  qsort(names, (size_t)n, sizeof *names, cmp_name);
+  /* copy into Lua first: lua_createtable may raise (out of memory) and must not leak */
+  if (!lua_checkstack(L, 2)) {
+    fsdp_io_listdir_free(names, n);
+    return luaL_error(L, "io_listdir: out of Lua stack");
+  }
+  lua_newtable(L);
+  for (int i = 0; i < n; i++) {
+    lua_pushstring(L, names[i]);
+    lua_rawseti(L, -2, i + 1);
+  }
+  fsdp_io_listdir_free(names, n);
+  return 1;
+}
+
+static int l_io_remove(lua_State *L) {
+  if (fsdp_io_remove(luaL_checkstring(L, 1))) return fsdp_lua_error(L);
+  return 0;
+}
+
+static int l_io_fsync_dir(lua_State *L) {
+  if (fsdp_io_fsync_dir(luaL_checkstring(L, 1))) return fsdp_lua_error(L);
+  return 0;
+}
+
+static int l_io_size(lua_State *L) {
+  const char *path = luaL_checkstring(L, 1);
+  struct stat st;
+  if (stat(path, &st) != 0) {
+    lua_pushnil(L);
+    lua_pushfstring(L, "%s: cannot stat: %s", path, strerror(errno));
+    return 2;
+  }
+  if (!S_ISREG(st.st_mode)) {
+    lua_pushnil(L);
+    lua_pushfstring(L, "%s: not a regular file", path);
+    return 2;
+  }
+  lua_pushnumber(L, (lua_Number)st.st_size);
+  return 1;
+}
+
+/* The anonymous random streams of the engine (fsdp_rng_reserve's callers: l_tensor.c randn
+ * and rand, ops.c dropout). The names stored by fsdp_rng_reserve must outlive the thread, so
+ * only these literals are ever passed to it from here. */
+static const char *const rng_streams[] = {"randn", "rand", "dropout"};
+#define N_RNG_STREAMS (sizeof rng_streams / sizeof rng_streams[0])
+
+static int l_rng_state(lua_State *L) {
+  lua_createtable(L, 0, 2);
+  push_hex(L, fsdp_rng_seed());
+  lua_setfield(L, -2, "seed");
+  lua_createtable(L, 0, N_RNG_STREAMS);
+  for (size_t i = 0; i < N_RNG_STREAMS; i++) {
+    uint64_t next;
+    fsdp_rng_reserve(rng_streams[i], 0, &next); /* 0 elements: reads the offset */
+    push_hex(L, next);
+    lua_setfield(L, -2, rng_streams[i]);
+  }
+  lua_setfield(L, -2, "streams");
+  return 1;
+}
+
+static uint64_t check_hex(lua_State *L, int idx, const char *what) {
+  const char *s = lua_type(L, idx) == LUA_TSTRING ? lua_tostring(L, idx) : NULL;
+  bool ok = s != NULL && strlen(s) == 16;
+  for (int i = 0; ok && i < 16; i++)
+    ok = (s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f');
+  if (!ok) luaL_error(L, "set_rng_state: %s must be 16 lowercase hex digits", what);
+  return (uint64_t)strtoull(s, NULL, 16);
+}
+
+static int l_set_rng_state(lua_State *L) {
+  luaL_checktype(L, 1, LUA_TTABLE);
+  lua_getfield(L, 1, "seed");
+  uint64_t seed = check_hex(L, -1, "seed");
+  lua_pop(L, 1);
+  uint64_t next[N_RNG_STREAMS] = {0};
+  lua_getfield(L, 1, "streams");
+  if (!lua_isnil(L, -1)) {
+    luaL_checktype(L, -1, LUA_TTABLE);
+    for (lua_pushnil(L); lua_next(L, -2); lua_pop(L, 1)) {
+      const char *name = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : "?";
+      size_t i = 0;
+      while (i < N_RNG_STREAMS && strcmp(name, rng_streams[i]) != 0) i++;
+      if (i == N_RNG_STREAMS)
+        return luaL_error(L, "set_rng_state: unknown random stream '%s' (randn, rand, dropout)",
+                          name);
+      next[i] = check_hex(L, -1, name);
+      if (next[i] % 4 != 0 || next[i] > ((uint64_t)1 << 62))
+        return luaL_error(L, "set_rng_state: stream '%s' offset %llu is not a multiple of 4",
+                          name, (unsigned long long)next[i]);
+    }
+  }
+  lua_pop(L, 1);
+  /* everything checked: reset to the seed (every stream at 0), then advance each stream */
+  fsdp_rng_manual_seed(seed);
+  for (size_t i = 0; i < N_RNG_STREAMS; i++) {
+    uint64_t first;
+    if (next[i] > 0) fsdp_rng_reserve(rng_streams[i], (int64_t)next[i], &first);
+  }
+  return 0;
+}
+
 /* ---- fault injection ------------------------------------------------------------------- */
 
 static int l_io_fault(lua_State *L) {
@@ -563,7 +764,13 @@ static const luaL_Reg reader_methods[] = {
     {NULL, NULL}};
 static const luaL_Reg io_funcs[] = {
     {"st_writer", l_st_writer}, {"st_open", l_st_open},   {"json_write", l_json_write},
-    {"json_read", l_json_read}, {"io_fault", l_io_fault}, {NULL, NULL}};
+    {"json_read", l_json_read}, {"io_fault", l_io_fault},
+    /* checkpoint support */
+    {"json_encode", l_json_encode}, {"json_decode", l_json_decode},
+    {"ckpt_index_read", l_ckpt_index_read}, {"ckpt_index_write", l_ckpt_index_write},
+    {"io_mkdirs", l_io_mkdirs}, {"io_listdir", l_io_listdir}, {"io_remove", l_io_remove},
+    {"io_fsync_dir", l_io_fsync_dir}, {"io_size", l_io_size}, {"rng_state", l_rng_state},
+    {"set_rng_state", l_set_rng_state}, {NULL, NULL}};
 
 static void new_class(lua_State *L, const char *mt, const luaL_Reg *methods, lua_CFunction gc,
                       lua_CFunction tostring) {
