@@ -858,6 +858,17 @@ function M.load_tensors(model, source, opts)
   return res
 end
 
+--- mark_loaded(model, params): for loaders that write shards themselves (fsdp.load): the
+--- given parameters of a wrapped model (meta at wrap time) now hold values, so they stop
+--- being pending (a forward is refused while any is). Plain models need nothing (a meta
+--- parameter gets storage with fsdp.core.param_materialize(p) before it is written).
+function M.mark_loaded(model, params)
+  local R = wrapmod()._root_state(model)
+  if R == nil or R.pending == nil then return end
+  for _, p in ipairs(params) do R.pending[p] = nil end
+  if next(R.pending) == nil then R.pending = nil end
+end
+
 -- The names of the API (fsdp.meta, fsdp.materialize, fsdp.ties, fsdp.retie) until fsdp's lazy
 -- loader lists them (lua/fsdp/init.lua).
 for _, k in ipairs{"meta", "materialize", "ties", "retie"} do
