@@ -755,14 +755,20 @@ local function save_sharded(model, dir, opts, loaders, wrapped)
       end
       if opts.schedule then index.schedule = opts.schedule:state_dict() end
       if opts.extra ~= nil then index.extra = opts.extra end
+      if C._before_index then C._before_index() end -- tests arm a fault here
       core.ckpt_index_write(join(dir, INDEX), index)
     end)
   end
   msg = disagreement(ok, err)
   if msg then
-    -- the new files stay: unreferenced by the previous index (which still stands, unless only
-    -- the folder fsync after the rename failed, and then they are the new checkpoint); the
-    -- next save removes them
+    -- the new files go, unless the index on disk names them after all (the one failure after
+    -- the rename: the fsync of the folder); rank 0 looks, everyone follows
+    local committed = 0
+    if rank == 0 then
+      local rok, idx = pcall(core.json_read, join(dir, INDEX))
+      if rok and type(idx) == "table" and idx.generation == gen then committed = 1 end
+    end
+    if core.broadcast(committed, 0, LABEL) == 0 then drop_mine() end
     raise("fsdp.save: " .. msg)
   end
   -- committed: rank 0 removes the files of other generations (best effort)
@@ -864,15 +870,17 @@ local function stage_sharded(model, dir, opts, loaders, P, parts, masks)
 
   -- the files this rank needs: open each once, check it is the one the index names
   local readers, scalars_of = {}, {}
-  local function reader(r)
+  local function reader(r, needed_for)
     if readers[r] then return readers[r] end
     local f = index.files[r + 1]
     local fpath = join(dir, f.name)
     local size, serr = core.io_size(fpath)
     if size == nil then
-      fail(("%s names %s (rank %d's file), which cannot be read: %s"):format(ipath, f.name, r, serr))
+      fail(("%s names %s (rank %d's file, holding tensor '%s' among others), which cannot be "
+        .. "read: %s"):format(ipath, f.name, r, needed_for or "?", serr))
     end
-    local rd = core.st_open(fpath)
+    local okr, rd = pcall(core.st_open, fpath)
+    if not okr then fail(("%s (needed for tensor '%s')"):format(clean(rd), needed_for or "?")) end
     local meta = rd:metadata()
     if size ~= f.bytes or meta["fsdp.header.xxh3_64"] ~= f.header_xxh3 then
       fail(("%s: %d bytes, header checksum %s; the index (%s) expects %d bytes, %s: this file is "
@@ -897,13 +905,13 @@ local function stage_sharded(model, dir, opts, loaders, P, parts, masks)
     if optional then
       local found = 0
       for _, pc in ipairs(pieces) do
-        if reader(pc.rank).entries[name] then found = found + 1 end
+        if reader(pc.rank, name).entries[name] then found = found + 1 end
       end
       if found == 0 then return nil end
     end
     local out
     for _, pc in ipairs(pieces) do
-      local R = reader(pc.rank)
+      local R = reader(pc.rank, name)
       local e = R.entries[name]
       if e == nil then
         fail(("%s: tensor '%s' is missing (the index says this file holds elements [%d, %d) of %s)")
@@ -947,7 +955,7 @@ local function stage_sharded(model, dir, opts, loaders, P, parts, masks)
         -- state: present in every piece's file, or in none
         local present = 0
         for _, pc in ipairs(pieces) do
-          reader(pc.rank)
+          reader(pc.rank, x.e.path)
           if scalars_of[pc.rank][x.e.path] ~= nil then present = present + 1 end
         end
         if present ~= 0 and present ~= #pieces then

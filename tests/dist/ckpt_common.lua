@@ -101,6 +101,32 @@ function T.opt_state(opt)
   return out
 end
 
+-- The whole optimizer state (collective): {path = {step =, name = flat values of the whole
+-- parameter}} for the state tensors `names`, assembled from every rank's slices with one
+-- all_reduce per tensor. The slices of a wrapped model (strategy full or grad_op) are
+-- disjoint; a plain optimizer's whole state is counted once (rank 0's).
+function T.full_opt_state(model, opt, names)
+  local mine = {}
+  for _, s in ipairs(opt:export_slices()) do mine[s.param] = s end
+  local counted = opt.wrapped ~= nil or T.rank == 0
+  local out = {}
+  for path, p in model:named_parameters() do
+    local s = mine[p]
+    local e = {}
+    e.step = fsdp.all_reduce((s and counted) and s.scalars.step or 0, "max")
+    for _, name in ipairs(names) do
+      local full = fsdp.zeros{p:numel()}
+      if s and counted and s.tensors[name] then
+        full:narrow(1, s.first + 1, s.count):copy(s.tensors[name])
+      end
+      fsdp.all_reduce(full, "sum")
+      e[name] = full:totable()
+    end
+    out[path] = e
+  end
+  return out
+end
+
 function T.same_tables(a, b, what)
   local function cmp(x, y, where)
     if type(x) == "table" and type(y) == "table" then

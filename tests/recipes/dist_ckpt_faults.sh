@@ -1,0 +1,16 @@
+#!/bin/sh
+# Damaged checkpoints and collective safety (tests/dist/ckpt_faults.lua) at 2 and 4 ranks:
+# truncated / corrupted / wrong-magic / missing / foreign files, broken indexes, a world size
+# the index cannot serve, damaged safetensors files read by ranges; disk full, permission
+# denied and fsync failures injected on a non-zero rank while saving, a failed index commit:
+# every rank raises the same error, the model is untouched, the previous checkpoint loads.
+# Owner: ckpt.
+set -eu
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+for n in 2 4; do
+  rm -rf "$tmp/d" && mkdir -p "$tmp/d"
+  out=$("$FSDPRUN" -n "$n" tests/dist/ckpt_faults.lua --dir="$tmp/d" 2>&1) || {
+    echo "$out"; echo "FAIL: ckpt_faults at $n ranks"; exit 1; }
+  echo "$out"
+done
