@@ -219,17 +219,22 @@ end
 -- This rank's part of each parameter. {first =, count =, view = 1-D tensor of count elements
 -- whose writes land in the parameter (or its shard), replicated = true when every rank holds
 -- the whole parameter (a plain model, or a unit with strategy "none")}.
-local function local_parts(P)
+-- for_load: a plain parameter on the meta device (fsdp.meta) is accepted, marked meta = true
+-- and given storage only when the load applies (apply_plan).
+local function local_parts(P, for_load)
   local slices_of = {} -- unit -> {param -> local slice}
   local parts = {}
   for _, it in ipairs(P.list) do
     local p = it.param
     local u = core.param_unit and core.param_unit(p)
     if u == nil then
-      if p.device ~= "cpu" then
+      if p.device == "meta" and for_load then
+        parts[p] = {first = 0, count = p:numel(), replicated = true, meta = true}
+      elseif p.device ~= "cpu" then
         fail(("parameter %s is on the %s device: materialize the model first"):format(it.path, p.device))
+      else
+        parts[p] = {first = 0, count = p:numel(), view = p:detach():view{p:numel()}, replicated = true}
       end
-      parts[p] = {first = 0, count = p:numel(), view = p:detach():view{p:numel()}, replicated = true}
     else
       local map = slices_of[u]
       if map == nil then
@@ -982,12 +987,24 @@ end
 
 local function apply_plan(model, plan, opts, loaders, P, parts, masks, wrapped)
   if wrapped then reshard_all(model) end
+  local loaded = {}
   quiet(function()
     for _, x in ipairs(plan.items) do
-      local part = parts[x.it.param]
+      local p, part = x.it.param, parts[x.it.param]
+      if part.meta and x.data then
+        -- a plain parameter built on meta (fsdp.meta): dense storage now, in place
+        core.param_materialize(p)
+        part.view = p:detach():view{p:numel()}
+      end
       if x.data and part.count > 0 then part.view:copy(x.data:view{part.count}) end
+      loaded[#loaded + 1] = p
     end
   end)
+  if wrapped then
+    -- a model wrapped on meta: the loaded parameters stop being pending (lua/fsdp/meta.lua)
+    local okm, meta = pcall(require, "fsdp.meta")
+    if okm and type(meta) == "table" and meta.mark_loaded then meta.mark_loaded(model, loaded) end
+  end
   -- re-tie (plain models whose file says two paths are one parameter)
   for _, t in ipairs(plan.retie or {}) do
     local owner, name = model, nil
@@ -1091,7 +1108,7 @@ function C.load(model, path, opts)
   local masks = mask_api()
   local parts, plan
   local ok, err = pcall(quiet, function()
-    parts = local_parts(P)
+    parts = local_parts(P, true)
     if format == "safetensors" then
       plan = stage_safetensors(model, path, opts, P, parts, masks, wrapped)
     else
