@@ -35,8 +35,9 @@ fsdp.all_reduce = core.all_reduce
 --- copied in place into x on every rank.
 fsdp.broadcast = core.broadcast
 --- This rank's traffic counters: {<op>_bytes =, <op>_calls = for all_gather, reduce_scatter,
---- all_reduce, broadcast, barrier; calls = total; busy_s =, wait_s =}.
-fsdp.comm_stats = core.comm_stats
+--- all_reduce, broadcast, barrier; calls = total; busy_s =, wait_s =}; tostring() prints a
+--- table of them (lua/fsdp/inspect.lua).
+function fsdp.comm_stats() return require("fsdp.inspect").comm_report(core.comm_stats()) end
 fsdp.reset_comm_stats = core.reset_comm_stats
 
 -- seeds and autograd ------------------------------------------------------------------------
@@ -64,10 +65,11 @@ end
 
 -- memory ------------------------------------------------------------------------------------
 --- Live bytes by role on the cpu device, with peaks; `devices` holds every device's table.
+--- tostring() prints them readably (lua/fsdp/inspect.lua).
 function fsdp.memory()
   local m = core.memory()
   local cpu = m.cpu or {}
-  return {
+  return require("fsdp.inspect").memory_report {
     live = cpu.live or 0, peak = cpu.peak or 0,
     params = cpu.params or 0, grads = cpu.grads or 0, optim = cpu.optim or 0,
     gathered = cpu.gathered or 0, activations = cpu.activations or 0, other = cpu.other or 0,
@@ -98,18 +100,27 @@ fsdp.args = parse_args(rawget(_G, "arg"))
 -- submodules, loaded on first use ------------------------------------------------------------
 local wrap_names = {
   wrap = true, unwrap = true, is_wrapped = true, units = true, apply = true, full_params = true,
-  policy = true, shard = true, inspect = true,
+  policy = true, shard = true,
 }
 -- names that live in other library files, resolved on first use
 local other_names = {
   set_mask = "fsdp.mask", mask = "fsdp.mask", sparsity = "fsdp.mask", prune = "fsdp.mask",
   save = "fsdp.checkpoint", load = "fsdp.checkpoint",
   meta = "fsdp.meta", materialize = "fsdp.meta", ties = "fsdp.meta", retie = "fsdp.meta",
+  inspect = "fsdp.inspect", debug = "fsdp.repl",
 }
 local lazy = {
   nn = "fsdp.nn", optim = "fsdp.optim", data = "fsdp.data", log = "fsdp.log",
 }
 setmetatable(fsdp, {
+  -- the names resolved on first use, for the REPL's tab completion (src/cli/repl.c)
+  __complete = function()
+    local names = { "clip_grad_norm" }
+    for _, set in ipairs { lazy, other_names, wrap_names } do
+      for k in pairs(set) do names[#names + 1] = k end
+    end
+    return names
+  end,
   __index = function(t, k)
     if lazy[k] then
       local m = require(lazy[k])

@@ -819,80 +819,10 @@ function W.apply(model, fn)
   return model
 end
 
--- ---- inspection ---------------------------------------------------------------------------
+-- ---- inspection: lua/fsdp/inspect.lua (owner: repl) ---------------------------------------
 
-local Report = {}
-Report.__index = Report
-
-local function fmt_int(n)
-  local s = tostring(math.floor(n))
-  return (s:reverse():gsub("(%d%d%d)", "%1,"):reverse():gsub("^,", ""))
-end
-
-Report.__tostring = function(r)
-  local lines = {}
-  if r.kind == "param" then
-    lines[1] = ("parameter %s  shape %s  %s elements"):format(r.path or "?",
-      table.concat(r.shape, "x"), fmt_int(r.numel))
-    if r.unit then
-      lines[#lines + 1] = ("  unit %s (%s), %s; this rank (%d of %d) holds %s elements")
-        :format(r.unit, r.strategy, r.state, r.rank, r.world_size, fmt_int(r.local_numel))
-    else
-      lines[#lines + 1] = "  not sharded (dense storage)"
-    end
-    return table.concat(lines, "\n")
-  end
-  if not r.wrapped then
-    return ("%s: not wrapped, %s parameters (%s elements)"):format(r.type, fmt_int(r.nparams),
-      fmt_int(r.numel))
-  end
-  lines[1] = ("%s: wrapped, strategy %s, %d units, %s parameters (%s elements), rank %d of %d")
-    :format(r.type, r.strategy, #r.units, fmt_int(r.nparams), fmt_int(r.numel), r.rank, r.world_size)
-  for _, u in ipairs(r.units) do
-    lines[#lines + 1] = ("  %-24s %-8s %3d params  %10s elements  padded %10s  shard %10s")
-      :format(u.path, u.state, u.nparams, fmt_int(u.numel), fmt_int(u.padded_numel),
-        fmt_int(u.shard_numel))
-  end
-  return table.concat(lines, "\n")
-end
-
---- A table describing a model (its units) or a parameter (its unit and slice); tostring()
---- prints it.
-function W.inspect(x)
-  if is_module(x) then
-    local R = state_of(x)
-    local r = setmetatable({kind = "model", type = x:type_name(), wrapped = R ~= nil and R.model == x,
-      nparams = #x:parameters(), numel = x:num_parameters(), rank = fsdp.rank(),
-      world_size = fsdp.world_size()}, Report)
-    if r.wrapped then
-      r.strategy = R.opts.strategy
-      r.units = {}
-      for _, u in ipairs(unit_list(R)) do
-        r.units[#r.units + 1] = {path = u.path, state = u:state(), strategy = u:strategy(),
-          nparams = #u:params(), numel = u:numel(), padded_numel = u:padded_numel(),
-          shard_numel = u:shard_numel()}
-      end
-    end
-    return r
-  end
-  if base().is_tensor(x) then
-    local r = setmetatable({kind = "param", shape = x:shape(), numel = x:numel(),
-      rank = fsdp.rank(), world_size = fsdp.world_size()}, Report)
-    local u = core.param_unit and core.param_unit(x)
-    if u then
-      r.unit, r.strategy, r.state = u.path, u:strategy(), u:state()
-      local ps, pp = u:params(), u:paths()
-      for i = 1, #ps do if rawequal(ps[i], x) then r.path = pp[i] end end
-      for _, l in ipairs(u:layout()) do
-        if l.path == r.path then r.offset, r.slices = l.offset, l.slices end
-      end
-      local s = local_slice_of(u, x)
-      r.local_numel = s and (s.shard_last - s.shard_first + 1) or 0
-    end
-    return r
-  end
-  raise(("fsdp.inspect: expected a module or a parameter (got %s)"):format(type(x)))
-end
+--- A report on a model (one row per unit), a parameter or a unit; tostring() prints it.
+function W.inspect(x, opts) return require("fsdp.inspect").inspect(x, opts) end
 
 -- ---- for optim.lua (not part of the fsdp table) ----------------------------------------------
 

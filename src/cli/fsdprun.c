@@ -36,6 +36,13 @@
  * (a core.so found on LUA_CPATH is never loaded here: two engines in one process would not
  * share tensors).
  *
+ * The REPL (-i, fsdp.debug()) is src/cli/repl.c: this file gives it a host (rank, communicators,
+ * how to run Lua under the traceback handler and ^C) and a second communicator per rank, `ctl`,
+ * for the REPL's own traffic (the input from rank 0, every rank's outcome back), so that the
+ * recipe's communicator can fail or fall out of step without taking the REPL with it. Inside
+ * an evaluation, print is captured for grouping (fsdp_repl_capture). Each rank's state also
+ * gets package.loaded.fsdprun = {repl = function(where)}, which fsdp.debug() calls.
+ *
  * SIGINT: like lua.c, the handler sets a Lua hook that raises "interrupted" at the next Lua
  * instruction, here in every rank's state that is running a chunk (g_running). LuaJIT does not
  * run hooks inside compiled traces (`while true do end` never leaves its trace), and a rank may
@@ -61,6 +68,7 @@
 #include <luajit.h>
 #include <lualib.h>
 
+#include "cli/repl.h"
 #include "comm/comm.h"
 #include "core/core.h"
 #include "fsdp.h"
@@ -76,8 +84,6 @@
 #define FSDPRUN_INTERRUPT_GRACE_S 2
 #define FSDPRUN_MAX_RANKS 1024
 #define FSDPRUN_RANK_STACK (16u << 20) /* C stack of a rank thread: as much as a main thread */
-#define REPL_PROMPT "fsdp> "
-#define REPL_PROMPT2 ">> "
 
 /* What the command line asked for; argv indices refer to main's argv. Read-only once the
  * ranks run. */
@@ -102,10 +108,10 @@ typedef struct rank_ctx {
   const fsdprun_opts *o;
   int rank, world;
   fsdp_comm *comm; /* NULL: the thread's default (a world of one) */
+  fsdp_comm *ctl;  /* the REPL's channel between the ranks (NULL: a world of one) */
   lua_State *L;
   int status;      /* this rank's exit status */
-  char *line;      /* REPL line buffer (getline) */
-  size_t line_cap;
+  lua_State *paused_L; /* the REPL's pause: the state a ^C would have stopped (g_running) */
   pthread_t thread;
 } rank_ctx;
 
@@ -132,6 +138,7 @@ static int rank_print(lua_State *L) {
   luaL_pushresult(&b);
   size_t len;
   const char *s = lua_tolstring(L, -1, &len);
+  if (fsdp_repl_capture(s, len)) return 0; /* a REPL input on several ranks: grouped later */
   pthread_mutex_lock(&g_out_mu);
   fwrite(s, 1, len, stdout);
   pthread_mutex_unlock(&g_out_mu);
@@ -260,8 +267,7 @@ static int traceback_handler(lua_State *L) {
 
 /* Call the function below narg arguments on the stack under the traceback handler, with SIGINT
  * turned into a Lua error while it runs. Returns the lua_pcall status. */
-static int docall(rank_ctx *rc, int narg, int nres) {
-  lua_State *L = rc->L;
+static int docall_on(rank_ctx *rc, lua_State *L, int narg, int nres) {
   int base = lua_gettop(L) - narg;
   lua_pushcfunction(L, traceback_handler);
   lua_insert(L, base);
@@ -271,6 +277,8 @@ static int docall(rank_ctx *rc, int narg, int nres) {
   lua_remove(L, base);
   return status;
 }
+
+static int docall(rank_ctx *rc, int narg, int nres) { return docall_on(rc, rc->L, narg, nres); }
 
 /* Whether msg reports another rank's failure ("rank R failed: ..." with R not this rank): the
  * communicator's wording when a peer aborted or timed out. */
@@ -390,107 +398,113 @@ static int dorecipe(rank_ctx *rc) {
   return run_chunk(rc, status, narg);
 }
 
-/* ---- the interactive loop (grows into the SPMD REPL with libedit later) ------------------ */
+/* ---- the REPL's host (src/cli/repl.c) ------------------------------------------------------ */
 
-/* Read one line into rc->line without its newline, showing `prompt` when stdin is a terminal.
- * Returns false at end of input. */
-static bool repl_readline(rank_ctx *rc, const char *prompt, bool tty) {
-  if (tty) {
-    fputs(prompt, stdout);
-    fflush(stdout);
-  }
-  ssize_t n = getline(&rc->line, &rc->line_cap, stdin);
-  if (n < 0) return false;
-  while (n > 0 && (rc->line[n - 1] == '\n' || rc->line[n - 1] == '\r')) rc->line[--n] = '\0';
-  return true;
-}
-
-/* A syntax error that only says the chunk ended too early: read more lines. */
-static bool repl_incomplete(lua_State *L, int status) {
-  if (status != LUA_ERRSYNTAX) return false;
-  size_t len;
-  const char *msg = lua_tolstring(L, -1, &len);
-  static const char eof[] = "'<eof>'";
-  size_t k = sizeof eof - 1;
-  return msg != NULL && len >= k && strcmp(msg + len - k, eof) == 0;
-}
-
-static bool repl_is_quit(const char *line) {
-  while (*line == ' ' || *line == '\t') line++;
-  size_t n = strlen(line);
-  while (n > 0 && (line[n - 1] == ' ' || line[n - 1] == '\t')) n--;
-  return n == 5 && strncmp(line, ":quit", 5) == 0;
-}
-
-/* Read and compile one input (a line, or several for an unfinished statement). Returns 0 with
- * the function pushed, an error status with the message pushed, or -1 at EOF / :quit. */
-static int repl_load(rank_ctx *rc, bool tty) {
-  lua_State *L = rc->L;
-  if (!repl_readline(rc, REPL_PROMPT, tty)) return -1;
-  if (repl_is_quit(rc->line)) return -1;
-  const char *line = rc->line;
-  if (line[0] == '=') line++; /* Lua 5.1's "=expr" */
-  /* First as an expression, so `1 + 1` prints 2. The values pass through an identity function
-   * instead of `return <line>` so that a call in the line is not a tail call: `error("x")`
-   * then reports "stdin:1: x" rather than losing its position. The newline keeps a trailing
-   * comment from swallowing the closing parenthesis. */
-  lua_pushfstring(L, "return (function(...) return ... end)(%s\n)", line);
-  size_t len;
-  const char *code = lua_tolstring(L, -1, &len);
-  int status = luaL_loadbuffer(L, code, len, "=stdin");
-  lua_remove(L, -2);
-  if (status == 0) return 0;
-  lua_pop(L, 1);
-  /* Then as statements, reading continuation lines while the chunk is unfinished. */
-  lua_pushstring(L, rc->line);
-  for (;;) {
-    code = lua_tolstring(L, -1, &len);
-    status = luaL_loadbuffer(L, code, len, "=stdin");
-    if (!repl_incomplete(L, status)) break;
-    lua_pop(L, 1);
-    if (!repl_readline(rc, REPL_PROMPT2, tty)) {
-      /* End of input inside a statement: report the syntax error as it stands. */
-      status = luaL_loadbuffer(L, code, len, "=stdin");
-      break;
+/* An input's evaluation: docall on the REPL's state. An interrupt hook left armed by an earlier
+ * ^C that never fired (the rank was blocked in C and failed there) is cleared first, unless a
+ * new ^C is pending. After an interrupted evaluation on several local ranks, a peer still
+ * blocked in a collective with this rank would wait for the REPL timeout: once the ranks had
+ * half a second to stop, poison the communicator so that it fails now. */
+static int host_pcall(void *ctx, lua_State *L, int narg, int nres) {
+  rank_ctx *rc = ctx;
+  if (!g_interrupted && lua_gethook(L) == interrupt_hook) lua_sethook(L, NULL, 0, 0);
+  int status = docall_on(rc, L, narg, nres);
+  if (status != 0 && g_interrupted && rc->comm != NULL && rc->world > 1) {
+    bool busy = true;
+    for (int i = 0; i < 50 && busy; i++) {
+      pthread_mutex_lock(&g_sig_mu);
+      busy = g_nrunning > 0;
+      pthread_mutex_unlock(&g_sig_mu);
+      if (busy) nanosleep(&(struct timespec){.tv_nsec = 10000000}, NULL);
     }
-    lua_pushliteral(L, "\n");
-    lua_pushstring(L, rc->line);
-    lua_concat(L, 3);
+    if (busy) fsdp_comm_abort(rc->comm, "interrupted");
   }
-  lua_remove(L, -2); /* the source text */
   return status;
 }
 
-/* Print the values above `base` with the global print (tostring, tab-separated). */
-static void repl_print(lua_State *L, int base) {
-  int n = lua_gettop(L) - base;
-  if (n <= 0) return;
-  lua_getglobal(L, "print");
-  lua_insert(L, base + 1);
-  if (lua_pcall(L, n, 0, 0) != 0) {
-    lua_pushfstring(L, PROGNAME ": error calling 'print' (%s)\n", lua_tostring(L, -1));
-    write_err(lua_tostring(L, -1));
-    lua_pop(L, 2);
+/* While the REPL waits (for input, for its peers), this rank runs no Lua: a ^C must not aim a
+ * hook at the state of the recipe that called fsdp.debug(). Evaluations mark themselves
+ * running through docall as usual. */
+static void host_pause(void *ctx, bool paused) {
+  rank_ctx *rc = ctx;
+  pthread_mutex_lock(&g_sig_mu);
+  if (paused) {
+    rc->paused_L = g_running[rc->rank];
+    if (rc->paused_L != NULL) {
+      g_running[rc->rank] = NULL;
+      if (--g_nrunning == 0) {
+        signal(SIGINT, SIG_DFL);
+        alarm(0);
+      }
+    }
+  } else if (rc->paused_L != NULL) {
+    if (g_nrunning++ == 0) signal(SIGINT, on_sigint);
+    g_running[rc->rank] = rc->paused_L;
+    rc->paused_L = NULL;
   }
-  fflush(stdout);
+  pthread_mutex_unlock(&g_sig_mu);
 }
 
-static void repl_run(rank_ctx *rc) {
-  lua_State *L = rc->L;
-  bool tty = isatty(STDIN_FILENO);
-  int base = lua_gettop(L);
-  for (;;) {
-    int status = repl_load(rc, tty);
-    if (status == -1) break;
-    if (status == 0) status = docall(rc, 0, LUA_MULTRET);
-    if (status == 0)
-      repl_print(L, base);
-    else
-      report(rc, status);
-    lua_settop(L, base);
-  }
-  if (tty) fputc('\n', stdout);
-  fflush(stdout);
+/* Before each input (rank 0; every rank waits for it): a new ^C starts afresh. */
+static void host_rearm(void *ctx) {
+  (void)ctx;
+  pthread_mutex_lock(&g_sig_mu);
+  if (g_nrunning == 0) g_interrupted = 0;
+  pthread_mutex_unlock(&g_sig_mu);
+}
+
+static void host_write(void *ctx, FILE *f, const char *s, size_t n) {
+  (void)ctx;
+  pthread_mutex_lock(&g_out_mu);
+  if (f == stderr) fflush(stdout);
+  fwrite(s, 1, n, f);
+  fflush(f);
+  pthread_mutex_unlock(&g_out_mu);
+}
+
+static fsdp_repl_host repl_host(rank_ctx *rc) {
+  return (fsdp_repl_host){.rank = rc->rank, .world = rc->world, .comm = rc->comm,
+                          .ctl = rc->ctl, .ctx = rc, .pcall = host_pcall, .pause = host_pause,
+                          .rearm = host_rearm, .write = host_write};
+}
+
+/* package.loaded.fsdprun.repl(where): the REPL, from fsdp.debug() (lua/fsdp/repl.lua), on the
+ * calling Lua thread. Raises when the REPL could not run, or when it left the ranks'
+ * communicator poisoned (the recipe cannot go on). */
+static int l_fsdprun_repl(lua_State *L) {
+  rank_ctx *rc = lua_touserdata(L, lua_upvalueindex(1));
+  const char *where = luaL_optstring(L, 1, NULL);
+  fsdp_repl_host h = repl_host(rc);
+  char err[1024];
+  if (fsdp_repl_run(&h, L, where, err, sizeof err) != 0)
+    return luaL_error(L, "fsdp.debug: %s", err);
+  if (rc->comm != NULL && fsdp_comm_poisoned(rc->comm))
+    return luaL_error(L, "fsdp.debug: the ranks' communicator was poisoned in the REPL (a "
+                         "collective failed there): the recipe cannot go on");
+  return 0;
+}
+
+static void setup_fsdprun_module(lua_State *L, rank_ctx *rc) {
+  lua_getglobal(L, "package");
+  lua_getfield(L, -1, "loaded");
+  lua_newtable(L);
+  lua_pushlightuserdata(L, rc);
+  lua_pushcclosure(L, l_fsdprun_repl, 1);
+  lua_setfield(L, -2, "repl");
+  lua_setfield(L, -2, "fsdprun");
+  lua_pop(L, 2);
+}
+
+/* -i: the REPL after the recipe. Entering it is collective (a rank whose recipe failed makes
+ * it an error on the others); a failure there fails the rank like a recipe error. */
+static bool repl_after_recipe(rank_ctx *rc) {
+  fsdp_repl_host h = repl_host(rc);
+  char err[1024];
+  if (fsdp_repl_run(&h, rc->L, NULL, err, sizeof err) == 0) return true;
+  lua_pushstring(rc->L, err);
+  report(rc, LUA_ERRRUN);
+  fail_rank(rc, err);
+  return false;
 }
 
 /* ---- set-up ---------------------------------------------------------------------------- */
@@ -566,10 +580,11 @@ static int fsdprun_main(lua_State *L) {
   lua_register(L, "print", rank_print);
   setup_package(L);
   setup_arg(L, o);
+  setup_fsdprun_module(L, rc);
   for (int i = 0; i < o->nexec; i++)
     if (dostring(rc, o->exec[i], "=(command line)") != 0) return 0;
   if (o->script > 0 && dorecipe(rc) != 0) return 0;
-  if (o->interactive) repl_run(rc);
+  if (o->interactive && !repl_after_recipe(rc)) return 0;
   rc->status = EXIT_SUCCESS;
   return 0;
 }
@@ -610,6 +625,8 @@ static void *rank_thread(void *arg) {
     fsdp_comm_abort(rc->comm, "cannot create a memory domain: not enough memory");
     fsdp_comm_free(rc->comm);
     rc->comm = NULL;
+    fsdp_comm_free(rc->ctl);
+    rc->ctl = NULL;
     rc->status = EXIT_FAILURE;
     return NULL;
   }
@@ -621,6 +638,8 @@ static void *rank_thread(void *arg) {
    * in a collective fails at once ("rank R left") rather than at the timeout. */
   fsdp_comm_free(rc->comm);
   rc->comm = NULL;
+  fsdp_comm_free(rc->ctl);
+  rc->ctl = NULL;
   fsdp_mem_domain_free(dom); /* freed once its last storage goes */
   return NULL;
 }
@@ -719,29 +738,38 @@ static int run_ranks(fsdprun_opts *o) {
   if (o->script > 0 && load_recipe_once(o) != 0) return EXIT_FAILURE;
   rank_ctx *ranks = calloc((size_t)world, sizeof *ranks);
   g_running = calloc((size_t)world, sizeof *g_running);
-  fsdp_local_group *group = NULL;
-  if (ranks == NULL || g_running == NULL || fsdp_local_group_new(&group, world) != FSDP_OK) {
+  fsdp_local_group *group = NULL, *ctl_group = NULL;
+  if (ranks == NULL || g_running == NULL || fsdp_local_group_new(&group, world) != FSDP_OK ||
+      fsdp_local_group_new(&ctl_group, world) != FSDP_OK) {
     fprintf(stderr, PROGNAME ": cannot start %d ranks: %s\n", world,
             ranks == NULL || g_running == NULL ? "out of memory" : fsdp_error_msg());
+    fsdp_local_group_release(group);
     free(ranks);
     free((void *)g_running);
     return EXIT_FAILURE;
   }
   g_nslots = world;
-  g_rearm_interrupt = world == 1; /* -n 1 -i: each evaluation may be interrupted once */
+  g_rearm_interrupt = world == 1; /* -n 1 -i: each evaluation may be interrupted once; with
+                                   * more ranks the REPL rearms before each input */
   int status = EXIT_SUCCESS, made = 0;
   for (; made < world; made++) {
     rank_ctx *rc = &ranks[made];
     *rc = (rank_ctx){.o = o, .rank = made, .world = world};
-    if (fsdp_comm_local_new(&rc->comm, group, made) != FSDP_OK) {
+    /* ctl: the REPL's own group (fsdp.debug() may come from any recipe), made up front so
+     * that a rank that leaves is seen by its peers there too ("rank R left") */
+    if (fsdp_comm_local_new(&rc->comm, group, made) != FSDP_OK ||
+        fsdp_comm_local_new(&rc->ctl, ctl_group, made) != FSDP_OK) {
       fprintf(stderr, PROGNAME ": cannot create the communicator of rank %d: %s\n", made,
               fsdp_error_msg());
+      fsdp_comm_free(rc->comm);
+      rc->comm = NULL;
       status = EXIT_FAILURE;
       break;
     }
     if (o->timeout > 0) fsdp_comm_set_timeout(rc->comm, o->timeout);
   }
-  fsdp_local_group_release(group); /* the communicators keep it */
+  fsdp_local_group_release(group); /* the communicators keep them */
+  fsdp_local_group_release(ctl_group);
   pthread_attr_t attr;
   pthread_attr_init(&attr);
   pthread_attr_setstacksize(&attr, FSDPRUN_RANK_STACK);
@@ -771,8 +799,10 @@ static int run_ranks(fsdprun_opts *o) {
     if (ranks[r].status != EXIT_SUCCESS && status == EXIT_SUCCESS) status = EXIT_FAILURE;
   }
   if (interrupted) status = EXIT_INTERRUPTED;
-  for (int r = started; r < made; r++) fsdp_comm_free(ranks[r].comm); /* never started */
-  for (int r = 0; r < world; r++) free(ranks[r].line);
+  for (int r = started; r < made; r++) { /* never started */
+    fsdp_comm_free(ranks[r].comm);
+    fsdp_comm_free(ranks[r].ctl);
+  }
   free(ranks);
   g_nslots = 0;
   free((void *)g_running);
@@ -794,7 +824,7 @@ static void print_usage(FILE *f) {
           "  --timeout=SECONDS\n"
           "              how long a collective waits for the other ranks (default 60)\n"
           "  -e CODE     run the Lua CODE before the recipe (may be repeated)\n"
-          "  -i          enter the interactive loop after the recipe (or alone; one rank)\n"
+          "  -i          open the REPL after the recipe (or alone), on every rank\n"
           "  --          stop reading options\n"
           "  -h, --help  show this help and exit\n"
           "  -v, --version\n"
@@ -886,12 +916,6 @@ static int parse_args(fsdprun_opts *o) {
     }
     return usage_error("unknown option '%s'%s", a, "");
   }
-  if (o->interactive && o->nranks > 1) {
-    char n[16];
-    snprintf(n, sizeof n, "%d", o->nranks);
-    return usage_error("-i with -n %s: the interactive loop runs on one rank only for now%s", n,
-                       "");
-  }
   if (o->script == 0 && o->nexec == 0 && !o->interactive)
     return usage_error("no recipe given%s%s", "", "");
   return -1;
@@ -960,7 +984,6 @@ int main(int argc, char **argv) {
     rank_ctx rank0 = {.o = &o, .rank = 0, .world = 1};
     run_rank(&rank0);
     status = rank0.status;
-    free(rank0.line);
   }
   fflush(stdout);
   free(o.source);

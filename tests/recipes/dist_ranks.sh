@@ -94,6 +94,15 @@ printf 'x = fsdp.all_reduce(21, "sum") * 2\nprint(x, fsdp.world_size(), fsdp.bac
 rc=$?
 expect_rc 0 "-n 1 -i"
 [ "$(cat "$T/out")" = "42	1	local" ] || fail "-n 1 -i: stdout was '$(cat "$T/out")'"
+# -n 2 -i: the recipe runs on both ranks, then the SPMD REPL (tests/recipes/repl_*.sh go further)
+echo 'print("ran")' >"$T/ran.lua"
+printf 'fsdp.all_reduce(fsdp.rank() + 1)\n' |
+  "$FSDPRUN" -n 2 -e 'fsdp = require "fsdp"' -i "$T/ran.lua" >"$T/out" 2>"$T/err"
+rc=$?
+expect_rc 0 "-n 2 -i"
+[ "$(cat "$T/out")" = "ran
+ran
+[0-1] 3" ] || fail "-n 2 -i: stdout was '$(cat "$T/out")'"
 
 # ---- usage errors: exit 2, nothing runs ----------------------------------------------------------------
 echo 'print("ran")' >"$T/ok.lua"
@@ -110,7 +119,6 @@ check_usage "-n 0" "-n '0': the number of ranks must be a positive integer" -n 0
 check_usage "-n x" "-n 'x': the number of ranks must be a positive integer" -n x "$T/ok.lua"
 check_usage "-n 2.5" "-n '2.5'" -n 2.5 "$T/ok.lua"
 check_usage "-n 5000" "-n '5000': at most 1024 ranks" -n 5000 "$T/ok.lua"
-check_usage "-i -n 2" "-i with -n 2: the interactive loop runs on one rank only for now" -i -n 2 "$T/ok.lua"
 check_usage "--timeout=0" "--timeout '0': the timeout must be a positive number of seconds" --timeout=0 -n 2 "$T/ok.lua"
 check_usage "--timeout=abc" "--timeout 'abc'" --timeout=abc "$T/ok.lua"
 check_usage "--timeout" "--timeout needs a number of seconds" --timeout

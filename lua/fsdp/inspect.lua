@@ -1,0 +1,339 @@
+-- fsdp.inspect: shard state at a glance, and readable reports for fsdp.memory() and
+-- fsdp.comm_stats(). Owner: repl. docs/REPL.md ("Inspecting shards") is the manual.
+--
+--   fsdp.inspect(model)                 -> report: one row per unit (or per parameter, unwrapped)
+--   fsdp.inspect(param, {model = m})    -> report: state, unit, flat offset, every rank's slice,
+--                                          tie paths (needs the model), mask sparsity
+--   fsdp.inspect(unit)                  -> report of one unit (an element of fsdp.units(model))
+--   M.memory_report(t), M.comm_report(t) -> t with a __tostring (fields untouched)
+--
+-- Reports are plain tables with a metatable whose __tostring prints them; every field stays
+-- readable by programs (tests, recipes). Nothing here communicates: every rank can inspect on
+-- its own (in the REPL, also in ":rank K" mode). What another rank holds is computed from the
+-- layout, which is the same on every rank; what only a rank knows (its mask slice, its bytes)
+-- is reported for the calling rank.
+
+local fsdp = require "fsdp"
+local core = require "fsdp.core"
+
+local M = {}
+
+local concat, floor, format, rep = table.concat, math.floor, string.format, string.rep
+
+local function base() return require "fsdp.nn.module" end
+local function is_module(x) return base().is_module(x) end
+local function is_tensor(x) return core.is_tensor(x) end
+
+-- ---- formatting ----------------------------------------------------------------------------
+
+--- 1234567 -> "1,234,567"
+function M.int(n)
+  if n ~= n then return "nan" end
+  local neg = n < 0
+  local s = tostring(floor(math.abs(n)))
+  s = s:reverse():gsub("(%d%d%d)", "%1,"):reverse():gsub("^,", "")
+  return neg and "-" .. s or s
+end
+
+--- 1536 -> "1.5 KiB"; below 1 KiB in bytes ("512 B").
+function M.bytes(n)
+  if n < 1024 then return format("%d B", n) end
+  local units = { "KiB", "MiB", "GiB", "TiB" }
+  local v, i = n / 1024, 1
+  while v >= 1024 and i < #units do v, i = v / 1024, i + 1 end
+  return format(v >= 100 and "%.0f %s" or "%.1f %s", v, units[i])
+end
+
+local function shape_str(shape) return "(" .. concat(shape, ", ") .. ")" end
+
+-- Left-aligned text columns; `right` marks the columns aligned right (numbers).
+local function columns(rows, right, indent)
+  local w = {}
+  for _, r in ipairs(rows) do
+    for i, c in ipairs(r) do w[i] = math.max(w[i] or 0, #c) end
+  end
+  local out = {}
+  for _, r in ipairs(rows) do
+    local cells = {}
+    for i, c in ipairs(r) do
+      local pad = rep(" ", w[i] - #c)
+      cells[i] = right[i] and pad .. c or (i < #r and c .. pad or c)
+    end
+    out[#out + 1] = indent .. concat(cells, "  ")
+  end
+  return concat(out, "\n")
+end
+
+local function range_str(first, last)
+  if first == nil then return "-" end
+  if first == last then return M.int(first) end
+  return M.int(first) .. "-" .. M.int(last)
+end
+
+-- ---- units ---------------------------------------------------------------------------------
+
+-- The wrap layer's root state of a model, when it is a wrapped root (nil otherwise).
+local function root_state(model)
+  local ok, W = pcall(require, "fsdp.wrap")
+  if not ok or not W._root_state then return nil end
+  return W._root_state(model)
+end
+
+local function unit_row(u)
+  local rank, world = fsdp.rank(), fsdp.world_size()
+  local state = u:state()
+  local numel, padded, shard = u:numel(), u:padded_numel(), u:shard_numel()
+  local replicated = u:strategy() == "none"
+  local first = replicated and 1 or rank * shard + 1
+  local last = replicated and padded or (rank + 1) * shard
+  -- what this rank holds for the unit now: its shard, plus the full flat buffer while gathered
+  -- (a replicated unit's shard is the whole buffer); 4 bytes per element (f32)
+  local held = shard
+  if state == "gathered" and not replicated then held = held + padded end
+  return {
+    path = u.path, state = state, strategy = u:strategy(), nparams = #u:params(),
+    numel = numel, padded_numel = padded, padding = padded - numel, shard_numel = shard,
+    slice = { first, last }, bytes = 4 * held,
+  }
+end
+
+local Report = {}
+Report.__index = Report
+M.Report = Report
+
+local function model_text(r)
+  local lines = {}
+  if not r.wrapped then
+    lines[1] = format("%s: not wrapped, %s parameters (%s elements, %s), rank %d of %d", r.type,
+      M.int(r.nparams), M.int(r.numel), M.bytes(4 * r.numel), r.rank, r.world_size)
+    if r.params and #r.params > 0 then
+      local rows = { { "parameter", "shape", "numel", "device" } }
+      for _, p in ipairs(r.params) do
+        rows[#rows + 1] = { p.path, shape_str(p.shape), M.int(p.numel), p.device }
+      end
+      lines[2] = columns(rows, { [3] = true }, "  ")
+      if r.more_params then lines[3] = format("  ... and %d more", r.more_params) end
+    end
+    return concat(lines, "\n")
+  end
+  lines[1] = format("%s: wrapped (%s), %d unit%s, %s parameters (%s elements), rank %d of %d",
+    r.type, r.strategy, #r.units, #r.units == 1 and "" or "s", M.int(r.nparams), M.int(r.numel),
+    r.rank, r.world_size)
+  local rows = { { "unit", "params", "numel", "padding", "state", "this rank's slice", "bytes here" } }
+  local total = 0
+  for _, u in ipairs(r.units) do
+    rows[#rows + 1] = { u.path, M.int(u.nparams), M.int(u.numel), M.int(u.padding), u.state,
+      range_str(u.slice[1], u.slice[2]) .. " of " .. M.int(u.padded_numel), M.bytes(u.bytes) }
+    total = total + u.bytes
+  end
+  rows[#rows + 1] = { "total", M.int(r.nparams), M.int(r.numel), "", "", "", M.bytes(total) }
+  lines[2] = columns(rows, { [2] = true, [3] = true, [4] = true, [7] = true }, "  ")
+  return concat(lines, "\n")
+end
+
+local function param_text(r)
+  local lines = {}
+  lines[1] = format("parameter %s  %s %s  %s elements", r.path or "(not in a unit: path unknown)",
+    shape_str(r.shape), r.dtype or "f32", M.int(r.numel))
+  local rows = {}
+  if r.unit then
+    rows[#rows + 1] = { "state", format("%s (unit %s, strategy %s)", r.state, r.unit, r.strategy) }
+    if r.offset then
+      rows[#rows + 1] = { "flat", format("elements %s of the unit's flat buffer (offset %s)",
+        range_str(r.offset + 1, r.offset + r.numel), M.int(r.offset)) }
+    end
+    local parts = {}
+    for k = 0, r.world_size - 1 do
+      local s = r.slices and r.slices[k]
+      parts[#parts + 1] = format("%d: %s", k, s and range_str(s[1], s[2]) or "-")
+    end
+    rows[#rows + 1] = { "slices", concat(parts, "   ") .. "  (elements of the parameter)" }
+    rows[#rows + 1] = { "this rank", format("rank %d holds %s element%s", r.rank,
+      M.int(r.local_numel), r.local_numel == 1 and "" or "s") }
+  else
+    rows[#rows + 1] = { "state", format("%s (not sharded: dense storage on %s)", r.state, r.device) }
+  end
+  if r.ties then
+    rows[#rows + 1] = { "ties", #r.ties > 1 and concat(r.ties, ", ") or "none (one path)" }
+  else
+    rows[#rows + 1] = { "ties", "unknown: fsdp.inspect(param, {model = m}) lists them" }
+  end
+  if r.mask then
+    rows[#rows + 1] = { "mask", format("%.1f%% pruned on %s (%s of %s elements are 0)",
+      100 * r.mask.sparsity, r.mask.scope, M.int(r.mask.zeros), M.int(r.mask.n)) }
+  else
+    rows[#rows + 1] = { "mask", "none" }
+  end
+  lines[2] = columns(rows, {}, "  ")
+  return concat(lines, "\n")
+end
+
+Report.__tostring = function(r)
+  if r.kind == "param" then return param_text(r) end
+  if r.kind == "unit" then
+    local u = r.unit_row
+    return format("unit %s: %d params, %s elements (+%s padding), %s, rank %d holds %s (%s)",
+      u.path, u.nparams, M.int(u.numel), M.int(u.padding), u.state, r.rank,
+      range_str(u.slice[1], u.slice[2]), M.bytes(u.bytes))
+  end
+  return model_text(r)
+end
+
+-- ---- the reports ----------------------------------------------------------------------------
+
+local MAX_PARAM_ROWS = 50
+
+local function model_report(x)
+  local R = root_state(x)
+  local r = setmetatable({ kind = "model", type = x:type_name(), wrapped = R ~= nil,
+    nparams = #x:parameters(), numel = x:num_parameters(), rank = fsdp.rank(),
+    world_size = fsdp.world_size() }, Report)
+  if R then
+    r.strategy = R.opts and R.opts.strategy or "full"
+    r.units = {}
+    for _, u in ipairs(fsdp.units(x)) do r.units[#r.units + 1] = unit_row(u) end
+  else
+    r.params = {}
+    local n = 0
+    for path, p in x:named_parameters() do
+      n = n + 1
+      if n <= MAX_PARAM_ROWS then
+        r.params[#r.params + 1] = { path = path, shape = p:shape(), numel = p:numel(),
+          device = p.device }
+      end
+    end
+    if n > MAX_PARAM_ROWS then r.more_params = n - MAX_PARAM_ROWS end
+  end
+  return r
+end
+
+-- The tie paths of p in model (fsdp.ties when the tie layer is there; else its path), or nil.
+local function tie_paths(p, model)
+  if model == nil then return nil end
+  local ok, groups = pcall(function() return fsdp.ties(model) end)
+  if ok and type(groups) == "table" then
+    for _, g in ipairs(groups) do
+      if rawequal(g.param, p) then return g.paths end
+    end
+  end
+  for path, q in model:named_parameters() do
+    if rawequal(q, p) then return { path } end
+  end
+  return nil
+end
+
+local function mask_info(p, sharded)
+  local ok, mask = pcall(require, "fsdp.mask")
+  if not ok or type(mask) ~= "table" or not mask.local_slice or not mask.has then return nil end
+  if not mask.has(p) then return nil end
+  local s = mask.local_slice(p)
+  if s == nil then return nil end
+  local n = s:numel()
+  local zeros = n > 0 and n - s:sum():item() or 0
+  return { zeros = zeros, n = n, sparsity = n > 0 and zeros / n or 0,
+    scope = sharded and "this rank's slice" or "the whole parameter" }
+end
+
+local function param_report(x, opts)
+  local r = setmetatable({ kind = "param", shape = x:shape(), numel = x:numel(), dtype = x.dtype,
+    device = x.device, rank = fsdp.rank(), world_size = fsdp.world_size() }, Report)
+  local u = core.param_unit and core.param_unit(x)
+  if u then
+    r.unit, r.strategy, r.state = u.path, u:strategy(), u:state()
+    local ps, pp = u:params(), u:paths()
+    for i = 1, #ps do
+      if rawequal(ps[i], x) then r.path = pp[i] end
+    end
+    for _, l in ipairs(u:layout()) do
+      if l.path == r.path then r.offset, r.slices = l.offset, l.slices end
+    end
+    r.local_numel = 0
+    for _, s in ipairs(u:local_slices()) do
+      if rawequal(s.param, x) then r.local_numel = s.shard_last - s.shard_first + 1 end
+    end
+    if r.strategy == "none" then r.local_numel = r.numel end
+  else
+    r.state = x.device == "meta" and "meta" or "full"
+  end
+  r.ties = tie_paths(x, opts.model)
+  if r.path == nil and r.ties then r.path = r.ties[1] end
+  r.mask = mask_info(x, u ~= nil and r.strategy ~= "none")
+  return r
+end
+
+local function is_unit(x)
+  if type(x) ~= "userdata" or is_tensor(x) then return false end
+  local ok, v = pcall(function() return x.layout ~= nil and x.path ~= nil end)
+  return ok and v
+end
+
+--- A report on a model, a parameter or a unit; tostring() prints it. opts.model (for a
+--- parameter): the model it belongs to, to list its tie paths. Not collective.
+function M.inspect(x, opts)
+  opts = opts or {}
+  if type(opts) ~= "table" then error("fsdp.inspect: options must be a table", 2) end
+  if is_module(x) then return model_report(x) end
+  if is_tensor(x) then return param_report(x, opts) end
+  if is_unit(x) then
+    return setmetatable({ kind = "unit", unit_row = unit_row(x), rank = fsdp.rank(),
+      world_size = fsdp.world_size() }, Report)
+  end
+  error(("fsdp.inspect: expected a module, a parameter or a unit (got %s)"):format(type(x)), 2)
+end
+
+-- ---- fsdp.memory() and fsdp.comm_stats() ------------------------------------------------------
+
+local MemoryReport = {}
+M.MemoryReport = MemoryReport
+
+local ROLES = { "params", "grads", "optim", "gathered", "activations", "other" }
+
+MemoryReport.__tostring = function(m)
+  local lines = { format("memory (rank %d of %d, cpu): live %s, peak %s", fsdp.rank(),
+    fsdp.world_size(), M.bytes(m.live or 0), M.bytes(m.peak or 0)) }
+  local parts = {}
+  for _, k in ipairs(ROLES) do
+    if m[k] ~= nil then parts[#parts + 1] = format("%s %s", k, M.bytes(m[k])) end
+  end
+  lines[2] = "  " .. concat(parts, "  ")
+  if type(m.devices) == "table" then
+    local names = {}
+    for name in pairs(m.devices) do
+      if name ~= "cpu" then names[#names + 1] = name end
+    end
+    table.sort(names)
+    for _, name in ipairs(names) do
+      local d = m.devices[name]
+      if type(d) == "table" and ((d.live or 0) > 0 or (d.peak or 0) > 0) then
+        lines[#lines + 1] = format("  %s: live %s, peak %s", name, M.bytes(d.live or 0),
+          M.bytes(d.peak or 0))
+      end
+    end
+  end
+  return concat(lines, "\n")
+end
+
+--- fsdp.memory()'s table, printable (its fields are unchanged).
+function M.memory_report(t) return setmetatable(t, MemoryReport) end
+
+local CommReport = {}
+M.CommReport = CommReport
+
+local OPS = { "all_gather", "reduce_scatter", "all_reduce", "broadcast", "barrier" }
+
+CommReport.__tostring = function(s)
+  local lines = { format("comm (rank %d of %d, %s): %s calls, busy %.3f s, waiting %.3f s",
+    fsdp.rank(), fsdp.world_size(), fsdp.backend(), M.int(s.calls or 0), s.busy_s or 0,
+    s.wait_s or 0) }
+  local rows = { { "op", "calls", "bytes" } }
+  for _, op in ipairs(OPS) do
+    rows[#rows + 1] = { op, M.int(s[op .. "_calls"] or 0), M.bytes(s[op .. "_bytes"] or 0) }
+  end
+  lines[2] = columns(rows, { [2] = true, [3] = true }, "  ")
+  return concat(lines, "\n")
+end
+
+--- fsdp.comm_stats()'s table, printable (its fields are unchanged).
+function M.comm_report(t) return setmetatable(t, CommReport) end
+
+return M

@@ -1,0 +1,1281 @@
+/*
+ * repl.c — the SPMD REPL of fsdprun: `fsdprun -n N -i [recipe.lua]` and fsdp.debug().
+ * Owner: repl. docs/REPL.md is the manual; repl.h the interface with the launcher.
+ *
+ * One input, on a world of W > 1 ranks:
+ *
+ *   rank 0  reads it (libedit on a terminal, plain lines otherwise; an unfinished chunk reads
+ *           more lines), or a command (:rank K, :all, :timeout, :help, :quit);
+ *   all     get it through `ctl`, a communicator the REPL owns (broadcast from rank 0), so the
+ *           same protocol runs over threads (local) and processes (MPI);
+ *   each    rank that the input is for evaluates it with `print` captured (fsdp_repl_capture),
+ *           its values turned into text with tostring, its error caught: an error never ends
+ *           the rank and never poisons the recipe's communicator;
+ *   rank 0  gathers every rank's outcome through `ctl` (all_gather) and prints results grouped
+ *           by rank, identical ones merged ("[0-3] 42", "[0] 1.5  [1] 2.5"), then the errors,
+ *           grouped the same way.
+ *
+ * Collectives inside an input run on the recipe's communicator `comm`. While the REPL runs,
+ * its timeout is the REPL's (10 s, FSDP_REPL_TIMEOUT, `:timeout S`), so a collective entered by
+ * only some ranks fails with the communicator's "timeout ... rank R has not arrived" instead of
+ * hanging; that poisons `comm` (sequence numbers are out of step for good), which the REPL then
+ * says once: collectives fail at once from there on, everything else still works, and after
+ * fsdp.debug() the recipe cannot go on (fsdp.debug raises). In ":rank K" mode the input runs
+ * on rank K alone and comm refuses collectives (fsdp_comm_set_refuse) with a clear error.
+ *
+ * Bytes travel over the f32 communicator two per float (values 0..65535 are exact in f32).
+ * With W == 1 nothing travels and nothing is captured: values print at once through the
+ * global print and errors with their traceback, as in `luajit`.
+ */
+#include "cli/repl.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <histedit.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <unistd.h>
+
+#include <lauxlib.h>
+
+#define PROGNAME "fsdprun"
+#define REPL_PROMPT "fsdp> "
+#define REPL_PROMPT2 ">> "
+#define REPL_DEFAULT_TIMEOUT 10.0     /* s: how long an input's collective waits for peers */
+#define REPL_CTL_TIMEOUT 1e9          /* s: peers wait for rank 0's user without limit */
+#define REPL_MAX_OUT ((size_t)1 << 20) /* captured text per rank and input */
+#define REPL_MAX_INPUT ((size_t)16 << 20)
+#define REPL_HISTORY_SIZE 1000
+#define REPL_MAX_CANDIDATES 4096
+
+/* The refusing guard of comm.c (fsdp_comm_set_refuse), weak until it is in every build: when it
+ * is missing, ":rank K" says that collectives there would wait for the timeout instead. */
+extern void fsdp_comm_set_refuse(fsdp_comm *c, const char *msg) __attribute__((weak));
+
+/* ---- growable byte buffers --------------------------------------------------------------- */
+
+typedef struct rbuf {
+  char *p;
+  size_t len, cap;
+  bool cut; /* something did not fit (the capture limit, or out of memory) */
+} rbuf;
+
+static bool rb_reserve(rbuf *b, size_t extra) {
+  if (b->len + extra + 1 <= b->cap) return true;
+  size_t cap = b->cap ? b->cap : 256;
+  while (cap < b->len + extra + 1) cap *= 2;
+  char *p = realloc(b->p, cap);
+  if (!p) {
+    b->cut = true;
+    return false;
+  }
+  b->p = p;
+  b->cap = cap;
+  return true;
+}
+
+static void rb_add(rbuf *b, const char *s, size_t n) {
+  if (n == 0 || !rb_reserve(b, n)) return;
+  memcpy(b->p + b->len, s, n);
+  b->len += n;
+  b->p[b->len] = '\0';
+}
+
+static void rb_str(rbuf *b, const char *s) { rb_add(b, s, strlen(s)); }
+
+static void rb_fmt(rbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void rb_fmt(rbuf *b, const char *fmt, ...) {
+  char tmp[512];
+  va_list ap;
+  va_start(ap, fmt);
+  int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
+  va_end(ap);
+  if (n > 0) rb_add(b, tmp, (size_t)n < sizeof tmp ? (size_t)n : sizeof tmp - 1);
+}
+
+static const char *rb_text(const rbuf *b) { return b->p ? b->p : ""; }
+
+static void rb_clear(rbuf *b) {
+  b->len = 0;
+  b->cut = false;
+  if (b->p) b->p[0] = '\0';
+}
+
+static void rb_free(rbuf *b) {
+  free(b->p);
+  *b = (rbuf){0};
+}
+
+/* ---- print capture ------------------------------------------------------------------------- */
+
+static _Thread_local rbuf *tl_capture; /* where this rank's print goes during an evaluation */
+static _Thread_local int tl_depth;     /* REPLs running on this thread (never more than one) */
+
+static void capture_add(rbuf *b, const char *s, size_t n) {
+  if (b->len + n > REPL_MAX_OUT) {
+    n = b->len < REPL_MAX_OUT ? REPL_MAX_OUT - b->len : 0;
+    b->cut = true;
+  }
+  rb_add(b, s, n);
+}
+
+bool fsdp_repl_capture(const char *s, size_t n) {
+  rbuf *b = tl_capture;
+  if (!b) return false;
+  capture_add(b, s, n);
+  return true;
+}
+
+/* ---- the channel: bytes over ctl --------------------------------------------------------- */
+
+static void pack16(float *f, const char *s, size_t len) {
+  const unsigned char *u = (const unsigned char *)s;
+  for (size_t i = 0; i < len / 2; i++) f[i] = (float)(u[2 * i] | (unsigned)u[2 * i + 1] << 8);
+  if (len % 2) f[len / 2] = (float)u[len - 1];
+}
+
+static void unpack16(char *s, const float *f, size_t len) {
+  for (size_t i = 0; i < len; i++) {
+    unsigned v = (unsigned)f[i / 2];
+    s[i] = (char)(i % 2 ? v >> 8 : v & 0xff);
+  }
+}
+
+/* Sizes travel as two 16-bit halves. */
+static void size_to_f(float *f, size_t n) {
+  f[0] = (float)(n & 0xffff);
+  f[1] = (float)((n >> 16) & 0xffff);
+}
+static size_t size_from_f(const float *f) { return (size_t)f[0] | (size_t)f[1] << 16; }
+
+/* Rank 0's msg to every rank (msg is filled on the others). FSDP_OK, or FSDP_ERR with the
+ * message in the error slot. */
+static int ctl_bcast(const fsdp_repl_host *h, rbuf *msg) {
+  float hdr[2] = {0, 0};
+  if (h->rank == 0) size_to_f(hdr, msg->len);
+  if (fsdp_comm_broadcast(h->ctl, hdr, 2, 0, "repl.input.size") != FSDP_OK) return FSDP_ERR;
+  size_t len = size_from_f(hdr), nf = (len + 1) / 2;
+  float *f = malloc((nf ? nf : 1) * sizeof *f);
+  if (!f) {
+    fsdp_error("the REPL's channel: out of memory for an input of %zu bytes", len);
+    fsdp_comm_abort(h->ctl, fsdp_error_msg()); /* the peers would wait for this rank forever */
+    return FSDP_ERR;
+  }
+  if (h->rank == 0) pack16(f, msg->p, len);
+  int rc = fsdp_comm_broadcast(h->ctl, f, (int64_t)nf, 0, "repl.input");
+  if (rc == FSDP_OK && h->rank != 0) {
+    rb_clear(msg);
+    if (rb_reserve(msg, len)) {
+      unpack16(msg->p, f, len);
+      msg->len = len;
+      msg->p[len] = '\0';
+    }
+  }
+  free(f);
+  return rc;
+}
+
+/* Every rank's `mine`; rank 0 gets them in all[0..world) (the other ranks pass NULL). */
+static int ctl_gather(const fsdp_repl_host *h, const rbuf *mine, rbuf *all) {
+  int W = h->world, r = h->rank;
+  float *sizes = calloc((size_t)W * 2, sizeof *sizes);
+  if (!sizes) {
+    fsdp_error("the REPL's channel: out of memory");
+    fsdp_comm_abort(h->ctl, fsdp_error_msg());
+    return FSDP_ERR;
+  }
+  size_to_f(sizes + 2 * r, mine->len);
+  if (fsdp_comm_all_gather(h->ctl, sizes, sizes + 2 * r, 2, "repl.output.size") != FSDP_OK) {
+    free(sizes);
+    return FSDP_ERR;
+  }
+  size_t max = 0;
+  for (int p = 0; p < W; p++) {
+    size_t n = size_from_f(sizes + 2 * p);
+    if (n > max) max = n;
+  }
+  size_t nf = (max + 1) / 2;
+  int rc = FSDP_OK;
+  if (nf > 0) { /* every rank saw the same sizes: all skip or all take part */
+    float *f = calloc(nf * (size_t)W, sizeof *f);
+    if (!f) {
+      free(sizes);
+      fsdp_error("the REPL's channel: out of memory for %d outputs of %zu bytes", W, max);
+      fsdp_comm_abort(h->ctl, fsdp_error_msg());
+      return FSDP_ERR;
+    }
+    pack16(f + (size_t)r * nf, mine->p, mine->len);
+    rc = fsdp_comm_all_gather(h->ctl, f, f + (size_t)r * nf, (int64_t)nf, "repl.output");
+    if (rc == FSDP_OK && all) {
+      for (int p = 0; p < W; p++) {
+        size_t n = size_from_f(sizes + 2 * p);
+        rb_clear(&all[p]);
+        if (n > 0 && rb_reserve(&all[p], n)) {
+          unpack16(all[p].p, f + (size_t)p * nf, n);
+          all[p].len = n;
+          all[p].p[n] = '\0';
+        }
+      }
+    }
+    free(f);
+  } else if (all) {
+    for (int p = 0; p < W; p++) rb_clear(&all[p]);
+  }
+  free(sizes);
+  return rc;
+}
+
+/* ---- messages and outcomes --------------------------------------------------------------------- */
+
+/* Rank 0 -> all: kind, then a 32-bit argument, then text. */
+enum { MSG_EVAL = 'E', MSG_QUIT = 'Q', MSG_TIMEOUT = 'T' };
+
+static void put_u32(rbuf *b, uint32_t v) {
+  char c[4] = {(char)(v & 0xff), (char)(v >> 8 & 0xff), (char)(v >> 16 & 0xff),
+               (char)(v >> 24 & 0xff)};
+  rb_add(b, c, 4);
+}
+
+static uint32_t get_u32(const char *p) {
+  const unsigned char *u = (const unsigned char *)p;
+  return (uint32_t)u[0] | (uint32_t)u[1] << 8 | (uint32_t)u[2] << 16 | (uint32_t)u[3] << 24;
+}
+
+static void msg_make(rbuf *b, char kind, int32_t arg, const char *text, size_t n) {
+  rb_clear(b);
+  rb_add(b, &kind, 1);
+  put_u32(b, (uint32_t)arg);
+  rb_add(b, text, n);
+}
+
+/* One rank's result for one input. */
+enum { OC_RAN = 1, OC_FAILED = 2, OC_CUT = 4 };
+typedef struct outcome {
+  unsigned flags;
+  rbuf out; /* captured print output and the values' text */
+  rbuf err; /* the error message (with its traceback) */
+} outcome;
+
+static void outcome_encode(rbuf *b, const outcome *oc) {
+  rb_clear(b);
+  char f = (char)(oc->flags | (oc->out.cut ? OC_CUT : 0));
+  rb_add(b, &f, 1);
+  put_u32(b, (uint32_t)oc->out.len);
+  rb_add(b, rb_text(&oc->out), oc->out.len);
+  put_u32(b, (uint32_t)oc->err.len);
+  rb_add(b, rb_text(&oc->err), oc->err.len);
+}
+
+static void outcome_decode(outcome *oc, const rbuf *b) {
+  rb_clear(&oc->out);
+  rb_clear(&oc->err);
+  oc->flags = 0;
+  if (b->len < 9) return;
+  oc->flags = (unsigned char)b->p[0];
+  size_t n = get_u32(b->p + 1), at = 5;
+  if (n > b->len - at) return;
+  rb_add(&oc->out, b->p + at, n);
+  at += n;
+  if (b->len - at < 4) return;
+  size_t m = get_u32(b->p + at);
+  at += 4;
+  if (m > b->len - at) return;
+  rb_add(&oc->err, b->p + at, m);
+}
+
+/* ---- evaluation ----------------------------------------------------------------------------- */
+
+/* Compile an input the way every rank runs it: as an expression list first (so `1 + 1` gives
+ * 2; "=expr" as in Lua 5.1), else as statements. The values pass through an identity function
+ * rather than `return <input>` so that a call in it is not a tail call and its error keeps the
+ * position ("stdin:1: x"); the newline stops a trailing comment from eating the parenthesis.
+ * Pushes the function and returns 0, or pushes the message and returns the status. */
+static int load_input(lua_State *L, const char *text, size_t len) {
+  const char *s = text;
+  size_t n = len;
+  if (n > 0 && s[0] == '=') {
+    s++;
+    n--;
+  }
+  lua_pushliteral(L, "return (function(...) return ... end)(");
+  lua_pushlstring(L, s, n);
+  lua_pushliteral(L, "\n)");
+  lua_concat(L, 3);
+  size_t cl;
+  const char *code = lua_tolstring(L, -1, &cl);
+  int status = luaL_loadbuffer(L, code, cl, "=stdin");
+  lua_remove(L, -2);
+  if (status == 0) return 0;
+  lua_pop(L, 1);
+  return luaL_loadbuffer(L, text, len, "=stdin");
+}
+
+/* Whether the input only ended too early (a syntax error at '<eof>'): read more lines. */
+static bool input_incomplete(lua_State *L, const char *text, size_t len) {
+  int top = lua_gettop(L);
+  int status = load_input(L, text, len);
+  bool more = false;
+  if (status == LUA_ERRSYNTAX) {
+    size_t ml;
+    const char *msg = lua_tolstring(L, -1, &ml);
+    static const char eof[] = "'<eof>'";
+    more = msg != NULL && ml >= sizeof eof - 1 && strcmp(msg + ml - (sizeof eof - 1), eof) == 0;
+  }
+  lua_settop(L, top);
+  return more;
+}
+
+/* tostring of every argument, tab-separated, as one string (what print would write). */
+static int values_text(lua_State *L) {
+  int n = lua_gettop(L);
+  luaL_Buffer b;
+  luaL_buffinit(L, &b);
+  for (int i = 1; i <= n; i++) {
+    if (i > 1) luaL_addchar(&b, '\t');
+    lua_getglobal(L, "tostring");
+    lua_pushvalue(L, i);
+    lua_call(L, 1, 1);
+    if (lua_type(L, -1) != LUA_TSTRING && lua_type(L, -1) != LUA_TNUMBER)
+      return luaL_error(L, LUA_QL("tostring") " must return a string to " LUA_QL("print"));
+    luaL_addvalue(&b);
+  }
+  luaL_pushresult(&b);
+  return 1;
+}
+
+/* Run one input on this rank. capture: collect print output and the values' text into
+ * oc->out (W > 1); otherwise values print at once through the global print (W == 1). */
+static void eval_input(const fsdp_repl_host *h, lua_State *L, const char *text, size_t len,
+                       bool capture, outcome *oc) {
+  int base = lua_gettop(L);
+  rb_clear(&oc->out);
+  rb_clear(&oc->err);
+  oc->flags = OC_RAN;
+  int status = load_input(L, text, len);
+  if (status == 0) {
+    if (capture) tl_capture = &oc->out;
+    status = h->pcall(h->ctx, L, 0, LUA_MULTRET);
+    int n = lua_gettop(L) - base;
+    if (status == 0 && n > 0) {
+      if (capture) lua_pushcfunction(L, values_text);
+      else lua_getglobal(L, "print");
+      lua_insert(L, base + 1);
+      status = lua_pcall(L, n, capture ? 1 : 0, 0);
+      if (status == 0 && capture) {
+        size_t tl;
+        const char *t = lua_tolstring(L, -1, &tl);
+        capture_add(&oc->out, t, tl);
+        capture_add(&oc->out, "\n", 1);
+      } else if (status != 0) {
+        const char *m = lua_tostring(L, -1);
+        lua_pushfstring(L, "error calling 'print' (%s)", m ? m : "?");
+      }
+    }
+    tl_capture = NULL;
+  }
+  if (status != 0) {
+    oc->flags |= OC_FAILED;
+    const char *m = lua_tostring(L, -1);
+    rb_str(&oc->err, m ? m : "(error object is not a string)");
+  }
+  lua_settop(L, base);
+}
+
+/* ---- grouped output (rank 0) ------------------------------------------------------------------- */
+
+/* "0-3", "0,2", "1-2,5": ranks ascending, runs of two or more as a range. */
+static void rankset(rbuf *b, const int *ranks, int k) {
+  for (int i = 0; i < k;) {
+    int j = i;
+    while (j + 1 < k && ranks[j + 1] == ranks[j] + 1) j++;
+    if (i > 0) rb_str(b, ",");
+    if (j > i) rb_fmt(b, "%d-%d", ranks[i], ranks[j]);
+    else rb_fmt(b, "%d", ranks[i]);
+    i = j + 1;
+  }
+}
+
+static int terminal_columns(void) {
+  struct winsize ws;
+  if (isatty(STDOUT_FILENO) && ioctl(STDOUT_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col >= 20)
+    return ws.ws_col;
+  return 100;
+}
+
+/* The message without the stack frames that belong to the REPL itself or to the recipe below
+ * fsdp.debug(): everything from the input's main chunk down, and the [C] frames of
+ * error/assert. What is left (functions the input called) keeps its "stack traceback:". */
+static void trim_traceback(rbuf *dst, const char *msg) {
+  const char *tb = strstr(msg, "\nstack traceback:");
+  if (!tb) {
+    rb_str(dst, msg);
+    return;
+  }
+  rb_add(dst, msg, (size_t)(tb - msg));
+  const char *p = strchr(tb + 1, '\n');
+  rbuf kept = {0};
+  while (p && *p) {
+    p++;
+    const char *e = strchr(p, '\n');
+    size_t n = e ? (size_t)(e - p) : strlen(p);
+    bool main_chunk = strncmp(p, "\tstdin:", 7) == 0 && n >= 13 &&
+                      memcmp(p + n - 13, "in main chunk", 13) == 0;
+    if (main_chunk) break;
+    bool noise = strncmp(p, "\t[C]: in function 'error'", 25) == 0 ||
+                 strncmp(p, "\t[C]: in function 'assert'", 26) == 0 ||
+                 strncmp(p, "\t[C]: at 0x", 11) == 0 || strncmp(p, "\t[C]: in ?", 10) == 0 ||
+                 strncmp(p, "\t(tail call): ?", 15) == 0;
+    if (!noise) {
+      rb_str(&kept, "\n");
+      rb_add(&kept, p, n);
+    }
+    p = e;
+  }
+  if (kept.len > 0) {
+    rb_str(dst, "\nstack traceback:");
+    rb_add(dst, kept.p, kept.len);
+  }
+  rb_free(&kept);
+}
+
+/* Group ranks whose text (out or err) is equal. group[p] = the first rank with the same text,
+ * or -1 when rank p has none. */
+static void group_by(const outcome *oc, int W, bool errors, int *group) {
+  for (int p = 0; p < W; p++) {
+    const rbuf *a = errors ? &oc[p].err : &oc[p].out;
+    group[p] = -1;
+    bool has = errors ? (oc[p].flags & OC_FAILED) != 0 : a->len > 0;
+    if (!(oc[p].flags & OC_RAN) || !has) continue;
+    group[p] = p;
+    for (int q = 0; q < p; q++) {
+      const rbuf *b = errors ? &oc[q].err : &oc[q].out;
+      if (group[q] == q && a->len == b->len && memcmp(rb_text(a), rb_text(b), a->len) == 0) {
+        group[p] = q;
+        break;
+      }
+    }
+  }
+}
+
+/* "[0-3] 42\n", "[0] 1.5  [1] 2.5\n", or a multi-line block per group, into out. */
+static void format_results(rbuf *out, const outcome *oc, int W, int *group, int *members) {
+  group_by(oc, W, false, group);
+  int ngroups = 0;
+  bool one_line = true;
+  size_t width = 0;
+  rbuf label = {0};
+  for (int g = 0; g < W; g++) {
+    if (group[g] != g) continue;
+    ngroups++;
+    const rbuf *t = &oc[g].out;
+    size_t n = t->len;
+    if (n > 0 && t->p[n - 1] == '\n') n--;
+    if (memchr(t->p, '\n', n) != NULL) one_line = false;
+    width += n + 12;
+  }
+  if (ngroups < 2 || width > (size_t)terminal_columns()) one_line = false;
+  bool first = true;
+  for (int g = 0; g < W; g++) {
+    if (group[g] != g) continue;
+    int k = 0;
+    for (int p = g; p < W; p++)
+      if (group[p] == g) members[k++] = p;
+    rb_clear(&label);
+    rb_str(&label, "[");
+    rankset(&label, members, k);
+    rb_str(&label, "]");
+    const rbuf *t = &oc[g].out;
+    size_t n = t->len;
+    if (n > 0 && t->p[n - 1] == '\n') n--;
+    if (one_line) {
+      if (!first) rb_str(out, "  ");
+      rb_add(out, label.p, label.len);
+      rb_str(out, " ");
+      rb_add(out, t->p, n);
+    } else {
+      /* continuation lines line up under the first line's text */
+      rb_add(out, label.p, label.len);
+      rb_str(out, " ");
+      const char *s = t->p, *end = t->p + n;
+      while (s < end) {
+        const char *nl = memchr(s, '\n', (size_t)(end - s));
+        size_t ln = nl ? (size_t)(nl - s) : (size_t)(end - s);
+        rb_add(out, s, ln);
+        rb_str(out, "\n");
+        if (!nl) break;
+        s = nl + 1;
+        for (size_t i = 0; i <= label.len; i++) rb_str(out, " ");
+      }
+      if (n == 0) rb_str(out, "\n");
+      if (oc[g].flags & OC_CUT)
+        rb_fmt(out, "%*s(output cut at %zu bytes)\n", (int)label.len + 1, "", REPL_MAX_OUT);
+    }
+    first = false;
+  }
+  if (one_line && ngroups > 0) rb_str(out, "\n");
+  rb_free(&label);
+}
+
+static void format_errors(rbuf *err, const outcome *oc, int W, int *group, int *members) {
+  group_by(oc, W, true, group);
+  for (int g = 0; g < W; g++) {
+    if (group[g] != g) continue;
+    int k = 0;
+    for (int p = g; p < W; p++)
+      if (group[p] == g) members[k++] = p;
+    rb_str(err, PROGNAME ": [");
+    rankset(err, members, k);
+    rb_str(err, "] ");
+    trim_traceback(err, rb_text(&oc[g].err));
+    rb_str(err, "\n");
+  }
+}
+
+/* ---- reading (rank 0) -------------------------------------------------------------------------- */
+
+typedef struct reader {
+  bool tty;         /* stdin is a terminal: prompts, and libedit unless turned off */
+  bool cancelled;   /* ^C at the prompt: the input so far is dropped */
+  EditLine *el;     /* NULL: plain lines (getline) */
+  History *hist;
+  HistEvent ev;
+  char *hist_path;  /* NULL: no history file */
+  char *line;       /* the line just read, without its newline */
+  size_t cap;
+  const char *prompt;
+  lua_State *L;     /* rank 0's state: completion looks names up in it */
+} reader;
+
+static reader *g_rd; /* the one reader of this process (rank 0's), for libedit's callbacks */
+
+static char *prompt_cb(EditLine *el) {
+  (void)el;
+  return (char *)(g_rd && g_rd->prompt ? g_rd->prompt : REPL_PROMPT);
+}
+
+/* ---- tab completion ---- */
+
+typedef struct names {
+  char **v;
+  int n, cap;
+} names;
+
+static void names_add(names *ns, const char *s, size_t len) {
+  if (ns->n >= REPL_MAX_CANDIDATES) return;
+  if (ns->n == ns->cap) {
+    int cap = ns->cap ? ns->cap * 2 : 32;
+    char **v = realloc(ns->v, (size_t)cap * sizeof *v);
+    if (!v) return;
+    ns->v = v;
+    ns->cap = cap;
+  }
+  char *c = malloc(len + 1);
+  if (!c) return;
+  memcpy(c, s, len);
+  c[len] = '\0';
+  ns->v[ns->n++] = c;
+}
+
+static void names_free(names *ns) {
+  for (int i = 0; i < ns->n; i++) free(ns->v[i]);
+  free(ns->v);
+  *ns = (names){0};
+}
+
+static int cmp_str(const void *a, const void *b) {
+  return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+static bool is_identifier(const char *s, size_t n) {
+  if (n == 0 || !(isalpha((unsigned char)s[0]) || s[0] == '_')) return false;
+  for (size_t i = 1; i < n; i++)
+    if (!(isalnum((unsigned char)s[i]) || s[i] == '_')) return false;
+  return true;
+}
+
+static bool visible_name(const char *k, size_t kn, const char *partial, size_t pn) {
+  if (!is_identifier(k, kn) || kn < pn || memcmp(k, partial, pn) != 0) return false;
+  /* metamethods and private fields only when asked for ("_<TAB>") */
+  return !(kn >= 2 && k[0] == '_' && k[1] == '_') || (pn >= 1 && partial[0] == '_');
+}
+
+/* Names of the value at idx starting with partial: its string keys (a table), then what its
+ * metatable offers: __complete (a list of names, or a function(value) returning one), the
+ * fields of an fsdp module (__fields), a method table (__methods: tensors, units), and __index
+ * when it is a table (classes, recursively). __index functions are never called. methods:
+ * only names whose value is a function (after ':'). */
+static void collect(lua_State *L, int idx, const char *partial, size_t pn, bool methods,
+                    names *ns, int depth) {
+  if (depth > 8 || !lua_checkstack(L, 8)) return;
+  idx = idx < 0 ? lua_gettop(L) + idx + 1 : idx;
+  if (lua_type(L, idx) == LUA_TTABLE) {
+    lua_pushnil(L);
+    while (lua_next(L, idx) != 0) {
+      if (lua_type(L, -2) == LUA_TSTRING && (!methods || lua_isfunction(L, -1))) {
+        size_t kn;
+        const char *k = lua_tolstring(L, -2, &kn);
+        if (visible_name(k, kn, partial, pn)) names_add(ns, k, kn);
+      }
+      lua_pop(L, 1);
+    }
+  }
+  if (!lua_getmetatable(L, idx)) return;
+  int mt = lua_gettop(L);
+  lua_getfield(L, mt, "__complete");
+  if (lua_isfunction(L, -1)) {
+    lua_pushvalue(L, idx);
+    if (lua_pcall(L, 1, 1, 0) != 0) {
+      lua_pop(L, 1);
+      lua_pushnil(L);
+    }
+  }
+  if (lua_type(L, -1) == LUA_TTABLE) {
+    int t = lua_gettop(L);
+    for (int i = 1;; i++) {
+      lua_rawgeti(L, t, i);
+      if (lua_type(L, -1) != LUA_TSTRING) {
+        lua_pop(L, 1);
+        break;
+      }
+      size_t kn;
+      const char *k = lua_tolstring(L, -1, &kn);
+      if (visible_name(k, kn, partial, pn)) names_add(ns, k, kn);
+      lua_pop(L, 1);
+    }
+  }
+  lua_pop(L, 1);
+  lua_getfield(L, mt, "__fsdp_module");
+  bool module = lua_toboolean(L, -1);
+  lua_pop(L, 1);
+  if (module && lua_type(L, idx) == LUA_TTABLE) {
+    lua_pushliteral(L, "__fields");
+    lua_rawget(L, idx);
+    if (lua_type(L, -1) == LUA_TTABLE) collect(L, -1, partial, pn, methods, ns, depth + 1);
+    lua_pop(L, 1);
+    lua_getfield(L, mt, "__class");
+    if (lua_type(L, -1) == LUA_TTABLE) collect(L, -1, partial, pn, methods, ns, depth + 1);
+    lua_pop(L, 1);
+  }
+  lua_getfield(L, mt, "__methods");
+  if (lua_type(L, -1) == LUA_TTABLE) collect(L, -1, partial, pn, methods, ns, depth + 1);
+  lua_pop(L, 1);
+  lua_getfield(L, mt, "__index");
+  if (lua_type(L, -1) == LUA_TTABLE && !lua_rawequal(L, -1, idx))
+    collect(L, -1, partial, pn, methods, ns, depth + 1);
+  lua_pop(L, 2); /* __index, the metatable */
+}
+
+/* t[k] without running code: raw fields, then __index tables and module fields. Pushes the
+ * value or nil. */
+static void peek_field(lua_State *L, int idx, const char *k, size_t kn, int depth) {
+  idx = idx < 0 ? lua_gettop(L) + idx + 1 : idx;
+  if (depth > 8) {
+    lua_pushnil(L);
+    return;
+  }
+  if (lua_type(L, idx) == LUA_TTABLE) {
+    lua_pushlstring(L, k, kn);
+    lua_rawget(L, idx);
+    if (!lua_isnil(L, -1)) return;
+    lua_pop(L, 1);
+  }
+  if (!lua_getmetatable(L, idx)) {
+    lua_pushnil(L);
+    return;
+  }
+  int mt = lua_gettop(L);
+  static const char *const via[] = {"__fields", "__methods", "__class", "__index"};
+  for (int i = 0; i < 4; i++) {
+    if (i == 0) {
+      lua_getfield(L, mt, "__fsdp_module");
+      bool module = lua_toboolean(L, -1) && lua_type(L, idx) == LUA_TTABLE;
+      lua_pop(L, 1);
+      if (!module) continue;
+      lua_pushliteral(L, "__fields");
+      lua_rawget(L, idx);
+    } else {
+      lua_getfield(L, mt, via[i]);
+    }
+    if (lua_type(L, -1) == LUA_TTABLE && !lua_rawequal(L, -1, idx)) {
+      peek_field(L, -1, k, kn, depth + 1);
+      if (!lua_isnil(L, -1)) {
+        lua_replace(L, mt);
+        lua_settop(L, mt);
+        return;
+      }
+      lua_pop(L, 1);
+    }
+    lua_pop(L, 1);
+  }
+  lua_pop(L, 1);
+  lua_pushnil(L);
+}
+
+static const char *const lua_keywords[] = {
+    "and",  "break", "do",  "else", "elseif", "end",    "false", "for",  "function",
+    "goto", "if",    "in",  "local", "nil",   "not",    "or",    "repeat", "return",
+    "then", "true",  "until", "while", NULL};
+
+/* The completions of the word before the cursor (a.b.c, a.b:c): sorted, without duplicates.
+ * *partial_len is the length of the part being completed. */
+static void complete_word(lua_State *L, const char *word, size_t wn, names *ns,
+                          size_t *partial_len) {
+  const char *sep = NULL;
+  for (size_t i = 0; i < wn; i++)
+    if (word[i] == '.' || word[i] == ':') sep = word + i;
+  const char *partial = sep ? sep + 1 : word;
+  size_t pn = wn - (size_t)(partial - word);
+  *partial_len = pn;
+  int top = lua_gettop(L);
+  lua_pushvalue(L, LUA_GLOBALSINDEX);
+  if (sep) {
+    const char *p = word;
+    while (p < sep) {
+      const char *e = p;
+      while (e < sep && *e != '.' && *e != ':') e++;
+      if (*e == ':' && e != sep) goto done; /* a:b.c is not a name path */
+      if (!is_identifier(p, (size_t)(e - p))) goto done;
+      peek_field(L, -1, p, (size_t)(e - p), 0);
+      if (lua_isnil(L, -1)) goto done;
+      p = e + 1;
+    }
+  }
+  collect(L, -1, partial, pn, sep && *sep == ':', ns, 0);
+  if (!sep) {
+    for (int i = 0; lua_keywords[i]; i++)
+      if (strncmp(lua_keywords[i], partial, pn) == 0)
+        names_add(ns, lua_keywords[i], strlen(lua_keywords[i]));
+  }
+  qsort(ns->v, (size_t)ns->n, sizeof *ns->v, cmp_str);
+  int k = 0;
+  for (int i = 0; i < ns->n; i++) {
+    if (k > 0 && strcmp(ns->v[k - 1], ns->v[i]) == 0) {
+      free(ns->v[i]);
+      continue;
+    }
+    ns->v[k++] = ns->v[i];
+  }
+  ns->n = k;
+done:
+  lua_settop(L, top);
+}
+
+/* ^C at the prompt (libedit turns ISIG off while it edits, so it arrives as a key): end the
+ * line and drop the input typed so far, as a shell does. Leaving is :quit or ^D; a stray ^C
+ * must not throw away a session that holds a trained model. */
+static unsigned char cancel_cb(EditLine *el, int ch) {
+  (void)el;
+  (void)ch;
+  if (g_rd) g_rd->cancelled = true;
+  return CC_NEWLINE;
+}
+
+static unsigned char complete_cb(EditLine *el, int ch) {
+  (void)ch;
+  reader *rd = g_rd;
+  if (!rd || !rd->L) return CC_ERROR;
+  const LineInfo *li = el_line(el);
+  const char *start = li->cursor;
+  while (start > li->buffer && (isalnum((unsigned char)start[-1]) || start[-1] == '_' ||
+                                start[-1] == '.' || start[-1] == ':'))
+    start--;
+  size_t wn = (size_t)(li->cursor - start);
+  names ns = {0};
+  size_t pn = 0;
+  complete_word(rd->L, start, wn, &ns, &pn);
+  unsigned char rc = CC_ERROR; /* nothing: beep */
+  if (ns.n > 0) {
+    size_t common = strlen(ns.v[0]);
+    for (int i = 1; i < ns.n; i++) {
+      size_t j = 0;
+      while (j < common && ns.v[i][j] == ns.v[0][j]) j++;
+      common = j;
+    }
+    if (common > pn) {
+      char *add = strndup(ns.v[0] + pn, common - pn);
+      if (add) el_insertstr(el, add);
+      free(add);
+      rc = CC_REFRESH;
+    } else if (ns.n == 1) {
+      rc = CC_REFRESH; /* already complete */
+    } else {
+      /* list the candidates in columns under the line, then redraw it */
+      size_t w = 0;
+      for (int i = 0; i < ns.n; i++)
+        if (strlen(ns.v[i]) > w) w = strlen(ns.v[i]);
+      int cols = terminal_columns() / (int)(w + 2);
+      if (cols < 1) cols = 1;
+      int rows = (ns.n + cols - 1) / cols;
+      fputc('\n', stdout);
+      for (int r = 0; r < rows; r++) {
+        for (int c = 0; c < cols; c++) {
+          int i = c * rows + r;
+          if (i < ns.n) fprintf(stdout, "%-*s", c + 1 < cols ? (int)(w + 2) : 0, ns.v[i]);
+        }
+        fputc('\n', stdout);
+      }
+      fflush(stdout);
+      rc = CC_REDISPLAY;
+    }
+  }
+  names_free(&ns);
+  return rc;
+}
+
+/* ---- the reader ---- */
+
+static void reader_open(reader *rd, lua_State *L) {
+  *rd = (reader){.L = L, .prompt = REPL_PROMPT};
+  rd->tty = isatty(STDIN_FILENO);
+  const char *noedit = getenv("FSDPRUN_NO_EDIT");
+  const char *term = getenv("TERM");
+  bool edit = rd->tty && !(noedit && noedit[0] && strcmp(noedit, "0") != 0) &&
+              !(term && strcmp(term, "dumb") == 0);
+  g_rd = rd;
+  if (!edit) return;
+  rd->el = el_init(PROGNAME, stdin, stdout, stderr);
+  if (!rd->el) return;
+  rd->hist = history_init();
+  if (rd->hist) {
+    history(rd->hist, &rd->ev, H_SETSIZE, REPL_HISTORY_SIZE);
+    history(rd->hist, &rd->ev, H_SETUNIQUE, 1);
+    const char *path = getenv("FSDPRUN_HISTORY");
+    if (path == NULL) {
+      const char *home = getenv("HOME");
+      if (home && home[0]) {
+        size_t n = strlen(home) + sizeof "/.fsdprun_history";
+        rd->hist_path = malloc(n);
+        if (rd->hist_path) snprintf(rd->hist_path, n, "%s/.fsdprun_history", home);
+      }
+    } else if (path[0] != '\0') {
+      rd->hist_path = strdup(path);
+    }
+    if (rd->hist_path) history(rd->hist, &rd->ev, H_LOAD, rd->hist_path);
+    el_set(rd->el, EL_HIST, history, rd->hist);
+  }
+  el_set(rd->el, EL_EDITOR, "emacs");
+  el_set(rd->el, EL_PROMPT, prompt_cb);
+  el_set(rd->el, EL_SIGNAL, 1); /* a signal at the prompt gives the terminal back first */
+  el_set(rd->el, EL_SETTY, "-d", "-isig", NULL); /* ^C is a key while editing */
+  el_set(rd->el, EL_ADDFN, "fsdp-cancel", "drop the input typed so far", cancel_cb);
+  el_set(rd->el, EL_BIND, "^C", "fsdp-cancel", NULL);
+  el_set(rd->el, EL_ADDFN, "fsdp-complete", "complete a global or a field", complete_cb);
+  el_set(rd->el, EL_BIND, "^I", "fsdp-complete", NULL);
+  el_source(rd->el, NULL); /* ~/.editrc */
+}
+
+static void reader_close(reader *rd) {
+  if (rd->el) el_end(rd->el);
+  if (rd->hist) history_end(rd->hist);
+  free(rd->hist_path);
+  free(rd->line);
+  if (g_rd == rd) g_rd = NULL;
+  *rd = (reader){0};
+}
+
+/* One line into rd->line (without its newline), after the prompt; NULL at end of input. */
+static const char *reader_line(reader *rd, const char *prompt) {
+  rd->prompt = prompt;
+  rd->cancelled = false;
+  size_t n;
+  if (rd->el) {
+    int count = 0;
+    const char *s = el_gets(rd->el, &count);
+    if (s == NULL || count <= 0) return NULL;
+    n = (size_t)count;
+    if (n + 1 > rd->cap) {
+      char *p = realloc(rd->line, n + 1);
+      if (!p) return NULL;
+      rd->line = p;
+      rd->cap = n + 1;
+    }
+    memcpy(rd->line, s, n);
+    rd->line[n] = '\0';
+  } else {
+    if (rd->tty) {
+      fputs(prompt, stdout);
+      fflush(stdout);
+    }
+    ssize_t got = getline(&rd->line, &rd->cap, stdin);
+    if (got < 0) return NULL;
+    n = (size_t)got;
+  }
+  while (n > 0 && (rd->line[n - 1] == '\n' || rd->line[n - 1] == '\r')) rd->line[--n] = '\0';
+  return rd->line;
+}
+
+static void reader_remember(reader *rd, const char *line) {
+  if (!rd->hist || line[0] == '\0') return;
+  history(rd->hist, &rd->ev, H_ENTER, line);
+  if (rd->hist_path) history(rd->hist, &rd->ev, H_SAVE, rd->hist_path);
+}
+
+/* ---- the loop ------------------------------------------------------------------------------------ */
+
+typedef struct repl {
+  const fsdp_repl_host *h;
+  lua_State *L;
+  reader rd;       /* rank 0 */
+  int target;      /* -1: every rank; else the one rank inputs run on (rank 0's choice) */
+  double timeout;  /* the collective timeout while the REPL runs */
+  bool poisoned;   /* rank 0 has said that comm is poisoned */
+  char prompt[32];
+  rbuf input, msg, mine;
+  outcome oc;
+  outcome *all;    /* rank 0, W > 1: every rank's outcome */
+  rbuf *raw;       /* rank 0, W > 1: every rank's encoded outcome */
+  int *group, *members;
+} repl;
+
+static void out_text(const repl *R, FILE *f, const char *s, size_t n) {
+  if (n > 0) R->h->write(R->h->ctx, f, s, n);
+}
+
+static void out_str(const repl *R, FILE *f, const char *s) { out_text(R, f, s, strlen(s)); }
+
+static const char help_text[] =
+    "Each input runs on every rank (SPMD); rank 0 prints the results grouped by rank:\n"
+    "  [0-3] 42              the same on ranks 0 to 3\n"
+    "  [0] 1.5  [1] 2.5      different values\n"
+    "An expression prints its values; a statement runs; an unfinished chunk continues on the\n"
+    "next line (>>). Errors are shown per rank and the REPL goes on. Tab completes globals and\n"
+    "fields (fsdp.me<TAB>, t:su<TAB>); up/down recall earlier lines (~/.fsdprun_history).\n"
+    "\n"
+    "  :rank K       run the next inputs on rank K only (collectives are refused there)\n"
+    "  :all          run inputs on every rank again (the default)\n"
+    "  :timeout [S]  show or set how long a collective waits for the other ranks\n"
+    "  :help         this text\n"
+    "  :quit         leave (also ^D); after fsdp.debug() the recipe goes on\n"
+    "\n"
+    "A collective that only some ranks enter fails after the timeout and leaves the ranks'\n"
+    "communicator poisoned: collectives then fail at once, everything else still works.\n";
+
+static void set_prompt(repl *R) {
+  if (R->target < 0) snprintf(R->prompt, sizeof R->prompt, "%s", REPL_PROMPT);
+  else snprintf(R->prompt, sizeof R->prompt, "fsdp[%d]> ", R->target);
+}
+
+static bool parse_seconds(const char *s, double *out) {
+  char *end;
+  errno = 0;
+  double v = strtod(s, &end);
+  while (*end == ' ' || *end == '\t') end++;
+  if (end == s || *end != '\0' || errno != 0 || !(v > 0) || v > 1e9) return false;
+  *out = v;
+  return true;
+}
+
+/* A command line (":name arg"): handle it on rank 0. Returns true when a message for every
+ * rank was put into R->msg (quit, timeout); false when it was handled here. */
+static bool command(repl *R, const char *line) {
+  const fsdp_repl_host *h = R->h;
+  const char *p = line + 1;
+  const char *e = p;
+  while (*e && *e != ' ' && *e != '\t') e++;
+  size_t n = (size_t)(e - p);
+  while (*e == ' ' || *e == '\t') e++;
+  const char *arg = e;
+  char buf[256];
+#define IS(word) (n == sizeof(word) - 1 && strncmp(p, word, n) == 0)
+  if (IS("quit") || IS("q") || IS("exit")) {
+    msg_make(&R->msg, MSG_QUIT, 0, "", 0);
+    return true;
+  }
+  if (IS("help") || IS("h") || IS("?")) {
+    out_str(R, stdout, help_text);
+    return false;
+  }
+  if (IS("all")) {
+    R->target = -1;
+    set_prompt(R);
+    snprintf(buf, sizeof buf, "(inputs run on every rank: 0-%d)\n", h->world - 1);
+    out_str(R, stdout, buf);
+    return false;
+  }
+  if (IS("rank")) {
+    char *end;
+    long k = strtol(arg, &end, 10);
+    while (*end == ' ' || *end == '\t') end++;
+    if (arg[0] == '\0' || *end != '\0' || k < 0 || k >= h->world) {
+      snprintf(buf, sizeof buf, PROGNAME ": :rank needs a rank from 0 to %d (got '%s')\n",
+               h->world - 1, arg);
+      out_str(R, stderr, buf);
+      return false;
+    }
+    R->target = (int)k;
+    set_prompt(R);
+    snprintf(buf, sizeof buf,
+             "(inputs run on rank %ld only; collectives are refused there; :all returns)\n", k);
+    out_str(R, stdout, buf);
+    if (h->world > 1 && !fsdp_comm_set_refuse)
+      out_str(R, stderr,
+              PROGNAME ": warning: this build cannot refuse collectives: one called now waits "
+                       "for the timeout and poisons the communicator\n");
+    return false;
+  }
+  if (IS("timeout")) {
+    if (arg[0] == '\0') {
+      snprintf(buf, sizeof buf, "(a collective waits %g s for the other ranks)\n", R->timeout);
+      out_str(R, stdout, buf);
+      return false;
+    }
+    double s;
+    if (!parse_seconds(arg, &s)) {
+      snprintf(buf, sizeof buf,
+               PROGNAME ": :timeout needs a positive number of seconds (got '%s')\n", arg);
+      out_str(R, stderr, buf);
+      return false;
+    }
+    msg_make(&R->msg, MSG_TIMEOUT, 0, arg, strlen(arg));
+    return true;
+  }
+#undef IS
+  snprintf(buf, sizeof buf, PROGNAME ": unknown command ':%.*s' (:help lists them)\n", (int)n, p);
+  out_str(R, stderr, buf);
+  return false;
+}
+
+static bool is_command(const char *line) {
+  return line[0] == ':' && (isalpha((unsigned char)line[1]) || line[1] == '?');
+}
+
+/* Rank 0: read the next input (or command) into R->msg. */
+static void read_next(repl *R) {
+  reader *rd = &R->rd;
+  for (;;) {
+    R->h->rearm(R->h->ctx);
+    const char *line = reader_line(rd, R->prompt);
+    if (line == NULL) {
+      if (rd->tty) out_str(R, stdout, "\n");
+      msg_make(&R->msg, MSG_QUIT, 0, "", 0);
+      return;
+    }
+    if (rd->cancelled) {
+      out_str(R, stdout, "^C\n");
+      continue;
+    }
+    const char *t = line;
+    while (*t == ' ' || *t == '\t') t++;
+    if (*t == '\0') continue;
+    reader_remember(rd, line);
+    if (is_command(t)) {
+      size_t n = strlen(t);
+      while (n > 0 && (t[n - 1] == ' ' || t[n - 1] == '\t')) n--;
+      char cmd[512];
+      snprintf(cmd, sizeof cmd, "%.*s", (int)n, t);
+      if (command(R, cmd)) return;
+      continue;
+    }
+    rb_clear(&R->input);
+    rb_str(&R->input, line);
+    while (input_incomplete(R->L, R->input.p, R->input.len)) {
+      const char *more = reader_line(rd, REPL_PROMPT2);
+      if (more == NULL) break; /* the ranks report the unfinished chunk */
+      if (rd->cancelled) break;
+      reader_remember(rd, more);
+      rb_str(&R->input, "\n");
+      rb_str(&R->input, more);
+      if (R->input.len > REPL_MAX_INPUT) break;
+    }
+    if (rd->cancelled) {
+      out_str(R, stdout, "^C\n");
+      continue;
+    }
+    if (R->input.cut || R->input.len > REPL_MAX_INPUT) {
+      out_str(R, stderr, PROGNAME ": input too long (16 MiB at most)\n");
+      continue;
+    }
+    msg_make(&R->msg, MSG_EVAL, R->target, R->input.p, R->input.len);
+    return;
+  }
+}
+
+/* Rank 0, W > 1: print every rank's outcome, grouped. */
+static void show(repl *R) {
+  int W = R->h->world;
+  for (int p = 0; p < W; p++) outcome_decode(&R->all[p], &R->raw[p]);
+  rbuf out = {0}, err = {0};
+  format_results(&out, R->all, W, R->group, R->members);
+  format_errors(&err, R->all, W, R->group, R->members);
+  out_text(R, stdout, rb_text(&out), out.len);
+  out_text(R, stderr, rb_text(&err), err.len);
+  rb_free(&out);
+  rb_free(&err);
+  if (!R->poisoned && R->h->comm && fsdp_comm_poisoned(R->h->comm)) {
+    R->poisoned = true;
+    out_str(R, stderr,
+            PROGNAME ": the ranks' communicator is now poisoned (a collective failed above): "
+                     "collectives fail at once from here on; inputs without collectives still "
+                     "run. :quit ends the session.\n");
+  }
+}
+
+/* World of one: what the input printed went out already; report an error as a recipe's. */
+static void show_single(repl *R) {
+  if (!(R->oc.flags & OC_FAILED)) return;
+  rbuf err = {0};
+  rb_str(&err, PROGNAME ": ");
+  rb_add(&err, rb_text(&R->oc.err), R->oc.err.len);
+  rb_str(&err, "\n");
+  out_text(R, stderr, err.p, err.len);
+  rb_free(&err);
+}
+
+static double repl_timeout_default(const fsdp_repl_host *h) {
+  const char *env = getenv("FSDP_REPL_TIMEOUT");
+  double t;
+  if (env && parse_seconds(env, &t)) return t;
+  double def = REPL_DEFAULT_TIMEOUT;
+  if (h->comm && fsdp_comm_timeout(h->comm) < def) def = fsdp_comm_timeout(h->comm);
+  return def;
+}
+
+static void banner(repl *R, const char *where) {
+  const fsdp_repl_host *h = R->h;
+  if (h->rank != 0 || !R->rd.tty) return;
+  char buf[512];
+  const char *backend = h->comm ? fsdp_comm_backend(h->comm) : "local";
+  if (where)
+    snprintf(buf, sizeof buf,
+             "fsdp.debug() at %s: %d rank%s (%s). :help for help; :quit or ^D goes on with "
+             "the recipe.\n",
+             where, h->world, h->world == 1 ? "" : "s", backend);
+  else
+    snprintf(buf, sizeof buf,
+             "fsdprun REPL: %d rank%s (%s); every input runs on every rank. :help for help, "
+             ":quit or ^D to leave.\n",
+             h->world, h->world == 1 ? "" : "s", backend);
+  out_str(R, stdout, buf);
+}
+
+static void repl_free(repl *R) {
+  if (R->h->rank == 0) reader_close(&R->rd);
+  rb_free(&R->input);
+  rb_free(&R->msg);
+  rb_free(&R->mine);
+  rb_free(&R->oc.out);
+  rb_free(&R->oc.err);
+  if (R->all) {
+    for (int p = 0; p < R->h->world; p++) {
+      rb_free(&R->all[p].out);
+      rb_free(&R->all[p].err);
+      rb_free(&R->raw[p]);
+    }
+  }
+  free(R->all);
+  free(R->raw);
+  free(R->group);
+  free(R->members);
+}
+
+int fsdp_repl_run(const fsdp_repl_host *h, lua_State *L, const char *where, char *err,
+                  size_t errn) {
+  if (tl_depth > 0) {
+    snprintf(err, errn, "the REPL is already running (fsdp.debug() inside a REPL input)");
+    return -1;
+  }
+  bool multi = h->world > 1;
+  if (multi && !h->ctl) {
+    snprintf(err, errn, "the REPL needs a channel between the ranks, which the %s backend did "
+                        "not provide", h->comm ? fsdp_comm_backend(h->comm) : "?");
+    return -1;
+  }
+  /* Every rank must be here: a rank that failed, left or is in another collective makes this
+   * an error on every rank (and the communicator's rules apply), never a hang. */
+  if (multi && fsdp_comm_barrier(h->comm, "fsdp.repl") != FSDP_OK) {
+    snprintf(err, errn, "%s", fsdp_error_msg());
+    return -1;
+  }
+  repl R = {.h = h, .L = L, .target = -1};
+  set_prompt(&R);
+  int status = 0;
+  if (multi) {
+    size_t W = (size_t)h->world;
+    if (h->rank == 0) {
+      R.all = calloc(W, sizeof *R.all);
+      R.raw = calloc(W, sizeof *R.raw);
+      R.group = calloc(W, sizeof *R.group);
+      R.members = calloc(W, sizeof *R.members);
+      if (!R.all || !R.raw || !R.group || !R.members) {
+        fsdp_comm_abort(h->ctl, "rank 0 is out of memory for the REPL");
+        snprintf(err, errn, "out of memory for the REPL");
+        repl_free(&R);
+        return -1;
+      }
+    }
+    fsdp_comm_set_timeout(h->ctl, REPL_CTL_TIMEOUT);
+  }
+  double saved_timeout = h->comm ? fsdp_comm_timeout(h->comm) : 0;
+  R.timeout = repl_timeout_default(h);
+  if (h->comm) fsdp_comm_set_timeout(h->comm, R.timeout);
+  tl_depth++;
+  h->pause(h->ctx, true);
+  if (h->rank == 0) reader_open(&R.rd, L);
+  banner(&R, where);
+  for (;;) {
+    if (h->rank == 0) read_next(&R);
+    if (multi && ctl_bcast(h, &R.msg) != FSDP_OK) {
+      snprintf(err, errn, "the REPL's channel failed: %s", fsdp_error_msg());
+      status = -1;
+      break;
+    }
+    if (R.msg.len < 5) break;
+    char kind = R.msg.p[0];
+    int32_t arg = (int32_t)get_u32(R.msg.p + 1);
+    const char *text = R.msg.p + 5;
+    size_t tn = R.msg.len - 5;
+    if (kind == MSG_QUIT) break;
+    if (kind == MSG_TIMEOUT) {
+      double s;
+      if (parse_seconds(text, &s)) {
+        R.timeout = s;
+        if (h->comm) fsdp_comm_set_timeout(h->comm, s);
+        if (h->rank == 0) {
+          char buf[96];
+          snprintf(buf, sizeof buf, "(a collective now waits %g s for the other ranks)\n", s);
+          out_str(&R, stdout, buf);
+        }
+      }
+      continue;
+    }
+    if (kind != MSG_EVAL) continue;
+    bool mine = arg < 0 || arg == h->rank;
+    bool alone = arg >= 0 && multi;
+    rb_clear(&R.oc.out);
+    rb_clear(&R.oc.err);
+    R.oc.flags = 0;
+    if (mine) {
+      if (alone && h->comm && fsdp_comm_set_refuse) {
+        char why[160];
+        snprintf(why, sizeof why,
+                 "collectives are refused in ':rank %d' mode (only rank %d runs this input; "
+                 ":all runs inputs on every rank)", (int)arg, (int)arg);
+        fsdp_comm_set_refuse(h->comm, why);
+      }
+      eval_input(h, L, text, tn, multi, &R.oc); /* paused: the host's pcall marks it running */
+      if (alone && h->comm && fsdp_comm_set_refuse) fsdp_comm_set_refuse(h->comm, NULL);
+    }
+    if (!multi) {
+      show_single(&R);
+      continue;
+    }
+    outcome_encode(&R.mine, &R.oc);
+    if (ctl_gather(h, &R.mine, h->rank == 0 ? R.raw : NULL) != FSDP_OK) {
+      snprintf(err, errn, "the REPL's channel failed: %s", fsdp_error_msg());
+      status = -1;
+      break;
+    }
+    if (h->rank == 0) show(&R);
+  }
+  if (h->rank == 0) reader_close(&R.rd);
+  h->pause(h->ctx, false);
+  tl_depth--;
+  if (h->comm) fsdp_comm_set_timeout(h->comm, saved_timeout);
+  repl_free(&R);
+  return status;
+}

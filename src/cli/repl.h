@@ -1,0 +1,55 @@
+/*
+ * repl.h — the SPMD REPL of fsdprun (src/cli/repl.c): every input runs on every rank (or on one
+ * rank after ":rank K"), rank 0 reads the terminal (libedit: editing, history, completion) and
+ * prints the results grouped by rank. Owner: repl. docs/REPL.md is the manual.
+ *
+ * The REPL knows nothing about threads, processes or signals: the launcher (fsdprun.c) hands it
+ * a host, which says who this rank is, which communicators to use and how to run Lua code
+ * (traceback handler, ^C). The ranks talk to each other only through `ctl`, a communicator of
+ * their own (never the recipe's: that one may be poisoned or out of step after a failed input),
+ * so the same code runs over the local backend (ranks are threads) and over MPI (processes).
+ */
+#ifndef FSDP_CLI_REPL_H
+#define FSDP_CLI_REPL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdio.h>
+
+#include <lua.h>
+
+#include "comm/comm.h"
+
+typedef struct fsdp_repl_host {
+  int rank, world;
+  fsdp_comm *comm; /* the rank's communicator (units and fsdp.barrier use it); NULL: a world of
+                    * one made on demand, where nothing can hang */
+  fsdp_comm *ctl;  /* the REPL's channel between the ranks; required when world > 1 */
+  void *ctx;       /* passed back to the callbacks */
+  /* lua_pcall of the function below narg arguments, with the launcher's traceback handler and
+   * SIGINT turned into the error "interrupted" */
+  int (*pcall)(void *ctx, lua_State *L, int narg, int nres);
+  /* paused = true: this rank no longer runs Lua (it waits for input or for its peers), so ^C
+   * must not be aimed at it; false: back to what it was before */
+  void (*pause)(void *ctx, bool paused);
+  /* rank 0, before reading each input: a new ^C may interrupt the next evaluation */
+  void (*rearm)(void *ctx);
+  /* write text whole to f (stdout or stderr) under the launcher's output lock, flushed */
+  void (*write)(void *ctx, FILE *f, const char *s, size_t n);
+} fsdp_repl_host;
+
+/* Run the REPL on state L (the running Lua thread) until ":quit" or end of input. Collective
+ * when world > 1: every rank calls it, and it starts with a barrier on comm (labelled
+ * "fsdp.repl") so that a rank that failed or is elsewhere is an error, not a hang. `where`
+ * names the caller for the banner (NULL after the recipe, "recipe.lua:12" for fsdp.debug()).
+ * Returns 0 when the user left, or -1 with a message in err (the entry barrier failed, the
+ * channel failed, or the REPL was entered again from inside an input). */
+int fsdp_repl_run(const fsdp_repl_host *h, lua_State *L, const char *where, char *err,
+                  size_t errn);
+
+/* While an input is evaluated on a rank of a world > 1, `print` output is collected so that
+ * rank 0 can group it: returns true when s was taken (the launcher's print then writes
+ * nothing). Thread-local: only the evaluating rank's thread is affected. */
+bool fsdp_repl_capture(const char *s, size_t n);
+
+#endif
