@@ -707,9 +707,12 @@ static int l_set_rng_state(lua_State *L) {
         return luaL_error(L, "set_rng_state: unknown random stream '%s' (randn, rand, dropout)",
                           name);
       next[i] = check_hex(L, -1, name);
-      if (next[i] % 4 != 0 || next[i] > ((uint64_t)1 << 62))
-        return luaL_error(L, "set_rng_state: stream '%s' offset %llu is not a multiple of 4",
-                          name, (unsigned long long)next[i]);
+      if (next[i] % 4 != 0 || next[i] > ((uint64_t)1 << 62)) {
+        char num[24]; /* luaL_error knows no %llu */
+        snprintf(num, sizeof num, "%llu", (unsigned long long)next[i]);
+        return luaL_error(L, "set_rng_state: stream '%s' offset %s is not a multiple of 4 "
+                             "(below 2^62)", name, num);
+      }
     }
   }
   lua_pop(L, 1);

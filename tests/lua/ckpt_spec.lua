@@ -1,0 +1,266 @@
+-- ckpt_spec.lua — fsdp.save / fsdp.load at world size 1 (lua/fsdp/checkpoint.lua) and the
+-- checkpoint support of fsdp.core (src/lua/l_io.c: json_encode/decode, ckpt_index_read/write,
+-- folders, random state). Multi-rank behaviour (sharding, resharding, collective failures) is
+-- tested by tests/dist/ckpt_*.lua. Owner: ckpt. Run: busted --lua=luajit tests/lua/ckpt_spec.lua
+
+local fsdp = require "fsdp"
+local core = fsdp.core
+local nn = fsdp.nn
+require "fsdp.checkpoint"
+
+local function tmpdir()
+  local p = os.tmpname()
+  os.remove(p)
+  core.io_mkdirs(p)
+  return p
+end
+
+local function rmtree(p)
+  os.execute("rm -rf '" .. p .. "'")
+end
+
+local function errors_with(fn, ...)
+  local ok, err = pcall(fn)
+  assert.is_false(ok, "expected an error")
+  err = tostring(err)
+  for _, s in ipairs{...} do
+    if not err:find(s, 1, true) then error(("error %q lacks %q"):format(err, s), 2) end
+  end
+  return err
+end
+
+local function gpt(seed, cfg)
+  fsdp.manual_seed(seed)
+  local c = {vocab = 16, ctx = 4, d = 8, layers = 1, heads = 2, tie = true}
+  for k, v in pairs(cfg or {}) do c[k] = v end
+  return nn.GPT(c)
+end
+
+local function values(model)
+  local out = {}
+  for path, p in model:named_parameters() do out[path] = p:detach():view{p:numel()}:totable() end
+  return out
+end
+
+local function step(model, opt, k)
+  local x = fsdp.tensor{{k % 16, (k + 3) % 16, (k * 5) % 16, 1}}
+  opt:zero_grad()
+  local loss = nn.F.cross_entropy(model(x), x)
+  loss:backward()
+  opt:step()
+  return loss:item()
+end
+
+describe("fsdp.save / fsdp.load at world size 1", function()
+  local dir
+  before_each(function() dir = tmpdir() end)
+  after_each(function() rmtree(dir) end)
+
+  it("are the API's names", function()
+    assert.are.equal(require("fsdp.checkpoint").save, fsdp.save)
+    assert.are.equal(require("fsdp.checkpoint").load, fsdp.load)
+  end)
+
+  it("round-trip a model through safetensors, with extra and the step in __metadata__", function()
+    local m = gpt(1)
+    fsdp.save(m, dir .. "/m.safetensors", {extra = {a = {1, 2}, b = "x"}, step = 7})
+    local r = core.st_open(dir .. "/m.safetensors")
+    local meta = r:metadata()
+    assert.are.equal("wte.weight", meta["fsdp.tied.head.weight"])
+    assert.are.equal("7", meta["fsdp.step"])
+    assert.are.equal("fsdprun.safetensors", meta["fsdp.format"])
+    r:close()
+    local m2 = gpt(2)
+    assert.are_not.same(values(m), values(m2))
+    local extra, info = fsdp.load(m2, dir .. "/m.safetensors")
+    assert.are.same({a = {1, 2}, b = "x"}, extra)
+    assert.are.equal("safetensors", info.format)
+    assert.are.same(values(m), values(m2))
+  end)
+
+  it("chooses the format from the path: .safetensors is one file, anything else a folder", function()
+    local m = gpt(1)
+    fsdp.save(m, dir .. "/a.safetensors")
+    fsdp.save(m, dir .. "/folder")
+    assert.is_truthy(core.io_size(dir .. "/a.safetensors"))
+    assert.is_truthy(core.io_size(dir .. "/folder/index.json"))
+    fsdp.save(m, dir .. "/b.bin", {format = "safetensors"})
+    assert.is_truthy(core.io_size(dir .. "/b.bin"))
+    local m2 = gpt(3)
+    fsdp.load(m2, dir .. "/b.bin")
+    assert.are.same(values(m), values(m2))
+  end)
+
+  it("round-trips a sharded checkpoint with SGD momentum, a loader, a schedule and extra", function()
+    local m = gpt(1)
+    local opt = fsdp.optim.SGD(m, {lr = 0.1, momentum = 0.9})
+    local sched = fsdp.optim.cosine(opt, {warmup = 1, total = 10})
+    for k = 1, 3 do sched:step() step(m, opt, k) end
+    local loader = {cursor = 3}
+    fsdp.save(m, dir .. "/ck", {optimizer = opt, loader = loader, schedule = sched, extra = {note = "n"}})
+    local m2 = gpt(2)
+    local opt2 = fsdp.optim.SGD(m2, {lr = 0.5, momentum = 0.9})
+    local sched2 = fsdp.optim.cosine(opt2, {total = 99})
+    local loader2 = {cursor = 0}
+    local extra, info = fsdp.load(m2, dir .. "/ck", {optimizer = opt2, loader = loader2, schedule = sched2})
+    assert.are.same({note = "n"}, extra)
+    assert.are.same({format = "sharded", step = 3, world_size = 1, generation = 1}, info)
+    assert.are.equal(3, loader2.cursor)
+    assert.are.equal(3, sched2.k)
+    assert.are.equal(10, sched2.total)
+    assert.are.equal(opt.lr, opt2.lr)
+    assert.are.same(values(m), values(m2))
+    -- same state: the next steps are identical
+    for k = 4, 5 do
+      sched:step() sched2:step()
+      assert.are.equal(step(m, opt, k), step(m2, opt2, k))
+    end
+    assert.are.same(values(m), values(m2))
+  end)
+
+  it("keeps one generation of files: a new save replaces the previous one's", function()
+    local m = gpt(1)
+    fsdp.save(m, dir .. "/ck")
+    assert.are.same({"g1-rank0-of1.safetensors", "index.json"}, core.io_listdir(dir .. "/ck"))
+    -- leftovers of a crashed save (a higher generation nobody committed) are skipped and removed
+    local f = assert(io.open(dir .. "/ck/g5-rank0-of1.safetensors", "wb"))
+    f:write("junk")
+    f:close()
+    fsdp.save(m, dir .. "/ck")
+    assert.are.same({"g6-rank0-of1.safetensors", "index.json"}, core.io_listdir(dir .. "/ck"))
+    assert.are.equal(6, core.ckpt_index_read(dir .. "/ck/index.json").generation)
+  end)
+
+  it("loads into a model built on the meta device (plain): parameters get storage and values", function()
+    local m = gpt(1)
+    fsdp.save(m, dir .. "/m.safetensors")
+    fsdp.save(m, dir .. "/ck")
+    for _, src in ipairs{dir .. "/m.safetensors", dir .. "/ck"} do
+      local mm = fsdp.meta(function() return gpt(9) end)
+      assert.are.equal("meta", mm.wte.weight.device)
+      fsdp.load(mm, src)
+      assert.are.equal("cpu", mm.wte.weight.device)
+      assert.is_true(rawequal(mm.wte.weight, mm.head.weight))
+      assert.are.same(values(m), values(mm))
+    end
+  end)
+
+  it("re-ties a plain model the file says is tied", function()
+    local m = gpt(1)
+    fsdp.save(m, dir .. "/m.safetensors")
+    local u = gpt(2, {tie = false})
+    fsdp.load(u, dir .. "/m.safetensors")
+    assert.is_true(rawequal(u.wte.weight, u.head.weight))
+    assert.are.same(values(m), values(u))
+  end)
+
+  it("reports strict-loading problems by name and shape, and leaves the model untouched", function()
+    local m = gpt(1)
+    fsdp.save(m, dir .. "/m.safetensors")
+    fsdp.save(m, dir .. "/ck")
+    for _, src in ipairs{dir .. "/m.safetensors", dir .. "/ck"} do
+      local wide = gpt(2, {d = 12})
+      local before = values(wide)
+      errors_with(function() fsdp.load(wide, src) end, "fsdp.load: ", "wte.weight", "(16, 8)", "(16, 12)")
+      assert.are.same(before, values(wide))
+      -- non-strict loading still refuses a shape mismatch
+      errors_with(function() fsdp.load(wide, src, {strict = false}) end, "(16, 8)", "(16, 12)")
+      local deep = gpt(3, {layers = 2})
+      before = values(deep)
+      errors_with(function() fsdp.load(deep, src) end, "missing tensors", "blocks.2.")
+      assert.are.same(before, values(deep))
+      fsdp.load(deep, src, {strict = false})
+      assert.are.same(values(m)["blocks.1.mlp.fc.weight"], values(deep)["blocks.1.mlp.fc.weight"])
+      assert.are.same(before["blocks.2.mlp.fc.weight"], values(deep)["blocks.2.mlp.fc.weight"])
+    end
+  end)
+
+  it("checks its options", function()
+    local m = gpt(1)
+    local opt = fsdp.optim.AdamW(m, {})
+    errors_with(function() fsdp.save(m, dir .. "/x", {fromat = "sharded"}) end, "unknown option fromat")
+    errors_with(function() fsdp.save(m, dir .. "/x", {format = "pickle"}) end, "format must be")
+    errors_with(function() fsdp.save(m, dir .. "/x.safetensors", {optimizer = opt}) end,
+      "safetensors file holds the model only")
+    errors_with(function() fsdp.save(m, dir .. "/x", {extra = {f = print}}) end, "extra must be JSON-able")
+    errors_with(function() fsdp.save(m, dir .. "/x", {optimizer = {}}) end, "optimizer must be")
+    errors_with(function() fsdp.save(m, dir .. "/x", {loaders = {train = {}}}) end, "cursor")
+    errors_with(function() fsdp.save({}, dir .. "/x") end, "expected a module")
+    errors_with(function() fsdp.save(m, "") end, "path must be")
+    errors_with(function() fsdp.load(m, dir .. "/nothing") end,
+      "neither a safetensors file nor a sharded checkpoint folder")
+    fsdp.save(m, dir .. "/ck")
+    errors_with(function() fsdp.load(m, dir .. "/ck", {optimizer = opt}) end, "holds no optimizer state")
+    errors_with(function() fsdp.load(m, dir .. "/ck", {loader = {cursor = 0}}) end,
+      "no position saved for data loader 'loader'")
+    local sgd = fsdp.optim.SGD(m, {lr = 1})
+    fsdp.save(m, dir .. "/ck2", {optimizer = sgd})
+    errors_with(function() fsdp.load(m, dir .. "/ck2", {optimizer = opt}) end, "holds SGD state, the optimizer is AdamW")
+    assert.is_nil(core.io_size(dir .. "/x"))
+  end)
+end)
+
+describe("checkpoint support in fsdp.core", function()
+  local dir
+  before_each(function() dir = tmpdir() end)
+  after_each(function() rmtree(dir) end)
+
+  it("json_encode / json_decode round-trip values, sorted keys, exact numbers", function()
+    local v = {b = {1, 2.5, "x", true}, a = {c = 0.1, d = -3}, e = 1e300}
+    local s = core.json_encode(v)
+    assert.are.equal('{"a":{"c":0.1,"d":-3},"b":[1,2.5,"x",true],"e":1e+300}', s)
+    assert.are.same(v, core.json_decode(s))
+    errors_with(function() core.json_decode("{", "thing") end, "thing: not valid JSON")
+    errors_with(function() core.json_encode({f = print}) end, "$.f")
+  end)
+
+  it("save and restore the random state (seed and stream offsets)", function()
+    fsdp.manual_seed(3)
+    fsdp.randn{5}
+    local st = core.rng_state()
+    assert.are.equal("0000000000000003", st.seed)
+    assert.are.equal("0000000000000008", st.streams.randn)
+    local a = fsdp.randn{4}:totable()
+    fsdp.manual_seed(99)
+    core.set_rng_state(st)
+    assert.are.same(a, fsdp.randn{4}:totable())
+    errors_with(function() core.set_rng_state({seed = "xyz"}) end, "16 lowercase hex digits")
+    errors_with(function() core.set_rng_state({seed = st.seed, streams = {bogus = st.seed}}) end,
+      "unknown random stream 'bogus'")
+    errors_with(function() core.set_rng_state({seed = st.seed, streams = {randn = "0000000000000003"}}) end,
+      "not a multiple of 4")
+  end)
+
+  it("ckpt_index_write checks the index before writing it", function()
+    local good = {format = "fsdprun.sharded", version = 1, generation = 1, world_size = 1, step = 0,
+      files = {{rank = 0, name = "g1-rank0-of1.safetensors", bytes = 64, header_xxh3 = "0123456789abcdef"}},
+      params = {{path = "w", shape = {2, 3}, numel = 6, slices = {{rank = 0, first = 0, count = 6}}}}}
+    core.ckpt_index_write(dir .. "/index.json", good)
+    assert.are.same(good, core.ckpt_index_read(dir .. "/index.json"))
+    good.params[1].slices[1].count = 5
+    errors_with(function() core.ckpt_index_write(dir .. "/bad.json", good) end,
+      dir .. "/bad.json: param 'w': no rank holds elements [5, 6)")
+    assert.is_nil(core.io_size(dir .. "/bad.json"))
+    good.params[1].slices[1].count = 6
+    good.files[1].name = "../escape"
+    errors_with(function() core.ckpt_index_write(dir .. "/bad.json", good) end, "plain file name")
+  end)
+
+  it("folders: mkdirs (nested, idempotent), listdir (sorted), remove (missing is fine)", function()
+    core.io_mkdirs(dir .. "/a/b/c")
+    core.io_mkdirs(dir .. "/a/b/c/")
+    for _, n in ipairs{"z", "m", "a"} do
+      local f = io.open(dir .. "/a/" .. n, "wb")
+      f:write(n)
+      f:close()
+    end
+    assert.are.same({"a", "b", "m", "z"}, core.io_listdir(dir .. "/a"))
+    core.io_remove(dir .. "/a/m")
+    core.io_remove(dir .. "/a/m")
+    assert.are.same({"a", "b", "z"}, core.io_listdir(dir .. "/a"))
+    assert.are.equal(1, core.io_size(dir .. "/a/z"))
+    errors_with(function() core.io_mkdirs(dir .. "/a/z/q") end, "cannot create folder")
+    errors_with(function() core.io_listdir(dir .. "/nope") end, "cannot open folder")
+    core.io_fsync_dir(dir .. "/a")
+  end)
+end)
