@@ -1,0 +1,111 @@
+/*
+ * embed.h — internals of the embedding runtime (include/fsdp.h), shared by the files of
+ * src/embed/ and compiled only into libfsdp.so. Owner: embed.
+ *
+ * Shape of a runtime: `world` rank threads, each owning a Lua state, a memory domain and a
+ * communicator of one local group (as `fsdprun -n N` runs ranks, src/cli/fsdprun.c). The host
+ * thread hands all ranks the same job (a function run on each rank thread), waits until every
+ * rank has finished it, then reads each rank's status and message. Host-level
+ * synchronization between jobs lets a call check things on every rank (a syntax error, a
+ * missing function, a parameter's size) before any rank runs user code, so those errors leave
+ * the runtime usable. Lua errors inside user code abort the communicator (peers fail fast)
+ * and break the runtime (fsdp.h "Errors").
+ *
+ * runtime.c: threads, jobs, the public functions. host.c: what each rank's Lua state gets
+ * (print, the fsdp.log writer, fsdp.host) and the callbacks into the host.
+ */
+#ifndef FSDP_EMBED_H
+#define FSDP_EMBED_H
+
+#include <limits.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include <lua.h>
+
+#include "comm/comm.h"
+#include "core/core.h"
+#include "fsdp.h"
+
+typedef struct embed_rank embed_rank;
+typedef int (*embed_job_fn)(embed_rank *r); /* runs on the rank's thread */
+
+struct embed_rank {
+  fsdp_runtime *rt;
+  int rank;
+  pthread_t thread;
+  bool started;
+  fsdp_comm *comm;
+  lua_State *L;       /* NULL until the init job made it */
+  int host_ref;       /* registry: the internal table of the fsdp.host chunk (I) */
+  int pending_ref;    /* registry: the current call's function and arguments, or LUA_NOREF */
+  int64_t batches;    /* batches this rank has received from the data source */
+  /* the current job's outcome */
+  int status;         /* FSDP_OK, FSDP_ERROR (nothing broken), FSDP_BROKEN (user code raised) */
+  char *msg;          /* malloc'd message of a failure, or NULL */
+  /* fsdp_call: host memory wrapped as this rank's inputs (one reference each, dropped after
+   * the call: see release_inputs in runtime.c) */
+  fsdp_storage **wrapped;
+  int nwrapped;
+};
+
+/* A job's arguments, set by the host thread before dispatch and read-only while ranks run. */
+typedef struct embed_job {
+  const char *code;      /* run_string; run_file: the file's contents */
+  size_t code_len;
+  const char *chunkname;
+  const char *path;      /* run_file: arg[0]; read_param: the parameter path */
+  int argc;
+  const char *const *argv;
+  const char *fn;        /* fsdp_call: the global function */
+  const fsdp_host_tensor *in;
+  int n_in;
+  bool per_rank;         /* in/out indexed by rank */
+  fsdp_host_tensor *out;
+  int n_out;
+  float *buf;            /* read_param: rank 0 copies here */
+  int64_t count;
+  int ndim;              /* param_shape / read_param: rank 0's answer */
+  int64_t shape[FSDP_HOST_MAX_DIMS];
+} embed_job;
+
+struct fsdp_runtime {
+  int world;
+  embed_rank *ranks;
+  char lua_dir[PATH_MAX];
+  double timeout_s;
+  pthread_mutex_t api_mu; /* one host call at a time */
+  pthread_mutex_t mu;     /* the job handoff below */
+  pthread_cond_t job_cv, done_cv;
+  uint64_t job_seq;       /* bumped per job; a rank runs each value once */
+  int pending;            /* ranks that have not finished the current job */
+  embed_job_fn job_fn;    /* NULL: leave (fsdp_runtime_free) */
+  embed_job job;
+  bool broken;
+  char *broken_msg;       /* the failure that broke it */
+  char *err;              /* fsdp_last_error; NULL: "" */
+  pthread_mutex_t cb_mu;  /* serializes callbacks; guards the four fields below */
+  fsdp_log_fn log_fn;
+  void *log_ud;
+  fsdp_data_fn data_fn;
+  void *data_ud;
+};
+
+/* The rank whose thread this is, or NULL on any other thread (runtime.c). */
+embed_rank *embed_current_rank(void);
+
+/* Set up a new rank state inside lua_cpcall (host.c): standard libraries, print, package.path
+ * (rt->lua_dir) and the fsdp.core preload, require "fsdp", fsdp.host, the fsdp.log writer, no
+ * os.exit. Leaves r->host_ref set. Raises on failure. */
+int embed_setup_state(lua_State *L);
+
+/* Check a host tensor (ndim, shape, data) and give its number of elements; false with a
+ * message in err. */
+bool embed_host_numel(const fsdp_host_tensor *h, int64_t *numel, char *err, size_t n);
+
+/* Set this rank's failure (status and printf-style message); returns status. */
+int embed_fail(embed_rank *r, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+#endif

@@ -1,0 +1,1057 @@
+/*
+ * runtime.c — the embedding runtime of include/fsdp.h: rank threads, the job handoff between
+ * the host thread and the ranks, and the public functions. Owner: embed.
+ *
+ * Jobs. The host thread (holding rt->api_mu) publishes a job function and its arguments
+ * (rt->job_fn, rt->job), bumps rt->job_seq and waits until every rank thread has run it
+ * (rt->pending reaches 0). Each job runs the rank's Lua work inside lua_cpcall, so no Lua error
+ * (not even out of memory) escapes into C frames that hold resources; a rank's outcome is
+ * r->status and r->msg, which the host folds into one status (collect()).
+ *
+ * A call runs in phases, each a job: first a phase that cannot touch a collective (compile the
+ * chunk, look the function or the parameter up, wrap inputs); only if every rank succeeded
+ * there, the phase that runs user code. A Lua error in user code aborts the rank's
+ * communicator right away (peers blocked in a collective fail fast with "rank R failed: ...",
+ * DESIGN.md invariant 3) and breaks the runtime: the group is poisoned for good.
+ *
+ * Inputs of fsdp_call are host memory wrapped in storages (fsdp_storage_wrap: not owned, not
+ * accounted). After the call the rank frees the Lua tensors it made of them (t:free()) and
+ * then looks at each storage's refcount: anything left (a view, an autograd record) means Lua
+ * code kept a pointer into host memory, and the storage gets a copy of its bytes that it owns
+ * (detach_storage), so the host may reuse its buffers as soon as the call returns.
+ */
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include <lauxlib.h>
+#include <lualib.h>
+
+#include "embed/embed.h"
+#include "kernels/cpu/kernels.h"
+#include "lua/binding.h"
+
+#ifndef FSDP_SOURCE_LUA_DIR
+#define FSDP_SOURCE_LUA_DIR ""
+#endif
+
+#define EMBED_MAX_RANKS 1024
+#define EMBED_RANK_STACK (16u << 20) /* C stack of a rank thread: as much as a main thread */
+#define EMBED_ABORT_MSG 1024
+
+/* ---- errors ------------------------------------------------------------------------------- */
+
+static _Thread_local embed_rank *tl_rank; /* set on rank threads */
+static _Thread_local char tl_err[1024];  /* fsdp_last_error(NULL) */
+
+embed_rank *embed_current_rank(void) { return tl_rank; }
+
+static char *vformat(const char *fmt, va_list ap) {
+  va_list ap2;
+  va_copy(ap2, ap);
+  int n = vsnprintf(NULL, 0, fmt, ap2);
+  va_end(ap2);
+  if (n < 0) return NULL;
+  char *s = malloc((size_t)n + 1);
+  if (s != NULL) vsnprintf(s, (size_t)n + 1, fmt, ap);
+  return s;
+}
+
+int embed_fail(embed_rank *r, int status, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  char *s = vformat(fmt, ap);
+  va_end(ap);
+  free(r->msg);
+  r->msg = s;
+  r->status = status;
+  return status;
+}
+
+/* Set rt's last error (printf-style); returns status. */
+static int set_error(fsdp_runtime *rt, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static int set_error(fsdp_runtime *rt, int status, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  char *s = vformat(fmt, ap);
+  va_end(ap);
+  free(rt->err);
+  rt->err = s;
+  return status;
+}
+
+static int set_tl_error(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int set_tl_error(int status, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(tl_err, sizeof tl_err, fmt, ap);
+  va_end(ap);
+  return status;
+}
+
+FSDP_API const char *fsdp_status_name(int status) {
+  switch (status) {
+  case FSDP_OK: return "ok";
+  case FSDP_DONE: return "done";
+  case FSDP_ERROR: return "error";
+  case FSDP_MISUSE: return "misuse";
+  case FSDP_BROKEN: return "broken";
+  case FSDP_NOMEM: return "out of memory";
+  default: return "unknown status";
+  }
+}
+
+FSDP_API const char *fsdp_last_error(const fsdp_runtime *rt) {
+  if (rt == NULL) return tl_err;
+  return rt->err != NULL ? rt->err : "";
+}
+
+/* Whether msg reports another rank's failure ("rank R failed: ..." with R not this rank): the
+ * communicator's wording when a peer aborted or timed out (as fsdprun.c reads it). */
+static bool is_peer_failure(const char *msg, int rank) {
+  for (const char *p = strstr(msg, "rank "); p != NULL; p = strstr(p + 1, "rank ")) {
+    char *end;
+    long v = strtol(p + 5, &end, 10);
+    if (end != p + 5 && strncmp(end, " failed: ", 9) == 0 && v != rank) return true;
+  }
+  return false;
+}
+
+/* ---- rank threads and jobs ---------------------------------------------------------------- */
+
+static void *rank_main(void *arg) {
+  embed_rank *r = arg;
+  fsdp_runtime *rt = r->rt;
+  tl_rank = r;
+  /* the domain: a failure shows in the init job, which finds no state to make */
+  fsdp_mem_domain *dom = fsdp_mem_domain_new();
+  if (dom != NULL) fsdp_mem_domain_set(dom);
+  fsdp_comm_set_current(r->comm);
+  uint64_t seen = 0;
+  for (;;) {
+    pthread_mutex_lock(&rt->mu);
+    while (rt->job_seq == seen) pthread_cond_wait(&rt->job_cv, &rt->mu);
+    seen = rt->job_seq;
+    embed_job_fn fn = rt->job_fn;
+    pthread_mutex_unlock(&rt->mu);
+    if (fn == NULL) break; /* fsdp_runtime_free */
+    r->status = FSDP_OK;
+    free(r->msg);
+    r->msg = NULL;
+    if (dom == NULL)
+      embed_fail(r, FSDP_ERROR, "cannot create the memory domain of rank %d: out of memory",
+                 r->rank);
+    else
+      fn(r);
+    pthread_mutex_lock(&rt->mu);
+    if (--rt->pending == 0) pthread_cond_signal(&rt->done_cv);
+    pthread_mutex_unlock(&rt->mu);
+  }
+  /* Close the state on its own thread: the autograd tape and the current communicator are
+   * this thread's, and finalizers of units may still wait for their collectives. */
+  if (r->L != NULL) {
+    lua_close(r->L);
+    r->L = NULL;
+  }
+  /* From here the rank has left the group: a peer still in a collective fails at once. */
+  fsdp_comm_free(r->comm);
+  r->comm = NULL;
+  fsdp_mem_domain_free(dom); /* freed once its last storage goes */
+  return NULL;
+}
+
+/* Run fn on every rank thread and wait for all of them. Caller holds api_mu. */
+static void dispatch(fsdp_runtime *rt, embed_job_fn fn) {
+  int started = 0;
+  for (int i = 0; i < rt->world; i++) started += rt->ranks[i].started;
+  pthread_mutex_lock(&rt->mu);
+  rt->job_fn = fn;
+  rt->pending = started;
+  rt->job_seq++;
+  pthread_cond_broadcast(&rt->job_cv);
+  if (fn != NULL)
+    while (rt->pending > 0) pthread_cond_wait(&rt->done_cv, &rt->mu);
+  pthread_mutex_unlock(&rt->mu);
+}
+
+/* Fold the ranks' outcomes of the last job into rt's status and message: FSDP_OK; the root
+ * cause's status (the first rank whose failure is its own, not a peer's); FSDP_BROKEN (and the
+ * runtime broken) when any rank failed in user code or the group is poisoned. */
+static int collect(fsdp_runtime *rt) {
+  int root = -1;
+  bool broken = false;
+  for (int i = 0; i < rt->world; i++) {
+    embed_rank *r = &rt->ranks[i];
+    if (r->status == FSDP_BROKEN) broken = true;
+    if (r->status == FSDP_OK) continue;
+    if (root < 0 || (is_peer_failure(rt->ranks[root].msg ? rt->ranks[root].msg : "", root) &&
+                     !is_peer_failure(r->msg ? r->msg : "", i)))
+      root = i;
+  }
+  if (!broken && rt->ranks[0].comm != NULL && fsdp_comm_poisoned(rt->ranks[0].comm))
+    broken = true;
+  if (root < 0 && !broken) {
+    free(rt->err);
+    rt->err = NULL;
+    return FSDP_OK;
+  }
+  const char *msg = root >= 0 && rt->ranks[root].msg != NULL ? rt->ranks[root].msg
+                                                              : "the ranks' group was poisoned";
+  int status = root >= 0 ? rt->ranks[root].status : FSDP_BROKEN;
+  if (rt->world > 1 && root >= 0)
+    set_error(rt, status, "[rank %d] %s", root, msg);
+  else
+    set_error(rt, status, "%s", msg);
+  if (broken) {
+    status = FSDP_BROKEN;
+    rt->broken = true;
+    free(rt->broken_msg);
+    rt->broken_msg = rt->err != NULL ? strdup(rt->err) : NULL;
+  }
+  return status;
+}
+
+/* Message handler: the error message (or a description of a non-string error) and the Lua
+ * stack traceback. */
+static int traceback_handler(lua_State *L) {
+  const char *msg = lua_tostring(L, 1);
+  if (msg == NULL) {
+    if (luaL_callmeta(L, 1, "__tostring") && lua_type(L, -1) == LUA_TSTRING)
+      msg = lua_tostring(L, -1);
+    else
+      msg = lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
+  }
+  luaL_traceback(L, L, msg, 1);
+  return 1;
+}
+
+/* User code failed on this rank with the message on top of the stack: record it, and poison
+ * the group (the message without its traceback) so peers fail fast. */
+static void fail_user(embed_rank *r, lua_State *L) {
+  const char *m = lua_tostring(L, -1);
+  if (m == NULL) m = "(error object is not a string)";
+  embed_fail(r, FSDP_BROKEN, "%s", m);
+  const char *tb = strstr(m, "\nstack traceback:");
+  size_t len = tb != NULL ? (size_t)(tb - m) : strlen(m);
+  char msg[EMBED_ABORT_MSG];
+  snprintf(msg, sizeof msg, "%.*s", (int)(len < sizeof msg ? len : sizeof msg - 1), m);
+  fsdp_comm_abort(r->comm, msg);
+}
+
+/* lua_cpcall(r->L, f, r); an error outside user code (out of memory) is FSDP_ERROR unless f
+ * already set a status. */
+static void protected(embed_rank *r, lua_CFunction f) {
+  if (r->L == NULL) {
+    embed_fail(r, FSDP_ERROR, "rank %d has no Lua state", r->rank);
+    return;
+  }
+  int st = lua_cpcall(r->L, f, r);
+  if (st != 0) {
+    const char *m = lua_tostring(r->L, -1);
+    if (r->status == FSDP_OK)
+      embed_fail(r, FSDP_ERROR, "%s", m != NULL ? m : "(error object is not a string)");
+    lua_pop(r->L, 1);
+  }
+}
+
+static embed_rank *cp_rank(lua_State *L) { return (embed_rank *)lua_touserdata(L, 1); }
+
+/* The current call's registry slot: unref it (pushing nothing). */
+static void drop_pending(embed_rank *r) {
+  if (r->pending_ref != LUA_NOREF && r->L != NULL) {
+    luaL_unref(r->L, LUA_REGISTRYINDEX, r->pending_ref);
+  }
+  r->pending_ref = LUA_NOREF;
+}
+
+/* ---- init --------------------------------------------------------------------------------- */
+
+static int job_init(embed_rank *r) {
+  r->L = luaL_newstate();
+  if (r->L == NULL)
+    return embed_fail(r, FSDP_NOMEM, "cannot create the Lua state of rank %d: out of memory",
+                      r->rank);
+  r->host_ref = LUA_NOREF;
+  r->pending_ref = LUA_NOREF;
+  int st = lua_cpcall(r->L, embed_setup_state, r);
+  if (st != 0) {
+    const char *m = lua_tostring(r->L, -1);
+    embed_fail(r, FSDP_ERROR, "loading the fsdp library from %s: %s", r->rt->lua_dir,
+               m != NULL ? m : "(error object is not a string)");
+    lua_pop(r->L, 1);
+  }
+  return r->status;
+}
+
+/* ---- running chunks ---------------------------------------------------------------------- */
+
+/* Phase 1: compile the job's code; the function waits in the registry. */
+static int cp_load(lua_State *L) {
+  embed_rank *r = cp_rank(L);
+  const embed_job *j = &r->rt->job;
+  if (luaL_loadbuffer(L, j->code, j->code_len, j->chunkname) != 0) {
+    embed_fail(r, FSDP_ERROR, "%s", lua_tostring(L, -1));
+    return 0;
+  }
+  r->pending_ref = luaL_ref(L, LUA_REGISTRYINDEX);
+  return 0;
+}
+static int job_load(embed_rank *r) {
+  protected(r, cp_load);
+  return r->status;
+}
+
+/* Phase 2: set arg / fsdp.args (run_file), run the function under the traceback handler. */
+static int cp_run(lua_State *L) {
+  embed_rank *r = cp_rank(L);
+  const embed_job *j = &r->rt->job;
+  lua_settop(L, 0);
+  lua_pushcfunction(L, traceback_handler);
+  lua_rawgeti(L, LUA_REGISTRYINDEX, r->pending_ref);
+  drop_pending(r);
+  int narg = 0;
+  if (j->path != NULL) {
+    luaL_checkstack(L, j->argc + 4, "too many arguments");
+    lua_createtable(L, j->argc, 1);
+    lua_pushstring(L, j->path);
+    lua_rawseti(L, -2, 0);
+    for (int i = 0; i < j->argc; i++) {
+      lua_pushstring(L, j->argv[i]);
+      lua_rawseti(L, -2, i + 1);
+    }
+    lua_setglobal(L, "arg");
+    /* fsdp.args = fsdp.parse_args(arg) */
+    lua_getglobal(L, "require");
+    lua_pushliteral(L, "fsdp");
+    lua_call(L, 1, 1);
+    lua_getfield(L, -1, "parse_args");
+    lua_getglobal(L, "arg");
+    lua_call(L, 1, 1);
+    lua_setfield(L, -2, "args");
+    lua_pop(L, 1);
+    for (int i = 0; i < j->argc; i++) lua_pushstring(L, j->argv[i]);
+    narg = j->argc;
+  }
+  if (lua_pcall(L, narg, 0, 1) != 0) fail_user(r, L);
+  return 0;
+}
+static int job_run(embed_rank *r) {
+  protected(r, cp_run);
+  return r->status;
+}
+
+/* ---- fsdp_call ------------------------------------------------------------------------------ */
+
+/* This rank's first input and result within the job's arrays. */
+static const fsdp_host_tensor *rank_inputs(const embed_job *j, int rank) {
+  return j->per_rank ? j->in + (size_t)rank * (size_t)j->n_in : j->in;
+}
+static fsdp_host_tensor *rank_outputs(const embed_job *j, int rank) {
+  if (j->out == NULL) return NULL;
+  if (j->per_rank) return j->out + (size_t)rank * (size_t)j->n_out;
+  return rank == 0 ? j->out : NULL; /* fsdp_call: rank 0's results only */
+}
+
+/* A tensor over host memory: a meta tensor of the shape whose storage becomes the wrapped
+ * memory. The storage is remembered in r->wrapped (one reference) for release_inputs. */
+static int wrap_input(embed_rank *r, fsdp_tensor **out, const fsdp_host_tensor *h) {
+  *out = NULL;
+  int64_t numel = 1;
+  for (int d = 0; d < h->ndim; d++) numel *= h->shape[d];
+  fsdp_storage *s;
+  if (fsdp_storage_wrap(&s, h->data, (size_t)numel * sizeof(float)) != FSDP_OK) return FSDP_ERR;
+  fsdp_tensor *t;
+  if (fsdp_tensor_new(&t, &fsdp_device_meta, FSDP_DTYPE_F32, h->ndim, h->shape,
+                      FSDP_ROLE_OTHER) != FSDP_OK) {
+    fsdp_storage_release(s);
+    return FSDP_ERR;
+  }
+  fsdp_tensor_set_storage(t, s, 0); /* t retains s */
+  r->wrapped[r->nwrapped++] = s;    /* our reference */
+  *out = t;
+  return FSDP_OK;
+}
+
+/* Phase 1: the function must be a global function; inputs are wrapped and the function and
+ * its arguments wait in a registry table {fn, x1, x2, ...}. */
+static int cp_call_prepare(lua_State *L) {
+  embed_rank *r = cp_rank(L);
+  const embed_job *j = &r->rt->job;
+  lua_settop(L, 0);
+  lua_getglobal(L, j->fn);
+  if (lua_type(L, -1) != LUA_TFUNCTION) {
+    embed_fail(r, FSDP_ERROR, "'%s' is not a global function (it is a %s value)", j->fn,
+               luaL_typename(L, -1));
+    return 0;
+  }
+  lua_createtable(L, j->n_in + 1, 0);
+  lua_pushvalue(L, 1);
+  lua_rawseti(L, -2, 1);
+  r->pending_ref = luaL_ref(L, LUA_REGISTRYINDEX); /* from here release_inputs cleans up */
+  lua_rawgeti(L, LUA_REGISTRYINDEX, r->pending_ref);
+  const fsdp_host_tensor *in = rank_inputs(j, r->rank);
+  for (int i = 0; i < j->n_in; i++) {
+    fsdp_tensor *t;
+    if (wrap_input(r, &t, &in[i]) != FSDP_OK) {
+      embed_fail(r, FSDP_ERROR, "input %d: %s", i + 1, fsdp_error_msg());
+      return 0;
+    }
+    fsdp_lua_push_tensor(L, t);
+    lua_rawseti(L, -2, i + 2);
+  }
+  return 0;
+}
+static int job_call_prepare(embed_rank *r) {
+  const embed_job *j = &r->rt->job;
+  r->nwrapped = 0;
+  r->wrapped = j->n_in > 0 ? calloc((size_t)j->n_in, sizeof *r->wrapped) : NULL;
+  if (j->n_in > 0 && r->wrapped == NULL) return embed_fail(r, FSDP_ERROR, "out of memory");
+  protected(r, cp_call_prepare);
+  return r->status;
+}
+
+/* Copy result k (at stack index idx) into out (may be NULL: this rank reports nothing). */
+static int copy_result(embed_rank *r, lua_State *L, int idx, int k, fsdp_host_tensor *out) {
+  const char *fn = r->rt->job.fn;
+  if (lua_type(L, idx) == LUA_TNUMBER) {
+    if (out == NULL) return FSDP_OK;
+    int64_t cap = 1;
+    for (int d = 0; d < out->ndim; d++) cap *= out->shape[d];
+    if (out->data != NULL && cap != 1)
+      return embed_fail(r, FSDP_ERROR,
+                        "result %d of '%s' is a number, but out[%d] holds %lld elements", k + 1,
+                        fn, k, (long long)cap);
+    if (out->data != NULL) out->data[0] = (float)lua_tonumber(L, idx);
+    out->ndim = 0;
+    return FSDP_OK;
+  }
+  fsdp_tensor *t = fsdp_lua_to_tensor(L, idx);
+  if (t == NULL)
+    return embed_fail(r, FSDP_ERROR, "result %d of '%s' is a %s, expected a tensor or a number",
+                      k + 1, fn, lua_isnil(L, idx) ? "nil (missing)" : luaL_typename(L, idx));
+  if (out == NULL) return FSDP_OK;
+  int64_t numel = fsdp_tensor_numel(t), cap = 1;
+  for (int d = 0; d < out->ndim; d++) cap *= out->shape[d];
+  if (out->data != NULL && numel != cap)
+    return embed_fail(r, FSDP_ERROR,
+                      "result %d of '%s' has shape %s (%lld elements), but out[%d] holds %lld",
+                      k + 1, fn, FSDP_SHAPE_STR(t), (long long)numel, k, (long long)cap);
+  if (out->data != NULL && numel > 0) {
+    fsdp_tensor *c;
+    if (fsdp_tensor_contiguous(&c, t) != FSDP_OK)
+      return embed_fail(r, FSDP_ERROR, "result %d of '%s': %s", k + 1, fn, fsdp_error_msg());
+    const float *src = fsdp_tensor_data(c, "fsdp_call result");
+    if (src == NULL) {
+      fsdp_tensor_release(c);
+      return embed_fail(r, FSDP_ERROR, "result %d of '%s': %s", k + 1, fn, fsdp_error_msg());
+    }
+    memcpy(out->data, src, (size_t)numel * sizeof(float));
+    fsdp_tensor_release(c);
+  }
+  out->ndim = t->ndim;
+  for (int d = 0; d < t->ndim; d++) out->shape[d] = t->shape[d];
+  return FSDP_OK;
+}
+
+/* Phase 2: call, then copy this rank's results. */
+static int cp_call_run(lua_State *L) {
+  embed_rank *r = cp_rank(L);
+  const embed_job *j = &r->rt->job;
+  lua_settop(L, 0);
+  luaL_checkstack(L, j->n_in + j->n_out + 4, "too many arguments");
+  lua_pushcfunction(L, traceback_handler);
+  lua_rawgeti(L, LUA_REGISTRYINDEX, r->pending_ref);
+  for (int i = 1; i <= j->n_in + 1; i++) lua_rawgeti(L, 2, i);
+  lua_remove(L, 2);
+  if (lua_pcall(L, j->n_in, j->n_out, 1) != 0) {
+    fail_user(r, L);
+    return 0;
+  }
+  fsdp_host_tensor *out = rank_outputs(j, r->rank);
+  for (int k = 0; k < j->n_out; k++)
+    if (copy_result(r, L, 2 + k, k, out != NULL ? &out[k] : NULL) != FSDP_OK) break;
+  lua_settop(L, 0);
+  return 0;
+}
+
+/* Give the storage s (wrapped host memory still referenced from the rank's objects) a copy of
+ * its bytes that it owns and that is charged to this rank's domain, so the host's buffer is
+ * no longer read. storage.c frees data only when domain is set: the fields move together. */
+static int detach_storage(fsdp_storage *s) {
+  if (s->bytes == 0 || s->domain != NULL) return FSDP_OK;
+  fsdp_storage *own;
+  if (fsdp_storage_new_uninit(&own, &fsdp_device_cpu, s->bytes, FSDP_ROLE_OTHER) != FSDP_OK)
+    return FSDP_ERR;
+  memcpy(own->data, s->data, s->bytes);
+  s->data = own->data;
+  s->role = own->role;
+  s->domain = own->domain;
+  own->data = NULL; /* own's header goes; its memory and its charge now belong to s */
+  own->domain = NULL;
+  fsdp_storage_release(own);
+  return FSDP_OK;
+}
+
+/* Free the Lua tensors made of the inputs (they raise "tensor was freed" if kept). */
+static int cp_free_inputs(lua_State *L) {
+  embed_rank *r = cp_rank(L);
+  if (r->pending_ref == LUA_NOREF) return 0;
+  lua_rawgeti(L, LUA_REGISTRYINDEX, r->pending_ref);
+  int n = (int)lua_objlen(L, -1);
+  for (int i = 2; i <= n; i++) {
+    lua_rawgeti(L, -1, i);
+    if (fsdp_lua_to_tensor(L, -1) != NULL) {
+      lua_getfield(L, -1, "free");
+      lua_insert(L, -2);
+      lua_call(L, 1, 0);
+    } else {
+      lua_pop(L, 1);
+    }
+  }
+  lua_pop(L, 1);
+  drop_pending(r);
+  return 0;
+}
+
+/* After a call (successful or not): no input may still read host memory. */
+static void release_inputs(embed_rank *r) {
+  if (r->L != NULL && r->pending_ref != LUA_NOREF) {
+    int keep = r->status;
+    char *keep_msg = r->msg;
+    r->msg = NULL;
+    r->status = FSDP_OK;
+    protected(r, cp_free_inputs);
+    if (r->status != FSDP_OK) keep = FSDP_BROKEN; /* could not free: the storages detach */
+    free(r->msg);
+    r->msg = keep_msg;
+    r->status = keep;
+    drop_pending(r);
+  }
+  for (int i = 0; i < r->nwrapped; i++) {
+    fsdp_storage *s = r->wrapped[i];
+    if (__atomic_load_n(&s->refcount, __ATOMIC_ACQUIRE) > 1 && detach_storage(s) != FSDP_OK) {
+      /* Nothing else is safe: Lua still points into host memory the host is about to reuse.
+       * Poison, so the runtime runs no more Lua. */
+      if (r->status != FSDP_BROKEN)
+        embed_fail(r, FSDP_BROKEN, "input %d was kept by Lua code and cannot be copied: %s",
+                   i + 1, fsdp_error_msg());
+      fsdp_comm_abort(r->comm, "an input could not be detached from host memory");
+    }
+    fsdp_storage_release(s);
+  }
+  free(r->wrapped);
+  r->wrapped = NULL;
+  r->nwrapped = 0;
+}
+
+static int job_call_run(embed_rank *r) {
+  protected(r, cp_call_run);
+  release_inputs(r);
+  return r->status;
+}
+static int job_call_cancel(embed_rank *r) {
+  release_inputs(r);
+  return r->status;
+}
+
+/* ---- parameters ----------------------------------------------------------------------------- */
+
+/* I[name](path) under pcall, with or without the traceback handler; leaves its one result. */
+static int call_helper(lua_State *L, embed_rank *r, const char *name, bool traceback) {
+  lua_settop(L, 0);
+  if (traceback) lua_pushcfunction(L, traceback_handler);
+  lua_rawgeti(L, LUA_REGISTRYINDEX, r->host_ref);
+  lua_getfield(L, -1, name);
+  lua_remove(L, -2);
+  lua_pushstring(L, r->rt->job.path);
+  return lua_pcall(L, 1, 1, traceback ? 1 : 0);
+}
+
+/* Phase 1 (every rank, nothing collective): find the parameter; rank 0 reports its shape. */
+static int cp_param_lookup(lua_State *L) {
+  embed_rank *r = cp_rank(L);
+  embed_job *j = &r->rt->job;
+  if (call_helper(L, r, "find", false) != 0) {
+    embed_fail(r, FSDP_ERROR, "%s", lua_tostring(L, -1));
+    return 0;
+  }
+  fsdp_tensor *t = fsdp_lua_to_tensor(L, -1);
+  if (t == NULL) return embed_fail(r, FSDP_ERROR, "parameter '%s' was freed", j->path), 0;
+  if (t->storage->device == &fsdp_device_meta) {
+    embed_fail(r, FSDP_ERROR,
+               "parameter '%s' is on the meta device (shape only): materialize the model first",
+               j->path);
+    return 0;
+  }
+  if (r->rank == 0) {
+    j->ndim = t->ndim;
+    for (int d = 0; d < t->ndim; d++) j->shape[d] = t->shape[d];
+  }
+  return 0;
+}
+static int job_param_lookup(embed_rank *r) {
+  protected(r, cp_param_lookup);
+  return r->status;
+}
+
+/* Phase 2 (collective): gather as needed, clone; rank 0 copies into the host buffer. */
+static int cp_param_read(lua_State *L) {
+  embed_rank *r = cp_rank(L);
+  embed_job *j = &r->rt->job;
+  if (call_helper(L, r, "read", true) != 0) {
+    fail_user(r, L);
+    return 0;
+  }
+  if (r->rank != 0) return 0;
+  fsdp_tensor *t = fsdp_lua_to_tensor(L, -1);
+  const float *src = t != NULL ? fsdp_tensor_data(t, "fsdp_read_param") : NULL;
+  if (src == NULL)
+    return embed_fail(r, FSDP_ERROR, "reading parameter '%s': %s", j->path, fsdp_error_msg()), 0;
+  if (fsdp_tensor_numel(t) != j->count || !fsdp_tensor_is_contiguous(t))
+    return embed_fail(r, FSDP_ERROR, "parameter '%s' changed while it was read", j->path), 0;
+  memcpy(j->buf, src, (size_t)j->count * sizeof(float));
+  lua_settop(L, 0);
+  return 0;
+}
+static int job_param_read(embed_rank *r) {
+  protected(r, cp_param_read);
+  return r->status;
+}
+
+/* ---- the public functions ------------------------------------------------------------------ */
+
+static bool is_dir(const char *path) {
+  struct stat st;
+  return path[0] != '\0' && stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+/* The Lua library: opts.lua_path, else <dir of libfsdp>/../share/fsdprun/lua (installed), else
+ * the source tree's lua/. Returns false with a message in tl_err. */
+static bool find_lua_dir(char *out, size_t n, const char *given) {
+  if (given != NULL) {
+    if (!is_dir(given)) {
+      set_tl_error(FSDP_MISUSE, "fsdp_runtime_new: lua_path '%s' is not a folder", given);
+      return false;
+    }
+    snprintf(out, n, "%s", given);
+    return true;
+  }
+  char tried[PATH_MAX + 64] = "";
+  Dl_info info;
+  if (dladdr((void *)&fsdp_runtime_new, &info) != 0 && info.dli_fname != NULL) {
+    char lib[PATH_MAX];
+    snprintf(lib, sizeof lib, "%s", info.dli_fname);
+    char *slash = strrchr(lib, '/');
+    if (slash != NULL) {
+      *slash = '\0';
+      char cand[PATH_MAX + 32], real[PATH_MAX];
+      snprintf(cand, sizeof cand, "%s/../share/fsdprun/lua", lib);
+      snprintf(tried, sizeof tried, "%s", cand);
+      if (is_dir(cand) && realpath(cand, real) != NULL) {
+        snprintf(out, n, "%s", real);
+        return true;
+      }
+    }
+  }
+  if (is_dir(FSDP_SOURCE_LUA_DIR)) {
+    snprintf(out, n, "%s", FSDP_SOURCE_LUA_DIR);
+    return true;
+  }
+  set_tl_error(FSDP_ERROR,
+               "fsdp_runtime_new: cannot find the fsdp Lua library (looked in '%s' and '%s'); "
+               "set fsdp_runtime_opts.lua_path",
+               tried, FSDP_SOURCE_LUA_DIR);
+  return false;
+}
+
+FSDP_API int fsdp_runtime_world(const fsdp_runtime *rt) { return rt != NULL ? rt->world : 0; }
+
+static void runtime_destroy(fsdp_runtime *rt) {
+  dispatch(rt, NULL); /* every started rank leaves its loop */
+  for (int i = 0; i < rt->world; i++) {
+    embed_rank *r = &rt->ranks[i];
+    if (r->started) {
+      pthread_join(r->thread, NULL);
+    } else {
+      fsdp_comm_free(r->comm); /* never started: its thread did not free it */
+    }
+    free(r->msg);
+    free(r->wrapped);
+  }
+  free(rt->ranks);
+  free(rt->err);
+  free(rt->broken_msg);
+  pthread_mutex_destroy(&rt->api_mu);
+  pthread_mutex_destroy(&rt->mu);
+  pthread_mutex_destroy(&rt->cb_mu);
+  pthread_cond_destroy(&rt->job_cv);
+  pthread_cond_destroy(&rt->done_cv);
+  free(rt);
+}
+
+FSDP_API int fsdp_runtime_new(fsdp_runtime **out, const fsdp_runtime_opts *opts) {
+  if (out == NULL) return set_tl_error(FSDP_MISUSE, "fsdp_runtime_new: out is NULL");
+  *out = NULL;
+  tl_err[0] = '\0';
+  if (tl_rank != NULL)
+    return set_tl_error(FSDP_MISUSE, "fsdp_runtime_new: called from inside a runtime callback");
+  fsdp_runtime_opts o = {0};
+  if (opts != NULL) {
+    /* size 0: this first version's fields; otherwise the fields both sides know */
+    size_t n = opts->size == 0 || opts->size > sizeof o ? sizeof o : opts->size;
+    memcpy(&o, opts, n);
+  }
+  if (o.world == 0) o.world = 1;
+  if (o.world < 1 || o.world > EMBED_MAX_RANKS)
+    return set_tl_error(FSDP_MISUSE, "fsdp_runtime_new: world %d is out of range (1 .. %d)",
+                        o.world, EMBED_MAX_RANKS);
+  if (o.backend != NULL && strcmp(o.backend, "local") != 0)
+    return set_tl_error(FSDP_ERROR,
+                        "fsdp_runtime_new: backend '%s' cannot be embedded (only 'local': ranks "
+                        "are threads of this process)",
+                        o.backend);
+  if (o.blas_threads < 0)
+    return set_tl_error(FSDP_MISUSE, "fsdp_runtime_new: blas_threads %d is negative",
+                        o.blas_threads);
+  fsdp_runtime *rt = calloc(1, sizeof *rt);
+  if (rt == NULL) return set_tl_error(FSDP_NOMEM, "fsdp_runtime_new: out of memory");
+  if (!find_lua_dir(rt->lua_dir, sizeof rt->lua_dir, o.lua_path)) {
+    free(rt);
+    return o.lua_path != NULL ? FSDP_MISUSE : FSDP_ERROR;
+  }
+  rt->world = o.world;
+  rt->timeout_s = o.timeout_s;
+  rt->ranks = calloc((size_t)o.world, sizeof *rt->ranks);
+  if (rt->ranks == NULL) {
+    free(rt);
+    return set_tl_error(FSDP_NOMEM, "fsdp_runtime_new: out of memory");
+  }
+  pthread_mutex_init(&rt->api_mu, NULL);
+  pthread_mutex_init(&rt->mu, NULL);
+  pthread_mutex_init(&rt->cb_mu, NULL);
+  pthread_cond_init(&rt->job_cv, NULL);
+  pthread_cond_init(&rt->done_cv, NULL);
+
+  /* BLAS threads: process-wide (fsdp.h) */
+  int blas = o.blas_threads;
+  const char *env = getenv("FSDP_BLAS_THREADS");
+  if (blas == 0 && env != NULL && env[0] != '\0') {
+    char *end;
+    long v = strtol(env, &end, 10);
+    if (*end != '\0' || v <= 0 || v > 4096) {
+      runtime_destroy(rt);
+      return set_tl_error(FSDP_MISUSE,
+                          "fsdp_runtime_new: FSDP_BLAS_THREADS='%s' must be a positive integer",
+                          env);
+    }
+    blas = (int)v;
+  }
+  if (blas == 0 && o.world > 1) blas = 1;
+  if (blas > 0) fsdp_cpu_set_blas_threads(blas);
+
+  fsdp_local_group *group = NULL;
+  if (fsdp_local_group_new(&group, o.world) != FSDP_OK) {
+    set_tl_error(FSDP_ERROR, "fsdp_runtime_new: %s", fsdp_error_msg());
+    runtime_destroy(rt);
+    return FSDP_ERROR;
+  }
+  int status = FSDP_OK;
+  for (int i = 0; i < o.world && status == FSDP_OK; i++) {
+    embed_rank *r = &rt->ranks[i];
+    r->rt = rt;
+    r->rank = i;
+    r->host_ref = LUA_NOREF;
+    r->pending_ref = LUA_NOREF;
+    if (fsdp_comm_local_new(&r->comm, group, i) != FSDP_OK) {
+      status = set_tl_error(FSDP_ERROR, "fsdp_runtime_new: the communicator of rank %d: %s", i,
+                            fsdp_error_msg());
+      break;
+    }
+    if (o.timeout_s > 0) fsdp_comm_set_timeout(r->comm, o.timeout_s);
+  }
+  fsdp_local_group_release(group); /* the communicators keep it */
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setstacksize(&attr, EMBED_RANK_STACK);
+  for (int i = 0; i < o.world && status == FSDP_OK; i++) {
+    int err = pthread_create(&rt->ranks[i].thread, &attr, rank_main, &rt->ranks[i]);
+    if (err != 0) {
+      status = set_tl_error(FSDP_ERROR, "fsdp_runtime_new: cannot start the thread of rank %d: %s",
+                            i, strerror(err));
+      break;
+    }
+    rt->ranks[i].started = true;
+  }
+  pthread_attr_destroy(&attr);
+  if (status == FSDP_OK) {
+    dispatch(rt, job_init);
+    status = collect(rt);
+    if (status != FSDP_OK) {
+      set_tl_error(status == FSDP_BROKEN ? FSDP_ERROR : status, "fsdp_runtime_new: %s",
+                   fsdp_last_error(rt));
+      if (status == FSDP_BROKEN) status = FSDP_ERROR;
+    }
+  }
+  if (status != FSDP_OK) {
+    runtime_destroy(rt);
+    return status;
+  }
+  *out = rt;
+  return FSDP_OK;
+}
+
+FSDP_API void fsdp_runtime_free(fsdp_runtime *rt) {
+  if (rt == NULL || tl_rank != NULL) return; /* from a callback: refused (fsdp.h) */
+  pthread_mutex_lock(&rt->api_mu);
+  pthread_mutex_unlock(&rt->api_mu);
+  runtime_destroy(rt);
+}
+
+/* Common entry of a call: argument and state checks; on FSDP_OK the caller holds api_mu. */
+static int enter(fsdp_runtime *rt, const char *what) {
+  if (rt == NULL) return set_tl_error(FSDP_MISUSE, "%s: the runtime is NULL", what);
+  if (tl_rank != NULL) {
+    /* not rt->err: the host thread owns it while the call that runs this callback is out */
+    return set_tl_error(FSDP_MISUSE, "%s: called from inside a runtime callback", what);
+  }
+  pthread_mutex_lock(&rt->api_mu);
+  if (rt->broken) {
+    set_error(rt, FSDP_BROKEN,
+              "%s: the runtime is broken by an earlier failure (free it and create a new one): "
+              "%s",
+              what, rt->broken_msg != NULL ? rt->broken_msg : "(no message)");
+    pthread_mutex_unlock(&rt->api_mu);
+    return FSDP_BROKEN;
+  }
+  free(rt->err);
+  rt->err = NULL;
+  memset(&rt->job, 0, sizeof rt->job);
+  return FSDP_OK;
+}
+
+static int leave(fsdp_runtime *rt, int status) {
+  memset(&rt->job, 0, sizeof rt->job);
+  pthread_mutex_unlock(&rt->api_mu);
+  return status;
+}
+
+/* After a failed first phase: ranks drop what it left (a compiled chunk, wrapped inputs).
+ * Keeps the failure's message; returns st, or FSDP_BROKEN if an input could not be let go. */
+static int cancel(fsdp_runtime *rt, int st) {
+  char *saved = rt->err;
+  rt->err = NULL;
+  dispatch(rt, job_call_cancel);
+  int again = collect(rt);
+  if (again == FSDP_BROKEN) {
+    free(saved);
+    return again;
+  }
+  free(rt->err);
+  rt->err = saved;
+  return st;
+}
+
+/* Compile on every rank, then run (the job's code, chunkname and path are set). */
+static int load_and_run(fsdp_runtime *rt) {
+  dispatch(rt, job_load);
+  int status = collect(rt);
+  if (status != FSDP_OK) return cancel(rt, status); /* a rank that compiled holds its chunk */
+  dispatch(rt, job_run);
+  return collect(rt);
+}
+
+FSDP_API int fsdp_run_string(fsdp_runtime *rt, const char *code) {
+  int st = enter(rt, "fsdp_run_string");
+  if (st != FSDP_OK) return st;
+  if (code == NULL) return leave(rt, set_error(rt, FSDP_MISUSE, "fsdp_run_string: code is NULL"));
+  rt->job.code = code;
+  rt->job.code_len = strlen(code);
+  rt->job.chunkname = "=host";
+  return leave(rt, load_and_run(rt));
+}
+
+/* The whole file, or NULL with errno set. */
+static char *read_file(const char *path, size_t *len) {
+  FILE *f = fopen(path, "rb");
+  if (f == NULL) return NULL;
+  size_t cap = 1 << 16, n = 0;
+  char *buf = malloc(cap);
+  while (buf != NULL) {
+    n += fread(buf + n, 1, cap - n, f);
+    if (n < cap) break;
+    char *bigger = realloc(buf, cap * 2);
+    if (bigger == NULL) {
+      free(buf);
+      buf = NULL;
+      errno = ENOMEM;
+      break;
+    }
+    buf = bigger;
+    cap *= 2;
+  }
+  if (buf != NULL && ferror(f)) {
+    free(buf);
+    buf = NULL;
+    errno = EIO;
+  }
+  fclose(f);
+  *len = n;
+  return buf;
+}
+
+FSDP_API int fsdp_run_file(fsdp_runtime *rt, const char *path, int argc,
+                           const char *const *argv) {
+  int st = enter(rt, "fsdp_run_file");
+  if (st != FSDP_OK) return st;
+  if (path == NULL) return leave(rt, set_error(rt, FSDP_MISUSE, "fsdp_run_file: path is NULL"));
+  if (argc < 0 || (argc > 0 && argv == NULL))
+    return leave(rt, set_error(rt, FSDP_MISUSE, "fsdp_run_file: argc %d with argv %s", argc,
+                               argv == NULL ? "NULL" : "given"));
+  for (int i = 0; i < argc; i++)
+    if (argv[i] == NULL)
+      return leave(rt, set_error(rt, FSDP_MISUSE, "fsdp_run_file: argv[%d] is NULL", i));
+  size_t len;
+  char *code = read_file(path, &len);
+  if (code == NULL)
+    return leave(rt, set_error(rt, FSDP_ERROR, "cannot read %s: %s", path, strerror(errno)));
+  size_t n = strlen(path) + 2;
+  char *chunkname = malloc(n);
+  if (chunkname == NULL) {
+    free(code);
+    return leave(rt, set_error(rt, FSDP_ERROR, "fsdp_run_file: out of memory"));
+  }
+  snprintf(chunkname, n, "@%s", path);
+  rt->job.code = code;
+  rt->job.code_len = len;
+  rt->job.chunkname = chunkname;
+  rt->job.path = path;
+  rt->job.argc = argc;
+  rt->job.argv = argv;
+  st = load_and_run(rt);
+  free(code);
+  free(chunkname);
+  return leave(rt, st);
+}
+
+static int call_common(fsdp_runtime *rt, const char *what, bool per_rank, const char *fn,
+                       const fsdp_host_tensor *in, int n_in, fsdp_host_tensor *out, int n_out) {
+  int st = enter(rt, what);
+  if (st != FSDP_OK) return st;
+  if (fn == NULL) return leave(rt, set_error(rt, FSDP_MISUSE, "%s: fn is NULL", what));
+  if (n_in < 0 || n_out < 0 || n_in > 200 || n_out > 200)
+    return leave(rt, set_error(rt, FSDP_MISUSE, "%s: n_in %d / n_out %d out of range (0 .. 200)",
+                               what, n_in, n_out));
+  if ((n_in > 0 && in == NULL) || (n_out > 0 && out == NULL))
+    return leave(rt, set_error(rt, FSDP_MISUSE, "%s: %s is NULL", what,
+                               n_in > 0 && in == NULL ? "in" : "out"));
+  int sets = per_rank ? rt->world : 1;
+  for (int i = 0; i < sets * n_in; i++) {
+    int64_t numel;
+    char why[160];
+    if (!embed_host_numel(&in[i], &numel, why, sizeof why))
+      return leave(rt, set_error(rt, FSDP_MISUSE, "%s: in[%d]: %s", what, i, why));
+  }
+  for (int i = 0; i < sets * n_out; i++) {
+    int64_t numel;
+    char why[160];
+    fsdp_host_tensor probe = out[i];
+    if (probe.data == NULL) probe.ndim = 0; /* a shape query: the shape is only written */
+    if (!embed_host_numel(&probe, &numel, why, sizeof why))
+      return leave(rt, set_error(rt, FSDP_MISUSE, "%s: out[%d]: %s", what, i, why));
+  }
+  rt->job.fn = fn;
+  rt->job.in = in;
+  rt->job.n_in = n_in;
+  rt->job.out = out;
+  rt->job.n_out = n_out;
+  rt->job.per_rank = per_rank;
+  dispatch(rt, job_call_prepare);
+  st = collect(rt);
+  if (st != FSDP_OK) return leave(rt, cancel(rt, st));
+  dispatch(rt, job_call_run);
+  return leave(rt, collect(rt));
+}
+
+FSDP_API int fsdp_call(fsdp_runtime *rt, const char *fn, const fsdp_host_tensor *in, int n_in,
+                       fsdp_host_tensor *out, int n_out) {
+  return call_common(rt, "fsdp_call", false, fn, in, n_in, out, n_out);
+}
+
+FSDP_API int fsdp_call_ranks(fsdp_runtime *rt, const char *fn, const fsdp_host_tensor *in,
+                             int n_in, fsdp_host_tensor *out, int n_out) {
+  return call_common(rt, "fsdp_call_ranks", true, fn, in, n_in, out, n_out);
+}
+
+static int param_lookup(fsdp_runtime *rt, const char *what, const char *path) {
+  if (path == NULL) return set_error(rt, FSDP_MISUSE, "%s: path is NULL", what);
+  rt->job.path = path;
+  dispatch(rt, job_param_lookup);
+  int st = collect(rt);
+  if (st != FSDP_OK) set_error(rt, st, "%s: %s", what, fsdp_last_error(rt));
+  return st;
+}
+
+FSDP_API int fsdp_param_shape(fsdp_runtime *rt, const char *path, int *ndim,
+                              int64_t shape[FSDP_HOST_MAX_DIMS]) {
+  int st = enter(rt, "fsdp_param_shape");
+  if (st != FSDP_OK) return st;
+  if (ndim == NULL || shape == NULL)
+    return leave(rt, set_error(rt, FSDP_MISUSE, "fsdp_param_shape: ndim or shape is NULL"));
+  st = param_lookup(rt, "fsdp_param_shape", path);
+  if (st == FSDP_OK) {
+    *ndim = rt->job.ndim;
+    for (int d = 0; d < rt->job.ndim; d++) shape[d] = rt->job.shape[d];
+  }
+  return leave(rt, st);
+}
+
+FSDP_API int fsdp_read_param(fsdp_runtime *rt, const char *path, float *buf, int64_t count) {
+  int st = enter(rt, "fsdp_read_param");
+  if (st != FSDP_OK) return st;
+  if (count < 0 || (count > 0 && buf == NULL))
+    return leave(rt, set_error(rt, FSDP_MISUSE, "fsdp_read_param: buf %s with count %lld",
+                               buf == NULL ? "NULL" : "given", (long long)count));
+  st = param_lookup(rt, "fsdp_read_param", path);
+  if (st != FSDP_OK) return leave(rt, st);
+  int64_t numel = 1;
+  for (int d = 0; d < rt->job.ndim; d++) numel *= rt->job.shape[d];
+  if (numel != count) {
+    char shape[96];
+    fsdp_shape_str(shape, sizeof shape, rt->job.ndim, rt->job.shape);
+    return leave(rt, set_error(rt, FSDP_ERROR,
+                               "fsdp_read_param: parameter '%s' has shape %s (%lld elements), "
+                               "the buffer holds %lld",
+                               path, shape, (long long)numel, (long long)count));
+  }
+  rt->job.buf = buf;
+  rt->job.count = count;
+  dispatch(rt, job_param_read);
+  return leave(rt, collect(rt));
+}
+
+FSDP_API int fsdp_set_log_callback(fsdp_runtime *rt, fsdp_log_fn fn, void *ud) {
+  if (rt == NULL) return set_tl_error(FSDP_MISUSE, "fsdp_set_log_callback: the runtime is NULL");
+  if (tl_rank != NULL)
+    return set_tl_error(FSDP_MISUSE, "fsdp_set_log_callback: called from inside a callback");
+  pthread_mutex_lock(&rt->cb_mu);
+  rt->log_fn = fn;
+  rt->log_ud = fn != NULL ? ud : NULL;
+  pthread_mutex_unlock(&rt->cb_mu);
+  return FSDP_OK;
+}
+
+FSDP_API int fsdp_set_data_source(fsdp_runtime *rt, fsdp_data_fn fn, void *ud) {
+  if (rt == NULL) return set_tl_error(FSDP_MISUSE, "fsdp_set_data_source: the runtime is NULL");
+  if (tl_rank != NULL)
+    return set_tl_error(FSDP_MISUSE, "fsdp_set_data_source: called from inside a callback");
+  pthread_mutex_lock(&rt->cb_mu);
+  rt->data_fn = fn;
+  rt->data_ud = fn != NULL ? ud : NULL;
+  pthread_mutex_unlock(&rt->cb_mu);
+  return FSDP_OK;
+}
