@@ -1,0 +1,446 @@
+/*
+ * test_mpi_comm.c — the mpi backend (src/comm/mpi.c) under mpirun, against the same serial
+ * reference as test_comm.c uses for the local backend. Owner: mpi. Run by tests/recipes/mpi_comm.sh:
+ *   mpirun -np W test_mpi_comm        (W = 1..4; FSDP_MPI_* variables select variants)
+ *
+ * Not cmocka: the ranks are processes, and a failed check on one of them must end all of them
+ * at once rather than leave the others blocked in the next collective. CHECK prints
+ * "[rank R] FAIL file:line: ..." and calls MPI_Abort; the program prints "ok: <test>" per test
+ * on rank 0 and exits 0.
+ *
+ * What it checks: every collective at counts 0..10007 with every reduction, bit for bit against
+ * the left-to-right fold in rank order (the local backend's arithmetic), in place and not, every
+ * broadcast root, NaN through max/min, several asynchronous collectives waited out of order,
+ * that an asynchronous all_gather advances while the caller computes without calling MPI,
+ * fingerprint mismatches (op, count, label on first use, label under debug) failing on every
+ * rank with the same message, abort, a timeout naming the missing rank, a rank that left,
+ * the stats and the flight recorder. Each failure case uses a communicator of its own (a failed
+ * one is never used again); a separate healthy one keeps the ranks in step between cases.
+ */
+#include <math.h>
+#include <mpi.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "comm/comm.h"
+#include "comm/mpi.h"
+
+static int g_rank = -1, g_world = 0;
+static fsdp_comm *g_sync; /* stays healthy: keeps the ranks in step between cases */
+
+#define CHECK(cond, ...)                                                                         \
+  do {                                                                                           \
+    if (!(cond)) {                                                                               \
+      fprintf(stderr, "[rank %d] FAIL %s:%d: %s: ", g_rank, __FILE__, __LINE__, #cond);          \
+      fprintf(stderr, __VA_ARGS__);                                                              \
+      fprintf(stderr, "\n");                                                                     \
+      fflush(stderr);                                                                            \
+      MPI_Abort(MPI_COMM_WORLD, 1);                                                              \
+    }                                                                                            \
+  } while (0)
+
+#define OK(call) CHECK((call) == FSDP_OK, "%s", fsdp_error_msg())
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void sync_all(const char *what) { OK(fsdp_comm_barrier(g_sync, what)); }
+
+static void passed(const char *what) {
+  sync_all(what);
+  if (g_rank == 0) {
+    printf("ok: %s (world %d)\n", what, g_world);
+    fflush(stdout);
+  }
+}
+
+/* Rank p's input element i of a collective `tag`: varied signs and magnitudes (so that the order
+ * of float additions shows in the last bits), the same on every rank. */
+static float input(int tag, int p, int64_t i) {
+  uint32_t h = (uint32_t)(tag * 2654435761u) ^ (uint32_t)(p * 40503u) ^ (uint32_t)(i * 2246822519u);
+  h ^= h >> 15;
+  h *= 2246822519u;
+  h ^= h >> 13;
+  float m = (float)(h % 100000u) / 997.0f - 50.0f;
+  return (h & 0x100000u) ? m * 1e-3f : m;
+}
+
+/* The serial reference: ((x0 + x1) + x2) ... in float, * (float)(1.0 / W) for avg; max/min
+ * with NaN propagating. */
+static float fold(int tag, int64_t i, int W, fsdp_reduce_op red, int64_t offset_of_rank_elem) {
+  (void)offset_of_rank_elem;
+  float s = input(tag, 0, i);
+  for (int p = 1; p < W; p++) {
+    float x = input(tag, p, i);
+    switch (red) {
+    case FSDP_RED_MAX: s = (x > s || x != x) ? x : s; break;
+    case FSDP_RED_MIN: s = (x < s || x != x) ? x : s; break;
+    default: s = s + x; break;
+    }
+  }
+  if (red == FSDP_RED_AVG) s = s * (float)(1.0 / W);
+  return s;
+}
+
+static bool same_bits(float a, float b) { return memcmp(&a, &b, sizeof a) == 0; }
+
+static const int64_t counts[] = {0, 1, 5, 17, 100, 2049, 4099, 10007};
+#define NCOUNTS (sizeof counts / sizeof counts[0])
+
+static void test_collectives(fsdp_comm *c) {
+  const int W = g_world, r = g_rank;
+  int tag = 1;
+  for (size_t ci = 0; ci < NCOUNTS; ci++) {
+    const int64_t n = counts[ci];
+    float *send = malloc((size_t)(n * W + 1) * sizeof(float));
+    float *recv = malloc((size_t)(n * W + 1) * sizeof(float));
+    CHECK(send && recv, "out of memory");
+    /* all_gather, separate buffers and in place */
+    for (int in_place = 0; in_place < 2; in_place++, tag++) {
+      for (int64_t i = 0; i < n * W; i++) recv[i] = -1.0f;
+      float *src = in_place ? recv + (int64_t)r * n : send;
+      for (int64_t i = 0; i < n; i++) src[i] = input(tag, r, i);
+      OK(fsdp_comm_all_gather(c, recv, src, n, "ag"));
+      for (int p = 0; p < W; p++)
+        for (int64_t i = 0; i < n; i++)
+          CHECK(same_bits(recv[p * n + i], input(tag, p, i)), "all_gather n=%lld in_place=%d p=%d i=%lld",
+                (long long)n, in_place, p, (long long)i);
+    }
+    /* reduce_scatter and all_reduce, every reduction; reduce_scatter in place too */
+    for (int red = FSDP_RED_SUM; red <= FSDP_RED_MIN; red++) {
+      for (int in_place = 0; in_place < 2; in_place++, tag++) {
+        for (int p = 0; p < W; p++)
+          for (int64_t i = 0; i < n; i++) send[p * n + i] = input(tag, r, p * n + i);
+        float *dst = in_place ? send + (int64_t)r * n : recv;
+        OK(fsdp_comm_reduce_scatter(c, dst, send, n, (fsdp_reduce_op)red, "rs"));
+        for (int64_t i = 0; i < n; i++) {
+          float want = fold(tag, (int64_t)r * n + i, W, (fsdp_reduce_op)red, 0);
+          CHECK(same_bits(dst[i], want), "reduce_scatter %s n=%lld in_place=%d i=%lld: %a vs %a",
+                fsdp_reduce_name((fsdp_reduce_op)red), (long long)n, in_place, (long long)i,
+                dst[i], want);
+        }
+      }
+      tag++;
+      for (int64_t i = 0; i < n; i++) recv[i] = input(tag, r, i);
+      OK(fsdp_comm_all_reduce(c, recv, n, (fsdp_reduce_op)red, "ar"));
+      for (int64_t i = 0; i < n; i++) {
+        float want = fold(tag, i, W, (fsdp_reduce_op)red, 0);
+        CHECK(same_bits(recv[i], want), "all_reduce %s n=%lld i=%lld: %a vs %a",
+              fsdp_reduce_name((fsdp_reduce_op)red), (long long)n, (long long)i, recv[i], want);
+      }
+    }
+    /* broadcast from every root */
+    for (int root = 0; root < W; root++, tag++) {
+      for (int64_t i = 0; i < n; i++) recv[i] = input(tag, r, i);
+      OK(fsdp_comm_broadcast(c, recv, n, root, "bc"));
+      for (int64_t i = 0; i < n; i++)
+        CHECK(same_bits(recv[i], input(tag, root, i)), "broadcast root %d n=%lld i=%lld", root,
+              (long long)n, (long long)i);
+    }
+    free(send);
+    free(recv);
+  }
+  OK(fsdp_comm_barrier(c, "end"));
+  passed("every collective, counts 0..10007, bitwise against the serial fold");
+}
+
+static void test_nan(fsdp_comm *c) {
+  const int W = g_world, r = g_rank;
+  float buf[40];
+  for (int i = 0; i < 40; i++) buf[i] = (float)(i + r);
+  if (r == W - 1) buf[3] = NAN; /* the last rank: a left fold that dropped it would show */
+  if (r == 0) buf[7] = NAN;
+  float mx[40], mn[40];
+  memcpy(mx, buf, sizeof buf);
+  memcpy(mn, buf, sizeof buf);
+  OK(fsdp_comm_all_reduce(c, mx, 40, FSDP_RED_MAX, "nan max"));
+  OK(fsdp_comm_all_reduce(c, mn, 40, FSDP_RED_MIN, "nan min"));
+  for (int i = 0; i < 40; i++) {
+    bool nan = i == 3 || i == 7;
+    CHECK(nan ? isnan(mx[i]) : mx[i] == (float)(i + W - 1), "max i=%d: %g", i, mx[i]);
+    CHECK(nan ? isnan(mn[i]) : mn[i] == (float)i, "min i=%d: %g", i, mn[i]);
+  }
+  passed("max and min propagate NaN");
+}
+
+/* Several asynchronous collectives in flight, waited in reverse order. */
+static void test_async(fsdp_comm *c) {
+  const int W = g_world, r = g_rank;
+  enum { N = 3000, K = 6 };
+  float *bufs[K];
+  float *sends[K];
+  fsdp_comm_req *reqs[K];
+  for (int j = 0; j < K; j++) {
+    bufs[j] = malloc((size_t)N * W * sizeof(float));
+    sends[j] = malloc((size_t)N * W * sizeof(float));
+    CHECK(bufs[j] && sends[j], "oom");
+    fsdp_coll k = {.dtype = FSDP_DTYPE_F32, .count = N};
+    snprintf(k.label, sizeof k.label, "async.%d", j);
+    switch (j % 3) {
+    case 0:
+      for (int i = 0; i < N; i++) sends[j][i] = input(100 + j, r, i);
+      k.op = FSDP_COLL_ALL_GATHER, k.send = sends[j], k.recv = bufs[j];
+      break;
+    case 1:
+      for (int i = 0; i < N * W; i++) sends[j][i] = input(100 + j, r, i);
+      k.op = FSDP_COLL_REDUCE_SCATTER, k.red = FSDP_RED_AVG, k.send = sends[j], k.recv = bufs[j];
+      break;
+    default:
+      for (int i = 0; i < N; i++) bufs[j][i] = input(100 + j, r, i);
+      k.op = FSDP_COLL_ALL_REDUCE, k.red = FSDP_RED_SUM, k.recv = bufs[j];
+      break;
+    }
+    OK(fsdp_comm_start(c, &k, &reqs[j]));
+  }
+  for (int j = K - 1; j >= 0; j--) OK(fsdp_comm_wait(reqs[j]));
+  for (int j = 0; j < K; j++) {
+    for (int i = 0; i < N; i++) {
+      switch (j % 3) {
+      case 0:
+        for (int p = 0; p < W; p++)
+          CHECK(same_bits(bufs[j][p * N + i], input(100 + j, p, i)), "async ag j=%d", j);
+        break;
+      case 1:
+        CHECK(same_bits(bufs[j][i], fold(100 + j, (int64_t)r * N + i, W, FSDP_RED_AVG, 0)),
+              "async rs j=%d i=%d", j, i);
+        break;
+      default:
+        CHECK(same_bits(bufs[j][i], fold(100 + j, i, W, FSDP_RED_SUM, 0)), "async ar j=%d", j);
+        break;
+      }
+    }
+    free(bufs[j]);
+    free(sends[j]);
+  }
+  char rec[4096];
+  fsdp_comm_flight_recorder(c, rec, sizeof rec);
+  const char *a0 = strstr(rec, "'async.0' done"), *a5 = strstr(rec, "'async.5' done");
+  CHECK(a0 && a5 && a0 < a5, "recorder:\n%s", rec);
+  passed("asynchronous collectives waited in reverse order");
+}
+
+/* The progress thread: an all_gather started before a stretch of compute that makes no MPI call
+ * is finished (or nearly) when the compute ends. Timing on a shared machine: best of 3. */
+static void test_overlap(fsdp_comm *c) {
+  if (g_world == 1) return;
+  const int W = g_world, r = g_rank;
+  const int64_t n = (int64_t)2 << 20; /* 8 MiB shards */
+  float *send = malloc((size_t)n * sizeof(float)), *recv = malloc((size_t)(n * W) * sizeof(float));
+  CHECK(send && recv, "oom");
+  for (int64_t i = 0; i < n; i++) send[i] = (float)(i + r);
+  double t_block = 1e9;
+  for (int k = 0; k < 3; k++) {
+    sync_all("overlap.block");
+    double t0 = now_s();
+    OK(fsdp_comm_all_gather(c, recv, send, n, "overlap.block"));
+    double t = now_s() - t0;
+    if (t < t_block) t_block = t;
+  }
+  double best_ratio = 1e9;
+  for (int k = 0; k < 3; k++) { /* the same number of rounds on every rank */
+    sync_all("overlap.async");
+    fsdp_coll kk = {.op = FSDP_COLL_ALL_GATHER, .dtype = FSDP_DTYPE_F32, .count = n, .send = send,
+                    .recv = recv};
+    snprintf(kk.label, sizeof kk.label, "overlap.async");
+    fsdp_comm_req *req;
+    OK(fsdp_comm_start(c, &kk, &req));
+    double t0 = now_s();
+    volatile double x = 0; /* compute without MPI calls, 4x the blocking time */
+    while (now_s() - t0 < 4 * t_block + 0.01) x = x + 1.0;
+    double tw = now_s();
+    OK(fsdp_comm_wait(req));
+    double wait = now_s() - tw, ratio = wait / t_block;
+    if (ratio < best_ratio) best_ratio = ratio;
+  }
+  for (int p = 0; p < W; p++) CHECK(recv[(int64_t)p * n + 7] == (float)(7 + p), "overlap data");
+  /* every rank's verdict, so that all fail or none */
+  float worst = (float)best_ratio;
+  OK(fsdp_comm_all_reduce(g_sync, &worst, 1, FSDP_RED_MAX, "overlap.verdict"));
+  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  if (r == 0) printf("  overlap: blocking all_gather %.2f ms; wait after compute %.0f%% of it%s\n",
+                     t_block * 1e3, worst * 100.0,
+                     W > cores ? " (more ranks than cores: not checked)" : "");
+  /* with more ranks than cores the ranks' compute loops starve the progress threads */
+  CHECK(W > cores || worst < 0.5f, "the wait after compute took %.0f%% of a blocking all_gather (%.2f ms): "
+        "the collective did not advance during compute", worst * 100.0, t_block * 1e3);
+  free(send);
+  free(recv);
+  passed("an asynchronous all_gather advances while the caller computes");
+}
+
+static void test_stats(fsdp_comm *c) {
+  fsdp_comm_reset_stats(c);
+  float buf[64 * 4] = {0};
+  OK(fsdp_comm_all_gather(c, buf, buf + g_rank * 16, 16, "s"));
+  OK(fsdp_comm_all_reduce(c, buf, 10, FSDP_RED_SUM, "s"));
+  fsdp_comm_stats s;
+  fsdp_comm_get_stats(c, &s);
+  CHECK(s.calls[FSDP_COLL_ALL_GATHER] == 1 && s.bytes[FSDP_COLL_ALL_GATHER] == 16 * 4 * g_world,
+        "all_gather stats %lld %lld", (long long)s.calls[0], (long long)s.bytes[0]);
+  CHECK(s.calls[FSDP_COLL_ALL_REDUCE] == 1 && s.bytes[FSDP_COLL_ALL_REDUCE] == 40, "all_reduce");
+  CHECK(strcmp(fsdp_comm_backend(c), "mpi") == 0, "backend %s", fsdp_comm_backend(c));
+  passed("stats and backend name");
+}
+
+/* ---- failures: each on a communicator of its own ------------------------------------------- */
+
+static fsdp_comm *fresh(double timeout) {
+  fsdp_comm *c;
+  OK(fsdp_comm_mpi_new(&c));
+  if (timeout > 0) fsdp_comm_set_timeout(c, timeout);
+  return c;
+}
+
+static void expect_fail(int rc, const char *want, const char *what) {
+  CHECK(rc == FSDP_ERR, "%s: succeeded", what);
+  CHECK(strstr(fsdp_error_msg(), want) != NULL, "%s: the message lacks '%s':\n%s", what, want,
+        fsdp_error_msg());
+  CHECK(strstr(fsdp_error_msg(), "flight recorder (rank") != NULL, "%s: no recorder:\n%s", what,
+        fsdp_error_msg());
+}
+
+static void test_mismatch(void) {
+  if (g_world == 1) return;
+  const int r = g_rank;
+  float buf[4096];
+  memset(buf, 0, sizeof buf);
+  /* op: rank 0 all_gather, the others reduce_scatter */
+  fsdp_comm *c = fresh(20);
+  OK(fsdp_comm_barrier(c, "first"));
+  int rc = r == 0 ? fsdp_comm_all_gather(c, buf, buf, 8, "x")
+                  : fsdp_comm_reduce_scatter(c, buf, buf + 1024, 8, FSDP_RED_SUM, "x");
+  expect_fail(rc, "collective mismatch at #2: rank 0 called all_gather(f32 x8, 'x') but rank 1 "
+                  "called reduce_scatter(f32 x8 sum, 'x')", "op mismatch");
+  /* and the group stays poisoned with it */
+  expect_fail(fsdp_comm_barrier(c, "after"), "collective mismatch at #2", "after a mismatch");
+  fsdp_comm_free(c);
+  sync_all("mismatch.op");
+  /* count */
+  c = fresh(20);
+  rc = fsdp_comm_all_reduce(c, buf, r == 1 ? 5 : 6, FSDP_RED_SUM, "n");
+  expect_fail(rc, "collective mismatch at #1: rank 0 called all_reduce(f32 x6 sum, 'n') but rank 1 "
+                  "called all_reduce(f32 x5 sum, 'n')", "count mismatch");
+  fsdp_comm_free(c);
+  sync_all("mismatch.count");
+  /* label: compared on its first use */
+  c = fresh(20);
+  char label[32];
+  snprintf(label, sizeof label, "lbl%d", r);
+  rc = fsdp_comm_all_reduce(c, buf, 8, FSDP_RED_SUM, label);
+  expect_fail(rc, "collective mismatch at #1: rank 0 called all_reduce(f32 x8 sum, 'lbl0') but "
+                  "rank 1 called all_reduce(f32 x8 sum, 'lbl1')", "label mismatch");
+  fsdp_comm_free(c);
+  sync_all("mismatch.label");
+  /* label on a later use: only with debug (on one rank is enough) */
+  c = fresh(20);
+  OK(fsdp_comm_all_reduce(c, buf, 8, FSDP_RED_SUM, "a"));
+  OK(fsdp_comm_all_reduce(c, buf, 8, FSDP_RED_SUM, "b"));
+  OK(fsdp_comm_all_reduce(c, buf, 8, FSDP_RED_SUM, r == 1 ? "b" : "a")); /* not checked */
+  if (r == 0) fsdp_comm_set_debug(c, true);
+  rc = fsdp_comm_all_reduce(c, buf, 8, FSDP_RED_SUM, r == 1 ? "b" : "a");
+  expect_fail(rc, "collective mismatch at #4: rank 0 called all_reduce(f32 x8 sum, 'a') but rank 1 "
+                  "called all_reduce(f32 x8 sum, 'b')", "label mismatch under debug");
+  fsdp_comm_free(c);
+  passed("fingerprint mismatches fail every rank with both sides named");
+}
+
+static void test_abort(void) {
+  if (g_world == 1) return;
+  fsdp_comm *c = fresh(30);
+  OK(fsdp_comm_barrier(c, "before"));
+  double t0 = now_s();
+  if (g_rank == 1) {
+    struct timespec ts = {0, 200000000}; /* the others are waiting by then */
+    nanosleep(&ts, NULL);
+    fsdp_comm_abort(c, "boom on rank 1");
+    CHECK(fsdp_comm_poisoned(c), "poisoned after abort");
+  }
+  float x[3] = {1, 2, 3};
+  int rc = fsdp_comm_all_reduce(c, x, 3, FSDP_RED_SUM, "victim");
+  expect_fail(rc, "rank 1 failed: boom on rank 1", "abort");
+  CHECK(now_s() - t0 < 10, "abort took %.1f s (the timeout is 30)", now_s() - t0);
+  CHECK(fsdp_comm_poisoned(c), "poisoned");
+  fsdp_comm_free(c);
+  sync_all("abort");
+  passed("abort fails every rank's collective with the aborting rank's message");
+}
+
+static void test_timeout(void) {
+  if (g_world == 1) return;
+  fsdp_comm *c = fresh(0.5);
+  OK(fsdp_comm_barrier(c, "first"));
+  if (g_rank == 1) {
+    struct timespec ts = {1, 500000000};
+    nanosleep(&ts, NULL);
+  }
+  double t0 = now_s();
+  int rc = fsdp_comm_barrier(c, "late");
+  double t = now_s() - t0;
+  if (g_rank == 0) {
+    expect_fail(rc, "timeout after 0.5 s in barrier #2 'late': rank 1 has not arrived (sequence "
+                    "number it reached: rank 1 #1)", "timeout");
+    CHECK(t > 0.45 && t < 5, "timed out after %.2f s", t);
+  } else {
+    expect_fail(rc, "timeout after 0.5 s in barrier #2 'late'", "timeout (peer)");
+  }
+  fsdp_comm_free(c);
+  sync_all("timeout");
+  passed("a timeout names the rank that has not arrived");
+}
+
+static void test_left(void) {
+  if (g_world == 1) return;
+  fsdp_comm *c = fresh(30);
+  OK(fsdp_comm_barrier(c, "one"));
+  if (g_rank == 1) {
+    fsdp_comm_free(c);
+  } else {
+    struct timespec ts = {0, 100000000};
+    nanosleep(&ts, NULL);
+    double t0 = now_s();
+    int rc = fsdp_comm_barrier(c, "two");
+    expect_fail(rc, "rank 1 left the group (its communicator was freed) after #1: barrier #2 "
+                    "'two' cannot complete", "left");
+    CHECK(now_s() - t0 < 10, "took %.1f s", now_s() - t0);
+    fsdp_comm_free(c);
+  }
+  passed("a rank that left fails its peers at once");
+}
+
+int main(void) {
+  fsdp_comm *c;
+  OK(fsdp_comm_mpi_new(&c));
+  g_rank = fsdp_comm_rank(c);
+  g_world = fsdp_comm_world(c);
+  OK(fsdp_comm_mpi_new(&g_sync));
+  if (g_rank == 0) {
+    printf("test_mpi_comm: world %d, thread level %s\n", g_world, fsdp_mpi_thread_level());
+    fflush(stdout);
+  }
+  test_collectives(c);
+  test_nan(c);
+  test_async(c);
+  test_stats(c);
+  const char *quick = getenv("FSDP_TEST_QUICK");
+  if (!quick || strcmp(quick, "1") != 0) {
+    test_overlap(c);
+    test_mismatch();
+    test_abort();
+    test_timeout();
+    test_left();
+  }
+  fsdp_comm_free(c);
+  fsdp_comm_free(g_sync);
+  /* the failure cases poisoned communicators on purpose, so fsdp_mpi_finalize would decline;
+   * they left nothing in flight, so finalize here */
+  MPI_Finalize();
+  if (g_rank == 0) printf("test_mpi_comm: ok\n");
+  return 0;
+}
