@@ -832,8 +832,13 @@ function M.load_tensors(model, source, opts)
             if s then
               shard = shard or U.unit:shard()
               local len = s.shard_last - s.shard_first + 1
-              shard:narrow(1, s.shard_first, len):copy(buf:narrow(1, s.param_first, len))
+              local part = buf:narrow(1, s.param_first, len)
+              shard:narrow(1, s.shard_first, len):copy(part)
+              if rank ~= 0 then part:free() end
             end
+            -- at most one parameter in flight: do not wait for the collector (rank 0's buf
+            -- views the caller's tensor and goes with it)
+            if rank ~= 0 then buf:free() end
           elseif s then
             shard = shard or U.unit:shard()
             local len = s.shard_last - s.shard_first + 1
@@ -844,6 +849,7 @@ function M.load_tensors(model, source, opts)
               part = pl.src.get(pl.plan[p].name):contiguous():view{p:numel()}:narrow(1, s.param_first, len)
             end
             shard:narrow(1, s.shard_first, len):copy(part)
+            if pl.src.get_slice then part:free() end
           end
           if R.pending then R.pending[p] = nil end
         end
