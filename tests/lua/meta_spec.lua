@@ -500,3 +500,52 @@ describe("load_tensors (tensor table, world size 1)", function()
     fsdp.full_params(m, function(mm) assert.are.same({}, differing(mm, snapshot(ref))) end)
   end)
 end)
+
+describe("ownership of a tie across units", function()
+  it("a parameter tied between two blocks belongs to their closest common unit (the root)", function()
+    local function build()
+      fsdp.manual_seed(8)
+      local m = nn.GPT{vocab = 13, ctx = 8, d = 8, layers = 3, heads = 2}
+      quiet_notes(function() fsdp.retie(m, {{"blocks.3.mlp.fc.weight", "blocks.1.mlp.fc.weight"}}) end)
+      return m
+    end
+    local plain, m = build(), build()
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    local w = m.blocks[1].mlp.fc.weight
+    assert.is_true(rawequal(w, m.blocks[3].mlp.fc.weight))
+    assert.are.equal("(root)", core.param_unit(w).path)
+    assert.are.equal("blocks.1", core.param_unit(m.blocks[1].mlp.fc.bias).path)
+    -- both uses' gradients accumulate into the one parameter, sharded as unsharded
+    local x, y = fsdp.tensor{{1, 2, 3, 4}}, fsdp.tensor{{2, 3, 4, 5}}
+    local op, om = fsdp.optim.SGD(plain, {lr = 0.1}), fsdp.optim.SGD(m, {lr = 0.1})
+    for _, pair in ipairs{{plain, op}, {m, om}} do
+      pair[2]:zero_grad()
+      nn.F.cross_entropy(pair[1](x), y):backward()
+      pair[2]:step()
+    end
+    fsdp.full_params(m, function(mm)
+      local d = (mm.blocks[3].mlp.fc.weight - plain.blocks[1].mlp.fc.weight):max()
+      if type(d) ~= "number" then d = d:item() end
+      assert.is_true(math.abs(d) < 1e-6)
+    end)
+  end)
+
+  it("a parameter shared with a separately wrapped model has no common ancestor: a clear error", function()
+    fsdp.manual_seed(1)
+    local a = nn.Sequential{nn.Linear(4, 4)}
+    local b = nn.Sequential{nn.Linear(4, 4)}
+    b[1].weight = a[1].weight
+    fsdp.wrap(a)
+    local ok, err = pcall(fsdp.wrap, b)
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("1.weight is shared with another wrapped model", 1, true), err)
+    assert.truthy(tostring(err):find("wrap one module that contains both", 1, true), err)
+    assert.is_false(fsdp.is_wrapped(b))
+    -- wrapping a module that contains both works: the common ancestor owns it
+    fsdp.unwrap(a)
+    local both = nn.Sequential{a, b}
+    fsdp.wrap(both, {policy = fsdp.policy.list{a, b}})
+    assert.are.equal("(root)", core.param_unit(a[1].weight).path)
+    assert.are.equal("1", core.param_unit(a[1].bias).path)
+  end)
+end)
