@@ -3,7 +3,8 @@
  * previous file left intact, no temporaries left behind), the safetensors writer and reader
  * (round trip, an independent parse of the written bytes, range reads, conversions from
  * F16/BF16/F64, every validation error on hand-made and damaged files, including a flip of
- * every single header byte) and the JSON helper. Owner: io.
+ * every single header byte), the JSON helper, the sharded checkpoint index check (a valid index
+ * and one defect at a time) and the folder helpers. Owner: ckpt (written by io).
  *
  * Each test works in a fresh folder under $TMPDIR (or /tmp) and removes it.
  */
@@ -1026,6 +1027,150 @@ static void test_json(void **state) {
   cJSON_Delete(back);
 }
 
+/* ---- checkpoint index (index.c) ----------------------------------------------------------- */
+
+/* A valid 2-rank index; each case below replaces one piece of it. */
+static const char *const INDEX_OK =
+    "{\"format\": \"fsdprun.sharded\", \"version\": 1, \"generation\": 3, \"world_size\": 2,"
+    " \"step\": 50,"
+    " \"files\": [{\"rank\": 0, \"name\": \"g3-rank0-of2.safetensors\", \"bytes\": 100,"
+    "   \"header_xxh3\": \"0123456789abcdef\"},"
+    "  {\"rank\": 1, \"name\": \"g3-rank1-of2.safetensors\", \"bytes\": 100,"
+    "   \"header_xxh3\": \"fedcba9876543210\"}],"
+    " \"params\": [{\"path\": \"wte.weight\", \"shape\": [4, 3], \"numel\": 12,"
+    "   \"aliases\": [\"head.weight\"], \"mask\": true,"
+    "   \"slices\": [{\"rank\": 0, \"first\": 0, \"count\": 5}, {\"rank\": 1, \"first\": 5, \"count\": 7}]},"
+    "  {\"path\": \"b\", \"shape\": [], \"numel\": 1, \"slices\": [{\"rank\": 1, \"first\": 0, \"count\": 1}]},"
+    "  {\"path\": \"e\", \"shape\": [0], \"numel\": 0, \"slices\": {}}],"
+    " \"optimizer\": {\"kind\": \"AdamW\", \"step\": 50, \"lr\": 0.001, \"hyper\": {},"
+    "   \"states\": [\"exp_avg\", \"exp_avg_sq\"]},"
+    " \"rng\": [{\"seed\": \"0000000000000001\", \"streams\": {\"randn\": \"0000000000000008\"}},"
+    "  {\"seed\": \"0000000000000001\", \"streams\": {}}],"
+    " \"loaders\": {\"train\": 50}, \"schedule\": {\"k\": 50}, \"extra\": [1, \"x\"]}";
+
+static char *replace_once(const char *s, const char *from, const char *to) {
+  const char *at = strstr(s, from);
+  assert_non_null(at);
+  size_t n = strlen(s) - strlen(from) + strlen(to);
+  char *out = malloc(n + 1);
+  assert_non_null(out);
+  memcpy(out, s, (size_t)(at - s));
+  strcpy(out + (at - s), to);
+  strcat(out, at + strlen(from));
+  return out;
+}
+
+static void test_index(void **state) {
+  (void)state;
+  cJSON *doc = NULL;
+  assert_int_equal(fsdp_io_index_parse(&doc, "idx.json", INDEX_OK, strlen(INDEX_OK)), FSDP_OK);
+  assert_non_null(doc);
+  cJSON_Delete(doc);
+  static const struct {
+    const char *from, *to, *expect;
+  } cases[] = {
+      {"\"fsdprun.sharded\"", "\"other\"", "not a sharded checkpoint index"},
+      {"\"version\": 1", "\"version\": 2", "index version must be 1"},
+      {"\"world_size\": 2", "\"world_size\": 3", "the index cannot serve its world size"},
+      {"\"world_size\": 2", "\"world_size\": 0", "'world_size' must be an integer from 1"},
+      {"\"step\": 50,", "\"step\": 1.5,", "'step' must be an integer"},
+      {"\"rank\": 1, \"name\"", "\"rank\": 0, \"name\"", "files[1].rank must be 1"},
+      {"g3-rank1-of2.safetensors", "../x", "plain file name"},
+      {"g3-rank1-of2.safetensors", ".hidden", "plain file name"},
+      {"g3-rank1-of2.safetensors", "g3-rank0-of2.safetensors", "listed for two ranks"},
+      {"\"bytes\": 100,", "\"bytes\": 7,", "'bytes' must be an integer >= 8"},
+      {"fedcba9876543210", "FEDCBA9876543210", "16 lowercase hex digits"},
+      {"\"numel\": 12", "\"numel\": 13", "param 'wte.weight': 'numel' must be the product"},
+      {"\"shape\": [4, 3]", "\"shape\": [4, -3]", "param 'wte.weight': 'shape' must hold"},
+      {"\"count\": 5}", "\"count\": 4}", "param 'wte.weight': no rank holds elements [4, 5)"},
+      {"\"first\": 5, \"count\": 7", "\"first\": 4, \"count\": 7",
+       "param 'wte.weight': slice of rank 1 starts at element 4"},
+      {"\"first\": 5, \"count\": 7", "\"first\": 5, \"count\": 8", "past the parameter's 12 elements"},
+      {"\"first\": 5, \"count\": 7", "\"first\": 5, \"count\": 6",
+       "param 'wte.weight': no rank holds elements [11, 12)"},
+      {"{\"rank\": 1, \"first\": 5", "{\"rank\": 0, \"first\": 5", "rank 0 holds two slices"},
+      {"{\"rank\": 1, \"first\": 5", "{\"rank\": 2, \"first\": 5", "slices[1] must be"},
+      {"\"count\": 5}", "\"count\": 0}", "slices[0] must be"},
+      {"\"path\": \"b\"", "\"path\": \"wte.weight\"", "param path 'wte.weight' appears twice"},
+      {"\"path\": \"b\"", "\"path\": \"head.weight\"", "param path 'head.weight' appears twice"},
+      {"\"path\": \"b\"", "\"path\": \"a:b\"", "without ':'"},
+      {"\"mask\": true", "\"mask\": 1", "'mask' must be true or false"},
+      {"\"kind\": \"AdamW\"", "\"kind\": 3", "optimizer: 'kind'"},
+      {"\"exp_avg_sq\"]", "\"exp_avg\"]", "state 'exp_avg' is listed twice"},
+      {"\"exp_avg_sq\"]", "\"mask\"]", "not 'mask'"},
+      {"\"seed\": \"0000000000000001\", \"streams\": {}", "\"seed\": \"1\", \"streams\": {}",
+       "rng[1] must be"},
+      {"\"train\": 50", "\"train\": -1", "loaders.train must be an integer >= 0"},
+      {"\"schedule\": {\"k\": 50}", "\"schedule\": 3", "'schedule' must be an object"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char *text = replace_once(INDEX_OK, cases[i].from, cases[i].to);
+    doc = (void *)1;
+    int rc = fsdp_io_index_parse(&doc, "idx.json", text, strlen(text));
+    if (rc != FSDP_ERR || strstr(fsdp_error_msg(), cases[i].expect) == NULL ||
+        strncmp(fsdp_error_msg(), "idx.json: ", 10) != 0)
+      fail_msg("case %zu (%s -> %s): rc %d, message \"%s\", expected \"%s\"", i, cases[i].from,
+               cases[i].to, rc, fsdp_error_msg(), cases[i].expect);
+    assert_null(doc);
+    free(text);
+  }
+  expect_error(fsdp_io_index_parse(&doc, "idx.json", "[]", 2), "must be a JSON object");
+  expect_error(fsdp_io_index_parse(&doc, "idx.json", "{", 1), "not valid JSON");
+}
+
+static void test_index_read(void **state) {
+  fixture *fx = *state;
+  const char *path = path_in(fx, "index.json");
+  cJSON *doc = NULL;
+  expect_error(fsdp_io_index_read(path, &doc), "cannot open");
+  spit(path, INDEX_OK, strlen(INDEX_OK));
+  assert_int_equal(fsdp_io_index_read(path, &doc), FSDP_OK);
+  assert_int_equal(cJSON_GetObjectItem(doc, "step")->valueint, 50);
+  cJSON_Delete(doc);
+  char *bad = replace_once(INDEX_OK, "\"numel\": 12", "\"numel\": 11");
+  spit(path, bad, strlen(bad));
+  free(bad);
+  expect_error(fsdp_io_index_read(path, &doc), "index.json: param 'wte.weight'");
+  assert_null(doc);
+}
+
+/* ---- folders (fs.c) ----------------------------------------------------------------------- */
+
+static void test_folders(void **state) {
+  fixture *fx = *state;
+  char sub[600];
+  snprintf(sub, sizeof sub, "%s/a/b/", fx->dir);
+  assert_int_equal(fsdp_io_mkdirs(sub), FSDP_OK);
+  assert_int_equal(fsdp_io_mkdirs(sub), FSDP_OK); /* idempotent */
+  char f1[700], f2[700];
+  snprintf(f1, sizeof f1, "%s/a/b/one", fx->dir);
+  snprintf(f2, sizeof f2, "%s/a/b/two", fx->dir);
+  spit(f1, "1", 1);
+  spit(f2, "2", 1);
+  char **names;
+  int n;
+  snprintf(sub, sizeof sub, "%s/a/b", fx->dir);
+  assert_int_equal(fsdp_io_listdir(sub, &names, &n), FSDP_OK);
+  assert_int_equal(n, 2);
+  assert_true((strcmp(names[0], "one") == 0 && strcmp(names[1], "two") == 0) ||
+              (strcmp(names[0], "two") == 0 && strcmp(names[1], "one") == 0));
+  fsdp_io_listdir_free(names, n);
+  assert_int_equal(fsdp_io_remove(f1), FSDP_OK);
+  assert_int_equal(fsdp_io_remove(f1), FSDP_OK); /* already gone: fine */
+  assert_int_equal(fsdp_io_fsync_dir(sub), FSDP_OK);
+  assert_int_equal(fsdp_io_listdir(sub, &names, &n), FSDP_OK);
+  assert_int_equal(n, 1);
+  fsdp_io_listdir_free(names, n);
+  char under_file[800];
+  snprintf(under_file, sizeof under_file, "%s/x", f2);
+  expect_error(fsdp_io_mkdirs(under_file), "cannot create folder");
+  expect_error(fsdp_io_mkdirs(f2), "exists and is not a folder");
+  snprintf(sub, sizeof sub, "%s/none", fx->dir);
+  expect_error(fsdp_io_listdir(sub, &names, &n), "cannot open folder");
+  expect_error(fsdp_io_fsync_dir(sub), "cannot open folder");
+  expect_error(fsdp_io_mkdirs(""), "empty path");
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       T(test_round_trip),
@@ -1047,6 +1192,9 @@ int main(void) {
       T(test_atomic_unwritable),
       T(test_fault_names),
       T(test_json),
+      T(test_index),
+      T(test_index_read),
+      T(test_folders),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -5,7 +5,8 @@
  *      src/core/*.c -lcjson -lxxhash -lm -lpthread -o /tmp/make_corpus
  *   /tmp/make_corpus tests/fuzz/corpus
  * Valid files from the writer (with checksums) and by hand (without, as other tools write
- * them, with every dtype the reader knows), and invalid ones: one defect each.
+ * them, with every dtype the reader knows), and invalid ones: one defect each. Sharded
+ * checkpoint indexes (corpus/index/, for fuzz_index): valid ones and one-defect ones.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -127,5 +128,43 @@ int main(int argc, char **argv) {
   put("json", "bad.json", bad, strlen(bad));
   const char *deep = "[[[[[[[[[[[[[[[[{\"k\": [[[[\"v\"]]]]}]]]]]]]]]]]]]]]]";
   put("json", "deep.json", deep, strlen(deep));
+
+  /* sharded checkpoint indexes (src/io/index.c) */
+  const char *ok2 =
+      "{\"format\": \"fsdprun.sharded\", \"version\": 1, \"generation\": 3, \"world_size\": 2,"
+      " \"step\": 50,"
+      " \"files\": [{\"rank\": 0, \"name\": \"g3-rank0-of2.safetensors\", \"bytes\": 100,"
+      " \"header_xxh3\": \"0123456789abcdef\"},"
+      " {\"rank\": 1, \"name\": \"g3-rank1-of2.safetensors\", \"bytes\": 100,"
+      " \"header_xxh3\": \"fedcba9876543210\"}],"
+      " \"params\": [{\"path\": \"wte.weight\", \"shape\": [4, 3], \"numel\": 12,"
+      " \"aliases\": [\"head.weight\"], \"mask\": true,"
+      " \"slices\": [{\"rank\": 0, \"first\": 0, \"count\": 5}, {\"rank\": 1, \"first\": 5, \"count\": 7}]},"
+      " {\"path\": \"b\", \"shape\": [], \"numel\": 1, \"slices\": [{\"rank\": 1, \"first\": 0, \"count\": 1}]},"
+      " {\"path\": \"e\", \"shape\": [0], \"numel\": 0, \"slices\": {}}],"
+      " \"optimizer\": {\"kind\": \"AdamW\", \"step\": 50, \"lr\": 0.001, \"hyper\": {\"betas\": [0.9, 0.999]},"
+      " \"states\": [\"exp_avg\", \"exp_avg_sq\"]},"
+      " \"rng\": [{\"seed\": \"0000000000000001\", \"streams\": {\"randn\": \"0000000000000008\"}},"
+      " {\"seed\": \"0000000000000001\", \"streams\": {}}],"
+      " \"loaders\": {\"train\": 50}, \"schedule\": {\"k\": 50}, \"extra\": [1, \"x\"]}";
+  put("index", "ok_2ranks.json", ok2, strlen(ok2));
+  const char *ok1 =
+      "{\"format\": \"fsdprun.sharded\", \"version\": 1, \"generation\": 1, \"world_size\": 1,"
+      " \"step\": 0, \"files\": [{\"rank\": 0, \"name\": \"g1-rank0-of1.safetensors\","
+      " \"bytes\": 64, \"header_xxh3\": \"00000000000000aa\"}], \"params\": {}}";
+  put("index", "ok_minimal.json", ok1, strlen(ok1));
+  const char *hole =
+      "{\"format\": \"fsdprun.sharded\", \"version\": 1, \"generation\": 1, \"world_size\": 2,"
+      " \"step\": 0, \"files\": [{\"rank\": 0, \"name\": \"a\", \"bytes\": 64,"
+      " \"header_xxh3\": \"00000000000000aa\"}, {\"rank\": 1, \"name\": \"b\", \"bytes\": 64,"
+      " \"header_xxh3\": \"00000000000000bb\"}], \"params\": [{\"path\": \"w\", \"shape\": [8],"
+      " \"numel\": 8, \"slices\": [{\"rank\": 0, \"first\": 0, \"count\": 3},"
+      " {\"rank\": 1, \"first\": 4, \"count\": 4}]}]}";
+  put("index", "bad_hole.json", hole, strlen(hole));
+  const char *world =
+      "{\"format\": \"fsdprun.sharded\", \"version\": 1, \"generation\": 1, \"world_size\": 3,"
+      " \"step\": 0, \"files\": [{\"rank\": 0, \"name\": \"a\", \"bytes\": 64,"
+      " \"header_xxh3\": \"00000000000000aa\"}], \"params\": []}";
+  put("index", "bad_world.json", world, strlen(world));
   return 0;
 }

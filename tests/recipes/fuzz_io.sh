@@ -1,10 +1,12 @@
 #!/bin/sh
 # fuzz_io.sh — a bounded libFuzzer run of the io layer's readers: the safetensors reader
-# (tests/fuzz/fuzz_safetensors.c) and the JSON reader behind checkpoint indexes
-# (tests/fuzz/fuzz_json.c), each built with clang -fsanitize=fuzzer,address,undefined and run
+# (tests/fuzz/fuzz_safetensors.c), the JSON reader behind checkpoint indexes
+# (tests/fuzz/fuzz_json.c) and the sharded checkpoint index check (tests/fuzz/fuzz_index.c),
+# each built with clang -fsanitize=fuzzer,address,undefined and run
 # for FUZZ_SECONDS (default 10) over the seed corpus in tests/fuzz/corpus/. A crash, a leak, a
 # sanitizer report or a broken reader promise (the targets trap) fails the test; the input
-# that did it is kept and its path printed. Owner: io. Run by ctest; by hand for longer:
+# that did it is kept and its path printed. Owner: ckpt (written by io). Run by ctest; by
+# hand for longer:
 #   FUZZ_SECONDS=600 sh tests/recipes/fuzz_io.sh
 # Skips (exit 0, "skipped: no clang ...") only when clang or its fuzzer runtime
 # (Debian: clang, libclang-rt-14-dev) is missing.
@@ -31,7 +33,7 @@ CFLAGS="-std=c11 -D_GNU_SOURCE -g -O1 -fno-omit-frame-pointer -fsanitize=fuzzer,
   -fno-sanitize-recover=undefined -I$SRC/src -I$SRC/include"
 LIBS="-lcjson -lxxhash -lm -lpthread"
 failures=0
-for target in safetensors json; do
+for target in safetensors json index; do
   # shellcheck disable=SC2086 # word splitting of the flag lists is intended
   if ! "$CLANG" $CFLAGS "$SRC/tests/fuzz/fuzz_$target.c" "$SRC"/src/io/*.c "$SRC"/src/core/*.c \
     $LIBS -o "$T/fuzz_$target" >"$T/build.log" 2>&1; then
