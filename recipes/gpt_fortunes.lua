@@ -5,6 +5,12 @@
 --        [--sample=300] [--data=/usr/share/games/fortunes] [--seed=0] [--metrics=FILE]
 --
 --        [--strategy=full]
+--        [--ckpt_every=N --ckpt_dir=checkpoints/gpt_fortunes] [--resume] [--export=FILE.safetensors]
+--        [--stop_after=N]
+--   checkpoints: every N steps a sharded checkpoint (model, AdamW state, schedule, loader position,
+--   random state) replaces the previous one in ckpt_dir; --resume continues from it (bitwise the
+--   same run); --export writes the trained model as one safetensors file at the end;
+--   --stop_after=N stops after step N as if interrupted (to try --resume).
 -- Prints train and validation loss (nats per byte) as it goes, and a sampled text at the end.
 -- The model is wrapped with one unit per Block (embeddings, final norm and the tied head in the
 -- root unit); each of N ranks trains on its slice of every global batch, so the run computes
@@ -24,6 +30,7 @@ local seed = args.seed or 0
 local path = args.data or "/usr/share/games/fortunes"
 local rank, world = fsdp.rank(), fsdp.world_size()
 local function say(...) if rank == 0 then print(...) end end
+local ckpt_every, ckpt_dir = args.ckpt_every, args.ckpt_dir or "checkpoints/gpt_fortunes"
 fsdp.manual_seed(seed)
 
 local train = fsdp.data.text(path, { ctx = ctx, batch = batch, split = "train", seed = seed })
@@ -67,7 +74,13 @@ end
 fsdp.log.setup { total = steps, jsonl = args.metrics }
 local train_loss, val_loss
 local ema
-for step, x, y in train:batches(steps) do
+local ckpt_opts = { optimizer = opt, schedule = schedule, loaders = { train = train } }
+if args.resume then
+  local extra = fsdp.load(model, ckpt_dir, ckpt_opts)
+  train_loss, val_loss, ema = extra.train_loss, extra.val_loss, extra.ema
+  say(("resumed from %s at step %d"):format(ckpt_dir, train.cursor))
+end
+for step, x, y in train:batches(math.max(0, steps - train.cursor)) do
   schedule:step()
   local loss = nn.F.cross_entropy(model(x), y)
   opt:zero_grad()
@@ -82,8 +95,18 @@ for step, x, y in train:batches(steps) do
     metrics.val_loss = val_loss
   end
   fsdp.log(step, metrics)
+  if ckpt_every and step % ckpt_every == 0 then
+    ckpt_opts.step, ckpt_opts.extra = step, { train_loss = train_loss, val_loss = val_loss, ema = ema }
+    fsdp.save(model, ckpt_dir, ckpt_opts)
+  end
+  if args.stop_after and step >= args.stop_after then
+    fsdp.log.finish()
+    say(("stopped after step %d"):format(step))
+    do return end
+  end
 end
 fsdp.log.finish()
+if args.export then fsdp.save(model, args.export, { format = "safetensors" }) end
 
 say(("train loss %.4f (smoothed %.4f)  val loss %.4f nats/byte"):format(train_loss, ema, val_loss))
 -- every rank runs the sampler (the forward passes are collective); rank 0 prints
