@@ -906,7 +906,11 @@ local function stage_sharded(model, dir, opts, loaders, P, parts, masks)
 
   -- read `name` of the parts into a tensor of count elements; a part that is not a whole
   -- stored tensor is read as a range and its tensor verified whole (checksums cover tensors)
-  local function gather_parts(pieces, name, count, optional)
+  -- read `name` of the pieces into a new 1-D tensor of count elements (filed under `role` in
+  -- the memory accounting: optimizer state is read straight into the buffers the optimizer
+  -- then adopts); a piece that is not a whole stored tensor is read as a range and its tensor
+  -- verified whole (checksums cover whole tensors); a whole one is checked by the read itself
+  local function gather_parts(pieces, name, count, optional, role)
     if optional then
       local found = 0
       for _, pc in ipairs(pieces) do
@@ -914,7 +918,7 @@ local function stage_sharded(model, dir, opts, loaders, P, parts, masks)
       end
       if found == 0 then return nil end
     end
-    local out
+    local out = fsdp.zeros({count}, {role = role or "other"})
     for _, pc in ipairs(pieces) do
       local R = reader(pc.rank, name)
       local e = R.entries[name]
@@ -925,19 +929,11 @@ local function stage_sharded(model, dir, opts, loaders, P, parts, masks)
       if #e.shape ~= 1 or e.shape[1] ~= pc.s.count then
         fail(("%s: tensor '%s': shape %s, the index says (%d)"):format(R.path, name, shape_str(e.shape), pc.s.count))
       end
-      local t
-      if pc.n == pc.s.count then
-        t = R.r:read(name)
-      else
-        t = R.r:read(name, pc.src_off, pc.n)
-        if not R.verified[name] then
-          R.r:verify(name)
-          R.verified[name] = true
-        end
+      R.r:read(name, pc.src_off, pc.n, out:narrow(1, pc.dst_off + 1, pc.n))
+      if pc.n ~= pc.s.count and not R.verified[name] then
+        R.r:verify(name)
+        R.verified[name] = true
       end
-      if #pieces == 1 and pc.n == count then return t end
-      out = out or fsdp.zeros{count}
-      out:narrow(1, pc.dst_off + 1, pc.n):copy(t)
     end
     return out
   end
@@ -970,7 +966,7 @@ local function stage_sharded(model, dir, opts, loaders, P, parts, masks)
           local st = {param = x.it.param, first = a, count = n, tensors = {},
             scalars = scalars_of[pieces[1].rank][x.e.path] or {}}
           for _, sname in ipairs(states) do
-            st.tensors[sname] = gather_parts(pieces, x.e.path .. ":" .. sname, n, true)
+            st.tensors[sname] = gather_parts(pieces, x.e.path .. ":" .. sname, n, true, "optim")
           end
           x.optim = st
         end
@@ -1036,7 +1032,8 @@ local function apply_plan(model, plan, opts, loaders, P, parts, masks, wrapped)
       end
     end
     local o = plan.index.optimizer
-    opts.optimizer:import_slices(list, {step = o.step, lr = o.lr, hyper = o.hyper})
+    -- the staged buffers are new and ours: the optimizer adopts them (no second copy)
+    opts.optimizer:import_slices(list, {step = o.step, lr = o.lr, hyper = o.hyper, adopt = true})
   end
   if plan.index then
     for name, l in pairs(loaders) do l.cursor = plan.index.loaders[name] end

@@ -304,8 +304,10 @@ end
 -- Replace the whole state: list as export_slices returns it (param, first, count, scalars,
 -- tensors: values are copied into new buffers; parameters absent from the list get no state);
 -- info = {step =, lr =, hyper = {...}} restores the optimizer's step count, learning rate and
--- hyper-parameters. Wrapped: each slice must be this rank's slice of the parameter; plain: the
--- whole parameter. Checks everything before changing anything.
+-- hyper-parameters; info.adopt = true makes the given tensors the state buffers themselves
+-- (contiguous, 1-D, count elements, not used by the caller afterwards) instead of copies.
+-- Wrapped: each slice must be this rank's slice of the parameter; plain: the whole parameter.
+-- Checks everything before changing anything.
 function Optimizer:import_slices(list, info)
   local known = {}
   for _, e in ipairs(self.params) do known[e.param] = e.path end
@@ -338,9 +340,14 @@ function Optimizer:import_slices(list, info)
     for k, v in pairs(it.scalars or {}) do st[k] = v end
     if st.step == nil then st.step = 0 end
     for k, t in pairs(it.tensors or {}) do
-      local buf = self.wrapped and fsdp.zeros({it.count}, { role = "optim" }) or state_zeros(it.param)
-      buf:view{it.count}:copy(t:view{it.count})
-      st[k] = buf
+      if info and info.adopt then
+        -- the caller's buffers become the state (1-D contiguous, the caller lets go of them)
+        st[k] = self.wrapped and t or t:view(it.param:shape())
+      else
+        local buf = self.wrapped and fsdp.zeros({it.count}, { role = "optim" }) or state_zeros(it.param)
+        buf:view{it.count}:copy(t:view{it.count})
+        st[k] = buf
+      end
     end
     state[it.param] = st
     if self.wrapped then slice_of[it.param] = {param_first = it.first + 1, numel = it.count} end

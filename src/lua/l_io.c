@@ -18,10 +18,12 @@
  *                             checksum = "16 hex digits" or nil}, ... } in header order;
  *                             offset = first byte within the data section (data_offsets[1])
  *     r:metadata()            { key = value } (the writer's checksum keys included)
- *     r:read(name [, first [, count]]) -> f32 tensor: without first, the whole tensor in its
- *                             shape (checksum checked); with first, a 1-D tensor of elements
- *                             [first, first + count) of the flattened tensor — first is a
- *                             0-based element offset, count defaults to the rest
+ *     r:read(name [, first [, count [, out]]]) -> f32 tensor: without first, the whole tensor
+ *                             in its shape (checksum checked); with first, a 1-D tensor of
+ *                             elements [first, first + count) of the flattened tensor — first
+ *                             is a 0-based element offset, count defaults to the rest; with
+ *                             out (a contiguous f32 tensor of count elements), read into it
+ *                             and return it
  *     r:verify([name])        check one tensor's checksum (or every tensor's) by reading it
  *     r:path(), r:close()     close is idempotent; a closed reader raises on use
  *   json_write(path, value)   value: tables (arrays 1..n, or string keys, written sorted),
@@ -307,6 +309,19 @@ static int l_reader_read(lua_State *L) {
                fsdp_io_st_reader_path(r), name, (long long)count, (long long)first,
                (long long)e->numel);
     return fsdp_lua_error(L);
+  }
+  /* an out tensor (argument 5): read straight into it (checkpoint loading stages into buffers
+   * of the right role, which the optimizer then adopts) */
+  if (!lua_isnoneornil(L, 5)) {
+    fsdp_tensor *o = fsdp_lua_check_tensor(L, 5);
+    if (o->dtype != FSDP_DTYPE_F32 || !fsdp_tensor_is_contiguous(o) || fsdp_tensor_numel(o) != count)
+      return luaL_error(L, "r:read: out must be a contiguous f32 tensor of %f elements",
+                        (double)count);
+    float *dst = fsdp_tensor_data(o, "r:read");
+    if (dst == NULL || fsdp_io_st_reader_read(r, dst, name, first, count)) return fsdp_lua_error(L);
+    o->version++; /* an in-place write */
+    lua_pushvalue(L, 5);
+    return 1;
   }
   fsdp_tensor *t;
   if (fsdp_tensor_new_f32_uninit(&t, ndim, shape)) return fsdp_lua_error(L);
