@@ -3,9 +3,10 @@
 # DIR/bin, libfsdp and fsdp/core.so in DIR/lib, fsdp.h in DIR/include, the Lua library in
 # DIR/share/fsdprun/lua and fsdp.pc in DIR/lib/pkgconfig; the installed fsdprun runs a recipe
 # (1 and 2 ranks) with the installed Lua library; examples/host_trainer.c builds with
-# `cc ... $(pkg-config --cflags --libs fsdp)` against DIR alone and runs, and a host program
-# built the same way finds the installed Lua library (not the source tree's); fsdp.h compiles
-# as strict C99 and as C++. Owner: embed.
+# `cc ... $(pkg-config --cflags --libs fsdp)` against DIR alone and runs, so does the minimal
+# host program of docs/EMBEDDING.md (extracted from the page; its output is the one shown
+# there), and a host program built the same way finds the installed Lua library (not the
+# source tree's); fsdp.h compiles as strict C99 and as C++. Owner: embed.
 # Run by ctest with FSDPRUN=<build>/bin/fsdprun (the build folder is its dirname/..).
 set -u
 : "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
@@ -70,6 +71,20 @@ else
     expect_has out "host_trainer: ok" "host_trainer built against the install"
     clean LD_LIBRARY_PATH="$P/lib" ldd "$T/host_trainer" | grep -q "$P/lib/libfsdp.so" ||
       fail "host_trainer does not load the installed libfsdp: $(clean LD_LIBRARY_PATH="$P/lib" ldd "$T/host_trainer" | grep fsdp)"
+  fi
+
+  # the minimal host program of docs/EMBEDDING.md, as printed there
+  awk '/^```c$/ { inside = 1; next } inside && /^```$/ { exit } inside { print }' \
+    "$SRC/docs/EMBEDDING.md" >"$T/minimal.c"
+  grep -q "minimal.c" "$T/minimal.c" || fail "docs/EMBEDDING.md: no minimal.c in its first C block"
+  # shellcheck disable=SC2086
+  run cc -std=c99 -pedantic -Wall -Wextra -Werror -o "$T/minimal" "$T/minimal.c" $flags
+  expect_rc 0 "building docs/EMBEDDING.md's minimal.c against the install"
+  if [ -x "$T/minimal" ]; then
+    (cd "$T" && clean LD_LIBRARY_PATH="$P/lib" ./minimal) >"$T/out" 2>"$T/err"; rc=$?
+    expect_rc 0 "minimal.c"
+    expect_has out "loss 0.000000: y = 2.000 x + 1.000" "minimal.c fits y = 2x + 1 (the output the doc shows)"
+    grep -qF "$(cat "$T/out")" "$SRC/docs/EMBEDDING.md" || fail "docs/EMBEDDING.md does not show minimal.c's output '$(cat "$T/out")'"
   fi
 
   # a host program: which Lua library does the installed libfsdp load?
