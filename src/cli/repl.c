@@ -293,7 +293,9 @@ static void outcome_decode(outcome *oc, const rbuf *b) {
 /* Compile an input the way every rank runs it: as an expression list first (so `1 + 1` gives
  * 2; "=expr" as in Lua 5.1), else as statements. The values pass through an identity function
  * rather than `return <input>` so that a call in it is not a tail call and its error keeps the
- * position ("stdin:1: x"); the newline stops a trailing comment from eating the parenthesis.
+ * position ("stdin:1: x"). When the last line may end in a comment, a newline stops it from
+ * eating the closing parenthesis; only then, since LuaJIT gives the code of the last argument
+ * the line of that parenthesis (`nosuch.x` would fail on "stdin:2").
  * Pushes the function and returns 0, or pushes the message and returns the status. */
 static int load_input(lua_State *L, const char *text, size_t len) {
   const char *s = text;
@@ -302,9 +304,14 @@ static int load_input(lua_State *L, const char *text, size_t len) {
     s++;
     n--;
   }
+  const char *last = s + n;
+  while (last > s && last[-1] != '\n') last--;
+  bool comment = false;
+  for (const char *c = last; c + 1 < s + n && !comment; c++) comment = c[0] == '-' && c[1] == '-';
   lua_pushliteral(L, "return (function(...) return ... end)(");
   lua_pushlstring(L, s, n);
-  lua_pushliteral(L, "\n)");
+  if (comment) lua_pushliteral(L, "\n)");
+  else lua_pushliteral(L, ")");
   lua_concat(L, 3);
   size_t cl;
   const char *code = lua_tolstring(L, -1, &cl);
@@ -443,8 +450,17 @@ static void trim_traceback(rbuf *dst, const char *msg) {
   rb_free(&kept);
 }
 
-/* Group ranks whose text (out or err) is equal. group[p] = the first rank with the same text,
- * or -1 when rank p has none. */
+/* The length that decides whether two texts are "the same": the whole output, but only the
+ * first line of an error (what follows, a flight recorder or a traceback, is per rank; the
+ * group shows its first member's). */
+static size_t key_len(const rbuf *b, bool errors) {
+  if (!errors) return b->len;
+  const char *nl = memchr(rb_text(b), '\n', b->len);
+  return nl ? (size_t)(nl - b->p) : b->len;
+}
+
+/* Group ranks whose text (out or err) is the same. group[p] = the first rank with the same
+ * text, or -1 when rank p has none. */
 static void group_by(const outcome *oc, int W, bool errors, int *group) {
   for (int p = 0; p < W; p++) {
     const rbuf *a = errors ? &oc[p].err : &oc[p].out;
@@ -452,9 +468,10 @@ static void group_by(const outcome *oc, int W, bool errors, int *group) {
     bool has = errors ? (oc[p].flags & OC_FAILED) != 0 : a->len > 0;
     if (!(oc[p].flags & OC_RAN) || !has) continue;
     group[p] = p;
+    size_t ka = key_len(a, errors);
     for (int q = 0; q < p; q++) {
       const rbuf *b = errors ? &oc[q].err : &oc[q].out;
-      if (group[q] == q && a->len == b->len && memcmp(rb_text(a), rb_text(b), a->len) == 0) {
+      if (group[q] == q && ka == key_len(b, errors) && memcmp(rb_text(a), rb_text(b), ka) == 0) {
         group[p] = q;
         break;
       }
