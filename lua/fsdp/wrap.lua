@@ -496,6 +496,8 @@ end
 
 local function teardown(R)
   -- collective: every rank unshards the same units in the same (construction) order
+  -- masks (lua/fsdp/mask.lua, owner masks): this rank's mask slices become full masks
+  if package.loaded["fsdp.mask"] then package.loaded["fsdp.mask"]._on_teardown(R) end
   for _, U in ipairs(R.units) do U.unit:unshard() end
   -- parameters that never got values (wrapped on meta, not materialized) are meta again,
   -- not zeros
@@ -615,6 +617,8 @@ function W.wrap(model, opts)
     local fine, e = pcall(meta._materialize_wrapped, R, o.init ~= true and o.init or nil, "fsdp.wrap")
     if not fine then raise((tostring(e):gsub("^[^\n]-meta%.lua:%d+: ", ""))) end
   end
+  -- masks (lua/fsdp/mask.lua, owner masks): full masks become this rank's slices
+  if package.loaded["fsdp.mask"] then package.loaded["fsdp.mask"]._on_wrap(R) end
   return model
 end
 
@@ -694,7 +698,11 @@ local function restore(gathered, writeback, ok)
   for i = #gathered, 1, -1 do
     local U, was_sharded = gathered[i][1], gathered[i][2]
     if ok then
-      if writeback then U.unit:writeback() end
+      if writeback then
+        U.unit:writeback()
+        -- masks (lua/fsdp/mask.lua, owner masks): the shard is masked again
+        if package.loaded["fsdp.mask"] then package.loaded["fsdp.mask"]._on_writeback(U, was_sharded) end
+      end
       if was_sharded then U.unit:reshard() end
     elseif was_sharded then
       pcall(U.unit.reshard, U.unit)
