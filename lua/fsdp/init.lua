@@ -111,6 +111,7 @@ local other_names = {
 }
 local lazy = {
   nn = "fsdp.nn", optim = "fsdp.optim", data = "fsdp.data", log = "fsdp.log",
+  plot = "fsdp.plot",
 }
 setmetatable(fsdp, {
   -- the names resolved on first use, for the REPL's tab completion (src/cli/repl.c)

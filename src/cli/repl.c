@@ -53,10 +53,6 @@
 #define REPL_HISTORY_SIZE 1000
 #define REPL_MAX_CANDIDATES 4096
 
-/* The refusing guard of comm.c (fsdp_comm_set_refuse), weak until it is in every build: when it
- * is missing, ":rank K" says that collectives there would wait for the timeout instead. */
-extern void fsdp_comm_set_refuse(fsdp_comm *c, const char *msg) __attribute__((weak));
-
 /* ---- growable byte buffers --------------------------------------------------------------- */
 
 typedef struct rbuf {
@@ -1029,10 +1025,6 @@ static bool command(repl *R, const char *line) {
     snprintf(buf, sizeof buf,
              "(inputs run on rank %ld only; collectives are refused there; :all returns)\n", k);
     out_str(R, stdout, buf);
-    if (h->world > 1 && !fsdp_comm_set_refuse)
-      out_str(R, stderr,
-              PROGNAME ": warning: this build cannot refuse collectives: one called now waits "
-                       "for the timeout and poisons the communicator\n");
     return false;
   }
   if (IS("timeout")) {
@@ -1267,7 +1259,7 @@ int fsdp_repl_run(const fsdp_repl_host *h, lua_State *L, const char *where, char
     rb_clear(&R.oc.err);
     R.oc.flags = 0;
     if (mine) {
-      if (alone && h->comm && fsdp_comm_set_refuse) {
+      if (alone && h->comm) {
         char why[160];
         snprintf(why, sizeof why,
                  "collectives are refused in ':rank %d' mode (only rank %d runs this input; "
@@ -1275,7 +1267,7 @@ int fsdp_repl_run(const fsdp_repl_host *h, lua_State *L, const char *where, char
         fsdp_comm_set_refuse(h->comm, why);
       }
       eval_input(h, L, text, tn, multi, &R.oc); /* paused: the host's pcall marks it running */
-      if (alone && h->comm && fsdp_comm_set_refuse) fsdp_comm_set_refuse(h->comm, NULL);
+      if (alone && h->comm) fsdp_comm_set_refuse(h->comm, NULL);
     }
     if (!multi) {
       show_single(&R);

@@ -116,14 +116,10 @@ expect_rc 0 "commands"
 expect_has out "(inputs run on rank 1 only" ":rank 1"
 sed -n '2p' "$T/out" >"$T/line2"
 [ "$(cat "$T/line2")" = "[1] 1" ] || fail ":rank 1 runs on rank 1 only: line 2 of stdout is '$(cat "$T/line2")'"
-if grep -qF "this build cannot refuse collectives" "$T/err"; then
-  echo "repl_pipe: note: collectives are not refused in :rank mode in this build (comm guard missing)"
-else
-  expect_has err "[1] stdin:1: barrier '': collectives are refused in ':rank 1' mode" \
-    ":rank refuses collectives"
-  expect_has out "[0-1] ok" "the communicator is fine after a refused collective"
-  expect_lacks err "poisoned" "a refused collective poisons nothing"
-fi
+expect_has err "[1] stdin:1: barrier '': collectives are refused in ':rank 1' mode" \
+  ":rank refuses collectives"
+expect_has out "[0-1] ok" "the communicator is fine after a refused collective"
+expect_lacks err "poisoned" "a refused collective poisons nothing"
 expect_has out "(inputs run on every rank: 0-1)" ":all"
 expect_has out "[0] 0  [1] 1" ":all runs on every rank again"
 expect_has err "fsdprun: :rank needs a rank from 0 to 1 (got '9')" ":rank out of range"
