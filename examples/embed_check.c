@@ -67,7 +67,7 @@ static float call_number(fsdp_runtime *rt, const char *fn) {
   return v;
 }
 
-/* ---- creation and options ------------------------------------------------------------------- */
+/* ---- creation and options -------------------------------------------------------------------- */
 
 static void test_create(void) {
   fsdp_runtime_free(NULL); /* a no-op */
@@ -97,7 +97,7 @@ static void test_create(void) {
   fsdp_runtime_free(rt);
 }
 
-/* ---- running code --------------------------------------------------------------------------- */
+/* ---- running code ---------------------------------------------------------------------------- */
 
 static void test_run(void) {
   fsdp_runtime *rt = make(2);
@@ -136,7 +136,7 @@ static void test_run(void) {
   fsdp_runtime_free(rt);
 }
 
-/* ---- fsdp_call: inputs, results ------------------------------------------------------------ */
+/* ---- fsdp_call: inputs, results -------------------------------------------------------------- */
 
 static const char CALL_LUA[] =
     "local fsdp = require 'fsdp'\n"
@@ -228,7 +228,8 @@ static const char PARAM_LUA[] =
     "net = Net()\n"
     "ref = {}\n"
     "for path, p in net:named_parameters() do ref[path] = p:clone() end\n"
-    "function get_ref(i) return ref[({'emb.weight', 'blocks.2.weight', 'blocks.2.bias'})[i:item()]] end\n";
+    "local names = {'emb.weight', 'blocks.2.weight', 'blocks.2.bias'}\n"
+    "function get_ref(i) return ref[names[i:item()]] end\n";
 
 static void read_and_compare(fsdp_runtime *rt, const char *path, int which, int64_t count) {
   float got[64], want[64];
@@ -328,7 +329,7 @@ static void test_failure(void) {
   fsdp_runtime_free(rt);
 }
 
-/* ---- callbacks -------------------------------------------------------------------------------- */
+/* ---- callbacks ------------------------------------------------------------------------------- */
 
 typedef struct cb_state {
   fsdp_runtime *rt;
@@ -410,7 +411,7 @@ static void test_callbacks(void) {
   fsdp_runtime_free(rt);
 }
 
-/* ---- lifetimes -------------------------------------------------------------------------------- */
+/* ---- lifetimes ------------------------------------------------------------------------------- */
 
 typedef struct thread_arg {
   int world, status;

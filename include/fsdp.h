@@ -82,7 +82,7 @@ struct lua_State;
  * want a runtime (below) instead, which does this on every rank. */
 FSDP_API int luaopen_fsdp_core(struct lua_State *L);
 
-/* ---- status codes -------------------------------------------------------------------------- */
+/* ---- status codes ---------------------------------------------------------------------------- */
 
 /* FSDP_OK is spelled as in the engine's own headers (a plain 0), so both may be included. */
 #define FSDP_OK 0          /* success */
@@ -96,7 +96,7 @@ FSDP_API int luaopen_fsdp_core(struct lua_State *L);
  * Static storage. */
 FSDP_API const char *fsdp_status_name(int status);
 
-/* ---- host tensors ----------------------------------------------------------------------------- */
+/* ---- host tensors ---------------------------------------------------------------------------- */
 
 #define FSDP_HOST_MAX_DIMS 8
 
@@ -109,7 +109,7 @@ typedef struct fsdp_host_tensor {
   int64_t shape[FSDP_HOST_MAX_DIMS];     /* shape[0 .. ndim-1], each >= 0 */
 } fsdp_host_tensor;
 
-/* ---- runtimes ---------------------------------------------------------------------------------- */
+/* ---- runtimes -------------------------------------------------------------------------------- */
 
 typedef struct fsdp_runtime fsdp_runtime; /* opaque */
 
@@ -161,7 +161,7 @@ FSDP_API int fsdp_runtime_world(const fsdp_runtime *rt);
  * this thread, for NULL). Never NULL. */
 FSDP_API const char *fsdp_last_error(const fsdp_runtime *rt);
 
-/* ---- running Lua on every rank ---------------------------------------------------------------- */
+/* ---- running Lua on every rank --------------------------------------------------------------- */
 
 /* Run the Lua file at path on every rank, as fsdprun runs a recipe: the global `arg` holds
  * arg[0] = path and arg[1..argc] = argv[0..argc-1], which are also the chunk's varargs, and
@@ -206,7 +206,7 @@ FSDP_API int fsdp_call(fsdp_runtime *rt, const char *fn, const fsdp_host_tensor 
 FSDP_API int fsdp_call_ranks(fsdp_runtime *rt, const char *fn, const fsdp_host_tensor *in,
                              int n_in, fsdp_host_tensor *out, int n_out);
 
-/* ---- parameters ----------------------------------------------------------------------------- */
+/* ---- parameters ------------------------------------------------------------------------------ */
 
 /* The model whose parameters these functions read is the one Lua registered with
  * fsdp.host.model(m) on every rank, else the global `model`. path is a dotted parameter path
@@ -227,7 +227,7 @@ FSDP_API int fsdp_read_param(fsdp_runtime *rt, const char *path, float *buf, int
 FSDP_API int fsdp_param_shape(fsdp_runtime *rt, const char *path, int *ndim,
                               int64_t shape[FSDP_HOST_MAX_DIMS]);
 
-/* ---- callbacks ---------------------------------------------------------------------------------- */
+/* ---- callbacks ------------------------------------------------------------------------------- */
 
 /* Output of the ranks. Without a callback, `print` on any rank writes its line to stdout (whole
  * lines, never interleaved between ranks) and fsdp.log writes plain progress lines (never the

@@ -19,7 +19,7 @@
 #include "embed/embed.h"
 #include "lua/binding.h"
 
-/* ---- output ------------------------------------------------------------------------------ */
+/* ---- output ---------------------------------------------------------------------------------- */
 
 /* Hand one line (without its newline) to the log callback, or write it to stdout whole. */
 static void emit_line(embed_rank *r, const char *s, size_t len) {
@@ -70,7 +70,7 @@ static int host_emit(lua_State *L) {
   return 0;
 }
 
-/* ---- the data source --------------------------------------------------------------------- */
+/* ---- the data source ------------------------------------------------------------------------- */
 
 bool embed_host_numel(const fsdp_host_tensor *h, int64_t *numel, char *err, size_t n) {
   if (h->ndim < 0 || h->ndim > FSDP_HOST_MAX_DIMS) {
@@ -160,7 +160,7 @@ static int host_next_batch(lua_State *L) {
   return batch.n;
 }
 
-/* ---- the Lua side ------------------------------------------------------------------------ */
+/* ---- the Lua side ---------------------------------------------------------------------------- */
 
 /* Runs once per rank state, with the C functions as its argument. Returns I, the table of
  * helpers runtime.c calls (anchored in the registry as r->host_ref). */

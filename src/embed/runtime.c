@@ -43,7 +43,7 @@
 #define EMBED_RANK_STACK (16u << 20) /* C stack of a rank thread: as much as a main thread */
 #define EMBED_ABORT_MSG 1024
 
-/* ---- errors ------------------------------------------------------------------------------- */
+/* ---- errors ---------------------------------------------------------------------------------- */
 
 static _Thread_local embed_rank *tl_rank; /* set on rank threads */
 static _Thread_local char tl_err[1024];  /* fsdp_last_error(NULL) */
@@ -122,7 +122,7 @@ static bool is_peer_failure(const char *msg, int rank) {
   return false;
 }
 
-/* ---- rank threads and jobs ---------------------------------------------------------------- */
+/* ---- rank threads and jobs ------------------------------------------------------------------- */
 
 static void *rank_main(void *arg) {
   embed_rank *r = arg;
@@ -269,7 +269,7 @@ static void drop_pending(embed_rank *r) {
   r->pending_ref = LUA_NOREF;
 }
 
-/* ---- init --------------------------------------------------------------------------------- */
+/* ---- init ------------------------------------------------------------------------------------ */
 
 static int job_init(embed_rank *r) {
   r->L = luaL_newstate();
@@ -288,7 +288,7 @@ static int job_init(embed_rank *r) {
   return r->status;
 }
 
-/* ---- running chunks ---------------------------------------------------------------------- */
+/* ---- running chunks -------------------------------------------------------------------------- */
 
 /* Phase 1: compile the job's code; the function waits in the registry. */
 static int cp_load(lua_State *L) {
@@ -345,7 +345,7 @@ static int job_run(embed_rank *r) {
   return r->status;
 }
 
-/* ---- fsdp_call ------------------------------------------------------------------------------ */
+/* ---- fsdp_call ------------------------------------------------------------------------------- */
 
 /* This rank's first input and result within the job's arrays. */
 static const fsdp_host_tensor *rank_inputs(const embed_job *j, int rank) {
@@ -559,7 +559,7 @@ static int job_call_cancel(embed_rank *r) {
   return r->status;
 }
 
-/* ---- parameters ----------------------------------------------------------------------------- */
+/* ---- parameters ------------------------------------------------------------------------------ */
 
 /* I[name](path) under pcall, with or without the traceback handler; leaves its one result. */
 static int call_helper(lua_State *L, embed_rank *r, const char *name, bool traceback) {
@@ -623,7 +623,7 @@ static int job_param_read(embed_rank *r) {
   return r->status;
 }
 
-/* ---- the public functions ------------------------------------------------------------------ */
+/* ---- the public functions -------------------------------------------------------------------- */
 
 static bool is_dir(const char *path) {
   struct stat st;
