@@ -1,18 +1,29 @@
 #!/bin/sh
 # Deferred initialisation at N ranks (issue 4):
-#   meta_equal.lua  1/2/3/4 ranks: a meta model wrapped and materialized equals the eager build
-#                   bitwise (each rank's shard slices, and gathered); from the init records
-#                   nothing is gathered; custom reset_parameters and wrap{init = fn} work
-#   meta_sync.lua   2/3/4 ranks: rank 0 holds real weights, the others meta; sync_module_states
-#                   gives everyone rank 0's values, one unit at a time (memory bound checked),
-#                   tie kept; a model without ties; rank 0 on meta is a clear error everywhere
-#   meta_load.lua   1/2/4 ranks: tensors on rank 0 only, meta models everywhere; load after
-#                   wrapping (one parameter in flight), load + sync, tied names, strict errors
+#   meta_equal.lua      1/2/3/4 ranks: a meta model wrapped and materialized equals the eager
+#                       build bitwise (each rank's shard slices, and gathered); from the init
+#                       records nothing is gathered; custom reset_parameters and wrap{init = fn}
+#   meta_sync.lua       2/3/4 ranks: rank 0 holds real weights, the others meta;
+#                       sync_module_states gives everyone rank 0's values, one unit at a time
+#                       (memory bound checked), tie kept; a model without ties; rank 0 on meta
+#                       is a clear error everywhere
+#   meta_load.lua       1/2/4 ranks: a tensor table on rank 0 only, meta models everywhere; load
+#                       after wrapping (one parameter in flight), load + sync, tied names, errors
+#   meta_load_file.lua  1/2/4 ranks: a checkpoint written by fsdp.save loaded into meta models:
+#                       fsdp.load on every rank, the file read on rank 0 only, rank 0 + sync,
+#                       a plain meta model
 set -eu
-run() { # run N SCRIPT
-  out=$("$FSDPRUN" -n "$1" "tests/dist/$2" 2>&1) || { echo "$out"; echo "FAIL: $2 at $1 ranks"; exit 1; }
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+run() { # run N SCRIPT [ARGS]
+  n=$1; s=$2; shift 2
+  out=$("$FSDPRUN" -n "$n" "tests/dist/$s" "$@" 2>&1) || { echo "$out"; echo "FAIL: $s at $n ranks"; exit 1; }
   echo "ok: $(echo "$out" | tail -1)"
 }
 for n in 1 2 3 4; do run "$n" meta_equal.lua; done
 for n in 2 3 4; do run "$n" meta_sync.lua; done
 for n in 1 2 4; do run "$n" meta_load.lua; done
+for n in 1 2 4; do
+  rm -rf "$tmp/f"; mkdir -p "$tmp/f"
+  run "$n" meta_load_file.lua --dir="$tmp/f"
+done
