@@ -288,6 +288,50 @@ static void test_params(void) {
   fsdp_runtime_free(rt); /* a wrapped model with sharded units in a broken runtime */
 }
 
+/* A GPT sharded one unit per Block, after a training step: read_param equals what
+ * fsdp.full_params shows in Lua, for a block's weight and for the tied head. */
+static const char GPT_LUA[] =
+    "local fsdp = require 'fsdp'\n"
+    "local nn = fsdp.nn\n"
+    "fsdp.manual_seed(5)\n"
+    "gpt = nn.GPT{vocab = 16, ctx = 8, d = 8, layers = 2, heads = 2, tie = true}\n"
+    "fsdp.host.model(fsdp.wrap(gpt, {policy = fsdp.policy.modules{nn.Block}}))\n"
+    "local opt = fsdp.optim.AdamW(gpt, {lr = 0.01})\n"
+    "local x = fsdp.tensor{{1, 2, 3, 4, 5, 6, 7, 8}}\n"
+    "local y = fsdp.tensor{{2, 3, 4, 5, 6, 7, 8, 9}}\n"
+    "nn.F.cross_entropy(gpt(x), y):backward()\n"
+    "opt:step()\n"
+    "function full(which)\n"
+    "  local out\n"
+    "  fsdp.full_params(gpt, function(m)\n"
+    "    out = (which:item() == 1 and m.blocks[1].mlp.fc.weight or m.wte.weight):clone()\n"
+    "  end, {writeback = false})\n"
+    "  return out\n"
+    "end\n";
+
+static void test_gpt(void) {
+  fsdp_runtime *rt = make(2);
+  if (rt == NULL) return;
+  OK(rt, fsdp_run_string(rt, GPT_LUA));
+  const char *paths[2] = {"blocks.1.mlp.fc.weight", "head.weight"};
+  for (int k = 0; k < 2; k++) {
+    int ndim;
+    int64_t shape[FSDP_HOST_MAX_DIMS];
+    OK(rt, fsdp_param_shape(rt, paths[k], &ndim, shape));
+    int64_t n = ndim == 2 ? shape[0] * shape[1] : 0;
+    CHECK(n == (k == 0 ? 32 * 8 : 16 * 8), "%s: %lld elements", paths[k], (long long)n);
+    float got[256], want[256], which = (float)(k + 1);
+    if (n != (k == 0 ? 32 * 8 : 16 * 8)) continue;
+    OK(rt, fsdp_read_param(rt, paths[k], got, n));
+    fsdp_host_tensor in = {.data = &which, .ndim = 0};
+    fsdp_host_tensor out = {.data = want, .ndim = 1, .shape = {n}};
+    OK(rt, fsdp_call(rt, "full", &in, 1, &out, 1));
+    CHECK(memcmp(got, want, (size_t)n * sizeof(float)) == 0, "%s differs from full_params",
+          paths[k]);
+  }
+  fsdp_runtime_free(rt);
+}
+
 /* ---- failures -------------------------------------------------------------------------------- */
 
 static void test_failure(void) {
@@ -459,6 +503,7 @@ int main(void) {
   test_run();
   test_call();
   test_params();
+  test_gpt();
   test_failure();
   test_callbacks();
   test_lifetimes();
