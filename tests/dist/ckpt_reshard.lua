@@ -10,6 +10,8 @@
 --   fsdprun -n N tests/dist/ckpt_reshard.lua --phase=rngcheck --ckpt=DIR --ref=FILE
 --     (N differs from DIR's world size) a copy of DIR whose ranks had different random states
 --     is refused with a clear error, the model untouched; rng = false loads it
+--   fsdprun -n N tests/dist/ckpt_reshard.lua --phase=damaged --ckpt=DIR --ref=FILE
+--     (N differs) a corrupted byte inside a tensor that ranks read by ranges is caught
 local fsdp = require "fsdp"
 local T = dofile("tests/dist/ckpt_common.lua")
 local core = fsdp.core
@@ -64,6 +66,47 @@ elseif a.phase == "rngcheck" then
   fsdp.load(model, copy, {rng = false})
   T.same_values(T.values(model), core.json_read(a.ref).values, "rng = false loads the rest")
   T.say(("ok: per-rank random states refused at %d ranks; rng = false loads"):format(T.W))
+elseif a.phase == "damaged" then
+  -- a corrupted byte inside a saved slice that a new rank boundary cuts: the new ranks read
+  -- that slice in parts (range reads carry no checksum), so it must be verified whole; every
+  -- rank raises the same error and nothing changes
+  local copy = a.ckpt .. "_damaged"
+  local model = T.wrap(T.gpt(12, {d = 24, layers = 2}))
+  local before = T.values(model)
+  if T.rank == 0 then
+    core.io_mkdirs(copy)
+    for _, name in ipairs(core.io_listdir(a.ckpt)) do
+      T.write_file(copy .. "/" .. name, T.read_file(a.ckpt .. "/" .. name))
+    end
+    local starts = {} -- path -> list of first elements (0-based) of the new ranks' slices
+    for _, u in ipairs(fsdp.units(model)) do
+      for _, l in ipairs(u:layout()) do
+        starts[l.path] = starts[l.path] or {}
+        for _, sl in pairs(l.slices) do table.insert(starts[l.path], sl[1] - 1) end
+      end
+    end
+    local idx = core.json_read(copy .. "/index.json")
+    local target
+    for _, e in ipairs(idx.params) do
+      for _, sl in ipairs(e.slices) do
+        for _, b in ipairs(starts[e.path] or {}) do
+          if not target and b > sl.first and b < sl.first + sl.count then
+            target = {path = e.path, rank = sl.rank, at = b - sl.first}
+          end
+        end
+      end
+    end
+    T.check(target ~= nil, "a saved slice that a new rank boundary cuts")
+    local file = copy .. "/" .. idx.files[target.rank + 1].name
+    local f = T.parse_safetensors(file)
+    local at = 8 + f.n + f.header[target.path].data_offsets[1] + 4 * target.at + 1
+    local s = T.read_file(file)
+    T.write_file(file, s:sub(1, at) .. string.char((s:byte(at + 1) + 1) % 256) .. s:sub(at + 2))
+  end
+  fsdp.barrier()
+  local err = T.raises(function() fsdp.load(model, copy) end, "checksum mismatch", "damaged tensor")
+  T.same_values(T.values(model), before, "model untouched")
+  T.say(("ok: a corrupted byte read by ranges at %d ranks is caught: %s"):format(T.W, err))
 else
-  error("--phase=save|load|rngcheck")
+  error("--phase=save|load|rngcheck|damaged")
 end

@@ -2,7 +2,7 @@
 # Resharding (tests/dist/ckpt_reshard.lua): a sharded checkpoint saved at 4 ranks loads at 2,
 # then 1 (and into a plain model), and back from 1 to 2 and 4, and at 3, each time with
 # parameters and AdamW state bitwise identical to the 4-rank original; per-rank random states
-# are refused at another world size. A load of the wrong checkpoint must fail the comparison.
+# are refused at another world size; a corrupted byte that ranks read by ranges is caught. A load of the wrong checkpoint must fail the comparison.
 # Owner: ckpt.
 set -eu
 tmp=$(mktemp -d)
@@ -22,6 +22,7 @@ run 4 --phase=load --ckpt="$tmp/c2b" --ref="$tmp/ref4.json" --out="$tmp/c4b"
 run 3 --phase=load --ckpt="$tmp/c4b" --ref="$tmp/ref4.json"
 run 2 --phase=load --ckpt="$tmp/c1" --ref="$tmp/ref4.json" --plain
 run 2 --phase=rngcheck --ckpt="$tmp/c4" --ref="$tmp/ref4.json"
+run 3 --phase=damaged --ckpt="$tmp/c4" --ref="$tmp/ref4.json"
 # the comparison can fail: another training run's checkpoint against this reference
 run 2 --phase=save --ckpt="$tmp/other" --ref="$tmp/ref2.json"
 if "$FSDPRUN" -n 2 "$t" --phase=load --ckpt="$tmp/other" --ref="$tmp/ref4.json" >"$tmp/log" 2>&1; then
