@@ -52,6 +52,7 @@
 #define REPL_MAX_INPUT ((size_t)16 << 20)
 #define REPL_HISTORY_SIZE 1000
 #define REPL_MAX_CANDIDATES 4096
+#define REPL_RECORDER_LINES 4 /* newest collectives shown of a failure's flight recorder */
 
 /* ---- growable byte buffers --------------------------------------------------------------- */
 
@@ -333,6 +334,27 @@ static bool input_incomplete(lua_State *L, const char *text, size_t len) {
   return more;
 }
 
+/* jit.off(f, true) for the compiled input on top: its loops (and the functions it defines) run
+ * in the interpreter, where ^C's hook is seen; LuaJIT never runs hooks inside compiled traces,
+ * so `while true do n = n + 1 end` typed at the prompt could otherwise only be stopped by
+ * ending the process. What the input calls (the recipe, the library) keeps the JIT. */
+static void jit_off(lua_State *L) {
+  int top = lua_gettop(L);
+  lua_getfield(L, LUA_REGISTRYINDEX, "_LOADED");
+  if (lua_istable(L, -1)) {
+    lua_getfield(L, -1, "jit");
+    if (lua_istable(L, -1)) {
+      lua_getfield(L, -1, "off");
+      if (lua_isfunction(L, -1)) {
+        lua_pushvalue(L, top);
+        lua_pushboolean(L, 1);
+        lua_pcall(L, 2, 0, 0); /* an error here only leaves the JIT on */
+      }
+    }
+  }
+  lua_settop(L, top);
+}
+
 /* tostring of every argument, tab-separated, as one string (what print would write). */
 static int values_text(lua_State *L) {
   int n = lua_gettop(L);
@@ -361,6 +383,7 @@ static void eval_input(const fsdp_repl_host *h, lua_State *L, const char *text, 
   oc->flags = OC_RAN;
   int status = load_input(L, text, len);
   if (status == 0) {
+    jit_off(L);
     if (capture) tl_capture = &oc->out;
     status = h->pcall(h->ctx, L, 0, LUA_MULTRET);
     int n = lua_gettop(L) - base;
@@ -410,16 +433,49 @@ static int terminal_columns(void) {
   return 100;
 }
 
+/* A failure's message with its flight recorder (comm.h: "\nflight recorder (rank R, newest
+ * last):\n#11 ...") cut to the newest REPL_RECORDER_LINES collectives: at a prompt the last
+ * few say what went wrong; a training loop's 64 would push the answer off the screen. */
+static void add_message(rbuf *dst, const char *msg, size_t n) {
+  static const char fr[] = "\nflight recorder (";
+  const char *at = NULL;
+  for (const char *p = msg; p < msg + n; p++) {
+    if ((size_t)(msg + n - p) >= sizeof fr - 1 && memcmp(p, fr, sizeof fr - 1) == 0) {
+      at = p;
+      break;
+    }
+  }
+  if (at == NULL) {
+    rb_add(dst, msg, n);
+    return;
+  }
+  const char *body = memchr(at + 1, '\n', (size_t)(msg + n - at - 1));
+  if (body == NULL) {
+    rb_add(dst, msg, n);
+    return;
+  }
+  int lines = 0;
+  for (const char *p = body; p < msg + n; p++) lines += *p == '\n';
+  if (lines <= REPL_RECORDER_LINES) {
+    rb_add(dst, msg, n);
+    return;
+  }
+  const char *keep = body;
+  for (int skip = lines - REPL_RECORDER_LINES; skip > 0; skip--)
+    keep = memchr(keep + 1, '\n', (size_t)(msg + n - keep - 1));
+  rb_add(dst, msg, (size_t)(body - msg));
+  rb_fmt(dst, "\n... (%d older)", lines - REPL_RECORDER_LINES);
+  rb_add(dst, keep, (size_t)(msg + n - keep));
+}
+
 /* The message without the stack frames that belong to the REPL itself or to the recipe below
  * fsdp.debug(): everything from the input's main chunk down, and the [C] frames of
  * error/assert. What is left (functions the input called) keeps its "stack traceback:". */
 static void trim_traceback(rbuf *dst, const char *msg) {
   const char *tb = strstr(msg, "\nstack traceback:");
-  if (!tb) {
-    rb_str(dst, msg);
-    return;
-  }
-  rb_add(dst, msg, (size_t)(tb - msg));
+  size_t head = tb ? (size_t)(tb - msg) : strlen(msg);
+  add_message(dst, msg, head);
+  if (!tb) return;
   const char *p = strchr(tb + 1, '\n');
   rbuf kept = {0};
   while (p && *p) {

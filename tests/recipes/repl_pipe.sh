@@ -82,6 +82,7 @@ expect_lacks err "in main chunk" "traceback drops the REPL's frames"
 start=$(date +%s)
 repl 'fsdp = require "fsdp"
 :timeout 0.5
+for i = 1, 10 do fsdp.barrier() end
 if fsdp.rank() == 0 then fsdp.barrier() end
 "still here", fsdp.rank()
 fsdp.barrier()
@@ -91,6 +92,9 @@ expect_rc 0 "partial collective"
 expect_has out "(a collective now waits 0.5 s for the other ranks)" ":timeout"
 expect_has err "[0] stdin:1: timeout after 0.5 s in barrier" "partial collective: rank 0 times out"
 expect_has err "rank 1 has not arrived" "partial collective names the missing rank"
+expect_has err "... (8 older)" "the flight recorder is cut to its newest lines"
+grep -A5 "flight recorder (rank 0" "$T/err" | grep -qF "#12 barrier '' failed" ||
+  fail "the flight recorder shows the failed collective: $(cat "$T/err")"
 expect_has err "communicator is now poisoned" "the REPL says the communicator is poisoned"
 expect_has out "[0] still here	0  [1] still here	1" "the REPL goes on after the timeout"
 expect_has err "[0-1] stdin:1: rank 0 failed: timeout" "later collectives fail at once"

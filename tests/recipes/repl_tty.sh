@@ -144,6 +144,13 @@ i=0
 while [ $i -lt 50 ] && [ "$(last_line)" != "fsdp> 40 + 3" ]; do sleep 0.1; i=$((i + 1)); done
 [ "$(last_line)" = "fsdp> 40 + 3" ] || fail "history across sessions (2): last line is '$(last_line)'"
 key C-u
+# a tight loop typed at the prompt is interpreted (jit.off), so ^C stops it too
+enter "n = 0; while true do n = n + 1 end"
+sleep 0.5
+key C-c
+wait_for "[0-1] interrupted" "^C stops a tight loop typed at the prompt"
+enter "n > 1000"
+wait_for "[0-1] true" "the REPL after stopping a tight loop"
 key C-d
 wait_dead
 [ "$(pane_status)" = "1 0" ] || fail "^D: pane status '$(pane_status)', expected '1 0'"
