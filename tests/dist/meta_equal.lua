@@ -7,6 +7,8 @@
 --   * a module with its own reset_parameters runs it on its gathered unit
 --   * wrap{init = fn}: equals fsdp.materialize(plain meta model, fn); gathered memory stays at
 --     the largest unit one module needs
+--   * strategies full, grad_op and none: wrap{init = true} and an init_fn calling
+--     reset_parameters give the eager model's outputs
 --   fsdprun -n N tests/dist/meta_equal.lua
 local fsdp = require "fsdp"
 require "fsdp.meta" -- fsdp.meta, materialize, ties (until fsdp's lazy loader lists them)
@@ -143,6 +145,24 @@ fsdp.full_params(m, function(mm)
     check(same, "init_fn: " .. path .. " equals the plain materialize")
   end
 end)
+
+-- every strategy: wrap{init = true} (records) and wrap{init = fn} calling reset_parameters
+fsdp.manual_seed(4)
+local eager = build()
+local x = fsdp.tensor{{1, 2, 3}}
+local ye = flat(eager(x))
+for _, strategy in ipairs{"full", "grad_op", "none"} do
+  for _, how in ipairs{"records", "reset"} do
+    fsdp.manual_seed(4)
+    local ms = fsdp.meta(build)
+    fsdp.wrap(ms, {policy = fsdp.policy.modules{nn.Block}, strategy = strategy,
+      init = how == "records" or function(mod) mod:reset_parameters() end})
+    local y = flat(ms(x))
+    local same = #y == #ye
+    for k = 1, #y do if y[k] ~= ye[k] then same = false break end end
+    check(same, ("strategy %s, init by %s: the eager outputs"):format(strategy, how))
+  end
+end
 
 if rank == 0 then
   print(("meta_equal at %d ranks: %d checks failed"):format(W, failures))
