@@ -20,6 +20,9 @@
  * timeout. BLAS threads are set once, before the rank threads start, to
  * max(1, cores / N) (FSDP_BLAS_THREADS overrides): OpenBLAS's count is process-wide.
  *
+ * Under mpirun (or with --backend mpi) each process is one rank of an Open MPI job instead: see
+ * "the mpi backend" below and docs/mpi.md.
+ *
  * Failure is collective (DESIGN.md invariant 3). A rank whose chunk raises prints its report
  * and only then aborts the communicator, so the root cause is on stderr before any peer wakes
  * with "rank R failed: <message>". A report whose message is such a peer failure is one line;
@@ -53,6 +56,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -70,6 +74,7 @@
 
 #include "cli/repl.h"
 #include "comm/comm.h"
+#include "comm/mpi.h"
 #include "core/core.h"
 #include "fsdp.h"
 #include "kernels/cpu/kernels.h"
@@ -93,6 +98,7 @@ typedef struct fsdprun_opts {
   int nranks;        /* -n; 1 when absent */
   bool ranked;       /* -n given: rank threads over a local group (even for -n 1) */
   double timeout;    /* --timeout; 0 when absent (the communicator's default) */
+  const char *backend; /* --backend: "local", "mpi", or NULL (mpi when mpirun started us) */
   bool interactive;  /* -i */
   int nexec;         /* number of -e chunks */
   const char **exec; /* (nexec) their code, in command-line order */
@@ -810,6 +816,145 @@ static int run_ranks(fsdprun_opts *o) {
   return status;
 }
 
+/* ---- the mpi backend (owner: mpi; docs/mpi.md) ------------------------------------------------ */
+
+/* Whether mpirun (or another PMIx launcher) started this process. */
+static bool mpi_launched(void) {
+  return getenv("OMPI_COMM_WORLD_SIZE") != NULL || getenv("PMIX_RANK") != NULL;
+}
+
+/* BLAS threads of one rank process: FSDP_BLAS_THREADS (already applied), else the CPUs this
+ * process may run on, at most this node's share of them (mpirun binds 1-2 ranks a core each,
+ * more ranks to a socket or not at all). One caller per process: no OpenBLAS threading issue. */
+static void mpi_blas_threads(void) {
+  const char *env = getenv("FSDP_BLAS_THREADS");
+  if (env != NULL && env[0] != '\0') return;
+  long online = sysconf(_SC_NPROCESSORS_ONLN);
+  cpu_set_t set;
+  long cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : online;
+  const char *ls = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  long local = ls != NULL ? strtol(ls, NULL, 10) : 1;
+  long share = local > 0 ? online / local : online;
+  long n = cpus < share ? cpus : share;
+  fsdp_cpu_set_blas_threads(n > 0 ? (int)n : 1);
+}
+
+/* fsdprun -n N --backend mpi outside mpirun: start the job on this machine, N copies of this
+ * executable with the same arguments under mpirun (FSDP_MPIRUN names another launcher). Returns
+ * only on failure. */
+static int exec_mpirun(const fsdprun_opts *o) {
+  char self[PATH_MAX];
+  ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+  if (len <= 0) {
+    fprintf(stderr, PROGNAME ": --backend mpi: cannot find this executable: %s\n", strerror(errno));
+    return EXIT_FAILURE;
+  }
+  self[len] = '\0';
+  const char *mpirun = getenv("FSDP_MPIRUN");
+  if (mpirun == NULL || mpirun[0] == '\0') mpirun = "mpirun";
+  char np[16];
+  snprintf(np, sizeof np, "%d", o->nranks);
+  const char **args = calloc((size_t)o->argc + 8, sizeof *args);
+  if (args == NULL) {
+    fprintf(stderr, PROGNAME ": out of memory\n");
+    return EXIT_FAILURE;
+  }
+  int k = 0;
+  args[k++] = mpirun;
+  args[k++] = "-np";
+  args[k++] = np;
+  if (o->nranks > sysconf(_SC_NPROCESSORS_ONLN)) args[k++] = "--oversubscribe";
+  if (geteuid() == 0) args[k++] = "--allow-run-as-root"; /* containers often run as root */
+  args[k++] = self;
+  for (int i = 1; i < o->argc; i++) args[k++] = o->argv[i];
+  args[k] = NULL;
+  fflush(stdout);
+  fflush(stderr);
+  execvp(mpirun, (char *const *)args);
+  fprintf(stderr, PROGNAME ": --backend mpi: cannot run %s: %s (install openmpi-bin, or start "
+          "fsdprun under mpirun yourself)\n", mpirun, strerror(errno));
+  free(args);
+  return EXIT_FAILURE;
+}
+
+/* One rank of an mpirun job (or, without mpirun, a world of one on MPI): the rank runs on a
+ * thread like a local rank, over two mpi communicators (the recipe's and the REPL's `ctl`). */
+static int run_mpi_rank(fsdprun_opts *o) {
+  if (o->script > 0 && strcmp(o->argv[o->script], "-") == 0 && mpi_launched()) {
+    fprintf(stderr, PROGNAME ": the mpi backend cannot read the recipe from standard input "
+            "(mpirun gives it to rank 0 only): name a file\n");
+    return EXIT_USAGE;
+  }
+  if (o->script > 0 && load_recipe_once(o) != 0) return EXIT_FAILURE;
+  rank_ctx rc = {.o = o};
+  if (fsdp_comm_mpi_new(&rc.comm) != FSDP_OK || fsdp_comm_mpi_new(&rc.ctl) != FSDP_OK) {
+    fprintf(stderr, PROGNAME ": cannot create the mpi communicator: %s\n", fsdp_error_msg());
+    fsdp_comm_free(rc.comm);
+    return EXIT_FAILURE;
+  }
+  rc.rank = fsdp_comm_rank(rc.comm);
+  rc.world = fsdp_comm_world(rc.comm);
+  if (o->ranked && o->nranks != rc.world) {
+    if (rc.rank == 0)
+      fprintf(stderr, PROGNAME ": -n %d, but mpirun started %d ranks (leave -n out under "
+              "mpirun)\n", o->nranks, rc.world);
+    fsdp_comm_free(rc.comm);
+    fsdp_comm_free(rc.ctl);
+    return EXIT_USAGE;
+  }
+  if (o->timeout > 0) fsdp_comm_set_timeout(rc.comm, o->timeout);
+  mpi_blas_threads();
+  g_running = calloc((size_t)rc.world, sizeof *g_running);
+  if (g_running == NULL) {
+    fprintf(stderr, PROGNAME ": out of memory\n");
+    return EXIT_FAILURE;
+  }
+  g_nslots = rc.world;
+  g_rearm_interrupt = rc.world == 1;
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setstacksize(&attr, FSDPRUN_RANK_STACK);
+  int err = pthread_create(&rc.thread, &attr, rank_thread, &rc);
+  pthread_attr_destroy(&attr);
+  if (err != 0) {
+    fprintf(stderr, PROGNAME ": cannot start the rank's thread: %s\n", strerror(err));
+    fsdp_comm_abort(rc.comm, "cannot start the rank's thread");
+    fsdp_comm_free(rc.comm);
+    fsdp_comm_free(rc.ctl);
+    rc.status = EXIT_FAILURE;
+  } else {
+    pthread_join(rc.thread, NULL); /* it frees both communicators */
+  }
+  g_nslots = 0;
+  free((void *)g_running);
+  g_running = NULL;
+  fflush(stdout);
+  fflush(stderr);
+  /* After a failure MPI is left unfinalized (collectives may be in flight) and the nonzero exit
+   * makes mpirun end the job, killing the ranks still running. Linger a moment first, so that
+   * the peers this rank's poison woke have reported too. */
+  if (rc.status != EXIT_SUCCESS && rc.world > 1) nanosleep(&(struct timespec){0, 500000000}, NULL);
+  fsdp_mpi_finalize();
+  return rc.status;
+}
+
+/* The mpi backend, when --backend mpi asks for it or mpirun started this process (and
+ * --backend local does not say otherwise). Returns -1 for the local backend, else the exit
+ * status of this process's rank. */
+static int run_mpi_backend(fsdprun_opts *o) {
+  bool launched = mpi_launched();
+  if (o->backend != NULL ? strcmp(o->backend, "mpi") != 0 : !launched) return -1;
+  if (!fsdp_mpi_available()) {
+    fsdp_comm *c = NULL;
+    fsdp_comm_mpi_new(&c); /* the stub's message */
+    fprintf(stderr, PROGNAME ": %s%s\n", launched ? "started by mpirun, but " : "",
+            fsdp_error_msg());
+    return EXIT_FAILURE;
+  }
+  if (!launched && o->ranked && o->nranks > 1) return exec_mpirun(o);
+  return run_mpi_rank(o);
+}
+
 /* ---- command line ---------------------------------------------------------------------- */
 
 static void print_usage(FILE *f) {
@@ -821,6 +966,10 @@ static void print_usage(FILE *f) {
           "\n"
           "options:\n"
           "  -n N        run N ranks, threads of this process (local backend; default 1)\n"
+          "  --backend local|mpi\n"
+          "              how the ranks talk: threads of this process (local), or one process\n"
+          "              per rank under Open MPI (mpi: the default when mpirun started\n"
+          "              fsdprun; with -n N outside mpirun, fsdprun runs mpirun -np N itself)\n"
           "  --timeout=SECONDS\n"
           "              how long a collective waits for the other ranks (default 60)\n"
           "  -e CODE     run the Lua CODE before the recipe (may be repeated)\n"
@@ -895,6 +1044,13 @@ static int parse_args(fsdprun_opts *o) {
       if (!parse_seconds(val, &o->timeout))
         return usage_error("--timeout '%s': the timeout must be a positive number of seconds%s",
                            val, "");
+      continue;
+    }
+    if (strncmp(a, "--backend", 9) == 0 && (a[9] == '=' || a[9] == '\0')) {
+      const char *val = a[9] == '=' ? a + 10 : (i + 1 < argc ? argv[++i] : NULL);
+      if (val == NULL || (strcmp(val, "local") != 0 && strcmp(val, "mpi") != 0))
+        return usage_error("--backend '%s': expected 'local' or 'mpi'%s", val ? val : "", "");
+      o->backend = val;
       continue;
     }
     if (a[1] == 'n' || a[1] == 'e') {
@@ -972,8 +1128,10 @@ int main(int argc, char **argv) {
     snprintf(val, sizeof val, "%g", o.timeout);
     setenv("FSDP_TIMEOUT", val, 1);
   }
-  int status;
-  if (o.ranked) {
+  int status = run_mpi_backend(&o); /* -1: not the mpi backend */
+  if (status >= 0) {
+    /* one rank of an mpirun job */
+  } else if (o.ranked) {
     status = run_ranks(&o);
   } else {
     /* one rank on the main thread, in the process memory domain, with the world of one */

@@ -961,28 +961,33 @@ static bool advance(mpi_comm *mc) {
 
 /* The progress thread's pause after a round where nothing happened, idle seconds after the last
  * progress: spin a few microseconds (a transfer in full swing completes requests back to back),
- * then sleep, longer the longer nothing happens, at most poll_max. */
+ * then sleep, longer the longer nothing happens: at most poll_max, or 20 x poll_max once nothing
+ * has happened for 20 ms (a peer still computing: each poll costs the caller's compute a
+ * little). */
 static void pause_progress(double idle, double poll_max) {
   if (idle < 5e-6) {
     for (int i = 0; i < 32; i++) cpu_relax();
     return;
   }
   double s = idle / 4;
-  if (s > poll_max) s = poll_max;
+  double cap = idle < 2e-2 ? poll_max : 20 * poll_max;
+  if (s > cap) s = cap;
   if (s < 2e-6) s = 2e-6;
   sleep_s(s);
 }
 
 /* A caller blocked in wait: it has nothing else to do, so it spins; after 2 ms without progress
  * it yields, after 50 ms it sleeps briefly (an oversubscribed machine needs the core for the
- * rank it is waiting for). */
+ * rank it is waiting for), after a second 1 ms at a time (a REPL's peers wait for a person). */
 static void pause_waiter(double idle) {
   if (idle < 2e-3) {
     for (int i = 0; i < 16; i++) cpu_relax();
   } else if (idle < 5e-2) {
     sched_yield();
-  } else {
+  } else if (idle < 1.0) {
     sleep_s(1e-4);
+  } else {
+    sleep_s(1e-3);
   }
 }
 

@@ -1,0 +1,47 @@
+#!/bin/sh
+# mpi_comm.sh — the mpi backend's own test program, tests/mpi/test_mpi_comm.c (built as
+# <build>/tests/test_mpi_comm when Open MPI is found), under mpirun at 1 to 4 ranks: every
+# collective bitwise against the serial reference, asynchronous collectives, progress during
+# compute, fingerprint mismatches, abort, timeout, a rank that leaves. Then the variants that
+# take other code paths: 4 KiB reduce-scatter segments with a window of 2 (many segments, slot
+# reuse), all_gather by point-to-point, TCP instead of shared memory, MPI_THREAD_MULTIPLE.
+# Skips (exit 0) only when mpirun is not installed. Owner: mpi.
+set -u
+: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
+if ! command -v mpirun >/dev/null 2>&1; then
+  echo "SKIP: mpirun not found (install openmpi-bin to test the mpi backend)"
+  exit 0
+fi
+BIN=$(dirname "$FSDPRUN")/../tests/test_mpi_comm
+if [ ! -x "$BIN" ]; then
+  echo "FAIL: $BIN was not built (Open MPI is installed: the build should find it)"
+  exit 1
+fi
+T=$(mktemp -d)
+trap 'rm -rf "$T"' EXIT
+MPIRUN="mpirun --oversubscribe --allow-run-as-root --mca btl_base_warn_component_unused 0"
+failures=0
+run() { # run LABEL MPIRUN-ARGS...
+  label=$1
+  shift
+  # shellcheck disable=SC2086
+  if timeout -k 5 180 $MPIRUN "$@" "$BIN" >"$T/out" 2>&1; then
+    echo "ok: $label$(grep -F "overlap:" "$T/out" | sed 's/^ */; /')"
+  else
+    cat "$T/out"
+    echo "FAIL: $label"
+    failures=$((failures + 1))
+  fi
+}
+for n in 1 2 3 4; do run "mpirun -np $n" -np $n; done
+run "4 KiB segments, window 2, -np 3" -np 3 -x FSDP_MPI_SEGMENT_KIB=4 -x FSDP_MPI_WINDOW=2
+run "4 KiB segments, window 1, -np 2" -np 2 -x FSDP_MPI_SEGMENT_KIB=4 -x FSDP_MPI_WINDOW=1
+run "all_gather by point-to-point, -np 4" -np 4 -x FSDP_MPI_ALLGATHER=p2p
+run "TCP, -np 2" -np 2 --mca btl tcp,self
+run "TCP, -np 4" -np 4 --mca btl tcp,self
+run "MPI_THREAD_MULTIPLE, -np 2" -np 2 -x FSDP_MPI_THREAD=multiple
+if [ "$failures" -ne 0 ]; then
+  echo "mpi_comm: $failures failure(s)"
+  exit 1
+fi
+echo "mpi_comm: ok"
