@@ -518,6 +518,18 @@ local function stage_safetensors(model, path, opts, P, parts, masks, wrapped)
       end
       used[src] = true
       plan.items[#plan.items + 1] = {it = it, src = src}
+      -- a tied parameter's other paths, stored separately (a file from an untied model): the
+      -- first one found above is loaded, the others are accounted for (not "unexpected")
+      for _, other in ipairs(it.aliases) do
+        local oe = entry_of[other]
+        if oe and other ~= src then
+          if not same_shape(oe.shape, shape) then
+            fail(("%s: tensor '%s': shape %s in the file, %s in the model (parameter %s)")
+              :format(path, other, shape_str(oe.shape), shape_str(shape), it.path))
+          end
+          used[other] = true
+        end
+      end
     end
   end
   -- a model untied where the file is tied: plain models get the tie back
@@ -793,7 +805,7 @@ end
 
 -- Phase A of a sharded load (local, may fail): check the index against the model and the
 -- options, read this rank's part of everything into new tensors. Returns the plan.
-local function stage_sharded(model, dir, opts, loaders, P, parts, masks)
+local function stage_sharded(model, dir, opts, loaders, P, parts, masks, wrapped)
   local W, rank = fsdp.world_size(), fsdp.rank()
   local ipath = join(dir, INDEX)
   if core.io_size(ipath) == nil and core.io_size(dir) == nil then
@@ -806,10 +818,19 @@ local function stage_sharded(model, dir, opts, loaders, P, parts, masks)
   local plan = {items = {}, index = index}
 
   -- names and shapes
-  local entry_of, used = {}, {}
+  local entry_of, own, used = {}, {}, {}
   for _, e in ipairs(index.params) do
     entry_of[e.path] = e
+    own[e.path] = e
+  end
+  for _, e in ipairs(index.params) do
     for _, a in ipairs(e.aliases or {}) do entry_of[a] = entry_of[a] or e end
+  end
+  local function check_shape(e, it)
+    if not same_shape(e.shape or {}, it.param:shape()) then
+      fail(("%s: tensor '%s': shape %s in the checkpoint, %s in the model (parameter %s)")
+        :format(ipath, e.path, shape_str(e.shape or {}), shape_str(it.param:shape()), it.path))
+    end
   end
   local missing = {}
   for _, it in ipairs(P.list) do
@@ -820,12 +841,28 @@ local function stage_sharded(model, dir, opts, loaders, P, parts, masks)
     if e == nil then
       missing[#missing + 1] = it.path
     else
-      if not same_shape(e.shape or {}, it.param:shape()) then
-        fail(("%s: tensor '%s': shape %s in the checkpoint, %s in the model (parameter %s)")
-          :format(ipath, e.path, shape_str(e.shape or {}), shape_str(it.param:shape()), it.path))
-      end
+      check_shape(e, it)
       used[e.path] = true
       plan.items[#plan.items + 1] = {it = it, e = e}
+      -- a tied parameter's other paths saved separately (from an untied model): accounted for
+      for _, a in ipairs(it.aliases) do
+        if own[a] and own[a] ~= e then
+          check_shape(own[a], it)
+          used[a] = true
+        end
+      end
+    end
+  end
+  -- a plain model untied where the checkpoint is tied gets the tie back
+  plan.retie = {}
+  if not wrapped then
+    for _, e in ipairs(index.params) do
+      for _, a in ipairs(e.aliases or {}) do
+        local ai, ti = P.by_path[a], P.by_path[e.path]
+        if ai and ti and ai ~= ti and ai.path == a and own[a] == nil then
+          plan.retie[#plan.retie + 1] = {alias = a, target = ti}
+        end
+      end
     end
   end
   local unexpected = {}
@@ -1109,7 +1146,7 @@ function C.load(model, path, opts)
     if format == "safetensors" then
       plan = stage_safetensors(model, path, opts, P, parts, masks, wrapped)
     else
-      plan = stage_sharded(model, strip_slashes(path), opts, loaders, P, parts, masks)
+      plan = stage_sharded(model, strip_slashes(path), opts, loaders, P, parts, masks, wrapped)
     end
   end)
   local msg = disagreement(ok, err)
