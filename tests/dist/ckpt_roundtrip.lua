@@ -9,7 +9,8 @@
 --     same error and the model is untouched;
 --   * sharded with AdamW state, extra, a loader position and a schedule: loading into a new
 --     wrapped model and optimizer restores values and optimizer state bitwise, and training
---     on gives the same losses bitwise.
+--     on gives the same losses bitwise;
+--   * both formats load into a model built and wrapped on the meta device.
 --   fsdprun -n N tests/dist/ckpt_roundtrip.lua --dir=TMPDIR [--strategy=full]
 local fsdp = require "fsdp"
 local T = dofile("tests/dist/ckpt_common.lua")
@@ -123,5 +124,13 @@ T.same_values(T.values(model2), T.values(model), "parameters after training on")
 local plain2 = T.gpt(10)
 fsdp.load(plain2, sh)
 T.same_values(T.values(plain2), ref, "sharded -> plain")
+
+-- a model built and wrapped on the meta device (fsdp.meta): loading gives it its values
+for _, src in ipairs{st, sh} do
+  local mm = fsdp.meta(function() return T.gpt(11) end)
+  T.wrap(mm, strategy)
+  fsdp.load(mm, src)
+  T.same_values(T.values(mm), ref, "into a model wrapped on meta from " .. src:match("[^/]*$"))
+end
 
 T.say(("ok: ckpt_roundtrip at %d ranks (strategy %s)"):format(W, strategy))
