@@ -55,12 +55,6 @@ local function same_shape(a, b)
   return true
 end
 
-local function numel_of(shape)
-  local n = 1
-  for i = 1, #shape do n = n * shape[i] end
-  return n
-end
-
 local function join(dir, name)
   if dir:sub(-1) == "/" then return dir .. name end
   return dir .. "/" .. name
@@ -317,8 +311,9 @@ end
 -- The extension point for the masks of issue 5. The adapter needs: has(p) (local, the same on
 -- every rank), local_slice(p) (this rank's slice, the elements of fsdp.shard(p)), full(p)
 -- (collective when wrapped: the full-shape mask) and set_local(model, {[p] = slice | false})
--- (collective when wrapped). Without fsdp.mask no masks are saved or loaded (a file holding
--- masks then loads its weights; strict loading reports the masks as unexpected).
+-- (collective when wrapped) — lua/fsdp/mask.lua has them. Without them (a build without
+-- mask.lua) no masks are saved or loaded: a file holding masks then loads its weights, and
+-- strict loading reports the masks as unexpected.
 
 local function mask_api()
   local ok, m = pcall(require, "fsdp.mask")
@@ -1093,6 +1088,11 @@ end
 --- "safetensors" when path ends in .safetensors, else "sharded".
 function C.save(model, path, opts)
   local wrapped = check_model("fsdp.save", model)
+  local R = rawget(model, "__fsdp_wrap")
+  if wrapped and R.pending and next(R.pending) then
+    raise("fsdp.save: the model was wrapped on the meta device and some parameters have no "
+      .. "values yet (fsdp.materialize or fsdp.load it first)")
+  end
   if type(path) ~= "string" or path == "" then raise("fsdp.save: path must be a non-empty string") end
   local loaders
   opts, loaders = check_opts("fsdp.save", opts, SAVE_OPTS)
