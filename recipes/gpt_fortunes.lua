@@ -3,6 +3,8 @@
 --   fsdprun -n 2 recipes/gpt_fortunes.lua [--steps=1500] [--batch=16] [--ctx=128] [--d=128]
 --        [--layers=4] [--heads=4] [--lr=0.002] [--eval_every=250] [--val_batches=20]
 --        [--sample=300] [--data=/usr/share/games/fortunes] [--seed=0] [--metrics=FILE]
+--   --metrics: JSONL metrics, default <ckpt_dir>/metrics.jsonl; at the end rank 0 draws them
+--   beside it as <FILE without .jsonl>.svg (fsdp.plot) and prints where.
 --
 --        [--strategy=full]
 --        [--ckpt_every=N --ckpt_dir=checkpoints/gpt_fortunes] [--resume] [--export=FILE.safetensors]
@@ -36,11 +38,16 @@ fsdp.manual_seed(seed)
 local train = fsdp.data.text(path, { ctx = ctx, batch = batch, split = "train", seed = seed })
 local val = fsdp.data.text(path, { ctx = ctx, batch = batch, split = "val", seed = seed })
 
-local model = nn.GPT { vocab = 256, ctx = ctx, d = args.d or 128, layers = args.layers or 4,
-  heads = args.heads or 4, tie = true }
+-- built on the meta device (shapes only); wrap{init = true} below gives each rank only its
+-- shards, with exactly the values an eager build would have (docs/init.md)
+local model = fsdp.meta(function()
+  return nn.GPT { vocab = 256, ctx = ctx, d = args.d or 128, layers = args.layers or 4,
+    heads = args.heads or 4, tie = true }
+end)
 local nparams = 0
 for _, p in ipairs(model:parameters()) do nparams = nparams + p:numel() end
-fsdp.wrap(model, { policy = fsdp.policy.modules { nn.Block }, strategy = args.strategy or "full" })
+fsdp.wrap(model, { policy = fsdp.policy.modules { nn.Block }, strategy = args.strategy or "full",
+  init = true })
 say(("gpt_fortunes: %.2fM parameters (head tied to wte), %d train / %d val bytes, %d steps of %dx%d")
   :format(nparams / 1e6, train:size(), val:size(), steps, batch, ctx)
   .. (world > 1 and (", %d ranks"):format(world) or ""))
@@ -71,7 +78,10 @@ local function validate()
   return sum / n
 end
 
-fsdp.log.setup { total = steps, jsonl = args.metrics }
+-- JSONL metrics (default beside the checkpoints); rank 0 draws them as an SVG at the end
+local metrics_path = args.metrics or (ckpt_dir .. "/metrics.jsonl")
+if rank == 0 then fsdp.core.io_mkdirs(metrics_path:match("^(.*)/[^/]*$") or ".") end
+fsdp.log.setup { total = steps, jsonl = metrics_path }
 local train_loss, val_loss
 local ema
 local ckpt_opts = { optimizer = opt, schedule = schedule, loaders = { train = train } }
@@ -106,6 +116,11 @@ for step, x, y in train:batches(math.max(0, steps - train.cursor)) do
   end
 end
 fsdp.log.finish()
+if rank == 0 then -- fsdp.plot is plain Lua, no collective: rank 0 alone draws it
+  local svg = metrics_path:gsub("%.jsonl$", "") .. ".svg"
+  local ok, err = pcall(fsdp.plot.write, metrics_path, svg, { title = "gpt_fortunes" })
+  say(ok and ("plot of loss and learning rate: " .. svg) or ("no plot: " .. tostring(err)))
+end
 if args.export then fsdp.save(model, args.export, { format = "safetensors" }) end
 
 say(("train loss %.4f (smoothed %.4f)  val loss %.4f nats/byte"):format(train_loss, ema, val_loss))
