@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS  ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: all deps build run test bench clean
+.PHONY: all deps build run test bench install examples clean
 all: build
 
 deps:
@@ -23,6 +23,13 @@ test: build
 
 bench: build
 	sh bench/run.sh $(BUILD)
+
+PREFIX ?= /usr/local
+install: build
+	cmake --install $(BUILD) --prefix $(PREFIX)
+
+examples: build
+	cmake --build $(BUILD) --target examples
 
 clean:
 	rm -rf $(BUILD)
