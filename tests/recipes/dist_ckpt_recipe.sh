@@ -13,7 +13,8 @@ run() { # run OUT ARGS...
   "$FSDPRUN" -n 2 recipes/gpt_fortunes.lua $A "$@" >"$out" 2>&1 || {
     cat "$out"; echo "FAIL: gpt_fortunes $*"; exit 1; }
 }
-run "$tmp/whole.txt" --export="$tmp/final.safetensors"
+# (every run names its metrics file: the default lies in the checkpoint folder, in the source tree)
+run "$tmp/whole.txt" --export="$tmp/final.safetensors" --metrics="$tmp/whole.jsonl"
 run "$tmp/part1.txt" --ckpt_every=15 --ckpt_dir="$tmp/ck" --stop_after=30
 grep -q "stopped after step 30" "$tmp/part1.txt" || { cat "$tmp/part1.txt"; echo "FAIL: no stop"; exit 1; }
 [ -f "$tmp/ck/index.json" ] || { echo "FAIL: no checkpoint index"; exit 1; }
