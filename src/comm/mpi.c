@@ -288,6 +288,7 @@ typedef struct mpi_comm {
   uint64_t *reached; /* (world) last sequence number each peer was seen entering */
   uint64_t *left_after; /* (world) NOT_LEFT, or the last collective of a rank that left */
   uint64_t left_in;
+  uint64_t left_out; /* our own "left" message */
   uint64_t last_seq; /* last collective issued here (for our own "left" message) */
 
   /* data phase */
@@ -1092,41 +1093,48 @@ static bool mpi_poisoned(const fsdp_comm *c) {
   return is_poisoned(mc, NULL);
 }
 
-/* Stop the progress thread, say goodbye (tell_peers), release the receives and the memory. */
+/* Stop the progress thread, say goodbye (tell_peers), release the receives and the memory.
+ * Memory MPI may still write or read is never freed: after a failure (the poison and "left"
+ * receives stay posted, abandoned requests may point at staging buffers) or when the goodbye
+ * could not be sent within a second, the state is left allocated; the process is failing or
+ * ending anyway. */
 static void mc_destroy(mpi_comm *mc, bool tell_peers) {
   pthread_mutex_lock(&mc->mu);
   mc->stop = true;
   pthread_cond_broadcast(&mc->cv);
   pthread_mutex_unlock(&mc->mu);
   if (mc->thread_started) pthread_join(mc->thread, NULL);
+  bool leak = is_poisoned(mc, NULL);
   /* comm.c waited for every collective, so nothing of ours is in flight. Tell the peers we left
-   * (a peer waiting for us in a later collective fails at once), unless the group failed: then
-   * MPI may hold abandoned requests, and the process is on its way out anyway. */
-  if (tell_peers && !is_poisoned(mc, NULL) && mc->world > 1) {
-    uint64_t last = mc->last_seq;
+   * (a peer waiting for us in a later collective fails at once). */
+  if (tell_peers && !leak && mc->world > 1) {
+    mc->left_out = mc->last_seq;
     int n = mc->world - 1, k = 0;
     MPI_Request *reqs = calloc((size_t)n, sizeof *reqs);
     if (reqs) {
       pthread_mutex_lock(&g_mpi_mu);
       for (int p = 0; p < mc->world; p++) {
-        if (p != mc->rank &&
-            MPI_Isend(&last, 1, MPI_UINT64_T, p, TAG_LEFT, mc->ctl, &reqs[k]) == MPI_SUCCESS)
+        if (p != mc->rank && MPI_Isend(&mc->left_out, 1, MPI_UINT64_T, p, TAG_LEFT, mc->ctl,
+                                       &reqs[k]) == MPI_SUCCESS)
           k++;
       }
       pthread_mutex_unlock(&g_mpi_mu);
       double t_end = now_s() + 1.0;
+      int all = 0;
       for (;;) {
-        int all = 0;
         pthread_mutex_lock(&g_mpi_mu);
         MPI_Testall(k, reqs, &all, MPI_STATUSES_IGNORE);
         pthread_mutex_unlock(&g_mpi_mu);
         if (all || now_s() > t_end) break;
         sleep_s(1e-4);
       }
-      pthread_mutex_lock(&g_mpi_mu);
-      for (int i = 0; i < k; i++)
-        if (reqs[i] != MPI_REQUEST_NULL) MPI_Request_free(&reqs[i]);
-      pthread_mutex_unlock(&g_mpi_mu);
+      if (!all) {
+        leak = true; /* the sends still read mc->left_out */
+        pthread_mutex_lock(&g_mpi_mu);
+        for (int i = 0; i < k; i++)
+          if (reqs[i] != MPI_REQUEST_NULL) MPI_Request_free(&reqs[i]);
+        pthread_mutex_unlock(&g_mpi_mu);
+      }
       free(reqs);
     }
   }
@@ -1147,6 +1155,7 @@ static void mc_destroy(mpi_comm *mc, bool tell_peers) {
     g_live_comms--;
     pthread_mutex_unlock(&g_init_mu);
   }
+  if (leak) return;
   free(mc->req);
   free(mc->info);
   free(mc->idx);
