@@ -1,6 +1,8 @@
 -- fsdp.mask — masks that live with the shards (owner: masks). docs/pruning.md is the manual.
 --
 --   fsdp.set_mask(param, mask)   fsdp.mask(param)   fsdp.sparsity(model)   fsdp.prune (prune.lua)
+--   for checkpoints (lua/fsdp/checkpoint.lua): has, local_slice, set_local, masked, local_mask,
+--   set_local_mask; reapply(model)
 --
 -- A mask is a 0/1 value per element of a parameter (0 = pruned). It is stored in the form the
 -- parameter has (DESIGN.md "Masks and pruning"):
@@ -92,15 +94,23 @@ local function refresh(u)
 end
 M._refresh = refresh
 
--- A sharded record for p from this rank's part of a full flat mask (or from nothing).
-local function sharded_record(u, p, full_flat, path)
+-- A sharded record for p from this rank's part of a full flat mask (or all ones), or adopting
+-- `slice` (this rank's values, not copied) when given.
+local function sharded_record(u, p, full_flat, path, slice)
   local rec = {sharded = true, numel = p:numel(), shape = p:shape(), path = path, n = 0}
   local s = local_slice(u, p)
   if s ~= nil then
     local n = s.shard_last - s.shard_first + 1
     rec.first, rec.n, rec.shard_first = s.param_first, n, s.shard_first
-    rec.slice = fsdp.ones({n}, ROLE)
-    if full_flat ~= nil then rec.slice:copy(full_flat:narrow(1, s.param_first, n)) end
+    if slice ~= nil then
+      if slice:numel() ~= n then
+        error(("mask: %s: a slice of %d elements was expected (got %d)"):format(path, n, slice:numel()), 0)
+      end
+      rec.slice = slice
+    else
+      rec.slice = fsdp.ones({n}, ROLE)
+      if full_flat ~= nil then rec.slice:copy(full_flat:narrow(1, s.param_first, n)) end
+    end
   end
   return rec
 end
@@ -279,12 +289,9 @@ function M._set_record(p, rec) records[p] = rec end
 --- A sharded record for p in unit u holding `slice` (this rank's part, or nil when the rank
 --- holds none); the slice is adopted, not copied.
 function M._sharded_record(u, p, path, slice)
-  local rec = sharded_record(u, p, nil, path)
-  if rec.slice ~= nil then
-    if slice == nil or slice:numel() ~= rec.n then
-      error(("mask: %s: a slice of %d elements was expected"):format(path, rec.n), 0)
-    end
-    rec.slice = slice
+  local rec = sharded_record(u, p, nil, path, slice)
+  if rec.slice ~= nil and slice == nil then
+    error(("mask: %s: a slice of %d elements was expected"):format(path, rec.n), 0)
   end
   return rec
 end

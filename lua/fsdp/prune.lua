@@ -149,16 +149,28 @@ local function pieces(entries, fn)
   return entries, collective
 end
 
+-- A buffer for the new mask values of a piece: the current mask's own buffer when the values
+-- can be computed in place (element i read before it is written: mask_select,
+-- mask_from_nonzero), else a new one.
+local function out_buffer(pc, in_place)
+  if in_place and pc.m ~= nil then return pc.m end
+  return fsdp.ones({pc.n}, ROLE)
+end
+
 -- Store the new mask of entry e (values `mout` for its piece, or nil when it has none) and mask
 -- the weights.
 local function store(e, mout)
   local p = e.param
   if e.unit == nil then
-    local full = fsdp.zeros(e.shape, ROLE)
-    local flat = full:view{e.numel}
-    flat:copy(mout)
-    mask._set_record(p, {full = full, flat = flat})
-    core.mask_apply(e.piece.x, flat)
+    local rec = mask._record(p)
+    if not (rec and not rec.sharded and rawequal(rec.flat, mout)) then
+      local full = fsdp.zeros(e.shape, ROLE)
+      local flat = full:view{e.numel}
+      flat:copy(mout)
+      mask._set_record(p, {full = full, flat = flat})
+      mout = flat
+    end
+    core.mask_apply(e.piece.x, mout)
     return
   end
   local rec = mask._sharded_record(e.unit, p, e.path, mout)
@@ -313,7 +325,7 @@ function prune.magnitude(model, opts)
     local mout
     local z = 0
     if e.piece then
-      mout = fsdp.ones({e.piece.n}, ROLE)
+      mout = out_buffer(e.piece, true)
       z = core.mask_select(mout, e.piece.x, e.piece.m, e.group.T, e.piece.gbase, e.group.P)
     end
     store(e, mout)
@@ -442,7 +454,7 @@ function prune.hold(model, opts)
   for _, e in ipairs(entries) do
     local mout
     if e.piece then
-      mout = fsdp.ones({e.piece.n}, ROLE)
+      mout = out_buffer(e.piece, true)
       core.mask_from_nonzero(mout, e.piece.x)
     end
     store(e, mout)

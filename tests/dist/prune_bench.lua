@@ -4,8 +4,8 @@
 --
 --   fsdprun -n 2 tests/dist/prune_bench.lua [--d=256] [--layers=6] [--reps=5]
 --
--- Prints, per operation, the median wall time over reps and the bytes this rank sent through
--- all_gather / all_reduce. "gather + count" is full_params(model, count zeros of every full
+-- Prints, per operation, the median wall time over reps, the bytes this rank sent through
+-- all_gather / all_reduce, and the most memory it allocated on top of what was live (peak +). "gather + count" is full_params(model, count zeros of every full
 -- parameter, writeback = false): the cheapest way to count that gathers. "gather + writeback"
 -- is full_params with a no-op fn and writeback: the floor under any pruning done on gathered
 -- weights (choosing the mask would come on top).
@@ -25,19 +25,24 @@ local weights = "%.weight$"
 local function measure(name, fn)
   local times = {}
   local s0 = fsdp.comm_stats()
+  local extra = 0
   for r = 1, reps do
     fsdp.barrier()
+    collectgarbage()
+    core.reset_peak()
+    local live = fsdp.memory().live
     local t0 = core.clock()
     fn(r)
     times[r] = core.clock() - t0
+    extra = math.max(extra, fsdp.memory().peak - live)
   end
   local s1 = fsdp.comm_stats()
   table.sort(times)
   local med = times[math.floor((reps + 1) / 2)]
   if fsdp.rank() == 0 then
-    print(("%-34s %9.2f ms   all_gather %10.0f B   all_reduce %9.0f B   (per call, rank 0)")
+    print(("%-34s %8.2f ms  all_gather %9.0f B  all_reduce %7.0f B  peak +%9.0f B  (per call, rank 0)")
       :format(name, med * 1e3, (s1.all_gather_bytes - s0.all_gather_bytes) / reps,
-        (s1.all_reduce_bytes - s0.all_reduce_bytes) / reps))
+        (s1.all_reduce_bytes - s0.all_reduce_bytes) / reps, extra))
   end
   return med
 end
