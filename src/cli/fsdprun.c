@@ -170,6 +170,13 @@ static int g_nrunning; /* ranks inside docall; under g_sig_mu */
 static pthread_mutex_t g_sig_mu = PTHREAD_MUTEX_INITIALIZER;
 static atomic_int g_interrupted; /* lock-free atomics are async-signal-safe */
 static bool g_rearm_interrupt; /* one rank: each run may be interrupted once (the REPL) */
+/* The REPL (host_pause, host_reading): while any rank is inside it, SIGINT stays handled even
+ * when no rank runs Lua, so that a ^C in the gap between reading an input and running it is
+ * kept for that evaluation rather than killing the session; at rank 0's prompt (reading without
+ * libedit, which takes ^C as a key itself) it still ends fsdprun. Atomics: the handler reads
+ * them. */
+static atomic_int g_in_repl;   /* ranks inside the REPL; changed under g_sig_mu */
+static atomic_int g_at_prompt; /* rank 0 is reading an input */
 
 static int traceback_handler(lua_State *L);
 
@@ -227,7 +234,10 @@ static void on_sigint(int sig) {
       any = true;
     }
   }
-  if (!any) _exit(EXIT_INTERRUPTED);
+  if (!any) {
+    if (g_in_repl > 0 && !g_at_prompt) return; /* pending: the next evaluation stops at once */
+    _exit(EXIT_INTERRUPTED);
+  }
   signal(SIGALRM, on_sigalrm);
   alarm(FSDPRUN_INTERRUPT_GRACE_S);
 }
@@ -236,7 +246,7 @@ static void on_sigint(int sig) {
 static void running_enter(rank_ctx *rc, lua_State *L) {
   pthread_mutex_lock(&g_sig_mu);
   if (g_nrunning++ == 0) {
-    if (g_rearm_interrupt) g_interrupted = 0;
+    if (g_rearm_interrupt && g_in_repl == 0) g_interrupted = 0; /* the REPL rearms itself */
     signal(SIGINT, on_sigint);
   }
   g_running[rc->rank] = L;
@@ -249,7 +259,7 @@ static void running_leave(rank_ctx *rc) {
   pthread_mutex_lock(&g_sig_mu);
   g_running[rc->rank] = NULL;
   if (--g_nrunning == 0) {
-    signal(SIGINT, SIG_DFL);
+    if (g_in_repl == 0) signal(SIGINT, SIG_DFL);
     alarm(0);
   }
   pthread_mutex_unlock(&g_sig_mu);
@@ -428,34 +438,40 @@ static int host_pcall(void *ctx, lua_State *L, int narg, int nres) {
   return status;
 }
 
-/* While the REPL waits (for input, for its peers), this rank runs no Lua: a ^C must not aim a
- * hook at the state of the recipe that called fsdp.debug(). Evaluations mark themselves
- * running through docall as usual. */
+/* Entering the REPL (paused = true) and leaving it. While the REPL waits (for input, for its
+ * peers) this rank runs no Lua: a ^C must not aim a hook at the state of the recipe that called
+ * fsdp.debug(). Evaluations mark themselves running through docall as usual. SIGINT stays
+ * handled while any rank is in the REPL (see g_in_repl). */
 static void host_pause(void *ctx, bool paused) {
   rank_ctx *rc = ctx;
   pthread_mutex_lock(&g_sig_mu);
   if (paused) {
+    g_in_repl++;
+    signal(SIGINT, on_sigint);
     rc->paused_L = g_running[rc->rank];
     if (rc->paused_L != NULL) {
       g_running[rc->rank] = NULL;
-      if (--g_nrunning == 0) {
-        signal(SIGINT, SIG_DFL);
-        alarm(0);
-      }
+      if (--g_nrunning == 0) alarm(0);
     }
-  } else if (rc->paused_L != NULL) {
-    if (g_nrunning++ == 0) signal(SIGINT, on_sigint);
-    g_running[rc->rank] = rc->paused_L;
-    rc->paused_L = NULL;
+  } else {
+    g_in_repl--;
+    if (rc->paused_L != NULL) {
+      g_nrunning++;
+      g_running[rc->rank] = rc->paused_L;
+      rc->paused_L = NULL;
+    }
+    if (g_nrunning == 0 && g_in_repl == 0) signal(SIGINT, SIG_DFL);
   }
   pthread_mutex_unlock(&g_sig_mu);
 }
 
-/* Before each input (rank 0; every rank waits for it): a new ^C starts afresh. */
-static void host_rearm(void *ctx) {
+/* Rank 0 starts (true) or ends (false) reading an input; every rank waits for it. A new input
+ * starts with no interrupt pending. */
+static void host_reading(void *ctx, bool reading) {
   (void)ctx;
   pthread_mutex_lock(&g_sig_mu);
-  if (g_nrunning == 0) g_interrupted = 0;
+  if (reading && g_nrunning == 0) g_interrupted = 0;
+  g_at_prompt = reading;
   pthread_mutex_unlock(&g_sig_mu);
 }
 
@@ -471,7 +487,7 @@ static void host_write(void *ctx, FILE *f, const char *s, size_t n) {
 static fsdp_repl_host repl_host(rank_ctx *rc) {
   return (fsdp_repl_host){.rank = rc->rank, .world = rc->world, .comm = rc->comm,
                           .ctl = rc->ctl, .ctx = rc, .pcall = host_pcall, .pause = host_pause,
-                          .rearm = host_rearm, .write = host_write};
+                          .reading = host_reading, .write = host_write};
 }
 
 /* package.loaded.fsdprun.repl(where): the REPL, from fsdp.debug() (lua/fsdp/repl.lua), on the

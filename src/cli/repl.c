@@ -1109,11 +1109,19 @@ static bool is_command(const char *line) {
   return line[0] == ':' && (isalpha((unsigned char)line[1]) || line[1] == '?');
 }
 
+static void read_input(repl *R);
+
 /* Rank 0: read the next input (or command) into R->msg. */
 static void read_next(repl *R) {
+  R->h->reading(R->h->ctx, true);
+  read_input(R);
+  R->h->reading(R->h->ctx, false);
+}
+
+/* read_next's body: R->msg is set on return. */
+static void read_input(repl *R) {
   reader *rd = &R->rd;
   for (;;) {
-    R->h->rearm(R->h->ctx);
     const char *line = reader_line(rd, R->prompt);
     if (line == NULL) {
       if (rd->tty) out_str(R, stdout, "\n");

@@ -29,11 +29,13 @@ typedef struct fsdp_repl_host {
   /* lua_pcall of the function below narg arguments, with the launcher's traceback handler and
    * SIGINT turned into the error "interrupted" */
   int (*pcall)(void *ctx, lua_State *L, int narg, int nres);
-  /* paused = true: this rank no longer runs Lua (it waits for input or for its peers), so ^C
-   * must not be aimed at it; false: back to what it was before */
+  /* paused = true when the REPL starts on this rank: it no longer runs Lua between inputs
+   * (evaluations go through pcall), so ^C must not be aimed at the caller's state; false when
+   * it ends: back to what it was before */
   void (*pause)(void *ctx, bool paused);
-  /* rank 0, before reading each input: a new ^C may interrupt the next evaluation */
-  void (*rearm)(void *ctx);
+  /* rank 0 starts (true) or stops (false) reading an input: a ^C at the prompt is the
+   * reader's, and the next evaluation starts with no interrupt pending */
+  void (*reading)(void *ctx, bool reading);
   /* write text whole to f (stdout or stderr) under the launcher's output lock, flushed */
   void (*write)(void *ctx, FILE *f, const char *s, size_t n);
 } fsdp_repl_host;

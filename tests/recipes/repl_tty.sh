@@ -20,13 +20,18 @@ mkdir -p "$T/home"
 failures=0
 fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
 
-# start ARGS...: fsdprun ARGS in a fresh 100x40 terminal, history in $T/history
+# start ARGS...: fsdprun ARGS in a fresh 100x40 terminal (session s1, s2, ...: a new session
+# each time, since killing the last one would stop the server under the next new-session),
+# history in $T/history
+n_sessions=0
+S=
 start() {
-  tm kill-session -t t >/dev/null 2>&1
-  tm new-session -d -s t -x 100 -y 40 env -u FSDPRUN_NO_EDIT HOME="$T/home" TERM=xterm \
+  n_sessions=$((n_sessions + 1))
+  S="s$n_sessions"
+  tm new-session -d -s "$S" -x 100 -y 40 env -u FSDPRUN_NO_EDIT HOME="$T/home" TERM=xterm \
     FSDPRUN_HISTORY="$T/history" "$FSDPRUN" "$@"
 }
-screen() { tm capture-pane -t t -p -S -1000 >"$T/screen"; }
+screen() { tm capture-pane -t "$S" -p -S -1000 >"$T/screen"; }
 show() { screen; sed 's/^/    | /' "$T/screen"; }
 # wait_for TEXT [WHAT]: until the screen shows TEXT (a fixed string), at most 15 s
 wait_for() {
@@ -43,13 +48,18 @@ wait_for() {
 }
 # the last non-empty line of the screen
 last_line() { screen; grep -v '^ *$' "$T/screen" | tail -1; }
-type_text() { tm send-keys -t t -l -- "$1"; }
-key() { tm send-keys -t t "$@"; }
+type_text() { tm send-keys -t "$S" -l -- "$1"; }
+key() { tm send-keys -t "$S" "$@"; }
 enter() { type_text "$1"; key Enter; }
-pane_status() { tm display -p -t t '#{pane_dead} #{pane_dead_status}'; }
+pane_status() { tm display -p -t "$S" '#{pane_dead} #{pane_dead_status}#{pane_dead_signal}'; }
+# until the pane's process has ended and tmux knows how (status or signal), at most 10 s
 wait_dead() {
   i=0
-  while [ $i -lt 100 ] && [ "$(pane_status | cut -d' ' -f1)" != 1 ]; do sleep 0.1; i=$((i + 1)); done
+  while [ $i -lt 100 ]; do
+    case "$(pane_status)" in "1 "?*) return 0 ;; esac
+    sleep 0.1
+    i=$((i + 1))
+  done
 }
 
 # ---- session 1 --------------------------------------------------------------------------------
