@@ -790,44 +790,99 @@ static const char *const lua_keywords[] = {
     "goto", "if",    "in",  "local", "nil",   "not",    "or",    "repeat", "return",
     "then", "true",  "until", "while", NULL};
 
-/* The completions of the word before the cursor (a.b.c, a.b:c): sorted, without duplicates.
- * *partial_len is the length of the part being completed. */
-static void complete_word(lua_State *L, const char *word, size_t wn, names *ns,
+static bool is_name_char(char c) { return isalnum((unsigned char)c) || c == '_'; }
+
+/* Where the word to complete starts: names, '.', ':' and bracketed keys ([1], ["k"]) before the
+ * cursor, so that `model.blocks[1].ml` is one word. */
+static const char *word_start(const char *buf, const char *cur) {
+  const char *p = cur;
+  for (;;) {
+    while (p > buf && (is_name_char(p[-1]) || p[-1] == '.' || p[-1] == ':')) p--;
+    if (p > buf && p[-1] == ']') {
+      const char *q = p - 1;
+      while (q > buf && q[-1] != '[') q--;
+      if (q == buf) return p;
+      p = q - 1; /* at the '[' */
+      continue;
+    }
+    return p;
+  }
+}
+
+/* The completions of a word (a.b.c, a.b:c, a.b[2].c, a["k"].c): sorted, without duplicates.
+ * The path before the last name is looked up without running code (peek_field); a word that
+ * does not end in a name, or whose path does not resolve, has none. *partial_len is the length
+ * of the name being completed. */
+static void complete_word(lua_State *L, const char *w, size_t wn, names *ns,
                           size_t *partial_len) {
-  const char *sep = NULL;
-  for (size_t i = 0; i < wn; i++)
-    if (word[i] == '.' || word[i] == ':') sep = word + i;
-  const char *partial = sep ? sep + 1 : word;
-  size_t pn = wn - (size_t)(partial - word);
-  *partial_len = pn;
   int top = lua_gettop(L);
+  *partial_len = 0;
   lua_pushvalue(L, LUA_GLOBALSINDEX);
-  if (sep) {
-    const char *p = word;
-    while (p < sep) {
-      const char *e = p;
-      while (e < sep && *e != '.' && *e != ':') e++;
-      if (*e == ':' && e != sep) goto done; /* a:b.c is not a name path */
-      if (!is_identifier(p, (size_t)(e - p))) goto done;
-      peek_field(L, -1, p, (size_t)(e - p), 0);
+  size_t i = 0;
+  while (i < wn && is_name_char(w[i])) i++;
+  const char *name = w; /* the name still to resolve, or the one being completed */
+  size_t nn = i;
+  bool have_name = true, methods = false, bare = true;
+  while (i < wn) {
+    if (have_name) { /* the name before a separator: look it up */
+      if (methods || !is_identifier(name, nn)) goto done; /* a:b.c is not a path */
+      peek_field(L, -1, name, nn, 0);
       if (lua_isnil(L, -1)) goto done;
-      p = e + 1;
+      have_name = false;
+    }
+    bare = false;
+    char c = w[i];
+    if (c == '.' || c == ':') {
+      methods = c == ':';
+      name = w + ++i;
+      while (i < wn && is_name_char(w[i])) i++;
+      nn = (size_t)(w + i - name);
+      have_name = true;
+    } else if (c == '[') {
+      i++;
+      if (i < wn && (w[i] == '"' || w[i] == '\'')) {
+        char q = w[i++];
+        size_t k0 = i;
+        while (i < wn && w[i] != q) i++;
+        if (i >= wn) goto done;
+        peek_field(L, -1, w + k0, i - k0, 0);
+        i++;
+      } else {
+        size_t k0 = i;
+        while (i < wn && isdigit((unsigned char)w[i])) i++;
+        if (i == k0 || i - k0 > 15) goto done;
+        char num[16];
+        memcpy(num, w + k0, i - k0);
+        num[i - k0] = '\0';
+        if (lua_type(L, -1) == LUA_TTABLE) {
+          lua_pushnumber(L, strtod(num, NULL));
+          lua_rawget(L, -2);
+        } else {
+          lua_pushnil(L);
+        }
+      }
+      if (i >= wn || w[i] != ']' || lua_isnil(L, -1)) goto done;
+      i++;
+    } else {
+      goto done;
     }
   }
-  collect(L, -1, partial, pn, sep && *sep == ':', ns, 0);
-  if (!sep) {
-    for (int i = 0; lua_keywords[i]; i++)
-      if (strncmp(lua_keywords[i], partial, pn) == 0)
-        names_add(ns, lua_keywords[i], strlen(lua_keywords[i]));
+  if (!have_name) goto done; /* the word ends with ']' */
+  *partial_len = nn;
+  collect(L, -1, name, nn, methods, ns, 0);
+  if (bare) {
+    for (int k = 0; lua_keywords[k]; k++)
+      if (strncmp(lua_keywords[k], name, nn) == 0)
+        names_add(ns, lua_keywords[k], strlen(lua_keywords[k]));
   }
   qsort(ns->v, (size_t)ns->n, sizeof *ns->v, cmp_str);
   int k = 0;
-  for (int i = 0; i < ns->n; i++) {
-    if (k > 0 && strcmp(ns->v[k - 1], ns->v[i]) == 0) {
-      free(ns->v[i]);
+  for (int j = 0; j < ns->n; j++) {
+    if (k > 0 && strcmp(ns->v[k - 1], ns->v[j]) == 0) {
+      free(ns->v[j]);
       continue;
     }
-    ns->v[k++] = ns->v[i];
+    ns->v[k++] = ns->v[j];
   }
   ns->n = k;
 done:
@@ -849,10 +904,7 @@ static unsigned char complete_cb(EditLine *el, int ch) {
   reader *rd = g_rd;
   if (!rd || !rd->L) return CC_ERROR;
   const LineInfo *li = el_line(el);
-  const char *start = li->cursor;
-  while (start > li->buffer && (isalnum((unsigned char)start[-1]) || start[-1] == '_' ||
-                                start[-1] == '.' || start[-1] == ':'))
-    start--;
+  const char *start = word_start(li->buffer, li->cursor);
   size_t wn = (size_t)(li->cursor - start);
   names ns = {0};
   size_t pn = 0;
@@ -931,9 +983,10 @@ static void reader_open(reader *rd, lua_State *L) {
   el_set(rd->el, EL_PROMPT, prompt_cb);
   el_set(rd->el, EL_SIGNAL, 1); /* a signal at the prompt gives the terminal back first */
   el_set(rd->el, EL_SETTY, "-d", "-isig", NULL); /* ^C is a key while editing */
-  el_set(rd->el, EL_ADDFN, "fsdp-cancel", "drop the input typed so far", cancel_cb);
+  el_wset(rd->el, EL_ADDFN, L"fsdp-cancel", L"drop the input typed so far", cancel_cb);
   el_set(rd->el, EL_BIND, "^C", "fsdp-cancel", NULL);
-  el_set(rd->el, EL_ADDFN, "fsdp-complete", "complete a global or a field", complete_cb);
+  /* the wide calls: the narrow el_set copies the names of EL_ADDFN and never frees them */
+  el_wset(rd->el, EL_ADDFN, L"fsdp-complete", L"complete a global or a field", complete_cb);
   el_set(rd->el, EL_BIND, "^I", "fsdp-complete", NULL);
   el_source(rd->el, NULL); /* ~/.editrc */
 }

@@ -100,6 +100,20 @@ key Tab
 type_text "() + 0.25"
 key Enter
 wait_for "[0-1] 3.25" "completed a tensor method"
+# a path with a bracketed key, and the fields of an nn module
+enter "deep = {layers = {{alpha = 4}}}"
+type_text "deep.layers[1].al"
+key Tab
+key Enter
+wait_for "[0-1] 4" "completed after a bracketed key"
+enter "lin = fsdp.nn.Linear(2, 3)"
+type_text "lin.wei"
+key Tab
+type_text ":nu"
+key Tab
+type_text "()"
+key Enter
+wait_for "[0-1] 6" "completed a module field and its method"
 
 # errors, per rank
 enter 'error("boom")'
