@@ -81,7 +81,7 @@ end
 -- JSONL metrics (default beside the checkpoints); rank 0 draws them as an SVG at the end
 local metrics_path = args.metrics or (ckpt_dir .. "/metrics.jsonl")
 if rank == 0 then fsdp.core.io_mkdirs(metrics_path:match("^(.*)/[^/]*$") or ".") end
-fsdp.log.setup { total = steps, jsonl = metrics_path }
+fsdp.log.setup { total = steps, jsonl = metrics_path, append = args.resume and true or nil }
 local train_loss, val_loss
 local ema
 local ckpt_opts = { optimizer = opt, schedule = schedule, loaders = { train = train } }

@@ -156,7 +156,8 @@ end
 
 --- Start a run: forget the previous one (closing its JSONL file) and set its options:
 --- total (steps, for "step i/total" and ETA), every (plain-line period), jsonl (path of a
---- metrics file, truncated), tokens_per_step (throughput when metrics.tokens is absent).
+--- metrics file, truncated unless append = true: a resumed run continues its file),
+--- tokens_per_step (throughput when metrics.tokens is absent).
 --- For tests and hosts: out (a file handle, default io.stdout), tty (force the mode), clock
 --- (a function returning seconds), rank (instead of fsdp.rank()).
 function log.setup(opts)
@@ -171,7 +172,7 @@ function log.setup(opts)
   if S then log.finish() end
   S = new_state(opts)
   if opts.jsonl and my_rank() == 0 then
-    local f, err = io.open(opts.jsonl, "w")
+    local f, err = io.open(opts.jsonl, opts.append and "a" or "w")
     if not f then error("fsdp.log.setup: cannot open the JSONL file: " .. err, 2) end
     S.jsonl = f
   end

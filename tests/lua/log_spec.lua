@@ -255,3 +255,21 @@ describe("fsdp.log", function()
     assert.truthy(err:find("cannot open the JSONL file", 1, true))
   end)
 end)
+
+describe("fsdp.log JSONL append", function()
+  it("continues an existing metrics file when append = true", function()
+    local fsdp = require "fsdp"
+    local path = os.tmpname()
+    local sink = { write = function() end, flush = function() end }
+    fsdp.log.setup { jsonl = path, out = sink, tty = false, rank = 0 }
+    fsdp.log(1, { loss = 2 })
+    fsdp.log.finish()
+    fsdp.log.setup { jsonl = path, out = sink, tty = false, rank = 0, append = true }
+    fsdp.log(2, { loss = 1 })
+    fsdp.log.finish()
+    local n = 0
+    for line in io.lines(path) do if line:find('"step"') then n = n + 1 end end
+    os.remove(path)
+    assert.are.equal(2, n)
+  end)
+end)
