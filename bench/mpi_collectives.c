@@ -6,16 +6,16 @@
  *   mpirun -np 2 build/bench/mpi_collectives [--sizes=1,16,64] [--iters=7]
  *   mpirun -np 2 --mca btl tcp,self build/bench/mpi_collectives      (over TCP)
  *
- * Per shard size (MiB per rank; the full buffer is world x shard), each operation runs twice
- * untimed, then --iters times, each iteration started together (MPI_Barrier) and timed as the
- * slowest rank's; the median is reported as algbw = full buffer bytes / time (the convention of
- * /work/shared/MEASUREMENTS.md). Operations:
+ * Per shard size (MiB per rank; the full buffer is world x shard), the operations of a row run
+ * twice untimed, then --iters rounds of each in turn (interleaved, so that the load of a shared
+ * machine hits them alike), each call started together (MPI_Barrier) and timed as the slowest
+ * rank's. Reported: the median time as algbw = full buffer bytes / time (the convention of
+ * /work/shared/MEASUREMENTS.md), and "vs raw", the median over rounds of raw time / engine time
+ * (the faster raw reduce-scatter of the round). Operations:
  *   all_gather      raw MPI_Allgather                    vs fsdp_comm_all_gather
  *   reduce_scatter  raw MPI_Reduce_scatter_block (sum)   vs fsdp_comm_reduce_scatter (sum)
  *                   raw by hand: MPI_Sendrecv with every peer into staging, then the add in
  *                   rank order (what MEASUREMENTS.md calls "the ones to beat")
- * "vs raw" is engine / raw MPI_Allgather for all_gather and engine / the faster raw
- * reduce-scatter for reduce_scatter.
  * Progress: the 16 MiB all_gather started nonblocking, then 3x its blocking time of compute that
  * makes no MPI call, then the wait: raw (MPI_Iallgather ... MPI_Wait) against the engine
  * (fsdp_comm_start ... fsdp_comm_wait). Open MPI does not progress without calls, so the raw
@@ -58,22 +58,38 @@ static int cmp_double(const void *a, const void *b) {
 
 typedef void (*op_fn)(void *ctx);
 
-/* Median over iters of the slowest rank's time. */
-static double timed(op_fn fn, void *ctx, int iters) {
-  double *t = malloc((size_t)iters * sizeof *t);
-  for (int k = 0; k < 2; k++) fn(ctx);
+/* The slowest rank's time of one call, every rank starting together. */
+static double once(op_fn fn, void *ctx) {
+  MPI_Barrier(MPI_COMM_WORLD);
+  double t0 = now_s();
+  fn(ctx);
+  double dt = now_s() - t0, worst;
+  MPI_Allreduce(&dt, &worst, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return worst;
+}
+
+static double median(double *x, int n) {
+  qsort(x, (size_t)n, sizeof *x, cmp_double);
+  return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
+}
+
+/* The ops of one row, interleaved: iteration k runs each op once, in turn, so that a change of
+ * load on a shared machine hits them alike. t[j] gets op j's median time; ratio the median over
+ * iterations of t_op0 / t_op_last (raw / engine when the engine is last). */
+static void timed_row(op_fn *fns, int nfn, void *ctx, int iters, double *t, double *ratio) {
+  double *all = malloc((size_t)(iters * nfn) * sizeof *all), *r = malloc((size_t)iters * sizeof *r);
+  for (int j = 0; j < nfn; j++) fns[j](ctx), fns[j](ctx); /* warm up */
   for (int k = 0; k < iters; k++) {
-    MPI_Barrier(MPI_COMM_WORLD);
-    double t0 = now_s();
-    fn(ctx);
-    double dt = now_s() - t0, worst;
-    MPI_Allreduce(&dt, &worst, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-    t[k] = worst;
+    for (int j = 0; j < nfn; j++) all[j * iters + k] = once(fns[j], ctx);
+    double best_raw = all[k];
+    for (int j = 1; j < nfn - 1; j++)
+      if (all[j * iters + k] < best_raw) best_raw = all[j * iters + k];
+    r[k] = best_raw / all[(nfn - 1) * iters + k];
   }
-  qsort(t, (size_t)iters, sizeof *t, cmp_double);
-  double m = t[iters / 2];
-  free(t);
-  return m;
+  for (int j = 0; j < nfn; j++) t[j] = median(all + j * iters, iters);
+  *ratio = median(r, iters);
+  free(all);
+  free(r);
 }
 
 typedef struct bench {
@@ -169,7 +185,7 @@ static void progress(bench *b, double compute, double *raw_wait, double *eng_wai
 }
 
 int main(int argc, char **argv) {
-  int iters = 7;
+  int iters = 15;
   char sizes_s[256] = "1,16,64";
   for (int i = 1; i < argc; i++) {
     if (strncmp(argv[i], "--iters=", 8) == 0) iters = atoi(argv[i] + 8);
@@ -216,18 +232,21 @@ int main(int argc, char **argv) {
     memset(b.rs_recv, 0, (size_t)n * 4);
     memset(b.stage, 0, (size_t)(n * (W > 1 ? W - 1 : 1)) * 4);
     double bytes = (double)(n * W) * 4;
-    double t_raw = timed(raw_ag, &b, iters), t_eng = timed(eng_ag, &b, iters);
+    double t[3], ratio;
+    op_fn ag[] = {raw_ag, eng_ag};
+    timed_row(ag, 2, &b, iters, t, &ratio);
     if (g_rank == 0)
-      printf("%-15s %5d MiB %12.2f %12s %12.2f %6.0f%%\n", "all_gather", mib, bytes / t_raw / 1e9,
-             "-", bytes / t_eng / 1e9, 100.0 * t_raw / t_eng);
-    double t_lib = timed(raw_rs_lib, &b, iters), t_hand = timed(raw_rs_hand, &b, iters);
-    t_eng = timed(eng_rs, &b, iters);
-    double best = t_lib < t_hand ? t_lib : t_hand;
+      printf("%-15s %5d MiB %12.2f %12s %12.2f %6.0f%%\n", "all_gather", mib, bytes / t[0] / 1e9,
+             "-", bytes / t[1] / 1e9, 100.0 * ratio);
+    op_fn rs[] = {raw_rs_lib, raw_rs_hand, eng_rs};
+    timed_row(rs, 3, &b, iters, t, &ratio);
     if (g_rank == 0)
       printf("%-15s %5d MiB %12.2f %12.2f %12.2f %6.0f%%\n", "reduce_scatter", mib,
-             bytes / t_lib / 1e9, bytes / t_hand / 1e9, bytes / t_eng / 1e9, 100.0 * best / t_eng);
+             bytes / t[0] / 1e9, bytes / t[1] / 1e9, bytes / t[2] / 1e9, 100.0 * ratio);
     if (mib == 16 && g_world > 1) {
-      double t_block = timed(raw_ag, &b, iters), rw, ew;
+      double tb[9];
+      for (int k = 0; k < 9; k++) tb[k] = once(raw_ag, &b);
+      double t_block = median(tb, 9), rw, ew;
       progress(&b, 3 * t_block, &rw, &ew);
       if (g_rank == 0)
         printf("progress: 16 MiB all_gather (%.2f ms blocking), then %.2f ms of compute without "

@@ -270,6 +270,7 @@ typedef struct mpi_comm {
   mpi_op *head, *tail;
   int waiters;
   bool stop, thread_started;
+  bool deep; /* the progress thread sleeps until signalled */
   bool counted; /* in g_live_comms */
   pthread_t thread;
 
@@ -992,18 +993,42 @@ static void pause_waiter(double idle) {
   }
 }
 
+/* Nothing for the progress thread to do (no collective queued, or a caller waits and drives
+ * them): it naps NAP_S at a time and notices new work by itself, so that issuing a collective
+ * costs no wake-up (a blocking call's caller waits, and drives it, at once). After DEEP_S without
+ * work it sleeps until signalled (mc->deep: mpi_start signals then). */
+#define NAP_S 1e-3
+#define DEEP_S 0.1
+
 static void *progress_main(void *arg) {
   mpi_comm *mc = arg;
   prctl(PR_SET_TIMERSLACK, 1000UL); /* 1 us: the short sleeps mean what they say */
   pthread_mutex_lock(&mc->mu);
-  double idle_since = now_s();
+  double idle_since = now_s(), last_work = idle_since;
   for (;;) {
     if (!mc->stop && (!mc->head || mc->waiters > 0)) {
-      pthread_cond_wait(&mc->cv, &mc->mu);
+      double t = now_s();
+      if (mc->head) last_work = t; /* a waiter drives it */
+      if (t - last_work > DEEP_S) {
+        mc->deep = true;
+        pthread_cond_wait(&mc->cv, &mc->mu);
+        mc->deep = false;
+        last_work = now_s();
+      } else {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        ts.tv_nsec += (long)(NAP_S * 1e9);
+        if (ts.tv_nsec >= 1000000000L) {
+          ts.tv_sec++;
+          ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&mc->cv, &mc->mu, &ts);
+      }
       idle_since = now_s();
       continue;
     }
     if (mc->stop) break;
+    last_work = now_s();
     bool p = advance(mc);
     pthread_mutex_unlock(&mc->mu);
     double t = now_s();
@@ -1040,7 +1065,7 @@ static int mpi_start(fsdp_comm *c, const fsdp_coll *coll, uint64_t seq, void **n
   else mc->head = op;
   mc->tail = op;
   if (mc->head == op) advance(mc); /* post its headers now */
-  if (mc->waiters == 0) pthread_cond_signal(&mc->cv);
+  if (mc->deep) pthread_cond_signal(&mc->cv); /* (a napping thread finds it by itself) */
   pthread_mutex_unlock(&mc->mu);
   *native = op;
   return FSDP_OK;
@@ -1263,7 +1288,11 @@ int fsdp_comm_mpi_new(fsdp_comm **out) {
   mc->grace = grace;
   pthread_mutex_init(&mc->mu, NULL);
   pthread_mutex_init(&mc->pmu, NULL);
-  pthread_cond_init(&mc->cv, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&mc->cv, &ca);
+  pthread_condattr_destroy(&ca);
 
   pthread_mutex_lock(&g_mpi_mu);
   int err = MPI_Comm_dup(MPI_COMM_WORLD, &mc->data);
