@@ -599,10 +599,15 @@ function M.materialize(model, init_fn)
   if init_fn ~= nil and type(init_fn) ~= "function" then
     raise(("fsdp.materialize: init_fn must be a function(module, path) (got %s)"):format(type(init_fn)))
   end
+  -- masks set while the model was meta apply as soon as values arrive, not at the next step
+  local function reapply_masks()
+    if package.loaded["fsdp.mask"] then package.loaded["fsdp.mask"].reapply(model) end
+  end
   local R = wrapmod()._root_state(model)
   if R ~= nil then
     local ok, err = pcall(M._materialize_wrapped, R, init_fn, "fsdp.materialize")
     if not ok then raise((tostring(err):gsub("^[^\n]-meta%.lua:%d+: ", ""))) end
+    reapply_masks()
     return model
   end
   local S = rawget(model, "__fsdp_wrap")
@@ -612,6 +617,7 @@ function M.materialize(model, init_fn)
   end
   local ok, err = pcall(materialize_plain, model, init_fn)
   if not ok then raise((tostring(err):gsub("^[^\n]-meta%.lua:%d+: ", ""))) end
+  reapply_masks()
   return model
 end
 

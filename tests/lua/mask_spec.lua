@@ -357,3 +357,20 @@ describe("fsdp.sparsity", function()
     assert.truthy(tostring(s2):find("blocks.1.mlp.fc.weight", 1, true))
   end)
 end)
+
+describe("masks on a meta model", function()
+  it("apply as soon as materialize gives the parameter values", function()
+    local fsdp = require "fsdp"
+    local nn = fsdp.nn
+    fsdp.manual_seed(1)
+    local m = fsdp.meta(function() return nn.Linear(8, 8) end)
+    local mask = fsdp.ones { 8, 8 }
+    mask:set(1, 1, 0)
+    mask:set(2, 3, 0)
+    fsdp.set_mask(m.weight, mask)
+    fsdp.materialize(m)
+    assert.are.equal(0, m.weight:get(1, 1))
+    assert.are.equal(0, m.weight:get(2, 3))
+    assert.are_not.equal(0, m.weight:get(1, 2))
+  end)
+end)
