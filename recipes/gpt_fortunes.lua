@@ -7,7 +7,8 @@
 --   beside it as <FILE without .jsonl>.svg (fsdp.plot) and prints where.
 --
 --        [--strategy=full]
---        [--ckpt_every=N --ckpt_dir=checkpoints/gpt_fortunes] [--resume] [--export=FILE.safetensors]
+--        [--ckpt_every=500 --ckpt_dir=checkpoints/gpt_fortunes] [--resume]
+--        [--export=FILE.safetensors | --export=false]
 --        [--stop_after=N]
 --   checkpoints: every N steps a sharded checkpoint (model, AdamW state, schedule, loader position,
 --   random state) replaces the previous one in ckpt_dir; --resume continues from it (bitwise the
@@ -32,7 +33,13 @@ local seed = args.seed or 0
 local path = args.data or "/usr/share/games/fortunes"
 local rank, world = fsdp.rank(), fsdp.world_size()
 local function say(...) if rank == 0 then print(...) end end
-local ckpt_every, ckpt_dir = args.ckpt_every, args.ckpt_dir or "checkpoints/gpt_fortunes"
+-- a sharded checkpoint every 500 steps (--ckpt_every=0: none) and a safetensors export at the
+-- end (--export=false: none), both in ckpt_dir by default
+local ckpt_dir = args.ckpt_dir or "checkpoints/gpt_fortunes"
+local ckpt_every = args.ckpt_every or 500
+if ckpt_every == 0 then ckpt_every = nil end
+local export = args.export
+if export == nil then export = ckpt_dir .. "/model.safetensors" end
 fsdp.manual_seed(seed)
 
 local train = fsdp.data.text(path, { ctx = ctx, batch = batch, split = "train", seed = seed })
@@ -121,7 +128,11 @@ if rank == 0 then -- fsdp.plot is plain Lua, no collective: rank 0 alone draws i
   local ok, err = pcall(fsdp.plot.write, metrics_path, svg, { title = "gpt_fortunes" })
   say(ok and ("plot of loss and learning rate: " .. svg) or ("no plot: " .. tostring(err)))
 end
-if args.export then fsdp.save(model, args.export, { format = "safetensors" }) end
+if export then
+  fsdp.save(model, export, { format = "safetensors" })
+  say("exported the trained model: " .. export)
+end
+if ckpt_every then say("sharded checkpoint (resume with --resume): " .. ckpt_dir) end
 
 say(("train loss %.4f (smoothed %.4f)  val loss %.4f nats/byte"):format(train_loss, ema, val_loss))
 -- every rank runs the sampler (the forward passes are collective); rank 0 prints

@@ -7,7 +7,7 @@ set -eu
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 out=$("$FSDPRUN" -n 2 recipes/gpt_fortunes.lua --steps=150 --d=64 --layers=2 --ctx=64 --eval_every=75 \
-  --val_batches=4 --sample=40 --metrics="$tmp/m.jsonl" 2>&1) || {
+  --val_batches=4 --sample=40 --metrics="$tmp/m.jsonl" --ckpt_dir="$tmp/ckpt" --ckpt_every=75 2>&1) || {
   echo "$out"; echo "FAIL: gpt_fortunes exited nonzero"; exit 1; }
 val=$(echo "$out" | sed -n 's/.*val loss \([0-9.]*\) nats\/byte.*/\1/p')
 [ -n "$val" ] || { echo "$out"; echo "FAIL: no final val loss line"; exit 1; }
@@ -16,4 +16,9 @@ echo "$out" | grep -q '^sample:' || { echo "$out"; echo "FAIL: no sample"; exit 
 lines=$(grep -c '"step"' "$tmp/m.jsonl")
 [ "$lines" -ge 2 ] || { echo "FAIL: metrics file has $lines step lines"; exit 1; }
 grep -q '"val_loss"' "$tmp/m.jsonl" || { echo "FAIL: no val_loss in metrics"; exit 1; }
+# the run leaves a sharded checkpoint, a safetensors export and a plot of its metrics
+[ -f "$tmp/ckpt/index.json" ] || { echo "$out"; echo "FAIL: no sharded checkpoint index"; exit 1; }
+[ -f "$tmp/ckpt/model.safetensors" ] || { echo "$out"; echo "FAIL: no safetensors export"; exit 1; }
+[ -f "$tmp/m.svg" ] || { echo "$out"; echo "FAIL: no metrics plot"; exit 1; }
+echo "$out" | grep -q "plot of loss and learning rate: $tmp/m.svg" || { echo "$out"; echo "FAIL: plot location not printed"; exit 1; }
 echo "ok: gpt_fortunes short run, val loss $val"
