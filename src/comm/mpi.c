@@ -268,8 +268,10 @@ typedef struct mpi_comm {
   pthread_mutex_t mu;
   pthread_cond_t cv; /* progress thread: work queued, a waiter left, stop */
   mpi_op *head, *tail;
-  int waiters;
-  bool stop, thread_started;
+  atomic_int waiters;  /* callers inside mpi_wait (written under mu) */
+  atomic_int nqueued;  /* collectives in the queue (written under mu) */
+  atomic_bool stop;
+  bool thread_started;
   bool deep; /* the progress thread sleeps until signalled */
   bool counted; /* in g_live_comms */
   pthread_t thread;
@@ -950,6 +952,7 @@ static bool advance(mpi_comm *mc) {
   }
   if (op && op->state != OP_DONE) op_check(mc, op);
   if (op && op->state == OP_DONE) {
+    atomic_fetch_sub(&mc->nqueued, 1);
     mc->head = op->next;
     if (!mc->head) mc->tail = NULL;
     op->next = NULL;
@@ -994,49 +997,48 @@ static void pause_waiter(double idle) {
 }
 
 /* Nothing for the progress thread to do (no collective queued, or a caller waits and drives
- * them): it naps NAP_S at a time and notices new work by itself, so that issuing a collective
- * costs no wake-up (a blocking call's caller waits, and drives it, at once). After DEEP_S without
- * work it sleeps until signalled (mc->deep: mpi_start signals then). */
+ * them): it naps NAP_S at a time without touching the lock (a nap that took mc->mu would fight
+ * the waiter, which holds it while it polls, on the same core) and notices new work by itself,
+ * so issuing a collective wakes nobody. After DEEP_S without work it sleeps on mc->cv until
+ * signalled (mc->deep: mpi_start signals then). */
 #define NAP_S 1e-3
 #define DEEP_S 0.1
+
+/* Work for the progress thread: a collective queued and nobody waiting (read without the
+ * lock; the thread takes it before acting). */
+static bool progress_wanted(mpi_comm *mc) {
+  return atomic_load(&mc->nqueued) > 0 && atomic_load(&mc->waiters) == 0;
+}
 
 static void *progress_main(void *arg) {
   mpi_comm *mc = arg;
   prctl(PR_SET_TIMERSLACK, 1000UL); /* 1 us: the short sleeps mean what they say */
-  pthread_mutex_lock(&mc->mu);
   double idle_since = now_s(), last_work = idle_since;
-  for (;;) {
-    if (!mc->stop && (!mc->head || mc->waiters > 0)) {
+  while (!atomic_load(&mc->stop)) {
+    if (!progress_wanted(mc)) {
       double t = now_s();
-      if (mc->head) last_work = t; /* a waiter drives it */
+      if (atomic_load(&mc->nqueued) > 0) last_work = t; /* a waiter drives it */
       if (t - last_work > DEEP_S) {
+        pthread_mutex_lock(&mc->mu);
         mc->deep = true;
-        pthread_cond_wait(&mc->cv, &mc->mu);
+        while (!atomic_load(&mc->stop) && !progress_wanted(mc)) pthread_cond_wait(&mc->cv, &mc->mu);
         mc->deep = false;
+        pthread_mutex_unlock(&mc->mu);
         last_work = now_s();
       } else {
-        struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        ts.tv_nsec += (long)(NAP_S * 1e9);
-        if (ts.tv_nsec >= 1000000000L) {
-          ts.tv_sec++;
-          ts.tv_nsec -= 1000000000L;
-        }
-        pthread_cond_timedwait(&mc->cv, &mc->mu, &ts);
+        sleep_s(NAP_S);
       }
       idle_since = now_s();
       continue;
     }
-    if (mc->stop) break;
-    last_work = now_s();
-    bool p = advance(mc);
+    pthread_mutex_lock(&mc->mu);
+    bool p = mc->head && mc->waiters == 0 && advance(mc);
     pthread_mutex_unlock(&mc->mu);
     double t = now_s();
+    last_work = t;
     if (p) idle_since = t;
     else pause_progress(t - idle_since, mc->poll_max);
-    pthread_mutex_lock(&mc->mu);
   }
-  pthread_mutex_unlock(&mc->mu);
   return NULL;
 }
 
@@ -1061,6 +1063,7 @@ static int mpi_start(fsdp_comm *c, const fsdp_coll *coll, uint64_t seq, void **n
   op->timeout = fsdp_comm_timeout(c);
   pthread_mutex_lock(&mc->mu);
   mc->last_seq = seq;
+  atomic_fetch_add(&mc->nqueued, 1);
   if (mc->tail) mc->tail->next = op;
   else mc->head = op;
   mc->tail = op;
@@ -1087,7 +1090,7 @@ static int mpi_wait(fsdp_comm *c, void *native) {
     pthread_mutex_lock(&mc->mu);
   }
   mc->waiters--;
-  if (mc->head && mc->waiters == 0) pthread_cond_signal(&mc->cv);
+  if (mc->head && mc->waiters == 0 && mc->deep) pthread_cond_signal(&mc->cv);
   pthread_mutex_unlock(&mc->mu);
   int rc = op->rc;
   if (rc != FSDP_OK) {
