@@ -947,9 +947,9 @@ static int run_mpi_rank(fsdprun_opts *o) {
   fflush(stdout);
   fflush(stderr);
   /* After a failure MPI is left unfinalized (collectives may be in flight) and the nonzero exit
-   * makes mpirun end the job, killing the ranks still running. Linger a moment first, so that
+   * makes mpirun end the job, killing the ranks still running. Linger a second first, so that
    * the peers this rank's poison woke have reported too. */
-  if (rc.status != EXIT_SUCCESS && rc.world > 1) nanosleep(&(struct timespec){0, 500000000}, NULL);
+  if (rc.status != EXIT_SUCCESS && rc.world > 1) nanosleep(&(struct timespec){1, 0}, NULL);
   fsdp_mpi_finalize();
   return rc.status;
 }
