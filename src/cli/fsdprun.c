@@ -963,7 +963,7 @@ static int run_mpi_backend(fsdprun_opts *o) {
   if (!fsdp_mpi_available()) {
     fsdp_comm *c = NULL;
     fsdp_comm_mpi_new(&c); /* the stub's message */
-    fprintf(stderr, PROGNAME ": %s%s\n", launched ? "started by mpirun, but " : "",
+    fprintf(stderr, PROGNAME ": %s%s\n", launched ? "started by mpirun, but " : "--backend mpi: ",
             fsdp_error_msg());
     return EXIT_FAILURE;
   }
