@@ -220,4 +220,10 @@ char *fsdp_coll_describe(char *buf, size_t n, const fsdp_coll *coll);
 /* Bytes the stats count for one collective on a world of `world` ranks. */
 int64_t fsdp_coll_bytes(const fsdp_coll *coll, int world);
 
+/* For backends: out[i] = src[0][i] (+) src[1][i] (+) ... (+) src[nsrc-1][i] for i < m, left to
+ * right; for AVG the sum is then multiplied by (float)(1.0 / nsrc). out may be one of the inputs.
+ * Every backend reduces through this function, so all give the same bits (reduce.c). */
+void fsdp_comm_reduce_f32(float *out, const float *const *src, int nsrc, int64_t m,
+                          fsdp_reduce_op red);
+
 #endif

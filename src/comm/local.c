@@ -40,8 +40,6 @@
 
 #define LOCAL_MAX_WORLD 4096
 #define LOCAL_MSG_CAP 1024
-/* reduction tile: the running sums of one tile stay in L1 while every rank's input streams */
-#define LOCAL_TILE 2048
 /* all_reduce chunk boundaries at multiples of 16 floats (64 bytes): no two ranks write the
  * same cache line */
 #define LOCAL_ALIGN 16
@@ -287,62 +285,8 @@ static void sync_ranks(local_comm *lc) {
   pthread_mutex_unlock(&g->mu);
 }
 
-/* ---- kernels --------------------------------------------------------------------------------- */
-
-/* One pass per input over a tile: plain loops the compiler vectorises. max/min propagate NaN
- * (a NaN anywhere gives NaN), with selects rather than branches. */
-static void tile_first2(float *restrict t, const float *restrict a, const float *restrict b,
-                        int64_t m, fsdp_reduce_op red) {
-  switch (red) {
-  case FSDP_RED_MAX:
-    for (int64_t i = 0; i < m; i++) t[i] = (b[i] > a[i] || b[i] != b[i]) ? b[i] : a[i];
-    break;
-  case FSDP_RED_MIN:
-    for (int64_t i = 0; i < m; i++) t[i] = (b[i] < a[i] || b[i] != b[i]) ? b[i] : a[i];
-    break;
-  default:
-    for (int64_t i = 0; i < m; i++) t[i] = a[i] + b[i];
-    break;
-  }
-}
-
-static void tile_acc(float *restrict t, const float *restrict b, int64_t m, fsdp_reduce_op red) {
-  switch (red) {
-  case FSDP_RED_MAX:
-    for (int64_t i = 0; i < m; i++) t[i] = (b[i] > t[i] || b[i] != b[i]) ? b[i] : t[i];
-    break;
-  case FSDP_RED_MIN:
-    for (int64_t i = 0; i < m; i++) t[i] = (b[i] < t[i] || b[i] != b[i]) ? b[i] : t[i];
-    break;
-  default:
-    for (int64_t i = 0; i < m; i++) t[i] += b[i];
-    break;
-  }
-}
-
-static void tile_scale_out(float *restrict out, const float *restrict t, int64_t m, float s) {
-  for (int64_t i = 0; i < m; i++) out[i] = t[i] * s;
-}
-
-/* out[i] = src[0][i] (+) src[1][i] (+) ... (+) src[n-1][i] for i < m, left to right; for AVG
- * the sum is then multiplied by (float)(1.0 / n). out may be one of the inputs (all_reduce's
- * own chunk): each tile is reduced into a scratch buffer before it is written. */
-static void reduce_f32(float *out, const float *const *src, int nsrc, int64_t m,
-                       fsdp_reduce_op red) {
-  float t[LOCAL_TILE] __attribute__((aligned(64)));
-  const float scale = (float)(1.0 / nsrc);
-  for (int64_t i0 = 0; i0 < m; i0 += LOCAL_TILE) {
-    int64_t k = m - i0 < LOCAL_TILE ? m - i0 : LOCAL_TILE;
-    if (nsrc == 1) {
-      memcpy(t, src[0] + i0, (size_t)k * sizeof(float));
-    } else {
-      tile_first2(t, src[0] + i0, src[1] + i0, k, red);
-      for (int p = 2; p < nsrc; p++) tile_acc(t, src[p] + i0, k, red);
-    }
-    if (red == FSDP_RED_AVG) tile_scale_out(out + i0, t, k, scale);
-    else memcpy(out + i0, t, (size_t)k * sizeof(float));
-  }
-}
+/* ---- reductions: fsdp_comm_reduce_f32 (reduce.c), shared with the mpi backend so both give
+ * the same bits ----------------------------------------------------------------------------- */
 
 static void copy_f32(float *dst, const float *src, int64_t n) {
   if (n > 0 && dst != src) memcpy(dst, src, (size_t)n * sizeof(float));
@@ -370,7 +314,7 @@ static int local_run(fsdp_comm *c, const fsdp_coll *coll, uint64_t seq) {
     break;
   case FSDP_COLL_REDUCE_SCATTER:
     for (int p = 0; p < W; p++) lc->srcs[p] = s[p].coll.send + (int64_t)r * n;
-    reduce_f32(coll->recv, lc->srcs, W, n, coll->red);
+    fsdp_comm_reduce_f32(coll->recv, lc->srcs, W, n, coll->red);
     break;
   case FSDP_COLL_ALL_REDUCE: {
     /* chunk p = [p * chunk, min(n, (p + 1) * chunk)), chunk a multiple of LOCAL_ALIGN */
@@ -379,7 +323,7 @@ static int local_run(fsdp_comm *c, const fsdp_coll *coll, uint64_t seq) {
     int64_t lo = (int64_t)r * chunk < n ? (int64_t)r * chunk : n;
     int64_t hi = lo + chunk < n ? lo + chunk : n;
     for (int p = 0; p < W; p++) lc->srcs[p] = s[p].coll.recv + lo;
-    reduce_f32(coll->recv + lo, lc->srcs, W, hi - lo, coll->red);
+    fsdp_comm_reduce_f32(coll->recv + lo, lc->srcs, W, hi - lo, coll->red);
     sync_ranks(lc); /* every chunk reduced (and every read of the unreduced inputs done) */
     for (int k = 1; k < W; k++) {
       int p = (r + k) % W;

@@ -75,8 +75,7 @@
 #define TAG_AG 11
 /* floats per message at most (MPI counts are int) */
 #define MAX_PIECE ((int64_t)1 << 28)
-/* reduction tile and all_reduce chunk alignment: local.c's */
-#define TILE 2048
+/* all_reduce chunk alignment: local.c's */
 #define ALIGN 16
 #define NOT_LEFT UINT64_MAX
 
@@ -154,59 +153,6 @@ static int env_seconds(const char *name, double dflt, double *out) {
   return FSDP_OK;
 }
 
-/* ---- reduction kernels: local.c's arithmetic, kept in step with it (docs/comm.md) ----------- */
-
-static void tile_first2(float *restrict t, const float *restrict a, const float *restrict b,
-                        int64_t m, fsdp_reduce_op red) {
-  switch (red) {
-  case FSDP_RED_MAX:
-    for (int64_t i = 0; i < m; i++) t[i] = (b[i] > a[i] || b[i] != b[i]) ? b[i] : a[i];
-    break;
-  case FSDP_RED_MIN:
-    for (int64_t i = 0; i < m; i++) t[i] = (b[i] < a[i] || b[i] != b[i]) ? b[i] : a[i];
-    break;
-  default:
-    for (int64_t i = 0; i < m; i++) t[i] = a[i] + b[i];
-    break;
-  }
-}
-
-static void tile_acc(float *restrict t, const float *restrict b, int64_t m, fsdp_reduce_op red) {
-  switch (red) {
-  case FSDP_RED_MAX:
-    for (int64_t i = 0; i < m; i++) t[i] = (b[i] > t[i] || b[i] != b[i]) ? b[i] : t[i];
-    break;
-  case FSDP_RED_MIN:
-    for (int64_t i = 0; i < m; i++) t[i] = (b[i] < t[i] || b[i] != b[i]) ? b[i] : t[i];
-    break;
-  default:
-    for (int64_t i = 0; i < m; i++) t[i] += b[i];
-    break;
-  }
-}
-
-static void tile_scale_out(float *restrict out, const float *restrict t, int64_t m, float s) {
-  for (int64_t i = 0; i < m; i++) out[i] = t[i] * s;
-}
-
-/* out[i] = src[0][i] (+) ... (+) src[n-1][i], left to right, then * (float)(1.0 / n) for AVG.
- * out may be one of the inputs: each tile is reduced into a scratch tile before it is written. */
-static void reduce_f32(float *out, const float *const *src, int nsrc, int64_t m,
-                       fsdp_reduce_op red) {
-  float t[TILE] __attribute__((aligned(64)));
-  const float scale = (float)(1.0 / nsrc);
-  for (int64_t i0 = 0; i0 < m; i0 += TILE) {
-    int64_t k = m - i0 < TILE ? m - i0 : TILE;
-    if (nsrc == 1) {
-      memcpy(t, src[0] + i0, (size_t)k * sizeof(float));
-    } else {
-      tile_first2(t, src[0] + i0, src[1] + i0, k, red);
-      for (int p = 2; p < nsrc; p++) tile_acc(t, src[p] + i0, k, red);
-    }
-    if (red == FSDP_RED_AVG) tile_scale_out(out + i0, t, k, scale);
-    else memcpy(out + i0, t, (size_t)k * sizeof(float));
-  }
-}
 
 /* ---- state ---------------------------------------------------------------------------------- */
 
@@ -621,7 +567,7 @@ static int rs_begin(mpi_comm *mc, mpi_op *op) {
   mc->segs_done = 0;
   if (W == 1) { /* no peers: the reduction of one input (avg multiplies by 1) */
     mc->srcs[0] = mc->in + mc->lo[0];
-    reduce_f32(mc->out, mc->srcs, 1, m, op->k.red);
+    fsdp_comm_reduce_f32(mc->out, mc->srcs, 1, m, op->k.red);
     mc->segs_done = mc->nseg;
     return FSDP_OK;
   }
@@ -677,7 +623,7 @@ static int rs_slot_done(mpi_comm *mc, mpi_op *op, int slot) {
   int64_t len = m - o < mc->seg_len ? m - o : mc->seg_len;
   for (int p = 0; p < W; p++)
     mc->srcs[p] = p == r ? mc->in + mc->lo[r] + o : stage_at(mc, slot, p);
-  reduce_f32(mc->out + o, mc->srcs, W, len, op->k.red);
+  fsdp_comm_reduce_f32(mc->out + o, mc->srcs, W, len, op->k.red);
   mc->segs_done++;
   if (mc->next_seg < mc->nseg) {
     int err = rs_post_segment(mc, mc->next_seg++, slot, false);
