@@ -38,32 +38,14 @@ local function join(prefix, name)
   return prefix .. "." .. tostring(name)
 end
 
--- Registered children and parameters of m in traversal order, as {name, value} (the order of
--- module.lua's walk).
-local function own_entries(m)
-  local fields, order = rawget(m, "__fields"), rawget(m, "__order")
-  local out = {}
-  for i = 1, #order do
-    local v = fields[order[i]]
-    if v ~= nil then out[#out + 1] = {order[i], v} end
-  end
-  for i = 1, #m do
-    local v = rawget(m, i)
-    if v ~= nil then out[#out + 1] = {i, v} end
-  end
-  return out
-end
+local function own_entries(m) return require("fsdp.nn.module").own_entries(m) end
 M._own_entries = own_entries
 
 local function shape_str(t) return "(" .. table.concat(t:shape(), ", ") .. ")" end
 M._shape_str = shape_str
 
-local function note(msg)
-  if fsdp.rank() == 0 then
-    local log = package.loaded["fsdp.log"]
-    if log and log.print then log.print(msg) else print(msg) end
-  end
-end
+-- a note on rank 0 that does not break a progress line
+local function note(msg) fsdp.log.print(msg) end
 
 -- Run fn(...) with gradient recording off; returns ok, err.
 local function quiet(fn, ...)

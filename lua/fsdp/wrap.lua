@@ -54,28 +54,10 @@ local function join(prefix, name)
   return prefix .. "." .. tostring(name)
 end
 
-local function note(msg)
-  if fsdp.rank() == 0 then
-    local log = package.loaded["fsdp.log"] or fsdp.log
-    if log and log.print then log.print(msg) else print(msg) end
-  end
-end
+-- a note on rank 0 that does not break a progress line
+local function note(msg) fsdp.log.print(msg) end
 
--- The registered children and parameters of m in traversal order (named fields, then m[1],
--- m[2], ...), as an array of {name, value}. The same order module.lua's walk uses.
-local function own_entries(m)
-  local fields, order = rawget(m, "__fields"), rawget(m, "__order")
-  local out = {}
-  for i = 1, #order do
-    local v = fields[order[i]]
-    if v ~= nil then out[#out + 1] = {order[i], v} end
-  end
-  for i = 1, #m do
-    local v = rawget(m, i)
-    if v ~= nil then out[#out + 1] = {i, v} end
-  end
-  return out
-end
+local function own_entries(m) return require("fsdp.nn.module").own_entries(m) end
 
 -- The root state of a module's wrapped tree, or nil.
 local function state_of(m)

@@ -83,6 +83,23 @@ local function walk(m, prefix, seen, on_module, on_param)
   for i = 1, #m do visit(i, rawget(m, i)) end
 end
 
+-- The registered children and parameters of m in traversal order (named fields in assignment
+-- order, then m[1], m[2], ...), as an array of {name, value}: the order walk uses. For the
+-- layers above (wrap, meta) that walk trees themselves.
+function M.own_entries(m)
+  local fields, order = rawget(m, FIELDS), rawget(m, ORDER)
+  local out = {}
+  for i = 1, #order do
+    local v = fields[order[i]]
+    if v ~= nil then out[#out + 1] = {order[i], v} end
+  end
+  for i = 1, #m do
+    local v = rawget(m, i)
+    if v ~= nil then out[#out + 1] = {i, v} end
+  end
+  return out
+end
+
 local function collect_params(m)
   local paths, params = {}, {}
   walk(m, "", {[m] = true}, nil, function(path, p)
