@@ -78,6 +78,7 @@
 #include "core/core.h"
 #include "fsdp.h"
 #include "kernels/cpu/kernels.h"
+#include "lua/binding.h"
 
 #ifndef FSDP_SOURCE_LUA_DIR
 #define FSDP_SOURCE_LUA_DIR ""
@@ -128,20 +129,7 @@ static pthread_mutex_t g_out_mu = PTHREAD_MUTEX_INITIALIZER;
 /* print, as Lua's (tostring of each argument, tab-separated, newline), written as one line
  * under g_out_mu. */
 static int rank_print(lua_State *L) {
-  int n = lua_gettop(L);
-  luaL_Buffer b;
-  luaL_buffinit(L, &b);
-  for (int i = 1; i <= n; i++) {
-    if (i > 1) luaL_addchar(&b, '\t');
-    lua_getglobal(L, "tostring");
-    lua_pushvalue(L, i);
-    lua_call(L, 1, 1);
-    if (lua_type(L, -1) != LUA_TSTRING && lua_type(L, -1) != LUA_TNUMBER)
-      return luaL_error(L, LUA_QL("tostring") " must return a string to " LUA_QL("print"));
-    luaL_addvalue(&b);
-  }
-  luaL_addchar(&b, '\n');
-  luaL_pushresult(&b);
+  fsdp_lua_print_line(L, true);
   size_t len;
   const char *s = lua_tolstring(L, -1, &len);
   if (fsdp_repl_capture(s, len)) return 0; /* a REPL input on several ranks: grouped later */

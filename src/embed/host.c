@@ -43,19 +43,7 @@ static embed_rank *rank_of(lua_State *L) {
 
 /* print, as Lua's (tostring of each argument, tab-separated), as one line. */
 static int host_print(lua_State *L) {
-  int n = lua_gettop(L);
-  luaL_Buffer b;
-  luaL_buffinit(L, &b);
-  for (int i = 1; i <= n; i++) {
-    if (i > 1) luaL_addchar(&b, '\t');
-    lua_getglobal(L, "tostring");
-    lua_pushvalue(L, i);
-    lua_call(L, 1, 1);
-    if (lua_type(L, -1) != LUA_TSTRING && lua_type(L, -1) != LUA_TNUMBER)
-      return luaL_error(L, LUA_QL("tostring") " must return a string to " LUA_QL("print"));
-    luaL_addvalue(&b);
-  }
-  luaL_pushresult(&b);
+  fsdp_lua_print_line(L, false);
   size_t len;
   const char *s = lua_tolstring(L, -1, &len);
   emit_line(rank_of(L), s, len);

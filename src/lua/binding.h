@@ -9,6 +9,8 @@
 #ifndef FSDP_LUA_BINDING_H
 #define FSDP_LUA_BINDING_H
 
+#include <stdbool.h>
+
 #include <lauxlib.h>
 #include <lua.h>
 
@@ -40,6 +42,11 @@ int fsdp_lua_check_shape(lua_State *L, int idx, int64_t *shape);
     return 1;                                                                                      \
   } while (0)
 #define OUT (&out_)
+
+/* print's formatting (tostring of every argument on the stack, tab-separated, and a newline
+ * when asked): pushes the line as one string. For hosts that replace print. Raises like print
+ * when a tostring does not return a string. */
+void fsdp_lua_print_line(lua_State *L, bool newline);
 
 /* Registration of each binding file into the module table at the top of the stack. */
 void fsdp_lua_open_tensor(lua_State *L);
