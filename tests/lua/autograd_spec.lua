@@ -7,26 +7,8 @@ local fsdp = require "fsdp"
 local F = fsdp.F
 local core = fsdp.core
 
-local function flat(x)
-  local out = {}
-  local function go(v)
-    if type(v) == "table" then for i = 1, #v do go(v[i]) end else out[#out + 1] = v end
-  end
-  go(type(x) == "userdata" and x:totable() or x)
-  return out
-end
-
-local function assert_error_has(fn, ...)
-  local ok, err = pcall(fn)
-  assert.is_false(ok, "expected an error")
-  err = tostring(err)
-  for _, s in ipairs { ... } do
-    if not err:find(s, 1, true) then
-      error(("error message %q lacks %q"):format(err, s), 2)
-    end
-  end
-  return err
-end
+local H = require "helpers"
+local flat, assert_error_has = H.flat, H.assert_error_has
 
 -- element i (1-based, row-major) of a contiguous tensor, through a flat view
 local function getf(t, i) return t:view(-1):get(i) end

@@ -19,15 +19,8 @@ local function rmtree(p)
   os.execute("rm -rf '" .. p .. "'")
 end
 
-local function errors_with(fn, ...)
-  local ok, err = pcall(fn)
-  assert.is_false(ok, "expected an error")
-  err = tostring(err)
-  for _, s in ipairs{...} do
-    if not err:find(s, 1, true) then error(("error %q lacks %q"):format(err, s), 2) end
-  end
-  return err
-end
+local H = require "helpers"
+local errors_with = H.assert_error_has
 
 local function gpt(seed, cfg)
   fsdp.manual_seed(seed)

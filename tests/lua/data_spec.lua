@@ -10,39 +10,9 @@ local core = require "fsdp.core"
 local FASHION = "/usr/share/datasets/fashion-mnist"
 local FORTUNES = "/usr/share/games/fortunes"
 
-local function assert_error_has(fn, ...)
-  local ok, err = pcall(fn)
-  assert.is_false(ok, "expected an error")
-  err = tostring(err)
-  for _, s in ipairs { ... } do
-    if not err:find(s, 1, true) then
-      error(("error message %q lacks %q"):format(err, s), 2)
-    end
-  end
-  return err
-end
-
-local function flat(x)
-  local out = {}
-  local function go(v)
-    if type(v) == "table" then for i = 1, #v do go(v[i]) end else out[#out + 1] = v end
-  end
-  go(type(x) == "userdata" and x:totable() or x)
-  return out
-end
-
-local function mktemp_dir()
-  local p = os.tmpname()
-  os.remove(p)
-  assert(os.execute("mkdir -p '" .. p .. "'") == 0)
-  return p
-end
-
-local function write(path, s)
-  local f = assert(io.open(path, "wb"))
-  f:write(s)
-  f:close()
-end
+local H = require "helpers"
+local assert_error_has, flat = H.assert_error_has, H.flat
+local mktemp_dir, write = H.mktemp_dir, H.write_file
 
 local function be32(n)
   return string.char(math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256,

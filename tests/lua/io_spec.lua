@@ -4,33 +4,8 @@
 
 local core = require "fsdp.core"
 
-local function assert_error_has(fn, ...)
-  local ok, err = pcall(fn)
-  assert.is_false(ok, "expected an error")
-  err = tostring(err)
-  for _, s in ipairs { ... } do
-    if not err:find(s, 1, true) then
-      error(("error message %q lacks %q"):format(err, s), 2)
-    end
-  end
-  return err
-end
-
-local function mktemp_dir()
-  local p = os.tmpname()
-  os.remove(p)
-  assert(os.execute("mkdir -p '" .. p .. "'") == 0)
-  return p
-end
-
-local function flat(t)
-  local out = {}
-  local function go(v)
-    if type(v) == "table" then for i = 1, #v do go(v[i]) end else out[#out + 1] = v end
-  end
-  go(t:totable())
-  return out
-end
+local H = require "helpers"
+local assert_error_has, mktemp_dir, flat = H.assert_error_has, H.mktemp_dir, H.flat
 
 local function read_file(path)
   local f = assert(io.open(path, "rb"))

@@ -6,16 +6,8 @@
 local fsdp = require "fsdp"
 local log = require "fsdp.log"
 
--- An output handle that keeps what is written.
-local function sink()
-  local s = { text = "" }
-  function s:write(...)
-    for i = 1, select("#", ...) do self.text = self.text .. tostring((select(i, ...))) end
-    return self
-  end
-  function s:flush() end
-  return s
-end
+local H = require "helpers"
+local sink = H.sink -- an output handle that keeps what is written
 
 local function lines(text)
   local out = {}

@@ -10,7 +10,8 @@ require "fsdp.mask" -- installs fsdp.set_mask/mask/sparsity if init.lua does not
 local core = fsdp.core
 local nn = fsdp.nn
 
-local function flat(t) return t:view{t:numel()}:totable() end
+local H = require "helpers"
+local flat = H.flat_view
 
 local function gpt(tie)
   fsdp.manual_seed(7)

@@ -13,14 +13,8 @@ local meta = require "fsdp.meta"
 local nn = fsdp.nn
 local core = fsdp.core
 
-local function flat(t) return t:view{t:numel()}:totable() end
-
-local function same_values(a, b)
-  local x, y = flat(a), flat(b)
-  if #x ~= #y then return false end
-  for i = 1, #x do if x[i] ~= y[i] then return false end end
-  return true
-end
+local H = require "helpers"
+local flat, same_values = H.flat_view, H.same_values_view
 
 -- path -> clone of every parameter (first paths)
 local function snapshot(model)

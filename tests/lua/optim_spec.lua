@@ -6,25 +6,8 @@ local fsdp = require "fsdp"
 local nn = fsdp.nn
 local optim = fsdp.optim
 
-local function flat(t)
-  local out = {}
-  local function go(x)
-    if type(x) == "table" then for i = 1, #x do go(x[i]) end else out[#out + 1] = x end
-  end
-  go(type(t) == "userdata" and t:totable() or t)
-  return out
-end
-
-local function assert_close(a, b, tol, what)
-  a, b = flat(a), flat(b)
-  assert.are.equal(#b, #a, (what or "") .. ": element count")
-  tol = tol or 1e-5
-  for i = 1, #a do
-    if math.abs(a[i] - b[i]) > tol * (1 + math.abs(b[i])) then
-      error(("%s: element %d differs: %.7g vs %.7g"):format(what or "values", i, a[i], b[i]), 2)
-    end
-  end
-end
+local H = require "helpers"
+local flat, assert_close = H.flat, H.assert_close
 
 local function param(values) return nn.Parameter(fsdp.tensor(values)) end
 

@@ -10,21 +10,8 @@ local plot = require "fsdp.plot"
 
 -- ---- helpers --------------------------------------------------------------------------------
 
-local function sink()
-  local s = { text = "" }
-  function s:write(...)
-    for i = 1, select("#", ...) do self.text = self.text .. tostring((select(i, ...))) end
-    return self
-  end
-  function s:flush() end
-  return s
-end
-
-local function write_file(path, text)
-  local f = assert(io.open(path, "wb"))
-  f:write(text)
-  f:close()
-end
+local H = require "helpers"
+local sink, write_file = H.sink, H.write_file
 
 local function read_file(path)
   local f = io.open(path, "rb")

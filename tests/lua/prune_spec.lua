@@ -10,7 +10,8 @@ require "fsdp.mask"
 local prune = require "fsdp.prune"
 local nn = fsdp.nn
 
-local function flat(t) return t:view{t:numel()}:totable() end
+local H = require "helpers"
+local flat = H.flat_view
 
 local function gpt()
   fsdp.manual_seed(3)

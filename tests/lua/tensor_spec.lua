@@ -4,37 +4,9 @@
 
 local fsdp = require "fsdp"
 
-local function flat(x)
-  local out = {}
-  local function go(v)
-    if type(v) == "table" then for i = 1, #v do go(v[i]) end else out[#out + 1] = v end
-  end
-  go(type(x) == "userdata" and x:totable() or x)
-  return out
-end
-
-local function assert_values(t, want, tol)
-  local a, b = flat(t), flat(want)
-  assert.are.equal(#b, #a, "element count")
-  for i = 1, #a do
-    if math.abs(a[i] - b[i]) > (tol or 1e-6) * (1 + math.abs(b[i])) then
-      error(("element %d: got %.7g, want %.7g"):format(i, a[i], b[i]), 2)
-    end
-  end
-end
-
--- pcall fn and check the error message contains every given plain substring
-local function assert_error_has(fn, ...)
-  local ok, err = pcall(fn)
-  assert.is_false(ok, "expected an error")
-  err = tostring(err)
-  for _, s in ipairs { ... } do
-    if not err:find(s, 1, true) then
-      error(("error message %q lacks %q"):format(err, s), 2)
-    end
-  end
-  return err
-end
+local H = require "helpers"
+local flat, assert_error_has = H.flat, H.assert_error_has
+local assert_values = H.make_assert_close(1e-6, "%.7g") -- (t, want, tol)
 
 describe("constructors", function()
   it("builds from nested tables", function()

@@ -10,32 +10,10 @@ local core = fsdp.core
 local nn = fsdp.nn
 local F = nn.F
 
-local function flat(t)
-  local out = {}
-  local function go(x)
-    if type(x) == "table" then for i = 1, #x do go(x[i]) end else out[#out + 1] = x end
-  end
-  go(type(t) == "userdata" and t:totable() or t)
-  return out
-end
-
-local function assert_close(a, b, tol, what)
-  a, b = flat(a), flat(b)
-  assert.are.equal(#b, #a, (what or "") .. ": element count")
-  tol = tol or 1e-6
-  for i = 1, #a do
-    if math.abs(a[i] - b[i]) > tol * (1 + math.abs(b[i])) then
-      error(("%s: element %d differs: %.9g vs %.9g"):format(what or "values", i, a[i], b[i]), 2)
-    end
-  end
-end
-
-local function errors_with(fn, needle)
-  local ok, err = pcall(fn)
-  assert.is_false(ok, "expected an error containing: " .. needle)
-  assert.is_truthy(tostring(err):find(needle, 1, true),
-    ("error %q does not contain %q"):format(tostring(err), needle))
-end
+local H = require "helpers"
+local flat = H.flat
+local assert_close = H.make_assert_close(1e-6, "%.9g")
+local errors_with = H.assert_error_has -- (fn, needle)
 
 -- A two-layer model and its parameters / paths in traversal order.
 local function model(seed)

@@ -7,14 +7,8 @@
 local fsdp = require "fsdp"
 local nn = fsdp.nn
 
-local function flat(t) return t:view{t:numel()}:totable() end
-
-local function same_values(a, b)
-  local x, y = flat(a), flat(b)
-  if #x ~= #y then return false end
-  for i = 1, #x do if x[i] ~= y[i] then return false end end
-  return true
-end
+local H = require "helpers"
+local flat, same_values = H.flat_view, H.same_values_view
 
 local function unit_paths(model)
   local out = {}
