@@ -43,6 +43,15 @@ int fsdp_lua_check_shape(lua_State *L, int idx, int64_t *shape);
   } while (0)
 #define OUT (&out_)
 
+/* Identity-preserving boxes (l_box.c): a box is a userdata whose first member is the object
+ * pointer. cache_new registers the weak-valued cache of one kind at the address cache_key;
+ * push_cached pushes ptr's live box and returns true, or pushes nothing and returns false;
+ * push_new pushes a new box of `size` bytes with metatable mt and records it. */
+void fsdp_lua_box_cache_new(lua_State *L, const void *cache_key);
+bool fsdp_lua_box_push_cached(lua_State *L, const void *cache_key, void *ptr);
+void fsdp_lua_box_push_new(lua_State *L, const void *cache_key, void *ptr, size_t size,
+                           const char *mt);
+
 /* print's formatting (tostring of every argument on the stack, tab-separated, and a newline
  * when asked): pushes the line as one string. For hosts that replace print. Raises like print
  * when a tostring does not return a string. */

@@ -27,25 +27,11 @@ static const char UNIT_CACHE_KEY = 'u'; /* registry key (address) of the identit
 
 /* Push u as a Lua unit. Steals one reference. */
 static void push_unit(lua_State *L, fsdp_unit *u) {
-  lua_pushlightuserdata(L, (void *)&UNIT_CACHE_KEY);
-  lua_rawget(L, LUA_REGISTRYINDEX);
-  lua_pushlightuserdata(L, u);
-  lua_rawget(L, -2);
-  unit_box *b = lua_touserdata(L, -1);
-  if (b && b->u == u) {
-    lua_remove(L, -2);
+  if (fsdp_lua_box_push_cached(L, &UNIT_CACHE_KEY, u)) {
     fsdp_unit_release(u); /* the box already holds one */
     return;
   }
-  lua_pop(L, 1);
-  b = lua_newuserdata(L, sizeof *b);
-  b->u = u;
-  luaL_getmetatable(L, FSDP_UNIT_MT);
-  lua_setmetatable(L, -2);
-  lua_pushlightuserdata(L, u);
-  lua_pushvalue(L, -2);
-  lua_rawset(L, -4);
-  lua_remove(L, -2);
+  fsdp_lua_box_push_new(L, &UNIT_CACHE_KEY, u, sizeof(unit_box), FSDP_UNIT_MT);
 }
 
 static fsdp_unit *check_unit(lua_State *L, int idx) {
@@ -423,13 +409,7 @@ static const luaL_Reg functions[] = {
     {"same_storage", l_same_storage}, {NULL, NULL}};
 
 void fsdp_lua_open_fsdp(lua_State *L) {
-  lua_pushlightuserdata(L, (void *)&UNIT_CACHE_KEY); /* identity cache: weak values */
-  lua_newtable(L);
-  lua_newtable(L);
-  lua_pushstring(L, "v");
-  lua_setfield(L, -2, "__mode");
-  lua_setmetatable(L, -2);
-  lua_rawset(L, LUA_REGISTRYINDEX);
+  fsdp_lua_box_cache_new(L, &UNIT_CACHE_KEY);
 
   luaL_newmetatable(L, FSDP_UNIT_MT);
   lua_pushcfunction(L, l_gc);

@@ -37,11 +37,6 @@ int fsdp_lua_error(lua_State *L) {
   return lua_error(L);
 }
 
-static void push_cache(lua_State *L) {
-  lua_pushlightuserdata(L, (void *)&CACHE_KEY);
-  lua_rawget(L, LUA_REGISTRYINDEX);
-}
-
 /* Memory pressure. A tensor's box is a few bytes to Lua's collector, while the buffer behind
  * it can be megabytes: left alone, the collector runs only when Lua's own small heap grows,
  * and a training loop piles up hundreds of steps of dead activations (measured: 40x the
@@ -71,25 +66,12 @@ static void gc_account(lua_State *L, const fsdp_tensor *t) {
  * reference is not Lua's), so a caller must not hold a borrowed pointer to a tensor that
  * only an unreachable Lua value keeps alive. Arguments on the caller's stack are reachable. */
 void fsdp_lua_push_tensor(lua_State *L, fsdp_tensor *t) {
-  push_cache(L);
-  lua_pushlightuserdata(L, t);
-  lua_rawget(L, -2);
-  tensor_box *b = lua_touserdata(L, -1);
-  if (b && b->t == t) {
-    lua_remove(L, -2);
+  if (fsdp_lua_box_push_cached(L, &CACHE_KEY, t)) {
     fsdp_tensor_release(t); /* the box already holds a reference */
     return;
   }
-  lua_pop(L, 1);
   gc_account(L, t);
-  b = lua_newuserdata(L, sizeof *b);
-  b->t = t;
-  luaL_getmetatable(L, FSDP_TENSOR_MT);
-  lua_setmetatable(L, -2);
-  lua_pushlightuserdata(L, t);
-  lua_pushvalue(L, -2);
-  lua_rawset(L, -4);
-  lua_remove(L, -2);
+  fsdp_lua_box_push_new(L, &CACHE_KEY, t, sizeof(tensor_box), FSDP_TENSOR_MT);
 }
 
 fsdp_tensor *fsdp_lua_to_tensor(lua_State *L, int idx) {
@@ -886,14 +868,7 @@ static const luaL_Reg constructors[] = {
     {NULL, NULL}};
 
 void fsdp_lua_open_tensor(lua_State *L) {
-  /* identity cache: weak values */
-  lua_pushlightuserdata(L, (void *)&CACHE_KEY);
-  lua_newtable(L);
-  lua_newtable(L);
-  lua_pushstring(L, "v");
-  lua_setfield(L, -2, "__mode");
-  lua_setmetatable(L, -2);
-  lua_rawset(L, LUA_REGISTRYINDEX);
+  fsdp_lua_box_cache_new(L, &CACHE_KEY); /* identity cache: weak values */
 
   luaL_newmetatable(L, FSDP_TENSOR_MT);
   luaL_register(L, NULL, metamethods);

@@ -1,0 +1,48 @@
+/*
+ * l_box.c — identity-preserving userdata boxes for C objects (tensors, units).
+ *
+ * A box is a userdata whose first member is the object pointer and which owns one reference
+ * to it. A weak-valued table in the registry (one per kind, at the address cache_key) maps the
+ * object's address to its live box, so the same C object always comes back as the same Lua
+ * value while that value lives: parameter identity (ties, references saved before wrapping) is
+ * plain Lua identity. A box whose pointer was cleared (freed) no longer matches.
+ */
+#include "lua/binding.h"
+
+void fsdp_lua_box_cache_new(lua_State *L, const void *cache_key) {
+  lua_pushlightuserdata(L, (void *)cache_key);
+  lua_newtable(L);
+  lua_newtable(L);
+  lua_pushstring(L, "v");
+  lua_setfield(L, -2, "__mode");
+  lua_setmetatable(L, -2);
+  lua_rawset(L, LUA_REGISTRYINDEX);
+}
+
+bool fsdp_lua_box_push_cached(lua_State *L, const void *cache_key, void *ptr) {
+  lua_pushlightuserdata(L, (void *)cache_key);
+  lua_rawget(L, LUA_REGISTRYINDEX);
+  lua_pushlightuserdata(L, ptr);
+  lua_rawget(L, -2);
+  void **box = lua_touserdata(L, -1);
+  if (box && *box == ptr) {
+    lua_remove(L, -2);
+    return true;
+  }
+  lua_pop(L, 2);
+  return false;
+}
+
+void fsdp_lua_box_push_new(lua_State *L, const void *cache_key, void *ptr, size_t size,
+                           const char *mt) {
+  lua_pushlightuserdata(L, (void *)cache_key);
+  lua_rawget(L, LUA_REGISTRYINDEX);
+  void **box = lua_newuserdata(L, size);
+  *box = ptr;
+  luaL_getmetatable(L, mt);
+  lua_setmetatable(L, -2);
+  lua_pushlightuserdata(L, ptr);
+  lua_pushvalue(L, -2);
+  lua_rawset(L, -4);
+  lua_remove(L, -2);
+}
