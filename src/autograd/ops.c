@@ -57,18 +57,29 @@ static int new_out(fsdp_tensor **out, int ndim, const int64_t *shape, const char
 
 static float *D(fsdp_tensor *t) { return (float *)fsdp_tensor_data(t, "op"); }
 
-/* Record a node if any of in[] requires a gradient; marks out as a non-leaf that does.
- * Retains out, in[] and saved[]. */
-static int record(const char *op, fsdp_backward_fn fn, fsdp_tensor *out, fsdp_tensor **in,
-                  int nin, fsdp_tensor **saved, int nsaved, fsdp_node **node_out) {
-  if (node_out) *node_out = NULL;
+/* What a recorded op's backward needs besides tensors: sizes and dims (n->i), one float
+ * (n->f[0]), and whether it reads its output (so an in-place change of it is caught). */
+typedef struct {
+  int64_t i[8];
+  float f0;
+  bool reads_out;
+} rec_args;
+/* ARGS(M, K, N): integer arguments only. */
+#define ARGS(...) (&(const rec_args){.i = {__VA_ARGS__}})
+
+/* Record a node if any of in[] requires a gradient; marks *out as a non-leaf that does.
+ * Retains *out, in[] and saved[]; a (may be NULL) goes into the node. On failure *out is
+ * released and set to NULL, so callers just return the status. */
+static int record(const char *op, fsdp_backward_fn fn, fsdp_tensor **out, fsdp_tensor **in,
+                  int nin, fsdp_tensor **saved, int nsaved, const rec_args *a) {
   if (!fsdp_needs_grad(in, nin)) return FSDP_OK;
   fsdp_node *n = fsdp_node_new(op, fn);
-  if (!n) return FSDP_ERR;
-  out->requires_grad = true;
-  out->is_leaf = false;
-  fsdp_tensor_retain(out);
-  n->out = out;
+  if (!n) goto fail;
+  fsdp_tensor *o = *out;
+  o->requires_grad = true;
+  o->is_leaf = false;
+  fsdp_tensor_retain(o);
+  n->out = o;
   n->nin = nin;
   for (int i = 0; i < nin; i++) {
     n->in[i] = in[i];
@@ -82,9 +93,17 @@ static int record(const char *op, fsdp_backward_fn fn, fsdp_tensor *out, fsdp_te
       n->saved_version[i] = saved[i]->version;
     }
   }
-  n->out_version = out->version;
-  if (node_out) *node_out = n;
-  return fsdp_tape_push(n);
+  if (a) {
+    memcpy(n->i, a->i, sizeof a->i);
+    n->f[0] = a->f0;
+    n->reads_out = a->reads_out;
+  }
+  n->out_version = o->version;
+  if (fsdp_tape_push(n) == FSDP_OK) return FSDP_OK;
+fail:
+  fsdp_tensor_release(*out);
+  *out = NULL;
+  return FSDP_ERR;
 }
 
 /* Gradient buffer of input k if it wants one, else NULL (kernels skip NULL outputs). */
@@ -192,15 +211,8 @@ static int expand_to(fsdp_tensor **out, fsdp_tensor *a, const fsdp_tensor *like,
   float *o = D(*out);
   const float *s = D(ac);
   for (int64_t r = 0; M > 0 && r < N / M; r++) memcpy(o + r * M, s, (size_t)M * sizeof(float));
-  fsdp_node *node;
-  int rc = record("expand", bw_expand, *out, &a, 1, NULL, 0, &node);
-  if (node) {
-    node->i[0] = N;
-    node->i[1] = M;
-  }
   fsdp_tensor_release(ac);
-  if (rc) fsdp_tensor_release(*out);
-  return rc;
+  return record("expand", bw_expand, out, &a, 1, NULL, 0, ARGS(N, M));
 }
 
 int fsdp_op_binary(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b, fsdp_binary_op op) {
@@ -220,14 +232,7 @@ int fsdp_op_binary(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b, fsdp_binar
   if (new_out(out, a->ndim, a->shape, name)) goto done;
   if (M > 0) fsdp_cpu_binary_forward(D(*out), D(ac), D(bc), N, M, (fsdp_binop)op);
   fsdp_tensor *in[2] = {a, b}, *sv[2] = {ac, bc};
-  fsdp_node *node;
-  rc = record(name, bw_binary, *out, in, 2, sv, 2, &node);
-  if (node) {
-    node->i[0] = N;
-    node->i[1] = M;
-    node->i[2] = op;
-  }
-  if (rc) fsdp_tensor_release(*out);
+  rc = record(name, bw_binary, out, in, 2, sv, 2, ARGS(N, M, op));
 done:
   fsdp_tensor_release(ac);
   fsdp_tensor_release(bc);
@@ -248,10 +253,7 @@ int fsdp_op_affine(fsdp_tensor **out, fsdp_tensor *a, float s, float t) {
   int rc = new_out(out, a->ndim, a->shape, "affine");
   if (!rc) {
     fsdp_cpu_affine_forward(D(*out), D(ac), s, t, fsdp_tensor_numel(ac));
-    fsdp_node *node;
-    rc = record("affine", bw_affine, *out, &a, 1, NULL, 0, &node);
-    if (node) node->f[0] = s;
-    if (rc) fsdp_tensor_release(*out);
+    rc = record("affine", bw_affine, out, &a, 1, NULL, 0, &(const rec_args){.f0 = s});
   }
   fsdp_tensor_release(ac);
   return rc;
@@ -317,14 +319,10 @@ int fsdp_op_unary(fsdp_tensor **out, fsdp_tensor *a, fsdp_unary_op op) {
       for (int64_t i = 0; i < N; i++) y[i] = 1.0f / (1.0f + expf(-x[i]));
       break;
     }
-    fsdp_node *node;
-    rc = record(name, bw_unary, *out, &a, 1, &ac, 1, &node);
-    if (node) {
-      node->i[0] = op;
-      node->reads_out = op == FSDP_UNARY_EXP || op == FSDP_UNARY_SQRT ||
-                        op == FSDP_UNARY_TANH || op == FSDP_UNARY_SIGMOID;
-    }
-    if (rc) fsdp_tensor_release(*out);
+    bool reads_out = op == FSDP_UNARY_EXP || op == FSDP_UNARY_SQRT || op == FSDP_UNARY_TANH ||
+                     op == FSDP_UNARY_SIGMOID;
+    rc = record(name, bw_unary, out, &a, 1, &ac, 1,
+                &(const rec_args){.i = {op}, .reads_out = reads_out});
   }
   fsdp_tensor_release(ac);
   return rc;
@@ -350,10 +348,7 @@ int fsdp_op_pow(fsdp_tensor **out, fsdp_tensor *a, float p) {
     const float *x = D(ac);
     int64_t N = fsdp_tensor_numel(ac);
     for (int64_t i = 0; i < N; i++) y[i] = powf(x[i], p);
-    fsdp_node *node;
-    rc = record("pow", bw_pow, *out, &a, 1, &ac, 1, &node);
-    if (node) node->f[0] = p;
-    if (rc) fsdp_tensor_release(*out);
+    rc = record("pow", bw_pow, out, &a, 1, &ac, 1, &(const rec_args){.f0 = p});
   }
   fsdp_tensor_release(ac);
   return rc;
@@ -418,16 +413,7 @@ int fsdp_op_matmul(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b) {
     fsdp_tensor_fill(*out, 0.0f); /* an empty inner dimension sums nothing */
   }
   fsdp_tensor *in[2] = {a, b}, *sv[2] = {ac, bc};
-  fsdp_node *node;
-  rc = record("matmul", bw_matmul, *out, in, 2, sv, 2, &node);
-  if (node) {
-    node->i[0] = B;
-    node->i[1] = M;
-    node->i[2] = K;
-    node->i[3] = N;
-    node->i[4] = b->ndim != 2;
-  }
-  if (rc) fsdp_tensor_release(*out);
+  rc = record("matmul", bw_matmul, out, in, 2, sv, 2, ARGS(B, M, K, N, b->ndim != 2));
 done:
   fsdp_tensor_release(ac);
   fsdp_tensor_release(bc);
@@ -470,14 +456,7 @@ int fsdp_op_linear(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *w, fsdp_tenso
   if (new_out(out, x->ndim, oshape, "linear")) goto done;
   fsdp_cpu_linear_forward(D(*out), D(xc), D(wc), bc ? D(bc) : NULL, (int)M, (int)K, (int)N);
   fsdp_tensor *in[3] = {x, w, b}, *sv[2] = {xc, wc};
-  fsdp_node *node;
-  rc = record("linear", bw_linear, *out, in, 3, sv, 2, &node);
-  if (node) {
-    node->i[0] = M;
-    node->i[1] = K;
-    node->i[2] = N;
-  }
-  if (rc) fsdp_tensor_release(*out);
+  rc = record("linear", bw_linear, out, in, 3, sv, 2, ARGS(M, K, N));
 done:
   fsdp_tensor_release(xc);
   fsdp_tensor_release(wc);
@@ -515,13 +494,7 @@ int fsdp_op_embedding(fsdp_tensor **out, fsdp_tensor *ids, fsdp_tensor *w) {
   if (new_out(out, ids->ndim + 1, oshape, "embedding")) goto done;
   fsdp_cpu_embedding_forward(D(*out), D(ic), D(wc), N, (int)C);
   fsdp_tensor *in[2] = {ids, w}, *sv[1] = {ic};
-  fsdp_node *node;
-  rc = record("embedding", bw_embedding, *out, in, 2, sv, 1, &node);
-  if (node) {
-    node->i[0] = N;
-    node->i[1] = C;
-  }
-  if (rc) fsdp_tensor_release(*out);
+  rc = record("embedding", bw_embedding, out, in, 2, sv, 1, ARGS(N, C));
 done:
   fsdp_tensor_release(ic);
   fsdp_tensor_release(wc);
@@ -556,13 +529,7 @@ int fsdp_op_layernorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *w, fsdp_te
   fsdp_cpu_layernorm_forward(D(*out), D(mean), D(rstd), D(xc), D(wc), bc ? D(bc) : NULL, N,
                              (int)C, eps);
   fsdp_tensor *in[3] = {x, w, b}, *sv[4] = {xc, wc, mean, rstd};
-  fsdp_node *node;
-  rc = record("layernorm", bw_layernorm, *out, in, 3, sv, 4, &node);
-  if (node) {
-    node->i[0] = N;
-    node->i[1] = C;
-  }
-  if (rc) fsdp_tensor_release(*out);
+  rc = record("layernorm", bw_layernorm, out, in, 3, sv, 4, ARGS(N, C));
 done:
   fsdp_tensor_release(xc);
   fsdp_tensor_release(wc);
@@ -587,14 +554,8 @@ int fsdp_op_softmax(fsdp_tensor **out, fsdp_tensor *x) {
   int rc = new_out(out, x->ndim, x->shape, "softmax");
   if (!rc) {
     fsdp_cpu_softmax_forward(D(*out), D(xc), N, (int)C);
-    fsdp_node *node;
-    rc = record("softmax", bw_softmax, *out, &x, 1, NULL, 0, &node);
-    if (node) {
-      node->i[0] = N;
-      node->i[1] = C;
-      node->reads_out = true;
-    }
-    if (rc) fsdp_tensor_release(*out);
+    rc = record("softmax", bw_softmax, out, &x, 1, NULL, 0,
+                &(const rec_args){.i = {N, C}, .reads_out = true});
   }
   fsdp_tensor_release(xc);
   return rc;
@@ -630,15 +591,7 @@ int fsdp_op_attention(fsdp_tensor **out, fsdp_tensor *qkv, int n_head) {
   if (new_out(&att, 4, ashape, "attention") || new_out(out, 3, oshape, "attention")) goto done;
   fsdp_cpu_attention_forward(D(*out), D(att), D(qc), (int)B, (int)T, (int)C, n_head);
   fsdp_tensor *sv[2] = {qc, att};
-  fsdp_node *node;
-  rc = record("attention", bw_attention, *out, &qkv, 1, sv, 2, &node);
-  if (node) {
-    node->i[0] = B;
-    node->i[1] = T;
-    node->i[2] = C;
-    node->i[3] = n_head;
-  }
-  if (rc) fsdp_tensor_release(*out);
+  rc = record("attention", bw_attention, out, &qkv, 1, sv, 2, ARGS(B, T, C, n_head));
 done:
   fsdp_tensor_release(qc);
   fsdp_tensor_release(att);
@@ -667,8 +620,7 @@ int fsdp_op_dropout(fsdp_tensor **out, fsdp_tensor *x, float p) {
   uint64_t first;
   uint64_t key = fsdp_rng_reserve("dropout", N, &first);
   fsdp_cpu_dropout_forward(D(*out), D(mask), D(xc), N, p, key, first);
-  rc = record("dropout", bw_dropout, *out, &x, 1, &mask, 1, NULL);
-  if (rc) fsdp_tensor_release(*out);
+  rc = record("dropout", bw_dropout, out, &x, 1, &mask, 1, NULL);
 done:
   fsdp_tensor_release(xc);
   fsdp_tensor_release(mask);
@@ -713,15 +665,8 @@ int fsdp_op_cross_entropy(fsdp_tensor **out, fsdp_tensor *logits, fsdp_tensor *t
   int64_t count;
   D(*out)[0] = fsdp_cpu_cross_entropy_forward(D(lse), D(lc), D(tc), N, (int)V, ignore_index, &count);
   fsdp_tensor *in[1] = {logits}, *sv[3] = {lc, tc, lse};
-  fsdp_node *node;
-  rc = record("cross_entropy", bw_cross_entropy, *out, in, 1, sv, 3, &node);
-  if (node) {
-    node->i[0] = N;
-    node->i[1] = V;
-    node->i[2] = ignore_index;
-    node->i[3] = count;
-  }
-  if (rc) fsdp_tensor_release(*out);
+  rc = record("cross_entropy", bw_cross_entropy, out, in, 1, sv, 3,
+              ARGS(N, V, ignore_index, count));
 done:
   fsdp_tensor_release(lc);
   fsdp_tensor_release(tc);
@@ -747,8 +692,7 @@ int fsdp_op_mse(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b) {
   int64_t N = fsdp_tensor_numel(ac);
   D(*out)[0] = N ? fsdp_cpu_mse_forward(D(ac), D(bc), N) : 0.0f;
   fsdp_tensor *in[2] = {a, b}, *sv[2] = {ac, bc};
-  rc = record("mse", bw_mse, *out, in, 2, sv, 2, NULL);
-  if (rc) fsdp_tensor_release(*out);
+  rc = record("mse", bw_mse, out, in, 2, sv, 2, NULL);
 done:
   fsdp_tensor_release(ac);
   fsdp_tensor_release(bc);
@@ -774,13 +718,8 @@ static int sum_all(fsdp_tensor **out, fsdp_tensor *a, bool mean) {
   if (!rc) {
     double s = fsdp_cpu_sum(D(ac), N);
     D(*out)[0] = (float)(mean ? (N ? s / (double)N : NAN) : s);
-    fsdp_node *node;
-    rc = record(name, bw_sum, *out, &a, 1, NULL, 0, &node);
-    if (node) {
-      node->i[0] = N;
-      node->f[0] = mean ? 1.0f / (float)N : 1.0f;
-    }
-    if (rc) fsdp_tensor_release(*out);
+    rc = record(name, bw_sum, out, &a, 1, NULL, 0,
+                &(const rec_args){.i = {N}, .f0 = mean ? 1.0f / (float)N : 1.0f});
   }
   fsdp_tensor_release(ac);
   return rc;
@@ -826,15 +765,8 @@ int fsdp_op_sum_dim(fsdp_tensor **out, fsdp_tensor *a, int dim, bool mean) {
       float *o = D(*out);
       for (int64_t i = 0; i < outer * inner; i++) o[i] *= s;
     }
-    fsdp_node *node;
-    rc = record(name, bw_sum_dim, *out, &a, 1, NULL, 0, &node);
-    if (node) {
-      node->i[0] = outer;
-      node->i[1] = R;
-      node->i[2] = inner;
-      node->f[0] = s;
-    }
-    if (rc) fsdp_tensor_release(*out);
+    rc = record(name, bw_sum_dim, out, &a, 1, NULL, 0,
+                &(const rec_args){.i = {outer, R, inner}, .f0 = s});
   }
   fsdp_tensor_release(ac);
   return rc;
@@ -886,9 +818,7 @@ int fsdp_op_contiguous(fsdp_tensor **out, fsdp_tensor *a) {
     return FSDP_OK;
   }
   if (copy_contiguous(out, a)) return fsdp_error_context("contiguous");
-  int rc = record("contiguous", bw_flat, *out, &a, 1, NULL, 0, NULL);
-  if (rc) fsdp_tensor_release(*out);
-  return rc;
+  return record("contiguous", bw_flat, out, &a, 1, NULL, 0, NULL);
 }
 
 /* Like reshape: a non-contiguous input is copied first. The copy is recorded only once the
@@ -900,9 +830,15 @@ int fsdp_op_view(fsdp_tensor **out, fsdp_tensor *a, int ndim, const int64_t *sha
   else if (copy_contiguous(&ac, a)) return fsdp_error_context("view %s", FSDP_SHAPE_STR(a));
   int rc = fsdp_tensor_view(out, ac, ndim, shape);
   if (!rc) {
-    if (copied) rc = record("contiguous", bw_flat, ac, &a, 1, NULL, 0, NULL);
-    if (!rc) rc = record("view", bw_flat, *out, &ac, 1, NULL, 0, NULL);
-    if (rc) fsdp_tensor_release(*out);
+    if (copied) {
+      rc = record("contiguous", bw_flat, &ac, &a, 1, NULL, 0, NULL);
+      if (rc) { /* ac is gone: the view over it goes too */
+        fsdp_tensor_release(*out);
+        *out = NULL;
+        return FSDP_ERR;
+      }
+    }
+    rc = record("view", bw_flat, out, &ac, 1, NULL, 0, NULL);
   }
   fsdp_tensor_release(ac);
   return rc;
@@ -926,14 +862,7 @@ static int bw_transpose(fsdp_node *n) {
 
 int fsdp_op_transpose(fsdp_tensor **out, fsdp_tensor *a, int d0, int d1) {
   if (fsdp_tensor_transpose(out, a, d0, d1)) return FSDP_ERR; /* "transpose: ..." */
-  fsdp_node *node;
-  int rc = record("transpose", bw_transpose, *out, &a, 1, NULL, 0, &node);
-  if (node) {
-    node->i[0] = d0;
-    node->i[1] = d1;
-  }
-  if (rc) fsdp_tensor_release(*out);
-  return rc;
+  return record("transpose", bw_transpose, out, &a, 1, NULL, 0, ARGS(d0, d1));
 }
 
 /* i[0] dim, i[1] start */
@@ -951,14 +880,7 @@ static int bw_narrow(fsdp_node *n) {
 
 int fsdp_op_narrow(fsdp_tensor **out, fsdp_tensor *a, int dim, int64_t start, int64_t len) {
   if (fsdp_tensor_narrow(out, a, dim, start, len)) return FSDP_ERR; /* "narrow: ..." */
-  fsdp_node *node;
-  int rc = record("narrow", bw_narrow, *out, &a, 1, NULL, 0, &node);
-  if (node) {
-    node->i[0] = dim;
-    node->i[1] = start;
-  }
-  if (rc) fsdp_tensor_release(*out);
-  return rc;
+  return record("narrow", bw_narrow, out, &a, 1, NULL, 0, ARGS(dim, start));
 }
 
 int fsdp_op_detach(fsdp_tensor **out, fsdp_tensor *a) {
