@@ -13,13 +13,8 @@ local mask = require "fsdp.mask"
 local nn = fsdp.nn
 local rank, W = fsdp.rank(), fsdp.world_size()
 
-local failures = 0
-local function check(ok, what)
-  if not ok then
-    failures = failures + 1
-    print(("[rank %d] FAIL: %s"):format(rank, what))
-  end
-end
+local C = dofile("tests/dist/common.lua")
+local check = C.check
 
 local ids = fsdp.tensor{{1, 2, 3, 4, 5, 6}, {7, 8, 9, 10, 11, 12}}
 local tgt = fsdp.tensor{{2, 3, 4, 5, 6, 7}, {8, 9, 10, 11, 12, 13}}
@@ -127,5 +122,5 @@ end
 fsdp.unwrap(model)
 verify("final unwrap")
 
-if failures > 0 then error(("%d checks failed on rank %d"):format(failures, rank), 0) end
+if C.failures() > 0 then error(("%d checks failed on rank %d"):format(C.failures(), rank), 0) end
 print(("rank %d: masks identical through 4 wraps, gathers, reshards, unwraps and training"):format(rank))

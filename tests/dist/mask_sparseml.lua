@@ -20,13 +20,8 @@ local prune = require "fsdp.prune"
 local nn = fsdp.nn
 local rank = fsdp.rank()
 
-local failures = 0
-local function check(ok, what)
-  if not ok then
-    failures = failures + 1
-    print(("[rank %d] FAIL: %s"):format(rank, what))
-  end
-end
+local C = dofile("tests/dist/common.lua")
+local check = C.check
 
 local ids = fsdp.tensor{{1, 2, 3, 4, 5, 6, 7, 8}, {9, 10, 11, 12, 13, 14, 15, 16}}
 local tgt = fsdp.tensor{{2, 3, 4, 5, 6, 7, 8, 9}, {10, 11, 12, 13, 14, 15, 16, 17}}
@@ -177,6 +172,6 @@ local path = csaved[1].path .. ".weight"
 check(c1.params[path].zeros >= c1.params[path].numel / 2, "control: the shards changed")
 check(c2.params[path].zeros < c1.params[path].numel / 10, "control: without masks the zeros regrow")
 
-if failures > 0 then error(("%d checks failed on rank %d"):format(failures, rank), 0) end
+if C.failures() > 0 then error(("%d checks failed on rank %d"):format(C.failures(), rank), 0) end
 print(("rank %d: %d layers pruned through saved and fresh references; %.1f%% of the model zero after 10 steps; masked weights exactly 0"):format(
   rank, #saved, 100 * s2.sparsity))

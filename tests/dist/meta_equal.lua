@@ -17,15 +17,10 @@ local nn = fsdp.nn
 local core = fsdp.core
 local W, rank = fsdp.world_size(), fsdp.rank()
 
-local failures = 0
-local function check(ok, what)
-  if not ok then
-    failures = failures + 1
-    print(("[rank %d] FAIL: %s"):format(rank, what))
-  end
-end
+local C = dofile("tests/dist/common.lua")
+local check = C.check
 
-local function flat(t) return t:contiguous():view{t:numel()}:totable() end
+local flat = C.flat
 
 -- a module whose reset_parameters is its own (b is filled directly, not from a record)
 local Scaled = nn.Module:extend("Scaled")
@@ -165,6 +160,6 @@ for _, strategy in ipairs{"full", "grad_op", "none"} do
 end
 
 if rank == 0 then
-  print(("meta_equal at %d ranks: %d checks failed"):format(W, failures))
+  print(("meta_equal at %d ranks: %d checks failed"):format(W, C.failures()))
 end
-if failures > 0 then error(("%d meta_equal checks failed"):format(failures)) end
+if C.failures() > 0 then error(("%d meta_equal checks failed"):format(C.failures())) end

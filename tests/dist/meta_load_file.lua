@@ -17,20 +17,11 @@ local core = fsdp.core
 local W, rank = fsdp.world_size(), fsdp.rank()
 local dir = assert(fsdp.args.dir, "--dir=TMPDIR")
 
-local failures = 0
-local function check(ok, what)
-  if not ok then
-    failures = failures + 1
-    print(("[rank %d] FAIL: %s"):format(rank, what))
-  end
-end
+local C = dofile("tests/dist/common.lua")
+local check = C.check
 
-local function flat(t) return t:contiguous():view{t:numel()}:totable() end
-local function same(a, b)
-  if #a ~= #b then return false end
-  for k = 1, #a do if a[k] ~= b[k] then return false end end
-  return true
-end
+local flat = C.flat
+local same = C.same
 
 local cfg = {vocab = 40, ctx = 8, d = 16, layers = 3, heads = 2}
 local function build() return nn.GPT(cfg) end
@@ -97,5 +88,5 @@ for p, t in d:named_parameters() do
 end
 check(rawequal(d.head.weight, d.wte.weight), "D: the tie is one object")
 
-if rank == 0 then print(("meta_load_file at %d ranks: %d checks failed"):format(W, failures)) end
-if failures > 0 then error(("%d meta_load_file checks failed"):format(failures)) end
+if rank == 0 then print(("meta_load_file at %d ranks: %d checks failed"):format(W, C.failures())) end
+if C.failures() > 0 then error(("%d meta_load_file checks failed"):format(C.failures())) end

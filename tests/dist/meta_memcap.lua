@@ -13,13 +13,8 @@ local core = fsdp.core
 local W, rank = fsdp.world_size(), fsdp.rank()
 local cap = assert(tonumber(fsdp.args.cap), "--cap=<bytes> (the FSDP_MEM_LIMIT in force)")
 
-local failures = 0
-local function check(ok, what)
-  if not ok then
-    failures = failures + 1
-    print(("[rank %d] FAIL: %s"):format(rank, what))
-  end
-end
+local C = dofile("tests/dist/common.lua")
+local check = C.check
 
 -- 24 blocks: a unit is 1/24 of the model, so shards + a unit + activations fit where the model
 -- does not
@@ -137,7 +132,7 @@ if rank == 0 then
   print(("meta_memcap at %d ranks: %d checks failed; cap %d B per rank < model f32 parameters %d B "
     .. "(cap/model %.2f); shards %d B per rank, largest unit %d B; peak live bytes per rank: "
     .. "from records [%s] after materialize, [%s] after a step; with init_fn [%s] after wrap, [%s] "
-    .. "after a step"):format(W, failures, cap, full, cap / full, shards, largest, row(1), row(2),
+    .. "after a step"):format(W, C.failures(), cap, full, cap / full, shards, largest, row(1), row(2),
       row(3), row(4)))
 end
-if failures > 0 then error(("%d meta_memcap checks failed"):format(failures)) end
+if C.failures() > 0 then error(("%d meta_memcap checks failed"):format(C.failures())) end

@@ -16,20 +16,11 @@ local nn = fsdp.nn
 local core = fsdp.core
 local W, rank = fsdp.world_size(), fsdp.rank()
 
-local failures = 0
-local function check(ok, what)
-  if not ok then
-    failures = failures + 1
-    print(("[rank %d] FAIL: %s"):format(rank, what))
-  end
-end
+local C = dofile("tests/dist/common.lua")
+local check = C.check
 
-local function flat(t) return t:contiguous():view{t:numel()}:totable() end
-local function same(a, b)
-  if #a ~= #b then return false end
-  for k = 1, #a do if a[k] ~= b[k] then return false end end
-  return true
-end
+local flat = C.flat
+local same = C.same
 -- the same number on every rank
 local function agreed(n) return fsdp.all_reduce(n, "min") == n and fsdp.all_reduce(n, "max") == n end
 
@@ -140,7 +131,7 @@ if rank == 0 then
   local s = {}
   for r = 1, W do s[r] = ("%d"):format(t[r]) end
   print(("meta_sync at %d ranks: %d checks failed; model %d B, shards %d B/rank, largest unit %d B, "
-    .. "parameter peak per rank during wrap: %s B"):format(W, failures, full, shards, largest,
+    .. "parameter peak per rank during wrap: %s B"):format(W, C.failures(), full, shards, largest,
       table.concat(s, ", ")))
 end
-if failures > 0 then error(("%d meta_sync checks failed"):format(failures)) end
+if C.failures() > 0 then error(("%d meta_sync checks failed"):format(C.failures())) end

@@ -8,13 +8,8 @@ local fsdp = require "fsdp"
 local nn = fsdp.nn
 local rank = fsdp.rank()
 
-local failures = 0
-local function check(ok, what)
-  if not ok then
-    failures = failures + 1
-    print(("[rank %d] FAIL: %s"):format(rank, what))
-  end
-end
+local C = dofile("tests/dist/common.lua")
+local check = C.check
 
 local function same_list(a, b)
   if #a ~= #b then return false end
@@ -102,6 +97,6 @@ fsdp.unwrap(module)
 check(same_list(module:parameters(), params_before), "the same parameter objects at the end")
 
 if rank == 0 then
-  print(("rewrap: %d checks failed; %d parameters throughout"):format(failures, n_before))
+  print(("rewrap: %d checks failed; %d parameters throughout"):format(C.failures(), n_before))
 end
-if failures > 0 then error(("%d rewrap checks failed"):format(failures)) end
+if C.failures() > 0 then error(("%d rewrap checks failed"):format(C.failures())) end

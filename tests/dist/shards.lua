@@ -10,13 +10,8 @@ local fsdp = require "fsdp"
 local nn = fsdp.nn
 local W, rank = fsdp.world_size(), fsdp.rank()
 
-local failures = 0
-local function check(ok, what)
-  if not ok then
-    failures = failures + 1
-    print(("[rank %d] FAIL: %s"):format(rank, what))
-  end
-end
+local C = dofile("tests/dist/common.lua")
+local check = C.check
 
 fsdp.manual_seed(11)
 local model = nn.GPT{vocab = 24, ctx = 8, d = 16, layers = 2, heads = 2}
@@ -101,5 +96,5 @@ if W > 1 then
   check(y:numel() == 4, "the plain model still runs")
 end
 
-if rank == 0 then print(("shards at %d ranks: %d checks failed"):format(W, failures)) end
-if failures > 0 then error(("%d shard checks failed"):format(failures)) end
+if rank == 0 then print(("shards at %d ranks: %d checks failed"):format(W, C.failures())) end
+if C.failures() > 0 then error(("%d shard checks failed"):format(C.failures())) end

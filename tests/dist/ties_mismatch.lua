@@ -18,13 +18,8 @@ local case = fsdp.args.case or "tie"
 local odd = rank == W - 1
 assert(W >= 2, "run at 2 ranks or more")
 
-local failures = 0
-local function check(ok, what)
-  if not ok then
-    failures = failures + 1
-    print(("[rank %d] FAIL: %s"):format(rank, what))
-  end
-end
+local C = dofile("tests/dist/common.lua")
+local check = C.check
 
 local cfg = {vocab = 20, ctx = 8, d = 16, layers = 3, heads = 2}
 local expect -- substrings every rank's error must contain
@@ -78,6 +73,6 @@ check(fsdp.is_wrapped(good), case .. ": a model that agrees wraps afterwards")
 
 if rank == 0 then
   print(("ties_mismatch %s at %d ranks: %d checks failed; rank 0's error: %s"):format(case, W,
-    failures, err))
+    C.failures(), err))
 end
-if failures > 0 then error(("%d ties_mismatch checks failed"):format(failures)) end
+if C.failures() > 0 then error(("%d ties_mismatch checks failed"):format(C.failures())) end

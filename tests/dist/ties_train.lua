@@ -20,13 +20,8 @@ local W, rank = fsdp.world_size(), fsdp.rank()
 local B = 8
 assert(B % W == 0, "the global batch must divide among the ranks")
 
-local failures = 0
-local function check(ok, what)
-  if not ok then
-    failures = failures + 1
-    print(("[rank %d] FAIL: %s"):format(rank, what))
-  end
-end
+local C = dofile("tests/dist/common.lua")
+local check = C.check
 local function agreed(n) return fsdp.all_reduce(n, "min") == n and fsdp.all_reduce(n, "max") == n end
 
 local cfg = {vocab = 32, ctx = 16, d = 32, layers = 3, heads = 2} -- tie = true (the default)
@@ -105,7 +100,7 @@ fsdp.full_params(model, function(m)
   end
 end, {writeback = false})
 
-if failures > 0 then error(("%d ties_train checks failed"):format(failures)) end
+if C.failures() > 0 then error(("%d ties_train checks failed"):format(C.failures())) end
 if rank == 0 then
   local out = a.out and assert(io.open(a.out, "w")) or io.stdout
   out:write(table.concat(lines, "\n"), "\n")
