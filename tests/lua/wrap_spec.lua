@@ -335,6 +335,25 @@ describe("sharded parameters", function()
     fsdp.unwrap(m)
   end)
 
+  it("refuse writes instead of dropping them (fill, copy, clone)", function()
+    local m = gpt()
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    local w = m.blocks[1].mlp.fc.weight
+    for what, fn in pairs {
+      fill = function() w:fill(0) end,
+      copy = function() w:copy(fsdp.zeros{32, 8}) end,
+      clone = function() return w:clone() end,
+    } do
+      local ok, err = pcall(fn)
+      assert.is_false(ok, what)
+      assert.truthy(tostring(err):find("blocks.1.mlp.fc.weight is sharded", 1, true), tostring(err))
+      assert.truthy(tostring(err):find("fsdp.full_params", 1, true), tostring(err))
+    end
+    -- the shard still holds the values: unwrap gives them back
+    fsdp.unwrap(m)
+    assert.is_true(m.blocks[1].mlp.fc.weight:sum():item() ~= 0)
+  end)
+
   it("fsdp.shard gives this rank's slice as a view (all of it at world size 1)", function()
     local m = gpt()
     local w = m.blocks[1].mlp.fc.weight
