@@ -38,9 +38,39 @@ void fsdp_error_clear(void);
 
 /* ---- dtypes, roles ------------------------------------------------------------------- */
 
-typedef enum { FSDP_DTYPE_F32 = 0 } fsdp_dtype;
-size_t fsdp_dtype_size(fsdp_dtype dt);
-const char *fsdp_dtype_name(fsdp_dtype dt);
+/* Element types (dtype.c). bool is one byte holding 0 or 1. The bytes of bf16 / f16 values
+ * are the IEEE binary16 / bfloat16 bit patterns in host (little-endian) order. */
+typedef enum {
+  FSDP_DTYPE_F32 = 0,
+  FSDP_DTYPE_BF16,
+  FSDP_DTYPE_F16,
+  FSDP_DTYPE_F64,
+  FSDP_DTYPE_I64,
+  FSDP_DTYPE_I32,
+  FSDP_DTYPE_U8,
+  FSDP_DTYPE_BOOL,
+  FSDP_DTYPE_COUNT
+} fsdp_dtype;
+size_t fsdp_dtype_size(fsdp_dtype dt);       /* 0 for an unknown dtype */
+const char *fsdp_dtype_name(fsdp_dtype dt);  /* "f32", "bf16", ...; "?" when unknown */
+/* Parse a dtype name: the short names above, or PyTorch's ("float32", "bfloat16", "float16",
+ * "half", "float", "double", "float64", "int64", "long", "int32", "int", "uint8"). FSDP_ERR
+ * with a message listing the valid names when unknown. */
+int fsdp_dtype_parse(const char *name, fsdp_dtype *out);
+bool fsdp_dtype_is_float(fsdp_dtype dt); /* f32, bf16, f16, f64 */
+
+/* Scalar conversions. f32 -> bf16 / f16 round to nearest, ties to even; NaN stays NaN (made
+ * quiet, sign kept), infinities stay infinities, f16 overflow gives infinity and values below
+ * its subnormal range round to (signed) zero. Widening is exact. */
+uint16_t fsdp_f32_to_bf16(float x);
+float fsdp_bf16_to_f32(uint16_t h);
+uint16_t fsdp_f32_to_f16(float x);
+float fsdp_f16_to_f32(uint16_t h);
+/* Element i of a buffer of dtype dt, read as a double / written from a double (integers
+ * truncate toward zero and saturate at their range, NaN gives 0; bool is v != 0). For
+ * printing, item(), get/set: single elements, not bulk math (that is a kernel's job). */
+double fsdp_dtype_load(const void *buf, fsdp_dtype dt, int64_t i);
+void fsdp_dtype_store(void *buf, fsdp_dtype dt, int64_t i, double v);
 
 /* What a buffer is for; the allocator accounts live and peak bytes per device and role. */
 typedef enum {

@@ -19,11 +19,7 @@
 
 #include "core/core.h"
 
-/* ---- dtypes and shape strings -------------------------------------------------------------- */
-
-size_t fsdp_dtype_size(fsdp_dtype dt) { return dt == FSDP_DTYPE_F32 ? sizeof(float) : 0; }
-
-const char *fsdp_dtype_name(fsdp_dtype dt) { return dt == FSDP_DTYPE_F32 ? "f32" : "?"; }
+/* ---- shape strings -------------------------------------------------------------- */
 
 char *fsdp_shape_str(char *buf, size_t n, int ndim, const int64_t *shape) {
   if (!n) return buf;

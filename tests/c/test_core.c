@@ -144,6 +144,145 @@ static void test_names(void **state) {
   assert_string_equal(fsdp_shape_str(buf, 5, 3, SHAPE(100, 200, 300)), "(100");
 }
 
+/* ---- dtypes --------------------------------------------------------------------------------- */
+
+static float F(uint32_t bits) {
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+static uint32_t B(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+
+static void test_dtype_names(void **state) {
+  (void)state;
+  static const char *names[] = {"f32", "bf16", "f16", "f64", "i64", "i32", "u8", "bool"};
+  static const size_t sizes[] = {4, 2, 2, 8, 8, 4, 1, 1};
+  for (int i = 0; i < FSDP_DTYPE_COUNT; i++) {
+    assert_string_equal(fsdp_dtype_name((fsdp_dtype)i), names[i]);
+    assert_int_equal(fsdp_dtype_size((fsdp_dtype)i), sizes[i]);
+    fsdp_dtype dt;
+    assert_int_equal(fsdp_dtype_parse(names[i], &dt), FSDP_OK);
+    assert_int_equal(dt, i);
+  }
+  assert_string_equal(fsdp_dtype_name(FSDP_DTYPE_COUNT), "?");
+  assert_int_equal(fsdp_dtype_size(FSDP_DTYPE_COUNT), 0);
+  fsdp_dtype dt = FSDP_DTYPE_F32;
+  assert_int_equal(fsdp_dtype_parse("bfloat16", &dt), FSDP_OK);
+  assert_int_equal(dt, FSDP_DTYPE_BF16);
+  assert_int_equal(fsdp_dtype_parse("half", &dt), FSDP_OK);
+  assert_int_equal(dt, FSDP_DTYPE_F16);
+  expect_error(fsdp_dtype_parse("f8", &dt), "unknown dtype 'f8' (valid: f32, bf16");
+  expect_error(fsdp_dtype_parse(NULL, &dt), "unknown dtype '(null)'");
+  assert_true(fsdp_dtype_is_float(FSDP_DTYPE_BF16) && !fsdp_dtype_is_float(FSDP_DTYPE_I64));
+}
+
+/* Known bit patterns: ties go to the even neighbour, NaN stays NaN (quiet), infinities and
+ * overflow give infinity, f16 subnormals are exact. */
+static void test_bf16_bits(void **state) {
+  (void)state;
+  static const uint32_t in[][2] = {
+      {0x3f800000, 0x3f80}, /* 1 */
+      {0x3f808000, 0x3f80}, /* tie, even below */
+      {0x3f818000, 0x3f82}, /* tie, even above */
+      {0x3f808001, 0x3f81}, /* just above the tie */
+      {0x3f807fff, 0x3f80}, /* just below it */
+      {0x80000000, 0x8000}, /* -0 */
+      {0x7f800000, 0x7f80}, /* inf */
+      {0xff800000, 0xff80}, /* -inf */
+      {0x7f7fffff, 0x7f80}, /* FLT_MAX rounds to inf */
+      {0x7f7f7fff, 0x7f7f},
+      {0x7fc00000, 0x7fc0}, /* quiet NaN */
+      {0xffc00001, 0xffc0}, /* negative NaN keeps its sign */
+      {0x7f800001, 0x7fc0}, /* signalling NaN with a low payload stays NaN */
+      {0x00008000, 0x0000}, /* subnormal tie to even (0) */
+      {0x00018000, 0x0002}, /* subnormal tie to even (2) */
+      {0x3dcccccd, 0x3dcd}, /* 0.1 */
+  };
+  for (size_t i = 0; i < sizeof in / sizeof in[0]; i++) {
+    uint16_t h = fsdp_f32_to_bf16(F(in[i][0]));
+    if (h != in[i][1]) fail_msg("bf16(%08x) = %04x, want %04x", in[i][0], h, (unsigned)in[i][1]);
+  }
+  /* every bf16 value widens exactly and narrows back to itself (NaNs: to a quiet NaN) */
+  for (uint32_t h = 0; h < 65536; h++) {
+    float f = fsdp_bf16_to_f32((uint16_t)h);
+    assert_int_equal(B(f), h << 16);
+    uint16_t back = fsdp_f32_to_bf16(f);
+    if (f != f) assert_int_equal(back, h | 0x40);
+    else assert_int_equal(back, h);
+  }
+}
+
+static void test_f16_bits(void **state) {
+  (void)state;
+  static const uint32_t in[][2] = {
+      {0x3f800000, 0x3c00}, /* 1 */
+      {0x3f801000, 0x3c00}, /* 1 + 2^-11: tie, even below */
+      {0x3f803000, 0x3c02}, /* 1 + 3 * 2^-11: tie, even above */
+      {0x3f801001, 0x3c01},
+      {0x477fe000, 0x7bff}, /* 65504, the largest */
+      {0x477fefff, 0x7bff}, /* just below the tie with 65536 */
+      {0x477ff000, 0x7c00}, /* 65520: the tie rounds to inf */
+      {0x7f7fffff, 0x7c00}, /* FLT_MAX */
+      {0xff800000, 0xfc00}, /* -inf */
+      {0x7fc00000, 0x7e00}, /* NaN */
+      {0xffc00000, 0xfe00},
+      {0x7f800001, 0x7e00}, /* signalling NaN with a low payload stays NaN */
+      {0x38800000, 0x0400}, /* 2^-14, the smallest normal */
+      {0x387fc000, 0x03ff}, /* 1023 * 2^-24, the largest subnormal */
+      {0x387fe000, 0x0400}, /* 1023.5 * 2^-24: tie, rounds up into the normals */
+      {0x33800000, 0x0001}, /* 2^-24, the smallest subnormal */
+      {0x33000000, 0x0000}, /* 2^-25: tie with 0, even */
+      {0x33000001, 0x0001},
+      {0x33c00000, 0x0002}, /* 1.5 * 2^-24: tie, even above */
+      {0x34200000, 0x0002}, /* 2.5 * 2^-24: tie, even below */
+      {0xb3800000, 0x8001}, /* -2^-24 */
+      {0x80000000, 0x8000}, /* -0 */
+      {0x3dcccccd, 0x2e66}, /* 0.1 */
+      {0x00000001, 0x0000}, /* f32 subnormal */
+  };
+  for (size_t i = 0; i < sizeof in / sizeof in[0]; i++) {
+    uint16_t h = fsdp_f32_to_f16(F(in[i][0]));
+    if (h != in[i][1]) fail_msg("f16(%08x) = %04x, want %04x", in[i][0], h, (unsigned)in[i][1]);
+  }
+  assert_int_equal(B(fsdp_f16_to_f32(0x0001)), 0x33800000);
+  assert_int_equal(B(fsdp_f16_to_f32(0x7bff)), 0x477fe000);
+  assert_int_equal(B(fsdp_f16_to_f32(0xfc00)), 0xff800000);
+  assert_int_equal(B(fsdp_f16_to_f32(0x8000)), 0x80000000);
+  for (uint32_t h = 0; h < 65536; h++) {
+    float f = fsdp_f16_to_f32((uint16_t)h);
+    uint16_t back = fsdp_f32_to_f16(f);
+    if (f != f) assert_int_equal(back, h | 0x200);
+    else assert_int_equal(back, h);
+  }
+}
+
+static void test_dtype_load_store(void **state) {
+  (void)state;
+  unsigned char buf[64];
+  for (int i = 0; i < FSDP_DTYPE_COUNT; i++) {
+    fsdp_dtype dt = (fsdp_dtype)i;
+    fsdp_dtype_store(buf, dt, 3, 2.0);
+    assert_true(fsdp_dtype_load(buf, dt, 3) == (dt == FSDP_DTYPE_BOOL ? 1.0 : 2.0));
+  }
+  fsdp_dtype_store(buf, FSDP_DTYPE_I32, 0, -7.9);
+  assert_true(fsdp_dtype_load(buf, FSDP_DTYPE_I32, 0) == -7.0);
+  fsdp_dtype_store(buf, FSDP_DTYPE_U8, 0, 300);
+  assert_true(fsdp_dtype_load(buf, FSDP_DTYPE_U8, 0) == 255.0);
+  fsdp_dtype_store(buf, FSDP_DTYPE_I64, 0, 1e30);
+  assert_true(fsdp_dtype_load(buf, FSDP_DTYPE_I64, 0) > 9.2e18);
+  fsdp_dtype_store(buf, FSDP_DTYPE_I64, 0, 0.0 / 0.0);
+  assert_true(fsdp_dtype_load(buf, FSDP_DTYPE_I64, 0) == 0.0);
+  fsdp_dtype_store(buf, FSDP_DTYPE_BF16, 0, 1.00390625);
+  assert_true(fsdp_dtype_load(buf, FSDP_DTYPE_BF16, 0) == 1.0);
+  fsdp_dtype_store(buf, FSDP_DTYPE_F64, 0, 0.1);
+  assert_true(fsdp_dtype_load(buf, FSDP_DTYPE_F64, 0) == 0.1);
+}
+
 /* ---- devices -------------------------------------------------------------------------------- */
 
 static void test_devices(void **state) {
@@ -985,6 +1124,10 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_errors),
       cmocka_unit_test(test_names),
+      cmocka_unit_test(test_dtype_names),
+      cmocka_unit_test(test_bf16_bits),
+      cmocka_unit_test(test_f16_bits),
+      cmocka_unit_test(test_dtype_load_store),
       T(test_devices),
       T(test_tensor_new),
       T(test_view_keeps_storage),
