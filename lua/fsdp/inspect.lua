@@ -235,7 +235,7 @@ local function mask_info(p, sharded)
 end
 
 local function param_report(x, opts)
-  local r = setmetatable({ kind = "param", shape = x:shape(), numel = x:numel(), dtype = x.dtype,
+  local r = setmetatable({ kind = "param", shape = x:shape(), numel = x:numel(), dtype = x:dtype(),
     device = x.device, rank = fsdp.rank(), world_size = fsdp.world_size() }, Report)
   local u = core.param_unit and core.param_unit(x)
   if u then

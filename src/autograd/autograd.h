@@ -20,6 +20,7 @@
 #define FSDP_AUTOGRAD_H
 
 #include "core/core.h"
+#include "kernels/kernels.h"
 
 #define FSDP_NODE_MAX_IN 4
 #define FSDP_NODE_MAX_SAVED 4
@@ -33,6 +34,8 @@ struct fsdp_node {
   fsdp_tensor *out; /* retained */
   int nin;
   fsdp_tensor *in[FSDP_NODE_MAX_IN]; /* retained; NULL for optional inputs (bias) */
+  int nmore;
+  fsdp_tensor **more; /* owned array of further inputs, retained (cat of many tensors) */
   int nsaved;
   fsdp_tensor *saved[FSDP_NODE_MAX_SAVED]; /* retained */
   float f[4];    /* scalar arguments */
@@ -78,7 +81,7 @@ int fsdp_backward(fsdp_tensor *root, fsdp_tensor *grad);
 
 /* The gradient buffer of t, created zero-filled when absent (contiguous, t's shape). Used by
  * backward functions before they accumulate. Role: grads for leaves, activations otherwise. */
-float *fsdp_grad_acc(fsdp_tensor *t);
+void *fsdp_grad_acc(fsdp_tensor *t);
 /* Whether op outputs from these inputs need recording. */
 bool fsdp_needs_grad(fsdp_tensor *const *in, int n);
 
@@ -93,10 +96,6 @@ int fsdp_op_binary(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b, fsdp_binar
 /* out = a * s + t */
 int fsdp_op_affine(fsdp_tensor **out, fsdp_tensor *a, float s, float t);
 
-typedef enum {
-  FSDP_UNARY_RELU, FSDP_UNARY_GELU, FSDP_UNARY_EXP, FSDP_UNARY_LOG, FSDP_UNARY_SQRT,
-  FSDP_UNARY_TANH, FSDP_UNARY_SIGMOID
-} fsdp_unary_op;
 int fsdp_op_unary(fsdp_tensor **out, fsdp_tensor *a, fsdp_unary_op op);
 int fsdp_op_pow(fsdp_tensor **out, fsdp_tensor *a, float p);
 
@@ -105,7 +104,7 @@ int fsdp_op_linear(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *w, fsdp_tenso
 int fsdp_op_embedding(fsdp_tensor **out, fsdp_tensor *ids, fsdp_tensor *w);
 int fsdp_op_layernorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *w, fsdp_tensor *b,
                       float eps);
-int fsdp_op_softmax(fsdp_tensor **out, fsdp_tensor *x);
+int fsdp_op_softmax(fsdp_tensor **out, fsdp_tensor *x, int dim); /* dim 0-based */
 int fsdp_op_attention(fsdp_tensor **out, fsdp_tensor *qkv, int n_head);
 /* Dropout draws from the thread's seeded stream (fsdp_rng_next_dropout). */
 int fsdp_op_dropout(fsdp_tensor **out, fsdp_tensor *x, float p);
@@ -116,11 +115,40 @@ int fsdp_op_sum(fsdp_tensor **out, fsdp_tensor *a);            /* all elements, 
 int fsdp_op_mean(fsdp_tensor **out, fsdp_tensor *a);
 int fsdp_op_sum_dim(fsdp_tensor **out, fsdp_tensor *a, int dim, bool mean); /* dim 0-based */
 
+/* A copy of a on dev (NULL: a's device) with dtype dt; a itself (retained) when it already is
+ * both. Recorded for float dtypes: the gradient goes back converted to a's device and dtype.
+ * To meta gives a shape-only tensor. */
+int fsdp_op_to(fsdp_tensor **out, fsdp_tensor *a, const fsdp_device_i *dev, fsdp_dtype dt);
+/* The dtype binary ops compute in for operands of dtypes a and b (see ops.c). */
+fsdp_dtype fsdp_promote_types(fsdp_dtype a, fsdp_dtype b);
+
 /* Views, recorded so gradients flow through them. */
 int fsdp_op_view(fsdp_tensor **out, fsdp_tensor *a, int ndim, const int64_t *shape);
 int fsdp_op_transpose(fsdp_tensor **out, fsdp_tensor *a, int d0, int d1);
 int fsdp_op_narrow(fsdp_tensor **out, fsdp_tensor *a, int dim, int64_t start, int64_t len);
 int fsdp_op_contiguous(fsdp_tensor **out, fsdp_tensor *a);
+/* Comparisons: out = a cmp b elementwise, bool, not recorded (operands promoted as binary
+ * ops, broadcast by suffix either way). */
+int fsdp_op_compare(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b, fsdp_cmpop op);
+/* out = cond ? a : b elementwise; cond any dtype (nonzero is true); the three broadcast by
+ * suffix to the largest shape; a and b promoted. Gradients flow to a and b. */
+int fsdp_op_where(fsdp_tensor **out, fsdp_tensor *cond, fsdp_tensor *a, fsdp_tensor *b);
+/* out = min(max(a, lo), hi); NaN stays NaN; the gradient passes where lo <= a <= hi */
+int fsdp_op_clamp(fsdp_tensor **out, fsdp_tensor *a, double lo, double hi);
+/* Concatenate n >= 1 tensors along dim (0-based): same dtype, device and shape but for dim. */
+int fsdp_op_cat(fsdp_tensor **out, fsdp_tensor *const *ts, int n, int dim);
+/* Stack n >= 1 tensors of one shape along a new dim (0-based, 0..ndim). */
+int fsdp_op_stack(fsdp_tensor **out, fsdp_tensor *const *ts, int n, int dim);
+/* Maximum (max true) or minimum of a along dim: values (recorded; the gradient goes to the
+ * chosen element) and/or indices (i64, 0-based, not recorded); either out may be NULL. The dim
+ * is removed from the shape, unless keepdim. NaN counts as the largest and the smallest. */
+int fsdp_op_extreme(fsdp_tensor **values, fsdp_tensor **indices, fsdp_tensor *a, int dim,
+                    bool max, bool keepdim);
+/* The k largest (or smallest) along dim, sorted, with their i64 indices (ties: lower index
+ * first). values recorded; either out may be NULL. sort is topk with k = the dim's size. */
+int fsdp_op_topk(fsdp_tensor **values, fsdp_tensor **indices, fsdp_tensor *a, int64_t k,
+                 int dim, bool largest);
+
 /* A new tensor sharing storage, not recorded, requires_grad false. */
 int fsdp_op_detach(fsdp_tensor **out, fsdp_tensor *a);
 

@@ -1,22 +1,27 @@
 /*
- * ops.c — differentiable ops: validate shapes, run the forward kernel, record a tape node whose
- * backward calls the matching backward kernel.
+ * ops.c — differentiable ops: validate shapes, dtypes and devices, run the forward kernel of the
+ * inputs' device (its kernel table: kernels/kernels.h), record a tape node whose backward calls
+ * the matching backward kernel. Nothing here names a device or loops over tensor data.
  *
  * Gradient buffers are always contiguous in the logical (row-major) order of their tensor's
- * shape, whatever the tensor's own strides. So a kernel that reads contiguous copies of its
- * inputs writes input gradients straight into fsdp_grad_acc(original input); only the view
- * ops (transpose, narrow) need strided accumulation.
+ * shape, whatever the tensor's own strides, and have the tensor's dtype. So a kernel that reads
+ * contiguous copies of its inputs writes input gradients straight into fsdp_grad_acc(original
+ * input); only the view ops (transpose, narrow, expand) need strided accumulation.
+ *
+ * Dtypes: an op computes in the dtype of its float operands, which must agree, except binary
+ * arithmetic, comparisons and where, which promote (f64 > f32 > bf16, f16; bf16 with f16 gives
+ * f32; an integer operand takes the float's dtype) through recorded `to` casts, so gradients
+ * flow back in each operand's own dtype. A dtype an op's kernel lacks is refused by the kernel
+ * table ("op gelu has no kernel for i64 on cpu").
  *
  * Node layout convention: in[k] are the tensors gradients flow into (NULL for absent optional
  * inputs); saved[k] are contiguous copies (or the same tensors) the backward reads.
- * Owner: grad.
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "autograd/autograd.h"
-#include "kernels/cpu/kernels.h"
 
 /* ---- helpers ---------------------------------------------------------------------------- */
 
@@ -25,6 +30,38 @@ static int64_t prod(const int64_t *s, int n) {
   for (int i = 0; i < n; i++) p *= s[i];
   return p;
 }
+
+static const fsdp_device_i *dev_of(const fsdp_tensor *t) { return t->storage->device; }
+
+/* The kernel table of the device every given tensor (NULLs skipped) is on; an error naming
+ * the op when they are on different devices or the device has no data or no kernels. */
+static const fsdp_kernels_i *kernels(const char *op, fsdp_tensor *const *ts, int n) {
+  const fsdp_tensor *first = NULL;
+  for (int i = 0; i < n; i++) {
+    if (!ts[i]) continue;
+    if (!fsdp_tensor_data(ts[i], op)) return NULL; /* names the tensor and why it has no data */
+    if (!first) first = ts[i];
+    else if (dev_of(ts[i]) != dev_of(first)) {
+      fsdp_error("%s: tensors on different devices (%s and %s); move one with t:to(\"%s\")", op,
+                 dev_of(first)->name, dev_of(ts[i])->name, dev_of(first)->name);
+      return NULL;
+    }
+  }
+  return first ? fsdp_kernels_of(dev_of(first), op) : NULL;
+}
+#define KERNELS(op, ...) kernels(op, (fsdp_tensor *const[]){__VA_ARGS__}, \
+                                 (int)(sizeof((fsdp_tensor *const[]){__VA_ARGS__}) / sizeof(fsdp_tensor *)))
+
+/* Float operands of one op must share a dtype: an error naming both otherwise. */
+static int same_dtype(const char *op, const fsdp_tensor *a, const fsdp_tensor *b) {
+  if (!a || !b || a->dtype == b->dtype) return FSDP_OK;
+  return fsdp_error("%s: dtypes %s and %s differ (convert one with t:to(\"%s\"))", op,
+                    fsdp_dtype_name(a->dtype), fsdp_dtype_name(b->dtype),
+                    fsdp_dtype_name(a->dtype));
+}
+
+/* The kernel's context and the dtype it computes in, from the op's main tensor */
+#define CTX(t) (dev_of(t)->ctx)
 
 /* A contiguous version of t whose data is readable: t retained, or a copy accounted as an
  * activation (a strided view of a parameter is copied for the kernel; the copy is not a
@@ -38,10 +75,9 @@ static int contig(fsdp_tensor **out, fsdp_tensor *t, const char *op) {
     return FSDP_OK;
   }
   fsdp_tensor *c;
-  if (fsdp_tensor_new(&c, t->storage->device, t->dtype, t->ndim, t->shape,
-                      FSDP_ROLE_ACTIVATIONS))
+  if (fsdp_tensor_new_uninit(&c, dev_of(t), t->dtype, t->ndim, t->shape, FSDP_ROLE_ACTIVATIONS))
     return fsdp_error_context("%s", op);
-  if (fsdp_tensor_copy(c, t)) {
+  if (fsdp_copy(c, t)) {
     fsdp_tensor_release(c);
     return fsdp_error_context("%s", op);
   }
@@ -49,19 +85,22 @@ static int contig(fsdp_tensor **out, fsdp_tensor *t, const char *op) {
   return FSDP_OK;
 }
 
-/* Op outputs: every forward kernel writes its whole output, so no clearing is needed. */
-static int new_out(fsdp_tensor **out, int ndim, const int64_t *shape, const char *op) {
-  if (fsdp_tensor_new_f32_uninit(out, ndim, shape)) return fsdp_error_context("%s", op);
+/* Op outputs on `like`'s device: every forward kernel writes its whole output, so no clearing
+ * is needed. */
+static int new_out(fsdp_tensor **out, const fsdp_tensor *like, fsdp_dtype dt, int ndim,
+                   const int64_t *shape, const char *op) {
+  if (fsdp_tensor_new_uninit(out, dev_of(like), dt, ndim, shape, FSDP_ROLE_ACTIVATIONS))
+    return fsdp_error_context("%s", op);
   return FSDP_OK;
 }
 
-static float *D(fsdp_tensor *t) { return (float *)fsdp_tensor_data(t, "op"); }
+static void *D(const fsdp_tensor *t) { return t ? fsdp_tensor_data(t, "op") : NULL; }
 
-/* What a recorded op's backward needs besides tensors: sizes and dims (n->i), one float
- * (n->f[0]), and whether it reads its output (so an in-place change of it is caught). */
+/* What a recorded op's backward needs besides tensors: sizes and dims (n->i), two doubles'
+ * worth of floats (n->f), and whether it reads its output (so an in-place change is caught). */
 typedef struct {
   int64_t i[8];
-  float f0;
+  float f0, f1;
   bool reads_out;
 } rec_args;
 /* ARGS(M, K, N): integer arguments only. */
@@ -96,6 +135,7 @@ static int record(const char *op, fsdp_backward_fn fn, fsdp_tensor **out, fsdp_t
   if (a) {
     memcpy(n->i, a->i, sizeof a->i);
     n->f[0] = a->f0;
+    n->f[1] = a->f1;
     n->reads_out = a->reads_out;
   }
   n->out_version = o->version;
@@ -107,7 +147,7 @@ fail:
 }
 
 /* Gradient buffer of input k if it wants one, else NULL (kernels skip NULL outputs). */
-static int grad_of(fsdp_node *n, int k, float **g) {
+static int grad_of(fsdp_node *n, int k, void **g) {
   *g = NULL;
   fsdp_tensor *t = n->in[k];
   if (!t || !t->requires_grad) return FSDP_OK;
@@ -115,31 +155,10 @@ static int grad_of(fsdp_node *n, int k, float **g) {
   return *g ? FSDP_OK : FSDP_ERR;
 }
 
-/* dst[idx] += src[idx] over a shape, both with their own element strides. */
-static void strided_add(float *dst, const int64_t *ds, const float *src, const int64_t *ss,
-                        int nd, const int64_t *shape) {
-  if (nd == 0) {
-    dst[0] += src[0];
-    return;
-  }
-  int64_t n = prod(shape, nd);
-  if (n == 0) return;
-  int last = nd - 1;
-  int64_t L = shape[last], dsl = ds[last], ssl = ss[last];
-  int64_t idx[FSDP_MAX_DIMS] = {0};
-  for (int64_t r = 0; r < n / L; r++) {
-    int64_t od = 0, os = 0;
-    for (int k = 0; k < last; k++) {
-      od += idx[k] * ds[k];
-      os += idx[k] * ss[k];
-    }
-    for (int64_t j = 0; j < L; j++) dst[od + j * dsl] += src[os + j * ssl];
-    for (int k = last - 1; k >= 0; k--) {
-      if (++idx[k] < shape[k]) break;
-      idx[k] = 0;
-    }
-  }
-}
+/* The kernel table and context of a node's device (its output's). */
+#define NK(n) (dev_of((n)->out)->kernels)
+#define NCTX(n) (dev_of((n)->out)->ctx)
+#define NDT(n) ((n)->out->dtype)
 
 static void contiguous_strides(int64_t *st, int nd, const int64_t *shape) {
   int64_t s = 1;
@@ -149,20 +168,58 @@ static void contiguous_strides(int64_t *st, int nd, const int64_t *shape) {
   }
 }
 
-/* Every v[i] an integer in [lo, hi) (or equal to *ignore when ignore is non-NULL); else the
- * first offending index in *bad. Compares in float: casting NaN or a huge value to an integer
- * type would be undefined. */
-static bool is_integral_in(const float *v, int64_t n, int64_t lo, int64_t hi, const int *ignore,
-                           int64_t *bad) {
-  for (int64_t i = 0; i < n; i++) {
-    float x = v[i];
-    if (ignore && x == (float)*ignore) continue;
-    if (!(x >= (float)lo && x < (float)hi) || x != floorf(x)) {
-      *bad = i;
-      return false;
-    }
+/* Every v an index in [lo, hi) (or equal to *ignore); else an error from `describe`. */
+static int check_ids(const char *op, fsdp_tensor *ids, int64_t V, const int64_t *ignore,
+                     int64_t *bad, double *bad_value) {
+  const fsdp_kernels_i *k = KERNELS(op, ids);
+  if (!k) return FSDP_ERR;
+  return k->check_index(CTX(ids), ids->dtype, D(ids), fsdp_tensor_numel(ids), 0, V, ignore, bad,
+                        bad_value);
+}
+
+/* ---- dtype and device conversion (recorded) -------------------------------------------------- */
+
+static fsdp_dtype promote(fsdp_dtype a, fsdp_dtype b) {
+  if (a == b) return a;
+  bool fa = fsdp_dtype_is_float(a), fb = fsdp_dtype_is_float(b);
+  if (fa != fb) return fa ? a : b;
+  static const int rank[FSDP_DTYPE_COUNT] = {
+      [FSDP_DTYPE_BOOL] = 0, [FSDP_DTYPE_U8] = 1, [FSDP_DTYPE_I32] = 2, [FSDP_DTYPE_I64] = 3,
+      [FSDP_DTYPE_BF16] = 1, [FSDP_DTYPE_F16] = 1, [FSDP_DTYPE_F32] = 2, [FSDP_DTYPE_F64] = 3};
+  if (rank[a] == rank[b]) return FSDP_DTYPE_F32; /* bf16 with f16 */
+  return rank[a] > rank[b] ? a : b;
+}
+
+fsdp_dtype fsdp_promote_types(fsdp_dtype a, fsdp_dtype b) { return promote(a, b); }
+
+/* backward of to: the gradient goes back to the input's device and dtype, added */
+static int bw_to(fsdp_node *n) {
+  fsdp_tensor *in = n->in[0];
+  if (!in->requires_grad) return FSDP_OK;
+  if (!fsdp_grad_acc(in)) return FSDP_ERR;
+  return fsdp_add_into(in->grad, n->out->grad, 1.0);
+}
+
+int fsdp_op_to(fsdp_tensor **out, fsdp_tensor *a, const fsdp_device_i *dev, fsdp_dtype dt) {
+  *out = NULL;
+  if (!dev) dev = dev_of(a);
+  if (dev_of(a) == dev && a->dtype == dt) { /* nothing to do: the same tensor, as PyTorch */
+    fsdp_tensor_retain(a);
+    *out = a;
+    return FSDP_OK;
   }
-  return true;
+  if (!dev->has_data) { /* to meta: a shape-only tensor */
+    if (fsdp_tensor_new(out, dev, dt, a->ndim, a->shape, FSDP_ROLE_ACTIVATIONS))
+      return fsdp_error_context("to");
+  } else {
+    if (a->requires_grad && !fsdp_dtype_is_float(dt))
+      return fsdp_error("to: a tensor that requires a gradient cannot become %s (gradients "
+                        "need a float dtype; detach() it first)",
+                        fsdp_dtype_name(dt));
+    if (fsdp_to(out, a, dev, dt, FSDP_ROLE_ACTIVATIONS)) return fsdp_error_context("to");
+  }
+  if (!fsdp_dtype_is_float(dt) || !dev->has_data) return FSDP_OK;
+  return record("to", bw_to, out, &a, 1, NULL, 0, NULL);
 }
 
 /* ---- binary elementwise with suffix broadcasting ------------------------------------------ */
@@ -170,13 +227,12 @@ static bool is_integral_in(const float *v, int64_t n, int64_t lo, int64_t hi, co
 static const char *binop_name[] = {"add", "sub", "mul", "div"};
 
 static int bw_binary(fsdp_node *n) {
-  float *da, *db;
+  void *da, *db;
   if (grad_of(n, 0, &da) || grad_of(n, 1, &db)) return FSDP_ERR;
   int64_t N = n->i[0], M = n->i[1];
   if (M == 0) return FSDP_OK; /* no elements (then N is 0 too) */
-  fsdp_cpu_binary_backward(da, db, D(n->out->grad), D(n->saved[0]), D(n->saved[1]), N, M,
-                           (fsdp_binop)n->i[2]);
-  return FSDP_OK;
+  return NK(n)->binary_backward(NCTX(n), NDT(n), da, db, D(n->out->grad), D(n->saved[0]),
+                                D(n->saved[1]), N, M, (fsdp_binop)n->i[2]);
 }
 
 /* b's shape a suffix of a's (or b a single element) */
@@ -188,168 +244,165 @@ static bool is_suffix(const fsdp_tensor *a, const fsdp_tensor *b) {
   return true;
 }
 
+/* i[0] = N, i[1] = M: the output (N) repeats the input (M); the gradient sums the repeats */
 static int bw_expand(fsdp_node *n) {
-  float *da;
+  void *da;
   if (grad_of(n, 0, &da)) return FSDP_ERR;
-  const float *g = D(n->out->grad);
   int64_t N = n->i[0], M = n->i[1];
-  if (M == 0) return FSDP_OK;
-  for (int64_t r = 0; r < N / M; r++)
-    for (int64_t j = 0; j < M; j++) da[j] += g[r * M + j];
-  return FSDP_OK;
+  if (!da || M == 0) return FSDP_OK;
+  int64_t shape[2] = {N / M, M}, ds[2] = {0, 1}, ss[2] = {M, 1};
+  return NK(n)->add_strided(NCTX(n), NDT(n), da, ds, D(n->out->grad), ss, 2, shape);
 }
 
 /* a repeated to `like`'s shape (a's shape a suffix of like's); recorded. */
 static int expand_to(fsdp_tensor **out, fsdp_tensor *a, const fsdp_tensor *like, const char *op) {
-  fsdp_tensor *ac;
-  if (contig(&ac, a, op)) return FSDP_ERR;
-  int64_t N = fsdp_tensor_numel(like), M = fsdp_tensor_numel(ac);
-  if (new_out(out, like->ndim, like->shape, op)) {
-    fsdp_tensor_release(ac);
+  const fsdp_kernels_i *k = KERNELS(op, a);
+  if (!k) return FSDP_ERR;
+  int64_t N = fsdp_tensor_numel(like), M = fsdp_tensor_numel(a);
+  if (new_out(out, a, a->dtype, like->ndim, like->shape, op)) return FSDP_ERR;
+  /* a's elements in logical order, repeated: a stride-0 outer dim over a's own strides */
+  int64_t shape[FSDP_MAX_DIMS + 1], ds[FSDP_MAX_DIMS + 1], ss[FSDP_MAX_DIMS + 1];
+  shape[0] = M ? N / M : 0;
+  ss[0] = 0;
+  memcpy(shape + 1, a->shape, sizeof(int64_t) * (size_t)a->ndim);
+  memcpy(ss + 1, a->strides, sizeof(int64_t) * (size_t)a->ndim);
+  contiguous_strides(ds, a->ndim + 1, shape);
+  if (M > 0 && k->copy_strided(CTX(a), a->dtype, D(*out), ds, D(a), ss, a->ndim + 1, shape)) {
+    fsdp_tensor_release(*out);
+    *out = NULL;
     return FSDP_ERR;
   }
-  float *o = D(*out);
-  const float *s = D(ac);
-  for (int64_t r = 0; M > 0 && r < N / M; r++) memcpy(o + r * M, s, (size_t)M * sizeof(float));
-  fsdp_tensor_release(ac);
   return record("expand", bw_expand, out, &a, 1, NULL, 0, ARGS(N, M));
 }
 
-int fsdp_op_binary(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b, fsdp_binary_op op) {
-  const char *name = binop_name[op];
-  fsdp_tensor *ea = NULL;
-  if (!is_suffix(a, b)) {
-    if (!is_suffix(b, a))
-      return fsdp_error("%s: shapes %s and %s do not broadcast (one shape must end with the "
-                        "other)", name, FSDP_SHAPE_STR(a), FSDP_SHAPE_STR(b));
-    if (expand_to(&ea, a, b, name)) return FSDP_ERR;
-    a = ea;
+/* a and b in their promoted dtype (recorded casts; new references) */
+static int promoted(const char *op, fsdp_tensor **pa, fsdp_tensor **pb, fsdp_tensor *a,
+                    fsdp_tensor *b) {
+  *pa = *pb = NULL;
+  fsdp_dtype dt = promote(a->dtype, b->dtype);
+  if (fsdp_op_to(pa, a, NULL, dt) || fsdp_op_to(pb, b, NULL, dt)) {
+    fsdp_tensor_release(*pa);
+    *pa = NULL;
+    return fsdp_error_context("%s", op);
   }
-  fsdp_tensor *ac = NULL, *bc = NULL;
-  int rc = FSDP_ERR;
-  if (contig(&ac, a, name) || contig(&bc, b, name)) goto done;
-  int64_t N = fsdp_tensor_numel(ac), M = fsdp_tensor_numel(bc);
-  if (new_out(out, a->ndim, a->shape, name)) goto done;
-  if (M > 0) fsdp_cpu_binary_forward(D(*out), D(ac), D(bc), N, M, (fsdp_binop)op);
-  fsdp_tensor *in[2] = {a, b}, *sv[2] = {ac, bc};
-  rc = record(name, bw_binary, out, in, 2, sv, 2, ARGS(N, M, op));
-done:
-  fsdp_tensor_release(ac);
-  fsdp_tensor_release(bc);
-  fsdp_tensor_release(ea);
-  return rc;
-}
-
-static int bw_affine(fsdp_node *n) {
-  float *da;
-  if (grad_of(n, 0, &da)) return FSDP_ERR;
-  if (da) fsdp_cpu_affine_backward(da, D(n->out->grad), n->f[0], fsdp_tensor_numel(n->out));
   return FSDP_OK;
 }
 
+int fsdp_op_binary(fsdp_tensor **out, fsdp_tensor *a0, fsdp_tensor *b0, fsdp_binary_op op) {
+  *out = NULL;
+  const char *name = binop_name[op];
+  if (!KERNELS(name, a0, b0)) return FSDP_ERR;
+  if (!is_suffix(a0, b0) && !is_suffix(b0, a0))
+    return fsdp_error("%s: shapes %s and %s do not broadcast (one shape must end with the "
+                      "other)", name, FSDP_SHAPE_STR(a0), FSDP_SHAPE_STR(b0));
+  fsdp_tensor *a, *b, *ea = NULL, *ac = NULL, *bc = NULL;
+  if (promoted(name, &a, &b, a0, b0)) return FSDP_ERR;
+  int rc = FSDP_ERR;
+  if (!is_suffix(a, b)) {
+    if (expand_to(&ea, a, b, name)) goto done;
+    fsdp_tensor_release(a);
+    a = ea;
+    ea = NULL;
+  }
+  if (contig(&ac, a, name) || contig(&bc, b, name)) goto done;
+  int64_t N = fsdp_tensor_numel(ac), M = fsdp_tensor_numel(bc);
+  if (new_out(out, a, a->dtype, a->ndim, a->shape, name)) goto done;
+  if (M > 0 && dev_of(a)->kernels->binary_forward(CTX(a), a->dtype, D(*out), D(ac), D(bc), N, M,
+                                                  (fsdp_binop)op)) {
+    fsdp_tensor_release(*out);
+    *out = NULL;
+    goto done;
+  }
+  fsdp_tensor *in[2] = {a, b}, *sv[2] = {ac, bc};
+  rc = record(name, bw_binary, out, in, 2, sv, 2, ARGS(N, M, op));
+done:
+  fsdp_tensor_release(a);
+  fsdp_tensor_release(b);
+  fsdp_tensor_release(ac);
+  fsdp_tensor_release(bc);
+  return rc;
+}
+
+/* Run a forward kernel call `call` (an int expression using *out) and record, or release *out
+ * on failure. */
+#define RUN(call)                                                                                  \
+  do {                                                                                             \
+    if (call) {                                                                                    \
+      fsdp_tensor_release(*out);                                                                   \
+      *out = NULL;                                                                                 \
+      rc = FSDP_ERR;                                                                               \
+      goto done;                                                                                   \
+    }                                                                                              \
+  } while (0)
+
+static int bw_affine(fsdp_node *n) {
+  void *da;
+  if (grad_of(n, 0, &da)) return FSDP_ERR;
+  if (!da) return FSDP_OK;
+  return NK(n)->affine_backward(NCTX(n), NDT(n), da, D(n->out->grad), n->f[0],
+                                fsdp_tensor_numel(n->out));
+}
+
 int fsdp_op_affine(fsdp_tensor **out, fsdp_tensor *a, float s, float t) {
+  const fsdp_kernels_i *k = KERNELS("affine", a);
+  if (!k) return FSDP_ERR;
   fsdp_tensor *ac;
   if (contig(&ac, a, "affine")) return FSDP_ERR;
-  int rc = new_out(out, a->ndim, a->shape, "affine");
-  if (!rc) {
-    fsdp_cpu_affine_forward(D(*out), D(ac), s, t, fsdp_tensor_numel(ac));
-    rc = record("affine", bw_affine, out, &a, 1, NULL, 0, &(const rec_args){.f0 = s});
-  }
+  int rc = new_out(out, a, a->dtype, a->ndim, a->shape, "affine");
+  if (rc) goto done;
+  RUN(k->affine_forward(CTX(a), a->dtype, D(*out), D(ac), s, t, fsdp_tensor_numel(ac)));
+  rc = record("affine", bw_affine, out, &a, 1, NULL, 0, &(const rec_args){.f0 = s});
+done:
   fsdp_tensor_release(ac);
   return rc;
 }
 
 /* ---- unary ----------------------------------------------------------------------------- */
 
-static const char *unary_name[] = {"relu", "gelu", "exp", "log", "sqrt", "tanh", "sigmoid"};
-
 static int bw_unary(fsdp_node *n) {
-  float *da;
+  void *da;
   if (grad_of(n, 0, &da)) return FSDP_ERR;
   if (!da) return FSDP_OK;
-  const float *g = D(n->out->grad), *x = D(n->saved[0]), *y = D(n->out);
-  int64_t N = fsdp_tensor_numel(n->out);
-  switch ((fsdp_unary_op)n->i[0]) {
-  case FSDP_UNARY_RELU: fsdp_cpu_relu_backward(da, g, x, N); break;
-  case FSDP_UNARY_GELU: fsdp_cpu_gelu_backward(da, g, x, N); break;
-  case FSDP_UNARY_EXP:
-    for (int64_t i = 0; i < N; i++) da[i] += g[i] * y[i];
-    break;
-  case FSDP_UNARY_LOG:
-    for (int64_t i = 0; i < N; i++) da[i] += g[i] / x[i];
-    break;
-  case FSDP_UNARY_SQRT:
-    for (int64_t i = 0; i < N; i++) da[i] += g[i] * 0.5f / y[i];
-    break;
-  case FSDP_UNARY_TANH:
-    for (int64_t i = 0; i < N; i++) da[i] += g[i] * (1.0f - y[i] * y[i]);
-    break;
-  case FSDP_UNARY_SIGMOID:
-    for (int64_t i = 0; i < N; i++) da[i] += g[i] * y[i] * (1.0f - y[i]);
-    break;
-  }
-  return FSDP_OK;
+  return NK(n)->unary_backward(NCTX(n), NDT(n), (fsdp_unary_op)n->i[0], da, D(n->out->grad),
+                               D(n->saved[0]), D(n->out), fsdp_tensor_numel(n->out));
 }
 
 int fsdp_op_unary(fsdp_tensor **out, fsdp_tensor *a, fsdp_unary_op op) {
-  const char *name = unary_name[op];
+  const char *name = fsdp_unary_name(op);
+  const fsdp_kernels_i *k = KERNELS(name, a);
+  if (!k) return FSDP_ERR;
   fsdp_tensor *ac;
   if (contig(&ac, a, name)) return FSDP_ERR;
-  int rc = new_out(out, a->ndim, a->shape, name);
-  if (!rc) {
-    float *y = D(*out);
-    const float *x = D(ac);
-    int64_t N = fsdp_tensor_numel(ac);
-    switch (op) {
-    case FSDP_UNARY_RELU: fsdp_cpu_relu_forward(y, x, N); break;
-    case FSDP_UNARY_GELU: fsdp_cpu_gelu_forward(y, x, N); break;
-    case FSDP_UNARY_EXP:
-      for (int64_t i = 0; i < N; i++) y[i] = expf(x[i]);
-      break;
-    case FSDP_UNARY_LOG:
-      for (int64_t i = 0; i < N; i++) y[i] = logf(x[i]);
-      break;
-    case FSDP_UNARY_SQRT:
-      for (int64_t i = 0; i < N; i++) y[i] = sqrtf(x[i]);
-      break;
-    case FSDP_UNARY_TANH:
-      for (int64_t i = 0; i < N; i++) y[i] = tanhf(x[i]);
-      break;
-    case FSDP_UNARY_SIGMOID:
-      for (int64_t i = 0; i < N; i++) y[i] = 1.0f / (1.0f + expf(-x[i]));
-      break;
-    }
-    bool reads_out = op == FSDP_UNARY_EXP || op == FSDP_UNARY_SQRT || op == FSDP_UNARY_TANH ||
-                     op == FSDP_UNARY_SIGMOID;
-    rc = record(name, bw_unary, out, &a, 1, &ac, 1,
-                &(const rec_args){.i = {op}, .reads_out = reads_out});
-  }
+  int rc = new_out(out, a, a->dtype, a->ndim, a->shape, name);
+  if (rc) goto done;
+  RUN(k->unary_forward(CTX(a), a->dtype, op, D(*out), D(ac), fsdp_tensor_numel(ac)));
+  bool reads_out = op == FSDP_UNARY_EXP || op == FSDP_UNARY_SQRT || op == FSDP_UNARY_TANH ||
+                   op == FSDP_UNARY_SIGMOID;
+  rc = record(name, bw_unary, out, &a, 1, &ac, 1,
+              &(const rec_args){.i = {op}, .reads_out = reads_out});
+done:
   fsdp_tensor_release(ac);
   return rc;
 }
 
 static int bw_pow(fsdp_node *n) {
-  float *da;
+  void *da;
   if (grad_of(n, 0, &da)) return FSDP_ERR;
   if (!da) return FSDP_OK;
-  const float *g = D(n->out->grad), *x = D(n->saved[0]);
-  float p = n->f[0];
-  int64_t N = fsdp_tensor_numel(n->out);
-  for (int64_t i = 0; i < N; i++) da[i] += g[i] * p * powf(x[i], p - 1.0f);
-  return FSDP_OK;
+  return NK(n)->pow_backward(NCTX(n), NDT(n), da, D(n->out->grad), D(n->saved[0]), n->f[0],
+                             fsdp_tensor_numel(n->out));
 }
 
 int fsdp_op_pow(fsdp_tensor **out, fsdp_tensor *a, float p) {
+  const fsdp_kernels_i *k = KERNELS("pow", a);
+  if (!k) return FSDP_ERR;
   fsdp_tensor *ac;
   if (contig(&ac, a, "pow")) return FSDP_ERR;
-  int rc = new_out(out, a->ndim, a->shape, "pow");
-  if (!rc) {
-    float *y = D(*out);
-    const float *x = D(ac);
-    int64_t N = fsdp_tensor_numel(ac);
-    for (int64_t i = 0; i < N; i++) y[i] = powf(x[i], p);
-    rc = record("pow", bw_pow, out, &a, 1, &ac, 1, &(const rec_args){.f0 = p});
-  }
+  int rc = new_out(out, a, a->dtype, a->ndim, a->shape, "pow");
+  if (rc) goto done;
+  RUN(k->pow_forward(CTX(a), a->dtype, D(*out), D(ac), p, fsdp_tensor_numel(ac)));
+  rc = record("pow", bw_pow, out, &a, 1, &ac, 1, &(const rec_args){.f0 = p});
+done:
   fsdp_tensor_release(ac);
   return rc;
 }
@@ -359,17 +412,19 @@ int fsdp_op_pow(fsdp_tensor **out, fsdp_tensor *a, float p) {
 /* i[0..3] = batch, M, K, N ; i[4] = 1 for a batched product, 0 for "a flattened to (M, K)
  * times a 2-D b" */
 static int bw_matmul(fsdp_node *n) {
-  float *da, *db;
+  void *da, *db;
   if (grad_of(n, 0, &da) || grad_of(n, 1, &db)) return FSDP_ERR;
   int B = (int)n->i[0], M = (int)n->i[1], K = (int)n->i[2], N = (int)n->i[3];
   if (B == 0 || M == 0 || K == 0 || N == 0) return FSDP_OK; /* an empty product: zero grads */
-  const float *g = D(n->out->grad), *a = D(n->saved[0]), *b = D(n->saved[1]);
-  if (!n->i[4]) {
-    if (da) fsdp_cpu_gemm(da, g, b, M, K, N, false, true, 1.0f, 1.0f, N, N, K);
-    if (db) fsdp_cpu_gemm(db, a, g, K, N, M, true, false, 1.0f, 1.0f, K, N, N);
-  } else {
-    fsdp_cpu_bmm_backward(da, db, g, a, b, B, M, K, N);
-  }
+  const void *g = D(n->out->grad), *a = D(n->saved[0]), *b = D(n->saved[1]);
+  const fsdp_kernels_i *k = NK(n);
+  void *ctx = NCTX(n);
+  fsdp_dtype dt = NDT(n);
+  if (n->i[4]) return k->bmm_backward(ctx, dt, da, db, g, a, b, B, M, K, N);
+  if (da && k->gemm(ctx, dt, da, g, b, M, K, N, false, true, 1.0f, 1.0f, N, N, K))
+    return FSDP_ERR;
+  if (db && k->gemm(ctx, dt, db, a, g, K, N, M, true, false, 1.0f, 1.0f, K, N, N))
+    return FSDP_ERR;
   return FSDP_OK;
 }
 
@@ -377,6 +432,8 @@ int fsdp_op_matmul(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b) {
   int64_t B = 1, M, K, N;
   int64_t oshape[FSDP_MAX_DIMS];
   int ond;
+  const fsdp_kernels_i *k = KERNELS("matmul", a, b);
+  if (!k || same_dtype("matmul", a, b)) return FSDP_ERR;
   if (a->ndim < 1 || b->ndim < 2) goto bad;
   if (b->ndim == 2) {
     K = a->shape[a->ndim - 1];
@@ -388,8 +445,8 @@ int fsdp_op_matmul(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b) {
     oshape[ond - 1] = N;
   } else {
     if (a->ndim != b->ndim) goto bad;
-    for (int k = 0; k < a->ndim - 2; k++)
-      if (a->shape[k] != b->shape[k]) goto bad;
+    for (int q = 0; q < a->ndim - 2; q++)
+      if (a->shape[q] != b->shape[q]) goto bad;
     M = a->shape[a->ndim - 2];
     K = a->shape[a->ndim - 1];
     if (b->shape[b->ndim - 2] != K) goto bad;
@@ -402,15 +459,16 @@ int fsdp_op_matmul(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b) {
   fsdp_tensor *ac = NULL, *bc = NULL;
   int rc = FSDP_ERR;
   if (contig(&ac, a, "matmul") || contig(&bc, b, "matmul")) goto done;
-  if (new_out(out, ond, oshape, "matmul")) goto done;
+  if (new_out(out, a, a->dtype, ond, oshape, "matmul")) goto done;
   if (fsdp_tensor_numel(*out) > 0 && K > 0) {
     if (b->ndim == 2)
-      fsdp_cpu_gemm(D(*out), D(ac), D(bc), (int)M, (int)N, (int)K, false, false, 1.0f, 0.0f,
-                    (int)K, (int)N, (int)N);
+      RUN(k->gemm(CTX(a), a->dtype, D(*out), D(ac), D(bc), (int)M, (int)N, (int)K, false, false,
+                  1.0f, 0.0f, (int)K, (int)N, (int)N));
     else
-      fsdp_cpu_bmm_forward(D(*out), D(ac), D(bc), (int)B, (int)M, (int)K, (int)N);
+      RUN(k->bmm_forward(CTX(a), a->dtype, D(*out), D(ac), D(bc), (int)B, (int)M, (int)K,
+                         (int)N));
   } else {
-    fsdp_tensor_fill(*out, 0.0f); /* an empty inner dimension sums nothing */
+    RUN(fsdp_tensor_fill(*out, 0.0)); /* an empty inner dimension sums nothing */
   }
   fsdp_tensor *in[2] = {a, b}, *sv[2] = {ac, bc};
   rc = record("matmul", bw_matmul, out, in, 2, sv, 2, ARGS(B, M, K, N, b->ndim != 2));
@@ -425,11 +483,10 @@ bad:
 }
 
 static int bw_linear(fsdp_node *n) {
-  float *dx, *dw, *db;
+  void *dx, *dw, *db;
   if (grad_of(n, 0, &dx) || grad_of(n, 1, &dw) || grad_of(n, 2, &db)) return FSDP_ERR;
-  fsdp_cpu_linear_backward(dx, dw, db, D(n->out->grad), D(n->saved[0]), D(n->saved[1]),
-                           (int)n->i[0], (int)n->i[1], (int)n->i[2]);
-  return FSDP_OK;
+  return NK(n)->linear_backward(NCTX(n), NDT(n), dx, dw, db, D(n->out->grad), D(n->saved[0]),
+                                D(n->saved[1]), (int)n->i[0], (int)n->i[1], (int)n->i[2]);
 }
 
 int fsdp_op_linear(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *w, fsdp_tensor *b) {
@@ -445,6 +502,8 @@ int fsdp_op_linear(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *w, fsdp_tenso
   if (b && (b->ndim != 1 || b->shape[0] != N))
     return fsdp_error("linear: bias %s does not match weight %s: need (%lld)", FSDP_SHAPE_STR(b),
                       FSDP_SHAPE_STR(w), (long long)N);
+  const fsdp_kernels_i *k = KERNELS("linear", x, w, b);
+  if (!k || same_dtype("linear", x, w) || same_dtype("linear", x, b)) return FSDP_ERR;
   int64_t M = K ? fsdp_tensor_numel(x) / K : 0;
   int64_t oshape[FSDP_MAX_DIMS];
   memcpy(oshape, x->shape, sizeof(int64_t) * (size_t)x->ndim);
@@ -453,8 +512,8 @@ int fsdp_op_linear(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *w, fsdp_tenso
   int rc = FSDP_ERR;
   if (contig(&xc, x, "linear") || contig(&wc, w, "linear") || (b && contig(&bc, b, "linear")))
     goto done;
-  if (new_out(out, x->ndim, oshape, "linear")) goto done;
-  fsdp_cpu_linear_forward(D(*out), D(xc), D(wc), bc ? D(bc) : NULL, (int)M, (int)K, (int)N);
+  if (new_out(out, x, x->dtype, x->ndim, oshape, "linear")) goto done;
+  RUN(k->linear_forward(CTX(x), x->dtype, D(*out), D(xc), D(wc), D(bc), (int)M, (int)K, (int)N));
   fsdp_tensor *in[3] = {x, w, b}, *sv[2] = {xc, wc};
   rc = record("linear", bw_linear, out, in, 3, sv, 2, ARGS(M, K, N));
 done:
@@ -467,10 +526,12 @@ done:
 /* ---- embedding --------------------------------------------------------------------------- */
 
 static int bw_embedding(fsdp_node *n) {
-  float *dw;
+  void *dw;
   if (grad_of(n, 1, &dw)) return FSDP_ERR;
-  if (dw) fsdp_cpu_embedding_backward(dw, D(n->out->grad), D(n->saved[0]), n->i[0], (int)n->i[1]);
-  return FSDP_OK;
+  if (!dw) return FSDP_OK;
+  const fsdp_tensor *ids = n->saved[0];
+  return NK(n)->embedding_backward(NCTX(n), NDT(n), dw, D(n->out->grad), D(ids), ids->dtype,
+                                   n->i[0], (int)n->i[1]);
 }
 
 int fsdp_op_embedding(fsdp_tensor **out, fsdp_tensor *ids, fsdp_tensor *w) {
@@ -478,21 +539,25 @@ int fsdp_op_embedding(fsdp_tensor **out, fsdp_tensor *ids, fsdp_tensor *w) {
     return fsdp_error("embedding: weight must be 2-D (num, dim), got %s", FSDP_SHAPE_STR(w));
   if (ids->ndim + 1 > FSDP_MAX_DIMS)
     return fsdp_error("embedding: ids %s have too many dimensions", FSDP_SHAPE_STR(ids));
+  const fsdp_kernels_i *k = KERNELS("embedding", ids, w);
+  if (!k) return FSDP_ERR;
   int64_t V = w->shape[0], C = w->shape[1], N = fsdp_tensor_numel(ids);
   fsdp_tensor *ic = NULL, *wc = NULL;
   int rc = FSDP_ERR;
   if (contig(&ic, ids, "embedding") || contig(&wc, w, "embedding")) goto done;
   int64_t bad;
-  if (!is_integral_in(D(ic), N, 0, V, NULL, &bad)) {
+  double bv;
+  if (check_ids("embedding", ic, V, NULL, &bad, &bv)) goto done;
+  if (bad >= 0) {
     fsdp_error("embedding: id %g at position %lld is not an integer in [0, %lld) (weight %s)",
-               (double)D(ic)[bad], (long long)bad + 1, (long long)V, FSDP_SHAPE_STR(w));
+               bv, (long long)bad + 1, (long long)V, FSDP_SHAPE_STR(w));
     goto done;
   }
   int64_t oshape[FSDP_MAX_DIMS];
   memcpy(oshape, ids->shape, sizeof(int64_t) * (size_t)ids->ndim);
   oshape[ids->ndim] = C;
-  if (new_out(out, ids->ndim + 1, oshape, "embedding")) goto done;
-  fsdp_cpu_embedding_forward(D(*out), D(ic), D(wc), N, (int)C);
+  if (new_out(out, w, w->dtype, ids->ndim + 1, oshape, "embedding")) goto done;
+  RUN(k->embedding_forward(CTX(w), w->dtype, D(*out), D(ic), ic->dtype, D(wc), N, (int)C));
   fsdp_tensor *in[2] = {ids, w}, *sv[1] = {ic};
   rc = record("embedding", bw_embedding, out, in, 2, sv, 1, ARGS(N, C));
 done:
@@ -504,11 +569,11 @@ done:
 /* ---- layernorm, softmax -------------------------------------------------------------------- */
 
 static int bw_layernorm(fsdp_node *n) {
-  float *dx, *dw, *db;
+  void *dx, *dw, *db;
   if (grad_of(n, 0, &dx) || grad_of(n, 1, &dw) || grad_of(n, 2, &db)) return FSDP_ERR;
-  fsdp_cpu_layernorm_backward(dx, dw, db, D(n->out->grad), D(n->saved[0]), D(n->saved[1]),
-                              D(n->saved[2]), D(n->saved[3]), n->i[0], (int)n->i[1]);
-  return FSDP_OK;
+  return NK(n)->layernorm_backward(NCTX(n), NDT(n), dx, dw, db, D(n->out->grad), D(n->saved[0]),
+                                   D(n->saved[1]), D(n->saved[2]), D(n->saved[3]), n->i[0],
+                                   (int)n->i[1]);
 }
 
 int fsdp_op_layernorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *w, fsdp_tensor *b,
@@ -518,16 +583,20 @@ int fsdp_op_layernorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *w, fsdp_te
     return fsdp_error("layernorm: input %s needs weight and bias of shape (%lld), got %s and %s",
                       FSDP_SHAPE_STR(x), (long long)C, FSDP_SHAPE_STR(w),
                       b ? FSDP_SHAPE_STR(b) : "none");
+  const fsdp_kernels_i *k = KERNELS("layernorm", x, w, b);
+  if (!k || same_dtype("layernorm", x, w) || same_dtype("layernorm", x, b)) return FSDP_ERR;
   int64_t N = C ? fsdp_tensor_numel(x) / C : 0;
   fsdp_tensor *xc = NULL, *wc = NULL, *bc = NULL, *mean = NULL, *rstd = NULL;
   int rc = FSDP_ERR;
   if (contig(&xc, x, "layernorm") || contig(&wc, w, "layernorm") ||
       (b && contig(&bc, b, "layernorm")))
     goto done;
-  if (new_out(&mean, 1, &N, "layernorm") || new_out(&rstd, 1, &N, "layernorm")) goto done;
-  if (new_out(out, x->ndim, x->shape, "layernorm")) goto done;
-  fsdp_cpu_layernorm_forward(D(*out), D(mean), D(rstd), D(xc), D(wc), bc ? D(bc) : NULL, N,
-                             (int)C, eps);
+  if (new_out(&mean, x, FSDP_DTYPE_F32, 1, &N, "layernorm") ||
+      new_out(&rstd, x, FSDP_DTYPE_F32, 1, &N, "layernorm"))
+    goto done;
+  if (new_out(out, x, x->dtype, x->ndim, x->shape, "layernorm")) goto done;
+  RUN(k->layernorm_forward(CTX(x), x->dtype, D(*out), D(mean), D(rstd), D(xc), D(wc), D(bc), N,
+                           (int)C, eps));
   fsdp_tensor *in[3] = {x, w, b}, *sv[4] = {xc, wc, mean, rstd};
   rc = record("layernorm", bw_layernorm, out, in, 3, sv, 4, ARGS(N, C));
 done:
@@ -540,41 +609,56 @@ done:
 }
 
 static int bw_softmax(fsdp_node *n) {
-  float *dx;
+  void *dx;
   if (grad_of(n, 0, &dx)) return FSDP_ERR;
-  if (dx) fsdp_cpu_softmax_backward(dx, D(n->out->grad), D(n->out), n->i[0], (int)n->i[1]);
-  return FSDP_OK;
+  if (!dx) return FSDP_OK;
+  return NK(n)->softmax_backward(NCTX(n), NDT(n), dx, D(n->out->grad), D(n->out), n->i[0],
+                                 (int)n->i[1]);
 }
 
-int fsdp_op_softmax(fsdp_tensor **out, fsdp_tensor *x) {
-  if (x->ndim < 1) return fsdp_error("softmax: needs at least one dimension, got a scalar");
+/* softmax over the last dimension */
+static int softmax_last(fsdp_tensor **out, fsdp_tensor *x) {
+  const fsdp_kernels_i *k = KERNELS("softmax", x);
+  if (!k) return FSDP_ERR;
   int64_t C = x->shape[x->ndim - 1], N = C ? fsdp_tensor_numel(x) / C : 0;
   fsdp_tensor *xc;
   if (contig(&xc, x, "softmax")) return FSDP_ERR;
-  int rc = new_out(out, x->ndim, x->shape, "softmax");
-  if (!rc) {
-    fsdp_cpu_softmax_forward(D(*out), D(xc), N, (int)C);
-    rc = record("softmax", bw_softmax, out, &x, 1, NULL, 0,
-                &(const rec_args){.i = {N, C}, .reads_out = true});
-  }
+  int rc = new_out(out, x, x->dtype, x->ndim, x->shape, "softmax");
+  if (rc) goto done;
+  RUN(k->softmax_forward(CTX(x), x->dtype, D(*out), D(xc), N, (int)C));
+  rc = record("softmax", bw_softmax, out, &x, 1, NULL, 0,
+              &(const rec_args){.i = {N, C}, .reads_out = true});
+done:
   fsdp_tensor_release(xc);
+  return rc;
+}
+
+int fsdp_op_softmax(fsdp_tensor **out, fsdp_tensor *x, int dim) {
+  *out = NULL;
+  if (x->ndim < 1) return fsdp_error("softmax: needs at least one dimension, got a scalar");
+  if (dim < 0 || dim >= x->ndim)
+    return fsdp_error("softmax: dimension %d out of range for a tensor %s", dim + 1,
+                      FSDP_SHAPE_STR(x));
+  if (dim == x->ndim - 1) return softmax_last(out, x);
+  /* another dim: move it last (recorded views), softmax, move it back */
+  fsdp_tensor *t = NULL, *s = NULL;
+  int rc = fsdp_op_transpose(&t, x, dim, x->ndim - 1);
+  if (!rc) rc = softmax_last(&s, t);
+  if (!rc) rc = fsdp_op_transpose(out, s, dim, x->ndim - 1);
+  fsdp_tensor_release(t);
+  fsdp_tensor_release(s);
   return rc;
 }
 
 /* ---- attention ---------------------------------------------------------------------------- */
 
 static int bw_attention(fsdp_node *n) {
-  float *dqkv;
+  void *dqkv;
   if (grad_of(n, 0, &dqkv)) return FSDP_ERR;
   if (!dqkv) return FSDP_OK;
-  const fsdp_tensor *att = n->saved[1];
-  fsdp_tensor *scratch;
-  if (fsdp_tensor_new_f32(&scratch, att->ndim, att->shape)) return FSDP_ERR;
-  fsdp_cpu_attention_backward(dqkv, D(scratch), D(n->out->grad), D(n->saved[0]),
-                              D(n->saved[1]), (int)n->i[0], (int)n->i[1], (int)n->i[2],
-                              (int)n->i[3]);
-  fsdp_tensor_release(scratch);
-  return FSDP_OK;
+  return NK(n)->attention_backward(NCTX(n), NDT(n), dqkv, D(n->out->grad), D(n->saved[0]),
+                                   D(n->saved[1]), (int)n->i[0], (int)n->i[1], (int)n->i[2],
+                                   (int)n->i[3]);
 }
 
 int fsdp_op_attention(fsdp_tensor **out, fsdp_tensor *qkv, int n_head) {
@@ -584,12 +668,17 @@ int fsdp_op_attention(fsdp_tensor **out, fsdp_tensor *qkv, int n_head) {
   if (n_head <= 0 || C % n_head != 0)
     return fsdp_error("attention: %lld channels do not split into %d heads (qkv %s)",
                       (long long)C, n_head, FSDP_SHAPE_STR(qkv));
+  const fsdp_kernels_i *k = KERNELS("attention", qkv);
+  if (!k) return FSDP_ERR;
   fsdp_tensor *qc = NULL, *att = NULL;
   int rc = FSDP_ERR;
   if (contig(&qc, qkv, "attention")) goto done;
   int64_t ashape[4] = {B, n_head, T, T}, oshape[3] = {B, T, C};
-  if (new_out(&att, 4, ashape, "attention") || new_out(out, 3, oshape, "attention")) goto done;
-  fsdp_cpu_attention_forward(D(*out), D(att), D(qc), (int)B, (int)T, (int)C, n_head);
+  if (new_out(&att, qkv, qkv->dtype, 4, ashape, "attention") ||
+      new_out(out, qkv, qkv->dtype, 3, oshape, "attention"))
+    goto done;
+  RUN(k->attention_forward(CTX(qkv), qkv->dtype, D(*out), D(att), D(qc), (int)B, (int)T, (int)C,
+                           n_head));
   fsdp_tensor *sv[2] = {qc, att};
   rc = record("attention", bw_attention, out, &qkv, 1, sv, 2, ARGS(B, T, C, n_head));
 done:
@@ -601,25 +690,29 @@ done:
 /* ---- dropout ---------------------------------------------------------------------------------- */
 
 static int bw_dropout(fsdp_node *n) {
-  float *dx;
+  void *dx;
   if (grad_of(n, 0, &dx)) return FSDP_ERR;
-  if (dx) fsdp_cpu_dropout_backward(dx, D(n->out->grad), D(n->saved[0]), fsdp_tensor_numel(n->out));
-  return FSDP_OK;
+  if (!dx) return FSDP_OK;
+  return NK(n)->dropout_backward(NCTX(n), NDT(n), dx, D(n->out->grad), D(n->saved[0]),
+                                 fsdp_tensor_numel(n->out));
 }
 
 int fsdp_op_dropout(fsdp_tensor **out, fsdp_tensor *x, float p) {
   if (!(p >= 0.0f && p < 1.0f))
     return fsdp_error("dropout: probability %g is not in [0, 1) (input %s)", (double)p,
                       FSDP_SHAPE_STR(x));
+  const fsdp_kernels_i *k = KERNELS("dropout", x);
+  if (!k) return FSDP_ERR;
   fsdp_tensor *xc = NULL, *mask = NULL;
   int rc = FSDP_ERR;
   if (contig(&xc, x, "dropout")) goto done;
   int64_t N = fsdp_tensor_numel(xc);
-  if (new_out(&mask, x->ndim, x->shape, "dropout") || new_out(out, x->ndim, x->shape, "dropout"))
+  if (new_out(&mask, x, x->dtype, x->ndim, x->shape, "dropout") ||
+      new_out(out, x, x->dtype, x->ndim, x->shape, "dropout"))
     goto done;
   uint64_t first;
   uint64_t key = fsdp_rng_reserve("dropout", N, &first);
-  fsdp_cpu_dropout_forward(D(*out), D(mask), D(xc), N, p, key, first);
+  RUN(k->dropout_forward(CTX(x), x->dtype, D(*out), D(mask), D(xc), N, p, key, first));
   rc = record("dropout", bw_dropout, out, &x, 1, &mask, 1, NULL);
 done:
   fsdp_tensor_release(xc);
@@ -629,13 +722,15 @@ done:
 
 /* ---- losses, reductions -------------------------------------------------------------------- */
 
+/* i: N, V, ignore, count. The loss and its gradient are f32; dlogits in the logits' dtype. */
 static int bw_cross_entropy(fsdp_node *n) {
-  float *dl;
+  void *dl;
   if (grad_of(n, 0, &dl)) return FSDP_ERR;
-  if (dl)
-    fsdp_cpu_cross_entropy_backward(dl, D(n->out->grad)[0], D(n->saved[0]), D(n->saved[2]),
-                                    D(n->saved[1]), n->i[0], (int)n->i[1], (int)n->i[2], n->i[3]);
-  return FSDP_OK;
+  if (!dl) return FSDP_OK;
+  const fsdp_tensor *logits = n->saved[0], *targets = n->saved[1];
+  return NK(n)->cross_entropy_backward(NCTX(n), logits->dtype, dl, D(n->out->grad), D(logits),
+                                       D(n->saved[2]), D(targets), targets->dtype, n->i[0],
+                                       (int)n->i[1], n->i[2], n->i[3]);
 }
 
 int fsdp_op_cross_entropy(fsdp_tensor **out, fsdp_tensor *logits, fsdp_tensor *targets,
@@ -644,26 +739,34 @@ int fsdp_op_cross_entropy(fsdp_tensor **out, fsdp_tensor *logits, fsdp_tensor *t
     return fsdp_error("cross_entropy: logits must have a class dimension, got a scalar");
   int64_t V = logits->shape[logits->ndim - 1], N = V ? fsdp_tensor_numel(logits) / V : 0;
   bool shape_ok = targets->ndim == logits->ndim - 1;
-  for (int k = 0; shape_ok && k < targets->ndim; k++)
-    shape_ok = targets->shape[k] == logits->shape[k];
+  for (int q = 0; shape_ok && q < targets->ndim; q++)
+    shape_ok = targets->shape[q] == logits->shape[q];
   if (!shape_ok && !(targets->ndim == 1 && targets->shape[0] == N))
     return fsdp_error("cross_entropy: targets %s do not match logits %s (targets need the "
                       "logits' shape without its last dimension)",
                       FSDP_SHAPE_STR(targets), FSDP_SHAPE_STR(logits));
+  const fsdp_kernels_i *k = KERNELS("cross_entropy", logits, targets);
+  if (!k) return FSDP_ERR;
   fsdp_tensor *lc = NULL, *tc = NULL, *lse = NULL;
   int rc = FSDP_ERR;
   if (contig(&lc, logits, "cross_entropy") || contig(&tc, targets, "cross_entropy")) goto done;
-  int64_t bad;
-  if (!is_integral_in(D(tc), N, 0, V, &ignore_index, &bad)) {
+  int64_t bad, ignore = ignore_index;
+  double bv;
+  if (check_ids("cross_entropy", tc, V, &ignore, &bad, &bv)) goto done;
+  if (bad >= 0) {
     fsdp_error("cross_entropy: target %g at position %lld is not a class in [0, %lld) nor the "
                "ignore index %d (logits %s, targets %s)",
-               (double)D(tc)[bad], (long long)bad + 1, (long long)V, ignore_index,
-               FSDP_SHAPE_STR(logits), FSDP_SHAPE_STR(targets));
+               bv, (long long)bad + 1, (long long)V, ignore_index, FSDP_SHAPE_STR(logits),
+               FSDP_SHAPE_STR(targets));
     goto done;
   }
-  if (new_out(&lse, 1, &N, "cross_entropy") || new_out(out, 0, NULL, "cross_entropy")) goto done;
-  int64_t count;
-  D(*out)[0] = fsdp_cpu_cross_entropy_forward(D(lse), D(lc), D(tc), N, (int)V, ignore_index, &count);
+  /* the loss is f32 whatever the logits are: it is what users print and compare */
+  if (new_out(&lse, logits, FSDP_DTYPE_F32, 1, &N, "cross_entropy") ||
+      new_out(out, logits, FSDP_DTYPE_F32, 0, NULL, "cross_entropy"))
+    goto done;
+  int64_t count = 0;
+  RUN(k->cross_entropy_forward(CTX(logits), logits->dtype, D(*out), D(lse), D(lc), D(tc),
+                               tc->dtype, N, (int)V, ignore, &count));
   fsdp_tensor *in[1] = {logits}, *sv[3] = {lc, tc, lse};
   rc = record("cross_entropy", bw_cross_entropy, out, in, 1, sv, 3,
               ARGS(N, V, ignore_index, count));
@@ -675,22 +778,23 @@ done:
 }
 
 static int bw_mse(fsdp_node *n) {
-  float *da, *db;
+  void *da, *db;
   if (grad_of(n, 0, &da) || grad_of(n, 1, &db)) return FSDP_ERR;
-  fsdp_cpu_mse_backward(da, db, D(n->out->grad)[0], D(n->saved[0]), D(n->saved[1]),
-                        fsdp_tensor_numel(n->saved[0]));
-  return FSDP_OK;
+  const fsdp_tensor *a = n->saved[0];
+  return NK(n)->mse_backward(NCTX(n), a->dtype, da, db, D(n->out->grad), D(a), D(n->saved[1]),
+                             fsdp_tensor_numel(a));
 }
 
 int fsdp_op_mse(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b) {
   if (!fsdp_tensor_same_shape(a, b))
     return fsdp_error("mse: shapes %s and %s differ", FSDP_SHAPE_STR(a), FSDP_SHAPE_STR(b));
+  const fsdp_kernels_i *k = KERNELS("mse", a, b);
+  if (!k || same_dtype("mse", a, b)) return FSDP_ERR;
   fsdp_tensor *ac = NULL, *bc = NULL;
   int rc = FSDP_ERR;
   if (contig(&ac, a, "mse") || contig(&bc, b, "mse")) goto done;
-  if (new_out(out, 0, NULL, "mse")) goto done;
-  int64_t N = fsdp_tensor_numel(ac);
-  D(*out)[0] = N ? fsdp_cpu_mse_forward(D(ac), D(bc), N) : 0.0f;
+  if (new_out(out, a, FSDP_DTYPE_F32, 0, NULL, "mse")) goto done;
+  RUN(k->mse_forward(CTX(a), a->dtype, D(*out), D(ac), D(bc), fsdp_tensor_numel(ac)));
   fsdp_tensor *in[2] = {a, b}, *sv[2] = {ac, bc};
   rc = record("mse", bw_mse, out, in, 2, sv, 2, NULL);
 done:
@@ -699,28 +803,30 @@ done:
   return rc;
 }
 
-static int bw_sum(fsdp_node *n) {
-  float *da;
+/* sum over a middle axis: i[0..2] = outer, R, inner; f[0] the scale */
+static int bw_sum_dim(fsdp_node *n) {
+  void *da;
   if (grad_of(n, 0, &da)) return FSDP_ERR;
   if (!da) return FSDP_OK;
-  float g = D(n->out->grad)[0] * n->f[0];
-  int64_t N = n->i[0];
-  for (int64_t i = 0; i < N; i++) da[i] += g;
-  return FSDP_OK;
+  return NK(n)->sum_dim_backward(NCTX(n), NDT(n), da, D(n->out->grad), n->i[0], n->i[1],
+                                 n->i[2], n->f[0]);
 }
 
 static int sum_all(fsdp_tensor **out, fsdp_tensor *a, bool mean) {
   const char *name = mean ? "mean" : "sum";
+  const fsdp_kernels_i *k = KERNELS(name, a);
+  if (!k) return FSDP_ERR;
   fsdp_tensor *ac;
   if (contig(&ac, a, name)) return FSDP_ERR;
   int64_t N = fsdp_tensor_numel(ac);
-  int rc = new_out(out, 0, NULL, name);
-  if (!rc) {
-    double s = fsdp_cpu_sum(D(ac), N);
-    D(*out)[0] = (float)(mean ? (N ? s / (double)N : NAN) : s);
-    rc = record(name, bw_sum, out, &a, 1, NULL, 0,
-                &(const rec_args){.i = {N}, .f0 = mean ? 1.0f / (float)N : 1.0f});
-  }
+  /* integers sum to i64, as PyTorch */
+  fsdp_dtype odt = fsdp_dtype_is_float(a->dtype) ? a->dtype : FSDP_DTYPE_I64;
+  int rc = new_out(out, a, odt, 0, NULL, name);
+  if (rc) goto done;
+  RUN(k->sum(CTX(a), a->dtype, D(*out), D(ac), N, mean));
+  float s = mean ? 1.0f / (float)N : 1.0f;
+  rc = record(name, bw_sum_dim, out, &a, 1, NULL, 0, &(const rec_args){.i = {1, N, 1}, .f0 = s});
+done:
   fsdp_tensor_release(ac);
   return rc;
 }
@@ -728,46 +834,31 @@ static int sum_all(fsdp_tensor **out, fsdp_tensor *a, bool mean) {
 int fsdp_op_sum(fsdp_tensor **out, fsdp_tensor *a) { return sum_all(out, a, false); }
 int fsdp_op_mean(fsdp_tensor **out, fsdp_tensor *a) { return sum_all(out, a, true); }
 
-static int bw_sum_dim(fsdp_node *n) {
-  float *da;
-  if (grad_of(n, 0, &da)) return FSDP_ERR;
-  if (!da) return FSDP_OK;
-  int64_t outer = n->i[0], R = n->i[1], inner = n->i[2];
-  const float *g = D(n->out->grad);
-  float s = n->f[0];
-  for (int64_t o = 0; o < outer; o++)
-    for (int64_t r = 0; r < R; r++) {
-      float *d = da + (o * R + r) * inner;
-      const float *gg = g + o * inner;
-      for (int64_t j = 0; j < inner; j++) d[j] += s * gg[j];
-    }
-  return FSDP_OK;
-}
-
 int fsdp_op_sum_dim(fsdp_tensor **out, fsdp_tensor *a, int dim, bool mean) {
   const char *name = mean ? "mean" : "sum";
   if (dim < 0 || dim >= a->ndim)
     return fsdp_error("%s: dimension %d out of range for a tensor %s", name, dim + 1,
                       FSDP_SHAPE_STR(a));
+  const fsdp_kernels_i *k = KERNELS(name, a);
+  if (!k) return FSDP_ERR;
+  if (mean && !fsdp_dtype_is_float(a->dtype))
+    return fsdp_error("mean: needs a float tensor, got %s (convert it with t:to(\"f32\"))",
+                      fsdp_dtype_name(a->dtype));
   int64_t outer = prod(a->shape, dim), R = a->shape[dim],
           inner = prod(a->shape + dim + 1, a->ndim - dim - 1);
   int64_t oshape[FSDP_MAX_DIMS];
   int ond = 0;
-  for (int k = 0; k < a->ndim; k++)
-    if (k != dim) oshape[ond++] = a->shape[k];
+  for (int q = 0; q < a->ndim; q++)
+    if (q != dim) oshape[ond++] = a->shape[q];
   fsdp_tensor *ac;
   if (contig(&ac, a, name)) return FSDP_ERR;
-  int rc = new_out(out, ond, oshape, name);
-  if (!rc) {
-    fsdp_cpu_sum_dim_forward(D(*out), D(ac), outer, R, inner);
-    float s = mean ? (R ? 1.0f / (float)R : NAN) : 1.0f;
-    if (mean) {
-      float *o = D(*out);
-      for (int64_t i = 0; i < outer * inner; i++) o[i] *= s;
-    }
-    rc = record(name, bw_sum_dim, out, &a, 1, NULL, 0,
-                &(const rec_args){.i = {outer, R, inner}, .f0 = s});
-  }
+  int rc = new_out(out, a, a->dtype, ond, oshape, name);
+  if (rc) goto done;
+  float s = mean ? (R ? 1.0f / (float)R : NAN) : 1.0f;
+  RUN(k->sum_dim_forward(CTX(a), a->dtype, D(*out), D(ac), outer, R, inner, s));
+  rc = record(name, bw_sum_dim, out, &a, 1, NULL, 0,
+              &(const rec_args){.i = {outer, R, inner}, .f0 = s});
+done:
   fsdp_tensor_release(ac);
   return rc;
 }
@@ -789,21 +880,17 @@ static int bw_flat(fsdp_node *n) {
     in->grad = g; /* the new reference moves into in */
     return FSDP_OK;
   }
-  float *da;
+  void *da;
   if (grad_of(n, 0, &da)) return FSDP_ERR;
-  const float *g = D(n->out->grad);
-  int64_t N = fsdp_tensor_numel(n->out);
-  for (int64_t i = 0; i < N; i++) da[i] += g[i];
-  return FSDP_OK;
+  return NK(n)->axpy(NCTX(n), NDT(n), da, D(n->out->grad), 1.0, fsdp_tensor_numel(n->out));
 }
 
 /* A contiguous copy of a, not recorded: accounted as an activation; a meta tensor gives a
  * meta copy (views and copies are shape-only operations). */
 static int copy_contiguous(fsdp_tensor **out, fsdp_tensor *a) {
-  if (fsdp_tensor_new(out, a->storage->device, a->dtype, a->ndim, a->shape,
-                      FSDP_ROLE_ACTIVATIONS))
+  if (fsdp_tensor_new_uninit(out, dev_of(a), a->dtype, a->ndim, a->shape, FSDP_ROLE_ACTIVATIONS))
     return FSDP_ERR;
-  if (fsdp_tensor_copy(*out, a)) {
+  if (fsdp_copy(*out, a)) {
     fsdp_tensor_release(*out);
     *out = NULL;
     return FSDP_ERR;
@@ -846,7 +933,7 @@ int fsdp_op_view(fsdp_tensor **out, fsdp_tensor *a, int ndim, const int64_t *sha
 
 /* i[0], i[1]: the swapped dims */
 static int bw_transpose(fsdp_node *n) {
-  float *da;
+  void *da;
   if (grad_of(n, 0, &da)) return FSDP_ERR;
   if (!da) return FSDP_OK;
   const fsdp_tensor *o = n->out;
@@ -856,8 +943,7 @@ static int bw_transpose(fsdp_node *n) {
   ds[n->i[0]] = ds[n->i[1]];
   ds[n->i[1]] = t;
   contiguous_strides(ss, o->ndim, o->shape);
-  strided_add(da, ds, D(o->grad), ss, o->ndim, o->shape);
-  return FSDP_OK;
+  return NK(n)->add_strided(NCTX(n), NDT(n), da, ds, D(o->grad), ss, o->ndim, o->shape);
 }
 
 int fsdp_op_transpose(fsdp_tensor **out, fsdp_tensor *a, int d0, int d1) {
@@ -867,15 +953,15 @@ int fsdp_op_transpose(fsdp_tensor **out, fsdp_tensor *a, int d0, int d1) {
 
 /* i[0] dim, i[1] start */
 static int bw_narrow(fsdp_node *n) {
-  float *da;
+  void *da;
   if (grad_of(n, 0, &da)) return FSDP_ERR;
   if (!da) return FSDP_OK;
   const fsdp_tensor *o = n->out;
   int64_t ds[FSDP_MAX_DIMS], ss[FSDP_MAX_DIMS];
   contiguous_strides(ds, n->in[0]->ndim, n->in[0]->shape);
   contiguous_strides(ss, o->ndim, o->shape);
-  strided_add(da + n->i[1] * ds[n->i[0]], ds, D(o->grad), ss, o->ndim, o->shape);
-  return FSDP_OK;
+  char *base = (char *)da + n->i[1] * ds[n->i[0]] * (int64_t)fsdp_dtype_size(NDT(n));
+  return NK(n)->add_strided(NCTX(n), NDT(n), base, ds, D(o->grad), ss, o->ndim, o->shape);
 }
 
 int fsdp_op_narrow(fsdp_tensor **out, fsdp_tensor *a, int dim, int64_t start, int64_t len) {
@@ -889,4 +975,360 @@ int fsdp_op_detach(fsdp_tensor **out, fsdp_tensor *a) {
   (*out)->requires_grad = false;
   (*out)->is_leaf = true;
   return FSDP_OK;
+}
+
+/* ---- comparisons, where, clamp ----------------------------------------------------------- */
+
+int fsdp_op_compare(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b, fsdp_cmpop op) {
+  static const char *names[] = {"gt", "ge", "lt", "le", "eq", "ne"};
+  static const fsdp_cmpop flipped[] = {FSDP_CMP_LT, FSDP_CMP_LE, FSDP_CMP_GT, FSDP_CMP_GE,
+                                       FSDP_CMP_EQ, FSDP_CMP_NE};
+  *out = NULL;
+  const char *name = names[op];
+  const fsdp_kernels_i *k = KERNELS(name, a, b);
+  if (!k) return FSDP_ERR;
+  if (!is_suffix(a, b)) { /* a is the smaller one: compare b with a, the other way round */
+    if (!is_suffix(b, a))
+      return fsdp_error("%s: shapes %s and %s do not broadcast (one shape must end with the "
+                        "other)", name, FSDP_SHAPE_STR(a), FSDP_SHAPE_STR(b));
+    fsdp_tensor *t = a;
+    a = b, b = t;
+    op = flipped[op];
+  }
+  fsdp_dtype dt = promote(a->dtype, b->dtype);
+  fsdp_tensor *ac = NULL, *bc = NULL;
+  int rc = FSDP_ERR;
+  if (fsdp_to(&ac, a, dev_of(a), dt, FSDP_ROLE_ACTIVATIONS) ||
+      fsdp_to(&bc, b, dev_of(a), dt, FSDP_ROLE_ACTIVATIONS)) {
+    fsdp_error_context("%s", name);
+    goto done;
+  }
+  if (new_out(out, a, FSDP_DTYPE_BOOL, a->ndim, a->shape, name)) goto done;
+  RUN(k->compare(CTX(a), dt, op, D(*out), D(ac), D(bc), fsdp_tensor_numel(ac),
+                 fsdp_tensor_numel(bc)));
+  rc = FSDP_OK;
+done:
+  fsdp_tensor_release(ac);
+  fsdp_tensor_release(bc);
+  return rc;
+}
+
+/* saved[0]: cond (bool, the output's shape). The gradient of a is where(cond, g, 0), of b
+ * where(cond, 0, g). */
+static int bw_where(fsdp_node *n) {
+  void *da, *db;
+  if (grad_of(n, 0, &da) || grad_of(n, 1, &db)) return FSDP_ERR;
+  const fsdp_tensor *o = n->out;
+  int64_t N = fsdp_tensor_numel(o);
+  fsdp_tensor *zero = NULL, *part = NULL;
+  int rc = fsdp_tensor_new(&zero, dev_of(o), o->dtype, o->ndim, o->shape, FSDP_ROLE_ACTIVATIONS);
+  if (!rc) rc = fsdp_tensor_new_uninit(&part, dev_of(o), o->dtype, o->ndim, o->shape,
+                                       FSDP_ROLE_ACTIVATIONS);
+  const fsdp_kernels_i *k = NK(n);
+  void *ctx = NCTX(n);
+  for (int side = 0; side < 2 && !rc; side++) {
+    void *d = side ? db : da;
+    if (!d) continue;
+    const void *g = D(o->grad), *z = D(zero);
+    rc = k->where(ctx, o->dtype, D(part), D(n->saved[0]), side ? z : g, side ? g : z, N);
+    if (!rc) rc = k->axpy(ctx, o->dtype, d, D(part), 1.0, N);
+  }
+  fsdp_tensor_release(zero);
+  fsdp_tensor_release(part);
+  return rc;
+}
+
+/* t as the given shape (a suffix of it): t retained when it already has it; expanded
+ * (recorded) otherwise */
+static int expand_as(fsdp_tensor **out, fsdp_tensor *t, const fsdp_tensor *like,
+                     const char *op) {
+  if (fsdp_tensor_same_shape(t, like)) {
+    fsdp_tensor_retain(t);
+    *out = t;
+    return FSDP_OK;
+  }
+  if (!is_suffix(like, t))
+    return fsdp_error("%s: shape %s does not broadcast to %s (it must end the other)", op,
+                      FSDP_SHAPE_STR(t), FSDP_SHAPE_STR(like));
+  return expand_to(out, t, like, op);
+}
+
+int fsdp_op_where(fsdp_tensor **out, fsdp_tensor *cond, fsdp_tensor *a, fsdp_tensor *b) {
+  *out = NULL;
+  const fsdp_kernels_i *k = KERNELS("where", cond, a, b);
+  if (!k) return FSDP_ERR;
+  /* the output shape: the one of the three the others are suffixes of */
+  fsdp_tensor *big = cond;
+  if (fsdp_tensor_numel(a) > fsdp_tensor_numel(big) || a->ndim > big->ndim) big = a;
+  if (fsdp_tensor_numel(b) > fsdp_tensor_numel(big) || b->ndim > big->ndim) big = b;
+  fsdp_tensor *pa = NULL, *pb = NULL, *ea = NULL, *eb = NULL, *c1 = NULL, *cb = NULL,
+              *ac = NULL, *bc = NULL;
+  int rc = FSDP_ERR;
+  if (promoted("where", &pa, &pb, a, b)) return FSDP_ERR;
+  if (expand_as(&ea, pa, big, "where") || expand_as(&eb, pb, big, "where")) goto done;
+  /* cond as bool of the output's shape (not recorded: no gradient flows into a condition) */
+  if (fsdp_to(&c1, cond, dev_of(cond), FSDP_DTYPE_BOOL, FSDP_ROLE_ACTIVATIONS)) goto done;
+  if (!fsdp_tensor_same_shape(c1, big)) {
+    bool was = fsdp_set_grad_enabled(false);
+    int erc = expand_as(&cb, c1, big, "where");
+    fsdp_set_grad_enabled(was);
+    if (erc) goto done;
+  } else {
+    cb = c1;
+    fsdp_tensor_retain(cb);
+  }
+  if (contig(&ac, ea, "where") || contig(&bc, eb, "where")) goto done;
+  if (new_out(out, ea, ea->dtype, big->ndim, big->shape, "where")) goto done;
+  RUN(k->where(CTX(ea), ea->dtype, D(*out), D(cb), D(ac), D(bc), fsdp_tensor_numel(cb)));
+  fsdp_tensor *in[2] = {ea, eb}, *sv[1] = {cb};
+  rc = record("where", bw_where, out, in, 2, sv, 1, NULL);
+done:
+  fsdp_tensor_release(pa);
+  fsdp_tensor_release(pb);
+  fsdp_tensor_release(ea);
+  fsdp_tensor_release(eb);
+  fsdp_tensor_release(c1);
+  fsdp_tensor_release(cb);
+  fsdp_tensor_release(ac);
+  fsdp_tensor_release(bc);
+  return rc;
+}
+
+/* f[0], f[1] would lose precision for large bounds: the bounds travel in i[0], i[1] as bits */
+static int bw_clamp(fsdp_node *n) {
+  void *da;
+  if (grad_of(n, 0, &da)) return FSDP_ERR;
+  if (!da) return FSDP_OK;
+  double lo, hi;
+  memcpy(&lo, &n->i[0], sizeof lo);
+  memcpy(&hi, &n->i[1], sizeof hi);
+  return NK(n)->clamp_backward(NCTX(n), NDT(n), da, D(n->out->grad), D(n->saved[0]), lo, hi,
+                               fsdp_tensor_numel(n->out));
+}
+
+int fsdp_op_clamp(fsdp_tensor **out, fsdp_tensor *a, double lo, double hi) {
+  *out = NULL;
+  if (lo > hi) return fsdp_error("clamp: min %g is above max %g", lo, hi);
+  const fsdp_kernels_i *k = KERNELS("clamp", a);
+  if (!k) return FSDP_ERR;
+  fsdp_tensor *ac;
+  if (contig(&ac, a, "clamp")) return FSDP_ERR;
+  int rc = new_out(out, a, a->dtype, a->ndim, a->shape, "clamp");
+  if (rc) goto done;
+  RUN(k->clamp_forward(CTX(a), a->dtype, D(*out), D(ac), lo, hi, fsdp_tensor_numel(ac)));
+  rec_args args = {0};
+  memcpy(&args.i[0], &lo, sizeof lo);
+  memcpy(&args.i[1], &hi, sizeof hi);
+  rc = record("clamp", bw_clamp, out, &a, 1, &ac, 1, &args);
+done:
+  fsdp_tensor_release(ac);
+  return rc;
+}
+
+/* ---- cat, stack ------------------------------------------------------------------------------ */
+
+/* i[0] dim; the inputs' sizes along dim are their own shapes. Each input's gradient is its
+ * slice of the output's. */
+static int bw_cat(fsdp_node *n) {
+  const fsdp_tensor *o = n->out;
+  int dim = (int)n->i[0];
+  int64_t ss[FSDP_MAX_DIMS], start = 0;
+  contiguous_strides(ss, o->ndim, o->shape);
+  const size_t es = fsdp_dtype_size(o->dtype);
+  for (int i = 0; i < n->nmore; i++) {
+    fsdp_tensor *t = n->more[i];
+    int64_t len = t->shape[dim];
+    if (t->requires_grad) {
+      void *d = fsdp_grad_acc(t);
+      if (!d) return FSDP_ERR;
+      int64_t ds[FSDP_MAX_DIMS];
+      contiguous_strides(ds, t->ndim, t->shape);
+      const char *g = (const char *)D(o->grad) + start * ss[dim] * (int64_t)es;
+      if (NK(n)->add_strided(NCTX(n), NDT(n), d, ds, g, ss, t->ndim, t->shape)) return FSDP_ERR;
+    }
+    start += len;
+  }
+  return FSDP_OK;
+}
+
+int fsdp_op_cat(fsdp_tensor **out, fsdp_tensor *const *ts, int n, int dim) {
+  *out = NULL;
+  if (n < 1) return fsdp_error("cat: needs at least one tensor");
+  const fsdp_tensor *t0 = ts[0];
+  if (dim < 0 || dim >= t0->ndim)
+    return fsdp_error("cat: dimension %d out of range for tensors %s", dim + 1,
+                      FSDP_SHAPE_STR(t0));
+  int64_t total = 0;
+  for (int i = 0; i < n; i++) {
+    const fsdp_tensor *t = ts[i];
+    bool ok = t->ndim == t0->ndim;
+    for (int q = 0; ok && q < t->ndim; q++) ok = q == dim || t->shape[q] == t0->shape[q];
+    if (!ok)
+      return fsdp_error("cat: tensor %d has shape %s, tensor 1 %s: they must agree except in "
+                        "dimension %d", i + 1, FSDP_SHAPE_STR(t), FSDP_SHAPE_STR(t0), dim + 1);
+    if (t->dtype != t0->dtype)
+      return fsdp_error("cat: tensor %d is %s, tensor 1 %s (convert with t:to())", i + 1,
+                        fsdp_dtype_name(t->dtype), fsdp_dtype_name(t0->dtype));
+    if (!kernels("cat", (fsdp_tensor *const[]){ts[0], ts[i]}, 2)) return FSDP_ERR;
+    total += t->shape[dim];
+  }
+  int64_t shape[FSDP_MAX_DIMS];
+  memcpy(shape, t0->shape, sizeof(int64_t) * (size_t)t0->ndim);
+  shape[dim] = total;
+  if (new_out(out, t0, t0->dtype, t0->ndim, shape, "cat")) return FSDP_ERR;
+  int64_t start = 0;
+  for (int i = 0; i < n; i++) {
+    fsdp_tensor *slot;
+    int rc = fsdp_tensor_narrow(&slot, *out, dim, start, ts[i]->shape[dim]);
+    if (!rc) rc = fsdp_copy(slot, ts[i]);
+    fsdp_tensor_release(slot);
+    if (rc) {
+      fsdp_tensor_release(*out);
+      *out = NULL;
+      return fsdp_error_context("cat");
+    }
+    start += ts[i]->shape[dim];
+  }
+  (*out)->version = 0;
+  if (!fsdp_needs_grad(ts, n)) return FSDP_OK;
+  fsdp_node *node = fsdp_node_new("cat", bw_cat);
+  fsdp_tensor **more = calloc((size_t)n, sizeof *more);
+  if (!node || !more) {
+    free(node);
+    free(more);
+    fsdp_tensor_release(*out);
+    *out = NULL;
+    return fsdp_error("cat: out of memory recording the autograd node");
+  }
+  fsdp_tensor *o = *out;
+  o->requires_grad = true;
+  o->is_leaf = false;
+  fsdp_tensor_retain(o);
+  node->out = o;
+  node->out_version = o->version;
+  node->i[0] = dim;
+  for (int i = 0; i < n; i++) {
+    fsdp_tensor_retain(ts[i]);
+    more[i] = ts[i];
+  }
+  node->more = more;
+  node->nmore = n;
+  if (fsdp_tape_push(node)) {
+    fsdp_tensor_release(*out);
+    *out = NULL;
+    return FSDP_ERR;
+  }
+  return FSDP_OK;
+}
+
+int fsdp_op_stack(fsdp_tensor **out, fsdp_tensor *const *ts, int n, int dim) {
+  *out = NULL;
+  if (n < 1) return fsdp_error("stack: needs at least one tensor");
+  const fsdp_tensor *t0 = ts[0];
+  if (dim < 0 || dim > t0->ndim || t0->ndim + 1 > FSDP_MAX_DIMS)
+    return fsdp_error("stack: dimension %d out of range for tensors %s", dim + 1,
+                      FSDP_SHAPE_STR(t0));
+  fsdp_tensor **views = calloc((size_t)n, sizeof *views);
+  if (!views) return fsdp_error("stack: out of memory");
+  int rc = FSDP_OK;
+  for (int i = 0; i < n && !rc; i++) {
+    if (!fsdp_tensor_same_shape(ts[i], t0)) {
+      rc = fsdp_error("stack: tensor %d has shape %s, tensor 1 %s: stacked tensors share one "
+                      "shape", i + 1, FSDP_SHAPE_STR(ts[i]), FSDP_SHAPE_STR(t0));
+      break;
+    }
+    int64_t shape[FSDP_MAX_DIMS];
+    for (int q = 0, r = 0; q <= t0->ndim; q++) shape[q] = q == dim ? 1 : t0->shape[r++];
+    rc = fsdp_op_view(&views[i], ts[i], t0->ndim + 1, shape);
+  }
+  if (!rc) rc = fsdp_op_cat(out, views, n, dim);
+  for (int i = 0; i < n; i++) fsdp_tensor_release(views[i]);
+  free(views);
+  return rc ? fsdp_error_context("stack") : FSDP_OK;
+}
+
+/* ---- max, min, argmax, topk, sort along a dim -------------------------------------------------- */
+
+/* i[0..3] = outer, R, inner, K; saved[0] the i64 indices (outer, K, inner) */
+static int bw_gather_dim(fsdp_node *n) {
+  void *da;
+  if (grad_of(n, 0, &da)) return FSDP_ERR;
+  if (!da) return FSDP_OK;
+  return NK(n)->index_add_dim(NCTX(n), NDT(n), da, D(n->out->grad), D(n->saved[0]), n->i[0],
+                              n->i[1], n->i[2], n->i[3]);
+}
+
+/* values / indices of shape `shape` from a (outer, R, inner) reduced to (outer, K, inner) by
+ * run(values, indices); indices always computed (the backward needs them) */
+static int along_dim(fsdp_tensor **values, fsdp_tensor **indices, fsdp_tensor *a, int dim,
+                     int64_t K, int ndim, const int64_t *shape, const char *name,
+                     bool is_max, bool largest, bool top) {
+  if (values) *values = NULL;
+  if (indices) *indices = NULL;
+  const fsdp_kernels_i *k = KERNELS(name, a);
+  if (!k) return FSDP_ERR;
+  int64_t outer = prod(a->shape, dim), R = a->shape[dim],
+          inner = prod(a->shape + dim + 1, a->ndim - dim - 1);
+  fsdp_tensor *ac = NULL, *idx = NULL, *val = NULL;
+  int rc = FSDP_ERR;
+  if (contig(&ac, a, name)) return FSDP_ERR;
+  if (new_out(&idx, a, FSDP_DTYPE_I64, ndim, shape, name)) goto done;
+  if (values && new_out(&val, a, a->dtype, ndim, shape, name)) goto done;
+  if (outer * inner * K > 0) {
+    int krc = top ? k->topk(CTX(a), a->dtype, D(val), D(idx), D(ac), outer, R, inner, K, largest)
+                  : k->extreme_dim(CTX(a), a->dtype, is_max, D(val), D(idx), D(ac), outer, R,
+                                   inner);
+    if (krc) goto done;
+  }
+  if (values) {
+    *values = val;
+    val = NULL;
+    fsdp_tensor *sv[1] = {idx};
+    if (record(name, bw_gather_dim, values, &a, 1, sv, 1, ARGS(outer, R, inner, K))) goto done;
+  }
+  if (indices) {
+    *indices = idx;
+    idx = NULL;
+  }
+  rc = FSDP_OK;
+done:
+  fsdp_tensor_release(ac);
+  fsdp_tensor_release(idx);
+  fsdp_tensor_release(val);
+  if (rc && values) {
+    fsdp_tensor_release(*values);
+    *values = NULL;
+  }
+  return rc;
+}
+
+int fsdp_op_extreme(fsdp_tensor **values, fsdp_tensor **indices, fsdp_tensor *a, int dim,
+                    bool max, bool keepdim) {
+  const char *name = max ? "max" : "min";
+  if (dim < 0 || dim >= a->ndim)
+    return fsdp_error("%s: dimension %d out of range for a tensor %s", name, dim + 1,
+                      FSDP_SHAPE_STR(a));
+  if (a->shape[dim] == 0)
+    return fsdp_error("%s: dimension %d of the tensor %s is empty", name, dim + 1,
+                      FSDP_SHAPE_STR(a));
+  int64_t shape[FSDP_MAX_DIMS];
+  int nd = 0;
+  for (int q = 0; q < a->ndim; q++)
+    if (q != dim) shape[nd++] = a->shape[q];
+    else if (keepdim) shape[nd++] = 1;
+  return along_dim(values, indices, a, dim, 1, nd, shape, name, max, max, false);
+}
+
+int fsdp_op_topk(fsdp_tensor **values, fsdp_tensor **indices, fsdp_tensor *a, int64_t k,
+                 int dim, bool largest) {
+  if (dim < 0 || dim >= a->ndim)
+    return fsdp_error("topk: dimension %d out of range for a tensor %s", dim + 1,
+                      FSDP_SHAPE_STR(a));
+  if (k < 0 || k > a->shape[dim])
+    return fsdp_error("topk: k = %lld is not in [0, %lld] (dimension %d of a tensor %s)",
+                      (long long)k, (long long)a->shape[dim], dim + 1, FSDP_SHAPE_STR(a));
+  int64_t shape[FSDP_MAX_DIMS];
+  memcpy(shape, a->shape, sizeof(int64_t) * (size_t)a->ndim);
+  shape[dim] = k;
+  return along_dim(values, indices, a, dim, k, a->ndim, shape, "topk", largest, largest, true);
 }

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "autograd/autograd.h"
+#include "kernels/kernels.h"
 
 static _Thread_local bool grad_on = true;
 static _Thread_local fsdp_node **tape;
@@ -52,6 +53,8 @@ static void node_free(fsdp_node *n) {
   if (n->out && !n->out->is_leaf) fsdp_tensor_set_grad(n->out, NULL);
   fsdp_tensor_release(n->out);
   for (int i = 0; i < n->nin; i++) fsdp_tensor_release(n->in[i]);
+  for (int i = 0; i < n->nmore; i++) fsdp_tensor_release(n->more[i]);
+  free(n->more);
   for (int i = 0; i < n->nsaved; i++) fsdp_tensor_release(n->saved[i]);
   if (n->hook_free) n->hook_free(n->hook_ud);
   free(n);
@@ -121,7 +124,7 @@ void fsdp_tape_clear(void) {
   tape_cap = 0;
 }
 
-float *fsdp_grad_acc(fsdp_tensor *t) {
+void *fsdp_grad_acc(fsdp_tensor *t) {
   if (!t->grad) {
     fsdp_tensor *g;
     fsdp_role role = t->is_leaf ? FSDP_ROLE_GRADS : FSDP_ROLE_ACTIVATIONS;
@@ -177,19 +180,17 @@ int fsdp_backward(fsdp_tensor *root, fsdp_tensor *grad) {
                       "a loss) or pass a gradient of the same shape",
                       FSDP_SHAPE_STR(root), (long long)fsdp_tensor_numel(root));
   }
-  float *g = fsdp_grad_acc(root);
-  if (!g) return fsdp_error_context("backward");
+  if (!fsdp_grad_acc(root)) return fsdp_error_context("backward");
   if (grad) {
-    fsdp_tensor *tmp;
-    if (fsdp_tensor_contiguous(&tmp, grad)) return fsdp_error_context("backward");
-    const float *s = fsdp_tensor_data(tmp, "backward gradient");
-    int64_t n = fsdp_tensor_numel(root);
-    if (s)
-      for (int64_t i = 0; i < n; i++) g[i] += s[i];
-    fsdp_tensor_release(tmp);
-    if (!s) return FSDP_ERR;
+    if (fsdp_add_into(root->grad, grad, 1.0)) return fsdp_error_context("backward gradient");
   } else {
-    g[0] += 1.0f;
+    fsdp_tensor *one;
+    int rc = fsdp_tensor_new(&one, root->storage->device, root->dtype, root->ndim, root->shape,
+                             FSDP_ROLE_ACTIVATIONS);
+    if (!rc) rc = fsdp_tensor_fill(one, 1.0);
+    if (!rc) rc = fsdp_add_into(root->grad, one, 1.0);
+    fsdp_tensor_release(one);
+    if (rc) return fsdp_error_context("backward");
   }
   /* d(leaf)/d(leaf): the seed is the whole answer; other recorded graphs stay recorded. */
   if (root->is_leaf) return FSDP_OK;

@@ -86,40 +86,61 @@ const char *fsdp_role_name(fsdp_role r); /* "other","params","grads","optim","ac
 
 /* ---- devices (device.c) ---------------------------------------------------------------- */
 
-/* A device is a vtable chosen by name at run time. Callers never branch on which device it is;
- * they ask `has_data`. A cuda device adds one more instance of this struct. */
+/* A device is a table chosen by name at run time (ggml's device tables, Torch7's allocator with a
+ * context): its memory (alloc/free), copies within it and to/from host memory, synchronize, and
+ * its kernels (src/kernels/kernels.h). Callers never branch on which device they hold; they ask
+ * `has_data` (shape only?) and `host_memory` (may the CPU dereference its pointers?). Every slot
+ * gets the device's own context first. Adding a device is a folder under src/kernels/ that
+ * defines one of these and registers it (docs/ARCHITECTURE.md, "Adding a device"). */
+struct fsdp_kernels_i; /* src/kernels/kernels.h */
 typedef struct fsdp_device_i {
-  const char *name;                                  /* "cpu", "meta" */
-  bool has_data;                                     /* false: shape only (meta) */
-  int (*alloc)(void **out, size_t bytes);            /* zeroed memory; meta sets *out = NULL */
+  const char *name;   /* "cpu", "meta", ...; unique among registered devices */
+  bool has_data;      /* false: shape only (meta) */
+  bool host_memory;   /* its data pointers are host memory (cpu): the host reads them directly */
+  void *ctx;          /* the device's own state (streams, pools); NULL for cpu */
+  int (*alloc)(void *ctx, void **out, size_t bytes); /* zeroed memory; no-data devices: NULL */
   /* optional: memory whose contents are unspecified (for buffers a kernel overwrites whole) */
-  int (*alloc_uninit)(void **out, size_t bytes);
-  void (*free)(void *ptr, size_t bytes);
-  /* copy between two buffers of this device; optional (NULL on meta) */
-  int (*copy)(void *dst, const void *src, size_t bytes);
+  int (*alloc_uninit)(void *ctx, void **out, size_t bytes);
+  void (*free)(void *ctx, void *ptr, size_t bytes);
+  /* Copies (required on devices with data, NULL on the others). copy stays within the device
+   * (buffers may overlap: memmove semantics); to_host / from_host move bytes between the
+   * device and host memory. They are ordered with the device's kernels: when to_host returns,
+   * the host bytes are there. */
+  int (*copy)(void *ctx, void *dst, const void *src, size_t bytes);
+  int (*to_host)(void *ctx, void *host_dst, const void *src, size_t bytes);
+  int (*from_host)(void *ctx, void *dst, const void *host_src, size_t bytes);
+  /* optional: wait until every queued operation on the device is done (NULL: synchronous) */
+  int (*synchronize)(void *ctx);
   /* optional, devices without data: the error for reading a tensor's data, after
    * "<what>: <tensor or parameter label> " — e.g. "is sharded: gather its unit (u:gather()) or
    * use fsdp.full_params". NULL: "tensor on <name> device has no data". */
   const char *no_data;
+  /* The device's kernel table, set when it is registered (NULL: no math on this device). */
+  const struct fsdp_kernels_i *kernels;
 } fsdp_device_i;
 
-extern const fsdp_device_i fsdp_device_cpu;
-extern const fsdp_device_i fsdp_device_meta;
+/* cpu: host memory. Its kernels are registered by src/kernels/cpu (fsdp_kernels_init). */
+extern fsdp_device_i fsdp_device_cpu;
+extern fsdp_device_i fsdp_device_meta;
+/* Add a device to the registry (or update the kernels of one already there): dev must stay
+ * valid for the life of the process. FSDP_ERR when another device has its name or the
+ * registry is full (FSDP_MAX_DEVICES). Thread-safe; devices are registered once, at start. */
+int fsdp_device_register(fsdp_device_i *dev, const struct fsdp_kernels_i *kernels);
 /* Look a device up by name; NULL with an error naming it (and the known ones) if unknown. */
 const fsdp_device_i *fsdp_device_find(const char *name);
 /* The cpu device keeps freed blocks of >= 64 KiB for reuse, up to FSDP_CPU_CACHE bytes
  * (default 2 GiB, 0 disables). Cached bytes are not live bytes. trim gives them back. */
 void fsdp_device_cpu_trim(void);
 size_t fsdp_device_cpu_cached_bytes(void);
-/* The registry behind fsdp_device_find, in a fixed order (cpu first): device i is column i of
- * a fsdp_mem_report. fsdp_device_index gives -1 for a device that is not registered. */
+/* The registry behind fsdp_device_find, in registration order (cpu, meta, then others): device
+ * i is column i of a fsdp_mem_report. fsdp_device_index gives -1 for an unregistered device. */
 int fsdp_device_count(void);
 const fsdp_device_i *fsdp_device_at(int i); /* NULL when i is out of range */
 int fsdp_device_index(const fsdp_device_i *dev);
 
 /* ---- allocator accounting (alloc.c) ------------------------------------------------------ */
 
-#define FSDP_MAX_DEVICES 4
+#define FSDP_MAX_DEVICES 8
 typedef struct fsdp_mem_counts {
   int64_t live[FSDP_ROLE_COUNT];
   int64_t peak[FSDP_ROLE_COUNT];
@@ -211,6 +232,9 @@ typedef struct fsdp_tensor {
 /* New contiguous tensor, zero-filled on data devices. ndim 0 is a scalar (numel 1). */
 int fsdp_tensor_new(fsdp_tensor **out, const fsdp_device_i *dev, fsdp_dtype dt, int ndim,
                     const int64_t *shape, fsdp_role role);
+/* The same with contents unspecified: for buffers a kernel or a copy overwrites whole. */
+int fsdp_tensor_new_uninit(fsdp_tensor **out, const fsdp_device_i *dev, fsdp_dtype dt, int ndim,
+                           const int64_t *shape, fsdp_role role);
 /* Shorthand: cpu, f32, role activations. */
 int fsdp_tensor_new_f32(fsdp_tensor **out, int ndim, const int64_t *shape);
 /* cpu, f32, role activations, contents unspecified: for op outputs a kernel writes whole. */
@@ -228,9 +252,18 @@ bool fsdp_tensor_same_shape(const fsdp_tensor *a, const fsdp_tensor *b);
 char *fsdp_shape_str(char *buf, size_t n, int ndim, const int64_t *shape);
 #define FSDP_SHAPE_STR(t) fsdp_shape_str((char[96]){0}, 96, (t)->ndim, (t)->shape)
 
-/* Pointer to element 0 of the view (storage data + offset). NULL with error
- * "<what>: tensor on meta device has no data" when the device has none. */
-float *fsdp_tensor_data(const fsdp_tensor *t, const char *what);
+/* Pointer to element 0 of the view (storage data + offset, in bytes of its dtype) on its
+ * device. NULL with error "<what>: tensor on meta device has no data" when the device has
+ * none. */
+void *fsdp_tensor_data(const fsdp_tensor *t, const char *what);
+/* The same, only for tensors in host memory: a tensor on another device is an error naming it
+ * (for code that reads or writes elements on the host). */
+void *fsdp_tensor_host_data(const fsdp_tensor *t, const char *what);
+/* dst <- src over `shape` with element strides, in host memory, elements of esize bytes (a
+ * byte copy: no conversion). The cpu kernels and fsdp_tensor_copy share it. */
+void fsdp_host_copy_strided(void *dst, const int64_t *dst_strides, const void *src,
+                            const int64_t *src_strides, size_t esize, int ndim,
+                            const int64_t *shape);
 
 /* Views (share storage; no autograd here — autograd/ops records them). */
 /* shape may hold one -1 (inferred). Needs t contiguous; error names both shapes. */
@@ -243,11 +276,15 @@ int fsdp_tensor_narrow(fsdp_tensor **out, fsdp_tensor *t, int dim, int64_t start
 int fsdp_tensor_contiguous(fsdp_tensor **out, fsdp_tensor *t);
 /* Deep copy into new contiguous storage on t's device, same role. */
 int fsdp_tensor_clone(fsdp_tensor **out, fsdp_tensor *t);
-/* dst <- src, elementwise over any strides (overlapping views of one storage are handled);
- * shapes must match exactly (view one side first to copy across shapes). Bumps dst->version.
- * A meta dst takes nothing (shape only); a meta src into a data-holding dst is an error. */
+/* dst <- src, same dtype (conversions are kernels: fsdp_copy in src/kernels), elementwise
+ * over any strides on host memory (overlapping views of one storage are handled); on other
+ * devices, and between devices, both must be contiguous. Shapes must match exactly (view one
+ * side first to copy across shapes). Bumps dst->version. A meta dst takes nothing (shape only);
+ * a meta src into a data-holding dst is an error. */
 int fsdp_tensor_copy(fsdp_tensor *dst, const fsdp_tensor *src);
-int fsdp_tensor_fill(fsdp_tensor *t, float v); /* any strides; bumps version; no-op on meta */
+/* every element = v converted to t's dtype (fsdp_dtype_store); any strides on host memory,
+ * contiguous elsewhere; bumps version; no-op on meta */
+int fsdp_tensor_fill(fsdp_tensor *t, double v);
 /* Replace t's backing storage (FSDP gather/reshard). Geometry is left to the caller. */
 void fsdp_tensor_set_storage(fsdp_tensor *t, fsdp_storage *s, int64_t offset);
 /* Name the tensor in error messages (a parameter's path); copies label; NULL clears. */

@@ -1,10 +1,11 @@
 /*
  * device.c — the device registry and the two built-in devices.
  *
- * A device is a vtable (fsdp_device_i). Callers never ask which device they hold, only whether
- * it has data. Adding a device (cuda) means one more const instance and one more entry in
- * `registry` below; nothing else in the engine changes. The registry order is fixed (cpu
- * first) because it is also the column order of the memory report.
+ * A device is a table (fsdp_device_i). Callers never ask which device they hold, only whether
+ * it has data and whether the host may read its memory. cpu and meta are always registered
+ * (cpu first, then meta); other devices (and the cpu's kernels) arrive through
+ * fsdp_device_register, called by src/kernels at start-up. Registration order is also the
+ * column order of the memory report, and a device is never removed.
  *
  * cpu: 64-byte aligned, zero-filled host memory. meta: shape only — alloc hands back NULL and
  * free does nothing, so a meta model of any size costs no memory.
@@ -121,10 +122,18 @@ static int cpu_alloc_impl(void **out, size_t bytes, bool zero) {
   return FSDP_OK;
 }
 
-static int cpu_alloc(void **out, size_t bytes) { return cpu_alloc_impl(out, bytes, true); }
-static int cpu_alloc_uninit(void **out, size_t bytes) { return cpu_alloc_impl(out, bytes, false); }
+static int cpu_alloc(void *ctx, void **out, size_t bytes) {
+  (void)ctx;
+  return cpu_alloc_impl(out, bytes, true);
+}
 
-static void cpu_free(void *ptr, size_t bytes) {
+static int cpu_alloc_uninit(void *ctx, void **out, size_t bytes) {
+  (void)ctx;
+  return cpu_alloc_impl(out, bytes, false);
+}
+
+static void cpu_free(void *ctx, void *ptr, size_t bytes) {
+  (void)ctx;
   if (!ptr) return;
   if (bytes >= CACHE_MIN && cache_put(ptr, round_size(bytes))) return;
   raw_free(ptr);
@@ -153,65 +162,104 @@ size_t fsdp_device_cpu_cached_bytes(void) {
   return t;
 }
 
-static int cpu_copy(void *dst, const void *src, size_t bytes) {
+/* copy, to_host and from_host are all memmove: the cpu's memory is host memory */
+static int cpu_copy(void *ctx, void *dst, const void *src, size_t bytes) {
+  (void)ctx;
   if (bytes) memmove(dst, src, bytes);
   return FSDP_OK;
 }
 
-const fsdp_device_i fsdp_device_cpu = {
+fsdp_device_i fsdp_device_cpu = {
     .name = "cpu",
     .has_data = true,
+    .host_memory = true,
     .alloc = cpu_alloc,
     .alloc_uninit = cpu_alloc_uninit,
     .free = cpu_free,
     .copy = cpu_copy,
+    .to_host = cpu_copy,
+    .from_host = cpu_copy,
 };
 
 /* ---- meta ------------------------------------------------------------------------------- */
 
-static int meta_alloc(void **out, size_t bytes) {
-  (void)bytes;
+static int meta_alloc(void *ctx, void **out, size_t bytes) {
+  (void)ctx, (void)bytes;
   *out = NULL;
   return FSDP_OK;
 }
 
-static void meta_free(void *ptr, size_t bytes) { (void)ptr, (void)bytes; }
+static void meta_free(void *ctx, void *ptr, size_t bytes) { (void)ctx, (void)ptr, (void)bytes; }
 
-const fsdp_device_i fsdp_device_meta = {
+fsdp_device_i fsdp_device_meta = {
     .name = "meta",
     .has_data = false,
     .alloc = meta_alloc,
     .free = meta_free,
-    .copy = NULL, /* optional slot: nothing to copy */
 };
 
 /* ---- registry ------------------------------------------------------------------------------ */
 
-static const fsdp_device_i *const registry[] = {&fsdp_device_cpu, &fsdp_device_meta};
-#define NREGISTRY ((int)(sizeof registry / sizeof registry[0]))
-_Static_assert(NREGISTRY <= FSDP_MAX_DEVICES, "raise FSDP_MAX_DEVICES");
+static struct {
+  pthread_mutex_t mu;
+  int n;
+  fsdp_device_i *dev[FSDP_MAX_DEVICES];
+} reg = {.mu = PTHREAD_MUTEX_INITIALIZER, .n = 2, .dev = {&fsdp_device_cpu, &fsdp_device_meta}};
 
-int fsdp_device_count(void) { return NREGISTRY; }
+/* Readers do not lock: entries are written before n grows (release), and never change. */
+static int reg_count(void) { return __atomic_load_n(&reg.n, __ATOMIC_ACQUIRE); }
+
+int fsdp_device_register(fsdp_device_i *dev, const struct fsdp_kernels_i *kernels) {
+  if (!dev || !dev->name || !dev->alloc || !dev->free)
+    return fsdp_error("register device: a device needs a name, alloc and free");
+  if (dev->has_data && (!dev->copy || !dev->to_host || !dev->from_host))
+    return fsdp_error("register device '%s': a device with data needs copy, to_host and "
+                      "from_host",
+                      dev->name);
+  int rc = FSDP_OK;
+  pthread_mutex_lock(&reg.mu);
+  int i = 0;
+  while (i < reg.n && reg.dev[i] != dev) i++;
+  if (i == reg.n) {
+    for (int k = 0; k < reg.n; k++)
+      if (strcmp(reg.dev[k]->name, dev->name) == 0)
+        rc = fsdp_error("register device '%s': a different device has that name", dev->name);
+    if (!rc && reg.n == FSDP_MAX_DEVICES)
+      rc = fsdp_error("register device '%s': the registry is full (%d devices)", dev->name,
+                      FSDP_MAX_DEVICES);
+    if (!rc) {
+      reg.dev[reg.n] = dev;
+      __atomic_store_n(&reg.n, reg.n + 1, __ATOMIC_RELEASE);
+    }
+  }
+  if (!rc) __atomic_store_n(&dev->kernels, kernels, __ATOMIC_RELEASE);
+  pthread_mutex_unlock(&reg.mu);
+  return rc;
+}
+
+int fsdp_device_count(void) { return reg_count(); }
 
 const fsdp_device_i *fsdp_device_at(int i) {
-  return i >= 0 && i < NREGISTRY ? registry[i] : NULL;
+  return i >= 0 && i < reg_count() ? reg.dev[i] : NULL;
 }
 
 int fsdp_device_index(const fsdp_device_i *dev) {
-  for (int i = 0; i < NREGISTRY; i++)
-    if (registry[i] == dev) return i;
+  int n = reg_count();
+  for (int i = 0; i < n; i++)
+    if (reg.dev[i] == dev) return i;
   return -1;
 }
 
 const fsdp_device_i *fsdp_device_find(const char *name) {
+  int n = reg_count();
   if (name)
-    for (int i = 0; i < NREGISTRY; i++)
-      if (strcmp(registry[i]->name, name) == 0) return registry[i];
-  char known[128] = "";
+    for (int i = 0; i < n; i++)
+      if (strcmp(reg.dev[i]->name, name) == 0) return reg.dev[i];
+  char known[256] = "";
   size_t len = 0;
-  for (int i = 0; i < NREGISTRY && len < sizeof known; i++)
+  for (int i = 0; i < n && len < sizeof known; i++)
     len += (size_t)snprintf(known + len, sizeof known - len, "%s%s", i ? ", " : "",
-                            registry[i]->name);
+                            reg.dev[i]->name);
   fsdp_error("unknown device '%s' (known devices: %s)", name ? name : "(null)", known);
   return NULL;
 }

@@ -24,8 +24,9 @@ static int storage_new(fsdp_storage **out, const fsdp_device_i *dev, size_t byte
     return fsdp_error("storage: out of host memory for the storage header");
   }
   void *data = NULL;
-  int (*alloc)(void **, size_t) = !zero && dev->alloc_uninit ? dev->alloc_uninit : dev->alloc;
-  if (alloc(&data, bytes) != FSDP_OK) {
+  int (*alloc)(void *, void **, size_t) =
+      !zero && dev->alloc_uninit ? dev->alloc_uninit : dev->alloc;
+  if (alloc(dev->ctx, &data, bytes) != FSDP_OK) {
     free(s);
     fsdp_mem_uncharge(domain, dev, role, bytes);
     return FSDP_ERR;
@@ -67,7 +68,7 @@ void fsdp_storage_release(fsdp_storage *s) {
   assert(old > 0 && "storage released more often than retained");
   if (old != 1) return;
   if (s->domain) { /* owned and charged; wrapped memory belongs to the caller */
-    s->device->free(s->data, s->bytes);
+    s->device->free(s->device->ctx, s->data, s->bytes);
     fsdp_mem_uncharge(s->domain, s->device, s->role, s->bytes);
   }
   free(s);

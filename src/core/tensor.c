@@ -112,6 +112,11 @@ int fsdp_tensor_new(fsdp_tensor **out, const fsdp_device_i *dev, fsdp_dtype dt, 
   return tensor_new(out, dev, dt, ndim, shape, role, true);
 }
 
+int fsdp_tensor_new_uninit(fsdp_tensor **out, const fsdp_device_i *dev, fsdp_dtype dt, int ndim,
+                           const int64_t *shape, fsdp_role role) {
+  return tensor_new(out, dev, dt, ndim, shape, role, false);
+}
+
 int fsdp_tensor_new_f32_uninit(fsdp_tensor **out, int ndim, const int64_t *shape) {
   return tensor_new(out, &fsdp_device_cpu, FSDP_DTYPE_F32, ndim, shape, FSDP_ROLE_ACTIVATIONS,
                     false);
@@ -199,7 +204,7 @@ bool fsdp_tensor_same_shape(const fsdp_tensor *a, const fsdp_tensor *b) {
   return true;
 }
 
-float *fsdp_tensor_data(const fsdp_tensor *t, const char *what) {
+void *fsdp_tensor_data(const fsdp_tensor *t, const char *what) {
   if (!what) what = "tensor";
   if (!t) {
     fsdp_error("%s: no tensor", what);
@@ -215,7 +220,17 @@ float *fsdp_tensor_data(const fsdp_tensor *t, const char *what) {
                  s->device->name);
     return NULL;
   }
-  return (float *)s->data + t->offset;
+  return (char *)s->data + (size_t)t->offset * fsdp_dtype_size(t->dtype);
+}
+
+void *fsdp_tensor_host_data(const fsdp_tensor *t, const char *what) {
+  void *d = fsdp_tensor_data(t, what);
+  if (d && !t->storage->device->host_memory) {
+    fsdp_error("%s: tensor %s is on the %s device; copy it to the cpu first (t:to(\"cpu\"))",
+               what ? what : "tensor", FSDP_SHAPE_STR(t), t->storage->device->name);
+    return NULL;
+  }
+  return d;
 }
 
 /* ---- views ----------------------------------------------------------------------------------- */
@@ -330,21 +345,45 @@ static void loop_init(fsdp_loop *L, int ndim, const int64_t *shape, const int64_
 
 /* Two innermost dims where one side is strided along the innermost one (a transpose): walk
  * them in TILE x TILE tiles, so the strided side's cache lines are reused within a tile
- * instead of each being fetched once per element. */
+ * instead of each being fetched once per element. Elements are moved as 1, 2, 4 or 8 byte
+ * words: a copy never converts, so only the width matters. */
 #define TILE 32
-static void copy_tiles(float *d, const float *s, int64_t rows, int64_t cols, int64_t dr,
-                       int64_t dc, int64_t sr, int64_t sc) {
-  for (int64_t i0 = 0; i0 < rows; i0 += TILE)
-    for (int64_t j0 = 0; j0 < cols; j0 += TILE) {
-      const int64_t i1 = i0 + TILE < rows ? i0 + TILE : rows;
-      const int64_t j1 = j0 + TILE < cols ? j0 + TILE : cols;
-      for (int64_t i = i0; i < i1; i++)
-        for (int64_t j = j0; j < j1; j++) d[i * dr + j * dc] = s[i * sr + j * sc];
+#define COPY_TILES(T)                                                                      \
+  for (int64_t i0 = 0; i0 < rows; i0 += TILE)                                             \
+    for (int64_t j0 = 0; j0 < cols; j0 += TILE) {                                         \
+      const int64_t i1 = i0 + TILE < rows ? i0 + TILE : rows;                              \
+      const int64_t j1 = j0 + TILE < cols ? j0 + TILE : cols;                              \
+      for (int64_t i = i0; i < i1; i++)                                                    \
+        for (int64_t j = j0; j < j1; j++)                                                  \
+          ((T *)d)[i * dr + j * dc] = ((const T *)s)[i * sr + j * sc];                     \
     }
+static void copy_tiles(void *d, const void *s, size_t esize, int64_t rows, int64_t cols,
+                       int64_t dr, int64_t dc, int64_t sr, int64_t sc) {
+  switch (esize) {
+  case 1: COPY_TILES(uint8_t) break;
+  case 2: COPY_TILES(uint16_t) break;
+  case 4: COPY_TILES(uint32_t) break;
+  default: COPY_TILES(uint64_t) break;
+  }
+}
+#undef COPY_TILES
+
+/* d[j * da] = s[j * sb] for j < m */
+static void copy_span(void *d, const void *s, size_t esize, int64_t m, int64_t da, int64_t sb) {
+  if (da == 1 && sb == 1) {
+    memcpy(d, s, (size_t)m * esize);
+    return;
+  }
+  switch (esize) {
+  case 1: for (int64_t j = 0; j < m; j++) ((uint8_t *)d)[j * da] = ((const uint8_t *)s)[j * sb]; break;
+  case 2: for (int64_t j = 0; j < m; j++) ((uint16_t *)d)[j * da] = ((const uint16_t *)s)[j * sb]; break;
+  case 4: for (int64_t j = 0; j < m; j++) ((uint32_t *)d)[j * da] = ((const uint32_t *)s)[j * sb]; break;
+  default: for (int64_t j = 0; j < m; j++) ((uint64_t *)d)[j * da] = ((const uint64_t *)s)[j * sb]; break;
+  }
 }
 
-/* dst (geometry a) <- src (geometry b); numel > 0 */
-static void copy_loop(float *dst, const float *src, const fsdp_loop *L) {
+/* dst (geometry a) <- src (geometry b); numel > 0; strides in elements of esize bytes */
+static void copy_loop(char *dst, const char *src, size_t esize, const fsdp_loop *L) {
   const int in = L->n - 1;
   const int64_t m = L->size[in], da = L->sa[in], sb = L->sb[in];
   const bool tiled = L->n >= 2 && (da != 1 || sb != 1);
@@ -353,14 +392,12 @@ static void copy_loop(float *dst, const float *src, const fsdp_loop *L) {
   for (int k = 0; k < nouter; k++) outer *= L->size[k];
   int64_t idx[FSDP_MAX_DIMS] = {0}, od = 0, os = 0;
   for (int64_t o = 0; o < outer; o++) {
-    float *d = dst + od;
-    const float *s = src + os;
+    char *d = dst + od * (int64_t)esize;
+    const char *s = src + os * (int64_t)esize;
     if (tiled)
-      copy_tiles(d, s, L->size[in - 1], m, L->sa[in - 1], da, L->sb[in - 1], sb);
-    else if (da == 1 && sb == 1)
-      memcpy(d, s, (size_t)m * sizeof *d);
-    else /* a single strided dim */
-      for (int64_t j = 0; j < m; j++) d[j * da] = s[j * sb];
+      copy_tiles(d, s, esize, L->size[in - 1], m, L->sa[in - 1], da, L->sb[in - 1], sb);
+    else
+      copy_span(d, s, esize, m, da, sb);
     for (int k = nouter - 1; k >= 0; k--) { /* odometer over the outer dims */
       od += L->sa[k], os += L->sb[k];
       if (++idx[k] < L->size[k]) break;
@@ -370,18 +407,27 @@ static void copy_loop(float *dst, const float *src, const fsdp_loop *L) {
   }
 }
 
-static void fill_loop(float *dst, float v, const fsdp_loop *L) {
+/* Every element of dst (geometry a) <- the esize-byte pattern at v. */
+static void fill_loop(char *dst, const void *v, size_t esize, const fsdp_loop *L) {
   const int in = L->n - 1;
   const int64_t m = L->size[in], da = L->sa[in];
   int64_t outer = 1;
   for (int k = 0; k < in; k++) outer *= L->size[k];
   int64_t idx[FSDP_MAX_DIMS] = {0}, od = 0;
+  uint64_t w = 0;
+  memcpy(&w, v, esize);
   for (int64_t o = 0; o < outer; o++) {
-    float *d = dst + od;
-    if (da == 1)
-      for (int64_t j = 0; j < m; j++) d[j] = v;
-    else
-      for (int64_t j = 0; j < m; j++) d[j * da] = v;
+    char *d = dst + od * (int64_t)esize;
+    switch (esize) {
+    case 1: for (int64_t j = 0; j < m; j++) ((uint8_t *)d)[j * da] = (uint8_t)w; break;
+    case 2: for (int64_t j = 0; j < m; j++) ((uint16_t *)d)[j * da] = (uint16_t)w; break;
+    case 4: {
+      uint32_t x = (uint32_t)w;
+      for (int64_t j = 0; j < m; j++) ((uint32_t *)d)[j * da] = x;
+      break;
+    }
+    default: for (int64_t j = 0; j < m; j++) ((uint64_t *)d)[j * da] = w; break;
+    }
     for (int k = in - 1; k >= 0; k--) {
       od += L->sa[k];
       if (++idx[k] < L->size[k]) break;
@@ -389,6 +435,16 @@ static void fill_loop(float *dst, float v, const fsdp_loop *L) {
       idx[k] = 0;
     }
   }
+}
+
+void fsdp_host_copy_strided(void *dst, const int64_t *dst_strides, const void *src,
+                            const int64_t *src_strides, size_t esize, int ndim,
+                            const int64_t *shape) {
+  for (int i = 0; i < ndim; i++)
+    if (shape[i] == 0) return;
+  fsdp_loop L;
+  loop_init(&L, ndim, shape, dst_strides, src_strides);
+  copy_loop(dst, src, esize, &L);
 }
 
 /* [lo, hi] element range a non-empty tensor touches in its storage */
@@ -410,12 +466,32 @@ static bool same_geometry(const fsdp_tensor *a, const fsdp_tensor *b) {
 
 /* ---- copies ----------------------------------------------------------------------------------- */
 
+/* Dense bytes between two devices: direct when one side is host memory, else through a
+ * bounded host buffer. */
+#define BOUNCE_BYTES ((size_t)1 << 20)
+static int copy_across(const fsdp_device_i *ddev, void *d, const fsdp_device_i *sdev,
+                       const void *s, size_t bytes) {
+  if (ddev->host_memory) return sdev->to_host(sdev->ctx, d, s, bytes);
+  if (sdev->host_memory) return ddev->from_host(ddev->ctx, d, s, bytes);
+  void *buf = malloc(bytes < BOUNCE_BYTES ? (bytes ? bytes : 1) : BOUNCE_BYTES);
+  if (!buf) return fsdp_error("copy: out of host memory for a staging buffer");
+  int rc = FSDP_OK;
+  for (size_t at = 0; !rc && at < bytes; at += BOUNCE_BYTES) {
+    size_t n = bytes - at < BOUNCE_BYTES ? bytes - at : BOUNCE_BYTES;
+    rc = sdev->to_host(sdev->ctx, buf, (const char *)s + at, n);
+    if (!rc) rc = ddev->from_host(ddev->ctx, (char *)d + at, buf, n);
+  }
+  free(buf);
+  return rc;
+}
+
 int fsdp_tensor_copy(fsdp_tensor *dst, const fsdp_tensor *src) {
   if (!fsdp_tensor_same_shape(dst, src))
     return fsdp_error("copy: shape mismatch: destination %s, source %s", FSDP_SHAPE_STR(dst),
                       FSDP_SHAPE_STR(src));
   if (dst->dtype != src->dtype)
-    return fsdp_error("copy: dtype mismatch: destination %s, source %s",
+    return fsdp_error("copy: dtype mismatch: destination %s, source %s (convert with "
+                      "t:to(dtype))",
                       fsdp_dtype_name(dst->dtype), fsdp_dtype_name(src->dtype));
   const fsdp_device_i *ddev = dst->storage->device, *sdev = src->storage->device;
   if (ddev->has_data && !sdev->has_data) {
@@ -423,27 +499,34 @@ int fsdp_tensor_copy(fsdp_tensor *dst, const fsdp_tensor *src) {
     return FSDP_ERR;
   }
   /* A destination whose data lives elsewhere (a sharded parameter) must not swallow writes:
-   * that is how pruning through stale references silently did nothing (seeds/004). */
+   * that is how pruning through stale references silently did nothing. */
   if (ddev->no_data) {
     fsdp_tensor_data(dst, "copy");
     return FSDP_ERR;
   }
-  if (ddev->has_data && ddev != sdev)
-    return fsdp_error("copy: from a %s tensor to a %s tensor is not supported", sdev->name,
-                      ddev->name);
   dst->version++;
   if (!ddev->has_data) return FSDP_OK; /* shape only: nothing to write */
   int64_t numel = fsdp_tensor_numel(dst);
   if (numel == 0) return FSDP_OK;
-  float *d = (float *)dst->storage->data + dst->offset;
-  const float *s = (const float *)src->storage->data + src->offset;
+  const size_t esize = fsdp_dtype_size(dst->dtype);
+  char *d = fsdp_tensor_data(dst, "copy");
+  const char *s = fsdp_tensor_data(src, "copy");
+  const bool dense = fsdp_tensor_is_contiguous(dst) && fsdp_tensor_is_contiguous(src);
 
-  if (dst->storage->data == src->storage->data) { /* views of one buffer: may overlap */
+  if (ddev != sdev) {
+    if (!dense)
+      return fsdp_error("copy: from the %s device to the %s device needs contiguous tensors "
+                        "(got %s and %s); make a contiguous copy first",
+                        sdev->name, ddev->name, fsdp_tensor_is_contiguous(src) ? "contiguous"
+                        : "strided", fsdp_tensor_is_contiguous(dst) ? "contiguous" : "strided");
+    return copy_across(ddev, d, sdev, s, (size_t)numel * esize);
+  }
+  if (dst->storage->data == src->storage->data && !dense) { /* views of one buffer */
     if (same_geometry(dst, src)) return FSDP_OK;
     int64_t dlo, dhi, slo, shi;
     extent(dst, &dlo, &dhi);
     extent(src, &slo, &shi);
-    if (dlo <= shi && slo <= dhi) { /* read everything before writing anything */
+    if (dlo <= shi && slo <= dhi) { /* may overlap: read everything before writing anything */
       fsdp_tensor *tmp;
       if (fsdp_tensor_clone(&tmp, (fsdp_tensor *)src) != FSDP_OK)
         return fsdp_error_context("copy");
@@ -454,27 +537,50 @@ int fsdp_tensor_copy(fsdp_tensor *dst, const fsdp_tensor *src) {
       return rc;
     }
   }
-  /* Both dense: one device copy (the device's own routine, so this path stays right for
-   * devices whose memory the host cannot touch). The strided loop reads host memory. */
-  if (ddev->copy && fsdp_tensor_is_contiguous(dst) && fsdp_tensor_is_contiguous(src))
-    return ddev->copy(d, s, (size_t)numel * fsdp_dtype_size(dst->dtype));
+  /* Both dense: one device copy (memmove semantics, so overlapping dense views are fine). */
+  if (dense) return ddev->copy(ddev->ctx, d, s, (size_t)numel * esize);
+  if (!ddev->host_memory)
+    return fsdp_error("copy: a strided copy on the %s device needs its kernels (fsdp_copy)",
+                      ddev->name);
   fsdp_loop L;
   loop_init(&L, dst->ndim, dst->shape, dst->strides, src->strides);
-  copy_loop(d, s, &L);
+  copy_loop(d, s, esize, &L);
   return FSDP_OK;
 }
 
-int fsdp_tensor_fill(fsdp_tensor *t, float v) {
+int fsdp_tensor_fill(fsdp_tensor *t, double v) {
   if (t->storage->device->no_data) { /* sharded: writes must not vanish (see copy) */
     fsdp_tensor_data(t, "fill");
     return FSDP_ERR;
   }
   t->version++;
-  if (!t->storage->device->has_data || fsdp_tensor_numel(t) == 0) return FSDP_OK;
-  fsdp_loop L;
-  loop_init(&L, t->ndim, t->shape, t->strides, t->strides);
-  fill_loop((float *)t->storage->data + t->offset, v, &L);
-  return FSDP_OK;
+  const fsdp_device_i *dev = t->storage->device;
+  int64_t numel = fsdp_tensor_numel(t);
+  if (!dev->has_data || numel == 0) return FSDP_OK;
+  const size_t esize = fsdp_dtype_size(t->dtype);
+  unsigned char pattern[8];
+  fsdp_dtype_store(pattern, t->dtype, 0, v);
+  char *d = fsdp_tensor_data(t, "fill");
+  if (dev->host_memory) {
+    fsdp_loop L;
+    loop_init(&L, t->ndim, t->shape, t->strides, t->strides);
+    fill_loop(d, pattern, esize, &L);
+    return FSDP_OK;
+  }
+  if (!fsdp_tensor_is_contiguous(t))
+    return fsdp_error("fill: a strided fill on the %s device needs its kernels", dev->name);
+  /* another device: fill a host block once, then send it as often as needed */
+  size_t bytes = (size_t)numel * esize, chunk = bytes < BOUNCE_BYTES ? bytes : BOUNCE_BYTES;
+  char *buf = malloc(chunk);
+  if (!buf) return fsdp_error("fill: out of host memory for a staging buffer");
+  for (size_t i = 0; i < chunk; i += esize) memcpy(buf + i, pattern, esize);
+  int rc = FSDP_OK;
+  for (size_t at = 0; !rc && at < bytes; at += chunk) {
+    size_t n = bytes - at < chunk ? bytes - at : chunk;
+    rc = dev->from_host(dev->ctx, d + at, buf, n);
+  }
+  free(buf);
+  return rc;
 }
 
 int fsdp_tensor_clone(fsdp_tensor **out, fsdp_tensor *t) {

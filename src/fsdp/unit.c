@@ -36,17 +36,18 @@
 
 #include "autograd/autograd.h"
 #include "fsdp/unit.h"
+#include "kernels/kernels.h"
 
 /* ---- the sharded device ------------------------------------------------------------------ */
 
-static int sharded_alloc(void **out, size_t bytes) {
-  (void)bytes;
+static int sharded_alloc(void *ctx, void **out, size_t bytes) {
+  (void)ctx, (void)bytes;
   *out = NULL;
   return FSDP_OK;
 }
-static void sharded_free(void *ptr, size_t bytes) { (void)ptr, (void)bytes; }
+static void sharded_free(void *ctx, void *ptr, size_t bytes) { (void)ctx, (void)ptr, (void)bytes; }
 
-const fsdp_device_i fsdp_device_sharded = {
+fsdp_device_i fsdp_device_sharded = {
     .name = "sharded",
     .has_data = false,
     .alloc = sharded_alloc,
@@ -80,6 +81,7 @@ struct fsdp_unit {
   fsdp_tensor *grad_shard; // (S) role grads
   fsdp_tensor *full;       // (P) role gathered, while gathered (NONE: the shard)
   fsdp_tensor *full_grad;  // (P) role grads, during backward
+  const fsdp_device_i *device; /* where the buffers live: the parameters' (cpu for meta ones) */
   fsdp_storage *sharded;   /* no data; backs the parameters while sharded */
   fsdp_comm_req *req;      /* a prefetch in flight ... */
   fsdp_tensor *req_buf;    /* ... and the (P) buffer it gathers into */
@@ -137,30 +139,47 @@ static const char *strategy_name(fsdp_strategy s) {
   return s == FSDP_STRATEGY_FULL ? "full" : s == FSDP_STRATEGY_GRAD_OP ? "grad_op" : "none";
 }
 
-/* A 1-D f32 cpu tensor of n elements; zero-filled, or with unspecified contents for a buffer a
- * collective overwrites whole. */
-static int flat_new(fsdp_tensor **out, int64_t n, fsdp_role role, bool zero) {
-  if (zero) return fsdp_tensor_new(out, &fsdp_device_cpu, FSDP_DTYPE_F32, 1, &n, role);
-  *out = NULL;
-  fsdp_storage *s;
-  if (fsdp_storage_new_uninit(&s, &fsdp_device_cpu, (size_t)n * sizeof(float), role))
-    return FSDP_ERR;
-  /* core has no "tensor over this storage" constructor: make an empty header and swap */
-  int64_t none = 0;
-  fsdp_tensor *t;
-  if (fsdp_tensor_new(&t, &fsdp_device_meta, FSDP_DTYPE_F32, 1, &none, FSDP_ROLE_OTHER)) {
-    fsdp_storage_release(s);
-    return FSDP_ERR;
-  }
-  fsdp_tensor_set_storage(t, s, 0);
-  fsdp_storage_release(s);
-  t->shape[0] = n;
-  t->strides[0] = 1;
-  *out = t;
-  return FSDP_OK;
+/* A 1-D f32 tensor of n elements on dev; zero-filled, or with unspecified contents for a
+ * buffer a collective overwrites whole. */
+static int flat_new(fsdp_tensor **out, const fsdp_device_i *dev, int64_t n, fsdp_role role,
+                    bool zero) {
+  return (zero ? fsdp_tensor_new : fsdp_tensor_new_uninit)(out, dev, FSDP_DTYPE_F32, 1, &n, role);
 }
 
-static float *flat_data(fsdp_tensor *t) { return (float *)t->storage->data + t->offset; }
+static void *flat_data(fsdp_tensor *t) { return fsdp_tensor_data(t, "unit"); }
+
+/* dst[doff, doff + len) <- src's flattened elements [soff, soff + len) (src contiguous), on
+ * whatever devices they live: through the kernels' copy, never a host loop. */
+static int copy_range(fsdp_tensor *dst, int64_t doff, fsdp_tensor *src, int64_t soff,
+                      int64_t len) {
+  static const int64_t one = 1;
+  fsdp_tensor *d, *sv;
+  if (fsdp_tensor_new_view(&d, dst, dst->offset + doff, 1, &len, &one)) return FSDP_ERR;
+  if (fsdp_tensor_new_view(&sv, src, src->offset + soff, 1, &len, &one)) {
+    fsdp_tensor_release(d);
+    return FSDP_ERR;
+  }
+  int rc = fsdp_copy(d, sv);
+  fsdp_tensor_release(d);
+  fsdp_tensor_release(sv);
+  return rc;
+}
+
+/* dst's flat elements [doff, doff + n) += src's [soff, soff + n) (both contiguous) */
+static int add_range(fsdp_tensor *dst, int64_t doff, fsdp_tensor *src, int64_t soff,
+                     int64_t n) {
+  static const int64_t one = 1;
+  fsdp_tensor *d, *sv;
+  if (fsdp_tensor_new_view(&d, dst, dst->offset + doff, 1, &n, &one)) return FSDP_ERR;
+  if (fsdp_tensor_new_view(&sv, src, src->offset + soff, 1, &n, &one)) {
+    fsdp_tensor_release(d);
+    return FSDP_ERR;
+  }
+  int rc = fsdp_add_into(d, sv, 1.0);
+  fsdp_tensor_release(d);
+  fsdp_tensor_release(sv);
+  return rc;
+}
 
 static int64_t round_up(int64_t x, int64_t m) { return m ? (x + m - 1) / m * m : x; }
 
@@ -413,10 +432,18 @@ static int validate(const char *upath, fsdp_tensor *const *params, const char *c
                         "to exactly one unit: the closest common wrapped ancestor of its uses)",
                         path, o->path);
     }
-    if (p->storage->device != &fsdp_device_cpu && p->storage->device != &fsdp_device_meta)
+    const fsdp_device_i *dev = p->storage->device;
+    if (dev->no_data || (dev->has_data && !fsdp_kernels_of(dev, "wrap")))
       return fsdp_error("wrap: unit '%s': parameter %s is on the %s device; units take full "
-                        "parameters (cpu or meta)",
-                        upath, path, p->storage->device->name);
+                        "parameters (on a device with kernels, or meta)",
+                        upath, path, dev->name);
+    for (int j = 0; j < i; j++) {
+      const fsdp_device_i *other = params[j]->storage->device;
+      if (dev->has_data && other->has_data && other != dev)
+        return fsdp_error("wrap: unit '%s': parameters %s (%s) and %s (%s) are on different "
+                          "devices; a unit's parameters share one device",
+                          upath, paths[j], other->name, path, dev->name);
+    }
     if (!p->is_leaf)
       return fsdp_error("wrap: unit '%s': %s is not a leaf tensor (computed by a recorded op)",
                         upath, path);
@@ -523,12 +550,14 @@ int fsdp_unit_new(fsdp_unit **out, fsdp_comm *c, const char *path, fsdp_tensor *
   bool none = o.strategy == FSDP_STRATEGY_NONE;
   u->shard_numel = none ? u->padded : u->padded / W;
   u->shard_offset = none ? 0 : (int64_t)R * u->shard_numel;
-  if (flat_new(&u->shard, u->shard_numel, FSDP_ROLE_PARAMS, true) ||
-      flat_new(&u->grad_shard, u->shard_numel, FSDP_ROLE_GRADS, true) ||
+  u->device = &fsdp_device_cpu;
+  for (int i = 0; i < n; i++)
+    if (params[i]->storage->device->has_data) u->device = params[i]->storage->device;
+  if (flat_new(&u->shard, u->device, u->shard_numel, FSDP_ROLE_PARAMS, true) ||
+      flat_new(&u->grad_shard, u->device, u->shard_numel, FSDP_ROLE_GRADS, true) ||
       sharded_storage_new(&u->sharded, (size_t)u->padded * sizeof(float)))
     goto fail;
   /* fill this rank's slice from each full parameter (meta ones stay zero) */
-  float *shard = flat_data(u->shard);
   for (int i = 0; i < n; i++) {
     fsdp_tensor *p = params[i];
     if (!p->storage->device->has_data) continue;
@@ -536,8 +565,9 @@ int fsdp_unit_new(fsdp_unit **out, fsdp_comm *c, const char *path, fsdp_tensor *
     if (!len) continue;
     fsdp_tensor *pc;
     if (fsdp_tensor_contiguous(&pc, p)) goto fail;
-    memcpy(shard + sf, fsdp_tensor_data(pc, "wrap") + pf, (size_t)len * sizeof(float));
+    int crc = copy_range(u->shard, sf, pc, pf, len);
     fsdp_tensor_release(pc);
+    if (crc) goto fail;
   }
   if (none) {
     fsdp_tensor_retain(u->shard);
@@ -602,7 +632,7 @@ int fsdp_unit_prefetch(fsdp_unit *u) {
   if (check_live(u, "prefetch")) return FSDP_ERR;
   if (u->state == FSDP_UNIT_GATHERED || u->req || u->padded == 0) return FSDP_OK;
   fsdp_tensor *buf;
-  if (flat_new(&buf, u->padded, FSDP_ROLE_GATHERED, false))
+  if (flat_new(&buf, u->device, u->padded, FSDP_ROLE_GATHERED, false))
     return fsdp_error_context("prefetch: unit '%s'", u->path);
   fsdp_coll coll = {.op = FSDP_COLL_ALL_GATHER, .dtype = FSDP_DTYPE_F32,
                     .count = u->shard_numel, .send = flat_data(u->shard),
@@ -623,7 +653,7 @@ int fsdp_unit_gather(fsdp_unit *u) {
   if (u->state == FSDP_UNIT_GATHERED) return FSDP_OK;
   if (u->req) return finish_prefetch(u);
   fsdp_tensor *buf;
-  if (flat_new(&buf, u->padded, FSDP_ROLE_GATHERED, u->padded == 0))
+  if (flat_new(&buf, u->device, u->padded, FSDP_ROLE_GATHERED, u->padded == 0))
     return fsdp_error_context("gather: unit '%s'", u->path);
   if (u->padded &&
       fsdp_comm_all_gather(u->comm, flat_data(buf), flat_data(u->shard), u->shard_numel,
@@ -656,20 +686,15 @@ int fsdp_unit_writeback(fsdp_unit *u) {
                       "parameters, then write back)",
                       u->path);
   /* From each parameter's current data, wherever it points (normally the full buffer). */
-  float *shard = flat_data(u->shard);
   for (int i = 0; i < u->n; i++) {
     int64_t pf, sf, len = fsdp_unit_param_slice(u, i, u->rank, &pf, &sf);
     if (!len) continue;
     fsdp_tensor *pc;
     if (fsdp_tensor_contiguous(&pc, u->params[i].param))
       return fsdp_error_context("writeback: unit '%s'", u->path);
-    const float *src = fsdp_tensor_data(pc, "writeback");
-    if (!src) {
-      fsdp_tensor_release(pc);
-      return FSDP_ERR;
-    }
-    if (src + pf != shard + sf) memmove(shard + sf, src + pf, (size_t)len * sizeof(float));
+    int rc = copy_range(u->shard, sf, pc, pf, len);
     fsdp_tensor_release(pc);
+    if (rc) return fsdp_error_context("writeback: unit '%s'", u->path);
   }
   u->shard->version++;
   return FSDP_OK;
@@ -719,9 +744,8 @@ static int hook_end(void *ud) {
    * tape): a frozen unit's, or one not used in this forward, would never be consumed */
   fsdp_unit *v = u->bwd_prefetch;
   if (v && !v->emptied && v->pending_bwd > 0 && fsdp_unit_prefetch(v)) return FSDP_ERR;
-  if (!u->full_grad && flat_new(&u->full_grad, u->padded, FSDP_ROLE_GRADS, true))
+  if (!u->full_grad && flat_new(&u->full_grad, u->device, u->padded, FSDP_ROLE_GRADS, true))
     return fsdp_error_context("backward: unit '%s'", u->path);
-  float *fg = flat_data(u->full_grad);
   for (int i = 0; i < u->n; i++) {
     fsdp_unit_param *q = &u->params[i];
     fsdp_tensor *p = q->param;
@@ -730,11 +754,9 @@ static int hook_end(void *ud) {
     if (p->grad) {
       fsdp_tensor *gc;
       if (fsdp_tensor_contiguous(&gc, p->grad)) return FSDP_ERR;
-      const float *g = fsdp_tensor_data(gc, "backward");
-      if (g)
-        for (int64_t k = 0; k < q->numel; k++) fg[q->offset + k] += g[k];
+      int rc = add_range(u->full_grad, q->offset, gc, 0, q->numel);
       fsdp_tensor_release(gc);
-      if (!g) return FSDP_ERR;
+      if (rc) return fsdp_error_context("backward: unit '%s'", u->path);
     }
     int64_t strides[FSDP_MAX_DIMS];
     contiguous_strides(strides, q->ndim, q->shape);
@@ -752,19 +774,16 @@ static int hook_end(void *ud) {
 static int finish_backward(fsdp_unit *u) {
   int rc = FSDP_OK;
   if (u->full_grad && u->padded) {
-    float *gs = flat_data(u->grad_shard);
+    float *fg = flat_data(u->full_grad);
     if (u->opts.strategy == FSDP_STRATEGY_NONE) {
-      float *fg = flat_data(u->full_grad);
       rc = fsdp_comm_all_reduce(u->comm, fg, u->padded, FSDP_RED_AVG, u->path);
-      if (!rc)
-        for (int64_t k = 0; k < u->padded; k++) gs[k] += fg[k];
     } else {
       /* in place: this rank's chunk of the full gradient receives the average */
-      float *fg = flat_data(u->full_grad), *mine = fg + u->shard_offset;
+      float *mine = fg + u->shard_offset;
       rc = fsdp_comm_reduce_scatter(u->comm, mine, fg, u->shard_numel, FSDP_RED_AVG, u->path);
-      if (!rc)
-        for (int64_t k = 0; k < u->shard_numel; k++) gs[k] += mine[k];
     }
+    /* accumulate: the gradient shard keeps what earlier backwards added until zero_grad */
+    if (!rc) rc = add_range(u->grad_shard, 0, u->full_grad, u->shard_offset, u->shard_numel);
     if (rc) fsdp_error_context("backward: unit '%s'", u->path);
     else u->grad_shard->version++;
   }
@@ -850,16 +869,15 @@ int fsdp_unit_unshard(fsdp_unit *u) {
   /* allocate everything first, so a failure leaves the unit as it was */
   fsdp_tensor **dense = calloc((size_t)(u->n ? u->n : 1), sizeof *dense);
   if (!dense) return fsdp_error("unshard: unit '%s': out of host memory", u->path);
-  const float *full = flat_data(u->full);
   for (int i = 0; i < u->n; i++) {
     fsdp_unit_param *q = &u->params[i];
-    if (fsdp_tensor_new(&dense[i], &fsdp_device_cpu, FSDP_DTYPE_F32, q->ndim, q->shape,
-                        FSDP_ROLE_PARAMS)) {
-      for (int j = 0; j < i; j++) fsdp_tensor_release(dense[j]);
+    if (fsdp_tensor_new_uninit(&dense[i], u->device, FSDP_DTYPE_F32, q->ndim, q->shape,
+                               FSDP_ROLE_PARAMS) ||
+        copy_range(dense[i], 0, u->full, q->offset, q->numel)) {
+      for (int j = 0; j <= i; j++) fsdp_tensor_release(dense[j]);
       free(dense);
       return fsdp_error_context("unshard: unit '%s'", u->path);
     }
-    memcpy(flat_data(dense[i]), full + q->offset, (size_t)q->numel * sizeof(float));
   }
   drop_full_grad(u);
   for (int i = 0; i < u->n; i++) {

@@ -64,7 +64,7 @@ typedef enum { FSDP_UNIT_SHARDED = 0, FSDP_UNIT_GATHERED } fsdp_unit_state;
 /* The device that backs a sharded parameter (has no data; see above). It is not in core's
  * device registry: its storages hold no bytes and are not accounted. A parameter's `device`
  * reads "sharded". */
-extern const fsdp_device_i fsdp_device_sharded;
+extern fsdp_device_i fsdp_device_sharded;
 
 typedef struct fsdp_unit_param {
   fsdp_tensor *param; /* retained */

@@ -31,6 +31,11 @@ fsdp_tensor *fsdp_lua_to_tensor(lua_State *L, int idx);
 int fsdp_lua_error(lua_State *L);
 /* Read a shape from a Lua array (or varargs of numbers starting at idx). Returns ndim. */
 int fsdp_lua_check_shape(lua_State *L, int idx, int64_t *shape);
+/* An optional 1-based dimension at idx (negative counts from the end) as a 0-based dim of t;
+ * def when absent; a Lua error naming `what` when out of range. */
+int fsdp_lua_opt_dim(lua_State *L, fsdp_tensor *t, int idx, int def, const char *what);
+/* The dtype named at idx ("f32", "bfloat16", ...); a Lua error listing the valid ones. */
+fsdp_dtype fsdp_lua_check_dtype(lua_State *L, int idx);
 
 /* In a binding function: run an op that returns a new tensor through OUT, then push it (the
  * reference moves to Lua) and return 1, or raise the engine error. */

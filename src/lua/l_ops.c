@@ -76,7 +76,12 @@ static int f_unary(lua_State *L, fsdp_unary_op op, const char *fn) {
 }
 static int f_gelu(lua_State *L) { return f_unary(L, FSDP_UNARY_GELU, "gelu"); }
 static int f_relu(lua_State *L) { return f_unary(L, FSDP_UNARY_RELU, "relu"); }
-static int f_softmax(lua_State *L) { PUSH_OR_RAISE(fsdp_op_softmax(OUT, arg(L, 1, "softmax"))); }
+/* softmax(x, dim = -1): dim 1-based, negative from the end */
+static int f_softmax(lua_State *L) {
+  fsdp_tensor *x = arg(L, 1, "softmax");
+  int dim = fsdp_lua_opt_dim(L, x, 2, x->ndim - 1, "softmax");
+  PUSH_OR_RAISE(fsdp_op_softmax(OUT, x, dim));
+}
 
 static int f_cross_entropy(lua_State *L) {
   fsdp_tensor *logits = arg(L, 1, "cross_entropy"), *targets = arg(L, 2, "cross_entropy");

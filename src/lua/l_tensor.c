@@ -16,7 +16,6 @@
 #include <string.h>
 
 #include "autograd/autograd.h"
-#include "kernels/cpu/kernels.h"
 #include "lua/binding.h"
 
 typedef struct {
@@ -105,10 +104,19 @@ static fsdp_tensor *arg_tensor(lua_State *L, int idx, const char *fn) {
 }
 
 /* The data of t, or a Lua error naming the op, the shape and the device. */
-static float *need_data(lua_State *L, fsdp_tensor *t, const char *what) {
-  float *d = fsdp_tensor_data(t, what); /* names the tensor and why it has no data */
+static void *need_data(lua_State *L, fsdp_tensor *t, const char *what) {
+  void *d = fsdp_tensor_data(t, what); /* names the tensor and why it has no data */
   if (!d) fsdp_lua_error(L);
   return d;
+}
+
+/* t's values readable on the host: a contiguous host tensor (t itself when it is one); the
+ * caller releases it. A Lua error when t has no data. */
+static fsdp_tensor *host_values(lua_State *L, fsdp_tensor *t, const char *what) {
+  need_data(L, t, what);
+  fsdp_tensor *h;
+  if (fsdp_to_host(&h, t)) fsdp_lua_error(L);
+  return h;
 }
 
 int fsdp_lua_check_shape(lua_State *L, int idx, int64_t *shape) {
@@ -172,6 +180,49 @@ static const fsdp_device_i *opt_device(lua_State *L, int opts) {
   return d;
 }
 
+fsdp_dtype fsdp_lua_check_dtype(lua_State *L, int idx) {
+  if (lua_type(L, idx) != LUA_TSTRING)
+    luaL_error(L, "dtype must be a name (\"f32\", \"bf16\", ...), got a %s", luaL_typename(L, idx));
+  fsdp_dtype dt;
+  if (fsdp_dtype_parse(lua_tostring(L, idx), &dt)) fsdp_lua_error(L);
+  return dt;
+}
+
+/* opts.dtype, f32 by default */
+static fsdp_dtype opt_dtype(lua_State *L, int opts) {
+  if (!opts) return FSDP_DTYPE_F32;
+  lua_getfield(L, opts, "dtype");
+  fsdp_dtype dt = lua_isnil(L, -1) ? FSDP_DTYPE_F32 : fsdp_lua_check_dtype(L, -1);
+  lua_pop(L, 1);
+  return dt;
+}
+
+/* Options tables refuse keys they do not know, naming the valid ones. */
+static void check_keys(lua_State *L, int opts, const char *fn, const char *const *valid) {
+  if (!opts) return;
+  lua_pushnil(L);
+  while (lua_next(L, opts)) {
+    lua_pop(L, 1);
+    bool ok = false;
+    if (lua_type(L, -1) == LUA_TSTRING)
+      for (int i = 0; valid[i] && !ok; i++) ok = strcmp(lua_tostring(L, -1), valid[i]) == 0;
+    if (!ok) {
+      luaL_Buffer b;
+      luaL_buffinit(L, &b);
+      for (int i = 0; valid[i]; i++) {
+        if (i) luaL_addstring(&b, ", ");
+        luaL_addstring(&b, valid[i]);
+      }
+      luaL_pushresult(&b);
+      luaL_error(L, "%s: unknown option '%s' (valid: %s)", fn,
+                 lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : luaL_typename(L, -2),
+                 lua_tostring(L, -1));
+    }
+  }
+}
+
+static const char *const factory_keys[] = {"device", "dtype", "role", NULL};
+
 /* opts.role: what the memory accounting files the tensor under ("params", "grads", "optim",
  * "activations", "gathered", "other"); activations by default. */
 static fsdp_role opt_role(lua_State *L, int opts) {
@@ -191,76 +242,97 @@ static fsdp_role opt_role(lua_State *L, int opts) {
   return role;
 }
 
-static fsdp_tensor *new_tensor_role(lua_State *L, const fsdp_device_i *dev, int n,
-                                    const int64_t *shape, fsdp_role role) {
+static fsdp_tensor *new_tensor_role(lua_State *L, const fsdp_device_i *dev, fsdp_dtype dt,
+                                    int n, const int64_t *shape, fsdp_role role) {
   fsdp_tensor *t;
   check_sizes(L, n, shape);
-  if (fsdp_tensor_new(&t, dev, FSDP_DTYPE_F32, n, shape, role)) fsdp_lua_error(L);
+  if (fsdp_tensor_new(&t, dev, dt, n, shape, role)) fsdp_lua_error(L);
   return t;
 }
 
-static fsdp_tensor *new_tensor(lua_State *L, const fsdp_device_i *dev, int n, const int64_t *shape) {
-  return new_tensor_role(L, dev, n, shape, FSDP_ROLE_ACTIVATIONS);
+/* A new tensor from the options table at opts (0: none): device, dtype, role. */
+static fsdp_tensor *new_from_opts(lua_State *L, int opts, int n, const int64_t *shape,
+                                  const char *fn) {
+  check_keys(L, opts, fn, factory_keys);
+  return new_tensor_role(L, opt_device(L, opts), opt_dtype(L, opts), n, shape,
+                         opt_role(L, opts));
 }
 
-static int filled(lua_State *L, float v, const char *fn) {
+static int filled(lua_State *L, double v, const char *fn) {
   int64_t shape[FSDP_MAX_DIMS];
   int n = fsdp_lua_check_shape(L, 1, shape);
   int opts = opts_index(L, 1, n, fn);
-  const fsdp_device_i *dev = opt_device(L, opts);
-  fsdp_tensor *t = new_tensor_role(L, dev, n, shape, opt_role(L, opts));
-  if (v != 0.0f && dev->has_data) fsdp_tensor_fill(t, v);
-  fsdp_lua_push_tensor(L, t);
+  fsdp_tensor *t = new_from_opts(L, opts, n, shape, fn);
+  fsdp_lua_push_tensor(L, t); /* owned by Lua before anything can raise */
+  if (v != 0.0 && fsdp_tensor_fill(t, v)) fsdp_lua_error(L);
   return 1;
 }
 
-static int l_zeros(lua_State *L) { return filled(L, 0.0f, "zeros"); }
-static int l_ones(lua_State *L) { return filled(L, 1.0f, "ones"); }
+static int l_zeros(lua_State *L) { return filled(L, 0.0, "zeros"); }
+static int l_ones(lua_State *L) { return filled(L, 1.0, "ones"); }
 /* zero-filled too: the allocator hands out zeroed memory anyway */
-static int l_empty(lua_State *L) { return filled(L, 0.0f, "empty"); }
+static int l_empty(lua_State *L) { return filled(L, 0.0, "empty"); }
 
-/* full(shape_table, v) or full(d1, d2, ..., v): with varargs the last number is the value. */
+/* full(shape_table, v [, opts]) or full(d1, d2, ..., v): with varargs the last number is the
+ * value. */
 static int l_full(lua_State *L) {
   int64_t shape[FSDP_MAX_DIMS];
-  float v;
+  double v;
+  int opts = 0;
   if (lua_istable(L, 1)) {
-    v = (float)luaL_checknumber(L, 2);
+    v = luaL_checknumber(L, 2);
+    if (!lua_isnoneornil(L, 3)) {
+      luaL_checktype(L, 3, LUA_TTABLE);
+      opts = 3;
+    }
   } else {
     int top = lua_gettop(L);
     if (top < 1) luaL_error(L, "full: expected a shape and a value");
-    v = (float)luaL_checknumber(L, top);
+    v = luaL_checknumber(L, top);
     lua_settop(L, top - 1);
   }
   int n = fsdp_lua_check_shape(L, 1, shape);
-  fsdp_tensor *t = new_tensor(L, &fsdp_device_cpu, n, shape);
-  fsdp_tensor_fill(t, v);
+  fsdp_tensor *t = new_from_opts(L, opts, n, shape, "full");
   fsdp_lua_push_tensor(L, t);
+  if (fsdp_tensor_fill(t, v)) fsdp_lua_error(L);
   return 1;
 }
 
+/* randn(shape [, opts]), rand(shape [, opts]): the thread's seeded streams, any float dtype
+ * and device (the values are the same on every device: the stream is computed in f32) */
 static int random_tensor(lua_State *L, bool normal) {
+  const char *fn = normal ? "randn" : "rand";
   int64_t shape[FSDP_MAX_DIMS];
   int n = fsdp_lua_check_shape(L, 1, shape);
-  fsdp_tensor *t = new_tensor(L, &fsdp_device_cpu, n, shape);
+  int opts = opts_index(L, 1, n, fn);
+  fsdp_tensor *t = new_from_opts(L, opts, n, shape, fn);
+  fsdp_lua_push_tensor(L, t);
+  if (!t->storage->device->has_data) return 1;
   int64_t N = fsdp_tensor_numel(t);
   uint64_t first;
   uint64_t key = fsdp_rng_reserve(normal ? "randn" : "rand", N, &first);
-  float *d = fsdp_tensor_data(t, "randn");
-  if (normal) fsdp_rng_normal(d, N, key, first, 0.0f, 1.0f);
-  else fsdp_rng_uniform(d, N, key, first);
-  fsdp_lua_push_tensor(L, t);
+  const fsdp_kernels_i *k = fsdp_kernels_for(t, fn);
+  if (!k || k->random(t->storage->device->ctx, t->dtype, need_data(L, t, fn), N, key, first,
+                      normal, normal ? 0.0 : 0.0, 1.0))
+    fsdp_lua_error(L);
   return 1;
 }
 
 static int l_randn(lua_State *L) { return random_tensor(L, true); }
 static int l_rand(lua_State *L) { return random_tensor(L, false); }
 
+/* arange(n), arange(a, b [, step]), each optionally followed by an options table */
 static int l_arange(lua_State *L) {
+  int opts = 0, top = lua_gettop(L);
+  if (top >= 1 && lua_istable(L, top)) {
+    opts = top;
+    top--;
+  }
   lua_Number a = 0, b, step = 1;
-  if (lua_gettop(L) >= 2) {
+  if (top >= 2) {
     a = luaL_checknumber(L, 1);
     b = luaL_checknumber(L, 2);
-    step = luaL_optnumber(L, 3, 1);
+    step = top >= 3 ? luaL_checknumber(L, 3) : 1;
   } else {
     b = luaL_checknumber(L, 1);
   }
@@ -270,10 +342,12 @@ static int l_arange(lua_State *L) {
     luaL_error(L, "arange: [%g, %g) in steps of %g is not a finite range", (double)a, (double)b,
                (double)step);
   int64_t n = count > 0 ? (int64_t)count : 0;
-  fsdp_tensor *t = new_tensor(L, &fsdp_device_cpu, 1, &n);
-  float *d = fsdp_tensor_data(t, "arange");
-  for (int64_t i = 0; i < n; i++) d[i] = (float)(a + (lua_Number)i * step);
+  fsdp_tensor *t = new_from_opts(L, opts, 1, &n, "arange");
   fsdp_lua_push_tensor(L, t);
+  if (!t->storage->device->has_data) return 1;
+  const fsdp_kernels_i *k = fsdp_kernels_for(t, "arange");
+  if (!k || k->arange(t->storage->device->ctx, t->dtype, need_data(L, t, "arange"), a, step, n))
+    fsdp_lua_error(L);
   return 1;
 }
 
@@ -292,7 +366,8 @@ static int nested_shape(lua_State *L, int idx, int64_t *shape) {
   return n;
 }
 
-static void nested_fill(lua_State *L, int idx, int dim, int n, const int64_t *shape, float **p) {
+static void nested_fill(lua_State *L, int idx, int dim, int n, const int64_t *shape, void *buf,
+                        fsdp_dtype dt, int64_t *at) {
   if ((int64_t)lua_objlen(L, idx) != shape[dim])
     luaL_error(L, "tensor: ragged nested table (dimension %d has %d entries here, %d in the "
                "first row)", dim + 1, (int)lua_objlen(L, idx), (int)shape[dim]);
@@ -304,31 +379,47 @@ static void nested_fill(lua_State *L, int idx, int dim, int n, const int64_t *sh
                    "depth %d)", dim + 1);
       if (lua_type(L, -1) != LUA_TNUMBER)
         luaL_error(L, "tensor: entry is a %s, expected a number", luaL_typename(L, -1));
-      *(*p)++ = (float)lua_tonumber(L, -1);
+      fsdp_dtype_store(buf, dt, (*at)++, lua_tonumber(L, -1));
     } else {
       if (!lua_istable(L, -1)) luaL_error(L, "tensor: ragged nested table (a number where a row was expected)");
-      nested_fill(L, lua_gettop(L), dim + 1, n, shape, p);
+      nested_fill(L, lua_gettop(L), dim + 1, n, shape, buf, dt, at);
     }
     lua_pop(L, 1);
   }
 }
 
+/* tensor(number | nested table [, opts]): built on the host in the wanted dtype, then moved
+ * to the wanted device */
 static int l_tensor(lua_State *L) {
-  if (lua_type(L, 1) == LUA_TNUMBER) {
-    fsdp_tensor *t = new_tensor(L, &fsdp_device_cpu, 0, NULL);
-    fsdp_tensor_data(t, "tensor")[0] = (float)lua_tonumber(L, 1);
-    fsdp_lua_push_tensor(L, t);
-    return 1;
+  int opts = 0;
+  if (!lua_isnoneornil(L, 2)) {
+    luaL_checktype(L, 2, LUA_TTABLE);
+    opts = 2;
   }
-  luaL_checktype(L, 1, LUA_TTABLE);
+  check_keys(L, opts, "tensor", factory_keys);
+  const fsdp_device_i *dev = opt_device(L, opts);
+  fsdp_dtype dt = opt_dtype(L, opts);
+  fsdp_role role = opt_role(L, opts);
   int64_t shape[FSDP_MAX_DIMS];
-  int n = nested_shape(L, 1, shape);
-  fsdp_tensor *t;
-  if (fsdp_tensor_new(&t, &fsdp_device_cpu, FSDP_DTYPE_F32, n, shape, FSDP_ROLE_ACTIVATIONS))
-    fsdp_lua_error(L);
+  int n = 0;
+  if (lua_type(L, 1) != LUA_TNUMBER) {
+    luaL_checktype(L, 1, LUA_TTABLE);
+    n = nested_shape(L, 1, shape);
+  }
+  const fsdp_device_i *host = dev->host_memory || !dev->has_data ? dev : &fsdp_device_cpu;
+  fsdp_tensor *t = new_tensor_role(L, host, dt, n, shape, role);
   fsdp_lua_push_tensor(L, t); /* owned by Lua before anything can raise */
-  float *p = fsdp_tensor_data(t, "tensor");
-  nested_fill(L, 1, 0, n, shape, &p); /* also with no elements: {{}, {1}} is still ragged */
+  if (!host->has_data) return 1;
+  void *p = need_data(L, t, "tensor");
+  int64_t at = 0;
+  if (n == 0 && lua_type(L, 1) == LUA_TNUMBER) fsdp_dtype_store(p, dt, 0, lua_tonumber(L, 1));
+  else nested_fill(L, 1, 0, n, shape, p, dt, &at); /* also with no elements: {{}, {1}} is ragged */
+  if (host != dev) {
+    fsdp_tensor *d;
+    if (fsdp_to(&d, t, dev, dt, role)) fsdp_lua_error(L);
+    lua_pop(L, 1);
+    fsdp_lua_push_tensor(L, d);
+  }
   return 1;
 }
 
@@ -354,39 +445,37 @@ static int l_dim(lua_State *L) {
   return 1;
 }
 
-static const float *read_data(lua_State *L, fsdp_tensor *t, const char *what) {
-  return need_data(L, t, what);
-}
-
 static int l_item(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
   if (fsdp_tensor_numel(t) != 1)
     luaL_error(L, "item: tensor %s has %d elements; item() needs exactly one",
                FSDP_SHAPE_STR(t), (int)fsdp_tensor_numel(t));
-  lua_pushnumber(L, read_data(L, t, "item")[0]);
+  fsdp_tensor *h = host_values(L, t, "item");
+  lua_pushnumber(L, fsdp_dtype_load(fsdp_tensor_data(h, "item"), h->dtype, 0));
+  fsdp_tensor_release(h);
   return 1;
 }
 
-static void push_nested(lua_State *L, const float *d, const fsdp_tensor *t, int dim) {
+/* d: element 0 of a host tensor with t's shape and strides */
+static void push_nested(lua_State *L, const char *d, const fsdp_tensor *t, int dim) {
   if (dim == t->ndim) {
-    lua_pushnumber(L, d[0]);
+    lua_pushnumber(L, fsdp_dtype_load(d, t->dtype, 0));
     return;
   }
+  const int64_t step = t->strides[dim] * (int64_t)fsdp_dtype_size(t->dtype);
   lua_createtable(L, (int)t->shape[dim], 0);
   for (int64_t i = 0; i < t->shape[dim]; i++) {
-    push_nested(L, d + i * t->strides[dim], t, dim + 1);
+    push_nested(L, d + i * step, t, dim + 1);
     lua_rawseti(L, -2, (int)i + 1);
   }
 }
 
 static int l_totable(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
-  const float *d = read_data(L, t, "totable");
-  if (t->ndim == 0) {
-    lua_pushnumber(L, d[0]);
-    return 1;
-  }
-  push_nested(L, d, t, 0);
+  fsdp_tensor *h = host_values(L, t, "totable");
+  /* a Lua error below would leak h: the walk only pushes numbers and tables */
+  push_nested(L, fsdp_tensor_data(h, "totable"), h, 0);
+  fsdp_tensor_release(h);
   return 1;
 }
 
@@ -410,7 +499,12 @@ static int l_get(lua_State *L) {
     luaL_error(L, "get: tensor %s needs %d positions, got %d", FSDP_SHAPE_STR(t), t->ndim,
                lua_gettop(L) - 1);
   int64_t off = position(L, t, 2, "get");
-  lua_pushnumber(L, read_data(L, t, "get")[off]);
+  const char *d = need_data(L, t, "get");
+  const fsdp_device_i *dev = t->storage->device;
+  unsigned char v[8];
+  size_t es = fsdp_dtype_size(t->dtype);
+  if (dev->to_host(dev->ctx, v, d + off * (int64_t)es, es)) fsdp_lua_error(L);
+  lua_pushnumber(L, fsdp_dtype_load(v, t->dtype, 0));
   return 1;
 }
 
@@ -420,8 +514,13 @@ static int l_set(lua_State *L) {
     luaL_error(L, "set: tensor %s needs %d positions and a value, got %d arguments",
                FSDP_SHAPE_STR(t), t->ndim, lua_gettop(L) - 1);
   int64_t off = position(L, t, 2, "set");
-  float v = (float)luaL_checknumber(L, t->ndim + 2);
-  ((float *)read_data(L, t, "set"))[off] = v;
+  double x = luaL_checknumber(L, t->ndim + 2);
+  char *d = need_data(L, t, "set");
+  const fsdp_device_i *dev = t->storage->device;
+  unsigned char v[8];
+  size_t es = fsdp_dtype_size(t->dtype);
+  fsdp_dtype_store(v, t->dtype, 0, x);
+  if (dev->from_host(dev->ctx, d + off * (int64_t)es, v, es)) fsdp_lua_error(L);
   t->version++;
   lua_settop(L, 1);
   return 1;
@@ -429,7 +528,7 @@ static int l_set(lua_State *L) {
 
 static int l_fill(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
-  float v = (float)luaL_checknumber(L, 2);
+  double v = luaL_checknumber(L, 2);
   if (fsdp_tensor_fill(t, v)) fsdp_lua_error(L);
   t->version++;
   lua_settop(L, 1);
@@ -438,7 +537,7 @@ static int l_fill(lua_State *L) {
 
 static int l_zero(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
-  if (fsdp_tensor_fill(t, 0.0f)) fsdp_lua_error(L);
+  if (fsdp_tensor_fill(t, 0.0)) fsdp_lua_error(L);
   t->version++;
   lua_settop(L, 1);
   return 1;
@@ -446,7 +545,7 @@ static int l_zero(lua_State *L) {
 
 static int l_copy(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1), *s = fsdp_lua_check_tensor(L, 2);
-  if (fsdp_tensor_copy(t, s)) fsdp_lua_error(L);
+  if (fsdp_copy(t, s)) fsdp_lua_error(L);
   t->version++;
   lua_settop(L, 1);
   return 1;
@@ -461,7 +560,7 @@ static int l_clone(lua_State *L) {
   if (fsdp_tensor_new(&c, t->storage->device, t->dtype, t->ndim, t->shape,
                       FSDP_ROLE_ACTIVATIONS))
     fsdp_lua_error(L);
-  if (fsdp_tensor_copy(c, t)) {
+  if (fsdp_copy(c, t)) {
     fsdp_tensor_release(c);
     fsdp_lua_error(L);
   }
@@ -492,6 +591,7 @@ static int l_view(lua_State *L) {
   PUSH_OR_RAISE(fsdp_op_view(OUT, t, n, shape));
 }
 
+int fsdp_lua_opt_dim(lua_State *L, fsdp_tensor *t, int idx, int def, const char *what);
 static int check_dim(lua_State *L, fsdp_tensor *t, int idx, const char *what) {
   lua_Number d = luaL_checknumber(L, idx);
   if (d < 0) d += t->ndim + 1; /* -1 is the last dimension */
@@ -499,6 +599,12 @@ static int check_dim(lua_State *L, fsdp_tensor *t, int idx, const char *what) {
     luaL_error(L, "%s: dimension %g out of range for a tensor %s (dimensions start at 1)", what,
                (double)luaL_checknumber(L, idx), FSDP_SHAPE_STR(t));
   return (int)d - 1;
+}
+
+/* An optional 1-based dimension argument (negative counts from the end) as a 0-based dim;
+ * def when absent. */
+int fsdp_lua_opt_dim(lua_State *L, fsdp_tensor *t, int idx, int def, const char *what) {
+  return lua_isnoneornil(L, idx) ? def : check_dim(L, t, idx, what);
 }
 
 static int l_transpose(lua_State *L) {
@@ -552,7 +658,50 @@ UNARY(l_sqrt, FSDP_UNARY_SQRT)
 UNARY(l_tanh, FSDP_UNARY_TANH)
 UNARY(l_sigmoid, FSDP_UNARY_SIGMOID)
 
-static int l_softmax(lua_State *L) { PUSH_OR_RAISE(fsdp_op_softmax(OUT, fsdp_lua_check_tensor(L, 1))); }
+static int l_softmax(lua_State *L) {
+  fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
+  int dim = fsdp_lua_opt_dim(L, t, 2, t->ndim - 1, "softmax");
+  PUSH_OR_RAISE(fsdp_op_softmax(OUT, t, dim));
+}
+
+/* t:to(dtype | device [, dtype | device]) or t:to{device =, dtype =}: a copy on that device
+ * with that dtype (t itself when it already is both), recorded for gradients. */
+static int l_to(lua_State *L) {
+  fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
+  const fsdp_device_i *dev = t->storage->device;
+  fsdp_dtype dt = t->dtype;
+  if (lua_istable(L, 2)) {
+    static const char *const keys[] = {"device", "dtype", NULL};
+    check_keys(L, 2, "to", keys);
+    lua_getfield(L, 2, "device");
+    if (!lua_isnil(L, -1)) {
+      if (lua_type(L, -1) != LUA_TSTRING) luaL_error(L, "to: device must be a name");
+      if (!(dev = fsdp_device_find(lua_tostring(L, -1)))) fsdp_lua_error(L);
+    }
+    lua_getfield(L, 2, "dtype");
+    if (!lua_isnil(L, -1)) dt = fsdp_lua_check_dtype(L, -1);
+    lua_pop(L, 2);
+  } else {
+    int top = lua_gettop(L);
+    if (top < 2) luaL_error(L, "to: expected a dtype or a device name (t:to(\"bf16\"), t:to(\"cpu\"))");
+    for (int i = 2; i <= top; i++) {
+      const char *name = luaL_checkstring(L, i);
+      fsdp_dtype d;
+      const fsdp_device_i *v;
+      if (fsdp_dtype_parse(name, &d) == FSDP_OK) dt = d;
+      else if ((v = fsdp_device_find(name)) != NULL) dev = v;
+      else luaL_error(L, "to: '%s' is neither a dtype (f32, bf16, f16, f64, i64, i32, u8, "
+                      "bool) nor a device: %s", name, fsdp_error_msg());
+    }
+  }
+  fsdp_error_clear();
+  PUSH_OR_RAISE(fsdp_op_to(OUT, t, dev, dt));
+}
+
+static int l_dtype(lua_State *L) {
+  lua_pushstring(L, fsdp_dtype_name(fsdp_lua_check_tensor(L, 1)->dtype));
+  return 1;
+}
 
 static int l_pow(lua_State *L) {
   PUSH_OR_RAISE(fsdp_op_pow(OUT, fsdp_lua_check_tensor(L, 1), (float)luaL_checknumber(L, 2)));
@@ -621,83 +770,228 @@ static int l_backward(lua_State *L) {
 
 /* ---- non-differentiable reductions and in-place updates ------------------------------------ */
 
-static fsdp_tensor *contiguous_data(lua_State *L, fsdp_tensor *t, const char *what) {
-  if (!fsdp_tensor_data(t, what)) fsdp_lua_error(L);
+/* ---- selection: max, min, argmax, topk, sort, comparisons, where, clamp, cat, stack ------------ */
+
+/* t:max(dim [, keepdim]) -> values, indices (i64, 0-based) */
+static int extreme_dim(lua_State *L, fsdp_tensor *t, bool want_max) {
+  const char *fn = want_max ? "max" : "min";
+  int dim = check_dim(L, t, 2, fn);
+  bool keep = lua_toboolean(L, 3);
+  fsdp_tensor *v, *i;
+  if (fsdp_op_extreme(&v, &i, t, dim, want_max, keep)) fsdp_lua_error(L);
+  fsdp_lua_push_tensor(L, v);
+  fsdp_lua_push_tensor(L, i);
+  return 2;
+}
+
+/* max() / min() of every element, as a number (NaN when any is NaN); max(dim) / min(dim):
+ * values and indices along dim */
+static int extreme(lua_State *L, bool want_max) {
+  const char *fn = want_max ? "max" : "min";
+  fsdp_tensor *t = arg_tensor(L, 1, fn);
+  if (!lua_isnoneornil(L, 2)) return extreme_dim(L, t, want_max);
+  int64_t N = fsdp_tensor_numel(t);
+  need_data(L, t, fn);
+  if (N == 0) luaL_error(L, "%s: tensor is empty", fn);
   fsdp_tensor *c;
   if (fsdp_tensor_contiguous(&c, t)) fsdp_lua_error(L);
-  return c;
-}
-
-static int l_argmax(lua_State *L) {
-  fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
-  if (t->ndim < 1) luaL_error(L, "argmax: needs at least one dimension");
-  int64_t C = t->shape[t->ndim - 1];
-  if (C == 0) luaL_error(L, "argmax: last dimension is empty");
-  fsdp_tensor *c = contiguous_data(L, t, "argmax"), *out;
-  if (fsdp_tensor_new_f32(&out, t->ndim - 1, t->shape)) {
-    fsdp_tensor_release(c);
-    fsdp_lua_error(L);
-  }
-  const float *x = fsdp_tensor_data(c, "argmax");
-  float *o = fsdp_tensor_data(out, "argmax");
-  int64_t N = fsdp_tensor_numel(c) / C;
-  for (int64_t r = 0; r < N; r++) {
-    const float *row = x + r * C;
-    int64_t best = 0;
-    for (int64_t j = 1; j < C; j++)
-      if (row[j] > row[best]) best = j;
-    o[r] = (float)best;
-  }
+  unsigned char v[8];
+  const fsdp_kernels_i *k = fsdp_kernels_for(c, fn);
+  int rc = !k || k->extreme_dim(c->storage->device->ctx, c->dtype, want_max, v, NULL,
+                                fsdp_tensor_data(c, fn), 1, N, 1);
   fsdp_tensor_release(c);
-  fsdp_lua_push_tensor(L, out);
-  return 1;
-}
-
-static int extreme(lua_State *L, bool want_max) {
-  fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
-  int64_t N = fsdp_tensor_numel(t);
-  if (N == 0) luaL_error(L, "%s: tensor is empty", want_max ? "max" : "min");
-  fsdp_tensor *c = contiguous_data(L, t, want_max ? "max" : "min");
-  const float *x = fsdp_tensor_data(c, "max");
-  float m = x[0];
-  for (int64_t i = 1; i < N; i++) m = want_max ? (x[i] > m ? x[i] : m) : (x[i] < m ? x[i] : m);
-  fsdp_tensor_release(c);
-  lua_pushnumber(L, m);
+  if (rc) fsdp_lua_error(L);
+  lua_pushnumber(L, fsdp_dtype_load(v, t->dtype, 0));
   return 1;
 }
 
 static int l_max(lua_State *L) { return extreme(L, true); }
 static int l_min(lua_State *L) { return extreme(L, false); }
 
-/* In-place updates for optimizers and clipping: contiguous buffers, no autograd. */
-static float *inplace_data(lua_State *L, fsdp_tensor *t, const char *what) {
-  float *d = fsdp_tensor_data(t, what);
-  if (!d) fsdp_lua_error(L);
-  if (!fsdp_tensor_is_contiguous(t))
-    luaL_error(L, "%s: needs a contiguous tensor, got a strided view %s", what, FSDP_SHAPE_STR(t));
-  return d;
+/* argmax(t [, dim = last]) -> i64 indices (0-based) */
+static int l_argmax(lua_State *L) {
+  fsdp_tensor *t = arg_tensor(L, 1, "argmax");
+  if (t->ndim < 1) luaL_error(L, "argmax: needs at least one dimension");
+  int dim = fsdp_lua_opt_dim(L, t, 2, t->ndim - 1, "argmax");
+  PUSH_OR_RAISE(fsdp_op_extreme(NULL, OUT, t, dim, true, false));
 }
 
+/* Options of topk / sort: {dim =, largest = | descending =}; unknown keys refused. */
+static int sel_dim(lua_State *L, fsdp_tensor *t, int opts, const char *fn, const char *flag,
+                   bool *on) {
+  int dim = t->ndim - 1;
+  if (!opts) return dim;
+  const char *const keys[] = {"dim", flag, NULL};
+  check_keys(L, opts, fn, keys);
+  lua_getfield(L, opts, "dim");
+  if (!lua_isnil(L, -1)) dim = check_dim(L, t, lua_gettop(L), fn);
+  lua_getfield(L, opts, flag);
+  if (!lua_isnil(L, -1)) *on = lua_toboolean(L, -1);
+  lua_pop(L, 2);
+  return dim;
+}
+
+static int opt_table(lua_State *L, int idx, const char *fn) {
+  if (lua_isnoneornil(L, idx)) return 0;
+  if (!lua_istable(L, idx)) luaL_error(L, "%s: expected an options table, got a %s", fn, luaL_typename(L, idx));
+  return idx;
+}
+
+/* topk(t, k [, {dim = -1, largest = true}]) -> values, indices */
+static int l_topk(lua_State *L) {
+  fsdp_tensor *t = arg_tensor(L, 1, "topk");
+  if (t->ndim < 1) luaL_error(L, "topk: needs at least one dimension");
+  lua_Number k = luaL_checknumber(L, 2);
+  if (k != floor(k)) luaL_error(L, "topk: k must be an integer, got %g", (double)k);
+  bool largest = true;
+  int dim = sel_dim(L, t, opt_table(L, 3, "topk"), "topk", "largest", &largest);
+  fsdp_tensor *v, *i;
+  if (fsdp_op_topk(&v, &i, t, (int64_t)k, dim, largest)) fsdp_lua_error(L);
+  fsdp_lua_push_tensor(L, v);
+  fsdp_lua_push_tensor(L, i);
+  return 2;
+}
+
+/* sort(t [, {dim = -1, descending = false}]) -> values, indices (stable) */
+static int l_sort(lua_State *L) {
+  fsdp_tensor *t = arg_tensor(L, 1, "sort");
+  if (t->ndim < 1) luaL_error(L, "sort: needs at least one dimension");
+  bool desc = false;
+  int dim = sel_dim(L, t, opt_table(L, 2, "sort"), "sort", "descending", &desc);
+  fsdp_tensor *v, *i;
+  if (fsdp_op_topk(&v, &i, t, t->shape[dim], dim, desc)) fsdp_lua_error(L);
+  fsdp_lua_push_tensor(L, v);
+  fsdp_lua_push_tensor(L, i);
+  return 2;
+}
+
+/* A tensor operand, or a number made into a one-element tensor like `like` (its device; its
+ * dtype, or f32 when like is an integer tensor and v is not an integer). */
+static fsdp_tensor *operand(lua_State *L, int idx, fsdp_tensor *like, const char *fn) {
+  if (lua_type(L, idx) != LUA_TNUMBER) return arg_tensor(L, idx, fn);
+  double v = lua_tonumber(L, idx);
+  fsdp_dtype dt = like->dtype;
+  if (!fsdp_dtype_is_float(dt) && v != floor(v)) dt = FSDP_DTYPE_F32;
+  fsdp_tensor *t;
+  if (fsdp_tensor_new(&t, like->storage->device, dt, 0, NULL, FSDP_ROLE_ACTIVATIONS))
+    fsdp_lua_error(L);
+  fsdp_lua_push_tensor(L, t); /* owned by Lua (the stack keeps it alive for the call) */
+  lua_replace(L, idx);
+  if (fsdp_tensor_fill(t, v)) fsdp_lua_error(L);
+  return t;
+}
+
+static int compare(lua_State *L, fsdp_cmpop op, const char *fn) {
+  fsdp_tensor *a, *b;
+  if (lua_type(L, 1) == LUA_TNUMBER) {
+    b = arg_tensor(L, 2, fn);
+    a = operand(L, 1, b, fn);
+  } else {
+    a = arg_tensor(L, 1, fn);
+    b = operand(L, 2, a, fn);
+  }
+  PUSH_OR_RAISE(fsdp_op_compare(OUT, a, b, op));
+}
+
+static int l_gt(lua_State *L) { return compare(L, FSDP_CMP_GT, "gt"); }
+static int l_ge(lua_State *L) { return compare(L, FSDP_CMP_GE, "ge"); }
+static int l_lt(lua_State *L) { return compare(L, FSDP_CMP_LT, "lt"); }
+static int l_le(lua_State *L) { return compare(L, FSDP_CMP_LE, "le"); }
+static int l_eq(lua_State *L) { return compare(L, FSDP_CMP_EQ, "eq"); }
+static int l_ne(lua_State *L) { return compare(L, FSDP_CMP_NE, "ne"); }
+
+/* where(cond, a, b): a and b tensors or numbers */
+static int l_where(lua_State *L) {
+  fsdp_tensor *c = arg_tensor(L, 1, "where");
+  fsdp_tensor *like = fsdp_lua_to_tensor(L, 2) ? fsdp_lua_to_tensor(L, 2)
+                      : fsdp_lua_to_tensor(L, 3) ? fsdp_lua_to_tensor(L, 3) : NULL;
+  if (!like) { /* two numbers: f32 values on the condition's device */
+    fsdp_tensor *f;
+    if (fsdp_tensor_new(&f, c->storage->device, FSDP_DTYPE_F32, 0, NULL, FSDP_ROLE_ACTIVATIONS))
+      fsdp_lua_error(L);
+    fsdp_lua_push_tensor(L, f);
+    like = f;
+  }
+  fsdp_tensor *a = operand(L, 2, like, "where"), *b = operand(L, 3, like, "where");
+  PUSH_OR_RAISE(fsdp_op_where(OUT, c, a, b));
+}
+
+/* clamp(t, min, max): either bound may be nil */
+static int l_clamp(lua_State *L) {
+  fsdp_tensor *t = arg_tensor(L, 1, "clamp");
+  double lo = lua_isnoneornil(L, 2) ? -INFINITY : luaL_checknumber(L, 2);
+  double hi = lua_isnoneornil(L, 3) ? INFINITY : luaL_checknumber(L, 3);
+  if (lua_isnoneornil(L, 2) && lua_isnoneornil(L, 3))
+    luaL_error(L, "clamp: give a min, a max or both");
+  PUSH_OR_RAISE(fsdp_op_clamp(OUT, t, lo, hi));
+}
+
+/* The tensors of a Lua array (1-based) into a C array; a Lua error names a bad entry. */
+static fsdp_tensor **tensor_list(lua_State *L, int idx, const char *fn, int *n) {
+  luaL_checktype(L, idx, LUA_TTABLE);
+  *n = (int)lua_objlen(L, idx);
+  if (*n < 1) luaL_error(L, "%s: expected a non-empty array of tensors", fn);
+  fsdp_tensor **ts = lua_newuserdata(L, sizeof *ts * (size_t)*n); /* freed by the GC */
+  for (int i = 0; i < *n; i++) {
+    lua_rawgeti(L, idx, i + 1);
+    ts[i] = fsdp_lua_to_tensor(L, -1);
+    if (!ts[i]) luaL_error(L, "%s: entry %d is a %s, expected a tensor", fn, i + 1, luaL_typename(L, -1));
+    lua_pop(L, 1);
+  }
+  return ts;
+}
+
+/* cat({t1, t2, ...} [, dim = 1]) */
+static int l_cat(lua_State *L) {
+  int n;
+  fsdp_tensor **ts = tensor_list(L, 1, "cat", &n);
+  if (ts[0]->ndim < 1) luaL_error(L, "cat: cannot concatenate scalars (use stack)");
+  int dim = fsdp_lua_opt_dim(L, ts[0], 2, 0, "cat");
+  PUSH_OR_RAISE(fsdp_op_cat(OUT, ts, n, dim));
+}
+
+/* stack({t1, t2, ...} [, dim = 1]): the new dimension goes at dim (1..ndim+1) */
+static int l_stack(lua_State *L) {
+  int n;
+  fsdp_tensor **ts = tensor_list(L, 1, "stack", &n);
+  int dim = 0;
+  if (!lua_isnoneornil(L, 2)) {
+    lua_Number d = luaL_checknumber(L, 2);
+    if (d < 0) d += ts[0]->ndim + 2;
+    if (d != floor(d) || d < 1 || d > ts[0]->ndim + 1)
+      luaL_error(L, "stack: dimension %g out of range for tensors %s (1..%d)",
+                 (double)luaL_checknumber(L, 2), FSDP_SHAPE_STR(ts[0]), ts[0]->ndim + 1);
+    dim = (int)d - 1;
+  }
+  PUSH_OR_RAISE(fsdp_op_stack(OUT, ts, n, dim));
+}
+
+UNARY(l_abs, FSDP_UNARY_ABS)
+UNARY(l_sign, FSDP_UNARY_SIGN)
+
+/* In-place updates for optimizers and clipping: contiguous destinations, no autograd. */
 static int l_add_(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1), *u = fsdp_lua_check_tensor(L, 2);
-  float alpha = (float)luaL_optnumber(L, 3, 1.0);
-  if (fsdp_tensor_numel(t) != fsdp_tensor_numel(u) || !fsdp_tensor_same_shape(t, u))
+  double alpha = luaL_optnumber(L, 3, 1.0);
+  if (!fsdp_tensor_same_shape(t, u))
     luaL_error(L, "add_: shapes %s and %s differ", FSDP_SHAPE_STR(t), FSDP_SHAPE_STR(u));
-  float *d = inplace_data(L, t, "add_");
-  const float *s = inplace_data(L, u, "add_");
-  int64_t N = fsdp_tensor_numel(t);
-  for (int64_t i = 0; i < N; i++) d[i] += alpha * s[i];
-  t->version++;
+  need_data(L, t, "add_");
+  need_data(L, u, "add_");
+  if (fsdp_add_into(t, u, alpha)) fsdp_lua_error(L);
   lua_settop(L, 1);
   return 1;
 }
 
 static int l_mul_(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
-  float s = (float)luaL_checknumber(L, 2);
-  float *d = inplace_data(L, t, "mul_");
-  int64_t N = fsdp_tensor_numel(t);
-  for (int64_t i = 0; i < N; i++) d[i] *= s;
+  double s = luaL_checknumber(L, 2);
+  need_data(L, t, "mul_");
+  if (!fsdp_tensor_is_contiguous(t))
+    luaL_error(L, "mul_: needs a contiguous tensor, got a strided view %s", FSDP_SHAPE_STR(t));
+  const fsdp_kernels_i *k = fsdp_kernels_for(t, "mul_");
+  if (!k || k->scale(t->storage->device->ctx, t->dtype, fsdp_tensor_data(t, "mul_"), s,
+                     fsdp_tensor_numel(t)))
+    fsdp_lua_error(L);
   t->version++;
   lua_settop(L, 1);
   return 1;
@@ -705,20 +999,21 @@ static int l_mul_(lua_State *L) {
 
 /* ---- printing --------------------------------------------------------------------------- */
 
-static void fmt_value(luaL_Buffer *b, float v) {
+static void fmt_value(luaL_Buffer *b, double v) {
   char s[32];
-  if (v == floorf(v) && fabsf(v) < 1e7f) snprintf(s, sizeof s, "%.0f", (double)v);
-  else snprintf(s, sizeof s, "%.4g", (double)v);
+  if (v == floor(v) && fabs(v) < 1e15) snprintf(s, sizeof s, "%.0f", v);
+  else snprintf(s, sizeof s, "%.4g", v);
   luaL_addstring(b, s);
 }
 
 /* Print with at most `edge` items at each end of every dimension. */
-static void fmt_dim(luaL_Buffer *b, const float *d, const fsdp_tensor *t, int dim, int indent) {
+static void fmt_dim(luaL_Buffer *b, const char *d, const fsdp_tensor *t, int dim, int indent) {
   const int edge = 3;
   if (dim == t->ndim) {
-    fmt_value(b, d[0]);
+    fmt_value(b, fsdp_dtype_load(d, t->dtype, 0));
     return;
   }
+  const int64_t step = t->strides[dim] * (int64_t)fsdp_dtype_size(t->dtype);
   luaL_addchar(b, '[');
   int64_t n = t->shape[dim];
   for (int64_t i = 0; i < n; i++) {
@@ -728,7 +1023,7 @@ static void fmt_dim(luaL_Buffer *b, const float *d, const fsdp_tensor *t, int di
         for (int k = 0; k <= indent; k++) luaL_addchar(b, ' ');
       i = n - edge;
     }
-    fmt_dim(b, d + i * t->strides[dim], t, dim + 1, indent + 1);
+    fmt_dim(b, d + i * step, t, dim + 1, indent + 1);
     if (i + 1 < n) {
       if (dim == t->ndim - 1) luaL_addstring(b, ", ");
       else {
@@ -754,8 +1049,11 @@ static int l_tostring(lua_State *L) {
            t->storage->device->name, t->is_param ? ", parameter" : (t->requires_grad ? ", requires_grad" : ""));
   luaL_addstring(&b, head);
   if (t->storage->device->has_data) {
+    fsdp_tensor *h;
+    if (fsdp_to_host(&h, t)) fsdp_lua_error(L);
     luaL_addchar(&b, '\n');
-    fmt_dim(&b, fsdp_tensor_data(t, "print"), t, 0, 0);
+    fmt_dim(&b, fsdp_tensor_data(h, "print"), h, 0, 0);
+    fsdp_tensor_release(h);
   }
   luaL_pushresult(&b);
   return 1;
@@ -793,7 +1091,6 @@ static int l_index(lua_State *L) {
     }
     if (strcmp(k, "device") == 0) { lua_pushstring(L, t->storage->device->name); return 1; }
     if (strcmp(k, "has_data") == 0) { lua_pushboolean(L, t->storage->device->has_data); return 1; }
-    if (strcmp(k, "dtype") == 0) { lua_pushstring(L, fsdp_dtype_name(t->dtype)); return 1; }
     if (strcmp(k, "version") == 0) { lua_pushnumber(L, (lua_Number)t->version); return 1; }
   }
   (void)bx;
@@ -813,11 +1110,18 @@ static int l_newindex(lua_State *L) {
       luaL_error(L, "grad: shape %s does not match the tensor's %s", FSDP_SHAPE_STR(g),
                  FSDP_SHAPE_STR(t));
     if (!fsdp_tensor_is_contiguous(g)) luaL_error(L, "grad: must be a contiguous tensor");
+    if (g->dtype != t->dtype || g->storage->device != t->storage->device)
+      luaL_error(L, "grad: a %s tensor on %s cannot be the gradient of a %s tensor on %s",
+                 fsdp_dtype_name(g->dtype), g->storage->device->name, fsdp_dtype_name(t->dtype),
+                 t->storage->device->name);
     fsdp_tensor_set_grad(t, g);
     return 0;
   }
   if (strcmp(k, "requires_grad") == 0) {
     if (!t->is_leaf) luaL_error(L, "requires_grad: can only be set on a leaf tensor (one not computed by a recorded op); use detach()");
+    if (lua_toboolean(L, 3) && !fsdp_dtype_is_float(t->dtype))
+      luaL_error(L, "requires_grad: only float tensors can require a gradient (this one is %s)",
+                 fsdp_dtype_name(t->dtype));
     t->requires_grad = lua_toboolean(L, 3);
     return 0;
   }
@@ -847,7 +1151,13 @@ static const luaL_Reg methods[] = {
     {"contiguous", l_contiguous}, {"is_contiguous", l_is_contiguous},
     {"detach", l_detach},     {"backward", l_backward},   {"argmax", l_argmax},
     {"max", l_max},           {"min", l_min},             {"add_", l_add_},
-    {"mul_", l_mul_},         {NULL, NULL}};
+    {"mul_", l_mul_},         {"to", l_to},               {"dtype", l_dtype},
+    {"abs", l_abs},           {"sign", l_sign},           {"gt", l_gt},
+    {"ge", l_ge},             {"lt", l_lt},               {"le", l_le},
+    {"eq", l_eq},             {"ne", l_ne},               {"where", l_where},
+    {"clamp", l_clamp},       {"topk", l_topk},           {"sort", l_sort},
+    {"cat", l_cat},           {"stack", l_stack},
+    {NULL, NULL}};
 
 static const luaL_Reg metamethods[] = {
     {"__newindex", l_newindex}, {"__gc", l_gc},
@@ -867,6 +1177,14 @@ static const luaL_Reg constructors[] = {
     {"empty", l_empty},   {"randn", l_randn}, {"rand", l_rand}, {"arange", l_arange},
     {NULL, NULL}};
 
+/* Tensor functions that are also methods: fsdp.abs(t) is t:abs(). */
+static const luaL_Reg functions[] = {
+    {"abs", l_abs},     {"sign", l_sign},   {"where", l_where}, {"cat", l_cat},
+    {"stack", l_stack}, {"topk", l_topk},   {"sort", l_sort},   {"clamp", l_clamp},
+    {"argmax", l_argmax}, {"gt", l_gt},     {"ge", l_ge},       {"lt", l_lt},
+    {"le", l_le},       {"eq", l_eq},       {"ne", l_ne},       {"max", l_max},
+    {"min", l_min},     {NULL, NULL}};
+
 void fsdp_lua_open_tensor(lua_State *L) {
   fsdp_lua_box_cache_new(L, &CACHE_KEY); /* identity cache: weak values */
 
@@ -882,4 +1200,5 @@ void fsdp_lua_open_tensor(lua_State *L) {
   lua_setfield(L, -3, "Tensor"); /* module.Tensor = methods, so Lua code can add methods */
   lua_pop(L, 1);
   luaL_register(L, NULL, constructors);
+  luaL_register(L, NULL, functions);
 }

@@ -95,7 +95,7 @@ static float *elem(fsdp_tensor *t, int64_t i) {
     off += (i % t->shape[k]) * t->strides[k];
     i /= t->shape[k];
   }
-  return fsdp_tensor_data(t, "test") + off;
+  return (float *)fsdp_tensor_data(t, "test") + off;
 }
 
 /* Logical-order contents of t as a malloc'd double array. */
@@ -286,7 +286,7 @@ static int f_layernorm(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
   return fsdp_op_layernorm(o, in[0], in[1], in[2], 1e-5f);
 }
 static int f_softmax(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
-  return fsdp_op_softmax(o, in[0]);
+  return fsdp_op_softmax(o, in[0], in[0]->ndim - 1);
 }
 static int f_attention(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
   return fsdp_op_attention(o, in[0], *(const int *)ctx);
@@ -620,7 +620,7 @@ static void test_grad_cross_entropy(void **state) {
   fsdp_tensor *l = from(2, SHAPE(2, 3), lg), *t = from(1, SHAPE(2), tg), *o;
   assert_int_equal(fsdp_op_cross_entropy(&o, l, t, -1), FSDP_OK);
   double want = log(exp(1) + exp(2) + exp(3)) - 3;
-  assert_float_equal(fsdp_tensor_data(o, "t")[0], want, 1e-6);
+  assert_float_equal(((float *)fsdp_tensor_data(o, "t"))[0], want, 1e-6);
   fsdp_tensor_release(o);
   fsdp_tensor_release(l);
   fsdp_tensor_release(t);
@@ -631,9 +631,9 @@ static void test_grad_cross_entropy(void **state) {
   l->requires_grad = true;
   t = from(1, SHAPE(2), all_ign);
   assert_int_equal(fsdp_op_cross_entropy(&o, l, t, -1), FSDP_OK);
-  assert_float_equal(fsdp_tensor_data(o, "t")[0], 0.0f, 0);
+  assert_float_equal(((float *)fsdp_tensor_data(o, "t"))[0], 0.0f, 0);
   assert_int_equal(fsdp_backward(o, NULL), FSDP_OK);
-  for (int i = 0; i < 6; i++) assert_float_equal(fsdp_tensor_data(l->grad, "t")[i], 0.0f, 0);
+  for (int i = 0; i < 6; i++) assert_float_equal(((float *)fsdp_tensor_data(l->grad, "t"))[i], 0.0f, 0);
   fsdp_tensor_release(o);
   fsdp_tensor_release(l);
   fsdp_tensor_release(t);
@@ -844,7 +844,7 @@ static void test_backward_errors(void **state) {
   fsdp_tensor *one = rnd(0, NULL, -1, 1);
   one->requires_grad = true;
   assert_int_equal(fsdp_backward(one, NULL), FSDP_OK);
-  assert_float_equal(fsdp_tensor_data(one->grad, "t")[0], 1.0f, 0);
+  assert_float_equal(((float *)fsdp_tensor_data(one->grad, "t"))[0], 1.0f, 0);
   fsdp_tensor_release(one);
   fsdp_tensor_release(y);
   fsdp_tensor_release(s);
@@ -880,7 +880,7 @@ static void test_inplace_after_forward(void **state) {
   assert_int_equal(fsdp_op_sum(&s, m), FSDP_OK);
   assert_int_equal(fsdp_tensor_fill(m, 7.0f), FSDP_OK);
   assert_int_equal(fsdp_backward(s, NULL), FSDP_OK);
-  for (int i = 0; i < 12; i++) assert_float_equal(fsdp_tensor_data(w->grad, "t")[i], 3.0f, 0);
+  for (int i = 0; i < 12; i++) assert_float_equal(((float *)fsdp_tensor_data(w->grad, "t"))[i], 3.0f, 0);
   fsdp_tensor_release(m);
   fsdp_tensor_release(s);
   fsdp_tensor_release(w);
@@ -1174,7 +1174,7 @@ static void test_errors_shapes(void **state) {
   EXPECT_ERR(fsdp_op_layernorm(&o, a23, w2, NULL, 1e-5f), "layernorm", "(2, 3)", "(2)");
   EXPECT_ERR(fsdp_op_layernorm(&o, a23, w3, w2, 1e-5f), "layernorm", "(2, 3)", "(2)");
   EXPECT_ERR(fsdp_op_layernorm(&o, a23, a23, NULL, 1e-5f), "layernorm", "(2, 3)");
-  EXPECT_ERR(fsdp_op_softmax(&o, s), "softmax", "scalar");
+  EXPECT_ERR(fsdp_op_softmax(&o, s, 0), "softmax", "scalar");
 
   fsdp_tensor *q2 = rnd(2, SHAPE(5, 18), -1, 1), *q17 = rnd(3, SHAPE(2, 5, 17), -1, 1),
               *q18 = rnd(3, SHAPE(2, 5, 18), -1, 1);
@@ -1250,7 +1250,7 @@ static void test_errors_meta(void **state) {
   META(fsdp_op_embedding(&o, mids, cw), "embedding", "(2)");
   META(fsdp_op_layernorm(&o, m23, c3, NULL, 1e-5f), "layernorm", "(2, 3)");
   META(fsdp_op_layernorm(&o, c23, m3, NULL, 1e-5f), "layernorm", "(3)");
-  META(fsdp_op_softmax(&o, m23), "softmax", "(2, 3)");
+  META(fsdp_op_softmax(&o, m23, 1), "softmax", "(2, 3)");
   META(fsdp_op_attention(&o, mq, 1), "attention", "(1, 2, 6)");
   META(fsdp_op_dropout(&o, m23, 0.5f), "dropout", "(2, 3)");
   META(fsdp_op_cross_entropy(&o, m23, mids, -1), "cross_entropy", "(2, 3)");
@@ -1293,7 +1293,7 @@ static void test_empty(void **state) {
   assert_int_equal(fsdp_op_linear(&o, x, w, NULL), FSDP_OK);
   assert_int_equal(fsdp_op_sum(&s, o), FSDP_OK);
   assert_int_equal(fsdp_backward(s, NULL), FSDP_OK);
-  for (int i = 0; i < 20; i++) assert_float_equal(fsdp_tensor_data(w->grad, "t")[i], 0, 0);
+  for (int i = 0; i < 20; i++) assert_float_equal(((float *)fsdp_tensor_data(w->grad, "t"))[i], 0, 0);
   fsdp_tensor_release(o);
   fsdp_tensor_release(s);
   /* broadcasting with no elements, both ways round */
@@ -1315,7 +1315,7 @@ static void test_empty(void **state) {
   /* an empty reduction is 0 (sum) */
   fsdp_tensor *e30 = rnd(2, SHAPE(3, 0), -1, 1);
   assert_int_equal(fsdp_op_sum_dim(&o, e30, 1, false), FSDP_OK);
-  for (int i = 0; i < 3; i++) assert_float_equal(fsdp_tensor_data(o, "t")[i], 0.0f, 0);
+  for (int i = 0; i < 3; i++) assert_float_equal(((float *)fsdp_tensor_data(o, "t"))[i], 0.0f, 0);
   fsdp_tensor_release(o);
   fsdp_tensor_release(e30);
   fsdp_tensor_release(e0);

@@ -73,7 +73,7 @@ static fsdp_tensor *arange(int ndim, const int64_t *shape) {
 static float *at(const fsdp_tensor *t, const int64_t *idx) {
   int64_t off = 0;
   for (int i = 0; i < t->ndim; i++) off += idx[i] * t->strides[i];
-  return fsdp_tensor_data(t, "test") + off;
+  return (float *)fsdp_tensor_data(t, "test") + off;
 }
 
 /* advance a multi-index in row-major order; false when done */
@@ -303,24 +303,24 @@ static void test_devices(void **state) {
   assert_true(cpu->has_data);
   for (int round = 0; round < 3; round++) { /* reused memory must come back zeroed too */
     void *p = NULL;
-    assert_int_equal(cpu->alloc(&p, 1000), FSDP_OK);
+    assert_int_equal(cpu->alloc(NULL, &p, 1000), FSDP_OK);
     assert_non_null(p);
     assert_int_equal((uintptr_t)p % 64, 0);
     for (int i = 0; i < 1000; i++) assert_int_equal(((unsigned char *)p)[i], 0);
     memset(p, 0xff, 1000);
-    cpu->free(p, 1000);
+    cpu->free(NULL, p, 1000);
   }
   void *p = NULL;
-  assert_int_equal(cpu->alloc(&p, 0), FSDP_OK);
+  assert_int_equal(cpu->alloc(NULL, &p, 0), FSDP_OK);
   assert_non_null(p); /* a real pointer even for 0 bytes: empty cpu tensors have data */
-  cpu->free(p, 0);
+  cpu->free(NULL, p, 0);
 
   const fsdp_device_i *meta = &fsdp_device_meta;
   assert_false(meta->has_data);
   p = (void *)1;
-  assert_int_equal(meta->alloc(&p, 1 << 30), FSDP_OK);
+  assert_int_equal(meta->alloc(NULL, &p, 1 << 30), FSDP_OK);
   assert_null(p);
-  meta->free(NULL, 1 << 30);
+  meta->free(NULL, NULL, 1 << 30);
   assert_null(meta->copy);
 }
 
@@ -351,7 +351,7 @@ static void test_tensor_new(void **state) {
 
   fsdp_tensor *s = mk(0, NULL); /* scalar */
   assert_int_equal(fsdp_tensor_numel(s), 1);
-  assert_true(*fsdp_tensor_data(s, "test") == 0.0f);
+  assert_true(*(float *)fsdp_tensor_data(s, "test") == 0.0f);
   assert_int_equal(s->storage->bytes, 4);
   fsdp_tensor_release(s);
 
@@ -399,7 +399,7 @@ static void test_view(void **state) {
   assert_int_equal(v->strides[0], 2);
   assert_true(v->is_leaf);
   *at(v, SHAPE(2, 1)) = 42.0f; /* writes through the view land in the base */
-  assert_true(fsdp_tensor_data(base, "test")[5] == 42.0f);
+  assert_true(((float *)fsdp_tensor_data(base, "test"))[5] == 42.0f);
 
   fsdp_tensor *bad = NULL;
   fsdp_tensor *b23;
@@ -488,7 +488,7 @@ static void test_narrow(void **state) {
     assert_true(*at(n, i) == (float)(i[0] * 5 + i[1] + 1));
   } while (next_index(i, 2, n->shape));
   *at(n, SHAPE(2, 2)) = 99.0f;
-  assert_true(fsdp_tensor_data(base, "t")[2 * 5 + 3] == 99.0f);
+  assert_true(((float *)fsdp_tensor_data(base, "t"))[2 * 5 + 3] == 99.0f);
 
   /* narrow of a transposed view, and an empty narrow at the end */
   fsdp_tensor *tt, *nt, *empty;
@@ -521,7 +521,7 @@ static void test_new_view_bounds(void **state) {
   for (int k = 0; k < 6; k++) assert_true(*at(v, SHAPE(k)) == (float)(5 - k));
   fsdp_tensor *c;
   assert_int_equal(fsdp_tensor_contiguous(&c, v), FSDP_OK);
-  for (int k = 0; k < 6; k++) assert_true(fsdp_tensor_data(c, "t")[k] == (float)(5 - k));
+  for (int k = 0; k < 6; k++) assert_true(((float *)fsdp_tensor_data(c, "t"))[k] == (float)(5 - k));
   fsdp_tensor_release(c);
   fsdp_tensor_release(v);
   expect_error(fsdp_tensor_new_view(&bad, base, 5, 1, SHAPE(2), SHAPE(1)),
@@ -564,9 +564,9 @@ static void test_contiguous_and_clone(void **state) {
   assert_int_equal(pc->storage->role, FSDP_ROLE_PARAMS);
   assert_int_equal(pc->version, 0);
   assert_ptr_not_equal(pc->storage, p->storage);
-  fsdp_tensor_data(pc, "t")[0] = 7.0f;
-  assert_true(fsdp_tensor_data(p, "t")[0] == 3.0f);
-  assert_true(fsdp_tensor_data(pc, "t")[1] == 3.0f);
+  ((float *)fsdp_tensor_data(pc, "t"))[0] = 7.0f;
+  assert_true(((float *)fsdp_tensor_data(p, "t"))[0] == 3.0f);
+  assert_true(((float *)fsdp_tensor_data(pc, "t"))[1] == 3.0f);
   fsdp_tensor *all[] = {base, tt, c, p, pc};
   for (size_t k = 0; k < sizeof all / sizeof all[0]; k++) fsdp_tensor_release(all[k]);
 }
@@ -714,7 +714,7 @@ static void test_fill(void **state) {
     assert_true(p[k] == (k % 4 < 2 ? -1.0f : k % 4 == 2 ? 7.0f : 0.0f));
   fsdp_tensor *s = mk(0, NULL);
   assert_int_equal(fsdp_tensor_fill(s, 2.5f), FSDP_OK);
-  assert_true(*fsdp_tensor_data(s, "t") == 2.5f);
+  assert_true(*(float *)fsdp_tensor_data(s, "t") == 2.5f);
   fsdp_tensor *all[] = {base, col, tt, sub, s};
   for (size_t k = 0; k < sizeof all / sizeof all[0]; k++) fsdp_tensor_release(all[k]);
 }

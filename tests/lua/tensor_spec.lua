@@ -15,7 +15,7 @@ describe("constructors", function()
     assert.are.equal(2, t:dim())
     assert.are.equal(6, t:numel())
     assert.are.same({ { 1, 2, 3 }, { 4, 5, 6 } }, t:totable())
-    assert.are.equal("f32", t.dtype)
+    assert.are.equal("f32", t:dtype())
     assert.are.equal("cpu", t.device)
     local c = fsdp.tensor { { { 1 }, { 2 } }, { { 3 }, { 4 } } }
     assert.are.same({ 2, 2, 1 }, c:shape())

@@ -17,13 +17,21 @@
  * Precision: reductions over unbounded lengths (sum, sumsq, mse, column sums, cross-entropy
  * losses, bias gradients) accumulate in double; row reductions over a feature dimension use
  * float SIMD lanes with double between blocks. exp / tanh are SIMD polynomials within 2 ulp.
- * Owner: kernels (the .c files of src/kernels/cpu; vmath.h there is private to them).
+ *
+ * These are the f32 kernels; table.c puts them behind the cpu's kernel table (kernels/kernels.h),
+ * which adds the other dtypes (bf16 and f16 by converting to f32 and back around these calls).
  */
 #ifndef FSDP_KERNELS_CPU_H
 #define FSDP_KERNELS_CPU_H
 
 #include <stdbool.h>
 #include <stdint.h>
+
+#include "kernels/kernels.h"
+
+/* The cpu's kernel table (table.c) and its registration (fsdp_kernels_init calls it). */
+extern const fsdp_kernels_i fsdp_cpu_kernels;
+int fsdp_cpu_register(void);
 
 /* ---- BLAS ---------------------------------------------------------------------------- */
 
@@ -56,7 +64,6 @@ void fsdp_cpu_bmm_backward(float *da, float *db, const float *dout, const float 
 /* ---- elementwise with broadcasting over leading dimensions ------------------------------
  * a has n elements, b has m elements, n % m == 0: b repeats along the leading dimensions
  * (b's shape is a suffix of a's). out has n elements. m == n is the plain case. */
-typedef enum { FSDP_BIN_ADD, FSDP_BIN_SUB, FSDP_BIN_MUL, FSDP_BIN_DIV } fsdp_binop;
 void fsdp_cpu_binary_forward(float *out, const float *a, const float *b, int64_t n, int64_t m,
                              fsdp_binop op);
 /* da (n) += ..., db (m) += sum over repeats of ...; da or db may be NULL */
@@ -156,6 +163,15 @@ void fsdp_cpu_sum_dim_backward(float *dinp, const float *dout, int64_t outer, in
 double fsdp_cpu_sumsq(const float *a, int64_t n);
 /* out (C) += column sums of inp (R, C), accumulated in double: bias-style gradients. */
 void fsdp_cpu_colsum_acc(float *out, const float *inp, int64_t R, int64_t C);
+
+/* ---- dtype conversions (convert.c) ---------------------------------------------------------
+ * Bulk forms of core's scalar conversions (same bits: round to nearest even, NaN kept). */
+void fsdp_cpu_bf16_to_f32(float *out, const uint16_t *in, int64_t n);
+void fsdp_cpu_f32_to_bf16(uint16_t *out, const float *in, int64_t n);
+void fsdp_cpu_f16_to_f32(float *out, const uint16_t *in, int64_t n);
+void fsdp_cpu_f32_to_f16(uint16_t *out, const float *in, int64_t n);
+/* out (n, odt) = in (n, idt) for any pair of dtypes */
+void fsdp_cpu_cast(void *out, fsdp_dtype odt, const void *in, fsdp_dtype idt, int64_t n);
 
 /* ---- optimizers (update in place, over flat buffers) ----------------------------------------- */
 

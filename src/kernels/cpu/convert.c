@@ -1,0 +1,59 @@
+/*
+ * convert.c — bulk dtype conversions on the cpu. The narrowing loops are branch-free integer
+ * arithmetic on the bit patterns (the same rounding as core's fsdp_f32_to_bf16, which the tests
+ * compare them with), so they vectorise; the widening ones are shifts.
+ *
+ * Mixed precision runs a conversion pass around every f32 kernel a bf16 op calls, so these are
+ * on the hot path: they are compiled for AVX-512 and AVX2 next to the baseline and the loader
+ * picks the version for the processor it runs on (target_clones).
+ */
+#include <string.h>
+
+#include "kernels/cpu/kernels.h"
+
+#define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+
+CLONES void fsdp_cpu_bf16_to_f32(float *out, const uint16_t *in, int64_t n) {
+  uint32_t *o = (uint32_t *)out;
+  for (int64_t i = 0; i < n; i++) o[i] = (uint32_t)in[i] << 16;
+}
+
+CLONES void fsdp_cpu_f32_to_bf16(uint16_t *out, const float *in, int64_t n) {
+  const uint32_t *u = (const uint32_t *)in;
+  for (int64_t i = 0; i < n; i++) {
+    uint32_t x = u[i];
+    uint32_t r = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+    uint32_t q = (x >> 16) | 0x40u; /* NaN: keep sign and payload top, make it quiet */
+    out[i] = (uint16_t)((x & 0x7fffffffu) > 0x7f800000u ? q : r);
+  }
+}
+
+void fsdp_cpu_f16_to_f32(float *out, const uint16_t *in, int64_t n) {
+  for (int64_t i = 0; i < n; i++) out[i] = fsdp_f16_to_f32(in[i]);
+}
+
+void fsdp_cpu_f32_to_f16(uint16_t *out, const float *in, int64_t n) {
+  for (int64_t i = 0; i < n; i++) out[i] = fsdp_f32_to_f16(in[i]);
+}
+
+void fsdp_cpu_cast(void *out, fsdp_dtype odt, const void *in, fsdp_dtype idt, int64_t n) {
+  if (odt == idt) {
+    memmove(out, in, (size_t)n * fsdp_dtype_size(odt));
+    return;
+  }
+  if (idt == FSDP_DTYPE_F32) {
+    if (odt == FSDP_DTYPE_BF16) return fsdp_cpu_f32_to_bf16(out, in, n);
+    if (odt == FSDP_DTYPE_F16) return fsdp_cpu_f32_to_f16(out, in, n);
+  }
+  if (odt == FSDP_DTYPE_F32) {
+    if (idt == FSDP_DTYPE_BF16) return fsdp_cpu_bf16_to_f32(out, in, n);
+    if (idt == FSDP_DTYPE_F16) return fsdp_cpu_f16_to_f32(out, in, n);
+  }
+  /* everything else element by element through double (exact for every dtype but i64 values
+   * beyond 2^53, which then round) */
+  if (odt == FSDP_DTYPE_I64 && idt == FSDP_DTYPE_I32) {
+    for (int64_t i = 0; i < n; i++) ((int64_t *)out)[i] = ((const int32_t *)in)[i];
+    return;
+  }
+  for (int64_t i = 0; i < n; i++) fsdp_dtype_store(out, odt, i, fsdp_dtype_load(in, idt, i));
+}

@@ -1,0 +1,1150 @@
+/*
+ * table.c — the cpu's kernel table (kernels/kernels.h): each slot switches on the dtype at its
+ * entry and calls the f32 kernels of this folder.
+ *
+ * bf16 and f16 run as a conversion pass: inputs are widened into f32 scratch, the f32 kernel
+ * runs, outputs are rounded back (gradients that accumulate are widened first, so += keeps its
+ * meaning). Scratch is allocated per call through core (role activations), so the memory report
+ * shows what the pass costs. Debian's OpenBLAS has no bf16 GEMM; a native bf16 path replaces a
+ * slot's conversion without changing its callers.
+ *
+ * f64 and the integer dtypes get the slots that make sense for them (data movement, arithmetic,
+ * comparisons, reductions, sorting) as plain loops through double or int64; the others refuse
+ * them by name.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cpu/kernels.h"
+
+#define REFUSE(op, dt) fsdp_kernels_refuse(op, dt, "cpu")
+
+static bool is_half(fsdp_dtype dt) { return dt == FSDP_DTYPE_BF16 || dt == FSDP_DTYPE_F16; }
+static bool is_int(fsdp_dtype dt) {
+  return dt == FSDP_DTYPE_I64 || dt == FSDP_DTYPE_I32 || dt == FSDP_DTYPE_U8;
+}
+
+/* ---- the conversion pass: f32 scratch for one kernel call ---------------------------------- */
+
+#define MAX_TMP 8
+typedef struct {
+  fsdp_storage *s[MAX_TMP];
+  int n;
+} scratch;
+
+static float *tmp_f32(scratch *t, int64_t n) {
+  if (t->n == MAX_TMP) {
+    fsdp_error("cpu: too many scratch buffers in one kernel call");
+    return NULL;
+  }
+  fsdp_storage *s;
+  if (fsdp_storage_new_uninit(&s, &fsdp_device_cpu, (size_t)(n ? n : 1) * sizeof(float),
+                              FSDP_ROLE_ACTIVATIONS))
+    return NULL;
+  t->s[t->n++] = s;
+  return s->data;
+}
+
+static void tmp_done(scratch *t) {
+  for (int i = 0; i < t->n; i++) fsdp_storage_release(t->s[i]);
+  t->n = 0;
+}
+
+/* An f32 copy of in (n elements of dt); NULL stays NULL. *ok false on allocation failure. */
+static const float *widen(scratch *t, const void *in, fsdp_dtype dt, int64_t n, bool *ok) {
+  if (!in || dt == FSDP_DTYPE_F32) return in;
+  float *w = tmp_f32(t, n);
+  if (!w) {
+    *ok = false;
+    return NULL;
+  }
+  fsdp_cpu_cast(w, FSDP_DTYPE_F32, in, dt, n);
+  return w;
+}
+
+/* f32 scratch for an output: uninitialised (acc false) or holding out's values (acc true, for
+ * gradients that accumulate). NULL stays NULL. */
+static float *out_f32(scratch *t, void *out, fsdp_dtype dt, int64_t n, bool acc, bool *ok) {
+  if (!out || dt == FSDP_DTYPE_F32) return out;
+  float *w = tmp_f32(t, n);
+  if (!w) {
+    *ok = false;
+    return NULL;
+  }
+  if (acc) fsdp_cpu_cast(w, FSDP_DTYPE_F32, out, dt, n);
+  return w;
+}
+
+/* out (dt) <- w (f32) when w is a scratch copy */
+static void narrow(void *out, fsdp_dtype dt, const float *w, int64_t n) {
+  if (out && dt != FSDP_DTYPE_F32) fsdp_cpu_cast(out, dt, w, FSDP_DTYPE_F32, n);
+}
+
+static int finish(scratch *t, bool ok) {
+  tmp_done(t);
+  return ok ? FSDP_OK : FSDP_ERR;
+}
+
+/* ---- conversions and data movement ---------------------------------------------------------- */
+
+static int k_cast(void *ctx, void *out, fsdp_dtype odt, const void *in, fsdp_dtype idt,
+                  int64_t n) {
+  fsdp_cpu_cast(out, odt, in, idt, n);
+  return FSDP_OK;
+}
+
+static int k_copy_strided(void *ctx, fsdp_dtype dt, void *dst, const int64_t *ds,
+                          const void *src, const int64_t *ss, int ndim, const int64_t *shape) {
+  fsdp_host_copy_strided(dst, ds, src, ss, fsdp_dtype_size(dt), ndim, shape);
+  return FSDP_OK;
+}
+
+/* Element access through double, for the dtypes without a loop of their own. */
+#define LD(p, dt, i) fsdp_dtype_load(p, dt, i)
+#define ST(p, dt, i, v) fsdp_dtype_store(p, dt, i, v)
+
+static int k_add_strided(void *ctx, fsdp_dtype dt, void *dst, const int64_t *ds,
+                         const void *src, const int64_t *ss, int nd, const int64_t *shape) {
+  if (dt == FSDP_DTYPE_BOOL) return REFUSE("add", dt);
+  int64_t n = 1;
+  for (int k = 0; k < nd; k++) n *= shape[k];
+  if (n == 0) return FSDP_OK;
+  int last = nd - 1;
+  int64_t L = nd ? shape[last] : 1, dsl = nd ? ds[last] : 0, ssl = nd ? ss[last] : 0;
+  int64_t idx[FSDP_MAX_DIMS] = {0};
+  for (int64_t r = 0; r < n / L; r++) {
+    int64_t od = 0, os = 0;
+    for (int k = 0; k < last; k++) {
+      od += idx[k] * ds[k];
+      os += idx[k] * ss[k];
+    }
+    if (dt == FSDP_DTYPE_F32) {
+      float *d = (float *)dst + od;
+      const float *s = (const float *)src + os;
+      for (int64_t j = 0; j < L; j++) d[j * dsl] += s[j * ssl];
+    } else {
+      for (int64_t j = 0; j < L; j++)
+        ST(dst, dt, od + j * dsl, LD(dst, dt, od + j * dsl) + LD(src, dt, os + j * ssl));
+    }
+    for (int k = last - 1; k >= 0; k--) {
+      if (++idx[k] < shape[k]) break;
+      idx[k] = 0;
+    }
+  }
+  return FSDP_OK;
+}
+
+static int k_axpy(void *ctx, fsdp_dtype dt, void *y, const void *x, double alpha, int64_t n) {
+  if (dt == FSDP_DTYPE_F32) {
+    float *restrict yy = y;
+    const float *restrict xx = x;
+    const float a = (float)alpha;
+    if (a == 1.0f)
+      for (int64_t i = 0; i < n; i++) yy[i] += xx[i];
+    else
+      for (int64_t i = 0; i < n; i++) yy[i] += a * xx[i];
+    return FSDP_OK;
+  }
+  if (dt == FSDP_DTYPE_BOOL) return REFUSE("add", dt);
+  if (is_half(dt)) {
+    scratch t = {0};
+    bool ok = true;
+    const float *wx = widen(&t, x, dt, n, &ok);
+    float *wy = out_f32(&t, y, dt, n, true, &ok);
+    if (ok) {
+      k_axpy(ctx, FSDP_DTYPE_F32, wy, wx, alpha, n);
+      narrow(y, dt, wy, n);
+    }
+    return finish(&t, ok);
+  }
+  for (int64_t i = 0; i < n; i++) ST(y, dt, i, LD(y, dt, i) + alpha * LD(x, dt, i));
+  return FSDP_OK;
+}
+
+static int k_scale(void *ctx, fsdp_dtype dt, void *y, double s, int64_t n) {
+  if (dt == FSDP_DTYPE_F32) {
+    float *yy = y;
+    const float f = (float)s;
+    for (int64_t i = 0; i < n; i++) yy[i] *= f;
+    return FSDP_OK;
+  }
+  if (dt == FSDP_DTYPE_BOOL) return REFUSE("mul", dt);
+  for (int64_t i = 0; i < n; i++) ST(y, dt, i, LD(y, dt, i) * s);
+  return FSDP_OK;
+}
+
+static int k_arange(void *ctx, fsdp_dtype dt, void *out, double start, double step, int64_t n) {
+  for (int64_t i = 0; i < n; i++) ST(out, dt, i, start + (double)i * step);
+  return FSDP_OK;
+}
+
+static int k_random(void *ctx, fsdp_dtype dt, void *out, int64_t n, uint64_t key,
+                    uint64_t first, bool normal, double a, double b) {
+  if (!fsdp_dtype_is_float(dt)) return REFUSE(normal ? "randn" : "rand", dt);
+  scratch t = {0};
+  float *w = dt == FSDP_DTYPE_F32 ? out : tmp_f32(&t, n); /* the stream is f32 everywhere */
+  if (!w) return finish(&t, false);
+  if (normal) {
+    fsdp_rng_normal(w, n, key, first, (float)a, (float)b);
+  } else {
+    fsdp_rng_uniform(w, n, key, first);
+    if (a != 0.0 || b != 1.0)
+      for (int64_t i = 0; i < n; i++) w[i] = (float)a + (float)(b - a) * w[i];
+  }
+  if (w != out) fsdp_cpu_cast(out, dt, w, FSDP_DTYPE_F32, n);
+  return finish(&t, true);
+}
+
+/* ---- linear algebra --------------------------------------------------------------------------- */
+
+static int k_gemm(void *ctx, fsdp_dtype dt, void *c, const void *a, const void *b, int M, int N,
+                  int K, bool ta, bool tb, float alpha, float beta, int lda, int ldb, int ldc) {
+  if (dt == FSDP_DTYPE_F32) {
+    fsdp_cpu_gemm(c, a, b, M, N, K, ta, tb, alpha, beta, lda, ldb, ldc);
+    return FSDP_OK;
+  }
+  if (!is_half(dt)) return REFUSE("matmul", dt);
+  /* stored extents of a, b, c with their leading dimensions */
+  int64_t na = (int64_t)(ta ? K : M) * lda, nb = (int64_t)(tb ? N : K) * ldb,
+          nc = (int64_t)M * ldc;
+  scratch t = {0};
+  bool ok = true;
+  const float *wa = widen(&t, a, dt, na, &ok), *wb = widen(&t, b, dt, nb, &ok);
+  float *wc = out_f32(&t, c, dt, nc, beta != 0.0f, &ok);
+  if (ok) {
+    fsdp_cpu_gemm(wc, wa, wb, M, N, K, ta, tb, alpha, beta, lda, ldb, ldc);
+    narrow(c, dt, wc, nc);
+  }
+  return finish(&t, ok);
+}
+
+static int k_bmm_forward(void *ctx, fsdp_dtype dt, void *out, const void *a, const void *b,
+                         int B, int M, int K, int N) {
+  if (dt == FSDP_DTYPE_F32) {
+    fsdp_cpu_bmm_forward(out, a, b, B, M, K, N);
+    return FSDP_OK;
+  }
+  if (!is_half(dt)) return REFUSE("matmul", dt);
+  scratch t = {0};
+  bool ok = true;
+  int64_t no = (int64_t)B * M * N;
+  const float *wa = widen(&t, a, dt, (int64_t)B * M * K, &ok);
+  const float *wb = widen(&t, b, dt, (int64_t)B * K * N, &ok);
+  float *wo = out_f32(&t, out, dt, no, false, &ok);
+  if (ok) {
+    fsdp_cpu_bmm_forward(wo, wa, wb, B, M, K, N);
+    narrow(out, dt, wo, no);
+  }
+  return finish(&t, ok);
+}
+
+static int k_bmm_backward(void *ctx, fsdp_dtype dt, void *da, void *db, const void *dout,
+                          const void *a, const void *b, int B, int M, int K, int N) {
+  if (dt == FSDP_DTYPE_F32) {
+    fsdp_cpu_bmm_backward(da, db, dout, a, b, B, M, K, N);
+    return FSDP_OK;
+  }
+  if (!is_half(dt)) return REFUSE("matmul", dt);
+  scratch t = {0};
+  bool ok = true;
+  int64_t nA = (int64_t)B * M * K, nB = (int64_t)B * K * N;
+  const float *wg = widen(&t, dout, dt, (int64_t)B * M * N, &ok);
+  const float *wa = widen(&t, a, dt, nA, &ok), *wb = widen(&t, b, dt, nB, &ok);
+  float *wda = out_f32(&t, da, dt, nA, true, &ok);
+  float *wdb = da == db ? wda : out_f32(&t, db, dt, nB, true, &ok);
+  if (ok) {
+    fsdp_cpu_bmm_backward(wda, wdb, wg, wa, wb, B, M, K, N);
+    narrow(da, dt, wda, nA);
+    if (db != da) narrow(db, dt, wdb, nB);
+  }
+  return finish(&t, ok);
+}
+
+static int k_linear_forward(void *ctx, fsdp_dtype dt, void *out, const void *inp,
+                            const void *weight, const void *bias, int M, int K, int N) {
+  if (dt == FSDP_DTYPE_F32) {
+    fsdp_cpu_linear_forward(out, inp, weight, bias, M, K, N);
+    return FSDP_OK;
+  }
+  if (!is_half(dt)) return REFUSE("linear", dt);
+  scratch t = {0};
+  bool ok = true;
+  const float *wi = widen(&t, inp, dt, (int64_t)M * K, &ok);
+  const float *ww = widen(&t, weight, dt, (int64_t)N * K, &ok);
+  const float *wb = widen(&t, bias, dt, N, &ok);
+  float *wo = out_f32(&t, out, dt, (int64_t)M * N, false, &ok);
+  if (ok) {
+    fsdp_cpu_linear_forward(wo, wi, ww, wb, M, K, N);
+    narrow(out, dt, wo, (int64_t)M * N);
+  }
+  return finish(&t, ok);
+}
+
+static int k_linear_backward(void *ctx, fsdp_dtype dt, void *dinp, void *dweight, void *dbias,
+                             const void *dout, const void *inp, const void *weight, int M,
+                             int K, int N) {
+  if (dt == FSDP_DTYPE_F32) {
+    fsdp_cpu_linear_backward(dinp, dweight, dbias, dout, inp, weight, M, K, N);
+    return FSDP_OK;
+  }
+  if (!is_half(dt)) return REFUSE("linear", dt);
+  scratch t = {0};
+  bool ok = true;
+  const float *wg = widen(&t, dout, dt, (int64_t)M * N, &ok);
+  const float *wi = dweight ? widen(&t, inp, dt, (int64_t)M * K, &ok) : NULL;
+  const float *ww = dinp ? widen(&t, weight, dt, (int64_t)N * K, &ok) : NULL;
+  float *wdi = out_f32(&t, dinp, dt, (int64_t)M * K, true, &ok);
+  float *wdw = out_f32(&t, dweight, dt, (int64_t)N * K, true, &ok);
+  float *wdb = out_f32(&t, dbias, dt, N, true, &ok);
+  if (ok) {
+    fsdp_cpu_linear_backward(wdi, wdw, wdb, wg, wi, ww, M, K, N);
+    narrow(dinp, dt, wdi, (int64_t)M * K);
+    narrow(dweight, dt, wdw, (int64_t)N * K);
+    narrow(dbias, dt, wdb, N);
+  }
+  return finish(&t, ok);
+}
+
+/* ---- elementwise ------------------------------------------------------------------------------ */
+
+static int k_binary_forward(void *ctx, fsdp_dtype dt, void *out, const void *a, const void *b,
+                            int64_t n, int64_t m, fsdp_binop op) {
+  static const char *names[] = {"add", "sub", "mul", "div"};
+  if (n <= 0 || m <= 0) return FSDP_OK;
+  if (dt == FSDP_DTYPE_F32) {
+    fsdp_cpu_binary_forward(out, a, b, n, m, op);
+    return FSDP_OK;
+  }
+  if (is_half(dt)) {
+    scratch t = {0};
+    bool ok = true;
+    const float *wa = widen(&t, a, dt, n, &ok), *wb = widen(&t, b, dt, m, &ok);
+    float *wo = out_f32(&t, out, dt, n, false, &ok);
+    if (ok) {
+      fsdp_cpu_binary_forward(wo, wa, wb, n, m, op);
+      narrow(out, dt, wo, n);
+    }
+    return finish(&t, ok);
+  }
+  /* integer division would need a float result: divide float tensors instead */
+  if (dt == FSDP_DTYPE_BOOL || (is_int(dt) && op == FSDP_BIN_DIV)) return REFUSE(names[op], dt);
+  if (dt == FSDP_DTYPE_I64) { /* exact beyond 2^53 */
+    int64_t *o = out;
+    const int64_t *x = a, *y = b;
+    for (int64_t i = 0; i < n; i++) {
+      int64_t u = x[i], v = y[i % m];
+      o[i] = op == FSDP_BIN_ADD ? (int64_t)((uint64_t)u + (uint64_t)v)
+             : op == FSDP_BIN_SUB ? (int64_t)((uint64_t)u - (uint64_t)v)
+                                  : (int64_t)((uint64_t)u * (uint64_t)v);
+    }
+    return FSDP_OK;
+  }
+  for (int64_t i = 0; i < n; i++) {
+    double u = LD(a, dt, i), v = LD(b, dt, i % m);
+    double r = op == FSDP_BIN_ADD ? u + v : op == FSDP_BIN_SUB ? u - v
+               : op == FSDP_BIN_MUL ? u * v : u / v;
+    ST(out, dt, i, r);
+  }
+  return FSDP_OK;
+}
+
+static int k_binary_backward(void *ctx, fsdp_dtype dt, void *da, void *db, const void *dout,
+                             const void *a, const void *b, int64_t n, int64_t m, fsdp_binop op) {
+  static const char *names[] = {"add", "sub", "mul", "div"};
+  if (n <= 0 || m <= 0) return FSDP_OK;
+  if (dt == FSDP_DTYPE_F32) {
+    fsdp_cpu_binary_backward(da, db, dout, a, b, n, m, op);
+    return FSDP_OK;
+  }
+  if (dt == FSDP_DTYPE_F64) {
+    for (int64_t i = 0; i < n; i++) {
+      double g = LD(dout, dt, i), u = LD(a, dt, i), v = LD(b, dt, i % m);
+      double ga = op == FSDP_BIN_MUL ? g * v : op == FSDP_BIN_DIV ? g / v : g;
+      double gb = op == FSDP_BIN_ADD ? g : op == FSDP_BIN_SUB ? -g
+                  : op == FSDP_BIN_MUL ? g * u : -g * u / (v * v);
+      if (da) ST(da, dt, i, LD(da, dt, i) + ga);
+      if (db) ST(db, dt, i % m, LD(db, dt, i % m) + gb);
+    }
+    return FSDP_OK;
+  }
+  if (!is_half(dt)) return REFUSE(names[op], dt);
+  scratch t = {0};
+  bool ok = true;
+  const float *wg = widen(&t, dout, dt, n, &ok);
+  const float *wa = widen(&t, a, dt, n, &ok), *wb = widen(&t, b, dt, m, &ok);
+  float *wda = out_f32(&t, da, dt, n, true, &ok);
+  float *wdb = db == da ? wda : out_f32(&t, db, dt, m, true, &ok);
+  if (ok) {
+    fsdp_cpu_binary_backward(wda, wdb, wg, wa, wb, n, m, op);
+    narrow(da, dt, wda, n);
+    if (db != da) narrow(db, dt, wdb, m);
+  }
+  return finish(&t, ok);
+}
+
+static int k_affine_forward(void *ctx, fsdp_dtype dt, void *out, const void *a, double s,
+                            double tt, int64_t n) {
+  if (dt == FSDP_DTYPE_F32) {
+    fsdp_cpu_affine_forward(out, a, (float)s, (float)tt, n);
+    return FSDP_OK;
+  }
+  if (is_half(dt)) {
+    scratch t = {0};
+    bool ok = true;
+    const float *wa = widen(&t, a, dt, n, &ok);
+    float *wo = out_f32(&t, out, dt, n, false, &ok);
+    if (ok) {
+      fsdp_cpu_affine_forward(wo, wa, (float)s, (float)tt, n);
+      narrow(out, dt, wo, n);
+    }
+    return finish(&t, ok);
+  }
+  if (dt == FSDP_DTYPE_BOOL) return REFUSE("affine", dt);
+  for (int64_t i = 0; i < n; i++) ST(out, dt, i, LD(a, dt, i) * s + tt);
+  return FSDP_OK;
+}
+
+static int k_affine_backward(void *ctx, fsdp_dtype dt, void *da, const void *dout, double s,
+                             int64_t n) {
+  if (dt == FSDP_DTYPE_F32) {
+    fsdp_cpu_affine_backward(da, dout, (float)s, n);
+    return FSDP_OK;
+  }
+  if (!fsdp_dtype_is_float(dt)) return REFUSE("affine", dt);
+  return k_axpy(ctx, dt, da, dout, s, n);
+}
+
+/* f32 unary math that has no kernel file of its own */
+static void unary_f32(fsdp_unary_op op, float *y, const float *x, int64_t n) {
+  switch (op) {
+  case FSDP_UNARY_RELU: fsdp_cpu_relu_forward(y, x, n); break;
+  case FSDP_UNARY_GELU: fsdp_cpu_gelu_forward(y, x, n); break;
+  case FSDP_UNARY_EXP: for (int64_t i = 0; i < n; i++) y[i] = expf(x[i]); break;
+  case FSDP_UNARY_LOG: for (int64_t i = 0; i < n; i++) y[i] = logf(x[i]); break;
+  case FSDP_UNARY_SQRT: for (int64_t i = 0; i < n; i++) y[i] = sqrtf(x[i]); break;
+  case FSDP_UNARY_TANH: for (int64_t i = 0; i < n; i++) y[i] = tanhf(x[i]); break;
+  case FSDP_UNARY_SIGMOID:
+    for (int64_t i = 0; i < n; i++) y[i] = 1.0f / (1.0f + expf(-x[i]));
+    break;
+  case FSDP_UNARY_ABS: for (int64_t i = 0; i < n; i++) y[i] = fabsf(x[i]); break;
+  case FSDP_UNARY_SIGN:
+    for (int64_t i = 0; i < n; i++)
+      y[i] = x[i] > 0.0f ? 1.0f : x[i] < 0.0f ? -1.0f : x[i] == x[i] ? 0.0f : x[i];
+    break;
+  default: break;
+  }
+}
+
+static void unary_bw_f32(fsdp_unary_op op, float *da, const float *g, const float *x,
+                         const float *y, int64_t n) {
+  switch (op) {
+  case FSDP_UNARY_RELU: fsdp_cpu_relu_backward(da, g, x, n); break;
+  case FSDP_UNARY_GELU: fsdp_cpu_gelu_backward(da, g, x, n); break;
+  case FSDP_UNARY_EXP: for (int64_t i = 0; i < n; i++) da[i] += g[i] * y[i]; break;
+  case FSDP_UNARY_LOG: for (int64_t i = 0; i < n; i++) da[i] += g[i] / x[i]; break;
+  case FSDP_UNARY_SQRT: for (int64_t i = 0; i < n; i++) da[i] += g[i] * 0.5f / y[i]; break;
+  case FSDP_UNARY_TANH: for (int64_t i = 0; i < n; i++) da[i] += g[i] * (1.0f - y[i] * y[i]); break;
+  case FSDP_UNARY_SIGMOID:
+    for (int64_t i = 0; i < n; i++) da[i] += g[i] * y[i] * (1.0f - y[i]);
+    break;
+  case FSDP_UNARY_ABS: /* sign(x); 0 at 0, as PyTorch */
+    for (int64_t i = 0; i < n; i++) da[i] += x[i] > 0.0f ? g[i] : x[i] < 0.0f ? -g[i] : 0.0f;
+    break;
+  case FSDP_UNARY_SIGN: break; /* zero almost everywhere */
+  default: break;
+  }
+}
+
+static double unary_f64(fsdp_unary_op op, double x) {
+  switch (op) {
+  case FSDP_UNARY_RELU: return x > 0 ? x : 0;
+  case FSDP_UNARY_GELU: return 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)));
+  case FSDP_UNARY_EXP: return exp(x);
+  case FSDP_UNARY_LOG: return log(x);
+  case FSDP_UNARY_SQRT: return sqrt(x);
+  case FSDP_UNARY_TANH: return tanh(x);
+  case FSDP_UNARY_SIGMOID: return 1.0 / (1.0 + exp(-x));
+  case FSDP_UNARY_ABS: return fabs(x);
+  case FSDP_UNARY_SIGN: return x > 0 ? 1 : x < 0 ? -1 : x;
+  default: return NAN;
+  }
+}
+
+static int k_unary_forward(void *ctx, fsdp_dtype dt, fsdp_unary_op op, void *out,
+                           const void *in, int64_t n) {
+  if (dt == FSDP_DTYPE_F32) {
+    unary_f32(op, out, in, n);
+    return FSDP_OK;
+  }
+  if (is_half(dt)) {
+    scratch t = {0};
+    bool ok = true;
+    const float *wi = widen(&t, in, dt, n, &ok);
+    float *wo = out_f32(&t, out, dt, n, false, &ok);
+    if (ok) {
+      unary_f32(op, wo, wi, n);
+      narrow(out, dt, wo, n);
+    }
+    return finish(&t, ok);
+  }
+  /* integers: the ops whose result is an integer again */
+  bool int_ok = op == FSDP_UNARY_RELU || op == FSDP_UNARY_ABS || op == FSDP_UNARY_SIGN;
+  if (dt == FSDP_DTYPE_BOOL || (is_int(dt) && !int_ok)) return REFUSE(fsdp_unary_name(op), dt);
+  for (int64_t i = 0; i < n; i++) ST(out, dt, i, unary_f64(op, LD(in, dt, i)));
+  return FSDP_OK;
+}
+
+static int k_unary_backward(void *ctx, fsdp_dtype dt, fsdp_unary_op op, void *din,
+                            const void *dout, const void *in, const void *out, int64_t n) {
+  if (dt == FSDP_DTYPE_F32) {
+    unary_bw_f32(op, din, dout, in, out, n);
+    return FSDP_OK;
+  }
+  if (dt == FSDP_DTYPE_F64) { /* through f32 math would lose what f64 is for: central formulas */
+    for (int64_t i = 0; i < n; i++) {
+      double g = LD(dout, dt, i), x = in ? LD(in, dt, i) : 0, y = out ? LD(out, dt, i) : 0, d;
+      switch (op) {
+      case FSDP_UNARY_RELU: d = x > 0 ? g : 0; break;
+      case FSDP_UNARY_GELU: {
+        const double k = 0.7978845608028654, u = k * (x + 0.044715 * x * x * x), th = tanh(u);
+        d = g * (0.5 * (1 + th) + 0.5 * x * (1 - th * th) * k * (1 + 3 * 0.044715 * x * x));
+        break;
+      }
+      case FSDP_UNARY_EXP: d = g * y; break;
+      case FSDP_UNARY_LOG: d = g / x; break;
+      case FSDP_UNARY_SQRT: d = g * 0.5 / y; break;
+      case FSDP_UNARY_TANH: d = g * (1 - y * y); break;
+      case FSDP_UNARY_SIGMOID: d = g * y * (1 - y); break;
+      case FSDP_UNARY_ABS: d = x > 0 ? g : x < 0 ? -g : 0; break;
+      default: d = 0; break;
+      }
+      ST(din, dt, i, LD(din, dt, i) + d);
+    }
+    return FSDP_OK;
+  }
+  if (!is_half(dt)) return REFUSE(fsdp_unary_name(op), dt);
+  scratch t = {0};
+  bool ok = true;
+  const float *wg = widen(&t, dout, dt, n, &ok), *wi = widen(&t, in, dt, n, &ok);
+  const float *wo = widen(&t, out, dt, n, &ok);
+  float *wd = out_f32(&t, din, dt, n, true, &ok);
+  if (ok) {
+    unary_bw_f32(op, wd, wg, wi, wo, n);
+    narrow(din, dt, wd, n);
+  }
+  return finish(&t, ok);
+}
+
+static int k_pow_forward(void *ctx, fsdp_dtype dt, void *out, const void *in, double p,
+                         int64_t n) {
+  if (!fsdp_dtype_is_float(dt)) return REFUSE("pow", dt);
+  if (dt == FSDP_DTYPE_F64) {
+    for (int64_t i = 0; i < n; i++) ST(out, dt, i, pow(LD(in, dt, i), p));
+    return FSDP_OK;
+  }
+  scratch t = {0};
+  bool ok = true;
+  const float *x = widen(&t, in, dt, n, &ok);
+  float *y = out_f32(&t, out, dt, n, false, &ok);
+  if (ok) {
+    for (int64_t i = 0; i < n; i++) y[i] = powf(x[i], (float)p);
+    narrow(out, dt, y, n);
+  }
+  return finish(&t, ok);
+}
+
+static int k_pow_backward(void *ctx, fsdp_dtype dt, void *din, const void *dout, const void *in,
+                          double p, int64_t n) {
+  if (!fsdp_dtype_is_float(dt)) return REFUSE("pow", dt);
+  if (dt == FSDP_DTYPE_F64) {
+    for (int64_t i = 0; i < n; i++)
+      ST(din, dt, i, LD(din, dt, i) + LD(dout, dt, i) * p * pow(LD(in, dt, i), p - 1));
+    return FSDP_OK;
+  }
+  scratch t = {0};
+  bool ok = true;
+  const float *g = widen(&t, dout, dt, n, &ok), *x = widen(&t, in, dt, n, &ok);
+  float *d = out_f32(&t, din, dt, n, true, &ok);
+  if (ok) {
+    const float pf = (float)p;
+    for (int64_t i = 0; i < n; i++) d[i] += g[i] * pf * powf(x[i], pf - 1.0f);
+    narrow(din, dt, d, n);
+  }
+  return finish(&t, ok);
+}
+
+static int k_clamp_forward(void *ctx, fsdp_dtype dt, void *out, const void *in, double lo,
+                           double hi, int64_t n) {
+  if (dt == FSDP_DTYPE_BOOL) return REFUSE("clamp", dt);
+  if (dt == FSDP_DTYPE_F32) {
+    float *y = out;
+    const float *x = in;
+    const float l = (float)lo, h = (float)hi;
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] < l ? l : x[i] > h ? h : x[i]; /* NaN stays */
+    return FSDP_OK;
+  }
+  for (int64_t i = 0; i < n; i++) {
+    double x = LD(in, dt, i);
+    ST(out, dt, i, x < lo ? lo : x > hi ? hi : x);
+  }
+  return FSDP_OK;
+}
+
+static int k_clamp_backward(void *ctx, fsdp_dtype dt, void *din, const void *dout,
+                            const void *in, double lo, double hi, int64_t n) {
+  if (!fsdp_dtype_is_float(dt)) return REFUSE("clamp", dt);
+  for (int64_t i = 0; i < n; i++) {
+    double x = LD(in, dt, i);
+    if (x >= lo && x <= hi) ST(din, dt, i, LD(din, dt, i) + LD(dout, dt, i));
+  }
+  return FSDP_OK;
+}
+
+static int k_compare(void *ctx, fsdp_dtype dt, fsdp_cmpop op, void *out, const void *a,
+                     const void *b, int64_t n, int64_t m) {
+  uint8_t *o = out;
+  if (m <= 0) return FSDP_OK;
+  for (int64_t i = 0; i < n; i++) {
+    double u = LD(a, dt, i), v = LD(b, dt, i % m);
+    bool r;
+    switch (op) {
+    case FSDP_CMP_GT: r = u > v; break;
+    case FSDP_CMP_GE: r = u >= v; break;
+    case FSDP_CMP_LT: r = u < v; break;
+    case FSDP_CMP_LE: r = u <= v; break;
+    case FSDP_CMP_EQ: r = u == v; break;
+    default: r = u != v; break;
+    }
+    o[i] = r;
+  }
+  return FSDP_OK;
+}
+
+static int k_where(void *ctx, fsdp_dtype dt, void *out, const void *cond, const void *a,
+                   const void *b, int64_t n) {
+  const uint8_t *c = cond;
+  const size_t es = fsdp_dtype_size(dt);
+  char *o = out;
+  const char *x = a, *y = b;
+  for (int64_t i = 0; i < n; i++) memcpy(o + i * (int64_t)es, (c[i] ? x : y) + i * (int64_t)es, es);
+  return FSDP_OK;
+}
+
+static int k_dropout_forward(void *ctx, fsdp_dtype dt, void *out, void *mask, const void *in,
+                             int64_t n, float p, uint64_t key, uint64_t first) {
+  if (dt == FSDP_DTYPE_F32) {
+    fsdp_cpu_dropout_forward(out, mask, in, n, p, key, first);
+    return FSDP_OK;
+  }
+  if (!is_half(dt)) return REFUSE("dropout", dt);
+  scratch t = {0};
+  bool ok = true;
+  const float *wi = widen(&t, in, dt, n, &ok);
+  float *wo = out_f32(&t, out, dt, n, false, &ok), *wm = out_f32(&t, mask, dt, n, false, &ok);
+  if (ok) {
+    fsdp_cpu_dropout_forward(wo, wm, wi, n, p, key, first);
+    narrow(out, dt, wo, n);
+    narrow(mask, dt, wm, n);
+  }
+  return finish(&t, ok);
+}
+
+static int k_dropout_backward(void *ctx, fsdp_dtype dt, void *din, const void *dout,
+                              const void *mask, int64_t n) {
+  if (dt == FSDP_DTYPE_F32) {
+    fsdp_cpu_dropout_backward(din, dout, mask, n);
+    return FSDP_OK;
+  }
+  if (!is_half(dt)) return REFUSE("dropout", dt);
+  scratch t = {0};
+  bool ok = true;
+  const float *wg = widen(&t, dout, dt, n, &ok), *wm = widen(&t, mask, dt, n, &ok);
+  float *wd = out_f32(&t, din, dt, n, true, &ok);
+  if (ok) {
+    fsdp_cpu_dropout_backward(wd, wg, wm, n);
+    narrow(din, dt, wd, n);
+  }
+  return finish(&t, ok);
+}
+
+/* ---- indices ----------------------------------------------------------------------------------- */
+
+static int k_check_index(void *ctx, fsdp_dtype idt, const void *ids, int64_t n, int64_t lo,
+                         int64_t hi, const int64_t *ignore, int64_t *bad, double *bad_value) {
+  *bad = -1;
+  if (idt == FSDP_DTYPE_I64 || idt == FSDP_DTYPE_I32) {
+    for (int64_t i = 0; i < n; i++) {
+      int64_t v = idt == FSDP_DTYPE_I64 ? ((const int64_t *)ids)[i] : ((const int32_t *)ids)[i];
+      if ((ignore && v == *ignore) || (v >= lo && v < hi)) continue;
+      *bad = i, *bad_value = (double)v;
+      return FSDP_OK;
+    }
+    return FSDP_OK;
+  }
+  if (!fsdp_dtype_is_float(idt) && idt != FSDP_DTYPE_U8) return REFUSE("index", idt);
+  /* floats holding integers: compared as doubles (casting NaN or a huge value to an integer
+   * type would be undefined) */
+  for (int64_t i = 0; i < n; i++) {
+    double x = LD(ids, idt, i);
+    if (ignore && x == (double)*ignore) continue;
+    if (!(x >= (double)lo && x < (double)hi) || x != floor(x)) {
+      *bad = i, *bad_value = x;
+      return FSDP_OK;
+    }
+  }
+  return FSDP_OK;
+}
+
+/* Index buffers as the f32 the kernels take (ids are checked < 2^24 by the callers' ranges). */
+static const float *ids_f32(scratch *t, const void *ids, fsdp_dtype idt, int64_t n, bool *ok) {
+  return widen(t, ids, idt, n, ok);
+}
+
+static int k_embedding_forward(void *ctx, fsdp_dtype dt, void *out, const void *ids,
+                               fsdp_dtype idt, const void *weight, int64_t N, int C) {
+  if (!fsdp_dtype_is_float(dt) && !is_int(dt)) return REFUSE("embedding", dt);
+  scratch t = {0};
+  bool ok = true;
+  const float *fi = ids_f32(&t, ids, idt, N, &ok);
+  if (ok) { /* rows are copied, whatever the dtype */
+    const size_t row = (size_t)C * fsdp_dtype_size(dt);
+    for (int64_t i = 0; i < N; i++)
+      memcpy((char *)out + (size_t)i * row, (const char *)weight + (size_t)(int64_t)fi[i] * row, row);
+  }
+  return finish(&t, ok);
+}
+
+static int k_embedding_backward(void *ctx, fsdp_dtype dt, void *dweight, const void *dout,
+                                const void *ids, fsdp_dtype idt, int64_t N, int C) {
+  if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("embedding", dt);
+  scratch t = {0};
+  bool ok = true;
+  const float *fi = ids_f32(&t, ids, idt, N, &ok);
+  if (!ok) return finish(&t, ok);
+  if (dt == FSDP_DTYPE_F32) {
+    fsdp_cpu_embedding_backward(dweight, dout, fi, N, C);
+    return finish(&t, ok);
+  }
+  /* half: widen only the rows that receive something, one row at a time */
+  float *acc = tmp_f32(&t, 2 * (int64_t)C);
+  if (!acc) return finish(&t, false);
+  const size_t hs = fsdp_dtype_size(dt);
+  for (int64_t i = 0; i < N; i++) {
+    char *drow = (char *)dweight + (size_t)(int64_t)fi[i] * C * hs;
+    fsdp_cpu_cast(acc, FSDP_DTYPE_F32, drow, dt, C);
+    fsdp_cpu_cast(acc + C, FSDP_DTYPE_F32, (const char *)dout + (size_t)i * C * hs, dt, C);
+    for (int c = 0; c < C; c++) acc[c] += acc[C + c];
+    fsdp_cpu_cast(drow, dt, acc, FSDP_DTYPE_F32, C);
+  }
+  return finish(&t, ok);
+}
+
+/* ---- normalisation, attention, losses ------------------------------------------------------- */
+
+static int k_layernorm_forward(void *ctx, fsdp_dtype dt, void *out, float *mean, float *rstd,
+                               const void *inp, const void *weight, const void *bias, int64_t N,
+                               int C, float eps) {
+  if (dt == FSDP_DTYPE_F32) {
+    fsdp_cpu_layernorm_forward(out, mean, rstd, inp, weight, bias, N, C, eps);
+    return FSDP_OK;
+  }
+  if (!is_half(dt)) return REFUSE("layernorm", dt);
+  scratch t = {0};
+  bool ok = true;
+  const float *wi = widen(&t, inp, dt, N * C, &ok), *ww = widen(&t, weight, dt, C, &ok);
+  const float *wb = widen(&t, bias, dt, C, &ok);
+  float *wo = out_f32(&t, out, dt, N * C, false, &ok);
+  if (ok) {
+    fsdp_cpu_layernorm_forward(wo, mean, rstd, wi, ww, wb, N, C, eps);
+    narrow(out, dt, wo, N * C);
+  }
+  return finish(&t, ok);
+}
+
+static int k_layernorm_backward(void *ctx, fsdp_dtype dt, void *dinp, void *dweight, void *dbias,
+                                const void *dout, const void *inp, const void *weight,
+                                const float *mean, const float *rstd, int64_t N, int C) {
+  if (dt == FSDP_DTYPE_F32) {
+    fsdp_cpu_layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+    return FSDP_OK;
+  }
+  if (!is_half(dt)) return REFUSE("layernorm", dt);
+  scratch t = {0};
+  bool ok = true;
+  const float *wg = widen(&t, dout, dt, N * C, &ok), *wi = widen(&t, inp, dt, N * C, &ok);
+  const float *ww = widen(&t, weight, dt, C, &ok);
+  float *wdi = out_f32(&t, dinp, dt, N * C, true, &ok);
+  float *wdw = out_f32(&t, dweight, dt, C, true, &ok), *wdb = out_f32(&t, dbias, dt, C, true, &ok);
+  if (ok) {
+    fsdp_cpu_layernorm_backward(wdi, wdw, wdb, wg, wi, ww, mean, rstd, N, C);
+    narrow(dinp, dt, wdi, N * C);
+    narrow(dweight, dt, wdw, C);
+    narrow(dbias, dt, wdb, C);
+  }
+  return finish(&t, ok);
+}
+
+static int k_softmax_forward(void *ctx, fsdp_dtype dt, void *out, const void *inp, int64_t N,
+                             int C) {
+  if (dt == FSDP_DTYPE_F32) {
+    fsdp_cpu_softmax_forward(out, inp, N, C);
+    return FSDP_OK;
+  }
+  if (!is_half(dt)) return REFUSE("softmax", dt);
+  scratch t = {0};
+  bool ok = true;
+  const float *wi = widen(&t, inp, dt, N * C, &ok);
+  float *wo = out_f32(&t, out, dt, N * C, false, &ok);
+  if (ok) {
+    fsdp_cpu_softmax_forward(wo, wi, N, C);
+    narrow(out, dt, wo, N * C);
+  }
+  return finish(&t, ok);
+}
+
+static int k_softmax_backward(void *ctx, fsdp_dtype dt, void *dinp, const void *dout,
+                              const void *out, int64_t N, int C) {
+  if (dt == FSDP_DTYPE_F32) {
+    fsdp_cpu_softmax_backward(dinp, dout, out, N, C);
+    return FSDP_OK;
+  }
+  if (!is_half(dt)) return REFUSE("softmax", dt);
+  scratch t = {0};
+  bool ok = true;
+  const float *wg = widen(&t, dout, dt, N * C, &ok), *wo = widen(&t, out, dt, N * C, &ok);
+  float *wd = out_f32(&t, dinp, dt, N * C, true, &ok);
+  if (ok) {
+    fsdp_cpu_softmax_backward(wd, wg, wo, N, C);
+    narrow(dinp, dt, wd, N * C);
+  }
+  return finish(&t, ok);
+}
+
+static int k_attention_forward(void *ctx, fsdp_dtype dt, void *out, void *att, const void *qkv,
+                               int B, int T, int C, int NH) {
+  int64_t nq = (int64_t)B * T * 3 * C, no = (int64_t)B * T * C, na = (int64_t)B * NH * T * T;
+  if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("attention", dt);
+  scratch t = {0};
+  bool ok = true;
+  const float *wq = widen(&t, qkv, dt, nq, &ok);
+  float *wo = out_f32(&t, out, dt, no, false, &ok), *wa = out_f32(&t, att, dt, na, false, &ok);
+  if (ok) {
+    fsdp_cpu_attention_forward(wo, wa, wq, B, T, C, NH);
+    narrow(out, dt, wo, no);
+    narrow(att, dt, wa, na);
+  }
+  return finish(&t, ok);
+}
+
+static int k_attention_backward(void *ctx, fsdp_dtype dt, void *dqkv, const void *dout,
+                                const void *qkv, const void *att, int B, int T, int C, int NH) {
+  int64_t nq = (int64_t)B * T * 3 * C, no = (int64_t)B * T * C, na = (int64_t)B * NH * T * T;
+  if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("attention", dt);
+  scratch t = {0};
+  bool ok = true;
+  float *work = tmp_f32(&t, na); /* the kernel's (B, NH, T, T) workspace */
+  if (!work) ok = false;
+  const float *wg = widen(&t, dout, dt, no, &ok), *wq = widen(&t, qkv, dt, nq, &ok);
+  const float *wa = widen(&t, att, dt, na, &ok);
+  float *wd = out_f32(&t, dqkv, dt, nq, true, &ok);
+  if (ok) {
+    fsdp_cpu_attention_backward(wd, work, wg, wq, wa, B, T, C, NH);
+    narrow(dqkv, dt, wd, nq);
+  }
+  return finish(&t, ok);
+}
+
+static int k_cross_entropy_forward(void *ctx, fsdp_dtype dt, float *loss, float *lse,
+                                   const void *logits, const void *targets, fsdp_dtype tdt,
+                                   int64_t N, int V, int64_t ignore, int64_t *count) {
+  if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("cross_entropy", dt);
+  scratch t = {0};
+  bool ok = true;
+  const float *wl = widen(&t, logits, dt, N * V, &ok), *wt = ids_f32(&t, targets, tdt, N, &ok);
+  if (ok) loss[0] = fsdp_cpu_cross_entropy_forward(lse, wl, wt, N, V, (int)ignore, count);
+  return finish(&t, ok);
+}
+
+static int k_cross_entropy_backward(void *ctx, fsdp_dtype dt, void *dlogits, const float *dloss,
+                                    const void *logits, const float *lse, const void *targets,
+                                    fsdp_dtype tdt, int64_t N, int V, int64_t ignore,
+                                    int64_t count) {
+  if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("cross_entropy", dt);
+  scratch t = {0};
+  bool ok = true;
+  const float *wl = widen(&t, logits, dt, N * V, &ok), *wt = ids_f32(&t, targets, tdt, N, &ok);
+  float *wd = out_f32(&t, dlogits, dt, N * V, true, &ok);
+  if (ok) {
+    fsdp_cpu_cross_entropy_backward(wd, dloss[0], wl, lse, wt, N, V, (int)ignore, count);
+    narrow(dlogits, dt, wd, N * V);
+  }
+  return finish(&t, ok);
+}
+
+static int k_mse_forward(void *ctx, fsdp_dtype dt, float *out, const void *a, const void *b,
+                         int64_t n) {
+  if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("mse", dt);
+  scratch t = {0};
+  bool ok = true;
+  const float *wa = widen(&t, a, dt, n, &ok), *wb = widen(&t, b, dt, n, &ok);
+  if (ok) out[0] = n ? fsdp_cpu_mse_forward(wa, wb, n) : 0.0f;
+  return finish(&t, ok);
+}
+
+static int k_mse_backward(void *ctx, fsdp_dtype dt, void *da, void *db, const float *dloss,
+                          const void *a, const void *b, int64_t n) {
+  if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("mse", dt);
+  scratch t = {0};
+  bool ok = true;
+  const float *wa = widen(&t, a, dt, n, &ok), *wb = widen(&t, b, dt, n, &ok);
+  float *wda = out_f32(&t, da, dt, n, true, &ok);
+  float *wdb = db == da ? wda : out_f32(&t, db, dt, n, true, &ok);
+  if (ok) {
+    fsdp_cpu_mse_backward(wda, wdb, dloss[0], wa, wb, n);
+    narrow(da, dt, wda, n);
+    if (db != da) narrow(db, dt, wdb, n);
+  }
+  return finish(&t, ok);
+}
+
+/* ---- reductions ----------------------------------------------------------------------------------- */
+
+static int k_sum(void *ctx, fsdp_dtype dt, void *out, const void *in, int64_t n, bool mean) {
+  if (dt == FSDP_DTYPE_BOOL || (mean && !fsdp_dtype_is_float(dt))) return REFUSE(mean ? "mean" : "sum", dt);
+  if (is_int(dt)) {
+    int64_t s = 0;
+    for (int64_t i = 0; i < n; i++) s += (int64_t)LD(in, dt, i);
+    ((int64_t *)out)[0] = s;
+    return FSDP_OK;
+  }
+  double s = 0;
+  if (dt == FSDP_DTYPE_F64) {
+    for (int64_t i = 0; i < n; i++) s += ((const double *)in)[i];
+  } else {
+    scratch t = {0};
+    bool ok = true;
+    const float *w = widen(&t, in, dt, n, &ok);
+    if (ok) s = fsdp_cpu_sum(w, n);
+    if (finish(&t, ok)) return FSDP_ERR;
+  }
+  ST(out, dt, 0, mean ? (n ? s / (double)n : NAN) : s);
+  return FSDP_OK;
+}
+
+static int k_sumsq(void *ctx, fsdp_dtype dt, double *host_out, const void *in, int64_t n) {
+  if (!fsdp_dtype_is_float(dt)) return REFUSE("sumsq", dt);
+  if (dt == FSDP_DTYPE_F64) {
+    double s = 0;
+    for (int64_t i = 0; i < n; i++) s += ((const double *)in)[i] * ((const double *)in)[i];
+    *host_out = s;
+    return FSDP_OK;
+  }
+  scratch t = {0};
+  bool ok = true;
+  const float *w = widen(&t, in, dt, n, &ok);
+  if (ok) *host_out = fsdp_cpu_sumsq(w, n);
+  return finish(&t, ok);
+}
+
+static int k_sum_dim_forward(void *ctx, fsdp_dtype dt, void *out, const void *in, int64_t outer,
+                             int64_t R, int64_t inner, double scale) {
+  int64_t no = outer * inner;
+  if (dt == FSDP_DTYPE_BOOL) return REFUSE("sum", dt);
+  if (dt == FSDP_DTYPE_F64 || is_int(dt)) {
+    for (int64_t o = 0; o < outer; o++)
+      for (int64_t j = 0; j < inner; j++) {
+        double s = 0;
+        for (int64_t r = 0; r < R; r++) s += LD(in, dt, (o * R + r) * inner + j);
+        ST(out, dt, o * inner + j, s * scale);
+      }
+    return FSDP_OK;
+  }
+  scratch t = {0};
+  bool ok = true;
+  const float *wi = widen(&t, in, dt, outer * R * inner, &ok);
+  float *wo = out_f32(&t, out, dt, no, false, &ok);
+  if (ok) {
+    fsdp_cpu_sum_dim_forward(wo, wi, outer, R, inner);
+    if (scale != 1.0)
+      for (int64_t i = 0; i < no; i++) wo[i] *= (float)scale;
+    narrow(out, dt, wo, no);
+  }
+  return finish(&t, ok);
+}
+
+static int k_sum_dim_backward(void *ctx, fsdp_dtype dt, void *din, const void *dout,
+                              int64_t outer, int64_t R, int64_t inner, double scale) {
+  int64_t ni = outer * R * inner;
+  if (!fsdp_dtype_is_float(dt)) return REFUSE("sum", dt);
+  if (dt == FSDP_DTYPE_F64) {
+    for (int64_t o = 0; o < outer; o++)
+      for (int64_t r = 0; r < R; r++)
+        for (int64_t j = 0; j < inner; j++) {
+          int64_t i = (o * R + r) * inner + j;
+          ST(din, dt, i, LD(din, dt, i) + scale * LD(dout, dt, o * inner + j));
+        }
+    return FSDP_OK;
+  }
+  scratch t = {0};
+  bool ok = true;
+  const float *g = widen(&t, dout, dt, outer * inner, &ok);
+  float *d = out_f32(&t, din, dt, ni, true, &ok);
+  if (ok) {
+    const float s = (float)scale;
+    for (int64_t o = 0; o < outer; o++)
+      for (int64_t r = 0; r < R; r++) {
+        float *dd = d + (o * R + r) * inner;
+        const float *gg = g + o * inner;
+        for (int64_t j = 0; j < inner; j++) dd[j] += s * gg[j];
+      }
+    narrow(din, dt, d, ni);
+  }
+  return finish(&t, ok);
+}
+
+/* a ranks above b: larger (NaN largest) */
+static bool above(double a, double b) { return a > b || (a != a && b == b); }
+
+static int k_extreme_dim(void *ctx, fsdp_dtype dt, bool max, void *values, int64_t *index,
+                         const void *in, int64_t outer, int64_t R, int64_t inner) {
+  for (int64_t o = 0; o < outer; o++)
+    for (int64_t j = 0; j < inner; j++) {
+      int64_t best = 0;
+      double bv = LD(in, dt, o * R * inner + j);
+      for (int64_t r = 1; r < R && bv == bv; r++) {
+        double v = LD(in, dt, (o * R + r) * inner + j);
+        if (v != v || (max ? above(v, bv) : above(bv, v))) best = r, bv = v;
+      }
+      if (values) /* copied as stored: no rounding */
+        memcpy((char *)values + (o * inner + j) * (int64_t)fsdp_dtype_size(dt),
+               (const char *)in + ((o * R + best) * inner + j) * (int64_t)fsdp_dtype_size(dt),
+               fsdp_dtype_size(dt));
+      if (index) index[o * inner + j] = best;
+    }
+  return FSDP_OK;
+}
+
+typedef struct {
+  double v;
+  int64_t i;
+} keyed;
+
+static int cmp_desc(const void *pa, const void *pb) {
+  const keyed *a = pa, *b = pb;
+  if (above(a->v, b->v)) return -1;
+  if (above(b->v, a->v)) return 1;
+  return a->i < b->i ? -1 : a->i > b->i; /* stable: lower index first */
+}
+
+static int cmp_asc(const void *pa, const void *pb) {
+  const keyed *a = pa, *b = pb;
+  if (above(b->v, a->v)) return -1;
+  if (above(a->v, b->v)) return 1;
+  return a->i < b->i ? -1 : a->i > b->i;
+}
+
+static int k_topk(void *ctx, fsdp_dtype dt, void *values, int64_t *index, const void *in,
+                  int64_t outer, int64_t R, int64_t inner, int64_t k, bool largest) {
+  keyed *row = malloc(sizeof *row * (size_t)(R ? R : 1));
+  if (!row) return fsdp_error("topk: out of host memory for %lld keys", (long long)R);
+  const size_t es = fsdp_dtype_size(dt);
+  for (int64_t o = 0; o < outer; o++)
+    for (int64_t j = 0; j < inner; j++) {
+      for (int64_t r = 0; r < R; r++) row[r] = (keyed){LD(in, dt, (o * R + r) * inner + j), r};
+      qsort(row, (size_t)R, sizeof *row, largest ? cmp_desc : cmp_asc);
+      for (int64_t q = 0; q < k; q++) {
+        int64_t at = (o * k + q) * inner + j;
+        if (values)
+          memcpy((char *)values + at * (int64_t)es,
+                 (const char *)in + ((o * R + row[q].i) * inner + j) * (int64_t)es, es);
+        if (index) index[at] = row[q].i;
+      }
+    }
+  free(row);
+  return FSDP_OK;
+}
+
+static int k_index_add_dim(void *ctx, fsdp_dtype dt, void *din, const void *dout,
+                           const int64_t *index, int64_t outer, int64_t R, int64_t inner,
+                           int64_t K) {
+  if (!fsdp_dtype_is_float(dt)) return REFUSE("index_add", dt);
+  for (int64_t o = 0; o < outer; o++)
+    for (int64_t q = 0; q < K; q++)
+      for (int64_t j = 0; j < inner; j++) {
+        int64_t src = (o * K + q) * inner + j, dst = (o * R + index[src]) * inner + j;
+        ST(din, dt, dst, LD(din, dt, dst) + LD(dout, dt, src));
+      }
+  return FSDP_OK;
+}
+
+/* ---- optimizers -------------------------------------------------------------------------------- */
+
+static int k_sgd_step(void *ctx, fsdp_dtype dt, void *param, void *buf, const void *grad,
+                      int64_t n, float lr, float momentum, float weight_decay, bool first_step) {
+  if (dt != FSDP_DTYPE_F32) return REFUSE("sgd_step", dt);
+  fsdp_cpu_sgd_step(param, buf, grad, n, lr, momentum, weight_decay, first_step);
+  return FSDP_OK;
+}
+
+static int k_adamw_step(void *ctx, fsdp_dtype dt, void *param, void *m, void *v,
+                        const void *grad, int64_t n, float lr, float beta1, float beta2,
+                        float eps, float weight_decay, int64_t step) {
+  if (dt != FSDP_DTYPE_F32) return REFUSE("adamw_step", dt);
+  fsdp_cpu_adamw_step(param, m, v, grad, n, lr, beta1, beta2, eps, weight_decay, step);
+  return FSDP_OK;
+}
+
+const fsdp_kernels_i fsdp_cpu_kernels = {
+    .cast = k_cast,
+    .copy_strided = k_copy_strided,
+    .add_strided = k_add_strided,
+    .axpy = k_axpy,
+    .scale = k_scale,
+    .arange = k_arange,
+    .random = k_random,
+    .gemm = k_gemm,
+    .bmm_forward = k_bmm_forward,
+    .bmm_backward = k_bmm_backward,
+    .linear_forward = k_linear_forward,
+    .linear_backward = k_linear_backward,
+    .binary_forward = k_binary_forward,
+    .binary_backward = k_binary_backward,
+    .affine_forward = k_affine_forward,
+    .affine_backward = k_affine_backward,
+    .unary_forward = k_unary_forward,
+    .unary_backward = k_unary_backward,
+    .pow_forward = k_pow_forward,
+    .pow_backward = k_pow_backward,
+    .clamp_forward = k_clamp_forward,
+    .clamp_backward = k_clamp_backward,
+    .compare = k_compare,
+    .where = k_where,
+    .dropout_forward = k_dropout_forward,
+    .dropout_backward = k_dropout_backward,
+    .check_index = k_check_index,
+    .embedding_forward = k_embedding_forward,
+    .embedding_backward = k_embedding_backward,
+    .layernorm_forward = k_layernorm_forward,
+    .layernorm_backward = k_layernorm_backward,
+    .softmax_forward = k_softmax_forward,
+    .softmax_backward = k_softmax_backward,
+    .attention_forward = k_attention_forward,
+    .attention_backward = k_attention_backward,
+    .cross_entropy_forward = k_cross_entropy_forward,
+    .cross_entropy_backward = k_cross_entropy_backward,
+    .mse_forward = k_mse_forward,
+    .mse_backward = k_mse_backward,
+    .sum = k_sum,
+    .sumsq = k_sumsq,
+    .sum_dim_forward = k_sum_dim_forward,
+    .sum_dim_backward = k_sum_dim_backward,
+    .extreme_dim = k_extreme_dim,
+    .topk = k_topk,
+    .index_add_dim = k_index_add_dim,
+    .sgd_step = k_sgd_step,
+    .adamw_step = k_adamw_step,
+};
+
+/* The cpu registers itself: its device (in core) gets this table. */
+int fsdp_cpu_register(void) { return fsdp_device_register(&fsdp_device_cpu, &fsdp_cpu_kernels); }
