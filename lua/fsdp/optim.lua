@@ -17,6 +17,8 @@
 -- shard and of the gradient shard, with state tensors of the slice's size (role optim). The
 -- math is elementwise, so this equals the dense update restricted to the slice. Weight-decay
 -- exclusions are decided per parameter (path, parameter object) exactly as for a plain model.
+-- A parameter that received no gradient on any rank (u:has_grad, agreed by one all_reduce per
+-- step: the step is collective) is skipped as a plain optimizer skips a nil p.grad.
 -- State is keyed by the parameter object; state_dict reports it per path with the slice's
 -- position (param_first, numel) so a sharded state is self-describing. clip_grad_norm sums
 -- squares over the local grad shards and needs one all_reduce (collective).

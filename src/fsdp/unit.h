@@ -21,6 +21,7 @@
  * gradient buffer; when the unit's last pending backward use completes, that buffer is
  * reduce-scattered (average over ranks) and ADDED into the unit's gradient shard (so gradients
  * accumulate across backward calls until fsdp_unit_zero_grad), and the full buffer is freed.
+ * Which parameters received a gradient is noted per parameter (fsdp_unit_param_has_grad).
  *
  * Backward protocol: pre_forward pushes a "begin" hook node onto the tape and post_forward an
  * "end" hook node, so the unit's ops lie between them. Backward reaches "end" first: it gathers
