@@ -17,6 +17,8 @@
 -- shard and of the gradient shard, with state tensors of the slice's size (role optim). The
 -- math is elementwise, so this equals the dense update restricted to the slice. Weight-decay
 -- exclusions are decided per parameter (path, parameter object) exactly as for a plain model.
+-- A parameter that received no gradient on any rank (u:has_grad, agreed by one all_reduce per
+-- step: the step is collective) is skipped as a plain optimizer skips a nil p.grad.
 -- State is keyed by the parameter object; state_dict reports it per path with the slice's
 -- position (param_first, numel) so a sharded state is self-describing. clip_grad_norm sums
 -- squares over the local grad shards and needs one all_reduce (collective).
@@ -93,17 +95,53 @@ local function mask_dense(p, x)
   if rec ~= nil and not rec.sharded then package.loaded["fsdp.mask"]._apply_plain(rec, x) end
 end
 
--- The wrapped model's units and this rank's slices, checking the wrap is still the one the
--- optimizer was made for. Calls fn(U, shard, grad_shard, slices) per unit, construction order.
-local function each_unit(R, what, fn)
+-- The wrapped model's units (construction order), checking the wrap is still the one the
+-- optimizer was made for.
+local function live_units(R, what)
   if R.dead then
     raise(what .. ": the model was unwrapped (or re-wrapped) after this optimizer was created; "
       .. "create a new optimizer")
   end
-  for _, U in ipairs(R.units) do
+  return R.units
+end
+
+-- Calls fn(U, shard, grad_shard, slices) per unit of the wrapped model, construction order.
+local function each_unit(R, what, fn)
+  for _, U in ipairs(live_units(R, what)) do
     local u = U.unit
     fn(U, u:shard(), u:grad_shard(), u:local_slices())
   end
+end
+
+-- Collective (wrapped model, world size > 1). Which parameters received a gradient since
+-- zero_grad on ANY rank -> {[U] = {[i] = true | nil}} (i as u:has_grad(i) and slice.index).
+-- Each unit knows it for this rank only (a parameter used on some ranks' rows only, an expert
+-- that got tokens on one rank); the gradient shard averages every rank's gradient, so the
+-- parameter has one if any rank gave it one. One all_reduce("max") of one float per parameter
+-- of every unit: issued on every step whatever the flags (the decision to communicate may
+-- depend only on what every rank shares). World size 1: no communication.
+local function agree_grads(R, what)
+  local units = live_units(R, what)
+  local flags, n = {}, 0
+  for _, U in ipairs(units) do
+    for i = 1, #U.unit:paths() do
+      n = n + 1
+      flags[n] = U.unit:has_grad(i) and 1 or 0
+    end
+  end
+  if n > 0 and fsdp.world_size() > 1 then
+    flags = fsdp.all_reduce(fsdp.tensor(flags), "max", "optim.has_grad"):totable()
+  end
+  local has, k = {}, 0
+  for _, U in ipairs(units) do
+    local h = {}
+    for i = 1, #U.unit:paths() do
+      k = k + 1
+      if flags[k] ~= 0 then h[i] = true end
+    end
+    has[U] = h
+  end
+  return has
 end
 
 -- named_params(model_or_params) -> array of {path =, param =} in traversal order. A module
@@ -171,23 +209,30 @@ function Optimizer:zero_grad()
 end
 
 -- Wrapped models: fn(st, p_slice, g_slice, param, path) for every parameter slice this rank
--- holds; st is the slice's state table (created empty with its size in st.numel).
-function Optimizer:each_slice(fn)
-  each_unit(self.wrapped, self.kind .. ":step", function(_, shard, gshard, slices)
+-- holds; st is the slice's state table (created with step = 0). With only_grads (a step:
+-- collective) the slices of parameters that received no gradient on any rank are left out,
+-- as a plain optimizer leaves out a parameter whose p.grad is nil: no update, no weight decay,
+-- no state created or changed, no mask applied.
+function Optimizer:each_slice(fn, only_grads)
+  local what = self.kind .. ":step"
+  local has = only_grads and agree_grads(self.wrapped, what) or nil
+  each_unit(self.wrapped, what, function(U, shard, gshard, slices)
     for _, s in ipairs(slices) do
-      local n = s.shard_last - s.shard_first + 1
-      local p = s.param
-      local st = self.state[p]
-      if st == nil then
-        st = {step = 0}
-        self.state[p] = st
-        self.slice_of[p] = {param_first = s.param_first, numel = n}
+      if has == nil or has[U][s.index] then
+        local n = s.shard_last - s.shard_first + 1
+        local p = s.param
+        local st = self.state[p]
+        if st == nil then
+          st = {step = 0}
+          self.state[p] = st
+          self.slice_of[p] = {param_first = s.param_first, numel = n}
+        end
+        local ps, gs = shard:narrow(1, s.shard_first, n), gshard:narrow(1, s.shard_first, n)
+        local m = slice_mask(p, n, s.path)
+        if m then fsdp.core.mask_apply(gs, m) end
+        fn(st, ps, gs, p, s.path)
+        if m then fsdp.core.mask_apply(ps, m) end
       end
-      local ps, gs = shard:narrow(1, s.shard_first, n), gshard:narrow(1, s.shard_first, n)
-      local m = slice_mask(p, n, s.path)
-      if m then fsdp.core.mask_apply(gs, m) end
-      fn(st, ps, gs, p, s.path)
-      if m then fsdp.core.mask_apply(ps, m) end
     end
   end)
 end
@@ -379,7 +424,8 @@ end
 
 function SGD:hyper() return {momentum = self.momentum, weight_decay = self.weight_decay} end
 
--- One update of every parameter that has a gradient; parameters without one are skipped.
+-- One update of every parameter that has a gradient; parameters without one are skipped
+-- (wrapped: those that received none on any rank; the step is then collective).
 function SGD:step()
   self.step_count = self.step_count + 1
   local lr, momentum, wd = self.lr, self.momentum, self.weight_decay
@@ -392,7 +438,7 @@ function SGD:step()
       end
       st.step = st.step + 1
       fsdp.core.sgd_step(p, g, st.momentum_buffer, lr, momentum, wd, first)
-    end)
+    end, true)
     return
   end
   for _, e in ipairs(self.params) do
@@ -472,7 +518,7 @@ function AdamW:step()
       st.step = st.step + 1
       fsdp.core.adamw_step(p, g, st.exp_avg, st.exp_avg_sq, lr, b1, b2, eps,
         self.decay[param] and wd or 0, st.step)
-    end)
+    end, true)
     return
   end
   for _, e in ipairs(self.params) do

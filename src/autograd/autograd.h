@@ -80,7 +80,9 @@ void fsdp_tape_clear(void);
 int fsdp_backward(fsdp_tensor *root, fsdp_tensor *grad);
 
 /* The gradient buffer of t, created zero-filled when absent (contiguous, t's shape). Used by
- * backward functions before they accumulate. Role: grads for leaves, activations otherwise. */
+ * backward functions before they accumulate. Role: grads for leaves, activations otherwise.
+ * Every call counts as an in-place write of t->grad (its version is bumped), so whoever set
+ * t->grad to a buffer of its own can tell whether any gradient reached t since. */
 void *fsdp_grad_acc(fsdp_tensor *t);
 /* Whether op outputs from these inputs need recording. */
 bool fsdp_needs_grad(fsdp_tensor *const *in, int n);

@@ -131,6 +131,7 @@ void *fsdp_grad_acc(fsdp_tensor *t) {
     if (fsdp_tensor_new(&g, t->storage->device, t->dtype, t->ndim, t->shape, role)) return NULL;
     t->grad = g; /* the new reference moves into t */
   }
+  t->grad->version++; /* a write: whoever installed t->grad can see that a gradient arrived */
   return fsdp_tensor_data(t->grad, "gradient");
 }
 

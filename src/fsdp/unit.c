@@ -76,6 +76,7 @@ struct fsdp_unit {
   int rank, world;
   int n;
   fsdp_unit_param *params;
+  bool *got_grad; /* per parameter: a gradient reached it on this rank since zero_grad */
   int64_t numel, padded, shard_numel, shard_offset;
   fsdp_tensor *shard;      // (S) role params (NONE: (P), viewed by the parameters)
   fsdp_tensor *grad_shard; // (S) role grads
@@ -477,6 +478,7 @@ static void unit_free(fsdp_unit *u) {
     free(u->params[i].path);
   }
   free(u->params);
+  free(u->got_grad);
   fsdp_tensor_release(u->shard);
   fsdp_tensor_release(u->grad_shard);
   fsdp_tensor_release(u->full);
@@ -532,7 +534,8 @@ int fsdp_unit_new(fsdp_unit **out, fsdp_comm *c, const char *path, fsdp_tensor *
   u->world = W;
   u->path = strdup(path);
   u->params = calloc((size_t)(n ? n : 1), sizeof *u->params);
-  if (!u->path || !u->params) goto oom;
+  u->got_grad = calloc((size_t)(n ? n : 1), sizeof *u->got_grad);
+  if (!u->path || !u->params || !u->got_grad) goto oom;
   /* layout: each parameter at a multiple of FSDP_ALIGN, the total padded to W * FSDP_ALIGN */
   int64_t end = 0;
   for (int i = 0; i < n; i++) {
@@ -702,7 +705,12 @@ int fsdp_unit_writeback(fsdp_unit *u) {
 
 int fsdp_unit_zero_grad(fsdp_unit *u) {
   if (check_live(u, "zero_grad")) return FSDP_ERR;
+  memset(u->got_grad, 0, (size_t)u->n * sizeof *u->got_grad);
   return fsdp_tensor_fill(u->grad_shard, 0.0f);
+}
+
+bool fsdp_unit_param_has_grad(const fsdp_unit *u, int i) {
+  return i >= 0 && i < u->n && u->got_grad[i];
 }
 
 void fsdp_unit_set_backward_prefetch(fsdp_unit *u, fsdp_unit *prev) {
@@ -752,6 +760,7 @@ static int hook_end(void *ud) {
     if (!p->requires_grad || grad_is_ours(u, p)) continue; /* 2nd use: same buffer */
     /* A gradient that accumulated before (an op outside the unit's forward used p) joins. */
     if (p->grad) {
+      u->got_grad[i] = true;
       fsdp_tensor *gc;
       if (fsdp_tensor_contiguous(&gc, p->grad)) return FSDP_ERR;
       int rc = add_range(u->full_grad, q->offset, gc, 0, q->numel);
@@ -773,6 +782,11 @@ static int hook_end(void *ud) {
  * it accumulates until zero_grad), free the full gradient, reshard. */
 static int finish_backward(fsdp_unit *u) {
   int rc = FSDP_OK;
+  /* fsdp_grad_acc bumps the version of the .grad view it writes into (created at version 0) */
+  for (int i = 0; i < u->n; i++) {
+    fsdp_tensor *p = u->params[i].param;
+    if (grad_is_ours(u, p) && p->grad->version != 0) u->got_grad[i] = true;
+  }
   if (u->full_grad && u->padded) {
     float *fg = flat_data(u->full_grad);
     if (u->opts.strategy == FSDP_STRATEGY_NONE) {

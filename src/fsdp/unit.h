@@ -21,6 +21,7 @@
  * gradient buffer; when the unit's last pending backward use completes, that buffer is
  * reduce-scattered (average over ranks) and ADDED into the unit's gradient shard (so gradients
  * accumulate across backward calls until fsdp_unit_zero_grad), and the full buffer is freed.
+ * Which parameters received a gradient is noted per parameter (fsdp_unit_param_has_grad).
  *
  * Backward protocol: pre_forward pushes a "begin" hook node onto the tape and post_forward an
  * "end" hook node, so the unit's ops lie between them. Backward reaches "end" first: it gathers
@@ -175,8 +176,18 @@ int fsdp_unit_post_forward(fsdp_unit *u);
  * unshard clears it); u itself is ignored. */
 void fsdp_unit_set_backward_prefetch(fsdp_unit *u, fsdp_unit *prev);
 
-/* Gradient shard := 0. */
+/* Gradient shard := 0, and no parameter has a gradient (fsdp_unit_param_has_grad). */
 int fsdp_unit_zero_grad(fsdp_unit *u);
+/* Whether parameter i received a gradient on THIS rank since the last zero_grad (or since the
+ * unit was made): some backward function accumulated into its .grad while the unit's backward
+ * ran (a zero gradient counts), or it already had a .grad from an op outside the unit's
+ * forward when the "end" hook came. A parameter that got none has a zero gradient shard, which
+ * an optimizer must not mistake for a zero gradient (PyTorch skips a parameter whose grad is
+ * None: no weight decay, no moment update). Ranks may differ (a parameter used on some ranks'
+ * data only); the gradient shard holds the average over all ranks, so a caller agrees the flags
+ * across ranks (fsdp.optim: one all_reduce "max" per step over all units). Local, never
+ * communicates; false for a bad i. */
+bool fsdp_unit_param_has_grad(const fsdp_unit *u, int i);
 
 /* Collective. Gather, give every parameter its own dense storage (role params) holding its
  * full values, and detach the parameters from the unit (the unit keeps no parameter; p->user

@@ -326,6 +326,20 @@ static int l_local_slices(lua_State *L) {
   return 1;
 }
 
+/* u:has_grad(i): whether parameter i (1-based, as in u:params()) received a gradient on this
+ * rank since u:zero_grad() (unit.h, fsdp_unit_param_has_grad); fsdp.optim agrees it across
+ * ranks before stepping. */
+static int l_has_grad(lua_State *L) {
+  fsdp_unit *u = check_unit(L, 1);
+  lua_Number i = luaL_checknumber(L, 2);
+  int n = fsdp_unit_nparams(u);
+  if (!(i >= 1 && i <= n) || i != (lua_Number)(int)i) /* in range first: then the cast is safe */
+    luaL_error(L, "has_grad: %s is not a parameter index of unit '%s' (1 to %d)",
+               lua_tostring(L, 2), fsdp_unit_path(u), n);
+  lua_pushboolean(L, fsdp_unit_param_has_grad(u, (int)i - 1));
+  return 1;
+}
+
 static int l_numel(lua_State *L) {
   lua_pushnumber(L, (lua_Number)fsdp_unit_numel(check_unit(L, 1)));
   return 1;
@@ -397,6 +411,7 @@ static const luaL_Reg methods[] = {
     {"zero_grad", l_zero_grad},
     {"layout", l_layout},
     {"local_slices", l_local_slices},
+    {"has_grad", l_has_grad},
     {"numel", l_numel},
     {"padded_numel", l_padded_numel},
     {"shard_numel", l_shard_numel},

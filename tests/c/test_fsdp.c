@@ -2,7 +2,8 @@
  * test_fsdp.c — FSDP units (src/fsdp): layout and padding, shard contents, gather/reshard,
  * the cross-rank layout check, the autograd-driven protocol (gradients at W ranks equal the
  * one-rank gradients for every strategy, a module called twice, an ancestor's parameter used
- * inside an inner unit), prefetch overlap, traffic counters, memory per rank, writeback, unshard.
+ * inside an inner unit), prefetch overlap, traffic counters, memory per rank, writeback, unshard,
+ * which parameters received a gradient.
  *
  * Ranks are threads on a local group (W = 1..4), each with its own communicator, memory domain
  * and tape. cmocka's asserts are not thread-safe, so rank code checks with CHECK(), which
@@ -1140,6 +1141,79 @@ static void test_misc(void **state) {
   for (int W = 1; W <= 3; W++) run_ranks(W, rank_misc, NULL);
 }
 
+/* ---- which parameters received a gradient ------------------------------------------------------ */
+
+/* Root unit over w (4, 4), b (4), spare (3, never used), z (2, 4: used on rank 0 only, with an
+ * all-zero input: its gradient is exactly zero, and still counts), q (4: used only by an op
+ * after the unit's forward) and f (4: frozen). loss = sum(linear(x, w, b)) [+ sum(linear(0, z))
+ * on rank 0] + sum(q * q). */
+static bool rank_has_grad(rank_ctx *ctx) {
+  enum { W_, B_, SPARE, Z, Q, F, N };
+  fsdp_tensor *p[N] = {param_new("w", 2, SHAPE(4, 4)), param_new("b", 1, SHAPE(4)),
+                       param_new("spare", 1, SHAPE(3)), param_new("z", 2, SHAPE(2, 4)),
+                       param_new("q", 1, SHAPE(4)), param_new("f", 1, SHAPE(4))};
+  const char *pp[N] = {"w", "b", "spare", "z", "q", "f"};
+  p[F]->requires_grad = false;
+  fsdp_unit_opts o = {.strategy = FSDP_STRATEGY_FULL, .is_root = true, .reshard_after_forward = true};
+  fsdp_unit *u;
+  CHECK_OK(fsdp_unit_new(&u, ctx->comm, "u", p, pp, N, &o));
+  for (int i = 0; i < N; i++) CHECK(!fsdp_unit_param_has_grad(u, i)); /* nothing yet */
+  CHECK(!fsdp_unit_param_has_grad(u, -1) && !fsdp_unit_param_has_grad(u, N));
+  fsdp_tensor *x = data_new("x", 3, 4), *x0;
+  CHECK_OK(fsdp_tensor_new_f32(&x0, 2, SHAPE(3, 4)));
+  for (int step = 0; step < 3; step++) {
+    bool use_z = step == 0 && ctx->rank == 0; /* step 1: nobody; step 2: after zero_grad */
+    fsdp_tensor *y, *t, *l1, *l2, *qq, *loss;
+    CHECK_OK(fsdp_unit_pre_forward(u, NULL));
+    CHECK_OK(fsdp_op_linear(&y, x, p[W_], p[B_]));
+    CHECK_OK(fsdp_op_sum(&loss, y));
+    fsdp_tensor_release(y);
+    if (use_z) {
+      CHECK_OK(fsdp_op_linear(&t, x0, p[Z], NULL));
+      CHECK_OK(fsdp_op_sum(&l1, t));
+      fsdp_tensor_release(t);
+      CHECK_OK(fsdp_op_binary(&l2, loss, l1, FSDP_OP_ADD));
+      fsdp_tensor_release(l1);
+      fsdp_tensor_release(loss);
+      loss = l2;
+    }
+    CHECK_OK(fsdp_unit_post_forward(u));
+    /* outside the unit's forward: the root is still gathered */
+    CHECK_OK(fsdp_op_binary(&qq, p[Q], p[Q], FSDP_OP_MUL));
+    CHECK_OK(fsdp_op_sum(&l1, qq));
+    fsdp_tensor_release(qq);
+    CHECK_OK(fsdp_op_binary(&l2, loss, l1, FSDP_OP_ADD));
+    fsdp_tensor_release(l1);
+    fsdp_tensor_release(loss);
+    CHECK_OK(fsdp_backward(l2, NULL));
+    fsdp_tensor_release(l2);
+    CHECK(fsdp_unit_param_has_grad(u, W_) && fsdp_unit_param_has_grad(u, B_));
+    CHECK(fsdp_unit_param_has_grad(u, Q));
+    CHECK(!fsdp_unit_param_has_grad(u, SPARE) && !fsdp_unit_param_has_grad(u, F));
+    /* this rank's own answer: z got its (zero) gradient on rank 0, and keeps it until zero_grad */
+    CHECK(fsdp_unit_param_has_grad(u, Z) == (step < 2 && ctx->rank == 0));
+    if (step == 1) CHECK_OK(fsdp_unit_zero_grad(u));
+    if (step == 1)
+      for (int i = 0; i < N; i++) CHECK(!fsdp_unit_param_has_grad(u, i));
+  }
+  /* z's shard slice is exactly zero: only the flag tells its gradient from none */
+  fsdp_tensor *gs;
+  CHECK_OK(fsdp_unit_grad_shard(u, &gs));
+  int64_t pf, sf, len = fsdp_unit_param_slice(u, Z, ctx->rank, &pf, &sf);
+  for (int64_t k = 0; k < len; k++) CHECK(D(gs)[sf + k] == 0.0f);
+  fsdp_tensor_release(gs);
+  fsdp_tensor_release(x);
+  fsdp_tensor_release(x0);
+  fsdp_unit_release(u);
+  for (int i = 0; i < N; i++) fsdp_tensor_release(p[i]);
+  return true;
+}
+
+static void test_has_grad(void **state) {
+  (void)state;
+  for (int W = 1; W <= 3; W++) run_ranks(W, rank_has_grad, NULL);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_layout),
@@ -1154,6 +1228,7 @@ int main(void) {
       cmocka_unit_test(test_stale_prefetch),
       cmocka_unit_test(test_memory),
       cmocka_unit_test(test_misc),
+      cmocka_unit_test(test_has_grad),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

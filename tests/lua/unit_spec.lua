@@ -185,6 +185,29 @@ describe("forward hooks and backward", function()
     end)
   end
 
+  it("says which parameters received a gradient since zero_grad (u:has_grad)", function()
+    local m, params, paths = model()
+    local u = core.unit_new("", params, paths, {root = true})
+    for i = 1, #params do assert.is_false(u:has_grad(i)) end
+    -- only the first layer runs: the second one's parameters get no gradient
+    u:pre_forward(nil)
+    local out = m[1](fsdp.zeros{2, 3}) -- a zero input: the weight's gradient is exactly zero
+    u:post_forward()
+    out:sum():backward()
+    assert.are.same({true, true, false, false},
+      {u:has_grad(1), u:has_grad(2), u:has_grad(3), u:has_grad(4)})
+    local sl = u:local_slices()[1]
+    for _, v in ipairs({unpack(flat(u:grad_shard()), sl.shard_first, sl.shard_last)}) do
+      assert.are.equal(0, v) -- a zero gradient, which still counts
+    end
+    u:zero_grad()
+    for i = 1, #params do assert.is_false(u:has_grad(i)) end
+    errors_with(function() u:has_grad(0) end, "has_grad: 0 is not a parameter index of unit '' (1 to 4)")
+    errors_with(function() u:has_grad(5) end, "(1 to 4)")
+    errors_with(function() u:has_grad(1.5) end, "1.5 is not a parameter index")
+    errors_with(function() u:has_grad("x") end, "number expected")
+  end)
+
   it("records nothing under no_grad and reshards after forward", function()
     local m, params, paths = model()
     local u = core.unit_new("", params, paths, {root = true})

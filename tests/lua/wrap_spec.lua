@@ -574,6 +574,56 @@ describe("optimizers on a wrapped model", function()
     fsdp.unwrap(m)
   end)
 
+  -- A block whose "spare" Linear is never called, and a block left out on step 2.
+  local Skip = nn.Module:extend("WrapSpecSkip")
+  function Skip:init()
+    self.a = nn.Linear(4, 4)
+    self.b = nn.Linear(4, 4)
+    self.spare = nn.Linear(4, 4)
+  end
+  function Skip:forward(x, step)
+    if step ~= 2 then x = self.b(x) end
+    return self.a(x)
+  end
+
+  for _, case in ipairs{
+    {"AdamW", function(m) return fsdp.optim.AdamW(m, {lr = 1e-2, weight_decay = 0.1}) end},
+    {"SGD", function(m) return fsdp.optim.SGD(m, {lr = 0.1, momentum = 0.9, weight_decay = 0.1}) end},
+  } do
+    it(case[1] .. " skips the shard slices of parameters without a gradient, as on a plain model", function()
+      local function run(wrap)
+        fsdp.manual_seed(3)
+        local m = Skip()
+        local spare = flat(m.spare.weight)
+        if wrap then fsdp.wrap(m, {policy = fsdp.policy.list{m.b}}) end
+        local opt = case[2](m)
+        for step = 1, 3 do
+          opt:zero_grad()
+          m(fsdp.ones{2, 4}, step):sum():backward()
+          opt:step()
+        end
+        return m, opt, spare
+      end
+      local plain, popt = run(false)
+      local m, opt, spare = run(true)
+      assert.is_nil(opt.state[m.spare.weight]) -- never stepped: no state, as plain
+      assert.is_nil(popt.state[plain.spare.weight])
+      assert.are.equal(3, opt.state[m.a.weight].step)
+      assert.are.equal(2, opt.state[m.b.weight].step) -- not on step 2
+      assert.are.equal(2, popt.state[plain.b.weight].step)
+      fsdp.unwrap(m)
+      assert.are.same(spare, flat(m.spare.weight)) -- no weight decay either
+      local a, b = plain:parameters(), m:parameters()
+      for i = 1, #a do
+        local x, y = flat(a[i]), flat(b[i])
+        for k = 1, #x do
+          assert.is_true(math.abs(x[k] - y[k]) <= 1e-6 * (1 + math.abs(x[k])),
+            ("param %d element %d: %g vs %g"):format(i, k, x[k], y[k]))
+        end
+      end
+    end)
+  end
+
   it("refuses a submodule or the sharded parameters of a wrapped model", function()
     local m = gpt()
     fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
