@@ -241,18 +241,7 @@ function M.sparsity(model, opts)
     counts[i] = z
   end
   if collective and #params > 0 then
-    -- hi/lo halves keep every count exact in float32 (see l_mask.c)
-    local n = #params
-    local t = fsdp.zeros{2 * n}
-    local vals = {}
-    for i = 1, n do
-      vals[i] = counts[i] % 4096
-      vals[n + i] = (counts[i] - vals[i]) / 4096
-    end
-    t:copy(fsdp.tensor(vals))
-    fsdp.all_reduce(t, "sum", "sparsity")
-    local r = t:totable()
-    for i = 1, n do counts[i] = r[n + i] * 4096 + r[i] end
+    counts = fsdp.all_reduce(counts, "sum", "sparsity") -- f64: exact counts
   end
   local out = setmetatable({total = 0, zeros = 0, params = {}, order = {}}, SparsityReport)
   for i, e in ipairs(params) do

@@ -180,33 +180,33 @@ static void body_values(rank_ctx *x) {
     float *recv = malloc(sizeof(float) * (size_t)(n * W + 1));
     /* all_gather */
     for (int64_t i = 0; i < n; i++) send[i] = input(r, i, salt);
-    expect_ok(x, fsdp_comm_all_gather(c, recv, send, n, "ag"), "all_gather");
+    expect_ok(x, fsdp_comm_all_gather(c, recv, send, n, FSDP_DTYPE_F32, "ag"), "all_gather");
     for (int p = 0; p < W; p++)
       for (int64_t i = 0; i < n; i++) check_value(x, "all_gather", p * n + i, recv[p * n + i], input(p, i, salt));
     /* all_gather in place: this rank's shard already sits at recv + r * n */
     for (int64_t i = 0; i < n * W; i++) recv[i] = -1.0f;
     for (int64_t i = 0; i < n; i++) recv[r * n + i] = input(r, i, salt + 1);
-    expect_ok(x, fsdp_comm_all_gather(c, recv, recv + r * n, n, "ag_inplace"), "all_gather in place");
+    expect_ok(x, fsdp_comm_all_gather(c, recv, recv + r * n, n, FSDP_DTYPE_F32, "ag_inplace"), "all_gather in place");
     for (int p = 0; p < W; p++)
       for (int64_t i = 0; i < n; i++) check_value(x, "all_gather in place", p * n + i, recv[p * n + i], input(p, i, salt + 1));
     /* reduce_scatter and all_reduce, every reduction */
     for (int red = FSDP_RED_SUM; red <= FSDP_RED_MIN; red++) {
       int s2 = salt + 2 + red;
       for (int64_t i = 0; i < n * W; i++) send[i] = input(r, i, s2);
-      expect_ok(x, fsdp_comm_reduce_scatter(c, recv, send, n, red, "rs"), "reduce_scatter");
+      expect_ok(x, fsdp_comm_reduce_scatter(c, recv, send, n, FSDP_DTYPE_F32, red, "rs"), "reduce_scatter");
       for (int64_t i = 0; i < n; i++) check_value(x, "reduce_scatter", i, recv[i], ref_reduce(W, r * n + i, s2, red));
       for (int64_t i = 0; i < n; i++) recv[i] = input(r, i, s2 + 8);
-      expect_ok(x, fsdp_comm_all_reduce(c, recv, n, red, "ar"), "all_reduce");
+      expect_ok(x, fsdp_comm_all_reduce(c, recv, n, FSDP_DTYPE_F32, red, "ar"), "all_reduce");
       for (int64_t i = 0; i < n; i++) check_value(x, "all_reduce", i, recv[i], ref_reduce(W, i, s2 + 8, red));
     }
     /* reduce_scatter in place: the result lands in this rank's own chunk of send */
     for (int64_t i = 0; i < n * W; i++) send[i] = input(r, i, salt + 7);
-    expect_ok(x, fsdp_comm_reduce_scatter(c, send + r * n, send, n, FSDP_RED_AVG, "rs_inplace"), "reduce_scatter in place");
+    expect_ok(x, fsdp_comm_reduce_scatter(c, send + r * n, send, n, FSDP_DTYPE_F32, FSDP_RED_AVG, "rs_inplace"), "reduce_scatter in place");
     for (int64_t i = 0; i < n; i++) check_value(x, "reduce_scatter in place", i, send[r * n + i], ref_reduce(W, r * n + i, salt + 7, FSDP_RED_AVG));
     /* broadcast from every root */
     for (int root = 0; root < W; root++) {
       for (int64_t i = 0; i < n; i++) recv[i] = input(r, i, salt + 13);
-      expect_ok(x, fsdp_comm_broadcast(c, recv, n, root, "bc"), "broadcast");
+      expect_ok(x, fsdp_comm_broadcast(c, recv, n, FSDP_DTYPE_F32, root, "bc"), "broadcast");
       for (int64_t i = 0; i < n; i++) check_value(x, "broadcast", i, recv[i], input(root, i, salt + 13));
     }
     expect_ok(x, fsdp_comm_barrier(c, "barrier"), "barrier");
@@ -230,13 +230,13 @@ static void body_nan(rank_ctx *x) {
   for (int i = 0; i < 40; i++) buf[i] = (float)(x->rank * 40 + i);
   if (x->rank == x->world - 1) buf[3] = NAN;
   if (x->rank == 0) buf[21] = NAN;
-  expect_ok(x, fsdp_comm_all_reduce(x->c, buf, 40, FSDP_RED_MAX, "nan"), "all_reduce max");
+  expect_ok(x, fsdp_comm_all_reduce(x->c, buf, 40, FSDP_DTYPE_F32, FSDP_RED_MAX, "nan"), "all_reduce max");
   x->checks++;
   if (!isnan(buf[3]) || !isnan(buf[21]) || buf[0] != (float)((x->world - 1) * 40))
     snprintf(x->wrong, sizeof x->wrong, "rank %d: max gave %g %g %g", x->rank, buf[3], buf[21], buf[0]);
   for (int i = 0; i < 40; i++) buf[i] = (float)(x->rank * 40 + i);
   if (x->rank == 0) buf[7] = NAN;
-  expect_ok(x, fsdp_comm_all_reduce(x->c, buf, 40, FSDP_RED_MIN, "nan"), "all_reduce min");
+  expect_ok(x, fsdp_comm_all_reduce(x->c, buf, 40, FSDP_DTYPE_F32, FSDP_RED_MIN, "nan"), "all_reduce min");
   x->checks++;
   if (!isnan(buf[7]) || buf[8] != 8.0f)
     snprintf(x->wrong, sizeof x->wrong, "rank %d: min gave %g %g", x->rank, buf[7], buf[8]);
@@ -262,11 +262,11 @@ static void body_repro(rank_ctx *x) {
   const int W = x->world, r = x->rank;
   float *send = malloc(sizeof(float) * REPRO_N * W);
   for (int64_t i = 0; i < REPRO_N; i++) o->ar[r][i] = input(r, i, 99);
-  expect_ok(x, fsdp_comm_all_reduce(x->c, o->ar[r], REPRO_N, FSDP_RED_AVG, "avg"), "all_reduce");
+  expect_ok(x, fsdp_comm_all_reduce(x->c, o->ar[r], REPRO_N, FSDP_DTYPE_F32, FSDP_RED_AVG, "avg"), "all_reduce");
   for (int64_t i = 0; i < (int64_t)REPRO_N * W; i++) send[i] = input(r, i, 98);
   /* every rank receives chunk r; put them side by side in o->rs[r] (REPRO_N / W each) */
   int64_t n = REPRO_N / W;
-  expect_ok(x, fsdp_comm_reduce_scatter(x->c, o->rs[r], send, n, FSDP_RED_AVG, "avg_rs"),
+  expect_ok(x, fsdp_comm_reduce_scatter(x->c, o->rs[r], send, n, FSDP_DTYPE_F32, FSDP_RED_AVG, "avg_rs"),
             "reduce_scatter");
   x->checks++;
   free(send);
@@ -356,7 +356,7 @@ static void body_async(rank_ctx *x) {
                   .count = 64, .send = c_send, .recv = c_recv, .label = "C"};
   fsdp_comm_req *ra, *rc;
   expect_ok(x, fsdp_comm_start(x->c, &ka, &ra), "start A");
-  expect_ok(x, fsdp_comm_all_reduce(x->c, b, 64, FSDP_RED_SUM, "B"), "B");
+  expect_ok(x, fsdp_comm_all_reduce(x->c, b, 64, FSDP_DTYPE_F32, FSDP_RED_SUM, "B"), "B");
   expect_ok(x, fsdp_comm_start(x->c, &kc, &rc), "start C");
   expect_ok(x, fsdp_comm_wait(rc), "wait C");
   expect_ok(x, fsdp_comm_wait(ra), "wait A");
@@ -389,7 +389,7 @@ static void body_overlap(rank_ctx *x) {
   for (int i = 0; i < 256; i++) send[i] = (float)(x->rank * 1000 + i);
   if (x->rank == 1) {
     sleep_s(0.3);
-    note(x, fsdp_comm_all_gather(x->c, recv, send, 256, "late"), now_s());
+    note(x, fsdp_comm_all_gather(x->c, recv, send, 256, FSDP_DTYPE_F32, "late"), now_s());
     return;
   }
   fsdp_coll k = gather_coll(recv, send, 256, "late");
@@ -433,8 +433,8 @@ static void body_mismatch_op(rank_ctx *x) {
   float send[1024 * 2], recv[1024 * 2];
   memset(send, 0, sizeof send);
   double t0 = now_s();
-  if (x->rank == 0) note(x, fsdp_comm_all_gather(x->c, recv, send, 1024, "blocks.1"), t0);
-  else note(x, fsdp_comm_reduce_scatter(x->c, recv, send, 512, FSDP_RED_SUM, "blocks.2"), t0);
+  if (x->rank == 0) note(x, fsdp_comm_all_gather(x->c, recv, send, 1024, FSDP_DTYPE_F32, "blocks.1"), t0);
+  else note(x, fsdp_comm_reduce_scatter(x->c, recv, send, 512, FSDP_DTYPE_F32, FSDP_RED_SUM, "blocks.2"), t0);
   /* the group is poisoned: the next collective fails too, with the same story */
   note(x, fsdp_comm_barrier(x->c, "after"), now_s());
 }
@@ -459,7 +459,7 @@ static void test_mismatch_op(void **state) {
 
 static void body_mismatch_count(rank_ctx *x) {
   float buf[300] = {0};
-  note(x, fsdp_comm_all_reduce(x->c, buf, 100 + 100 * x->rank, FSDP_RED_AVG, "loss"), now_s());
+  note(x, fsdp_comm_all_reduce(x->c, buf, 100 + 100 * x->rank, FSDP_DTYPE_F32, FSDP_RED_AVG, "loss"), now_s());
 }
 
 static void test_mismatch_count(void **state) {
@@ -529,15 +529,15 @@ static void body_abort(rank_ctx *x) {
     sleep_s(0.1);
     fsdp_comm_abort(x->c, "boom in forward");
     atomic_store(&aborted, 1);
-    note(x, fsdp_comm_all_reduce(x->c, buf, 16, FSDP_RED_SUM, "grads"), now_s());
+    note(x, fsdp_comm_all_reduce(x->c, buf, 16, FSDP_DTYPE_F32, FSDP_RED_SUM, "grads"), now_s());
     x->secs[NOTES - 1] = fsdp_comm_poisoned(x->c);
   } else if (x->rank < W - 1) {
     note(x, fsdp_comm_barrier(x->c, "start"), now_s());
-    note(x, fsdp_comm_all_reduce(x->c, buf, 16, FSDP_RED_SUM, "grads"), now_s());
+    note(x, fsdp_comm_all_reduce(x->c, buf, 16, FSDP_DTYPE_F32, FSDP_RED_SUM, "grads"), now_s());
   } else {
     note(x, fsdp_comm_barrier(x->c, "start"), now_s());
     while (!atomic_load(&aborted)) sleep_s(0.005);
-    note(x, fsdp_comm_all_reduce(x->c, buf, 16, FSDP_RED_SUM, "grads"), now_s());
+    note(x, fsdp_comm_all_reduce(x->c, buf, 16, FSDP_DTYPE_F32, FSDP_RED_SUM, "grads"), now_s());
     /* a second abort does not replace the first message */
     fsdp_comm_abort(x->c, "second");
     note(x, fsdp_comm_barrier(x->c, "again"), now_s());
@@ -572,11 +572,11 @@ static void body_timeout(rank_ctx *x) {
   if (x->rank == x->world - 1) {
     /* alive but never arriving (as if stuck in compute); it enters once the others failed */
     while (atomic_load(&reported) < x->world - 1) sleep_s(0.01);
-    note(x, fsdp_comm_all_gather(x->c, recv, send, 8, "blocks.1"), now_s());
+    note(x, fsdp_comm_all_gather(x->c, recv, send, 8, FSDP_DTYPE_F32, "blocks.1"), now_s());
     return;
   }
   note(x, fsdp_comm_barrier(x->c, "warmup"), now_s()); /* everyone but the last: hangs */
-  note(x, fsdp_comm_all_gather(x->c, recv, send, 8, "blocks.1"), now_s());
+  note(x, fsdp_comm_all_gather(x->c, recv, send, 8, FSDP_DTYPE_F32, "blocks.1"), now_s());
   atomic_fetch_add(&reported, 1);
 }
 
@@ -687,8 +687,8 @@ static void body_recorder(rank_ctx *x) {
   for (int i = 0; i < 70; i++) {
     char label[16];
     snprintf(label, sizeof label, "step%d", i + 1);
-    if (i % 2) expect_ok(x, fsdp_comm_all_reduce(x->c, buf, 8, FSDP_RED_SUM, label), "ar");
-    else expect_ok(x, fsdp_comm_all_gather(x->c, big, buf, 8, label), "ag");
+    if (i % 2) expect_ok(x, fsdp_comm_all_reduce(x->c, buf, 8, FSDP_DTYPE_F32, FSDP_RED_SUM, label), "ar");
+    else expect_ok(x, fsdp_comm_all_gather(x->c, big, buf, 8, FSDP_DTYPE_F32, label), "ag");
   }
   x->checks++;
   char *rec = malloc(16384);
@@ -731,8 +731,8 @@ static void body_recorder_states(rank_ctx *x) {
   float send[4] = {0}, recv[8];
   if (x->rank == 1) {
     sleep_s(0.2);
-    expect_ok(x, fsdp_comm_all_gather(x->c, recv, send, 4, "x"), "late");
-    expect_ok(x, fsdp_comm_all_gather(x->c, recv, send, 4, "y"), "late");
+    expect_ok(x, fsdp_comm_all_gather(x->c, recv, send, 4, FSDP_DTYPE_F32, "x"), "late");
+    expect_ok(x, fsdp_comm_all_gather(x->c, recv, send, 4, FSDP_DTYPE_F32, "y"), "late");
     x->checks++;
     return;
   }
@@ -764,11 +764,11 @@ static void body_stats(rank_ctx *x) {
   const int W = x->world;
   float a[10 * MAXW] = {0}, b[10 * MAXW] = {0};
   fsdp_comm_reset_stats(x->c);
-  expect_ok(x, fsdp_comm_all_gather(x->c, b, a, 10, "ag"), "ag");
-  expect_ok(x, fsdp_comm_all_gather(x->c, b, a, 10, "ag"), "ag");
-  expect_ok(x, fsdp_comm_reduce_scatter(x->c, a, b, 10, FSDP_RED_AVG, "rs"), "rs");
-  expect_ok(x, fsdp_comm_all_reduce(x->c, a, 7, FSDP_RED_SUM, "ar"), "ar");
-  expect_ok(x, fsdp_comm_broadcast(x->c, a, 3, 0, "bc"), "bc");
+  expect_ok(x, fsdp_comm_all_gather(x->c, b, a, 10, FSDP_DTYPE_F32, "ag"), "ag");
+  expect_ok(x, fsdp_comm_all_gather(x->c, b, a, 10, FSDP_DTYPE_F32, "ag"), "ag");
+  expect_ok(x, fsdp_comm_reduce_scatter(x->c, a, b, 10, FSDP_DTYPE_F32, FSDP_RED_AVG, "rs"), "rs");
+  expect_ok(x, fsdp_comm_all_reduce(x->c, a, 7, FSDP_DTYPE_F32, FSDP_RED_SUM, "ar"), "ar");
+  expect_ok(x, fsdp_comm_broadcast(x->c, a, 3, FSDP_DTYPE_F32, 0, "bc"), "bc");
   expect_ok(x, fsdp_comm_barrier(x->c, "b"), "b");
   fsdp_comm_stats s;
   fsdp_comm_get_stats(x->c, &s);
@@ -807,16 +807,16 @@ static void test_world_of_one(void **state) {
   assert_int_equal(fsdp_comm_world(c), 1);
   assert_string_equal(fsdp_comm_backend(c), "local");
   float send[5] = {1, 2, 3, 4, 5}, recv[5] = {0}, buf[5] = {1.5f, -2, 3, 4, 5};
-  assert_int_equal(fsdp_comm_all_gather(c, recv, send, 5, "ag"), FSDP_OK);
+  assert_int_equal(fsdp_comm_all_gather(c, recv, send, 5, FSDP_DTYPE_F32, "ag"), FSDP_OK);
   assert_memory_equal(recv, send, sizeof send);
   memset(recv, 0, sizeof recv);
-  assert_int_equal(fsdp_comm_reduce_scatter(c, recv, send, 5, FSDP_RED_AVG, "rs"), FSDP_OK);
+  assert_int_equal(fsdp_comm_reduce_scatter(c, recv, send, 5, FSDP_DTYPE_F32, FSDP_RED_AVG, "rs"), FSDP_OK);
   assert_memory_equal(recv, send, sizeof send);
-  assert_int_equal(fsdp_comm_all_reduce(c, buf, 5, FSDP_RED_AVG, "ar"), FSDP_OK);
+  assert_int_equal(fsdp_comm_all_reduce(c, buf, 5, FSDP_DTYPE_F32, FSDP_RED_AVG, "ar"), FSDP_OK);
   assert_true(buf[0] == 1.5f && buf[1] == -2.0f);
-  assert_int_equal(fsdp_comm_broadcast(c, buf, 5, 0, "bc"), FSDP_OK);
+  assert_int_equal(fsdp_comm_broadcast(c, buf, 5, FSDP_DTYPE_F32, 0, "bc"), FSDP_OK);
   assert_int_equal(fsdp_comm_barrier(c, NULL), FSDP_OK);
-  assert_int_equal(fsdp_comm_all_gather(c, NULL, NULL, 0, "empty"), FSDP_OK);
+  assert_int_equal(fsdp_comm_all_gather(c, NULL, NULL, 0, FSDP_DTYPE_F32, "empty"), FSDP_OK);
   /* async completes at start; still a handle to wait on */
   fsdp_coll k = gather_coll(recv, send, 5, "async");
   fsdp_comm_req *req = NULL;
@@ -850,7 +850,7 @@ static void *thread_current(void *arg) {
   out[0] = fsdp_comm_current();
   out[1] = fsdp_comm_current();
   float x = 2;
-  if (fsdp_comm_all_reduce(out[0], &x, 1, FSDP_RED_SUM, "x") != FSDP_OK || x != 2) out[1] = NULL;
+  if (fsdp_comm_all_reduce(out[0], &x, 1, FSDP_DTYPE_F32, FSDP_RED_SUM, "x") != FSDP_OK || x != 2) out[1] = NULL;
   return NULL; /* the lazily made world of one is freed at thread exit (valgrind checks) */
 }
 
@@ -923,9 +923,9 @@ static void test_env(void **state) {
 static void body_invalid(rank_ctx *x) {
   float buf[64] = {0};
   if (x->rank == 0) {
-    note(x, fsdp_comm_all_gather(x->c, buf, buf + 3, 8, "overlap"), now_s());
+    note(x, fsdp_comm_all_gather(x->c, buf, buf + 3, 8, FSDP_DTYPE_F32, "overlap"), now_s());
   } else {
-    note(x, fsdp_comm_all_gather(x->c, buf, buf + 32, 8, "overlap"), now_s());
+    note(x, fsdp_comm_all_gather(x->c, buf, buf + 32, 8, FSDP_DTYPE_F32, "overlap"), now_s());
   }
 }
 
@@ -942,15 +942,15 @@ static void test_invalid(void **state) {
   fsdp_comm *c;
   assert_int_equal(fsdp_comm_single_new(&c), FSDP_OK);
   float b[4];
-  assert_int_equal(fsdp_comm_broadcast(c, b, 4, 1, "r"), FSDP_ERR);
+  assert_int_equal(fsdp_comm_broadcast(c, b, 4, FSDP_DTYPE_F32, 1, "r"), FSDP_ERR);
   assert_contains(fsdp_error_msg(), "root 1 out of range for world 1");
   fsdp_comm_free(c);
   assert_int_equal(fsdp_comm_single_new(&c), FSDP_OK);
-  assert_int_equal(fsdp_comm_all_reduce(c, NULL, 4, FSDP_RED_SUM, "n"), FSDP_ERR);
+  assert_int_equal(fsdp_comm_all_reduce(c, NULL, 4, FSDP_DTYPE_F32, FSDP_RED_SUM, "n"), FSDP_ERR);
   assert_contains(fsdp_error_msg(), "NULL buffer");
   fsdp_comm_free(c);
   assert_int_equal(fsdp_comm_single_new(&c), FSDP_OK);
-  assert_int_equal(fsdp_comm_all_reduce(c, b, -1, FSDP_RED_SUM, "n"), FSDP_ERR);
+  assert_int_equal(fsdp_comm_all_reduce(c, b, -1, FSDP_DTYPE_F32, FSDP_RED_SUM, "n"), FSDP_ERR);
   assert_contains(fsdp_error_msg(), "negative count");
   fsdp_comm_free(c);
   assert_int_equal(fsdp_comm_wait(NULL), FSDP_ERR);
