@@ -25,6 +25,7 @@
 #include <cmocka.h>
 
 #include "comm/comm.h"
+#include "typed_ref.h"
 
 #define MAXW 4
 #define MSG 2048
@@ -247,6 +248,229 @@ static void test_nan(void **state) {
   rank_ctx ctx[MAXW];
   run_world(3, 0, body_nan, NULL, ctx);
   assert_ranks_right(ctx, 3);
+}
+
+/* ---- dtypes ------------------------------------------------------------------------------------ */
+
+static const int64_t typed_counts[] = {0, 1, 7, 33, 2049, 4099};
+#define NTYPED_COUNTS ((int)(sizeof typed_counts / sizeof typed_counts[0]))
+
+/* buf[i] == want, element by element, in dtype dt */
+static void check_typed(rank_ctx *x, const char *what, fsdp_dtype dt, int64_t i, const void *got,
+                        const void *want) {
+  x->checks++;
+  if (x->wrong[0] || typed_same(dt, got, want)) return;
+  uint64_t g = 0, w = 0;
+  memcpy(&g, got, fsdp_dtype_size(dt));
+  memcpy(&w, want, fsdp_dtype_size(dt));
+  snprintf(x->wrong, sizeof x->wrong, "rank %d %s %s: element %lld has bits 0x%llx, want 0x%llx",
+           x->rank, fsdp_dtype_name(dt), what, (long long)i, (unsigned long long)g,
+           (unsigned long long)w);
+}
+
+/* Every collective in every dtype against typed_ref.h: all_gather (and in place) and
+ * broadcast from every root for each dtype; reduce_scatter (and in place) and all_reduce with
+ * every reduction the dtype has. */
+static void body_typed(rank_ctx *x) {
+  const int W = x->world, r = x->rank;
+  fsdp_comm *c = x->c;
+  for (int di = 0; di < TYPED_ALL; di++) {
+    const fsdp_dtype dt = typed_all[di];
+    const size_t esz = fsdp_dtype_size(dt);
+    for (int ci = 0; ci < NTYPED_COUNTS; ci++) {
+      const int64_t n = typed_counts[ci];
+      const int salt = 100 * di + 10 * ci;
+      char *send = malloc(esz * (size_t)(n * W + 1));
+      char *recv = malloc(esz * (size_t)(n * W + 1));
+      char want[8];
+#define EL(buf, k) ((buf) + (size_t)(k) * esz)
+      for (int in_place = 0; in_place < 2; in_place++) {
+        memset(recv, 0xA5, esz * (size_t)(n * W));
+        char *src = in_place ? EL(recv, r * n) : send;
+        for (int64_t i = 0; i < n; i++) typed_input(dt, r, i, salt + in_place, EL(src, i));
+        expect_ok(x, fsdp_comm_all_gather(c, recv, src, n, dt, "ag"), "all_gather");
+        for (int p = 0; p < W; p++)
+          for (int64_t i = 0; i < n; i++) {
+            typed_input(dt, p, i, salt + in_place, want);
+            check_typed(x, in_place ? "all_gather in place" : "all_gather", dt, p * n + i,
+                        EL(recv, p * n + i), want);
+          }
+      }
+      for (int root = 0; root < W; root++) {
+        for (int64_t i = 0; i < n; i++) typed_input(dt, r, i, salt + 2, EL(recv, i));
+        expect_ok(x, fsdp_comm_broadcast(c, recv, n, dt, root, "bc"), "broadcast");
+        for (int64_t i = 0; i < n; i++) {
+          typed_input(dt, root, i, salt + 2, want);
+          check_typed(x, "broadcast", dt, i, EL(recv, i), want);
+        }
+      }
+      if (di < TYPED_REDUCIBLE) {
+        for (int red = FSDP_RED_SUM; red <= FSDP_RED_MIN; red++) {
+          if (!fsdp_comm_reduce_supported(dt, red)) continue;
+          int s2 = salt + 3 + red;
+          for (int in_place = 0; in_place < 2; in_place++) {
+            for (int64_t i = 0; i < n * W; i++) typed_input(dt, r, i, s2, EL(send, i));
+            char *out = in_place ? EL(send, r * n) : recv;
+            expect_ok(x, fsdp_comm_reduce_scatter(c, out, send, n, dt, red, "rs"),
+                      "reduce_scatter");
+            for (int64_t i = 0; i < n; i++) {
+              typed_ref_reduce(dt, W, r * n + i, s2, red, want);
+              check_typed(x, in_place ? "reduce_scatter in place" : "reduce_scatter", dt, i,
+                          EL(out, i), want);
+            }
+          }
+          for (int64_t i = 0; i < n; i++) typed_input(dt, r, i, s2 + 50, EL(recv, i));
+          expect_ok(x, fsdp_comm_all_reduce(c, recv, n, dt, red, "ar"), "all_reduce");
+          for (int64_t i = 0; i < n; i++) {
+            typed_ref_reduce(dt, W, i, s2 + 50, red, want);
+            check_typed(x, "all_reduce", dt, i, EL(recv, i), want);
+          }
+        }
+      }
+#undef EL
+      free(send);
+      free(recv);
+    }
+  }
+}
+
+static void test_typed_values(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  for (int W = 1; W <= MAXW; W++) {
+    run_world(W, 0, body_typed, NULL, ctx);
+    assert_ranks_right(ctx, W);
+  }
+  /* the world of one runs the same program (its collectives are local copies) */
+  rank_ctx one = {.world = 1};
+  assert_int_equal(fsdp_comm_single_new(&one.c), FSDP_OK);
+  body_typed(&one);
+  fsdp_comm_free(one.c);
+  if (one.wrong[0]) fail_msg("%s", one.wrong);
+  assert_true(one.checks > 0);
+}
+
+/* bf16 reductions round once: three inputs whose f32 sum is exact but whose pairwise bf16
+ * sums would round differently. 1 + 2^-8 + 2^-8: a bf16 fold would give 1 (each add ties to
+ * even), the f32 fold 1 + 2^-7, which bf16 holds. */
+static void body_bf16_once(rank_ctx *x) {
+  uint16_t v = fsdp_f32_to_bf16(x->rank == 0 ? 1.0f : 0x1p-8f);
+  expect_ok(x, fsdp_comm_all_reduce(x->c, &v, 1, FSDP_DTYPE_BF16, FSDP_RED_SUM, "once"), "ar");
+  x->checks++;
+  if (fsdp_bf16_to_f32(v) != 1.0f + 0x1p-7f)
+    snprintf(x->wrong, sizeof x->wrong, "rank %d: bf16 sum %.9g, want %.9g", x->rank,
+             fsdp_bf16_to_f32(v), 1.0f + 0x1p-7f);
+}
+
+static void test_bf16_rounds_once(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  run_world(3, 0, body_bf16_once, NULL, ctx);
+  assert_ranks_right(ctx, 3);
+}
+
+/* Reductions a dtype has not are an error naming the dtype and the reduction. */
+static void test_typed_invalid(void **state) {
+  (void)state;
+  fsdp_comm *c;
+  uint8_t b[8] = {0};
+  struct { fsdp_dtype dt; fsdp_reduce_op red; bool scatter; const char *msg; } cases[] = {
+      {FSDP_DTYPE_U8, FSDP_RED_SUM, false,
+       "all_reduce(u8 x4 sum, 'bytes'): sum is not defined for u8 (reductions take f32, bf16, f64, i64)"},
+      {FSDP_DTYPE_BOOL, FSDP_RED_MAX, false, "max is not defined for bool"},
+      {FSDP_DTYPE_U8, FSDP_RED_MIN, true, "reduce_scatter(u8 x4 min, 'bytes'): min is not defined for u8"},
+      {FSDP_DTYPE_F16, FSDP_RED_SUM, false, "sum is not defined for f16"},
+      {FSDP_DTYPE_I32, FSDP_RED_AVG, true, "avg is not defined for i32"},
+      {FSDP_DTYPE_I64, FSDP_RED_AVG, false,
+       "all_reduce(i64 x4 avg, 'bytes'): avg is not defined for i64 (reduce with sum and divide)"},
+  };
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    assert_int_equal(fsdp_comm_single_new(&c), FSDP_OK);
+    uint64_t big[8] = {0};
+    void *buf = fsdp_dtype_size(cases[k].dt) > 1 ? (void *)big : (void *)b;
+    int rc = cases[k].scatter
+                 ? fsdp_comm_reduce_scatter(c, buf, buf, 4, cases[k].dt, cases[k].red, "bytes")
+                 : fsdp_comm_all_reduce(c, buf, 4, cases[k].dt, cases[k].red, "bytes");
+    assert_int_equal(rc, FSDP_ERR);
+    assert_contains(fsdp_error_msg(), cases[k].msg);
+    fsdp_comm_free(c);
+  }
+  assert_int_equal(fsdp_comm_single_new(&c), FSDP_OK);
+  assert_int_equal(fsdp_comm_broadcast(c, b, 4, (fsdp_dtype)99, 0, "x"), FSDP_ERR);
+  assert_contains(fsdp_error_msg(), "unknown dtype 99");
+  fsdp_comm_free(c);
+}
+
+/* A bytes reduction on one rank fails it, and its peer at once (the group is poisoned). */
+static void body_bytes_sum(rank_ctx *x) {
+  uint8_t b[4] = {1, 2, 3, 4};
+  float f[4] = {0};
+  if (x->rank == 0) note(x, fsdp_comm_all_reduce(x->c, b, 4, FSDP_DTYPE_U8, FSDP_RED_SUM, "b"), now_s());
+  else note(x, fsdp_comm_all_reduce(x->c, f, 4, FSDP_DTYPE_F32, FSDP_RED_SUM, "b"), now_s());
+}
+
+static void test_bytes_reduction_poisons(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  run_world(2, 30, body_bytes_sum, NULL, ctx);
+  assert_int_equal(ctx[0].rc[0], FSDP_ERR);
+  assert_contains(ctx[0].msg[0], "sum is not defined for u8");
+  assert_int_equal(ctx[1].rc[0], FSDP_ERR);
+  assert_true(ctx[1].secs[0] < 5);
+  assert_contains(ctx[1].msg[0], "rank 0 failed: all_reduce(u8 x4 sum, 'b'): sum is not defined for u8");
+}
+
+/* Ranks that disagree on the dtype: the mismatch names both. */
+static void body_dtype_mismatch(rank_ctx *x) {
+  char send[64] = {0}, recv[64 * MAXW];
+  fsdp_dtype dt = x->rank == 1 ? FSDP_DTYPE_BF16 : FSDP_DTYPE_F32;
+  note(x, fsdp_comm_all_gather(x->c, recv, send, 8, dt, "blocks.1"), now_s());
+}
+
+static void test_mismatch_dtype(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  run_world(3, 30, body_dtype_mismatch, NULL, ctx);
+  for (int r = 0; r < 3; r++) {
+    assert_int_equal(ctx[r].rc[0], FSDP_ERR);
+    assert_contains(ctx[r].msg[0], "collective mismatch at #1: rank 0 called all_gather(f32 x8, "
+                                   "'blocks.1') but rank 1 called all_gather(bf16 x8, 'blocks.1')");
+  }
+}
+
+/* The recorder and the byte counters use the dtype: bytes are elements x its size. */
+static void body_typed_accounting(rank_ctx *x) {
+  static uint16_t send[MAXW][1024], recv[MAXW][1024 * 2];
+  double d[3] = {1, 2, 3};
+  uint8_t u[5] = {0};
+  fsdp_comm_reset_stats(x->c);
+  expect_ok(x, fsdp_comm_all_gather(x->c, recv[x->rank], send[x->rank], 1024, FSDP_DTYPE_BF16,
+                                    "blocks.1"), "ag");
+  expect_ok(x, fsdp_comm_all_reduce(x->c, d, 3, FSDP_DTYPE_F64, FSDP_RED_SUM, "loss"), "ar");
+  expect_ok(x, fsdp_comm_broadcast(x->c, u, 5, FSDP_DTYPE_U8, 0, "text"), "bc");
+  expect_ok(x, fsdp_comm_reduce_scatter(x->c, recv[x->rank], send[x->rank], 512,
+                                        FSDP_DTYPE_BF16, FSDP_RED_SUM, "grads"), "rs");
+  fsdp_comm_stats st;
+  fsdp_comm_get_stats(x->c, &st);
+  x->checks++;
+  if (st.bytes[FSDP_COLL_ALL_GATHER] != 1024 * 2 * 2 || st.bytes[FSDP_COLL_ALL_REDUCE] != 24 ||
+      st.bytes[FSDP_COLL_BROADCAST] != 5 || st.bytes[FSDP_COLL_REDUCE_SCATTER] != 512 * 2 * 2)
+    snprintf(x->wrong, sizeof x->wrong, "rank %d: bytes ag %lld ar %lld bc %lld rs %lld", x->rank,
+             (long long)st.bytes[FSDP_COLL_ALL_GATHER], (long long)st.bytes[FSDP_COLL_ALL_REDUCE],
+             (long long)st.bytes[FSDP_COLL_BROADCAST],
+             (long long)st.bytes[FSDP_COLL_REDUCE_SCATTER]);
+  fsdp_comm_flight_recorder(x->c, x->big, sizeof x->big);
+}
+
+static void test_typed_accounting(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  run_world(2, 0, body_typed_accounting, NULL, ctx);
+  assert_ranks_right(ctx, 2);
+  assert_contains(ctx[0].big, "all_gather bf16 x1024 'blocks.1' done");
+  assert_contains(ctx[0].big, "all_reduce f64 x3 'loss' done");
+  assert_contains(ctx[0].big, "broadcast u8 x5 'text' done");
+  assert_contains(ctx[0].big, "reduce_scatter bf16 x512 'grads' done");
 }
 
 /* ---- reproducibility ------------------------------------------------------------------------- */
@@ -1042,6 +1266,12 @@ int main(void) {
       cmocka_unit_test(test_world_of_one),
       cmocka_unit_test(test_values),
       cmocka_unit_test(test_nan),
+      cmocka_unit_test(test_typed_values),
+      cmocka_unit_test(test_bf16_rounds_once),
+      cmocka_unit_test(test_typed_invalid),
+      cmocka_unit_test(test_bytes_reduction_poisons),
+      cmocka_unit_test(test_mismatch_dtype),
+      cmocka_unit_test(test_typed_accounting),
       cmocka_unit_test(test_bitwise_reproducible),
       cmocka_unit_test(test_async),
       cmocka_unit_test(test_async_overlap),
