@@ -179,12 +179,19 @@ static int l_broadcast(lua_State *L) {
 
 /* ---- bytes ----------------------------------------------------------------------------------- */
 
+/* The string at idx (numbers are not converted), or a Lua error naming fn. */
+static const char *bytes_arg(lua_State *L, int idx, const char *fn, size_t *len) {
+  if (lua_type(L, idx) != LUA_TSTRING)
+    luaL_error(L, "%s: expected a string, got %s", fn, luaL_typename(L, idx));
+  return lua_tolstring(L, idx, len);
+}
+
 /* all_gather_bytes(s [, label]) -> {rank 0's s, rank 1's s, ...}: the lengths (i64), then the
  * strings padded to the longest (u8, in place); nothing more when every string is empty. */
 static int l_all_gather_bytes(lua_State *L) {
   fsdp_comm *c = current(L);
   size_t len;
-  const char *s = luaL_checklstring(L, 1, &len);
+  const char *s = bytes_arg(L, 1, "all_gather_bytes", &len);
   const char *label = opt_label(L, 2, "all_gather_bytes");
   int W = fsdp_comm_world(c), r = fsdp_comm_rank(c);
   /* userdata, not malloc: a failing collective raises */
@@ -217,7 +224,7 @@ static int l_broadcast_bytes(lua_State *L) {
   bool me = fsdp_comm_rank(c) == root;
   size_t len = 0;
   const char *s = NULL;
-  if (me) s = luaL_checklstring(L, 1, &len);
+  if (me) s = bytes_arg(L, 1, "broadcast_bytes", &len);
   else if (!lua_isnil(L, 1) && lua_type(L, 1) != LUA_TSTRING)
     luaL_error(L, "broadcast_bytes: expected a string (or nil off the root), got %s",
                luaL_typename(L, 1));
