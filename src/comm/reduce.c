@@ -31,21 +31,6 @@ bool fsdp_comm_reduce_supported(fsdp_dtype dtype, fsdp_reduce_op red) {
 /* ---- f32 (and bf16, widened) --------------------------------------------------------------- */
 
 /* One pass per input over a tile. Selects rather than branches for max/min. */
-static void f32_first2(float *restrict t, const float *restrict a, const float *restrict b,
-                       int64_t m, fsdp_reduce_op red) {
-  switch (red) {
-  case FSDP_RED_MAX:
-    for (int64_t i = 0; i < m; i++) t[i] = (b[i] > a[i] || b[i] != b[i]) ? b[i] : a[i];
-    break;
-  case FSDP_RED_MIN:
-    for (int64_t i = 0; i < m; i++) t[i] = (b[i] < a[i] || b[i] != b[i]) ? b[i] : a[i];
-    break;
-  default:
-    for (int64_t i = 0; i < m; i++) t[i] = a[i] + b[i];
-    break;
-  }
-}
-
 static void f32_acc(float *restrict t, const float *restrict b, int64_t m, fsdp_reduce_op red) {
   switch (red) {
   case FSDP_RED_MAX:
@@ -70,12 +55,8 @@ static void reduce_f32(float *out, const float *const *src, int nsrc, int64_t m,
   const float scale = (float)(1.0 / nsrc);
   for (int64_t i0 = 0; i0 < m; i0 += REDUCE_TILE) {
     int64_t k = m - i0 < REDUCE_TILE ? m - i0 : REDUCE_TILE;
-    if (nsrc == 1) {
-      memcpy(t, src[0] + i0, (size_t)k * sizeof(float));
-    } else {
-      f32_first2(t, src[0] + i0, src[1] + i0, k, red);
-      for (int p = 2; p < nsrc; p++) f32_acc(t, src[p] + i0, k, red);
-    }
+    memcpy(t, src[0] + i0, (size_t)k * sizeof(float));
+    for (int p = 1; p < nsrc; p++) f32_acc(t, src[p] + i0, k, red);
     if (red == FSDP_RED_AVG) f32_scale(t, k, scale);
     memcpy(out + i0, t, (size_t)k * sizeof(float));
   }

@@ -252,86 +252,12 @@ static void test_nan(void **state) {
 
 /* ---- dtypes ------------------------------------------------------------------------------------ */
 
-static const int64_t typed_counts[] = {0, 1, 7, 33, 2049, 4099};
-#define NTYPED_COUNTS ((int)(sizeof typed_counts / sizeof typed_counts[0]))
-
-/* buf[i] == want, element by element, in dtype dt */
-static void check_typed(rank_ctx *x, const char *what, fsdp_dtype dt, int64_t i, const void *got,
-                        const void *want) {
-  x->checks++;
-  if (x->wrong[0] || typed_same(dt, got, want)) return;
-  uint64_t g = 0, w = 0;
-  memcpy(&g, got, fsdp_dtype_size(dt));
-  memcpy(&w, want, fsdp_dtype_size(dt));
-  snprintf(x->wrong, sizeof x->wrong, "rank %d %s %s: element %lld has bits 0x%llx, want 0x%llx",
-           x->rank, fsdp_dtype_name(dt), what, (long long)i, (unsigned long long)g,
-           (unsigned long long)w);
-}
-
-/* Every collective in every dtype against typed_ref.h: all_gather (and in place) and
- * broadcast from every root for each dtype; reduce_scatter (and in place) and all_reduce with
- * every reduction the dtype has. */
+/* Every collective in every dtype (typed_ref.h's exercise, which the mpi test runs too). */
 static void body_typed(rank_ctx *x) {
-  const int W = x->world, r = x->rank;
-  fsdp_comm *c = x->c;
-  for (int di = 0; di < TYPED_ALL; di++) {
-    const fsdp_dtype dt = typed_all[di];
-    const size_t esz = fsdp_dtype_size(dt);
-    for (int ci = 0; ci < NTYPED_COUNTS; ci++) {
-      const int64_t n = typed_counts[ci];
-      const int salt = 100 * di + 10 * ci;
-      char *send = malloc(esz * (size_t)(n * W + 1));
-      char *recv = malloc(esz * (size_t)(n * W + 1));
-      char want[8];
-#define EL(buf, k) ((buf) + (size_t)(k) * esz)
-      for (int in_place = 0; in_place < 2; in_place++) {
-        memset(recv, 0xA5, esz * (size_t)(n * W));
-        char *src = in_place ? EL(recv, r * n) : send;
-        for (int64_t i = 0; i < n; i++) typed_input(dt, r, i, salt + in_place, EL(src, i));
-        expect_ok(x, fsdp_comm_all_gather(c, recv, src, n, dt, "ag"), "all_gather");
-        for (int p = 0; p < W; p++)
-          for (int64_t i = 0; i < n; i++) {
-            typed_input(dt, p, i, salt + in_place, want);
-            check_typed(x, in_place ? "all_gather in place" : "all_gather", dt, p * n + i,
-                        EL(recv, p * n + i), want);
-          }
-      }
-      for (int root = 0; root < W; root++) {
-        for (int64_t i = 0; i < n; i++) typed_input(dt, r, i, salt + 2, EL(recv, i));
-        expect_ok(x, fsdp_comm_broadcast(c, recv, n, dt, root, "bc"), "broadcast");
-        for (int64_t i = 0; i < n; i++) {
-          typed_input(dt, root, i, salt + 2, want);
-          check_typed(x, "broadcast", dt, i, EL(recv, i), want);
-        }
-      }
-      if (di < TYPED_REDUCIBLE) {
-        for (int red = FSDP_RED_SUM; red <= FSDP_RED_MIN; red++) {
-          if (!fsdp_comm_reduce_supported(dt, red)) continue;
-          int s2 = salt + 3 + red;
-          for (int in_place = 0; in_place < 2; in_place++) {
-            for (int64_t i = 0; i < n * W; i++) typed_input(dt, r, i, s2, EL(send, i));
-            char *out = in_place ? EL(send, r * n) : recv;
-            expect_ok(x, fsdp_comm_reduce_scatter(c, out, send, n, dt, red, "rs"),
-                      "reduce_scatter");
-            for (int64_t i = 0; i < n; i++) {
-              typed_ref_reduce(dt, W, r * n + i, s2, red, want);
-              check_typed(x, in_place ? "reduce_scatter in place" : "reduce_scatter", dt, i,
-                          EL(out, i), want);
-            }
-          }
-          for (int64_t i = 0; i < n; i++) typed_input(dt, r, i, s2 + 50, EL(recv, i));
-          expect_ok(x, fsdp_comm_all_reduce(c, recv, n, dt, red, "ar"), "all_reduce");
-          for (int64_t i = 0; i < n; i++) {
-            typed_ref_reduce(dt, W, i, s2 + 50, red, want);
-            check_typed(x, "all_reduce", dt, i, EL(recv, i), want);
-          }
-        }
-      }
-#undef EL
-      free(send);
-      free(recv);
-    }
-  }
+  typed_report t = {{0}, 0};
+  typed_exercise(x->c, x->world, x->rank, &t);
+  x->checks += (int)t.checks;
+  if (t.wrong[0]) snprintf(x->wrong, sizeof x->wrong, "rank %d: %.200s", x->rank, t.wrong);
 }
 
 static void test_typed_values(void **state) {
@@ -409,15 +335,23 @@ static void body_bytes_sum(rank_ctx *x) {
   else note(x, fsdp_comm_all_reduce(x->c, f, 4, FSDP_DTYPE_F32, FSDP_RED_SUM, "b"), now_s());
 }
 
+/* Main thread, a world of two: rank 0's first call failed with msg (an invalid argument), and
+ * rank 1's failed at once with "rank 0 failed: <msg>" (the group was poisoned). */
+static void assert_invalid_poisons(rank_ctx *ctx, const char *msg) {
+  char peer[256];
+  snprintf(peer, sizeof peer, "rank 0 failed: %s", msg);
+  assert_int_equal(ctx[0].rc[0], FSDP_ERR);
+  assert_contains(ctx[0].msg[0], msg);
+  assert_int_equal(ctx[1].rc[0], FSDP_ERR);
+  assert_true(ctx[1].secs[0] < 5);
+  assert_contains(ctx[1].msg[0], peer);
+}
+
 static void test_bytes_reduction_poisons(void **state) {
   (void)state;
   rank_ctx ctx[MAXW];
   run_world(2, 30, body_bytes_sum, NULL, ctx);
-  assert_int_equal(ctx[0].rc[0], FSDP_ERR);
-  assert_contains(ctx[0].msg[0], "sum is not defined for u8");
-  assert_int_equal(ctx[1].rc[0], FSDP_ERR);
-  assert_true(ctx[1].secs[0] < 5);
-  assert_contains(ctx[1].msg[0], "rank 0 failed: all_reduce(u8 x4 sum, 'b'): sum is not defined for u8");
+  assert_invalid_poisons(ctx, "all_reduce(u8 x4 sum, 'b'): sum is not defined for u8");
 }
 
 /* Ranks that disagree on the dtype: the mismatch names both. */
@@ -427,16 +361,14 @@ static void body_dtype_mismatch(rank_ctx *x) {
   note(x, fsdp_comm_all_gather(x->c, recv, send, 8, dt, "blocks.1"), now_s());
 }
 
-static void test_mismatch_dtype(void **state) {
-  (void)state;
-  rank_ctx ctx[MAXW];
-  run_world(3, 30, body_dtype_mismatch, NULL, ctx);
-  for (int r = 0; r < 3; r++) {
+/* Main thread: the first collective failed on every one of W ranks with msg. */
+static void assert_all_failed(rank_ctx *ctx, int W, const char *msg) {
+  for (int r = 0; r < W; r++) {
     assert_int_equal(ctx[r].rc[0], FSDP_ERR);
-    assert_contains(ctx[r].msg[0], "collective mismatch at #1: rank 0 called all_gather(f32 x8, "
-                                   "'blocks.1') but rank 1 called all_gather(bf16 x8, 'blocks.1')");
+    assert_contains(ctx[r].msg[0], msg);
   }
 }
+
 
 /* The recorder and the byte counters use the dtype: bytes are elements x its size. */
 static void body_typed_accounting(rank_ctx *x) {
@@ -690,11 +622,12 @@ static void test_mismatch_count(void **state) {
   (void)state;
   rank_ctx ctx[MAXW];
   run_world(3, 30, body_mismatch_count, NULL, ctx);
-  for (int r = 0; r < 3; r++) {
-    assert_int_equal(ctx[r].rc[0], FSDP_ERR);
-    assert_contains(ctx[r].msg[0], "collective mismatch at #1: rank 0 called all_reduce(f32 x100 avg, "
-                                   "'loss') but rank 1 called all_reduce(f32 x200 avg, 'loss')");
-  }
+  assert_all_failed(ctx, 3, "collective mismatch at #1: rank 0 called all_reduce(f32 x100 avg, "
+                            "'loss') but rank 1 called all_reduce(f32 x200 avg, 'loss')");
+  /* the dtype, likewise (typed collectives: f32 against bf16 of the same count) */
+  run_world(3, 30, body_dtype_mismatch, NULL, ctx);
+  assert_all_failed(ctx, 3, "collective mismatch at #1: rank 0 called all_gather(f32 x8, "
+                            "'blocks.1') but rank 1 called all_gather(bf16 x8, 'blocks.1')");
 }
 
 /* Labels: compared on each label's first use and, with debug, always; not otherwise. */
@@ -1157,11 +1090,7 @@ static void test_invalid(void **state) {
   (void)state;
   rank_ctx ctx[MAXW];
   run_world(2, 30, body_invalid, NULL, ctx);
-  assert_int_equal(ctx[0].rc[0], FSDP_ERR);
-  assert_contains(ctx[0].msg[0], "all_gather(f32 x8, 'overlap'): send overlaps recv");
-  assert_int_equal(ctx[1].rc[0], FSDP_ERR);
-  assert_true(ctx[1].secs[0] < 5);
-  assert_contains(ctx[1].msg[0], "rank 0 failed: all_gather(f32 x8, 'overlap'): send overlaps recv");
+  assert_invalid_poisons(ctx, "all_gather(f32 x8, 'overlap'): send overlaps recv");
 
   fsdp_comm *c;
   assert_int_equal(fsdp_comm_single_new(&c), FSDP_OK);
@@ -1270,7 +1199,6 @@ int main(void) {
       cmocka_unit_test(test_bf16_rounds_once),
       cmocka_unit_test(test_typed_invalid),
       cmocka_unit_test(test_bytes_reduction_poisons),
-      cmocka_unit_test(test_mismatch_dtype),
       cmocka_unit_test(test_typed_accounting),
       cmocka_unit_test(test_bitwise_reproducible),
       cmocka_unit_test(test_async),

@@ -14,6 +14,8 @@
 #include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "comm/comm.h"
@@ -153,6 +155,106 @@ static bool typed_same(fsdp_dtype dt, const void *a, const void *b) {
     return (x & 0x7fffu) > 0x7f80u && (y & 0x7fffu) > 0x7f80u;
   }
   return false;
+}
+
+/* What typed_exercise saw: the first wrong element or failed call ("" when none), and how many
+ * elements it compared. */
+typedef struct typed_report {
+  char wrong[512];
+  long checks;
+} typed_report;
+
+static void typed_expect(typed_report *t, fsdp_dtype dt, const char *what, int64_t n, int64_t i,
+                         const void *got, const void *want) {
+  t->checks++;
+  if (t->wrong[0] || typed_same(dt, got, want)) return;
+  uint64_t g = 0, w = 0;
+  memcpy(&g, got, fsdp_dtype_size(dt));
+  memcpy(&w, want, fsdp_dtype_size(dt));
+  snprintf(t->wrong, sizeof t->wrong, "%s %s n=%lld: element %lld has bits 0x%llx, want 0x%llx",
+           fsdp_dtype_name(dt), what, (long long)n, (long long)i, (unsigned long long)g,
+           (unsigned long long)w);
+}
+
+static bool typed_ok(typed_report *t, int rc, const char *what) {
+  if (rc == FSDP_OK) return true;
+  if (!t->wrong[0]) snprintf(t->wrong, sizeof t->wrong, "%s failed: %.400s", what, fsdp_error_msg());
+  return false;
+}
+
+/* Every collective in every dtype on c (rank r of W), against the reference: all_gather (and in
+ * place) and broadcast from every root for each dtype; reduce_scatter (and in place) and
+ * all_reduce with every reduction the dtype has. Counts reach past the mpi backend's 4 KiB
+ * test segments in every element size. Stops at the first failed call (the ranks stay in step
+ * only while every call succeeds). */
+static void typed_exercise(fsdp_comm *c, int W, int r, typed_report *t) {
+  static const int64_t counts[] = {0, 1, 7, 33, 2049, 4099};
+  for (int di = 0; di < TYPED_ALL && !t->wrong[0]; di++) {
+    const fsdp_dtype dt = typed_all[di];
+    const size_t esz = fsdp_dtype_size(dt);
+    for (size_t ci = 0; ci < sizeof counts / sizeof counts[0] && !t->wrong[0]; ci++) {
+      const int64_t n = counts[ci];
+      const int salt = 100 * di + 10 * (int)ci;
+      char *send = malloc(esz * (size_t)(n * W + 1));
+      char *recv = malloc(esz * (size_t)(n * W + 1));
+      char want[8];
+      if (!send || !recv) {
+        snprintf(t->wrong, sizeof t->wrong, "out of memory");
+        free(send);
+        free(recv);
+        return;
+      }
+#define EL(buf, k) ((buf) + (size_t)(k) * esz)
+      for (int in_place = 0; in_place < 2; in_place++) {
+        memset(recv, 0xA5, esz * (size_t)(n * W));
+        char *src = in_place ? EL(recv, r * n) : send;
+        for (int64_t i = 0; i < n; i++) typed_input(dt, r, i, salt + in_place, EL(src, i));
+        if (!typed_ok(t, fsdp_comm_all_gather(c, recv, src, n, dt, "ag"), "all_gather")) goto out;
+        for (int p = 0; p < W; p++)
+          for (int64_t i = 0; i < n; i++) {
+            typed_input(dt, p, i, salt + in_place, want);
+            typed_expect(t, dt, in_place ? "all_gather in place" : "all_gather", n, p * n + i,
+                         EL(recv, p * n + i), want);
+          }
+      }
+      for (int root = 0; root < W; root++) {
+        for (int64_t i = 0; i < n; i++) typed_input(dt, r, i, salt + 2, EL(recv, i));
+        if (!typed_ok(t, fsdp_comm_broadcast(c, recv, n, dt, root, "bc"), "broadcast")) goto out;
+        for (int64_t i = 0; i < n; i++) {
+          typed_input(dt, root, i, salt + 2, want);
+          typed_expect(t, dt, "broadcast", n, i, EL(recv, i), want);
+        }
+      }
+      for (int red = FSDP_RED_SUM; di < TYPED_REDUCIBLE && red <= FSDP_RED_MIN; red++) {
+        if (!fsdp_comm_reduce_supported(dt, (fsdp_reduce_op)red)) continue;
+        int s2 = salt + 3 + red;
+        for (int in_place = 0; in_place < 2; in_place++) {
+          for (int64_t i = 0; i < n * W; i++) typed_input(dt, r, i, s2, EL(send, i));
+          char *out = in_place ? EL(send, r * n) : recv;
+          if (!typed_ok(t, fsdp_comm_reduce_scatter(c, out, send, n, dt, (fsdp_reduce_op)red, "rs"),
+                        "reduce_scatter"))
+            goto out;
+          for (int64_t i = 0; i < n; i++) {
+            typed_ref_reduce(dt, W, r * n + i, s2, (fsdp_reduce_op)red, want);
+            typed_expect(t, dt, in_place ? "reduce_scatter in place" : "reduce_scatter", n, i,
+                         EL(out, i), want);
+          }
+        }
+        for (int64_t i = 0; i < n; i++) typed_input(dt, r, i, s2 + 50, EL(recv, i));
+        if (!typed_ok(t, fsdp_comm_all_reduce(c, recv, n, dt, (fsdp_reduce_op)red, "ar"),
+                      "all_reduce"))
+          goto out;
+        for (int64_t i = 0; i < n; i++) {
+          typed_ref_reduce(dt, W, i, s2 + 50, (fsdp_reduce_op)red, want);
+          typed_expect(t, dt, "all_reduce", n, i, EL(recv, i), want);
+        }
+      }
+#undef EL
+    out:
+      free(send);
+      free(recv);
+    }
+  }
 }
 
 #endif

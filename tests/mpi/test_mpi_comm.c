@@ -153,71 +153,12 @@ static void test_collectives(fsdp_comm *c) {
   passed("every collective, counts 0..10007, bitwise against the serial fold");
 }
 
-/* Every collective in every dtype (typed_ref.h), in place and not; counts past the 4 KiB
- * segments of the segmented variants in every element size. */
+/* Every collective in every dtype: typed_ref.h's exercise, the one test_comm.c runs on the
+ * local backend, so both backends are held to the same bits. */
 static void test_typed(fsdp_comm *c) {
-  static const int64_t tcounts[] = {0, 1, 7, 33, 2049, 4099};
-  const int W = g_world, r = g_rank;
-  for (int di = 0; di < TYPED_ALL; di++) {
-    const fsdp_dtype dt = typed_all[di];
-    const size_t esz = fsdp_dtype_size(dt);
-    const char *dn = fsdp_dtype_name(dt);
-    for (size_t ci = 0; ci < sizeof tcounts / sizeof tcounts[0]; ci++) {
-      const int64_t n = tcounts[ci];
-      const int salt = 100 * di + 10 * (int)ci;
-      char *send = malloc(esz * (size_t)(n * W + 1));
-      char *recv = malloc(esz * (size_t)(n * W + 1));
-      CHECK(send && recv, "out of memory");
-      char want[8];
-#define EL(buf, k) ((buf) + (size_t)(k) * esz)
-      for (int in_place = 0; in_place < 2; in_place++) {
-        memset(recv, 0xA5, esz * (size_t)(n * W));
-        char *src = in_place ? EL(recv, r * n) : send;
-        for (int64_t i = 0; i < n; i++) typed_input(dt, r, i, salt + in_place, EL(src, i));
-        OK(fsdp_comm_all_gather(c, recv, src, n, dt, "ag"));
-        for (int p = 0; p < W; p++)
-          for (int64_t i = 0; i < n; i++) {
-            typed_input(dt, p, i, salt + in_place, want);
-            CHECK(typed_same(dt, EL(recv, p * n + i), want), "all_gather %s n=%lld in_place=%d",
-                  dn, (long long)n, in_place);
-          }
-      }
-      for (int root = 0; root < W; root++) {
-        for (int64_t i = 0; i < n; i++) typed_input(dt, r, i, salt + 2, EL(recv, i));
-        OK(fsdp_comm_broadcast(c, recv, n, dt, root, "bc"));
-        for (int64_t i = 0; i < n; i++) {
-          typed_input(dt, root, i, salt + 2, want);
-          CHECK(typed_same(dt, EL(recv, i), want), "broadcast %s n=%lld root=%d", dn,
-                (long long)n, root);
-        }
-      }
-      for (int red = FSDP_RED_SUM; di < TYPED_REDUCIBLE && red <= FSDP_RED_MIN; red++) {
-        if (!fsdp_comm_reduce_supported(dt, (fsdp_reduce_op)red)) continue;
-        const char *rn = fsdp_reduce_name((fsdp_reduce_op)red);
-        int s2 = salt + 3 + red;
-        for (int in_place = 0; in_place < 2; in_place++) {
-          for (int64_t i = 0; i < n * W; i++) typed_input(dt, r, i, s2, EL(send, i));
-          char *out = in_place ? EL(send, r * n) : recv;
-          OK(fsdp_comm_reduce_scatter(c, out, send, n, dt, (fsdp_reduce_op)red, "rs"));
-          for (int64_t i = 0; i < n; i++) {
-            typed_ref_reduce(dt, W, r * n + i, s2, (fsdp_reduce_op)red, want);
-            CHECK(typed_same(dt, EL(out, i), want), "reduce_scatter %s %s n=%lld in_place=%d i=%lld",
-                  dn, rn, (long long)n, in_place, (long long)i);
-          }
-        }
-        for (int64_t i = 0; i < n; i++) typed_input(dt, r, i, s2 + 50, EL(recv, i));
-        OK(fsdp_comm_all_reduce(c, recv, n, dt, (fsdp_reduce_op)red, "ar"));
-        for (int64_t i = 0; i < n; i++) {
-          typed_ref_reduce(dt, W, i, s2 + 50, (fsdp_reduce_op)red, want);
-          CHECK(typed_same(dt, EL(recv, i), want), "all_reduce %s %s n=%lld i=%lld", dn, rn,
-                (long long)n, (long long)i);
-        }
-      }
-#undef EL
-      free(send);
-      free(recv);
-    }
-  }
+  typed_report t = {{0}, 0};
+  typed_exercise(c, g_world, g_rank, &t);
+  CHECK(t.wrong[0] == '\0' && t.checks > 0, "%s", t.wrong);
   passed("every collective in every dtype, bitwise against typed_ref.h (the local backend's reference)");
 }
 
