@@ -884,10 +884,13 @@ static void test_flight_recorder(void **state) {
 }
 
 /* States queued/running appear while a collective waits: rank 1 arrives late. */
+/* Rank 1 arrives only once rank 0 has seen its recorder in that state (or after 10 s): a
+ * fixed sleep was too short for the worker thread to be scheduled on a loaded machine. */
 static void body_recorder_states(rank_ctx *x) {
+  atomic_int *seen = x->arg;
   float send[4] = {0}, recv[8];
   if (x->rank == 1) {
-    sleep_s(0.2);
+    for (double t0 = now_s(); !atomic_load(seen) && now_s() - t0 < 10;) sleep_s(1e-3);
     expect_ok(x, fsdp_comm_all_gather(x->c, recv, send, 4, FSDP_DTYPE_F32, "x"), "late");
     expect_ok(x, fsdp_comm_all_gather(x->c, recv, send, 4, FSDP_DTYPE_F32, "y"), "late");
     x->checks++;
@@ -899,8 +902,11 @@ static void body_recorder_states(rank_ctx *x) {
   fsdp_comm_req *a, *b;
   expect_ok(x, fsdp_comm_start(x->c, &k1, &a), "start");
   expect_ok(x, fsdp_comm_start(x->c, &k2, &b), "start");
-  sleep_s(0.05);
-  fsdp_comm_flight_recorder(x->c, x->msg[0], MSG);
+  for (double t0 = now_s(); now_s() - t0 < 10; sleep_s(1e-3)) {
+    fsdp_comm_flight_recorder(x->c, x->msg[0], MSG);
+    if (strstr(x->msg[0], "'x' running ")) break;
+  }
+  atomic_store(seen, 1);
   expect_ok(x, fsdp_comm_wait(a), "wait");
   expect_ok(x, fsdp_comm_wait(b), "wait");
   x->checks++;
@@ -909,7 +915,8 @@ static void body_recorder_states(rank_ctx *x) {
 static void test_recorder_states(void **state) {
   (void)state;
   rank_ctx ctx[MAXW];
-  run_world(2, 0, body_recorder_states, NULL, ctx);
+  atomic_int seen = 0;
+  run_world(2, 0, body_recorder_states, &seen, ctx);
   assert_ranks_right(ctx, 2);
   assert_contains(ctx[0].msg[0], "#1 all_gather f32 x4 'x' running ");
   assert_contains(ctx[0].msg[0], "#2 all_gather f32 x4 'y' queued ");
