@@ -116,7 +116,7 @@ static void raw_ag(void *p) {
 }
 static void eng_ag(void *p) {
   bench *b = p;
-  check(fsdp_comm_all_gather(b->c, b->ag_recv, b->ag_send, b->n, "bench.ag"));
+  check(fsdp_comm_all_gather(b->c, b->ag_recv, b->ag_send, b->n, FSDP_DTYPE_F32, "bench.ag"));
 }
 static void raw_rs_lib(void *p) {
   bench *b = p;
@@ -143,7 +143,7 @@ static void raw_rs_hand(void *p) {
 }
 static void eng_rs(void *p) {
   bench *b = p;
-  check(fsdp_comm_reduce_scatter(b->c, b->rs_recv, b->rs_send, b->n, FSDP_RED_SUM, "bench.rs"));
+  check(fsdp_comm_reduce_scatter(b->c, b->rs_recv, b->rs_send, b->n, FSDP_DTYPE_F32, FSDP_RED_SUM, "bench.rs"));
 }
 
 static void busy(double seconds) {

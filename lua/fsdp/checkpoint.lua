@@ -28,6 +28,7 @@
 
 local fsdp = require "fsdp"
 local core = require "fsdp.core"
+local collective = require "fsdp.collective"
 
 local C = {}
 
@@ -104,59 +105,22 @@ local function clean(err)
   return msg
 end
 
--- Every rank gets every rank's string (an all-reduce of a byte tensor: each rank fills its
--- row). Collective.
-local function allgather_strings(s)
-  local W, r = fsdp.world_size(), fsdp.rank()
-  if W == 1 then return {s} end
-  local len = core.all_reduce(#s, "max", LABEL)
-  if len == 0 then
-    local out = {}
-    for i = 1, W do out[i] = "" end
-    return out
-  end
-  local t = fsdp.zeros{W, len + 1}
-  if #s > 0 then t:narrow(1, r + 1, 1):view{len + 1}:narrow(1, 1, #s):copy(core.from_bytes(s, 0, {#s})) end
-  t:narrow(1, r + 1, 1):set(1, len + 1, #s) -- the length, so trailing zero bytes survive
-  core.all_reduce(t, "sum", LABEL)
-  local rows = t:totable()
-  local out = {}
-  for i = 1, W do
-    local row, n = rows[i], rows[i][len + 1]
-    local chars = {}
-    for j = 1, n do chars[j] = string.char(row[j]) end
-    out[i] = table.concat(chars)
-  end
-  return out
-end
-
--- Every rank gets every rank's value (JSON-able tables, strings, numbers, booleans).
-local function allgather(value)
-  local texts = allgather_strings(core.json_encode({v = value}))
-  local out = {}
-  for i, s in ipairs(texts) do out[i] = core.json_decode(s, "rank " .. (i - 1)).v end
-  return out
-end
+-- Every rank gets every rank's value (collective.lua: tables, strings, numbers, booleans).
+local function allgather(value) return collective.all_gather(value, LABEL) end
 
 -- Collective. nil when every rank passed ok; otherwise the same message on every rank (the
 -- lowest failing rank's, marked with its rank when there are several ranks).
 local function disagreement(ok, err)
-  local W, r = fsdp.world_size(), fsdp.rank()
-  if W == 1 then
-    if ok then return nil end
-    return clean(err)
+  local W = fsdp.world_size()
+  local msg = nil
+  if not ok then
+    msg = clean(err)
+    if W > 1 and #msg > 8000 then msg = msg:sub(1, 8000) .. "..." end
   end
-  local first = core.all_reduce(ok and W or r, "min", LABEL)
-  if first == W then return nil end
-  local msg = (r == first) and clean(err) or ""
-  if #msg > 8000 then msg = msg:sub(1, 8000) .. "..." end
-  local n = core.broadcast(r == first and #msg or 0, first, LABEL)
-  local t = fsdp.zeros{math.max(n, 1)}
-  if r == first and n > 0 then t:narrow(1, 1, n):copy(core.from_bytes(msg, 0, {n})) end
-  core.broadcast(t, first, LABEL)
-  local bytes, chars = t:totable(), {}
-  for i = 1, n do chars[i] = string.char(bytes[i]) end
-  return ("rank %d of %d: %s"):format(first, W, table.concat(chars))
+  local d = collective.compare(nil, msg, LABEL)
+  if d == nil then return nil end
+  if W == 1 then return d.err end
+  return ("rank %d of %d: %s"):format(d.failed, W, d.err)
 end
 
 -- ---- the model's parameters ----------------------------------------------------------------------

@@ -27,12 +27,13 @@ fsdp.world_size = core.world_size
 fsdp.backend = core.backend       -- "local" (threads of one process) | "mpi"
 --- Collective. Returns when every rank has called it. barrier(label?)
 fsdp.barrier = core.barrier
---- Collective. all_reduce(x, op = "sum" | "mean" | "max" | "min", label?): a number gives the
---- reduced number (exact, in double precision, the same bits on every rank); a contiguous
---- tensor is reduced in place and returned.
+--- Collective. all_reduce(x, op = "sum" | "mean" | "max" | "min", label?): a number (or an
+--- array of numbers) gives the reduced number (array), reduced as f64, the same bits on every
+--- rank; a contiguous tensor is reduced in place, in its dtype, and returned. Lua values other
+--- than numbers travel with require "fsdp.collective".
 fsdp.all_reduce = core.all_reduce
---- Collective. broadcast(x, root = 0, label?): rank root's number, or its tensor's values
---- copied in place into x on every rank.
+--- Collective. broadcast(x, root = 0, label?): rank root's number (f64: exact), or its
+--- tensor's values copied in place into x on every rank.
 fsdp.broadcast = core.broadcast
 --- This rank's traffic counters: {<op>_bytes =, <op>_calls = for all_gather, reduce_scatter,
 --- all_reduce, broadcast, barrier; calls = total; busy_s =, wait_s =}; tostring() prints a

@@ -35,6 +35,7 @@
 
 local fsdp = require "fsdp"
 local core = require "fsdp.core"
+local collective = require "fsdp.collective"
 
 local M = {}
 package.loaded["fsdp.mask"] = M -- prune.lua requires this module back
@@ -170,9 +171,10 @@ function M.set_mask(p, mask)
   -- different masks side by side): compare the zero count and a hash of the zero positions
   local path = unit_path(u, p)
   local label = "set_mask " .. path
-  local zmax, zmin = fsdp.all_reduce(zeros, "max", label), fsdp.all_reduce(zeros, "min", label)
-  local hmax, hmin = fsdp.all_reduce(hash, "max", label), fsdp.all_reduce(hash, "min", label)
-  if zmax ~= zmin or hmax ~= hmin then
+  local d = collective.compare({zeros, hash}, nil, label)
+  if d ~= nil then
+    local zmin, zmax = math.huge, -math.huge
+    for _, v in ipairs(d.values) do zmin, zmax = math.min(zmin, v[1]), math.max(zmax, v[1]) end
     raise(("fsdp.set_mask: %s: the ranks passed different masks (zeros from %d to %d); "
       .. "every rank must pass the same full mask"):format(path, zmin, zmax))
   end
@@ -241,18 +243,7 @@ function M.sparsity(model, opts)
     counts[i] = z
   end
   if collective and #params > 0 then
-    -- hi/lo halves keep every count exact in float32 (see l_mask.c)
-    local n = #params
-    local t = fsdp.zeros{2 * n}
-    local vals = {}
-    for i = 1, n do
-      vals[i] = counts[i] % 4096
-      vals[n + i] = (counts[i] - vals[i]) / 4096
-    end
-    t:copy(fsdp.tensor(vals))
-    fsdp.all_reduce(t, "sum", "sparsity")
-    local r = t:totable()
-    for i = 1, n do counts[i] = r[n + i] * 4096 + r[i] end
+    counts = fsdp.all_reduce(counts, "sum", "sparsity") -- f64: exact counts
   end
   local out = setmetatable({total = 0, zeros = 0, params = {}, order = {}}, SparsityReport)
   for i, e in ipairs(params) do

@@ -24,6 +24,7 @@
 
 local fsdp = require "fsdp"
 local core = require "fsdp.core"
+local collective = require "fsdp.collective"
 
 local M = {}
 
@@ -58,45 +59,10 @@ end
 -- ---- cross-rank agreement -------------------------------------------------------------------
 --
 -- Each rank describes what it is about to act on as an array of strings (entries), in an
--- order that depends only on its model. One all_reduce (max) of a 7-float tensor answers
--- "did some rank fail locally?" and "is every rank's list the same?" (two 24-bit polynomial
--- hashes of the whole list and its length, and their negations, so max and min come back in
--- one call). Only on a difference is more exchanged: rank 0's per-entry hashes, the first
--- index where some rank differs, which ranks differ there, and the two texts.
-
-local P1, P2 = 16777213, 16777199 -- primes below 2^24: hashes are exact in f32 and doubles
-
-local function hash(s, h1, h2)
-  for i = 1, #s do
-    local c = s:byte(i) + 1
-    h1 = (h1 * 257 + c) % P1
-    h2 = (h2 * 263 + c) % P2
-  end
-  return (h1 * 257) % P1, (h2 * 263) % P2 -- terminator: "ab".."c" differs from "a".."bc"
-end
-
-local MAX_TEXT = 1500
-
--- Collective: root's string s, on every rank.
-local function bcast_text(s, root, label)
-  local me = fsdp.rank() == root
-  if me then s = s:sub(1, MAX_TEXT) end
-  local n = core.broadcast(me and #s or 0, root, label)
-  if n == 0 then return "" end
-  local t
-  if me then
-    local bytes = {}
-    for i = 1, n do bytes[i] = s:byte(i) end
-    t = fsdp.tensor(bytes)
-  else
-    t = fsdp.zeros{n}
-  end
-  core.broadcast(t, root, label)
-  local chars = {}
-  for i, v in ipairs(t:totable()) do chars[i] = string.char(v) end
-  return table.concat(chars)
-end
-M._bcast_text = bcast_text
+-- order that depends only on its model. collective.compare answers "did some rank fail
+-- locally?" and "is every rank's list the same?" with one all_reduce; only on a difference do
+-- the lists travel, and every rank then finds the first index where some rank differs from
+-- rank 0 and which ranks differ there.
 
 local function rank_list(ranks)
   local s = {}
@@ -114,57 +80,30 @@ end
 --- opts.subject names what is compared ("the model"); opts.hint(a, b) may add a sentence for
 --- a given pair of texts.
 function M._agree(what, entries, err, opts)
-  local W, rank = fsdp.world_size(), fsdp.rank()
-  if W == 1 then return err end
-  local n = #entries
-  local h1, h2 = 0, 0
-  local hs = {}
-  for i = 1, n do
-    local a, b = hash(entries[i], 0, 0)
-    hs[2 * i - 1], hs[2 * i] = a, b
-    h1, h2 = hash(entries[i], h1, h2)
-  end
-  local v = fsdp.tensor{err and 1 or 0, h1, h2, n, -h1, -h2, -n}
-  core.all_reduce(v, "max", what)
-  local t = v:totable()
-  if t[1] > 0 then
-    local r = core.all_reduce(err and rank or W, "min", what)
-    local msg = bcast_text(err or "", r, what)
+  if fsdp.world_size() == 1 then return err end
+  local d = collective.compare(entries, err, what)
+  if d == nil then return nil end
+  if d.failed then
     if err then return err end
-    return ("%s failed on rank %d: %s"):format(what, r, msg)
+    return ("%s failed on rank %d: %s"):format(what, d.failed, d.err)
   end
-  if t[2] == -t[5] and t[3] == -t[6] and t[4] == -t[7] then return nil end
-  -- the first entry where some rank differs from rank 0
-  local n0 = core.broadcast(n, 0, what)
-  local ref = fsdp.zeros{math.max(2 * n0, 1)}
-  if rank == 0 and n0 > 0 then ref = fsdp.tensor(hs) end
-  core.broadcast(ref, 0, what)
-  local rt = ref:totable()
-  local NONE = 2 ^ 40
-  local d = NONE
-  for i = 1, math.max(n, n0) do
-    if i > n or i > n0 or hs[2 * i - 1] ~= rt[2 * i - 1] or hs[2 * i] ~= rt[2 * i] then
-      d = i
-      break
+  -- the first item where some rank differs from rank 0, and the ranks that differ there
+  local ref = d.values[1]
+  local at, first = math.huge, {}
+  for i = 2, #d.values do
+    local mine = d.values[i]
+    for k = 1, math.max(#mine, #ref) + 1 do
+      if mine[k] ~= ref[k] then first[i - 1] = k break end
     end
+    if first[i - 1] and first[i - 1] < at then at = first[i - 1] end
   end
-  local at = core.all_reduce(d, "min", what)
-  local subject = opts and opts.subject or "the state"
-  if at == NONE then -- the lists' hashes differ but no entry does: cannot happen short of a collision
-    return ("%s: %s differs across ranks (their descriptions hash differently)"):format(what, subject)
-  end
-  local flags = fsdp.zeros{W}
-  if d == at then flags:set(rank + 1, 1) end
-  core.all_reduce(flags, "sum", what)
   local differ = {}
-  for r, f in ipairs(flags:totable()) do
-    if f > 0 then differ[#differ + 1] = r - 1 end
+  for r = 1, #d.values - 1 do
+    if first[r] == at then differ[#differ + 1] = r end
   end
   local other = differ[1]
-  local a = bcast_text(entries[at] or "", 0, what)
-  local b = bcast_text(entries[at] or "", other, what)
-  if a == "" then a = "nothing more" end
-  if b == "" then b = "nothing more" end
+  local a, b = ref[at] or "nothing more", d.values[other + 1][at] or "nothing more"
+  local subject = opts and opts.subject or "the state"
   local msg = ("%s: %s differs across ranks (item %d): rank 0 has %s, rank %d has %s (ranks "
     .. "that differ from rank 0 there: %s)"):format(what, subject, at, a, other, b, rank_list(differ))
   local extra = opts and opts.hint and opts.hint(a, b)
@@ -780,15 +719,12 @@ function M.load_tensors(model, source, opts)
   if msg then raise(msg) end
   local send = {} -- param -> true when loaded
   if mode == "root" then
-    local flags = fsdp.zeros{math.max(#order, 1)}
+    local flags = {}
     if rank == 0 then
-      for i, p in ipairs(order) do
-        if pl.plan[p] then flags:set(i, 1) end
-      end
+      for i, p in ipairs(order) do flags[i] = pl.plan[p] ~= nil end
     end
-    if W > 1 then core.broadcast(flags, 0, "fsdp.load") end
-    local f = flags:totable()
-    for i, p in ipairs(order) do send[p] = f[i] > 0 end
+    if W > 1 then flags = collective.broadcast(flags, 0, "fsdp.load") end
+    for i, p in ipairs(order) do send[p] = flags[i] end
   else
     for _, p in ipairs(order) do send[p] = pl.plan[p] ~= nil end
   end

@@ -194,37 +194,33 @@ end
 local KEY_PASSES = {{21, 11}, {10, 11}, {0, 10}} -- {shift, width}: 32-bit keys
 local POS_PASSES = {{22, 11}, {11, 11}, {0, 11}} -- positions below 2^33
 
-local function decode(t, off, nb, b) -- count of bucket b (0-based) in the hi/lo histogram at off
-  return t[off + nb + b + 1] * 4096 + t[off + b + 1]
-end
-
 -- One lockstep radix selection over groups. Each group {pieces = {{x, m, gbase, counts}...},
 -- rem =} looks for its rem-th smallest value (key, or position among elements of key T);
 -- on return g.prefix is that value and g.rem what is left of rem within it, g.last the count of
--- elements equal to it. hist(h, piece, g, shift, width) accumulates a piece's histogram.
+-- elements equal to it. hist(h, off, piece, g, shift, width) accumulates a piece's histogram
+-- into the int64 counts h at offset off.
 local function radix(groups, passes, collective, label, hist)
   local G = #groups
   for _, g in ipairs(groups) do g.prefix = 0 end
   for _, pass in ipairs(passes) do
     local shift, width = pass[1], pass[2]
     local nb = 2 ^ width
-    local h = fsdp.zeros{G * 2 * nb}
+    local h = core.counts(G * nb)
     for gi, g in ipairs(groups) do
       if g.active then
-        local hg = h:narrow(1, (gi - 1) * 2 * nb + 1, 2 * nb)
         for _, pc in ipairs(g.pieces) do
-          if pc.counts then hist(hg, pc, g, shift, width) end
+          if pc.counts then hist(h, (gi - 1) * nb, pc, g, shift, width) end
         end
       end
     end
-    if collective then fsdp.all_reduce(h, "sum", label) end
-    local t = h:totable()
+    if collective then core.counts_all_reduce(h, label) end
+    local t = core.counts_totable(h)
     for gi, g in ipairs(groups) do
       if g.active then
-        local off = (gi - 1) * 2 * nb
+        local off = (gi - 1) * nb
         local cum, chosen, c = 0, nil, 0
         for b = 0, nb - 1 do
-          c = decode(t, off, nb, b)
+          c = t[off + b + 1]
           if cum + c >= g.rem then chosen = b break end
           cum = cum + c
         end
@@ -245,8 +241,8 @@ local function select_groups(groups, collective, label)
     g.active = g.k > 0
     g.rem = g.k
   end
-  radix(groups, KEY_PASSES, collective, label, function(h, pc, g, shift, width)
-    core.mask_hist(h, pc.x, pc.m, g.prefix, shift, width)
+  radix(groups, KEY_PASSES, collective, label, function(h, off, pc, g, shift, width)
+    core.mask_hist(h, off, pc.x, pc.m, g.prefix, shift, width)
   end)
   local need_pos = false
   for _, g in ipairs(groups) do
@@ -263,8 +259,8 @@ local function select_groups(groups, collective, label)
     end
   end
   if need_pos then
-    radix(groups, POS_PASSES, collective, label, function(h, pc, g, shift, width)
-      core.mask_hist_pos(h, pc.x, pc.m, g.T, pc.gbase, g.prefix, shift, width)
+    radix(groups, POS_PASSES, collective, label, function(h, off, pc, g, shift, width)
+      core.mask_hist_pos(h, off, pc.x, pc.m, g.T, pc.gbase, g.prefix, shift, width)
     end)
     for _, g in ipairs(groups) do
       if g.active then g.P = g.prefix + 1 end

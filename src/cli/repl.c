@@ -23,8 +23,7 @@
  * fsdp.debug() the recipe cannot go on (fsdp.debug raises). In ":rank K" mode the input runs
  * on rank K alone and comm refuses collectives (fsdp_comm_set_refuse) with a clear error.
  *
- * Bytes travel over the f32 communicator two per float (values 0..65535 are exact in f32).
- * With W == 1 nothing travels and nothing is captured: values print at once through the
+ * Texts travel as bytes (u8 collectives) after their sizes (i64). With W == 1 nothing travels and nothing is captured: values print at once through the
  * global print and errors with their traceback, as in `luajit`.
  */
 #include "cli/repl.h"
@@ -130,90 +129,65 @@ bool fsdp_repl_capture(const char *s, size_t n) {
 
 /* ---- the channel: bytes over ctl --------------------------------------------------------- */
 
-static void pack16(float *f, const char *s, size_t len) {
-  const unsigned char *u = (const unsigned char *)s;
-  for (size_t i = 0; i < len / 2; i++) f[i] = (float)(u[2 * i] | (unsigned)u[2 * i + 1] << 8);
-  if (len % 2) f[len / 2] = (float)u[len - 1];
-}
-
-static void unpack16(char *s, const float *f, size_t len) {
-  for (size_t i = 0; i < len; i++) {
-    unsigned v = (unsigned)f[i / 2];
-    s[i] = (char)(i % 2 ? v >> 8 : v & 0xff);
-  }
-}
-
-/* Sizes travel as two 16-bit halves. */
-static void size_to_f(float *f, size_t n) {
-  f[0] = (float)(n & 0xffff);
-  f[1] = (float)((n >> 16) & 0xffff);
-}
-static size_t size_from_f(const float *f) { return (size_t)f[0] | (size_t)f[1] << 16; }
-
 /* Rank 0's msg to every rank (msg is filled on the others). FSDP_OK, or FSDP_ERR with the
  * message in the error slot. */
 static int ctl_bcast(const fsdp_repl_host *h, rbuf *msg) {
-  float hdr[2] = {0, 0};
-  if (h->rank == 0) size_to_f(hdr, msg->len);
-  if (fsdp_comm_broadcast(h->ctl, hdr, 2, 0, "repl.input.size") != FSDP_OK) return FSDP_ERR;
-  size_t len = size_from_f(hdr), nf = (len + 1) / 2;
-  float *f = malloc((nf ? nf : 1) * sizeof *f);
-  if (!f) {
-    fsdp_error("the REPL's channel: out of memory for an input of %zu bytes", len);
-    fsdp_comm_abort(h->ctl, fsdp_error_msg()); /* the peers would wait for this rank forever */
+  int64_t len = h->rank == 0 ? (int64_t)msg->len : 0;
+  if (fsdp_comm_broadcast(h->ctl, &len, 1, FSDP_DTYPE_I64, 0, "repl.input.size") != FSDP_OK)
     return FSDP_ERR;
-  }
-  if (h->rank == 0) pack16(f, msg->p, len);
-  int rc = fsdp_comm_broadcast(h->ctl, f, (int64_t)nf, 0, "repl.input");
-  if (rc == FSDP_OK && h->rank != 0) {
+  if (h->rank != 0) {
     rb_clear(msg);
-    if (rb_reserve(msg, len)) {
-      unpack16(msg->p, f, len);
-      msg->len = len;
-      msg->p[len] = '\0';
+    if (!rb_reserve(msg, (size_t)len)) {
+      fsdp_error("the REPL's channel: out of memory for an input of %lld bytes", (long long)len);
+      fsdp_comm_abort(h->ctl, fsdp_error_msg()); /* the peers would wait for this rank forever */
+      return FSDP_ERR;
     }
   }
-  free(f);
-  return rc;
+  if (fsdp_comm_broadcast(h->ctl, msg->p, len, FSDP_DTYPE_U8, 0, "repl.input") != FSDP_OK)
+    return FSDP_ERR;
+  if (h->rank != 0) {
+    msg->len = (size_t)len;
+    msg->p[len] = '\0';
+  }
+  return FSDP_OK;
 }
 
 /* Every rank's `mine`; rank 0 gets them in all[0..world) (the other ranks pass NULL). */
 static int ctl_gather(const fsdp_repl_host *h, const rbuf *mine, rbuf *all) {
   int W = h->world, r = h->rank;
-  float *sizes = calloc((size_t)W * 2, sizeof *sizes);
+  int64_t *sizes = calloc((size_t)W, sizeof *sizes);
   if (!sizes) {
     fsdp_error("the REPL's channel: out of memory");
     fsdp_comm_abort(h->ctl, fsdp_error_msg());
     return FSDP_ERR;
   }
-  size_to_f(sizes + 2 * r, mine->len);
-  if (fsdp_comm_all_gather(h->ctl, sizes, sizes + 2 * r, 2, "repl.output.size") != FSDP_OK) {
+  sizes[r] = (int64_t)mine->len;
+  if (fsdp_comm_all_gather(h->ctl, sizes, sizes + r, 1, FSDP_DTYPE_I64, "repl.output.size") !=
+      FSDP_OK) {
     free(sizes);
     return FSDP_ERR;
   }
   size_t max = 0;
-  for (int p = 0; p < W; p++) {
-    size_t n = size_from_f(sizes + 2 * p);
-    if (n > max) max = n;
-  }
-  size_t nf = (max + 1) / 2;
+  for (int p = 0; p < W; p++)
+    if ((size_t)sizes[p] > max) max = (size_t)sizes[p];
   int rc = FSDP_OK;
-  if (nf > 0) { /* every rank saw the same sizes: all skip or all take part */
-    float *f = calloc(nf * (size_t)W, sizeof *f);
+  if (max > 0) { /* every rank saw the same sizes: all skip or all take part */
+    char *f = calloc(max * (size_t)W, 1);
     if (!f) {
       free(sizes);
       fsdp_error("the REPL's channel: out of memory for %d outputs of %zu bytes", W, max);
       fsdp_comm_abort(h->ctl, fsdp_error_msg());
       return FSDP_ERR;
     }
-    pack16(f + (size_t)r * nf, mine->p, mine->len);
-    rc = fsdp_comm_all_gather(h->ctl, f, f + (size_t)r * nf, (int64_t)nf, "repl.output");
+    if (mine->len) memcpy(f + (size_t)r * max, mine->p, mine->len);
+    rc = fsdp_comm_all_gather(h->ctl, f, f + (size_t)r * max, (int64_t)max, FSDP_DTYPE_U8,
+                              "repl.output");
     if (rc == FSDP_OK && all) {
       for (int p = 0; p < W; p++) {
-        size_t n = size_from_f(sizes + 2 * p);
+        size_t n = (size_t)sizes[p];
         rb_clear(&all[p]);
         if (n > 0 && rb_reserve(&all[p], n)) {
-          unpack16(all[p].p, f + (size_t)p * nf, n);
+          memcpy(all[p].p, f + (size_t)p * max, n);
           all[p].len = n;
           all[p].p[n] = '\0';
         }

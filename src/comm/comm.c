@@ -1,7 +1,7 @@
 /*
  * comm.c — the generic layer of the communicator (comm.h): sequence numbers, the request queue
  * and its worker thread, label fingerprint bookkeeping, the flight recorder, the counters, the
- * calling thread's current communicator, and the world of one. Owner: comm.
+ * calling thread's current communicator, and the world of one.
  *
  * Threads and locks: everything mutable in a fsdp_comm is guarded by c->mu, except what only
  * the thread running a collective touches (run_check_labels, read by the backend on that same
@@ -131,7 +131,7 @@ bool fsdp_coll_matches(const fsdp_coll *a, const fsdp_coll *b, bool labels) {
 }
 
 char *fsdp_coll_describe(char *buf, size_t n, const fsdp_coll *coll) {
-  const char *dt = coll->dtype == FSDP_DTYPE_F32 ? "f32" : "?";
+  const char *dt = fsdp_dtype_name(coll->dtype);
   if (coll->op == FSDP_COLL_BARRIER) {
     snprintf(buf, n, "barrier('%.63s')", coll->label);
   } else if (op_has_red(coll->op)) {
@@ -426,34 +426,50 @@ bool fsdp_comm_poisoned(const fsdp_comm *c) {
 
 /* ---- validation --------------------------------------------------------------------------- */
 
-static bool overlaps(const float *a, int64_t na, const float *b, int64_t nb) {
+/* Whether [a, a + na) and [b, b + nb) share a byte (sizes in bytes). */
+static bool overlaps(const void *a, int64_t na, const void *b, int64_t nb) {
   if (na == 0 || nb == 0) return false;
-  uintptr_t a0 = (uintptr_t)a, a1 = (uintptr_t)(a + na), b0 = (uintptr_t)b, b1 = (uintptr_t)(b + nb);
+  uintptr_t a0 = (uintptr_t)a, a1 = a0 + (uintptr_t)na, b0 = (uintptr_t)b, b1 = b0 + (uintptr_t)nb;
   return a0 < b1 && b0 < a1;
+}
+
+/* p + i elements of esz bytes */
+static const char *elem_at(const void *p, int64_t i, size_t esz) {
+  return (const char *)p + i * (int64_t)esz;
 }
 
 static int validate(const fsdp_comm *c, const fsdp_coll *k) {
   char what[160];
   fsdp_coll_describe(what, sizeof what, k);
   if ((unsigned)k->op >= FSDP_COLL_COUNT) return fsdp_error("collective: unknown op %d", (int)k->op);
-  if (k->dtype != FSDP_DTYPE_F32) return fsdp_error("%s: only f32 is supported", what);
+  if ((unsigned)k->dtype >= FSDP_DTYPE_COUNT)
+    return fsdp_error("%s: unknown dtype %d", what, (int)k->dtype);
   if (k->count < 0) return fsdp_error("%s: negative count", what);
   if (k->count > INT64_MAX / 8 / c->world) return fsdp_error("%s: count too large", what);
   if (op_has_red(k->op) && (unsigned)k->red > FSDP_RED_MIN) {
     return fsdp_error("%s: unknown reduction %d", what, (int)k->red);
   }
-  int64_t n = k->count, w = c->world;
+  if (op_has_red(k->op) && !fsdp_comm_reduce_supported(k->dtype, k->red)) {
+    if (k->dtype == FSDP_DTYPE_I64 && k->red == FSDP_RED_AVG)
+      return fsdp_error("%s: avg is not defined for i64 (reduce with sum and divide)", what);
+    return fsdp_error("%s: %s is not defined for %s (reductions take f32, bf16, f64, i64)", what,
+                      fsdp_reduce_name(k->red), fsdp_dtype_name(k->dtype));
+  }
+  const size_t esz = fsdp_dtype_size(k->dtype);
+  int64_t n = k->count * (int64_t)esz, w = c->world; /* bytes */
   switch (k->op) {
   case FSDP_COLL_ALL_GATHER:
     if (n > 0 && (!k->send || !k->recv)) return fsdp_error("%s: NULL buffer", what);
-    if (k->send != k->recv + c->rank * n && overlaps(k->send, n, k->recv, n * w)) {
+    if (k->send != elem_at(k->recv, c->rank * k->count, esz) &&
+        overlaps(k->send, n, k->recv, n * w)) {
       return fsdp_error("%s: send overlaps recv (in place means send == recv + rank * count)",
                         what);
     }
     break;
   case FSDP_COLL_REDUCE_SCATTER:
     if (n > 0 && (!k->send || !k->recv)) return fsdp_error("%s: NULL buffer", what);
-    if (k->recv != k->send + c->rank * n && overlaps(k->send, n * w, k->recv, n)) {
+    if (k->recv != elem_at(k->send, c->rank * k->count, esz) &&
+        overlaps(k->send, n * w, k->recv, n)) {
       return fsdp_error("%s: send overlaps recv (in place means recv == send + rank * count)",
                         what);
     }
@@ -690,33 +706,34 @@ static void set_label(fsdp_coll *k, const char *label) {
   snprintf(k->label, sizeof k->label, "%s", label ? label : "");
 }
 
-int fsdp_comm_all_gather(fsdp_comm *c, float *recv, const float *send, int64_t count,
-                         const char *label) {
-  fsdp_coll k = {.op = FSDP_COLL_ALL_GATHER, .dtype = FSDP_DTYPE_F32, .count = count,
+int fsdp_comm_all_gather(fsdp_comm *c, void *recv, const void *send, int64_t count,
+                         fsdp_dtype dtype, const char *label) {
+  fsdp_coll k = {.op = FSDP_COLL_ALL_GATHER, .dtype = dtype, .count = count, .send = send,
+                 .recv = recv};
+  set_label(&k, label);
+  return fsdp_comm_run(c, &k);
+}
+
+int fsdp_comm_reduce_scatter(fsdp_comm *c, void *recv, const void *send, int64_t count,
+                             fsdp_dtype dtype, fsdp_reduce_op red, const char *label) {
+  fsdp_coll k = {.op = FSDP_COLL_REDUCE_SCATTER, .dtype = dtype, .red = red, .count = count,
                  .send = send, .recv = recv};
   set_label(&k, label);
   return fsdp_comm_run(c, &k);
 }
 
-int fsdp_comm_reduce_scatter(fsdp_comm *c, float *recv, const float *send, int64_t count,
-                             fsdp_reduce_op red, const char *label) {
-  fsdp_coll k = {.op = FSDP_COLL_REDUCE_SCATTER, .dtype = FSDP_DTYPE_F32, .red = red,
-                 .count = count, .send = send, .recv = recv};
+int fsdp_comm_all_reduce(fsdp_comm *c, void *buf, int64_t count, fsdp_dtype dtype,
+                         fsdp_reduce_op red, const char *label) {
+  fsdp_coll k = {.op = FSDP_COLL_ALL_REDUCE, .dtype = dtype, .red = red, .count = count,
+                 .recv = buf};
   set_label(&k, label);
   return fsdp_comm_run(c, &k);
 }
 
-int fsdp_comm_all_reduce(fsdp_comm *c, float *buf, int64_t count, fsdp_reduce_op red,
-                         const char *label) {
-  fsdp_coll k = {.op = FSDP_COLL_ALL_REDUCE, .dtype = FSDP_DTYPE_F32, .red = red,
-                 .count = count, .recv = buf};
-  set_label(&k, label);
-  return fsdp_comm_run(c, &k);
-}
-
-int fsdp_comm_broadcast(fsdp_comm *c, float *buf, int64_t count, int root, const char *label) {
-  fsdp_coll k = {.op = FSDP_COLL_BROADCAST, .dtype = FSDP_DTYPE_F32, .root = root,
-                 .count = count, .recv = buf};
+int fsdp_comm_broadcast(fsdp_comm *c, void *buf, int64_t count, fsdp_dtype dtype, int root,
+                        const char *label) {
+  fsdp_coll k = {.op = FSDP_COLL_BROADCAST, .dtype = dtype, .root = root, .count = count,
+                 .recv = buf};
   set_label(&k, label);
   return fsdp_comm_run(c, &k);
 }
@@ -778,13 +795,13 @@ fsdp_comm *fsdp_comm_current(void) {
 /* ---- the world of one ----------------------------------------------------------------------- */
 
 /* Every collective of one rank is a local copy; the reductions see one contribution, so sum,
- * max and min are the identity and avg multiplies by 1 (the same bits). */
+ * max and min are the identity and avg multiplies or divides by 1 (the same bits). */
 static int single_run(fsdp_comm *c, const fsdp_coll *k, uint64_t seq) {
   (void)c;
   (void)seq;
   if ((k->op == FSDP_COLL_ALL_GATHER || k->op == FSDP_COLL_REDUCE_SCATTER) && k->count > 0 &&
       k->recv != k->send) {
-    memcpy(k->recv, k->send, (size_t)k->count * sizeof(float));
+    memcpy(k->recv, k->send, (size_t)k->count * fsdp_dtype_size(k->dtype));
   }
   return FSDP_OK;
 }

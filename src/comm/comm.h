@@ -1,7 +1,7 @@
 /*
  * comm.h — the communicator: collectives between ranks behind one interface (a vtable per
  * backend), with asynchronous handles, collective failure (poison + timeout), fingerprints,
- * a flight recorder and traffic counters. Owner: comm. docs/comm.md is the long version.
+ * a flight recorder and traffic counters. docs/comm.md is the long version.
  *
  * Layering: src/comm calls only src/core. Everything above (fsdp/, lua/, cli/) talks to an
  * fsdp_comm through the functions below and never knows which backend runs.
@@ -26,13 +26,23 @@
  * ("\nflight recorder (rank R, newest last):\n#11 ...\n#12 ..."), as many of the newest entries
  * as fit in the error slot. A collective whose peers have all arrived runs to completion on
  * every rank even if the group is poisoned meanwhile: it succeeds or fails everywhere.
- * Invalid arguments (NULL buffer, negative count, overlapping buffers, root out of range) are
- * an error on the calling rank that also poisons the group: its peers could never complete.
+ * Invalid arguments (NULL buffer, negative count, overlapping buffers, root out of range, a
+ * reduction the dtype has not) are an error on the calling rank that also poisons the group:
+ * its peers could never complete.
  *
- * Buffers: counts are in elements (f32). A buffer passed to an asynchronous collective must
- * stay valid and untouched until fsdp_comm_wait returns. all_gather may run in place (send ==
- * recv + rank * count), and so may reduce_scatter (recv == send + rank * count); otherwise send
- * and recv must not overlap.
+ * Dtypes: every collective carries one (fsdp_coll.dtype) and counts are in elements of it.
+ * all_gather and broadcast move any dtype (byte copies). Reductions (reduce_scatter,
+ * all_reduce) are defined for f32, bf16, f64 and i64: bf16 is widened to f32, reduced in f32
+ * and rounded to bf16 once; i64 sums wrap modulo 2^64 and have no avg. Other dtypes (u8, bool,
+ * f16, i32) reduce to an error naming the dtype and the reduction. The arithmetic of a
+ * reduction is the backend's: local and mpi reduce in rank order through reduce.c and give the
+ * same bits (docs/comm.md), but an implementation of this interface (NCCL, say) may reduce in
+ * another order, so callers must not rely on bit-identical results across backends.
+ *
+ * Buffers: A buffer passed to an asynchronous collective must stay valid and untouched until
+ * fsdp_comm_wait returns. all_gather may run in place (send == recv + rank * count elements),
+ * and so may reduce_scatter (recv == send + rank * count elements); otherwise send and recv
+ * must not overlap.
  */
 #ifndef FSDP_COMM_H
 #define FSDP_COMM_H
@@ -53,22 +63,22 @@ typedef enum {
 } fsdp_coll_op;
 const char *fsdp_coll_name(fsdp_coll_op op); /* "all_gather", ...; "?" when out of range */
 
-/* AVG is SUM followed by one multiplication by (float)(1.0 / world) (see docs/comm.md). MAX and
- * MIN propagate NaN. */
+/* AVG is SUM followed, for f32 and bf16, by one multiplication by (float)(1.0 / world), for
+ * f64 by one division by world; i64 has no AVG (see docs/comm.md). MAX and MIN propagate NaN. */
 typedef enum { FSDP_RED_SUM = 0, FSDP_RED_AVG, FSDP_RED_MAX, FSDP_RED_MIN } fsdp_reduce_op;
 const char *fsdp_reduce_name(fsdp_reduce_op red); /* "sum", "avg", "max", "min" */
 
 /* One collective, as issued by a rank. */
 typedef struct fsdp_coll {
   fsdp_coll_op op;
-  fsdp_dtype dtype;      /* FSDP_DTYPE_F32 */
+  fsdp_dtype dtype;      /* element type of send and recv; counts are in its elements */
   fsdp_reduce_op red;    /* reduce_scatter, all_reduce */
   int root;              /* broadcast */
   int64_t count;         /* all_gather: elements each rank sends (recv holds count * world);
                           * reduce_scatter: elements each rank receives (send holds count * world);
                           * all_reduce, broadcast: elements of buf; barrier: 0 */
-  const float *send;     /* all_gather, reduce_scatter input */
-  float *recv;           /* all_gather, reduce_scatter output; all_reduce / broadcast buffer */
+  const void *send;      /* all_gather, reduce_scatter input */
+  void *recv;            /* all_gather, reduce_scatter output; all_reduce / broadcast buffer */
   char label[64];        /* caller's label, e.g. the unit path ("blocks.1"); copied */
 } fsdp_coll;
 
@@ -136,15 +146,16 @@ const char *fsdp_comm_backend(const fsdp_comm *c); /* "local" (a world of one to
 
 /* ---- collectives (all collective: every rank calls them in the same order) ----------------- */
 
-/* Blocking. FSDP_OK, or FSDP_ERR with the message (and flight recorder) in the error slot.
- * label may be NULL (""); it is truncated to 63 bytes. */
-int fsdp_comm_all_gather(fsdp_comm *c, float *recv, const float *send, int64_t count,
-                         const char *label);
-int fsdp_comm_reduce_scatter(fsdp_comm *c, float *recv, const float *send, int64_t count,
-                             fsdp_reduce_op red, const char *label);
-int fsdp_comm_all_reduce(fsdp_comm *c, float *buf, int64_t count, fsdp_reduce_op red,
-                         const char *label);
-int fsdp_comm_broadcast(fsdp_comm *c, float *buf, int64_t count, int root, const char *label);
+/* Blocking. count is in elements of dtype. FSDP_OK, or FSDP_ERR with the message (and flight
+ * recorder) in the error slot. label may be NULL (""); it is truncated to 63 bytes. */
+int fsdp_comm_all_gather(fsdp_comm *c, void *recv, const void *send, int64_t count,
+                         fsdp_dtype dtype, const char *label);
+int fsdp_comm_reduce_scatter(fsdp_comm *c, void *recv, const void *send, int64_t count,
+                             fsdp_dtype dtype, fsdp_reduce_op red, const char *label);
+int fsdp_comm_all_reduce(fsdp_comm *c, void *buf, int64_t count, fsdp_dtype dtype,
+                         fsdp_reduce_op red, const char *label);
+int fsdp_comm_broadcast(fsdp_comm *c, void *buf, int64_t count, fsdp_dtype dtype, int root,
+                        const char *label);
 int fsdp_comm_barrier(fsdp_comm *c, const char *label);
 
 /* Asynchronous: start a collective and get a handle (never NULL on FSDP_OK). Exactly one
@@ -173,12 +184,12 @@ double fsdp_comm_timeout(const fsdp_comm *c);
 
 /* ---- debugging and accounting ---------------------------------------------------------------- */
 
-/* Fingerprints (op, dtype, count, label) are always compared for op and count (a mismatch
- * there would corrupt memory), and for dtype, reduction and root; labels too on a label's
+/* Fingerprints (op, dtype, count, label) are always compared for op, dtype and count (a
+ * mismatch there would corrupt memory), and for reduction and root; labels too on a label's
  * first use on any rank and on every call when FSDP_DEBUG=1 or fsdp_comm_set_debug(c, true)
  * on any rank. A mismatch fails the collective on every rank with
  * "collective mismatch at #12: rank 0 called all_gather(f32 x1024, 'blocks.1') but rank 1
- * called reduce_scatter(f32 x512 avg, 'blocks.2')" and poisons the group with it. */
+ * called all_gather(bf16 x1024, 'blocks.1')" and poisons the group with it. */
 void fsdp_comm_set_debug(fsdp_comm *c, bool on);
 bool fsdp_comm_debug(const fsdp_comm *c);
 
@@ -191,8 +202,9 @@ char *fsdp_comm_flight_recorder(const fsdp_comm *c, char *buf, size_t n);
 
 typedef struct fsdp_comm_stats {
   int64_t calls[FSDP_COLL_COUNT];
-  /* bytes of the logical buffer each call moves, per rank: all_gather and reduce_scatter count
-   * the full (world x count) buffer, all_reduce and broadcast the buffer, barrier 0 */
+  /* bytes of the logical buffer each call moves, per rank (elements x the dtype's size):
+   * all_gather and reduce_scatter count the full (world x count) buffer, all_reduce and
+   * broadcast the buffer, barrier 0 */
   int64_t bytes[FSDP_COLL_COUNT];
   double busy_s;     /* time spent running collectives (on the worker or caller) */
   double wait_s;     /* time callers spent blocked in fsdp_comm_wait / blocking calls */
@@ -220,10 +232,13 @@ char *fsdp_coll_describe(char *buf, size_t n, const fsdp_coll *coll);
 /* Bytes the stats count for one collective on a world of `world` ranks. */
 int64_t fsdp_coll_bytes(const fsdp_coll *coll, int world);
 
-/* For backends: out[i] = src[0][i] (+) src[1][i] (+) ... (+) src[nsrc-1][i] for i < m, left to
- * right; for AVG the sum is then multiplied by (float)(1.0 / nsrc). out may be one of the inputs.
- * Every backend reduces through this function, so all give the same bits (reduce.c). */
-void fsdp_comm_reduce_f32(float *out, const float *const *src, int nsrc, int64_t m,
-                          fsdp_reduce_op red);
+/* Whether reduction red is defined for dtype (f32, bf16, f64, i64; no avg for i64). */
+bool fsdp_comm_reduce_supported(fsdp_dtype dtype, fsdp_reduce_op red);
+/* For backends: out[i] = src[0][i] (+) src[1][i] (+) ... (+) src[nsrc-1][i] for i < m elements
+ * of dtype, left to right (bf16: in f32, rounded once at the end); AVG then scales as described
+ * at fsdp_reduce_op. out may be one of the inputs. The local and mpi backends reduce through this
+ * function, so they give the same bits (reduce.c). dtype and red must be supported. */
+void fsdp_comm_reduce(void *out, const void *const *src, int nsrc, int64_t m, fsdp_dtype dtype,
+                      fsdp_reduce_op red);
 
 #endif

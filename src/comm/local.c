@@ -1,6 +1,6 @@
 /*
  * local.c — the `local` backend: ranks are threads of one process sharing a fsdp_local_group.
- * Owner: comm. The algorithm and its guarantees are described in docs/comm.md.
+ * The algorithm and its guarantees are described in docs/comm.md.
  *
  * Rendezvous. For the collective with sequence number s, each rank's running thread publishes
  * its fsdp_coll (buffer pointers and fingerprint) in its slot of the group and waits until all
@@ -11,7 +11,8 @@
  * last rank sees the poison before publishing). The arrival wait is the only timed wait
  * (pthread_cond_timedwait on CLOCK_MONOTONIC).
  *
- * Data, zero-copy: every rank reads its peers' buffers directly (no staging):
+ * Data, zero-copy: every rank reads its peers' buffers directly (no staging); counts are in
+ * elements of the collective's dtype, copies are of bytes:
  *   all_gather      rank r copies each rank p's send into its own recv[p*count, (p+1)*count)
  *   reduce_scatter  rank r reduces chunk r of every rank's send, in rank order 0..W-1 (in place
  *                   too: recv == send + r * count is read by rank r alone, tile by tile, before
@@ -25,9 +26,9 @@
  * meanwhile is seen by the next collective.
  *
  * Reproducibility: each output element is computed by exactly one rank, always as
- * ((x0 + x1) + x2) + ... + x(W-1) in float (then * (float)(1.0/W) for avg), independent of
- * tiling, vector width or which rank computes it; every other rank copies those bits. So all
- * ranks hold identical bits, and runs repeat bit for bit.
+ * ((x0 + x1) + x2) + ... + x(W-1) by fsdp_comm_reduce (reduce.c: per dtype, avg included),
+ * independent of tiling, vector width or which rank computes it; every other rank copies those
+ * bits. So all ranks hold identical bits, and runs repeat bit for bit.
  */
 #include "comm/comm.h"
 
@@ -40,9 +41,9 @@
 
 #define LOCAL_MAX_WORLD 4096
 #define LOCAL_MSG_CAP 1024
-/* all_reduce chunk boundaries at multiples of 16 floats (64 bytes): no two ranks write the
- * same cache line */
-#define LOCAL_ALIGN 16
+/* all_reduce chunk boundaries at multiples of 64 bytes: no two ranks write the same cache
+ * line */
+#define LOCAL_ALIGN_BYTES 64
 
 typedef struct local_slot {
   fsdp_coll coll;     /* published for the collective `arrived` */
@@ -69,7 +70,7 @@ struct fsdp_local_group {
 typedef struct local_comm {
   fsdp_local_group *g;
   int rank;
-  const float **srcs; /* (world) scratch: the inputs of one reduction */
+  const void **srcs; /* (world) scratch: the inputs of one reduction */
 } local_comm;
 
 /* ---- group --------------------------------------------------------------------------------- */
@@ -285,11 +286,14 @@ static void sync_ranks(local_comm *lc) {
   pthread_mutex_unlock(&g->mu);
 }
 
-/* ---- reductions: fsdp_comm_reduce_f32 (reduce.c), shared with the mpi backend so both give
- * the same bits ----------------------------------------------------------------------------- */
+/* ---- reductions: fsdp_comm_reduce (reduce.c), shared with the mpi backend so both give the
+ * same bits --------------------------------------------------------------------------------- */
 
-static void copy_f32(float *dst, const float *src, int64_t n) {
-  if (n > 0 && dst != src) memcpy(dst, src, (size_t)n * sizeof(float));
+/* element i of buf (esz bytes each) */
+static char *at(const void *buf, int64_t i, size_t esz) { return (char *)buf + i * (int64_t)esz; }
+
+static void copy_elems(void *dst, const void *src, int64_t n, size_t esz) {
+  if (n > 0 && dst != src) memcpy(dst, src, (size_t)n * esz);
 }
 
 /* ---- run ----------------------------------------------------------------------------------- */
@@ -300,6 +304,8 @@ static int local_run(fsdp_comm *c, const fsdp_coll *coll, uint64_t seq) {
   const int r = lc->rank, W = g->world;
   if (arrive(c, lc, coll, seq) != FSDP_OK) return FSDP_ERR;
   const int64_t n = coll->count;
+  const size_t esz = fsdp_dtype_size(coll->dtype);
+  const fsdp_dtype dt = coll->dtype;
   if (coll->op == FSDP_COLL_BARRIER || n == 0) return FSDP_OK; /* same on every rank */
   /* Peers' slots are stable until the final sync: they were published under the mutex before
    * go, and a rank publishes again only after every rank passed that sync. */
@@ -309,32 +315,33 @@ static int local_run(fsdp_comm *c, const fsdp_coll *coll, uint64_t seq) {
     /* start with the next rank's shard so the ranks do not all read rank 0 first */
     for (int k = 0; k < W; k++) {
       int p = (r + k) % W;
-      copy_f32(coll->recv + (int64_t)p * n, s[p].coll.send, n);
+      copy_elems(at(coll->recv, (int64_t)p * n, esz), s[p].coll.send, n, esz);
     }
     break;
   case FSDP_COLL_REDUCE_SCATTER:
-    for (int p = 0; p < W; p++) lc->srcs[p] = s[p].coll.send + (int64_t)r * n;
-    fsdp_comm_reduce_f32(coll->recv, lc->srcs, W, n, coll->red);
+    for (int p = 0; p < W; p++) lc->srcs[p] = at(s[p].coll.send, (int64_t)r * n, esz);
+    fsdp_comm_reduce(coll->recv, lc->srcs, W, n, dt, coll->red);
     break;
   case FSDP_COLL_ALL_REDUCE: {
-    /* chunk p = [p * chunk, min(n, (p + 1) * chunk)), chunk a multiple of LOCAL_ALIGN */
+    /* chunk p = [p * chunk, min(n, (p + 1) * chunk)), chunk a multiple of 64 bytes */
+    const int64_t align = LOCAL_ALIGN_BYTES / (int64_t)esz;
     int64_t chunk = (n + W - 1) / W;
-    chunk = (chunk + LOCAL_ALIGN - 1) / LOCAL_ALIGN * LOCAL_ALIGN;
+    chunk = (chunk + align - 1) / align * align;
     int64_t lo = (int64_t)r * chunk < n ? (int64_t)r * chunk : n;
     int64_t hi = lo + chunk < n ? lo + chunk : n;
-    for (int p = 0; p < W; p++) lc->srcs[p] = s[p].coll.recv + lo;
-    fsdp_comm_reduce_f32(coll->recv + lo, lc->srcs, W, hi - lo, coll->red);
+    for (int p = 0; p < W; p++) lc->srcs[p] = at(s[p].coll.recv, lo, esz);
+    fsdp_comm_reduce(at(coll->recv, lo, esz), lc->srcs, W, hi - lo, dt, coll->red);
     sync_ranks(lc); /* every chunk reduced (and every read of the unreduced inputs done) */
     for (int k = 1; k < W; k++) {
       int p = (r + k) % W;
       int64_t plo = (int64_t)p * chunk < n ? (int64_t)p * chunk : n;
       int64_t phi = plo + chunk < n ? plo + chunk : n;
-      copy_f32(coll->recv + plo, s[p].coll.recv + plo, phi - plo);
+      copy_elems(at(coll->recv, plo, esz), at(s[p].coll.recv, plo, esz), phi - plo, esz);
     }
     break;
   }
   case FSDP_COLL_BROADCAST:
-    if (r != coll->root) copy_f32(coll->recv, s[coll->root].coll.recv, n);
+    if (r != coll->root) copy_elems(coll->recv, s[coll->root].coll.recv, n, esz);
     break;
   default: break;
   }
@@ -371,7 +378,7 @@ int fsdp_comm_local_new(fsdp_comm **out, fsdp_local_group *g, int rank) {
     return fsdp_error("local communicator: rank %d out of range for world %d", rank, g->world);
   }
   local_comm *lc = calloc(1, sizeof *lc);
-  const float **srcs = calloc((size_t)g->world, sizeof *srcs);
+  const void **srcs = calloc((size_t)g->world, sizeof *srcs);
   if (!lc || !srcs) {
     free(lc);
     free(srcs);

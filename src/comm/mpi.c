@@ -1,6 +1,6 @@
 /*
  * mpi.c — the `mpi` backend (mpi.h) on Open MPI: one rank per process over MPI_COMM_WORLD.
- * Owner: mpi. docs/mpi.md describes the protocol, the progress strategy and what was measured.
+ * docs/mpi.md describes the protocol, the progress strategy and what was measured.
  *
  * Native start/wait. The generic layer (comm.c) calls mpi_start when a collective is issued and
  * mpi_wait when its handle is waited; nothing runs on comm.c's worker thread. Collectives run one
@@ -29,11 +29,13 @@
  *                       sends chunk p of its input to rank p in segments, receives chunk r of
  *                       every peer's input into a window of staging segments, and reduces each
  *                       segment as soon as all of its pieces are in, in rank order 0..W-1 with
- *                       local.c's tile arithmetic ((x0 + x1) + x2 ..., then * (float)(1/W) for avg)
- *           all_reduce  the same reduce-scatter over local.c's chunks (multiples of 16 floats),
+ *                       local.c's arithmetic (fsdp_comm_reduce, reduce.c, per dtype)
+ *           all_reduce  the same reduce-scatter over local.c's chunks (multiples of 64 bytes),
  *                       then every rank sends its reduced chunk to every peer
  *           barrier     nothing (the arrival was the barrier)
- * So every output element has local.c's bits: mpi and local runs agree bit for bit.
+ * So every output element has local.c's bits: mpi and local runs agree bit for bit, for every
+ * dtype. Data moves as an MPI integer type of the dtype's size (MPI never does arithmetic
+ * here), so counts on the wire are elements, as in fsdp_coll.
  *
  * Failure (comm.h): a poison is a message on its own tag, sent to every peer by the rank that
  * fails (fsdp_comm_abort, a timeout, an MPI error) and received through an always-posted
@@ -73,10 +75,10 @@
 #define TAG_LEFT 3
 #define TAG_RS 10
 #define TAG_AG 11
-/* floats per message at most (MPI counts are int) */
+/* elements per message at most (MPI counts are int) */
 #define MAX_PIECE ((int64_t)1 << 28)
-/* all_reduce chunk alignment: local.c's */
-#define ALIGN 16
+/* all_reduce chunk alignment in bytes: local.c's */
+#define ALIGN_BYTES 64
 #define NOT_LEFT UINT64_MAX
 
 /* ---- process-wide state ------------------------------------------------------------------- */
@@ -195,7 +197,7 @@ typedef struct rq_info {
   rq_kind kind;
   int peer;
   int slot;
-  int64_t len; /* floats expected (receives) */
+  int64_t len; /* elements expected (receives) */
 } rq_info;
 
 typedef enum { DP_NONE = 0, DP_RS, DP_AG } data_phase;
@@ -204,7 +206,7 @@ typedef struct mpi_comm {
   MPI_Comm data, ctl;
   int rank, world;
   /* tuning */
-  int64_t seg;      /* reduce-scatter segment, floats */
+  int64_t seg_bytes; /* reduce-scatter segment */
   int window;       /* staging segments in flight */
   bool ag_p2p;      /* all_gather by hand instead of MPI_Iallgather */
   double poll_max;  /* the progress thread's longest sleep between polls, s */
@@ -240,18 +242,21 @@ typedef struct mpi_comm {
   uint64_t left_out; /* our own "left" message */
   uint64_t last_seq; /* last collective issued here (for our own "left" message) */
 
-  /* data phase */
+  /* data phase; counts in elements of the running collective's dtype */
   data_phase dphase;
+  size_t esz;        /* its element size */
+  MPI_Datatype mdt;  /* an MPI type of that size */
+  int64_t seg;       /* reduce-scatter segment, elements */
   int64_t *lo, *hi; /* (world) chunk bounds (reduce-scatter part) */
-  const float *in;
-  float *out;
-  float *stage; /* window x (world - 1) x seg_len floats */
-  size_t stage_cap;
+  const char *in;
+  char *out;
+  char *stage; /* window x (world - 1) x seg_len elements */
+  size_t stage_cap; /* bytes */
   int64_t seg_len, nseg, next_seg, segs_done;
   int64_t *slot_seg;            /* (window) the segment each staging slot receives */
   int *slot_pending;            /* (window) its pieces still to come */
   int *slot_req;                /* (window x (world - 1)) its requests' indices */
-  const float **srcs;           /* (world) */
+  const void **srcs;            /* (world) */
 
   /* poison: its own lock (abort may come from any thread, also inside advance) */
   pthread_mutex_t pmu;
@@ -530,9 +535,24 @@ static bool verdict(mpi_comm *mc, mpi_op *op) {
 
 static int peer_index(const mpi_comm *mc, int p) { return p < mc->rank ? p : p - 1; }
 
-static float *stage_at(mpi_comm *mc, int slot, int p) {
+static char *stage_at(mpi_comm *mc, int slot, int p) {
   return mc->stage + ((size_t)slot * (size_t)(mc->world - 1) + (size_t)peer_index(mc, p)) *
-                         (size_t)mc->seg_len;
+                         (size_t)mc->seg_len * mc->esz;
+}
+
+/* element i of buf, in the running collective's dtype */
+static char *elem(const mpi_comm *mc, const void *buf, int64_t i) {
+  return (char *)buf + i * (int64_t)mc->esz;
+}
+
+/* An MPI type of the dtype's size: data is only moved, never reduced by MPI. */
+static MPI_Datatype mpi_type_of_size(size_t esz) {
+  switch (esz) {
+  case 1: return MPI_UINT8_T;
+  case 2: return MPI_UINT16_T;
+  case 4: return MPI_UINT32_T;
+  default: return MPI_UINT64_T;
+  }
 }
 
 /* Post the receives of segment s into staging slot `slot`: new requests the first time, then
@@ -546,7 +566,7 @@ static int rs_post_segment(mpi_comm *mc, int64_t s, int slot, bool first) {
     int p = (mc->rank + k) % mc->world;
     int *at = &mc->slot_req[(size_t)slot * (size_t)(mc->world - 1) + (size_t)peer_index(mc, p)];
     if (first) *at = mc->nreq;
-    int err = post_at(mc, *at, true, RQ_RECV_SEG, stage_at(mc, slot, p), len, MPI_FLOAT, p,
+    int err = post_at(mc, *at, true, RQ_RECV_SEG, stage_at(mc, slot, p), len, mc->mdt, p,
                       TAG_RS, mc->data, slot, len);
     if (err != MPI_SUCCESS) return err;
   }
@@ -565,9 +585,9 @@ static int rs_begin(mpi_comm *mc, mpi_op *op) {
   mc->nseg = mc->seg_len > 0 ? (m + mc->seg_len - 1) / mc->seg_len : 0;
   mc->next_seg = 0;
   mc->segs_done = 0;
-  if (W == 1) { /* no peers: the reduction of one input (avg multiplies by 1) */
-    mc->srcs[0] = mc->in + mc->lo[0];
-    fsdp_comm_reduce_f32(mc->out, mc->srcs, 1, m, op->k.red);
+  if (W == 1) { /* no peers: the reduction of one input (avg scales by 1) */
+    mc->srcs[0] = elem(mc, mc->in, mc->lo[0]);
+    fsdp_comm_reduce(mc->out, mc->srcs, 1, m, op->k.dtype, op->k.red);
     mc->segs_done = mc->nseg;
     return FSDP_OK;
   }
@@ -579,14 +599,14 @@ static int rs_begin(mpi_comm *mc, mpi_op *op) {
     int64_t segp = mp < mc->seg ? mp : mc->seg;
     sends += (mp + segp - 1) / segp;
   }
-  size_t need = (size_t)slots * (size_t)(W - 1) * (size_t)mc->seg_len;
+  size_t need = (size_t)slots * (size_t)(W - 1) * (size_t)mc->seg_len * mc->esz;
   if (need > mc->stage_cap) {
     free(mc->stage);
-    mc->stage = malloc(need * sizeof(float));
+    mc->stage = malloc(need);
     mc->stage_cap = mc->stage ? need : 0;
     if (!mc->stage) {
       return op_fail(mc, op, true, "%s #%llu '%s': out of memory for %zu staging bytes", what,
-                     seq, op->k.label, need * sizeof(float));
+                     seq, op->k.label, need);
     }
   }
   if (sends > INT32_MAX / 4 || req_reserve(mc, (int)sends + slots * (W - 1)) != FSDP_OK) {
@@ -602,7 +622,7 @@ static int rs_begin(mpi_comm *mc, mpi_op *op) {
     int64_t segp = mp < mc->seg ? mp : mc->seg;
     for (int64_t o = 0; o < mp; o += segp) {
       int64_t len = mp - o < segp ? mp - o : segp;
-      int err = post(mc, false, RQ_SEND, (void *)(mc->in + mc->lo[p] + o), len, MPI_FLOAT, p,
+      int err = post(mc, false, RQ_SEND, elem(mc, mc->in, mc->lo[p] + o), len, mc->mdt, p,
                      TAG_RS, mc->data, 0, 0);
       if (err != MPI_SUCCESS) return op_fail_mpi(mc, op, "MPI_Isend", err);
     }
@@ -622,8 +642,8 @@ static int rs_slot_done(mpi_comm *mc, mpi_op *op, int slot) {
   int64_t o = s * mc->seg_len;
   int64_t len = m - o < mc->seg_len ? m - o : mc->seg_len;
   for (int p = 0; p < W; p++)
-    mc->srcs[p] = p == r ? mc->in + mc->lo[r] + o : stage_at(mc, slot, p);
-  fsdp_comm_reduce_f32(mc->out + o, mc->srcs, W, len, op->k.red);
+    mc->srcs[p] = p == r ? elem(mc, mc->in, mc->lo[r] + o) : stage_at(mc, slot, p);
+  fsdp_comm_reduce(elem(mc, mc->out, o), mc->srcs, W, len, op->k.dtype, op->k.red);
   mc->segs_done++;
   if (mc->next_seg < mc->nseg) {
     int err = rs_post_segment(mc, mc->next_seg++, slot, false);
@@ -637,7 +657,7 @@ static int ag_chunks_begin(mpi_comm *mc, mpi_op *op) {
   const int W = mc->world, r = mc->rank;
   mc->dphase = DP_AG;
   mc->nreq = 2;
-  float *buf = op->k.recv;
+  char *buf = op->k.recv;
   int64_t pieces = 0;
   for (int p = 0; p < W; p++) pieces += (mc->hi[p] - mc->lo[p] + MAX_PIECE - 1) / MAX_PIECE;
   if (req_reserve(mc, (int)(2 * pieces * W)) != FSDP_OK) {
@@ -647,12 +667,14 @@ static int ag_chunks_begin(mpi_comm *mc, mpi_op *op) {
     int p = (r + k) % W;
     for (int64_t o = mc->lo[p]; o < mc->hi[p]; o += MAX_PIECE) {
       int64_t len = mc->hi[p] - o < MAX_PIECE ? mc->hi[p] - o : MAX_PIECE;
-      int err = post(mc, true, RQ_RECV, buf + o, len, MPI_FLOAT, p, TAG_AG, mc->data, 0, len);
+      int err = post(mc, true, RQ_RECV, elem(mc, buf, o), len, mc->mdt, p, TAG_AG, mc->data, 0,
+                     len);
       if (err != MPI_SUCCESS) return op_fail_mpi(mc, op, "MPI_Irecv", err);
     }
     for (int64_t o = mc->lo[r]; o < mc->hi[r]; o += MAX_PIECE) {
       int64_t len = mc->hi[r] - o < MAX_PIECE ? mc->hi[r] - o : MAX_PIECE;
-      int err = post(mc, false, RQ_SEND, buf + o, len, MPI_FLOAT, p, TAG_AG, mc->data, 0, 0);
+      int err = post(mc, false, RQ_SEND, elem(mc, buf, o), len, mc->mdt, p, TAG_AG, mc->data, 0,
+                     0);
       if (err != MPI_SUCCESS) return op_fail_mpi(mc, op, "MPI_Isend", err);
     }
   }
@@ -668,20 +690,23 @@ static int data_begin(mpi_comm *mc, mpi_op *op) {
   mc->nreq = 2;
   mc->live = 0;
   mc->dphase = DP_NONE;
+  mc->esz = fsdp_dtype_size(k->dtype);
+  mc->mdt = mpi_type_of_size(mc->esz);
+  mc->seg = mc->seg_bytes / (int64_t)mc->esz;
   if (k->op == FSDP_COLL_BARRIER || n == 0) return FSDP_OK; /* the same on every rank */
   switch (k->op) {
   case FSDP_COLL_ALL_GATHER: {
-    bool in_place = k->send == k->recv + (int64_t)r * n;
+    bool in_place = k->send == elem(mc, k->recv, (int64_t)r * n);
     if (W == 1 || (!mc->ag_p2p && n <= MAX_PIECE)) {
       if (W == 1) {
-        if (!in_place) memcpy(k->recv, k->send, (size_t)n * sizeof(float));
+        if (!in_place) memcpy(k->recv, k->send, (size_t)n * mc->esz);
         return FSDP_OK;
       }
       if (req_reserve(mc, 1) != FSDP_OK) return op_fail(mc, op, true, "%s", fsdp_error_msg());
       int i = mc->nreq;
       pthread_mutex_lock(&g_mpi_mu);
-      int err = MPI_Iallgather(in_place ? MPI_IN_PLACE : k->send, (int)n, MPI_FLOAT, k->recv,
-                               (int)n, MPI_FLOAT, mc->data, &mc->req[i]);
+      int err = MPI_Iallgather(in_place ? MPI_IN_PLACE : k->send, (int)n, mc->mdt, k->recv,
+                               (int)n, mc->mdt, mc->data, &mc->req[i]);
       pthread_mutex_unlock(&g_mpi_mu);
       if (err != MPI_SUCCESS) return op_fail_mpi(mc, op, "MPI_Iallgather", err);
       mc->info[i] = (rq_info){.kind = RQ_LIB, .peer = -1};
@@ -696,15 +721,15 @@ static int data_begin(mpi_comm *mc, mpi_op *op) {
       int p = (r + j) % W;
       for (int64_t o = 0; o < n; o += MAX_PIECE) {
         int64_t len = n - o < MAX_PIECE ? n - o : MAX_PIECE;
-        int err = post(mc, true, RQ_RECV, k->recv + (int64_t)p * n + o, len, MPI_FLOAT, p,
-                       TAG_AG, mc->data, 0, len);
+        int err = post(mc, true, RQ_RECV, elem(mc, k->recv, (int64_t)p * n + o), len, mc->mdt,
+                       p, TAG_AG, mc->data, 0, len);
         if (err == MPI_SUCCESS)
-          err = post(mc, false, RQ_SEND, (void *)(k->send + o), len, MPI_FLOAT, p, TAG_AG,
+          err = post(mc, false, RQ_SEND, elem(mc, k->send, o), len, mc->mdt, p, TAG_AG,
                      mc->data, 0, 0);
         if (err != MPI_SUCCESS) return op_fail_mpi(mc, op, "MPI_Irecv/MPI_Isend", err);
       }
     }
-    if (!in_place) memcpy(k->recv + (int64_t)r * n, k->send, (size_t)n * sizeof(float));
+    if (!in_place) memcpy(elem(mc, k->recv, (int64_t)r * n), k->send, (size_t)n * mc->esz);
     return FSDP_OK;
   }
   case FSDP_COLL_BROADCAST: {
@@ -716,7 +741,8 @@ static int data_begin(mpi_comm *mc, mpi_op *op) {
       int64_t len = n - o < MAX_PIECE ? n - o : MAX_PIECE;
       int i = mc->nreq;
       pthread_mutex_lock(&g_mpi_mu);
-      int err = MPI_Ibcast(k->recv + o, (int)len, MPI_FLOAT, k->root, mc->data, &mc->req[i]);
+      int err = MPI_Ibcast(elem(mc, k->recv, o), (int)len, mc->mdt, k->root, mc->data,
+                           &mc->req[i]);
       pthread_mutex_unlock(&g_mpi_mu);
       if (err != MPI_SUCCESS) return op_fail_mpi(mc, op, "MPI_Ibcast", err);
       mc->info[i] = (rq_info){.kind = RQ_LIB, .peer = -1};
@@ -735,15 +761,17 @@ static int data_begin(mpi_comm *mc, mpi_op *op) {
     rs_begin(mc, op);
     return FSDP_OK;
   case FSDP_COLL_ALL_REDUCE: {
-    /* local.c's chunks: chunk p = [p * chunk, min(n, (p + 1) * chunk)), chunk a multiple of 16 */
+    /* local.c's chunks: chunk p = [p * chunk, min(n, (p + 1) * chunk)), chunk a multiple of
+     * 64 bytes */
+    const int64_t align = ALIGN_BYTES / (int64_t)mc->esz;
     int64_t chunk = (n + W - 1) / W;
-    chunk = (chunk + ALIGN - 1) / ALIGN * ALIGN;
+    chunk = (chunk + align - 1) / align * align;
     for (int p = 0; p < W; p++) {
       mc->lo[p] = (int64_t)p * chunk < n ? (int64_t)p * chunk : n;
       mc->hi[p] = mc->lo[p] + chunk < n ? mc->lo[p] + chunk : n;
     }
     mc->in = k->recv;
-    mc->out = k->recv + mc->lo[r];
+    mc->out = elem(mc, k->recv, mc->lo[r]);
     rs_begin(mc, op);
     return FSDP_OK;
   }
@@ -784,7 +812,7 @@ static int handle(mpi_comm *mc, mpi_op *op, int i, const MPI_Status *st, bool er
   case RQ_RECV:
   case RQ_RECV_SEG: {
     int cnt = 0;
-    MPI_Get_count(st, MPI_FLOAT, &cnt);
+    MPI_Get_count(st, mc->mdt, &cnt);
     if (cnt != in->len) {
       return op_fail(mc, op, true,
                      "%s #%llu '%s': rank %d sent %d elements where %lld were expected",
@@ -1230,7 +1258,7 @@ int fsdp_comm_mpi_new(fsdp_comm **out) {
 
   mpi_comm *mc = calloc(1, sizeof *mc);
   if (!mc) return fsdp_error("mpi communicator: out of memory");
-  mc->seg = (int64_t)seg_kib * 1024 / (int64_t)sizeof(float);
+  mc->seg_bytes = (int64_t)seg_kib * 1024;
   mc->window = (int)window;
   mc->ag_p2p = ag && strcmp(ag, "p2p") == 0;
   mc->poll_max = (double)poll_us * 1e-6;

@@ -254,27 +254,7 @@ int fsdp_unit_grad_shard(fsdp_unit *u, fsdp_tensor **out) {
 
 /* ---- the cross-rank layout check --------------------------------------------------------- */
 
-/* Texts travel as floats holding two bytes each (whole numbers < 2^16: exact in f32). */
-#define TEXT_FLOATS 128 /* 255 characters and the terminator */
-
-static void text_pack(float *out, const char *s) {
-  size_t len = strlen(s);
-  if (len > 2 * TEXT_FLOATS - 1) len = 2 * TEXT_FLOATS - 1;
-  for (int k = 0; k < TEXT_FLOATS; k++) {
-    unsigned lo = 2 * (size_t)k < len ? (unsigned char)s[2 * k] : 0;
-    unsigned hi = 2 * (size_t)k + 1 < len ? (unsigned char)s[2 * k + 1] : 0;
-    out[k] = (float)(lo | hi << 8);
-  }
-}
-
-static void text_unpack(char *s, const float *in) { /* s holds 2 * TEXT_FLOATS bytes */
-  for (int k = 0; k < TEXT_FLOATS; k++) {
-    unsigned v = (unsigned)in[k];
-    s[2 * k] = (char)(v & 0xff);
-    s[2 * k + 1] = (char)(v >> 8);
-  }
-  s[2 * TEXT_FLOATS - 1] = '\0';
-}
+#define TEXT_BYTES 256 /* a parameter description or an error, with its NUL */
 
 static uint64_t fnv1a(uint64_t h, const char *s) {
   for (; *s; s++) h = (h ^ (unsigned char)*s) * 0x100000001b3ull;
@@ -282,21 +262,19 @@ static uint64_t fnv1a(uint64_t h, const char *s) {
 }
 #define FNV_BASIS 0xcbf29ce484222325ull
 
-/* A 64-bit hash as four 16-bit pieces in floats (exact). */
-static void hash_pack(float *out, uint64_t h) {
-  for (int k = 0; k < 4; k++) out[k] = (float)((h >> (16 * k)) & 0xffff);
-}
-
 /* "blocks.1.fc.weight (16, 16)" */
 static void param_desc(char *buf, size_t n, const char *path, const fsdp_tensor *t) {
   snprintf(buf, n, "%s %s", path, FSDP_SHAPE_STR(t));
 }
 
-/* Exchange one text per rank: all[r * TEXT_FLOATS ...] gets rank r's. */
-static int text_exchange(fsdp_comm *c, float *all, const char *mine, const char *label) {
-  float packed[TEXT_FLOATS];
-  text_pack(packed, mine);
-  return fsdp_comm_all_gather(c, all, packed, TEXT_FLOATS, label);
+/* Exchange one text per rank as bytes: all[r * TEXT_BYTES ...] gets rank r's (NUL-terminated,
+ * cut to TEXT_BYTES - 1). */
+static int text_exchange(fsdp_comm *c, char *all, const char *mine, const char *label) {
+  char text[TEXT_BYTES] = {0};
+  snprintf(text, sizeof text, "%s", mine);
+  if (fsdp_comm_all_gather(c, all, text, TEXT_BYTES, FSDP_DTYPE_U8, label)) return FSDP_ERR;
+  for (int r = 0; r < fsdp_comm_world(c); r++) all[(size_t)r * TEXT_BYTES + TEXT_BYTES - 1] = 0;
+  return FSDP_OK;
 }
 
 /* Collective. Every rank learns whether every rank's layout (count, paths, shapes) and local
@@ -306,45 +284,43 @@ static int text_exchange(fsdp_comm *c, float *all, const char *mine, const char 
 static int layout_check(fsdp_comm *c, const char *upath, fsdp_tensor *const *params,
                         const char *const *paths, int n, const char *local_err) {
   int W = fsdp_comm_world(c);
-  enum { H = 6 };
-  float head[H];
-  float *all = NULL, *texts = NULL;
+  enum { H = 3 }; /* parameter count, validated (1/0), hash of the descriptions */
+  int64_t head[H];
+  int64_t *heads = NULL, *all = NULL, *mine = NULL;
+  char *texts = NULL;
   int rc = FSDP_ERR;
-  char desc[2 * TEXT_FLOATS];
+  char desc[TEXT_BYTES];
   uint64_t h = FNV_BASIS;
   for (int i = 0; !local_err && i < n; i++) {
     param_desc(desc, sizeof desc, paths[i], params[i]);
     h = fnv1a(h, desc);
   }
-  head[0] = (float)n;
-  head[1] = local_err ? 0.0f : 1.0f;
-  hash_pack(head + 2, h);
-  float *heads = malloc(sizeof(float) * H * (size_t)W);
-  if (!heads) return fsdp_error("wrap: unit '%s': out of host memory", upath);
-  if (fsdp_comm_all_gather(c, heads, head, H, upath)) {
+  head[0] = n;
+  head[1] = local_err ? 0 : 1;
+  head[2] = (int64_t)h;
+  heads = malloc(sizeof *heads * H * (size_t)W);
+  texts = malloc((size_t)TEXT_BYTES * (size_t)W);
+  if (!heads || !texts) {
+    fsdp_error("wrap: unit '%s': out of host memory", upath);
+    goto done;
+  }
+  if (fsdp_comm_all_gather(c, heads, head, H, FSDP_DTYPE_I64, upath)) {
     fsdp_error_context("wrap: unit '%s': layout check", upath);
     goto done;
   }
-  int bad_rank = -1, max_n = 0;
+  int bad_rank = -1;
+  int64_t max_n = 0;
   for (int r = 0; r < W; r++) {
-    if (heads[r * H + 1] == 0.0f && bad_rank < 0) bad_rank = r;
-    if ((int)heads[r * H] > max_n) max_n = (int)heads[r * H];
+    if (heads[r * H + 1] == 0 && bad_rank < 0) bad_rank = r;
+    if (heads[r * H] > max_n) max_n = heads[r * H];
   }
   if (bad_rank >= 0) { /* someone failed to validate: every rank says who and why */
-    texts = malloc(sizeof(float) * TEXT_FLOATS * (size_t)W);
-    if (!texts) {
-      fsdp_error("wrap: unit '%s': out of host memory", upath);
-      goto done;
-    }
-    char msg[2 * TEXT_FLOATS];
-    snprintf(msg, sizeof msg, "%s", local_err ? local_err : "");
-    if (text_exchange(c, texts, msg, upath)) goto done;
-    if (local_err) {
-      fsdp_error("%s", msg);
-    } else {
-      text_unpack(msg, texts + (size_t)bad_rank * TEXT_FLOATS);
-      fsdp_error("wrap: unit '%s' failed on rank %d: %s", upath, bad_rank, msg);
-    }
+    if (text_exchange(c, texts, local_err ? local_err : "", upath)) goto done;
+    if (local_err)
+      fsdp_error("%s", local_err);
+    else
+      fsdp_error("wrap: unit '%s' failed on rank %d: %s", upath, bad_rank,
+                 texts + (size_t)bad_rank * TEXT_BYTES);
     goto done;
   }
   bool same = true;
@@ -355,37 +331,31 @@ static int layout_check(fsdp_comm *c, const char *upath, fsdp_tensor *const *par
     goto done;
   }
   /* The layouts differ: find the first differing parameter from per-parameter hashes (a
-   * missing parameter hashes as -1), then exchange its description. */
-  all = malloc(sizeof(float) * 4 * (size_t)max_n * (size_t)W);
-  float *mine = malloc(sizeof(float) * 4 * (size_t)(max_n ? max_n : 1));
-  texts = malloc(sizeof(float) * TEXT_FLOATS * (size_t)W);
-  if (!all || !mine || !texts) {
-    free(mine);
+   * missing parameter hashes as the empty description, which no parameter has), then exchange
+   * its description. */
+  all = malloc(sizeof *all * (size_t)max_n * (size_t)W);
+  mine = malloc(sizeof *mine * (size_t)(max_n ? max_n : 1));
+  if (!all || !mine) {
     fsdp_error("wrap: unit '%s': out of host memory", upath);
     goto done;
   }
-  for (int i = 0; i < max_n; i++) {
-    if (i < n) {
-      param_desc(desc, sizeof desc, paths[i], params[i]);
-      hash_pack(mine + 4 * i, fnv1a(FNV_BASIS, desc));
-    } else {
-      for (int k = 0; k < 4; k++) mine[4 * i + k] = -1.0f;
-    }
+  for (int64_t i = 0; i < max_n; i++) {
+    if (i < n) param_desc(desc, sizeof desc, paths[i], params[i]);
+    else desc[0] = '\0';
+    mine[i] = (int64_t)fnv1a(FNV_BASIS, desc);
   }
-  int crc = max_n ? fsdp_comm_all_gather(c, all, mine, 4 * max_n, upath) : FSDP_OK;
-  free(mine);
-  if (crc) goto done;
+  if (max_n && fsdp_comm_all_gather(c, all, mine, max_n, FSDP_DTYPE_I64, upath)) goto done;
   int at = -1, other = -1;
-  for (int i = 0; i < max_n && at < 0; i++)
+  for (int64_t i = 0; i < max_n && at < 0; i++)
     for (int r = 1; r < W; r++)
-      if (memcmp(all + 4 * i, all + (size_t)r * 4 * max_n + 4 * i, 4 * sizeof(float)) != 0) {
-        at = i;
+      if (all[i] != all[(size_t)r * (size_t)max_n + (size_t)i]) {
+        at = (int)i;
         other = r;
         break;
       }
   if (at < 0) { /* counts equal to max_n everywhere and no per-parameter hash differs */
     for (int r = 1; r < W && other < 0; r++)
-      if ((int)heads[r * H] != (int)heads[0]) other = r;
+      if (heads[r * H] != heads[0]) other = r;
     fsdp_error("wrap: unit '%s' differs across ranks (rank 0 and rank %d have different "
                "parameter lists)",
                upath, other < 0 ? 1 : other);
@@ -396,9 +366,7 @@ static int layout_check(fsdp_comm *c, const char *upath, fsdp_tensor *const *par
   else
     desc[0] = '\0';
   if (text_exchange(c, texts, desc, upath)) goto done;
-  char a[2 * TEXT_FLOATS], b[2 * TEXT_FLOATS];
-  text_unpack(a, texts);
-  text_unpack(b, texts + (size_t)other * TEXT_FLOATS);
+  const char *a = texts, *b = texts + (size_t)other * TEXT_BYTES;
   int n0 = (int)heads[0], nr = (int)heads[other * H];
   if (n0 != nr)
     fsdp_error("wrap: unit '%s' differs across ranks: rank 0 has %d parameters, rank %d has "
@@ -411,6 +379,7 @@ static int layout_check(fsdp_comm *c, const char *upath, fsdp_tensor *const *par
 done:
   free(heads);
   free(all);
+  free(mine);
   free(texts);
   return rc;
 }
@@ -515,7 +484,7 @@ int fsdp_unit_new(fsdp_unit **out, fsdp_comm *c, const char *path, fsdp_tensor *
     fsdp_error("wrap: unit '%s': unknown strategy %d", path, (int)o.strategy);
   else
     valid = validate(path, params, paths, n);
-  char errbuf[2 * TEXT_FLOATS];
+  char errbuf[TEXT_BYTES];
   const char *local_err = NULL;
   if (valid != FSDP_OK) {
     snprintf(errbuf, sizeof errbuf, "%s", fsdp_error_msg());
@@ -637,7 +606,7 @@ int fsdp_unit_prefetch(fsdp_unit *u) {
   fsdp_tensor *buf;
   if (flat_new(&buf, u->device, u->padded, FSDP_ROLE_GATHERED, false))
     return fsdp_error_context("prefetch: unit '%s'", u->path);
-  fsdp_coll coll = {.op = FSDP_COLL_ALL_GATHER, .dtype = FSDP_DTYPE_F32,
+  fsdp_coll coll = {.op = FSDP_COLL_ALL_GATHER, .dtype = u->shard->dtype,
                     .count = u->shard_numel, .send = flat_data(u->shard),
                     .recv = flat_data(buf)};
   coll_label(coll.label, u->path);
@@ -660,7 +629,7 @@ int fsdp_unit_gather(fsdp_unit *u) {
     return fsdp_error_context("gather: unit '%s'", u->path);
   if (u->padded &&
       fsdp_comm_all_gather(u->comm, flat_data(buf), flat_data(u->shard), u->shard_numel,
-                           u->path)) {
+                           u->shard->dtype, u->path)) {
     fsdp_tensor_release(buf);
     return fsdp_error_context("gather: unit '%s'", u->path);
   }
@@ -790,11 +759,13 @@ static int finish_backward(fsdp_unit *u) {
   if (u->full_grad && u->padded) {
     float *fg = flat_data(u->full_grad);
     if (u->opts.strategy == FSDP_STRATEGY_NONE) {
-      rc = fsdp_comm_all_reduce(u->comm, fg, u->padded, FSDP_RED_AVG, u->path);
+      rc = fsdp_comm_all_reduce(u->comm, fg, u->padded, u->full_grad->dtype, FSDP_RED_AVG,
+                                u->path);
     } else {
       /* in place: this rank's chunk of the full gradient receives the average */
       float *mine = fg + u->shard_offset;
-      rc = fsdp_comm_reduce_scatter(u->comm, mine, fg, u->shard_numel, FSDP_RED_AVG, u->path);
+      rc = fsdp_comm_reduce_scatter(u->comm, mine, fg, u->shard_numel, u->full_grad->dtype,
+                                    FSDP_RED_AVG, u->path);
     }
     /* accumulate: the gradient shard keeps what earlier backwards added until zero_grad */
     if (!rc) rc = add_range(u->grad_shard, 0, u->full_grad, u->shard_offset, u->shard_numel);

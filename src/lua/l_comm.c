@@ -1,19 +1,15 @@
 /*
  * l_comm.c — the ranks part of the fsdp.core module: rank, world size, the collectives a recipe
- * calls directly (barrier, all_reduce, broadcast), traffic counters, timeout, debug switch,
- * flight recorder and abort. Every function works on the calling thread's communicator
- * (fsdp_comm_current(): the rank's, set by fsdprun; a world of one elsewhere). Owner: launcher.
+ * calls directly (barrier, all_reduce, broadcast), the byte collectives lua/fsdp/collective.lua
+ * is built on (all_gather_bytes, broadcast_bytes, bytes_digest), traffic counters, timeout,
+ * debug switch, flight recorder and abort. Every function works on the calling thread's
+ * communicator (fsdp_comm_current(): the rank's, set by fsdprun; a world of one elsewhere).
  *
- * Tensors are reduced and broadcast in place (contiguous f32 tensors with data) and returned.
- *
- * Numbers are Lua doubles, and the communicator moves f32: a sum of counts past 2^24 or a
- * loss reduced through f32 would come back rounded, even in a world of one. So a number
- * travels exactly: each rank writes its double, cut into four 16-bit chunks stored as small
- * whole floats, into its own slot of a (world x 4) buffer of zeros; one all_reduce "sum" of
- * that buffer (adding zeros to whole numbers below 2^16 is exact) hands every rank every
- * rank's double, and each rank then reduces them in rank order 0..W-1 in double. All ranks get
- * the same bits, and the counters show one all_reduce call (of 16 x W bytes) per reduced
- * number. Broadcasting a number sends its four chunks the same way.
+ * Tensors are reduced and broadcast in place (contiguous tensors with data, in their own dtype)
+ * and returned. Numbers (a Lua number, or an array of them for all_reduce) travel as f64, so
+ * they come back exact: a double is broadcast bit for bit, and sums are those of doubles
+ * (integers exact up to 2^53, as far as a Lua number holds them). Strings travel as bytes (u8),
+ * after their lengths (i64).
  *
  * Errors: argument errors are raised before any collective is issued, so a bad call fails on
  * the rank that made it (peers then see that rank's failure through the launcher's abort).
@@ -28,8 +24,6 @@
 #include "comm/comm.h"
 #include "lua/binding.h"
 
-#define NUM_CHUNKS 4 /* 16-bit pieces of a double */
-
 static fsdp_comm *current(lua_State *L) {
   fsdp_comm *c = fsdp_comm_current();
   if (c == NULL) fsdp_lua_error(L); /* could not create the world of one */
@@ -42,22 +36,6 @@ static const char *opt_label(lua_State *L, int idx, const char *fn) {
   if (lua_type(L, idx) != LUA_TSTRING)
     luaL_error(L, "%s: the label must be a string, got %s", fn, luaL_typename(L, idx));
   return lua_tostring(L, idx);
-}
-
-/* ---- numbers as exact chunks ------------------------------------------------------------- */
-
-static void encode_double(float *out, double v) {
-  uint64_t bits;
-  memcpy(&bits, &v, sizeof bits);
-  for (int k = 0; k < NUM_CHUNKS; k++) out[k] = (float)((bits >> (16 * k)) & 0xffffu);
-}
-
-static double decode_double(const float *in) {
-  uint64_t bits = 0;
-  for (int k = 0; k < NUM_CHUNKS; k++) bits |= (uint64_t)(uint32_t)in[k] << (16 * k);
-  double v;
-  memcpy(&v, &bits, sizeof v);
-  return v;
 }
 
 /* ---- rank and world ----------------------------------------------------------------------- */
@@ -103,9 +81,10 @@ static fsdp_reduce_op check_reduce_op(lua_State *L, int idx, const char *fn) {
   return FSDP_RED_SUM;
 }
 
-/* The data of a tensor a collective may write in place, or a Lua error. */
-static float *inplace_data(lua_State *L, fsdp_tensor *t, const char *fn) {
-  float *d = fsdp_tensor_data(t, fn);
+/* The data of a tensor a collective may write in place (in the tensor's dtype), or a Lua
+ * error. */
+static void *inplace_data(lua_State *L, fsdp_tensor *t, const char *fn) {
+  void *d = fsdp_tensor_data(t, fn);
   if (d == NULL) fsdp_lua_error(L);
   if (!fsdp_tensor_is_contiguous(t))
     luaL_error(L, "%s: needs a contiguous tensor, got a strided view %s (use :contiguous())",
@@ -113,23 +92,21 @@ static float *inplace_data(lua_State *L, fsdp_tensor *t, const char *fn) {
   return d;
 }
 
-static double reduce_numbers(const float *slots, int world, fsdp_reduce_op red) {
-  double acc = decode_double(slots);
-  for (int r = 1; r < world; r++) {
-    double v = decode_double(slots + (size_t)r * NUM_CHUNKS);
-    switch (red) {
-    case FSDP_RED_SUM:
-    case FSDP_RED_AVG: acc += v; break;
-    case FSDP_RED_MAX: /* a NaN anywhere wins, as in the tensor kernels */
-      if (!isnan(acc) && (isnan(v) || v > acc)) acc = v;
-      break;
-    case FSDP_RED_MIN:
-      if (!isnan(acc) && (isnan(v) || v < acc)) acc = v;
-      break;
-    }
+/* An array of numbers at idx as f64 in a userdata pushed on the stack (so a failing collective
+ * that raises frees it); its length in *n. */
+static double *numbers_arg(lua_State *L, int idx, const char *fn, int64_t *n) {
+  size_t len = lua_objlen(L, idx);
+  double *v = lua_newuserdata(L, (len ? len : 1) * sizeof *v);
+  for (size_t i = 0; i < len; i++) {
+    lua_rawgeti(L, idx, (int)i + 1);
+    if (lua_type(L, -1) != LUA_TNUMBER)
+      luaL_error(L, "%s: element %d of the array is %s, not a number", fn, (int)i + 1,
+                 luaL_typename(L, -1));
+    v[i] = lua_tonumber(L, -1);
+    lua_pop(L, 1);
   }
-  if (red == FSDP_RED_AVG) acc /= world;
-  return acc;
+  *n = (int64_t)len;
+  return v;
 }
 
 static int l_all_reduce(lua_State *L) {
@@ -137,46 +114,55 @@ static int l_all_reduce(lua_State *L) {
   fsdp_reduce_op red = check_reduce_op(L, 2, "all_reduce");
   const char *label = opt_label(L, 3, "all_reduce");
   if (lua_type(L, 1) == LUA_TNUMBER) {
-    int world = fsdp_comm_world(c), rank = fsdp_comm_rank(c);
-    size_t n = (size_t)world * NUM_CHUNKS;
-    /* a userdata, not malloc: the collective may fail and raise */
-    float *slots = lua_newuserdata(L, n * sizeof *slots);
-    memset(slots, 0, n * sizeof *slots);
-    encode_double(slots + (size_t)rank * NUM_CHUNKS, lua_tonumber(L, 1));
-    if (fsdp_comm_all_reduce(c, slots, (int64_t)n, FSDP_RED_SUM, label)) fsdp_lua_error(L);
-    lua_pushnumber(L, reduce_numbers(slots, world, red));
+    double v = lua_tonumber(L, 1);
+    if (fsdp_comm_all_reduce(c, &v, 1, FSDP_DTYPE_F64, red, label)) fsdp_lua_error(L);
+    lua_pushnumber(L, v);
+    return 1;
+  }
+  if (lua_type(L, 1) == LUA_TTABLE) { /* an array of numbers: a new array of the results */
+    int64_t n;
+    double *v = numbers_arg(L, 1, "all_reduce", &n);
+    if (fsdp_comm_all_reduce(c, v, n, FSDP_DTYPE_F64, red, label)) fsdp_lua_error(L);
+    lua_createtable(L, (int)n, 0);
+    for (int64_t i = 0; i < n; i++) {
+      lua_pushnumber(L, v[i]);
+      lua_rawseti(L, -2, (int)i + 1);
+    }
     return 1;
   }
   fsdp_tensor *t = fsdp_lua_to_tensor(L, 1);
   if (t == NULL) {
     if (luaL_testudata(L, 1, FSDP_TENSOR_MT)) fsdp_lua_check_tensor(L, 1); /* freed: says so */
-    luaL_error(L, "all_reduce: expected a number or a tensor, got %s", luaL_typename(L, 1));
+    luaL_error(L, "all_reduce: expected a number, an array of numbers or a tensor, got %s",
+               luaL_typename(L, 1));
   }
-  float *d = inplace_data(L, t, "all_reduce");
-  if (fsdp_comm_all_reduce(c, d, fsdp_tensor_numel(t), red, label)) fsdp_lua_error(L);
+  void *d = inplace_data(L, t, "all_reduce");
+  if (fsdp_comm_all_reduce(c, d, fsdp_tensor_numel(t), t->dtype, red, label)) fsdp_lua_error(L);
   t->version++;
   lua_settop(L, 1);
   return 1;
 }
 
+/* The optional root argument (a rank number; 0 when absent). */
+static int root_arg(lua_State *L, int idx, fsdp_comm *c, const char *fn) {
+  if (lua_isnoneornil(L, idx)) return 0;
+  int world = fsdp_comm_world(c);
+  lua_Number r = lua_tonumber(L, idx);
+  if (lua_type(L, idx) != LUA_TNUMBER)
+    luaL_error(L, "%s: root must be a rank number, got %s", fn, luaL_typename(L, idx));
+  if (r != floor(r) || r < 0 || r >= world)
+    luaL_error(L, "%s: root %s is not a rank in [0, %d)", fn, lua_tostring(L, idx), world);
+  return (int)r;
+}
+
 static int l_broadcast(lua_State *L) {
   fsdp_comm *c = current(L);
-  int world = fsdp_comm_world(c);
-  int root = 0;
-  if (!lua_isnoneornil(L, 2)) {
-    lua_Number r = lua_tonumber(L, 2);
-    if (lua_type(L, 2) != LUA_TNUMBER)
-      luaL_error(L, "broadcast: root must be a rank number, got %s", luaL_typename(L, 2));
-    if (r != floor(r) || r < 0 || r >= world)
-      luaL_error(L, "broadcast: root %s is not a rank in [0, %d)", lua_tostring(L, 2), world);
-    root = (int)r;
-  }
+  int root = root_arg(L, 2, c, "broadcast");
   const char *label = opt_label(L, 3, "broadcast");
   if (lua_type(L, 1) == LUA_TNUMBER) {
-    float chunks[NUM_CHUNKS];
-    encode_double(chunks, lua_tonumber(L, 1));
-    if (fsdp_comm_broadcast(c, chunks, NUM_CHUNKS, root, label)) fsdp_lua_error(L);
-    lua_pushnumber(L, decode_double(chunks));
+    double v = lua_tonumber(L, 1);
+    if (fsdp_comm_broadcast(c, &v, 1, FSDP_DTYPE_F64, root, label)) fsdp_lua_error(L);
+    lua_pushnumber(L, v);
     return 1;
   }
   fsdp_tensor *t = fsdp_lua_to_tensor(L, 1);
@@ -184,11 +170,84 @@ static int l_broadcast(lua_State *L) {
     if (luaL_testudata(L, 1, FSDP_TENSOR_MT)) fsdp_lua_check_tensor(L, 1);
     luaL_error(L, "broadcast: expected a number or a tensor, got %s", luaL_typename(L, 1));
   }
-  float *d = inplace_data(L, t, "broadcast");
-  if (fsdp_comm_broadcast(c, d, fsdp_tensor_numel(t), root, label)) fsdp_lua_error(L);
+  void *d = inplace_data(L, t, "broadcast");
+  if (fsdp_comm_broadcast(c, d, fsdp_tensor_numel(t), t->dtype, root, label)) fsdp_lua_error(L);
   t->version++;
   lua_settop(L, 1);
   return 1;
+}
+
+/* ---- bytes ----------------------------------------------------------------------------------- */
+
+/* The string at idx (numbers are not converted), or a Lua error naming fn. */
+static const char *bytes_arg(lua_State *L, int idx, const char *fn, size_t *len) {
+  if (lua_type(L, idx) != LUA_TSTRING)
+    luaL_error(L, "%s: expected a string, got %s", fn, luaL_typename(L, idx));
+  return lua_tolstring(L, idx, len);
+}
+
+/* all_gather_bytes(s [, label]) -> {rank 0's s, rank 1's s, ...}: the lengths (i64), then the
+ * strings padded to the longest (u8, in place); nothing more when every string is empty. */
+static int l_all_gather_bytes(lua_State *L) {
+  fsdp_comm *c = current(L);
+  size_t len;
+  const char *s = bytes_arg(L, 1, "all_gather_bytes", &len);
+  const char *label = opt_label(L, 2, "all_gather_bytes");
+  int W = fsdp_comm_world(c), r = fsdp_comm_rank(c);
+  /* userdata, not malloc: a failing collective raises */
+  int64_t *lens = lua_newuserdata(L, (size_t)W * sizeof *lens);
+  lens[r] = (int64_t)len;
+  if (fsdp_comm_all_gather(c, lens, lens + r, 1, FSDP_DTYPE_I64, label)) fsdp_lua_error(L);
+  int64_t max = 0;
+  for (int p = 0; p < W; p++)
+    if (lens[p] > max) max = lens[p];
+  char *all = lua_newuserdata(L, (size_t)max * (size_t)W + 1);
+  if (max > 0) {
+    char *mine = all + (size_t)r * (size_t)max;
+    memcpy(mine, s, len);
+    memset(mine + len, 0, (size_t)max - len);
+    if (fsdp_comm_all_gather(c, all, mine, max, FSDP_DTYPE_U8, label)) fsdp_lua_error(L);
+  }
+  lua_createtable(L, W, 0);
+  for (int p = 0; p < W; p++) {
+    lua_pushlstring(L, all + (size_t)p * (size_t)max, (size_t)lens[p]);
+    lua_rawseti(L, -2, p + 1);
+  }
+  return 1;
+}
+
+/* broadcast_bytes(s, root [, label]) -> root's s (the other ranks' s is ignored: nil is fine). */
+static int l_broadcast_bytes(lua_State *L) {
+  fsdp_comm *c = current(L);
+  int root = root_arg(L, 2, c, "broadcast_bytes");
+  const char *label = opt_label(L, 3, "broadcast_bytes");
+  bool me = fsdp_comm_rank(c) == root;
+  size_t len = 0;
+  const char *s = NULL;
+  if (me) s = bytes_arg(L, 1, "broadcast_bytes", &len);
+  else if (!lua_isnil(L, 1) && lua_type(L, 1) != LUA_TSTRING)
+    luaL_error(L, "broadcast_bytes: expected a string (or nil off the root), got %s",
+               luaL_typename(L, 1));
+  int64_t n = (int64_t)len;
+  if (fsdp_comm_broadcast(c, &n, 1, FSDP_DTYPE_I64, root, label)) fsdp_lua_error(L);
+  /* the root's buffer is only read: its string is sent as it is */
+  char *buf = me ? (char *)s : lua_newuserdata(L, (size_t)n + 1);
+  if (fsdp_comm_broadcast(c, buf, n, FSDP_DTYPE_U8, root, label)) fsdp_lua_error(L);
+  if (me) lua_pushvalue(L, 1);
+  else lua_pushlstring(L, buf, (size_t)n);
+  return 1;
+}
+
+/* bytes_digest(s) -> two 32-bit halves of a 64-bit FNV-1a hash of s (exact as Lua numbers and
+ * in f64 collectives): what collective.lua compares across ranks before sending whole values. */
+static int l_bytes_digest(lua_State *L) {
+  size_t len;
+  const unsigned char *s = (const unsigned char *)luaL_checklstring(L, 1, &len);
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (size_t i = 0; i < len; i++) h = (h ^ s[i]) * 0x100000001b3ull;
+  lua_pushnumber(L, (lua_Number)(h >> 32));
+  lua_pushnumber(L, (lua_Number)(h & 0xffffffffu));
+  return 2;
 }
 
 /* ---- accounting, debugging, failure ------------------------------------------------------- */
@@ -271,6 +330,9 @@ static const luaL_Reg comm_funcs[] = {
     {"barrier", l_barrier},
     {"all_reduce", l_all_reduce},
     {"broadcast", l_broadcast},
+    {"all_gather_bytes", l_all_gather_bytes},
+    {"broadcast_bytes", l_broadcast_bytes},
+    {"bytes_digest", l_bytes_digest},
     {"comm_stats", l_comm_stats},
     {"reset_comm_stats", l_reset_comm_stats},
     {"set_timeout", l_set_timeout},

@@ -1,10 +1,10 @@
 /*
  * l_mask.c — per-element helpers of masks and pruning (lua/fsdp/mask.lua, lua/fsdp/prune.lua)
- * as functions of the `fsdp.core` module. Owner: masks. docs/pruning.md is the manual.
+ * as functions of the `fsdp.core` module. docs/pruning.md is the manual.
  *
  * Everything here works on ONE rank's 1-D contiguous float views (a parameter flattened, or a
- * slice of a unit's flat shard): the Lua layer decides which slices, and does every collective
- * (all_reduce of the counts these functions produce). Nothing here communicates.
+ * slice of a unit's flat shard): the Lua layer decides which slices and when to communicate.
+ * The one collective here is counts_all_reduce (an i64 sum of a histogram).
  *
  * Pruning order. Magnitude pruning removes the k elements with the smallest keys, where an
  * element's key is a 32-bit unsigned integer:
@@ -19,10 +19,9 @@
  * k-th position among the elements equal to it likewise (mask_hist_pos), and mask_select then
  * writes the mask.
  *
- * Histograms are accumulated into a float tensor `out` of 2 * 2^width entries, bucket b's count
- * as lo = out[b] (< 4096) and hi = out[2^width + b] (count = hi * 4096 + lo): floats stay exact
- * (integers below 2^24) after an all_reduce("sum") over thousands of ranks and counts up to
- * 2^36 per bucket, which a single float could not hold.
+ * Histograms are int64 counts in a `counts` buffer (core.counts(n): n zeros), bucket b of a
+ * histogram at offset off in out[off + b]; counts_all_reduce sums a buffer across ranks as i64
+ * (exact at any count) and counts_totable reads it.
  *
  * N:M along a row: mask_nm keeps the n largest of each group of m consecutive elements, by the
  * value v = -1 for a masked element, +inf for a NaN, |x| otherwise; among equal values the lower
@@ -34,8 +33,11 @@
  *   mask_check(m) -> bad, zeros, hash       values other than 0/1; zeros; a 32-bit hash of the
  *                                           zero positions (ranks compare it)
  *   mask_from_nonzero(mout, x) -> zeros     mout[i] = (x[i] != 0)
- *   mask_hist(out, x, m|nil, prefix, shift, width)
- *   mask_hist_pos(out, x, m|nil, T, gbase, prefix, shift, width)
+ *   counts(n) -> out                        n int64 zeros
+ *   counts_all_reduce(out [, label])        collective: sum across ranks (i64), in place
+ *   counts_totable(out) -> {n numbers}
+ *   mask_hist(out, off, x, m|nil, prefix, shift, width)
+ *   mask_hist_pos(out, off, x, m|nil, T, gbase, prefix, shift, width)
  *   mask_select(mout, x, m|nil, T, gbase, P) -> zeros
  *                                           mout[i] = 0 when key < T, or key == T and
  *                                           gbase + i < P; else 1 (mout may be m itself:
@@ -51,9 +53,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "comm/comm.h"
 #include "lua/binding.h"
 
-#define HIST_BASE 4096.0 /* lo part of a histogram count stays below this */
+#define COUNTS_MT "fsdp.counts"
+
+typedef struct counts_buf {
+  int64_t n;
+  int64_t v[];
+} counts_buf;
 
 /* The contiguous float data of the tensor at idx, with its length; a Lua error names fn. The
  * tensor's version is bumped when `write` (in-place writers). */
@@ -110,19 +118,56 @@ static int width_arg(lua_State *L, int idx, const char *fn) {
   return (int)w;
 }
 
-/* Add counts[0..nb) into the hi/lo histogram tensor at idx (2 * nb floats). */
-static void hist_add(lua_State *L, int idx, const char *fn, const int64_t *counts, int64_t nb) {
-  int64_t n;
-  float *out = view_arg(L, idx, fn, &n, true);
-  if (n != 2 * nb)
-    luaL_error(L, "%s: the histogram needs %d elements (got %d)", fn, (int)(2 * nb), (int)n);
-  for (int64_t b = 0; b < nb; b++) {
-    if (!counts[b]) continue;
-    double total = (double)out[nb + b] * HIST_BASE + (double)out[b] + (double)counts[b];
-    double hi = floor(total / HIST_BASE);
-    out[b] = (float)(total - hi * HIST_BASE);
-    out[nb + b] = (float)hi;
+/* ---- counts buffers -------------------------------------------------------------------- */
+
+static counts_buf *counts_arg(lua_State *L, int idx, const char *fn) {
+  counts_buf *b = luaL_testudata(L, idx, COUNTS_MT);
+  if (!b)
+    luaL_error(L, "bad argument #%d to '%s' (counts expected, got %s)", idx, fn,
+               luaL_typename(L, idx));
+  return b;
+}
+
+static int l_counts(lua_State *L) {
+  lua_Number n = luaL_checknumber(L, 1);
+  if (n < 0 || n != floor(n) || n > (lua_Number)(1 << 28))
+    luaL_error(L, "counts: size must be an integer in [0, 2^28] (got %f)", (double)n);
+  counts_buf *b = lua_newuserdata(L, sizeof *b + (size_t)n * sizeof b->v[0]);
+  b->n = (int64_t)n;
+  memset(b->v, 0, (size_t)n * sizeof b->v[0]);
+  luaL_getmetatable(L, COUNTS_MT);
+  lua_setmetatable(L, -2);
+  return 1;
+}
+
+static int l_counts_all_reduce(lua_State *L) {
+  counts_buf *b = counts_arg(L, 1, "counts_all_reduce");
+  const char *label = luaL_optstring(L, 2, "counts");
+  fsdp_comm *c = fsdp_comm_current();
+  if (!c || fsdp_comm_all_reduce(c, b->v, b->n, FSDP_DTYPE_I64, FSDP_RED_SUM, label))
+    fsdp_lua_error(L);
+  return 0;
+}
+
+static int l_counts_totable(lua_State *L) {
+  counts_buf *b = counts_arg(L, 1, "counts_totable");
+  lua_createtable(L, (int)b->n, 0);
+  for (int64_t i = 0; i < b->n; i++) {
+    lua_pushnumber(L, (lua_Number)b->v[i]);
+    lua_rawseti(L, -2, (int)i + 1);
   }
+  return 1;
+}
+
+/* Add counts[0..nb) into the histogram at (idx, idx + 1): a counts buffer and a 0-based offset. */
+static void hist_add(lua_State *L, int idx, const char *fn, const int64_t *counts, int64_t nb) {
+  counts_buf *b = counts_arg(L, idx, fn);
+  lua_Number off = luaL_checknumber(L, idx + 1);
+  if (off < 0 || off != floor(off) || off + (lua_Number)nb > (lua_Number)b->n)
+    luaL_error(L, "%s: a histogram of %d buckets at offset %f does not fit %d counts", fn,
+               (int)nb, (double)off, (int)b->n);
+  int64_t *out = b->v + (int64_t)off;
+  for (int64_t i = 0; i < nb; i++) out[i] += counts[i];
 }
 
 /* ---- masks ------------------------------------------------------------------------------- */
@@ -198,10 +243,10 @@ static uint64_t prefix_arg(lua_State *L, int idx, const char *fn) {
 static int l_mask_hist(lua_State *L) {
   const char *fn = "mask_hist";
   int64_t n;
-  const float *x = view_arg(L, 2, fn, &n, false);
-  const float *m = opt_mask(L, 3, fn, n);
-  uint64_t prefix = prefix_arg(L, 4, fn);
-  int shift = (int)luaL_checkinteger(L, 5), width = width_arg(L, 6, fn);
+  const float *x = view_arg(L, 3, fn, &n, false);
+  const float *m = opt_mask(L, 4, fn, n);
+  uint64_t prefix = prefix_arg(L, 5, fn);
+  int shift = (int)luaL_checkinteger(L, 6), width = width_arg(L, 7, fn);
   if (shift < 0 || shift + width > 32) luaL_error(L, "%s: shift + width must be <= 32", fn);
   int64_t nb = (int64_t)1 << width;
   int64_t *counts = lua_newuserdata(L, sizeof *counts * (size_t)nb);
@@ -249,12 +294,12 @@ static uint32_t keyT_arg(lua_State *L, int idx, const char *fn) {
 static int l_mask_hist_pos(lua_State *L) {
   const char *fn = "mask_hist_pos";
   int64_t n;
-  const float *x = view_arg(L, 2, fn, &n, false);
-  const float *m = opt_mask(L, 3, fn, n);
-  uint32_t T = keyT_arg(L, 4, fn);
-  uint64_t gbase = pos_arg(L, 5, fn, "gbase");
-  uint64_t prefix = prefix_arg(L, 6, fn);
-  int shift = (int)luaL_checkinteger(L, 7), width = width_arg(L, 8, fn);
+  const float *x = view_arg(L, 3, fn, &n, false);
+  const float *m = opt_mask(L, 4, fn, n);
+  uint32_t T = keyT_arg(L, 5, fn);
+  uint64_t gbase = pos_arg(L, 6, fn, "gbase");
+  uint64_t prefix = prefix_arg(L, 7, fn);
+  int shift = (int)luaL_checkinteger(L, 8), width = width_arg(L, 9, fn);
   if (shift < 0 || shift + width > 63) luaL_error(L, "%s: shift + width must be <= 63", fn);
   int64_t nb = (int64_t)1 << width;
   int64_t *counts = lua_newuserdata(L, sizeof *counts * (size_t)nb);
@@ -333,6 +378,9 @@ static const luaL_Reg funcs[] = {
     {"count_zeros", l_count_zeros},
     {"mask_check", l_mask_check},
     {"mask_from_nonzero", l_mask_from_nonzero},
+    {"counts", l_counts},
+    {"counts_all_reduce", l_counts_all_reduce},
+    {"counts_totable", l_counts_totable},
     {"mask_hist", l_mask_hist},
     {"mask_hist_pos", l_mask_hist_pos},
     {"mask_select", l_mask_select},
@@ -340,4 +388,8 @@ static const luaL_Reg funcs[] = {
     {"mask_values", l_mask_values},
     {NULL, NULL}};
 
-void fsdp_lua_open_mask(lua_State *L) { luaL_register(L, NULL, funcs); }
+void fsdp_lua_open_mask(lua_State *L) {
+  luaL_newmetatable(L, COUNTS_MT);
+  lua_pop(L, 1);
+  luaL_register(L, NULL, funcs);
+}

@@ -79,6 +79,19 @@ local from0 = x:clone()
 fsdp.broadcast(from0, 0)
 for i = 1, 257 do check(same_bits(x:get(i), from0:get(i)), "sum differs from rank 0's at %d", i) end
 
+-- numbers travel as f64: a double past 2^53 and the bits of 0.1 arrive exactly; integers sum
+-- exactly as far as a double holds them; an array of numbers reduces element by element
+local big = 2 ^ 60 + 2 ^ 8 * (rank + 1) -- exact doubles, not exact in f32
+check(fsdp.broadcast(big, 0) == 2 ^ 60 + 2 ^ 8, "broadcast of 2^60 + 256: %.17g", fsdp.broadcast(big, 0))
+check(fsdp.all_reduce(2 ^ 53 - 1 - rank, "max") == 2 ^ 53 - 1, "max of integers below 2^53")
+local isum = 0
+for r = 0, world - 1 do isum = isum + (2 ^ 50 + r) end
+check(fsdp.all_reduce(2 ^ 50 + rank, "sum") == isum, "a sum of integers near 2^50")
+local arr = fsdp.all_reduce({rank, 0.1 * rank, -rank}, "max")
+check(#arr == 3 and arr[1] == world - 1 and arr[2] == 0.1 * (world - 1) and arr[3] == 0,
+  "array max: %s %s %s", tostring(arr[1]), tostring(arr[2]), tostring(arr[3]))
+check(#fsdp.all_reduce({}, "sum") == 0, "an empty array")
+
 -- broadcast: numbers and tensors from every root
 for root = 0, world - 1 do
   local v = fsdp.broadcast(1000 * rank + 0.1, root)
@@ -112,7 +125,8 @@ local function fails_with(text, f, ...)
 end
 fails_with("unknown op 'avg' (sum, mean, max, min)", fsdp.all_reduce, 1, "avg")
 fails_with("op must be a string", fsdp.all_reduce, 1, 3)
-fails_with("expected a number or a tensor, got table", fsdp.all_reduce, {}, "sum")
+fails_with("expected a number, an array of numbers or a tensor, got string", fsdp.all_reduce, "s")
+fails_with("element 2 of the array is string, not a number", fsdp.all_reduce, {1, "x"}, "sum")
 fails_with("expected a number or a tensor, got string", fsdp.broadcast, "s", 0)
 fails_with(("root %d is not a rank in [0, %d)"):format(world, world), fsdp.broadcast, 1, world)
 fails_with("root -1 is not a rank", fsdp.broadcast, 1, -1)
@@ -129,15 +143,15 @@ local s0 = fsdp.comm_stats()
 check(s0.calls == 0 and s0.all_reduce_bytes == 0, "reset_comm_stats")
 fsdp.all_reduce(fsdp.zeros{10}, "sum")    -- 40 bytes
 fsdp.all_reduce(fsdp.zeros{6}, "max")     -- 24 bytes
-fsdp.all_reduce(1.5, "sum")               -- a number: 4 chunks per rank, 16 * world bytes
+fsdp.all_reduce(1.5, "sum")               -- a number: one f64, 8 bytes
 fsdp.broadcast(fsdp.zeros{5}, 0)          -- 20 bytes
-fsdp.broadcast(2.5, 0)                    -- 16 bytes
+fsdp.broadcast(2.5, 0)                    -- 8 bytes
 fsdp.barrier()
 fsdp.barrier()
 local s = fsdp.comm_stats()
 check(s.all_reduce_calls == 3, "all_reduce_calls %s", tostring(s.all_reduce_calls))
-check(s.all_reduce_bytes == 40 + 24 + 16 * world, "all_reduce_bytes %s", tostring(s.all_reduce_bytes))
-check(s.broadcast_calls == 2 and s.broadcast_bytes == 36, "broadcast %s calls %s bytes",
+check(s.all_reduce_bytes == 40 + 24 + 8, "all_reduce_bytes %s", tostring(s.all_reduce_bytes))
+check(s.broadcast_calls == 2 and s.broadcast_bytes == 28, "broadcast %s calls %s bytes",
   tostring(s.broadcast_calls), tostring(s.broadcast_bytes))
 check(s.barrier_calls == 2 and s.barrier_bytes == 0, "barrier_calls %s", tostring(s.barrier_calls))
 check(s.all_gather_calls == 0 and s.reduce_scatter_calls == 0 and s.all_gather_bytes == 0
@@ -146,7 +160,8 @@ check(s.calls == 7, "calls %s", tostring(s.calls))
 check(type(s.busy_s) == "number" and s.busy_s >= 0 and type(s.wait_s) == "number" and s.wait_s >= 0,
   "busy_s / wait_s")
 local rec = core.flight_recorder()
-check(rec:find("barrier", 1, true) and rec:find("broadcast f32 x5", 1, true),
+check(rec:find("barrier", 1, true) and rec:find("broadcast f32 x5", 1, true)
+  and rec:find("broadcast f64 x1", 1, true) and rec:find("all_reduce f64 x1", 1, true),
   "flight recorder lacks the last collectives:\n%s", rec)
 
 print(("ok %d %d"):format(rank, world))

@@ -101,12 +101,12 @@ describe("l_mask.c helpers", function()
         local prefix, rem, last = 0, k, 0
         for _, pass in ipairs{{21, 11}, {10, 11}, {0, 10}} do
           local nb = 2 ^ pass[2]
-          local h = fsdp.zeros{2 * nb}
-          core.mask_hist(h, x, nil, prefix, pass[1], pass[2])
-          local t = h:totable()
+          local h = core.counts(nb)
+          core.mask_hist(h, 0, x, nil, prefix, pass[1], pass[2])
+          local t = core.counts_totable(h)
           local cum = 0
           for b = 0, nb - 1 do
-            local c = t[nb + b + 1] * 4096 + t[b + 1]
+            local c = t[b + 1]
             if cum + c >= rem then prefix, rem, last = prefix * nb + b, rem - cum, c break end
             cum = cum + c
           end
@@ -118,12 +118,12 @@ describe("l_mask.c helpers", function()
           local pp, prem = 0, rem
           for _, pass in ipairs{{22, 11}, {11, 11}, {0, 11}} do
             local nb = 2 ^ pass[2]
-            local h = fsdp.zeros{2 * nb}
-            core.mask_hist_pos(h, x, nil, T, 0, pp, pass[1], pass[2])
-            local t = h:totable()
+            local h = core.counts(nb)
+            core.mask_hist_pos(h, 0, x, nil, T, 0, pp, pass[1], pass[2])
+            local t = core.counts_totable(h)
             local cum = 0
             for b = 0, nb - 1 do
-              local c = t[nb + b + 1] * 4096 + t[b + 1]
+              local c = t[b + 1]
               if cum + c >= prem then pp, prem = pp * nb + b, prem - cum break end
               cum = cum + c
             end

@@ -10,7 +10,8 @@
  *
  * What it checks: every collective at counts 0..10007 with every reduction, bit for bit against
  * the left-to-right fold in rank order (the local backend's arithmetic), in place and not, every
- * broadcast root, NaN through max/min, several asynchronous collectives waited out of order,
+ * broadcast root; every collective in every dtype against tests/c/typed_ref.h (the reference
+ * test_comm.c holds the local backend to, so both give the same bits), NaN through max/min, several asynchronous collectives waited out of order,
  * that an asynchronous all_gather advances while the caller computes without calling MPI,
  * fingerprint mismatches (op, count, label on first use, label under debug) failing on every
  * rank with the same message, abort, a timeout naming the missing rank, a rank that left,
@@ -28,6 +29,7 @@
 
 #include "comm/comm.h"
 #include "comm/mpi.h"
+#include "../c/typed_ref.h"
 
 static int g_rank = -1, g_world = 0;
 static fsdp_comm *g_sync; /* stays healthy: keeps the ranks in step between cases */
@@ -107,7 +109,7 @@ static void test_collectives(fsdp_comm *c) {
       for (int64_t i = 0; i < n * W; i++) recv[i] = -1.0f;
       float *src = in_place ? recv + (int64_t)r * n : send;
       for (int64_t i = 0; i < n; i++) src[i] = input(tag, r, i);
-      OK(fsdp_comm_all_gather(c, recv, src, n, "ag"));
+      OK(fsdp_comm_all_gather(c, recv, src, n, FSDP_DTYPE_F32, "ag"));
       for (int p = 0; p < W; p++)
         for (int64_t i = 0; i < n; i++)
           CHECK(same_bits(recv[p * n + i], input(tag, p, i)), "all_gather n=%lld in_place=%d p=%d i=%lld",
@@ -119,7 +121,7 @@ static void test_collectives(fsdp_comm *c) {
         for (int p = 0; p < W; p++)
           for (int64_t i = 0; i < n; i++) send[p * n + i] = input(tag, r, p * n + i);
         float *dst = in_place ? send + (int64_t)r * n : recv;
-        OK(fsdp_comm_reduce_scatter(c, dst, send, n, (fsdp_reduce_op)red, "rs"));
+        OK(fsdp_comm_reduce_scatter(c, dst, send, n, FSDP_DTYPE_F32, (fsdp_reduce_op)red, "rs"));
         for (int64_t i = 0; i < n; i++) {
           float want = fold(tag, (int64_t)r * n + i, W, (fsdp_reduce_op)red, 0);
           CHECK(same_bits(dst[i], want), "reduce_scatter %s n=%lld in_place=%d i=%lld: %a vs %a",
@@ -129,7 +131,7 @@ static void test_collectives(fsdp_comm *c) {
       }
       tag++;
       for (int64_t i = 0; i < n; i++) recv[i] = input(tag, r, i);
-      OK(fsdp_comm_all_reduce(c, recv, n, (fsdp_reduce_op)red, "ar"));
+      OK(fsdp_comm_all_reduce(c, recv, n, FSDP_DTYPE_F32, (fsdp_reduce_op)red, "ar"));
       for (int64_t i = 0; i < n; i++) {
         float want = fold(tag, i, W, (fsdp_reduce_op)red, 0);
         CHECK(same_bits(recv[i], want), "all_reduce %s n=%lld i=%lld: %a vs %a",
@@ -139,7 +141,7 @@ static void test_collectives(fsdp_comm *c) {
     /* broadcast from every root */
     for (int root = 0; root < W; root++, tag++) {
       for (int64_t i = 0; i < n; i++) recv[i] = input(tag, r, i);
-      OK(fsdp_comm_broadcast(c, recv, n, root, "bc"));
+      OK(fsdp_comm_broadcast(c, recv, n, FSDP_DTYPE_F32, root, "bc"));
       for (int64_t i = 0; i < n; i++)
         CHECK(same_bits(recv[i], input(tag, root, i)), "broadcast root %d n=%lld i=%lld", root,
               (long long)n, (long long)i);
@@ -151,6 +153,15 @@ static void test_collectives(fsdp_comm *c) {
   passed("every collective, counts 0..10007, bitwise against the serial fold");
 }
 
+/* Every collective in every dtype: typed_ref.h's exercise, the one test_comm.c runs on the
+ * local backend, so both backends are held to the same bits. */
+static void test_typed(fsdp_comm *c) {
+  typed_report t = {{0}, 0};
+  typed_exercise(c, g_world, g_rank, &t);
+  CHECK(t.wrong[0] == '\0' && t.checks > 0, "%s", t.wrong);
+  passed("every collective in every dtype, bitwise against typed_ref.h (the local backend's reference)");
+}
+
 static void test_nan(fsdp_comm *c) {
   const int W = g_world, r = g_rank;
   float buf[40];
@@ -160,8 +171,8 @@ static void test_nan(fsdp_comm *c) {
   float mx[40], mn[40];
   memcpy(mx, buf, sizeof buf);
   memcpy(mn, buf, sizeof buf);
-  OK(fsdp_comm_all_reduce(c, mx, 40, FSDP_RED_MAX, "nan max"));
-  OK(fsdp_comm_all_reduce(c, mn, 40, FSDP_RED_MIN, "nan min"));
+  OK(fsdp_comm_all_reduce(c, mx, 40, FSDP_DTYPE_F32, FSDP_RED_MAX, "nan max"));
+  OK(fsdp_comm_all_reduce(c, mn, 40, FSDP_DTYPE_F32, FSDP_RED_MIN, "nan min"));
   for (int i = 0; i < 40; i++) {
     bool nan = i == 3 || i == 7;
     CHECK(nan ? isnan(mx[i]) : mx[i] == (float)(i + W - 1), "max i=%d: %g", i, mx[i]);
@@ -239,7 +250,7 @@ static void test_overlap(fsdp_comm *c) {
   for (int k = 0; k < 3; k++) {
     sync_all("overlap.block");
     double t0 = now_s();
-    OK(fsdp_comm_all_gather(c, recv, send, n, "overlap.block"));
+    OK(fsdp_comm_all_gather(c, recv, send, n, FSDP_DTYPE_F32, "overlap.block"));
     double t = now_s() - t0;
     if (t < t_block) t_block = t;
   }
@@ -262,7 +273,7 @@ static void test_overlap(fsdp_comm *c) {
   for (int p = 0; p < W; p++) CHECK(recv[(int64_t)p * n + 7] == (float)(7 + p), "overlap data");
   /* every rank's verdict, so that all fail or none */
   float worst = (float)best_ratio;
-  OK(fsdp_comm_all_reduce(g_sync, &worst, 1, FSDP_RED_MAX, "overlap.verdict"));
+  OK(fsdp_comm_all_reduce(g_sync, &worst, 1, FSDP_DTYPE_F32, FSDP_RED_MAX, "overlap.verdict"));
   long cores = sysconf(_SC_NPROCESSORS_ONLN);
   if (r == 0) printf("  overlap: blocking all_gather %.2f ms; wait after compute %.0f%% of it%s\n",
                      t_block * 1e3, worst * 100.0,
@@ -278,8 +289,8 @@ static void test_overlap(fsdp_comm *c) {
 static void test_stats(fsdp_comm *c) {
   fsdp_comm_reset_stats(c);
   float buf[64 * 4] = {0};
-  OK(fsdp_comm_all_gather(c, buf, buf + g_rank * 16, 16, "s"));
-  OK(fsdp_comm_all_reduce(c, buf, 10, FSDP_RED_SUM, "s"));
+  OK(fsdp_comm_all_gather(c, buf, buf + g_rank * 16, 16, FSDP_DTYPE_F32, "s"));
+  OK(fsdp_comm_all_reduce(c, buf, 10, FSDP_DTYPE_F32, FSDP_RED_SUM, "s"));
   fsdp_comm_stats s;
   fsdp_comm_get_stats(c, &s);
   CHECK(s.calls[FSDP_COLL_ALL_GATHER] == 1 && s.bytes[FSDP_COLL_ALL_GATHER] == 16 * 4 * g_world,
@@ -314,8 +325,8 @@ static void test_mismatch(void) {
   /* op: rank 0 all_gather, the others reduce_scatter */
   fsdp_comm *c = fresh(20);
   OK(fsdp_comm_barrier(c, "first"));
-  int rc = r == 0 ? fsdp_comm_all_gather(c, buf, buf, 8, "x")
-                  : fsdp_comm_reduce_scatter(c, buf, buf + 1024, 8, FSDP_RED_SUM, "x");
+  int rc = r == 0 ? fsdp_comm_all_gather(c, buf, buf, 8, FSDP_DTYPE_F32, "x")
+                  : fsdp_comm_reduce_scatter(c, buf, buf + 1024, 8, FSDP_DTYPE_F32, FSDP_RED_SUM, "x");
   expect_fail(rc, "collective mismatch at #2: rank 0 called all_gather(f32 x8, 'x') but rank 1 "
                   "called reduce_scatter(f32 x8 sum, 'x')", "op mismatch");
   /* and the group stays poisoned with it */
@@ -324,27 +335,34 @@ static void test_mismatch(void) {
   sync_all("mismatch.op");
   /* count */
   c = fresh(20);
-  rc = fsdp_comm_all_reduce(c, buf, r == 1 ? 5 : 6, FSDP_RED_SUM, "n");
+  rc = fsdp_comm_all_reduce(c, buf, r == 1 ? 5 : 6, FSDP_DTYPE_F32, FSDP_RED_SUM, "n");
   expect_fail(rc, "collective mismatch at #1: rank 0 called all_reduce(f32 x6 sum, 'n') but rank 1 "
                   "called all_reduce(f32 x5 sum, 'n')", "count mismatch");
   fsdp_comm_free(c);
   sync_all("mismatch.count");
+  /* dtype */
+  c = fresh(20);
+  rc = fsdp_comm_all_gather(c, buf + 64, buf, 8, r == 1 ? FSDP_DTYPE_BF16 : FSDP_DTYPE_F32, "d");
+  expect_fail(rc, "collective mismatch at #1: rank 0 called all_gather(f32 x8, 'd') but rank 1 "
+                  "called all_gather(bf16 x8, 'd')", "dtype mismatch");
+  fsdp_comm_free(c);
+  sync_all("mismatch.dtype");
   /* label: compared on its first use */
   c = fresh(20);
   char label[32];
   snprintf(label, sizeof label, "lbl%d", r);
-  rc = fsdp_comm_all_reduce(c, buf, 8, FSDP_RED_SUM, label);
+  rc = fsdp_comm_all_reduce(c, buf, 8, FSDP_DTYPE_F32, FSDP_RED_SUM, label);
   expect_fail(rc, "collective mismatch at #1: rank 0 called all_reduce(f32 x8 sum, 'lbl0') but "
                   "rank 1 called all_reduce(f32 x8 sum, 'lbl1')", "label mismatch");
   fsdp_comm_free(c);
   sync_all("mismatch.label");
   /* label on a later use: only with debug (on one rank is enough) */
   c = fresh(20);
-  OK(fsdp_comm_all_reduce(c, buf, 8, FSDP_RED_SUM, "a"));
-  OK(fsdp_comm_all_reduce(c, buf, 8, FSDP_RED_SUM, "b"));
-  OK(fsdp_comm_all_reduce(c, buf, 8, FSDP_RED_SUM, r == 1 ? "b" : "a")); /* not checked */
+  OK(fsdp_comm_all_reduce(c, buf, 8, FSDP_DTYPE_F32, FSDP_RED_SUM, "a"));
+  OK(fsdp_comm_all_reduce(c, buf, 8, FSDP_DTYPE_F32, FSDP_RED_SUM, "b"));
+  OK(fsdp_comm_all_reduce(c, buf, 8, FSDP_DTYPE_F32, FSDP_RED_SUM, r == 1 ? "b" : "a")); /* not checked */
   if (r == 0) fsdp_comm_set_debug(c, true);
-  rc = fsdp_comm_all_reduce(c, buf, 8, FSDP_RED_SUM, r == 1 ? "b" : "a");
+  rc = fsdp_comm_all_reduce(c, buf, 8, FSDP_DTYPE_F32, FSDP_RED_SUM, r == 1 ? "b" : "a");
   expect_fail(rc, "collective mismatch at #4: rank 0 called all_reduce(f32 x8 sum, 'a') but rank 1 "
                   "called all_reduce(f32 x8 sum, 'b')", "label mismatch under debug");
   fsdp_comm_free(c);
@@ -363,7 +381,7 @@ static void test_abort(void) {
     CHECK(fsdp_comm_poisoned(c), "poisoned after abort");
   }
   float x[3] = {1, 2, 3};
-  int rc = fsdp_comm_all_reduce(c, x, 3, FSDP_RED_SUM, "victim");
+  int rc = fsdp_comm_all_reduce(c, x, 3, FSDP_DTYPE_F32, FSDP_RED_SUM, "victim");
   expect_fail(rc, "rank 1 failed: boom on rank 1", "abort");
   CHECK(now_s() - t0 < 10, "abort took %.1f s (the timeout is 30)", now_s() - t0);
   CHECK(fsdp_comm_poisoned(c), "poisoned");
@@ -425,6 +443,7 @@ int main(void) {
     fflush(stdout);
   }
   test_collectives(c);
+  test_typed(c);
   test_nan(c);
   test_async(c);
   test_stats(c);

@@ -96,7 +96,7 @@ within "every rank fails" 50
 # ---- a collective mismatch: both sides see it; one full report ------------------------------------
 fault "label mismatch" -n 2 -e 'local f = require "fsdp"; f.barrier("b"); f.all_reduce(1, "sum", "lbl" .. f.rank())'
 within "label mismatch" 50
-expect_has err "collective mismatch at #2: rank 0 called all_reduce(f32 x8 sum, 'lbl0') but rank 1 called all_reduce(f32 x8 sum, 'lbl1')" "label mismatch"
+expect_has err "collective mismatch at #2: rank 0 called all_reduce(f64 x1 sum, 'lbl0') but rank 1 called all_reduce(f64 x1 sum, 'lbl1')" "label mismatch"
 [ "$(count err "stack traceback:")" = 1 ] || fail "label mismatch: $(cat "$T/err")"
 expect_has err "(the same error as rank " "label mismatch"
 

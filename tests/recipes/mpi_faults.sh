@@ -75,7 +75,7 @@ rank_says 0 "rank 1 left the group (its communicator was freed) after #3: all_re
 
 # a collective mismatch across processes: the same verdict on both ranks
 fault "label mismatch" 100 $MPIRUN -np 2 "$FSDPRUN" -e 'local f = require "fsdp"; f.barrier("b"); f.all_reduce(1, "sum", "lbl" .. f.rank())'
-has "collective mismatch at #2: rank 0 called all_reduce(f32 x8 sum, 'lbl0') but rank 1 called all_reduce(f32 x8 sum, 'lbl1')" "mismatch"
+has "collective mismatch at #2: rank 0 called all_reduce(f64 x1 sum, 'lbl0') but rank 1 called all_reduce(f64 x1 sum, 'lbl1')" "mismatch"
 rank_says 0 "collective mismatch at #2" "mismatch"
 rank_says 1 "collective mismatch at #2" "mismatch"
 
