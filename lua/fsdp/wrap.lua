@@ -140,7 +140,39 @@ end
 
 local strategies = {full = true, grad_op = true, none = true}
 local known_opts = {policy = true, strategy = true, reshard_after_forward = true, prefetch = true,
-  sync_module_states = true, init = true}
+  sync_module_states = true, init = true, mp = true}
+
+-- Mixed precision (FSDP2's MixedPrecisionPolicy): mp = "bf16" | "f16" | {param =, reduce =,
+-- output =}. param: the dtype units gather parameters in for forward and backward (the
+-- all-gather moves it, modules compute in it); reduce: the dtype gradients are reduce-scattered
+-- in; output: the dtype the wrapped model's floating outputs are cast to. Shards, gradient
+-- shards and optimizer state stay f32. Returns nil (off) or {param =, reduce =, output =}.
+local mp_dtypes = {f32 = true, bf16 = true, f16 = true}
+local function check_mp(mp)
+  if mp == nil or mp == false then return nil end
+  if type(mp) == "string" then mp = {param = mp} end
+  if type(mp) ~= "table" then
+    raise(("fsdp.wrap: mp must be \"bf16\", \"f16\" or a table {param =, reduce =, output =} "
+      .. "(got %s)"):format(type(mp)))
+  end
+  for k in pairs(mp) do
+    if k ~= "param" and k ~= "reduce" and k ~= "output" then
+      raise(("fsdp.wrap: unknown mp option %s (param, reduce, output)"):format(tostring(k)))
+    end
+  end
+  local out = {param = mp.param or "f32", reduce = mp.reduce or "f32", output = mp.output or "f32"}
+  for _, k in ipairs{"param", "output"} do
+    if not mp_dtypes[out[k]] then
+      raise(("fsdp.wrap: mp.%s must be \"f32\", \"bf16\" or \"f16\" (got %s)"):format(k,
+        tostring(out[k])))
+    end
+  end
+  if out.reduce ~= "f32" and out.reduce ~= "bf16" then
+    raise(("fsdp.wrap: mp.reduce must be \"f32\" or \"bf16\" (got %s)"):format(tostring(out.reduce)))
+  end
+  if out.param == "f32" and out.reduce == "f32" and out.output == "f32" then return nil end
+  return out
+end
 
 local function check_opts(opts)
   opts = opts or {}
@@ -148,7 +180,7 @@ local function check_opts(opts)
   for k in pairs(opts) do
     if not known_opts[k] then
       raise(("fsdp.wrap: unknown option %s (policy, strategy, reshard_after_forward, prefetch, "
-        .. "sync_module_states, init)"):format(tostring(k)))
+        .. "sync_module_states, init, mp)"):format(tostring(k)))
     end
   end
   local o = {
@@ -176,6 +208,7 @@ local function check_opts(opts)
       .. "init would have nothing to do; drop one")
   end
   o.init = opts.init
+  o.mp = check_mp(opts.mp)
   policy_fn(o.policy) -- validates
   return o
 end
@@ -351,9 +384,36 @@ local function pending_error(R, what)
       n == 1 and "is" or "are", tostring(first))
 end
 
+-- Mixed precision at a unit's boundary: floating-point tensor inputs take the param dtype
+-- (integer inputs, like token ids, are left alone); the root's floating outputs take the output
+-- dtype. The casts are recorded ops, so gradients flow back in each tensor's own dtype.
+local function cast_floats(dtype, ...)
+  local n = select("#", ...)
+  local args = {...}
+  local changed = false
+  for i = 1, n do
+    local a = args[i]
+    if core.is_tensor(a) then
+      local dt = a:dtype()
+      if dt ~= dtype and (dt == "f32" or dt == "bf16" or dt == "f16" or dt == "f64") then
+        args[i] = a:to(dtype)
+        changed = true
+      end
+    end
+  end
+  if changed then return unpack(args, 1, n) end
+end
+
+local function cast_output(dtype, out)
+  if not core.is_tensor(out) then return nil end
+  local dt = out:dtype()
+  if dt == dtype or not (dt == "f32" or dt == "bf16" or dt == "f16") then return nil end
+  return out:to(dtype)
+end
+
 local function install_hooks(R, U)
   local is_root = U.module == R.model
-  local pre = U.module:register_forward_pre_hook(function()
+  local pre = U.module:register_forward_pre_hook(function(_, ...)
     if R.busy then return end -- inside full_params / apply: everything needed is gathered
     if R.pending then error(pending_error(R, "forward"), 0) end
     if is_root and R.order == nil then
@@ -365,8 +425,9 @@ local function install_hooks(R, U)
     end
     local nxt = R.opts.prefetch and R.next and R.next[U]
     U.unit:pre_forward(nxt and nxt.unit or nil)
+    if U.mp and U.mp.param ~= "f32" then return cast_floats(U.mp.param, ...) end
   end)
-  local post = U.module:register_forward_hook(function()
+  local post = U.module:register_forward_hook(function(_, out)
     if R.busy then return end
     U.unit:post_forward()
     if R.recording and not R.finished[U] then
@@ -374,6 +435,7 @@ local function install_hooks(R, U)
       R.recording_post[#R.recording_post + 1] = U
     end
     if is_root and R.recording then finish_recording(R) end
+    if is_root and U.mp then return cast_output(U.mp.output, out) end
   end)
   U.hooks = {pre, post}
 end
@@ -409,7 +471,8 @@ local function plan_wrap(model, o)
   local inner_unit, inner_pending = {}, {}
   for _, R in ipairs(inner) do
     for _, U in ipairs(R.units) do
-      forced[U.module] = {strategy = U.strategy, reshard_after_forward = R.opts.reshard_after_forward}
+      forced[U.module] = {strategy = U.strategy, reshard_after_forward = R.opts.reshard_after_forward,
+        mp = R.opts.mp}
       inner_unit[U.unit] = true
     end
     for p in pairs(R.pending or {}) do inner_pending[p] = true end
@@ -563,9 +626,12 @@ function W.wrap(model, opts)
         local strategy = f and f.strategy or o.strategy
         local raf = o.reshard_after_forward
         if f then raf = f.reshard_after_forward end
+        local mp = o.mp
+        if f then mp = f.mp end
         local u = core.unit_new(rec.path, ps, pp, {strategy = strategy, root = (m == model),
-          reshard_after_forward = raf})
-        local U = {unit = u, module = m, path = rec.path, strategy = strategy, params = ps}
+          reshard_after_forward = raf, param_dtype = mp and mp.param,
+          reduce_dtype = mp and mp.reduce})
+        local U = {unit = u, module = m, path = rec.path, strategy = strategy, params = ps, mp = mp}
         R.units[#R.units + 1] = U
         R.unit_of[m] = U
         for _, p in ipairs(ps) do R.unit_of_param[p] = U end

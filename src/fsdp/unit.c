@@ -85,7 +85,9 @@ struct fsdp_unit {
   const fsdp_device_i *device; /* where the buffers live: the parameters' (cpu for meta ones) */
   fsdp_storage *sharded;   /* no data; backs the parameters while sharded */
   fsdp_comm_req *req;      /* a prefetch in flight ... */
-  fsdp_tensor *req_buf;    /* ... and the (P) buffer it gathers into */
+  fsdp_tensor *req_buf;    /* ... the (P) buffer it gathers into ... */
+  fsdp_tensor *req_send;   /* ... and its send buffer when it is not the shard (a cast) */
+  fsdp_dtype gathered_dt;  /* while gathered: the dtype of `full` and of the parameters */
   fsdp_unit *if_next;      /* the thread's list of units with a prefetch in flight */
   fsdp_unit **if_pprev;    /* NULL when not on it */
   fsdp_unit *bwd_prefetch; /* retained; may be NULL */
@@ -123,7 +125,8 @@ static int drop_prefetch(fsdp_unit *u) {
   int rc = fsdp_comm_wait(u->req);
   u->req = NULL;
   fsdp_tensor_release(u->req_buf);
-  u->req_buf = NULL;
+  fsdp_tensor_release(u->req_send);
+  u->req_buf = u->req_send = NULL;
   return rc;
 }
 
@@ -145,6 +148,12 @@ static const char *strategy_name(fsdp_strategy s) {
 static int flat_new(fsdp_tensor **out, const fsdp_device_i *dev, int64_t n, fsdp_role role,
                     bool zero) {
   return (zero ? fsdp_tensor_new : fsdp_tensor_new_uninit)(out, dev, FSDP_DTYPE_F32, 1, &n, role);
+}
+
+/* The same in another dtype (mixed precision's gathered parameters and gradients). */
+static int flat_new_dt(fsdp_tensor **out, const fsdp_device_i *dev, fsdp_dtype dt, int64_t n,
+                       fsdp_role role, bool zero) {
+  return (zero ? fsdp_tensor_new : fsdp_tensor_new_uninit)(out, dev, dt, 1, &n, role);
 }
 
 static void *flat_data(fsdp_tensor *t) { return fsdp_tensor_data(t, "unit"); }
@@ -482,6 +491,12 @@ int fsdp_unit_new(fsdp_unit **out, fsdp_comm *c, const char *path, fsdp_tensor *
   else if (o.strategy != FSDP_STRATEGY_FULL && o.strategy != FSDP_STRATEGY_GRAD_OP &&
            o.strategy != FSDP_STRATEGY_NONE)
     fsdp_error("wrap: unit '%s': unknown strategy %d", path, (int)o.strategy);
+  else if (!fsdp_dtype_is_float(o.param_dtype) || o.param_dtype == FSDP_DTYPE_F64)
+    fsdp_error("wrap: unit '%s': parameters cannot be gathered as %s (mixed precision takes "
+               "f32, bf16 or f16)", path, fsdp_dtype_name(o.param_dtype));
+  else if (o.reduce_dtype != FSDP_DTYPE_F32 && o.reduce_dtype != FSDP_DTYPE_BF16)
+    fsdp_error("wrap: unit '%s': gradients cannot be reduced in %s (f32 or bf16)", path,
+               fsdp_dtype_name(o.reduce_dtype));
   else
     valid = validate(path, params, paths, n);
   char errbuf[TEXT_BYTES];
@@ -559,6 +574,7 @@ int fsdp_unit_new(fsdp_unit **out, fsdp_comm *c, const char *path, fsdp_tensor *
     p->user = u;
   }
   u->state = none ? FSDP_UNIT_GATHERED : FSDP_UNIT_SHARDED;
+  u->gathered_dt = FSDP_DTYPE_F32;
   *out = u;
   return FSDP_OK;
 oom:
@@ -572,13 +588,18 @@ fail:
 
 /* ---- gather, reshard, prefetch -------------------------------------------------------------- */
 
-/* Point every parameter at `buf` (P elements) and make it the unit's full buffer. */
+/* Point every parameter at `buf` (P elements) and make it the unit's full buffer; the
+ * parameters take its dtype (f32, or the compute dtype under mixed precision). */
 static void install(fsdp_unit *u, fsdp_tensor *buf) {
   fsdp_tensor_release(u->full);
   u->full = buf; /* the reference moves in */
-  for (int i = 0; i < u->n; i++)
-    fsdp_tensor_set_storage(u->params[i].param, buf->storage, u->params[i].offset);
+  for (int i = 0; i < u->n; i++) {
+    fsdp_tensor *p = u->params[i].param;
+    fsdp_tensor_set_storage(p, buf->storage, u->params[i].offset);
+    p->dtype = buf->dtype;
+  }
   u->state = FSDP_UNIT_GATHERED;
+  u->gathered_dt = buf->dtype;
 }
 
 static void coll_label(char *dst, const char *path) {
@@ -592,9 +613,64 @@ static int finish_prefetch(fsdp_unit *u) {
   inflight_remove(u);
   u->req = NULL;
   u->req_buf = NULL;
-  if (fsdp_comm_wait(req)) {
+  int rc = fsdp_comm_wait(req);
+  fsdp_tensor_release(u->req_send);
+  u->req_send = NULL;
+  if (rc) {
     fsdp_tensor_release(buf);
     return fsdp_error_context("gather: unit '%s'", u->path);
+  }
+  install(u, buf);
+  return FSDP_OK;
+}
+
+/* What a gather in dtype dt sends: the shard itself, or (mixed precision) its values in dt. */
+static int gather_send(fsdp_unit *u, fsdp_dtype dt, fsdp_tensor **send) {
+  if (fsdp_to(send, u->shard, u->device, dt, FSDP_ROLE_GATHERED))
+    return fsdp_error_context("gather: unit '%s'", u->path);
+  return FSDP_OK;
+}
+
+/* The replicated strategy holds every element: a "gather" in dt is the shard itself (f32) or
+ * its values cast to dt, with no communication. */
+static int gather_replicated(fsdp_unit *u, fsdp_dtype dt) {
+  fsdp_tensor *buf;
+  if (gather_send(u, dt, &buf)) return FSDP_ERR;
+  install(u, buf);
+  return FSDP_OK;
+}
+
+/* The compute dtype of the unit's parameters (mixed precision's param dtype; f32 without). */
+static fsdp_dtype compute_dt(const fsdp_unit *u) { return u->opts.param_dtype; }
+
+static int reshard_impl(fsdp_unit *u);
+
+/* Gather with the parameters in dtype dt. A unit gathered in the other dtype is resharded
+ * first (full_params asks for f32 masters between a forward and its backward; the backward
+ * gathers in the compute dtype again before its ops read the parameters). */
+static int gather_as(fsdp_unit *u, fsdp_dtype dt) {
+  if (u->state == FSDP_UNIT_GATHERED) {
+    if (u->gathered_dt == dt) return FSDP_OK;
+    if (reshard_impl(u)) return FSDP_ERR;
+    if (u->state == FSDP_UNIT_GATHERED && u->gathered_dt == dt) return FSDP_OK; /* replicated */
+  }
+  if (u->req) {
+    if (u->req_buf->dtype == dt) return finish_prefetch(u);
+    if (drop_prefetch(u)) return fsdp_error_context("gather: unit '%s'", u->path);
+  }
+  if (u->opts.strategy == FSDP_STRATEGY_NONE) return gather_replicated(u, dt);
+  fsdp_tensor *buf, *send = NULL;
+  if (flat_new_dt(&buf, u->device, dt, u->padded, FSDP_ROLE_GATHERED, u->padded == 0))
+    return fsdp_error_context("gather: unit '%s'", u->path);
+  int rc = u->padded ? gather_send(u, dt, &send) : FSDP_OK;
+  if (!rc && u->padded &&
+      fsdp_comm_all_gather(u->comm, flat_data(buf), flat_data(send), u->shard_numel, dt,
+                           u->path))
+    rc = fsdp_error_context("gather: unit '%s'", u->path);
+  fsdp_tensor_release(send);
+  if (rc) {
+    fsdp_tensor_release(buf);
+    return FSDP_ERR;
   }
   install(u, buf);
   return FSDP_OK;
@@ -602,54 +678,66 @@ static int finish_prefetch(fsdp_unit *u) {
 
 int fsdp_unit_prefetch(fsdp_unit *u) {
   if (check_live(u, "prefetch")) return FSDP_ERR;
-  if (u->state == FSDP_UNIT_GATHERED || u->req || u->padded == 0) return FSDP_OK;
-  fsdp_tensor *buf;
-  if (flat_new(&buf, u->device, u->padded, FSDP_ROLE_GATHERED, false))
+  if (u->state == FSDP_UNIT_GATHERED || u->req || u->padded == 0 ||
+      u->opts.strategy == FSDP_STRATEGY_NONE)
+    return FSDP_OK;
+  fsdp_dtype dt = compute_dt(u);
+  fsdp_tensor *buf, *send;
+  if (flat_new_dt(&buf, u->device, dt, u->padded, FSDP_ROLE_GATHERED, false))
     return fsdp_error_context("prefetch: unit '%s'", u->path);
-  fsdp_coll coll = {.op = FSDP_COLL_ALL_GATHER, .dtype = u->shard->dtype,
-                    .count = u->shard_numel, .send = flat_data(u->shard),
-                    .recv = flat_data(buf)};
+  if (gather_send(u, dt, &send)) {
+    fsdp_tensor_release(buf);
+    return fsdp_error_context("prefetch");
+  }
+  fsdp_coll coll = {.op = FSDP_COLL_ALL_GATHER, .dtype = dt, .count = u->shard_numel,
+                    .send = flat_data(send), .recv = flat_data(buf)};
   coll_label(coll.label, u->path);
   if (fsdp_comm_start(u->comm, &coll, &u->req)) {
     u->req = NULL;
     fsdp_tensor_release(buf);
+    fsdp_tensor_release(send);
     return fsdp_error_context("prefetch: unit '%s'", u->path);
   }
   u->req_buf = buf;
+  u->req_send = send; /* the shard itself (retained) or its cast copy: kept until the wait */
   inflight_add(u);
   return FSDP_OK;
 }
 
 int fsdp_unit_gather(fsdp_unit *u) {
   if (check_live(u, "gather")) return FSDP_ERR;
-  if (u->state == FSDP_UNIT_GATHERED) return FSDP_OK;
-  if (u->req) return finish_prefetch(u);
-  fsdp_tensor *buf;
-  if (flat_new(&buf, u->device, u->padded, FSDP_ROLE_GATHERED, u->padded == 0))
-    return fsdp_error_context("gather: unit '%s'", u->path);
-  if (u->padded &&
-      fsdp_comm_all_gather(u->comm, flat_data(buf), flat_data(u->shard), u->shard_numel,
-                           u->shard->dtype, u->path)) {
-    fsdp_tensor_release(buf);
-    return fsdp_error_context("gather: unit '%s'", u->path);
-  }
-  install(u, buf);
-  return FSDP_OK;
+  return gather_as(u, FSDP_DTYPE_F32);
 }
 
-int fsdp_unit_reshard(fsdp_unit *u) {
-  if (check_live(u, "reshard")) return FSDP_ERR;
-  if (u->opts.strategy == FSDP_STRATEGY_NONE) return FSDP_OK;
+/* Parameters back to sharded (replicated: back to viewing the f32 shard). */
+static int reshard_impl(fsdp_unit *u) {
   /* a prefetch nobody consumed: let it land, then drop it */
   if (drop_prefetch(u)) return fsdp_error_context("reshard: unit '%s'", u->path);
   if (u->state == FSDP_UNIT_SHARDED) return FSDP_OK;
-  for (int i = 0; i < u->n; i++)
-    fsdp_tensor_set_storage(u->params[i].param, u->sharded, u->params[i].offset);
+  if (u->opts.strategy == FSDP_STRATEGY_NONE) {
+    if (u->gathered_dt == FSDP_DTYPE_F32) return FSDP_OK;
+    fsdp_tensor_retain(u->shard);
+    install(u, u->shard);
+    return FSDP_OK;
+  }
+  for (int i = 0; i < u->n; i++) {
+    fsdp_tensor *p = u->params[i].param;
+    fsdp_tensor_set_storage(p, u->sharded, u->params[i].offset);
+    p->dtype = u->shard->dtype; /* a sharded parameter is its f32 master */
+  }
   fsdp_tensor_release(u->full);
   u->full = NULL;
   u->state = FSDP_UNIT_SHARDED;
   return FSDP_OK;
 }
+
+int fsdp_unit_reshard(fsdp_unit *u) {
+  if (check_live(u, "reshard")) return FSDP_ERR;
+  return reshard_impl(u);
+}
+
+fsdp_dtype fsdp_unit_gathered_dtype(const fsdp_unit *u) { return u->gathered_dt; }
+const fsdp_unit_opts *fsdp_unit_options(const fsdp_unit *u) { return &u->opts; }
 
 int fsdp_unit_writeback(fsdp_unit *u) {
   if (check_live(u, "writeback")) return FSDP_ERR;
@@ -716,12 +804,15 @@ static int hook_end(void *ud) {
   fsdp_unit *u = h->u;
   h->ran = true;
   if (u->emptied) return FSDP_OK;
-  if (fsdp_unit_gather(u)) return FSDP_ERR;
+  if (gather_as(u, compute_dt(u))) return FSDP_ERR;
   /* only a unit whose backward is still to come in this backward (a "begin" of it is on the
    * tape): a frozen unit's, or one not used in this forward, would never be consumed */
   fsdp_unit *v = u->bwd_prefetch;
   if (v && !v->emptied && v->pending_bwd > 0 && fsdp_unit_prefetch(v)) return FSDP_ERR;
-  if (!u->full_grad && flat_new(&u->full_grad, u->device, u->padded, FSDP_ROLE_GRADS, true))
+  /* the parameters' gradients have their (compute) dtype; finish_backward converts them to
+   * the reduce dtype */
+  if (!u->full_grad &&
+      flat_new_dt(&u->full_grad, u->device, compute_dt(u), u->padded, FSDP_ROLE_GRADS, true))
     return fsdp_error_context("backward: unit '%s'", u->path);
   for (int i = 0; i < u->n; i++) {
     fsdp_unit_param *q = &u->params[i];
@@ -757,23 +848,28 @@ static int finish_backward(fsdp_unit *u) {
     if (grad_is_ours(u, p) && p->grad->version != 0) u->got_grad[i] = true;
   }
   if (u->full_grad && u->padded) {
-    float *fg = flat_data(u->full_grad);
-    if (u->opts.strategy == FSDP_STRATEGY_NONE) {
-      rc = fsdp_comm_all_reduce(u->comm, fg, u->padded, u->full_grad->dtype, FSDP_RED_AVG,
-                                u->path);
-    } else {
-      /* in place: this rank's chunk of the full gradient receives the average */
-      float *mine = fg + u->shard_offset;
-      rc = fsdp_comm_reduce_scatter(u->comm, mine, fg, u->shard_numel, u->full_grad->dtype,
-                                    FSDP_RED_AVG, u->path);
+    /* reduce in the reduce dtype (in place: a converted copy when it differs), then add this
+     * rank's part into the f32 gradient shard, which accumulates until zero_grad */
+    fsdp_tensor *red;
+    rc = fsdp_to(&red, u->full_grad, u->device, u->opts.reduce_dtype, FSDP_ROLE_GRADS);
+    if (!rc) {
+      void *fg = flat_data(red);
+      if (u->opts.strategy == FSDP_STRATEGY_NONE) {
+        rc = fsdp_comm_all_reduce(u->comm, fg, u->padded, red->dtype, FSDP_RED_AVG, u->path);
+      } else {
+        /* in place: this rank's chunk of the full gradient receives the average */
+        void *mine = (char *)fg + u->shard_offset * (int64_t)fsdp_dtype_size(red->dtype);
+        rc = fsdp_comm_reduce_scatter(u->comm, mine, fg, u->shard_numel, red->dtype,
+                                      FSDP_RED_AVG, u->path);
+      }
+      if (!rc) rc = add_range(u->grad_shard, 0, red, u->shard_offset, u->shard_numel);
+      fsdp_tensor_release(red);
     }
-    /* accumulate: the gradient shard keeps what earlier backwards added until zero_grad */
-    if (!rc) rc = add_range(u->grad_shard, 0, u->full_grad, u->shard_offset, u->shard_numel);
     if (rc) fsdp_error_context("backward: unit '%s'", u->path);
     else u->grad_shard->version++;
   }
   drop_full_grad(u);
-  if (!rc && u->opts.strategy != FSDP_STRATEGY_NONE) rc = fsdp_unit_reshard(u);
+  if (!rc) rc = reshard_impl(u); /* replicated: only undoes a mixed-precision copy */
   if (!rc && u->opts.is_root) rc = drop_all_prefetches(); /* the backward is over */
   return rc;
 }
@@ -818,7 +914,7 @@ static bool recording(const fsdp_unit *u) {
 
 int fsdp_unit_pre_forward(fsdp_unit *u, fsdp_unit *next) {
   if (check_live(u, "forward")) return FSDP_ERR;
-  if (fsdp_unit_gather(u)) return FSDP_ERR;
+  if (gather_as(u, compute_dt(u))) return FSDP_ERR;
   if (next && next != u && !next->emptied && fsdp_unit_prefetch(next)) return FSDP_ERR;
   if (recording(u)) {
     /* a failed push has already released (hook_free) the pending use it counted */
@@ -839,9 +935,9 @@ int fsdp_unit_post_forward(fsdp_unit *u) {
    * unit is the root (its backward starts right away) or asked to keep them; GRAD_OP keeps
    * them until its backward. Not recorded: no backward will reshard, so both do it now. */
   fsdp_strategy s = u->opts.strategy;
-  bool reshard = rec ? s == FSDP_STRATEGY_FULL && !u->opts.is_root && u->opts.reshard_after_forward
-                     : s != FSDP_STRATEGY_NONE;
-  if (reshard && fsdp_unit_reshard(u)) return FSDP_ERR;
+  bool reshard = !rec || (s == FSDP_STRATEGY_FULL && !u->opts.is_root &&
+                          u->opts.reshard_after_forward);
+  if (reshard && reshard_impl(u)) return FSDP_ERR; /* replicated: undoes a mixed-precision copy */
   /* the forward is over: a forward prefetch still in flight was for a unit that did not run */
   return u->opts.is_root ? drop_all_prefetches() : FSDP_OK;
 }

@@ -82,6 +82,14 @@ typedef struct fsdp_unit_opts {
   /* FULL only; the root never reshards after forward. "Default true" means: the Lua binding and
    * fsdp_unit_new(opts = NULL) use true; a zero-initialised C struct says false. */
   bool reshard_after_forward;
+  /* Mixed precision (f32 = off; a zero-initialised struct says f32). param_dtype: the dtype the
+   * forward and backward gather the parameters in (f32, bf16 or f16): the all-gather moves that
+   * dtype, the parameters and their gradients have it while gathered for compute.
+   * reduce_dtype: the dtype gradients are reduce-scattered in (f32 or bf16). The shard, the
+   * gradient shard (and so the optimizer) stay f32; fsdp_unit_gather (full_params, apply,
+   * unwrap) gathers the f32 masters. */
+  fsdp_dtype param_dtype;
+  fsdp_dtype reduce_dtype;
 } fsdp_unit_opts;
 
 typedef struct fsdp_unit fsdp_unit;
@@ -147,12 +155,19 @@ int64_t fsdp_unit_param_slice(const fsdp_unit *u, int i, int rank, int64_t *para
 int fsdp_unit_shard(fsdp_unit *u, fsdp_tensor **out);
 int fsdp_unit_grad_shard(fsdp_unit *u, fsdp_tensor **out);
 
-/* Collective, idempotent. gather: all-gather the shards into a full buffer (role gathered) and
- * point every parameter into it (waits for a prefetch in flight). reshard: parameters back to
- * sharded, full buffer freed (a no-op for NONE). */
+/* Collective, idempotent. gather: all-gather the f32 shards into a full buffer (role gathered)
+ * and point every parameter into it (waits for a prefetch in flight). reshard: parameters back
+ * to sharded, full buffer freed (NONE: back to viewing the shard; a no-op without mixed
+ * precision). A unit gathered in the compute dtype (mixed precision, between a forward and its
+ * backward) is resharded and gathered again in f32 by gather; backward gathers in the compute
+ * dtype again before its ops read the parameters. */
 int fsdp_unit_gather(fsdp_unit *u);
 int fsdp_unit_reshard(fsdp_unit *u);
-/* Collective. Start the all-gather asynchronously (no-op if gathered or already in flight). */
+/* While gathered: the parameters' dtype (f32, or the param dtype when gathered for compute). */
+fsdp_dtype fsdp_unit_gathered_dtype(const fsdp_unit *u);
+const fsdp_unit_opts *fsdp_unit_options(const fsdp_unit *u);
+/* Collective. Start the all-gather, in the compute dtype, asynchronously (no-op if gathered or
+ * already in flight, and for NONE). */
 int fsdp_unit_prefetch(fsdp_unit *u);
 /* Collective. Copy the gathered full buffer's values back into this rank's shard (after a
  * user changed parameters through full_params/apply with writeback). Needs the unit gathered.

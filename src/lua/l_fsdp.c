@@ -105,6 +105,15 @@ static int l_unit_new(lua_State *L) {
   }
   o.is_root = opt_bool(L, opts, "root", false);
   o.reshard_after_forward = opt_bool(L, opts, "reshard_after_forward", true);
+  /* mixed precision: param_dtype / reduce_dtype names (f32 when absent) */
+  o.param_dtype = o.reduce_dtype = FSDP_DTYPE_F32;
+  if (opts) {
+    lua_getfield(L, opts, "param_dtype");
+    if (!lua_isnil(L, -1)) o.param_dtype = fsdp_lua_check_dtype(L, -1);
+    lua_getfield(L, opts, "reduce_dtype");
+    if (!lua_isnil(L, -1)) o.reduce_dtype = fsdp_lua_check_dtype(L, -1);
+    lua_pop(L, 2);
+  }
   fsdp_unit *u;
   if (fsdp_unit_new(&u, fsdp_comm_current(), path, params, paths, n, &o)) fsdp_lua_error(L);
   push_unit(L, u);
@@ -215,6 +224,22 @@ static int l_paths(lua_State *L) {
 static int l_state(lua_State *L) {
   fsdp_unit *u = check_unit(L, 1);
   lua_pushstring(L, fsdp_unit_state_get(u) == FSDP_UNIT_GATHERED ? "gathered" : "sharded");
+  return 1;
+}
+
+/* u:dtypes() -> {param =, reduce =, gathered = (nil while sharded)}: mixed precision */
+static int l_dtypes(lua_State *L) {
+  fsdp_unit *u = check_unit(L, 1);
+  const fsdp_unit_opts *o = fsdp_unit_options(u);
+  lua_createtable(L, 0, 3);
+  lua_pushstring(L, fsdp_dtype_name(o->param_dtype));
+  lua_setfield(L, -2, "param");
+  lua_pushstring(L, fsdp_dtype_name(o->reduce_dtype));
+  lua_setfield(L, -2, "reduce");
+  if (fsdp_unit_state_get(u) == FSDP_UNIT_GATHERED) {
+    lua_pushstring(L, fsdp_dtype_name(fsdp_unit_gathered_dtype(u)));
+    lua_setfield(L, -2, "gathered");
+  }
   return 1;
 }
 
@@ -399,6 +424,7 @@ static const luaL_Reg methods[] = {
     {"paths", l_paths},
     {"state", l_state},
     {"strategy", l_strategy},
+    {"dtypes", l_dtypes},
     {"gather", l_gather},
     {"reshard", l_reshard},
     {"prefetch", l_prefetch},

@@ -302,9 +302,12 @@ end
 
 -- ---- forward hooks (used by sharding to gather/reshard around a unit's forward) -------------
 
--- fn(module, ...inputs) runs before forward; returns a handle with :remove().
+-- fn(module, ...inputs) runs before forward; returns a handle with :remove(). When fn returns
+-- values, they replace the inputs (all of them), as a PyTorch forward pre-hook returning a
+-- tuple; returning nothing keeps them.
 function Module:register_forward_pre_hook(fn) return M._add_hook(self, "pre", fn) end
--- fn(module, output) runs after forward (first result only); its return value is ignored.
+-- fn(module, output) runs after forward (first result only). When it returns a value other than
+-- nil, that value replaces the first result.
 function Module:register_forward_hook(fn) return M._add_hook(self, "post", fn) end
 
 function M._add_hook(m, kind, fn)
@@ -324,16 +327,29 @@ function M._add_hook(m, kind, fn)
   end}
 end
 
-local function run_post(self, post, ...)
-  for i = 1, #post do post[i](self, (...)) end
-  return ...
+local function run_post(self, post, first, ...)
+  for i = 1, #post do
+    local r = post[i](self, first)
+    if r ~= nil then first = r end
+  end
+  return first, ...
+end
+
+local function pack(...) return {n = select("#", ...), ...} end
+
+-- Pre-hooks i.. then forward and the post-hooks; a pre-hook that returns values replaces the
+-- inputs of the ones after it and of forward.
+local function run_pre(self, hooks, i, ...)
+  if i > #hooks.pre then return run_post(self, hooks.post, self:forward(...)) end
+  local r = pack(hooks.pre[i](self, ...))
+  if r.n == 0 then return run_pre(self, hooks, i + 1, ...) end
+  return run_pre(self, hooks, i + 1, unpack(r, 1, r.n))
 end
 
 local function run_forward(self, ...)
   local hooks = rawget(self, HOOKS)
   if hooks == nil then return self:forward(...) end
-  for i = 1, #hooks.pre do hooks.pre[i](self, ...) end
-  return run_post(self, hooks.post, self:forward(...))
+  return run_pre(self, hooks, 1, ...)
 end
 
 -- ---- the module call and error paths --------------------------------------------------------

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/cpu/half.h"
 #include "kernels/cpu/kernels.h"
 
 #define REFUSE(op, dt) fsdp_kernels_refuse(op, dt, "cpu")
@@ -147,17 +148,7 @@ static int k_axpy(void *ctx, fsdp_dtype dt, void *y, const void *x, double alpha
     return FSDP_OK;
   }
   if (dt == FSDP_DTYPE_BOOL) return REFUSE("add", dt);
-  if (is_half(dt)) {
-    scratch t = {0};
-    bool ok = true;
-    const float *wx = widen(&t, x, dt, n, &ok);
-    float *wy = out_f32(&t, y, dt, n, true, &ok);
-    if (ok) {
-      k_axpy(ctx, FSDP_DTYPE_F32, wy, wx, alpha, n);
-      narrow(y, dt, wy, n);
-    }
-    return finish(&t, ok);
-  }
+  if (is_half(dt)) return fsdp_cpu_half_axpy(dt, y, x, (float)alpha, n);
   for (int64_t i = 0; i < n; i++) ST(y, dt, i, LD(y, dt, i) + alpha * LD(x, dt, i));
   return FSDP_OK;
 }
@@ -268,17 +259,7 @@ static int k_linear_forward(void *ctx, fsdp_dtype dt, void *out, const void *inp
     return FSDP_OK;
   }
   if (!is_half(dt)) return REFUSE("linear", dt);
-  scratch t = {0};
-  bool ok = true;
-  const float *wi = widen(&t, inp, dt, (int64_t)M * K, &ok);
-  const float *ww = widen(&t, weight, dt, (int64_t)N * K, &ok);
-  const float *wb = widen(&t, bias, dt, N, &ok);
-  float *wo = out_f32(&t, out, dt, (int64_t)M * N, false, &ok);
-  if (ok) {
-    fsdp_cpu_linear_forward(wo, wi, ww, wb, M, K, N);
-    narrow(out, dt, wo, (int64_t)M * N);
-  }
-  return finish(&t, ok);
+  return fsdp_cpu_half_linear_forward(dt, out, inp, weight, bias, M, K, N);
 }
 
 static int k_linear_backward(void *ctx, fsdp_dtype dt, void *dinp, void *dweight, void *dbias,
@@ -289,21 +270,7 @@ static int k_linear_backward(void *ctx, fsdp_dtype dt, void *dinp, void *dweight
     return FSDP_OK;
   }
   if (!is_half(dt)) return REFUSE("linear", dt);
-  scratch t = {0};
-  bool ok = true;
-  const float *wg = widen(&t, dout, dt, (int64_t)M * N, &ok);
-  const float *wi = dweight ? widen(&t, inp, dt, (int64_t)M * K, &ok) : NULL;
-  const float *ww = dinp ? widen(&t, weight, dt, (int64_t)N * K, &ok) : NULL;
-  float *wdi = out_f32(&t, dinp, dt, (int64_t)M * K, true, &ok);
-  float *wdw = out_f32(&t, dweight, dt, (int64_t)N * K, true, &ok);
-  float *wdb = out_f32(&t, dbias, dt, N, true, &ok);
-  if (ok) {
-    fsdp_cpu_linear_backward(wdi, wdw, wdb, wg, wi, ww, M, K, N);
-    narrow(dinp, dt, wdi, (int64_t)M * K);
-    narrow(dweight, dt, wdw, (int64_t)N * K);
-    narrow(dbias, dt, wdb, N);
-  }
-  return finish(&t, ok);
+  return fsdp_cpu_half_linear_backward(dt, dinp, dweight, dbias, dout, inp, weight, M, K, N);
 }
 
 /* ---- elementwise ------------------------------------------------------------------------------ */
@@ -316,17 +283,7 @@ static int k_binary_forward(void *ctx, fsdp_dtype dt, void *out, const void *a, 
     fsdp_cpu_binary_forward(out, a, b, n, m, op);
     return FSDP_OK;
   }
-  if (is_half(dt)) {
-    scratch t = {0};
-    bool ok = true;
-    const float *wa = widen(&t, a, dt, n, &ok), *wb = widen(&t, b, dt, m, &ok);
-    float *wo = out_f32(&t, out, dt, n, false, &ok);
-    if (ok) {
-      fsdp_cpu_binary_forward(wo, wa, wb, n, m, op);
-      narrow(out, dt, wo, n);
-    }
-    return finish(&t, ok);
-  }
+  if (is_half(dt)) return fsdp_cpu_half_binary_forward(dt, out, a, b, n, m, op);
   /* integer division would need a float result: divide float tensors instead */
   if (dt == FSDP_DTYPE_BOOL || (is_int(dt) && op == FSDP_BIN_DIV)) return REFUSE(names[op], dt);
   if (dt == FSDP_DTYPE_I64) { /* exact beyond 2^53 */
@@ -369,18 +326,7 @@ static int k_binary_backward(void *ctx, fsdp_dtype dt, void *da, void *db, const
     return FSDP_OK;
   }
   if (!is_half(dt)) return REFUSE(names[op], dt);
-  scratch t = {0};
-  bool ok = true;
-  const float *wg = widen(&t, dout, dt, n, &ok);
-  const float *wa = widen(&t, a, dt, n, &ok), *wb = widen(&t, b, dt, m, &ok);
-  float *wda = out_f32(&t, da, dt, n, true, &ok);
-  float *wdb = db == da ? wda : out_f32(&t, db, dt, m, true, &ok);
-  if (ok) {
-    fsdp_cpu_binary_backward(wda, wdb, wg, wa, wb, n, m, op);
-    narrow(da, dt, wda, n);
-    if (db != da) narrow(db, dt, wdb, m);
-  }
-  return finish(&t, ok);
+  return fsdp_cpu_half_binary_backward(dt, da, db, dout, a, b, n, m, op);
 }
 
 static int k_affine_forward(void *ctx, fsdp_dtype dt, void *out, const void *a, double s,
@@ -389,17 +335,7 @@ static int k_affine_forward(void *ctx, fsdp_dtype dt, void *out, const void *a, 
     fsdp_cpu_affine_forward(out, a, (float)s, (float)tt, n);
     return FSDP_OK;
   }
-  if (is_half(dt)) {
-    scratch t = {0};
-    bool ok = true;
-    const float *wa = widen(&t, a, dt, n, &ok);
-    float *wo = out_f32(&t, out, dt, n, false, &ok);
-    if (ok) {
-      fsdp_cpu_affine_forward(wo, wa, (float)s, (float)tt, n);
-      narrow(out, dt, wo, n);
-    }
-    return finish(&t, ok);
-  }
+  if (is_half(dt)) return fsdp_cpu_half_affine_forward(dt, out, a, (float)s, (float)tt, n);
   if (dt == FSDP_DTYPE_BOOL) return REFUSE("affine", dt);
   for (int64_t i = 0; i < n; i++) ST(out, dt, i, LD(a, dt, i) * s + tt);
   return FSDP_OK;
@@ -477,17 +413,7 @@ static int k_unary_forward(void *ctx, fsdp_dtype dt, fsdp_unary_op op, void *out
     unary_f32(op, out, in, n);
     return FSDP_OK;
   }
-  if (is_half(dt)) {
-    scratch t = {0};
-    bool ok = true;
-    const float *wi = widen(&t, in, dt, n, &ok);
-    float *wo = out_f32(&t, out, dt, n, false, &ok);
-    if (ok) {
-      unary_f32(op, wo, wi, n);
-      narrow(out, dt, wo, n);
-    }
-    return finish(&t, ok);
-  }
+  if (is_half(dt)) return fsdp_cpu_half_unary_forward(dt, op, out, in, n, unary_f32);
   /* integers: the ops whose result is an integer again */
   bool int_ok = op == FSDP_UNARY_RELU || op == FSDP_UNARY_ABS || op == FSDP_UNARY_SIGN;
   if (dt == FSDP_DTYPE_BOOL || (is_int(dt) && !int_ok)) return REFUSE(fsdp_unary_name(op), dt);
@@ -524,16 +450,7 @@ static int k_unary_backward(void *ctx, fsdp_dtype dt, fsdp_unary_op op, void *di
     return FSDP_OK;
   }
   if (!is_half(dt)) return REFUSE(fsdp_unary_name(op), dt);
-  scratch t = {0};
-  bool ok = true;
-  const float *wg = widen(&t, dout, dt, n, &ok), *wi = widen(&t, in, dt, n, &ok);
-  const float *wo = widen(&t, out, dt, n, &ok);
-  float *wd = out_f32(&t, din, dt, n, true, &ok);
-  if (ok) {
-    unary_bw_f32(op, wd, wg, wi, wo, n);
-    narrow(din, dt, wd, n);
-  }
-  return finish(&t, ok);
+  return fsdp_cpu_half_unary_backward(dt, op, din, dout, in, out, n, unary_bw_f32);
 }
 
 static int k_pow_forward(void *ctx, fsdp_dtype dt, void *out, const void *in, double p,
@@ -638,16 +555,7 @@ static int k_dropout_forward(void *ctx, fsdp_dtype dt, void *out, void *mask, co
     return FSDP_OK;
   }
   if (!is_half(dt)) return REFUSE("dropout", dt);
-  scratch t = {0};
-  bool ok = true;
-  const float *wi = widen(&t, in, dt, n, &ok);
-  float *wo = out_f32(&t, out, dt, n, false, &ok), *wm = out_f32(&t, mask, dt, n, false, &ok);
-  if (ok) {
-    fsdp_cpu_dropout_forward(wo, wm, wi, n, p, key, first);
-    narrow(out, dt, wo, n);
-    narrow(mask, dt, wm, n);
-  }
-  return finish(&t, ok);
+  return fsdp_cpu_half_dropout_forward(dt, out, mask, in, n, p, key, first);
 }
 
 static int k_dropout_backward(void *ctx, fsdp_dtype dt, void *din, const void *dout,
@@ -657,15 +565,7 @@ static int k_dropout_backward(void *ctx, fsdp_dtype dt, void *din, const void *d
     return FSDP_OK;
   }
   if (!is_half(dt)) return REFUSE("dropout", dt);
-  scratch t = {0};
-  bool ok = true;
-  const float *wg = widen(&t, dout, dt, n, &ok), *wm = widen(&t, mask, dt, n, &ok);
-  float *wd = out_f32(&t, din, dt, n, true, &ok);
-  if (ok) {
-    fsdp_cpu_dropout_backward(wd, wg, wm, n);
-    narrow(din, dt, wd, n);
-  }
-  return finish(&t, ok);
+  return fsdp_cpu_half_dropout_backward(dt, din, dout, mask, n);
 }
 
 /* ---- indices ----------------------------------------------------------------------------------- */
@@ -750,16 +650,7 @@ static int k_layernorm_forward(void *ctx, fsdp_dtype dt, void *out, float *mean,
     return FSDP_OK;
   }
   if (!is_half(dt)) return REFUSE("layernorm", dt);
-  scratch t = {0};
-  bool ok = true;
-  const float *wi = widen(&t, inp, dt, N * C, &ok), *ww = widen(&t, weight, dt, C, &ok);
-  const float *wb = widen(&t, bias, dt, C, &ok);
-  float *wo = out_f32(&t, out, dt, N * C, false, &ok);
-  if (ok) {
-    fsdp_cpu_layernorm_forward(wo, mean, rstd, wi, ww, wb, N, C, eps);
-    narrow(out, dt, wo, N * C);
-  }
-  return finish(&t, ok);
+  return fsdp_cpu_half_layernorm_forward(dt, out, mean, rstd, inp, weight, bias, N, C, eps);
 }
 
 static int k_layernorm_backward(void *ctx, fsdp_dtype dt, void *dinp, void *dweight, void *dbias,
@@ -770,19 +661,8 @@ static int k_layernorm_backward(void *ctx, fsdp_dtype dt, void *dinp, void *dwei
     return FSDP_OK;
   }
   if (!is_half(dt)) return REFUSE("layernorm", dt);
-  scratch t = {0};
-  bool ok = true;
-  const float *wg = widen(&t, dout, dt, N * C, &ok), *wi = widen(&t, inp, dt, N * C, &ok);
-  const float *ww = widen(&t, weight, dt, C, &ok);
-  float *wdi = out_f32(&t, dinp, dt, N * C, true, &ok);
-  float *wdw = out_f32(&t, dweight, dt, C, true, &ok), *wdb = out_f32(&t, dbias, dt, C, true, &ok);
-  if (ok) {
-    fsdp_cpu_layernorm_backward(wdi, wdw, wdb, wg, wi, ww, mean, rstd, N, C);
-    narrow(dinp, dt, wdi, N * C);
-    narrow(dweight, dt, wdw, C);
-    narrow(dbias, dt, wdb, C);
-  }
-  return finish(&t, ok);
+  return fsdp_cpu_half_layernorm_backward(dt, dinp, dweight, dbias, dout, inp, weight, mean,
+                                          rstd, N, C);
 }
 
 static int k_softmax_forward(void *ctx, fsdp_dtype dt, void *out, const void *inp, int64_t N,
@@ -792,15 +672,7 @@ static int k_softmax_forward(void *ctx, fsdp_dtype dt, void *out, const void *in
     return FSDP_OK;
   }
   if (!is_half(dt)) return REFUSE("softmax", dt);
-  scratch t = {0};
-  bool ok = true;
-  const float *wi = widen(&t, inp, dt, N * C, &ok);
-  float *wo = out_f32(&t, out, dt, N * C, false, &ok);
-  if (ok) {
-    fsdp_cpu_softmax_forward(wo, wi, N, C);
-    narrow(out, dt, wo, N * C);
-  }
-  return finish(&t, ok);
+  return fsdp_cpu_half_softmax_forward(dt, out, inp, N, C);
 }
 
 static int k_softmax_backward(void *ctx, fsdp_dtype dt, void *dinp, const void *dout,
@@ -810,59 +682,46 @@ static int k_softmax_backward(void *ctx, fsdp_dtype dt, void *dinp, const void *
     return FSDP_OK;
   }
   if (!is_half(dt)) return REFUSE("softmax", dt);
-  scratch t = {0};
-  bool ok = true;
-  const float *wg = widen(&t, dout, dt, N * C, &ok), *wo = widen(&t, out, dt, N * C, &ok);
-  float *wd = out_f32(&t, dinp, dt, N * C, true, &ok);
-  if (ok) {
-    fsdp_cpu_softmax_backward(wd, wg, wo, N, C);
-    narrow(dinp, dt, wd, N * C);
-  }
-  return finish(&t, ok);
+  return fsdp_cpu_half_softmax_backward(dt, dinp, dout, out, N, C);
 }
 
 static int k_attention_forward(void *ctx, fsdp_dtype dt, void *out, void *att, const void *qkv,
                                int B, int T, int C, int NH) {
-  int64_t nq = (int64_t)B * T * 3 * C, no = (int64_t)B * T * C, na = (int64_t)B * NH * T * T;
-  if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("attention", dt);
-  scratch t = {0};
-  bool ok = true;
-  const float *wq = widen(&t, qkv, dt, nq, &ok);
-  float *wo = out_f32(&t, out, dt, no, false, &ok), *wa = out_f32(&t, att, dt, na, false, &ok);
-  if (ok) {
-    fsdp_cpu_attention_forward(wo, wa, wq, B, T, C, NH);
-    narrow(out, dt, wo, no);
-    narrow(att, dt, wa, na);
+  if (dt == FSDP_DTYPE_F32) {
+    fsdp_cpu_attention_forward(out, att, qkv, B, T, C, NH);
+    return FSDP_OK;
   }
-  return finish(&t, ok);
+  if (!is_half(dt)) return REFUSE("attention", dt);
+  return fsdp_cpu_half_attention_forward(dt, out, att, qkv, B, T, C, NH);
 }
 
 static int k_attention_backward(void *ctx, fsdp_dtype dt, void *dqkv, const void *dout,
                                 const void *qkv, const void *att, int B, int T, int C, int NH) {
-  int64_t nq = (int64_t)B * T * 3 * C, no = (int64_t)B * T * C, na = (int64_t)B * NH * T * T;
-  if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("attention", dt);
-  scratch t = {0};
-  bool ok = true;
-  float *work = tmp_f32(&t, na); /* the kernel's (B, NH, T, T) workspace */
-  if (!work) ok = false;
-  const float *wg = widen(&t, dout, dt, no, &ok), *wq = widen(&t, qkv, dt, nq, &ok);
-  const float *wa = widen(&t, att, dt, na, &ok);
-  float *wd = out_f32(&t, dqkv, dt, nq, true, &ok);
-  if (ok) {
-    fsdp_cpu_attention_backward(wd, work, wg, wq, wa, B, T, C, NH);
-    narrow(dqkv, dt, wd, nq);
+  if (dt == FSDP_DTYPE_F32) {
+    /* the kernel's (B, NH, T, T) workspace: scratch of this call, accounted as activations */
+    fsdp_storage *work;
+    if (fsdp_storage_new_uninit(&work, &fsdp_device_cpu,
+                                (size_t)B * NH * T * T * sizeof(float), FSDP_ROLE_ACTIVATIONS))
+      return FSDP_ERR;
+    fsdp_cpu_attention_backward(dqkv, work->data, dout, qkv, att, B, T, C, NH);
+    fsdp_storage_release(work);
+    return FSDP_OK;
   }
-  return finish(&t, ok);
+  if (!is_half(dt)) return REFUSE("attention", dt);
+  return fsdp_cpu_half_attention_backward(dt, dqkv, dout, qkv, att, B, T, C, NH);
 }
 
 static int k_cross_entropy_forward(void *ctx, fsdp_dtype dt, float *loss, float *lse,
                                    const void *logits, const void *targets, fsdp_dtype tdt,
                                    int64_t N, int V, int64_t ignore, int64_t *count) {
-  if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("cross_entropy", dt);
+  if (is_half(dt))
+    return fsdp_cpu_half_cross_entropy_forward(dt, loss, lse, logits, targets, tdt, N, V,
+                                               (int)ignore, count);
+  if (dt != FSDP_DTYPE_F32) return REFUSE("cross_entropy", dt);
   scratch t = {0};
   bool ok = true;
-  const float *wl = widen(&t, logits, dt, N * V, &ok), *wt = ids_f32(&t, targets, tdt, N, &ok);
-  if (ok) loss[0] = fsdp_cpu_cross_entropy_forward(lse, wl, wt, N, V, (int)ignore, count);
+  const float *wt = ids_f32(&t, targets, tdt, N, &ok);
+  if (ok) loss[0] = fsdp_cpu_cross_entropy_forward(lse, logits, wt, N, V, (int)ignore, count);
   return finish(&t, ok);
 }
 
@@ -870,42 +729,32 @@ static int k_cross_entropy_backward(void *ctx, fsdp_dtype dt, void *dlogits, con
                                     const void *logits, const float *lse, const void *targets,
                                     fsdp_dtype tdt, int64_t N, int V, int64_t ignore,
                                     int64_t count) {
-  if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("cross_entropy", dt);
+  if (is_half(dt))
+    return fsdp_cpu_half_cross_entropy_backward(dt, dlogits, dloss[0], logits, lse, targets, tdt,
+                                                N, V, (int)ignore, count);
+  if (dt != FSDP_DTYPE_F32) return REFUSE("cross_entropy", dt);
   scratch t = {0};
   bool ok = true;
-  const float *wl = widen(&t, logits, dt, N * V, &ok), *wt = ids_f32(&t, targets, tdt, N, &ok);
-  float *wd = out_f32(&t, dlogits, dt, N * V, true, &ok);
-  if (ok) {
-    fsdp_cpu_cross_entropy_backward(wd, dloss[0], wl, lse, wt, N, V, (int)ignore, count);
-    narrow(dlogits, dt, wd, N * V);
-  }
+  const float *wt = ids_f32(&t, targets, tdt, N, &ok);
+  if (ok)
+    fsdp_cpu_cross_entropy_backward(dlogits, dloss[0], logits, lse, wt, N, V, (int)ignore, count);
   return finish(&t, ok);
 }
 
 static int k_mse_forward(void *ctx, fsdp_dtype dt, float *out, const void *a, const void *b,
                          int64_t n) {
-  if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("mse", dt);
-  scratch t = {0};
-  bool ok = true;
-  const float *wa = widen(&t, a, dt, n, &ok), *wb = widen(&t, b, dt, n, &ok);
-  if (ok) out[0] = n ? fsdp_cpu_mse_forward(wa, wb, n) : 0.0f;
-  return finish(&t, ok);
+  if (is_half(dt)) return fsdp_cpu_half_mse_forward(dt, out, a, b, n);
+  if (dt != FSDP_DTYPE_F32) return REFUSE("mse", dt);
+  out[0] = n ? fsdp_cpu_mse_forward(a, b, n) : 0.0f;
+  return FSDP_OK;
 }
 
 static int k_mse_backward(void *ctx, fsdp_dtype dt, void *da, void *db, const float *dloss,
                           const void *a, const void *b, int64_t n) {
-  if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("mse", dt);
-  scratch t = {0};
-  bool ok = true;
-  const float *wa = widen(&t, a, dt, n, &ok), *wb = widen(&t, b, dt, n, &ok);
-  float *wda = out_f32(&t, da, dt, n, true, &ok);
-  float *wdb = db == da ? wda : out_f32(&t, db, dt, n, true, &ok);
-  if (ok) {
-    fsdp_cpu_mse_backward(wda, wdb, dloss[0], wa, wb, n);
-    narrow(da, dt, wda, n);
-    if (db != da) narrow(db, dt, wdb, n);
-  }
-  return finish(&t, ok);
+  if (is_half(dt)) return fsdp_cpu_half_mse_backward(dt, da, db, dloss[0], a, b, n);
+  if (dt != FSDP_DTYPE_F32) return REFUSE("mse", dt);
+  fsdp_cpu_mse_backward(da, db, dloss[0], a, b, n);
+  return FSDP_OK;
 }
 
 /* ---- reductions ----------------------------------------------------------------------------------- */
@@ -921,12 +770,10 @@ static int k_sum(void *ctx, fsdp_dtype dt, void *out, const void *in, int64_t n,
   double s = 0;
   if (dt == FSDP_DTYPE_F64) {
     for (int64_t i = 0; i < n; i++) s += ((const double *)in)[i];
-  } else {
-    scratch t = {0};
-    bool ok = true;
-    const float *w = widen(&t, in, dt, n, &ok);
-    if (ok) s = fsdp_cpu_sum(w, n);
-    if (finish(&t, ok)) return FSDP_ERR;
+  } else if (dt == FSDP_DTYPE_F32) {
+    s = fsdp_cpu_sum(in, n);
+  } else if (fsdp_cpu_half_sum(dt, &s, in, n, false)) {
+    return FSDP_ERR;
   }
   ST(out, dt, 0, mean ? (n ? s / (double)n : NAN) : s);
   return FSDP_OK;
@@ -940,11 +787,11 @@ static int k_sumsq(void *ctx, fsdp_dtype dt, double *host_out, const void *in, i
     *host_out = s;
     return FSDP_OK;
   }
-  scratch t = {0};
-  bool ok = true;
-  const float *w = widen(&t, in, dt, n, &ok);
-  if (ok) *host_out = fsdp_cpu_sumsq(w, n);
-  return finish(&t, ok);
+  if (dt == FSDP_DTYPE_F32) {
+    *host_out = fsdp_cpu_sumsq(in, n);
+    return FSDP_OK;
+  }
+  return fsdp_cpu_half_sum(dt, host_out, in, n, true);
 }
 
 static int k_sum_dim_forward(void *ctx, fsdp_dtype dt, void *out, const void *in, int64_t outer,

@@ -1,0 +1,65 @@
+/*
+ * half.h — private to src/kernels/cpu: the bf16 / f16 conversion pass (half.c) behind the cpu
+ * table's half-precision slots. Same arguments as the f32 kernels of kernels.h plus the dtype
+ * (bf16 or f16); each returns FSDP_OK, or FSDP_ERR when its scratch cannot be allocated.
+ */
+#ifndef FSDP_KERNELS_CPU_HALF_H
+#define FSDP_KERNELS_CPU_HALF_H
+
+#include "kernels/cpu/kernels.h"
+
+int fsdp_cpu_half_axpy(fsdp_dtype dt, void *y, const void *x, float alpha, int64_t n);
+int fsdp_cpu_half_affine_forward(fsdp_dtype dt, void *out, const void *a, float s, float t,
+                                 int64_t n);
+int fsdp_cpu_half_binary_forward(fsdp_dtype dt, void *out, const void *a, const void *b,
+                                 int64_t n, int64_t m, fsdp_binop op);
+int fsdp_cpu_half_binary_backward(fsdp_dtype dt, void *da, void *db, const void *dout,
+                                  const void *a, const void *b, int64_t n, int64_t m,
+                                  fsdp_binop op);
+/* f32: the table's f32 unary forward / backward */
+int fsdp_cpu_half_unary_forward(fsdp_dtype dt, fsdp_unary_op op, void *out, const void *in,
+                                int64_t n,
+                                void (*f32)(fsdp_unary_op, float *, const float *, int64_t));
+int fsdp_cpu_half_unary_backward(fsdp_dtype dt, fsdp_unary_op op, void *din, const void *dout,
+                                 const void *in, const void *out, int64_t n,
+                                 void (*f32)(fsdp_unary_op, float *, const float *,
+                                             const float *, const float *, int64_t));
+int fsdp_cpu_half_dropout_forward(fsdp_dtype dt, void *out, void *mask, const void *in,
+                                  int64_t n, float p, uint64_t key, uint64_t first);
+int fsdp_cpu_half_dropout_backward(fsdp_dtype dt, void *din, const void *dout, const void *mask,
+                                   int64_t n);
+int fsdp_cpu_half_linear_forward(fsdp_dtype dt, void *out, const void *inp, const void *weight,
+                                 const void *bias, int M, int K, int N);
+int fsdp_cpu_half_linear_backward(fsdp_dtype dt, void *dinp, void *dweight, void *dbias,
+                                  const void *dout, const void *inp, const void *weight, int M,
+                                  int K, int N);
+int fsdp_cpu_half_layernorm_forward(fsdp_dtype dt, void *out, float *mean, float *rstd,
+                                    const void *inp, const void *weight, const void *bias,
+                                    int64_t N, int C, float eps);
+int fsdp_cpu_half_layernorm_backward(fsdp_dtype dt, void *dinp, void *dweight, void *dbias,
+                                     const void *dout, const void *inp, const void *weight,
+                                     const float *mean, const float *rstd, int64_t N, int C);
+int fsdp_cpu_half_softmax_forward(fsdp_dtype dt, void *out, const void *inp, int64_t N, int C);
+int fsdp_cpu_half_softmax_backward(fsdp_dtype dt, void *dinp, const void *dout, const void *out,
+                                   int64_t N, int C);
+int fsdp_cpu_half_cross_entropy_forward(fsdp_dtype dt, float *loss, float *lse,
+                                        const void *logits, const void *targets,
+                                        fsdp_dtype tdt, int64_t N, int V, int ignore,
+                                        int64_t *count);
+int fsdp_cpu_half_cross_entropy_backward(fsdp_dtype dt, void *dlogits, float dloss,
+                                         const void *logits, const float *lse,
+                                         const void *targets, fsdp_dtype tdt, int64_t N, int V,
+                                         int ignore, int64_t count);
+int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, void *att, const void *qkv, int B,
+                                    int T, int C, int NH);
+int fsdp_cpu_half_attention_backward(fsdp_dtype dt, void *dqkv, const void *dout,
+                                     const void *qkv, const void *att, int B, int T, int C,
+                                     int NH);
+int fsdp_cpu_half_mse_forward(fsdp_dtype dt, float *out, const void *a, const void *b,
+                              int64_t n);
+int fsdp_cpu_half_mse_backward(fsdp_dtype dt, void *da, void *db, float dloss, const void *a,
+                               const void *b, int64_t n);
+/* sum (or sum of squares) of n half values, in double */
+int fsdp_cpu_half_sum(fsdp_dtype dt, double *out, const void *in, int64_t n, bool squares);
+
+#endif
