@@ -143,8 +143,8 @@ static int collect(fsdp_runtime *rt) {
     if (r->status == FSDP_BROKEN) broken = true;
     if (r->status != FSDP_OK && root < 0) root = i;
   }
-  fsdp_comm *comm0 = rt->ranks[0].hr->comm;
-  if (!broken && comm0 != NULL && fsdp_comm_poisoned(comm0)) broken = true;
+  if (!broken && rt->ranks[0].hr->comm != NULL && fsdp_comm_poisoned(rt->ranks[0].hr->comm))
+    broken = true;
   if (root < 0 && !broken) {
     free(rt->err);
     rt->err = NULL;

@@ -109,13 +109,20 @@ static void set_running(fsdp_host_rank *r, lua_State *L, bool fresh) {
     h->o.running(h->o.ud, h->nrunning, fresh && was == NULL && L != NULL && h->nrunning == 1);
 }
 
-void fsdp_host_lua_enter(fsdp_host_rank *r, lua_State *L) {
+/* Enter; false (nothing marked) when the owner gave up on r already. */
+static bool enter(fsdp_host_rank *r, lua_State *L) {
   fsdp_host *h = r->host;
   pthread_mutex_lock(&h->mu);
-  set_running(r, L, true);
-  if (atomic_load(&h->interrupted) || atomic_load(&h->stopping)) arm(L);
+  bool go = !r->abandoned;
+  if (go) {
+    set_running(r, L, true);
+    if (atomic_load(&h->interrupted) || atomic_load(&h->stopping)) arm(L);
+  }
   pthread_mutex_unlock(&h->mu);
+  return go;
 }
+
+void fsdp_host_lua_enter(fsdp_host_rank *r, lua_State *L) { enter(r, L); }
 
 void fsdp_host_lua_resume(fsdp_host_rank *r, lua_State *L) {
   fsdp_host *h = r->host;
@@ -149,10 +156,12 @@ int fsdp_host_pcall(fsdp_host_rank *r, lua_State *L, int narg, int nres) {
   int base = lua_gettop(L) - narg;
   lua_pushcfunction(L, fsdp_host_traceback);
   lua_insert(L, base);
-  fsdp_host_lua_enter(r, L);
-  int status = lua_pcall(L, narg, nres, base);
-  bool abandoned;
-  leave(r, &abandoned);
+  bool abandoned = !enter(r, L);
+  int status = 0;
+  if (!abandoned) {
+    status = lua_pcall(L, narg, nres, base);
+    leave(r, &abandoned);
+  }
   lua_remove(L, base);
   if (abandoned && status == 0) {
     lua_settop(L, base - 1);
