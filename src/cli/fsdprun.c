@@ -1,7 +1,6 @@
 /*
  * fsdprun.c — the `fsdprun` launcher: runs a Lua recipe (and -e chunks, and an interactive loop)
  * on the statically linked engine, on one rank or on N ranks that are threads of this process.
- * Owner: launcher.
  *
  *   fsdprun [-n N] [--timeout=SECONDS] [-e CODE]... [-i] [--] recipe.lua [args...]
  *

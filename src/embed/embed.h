@@ -1,6 +1,6 @@
 /*
  * embed.h — internals of the embedding runtime (include/fsdp.h), shared by the files of
- * src/embed/ and compiled only into libfsdp.so. Owner: embed.
+ * src/embed/ and compiled only into libfsdp.so.
  *
  * A runtime is a rank host (src/host/host.h: `world` rank threads over one local group, each
  * with a Lua state, a memory domain and a communicator, as `fsdprun -n N` runs ranks) plus

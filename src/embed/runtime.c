@@ -1,6 +1,6 @@
 /*
  * runtime.c — the embedding runtime of include/fsdp.h: jobs on the rank host's threads
- * (src/host/host.h) and the public functions. Owner: embed.
+ * (src/host/host.h) and the public functions.
  *
  * Jobs. The host thread (holding rt->api_mu) sets the job's arguments (rt->job) and runs a
  * job function on every rank (fsdp_host_run), which returns once every rank has run it, or,
