@@ -43,6 +43,7 @@ struct fsdp_host {
   int nrunning;
   bool failed;
   double failed_at;
+  bool stop_begun;         /* fsdp_host_run has stopped the ranks (stop_ranks) */
   char *stop_msg;          /* written before stopping is set, then read-only */
   atomic_int interrupted;
   atomic_int stopping;
@@ -287,7 +288,7 @@ static void stop_ranks(fsdp_host *h) {
                        h->cause_msg != NULL ? h->cause_msg : "(no message)");
   pthread_mutex_unlock(&h->fail_mu);
   if (h->stop_msg == NULL) h->stop_msg = strdup("stopped after another rank failed");
-  if (h->stop_msg == NULL) return; /* out of memory: no hook, the ranks are abandoned */
+  if (h->stop_msg == NULL) return; /* out of memory: no hook; the ranks will be abandoned */
   atomic_store(&h->stopping, 1);
   for (int i = 0; i < h->nranks; i++) {
     lua_State *L = atomic_load(&h->ranks[i].running);
@@ -348,19 +349,23 @@ int fsdp_host_run(fsdp_host *h, fsdp_host_job job, void *arg) {
   }
   h->job_seq++;
   pthread_cond_broadcast(&h->job_cv);
+  double started = monotonic_s();
   int gave_up = 0;
   while (h->pending > 0) {
     if (!h->failed) {
       pthread_cond_wait(&h->done_cv, &h->mu);
       continue;
     }
+    /* a job after the stop (the host stays stopped) gets the stop wait from its start */
     double now = monotonic_s(), stop_at = h->failed_at + FSDP_HOST_GRACE_S;
+    double give_up_at = (stop_at > started ? stop_at : started) + FSDP_HOST_STOP_WAIT_S;
     if (now < stop_at) {
       timed_wait(h, stop_at);
-    } else if (!atomic_load(&h->stopping)) {
+    } else if (!h->stop_begun) {
+      h->stop_begun = true;
       stop_ranks(h);
-    } else if (now < stop_at + FSDP_HOST_STOP_WAIT_S) {
-      timed_wait(h, stop_at + FSDP_HOST_STOP_WAIT_S);
+    } else if (now < give_up_at) {
+      timed_wait(h, give_up_at);
     } else {
       gave_up += abandon_ranks(h);
     }

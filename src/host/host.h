@@ -111,8 +111,10 @@ typedef void (*fsdp_host_job)(fsdp_host_rank *r, void *arg);
 
 /* Run job(r, arg) on every rank's thread (abandoned ones excepted) and wait until each has
  * returned, or, once a rank failed, until the grace period and the stop wait are over (see
- * the top of this file). Returns the number of ranks abandoned by this call (0: every rank
- * returned). */
+ * the top of this file). A host whose rank failed stays stopped: in a later job, ranks raise
+ * the stop message at their first Lua instruction, and one that has not returned
+ * FSDP_HOST_STOP_WAIT_S after the job began is abandoned. Returns the number of ranks
+ * abandoned by this call (0: every rank returned). */
 int fsdp_host_run(fsdp_host *h, fsdp_host_job job, void *arg);
 
 /* Whether r was abandoned (any thread). */
