@@ -50,11 +50,24 @@
  *     fsdp_runtime_free remain useful. Make a new runtime to go on. The failing call's message
  *     is the root cause, "[rank R] <message>" followed by its Lua stack traceback.
  *
+ * Ranks that do not stop. When a rank fails, peers blocked in a collective fail at once; peers
+ * that are computing get a grace period of 2 seconds to finish or fail. Then every rank still
+ * running Lua gets the error "stopped 2 s after rank R failed: <message>" at its next
+ * interpreted instruction, and a rank that has still not returned half a second later (a loop
+ * LuaJIT compiled, such as `while true do end`, which no hook reaches, or a long C call) is
+ * abandoned: the call returns FSDP_BROKEN with the root cause followed by a line
+ * "[rank R] did not stop within 2 s after rank S failed (...): abandoned". Nothing can end a
+ * thread there: an abandoned rank's thread goes on (a spinning one uses a core until the
+ * process ends); fsdp_runtime_free does not wait for it, and it frees its Lua state, its
+ * communicator and what is left of the runtime itself if it ever returns, without calling the
+ * host's callbacks again. Until then it may still read the inputs of the call that failed
+ * (fsdp_call): if a rank may be stuck in C code reading them, keep those buffers alive.
+ *
  * Memory. The runtime owns everything it creates; the host owns the buffers it passes in.
  * Inputs are read in place (zero-copy) while a call runs; results are copied out into host
  * buffers. fsdp_runtime_free closes every rank's Lua state and frees its tensors, even tensors
  * still referenced from Lua globals, then frees the communicators and memory domains and joins
- * the rank threads.
+ * the rank threads (an abandoned rank's thread frees its own, see above).
  * ---------------------------------------------------------------------------------------------
  */
 #ifndef FSDP_H
@@ -149,7 +162,8 @@ FSDP_API int fsdp_runtime_new(fsdp_runtime **out, const fsdp_runtime_opts *opts)
 
 /* Close every rank's Lua state (tensors still referenced from Lua are freed with it), free the
  * communicators and memory domains, join the rank threads and free rt. Works on a broken
- * runtime. NULL is a no-op. Must not be called from a callback. */
+ * runtime; does not wait for an abandoned rank ("Ranks that do not stop" above). NULL is a
+ * no-op. Must not be called from a callback. */
 FSDP_API void fsdp_runtime_free(fsdp_runtime *rt);
 
 /* The number of ranks (opts.world as created); 0 for NULL. */
@@ -168,7 +182,8 @@ FSDP_API const char *fsdp_last_error(const fsdp_runtime *rt);
  * fsdp.args is parsed again from them (--key=value, --flag). argv may be NULL when argc is 0.
  * The file is read and compiled once first: a missing file or a syntax error is FSDP_ERROR
  * and runs nothing. Returns when every rank has finished: FSDP_OK, or FSDP_BROKEN if the code
- * raised an error on any rank. Globals the file sets stay for later calls. */
+ * raised an error on any rank (at the latest 2.5 s after that error, even if another rank
+ * never stops: "Ranks that do not stop" above). Globals the file sets stay for later calls. */
 FSDP_API int fsdp_run_file(fsdp_runtime *rt, const char *path, int argc, const char *const *argv);
 
 /* Run a chunk of Lua source on every rank (chunk name "=host": errors read "host:3: ...").

@@ -1,18 +1,19 @@
 /*
  * embed.h — internals of the embedding runtime (include/fsdp.h), shared by the files of
- * src/embed/ and compiled only into libfsdp.so. Owner: embed.
+ * src/embed/ and compiled only into libfsdp.so.
  *
- * Shape of a runtime: `world` rank threads, each owning a Lua state, a memory domain and a
- * communicator of one local group (as `fsdprun -n N` runs ranks, src/cli/fsdprun.c). The host
- * thread hands all ranks the same job (a function run on each rank thread), waits until every
- * rank has finished it, then reads each rank's status and message. Host-level
- * synchronization between jobs lets a call check things on every rank (a syntax error, a
- * missing function, a parameter's size) before any rank runs user code, so those errors leave
- * the runtime usable. Lua errors inside user code abort the communicator (peers fail fast)
- * and break the runtime (fsdp.h "Errors").
+ * A runtime is a rank host (src/host/host.h: `world` rank threads over one local group, each
+ * with a Lua state, a memory domain and a communicator, as `fsdprun -n N` runs ranks) plus
+ * what the public API adds. The host thread hands all ranks the same job (a function run on
+ * each rank thread, fsdp_host_run), waits until every rank has finished it, then reads each
+ * rank's status and message. Host-level synchronization between jobs lets a call check things
+ * on every rank (a syntax error, a missing function, a parameter's size) before any rank runs
+ * user code, so those errors leave the runtime usable. Lua errors inside user code fail the
+ * rank through the host (peers fail fast, a rank that does not stop is abandoned after the
+ * grace period) and break the runtime (fsdp.h "Errors").
  *
- * runtime.c: threads, jobs, the public functions. host.c: what each rank's Lua state gets
- * (print, the fsdp.log writer, fsdp.host) and the callbacks into the host.
+ * runtime.c: jobs and the public functions. host.c: what each rank's Lua state gets (print,
+ * the fsdp.log writer, fsdp.host) and the callbacks into the host.
  */
 #ifndef FSDP_EMBED_H
 #define FSDP_EMBED_H
@@ -27,20 +28,19 @@
 #include "comm/comm.h"
 #include "core/core.h"
 #include "fsdp.h"
+#include "host/host.h"
 
 typedef struct embed_rank embed_rank;
 typedef int (*embed_job_fn)(embed_rank *r); /* runs on the rank's thread */
 
 struct embed_rank {
   fsdp_runtime *rt;
+  fsdp_host_rank *hr; /* its thread, communicator and Lua state (NULL until the init job) */
   int rank;
-  pthread_t thread;
-  bool started;
-  fsdp_comm *comm;
-  lua_State *L;       /* NULL until the init job made it */
   int host_ref;       /* registry: the internal table of the fsdp.host chunk (I) */
   int pending_ref;    /* registry: the current call's function and arguments, or LUA_NOREF */
   int64_t batches;    /* batches this rank has received from the data source */
+  bool abandoned;     /* (its own thread) the host gave up on it: no more callbacks */
   /* the current job's outcome */
   int status;         /* FSDP_OK, FSDP_ERROR (nothing broken), FSDP_BROKEN (user code raised) */
   char *msg;          /* malloc'd message of a failure, or NULL */
@@ -70,18 +70,15 @@ typedef struct embed_job {
   int64_t shape[FSDP_HOST_MAX_DIMS];
 } embed_job;
 
+/* Freed when its host is (fsdp_runtime_free, or later, on the thread of the last abandoned
+ * rank: see host.h), since such a rank may still write its embed_rank. */
 struct fsdp_runtime {
   int world;
+  fsdp_host *host;
   embed_rank *ranks;
-  char lua_dir[PATH_MAX];
-  double timeout_s;
   pthread_mutex_t api_mu; /* one host call at a time */
-  pthread_mutex_t mu;     /* the job handoff below */
-  pthread_cond_t job_cv, done_cv;
-  uint64_t job_seq;       /* bumped per job; a rank runs each value once */
-  int pending;            /* ranks that have not finished the current job */
-  embed_job_fn job_fn;    /* NULL: leave (fsdp_runtime_free) */
-  embed_job job;
+  embed_job_fn job_fn;    /* the current job, run on every rank */
+  embed_job job;          /* its arguments */
   bool broken;
   char *broken_msg;       /* the failure that broke it */
   char *err;              /* fsdp_last_error; NULL: "" */
@@ -92,12 +89,9 @@ struct fsdp_runtime {
   void *data_ud;
 };
 
-/* The rank whose thread this is, or NULL on any other thread (runtime.c). */
-embed_rank *embed_current_rank(void);
-
-/* Set up a new rank state inside lua_cpcall (host.c): standard libraries, print, package.path
- * (rt->lua_dir) and the fsdp.core preload, require "fsdp", fsdp.host, the fsdp.log writer, no
- * os.exit. Leaves r->host_ref set. Raises on failure. */
+/* Set up a new rank state inside lua_cpcall (host.c): the host's libraries, package.path and
+ * fsdp.core preload (fsdp_host_openlibs), print, require "fsdp", fsdp.host, the fsdp.log
+ * writer, no os.exit. Leaves r->host_ref set. Raises on failure. */
 int embed_setup_state(lua_State *L);
 
 /* Check a host tensor (ndim, shape, data) and give its number of elements; false with a

@@ -14,7 +14,6 @@
 #include <string.h>
 
 #include <lauxlib.h>
-#include <lualib.h>
 
 #include "embed/embed.h"
 #include "lua/binding.h"
@@ -24,6 +23,7 @@
 /* Hand one line (without its newline) to the log callback, or write it to stdout whole. */
 static void emit_line(embed_rank *r, const char *s, size_t len) {
   fsdp_runtime *rt = r->rt;
+  if (r->abandoned) return; /* its caller has gone: the host may have freed the callback's ud */
   pthread_mutex_lock(&rt->cb_mu);
   if (rt->log_fn != NULL) {
     rt->log_fn(rt->log_ud, r->rank, s); /* s is NUL-terminated at len (a Lua string) */
@@ -90,6 +90,7 @@ static int host_next_batch(lua_State *L) {
   embed_rank *r = rank_of(L);
   fsdp_runtime *rt = r->rt;
   const char *what = luaL_optstring(L, 1, NULL);
+  if (r->abandoned) return luaL_error(L, "fsdp.host.next_batch: the rank was abandoned");
   fsdp_batch batch;
   memset(&batch, 0, sizeof batch);
   batch.rank = r->rank;
@@ -247,27 +248,10 @@ static const char HOST_LUA[] =
 int embed_setup_state(lua_State *L) {
   embed_rank *r = (embed_rank *)lua_touserdata(L, 1);
   lua_settop(L, 0);
-  lua_gc(L, LUA_GCSTOP, 0);
-  luaL_openlibs(L);
-  lua_gc(L, LUA_GCRESTART, -1);
-
+  fsdp_host_openlibs(L, fsdp_host_lua_dir(r->rt->host));
   lua_pushlightuserdata(L, r);
   lua_pushcclosure(L, host_print, 1);
   lua_setglobal(L, "print");
-
-  /* package.path: the library folder first; fsdp.core: the engine in this library (a core.so
-   * on LUA_CPATH would be a second engine that shares no tensors with this one) */
-  lua_getglobal(L, "package");
-  lua_getfield(L, -1, "path");
-  const char *old = lua_tostring(L, -1);
-  const char *dir = r->rt->lua_dir;
-  lua_pushfstring(L, "%s/?.lua;%s/?/init.lua;%s", dir, dir, old != NULL ? old : "");
-  lua_setfield(L, -3, "path");
-  lua_pop(L, 1);
-  lua_getfield(L, -1, "preload");
-  lua_pushcfunction(L, luaopen_fsdp_core);
-  lua_setfield(L, -2, "fsdp.core");
-  lua_pop(L, 2);
 
   /* arg: empty until fsdp_run_file sets it (fsdp.args is parsed from it when fsdp loads) */
   lua_newtable(L);

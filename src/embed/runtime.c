@@ -1,18 +1,21 @@
 /*
- * runtime.c — the embedding runtime of include/fsdp.h: rank threads, the job handoff between
- * the host thread and the ranks, and the public functions. Owner: embed.
+ * runtime.c — the embedding runtime of include/fsdp.h: jobs on the rank host's threads
+ * (src/host/host.h) and the public functions.
  *
- * Jobs. The host thread (holding rt->api_mu) publishes a job function and its arguments
- * (rt->job_fn, rt->job), bumps rt->job_seq and waits until every rank thread has run it
- * (rt->pending reaches 0). Each job runs the rank's Lua work inside lua_cpcall, so no Lua error
- * (not even out of memory) escapes into C frames that hold resources; a rank's outcome is
- * r->status and r->msg, which the host folds into one status (collect()).
+ * Jobs. The host thread (holding rt->api_mu) sets the job's arguments (rt->job) and runs a
+ * job function on every rank (fsdp_host_run), which returns once every rank has run it, or,
+ * after a failure, once the grace period is over (a rank that could not be stopped is
+ * abandoned: it breaks the runtime and its outcome is never read). Each job runs the rank's
+ * Lua work inside lua_cpcall, so no Lua error (not even out of memory) escapes into C frames
+ * that hold resources; a rank's outcome is r->status and r->msg, which the host folds into one
+ * status (collect()).
  *
  * A call runs in phases, each a job: first a phase that cannot touch a collective (compile the
  * chunk, look the function or the parameter up, wrap inputs); only if every rank succeeded
- * there, the phase that runs user code. A Lua error in user code aborts the rank's
- * communicator right away (peers blocked in a collective fail fast with "rank R failed: ...",
- * DESIGN.md invariant 3) and breaks the runtime: the group is poisoned for good.
+ * there, the phase that runs user code (fsdp_host_pcall). A Lua error in user code fails the
+ * rank through the host (fsdp_host_rank_fail: its communicator is aborted, so peers blocked in
+ * a collective fail fast with "rank R failed: ...", DESIGN.md invariant 3) and breaks the
+ * runtime: the group is poisoned for good.
  *
  * Inputs of fsdp_call are host memory wrapped in storages (fsdp_storage_wrap: not owned, not
  * accounted). After the call the rank frees the Lua tensors it made of them (t:free()) and
@@ -20,7 +23,6 @@
  * code kept a pointer into host memory, and the storage gets a copy of its bytes that it owns
  * (detach_storage), so the host may reuse its buffers as soon as the call returns.
  */
-#include <dlfcn.h>
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -29,26 +31,18 @@
 #include <sys/stat.h>
 
 #include <lauxlib.h>
-#include <lualib.h>
 
 #include "embed/embed.h"
-#include "kernels/cpu/kernels.h"
 #include "lua/binding.h"
 
-#ifndef FSDP_SOURCE_LUA_DIR
-#define FSDP_SOURCE_LUA_DIR ""
-#endif
-
-#define EMBED_MAX_RANKS 1024
-#define EMBED_RANK_STACK (16u << 20) /* C stack of a rank thread: as much as a main thread */
-#define EMBED_ABORT_MSG 1024
+#define EMBED_MAX_RANKS FSDP_HOST_MAX_RANKS
 
 /* ---- errors ---------------------------------------------------------------------------------- */
 
-static _Thread_local embed_rank *tl_rank; /* set on rank threads */
-static _Thread_local char tl_err[1024];  /* fsdp_last_error(NULL) */
+static _Thread_local char tl_err[1024]; /* fsdp_last_error(NULL) */
 
-embed_rank *embed_current_rank(void) { return tl_rank; }
+/* Whether the calling thread is a rank's (a callback's): such calls are refused. */
+static bool on_rank_thread(void) { return fsdp_host_current() != NULL; }
 
 static char *vformat(const char *fmt, va_list ap) {
   va_list ap2;
@@ -111,99 +105,58 @@ FSDP_API const char *fsdp_last_error(const fsdp_runtime *rt) {
   return rt->err != NULL ? rt->err : "";
 }
 
-/* Whether msg reports another rank's failure ("rank R failed: ..." with R not this rank): the
- * communicator's wording when a peer aborted or timed out (as fsdprun.c reads it). */
-static bool is_peer_failure(const char *msg, int rank) {
-  for (const char *p = strstr(msg, "rank "); p != NULL; p = strstr(p + 1, "rank ")) {
-    char *end;
-    long v = strtol(p + 5, &end, 10);
-    if (end != p + 5 && strncmp(end, " failed: ", 9) == 0 && v != rank) return true;
-  }
-  return false;
-}
-
 /* ---- rank threads and jobs ------------------------------------------------------------------- */
 
-static void *rank_main(void *arg) {
-  embed_rank *r = arg;
-  fsdp_runtime *rt = r->rt;
-  tl_rank = r;
-  /* the domain: a failure shows in the init job, which finds no state to make */
-  fsdp_mem_domain *dom = fsdp_mem_domain_new();
-  if (dom != NULL) fsdp_mem_domain_set(dom);
-  fsdp_comm_set_current(r->comm);
-  uint64_t seen = 0;
-  for (;;) {
-    pthread_mutex_lock(&rt->mu);
-    while (rt->job_seq == seen) pthread_cond_wait(&rt->job_cv, &rt->mu);
-    seen = rt->job_seq;
-    embed_job_fn fn = rt->job_fn;
-    pthread_mutex_unlock(&rt->mu);
-    if (fn == NULL) break; /* fsdp_runtime_free */
-    r->status = FSDP_OK;
-    free(r->msg);
-    r->msg = NULL;
-    if (dom == NULL)
-      embed_fail(r, FSDP_ERROR, "cannot create the memory domain of rank %d: out of memory",
-                 r->rank);
-    else
-      fn(r);
-    pthread_mutex_lock(&rt->mu);
-    if (--rt->pending == 0) pthread_cond_signal(&rt->done_cv);
-    pthread_mutex_unlock(&rt->mu);
-  }
-  /* Close the state on its own thread: the autograd tape and the current communicator are
-   * this thread's, and finalizers of units may still wait for their collectives. */
-  if (r->L != NULL) {
-    lua_close(r->L);
-    r->L = NULL;
-  }
-  /* From here the rank has left the group: a peer still in a collective fails at once. */
-  fsdp_comm_free(r->comm);
-  r->comm = NULL;
-  fsdp_mem_domain_free(dom); /* freed once its last storage goes */
-  return NULL;
+/* A job on one rank: the outcome starts clean. An abandoned rank (host.h) runs nothing more;
+ * what it does from here on (its state's finalizers) must not reach the host program. */
+static void run_job(fsdp_host_rank *hr, void *arg) {
+  fsdp_runtime *rt = arg;
+  embed_rank *r = hr->ud;
+  r->status = FSDP_OK;
+  free(r->msg);
+  r->msg = NULL;
+  rt->job_fn(r);
+  if (fsdp_host_rank_abandoned(hr)) r->abandoned = true;
 }
 
-/* Run fn on every rank thread and wait for all of them. Caller holds api_mu. */
+/* Run fn on every rank and wait for them (or for the grace period: host.h). Caller holds
+ * api_mu. */
 static void dispatch(fsdp_runtime *rt, embed_job_fn fn) {
-  int started = 0;
-  for (int i = 0; i < rt->world; i++) started += rt->ranks[i].started;
-  pthread_mutex_lock(&rt->mu);
   rt->job_fn = fn;
-  rt->pending = started;
-  rt->job_seq++;
-  pthread_cond_broadcast(&rt->job_cv);
-  if (fn != NULL)
-    while (rt->pending > 0) pthread_cond_wait(&rt->done_cv, &rt->mu);
-  pthread_mutex_unlock(&rt->mu);
+  fsdp_host_run(rt->host, run_job, rt);
 }
 
-/* Fold the ranks' outcomes of the last job into rt's status and message: FSDP_OK; the root
- * cause's status (the first rank whose failure is its own, not a peer's); FSDP_BROKEN (and the
- * runtime broken) when any rank failed in user code or the group is poisoned. */
+/* Fold the ranks' outcomes of the last job into rt's status and message: FSDP_OK; the first
+ * failing rank's status and message; FSDP_BROKEN (and the runtime broken) when any rank failed
+ * in user code, was abandoned, or the group is poisoned, with the host's report of the root
+ * cause (the first failure that is not a peer's "rank R failed: ...") and of abandoned ranks.
+ * An abandoned rank's own outcome is never read: its thread may still write it. */
 static int collect(fsdp_runtime *rt) {
   int root = -1;
   bool broken = false;
   for (int i = 0; i < rt->world; i++) {
     embed_rank *r = &rt->ranks[i];
+    if (fsdp_host_rank_abandoned(r->hr)) {
+      broken = true;
+      continue;
+    }
     if (r->status == FSDP_BROKEN) broken = true;
-    if (r->status == FSDP_OK) continue;
-    if (root < 0 || (is_peer_failure(rt->ranks[root].msg ? rt->ranks[root].msg : "", root) &&
-                     !is_peer_failure(r->msg ? r->msg : "", i)))
-      root = i;
+    if (r->status != FSDP_OK && root < 0) root = i;
   }
-  if (!broken && rt->ranks[0].comm != NULL && fsdp_comm_poisoned(rt->ranks[0].comm))
+  if (!broken && rt->ranks[0].hr->comm != NULL && fsdp_comm_poisoned(rt->ranks[0].hr->comm))
     broken = true;
   if (root < 0 && !broken) {
     free(rt->err);
     rt->err = NULL;
     return FSDP_OK;
   }
+  const char *failure = broken ? fsdp_host_failure(rt->host) : NULL;
   const char *msg = root >= 0 && rt->ranks[root].msg != NULL ? rt->ranks[root].msg
                                                               : "the ranks' group was poisoned";
   int status = root >= 0 ? rt->ranks[root].status : FSDP_BROKEN;
-  if (rt->world > 1 && root >= 0)
+  if (failure != NULL)
+    set_error(rt, status, "%s", failure);
+  else if (rt->world > 1 && root >= 0)
     set_error(rt, status, "[rank %d] %s", root, msg);
   else
     set_error(rt, status, "%s", msg);
@@ -216,46 +169,29 @@ static int collect(fsdp_runtime *rt) {
   return status;
 }
 
-/* Message handler: the error message (or a description of a non-string error) and the Lua
- * stack traceback. */
-static int traceback_handler(lua_State *L) {
-  const char *msg = lua_tostring(L, 1);
-  if (msg == NULL) {
-    if (luaL_callmeta(L, 1, "__tostring") && lua_type(L, -1) == LUA_TSTRING)
-      msg = lua_tostring(L, -1);
-    else
-      msg = lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
-  }
-  luaL_traceback(L, L, msg, 1);
-  return 1;
-}
-
-/* User code failed on this rank with the message on top of the stack: record it, and poison
- * the group (the message without its traceback) so peers fail fast. */
+/* User code failed on this rank with the message on top of the stack: record it, and fail the
+ * rank through the host (peers fail fast, the grace period starts). */
 static void fail_user(embed_rank *r, lua_State *L) {
   const char *m = lua_tostring(L, -1);
   if (m == NULL) m = "(error object is not a string)";
   embed_fail(r, FSDP_BROKEN, "%s", m);
-  const char *tb = strstr(m, "\nstack traceback:");
-  size_t len = tb != NULL ? (size_t)(tb - m) : strlen(m);
-  char msg[EMBED_ABORT_MSG];
-  snprintf(msg, sizeof msg, "%.*s", (int)(len < sizeof msg ? len : sizeof msg - 1), m);
-  fsdp_comm_abort(r->comm, msg);
+  fsdp_host_rank_fail(r->hr, m);
 }
 
-/* lua_cpcall(r->L, f, r); an error outside user code (out of memory) is FSDP_ERROR unless f
- * already set a status. */
+/* lua_cpcall(L, f, r) on the rank's state; an error outside user code (out of memory) is
+ * FSDP_ERROR unless f already set a status. */
 static void protected(embed_rank *r, lua_CFunction f) {
-  if (r->L == NULL) {
+  lua_State *L = r->hr->L;
+  if (L == NULL) {
     embed_fail(r, FSDP_ERROR, "rank %d has no Lua state", r->rank);
     return;
   }
-  int st = lua_cpcall(r->L, f, r);
+  int st = lua_cpcall(L, f, r);
   if (st != 0) {
-    const char *m = lua_tostring(r->L, -1);
+    const char *m = lua_tostring(L, -1);
     if (r->status == FSDP_OK)
       embed_fail(r, FSDP_ERROR, "%s", m != NULL ? m : "(error object is not a string)");
-    lua_pop(r->L, 1);
+    lua_pop(L, 1);
   }
 }
 
@@ -263,8 +199,8 @@ static embed_rank *cp_rank(lua_State *L) { return (embed_rank *)lua_touserdata(L
 
 /* The current call's registry slot: unref it (pushing nothing). */
 static void drop_pending(embed_rank *r) {
-  if (r->pending_ref != LUA_NOREF && r->L != NULL) {
-    luaL_unref(r->L, LUA_REGISTRYINDEX, r->pending_ref);
+  if (r->pending_ref != LUA_NOREF && r->hr->L != NULL) {
+    luaL_unref(r->hr->L, LUA_REGISTRYINDEX, r->pending_ref);
   }
   r->pending_ref = LUA_NOREF;
 }
@@ -272,18 +208,19 @@ static void drop_pending(embed_rank *r) {
 /* ---- init ------------------------------------------------------------------------------------ */
 
 static int job_init(embed_rank *r) {
-  r->L = luaL_newstate();
-  if (r->L == NULL)
+  lua_State *L = luaL_newstate();
+  if (L == NULL)
     return embed_fail(r, FSDP_NOMEM, "cannot create the Lua state of rank %d: out of memory",
                       r->rank);
+  r->hr->L = L;
   r->host_ref = LUA_NOREF;
   r->pending_ref = LUA_NOREF;
-  int st = lua_cpcall(r->L, embed_setup_state, r);
+  int st = lua_cpcall(L, embed_setup_state, r);
   if (st != 0) {
-    const char *m = lua_tostring(r->L, -1);
-    embed_fail(r, FSDP_ERROR, "loading the fsdp library from %s: %s", r->rt->lua_dir,
-               m != NULL ? m : "(error object is not a string)");
-    lua_pop(r->L, 1);
+    const char *m = lua_tostring(L, -1);
+    embed_fail(r, FSDP_ERROR, "loading the fsdp library from %s: %s",
+               fsdp_host_lua_dir(r->rt->host), m != NULL ? m : "(error object is not a string)");
+    lua_pop(L, 1);
   }
   return r->status;
 }
@@ -311,7 +248,6 @@ static int cp_run(lua_State *L) {
   embed_rank *r = cp_rank(L);
   const embed_job *j = &r->rt->job;
   lua_settop(L, 0);
-  lua_pushcfunction(L, traceback_handler);
   lua_rawgeti(L, LUA_REGISTRYINDEX, r->pending_ref);
   drop_pending(r);
   int narg = 0;
@@ -337,7 +273,7 @@ static int cp_run(lua_State *L) {
     for (int i = 0; i < j->argc; i++) lua_pushstring(L, j->argv[i]);
     narg = j->argc;
   }
-  if (lua_pcall(L, narg, 0, 1) != 0) fail_user(r, L);
+  if (fsdp_host_pcall(r->hr, L, narg, 0) != 0) fail_user(r, L);
   return 0;
 }
 static int job_run(embed_rank *r) {
@@ -464,17 +400,16 @@ static int cp_call_run(lua_State *L) {
   const embed_job *j = &r->rt->job;
   lua_settop(L, 0);
   luaL_checkstack(L, j->n_in + j->n_out + 4, "too many arguments");
-  lua_pushcfunction(L, traceback_handler);
   lua_rawgeti(L, LUA_REGISTRYINDEX, r->pending_ref);
-  for (int i = 1; i <= j->n_in + 1; i++) lua_rawgeti(L, 2, i);
-  lua_remove(L, 2);
-  if (lua_pcall(L, j->n_in, j->n_out, 1) != 0) {
+  for (int i = 1; i <= j->n_in + 1; i++) lua_rawgeti(L, 1, i);
+  lua_remove(L, 1);
+  if (fsdp_host_pcall(r->hr, L, j->n_in, j->n_out) != 0) {
     fail_user(r, L);
     return 0;
   }
   fsdp_host_tensor *out = rank_outputs(j, r->rank);
   for (int k = 0; k < j->n_out; k++)
-    if (copy_result(r, L, 2 + k, k, out != NULL ? &out[k] : NULL) != FSDP_OK) break;
+    if (copy_result(r, L, 1 + k, k, out != NULL ? &out[k] : NULL) != FSDP_OK) break;
   lua_settop(L, 0);
   return 0;
 }
@@ -520,7 +455,10 @@ static int cp_free_inputs(lua_State *L) {
 
 /* After a call (successful or not): no input may still read host memory. */
 static void release_inputs(embed_rank *r) {
-  if (r->L != NULL && r->pending_ref != LUA_NOREF) {
+  /* An abandoned rank's caller has gone, and the host's buffers maybe with it: they are not
+   * read again (the storages still point into them, but the state is only ever closed). */
+  bool abandoned = fsdp_host_rank_abandoned(r->hr);
+  if (r->hr->L != NULL && r->pending_ref != LUA_NOREF) {
     int keep = r->status;
     char *keep_msg = r->msg;
     r->msg = NULL;
@@ -534,13 +472,15 @@ static void release_inputs(embed_rank *r) {
   }
   for (int i = 0; i < r->nwrapped; i++) {
     fsdp_storage *s = r->wrapped[i];
-    if (__atomic_load_n(&s->refcount, __ATOMIC_ACQUIRE) > 1 && detach_storage(s) != FSDP_OK) {
+    if (!abandoned && __atomic_load_n(&s->refcount, __ATOMIC_ACQUIRE) > 1 &&
+        detach_storage(s) != FSDP_OK) {
       /* Nothing else is safe: Lua still points into host memory the host is about to reuse.
        * Poison, so the runtime runs no more Lua. */
-      if (r->status != FSDP_BROKEN)
+      if (r->status != FSDP_BROKEN) {
         embed_fail(r, FSDP_BROKEN, "input %d was kept by Lua code and cannot be copied: %s",
                    i + 1, fsdp_error_msg());
-      fsdp_comm_abort(r->comm, "an input could not be detached from host memory");
+        fsdp_host_rank_fail(r->hr, r->msg);
+      }
     }
     fsdp_storage_release(s);
   }
@@ -561,15 +501,15 @@ static int job_call_cancel(embed_rank *r) {
 
 /* ---- parameters ------------------------------------------------------------------------------ */
 
-/* I[name](path) under pcall, with or without the traceback handler; leaves its one result. */
-static int call_helper(lua_State *L, embed_rank *r, const char *name, bool traceback) {
+/* I[name](path) under pcall, or as user code (fsdp_host_pcall: a collective that may fail on
+ * every rank); leaves its one result. */
+static int call_helper(lua_State *L, embed_rank *r, const char *name, bool user_code) {
   lua_settop(L, 0);
-  if (traceback) lua_pushcfunction(L, traceback_handler);
   lua_rawgeti(L, LUA_REGISTRYINDEX, r->host_ref);
   lua_getfield(L, -1, name);
   lua_remove(L, -2);
   lua_pushstring(L, r->rt->job.path);
-  return lua_pcall(L, 1, 1, traceback ? 1 : 0);
+  return user_code ? fsdp_host_pcall(r->hr, L, 1, 1) : lua_pcall(L, 1, 1, 0);
 }
 
 /* Phase 1 (every rank, nothing collective): find the parameter; rank 0 reports its shape. */
@@ -630,75 +570,55 @@ static bool is_dir(const char *path) {
   return path[0] != '\0' && stat(path, &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-/* The Lua library: opts.lua_path, else <dir of libfsdp>/../share/fsdprun/lua (installed), else
- * the source tree's lua/. Returns false with a message in tl_err. */
-static bool find_lua_dir(char *out, size_t n, const char *given) {
+/* The Lua library: opts.lua_path, else next to libfsdp or in the source tree
+ * (fsdp_host_find_lua_dir). Returns a status with a message in tl_err. */
+static int find_lua_dir(char *out, size_t n, const char *given) {
   if (given != NULL) {
-    if (!is_dir(given)) {
-      set_tl_error(FSDP_MISUSE, "fsdp_runtime_new: lua_path '%s' is not a folder", given);
-      return false;
-    }
+    if (!is_dir(given))
+      return set_tl_error(FSDP_MISUSE, "fsdp_runtime_new: lua_path '%s' is not a folder", given);
     snprintf(out, n, "%s", given);
-    return true;
+    return FSDP_OK;
   }
-  char tried[PATH_MAX + 64] = "";
-  Dl_info info;
-  if (dladdr((void *)&fsdp_runtime_new, &info) != 0 && info.dli_fname != NULL) {
-    char lib[PATH_MAX];
-    snprintf(lib, sizeof lib, "%s", info.dli_fname);
-    char *slash = strrchr(lib, '/');
-    if (slash != NULL) {
-      *slash = '\0';
-      char cand[PATH_MAX + 32], real[PATH_MAX];
-      snprintf(cand, sizeof cand, "%s/../share/fsdprun/lua", lib);
-      snprintf(tried, sizeof tried, "%s", cand);
-      if (is_dir(cand) && realpath(cand, real) != NULL) {
-        snprintf(out, n, "%s", real);
-        return true;
-      }
-    }
-  }
-  if (is_dir(FSDP_SOURCE_LUA_DIR)) {
-    snprintf(out, n, "%s", FSDP_SOURCE_LUA_DIR);
-    return true;
-  }
-  set_tl_error(FSDP_ERROR,
-               "fsdp_runtime_new: cannot find the fsdp Lua library (looked in '%s' and '%s'); "
-               "set fsdp_runtime_opts.lua_path",
-               tried, FSDP_SOURCE_LUA_DIR);
-  return false;
+  char tried[2 * PATH_MAX + 64];
+  if (!fsdp_host_find_lua_dir(out, n, tried, sizeof tried))
+    return set_tl_error(FSDP_ERROR,
+                        "fsdp_runtime_new: cannot find the fsdp Lua library (looked in %s); set "
+                        "fsdp_runtime_opts.lua_path",
+                        tried);
+  return FSDP_OK;
 }
 
 FSDP_API int fsdp_runtime_world(const fsdp_runtime *rt) { return rt != NULL ? rt->world : 0; }
 
-static void runtime_destroy(fsdp_runtime *rt) {
-  dispatch(rt, NULL); /* every started rank leaves its loop */
+/* The host is gone (opts.release): free the runtime. On the thread of the last abandoned rank
+ * when there is one (host.h), any time after fsdp_runtime_free. */
+static void runtime_release(void *ud) {
+  fsdp_runtime *rt = ud;
   for (int i = 0; i < rt->world; i++) {
-    embed_rank *r = &rt->ranks[i];
-    if (r->started) {
-      pthread_join(r->thread, NULL);
-    } else {
-      fsdp_comm_free(r->comm); /* never started: its thread did not free it */
-    }
-    free(r->msg);
-    free(r->wrapped);
+    free(rt->ranks[i].msg);
+    free(rt->ranks[i].wrapped);
   }
   free(rt->ranks);
   free(rt->err);
   free(rt->broken_msg);
   pthread_mutex_destroy(&rt->api_mu);
-  pthread_mutex_destroy(&rt->mu);
   pthread_mutex_destroy(&rt->cb_mu);
-  pthread_cond_destroy(&rt->job_cv);
-  pthread_cond_destroy(&rt->done_cv);
   free(rt);
+}
+
+/* Close every rank (fsdp_host_free), then free rt when the last rank has gone. */
+static void runtime_destroy(fsdp_runtime *rt) {
+  if (rt->host != NULL)
+    fsdp_host_free(rt->host);
+  else
+    runtime_release(rt);
 }
 
 FSDP_API int fsdp_runtime_new(fsdp_runtime **out, const fsdp_runtime_opts *opts) {
   if (out == NULL) return set_tl_error(FSDP_MISUSE, "fsdp_runtime_new: out is NULL");
   *out = NULL;
   tl_err[0] = '\0';
-  if (tl_rank != NULL)
+  if (on_rank_thread())
     return set_tl_error(FSDP_MISUSE, "fsdp_runtime_new: called from inside a runtime callback");
   fsdp_runtime_opts o = {0};
   if (opts != NULL) {
@@ -718,86 +638,44 @@ FSDP_API int fsdp_runtime_new(fsdp_runtime **out, const fsdp_runtime_opts *opts)
   if (o.blas_threads < 0)
     return set_tl_error(FSDP_MISUSE, "fsdp_runtime_new: blas_threads %d is negative",
                         o.blas_threads);
+  char lua_dir[PATH_MAX];
+  int status = find_lua_dir(lua_dir, sizeof lua_dir, o.lua_path);
+  if (status != FSDP_OK) return status;
+  /* BLAS threads: process-wide (fsdp.h) */
+  if (fsdp_host_blas_threads(o.blas_threads, o.world) != FSDP_OK)
+    return set_tl_error(FSDP_MISUSE, "fsdp_runtime_new: %s", fsdp_error_msg());
+
   fsdp_runtime *rt = calloc(1, sizeof *rt);
-  if (rt == NULL) return set_tl_error(FSDP_NOMEM, "fsdp_runtime_new: out of memory");
-  if (!find_lua_dir(rt->lua_dir, sizeof rt->lua_dir, o.lua_path)) {
-    free(rt);
-    return o.lua_path != NULL ? FSDP_MISUSE : FSDP_ERROR;
-  }
-  rt->world = o.world;
-  rt->timeout_s = o.timeout_s;
-  rt->ranks = calloc((size_t)o.world, sizeof *rt->ranks);
-  if (rt->ranks == NULL) {
+  if (rt != NULL) rt->ranks = calloc((size_t)o.world, sizeof *rt->ranks);
+  if (rt == NULL || rt->ranks == NULL) {
     free(rt);
     return set_tl_error(FSDP_NOMEM, "fsdp_runtime_new: out of memory");
   }
+  rt->world = o.world;
   pthread_mutex_init(&rt->api_mu, NULL);
-  pthread_mutex_init(&rt->mu, NULL);
   pthread_mutex_init(&rt->cb_mu, NULL);
-  pthread_cond_init(&rt->job_cv, NULL);
-  pthread_cond_init(&rt->done_cv, NULL);
-
-  /* BLAS threads: process-wide (fsdp.h) */
-  int blas = o.blas_threads;
-  const char *env = getenv("FSDP_BLAS_THREADS");
-  if (blas == 0 && env != NULL && env[0] != '\0') {
-    char *end;
-    long v = strtol(env, &end, 10);
-    if (*end != '\0' || v <= 0 || v > 4096) {
-      runtime_destroy(rt);
-      return set_tl_error(FSDP_MISUSE,
-                          "fsdp_runtime_new: FSDP_BLAS_THREADS='%s' must be a positive integer",
-                          env);
-    }
-    blas = (int)v;
-  }
-  if (blas == 0 && o.world > 1) blas = 1;
-  if (blas > 0) fsdp_cpu_set_blas_threads(blas);
-
-  fsdp_local_group *group = NULL;
-  if (fsdp_local_group_new(&group, o.world) != FSDP_OK) {
+  fsdp_host_opts ho = {.nranks = o.world, .group = true, .timeout_s = o.timeout_s,
+                       .lua_dir = lua_dir, .ud = rt, .release = runtime_release};
+  if (fsdp_host_new(&rt->host, &ho) != FSDP_OK) {
     set_tl_error(FSDP_ERROR, "fsdp_runtime_new: %s", fsdp_error_msg());
-    runtime_destroy(rt);
+    runtime_release(rt);
     return FSDP_ERROR;
   }
-  int status = FSDP_OK;
-  for (int i = 0; i < o.world && status == FSDP_OK; i++) {
+  for (int i = 0; i < o.world; i++) {
     embed_rank *r = &rt->ranks[i];
     r->rt = rt;
     r->rank = i;
+    r->hr = fsdp_host_rank_at(rt->host, i);
+    r->hr->ud = r;
     r->host_ref = LUA_NOREF;
     r->pending_ref = LUA_NOREF;
-    if (fsdp_comm_local_new(&r->comm, group, i) != FSDP_OK) {
-      status = set_tl_error(FSDP_ERROR, "fsdp_runtime_new: the communicator of rank %d: %s", i,
-                            fsdp_error_msg());
-      break;
-    }
-    if (o.timeout_s > 0) fsdp_comm_set_timeout(r->comm, o.timeout_s);
   }
-  fsdp_local_group_release(group); /* the communicators keep it */
-  pthread_attr_t attr;
-  pthread_attr_init(&attr);
-  pthread_attr_setstacksize(&attr, EMBED_RANK_STACK);
-  for (int i = 0; i < o.world && status == FSDP_OK; i++) {
-    int err = pthread_create(&rt->ranks[i].thread, &attr, rank_main, &rt->ranks[i]);
-    if (err != 0) {
-      status = set_tl_error(FSDP_ERROR, "fsdp_runtime_new: cannot start the thread of rank %d: %s",
-                            i, strerror(err));
-      break;
-    }
-    rt->ranks[i].started = true;
-  }
-  pthread_attr_destroy(&attr);
-  if (status == FSDP_OK) {
-    dispatch(rt, job_init);
-    status = collect(rt);
-    if (status != FSDP_OK) {
-      set_tl_error(status == FSDP_BROKEN ? FSDP_ERROR : status, "fsdp_runtime_new: %s",
-                   fsdp_last_error(rt));
-      if (status == FSDP_BROKEN) status = FSDP_ERROR;
-    }
-  }
+  dispatch(rt, job_init);
+  status = collect(rt);
   if (status != FSDP_OK) {
+    set_tl_error(status == FSDP_BROKEN ? FSDP_ERROR : status, "fsdp_runtime_new: %s",
+                 fsdp_last_error(rt));
+    if (status == FSDP_BROKEN) status = FSDP_ERROR;
     runtime_destroy(rt);
     return status;
   }
@@ -806,7 +684,7 @@ FSDP_API int fsdp_runtime_new(fsdp_runtime **out, const fsdp_runtime_opts *opts)
 }
 
 FSDP_API void fsdp_runtime_free(fsdp_runtime *rt) {
-  if (rt == NULL || tl_rank != NULL) return; /* from a callback: refused (fsdp.h) */
+  if (rt == NULL || on_rank_thread()) return; /* from a callback: refused (fsdp.h) */
   pthread_mutex_lock(&rt->api_mu);
   pthread_mutex_unlock(&rt->api_mu);
   runtime_destroy(rt);
@@ -815,7 +693,7 @@ FSDP_API void fsdp_runtime_free(fsdp_runtime *rt) {
 /* Common entry of a call: argument and state checks; on FSDP_OK the caller holds api_mu. */
 static int enter(fsdp_runtime *rt, const char *what) {
   if (rt == NULL) return set_tl_error(FSDP_MISUSE, "%s: the runtime is NULL", what);
-  if (tl_rank != NULL) {
+  if (on_rank_thread()) {
     /* not rt->err: the host thread owns it while the call that runs this callback is out */
     return set_tl_error(FSDP_MISUSE, "%s: called from inside a runtime callback", what);
   }
@@ -879,28 +757,10 @@ FSDP_API int fsdp_run_string(fsdp_runtime *rt, const char *code) {
 static char *read_file(const char *path, size_t *len) {
   FILE *f = fopen(path, "rb");
   if (f == NULL) return NULL;
-  size_t cap = 1 << 16, n = 0;
-  char *buf = malloc(cap);
-  while (buf != NULL) {
-    n += fread(buf + n, 1, cap - n, f);
-    if (n < cap) break;
-    char *bigger = realloc(buf, cap * 2);
-    if (bigger == NULL) {
-      free(buf);
-      buf = NULL;
-      errno = ENOMEM;
-      break;
-    }
-    buf = bigger;
-    cap *= 2;
-  }
-  if (buf != NULL && ferror(f)) {
-    free(buf);
-    buf = NULL;
-    errno = EIO;
-  }
+  char *buf = fsdp_host_read_all(f, len);
+  int err = errno;
   fclose(f);
-  *len = n;
+  errno = err;
   return buf;
 }
 
@@ -1035,7 +895,7 @@ FSDP_API int fsdp_read_param(fsdp_runtime *rt, const char *path, float *buf, int
 
 FSDP_API int fsdp_set_log_callback(fsdp_runtime *rt, fsdp_log_fn fn, void *ud) {
   if (rt == NULL) return set_tl_error(FSDP_MISUSE, "fsdp_set_log_callback: the runtime is NULL");
-  if (tl_rank != NULL)
+  if (on_rank_thread())
     return set_tl_error(FSDP_MISUSE, "fsdp_set_log_callback: called from inside a callback");
   pthread_mutex_lock(&rt->cb_mu);
   rt->log_fn = fn;
@@ -1046,7 +906,7 @@ FSDP_API int fsdp_set_log_callback(fsdp_runtime *rt, fsdp_log_fn fn, void *ud) {
 
 FSDP_API int fsdp_set_data_source(fsdp_runtime *rt, fsdp_data_fn fn, void *ud) {
   if (rt == NULL) return set_tl_error(FSDP_MISUSE, "fsdp_set_data_source: the runtime is NULL");
-  if (tl_rank != NULL)
+  if (on_rank_thread())
     return set_tl_error(FSDP_MISUSE, "fsdp_set_data_source: called from inside a callback");
   pthread_mutex_lock(&rt->cb_mu);
   rt->data_fn = fn;

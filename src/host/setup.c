@@ -1,0 +1,146 @@
+/*
+ * setup.c — what every rank's Lua state gets from the host (src/host/host.h): the standard
+ * libraries, the fsdp Lua library on package.path (found next to the binary, never through
+ * the user's environment), fsdp.core preloaded as this binary's engine, and the traceback
+ * message handler; with the process-wide BLAS threads and reading a recipe whole.
+ */
+#include <dlfcn.h>
+#include <errno.h>
+#include <link.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <lauxlib.h>
+#include <lualib.h>
+
+#include "host/host.h"
+#include "kernels/cpu/kernels.h"
+#include "lua/binding.h"
+
+#ifndef FSDP_SOURCE_LUA_DIR
+#define FSDP_SOURCE_LUA_DIR ""
+#endif
+
+int fsdp_host_traceback(lua_State *L) {
+  const char *msg = lua_tostring(L, 1);
+  if (msg == NULL) {
+    if (luaL_callmeta(L, 1, "__tostring") && lua_type(L, -1) == LUA_TSTRING)
+      msg = lua_tostring(L, -1);
+    else
+      msg = lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
+  }
+  luaL_traceback(L, L, msg, 1);
+  return 1;
+}
+
+void fsdp_host_openlibs(lua_State *L, const char *lua_dir) {
+  lua_gc(L, LUA_GCSTOP, 0);
+  luaL_openlibs(L);
+  lua_gc(L, LUA_GCRESTART, -1);
+  lua_getglobal(L, "package");
+  if (lua_dir != NULL) {
+    lua_getfield(L, -1, "path");
+    const char *old = lua_tostring(L, -1);
+    lua_pushfstring(L, "%s/?.lua;%s/?/init.lua;%s", lua_dir, lua_dir, old != NULL ? old : "");
+    lua_setfield(L, -3, "path");
+    lua_pop(L, 1);
+  }
+  lua_getfield(L, -1, "preload");
+  lua_pushcfunction(L, luaopen_fsdp_core);
+  lua_setfield(L, -2, "fsdp.core");
+  lua_pop(L, 2);
+}
+
+static bool is_dir(const char *path) {
+  struct stat st;
+  return path[0] != '\0' && stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+/* The file this code was loaded from: the shared library holding it, or the executable (whose
+ * link map has no name, and whose dladdr name is only argv[0]). */
+static bool binary_path(char *out, size_t n) {
+  Dl_info info;
+  struct link_map *map = NULL;
+  if (dladdr1((void *)&fsdp_host_find_lua_dir, &info, (void **)&map, RTLD_DL_LINKMAP) != 0 &&
+      map != NULL && map->l_name != NULL && map->l_name[0] != '\0') {
+    snprintf(out, n, "%s", map->l_name);
+    return true;
+  }
+  ssize_t len = readlink("/proc/self/exe", out, n - 1);
+  if (len <= 0) return false;
+  out[len] = '\0';
+  return true;
+}
+
+bool fsdp_host_find_lua_dir(char *out, size_t n, char *tried, size_t tried_n) {
+  char bin[PATH_MAX];
+  char cand[PATH_MAX + 32] = "";
+  if (binary_path(bin, sizeof bin)) {
+    char *slash = strrchr(bin, '/');
+    if (slash != NULL) {
+      *slash = '\0';
+      snprintf(cand, sizeof cand, "%s/../share/fsdprun/lua", bin);
+      char real[PATH_MAX];
+      if (is_dir(cand) && realpath(cand, real) != NULL) {
+        snprintf(out, n, "%s", real);
+        return true;
+      }
+    }
+  }
+  if (is_dir(FSDP_SOURCE_LUA_DIR)) {
+    snprintf(out, n, "%s", FSDP_SOURCE_LUA_DIR);
+    return true;
+  }
+  if (tried != NULL) snprintf(tried, tried_n, "'%s' and '%s'", cand, FSDP_SOURCE_LUA_DIR);
+  return false;
+}
+
+int fsdp_host_blas_threads(int requested, int world) {
+  int n = requested;
+  const char *env = getenv("FSDP_BLAS_THREADS");
+  if (n <= 0 && env != NULL && env[0] != '\0') {
+    char *end;
+    errno = 0;
+    long v = strtol(env, &end, 10);
+    if (env[0] < '0' || env[0] > '9' || errno != 0 || *end != '\0' || v < 1 || v > 4096)
+      return fsdp_error("FSDP_BLAS_THREADS='%s' must be a positive integer (at most 4096)", env);
+    n = (int)v;
+  }
+  if (n <= 0 && world > 1) n = 1;
+  if (n > 0) fsdp_cpu_set_blas_threads(n);
+  return FSDP_OK;
+}
+
+char *fsdp_host_read_all(FILE *f, size_t *len) {
+  size_t cap = 1 << 16, n = 0;
+  errno = 0;
+  char *buf = malloc(cap);
+  while (buf != NULL) {
+    n += fread(buf + n, 1, cap - 1 - n, f);
+    if (n < cap - 1) break;
+    char *bigger = realloc(buf, cap * 2);
+    if (bigger == NULL) {
+      free(buf);
+      buf = NULL;
+      break;
+    }
+    buf = bigger;
+    cap *= 2;
+  }
+  if (buf == NULL) {
+    errno = ENOMEM;
+    return NULL;
+  }
+  if (ferror(f)) {
+    int err = errno != 0 ? errno : EIO;
+    free(buf);
+    errno = err;
+    return NULL;
+  }
+  buf[n] = '\0';
+  *len = n;
+  return buf;
+}
