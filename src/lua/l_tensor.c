@@ -793,13 +793,18 @@ static int extreme(lua_State *L, bool want_max) {
   int64_t N = fsdp_tensor_numel(t);
   need_data(L, t, fn);
   if (N == 0) luaL_error(L, "%s: tensor is empty", fn);
-  fsdp_tensor *c;
-  if (fsdp_tensor_contiguous(&c, t)) fsdp_lua_error(L);
+  /* a dense copy on t's device when t is strided; the result, one element there, is read back */
+  fsdp_tensor *c, *r = NULL;
+  if (fsdp_to(&c, t, t->storage->device, t->dtype, FSDP_ROLE_ACTIVATIONS)) fsdp_lua_error(L);
+  const fsdp_device_i *dev = c->storage->device;
   unsigned char v[8];
   const fsdp_kernels_i *k = fsdp_kernels_for(c, fn);
-  int rc = !k || k->extreme_dim(c->storage->device->ctx, c->dtype, want_max, v, NULL,
-                                fsdp_tensor_data(c, fn), 1, N, 1);
+  int rc = !k || fsdp_tensor_new_uninit(&r, dev, c->dtype, 0, NULL, FSDP_ROLE_ACTIVATIONS) ||
+           k->extreme_dim(dev->ctx, c->dtype, want_max, fsdp_tensor_data(r, fn), NULL,
+                          fsdp_tensor_data(c, fn), 1, N, 1) ||
+           dev->to_host(dev->ctx, v, fsdp_tensor_data(r, fn), fsdp_dtype_size(c->dtype));
   fsdp_tensor_release(c);
+  fsdp_tensor_release(r);
   if (rc) fsdp_lua_error(L);
   lua_pushnumber(L, fsdp_dtype_load(v, t->dtype, 0));
   return 1;
