@@ -264,7 +264,7 @@ static int filled(lua_State *L, double v, const char *fn) {
   int opts = opts_index(L, 1, n, fn);
   fsdp_tensor *t = new_from_opts(L, opts, n, shape, fn);
   fsdp_lua_push_tensor(L, t); /* owned by Lua before anything can raise */
-  if (v != 0.0 && fsdp_tensor_fill(t, v)) fsdp_lua_error(L);
+  if (v != 0.0 && fsdp_fill(t, v)) fsdp_lua_error(L);
   return 1;
 }
 
@@ -294,7 +294,7 @@ static int l_full(lua_State *L) {
   int n = fsdp_lua_check_shape(L, 1, shape);
   fsdp_tensor *t = new_from_opts(L, opts, n, shape, "full");
   fsdp_lua_push_tensor(L, t);
-  if (fsdp_tensor_fill(t, v)) fsdp_lua_error(L);
+  if (fsdp_fill(t, v)) fsdp_lua_error(L);
   return 1;
 }
 
@@ -529,7 +529,7 @@ static int l_set(lua_State *L) {
 static int l_fill(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
   double v = luaL_checknumber(L, 2);
-  if (fsdp_tensor_fill(t, v)) fsdp_lua_error(L);
+  if (fsdp_fill(t, v)) fsdp_lua_error(L);
   t->version++;
   lua_settop(L, 1);
   return 1;
@@ -537,7 +537,7 @@ static int l_fill(lua_State *L) {
 
 static int l_zero(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
-  if (fsdp_tensor_fill(t, 0.0)) fsdp_lua_error(L);
+  if (fsdp_fill(t, 0.0)) fsdp_lua_error(L);
   t->version++;
   lua_settop(L, 1);
   return 1;
@@ -882,7 +882,7 @@ static fsdp_tensor *operand(lua_State *L, int idx, fsdp_tensor *like, const char
     fsdp_lua_error(L);
   fsdp_lua_push_tensor(L, t); /* owned by Lua (the stack keeps it alive for the call) */
   lua_replace(L, idx);
-  if (fsdp_tensor_fill(t, v)) fsdp_lua_error(L);
+  if (fsdp_fill(t, v)) fsdp_lua_error(L);
   return t;
 }
 

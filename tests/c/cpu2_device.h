@@ -81,11 +81,11 @@ static fsdp_device_i cpu2_device = {
 };
 
 /* Idempotent: registering the same table again only sets its kernels again. */
-static int cpu2_register(void) { return fsdp_device_register(&cpu2_device, &fsdp_cpu_kernels); }
+static inline int cpu2_register(void) { return fsdp_device_register(&cpu2_device, &fsdp_cpu_kernels); }
 
-static void cpu2_reset(void) { memset(&cpu2_counts, 0, sizeof cpu2_counts); }
+static inline void cpu2_reset(void) { memset(&cpu2_counts, 0, sizeof cpu2_counts); }
 
 /* this thread's host transfers (either way) since its last reset */
-static long cpu2_transfers(void) { return cpu2_counts.to_host + cpu2_counts.from_host; }
+static inline long cpu2_transfers(void) { return cpu2_counts.to_host + cpu2_counts.from_host; }
 
 #endif
