@@ -81,7 +81,9 @@ static fsdp_device_i cpu2_device = {
 };
 
 /* Idempotent: registering the same table again only sets its kernels again. */
-static inline int cpu2_register(void) { return fsdp_device_register(&cpu2_device, &fsdp_cpu_kernels); }
+static inline int cpu2_register(void) {
+  return fsdp_device_register(&cpu2_device, &fsdp_cpu_kernels);
+}
 
 static inline void cpu2_reset(void) { memset(&cpu2_counts, 0, sizeof cpu2_counts); }
 

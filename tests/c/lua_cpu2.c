@@ -1,5 +1,6 @@
 /*
- * lua_cpu2.c — the cpu2 test device (cpu2_device.h) for busted specs (tests/lua/devices_spec.lua):
+ * lua_cpu2.c — the cpu2 test device (cpu2_device.h) for busted specs
+ * (tests/lua/devices_spec.lua):
  *   local cpu2 = require "fsdp_cpu2"   -- before anything loads fsdp.core
  * registers cpu2 and puts this module's fsdp.core (the same engine the device is registered in)
  * into package.loaded, so `require "fsdp"` then uses it. Returns a table: transfers() -> to_host,

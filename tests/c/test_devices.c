@@ -110,7 +110,7 @@ static void test_registration(void **state) {
   assert_int_equal(fsdp_device_count(), n);
 }
 
-/* ---- ops: the same bits as on the cpu, no host transfers ----------------------------------------- */
+/* ---- ops: the same bits as on the cpu, no host transfers ---------------------------------- */
 
 enum { B = 2, T = 4, C = 8, NH = 2, V = 11, N = B * T, NPARAM = 6, MAXR = 48 };
 
@@ -254,7 +254,7 @@ static void test_mixing_devices(void **state) {
   fsdp_tensor_release(b);
 }
 
-/* ---- moves, copies and fills ---------------------------------------------------------------------- */
+/* ---- moves, copies and fills ------------------------------------------------------------- */
 
 static void test_to_and_copy(void **state) {
   (void)state;
@@ -345,6 +345,17 @@ static void test_fill(void **state) {
   assert_true(xt->version > 0 && x->version == v); /* the view's version; storage untouched */
   assert_int_equal(fsdp_fill(rt, 7), FSDP_OK);
   assert_true(same_bits(x, ref));
+  /* a device with data but no kernels: fsdp_fill says so (core's fill would still work) */
+  static fsdp_device_i bare = {.name = "bare", .has_data = true, .alloc = cpu2_alloc,
+                               .free = cpu2_free, .copy = cpu2_copy, .to_host = cpu2_to_host,
+                               .from_host = cpu2_from_host};
+  assert_int_equal(fsdp_device_register(&bare, NULL), FSDP_OK);
+  fsdp_tensor *bt;
+  assert_int_equal(fsdp_tensor_new(&bt, &bare, FSDP_DTYPE_F32, 1, SHAPE(3), FSDP_ROLE_OTHER),
+                   FSDP_OK);
+  assert_int_equal(fsdp_fill(bt, 1), FSDP_ERR);
+  assert_msg_has("fill: no kernels on the bare device");
+  fsdp_tensor_release(bt);
   /* meta: nothing to write */
   fsdp_tensor *m;
   assert_int_equal(fsdp_tensor_new(&m, &fsdp_device_meta, FSDP_DTYPE_F32, 1, SHAPE(3),
@@ -354,7 +365,7 @@ static void test_fill(void **state) {
   for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) fsdp_tensor_release(ts[i]);
 }
 
-/* ---- FSDP units over cpu2 parameters ----------------------------------------------------------- */
+/* ---- FSDP units over cpu2 parameters ----------------------------------------------------- */
 
 #define MAXW 2
 

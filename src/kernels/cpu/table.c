@@ -1095,7 +1095,7 @@ static int k_adamw_step(void *ctx, fsdp_dtype dt, void *param, void *m, void *v,
   return FSDP_OK;
 }
 
-/* ---- fill, masks ------------------------------------------------------------------------------ */
+/* ---- fill, masks ------------------------------------------------------------------------- */
 
 static int k_fill(void *ctx, fsdp_dtype dt, void *out, double v, int64_t n) {
   unsigned char pat[8];
