@@ -53,7 +53,7 @@
  * Ranks that do not stop. When a rank fails, peers blocked in a collective fail at once; peers
  * that are computing get a grace period of 2 seconds to finish or fail. Then every rank still
  * running Lua gets the error "stopped 2 s after rank R failed: <message>" at its next
- * interpreted instruction, and a rank that has still not returned half a second later (a loop
+ * interpreted instruction, and a rank that has still not returned two seconds later (a loop
  * LuaJIT compiled, such as `while true do end`, which no hook reaches, or a long C call) is
  * abandoned: the call returns FSDP_BROKEN with the root cause followed by a line
  * "[rank R] did not stop within 2 s after rank S failed (...): abandoned". Nothing can end a
@@ -182,7 +182,7 @@ FSDP_API const char *fsdp_last_error(const fsdp_runtime *rt);
  * fsdp.args is parsed again from them (--key=value, --flag). argv may be NULL when argc is 0.
  * The file is read and compiled once first: a missing file or a syntax error is FSDP_ERROR
  * and runs nothing. Returns when every rank has finished: FSDP_OK, or FSDP_BROKEN if the code
- * raised an error on any rank (at the latest 2.5 s after that error, even if another rank
+ * raised an error on any rank (at the latest 4 s after that error, even if another rank
  * never stops: "Ranks that do not stop" above). Globals the file sets stay for later calls. */
 FSDP_API int fsdp_run_file(fsdp_runtime *rt, const char *path, int argc, const char *const *argv);
 

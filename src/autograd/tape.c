@@ -188,7 +188,7 @@ int fsdp_backward(fsdp_tensor *root, fsdp_tensor *grad) {
     fsdp_tensor *one;
     int rc = fsdp_tensor_new(&one, root->storage->device, root->dtype, root->ndim, root->shape,
                              FSDP_ROLE_ACTIVATIONS);
-    if (!rc) rc = fsdp_tensor_fill(one, 1.0);
+    if (!rc) rc = fsdp_fill(one, 1.0);
     if (!rc) rc = fsdp_add_into(root->grad, one, 1.0);
     fsdp_tensor_release(one);
     if (rc) return fsdp_error_context("backward");

@@ -33,6 +33,7 @@
 #include <lauxlib.h>
 
 #include "embed/embed.h"
+#include "kernels/kernels.h"
 #include "lua/binding.h"
 
 #define EMBED_MAX_RANKS FSDP_HOST_MAX_RANKS
@@ -378,8 +379,9 @@ static int copy_result(embed_rank *r, lua_State *L, int idx, int k, fsdp_host_te
                       "result %d of '%s' has shape %s (%lld elements), but out[%d] holds %lld",
                       k + 1, fn, FSDP_SHAPE_STR(t), (long long)numel, k, (long long)cap);
   if (out->data != NULL && numel > 0) {
+    /* the values as contiguous f32 in host memory, from any device and dtype */
     fsdp_tensor *c;
-    if (fsdp_tensor_contiguous(&c, t) != FSDP_OK)
+    if (fsdp_to(&c, t, &fsdp_device_cpu, FSDP_DTYPE_F32, FSDP_ROLE_ACTIVATIONS) != FSDP_OK)
       return embed_fail(r, FSDP_ERROR, "result %d of '%s': %s", k + 1, fn, fsdp_error_msg());
     const float *src = fsdp_tensor_data(c, "fsdp_call result");
     if (src == NULL) {
@@ -548,13 +550,16 @@ static int cp_param_read(lua_State *L) {
     return 0;
   }
   if (r->rank != 0) return 0;
-  fsdp_tensor *t = fsdp_lua_to_tensor(L, -1);
-  const float *src = t != NULL ? fsdp_tensor_data(t, "fsdp_read_param") : NULL;
-  if (src == NULL)
+  fsdp_tensor *t = fsdp_lua_to_tensor(L, -1), *h = NULL;
+  if (t == NULL || fsdp_tensor_data(t, "fsdp_read_param") == NULL)
     return embed_fail(r, FSDP_ERROR, "reading parameter '%s': %s", j->path, fsdp_error_msg()), 0;
   if (fsdp_tensor_numel(t) != j->count || !fsdp_tensor_is_contiguous(t))
     return embed_fail(r, FSDP_ERROR, "parameter '%s' changed while it was read", j->path), 0;
-  memcpy(j->buf, src, (size_t)j->count * sizeof(float));
+  /* f32 in host memory, from whatever device and dtype the parameter has */
+  if (fsdp_to(&h, t, &fsdp_device_cpu, FSDP_DTYPE_F32, FSDP_ROLE_ACTIVATIONS) != FSDP_OK)
+    return embed_fail(r, FSDP_ERROR, "reading parameter '%s': %s", j->path, fsdp_error_msg()), 0;
+  memcpy(j->buf, fsdp_tensor_data(h, "fsdp_read_param"), (size_t)j->count * sizeof(float));
+  fsdp_tensor_release(h);
   lua_settop(L, 0);
   return 0;
 }

@@ -48,7 +48,7 @@
 /* Seconds ranks get to stop after the first failure (and, in fsdprun, after SIGINT). */
 #define FSDP_HOST_GRACE_S 2
 /* Seconds between the hooks at the end of the grace period and abandoning a rank. */
-#define FSDP_HOST_STOP_WAIT_S 0.5
+#define FSDP_HOST_STOP_WAIT_S 2.0
 
 typedef struct fsdp_host fsdp_host;
 

@@ -151,3 +151,30 @@ int fsdp_add_into(fsdp_tensor *dst, const fsdp_tensor *src, double alpha) {
   if (!rc) dst->version++;
   return rc;
 }
+
+int fsdp_fill(fsdp_tensor *t, double v) {
+  const fsdp_device_i *dev = t->storage->device;
+  /* core fills host memory in place, and knows the meta and sharded rules */
+  if (dev->host_memory || !dev->has_data) return fsdp_tensor_fill(t, v);
+  const fsdp_kernels_i *k = fsdp_kernels_for(t, "fill");
+  if (!k) return FSDP_ERR;
+  int64_t n = fsdp_tensor_numel(t);
+  int rc;
+  if (fsdp_tensor_is_contiguous(t)) {
+    rc = k->fill(dev->ctx, t->dtype, fsdp_tensor_data(t, "fill"), v, n);
+  } else { /* a dense block of v, then one strided copy into t */
+    fsdp_tensor *d;
+    if (fsdp_tensor_new_uninit(&d, dev, t->dtype, t->ndim, t->shape, FSDP_ROLE_ACTIVATIONS))
+      return FSDP_ERR;
+    int64_t st[FSDP_MAX_DIMS];
+    dense_strides(st, t->ndim, t->shape);
+    rc = k->fill(dev->ctx, t->dtype, fsdp_tensor_data(d, "fill"), v, n);
+    if (!rc)
+      rc = k->copy_strided(dev->ctx, t->dtype, fsdp_tensor_data(t, "fill"), t->strides,
+                           fsdp_tensor_data(d, "fill"), st, t->ndim, t->shape);
+    fsdp_tensor_release(d);
+  }
+  if (rc) return fsdp_error_context("fill");
+  t->version++;
+  return FSDP_OK;
+}

@@ -185,6 +185,50 @@ typedef struct fsdp_kernels_i {
   int (*adamw_step)(void *ctx, fsdp_dtype dt, void *param, void *m, void *v, const void *grad,
                     int64_t n, float lr, float beta1, float beta2, float eps,
                     float weight_decay, int64_t step);
+
+  /* ---- fill, masks and magnitude pruning ----
+   * The binding's helpers of lua/fsdp/mask.lua and prune.lua (docs/pruning.md). x, m, mout and
+   * out are dense buffers of n elements of dt; m NULL means no mask. Counts, hashes and
+   * histograms land in host memory (the caller sums histograms across ranks). An element's key
+   * orders it by magnitude, as a 32-bit unsigned integer: 0 when m[i] == 0, else (the bits of
+   * |x[i]| as an f32) + 1 (a NaN above +inf); its value (N:M) is -1 when m[i] == 0, +inf for a
+   * NaN, else |x[i]|. Elements with equal keys are ordered by their global position gbase + i.
+   * Results are exact and independent of how the caller slices a tensor. */
+  int (*fill)(void *ctx, fsdp_dtype dt, void *out, double v, int64_t n); /* out[i] = v */
+  /* x[i] = +0 where m[i] == 0 (other elements keep their bits) */
+  int (*mask_apply)(void *ctx, fsdp_dtype dt, void *x, const void *m, int64_t n);
+  /* *zeros = elements equal to 0 (+0 or -0) */
+  int (*count_zeros)(void *ctx, fsdp_dtype dt, int64_t *zeros, const void *x, int64_t n);
+  /* *bad = elements other than 0 and 1, *zeros = elements equal to 0, *hash = 32-bit FNV-1a
+   * over the positions i of the zeros in order, each as 4 little-endian bytes of (uint32) i */
+  int (*mask_check)(void *ctx, fsdp_dtype dt, int64_t *bad, int64_t *zeros, uint32_t *hash,
+                    const void *m, int64_t n);
+  /* mout[i] = (x[i] != 0); *zeros = elements of x equal to 0 */
+  int (*mask_from_nonzero)(void *ctx, fsdp_dtype dt, void *mout, int64_t *zeros, const void *x,
+                           int64_t n);
+  /* counts (host, 2^width) += histogram of key bits [shift, shift + width) over the elements
+   * whose key bits above shift + width equal prefix; 1 <= width <= 16, shift + width <= 32 */
+  int (*mask_hist)(void *ctx, fsdp_dtype dt, int64_t *counts, const void *x, const void *m,
+                   int64_t n, uint64_t prefix, int shift, int width);
+  /* counts (host, 2^width) += histogram of position bits [shift, shift + width) of gbase + i
+   * over the elements whose key is T and whose position bits above shift + width equal
+   * prefix; 1 <= width <= 16, shift + width <= 63 */
+  int (*mask_hist_pos)(void *ctx, fsdp_dtype dt, int64_t *counts, const void *x, const void *m,
+                       int64_t n, uint32_t T, uint64_t gbase, uint64_t prefix, int shift,
+                       int width);
+  /* mout[i] = 0 when key < T, or key == T and gbase + i < P; else 1. *pruned = the zeros
+   * written. mout may be m itself. */
+  int (*mask_select)(void *ctx, fsdp_dtype dt, void *mout, int64_t *pruned, const void *x,
+                     const void *m, int64_t n, uint32_t T, uint64_t gbase, uint64_t P);
+  /* N:M: over each full group of M elements starting at lead (0 <= keep <= M <= 4096), mout
+   * = 1 for the keep largest values (equal values: the higher index ranks first), 0 for the
+   * rest; elements before lead and a trailing partial group are left as they are; *groups =
+   * the full groups. mout may be m itself. */
+  int (*mask_nm)(void *ctx, fsdp_dtype dt, void *mout, int64_t *groups, const void *x,
+                 const void *m, int64_t n, int64_t keep, int64_t M, int64_t lead);
+  /* out[i] = the value of element i (for groups a shard boundary cuts) */
+  int (*mask_values)(void *ctx, fsdp_dtype dt, void *out, const void *x, const void *m,
+                     int64_t n);
 } fsdp_kernels_i;
 
 /* Register the devices this build has (the cpu's kernels, then any other device folder's).
@@ -215,5 +259,9 @@ int fsdp_add_into(fsdp_tensor *dst, const fsdp_tensor *src, double alpha);
 /* Pointer + kernel table of a tensor's data for a kernel call: NULL with an error naming
  * `what` when t has no data or its device has no kernels. */
 const fsdp_kernels_i *fsdp_kernels_for(const fsdp_tensor *t, const char *what);
+/* Every element of t = v (fsdp_dtype_store's conversion), any strides, through t's kernels on
+ * a device without host memory (core's fsdp_tensor_fill would stage through the host).
+ * Bumps t->version; a no-op on meta; a sharded (no_data) tensor is an error. */
+int fsdp_fill(fsdp_tensor *t, double v);
 
 #endif

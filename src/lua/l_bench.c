@@ -1,6 +1,10 @@
 /*
  * l_bench.c — measurement helpers for bench/ scripts: a wall clock and raw OpenBLAS sgemm
  * throughput at a given shape, measured in the same process as the thing being compared.
+ *
+ * sgemm_gflops calls the cpu's f32 GEMM directly on its own host buffers, on purpose: it is the
+ * ceiling of the cpu BLAS that the benchmarks compare a cpu training step against, not a tensor
+ * op, so it neither takes tensors nor goes through a device's kernel table.
  */
 #include <stdlib.h>
 #include <time.h>

@@ -5,7 +5,8 @@
  *
  *   gunzip(path [, max_bytes]) -> string      whole file (or its first max_bytes), gzip or plain
  *   from_bytes(str, offset, shape, scale)     -> f32 tensor: bytes [offset, offset+numel) * scale
- *   index_rows(t, idx)                        -> new tensor of t's rows idx[1..B] (1-based)
+ *   index_rows(t, idx)                        -> new tensor of t's rows idx[1..B] (1-based), on
+ *                                                t's device, in its dtype
  *   byte_windows(str, starts, T)              -> x (B, T), y (B, T): x[b] = bytes [s_b, s_b+T),
  *                                                y[b] = bytes [s_b+1, s_b+T+1) (starts 0-based)
  *   isatty(fd) -> boolean
@@ -28,6 +29,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include "kernels/kernels.h"
 #include "lua/binding.h"
 
 #define CLOSER_MT "fsdp.data.closer"
@@ -183,21 +185,31 @@ static int l_index_rows(lua_State *L) {
   memcpy(shape, t->shape, sizeof shape);
   shape[0] = B;
   int64_t row = rows > 0 ? fsdp_tensor_numel(t) / rows : 0;
+  /* rows move as bytes within t's device (its copy slot), in t's dtype: the loaders' tensors
+   * may live on any device */
   fsdp_tensor *src, *out;
-  if (fsdp_tensor_contiguous(&src, t) != FSDP_OK) return fsdp_lua_error(L);
-  if (fsdp_tensor_new_f32(&out, t->ndim, shape) != FSDP_OK) {
+  if (fsdp_to(&src, t, t->storage->device, t->dtype, -1) != FSDP_OK) return fsdp_lua_error(L);
+  if (fsdp_tensor_new_uninit(&out, t->storage->device, t->dtype, t->ndim, shape,
+                             FSDP_ROLE_ACTIVATIONS) != FSDP_OK) {
     fsdp_tensor_release(src);
     return fsdp_lua_error(L);
   }
-  const float *sd = fsdp_tensor_data(src, "index_rows"); // (rows, row)
-  float *od = fsdp_tensor_data(out, "index_rows");       // (B, row)
-  for (int i = 0; i < B; i++) {
+  const fsdp_device_i *dev = t->storage->device;
+  const size_t rb = (size_t)row * fsdp_dtype_size(t->dtype);
+  const char *sd = fsdp_tensor_data(src, "index_rows"); // (rows, row)
+  char *od = fsdp_tensor_data(out, "index_rows");       // (B, row)
+  int rc = FSDP_OK;
+  for (int i = 0; i < B && rc == FSDP_OK; i++) {
     lua_rawgeti(L, 2, i + 1);
     int64_t r = (int64_t)lua_tonumber(L, -1) - 1;
     lua_pop(L, 1);
-    memcpy(od + (int64_t)i * row, sd + r * row, (size_t)row * sizeof(float));
+    rc = dev->copy(dev->ctx, od + (size_t)i * rb, sd + (size_t)r * rb, rb);
   }
   fsdp_tensor_release(src);
+  if (rc != FSDP_OK) {
+    fsdp_tensor_release(out);
+    return fsdp_lua_error(L);
+  }
   fsdp_lua_push_tensor(L, out);
   return 1;
 }

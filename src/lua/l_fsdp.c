@@ -156,8 +156,8 @@ static int l_param_materialize(lua_State *L) {
     luaL_error(L, "param_materialize: %s belongs to a unit (materialize the wrapped model)",
                param_name(p));
   fsdp_storage *s;
-  if (fsdp_storage_new(&s, &fsdp_device_cpu, (size_t)fsdp_tensor_numel(p) * sizeof(float),
-                       FSDP_ROLE_PARAMS))
+  size_t bytes = (size_t)fsdp_tensor_numel(p) * fsdp_dtype_size(p->dtype);
+  if (fsdp_storage_new(&s, &fsdp_device_cpu, bytes, FSDP_ROLE_PARAMS))
     return fsdp_lua_error(L);
   contiguous_strides(p->strides, p->ndim, p->shape);
   fsdp_tensor_set_storage(p, s, 0);
@@ -175,8 +175,8 @@ static int l_param_to_meta(lua_State *L) {
     luaL_error(L, "param_to_meta: %s belongs to a unit", param_name(p));
   if (p->storage->device != &fsdp_device_meta) {
     fsdp_storage *s;
-    if (fsdp_storage_new(&s, &fsdp_device_meta, (size_t)fsdp_tensor_numel(p) * sizeof(float),
-                         FSDP_ROLE_PARAMS))
+    size_t bytes = (size_t)fsdp_tensor_numel(p) * fsdp_dtype_size(p->dtype);
+    if (fsdp_storage_new(&s, &fsdp_device_meta, bytes, FSDP_ROLE_PARAMS))
       return fsdp_lua_error(L);
     contiguous_strides(p->strides, p->ndim, p->shape);
     fsdp_tensor_set_storage(p, s, 0);

@@ -10,7 +10,8 @@
  *                                                   written sorted by key
  *     w:write(name, tensor)   append the tensor's values (any shape; it is flattened) to entry
  *                             `name`: entries are written in order, each in one or several
- *                             calls (a shard at a time); non-contiguous tensors are copied
+ *                             calls (a shard at a time); a tensor that is not contiguous f32
+ *                             in host memory is copied (from its device, converted to f32)
  *     w:commit()              the file appears whole under `path`, or an error and nothing
  *     w:abort()               drop the temporary; __gc aborts a writer never committed
  *   st_open(path) -> reader
@@ -22,8 +23,8 @@
  *                             in its shape (checksum checked); with first, a 1-D tensor of
  *                             elements [first, first + count) of the flattened tensor — first
  *                             is a 0-based element offset, count defaults to the rest; with
- *                             out (a contiguous f32 tensor of count elements), read into it
- *                             and return it
+ *                             out (a contiguous f32 tensor of count elements, on any
+ *                             device), read into it and return it
  *     r:verify([name])        check one tensor's checksum (or every tensor's) by reading it
  *     r:path(), r:close()     close is idempotent; a closed reader raises on use
  *   json_write(path, value)   value: tables (arrays 1..n, or string keys, written sorted),
@@ -60,6 +61,7 @@
 
 #include "autograd/autograd.h"
 #include "io/io.h"
+#include "kernels/kernels.h"
 #include "lua/binding.h"
 
 #define WRITER_MT "fsdp.io.StWriter"
@@ -179,8 +181,11 @@ static int l_writer_write(lua_State *L) {
   if (!t->storage->device->has_data)
     luaL_error(L, "w:write('%s'): tensor %s is on the %s device and has no data", name,
                FSDP_SHAPE_STR(t), t->storage->device->name);
+  /* the entry's f32 values in host memory: t itself when it already is that, else a copy
+   * (from any device, converted from any dtype) */
   fsdp_tensor *c;
-  if (fsdp_tensor_contiguous(&c, t)) return fsdp_lua_error(L);
+  if (fsdp_to(&c, t, &fsdp_device_cpu, FSDP_DTYPE_F32, FSDP_ROLE_ACTIVATIONS))
+    return fsdp_lua_error(L);
   const float *data = fsdp_tensor_data(c, "w:write");
   int rc = data != NULL ? fsdp_io_st_writer_write(b->w, name, data, fsdp_tensor_numel(c))
                         : FSDP_ERR;
@@ -317,8 +322,20 @@ static int l_reader_read(lua_State *L) {
     if (o->dtype != FSDP_DTYPE_F32 || !fsdp_tensor_is_contiguous(o) || fsdp_tensor_numel(o) != count)
       return luaL_error(L, "r:read: out must be a contiguous f32 tensor of %f elements",
                         (double)count);
-    float *dst = fsdp_tensor_data(o, "r:read");
-    if (dst == NULL || fsdp_io_st_reader_read(r, dst, name, first, count)) return fsdp_lua_error(L);
+    if (fsdp_tensor_data(o, "r:read") == NULL) return fsdp_lua_error(L);
+    /* the file's bytes land in host memory: o itself, or a staging tensor moved to o's device */
+    fsdp_tensor *h = o;
+    if (!o->storage->device->host_memory &&
+        fsdp_tensor_new_uninit(&h, &fsdp_device_cpu, FSDP_DTYPE_F32, 1, &count,
+                               FSDP_ROLE_ACTIVATIONS))
+      return fsdp_lua_error(L);
+    int rc = fsdp_io_st_reader_read(r, fsdp_tensor_data(h, "r:read"), name, first, count);
+    if (!rc && h != o) rc = o->storage->device->from_host(o->storage->device->ctx,
+                                                          fsdp_tensor_data(o, "r:read"),
+                                                          fsdp_tensor_data(h, "r:read"),
+                                                          (size_t)count * sizeof(float));
+    if (h != o) fsdp_tensor_release(h);
+    if (rc) return fsdp_lua_error(L);
     o->version++; /* an in-place write */
     lua_pushvalue(L, 5);
     return 1;

@@ -2,12 +2,13 @@
  * l_mask.c — per-element helpers of masks and pruning (lua/fsdp/mask.lua, lua/fsdp/prune.lua)
  * as functions of the `fsdp.core` module. docs/pruning.md is the manual.
  *
- * Everything here works on ONE rank's 1-D contiguous float views (a parameter flattened, or a
- * slice of a unit's flat shard): the Lua layer decides which slices and when to communicate.
- * The one collective here is counts_all_reduce (an i64 sum of a histogram).
+ * Everything here works on ONE rank's 1-D contiguous views (a parameter flattened, or a slice
+ * of a unit's flat shard), all on one device and of one dtype: the Lua layer decides which
+ * slices and when to communicate, the device's kernel table (kernels/kernels.h, "masks")
+ * computes. The one collective here is counts_all_reduce (an i64 sum of a histogram).
  *
- * Pruning order. Magnitude pruning removes the k elements with the smallest keys, where an
- * element's key is a 32-bit unsigned integer:
+ * Pruning order (the kernels' key). Magnitude pruning removes the k elements with the smallest
+ * keys, where an element's key is a 32-bit unsigned integer:
  *     key = 0                                  when a mask is given and masks it (m == 0)
  *     key = (bits of |x| as a float) + 1       otherwise
  * Non-negative floats order like their bit patterns, so keys order like magnitudes, with masked
@@ -50,10 +51,10 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "comm/comm.h"
+#include "kernels/kernels.h"
 #include "lua/binding.h"
 
 #define COUNTS_MT "fsdp.counts"
@@ -63,32 +64,43 @@ typedef struct counts_buf {
   int64_t v[];
 } counts_buf;
 
-/* The contiguous float data of the tensor at idx, with its length; a Lua error names fn. The
- * tensor's version is bumped when `write` (in-place writers). */
-static float *view_arg(lua_State *L, int idx, const char *fn, int64_t *n, bool write) {
+/* A tensor argument: contiguous; d is its data on its device (NULL when it has no elements). */
+typedef struct {
+  fsdp_tensor *t;
+  void *d;
+  int64_t n;
+  int idx; /* its argument position, for messages */
+} operand;
+
+/* The tensor at idx, or a Lua error naming fn. `like` (the first tensor argument, or NULL):
+ * the device and the dtype every other tensor argument must share (the kernels refuse the
+ * dtypes they lack: the cpu computes masks in f32). */
+static operand arg(lua_State *L, int idx, const char *fn, const operand *like) {
   fsdp_tensor *t = fsdp_lua_to_tensor(L, idx);
   if (!t)
     luaL_error(L, "bad argument #%d to '%s' (tensor expected, got %s)", idx, fn,
                luaL_typename(L, idx));
-  if (t->dtype != FSDP_DTYPE_F32) luaL_error(L, "%s: argument #%d must be a float32 tensor", fn, idx);
   if (!fsdp_tensor_is_contiguous(t))
     luaL_error(L, "%s: argument #%d must be contiguous (got shape %s)", fn, idx,
                FSDP_SHAPE_STR(t));
-  *n = fsdp_tensor_numel(t);
-  if (*n == 0) return NULL;
-  float *d = fsdp_tensor_data(t, fn);
-  if (!d) fsdp_lua_error(L);
-  if (write) t->version++;
-  return d;
+  if (like && t->storage->device != like->t->storage->device)
+    luaL_error(L, "%s: argument #%d is on the %s device, argument #%d on %s (one device per "
+               "call)", fn, idx, t->storage->device->name, like->idx,
+               like->t->storage->device->name);
+  if (like && t->dtype != like->t->dtype)
+    luaL_error(L, "%s: argument #%d is %s, argument #%d %s (one dtype per call)", fn, idx,
+               fsdp_dtype_name(t->dtype), like->idx, fsdp_dtype_name(like->t->dtype));
+  operand o = {t, NULL, fsdp_tensor_numel(t), idx};
+  if (o.n > 0 && !(o.d = fsdp_tensor_data(t, fn))) fsdp_lua_error(L);
+  return o;
 }
 
-/* An optional mask argument: NULL when nil; otherwise its length must be n. */
-static const float *opt_mask(lua_State *L, int idx, const char *fn, int64_t n) {
-  if (lua_isnoneornil(L, idx)) return NULL;
-  int64_t k;
-  const float *m = view_arg(L, idx, fn, &k, false);
-  if (k != n)
-    luaL_error(L, "%s: the mask has %d elements, the values %d", fn, (int)k, (int)n);
+/* An optional mask argument: NULL data when nil; otherwise its length must be the values'. */
+static operand opt_mask(lua_State *L, int idx, const char *fn, const operand *x) {
+  if (lua_isnoneornil(L, idx)) return (operand){NULL, NULL, x->n, idx};
+  operand m = arg(L, idx, fn, x);
+  if (m.n != x->n)
+    luaL_error(L, "%s: the mask has %d elements, the values %d", fn, (int)m.n, (int)x->n);
   return m;
 }
 
@@ -96,20 +108,20 @@ static void same_len(lua_State *L, const char *fn, int64_t a, int64_t b) {
   if (a != b) luaL_error(L, "%s: the tensors have %d and %d elements", fn, (int)a, (int)b);
 }
 
-/* Branch-free (the loops below run it over whole shards; a masked/unmasked branch would be
- * mispredicted half the time at 50% sparsity). */
-static inline uint32_t key_of(float x, const float *m, int64_t i) {
-  uint32_t bits;
-  memcpy(&bits, &x, sizeof bits);
-  uint32_t k = (bits & 0x7FFFFFFFu) + 1u;
-  if (m) k &= 0u - (uint32_t)(m[i] != 0.0f);
+/* The kernel table of the values' device; NULL when there is nothing to compute (no elements:
+ * every result is empty or 0, and no data is needed). */
+static const fsdp_kernels_i *kernels(lua_State *L, const char *fn, const operand *x) {
+  if (x->n == 0) return NULL;
+  const fsdp_kernels_i *k = fsdp_kernels_for(x->t, fn);
+  if (!k) fsdp_lua_error(L);
   return k;
 }
 
-static float value_of(float x, const float *m, int64_t i) {
-  if (m && m[i] == 0.0f) return -1.0f;
-  if (isnan(x)) return INFINITY;
-  return fabsf(x);
+#define CTX(o) ((o)->t->storage->device->ctx)
+
+/* a kernel call's status: a Lua error with the engine's message when it failed */
+static void check(lua_State *L, int rc) {
+  if (rc) fsdp_lua_error(L);
 }
 
 static int width_arg(lua_State *L, int idx, const char *fn) {
@@ -159,58 +171,44 @@ static int l_counts_totable(lua_State *L) {
   return 1;
 }
 
-/* Add counts[0..nb) into the histogram at (idx, idx + 1): a counts buffer and a 0-based offset. */
-static void hist_add(lua_State *L, int idx, const char *fn, const int64_t *counts, int64_t nb) {
+/* The histogram of nb buckets at (idx, idx + 1): a counts buffer and a 0-based offset; the
+ * kernels add into it. */
+static int64_t *hist_at(lua_State *L, int idx, const char *fn, int64_t nb) {
   counts_buf *b = counts_arg(L, idx, fn);
   lua_Number off = luaL_checknumber(L, idx + 1);
   if (off < 0 || off != floor(off) || off + (lua_Number)nb > (lua_Number)b->n)
     luaL_error(L, "%s: a histogram of %d buckets at offset %f does not fit %d counts", fn,
                (int)nb, (double)off, (int)b->n);
-  int64_t *out = b->v + (int64_t)off;
-  for (int64_t i = 0; i < nb; i++) out[i] += counts[i];
+  return b->v + (int64_t)off;
 }
 
 /* ---- masks ------------------------------------------------------------------------------- */
 
 static int l_mask_apply(lua_State *L) {
-  int64_t n, k;
-  float *x = view_arg(L, 1, "mask_apply", &n, true);
-  const float *m = view_arg(L, 2, "mask_apply", &k, false);
-  same_len(L, "mask_apply", n, k);
-  /* bitwise and with all-ones or zero: branch-free (vectorizes), exact, +0 for masked */
-  for (int64_t i = 0; i < n; i++) {
-    uint32_t bits;
-    memcpy(&bits, &x[i], sizeof bits);
-    bits &= 0u - (uint32_t)(m[i] != 0.0f);
-    memcpy(&x[i], &bits, sizeof bits);
-  }
+  const char *fn = "mask_apply";
+  operand x = arg(L, 1, fn, NULL), m = arg(L, 2, fn, &x);
+  same_len(L, fn, x.n, m.n);
+  const fsdp_kernels_i *k = kernels(L, fn, &x);
+  if (k) check(L, k->mask_apply(CTX(&x), x.t->dtype, x.d, m.d, x.n));
+  x.t->version++;
   return 0;
 }
 
 static int l_count_zeros(lua_State *L) {
-  int64_t n, z = 0;
-  const float *x = view_arg(L, 1, "count_zeros", &n, false);
-  for (int64_t i = 0; i < n; i++) z += x[i] == 0.0f;
+  operand x = arg(L, 1, "count_zeros", NULL);
+  const fsdp_kernels_i *k = kernels(L, "count_zeros", &x);
+  int64_t z = 0;
+  if (k) check(L, k->count_zeros(CTX(&x), x.t->dtype, &z, x.d, x.n));
   lua_pushnumber(L, (lua_Number)z);
   return 1;
 }
 
 static int l_mask_check(lua_State *L) {
-  int64_t n, bad = 0, z = 0;
-  const float *m = view_arg(L, 1, "mask_check", &n, false);
-  uint32_t h = 2166136261u; /* FNV-1a over the zero positions */
-  for (int64_t i = 0; i < n; i++) {
-    if (m[i] == 0.0f) {
-      z++;
-      uint32_t v = (uint32_t)i;
-      for (int b = 0; b < 4; b++) {
-        h ^= (v >> (8 * b)) & 0xFFu;
-        h *= 16777619u;
-      }
-    } else if (m[i] != 1.0f) {
-      bad++;
-    }
-  }
+  operand m = arg(L, 1, "mask_check", NULL);
+  const fsdp_kernels_i *k = kernels(L, "mask_check", &m);
+  int64_t bad = 0, z = 0;
+  uint32_t h = 2166136261u; /* FNV-1a of no positions */
+  if (k) check(L, k->mask_check(CTX(&m), m.t->dtype, &bad, &z, &h, m.d, m.n));
   lua_pushnumber(L, (lua_Number)bad);
   lua_pushnumber(L, (lua_Number)z);
   lua_pushnumber(L, (lua_Number)h);
@@ -218,14 +216,13 @@ static int l_mask_check(lua_State *L) {
 }
 
 static int l_mask_from_nonzero(lua_State *L) {
-  int64_t n, k, z = 0;
-  float *mo = view_arg(L, 1, "mask_from_nonzero", &n, true);
-  const float *x = view_arg(L, 2, "mask_from_nonzero", &k, false);
-  same_len(L, "mask_from_nonzero", n, k);
-  for (int64_t i = 0; i < n; i++) {
-    mo[i] = x[i] != 0.0f ? 1.0f : 0.0f;
-    z += x[i] == 0.0f;
-  }
+  const char *fn = "mask_from_nonzero";
+  operand mo = arg(L, 1, fn, NULL), x = arg(L, 2, fn, &mo);
+  same_len(L, fn, mo.n, x.n);
+  const fsdp_kernels_i *k = kernels(L, fn, &x);
+  int64_t z = 0;
+  if (k) check(L, k->mask_from_nonzero(CTX(&x), x.t->dtype, mo.d, &z, x.d, x.n));
+  mo.t->version++;
   lua_pushnumber(L, (lua_Number)z);
   return 1;
 }
@@ -242,38 +239,13 @@ static uint64_t prefix_arg(lua_State *L, int idx, const char *fn) {
 
 static int l_mask_hist(lua_State *L) {
   const char *fn = "mask_hist";
-  int64_t n;
-  const float *x = view_arg(L, 3, fn, &n, false);
-  const float *m = opt_mask(L, 4, fn, n);
+  operand x = arg(L, 3, fn, NULL), m = opt_mask(L, 4, fn, &x);
   uint64_t prefix = prefix_arg(L, 5, fn);
   int shift = (int)luaL_checkinteger(L, 6), width = width_arg(L, 7, fn);
   if (shift < 0 || shift + width > 32) luaL_error(L, "%s: shift + width must be <= 32", fn);
-  int64_t nb = (int64_t)1 << width;
-  int64_t *counts = lua_newuserdata(L, sizeof *counts * (size_t)nb);
-  memset(counts, 0, sizeof *counts * (size_t)nb);
-  /* 4 interleaved sub-histograms (32-bit: flushed before they could overflow): weights crowd
-   * into few buckets, and consecutive increments of one counter would wait on each other */
-  uint32_t *sub = lua_newuserdata(L, sizeof *sub * 4 * (size_t)nb);
-  const uint64_t bmask = (uint64_t)(nb - 1);
-  const int top = shift + width;
-  for (int64_t i0 = 0; i0 < n; i0 += (int64_t)1 << 30) {
-    int64_t i1 = n - i0 < ((int64_t)1 << 30) ? n : i0 + ((int64_t)1 << 30);
-    memset(sub, 0, sizeof *sub * 4 * (size_t)nb);
-    if (m) {
-      for (int64_t i = i0; i < i1; i++) {
-        uint64_t k = key_of(x[i], m, i);
-        if ((k >> top) == prefix) sub[(i & 3) * nb + (int64_t)((k >> shift) & bmask)]++;
-      }
-    } else {
-      for (int64_t i = i0; i < i1; i++) {
-        uint64_t k = key_of(x[i], NULL, i);
-        if ((k >> top) == prefix) sub[(i & 3) * nb + (int64_t)((k >> shift) & bmask)]++;
-      }
-    }
-    for (int64_t b = 0; b < nb; b++)
-      counts[b] += (int64_t)sub[b] + sub[nb + b] + sub[2 * nb + b] + sub[3 * nb + b];
-  }
-  hist_add(L, 1, fn, counts, nb);
+  int64_t *counts = hist_at(L, 1, fn, (int64_t)1 << width);
+  const fsdp_kernels_i *k = kernels(L, fn, &x);
+  if (k) check(L, k->mask_hist(CTX(&x), x.t->dtype, counts, x.d, m.d, x.n, prefix, shift, width));
   return 0;
 }
 
@@ -293,41 +265,31 @@ static uint32_t keyT_arg(lua_State *L, int idx, const char *fn) {
 
 static int l_mask_hist_pos(lua_State *L) {
   const char *fn = "mask_hist_pos";
-  int64_t n;
-  const float *x = view_arg(L, 3, fn, &n, false);
-  const float *m = opt_mask(L, 4, fn, n);
+  operand x = arg(L, 3, fn, NULL), m = opt_mask(L, 4, fn, &x);
   uint32_t T = keyT_arg(L, 5, fn);
   uint64_t gbase = pos_arg(L, 6, fn, "gbase");
   uint64_t prefix = prefix_arg(L, 7, fn);
   int shift = (int)luaL_checkinteger(L, 8), width = width_arg(L, 9, fn);
   if (shift < 0 || shift + width > 63) luaL_error(L, "%s: shift + width must be <= 63", fn);
-  int64_t nb = (int64_t)1 << width;
-  int64_t *counts = lua_newuserdata(L, sizeof *counts * (size_t)nb);
-  memset(counts, 0, sizeof *counts * (size_t)nb);
-  for (int64_t i = 0; i < n; i++) {
-    if (key_of(x[i], m, i) != T) continue;
-    uint64_t pos = gbase + (uint64_t)i;
-    if ((pos >> (shift + width)) == prefix) counts[(pos >> shift) & (uint64_t)(nb - 1)]++;
-  }
-  hist_add(L, 1, fn, counts, nb);
+  int64_t *counts = hist_at(L, 1, fn, (int64_t)1 << width);
+  const fsdp_kernels_i *k = kernels(L, fn, &x);
+  if (k)
+    check(L, k->mask_hist_pos(CTX(&x), x.t->dtype, counts, x.d, m.d, x.n, T, gbase, prefix,
+                              shift, width));
   return 0;
 }
 
 static int l_mask_select(lua_State *L) {
   const char *fn = "mask_select";
-  int64_t n, k, z = 0;
-  float *mo = view_arg(L, 1, fn, &n, true);
-  const float *x = view_arg(L, 2, fn, &k, false);
-  same_len(L, fn, n, k);
-  const float *m = opt_mask(L, 3, fn, n);
+  operand mo = arg(L, 1, fn, NULL), x = arg(L, 2, fn, &mo);
+  same_len(L, fn, mo.n, x.n);
+  operand m = opt_mask(L, 3, fn, &x);
   uint32_t T = keyT_arg(L, 4, fn);
   uint64_t gbase = pos_arg(L, 5, fn, "gbase"), P = pos_arg(L, 6, fn, "P");
-  for (int64_t i = 0; i < n; i++) {
-    uint32_t key = key_of(x[i], m, i);
-    int pruned = (key < T) | ((key == T) & (gbase + (uint64_t)i < P));
-    mo[i] = (float)(1 - pruned);
-    z += pruned;
-  }
+  const fsdp_kernels_i *k = kernels(L, fn, &x);
+  int64_t z = 0;
+  if (k) check(L, k->mask_select(CTX(&x), x.t->dtype, mo.d, &z, x.d, m.d, x.n, T, gbase, P));
+  mo.t->version++;
   lua_pushnumber(L, (lua_Number)z);
   return 1;
 }
@@ -336,40 +298,31 @@ static int l_mask_select(lua_State *L) {
 
 static int l_mask_nm(lua_State *L) {
   const char *fn = "mask_nm";
-  int64_t n, k;
-  float *mo = view_arg(L, 1, fn, &n, true);
-  const float *x = view_arg(L, 2, fn, &k, false);
-  same_len(L, fn, n, k);
-  const float *m = opt_mask(L, 3, fn, n);
+  operand mo = arg(L, 1, fn, NULL), x = arg(L, 2, fn, &mo);
+  same_len(L, fn, mo.n, x.n);
+  operand m = opt_mask(L, 3, fn, &x);
   lua_Integer keep = luaL_checkinteger(L, 4), M = luaL_checkinteger(L, 5),
               lead = luaL_checkinteger(L, 6);
   if (M < 1 || M > 4096 || keep < 0 || keep > M)
     luaL_error(L, "%s: need 0 <= n <= m <= 4096 (got n = %d, m = %d)", fn, (int)keep, (int)M);
   if (lead < 0) luaL_error(L, "%s: lead must be >= 0", fn);
+  const fsdp_kernels_i *k = kernels(L, fn, &x);
   int64_t groups = 0;
-  for (int64_t g = lead; g + M <= n; g += M, groups++) {
-    for (int64_t i = g; i < g + M; i++) {
-      float vi = value_of(x[i], m, i);
-      int64_t above = 0; /* elements of the group ranked before i */
-      for (int64_t j = g; j < g + M; j++) {
-        if (j == i) continue;
-        float vj = value_of(x[j], m, j);
-        above += vj > vi || (vj == vi && j > i);
-      }
-      mo[i] = above < keep ? 1.0f : 0.0f;
-    }
-  }
+  if (k)
+    check(L, k->mask_nm(CTX(&x), x.t->dtype, mo.d, &groups, x.d, m.d, x.n, keep, M, lead));
+  mo.t->version++;
   lua_pushnumber(L, (lua_Number)groups);
   return 1;
 }
 
 static int l_mask_values(lua_State *L) {
-  int64_t n, k;
-  float *out = view_arg(L, 1, "mask_values", &n, true);
-  const float *x = view_arg(L, 2, "mask_values", &k, false);
-  same_len(L, "mask_values", n, k);
-  const float *m = opt_mask(L, 3, "mask_values", n);
-  for (int64_t i = 0; i < n; i++) out[i] = value_of(x[i], m, i);
+  const char *fn = "mask_values";
+  operand out = arg(L, 1, fn, NULL), x = arg(L, 2, fn, &out);
+  same_len(L, fn, out.n, x.n);
+  operand m = opt_mask(L, 3, fn, &x);
+  const fsdp_kernels_i *k = kernels(L, fn, &x);
+  if (k) check(L, k->mask_values(CTX(&x), x.t->dtype, out.d, x.d, m.d, x.n));
+  out.t->version++;
   return 0;
 }
 

@@ -1,13 +1,15 @@
 /*
  * l_ops.c — the functional ops (fsdp.F), grad mode, seeding and parameter initialisation,
  * optimizer update kernels and memory accounting, as functions of the `fsdp.core` module.
- * Owner: grad.
+ * The math (initialisation, optimizer steps, sums of squares) runs in the kernel table of the
+ * tensors' device (kernels/kernels.h); the cpu header is here only for the BLAS thread count.
  */
 #include <math.h>
 #include <string.h>
 
 #include "autograd/autograd.h"
 #include "kernels/cpu/kernels.h"
+#include "kernels/kernels.h"
 #include "lua/binding.h"
 
 /* The tensor argument idx of fsdp.F.<fn>, or a Lua error naming fn: through a tail call or
@@ -164,11 +166,11 @@ static int l_parameter(lua_State *L) {
                FSDP_SHAPE_STR(t));
   int64_t n = fsdp_tensor_numel(t);
   if (t->storage->role != FSDP_ROLE_PARAMS || !fsdp_tensor_is_contiguous(t) || t->offset != 0 ||
-      t->storage->bytes != (size_t)n * sizeof(float)) {
+      t->storage->bytes != (size_t)n * fsdp_dtype_size(t->dtype)) {
     fsdp_tensor *p;
     if (fsdp_tensor_new(&p, t->storage->device, t->dtype, t->ndim, t->shape, FSDP_ROLE_PARAMS))
       fsdp_lua_error(L);
-    if (t->storage->device->has_data && fsdp_tensor_copy(p, t)) {
+    if (t->storage->device->has_data && fsdp_copy(p, t)) {
       fsdp_tensor_release(p);
       fsdp_lua_error(L);
     }
@@ -182,11 +184,26 @@ static int l_parameter(lua_State *L) {
   return 1;
 }
 
-static float *init_target(lua_State *L, fsdp_tensor *t, const char *what) {
-  if (!t->storage->device->has_data) return NULL; /* meta: values come at materialize time */
+/* The kernel table of an initialisation's target; NULL on a device without data (meta: values
+ * come at materialize time). */
+static const fsdp_kernels_i *init_target(lua_State *L, fsdp_tensor *t, const char *what) {
+  if (!t->storage->device->has_data) return NULL;
   if (!fsdp_tensor_is_contiguous(t))
     luaL_error(L, "%s: needs a contiguous tensor, got a strided view %s", what, FSDP_SHAPE_STR(t));
-  return fsdp_tensor_data(t, what);
+  const fsdp_kernels_i *k = fsdp_kernels_for(t, what);
+  if (!k) fsdp_lua_error(L);
+  return k;
+}
+
+/* Fill t with elements [first, first + numel) of the Philox stream of (seed, path): normal
+ * (mean a, std b) or uniform in [a, b), on t's device and in its dtype. */
+static void init_random(lua_State *L, fsdp_tensor *t, const char *what, uint64_t seed,
+                        const char *path, bool normal, float a, float b, uint64_t first) {
+  const fsdp_kernels_i *k = init_target(L, t, what);
+  if (k && k->random(t->storage->device->ctx, t->dtype, fsdp_tensor_data(t, what),
+                     fsdp_tensor_numel(t), fsdp_rng_key(seed, path), first, normal, a, b))
+    fsdp_lua_error(L);
+  t->version++;
 }
 
 /* The optional element offset (argument idx, default 0): t's first element gets the value of
@@ -208,9 +225,7 @@ static int l_init_normal(lua_State *L) {
   const char *path = luaL_checkstring(L, 3);
   float mean = (float)luaL_optnumber(L, 4, 0.0), std = (float)luaL_optnumber(L, 5, 1.0);
   uint64_t first = check_first(L, 6, "init_normal");
-  float *d = init_target(L, t, "init_normal");
-  if (d) fsdp_rng_normal(d, fsdp_tensor_numel(t), fsdp_rng_key(seed, path), first, mean, std);
-  t->version++;
+  init_random(L, t, "init_normal", seed, path, true, mean, std, first);
   return 0;
 }
 
@@ -221,65 +236,89 @@ static int l_init_uniform(lua_State *L) {
   const char *path = luaL_checkstring(L, 3);
   float lo = (float)luaL_optnumber(L, 4, 0.0), hi = (float)luaL_optnumber(L, 5, 1.0);
   uint64_t first = check_first(L, 6, "init_uniform");
-  float *d = init_target(L, t, "init_uniform");
-  if (d) {
-    int64_t n = fsdp_tensor_numel(t);
-    fsdp_rng_uniform(d, n, fsdp_rng_key(seed, path), first);
-    for (int64_t i = 0; i < n; i++) d[i] = lo + (hi - lo) * d[i];
-  }
-  t->version++;
+  init_random(L, t, "init_uniform", seed, path, false, lo, hi, first);
   return 0;
 }
 
 /* ---- optimizer updates ----------------------------------------------------------------- */
 
-static float *flat(lua_State *L, int idx, int64_t n, const char *what, const char *role) {
+/* Argument idx of an optimizer update: a tensor of n elements, contiguous, on the parameter p's
+ * device and of its dtype (the kernels decide which dtypes they update); its data there. */
+static void *state_arg(lua_State *L, int idx, fsdp_tensor *p, const char *what,
+                       const char *role) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, idx);
+  int64_t n = fsdp_tensor_numel(p);
   if (fsdp_tensor_numel(t) != n)
     luaL_error(L, "%s: %s has %d elements, the parameter has %d", what, role,
                (int)fsdp_tensor_numel(t), (int)n);
   if (!fsdp_tensor_is_contiguous(t)) luaL_error(L, "%s: %s must be contiguous", what, role);
-  float *d = fsdp_tensor_data(t, what);
+  if (t->storage->device != p->storage->device)
+    luaL_error(L, "%s: %s is on the %s device, the parameter on %s", what, role,
+               t->storage->device->name, p->storage->device->name);
+  if (t->dtype != p->dtype)
+    luaL_error(L, "%s: %s is %s, the parameter %s", what, role, fsdp_dtype_name(t->dtype),
+               fsdp_dtype_name(p->dtype));
+  void *d = fsdp_tensor_data(t, what);
   if (!d) fsdp_lua_error(L);
-  t->version++;
   return d;
 }
 
+static void bump(lua_State *L, int idx) {
+  if (!lua_isnoneornil(L, idx)) fsdp_lua_check_tensor(L, idx)->version++;
+}
+
+/* sgd_step(p, g, buf|nil, lr, momentum = 0, weight_decay = 0, first_step) */
 static int l_sgd_step(lua_State *L) {
+  const char *fn = "sgd_step";
   fsdp_tensor *p = fsdp_lua_check_tensor(L, 1);
-  int64_t n = fsdp_tensor_numel(p);
-  float *pd = flat(L, 1, n, "sgd_step", "parameter");
-  float *g = flat(L, 2, n, "sgd_step", "gradient");
-  float *buf = lua_isnoneornil(L, 3) ? NULL : flat(L, 3, n, "sgd_step", "momentum buffer");
+  void *pd = state_arg(L, 1, p, fn, "parameter");
+  void *g = state_arg(L, 2, p, fn, "gradient");
+  void *buf = lua_isnoneornil(L, 3) ? NULL : state_arg(L, 3, p, fn, "momentum buffer");
   float lr = (float)luaL_checknumber(L, 4), mom = (float)luaL_optnumber(L, 5, 0),
         wd = (float)luaL_optnumber(L, 6, 0);
   bool first = lua_toboolean(L, 7);
   if (mom != 0.0f && !buf) luaL_error(L, "sgd_step: momentum %g needs a buffer", (double)mom);
-  fsdp_cpu_sgd_step(pd, buf, g, n, lr, mom, wd, first);
+  const fsdp_kernels_i *k = fsdp_kernels_for(p, fn);
+  if (!k || k->sgd_step(p->storage->device->ctx, p->dtype, pd, buf, g, fsdp_tensor_numel(p), lr,
+                        mom, wd, first))
+    fsdp_lua_error(L);
+  bump(L, 1), bump(L, 3);
   return 0;
 }
 
+/* adamw_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step) */
 static int l_adamw_step(lua_State *L) {
+  const char *fn = "adamw_step";
   fsdp_tensor *p = fsdp_lua_check_tensor(L, 1);
-  int64_t n = fsdp_tensor_numel(p);
-  float *pd = flat(L, 1, n, "adamw_step", "parameter");
-  float *g = flat(L, 2, n, "adamw_step", "gradient");
-  float *m = flat(L, 3, n, "adamw_step", "first moment");
-  float *v = flat(L, 4, n, "adamw_step", "second moment");
+  void *pd = state_arg(L, 1, p, fn, "parameter");
+  void *g = state_arg(L, 2, p, fn, "gradient");
+  void *m = state_arg(L, 3, p, fn, "first moment");
+  void *v = state_arg(L, 4, p, fn, "second moment");
   float lr = (float)luaL_checknumber(L, 5), b1 = (float)luaL_checknumber(L, 6),
         b2 = (float)luaL_checknumber(L, 7), eps = (float)luaL_checknumber(L, 8),
         wd = (float)luaL_checknumber(L, 9);
   lua_Number step = luaL_checknumber(L, 10);
   if (step < 1 || step != floor(step)) luaL_error(L, "adamw_step: step must be an integer >= 1");
-  fsdp_cpu_adamw_step(pd, m, v, g, n, lr, b1, b2, eps, wd, (int64_t)step);
+  const fsdp_kernels_i *k = fsdp_kernels_for(p, fn);
+  if (!k || k->adamw_step(p->storage->device->ctx, p->dtype, pd, m, v, g, fsdp_tensor_numel(p),
+                          lr, b1, b2, eps, wd, (int64_t)step))
+    fsdp_lua_error(L);
+  bump(L, 1), bump(L, 3), bump(L, 4);
   return 0;
 }
 
+/* sumsq(t) -> the sum of the squares of t's elements (double), on t's device */
 static int l_sumsq(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1), *c;
-  if (!fsdp_tensor_data(t, "sumsq") || fsdp_tensor_contiguous(&c, t)) fsdp_lua_error(L);
-  double s = fsdp_cpu_sumsq(fsdp_tensor_data(c, "sumsq"), fsdp_tensor_numel(c));
+  if (!fsdp_tensor_data(t, "sumsq")) fsdp_lua_error(L);
+  /* a dense copy on t's own device when t is strided (t itself otherwise) */
+  if (fsdp_to(&c, t, t->storage->device, t->dtype, FSDP_ROLE_ACTIVATIONS)) fsdp_lua_error(L);
+  double s = 0;
+  const fsdp_kernels_i *k = fsdp_kernels_for(c, "sumsq");
+  int rc = !k || k->sumsq(c->storage->device->ctx, c->dtype, &s, fsdp_tensor_data(c, "sumsq"),
+                          fsdp_tensor_numel(c));
   fsdp_tensor_release(c);
+  if (rc) fsdp_lua_error(L);
   lua_pushnumber(L, s);
   return 1;
 }

@@ -264,7 +264,7 @@ static int filled(lua_State *L, double v, const char *fn) {
   int opts = opts_index(L, 1, n, fn);
   fsdp_tensor *t = new_from_opts(L, opts, n, shape, fn);
   fsdp_lua_push_tensor(L, t); /* owned by Lua before anything can raise */
-  if (v != 0.0 && fsdp_tensor_fill(t, v)) fsdp_lua_error(L);
+  if (v != 0.0 && fsdp_fill(t, v)) fsdp_lua_error(L);
   return 1;
 }
 
@@ -294,7 +294,7 @@ static int l_full(lua_State *L) {
   int n = fsdp_lua_check_shape(L, 1, shape);
   fsdp_tensor *t = new_from_opts(L, opts, n, shape, "full");
   fsdp_lua_push_tensor(L, t);
-  if (fsdp_tensor_fill(t, v)) fsdp_lua_error(L);
+  if (fsdp_fill(t, v)) fsdp_lua_error(L);
   return 1;
 }
 
@@ -529,7 +529,7 @@ static int l_set(lua_State *L) {
 static int l_fill(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
   double v = luaL_checknumber(L, 2);
-  if (fsdp_tensor_fill(t, v)) fsdp_lua_error(L);
+  if (fsdp_fill(t, v)) fsdp_lua_error(L);
   t->version++;
   lua_settop(L, 1);
   return 1;
@@ -537,7 +537,7 @@ static int l_fill(lua_State *L) {
 
 static int l_zero(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
-  if (fsdp_tensor_fill(t, 0.0)) fsdp_lua_error(L);
+  if (fsdp_fill(t, 0.0)) fsdp_lua_error(L);
   t->version++;
   lua_settop(L, 1);
   return 1;
@@ -793,13 +793,18 @@ static int extreme(lua_State *L, bool want_max) {
   int64_t N = fsdp_tensor_numel(t);
   need_data(L, t, fn);
   if (N == 0) luaL_error(L, "%s: tensor is empty", fn);
-  fsdp_tensor *c;
-  if (fsdp_tensor_contiguous(&c, t)) fsdp_lua_error(L);
+  /* a dense copy on t's device when t is strided; the result, one element there, is read back */
+  fsdp_tensor *c, *r = NULL;
+  if (fsdp_to(&c, t, t->storage->device, t->dtype, FSDP_ROLE_ACTIVATIONS)) fsdp_lua_error(L);
+  const fsdp_device_i *dev = c->storage->device;
   unsigned char v[8];
   const fsdp_kernels_i *k = fsdp_kernels_for(c, fn);
-  int rc = !k || k->extreme_dim(c->storage->device->ctx, c->dtype, want_max, v, NULL,
-                                fsdp_tensor_data(c, fn), 1, N, 1);
+  int rc = !k || fsdp_tensor_new_uninit(&r, dev, c->dtype, 0, NULL, FSDP_ROLE_ACTIVATIONS) ||
+           k->extreme_dim(dev->ctx, c->dtype, want_max, fsdp_tensor_data(r, fn), NULL,
+                          fsdp_tensor_data(c, fn), 1, N, 1) ||
+           dev->to_host(dev->ctx, v, fsdp_tensor_data(r, fn), fsdp_dtype_size(c->dtype));
   fsdp_tensor_release(c);
+  fsdp_tensor_release(r);
   if (rc) fsdp_lua_error(L);
   lua_pushnumber(L, fsdp_dtype_load(v, t->dtype, 0));
   return 1;
@@ -877,7 +882,7 @@ static fsdp_tensor *operand(lua_State *L, int idx, fsdp_tensor *like, const char
     fsdp_lua_error(L);
   fsdp_lua_push_tensor(L, t); /* owned by Lua (the stack keeps it alive for the call) */
   lua_replace(L, idx);
-  if (fsdp_tensor_fill(t, v)) fsdp_lua_error(L);
+  if (fsdp_fill(t, v)) fsdp_lua_error(L);
   return t;
 }
 

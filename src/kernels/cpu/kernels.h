@@ -187,4 +187,24 @@ void fsdp_cpu_adamw_step(float *param, float *m, float *v, const float *grad, in
                          float lr, float beta1, float beta2, float eps, float weight_decay,
                          int64_t step);
 
+/* ---- masks and magnitude pruning (mask.c) ----------------------------------------------------
+ * The f32 forms of the mask slots of kernels/kernels.h (the key order is described there).
+ * m may be NULL (no mask) where it is a const input. Counts are added (+=) or returned. */
+void fsdp_cpu_mask_apply(float *x, const float *m, int64_t n);
+int64_t fsdp_cpu_count_zeros(const float *x, int64_t n);
+void fsdp_cpu_mask_check(int64_t *bad, int64_t *zeros, uint32_t *hash, const float *m,
+                         int64_t n);
+int64_t fsdp_cpu_mask_from_nonzero(float *mout, const float *x, int64_t n);
+/* sub: scratch of 4 << width counters */
+void fsdp_cpu_mask_hist(int64_t *counts, uint32_t *sub, const float *x, const float *m,
+                        int64_t n, uint64_t prefix, int shift, int width);
+void fsdp_cpu_mask_hist_pos(int64_t *counts, const float *x, const float *m, int64_t n,
+                            uint32_t T, uint64_t gbase, uint64_t prefix, int shift, int width);
+int64_t fsdp_cpu_mask_select(float *mout, const float *x, const float *m, int64_t n, uint32_t T,
+                             uint64_t gbase, uint64_t P);
+/* M <= 4096 */
+int64_t fsdp_cpu_mask_nm(float *mout, const float *x, const float *m, int64_t n, int64_t keep,
+                         int64_t M, int64_t lead);
+void fsdp_cpu_mask_values(float *out, const float *x, const float *m, int64_t n);
+
 #endif

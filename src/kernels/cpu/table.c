@@ -942,6 +942,102 @@ static int k_adamw_step(void *ctx, fsdp_dtype dt, void *param, void *m, void *v,
   return FSDP_OK;
 }
 
+/* ---- fill, masks ------------------------------------------------------------------------- */
+
+static int k_fill(void *ctx, fsdp_dtype dt, void *out, double v, int64_t n) {
+  unsigned char pat[8];
+  fsdp_dtype_store(pat, dt, 0, v);
+  switch (fsdp_dtype_size(dt)) { /* the element's bytes, repeated: no per-element conversion */
+  case 1: memset(out, pat[0], (size_t)n); break;
+  case 2: {
+    uint16_t w, *o = out;
+    memcpy(&w, pat, 2);
+    for (int64_t i = 0; i < n; i++) o[i] = w;
+    break;
+  }
+  case 4: {
+    uint32_t w, *o = out;
+    memcpy(&w, pat, 4);
+    for (int64_t i = 0; i < n; i++) o[i] = w;
+    break;
+  }
+  default: {
+    uint64_t w, *o = out;
+    memcpy(&w, pat, 8);
+    for (int64_t i = 0; i < n; i++) o[i] = w;
+  }
+  }
+  return FSDP_OK;
+}
+
+/* The masks compute in f32 only: their keys are the bits of an f32. */
+#define MASK_F32(op, dt) if ((dt) != FSDP_DTYPE_F32) return REFUSE(op, dt)
+
+static int k_mask_apply(void *ctx, fsdp_dtype dt, void *x, const void *m, int64_t n) {
+  MASK_F32("mask_apply", dt);
+  fsdp_cpu_mask_apply(x, m, n);
+  return FSDP_OK;
+}
+
+static int k_count_zeros(void *ctx, fsdp_dtype dt, int64_t *zeros, const void *x, int64_t n) {
+  MASK_F32("count_zeros", dt);
+  *zeros = fsdp_cpu_count_zeros(x, n);
+  return FSDP_OK;
+}
+
+static int k_mask_check(void *ctx, fsdp_dtype dt, int64_t *bad, int64_t *zeros, uint32_t *hash,
+                        const void *m, int64_t n) {
+  MASK_F32("mask_check", dt);
+  fsdp_cpu_mask_check(bad, zeros, hash, m, n);
+  return FSDP_OK;
+}
+
+static int k_mask_from_nonzero(void *ctx, fsdp_dtype dt, void *mout, int64_t *zeros,
+                               const void *x, int64_t n) {
+  MASK_F32("mask_from_nonzero", dt);
+  *zeros = fsdp_cpu_mask_from_nonzero(mout, x, n);
+  return FSDP_OK;
+}
+
+static int k_mask_hist(void *ctx, fsdp_dtype dt, int64_t *counts, const void *x, const void *m,
+                       int64_t n, uint64_t prefix, int shift, int width) {
+  MASK_F32("mask_hist", dt);
+  scratch t = {0};
+  /* 4 << width 32-bit counters: the bytes of as many f32 */
+  uint32_t *sub = (uint32_t *)tmp_f32(&t, (int64_t)4 << width);
+  if (sub) fsdp_cpu_mask_hist(counts, sub, x, m, n, prefix, shift, width);
+  return finish(&t, sub != NULL);
+}
+
+static int k_mask_hist_pos(void *ctx, fsdp_dtype dt, int64_t *counts, const void *x,
+                           const void *m, int64_t n, uint32_t T, uint64_t gbase, uint64_t prefix,
+                           int shift, int width) {
+  MASK_F32("mask_hist_pos", dt);
+  fsdp_cpu_mask_hist_pos(counts, x, m, n, T, gbase, prefix, shift, width);
+  return FSDP_OK;
+}
+
+static int k_mask_select(void *ctx, fsdp_dtype dt, void *mout, int64_t *pruned, const void *x,
+                         const void *m, int64_t n, uint32_t T, uint64_t gbase, uint64_t P) {
+  MASK_F32("mask_select", dt);
+  *pruned = fsdp_cpu_mask_select(mout, x, m, n, T, gbase, P);
+  return FSDP_OK;
+}
+
+static int k_mask_nm(void *ctx, fsdp_dtype dt, void *mout, int64_t *groups, const void *x,
+                     const void *m, int64_t n, int64_t keep, int64_t M, int64_t lead) {
+  MASK_F32("mask_nm", dt);
+  *groups = fsdp_cpu_mask_nm(mout, x, m, n, keep, M, lead);
+  return FSDP_OK;
+}
+
+static int k_mask_values(void *ctx, fsdp_dtype dt, void *out, const void *x, const void *m,
+                         int64_t n) {
+  MASK_F32("mask_values", dt);
+  fsdp_cpu_mask_values(out, x, m, n);
+  return FSDP_OK;
+}
+
 const fsdp_kernels_i fsdp_cpu_kernels = {
     .cast = k_cast,
     .copy_strided = k_copy_strided,
@@ -991,6 +1087,16 @@ const fsdp_kernels_i fsdp_cpu_kernels = {
     .index_add_dim = k_index_add_dim,
     .sgd_step = k_sgd_step,
     .adamw_step = k_adamw_step,
+    .fill = k_fill,
+    .mask_apply = k_mask_apply,
+    .count_zeros = k_count_zeros,
+    .mask_check = k_mask_check,
+    .mask_from_nonzero = k_mask_from_nonzero,
+    .mask_hist = k_mask_hist,
+    .mask_hist_pos = k_mask_hist_pos,
+    .mask_select = k_mask_select,
+    .mask_nm = k_mask_nm,
+    .mask_values = k_mask_values,
 };
 
 /* The cpu registers itself: its device (in core) gets this table. */

@@ -1,0 +1,234 @@
+-- devices_spec.lua — the binding on a device the host must not read: cpu2 (tests/c/cpu2_device.h,
+-- loaded by the test module fsdp_cpu2) has host memory behind host_memory = false and the cpu's
+-- kernels. Printing, item, get/set, totable and max read through its to_host/from_host; the
+-- mask, optimizer, init and sumsq bindings compute in its kernel table with no host transfer and
+-- give the cpu's bits; mixing devices or dtypes in one call is an error naming both; data and
+-- safetensors helpers move through the host only where they must. The C side (ops, units at 1
+-- and 2 ranks): tests/c/test_devices.c.
+-- Run: busted --lua=luajit tests/lua/devices_spec.lua (needs build/lib on LUA_CPATH)
+
+local cpu2 = require "fsdp_cpu2" -- first: its fsdp.core is the engine cpu2 is registered in
+local fsdp = require "fsdp"
+local core = fsdp.core
+local H = require "helpers"
+
+-- the same stream on both devices
+local function pair(shape, seed)
+  fsdp.manual_seed(seed or 1)
+  local a = fsdp.randn(shape)
+  return a, a:to("cpu2")
+end
+
+local function bits_equal(a, b)
+  assert.are.equal("cpu", a.device)
+  assert.are.equal("cpu2", b.device)
+  assert.are.equal(a:dtype(), b:dtype())
+  assert.is_true(H.same_values_view(a, b:to("cpu")))
+end
+
+-- runs fn and returns the host transfers (to_host, from_host) it made on cpu2
+local function transfers(fn)
+  cpu2.reset()
+  fn()
+  return cpu2.transfers()
+end
+
+describe("tensors on a device without host memory", function()
+  it("print, item, get/set, totable and max/min read through to_host/from_host", function()
+    local c = fsdp.tensor{{1, 2, 3}, {4, 5, 6}}
+    local x = fsdp.tensor({{1, 2, 3}, {4, 5, 6}}, {device = "cpu2"})
+    assert.are.equal("cpu2", x.device)
+    local th = transfers(function()
+      assert.are.equal((tostring(c):gsub("cpu", "cpu2", 1)), tostring(x))
+    end)
+    assert.is_true(th > 0)
+    local g
+    th = transfers(function() g = x:get(2, 3) end)
+    assert.are.equal(6, g)
+    assert.are.equal(1, th)
+    local _, fh = transfers(function() x:set(1, 2, -7.5) end)
+    assert.are.equal(1, fh)
+    assert.are.equal(-7.5, x:get(1, 2))
+    assert.are.same({{1, -7.5, 3}, {4, 5, 6}}, x:totable())
+    assert.are.equal(6, x:max())
+    assert.are.equal(-7.5, x:min())
+    assert.are.equal(-7.5, x:transpose(1, 2):min()) -- strided: made dense on cpu2 first
+    assert.are.equal(-2.5, x:narrow(2, 2, 1):sum():item())
+  end)
+
+  it("t:to moves across devices and dtypes; factories and fill make values there", function()
+    local a, b = pair({3, 4}, 2)
+    bits_equal(a, b)
+    bits_equal(a:to("bf16"), b:to("bf16"))
+    bits_equal(a:to("bf16"):to("f64"), b:to("bf16"):to("f64"))
+    assert.are.equal("cpu2", b:to("bf16").device)
+    assert.are.equal("cpu", b:to("cpu", "f16").device)
+    fsdp.manual_seed(3)
+    local r1 = fsdp.rand({5}, {dtype = "bf16"})
+    fsdp.manual_seed(3)
+    local r2 = fsdp.rand({5}, {dtype = "bf16", device = "cpu2"})
+    bits_equal(r1, r2)
+    bits_equal(fsdp.full({2, 2}, 3.25), fsdp.full({2, 2}, 3.25, {device = "cpu2"}))
+    bits_equal(fsdp.arange(0, 3, 0.5), fsdp.arange(0, 3, 0.5, {device = "cpu2"}))
+  end)
+end)
+
+describe("mask bindings on cpu2", function()
+  local n = 1000
+  local function inputs()
+    local x, xd = pair({n}, 4)
+    local mc = fsdp.tensor((function()
+      local v = {}
+      for i = 1, n do v[i] = (i * 37) % 5 == 0 and 0 or 1 end
+      return v
+    end)())
+    return x, xd, mc, mc:to("cpu2")
+  end
+
+  it("compute in the device's kernels, with the cpu's results and no host transfer", function()
+    local x, xd, m, md = inputs()
+    local out = {cpu = {}, cpu2 = {}}
+    local function run(dev, x, m)
+      local o, opts = out[dev], {device = dev}
+      o.zeros = core.count_zeros(m)
+      o.check = {core.mask_check(m)}
+      o.nz = fsdp.zeros({n}, opts)
+      o.nz_zeros = core.mask_from_nonzero(o.nz, m)
+      o.hist = core.counts(2048 + 16)
+      core.mask_hist(o.hist, 0, x, m, 0, 21, 11)
+      core.mask_hist_pos(o.hist, 2048, x, m, 0, 100, 0, 6, 4) -- key 0: the masked elements
+      o.sel = fsdp.zeros({n}, opts)
+      o.pruned = core.mask_select(o.sel, x, m, 1065353216, 0, 500)
+      o.nm = fsdp.ones({n}, opts)
+      o.groups = core.mask_nm(o.nm, x, m, 2, 4, 3)
+      o.vals = fsdp.zeros({n}, opts)
+      core.mask_values(o.vals, x, m)
+      o.applied = x:clone()
+      core.mask_apply(o.applied, m)
+    end
+    run("cpu", x, m)
+    local th, fh = transfers(function() run("cpu2", xd, md) end)
+    assert.are.equal(0, th)
+    assert.are.equal(0, fh)
+    local a, b = out.cpu, out.cpu2
+    for _, k in ipairs {"zeros", "nz_zeros", "pruned", "groups"} do assert.are.equal(a[k], b[k]) end
+    assert.are.same(a.check, b.check)
+    assert.are.same(core.counts_totable(a.hist), core.counts_totable(b.hist))
+    assert.is_true(a.zeros > 0 and a.pruned > 0 and a.groups > 0)
+    local pos = 0 -- positions of masked elements counted by mask_hist_pos
+    for i = 2048 + 1, 2048 + 16 do pos = pos + core.counts_totable(a.hist)[i] end
+    local want = 0 -- masked (key 0) at positions 100 + i < 1024 (prefix 0 above bit 10)
+    for i = 0, n - 1 do
+      if (i + 1) % 5 == 0 and 100 + i < 1024 then want = want + 1 end
+    end
+    assert.are.equal(want, pos)
+    for _, k in ipairs {"nz", "sel", "nm", "vals", "applied"} do bits_equal(a[k], b[k]) end
+  end)
+
+  it("refuse mixed devices and dtypes, naming both, and dtypes the kernels lack", function()
+    local _, xd, m, md = inputs()
+    H.assert_error_has(function() core.mask_apply(xd, m) end,
+      "mask_apply: argument #2 is on the cpu device, argument #1 on cpu2")
+    H.assert_error_has(function() core.mask_select(fsdp.zeros{n}, xd, md, 1, 0, 0) end,
+      "mask_select: argument #2 is on the cpu2 device, argument #1 on cpu")
+    H.assert_error_has(function() core.mask_hist(core.counts(4), 0, xd, m, 0, 30, 2) end,
+      "mask_hist: argument #4 is on the cpu device, argument #3 on cpu2")
+    H.assert_error_has(function() core.mask_apply(xd, md:to("f64")) end,
+      "mask_apply: argument #2 is f64, argument #1 f32")
+    H.assert_error_has(function() core.count_zeros(xd:to("bf16")) end,
+      "op count_zeros has no kernel for bf16")
+    H.assert_error_has(function() core.mask_values(fsdp.zeros({n}, {device = "cpu2"}), xd, md:narrow(1, 1, 10)) end,
+      "mask_values: the mask has 10 elements, the values 1000")
+    H.assert_error_has(function() core.mask_hist(core.counts(4), 1, xd, nil, 0, 30, 2) end,
+      "a histogram of 4 buckets at offset 1 does not fit 4 counts")
+    -- empty views compute nothing and need no kernel
+    assert.are.equal(0, core.count_zeros(xd:narrow(1, 1, 0)))
+  end)
+end)
+
+describe("optimizer, init and sumsq bindings on cpu2", function()
+  it("sgd_step and adamw_step give the cpu's bits with no host transfer", function()
+    local p, pd = pair({64}, 5)
+    local g, gd = pair({64}, 6)
+    local b, bd = fsdp.zeros{64}, fsdp.zeros({64}, {device = "cpu2"})
+    local m, md = fsdp.zeros{64}, fsdp.zeros({64}, {device = "cpu2"})
+    local v, vd = fsdp.zeros{64}, fsdp.zeros({64}, {device = "cpu2"})
+    local th, fh = transfers(function()
+      for s = 1, 3 do
+        core.sgd_step(p, g, b, 0.1, 0.9, 0.01, s == 1)
+        core.sgd_step(pd, gd, bd, 0.1, 0.9, 0.01, s == 1)
+        core.adamw_step(p, g, m, v, 1e-2, 0.9, 0.999, 1e-8, 0.1, s)
+        core.adamw_step(pd, gd, md, vd, 1e-2, 0.9, 0.999, 1e-8, 0.1, s)
+      end
+    end)
+    assert.are.equal(0, th + fh)
+    for _, q in ipairs {{p, pd}, {b, bd}, {m, md}, {v, vd}} do bits_equal(q[1], q[2]) end
+    assert.are.equal(core.sumsq(p), core.sumsq(pd))
+    assert.are.equal(core.sumsq(p:view{8, 8}:transpose(1, 2)), core.sumsq(pd:view{8, 8}:transpose(1, 2)))
+  end)
+
+  it("refuse state on another device or dtype, and dtypes the kernels lack", function()
+    local _, pd = pair({8}, 5)
+    local g = fsdp.zeros{8}
+    H.assert_error_has(function() core.sgd_step(pd, g, nil, 0.1) end,
+      "sgd_step: gradient is on the cpu device, the parameter on cpu2")
+    local gd = g:to("cpu2")
+    H.assert_error_has(function()
+      core.adamw_step(pd, gd, gd:to("f64"), gd, 0.1, 0.9, 0.99, 1e-8, 0, 1)
+    end, "adamw_step: first moment is f64, the parameter f32")
+    local pb, gb = pd:to("bf16"), gd:to("bf16")
+    H.assert_error_has(function() core.sgd_step(pb, gb, nil, 0.1) end,
+      "op sgd_step has no kernel for bf16")
+  end)
+
+  it("init_normal / init_uniform fill any slice [first, first + n) like the cpu", function()
+    for _, dt in ipairs {"f32", "bf16"} do
+      local a, b = fsdp.zeros({10}, {dtype = dt}), fsdp.zeros({10}, {dtype = dt, device = "cpu2"})
+      local th, fh = transfers(function()
+        core.init_normal(a, 11, "w", 0.5, 2, 7)
+        core.init_normal(b, 11, "w", 0.5, 2, 7)
+      end)
+      assert.are.equal(0, th + fh)
+      bits_equal(a, b)
+      core.init_uniform(a, 11, "u", -0.25, 0.75, 3)
+      core.init_uniform(b, 11, "u", -0.25, 0.75, 3)
+      bits_equal(a, b)
+    end
+    -- a slice equals the same elements of a whole fill
+    local whole, part = fsdp.zeros{10}, fsdp.zeros({4}, {device = "cpu2"})
+    core.init_uniform(whole, 11, "u", -0.25, 0.75)
+    core.init_uniform(part, 11, "u", -0.25, 0.75, 3)
+    bits_equal(whole:narrow(1, 4, 4):contiguous(), part)
+  end)
+end)
+
+describe("data and safetensors helpers on cpu2", function()
+  it("index_rows keeps the device and dtype", function()
+    local t, td = pair({5, 3}, 8)
+    local r = core.index_rows(td, {5, 1, 5})
+    assert.are.equal("cpu2", r.device)
+    bits_equal(core.index_rows(t, {5, 1, 5}), r)
+    local ti = core.index_rows(fsdp.tensor({{1, 2}, {3, 4}}, {dtype = "i64", device = "cpu2"}), {2})
+    assert.are.equal("i64", ti:dtype())
+    assert.are.same({{3, 4}}, ti:totable())
+  end)
+
+  it("w:write takes any device and dtype; r:read fills an out tensor on any device", function()
+    local dir = H.mktemp_dir()
+    local path = dir .. "/d.safetensors"
+    local a, ad = pair({6}, 9)
+    local w = core.st_writer(path, {{name = "a", shape = {6}}, {name = "b", shape = {2, 3}}}, {})
+    w:write("a", ad)
+    w:write("b", ad:to("bf16"):view{2, 3})
+    w:commit()
+    local r = core.st_open(path)
+    bits_equal(r:read("a"), ad)
+    bits_equal(r:read("b"):view{6}, ad:to("bf16"):to("f32"))
+    local out = fsdp.zeros({4}, {device = "cpu2"})
+    assert.are.equal(out, r:read("a", 1, 4, out))
+    bits_equal(a:narrow(1, 2, 4):contiguous(), out)
+    r:close()
+    os.remove(path)
+    os.remove(dir)
+  end)
+end)
