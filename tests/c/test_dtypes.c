@@ -645,6 +645,101 @@ static void test_checker_catches(void **state) {
   assert_non_null(strstr(why, "got an error \"op gelu has no kernel for i64 on cpu\""));
 }
 
+/* ---- the f32 results themselves -------------------------------------------------------------
+
+ * The matrix holds every dtype to the f32 kernels; the slots without a kernel file of their own
+ * (table.c's loops: compare, where, clamp, abs, sign, max/min, topk, index_add) are held here to
+ * plain loops, so a wrong f32 kernel cannot pass by agreeing with itself. */
+
+static void test_f32_selection_slots(void **state) {
+  (void)state;
+  const fsdp_kernels_i *k = K();
+  const float a[6] = {1, -2, NAN, 3, 3, -0.5f}, b[2] = {3, -0.5f};
+  /* compare: a (6) against b (2) repeating; NaN compares false but for ne */
+  static const uint8_t want_cmp[6][6] = {
+      {0, 0, 0, 1, 0, 0}, {0, 0, 0, 1, 1, 1}, {1, 1, 0, 0, 0, 0},
+      {1, 1, 0, 0, 1, 1}, {0, 0, 0, 0, 1, 1}, {1, 1, 1, 1, 0, 0}};
+  for (int op = FSDP_CMP_GT; op <= FSDP_CMP_NE; op++) {
+    uint8_t o[6];
+    assert_int_equal(k->compare(CTX, FSDP_DTYPE_F32, (fsdp_cmpop)op, o, a, b, 6, 2), FSDP_OK);
+    assert_memory_equal(o, want_cmp[op], 6);
+  }
+  /* where */
+  const uint8_t c[6] = {1, 0, 0, 1, 1, 0};
+  const float x[6] = {1, 2, 3, 4, 5, 6}, y[6] = {-1, -2, -3, -4, -5, -6}, want_w[6] = {1, -2, -3, 4, 5, -6};
+  float w[6];
+  assert_int_equal(k->where(CTX, FSDP_DTYPE_F32, w, c, x, y, 6), FSDP_OK);
+  assert_memory_equal(w, want_w, sizeof w);
+  /* clamp to [-1, 2]: NaN stays; the gradient passes where -1 <= x <= 2 (bounds included) */
+  const float cx[6] = {-3, -1, 0.5f, 2, 7, NAN};
+  float cy[6], cg[6] = {10, 10, 10, 10, 10, 10};
+  const float ones[6] = {1, 1, 1, 1, 1, 1};
+  assert_int_equal(k->clamp_forward(CTX, FSDP_DTYPE_F32, cy, cx, -1, 2, 6), FSDP_OK);
+  const float want_c[5] = {-1, -1, 0.5f, 2, 2};
+  assert_memory_equal(cy, want_c, sizeof want_c);
+  assert_true(isnan(cy[5]));
+  assert_int_equal(k->clamp_backward(CTX, FSDP_DTYPE_F32, cg, ones, cx, -1, 2, 6), FSDP_OK);
+  const float want_cg[6] = {10, 11, 11, 11, 10, 10};
+  assert_memory_equal(cg, want_cg, sizeof cg);
+  /* abs and sign, forward and backward (sign(x) for abs, 0 at 0; nothing for sign) */
+  const float ux[5] = {-2, 0, 3, -0.0f, NAN};
+  float uy[5], ug[5] = {1, 1, 1, 1, 1};
+  assert_int_equal(k->unary_forward(CTX, FSDP_DTYPE_F32, FSDP_UNARY_ABS, uy, ux, 5), FSDP_OK);
+  assert_true(uy[0] == 2 && uy[1] == 0 && uy[2] == 3 && uy[3] == 0 && isnan(uy[4]));
+  assert_int_equal(k->unary_forward(CTX, FSDP_DTYPE_F32, FSDP_UNARY_SIGN, uy, ux, 5), FSDP_OK);
+  assert_true(uy[0] == -1 && uy[1] == 0 && uy[2] == 1 && uy[3] == 0 && isnan(uy[4]));
+  const float g2[5] = {2, 2, 2, 2, 2};
+  assert_int_equal(k->unary_backward(CTX, FSDP_DTYPE_F32, FSDP_UNARY_ABS, ug, g2, ux, NULL, 4), FSDP_OK);
+  const float want_ug[4] = {-1, 1, 3, 1};
+  assert_memory_equal(ug, want_ug, sizeof want_ug);
+  assert_int_equal(k->unary_backward(CTX, FSDP_DTYPE_F32, FSDP_UNARY_SIGN, ug, g2, ux, uy, 4), FSDP_OK);
+  assert_memory_equal(ug, want_ug, sizeof want_ug);
+
+  /* max / min over R of (outer 2, R 4, inner 2): first index among ties; NaN wins */
+  const float e[16] = {1, 5, 7, 5, 7, 0, -1, 5, /* outer 0: columns {1,7,7,-1} and {5,5,0,5} */
+                       NAN, 2, 0, 9, 4, 9, 4, -9}; /* outer 1: {NaN,0,4,4} and {2,9,9,-9} */
+  float ev[4];
+  int64_t ei[4];
+  assert_int_equal(k->extreme_dim(CTX, FSDP_DTYPE_F32, true, ev, ei, e, 2, 4, 2), FSDP_OK);
+  assert_true(ev[0] == 7 && ev[1] == 5 && isnan(ev[2]) && ev[3] == 9);
+  assert_true(ei[0] == 1 && ei[1] == 0 && ei[2] == 0 && ei[3] == 1);
+  assert_int_equal(k->extreme_dim(CTX, FSDP_DTYPE_F32, false, ev, ei, e, 2, 4, 2), FSDP_OK);
+  assert_true(ev[0] == -1 && ev[1] == 0 && isnan(ev[2]) && ev[3] == -9);
+  assert_true(ei[0] == 3 && ei[1] == 2 && ei[2] == 0 && ei[3] == 3);
+
+  /* topk along R = 6 (outer 1, inner 1): sorted, ties by index, NaN the largest */
+  const float t[6] = {2, NAN, 5, 2, -1, 5};
+  float tv[6];
+  int64_t ti[6];
+  assert_int_equal(k->topk(CTX, FSDP_DTYPE_F32, tv, ti, t, 1, 6, 1, 6, true), FSDP_OK);
+  const int64_t want_desc[6] = {1, 2, 5, 0, 3, 4};
+  assert_memory_equal(ti, want_desc, sizeof ti);
+  assert_true(isnan(tv[0]) && tv[1] == 5 && tv[2] == 5 && tv[3] == 2 && tv[5] == -1);
+  assert_int_equal(k->topk(CTX, FSDP_DTYPE_F32, tv, ti, t, 1, 6, 1, 3, false), FSDP_OK);
+  const int64_t want_asc[3] = {4, 0, 3};
+  assert_memory_equal(ti, want_asc, sizeof want_asc);
+  assert_true(tv[0] == -1 && tv[1] == 2 && tv[2] == 2);
+  /* a long row of ties keeps index order (qsort alone is not stable) */
+  enum { LONG = 200 };
+  float tie[LONG];
+  int64_t tix[LONG];
+  float tiev[LONG];
+  for (int i = 0; i < LONG; i++) tie[i] = (float)(i % 3);
+  assert_int_equal(k->topk(CTX, FSDP_DTYPE_F32, tiev, tix, tie, 1, LONG, 1, LONG, false), FSDP_OK);
+  for (int i = 1; i < LONG; i++)
+    assert_true(tiev[i - 1] < tiev[i] || (tiev[i - 1] == tiev[i] && tix[i - 1] < tix[i]));
+
+  /* index_add over R = 3 (outer 1, inner 2), K = 3 with a repeated index: adds up */
+  float d[6] = {1, 1, 1, 1, 1, 1};
+  const float g[6] = {1, 2, 3, 4, 5, 6};
+  const int64_t ix[6] = {2, 0, 2, 1, 0, 1};
+  assert_int_equal(k->index_add_dim(CTX, FSDP_DTYPE_F32, d, g, ix, 1, 3, 2, 3), FSDP_OK);
+  /* column 0 gets g[0] and g[2] at row 2, g[4] at row 0; column 1 g[1] at row 0, g[3] and g[5]
+   * at row 1 */
+  const float want_ia[6] = {1 + 5, 1 + 2, 1, 1 + 4 + 6, 1 + 1 + 3, 1};
+  assert_memory_equal(d, want_ia, sizeof d);
+}
+
 /* ---- casts ------------------------------------------------------------------------------------ */
 
 /* Every (from, to) pair of the table's cast against core's scalar rule, byte for byte. */
@@ -801,6 +896,7 @@ int main(void) {
       cmocka_unit_test(test_every_slot_has_rows),
       cmocka_unit_test(test_checker_catches),
       cmocka_unit_test(test_matrix),
+      cmocka_unit_test(test_f32_selection_slots),
       cmocka_unit_test(test_rounding_rule),
       cmocka_unit_test(test_cast_pairs),
       cmocka_unit_test(test_bulk_conversions),
