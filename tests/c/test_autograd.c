@@ -820,6 +820,17 @@ static int f_topk(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
   int64_t k = c->k < 0 ? in[0]->shape[c->dim] : c->k;
   return fsdp_op_topk(o, NULL, in[0], k, c->dim, c->largest);
 }
+/* max along a dim plus the sum along it: the gather's backward adds to a gradient that the
+ * sum's backward (run first) already holds */
+static int f_max_plus_sum(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  int dim = *(const int *)ctx;
+  fsdp_tensor *m = NULL, *s = NULL;
+  int rc = fsdp_op_extreme(&m, NULL, in[0], dim, true, false) ||
+           fsdp_op_sum_dim(&s, in[0], dim, false) || fsdp_op_binary(o, m, s, FSDP_OP_ADD);
+  fsdp_tensor_release(m);
+  fsdp_tensor_release(s);
+  return rc ? FSDP_ERR : FSDP_OK;
+}
 static int f_softmax_dim(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
   return fsdp_op_softmax(o, in[0], *(const int *)ctx);
 }
@@ -952,6 +963,9 @@ static void test_grad_max_min_topk_sort(void **state) {
   for (int64_t i = 0; i < 20; i++) *elem(t, i) = ((float *)fsdp_tensor_data(dist, "t"))[i];
   fsdp_tensor_release(dist);
   gradcheck((gc_case){"max dim 0 of transposed", f_extreme, &max0, 1, {t}, 1});
+  static const int dim1 = 1;
+  gradcheck((gc_case){"max + sum along dim 1 (gradients add)", f_max_plus_sum, &dim1, 1,
+                      {rnd_distinct(2, SHAPE(3, 4))}, 1});
 
   static const topk_ctx k2d1 = {2, 1, true}, k3d0 = {3, 0, false}, k1d1 = {1, 1, false},
                         sort1 = {-1, 1, false}, sort0 = {-1, 0, true};

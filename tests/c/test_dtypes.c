@@ -697,15 +697,15 @@ static void test_f32_selection_slots(void **state) {
 
   /* max / min over R of (outer 2, R 4, inner 2): first index among ties; NaN wins */
   const float e[16] = {1, 5, 7, 5, 7, 0, -1, 5, /* outer 0: columns {1,7,7,-1} and {5,5,0,5} */
-                       NAN, 2, 0, 9, 4, 9, 4, -9}; /* outer 1: {NaN,0,4,4} and {2,9,9,-9} */
+                       0, 2, NAN, 9, 4, 9, 4, -9}; /* outer 1: {0,NaN,4,4} and {2,9,9,-9} */
   float ev[4];
   int64_t ei[4];
   assert_int_equal(k->extreme_dim(CTX, FSDP_DTYPE_F32, true, ev, ei, e, 2, 4, 2), FSDP_OK);
   assert_true(ev[0] == 7 && ev[1] == 5 && isnan(ev[2]) && ev[3] == 9);
-  assert_true(ei[0] == 1 && ei[1] == 0 && ei[2] == 0 && ei[3] == 1);
+  assert_true(ei[0] == 1 && ei[1] == 0 && ei[2] == 1 && ei[3] == 1);
   assert_int_equal(k->extreme_dim(CTX, FSDP_DTYPE_F32, false, ev, ei, e, 2, 4, 2), FSDP_OK);
   assert_true(ev[0] == -1 && ev[1] == 0 && isnan(ev[2]) && ev[3] == -9);
-  assert_true(ei[0] == 3 && ei[1] == 2 && ei[2] == 0 && ei[3] == 3);
+  assert_true(ei[0] == 3 && ei[1] == 2 && ei[2] == 1 && ei[3] == 3);
 
   /* topk along R = 6 (outer 1, inner 1): sorted, ties by index, NaN the largest */
   const float t[6] = {2, NAN, 5, 2, -1, 5};
