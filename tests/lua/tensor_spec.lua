@@ -642,6 +642,10 @@ describe("dtypes", function()
     -- i64 arithmetic is exact beyond 2^53
     local a = T("i64", { 2 ^ 53 }) + T("i64", { 1 })
     assert.are.equal(1, (a - T("i64", { 2 ^ 53 })):item())
+    -- and so are i64 sums
+    local big = fsdp.cat { a, T("i64", { 1 }) } -- { 2^53 + 1, 1 }
+    assert.are.equal(2, (big:sum() - T("i64", { 2 ^ 53 })):item())
+    assert.are.equal(2, (big:view(1, 2):sum(2) - T("i64", { 2 ^ 53 })):item())
     assert_error_has(function() return T("bool") + T("bool") end, "op add has no kernel for bool on cpu")
     assert_error_has(function() return T("i64") / T("i64") end, "op div has no kernel for i64 on cpu")
   end)
