@@ -844,6 +844,16 @@ int fsdp_op_sum_dim(fsdp_tensor **out, fsdp_tensor *a, int dim, bool mean) {
   if (mean && !fsdp_dtype_is_float(a->dtype))
     return fsdp_error("mean: needs a float tensor, got %s (convert it with t:to(\"f32\"))",
                       fsdp_dtype_name(a->dtype));
+  if (a->dtype == FSDP_DTYPE_U8 || a->dtype == FSDP_DTYPE_I32) {
+    /* integers sum to i64, as the whole-tensor sum does (not saturating at 255); never
+     * recorded: integer tensors carry no gradient */
+    fsdp_tensor *wide;
+    if (fsdp_to(&wide, a, dev_of(a), FSDP_DTYPE_I64, FSDP_ROLE_ACTIVATIONS))
+      return fsdp_error_context("%s", name);
+    int rc = fsdp_op_sum_dim(out, wide, dim, false);
+    fsdp_tensor_release(wide);
+    return rc;
+  }
   int64_t outer = prod(a->shape, dim), R = a->shape[dim],
           inner = prod(a->shape + dim + 1, a->ndim - dim - 1);
   int64_t oshape[FSDP_MAX_DIMS];

@@ -698,6 +698,13 @@ describe("dtypes", function()
       "op sum has no kernel for bool on cpu")
     assert.are.equal("i64", fsdp.ones({ 3 }, { dtype = "u8" }):sum():dtype()) -- integers sum to i64
     assert.are.equal(3, fsdp.ones({ 3 }, { dtype = "u8" }):sum():item())
+    local u = fsdp.tensor({ { 200, 100 }, { 1, 2 } }, { dtype = "u8" }) -- along a dim too
+    assert.are.equal("i64", u:sum(2):dtype())
+    assert.are.same({ 300, 3 }, u:sum(2):totable())
+    assert.are.same({ 201, 102 }, u:sum(1):totable())
+    assert.are.equal("i64", fsdp.ones({ 2, 2 }, { dtype = "i32" }):sum(-1):dtype())
+    assert.are.equal("i64", fsdp.ones({ 2, 2 }, { dtype = "i64" }):sum(1):dtype())
+    assert_error_has(function() return u:mean(1) end, "mean: needs a float tensor, got u8")
     assert_error_has(function() return d:matmul(fsdp.ones(2, 2)) end,
       "matmul: dtypes f64 and f32 differ (convert one with t:to(\"f64\"))")
   end)
