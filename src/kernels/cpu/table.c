@@ -915,7 +915,8 @@ static int k_sum(void *ctx, fsdp_dtype dt, void *out, const void *in, int64_t n,
   if (is_int(dt)) { /* in int64, wrapping like the i64 add: exact beyond 2^53 */
     uint64_t s = 0;
     for (int64_t i = 0; i < n; i++)
-      s += dt == FSDP_DTYPE_I64 ? (uint64_t)((const int64_t *)in)[i] : (uint64_t)(int64_t)LD(in, dt, i);
+      s += dt == FSDP_DTYPE_I64 ? (uint64_t)((const int64_t *)in)[i]
+                                : (uint64_t)(int64_t)LD(in, dt, i);
     ((int64_t *)out)[0] = (int64_t)s;
     return FSDP_OK;
   }
