@@ -17,6 +17,11 @@ fsdp.F = core.F
 for _, name in ipairs { "tensor", "zeros", "ones", "full", "empty", "randn", "rand", "arange" } do
   fsdp[name] = core[name]
 end
+-- tensor functions that are also methods: fsdp.abs(t) is t:abs() (docs/tensor.md)
+for _, name in ipairs { "abs", "sign", "where", "clamp", "cat", "stack", "max", "min", "argmax",
+  "topk", "sort", "gt", "ge", "lt", "le", "eq", "ne" } do
+  fsdp[name] = core[name]
+end
 
 -- ranks ------------------------------------------------------------------------------------
 -- C-backed (src/lua/l_comm.c) on the calling thread's communicator: the rank's under

@@ -844,6 +844,16 @@ int fsdp_op_sum_dim(fsdp_tensor **out, fsdp_tensor *a, int dim, bool mean) {
   if (mean && !fsdp_dtype_is_float(a->dtype))
     return fsdp_error("mean: needs a float tensor, got %s (convert it with t:to(\"f32\"))",
                       fsdp_dtype_name(a->dtype));
+  if (a->dtype == FSDP_DTYPE_U8 || a->dtype == FSDP_DTYPE_I32) {
+    /* integers sum to i64, as the whole-tensor sum does (not saturating at 255); never
+     * recorded: integer tensors carry no gradient */
+    fsdp_tensor *wide;
+    if (fsdp_to(&wide, a, dev_of(a), FSDP_DTYPE_I64, FSDP_ROLE_ACTIVATIONS))
+      return fsdp_error_context("%s", name);
+    int rc = fsdp_op_sum_dim(out, wide, dim, false);
+    fsdp_tensor_release(wide);
+    return rc;
+  }
   int64_t outer = prod(a->shape, dim), R = a->shape[dim],
           inner = prod(a->shape + dim + 1, a->ndim - dim - 1);
   int64_t oshape[FSDP_MAX_DIMS];
@@ -1228,15 +1238,14 @@ int fsdp_op_stack(fsdp_tensor **out, fsdp_tensor *const *ts, int n, int dim) {
   if (dim < 0 || dim > t0->ndim || t0->ndim + 1 > FSDP_MAX_DIMS)
     return fsdp_error("stack: dimension %d out of range for tensors %s", dim + 1,
                       FSDP_SHAPE_STR(t0));
+  for (int i = 0; i < n; i++)
+    if (!fsdp_tensor_same_shape(ts[i], t0))
+      return fsdp_error("stack: tensor %d has shape %s, tensor 1 %s: stacked tensors share "
+                        "one shape", i + 1, FSDP_SHAPE_STR(ts[i]), FSDP_SHAPE_STR(t0));
   fsdp_tensor **views = calloc((size_t)n, sizeof *views);
   if (!views) return fsdp_error("stack: out of memory");
   int rc = FSDP_OK;
   for (int i = 0; i < n && !rc; i++) {
-    if (!fsdp_tensor_same_shape(ts[i], t0)) {
-      rc = fsdp_error("stack: tensor %d has shape %s, tensor 1 %s: stacked tensors share one "
-                      "shape", i + 1, FSDP_SHAPE_STR(ts[i]), FSDP_SHAPE_STR(t0));
-      break;
-    }
     int64_t shape[FSDP_MAX_DIMS];
     for (int q = 0, r = 0; q <= t0->ndim; q++) shape[q] = q == dim ? 1 : t0->shape[r++];
     rc = fsdp_op_view(&views[i], ts[i], t0->ndim + 1, shape);

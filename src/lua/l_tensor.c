@@ -709,11 +709,24 @@ static int l_pow(lua_State *L) {
 
 static const char *const arith_name[] = {"add", "sub", "mul", "div"};
 
+static fsdp_tensor *operand(lua_State *L, int idx, fsdp_tensor *like, const char *fn);
+
 /* Arithmetic: tensor op tensor, tensor op number, number op tensor. */
 static int arith(lua_State *L, fsdp_binary_op op) {
   fsdp_tensor *a = fsdp_lua_to_tensor(L, 1), *b = fsdp_lua_to_tensor(L, 2);
   bool an = lua_type(L, 1) == LUA_TNUMBER, bn = lua_type(L, 2) == LUA_TNUMBER;
   if (a && b) PUSH_OR_RAISE(fsdp_op_binary(OUT, a, b, op));
+  /* The affine and pow paths below take the number as an f32 scale: right for the f32 family,
+   * not for f64 (precision) or integers (i * 2.5 would truncate, i / 2 divide silently). Those
+   * make the number a tensor and take the binary op's promotion and refusals. */
+  fsdp_tensor *t = a && bn ? a : an ? b : NULL;
+  if (t && t->dtype != FSDP_DTYPE_F32 && t->dtype != FSDP_DTYPE_BF16 &&
+      t->dtype != FSDP_DTYPE_F16) {
+    need_data(L, t, arith_name[op]);
+    fsdp_tensor *x = a ? a : operand(L, 1, t, arith_name[op]);
+    fsdp_tensor *y = b ? b : operand(L, 2, t, arith_name[op]);
+    PUSH_OR_RAISE(fsdp_op_binary(OUT, x, y, op));
+  }
   /* with a number the op is an affine map (or pow): name the operator the user wrote */
   if ((a && bn) || (an && b)) need_data(L, a ? a : b, arith_name[op]);
   if (a && bn) {
@@ -847,7 +860,8 @@ static int l_topk(lua_State *L) {
   fsdp_tensor *t = arg_tensor(L, 1, "topk");
   if (t->ndim < 1) luaL_error(L, "topk: needs at least one dimension");
   lua_Number k = luaL_checknumber(L, 2);
-  if (k != floor(k)) luaL_error(L, "topk: k must be an integer, got %g", (double)k);
+  if (k != floor(k) || fabs(k) > 9007199254740992.0) /* also inf: keeps the cast defined */
+    luaL_error(L, "topk: k must be an integer, got %g", (double)k);
   bool largest = true;
   int dim = sel_dim(L, t, opt_table(L, 3, "topk"), "topk", "largest", &largest);
   fsdp_tensor *v, *i;
@@ -871,12 +885,21 @@ static int l_sort(lua_State *L) {
 }
 
 /* A tensor operand, or a number made into a one-element tensor like `like` (its device; its
- * dtype, or f32 when like is an integer tensor and v is not an integer). */
+ * dtype when it holds v exactly). With an integer tensor, a number the dtype cannot hold does
+ * not saturate (u8 > -1 must stay true): an integer becomes i64, anything else f32, and the op
+ * promotes. */
 static fsdp_tensor *operand(lua_State *L, int idx, fsdp_tensor *like, const char *fn) {
   if (lua_type(L, idx) != LUA_TNUMBER) return arg_tensor(L, idx, fn);
   double v = lua_tonumber(L, idx);
   fsdp_dtype dt = like->dtype;
-  if (!fsdp_dtype_is_float(dt) && v != floor(v)) dt = FSDP_DTYPE_F32;
+  if (!fsdp_dtype_is_float(dt)) {
+    unsigned char buf[8];
+    fsdp_dtype_store(buf, dt, 0, v);
+    if (fsdp_dtype_load(buf, dt, 0) != v) {
+      fsdp_dtype_store(buf, FSDP_DTYPE_I64, 0, v);
+      dt = fsdp_dtype_load(buf, FSDP_DTYPE_I64, 0) == v ? FSDP_DTYPE_I64 : FSDP_DTYPE_F32;
+    }
+  }
   fsdp_tensor *t;
   if (fsdp_tensor_new(&t, like->storage->device, dt, 0, NULL, FSDP_ROLE_ACTIVATIONS))
     fsdp_lua_error(L);
@@ -949,6 +972,7 @@ static fsdp_tensor **tensor_list(lua_State *L, int idx, const char *fn, int *n) 
 /* cat({t1, t2, ...} [, dim = 1]) */
 static int l_cat(lua_State *L) {
   int n;
+  lua_settop(L, 2); /* tensor_list pushes its array above the optional dim */
   fsdp_tensor **ts = tensor_list(L, 1, "cat", &n);
   if (ts[0]->ndim < 1) luaL_error(L, "cat: cannot concatenate scalars (use stack)");
   int dim = fsdp_lua_opt_dim(L, ts[0], 2, 0, "cat");
@@ -958,6 +982,7 @@ static int l_cat(lua_State *L) {
 /* stack({t1, t2, ...} [, dim = 1]): the new dimension goes at dim (1..ndim+1) */
 static int l_stack(lua_State *L) {
   int n;
+  lua_settop(L, 2); /* tensor_list pushes its array above the optional dim */
   fsdp_tensor **ts = tensor_list(L, 1, "stack", &n);
   int dim = 0;
   if (!lua_isnoneornil(L, 2)) {
@@ -1006,7 +1031,8 @@ static int l_mul_(lua_State *L) {
 
 static void fmt_value(luaL_Buffer *b, double v) {
   char s[32];
-  if (v == floor(v) && fabs(v) < 1e15) snprintf(s, sizeof s, "%.0f", v);
+  if (v != v) snprintf(s, sizeof s, "nan"); /* not "-nan": 0/0 has its sign bit set on x86 */
+  else if (v == floor(v) && fabs(v) < 1e15) snprintf(s, sizeof s, "%.0f", v);
   else snprintf(s, sizeof s, "%.4g", v);
   luaL_addstring(b, s);
 }

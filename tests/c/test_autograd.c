@@ -8,7 +8,10 @@
  * compared with (L(x + eps) - L(x - eps)) / 2 eps, with L summed in double from the f32
  * forward. The error reported is max_i |autograd_i - fd_i| / max_i |fd_i| (the gradient's
  * own scale, so entries near zero do not blow it up); a deliberately wrong backward is
- * checked to fail the same test (test_gradcheck_catches_wrong_backward).
+ * checked to fail the same test (test_gradcheck_catches_wrong_backward). The selection ops
+ * (where, clamp, cat, stack, max/min, topk, sort) use inputs a step cannot reorder or push
+ * across a bound; `to` is checked across dtypes and across two devices ("cpu2" below: the cpu
+ * under another name), which the device-mismatch errors use too.
  */
 #include <math.h>
 #include <setjmp.h>
@@ -729,6 +732,304 @@ static void test_gradcheck_catches_wrong_backward(void **state) {
   fsdp_tensor_release(c.in[0]);
 }
 
+/* ---- the selection and shaping ops, dtype and device conversion -------------------------- */
+
+/* Values k * 0.1 - n / 20 in a shuffled order: all distinct and 0.1 apart, so an argmax or a
+ * sort order does not change under the checker's +-1e-2 steps. */
+static fsdp_tensor *rnd_distinct(int ndim, const int64_t *shape) {
+  fsdp_tensor *t = mk(ndim, shape);
+  int64_t n = fsdp_tensor_numel(t);
+  float *d = fsdp_tensor_data(t, "test");
+  for (int64_t i = 0; i < n; i++) d[i] = (float)(0.1 * (double)i - 0.05 * (double)n);
+  for (int64_t i = n - 1; i > 0; i--) { /* Fisher-Yates */
+    int64_t j = (int64_t)(urand() * (double)(i + 1));
+    float x = d[i];
+    d[i] = d[j];
+    d[j] = x;
+  }
+  return t;
+}
+
+/* uniform in [lo, hi), each value at least `gap` from b0 and b1 (clamp's kinks) */
+static fsdp_tensor *rnd_avoid(int ndim, const int64_t *shape, double lo, double hi, double b0,
+                              double b1, double gap) {
+  fsdp_tensor *t = mk(ndim, shape);
+  float *d = fsdp_tensor_data(t, "test");
+  for (int64_t i = 0; i < fsdp_tensor_numel(t); i++) {
+    double x;
+    do x = lo + (hi - lo) * urand();
+    while (fabs(x - b0) < gap || fabs(x - b1) < gap);
+    d[i] = (float)x;
+  }
+  return t;
+}
+
+/* A second device with data: the cpu's memory and kernels under another name, so ops can be
+ * given tensors of two devices. */
+static fsdp_device_i cpu2_dev;
+static const fsdp_device_i *cpu2(void) {
+  if (!cpu2_dev.name) {
+    cpu2_dev = fsdp_device_cpu;
+    cpu2_dev.name = "cpu2";
+    cpu2_dev.kernels = NULL;
+    const fsdp_kernels_i *k = fsdp_kernels_of(&fsdp_device_cpu, "test");
+    assert_non_null(k);
+    assert_int_equal(fsdp_device_register(&cpu2_dev, k), FSDP_OK);
+  }
+  return &cpu2_dev;
+}
+
+static int f_where(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  return fsdp_op_where(o, in[0], in[1], in[2]);
+}
+static int f_clamp(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  const double *b = ctx;
+  return fsdp_op_clamp(o, in[0], b[0], b[1]);
+}
+typedef struct {
+  int dim, n;
+} list_ctx;
+static int f_cat(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  const list_ctx *c = ctx;
+  return fsdp_op_cat(o, in, c->n, c->dim);
+}
+static int f_stack(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  const list_ctx *c = ctx;
+  return fsdp_op_stack(o, in, c->n, c->dim);
+}
+typedef struct {
+  int dim;
+  bool max, keepdim;
+} extreme_ctx;
+/* the values (the recorded output); the indices are made and dropped */
+static int f_extreme(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  const extreme_ctx *c = ctx;
+  fsdp_tensor *idx = NULL;
+  int rc = fsdp_op_extreme(o, &idx, in[0], c->dim, c->max, c->keepdim);
+  if (!rc) assert_int_equal(idx->dtype, FSDP_DTYPE_I64);
+  fsdp_tensor_release(idx);
+  return rc;
+}
+typedef struct {
+  int64_t k; /* -1: the whole dim (sort) */
+  int dim;
+  bool largest;
+} topk_ctx;
+static int f_topk(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  const topk_ctx *c = ctx;
+  int64_t k = c->k < 0 ? in[0]->shape[c->dim] : c->k;
+  return fsdp_op_topk(o, NULL, in[0], k, c->dim, c->largest);
+}
+/* max along a dim plus the sum along it: the gather's backward adds to a gradient that the
+ * sum's backward (run first) already holds */
+static int f_max_plus_sum(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  int dim = *(const int *)ctx;
+  fsdp_tensor *m = NULL, *s = NULL;
+  int rc = fsdp_op_extreme(&m, NULL, in[0], dim, true, false) ||
+           fsdp_op_sum_dim(&s, in[0], dim, false) || fsdp_op_binary(o, m, s, FSDP_OP_ADD);
+  fsdp_tensor_release(m);
+  fsdp_tensor_release(s);
+  return rc ? FSDP_ERR : FSDP_OK;
+}
+static int f_softmax_dim(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  return fsdp_op_softmax(o, in[0], *(const int *)ctx);
+}
+/* f32 -> f64, tanh computed in f64, -> f32: both conversions are recorded */
+static int f_to_f64_tanh(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  fsdp_tensor *a = NULL, *b = NULL;
+  int rc = fsdp_op_to(&a, in[0], NULL, FSDP_DTYPE_F64) ||
+           fsdp_op_unary(&b, a, FSDP_UNARY_TANH) || fsdp_op_to(o, b, NULL, FSDP_DTYPE_F32);
+  if (!rc) assert_int_equal(a->dtype, FSDP_DTYPE_F64);
+  fsdp_tensor_release(a);
+  fsdp_tensor_release(b);
+  return rc ? FSDP_ERR : FSDP_OK;
+}
+/* an f64 tensor times an f32 one: the f32 operand is promoted (a recorded to) */
+static int f_mul_promoted(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  fsdp_tensor *a = NULL, *p = NULL;
+  int rc = fsdp_op_to(&a, in[0], NULL, FSDP_DTYPE_F64) ||
+           fsdp_op_binary(&p, a, in[1], FSDP_OP_MUL) || fsdp_op_to(o, p, NULL, FSDP_DTYPE_F32);
+  if (!rc) assert_int_equal(p->dtype, FSDP_DTYPE_F64);
+  fsdp_tensor_release(a);
+  fsdp_tensor_release(p);
+  return rc ? FSDP_ERR : FSDP_OK;
+}
+/* to the second device, exp there, back to the cpu */
+static int f_to_device(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  fsdp_tensor *a = NULL, *b = NULL;
+  int rc = fsdp_op_to(&a, in[0], cpu2(), FSDP_DTYPE_F32) ||
+           fsdp_op_unary(&b, a, FSDP_UNARY_EXP) ||
+           fsdp_op_to(o, b, &fsdp_device_cpu, FSDP_DTYPE_F32);
+  if (!rc) assert_ptr_equal(b->storage->device, cpu2());
+  fsdp_tensor_release(a);
+  fsdp_tensor_release(b);
+  return rc ? FSDP_ERR : FSDP_OK;
+}
+
+static void test_grad_abs(void **state) {
+  (void)state;
+  rng_reset(40);
+  static const fsdp_unary_op abs_op = FSDP_UNARY_ABS;
+  gradcheck((gc_case){"abs (2,3,5)", f_unary, &abs_op, 1, {rnd_away(3, SHAPE(2, 3, 5), 0.05, 3)}, 1});
+  fsdp_tensor *x = rnd_transposed(2, SHAPE(4, 3), 0.05, 3);
+  for (int64_t j = 0; j < 12; j++)
+    if (urand() < 0.5) *elem(x, j) = -*elem(x, j);
+  gradcheck((gc_case){"abs transposed", f_unary, &abs_op, 1, {x}, 1});
+}
+
+static void test_grad_where(void **state) {
+  (void)state;
+  rng_reset(41);
+  static const float c12[] = {1, 0, 0, 1, 1, 1, 0, 0, 1, 0, 1, 0}, c4[] = {0, 1, 1, 0};
+  gradcheck((gc_case){"where same shapes", f_where, NULL, 3,
+                      {from(2, SHAPE(3, 4), c12), rnd(2, SHAPE(3, 4), -1, 1), rnd(2, SHAPE(3, 4), -1, 1)},
+                      6});
+  gradcheck((gc_case){"where b (4) broadcast", f_where, NULL, 3,
+                      {from(2, SHAPE(3, 4), c12), rnd(2, SHAPE(3, 4), -1, 1), rnd(1, SHAPE(4), -1, 1)},
+                      6});
+  gradcheck((gc_case){"where a (4) broadcast, cond (4)", f_where, NULL, 3,
+                      {from(1, SHAPE(4), c4), rnd(1, SHAPE(4), -1, 1), rnd(2, SHAPE(3, 4), -1, 1)},
+                      6});
+  gradcheck((gc_case){"where cond (4), b scalar", f_where, NULL, 3,
+                      {from(1, SHAPE(4), c4), rnd(2, SHAPE(3, 4), -1, 1), rnd(0, NULL, -1, 1)}, 6});
+  gradcheck((gc_case){"where transposed a, only a", f_where, NULL, 3,
+                      {from(2, SHAPE(3, 4), c12), rnd_transposed(2, SHAPE(3, 4), -1, 1),
+                       rnd(2, SHAPE(3, 4), -1, 1)},
+                      2});
+}
+
+static void test_grad_clamp(void **state) {
+  (void)state;
+  rng_reset(42);
+  static const double both[2] = {-1.0, 0.5}, below[2] = {-INFINITY, 0.25}, above[2] = {-0.5, INFINITY};
+  gradcheck((gc_case){"clamp [-1, 0.5]", f_clamp, both, 1,
+                      {rnd_avoid(2, SHAPE(4, 5), -2, 2, -1.0, 0.5, 0.05)}, 1});
+  gradcheck((gc_case){"clamp max only", f_clamp, below, 1,
+                      {rnd_avoid(2, SHAPE(4, 5), -2, 2, 0.25, 0.25, 0.05)}, 1});
+  gradcheck((gc_case){"clamp min only", f_clamp, above, 1,
+                      {rnd_avoid(2, SHAPE(4, 5), -2, 2, -0.5, -0.5, 0.05)}, 1});
+  fsdp_tensor *x = rnd_transposed(2, SHAPE(4, 5), -2, 2);
+  for (int64_t j = 0; j < 20; j++) /* away from the bounds */
+    while (fabs(*elem(x, j) + 1.0) < 0.05 || fabs(*elem(x, j) - 0.5) < 0.05) *elem(x, j) += 0.1f;
+  gradcheck((gc_case){"clamp transposed", f_clamp, both, 1, {x}, 1});
+}
+
+static void test_grad_cat_stack(void **state) {
+  (void)state;
+  rng_reset(43);
+  static const list_ctx d0n3 = {0, 3}, d1n2 = {1, 2}, d2n3 = {2, 3}, d0n1 = {0, 1}, d1n3 = {1, 3};
+  gradcheck((gc_case){"cat dim 0 of 3", f_cat, &d0n3, 3,
+                      {rnd(3, SHAPE(2, 3, 4), -1, 1), rnd(3, SHAPE(1, 3, 4), -1, 1),
+                       rnd(3, SHAPE(3, 3, 4), -1, 1)},
+                      7});
+  gradcheck((gc_case){"cat dim 1, transposed input", f_cat, &d1n2, 2,
+                      {rnd(3, SHAPE(2, 1, 4), -1, 1), rnd_transposed(3, SHAPE(2, 3, 4), -1, 1)}, 3});
+  gradcheck((gc_case){"cat dim 2 of 3, transposed middle", f_cat, &d2n3, 3,
+                      {rnd(3, SHAPE(2, 3, 1), -1, 1), rnd_transposed(3, SHAPE(2, 3, 4), -1, 1),
+                       rnd(3, SHAPE(2, 3, 2), -1, 1)},
+                      7});
+  gradcheck((gc_case){"cat of one", f_cat, &d0n1, 1, {rnd(2, SHAPE(2, 3), -1, 1)}, 1});
+  fsdp_tensor *x = rnd(2, SHAPE(2, 3), -1, 1);
+  gradcheck((gc_case){"cat {x, y, x} dim 1", f_cat, &d1n3, 3, {x, rnd(2, SHAPE(2, 1), -1, 1), x}, 7});
+  gradcheck((gc_case){"cat only the middle", f_cat, &d0n3, 3,
+                      {rnd(2, SHAPE(1, 3), -1, 1), rnd(2, SHAPE(2, 3), -1, 1), rnd(2, SHAPE(1, 3), -1, 1)},
+                      2});
+  static const list_ctx s0n2 = {0, 2}, s1n3 = {1, 3}, s2n2 = {2, 2};
+  gradcheck((gc_case){"stack dim 0", f_stack, &s0n2, 2,
+                      {rnd(2, SHAPE(2, 3), -1, 1), rnd(2, SHAPE(2, 3), -1, 1)}, 3});
+  gradcheck((gc_case){"stack dim 1 of 3, transposed", f_stack, &s1n3, 3,
+                      {rnd(2, SHAPE(2, 3), -1, 1), rnd_transposed(2, SHAPE(2, 3), -1, 1),
+                       rnd(2, SHAPE(2, 3), -1, 1)},
+                      7});
+  gradcheck((gc_case){"stack dim 2 (last)", f_stack, &s2n2, 2,
+                      {rnd(2, SHAPE(2, 3), -1, 1), rnd(2, SHAPE(2, 3), -1, 1)}, 3});
+}
+
+static void test_grad_max_min_topk_sort(void **state) {
+  (void)state;
+  rng_reset(44);
+  for (int d = 0; d < 3; d++)
+    for (int m = 0; m < 2; m++)
+      for (int keep = 0; keep < 2; keep++) {
+        extreme_ctx c = {d, m == 1, keep == 1};
+        char nm[64];
+        snprintf(nm, sizeof nm, "%s dim %d%s of (3,4,5)", m ? "max" : "min", d,
+                 keep ? " keepdim" : "");
+        gradcheck((gc_case){nm, f_extreme, &c, 1, {rnd_distinct(3, SHAPE(3, 4, 5))}, 1});
+      }
+  static const extreme_ctx max0 = {0, true, false};
+  fsdp_tensor *t = rnd_transposed(2, SHAPE(4, 5), -1, 1);
+  fsdp_tensor *dist = rnd_distinct(2, SHAPE(4, 5));
+  for (int64_t i = 0; i < 20; i++) *elem(t, i) = ((float *)fsdp_tensor_data(dist, "t"))[i];
+  fsdp_tensor_release(dist);
+  gradcheck((gc_case){"max dim 0 of transposed", f_extreme, &max0, 1, {t}, 1});
+  static const int dim1 = 1;
+  gradcheck((gc_case){"max + sum along dim 1 (gradients add)", f_max_plus_sum, &dim1, 1,
+                      {rnd_distinct(2, SHAPE(3, 4))}, 1});
+
+  static const topk_ctx k2d1 = {2, 1, true}, k3d0 = {3, 0, false}, k1d1 = {1, 1, false},
+                        sort1 = {-1, 1, false}, sort0 = {-1, 0, true};
+  gradcheck((gc_case){"topk 2 largest dim 1", f_topk, &k2d1, 1, {rnd_distinct(2, SHAPE(3, 5))}, 1});
+  gradcheck((gc_case){"topk 3 smallest dim 0", f_topk, &k3d0, 1, {rnd_distinct(2, SHAPE(4, 5))}, 1});
+  gradcheck((gc_case){"topk 1 smallest dim 1 of (2,3,4)", f_topk, &k1d1, 1,
+                      {rnd_distinct(3, SHAPE(2, 3, 4))}, 1});
+  gradcheck((gc_case){"sort ascending dim 1", f_topk, &sort1, 1, {rnd_distinct(2, SHAPE(4, 5))}, 1});
+  gradcheck((gc_case){"sort descending dim 0", f_topk, &sort0, 1, {rnd_distinct(2, SHAPE(4, 5))}, 1});
+}
+
+static void test_grad_softmax_dim(void **state) {
+  (void)state;
+  rng_reset(45);
+  static const int d0 = 0, d1 = 1;
+  gradcheck((gc_case){"softmax dim 0 of (2,3,4)", f_softmax_dim, &d0, 1, {rnd(3, SHAPE(2, 3, 4), -2, 2)}, 1});
+  gradcheck((gc_case){"softmax dim 1 of (2,3,4)", f_softmax_dim, &d1, 1, {rnd(3, SHAPE(2, 3, 4), -2, 2)}, 1});
+  gradcheck((gc_case){"softmax dim 0 of transposed", f_softmax_dim, &d0, 1,
+                      {rnd_transposed(2, SHAPE(4, 5), -2, 2)}, 1});
+  /* the values: each slice along dim 0 sums to 1 */
+  fsdp_tensor *x = rnd(3, SHAPE(2, 3, 4), -2, 2), *s;
+  assert_int_equal(fsdp_op_softmax(&s, x, 0), FSDP_OK);
+  for (int64_t j = 0; j < 12; j++) {
+    double sum = *elem(s, j) + *elem(s, 12 + j);
+    assert_float_equal(sum, 1.0, 1e-6);
+  }
+  fsdp_tensor_release(s);
+  fsdp_tensor_release(x);
+}
+
+static void test_grad_to(void **state) {
+  (void)state;
+  rng_reset(46);
+  gradcheck((gc_case){"to f64, tanh in f64, to f32", f_to_f64_tanh, NULL, 1, {rnd(2, SHAPE(3, 4), -2, 2)}, 1});
+  gradcheck((gc_case){"f64 * f32 promoted", f_mul_promoted, NULL, 2,
+                      {rnd(2, SHAPE(3, 4), -2, 2), rnd(1, SHAPE(4), -2, 2)}, 3});
+  gradcheck((gc_case){"to cpu2, exp there, to cpu", f_to_device, NULL, 1, {rnd(2, SHAPE(3, 4), -1, 1)}, 1});
+  /* the gradient arrives in the input's own dtype and device */
+  fsdp_tensor *x = rnd(1, SHAPE(3), -1, 1), *y, *s;
+  x->requires_grad = true;
+  assert_int_equal(fsdp_op_to(&y, x, cpu2(), FSDP_DTYPE_F64), FSDP_OK);
+  assert_int_equal(y->dtype, FSDP_DTYPE_F64);
+  assert_ptr_equal(y->storage->device, cpu2());
+  assert_int_equal(fsdp_op_sum(&s, y), FSDP_OK);
+  assert_int_equal(fsdp_backward(s, NULL), FSDP_OK);
+  assert_int_equal(x->grad->dtype, FSDP_DTYPE_F32);
+  assert_ptr_equal(x->grad->storage->device, &fsdp_device_cpu);
+  for (int i = 0; i < 3; i++) assert_float_equal(((float *)fsdp_tensor_data(x->grad, "t"))[i], 1.0f, 0);
+  fsdp_tensor_release(y);
+  fsdp_tensor_release(s);
+  /* to the same dtype and device is the tensor itself, nothing recorded */
+  assert_int_equal(fsdp_op_to(&y, x, NULL, FSDP_DTYPE_F32), FSDP_OK);
+  assert_ptr_equal(y, x);
+  assert_int_equal(fsdp_tape_size(), 0);
+  fsdp_tensor_release(y);
+  /* to an integer dtype is not recorded, and refused while x requires a gradient */
+  x->requires_grad = false;
+  assert_int_equal(fsdp_op_to(&y, x, NULL, FSDP_DTYPE_I64), FSDP_OK);
+  assert_false(y->requires_grad);
+  assert_int_equal(fsdp_tape_size(), 0);
+  fsdp_tensor_release(y);
+  fsdp_tensor_release(x);
+}
+
 /* ---- tape semantics ---------------------------------------------------------------------- */
 
 static void test_used_twice(void **state) {
@@ -1277,6 +1578,134 @@ static void test_errors_meta(void **state) {
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) fsdp_tensor_release(all[i]);
 }
 
+/* rc must be FSDP_ERR with exactly this message. */
+static void expect_msg_(int rc, const char *want, const char *file, int line) {
+  if (rc != FSDP_ERR || strcmp(fsdp_error_msg(), want) != 0) {
+    fprintf(stderr, "%s:%d: expected FSDP_ERR \"%s\", got %d \"%s\"\n", file, line, want, rc,
+            fsdp_error_msg());
+    fail();
+  }
+}
+#define EXPECT_MSG(rc, want) expect_msg_((rc), (want), __FILE__, __LINE__)
+
+static fsdp_tensor *mk_dt(fsdp_dtype dt, int ndim, const int64_t *shape) {
+  fsdp_tensor *t;
+  assert_int_equal(fsdp_tensor_new(&t, &fsdp_device_cpu, dt, ndim, shape, FSDP_ROLE_ACTIVATIONS),
+                   FSDP_OK);
+  return t;
+}
+
+static void test_errors_selection(void **state) {
+  (void)state;
+  rng_reset(47);
+  int64_t act0 = live_bytes(FSDP_ROLE_ACTIVATIONS);
+  fsdp_tensor *o = NULL, *i = NULL;
+  fsdp_tensor *a23 = rnd(2, SHAPE(2, 3), -1, 1), *b24 = rnd(2, SHAPE(2, 4), -1, 1),
+              *b4 = rnd(1, SHAPE(4), -1, 1), *a34 = rnd(2, SHAPE(3, 4), -1, 1),
+              *e30 = rnd(2, SHAPE(3, 0), -1, 1), *s = rnd(0, NULL, -1, 1),
+              *d23 = mk_dt(FSDP_DTYPE_F64, 2, SHAPE(2, 3)), *i23 = mk_dt(FSDP_DTYPE_I64, 2, SHAPE(2, 3)),
+              *b2 = mk_dt(FSDP_DTYPE_BOOL, 1, SHAPE(2));
+  a23->requires_grad = true; /* errors must not record anything */
+
+  EXPECT_MSG(fsdp_op_cat(&o, (fsdp_tensor *[]){a23, b24}, 2, 0),
+             "cat: tensor 2 has shape (2, 4), tensor 1 (2, 3): they must agree except in dimension 1");
+  EXPECT_MSG(fsdp_op_cat(&o, (fsdp_tensor *[]){a23, b4}, 2, 1),
+             "cat: tensor 2 has shape (4), tensor 1 (2, 3): they must agree except in dimension 2");
+  EXPECT_MSG(fsdp_op_cat(&o, (fsdp_tensor *[]){a23, d23}, 2, 0),
+             "cat: tensor 2 is f64, tensor 1 f32 (convert with t:to())");
+  EXPECT_MSG(fsdp_op_cat(&o, (fsdp_tensor *[]){a23, a23, i23}, 3, 1),
+             "cat: tensor 3 is i64, tensor 1 f32 (convert with t:to())");
+  EXPECT_MSG(fsdp_op_cat(&o, (fsdp_tensor *[]){a23}, 1, 2), "cat: dimension 3 out of range for tensors (2, 3)");
+  EXPECT_MSG(fsdp_op_cat(&o, (fsdp_tensor *[]){s}, 1, 0), "cat: dimension 1 out of range for tensors ()");
+  EXPECT_MSG(fsdp_op_cat(&o, NULL, 0, 0), "cat: needs at least one tensor");
+  EXPECT_MSG(fsdp_op_stack(&o, (fsdp_tensor *[]){a23, b24}, 2, 0),
+             "stack: tensor 2 has shape (2, 4), tensor 1 (2, 3): stacked tensors share one shape");
+  EXPECT_MSG(fsdp_op_stack(&o, (fsdp_tensor *[]){a23}, 1, 3), "stack: dimension 4 out of range for tensors (2, 3)");
+  EXPECT_MSG(fsdp_op_stack(&o, NULL, 0, 0), "stack: needs at least one tensor");
+
+  EXPECT_MSG(fsdp_op_topk(&o, &i, a34, 5, 1, true), "topk: k = 5 is not in [0, 4] (dimension 2 of a tensor (3, 4))");
+  EXPECT_MSG(fsdp_op_topk(&o, &i, a34, -1, 0, false), "topk: k = -1 is not in [0, 3] (dimension 1 of a tensor (3, 4))");
+  EXPECT_MSG(fsdp_op_topk(&o, &i, a34, 1, 2, true), "topk: dimension 3 out of range for a tensor (3, 4)");
+  EXPECT_MSG(fsdp_op_extreme(&o, &i, a34, 2, true, false), "max: dimension 3 out of range for a tensor (3, 4)");
+  EXPECT_MSG(fsdp_op_extreme(&o, &i, a34, -1, false, false), "min: dimension 0 out of range for a tensor (3, 4)");
+  EXPECT_MSG(fsdp_op_extreme(&o, NULL, e30, 1, false, false), "min: dimension 2 of the tensor (3, 0) is empty");
+  EXPECT_MSG(fsdp_op_clamp(&o, a23, 1.0, -1.0), "clamp: min 1 is above max -1");
+  EXPECT_MSG(fsdp_op_softmax(&o, a23, 2), "softmax: dimension 3 out of range for a tensor (2, 3)");
+
+  EXPECT_MSG(fsdp_op_where(&o, a23, b4, a23), "where: shape (4) does not broadcast to (2, 3) (it must end the other)");
+  EXPECT_MSG(fsdp_op_where(&o, a23, a23, b4), "where: shape (4) does not broadcast to (2, 3) (it must end the other)");
+  EXPECT_MSG(fsdp_op_where(&o, b4, a23, a23), "where: shape (4) does not broadcast to (2, 3) (it must end the other)");
+  EXPECT_MSG(fsdp_op_compare(&o, a23, b4, FSDP_CMP_GT),
+             "gt: shapes (2, 3) and (4) do not broadcast (one shape must end with the other)");
+  EXPECT_MSG(fsdp_op_compare(&o, b4, a23, FSDP_CMP_NE),
+             "ne: shapes (4) and (2, 3) do not broadcast (one shape must end with the other)");
+
+  /* dtypes a kernel lacks come back as the kernel table's refusal */
+  EXPECT_MSG(fsdp_op_softmax(&o, d23, 1), "op softmax has no kernel for f64 on cpu");
+  EXPECT_MSG(fsdp_op_unary(&o, i23, FSDP_UNARY_EXP), "op exp has no kernel for i64 on cpu");
+  EXPECT_MSG(fsdp_op_clamp(&o, b2, 0, 1), "op clamp has no kernel for bool on cpu");
+  EXPECT_MSG(fsdp_op_binary(&o, b2, b2, FSDP_OP_ADD), "op add has no kernel for bool on cpu");
+  EXPECT_MSG(fsdp_op_binary(&o, i23, i23, FSDP_OP_DIV), "op div has no kernel for i64 on cpu");
+
+  /* requires_grad on an integer tensor: to() refuses to make one */
+  EXPECT_MSG(fsdp_op_to(&o, a23, NULL, FSDP_DTYPE_I64),
+             "to: a tensor that requires a gradient cannot become i64 (gradients need a float "
+             "dtype; detach() it first)");
+  EXPECT_MSG(fsdp_op_to(&o, a23, NULL, FSDP_DTYPE_BOOL),
+             "to: a tensor that requires a gradient cannot become bool (gradients need a float "
+             "dtype; detach() it first)");
+
+  assert_int_equal(fsdp_tape_size(), 0);
+  fsdp_tensor *all[] = {a23, b24, b4, a34, e30, s, d23, i23, b2};
+  for (size_t k = 0; k < sizeof all / sizeof all[0]; k++) fsdp_tensor_release(all[k]);
+  assert_int_equal(live_bytes(FSDP_ROLE_ACTIVATIONS), act0); /* nothing leaked on error paths */
+}
+
+/* Tensors of two devices in one op: an error naming both, before any work. */
+static void test_errors_devices(void **state) {
+  (void)state;
+  rng_reset(48);
+  const fsdp_device_i *dev2 = cpu2();
+  fsdp_tensor *o = NULL, *i = NULL, *a = rnd(2, SHAPE(2, 3), -1, 1), *b;
+  a->requires_grad = true;
+  assert_int_equal(fsdp_op_to(&b, a, dev2, FSDP_DTYPE_F32), FSDP_OK);
+  fsdp_tape_clear();
+  assert_ptr_equal(b->storage->device, dev2);
+  const char *to_cpu = "tensors on different devices (cpu and cpu2); move one with t:to(\"cpu\")";
+  char want[160];
+#define DEV_ERR(call, op)                                    \
+  do {                                                       \
+    snprintf(want, sizeof want, "%s: %s", op, to_cpu);       \
+    EXPECT_MSG(call, want);                                  \
+  } while (0)
+  DEV_ERR(fsdp_op_binary(&o, a, b, FSDP_OP_ADD), "add");
+  DEV_ERR(fsdp_op_binary(&o, a, b, FSDP_OP_DIV), "div");
+  DEV_ERR(fsdp_op_compare(&o, a, b, FSDP_CMP_EQ), "eq");
+  DEV_ERR(fsdp_op_where(&o, a, a, b), "where");
+  DEV_ERR(fsdp_op_cat(&o, (fsdp_tensor *[]){a, b}, 2, 0), "cat");
+  DEV_ERR(fsdp_op_stack(&o, (fsdp_tensor *[]){a, b}, 2, 0), "stack: cat");
+  DEV_ERR(fsdp_op_mse(&o, a, b), "mse");
+  fsdp_tensor *w = rnd(2, SHAPE(3, 4), -1, 1);
+  DEV_ERR(fsdp_op_matmul(&o, w, b), "matmul");
+  fsdp_tensor_release(w);
+#undef DEV_ERR
+  /* one device at a time works, and to() moves between them */
+  assert_int_equal(fsdp_op_extreme(&o, &i, b, 1, true, false), FSDP_OK);
+  assert_ptr_equal(o->storage->device, dev2);
+  assert_ptr_equal(i->storage->device, dev2);
+  fsdp_tensor_release(o);
+  fsdp_tensor_release(i);
+  fsdp_tensor *back;
+  assert_int_equal(fsdp_op_to(&back, b, &fsdp_device_cpu, FSDP_DTYPE_F32), FSDP_OK);
+  assert_int_equal(fsdp_op_binary(&o, a, back, FSDP_OP_SUB), FSDP_OK);
+  for (int k = 0; k < 6; k++) assert_float_equal(((float *)fsdp_tensor_data(o, "t"))[k], 0.0f, 0);
+  fsdp_tape_clear();
+  fsdp_tensor_release(o);
+  fsdp_tensor_release(back);
+  fsdp_tensor_release(b);
+  fsdp_tensor_release(a);
+}
+
 /* Empty dimensions compute nothing and do not crash (nor call BLAS with bad leading dims). */
 static void test_empty(void **state) {
   (void)state;
@@ -1345,6 +1774,13 @@ int main(void) {
       cmocka_unit_test(test_grad_mse),
       cmocka_unit_test(test_grad_reductions),
       cmocka_unit_test(test_grad_views),
+      cmocka_unit_test(test_grad_abs),
+      cmocka_unit_test(test_grad_where),
+      cmocka_unit_test(test_grad_clamp),
+      cmocka_unit_test(test_grad_cat_stack),
+      cmocka_unit_test(test_grad_max_min_topk_sort),
+      cmocka_unit_test(test_grad_softmax_dim),
+      cmocka_unit_test(test_grad_to),
       cmocka_unit_test(test_used_twice),
       cmocka_unit_test(test_accumulate_and_free),
       cmocka_unit_test(test_no_grad),
@@ -1357,6 +1793,8 @@ int main(void) {
       cmocka_unit_test(test_detach),
       cmocka_unit_test(test_errors_shapes),
       cmocka_unit_test(test_errors_meta),
+      cmocka_unit_test(test_errors_selection),
+      cmocka_unit_test(test_errors_devices),
       cmocka_unit_test(test_empty),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

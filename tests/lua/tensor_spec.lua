@@ -437,3 +437,612 @@ describe("memory roles", function()
     assert.truthy(err:find("bogus", 1, true))
   end)
 end)
+
+-- ---- dtypes ------------------------------------------------------------------------------------
+
+local function is_nan(x) return x ~= x end
+
+describe("dtypes", function()
+  local all = { "f32", "bf16", "f16", "f64", "i64", "i32", "u8", "bool" }
+
+  it("every factory takes a dtype, and t:dtype() names it", function()
+    for _, dt in ipairs(all) do
+      local o = { dtype = dt }
+      assert.are.equal(dt, fsdp.zeros({ 2, 3 }, o):dtype())
+      assert.are.equal(dt, fsdp.zeros(2, 3, o):dtype())
+      assert.are.equal(dt, fsdp.ones({ 2 }, o):dtype())
+      assert.are.equal(dt, fsdp.full({ 2 }, 1, o):dtype())
+      assert.are.equal(dt, fsdp.empty({ 2 }, o):dtype())
+      assert.are.equal(dt, fsdp.tensor({ 1, 0 }, o):dtype())
+      assert.are.equal(dt, fsdp.tensor(1, o):dtype())
+      assert.are.equal(dt, fsdp.arange(3, o):dtype())
+      assert.are.equal(dt, fsdp.empty({ 2 }, { dtype = dt, device = "meta" }):dtype())
+      assert.are.same({ 1, 1 }, fsdp.ones({ 2 }, o):totable())
+    end
+    for _, dt in ipairs { "f32", "bf16", "f16", "f64" } do
+      assert.are.equal(dt, fsdp.randn({ 4 }, { dtype = dt }):dtype())
+      assert.are.equal(dt, fsdp.rand({ 4 }, { dtype = dt }):dtype())
+    end
+    -- PyTorch's names are accepted and normalised
+    assert.are.equal("bf16", fsdp.zeros({ 1 }, { dtype = "bfloat16" }):dtype())
+    assert.are.equal("i64", fsdp.zeros({ 1 }, { dtype = "long" }):dtype())
+    assert.are.equal("f16", fsdp.zeros({ 1 }, { dtype = "half" }):dtype())
+    assert.are.equal("f64", fsdp.zeros({ 1 }, { dtype = "double" }):dtype())
+  end)
+
+  it("random values are the f32 stream rounded to the dtype", function()
+    fsdp.manual_seed(11)
+    local a = fsdp.randn { 64 }
+    fsdp.manual_seed(11)
+    local b = fsdp.randn({ 64 }, { dtype = "bf16" })
+    fsdp.manual_seed(11)
+    local c = fsdp.randn({ 64 }, { dtype = "f64" })
+    assert.are.same(a:to("bf16"):totable(), b:totable())
+    assert.are.same(a:totable(), c:totable()) -- widening is exact
+    assert_error_has(function() fsdp.randn({ 2 }, { dtype = "i64" }) end,
+      "op randn has no kernel for i64 on cpu")
+    assert_error_has(function() fsdp.rand({ 2 }, { dtype = "bool" }) end,
+      "op rand has no kernel for bool on cpu")
+  end)
+
+  it("printing shows the dtype", function()
+    assert.truthy(tostring(fsdp.tensor({ 1.5 }, { dtype = "bf16" })):find("tensor((1), bf16, cpu)", 1, true))
+    assert.truthy(tostring(fsdp.tensor({ 1, 0 }, { dtype = "bool" })):find("bool", 1, true))
+    local s = tostring(fsdp.tensor({ 2 ^ 40 + 1, -7 }, { dtype = "i64" }))
+    assert.truthy(s:find("i64", 1, true))
+    assert.truthy(s:find("[1099511627777, -7]", 1, true))
+    assert.truthy(tostring(fsdp.zeros({ 2 }, { dtype = "f16", device = "meta" })):find("(2), f16, meta", 1, true))
+    -- NaN prints as nan whatever its sign bit (0/0 is a negative NaN on x86)
+    local n = tostring(fsdp.tensor { 0 / 0, 1 / 0, -1 / 0 })
+    assert.truthy(n:find("[nan, inf, -inf]", 1, true), n)
+  end)
+
+  it("to converts with round to nearest even, keeping NaN and infinities", function()
+    local x = fsdp.tensor { 1 + 2 ^ -8, 1 + 3 * 2 ^ -8, 1 + 2 ^ -8 + 2 ^ -20, -(1 + 3 * 2 ^ -8),
+      0 / 0, 1 / 0, -1 / 0, 3.4e38 }
+    local b = x:to("bf16")
+    assert.are.equal("bf16", b:dtype())
+    local v = H.flat(b)
+    assert.are.equal(1, v[1])                -- a tie: to the even mantissa
+    assert.are.equal(1 + 2 ^ -6, v[2])       -- a tie the other way
+    assert.are.equal(1 + 2 ^ -7, v[3])       -- above the tie: up
+    assert.are.equal(-(1 + 2 ^ -6), v[4])
+    assert.is_true(is_nan(v[5]))
+    assert.are.equal(1 / 0, v[6])
+    assert.are.equal(-1 / 0, v[7])
+    assert.are.equal(1 / 0, v[8])            -- past bf16's largest finite value
+    local h = H.flat(fsdp.tensor { 1 + 2 ^ -11, 1 + 3 * 2 ^ -11, 65519, 65520, 2 ^ -25, 0 / 0 }:to("f16"))
+    assert.are.same({ 1, 1 + 2 ^ -9, 65504, 1 / 0, 0 }, { h[1], h[2], h[3], h[4], h[5] })
+    assert.is_true(is_nan(h[6]))
+    -- to integers truncates toward zero and saturates; NaN becomes 0; bool is v ~= 0
+    assert.are.same({ 1, 0, 0, 255, 0 }, fsdp.tensor { 1.7, -1.7, 0 / 0, 300, -5 }:to("u8"):totable())
+    assert.are.same({ 1, -1, 0 }, fsdp.tensor { 1.7, -1.7, 0 / 0 }:to("i32"):totable())
+    assert.are.same({ 1, 0, 1 }, fsdp.tensor { 0.5, 0, 0 / 0 }:to("bool"):totable())
+  end)
+
+  it("to takes dtypes and devices, by name or in a table; the same tensor when nothing changes", function()
+    local x = fsdp.tensor { 1.5, 2.5 }
+    assert.is_true(rawequal(x, x:to("f32")))
+    assert.is_true(rawequal(x, x:to("cpu")))
+    assert.is_true(rawequal(x, x:to { device = "cpu", dtype = "f32" }))
+    assert.are.equal("f64", x:to { dtype = "f64" }:dtype())
+    assert.are.equal("f16", x:to("cpu", "f16"):dtype())
+    assert.are.equal("f16", x:to("half"):dtype())
+    local m = x:to("meta")
+    assert.are.equal("meta", m.device)
+    assert.are.equal("f32", m:dtype())
+    assert.are.equal("bf16", x:to { device = "meta", dtype = "bf16" }:dtype())
+    assert.are.same({ 1.5, 2.5 }, x:to("f64"):to("f32"):totable())
+    assert_error_has(function() x:to("f8") end, "to: 'f8' is neither a dtype", "nor a device")
+    assert_error_has(function() x:to() end, "to: expected a dtype or a device name")
+    assert_error_has(function() x:to { dtyp = "f32" } end, "to: unknown option 'dtyp' (valid: device, dtype)")
+    assert_error_has(function() x:to { device = 3 } end, "to: device must be a name")
+    assert_error_has(function() x:to { dtype = "f8" } end, "unknown dtype 'f8'")
+  end)
+
+  it("to is recorded: the gradient flows back converted", function()
+    local x = fsdp.tensor { 1, 2, 3 }
+    x.requires_grad = true
+    local y = x:to("f64")
+    assert.is_true(y.requires_grad)
+    local loss = (y * y):sum()
+    assert.are.equal("f64", loss:dtype())
+    loss:backward()
+    assert.are.equal("f32", x.grad:dtype())
+    assert.are.same({ 2, 4, 6 }, x.grad:totable())
+    -- to an integer dtype cannot carry a gradient
+    assert_error_has(function() x:to("i64") end,
+      "to: a tensor that requires a gradient cannot become i64 (gradients need a float dtype; detach() it first)")
+    assert.are.same({ 1, 2, 3 }, x:detach():to("i64"):totable())
+  end)
+
+  it("item, totable, get and set on bf16, i64 and bool tensors", function()
+    local b = fsdp.zeros({ 2, 2 }, { dtype = "bf16" })
+    b:set(1, 2, 1 + 2 ^ -8)   -- rounds on the way in
+    b:set(2, 1, 3.140625)
+    assert.are.equal(1, b:get(1, 2))
+    assert.are.equal(3.140625, b:get(2, 1))
+    assert.are.same({ { 0, 1 }, { 3.140625, 0 } }, b:totable())
+    assert.are.equal(3.140625, b:narrow(1, 2, 1):narrow(2, 1, 1):item())
+
+    local big = 2 ^ 40 + 3 -- beyond 2^31: i64 keeps it exactly
+    local i = fsdp.tensor({ big, -big, 2 ^ 53 }, { dtype = "i64" })
+    assert.are.equal(big, i:get(1))
+    assert.are.equal(-big, i:get(2))
+    assert.are.equal(2 ^ 53, i:get(3))
+    i:set(2, 2 ^ 31 + 5)
+    assert.are.same({ big, 2 ^ 31 + 5, 2 ^ 53 }, i:totable())
+    assert.are.equal(big, i:narrow(1, 1, 1):item())
+    i:set(1, 7.9) -- integers truncate toward zero
+    assert.are.equal(7, i:get(1))
+    local i32 = fsdp.tensor({ 2 ^ 40 }, { dtype = "i32" }) -- saturates
+    assert.are.equal(2 ^ 31 - 1, i32:item())
+
+    local z = fsdp.zeros({ 3 }, { dtype = "bool" })
+    z:set(1, 5)
+    z:set(3, -0.5)
+    assert.are.same({ 1, 0, 1 }, z:totable())
+    assert.are.equal(1, z:get(3))
+    assert.are.equal(0, z:narrow(1, 2, 1):item())
+    z:fill(0)
+    assert.are.same({ 0, 0, 0 }, z:totable())
+  end)
+
+  it("arange takes a dtype", function()
+    assert.are.same({ 0, 1, 2, 3, 4 }, fsdp.arange(5, { dtype = "i64" }):totable())
+    assert.are.same({ 2 ^ 40, 2 ^ 40 + 1 }, fsdp.arange(2 ^ 40, 2 ^ 40 + 2, { dtype = "i64" }):totable())
+    assert.are.same({ 0, 0.25, 0.5, 0.75 }, fsdp.arange(0, 1, 0.25, { dtype = "bf16" }):totable())
+    assert.are.same({ 0, 1, 1 }, fsdp.arange(3, { dtype = "bool" }):totable())
+    assert.are.same({ 3, 2, 1 }, fsdp.arange(3, 0, -1, { dtype = "u8" }):totable())
+    assert.are.equal("meta", fsdp.arange(4, { dtype = "i32", device = "meta" }).device)
+    assert_error_has(function() fsdp.arange(3, { dtype = "q4" }) end, "unknown dtype 'q4'")
+    assert_error_has(function() fsdp.arange(3, { step = 2 }) end, "arange: unknown option 'step'")
+  end)
+
+  it("unknown dtypes and unknown option keys are errors naming the valid ones", function()
+    assert_error_has(function() fsdp.zeros({ 2 }, { dtype = "f8" }) end,
+      "unknown dtype 'f8' (valid: f32, bf16, f16, f64, i64, i32, u8, bool)")
+    assert_error_has(function() fsdp.zeros({ 2 }, { dtype = 5 }) end, "dtype must be a name", "number")
+    assert_error_has(function() fsdp.zeros({ 2 }, { dtyp = "f32" }) end,
+      "zeros: unknown option 'dtyp' (valid: device, dtype, role)")
+    assert_error_has(function() fsdp.tensor({ 1 }, { requires_grad = true }) end,
+      "tensor: unknown option 'requires_grad' (valid: device, dtype, role)")
+    assert_error_has(function() fsdp.full({ 2 }, 1, { colour = 1 }) end, "full: unknown option 'colour'")
+    assert_error_has(function() fsdp.randn({ 2 }, { [1] = 2 }) end, "randn: unknown option 'number'")
+  end)
+
+  it("only float tensors can require a gradient", function()
+    for _, dt in ipairs { "i64", "i32", "u8", "bool" } do
+      local t = fsdp.zeros({ 2 }, { dtype = dt })
+      assert_error_has(function() t.requires_grad = true end,
+        "requires_grad: only float tensors can require a gradient (this one is " .. dt .. ")")
+      t.requires_grad = false -- turning it off is always fine
+    end
+    for _, dt in ipairs { "f32", "bf16", "f16", "f64" } do
+      local t = fsdp.zeros({ 2 }, { dtype = dt })
+      t.requires_grad = true
+      assert.is_true(t.requires_grad)
+    end
+  end)
+
+  it("binary ops promote: f64 > f32 > bf16, f16; bf16 with f16 gives f32; integers take the float's dtype", function()
+    local function T(dt, v) return fsdp.tensor(v or { 1, 2 }, { dtype = dt }) end
+    local cases = {
+      { "f32", "f64", "f64" }, { "bf16", "f32", "f32" }, { "f16", "f32", "f32" },
+      { "bf16", "f16", "f32" }, { "bf16", "f64", "f64" }, { "i64", "f32", "f32" },
+      { "i64", "bf16", "bf16" }, { "u8", "f16", "f16" }, { "i32", "i64", "i64" },
+      { "u8", "i32", "i32" }, { "bool", "u8", "u8" }, { "bool", "f32", "f32" },
+      { "i64", "i64", "i64" }, { "bf16", "bf16", "bf16" },
+    }
+    for _, c in ipairs(cases) do
+      assert.are.equal(c[3], (T(c[1]) + T(c[2])):dtype(), c[1] .. " + " .. c[2])
+      assert.are.equal(c[3], (T(c[2]) * T(c[1])):dtype(), c[2] .. " * " .. c[1])
+    end
+    assert.are.same({ 3.5, 4.5 }, (T("i64", { 3, 4 }) + T("f32", { 0.5, 0.5 })):totable())
+    -- i64 arithmetic is exact beyond 2^53
+    local a = T("i64", { 2 ^ 53 }) + T("i64", { 1 })
+    assert.are.equal(1, (a - T("i64", { 2 ^ 53 })):item())
+    -- and so are i64 sums
+    local big = fsdp.cat { a, T("i64", { 1 }) } -- { 2^53 + 1, 1 }
+    assert.are.equal(2, (big:sum() - T("i64", { 2 ^ 53 })):item())
+    assert.are.equal(2, (big:view(1, 2):sum(2) - T("i64", { 2 ^ 53 })):item())
+    assert_error_has(function() return T("bool") + T("bool") end, "op add has no kernel for bool on cpu")
+    assert_error_has(function() return T("i64") / T("i64") end, "op div has no kernel for i64 on cpu")
+  end)
+
+  it("a number with an integer or f64 tensor keeps its value", function()
+    local i = fsdp.tensor({ 3, 4 }, { dtype = "i64" })
+    assert.are.equal("i64", (i + 1):dtype())
+    assert.are.same({ 4, 5 }, (i + 1):totable())
+    assert.are.same({ -1, -2 }, (2 - i):totable())
+    assert.are.equal("i64", (2 * i):dtype())
+    -- a fraction makes the result f32 instead of being truncated away
+    assert.are.equal("f32", (i * 2.5):dtype())
+    assert.are.same({ 7.5, 10 }, (i * 2.5):totable())
+    assert.are.same({ 3.5, 4.5 }, (0.5 + i):totable())
+    -- dividing integers needs a float tensor, as with two tensors
+    assert_error_has(function() return i / 2 end, "op div has no kernel for i64 on cpu")
+    assert_error_has(function() return 2 / i end, "i64 on cpu")
+    -- f64 arithmetic with numbers happens in f64
+    local d = fsdp.tensor({ 1 }, { dtype = "f64" })
+    assert.are.equal(1.1, (d + 0.1):item())
+    assert.are.equal(1 - 0.1, (d - 0.1):item())
+    assert.are.equal(0.1, (d * 0.1):item())
+    assert.are.equal(1 / 3, (d / 3):item())
+    assert.are.equal(1 / 3, (1 / (d * 3)):item())
+    assert.are.equal(0.9, (1 - d * 0.1):item())
+    local b = fsdp.tensor({ 1, 0 }, { dtype = "bool" })
+    assert_error_has(function() return b + 1 end, "op add has no kernel for bool on cpu")
+    -- a number the integer dtype cannot hold is not saturated into it: the op promotes
+    local u = fsdp.tensor({ 0, 200 }, { dtype = "u8" })
+    assert.are.same({ 1, 1 }, u:gt(-1):totable())
+    assert.are.same({ 0, 0 }, u:eq(255 + 1):totable())
+    assert.are.same({ -1, 199 }, (u + -1):totable())
+    assert.are.equal("i64", (u + -1):dtype())
+    assert.are.same({ 1, 201 }, (u + 1):totable())
+    assert.are.same({ 100, 255 }, (u + 100):totable()) -- u8 results saturate
+    assert.are.equal("u8", (u + 1):dtype())
+    assert.are.same({ -1, 200 }, fsdp.where(u:gt(0), u, -1):totable())
+    assert.are.same({ 0 }, fsdp.tensor({ 2 ^ 31 - 1 }, { dtype = "i32" }):eq(2 ^ 40):totable())
+    assert.are.same({ 0, 0 }, b:eq(2):totable())
+  end)
+
+  it("ops refuse dtypes their kernels lack, naming op, dtype and device", function()
+    local d = fsdp.ones({ 2, 2 }, { dtype = "f64" })
+    assert_error_has(function() return d:matmul(d) end, "op matmul has no kernel for f64 on cpu")
+    assert_error_has(function() return d:softmax() end, "op softmax has no kernel for f64 on cpu")
+    local i = fsdp.ones({ 2 }, { dtype = "i64" })
+    assert_error_has(function() return i:gelu() end, "op gelu has no kernel for i64 on cpu")
+    assert_error_has(function() return i:mean() end, "op mean has no kernel for i64 on cpu")
+    assert_error_has(function() return fsdp.ones({ 2 }, { dtype = "bool" }):sum() end,
+      "op sum has no kernel for bool on cpu")
+    assert.are.equal("i64", fsdp.ones({ 3 }, { dtype = "u8" }):sum():dtype()) -- integers sum to i64
+    assert.are.equal(3, fsdp.ones({ 3 }, { dtype = "u8" }):sum():item())
+    local u = fsdp.tensor({ { 200, 100 }, { 1, 2 } }, { dtype = "u8" }) -- along a dim too
+    assert.are.equal("i64", u:sum(2):dtype())
+    assert.are.same({ 300, 3 }, u:sum(2):totable())
+    assert.are.same({ 201, 102 }, u:sum(1):totable())
+    assert.are.equal("i64", fsdp.ones({ 2, 2 }, { dtype = "i32" }):sum(-1):dtype())
+    assert.are.equal("i64", fsdp.ones({ 2, 2 }, { dtype = "i64" }):sum(1):dtype())
+    assert_error_has(function() return u:mean(1) end, "mean: needs a float tensor, got u8")
+    assert_error_has(function() return d:matmul(fsdp.ones(2, 2)) end,
+      "matmul: dtypes f64 and f32 differ (convert one with t:to(\"f64\"))")
+  end)
+
+  it("bf16 and f16 compute through f32 and round once", function()
+    local x = fsdp.tensor({ 1, 2, 3 }, { dtype = "bf16" })
+    local s = x:softmax()
+    assert.are.equal("bf16", s:dtype())
+    local want = fsdp.tensor { 1, 2, 3 }:softmax():to("bf16")
+    assert.are.same(want:totable(), s:totable())
+    assert.are.same({ 1.5, 2.25, 3 }, (x + fsdp.tensor({ 0.5, 0.25, 0 }, { dtype = "bf16" })):totable())
+    assert.are.same({ 1, 2, 3 }, (x + fsdp.tensor({ 2 ^ -9, 0, 0 }, { dtype = "bf16" })):totable()) -- rounded
+    assert.are.same({ 1 + 2 ^ -9, 2, 3 }, (x:to("f32") + fsdp.tensor { 2 ^ -9, 0, 0 }):totable())
+    local m = x:view(1, 3):matmul(x:view(3, 1))
+    assert.are.equal(14, m:item())
+    assert.are.equal("bf16", m:dtype())
+  end)
+end)
+
+-- ---- the selection and shaping ops ------------------------------------------------------------
+
+describe("new ops", function()
+  it("are methods and fsdp.<name> functions alike", function()
+    for _, name in ipairs { "abs", "sign", "where", "cat", "stack", "topk", "sort", "clamp",
+      "argmax", "gt", "ge", "lt", "le", "eq", "ne", "max", "min" } do
+      assert.are.equal("function", type(fsdp[name]), "fsdp." .. name)
+      assert.are.equal("function", type(fsdp.Tensor[name]), "Tensor." .. name)
+    end
+    local t = fsdp.tensor { -1, 2 }
+    assert.are.same(t:abs():totable(), fsdp.abs(t):totable())
+    assert.are.same({ 2, -1 }, H.flat(fsdp.topk(t, 2)))
+    assert.are.equal(2, fsdp.max(t))
+  end)
+
+  it("abs and sign", function()
+    assert.are.same({ 2, 0, 3 }, fsdp.tensor({ -2, 0, 3 }):abs():totable())
+    assert.are.same({ -1, 0, 1 }, fsdp.tensor({ -2, 0, 3 }):sign():totable())
+    local n = fsdp.tensor({ 0 / 0 })
+    assert.is_true(is_nan(n:abs():item()))
+    assert.is_true(is_nan(n:sign():item()))
+    local i = fsdp.tensor({ -2 ^ 40, 5 }, { dtype = "i64" })
+    assert.are.same({ 2 ^ 40, 5 }, i:abs():totable())
+    assert.are.same({ -1, 1 }, i:sign():totable())
+    assert.are.equal("i64", i:sign():dtype())
+    -- gradients: sign(x) for abs (0 at 0), zero for sign
+    local x = fsdp.tensor { -2, 0, 3 }
+    x.requires_grad = true
+    local loss = (x:abs() + x:sign()):sum()
+    loss:backward()
+    assert.are.same({ -1, 0, 1 }, x.grad:totable())
+  end)
+
+  it("comparisons give bool, with a tensor or a number on either side", function()
+    local a = fsdp.tensor { 1, 2, 3 }
+    local r = a:gt(2)
+    assert.are.equal("bool", r:dtype())
+    assert.are.same({ 0, 0, 1 }, r:totable())
+    assert.are.same({ 0, 1, 1 }, a:ge(2):totable())
+    assert.are.same({ 1, 0, 0 }, a:lt(2):totable())
+    assert.are.same({ 1, 1, 0 }, a:le(2):totable())
+    assert.are.same({ 0, 1, 0 }, a:eq(2):totable())
+    assert.are.same({ 1, 0, 1 }, a:ne(2):totable())
+    assert.are.same({ 1, 0, 0 }, fsdp.gt(2, a):totable()) -- 2 > a
+    assert.are.same({ 0, 0, 1 }, fsdp.lt(2, a):totable()) -- 2 < a
+    assert.are.same({ 0, 1, 1 }, a:ge(fsdp.tensor { 3, 2, 1 }):totable())
+    -- broadcasting by suffix, either way round
+    local m = fsdp.tensor { { 1, 5 }, { 4, 2 } }
+    assert.are.same({ { 0, 1 }, { 1, 0 } }, m:gt(fsdp.tensor { 3, 3 }):totable())
+    assert.are.same({ { 1, 0 }, { 0, 1 } }, fsdp.tensor({ 3, 3 }):gt(m):totable())
+    assert_error_has(function() return a:gt(fsdp.tensor { 1, 2 }) end,
+      "gt: shapes (3) and (2) do not broadcast (one shape must end with the other)")
+    -- NaN compares false except with ne
+    local n = fsdp.tensor { 0 / 0 }
+    assert.are.same({ 0 }, n:eq(n):totable())
+    assert.are.same({ 1 }, n:ne(n):totable())
+    assert.are.same({ 0 }, n:lt(1):totable())
+    assert.are.same({ 0 }, n:ge(1):totable())
+    -- operands promote: bf16 1 + 2^-8 is 1, compared with an f32 1 + 2^-8 in f32
+    local h = fsdp.tensor({ 1 + 2 ^ -8 }, { dtype = "bf16" })
+    assert.are.same({ 0 }, h:eq(fsdp.tensor { 1 + 2 ^ -8 }):totable())
+    assert.are.same({ 1 }, h:eq(1):totable())
+    -- i64 against an integer number stays exact beyond 2^31
+    assert.are.same({ 1 }, fsdp.tensor({ 2 ^ 40 }, { dtype = "i64" }):eq(2 ^ 40):totable())
+    assert.are.same({ 1 }, fsdp.tensor({ 3 }, { dtype = "i64" }):gt(2.5):totable())
+    assert_error_has(function() return fsdp.gt(1, 2) end, "bad argument #2 to 'gt' (tensor expected, got number)")
+  end)
+
+  it("where takes tensors or numbers and broadcasts them by suffix", function()
+    local c = fsdp.tensor({ 1, 0, 1 }, { dtype = "bool" })
+    assert.are.same({ 5, -5, 5 }, fsdp.where(c, 5, -5):totable())
+    assert.are.equal("f32", fsdp.where(c, 5, -5):dtype())
+    local a = fsdp.tensor { 1, 2, 3 }
+    assert.are.same({ 1, 0, 3 }, fsdp.where(c, a, 0):totable())
+    assert.are.same({ 0, 2, 0 }, fsdp.where(c, 0, a):totable())
+    assert.are.same({ 0, 2, 0 }, c:where(0, a):totable())
+    -- any condition dtype: nonzero (NaN included) is true
+    assert.are.same({ 1, 9, 1 }, fsdp.where(fsdp.tensor { 0.5, 0, 0 / 0 }, 1, 9):totable())
+    -- a condition row over a matrix, a scalar tensor, a row operand
+    local cm = fsdp.tensor({ { 1, 0 }, { 0, 1 } }, { dtype = "bool" })
+    assert.are.same({ { 1, 0 }, { 0, 2 } }, fsdp.where(cm, fsdp.tensor { 1, 2 }, 0):totable())
+    assert.are.same({ { 1, 6 }, { 3, 6 } },
+      fsdp.where(fsdp.tensor { 1, 0 }, fsdp.tensor { { 1, 2 }, { 3, 4 } }, fsdp.tensor { 5, 6 }):totable())
+    -- operands promote; an integer tensor with a fraction gives f32
+    assert.are.same({ 1, 0.5, 3 },
+      fsdp.where(c, fsdp.tensor({ 1, 2, 3 }, { dtype = "i64" }), 0.5):totable())
+    assert.are.equal("i64", fsdp.where(c, fsdp.tensor({ 1, 2, 3 }, { dtype = "i64" }), 0):dtype())
+    assert.are.equal("f64", fsdp.where(c, a, fsdp.zeros({ 3 }, { dtype = "f64" })):dtype())
+    assert_error_has(function() return fsdp.where(c, fsdp.tensor { 1, 2 }, 0) end,
+      "where: shape (2) does not broadcast to (3) (it must end the other)")
+    assert_error_has(function() return fsdp.where(c, a) end, "bad argument #3 to 'where' (tensor expected, got no value)")
+    -- gradients flow into both branches, summed over a broadcast operand
+    local x, y = fsdp.tensor { { 1, 2 }, { 3, 4 } }, fsdp.tensor { 10, 20 }
+    x.requires_grad, y.requires_grad = true, true
+    fsdp.where(cm, x, y):sum():backward()
+    assert.are.same({ { 1, 0 }, { 0, 1 } }, x.grad:totable())
+    assert.are.same({ 1, 1 }, y.grad:totable())
+  end)
+
+  it("clamp takes a min, a max or both; NaN stays NaN", function()
+    local t = fsdp.tensor { -2, 0.5, 3, 0 / 0 }
+    local v = H.flat(fsdp.clamp(t, -1, 1))
+    assert.are.same({ -1, 0.5, 1 }, { v[1], v[2], v[3] })
+    assert.is_true(is_nan(v[4]))
+    local lo = H.flat(t:clamp(0))
+    assert.are.same({ 0, 0.5, 3 }, { lo[1], lo[2], lo[3] })
+    local hi = H.flat(t:clamp(nil, 1))
+    assert.are.same({ -2, 0.5, 1 }, { hi[1], hi[2], hi[3] })
+    assert.are.same({ 0, 3, 4 }, fsdp.tensor({ -5, 3, 9 }, { dtype = "i64" }):clamp(0, 4):totable())
+    assert.are.same({ 2, 2 }, fsdp.tensor({ 1, 3 }):clamp(2, 2):totable())
+    assert_error_has(function() return t:clamp(1, -1) end, "clamp: min 1 is above max -1")
+    assert_error_has(function() return t:clamp() end, "clamp: give a min, a max or both")
+    assert_error_has(function() return fsdp.tensor({ 1 }, { dtype = "bool" }):clamp(0, 1) end,
+      "op clamp has no kernel for bool on cpu")
+    -- the gradient passes where min <= x <= max
+    local x = fsdp.tensor { -2, -1, 0.5, 1, 3 }
+    x.requires_grad = true
+    x:clamp(-1, 1):sum():backward()
+    assert.are.same({ 0, 1, 1, 1, 0 }, x.grad:totable())
+  end)
+
+  it("cat joins along a 1-based dim (default 1, negative from the end)", function()
+    local a, b = fsdp.tensor { { 1, 2 } }, fsdp.tensor { { 3, 4 }, { 5, 6 } }
+    assert.are.same({ { 1, 2 }, { 3, 4 }, { 5, 6 } }, fsdp.cat({ a, b }):totable())
+    assert.are.same({ { 1, 2 }, { 3, 4 }, { 5, 6 } }, fsdp.cat({ a, b }, 1):totable())
+    assert.are.same({ { 1, 2, 3 } }, fsdp.cat({ a, fsdp.tensor { { 3 } } }, 2):totable())
+    assert.are.same({ { 1, 2, 3 } }, fsdp.cat({ a, fsdp.tensor { { 3 } } }, -1):totable())
+    assert.are.same({ 1, 2, 3 }, fsdp.cat({ fsdp.tensor { 1, 2 }, fsdp.tensor { 3 } }):totable())
+    assert.are.same({ 7 }, fsdp.cat({ fsdp.tensor { 7 } }):totable())
+    -- a strided input, any dtype
+    assert.are.same({ { 1, 2, 3, 5 }, { 9, 9, 4, 6 } },
+      fsdp.cat({ fsdp.tensor { { 1, 2 }, { 9, 9 } }, b:transpose(1, 2) }, 2):totable())
+    local i = fsdp.cat({ fsdp.tensor({ 2 ^ 40 }, { dtype = "i64" }), fsdp.tensor({ 1 }, { dtype = "i64" }) })
+    assert.are.equal("i64", i:dtype())
+    assert.are.same({ 2 ^ 40, 1 }, i:totable())
+    assert_error_has(function() return fsdp.cat({ a, fsdp.tensor { { 1, 2, 3 } } }) end,
+      "cat: tensor 2 has shape (1, 3), tensor 1 (1, 2): they must agree except in dimension 1")
+    assert_error_has(function() return fsdp.cat({ a, a:to("bf16") }) end,
+      "cat: tensor 2 is bf16, tensor 1 f32 (convert with t:to())")
+    assert_error_has(function() return fsdp.cat({ a, a }, 3) end, "cat: dimension 3 out of range")
+    assert_error_has(function() return fsdp.cat({ fsdp.tensor(1) }) end, "cat: cannot concatenate scalars (use stack)")
+    assert_error_has(function() return fsdp.cat({}) end, "cat: expected a non-empty array of tensors")
+    assert_error_has(function() return fsdp.cat({ a, 3 }) end, "cat: entry 2 is a number, expected a tensor")
+    -- gradients: each input gets its slice; an input used twice gets both
+    local x = fsdp.tensor { { 1, 5 } }
+    x.requires_grad = true
+    local y = fsdp.cat({ x, fsdp.tensor { { 0 } }, x }, 2)
+    assert.are.same({ 1, 5 }, y:shape())
+    local loss = (y * fsdp.tensor { 1, 2, 3, 4, 5 }):sum()
+    loss:backward()
+    assert.are.same({ { 5, 7 } }, x.grad:totable())
+  end)
+
+  it("stack adds a 1-based dim (1..ndim+1, default 1, negative from the end)", function()
+    local a, b = fsdp.tensor { 1, 2 }, fsdp.tensor { 3, 4 }
+    assert.are.same({ { 1, 2 }, { 3, 4 } }, fsdp.stack({ a, b }):totable())
+    assert.are.same({ { 1, 2 }, { 3, 4 } }, fsdp.stack({ a, b }, 1):totable())
+    assert.are.same({ { 1, 3 }, { 2, 4 } }, fsdp.stack({ a, b }, 2):totable())
+    assert.are.same({ { 1, 3 }, { 2, 4 } }, fsdp.stack({ a, b }, -1):totable())
+    assert.are.same({ { 1, 2 }, { 3, 4 } }, fsdp.stack({ a, b }, -2):totable())
+    assert.are.same({ 2 }, fsdp.stack({ fsdp.tensor(1), fsdp.tensor(2) }):shape())
+    assert_error_has(function() return fsdp.stack({ a, fsdp.tensor { 1, 2, 3 } }) end,
+      "stack: tensor 2 has shape (3), tensor 1 (2): stacked tensors share one shape")
+    local ok, err = pcall(fsdp.stack, { a, fsdp.tensor { 1, 2, 3 } })
+    assert.is_nil(err:find("stack: stack", 1, true))
+    assert_error_has(function() return fsdp.stack({ a, b }, 3) end, "stack: dimension 3 out of range for tensors (2) (1..2)")
+    assert_error_has(function() return fsdp.stack({ a, b:to("f64") }) end, "stack", "f64")
+    local x = fsdp.tensor { 1, 2 }
+    x.requires_grad = true
+    local loss = (fsdp.stack({ x, x * 2 }, 2) * fsdp.tensor { 1, 10 }):sum()
+    loss:backward()
+    assert.are.same({ 21, 21 }, x.grad:totable())
+  end)
+
+  it("max and min along a dim give values and 0-based indices", function()
+    local t = fsdp.tensor { { 3, 7, 7 }, { 9, 0, 2 } }
+    local v, i = t:max(2)
+    assert.are.same({ 7, 9 }, v:totable())
+    assert.are.same({ 1, 0 }, i:totable()) -- ties: the first index
+    assert.are.equal("i64", i:dtype())
+    v, i = t:max(1)
+    assert.are.same({ 9, 7, 7 }, v:totable())
+    assert.are.same({ 1, 0, 0 }, i:totable())
+    v, i = t:min(-1)
+    assert.are.same({ 3, 0 }, v:totable())
+    assert.are.same({ 0, 1 }, i:totable())
+    v, i = t:min(1, true) -- keepdim
+    assert.are.same({ { 3, 0, 2 } }, v:totable())
+    assert.are.same({ { 0, 1, 1 } }, i:totable())
+    v, i = fsdp.max(t, -2)
+    assert.are.same({ 9, 7, 7 }, v:totable())
+    assert.are.equal(9, t:max())
+    assert.are.equal(0, t:min())
+    assert.are.equal(0, fsdp.min(t))
+    -- NaN wins, as a maximum and as a minimum
+    local n = fsdp.tensor { { 1, 0 / 0, 5 } }
+    v, i = n:max(2)
+    assert.is_true(is_nan(v:item()))
+    assert.are.same({ 1 }, i:totable())
+    v, i = n:min(2)
+    assert.is_true(is_nan(v:item()))
+    assert.are.same({ 1 }, i:totable())
+    assert.is_true(is_nan(n:max()))
+    assert.is_true(is_nan(n:min()))
+    -- integer values keep their dtype and exact value
+    local big = fsdp.tensor({ 2 ^ 40, -3, 2 ^ 40 + 1 }, { dtype = "i64" })
+    assert.are.equal(2 ^ 40 + 1, big:max())
+    v, i = big:max(1)
+    assert.are.equal("i64", v:dtype())
+    assert.are.same({ 2 ^ 40 + 1 }, { v:item() })
+    assert.are.same({ 2 }, { i:item() })
+    assert_error_has(function() return t:max(3) end, "max: dimension 3 out of range for a tensor (2, 3) (dimensions start at 1)")
+    assert_error_has(function() return t:min(0) end, "min: dimension 0 out of range")
+    assert_error_has(function() return fsdp.zeros(2, 0):max(2) end, "max: dimension 2 of the tensor (2, 0) is empty")
+    assert_error_has(function() return fsdp.zeros(0):min() end, "min: tensor is empty")
+    -- the gradient goes to the chosen element
+    local x = fsdp.tensor { { 1, 5, 3 }, { 7, 0, 2 } }
+    x.requires_grad = true
+    x:max(2):sum():backward()
+    assert.are.same({ { 0, 1, 0 }, { 1, 0, 0 } }, x.grad:totable())
+  end)
+
+  it("argmax gives 0-based indices along the last dim or a given one", function()
+    local t = fsdp.tensor { { 3, 7, 7 }, { 9, 0, 2 } }
+    assert.are.same({ 1, 0 }, t:argmax():totable())
+    assert.are.same({ 1, 0, 0 }, t:argmax(1):totable())
+    assert.are.same({ 1, 0 }, fsdp.argmax(t, -1):totable())
+    assert.are.equal("i64", t:argmax():dtype())
+    assert.are.equal(1, fsdp.tensor({ 1, 0 / 0, 0 / 0, 2 }):argmax():item()) -- the first NaN
+    assert_error_has(function() return fsdp.tensor(1):argmax() end, "argmax: needs at least one dimension")
+    assert_error_has(function() return t:argmax(3) end, "argmax: dimension 3 out of range")
+  end)
+
+  it("topk: the k largest (or smallest), sorted, ties in index order, NaN largest", function()
+    local t = fsdp.tensor { 1, 2, 2, 1, 2 }
+    local v, i = t:topk(2)
+    assert.are.same({ 2, 2 }, v:totable())
+    assert.are.same({ 1, 2 }, i:totable()) -- 0-based, lower index first among ties
+    v, i = fsdp.topk(t, 3, { largest = false })
+    assert.are.same({ 1, 1, 2 }, v:totable())
+    assert.are.same({ 0, 3, 1 }, i:totable())
+    local m = fsdp.tensor { { 3, 1 }, { 2, 4 }, { 5, 0 } }
+    v, i = m:topk(2, { dim = 1 })
+    assert.are.same({ { 5, 4 }, { 3, 1 } }, v:totable())
+    assert.are.same({ { 2, 1 }, { 0, 0 } }, i:totable())
+    v, i = m:topk(1, { dim = -1 })
+    assert.are.same({ { 3 }, { 4 }, { 5 } }, v:totable())
+    assert.are.same({ { 0 }, { 1 }, { 0 } }, i:totable())
+    v, i = fsdp.tensor({ 1, 0 / 0, 3 }):topk(2)
+    assert.is_true(is_nan(v:get(1)))
+    assert.are.same({ 1, 2 }, i:totable())
+    v, i = fsdp.tensor({ 1, 0 / 0, 3 }):topk(2, { largest = false })
+    assert.are.same({ 1, 3 }, v:totable())
+    assert.are.same({ 0, 2 }, i:totable())
+    v, i = t:topk(0)
+    assert.are.same({ 0 }, v:shape())
+    assert.are.same({ 0 }, i:shape())
+    assert_error_has(function() return t:topk(6) end, "topk: k = 6 is not in [0, 5] (dimension 1 of a tensor (5))")
+    assert_error_has(function() return t:topk(-1) end, "topk: k = -1 is not in [0, 5]")
+    assert_error_has(function() return t:topk(1.5) end, "topk: k must be an integer, got 1.5")
+    assert_error_has(function() return t:topk(math.huge) end, "topk: k must be an integer, got inf")
+    assert_error_has(function() return t:topk(1, { dims = 1 }) end, "topk: unknown option 'dims' (valid: dim, largest)")
+    assert_error_has(function() return t:topk(1, { dim = 2 }) end, "topk: dimension 2 out of range")
+    assert_error_has(function() return t:topk(1, 1) end, "topk: expected an options table, got a number")
+    -- the gradient goes to the chosen elements
+    local x = fsdp.tensor { 1, 5, 3, 4 }
+    x.requires_grad = true
+    local top = x:topk(2)
+    local loss = (top * fsdp.tensor { 10, 1 }):sum()
+    loss:backward()
+    assert.are.same({ 0, 10, 0, 1 }, x.grad:totable())
+  end)
+
+  it("sort is stable, ascending unless descending, NaN last (first when descending)", function()
+    local v, i = fsdp.tensor({ 1, 2, 2, 1, 2 }):sort()
+    assert.are.same({ 1, 1, 2, 2, 2 }, v:totable())
+    assert.are.same({ 0, 3, 1, 2, 4 }, i:totable())
+    v, i = fsdp.sort(fsdp.tensor { 1, 2, 2, 1, 2 }, { descending = true })
+    assert.are.same({ 2, 2, 2, 1, 1 }, v:totable())
+    assert.are.same({ 1, 2, 4, 0, 3 }, i:totable())
+    v, i = fsdp.tensor({ 3, 0 / 0, 1, 2 }):sort()
+    local vv = H.flat(v)
+    assert.are.same({ 1, 2, 3 }, { vv[1], vv[2], vv[3] })
+    assert.is_true(is_nan(vv[4]))
+    assert.are.same({ 2, 3, 0, 1 }, i:totable())
+    v, i = fsdp.tensor({ 3, 0 / 0, 1, 2 }):sort { descending = true }
+    assert.is_true(is_nan(v:get(1)))
+    assert.are.same({ 1, 0, 3, 2 }, i:totable())
+    v, i = fsdp.tensor({ { 3, 1 }, { 2, 4 } }):sort { dim = 1 }
+    assert.are.same({ { 2, 1 }, { 3, 4 } }, v:totable())
+    assert.are.same({ { 1, 0 }, { 0, 1 } }, i:totable())
+    v, i = fsdp.tensor({ { 3, 1 }, { 2, 4 } }):sort { dim = -2, descending = true }
+    assert.are.same({ { 3, 4 }, { 2, 1 } }, v:totable())
+    v, i = fsdp.tensor({ 5, 2 ^ 40, -1, 2 ^ 31 }, { dtype = "i64" }):sort { descending = true }
+    assert.are.same({ 2 ^ 40, 2 ^ 31, 5, -1 }, v:totable())
+    assert.are.same({ 1, 3, 0, 2 }, i:totable())
+    v = fsdp.tensor({ 0.5, -1, 2 }, { dtype = "bf16" }):sort()
+    assert.are.equal("bf16", v:dtype())
+    assert.are.same({ -1, 0.5, 2 }, v:totable())
+    assert_error_has(function() return fsdp.tensor(1):sort() end, "sort: needs at least one dimension")
+    assert_error_has(function() return fsdp.tensor({ 1 }):sort { reverse = true } end,
+      "sort: unknown option 'reverse' (valid: dim, descending)")
+  end)
+
+  it("softmax along a 1-based dim (default the last; negative from the end), also as F.softmax", function()
+    local x = fsdp.tensor { { 0, 0 }, { 0, math.log(3) } }
+    local assert_close = H.make_assert_close(1e-6, "%.7g")
+    assert_close(x:softmax(1), { { 0.5, 0.25 }, { 0.5, 0.75 } })
+    assert_close(x:softmax(-2), { { 0.5, 0.25 }, { 0.5, 0.75 } })
+    assert_close(fsdp.F.softmax(x, 1), { { 0.5, 0.25 }, { 0.5, 0.75 } })
+    assert_close(x:softmax(), { { 0.5, 0.5 }, { 0.25, 0.75 } })
+    assert_close(x:softmax(2), { { 0.5, 0.5 }, { 0.25, 0.75 } })
+    assert_close(fsdp.F.softmax(x), { { 0.5, 0.5 }, { 0.25, 0.75 } })
+    local t3 = fsdp.randn { 2, 3, 4 }
+    local s = t3:softmax(2)
+    assert.are.same({ 2, 3, 4 }, s:shape())
+    assert_close(s:sum(2), fsdp.ones(2, 4))
+    assert_error_has(function() return x:softmax(3) end, "softmax: dimension 3 out of range for a tensor (2, 2) (dimensions start at 1)")
+    assert_error_has(function() return x:softmax(0) end, "softmax: dimension 0 out of range")
+    assert_error_has(function() return fsdp.tensor(1):softmax() end, "softmax: needs at least one dimension, got a scalar")
+  end)
+end)

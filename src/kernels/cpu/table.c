@@ -761,10 +761,12 @@ static int k_mse_backward(void *ctx, fsdp_dtype dt, void *da, void *db, const fl
 
 static int k_sum(void *ctx, fsdp_dtype dt, void *out, const void *in, int64_t n, bool mean) {
   if (dt == FSDP_DTYPE_BOOL || (mean && !fsdp_dtype_is_float(dt))) return REFUSE(mean ? "mean" : "sum", dt);
-  if (is_int(dt)) {
-    int64_t s = 0;
-    for (int64_t i = 0; i < n; i++) s += (int64_t)LD(in, dt, i);
-    ((int64_t *)out)[0] = s;
+  if (is_int(dt)) { /* in int64, wrapping like the i64 add: exact beyond 2^53 */
+    uint64_t s = 0;
+    for (int64_t i = 0; i < n; i++)
+      s += dt == FSDP_DTYPE_I64 ? (uint64_t)((const int64_t *)in)[i]
+                                : (uint64_t)(int64_t)LD(in, dt, i);
+    ((int64_t *)out)[0] = (int64_t)s;
     return FSDP_OK;
   }
   double s = 0;
@@ -798,6 +800,16 @@ static int k_sum_dim_forward(void *ctx, fsdp_dtype dt, void *out, const void *in
                              int64_t R, int64_t inner, double scale) {
   int64_t no = outer * inner;
   if (dt == FSDP_DTYPE_BOOL) return REFUSE("sum", dt);
+  if (dt == FSDP_DTYPE_I64 && scale == 1.0) { /* exact beyond 2^53, as the i64 add */
+    const int64_t *x = in;
+    for (int64_t o = 0; o < outer; o++)
+      for (int64_t j = 0; j < inner; j++) {
+        uint64_t s = 0;
+        for (int64_t r = 0; r < R; r++) s += (uint64_t)x[(o * R + r) * inner + j];
+        ((int64_t *)out)[o * inner + j] = (int64_t)s;
+      }
+    return FSDP_OK;
+  }
   if (dt == FSDP_DTYPE_F64 || is_int(dt)) {
     for (int64_t o = 0; o < outer; o++)
       for (int64_t j = 0; j < inner; j++) {
