@@ -1227,10 +1227,11 @@ function C.save(model, path, opts)
   end
   local X = {tensors = {}} -- extra: its JSON (tensors as tags) and its tensors
   if opts.extra ~= nil then
-    local ok, err = pcall(function()
-      X.json, X.tensors = split_extra(opts.extra)
-      X.text = core.json_encode(X.json)
-    end)
+    local ok, err = pcall(function() X.json, X.tensors = split_extra(opts.extra) end)
+    if ok then
+      ok, err = pcall(core.json_encode, X.json)
+      X.text = ok and err or nil
+    end
     if not ok then
       raise("fsdp.save: extra must be JSON-able values and tensors (" .. tostring(err):gsub("^json_write: ", "") .. ")")
     end
