@@ -94,6 +94,11 @@ local ST_DTYPE = {f32 = "F32", bf16 = "BF16", f16 = "F16", f64 = "F64", i64 = "I
   u8 = "U8", bool = "BOOL"}
 local function st_dtype(t) return ST_DTYPE[t:dtype()] end
 
+-- Devices whose tensors hold no values (a model built on meta, a sharded parameter). Any other
+-- device is fine: tensors that are not in host memory are saved and loaded through a bounded
+-- host buffer (src/io/st_tensor.c), and loads stage on the target's device.
+local NO_DATA = {meta = true, sharded = true}
+
 -- Run fn with gradient recording off (narrow/view/copy on parameters must not be taped).
 local function quiet(fn, ...)
   local prev = core.set_grad_enabled(false)
@@ -201,11 +206,11 @@ local function local_parts(P, for_load)
     if u == nil then
       if p.device == "meta" and for_load then
         parts[p] = {first = 0, count = p:numel(), replicated = true, meta = true, dtype = p:dtype()}
-      elseif p.device ~= "cpu" then
+      elseif NO_DATA[p.device] then
         fail(("parameter %s is on the %s device: materialize the model first"):format(it.path, p.device))
       else
         parts[p] = {first = 0, count = p:numel(), view = p:detach():view{p:numel()}, replicated = true,
-          dtype = p:dtype()}
+          dtype = p:dtype(), device = p.device}
       end
     else
       local map = slices_of[u]
@@ -219,11 +224,12 @@ local function local_parts(P, for_load)
       local shard = u:shard()
       -- a wrapped model's values are its shards (f32 masters), whatever its gathers hold
       if s == nil then
-        parts[p] = {first = 0, count = 0, replicated = replicated, unit = u, dtype = shard:dtype()}
+        parts[p] = {first = 0, count = 0, replicated = replicated, unit = u, dtype = shard:dtype(),
+          device = shard.device}
       else
         local n = s.shard_last - s.shard_first + 1
         parts[p] = {first = s.param_first - 1, count = n, replicated = replicated, unit = u,
-          view = shard:narrow(1, s.shard_first, n), dtype = shard:dtype()}
+          view = shard:narrow(1, s.shard_first, n), dtype = shard:dtype(), device = shard.device}
       end
     end
   end
@@ -303,7 +309,7 @@ local function split_extra(extra)
   local tensors = {}
   local function walk(v, where, depth)
     if is_tensor(v) then
-      if v.device == "meta" or v.device == "sharded" then
+      if NO_DATA[v.device] then
         error(("%s is a tensor without data (on the %s device)"):format(where, v.device), 0)
       end
       local name = EXTRA_PREFIX .. (#tensors + 1)
@@ -431,7 +437,7 @@ local function save_safetensors(model, path, opts, wrapped, X)
     end
   else
     for _, it in ipairs(P.list) do
-      if it.param.device ~= "cpu" then
+      if NO_DATA[it.param.device] then
         raise(("fsdp.save: parameter %s is on the %s device: materialize the model first")
           :format(it.path, it.param.device))
       end
@@ -633,10 +639,11 @@ local function stage_safetensors(model, path, opts, P, parts, masks, wrapped)
     local part = parts[x.it.param]
     -- into a buffer of the model's dtype: the read converts (and says so when it cannot)
     if part.count == e.numel then
-      x.data = r:read(x.src, 0, e.numel, fsdp.zeros({e.numel}, {dtype = part.dtype}))
+      x.data = r:read(x.src, 0, e.numel, fsdp.zeros({e.numel}, {dtype = part.dtype, device = part.device}))
       whole[x.src] = true
     elseif part.count > 0 then
-      x.data = r:read(x.src, part.first, part.count, fsdp.zeros({part.count}, {dtype = part.dtype}))
+      x.data = r:read(x.src, part.first, part.count,
+        fsdp.zeros({part.count}, {dtype = part.dtype, device = part.device}))
     end
     local mname = x.src .. MASK_SUFFIX
     if masks and entry_of[mname] then
@@ -1032,7 +1039,7 @@ local function stage_sharded(model, dir, opts, loaders, P, parts, masks, wrapped
   -- the memory accounting: optimizer state is read straight into the buffers the optimizer
   -- then adopts); a piece that is not a whole stored tensor is read as a range and its tensor
   -- verified whole (checksums cover whole tensors); a whole one is checked by the read itself
-  local function gather_parts(pieces, name, count, optional, role, dtype)
+  local function gather_parts(pieces, name, count, optional, role, like)
     if optional then
       local found = 0
       for _, pc in ipairs(pieces) do
@@ -1040,7 +1047,8 @@ local function stage_sharded(model, dir, opts, loaders, P, parts, masks, wrapped
       end
       if found == 0 then return nil end
     end
-    local out = fsdp.zeros({count}, {role = role or "other", dtype = dtype or "f32"})
+    local out = fsdp.zeros({count}, {role = role or "other", dtype = like and like.dtype or "f32",
+      device = like and like.device})
     for _, pc in ipairs(pieces) do
       local R = reader(pc.rank, name)
       local e = R.entries[name]
@@ -1061,15 +1069,16 @@ local function stage_sharded(model, dir, opts, loaders, P, parts, masks, wrapped
   end
 
   local states = index.optimizer and index.optimizer.states or {}
-  -- optimizer state is read into the dtype of the optimizer's own buffers (f32 when it has
-  -- none yet): the buffers read become its state
+  -- optimizer state is read into buffers like the optimizer's own (f32 on the parameter's
+  -- device when it has none yet): the buffers read become its state
   local current = {}
   if opt then
     for _, sl in ipairs(opt:export_slices()) do current[sl.param] = sl.tensors end
   end
-  local function state_dtype(p, sname)
+  local function state_like(p, sname, part)
     local t = current[p] and current[p][sname]
-    return t and t:dtype() or "f32"
+    if t then return {dtype = t:dtype(), device = t.device} end
+    return {dtype = "f32", device = part.device}
   end
   for _, x in ipairs(plan.items) do
     local part = parts[x.it.param]
@@ -1082,7 +1091,7 @@ local function stage_sharded(model, dir, opts, loaders, P, parts, masks, wrapped
           pieces[#pieces + 1] = {rank = s.rank, s = s, src_off = lo - s.first, dst_off = lo - a, n = hi - lo}
         end
       end
-      x.data = gather_parts(pieces, x.e.path, n, false, nil, part.dtype)
+      x.data = gather_parts(pieces, x.e.path, n, false, nil, part)
       if masks and x.e.mask then x.mask = gather_parts(pieces, x.e.path .. MASK_SUFFIX, n) end
       if opt then
         -- state: present in every piece's file, or in none
@@ -1099,7 +1108,7 @@ local function stage_sharded(model, dir, opts, loaders, P, parts, masks, wrapped
             scalars = scalars_of[pieces[1].rank][x.e.path] or {}}
           for _, sname in ipairs(states) do
             st.tensors[sname] = gather_parts(pieces, x.e.path .. ":" .. sname, n, true, "optim",
-              state_dtype(x.it.param, sname))
+              state_like(x.it.param, sname, part))
           end
           x.optim = st
         end

@@ -497,6 +497,15 @@ static fsdp_tensor *cpu_tensor(fsdp_dtype dt, int64_t n) {
   return t;
 }
 
+/* A sink that takes `left` pieces, then fails. */
+static int sink_calls;
+static int failing_sink(void *ctx, const void *bytes, int64_t at, int64_t n) {
+  int *left = ctx;
+  sink_calls++;
+  if ((*left)-- <= 0) return fsdp_error("sink: no more (piece at %lld)", (long long)at);
+  return FSDP_OK;
+}
+
 /* A foreign file of F16, BF16, F64, I64 and I16 tensors: raw reads give the stored bytes; reads
  * into f32 tensors convert; I16 has no tensor dtype. */
 static void test_conversions(void **state) {
@@ -532,6 +541,16 @@ static void test_conversions(void **state) {
   int16_t rs[2];
   assert_int_equal(fsdp_io_st_reader_read(r, rs, "s", 0, 2), FSDP_OK);
   assert_memory_equal(rs, shorts, 4);
+  /* in pieces: a buffer must hold one element */
+  unsigned char small[8];
+  expect_error(fsdp_io_st_reader_read_chunks(r, "d", 0, 2, small, 7, NULL, NULL),
+               "tensor 'd': a buffer of 7 bytes holds no F64 element");
+  assert_int_equal(fsdp_io_st_reader_read_chunks(r, "d", 0, 2, small, 8, NULL, NULL), FSDP_OK);
+  int left = 1;
+  sink_calls = 0;
+  expect_error(fsdp_io_st_reader_read_chunks(r, "h", 0, 7, small, 4, failing_sink, &left),
+               "sink: no more (piece at 2)");
+  assert_int_equal(sink_calls, 2); /* stopped at the failing piece */
 
   fsdp_tensor *t = cpu_tensor(FSDP_DTYPE_F32, 7);
   float *out = fsdp_tensor_data(t, "test");
