@@ -209,8 +209,8 @@ local function local_parts(P, for_load)
       elseif NO_DATA[p.device] then
         fail(("parameter %s is on the %s device: materialize the model first"):format(it.path, p.device))
       else
-        parts[p] = {first = 0, count = p:numel(), view = p:detach():view{p:numel()}, replicated = true,
-          dtype = p:dtype(), device = p.device}
+        parts[p] = {first = 0, count = p:numel(), view = p:detach():view{p:numel()},
+          replicated = true, dtype = p:dtype(), device = p.device}
       end
     else
       local map = slices_of[u]
@@ -292,7 +292,7 @@ local function reshard_all(model)
   end
 end
 
--- ---- tensors in extra ----------------------------------------------------------------------------
+-- ---- tensors in extra ---------------------------------------------------------------------
 --
 -- extra is a JSON-able value that may hold tensors anywhere (as values). Saving replaces each
 -- with {["fsdp.tensor"] = name} (names "fsdp.extra:1", ... in a fixed walk: array order, then
@@ -325,10 +325,13 @@ local function split_extra(extra)
     for i = 1, n do out[i] = walk(v[i], ("%s[%d]"):format(where, i), depth + 1) end
     local keys = {}
     for k in pairs(v) do
-      if not (type(k) == "number" and k >= 1 and k <= n and k == math.floor(k)) then keys[#keys + 1] = k end
+      local in_array = type(k) == "number" and k >= 1 and k <= n and k == math.floor(k)
+      if not in_array then keys[#keys + 1] = k end
     end
     table.sort(keys, function(a, b) return tostring(a) < tostring(b) end)
-    for _, k in ipairs(keys) do out[k] = walk(v[k], ("%s.%s"):format(where, tostring(k)), depth + 1) end
+    for _, k in ipairs(keys) do
+      out[k] = walk(v[k], ("%s.%s"):format(where, tostring(k)), depth + 1)
+    end
     return out
   end
   return walk(extra, "extra", 0), tensors
@@ -450,10 +453,12 @@ local function save_safetensors(model, path, opts, wrapped, X)
     -- each parameter in its own dtype; a wrapped model's in its shards' (the f32 masters)
     local dtype = g.unit and st_dtype(g.unit:shard())
     for _, it in ipairs(g.items) do
-      entries[#entries + 1] = {name = it.path, shape = it.param:shape(), dtype = dtype or st_dtype(it.param)}
+      entries[#entries + 1] = {name = it.path, shape = it.param:shape(),
+        dtype = dtype or st_dtype(it.param)}
       if masks and masks.has(it.param) then
         has_mask[it.param] = true
-        entries[#entries + 1] = {name = it.path .. MASK_SUFFIX, shape = it.param:shape(), dtype = "F32"}
+        entries[#entries + 1] = {name = it.path .. MASK_SUFFIX, shape = it.param:shape(),
+          dtype = "F32"}
       end
       for _, a in ipairs(it.aliases) do meta["fsdp.tied." .. a] = it.path end
     end
@@ -639,7 +644,8 @@ local function stage_safetensors(model, path, opts, P, parts, masks, wrapped)
     local part = parts[x.it.param]
     -- into a buffer of the model's dtype: the read converts (and says so when it cannot)
     if part.count == e.numel then
-      x.data = r:read(x.src, 0, e.numel, fsdp.zeros({e.numel}, {dtype = part.dtype, device = part.device}))
+      x.data = r:read(x.src, 0, e.numel,
+        fsdp.zeros({e.numel}, {dtype = part.dtype, device = part.device}))
       whole[x.src] = true
     elseif part.count > 0 then
       x.data = r:read(x.src, part.first, part.count,
@@ -783,7 +789,8 @@ local function save_sharded(model, dir, opts, loaders, wrapped, X)
           if m == nil or m:numel() ~= part.count then
             fail(("mask of %s: expected this rank's %d elements"):format(it.path, part.count))
           end
-          entries[#entries + 1] = {name = it.path .. MASK_SUFFIX, shape = {mine.count}, dtype = "F32"}
+          entries[#entries + 1] = {name = it.path .. MASK_SUFFIX, shape = {mine.count},
+            dtype = "F32"}
           writes[#writes + 1] = {it.path .. MASK_SUFFIX, m:view{part.count}:narrow(1, off + 1, mine.count)}
         end
       end
@@ -861,7 +868,8 @@ local function save_sharded(model, dir, opts, loaders, wrapped, X)
       if #X.tensors > 0 then
         index.extra_tensors = {}
         for i, x in ipairs(X.tensors) do
-          index.extra_tensors[i] = {name = x.name, dtype = st_dtype(x.tensor), shape = x.tensor:shape()}
+          index.extra_tensors[i] = {name = x.name, dtype = st_dtype(x.tensor),
+            shape = x.tensor:shape()}
         end
       end
       if C._before_index then C._before_index() end -- tests arm a fault here
@@ -1242,7 +1250,8 @@ function C.save(model, path, opts)
       X.text = ok and err or nil
     end
     if not ok then
-      raise("fsdp.save: extra must be JSON-able values and tensors (" .. tostring(err):gsub("^json_write: ", "") .. ")")
+      local why = tostring(err):gsub("^json_write: ", "")
+      raise("fsdp.save: extra must be JSON-able values and tensors (" .. why .. ")")
     end
   end
   if format == "safetensors" then

@@ -1,7 +1,7 @@
 /*
  * util.c — small pieces the io layer shares: the safetensors dtype table (and how it maps to
- * tensor dtypes) and UTF-8 validation (names and metadata must be valid UTF-8 for the JSON header to be readable by
- * strict readers such as the reference Rust implementation).
+ * tensor dtypes) and UTF-8 validation (names and metadata must be valid UTF-8 for the JSON
+ * header to be readable by strict readers such as the reference Rust implementation).
  */
 #include <string.h>
 

@@ -367,7 +367,8 @@ static void test_independent_parse(void **state) {
                                      FSDP_ROLE_OTHER), FSDP_OK);
     fill_bits(fsdp_tensor_data(t[k], "test"), (fsdp_dtype)k, 3 * (7 + k), (uint64_t)k + 11);
     snprintf(ename[k], sizeof ename[k], "t_%s", fsdp_dtype_name((fsdp_dtype)k));
-    e[k] = (fsdp_io_st_entry){.name = ename[k], .dtype = (fsdp_io_dtype)fsdp_io_dtype_of_tensor((fsdp_dtype)k),
+    e[k] = (fsdp_io_st_entry){.name = ename[k],
+                              .dtype = (fsdp_io_dtype)fsdp_io_dtype_of_tensor((fsdp_dtype)k),
                               .ndim = 2, .shape = {3, 7 + k}};
     dnames[k] = st_names[k];
     esz[k] = fsdp_dtype_size((fsdp_dtype)k);
@@ -785,7 +786,8 @@ static void test_read_convert(void **state) {
   for (int64_t i = 0; i < NF; i++) {
     float x;
     memcpy(&x, &fp[i], 4);
-    if (hp[i] != fsdp_f32_to_bf16(x)) fail_msg("element %lld: f32 %08x -> bf16 %04x", (long long)i, fp[i], hp[i]);
+    if (hp[i] != fsdp_f32_to_bf16(x))
+      fail_msg("element %lld: f32 %08x -> bf16 %04x", (long long)i, fp[i], hp[i]);
   }
   /* the writer's conversion gives the same bits */
   fsdp_tensor *t2 = cpu_tensor(FSDP_DTYPE_BF16, NF);
@@ -829,12 +831,15 @@ static void test_read_convert(void **state) {
   /* a destination that is not contiguous, or has no data, is refused */
   int64_t shp[2] = {2, 3}, tsh[2] = {3, 2}, tst[2] = {1, 3};
   fsdp_tensor *base, *tv;
-  assert_int_equal(fsdp_tensor_new(&base, &fsdp_device_cpu, FSDP_DTYPE_F32, 2, shp, FSDP_ROLE_OTHER), FSDP_OK);
+  assert_int_equal(fsdp_tensor_new(&base, &fsdp_device_cpu, FSDP_DTYPE_F32, 2, shp, FSDP_ROLE_OTHER),
+                   FSDP_OK);
   assert_int_equal(fsdp_tensor_new_view(&tv, base, 0, 2, tsh, tst), FSDP_OK);
   expect_error(fsdp_io_st_read_tensor(r, "f", 0, 6, tv), "must be contiguous");
   fsdp_tensor_release(tv);
   fsdp_tensor_release(base);
-  assert_int_equal(fsdp_tensor_new(&tv, &fsdp_device_meta, FSDP_DTYPE_F32, 1, (int64_t[1]){6}, FSDP_ROLE_OTHER), FSDP_OK);
+  assert_int_equal(fsdp_tensor_new(&tv, &fsdp_device_meta, FSDP_DTYPE_F32, 1, (int64_t[1]){6},
+                                   FSDP_ROLE_OTHER),
+                   FSDP_OK);
   expect_error(fsdp_io_st_read_tensor(r, "f", 0, 6, tv), "meta device has no data");
   expect_msg_has("tensor 'f'");
   fsdp_tensor_release(tv);
@@ -843,7 +848,9 @@ static void test_read_convert(void **state) {
   fsdp_io_st_entry e2[2] = {{.name = "x", .dtype = FSDP_IO_F32, .ndim = 1, .shape = {6}},
                             {.name = "s", .dtype = FSDP_IO_I16, .ndim = 1, .shape = {2}}};
   assert_int_equal(fsdp_io_st_writer_open(&w, path, e2, 2, NULL, 0), FSDP_OK);
-  assert_int_equal(fsdp_tensor_new(&tv, &fsdp_device_meta, FSDP_DTYPE_F32, 1, (int64_t[1]){6}, FSDP_ROLE_OTHER), FSDP_OK);
+  assert_int_equal(fsdp_tensor_new(&tv, &fsdp_device_meta, FSDP_DTYPE_F32, 1, (int64_t[1]){6},
+                                   FSDP_ROLE_OTHER),
+                   FSDP_OK);
   expect_error(fsdp_io_st_write_tensor(w, "x", tv), "meta device has no data");
   expect_msg_has("tensor 'x'");
   fsdp_tensor_release(tv);
@@ -895,22 +902,27 @@ static void test_hostless_device(void **state) {
   assert_int_equal(fsdp_to(&db, h, &hostless, FSDP_DTYPE_BF16, FSDP_ROLE_OTHER), FSDP_OK);
   /* a strided view on the device: (1000, 700) transposed */
   int64_t tsh[2] = {700, 1000}, tst[2] = {1, 700};
-  fsdp_tensor *dt;
+  fsdp_tensor *dt, *dt2;
   assert_int_equal(fsdp_tensor_new_view(&dt, d, 0, 2, tsh, tst), FSDP_OK);
-  fsdp_io_st_entry e[4] = {{.name = "f", .dtype = FSDP_IO_F32, .ndim = 1, .shape = {N}},
+  /* (350000, 2) transposed: one row (350000 elements, stride 2) is more than a piece */
+  int64_t tsh2[2] = {2, 350000}, tst2[2] = {1, 2};
+  assert_int_equal(fsdp_tensor_new_view(&dt2, d, 0, 2, tsh2, tst2), FSDP_OK);
+  fsdp_io_st_entry e[5] = {{.name = "f", .dtype = FSDP_IO_F32, .ndim = 1, .shape = {N}},
                            {.name = "bf", .dtype = FSDP_IO_BF16, .ndim = 1, .shape = {N}},
                            {.name = "bf_as_f", .dtype = FSDP_IO_F32, .ndim = 1, .shape = {N}},
-                           {.name = "t", .dtype = FSDP_IO_F32, .ndim = 2, .shape = {700, 1000}}};
+                           {.name = "t", .dtype = FSDP_IO_F32, .ndim = 2, .shape = {700, 1000}},
+                           {.name = "t2", .dtype = FSDP_IO_F32, .ndim = 2, .shape = {2, 350000}}};
   hostless_max = hostless_total = 0;
   fsdp_io_st_writer *w;
-  assert_int_equal(fsdp_io_st_writer_open(&w, path, e, 4, NULL, 0), FSDP_OK);
+  assert_int_equal(fsdp_io_st_writer_open(&w, path, e, 5, NULL, 0), FSDP_OK);
   assert_int_equal(fsdp_io_st_write_tensor(w, "f", d), FSDP_OK);
   assert_int_equal(fsdp_io_st_write_tensor(w, "bf", db), FSDP_OK);
   assert_int_equal(fsdp_io_st_write_tensor(w, "bf_as_f", db), FSDP_OK);
   assert_int_equal(fsdp_io_st_write_tensor(w, "t", dt), FSDP_OK);
+  assert_int_equal(fsdp_io_st_write_tensor(w, "t2", dt2), FSDP_OK);
   assert_int_equal(fsdp_io_st_writer_commit(w), FSDP_OK);
   assert_true(hostless_max > 0 && hostless_max <= FSDP_IO_STAGE_BYTES);
-  assert_true(hostless_total >= (size_t)N * (4 + 2 + 4 + 4)); /* everything came over */
+  assert_true(hostless_total >= (size_t)N * (4 + 2 + 4 + 4 + 4)); /* everything came over */
 
   fsdp_io_st_reader *r;
   assert_int_equal(fsdp_io_st_reader_open(&r, path), FSDP_OK);
@@ -947,11 +959,16 @@ static void test_hostless_device(void **state) {
   const float *op = fsdp_tensor_data(out, "test");
   for (int64_t i = 0; i < 700; i += 37)
     for (int64_t j = 0; j < 1000; j += 53) assert_true(op[i * 1000 + j] == hp[i + j * 700]);
+  assert_int_equal(fsdp_io_st_read_tensor(r, "t2", 0, N, out), FSDP_OK);
+  for (int64_t i = 0; i < 2; i++)
+    for (int64_t j = 0; j < 350000; j += 997) assert_true(op[i * 350000 + j] == hp[i + j * 2]);
+  assert_true(op[350000 + 349999] == hp[1 + 349999 * 2]);
   fsdp_io_st_reader_close(r);
   fsdp_tensor_release(out);
   fsdp_tensor_release(d2);
   fsdp_tensor_release(d3);
   fsdp_tensor_release(dt);
+  fsdp_tensor_release(dt2);
   fsdp_tensor_release(d);
   fsdp_tensor_release(db);
   fsdp_tensor_release(h);
