@@ -5,7 +5,7 @@
  * on hand-made and damaged files, including a flip of every single header byte), tensors of
  * every dtype through files (bit-exact round trips, conversions on load, a device without host
  * memory staged through bounded pieces), the JSON helper, the sharded checkpoint index check (a
- * valid index and one defect at a time) and the folder helpers. Owner: ckpt (written by io).
+ * valid index and one defect at a time) and the folder helpers.
  *
  * Each test works in a fresh folder under $TMPDIR (or /tmp) and removes it.
  */
