@@ -1,9 +1,9 @@
 /*
  * io.h — the file-format layer of the engine: atomic files, the safetensors format (streaming
- * writer, validating reader with per-tensor checksums) and a JSON helper for checkpoint
- * indexes, the sharded checkpoint index's schema check and a few folder operations.
- * Owner: ckpt (written by io). This layer knows nothing of FSDP, units or ranks: it moves
- * bytes between buffers and files. The file formats (atomic.c, st_read.c, st_write.c, json.c,
+ * writer, validating reader with per-tensor checksums), tensors of every dtype through it, a
+ * JSON helper for checkpoint indexes, the sharded checkpoint index's schema check and a few
+ * folder operations. This layer knows nothing of FSDP, units or ranks: it moves bytes between
+ * buffers and files. The file formats (atomic.c, st_read.c, st_write.c, json.c,
  * index.c, fs.c, util.c) call src/core only (errors), so the fuzz targets build from them
  * alone; st_tensor.c moves tensors of any dtype, device and strides through them and calls
  * the kernels (src/kernels: conversions and copies between devices). The fsdp layer
