@@ -18,6 +18,14 @@
 --     Loading computes, from the index, which ranges of which files hold this rank's slices,
 --     so a checkpoint saved at W ranks loads at any world size (resharding).
 --
+-- Dtypes: every tensor is stored in its own dtype (parameters of a plain model in theirs, a
+-- wrapped model's in its shards' (f32 masters), optimizer state in its own, tensors in extra
+-- in theirs; masks as F32 0/1). Loading reads into buffers of the dtype the model (or the
+-- optimizer) has, converting as it reads (fsdp.core's r:read(name, first, count, out)).
+-- Tensors anywhere in extra are stored as tensors "fsdp.extra:<n>" (safetensors: in the file;
+-- sharded: in rank 0's file, listed in the index's extra_tensors) and stand in the JSON of
+-- extra as {"fsdp.tensor": "<name>"}.
+--
 -- Collective safety (the rule every function here follows): whatever can fail on one rank
 -- alone (file system, damaged files, a check) runs inside pcall, and the ranks then agree
 -- (an all-reduce) before anything irreversible: before the index commit when saving, before
@@ -80,6 +88,16 @@ local function sorted_keys(t)
   table.sort(ks)
   return ks
 end
+
+-- The format's name of a tensor dtype ("bf16" -> "BF16").
+local ST_DTYPE = {f32 = "F32", bf16 = "BF16", f16 = "F16", f64 = "F64", i64 = "I64", i32 = "I32",
+  u8 = "U8", bool = "BOOL"}
+local function st_dtype(t) return ST_DTYPE[t:dtype()] end
+
+-- Devices whose tensors hold no values (a model built on meta, a sharded parameter). Any other
+-- device is fine: tensors that are not in host memory are saved and loaded through a bounded
+-- host buffer (src/io/st_tensor.c), and loads stage on the target's device.
+local NO_DATA = {meta = true, sharded = true}
 
 -- Run fn with gradient recording off (narrow/view/copy on parameters must not be taped).
 local function quiet(fn, ...)
@@ -187,11 +205,12 @@ local function local_parts(P, for_load)
     local u = core.param_unit and core.param_unit(p)
     if u == nil then
       if p.device == "meta" and for_load then
-        parts[p] = {first = 0, count = p:numel(), replicated = true, meta = true}
-      elseif p.device ~= "cpu" then
+        parts[p] = {first = 0, count = p:numel(), replicated = true, meta = true, dtype = p:dtype()}
+      elseif NO_DATA[p.device] then
         fail(("parameter %s is on the %s device: materialize the model first"):format(it.path, p.device))
       else
-        parts[p] = {first = 0, count = p:numel(), view = p:detach():view{p:numel()}, replicated = true}
+        parts[p] = {first = 0, count = p:numel(), view = p:detach():view{p:numel()},
+          replicated = true, dtype = p:dtype(), device = p.device}
       end
     else
       local map = slices_of[u]
@@ -202,12 +221,15 @@ local function local_parts(P, for_load)
       end
       local s = map[p]
       local replicated = u:strategy() == "none"
+      local shard = u:shard()
+      -- a wrapped model's values are its shards (f32 masters), whatever its gathers hold
       if s == nil then
-        parts[p] = {first = 0, count = 0, replicated = replicated, unit = u}
+        parts[p] = {first = 0, count = 0, replicated = replicated, unit = u, dtype = shard:dtype(),
+          device = shard.device}
       else
         local n = s.shard_last - s.shard_first + 1
         parts[p] = {first = s.param_first - 1, count = n, replicated = replicated, unit = u,
-          view = u:shard():narrow(1, s.shard_first, n)}
+          view = shard:narrow(1, s.shard_first, n), dtype = shard:dtype(), device = shard.device}
       end
     end
   end
@@ -268,6 +290,74 @@ local function reshard_all(model)
   for _, u in ipairs(fsdp.units(model)) do
     if u:strategy() ~= "none" then u:reshard() end
   end
+end
+
+-- ---- tensors in extra ---------------------------------------------------------------------
+--
+-- extra is a JSON-able value that may hold tensors anywhere (as values). Saving replaces each
+-- with {["fsdp.tensor"] = name} (names "fsdp.extra:1", ... in a fixed walk: array order, then
+-- sorted keys) and stores the tensor under that name; loading puts the tensors back.
+
+local EXTRA_TAG = "fsdp.tensor"
+local EXTRA_PREFIX = "fsdp.extra:"
+
+local function is_tensor(v) return base().is_tensor(v) end
+
+-- -> the JSON value (tensors replaced by tags), {{name =, tensor =}, ...}. Errors name the
+-- place ("extra.a[2]").
+local function split_extra(extra)
+  local tensors = {}
+  local function walk(v, where, depth)
+    if is_tensor(v) then
+      if NO_DATA[v.device] then
+        error(("%s is a tensor without data (on the %s device)"):format(where, v.device), 0)
+      end
+      local name = EXTRA_PREFIX .. (#tensors + 1)
+      tensors[#tensors + 1] = {name = name, tensor = v}
+      return {[EXTRA_TAG] = name}
+    end
+    if type(v) ~= "table" then return v end
+    if depth > 64 then error(("%s is nested deeper than 64 levels (a cycle?)"):format(where), 0) end
+    if rawget(v, EXTRA_TAG) ~= nil then
+      error(("%s has the key %q, which fsdp.save keeps for tensors"):format(where, EXTRA_TAG), 0)
+    end
+    local out, n = {}, #v
+    for i = 1, n do out[i] = walk(v[i], ("%s[%d]"):format(where, i), depth + 1) end
+    local keys = {}
+    for k in pairs(v) do
+      local in_array = type(k) == "number" and k >= 1 and k <= n and k == math.floor(k)
+      if not in_array then keys[#keys + 1] = k end
+    end
+    table.sort(keys, function(a, b) return tostring(a) < tostring(b) end)
+    for _, k in ipairs(keys) do
+      out[k] = walk(v[k], ("%s.%s"):format(where, tostring(k)), depth + 1)
+    end
+    return out
+  end
+  return walk(extra, "extra", 0), tensors
+end
+
+-- The value with each tag replaced by get(name) (what load returns as extra).
+local function join_extra(v, get)
+  if type(v) ~= "table" then return v end
+  local name = v[EXTRA_TAG]
+  if type(name) == "string" and next(v, next(v)) == nil then return get(name) end
+  local out = {}
+  for k, x in pairs(v) do out[k] = join_extra(x, get) end
+  return out
+end
+
+-- Every tag's name in a decoded extra, in a list.
+local function extra_names(v, out)
+  out = out or {}
+  if type(v) == "table" then
+    if type(v[EXTRA_TAG]) == "string" and next(v, next(v)) == nil then
+      out[#out + 1] = v[EXTRA_TAG]
+    else
+      for _, x in pairs(v) do extra_names(x, out) end
+    end
+  end
+  return out
 end
 
 -- ---- masks (fsdp.mask, lua/fsdp/mask.lua) ------------------------------------------------------
@@ -332,7 +422,7 @@ end
 
 -- ---- safetensors: save ------------------------------------------------------------------------------
 
-local function save_safetensors(model, path, opts, wrapped)
+local function save_safetensors(model, path, opts, wrapped, X)
   local rank = fsdp.rank()
   local P = param_table(model)
   local masks = mask_api()
@@ -350,7 +440,7 @@ local function save_safetensors(model, path, opts, wrapped)
     end
   else
     for _, it in ipairs(P.list) do
-      if it.param.device ~= "cpu" then
+      if NO_DATA[it.param.device] then
         raise(("fsdp.save: parameter %s is on the %s device: materialize the model first")
           :format(it.path, it.param.device))
       end
@@ -360,18 +450,25 @@ local function save_safetensors(model, path, opts, wrapped)
   local entries, meta = {}, {}
   local has_mask = {}
   for _, g in ipairs(groups) do
+    -- each parameter in its own dtype; a wrapped model's in its shards' (the f32 masters)
+    local dtype = g.unit and st_dtype(g.unit:shard())
     for _, it in ipairs(g.items) do
-      entries[#entries + 1] = {name = it.path, shape = it.param:shape()}
+      entries[#entries + 1] = {name = it.path, shape = it.param:shape(),
+        dtype = dtype or st_dtype(it.param)}
       if masks and masks.has(it.param) then
         has_mask[it.param] = true
-        entries[#entries + 1] = {name = it.path .. MASK_SUFFIX, shape = it.param:shape()}
+        entries[#entries + 1] = {name = it.path .. MASK_SUFFIX, shape = it.param:shape(),
+          dtype = "F32"}
       end
       for _, a in ipairs(it.aliases) do meta["fsdp.tied." .. a] = it.path end
     end
   end
+  for _, x in ipairs(X.tensors) do
+    entries[#entries + 1] = {name = x.name, shape = x.tensor:shape(), dtype = st_dtype(x.tensor)}
+  end
   meta["fsdp.format"] = "fsdprun.safetensors"
   meta["fsdp.version"] = "1"
-  if opts.extra ~= nil then meta["fsdp.extra"] = core.json_encode(opts.extra) end
+  if X.text then meta["fsdp.extra"] = X.text end
   if opts.step ~= nil then meta["fsdp.step"] = tostring(opts.step) end
 
   -- rank 0 opens the writer; every rank learns whether it could
@@ -413,7 +510,14 @@ local function save_safetensors(model, path, opts, wrapped)
       raise("fsdp.save: " .. msg)
     end
   end
-  if rank == 0 then ok, err = pcall(function() w:commit() end) end
+  -- rank 0's extra tensors (in their own dtype and device: the writer stages them), commit
+  if rank == 0 then
+    ok, err = pcall(function()
+      for _, x in ipairs(X.tensors) do w:write(x.name, x.tensor) end
+      w:commit()
+    end)
+    if not ok then w:abort() end
+  end
   msg = disagreement(ok, err)
   if msg then raise("fsdp.save: " .. msg) end
 end
@@ -464,6 +568,18 @@ local function stage_safetensors(model, path, opts, P, parts, masks, wrapped)
     if alias then tied[alias] = v end
   end
   local used, missing, plan = {}, {}, {items = {}, retie = {}}
+  -- extra, and the tensors it names (read whole below: every rank returns all of extra)
+  local extra_refs = {}
+  if meta["fsdp.extra"] then
+    plan.extra = core.json_decode(meta["fsdp.extra"], path .. ": fsdp.extra")
+    for _, n in ipairs(extra_names(plan.extra)) do
+      if not names[n] then
+        fail(("%s: fsdp.extra names tensor '%s', which the file does not have"):format(path, n))
+      end
+      extra_refs[n] = true
+      used[n] = true
+    end
+  end
   for _, it in ipairs(P.list) do
     local src = source_name(it, names, tied)
     if src == nil then
@@ -526,11 +642,14 @@ local function stage_safetensors(model, path, opts, P, parts, masks, wrapped)
   for _, x in ipairs(plan.items) do
     local e = entry_of[x.src]
     local part = parts[x.it.param]
+    -- into a buffer of the model's dtype: the read converts (and says so when it cannot)
     if part.count == e.numel then
-      x.data = r:read(x.src):view{math.max(part.count, 0)}
+      x.data = r:read(x.src, 0, e.numel,
+        fsdp.zeros({e.numel}, {dtype = part.dtype, device = part.device}))
       whole[x.src] = true
     elseif part.count > 0 then
-      x.data = r:read(x.src, part.first, part.count)
+      x.data = r:read(x.src, part.first, part.count,
+        fsdp.zeros({part.count}, {dtype = part.dtype, device = part.device}))
     end
     local mname = x.src .. MASK_SUFFIX
     if masks and entry_of[mname] then
@@ -539,14 +658,22 @@ local function stage_safetensors(model, path, opts, P, parts, masks, wrapped)
           :format(path, mname, shape_str(entry_of[mname].shape), shape_str(e.shape)))
       end
       if part.count == e.numel then
-        x.mask = r:read(mname):view{part.count}
+        x.mask = r:read(mname, 0, e.numel, fsdp.zeros{e.numel})
         whole[mname] = true
       elseif part.count > 0 then
-        x.mask = r:read(mname, part.first, part.count)
+        x.mask = r:read(mname, part.first, part.count, fsdp.zeros{part.count})
       else
         x.mask = fsdp.zeros{0}
       end
     end
+  end
+  if next(extra_refs) then
+    local got = {}
+    for n in pairs(extra_refs) do -- its stored dtype; whole, so checksummed
+      got[n] = r:read(n)
+      whole[n] = true
+    end
+    plan.extra = join_extra(plan.extra, function(n) return got[n] end)
   end
   -- a tensor some rank read only in part is verified whole by one rank: tensor i of the file
   -- by rank (i - 1) % W, unless that rank read it whole (the read checked it). Only sharded
@@ -558,7 +685,6 @@ local function stage_safetensors(model, path, opts, P, parts, masks, wrapped)
       if use and (e.index - 1) % W == rank and not whole[e.name] then r:verify(e.name) end
     end
   end
-  if meta["fsdp.extra"] then plan.extra = core.json_decode(meta["fsdp.extra"], path .. ": fsdp.extra") end
   r:close()
   return plan
 end
@@ -592,7 +718,7 @@ local function optimizer_state(opt, P)
   return out
 end
 
-local function save_sharded(model, dir, opts, loaders, wrapped)
+local function save_sharded(model, dir, opts, loaders, wrapped, X)
   local W, rank = fsdp.world_size(), fsdp.rank()
   dir = strip_slashes(dir)
   local P = param_table(model)
@@ -641,7 +767,7 @@ local function save_sharded(model, dir, opts, loaders, wrapped)
       for _, s in ipairs(slices[p]) do if s.rank == rank then mine = s end end
       if mine then
         local off = mine.first - part.first -- within this rank's part (0 unless replicated)
-        entries[#entries + 1] = {name = it.path, shape = {mine.count}}
+        entries[#entries + 1] = {name = it.path, shape = {mine.count}, dtype = part.dtype}
         writes[#writes + 1] = {it.path, part.view:narrow(1, off + 1, mine.count)}
         local st = ostate and ostate[p]
         if st then
@@ -651,7 +777,8 @@ local function save_sharded(model, dir, opts, loaders, wrapped)
               :format(it.path, st.first, st.first + st.count, mine.first, mine.first + mine.count))
           end
           for _, name in ipairs(sorted_keys(st.tensors)) do
-            entries[#entries + 1] = {name = it.path .. ":" .. name, shape = {mine.count}}
+            entries[#entries + 1] = {name = it.path .. ":" .. name, shape = {mine.count},
+              dtype = st.tensors[name]:dtype()}
             writes[#writes + 1] = {it.path .. ":" .. name, st.tensors[name]:narrow(1, soff + 1, mine.count)}
             state_names[name] = true
           end
@@ -662,9 +789,16 @@ local function save_sharded(model, dir, opts, loaders, wrapped)
           if m == nil or m:numel() ~= part.count then
             fail(("mask of %s: expected this rank's %d elements"):format(it.path, part.count))
           end
-          entries[#entries + 1] = {name = it.path .. MASK_SUFFIX, shape = {mine.count}}
+          entries[#entries + 1] = {name = it.path .. MASK_SUFFIX, shape = {mine.count},
+            dtype = "F32"}
           writes[#writes + 1] = {it.path .. MASK_SUFFIX, m:view{part.count}:narrow(1, off + 1, mine.count)}
         end
+      end
+    end
+    if rank == 0 then -- extra's tensors, whole, in rank 0's file
+      for _, x in ipairs(X.tensors) do
+        entries[#entries + 1] = {name = x.name, shape = x.tensor:shape(), dtype = x.tensor:dtype()}
+        writes[#writes + 1] = {x.name, x.tensor}
       end
     end
     local meta = {
@@ -713,7 +847,7 @@ local function save_sharded(model, dir, opts, loaders, wrapped)
       local params = {}
       for _, it in ipairs(P.list) do
         local e = {path = it.path, shape = it.param:shape(), numel = it.param:numel(),
-          slices = slices[it.param]}
+          dtype = ST_DTYPE[parts[it.param].dtype], slices = slices[it.param]}
         if #it.aliases > 0 then e.aliases = it.aliases end
         if has_mask[it.param] then e.mask = true end
         params[#params + 1] = e
@@ -730,7 +864,14 @@ local function save_sharded(model, dir, opts, loaders, wrapped)
         for k, l in pairs(loaders) do index.loaders[k] = l.cursor end
       end
       if opts.schedule then index.schedule = opts.schedule:state_dict() end
-      if opts.extra ~= nil then index.extra = opts.extra end
+      if X.json ~= nil then index.extra = X.json end
+      if #X.tensors > 0 then
+        index.extra_tensors = {}
+        for i, x in ipairs(X.tensors) do
+          index.extra_tensors[i] = {name = x.name, dtype = st_dtype(x.tensor),
+            shape = x.tensor:shape()}
+        end
+      end
       if C._before_index then C._before_index() end -- tests arm a fault here
       core.ckpt_index_write(join(dir, INDEX), index)
     end)
@@ -906,7 +1047,7 @@ local function stage_sharded(model, dir, opts, loaders, P, parts, masks, wrapped
   -- the memory accounting: optimizer state is read straight into the buffers the optimizer
   -- then adopts); a piece that is not a whole stored tensor is read as a range and its tensor
   -- verified whole (checksums cover whole tensors); a whole one is checked by the read itself
-  local function gather_parts(pieces, name, count, optional, role)
+  local function gather_parts(pieces, name, count, optional, role, like)
     if optional then
       local found = 0
       for _, pc in ipairs(pieces) do
@@ -914,7 +1055,8 @@ local function stage_sharded(model, dir, opts, loaders, P, parts, masks, wrapped
       end
       if found == 0 then return nil end
     end
-    local out = fsdp.zeros({count}, {role = role or "other"})
+    local out = fsdp.zeros({count}, {role = role or "other", dtype = like and like.dtype or "f32",
+      device = like and like.device})
     for _, pc in ipairs(pieces) do
       local R = reader(pc.rank, name)
       local e = R.entries[name]
@@ -935,6 +1077,17 @@ local function stage_sharded(model, dir, opts, loaders, P, parts, masks, wrapped
   end
 
   local states = index.optimizer and index.optimizer.states or {}
+  -- optimizer state is read into buffers like the optimizer's own (f32 on the parameter's
+  -- device when it has none yet): the buffers read become its state
+  local current = {}
+  if opt then
+    for _, sl in ipairs(opt:export_slices()) do current[sl.param] = sl.tensors end
+  end
+  local function state_like(p, sname, part)
+    local t = current[p] and current[p][sname]
+    if t then return {dtype = t:dtype(), device = t.device} end
+    return {dtype = "f32", device = part.device}
+  end
   for _, x in ipairs(plan.items) do
     local part = parts[x.it.param]
     local a, n = part.first, part.count
@@ -946,7 +1099,7 @@ local function stage_sharded(model, dir, opts, loaders, P, parts, masks, wrapped
           pieces[#pieces + 1] = {rank = s.rank, s = s, src_off = lo - s.first, dst_off = lo - a, n = hi - lo}
         end
       end
-      x.data = gather_parts(pieces, x.e.path, n)
+      x.data = gather_parts(pieces, x.e.path, n, false, nil, part)
       if masks and x.e.mask then x.mask = gather_parts(pieces, x.e.path .. MASK_SUFFIX, n) end
       if opt then
         -- state: present in every piece's file, or in none
@@ -962,7 +1115,8 @@ local function stage_sharded(model, dir, opts, loaders, P, parts, masks, wrapped
           local st = {param = x.it.param, first = a, count = n, tensors = {},
             scalars = scalars_of[pieces[1].rank][x.e.path] or {}}
           for _, sname in ipairs(states) do
-            st.tensors[sname] = gather_parts(pieces, x.e.path .. ":" .. sname, n, true, "optim")
+            st.tensors[sname] = gather_parts(pieces, x.e.path .. ":" .. sname, n, true, "optim",
+              state_like(x.it.param, sname, part))
           end
           x.optim = st
         end
@@ -970,6 +1124,26 @@ local function stage_sharded(model, dir, opts, loaders, P, parts, masks, wrapped
     elseif masks and x.e.mask then
       x.mask = fsdp.zeros{0}
     end
+  end
+  -- extra's tensors: whole, from rank 0's file, in their stored dtype
+  if index.extra ~= nil then
+    local listed = {}
+    for _, xt in ipairs(index.extra_tensors or {}) do listed[xt.name] = xt end
+    local got = {}
+    for _, n in ipairs(extra_names(index.extra)) do
+      local xt = listed[n]
+      if xt == nil then
+        fail(("%s: extra names tensor '%s', which extra_tensors does not list"):format(ipath, n))
+      end
+      local R = reader(0, n)
+      local e = R.entries[n]
+      if e == nil or e.dtype ~= xt.dtype or not same_shape(e.shape, xt.shape or {}) then
+        fail(("%s: tensor '%s' is missing or is not the %s %s the index lists"):format(R.path, n,
+          xt.dtype, shape_str(xt.shape or {})))
+      end
+      got[n] = R.r:read(n)
+    end
+    plan.extra = join_extra(index.extra, function(n) return got[n] end)
   end
   for _, R in pairs(readers) do R.r:close() end
   return plan
@@ -1068,17 +1242,25 @@ function C.save(model, path, opts)
   if opts.optimizer and opts.optimizer.wrapped and opts.optimizer.wrapped.model ~= model then
     raise("fsdp.save: the optimizer was made for another model")
   end
+  local X = {tensors = {}} -- extra: its JSON (tensors as tags) and its tensors
   if opts.extra ~= nil then
-    local ok, err = pcall(core.json_encode, opts.extra)
-    if not ok then raise("fsdp.save: extra must be JSON-able (" .. tostring(err):gsub("^json_write: ", "") .. ")") end
+    local ok, err = pcall(function() X.json, X.tensors = split_extra(opts.extra) end)
+    if ok then
+      ok, err = pcall(core.json_encode, X.json)
+      X.text = ok and err or nil
+    end
+    if not ok then
+      local why = tostring(err):gsub("^json_write: ", "")
+      raise("fsdp.save: extra must be JSON-able values and tensors (" .. why .. ")")
+    end
   end
   if format == "safetensors" then
     if next(loaders) or opts.schedule then
       raise("fsdp.save: a safetensors file holds the model only; save loaders and schedules with format = \"sharded\"")
     end
-    return save_safetensors(model, path, opts, wrapped)
+    return save_safetensors(model, path, opts, wrapped, X)
   end
-  return save_sharded(model, path, opts, loaders, wrapped)
+  return save_sharded(model, path, opts, loaders, wrapped, X)
 end
 
 --- Collective. Load path (a safetensors file or a sharded checkpoint folder) into model (and
@@ -1120,9 +1302,7 @@ function C.load(model, path, opts)
   if plan.index then
     info.step, info.world_size, info.generation = plan.index.step, plan.index.world_size, plan.index.generation
   end
-  local extra = plan.extra
-  if plan.index then extra = plan.index.extra end
-  return extra or {}, info
+  return plan.extra or {}, info
 end
 
 -- fsdp.save / fsdp.load (init.lua loads this file for them; set here too so that requiring

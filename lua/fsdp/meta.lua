@@ -746,11 +746,12 @@ function M.load_tensors(model, source, opts)
           loaded = loaded + 1
           local s = slices[i]
           if mode == "root" then
-            local buf
+            -- in the shard's dtype on every rank (a source may hold another: a bf16 file)
+            local buf, dt = nil, U.unit:shard():dtype()
             if rank == 0 then
-              buf = pl.src.get(pl.plan[p].name):contiguous():view{p:numel()}
+              buf = pl.src.get(pl.plan[p].name):contiguous():view{p:numel()}:to(dt)
             else
-              buf = fsdp.zeros{p:numel()}
+              buf = fsdp.zeros({p:numel()}, {dtype = dt})
             end
             if W > 1 then core.broadcast(buf, 0, upaths[i]) end
             if s then

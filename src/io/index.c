@@ -16,13 +16,17 @@
  *   params: path non-empty, unique, valid UTF-8, without ':' (it separates the state names in
  *   the rank files); shape at most FSDP_MAX_DIMS sizes >= 0 with numel = their product
  *   (overflow-checked, below 2^53); aliases (optional) strings unique across every path and
- *   alias; mask (optional) boolean; slices {rank in [0, world), first >= 0, count >= 1},
+ *   alias; mask (optional) boolean; dtype (optional, F32 when absent) the stored dtype of its
+ *   slices, a tensor dtype as the format names it ("F32", "BF16", "F16", "F64", "I64",
+ *   "I32", "U8", "BOOL"); slices {rank in [0, world), first >= 0, count >= 1},
  *   sorted by first, at most one per rank, tiling [0, numel) exactly: a hole, an overlap or
  *   a range past the end is an error naming the parameter and the elements;
  *   optimizer (optional): kind string, step integer >= 0, lr finite number, hyper object,
  *   states array of unique non-empty names without ':';
  *   rng (optional): world_size objects {seed = 16 hex, streams = {name = 16 hex}};
- *   loaders (optional): object of integers >= 0; schedule (optional): object; extra: any.
+ *   loaders (optional): object of integers >= 0; schedule (optional): object; extra: any;
+ *   extra_tensors (optional): the tensors of extra, held by rank 0's file: objects {name
+ *   (non-empty, unique), dtype (a tensor dtype as above), shape (as a param's)}.
  * Integers are JSON numbers with integral values in [0, 2^53]. An empty list may also be
  * written as {} (Lua's JSON writer cannot tell an empty array from an empty object).
  */
@@ -62,6 +66,29 @@ static bool is_list(const cJSON *v) {
 static bool is_text(const cJSON *v) {
   return cJSON_IsString(v) && v->valuestring != NULL && v->valuestring[0] != '\0' &&
          fsdp_io_utf8_valid(v->valuestring, strlen(v->valuestring));
+}
+
+/* A stored dtype name that is a tensor dtype ("BF16"). */
+static bool is_tensor_dtype(const cJSON *v) {
+  fsdp_dtype t;
+  int io = cJSON_IsString(v) && v->valuestring != NULL ? fsdp_io_dtype_from_name(v->valuestring)
+                                                       : -1;
+  return io >= 0 && fsdp_io_dtype_to_tensor((fsdp_io_dtype)io, &t);
+}
+
+/* A shape: at most FSDP_MAX_DIMS integers >= 0 whose product is at most 2^53; *numel set. */
+static bool shape_numel(const cJSON *shape, double *numel) {
+  if (!is_list(shape) || cJSON_GetArraySize(shape) > FSDP_MAX_DIMS) return false;
+  double n = 1;
+  for (const cJSON *d = shape->child; d != NULL; d = d->next) {
+    if (!cJSON_IsNumber(d) || !(d->valuedouble >= 0) || d->valuedouble != floor(d->valuedouble) ||
+        d->valuedouble > INT_MAX_EXACT)
+      return false;
+    n *= d->valuedouble;
+    if (n > INT_MAX_EXACT) return false;
+  }
+  *numel = n;
+  return true;
 }
 
 static int cmp_str(const void *a, const void *b) {
@@ -150,6 +177,11 @@ static int check_param(const cJSON *p, const char *name, int64_t index, int64_t 
   const cJSON *mask = cJSON_GetObjectItemCaseSensitive(p, "mask");
   if (mask != NULL && !cJSON_IsBool(mask))
     return fsdp_error("%s: param '%s': 'mask' must be true or false", name, path);
+  const cJSON *dtype = cJSON_GetObjectItemCaseSensitive(p, "dtype");
+  if (dtype != NULL && !is_tensor_dtype(dtype))
+    return fsdp_error("%s: param '%s': 'dtype' must be one of F32, BF16, F16, F64, I64, I32, U8, "
+                      "BOOL",
+                      name, path);
   const cJSON *slices = cJSON_GetObjectItemCaseSensitive(p, "slices");
   if (!is_list(slices))
     return fsdp_error("%s: param '%s': 'slices' must be an array", name, path);
@@ -287,6 +319,35 @@ static int check_optimizer(const cJSON *doc, const char *name) {
   return rc;
 }
 
+static int check_extra_tensors(const cJSON *doc, const char *name) {
+  const cJSON *xs = cJSON_GetObjectItemCaseSensitive(doc, "extra_tensors");
+  if (xs == NULL) return FSDP_OK;
+  if (!is_list(xs)) return fsdp_error("%s: 'extra_tensors' must be an array", name);
+  int n = cJSON_GetArraySize(xs), i = 0;
+  const char **names = malloc(sizeof *names * (size_t)(n > 0 ? n : 1));
+  if (names == NULL) return fsdp_error("%s: out of memory", name);
+  int rc = FSDP_OK;
+  for (const cJSON *x = xs->child; x != NULL; x = x->next, i++) {
+    const cJSON *xn = cJSON_GetObjectItemCaseSensitive(x, "name");
+    double numel;
+    if (!cJSON_IsObject(x) || !is_text(xn) ||
+        !is_tensor_dtype(cJSON_GetObjectItemCaseSensitive(x, "dtype")) ||
+        !shape_numel(cJSON_GetObjectItemCaseSensitive(x, "shape"), &numel)) {
+      rc = fsdp_error("%s: extra_tensors[%d] must be {name, dtype (F32, BF16, F16, F64, I64, "
+                      "I32, U8 or BOOL), shape (sizes >= 0)}",
+                      name, i);
+      break;
+    }
+    names[i] = xn->valuestring;
+  }
+  if (rc == FSDP_OK) {
+    const char *dup = first_duplicate(names, (size_t)n);
+    if (dup) rc = fsdp_error("%s: extra tensor '%s' is listed twice", name, dup);
+  }
+  free(names);
+  return rc;
+}
+
 static int check_rng(const cJSON *doc, const char *name, int64_t world) {
   const cJSON *rng = cJSON_GetObjectItemCaseSensitive(doc, "rng");
   if (rng == NULL) return FSDP_OK;
@@ -326,7 +387,8 @@ int fsdp_io_index_check(const cJSON *doc, const char *name) {
     return fsdp_error("%s: 'generation' must be an integer >= 0", name);
   if (!get_int(doc, "step", 0, &v)) return fsdp_error("%s: 'step' must be an integer >= 0", name);
   if (check_files(doc, name, world) || check_params(doc, name, world) ||
-      check_optimizer(doc, name) || check_rng(doc, name, world))
+      check_optimizer(doc, name) || check_rng(doc, name, world) ||
+      check_extra_tensors(doc, name))
     return FSDP_ERR;
   const cJSON *loaders = cJSON_GetObjectItemCaseSensitive(doc, "loaders");
   if (loaders != NULL) {

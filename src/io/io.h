@@ -1,10 +1,14 @@
 /*
  * io.h — the file-format layer of the engine: atomic files, the safetensors format (streaming
- * writer, validating reader with per-tensor checksums) and a JSON helper for checkpoint
- * indexes, the sharded checkpoint index's schema check and a few folder operations.
- * Owner: ckpt (written by io). This layer knows nothing of FSDP, units or ranks: it moves
- * bytes between buffers and files. It calls src/core only (errors); the fsdp layer
- * (lua/fsdp/checkpoint.lua) builds collective, sharded saving and loading on top of it. The format is specified in docs/checkpoints.md.
+ * writer, validating reader with per-tensor checksums), tensors of every dtype through it, a
+ * JSON helper for checkpoint indexes, the sharded checkpoint index's schema check and a few
+ * folder operations. This layer knows nothing of FSDP, units or ranks: it moves bytes between
+ * buffers and files. The file formats (atomic.c, st_read.c, st_write.c, json.c,
+ * index.c, fs.c, util.c) call src/core only (errors), so the fuzz targets build from them
+ * alone; st_tensor.c moves tensors of any dtype, device and strides through them and calls
+ * the kernels (src/kernels: conversions and copies between devices). The fsdp layer
+ * (lua/fsdp/checkpoint.lua) builds collective, sharded saving and loading on top of it. The
+ * format is specified in docs/checkpoints.md.
  *
  * Errors: fallible functions return FSDP_OK / FSDP_ERR and leave a message in the calling
  * thread's error slot that names the file (and the tensor, where there is one), e.g.
@@ -72,8 +76,9 @@ int fsdp_io_fault_point_from_name(const char *name);
 /* ---- safetensors (safetensors.c) -------------------------------------------------------- */
 
 /* The dtypes of the safetensors format with a whole number of bytes per element. F32 is 0 so
- * that a zero-initialized entry means f32. The reader converts F16, BF16 and F64 to f32; the
- * others are listed (their sizes make the layout checkable) but reading them is an error. */
+ * that a zero-initialized entry means f32. Eight of them are tensor dtypes (F32, BF16, F16,
+ * F64, I64, I32, U8, BOOL: fsdp_io_dtype_to_tensor); the others are listed (their sizes make
+ * the layout checkable) and can be written and read as bytes, but not as tensors. */
 typedef enum {
   FSDP_IO_F32 = 0,
   FSDP_IO_F16,
@@ -96,8 +101,13 @@ const char *fsdp_io_dtype_name(fsdp_io_dtype dt); /* "F32", ... */
 size_t fsdp_io_dtype_size(fsdp_io_dtype dt);
 /* The dtype of a safetensors name ("F32"); -1 for a name this build does not know. */
 int fsdp_io_dtype_from_name(const char *name);
+/* The tensor dtype of a stored dtype (bit for bit the same encoding): true and *out set for
+ * the eight above, false for the others. */
+bool fsdp_io_dtype_to_tensor(fsdp_io_dtype dt, fsdp_dtype *out);
+/* The stored dtype of a tensor dtype; -1 for an unknown one. */
+int fsdp_io_dtype_of_tensor(fsdp_dtype dt);
 
-/* One tensor of a safetensors file. The writer reads name, dtype (must be F32) and the shape;
+/* One tensor of a safetensors file. The writer reads name, dtype and the shape;
  * the reader fills every field. Offsets are bytes within the data section (the file's bytes
  * after the header), as in the format's "data_offsets". */
 typedef struct fsdp_io_st_entry {
@@ -126,7 +136,7 @@ typedef struct fsdp_io_kv {
 #define FSDP_IO_ST_MAX_HEADER 100000000u
 
 /* -- writer: streams tensors to an atomic file; memory use is the header plus a 1 MiB buffer.
- * open takes every entry (names unique, valid UTF-8, not "__metadata__"; dtype F32; at most
+ * open takes every entry (names unique, valid UTF-8, not "__metadata__"; any dtype; at most
  * FSDP_MAX_DIMS dims) and the metadata, lays the data out in entry order and writes the
  * header. Then the tensors' bytes arrive in entry order, each tensor in one or several write
  * calls (element ranges in order: one call per shard, say); entries with no elements need no
@@ -137,11 +147,16 @@ typedef struct fsdp_io_st_writer fsdp_io_st_writer;
 int fsdp_io_st_writer_open(fsdp_io_st_writer **out, const char *path,
                            const fsdp_io_st_entry *entries, int nentries,
                            const fsdp_io_kv *metadata, int nmetadata);
-/* Append `count` f32 values to tensor `name`, which must be the first tensor not yet complete
- * (a write of 0 values may name any tensor: an empty shard); a write past its end is an error
- * naming the tensor. */
-int fsdp_io_st_writer_write(fsdp_io_st_writer *w, const char *name, const float *data,
+/* Append `count` elements of the entry's dtype (count * its size bytes, little-endian, as
+ * they are: no conversion) to tensor `name`, which must be the first tensor not yet complete
+ * (a write of 0 elements may name any tensor: an empty shard); a write past its end is an
+ * error naming the tensor. */
+int fsdp_io_st_writer_write(fsdp_io_st_writer *w, const char *name, const void *data,
                             int64_t count);
+/* The entry `name` as given to open (name, dtype, shape), or NULL with an error naming the
+ * file and the tensor. Owned by the writer. */
+const fsdp_io_st_entry *fsdp_io_st_writer_find(const fsdp_io_st_writer *w, const char *name);
+const char *fsdp_io_st_writer_path(const fsdp_io_st_writer *w); /* the final path */
 /* Frees w whether it succeeds or not (an error leaves the previous file, if any). */
 int fsdp_io_st_writer_commit(fsdp_io_st_writer *w);
 void fsdp_io_st_writer_abort(fsdp_io_st_writer *w); /* NULL is a no-op */
@@ -171,14 +186,51 @@ int fsdp_io_st_reader_metadata_count(const fsdp_io_st_reader *r);
 fsdp_io_kv fsdp_io_st_reader_metadata_at(const fsdp_io_st_reader *r, int i);
 const char *fsdp_io_st_reader_metadata_get(const fsdp_io_st_reader *r, const char *key);
 
-/* out[0..count) = elements [first, first + count) of tensor `name` (0-based element offsets
- * into the flattened tensor), converted to f32. Reading a whole tensor (first 0, count numel)
- * checks its checksum when the file has one; a range is not checked (see verify). */
-int fsdp_io_st_reader_read(fsdp_io_st_reader *r, float *out, const char *name, int64_t first,
+/* out = the stored bytes of elements [first, first + count) of tensor `name` (0-based element
+ * offsets into the flattened tensor): count * dtype size bytes, as they are in the file (no
+ * conversion: st_tensor.c converts). Reading a whole tensor (first 0, count numel) checks its
+ * checksum when the file has one; a range is not checked (see verify). Elements of a BOOL
+ * tensor must be 0 or 1: any other byte is an error naming the tensor and the element. */
+int fsdp_io_st_reader_read(fsdp_io_st_reader *r, void *out, const char *name, int64_t first,
                            int64_t count);
+/* The same range in pieces, through the caller's buffer `buf` of `buf_bytes` bytes (at least
+ * one element): each piece (whole elements, at most buf_bytes) is read into buf and handed to
+ * sink(ctx, buf, at, n) — n elements starting at element first + at — before the next is
+ * read; a sink that fails stops the read with its error. A whole tensor is checked against
+ * its checksum after the last piece (so a mismatch is reported after the sink has seen the
+ * data: a caller that must not act on bad data stages it). For readers of bounded memory:
+ * tensors on other devices, conversions. */
+typedef int (*fsdp_io_st_sink)(void *ctx, const void *bytes, int64_t at, int64_t n);
+int fsdp_io_st_reader_read_chunks(fsdp_io_st_reader *r, const char *name, int64_t first,
+                                  int64_t count, void *buf, size_t buf_bytes,
+                                  fsdp_io_st_sink sink, void *ctx);
 /* Read tensor `name` whole, in 1 MiB pieces, and check its checksum: for ranks that read only
  * their range. FSDP_OK when the file has no checksum for it (entry->has_checksum says). */
 int fsdp_io_st_reader_verify(fsdp_io_st_reader *r, const char *name);
+
+/* ---- tensors through safetensors files (st_tensor.c; calls src/kernels) ------------------- */
+
+/* The host staging these functions use, per call: at most this many bytes of stored data at a
+ * time (plus, when converting, the same number of elements in the other dtype). */
+#define FSDP_IO_STAGE_BYTES ((size_t)1 << 20)
+
+/* Append every element of t (any dtype, device with data, strides; flattened in row-major
+ * order) to entry `name`, as fsdp_io_st_writer_write. t's dtype should be the entry's (its
+ * bytes are then written as they are); another dtype is converted (fsdp_copy's rules) piece
+ * by piece. A contiguous tensor in host memory of the entry's dtype is written from its own
+ * memory; anything else goes through a host buffer of FSDP_IO_STAGE_BYTES (fsdp_copy of a
+ * slice of t into it), so a tensor on a device without host memory is never copied whole. */
+int fsdp_io_st_write_tensor(fsdp_io_st_writer *w, const char *name, fsdp_tensor *t);
+/* dst <- elements [first, first + count) of tensor `name`, converted to dst's dtype:
+ * dst is contiguous, has count elements (any shape), any dtype and any device with data. The
+ * stored dtype must be a tensor dtype (fsdp_io_dtype_to_tensor); the conversion follows
+ * fsdp_copy (float -> float rounds to nearest even, NaN and infinities kept; float -> integer
+ * truncates toward zero and saturates, NaN gives 0; bool is v != 0). A whole tensor is
+ * checksummed. dst in host memory of the stored dtype is read into directly; otherwise the
+ * data goes through a host buffer of FSDP_IO_STAGE_BYTES and fsdp_copy into slices of dst.
+ * dst's version is bumped. On error dst may hold part of the data. */
+int fsdp_io_st_read_tensor(fsdp_io_st_reader *r, const char *name, int64_t first, int64_t count,
+                           fsdp_tensor *dst);
 
 /* ---- JSON documents (json.c) ------------------------------------------------------------ */
 

@@ -517,60 +517,6 @@ const char *fsdp_io_st_reader_metadata_get(const fsdp_io_st_reader *r, const cha
 
 /* ---- reading tensors ------------------------------------------------------------------- */
 
-static float f16_to_f32(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
-  uint32_t bits;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else { /* subnormal: normalize the mantissa */
-      exp = 113;
-      while (!(mant & 0x400u)) {
-        mant <<= 1;
-        exp--;
-      }
-      bits = sign | exp << 23 | (mant & 0x3FFu) << 13;
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7F800000u | mant << 13; /* inf, nan */
-  } else {
-    bits = sign | (exp + 112) << 23 | mant << 13;
-  }
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-}
-
-/* out[0..n) <- n elements of dtype dt at src (little-endian). */
-static void convert(float *out, const unsigned char *src, size_t n, fsdp_io_dtype dt) {
-  switch (dt) {
-  case FSDP_IO_F32: memcpy(out, src, n * 4); break;
-  case FSDP_IO_F16:
-    for (size_t i = 0; i < n; i++) {
-      uint16_t h;
-      memcpy(&h, src + 2 * i, 2);
-      out[i] = f16_to_f32(h);
-    }
-    break;
-  case FSDP_IO_BF16:
-    for (size_t i = 0; i < n; i++) {
-      uint16_t h;
-      memcpy(&h, src + 2 * i, 2);
-      uint32_t bits = (uint32_t)h << 16;
-      memcpy(&out[i], &bits, 4);
-    }
-    break;
-  case FSDP_IO_F64:
-    for (size_t i = 0; i < n; i++) {
-      double d;
-      memcpy(&d, src + 8 * i, 8);
-      out[i] = (float)d;
-    }
-    break;
-  default: break; /* rejected by the caller */
-  }
-}
-
 static int checksum_mismatch(const fsdp_io_st_reader *r, const fsdp_io_st_entry *e,
                              uint64_t computed) {
   return fsdp_error("%s: tensor '%s': checksum mismatch (stored %016llx, computed %016llx): its "
@@ -579,55 +525,74 @@ static int checksum_mismatch(const fsdp_io_st_reader *r, const fsdp_io_st_entry 
                     (unsigned long long)computed);
 }
 
-int fsdp_io_st_reader_read(fsdp_io_st_reader *r, float *out, const char *name, int64_t first,
-                           int64_t count) {
+/* The entry `name` with [first, first + count) checked against it; NULL with an error. */
+static const fsdp_io_st_entry *find_range(const fsdp_io_st_reader *r, const char *name,
+                                          int64_t first, int64_t count) {
   const fsdp_io_st_entry *e = fsdp_io_st_reader_find(r, name);
+  if (e == NULL) return NULL;
+  if (first < 0 || count < 0 || first > e->numel || count > e->numel - first) {
+    fsdp_error("%s: tensor '%s': %lld elements from element %lld are out of range (it has "
+               "%lld)",
+               r->path, name, (long long)count, (long long)first, (long long)e->numel);
+    return NULL;
+  }
+  return e;
+}
+
+/* A BOOL element is one byte holding 0 or 1 (what every reader of the format assumes). */
+static int check_bools(const fsdp_io_st_reader *r, const fsdp_io_st_entry *e,
+                       const unsigned char *p, size_t n, int64_t first) {
+  for (size_t i = 0; i < n; i++)
+    if (p[i] > 1)
+      return fsdp_error("%s: tensor '%s': BOOL element %lld holds %u, not 0 or 1: the data is "
+                        "corrupted or not BOOL",
+                        r->path, e->name, (long long)(first + (int64_t)i), p[i]);
+  return FSDP_OK;
+}
+
+int fsdp_io_st_reader_read(fsdp_io_st_reader *r, void *out, const char *name, int64_t first,
+                           int64_t count) {
+  const fsdp_io_st_entry *e = find_range(r, name, first, count);
   if (e == NULL) return FSDP_ERR;
-  if (e->dtype != FSDP_IO_F32 && e->dtype != FSDP_IO_F16 && e->dtype != FSDP_IO_BF16 &&
-      e->dtype != FSDP_IO_F64)
-    return fsdp_error("%s: tensor '%s': dtype %s cannot be read as f32 (F32, F16, BF16 and F64 "
-                      "can)",
-                      r->path, name, fsdp_io_dtype_name(e->dtype));
-  if (first < 0 || count < 0 || first > e->numel || count > e->numel - first)
-    return fsdp_error("%s: tensor '%s': %lld elements from element %lld are out of range (it "
-                      "has %lld)",
-                      r->path, name, (long long)count, (long long)first, (long long)e->numel);
+  size_t esz = fsdp_io_dtype_size(e->dtype), bytes = (size_t)count * esz;
+  if (read_at(r, out, bytes, r->data_start + e->begin + (uint64_t)first * esz, name))
+    return FSDP_ERR;
+  if (first == 0 && count == e->numel && e->has_checksum) {
+    uint64_t h = XXH3_64bits(out, bytes);
+    if (h != e->checksum) return checksum_mismatch(r, e, h);
+  }
+  if (e->dtype == FSDP_IO_BOOL) return check_bools(r, e, out, bytes, first);
+  return FSDP_OK;
+}
+
+int fsdp_io_st_reader_read_chunks(fsdp_io_st_reader *r, const char *name, int64_t first,
+                                  int64_t count, void *buf, size_t buf_bytes,
+                                  fsdp_io_st_sink sink, void *ctx) {
+  const fsdp_io_st_entry *e = find_range(r, name, first, count);
+  if (e == NULL) return FSDP_ERR;
   size_t esz = fsdp_io_dtype_size(e->dtype);
-  bool whole = first == 0 && count == e->numel;
-  uint64_t off = r->data_start + e->begin + (uint64_t)first * esz;
-  if (e->dtype == FSDP_IO_F32) {
-    if (read_at(r, out, (size_t)count * 4, off, name)) return FSDP_ERR;
-    if (whole && e->has_checksum) {
-      uint64_t h = XXH3_64bits(out, (size_t)count * 4);
-      if (h != e->checksum) return checksum_mismatch(r, e, h);
-    }
-    return FSDP_OK;
-  }
-  /* other dtypes: through a bounded buffer, converting and hashing the raw bytes */
-  size_t per = CHUNK_BYTES / esz;
-  unsigned char *buf = malloc(CHUNK_BYTES);
-  XXH3_state_t *xs = whole && e->has_checksum ? XXH3_createState() : NULL;
-  if (buf == NULL || (whole && e->has_checksum && xs == NULL)) {
-    free(buf);
-    XXH3_freeState(xs);
-    return fsdp_error("%s: tensor '%s': out of memory", r->path, name);
-  }
+  size_t per = buf_bytes / esz;
+  if (per == 0 && count > 0)
+    return fsdp_error("%s: tensor '%s': a buffer of %zu bytes holds no %s element", r->path,
+                      name, buf_bytes, fsdp_io_dtype_name(e->dtype));
+  bool whole = first == 0 && count == e->numel && e->has_checksum;
+  XXH3_state_t *xs = whole ? XXH3_createState() : NULL;
+  if (whole && xs == NULL) return fsdp_error("%s: tensor '%s': out of memory", r->path, name);
   if (xs != NULL) XXH3_64bits_reset(xs);
+  uint64_t off = r->data_start + e->begin + (uint64_t)first * esz;
   int rc = FSDP_OK;
   for (int64_t done = 0; done < count && rc == FSDP_OK;) {
     size_t n = (size_t)(count - done) < per ? (size_t)(count - done) : per;
     rc = read_at(r, buf, n * esz, off + (uint64_t)done * esz, name);
-    if (rc == FSDP_OK) {
-      if (xs != NULL) XXH3_64bits_update(xs, buf, n * esz);
-      convert(out + done, buf, n, e->dtype);
-      done += (int64_t)n;
-    }
+    if (rc == FSDP_OK && xs != NULL) XXH3_64bits_update(xs, buf, n * esz);
+    if (rc == FSDP_OK && e->dtype == FSDP_IO_BOOL) rc = check_bools(r, e, buf, n, first + done);
+    if (rc == FSDP_OK && sink != NULL) rc = sink(ctx, buf, done, (int64_t)n);
+    done += (int64_t)n;
   }
   if (rc == FSDP_OK && xs != NULL) {
     uint64_t h = XXH3_64bits_digest(xs);
     if (h != e->checksum) rc = checksum_mismatch(r, e, h);
   }
-  free(buf);
   XXH3_freeState(xs);
   return rc;
 }
@@ -637,25 +602,8 @@ int fsdp_io_st_reader_verify(fsdp_io_st_reader *r, const char *name) {
   if (e == NULL) return FSDP_ERR;
   if (!e->has_checksum) return FSDP_OK;
   unsigned char *buf = malloc(CHUNK_BYTES);
-  XXH3_state_t *xs = XXH3_createState();
-  if (buf == NULL || xs == NULL) {
-    free(buf);
-    XXH3_freeState(xs);
-    return fsdp_error("%s: tensor '%s': out of memory", r->path, name);
-  }
-  XXH3_64bits_reset(xs);
-  int rc = FSDP_OK;
-  for (uint64_t pos = e->begin; pos < e->end && rc == FSDP_OK;) {
-    size_t n = e->end - pos < CHUNK_BYTES ? (size_t)(e->end - pos) : CHUNK_BYTES;
-    rc = read_at(r, buf, n, r->data_start + pos, name);
-    if (rc == FSDP_OK) XXH3_64bits_update(xs, buf, n);
-    pos += n;
-  }
-  if (rc == FSDP_OK) {
-    uint64_t h = XXH3_64bits_digest(xs);
-    if (h != e->checksum) rc = checksum_mismatch(r, e, h);
-  }
+  if (buf == NULL) return fsdp_error("%s: tensor '%s': out of memory", r->path, name);
+  int rc = fsdp_io_st_reader_read_chunks(r, name, 0, e->numel, buf, CHUNK_BYTES, NULL, NULL);
   free(buf);
-  XXH3_freeState(xs);
   return rc;
 }

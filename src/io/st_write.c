@@ -23,11 +23,12 @@
 #include "io/io.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
-#error "safetensors data is little-endian; this writer copies host floats as they are"
+#error "safetensors data is little-endian; this writer copies host values as they are"
 #endif
 
 typedef struct wentry {
-  char *name;
+  fsdp_io_st_entry e;  /* as given to open; e.name is ours */
+  size_t esize;        /* bytes per element */
   uint64_t begin, end; /* data_offsets */
   size_t sum_at;       /* offset of its 16 hex digits in hdr */
 } wentry;
@@ -135,9 +136,8 @@ static int check_entries(const char *path, const fsdp_io_st_entry *entries, int 
     if (e->name[0] == '\0') return fsdp_error("%s: entry %d has an empty tensor name", path, i);
     if (strcmp(e->name, "__metadata__") == 0)
       return fsdp_error("%s: '__metadata__' cannot name a tensor", path);
-    if (e->dtype != FSDP_IO_F32)
-      return fsdp_error("%s: tensor '%s': dtype %s; this writer stores F32 only", path, e->name,
-                        fsdp_io_dtype_name(e->dtype));
+    if ((unsigned)e->dtype >= FSDP_IO_DTYPE_COUNT)
+      return fsdp_error("%s: tensor '%s': unknown dtype %d", path, e->name, (int)e->dtype);
     if (e->ndim < 0 || e->ndim > FSDP_MAX_DIMS)
       return fsdp_error("%s: tensor '%s': %d dimensions; at most %d", path, e->name, e->ndim,
                         FSDP_MAX_DIMS);
@@ -176,7 +176,7 @@ static int check_entries(const char *path, const fsdp_io_st_entry *entries, int 
 
 static void free_writer(fsdp_io_st_writer *w) {
   if (w->e != NULL)
-    for (int i = 0; i < w->n; i++) free(w->e[i].name);
+    for (int i = 0; i < w->n; i++) free((char *)w->e[i].e.name);
   free(w->e);
   free(w->sums);
   free(w->hdr);
@@ -196,7 +196,7 @@ static int build_header(fsdp_io_st_writer *w, const char *path, const fsdp_io_st
   uint64_t off = 0;
   for (int i = 0; i < w->n; i++) {
     const fsdp_io_st_entry *e = &entries[i];
-    uint64_t bytes = 4;
+    uint64_t bytes = w->e[i].esize;
     for (int d = 0; d < e->ndim; d++)
       if (__builtin_mul_overflow(bytes, (uint64_t)e->shape[d], &bytes))
         return fsdp_error("%s: tensor '%s': size overflows 64 bits", path, e->name);
@@ -229,7 +229,9 @@ static int build_header(fsdp_io_st_writer *w, const char *path, const fsdp_io_st
     const fsdp_io_st_entry *e = &entries[i];
     sb_put(&b, ",", 1);
     sb_json_string(&b, e->name);
-    sb_str(&b, ":{\"dtype\":\"F32\",\"shape\":[");
+    sb_str(&b, ":{\"dtype\":\"");
+    sb_str(&b, fsdp_io_dtype_name(e->dtype));
+    sb_str(&b, "\",\"shape\":[");
     for (int d = 0; d < e->ndim; d++) {
       if (d > 0) sb_put(&b, ",", 1);
       sb_u64(&b, (uint64_t)e->shape[d]);
@@ -271,8 +273,11 @@ int fsdp_io_st_writer_open(fsdp_io_st_writer **out, const char *path,
   w->sums = calloc((size_t)(nentries > 0 ? nentries : 1), sizeof *w->sums);
   w->xs = XXH3_createState();
   if (w->e == NULL || w->sums == NULL || w->xs == NULL) goto oom;
-  for (int i = 0; i < nentries; i++)
-    if ((w->e[i].name = strdup(entries[i].name)) == NULL) goto oom;
+  for (int i = 0; i < nentries; i++) {
+    w->e[i].e = entries[i];
+    w->e[i].esize = fsdp_io_dtype_size(entries[i].dtype);
+    if ((w->e[i].e.name = strdup(entries[i].name)) == NULL) goto oom;
+  }
   if (build_header(w, path, entries, metadata, nmetadata)) goto fail;
   uint64_t empty = XXH3_64bits(NULL, 0);
   for (int i = 0; i < nentries; i++)
@@ -293,18 +298,32 @@ fail:
 
 static int index_of(const fsdp_io_st_writer *w, const char *name) {
   for (int i = 0; i < w->n; i++)
-    if (strcmp(w->e[i].name, name) == 0) return i;
+    if (strcmp(w->e[i].e.name, name) == 0) return i;
   return -1;
 }
 
-int fsdp_io_st_writer_write(fsdp_io_st_writer *w, const char *name, const float *data,
+const fsdp_io_st_entry *fsdp_io_st_writer_find(const fsdp_io_st_writer *w, const char *name) {
+  int i = name != NULL ? index_of(w, name) : -1;
+  if (i < 0) {
+    fsdp_error("%s: tensor '%s' is not one of the file's entries", fsdp_io_atomic_path(w->file),
+               name != NULL ? name : "(null)");
+    return NULL;
+  }
+  return &w->e[i].e;
+}
+
+const char *fsdp_io_st_writer_path(const fsdp_io_st_writer *w) {
+  return fsdp_io_atomic_path(w->file);
+}
+
+int fsdp_io_st_writer_write(fsdp_io_st_writer *w, const char *name, const void *data,
                             int64_t count) {
   const char *path = fsdp_io_atomic_path(w->file);
   if (name == NULL) return fsdp_error("%s: write with a NULL tensor name", path);
   if (count < 0)
     return fsdp_error("%s: tensor '%s': negative element count %lld", path, name,
                       (long long)count);
-  if (w->cur == w->n || strcmp(w->e[w->cur].name, name) != 0) {
+  if (w->cur == w->n || strcmp(w->e[w->cur].e.name, name) != 0) {
     int i = index_of(w, name);
     if (i < 0) return fsdp_error("%s: tensor '%s' is not one of the file's entries", path, name);
     if (count == 0) return FSDP_OK; /* nothing to place: order does not matter */
@@ -315,17 +334,17 @@ int fsdp_io_st_writer_write(fsdp_io_st_writer *w, const char *name, const float 
     const wentry *c = &w->e[w->cur];
     return fsdp_error("%s: tensor '%s' written before '%s' is complete (%llu of %llu bytes): "
                       "tensors are written in entry order",
-                      path, name, c->name, (unsigned long long)w->done,
+                      path, name, c->e.name, (unsigned long long)w->done,
                       (unsigned long long)entry_bytes(c));
   }
   wentry *e = &w->e[w->cur];
   uint64_t left = entry_bytes(e) - w->done;
-  if ((uint64_t)count > left / 4)
+  if ((uint64_t)count > left / e->esize)
     return fsdp_error("%s: tensor '%s': write of %lld elements at element %llu runs past its end "
                       "(%llu elements)",
-                      path, name, (long long)count, (unsigned long long)(w->done / 4),
-                      (unsigned long long)(entry_bytes(e) / 4));
-  size_t bytes = (size_t)count * 4;
+                      path, name, (long long)count, (unsigned long long)(w->done / e->esize),
+                      (unsigned long long)(entry_bytes(e) / e->esize));
+  size_t bytes = (size_t)count * e->esize;
   if (bytes == 0) return FSDP_OK;
   XXH3_64bits_update(w->xs, data, bytes);
   if (fsdp_io_atomic_write(w->file, data, bytes))
@@ -352,7 +371,7 @@ int fsdp_io_st_writer_commit(fsdp_io_st_writer *w) {
   if (w->cur < w->n) {
     const wentry *c = &w->e[w->cur];
     fsdp_error("%s: tensor '%s' is incomplete at commit: %llu of %llu bytes written", path,
-               c->name, (unsigned long long)w->done, (unsigned long long)entry_bytes(c));
+               c->e.name, (unsigned long long)w->done, (unsigned long long)entry_bytes(c));
     fsdp_io_st_writer_abort(w);
     return FSDP_ERR;
   }

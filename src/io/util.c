@@ -1,7 +1,7 @@
 /*
- * util.c — small pieces the io layer shares: the safetensors dtype table and UTF-8
- * validation (names and metadata must be valid UTF-8 for the JSON header to be readable by
- * strict readers such as the reference Rust implementation).
+ * util.c — small pieces the io layer shares: the safetensors dtype table (and how it maps to
+ * tensor dtypes) and UTF-8 validation (names and metadata must be valid UTF-8 for the JSON
+ * header to be readable by strict readers such as the reference Rust implementation).
  */
 #include <string.h>
 
@@ -33,6 +33,32 @@ size_t fsdp_io_dtype_size(fsdp_io_dtype dt) {
 int fsdp_io_dtype_from_name(const char *name) {
   for (int i = 0; i < FSDP_IO_DTYPE_COUNT; i++)
     if (strcmp(name, dtypes[i].name) == 0) return i;
+  return -1;
+}
+
+/* Stored dtype <-> tensor dtype: the eight the engine has, bit for bit the same encodings. */
+static const struct {
+  fsdp_io_dtype io;
+  fsdp_dtype t;
+} tensor_dtypes[] = {
+    {FSDP_IO_F32, FSDP_DTYPE_F32}, {FSDP_IO_BF16, FSDP_DTYPE_BF16}, {FSDP_IO_F16, FSDP_DTYPE_F16},
+    {FSDP_IO_F64, FSDP_DTYPE_F64}, {FSDP_IO_I64, FSDP_DTYPE_I64},   {FSDP_IO_I32, FSDP_DTYPE_I32},
+    {FSDP_IO_U8, FSDP_DTYPE_U8},   {FSDP_IO_BOOL, FSDP_DTYPE_BOOL},
+};
+#define N_TENSOR_DTYPES (sizeof tensor_dtypes / sizeof tensor_dtypes[0])
+
+bool fsdp_io_dtype_to_tensor(fsdp_io_dtype dt, fsdp_dtype *out) {
+  for (size_t i = 0; i < N_TENSOR_DTYPES; i++)
+    if (tensor_dtypes[i].io == dt) {
+      *out = tensor_dtypes[i].t;
+      return true;
+    }
+  return false;
+}
+
+int fsdp_io_dtype_of_tensor(fsdp_dtype dt) {
+  for (size_t i = 0; i < N_TENSOR_DTYPES; i++)
+    if (tensor_dtypes[i].t == dt) return (int)tensor_dtypes[i].io;
   return -1;
 }
 

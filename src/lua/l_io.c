@@ -4,27 +4,33 @@
  * (called from module.c). The checkpoint code of lua/fsdp builds fsdp.save / fsdp.load on it.
  * Owner: ckpt (written by io).
  *
- *   st_writer(path, entries, metadata) -> writer    entries = {{name =, shape = {...}}, ...}
- *                                                   (dtype = "F32" may be given; it is the only
- *                                                   one); metadata = {key = "value", ...},
- *                                                   written sorted by key
+ *   st_writer(path, entries, metadata) -> writer    entries = {{name =, shape = {...},
+ *                                                   dtype =}, ...}: dtype as the format names
+ *                                                   it ("F32", "BF16", "F16", "F64", "I64",
+ *                                                   "I32", "U8", "BOOL") or as a tensor dtype
+ *                                                   ("bf16"), F32 by default; metadata =
+ *                                                   {key = "value", ...}, written sorted by key
  *     w:write(name, tensor)   append the tensor's values (any shape; it is flattened) to entry
  *                             `name`: entries are written in order, each in one or several
- *                             calls (a shard at a time); a tensor that is not contiguous f32
- *                             in host memory is copied (from its device, converted to f32)
+ *                             calls (a shard at a time). A tensor of the entry's dtype is
+ *                             written as it is; another dtype is converted. Tensors that are
+ *                             not contiguous host memory of the entry's dtype go through a
+ *                             1 MiB host buffer, a piece at a time (fsdp_io_st_write_tensor)
  *     w:commit()              the file appears whole under `path`, or an error and nothing
  *     w:abort()               drop the temporary; __gc aborts a writer never committed
  *   st_open(path) -> reader
- *     r:entries()             { {name =, shape = {...}, dtype = "F32", offset =, numel =,
- *                             checksum = "16 hex digits" or nil}, ... } in header order;
- *                             offset = first byte within the data section (data_offsets[1])
+ *     r:entries()             { {name =, shape = {...}, dtype = "F32", tensor_dtype = "f32"
+ *                             (nil for the format's dtypes that are no tensor dtype), offset =,
+ *                             numel =, checksum = "16 hex digits" or nil}, ... } in header
+ *                             order; offset = first byte within the data section
  *     r:metadata()            { key = value } (the writer's checksum keys included)
- *     r:read(name [, first [, count [, out]]]) -> f32 tensor: without first, the whole tensor
- *                             in its shape (checksum checked); with first, a 1-D tensor of
- *                             elements [first, first + count) of the flattened tensor — first
- *                             is a 0-based element offset, count defaults to the rest; with
- *                             out (a contiguous f32 tensor of count elements, on any
- *                             device), read into it and return it
+ *     r:read(name [, first [, count [, out]]]) -> a cpu tensor of the stored dtype: without
+ *                             first, the whole tensor in its shape (checksum checked); with
+ *                             first, a 1-D tensor of elements [first, first + count) of the
+ *                             flattened tensor — first is a 0-based element offset, count
+ *                             defaults to the rest; with out (a contiguous tensor of count
+ *                             elements, any dtype and device), read into it, converting to its
+ *                             dtype (fsdp_io_st_read_tensor), and return it
  *     r:verify([name])        check one tensor's checksum (or every tensor's) by reading it
  *     r:path(), r:close()     close is idempotent; a closed reader raises on use
  *   json_write(path, value)   value: tables (arrays 1..n, or string keys, written sorted),
@@ -85,6 +91,20 @@ static int cmp_kv(const void *a, const void *b) {
   return strcmp(((const fsdp_io_kv *)a)->key, ((const fsdp_io_kv *)b)->key);
 }
 
+/* An entry's dtype: the format's name of a tensor dtype ("BF16") or a tensor dtype ("bf16"). */
+static fsdp_io_dtype check_st_dtype(lua_State *L, int idx, int i, const char *name) {
+  const char *s = lua_type(L, idx) == LUA_TSTRING ? lua_tostring(L, idx) : NULL;
+  int io = s != NULL ? fsdp_io_dtype_from_name(s) : -1;
+  fsdp_dtype t;
+  if (s != NULL && io < 0 && fsdp_dtype_parse(s, &t) == FSDP_OK) io = fsdp_io_dtype_of_tensor(t);
+  fsdp_error_clear();
+  if (io < 0 || !fsdp_io_dtype_to_tensor((fsdp_io_dtype)io, &t))
+    luaL_error(L, "st_writer: entries[%d] ('%s'): dtype must be one of F32, BF16, F16, F64, I64, "
+                  "I32, U8, BOOL (or f32, bf16, ...), got %s",
+               i, name, s != NULL ? s : luaL_typename(L, idx));
+  return (fsdp_io_dtype)io;
+}
+
 static void check_entries(lua_State *L, int idx, fsdp_io_st_entry **out, int *nout) {
   luaL_checktype(L, idx, LUA_TTABLE);
   int n = (int)lua_objlen(L, idx);
@@ -106,9 +126,8 @@ static void check_entries(lua_State *L, int idx, fsdp_io_st_entry **out, int *no
       luaL_error(L, "st_writer: entries[%d].name contains a zero byte", i + 1);
     lua_pop(L, 1);
     lua_getfield(L, -1, "dtype");
-    if (!lua_isnil(L, -1) &&
-        (lua_type(L, -1) != LUA_TSTRING || strcmp(lua_tostring(L, -1), "F32") != 0))
-      luaL_error(L, "st_writer: entries[%d] ('%s'): dtype must be \"F32\"", i + 1, e[i].name);
+    e[i].dtype = FSDP_IO_F32;
+    if (!lua_isnil(L, -1)) e[i].dtype = check_st_dtype(L, -1, i + 1, e[i].name);
     lua_pop(L, 1);
     lua_getfield(L, -1, "shape");
     if (!lua_istable(L, -1))
@@ -181,16 +200,7 @@ static int l_writer_write(lua_State *L) {
   if (!t->storage->device->has_data)
     luaL_error(L, "w:write('%s'): tensor %s is on the %s device and has no data", name,
                FSDP_SHAPE_STR(t), t->storage->device->name);
-  /* the entry's f32 values in host memory: t itself when it already is that, else a copy
-   * (from any device, converted from any dtype) */
-  fsdp_tensor *c;
-  if (fsdp_to(&c, t, &fsdp_device_cpu, FSDP_DTYPE_F32, FSDP_ROLE_ACTIVATIONS))
-    return fsdp_lua_error(L);
-  const float *data = fsdp_tensor_data(c, "w:write");
-  int rc = data != NULL ? fsdp_io_st_writer_write(b->w, name, data, fsdp_tensor_numel(c))
-                        : FSDP_ERR;
-  fsdp_tensor_release(c);
-  if (rc) return fsdp_lua_error(L);
+  if (fsdp_io_st_write_tensor(b->w, name, t)) return fsdp_lua_error(L);
   return 0;
 }
 
@@ -256,6 +266,11 @@ static int l_reader_entries(lua_State *L) {
     lua_setfield(L, -2, "shape");
     lua_pushstring(L, fsdp_io_dtype_name(e->dtype));
     lua_setfield(L, -2, "dtype");
+    fsdp_dtype tdt;
+    if (fsdp_io_dtype_to_tensor(e->dtype, &tdt)) {
+      lua_pushstring(L, fsdp_dtype_name(tdt));
+      lua_setfield(L, -2, "tensor_dtype");
+    }
     lua_pushnumber(L, (lua_Number)e->begin);
     lua_setfield(L, -2, "offset");
     lua_pushnumber(L, (lua_Number)e->numel);
@@ -319,35 +334,27 @@ static int l_reader_read(lua_State *L) {
    * of the right role, which the optimizer then adopts) */
   if (!lua_isnoneornil(L, 5)) {
     fsdp_tensor *o = fsdp_lua_check_tensor(L, 5);
-    if (o->dtype != FSDP_DTYPE_F32 || !fsdp_tensor_is_contiguous(o) || fsdp_tensor_numel(o) != count)
-      return luaL_error(L, "r:read: out must be a contiguous f32 tensor of %f elements",
-                        (double)count);
-    if (fsdp_tensor_data(o, "r:read") == NULL) return fsdp_lua_error(L);
-    /* the file's bytes land in host memory: o itself, or a staging tensor moved to o's device */
-    fsdp_tensor *h = o;
-    if (!o->storage->device->host_memory &&
-        fsdp_tensor_new_uninit(&h, &fsdp_device_cpu, FSDP_DTYPE_F32, 1, &count,
-                               FSDP_ROLE_ACTIVATIONS))
-      return fsdp_lua_error(L);
-    int rc = fsdp_io_st_reader_read(r, fsdp_tensor_data(h, "r:read"), name, first, count);
-    if (!rc && h != o) rc = o->storage->device->from_host(o->storage->device->ctx,
-                                                          fsdp_tensor_data(o, "r:read"),
-                                                          fsdp_tensor_data(h, "r:read"),
-                                                          (size_t)count * sizeof(float));
-    if (h != o) fsdp_tensor_release(h);
-    if (rc) return fsdp_lua_error(L);
-    o->version++; /* an in-place write */
+    if (!fsdp_tensor_is_contiguous(o) || fsdp_tensor_numel(o) != count)
+      return luaL_error(L, "r:read: out must be a contiguous tensor of %f elements (got %s)",
+                        (double)count, FSDP_SHAPE_STR(o));
+    if (fsdp_io_st_read_tensor(r, name, first, count, o)) return fsdp_lua_error(L);
     lua_pushvalue(L, 5);
     return 1;
   }
-  fsdp_tensor *t;
-  if (fsdp_tensor_new_f32_uninit(&t, ndim, shape)) return fsdp_lua_error(L);
-  float *out = fsdp_tensor_data(t, "r:read");
-  if (out == NULL || fsdp_io_st_reader_read(r, out, name, first, count)) {
-    fsdp_tensor_release(t);
+  /* a new tensor: the stored dtype, on the cpu */
+  fsdp_dtype dt;
+  if (!fsdp_io_dtype_to_tensor(e->dtype, &dt)) {
+    fsdp_error("%s: tensor '%s': stored dtype %s has no tensor dtype (F32, BF16, F16, F64, I64, "
+               "I32, U8 and BOOL can be read)",
+               fsdp_io_st_reader_path(r), name, fsdp_io_dtype_name(e->dtype));
     return fsdp_lua_error(L);
   }
-  fsdp_lua_push_tensor(L, t);
+  fsdp_tensor *t;
+  if (fsdp_tensor_new_uninit(&t, &fsdp_device_cpu, dt, ndim, shape, FSDP_ROLE_ACTIVATIONS))
+    return fsdp_lua_error(L);
+  fsdp_lua_push_tensor(L, t); /* owned by Lua before anything can raise */
+  if (fsdp_io_st_read_tensor(r, name, first, count, t)) return fsdp_lua_error(L);
+  t->version = 0;
   return 1;
 }
 

@@ -1,10 +1,11 @@
 /*
  * test_io.c — the io layer (src/io): atomic files (commit, abort, injected faults, the
  * previous file left intact, no temporaries left behind), the safetensors writer and reader
- * (round trip, an independent parse of the written bytes, range reads, conversions from
- * F16/BF16/F64, every validation error on hand-made and damaged files, including a flip of
- * every single header byte), the JSON helper, the sharded checkpoint index check (a valid index
- * and one defect at a time) and the folder helpers. Owner: ckpt (written by io).
+ * (round trip, an independent parse of the written bytes, range reads, every validation error
+ * on hand-made and damaged files, including a flip of every single header byte), tensors of
+ * every dtype through files (bit-exact round trips, conversions on load, a device without host
+ * memory staged through bounded pieces), the JSON helper, the sharded checkpoint index check (a
+ * valid index and one defect at a time) and the folder helpers.
  *
  * Each test works in a fresh folder under $TMPDIR (or /tmp) and removes it.
  */
@@ -28,6 +29,7 @@
 #include <xxhash.h>
 
 #include "io/io.h"
+#include "kernels/kernels.h"
 
 /* ---- helpers ------------------------------------------------------------------------------ */
 
@@ -231,13 +233,38 @@ static void test_round_trip(void **state) {
   fsdp_io_st_reader_close(NULL);
 }
 
-static void test_independent_parse(void **state) {
-  fixture *fx = *state;
-  const char *path = path_in(fx, "model.safetensors");
-  assert_int_equal(write_model(path), FSDP_OK);
+/* Bit patterns for dtype dt: floats include NaNs with payloads, infinities, -0 and
+ * subnormals; bool is 0/1. Deterministic. */
+static void fill_bits(void *p, fsdp_dtype dt, int64_t n, uint64_t seed) {
+  unsigned char *b = p;
+  size_t es = fsdp_dtype_size(dt);
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (int64_t i = 0; i < n; i++) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    if (dt == FSDP_DTYPE_BOOL) {
+      b[i] = (unsigned char)(x & 1);
+    } else {
+      memcpy(b + (size_t)i * es, &x, es);
+    }
+  }
+  if (dt == FSDP_DTYPE_F32 && n >= 4) {
+    const uint32_t sp[4] = {0x7FC00001u, 0xFF800000u, 0x80000000u, 0x00000001u};
+    memcpy(p, sp, sizeof sp);
+  }
+}
+
+/* What any safetensors reader does (u64 LE length, JSON, data), with cJSON and xxHash only:
+ * the file at path holds entries e[0..n) in order, with the dtype names given, data[i] as
+ * their bytes, checksums over exactly those bytes and a header checksum. Returns the parsed
+ * __metadata__ (owned by *root) for further checks. */
+static const cJSON *parse_independently(const char *path, const fsdp_io_st_entry *e,
+                                        const char *const *dtype_names, const size_t *esize,
+                                        const void *const *data_of, int n, cJSON **root_out,
+                                        unsigned char **buf_out) {
   size_t size;
   unsigned char *buf = slurp(path, &size);
-  /* what any safetensors reader does: u64 LE length, JSON, data */
   assert_true(size >= 8);
   uint64_t hlen = 0;
   for (int i = 7; i >= 0; i--) hlen = hlen << 8 | buf[i];
@@ -253,42 +280,41 @@ static void test_independent_parse(void **state) {
   assert_non_null(root);
   const unsigned char *data = buf + 8 + hlen;
   uint64_t data_size = size - 8 - hlen;
-
   const cJSON *meta = cJSON_GetObjectItemCaseSensitive(root, "__metadata__");
   assert_true(cJSON_IsObject(meta));
   for (const cJSON *kv = meta->child; kv; kv = kv->next) assert_true(cJSON_IsString(kv));
-  assert_string_equal(cJSON_GetObjectItemCaseSensitive(meta, "format")->valuestring, "pt");
-  assert_string_equal(cJSON_GetObjectItemCaseSensitive(meta, "note \"x\"\n")->valuestring,
-                      "välue");
-  assert_int_equal(cJSON_GetArraySize(root), 1 + NENT);
-
+  assert_int_equal(cJSON_GetArraySize(root), 1 + n);
   uint64_t pos = 0;
   int i = 0;
   for (const cJSON *t = root->child; t; t = t->next) {
     if (t == meta) continue;
-    assert_string_equal(t->string, ENTRIES[i].name);
-    assert_string_equal(cJSON_GetObjectItemCaseSensitive(t, "dtype")->valuestring, "F32");
+    assert_string_equal(t->string, e[i].name);
+    assert_string_equal(cJSON_GetObjectItemCaseSensitive(t, "dtype")->valuestring,
+                        dtype_names[i]);
     const cJSON *shape = cJSON_GetObjectItemCaseSensitive(t, "shape");
-    assert_int_equal(cJSON_GetArraySize(shape), ENTRIES[i].ndim);
-    for (int d = 0; d < ENTRIES[i].ndim; d++)
-      assert_int_equal((int64_t)cJSON_GetArrayItem(shape, d)->valuedouble, ENTRIES[i].shape[d]);
+    assert_int_equal(cJSON_GetArraySize(shape), e[i].ndim);
+    uint64_t numel = 1;
+    for (int d = 0; d < e[i].ndim; d++) {
+      assert_int_equal((int64_t)cJSON_GetArrayItem(shape, d)->valuedouble, e[i].shape[d]);
+      numel *= (uint64_t)e[i].shape[d];
+    }
     const cJSON *off = cJSON_GetObjectItemCaseSensitive(t, "data_offsets");
     uint64_t b = (uint64_t)cJSON_GetArrayItem(off, 0)->valuedouble;
-    uint64_t e = (uint64_t)cJSON_GetArrayItem(off, 1)->valuedouble;
+    uint64_t end = (uint64_t)cJSON_GetArrayItem(off, 1)->valuedouble;
     assert_int_equal(b, pos); /* contiguous, in entry order, no holes */
-    assert_int_equal(e - b, (uint64_t)NUMEL[i] * 4);
-    if (e > b) assert_memory_equal(data + b, model_data(i), e - b);
+    assert_int_equal(end - b, numel * esize[i]);
+    if (end > b) assert_memory_equal(data + b, data_of[i], end - b);
     /* the checksum key is XXH3_64bits (seed 0) of exactly these bytes */
     char key[128], hex[17];
-    snprintf(key, sizeof key, "%s%s", FSDP_IO_CHECKSUM_PREFIX, ENTRIES[i].name);
+    snprintf(key, sizeof key, "%s%s", FSDP_IO_CHECKSUM_PREFIX, e[i].name);
     const cJSON *sum = cJSON_GetObjectItemCaseSensitive(meta, key);
     assert_true(cJSON_IsString(sum));
-    snprintf(hex, sizeof hex, "%016llx", (unsigned long long)XXH3_64bits(data + b, e - b));
+    snprintf(hex, sizeof hex, "%016llx", (unsigned long long)XXH3_64bits(data + b, end - b));
     assert_string_equal(sum->valuestring, hex);
-    pos = e;
+    pos = end;
     i++;
   }
-  assert_int_equal(i, NENT);
+  assert_int_equal(i, n);
   assert_int_equal(pos, data_size); /* nothing after the last tensor */
   /* the header checksum: the first member, over length + JSON with its own digits zeroed */
   const char *prefix = "{\"__metadata__\":{\"" FSDP_IO_HEADER_CHECKSUM_KEY "\":\"";
@@ -300,8 +326,63 @@ static void test_independent_parse(void **state) {
   char hex[17];
   snprintf(hex, sizeof hex, "%016llx", (unsigned long long)XXH3_64bits(buf, 8 + hlen));
   assert_string_equal(stored, hex);
+  *root_out = root;
+  *buf_out = buf;
+  return meta;
+}
+
+static void test_independent_parse(void **state) {
+  fixture *fx = *state;
+  const char *path = path_in(fx, "model.safetensors");
+  assert_int_equal(write_model(path), FSDP_OK);
+  const char *names[NENT];
+  size_t sizes[NENT];
+  const void *datas[NENT];
+  for (int i = 0; i < NENT; i++) names[i] = "F32", sizes[i] = 4, datas[i] = model_data(i);
+  cJSON *root;
+  unsigned char *buf;
+  const cJSON *meta = parse_independently(path, ENTRIES, names, sizes, datas, NENT, &root, &buf);
+  assert_string_equal(cJSON_GetObjectItemCaseSensitive(meta, "format")->valuestring, "pt");
+  assert_string_equal(cJSON_GetObjectItemCaseSensitive(meta, "note \"x\"\n")->valuestring,
+                      "välue");
   cJSON_Delete(root);
   free(buf);
+
+  /* every tensor dtype, written from tensors: the format's names, sizes and bytes as they are
+   * in memory (little-endian IEEE / two's complement, bool 0/1) */
+  static const char *const st_names[FSDP_DTYPE_COUNT] = {
+      [FSDP_DTYPE_F32] = "F32", [FSDP_DTYPE_BF16] = "BF16", [FSDP_DTYPE_F16] = "F16",
+      [FSDP_DTYPE_F64] = "F64", [FSDP_DTYPE_I64] = "I64",   [FSDP_DTYPE_I32] = "I32",
+      [FSDP_DTYPE_U8] = "U8",   [FSDP_DTYPE_BOOL] = "BOOL"};
+  path = path_in(fx, "dtypes.safetensors");
+  fsdp_io_st_entry e[FSDP_DTYPE_COUNT];
+  char ename[FSDP_DTYPE_COUNT][16];
+  const char *dnames[FSDP_DTYPE_COUNT];
+  size_t esz[FSDP_DTYPE_COUNT];
+  const void *dd[FSDP_DTYPE_COUNT];
+  fsdp_tensor *t[FSDP_DTYPE_COUNT];
+  for (int k = 0; k < FSDP_DTYPE_COUNT; k++) {
+    int64_t shape[2] = {3, 7 + k};
+    assert_int_equal(fsdp_tensor_new(&t[k], &fsdp_device_cpu, (fsdp_dtype)k, 2, shape,
+                                     FSDP_ROLE_OTHER), FSDP_OK);
+    fill_bits(fsdp_tensor_data(t[k], "test"), (fsdp_dtype)k, 3 * (7 + k), (uint64_t)k + 11);
+    snprintf(ename[k], sizeof ename[k], "t_%s", fsdp_dtype_name((fsdp_dtype)k));
+    e[k] = (fsdp_io_st_entry){.name = ename[k],
+                              .dtype = (fsdp_io_dtype)fsdp_io_dtype_of_tensor((fsdp_dtype)k),
+                              .ndim = 2, .shape = {3, 7 + k}};
+    dnames[k] = st_names[k];
+    esz[k] = fsdp_dtype_size((fsdp_dtype)k);
+    dd[k] = fsdp_tensor_data(t[k], "test");
+  }
+  fsdp_io_st_writer *w;
+  assert_int_equal(fsdp_io_st_writer_open(&w, path, e, FSDP_DTYPE_COUNT, NULL, 0), FSDP_OK);
+  for (int k = 0; k < FSDP_DTYPE_COUNT; k++)
+    assert_int_equal(fsdp_io_st_write_tensor(w, ename[k], t[k]), FSDP_OK);
+  assert_int_equal(fsdp_io_st_writer_commit(w), FSDP_OK);
+  parse_independently(path, e, dnames, esz, dd, FSDP_DTYPE_COUNT, &root, &buf);
+  cJSON_Delete(root);
+  free(buf);
+  for (int k = 0; k < FSDP_DTYPE_COUNT; k++) fsdp_tensor_release(t[k]);
 }
 
 /* A file without any fsdp keys (as other tools write it) is a standard file: it opens. */
@@ -410,6 +491,24 @@ static void test_concurrent_reads(void **state) {
   fsdp_io_st_reader_close(r);
 }
 
+/* A new zeroed cpu tensor of n elements (1-D). */
+static fsdp_tensor *cpu_tensor(fsdp_dtype dt, int64_t n) {
+  fsdp_tensor *t;
+  assert_int_equal(fsdp_tensor_new(&t, &fsdp_device_cpu, dt, 1, &n, FSDP_ROLE_OTHER), FSDP_OK);
+  return t;
+}
+
+/* A sink that takes `left` pieces, then fails. */
+static int sink_calls;
+static int failing_sink(void *ctx, const void *bytes, int64_t at, int64_t n) {
+  int *left = ctx;
+  sink_calls++;
+  if ((*left)-- <= 0) return fsdp_error("sink: no more (piece at %lld)", (long long)at);
+  return FSDP_OK;
+}
+
+/* A foreign file of F16, BF16, F64, I64 and I16 tensors: raw reads give the stored bytes; reads
+ * into f32 tensors convert; I16 has no tensor dtype. */
 static void test_conversions(void **state) {
   fixture *fx = *state;
   const char *path = path_in(fx, "mixed.safetensors");
@@ -419,34 +518,460 @@ static void test_conversions(void **state) {
   const uint16_t bf[3] = {0x3F80, 0xC040, 0x0001};
   const double d[2] = {1.5, -1e300};
   const int64_t ints[2] = {7, -7};
-  unsigned char data[14 + 6 + 16 + 16];
+  const int16_t shorts[2] = {3, -3};
+  unsigned char data[14 + 6 + 16 + 16 + 4];
   memcpy(data, h, 14);
   memcpy(data + 14, bf, 6);
   memcpy(data + 20, d, 16);
   memcpy(data + 36, ints, 16);
+  memcpy(data + 52, shorts, 4);
   write_raw(path,
             "{\"h\":{\"dtype\":\"F16\",\"shape\":[7],\"data_offsets\":[0,14]},"
             "\"bf\":{\"dtype\":\"BF16\",\"shape\":[3],\"data_offsets\":[14,20]},"
             "\"d\":{\"dtype\":\"F64\",\"shape\":[1,2],\"data_offsets\":[20,36]},"
-            "\"i\":{\"dtype\":\"I64\",\"shape\":[2],\"data_offsets\":[36,52]}}",
+            "\"i\":{\"dtype\":\"I64\",\"shape\":[2],\"data_offsets\":[36,52]},"
+            "\"s\":{\"dtype\":\"I16\",\"shape\":[2],\"data_offsets\":[52,56]}}",
             data, sizeof data);
   fsdp_io_st_reader *r;
   assert_int_equal(fsdp_io_st_reader_open(&r, path), FSDP_OK);
-  float out[7];
-  assert_int_equal(fsdp_io_st_reader_read(r, out, "h", 0, 7), FSDP_OK);
+  uint16_t raw[7];
+  assert_int_equal(fsdp_io_st_reader_read(r, raw, "h", 0, 7), FSDP_OK);
+  assert_memory_equal(raw, h, sizeof h); /* the bytes as stored */
+  assert_int_equal(fsdp_io_st_reader_read(r, raw, "h", 2, 3), FSDP_OK);
+  assert_memory_equal(raw, h + 2, 6);
+  int16_t rs[2];
+  assert_int_equal(fsdp_io_st_reader_read(r, rs, "s", 0, 2), FSDP_OK);
+  assert_memory_equal(rs, shorts, 4);
+  /* in pieces: a buffer must hold one element */
+  unsigned char small[8];
+  expect_error(fsdp_io_st_reader_read_chunks(r, "d", 0, 2, small, 7, NULL, NULL),
+               "tensor 'd': a buffer of 7 bytes holds no F64 element");
+  assert_int_equal(fsdp_io_st_reader_read_chunks(r, "d", 0, 2, small, 8, NULL, NULL), FSDP_OK);
+  int left = 1;
+  sink_calls = 0;
+  expect_error(fsdp_io_st_reader_read_chunks(r, "h", 0, 7, small, 4, failing_sink, &left),
+               "sink: no more (piece at 2)");
+  assert_int_equal(sink_calls, 2); /* stopped at the failing piece */
+
+  fsdp_tensor *t = cpu_tensor(FSDP_DTYPE_F32, 7);
+  float *out = fsdp_tensor_data(t, "test");
+  assert_int_equal(fsdp_io_st_read_tensor(r, "h", 0, 7, t), FSDP_OK);
   const float hf[7] = {1.0f, -2.0f, 0.5f, 65504.0f, 5.9604644775390625e-8f, INFINITY, -0.0f};
   assert_memory_equal(out, hf, sizeof hf);
-  assert_int_equal(fsdp_io_st_reader_read(r, out, "h", 2, 3), FSDP_OK);
+  fsdp_tensor_release(t);
+  t = cpu_tensor(FSDP_DTYPE_F32, 3);
+  out = fsdp_tensor_data(t, "test");
+  assert_int_equal(fsdp_io_st_read_tensor(r, "h", 2, 3, t), FSDP_OK);
   assert_memory_equal(out, hf + 2, 12);
-  assert_int_equal(fsdp_io_st_reader_read(r, out, "bf", 0, 3), FSDP_OK);
+  assert_int_equal(fsdp_io_st_read_tensor(r, "bf", 0, 3, t), FSDP_OK);
   assert_true(out[0] == 1.0f && out[1] == -3.0f && out[2] > 0.0f && out[2] < 1e-38f);
-  assert_int_equal(fsdp_io_st_reader_read(r, out, "d", 0, 2), FSDP_OK);
-  assert_true(out[0] == 1.5f && out[1] == -INFINITY);
-  expect_error(fsdp_io_st_reader_read(r, out, "i", 0, 2), "dtype I64 cannot be read as f32");
-  expect_msg_has("'i'");
+  fsdp_tensor_release(t);
+  t = cpu_tensor(FSDP_DTYPE_F32, 2);
+  out = fsdp_tensor_data(t, "test");
+  assert_int_equal(fsdp_io_st_read_tensor(r, "d", 0, 2, t), FSDP_OK);
+  assert_true(out[0] == 1.5f && out[1] == -INFINITY); /* F64 rounds, overflowing to inf */
+  assert_int_equal(fsdp_io_st_read_tensor(r, "i", 0, 2, t), FSDP_OK);
+  assert_true(out[0] == 7.0f && out[1] == -7.0f);
+  expect_error(fsdp_io_st_read_tensor(r, "s", 0, 2, t),
+               "tensor 's': stored dtype I16 has no tensor dtype, so it cannot be read as f32");
   expect_msg_has(path);
+  expect_error(fsdp_io_st_read_tensor(r, "i", 0, 1, t), "reading 1 elements into a tensor of 2");
+  expect_error(fsdp_io_st_read_tensor(r, "i", 1, 2, t), "out of range");
+  expect_error(fsdp_io_st_read_tensor(r, "zz", 0, 2, t), "'zz': no such tensor");
+  fsdp_tensor_release(t);
   assert_int_equal(fsdp_io_st_reader_entry(r, 3)->dtype, FSDP_IO_I64);
   fsdp_io_st_reader_close(r);
+}
+
+/* ---- tensors of every dtype ---------------------------------------------------------------- */
+
+#define NDT FSDP_DTYPE_COUNT
+#define DT_NUMEL 300001 /* f64: 2.4 MB, three staging pieces */
+
+/* Every tensor dtype round-trips bit for bit through a file: written whole (contiguous, in
+ * host memory), in shards, and from a strided view; read back as new tensors and by ranges. */
+static void test_dtype_round_trip(void **state) {
+  fixture *fx = *state;
+  const char *path = path_in(fx, "dtypes.safetensors");
+  fsdp_io_st_entry e[2 * NDT];
+  char names[2 * NDT][32];
+  fsdp_tensor *src[NDT], *tr[NDT];
+  for (int k = 0; k < NDT; k++) {
+    fsdp_dtype dt = (fsdp_dtype)k;
+    src[k] = cpu_tensor(dt, DT_NUMEL);
+    fill_bits(fsdp_tensor_data(src[k], "test"), dt, DT_NUMEL, (uint64_t)k + 1);
+    /* a (3, 5) tensor transposed: (5, 3) with strides (1, 5) */
+    int64_t shp[2] = {3, 5}, tshape[2] = {5, 3}, tstrides[2] = {1, 5};
+    fsdp_tensor *base;
+    assert_int_equal(fsdp_tensor_new(&base, &fsdp_device_cpu, dt, 2, shp, FSDP_ROLE_OTHER), FSDP_OK);
+    fill_bits(fsdp_tensor_data(base, "test"), dt, 15, (uint64_t)k + 100);
+    assert_int_equal(fsdp_tensor_new_view(&tr[k], base, 0, 2, tshape, tstrides), FSDP_OK);
+    fsdp_tensor_release(base);
+    snprintf(names[2 * k], 32, "whole.%s", fsdp_dtype_name(dt));
+    snprintf(names[2 * k + 1], 32, "strided.%s", fsdp_dtype_name(dt));
+    int io = fsdp_io_dtype_of_tensor(dt);
+    assert_true(io >= 0);
+    e[2 * k] = (fsdp_io_st_entry){.name = names[2 * k], .dtype = (fsdp_io_dtype)io, .ndim = 1,
+                                  .shape = {DT_NUMEL}};
+    e[2 * k + 1] = (fsdp_io_st_entry){.name = names[2 * k + 1], .dtype = (fsdp_io_dtype)io,
+                                      .ndim = 2, .shape = {5, 3}};
+  }
+  fsdp_io_st_writer *w;
+  assert_int_equal(fsdp_io_st_writer_open(&w, path, e, 2 * NDT, NULL, 0), FSDP_OK);
+  for (int k = 0; k < NDT; k++) {
+    if (k % 2 == 0) {
+      assert_int_equal(fsdp_io_st_write_tensor(w, names[2 * k], src[k]), FSDP_OK);
+    } else { /* two shards, as views */
+      int64_t a = DT_NUMEL / 3, b = DT_NUMEL - a, one = 1;
+      fsdp_tensor *s1, *s2;
+      assert_int_equal(fsdp_tensor_new_view(&s1, src[k], 0, 1, &a, &one), FSDP_OK);
+      assert_int_equal(fsdp_tensor_new_view(&s2, src[k], a, 1, &b, &one), FSDP_OK);
+      assert_int_equal(fsdp_io_st_write_tensor(w, names[2 * k], s1), FSDP_OK);
+      assert_int_equal(fsdp_io_st_write_tensor(w, names[2 * k], s2), FSDP_OK);
+      fsdp_tensor_release(s1);
+      fsdp_tensor_release(s2);
+    }
+    assert_int_equal(fsdp_io_st_write_tensor(w, names[2 * k + 1], tr[k]), FSDP_OK);
+  }
+  assert_int_equal(fsdp_io_st_writer_commit(w), FSDP_OK);
+
+  fsdp_io_st_reader *r;
+  assert_int_equal(fsdp_io_st_reader_open(&r, path), FSDP_OK);
+  for (int k = 0; k < NDT; k++) {
+    fsdp_dtype dt = (fsdp_dtype)k, back;
+    size_t es = fsdp_dtype_size(dt);
+    const fsdp_io_st_entry *en = fsdp_io_st_reader_find(r, names[2 * k]);
+    assert_int_equal(en->dtype, fsdp_io_dtype_of_tensor(dt));
+    assert_true(fsdp_io_dtype_to_tensor(en->dtype, &back));
+    assert_int_equal(back, dt);
+    assert_int_equal(en->end - en->begin, (uint64_t)DT_NUMEL * es);
+    /* whole, as the stored dtype: bit for bit (direct into host memory) */
+    fsdp_tensor *t = cpu_tensor(dt, DT_NUMEL);
+    assert_int_equal(fsdp_io_st_read_tensor(r, names[2 * k], 0, DT_NUMEL, t), FSDP_OK);
+    assert_memory_equal(fsdp_tensor_data(t, "test"), fsdp_tensor_data(src[k], "test"),
+                        (size_t)DT_NUMEL * es);
+    fsdp_tensor_release(t);
+    /* a range */
+    t = cpu_tensor(dt, 1000);
+    assert_int_equal(fsdp_io_st_read_tensor(r, names[2 * k], 12345, 1000, t), FSDP_OK);
+    assert_memory_equal(fsdp_tensor_data(t, "test"),
+                        (char *)fsdp_tensor_data(src[k], "test") + 12345 * es, 1000 * es);
+    fsdp_tensor_release(t);
+    /* the strided one, in row-major order of the view */
+    t = cpu_tensor(dt, 15);
+    assert_int_equal(fsdp_io_st_read_tensor(r, names[2 * k + 1], 0, 15, t), FSDP_OK);
+    const char *base = (const char *)fsdp_tensor_data(tr[k], "test");
+    for (int i = 0; i < 5; i++)
+      for (int j = 0; j < 3; j++)
+        assert_memory_equal((char *)fsdp_tensor_data(t, "test") + (size_t)(i * 3 + j) * es,
+                            base + (size_t)(i * 1 + j * 5) * es, es);
+    fsdp_tensor_release(t);
+    assert_int_equal(fsdp_io_st_reader_verify(r, names[2 * k]), FSDP_OK);
+  }
+  fsdp_io_st_reader_close(r);
+
+  /* damage: a flipped byte in each dtype's tensor is a checksum mismatch, read directly or
+   * through the staging pieces (converting to another dtype) */
+  size_t size;
+  unsigned char *buf = slurp(path, &size);
+  uint64_t hlen = 0;
+  for (int i = 7; i >= 0; i--) hlen = hlen << 8 | buf[i];
+  fsdp_io_st_reader *clean;
+  assert_int_equal(fsdp_io_st_reader_open_memory(&clean, "clean", buf, size), FSDP_OK);
+  for (int k = 0; k < NDT; k++) {
+    fsdp_dtype dt = (fsdp_dtype)k;
+    const fsdp_io_st_entry *en = fsdp_io_st_reader_find(clean, names[2 * k]);
+    uint64_t at = 8 + hlen + en->begin + (en->end - en->begin) / 2;
+    unsigned char flip = dt == FSDP_DTYPE_BOOL ? 0x01 : 0x10; /* a BOOL byte stays 0 or 1 */
+    buf[at] ^= flip;
+    assert_int_equal(fsdp_io_st_reader_open_memory(&r, "bad.safetensors", buf, size), FSDP_OK);
+    fsdp_tensor *t = cpu_tensor(dt, DT_NUMEL);
+    expect_error(fsdp_io_st_read_tensor(r, names[2 * k], 0, DT_NUMEL, t), "checksum mismatch");
+    expect_msg_has(names[2 * k]);
+    fsdp_tensor_release(t);
+    t = cpu_tensor(dt == FSDP_DTYPE_F64 ? FSDP_DTYPE_F32 : FSDP_DTYPE_F64, DT_NUMEL);
+    expect_error(fsdp_io_st_read_tensor(r, names[2 * k], 0, DT_NUMEL, t), "checksum mismatch");
+    fsdp_tensor_release(t);
+    fsdp_io_st_reader_close(r);
+    buf[at] ^= flip;
+  }
+  /* a BOOL byte that is neither 0 nor 1 */
+  const fsdp_io_st_entry *bo = fsdp_io_st_reader_find(clean, "whole.bool");
+  buf[8 + hlen + bo->begin + 7] = 2;
+  assert_int_equal(fsdp_io_st_reader_open_memory(&r, "bad.safetensors", buf, size), FSDP_OK);
+  fsdp_tensor *t = cpu_tensor(FSDP_DTYPE_BOOL, 10);
+  expect_error(fsdp_io_st_read_tensor(r, "whole.bool", 0, 10, t),
+               "tensor 'whole.bool': BOOL element 7 holds 2, not 0 or 1");
+  fsdp_tensor_release(t);
+  t = cpu_tensor(FSDP_DTYPE_F32, 10);
+  expect_error(fsdp_io_st_read_tensor(r, "whole.bool", 0, 10, t), "BOOL element 7 holds 2");
+  fsdp_tensor_release(t);
+  expect_error(fsdp_io_st_reader_verify(r, "whole.bool"), "BOOL element 7");
+  fsdp_io_st_reader_close(r);
+  fsdp_io_st_reader_close(clean);
+  free(buf);
+  for (int k = 0; k < NDT; k++) {
+    fsdp_tensor_release(src[k]);
+    fsdp_tensor_release(tr[k]);
+  }
+}
+
+/* Loading into a tensor of another dtype converts: bf16 into f32 widens exactly (all 65536
+ * patterns), f32 into bf16 rounds to nearest even (NaN quiet with its sign, infinities kept),
+ * integers and bools follow fsdp_dtype_store. Writing a tensor into an entry of another dtype
+ * converts the same way. */
+static void test_read_convert(void **state) {
+  fixture *fx = *state;
+  const char *path = path_in(fx, "conv.safetensors");
+  const int64_t NB = 65536, NF = 400000; /* NF f32: 1.6 MB, two staging pieces */
+  fsdp_tensor *bf = cpu_tensor(FSDP_DTYPE_BF16, NB), *f = cpu_tensor(FSDP_DTYPE_F32, NF);
+  uint16_t *bfp = fsdp_tensor_data(bf, "test");
+  for (int64_t i = 0; i < NB; i++) bfp[i] = (uint16_t)i;
+  uint32_t *fp = fsdp_tensor_data(f, "test");
+  fill_bits(fp, FSDP_DTYPE_F32, NF, 7);
+  static const uint32_t special[] = {
+      0x3F808000u, /* 1 + 2^-8: a tie, rounds to even 0x3F80 */
+      0x3F818000u, /* a tie that rounds up to even 0x3F82 */
+      0x3F808001u, /* just above a tie: up */
+      0x7F7FFFFFu, /* FLT_MAX rounds to +inf */
+      0x7F800000u, 0xFF800000u, /* infinities */
+      0x7FC00000u, 0xFFC00000u, /* quiet NaNs */
+      0x7F800001u, /* a signalling NaN becomes quiet, not inf */
+      0x80000000u, 0x00000001u, /* -0, the smallest subnormal (rounds to 0) */
+  };
+  static const uint16_t special_bf[] = {0x3F80, 0x3F82, 0x3F81, 0x7F80, 0x7F80, 0xFF80,
+                                        0x7FC0, 0xFFC0, 0x7FC0, 0x8000, 0x0000};
+  memcpy(fp, special, sizeof special);
+  const float ints_src[8] = {1.7f, -2.5f, NAN, 1e20f, -1e20f, 0.0f, 255.5f, -0.5f};
+  fsdp_tensor *fi = cpu_tensor(FSDP_DTYPE_F32, 8);
+  memcpy(fsdp_tensor_data(fi, "test"), ints_src, sizeof ints_src);
+  fsdp_tensor *b8 = cpu_tensor(FSDP_DTYPE_BOOL, 3), *i64 = cpu_tensor(FSDP_DTYPE_I64, 3);
+  memcpy(fsdp_tensor_data(b8, "test"), (uint8_t[3]){1, 0, 1}, 3);
+  memcpy(fsdp_tensor_data(i64, "test"), (int64_t[3]){-3, 1ll << 40, 9007199254740993ll}, 24);
+  fsdp_io_st_entry e[6] = {
+      {.name = "bf", .dtype = FSDP_IO_BF16, .ndim = 1, .shape = {NB}},
+      {.name = "f", .dtype = FSDP_IO_F32, .ndim = 1, .shape = {NF}},
+      {.name = "fi", .dtype = FSDP_IO_F32, .ndim = 1, .shape = {8}},
+      {.name = "b", .dtype = FSDP_IO_BOOL, .ndim = 1, .shape = {3}},
+      {.name = "i", .dtype = FSDP_IO_I64, .ndim = 1, .shape = {3}},
+      /* written from the f32 tensor, converted by the writer */
+      {.name = "f_as_bf", .dtype = FSDP_IO_BF16, .ndim = 1, .shape = {NF}},
+  };
+  fsdp_io_st_writer *w;
+  assert_int_equal(fsdp_io_st_writer_open(&w, path, e, 6, NULL, 0), FSDP_OK);
+  assert_int_equal(fsdp_io_st_write_tensor(w, "bf", bf), FSDP_OK);
+  assert_int_equal(fsdp_io_st_write_tensor(w, "f", f), FSDP_OK);
+  assert_int_equal(fsdp_io_st_write_tensor(w, "fi", fi), FSDP_OK);
+  assert_int_equal(fsdp_io_st_write_tensor(w, "b", b8), FSDP_OK);
+  assert_int_equal(fsdp_io_st_write_tensor(w, "i", i64), FSDP_OK);
+  assert_int_equal(fsdp_io_st_write_tensor(w, "f_as_bf", f), FSDP_OK);
+  assert_int_equal(fsdp_io_st_writer_commit(w), FSDP_OK);
+
+  fsdp_io_st_reader *r;
+  assert_int_equal(fsdp_io_st_reader_open(&r, path), FSDP_OK);
+  /* BF16 -> f32: exact widening, every pattern (NaNs included, bit for bit) */
+  fsdp_tensor *t = cpu_tensor(FSDP_DTYPE_F32, NB);
+  assert_int_equal(fsdp_io_st_read_tensor(r, "bf", 0, NB, t), FSDP_OK);
+  const uint32_t *tp = fsdp_tensor_data(t, "test");
+  for (int64_t i = 0; i < NB; i++)
+    if (tp[i] != (uint32_t)i << 16) fail_msg("bf16 %04llx widened to %08x", (long long)i, tp[i]);
+  fsdp_tensor_release(t);
+  /* F32 -> bf16: round to nearest even, as the core's scalar conversion */
+  t = cpu_tensor(FSDP_DTYPE_BF16, NF);
+  assert_int_equal(fsdp_io_st_read_tensor(r, "f", 0, NF, t), FSDP_OK);
+  const uint16_t *hp = fsdp_tensor_data(t, "test");
+  for (size_t i = 0; i < sizeof special_bf / sizeof special_bf[0]; i++)
+    if (hp[i] != special_bf[i])
+      fail_msg("f32 %08x -> bf16 %04x, expected %04x", special[i], hp[i], special_bf[i]);
+  for (int64_t i = 0; i < NF; i++) {
+    float x;
+    memcpy(&x, &fp[i], 4);
+    if (hp[i] != fsdp_f32_to_bf16(x))
+      fail_msg("element %lld: f32 %08x -> bf16 %04x", (long long)i, fp[i], hp[i]);
+  }
+  /* the writer's conversion gives the same bits */
+  fsdp_tensor *t2 = cpu_tensor(FSDP_DTYPE_BF16, NF);
+  assert_int_equal(fsdp_io_st_read_tensor(r, "f_as_bf", 0, NF, t2), FSDP_OK);
+  assert_memory_equal(fsdp_tensor_data(t2, "test"), hp, (size_t)NF * 2);
+  fsdp_tensor_release(t2);
+  /* a range read into bf16, through the staging pieces */
+  t2 = cpu_tensor(FSDP_DTYPE_BF16, 5);
+  assert_int_equal(fsdp_io_st_read_tensor(r, "f", 2, 5, t2), FSDP_OK);
+  assert_memory_equal(fsdp_tensor_data(t2, "test"), hp + 2, 10);
+  fsdp_tensor_release(t2);
+  fsdp_tensor_release(t);
+  /* F32 -> integers: truncate toward zero, saturate, NaN -> 0; -> u8 and bool */
+  t = cpu_tensor(FSDP_DTYPE_I32, 8);
+  assert_int_equal(fsdp_io_st_read_tensor(r, "fi", 0, 8, t), FSDP_OK);
+  const int32_t want_i32[8] = {1, -2, 0, INT32_MAX, INT32_MIN, 0, 255, 0};
+  assert_memory_equal(fsdp_tensor_data(t, "test"), want_i32, sizeof want_i32);
+  fsdp_tensor_release(t);
+  t = cpu_tensor(FSDP_DTYPE_U8, 8);
+  assert_int_equal(fsdp_io_st_read_tensor(r, "fi", 0, 8, t), FSDP_OK);
+  const uint8_t want_u8[8] = {1, 0, 0, 255, 0, 0, 255, 0};
+  assert_memory_equal(fsdp_tensor_data(t, "test"), want_u8, 8);
+  fsdp_tensor_release(t);
+  t = cpu_tensor(FSDP_DTYPE_BOOL, 8);
+  assert_int_equal(fsdp_io_st_read_tensor(r, "fi", 0, 8, t), FSDP_OK);
+  const uint8_t want_b[8] = {1, 1, 1, 1, 1, 0, 1, 1};
+  assert_memory_equal(fsdp_tensor_data(t, "test"), want_b, 8);
+  fsdp_tensor_release(t);
+  /* BOOL -> f32 and f64; I64 -> f32 (rounds beyond 2^24) and -> i32 (saturates) */
+  t = cpu_tensor(FSDP_DTYPE_F32, 3);
+  assert_int_equal(fsdp_io_st_read_tensor(r, "b", 0, 3, t), FSDP_OK);
+  assert_memory_equal(fsdp_tensor_data(t, "test"), ((float[3]){1, 0, 1}), 12);
+  assert_int_equal(fsdp_io_st_read_tensor(r, "i", 0, 3, t), FSDP_OK);
+  assert_memory_equal(fsdp_tensor_data(t, "test"),
+                      ((float[3]){-3.0f, 1099511627776.0f, 9007199254740992.0f}), 12);
+  fsdp_tensor_release(t);
+  t = cpu_tensor(FSDP_DTYPE_I32, 3);
+  assert_int_equal(fsdp_io_st_read_tensor(r, "i", 0, 3, t), FSDP_OK);
+  assert_memory_equal(fsdp_tensor_data(t, "test"), ((int32_t[3]){-3, INT32_MAX, INT32_MAX}), 12);
+  fsdp_tensor_release(t);
+  /* a destination that is not contiguous, or has no data, is refused */
+  int64_t shp[2] = {2, 3}, tsh[2] = {3, 2}, tst[2] = {1, 3};
+  fsdp_tensor *base, *tv;
+  assert_int_equal(fsdp_tensor_new(&base, &fsdp_device_cpu, FSDP_DTYPE_F32, 2, shp, FSDP_ROLE_OTHER),
+                   FSDP_OK);
+  assert_int_equal(fsdp_tensor_new_view(&tv, base, 0, 2, tsh, tst), FSDP_OK);
+  expect_error(fsdp_io_st_read_tensor(r, "f", 0, 6, tv), "must be contiguous");
+  fsdp_tensor_release(tv);
+  fsdp_tensor_release(base);
+  assert_int_equal(fsdp_tensor_new(&tv, &fsdp_device_meta, FSDP_DTYPE_F32, 1, (int64_t[1]){6},
+                                   FSDP_ROLE_OTHER),
+                   FSDP_OK);
+  expect_error(fsdp_io_st_read_tensor(r, "f", 0, 6, tv), "meta device has no data");
+  expect_msg_has("tensor 'f'");
+  fsdp_tensor_release(tv);
+  fsdp_io_st_reader_close(r);
+  /* the writer refuses what it cannot write: no data, a dtype that is no tensor's */
+  fsdp_io_st_entry e2[2] = {{.name = "x", .dtype = FSDP_IO_F32, .ndim = 1, .shape = {6}},
+                            {.name = "s", .dtype = FSDP_IO_I16, .ndim = 1, .shape = {2}}};
+  assert_int_equal(fsdp_io_st_writer_open(&w, path, e2, 2, NULL, 0), FSDP_OK);
+  assert_int_equal(fsdp_tensor_new(&tv, &fsdp_device_meta, FSDP_DTYPE_F32, 1, (int64_t[1]){6},
+                                   FSDP_ROLE_OTHER),
+                   FSDP_OK);
+  expect_error(fsdp_io_st_write_tensor(w, "x", tv), "meta device has no data");
+  expect_msg_has("tensor 'x'");
+  fsdp_tensor_release(tv);
+  expect_error(fsdp_io_st_write_tensor(w, "nope", fi), "'nope' is not one of the file's entries");
+  expect_error(fsdp_io_st_write_tensor(w, "s", fi), "entry dtype I16 is not a tensor dtype");
+  fsdp_io_st_writer_abort(w);
+  fsdp_tensor_release(bf);
+  fsdp_tensor_release(f);
+  fsdp_tensor_release(fi);
+  fsdp_tensor_release(b8);
+  fsdp_tensor_release(i64);
+}
+
+/* A device whose memory the host may not touch (as a GPU's): its tensors are saved and loaded
+ * through pieces of at most FSDP_IO_STAGE_BYTES, never whole. Its memory is host memory in
+ * truth (so the cpu kernels can serve it); the copies count the bytes of each transfer. */
+static size_t hostless_max, hostless_total;
+static int hl_alloc(void *ctx, void **out, size_t bytes) {
+  *out = calloc(1, bytes ? bytes : 1);
+  return *out ? FSDP_OK : fsdp_error("hostless: out of memory");
+}
+static void hl_free(void *ctx, void *p, size_t bytes) { free(p); }
+static int hl_copy(void *ctx, void *d, const void *s, size_t n) {
+  memmove(d, s, n);
+  return FSDP_OK;
+}
+static int hl_transfer(void *ctx, void *d, const void *s, size_t n) {
+  if (n > hostless_max) hostless_max = n;
+  hostless_total += n;
+  memcpy(d, s, n);
+  return FSDP_OK;
+}
+static fsdp_device_i hostless = {.name = "hostless", .has_data = true, .host_memory = false,
+                                 .alloc = hl_alloc, .free = hl_free, .copy = hl_copy,
+                                 .to_host = hl_transfer, .from_host = hl_transfer};
+
+static void test_hostless_device(void **state) {
+  fixture *fx = *state;
+  const char *path = path_in(fx, "dev.safetensors");
+  if (fsdp_device_find("hostless") == NULL)
+    assert_int_equal(fsdp_device_register(&hostless, fsdp_kernels_of(&fsdp_device_cpu, "test")),
+                     FSDP_OK);
+  fsdp_error_clear();
+  const int64_t N = 700000; /* 2.8 MB of f32 */
+  fsdp_tensor *h = cpu_tensor(FSDP_DTYPE_F32, N), *d, *db;
+  float *hp = fsdp_tensor_data(h, "test");
+  for (int64_t i = 0; i < N; i++) hp[i] = (float)i * 0.37f - 5.0f;
+  assert_int_equal(fsdp_to(&d, h, &hostless, FSDP_DTYPE_F32, FSDP_ROLE_OTHER), FSDP_OK);
+  assert_int_equal(fsdp_to(&db, h, &hostless, FSDP_DTYPE_BF16, FSDP_ROLE_OTHER), FSDP_OK);
+  /* a strided view on the device: (1000, 700) transposed */
+  int64_t tsh[2] = {700, 1000}, tst[2] = {1, 700};
+  fsdp_tensor *dt, *dt2;
+  assert_int_equal(fsdp_tensor_new_view(&dt, d, 0, 2, tsh, tst), FSDP_OK);
+  /* (350000, 2) transposed: one row (350000 elements, stride 2) is more than a piece */
+  int64_t tsh2[2] = {2, 350000}, tst2[2] = {1, 2};
+  assert_int_equal(fsdp_tensor_new_view(&dt2, d, 0, 2, tsh2, tst2), FSDP_OK);
+  fsdp_io_st_entry e[5] = {{.name = "f", .dtype = FSDP_IO_F32, .ndim = 1, .shape = {N}},
+                           {.name = "bf", .dtype = FSDP_IO_BF16, .ndim = 1, .shape = {N}},
+                           {.name = "bf_as_f", .dtype = FSDP_IO_F32, .ndim = 1, .shape = {N}},
+                           {.name = "t", .dtype = FSDP_IO_F32, .ndim = 2, .shape = {700, 1000}},
+                           {.name = "t2", .dtype = FSDP_IO_F32, .ndim = 2, .shape = {2, 350000}}};
+  hostless_max = hostless_total = 0;
+  fsdp_io_st_writer *w;
+  assert_int_equal(fsdp_io_st_writer_open(&w, path, e, 5, NULL, 0), FSDP_OK);
+  assert_int_equal(fsdp_io_st_write_tensor(w, "f", d), FSDP_OK);
+  assert_int_equal(fsdp_io_st_write_tensor(w, "bf", db), FSDP_OK);
+  assert_int_equal(fsdp_io_st_write_tensor(w, "bf_as_f", db), FSDP_OK);
+  assert_int_equal(fsdp_io_st_write_tensor(w, "t", dt), FSDP_OK);
+  assert_int_equal(fsdp_io_st_write_tensor(w, "t2", dt2), FSDP_OK);
+  assert_int_equal(fsdp_io_st_writer_commit(w), FSDP_OK);
+  assert_true(hostless_max > 0 && hostless_max <= FSDP_IO_STAGE_BYTES);
+  assert_true(hostless_total >= (size_t)N * (4 + 2 + 4 + 4 + 4)); /* everything came over */
+
+  fsdp_io_st_reader *r;
+  assert_int_equal(fsdp_io_st_reader_open(&r, path), FSDP_OK);
+  fsdp_tensor *out = cpu_tensor(FSDP_DTYPE_F32, N);
+  assert_int_equal(fsdp_io_st_read_tensor(r, "f", 0, N, out), FSDP_OK); /* host side */
+  assert_memory_equal(fsdp_tensor_data(out, "test"), hp, (size_t)N * 4);
+  /* into tensors on the device: f32, and f32 -> bf16 */
+  fsdp_tensor *d2, *d3, *back;
+  int64_t n = N;
+  assert_int_equal(fsdp_tensor_new(&d2, &hostless, FSDP_DTYPE_F32, 1, &n, FSDP_ROLE_OTHER), FSDP_OK);
+  assert_int_equal(fsdp_tensor_new(&d3, &hostless, FSDP_DTYPE_BF16, 1, &n, FSDP_ROLE_OTHER), FSDP_OK);
+  hostless_max = 0;
+  assert_int_equal(fsdp_io_st_read_tensor(r, "f", 0, N, d2), FSDP_OK);
+  assert_int_equal(fsdp_io_st_read_tensor(r, "f", 0, N, d3), FSDP_OK);
+  assert_true(hostless_max > 0 && hostless_max <= FSDP_IO_STAGE_BYTES);
+  assert_int_equal(fsdp_to_host(&back, d2), FSDP_OK);
+  assert_memory_equal(fsdp_tensor_data(back, "test"), hp, (size_t)N * 4);
+  fsdp_tensor_release(back);
+  fsdp_tensor *want;
+  assert_int_equal(fsdp_to_host(&back, d3), FSDP_OK);
+  assert_int_equal(fsdp_to_host(&want, db), FSDP_OK);
+  assert_memory_equal(fsdp_tensor_data(back, "test"), fsdp_tensor_data(want, "test"), (size_t)N * 2);
+  fsdp_tensor_release(back);
+  /* the BF16 entry and the bf16 tensor written as F32: the same values */
+  fsdp_tensor *wb = cpu_tensor(FSDP_DTYPE_BF16, N);
+  assert_int_equal(fsdp_io_st_read_tensor(r, "bf", 0, N, wb), FSDP_OK);
+  assert_memory_equal(fsdp_tensor_data(wb, "test"), fsdp_tensor_data(want, "test"), (size_t)N * 2);
+  assert_int_equal(fsdp_io_st_read_tensor(r, "bf_as_f", 0, N, wb), FSDP_OK);
+  assert_memory_equal(fsdp_tensor_data(wb, "test"), fsdp_tensor_data(want, "test"), (size_t)N * 2);
+  fsdp_tensor_release(wb);
+  fsdp_tensor_release(want);
+  /* the strided view's values in its row-major order */
+  assert_int_equal(fsdp_io_st_read_tensor(r, "t", 0, N, out), FSDP_OK);
+  const float *op = fsdp_tensor_data(out, "test");
+  for (int64_t i = 0; i < 700; i += 37)
+    for (int64_t j = 0; j < 1000; j += 53) assert_true(op[i * 1000 + j] == hp[i + j * 700]);
+  assert_int_equal(fsdp_io_st_read_tensor(r, "t2", 0, N, out), FSDP_OK);
+  for (int64_t i = 0; i < 2; i++)
+    for (int64_t j = 0; j < 350000; j += 997) assert_true(op[i * 350000 + j] == hp[i + j * 2]);
+  assert_true(op[350000 + 349999] == hp[1 + 349999 * 2]);
+  fsdp_io_st_reader_close(r);
+  fsdp_tensor_release(out);
+  fsdp_tensor_release(d2);
+  fsdp_tensor_release(d3);
+  fsdp_tensor_release(dt);
+  fsdp_tensor_release(dt2);
+  fsdp_tensor_release(d);
+  fsdp_tensor_release(db);
+  fsdp_tensor_release(h);
 }
 
 /* ---- damaged files -------------------------------------------------------------------------- */
@@ -720,8 +1245,8 @@ static void test_writer_errors(void **state) {
   expect_error(fsdp_io_st_writer_open(&w, path, dup, 2, NULL, 0), "tensor 'x' appears twice");
   assert_null(w);
   expect_msg_has(path);
-  fsdp_io_st_entry bad[1] = {{.name = "x", .dtype = FSDP_IO_F16, .ndim = 1, .shape = {2}}};
-  expect_error(fsdp_io_st_writer_open(&w, path, bad, 1, NULL, 0), "F32 only");
+  fsdp_io_st_entry bad[1] = {{.name = "x", .dtype = (fsdp_io_dtype)99, .ndim = 1, .shape = {2}}};
+  expect_error(fsdp_io_st_writer_open(&w, path, bad, 1, NULL, 0), "tensor 'x': unknown dtype 99");
   bad[0] = (fsdp_io_st_entry){.name = "x", .ndim = 1, .shape = {-2}};
   expect_error(fsdp_io_st_writer_open(&w, path, bad, 1, NULL, 0), "negative size");
   bad[0] = (fsdp_io_st_entry){.name = "x", .ndim = 9};
@@ -1038,15 +1563,18 @@ static const char *const INDEX_OK =
     "  {\"rank\": 1, \"name\": \"g3-rank1-of2.safetensors\", \"bytes\": 100,"
     "   \"header_xxh3\": \"fedcba9876543210\"}],"
     " \"params\": [{\"path\": \"wte.weight\", \"shape\": [4, 3], \"numel\": 12,"
-    "   \"aliases\": [\"head.weight\"], \"mask\": true,"
+    "   \"aliases\": [\"head.weight\"], \"mask\": true, \"dtype\": \"BF16\","
     "   \"slices\": [{\"rank\": 0, \"first\": 0, \"count\": 5}, {\"rank\": 1, \"first\": 5, \"count\": 7}]},"
-    "  {\"path\": \"b\", \"shape\": [], \"numel\": 1, \"slices\": [{\"rank\": 1, \"first\": 0, \"count\": 1}]},"
+    "  {\"path\": \"b\", \"shape\": [], \"numel\": 1, \"dtype\": \"I64\","
+    "   \"slices\": [{\"rank\": 1, \"first\": 0, \"count\": 1}]},"
     "  {\"path\": \"e\", \"shape\": [0], \"numel\": 0, \"slices\": {}}],"
     " \"optimizer\": {\"kind\": \"AdamW\", \"step\": 50, \"lr\": 0.001, \"hyper\": {},"
     "   \"states\": [\"exp_avg\", \"exp_avg_sq\"]},"
     " \"rng\": [{\"seed\": \"0000000000000001\", \"streams\": {\"randn\": \"0000000000000008\"}},"
     "  {\"seed\": \"0000000000000001\", \"streams\": {}}],"
-    " \"loaders\": {\"train\": 50}, \"schedule\": {\"k\": 50}, \"extra\": [1, \"x\"]}";
+    " \"loaders\": {\"train\": 50}, \"schedule\": {\"k\": 50}, \"extra\": [1, \"x\"],"
+    " \"extra_tensors\": [{\"name\": \"fsdp.extra:1\", \"dtype\": \"BF16\", \"shape\": [2, 3]},"
+    "  {\"name\": \"fsdp.extra:2\", \"dtype\": \"BOOL\", \"shape\": []}]}";
 
 static char *replace_once(const char *s, const char *from, const char *to) {
   const char *at = strstr(s, from);
@@ -1102,6 +1630,14 @@ static void test_index(void **state) {
        "rng[1] must be"},
       {"\"train\": 50", "\"train\": -1", "loaders.train must be an integer >= 0"},
       {"\"schedule\": {\"k\": 50}", "\"schedule\": 3", "'schedule' must be an object"},
+      {"\"dtype\": \"BF16\",", "\"dtype\": \"I16\",", "param 'wte.weight': 'dtype' must be one of"},
+      {"\"dtype\": \"BF16\",", "\"dtype\": \"bf16\",", "param 'wte.weight': 'dtype' must be one of"},
+      {"\"dtype\": \"I64\"", "\"dtype\": 64", "param 'b': 'dtype' must be one of"},
+      {"\"dtype\": \"BOOL\"", "\"dtype\": \"U16\"", "extra_tensors[1] must be"},
+      {"\"shape\": [2, 3]}", "\"shape\": [2, -3]}", "extra_tensors[0] must be"},
+      {"{\"name\": \"fsdp.extra:1\",", "{\"name\": \"\",", "extra_tensors[0] must be"},
+      {"\"fsdp.extra:2\"", "\"fsdp.extra:1\"", "extra tensor 'fsdp.extra:1' is listed twice"},
+      {"\"extra_tensors\": [", "\"extra_tensors\": 3, \"x\": [", "'extra_tensors' must be an array"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     char *text = replace_once(INDEX_OK, cases[i].from, cases[i].to);
@@ -1180,6 +1716,9 @@ int main(void) {
       T(test_range_reads),
       T(test_concurrent_reads),
       T(test_conversions),
+      T(test_dtype_round_trip),
+      T(test_read_convert),
+      T(test_hostless_device),
       T(test_truncated),
       T(test_corrupted_data),
       T(test_header_flips),

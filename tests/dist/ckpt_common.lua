@@ -170,7 +170,8 @@ function T.write_file(path, s)
   f:close()
 end
 
--- {header = table, data = string, n = header length}: checks the layout rules of the format.
+-- {header = table, data = string, n = header length}: checks the layout rules of the format
+-- (every tensor dtype's size).
 function T.parse_safetensors(path)
   local s = T.read_file(path)
   T.check(#s >= 8, path .. ": shorter than 8 bytes")
@@ -181,12 +182,13 @@ function T.parse_safetensors(path)
   local header = fsdp.core.json_decode(s:sub(9, 8 + n), path)
   local data = s:sub(9 + n)
   local spans = {}
+  local SIZE = {F32 = 4, BF16 = 2, F16 = 2, F64 = 8, I64 = 8, I32 = 4, U8 = 1, BOOL = 1}
   for name, e in pairs(header) do
     if name ~= "__metadata__" then
-      T.check(e.dtype == "F32", name .. ": dtype " .. tostring(e.dtype))
+      T.check(SIZE[e.dtype] ~= nil, name .. ": dtype " .. tostring(e.dtype))
       local numel = 1
       for _, d in ipairs(e.shape) do numel = numel * d end
-      T.check(e.data_offsets[2] - e.data_offsets[1] == 4 * numel, name .. ": size")
+      T.check(e.data_offsets[2] - e.data_offsets[1] == SIZE[e.dtype] * numel, name .. ": size")
       spans[#spans + 1] = {e.data_offsets[1], e.data_offsets[2], name}
     end
   end
@@ -203,6 +205,7 @@ end
 -- The f32 values of tensor `name` of a parsed file, as a flat table.
 function T.tensor_values(parsed, name)
   local e = parsed.header[name]
+  T.check(e.dtype == "F32", name .. ": dtype " .. tostring(e.dtype) .. ", not F32")
   local a, b = e.data_offsets[1], e.data_offsets[2]
   local count = (b - a) / 4
   local buf = ffi.new("float[?]", math.max(count, 1))

@@ -12,6 +12,12 @@
 --     is refused with a clear error, the model untouched; rng = false loads it
 --   fsdprun -n N tests/dist/ckpt_reshard.lua --phase=damaged --ckpt=DIR --ref=FILE
 --     (N differs) a corrupted byte inside a tensor that ranks read by ranges is caught
+--   fsdprun -n N tests/dist/ckpt_reshard.lua --phase=extra_save --ckpt=DIR --ref=FILE
+--     saves a wrapped GPT with tensors in extra (bf16, i64, bool) as DIR (sharded) and
+--     DIR.safetensors, and the parameters to FILE
+--   fsdprun -n N tests/dist/ckpt_reshard.lua --phase=extra_load --ckpt=DIR --ref=FILE [--plain]
+--     (another N) loads both: the parameters as saved, extra's tensors in their dtypes, bit for
+--     bit
 local fsdp = require "fsdp"
 local T = dofile("tests/dist/ckpt_common.lua")
 local core = fsdp.core
@@ -107,6 +113,64 @@ elseif a.phase == "damaged" then
   local err = T.raises(function() fsdp.load(model, copy) end, "checksum mismatch", "damaged tensor")
   T.same_values(T.values(model), before, "model untouched")
   T.say(("ok: a corrupted byte read by ranges at %d ranks is caught: %s"):format(T.W, err))
+elseif a.phase == "extra_save" or a.phase == "extra_load" then
+  -- tensors in extra keep their dtype; rank 0's are saved, every rank gets them back
+  local function extra_tensors()
+    return {
+      ema = (fsdp.arange(15) * 0.371 - 2):view{3, 5}:to("bf16"),
+      counts = fsdp.tensor({-5, 2 ^ 40, 2 ^ 53}, {dtype = "i64"}),
+      flags = fsdp.tensor({1, 0, 1, 1}, {dtype = "bool"}),
+    }
+  end
+  local function as_f64(t) return t:to("f64"):view{t:numel()}:totable() end
+  if a.phase == "extra_save" then
+    local model = T.wrap(T.gpt(13, {d = 24, layers = 2}))
+    local X = extra_tensors()
+    local extra = {note = "bf16 extra", ema = X.ema, nested = {counts = X.counts, list = {{flags = X.flags}}}}
+    fsdp.save(model, a.ckpt, {extra = extra, step = 5})
+    fsdp.save(model, a.ckpt .. ".safetensors", {extra = extra})
+    local values = T.values(model)
+    if T.rank == 0 then
+      core.json_write(a.ref, {values = values})
+      -- the index records every dtype; rank 0's file holds extra's tensors in theirs
+      local idx = core.ckpt_index_read(a.ckpt .. "/index.json")
+      for _, e in ipairs(idx.params) do T.check(e.dtype == "F32", e.path .. ": index dtype " .. tostring(e.dtype)) end
+      local want = {["fsdp.extra:1"] = {"BF16", 15}, ["fsdp.extra:2"] = {"I64", 3}, ["fsdp.extra:3"] = {"BOOL", 4}}
+      T.check(#idx.extra_tensors == 3, "three extra tensors in the index")
+      local f = T.parse_safetensors(a.ckpt .. "/" .. idx.files[1].name)
+      for _, x in ipairs(idx.extra_tensors) do
+        T.check(want[x.name] and want[x.name][1] == x.dtype, x.name .. ": index dtype " .. tostring(x.dtype))
+        T.check(f.header[x.name] and f.header[x.name].dtype == x.dtype, x.name .. " in rank 0's file")
+      end
+      T.check(f.header["fsdp.extra:1"].data_offsets[2] - f.header["fsdp.extra:1"].data_offsets[1] == 30,
+        "a bf16 tensor of 15 elements takes 30 bytes")
+      f = T.parse_safetensors(a.ckpt .. ".safetensors")
+      T.check(f.header["fsdp.extra:1"].dtype == "BF16" and f.header["fsdp.extra:2"].dtype == "I64",
+        "extra's tensors in their dtypes in the safetensors file")
+    end
+    T.say(("ok: a model with bf16, i64 and bool tensors in extra saved at %d ranks"):format(T.W))
+  else
+    local ref = core.json_read(a.ref)
+    local X = extra_tensors()
+    for _, file in ipairs({a.ckpt, a.ckpt .. ".safetensors"}) do
+      local model = T.gpt(14, {d = 24, layers = 2})
+      if not a.plain then T.wrap(model) end
+      local extra, info = fsdp.load(model, file)
+      T.same_values(T.values(model), ref.values, "parameters from " .. file)
+      T.check(extra.note == "bf16 extra", "extra's JSON values")
+      local got = {ema = extra.ema, counts = extra.nested.counts, flags = extra.nested.list[1].flags}
+      for name, want in pairs(X) do
+        local t = got[name]
+        T.check(t ~= nil and t:dtype() == want:dtype(), ("extra %s: dtype %s, saved %s")
+          :format(name, t and t:dtype() or "nil", want:dtype()))
+        T.check(table.concat(t:shape(), ",") == table.concat(want:shape(), ","), "extra " .. name .. ": shape")
+        T.same_values({[name] = as_f64(t)}, {[name] = as_f64(want)}, "extra " .. name)
+      end
+      if info.world_size then T.check(info.world_size ~= T.W, "loaded at another world size") end
+    end
+    T.say(("ok: extra's bf16, i64 and bool tensors loaded at %d ranks%s, bit for bit, in their dtypes")
+      :format(T.W, a.plain and " (plain model)" or ""))
+  end
 else
-  error("--phase=save|load|rngcheck|damaged")
+  error("--phase=save|load|rngcheck|damaged|extra_save|extra_load")
 end

@@ -6,6 +6,8 @@
 --      broadcasts one parameter at a time (low-memory loading: only rank 0 touches the file)
 --   C. a plain meta model loaded on rank 0 only, then wrap{sync_module_states = true}
 --   D. a plain meta model, fsdp.load (every parameter materialized in place)
+--   E. a bf16 copy of the file, loaded into models wrapped on meta as in B (rank 0 converts
+--      to the shards' dtype before it broadcasts) and A: the values rounded to bf16
 -- Each ends with every rank holding its correct shard (bitwise the saved values), the tie one
 -- object, and the model running.
 --   fsdprun -n N tests/dist/meta_load_file.lua --dir=TMPDIR
@@ -87,6 +89,41 @@ for p, t in d:named_parameters() do
   check(t.device == "cpu" and same(flat(t), ref[p]), "D (plain fsdp.load): " .. p)
 end
 check(rawequal(d.head.weight, d.wte.weight), "D: the tie is one object")
+
+-- E. the same values stored as BF16 (written by rank 0 from the F32 file, converted)
+local path16 = dir .. "/gpt_bf16.safetensors"
+if rank == 0 then
+  local r = core.st_open(path)
+  local es, md = {}, {}
+  for i, e in ipairs(r:entries()) do es[i] = {name = e.name, shape = e.shape, dtype = "BF16"} end
+  for k, v in pairs(r:metadata()) do if k:match("^fsdp%.tied%.") then md[k] = v end end
+  local w = core.st_writer(path16, es, md)
+  for _, e in ipairs(es) do w:write(e.name, r:read(e.name)) end
+  w:commit()
+  r:close()
+end
+fsdp.barrier()
+local ref16 = {}
+for p, v in pairs(ref) do ref16[p] = flat(fsdp.tensor(v):to("bf16"):to("f32")) end
+local function verify16(m, what)
+  check(rawequal(m.head.weight, m.wte.weight), what .. ": the tie is one object")
+  fsdp.full_params(m, function(mm)
+    for p, t in mm:named_parameters() do
+      check(t:dtype() == "f32" and same(flat(t), ref16[p]), ("%s: %s holds the bf16 values"):format(what, p))
+    end
+  end)
+end
+local e = fsdp.meta(build)
+fsdp.wrap(e, {policy = policy()})
+local reader16 = rank == 0 and core.st_open(path16) or nil
+res = meta.load_tensors(e, reader16)
+if reader16 then reader16:close() end
+check(res.loaded == #e:parameters(), "E: every parameter loaded")
+verify16(e, "E (rank 0 reads a bf16 file)")
+local e2 = fsdp.meta(build)
+fsdp.wrap(e2, {policy = policy()})
+fsdp.load(e2, path16)
+verify16(e2, "E (fsdp.load of a bf16 file)")
 
 if rank == 0 then print(("meta_load_file at %d ranks: %d checks failed"):format(W, C.failures())) end
 if C.failures() > 0 then error(("%d meta_load_file checks failed"):format(C.failures())) end

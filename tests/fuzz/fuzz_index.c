@@ -6,7 +6,9 @@
  *   - an accepted one has one file per rank (files[i].rank == i), and every parameter's slices
  *     are in order, one per rank at most, ranks in range, and tile [0, numel) exactly, numel
  *     being the product of the shape — what the loader relies on to compute ranges without
- *     checking again; checking it twice gives the same answer.
+ *     checking again; checking it twice gives the same answer;
+ *   - a parameter's or an extra tensor's dtype, when given, is one of the eight tensor dtypes
+ *     as the format names them (what the loader maps to tensor dtypes).
  * Built and run by tests/recipes/fuzz_io.sh (seeds: tests/fuzz/corpus/index/).
  */
 #include <cjson/cJSON.h>
@@ -16,6 +18,15 @@
 #include "io/io.h"
 
 #define NAME "fuzz_index.json"
+
+static void check_dtype(const cJSON *v) {
+  static const char *const ok[] = {"F32", "BF16", "F16", "F64", "I64", "I32", "U8", "BOOL"};
+  if (v == NULL) return;
+  if (!cJSON_IsString(v)) __builtin_trap();
+  for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++)
+    if (strcmp(v->valuestring, ok[i]) == 0) return;
+  __builtin_trap();
+}
 
 static double num(const cJSON *o, const char *k) {
   const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
@@ -54,6 +65,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       next = first + count;
     }
     if (next != numel) __builtin_trap();
+    check_dtype(cJSON_GetObjectItemCaseSensitive(p, "dtype"));
+  }
+  const cJSON *xs = cJSON_GetObjectItemCaseSensitive(doc, "extra_tensors");
+  for (const cJSON *x = xs ? xs->child : NULL; x; x = x->next) {
+    const cJSON *dt = cJSON_GetObjectItemCaseSensitive(x, "dtype");
+    if (dt == NULL) __builtin_trap();
+    check_dtype(dt);
   }
   if (fsdp_io_index_check(doc, NAME) != FSDP_OK) __builtin_trap();
   cJSON_Delete(doc);

@@ -1,12 +1,14 @@
 /*
  * make_corpus.c — writes the seed corpus of the io fuzz targets (tests/fuzz/corpus/). Owner:
  * io. The seeds are committed; run this only to regenerate them after a format change:
- *   cc -std=c11 -D_GNU_SOURCE -Isrc -Iinclude tests/fuzz/make_corpus.c src/io/*.c \
- *      src/core/*.c -lcjson -lxxhash -lm -lpthread -o /tmp/make_corpus
+ *   cc -std=c11 -D_GNU_SOURCE -Isrc -Iinclude tests/fuzz/make_corpus.c \
+ *      $(ls src/io/*.c | grep -v st_tensor) src/core/*.c -lcjson -lxxhash -lm -lpthread \
+ *      -o /tmp/make_corpus
  *   /tmp/make_corpus tests/fuzz/corpus
- * Valid files from the writer (with checksums) and by hand (without, as other tools write
- * them, with every dtype the reader knows), and invalid ones: one defect each. Sharded
- * checkpoint indexes (corpus/index/, for fuzz_index): valid ones and one-defect ones.
+ * Valid files from the writer (with checksums, every tensor dtype) and by hand (without, as
+ * other tools write them, with every dtype the reader knows), and invalid ones: one defect
+ * each. Sharded checkpoint indexes (corpus/index/, for fuzz_index): valid ones and one-defect
+ * ones.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -81,8 +83,36 @@ int main(int argc, char **argv) {
     return 1;
   }
 
+  /* every tensor dtype, from the writer: F32 BF16 F16 F64 I64 I32 U8 BOOL */
+  snprintf(path, sizeof path, "%s/safetensors/valid_dtypes.safetensors", dir);
+  static const fsdp_io_dtype tdt[8] = {FSDP_IO_F32, FSDP_IO_BF16, FSDP_IO_F16, FSDP_IO_F64,
+                                       FSDP_IO_I64, FSDP_IO_I32,  FSDP_IO_U8,  FSDP_IO_BOOL};
+  fsdp_io_st_entry te[8];
+  unsigned char bytes[3 * 8];
+  for (int i = 0; i < 24; i++) bytes[i] = (unsigned char)(i * 29 + 5);
+  const unsigned char bools[3] = {1, 0, 1};
+  for (int i = 0; i < 8; i++)
+    te[i] = (fsdp_io_st_entry){.name = fsdp_io_dtype_name(tdt[i]), .dtype = tdt[i], .ndim = 1,
+                               .shape = {3}};
+  if (fsdp_io_st_writer_open(&w, path, te, 8, NULL, 0)) {
+    fprintf(stderr, "%s\n", fsdp_error_msg());
+    return 1;
+  }
+  for (int i = 0; i < 8; i++)
+    if (fsdp_io_st_writer_write(w, te[i].name, tdt[i] == FSDP_IO_BOOL ? bools : bytes, 3)) {
+      fprintf(stderr, "%s\n", fsdp_error_msg());
+      return 1;
+    }
+  if (fsdp_io_st_writer_commit(w)) {
+    fprintf(stderr, "%s\n", fsdp_error_msg());
+    return 1;
+  }
+
   unsigned char d[64];
   for (int i = 0; i < 64; i++) d[i] = (unsigned char)(i * 37 + 11);
+  const unsigned char notbool[4] = {0, 1, 2, 1};
+  raw("bad_bool.safetensors", "{\"b\":{\"dtype\":\"BOOL\",\"shape\":[4],\"data_offsets\":[0,4]}}",
+      notbool, 4);
   raw("foreign_dtypes.safetensors",
       "{\"f32\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
       "\"f16\":{\"dtype\":\"F16\",\"shape\":[2,2],\"data_offsets\":[8,16]},"
@@ -138,7 +168,7 @@ int main(int argc, char **argv) {
       " {\"rank\": 1, \"name\": \"g3-rank1-of2.safetensors\", \"bytes\": 100,"
       " \"header_xxh3\": \"fedcba9876543210\"}],"
       " \"params\": [{\"path\": \"wte.weight\", \"shape\": [4, 3], \"numel\": 12,"
-      " \"aliases\": [\"head.weight\"], \"mask\": true,"
+      " \"aliases\": [\"head.weight\"], \"mask\": true, \"dtype\": \"BF16\","
       " \"slices\": [{\"rank\": 0, \"first\": 0, \"count\": 5}, {\"rank\": 1, \"first\": 5, \"count\": 7}]},"
       " {\"path\": \"b\", \"shape\": [], \"numel\": 1, \"slices\": [{\"rank\": 1, \"first\": 0, \"count\": 1}]},"
       " {\"path\": \"e\", \"shape\": [0], \"numel\": 0, \"slices\": {}}],"
@@ -146,7 +176,8 @@ int main(int argc, char **argv) {
       " \"states\": [\"exp_avg\", \"exp_avg_sq\"]},"
       " \"rng\": [{\"seed\": \"0000000000000001\", \"streams\": {\"randn\": \"0000000000000008\"}},"
       " {\"seed\": \"0000000000000001\", \"streams\": {}}],"
-      " \"loaders\": {\"train\": 50}, \"schedule\": {\"k\": 50}, \"extra\": [1, \"x\"]}";
+      " \"loaders\": {\"train\": 50}, \"schedule\": {\"k\": 50}, \"extra\": [1, \"x\"],"
+      " \"extra_tensors\": [{\"name\": \"fsdp.extra:1\", \"dtype\": \"I64\", \"shape\": [2]}]}";
   put("index", "ok_2ranks.json", ok2, strlen(ok2));
   const char *ok1 =
       "{\"format\": \"fsdprun.sharded\", \"version\": 1, \"generation\": 1, \"world_size\": 1,"
@@ -166,5 +197,11 @@ int main(int argc, char **argv) {
       " \"step\": 0, \"files\": [{\"rank\": 0, \"name\": \"a\", \"bytes\": 64,"
       " \"header_xxh3\": \"00000000000000aa\"}], \"params\": []}";
   put("index", "bad_world.json", world, strlen(world));
+  const char *badt =
+      "{\"format\": \"fsdprun.sharded\", \"version\": 1, \"generation\": 1, \"world_size\": 1,"
+      " \"step\": 0, \"files\": [{\"rank\": 0, \"name\": \"a\", \"bytes\": 64,"
+      " \"header_xxh3\": \"00000000000000aa\"}], \"params\": [{\"path\": \"w\", \"shape\": [2],"
+      " \"numel\": 2, \"dtype\": \"U16\", \"slices\": [{\"rank\": 0, \"first\": 0, \"count\": 2}]}]}";
+  put("index", "bad_dtype.json", badt, strlen(badt));
   return 0;
 }

@@ -207,6 +207,157 @@ describe("fsdp.save / fsdp.load at world size 1", function()
   end)
 end)
 
+-- A small plain model whose parameters have the dtypes given: w (37), idx (5), b (3).
+local Tiny = nn.Module:extend("CkptTiny")
+function Tiny:init(dt)
+  self.w = nn.Parameter((fsdp.arange(37) * 0.1234 - 2):to(dt.w))
+  self.idx = nn.Parameter(fsdp.tensor({3, -7, 2 ^ 40, 0, 9}, {dtype = dt.idx}))
+  self.b = nn.Parameter(fsdp.tensor({1 + 2 ^ -9, 0.1, -3.75}, {dtype = dt.b}))
+end
+
+local function dtypes(m)
+  local out = {}
+  for path, p in m:named_parameters() do out[path] = p:dtype() end
+  return out
+end
+
+-- values as f64 numbers (exact for every dtype)
+local function exact(t) return t:to("f64"):view{t:numel()}:totable() end
+
+describe("fsdp.save / fsdp.load keep dtypes", function()
+  local dir
+  before_each(function() dir = tmpdir() end)
+  after_each(function() rmtree(dir) end)
+
+  local LOW = {w = "bf16", idx = "i64", b = "f32"}
+
+  it("store each parameter in its own dtype and load it back bit for bit", function()
+    local m = Tiny(LOW)
+    fsdp.save(m, dir .. "/m.safetensors")
+    fsdp.save(m, dir .. "/ck")
+    local want = {w = "BF16", idx = "I64", b = "F32"}
+    local r = core.st_open(dir .. "/m.safetensors")
+    for _, e in ipairs(r:entries()) do assert.are.equal(want[e.name], e.dtype) end
+    r:close()
+    local idx = core.ckpt_index_read(dir .. "/ck/index.json")
+    for _, e in ipairs(idx.params) do assert.are.equal(want[e.path], e.dtype) end
+    for _, src in ipairs{dir .. "/m.safetensors", dir .. "/ck"} do
+      local m2 = Tiny(LOW)
+      for _, p in ipairs(m2:parameters()) do p:fill(0) end
+      fsdp.load(m2, src)
+      assert.are.same(dtypes(m), dtypes(m2))
+      for path, p in m:named_parameters() do assert.are.same(exact(p), exact(m2[path])) end
+    end
+  end)
+
+  it("convert when loading into a model of other dtypes", function()
+    -- bf16 and i64 into f32: exact widening
+    local low = Tiny(LOW)
+    fsdp.save(low, dir .. "/low.safetensors")
+    fsdp.save(low, dir .. "/low")
+    for _, src in ipairs{dir .. "/low.safetensors", dir .. "/low"} do
+      local m = Tiny{w = "f32", idx = "f32", b = "f32"}
+      fsdp.load(m, src)
+      assert.are.same({w = "f32", idx = "f32", b = "f32"}, dtypes(m))
+      for path, p in low:named_parameters() do assert.are.same(exact(p), exact(m[path])) end
+    end
+    -- f32 into bf16 rounds to nearest even; into i32 the integers stay
+    local high = Tiny{w = "f32", idx = "f32", b = "f32"}
+    high.b:set(3, 0 / 0)
+    high.w:set(1, 1 / 0)
+    fsdp.save(high, dir .. "/high.safetensors")
+    fsdp.save(high, dir .. "/high")
+    for _, src in ipairs{dir .. "/high.safetensors", dir .. "/high"} do
+      local m = Tiny{w = "bf16", idx = "i32", b = "bf16"}
+      fsdp.load(m, src)
+      assert.are.same({w = "bf16", idx = "i32", b = "bf16"}, dtypes(m))
+      assert.are.same(exact(high.w:to("bf16")), exact(m.w))
+      assert.are.equal(1 / 0, m.w:get(1))
+      assert.are.same({3, -7, 2 ^ 31 - 1, 0, 9}, exact(m.idx)) -- 2^40 saturates
+      local b = exact(m.b)
+      assert.are.equal(1, b[1]) -- 1 + 2^-9 is below half a bf16 step
+      assert.are.equal(exact(high.b:to("bf16"))[2], b[2])
+      assert.is_true(b[3] ~= b[3]) -- NaN stays NaN
+    end
+  end)
+
+  it("give tensors in extra back in their dtype, shape and values", function()
+    local m = gpt(1)
+    local ema = (fsdp.arange(6) * 0.3):to("bf16"):view{2, 3}
+    local ids = fsdp.tensor({{1, 2}, {3, 2 ^ 50}}, {dtype = "i64"}):transpose(1, 2) -- strided
+    local flags = fsdp.tensor({1, 0, 1}, {dtype = "bool"})
+    local extra = {ema = ema, ids = ids, list = {flags, "s", 3}, note = "n"}
+    for _, src in ipairs{dir .. "/m.safetensors", dir .. "/ck"} do
+      fsdp.save(m, src, {extra = extra})
+      local got = fsdp.load(gpt(2), src)
+      assert.are.equal("n", got.note)
+      assert.are.equal("s", got.list[2])
+      assert.are.equal(3, got.list[3])
+      for _, pair in ipairs{{got.ema, ema}, {got.ids, ids}, {got.list[1], flags}} do
+        local a, b = pair[1], pair[2]
+        assert.are.equal(b:dtype(), a:dtype())
+        assert.are.same(b:shape(), a:shape())
+        assert.are.same(exact(b:contiguous()), exact(a))
+      end
+    end
+    -- the safetensors file holds them under fsdp.extra:<n>, in their dtypes
+    local r = core.st_open(dir .. "/m.safetensors")
+    local by = {}
+    for _, e in ipairs(r:entries()) do by[e.name] = e end
+    assert.are.same({"BF16", "I64", "BOOL"}, {by["fsdp.extra:1"].dtype, by["fsdp.extra:2"].dtype,
+      by["fsdp.extra:3"].dtype})
+    r:close()
+    -- a tensor alone is extra too
+    fsdp.save(m, dir .. "/one.safetensors", {extra = ema})
+    assert.are.same(exact(ema), exact(fsdp.load(gpt(2), dir .. "/one.safetensors")))
+  end)
+
+  it("refuse what cannot be saved or converted, naming it", function()
+    local m = gpt(1)
+    errors_with(function() fsdp.save(m, dir .. "/x", {extra = {a = {fsdp.empty({2}, {device = "meta"})}}}) end,
+      "extra must be JSON-able values and tensors", "extra.a[1] is a tensor without data (on the meta device)")
+    errors_with(function() fsdp.save(m, dir .. "/x", {extra = {a = {["fsdp.tensor"] = "x"}}}) end,
+      "extra.a has the key \"fsdp.tensor\"")
+    local cyc = {}
+    cyc.self = cyc
+    errors_with(function() fsdp.save(m, dir .. "/x", {extra = cyc}) end, "nested deeper than 64 levels")
+    assert.is_nil(core.io_size(dir .. "/x"))
+    -- a stored dtype with no tensor dtype: the message names the tensor and both dtypes
+    local One = nn.Module:extend("CkptOne")
+    function One:init() self.w = nn.Parameter(fsdp.zeros{2}) end
+    local path = dir .. "/i16.safetensors"
+    local json = '{"w":{"dtype":"I16","shape":[2],"data_offsets":[0,4]}}'
+    local len = ""
+    for i = 0, 7 do len = len .. string.char(math.floor(#json / 256 ^ i) % 256) end
+    local f = assert(io.open(path, "wb"))
+    f:write(len, json, "\1\0\2\0")
+    f:close()
+    errors_with(function() fsdp.load(One(), path) end,
+      "tensor 'w': stored dtype I16 has no tensor dtype, so it cannot be read as f32")
+    -- extra naming a tensor the file does not have
+    path = dir .. "/noextra.safetensors"
+    local w = core.st_writer(path, {{name = "w", shape = {2}}},
+      {["fsdp.extra"] = '{"a":{"fsdp.tensor":"fsdp.extra:7"}}'})
+    w:write("w", fsdp.zeros{2})
+    w:commit()
+    errors_with(function() fsdp.load(One(), path) end,
+      "fsdp.extra names tensor 'fsdp.extra:7', which the file does not have")
+    -- a sharded index whose extra_tensors disagree with extra or with rank 0's file
+    local one = One()
+    fsdp.save(one, dir .. "/ck", {extra = {t = fsdp.ones{2, 2}}})
+    local ipath = dir .. "/ck/index.json"
+    local idx = core.ckpt_index_read(ipath)
+    idx.extra_tensors[1].dtype = "BF16"
+    core.ckpt_index_write(ipath, idx)
+    errors_with(function() fsdp.load(One(), dir .. "/ck") end,
+      "tensor 'fsdp.extra:1' is missing or is not the BF16 (2, 2) the index lists")
+    idx.extra_tensors = nil
+    core.ckpt_index_write(ipath, idx)
+    errors_with(function() fsdp.load(One(), dir .. "/ck") end,
+      "extra names tensor 'fsdp.extra:1', which extra_tensors does not list")
+  end)
+end)
+
 describe("checkpoint support in fsdp.core", function()
   local dir
   before_each(function() dir = tmpdir() end)

@@ -158,8 +158,10 @@ describe("safetensors", function()
       "entries[1] ('x'): shape must be a table")
     assert_error_has(function() core.st_writer(p, { { name = "x", shape = { -1 } } }) end,
       "size 1 is negative")
-    assert_error_has(function() core.st_writer(p, { { name = "x", shape = { 1 }, dtype = "F16" } })
-    end, "dtype must be \"F32\"")
+    assert_error_has(function() core.st_writer(p, { { name = "x", shape = { 1 }, dtype = "I16" } })
+    end, "entries[1] ('x'): dtype must be one of F32, BF16", "got I16")
+    assert_error_has(function() core.st_writer(p, { { name = "x", shape = { 1 }, dtype = 3 } })
+    end, "dtype must be one of", "got number")
     assert_error_has(function()
       core.st_writer(p, { { name = "x", shape = { 1 } }, { name = "x", shape = { 1 } } })
     end, "tensor 'x' appears twice")
@@ -170,6 +172,111 @@ describe("safetensors", function()
     assert_error_has(function() core.st_writer(p, {}, { ["fsdp.header.xxh3_64"] = "v" }) end,
       "reserved")
     assert.equal(0, temps(dir))
+  end)
+end)
+
+describe("safetensors dtypes", function()
+  local dir
+  before_each(function() dir = mktemp_dir() end)
+  after_each(function() os.execute("rm -rf '" .. dir .. "'") end)
+
+  -- bit patterns that only an exact round trip keeps
+  local function bits(t) return core.tensor(t:view { t:numel() }:to("f64"):totable(), { dtype = "f64" }) end
+
+  it("stores each tensor in its own dtype and reads it back as that dtype, bit for bit", function()
+    local path = dir .. "/d.safetensors"
+    local src = {
+      f32 = core.tensor({ 1.5, -0.0, 1e-40, 3.4e38 }),
+      bf16 = core.tensor({ 1, -2.5, 3.140625, 65280 }, { dtype = "bf16" }),
+      f16 = core.tensor({ 0.5, -65504, 6e-8, 1 }, { dtype = "f16" }),
+      f64 = core.tensor({ 0.1, -1e300, 5e-324, 2 ^ 60 }, { dtype = "f64" }),
+      i64 = core.tensor({ -3, 2 ^ 40, 2 ^ 53, 0 }, { dtype = "i64" }),
+      i32 = core.tensor({ -2147483648, 2147483647, 7, 0 }, { dtype = "i32" }),
+      u8 = core.tensor({ 0, 255, 128, 1 }, { dtype = "u8" }),
+      bool = core.tensor({ 1, 0, 0, 1 }, { dtype = "bool" }),
+    }
+    local order = { "f32", "bf16", "f16", "f64", "i64", "i32", "u8", "bool" }
+    local entries = {}
+    for i, dt in ipairs(order) do
+      -- the format's names and the tensor names are both accepted
+      entries[i] = { name = dt, shape = { 2, 2 }, dtype = i % 2 == 0 and dt or dt:upper() }
+    end
+    local w = core.st_writer(path, entries)
+    for _, dt in ipairs(order) do w:write(dt, src[dt]:view(2, 2)) end
+    w:commit()
+    local r = core.st_open(path)
+    local names = { f32 = "F32", bf16 = "BF16", f16 = "F16", f64 = "F64", i64 = "I64", i32 = "I32",
+      u8 = "U8", bool = "BOOL" }
+    for i, e in ipairs(r:entries()) do
+      assert.equal(order[i], e.name)
+      assert.equal(names[order[i]], e.dtype)
+      assert.equal(order[i], e.tensor_dtype)
+      assert.equal(4, e.numel)
+    end
+    for _, dt in ipairs(order) do
+      local t = r:read(dt)
+      assert.equal(dt, t:dtype())
+      assert.same({ 2, 2 }, t:shape())
+      assert.same(flat(bits(src[dt])), flat(bits(t)))
+      local part = r:read(dt, 1, 2)
+      assert.equal(dt, part:dtype())
+      assert.same({ flat(bits(src[dt]))[2], flat(bits(src[dt]))[3] }, flat(bits(part)))
+    end
+    -- the bytes in the file are the tensor's: a bf16 element takes 2 bytes
+    local es = r:entries()
+    assert.equal(es[2].offset + 8, es[3].offset)
+    r:close()
+  end)
+
+  it("converts into a tensor of another dtype, and from a tensor of another dtype", function()
+    local path = dir .. "/c.safetensors"
+    local w = core.st_writer(path, {
+      { name = "bf", shape = { 3 }, dtype = "BF16" },
+      { name = "f", shape = { 4 } },
+      { name = "f_as_bf", shape = { 4 }, dtype = "bf16" },
+      { name = "i", shape = { 2 }, dtype = "I64" },
+    })
+    local f = core.tensor({ 1 + 2 ^ -8, 1 + 3 * 2 ^ -8, 1 / 0, 0 / 0 })
+    w:write("bf", core.tensor({ 1, -3, 0.5 }, { dtype = "bf16" }))
+    w:write("f", f)
+    w:write("f_as_bf", f) -- converted on write, rounding to nearest even
+    w:write("i", core.tensor({ 7, -7 }, { dtype = "i64" }))
+    w:commit()
+    local r = core.st_open(path)
+    assert.same({ 1, -3, 0.5 }, flat(r:read("bf", 0, 3, core.zeros(3)))) -- bf16 -> f32
+    local b = r:read("f", 0, 4, core.zeros({ 4 }, { dtype = "bf16" }))
+    local want = { 1, 1 + 2 ^ -6, 1 / 0 } -- ties to even: 1 and 1 + 4 * 2^-8
+    for k = 1, 3 do assert.equal(want[k], flat(b)[k]) end
+    assert.is_true(flat(b)[4] ~= flat(b)[4]) -- NaN stays NaN
+    local b2 = r:read("f_as_bf")
+    assert.equal("bf16", b2:dtype())
+    for k = 1, 3 do assert.equal(flat(b)[k], flat(b2)[k]) end
+    assert.is_true(flat(b2)[4] ~= flat(b2)[4])
+    assert.same({ 7, -7 }, flat(r:read("i", 0, 2, core.zeros(2)))) -- i64 -> f32
+    -- inf saturates, NaN gives 0
+    assert.same({ 2147483647, 0 }, flat(r:read("f", 2, 2, core.zeros({ 2 }, { dtype = "i32" }))))
+    assert_error_has(function() r:read("f", 0, 4, core.zeros(4):view(2, 2):transpose(1, 2)) end,
+      "out must be a contiguous tensor of 4 elements")
+    assert_error_has(function() r:read("f", 0, 3, core.zeros(4)) end, "out must be a contiguous")
+    r:close()
+  end)
+
+  it("refuses the format's dtypes that are no tensor dtype, naming the tensor and both dtypes", function()
+    local path = dir .. "/s.safetensors"
+    local f = assert(io.open(path, "wb"))
+    local json = '{"s":{"dtype":"I16","shape":[2],"data_offsets":[0,4]}}'
+    local n = #json
+    local len = ""
+    for i = 0, 7 do len = len .. string.char(math.floor(n / 256 ^ i) % 256) end
+    f:write(len, json, "\1\0\2\0")
+    f:close()
+    local r = core.st_open(path)
+    assert.equal("I16", r:entries()[1].dtype)
+    assert.is_nil(r:entries()[1].tensor_dtype)
+    assert_error_has(function() r:read("s") end, path, "tensor 's': stored dtype I16 has no tensor dtype")
+    assert_error_has(function() r:read("s", 0, 2, core.zeros(2)) end,
+      "tensor 's': stored dtype I16 has no tensor dtype, so it cannot be read as f32")
+    r:close()
   end)
 end)
 

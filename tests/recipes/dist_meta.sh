@@ -11,7 +11,7 @@
 #                       after wrapping (one parameter in flight), load + sync, tied names, errors
 #   meta_load_file.lua  1/2/4 ranks: a checkpoint written by fsdp.save loaded into meta models:
 #                       fsdp.load on every rank, the file read on rank 0 only, rank 0 + sync,
-#                       a plain meta model
+#                       a plain meta model; a bf16 copy of the file, both ways
 set -eu
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

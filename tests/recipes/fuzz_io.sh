@@ -32,10 +32,12 @@ fi
 CFLAGS="-std=c11 -D_GNU_SOURCE -g -O1 -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined
   -fno-sanitize-recover=undefined -I$SRC/src -I$SRC/include"
 LIBS="-lcjson -lxxhash -lm -lpthread"
+# the file formats only: st_tensor.c (tensors through files) needs the kernels
+IO_FILES=$(ls "$SRC"/src/io/*.c | grep -v '/st_tensor\.c$')
 failures=0
 for target in safetensors json index; do
   # shellcheck disable=SC2086 # word splitting of the flag lists is intended
-  if ! "$CLANG" $CFLAGS "$SRC/tests/fuzz/fuzz_$target.c" "$SRC"/src/io/*.c "$SRC"/src/core/*.c \
+  if ! "$CLANG" $CFLAGS "$SRC/tests/fuzz/fuzz_$target.c" $IO_FILES "$SRC"/src/core/*.c \
     $LIBS -o "$T/fuzz_$target" >"$T/build.log" 2>&1; then
     echo "FAIL: building fuzz_$target:"
     cat "$T/build.log"
