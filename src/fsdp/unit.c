@@ -158,6 +158,12 @@ static int flat_new_dt(fsdp_tensor **out, const fsdp_device_i *dev, fsdp_dtype d
 
 static void *flat_data(fsdp_tensor *t) { return fsdp_tensor_data(t, "unit"); }
 
+/* t itself (retained) when contiguous, else a contiguous copy on its device (through the
+ * kernels: the device's memory may not be host memory) */
+static int dense_of(fsdp_tensor **out, fsdp_tensor *t) {
+  return fsdp_to(out, t, t->storage->device, t->dtype, FSDP_ROLE_ACTIVATIONS);
+}
+
 /* dst[doff, doff + len) <- src's flattened elements [soff, soff + len) (src contiguous), on
  * whatever devices they live: through the kernels' copy, never a host loop. */
 static int copy_range(fsdp_tensor *dst, int64_t doff, fsdp_tensor *src, int64_t soff,
@@ -551,7 +557,7 @@ int fsdp_unit_new(fsdp_unit **out, fsdp_comm *c, const char *path, fsdp_tensor *
     int64_t pf, sf, len = slice_of(u, &u->params[i], R, &pf, &sf);
     if (!len) continue;
     fsdp_tensor *pc;
-    if (fsdp_tensor_contiguous(&pc, p)) goto fail;
+    if (dense_of(&pc, p)) goto fail;
     int crc = copy_range(u->shard, sf, pc, pf, len);
     fsdp_tensor_release(pc);
     if (crc) goto fail;
@@ -750,7 +756,7 @@ int fsdp_unit_writeback(fsdp_unit *u) {
     int64_t pf, sf, len = fsdp_unit_param_slice(u, i, u->rank, &pf, &sf);
     if (!len) continue;
     fsdp_tensor *pc;
-    if (fsdp_tensor_contiguous(&pc, u->params[i].param))
+    if (dense_of(&pc, u->params[i].param))
       return fsdp_error_context("writeback: unit '%s'", u->path);
     int rc = copy_range(u->shard, sf, pc, pf, len);
     fsdp_tensor_release(pc);
@@ -763,7 +769,7 @@ int fsdp_unit_writeback(fsdp_unit *u) {
 int fsdp_unit_zero_grad(fsdp_unit *u) {
   if (check_live(u, "zero_grad")) return FSDP_ERR;
   memset(u->got_grad, 0, (size_t)u->n * sizeof *u->got_grad);
-  return fsdp_tensor_fill(u->grad_shard, 0.0f);
+  return fsdp_fill(u->grad_shard, 0.0);
 }
 
 bool fsdp_unit_param_has_grad(const fsdp_unit *u, int i) {
@@ -822,7 +828,7 @@ static int hook_end(void *ud) {
     if (p->grad) {
       u->got_grad[i] = true;
       fsdp_tensor *gc;
-      if (fsdp_tensor_contiguous(&gc, p->grad)) return FSDP_ERR;
+      if (dense_of(&gc, p->grad)) return FSDP_ERR;
       int rc = add_range(u->full_grad, q->offset, gc, 0, q->numel);
       fsdp_tensor_release(gc);
       if (rc) return fsdp_error_context("backward: unit '%s'", u->path);
