@@ -1,6 +1,5 @@
 /*
  * bench_kernels.c — throughput of the CPU kernels (not a test; prints numbers, exits 0).
- * Owner: kernels.
  *
  *   sgemm GFLOP/s at 1024^3 and at the GPT layer shapes (M = B*T = 2048; K = 256 -> N = 768
  *   (qkv), 1024 (mlp up); K = 1024 -> N = 256 (mlp down)), through fsdp_cpu_linear_forward.

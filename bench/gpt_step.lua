@@ -4,7 +4,7 @@
 -- At N ranks the model is wrapped (one unit per Block, strategy "full" unless --strategy=) and
 -- each rank runs its B/N rows of the same global batch; the step time is the slowest rank's.
 -- Prints tokens/s, achieved GFLOP/s (6 x params x tokens + 12 L d T per token for attention,
--- the convention of llm.c and ../shared/MEASUREMENTS.md) and, measured in the same run, OpenBLAS
+-- llm.c's convention) and, measured in the same run, OpenBLAS
 -- sgemm GFLOP/s at the model's MLP shape (B*T, d) @ (d, 4d), with the ratio of the two.
 local fsdp = require "fsdp"
 local nn = fsdp.nn

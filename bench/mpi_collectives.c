@@ -1,7 +1,7 @@
 /*
  * mpi_collectives.c — benchmark (not a test): all_gather and reduce_scatter bandwidth through
  * the engine's mpi backend versus raw MPI on the same buffers, and whether an asynchronous
- * all_gather advances while the caller computes. Owner: mpi. Figures: docs/mpi.md.
+ * all_gather advances while the caller computes. Figures: docs/mpi.md.
  *
  *   mpirun -np 2 build/bench/mpi_collectives [--sizes=1,16,64] [--iters=7]
  *   mpirun -np 2 --mca btl tcp,self build/bench/mpi_collectives      (over TCP)
@@ -10,7 +10,7 @@
  * twice untimed, then --iters rounds of each in turn (interleaved, so that the load of a shared
  * machine hits them alike), each call started together (MPI_Barrier) and timed as the slowest
  * rank's. Reported: the median time as algbw = full buffer bytes / time (the convention of
- * /work/shared/MEASUREMENTS.md), and "vs raw", the median over rounds of raw time / engine time
+ * nccl-tests and docs/mpi.md), and "vs raw", the median over rounds of raw time / engine time
  * (the faster raw reduce-scatter of the round). Operations:
  *   all_gather      raw MPI_Allgather                    vs fsdp_comm_all_gather
  *   reduce_scatter  raw MPI_Reduce_scatter_block (sum)   vs fsdp_comm_reduce_scatter (sum)

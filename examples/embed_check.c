@@ -4,7 +4,7 @@
  * rank fails the call on every rank and breaks the runtime, inputs are zero-copy and safe to
  * reuse after the call, freeing a runtime with live tensors is safe). It lives in examples/
  * because it is built exactly like a host program (libfsdp.so and fsdp.h only). Run by
- * tests/recipes/embed_api.sh, natively and under valgrind. Owner: embed.
+ * tests/recipes/embed_api.sh, natively and under valgrind.
  *
  *   embed_check            exit status 0 when every check passes; each failure is printed
  */

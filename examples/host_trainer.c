@@ -3,7 +3,7 @@
  * small MLP, defined in a Lua string, on a regression task whose data lives in this program's
  * memory; the ranks pull their batches from here (the data source), report through the log
  * callback, and the trained weights are read back to check, in C, that they are what the
- * engine evaluated. Exit status 0 when everything checks out. Owner: embed.
+ * engine evaluated. Exit status 0 when everything checks out.
  *
  *   host_trainer [--steps=N] [--quiet]
  *

@@ -2,7 +2,7 @@
  * fsdp.h — the public embedding API of fsdprun (libfsdp). This header is the specification:
  * only symbols declared here with FSDP_API are exported from libfsdp.so. docs/EMBEDDING.md
  * is the tutorial (a minimal host program, building, the Lua side); examples/host_trainer.c
- * is a complete host. Owner: embed.
+ * is a complete host.
  *
  * Stability: functions are added, never changed; structs passed in by the host only grow at
  * the end (see fsdp_runtime_opts.size); freeing NULL is a no-op.

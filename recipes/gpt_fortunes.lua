@@ -6,7 +6,7 @@
 --   --metrics: JSONL metrics, default <ckpt_dir>/metrics.jsonl; at the end rank 0 draws them
 --   beside it as <FILE without .jsonl>.svg (fsdp.plot) and prints where.
 --
---        [--strategy=full]
+--        [--strategy=full] [--mp=bf16|f16]
 --        [--ckpt_every=500 --ckpt_dir=checkpoints/gpt_fortunes] [--resume]
 --        [--export=FILE.safetensors | --export=false]
 --        [--stop_after=N]
@@ -14,6 +14,9 @@
 --   random state) replaces the previous one in ckpt_dir; --resume continues from it (bitwise the
 --   same run); --export writes the trained model as one safetensors file at the end;
 --   --stop_after=N stops after step N as if interrupted (to try --resume).
+--   --mp: mixed precision (fsdp.wrap's mp option: parameters gathered and computed in bf16, f32
+--   master shards, gradients reduced in f32, logits and losses in f32; f16 also uses a loss
+--   scaler). Checkpoints hold the f32 masters either way.
 -- Prints train and validation loss (nats per byte) as it goes, and a sampled text at the end.
 -- The model is wrapped with one unit per Block (embeddings, final norm and the tied head in the
 -- root unit); each of N ranks trains on its slice of every global batch, so the run computes
@@ -53,11 +56,15 @@ local model = fsdp.meta(function()
 end)
 local nparams = 0
 for _, p in ipairs(model:parameters()) do nparams = nparams + p:numel() end
+local mp = args.mp
+if mp ~= nil and mp ~= "bf16" and mp ~= "f16" then
+  error(("gpt_fortunes: --mp must be bf16 or f16 (got %s)"):format(tostring(mp)), 0)
+end
 fsdp.wrap(model, { policy = fsdp.policy.modules { nn.Block }, strategy = args.strategy or "full",
-  init = true })
+  init = true, mp = mp })
 say(("gpt_fortunes: %.2fM parameters (head tied to wte), %d train / %d val bytes, %d steps of %dx%d")
   :format(nparams / 1e6, train:size(), val:size(), steps, batch, ctx)
-  .. (world > 1 and (", %d ranks"):format(world) or ""))
+  .. (world > 1 and (", %d ranks"):format(world) or "") .. (mp and (", mixed precision " .. mp) or ""))
 
 local opt = fsdp.optim.AdamW(model, { lr = lr, betas = { 0.9, 0.99 }, weight_decay = 0.1 })
 local schedule = fsdp.optim.cosine(opt, { warmup = math.min(100, math.floor(steps / 10)),

@@ -1,4 +1,4 @@
--- fsdp.save / fsdp.load — collective, bounded-memory, atomic checkpoints (owner: ckpt).
+-- fsdp.save / fsdp.load — collective, bounded-memory, atomic checkpoints.
 -- docs/checkpoints.md is the manual and the format specification; the file formats
 -- themselves (safetensors writer/reader with XXH3 checksums, atomic files, the index schema
 -- check) are C: src/io, through fsdp.core (src/lua/l_io.c).
@@ -362,7 +362,7 @@ end
 
 -- ---- masks (fsdp.mask, lua/fsdp/mask.lua) ------------------------------------------------------
 --
--- The extension point for the masks of issue 5. The adapter needs: has(p) (local, the same on
+-- The extension point for masks (lua/fsdp/mask.lua). The adapter needs: has(p) (local, the same on
 -- every rank), local_slice(p) (this rank's slice, the elements of fsdp.shard(p)), full(p)
 -- (collective when wrapped: the full-shape mask) and set_local(model, {[p] = slice | false})
 -- (collective when wrapped) — lua/fsdp/mask.lua has them. Without them (a build without

@@ -1,5 +1,5 @@
 -- fsdp.log: training progress for humans (a progress line or plain lines) and for programs
--- (a JSONL file). Owner: cli. docs/cli.md ("Logging") is the manual.
+-- (a JSONL file). docs/cli.md ("Logging") is the manual.
 --
 --   fsdp.log.setup{total =, every =, jsonl = "path", tokens_per_step =}   -- optional
 --   fsdp.log(step, {loss = l, lr = lr, tokens = n})                      -- each step (or less)

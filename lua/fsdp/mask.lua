@@ -1,4 +1,4 @@
--- fsdp.mask — masks that live with the shards (owner: masks). docs/pruning.md is the manual.
+-- fsdp.mask — masks that live with the shards. docs/pruning.md is the manual.
 --
 --   fsdp.set_mask(param, mask)   fsdp.mask(param)   fsdp.sparsity(model)   fsdp.prune (prune.lua)
 --   for checkpoints (lua/fsdp/checkpoint.lua): has, local_slice, set_local, masked, local_mask,

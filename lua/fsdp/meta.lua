@@ -1,4 +1,4 @@
--- fsdp.meta — deferred initialisation, ties and cross-rank agreement (owner: meta).
+-- fsdp.meta — deferred initialisation, ties and cross-rank agreement.
 -- docs/init.md is the manual.
 --
 --   fsdp.meta(fn) -> model              build with every new parameter on the meta device

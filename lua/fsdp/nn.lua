@@ -1,4 +1,4 @@
--- fsdp.nn — neural-network modules (owner: nn). See docs/nn.md.
+-- fsdp.nn — neural-network modules. See docs/nn.md.
 --
 -- The pieces live in lua/fsdp/nn/: module.lua (the Module protocol, registration, traversal,
 -- error paths, path-based initialisation), layers.lua (Linear ... Block), gpt.lua (GPT).

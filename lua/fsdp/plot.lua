@@ -1,6 +1,6 @@
 -- fsdp.plot: training curves from a JSONL metrics file (the one fsdp.log.setup{jsonl =}
 -- writes) drawn as a standalone SVG, in plain Lua: no engine, no Python, no gnuplot, so it
--- runs under plain `luajit` as well as inside fsdprun. Owner: plot. docs/plots.md is the manual.
+-- runs under plain `luajit` as well as inside fsdprun. docs/plots.md is the manual.
 --
 --   fsdp.plot.svg(path_or_records, opts) -> svg text, problems
 --   fsdp.plot.write(jsonl_path, svg_path, opts) -> svg_path, problems

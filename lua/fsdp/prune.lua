@@ -1,4 +1,4 @@
--- fsdp.prune — magnitude, N:M and scheduled pruning on shards (owner: masks).
+-- fsdp.prune — magnitude, N:M and scheduled pruning on shards.
 -- docs/pruning.md is the manual.
 --
 --   prune.magnitude(model, {params =, exclude =, sparsity =, scope = "param" | "global"})

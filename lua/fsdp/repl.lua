@@ -1,4 +1,4 @@
--- fsdp.repl: fsdp.debug(), the REPL opened from inside a recipe. Owner: repl. The REPL itself
+-- fsdp.repl: fsdp.debug(), the REPL opened from inside a recipe. The REPL itself
 -- is fsdprun's (src/cli/repl.c, reached through package.loaded.fsdprun); docs/REPL.md is the
 -- manual.
 --

@@ -14,7 +14,6 @@
  * its gradients after.
  *
  * The tape is per thread: each rank (a thread, with its own Lua state) has its own.
- * Owner: grad (autograd.h, tape.c, ops.c).
  */
 #ifndef FSDP_AUTOGRAD_H
 #define FSDP_AUTOGRAD_H

@@ -4,7 +4,6 @@
  * Ownership: the tape owns its nodes; a node owns one reference to each tensor it points at.
  * Backward frees each node right after running it, so the activations it saved are released
  * as early as the reverse walk allows (peak memory is the forward's, not forward + backward).
- * Owner: grad.
  */
 #include <stdlib.h>
 #include <string.h>

@@ -517,7 +517,7 @@ static int run_ranks(fsdprun_opts *o) {
                                       .timeout_s = o->timeout});
 }
 
-/* ---- the mpi backend (owner: mpi; docs/mpi.md) ------------------------------------------------ */
+/* ---- the mpi backend (docs/mpi.md) ------------------------------------------------ */
 
 /* Whether mpirun (or another PMIx launcher) started this process. */
 static bool mpi_launched(void) {

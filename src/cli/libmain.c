@@ -2,7 +2,7 @@
  * libmain.c — the parts of the public API (include/fsdp.h) that every binary carries
  * (fsdp_version): compiled into libfsdp.so, fsdp/core.so and the fsdprun executable (never into
  * the static engine, so each of those links it exactly once). The embedding runtime
- * (fsdp_runtime_*, fsdp_call, ...) is src/embed/, compiled into libfsdp.so only. Owner: embed.
+ * (fsdp_runtime_*, fsdp_call, ...) is src/embed/, compiled into libfsdp.so only.
  */
 #include "fsdp.h"
 

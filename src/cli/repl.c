@@ -1,6 +1,6 @@
 /*
  * repl.c — the SPMD REPL of fsdprun: `fsdprun -n N -i [recipe.lua]` and fsdp.debug().
- * Owner: repl. docs/REPL.md is the manual; repl.h the interface with the launcher.
+ * docs/REPL.md is the manual; repl.h the interface with the launcher.
  *
  * One input, on a world of W > 1 ranks:
  *

@@ -1,7 +1,7 @@
 /*
  * repl.h — the SPMD REPL of fsdprun (src/cli/repl.c): every input runs on every rank (or on one
  * rank after ":rank K"), rank 0 reads the terminal (libedit: editing, history, completion) and
- * prints the results grouped by rank. Owner: repl. docs/REPL.md is the manual.
+ * prints the results grouped by rank. docs/REPL.md is the manual.
  *
  * The REPL knows nothing about threads, processes or signals: the launcher (fsdprun.c) hands it
  * a host, which says who this rank is, which communicators to use and how to run Lua code

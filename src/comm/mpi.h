@@ -1,6 +1,6 @@
 /*
  * mpi.h — the `mpi` backend of the communicator (comm.h) on Open MPI: one rank per process,
- * ranks and world taken from MPI_COMM_WORLD. Owner: mpi. docs/mpi.md is the long version.
+ * ranks and world taken from MPI_COMM_WORLD. docs/mpi.md is the long version.
  *
  * mpi.c implements it when the build finds Open MPI; otherwise mpi_stub.c answers every call
  * with "fsdprun was built without Open MPI ...". Nothing above src/comm needs to know which.

@@ -1,7 +1,7 @@
 /*
  * mpi_stub.c — the `mpi` backend when the build did not find Open MPI (CMakeLists.txt compiles
  * this file instead of mpi.c): every entry point of mpi.h exists and says how to get the real
- * one. Owner: mpi.
+ * one.
  */
 #include "comm/mpi.h"
 

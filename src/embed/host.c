@@ -2,7 +2,7 @@
  * host.c — what a rank's Lua state gets in an embedding runtime (include/fsdp.h), and the
  * calls from Lua back into the host: `print` and fsdp.log's output (to the log callback or
  * stdout), fsdp.host.next_batch (the data source), fsdp.host.model, and the internal helpers
- * runtime.c uses to look up and read parameters. Owner: embed.
+ * runtime.c uses to look up and read parameters.
  *
  * Callbacks run on rank threads under rt->cb_mu, one at a time; no Lua error can be raised
  * while the lock is held (the host's data is copied into engine tensors first, and only then

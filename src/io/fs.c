@@ -1,7 +1,7 @@
 /*
  * fs.c — the few folder operations a sharded checkpoint needs (io.h): create a folder (and
  * its parents), list a folder's plain files, remove a file, and fsync a folder after removals.
- * Owner: ckpt. Errors name the path, the call and strerror, like the atomic files'.
+ * Errors name the path, the call and strerror, like the atomic files'.
  */
 #include <dirent.h>
 #include <errno.h>

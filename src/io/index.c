@@ -4,7 +4,7 @@
  * flat element ranges of which parameter each file holds. This file checks the document's
  * whole schema before anyone acts on it, so that the loader (lua/fsdp/checkpoint.lua) can
  * compute ranges from it without re-checking, and so that the fuzz target can hold the
- * checker to its promises. Owner: ckpt.
+ * checker to its promises.
  *
  * What is checked (everything, first error wins; messages name the file and the field, and
  * the parameter where there is one):

@@ -2,7 +2,6 @@
  * l_io.c — the io layer (src/io) in `fsdp.core`: safetensors writers and readers, JSON
  * documents, and the fault injector for tests. Registered by fsdp_lua_open_io
  * (called from module.c). The checkpoint code of lua/fsdp builds fsdp.save / fsdp.load on it.
- * Owner: ckpt (written by io).
  *
  *   st_writer(path, entries, metadata) -> writer    entries = {{name =, shape = {...},
  *                                                   dtype =}, ...}: dtype as the format names
@@ -42,7 +41,7 @@
  *                             call at point ("open", "write", "fsync", "rename"; "none" clears)
  *                             fails with that errno; see fsdp_io_fault_set
  *
- * Checkpoint support (owner: ckpt; used by lua/fsdp/checkpoint.lua):
+ * Checkpoint support (used by lua/fsdp/checkpoint.lua):
  *   json_encode(value) -> compact JSON text (the rules of json_write); json_decode(text
  *                             [, name]) -> value (name stands for the source in messages)
  *   ckpt_index_read(path) -> table   read and fully check a sharded checkpoint index
@@ -575,7 +574,7 @@ static int l_json_read(lua_State *L) {
   return 1;
 }
 
-/* ---- checkpoint support (owner: ckpt) ------------------------------------------------------ */
+/* ---- checkpoint support ------------------------------------------------------ */
 
 static int l_json_encode(lua_State *L) {
   luaL_checkany(L, 1);

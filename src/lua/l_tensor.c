@@ -8,7 +8,6 @@
  * tensor raises "tensor was freed" on use.
  *
  * Positions and dimensions are 1-based here (Lua users' convention) and 0-based in C.
- * Owner: grad.
  */
 #include <math.h>
 #include <stdio.h>

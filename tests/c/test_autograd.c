@@ -1,7 +1,7 @@
 /*
  * test_autograd.c — the autograd layer (src/autograd): every differentiable op's gradient
  * against central finite differences, the tape's bookkeeping (accumulation, freeing, no_grad,
- * hooks, memory), and every op's error paths. Owner: grad.
+ * hooks, memory), and every op's error paths.
  *
  * Gradient checks: for an op out = f(in...), the autograd gradient of L = sum(out * R) (R a
  * fixed random tensor, passed to fsdp_backward as the seed gradient) w.r.t. each input is

@@ -10,7 +10,6 @@
  * records the first failure of the rank, aborts the communicator (so peers fail at once instead
  * of waiting in a collective) and returns false; the main thread then fails the test with each
  * rank's message. Every rank's memory domain must be empty when the rank ends (leak check).
- * Owner: units.
  */
 #include <math.h>
 #include <pthread.h>

@@ -7,7 +7,7 @@
  *   3. accumulation: gradient buffers start with random contents, and the test checks that
  *      the kernel added to them (got - prior == expected), never overwrote them.
  * Plus broadcasting (m divides n, m == 1, m == n), NULL gradient slots, ignore_index, reduction
- * accuracy, and hand-computed two-step SGD / AdamW trajectories. Owner: kernels.
+ * accuracy, and hand-computed two-step SGD / AdamW trajectories.
  */
 #include <math.h>
 #include <setjmp.h>

@@ -1,6 +1,5 @@
 -- ckpt_common.lua — helpers shared by the checkpoint tests (tests/dist/ckpt_*.lua), loaded
 -- with dofile from the repository root (ctest runs tests/recipes/dist_ckpt*.sh there).
--- Owner: ckpt.
 local fsdp = require "fsdp"
 require "fsdp.checkpoint" -- fsdp.save / fsdp.load, also before init.lua knows them
 local nn = fsdp.nn

@@ -11,7 +11,6 @@
 --   all      every rank raises the same error before any collective (reported in full once)
 --   spin     SIGINT target: every rank loops in Lua (rank --rank in a compiled loop when
 --            --compiled is given), rank 2 waits in a barrier
--- Owner: launcher.
 local fsdp = require "fsdp"
 local core = fsdp.core
 local rank = fsdp.rank()

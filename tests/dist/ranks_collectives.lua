@@ -3,7 +3,6 @@
 -- from every root, barrier, and comm_stats counting. Every rank checks its results against the
 -- serial answer computed here from what each rank contributes, so "equal on every rank" is
 -- checked by each rank for itself. Prints "ok <rank> <world>" at the end; any failure raises.
--- Owner: launcher.
 local fsdp = require "fsdp"
 local core = fsdp.core
 

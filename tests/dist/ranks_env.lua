@@ -2,7 +2,7 @@
 -- launcher. Recipe arguments (arg, ..., fsdp.args) reach every rank; globals set by -e are per
 -- state; each rank has its own memory domain (fsdp.memory() counts only its own tensors);
 -- --timeout reaches every communicator; BLAS threads are set once for all ranks. Prints
--- "env <rank> threads=<n> timeout=<s>"; any failure raises. Owner: launcher.
+-- "env <rank> threads=<n> timeout=<s>"; any failure raises.
 local fsdp = require "fsdp"
 local core = fsdp.core
 local rank, world = fsdp.rank(), fsdp.world_size()

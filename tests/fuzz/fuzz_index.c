@@ -1,6 +1,6 @@
 /*
  * fuzz_index.c — libFuzzer target for the sharded checkpoint index reader
- * (fsdp_io_index_parse: JSON parse + schema check, src/io/index.c). Owner: ckpt. Beyond
+ * (fsdp_io_index_parse: JSON parse + schema check, src/io/index.c). Beyond
  * ASan/UBSan it holds the checker to its promises, re-derived here independently:
  *   - a rejected index has a message naming the file and no document;
  *   - an accepted one has one file per rank (files[i].rank == i), and every parameter's slices

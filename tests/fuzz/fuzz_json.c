@@ -1,6 +1,6 @@
 /*
  * fuzz_json.c — libFuzzer target for the JSON reader behind checkpoint indexes
- * (fsdp_io_json_parse, src/io/json.c). Owner: io. A rejected document must have a message
+ * (fsdp_io_json_parse, src/io/json.c). A rejected document must have a message
  * naming the file; an accepted one must print (cJSON_Print) to text that parses again. The
  * index's own schema checks (fsdp layer) can be added here when they exist.
  * Built and run by tests/recipes/fuzz_io.sh.

@@ -1,6 +1,6 @@
 -- autograd_spec.lua — autograd from Lua: backward through fsdp.F and tensor methods against
 -- finite differences, gradient accumulation and dropping, no_grad, the errors backward gives,
--- memory accounting, and fsdp.args parsing. Owner: grad.
+-- memory accounting, and fsdp.args parsing.
 -- Run: busted --lua=luajit tests/lua/autograd_spec.lua
 
 local fsdp = require "fsdp"

@@ -1,7 +1,7 @@
 -- ckpt_spec.lua — fsdp.save / fsdp.load at world size 1 (lua/fsdp/checkpoint.lua) and the
 -- checkpoint support of fsdp.core (src/lua/l_io.c: json_encode/decode, ckpt_index_read/write,
 -- folders, random state). Multi-rank behaviour (sharding, resharding, collective failures) is
--- tested by tests/dist/ckpt_*.lua. Owner: ckpt. Run: busted --lua=luajit tests/lua/ckpt_spec.lua
+-- tested by tests/dist/ckpt_*.lua. Run: busted --lua=luajit tests/lua/ckpt_spec.lua
 
 local fsdp = require "fsdp"
 local core = fsdp.core

@@ -1,6 +1,6 @@
 -- data_spec.lua — fsdp.data and its C helpers: IDX parsing (plain and gzip), Fashion-MNIST
 -- shapes and ranges, seeded shuffling, rank slicing of global batches, the text loader's file
--- rules, splits and windows, encode/decode, and every error the loaders give. Owner: cli.
+-- rules, splits and windows, encode/decode, and every error the loaders give.
 -- Run: busted --lua=luajit tests/lua/data_spec.lua
 
 local fsdp = require "fsdp"

@@ -2,7 +2,7 @@
 -- (ctest's LUA_PATH includes tests/lua/?.lua, so a spec does `local H = require "helpers"`).
 -- Only helpers whose copies in the specs were the same live here; a spec-specific helper stays
 -- in its spec. Assertions raise with error(msg, 2) so a failure points at the spec line that
--- called them. Owner: specs (shared by every spec's owner: change semantics only with care).
+-- called them.
 
 -- busted gives specs luassert as `assert` through their environment only; a required module
 -- must fetch it itself (the same module instance, so the same assertions and messages).

@@ -2,7 +2,7 @@
 -- models, parameters (state, flat offset, slices, ties, mask) and units; the readable
 -- tostring of fsdp.memory() and fsdp.comm_stats() with their fields unchanged; the number
 -- formatting. Several ranks: tests/recipes/repl_pipe.sh inspects through the REPL at -n 2.
--- Owner: repl. Run: busted --lua=luajit tests/lua/inspect_spec.lua
+-- Run: busted --lua=luajit tests/lua/inspect_spec.lua
 
 local fsdp = require "fsdp"
 local nn = fsdp.nn

@@ -1,5 +1,5 @@
 -- io_spec.lua — the io binding of fsdp.core (src/lua/l_io.c): safetensors writers and readers,
--- JSON documents, the fault injector. Owner: io. Run: busted --lua=luajit tests/lua/io_spec.lua
+-- JSON documents, the fault injector. Run: busted --lua=luajit tests/lua/io_spec.lua
 -- (the C layer itself is tested by tests/c/test_io.c).
 
 local core = require "fsdp.core"

@@ -1,6 +1,6 @@
 -- log_spec.lua — fsdp.log: the progress text, plain lines when not on a terminal, the
 -- redrawn line on one, rank 0 only, throughput and ETA from a fake clock, and JSONL that a
--- small independent JSON decoder reads back. Owner: cli.
+-- small independent JSON decoder reads back.
 -- Run: busted --lua=luajit tests/lua/log_spec.lua
 
 local fsdp = require "fsdp"

@@ -4,7 +4,7 @@
 -- the viewBox and curves inside their frames, log scale, NaN/inf, one point, constant series,
 -- missing keys, min/max downsampling bounding the size), files written, a JSONL file from
 -- fsdp.log read back, and the `fsdprun plot` command line (plot.main / plot.command).
--- Owner: plot. Run: busted --lua=luajit tests/lua/plot_spec.lua
+-- Run: busted --lua=luajit tests/lua/plot_spec.lua
 
 local plot = require "fsdp.plot"
 

@@ -1,6 +1,6 @@
 -- tensor_spec.lua — tensors from Lua (src/lua/l_tensor.c): constructors, shapes, element
 -- access, views, operators, printing, identity, and the errors bad input must give (never a
--- crash). Owner: grad. Run: busted --lua=luajit tests/lua/tensor_spec.lua
+-- crash). Run: busted --lua=luajit tests/lua/tensor_spec.lua
 
 local fsdp = require "fsdp"
 

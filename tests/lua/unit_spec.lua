@@ -3,8 +3,6 @@
 -- gather/reshard/writeback, shard views, the forward hooks driving backward (gradient shard
 -- equals the unwrapped gradient, for every strategy), unshard, errors, collection.
 -- Run: busted --lua=luajit tests/lua/unit_spec.lua
--- Owner: units.
-
 local fsdp = require "fsdp"
 local core = fsdp.core
 local nn = fsdp.nn

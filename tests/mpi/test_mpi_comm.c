@@ -1,6 +1,6 @@
 /*
  * test_mpi_comm.c — the mpi backend (src/comm/mpi.c) under mpirun, against the same serial
- * reference as test_comm.c uses for the local backend. Owner: mpi. Run by tests/recipes/mpi_comm.sh:
+ * reference as test_comm.c uses for the local backend. Run by tests/recipes/mpi_comm.sh:
  *   mpirun -np W test_mpi_comm        (W = 1..4; FSDP_MPI_* variables select variants)
  *
  * Not cmocka: the ranks are processes, and a failed check on one of them must end all of them

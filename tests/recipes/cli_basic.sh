@@ -2,7 +2,7 @@
 # cli_basic.sh — fsdprun's command line: --help/--version, usage errors (exit 2), -n
 # validation, Lua errors with a traceback (exit 1), syntax errors and missing recipes, -e,
 # `arg` and fsdp.args, exit statuses, and finding the Lua library without LUA_PATH (build tree
-# and installed tree). Owner: cli. Run by ctest with FSDPRUN=<build>/bin/fsdprun.
+# and installed tree). Run by ctest with FSDPRUN=<build>/bin/fsdprun.
 set -u
 : "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
 SRC=${FSDP_SOURCE_DIR:-$(pwd)}

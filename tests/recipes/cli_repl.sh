@@ -2,7 +2,7 @@
 # cli_repl.sh — fsdprun -i fed through a pipe: expressions print their values (tab-separated),
 # statements run, an error is reported and the loop goes on, unfinished statements continue
 # on the next line, `:quit` and end of input leave with status 0, and -i after a recipe sees
-# the recipe's globals. Owner: cli. Run by ctest with FSDPRUN=<build>/bin/fsdprun.
+# the recipe's globals. Run by ctest with FSDPRUN=<build>/bin/fsdprun.
 set -u
 : "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
 T=$(mktemp -d)

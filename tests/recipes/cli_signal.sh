@@ -1,7 +1,7 @@
 #!/bin/sh
 # cli_signal.sh — SIGINT stops a running recipe with the Lua error "interrupted" (with a
 # traceback) and exit status 130, also when the loop is a compiled LuaJIT trace that never
-# runs a hook (the grace timer ends it). Owner: cli. Run by ctest with FSDPRUN set.
+# runs a hook (the grace timer ends it). Run by ctest with FSDPRUN set.
 set -u
 : "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
 T=$(mktemp -d)

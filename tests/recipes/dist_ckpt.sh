@@ -2,7 +2,7 @@
 # Checkpoint round trips (tests/dist/ckpt_roundtrip.lua): safetensors (independent parse, tie
 # stored once, loads into wrapped / plain / untied models), strict-loading errors, sharded with
 # optimizer state, extra, loader and schedule — at 1, 2 and 4 ranks, and with the grad_op and
-# none strategies at 2 ranks. Owner: ckpt.
+# none strategies at 2 ranks.
 set -eu
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

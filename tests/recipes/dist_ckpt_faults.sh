@@ -4,7 +4,6 @@
 # the index cannot serve, damaged safetensors files read by ranges; disk full, permission
 # denied and fsync failures injected on a non-zero rank while saving, a failed index commit:
 # every rank raises the same error, the model is untouched, the previous checkpoint loads.
-# Owner: ckpt.
 set -eu
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

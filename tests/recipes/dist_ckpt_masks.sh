@@ -1,7 +1,7 @@
 #!/bin/sh
 # Masks through checkpoints (tests/dist/ckpt_masks.lua): saved at 2 ranks (sharded slices and
 # "<path>:mask" tensors in safetensors), loaded at 1, 2 and 4 ranks into wrapped and plain
-# models with the same masks and values; masked weights stay 0 when training on. Owner: ckpt.
+# models with the same masks and values; masked weights stay 0 when training on.
 set -eu
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

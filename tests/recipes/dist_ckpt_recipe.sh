@@ -2,7 +2,7 @@
 # recipes/gpt_fortunes.lua's checkpoint lines at 2 ranks: a short run interrupted after step 30
 # (--stop_after) with a sharded checkpoint every 15 steps, then --resume, must end exactly as
 # the same run without interruption: the same final train/val loss line and the same sample;
-# --export writes a safetensors file that loads back. Owner: ckpt.
+# --export writes a safetensors file that loads back.
 set -eu
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

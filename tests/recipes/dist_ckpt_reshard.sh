@@ -5,7 +5,6 @@
 # are refused at another world size; a corrupted byte that ranks read by ranges is caught;
 # bf16, i64 and bool tensors in extra, saved at 2 ranks, load at 1 in their dtypes. A load of
 # the wrong checkpoint must fail the comparison.
-# Owner: ckpt.
 set -eu
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

@@ -3,7 +3,7 @@
 # the step-50 sharded checkpoint loaded in a new process and trained 50 more — the losses of
 # steps 51..100 and the final parameters must be bitwise identical (cmp of %a dumps). The model
 # uses dropout, so the random state matters: resuming without it (rng = false) must differ,
-# which shows the comparison can fail. Owner: ckpt.
+# which shows the comparison can fail.
 set -eu
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

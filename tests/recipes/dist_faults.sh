@@ -7,7 +7,7 @@
 # naming "rank R failed: <the injected message>". A rank that returns early while the others
 # wait, and one that is too slow (--timeout=1), end the run with a message naming it. The same
 # error on every rank is reported in full once. SIGINT stops every rank (exit 130), also with a
-# rank blocked in a collective and one in a compiled loop. Owner: launcher. Run by ctest with
+# rank blocked in a collective and one in a compiled loop. Run by ctest with
 # FSDPRUN set.
 # (Mid-forward / mid-backward injection inside FSDP units: with the wrap tests, once they land.)
 set -u

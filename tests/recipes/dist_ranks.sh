@@ -4,7 +4,7 @@
 # (tests/dist/ranks_collectives.lua at -n 1, 2, 4 and without -n); recipe arguments, -e,
 # separate memory domains, --timeout and BLAS threads per rank (ranks_env.lua); whole output
 # lines (ranks_output.lua); the recipe read once (stdin, missing file, syntax error); -n,
-# --timeout, -i and FSDP_BLAS_THREADS validation. Owner: launcher. Run by ctest with FSDPRUN set.
+# --timeout, -i and FSDP_BLAS_THREADS validation. Run by ctest with FSDPRUN set.
 set -u
 : "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
 SRC=${FSDP_SOURCE_DIR:-$(pwd)}

@@ -6,7 +6,7 @@
 # memory), read_param / param_shape (unwrapped and wrapped, ties, wrong sizes and paths), a Lua
 # error on one rank failing every rank at once and breaking the runtime, collective timeouts,
 # the log and data-source callbacks (and calls from inside them), two runtimes on two threads,
-# freeing with live tensors. Natively, then under valgrind's memcheck. Owner: embed.
+# freeing with live tensors. Natively, then under valgrind's memcheck.
 # Run by ctest with FSDPRUN=<build>/bin/fsdprun (the build folder is its dirname/..).
 set -u
 : "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"

@@ -4,7 +4,7 @@
 # weights read back reproduce the engine's validation loss in C, the loss falls (the program
 # checks all that and exits 0); its log callback receives fsdp.log's lines; and the same run is
 # clean under valgrind's memcheck (invalid accesses, definite and indirect leaks fail it;
-# LuaJIT's and OpenBLAS's still-reachable memory does not). Owner: embed.
+# LuaJIT's and OpenBLAS's still-reachable memory does not).
 # Run by ctest with FSDPRUN=<build>/bin/fsdprun (the build folder is its dirname/..).
 set -u
 : "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"

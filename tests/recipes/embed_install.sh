@@ -6,7 +6,7 @@
 # `cc ... $(pkg-config --cflags --libs fsdp)` against DIR alone and runs, so does the minimal
 # host program of docs/EMBEDDING.md (extracted from the page; its output is the one shown
 # there), and a host program built the same way finds the installed Lua library (not the
-# source tree's); fsdp.h compiles as strict C99 and as C++. Owner: embed.
+# source tree's); fsdp.h compiles as strict C99 and as C++.
 # Run by ctest with FSDPRUN=<build>/bin/fsdprun (the build folder is its dirname/..).
 set -u
 : "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"

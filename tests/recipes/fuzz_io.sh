@@ -5,7 +5,7 @@
 # each built with clang -fsanitize=fuzzer,address,undefined and run
 # for FUZZ_SECONDS (default 10) over the seed corpus in tests/fuzz/corpus/. A crash, a leak, a
 # sanitizer report or a broken reader promise (the targets trap) fails the test; the input
-# that did it is kept and its path printed. Owner: ckpt (written by io). Run by ctest; by
+# that did it is kept and its path printed. Run by ctest; by
 # hand for longer:
 #   FUZZ_SECONDS=600 sh tests/recipes/fuzz_io.sh
 # Skips (exit 0, "skipped: no clang ...") only when clang or its fuzzer runtime

@@ -7,7 +7,7 @@
 # with the 1-rank unwrapped reference within 1e-5 relative, as dist_equivalence.sh does. The
 # same over TCP (--mca btl tcp,self: ranks talk as they would across machines), through
 # `fsdprun -n 2 --backend mpi` (fsdprun starts mpirun itself), and a perturbed run must differ
-# (so the comparison can fail). Skips (exit 0) only when mpirun is not installed. Owner: mpi.
+# (so the comparison can fail). Skips (exit 0) only when mpirun is not installed.
 set -u
 : "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
 if ! command -v mpirun >/dev/null 2>&1; then

@@ -7,7 +7,7 @@
 # in an all_reduce (every peer names rank 1), a hung rank 1 reported by the timeout naming it
 # and the collective it missed, a rank that leaves early, a collective mismatch across
 # processes, and a run without a fault that finishes with exit status 0. Skips (exit 0) only
-# when mpirun is not installed. Owner: mpi.
+# when mpirun is not installed.
 set -u
 : "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
 if ! command -v mpirun >/dev/null 2>&1; then

@@ -3,7 +3,7 @@
 # to `mpirun -np 2 fsdprun -i` and to `fsdprun -n 2 -i` prints the same standard output (grouped
 # per rank, collectives across the processes), an error on one rank is reported and the session
 # goes on, and :quit ends every process with status 0. Skips (exit 0) only when mpirun is not
-# installed. Owner: mpi (the REPL itself: repl).
+# installed.
 set -u
 : "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
 if ! command -v mpirun >/dev/null 2>&1; then

@@ -3,7 +3,7 @@
 # an SVG (panels, title escaped, well-formed when xmllint is there), the output defaults beside
 # the input and '-o -' writes to stdout, malformed lines are listed but do not fail the run,
 # usage errors exit 2 with one line, unreadable input exits 1, --help, and no LUA_PATH needed.
-# Owner: plot. Run by ctest with FSDPRUN=<build>/bin/fsdprun.
+# Run by ctest with FSDPRUN=<build>/bin/fsdprun.
 set -u
 : "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
 T=$(mktemp -d)

@@ -3,7 +3,7 @@
 # standard input and broadcasts it over the REPL's own communicator): grouped output, an error
 # on one rank, ":rank 1" refusing a collective, fsdp.debug() with the caller's locals. Skips
 # (exit 0) only when mpirun is not installed or fsdprun was built without Open MPI.
-# Owner: repl. Run by ctest with FSDPRUN=<build>/bin/fsdprun.
+# Run by ctest with FSDPRUN=<build>/bin/fsdprun.
 set -u
 : "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
 if ! command -v mpirun >/dev/null 2>&1; then

@@ -4,7 +4,7 @@
 # (fails after the REPL timeout, the REPL goes on), :rank/:all/:timeout/:help and unknown
 # commands, fsdp.debug() from a recipe (caller's locals, write-back, the recipe goes on), entry
 # after a failed rank, fsdp.debug() called by one rank only. tests/recipes/repl_tty.sh does the
-# terminal (libedit) side. Owner: repl. Run by ctest with FSDPRUN=<build>/bin/fsdprun.
+# terminal (libedit) side. Run by ctest with FSDPRUN=<build>/bin/fsdprun.
 set -u
 : "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
 T=$(mktemp -d)

@@ -4,7 +4,7 @@
 # error display, tab completion (unique, listed, table fields, methods), multi-line input,
 # ^C dropping a half-typed input, ^C interrupting an evaluation on every rank, history (up
 # arrow, the history file, a second session recalling the first), :quit's exit status.
-# Owner: repl. Run by ctest with FSDPRUN=<build>/bin/fsdprun; needs tmux (Debian package tmux).
+# Run by ctest with FSDPRUN=<build>/bin/fsdprun; needs tmux (Debian package tmux).
 set -u
 : "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
 if ! command -v tmux >/dev/null 2>&1; then

@@ -1,4 +1,4 @@
--- fsdp.nn.gpt — a GPT-2 style decoder-only transformer and its sampler (owner: nn).
+-- fsdp.nn.gpt — a GPT-2 style decoder-only transformer and its sampler.
 --
 -- Children, in order: wte (Embedding vocab x d), wpe (Embedding ctx x d), blocks (ModuleList of
 -- Block), ln_f (LayerNorm), head (Linear d -> vocab, no bias). With tie = true (the default)

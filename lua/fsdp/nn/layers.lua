@@ -1,4 +1,4 @@
--- fsdp.nn.layers — the built-in layers and containers (owner: nn).
+-- fsdp.nn.layers — the built-in layers and containers.
 --
 -- Every forward is a few fsdp.F calls on whole tensors (no per-element Lua) and creates no
 -- tensor it does not need. Dropout is applied only in training mode and only when p > 0.

@@ -1,4 +1,4 @@
--- fsdp.nn.module — the Module class protocol (owner: nn).
+-- fsdp.nn.module — the Module class protocol.
 --
 -- What lives here: classes (Module:extend), construction (calling a class), field registration
 -- (modules and parameters assigned to fields, in assignment order), traversal (parameters,

@@ -1,6 +1,5 @@
 /*
  * activations.c — ReLU, GELU (tanh approximation) and dropout, forward and backward.
- * Owner: kernels.
  *
  * GELU uses the vectorised exp of vmath.h, with tanh(u) written through sigmoid(2u); one code
  * path serves full vectors and tails, so a value's result does not depend on where it sits in

@@ -1,6 +1,6 @@
 /*
  * attention.c — causal multi-head self-attention on a fused qkv buffer (llm.c layout),
- * forward and backward. Owner: kernels.
+ * forward and backward.
  *
  * All products are sgemm calls on strided views: q, k, v of head h are the column blocks
  * [h*hs, (h+1)*hs) of qkv's three C-wide thirds, with row stride 3C, so nothing is copied.

@@ -1,6 +1,6 @@
 /*
  * blas.c — GEMM and the ops built directly on it (linear, batched matmul), plus the OpenBLAS
- * thread-count knob. Owner: kernels.
+ * thread-count knob.
  *
  * Every matrix product goes through cblas_sgemm with explicit strides: callers (and the
  * attention kernel) pass views into bigger buffers without copying. Backward passes use

@@ -1,6 +1,5 @@
 /*
  * elementwise.c — binary ops with suffix broadcasting, scalar affine, and embedding lookup.
- * Owner: kernels.
  *
  * Broadcasting: a (n), b (m), n % m == 0, b repeats n / m times (its shape is a suffix of a's).
  * Forward kernels may run in place with out == a exactly (no restrict on them).

@@ -1,6 +1,6 @@
 /*
  * loss.c — cross-entropy (fused log-softmax, integral float targets, ignore_index) and mean
- * squared error, forward and backward. Owner: kernels.
+ * squared error, forward and backward.
  *
  * Cross-entropy is stable for any logit range: each row's max is subtracted before exp, and
  * the row's log-sum-exp is computed in double and saved, so the backward recomputes

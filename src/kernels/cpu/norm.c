@@ -1,5 +1,5 @@
 /*
- * norm.c — layer normalisation and row softmax, forward and backward. Owner: kernels.
+ * norm.c — layer normalisation and row softmax, forward and backward.
  *
  * Rows are independent; row reductions use the SIMD helpers of vmath.h (float lanes, blocks
  * summed in double), elementwise parts are plain restrict loops the compiler vectorises.

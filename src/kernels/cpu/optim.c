@@ -1,6 +1,5 @@
 /*
  * optim.c — in-place optimizer updates over flat buffers (a unit's shard, or one parameter).
- * Owner: kernels.
  *
  * PyTorch semantics, including the order of operations, so that a recipe tuned there behaves
  * the same here: torch.optim.SGD (dampening 0, no nesterov) and torch.optim.AdamW

@@ -1,6 +1,6 @@
 /*
  * reduce.c — sums: full (double), sum of squares (double), over one axis, and column sums
- * for bias-style gradients. Owner: kernels.
+ * for bias-style gradients.
  *
  * Precision: every reduction whose length is not bounded by a feature size (a batch, a whole
  * parameter) accumulates in double. Column sums keep a double accumulator on the stack for a

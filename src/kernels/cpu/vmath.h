@@ -1,7 +1,7 @@
 /*
  * vmath.h — private to src/kernels/cpu: short SIMD vectors (GCC/Clang vector extensions) and
  * a vectorised exp / tanh for the transcendental-heavy kernels (softmax, attention softmax,
- * cross-entropy, GELU). Owner: kernels.
+ * cross-entropy, GELU).
  *
  * Why not a plain loop calling expf: glibc's expf/tanhf are opaque calls, and with the
  * default -ftrapping-math GCC also refuses to if-convert the range clamps of a hand-written
