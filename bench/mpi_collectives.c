@@ -15,7 +15,7 @@
  *   all_gather      raw MPI_Allgather                    vs fsdp_comm_all_gather
  *   reduce_scatter  raw MPI_Reduce_scatter_block (sum)   vs fsdp_comm_reduce_scatter (sum)
  *                   raw by hand: MPI_Sendrecv with every peer into staging, then the add in
- *                   rank order (what MEASUREMENTS.md calls "the ones to beat")
+ *                   rank order (the ones to beat)
  * Progress: the 16 MiB all_gather started nonblocking, then 3x its blocking time of compute that
  * makes no MPI call, then the wait: raw (MPI_Iallgather ... MPI_Wait) against the engine
  * (fsdp_comm_start ... fsdp_comm_wait). Open MPI does not progress without calls, so the raw

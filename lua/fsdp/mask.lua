@@ -5,7 +5,7 @@
 --   set_local_mask; reapply(model)
 --
 -- A mask is a 0/1 value per element of a parameter (0 = pruned). It is stored in the form the
--- parameter has (DESIGN.md "Masks and pruning"):
+-- parameter has (docs/pruning.md):
 --   * a parameter of a plain model: the full mask, a tensor of the parameter's shape;
 --   * a parameter owned by a unit (fsdp.wrap): only THIS rank's slice of it, a 1-D tensor laid
 --     out exactly like the parameter's slice in the unit's flat shard (u:local_slices()), or

@@ -9,7 +9,7 @@
 --                                       rank 0 only or on every rank) — what fsdp.load uses
 --   M._agree(what, entries, err)        the cross-rank comparison wrap/materialize/load use
 --
--- Invariants (DESIGN.md 1 and 2):
+-- Invariants 1 and 2 (docs/ARCHITECTURE.md):
 --   * Nothing here creates a parameter object in place of another. Materializing, loading and
 --     sharding change what storage backs a parameter (core.param_materialize swaps a meta
 --     storage for a dense one in place); retie reassigns module fields to an existing object.

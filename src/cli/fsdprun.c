@@ -23,7 +23,7 @@
  * Under mpirun (or with --backend mpi) each process is one rank of an Open MPI job instead: see
  * "the mpi backend" below and docs/mpi.md.
  *
- * Failure is collective (DESIGN.md invariant 3). A rank whose chunk raises reports and only
+ * Failure is collective (invariant 3). A rank whose chunk raises reports and only
  * then aborts the communicator (fsdp_host_rank_fail), so the root cause is on stderr before any
  * peer wakes with "rank R failed: <message>"; a peer's report is one line. Ranks that are not
  * in a collective then get the grace period: a rank still running Lua after it is stopped by

@@ -17,7 +17,7 @@
  * same collectives in the same order (SPMD); when they do not, the fingerprint check turns it
  * into an error naming both sides instead of a hang or a corruption.
  *
- * Failure (DESIGN.md invariant 3): fsdp_comm_abort(c, msg) poisons the whole group. Every rank
+ * Failure (invariant 3): fsdp_comm_abort(c, msg) poisons the whole group. Every rank
  * blocked in a collective, or entering one later, fails within the timeout with
  * "rank R failed: <msg>". A collective that waits longer than the timeout (default 60 s,
  * FSDP_TIMEOUT seconds in the environment, or fsdp_comm_set_timeout) fails with an error naming

@@ -14,7 +14,7 @@
  * chunk, look the function or the parameter up, wrap inputs); only if every rank succeeded
  * there, the phase that runs user code (fsdp_host_pcall). A Lua error in user code fails the
  * rank through the host (fsdp_host_rank_fail: its communicator is aborted, so peers blocked in
- * a collective fail fast with "rank R failed: ...", DESIGN.md invariant 3) and breaks the
+ * a collective fail fast with "rank R failed: ...", invariant 3) and breaks the
  * runtime: the group is poisoned for good.
  *
  * Inputs of fsdp_call are host memory wrapped in storages (fsdp_storage_wrap: not owned, not

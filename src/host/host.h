@@ -12,7 +12,7 @@
  * Threads live until fsdp_host_free; states and communicators until the rank finishes
  * (fsdp_host_rank_finish) or its thread ends.
  *
- * Failure is collective (DESIGN.md invariant 3). A rank whose Lua code fails calls
+ * Failure is collective (invariant 3). A rank whose Lua code fails calls
  * fsdp_host_rank_fail: its report is written (the first failing rank's in full, a peer's
  * "rank R failed: ..." as a one-line consequence), then its communicator is aborted so peers
  * blocked in a collective fail at once. Ranks not in a collective get a grace period

@@ -11,7 +11,7 @@
 --   clip_grad_norm: one all_reduce of one number
 --   the optimizer step: one all_reduce of one float per parameter of every unit (which
 --            parameters received a gradient on some rank: docs/fsdp.md "Optimizers on shards")
--- Compared to DESIGN.md's "two all-gathers and one reduce-scatter of the padded parameters",
+-- Compared to the design's "two all-gathers and one reduce-scatter of the padded parameters",
 -- the root's second all-gather is saved. Asserted exactly (bytes and call counts), on every
 -- rank; one model is wrapped, measured, unwrapped and wrapped again for each configuration.
 local fsdp = require "fsdp"

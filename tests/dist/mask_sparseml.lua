@@ -1,4 +1,4 @@
--- The SparseML report (../shared/seeds/004_*) as a test (tests/recipes/dist_mask.sh): a pruning
+-- The SparseML failure (masks through stale references) as a test (tests/recipes/dist_mask.sh): a pruning
 -- session saves references to the prunable layers and their weights BEFORE the model is wrapped,
 -- prunes through them AFTER it is wrapped, and the sharded model must change and stay pruned
 -- through 10 optimizer steps; reading the sparsity must not need the full parameters.

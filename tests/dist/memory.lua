@@ -1,6 +1,6 @@
 -- Memory proof (tests/recipes/dist_memory.sh): fsdp.memory() on every rank, for a GPT wrapped
 -- with one unit per Block, strategy "full", AdamW, compared with what sharding promises
--- (DESIGN.md "Numbers we hold ourselves to"), each figure within 5%:
+-- (docs/ARCHITECTURE.md, "The three invariants": the numbers held), each figure within 5%:
 --   between steps  params = grads = total/N, optim = 2 total/N      (x 4 bytes, + padding)
 --                  so params + grads + optim = 16 total/N bytes, against 16 total unsharded
 --   during a step  gathered peaks at the root plus the largest unit (prefetch = false), or the

@@ -1,5 +1,5 @@
 -- sync_module_states with meta models on the other ranks (tests/recipes/dist_meta.sh): the
--- accelerate report's scenario (../shared/seeds/000_*): a tied GPT whose real weights exist on
+-- accelerate failure's scenario (tied weights split by deferred init): a tied GPT whose real weights exist on
 -- rank 0 only (built eagerly there), every other rank holding a meta model, then
 -- fsdp.wrap{sync_module_states = true}:
 --   * every rank holds rank 0's values (its shards, and gathered: equal to an eager build with

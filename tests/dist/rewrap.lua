@@ -1,4 +1,4 @@
--- The fairscale/Lightning report (../shared/seeds/003_*) as a test (tests/recipes/
+-- The fairscale/Lightning failure (wrapping a model twice) as a test (tests/recipes/
 -- dist_rewrap.sh): wrap, train, keep the plain module, wrap it again (an inner unit that the
 -- user wrapped first included), get identical outputs and the same parameter list; unwrap
 -- gives a plain model with the same outputs; it can be wrapped afresh. Every check runs on

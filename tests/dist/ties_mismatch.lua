@@ -1,6 +1,6 @@
 -- Ranks whose user code built different models (tests/recipes/dist_ties.sh): fsdp.wrap must
 -- stop on every rank with an error that names the difference and the ranks on each side
--- (DESIGN.md invariant 2), before any collective that could hang, and leave the model plain.
+-- (invariant 2), before any collective that could hang, and leave the model plain.
 -- The last rank is the odd one out:
 --   --case=tie     it does not tie head.weight to wte.weight
 --   --case=shape   it builds one layer with another width

@@ -1,5 +1,5 @@
 -- The accelerate report's scenario, end to end (tests/recipes/dist_ties.sh; the report is
--- ../shared/seeds/000_*): a tied GPT built on meta at N ranks, the real weights on rank 0
+-- the accelerate failure): a tied GPT built on meta at N ranks, the real weights on rank 0
 -- only (built eagerly there), wrap{sync_module_states = true}, then 20 training steps. The
 -- loss curve and the final parameters must equal the eagerly built, unsharded 1-rank run
 -- (tests/dist/compare.lua, 1e-5 relative). Along the way, on every rank: the same number of

@@ -1,5 +1,5 @@
--- A rank that fails in the middle of sharded training makes every rank fail fast (DESIGN.md
--- invariant 3), run by tests/recipes/dist_wrap_faults.sh:
+-- A rank that fails in the middle of sharded training makes every rank fail fast (invariant 3,
+-- docs/ARCHITECTURE.md), run by tests/recipes/dist_wrap_faults.sh:
 --   fsdprun -n N tests/dist/wrap_faults.lua --at=forward|backward [--rank=1] [--step=3]
 -- at=forward: rank R raises inside the forward of the second of three units, after the first
 --   unit's all-gather and while the third's prefetch is in flight on the other ranks; its

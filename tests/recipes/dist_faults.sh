@@ -1,5 +1,5 @@
 #!/bin/sh
-# dist_faults.sh — collective failure (DESIGN.md invariant 3) through fsdprun -n N, with
+# dist_faults.sh — collective failure (invariant 3) through fsdprun -n N, with
 # tests/dist/fault_inject.lua: an error injected on rank 1 of 4, and on rank 0, before the
 # first collective, between collectives, and while the peers wait in an all_reduce (a Lua
 # error and an engine error) ends the run within seconds (the abort wakes the peers, no

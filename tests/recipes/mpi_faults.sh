@@ -1,5 +1,5 @@
 #!/bin/sh
-# mpi_faults.sh — collective failure (DESIGN.md invariant 3) on the mpi backend, under mpirun:
+# mpi_faults.sh — collective failure (invariant 3) on the mpi backend, under mpirun:
 # an error raised on rank 1 while its peers are inside backward (and inside forward), at 2 and
 # 4 ranks, over shared memory and over TCP, ends every rank within seconds (the collective
 # timeout is 30 s: the peers must be woken by rank 1's poison, not time out), with rank 1's

@@ -16,7 +16,7 @@
 -- are this file's bookkeeping, never user fields (one exception: "__fsdp_wrap", the mark that
 -- lua/fsdp/wrap.lua puts on every module of a wrapped model).
 --
--- Invariants: a parameter is an object with a stable identity (DESIGN.md); this file never
+-- Invariants: a parameter is an object with a stable identity (invariant 1, docs/ARCHITECTURE.md); this file never
 -- copies or replaces a parameter, it only holds references. Traversals deduplicate modules and
 -- parameters by identity: a parameter (or module) reachable twice is reported once, under the
 -- first path in traversal order.
