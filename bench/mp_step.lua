@@ -1,6 +1,7 @@
 -- Mixed-precision GPT train step against f32, measured in one run (not a test).
 --   fsdprun bench/mp_step.lua [--steps=5] [--rounds=3] [--only=L4] [--mp=bf16]
 --   fsdprun -n 2 bench/mp_step.lua
+--   fsdprun bench/mp_step.lua --only=L4 --mp_only   # the mixed-precision model alone (profiling)
 -- Both models are wrapped (one unit per Block) and trained on the same batch; rounds alternate
 -- f32 and mp steps (A, B, A, B) so that machine load hits both alike. Per configuration it
 -- prints the median step time of each, their ratio, the all-gather bytes per step of each
@@ -35,7 +36,7 @@ math.randomseed(1)
 for _, c in ipairs(configs) do
   if not args.only or c.name:find(args.only, 1, true) then
     local runs = {}
-    for i, prec in ipairs{ "f32", mp } do
+    for i, prec in ipairs(args.mp_only and { mp } or { "f32", mp }) do
       fsdp.manual_seed(0)
       local model = nn.GPT { vocab = V, ctx = T, d = c.d, layers = c.layers, heads = c.heads, tie = true }
       fsdp.wrap(model, { policy = fsdp.policy.modules { nn.Block }, mp = prec ~= "f32" and prec or nil })
@@ -68,7 +69,7 @@ for _, c in ipairs(configs) do
         end
       end
     end
-    local a, b = runs[1], runs[2]
+    local a, b = runs[1], runs[2] or runs[1]
     local ta, tb = median(a.times), median(b.times)
     local mib = function(x) return ("%.1f MiB"):format(x / 1048576) end
     say(("%-8s %10.3f %10.3f %6.2f %12s %12s %6.2f %12s %12s %6.2f"):format(c.name, ta, tb, tb / ta,

@@ -30,6 +30,7 @@ typedef int (*fsdp_hook_fn)(void *ud);
 struct fsdp_node {
   const char *op; /* for error messages: "linear", "layernorm", ... */
   fsdp_backward_fn backward;
+  fsdp_backward_fn impl; /* for backward's own use (ops.c: the op's backward behind a wrapper) */
   fsdp_tensor *out; /* retained */
   int nin;
   fsdp_tensor *in[FSDP_NODE_MAX_IN]; /* retained; NULL for optional inputs (bias) */

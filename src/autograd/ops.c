@@ -106,14 +106,17 @@ typedef struct {
 /* ARGS(M, K, N): integer arguments only. */
 #define ARGS(...) (&(const rec_args){.i = {__VA_ARGS__}})
 
+static int run_backward(fsdp_node *n);
+
 /* Record a node if any of in[] requires a gradient; marks *out as a non-leaf that does.
  * Retains *out, in[] and saved[]; a (may be NULL) goes into the node. On failure *out is
  * released and set to NULL, so callers just return the status. */
 static int record(const char *op, fsdp_backward_fn fn, fsdp_tensor **out, fsdp_tensor **in,
                   int nin, fsdp_tensor **saved, int nsaved, const rec_args *a) {
   if (!fsdp_needs_grad(in, nin)) return FSDP_OK;
-  fsdp_node *n = fsdp_node_new(op, fn);
+  fsdp_node *n = fsdp_node_new(op, run_backward);
   if (!n) goto fail;
+  n->impl = fn;
   fsdp_tensor *o = *out;
   o->requires_grad = true;
   o->is_leaf = false;
@@ -146,12 +149,60 @@ fail:
   return FSDP_ERR;
 }
 
+/* Gradient buffers in another dtype than their tensor: mixed precision keeps parameter
+ * gradients in f32 while the parameters compute in bf16. Slots with a gradient dtype (linear,
+ * layernorm, embedding: `gdt`) write those directly; for every other op the kernel accumulates
+ * into a zeroed buffer of the tensor's dtype (a detour), added into the real gradient once the
+ * op's backward ran (run_backward). */
+typedef struct {
+  fsdp_tensor *t, *tmp;
+} detour;
+static _Thread_local detour detours[FSDP_NODE_MAX_IN + 8];
+static _Thread_local int ndetours;
+
+/* t's gradient buffer for a kernel that writes it in t's dtype */
+static int grad_buf(fsdp_tensor *t, void **g) {
+  *g = fsdp_grad_acc(t);
+  if (!*g) return FSDP_ERR;
+  if (t->grad->dtype == t->dtype) return FSDP_OK;
+  if (ndetours == (int)(sizeof detours / sizeof detours[0]))
+    return fsdp_error("backward: too many gradients of another dtype in one op");
+  fsdp_tensor *tmp;
+  if (fsdp_tensor_new(&tmp, dev_of(t), t->dtype, t->ndim, t->shape, FSDP_ROLE_ACTIVATIONS))
+    return FSDP_ERR;
+  detours[ndetours++] = (detour){t, tmp};
+  *g = D(tmp);
+  return FSDP_OK;
+}
+
+static int run_backward(fsdp_node *n) {
+  ndetours = 0;
+  int rc = n->impl(n);
+  for (int i = 0; i < ndetours; i++) {
+    if (!rc) rc = fsdp_add_into(detours[i].t->grad, detours[i].tmp, 1.0);
+    fsdp_tensor_release(detours[i].tmp);
+  }
+  ndetours = 0;
+  return rc;
+}
+
 /* Gradient buffer of input k if it wants one, else NULL (kernels skip NULL outputs). */
 static int grad_of(fsdp_node *n, int k, void **g) {
   *g = NULL;
   fsdp_tensor *t = n->in[k];
   if (!t || !t->requires_grad) return FSDP_OK;
+  return grad_buf(t, g);
+}
+
+/* The same for a slot that writes weight gradients in their own dtype (*gdt: the buffer's; the
+ * tensor's when there is none) */
+static int wgrad_of(fsdp_node *n, int k, void **g, fsdp_dtype *gdt) {
+  *g = NULL;
+  fsdp_tensor *t = n->in[k];
+  if (t) *gdt = t->dtype;
+  if (!t || !t->requires_grad) return FSDP_OK;
   *g = fsdp_grad_acc(t);
+  if (*g) *gdt = t->grad->dtype;
   return *g ? FSDP_OK : FSDP_ERR;
 }
 
@@ -484,8 +535,14 @@ bad:
 
 static int bw_linear(fsdp_node *n) {
   void *dx, *dw, *db;
-  if (grad_of(n, 0, &dx) || grad_of(n, 1, &dw) || grad_of(n, 2, &db)) return FSDP_ERR;
-  return NK(n)->linear_backward(NCTX(n), NDT(n), dx, dw, db, D(n->out->grad), D(n->saved[0]),
+  fsdp_dtype gw = NDT(n), gb = NDT(n);
+  if (grad_of(n, 0, &dx) || wgrad_of(n, 1, &dw, &gw) || wgrad_of(n, 2, &db, &gb))
+    return FSDP_ERR;
+  if (dw && db && gw != gb)
+    return fsdp_error("linear: the weight's gradient is %s, the bias's %s", fsdp_dtype_name(gw),
+                      fsdp_dtype_name(gb));
+  return NK(n)->linear_backward(NCTX(n), NDT(n), dw ? gw : gb, dx, dw, db, D(n->out->grad),
+                                D(n->saved[0]),
                                 D(n->saved[1]), (int)n->i[0], (int)n->i[1], (int)n->i[2]);
 }
 
@@ -527,10 +584,11 @@ done:
 
 static int bw_embedding(fsdp_node *n) {
   void *dw;
-  if (grad_of(n, 1, &dw)) return FSDP_ERR;
+  fsdp_dtype gdt = NDT(n);
+  if (wgrad_of(n, 1, &dw, &gdt)) return FSDP_ERR;
   if (!dw) return FSDP_OK;
   const fsdp_tensor *ids = n->saved[0];
-  return NK(n)->embedding_backward(NCTX(n), NDT(n), dw, D(n->out->grad), D(ids), ids->dtype,
+  return NK(n)->embedding_backward(NCTX(n), NDT(n), gdt, dw, D(n->out->grad), D(ids), ids->dtype,
                                    n->i[0], (int)n->i[1]);
 }
 
@@ -570,8 +628,14 @@ done:
 
 static int bw_layernorm(fsdp_node *n) {
   void *dx, *dw, *db;
-  if (grad_of(n, 0, &dx) || grad_of(n, 1, &dw) || grad_of(n, 2, &db)) return FSDP_ERR;
-  return NK(n)->layernorm_backward(NCTX(n), NDT(n), dx, dw, db, D(n->out->grad), D(n->saved[0]),
+  fsdp_dtype gw = NDT(n), gb = NDT(n);
+  if (grad_of(n, 0, &dx) || wgrad_of(n, 1, &dw, &gw) || wgrad_of(n, 2, &db, &gb))
+    return FSDP_ERR;
+  if (dw && db && gw != gb)
+    return fsdp_error("layernorm: the weight's gradient is %s, the bias's %s",
+                      fsdp_dtype_name(gw), fsdp_dtype_name(gb));
+  return NK(n)->layernorm_backward(NCTX(n), NDT(n), dw ? gw : gb, dx, dw, db, D(n->out->grad),
+                                   D(n->saved[0]),
                                    D(n->saved[1]), D(n->saved[2]), D(n->saved[3]), n->i[0],
                                    (int)n->i[1]);
 }
@@ -1149,8 +1213,8 @@ static int bw_cat(fsdp_node *n) {
     fsdp_tensor *t = n->more[i];
     int64_t len = t->shape[dim];
     if (t->requires_grad) {
-      void *d = fsdp_grad_acc(t);
-      if (!d) return FSDP_ERR;
+      void *d;
+      if (grad_buf(t, &d)) return FSDP_ERR;
       int64_t ds[FSDP_MAX_DIMS];
       contiguous_strides(ds, t->ndim, t->shape);
       const char *g = (const char *)D(o->grad) + start * ss[dim] * (int64_t)es;
@@ -1201,7 +1265,7 @@ int fsdp_op_cat(fsdp_tensor **out, fsdp_tensor *const *ts, int n, int dim) {
   }
   (*out)->version = 0;
   if (!fsdp_needs_grad(ts, n)) return FSDP_OK;
-  fsdp_node *node = fsdp_node_new("cat", bw_cat);
+  fsdp_node *node = fsdp_node_new("cat", run_backward);
   fsdp_tensor **more = calloc((size_t)n, sizeof *more);
   if (!node || !more) {
     free(node);
@@ -1210,6 +1274,7 @@ int fsdp_op_cat(fsdp_tensor **out, fsdp_tensor *const *ts, int n, int dim) {
     *out = NULL;
     return fsdp_error("cat: out of memory recording the autograd node");
   }
+  node->impl = bw_cat;
   fsdp_tensor *o = *out;
   o->requires_grad = true;
   o->is_leaf = false;

@@ -649,6 +649,14 @@ static int gather_replicated(fsdp_unit *u, fsdp_dtype dt) {
 /* The compute dtype of the unit's parameters (mixed precision's param dtype; f32 without). */
 static fsdp_dtype compute_dt(const fsdp_unit *u) { return u->opts.param_dtype; }
 
+/* The dtype the parameters' gradients accumulate in during backward: f32 unless both the
+ * compute and the reduce dtype are narrower. Rounding a rank's partial gradient to bf16 before
+ * the ranks' sum would make N ranks differ from 1 rank by bf16's precision; in f32 they agree as
+ * f32 runs do, and the reduce dtype decides the one rounding there is. */
+static fsdp_dtype grad_dt(const fsdp_unit *u) {
+  return u->opts.param_dtype == FSDP_DTYPE_F32 ? FSDP_DTYPE_F32 : u->opts.reduce_dtype;
+}
+
 static int reshard_impl(fsdp_unit *u);
 
 /* Gather with the parameters in dtype dt. A unit gathered in the other dtype is resharded
@@ -815,10 +823,9 @@ static int hook_end(void *ud) {
    * tape): a frozen unit's, or one not used in this forward, would never be consumed */
   fsdp_unit *v = u->bwd_prefetch;
   if (v && !v->emptied && v->pending_bwd > 0 && fsdp_unit_prefetch(v)) return FSDP_ERR;
-  /* the parameters' gradients have their (compute) dtype; finish_backward converts them to
-   * the reduce dtype */
+  /* finish_backward converts the gradients to the reduce dtype when it differs */
   if (!u->full_grad &&
-      flat_new_dt(&u->full_grad, u->device, compute_dt(u), u->padded, FSDP_ROLE_GRADS, true))
+      flat_new_dt(&u->full_grad, u->device, grad_dt(u), u->padded, FSDP_ROLE_GRADS, true))
     return fsdp_error_context("backward: unit '%s'", u->path);
   for (int i = 0; i < u->n; i++) {
     fsdp_unit_param *q = &u->params[i];

@@ -16,6 +16,9 @@
  *   is refused with "op <name> has no kernel for <dtype> on <device>" (fsdp_kernels_refuse), so
  *   callers can offer every dtype and let the table decide.
  * - Backward slots ACCUMULATE (+=) into input gradients; a NULL gradient output is skipped.
+ *   Gradients have the dtype of their tensor, except the weight gradients of the slots that take
+ *   `gdt` (linear, layernorm, embedding): those are in gdt, which is dt or f32 (mixed precision
+ *   keeps parameter gradients in f32, so a gradient is rounded once, after the ranks' sum).
  *   Outputs never alias inputs, except where the cpu header (src/kernels/cpu/kernels.h) says the
  *   f32 kernels allow it; every table honours the same rules.
  * - Scalars that reach the host (sumsq, counts) are host pointers; the call waits for them.
@@ -73,7 +76,8 @@ typedef struct fsdp_kernels_i {
   /* out (M, N) = inp (M, K) weight (N, K)^T + bias (N) */
   int (*linear_forward)(void *ctx, fsdp_dtype dt, void *out, const void *inp,
                         const void *weight, const void *bias, int M, int K, int N);
-  int (*linear_backward)(void *ctx, fsdp_dtype dt, void *dinp, void *dweight, void *dbias,
+  int (*linear_backward)(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *dinp, void *dweight,
+                         void *dbias,
                          const void *dout, const void *inp, const void *weight, int M, int K,
                          int N);
 
@@ -120,14 +124,16 @@ typedef struct fsdp_kernels_i {
   /* out (N, C) = weight[ids] ; ids (N) of dtype idt, checked by the caller */
   int (*embedding_forward)(void *ctx, fsdp_dtype dt, void *out, const void *ids,
                            fsdp_dtype idt, const void *weight, int64_t N, int C);
-  int (*embedding_backward)(void *ctx, fsdp_dtype dt, void *dweight, const void *dout,
+  int (*embedding_backward)(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *dweight,
+                            const void *dout,
                             const void *ids, fsdp_dtype idt, int64_t N, int C);
 
   /* ---- normalisation, attention, losses ---- */
   int (*layernorm_forward)(void *ctx, fsdp_dtype dt, void *out, float *mean, float *rstd,
                            const void *inp, const void *weight, const void *bias, int64_t N,
                            int C, float eps);
-  int (*layernorm_backward)(void *ctx, fsdp_dtype dt, void *dinp, void *dweight, void *dbias,
+  int (*layernorm_backward)(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *dinp, void *dweight,
+                            void *dbias,
                             const void *dout, const void *inp, const void *weight,
                             const float *mean, const float *rstd, int64_t N, int C);
   /* softmax over the last dim of (N, C) */

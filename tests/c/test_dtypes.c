@@ -204,10 +204,17 @@ static int r_linear_forward(run *r, int a) {
   const void *x = in(r, M_ * K_, G_SIGNED), *w = in(r, N_ * K_, G_SIGNED), *b = in(r, N_, G_SIGNED);
   return K()->linear_forward(CTX, DT, out(r, M_ * N_), x, w, b, M_, K_, N_);
 }
+/* a weight gradient the slot adds to: in the row's dtype, or f32 (arg 1: mixed precision's
+ * f32 parameter gradients, the `gdt` of linear, layernorm and embedding) */
+static fsdp_dtype wgdt(run *r, int f32) { return f32 ? FSDP_DTYPE_F32 : r->dt; }
+static void *wacc(run *r, int f32, int64_t n, gen g) {
+  return keep(r, in_dt(r, wgdt(r, f32), n, g), wgdt(r, f32), n);
+}
 static int r_linear_backward(run *r, int a) {
-  void *dx = acc(r, M_ * K_, G_SIGNED), *dw = acc(r, N_ * K_, G_SIGNED), *db = acc(r, N_, G_SIGNED);
+  void *dx = acc(r, M_ * K_, G_SIGNED), *dw = wacc(r, a, N_ * K_, G_SIGNED),
+       *db = wacc(r, a, N_, G_SIGNED);
   const void *g = in(r, M_ * N_, G_SIGNED), *x = in(r, M_ * K_, G_SIGNED), *w = in(r, N_ * K_, G_SIGNED);
-  return K()->linear_backward(CTX, DT, dx, dw, db, g, x, w, M_, K_, N_);
+  return K()->linear_backward(CTX, DT, wgdt(r, a), dx, dw, db, g, x, w, M_, K_, N_);
 }
 
 /* binary ops: a (12) op b (4) repeating; b away from 0 for div */
@@ -294,9 +301,9 @@ static int r_embedding_forward(run *r, int a) {
   return K()->embedding_forward(CTX, DT, out(r, 4 * 3), ids, FSDP_DTYPE_I64, w, 4, 3);
 }
 static int r_embedding_backward(run *r, int a) {
-  void *dw = acc(r, 5 * 3, G_SIGNED);
+  void *dw = wacc(r, a, 5 * 3, G_SIGNED);
   const void *g = in(r, 4 * 3, G_SIGNED), *ids = vals_dt(r, FSDP_DTYPE_F32, 4, ids5);
-  return K()->embedding_backward(CTX, DT, dw, g, ids, FSDP_DTYPE_F32, 4, 3);
+  return K()->embedding_backward(CTX, DT, wgdt(r, a), dw, g, ids, FSDP_DTYPE_F32, 4, 3);
 }
 static int r_layernorm_forward(run *r, int a) {
   const void *x = in(r, 3 * 8, G_SIGNED), *w = in(r, 8, G_POS), *b = in(r, 8, G_SIGNED);
@@ -304,10 +311,10 @@ static int r_layernorm_forward(run *r, int a) {
   return K()->layernorm_forward(CTX, DT, out(r, 3 * 8), mean, rstd, x, w, b, 3, 8, 1e-5f);
 }
 static int r_layernorm_backward(run *r, int a) {
-  void *dx = acc(r, 3 * 8, G_SIGNED), *dw = acc(r, 8, G_SIGNED), *db = acc(r, 8, G_SIGNED);
+  void *dx = acc(r, 3 * 8, G_SIGNED), *dw = wacc(r, a, 8, G_SIGNED), *db = wacc(r, a, 8, G_SIGNED);
   const void *g = in(r, 3 * 8, G_SIGNED), *x = in(r, 3 * 8, G_SIGNED), *w = in(r, 8, G_POS);
   const float *mean = in_dt(r, FSDP_DTYPE_F32, 3, G_SIGNED), *rstd = in_dt(r, FSDP_DTYPE_F32, 3, G_POS);
-  return K()->layernorm_backward(CTX, DT, dx, dw, db, g, x, w, mean, rstd, 3, 8);
+  return K()->layernorm_backward(CTX, DT, wgdt(r, a), dx, dw, db, g, x, w, mean, rstd, 3, 8);
 }
 static int r_softmax_forward(run *r, int a) {
   return K()->softmax_forward(CTX, DT, out(r, 3 * 7), in(r, 3 * 7, G_SIGNED), 3, 7);
@@ -469,6 +476,7 @@ static const row rows[] = {
     {"bmm_backward", "matmul", F32H, r_bmm_backward, 0},
     {"linear_forward", "linear", F32H, r_linear_forward, 0},
     {"linear_backward", "linear", F32H, r_linear_backward, 0},
+    {"linear_backward, f32 weight grads", "linear", F32H, r_linear_backward, 1},
     /* elementwise */
     {"binary_forward add", "add", NUMS, r_binary_forward, FSDP_BIN_ADD},
     {"binary_forward sub", "sub", NUMS, r_binary_forward, FSDP_BIN_SUB},
@@ -510,9 +518,11 @@ static const row rows[] = {
     {"check_index", "index", NUMS, r_check_index, 0},
     {"embedding_forward", "embedding", NUMS, r_embedding_forward, 0},
     {"embedding_backward", "embedding", F32H, r_embedding_backward, 0},
+    {"embedding_backward, f32 weight grads", "embedding", F32H, r_embedding_backward, 1},
     /* normalisation, attention, losses */
     {"layernorm_forward", "layernorm", F32H, r_layernorm_forward, 0},
     {"layernorm_backward", "layernorm", F32H, r_layernorm_backward, 0},
+    {"layernorm_backward, f32 weight grads", "layernorm", F32H, r_layernorm_backward, 1},
     {"softmax_forward", "softmax", F32H, r_softmax_forward, 0},
     {"softmax_backward", "softmax", F32H, r_softmax_backward, 0},
     {"attention_forward", "attention", F32H, r_attention_forward, 0},

@@ -76,6 +76,22 @@ function GPT:positions(T)
   return pos:narrow(1, 1, T)
 end
 
+-- Positions for every row of a (B, T) batch, cached per shape. Used when the model computes in
+-- bf16 / f16 (mixed precision): wpe(positions (T)) + tokens sums the position embedding's
+-- gradient over the batch in that dtype, so a rank's rounding of its partial sum would make N
+-- ranks differ from one rank by bf16's precision; looked up per row, the gradient reaches wpe's
+-- (f32) gradient unrounded.
+function GPT:row_positions(B, T)
+  local cache = rawget(self, "__row_positions")
+  if cache == nil or cache.B ~= B or cache.T ~= T then
+    local rows = {}
+    for b = 1, B do rows[b] = self:positions(T) end
+    cache = {B = B, T = T, pos = fsdp.stack(rows)}
+    rawset(self, "__row_positions", cache)
+  end
+  return cache.pos
+end
+
 -- ids (B, T) integral values in [0, vocab) -> logits (B, T, vocab)
 function GPT:forward(ids)
   local shape = ids:shape()
@@ -86,7 +102,12 @@ function GPT:forward(ids)
   if T > self.ctx then
     error(("sequence length T=%d exceeds the model's context ctx=%d"):format(T, self.ctx), 0)
   end
-  local x = self.wte(ids) + self.wpe(self:positions(T)) -- (B, T, d) + (T, d)
+  local x
+  if self.wpe.weight:dtype() == "f32" then
+    x = self.wte(ids) + self.wpe(self:positions(T)) -- (B, T, d) + (T, d)
+  else
+    x = self.wte(ids) + self.wpe(self:row_positions(shape[1], T)) -- (B, T, d) + (B, T, d)
+  end
   x = L.dropout(self, x, self.dropout)
   local blocks = self.blocks
   for i = 1, #blocks do x = blocks[i](x) end

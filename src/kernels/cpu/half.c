@@ -259,13 +259,24 @@ int fsdp_cpu_half_linear_forward(fsdp_dtype dt, void *out, const void *inp, cons
   return done(&w);
 }
 
-int fsdp_cpu_half_linear_backward(fsdp_dtype dt, void *dinp, void *dweight, void *dbias,
-                                  const void *dout, const void *inp, const void *weight, int M,
-                                  int K, int N) {
+/* A weight gradient (n elements of gdt) to accumulate into in f32: the buffer itself when it is
+ * f32 (mixed precision), else a widened copy put back by put_grad. */
+static float *grad_acc(work *w, void *g, fsdp_dtype gdt, fsdp_dtype dt, int64_t n) {
+  return gdt == FSDP_DTYPE_F32 ? g : whole(w, g, dt, n);
+}
+
+static void put_grad(void *g, fsdp_dtype gdt, fsdp_dtype dt, const float *f, int64_t n) {
+  if (gdt != FSDP_DTYPE_F32) put(g, dt, 0, f, n);
+}
+
+int fsdp_cpu_half_linear_backward(fsdp_dtype dt, fsdp_dtype gdt, void *dinp, void *dweight,
+                                  void *dbias, const void *dout, const void *inp,
+                                  const void *weight, int M, int K, int N) {
   work w = {0};
   int64_t rows = rows_in(GEMM_CHUNK, K > N ? K : N), c = min64(M, rows);
   float *fw = dinp ? whole(&w, weight, dt, (int64_t)N * K) : NULL;
-  float *fdw = whole(&w, dweight, dt, (int64_t)N * K), *fdb = whole(&w, dbias, dt, N);
+  float *fdw = grad_acc(&w, dweight, gdt, dt, (int64_t)N * K);
+  float *fdb = grad_acc(&w, dbias, gdt, dt, N);
   float *fg = tmp(&w, c * N), *fi = dweight ? tmp(&w, c * K) : NULL, *fdi = opt(&w, dinp, c * K);
   for (int64_t r = 0; !w.failed && r < M; r += rows) {
     int64_t len = min64(rows, M - r);
@@ -276,8 +287,8 @@ int fsdp_cpu_half_linear_backward(fsdp_dtype dt, void *dinp, void *dweight, void
     put(dinp, dt, r * K, fdi, len * K);
   }
   if (!w.failed) {
-    put(dweight, dt, 0, fdw, (int64_t)N * K);
-    put(dbias, dt, 0, fdb, N);
+    put_grad(dweight, gdt, dt, fdw, (int64_t)N * K);
+    put_grad(dbias, gdt, dt, fdb, N);
   }
   return done(&w);
 }
@@ -298,13 +309,14 @@ int fsdp_cpu_half_layernorm_forward(fsdp_dtype dt, void *out, float *mean, float
   return done(&w);
 }
 
-int fsdp_cpu_half_layernorm_backward(fsdp_dtype dt, void *dinp, void *dweight, void *dbias,
-                                     const void *dout, const void *inp, const void *weight,
-                                     const float *mean, const float *rstd, int64_t N, int C) {
+int fsdp_cpu_half_layernorm_backward(fsdp_dtype dt, fsdp_dtype gdt, void *dinp, void *dweight,
+                                     void *dbias, const void *dout, const void *inp,
+                                     const void *weight, const float *mean, const float *rstd,
+                                     int64_t N, int C) {
   work w = {0};
   int64_t rows = chunk_rows(C), c = min64(N, rows);
-  float *fw = whole(&w, weight, dt, C), *fdw = whole(&w, dweight, dt, C),
-        *fdb = whole(&w, dbias, dt, C);
+  float *fw = whole(&w, weight, dt, C), *fdw = grad_acc(&w, dweight, gdt, dt, C),
+        *fdb = grad_acc(&w, dbias, gdt, dt, C);
   float *fg = tmp(&w, c * C), *fi = tmp(&w, c * C), *fdi = opt(&w, dinp, c * C);
   for (int64_t r = 0; !w.failed && r < N; r += rows) {
     int64_t len = min64(rows, N - r);
@@ -315,8 +327,8 @@ int fsdp_cpu_half_layernorm_backward(fsdp_dtype dt, void *dinp, void *dweight, v
     put(dinp, dt, r * C, fdi, len * C);
   }
   if (!w.failed) {
-    put(dweight, dt, 0, fdw, C);
-    put(dbias, dt, 0, fdb, C);
+    put_grad(dweight, gdt, dt, fdw, C);
+    put_grad(dbias, gdt, dt, fdb, C);
   }
   return done(&w);
 }

@@ -30,15 +30,17 @@ int fsdp_cpu_half_dropout_backward(fsdp_dtype dt, void *din, const void *dout, c
                                    int64_t n);
 int fsdp_cpu_half_linear_forward(fsdp_dtype dt, void *out, const void *inp, const void *weight,
                                  const void *bias, int M, int K, int N);
-int fsdp_cpu_half_linear_backward(fsdp_dtype dt, void *dinp, void *dweight, void *dbias,
-                                  const void *dout, const void *inp, const void *weight, int M,
-                                  int K, int N);
+/* gdt: the dtype of dweight and dbias, dt or f32 (kernels.h) */
+int fsdp_cpu_half_linear_backward(fsdp_dtype dt, fsdp_dtype gdt, void *dinp, void *dweight,
+                                  void *dbias, const void *dout, const void *inp,
+                                  const void *weight, int M, int K, int N);
 int fsdp_cpu_half_layernorm_forward(fsdp_dtype dt, void *out, float *mean, float *rstd,
                                     const void *inp, const void *weight, const void *bias,
                                     int64_t N, int C, float eps);
-int fsdp_cpu_half_layernorm_backward(fsdp_dtype dt, void *dinp, void *dweight, void *dbias,
-                                     const void *dout, const void *inp, const void *weight,
-                                     const float *mean, const float *rstd, int64_t N, int C);
+int fsdp_cpu_half_layernorm_backward(fsdp_dtype dt, fsdp_dtype gdt, void *dinp, void *dweight,
+                                     void *dbias, const void *dout, const void *inp,
+                                     const void *weight, const float *mean, const float *rstd,
+                                     int64_t N, int C);
 int fsdp_cpu_half_softmax_forward(fsdp_dtype dt, void *out, const void *inp, int64_t N, int C);
 int fsdp_cpu_half_softmax_backward(fsdp_dtype dt, void *dinp, const void *dout, const void *out,
                                    int64_t N, int C);

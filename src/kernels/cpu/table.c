@@ -262,15 +262,23 @@ static int k_linear_forward(void *ctx, fsdp_dtype dt, void *out, const void *inp
   return fsdp_cpu_half_linear_forward(dt, out, inp, weight, bias, M, K, N);
 }
 
-static int k_linear_backward(void *ctx, fsdp_dtype dt, void *dinp, void *dweight, void *dbias,
-                             const void *dout, const void *inp, const void *weight, int M,
-                             int K, int N) {
+/* the weight gradients' dtype: dt, or f32 under a half dt */
+static bool grad_dtype_ok(fsdp_dtype dt, fsdp_dtype gdt) {
+  return gdt == dt || (is_half(dt) && gdt == FSDP_DTYPE_F32);
+}
+
+static int k_linear_backward(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *dinp,
+                             void *dweight, void *dbias, const void *dout, const void *inp,
+                             const void *weight, int M, int K, int N) {
+  if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("linear", dt);
+  if (!grad_dtype_ok(dt, gdt)) return REFUSE("linear (weight gradient)", gdt);
   if (dt == FSDP_DTYPE_F32) {
     fsdp_cpu_linear_backward(dinp, dweight, dbias, dout, inp, weight, M, K, N);
     return FSDP_OK;
   }
   if (!is_half(dt)) return REFUSE("linear", dt);
-  return fsdp_cpu_half_linear_backward(dt, dinp, dweight, dbias, dout, inp, weight, M, K, N);
+  return fsdp_cpu_half_linear_backward(dt, gdt, dinp, dweight, dbias, dout, inp, weight, M, K,
+                                       N);
 }
 
 /* ---- elementwise ------------------------------------------------------------------------------ */
@@ -615,9 +623,11 @@ static int k_embedding_forward(void *ctx, fsdp_dtype dt, void *out, const void *
   return finish(&t, ok);
 }
 
-static int k_embedding_backward(void *ctx, fsdp_dtype dt, void *dweight, const void *dout,
-                                const void *ids, fsdp_dtype idt, int64_t N, int C) {
+static int k_embedding_backward(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *dweight,
+                                const void *dout, const void *ids, fsdp_dtype idt, int64_t N,
+                                int C) {
   if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("embedding", dt);
+  if (!grad_dtype_ok(dt, gdt)) return REFUSE("embedding (weight gradient)", gdt);
   scratch t = {0};
   bool ok = true;
   const float *fi = ids_f32(&t, ids, idt, N, &ok);
@@ -626,14 +636,19 @@ static int k_embedding_backward(void *ctx, fsdp_dtype dt, void *dweight, const v
     fsdp_cpu_embedding_backward(dweight, dout, fi, N, C);
     return finish(&t, ok);
   }
-  /* half: widen only the rows that receive something, one row at a time */
+  /* half: one row at a time; an f32 gradient (mixed precision) takes each row without rounding */
   float *acc = tmp_f32(&t, 2 * (int64_t)C);
   if (!acc) return finish(&t, false);
   const size_t hs = fsdp_dtype_size(dt);
   for (int64_t i = 0; i < N; i++) {
+    fsdp_cpu_cast(acc + C, FSDP_DTYPE_F32, (const char *)dout + (size_t)i * C * hs, dt, C);
+    if (gdt == FSDP_DTYPE_F32) {
+      float *drow = (float *)dweight + (int64_t)fi[i] * C;
+      for (int c = 0; c < C; c++) drow[c] += acc[C + c];
+      continue;
+    }
     char *drow = (char *)dweight + (size_t)(int64_t)fi[i] * C * hs;
     fsdp_cpu_cast(acc, FSDP_DTYPE_F32, drow, dt, C);
-    fsdp_cpu_cast(acc + C, FSDP_DTYPE_F32, (const char *)dout + (size_t)i * C * hs, dt, C);
     for (int c = 0; c < C; c++) acc[c] += acc[C + c];
     fsdp_cpu_cast(drow, dt, acc, FSDP_DTYPE_F32, C);
   }
@@ -653,16 +668,19 @@ static int k_layernorm_forward(void *ctx, fsdp_dtype dt, void *out, float *mean,
   return fsdp_cpu_half_layernorm_forward(dt, out, mean, rstd, inp, weight, bias, N, C, eps);
 }
 
-static int k_layernorm_backward(void *ctx, fsdp_dtype dt, void *dinp, void *dweight, void *dbias,
-                                const void *dout, const void *inp, const void *weight,
-                                const float *mean, const float *rstd, int64_t N, int C) {
+static int k_layernorm_backward(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *dinp,
+                                void *dweight, void *dbias, const void *dout, const void *inp,
+                                const void *weight, const float *mean, const float *rstd,
+                                int64_t N, int C) {
+  if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("layernorm", dt);
+  if (!grad_dtype_ok(dt, gdt)) return REFUSE("layernorm (weight gradient)", gdt);
   if (dt == FSDP_DTYPE_F32) {
     fsdp_cpu_layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
     return FSDP_OK;
   }
   if (!is_half(dt)) return REFUSE("layernorm", dt);
-  return fsdp_cpu_half_layernorm_backward(dt, dinp, dweight, dbias, dout, inp, weight, mean,
-                                          rstd, N, C);
+  return fsdp_cpu_half_layernorm_backward(dt, gdt, dinp, dweight, dbias, dout, inp, weight,
+                                          mean, rstd, N, C);
 }
 
 static int k_softmax_forward(void *ctx, fsdp_dtype dt, void *out, const void *inp, int64_t N,
