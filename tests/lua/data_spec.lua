@@ -213,6 +213,18 @@ describe("fashion_mnist", function()
     for _, x, y in te:epoch() do
       assert.equal("f32", x:dtype())
       assert.equal("i64", y:dtype())
+      -- accuracy as recipes count it: argmax (i64) against the labels (i64), and against f32
+      -- labels (the comparison promotes); logits one-hot at the label, so every answer is right
+      local eye = {}
+      for i = 1, 10 do
+        eye[i] = {}
+        for j = 1, 10 do eye[i][j] = i == j and 1 or 0 end
+      end
+      local pred = fsdp.F.embedding(y, fsdp.tensor(eye)):argmax()
+      assert.equal("i64", pred:dtype())
+      assert.equal(100, pred:eq(y):to("i64"):sum():item())
+      assert.equal(100, pred:eq(y:to("f32")):to("i64"):sum():item())
+      assert.equal(0, pred:eq(y + 1):to("i64"):sum():item())
       break
     end
   end)
