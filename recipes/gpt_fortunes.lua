@@ -15,8 +15,9 @@
 --   same run); --export writes the trained model as one safetensors file at the end;
 --   --stop_after=N stops after step N as if interrupted (to try --resume).
 --   --mp: mixed precision (fsdp.wrap's mp option: parameters gathered and computed in bf16, f32
---   master shards, gradients reduced in f32, logits and losses in f32; f16 also uses a loss
---   scaler). Checkpoints hold the f32 masters either way.
+--   master shards, gradients reduced in f32, logits and losses in f32; f16 also uses a dynamic
+--   loss scaler, fsdp.optim.GradScaler, saved in the checkpoints' extra). Checkpoints hold the
+--   f32 masters either way.
 -- Prints train and validation loss (nats per byte) as it goes, and a sampled text at the end.
 -- The model is wrapped with one unit per Block (embeddings, final norm and the tied head in the
 -- root unit); each of N ranks trains on its slice of every global batch, so the run computes
@@ -69,6 +70,11 @@ say(("gpt_fortunes: %.2fM parameters (head tied to wte), %d train / %d val bytes
 local opt = fsdp.optim.AdamW(model, { lr = lr, betas = { 0.9, 0.99 }, weight_decay = 0.1 })
 local schedule = fsdp.optim.cosine(opt, { warmup = math.min(100, math.floor(steps / 10)),
   total = steps, min_lr = lr / 10 })
+-- f16's range is narrow: a dynamic loss scaler keeps small gradients from flushing to 0 and
+-- skips the steps whose gradients overflow. bf16 has f32's range: disabled, the scaler is a
+-- pass-through (the loop below is then the plain one, bit for bit).
+local scaler = fsdp.optim.GradScaler { enabled = mp == "f16" }
+local skipped = 0
 
 -- Mean validation loss over val_batches batches of windows spread over the held-out split.
 -- Every rank sees every window; each evaluates its rows of the batch and the ranks average.
@@ -102,25 +108,32 @@ local ckpt_opts = { optimizer = opt, schedule = schedule, loaders = { train = tr
 if args.resume then
   local extra = fsdp.load(model, ckpt_dir, ckpt_opts)
   train_loss, val_loss, ema = extra.train_loss, extra.val_loss, extra.ema
+  if scaler:is_enabled() and extra.scaler and extra.scaler.enabled then
+    scaler:load_state_dict(extra.scaler)
+  end
   say(("resumed from %s at step %d"):format(ckpt_dir, train.cursor))
 end
 for step, x, y in train:batches(math.max(0, steps - train.cursor)) do
   schedule:step()
   local loss = nn.F.cross_entropy(model(x), y)
   opt:zero_grad()
-  loss:backward()
+  scaler:scale(loss):backward()
+  scaler:unscale_(opt) -- clip the true gradients
   fsdp.clip_grad_norm(model, 1.0)
-  opt:step()
+  if not scaler:step(opt) then skipped = skipped + 1 end -- every rank takes the same decision
+  scaler:update()
   train_loss = fsdp.all_reduce(loss:item(), "mean") -- every rank's slice of the global batch
   ema = ema and 0.95 * ema + 0.05 * train_loss or train_loss
   local metrics = { loss = train_loss, lr = opt.lr, tokens = batch * ctx }
+  if scaler:is_enabled() then metrics.scale = scaler:get_scale() end
   if step % eval_every == 0 or step == steps then
     val_loss = validate()
     metrics.val_loss = val_loss
   end
   fsdp.log(step, metrics)
   if ckpt_every and step % ckpt_every == 0 then
-    ckpt_opts.step, ckpt_opts.extra = step, { train_loss = train_loss, val_loss = val_loss, ema = ema }
+    ckpt_opts.step, ckpt_opts.extra = step, { train_loss = train_loss, val_loss = val_loss, ema = ema,
+      scaler = scaler:state_dict() }
     fsdp.save(model, ckpt_dir, ckpt_opts)
   end
   if args.stop_after and step >= args.stop_after then
@@ -142,6 +155,10 @@ end
 if ckpt_every then say("sharded checkpoint (resume with --resume): " .. ckpt_dir) end
 
 say(("train loss %.4f (smoothed %.4f)  val loss %.4f nats/byte"):format(train_loss, ema, val_loss))
+if scaler:is_enabled() then
+  say(("loss scaler: scale %g, %d of the steps run here skipped (inf/NaN gradients)")
+    :format(scaler:get_scale(), skipped))
+end
 -- every rank runs the sampler (the forward passes are collective); rank 0 prints
 local text = model:generate(train:encode("Q: "), args.sample or 300, { temperature = 0.8 })
 say("sample:\n" .. train:decode(text))

@@ -9,7 +9,9 @@
 --    positions [r*B/W, (r+1)*B/W) (B must be divisible by W).
 --  * `loader:batches(n)` continues from `loader.cursor` (the number of batches served so far)
 --    and yields the global step number cursor+1, cursor+2, ...; set loader.cursor to resume.
---  * Token ids and labels are f32 tensors holding integral values starting at 0.
+--  * Token ids, targets and labels are i64 tensors (values from 0); images are f32. Integers,
+--    because a mixed-precision model casts its floating inputs to bf16 or f16, which hold
+--    integers exactly only up to 256 (2048).
 
 local fsdp = require "fsdp"
 local core = require "fsdp.core"
@@ -138,9 +140,9 @@ local function be32(s, i)
 end
 
 --- Read an IDX file of unsigned bytes (gzip-compressed or plain): returns its dims (array) and
---- an f32 tensor of shape dims whose values are the bytes times opts.scale (default 1).
---- opts.limit keeps only the first `limit` items along the first dimension (and reads only
---- those bytes).
+--- a tensor of shape dims whose values are the bytes times opts.scale (default 1), of dtype
+--- opts.dtype (default "f32"). opts.limit keeps only the first `limit` items along the first
+--- dimension (and reads only those bytes).
 function data.read_idx(path, opts)
   opts = opts or {}
   if not file_exists(path) then
@@ -178,7 +180,7 @@ function data.read_idx(path, opts)
       :format(path, want - hsize, #bytes - hsize), 2)
   end
   dims[1] = n
-  return dims, core.from_bytes(bytes, hsize, dims, opts.scale or 1)
+  return dims, core.from_bytes(bytes, hsize, dims, opts.scale or 1, opts.dtype)
 end
 
 -- ---- Fashion-MNIST ----------------------------------------------------------------------
@@ -193,7 +195,7 @@ FashionMNIST.__index = FashionMNIST
 data.FashionMNIST = FashionMNIST
 
 --- fsdp.data.fashion_mnist{split = "train"|"test", batch =, shuffle =, seed =, dir =, limit =,
---- rank =, world_size =}: images (N, 784) in [0, 1] and labels (N) in 0..9.
+--- rank =, world_size =}: images (N, 784) f32 in [0, 1] and labels (N) i64 in 0..9.
 function data.fashion_mnist(opts)
   local fn = "fsdp.data.fashion_mnist"
   opts = opts or {}
@@ -214,7 +216,7 @@ function data.fashion_mnist(opts)
     end
   end
   local idims, images = data.read_idx(ipath, { limit = opts.limit, scale = 1 / 255 })
-  local ldims, labels = data.read_idx(lpath, { limit = opts.limit })
+  local ldims, labels = data.read_idx(lpath, { limit = opts.limit, dtype = "i64" })
   if #idims ~= 3 or #ldims ~= 1 or idims[1] ~= ldims[1] then
     error(("%s: %s and %s do not match (images %s, labels %s)"):format(fn, ipath, lpath,
       table.concat(idims, "x"), table.concat(ldims, "x")), 2)

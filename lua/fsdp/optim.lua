@@ -597,6 +597,250 @@ function optim.clip_grad_norm(model, max_norm)
   return total
 end
 
+-- ---- dynamic loss scaling ------------------------------------------------------------------
+--
+-- GradScaler, as PyTorch's torch.amp.GradScaler. f16 has 5 exponent bits: small gradients
+-- underflow to 0 and large ones overflow to inf. The loss is multiplied by a large scale before
+-- backward (scaler:scale) and the gradients divided by it before the step (unscale_); a step
+-- whose gradients hold an inf or a NaN (the scale was too large) is skipped (no optimizer call:
+-- no update, no step count, no state) and update() backs the scale off; after growth_interval
+-- clean steps in a row it grows. Per optimizer, between two update() calls: nil (ready),
+-- "unscaled" or "stepped", with the overflow flag found at unscaling.
+-- Unscaling is one kernel `scale` (t:mul_) and one `sumsq` per gradient buffer: each unit's
+-- f32 gradient shard (wrapped) or each p.grad (plain). A sum of squares accumulated in double
+-- is finite iff every element is (an f32 square is below 2^256). Wrapped (collective, as
+-- clip_grad_norm): one all_reduce("max") of the flag, so every rank takes the same decision
+-- and keeps the same scale.
+
+local GradScaler = {}
+GradScaler.__index = GradScaler
+optim.GradScaler_class = GradScaler
+
+local SCALER_OPTS = {"backoff_factor", "enabled", "growth_factor", "growth_interval", "init_scale"}
+
+-- The checks of the numbers a scaler holds (options and state_dict share them).
+local scaler_checks = {
+  init_scale = {function(v) return v > 0 and v < math.huge end, "a finite number > 0"},
+  scale = {function(v) return v > 0 and v < math.huge end, "a finite number > 0"},
+  growth_factor = {function(v) return v > 1 and v < math.huge end, "a finite number > 1"},
+  backoff_factor = {function(v) return v > 0 and v < 1 end, "a number in (0, 1)"},
+  growth_interval = {function(v) return v >= 1 and v % 1 == 0 and v < math.huge end,
+    "an integer >= 1"},
+  growth_tracker = {function(v) return v >= 0 and v % 1 == 0 and v < math.huge end,
+    "an integer >= 0"},
+}
+
+local function scaler_number(fn, t, k, default)
+  local v = t[k]
+  if v == nil then v = default end
+  local c = scaler_checks[k]
+  if type(v) ~= "number" or v ~= v or not c[1](v) then
+    raise(("%s: %s must be %s (got %s)"):format(fn, k, c[2], tostring(v)))
+  end
+  return v
+end
+
+local function refuse_unknown(fn, t, names)
+  local known = {}
+  for _, k in ipairs(names) do known[k] = true end
+  for k in pairs(t) do
+    if not known[k] then
+      raise(("%s: unknown option '%s' (valid: %s)"):format(fn, tostring(k), table.concat(names, ", ")))
+    end
+  end
+end
+
+-- GradScaler{init_scale = 2^16, growth_factor = 2, backoff_factor = 0.5, growth_interval = 2000,
+-- enabled = true}
+function optim.GradScaler(opts)
+  local fn = "GradScaler"
+  if opts == nil then opts = {} end
+  if type(opts) ~= "table" then
+    raise(("%s: expects an options table {init_scale =, growth_factor =, backoff_factor =, "
+      .. "growth_interval =, enabled =} (got %s)"):format(fn, type(opts)))
+  end
+  refuse_unknown(fn, opts, SCALER_OPTS)
+  local enabled = opts.enabled
+  if enabled == nil then enabled = true end
+  if type(enabled) ~= "boolean" then
+    raise(("%s: enabled must be a boolean (got %s)"):format(fn, tostring(enabled)))
+  end
+  local self = setmetatable({}, GradScaler)
+  self.enabled = enabled
+  self._scale = scaler_number(fn, opts, "init_scale", 2 ^ 16)
+  self.growth_factor = scaler_number(fn, opts, "growth_factor", 2)
+  self.backoff_factor = scaler_number(fn, opts, "backoff_factor", 0.5)
+  self.growth_interval = scaler_number(fn, opts, "growth_interval", 2000)
+  self.growth_tracker = 0 -- clean steps since the last change of the scale
+  self.per_opt = {}       -- optimizer -> {stage = "unscaled" | "stepped", found_inf = bool}
+  return self
+end
+
+-- The scale the next scale(loss) multiplies by (1 when disabled).
+function GradScaler:get_scale() return self.enabled and self._scale or 1.0 end
+
+function GradScaler:is_enabled() return self.enabled end
+
+-- loss * scale, a recorded op (its backward multiplies every gradient by the scale). A bf16 or
+-- f16 loss is scaled in f32 (f16 holds at most 65504). Disabled: loss itself.
+function GradScaler:scale(loss)
+  if not fsdp.core.is_tensor(loss) then
+    raise(("GradScaler:scale: expects the loss tensor (got %s)"):format(type(loss)))
+  end
+  if not self.enabled then return loss end
+  local dt = loss:dtype()
+  if dt == "bf16" or dt == "f16" then loss = loss:to("f32") end
+  return loss * self._scale
+end
+
+local function check_optimizer(opt, what)
+  if type(opt) ~= "table" or type(opt.step) ~= "function" or type(opt.params) ~= "table" then
+    raise(("GradScaler:%s: expects an fsdp.optim optimizer (SGD, AdamW; got %s)")
+      :format(what, type(opt)))
+  end
+end
+
+local function non_finite(sq) return sq ~= sq or sq == math.huge end
+
+-- Multiply every gradient opt steps by inv in place; true when one of them holds an inf or a
+-- NaN afterwards (on any rank, wrapped: collective). Masked gradient elements are zeroed first
+-- (they are not part of the step; clip_grad_norm's rule).
+local function unscale_grads(opt, inv, what)
+  local found = false
+  local R = opt.wrapped
+  if R then
+    each_unit(R, what, function(_, _, g, slices)
+      for _, s in ipairs(slices) do
+        local n = s.shard_last - s.shard_first + 1
+        local m = slice_mask(s.param, n, s.path)
+        if m then fsdp.core.mask_apply(g:narrow(1, s.shard_first, n), m) end
+      end
+      g:mul_(inv)
+      if non_finite(fsdp.core.sumsq(g)) then found = true end
+    end)
+    if fsdp.world_size() > 1 then
+      found = fsdp.all_reduce(found and 1 or 0, "max", "GradScaler.found_inf") ~= 0
+    end
+    return found
+  end
+  for _, e in ipairs(opt.params) do
+    local g = e.param.grad
+    if g ~= nil then
+      if g:dtype() == "f16" then
+        raise(("%s: the gradient of %s is f16: unscaling it in f16 flushes small values to 0; "
+          .. "keep f32 parameters and compute in f16 with fsdp.wrap(model, {mp = \"f16\"})")
+          :format(what, e.path))
+      end
+      mask_dense(e.param, g)
+      g:mul_(inv)
+      if non_finite(fsdp.core.sumsq(g)) then found = true end
+    end
+  end
+  return found
+end
+
+-- Divide opt's gradients by the scale now (before clip_grad_norm, say) and record whether they
+-- overflowed; step() then does not unscale again. Once per optimizer between update() calls.
+function GradScaler:unscale_(opt)
+  check_optimizer(opt, "unscale_")
+  if not self.enabled then return end
+  local st = self.per_opt[opt]
+  if st ~= nil then
+    raise(st.stage == "unscaled"
+      and "GradScaler:unscale_: already called on this optimizer since the last update()"
+      or "GradScaler:unscale_: called after step() on this optimizer; call update() first")
+  end
+  self.per_opt[opt] = {stage = "unscaled",
+    found_inf = unscale_grads(opt, 1 / self._scale, "GradScaler:unscale_")}
+end
+
+-- Unscale (unless unscale_ did) and call opt:step() unless a gradient overflowed. Returns true
+-- when the optimizer stepped, false when the step was skipped. Disabled: opt:step(), true.
+function GradScaler:step(opt)
+  check_optimizer(opt, "step")
+  if not self.enabled then
+    opt:step()
+    return true
+  end
+  local st = self.per_opt[opt]
+  if st ~= nil and st.stage == "stepped" then
+    raise("GradScaler:step: already called on this optimizer since the last update()")
+  end
+  if st == nil then
+    st = {found_inf = unscale_grads(opt, 1 / self._scale, "GradScaler:step")}
+    self.per_opt[opt] = st
+  end
+  st.stage = "stepped"
+  if st.found_inf then return false end
+  opt:step()
+  return true
+end
+
+-- End of an iteration: scale * backoff_factor if any optimizer's gradients overflowed since the
+-- last update (the growth count restarts), else one more clean step, and scale * growth_factor
+-- after growth_interval of them. update(new_scale) sets the scale instead.
+function GradScaler:update(new_scale)
+  if not self.enabled then return end
+  if new_scale ~= nil then
+    self._scale = scaler_number("GradScaler:update", {scale = new_scale}, "scale")
+  else
+    local any, found = false, false
+    for _, st in pairs(self.per_opt) do
+      any = true
+      if st.found_inf then found = true end
+    end
+    if not any then
+      raise("GradScaler:update: no gradients were unscaled since the last update() "
+        .. "(call step(opt) or unscale_(opt) first)")
+    end
+    if found then
+      self._scale = self._scale * self.backoff_factor
+      self.growth_tracker = 0
+    else
+      self.growth_tracker = self.growth_tracker + 1
+      if self.growth_tracker >= self.growth_interval then
+        self._scale = self._scale * self.growth_factor
+        self.growth_tracker = 0
+      end
+    end
+  end
+  self.per_opt = {}
+end
+
+local SCALER_STATE = {"backoff_factor", "enabled", "growth_factor", "growth_interval",
+  "growth_tracker", "kind", "scale"}
+
+-- {kind = "GradScaler", enabled =, scale =, growth_factor =, backoff_factor =,
+-- growth_interval =, growth_tracker =} (plain numbers: JSON-able, so fsdp.save's extra holds
+-- it); a disabled scaler gives {kind = "GradScaler", enabled = false}.
+function GradScaler:state_dict()
+  if not self.enabled then return {kind = "GradScaler", enabled = false} end
+  return {kind = "GradScaler", enabled = true, scale = self._scale,
+    growth_factor = self.growth_factor, backoff_factor = self.backoff_factor,
+    growth_interval = self.growth_interval, growth_tracker = self.growth_tracker}
+end
+
+-- Restore a state_dict (checked whole before anything changes).
+function GradScaler:load_state_dict(sd)
+  local fn = "GradScaler:load_state_dict"
+  if type(sd) ~= "table" or sd.kind ~= "GradScaler" then
+    raise(("%s: expected a GradScaler state_dict (got %s)")
+      :format(fn, type(sd) == "table" and ("kind " .. tostring(sd.kind)) or type(sd)))
+  end
+  refuse_unknown(fn, sd, SCALER_STATE)
+  if not self.enabled then raise(fn .. ": this scaler is disabled (enabled = false)") end
+  if sd.enabled == false then
+    raise(fn .. ": the state_dict was saved from a disabled scaler; it holds no scale")
+  end
+  local v = {}
+  for _, k in ipairs{"scale", "growth_factor", "backoff_factor", "growth_interval",
+      "growth_tracker"} do
+    v[k] = scaler_number(fn, sd, k)
+  end
+  self._scale, self.growth_factor, self.backoff_factor = v.scale, v.growth_factor, v.backoff_factor
+  self.growth_interval, self.growth_tracker = v.growth_interval, v.growth_tracker
+end
+
 -- ---- schedules ---------------------------------------------------------------------------
 
 local Cosine = {}

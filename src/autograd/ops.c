@@ -219,6 +219,18 @@ static void contiguous_strides(int64_t *st, int nd, const int64_t *shape) {
   }
 }
 
+/* ids and targets: integers, or f32/f64 holding integers. bf16 and f16 hold integers exactly
+ * only up to 256 and 2048, so an id in them is most likely one a mixed-precision input cast
+ * rounded: refused by dtype, before any value is looked at. what: "id" or "target". */
+static int check_id_dtype(const char *op, const char *what, const fsdp_tensor *ids) {
+  if (ids->dtype != FSDP_DTYPE_BF16 && ids->dtype != FSDP_DTYPE_F16) return FSDP_OK;
+  const char *dt = fsdp_dtype_name(ids->dtype);
+  bool bf = ids->dtype == FSDP_DTYPE_BF16;
+  return fsdp_error("%s: %ss are %s; %ss must be integers (i64) or f32 — %s %s %s above %d "
+                    "is not exact",
+                    op, what, dt, what, bf ? "a" : "an", dt, what, bf ? 256 : 2048);
+}
+
 /* Every v an index in [lo, hi) (or equal to *ignore); else an error from `describe`. */
 static int check_ids(const char *op, fsdp_tensor *ids, int64_t V, const int64_t *ignore,
                      int64_t *bad, double *bad_value) {
@@ -597,6 +609,7 @@ int fsdp_op_embedding(fsdp_tensor **out, fsdp_tensor *ids, fsdp_tensor *w) {
     return fsdp_error("embedding: weight must be 2-D (num, dim), got %s", FSDP_SHAPE_STR(w));
   if (ids->ndim + 1 > FSDP_MAX_DIMS)
     return fsdp_error("embedding: ids %s have too many dimensions", FSDP_SHAPE_STR(ids));
+  if (check_id_dtype("embedding", "id", ids)) return FSDP_ERR;
   const fsdp_kernels_i *k = KERNELS("embedding", ids, w);
   if (!k) return FSDP_ERR;
   int64_t V = w->shape[0], C = w->shape[1], N = fsdp_tensor_numel(ids);
@@ -809,6 +822,7 @@ int fsdp_op_cross_entropy(fsdp_tensor **out, fsdp_tensor *logits, fsdp_tensor *t
     return fsdp_error("cross_entropy: targets %s do not match logits %s (targets need the "
                       "logits' shape without its last dimension)",
                       FSDP_SHAPE_STR(targets), FSDP_SHAPE_STR(logits));
+  if (check_id_dtype("cross_entropy", "target", targets)) return FSDP_ERR;
   const fsdp_kernels_i *k = KERNELS("cross_entropy", logits, targets);
   if (!k) return FSDP_ERR;
   fsdp_tensor *lc = NULL, *tc = NULL, *lse = NULL;

@@ -4,11 +4,14 @@
  * Owner: cli. Registered into `fsdp.core` by fsdp_lua_open_data (called from module.c):
  *
  *   gunzip(path [, max_bytes]) -> string      whole file (or its first max_bytes), gzip or plain
- *   from_bytes(str, offset, shape, scale)     -> f32 tensor: bytes [offset, offset+numel) * scale
+ *   from_bytes(str, offset, shape, scale [, dtype = "f32"])
+ *                                             -> tensor: bytes [offset, offset+numel) * scale,
+ *                                                converted to dtype (labels: "i64")
  *   index_rows(t, idx)                        -> new tensor of t's rows idx[1..B] (1-based), on
  *                                                t's device, in its dtype
- *   byte_windows(str, starts, T)              -> x (B, T), y (B, T): x[b] = bytes [s_b, s_b+T),
- *                                                y[b] = bytes [s_b+1, s_b+T+1) (starts 0-based)
+ *   byte_windows(str, starts, T)              -> x (B, T), y (B, T), i64: x[b] = bytes
+ *                                                [s_b, s_b+T), y[b] = bytes [s_b+1, s_b+T+1)
+ *                                                (starts 0-based)
  *   isatty(fd) -> boolean
  *   list_dir(path) -> { {name =, kind =}, ... } (unsorted; kind as file_kind)
  *   file_kind(path) -> "file" | "dir" | "link" | "other", or nil, message (lstat: links not
@@ -151,6 +154,7 @@ static int l_from_bytes(lua_State *L) {
   luaL_checktype(L, 3, LUA_TTABLE);
   int nd = fsdp_lua_check_shape(L, 3, shape);
   float scale = (float)luaL_optnumber(L, 4, 1.0);
+  fsdp_dtype dt = lua_isnoneornil(L, 5) ? FSDP_DTYPE_F32 : fsdp_lua_check_dtype(L, 5);
   int64_t numel = 1;
   for (int i = 0; i < nd; i++) {
     if (shape[i] < 0) luaL_error(L, "from_bytes: shape entry %d is %d", i + 1, (int)shape[i]);
@@ -162,13 +166,16 @@ static int l_from_bytes(lua_State *L) {
     luaL_error(L, "from_bytes: %f bytes at offset %f do not fit in a string of %f bytes",
                (double)numel, (double)off, (double)len);
   fsdp_tensor *t;
-  if (fsdp_tensor_new(&t, &fsdp_device_cpu, FSDP_DTYPE_F32, nd, shape, FSDP_ROLE_OTHER) != FSDP_OK)
+  if (fsdp_tensor_new(&t, &fsdp_device_cpu, dt, nd, shape, FSDP_ROLE_OTHER) != FSDP_OK)
     return fsdp_lua_error(L);
-  float *d = fsdp_tensor_data(t, "from_bytes"); // (numel)
-  float lut[256];
-  for (int i = 0; i < 256; i++) lut[i] = (float)i * scale;
+  void *d = fsdp_tensor_data(t, "from_bytes"); // (numel)
+  /* the 256 possible values, each byte * scale in f32 (as the f32 tensor holds them) converted
+   * once to dt by the one conversion rule; then one table lookup per byte */
+  _Alignas(8) char lut[256 * 8];
+  const size_t es = fsdp_dtype_size(dt);
+  for (int i = 0; i < 256; i++) fsdp_dtype_store(lut, dt, i, (double)((float)i * scale));
   const unsigned char *src = (const unsigned char *)s + off;
-  for (int64_t i = 0; i < numel; i++) d[i] = lut[src[i]];
+  for (int64_t i = 0; i < numel; i++) memcpy((char *)d + (size_t)i * es, lut + src[i] * es, es);
   fsdp_lua_push_tensor(L, t);
   return 1;
 }
@@ -226,23 +233,27 @@ static int l_byte_windows(lua_State *L) {
   int B = (int)lua_objlen(L, 2);
   int64_t last = (int64_t)len - T - 1; /* the last start with room for the target */
   for (int i = 1; i <= B; i++) check_array_int(L, 2, i, 0, last, "byte_windows", "starts");
+  /* ids are i64: a floating id would be cast to bf16 by a mixed-precision model's input cast */
   int64_t shape[2] = {B, T};
   fsdp_tensor *x, *y;
-  if (fsdp_tensor_new_f32(&x, 2, shape) != FSDP_OK) return fsdp_lua_error(L);
-  if (fsdp_tensor_new_f32(&y, 2, shape) != FSDP_OK) {
+  if (fsdp_tensor_new_uninit(&x, &fsdp_device_cpu, FSDP_DTYPE_I64, 2, shape,
+                             FSDP_ROLE_ACTIVATIONS) != FSDP_OK)
+    return fsdp_lua_error(L);
+  if (fsdp_tensor_new_uninit(&y, &fsdp_device_cpu, FSDP_DTYPE_I64, 2, shape,
+                             FSDP_ROLE_ACTIVATIONS) != FSDP_OK) {
     fsdp_tensor_release(x);
     return fsdp_lua_error(L);
   }
-  float *xd = fsdp_tensor_data(x, "byte_windows"); // (B, T)
-  float *yd = fsdp_tensor_data(y, "byte_windows"); // (B, T)
+  int64_t *xd = fsdp_tensor_data(x, "byte_windows"); // (B, T)
+  int64_t *yd = fsdp_tensor_data(y, "byte_windows"); // (B, T)
   const unsigned char *u = (const unsigned char *)s;
   for (int b = 0; b < B; b++) {
     lua_rawgeti(L, 2, b + 1);
     int64_t start = (int64_t)lua_tonumber(L, -1);
     lua_pop(L, 1);
     for (int64_t t = 0; t < T; t++) {
-      xd[b * T + t] = (float)u[start + t];
-      yd[b * T + t] = (float)u[start + t + 1];
+      xd[b * T + t] = u[start + t];
+      yd[b * T + t] = u[start + t + 1];
     }
   }
   fsdp_lua_push_tensor(L, x);

@@ -1470,6 +1470,24 @@ static void test_errors_shapes(void **state) {
     fsdp_tensor_release(w);
   }
   EXPECT_ERR(fsdp_op_embedding(&o, a23, b4), "embedding", "weight", "(4)");
+  /* bf16 and f16 ids and targets are refused by dtype (zeros, so every value is in range) */
+  fsdp_tensor *ibf, *if16, *w53e = rnd(2, SHAPE(5, 3), -1, 1), *lg23 = rnd(2, SHAPE(2, 3), -1, 1);
+  assert_int_equal(fsdp_tensor_new(&ibf, &fsdp_device_cpu, FSDP_DTYPE_BF16, 1, SHAPE(2),
+                                   FSDP_ROLE_OTHER), FSDP_OK);
+  assert_int_equal(fsdp_tensor_new(&if16, &fsdp_device_cpu, FSDP_DTYPE_F16, 1, SHAPE(2),
+                                   FSDP_ROLE_OTHER), FSDP_OK);
+  EXPECT_ERR(fsdp_op_embedding(&o, ibf, w53e), "embedding: ids are bf16; ids must be integers "
+             "(i64) or f32", "a bf16 id above 256 is not exact");
+  EXPECT_ERR(fsdp_op_embedding(&o, if16, w53e), "embedding: ids are f16",
+             "an f16 id above 2048 is not exact");
+  EXPECT_ERR(fsdp_op_cross_entropy(&o, lg23, ibf, -1), "cross_entropy: targets are bf16",
+             "a bf16 target above 256 is not exact");
+  EXPECT_ERR(fsdp_op_cross_entropy(&o, lg23, if16, -1), "cross_entropy: targets are f16",
+             "an f16 target above 2048 is not exact");
+  fsdp_tensor_release(ibf);
+  fsdp_tensor_release(if16);
+  fsdp_tensor_release(w53e);
+  fsdp_tensor_release(lg23);
 
   fsdp_tensor *w2 = rnd(1, SHAPE(2), -1, 1), *w3 = rnd(1, SHAPE(3), -1, 1);
   EXPECT_ERR(fsdp_op_layernorm(&o, a23, w2, NULL, 1e-5f), "layernorm", "(2, 3)", "(2)");

@@ -207,6 +207,13 @@ describe("functional ops", function()
       "cross_entropy", "0.5")
     assert_error_has(function() F.cross_entropy(logits, fsdp.tensor { 0, 1, 1 }) end,
       "cross_entropy", "(3)", "(2, 2)")
+    -- integer targets give the same loss as f32 ones; bf16 and f16 targets are refused by dtype
+    local i64 = F.cross_entropy(logits, fsdp.tensor({ 0, 1 }, { dtype = "i64" })):item()
+    assert.are.equal(all, i64)
+    assert_error_has(function() F.cross_entropy(logits, fsdp.tensor({ 0, 1 }, { dtype = "bf16" })) end,
+      "cross_entropy: targets are bf16; targets must be integers (i64) or f32 — a bf16 target above 256 is not exact")
+    assert_error_has(function() F.cross_entropy(logits, fsdp.tensor({ 0, 1 }, { dtype = "f16" })) end,
+      "cross_entropy: targets are f16", "an f16 target above 2048 is not exact")
   end)
 
   it("embedding validates ids", function()
@@ -215,6 +222,29 @@ describe("functional ops", function()
     assert_error_has(function() F.embedding(fsdp.tensor { 4 }, w) end, "embedding", "4",
       "[0, 4)", "(4, 3)")
     assert_error_has(function() F.embedding(fsdp.tensor { 1.5 }, w) end, "embedding", "1.5")
+    -- integer ids pick the same rows; bf16 and f16 ids are refused by dtype, whatever their
+    -- values (a bf16 id above 256 is not exact: 257 rounds to 256)
+    local ids = { { 0, 3 }, { 1, 1 } }
+    for _, dt in ipairs { "i64", "i32", "u8", "f64" } do
+      assert.are.same(F.embedding(fsdp.tensor(ids), w):totable(),
+        F.embedding(fsdp.tensor(ids, { dtype = dt }), w):totable(), dt)
+    end
+    assert_error_has(function() F.embedding(fsdp.tensor({ 1 }, { dtype = "bf16" }), w) end,
+      "embedding: ids are bf16; ids must be integers (i64) or f32 — a bf16 id above 256 is not exact")
+    assert_error_has(function() F.embedding(fsdp.tensor({ 1 }, { dtype = "f16" }), w) end,
+      "embedding: ids are f16", "an f16 id above 2048 is not exact")
+  end)
+
+  it("a mixed-precision model takes i64 ids; f32 ids, cast to bf16 by its input cast, are refused", function()
+    fsdp.manual_seed(3)
+    local m = fsdp.nn.GPT { vocab = 300, ctx = 4, d = 8, layers = 1, heads = 1 }
+    fsdp.wrap(m, { mp = "bf16" })
+    local ids = { { 1, 299, 257, 0 } } -- 299 and 257 are not bf16 numbers
+    local logits = m(fsdp.tensor(ids, { dtype = "i64" }))
+    assert.are.same({ 1, 4, 300 }, logits:shape())
+    assert_error_has(function() m(fsdp.tensor(ids)) end, "wte", "embedding: ids are bf16",
+      "a bf16 id above 256 is not exact")
+    fsdp.unwrap(m)
   end)
 
   it("linear, layernorm and attention name the shapes on mismatch", function()

@@ -83,6 +83,13 @@ describe("C helpers", function()
     local t = core.from_bytes("\0\1\2\255xyz", 1, { 2, 2 }, 0.5)
     assert.same({ 2, 2 }, t:shape())
     assert.same({ 0.5, 1, 127.5, 60 }, flat(t))
+    assert.equal("f32", t:dtype())
+    -- another dtype: the same f32 values converted by the one rule (labels are i64)
+    local l = core.from_bytes("\0\1\2\255", 0, { 4 }, 1, "i64")
+    assert.equal("i64", l:dtype())
+    assert.same({ 0, 1, 2, 255 }, flat(l))
+    assert.same({ 0, 0.5, 1, 127.5 }, flat(core.from_bytes("\0\1\2\255", 0, { 4 }, 0.5, "bf16")))
+    assert_error_has(function() core.from_bytes("abc", 0, { 1 }, 1, "f8") end, "f8")
     assert_error_has(function() core.from_bytes("abc", 1, { 3 }, 1) end,
       "from_bytes", "3 bytes at offset 1", "3 bytes")
     assert_error_has(function() core.from_bytes("abc", -1, { 1 }, 1) end, "from_bytes")
@@ -107,6 +114,9 @@ describe("C helpers", function()
     assert.same({ 2, 3 }, x:shape())
     assert.same({ { 97, 98, 99 }, { 101, 102, 103 } }, x:totable())
     assert.same({ { 98, 99, 100 }, { 102, 103, 104 } }, y:totable())
+    -- ids are integers: a mixed-precision model's input cast leaves them alone
+    assert.equal("i64", x:dtype())
+    assert.equal("i64", y:dtype())
     assert_error_has(function() core.byte_windows("abcdefgh", { 5 }, 3) end,
       "starts[1] = 5", "[0, 4]")
     assert_error_has(function() core.byte_windows("abc", { 0 }, 3) end, "need 4 bytes")
@@ -154,6 +164,10 @@ describe("read_idx", function()
     local d3, t3 = data.read_idx(dir .. "/b.idx")
     assert.same({ 300 }, d3)
     assert.equal(43, flat(t3)[300])
+    assert.equal("f32", t3:dtype())
+    local _, t4 = data.read_idx(dir .. "/b.idx", { dtype = "i64" })
+    assert.equal("i64", t4:dtype())
+    assert.same(flat(t3), flat(t4))
   end)
 
   it("rejects a bad magic, another element type and a truncated body", function()
@@ -183,6 +197,8 @@ describe("fashion_mnist", function()
       seen[l] = true
     end
     for c = 0, 9 do assert.is_true(seen[c], "class " .. c .. " missing from 500 examples") end
+    assert.equal("f32", tr.images:dtype())
+    assert.equal("i64", tr.labels:dtype())
     local te = data.fashion_mnist { split = "test", batch = 100, limit = 200 }
     assert.equal(200, te:size())
     assert.is_false(te.shuffle)
@@ -190,7 +206,26 @@ describe("fashion_mnist", function()
     for step, x, y in tr:batches(2) do
       assert.same({ 32, 784 }, x:shape())
       assert.same({ 32 }, y:shape())
+      assert.equal("f32", x:dtype())
+      assert.equal("i64", y:dtype())
       assert.equal(tr.cursor, step)
+    end
+    for _, x, y in te:epoch() do
+      assert.equal("f32", x:dtype())
+      assert.equal("i64", y:dtype())
+      -- accuracy as recipes count it: argmax (i64) against the labels (i64), and against f32
+      -- labels (the comparison promotes); logits one-hot at the label, so every answer is right
+      local eye = {}
+      for i = 1, 10 do
+        eye[i] = {}
+        for j = 1, 10 do eye[i][j] = i == j and 1 or 0 end
+      end
+      local pred = fsdp.F.embedding(y, fsdp.tensor(eye)):argmax()
+      assert.equal("i64", pred:dtype())
+      assert.equal(100, pred:eq(y):to("i64"):sum():item())
+      assert.equal(100, pred:eq(y:to("f32")):to("i64"):sum():item())
+      assert.equal(0, pred:eq(y + 1):to("i64"):sum():item())
+      break
     end
   end)
 
@@ -375,6 +410,8 @@ describe("text", function()
       assert.equal(n, step)
       assert.same({ 6, 16 }, x:shape())
       assert.same({ 6, 16 }, y:shape())
+      assert.equal("i64", x:dtype())
+      assert.equal("i64", y:dtype())
       local xs, ys = x:totable(), y:totable()
       for b = 1, 6 do
         local sx, sy = t:decode(xs[b]), t:decode(ys[b])
@@ -416,6 +453,8 @@ describe("text", function()
     local e = collect(t:epoch())
     assert.equal(4, #e)
     assert.same({ 1, 10 }, e[4].x:shape())
+    assert.equal("i64", e[4].x:dtype())
+    assert.equal("i64", e[4].y:dtype())
     local all = {}
     for _, r in ipairs(e) do for _, row in ipairs(r.x:totable()) do all[#all + 1] = t:decode(row) end end
     assert.equal(13, #all)

@@ -65,11 +65,11 @@ function GPT:init(cfg)
   end
 end
 
--- Positions 0..T-1 as a view of one cached arange(ctx) (no tensor per step but the view).
+-- Positions 0..T-1 (i64) as a view of one cached arange(ctx) (no tensor per step but the view).
 function GPT:positions(T)
   local pos = rawget(self, "__positions")
   if pos == nil then
-    pos = fsdp.arange(self.ctx)
+    pos = fsdp.arange(self.ctx, {dtype = "i64"})
     rawset(self, "__positions", pos)
   end
   if T == self.ctx then return pos end
@@ -92,7 +92,8 @@ function GPT:row_positions(B, T)
   return cache.pos
 end
 
--- ids (B, T) integral values in [0, vocab) -> logits (B, T, vocab)
+-- ids (B, T) integral values in [0, vocab), i64 (the data loaders') or f32; a wrapped model
+-- with mp casts floating inputs to bf16/f16, which the embedding refuses -> logits (B, T, vocab)
 function GPT:forward(ids)
   local shape = ids:shape()
   if #shape ~= 2 then
@@ -195,7 +196,7 @@ function GPT:generate(prompt, n, opts)
       local window = {}
       for j = first, #ids do window[#window + 1] = ids[j] end
       local T = #window
-      local logits = self(fsdp.tensor{window}) -- (1, T, V)
+      local logits = self(fsdp.tensor({window}, {dtype = "i64"})) -- (1, T, V)
       local last = logits:narrow(2, T, 1):reshape{self.vocab}:totable()
       fsdp.core.init_uniform(u, seed, stream .. step, 0, 1)
       ids[#ids + 1] = draw(last, temperature, opts.top_k, u:item())
