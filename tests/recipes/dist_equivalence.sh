@@ -1,6 +1,6 @@
 #!/bin/sh
-# Sharded training equals one-rank unsharded training (docs/ARCHITECTURE.md "The three invariants": the numbers we hold ourselves
-# to"): a small GPT (SGD with momentum) and an MLP (AdamW), each trained 50 steps on the same
+# Sharded training equals one-rank unsharded training (the numbers held, docs/ARCHITECTURE.md):
+# a small GPT (SGD with momentum) and an MLP (AdamW), each trained 50 steps on the same
 # global batch, at 1 rank unwrapped (the reference) and at 2 and 4 ranks with every strategy.
 # The loss curves must agree within 1e-5 relative at every step and the final parameters
 # (gathered with fsdp.full_params) within 1e-5 relative as one vector; the 4-rank run must be
