@@ -181,8 +181,19 @@ function M.set_mask(p, mask)
   local rec = sharded_record(u, p, flat, path)
   records[p] = rec
   apply_sharded(u, rec)
-  -- a gathered unit: its live full parameter gets the full mask too (every rank has it)
-  if u:state() == "gathered" and not is_replicated(u) then core.mask_apply(flat_param(p), flat) end
+  -- a gathered unit: its live full parameter gets the full mask too (every rank has it); a
+  -- unit gathered for a mixed-precision forward holds bf16 or f16 values, masked through f32
+  -- (exact both ways)
+  if u:state() == "gathered" and not is_replicated(u) then
+    local live = flat_param(p)
+    if live:dtype() == "f32" then
+      core.mask_apply(live, flat)
+    else
+      local wide = live:to("f32")
+      core.mask_apply(wide, flat)
+      live:copy(wide)
+    end
+  end
 end
 
 --- mask(param) -> a new full-shape 0/1 tensor, or nil when param has no mask. Collective when

@@ -32,7 +32,8 @@
 -- Unit records (U): {unit = <core unit>, module =, path =, parent = U or nil, hooks = {...},
 -- strategy =, params =}. R: {model =, opts =, units = {U...} (construction order), unit_of =
 -- {}, unit_of_param = {}, order = {U...} or nil (forward order, recorded on the first
--- forward), busy = nil | what, pending = nil | {param = true}}.
+-- forward), busy = nil | what, pending = nil | {param = true}, mixed = nil | true (units with
+-- different mixed-precision param dtypes)}.
 
 local fsdp = require "fsdp"
 local core = require "fsdp.core"
@@ -386,7 +387,11 @@ end
 
 -- Mixed precision at a unit's boundary: floating-point tensor inputs take the param dtype
 -- (integer inputs, like token ids, are left alone); the root's floating outputs take the output
--- dtype. The casts are recorded ops, so gradients flow back in each tensor's own dtype.
+-- dtype. The casts are recorded ops, so gradients flow back in each tensor's own dtype. Units
+-- of one model may have different policies (an inner wrap keeps its own when an outer wrap
+-- absorbs it): then every unit casts its inputs (an f32 unit to f32), and a unit whose param
+-- dtype differs from its parent unit's casts its outputs to the parent's, so that the modules
+-- computing around it get their own dtype.
 local function cast_floats(dtype, ...)
   local n = select("#", ...)
   local args = {...}
@@ -411,8 +416,17 @@ local function cast_output(dtype, out)
   return out:to(dtype)
 end
 
+local function param_dtype(U) return U.mp and U.mp.param or "f32" end
+
 local function install_hooks(R, U)
   local is_root = U.module == R.model
+  -- the dtype of its inputs (nil: no cast) and of a non-root unit's outputs (nil: no cast)
+  local cast_in = (U.mp or R.mixed) and param_dtype(U) or nil
+  if cast_in == "f32" and not R.mixed then cast_in = nil end
+  local cast_out = nil
+  if not is_root and U.parent and param_dtype(U.parent) ~= param_dtype(U) then
+    cast_out = param_dtype(U.parent)
+  end
   local pre = U.module:register_forward_pre_hook(function(_, ...)
     if R.busy then return end -- inside full_params / apply: everything needed is gathered
     if R.pending then error(pending_error(R, "forward"), 0) end
@@ -425,7 +439,7 @@ local function install_hooks(R, U)
     end
     local nxt = R.opts.prefetch and R.next and R.next[U]
     U.unit:pre_forward(nxt and nxt.unit or nil)
-    if U.mp and U.mp.param ~= "f32" then return cast_floats(U.mp.param, ...) end
+    if cast_in then return cast_floats(cast_in, ...) end
   end)
   local post = U.module:register_forward_hook(function(_, out)
     if R.busy then return end
@@ -436,6 +450,7 @@ local function install_hooks(R, U)
     end
     if is_root and R.recording then finish_recording(R) end
     if is_root and U.mp then return cast_output(U.mp.output, out) end
+    if cast_out then return cast_output(cast_out, out) end
   end)
   U.hooks = {pre, post}
 end
@@ -653,6 +668,9 @@ function W.wrap(model, opts)
     raise((tostring(err):gsub("^[^\n]-wrap%.lua:%d+: ", "")))
   end
   if next(pending) ~= nil then R.pending = pending end
+  for _, U in ipairs(R.units) do -- units with different policies (see install_hooks)
+    if param_dtype(U) ~= param_dtype(R.units[1]) then R.mixed = true end
+  end
   for _, U in ipairs(R.units) do
     -- parent: the closest selected ancestor that became a unit (the root always is one)
     local pm = rec_of[U.module].parent_module
