@@ -461,8 +461,9 @@ local function shape_str(t) return "(" .. table.concat(t:shape(), ", ") .. ")" e
 
 -- Everything wrap decides from this rank's model alone, before any collective: the units and
 -- their parameters, and `entries`, the description ranks compare (meta.lua, _agree): every
--- unit (construction order) and each of its parameters with path, shape, the other paths of
--- a tie, and whether it is on meta (unless sync_module_states gives every rank rank 0's values).
+-- unit (construction order) with its mixed-precision policy, and each of its parameters with
+-- path, shape, the other paths of a tie, and whether it is on meta (unless sync_module_states
+-- gives every rank rank 0's values).
 local function plan_wrap(model, o)
   local meta = require "fsdp.meta"
   -- Earlier wraps inside this tree: their units become forced boundaries (with their own
@@ -531,7 +532,13 @@ local function plan_wrap(model, o)
     end
     rec.ps, rec.pp = ps, pp
     if #ps > 0 or rec.module == model then
-      entries[#entries + 1] = ("unit '%s'"):format(rec.path)
+      -- its mixed-precision policy too: ranks gathering in different dtypes would first meet
+      -- in a collective mismatch
+      local f = forced[rec.module]
+      local mp
+      if f then mp = f.mp else mp = o.mp end
+      entries[#entries + 1] = ("unit '%s'"):format(rec.path) .. (mp and (" with mp param %s, "
+        .. "reduce %s, output %s"):format(mp.param, mp.reduce, mp.output) or "")
       for i, p in ipairs(ps) do
         local e = ("parameter %s %s in unit '%s'"):format(pp[i], shape_str(p), rec.path)
         local ap = all[p]

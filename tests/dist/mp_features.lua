@@ -18,7 +18,8 @@
 --     reverse): the units keep their dtypes, casts at their boundaries, training works
 --   * sync_module_states and meta init with mp: the eager model's values (bits)
 --   * reduce = "bf16": gradient shards hold bf16 values; reduce = "f32" at several ranks does not
---   * errors: bad mp options name the option and leave the model plain; the unit's own checks
+--   * errors: bad mp options name the option and leave the model plain; ranks with different
+--     policies fail the wrap agreement, naming them; the unit's own checks
 --   * f32 token ids: cast to bf16 like any floating input; exact below 257 (the same logits as
 --     i64 ids), rounded above (257 reads row 256): what happens now, pending a decision
 --   fsdprun -n N tests/dist/mp_features.lua
@@ -485,7 +486,18 @@ do
     check(bad and err:find(case.has, 1, true) ~= nil, "unit_new error: " .. err)
     check(lin.weight.device == "cpu" and core.param_unit(lin.weight) == nil, "unit_new left the parameters alone")
   end
-  say("ok: bad mp options and unit dtypes are errors naming the option; the model stays plain")
+  -- ranks with different policies: the wrap agreement names it, on every rank, before any
+  -- collective of the units (not a collective mismatch at the first forward)
+  if W > 1 then
+    local m = gpt(1)
+    local bad, err = errs(function() wrap(m, rank == W - 1 and "bf16" or nil) end)
+    local want = ("rank %d has unit 'blocks.1' with mp param bf16, reduce f32, output f32"):format(W - 1)
+    check(bad and err:find("the model differs across ranks", 1, true) ~= nil and err:find(want, 1, true) ~= nil,
+      "different policies across ranks: " .. err)
+    check(not fsdp.is_wrapped(m) and m.wte.weight.device == "cpu", "the model stays plain after a disagreement")
+  end
+  say("ok: bad mp options, policies that differ across ranks and unit dtypes are errors naming "
+    .. "them; the model stays plain")
 end
 
 -- ---- f32 token ids -----------------------------------------------------------------------------
