@@ -421,9 +421,8 @@ local function param_dtype(U) return U.mp and U.mp.param or "f32" end
 local function install_hooks(R, U)
   local is_root = U.module == R.model
   -- the dtype of its inputs (nil: no cast) and of a non-root unit's outputs (nil: no cast)
-  local cast_in = (U.mp or R.mixed) and param_dtype(U) or nil
-  if cast_in == "f32" and not R.mixed then cast_in = nil end
-  local cast_out = nil
+  local cast_in, cast_out = nil, nil
+  if R.mixed or param_dtype(U) ~= "f32" then cast_in = param_dtype(U) end
   if not is_root and U.parent and param_dtype(U.parent) ~= param_dtype(U) then
     cast_out = param_dtype(U.parent)
   end
