@@ -1,9 +1,11 @@
 -- fsdp.inspect: shard state at a glance, and readable reports for fsdp.memory() and
 -- fsdp.comm_stats(). Owner: repl. docs/REPL.md ("Inspecting shards") is the manual.
 --
---   fsdp.inspect(model)                 -> report: one row per unit (or per parameter, unwrapped)
---   fsdp.inspect(param, {model = m})    -> report: state, unit, flat offset, every rank's slice,
---                                          tie paths (needs the model), mask sparsity
+--   fsdp.inspect(model)                 -> report: one row per unit (or per parameter, unwrapped),
+--                                          the mixed-precision policy and unit dtypes when set
+--   fsdp.inspect(param, {model = m})    -> report: state, dtypes (now, the unit's param/reduce),
+--                                          unit, flat offset, every rank's slice, tie paths
+--                                          (needs the model), mask sparsity
 --   fsdp.inspect(unit)                  -> report of one unit (an element of fsdp.units(model))
 --   M.memory_report(t), M.comm_report(t) -> t with a __tostring (fields untouched)
 --
@@ -79,6 +81,8 @@ local function root_state(model)
   return W._root_state(model)
 end
 
+local DTYPE_BYTES = { f32 = 4, bf16 = 2, f16 = 2 }
+
 local function unit_row(u)
   local rank, world = fsdp.rank(), fsdp.world_size()
   local state = u:state()
@@ -86,15 +90,37 @@ local function unit_row(u)
   local replicated = u:strategy() == "none"
   local first = replicated and 1 or rank * shard + 1
   local last = replicated and padded or (rank + 1) * shard
-  -- what this rank holds for the unit now: its shard, plus the full flat buffer while gathered
-  -- (a replicated unit's shard is the whole buffer); 4 bytes per element (f32)
-  local held = shard
-  if state == "gathered" and not replicated then held = held + padded end
+  -- mixed precision: the dtype parameters are gathered in for compute and gradients reduced
+  -- in; while gathered, the dtype of the full buffer (f32 for u:gather(), full_params, apply)
+  local dt = u:dtypes()
+  -- what this rank holds for the unit now: its f32 shard, plus the full flat buffer while
+  -- gathered (a replicated unit's shard is the whole buffer; in a compute dtype other than
+  -- f32 it holds a converted copy too)
+  local bytes = 4 * shard
+  if state == "gathered" and (not replicated or dt.gathered ~= "f32") then
+    bytes = bytes + (DTYPE_BYTES[dt.gathered] or 4) * padded
+  end
   return {
     path = u.path, state = state, strategy = u:strategy(), nparams = #u:params(),
     numel = numel, padded_numel = padded, padding = padded - numel, shard_numel = shard,
-    slice = { first, last }, bytes = 4 * held,
+    slice = { first, last }, bytes = bytes,
+    param_dtype = dt.param, reduce_dtype = dt.reduce, gathered_dtype = dt.gathered,
   }
+end
+
+-- "gathered (bf16)" for a unit gathered in a compute dtype other than f32
+local function state_str(u)
+  if u.state == "gathered" and u.gathered_dtype and u.gathered_dtype ~= "f32" then
+    return "gathered (" .. u.gathered_dtype .. ")"
+  end
+  return u.state
+end
+
+-- "param bf16, reduce f32[, output f32]"
+local function mp_str(mp)
+  local s = format("param %s, reduce %s", mp.param, mp.reduce)
+  if mp.output then s = s .. ", output " .. mp.output end
+  return s
 end
 
 local Report = {}
@@ -119,15 +145,28 @@ local function model_text(r)
   lines[1] = format("%s: wrapped (%s), %d unit%s, %s parameters (%s elements), rank %d of %d",
     r.type, r.strategy, #r.units, #r.units == 1 and "" or "s", M.int(r.nparams), M.int(r.numel),
     r.rank, r.world_size)
-  local rows = { { "unit", "params", "numel", "padding", "state", "this rank's slice", "bytes here" } }
+  -- mixed precision: the policy, and a dtype column (units of one model may differ)
+  local mixed = r.mp ~= nil
+  for _, u in ipairs(r.units) do
+    if u.param_dtype ~= "f32" or u.reduce_dtype ~= "f32" then mixed = true end
+  end
+  if mixed then
+    lines[#lines + 1] = format("  mixed precision: %s; shards, gradient shards and optimizer "
+      .. "state f32", r.mp and mp_str(r.mp) or "per unit (below)")
+  end
+  local head = { "unit", "params", "numel", "padding", "state", "this rank's slice", "bytes here" }
+  if mixed then head[#head + 1] = "param/reduce" end
+  local rows = { head }
   local total = 0
   for _, u in ipairs(r.units) do
-    rows[#rows + 1] = { u.path, M.int(u.nparams), M.int(u.numel), M.int(u.padding), u.state,
+    local row = { u.path, M.int(u.nparams), M.int(u.numel), M.int(u.padding), state_str(u),
       range_str(u.slice[1], u.slice[2]) .. " of " .. M.int(u.padded_numel), M.bytes(u.bytes) }
+    if mixed then row[#row + 1] = u.param_dtype .. "/" .. u.reduce_dtype end
+    rows[#rows + 1] = row
     total = total + u.bytes
   end
   rows[#rows + 1] = { "total", M.int(r.nparams), M.int(r.numel), "", "", "", M.bytes(total) }
-  lines[2] = columns(rows, { [2] = true, [3] = true, [4] = true, [7] = true }, "  ")
+  lines[#lines + 1] = columns(rows, { [2] = true, [3] = true, [4] = true, [7] = true }, "  ")
   return concat(lines, "\n")
 end
 
@@ -138,6 +177,12 @@ local function param_text(r)
   local rows = {}
   if r.unit then
     rows[#rows + 1] = { "state", format("%s (unit %s, strategy %s)", r.state, r.unit, r.strategy) }
+    if r.param_dtype == "f32" and r.reduce_dtype == "f32" then
+      rows[#rows + 1] = { "dtypes", r.dtype .. " (no mixed precision)" }
+    else
+      rows[#rows + 1] = { "dtypes", format("%s now; the unit gathers %s for compute and reduces "
+        .. "gradients in %s; its shard (the master) is f32", r.dtype, r.param_dtype, r.reduce_dtype) }
+    end
     if r.offset then
       rows[#rows + 1] = { "flat", format("elements %s of the unit's flat buffer (offset %s)",
         range_str(r.offset + 1, r.offset + r.numel), M.int(r.offset)) }
@@ -172,9 +217,10 @@ Report.__tostring = function(r)
   if r.kind == "param" then return param_text(r) end
   if r.kind == "unit" then
     local u = r.unit_row
-    return format("unit %s: %d params, %s elements (+%s padding), %s, rank %d holds %s (%s)",
-      u.path, u.nparams, M.int(u.numel), M.int(u.padding), u.state, r.rank,
-      range_str(u.slice[1], u.slice[2]), M.bytes(u.bytes))
+    return format("unit %s: %d params, %s elements (+%s padding), %s, rank %d holds %s (%s); %s",
+      u.path, u.nparams, M.int(u.numel), M.int(u.padding), state_str(u), r.rank,
+      range_str(u.slice[1], u.slice[2]), M.bytes(u.bytes),
+      mp_str({ param = u.param_dtype, reduce = u.reduce_dtype }))
   end
   return model_text(r)
 end
@@ -190,6 +236,10 @@ local function model_report(x)
     world_size = fsdp.world_size() }, Report)
   if R then
     r.strategy = R.opts and R.opts.strategy or "full"
+    -- the policy wrap was given ({param =, reduce =, output =}; nil: f32)
+    if R.opts and R.opts.mp then
+      r.mp = { param = R.opts.mp.param, reduce = R.opts.mp.reduce, output = R.opts.mp.output }
+    end
     r.units = {}
     for _, u in ipairs(fsdp.units(x)) do r.units[#r.units + 1] = unit_row(u) end
   else
@@ -240,6 +290,8 @@ local function param_report(x, opts)
   local u = core.param_unit and core.param_unit(x)
   if u then
     r.unit, r.strategy, r.state = u.path, u:strategy(), u:state()
+    local dt = u:dtypes()
+    r.param_dtype, r.reduce_dtype = dt.param, dt.reduce
     local ps, pp = u:params(), u:paths()
     for i = 1, #ps do
       if rawequal(ps[i], x) then r.path = pp[i] end

@@ -84,11 +84,16 @@ end
 
 local function is_replicated(u) return u:strategy() == "none" end
 
--- A gathered unit (other than "none", whose parameters view the shard itself) holds a full copy
--- that a change of the shards does not reach: gather it again. Collective; every rank has the
--- same unit states.
+-- Whether u's live parameters are a copy of its shards: gathered, and not "none" (whose
+-- parameters view the shard itself) unless gathered in a mixed-precision compute dtype.
+local function holds_copy(u)
+  return u:state() == "gathered" and (not is_replicated(u) or u:dtypes().gathered ~= "f32")
+end
+
+-- A unit holding a full copy that a change of the shards does not reach: gather it again.
+-- Collective; every rank has the same unit states.
 local function refresh(u)
-  if u:state() == "gathered" and not is_replicated(u) then
+  if holds_copy(u) then
     u:reshard()
     u:gather()
   end
@@ -181,8 +186,19 @@ function M.set_mask(p, mask)
   local rec = sharded_record(u, p, flat, path)
   records[p] = rec
   apply_sharded(u, rec)
-  -- a gathered unit: its live full parameter gets the full mask too (every rank has it)
-  if u:state() == "gathered" and not is_replicated(u) then core.mask_apply(flat_param(p), flat) end
+  -- a gathered unit: its live full parameter gets the full mask too (every rank has it); a
+  -- unit gathered for a mixed-precision forward holds bf16 or f16 values, masked through f32
+  -- (exact both ways)
+  if holds_copy(u) then
+    local live = flat_param(p)
+    if live:dtype() == "f32" then
+      core.mask_apply(live, flat)
+    else
+      local wide = live:to("f32")
+      core.mask_apply(wide, flat)
+      live:copy(wide)
+    end
+  end
 end
 
 --- mask(param) -> a new full-shape 0/1 tensor, or nil when param has no mask. Collective when

@@ -32,7 +32,8 @@
 -- Unit records (U): {unit = <core unit>, module =, path =, parent = U or nil, hooks = {...},
 -- strategy =, params =}. R: {model =, opts =, units = {U...} (construction order), unit_of =
 -- {}, unit_of_param = {}, order = {U...} or nil (forward order, recorded on the first
--- forward), busy = nil | what, pending = nil | {param = true}}.
+-- forward), busy = nil | what, pending = nil | {param = true}, mixed = nil | true (units with
+-- different mixed-precision param dtypes)}.
 
 local fsdp = require "fsdp"
 local core = require "fsdp.core"
@@ -386,7 +387,11 @@ end
 
 -- Mixed precision at a unit's boundary: floating-point tensor inputs take the param dtype
 -- (integer inputs, like token ids, are left alone); the root's floating outputs take the output
--- dtype. The casts are recorded ops, so gradients flow back in each tensor's own dtype.
+-- dtype. The casts are recorded ops, so gradients flow back in each tensor's own dtype. Units
+-- of one model may have different policies (an inner wrap keeps its own when an outer wrap
+-- absorbs it): then every unit casts its inputs (an f32 unit to f32), and a unit whose param
+-- dtype differs from its parent unit's casts its outputs to the parent's, so that the modules
+-- computing around it get their own dtype.
 local function cast_floats(dtype, ...)
   local n = select("#", ...)
   local args = {...}
@@ -411,8 +416,16 @@ local function cast_output(dtype, out)
   return out:to(dtype)
 end
 
+local function param_dtype(U) return U.mp and U.mp.param or "f32" end
+
 local function install_hooks(R, U)
   local is_root = U.module == R.model
+  -- the dtype of its inputs (nil: no cast) and of a non-root unit's outputs (nil: no cast)
+  local cast_in, cast_out = nil, nil
+  if R.mixed or param_dtype(U) ~= "f32" then cast_in = param_dtype(U) end
+  if not is_root and U.parent and param_dtype(U.parent) ~= param_dtype(U) then
+    cast_out = param_dtype(U.parent)
+  end
   local pre = U.module:register_forward_pre_hook(function(_, ...)
     if R.busy then return end -- inside full_params / apply: everything needed is gathered
     if R.pending then error(pending_error(R, "forward"), 0) end
@@ -425,7 +438,7 @@ local function install_hooks(R, U)
     end
     local nxt = R.opts.prefetch and R.next and R.next[U]
     U.unit:pre_forward(nxt and nxt.unit or nil)
-    if U.mp and U.mp.param ~= "f32" then return cast_floats(U.mp.param, ...) end
+    if cast_in then return cast_floats(cast_in, ...) end
   end)
   local post = U.module:register_forward_hook(function(_, out)
     if R.busy then return end
@@ -436,6 +449,7 @@ local function install_hooks(R, U)
     end
     if is_root and R.recording then finish_recording(R) end
     if is_root and U.mp then return cast_output(U.mp.output, out) end
+    if cast_out then return cast_output(cast_out, out) end
   end)
   U.hooks = {pre, post}
 end
@@ -446,8 +460,9 @@ local function shape_str(t) return "(" .. table.concat(t:shape(), ", ") .. ")" e
 
 -- Everything wrap decides from this rank's model alone, before any collective: the units and
 -- their parameters, and `entries`, the description ranks compare (meta.lua, _agree): every
--- unit (construction order) and each of its parameters with path, shape, the other paths of
--- a tie, and whether it is on meta (unless sync_module_states gives every rank rank 0's values).
+-- unit (construction order) with its mixed-precision policy, and each of its parameters with
+-- path, shape, the other paths of a tie, and whether it is on meta (unless sync_module_states
+-- gives every rank rank 0's values).
 local function plan_wrap(model, o)
   local meta = require "fsdp.meta"
   -- Earlier wraps inside this tree: their units become forced boundaries (with their own
@@ -516,7 +531,13 @@ local function plan_wrap(model, o)
     end
     rec.ps, rec.pp = ps, pp
     if #ps > 0 or rec.module == model then
-      entries[#entries + 1] = ("unit '%s'"):format(rec.path)
+      -- its mixed-precision policy too: ranks gathering in different dtypes would first meet
+      -- in a collective mismatch
+      local f = forced[rec.module]
+      local mp
+      if f then mp = f.mp else mp = o.mp end
+      entries[#entries + 1] = ("unit '%s'"):format(rec.path) .. (mp and (" with mp param %s, "
+        .. "reduce %s, output %s"):format(mp.param, mp.reduce, mp.output) or "")
       for i, p in ipairs(ps) do
         local e = ("parameter %s %s in unit '%s'"):format(pp[i], shape_str(p), rec.path)
         local ap = all[p]
@@ -653,6 +674,9 @@ function W.wrap(model, opts)
     raise((tostring(err):gsub("^[^\n]-wrap%.lua:%d+: ", "")))
   end
   if next(pending) ~= nil then R.pending = pending end
+  for _, U in ipairs(R.units) do -- units with different policies (see install_hooks)
+    if param_dtype(U) ~= param_dtype(R.units[1]) then R.mixed = true end
+  end
   for _, U in ipairs(R.units) do
     -- parent: the closest selected ancestor that became a unit (the root always is one)
     local pm = rec_of[U.module].parent_module

@@ -759,6 +759,13 @@ int fsdp_unit_writeback(fsdp_unit *u) {
     return fsdp_error("writeback: unit '%s' is not gathered (gather it, change its "
                       "parameters, then write back)",
                       u->path);
+  /* gathered for a mixed-precision forward: writing those values back would round the f32
+   * masters to the compute dtype */
+  if (u->gathered_dt != u->shard->dtype)
+    return fsdp_error("writeback: unit '%s' is gathered in %s for compute (mixed precision); "
+                      "gather it (u:gather(): the f32 masters), change its parameters, then "
+                      "write back",
+                      u->path, fsdp_dtype_name(u->gathered_dt));
   /* From each parameter's current data, wherever it points (normally the full buffer). */
   for (int i = 0; i < u->n; i++) {
     int64_t pf, sf, len = fsdp_unit_param_slice(u, i, u->rank, &pf, &sf);

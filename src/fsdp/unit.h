@@ -170,8 +170,9 @@ const fsdp_unit_opts *fsdp_unit_options(const fsdp_unit *u);
  * already in flight, and for NONE). */
 int fsdp_unit_prefetch(fsdp_unit *u);
 /* Collective. Copy the gathered full buffer's values back into this rank's shard (after a
- * user changed parameters through full_params/apply with writeback). Needs the unit gathered.
- * Reads each parameter's current data (normally its view of the full buffer). */
+ * user changed parameters through full_params/apply with writeback). Needs the unit gathered
+ * in f32 (fsdp_unit_gather; gathered in a compute dtype it is an error: the masters would be
+ * rounded). Reads each parameter's current data (normally its view of the full buffer). */
 int fsdp_unit_writeback(fsdp_unit *u);
 
 /* Forward hooks (called by the Lua wrap layer around the unit module's forward). pre: gather

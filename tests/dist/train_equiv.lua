@@ -4,10 +4,14 @@
 --
 --   fsdprun -n N tests/dist/train_equiv.lua --model=gpt|mlp --strategy=plain|full|grad_op|none
 --     [--steps=50] [--opt=adamw|sgd] [--prefetch=true] [--lr_scale=1] [--out=path]
+--     [--mp=bf16|f16] [--reduce=f32|bf16] [--micro=1]
 --
 -- strategy=plain trains the model unwrapped (the reference, at -n 1). Every rank takes its
 -- rows of the same global batch, so every world size sees the same data; the logged loss is
 -- the mean over ranks of the local mean loss (= the global mean, the slices being equal).
+-- --mp wraps with mixed precision ({param = mp, reduce = reduce}); --micro=K splits this rank's
+-- rows into K micro-batches, each backward on its loss / K (gradient accumulation): at one rank,
+-- --micro=N reproduces the per-rank batches of an N-rank run (tests/recipes/dist_mp_equiv.sh).
 local fsdp = require "fsdp"
 local nn = fsdp.nn
 local a = fsdp.args
@@ -35,7 +39,8 @@ else
   policy = fsdp.policy.size(1000)
 end
 if strategy ~= "plain" then
-  fsdp.wrap(model, {strategy = strategy, policy = policy, prefetch = a.prefetch ~= false})
+  local mp = a.mp and {param = a.mp, reduce = a.reduce or "f32"} or nil -- mixed precision
+  fsdp.wrap(model, {strategy = strategy, policy = policy, prefetch = a.prefetch ~= false, mp = mp})
 end
 local opt
 local lr_scale = a.lr_scale or 1 -- the shell test perturbs it to show the comparison can fail
@@ -73,15 +78,25 @@ local function batch(step)
   return fsdp.tensor(x), fsdp.tensor(y)
 end
 
+local micro = a.micro or 1
+assert(rows % micro == 0, "the micro-batches must divide this rank's rows")
 local losses = {}
 for step = 1, steps do
   local x, y = batch(step)
   opt:zero_grad()
-  local loss = nn.F.cross_entropy(model(x), y)
-  loss:backward()
+  local sum = 0
+  for k = 0, micro - 1 do
+    local m = rows / micro
+    local xk, yk = x, y
+    if micro > 1 then xk, yk = x:narrow(1, k * m + 1, m), y:narrow(1, k * m + 1, m) end
+    local loss = nn.F.cross_entropy(model(xk), yk)
+    if micro > 1 then loss = loss * (1 / micro) end
+    loss:backward()
+    sum = sum + loss:item()
+  end
   fsdp.clip_grad_norm(model, 1.0)
   opt:step()
-  losses[step] = fsdp.all_reduce(loss:item(), "mean")
+  losses[step] = fsdp.all_reduce(sum, "mean")
 end
 
 -- final parameters, gathered (the whole model: it is small)

@@ -1,5 +1,6 @@
 -- inspect_spec.lua — lua/fsdp/inspect.lua at world size 1: fsdp.inspect of plain and wrapped
--- models, parameters (state, flat offset, slices, ties, mask) and units; the readable
+-- models, parameters (state, dtypes, flat offset, slices, ties, mask) and units, mixed
+-- precision (the policy, unit dtypes, bytes of a bf16 full buffer); the readable
 -- tostring of fsdp.memory() and fsdp.comm_stats() with their fields unchanged; the number
 -- formatting. Several ranks: tests/recipes/repl_pipe.sh inspects through the REPL at -n 2.
 -- Run: busted --lua=luajit tests/lua/inspect_spec.lua
@@ -138,6 +139,67 @@ describe("fsdp.inspect(param)", function()
     local s = fsdp.inspect(w)
     assert.are.equal(0.5, s.mask.sparsity) -- world 1: this rank's slice is the parameter
     assert.is_true(has(tostring(s), "this rank's slice"))
+    fsdp.unwrap(m)
+  end)
+end)
+
+describe("fsdp.inspect and mixed precision", function()
+  it("shows the policy, each unit's dtypes, and counts a bf16 full buffer at 2 bytes", function()
+    local m = gpt(true)
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}, mp = "bf16"})
+    local r = fsdp.inspect(m)
+    assert.are.same({param = "bf16", reduce = "f32", output = "f32"}, r.mp)
+    for _, u in ipairs(r.units) do
+      assert.are.equal("bf16", u.param_dtype)
+      assert.are.equal("f32", u.reduce_dtype)
+      assert.is_nil(u.gathered_dtype)
+      assert.are.equal(4 * u.shard_numel, u.bytes) -- the f32 shard
+    end
+    local text = tostring(r)
+    assert.is_true(has(text, "GPT: wrapped (full), 3 units"), text)
+    assert.is_true(has(text, "mixed precision: param bf16, reduce f32, output f32; shards, "
+      .. "gradient shards and optimizer state f32"), text)
+    assert.is_true(has(text, "param/reduce"), text)
+    assert.is_true(text:match("blocks%.1 .* bf16/f32") ~= nil, text)
+    -- after a forward the root stays gathered for compute, in bf16
+    local out = m(fsdp.tensor({{1, 2, 3, 4}}, {dtype = "i64"}))
+    local root
+    for _, u in ipairs(fsdp.inspect(m).units) do if u.path == "(root)" then root = u end end
+    assert.are.equal("bf16", root.gathered_dtype)
+    assert.are.equal(4 * root.shard_numel + 2 * root.padded_numel, root.bytes)
+    assert.is_true(has(tostring(fsdp.inspect(m)), "gathered (bf16)"))
+    local p = fsdp.inspect(m.head.weight, {model = m})
+    assert.are.equal("bf16", p.dtype) -- its current dtype
+    assert.are.equal("bf16", p.param_dtype)
+    assert.are.equal("f32", p.reduce_dtype)
+    local pt = tostring(p)
+    assert.is_true(has(pt, "parameter wte.weight  (11, 8) bf16"), pt)
+    assert.is_true(has(pt, "bf16 now; the unit gathers bf16 for compute and reduces gradients "
+      .. "in f32; its shard (the master) is f32"), pt)
+    local ut = tostring(fsdp.inspect(fsdp.units(m)[1]))
+    assert.is_true(has(ut, "gathered (bf16)") and has(ut, "param bf16, reduce f32"), ut)
+    out:sum():backward()
+    local q = fsdp.inspect(m.blocks[1].mlp.fc.weight)
+    assert.are.equal("f32", q.dtype) -- sharded: its f32 master
+    assert.is_true(has(tostring(q), "f32 now; the unit gathers bf16"))
+    fsdp.unwrap(m)
+  end)
+
+  it("shows per-unit dtypes of a model whose units differ, and none for f32", function()
+    local m = gpt(true)
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    local text = tostring(fsdp.inspect(m))
+    assert.is_false(has(text, "mixed precision"))
+    assert.is_false(has(text, "param/reduce"))
+    assert.is_nil(fsdp.inspect(m).mp)
+    assert.is_true(has(tostring(fsdp.inspect(m.wte.weight)), "f32 (no mixed precision)"))
+    fsdp.unwrap(m)
+    fsdp.wrap(m.blocks[1], {mp = {param = "f16", reduce = "bf16"}})
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    text = tostring(fsdp.inspect(m))
+    assert.is_true(has(text, "mixed precision: per unit (below)"), text)
+    assert.is_true(text:match("blocks%.1 .* f16/bf16") ~= nil, text)
+    assert.is_true(text:match("blocks%.2 .* f32/f32") ~= nil, text)
     fsdp.unwrap(m)
   end)
 end)

@@ -1,7 +1,9 @@
 -- unit_spec.lua — the units API of fsdp.core (FSDP_CONTRACT.md "units") at world size 1:
 -- building a unit over a model's parameters, identity, layout and slices, the sharded error,
 -- gather/reshard/writeback, shard views, the forward hooks driving backward (gradient shard
--- equals the unwrapped gradient, for every strategy), unshard, errors, collection.
+-- equals the unwrapped gradient, for every strategy), mixed precision (dtypes, bf16 gathers
+-- and gradients into f32 shards, the writeback refusal, dtype errors), unshard, errors,
+-- collection.
 -- Run: busted --lua=luajit tests/lua/unit_spec.lua
 local fsdp = require "fsdp"
 local core = fsdp.core
@@ -236,6 +238,107 @@ describe("forward hooks and backward", function()
     assert.are.equal("sharded", a:state())
     assert.are.equal("sharded", b:state())
     errors_with(function() a:pre_forward(42) end, "unit expected")
+  end)
+end)
+
+describe("mixed precision (param_dtype, reduce_dtype)", function()
+  -- values rounded to bf16 (what a bf16 gather holds)
+  local function bf16(vals)
+    local out = {}
+    for i, v in ipairs(vals) do out[i] = flat(fsdp.tensor(v):to("bf16"):to("f32")) end
+    return out
+  end
+
+  it("reports its dtypes: f32 by default, the compute dtype while gathered for compute", function()
+    local _, params, paths = model()
+    local u = core.unit_new("net", params, paths)
+    assert.are.same({param = "f32", reduce = "f32"}, u:dtypes())
+    u:gather()
+    assert.are.same({param = "f32", reduce = "f32", gathered = "f32"}, u:dtypes())
+    u:reshard()
+    local _, p2, paths2 = model()
+    local v = core.unit_new("mp", p2, paths2, {param_dtype = "bf16", reduce_dtype = "bf16"})
+    assert.are.same({param = "bf16", reduce = "bf16"}, v:dtypes())
+  end)
+
+  it("gathers bf16 for forward and the f32 masters for u:gather() (a prefetch in bf16 is dropped)", function()
+    local _, params, paths = model(3)
+    local masters = values_of(params)
+    local u = core.unit_new("net", params, paths, {param_dtype = "bf16"})
+    u:pre_forward(nil)
+    assert.are.equal("bf16", u:dtypes().gathered)
+    for _, p in ipairs(params) do assert.are.equal("bf16", p:dtype()) end
+    local got = {}
+    for i, p in ipairs(params) do got[i] = flat(p:to("f32")) end
+    assert.are.same(bf16(masters), got)
+    assert.are_not.same(masters, got) -- the masters hold more than bf16 can
+    u:post_forward() -- not root, full: resharded
+    assert.are.equal("sharded", u:state())
+    for _, p in ipairs(params) do assert.are.equal("f32", p:dtype()) end
+    u:prefetch()
+    u:gather()
+    assert.are.equal("f32", u:dtypes().gathered)
+    assert.are.same(masters, values_of(params))
+    u:reshard()
+    u:gather()
+    assert.are.same(masters, values_of(params))
+    u:reshard()
+  end)
+
+  it("refuses to write back parameters gathered in the compute dtype", function()
+    local _, params, paths = model()
+    local u = core.unit_new("net", params, paths, {param_dtype = "bf16", root = true})
+    u:pre_forward(nil)
+    errors_with(function() u:writeback() end,
+      "writeback: unit 'net' is gathered in bf16 for compute (mixed precision)")
+    u:post_forward()
+    u:gather() -- f32 masters: changes can be written back
+    params[2]:fill(0.1)
+    u:writeback()
+    u:reshard()
+    u:gather()
+    for _, x in ipairs(flat(params[2])) do assert.are.equal(fsdp.tensor{0.1}:item(), x) end
+  end)
+
+  for _, strategy in ipairs {"full", "grad_op", "none"} do
+    it("reduces bf16 gradients into the f32 gradient shard (" .. strategy .. ")", function()
+      local x, y = fsdp.randn{4, 3}, fsdp.randn{4, 2}
+      local ref, rparams = model(7)
+      F.mse(ref(x), y):backward()
+      for _, reduce in ipairs {"f32", "bf16"} do
+        local m, params, paths = model(7)
+        local u = core.unit_new("", params, paths, {strategy = strategy, root = true,
+          param_dtype = "bf16", reduce_dtype = reduce})
+        u:pre_forward(nil)
+        local out = m(x:to("bf16"))
+        assert.are.equal("bf16", out:dtype())
+        u:post_forward()
+        F.mse(out:to("f32"), y):backward()
+        -- after backward: no bf16 copy left (none: the parameters view the f32 shard again)
+        assert.are.equal(strategy == "none" and "gathered" or "sharded", u:state())
+        if strategy == "none" then assert.are.equal("f32", u:dtypes().gathered) end
+        local g = flat(u:grad_shard())
+        for i, sl in ipairs(u:local_slices()) do
+          assert.is_true(u:has_grad(i))
+          assert_close({unpack(g, sl.shard_first, sl.shard_last)}, flat(rparams[i].grad), 2e-2, sl.path)
+        end
+        local rounded = flat(u:grad_shard():to("bf16"):to("f32"))
+        assert.are.same(rounded, g) -- one rank: each value a bf16 gradient, reduced in either dtype
+      end
+    end)
+  end
+
+  it("rejects dtypes it cannot gather or reduce in", function()
+    local _, params, paths = model()
+    errors_with(function() core.unit_new("x", params, paths, {param_dtype = "f64"}) end,
+      "wrap: unit 'x': parameters cannot be gathered as f64 (mixed precision takes f32, bf16 or f16)")
+    errors_with(function() core.unit_new("x", params, paths, {param_dtype = "i32"}) end,
+      "parameters cannot be gathered as i32")
+    errors_with(function() core.unit_new("x", params, paths, {reduce_dtype = "f16"}) end,
+      "wrap: unit 'x': gradients cannot be reduced in f16 (f32 or bf16)")
+    errors_with(function() core.unit_new("x", params, paths, {param_dtype = "bfloat"}) end, "bfloat")
+    assert.are.equal("cpu", params[1].device) -- nothing moved
+    assert.is_nil(core.param_unit(params[1]))
   end)
 end)
 

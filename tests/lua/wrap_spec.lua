@@ -1,7 +1,8 @@
 -- wrap_spec.lua — the sharding layer at world size 1 (lua/fsdp/wrap.lua, sharded optim):
 -- wrap/unwrap/re-wrap, idempotence, units and ownership (ties, shared modules), policies,
 -- the sharded-read error, full_params/apply with writeback, saved references, fsdp.shard,
--- inspect, and sharded optimizers equal to dense ones. Multi-rank behaviour is in tests/dist/.
+-- inspect, mixed-precision policies (mp: dtypes, casts, errors, absorbed inner policies), and
+-- sharded optimizers equal to dense ones. Multi-rank behaviour is in tests/dist/.
 -- Run: busted --lua=luajit tests/lua/wrap_spec.lua
 
 local fsdp = require "fsdp"
@@ -264,6 +265,87 @@ describe("fsdp.wrap", function()
     assert.truthy(err_of{init = true, sync_module_states = true}:find("both given", 1, true))
     assert.truthy(err_of{policy = 3}:find("policy must be", 1, true))
     assert.is_false(fsdp.is_wrapped(m))
+  end)
+end)
+
+describe("fsdp.wrap{mp = ...}", function()
+  local function dtypes(m)
+    local out = {}
+    for _, u in ipairs(fsdp.units(m)) do
+      local d = u:dtypes()
+      out[u.path] = d.param .. "/" .. d.reduce
+    end
+    return out
+  end
+
+  it("takes a policy: \"bf16\" = {param = bf16, reduce = f32, output = f32}; all f32 is off", function()
+    for _, case in ipairs {
+      {mp = "bf16", units = "bf16/f32", out = "f32"},
+      {mp = "f16", units = "f16/f32", out = "f32"},
+      {mp = {param = "bf16", reduce = "bf16", output = "bf16"}, units = "bf16/bf16", out = "bf16"},
+      {mp = {reduce = "bf16"}, units = "f32/bf16", out = "f32"},
+      {mp = "f32", units = "f32/f32", out = "f32", off = true},
+      {mp = false, units = "f32/f32", out = "f32", off = true},
+    } do
+      local m = gpt()
+      fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}, mp = case.mp})
+      for path, d in pairs(dtypes(m)) do assert.are.equal(case.units, d, path) end
+      local out = m(ids)
+      assert.are.equal(case.out, out:dtype())
+      if case.off then assert.is_nil(fsdp.inspect(m).mp) end
+      out:to("f32"):sum():backward()
+      fsdp.unwrap(m)
+    end
+  end)
+
+  it("casts floating inputs to the param dtype and leaves integer ones alone", function()
+    local seen = {}
+    local lin = nn.Linear(4, 3)
+    local seq = nn.Sequential{lin}
+    lin:register_forward_pre_hook(function(_, x) seen[#seen + 1] = x:dtype() end)
+    fsdp.wrap(seq, {mp = "bf16"})
+    for _, dt in ipairs {"f32", "f64", "f16", "bf16"} do
+      local out = seq(fsdp.ones({2, 4}, {dtype = dt}))
+      assert.are.equal("f32", out:dtype())
+    end
+    assert.are.same({"bf16", "bf16", "bf16", "bf16"}, seen)
+    local m = gpt()
+    fsdp.wrap(m, {mp = "bf16"})
+    local got
+    m.wte:register_forward_pre_hook(function(_, x) got = x:dtype() end)
+    m(fsdp.tensor({{1, 2, 3}}, {dtype = "i64"}))
+    assert.are.equal("i64", got)
+  end)
+
+  it("refuses bad policies naming the option, leaving the model plain", function()
+    local m = gpt()
+    for _, case in ipairs {
+      {"f64", 'fsdp.wrap: mp.param must be "f32", "bf16" or "f16" (got f64)'},
+      {{param = "i64"}, 'fsdp.wrap: mp.param must be "f32", "bf16" or "f16" (got i64)'},
+      {{bogus = 1}, "fsdp.wrap: unknown mp option bogus (param, reduce, output)"},
+      {{reduce = "f16"}, 'fsdp.wrap: mp.reduce must be "f32" or "bf16" (got f16)'},
+      {{output = "u8"}, 'fsdp.wrap: mp.output must be "f32", "bf16" or "f16" (got u8)'},
+      {42, 'fsdp.wrap: mp must be "bf16", "f16" or a table {param =, reduce =, output =} (got number)'},
+    } do
+      H.assert_error_has(function() fsdp.wrap(m, {mp = case[1]}) end, case[2])
+      assert.is_false(fsdp.is_wrapped(m))
+    end
+  end)
+
+  it("keeps an absorbed inner wrap's policy, casting at the unit boundaries", function()
+    local m = gpt()
+    fsdp.wrap(m.blocks[2], {mp = "bf16"})
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    assert.are.same({["blocks.1"] = "f32/f32", ["blocks.2"] = "bf16/f32", ["(root)"] = "f32/f32"},
+      dtypes(m))
+    local seen = {}
+    m.blocks[2].mlp:register_forward_pre_hook(function(mod, x) seen.b2 = mod.fc.weight:dtype() .. "/" .. x:dtype() end)
+    m.ln_f:register_forward_pre_hook(function(_, x) seen.ln_f = x:dtype() end)
+    local out = m(ids)
+    assert.are.same({b2 = "bf16/bf16", ln_f = "f32"}, seen)
+    assert.are.equal("f32", out:dtype())
+    out:sum():backward()
+    fsdp.unwrap(m)
   end)
 end)
 

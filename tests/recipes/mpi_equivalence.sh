@@ -3,7 +3,8 @@
 # backend: tests/dist/train_equiv.lua (a small GPT with SGD, an MLP with AdamW; every strategy)
 # under `mpirun -np 2` and `-np 4` must give the very same bits (losses and final parameters) as
 # the local backend at the same world size: the mpi backend reduces in rank order with the local
-# backend's arithmetic (docs/mpi.md), so nothing is left to tolerance. They are also compared
+# backend's arithmetic (docs/mpi.md), so nothing is left to tolerance (mixed precision too: bf16
+# gathers with f32 and bf16 reductions, at 2 ranks). They are also compared
 # with the 1-rank unwrapped reference within 1e-5 relative, as dist_equivalence.sh does. The
 # same over TCP (--mca btl tcp,self: ranks talk as they would across machines), through
 # `fsdprun -n 2 --backend mpi` (fsdprun starts mpirun itself), and a perturbed run must differ
@@ -53,6 +54,13 @@ for model in gpt mlp; do
       close "$T/ref_$model" "$T/mpi" "$model $strategy: mpirun -np $n vs 1 rank unwrapped"
     done
   done
+done
+# mixed precision: bf16 gathers, f32 or bf16 reductions (bf16 sums in rank order too)
+for cfg in "gpt full f32" "mlp none bf16" "gpt grad_op bf16"; do
+  set -- $cfg
+  "$FSDPRUN" -n 2 tests/dist/train_equiv.lua --model=$1 --strategy=$2 --mp=bf16 --reduce=$3 --out="$T/local" >/dev/null 2>&1
+  train x $MPIRUN -np 2 "$FSDPRUN" tests/dist/train_equiv.lua --model=$1 --strategy=$2 --mp=bf16 --reduce=$3 --out="$T/mpi" &&
+    same "$T/local" "$T/mpi" "$1 $2 mp bf16 reduce $3: mpirun -np 2 = local -n 2, bitwise"
 done
 # over TCP
 for n in 2 4; do
