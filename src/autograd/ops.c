@@ -227,8 +227,9 @@ static int check_id_dtype(const char *op, const char *what, const fsdp_tensor *i
   const char *dt = fsdp_dtype_name(ids->dtype);
   bool bf = ids->dtype == FSDP_DTYPE_BF16;
   return fsdp_error("%s: %ss are %s; %ss must be integers (i64) or f32 — %s %s %s above %d "
-                    "is not exact",
-                    op, what, dt, what, bf ? "a" : "an", dt, what, bf ? 256 : 2048);
+                    "is not exact (a model wrapped with mixed precision casts floating inputs to "
+                    "%s: give it i64 %ss, e.g. fsdp.tensor(t, {dtype = \"i64\"}))",
+                    op, what, dt, what, bf ? "a" : "an", dt, what, bf ? 256 : 2048, dt, what);
 }
 
 /* Every v an index in [lo, hi) (or equal to *ignore); else an error from `describe`. */

@@ -649,12 +649,12 @@ static int gather_replicated(fsdp_unit *u, fsdp_dtype dt) {
 /* The compute dtype of the unit's parameters (mixed precision's param dtype; f32 without). */
 static fsdp_dtype compute_dt(const fsdp_unit *u) { return u->opts.param_dtype; }
 
-/* The dtype the parameters' gradients accumulate in during backward: f32 unless both the
- * compute and the reduce dtype are narrower. Rounding a rank's partial gradient to bf16 before
- * the ranks' sum would make N ranks differ from 1 rank by bf16's precision; in f32 they agree as
- * f32 runs do, and the reduce dtype decides the one rounding there is. */
+/* The dtype the parameters' gradients accumulate in during backward: f32 unless the compute
+ * and the reduce dtype are the same narrower one. Rounding a rank's partial gradient to bf16
+ * before the ranks' sum would make N ranks differ from 1 rank by bf16's precision; in f32 they
+ * agree as f32 runs do, and the reduce dtype decides the one rounding there is. */
 static fsdp_dtype grad_dt(const fsdp_unit *u) {
-  return u->opts.param_dtype == FSDP_DTYPE_F32 ? FSDP_DTYPE_F32 : u->opts.reduce_dtype;
+  return u->opts.param_dtype == u->opts.reduce_dtype ? u->opts.param_dtype : FSDP_DTYPE_F32;
 }
 
 static int reshard_impl(fsdp_unit *u);

@@ -44,7 +44,8 @@ function T.batch(step, rows_total)
     end
     x[#x + 1], y[#y + 1] = xi, yi
   end
-  return fsdp.tensor(x), fsdp.tensor(y)
+  -- token ids as integers (a model wrapped with mixed precision casts floating inputs)
+  return fsdp.tensor(x, {dtype = "i64"}), fsdp.tensor(y, {dtype = "i64"})
 end
 
 -- steps of training from step `from`; returns the losses (mean over ranks: the global mean).

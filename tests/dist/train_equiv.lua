@@ -66,7 +66,8 @@ local function batch(step)
       end
       x[#x + 1], y[#y + 1] = xi, yi
     end
-    return fsdp.tensor(x), fsdp.tensor(y)
+    -- token ids as integers (a model wrapped with mixed precision casts floating inputs)
+    return fsdp.tensor(x, {dtype = "i64"}), fsdp.tensor(y, {dtype = "i64"})
   end
   local x, y = {}, {}
   for i = first, first + rows - 1 do

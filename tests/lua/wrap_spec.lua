@@ -31,7 +31,7 @@ local function gpt(tie)
   return nn.GPT{vocab = 11, ctx = 8, d = 8, layers = 2, heads = 2, tie = tie}
 end
 
-local ids = fsdp.tensor{{1, 2, 3, 4}, {5, 6, 7, 8}}
+local ids = fsdp.tensor({{1, 2, 3, 4}, {5, 6, 7, 8}}, {dtype = "i64"})
 
 local function quiet(fn)
   -- wrap prints a note for an already wrapped model: keep the test output clean
