@@ -1,5 +1,5 @@
 -- fsdp.data: dataset loaders (Fashion-MNIST from Debian's IDX files, byte-level text).
--- Owner: cli. The byte crunching is C (fsdp.core: gunzip, from_bytes, index_rows,
+-- The byte crunching is C (fsdp.core: gunzip, from_bytes, index_rows,
 -- byte_windows; src/lua/l_data.c); this file holds the policy: file discovery, IDX parsing,
 -- splits, seeded order and the rank slicing of global batches. docs/data.md is the manual.
 --

@@ -1,5 +1,5 @@
 -- fsdp.inspect: shard state at a glance, and readable reports for fsdp.memory() and
--- fsdp.comm_stats(). Owner: repl. docs/REPL.md ("Inspecting shards") is the manual.
+-- fsdp.comm_stats(). docs/REPL.md ("Inspecting shards") is the manual.
 --
 --   fsdp.inspect(model)                 -> report: one row per unit (or per parameter, unwrapped),
 --                                          the mixed-precision policy and unit dtypes when set

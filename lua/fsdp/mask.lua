@@ -349,7 +349,7 @@ function M.set_local_mask(p, first, values)
   apply_sharded(u, rec)
 end
 
--- The checkpoint interface (asked for by ckpt, /work/notes/requests.md). Elements are those of
+-- The checkpoint interface (lua/fsdp/checkpoint.lua saves and loads masks through it). Elements are those of
 -- fsdp.shard(param): the flattened parameter's slice this rank holds (the whole parameter when
 -- it is not sharded, or its unit's strategy is "none").
 

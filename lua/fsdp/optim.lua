@@ -1,16 +1,15 @@
--- fsdp.optim — optimizers, gradient clipping and learning-rate schedules (owner: masks, since
--- wave 2; written by nn and wrap).
+-- fsdp.optim — optimizers, gradient clipping, learning-rate schedules and loss scaling.
 -- See docs/nn.md ("optim").
 --
 -- Optimizers keep per-parameter state tensors, created lazily on the first step that sees a
 -- gradient, and update each parameter with one fused C kernel call (fsdp.core.sgd_step /
 -- fsdp.core.adamw_step): no per-element Lua. State is keyed by the parameter object, whose
--- identity is stable (DESIGN.md, invariant 1), and reported by parameter path.
+-- identity is stable (invariant 1, docs/ARCHITECTURE.md), and reported by parameter path.
 --
 -- Every parameter iteration of this file goes through optim.named_params, the one place
 -- sharding changes to make optimizers and clip_grad_norm act on shards.
 --
--- Sharded models (owner of this part: wrap; docs/fsdp.md "Optimizers on shards"). When the
+-- Sharded models (docs/fsdp.md "Optimizers on shards"). When the
 -- model given to an optimizer is a wrapped root (fsdp.wrap), the optimizer never touches
 -- parameters: each step walks the units (construction order) and, for each parameter slice of
 -- this rank's flat shard (u:local_slices()), runs the same fused kernel on the slice of the
@@ -23,7 +22,7 @@
 -- position (param_first, numel) so a sharded state is self-describing. clip_grad_norm sums
 -- squares over the local grad shards and needs one all_reduce (collective).
 --
--- Masks (owner of this file now: masks; lua/fsdp/mask.lua, docs/pruning.md): a parameter with
+-- Masks (lua/fsdp/mask.lua, docs/pruning.md): a parameter with
 -- a mask has its gradient (shard slice) masked before the update kernel and its weights (shard
 -- slice) masked after it, so a pruned weight stays exactly 0 through momentum, Adam moments and
 -- weight decay; clip_grad_norm masks gradients before measuring them. Without fsdp.mask loaded

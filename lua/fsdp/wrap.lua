@@ -1,4 +1,4 @@
--- fsdp.wrap — the user-facing sharding layer (owner: wrap). docs/fsdp.md is the manual.
+-- fsdp.wrap — the user-facing sharding layer. docs/fsdp.md is the manual.
 --
 --   fsdp.wrap(model, opts)   fsdp.unwrap(model)   fsdp.is_wrapped(model)   fsdp.units(model)
 --   fsdp.full_params(model, fn, {writeback = true})   fsdp.apply(model, fn)
@@ -10,7 +10,7 @@
 -- The state machine itself (gather, reshard, prefetch, tape hooks, reduce-scatter) is C's.
 --
 -- Invariants:
---   * Wrapping never replaces a module or a parameter object (DESIGN.md invariant 1). The tree
+--   * Wrapping never replaces a module or a parameter object (invariant 1, docs/ARCHITECTURE.md). The tree
 --     the user built is the tree that runs; a unit only changes what storage backs the
 --     parameters it owns. So #model:parameters() and saved references are unaffected.
 --   * Every collective here is issued in an order that depends only on the module tree (the
@@ -899,7 +899,7 @@ function W.apply(model, fn)
   return model
 end
 
--- ---- inspection: lua/fsdp/inspect.lua (owner: repl) ---------------------------------------
+-- ---- inspection: lua/fsdp/inspect.lua ----------------------------------------
 
 --- A report on a model (one row per unit), a parameter or a unit; tostring() prints it.
 function W.inspect(x, opts) return require("fsdp.inspect").inspect(x, opts) end

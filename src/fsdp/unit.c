@@ -13,7 +13,7 @@
  * resharding swaps the storage and never touches a parameter's geometry, so views of a sharded
  * parameter can still be made (and fail with the sharded message when read).
  *
- * Backward protocol (DESIGN.md "Units and shards"): pre_forward pushes a "begin" hook node and
+ * Backward protocol (docs/ARCHITECTURE.md "Units and shards"): pre_forward pushes a "begin" hook node and
  * post_forward an "end" hook node, so the tape reads begin, <the unit's ops>, end. Backward
  * walks newest first: "end" gathers the unit and points every parameter's .grad into a zeroed
  * full gradient; the ops in between accumulate into it; "begin" fires after all of them. A unit
@@ -27,7 +27,6 @@
  * the same collectives in the same order. Releasing a unit never communicates (Lua may collect
  * it at different times on different ranks).
  *
- * Owner: units.
  */
 #include <stdint.h>
 #include <stdio.h>

@@ -1,6 +1,6 @@
 /*
  * unit.h — FSDP units: a set of parameters laid out in one flat buffer and sharded across the
- * ranks of a communicator (DESIGN.md "Units and shards").
+ * ranks of a communicator (docs/ARCHITECTURE.md "Units and shards").
  *
  * Layout: the unit's distinct parameters, in the order given, each starting at a multiple of
  * FSDP_ALIGN elements, the total padded to a multiple of world * FSDP_ALIGN. With padded size P
@@ -49,7 +49,7 @@
  * every decision to communicate depends only on state that is the same on every rank.
  * Units are refcounted (the tape's hook nodes hold references); releasing never communicates.
  * Units and their parameters belong to one rank thread (the in-flight prefetch list is per
- * thread). Owner: units.
+ * thread).
  */
 #ifndef FSDP_UNIT_H
 #define FSDP_UNIT_H

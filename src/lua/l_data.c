@@ -1,7 +1,7 @@
 /*
  * l_data.c — the C helpers of the data loaders and of fsdp.log (lua/fsdp/data.lua, log.lua):
  * the byte-crunching parts that would be slow in Lua, and the few system calls Lua lacks.
- * Owner: cli. Registered into `fsdp.core` by fsdp_lua_open_data (called from module.c):
+ * Registered into `fsdp.core` by fsdp_lua_open_data (called from module.c):
  *
  *   gunzip(path [, max_bytes]) -> string      whole file (or its first max_bytes), gzip or plain
  *   from_bytes(str, offset, shape, scale [, dtype = "f32"])

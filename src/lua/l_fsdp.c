@@ -1,5 +1,5 @@
 /*
- * l_fsdp.c — the units part of the fsdp.core module (FSDP_CONTRACT.md, "units"): units as Lua
+ * l_fsdp.c — the units part of the fsdp.core module (docs/fsdp.md, "units"): units as Lua
  * userdata over fsdp_unit (src/fsdp/unit.h), core.unit_new and core.param_unit.
  *
  * A box owns one reference to its unit; `__gc` drops it and is idempotent. As with tensors,
@@ -9,7 +9,6 @@
  *
  * Positions are 1-based here (parameter indices, slices) and 0-based in C; offsets are flat
  * element offsets, 0-based as the contract says.
- * Owner: units.
  */
 #include <string.h>
 

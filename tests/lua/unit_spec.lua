@@ -1,4 +1,4 @@
--- unit_spec.lua — the units API of fsdp.core (FSDP_CONTRACT.md "units") at world size 1:
+-- unit_spec.lua — the units API of fsdp.core (docs/fsdp.md) at world size 1:
 -- building a unit over a model's parameters, identity, layout and slices, the sharded error,
 -- gather/reshard/writeback, shard views, the forward hooks driving backward (gradient shard
 -- equals the unwrapped gradient, for every strategy), mixed precision (dtypes, bf16 gathers

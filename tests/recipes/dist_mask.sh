@@ -1,5 +1,5 @@
 #!/bin/sh
-# Masks that live with the shards (issue 5): the SparseML report as a test (references saved
+# Masks that live with the shards: the SparseML report as a test (references saved
 # before wrapping, pruning through them after, the sharded model changed and still pruned after
 # 10 optimizer steps, sparsity read without gathering; tests/dist/mask_sparseml.lua), and masks
 # through wrap/unwrap/re-wrap/gather/reshard with only this rank's slice in memory

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Deferred initialisation at N ranks (issue 4):
+# Deferred initialisation at N ranks:
 #   meta_equal.lua      1/2/3/4 ranks: a meta model wrapped and materialized equals the eager
 #                       build bitwise (each rank's shard slices, and gathered); from the init
 #                       records nothing is gathered; custom reset_parameters and wrap{init = fn}

@@ -1,5 +1,5 @@
 #!/bin/sh
-# The memory proof of deferred initialisation (issue 4): with FSDP_MEM_LIMIT (per rank) below
+# The memory proof of deferred initialisation: with FSDP_MEM_LIMIT (per rank) below
 # the model's f32 parameters, building the GPT eagerly fails, while building it on meta,
 # wrapping and materializing it at 4 ranks (from the init records, and with a user init_fn)
 # and training a step all stay under the cap. tests/dist/meta_memcap.lua checks and prints

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Pruning gives the same masks at every world size (issue 5, "Proof"): magnitude per parameter
+# Pruning gives the same masks at every world size: magnitude per parameter
 # and global, 2:4, 2:6 with groups cut by shard boundaries, and a GMP schedule during 100 steps
 # of training (tests/dist/prune_equiv.lua). The reference runs unwrapped at 1 rank; wrapped
 # runs at 2, 3 and 4 ranks (full, grad_op, none) must give identical masks, a loss curve within

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Ties and cross-rank agreement (issue 4):
+# Ties and cross-rank agreement:
 #   ties_train.lua     the accelerate report's scenario: a tied GPT on meta at 2 and 4 ranks,
 #                      rank 0 holding the real weights, sync_module_states, 20 steps: the same
 #                      tensors and the tie on every rank, one storage, and the loss curve and
