@@ -158,12 +158,33 @@ static void check_sizes(lua_State *L, int n, const int64_t *shape) {
 /* Index of an options table argument after a shape given as table or varargs. */
 /* Index of the options table that may follow a shape read from idx (a table, or ndim numbers),
  * 0 when there is none; anything else there is an error rather than silently ignored. */
+/* Whether the table at idx has a string key (options written into a shape or nested table:
+ * fsdp.zeros{2, 3, dtype = "bf16"}). */
+static bool has_string_key(lua_State *L, int idx) {
+  if (!lua_istable(L, idx)) return false;
+  lua_pushnil(L);
+  while (lua_next(L, idx)) {
+    lua_pop(L, 1);
+    if (lua_type(L, -1) == LUA_TSTRING) {
+      lua_pop(L, 1);
+      return true;
+    }
+  }
+  return false;
+}
+
+/* The options of a factory: in the shape table itself (its string keys), or in a table after
+ * it; 0 when there are none. Both at once is an error (which would win is not obvious). */
 static int opts_index(lua_State *L, int idx, int ndim, const char *fn) {
   int next = lua_istable(L, idx) ? idx + 1 : idx + ndim;
-  if (lua_isnoneornil(L, next)) return 0;
+  bool inside = has_string_key(L, idx);
+  if (lua_isnoneornil(L, next)) return inside ? idx : 0;
   if (!lua_istable(L, next))
     luaL_error(L, "%s: expected an options table (e.g. {device = \"meta\"}) after the shape, "
                "got a %s", fn, luaL_typename(L, next));
+  if (inside)
+    luaL_error(L, "%s: options given both in the shape table and after it; give them in one "
+               "place", fn);
   return next;
 }
 
@@ -197,11 +218,15 @@ static fsdp_dtype opt_dtype(lua_State *L, int opts) {
 }
 
 /* Options tables refuse keys they do not know, naming the valid ones. */
-static void check_keys(lua_State *L, int opts, const char *fn, const char *const *valid) {
+/* shape: the index of the shape (or nested rows) argument, whose table may hold the options
+ * too: its array part is then not an option. */
+static void check_keys_in(lua_State *L, int opts, int shape, const char *fn,
+                          const char *const *valid) {
   if (!opts) return;
   lua_pushnil(L);
   while (lua_next(L, opts)) {
     lua_pop(L, 1);
+    if (opts == shape && lua_type(L, -1) == LUA_TNUMBER) continue;
     bool ok = false;
     if (lua_type(L, -1) == LUA_TSTRING)
       for (int i = 0; valid[i] && !ok; i++) ok = strcmp(lua_tostring(L, -1), valid[i]) == 0;
@@ -218,6 +243,10 @@ static void check_keys(lua_State *L, int opts, const char *fn, const char *const
                  lua_tostring(L, -1));
     }
   }
+}
+
+static void check_keys(lua_State *L, int opts, const char *fn, const char *const *valid) {
+  check_keys_in(L, opts, 0, fn, valid);
 }
 
 static const char *const factory_keys[] = {"device", "dtype", "role", NULL};
@@ -252,7 +281,7 @@ static fsdp_tensor *new_tensor_role(lua_State *L, const fsdp_device_i *dev, fsdp
 /* A new tensor from the options table at opts (0: none): device, dtype, role. */
 static fsdp_tensor *new_from_opts(lua_State *L, int opts, int n, const int64_t *shape,
                                   const char *fn) {
-  check_keys(L, opts, fn, factory_keys);
+  check_keys_in(L, opts, 1, fn, factory_keys); /* the shape is argument 1 */
   return new_tensor_role(L, opt_device(L, opts), opt_dtype(L, opts), n, shape,
                          opt_role(L, opts));
 }
@@ -282,7 +311,12 @@ static int l_full(lua_State *L) {
     v = luaL_checknumber(L, 2);
     if (!lua_isnoneornil(L, 3)) {
       luaL_checktype(L, 3, LUA_TTABLE);
+      if (has_string_key(L, 1))
+        luaL_error(L, "full: options given both in the shape table and after the value; give "
+                   "them in one place");
       opts = 3;
+    } else if (has_string_key(L, 1)) {
+      opts = 1;
     }
   } else {
     int top = lua_gettop(L);
@@ -390,12 +424,15 @@ static void nested_fill(lua_State *L, int idx, int dim, int n, const int64_t *sh
 /* tensor(number | nested table [, opts]): built on the host in the wanted dtype, then moved
  * to the wanted device */
 static int l_tensor(lua_State *L) {
-  int opts = 0;
+  int opts = has_string_key(L, 1) ? 1 : 0;
   if (!lua_isnoneornil(L, 2)) {
     luaL_checktype(L, 2, LUA_TTABLE);
+    if (opts)
+      luaL_error(L, "tensor: options given both in the table and after it; give them in one "
+                 "place");
     opts = 2;
   }
-  check_keys(L, opts, "tensor", factory_keys);
+  check_keys_in(L, opts, 1, "tensor", factory_keys);
   const fsdp_device_i *dev = opt_device(L, opts);
   fsdp_dtype dt = opt_dtype(L, opts);
   fsdp_role role = opt_role(L, opts);

@@ -54,6 +54,30 @@ describe("constructors", function()
     assert.are.equal(0, fsdp.arange(0):numel())
   end)
 
+  it("takes options inside the shape table (fsdp.zeros{2, 3, dtype = \"bf16\"}) or after it", function()
+    local z = fsdp.zeros { 2, 3, dtype = "bf16" }
+    assert.are.same({ 2, 3 }, z:shape())
+    assert.are.equal("bf16", z:dtype())
+    assert.are.equal("i64", fsdp.ones { 4, dtype = "i64" }:dtype())
+    assert.are.equal("f64", fsdp.randn { 2, 2, dtype = "f64" }:dtype())
+    local f = fsdp.full({ 2, dtype = "i32" }, 7)
+    assert.are.equal("i32", f:dtype())
+    assert.are.same({ 7, 7 }, f:totable())
+    local t = fsdp.tensor { { 1, 2 }, { 3, 4 }, dtype = "i64" }
+    assert.are.equal("i64", t:dtype())
+    assert.are.same({ { 1, 2 }, { 3, 4 } }, t:totable())
+    assert.are.equal("meta", fsdp.empty { 3, device = "meta", dtype = "bf16" }.device)
+    assert.are.equal("bf16", fsdp.zeros({ 2 }, { dtype = "bf16" }):dtype())
+    assert_error_has(function() fsdp.zeros({ 2, dtype = "bf16" }, { dtype = "f32" }) end,
+      "zeros: options given both in the shape table and after it")
+    assert_error_has(function() fsdp.full({ 2, dtype = "i32" }, 1, { dtype = "f32" }) end,
+      "full: options given both")
+    assert_error_has(function() fsdp.tensor({ 1, dtype = "i64" }, { dtype = "f32" }) end,
+      "tensor: options given both")
+    assert_error_has(function() fsdp.zeros { 2, dtyp = "bf16" } end,
+      "zeros: unknown option 'dtyp' (valid: device, dtype, role)")
+  end)
+
   it("rejects bad shapes", function()
     assert_error_has(function() fsdp.zeros { 2, -3 } end, "shape entry 2", "-3")
     assert_error_has(function() fsdp.zeros { 2, -1 } end, "shape entry 2")
