@@ -362,25 +362,17 @@ int fsdp_cpu_half_softmax_backward(fsdp_dtype dt, void *dinp, const void *dout, 
   return done(&w);
 }
 
-/* targets of any index dtype as the f32 the kernels take (class ids < 2^24) */
-static void targets_f32(float *ft, const void *targets, fsdp_dtype tdt, int64_t off, int64_t n) {
-  size_t es = fsdp_dtype_size(tdt);
-  fsdp_cpu_cast(ft, FSDP_DTYPE_F32, (const char *)targets + off * (int64_t)es, tdt, n);
-}
-
 int fsdp_cpu_half_cross_entropy_forward(fsdp_dtype dt, float *loss, float *lse,
-                                        const void *logits, const void *targets,
-                                        fsdp_dtype tdt, int64_t N, int V, int ignore,
-                                        int64_t *count) {
+                                        const void *logits, const int64_t *targets, int64_t N,
+                                        int V, int64_t ignore, int64_t *count) {
   work w = {0};
   int64_t rows = chunk_rows(V), c = min64(N, rows), counted = 0;
-  float *fl = tmp(&w, c * V), *ft = tmp(&w, c);
+  float *fl = tmp(&w, c * V);
   double total = 0;
   for (int64_t r = 0; !w.failed && r < N; r += rows) {
     int64_t len = min64(rows, N - r), k = 0;
     get(fl, logits, dt, r * V, len * V);
-    targets_f32(ft, targets, tdt, r, len);
-    float mean = fsdp_cpu_cross_entropy_forward(lse + r, fl, ft, len, V, ignore, &k);
+    float mean = fsdp_cpu_cross_entropy_forward(lse + r, fl, targets + r, len, V, ignore, &k);
     total += (double)mean * (double)k;
     counted += k;
   }
@@ -391,17 +383,16 @@ int fsdp_cpu_half_cross_entropy_forward(fsdp_dtype dt, float *loss, float *lse,
 
 int fsdp_cpu_half_cross_entropy_backward(fsdp_dtype dt, void *dlogits, float dloss,
                                          const void *logits, const float *lse,
-                                         const void *targets, fsdp_dtype tdt, int64_t N, int V,
-                                         int ignore, int64_t count) {
+                                         const int64_t *targets, int64_t N, int V,
+                                         int64_t ignore, int64_t count) {
   work w = {0};
   int64_t rows = chunk_rows(V), c = min64(N, rows);
-  float *fl = tmp(&w, c * V), *fd = tmp(&w, c * V), *ft = tmp(&w, c);
+  float *fl = tmp(&w, c * V), *fd = tmp(&w, c * V);
   for (int64_t r = 0; !w.failed && r < N; r += rows) {
     int64_t len = min64(rows, N - r);
     get(fl, logits, dt, r * V, len * V);
     get(fd, dlogits, dt, r * V, len * V);
-    targets_f32(ft, targets, tdt, r, len);
-    fsdp_cpu_cross_entropy_backward(fd, dloss, fl, lse + r, ft, len, V, ignore, count);
+    fsdp_cpu_cross_entropy_backward(fd, dloss, fl, lse + r, targets + r, len, V, ignore, count);
     put(dlogits, dt, r * V, fd, len * V);
   }
   return done(&w);

@@ -45,13 +45,12 @@ int fsdp_cpu_half_softmax_forward(fsdp_dtype dt, void *out, const void *inp, int
 int fsdp_cpu_half_softmax_backward(fsdp_dtype dt, void *dinp, const void *dout, const void *out,
                                    int64_t N, int C);
 int fsdp_cpu_half_cross_entropy_forward(fsdp_dtype dt, float *loss, float *lse,
-                                        const void *logits, const void *targets,
-                                        fsdp_dtype tdt, int64_t N, int V, int ignore,
-                                        int64_t *count);
+                                        const void *logits, const int64_t *targets, int64_t N,
+                                        int V, int64_t ignore, int64_t *count);
 int fsdp_cpu_half_cross_entropy_backward(fsdp_dtype dt, void *dlogits, float dloss,
                                          const void *logits, const float *lse,
-                                         const void *targets, fsdp_dtype tdt, int64_t N, int V,
-                                         int ignore, int64_t count);
+                                         const int64_t *targets, int64_t N, int V,
+                                         int64_t ignore, int64_t count);
 int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, void *att, const void *qkv, int B,
                                     int T, int C, int NH);
 int fsdp_cpu_half_attention_backward(fsdp_dtype dt, void *dqkv, const void *dout,

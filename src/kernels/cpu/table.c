@@ -34,18 +34,21 @@ typedef struct {
   int n;
 } scratch;
 
-static float *tmp_f32(scratch *t, int64_t n) {
+/* n elements of esize bytes (64-byte aligned) */
+static void *tmp_buf(scratch *t, int64_t n, size_t esize) {
   if (t->n == MAX_TMP) {
     fsdp_error("cpu: too many scratch buffers in one kernel call");
     return NULL;
   }
   fsdp_storage *s;
-  if (fsdp_storage_new_uninit(&s, &fsdp_device_cpu, (size_t)(n ? n : 1) * sizeof(float),
+  if (fsdp_storage_new_uninit(&s, &fsdp_device_cpu, (size_t)(n ? n : 1) * esize,
                               FSDP_ROLE_ACTIVATIONS))
     return NULL;
   t->s[t->n++] = s;
   return s->data;
 }
+
+static float *tmp_f32(scratch *t, int64_t n) { return tmp_buf(t, n, sizeof(float)); }
 
 static void tmp_done(scratch *t) {
   for (int i = 0; i < t->n; i++) fsdp_storage_release(t->s[i]);
@@ -604,23 +607,30 @@ static int k_check_index(void *ctx, fsdp_dtype idt, const void *ids, int64_t n, 
   return FSDP_OK;
 }
 
-/* Index buffers as the f32 the kernels take (ids are checked < 2^24 by the callers' ranges). */
-static const float *ids_f32(scratch *t, const void *ids, fsdp_dtype idt, int64_t n, bool *ok) {
-  return widen(t, ids, idt, n, ok);
+/* An index buffer (ids, targets: integers in range, checked by the callers) as the i64 the
+ * kernels take: ids itself when it is i64 (the data loaders' dtype), else a converted copy
+ * (exact: the values are integers). NULL on allocation failure. */
+static const int64_t *ids_i64(scratch *t, const void *ids, fsdp_dtype idt, int64_t n) {
+  if (idt == FSDP_DTYPE_I64) return ids;
+  int64_t *w = tmp_buf(t, n, sizeof(int64_t));
+  if (w) fsdp_cpu_cast(w, FSDP_DTYPE_I64, ids, idt, n);
+  return w;
 }
 
 static int k_embedding_forward(void *ctx, fsdp_dtype dt, void *out, const void *ids,
                                fsdp_dtype idt, const void *weight, int64_t N, int C) {
   if (!fsdp_dtype_is_float(dt) && !is_int(dt)) return REFUSE("embedding", dt);
   scratch t = {0};
-  bool ok = true;
-  const float *fi = ids_f32(&t, ids, idt, N, &ok);
-  if (ok) { /* rows are copied, whatever the dtype */
+  const int64_t *id = ids_i64(&t, ids, idt, N);
+  if (!id) return finish(&t, false);
+  if (dt == FSDP_DTYPE_F32) {
+    fsdp_cpu_embedding_forward(out, id, weight, N, C);
+  } else { /* rows are copied, whatever the dtype */
     const size_t row = (size_t)C * fsdp_dtype_size(dt);
     for (int64_t i = 0; i < N; i++)
-      memcpy((char *)out + (size_t)i * row, (const char *)weight + (size_t)(int64_t)fi[i] * row, row);
+      memcpy((char *)out + (size_t)i * row, (const char *)weight + (size_t)id[i] * row, row);
   }
-  return finish(&t, ok);
+  return finish(&t, true);
 }
 
 static int k_embedding_backward(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *dweight,
@@ -629,12 +639,11 @@ static int k_embedding_backward(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *
   if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("embedding", dt);
   if (!grad_dtype_ok(dt, gdt)) return REFUSE("embedding (weight gradient)", gdt);
   scratch t = {0};
-  bool ok = true;
-  const float *fi = ids_f32(&t, ids, idt, N, &ok);
-  if (!ok) return finish(&t, ok);
+  const int64_t *id = ids_i64(&t, ids, idt, N);
+  if (!id) return finish(&t, false);
   if (dt == FSDP_DTYPE_F32) {
-    fsdp_cpu_embedding_backward(dweight, dout, fi, N, C);
-    return finish(&t, ok);
+    fsdp_cpu_embedding_backward(dweight, dout, id, N, C);
+    return finish(&t, true);
   }
   /* half: one row at a time; an f32 gradient (mixed precision) takes each row without rounding */
   float *acc = tmp_f32(&t, 2 * (int64_t)C);
@@ -643,16 +652,16 @@ static int k_embedding_backward(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *
   for (int64_t i = 0; i < N; i++) {
     fsdp_cpu_cast(acc + C, FSDP_DTYPE_F32, (const char *)dout + (size_t)i * C * hs, dt, C);
     if (gdt == FSDP_DTYPE_F32) {
-      float *drow = (float *)dweight + (int64_t)fi[i] * C;
+      float *drow = (float *)dweight + id[i] * C;
       for (int c = 0; c < C; c++) drow[c] += acc[C + c];
       continue;
     }
-    char *drow = (char *)dweight + (size_t)(int64_t)fi[i] * C * hs;
+    char *drow = (char *)dweight + (size_t)id[i] * C * hs;
     fsdp_cpu_cast(acc, FSDP_DTYPE_F32, drow, dt, C);
     for (int c = 0; c < C; c++) acc[c] += acc[C + c];
     fsdp_cpu_cast(drow, dt, acc, FSDP_DTYPE_F32, C);
   }
-  return finish(&t, ok);
+  return finish(&t, true);
 }
 
 /* ---- normalisation, attention, losses ------------------------------------------------------- */
@@ -732,14 +741,15 @@ static int k_attention_backward(void *ctx, fsdp_dtype dt, void *dqkv, const void
 static int k_cross_entropy_forward(void *ctx, fsdp_dtype dt, float *loss, float *lse,
                                    const void *logits, const void *targets, fsdp_dtype tdt,
                                    int64_t N, int V, int64_t ignore, int64_t *count) {
-  if (is_half(dt))
-    return fsdp_cpu_half_cross_entropy_forward(dt, loss, lse, logits, targets, tdt, N, V,
-                                               (int)ignore, count);
-  if (dt != FSDP_DTYPE_F32) return REFUSE("cross_entropy", dt);
+  if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("cross_entropy", dt);
   scratch t = {0};
-  bool ok = true;
-  const float *wt = ids_f32(&t, targets, tdt, N, &ok);
-  if (ok) loss[0] = fsdp_cpu_cross_entropy_forward(lse, logits, wt, N, V, (int)ignore, count);
+  const int64_t *tg = ids_i64(&t, targets, tdt, N);
+  if (!tg) return finish(&t, false);
+  if (dt == FSDP_DTYPE_F32) {
+    loss[0] = fsdp_cpu_cross_entropy_forward(lse, logits, tg, N, V, ignore, count);
+    return finish(&t, true);
+  }
+  bool ok = !fsdp_cpu_half_cross_entropy_forward(dt, loss, lse, logits, tg, N, V, ignore, count);
   return finish(&t, ok);
 }
 
@@ -747,15 +757,16 @@ static int k_cross_entropy_backward(void *ctx, fsdp_dtype dt, void *dlogits, con
                                     const void *logits, const float *lse, const void *targets,
                                     fsdp_dtype tdt, int64_t N, int V, int64_t ignore,
                                     int64_t count) {
-  if (is_half(dt))
-    return fsdp_cpu_half_cross_entropy_backward(dt, dlogits, dloss[0], logits, lse, targets, tdt,
-                                                N, V, (int)ignore, count);
-  if (dt != FSDP_DTYPE_F32) return REFUSE("cross_entropy", dt);
+  if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("cross_entropy", dt);
   scratch t = {0};
-  bool ok = true;
-  const float *wt = ids_f32(&t, targets, tdt, N, &ok);
-  if (ok)
-    fsdp_cpu_cross_entropy_backward(dlogits, dloss[0], logits, lse, wt, N, V, (int)ignore, count);
+  const int64_t *tg = ids_i64(&t, targets, tdt, N);
+  if (!tg) return finish(&t, false);
+  if (dt == FSDP_DTYPE_F32) {
+    fsdp_cpu_cross_entropy_backward(dlogits, dloss[0], logits, lse, tg, N, V, ignore, count);
+    return finish(&t, true);
+  }
+  bool ok = !fsdp_cpu_half_cross_entropy_backward(dt, dlogits, dloss[0], logits, lse, tg, N, V,
+                                                   ignore, count);
   return finish(&t, ok);
 }
 
