@@ -232,7 +232,8 @@ static int check_id_dtype(const char *op, const char *what, const fsdp_tensor *i
                     op, what, dt, what, bf ? "a" : "an", dt, what, bf ? 256 : 2048, dt, what);
 }
 
-/* Every v an index in [lo, hi) (or equal to *ignore); else an error from `describe`. */
+/* *bad = the first id not an index in [lo, hi) (nor *ignore), -1 when all are; *bad_value its
+ * value. The caller words the error. */
 static int check_ids(const char *op, fsdp_tensor *ids, int64_t V, const int64_t *ignore,
                      int64_t *bad, double *bad_value) {
   const fsdp_kernels_i *k = KERNELS(op, ids);
@@ -253,8 +254,6 @@ static fsdp_dtype promote(fsdp_dtype a, fsdp_dtype b) {
   if (rank[a] == rank[b]) return FSDP_DTYPE_F32; /* bf16 with f16 */
   return rank[a] > rank[b] ? a : b;
 }
-
-fsdp_dtype fsdp_promote_types(fsdp_dtype a, fsdp_dtype b) { return promote(a, b); }
 
 /* backward of to: the gradient goes back to the input's device and dtype, added */
 static int bw_to(fsdp_node *n) {

@@ -256,9 +256,6 @@ char *fsdp_shape_str(char *buf, size_t n, int ndim, const int64_t *shape);
  * device. NULL with error "<what>: tensor on meta device has no data" when the device has
  * none. */
 void *fsdp_tensor_data(const fsdp_tensor *t, const char *what);
-/* The same, only for tensors in host memory: a tensor on another device is an error naming it
- * (for code that reads or writes elements on the host). */
-void *fsdp_tensor_host_data(const fsdp_tensor *t, const char *what);
 /* dst <- src over `shape` with element strides, in host memory, elements of esize bytes (a
  * byte copy: no conversion). The cpu kernels and fsdp_tensor_copy share it. */
 void fsdp_host_copy_strided(void *dst, const int64_t *dst_strides, const void *src,

@@ -223,16 +223,6 @@ void *fsdp_tensor_data(const fsdp_tensor *t, const char *what) {
   return (char *)s->data + (size_t)t->offset * fsdp_dtype_size(t->dtype);
 }
 
-void *fsdp_tensor_host_data(const fsdp_tensor *t, const char *what) {
-  void *d = fsdp_tensor_data(t, what);
-  if (d && !t->storage->device->host_memory) {
-    fsdp_error("%s: tensor %s is on the %s device; copy it to the cpu first (t:to(\"cpu\"))",
-               what ? what : "tensor", FSDP_SHAPE_STR(t), t->storage->device->name);
-    return NULL;
-  }
-  return d;
-}
-
 /* ---- views ----------------------------------------------------------------------------------- */
 
 int fsdp_tensor_view(fsdp_tensor **out, fsdp_tensor *t, int ndim, const int64_t *shape) {

@@ -123,8 +123,6 @@ static bool enter(fsdp_host_rank *r, lua_State *L) {
   return go;
 }
 
-void fsdp_host_lua_enter(fsdp_host_rank *r, lua_State *L) { enter(r, L); }
-
 void fsdp_host_lua_resume(fsdp_host_rank *r, lua_State *L) {
   fsdp_host *h = r->host;
   pthread_mutex_lock(&h->mu);

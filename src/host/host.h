@@ -80,7 +80,7 @@ typedef struct fsdp_host_opts {
   /* A report to write whole, ending in a newline (fsdp_host_rank_fail, abandoned ranks).
    * NULL: nothing is written (fsdp_host_failure keeps the root cause). */
   void (*report)(void *ud, const char *text);
-  /* The set of ranks running Lua changed (fsdp_host_lua_enter, _leave, _resume): n run now;
+  /* The set of ranks running Lua changed (fsdp_host_pcall, fsdp_host_lua_leave, _resume): n run now;
    * first: a rank entered while none ran. Called under the host's lock, from any rank's
    * thread: it may call only fsdp_host_interrupted and fsdp_host_interrupt_clear(h, false). */
   void (*running)(void *ud, int n, bool first);
@@ -135,11 +135,9 @@ void fsdp_host_rank_finish(fsdp_host_rank *r);
  * with them, it must not, since its caller has gone. */
 int fsdp_host_pcall(fsdp_host_rank *r, lua_State *L, int narg, int nres);
 
-/* The running set by hand (fsdp_host_pcall does enter/leave): enter marks L as r's running
- * state and arms the stop hook if an interrupt or a stop is pending; leave unmarks it and
- * returns it (NULL if none); resume marks a state that leave returned again (a pause such as
- * the REPL's waiting for input) and arms the hook only for a stop. */
-void fsdp_host_lua_enter(fsdp_host_rank *r, lua_State *L);
+/* A pause inside fsdp_host_pcall (the REPL waiting for input): leave unmarks r's running
+ * state and returns it (NULL if none); resume marks a state that leave returned again and
+ * arms the stop hook only for a stop, not for an interrupt. */
 lua_State *fsdp_host_lua_leave(fsdp_host_rank *r);
 void fsdp_host_lua_resume(fsdp_host_rank *r, lua_State *L);
 int fsdp_host_nrunning(fsdp_host *h); /* ranks running Lua now */

@@ -279,7 +279,6 @@ static int k_linear_backward(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *din
     fsdp_cpu_linear_backward(dinp, dweight, dbias, dout, inp, weight, M, K, N);
     return FSDP_OK;
   }
-  if (!is_half(dt)) return REFUSE("linear", dt);
   return fsdp_cpu_half_linear_backward(dt, gdt, dinp, dweight, dbias, dout, inp, weight, M, K,
                                        N);
 }
@@ -687,7 +686,6 @@ static int k_layernorm_backward(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *
     fsdp_cpu_layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
     return FSDP_OK;
   }
-  if (!is_half(dt)) return REFUSE("layernorm", dt);
   return fsdp_cpu_half_layernorm_backward(dt, gdt, dinp, dweight, dbias, dout, inp, weight,
                                           mean, rstd, N, C);
 }
