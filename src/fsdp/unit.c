@@ -394,8 +394,9 @@ static int validate(const char *upath, fsdp_tensor *const *params, const char *c
       return fsdp_error("wrap: unit '%s': parameter %d has no %s", upath, i + 1,
                         p ? "path" : "tensor");
     if (p->dtype != FSDP_DTYPE_F32)
-      return fsdp_error("wrap: unit '%s': parameter %s is %s; units hold f32", upath, path,
-                        fsdp_dtype_name(p->dtype));
+      return fsdp_error("wrap: unit '%s': parameter %s is %s; units keep f32 masters (make it "
+                        "f32; the wrap's mp option computes in bf16 or f16)",
+                        upath, path, fsdp_dtype_name(p->dtype));
     if (p->user) {
       const fsdp_unit *o = p->user;
       return fsdp_error("wrap: parameter %s already belongs to unit '%s' (a parameter belongs "

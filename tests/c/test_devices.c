@@ -583,6 +583,46 @@ static void test_units(void **state) {
   for (int W = 1; W <= MAXW; W++) run_ranks(W, rank_units);
 }
 
+/* What a unit refuses to hold: parameters on two devices, on a device with data but no kernels,
+ * and parameters that are not f32 (a unit keeps f32 masters). Nothing changes on refusal. */
+static void test_unit_refusals(void **state) {
+  (void)state;
+  static fsdp_device_i nokernels = {.name = "nokernels", .has_data = true, .alloc = cpu2_alloc,
+                                    .free = cpu2_free, .copy = cpu2_copy,
+                                    .to_host = cpu2_to_host, .from_host = cpu2_from_host};
+  assert_int_equal(fsdp_device_register(&nokernels, NULL), FSDP_OK);
+  fsdp_comm *c = fsdp_comm_current();
+  assert_non_null(c);
+  fsdp_tensor *a, *b, *n, *h;
+  assert_int_equal(fsdp_tensor_new(&a, &fsdp_device_cpu, FSDP_DTYPE_F32, 1, SHAPE(3),
+                                   FSDP_ROLE_PARAMS), FSDP_OK);
+  assert_int_equal(fsdp_tensor_new(&b, &cpu2_device, FSDP_DTYPE_F32, 1, SHAPE(4),
+                                   FSDP_ROLE_PARAMS), FSDP_OK);
+  assert_int_equal(fsdp_tensor_new(&n, &nokernels, FSDP_DTYPE_F32, 1, SHAPE(2),
+                                   FSDP_ROLE_PARAMS), FSDP_OK);
+  assert_int_equal(fsdp_tensor_new(&h, &fsdp_device_cpu, FSDP_DTYPE_BF16, 1, SHAPE(2),
+                                   FSDP_ROLE_PARAMS), FSDP_OK);
+  fsdp_unit *u = NULL;
+  fsdp_tensor *two[] = {a, b};
+  const char *names[] = {"a", "b"};
+  assert_int_equal(fsdp_unit_new(&u, c, "m", two, names, 2, NULL), FSDP_ERR);
+  assert_msg_has("wrap: unit 'm': parameters a (cpu) and b (cpu2) are on different devices; a "
+                 "unit's parameters share one device");
+  assert_int_equal(fsdp_unit_new(&u, c, "m", &n, names, 1, NULL), FSDP_ERR);
+  assert_msg_has("wrap: unit 'm': parameter a is on the nokernels device; units take full "
+                 "parameters (on a device with kernels, or meta)");
+  assert_int_equal(fsdp_unit_new(&u, c, "m", &h, names, 1, NULL), FSDP_ERR);
+  assert_msg_has("wrap: unit 'm': parameter a is bf16; units keep f32 masters (make it f32; the "
+                 "wrap's mp option computes in bf16 or f16)");
+  assert_null(u);
+  fsdp_tensor *all[] = {a, b, n, h};
+  for (int i = 0; i < 4; i++) {
+    assert_null(all[i]->user); /* in no unit */
+    assert_ptr_not_equal(all[i]->storage->device, &fsdp_device_sharded);
+    fsdp_tensor_release(all[i]);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_registration),
@@ -591,6 +631,7 @@ int main(void) {
       cmocka_unit_test(test_to_and_copy),
       cmocka_unit_test(test_fill),
       cmocka_unit_test(test_units),
+      cmocka_unit_test(test_unit_refusals),
   };
   return cmocka_run_group_tests(tests, setup, NULL);
 }
