@@ -153,7 +153,7 @@ fail:
  * gradients in f32 while the parameters compute in bf16. Slots with a gradient dtype (linear,
  * layernorm, embedding: `gdt`) write those directly; for every other op the kernel accumulates
  * into a zeroed buffer of the tensor's dtype (a detour), added into the real gradient once the
- * op's backward ran (run_backward). */
+ * op's backward ran (run_backward; cat, whose inputs are unbounded, after each input). */
 typedef struct {
   fsdp_tensor *t, *tmp;
 } detour;
@@ -175,15 +175,19 @@ static int grad_buf(fsdp_tensor *t, void **g) {
   return FSDP_OK;
 }
 
-static int run_backward(fsdp_node *n) {
-  ndetours = 0;
-  int rc = n->impl(n);
+/* Add the detours into their tensors' gradients (when rc is FSDP_OK) and drop them. */
+static int flush_detours(int rc) {
   for (int i = 0; i < ndetours; i++) {
     if (!rc) rc = fsdp_add_into(detours[i].t->grad, detours[i].tmp, 1.0);
     fsdp_tensor_release(detours[i].tmp);
   }
   ndetours = 0;
   return rc;
+}
+
+static int run_backward(fsdp_node *n) {
+  ndetours = 0;
+  return flush_detours(n->impl(n));
 }
 
 /* Gradient buffer of input k if it wants one, else NULL (kernels skip NULL outputs). */
@@ -1232,7 +1236,8 @@ static int bw_cat(fsdp_node *n) {
       int64_t ds[FSDP_MAX_DIMS];
       contiguous_strides(ds, t->ndim, t->shape);
       const char *g = (const char *)D(o->grad) + start * ss[dim] * (int64_t)es;
-      if (NK(n)->add_strided(NCTX(n), NDT(n), d, ds, g, ss, t->ndim, t->shape)) return FSDP_ERR;
+      int rc = NK(n)->add_strided(NCTX(n), NDT(n), d, ds, g, ss, t->ndim, t->shape);
+      if (flush_detours(rc)) return FSDP_ERR; /* one input's detour at a time */
     }
     start += len;
   }
