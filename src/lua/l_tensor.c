@@ -1005,6 +1005,8 @@ static int l_add_(lua_State *L) {
     luaL_error(L, "add_: shapes %s and %s differ", FSDP_SHAPE_STR(t), FSDP_SHAPE_STR(u));
   need_data(L, t, "add_");
   need_data(L, u, "add_");
+  if (!fsdp_tensor_is_contiguous(t)) /* before fsdp_add_into's "add: ..." */
+    luaL_error(L, "add_: needs a contiguous tensor, got a strided view %s", FSDP_SHAPE_STR(t));
   if (fsdp_add_into(t, u, alpha)) fsdp_lua_error(L);
   lua_settop(L, 1);
   return 1;

@@ -267,6 +267,15 @@ describe("operators", function()
     t:mul_(2)
     assert_values(t, { 12, 14 })
     assert_error_has(function() t:add_(fsdp.ones(3)) end, "add_", "(2)", "(3)")
+    -- a strided destination is refused by the method's name; a strided source is fine
+    local m = fsdp.tensor { { 1, 2 }, { 3, 4 } }
+    local mt = m:transpose(1, 2)
+    assert_error_has(function() mt:add_(fsdp.ones(2, 2)) end,
+      "add_: needs a contiguous tensor, got a strided view (2, 2)")
+    assert_error_has(function() mt:mul_(2) end,
+      "mul_: needs a contiguous tensor, got a strided view (2, 2)")
+    m:add_(mt)
+    assert_values(m, { 2, 5, 5, 8 })
   end)
 
   it("wrong Lua types are errors that name the problem", function()
@@ -988,6 +997,7 @@ describe("new ops", function()
     assert_error_has(function() return t:topk(1, { dims = 1 }) end, "topk: unknown option 'dims' (valid: dim, largest)")
     assert_error_has(function() return t:topk(1, { dim = 2 }) end, "topk: dimension 2 out of range")
     assert_error_has(function() return t:topk(1, 1) end, "topk: expected an options table, got a number")
+    assert_error_has(function() return fsdp.tensor(3):topk(1) end, "topk: needs at least one dimension")
     -- the gradient goes to the chosen elements
     local x = fsdp.tensor { 1, 5, 3, 4 }
     x.requires_grad = true
