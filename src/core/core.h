@@ -239,6 +239,10 @@ int fsdp_tensor_new_uninit(fsdp_tensor **out, const fsdp_device_i *dev, fsdp_dty
 int fsdp_tensor_new_f32(fsdp_tensor **out, int ndim, const int64_t *shape);
 /* cpu, f32, role activations, contents unspecified: for op outputs a kernel writes whole. */
 int fsdp_tensor_new_f32_uninit(fsdp_tensor **out, int ndim, const int64_t *shape);
+/* A contiguous cpu tensor over host memory the caller owns (fsdp_storage_wrap: not freed, not
+ * accounted; it must outlive the tensor and its views). */
+int fsdp_tensor_wrap(fsdp_tensor **out, void *data, fsdp_dtype dt, int ndim,
+                     const int64_t *shape);
 /* A new tensor sharing `t`'s storage with the given geometry (no checks beyond bounds). */
 int fsdp_tensor_new_view(fsdp_tensor **out, fsdp_tensor *t, int64_t offset, int ndim,
                          const int64_t *shape, const int64_t *strides);
