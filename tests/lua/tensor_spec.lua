@@ -907,6 +907,27 @@ describe("new ops", function()
     assert.are.same({ 21, 21 }, x.grad:totable())
   end)
 
+  it("i64 beyond 2^53 compares, orders and sorts exactly", function()
+    -- 2^53 + 1 is no double: read as one it would equal 2^53
+    local lo = fsdp.tensor({ 2 ^ 53 }, { dtype = "i64" })
+    local hi = lo + 1
+    assert.are.equal(1, (hi - lo):item())
+    assert.are.same({ 0 }, hi:eq(lo):totable())
+    assert.are.same({ 1 }, hi:ne(lo):totable())
+    assert.are.same({ 1 }, hi:gt(lo):totable())
+    assert.are.same({ 0 }, hi:le(lo):totable())
+    local t = fsdp.cat { lo, hi, lo }
+    local _, i = t:max(1)
+    assert.are.equal(1, i:item())
+    _, i = t:min(1)
+    assert.are.equal(0, i:item())
+    assert.are.equal(1, t:argmax():item())
+    local _, order = t:sort { descending = true }
+    assert.are.same({ 1, 0, 2 }, order:totable())
+    local _, top = t:topk(1)
+    assert.are.same({ 1 }, top:totable())
+  end)
+
   it("max and min along a dim give values and 0-based indices", function()
     local t = fsdp.tensor { { 3, 7, 7 }, { 9, 0, 2 } }
     local v, i = t:max(2)

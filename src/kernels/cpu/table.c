@@ -528,22 +528,38 @@ static int k_clamp_backward(void *ctx, fsdp_dtype dt, void *din, const void *dou
   return FSDP_OK;
 }
 
+/* Comparisons, max/min and sorting read elements as doubles; an i64 beyond 2^53 rounds there,
+ * so i64 elements also carry their exact value, which decides between equal doubles (the
+ * rounding is monotonic). 0 for the other dtypes. */
+static int64_t exact_i64(const void *p, fsdp_dtype dt, int64_t i) {
+  return dt == FSDP_DTYPE_I64 ? ((const int64_t *)p)[i] : 0;
+}
+
+/* -1, 0, 1: how (u, iu) orders against (v, iv); u and v not NaN */
+static int order(double u, int64_t iu, double v, int64_t iv) {
+  if (u != v) return u < v ? -1 : 1;
+  return iu < iv ? -1 : iu > iv;
+}
+
 static int k_compare(void *ctx, fsdp_dtype dt, fsdp_cmpop op, void *out, const void *a,
                      const void *b, int64_t n, int64_t m) {
   uint8_t *o = out;
   if (m <= 0) return FSDP_OK;
   for (int64_t i = 0; i < n; i++) {
     double u = LD(a, dt, i), v = LD(b, dt, i % m);
-    bool r;
-    switch (op) {
-    case FSDP_CMP_GT: r = u > v; break;
-    case FSDP_CMP_GE: r = u >= v; break;
-    case FSDP_CMP_LT: r = u < v; break;
-    case FSDP_CMP_LE: r = u <= v; break;
-    case FSDP_CMP_EQ: r = u == v; break;
-    default: r = u != v; break;
+    if (u != u || v != v) { /* NaN: only ne holds */
+      o[i] = op == FSDP_CMP_NE;
+      continue;
     }
-    o[i] = r;
+    int c = order(u, exact_i64(a, dt, i), v, exact_i64(b, dt, i % m));
+    switch (op) {
+    case FSDP_CMP_GT: o[i] = c > 0; break;
+    case FSDP_CMP_GE: o[i] = c >= 0; break;
+    case FSDP_CMP_LT: o[i] = c < 0; break;
+    case FSDP_CMP_LE: o[i] = c <= 0; break;
+    case FSDP_CMP_EQ: o[i] = c == 0; break;
+    default: o[i] = c != 0; break;
+    }
   }
   return FSDP_OK;
 }
@@ -889,18 +905,25 @@ static int k_sum_dim_backward(void *ctx, fsdp_dtype dt, void *din, const void *d
   return finish(&t, ok);
 }
 
-/* a ranks above b: larger (NaN largest) */
-static bool above(double a, double b) { return a > b || (a != a && b == b); }
+/* (a, ia) ranks above (b, ib): larger (NaN largest; ia, ib as exact_i64) */
+static bool above(double a, int64_t ia, double b, int64_t ib) {
+  if (a != a || b != b) return a != a && b == b;
+  return order(a, ia, b, ib) > 0;
+}
 
 static int k_extreme_dim(void *ctx, fsdp_dtype dt, bool max, void *values, int64_t *index,
                          const void *in, int64_t outer, int64_t R, int64_t inner) {
   for (int64_t o = 0; o < outer; o++)
     for (int64_t j = 0; j < inner; j++) {
-      int64_t best = 0;
-      double bv = LD(in, dt, o * R * inner + j);
+      int64_t best = 0, at = o * R * inner + j;
+      double bv = LD(in, dt, at);
+      int64_t bi = exact_i64(in, dt, at);
       for (int64_t r = 1; r < R && bv == bv; r++) {
-        double v = LD(in, dt, (o * R + r) * inner + j);
-        if (v != v || (max ? above(v, bv) : above(bv, v))) best = r, bv = v;
+        at = (o * R + r) * inner + j;
+        double v = LD(in, dt, at);
+        int64_t vi = exact_i64(in, dt, at);
+        if (v != v || (max ? above(v, vi, bv, bi) : above(bv, bi, v, vi)))
+          best = r, bv = v, bi = vi;
       }
       if (values) /* copied as stored: no rounding */
         memcpy((char *)values + (o * inner + j) * (int64_t)fsdp_dtype_size(dt),
@@ -913,20 +936,21 @@ static int k_extreme_dim(void *ctx, fsdp_dtype dt, bool max, void *values, int64
 
 typedef struct {
   double v;
+  int64_t exact; /* exact_i64 */
   int64_t i;
 } keyed;
 
 static int cmp_desc(const void *pa, const void *pb) {
   const keyed *a = pa, *b = pb;
-  if (above(a->v, b->v)) return -1;
-  if (above(b->v, a->v)) return 1;
+  if (above(a->v, a->exact, b->v, b->exact)) return -1;
+  if (above(b->v, b->exact, a->v, a->exact)) return 1;
   return a->i < b->i ? -1 : a->i > b->i; /* stable: lower index first */
 }
 
 static int cmp_asc(const void *pa, const void *pb) {
   const keyed *a = pa, *b = pb;
-  if (above(b->v, a->v)) return -1;
-  if (above(a->v, b->v)) return 1;
+  if (above(b->v, b->exact, a->v, a->exact)) return -1;
+  if (above(a->v, a->exact, b->v, b->exact)) return 1;
   return a->i < b->i ? -1 : a->i > b->i;
 }
 
@@ -937,7 +961,10 @@ static int k_topk(void *ctx, fsdp_dtype dt, void *values, int64_t *index, const 
   const size_t es = fsdp_dtype_size(dt);
   for (int64_t o = 0; o < outer; o++)
     for (int64_t j = 0; j < inner; j++) {
-      for (int64_t r = 0; r < R; r++) row[r] = (keyed){LD(in, dt, (o * R + r) * inner + j), r};
+      for (int64_t r = 0; r < R; r++) {
+        int64_t at = (o * R + r) * inner + j;
+        row[r] = (keyed){LD(in, dt, at), exact_i64(in, dt, at), r};
+      }
       qsort(row, (size_t)R, sizeof *row, largest ? cmp_desc : cmp_asc);
       for (int64_t q = 0; q < k; q++) {
         int64_t at = (o * k + q) * inner + j;
