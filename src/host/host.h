@@ -58,7 +58,7 @@ typedef struct fsdp_host_rank {
   fsdp_comm *comm;  /* current on the rank's thread; NULL: a world of one made on first use */
   fsdp_comm *ctl;   /* the REPL's channel (opts.ctl / opts.ctl_comm), or NULL */
   lua_State *L;     /* made by the program on the rank's thread; closed by
-                     * fsdp_host_rank_close / _finish, or when the thread ends */
+                     * fsdp_host_rank_finish, or when the thread ends */
   void *ud;         /* the program's, per rank (set before the first job) */
   /* the host's own (host.c) */
   fsdp_mem_domain *domain;
@@ -120,8 +120,6 @@ int fsdp_host_run(fsdp_host *h, fsdp_host_job job, void *arg);
 /* Whether r was abandoned (any thread). */
 bool fsdp_host_rank_abandoned(fsdp_host_rank *r);
 
-/* Close r's state (its hook cleared first: it must not fire in finalizers). */
-void fsdp_host_rank_close(fsdp_host_rank *r);
 /* Close r's state, then leave the group: free r's communicators, so that a peer still waiting
  * for r in a collective fails at once ("rank R left") instead of at the timeout. Also done
  * when the thread ends. */
@@ -166,10 +164,6 @@ void fsdp_host_rank_fail(fsdp_host_rank *r, const char *msg);
  * rank failed. Valid until fsdp_host_free. */
 const char *fsdp_host_failure(fsdp_host *h);
 
-/* Whether msg reports another rank's failure: "rank R failed: " with R != rank. */
-bool fsdp_host_is_peer_failure(const char *msg, int rank);
-/* The length of msg without its traceback ("\nstack traceback:..."). */
-size_t fsdp_host_message_len(const char *msg);
 
 /* ---- Lua states (setup.c) -------------------------------------------------------------------- */
 
