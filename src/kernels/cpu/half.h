@@ -8,6 +8,19 @@
 
 #include "kernels/cpu/kernels.h"
 
+/* The scratch of one kernel call (table.c and half.c): storages through core, role
+ * activations, so the memory report shows what the conversion pass costs. */
+#define FSDP_CPU_WORK_MAX 10
+typedef struct {
+  fsdp_storage *s[FSDP_CPU_WORK_MAX];
+  int n;
+  bool failed; /* a buffer could not be allocated (the error is set) */
+} fsdp_cpu_work;
+/* n elements of esize bytes, 64-byte aligned; NULL (and w->failed) on failure */
+void *fsdp_cpu_work_buf(fsdp_cpu_work *w, int64_t n, size_t esize);
+/* Release every buffer; FSDP_ERR when one could not be allocated. */
+int fsdp_cpu_work_done(fsdp_cpu_work *w);
+
 int fsdp_cpu_half_axpy(fsdp_dtype dt, void *y, const void *x, float alpha, int64_t n);
 int fsdp_cpu_half_affine_forward(fsdp_dtype dt, void *out, const void *a, float s, float t,
                                  int64_t n);

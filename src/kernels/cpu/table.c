@@ -26,68 +26,30 @@ static bool is_int(fsdp_dtype dt) {
   return dt == FSDP_DTYPE_I64 || dt == FSDP_DTYPE_I32 || dt == FSDP_DTYPE_U8;
 }
 
-/* ---- the conversion pass: f32 scratch for one kernel call ---------------------------------- */
+/* ---- the conversion pass: f32 scratch for one kernel call (fsdp_cpu_work, half.h) ---------- */
 
-#define MAX_TMP 8
-typedef struct {
-  fsdp_storage *s[MAX_TMP];
-  int n;
-} scratch;
+static float *tmp_f32(fsdp_cpu_work *t, int64_t n) { return fsdp_cpu_work_buf(t, n, sizeof(float)); }
 
-/* n elements of esize bytes (64-byte aligned) */
-static void *tmp_buf(scratch *t, int64_t n, size_t esize) {
-  if (t->n == MAX_TMP) {
-    fsdp_error("cpu: too many scratch buffers in one kernel call");
-    return NULL;
-  }
-  fsdp_storage *s;
-  if (fsdp_storage_new_uninit(&s, &fsdp_device_cpu, (size_t)(n ? n : 1) * esize,
-                              FSDP_ROLE_ACTIVATIONS))
-    return NULL;
-  t->s[t->n++] = s;
-  return s->data;
-}
-
-static float *tmp_f32(scratch *t, int64_t n) { return tmp_buf(t, n, sizeof(float)); }
-
-static void tmp_done(scratch *t) {
-  for (int i = 0; i < t->n; i++) fsdp_storage_release(t->s[i]);
-  t->n = 0;
-}
-
-/* An f32 copy of in (n elements of dt); NULL stays NULL. *ok false on allocation failure. */
-static const float *widen(scratch *t, const void *in, fsdp_dtype dt, int64_t n, bool *ok) {
+/* An f32 copy of in (n elements of dt); NULL stays NULL (and on allocation failure: t->failed). */
+static const float *widen(fsdp_cpu_work *t, const void *in, fsdp_dtype dt, int64_t n) {
   if (!in || dt == FSDP_DTYPE_F32) return in;
   float *w = tmp_f32(t, n);
-  if (!w) {
-    *ok = false;
-    return NULL;
-  }
-  fsdp_cpu_cast(w, FSDP_DTYPE_F32, in, dt, n);
+  if (w) fsdp_cpu_cast(w, FSDP_DTYPE_F32, in, dt, n);
   return w;
 }
 
 /* f32 scratch for an output: uninitialised (acc false) or holding out's values (acc true, for
  * gradients that accumulate). NULL stays NULL. */
-static float *out_f32(scratch *t, void *out, fsdp_dtype dt, int64_t n, bool acc, bool *ok) {
+static float *out_f32(fsdp_cpu_work *t, void *out, fsdp_dtype dt, int64_t n, bool acc) {
   if (!out || dt == FSDP_DTYPE_F32) return out;
   float *w = tmp_f32(t, n);
-  if (!w) {
-    *ok = false;
-    return NULL;
-  }
-  if (acc) fsdp_cpu_cast(w, FSDP_DTYPE_F32, out, dt, n);
+  if (w && acc) fsdp_cpu_cast(w, FSDP_DTYPE_F32, out, dt, n);
   return w;
 }
 
 /* out (dt) <- w (f32) when w is a scratch copy */
 static void narrow(void *out, fsdp_dtype dt, const float *w, int64_t n) {
   if (out && dt != FSDP_DTYPE_F32) fsdp_cpu_cast(out, dt, w, FSDP_DTYPE_F32, n);
-}
-
-static int finish(scratch *t, bool ok) {
-  tmp_done(t);
-  return ok ? FSDP_OK : FSDP_ERR;
 }
 
 /* ---- conversions and data movement ---------------------------------------------------------- */
@@ -176,9 +138,9 @@ static int k_arange(void *ctx, fsdp_dtype dt, void *out, double start, double st
 static int k_random(void *ctx, fsdp_dtype dt, void *out, int64_t n, uint64_t key,
                     uint64_t first, bool normal, double a, double b) {
   if (!fsdp_dtype_is_float(dt)) return REFUSE(normal ? "randn" : "rand", dt);
-  scratch t = {0};
+  fsdp_cpu_work t = {0};
   float *w = dt == FSDP_DTYPE_F32 ? out : tmp_f32(&t, n); /* the stream is f32 everywhere */
-  if (!w) return finish(&t, false);
+  if (!w) return fsdp_cpu_work_done(&t);
   if (normal) {
     fsdp_rng_normal(w, n, key, first, (float)a, (float)b);
   } else {
@@ -187,7 +149,7 @@ static int k_random(void *ctx, fsdp_dtype dt, void *out, int64_t n, uint64_t key
       for (int64_t i = 0; i < n; i++) w[i] = (float)a + (float)(b - a) * w[i];
   }
   if (w != out) fsdp_cpu_cast(out, dt, w, FSDP_DTYPE_F32, n);
-  return finish(&t, true);
+  return fsdp_cpu_work_done(&t);
 }
 
 /* ---- linear algebra --------------------------------------------------------------------------- */
@@ -202,15 +164,14 @@ static int k_gemm(void *ctx, fsdp_dtype dt, void *c, const void *a, const void *
   /* stored extents of a, b, c with their leading dimensions */
   int64_t na = (int64_t)(ta ? K : M) * lda, nb = (int64_t)(tb ? N : K) * ldb,
           nc = (int64_t)M * ldc;
-  scratch t = {0};
-  bool ok = true;
-  const float *wa = widen(&t, a, dt, na, &ok), *wb = widen(&t, b, dt, nb, &ok);
-  float *wc = out_f32(&t, c, dt, nc, beta != 0.0f, &ok);
-  if (ok) {
+  fsdp_cpu_work t = {0};
+  const float *wa = widen(&t, a, dt, na), *wb = widen(&t, b, dt, nb);
+  float *wc = out_f32(&t, c, dt, nc, beta != 0.0f);
+  if (!t.failed) {
     fsdp_cpu_gemm(wc, wa, wb, M, N, K, ta, tb, alpha, beta, lda, ldb, ldc);
     narrow(c, dt, wc, nc);
   }
-  return finish(&t, ok);
+  return fsdp_cpu_work_done(&t);
 }
 
 static int k_bmm_forward(void *ctx, fsdp_dtype dt, void *out, const void *a, const void *b,
@@ -220,17 +181,16 @@ static int k_bmm_forward(void *ctx, fsdp_dtype dt, void *out, const void *a, con
     return FSDP_OK;
   }
   if (!is_half(dt)) return REFUSE("matmul", dt);
-  scratch t = {0};
-  bool ok = true;
+  fsdp_cpu_work t = {0};
   int64_t no = (int64_t)B * M * N;
-  const float *wa = widen(&t, a, dt, (int64_t)B * M * K, &ok);
-  const float *wb = widen(&t, b, dt, (int64_t)B * K * N, &ok);
-  float *wo = out_f32(&t, out, dt, no, false, &ok);
-  if (ok) {
+  const float *wa = widen(&t, a, dt, (int64_t)B * M * K);
+  const float *wb = widen(&t, b, dt, (int64_t)B * K * N);
+  float *wo = out_f32(&t, out, dt, no, false);
+  if (!t.failed) {
     fsdp_cpu_bmm_forward(wo, wa, wb, B, M, K, N);
     narrow(out, dt, wo, no);
   }
-  return finish(&t, ok);
+  return fsdp_cpu_work_done(&t);
 }
 
 static int k_bmm_backward(void *ctx, fsdp_dtype dt, void *da, void *db, const void *dout,
@@ -240,19 +200,18 @@ static int k_bmm_backward(void *ctx, fsdp_dtype dt, void *da, void *db, const vo
     return FSDP_OK;
   }
   if (!is_half(dt)) return REFUSE("matmul", dt);
-  scratch t = {0};
-  bool ok = true;
+  fsdp_cpu_work t = {0};
   int64_t nA = (int64_t)B * M * K, nB = (int64_t)B * K * N;
-  const float *wg = widen(&t, dout, dt, (int64_t)B * M * N, &ok);
-  const float *wa = widen(&t, a, dt, nA, &ok), *wb = widen(&t, b, dt, nB, &ok);
-  float *wda = out_f32(&t, da, dt, nA, true, &ok);
-  float *wdb = da == db ? wda : out_f32(&t, db, dt, nB, true, &ok);
-  if (ok) {
+  const float *wg = widen(&t, dout, dt, (int64_t)B * M * N);
+  const float *wa = widen(&t, a, dt, nA), *wb = widen(&t, b, dt, nB);
+  float *wda = out_f32(&t, da, dt, nA, true);
+  float *wdb = da == db ? wda : out_f32(&t, db, dt, nB, true);
+  if (!t.failed) {
     fsdp_cpu_bmm_backward(wda, wdb, wg, wa, wb, B, M, K, N);
     narrow(da, dt, wda, nA);
     if (db != da) narrow(db, dt, wdb, nB);
   }
-  return finish(&t, ok);
+  return fsdp_cpu_work_done(&t);
 }
 
 static int k_linear_forward(void *ctx, fsdp_dtype dt, void *out, const void *inp,
@@ -470,15 +429,14 @@ static int k_pow_forward(void *ctx, fsdp_dtype dt, void *out, const void *in, do
     for (int64_t i = 0; i < n; i++) ST(out, dt, i, pow(LD(in, dt, i), p));
     return FSDP_OK;
   }
-  scratch t = {0};
-  bool ok = true;
-  const float *x = widen(&t, in, dt, n, &ok);
-  float *y = out_f32(&t, out, dt, n, false, &ok);
-  if (ok) {
+  fsdp_cpu_work t = {0};
+  const float *x = widen(&t, in, dt, n);
+  float *y = out_f32(&t, out, dt, n, false);
+  if (!t.failed) {
     for (int64_t i = 0; i < n; i++) y[i] = powf(x[i], (float)p);
     narrow(out, dt, y, n);
   }
-  return finish(&t, ok);
+  return fsdp_cpu_work_done(&t);
 }
 
 static int k_pow_backward(void *ctx, fsdp_dtype dt, void *din, const void *dout, const void *in,
@@ -489,16 +447,15 @@ static int k_pow_backward(void *ctx, fsdp_dtype dt, void *din, const void *dout,
       ST(din, dt, i, LD(din, dt, i) + LD(dout, dt, i) * p * pow(LD(in, dt, i), p - 1));
     return FSDP_OK;
   }
-  scratch t = {0};
-  bool ok = true;
-  const float *g = widen(&t, dout, dt, n, &ok), *x = widen(&t, in, dt, n, &ok);
-  float *d = out_f32(&t, din, dt, n, true, &ok);
-  if (ok) {
+  fsdp_cpu_work t = {0};
+  const float *g = widen(&t, dout, dt, n), *x = widen(&t, in, dt, n);
+  float *d = out_f32(&t, din, dt, n, true);
+  if (!t.failed) {
     const float pf = (float)p;
     for (int64_t i = 0; i < n; i++) d[i] += g[i] * pf * powf(x[i], pf - 1.0f);
     narrow(din, dt, d, n);
   }
-  return finish(&t, ok);
+  return fsdp_cpu_work_done(&t);
 }
 
 static int k_clamp_forward(void *ctx, fsdp_dtype dt, void *out, const void *in, double lo,
@@ -625,9 +582,9 @@ static int k_check_index(void *ctx, fsdp_dtype idt, const void *ids, int64_t n, 
 /* An index buffer (ids, targets: integers in range, checked by the callers) as the i64 the
  * kernels take: ids itself when it is i64 (the data loaders' dtype), else a converted copy
  * (exact: the values are integers). NULL on allocation failure. */
-static const int64_t *ids_i64(scratch *t, const void *ids, fsdp_dtype idt, int64_t n) {
+static const int64_t *ids_i64(fsdp_cpu_work *t, const void *ids, fsdp_dtype idt, int64_t n) {
   if (idt == FSDP_DTYPE_I64) return ids;
-  int64_t *w = tmp_buf(t, n, sizeof(int64_t));
+  int64_t *w = fsdp_cpu_work_buf(t, n, sizeof(int64_t));
   if (w) fsdp_cpu_cast(w, FSDP_DTYPE_I64, ids, idt, n);
   return w;
 }
@@ -635,9 +592,9 @@ static const int64_t *ids_i64(scratch *t, const void *ids, fsdp_dtype idt, int64
 static int k_embedding_forward(void *ctx, fsdp_dtype dt, void *out, const void *ids,
                                fsdp_dtype idt, const void *weight, int64_t N, int C) {
   if (!fsdp_dtype_is_float(dt) && !is_int(dt)) return REFUSE("embedding", dt);
-  scratch t = {0};
+  fsdp_cpu_work t = {0};
   const int64_t *id = ids_i64(&t, ids, idt, N);
-  if (!id) return finish(&t, false);
+  if (!id) return fsdp_cpu_work_done(&t);
   if (dt == FSDP_DTYPE_F32) {
     fsdp_cpu_embedding_forward(out, id, weight, N, C);
   } else { /* rows are copied, whatever the dtype */
@@ -645,7 +602,7 @@ static int k_embedding_forward(void *ctx, fsdp_dtype dt, void *out, const void *
     for (int64_t i = 0; i < N; i++)
       memcpy((char *)out + (size_t)i * row, (const char *)weight + (size_t)id[i] * row, row);
   }
-  return finish(&t, true);
+  return fsdp_cpu_work_done(&t);
 }
 
 static int k_embedding_backward(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *dweight,
@@ -653,16 +610,16 @@ static int k_embedding_backward(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *
                                 int C) {
   if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("embedding", dt);
   if (!grad_dtype_ok(dt, gdt)) return REFUSE("embedding (weight gradient)", gdt);
-  scratch t = {0};
+  fsdp_cpu_work t = {0};
   const int64_t *id = ids_i64(&t, ids, idt, N);
-  if (!id) return finish(&t, false);
+  if (!id) return fsdp_cpu_work_done(&t);
   if (dt == FSDP_DTYPE_F32) {
     fsdp_cpu_embedding_backward(dweight, dout, id, N, C);
-    return finish(&t, true);
+    return fsdp_cpu_work_done(&t);
   }
   /* half: one row at a time; an f32 gradient (mixed precision) takes each row without rounding */
   float *acc = tmp_f32(&t, 2 * (int64_t)C);
-  if (!acc) return finish(&t, false);
+  if (!acc) return fsdp_cpu_work_done(&t);
   const size_t hs = fsdp_dtype_size(dt);
   for (int64_t i = 0; i < N; i++) {
     fsdp_cpu_cast(acc + C, FSDP_DTYPE_F32, (const char *)dout + (size_t)i * C * hs, dt, C);
@@ -676,7 +633,7 @@ static int k_embedding_backward(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *
     for (int c = 0; c < C; c++) acc[c] += acc[C + c];
     fsdp_cpu_cast(drow, dt, acc, FSDP_DTYPE_F32, C);
   }
-  return finish(&t, true);
+  return fsdp_cpu_work_done(&t);
 }
 
 /* ---- normalisation, attention, losses ------------------------------------------------------- */
@@ -756,15 +713,15 @@ static int k_cross_entropy_forward(void *ctx, fsdp_dtype dt, float *loss, float 
                                    const void *logits, const void *targets, fsdp_dtype tdt,
                                    int64_t N, int V, int64_t ignore, int64_t *count) {
   if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("cross_entropy", dt);
-  scratch t = {0};
+  fsdp_cpu_work t = {0};
   const int64_t *tg = ids_i64(&t, targets, tdt, N);
-  if (!tg) return finish(&t, false);
+  if (!tg) return fsdp_cpu_work_done(&t);
   if (dt == FSDP_DTYPE_F32) {
     loss[0] = fsdp_cpu_cross_entropy_forward(lse, logits, tg, N, V, ignore, count);
-    return finish(&t, true);
+    return fsdp_cpu_work_done(&t);
   }
-  bool ok = !fsdp_cpu_half_cross_entropy_forward(dt, loss, lse, logits, tg, N, V, ignore, count);
-  return finish(&t, ok);
+  int rc = fsdp_cpu_half_cross_entropy_forward(dt, loss, lse, logits, tg, N, V, ignore, count);
+  return fsdp_cpu_work_done(&t) || rc ? FSDP_ERR : FSDP_OK;
 }
 
 static int k_cross_entropy_backward(void *ctx, fsdp_dtype dt, void *dlogits, const float *dloss,
@@ -772,16 +729,16 @@ static int k_cross_entropy_backward(void *ctx, fsdp_dtype dt, void *dlogits, con
                                     fsdp_dtype tdt, int64_t N, int V, int64_t ignore,
                                     int64_t count) {
   if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("cross_entropy", dt);
-  scratch t = {0};
+  fsdp_cpu_work t = {0};
   const int64_t *tg = ids_i64(&t, targets, tdt, N);
-  if (!tg) return finish(&t, false);
+  if (!tg) return fsdp_cpu_work_done(&t);
   if (dt == FSDP_DTYPE_F32) {
     fsdp_cpu_cross_entropy_backward(dlogits, dloss[0], logits, lse, tg, N, V, ignore, count);
-    return finish(&t, true);
+    return fsdp_cpu_work_done(&t);
   }
-  bool ok = !fsdp_cpu_half_cross_entropy_backward(dt, dlogits, dloss[0], logits, lse, tg, N, V,
-                                                   ignore, count);
-  return finish(&t, ok);
+  int rc = fsdp_cpu_half_cross_entropy_backward(dt, dlogits, dloss[0], logits, lse, tg, N, V,
+                                                 ignore, count);
+  return fsdp_cpu_work_done(&t) || rc ? FSDP_ERR : FSDP_OK;
 }
 
 static int k_mse_forward(void *ctx, fsdp_dtype dt, float *out, const void *a, const void *b,
@@ -862,17 +819,16 @@ static int k_sum_dim_forward(void *ctx, fsdp_dtype dt, void *out, const void *in
       }
     return FSDP_OK;
   }
-  scratch t = {0};
-  bool ok = true;
-  const float *wi = widen(&t, in, dt, outer * R * inner, &ok);
-  float *wo = out_f32(&t, out, dt, no, false, &ok);
-  if (ok) {
+  fsdp_cpu_work t = {0};
+  const float *wi = widen(&t, in, dt, outer * R * inner);
+  float *wo = out_f32(&t, out, dt, no, false);
+  if (!t.failed) {
     fsdp_cpu_sum_dim_forward(wo, wi, outer, R, inner);
     if (scale != 1.0)
       for (int64_t i = 0; i < no; i++) wo[i] *= (float)scale;
     narrow(out, dt, wo, no);
   }
-  return finish(&t, ok);
+  return fsdp_cpu_work_done(&t);
 }
 
 static int k_sum_dim_backward(void *ctx, fsdp_dtype dt, void *din, const void *dout,
@@ -888,11 +844,10 @@ static int k_sum_dim_backward(void *ctx, fsdp_dtype dt, void *din, const void *d
         }
     return FSDP_OK;
   }
-  scratch t = {0};
-  bool ok = true;
-  const float *g = widen(&t, dout, dt, outer * inner, &ok);
-  float *d = out_f32(&t, din, dt, ni, true, &ok);
-  if (ok) {
+  fsdp_cpu_work t = {0};
+  const float *g = widen(&t, dout, dt, outer * inner);
+  float *d = out_f32(&t, din, dt, ni, true);
+  if (!t.failed) {
     const float s = (float)scale;
     for (int64_t o = 0; o < outer; o++)
       for (int64_t r = 0; r < R; r++) {
@@ -902,7 +857,7 @@ static int k_sum_dim_backward(void *ctx, fsdp_dtype dt, void *din, const void *d
       }
     narrow(din, dt, d, ni);
   }
-  return finish(&t, ok);
+  return fsdp_cpu_work_done(&t);
 }
 
 /* (a, ia) ranks above (b, ib): larger (NaN largest; ia, ib as exact_i64) */
@@ -1068,11 +1023,11 @@ static int k_mask_from_nonzero(void *ctx, fsdp_dtype dt, void *mout, int64_t *ze
 static int k_mask_hist(void *ctx, fsdp_dtype dt, int64_t *counts, const void *x, const void *m,
                        int64_t n, uint64_t prefix, int shift, int width) {
   MASK_F32("mask_hist", dt);
-  scratch t = {0};
+  fsdp_cpu_work t = {0};
   /* 4 << width 32-bit counters: the bytes of as many f32 */
   uint32_t *sub = (uint32_t *)tmp_f32(&t, (int64_t)4 << width);
   if (sub) fsdp_cpu_mask_hist(counts, sub, x, m, n, prefix, shift, width);
-  return finish(&t, sub != NULL);
+  return fsdp_cpu_work_done(&t);
 }
 
 static int k_mask_hist_pos(void *ctx, fsdp_dtype dt, int64_t *counts, const void *x,
