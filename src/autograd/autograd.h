@@ -121,8 +121,6 @@ int fsdp_op_sum_dim(fsdp_tensor **out, fsdp_tensor *a, int dim, bool mean); /* d
  * both. Recorded for float dtypes: the gradient goes back converted to a's device and dtype.
  * To meta gives a shape-only tensor. */
 int fsdp_op_to(fsdp_tensor **out, fsdp_tensor *a, const fsdp_device_i *dev, fsdp_dtype dt);
-/* The dtype binary ops compute in for operands of dtypes a and b (see ops.c). */
-fsdp_dtype fsdp_promote_types(fsdp_dtype a, fsdp_dtype b);
 
 /* Views, recorded so gradients flow through them. */
 int fsdp_op_view(fsdp_tensor **out, fsdp_tensor *a, int ndim, const int64_t *shape);

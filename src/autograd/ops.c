@@ -153,7 +153,7 @@ fail:
  * gradients in f32 while the parameters compute in bf16. Slots with a gradient dtype (linear,
  * layernorm, embedding: `gdt`) write those directly; for every other op the kernel accumulates
  * into a zeroed buffer of the tensor's dtype (a detour), added into the real gradient once the
- * op's backward ran (run_backward). */
+ * op's backward ran (run_backward; cat, whose inputs are unbounded, after each input). */
 typedef struct {
   fsdp_tensor *t, *tmp;
 } detour;
@@ -175,15 +175,19 @@ static int grad_buf(fsdp_tensor *t, void **g) {
   return FSDP_OK;
 }
 
-static int run_backward(fsdp_node *n) {
-  ndetours = 0;
-  int rc = n->impl(n);
+/* Add the detours into their tensors' gradients (when rc is FSDP_OK) and drop them. */
+static int flush_detours(int rc) {
   for (int i = 0; i < ndetours; i++) {
     if (!rc) rc = fsdp_add_into(detours[i].t->grad, detours[i].tmp, 1.0);
     fsdp_tensor_release(detours[i].tmp);
   }
   ndetours = 0;
   return rc;
+}
+
+static int run_backward(fsdp_node *n) {
+  ndetours = 0;
+  return flush_detours(n->impl(n));
 }
 
 /* Gradient buffer of input k if it wants one, else NULL (kernels skip NULL outputs). */
@@ -232,7 +236,8 @@ static int check_id_dtype(const char *op, const char *what, const fsdp_tensor *i
                     op, what, dt, what, bf ? "a" : "an", dt, what, bf ? 256 : 2048, dt, what);
 }
 
-/* Every v an index in [lo, hi) (or equal to *ignore); else an error from `describe`. */
+/* *bad = the first id not an index in [lo, hi) (nor *ignore), -1 when all are; *bad_value its
+ * value. The caller words the error. */
 static int check_ids(const char *op, fsdp_tensor *ids, int64_t V, const int64_t *ignore,
                      int64_t *bad, double *bad_value) {
   const fsdp_kernels_i *k = KERNELS(op, ids);
@@ -253,8 +258,6 @@ static fsdp_dtype promote(fsdp_dtype a, fsdp_dtype b) {
   if (rank[a] == rank[b]) return FSDP_DTYPE_F32; /* bf16 with f16 */
   return rank[a] > rank[b] ? a : b;
 }
-
-fsdp_dtype fsdp_promote_types(fsdp_dtype a, fsdp_dtype b) { return promote(a, b); }
 
 /* backward of to: the gradient goes back to the input's device and dtype, added */
 static int bw_to(fsdp_node *n) {
@@ -1233,7 +1236,8 @@ static int bw_cat(fsdp_node *n) {
       int64_t ds[FSDP_MAX_DIMS];
       contiguous_strides(ds, t->ndim, t->shape);
       const char *g = (const char *)D(o->grad) + start * ss[dim] * (int64_t)es;
-      if (NK(n)->add_strided(NCTX(n), NDT(n), d, ds, g, ss, t->ndim, t->shape)) return FSDP_ERR;
+      int rc = NK(n)->add_strided(NCTX(n), NDT(n), d, ds, g, ss, t->ndim, t->shape);
+      if (flush_detours(rc)) return FSDP_ERR; /* one input's detour at a time */
     }
     start += len;
   }

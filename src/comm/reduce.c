@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "comm/comm.h"
+#include "kernels/cpu/kernels.h"
 
 /* the running sums of one tile stay in L1 while every rank's input streams */
 #define REDUCE_TILE 2048
@@ -62,11 +63,8 @@ static void reduce_f32(float *out, const float *const *src, int nsrc, int64_t m,
   }
 }
 
-static void bf16_widen(float *restrict t, const uint16_t *restrict a, int64_t m) {
-  for (int64_t i = 0; i < m; i++) t[i] = fsdp_bf16_to_f32(a[i]);
-}
-
-/* bf16: every input widened tile by tile into w, then the f32 loops above; one rounding. */
+/* bf16: every input widened tile by tile into w, then the f32 loops above; one rounding. The
+ * conversions are the cpu kernels' bulk ones (vectorised; the bits of core's scalar ones). */
 static void reduce_bf16(uint16_t *out, const uint16_t *const *src, int nsrc, int64_t m,
                         fsdp_reduce_op red) {
   float t[REDUCE_TILE] __attribute__((aligned(64)));
@@ -74,13 +72,13 @@ static void reduce_bf16(uint16_t *out, const uint16_t *const *src, int nsrc, int
   const float scale = (float)(1.0 / nsrc);
   for (int64_t i0 = 0; i0 < m; i0 += REDUCE_TILE) {
     int64_t k = m - i0 < REDUCE_TILE ? m - i0 : REDUCE_TILE;
-    bf16_widen(t, src[0] + i0, k);
+    fsdp_cpu_bf16_to_f32(t, src[0] + i0, k);
     for (int p = 1; p < nsrc; p++) {
-      bf16_widen(w, src[p] + i0, k);
+      fsdp_cpu_bf16_to_f32(w, src[p] + i0, k);
       f32_acc(t, w, k, red);
     }
     if (red == FSDP_RED_AVG) f32_scale(t, k, scale);
-    for (int64_t i = 0; i < k; i++) out[i0 + i] = fsdp_f32_to_bf16(t[i]);
+    fsdp_cpu_f32_to_bf16(out + i0, t, k);
   }
 }
 

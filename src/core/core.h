@@ -239,6 +239,10 @@ int fsdp_tensor_new_uninit(fsdp_tensor **out, const fsdp_device_i *dev, fsdp_dty
 int fsdp_tensor_new_f32(fsdp_tensor **out, int ndim, const int64_t *shape);
 /* cpu, f32, role activations, contents unspecified: for op outputs a kernel writes whole. */
 int fsdp_tensor_new_f32_uninit(fsdp_tensor **out, int ndim, const int64_t *shape);
+/* A contiguous cpu tensor over host memory the caller owns (fsdp_storage_wrap: not freed, not
+ * accounted; it must outlive the tensor and its views). */
+int fsdp_tensor_wrap(fsdp_tensor **out, void *data, fsdp_dtype dt, int ndim,
+                     const int64_t *shape);
 /* A new tensor sharing `t`'s storage with the given geometry (no checks beyond bounds). */
 int fsdp_tensor_new_view(fsdp_tensor **out, fsdp_tensor *t, int64_t offset, int ndim,
                          const int64_t *shape, const int64_t *strides);
@@ -256,9 +260,6 @@ char *fsdp_shape_str(char *buf, size_t n, int ndim, const int64_t *shape);
  * device. NULL with error "<what>: tensor on meta device has no data" when the device has
  * none. */
 void *fsdp_tensor_data(const fsdp_tensor *t, const char *what);
-/* The same, only for tensors in host memory: a tensor on another device is an error naming it
- * (for code that reads or writes elements on the host). */
-void *fsdp_tensor_host_data(const fsdp_tensor *t, const char *what);
 /* dst <- src over `shape` with element strides, in host memory, elements of esize bytes (a
  * byte copy: no conversion). The cpu kernels and fsdp_tensor_copy share it. */
 void fsdp_host_copy_strided(void *dst, const int64_t *dst_strides, const void *src,

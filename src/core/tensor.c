@@ -127,6 +127,25 @@ int fsdp_tensor_new_f32(fsdp_tensor **out, int ndim, const int64_t *shape) {
                          FSDP_ROLE_ACTIVATIONS);
 }
 
+int fsdp_tensor_wrap(fsdp_tensor **out, void *data, fsdp_dtype dt, int ndim,
+                     const int64_t *shape) {
+  *out = NULL;
+  int64_t n = 1;
+  for (int d = 0; d < ndim; d++) n *= shape[d];
+  fsdp_storage *s;
+  if (fsdp_storage_wrap(&s, data, (size_t)n * fsdp_dtype_size(dt))) return FSDP_ERR;
+  /* a shape-only tensor of that geometry, then the wrapped storage under it */
+  fsdp_tensor *t;
+  if (fsdp_tensor_new(&t, &fsdp_device_meta, dt, ndim, shape, FSDP_ROLE_OTHER)) {
+    fsdp_storage_release(s);
+    return FSDP_ERR;
+  }
+  fsdp_tensor_set_storage(t, s, 0); /* t retains s */
+  fsdp_storage_release(s);
+  *out = t;
+  return FSDP_OK;
+}
+
 int fsdp_tensor_new_view(fsdp_tensor **out, fsdp_tensor *t, int64_t offset, int ndim,
                          const int64_t *shape, const int64_t *strides) {
   *out = NULL;
@@ -221,16 +240,6 @@ void *fsdp_tensor_data(const fsdp_tensor *t, const char *what) {
     return NULL;
   }
   return (char *)s->data + (size_t)t->offset * fsdp_dtype_size(t->dtype);
-}
-
-void *fsdp_tensor_host_data(const fsdp_tensor *t, const char *what) {
-  void *d = fsdp_tensor_data(t, what);
-  if (d && !t->storage->device->host_memory) {
-    fsdp_error("%s: tensor %s is on the %s device; copy it to the cpu first (t:to(\"cpu\"))",
-               what ? what : "tensor", FSDP_SHAPE_STR(t), t->storage->device->name);
-    return NULL;
-  }
-  return d;
 }
 
 /* ---- views ----------------------------------------------------------------------------------- */

@@ -294,23 +294,13 @@ static fsdp_host_tensor *rank_outputs(const embed_job *j, int rank) {
   return rank == 0 ? j->out : NULL; /* fsdp_call: rank 0's results only */
 }
 
-/* A tensor over host memory: a meta tensor of the shape whose storage becomes the wrapped
- * memory. The storage is remembered in r->wrapped (one reference) for release_inputs. */
+/* A tensor over the host's memory (fsdp_tensor_wrap). Its storage is remembered in r->wrapped
+ * (one reference) for release_inputs. */
 static int wrap_input(embed_rank *r, fsdp_tensor **out, const fsdp_host_tensor *h) {
-  *out = NULL;
-  int64_t numel = 1;
-  for (int d = 0; d < h->ndim; d++) numel *= h->shape[d];
-  fsdp_storage *s;
-  if (fsdp_storage_wrap(&s, h->data, (size_t)numel * sizeof(float)) != FSDP_OK) return FSDP_ERR;
-  fsdp_tensor *t;
-  if (fsdp_tensor_new(&t, &fsdp_device_meta, FSDP_DTYPE_F32, h->ndim, h->shape,
-                      FSDP_ROLE_OTHER) != FSDP_OK) {
-    fsdp_storage_release(s);
+  if (fsdp_tensor_wrap(out, h->data, FSDP_DTYPE_F32, h->ndim, h->shape) != FSDP_OK)
     return FSDP_ERR;
-  }
-  fsdp_tensor_set_storage(t, s, 0); /* t retains s */
-  r->wrapped[r->nwrapped++] = s;    /* our reference */
-  *out = t;
+  fsdp_storage_retain((*out)->storage);
+  r->wrapped[r->nwrapped++] = (*out)->storage; /* our reference */
   return FSDP_OK;
 }
 

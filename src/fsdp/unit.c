@@ -142,16 +142,10 @@ static const char *strategy_name(fsdp_strategy s) {
   return s == FSDP_STRATEGY_FULL ? "full" : s == FSDP_STRATEGY_GRAD_OP ? "grad_op" : "none";
 }
 
-/* A 1-D f32 tensor of n elements on dev; zero-filled, or with unspecified contents for a
+/* A 1-D tensor of n elements of dt on dev; zero-filled, or with unspecified contents for a
  * buffer a collective overwrites whole. */
-static int flat_new(fsdp_tensor **out, const fsdp_device_i *dev, int64_t n, fsdp_role role,
-                    bool zero) {
-  return (zero ? fsdp_tensor_new : fsdp_tensor_new_uninit)(out, dev, FSDP_DTYPE_F32, 1, &n, role);
-}
-
-/* The same in another dtype (mixed precision's gathered parameters and gradients). */
-static int flat_new_dt(fsdp_tensor **out, const fsdp_device_i *dev, fsdp_dtype dt, int64_t n,
-                       fsdp_role role, bool zero) {
+static int flat_new(fsdp_tensor **out, const fsdp_device_i *dev, fsdp_dtype dt, int64_t n,
+                    fsdp_role role, bool zero) {
   return (zero ? fsdp_tensor_new : fsdp_tensor_new_uninit)(out, dev, dt, 1, &n, role);
 }
 
@@ -163,26 +157,10 @@ static int dense_of(fsdp_tensor **out, fsdp_tensor *t) {
   return fsdp_to(out, t, t->storage->device, t->dtype, FSDP_ROLE_ACTIVATIONS);
 }
 
-/* dst[doff, doff + len) <- src's flattened elements [soff, soff + len) (src contiguous), on
- * whatever devices they live: through the kernels' copy, never a host loop. */
-static int copy_range(fsdp_tensor *dst, int64_t doff, fsdp_tensor *src, int64_t soff,
-                      int64_t len) {
-  static const int64_t one = 1;
-  fsdp_tensor *d, *sv;
-  if (fsdp_tensor_new_view(&d, dst, dst->offset + doff, 1, &len, &one)) return FSDP_ERR;
-  if (fsdp_tensor_new_view(&sv, src, src->offset + soff, 1, &len, &one)) {
-    fsdp_tensor_release(d);
-    return FSDP_ERR;
-  }
-  int rc = fsdp_copy(d, sv);
-  fsdp_tensor_release(d);
-  fsdp_tensor_release(sv);
-  return rc;
-}
-
-/* dst's flat elements [doff, doff + n) += src's [soff, soff + n) (both contiguous) */
-static int add_range(fsdp_tensor *dst, int64_t doff, fsdp_tensor *src, int64_t soff,
-                     int64_t n) {
+/* dst's flat elements [doff, doff + n) <- (add: +=) src's [soff, soff + n), both contiguous, on
+ * whatever devices and in whatever dtypes they are: through the kernels, never a host loop. */
+static int flat_range(fsdp_tensor *dst, int64_t doff, fsdp_tensor *src, int64_t soff, int64_t n,
+                      bool add) {
   static const int64_t one = 1;
   fsdp_tensor *d, *sv;
   if (fsdp_tensor_new_view(&d, dst, dst->offset + doff, 1, &n, &one)) return FSDP_ERR;
@@ -190,10 +168,18 @@ static int add_range(fsdp_tensor *dst, int64_t doff, fsdp_tensor *src, int64_t s
     fsdp_tensor_release(d);
     return FSDP_ERR;
   }
-  int rc = fsdp_add_into(d, sv, 1.0);
+  int rc = add ? fsdp_add_into(d, sv, 1.0) : fsdp_copy(d, sv);
   fsdp_tensor_release(d);
   fsdp_tensor_release(sv);
   return rc;
+}
+
+static int copy_range(fsdp_tensor *dst, int64_t doff, fsdp_tensor *src, int64_t soff, int64_t n) {
+  return flat_range(dst, doff, src, soff, n, false);
+}
+
+static int add_range(fsdp_tensor *dst, int64_t doff, fsdp_tensor *src, int64_t soff, int64_t n) {
+  return flat_range(dst, doff, src, soff, n, true);
 }
 
 static int64_t round_up(int64_t x, int64_t m) { return m ? (x + m - 1) / m * m : x; }
@@ -408,8 +394,9 @@ static int validate(const char *upath, fsdp_tensor *const *params, const char *c
       return fsdp_error("wrap: unit '%s': parameter %d has no %s", upath, i + 1,
                         p ? "path" : "tensor");
     if (p->dtype != FSDP_DTYPE_F32)
-      return fsdp_error("wrap: unit '%s': parameter %s is %s; units hold f32", upath, path,
-                        fsdp_dtype_name(p->dtype));
+      return fsdp_error("wrap: unit '%s': parameter %s is %s; units keep f32 masters (make it "
+                        "f32; the wrap's mp option computes in bf16 or f16)",
+                        upath, path, fsdp_dtype_name(p->dtype));
     if (p->user) {
       const fsdp_unit *o = p->user;
       return fsdp_error("wrap: parameter %s already belongs to unit '%s' (a parameter belongs "
@@ -545,8 +532,8 @@ int fsdp_unit_new(fsdp_unit **out, fsdp_comm *c, const char *path, fsdp_tensor *
   u->device = &fsdp_device_cpu;
   for (int i = 0; i < n; i++)
     if (params[i]->storage->device->has_data) u->device = params[i]->storage->device;
-  if (flat_new(&u->shard, u->device, u->shard_numel, FSDP_ROLE_PARAMS, true) ||
-      flat_new(&u->grad_shard, u->device, u->shard_numel, FSDP_ROLE_GRADS, true) ||
+  if (flat_new(&u->shard, u->device, FSDP_DTYPE_F32, u->shard_numel, FSDP_ROLE_PARAMS, true) ||
+      flat_new(&u->grad_shard, u->device, FSDP_DTYPE_F32, u->shard_numel, FSDP_ROLE_GRADS, true) ||
       sharded_storage_new(&u->sharded, (size_t)u->padded * sizeof(float)))
     goto fail;
   /* fill this rank's slice from each full parameter (meta ones stay zero) */
@@ -673,7 +660,7 @@ static int gather_as(fsdp_unit *u, fsdp_dtype dt) {
   }
   if (u->opts.strategy == FSDP_STRATEGY_NONE) return gather_replicated(u, dt);
   fsdp_tensor *buf, *send = NULL;
-  if (flat_new_dt(&buf, u->device, dt, u->padded, FSDP_ROLE_GATHERED, u->padded == 0))
+  if (flat_new(&buf, u->device, dt, u->padded, FSDP_ROLE_GATHERED, u->padded == 0))
     return fsdp_error_context("gather: unit '%s'", u->path);
   int rc = u->padded ? gather_send(u, dt, &send) : FSDP_OK;
   if (!rc && u->padded &&
@@ -696,7 +683,7 @@ int fsdp_unit_prefetch(fsdp_unit *u) {
     return FSDP_OK;
   fsdp_dtype dt = compute_dt(u);
   fsdp_tensor *buf, *send;
-  if (flat_new_dt(&buf, u->device, dt, u->padded, FSDP_ROLE_GATHERED, false))
+  if (flat_new(&buf, u->device, dt, u->padded, FSDP_ROLE_GATHERED, false))
     return fsdp_error_context("prefetch: unit '%s'", u->path);
   if (gather_send(u, dt, &send)) {
     fsdp_tensor_release(buf);
@@ -831,7 +818,7 @@ static int hook_end(void *ud) {
   if (v && !v->emptied && v->pending_bwd > 0 && fsdp_unit_prefetch(v)) return FSDP_ERR;
   /* finish_backward converts the gradients to the reduce dtype when it differs */
   if (!u->full_grad &&
-      flat_new_dt(&u->full_grad, u->device, grad_dt(u), u->padded, FSDP_ROLE_GRADS, true))
+      flat_new(&u->full_grad, u->device, grad_dt(u), u->padded, FSDP_ROLE_GRADS, true))
     return fsdp_error_context("backward: unit '%s'", u->path);
   for (int i = 0; i < u->n; i++) {
     fsdp_unit_param *q = &u->params[i];

@@ -94,8 +94,9 @@ typedef struct fsdp_unit_opts {
 
 typedef struct fsdp_unit fsdp_unit;
 
-/* Collective. Build a unit over n distinct parameters (each full: owning dense data on the cpu
- * device, or meta — then the shard is left zero for a later materialize). Copies this rank's
+/* Collective. Build a unit over n distinct f32 parameters (each full: owning dense data on one
+ * device with kernels, the same for all of them, or meta — then the shard is left zero for a
+ * later materialize); the unit's buffers live on that device (cpu when all are meta). Copies this rank's
  * slice into the new flat shard and leaves the unit SHARDED (NONE: gathered). Before anything
  * moves, the layout (paths and shapes) is compared across ranks: a mismatch is an error naming
  * the first differing parameter on each side, and nothing changes, e.g.
@@ -105,9 +106,11 @@ typedef struct fsdp_unit fsdp_unit;
  *    rank 0 has none, rank 1 has b.extra (4)"
  * (rank 0 against the first rank that differs from it). This rank's own checks (a parameter
  * listed twice, already in a unit — "wrap: parameter <path> already belongs to unit '<u>' ...",
- * not f32, not cpu/meta, not a leaf) are made collective the same way: the failing rank gets its
- * message, every other rank "wrap: unit '<path>' failed on rank R: <message>". The check costs
- * one all-gather of 6 floats per rank (more only on a mismatch), labelled with the unit path.
+ * not f32, on a device without kernels or another one than the others, not a leaf, a
+ * param_dtype or reduce_dtype units do not take) are made collective the same way: the failing
+ * rank gets its message, every other rank "wrap: unit '<path>' failed on rank R: <message>". The
+ * check costs one all-gather of 3 i64 per rank (more only on a mismatch), labelled with the
+ * unit path.
  * On success each parameter: gets its path as label (for error messages), loses any .grad,
  * gets contiguous strides, is backed by the sharded storage (NONE: by the shard) at its flat
  * offset, and records its unit in p->user (fsdp_param_unit). opts NULL: FULL, not root,

@@ -123,8 +123,6 @@ static bool enter(fsdp_host_rank *r, lua_State *L) {
   return go;
 }
 
-void fsdp_host_lua_enter(fsdp_host_rank *r, lua_State *L) { enter(r, L); }
-
 void fsdp_host_lua_resume(fsdp_host_rank *r, lua_State *L) {
   fsdp_host *h = r->host;
   pthread_mutex_lock(&h->mu);
@@ -200,7 +198,8 @@ void fsdp_host_interrupt_clear(fsdp_host *h, bool if_idle) {
 
 /* ---- failures -------------------------------------------------------------------------------- */
 
-bool fsdp_host_is_peer_failure(const char *msg, int rank) {
+/* Whether msg reports another rank's failure: "rank R failed: " with R != rank. */
+static bool is_peer_failure(const char *msg, int rank) {
   for (const char *p = strstr(msg, "rank "); p != NULL; p = strstr(p + 1, "rank ")) {
     char *end;
     long r = strtol(p + 5, &end, 10);
@@ -209,7 +208,8 @@ bool fsdp_host_is_peer_failure(const char *msg, int rank) {
   return false;
 }
 
-size_t fsdp_host_message_len(const char *msg) {
+/* The length of msg without its traceback ("\nstack traceback:..."). */
+static size_t message_len(const char *msg) {
   const char *tb = strstr(msg, "\nstack traceback:");
   return tb != NULL ? (size_t)(tb - msg) : strlen(msg);
 }
@@ -218,8 +218,8 @@ void fsdp_host_rank_fail(fsdp_host_rank *r, const char *msg) {
   fsdp_host *h = r->host;
   if (msg == NULL) msg = "(error object is not a string)";
   int head = (int)strcspn(msg, "\n");
-  int len = (int)fsdp_host_message_len(msg);
-  bool peer = fsdp_host_is_peer_failure(msg, r->rank);
+  int len = (int)message_len(msg);
+  bool peer = is_peer_failure(msg, r->rank);
   bool several = r->world > 1;
   char *text;
   pthread_mutex_lock(&h->fail_mu);
@@ -385,7 +385,8 @@ bool fsdp_host_rank_abandoned(fsdp_host_rank *r) {
 
 /* ---- ranks ----------------------------------------------------------------------------------- */
 
-void fsdp_host_rank_close(fsdp_host_rank *r) {
+/* Close r's state (its hook cleared first: it must not fire in finalizers). */
+static void rank_close(fsdp_host_rank *r) {
   if (r->L == NULL) return;
   lua_sethook(r->L, NULL, 0, 0); /* an armed hook must not fire in finalizers */
   lua_close(r->L);
@@ -394,7 +395,7 @@ void fsdp_host_rank_close(fsdp_host_rank *r) {
 
 void fsdp_host_rank_finish(fsdp_host_rank *r) {
   /* the state first: its finalizers may still wait for their collectives */
-  fsdp_host_rank_close(r);
+  rank_close(r);
   fsdp_comm_free(r->comm);
   r->comm = NULL;
   fsdp_comm_free(r->ctl);

@@ -58,7 +58,7 @@ typedef struct fsdp_host_rank {
   fsdp_comm *comm;  /* current on the rank's thread; NULL: a world of one made on first use */
   fsdp_comm *ctl;   /* the REPL's channel (opts.ctl / opts.ctl_comm), or NULL */
   lua_State *L;     /* made by the program on the rank's thread; closed by
-                     * fsdp_host_rank_close / _finish, or when the thread ends */
+                     * fsdp_host_rank_finish, or when the thread ends */
   void *ud;         /* the program's, per rank (set before the first job) */
   /* the host's own (host.c) */
   fsdp_mem_domain *domain;
@@ -80,7 +80,7 @@ typedef struct fsdp_host_opts {
   /* A report to write whole, ending in a newline (fsdp_host_rank_fail, abandoned ranks).
    * NULL: nothing is written (fsdp_host_failure keeps the root cause). */
   void (*report)(void *ud, const char *text);
-  /* The set of ranks running Lua changed (fsdp_host_lua_enter, _leave, _resume): n run now;
+  /* The set of ranks running Lua changed (fsdp_host_pcall, fsdp_host_lua_leave, _resume): n run now;
    * first: a rank entered while none ran. Called under the host's lock, from any rank's
    * thread: it may call only fsdp_host_interrupted and fsdp_host_interrupt_clear(h, false). */
   void (*running)(void *ud, int n, bool first);
@@ -120,8 +120,6 @@ int fsdp_host_run(fsdp_host *h, fsdp_host_job job, void *arg);
 /* Whether r was abandoned (any thread). */
 bool fsdp_host_rank_abandoned(fsdp_host_rank *r);
 
-/* Close r's state (its hook cleared first: it must not fire in finalizers). */
-void fsdp_host_rank_close(fsdp_host_rank *r);
 /* Close r's state, then leave the group: free r's communicators, so that a peer still waiting
  * for r in a collective fails at once ("rank R left") instead of at the timeout. Also done
  * when the thread ends. */
@@ -135,11 +133,9 @@ void fsdp_host_rank_finish(fsdp_host_rank *r);
  * with them, it must not, since its caller has gone. */
 int fsdp_host_pcall(fsdp_host_rank *r, lua_State *L, int narg, int nres);
 
-/* The running set by hand (fsdp_host_pcall does enter/leave): enter marks L as r's running
- * state and arms the stop hook if an interrupt or a stop is pending; leave unmarks it and
- * returns it (NULL if none); resume marks a state that leave returned again (a pause such as
- * the REPL's waiting for input) and arms the hook only for a stop. */
-void fsdp_host_lua_enter(fsdp_host_rank *r, lua_State *L);
+/* A pause inside fsdp_host_pcall (the REPL waiting for input): leave unmarks r's running
+ * state and returns it (NULL if none); resume marks a state that leave returned again and
+ * arms the stop hook only for a stop, not for an interrupt. */
 lua_State *fsdp_host_lua_leave(fsdp_host_rank *r);
 void fsdp_host_lua_resume(fsdp_host_rank *r, lua_State *L);
 int fsdp_host_nrunning(fsdp_host *h); /* ranks running Lua now */
@@ -168,10 +164,6 @@ void fsdp_host_rank_fail(fsdp_host_rank *r, const char *msg);
  * rank failed. Valid until fsdp_host_free. */
 const char *fsdp_host_failure(fsdp_host *h);
 
-/* Whether msg reports another rank's failure: "rank R failed: " with R != rank. */
-bool fsdp_host_is_peer_failure(const char *msg, int rank);
-/* The length of msg without its traceback ("\nstack traceback:..."). */
-size_t fsdp_host_message_len(const char *msg);
 
 /* ---- Lua states (setup.c) -------------------------------------------------------------------- */
 

@@ -15,24 +15,6 @@
 #include "io/io.h"
 #include "kernels/kernels.h"
 
-/* A cpu tensor over host memory the caller owns (not freed, not accounted). */
-static int host_view(fsdp_tensor **out, void *p, fsdp_dtype dt, int ndim, const int64_t *shape) {
-  *out = NULL;
-  int64_t n = 1;
-  for (int d = 0; d < ndim; d++) n *= shape[d];
-  fsdp_storage *s;
-  if (fsdp_storage_wrap(&s, p, (size_t)n * fsdp_dtype_size(dt))) return FSDP_ERR;
-  fsdp_tensor *t;
-  if (fsdp_tensor_new(&t, &fsdp_device_meta, dt, ndim, shape, FSDP_ROLE_OTHER)) {
-    fsdp_storage_release(s);
-    return FSDP_ERR;
-  }
-  fsdp_tensor_set_storage(t, s, 0); /* t retains s */
-  fsdp_storage_release(s);
-  *out = t;
-  return FSDP_OK;
-}
-
 typedef int (*block_fn)(void *ctx, fsdp_tensor *blk);
 
 /* fn on consecutive views of t, in row-major order, of at most max elements each. */
@@ -90,7 +72,7 @@ typedef struct write_ctx {
 static int write_block(void *ctx, fsdp_tensor *blk) {
   write_ctx *c = ctx;
   fsdp_tensor *h;
-  if (host_view(&h, c->stage, c->dt, blk->ndim, blk->shape)) return FSDP_ERR;
+  if (fsdp_tensor_wrap(&h, c->stage, c->dt, blk->ndim, blk->shape)) return FSDP_ERR;
   int rc = fsdp_copy(h, blk);
   fsdp_tensor_release(h);
   if (rc)
@@ -134,7 +116,7 @@ static int read_piece(void *ctx, const void *bytes, int64_t at, int64_t n) {
   read_ctx *c = ctx;
   fsdp_tensor *h, *slice;
   int64_t one = 1;
-  if (host_view(&h, (void *)bytes, c->dt, 1, &n)) return FSDP_ERR;
+  if (fsdp_tensor_wrap(&h, (void *)bytes, c->dt, 1, &n)) return FSDP_ERR;
   int rc = fsdp_tensor_new_view(&slice, c->dst, c->dst->offset + at, 1, &n, &one);
   if (rc == FSDP_OK) {
     rc = fsdp_copy(slice, h);

@@ -346,7 +346,7 @@ static int random_tensor(lua_State *L, bool normal) {
   uint64_t key = fsdp_rng_reserve(normal ? "randn" : "rand", N, &first);
   const fsdp_kernels_i *k = fsdp_kernels_for(t, fn);
   if (!k || k->random(t->storage->device->ctx, t->dtype, need_data(L, t, fn), N, key, first,
-                      normal, normal ? 0.0 : 0.0, 1.0))
+                      normal, 0.0, 1.0))
     fsdp_lua_error(L);
   return 1;
 }
@@ -627,7 +627,6 @@ static int l_view(lua_State *L) {
   PUSH_OR_RAISE(fsdp_op_view(OUT, t, n, shape));
 }
 
-int fsdp_lua_opt_dim(lua_State *L, fsdp_tensor *t, int idx, int def, const char *what);
 static int check_dim(lua_State *L, fsdp_tensor *t, int idx, const char *what) {
   lua_Number d = luaL_checknumber(L, idx);
   if (d < 0) d += t->ndim + 1; /* -1 is the last dimension */
@@ -1043,6 +1042,8 @@ static int l_add_(lua_State *L) {
     luaL_error(L, "add_: shapes %s and %s differ", FSDP_SHAPE_STR(t), FSDP_SHAPE_STR(u));
   need_data(L, t, "add_");
   need_data(L, u, "add_");
+  if (!fsdp_tensor_is_contiguous(t)) /* before fsdp_add_into's "add: ..." */
+    luaL_error(L, "add_: needs a contiguous tensor, got a strided view %s", FSDP_SHAPE_STR(t));
   if (fsdp_add_into(t, u, alpha)) fsdp_lua_error(L);
   lua_settop(L, 1);
   return 1;

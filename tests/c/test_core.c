@@ -803,6 +803,22 @@ static void test_storage_wrap(void **state) {
   assert_memory_equal(&before.live, &after.live, sizeof before.live);
   expect_error(fsdp_storage_wrap(&bad, NULL, 8), "cannot wrap NULL");
   assert_null(bad);
+  /* fsdp_tensor_wrap: the same as a contiguous cpu tensor of any dtype */
+  uint16_t h[6] = {0};
+  fsdp_tensor *w, *wbad = (fsdp_tensor *)1;
+  assert_int_equal(fsdp_tensor_wrap(&w, h, FSDP_DTYPE_BF16, 2, SHAPE(2, 3)), FSDP_OK);
+  assert_ptr_equal(fsdp_tensor_data(w, "test"), h);
+  assert_ptr_equal(w->storage->device, &fsdp_device_cpu);
+  assert_int_equal(w->dtype, FSDP_DTYPE_BF16);
+  assert_true(fsdp_tensor_is_contiguous(w) && w->shape[0] == 2 && w->shape[1] == 3);
+  assert_int_equal(w->storage->bytes, sizeof h);
+  fsdp_tensor_fill(w, 1.0);
+  assert_int_equal(h[5], fsdp_f32_to_bf16(1.0f));
+  fsdp_tensor_release(w); /* frees the headers only */
+  after = cpu_counts(*state);
+  assert_memory_equal(&before.live, &after.live, sizeof before.live);
+  expect_error(fsdp_tensor_wrap(&wbad, NULL, FSDP_DTYPE_F32, 1, SHAPE(2)), "cannot wrap NULL");
+  assert_null(wbad);
 }
 
 /* ---- accounting --------------------------------------------------------------------------- */

@@ -954,8 +954,44 @@ static void test_rounding_rule(void **state) {
   assert_true(isnan(fsdp_f16_to_f32(fsdp_f32_to_f16(-NAN))));
 }
 
+/* The conversion pass's scratch over the memory budget: the slot fails with the budget's
+ * message, writes nothing, and gives back what it had taken (table.c's whole-buffer pass:
+ * gemm; half.c's chunked pass: linear; an i64 copy of f32 ids: embedding). */
+static void test_scratch_budget(void **state) {
+  (void)state;
+  fsdp_mem_domain *d = fsdp_mem_domain_new();
+  assert_non_null(d);
+  fsdp_mem_domain_set(d);
+  enum { M = 64, C = 64 };
+  static uint16_t a[M * C], b[C * M], c[M * M], w[M * C], out[M * M];
+  static float ids[M];
+  static float emb[M * C];
+  for (int i = 0; i < M * C; i++) a[i] = b[i] = w[i] = fsdp_f32_to_bf16(1.0f);
+  for (int i = 0; i < M; i++) ids[i] = (float)i;
+  /* a little more than one f32 copy of a: the second buffer of the call is refused */
+  fsdp_mem_set_limit(d, (int64_t)M * C * 4 + 1024);
+  memset(c, 0, sizeof c);
+  assert_int_equal(K()->gemm(CTX, FSDP_DTYPE_BF16, c, a, b, M, M, C, false, false, 1.0f, 0.0f, C, M,
+                             M),
+                   FSDP_ERR);
+  assert_non_null(strstr(fsdp_error_msg(), "out of memory budget"));
+  for (int i = 0; i < M * M; i++) assert_int_equal(c[i], 0);
+  assert_int_equal(K()->linear_forward(CTX, FSDP_DTYPE_BF16, out, a, w, NULL, M, C, M), FSDP_ERR);
+  assert_non_null(strstr(fsdp_error_msg(), "out of memory budget"));
+  fsdp_mem_set_limit(d, 16); /* not even the ids' i64 copy */
+  assert_int_equal(K()->embedding_forward(CTX, FSDP_DTYPE_F32, emb, ids, FSDP_DTYPE_F32, emb, M, C),
+                   FSDP_ERR);
+  assert_non_null(strstr(fsdp_error_msg(), "out of memory budget"));
+  fsdp_mem_report r;
+  fsdp_mem_report_get(d, &r);
+  for (int i = 0; i < r.ndevices; i++) assert_int_equal(r.counts[i].live_total, 0);
+  fsdp_mem_domain_set(NULL);
+  fsdp_mem_domain_free(d);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_scratch_budget),
       cmocka_unit_test(test_every_slot_has_rows),
       cmocka_unit_test(test_checker_catches),
       cmocka_unit_test(test_matrix),

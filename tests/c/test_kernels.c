@@ -494,7 +494,9 @@ static void test_dropout(void **state) {
 /* ---- embedding ------------------------------------------------------------------------------- */
 
 typedef struct {
-  float *out, *ids, *weight, *w;
+  float *out;
+  const int64_t *ids;
+  float *weight, *w;
   int64_t N;
   int C;
 } emb_ctx;
@@ -509,7 +511,7 @@ static void test_embedding(void **state) {
   (void)state;
   const int V = 5, C = 6;
   const int64_t N = 9;
-  float ids[9] = {0, 3, 3, 4, 1, 3, 0, 2, 4}; /* repeated ids: scatter-add must sum them */
+  int64_t ids[9] = {0, 3, 3, 4, 1, 3, 0, 2, 4}; /* repeated ids: scatter-add must sum them */
   emb_ctx c = {fzeros(N * C), ids, frand(V * C, -1, 1), frand(N * C, -1, 1), N, C};
   fsdp_cpu_embedding_forward(c.out, ids, c.weight, N, C);
   for (int64_t i = 0; i < N; i++) {
@@ -737,7 +739,9 @@ static void test_attention(void **state) {
 /* ---- cross-entropy --------------------------------------------------------------------------- */
 
 typedef struct {
-  float *lse, *logits, *targets, dloss;
+  float *lse, *logits;
+  const int64_t *targets;
+  float dloss;
   int64_t N, count;
   int V, ignore;
 } ce_ctx;
@@ -752,7 +756,7 @@ static void test_cross_entropy(void **state) {
   (void)state;
   const int64_t N = 6;
   const int V = 11, ignore = -100;
-  float targets[6] = {3, -100, 0, 10, 7, -100};
+  int64_t targets[6] = {3, -100, 0, 10, 7, -100};
   ce_ctx c = {fzeros(N), frand(N * V, -4, 4), targets, 0.7f, N, 0, V, ignore};
   for (int j = 0; j < V; j++) c.logits[2 * V + j] += 1000.0f; /* overflow without the max */
   float loss = fsdp_cpu_cross_entropy_forward(c.lse, c.logits, targets, N, V, ignore, &c.count);
@@ -788,7 +792,7 @@ static void test_cross_entropy(void **state) {
     check_close_d("ce dlogits row 2", g + 2 * V, want_row, V, 1e-4, 1e-6);
   }
   /* every row ignored: loss 0, count 0, backward adds nothing */
-  float all_ignored[6] = {-100, -100, -100, -100, -100, -100};
+  int64_t all_ignored[6] = {-100, -100, -100, -100, -100, -100};
   int64_t cnt = 99;
   float l0 = fsdp_cpu_cross_entropy_forward(c.lse, c.logits, all_ignored, N, V, ignore, &cnt);
   assert_true(l0 == 0.0f);
@@ -804,7 +808,8 @@ static void test_cross_entropy_wide(void **state) {
   (void)state;
   const int64_t N = 3;
   const int V = 1031;
-  float *logits = frand(N * V, -8, 8), *lse = fzeros(N), targets[3] = {0, 1030, 517};
+  float *logits = frand(N * V, -8, 8), *lse = fzeros(N);
+  int64_t targets[3] = {0, 1030, 517};
   int64_t count;
   float loss = fsdp_cpu_cross_entropy_forward(lse, logits, targets, N, V, -1, &count);
   double total = 0;

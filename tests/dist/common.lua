@@ -26,4 +26,28 @@ function C.same(a, b)
   return true
 end
 
+--- Collective (fsdp.full_params). A run as text, the same on every rank: "loss <i> <%a>" per
+--- loss, then "param <path> <%a> ..." per parameter of the gathered model (exact bits), for
+--- comparing runs with tests/dist/compare.lua.
+function C.run_lines(losses, model)
+  local lines = {}
+  for i, l in ipairs(losses) do lines[#lines + 1] = ("loss %d %a"):format(i, l) end
+  fsdp.full_params(model, function(m)
+    for path, p in m:named_parameters() do
+      local vals = {}
+      for k, v in ipairs(C.flat(p)) do vals[k] = ("%a"):format(v) end
+      lines[#lines + 1] = ("param %s %s"):format(path, table.concat(vals, " "))
+    end
+  end, {writeback = false})
+  return lines
+end
+
+--- Rank 0 writes the lines to path (stdout when nil).
+function C.write_lines(lines, path)
+  if fsdp.rank() ~= 0 then return end
+  local out = path and assert(io.open(path, "w")) or io.stdout
+  out:write(table.concat(lines, "\n"), "\n")
+  if out ~= io.stdout then out:close() end
+end
+
 return C

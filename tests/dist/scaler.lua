@@ -169,20 +169,8 @@ if case == "overflow" then
     end
   end
 
-  local lines = {}
-  for i, l in ipairs(losses) do lines[#lines + 1] = ("loss %d %a"):format(i, l) end
-  fsdp.full_params(model, function(m)
-    for path, p in m:named_parameters() do
-      local vals = {}
-      for k, v in ipairs(C.flat(p)) do vals[k] = ("%a"):format(v) end
-      lines[#lines + 1] = ("param %s %s"):format(path, table.concat(vals, " "))
-    end
-  end, { writeback = false })
-  if rank == 0 and a.out then
-    local f = assert(io.open(a.out, "w"))
-    f:write(table.concat(lines, "\n"), "\n")
-    f:close()
-  end
+  local lines = C.run_lines(losses, model)
+  if a.out then C.write_lines(lines, a.out) end
   print(("[rank %d] overflow (%s, mode %s, mp %s, bad rank %d): step %s skipped, final scale %g")
     :format(rank, inject, mode, mp, bad, tostring(at), scaler:get_scale()))
 elseif case == "train" then

@@ -240,20 +240,7 @@ if not a.zero_fill then
   end
 end
 
-local lines = {}
-for i, l in ipairs(losses) do lines[#lines + 1] = ("loss %d %a"):format(i, l) end
-fsdp.full_params(model, function(m)
-  for path, p in m:named_parameters() do
-    local flat = p:view{p:numel()}:totable()
-    local vals = {}
-    for k = 1, #flat do vals[k] = ("%a"):format(flat[k]) end
-    lines[#lines + 1] = ("param %s %s"):format(path, table.concat(vals, " "))
-  end
-end, {writeback = false})
+local lines = C.run_lines(losses, model)
 
-if rank == 0 then
-  local out = a.out and assert(io.open(a.out, "w")) or io.stdout
-  out:write(table.concat(lines, "\n"), "\n")
-  if out ~= io.stdout then out:close() end
-end
+C.write_lines(lines, a.out)
 if C.failures() > 0 then error(("%d skip_grad checks failed"):format(C.failures())) end

@@ -89,22 +89,11 @@ for step = 1, steps do
 end
 tie_is_one("after training")
 
-local lines = {}
-for i, l in ipairs(losses) do lines[#lines + 1] = ("loss %d %a"):format(i, l) end
-fsdp.full_params(model, function(m)
-  for path, p in m:named_parameters() do
-    local flat = p:view{p:numel()}:totable()
-    local vals = {}
-    for k = 1, #flat do vals[k] = ("%a"):format(flat[k]) end
-    lines[#lines + 1] = ("param %s %s"):format(path, table.concat(vals, " "))
-  end
-end, {writeback = false})
+local lines = C.run_lines(losses, model)
 
 if C.failures() > 0 then error(("%d ties_train checks failed"):format(C.failures())) end
+C.write_lines(lines, a.out)
 if rank == 0 then
-  local out = a.out and assert(io.open(a.out, "w")) or io.stdout
-  out:write(table.concat(lines, "\n"), "\n")
-  if out ~= io.stdout then out:close() end
   print(("ties_train %s at %d ranks: %d steps, loss %.4f -> %.4f"):format(mode, W, steps,
     losses[1], losses[#losses]))
 end

@@ -15,6 +15,7 @@
 local fsdp = require "fsdp"
 local nn = fsdp.nn
 local a = fsdp.args
+local C = dofile("tests/dist/common.lua")
 
 local model_kind = a.model or "gpt"
 local strategy = a.strategy or "full"
@@ -101,19 +102,6 @@ for step = 1, steps do
 end
 
 -- final parameters, gathered (the whole model: it is small)
-local lines = {}
-for i, l in ipairs(losses) do lines[#lines + 1] = ("loss %d %a"):format(i, l) end
-fsdp.full_params(model, function(m)
-  for path, p in m:named_parameters() do
-    local flat = p:view{p:numel()}:totable()
-    local vals = {}
-    for k = 1, #flat do vals[k] = ("%a"):format(flat[k]) end
-    lines[#lines + 1] = ("param %s %s"):format(path, table.concat(vals, " "))
-  end
-end, {writeback = false})
+local lines = C.run_lines(losses, model)
 
-if rank == 0 then
-  local out = a.out and assert(io.open(a.out, "w")) or io.stdout
-  out:write(table.concat(lines, "\n"), "\n")
-  if out ~= io.stdout then out:close() end
-end
+C.write_lines(lines, a.out)

@@ -235,6 +235,38 @@ describe("functional ops", function()
       "embedding: ids are f16", "an f16 id above 2048 is not exact")
   end)
 
+  it("ids and targets above 2^24 pick their own row and class (i64 and f64)", function()
+    -- 2^24 + 1 is no f32 number: an index carried as f32 would pick row (class) 2^24
+    local V = 2 ^ 24 + 2
+    local id = 2 ^ 24 + 1
+    local w = fsdp.zeros({ V, 1 }, { role = "params" })
+    w:set(id + 1, 1, 7)
+    w:set(id, 1, 3)
+    w.requires_grad = true
+    for _, dt in ipairs { "i64", "f64" } do
+      w.grad = nil
+      local out = F.embedding(fsdp.tensor({ id }, { dtype = dt }), w)
+      assert.are.same({ { 7 } }, out:totable(), dt)
+      out:sum():backward()
+      assert.are.equal(1, w.grad:get(id + 1, 1), dt)
+      assert.are.equal(0, w.grad:get(id, 1), dt)
+    end
+    w = nil
+    collectgarbage()
+    local logits = fsdp.zeros({ 1, V })
+    logits:set(1, id + 1, 30)
+    logits.requires_grad = true
+    for _, dt in ipairs { "i64", "f64" } do
+      logits.grad = nil
+      local loss = F.cross_entropy(logits, fsdp.tensor({ id }, { dtype = dt }))
+      assert.is_true(loss:item() < 1e-3, dt) -- the target's logit dominates: loss ~ 0
+      loss:backward()
+      -- softmax - onehot: below 0 at the target only (class 2^24 would get about -1)
+      assert.is_true(logits.grad:get(1, id + 1) < 0, dt)
+      assert.is_true(logits.grad:get(1, id) > 0, dt)
+    end
+  end)
+
   it("a mixed-precision model takes i64 ids; f32 ids, cast to bf16 by its input cast, are refused", function()
     fsdp.manual_seed(3)
     local m = fsdp.nn.GPT { vocab = 300, ctx = 4, d = 8, layers = 1, heads = 1 }

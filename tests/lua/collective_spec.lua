@@ -93,7 +93,13 @@ describe("fsdp.collective on a world of one", function()
     local h1, h2 = core.bytes_digest("abc")
     assert.is_true(h1 >= 0 and h1 < 2 ^ 32 and h2 >= 0 and h2 < 2 ^ 32)
     assert.are_not.same({h1, h2}, {core.bytes_digest("abd")})
-    assert.has_error(function() core.broadcast_bytes(12, 0) end)
-    assert.has_error(function() core.broadcast_bytes("x", 1) end, nil)
+    assert.has_error(function() core.broadcast_bytes(12, 0) end,
+      "broadcast_bytes: expected a string, got number")
+    assert.has_error(function() core.all_gather_bytes(12) end,
+      "all_gather_bytes: expected a string, got number")
+    assert.has_error(function() core.broadcast_bytes("x", 1) end,
+      "broadcast_bytes: root 1 is not a rank in [0, 1)")
+    assert.has_error(function() core.broadcast_bytes("x", "0") end,
+      "broadcast_bytes: root must be a rank number, got string")
   end)
 end)

@@ -291,6 +291,15 @@ describe("operators", function()
     t:mul_(2)
     assert_values(t, { 12, 14 })
     assert_error_has(function() t:add_(fsdp.ones(3)) end, "add_", "(2)", "(3)")
+    -- a strided destination is refused by the method's name; a strided source is fine
+    local m = fsdp.tensor { { 1, 2 }, { 3, 4 } }
+    local mt = m:transpose(1, 2)
+    assert_error_has(function() mt:add_(fsdp.ones(2, 2)) end,
+      "add_: needs a contiguous tensor, got a strided view (2, 2)")
+    assert_error_has(function() mt:mul_(2) end,
+      "mul_: needs a contiguous tensor, got a strided view (2, 2)")
+    m:add_(mt)
+    assert_values(m, { 2, 5, 5, 8 })
   end)
 
   it("wrong Lua types are errors that name the problem", function()
@@ -922,6 +931,27 @@ describe("new ops", function()
     assert.are.same({ 21, 21 }, x.grad:totable())
   end)
 
+  it("i64 beyond 2^53 compares, orders and sorts exactly", function()
+    -- 2^53 + 1 is no double: read as one it would equal 2^53
+    local lo = fsdp.tensor({ 2 ^ 53 }, { dtype = "i64" })
+    local hi = lo + 1
+    assert.are.equal(1, (hi - lo):item())
+    assert.are.same({ 0 }, hi:eq(lo):totable())
+    assert.are.same({ 1 }, hi:ne(lo):totable())
+    assert.are.same({ 1 }, hi:gt(lo):totable())
+    assert.are.same({ 0 }, hi:le(lo):totable())
+    local t = fsdp.cat { lo, hi, lo }
+    local _, i = t:max(1)
+    assert.are.equal(1, i:item())
+    _, i = t:min(1)
+    assert.are.equal(0, i:item())
+    assert.are.equal(1, t:argmax():item())
+    local _, order = t:sort { descending = true }
+    assert.are.same({ 1, 0, 2 }, order:totable())
+    local _, top = t:topk(1)
+    assert.are.same({ 1 }, top:totable())
+  end)
+
   it("max and min along a dim give values and 0-based indices", function()
     local t = fsdp.tensor { { 3, 7, 7 }, { 9, 0, 2 } }
     local v, i = t:max(2)
@@ -1012,6 +1042,7 @@ describe("new ops", function()
     assert_error_has(function() return t:topk(1, { dims = 1 }) end, "topk: unknown option 'dims' (valid: dim, largest)")
     assert_error_has(function() return t:topk(1, { dim = 2 }) end, "topk: dimension 2 out of range")
     assert_error_has(function() return t:topk(1, 1) end, "topk: expected an options table, got a number")
+    assert_error_has(function() return fsdp.tensor(3):topk(1) end, "topk: needs at least one dimension")
     -- the gradient goes to the chosen elements
     local x = fsdp.tensor { 1, 5, 3, 4 }
     x.requires_grad = true

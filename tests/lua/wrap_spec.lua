@@ -347,6 +347,30 @@ describe("fsdp.wrap{mp = ...}", function()
     out:sum():backward()
     fsdp.unwrap(m)
   end)
+
+  it("gives f32 gradients through a cat of more parameters than an op has inputs", function()
+    -- each bf16 parameter's gradient goes through a bf16 buffer into its f32 one
+    local Cat = nn.Module:extend("WrapSpecCatMany")
+    function Cat:init(n)
+      self.n = n
+      for i = 1, n do self["p" .. i] = nn.Parameter(fsdp.zeros{2}) end
+    end
+    function Cat:forward(x)
+      local ps = {}
+      for i = 1, self.n do ps[i] = self["p" .. i] end
+      return fsdp.cat(ps) * x
+    end
+    local n = 13
+    local m = Cat(n)
+    fsdp.wrap(m, {mp = "bf16"})
+    local opt = fsdp.optim.SGD(m, {lr = 1})
+    m(fsdp.arange(1, 2 * n + 1)):sum():backward() -- d/d p_i = x's slice: 2i - 1, 2i
+    opt:step()
+    fsdp.full_params(m, function(mm)
+      for i = 1, n do assert.are.same({1 - 2 * i, -2 * i}, mm["p" .. i]:totable(), "p" .. i) end
+    end, {writeback = false})
+    fsdp.unwrap(m)
+  end)
 end)
 
 describe("fsdp.policy", function()

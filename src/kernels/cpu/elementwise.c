@@ -163,20 +163,18 @@ void fsdp_cpu_affine_backward(float *da, const float *dout, float s, int64_t n) 
 
 /* ---- embedding ----------------------------------------------------------------------------- */
 
-void fsdp_cpu_embedding_forward(float *out, const float *ids, const float *weight, int64_t N,
+void fsdp_cpu_embedding_forward(float *out, const int64_t *ids, const float *weight, int64_t N,
                                 int C) {
   // out (N, C), ids (N), weight (V, C)
-  for (int64_t i = 0; i < N; i++) {
-    int64_t row = (int64_t)ids[i];
-    memcpy(out + i * C, weight + row * C, sizeof(float) * (size_t)C);
-  }
+  for (int64_t i = 0; i < N; i++)
+    memcpy(out + i * C, weight + ids[i] * C, sizeof(float) * (size_t)C);
 }
 
-void fsdp_cpu_embedding_backward(float *dweight, const float *dout, const float *ids, int64_t N,
+void fsdp_cpu_embedding_backward(float *dweight, const float *dout, const int64_t *ids, int64_t N,
                                  int C) {
   // dweight (V, C), dout (N, C), ids (N)
   for (int64_t i = 0; i < N; i++) {
-    float *restrict dst = dweight + (int64_t)ids[i] * C;
+    float *restrict dst = dweight + ids[i] * C;
     const float *restrict src = dout + i * C;
     for (int c = 0; c < C; c++) dst[c] += src[c];
   }

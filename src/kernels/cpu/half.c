@@ -27,22 +27,14 @@
 
 /* ---- scratch --------------------------------------------------------------------------------- */
 
-#define MAX_TMP 10
-typedef struct {
-  fsdp_storage *s[MAX_TMP];
-  int n;
-  bool failed;
-} work;
-
-/* n f32 elements of scratch; NULL (and w->failed) on allocation failure */
-static float *tmp(work *w, int64_t n) {
-  if (w->n == MAX_TMP) {
+void *fsdp_cpu_work_buf(fsdp_cpu_work *w, int64_t n, size_t esize) {
+  if (w->n == FSDP_CPU_WORK_MAX) {
     fsdp_error("cpu: too many scratch buffers in one kernel call");
     w->failed = true;
     return NULL;
   }
   fsdp_storage *s;
-  if (fsdp_storage_new_uninit(&s, &fsdp_device_cpu, (size_t)(n > 0 ? n : 1) * sizeof(float),
+  if (fsdp_storage_new_uninit(&s, &fsdp_device_cpu, (size_t)(n > 0 ? n : 1) * esize,
                               FSDP_ROLE_ACTIVATIONS)) {
     w->failed = true;
     return NULL;
@@ -51,13 +43,17 @@ static float *tmp(work *w, int64_t n) {
   return s->data;
 }
 
-/* scratch for an optional buffer: NULL when p is NULL */
-static float *opt(work *w, const void *p, int64_t n) { return p ? tmp(w, n) : NULL; }
-
-static int done(work *w) {
+int fsdp_cpu_work_done(fsdp_cpu_work *w) {
   for (int i = 0; i < w->n; i++) fsdp_storage_release(w->s[i]);
+  w->n = 0;
   return w->failed ? FSDP_ERR : FSDP_OK;
 }
+
+/* n f32 elements of scratch */
+static float *tmp(fsdp_cpu_work *w, int64_t n) { return fsdp_cpu_work_buf(w, n, sizeof(float)); }
+
+/* scratch for an optional buffer: NULL when p is NULL */
+static float *opt(fsdp_cpu_work *w, const void *p, int64_t n) { return p ? tmp(w, n) : NULL; }
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -79,7 +75,7 @@ static void put(void *dst, fsdp_dtype dt, int64_t off, const float *w, int64_t n
 }
 
 /* a whole small operand widened once (NULL stays NULL) */
-static float *whole(work *w, const void *src, fsdp_dtype dt, int64_t n) {
+static float *whole(fsdp_cpu_work *w, const void *src, fsdp_dtype dt, int64_t n) {
   float *f = opt(w, src, n);
   get(f, src, dt, 0, n);
   return f;
@@ -88,7 +84,7 @@ static float *whole(work *w, const void *src, fsdp_dtype dt, int64_t n) {
 /* ---- elementwise ------------------------------------------------------------------------------- */
 
 int fsdp_cpu_half_axpy(fsdp_dtype dt, void *y, const void *x, float alpha, int64_t n) {
-  work w = {0};
+  fsdp_cpu_work w = {0};
   float *fx = tmp(&w, min64(n, CHUNK)), *fy = tmp(&w, min64(n, CHUNK));
   for (int64_t off = 0; !w.failed && off < n; off += CHUNK) {
     int64_t len = min64(CHUNK, n - off);
@@ -97,12 +93,12 @@ int fsdp_cpu_half_axpy(fsdp_dtype dt, void *y, const void *x, float alpha, int64
     for (int64_t i = 0; i < len; i++) fy[i] += alpha * fx[i];
     put(y, dt, off, fy, len);
   }
-  return done(&w);
+  return fsdp_cpu_work_done(&w);
 }
 
 int fsdp_cpu_half_affine_forward(fsdp_dtype dt, void *out, const void *a, float s, float t,
                                  int64_t n) {
-  work w = {0};
+  fsdp_cpu_work w = {0};
   float *fa = tmp(&w, min64(n, CHUNK)), *fo = tmp(&w, min64(n, CHUNK));
   for (int64_t off = 0; !w.failed && off < n; off += CHUNK) {
     int64_t len = min64(CHUNK, n - off);
@@ -110,13 +106,13 @@ int fsdp_cpu_half_affine_forward(fsdp_dtype dt, void *out, const void *a, float 
     fsdp_cpu_affine_forward(fo, fa, s, t, len);
     put(out, dt, off, fo, len);
   }
-  return done(&w);
+  return fsdp_cpu_work_done(&w);
 }
 
 /* out = op(a, b) with b repeating every m elements of a's n */
 int fsdp_cpu_half_binary_forward(fsdp_dtype dt, void *out, const void *a, const void *b,
                                  int64_t n, int64_t m, fsdp_binop op) {
-  work w = {0};
+  fsdp_cpu_work w = {0};
   if (m == n) { /* same shapes: both in lockstep */
     float *fa = tmp(&w, min64(n, CHUNK)), *fb = tmp(&w, min64(n, CHUNK)),
           *fo = tmp(&w, min64(n, CHUNK));
@@ -127,7 +123,7 @@ int fsdp_cpu_half_binary_forward(fsdp_dtype dt, void *out, const void *a, const 
       fsdp_cpu_binary_forward(fo, fa, fb, len, len, op);
       put(out, dt, off, fo, len);
     }
-    return done(&w);
+    return fsdp_cpu_work_done(&w);
   }
   /* broadcast: b whole, a in chunks of whole repeats */
   int64_t step = m * chunk_rows(m);
@@ -138,13 +134,13 @@ int fsdp_cpu_half_binary_forward(fsdp_dtype dt, void *out, const void *a, const 
     fsdp_cpu_binary_forward(fo, fa, fb, len, m, op);
     put(out, dt, off, fo, len);
   }
-  return done(&w);
+  return fsdp_cpu_work_done(&w);
 }
 
 int fsdp_cpu_half_binary_backward(fsdp_dtype dt, void *da, void *db, const void *dout,
                                   const void *a, const void *b, int64_t n, int64_t m,
                                   fsdp_binop op) {
-  work w = {0};
+  fsdp_cpu_work w = {0};
   if (m == n) { /* lockstep; da and db may be one buffer (x * x) */
     int64_t c = min64(n, CHUNK);
     float *fg = tmp(&w, c), *fa = tmp(&w, c), *fb = tmp(&w, c), *fda = opt(&w, da, c);
@@ -160,7 +156,7 @@ int fsdp_cpu_half_binary_backward(fsdp_dtype dt, void *da, void *db, const void 
       put(da, dt, off, fda, len);
       if (db != da) put(db, dt, off, fdb, len);
     }
-    return done(&w);
+    return fsdp_cpu_work_done(&w);
   }
   /* broadcast: b and its gradient whole (f32 across chunks), a and its gradient in chunks */
   int64_t step = m * chunk_rows(m), c = min64(n, step);
@@ -175,12 +171,12 @@ int fsdp_cpu_half_binary_backward(fsdp_dtype dt, void *da, void *db, const void 
     put(da, dt, off, fda, len);
   }
   if (!w.failed) put(db, dt, 0, fdb, m);
-  return done(&w);
+  return fsdp_cpu_work_done(&w);
 }
 
 int fsdp_cpu_half_unary_forward(fsdp_dtype dt, fsdp_unary_op op, void *out, const void *in,
                                 int64_t n, void (*f32)(fsdp_unary_op, float *, const float *, int64_t)) {
-  work w = {0};
+  fsdp_cpu_work w = {0};
   float *fi = tmp(&w, min64(n, CHUNK)), *fo = tmp(&w, min64(n, CHUNK));
   for (int64_t off = 0; !w.failed && off < n; off += CHUNK) {
     int64_t len = min64(CHUNK, n - off);
@@ -188,14 +184,14 @@ int fsdp_cpu_half_unary_forward(fsdp_dtype dt, fsdp_unary_op op, void *out, cons
     f32(op, fo, fi, len);
     put(out, dt, off, fo, len);
   }
-  return done(&w);
+  return fsdp_cpu_work_done(&w);
 }
 
 int fsdp_cpu_half_unary_backward(fsdp_dtype dt, fsdp_unary_op op, void *din, const void *dout,
                                  const void *in, const void *out, int64_t n,
                                  void (*f32)(fsdp_unary_op, float *, const float *,
                                              const float *, const float *, int64_t)) {
-  work w = {0};
+  fsdp_cpu_work w = {0};
   int64_t c = min64(n, CHUNK);
   float *fg = tmp(&w, c), *fi = opt(&w, in, c), *fo = opt(&w, out, c), *fd = tmp(&w, c);
   for (int64_t off = 0; !w.failed && off < n; off += CHUNK) {
@@ -207,12 +203,12 @@ int fsdp_cpu_half_unary_backward(fsdp_dtype dt, fsdp_unary_op op, void *din, con
     f32(op, fd, fg, fi, fo, len);
     put(din, dt, off, fd, len);
   }
-  return done(&w);
+  return fsdp_cpu_work_done(&w);
 }
 
 int fsdp_cpu_half_dropout_forward(fsdp_dtype dt, void *out, void *mask, const void *in,
                                   int64_t n, float p, uint64_t key, uint64_t first) {
-  work w = {0};
+  fsdp_cpu_work w = {0};
   int64_t c = min64(n, CHUNK);
   float *fi = tmp(&w, c), *fo = tmp(&w, c), *fm = tmp(&w, c);
   for (int64_t off = 0; !w.failed && off < n; off += CHUNK) {
@@ -223,12 +219,12 @@ int fsdp_cpu_half_dropout_forward(fsdp_dtype dt, void *out, void *mask, const vo
     put(out, dt, off, fo, len);
     put(mask, dt, off, fm, len);
   }
-  return done(&w);
+  return fsdp_cpu_work_done(&w);
 }
 
 int fsdp_cpu_half_dropout_backward(fsdp_dtype dt, void *din, const void *dout, const void *mask,
                                    int64_t n) {
-  work w = {0};
+  fsdp_cpu_work w = {0};
   int64_t c = min64(n, CHUNK);
   float *fg = tmp(&w, c), *fm = tmp(&w, c), *fd = tmp(&w, c);
   for (int64_t off = 0; !w.failed && off < n; off += CHUNK) {
@@ -239,14 +235,14 @@ int fsdp_cpu_half_dropout_backward(fsdp_dtype dt, void *din, const void *dout, c
     fsdp_cpu_dropout_backward(fd, fg, fm, len);
     put(din, dt, off, fd, len);
   }
-  return done(&w);
+  return fsdp_cpu_work_done(&w);
 }
 
 /* ---- rows: linear, layernorm, softmax, cross-entropy ---------------------------------------- */
 
 int fsdp_cpu_half_linear_forward(fsdp_dtype dt, void *out, const void *inp, const void *weight,
                                  const void *bias, int M, int K, int N) {
-  work w = {0};
+  fsdp_cpu_work w = {0};
   int64_t rows = rows_in(GEMM_CHUNK, K > N ? K : N), c = min64(M, rows);
   float *fw = whole(&w, weight, dt, (int64_t)N * K), *fb = whole(&w, bias, dt, N);
   float *fi = tmp(&w, c * K), *fo = tmp(&w, c * N);
@@ -256,12 +252,12 @@ int fsdp_cpu_half_linear_forward(fsdp_dtype dt, void *out, const void *inp, cons
     fsdp_cpu_linear_forward(fo, fi, fw, fb, (int)len, K, N);
     put(out, dt, r * N, fo, len * N);
   }
-  return done(&w);
+  return fsdp_cpu_work_done(&w);
 }
 
 /* A weight gradient (n elements of gdt) to accumulate into in f32: the buffer itself when it is
  * f32 (mixed precision), else a widened copy put back by put_grad. */
-static float *grad_acc(work *w, void *g, fsdp_dtype gdt, fsdp_dtype dt, int64_t n) {
+static float *grad_acc(fsdp_cpu_work *w, void *g, fsdp_dtype gdt, fsdp_dtype dt, int64_t n) {
   return gdt == FSDP_DTYPE_F32 ? g : whole(w, g, dt, n);
 }
 
@@ -272,7 +268,7 @@ static void put_grad(void *g, fsdp_dtype gdt, fsdp_dtype dt, const float *f, int
 int fsdp_cpu_half_linear_backward(fsdp_dtype dt, fsdp_dtype gdt, void *dinp, void *dweight,
                                   void *dbias, const void *dout, const void *inp,
                                   const void *weight, int M, int K, int N) {
-  work w = {0};
+  fsdp_cpu_work w = {0};
   int64_t rows = rows_in(GEMM_CHUNK, K > N ? K : N), c = min64(M, rows);
   float *fw = dinp ? whole(&w, weight, dt, (int64_t)N * K) : NULL;
   float *fdw = grad_acc(&w, dweight, gdt, dt, (int64_t)N * K);
@@ -290,13 +286,13 @@ int fsdp_cpu_half_linear_backward(fsdp_dtype dt, fsdp_dtype gdt, void *dinp, voi
     put_grad(dweight, gdt, dt, fdw, (int64_t)N * K);
     put_grad(dbias, gdt, dt, fdb, N);
   }
-  return done(&w);
+  return fsdp_cpu_work_done(&w);
 }
 
 int fsdp_cpu_half_layernorm_forward(fsdp_dtype dt, void *out, float *mean, float *rstd,
                                     const void *inp, const void *weight, const void *bias,
                                     int64_t N, int C, float eps) {
-  work w = {0};
+  fsdp_cpu_work w = {0};
   int64_t rows = chunk_rows(C), c = min64(N, rows);
   float *fw = whole(&w, weight, dt, C), *fb = whole(&w, bias, dt, C);
   float *fi = tmp(&w, c * C), *fo = tmp(&w, c * C);
@@ -306,14 +302,14 @@ int fsdp_cpu_half_layernorm_forward(fsdp_dtype dt, void *out, float *mean, float
     fsdp_cpu_layernorm_forward(fo, mean + r, rstd + r, fi, fw, fb, len, C, eps);
     put(out, dt, r * C, fo, len * C);
   }
-  return done(&w);
+  return fsdp_cpu_work_done(&w);
 }
 
 int fsdp_cpu_half_layernorm_backward(fsdp_dtype dt, fsdp_dtype gdt, void *dinp, void *dweight,
                                      void *dbias, const void *dout, const void *inp,
                                      const void *weight, const float *mean, const float *rstd,
                                      int64_t N, int C) {
-  work w = {0};
+  fsdp_cpu_work w = {0};
   int64_t rows = chunk_rows(C), c = min64(N, rows);
   float *fw = whole(&w, weight, dt, C), *fdw = grad_acc(&w, dweight, gdt, dt, C),
         *fdb = grad_acc(&w, dbias, gdt, dt, C);
@@ -330,11 +326,11 @@ int fsdp_cpu_half_layernorm_backward(fsdp_dtype dt, fsdp_dtype gdt, void *dinp, 
     put_grad(dweight, gdt, dt, fdw, C);
     put_grad(dbias, gdt, dt, fdb, C);
   }
-  return done(&w);
+  return fsdp_cpu_work_done(&w);
 }
 
 int fsdp_cpu_half_softmax_forward(fsdp_dtype dt, void *out, const void *inp, int64_t N, int C) {
-  work w = {0};
+  fsdp_cpu_work w = {0};
   int64_t rows = chunk_rows(C), c = min64(N, rows);
   float *fi = tmp(&w, c * C), *fo = tmp(&w, c * C);
   for (int64_t r = 0; !w.failed && r < N; r += rows) {
@@ -343,12 +339,12 @@ int fsdp_cpu_half_softmax_forward(fsdp_dtype dt, void *out, const void *inp, int
     fsdp_cpu_softmax_forward(fo, fi, len, C);
     put(out, dt, r * C, fo, len * C);
   }
-  return done(&w);
+  return fsdp_cpu_work_done(&w);
 }
 
 int fsdp_cpu_half_softmax_backward(fsdp_dtype dt, void *dinp, const void *dout, const void *out,
                                    int64_t N, int C) {
-  work w = {0};
+  fsdp_cpu_work w = {0};
   int64_t rows = chunk_rows(C), c = min64(N, rows);
   float *fg = tmp(&w, c * C), *fo = tmp(&w, c * C), *fd = tmp(&w, c * C);
   for (int64_t r = 0; !w.failed && r < N; r += rows) {
@@ -359,59 +355,50 @@ int fsdp_cpu_half_softmax_backward(fsdp_dtype dt, void *dinp, const void *dout, 
     fsdp_cpu_softmax_backward(fd, fg, fo, len, C);
     put(dinp, dt, r * C, fd, len * C);
   }
-  return done(&w);
-}
-
-/* targets of any index dtype as the f32 the kernels take (class ids < 2^24) */
-static void targets_f32(float *ft, const void *targets, fsdp_dtype tdt, int64_t off, int64_t n) {
-  size_t es = fsdp_dtype_size(tdt);
-  fsdp_cpu_cast(ft, FSDP_DTYPE_F32, (const char *)targets + off * (int64_t)es, tdt, n);
+  return fsdp_cpu_work_done(&w);
 }
 
 int fsdp_cpu_half_cross_entropy_forward(fsdp_dtype dt, float *loss, float *lse,
-                                        const void *logits, const void *targets,
-                                        fsdp_dtype tdt, int64_t N, int V, int ignore,
-                                        int64_t *count) {
-  work w = {0};
+                                        const void *logits, const int64_t *targets, int64_t N,
+                                        int V, int64_t ignore, int64_t *count) {
+  fsdp_cpu_work w = {0};
   int64_t rows = chunk_rows(V), c = min64(N, rows), counted = 0;
-  float *fl = tmp(&w, c * V), *ft = tmp(&w, c);
+  float *fl = tmp(&w, c * V);
   double total = 0;
   for (int64_t r = 0; !w.failed && r < N; r += rows) {
     int64_t len = min64(rows, N - r), k = 0;
     get(fl, logits, dt, r * V, len * V);
-    targets_f32(ft, targets, tdt, r, len);
-    float mean = fsdp_cpu_cross_entropy_forward(lse + r, fl, ft, len, V, ignore, &k);
+    float mean = fsdp_cpu_cross_entropy_forward(lse + r, fl, targets + r, len, V, ignore, &k);
     total += (double)mean * (double)k;
     counted += k;
   }
   *count = counted;
   loss[0] = counted ? (float)(total / (double)counted) : 0.0f;
-  return done(&w);
+  return fsdp_cpu_work_done(&w);
 }
 
 int fsdp_cpu_half_cross_entropy_backward(fsdp_dtype dt, void *dlogits, float dloss,
                                          const void *logits, const float *lse,
-                                         const void *targets, fsdp_dtype tdt, int64_t N, int V,
-                                         int ignore, int64_t count) {
-  work w = {0};
+                                         const int64_t *targets, int64_t N, int V,
+                                         int64_t ignore, int64_t count) {
+  fsdp_cpu_work w = {0};
   int64_t rows = chunk_rows(V), c = min64(N, rows);
-  float *fl = tmp(&w, c * V), *fd = tmp(&w, c * V), *ft = tmp(&w, c);
+  float *fl = tmp(&w, c * V), *fd = tmp(&w, c * V);
   for (int64_t r = 0; !w.failed && r < N; r += rows) {
     int64_t len = min64(rows, N - r);
     get(fl, logits, dt, r * V, len * V);
     get(fd, dlogits, dt, r * V, len * V);
-    targets_f32(ft, targets, tdt, r, len);
-    fsdp_cpu_cross_entropy_backward(fd, dloss, fl, lse + r, ft, len, V, ignore, count);
+    fsdp_cpu_cross_entropy_backward(fd, dloss, fl, lse + r, targets + r, len, V, ignore, count);
     put(dlogits, dt, r * V, fd, len * V);
   }
-  return done(&w);
+  return fsdp_cpu_work_done(&w);
 }
 
 /* ---- attention: one batch element at a time ---------------------------------------------------- */
 
 int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, void *att, const void *qkv, int B,
                                     int T, int C, int NH) {
-  work w = {0};
+  fsdp_cpu_work w = {0};
   int64_t nq = (int64_t)T * 3 * C, no = (int64_t)T * C, na = (int64_t)NH * T * T;
   float *fq = tmp(&w, nq), *fo = tmp(&w, no), *fa = tmp(&w, na);
   for (int b = 0; !w.failed && b < B; b++) {
@@ -420,13 +407,13 @@ int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, void *att, const v
     put(out, dt, b * no, fo, no);
     put(att, dt, b * na, fa, na);
   }
-  return done(&w);
+  return fsdp_cpu_work_done(&w);
 }
 
 int fsdp_cpu_half_attention_backward(fsdp_dtype dt, void *dqkv, const void *dout,
                                      const void *qkv, const void *att, int B, int T, int C,
                                      int NH) {
-  work w = {0};
+  fsdp_cpu_work w = {0};
   int64_t nq = (int64_t)T * 3 * C, no = (int64_t)T * C, na = (int64_t)NH * T * T;
   float *fq = tmp(&w, nq), *fg = tmp(&w, no), *fa = tmp(&w, na), *fd = tmp(&w, nq),
         *scratch = tmp(&w, na);
@@ -438,14 +425,14 @@ int fsdp_cpu_half_attention_backward(fsdp_dtype dt, void *dqkv, const void *dout
     fsdp_cpu_attention_backward(fd, scratch, fg, fq, fa, 1, T, C, NH);
     put(dqkv, dt, b * nq, fd, nq);
   }
-  return done(&w);
+  return fsdp_cpu_work_done(&w);
 }
 
 /* ---- losses, reductions -------------------------------------------------------------------------- */
 
 int fsdp_cpu_half_mse_forward(fsdp_dtype dt, float *out, const void *a, const void *b,
                               int64_t n) {
-  work w = {0};
+  fsdp_cpu_work w = {0};
   float *fa = tmp(&w, min64(n, CHUNK)), *fb = tmp(&w, min64(n, CHUNK));
   double total = 0;
   for (int64_t off = 0; !w.failed && off < n; off += CHUNK) {
@@ -455,12 +442,12 @@ int fsdp_cpu_half_mse_forward(fsdp_dtype dt, float *out, const void *a, const vo
     total += (double)fsdp_cpu_mse_forward(fa, fb, len) * (double)len;
   }
   out[0] = n ? (float)(total / (double)n) : 0.0f;
-  return done(&w);
+  return fsdp_cpu_work_done(&w);
 }
 
 int fsdp_cpu_half_mse_backward(fsdp_dtype dt, void *da, void *db, float dloss, const void *a,
                                const void *b, int64_t n) {
-  work w = {0};
+  fsdp_cpu_work w = {0};
   int64_t c = min64(n, CHUNK);
   float *fa = tmp(&w, c), *fb = tmp(&w, c), *fda = opt(&w, da, c);
   float *fdb = db == da ? fda : opt(&w, db, c);
@@ -475,11 +462,11 @@ int fsdp_cpu_half_mse_backward(fsdp_dtype dt, void *da, void *db, float dloss, c
     put(da, dt, off, fda, len);
     if (db != da) put(db, dt, off, fdb, len);
   }
-  return done(&w);
+  return fsdp_cpu_work_done(&w);
 }
 
 int fsdp_cpu_half_sum(fsdp_dtype dt, double *out, const void *in, int64_t n, bool squares) {
-  work w = {0};
+  fsdp_cpu_work w = {0};
   float *f = tmp(&w, min64(n, CHUNK));
   double s = 0;
   for (int64_t off = 0; !w.failed && off < n; off += CHUNK) {
@@ -488,5 +475,5 @@ int fsdp_cpu_half_sum(fsdp_dtype dt, double *out, const void *in, int64_t n, boo
     s += squares ? fsdp_cpu_sumsq(f, len) : fsdp_cpu_sum(f, len);
   }
   *out = s;
-  return done(&w);
+  return fsdp_cpu_work_done(&w);
 }

@@ -8,6 +8,19 @@
 
 #include "kernels/cpu/kernels.h"
 
+/* The scratch of one kernel call (table.c and half.c): storages through core, role
+ * activations, so the memory report shows what the conversion pass costs. */
+#define FSDP_CPU_WORK_MAX 10
+typedef struct {
+  fsdp_storage *s[FSDP_CPU_WORK_MAX];
+  int n;
+  bool failed; /* a buffer could not be allocated (the error is set) */
+} fsdp_cpu_work;
+/* n elements of esize bytes, 64-byte aligned; NULL (and w->failed) on failure */
+void *fsdp_cpu_work_buf(fsdp_cpu_work *w, int64_t n, size_t esize);
+/* Release every buffer; FSDP_ERR when one could not be allocated. */
+int fsdp_cpu_work_done(fsdp_cpu_work *w);
+
 int fsdp_cpu_half_axpy(fsdp_dtype dt, void *y, const void *x, float alpha, int64_t n);
 int fsdp_cpu_half_affine_forward(fsdp_dtype dt, void *out, const void *a, float s, float t,
                                  int64_t n);
@@ -45,13 +58,12 @@ int fsdp_cpu_half_softmax_forward(fsdp_dtype dt, void *out, const void *inp, int
 int fsdp_cpu_half_softmax_backward(fsdp_dtype dt, void *dinp, const void *dout, const void *out,
                                    int64_t N, int C);
 int fsdp_cpu_half_cross_entropy_forward(fsdp_dtype dt, float *loss, float *lse,
-                                        const void *logits, const void *targets,
-                                        fsdp_dtype tdt, int64_t N, int V, int ignore,
-                                        int64_t *count);
+                                        const void *logits, const int64_t *targets, int64_t N,
+                                        int V, int64_t ignore, int64_t *count);
 int fsdp_cpu_half_cross_entropy_backward(fsdp_dtype dt, void *dlogits, float dloss,
                                          const void *logits, const float *lse,
-                                         const void *targets, fsdp_dtype tdt, int64_t N, int V,
-                                         int ignore, int64_t count);
+                                         const int64_t *targets, int64_t N, int V,
+                                         int64_t ignore, int64_t count);
 int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, void *att, const void *qkv, int B,
                                     int T, int C, int NH);
 int fsdp_cpu_half_attention_backward(fsdp_dtype dt, void *dqkv, const void *dout,

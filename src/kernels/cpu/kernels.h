@@ -91,11 +91,11 @@ void fsdp_cpu_dropout_backward(float *dinp, const float *dout, const float *mask
 
 /* ---- embedding --------------------------------------------------------------------------- */
 
-/* out (N, C) = weight[ids[i]] ; ids (N) hold integral values in [0, V) (checked by caller) */
-void fsdp_cpu_embedding_forward(float *out, const float *ids, const float *weight, int64_t N,
+/* out (N, C) = weight[ids[i]] ; ids (N) in [0, V) (checked by caller) */
+void fsdp_cpu_embedding_forward(float *out, const int64_t *ids, const float *weight, int64_t N,
                                 int C);
 /* dweight (V, C) += scatter-add of dout (N, C) rows at ids */
-void fsdp_cpu_embedding_backward(float *dweight, const float *dout, const float *ids,
+void fsdp_cpu_embedding_backward(float *dweight, const float *dout, const int64_t *ids,
                                  int64_t N, int C);
 
 /* ---- normalisation, softmax ---------------------------------------------------------------- */
@@ -136,14 +136,14 @@ void fsdp_cpu_attention_backward(float *dqkv, float *scratch, const float *dout,
 /* Cross-entropy fused with log-softmax over rows of logits (N, V) with integral targets (N).
  * Rows whose target == ignore_index are skipped. lse (N) receives each row's log-sum-exp
  * (saved for backward). Returns the mean loss over counted rows (0 when none) and stores the
- * count in *count. Rows are stable for any logit range (row max subtracted); targets are
- * converted with (int) and must be valid class ids on counted rows (checked by the caller). */
-float fsdp_cpu_cross_entropy_forward(float *lse, const float *logits, const float *targets,
-                                     int64_t N, int V, int ignore_index, int64_t *count);
+ * count in *count. Rows are stable for any logit range (row max subtracted); targets must be
+ * valid class ids on counted rows (checked by the caller). */
+float fsdp_cpu_cross_entropy_forward(float *lse, const float *logits, const int64_t *targets,
+                                     int64_t N, int V, int64_t ignore_index, int64_t *count);
 /* dlogits (N, V) += dloss / count * (softmax - onehot) on counted rows */
 void fsdp_cpu_cross_entropy_backward(float *dlogits, float dloss, const float *logits,
-                                     const float *lse, const float *targets, int64_t N, int V,
-                                     int ignore_index, int64_t count);
+                                     const float *lse, const int64_t *targets, int64_t N, int V,
+                                     int64_t ignore_index, int64_t count);
 
 /* mean((a - b)^2) over n elements */
 float fsdp_cpu_mse_forward(const float *a, const float *b, int64_t n);

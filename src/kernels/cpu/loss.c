@@ -11,13 +11,13 @@
 
 #include <math.h>
 
-float fsdp_cpu_cross_entropy_forward(float *lse, const float *logits, const float *targets,
-                                     int64_t N, int V, int ignore_index, int64_t *count) {
+float fsdp_cpu_cross_entropy_forward(float *lse, const float *logits, const int64_t *targets,
+                                     int64_t N, int V, int64_t ignore_index, int64_t *count) {
   // lse (N), logits (N, V), targets (N)
   double total = 0.0;
   int64_t counted = 0;
   for (int64_t i = 0; i < N; i++) {
-    const int tgt = (int)targets[i];
+    const int64_t tgt = targets[i];
     if (tgt == ignore_index) {
       lse[i] = 0.0f;
       continue;
@@ -34,13 +34,13 @@ float fsdp_cpu_cross_entropy_forward(float *lse, const float *logits, const floa
 }
 
 void fsdp_cpu_cross_entropy_backward(float *dlogits, float dloss, const float *logits,
-                                     const float *lse, const float *targets, int64_t N, int V,
-                                     int ignore_index, int64_t count) {
+                                     const float *lse, const int64_t *targets, int64_t N, int V,
+                                     int64_t ignore_index, int64_t count) {
   // dlogits (N, V), logits (N, V), lse (N), targets (N)
   if (count <= 0) return;
   const float sc = dloss / (float)count;
   for (int64_t i = 0; i < N; i++) {
-    const int tgt = (int)targets[i];
+    const int64_t tgt = targets[i];
     if (tgt == ignore_index) continue;
     const float *x = logits + i * V;
     float *d = dlogits + i * V;

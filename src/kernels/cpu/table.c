@@ -26,65 +26,30 @@ static bool is_int(fsdp_dtype dt) {
   return dt == FSDP_DTYPE_I64 || dt == FSDP_DTYPE_I32 || dt == FSDP_DTYPE_U8;
 }
 
-/* ---- the conversion pass: f32 scratch for one kernel call ---------------------------------- */
+/* ---- the conversion pass: f32 scratch for one kernel call (fsdp_cpu_work, half.h) ---------- */
 
-#define MAX_TMP 8
-typedef struct {
-  fsdp_storage *s[MAX_TMP];
-  int n;
-} scratch;
+static float *tmp_f32(fsdp_cpu_work *t, int64_t n) { return fsdp_cpu_work_buf(t, n, sizeof(float)); }
 
-static float *tmp_f32(scratch *t, int64_t n) {
-  if (t->n == MAX_TMP) {
-    fsdp_error("cpu: too many scratch buffers in one kernel call");
-    return NULL;
-  }
-  fsdp_storage *s;
-  if (fsdp_storage_new_uninit(&s, &fsdp_device_cpu, (size_t)(n ? n : 1) * sizeof(float),
-                              FSDP_ROLE_ACTIVATIONS))
-    return NULL;
-  t->s[t->n++] = s;
-  return s->data;
-}
-
-static void tmp_done(scratch *t) {
-  for (int i = 0; i < t->n; i++) fsdp_storage_release(t->s[i]);
-  t->n = 0;
-}
-
-/* An f32 copy of in (n elements of dt); NULL stays NULL. *ok false on allocation failure. */
-static const float *widen(scratch *t, const void *in, fsdp_dtype dt, int64_t n, bool *ok) {
+/* An f32 copy of in (n elements of dt); NULL stays NULL (and on allocation failure: t->failed). */
+static const float *widen(fsdp_cpu_work *t, const void *in, fsdp_dtype dt, int64_t n) {
   if (!in || dt == FSDP_DTYPE_F32) return in;
   float *w = tmp_f32(t, n);
-  if (!w) {
-    *ok = false;
-    return NULL;
-  }
-  fsdp_cpu_cast(w, FSDP_DTYPE_F32, in, dt, n);
+  if (w) fsdp_cpu_cast(w, FSDP_DTYPE_F32, in, dt, n);
   return w;
 }
 
 /* f32 scratch for an output: uninitialised (acc false) or holding out's values (acc true, for
  * gradients that accumulate). NULL stays NULL. */
-static float *out_f32(scratch *t, void *out, fsdp_dtype dt, int64_t n, bool acc, bool *ok) {
+static float *out_f32(fsdp_cpu_work *t, void *out, fsdp_dtype dt, int64_t n, bool acc) {
   if (!out || dt == FSDP_DTYPE_F32) return out;
   float *w = tmp_f32(t, n);
-  if (!w) {
-    *ok = false;
-    return NULL;
-  }
-  if (acc) fsdp_cpu_cast(w, FSDP_DTYPE_F32, out, dt, n);
+  if (w && acc) fsdp_cpu_cast(w, FSDP_DTYPE_F32, out, dt, n);
   return w;
 }
 
 /* out (dt) <- w (f32) when w is a scratch copy */
 static void narrow(void *out, fsdp_dtype dt, const float *w, int64_t n) {
   if (out && dt != FSDP_DTYPE_F32) fsdp_cpu_cast(out, dt, w, FSDP_DTYPE_F32, n);
-}
-
-static int finish(scratch *t, bool ok) {
-  tmp_done(t);
-  return ok ? FSDP_OK : FSDP_ERR;
 }
 
 /* ---- conversions and data movement ---------------------------------------------------------- */
@@ -173,9 +138,9 @@ static int k_arange(void *ctx, fsdp_dtype dt, void *out, double start, double st
 static int k_random(void *ctx, fsdp_dtype dt, void *out, int64_t n, uint64_t key,
                     uint64_t first, bool normal, double a, double b) {
   if (!fsdp_dtype_is_float(dt)) return REFUSE(normal ? "randn" : "rand", dt);
-  scratch t = {0};
+  fsdp_cpu_work t = {0};
   float *w = dt == FSDP_DTYPE_F32 ? out : tmp_f32(&t, n); /* the stream is f32 everywhere */
-  if (!w) return finish(&t, false);
+  if (!w) return fsdp_cpu_work_done(&t);
   if (normal) {
     fsdp_rng_normal(w, n, key, first, (float)a, (float)b);
   } else {
@@ -184,7 +149,7 @@ static int k_random(void *ctx, fsdp_dtype dt, void *out, int64_t n, uint64_t key
       for (int64_t i = 0; i < n; i++) w[i] = (float)a + (float)(b - a) * w[i];
   }
   if (w != out) fsdp_cpu_cast(out, dt, w, FSDP_DTYPE_F32, n);
-  return finish(&t, true);
+  return fsdp_cpu_work_done(&t);
 }
 
 /* ---- linear algebra --------------------------------------------------------------------------- */
@@ -199,15 +164,14 @@ static int k_gemm(void *ctx, fsdp_dtype dt, void *c, const void *a, const void *
   /* stored extents of a, b, c with their leading dimensions */
   int64_t na = (int64_t)(ta ? K : M) * lda, nb = (int64_t)(tb ? N : K) * ldb,
           nc = (int64_t)M * ldc;
-  scratch t = {0};
-  bool ok = true;
-  const float *wa = widen(&t, a, dt, na, &ok), *wb = widen(&t, b, dt, nb, &ok);
-  float *wc = out_f32(&t, c, dt, nc, beta != 0.0f, &ok);
-  if (ok) {
+  fsdp_cpu_work t = {0};
+  const float *wa = widen(&t, a, dt, na), *wb = widen(&t, b, dt, nb);
+  float *wc = out_f32(&t, c, dt, nc, beta != 0.0f);
+  if (!t.failed) {
     fsdp_cpu_gemm(wc, wa, wb, M, N, K, ta, tb, alpha, beta, lda, ldb, ldc);
     narrow(c, dt, wc, nc);
   }
-  return finish(&t, ok);
+  return fsdp_cpu_work_done(&t);
 }
 
 static int k_bmm_forward(void *ctx, fsdp_dtype dt, void *out, const void *a, const void *b,
@@ -217,17 +181,16 @@ static int k_bmm_forward(void *ctx, fsdp_dtype dt, void *out, const void *a, con
     return FSDP_OK;
   }
   if (!is_half(dt)) return REFUSE("matmul", dt);
-  scratch t = {0};
-  bool ok = true;
+  fsdp_cpu_work t = {0};
   int64_t no = (int64_t)B * M * N;
-  const float *wa = widen(&t, a, dt, (int64_t)B * M * K, &ok);
-  const float *wb = widen(&t, b, dt, (int64_t)B * K * N, &ok);
-  float *wo = out_f32(&t, out, dt, no, false, &ok);
-  if (ok) {
+  const float *wa = widen(&t, a, dt, (int64_t)B * M * K);
+  const float *wb = widen(&t, b, dt, (int64_t)B * K * N);
+  float *wo = out_f32(&t, out, dt, no, false);
+  if (!t.failed) {
     fsdp_cpu_bmm_forward(wo, wa, wb, B, M, K, N);
     narrow(out, dt, wo, no);
   }
-  return finish(&t, ok);
+  return fsdp_cpu_work_done(&t);
 }
 
 static int k_bmm_backward(void *ctx, fsdp_dtype dt, void *da, void *db, const void *dout,
@@ -237,19 +200,18 @@ static int k_bmm_backward(void *ctx, fsdp_dtype dt, void *da, void *db, const vo
     return FSDP_OK;
   }
   if (!is_half(dt)) return REFUSE("matmul", dt);
-  scratch t = {0};
-  bool ok = true;
+  fsdp_cpu_work t = {0};
   int64_t nA = (int64_t)B * M * K, nB = (int64_t)B * K * N;
-  const float *wg = widen(&t, dout, dt, (int64_t)B * M * N, &ok);
-  const float *wa = widen(&t, a, dt, nA, &ok), *wb = widen(&t, b, dt, nB, &ok);
-  float *wda = out_f32(&t, da, dt, nA, true, &ok);
-  float *wdb = da == db ? wda : out_f32(&t, db, dt, nB, true, &ok);
-  if (ok) {
+  const float *wg = widen(&t, dout, dt, (int64_t)B * M * N);
+  const float *wa = widen(&t, a, dt, nA), *wb = widen(&t, b, dt, nB);
+  float *wda = out_f32(&t, da, dt, nA, true);
+  float *wdb = da == db ? wda : out_f32(&t, db, dt, nB, true);
+  if (!t.failed) {
     fsdp_cpu_bmm_backward(wda, wdb, wg, wa, wb, B, M, K, N);
     narrow(da, dt, wda, nA);
     if (db != da) narrow(db, dt, wdb, nB);
   }
-  return finish(&t, ok);
+  return fsdp_cpu_work_done(&t);
 }
 
 static int k_linear_forward(void *ctx, fsdp_dtype dt, void *out, const void *inp,
@@ -276,7 +238,6 @@ static int k_linear_backward(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *din
     fsdp_cpu_linear_backward(dinp, dweight, dbias, dout, inp, weight, M, K, N);
     return FSDP_OK;
   }
-  if (!is_half(dt)) return REFUSE("linear", dt);
   return fsdp_cpu_half_linear_backward(dt, gdt, dinp, dweight, dbias, dout, inp, weight, M, K,
                                        N);
 }
@@ -468,15 +429,14 @@ static int k_pow_forward(void *ctx, fsdp_dtype dt, void *out, const void *in, do
     for (int64_t i = 0; i < n; i++) ST(out, dt, i, pow(LD(in, dt, i), p));
     return FSDP_OK;
   }
-  scratch t = {0};
-  bool ok = true;
-  const float *x = widen(&t, in, dt, n, &ok);
-  float *y = out_f32(&t, out, dt, n, false, &ok);
-  if (ok) {
+  fsdp_cpu_work t = {0};
+  const float *x = widen(&t, in, dt, n);
+  float *y = out_f32(&t, out, dt, n, false);
+  if (!t.failed) {
     for (int64_t i = 0; i < n; i++) y[i] = powf(x[i], (float)p);
     narrow(out, dt, y, n);
   }
-  return finish(&t, ok);
+  return fsdp_cpu_work_done(&t);
 }
 
 static int k_pow_backward(void *ctx, fsdp_dtype dt, void *din, const void *dout, const void *in,
@@ -487,16 +447,15 @@ static int k_pow_backward(void *ctx, fsdp_dtype dt, void *din, const void *dout,
       ST(din, dt, i, LD(din, dt, i) + LD(dout, dt, i) * p * pow(LD(in, dt, i), p - 1));
     return FSDP_OK;
   }
-  scratch t = {0};
-  bool ok = true;
-  const float *g = widen(&t, dout, dt, n, &ok), *x = widen(&t, in, dt, n, &ok);
-  float *d = out_f32(&t, din, dt, n, true, &ok);
-  if (ok) {
+  fsdp_cpu_work t = {0};
+  const float *g = widen(&t, dout, dt, n), *x = widen(&t, in, dt, n);
+  float *d = out_f32(&t, din, dt, n, true);
+  if (!t.failed) {
     const float pf = (float)p;
     for (int64_t i = 0; i < n; i++) d[i] += g[i] * pf * powf(x[i], pf - 1.0f);
     narrow(din, dt, d, n);
   }
-  return finish(&t, ok);
+  return fsdp_cpu_work_done(&t);
 }
 
 static int k_clamp_forward(void *ctx, fsdp_dtype dt, void *out, const void *in, double lo,
@@ -526,22 +485,38 @@ static int k_clamp_backward(void *ctx, fsdp_dtype dt, void *din, const void *dou
   return FSDP_OK;
 }
 
+/* Comparisons, max/min and sorting read elements as doubles; an i64 beyond 2^53 rounds there,
+ * so i64 elements also carry their exact value, which decides between equal doubles (the
+ * rounding is monotonic). 0 for the other dtypes. */
+static int64_t exact_i64(const void *p, fsdp_dtype dt, int64_t i) {
+  return dt == FSDP_DTYPE_I64 ? ((const int64_t *)p)[i] : 0;
+}
+
+/* -1, 0, 1: how (u, iu) orders against (v, iv); u and v not NaN */
+static int order(double u, int64_t iu, double v, int64_t iv) {
+  if (u != v) return u < v ? -1 : 1;
+  return iu < iv ? -1 : iu > iv;
+}
+
 static int k_compare(void *ctx, fsdp_dtype dt, fsdp_cmpop op, void *out, const void *a,
                      const void *b, int64_t n, int64_t m) {
   uint8_t *o = out;
   if (m <= 0) return FSDP_OK;
   for (int64_t i = 0; i < n; i++) {
     double u = LD(a, dt, i), v = LD(b, dt, i % m);
-    bool r;
-    switch (op) {
-    case FSDP_CMP_GT: r = u > v; break;
-    case FSDP_CMP_GE: r = u >= v; break;
-    case FSDP_CMP_LT: r = u < v; break;
-    case FSDP_CMP_LE: r = u <= v; break;
-    case FSDP_CMP_EQ: r = u == v; break;
-    default: r = u != v; break;
+    if (u != u || v != v) { /* NaN: only ne holds */
+      o[i] = op == FSDP_CMP_NE;
+      continue;
     }
-    o[i] = r;
+    int c = order(u, exact_i64(a, dt, i), v, exact_i64(b, dt, i % m));
+    switch (op) {
+    case FSDP_CMP_GT: o[i] = c > 0; break;
+    case FSDP_CMP_GE: o[i] = c >= 0; break;
+    case FSDP_CMP_LT: o[i] = c < 0; break;
+    case FSDP_CMP_LE: o[i] = c <= 0; break;
+    case FSDP_CMP_EQ: o[i] = c == 0; break;
+    default: o[i] = c != 0; break;
+    }
   }
   return FSDP_OK;
 }
@@ -604,23 +579,30 @@ static int k_check_index(void *ctx, fsdp_dtype idt, const void *ids, int64_t n, 
   return FSDP_OK;
 }
 
-/* Index buffers as the f32 the kernels take (ids are checked < 2^24 by the callers' ranges). */
-static const float *ids_f32(scratch *t, const void *ids, fsdp_dtype idt, int64_t n, bool *ok) {
-  return widen(t, ids, idt, n, ok);
+/* An index buffer (ids, targets: integers in range, checked by the callers) as the i64 the
+ * kernels take: ids itself when it is i64 (the data loaders' dtype), else a converted copy
+ * (exact: the values are integers). NULL on allocation failure. */
+static const int64_t *ids_i64(fsdp_cpu_work *t, const void *ids, fsdp_dtype idt, int64_t n) {
+  if (idt == FSDP_DTYPE_I64) return ids;
+  int64_t *w = fsdp_cpu_work_buf(t, n, sizeof(int64_t));
+  if (w) fsdp_cpu_cast(w, FSDP_DTYPE_I64, ids, idt, n);
+  return w;
 }
 
 static int k_embedding_forward(void *ctx, fsdp_dtype dt, void *out, const void *ids,
                                fsdp_dtype idt, const void *weight, int64_t N, int C) {
   if (!fsdp_dtype_is_float(dt) && !is_int(dt)) return REFUSE("embedding", dt);
-  scratch t = {0};
-  bool ok = true;
-  const float *fi = ids_f32(&t, ids, idt, N, &ok);
-  if (ok) { /* rows are copied, whatever the dtype */
+  fsdp_cpu_work t = {0};
+  const int64_t *id = ids_i64(&t, ids, idt, N);
+  if (!id) return fsdp_cpu_work_done(&t);
+  if (dt == FSDP_DTYPE_F32) {
+    fsdp_cpu_embedding_forward(out, id, weight, N, C);
+  } else { /* rows are copied, whatever the dtype */
     const size_t row = (size_t)C * fsdp_dtype_size(dt);
     for (int64_t i = 0; i < N; i++)
-      memcpy((char *)out + (size_t)i * row, (const char *)weight + (size_t)(int64_t)fi[i] * row, row);
+      memcpy((char *)out + (size_t)i * row, (const char *)weight + (size_t)id[i] * row, row);
   }
-  return finish(&t, ok);
+  return fsdp_cpu_work_done(&t);
 }
 
 static int k_embedding_backward(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *dweight,
@@ -628,31 +610,30 @@ static int k_embedding_backward(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *
                                 int C) {
   if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("embedding", dt);
   if (!grad_dtype_ok(dt, gdt)) return REFUSE("embedding (weight gradient)", gdt);
-  scratch t = {0};
-  bool ok = true;
-  const float *fi = ids_f32(&t, ids, idt, N, &ok);
-  if (!ok) return finish(&t, ok);
+  fsdp_cpu_work t = {0};
+  const int64_t *id = ids_i64(&t, ids, idt, N);
+  if (!id) return fsdp_cpu_work_done(&t);
   if (dt == FSDP_DTYPE_F32) {
-    fsdp_cpu_embedding_backward(dweight, dout, fi, N, C);
-    return finish(&t, ok);
+    fsdp_cpu_embedding_backward(dweight, dout, id, N, C);
+    return fsdp_cpu_work_done(&t);
   }
   /* half: one row at a time; an f32 gradient (mixed precision) takes each row without rounding */
   float *acc = tmp_f32(&t, 2 * (int64_t)C);
-  if (!acc) return finish(&t, false);
+  if (!acc) return fsdp_cpu_work_done(&t);
   const size_t hs = fsdp_dtype_size(dt);
   for (int64_t i = 0; i < N; i++) {
     fsdp_cpu_cast(acc + C, FSDP_DTYPE_F32, (const char *)dout + (size_t)i * C * hs, dt, C);
     if (gdt == FSDP_DTYPE_F32) {
-      float *drow = (float *)dweight + (int64_t)fi[i] * C;
+      float *drow = (float *)dweight + id[i] * C;
       for (int c = 0; c < C; c++) drow[c] += acc[C + c];
       continue;
     }
-    char *drow = (char *)dweight + (size_t)(int64_t)fi[i] * C * hs;
+    char *drow = (char *)dweight + (size_t)id[i] * C * hs;
     fsdp_cpu_cast(acc, FSDP_DTYPE_F32, drow, dt, C);
     for (int c = 0; c < C; c++) acc[c] += acc[C + c];
     fsdp_cpu_cast(drow, dt, acc, FSDP_DTYPE_F32, C);
   }
-  return finish(&t, ok);
+  return fsdp_cpu_work_done(&t);
 }
 
 /* ---- normalisation, attention, losses ------------------------------------------------------- */
@@ -678,7 +659,6 @@ static int k_layernorm_backward(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *
     fsdp_cpu_layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
     return FSDP_OK;
   }
-  if (!is_half(dt)) return REFUSE("layernorm", dt);
   return fsdp_cpu_half_layernorm_backward(dt, gdt, dinp, dweight, dbias, dout, inp, weight,
                                           mean, rstd, N, C);
 }
@@ -732,31 +712,33 @@ static int k_attention_backward(void *ctx, fsdp_dtype dt, void *dqkv, const void
 static int k_cross_entropy_forward(void *ctx, fsdp_dtype dt, float *loss, float *lse,
                                    const void *logits, const void *targets, fsdp_dtype tdt,
                                    int64_t N, int V, int64_t ignore, int64_t *count) {
-  if (is_half(dt))
-    return fsdp_cpu_half_cross_entropy_forward(dt, loss, lse, logits, targets, tdt, N, V,
-                                               (int)ignore, count);
-  if (dt != FSDP_DTYPE_F32) return REFUSE("cross_entropy", dt);
-  scratch t = {0};
-  bool ok = true;
-  const float *wt = ids_f32(&t, targets, tdt, N, &ok);
-  if (ok) loss[0] = fsdp_cpu_cross_entropy_forward(lse, logits, wt, N, V, (int)ignore, count);
-  return finish(&t, ok);
+  if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("cross_entropy", dt);
+  fsdp_cpu_work t = {0};
+  const int64_t *tg = ids_i64(&t, targets, tdt, N);
+  if (!tg) return fsdp_cpu_work_done(&t);
+  if (dt == FSDP_DTYPE_F32) {
+    loss[0] = fsdp_cpu_cross_entropy_forward(lse, logits, tg, N, V, ignore, count);
+    return fsdp_cpu_work_done(&t);
+  }
+  int rc = fsdp_cpu_half_cross_entropy_forward(dt, loss, lse, logits, tg, N, V, ignore, count);
+  return fsdp_cpu_work_done(&t) || rc ? FSDP_ERR : FSDP_OK;
 }
 
 static int k_cross_entropy_backward(void *ctx, fsdp_dtype dt, void *dlogits, const float *dloss,
                                     const void *logits, const float *lse, const void *targets,
                                     fsdp_dtype tdt, int64_t N, int V, int64_t ignore,
                                     int64_t count) {
-  if (is_half(dt))
-    return fsdp_cpu_half_cross_entropy_backward(dt, dlogits, dloss[0], logits, lse, targets, tdt,
-                                                N, V, (int)ignore, count);
-  if (dt != FSDP_DTYPE_F32) return REFUSE("cross_entropy", dt);
-  scratch t = {0};
-  bool ok = true;
-  const float *wt = ids_f32(&t, targets, tdt, N, &ok);
-  if (ok)
-    fsdp_cpu_cross_entropy_backward(dlogits, dloss[0], logits, lse, wt, N, V, (int)ignore, count);
-  return finish(&t, ok);
+  if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("cross_entropy", dt);
+  fsdp_cpu_work t = {0};
+  const int64_t *tg = ids_i64(&t, targets, tdt, N);
+  if (!tg) return fsdp_cpu_work_done(&t);
+  if (dt == FSDP_DTYPE_F32) {
+    fsdp_cpu_cross_entropy_backward(dlogits, dloss[0], logits, lse, tg, N, V, ignore, count);
+    return fsdp_cpu_work_done(&t);
+  }
+  int rc = fsdp_cpu_half_cross_entropy_backward(dt, dlogits, dloss[0], logits, lse, tg, N, V,
+                                                 ignore, count);
+  return fsdp_cpu_work_done(&t) || rc ? FSDP_ERR : FSDP_OK;
 }
 
 static int k_mse_forward(void *ctx, fsdp_dtype dt, float *out, const void *a, const void *b,
@@ -837,17 +819,16 @@ static int k_sum_dim_forward(void *ctx, fsdp_dtype dt, void *out, const void *in
       }
     return FSDP_OK;
   }
-  scratch t = {0};
-  bool ok = true;
-  const float *wi = widen(&t, in, dt, outer * R * inner, &ok);
-  float *wo = out_f32(&t, out, dt, no, false, &ok);
-  if (ok) {
+  fsdp_cpu_work t = {0};
+  const float *wi = widen(&t, in, dt, outer * R * inner);
+  float *wo = out_f32(&t, out, dt, no, false);
+  if (!t.failed) {
     fsdp_cpu_sum_dim_forward(wo, wi, outer, R, inner);
     if (scale != 1.0)
       for (int64_t i = 0; i < no; i++) wo[i] *= (float)scale;
     narrow(out, dt, wo, no);
   }
-  return finish(&t, ok);
+  return fsdp_cpu_work_done(&t);
 }
 
 static int k_sum_dim_backward(void *ctx, fsdp_dtype dt, void *din, const void *dout,
@@ -863,11 +844,10 @@ static int k_sum_dim_backward(void *ctx, fsdp_dtype dt, void *din, const void *d
         }
     return FSDP_OK;
   }
-  scratch t = {0};
-  bool ok = true;
-  const float *g = widen(&t, dout, dt, outer * inner, &ok);
-  float *d = out_f32(&t, din, dt, ni, true, &ok);
-  if (ok) {
+  fsdp_cpu_work t = {0};
+  const float *g = widen(&t, dout, dt, outer * inner);
+  float *d = out_f32(&t, din, dt, ni, true);
+  if (!t.failed) {
     const float s = (float)scale;
     for (int64_t o = 0; o < outer; o++)
       for (int64_t r = 0; r < R; r++) {
@@ -877,21 +857,28 @@ static int k_sum_dim_backward(void *ctx, fsdp_dtype dt, void *din, const void *d
       }
     narrow(din, dt, d, ni);
   }
-  return finish(&t, ok);
+  return fsdp_cpu_work_done(&t);
 }
 
-/* a ranks above b: larger (NaN largest) */
-static bool above(double a, double b) { return a > b || (a != a && b == b); }
+/* (a, ia) ranks above (b, ib): larger (NaN largest; ia, ib as exact_i64) */
+static bool above(double a, int64_t ia, double b, int64_t ib) {
+  if (a != a || b != b) return a != a && b == b;
+  return order(a, ia, b, ib) > 0;
+}
 
 static int k_extreme_dim(void *ctx, fsdp_dtype dt, bool max, void *values, int64_t *index,
                          const void *in, int64_t outer, int64_t R, int64_t inner) {
   for (int64_t o = 0; o < outer; o++)
     for (int64_t j = 0; j < inner; j++) {
-      int64_t best = 0;
-      double bv = LD(in, dt, o * R * inner + j);
+      int64_t best = 0, at = o * R * inner + j;
+      double bv = LD(in, dt, at);
+      int64_t bi = exact_i64(in, dt, at);
       for (int64_t r = 1; r < R && bv == bv; r++) {
-        double v = LD(in, dt, (o * R + r) * inner + j);
-        if (v != v || (max ? above(v, bv) : above(bv, v))) best = r, bv = v;
+        at = (o * R + r) * inner + j;
+        double v = LD(in, dt, at);
+        int64_t vi = exact_i64(in, dt, at);
+        if (v != v || (max ? above(v, vi, bv, bi) : above(bv, bi, v, vi)))
+          best = r, bv = v, bi = vi;
       }
       if (values) /* copied as stored: no rounding */
         memcpy((char *)values + (o * inner + j) * (int64_t)fsdp_dtype_size(dt),
@@ -904,20 +891,21 @@ static int k_extreme_dim(void *ctx, fsdp_dtype dt, bool max, void *values, int64
 
 typedef struct {
   double v;
+  int64_t exact; /* exact_i64 */
   int64_t i;
 } keyed;
 
 static int cmp_desc(const void *pa, const void *pb) {
   const keyed *a = pa, *b = pb;
-  if (above(a->v, b->v)) return -1;
-  if (above(b->v, a->v)) return 1;
+  if (above(a->v, a->exact, b->v, b->exact)) return -1;
+  if (above(b->v, b->exact, a->v, a->exact)) return 1;
   return a->i < b->i ? -1 : a->i > b->i; /* stable: lower index first */
 }
 
 static int cmp_asc(const void *pa, const void *pb) {
   const keyed *a = pa, *b = pb;
-  if (above(b->v, a->v)) return -1;
-  if (above(a->v, b->v)) return 1;
+  if (above(b->v, b->exact, a->v, a->exact)) return -1;
+  if (above(a->v, a->exact, b->v, b->exact)) return 1;
   return a->i < b->i ? -1 : a->i > b->i;
 }
 
@@ -928,7 +916,10 @@ static int k_topk(void *ctx, fsdp_dtype dt, void *values, int64_t *index, const 
   const size_t es = fsdp_dtype_size(dt);
   for (int64_t o = 0; o < outer; o++)
     for (int64_t j = 0; j < inner; j++) {
-      for (int64_t r = 0; r < R; r++) row[r] = (keyed){LD(in, dt, (o * R + r) * inner + j), r};
+      for (int64_t r = 0; r < R; r++) {
+        int64_t at = (o * R + r) * inner + j;
+        row[r] = (keyed){LD(in, dt, at), exact_i64(in, dt, at), r};
+      }
       qsort(row, (size_t)R, sizeof *row, largest ? cmp_desc : cmp_asc);
       for (int64_t q = 0; q < k; q++) {
         int64_t at = (o * k + q) * inner + j;
@@ -1032,11 +1023,11 @@ static int k_mask_from_nonzero(void *ctx, fsdp_dtype dt, void *mout, int64_t *ze
 static int k_mask_hist(void *ctx, fsdp_dtype dt, int64_t *counts, const void *x, const void *m,
                        int64_t n, uint64_t prefix, int shift, int width) {
   MASK_F32("mask_hist", dt);
-  scratch t = {0};
+  fsdp_cpu_work t = {0};
   /* 4 << width 32-bit counters: the bytes of as many f32 */
   uint32_t *sub = (uint32_t *)tmp_f32(&t, (int64_t)4 << width);
   if (sub) fsdp_cpu_mask_hist(counts, sub, x, m, n, prefix, shift, width);
-  return finish(&t, sub != NULL);
+  return fsdp_cpu_work_done(&t);
 }
 
 static int k_mask_hist_pos(void *ctx, fsdp_dtype dt, int64_t *counts, const void *x,
