@@ -69,6 +69,36 @@ function fsdp.no_grad(fn, ...)
   return unpack(res, 2, table.maxn(res))
 end
 
+-- devices and modes -------------------------------------------------------------------------
+--- device_count(name) -> how many physical devices of that kind this machine has (0 when the
+--- build or the machine has none: fsdp.device_count("cuda")).
+fsdp.device_count = core.device_count
+--- deterministic(on) -> previous: every kernel bitwise repeatable (no atomics in reductions) on
+--- every device; without an argument, the current setting. The cpu always is.
+fsdp.deterministic = core.deterministic
+
+--- info() -> what this build runs on: version, devices (name, count, kernels, description),
+--- the processor's vector features, BLAS threads, deterministic mode. tostring() prints it.
+function fsdp.info()
+  local info = {version = core.version, devices = core.devices(), cpu = core.cpu_features(),
+    blas_threads = core.get_threads(), deterministic = core.deterministic()}
+  return setmetatable(info, {__tostring = function(t)
+    local lines = {("fsdprun %s"):format(t.version)}
+    for _, d in ipairs(t.devices) do
+      lines[#lines + 1] = ("  device %-6s count %d%s%s"):format(d.name, d.count,
+        d.kernels and ", kernels" or (d.has_data and ", no kernels" or ", shape only"),
+        d.description and (": " .. d.description) or "")
+    end
+    local feats = {}
+    for _, k in ipairs{"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512bf16"} do
+      if t.cpu[k] then feats[#feats + 1] = k end
+    end
+    lines[#lines + 1] = "  cpu    " .. (#feats > 0 and table.concat(feats, " ") or "baseline x86-64")
+    lines[#lines + 1] = ("  blas threads %d, deterministic %s"):format(t.blas_threads, tostring(t.deterministic))
+    return table.concat(lines, "\n")
+  end})
+end
+
 -- memory ------------------------------------------------------------------------------------
 --- Live bytes by role on the cpu device, with peaks; `devices` holds every device's table.
 --- tostring() prints them readably (lua/fsdp/inspect.lua).

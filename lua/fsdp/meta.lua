@@ -365,7 +365,7 @@ end
 -- ---- fsdp.materialize ----------------------------------------------------------------------
 
 -- Plain model: every meta parameter gets dense storage, then its values.
-local function materialize_plain(model, init_fn)
+local function materialize_plain(model, init_fn, device)
   local pending, list = {}, {}
   for _, p in ipairs(model:parameters()) do
     if p.device == "meta" then
@@ -374,7 +374,7 @@ local function materialize_plain(model, init_fn)
     end
   end
   if #list == 0 then return model end
-  for _, p in ipairs(list) do core.param_materialize(p) end
+  for _, p in ipairs(list) do core.param_materialize(p, device) end
   if init_fn ~= nil then
     for _, h in ipairs(holders(model, pending)) do
       local ok, err = call_checked("fsdp.materialize", init_fn, h.module, h.path)
@@ -517,6 +517,20 @@ function M.materialize(model, init_fn)
   if not is_module(model) then
     raise(("fsdp.materialize: expected a module (got %s)"):format(type(model)))
   end
+  -- materialize(model, {init = fn, device = "cuda"}): the options form
+  local device
+  if type(init_fn) == "table" then
+    local opts = init_fn
+    for k in pairs(opts) do
+      if k ~= "init" and k ~= "device" then
+        raise(("fsdp.materialize: unknown option %s (init, device)"):format(tostring(k)))
+      end
+    end
+    init_fn, device = opts.init, opts.device
+    if device ~= nil and type(device) ~= "string" then
+      raise(("fsdp.materialize: device must be a device name (got %s)"):format(type(device)))
+    end
+  end
   if init_fn ~= nil and type(init_fn) ~= "function" then
     raise(("fsdp.materialize: init_fn must be a function(module, path) (got %s)"):format(type(init_fn)))
   end
@@ -526,6 +540,10 @@ function M.materialize(model, init_fn)
   end
   local R = wrapmod()._root_state(model)
   if R ~= nil then
+    if device ~= nil and device ~= (R.opts.device or "cpu") then
+      raise(("fsdp.materialize: a wrapped model's shards are where wrap put them (%s); wrap it "
+        .. "with {device = \"%s\"} to materialize it there"):format(R.opts.device or "cpu", device))
+    end
     local ok, err = pcall(M._materialize_wrapped, R, init_fn, "fsdp.materialize")
     if not ok then raise((tostring(err):gsub("^[^\n]-meta%.lua:%d+: ", ""))) end
     reapply_masks()
@@ -536,7 +554,7 @@ function M.materialize(model, init_fn)
     raise(("fsdp.materialize: this %s is part of a wrapped model; materialize its root (a %s)")
       :format(model:type_name(), S.model:type_name()))
   end
-  local ok, err = pcall(materialize_plain, model, init_fn)
+  local ok, err = pcall(materialize_plain, model, init_fn, device)
   if not ok then raise((tostring(err):gsub("^[^\n]-meta%.lua:%d+: ", ""))) end
   reapply_masks()
   return model

@@ -141,7 +141,7 @@ end
 
 local strategies = {full = true, grad_op = true, none = true}
 local known_opts = {policy = true, strategy = true, reshard_after_forward = true, prefetch = true,
-  sync_module_states = true, init = true, mp = true}
+  sync_module_states = true, init = true, mp = true, device = true}
 
 -- Mixed precision (FSDP2's MixedPrecisionPolicy): mp = "bf16" | "f16" | {param =, reduce =,
 -- output =}. param: the dtype units gather parameters in for forward and backward (the
@@ -181,7 +181,7 @@ local function check_opts(opts)
   for k in pairs(opts) do
     if not known_opts[k] then
       raise(("fsdp.wrap: unknown option %s (policy, strategy, reshard_after_forward, prefetch, "
-        .. "sync_module_states, init, mp)"):format(tostring(k)))
+        .. "sync_module_states, init, mp, device)"):format(tostring(k)))
     end
   end
   local o = {
@@ -210,6 +210,12 @@ local function check_opts(opts)
   end
   o.init = opts.init
   o.mp = check_mp(opts.mp)
+  -- device: where the units' buffers go (a model built on meta, materialized there); absent:
+  -- the parameters' device, the cpu for meta ones
+  if opts.device ~= nil and type(opts.device) ~= "string" then
+    raise(("fsdp.wrap: device must be a device name (got %s)"):format(type(opts.device)))
+  end
+  o.device = opts.device
   policy_fn(o.policy) -- validates
   return o
 end
@@ -633,7 +639,7 @@ function W.wrap(model, opts)
           -- just before its unit takes its slice and frees it (peak: this unit + the shards)
           for i, p in ipairs(ps) do
             if rank ~= 0 and p.device == "meta" then
-              core.param_materialize(p)
+              core.param_materialize(p, o.device)
               filled[p] = true
             end
             core.broadcast(p, 0, pp[i])
@@ -651,7 +657,7 @@ function W.wrap(model, opts)
         if f then mp = f.mp end
         local u = core.unit_new(rec.path, ps, pp, {strategy = strategy, root = (m == model),
           reshard_after_forward = raf, param_dtype = mp and mp.param,
-          reduce_dtype = mp and mp.reduce})
+          reduce_dtype = mp and mp.reduce, device = o.device})
         local U = {unit = u, module = m, path = rec.path, strategy = strategy, params = ps, mp = mp}
         R.units[#R.units + 1] = U
         R.unit_of[m] = U

@@ -754,8 +754,11 @@ int fsdp_op_attention(fsdp_tensor **out, fsdp_tensor *qkv, int n_head) {
   fsdp_tensor *qc = NULL, *att = NULL;
   int rc = FSDP_ERR;
   if (contig(&qc, qkv, "attention")) goto done;
-  int64_t ashape[4] = {B, n_head, T, T}, oshape[3] = {B, T, C};
-  if (new_out(&att, qkv, qkv->dtype, 4, ashape, "attention") ||
+  /* what the forward saves for the backward: the device decides (kernels.h) */
+  fsdp_dtype sdt;
+  int64_t saved = k->attention_saved(CTX(qkv), qkv->dtype, (int)B, (int)T, (int)C, n_head, &sdt),
+          oshape[3] = {B, T, C};
+  if (new_out(&att, qkv, sdt, 1, &saved, "attention") ||
       new_out(out, qkv, qkv->dtype, 3, oshape, "attention"))
     goto done;
   RUN(k->attention_forward(CTX(qkv), qkv->dtype, D(*out), D(att), D(qc), (int)B, (int)T, (int)C,

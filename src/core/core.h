@@ -111,6 +111,14 @@ typedef struct fsdp_device_i {
   int (*from_host)(void *ctx, void *dst, const void *host_src, size_t bytes);
   /* optional: wait until every queued operation on the device is done (NULL: synchronous) */
   int (*synchronize)(void *ctx);
+  /* optional: how many physical devices of this kind the machine has (fsdp.device_count);
+   * NULL counts as 1 for a device with data, 0 without */
+  int (*count)(void *ctx);
+  /* optional: called on each rank's thread as it starts, with the rank's index among the ranks
+   * of this machine: the device picks which physical one that thread uses (rank % count) */
+  void (*bind)(void *ctx, int local_rank);
+  /* optional: one line describing the device for fsdp.info() ("NVIDIA H200, sm_90, 139 GiB") */
+  void (*describe)(void *ctx, char *buf, size_t n);
   /* optional, devices without data: the error for reading a tensor's data, after
    * "<what>: <tensor or parameter label> " — e.g. "is sharded: gather its unit (u:gather()) or
    * use fsdp.full_params". NULL: "tensor on <name> device has no data". */
@@ -137,6 +145,10 @@ size_t fsdp_device_cpu_cached_bytes(void);
 int fsdp_device_count(void);
 const fsdp_device_i *fsdp_device_at(int i); /* NULL when i is out of range */
 int fsdp_device_index(const fsdp_device_i *dev);
+/* Physical devices of the registered device named `name` (0 when none is registered). */
+int fsdp_device_count_of(const char *name);
+/* Every registered device's bind slot, on the calling (rank) thread. */
+void fsdp_devices_bind(int local_rank);
 
 /* ---- allocator accounting (alloc.c) ------------------------------------------------------ */
 

@@ -250,6 +250,22 @@ int fsdp_device_index(const fsdp_device_i *dev) {
   return -1;
 }
 
+int fsdp_device_count_of(const char *name) {
+  int n = reg_count();
+  for (int i = 0; name && i < n; i++)
+    if (strcmp(reg.dev[i]->name, name) == 0) {
+      const fsdp_device_i *d = reg.dev[i];
+      return d->count ? d->count(d->ctx) : d->has_data ? 1 : 0;
+    }
+  return 0;
+}
+
+void fsdp_devices_bind(int local_rank) {
+  int n = reg_count();
+  for (int i = 0; i < n; i++)
+    if (reg.dev[i]->bind) reg.dev[i]->bind(reg.dev[i]->ctx, local_rank);
+}
+
 const fsdp_device_i *fsdp_device_find(const char *name) {
   int n = reg_count();
   if (name)

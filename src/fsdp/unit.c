@@ -491,6 +491,18 @@ int fsdp_unit_new(fsdp_unit **out, fsdp_comm *c, const char *path, fsdp_tensor *
                fsdp_dtype_name(o.reduce_dtype));
   else
     valid = validate(path, params, paths, n);
+  if (valid == FSDP_OK && o.device) { /* the buffers' device: every parameter with data is there */
+    if (!o.device->has_data || !fsdp_kernels_of(o.device, "wrap"))
+      valid = fsdp_error("wrap: unit '%s': the %s device cannot hold a unit's buffers", path,
+                         o.device->name);
+    for (int i = 0; valid == FSDP_OK && i < n; i++) {
+      const fsdp_device_i *d = params[i]->storage->device;
+      if (d->has_data && d != o.device)
+        valid = fsdp_error("wrap: unit '%s': parameter %s is on the %s device, the unit's "
+                           "buffers go on %s; move the model there first (model:to(\"%s\"))",
+                           path, paths[i], d->name, o.device->name, o.device->name);
+    }
+  }
   char errbuf[TEXT_BYTES];
   const char *local_err = NULL;
   if (valid != FSDP_OK) {
@@ -529,8 +541,8 @@ int fsdp_unit_new(fsdp_unit **out, fsdp_comm *c, const char *path, fsdp_tensor *
   bool none = o.strategy == FSDP_STRATEGY_NONE;
   u->shard_numel = none ? u->padded : u->padded / W;
   u->shard_offset = none ? 0 : (int64_t)R * u->shard_numel;
-  u->device = &fsdp_device_cpu;
-  for (int i = 0; i < n; i++)
+  u->device = o.device ? o.device : &fsdp_device_cpu;
+  for (int i = 0; !o.device && i < n; i++)
     if (params[i]->storage->device->has_data) u->device = params[i]->storage->device;
   if (flat_new(&u->shard, u->device, FSDP_DTYPE_F32, u->shard_numel, FSDP_ROLE_PARAMS, true) ||
       flat_new(&u->grad_shard, u->device, FSDP_DTYPE_F32, u->shard_numel, FSDP_ROLE_GRADS, true) ||

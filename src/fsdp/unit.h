@@ -90,6 +90,10 @@ typedef struct fsdp_unit_opts {
    * unwrap) gathers the f32 masters. */
   fsdp_dtype param_dtype;
   fsdp_dtype reduce_dtype;
+  /* Where the unit's buffers live; NULL: its parameters' device (the cpu when they are all meta).
+   * Set, it must be the device of every parameter with data: it says where meta parameters'
+   * shards go (a model built on meta, materialized straight onto that device). */
+  const fsdp_device_i *device;
 } fsdp_unit_opts;
 
 typedef struct fsdp_unit fsdp_unit;

@@ -424,12 +424,25 @@ static void release(fsdp_host *h) {
   if (atomic_fetch_sub(&h->refs, 1) == 1) destroy(h);
 }
 
+/* The rank's index among this machine's ranks (devices pick theirs from it): the thread's rank
+ * when the host runs several, else the launcher's (mpirun, torchrun-style) LOCAL_RANK. */
+static int local_rank(const fsdp_host *h, const fsdp_host_rank *r) {
+  if (h->nranks > 1) return r->rank;
+  const char *names[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_RANK"};
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+    const char *v = getenv(names[i]);
+    if (v && *v) return atoi(v);
+  }
+  return 0;
+}
+
 static void *rank_thread(void *arg) {
   fsdp_host_rank *r = arg;
   fsdp_host *h = r->host;
   tl_rank = r;
   fsdp_mem_domain_set(r->domain);
   fsdp_comm_set_current(r->comm);
+  fsdp_devices_bind(local_rank(h, r));
   uint64_t seen = 0;
   pthread_mutex_lock(&h->mu);
   for (;;) {

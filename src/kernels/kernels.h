@@ -140,7 +140,12 @@ typedef struct fsdp_kernels_i {
   int (*softmax_forward)(void *ctx, fsdp_dtype dt, void *out, const void *inp, int64_t N, int C);
   int (*softmax_backward)(void *ctx, fsdp_dtype dt, void *dinp, const void *dout,
                           const void *out, int64_t N, int C);
-  /* causal self-attention on a fused qkv (B, T, 3C); att (B, NH, T, T) saved for backward */
+  /* causal self-attention on a fused qkv (B, T, 3C). `att` is what the forward saves for the
+   * backward, in a layout the device chooses: attention_saved gives its element count and dtype
+   * (the cpu: the probabilities, (B, NH, T, T) of dt; a fused kernel that never materialises
+   * them: the row log-sum-exps, (B, NH, T) f32) */
+  int64_t (*attention_saved)(void *ctx, fsdp_dtype dt, int B, int T, int C, int NH,
+                             fsdp_dtype *saved_dt);
   int (*attention_forward)(void *ctx, fsdp_dtype dt, void *out, void *att, const void *qkv,
                            int B, int T, int C, int NH);
   int (*attention_backward)(void *ctx, fsdp_dtype dt, void *dqkv, const void *dout,
@@ -235,6 +240,11 @@ typedef struct fsdp_kernels_i {
   /* out[i] = the value of element i (for groups a shard boundary cuts) */
   int (*mask_values)(void *ctx, fsdp_dtype dt, void *out, const void *x, const void *m,
                      int64_t n);
+
+  /* ---- modes ---- */
+  /* optional: deterministic mode on or off (fsdp.deterministic): every kernel then gives
+   * bitwise repeatable results (no atomics in reductions). NULL: always deterministic. */
+  int (*set_deterministic)(void *ctx, bool on);
 } fsdp_kernels_i;
 
 /* Register the devices this build has (the cpu's kernels, then any other device folder's).
@@ -243,6 +253,10 @@ void fsdp_kernels_init(void);
 /* The kernel table of dev; NULL with "<what>: no kernels on the <name> device" when it has
  * none (meta, sharded). */
 const fsdp_kernels_i *fsdp_kernels_of(const fsdp_device_i *dev, const char *what);
+/* Deterministic mode on every registered device with kernels (fsdp.deterministic); returns the
+ * previous setting. Devices without the slot are always deterministic. */
+bool fsdp_kernels_set_deterministic(bool on);
+bool fsdp_kernels_deterministic(void);
 /* For kernel tables: "op <op> has no kernel for <dtype> on <device>"; returns FSDP_ERR. */
 int fsdp_kernels_refuse(const char *op, fsdp_dtype dt, const char *device);
 

@@ -29,6 +29,21 @@ const fsdp_kernels_i *fsdp_kernels_of(const fsdp_device_i *dev, const char *what
   return k;
 }
 
+static bool deterministic;
+
+bool fsdp_kernels_set_deterministic(bool on) {
+  fsdp_kernels_init();
+  bool prev = __atomic_exchange_n(&deterministic, on, __ATOMIC_ACQ_REL);
+  for (int i = 0; i < fsdp_device_count(); i++) {
+    const fsdp_device_i *d = fsdp_device_at(i);
+    const fsdp_kernels_i *k = __atomic_load_n(&d->kernels, __ATOMIC_ACQUIRE);
+    if (k && k->set_deterministic) k->set_deterministic(d->ctx, on);
+  }
+  return prev;
+}
+
+bool fsdp_kernels_deterministic(void) { return __atomic_load_n(&deterministic, __ATOMIC_ACQUIRE); }
+
 int fsdp_kernels_refuse(const char *op, fsdp_dtype dt, const char *device) {
   return fsdp_error("op %s has no kernel for %s on %s", op, fsdp_dtype_name(dt), device);
 }

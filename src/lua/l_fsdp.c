@@ -14,6 +14,7 @@
 
 #include "comm/comm.h"
 #include "fsdp/unit.h"
+#include "kernels/kernels.h"
 #include "lua/binding.h"
 
 #define FSDP_UNIT_MT "fsdp.Unit"
@@ -104,9 +105,17 @@ static int l_unit_new(lua_State *L) {
   }
   o.is_root = opt_bool(L, opts, "root", false);
   o.reshard_after_forward = opt_bool(L, opts, "reshard_after_forward", true);
-  /* mixed precision: param_dtype / reduce_dtype names (f32 when absent) */
+  /* mixed precision: param_dtype / reduce_dtype names (f32 when absent); device: where the
+   * buffers go (a device name; absent: the parameters') */
   o.param_dtype = o.reduce_dtype = FSDP_DTYPE_F32;
   if (opts) {
+    lua_getfield(L, opts, "device");
+    if (!lua_isnil(L, -1)) {
+      if (lua_type(L, -1) != LUA_TSTRING)
+        luaL_error(L, "unit_new: device must be a device name, got a %s", luaL_typename(L, -1));
+      if (!(o.device = fsdp_device_find(lua_tostring(L, -1)))) fsdp_lua_error(L);
+    }
+    lua_pop(L, 1);
     lua_getfield(L, opts, "param_dtype");
     if (!lua_isnil(L, -1)) o.param_dtype = fsdp_lua_check_dtype(L, -1);
     lua_getfield(L, opts, "reduce_dtype");
@@ -143,11 +152,16 @@ static void contiguous_strides(int64_t *strides, int ndim, const int64_t *shape)
 
 static const char *param_name(const fsdp_tensor *p) { return p->label ? p->label : "parameter"; }
 
-/* core.param_materialize(p): a parameter on the meta device gets dense, zero-filled cpu storage
- * of its size (role params), in place: the same tensor object, so every reference to it (a tie,
+/* core.param_materialize(p [, device]): a parameter on the meta device gets dense, zero-filled
+ * storage of its size on device (the cpu by default; role params), in place: the same tensor object, so every reference to it (a tie,
  * an optimizer's list, a saved local) sees the new storage. Returns p. */
 static int l_param_materialize(lua_State *L) {
   fsdp_tensor *p = fsdp_lua_check_tensor(L, 1);
+  const fsdp_device_i *dev = &fsdp_device_cpu;
+  if (!lua_isnoneornil(L, 2) && !(dev = fsdp_device_find(luaL_checkstring(L, 2))))
+    return fsdp_lua_error(L);
+  if (!dev->has_data)
+    luaL_error(L, "param_materialize: the %s device holds no values", dev->name);
   if (p->storage->device != &fsdp_device_meta)
     luaL_error(L, "param_materialize: %s is on the %s device, not meta", param_name(p),
                p->storage->device->name);
@@ -156,11 +170,54 @@ static int l_param_materialize(lua_State *L) {
                param_name(p));
   fsdp_storage *s;
   size_t bytes = (size_t)fsdp_tensor_numel(p) * fsdp_dtype_size(p->dtype);
-  if (fsdp_storage_new(&s, &fsdp_device_cpu, bytes, FSDP_ROLE_PARAMS))
-    return fsdp_lua_error(L);
+  if (fsdp_storage_new(&s, dev, bytes, FSDP_ROLE_PARAMS)) return fsdp_lua_error(L);
   contiguous_strides(p->strides, p->ndim, p->shape);
   fsdp_tensor_set_storage(p, s, 0);
   fsdp_storage_release(s);
+  lua_settop(L, 1);
+  return 1;
+}
+
+/* core.param_to(p, device, dtype): a plain parameter's values moved to another device and/or
+ * dtype, in place (the same parameter object: ties and saved references stay; its gradient
+ * moves with it). A parameter of a unit is refused: move a model before wrapping it. Returns p. */
+static int l_param_to(lua_State *L) {
+  fsdp_tensor *p = fsdp_lua_check_tensor(L, 1);
+  const fsdp_device_i *dev = fsdp_device_find(luaL_checkstring(L, 2));
+  if (!dev) return fsdp_lua_error(L);
+  fsdp_dtype dt = lua_isnoneornil(L, 3) ? p->dtype : fsdp_lua_check_dtype(L, 3);
+  if (fsdp_param_unit(p))
+    luaL_error(L, "to: %s belongs to a unit: move the model before wrapping it (or wrap it "
+               "with its parameters where they should live)", param_name(p));
+  if (!fsdp_dtype_is_float(dt))
+    luaL_error(L, "to: %s is a parameter; parameters take a float dtype, not %s", param_name(p),
+               fsdp_dtype_name(dt));
+  if (p->storage->device == dev && p->dtype == dt) {
+    lua_settop(L, 1);
+    return 1;
+  }
+  fsdp_tensor *moved = NULL, *grad = NULL;
+  if (p->storage->device->has_data) {
+    if (fsdp_to(&moved, p, dev, dt, FSDP_ROLE_PARAMS)) return fsdp_lua_error(L);
+    if (p->grad && fsdp_to(&grad, p->grad, dev, dt, FSDP_ROLE_GRADS)) {
+      fsdp_tensor_release(moved);
+      return fsdp_lua_error(L);
+    }
+  } else if (dev->has_data) {
+    luaL_error(L, "to: %s is on the %s device and has no values to move: materialize it first "
+               "(fsdp.materialize(model, {device = \"%s\"}))", param_name(p),
+               p->storage->device->name, dev->name);
+  } else if (fsdp_tensor_new(&moved, dev, dt, p->ndim, p->shape, FSDP_ROLE_PARAMS)) {
+    return fsdp_lua_error(L); /* meta to meta: only the dtype changes */
+  }
+  contiguous_strides(p->strides, p->ndim, p->shape);
+  p->offset = 0;
+  fsdp_tensor_set_storage(p, moved->storage, moved->offset);
+  p->dtype = dt;
+  p->version++;
+  fsdp_tensor_set_grad(p, grad);
+  fsdp_tensor_release(grad);
+  fsdp_tensor_release(moved);
   lua_settop(L, 1);
   return 1;
 }
@@ -446,6 +503,7 @@ static const luaL_Reg methods[] = {
 static const luaL_Reg functions[] = {
     {"unit_new", l_unit_new}, {"param_unit", l_param_unit},
     {"param_materialize", l_param_materialize}, {"param_to_meta", l_param_to_meta},
+    {"param_to", l_param_to},
     {"same_storage", l_same_storage}, {NULL, NULL}};
 
 void fsdp_lua_open_fsdp(lua_State *L) {

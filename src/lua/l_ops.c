@@ -366,7 +366,78 @@ static int l_get_threads(lua_State *L) {
   return 1;
 }
 
+/* ---- devices, modes, build information ---------------------------------------------------- */
+
+/* device_count(name) -> physical devices of that kind (0 for a name no device has) */
+static int l_device_count(lua_State *L) {
+  fsdp_kernels_init();
+  lua_pushinteger(L, fsdp_device_count_of(luaL_checkstring(L, 1)));
+  return 1;
+}
+
+/* deterministic([on]) -> the previous setting; without an argument, the current one */
+static int l_deterministic(lua_State *L) {
+  if (lua_isnoneornil(L, 1)) {
+    lua_pushboolean(L, fsdp_kernels_deterministic());
+    return 1;
+  }
+  luaL_checktype(L, 1, LUA_TBOOLEAN);
+  lua_pushboolean(L, fsdp_kernels_set_deterministic(lua_toboolean(L, 1)));
+  return 1;
+}
+
+/* devices() -> { {name =, count =, kernels = bool, has_data = bool, host_memory = bool,
+ * description = string or nil}, ... } in registry order */
+static int l_devices(lua_State *L) {
+  fsdp_kernels_init();
+  int n = fsdp_device_count();
+  lua_createtable(L, n, 0);
+  for (int i = 0; i < n; i++) {
+    const fsdp_device_i *d = fsdp_device_at(i);
+    lua_createtable(L, 0, 6);
+    lua_pushstring(L, d->name);
+    lua_setfield(L, -2, "name");
+    lua_pushinteger(L, fsdp_device_count_of(d->name));
+    lua_setfield(L, -2, "count");
+    lua_pushboolean(L, d->kernels != NULL);
+    lua_setfield(L, -2, "kernels");
+    lua_pushboolean(L, d->has_data);
+    lua_setfield(L, -2, "has_data");
+    lua_pushboolean(L, d->host_memory);
+    lua_setfield(L, -2, "host_memory");
+    if (d->describe) {
+      char buf[256] = "";
+      d->describe(d->ctx, buf, sizeof buf);
+      lua_pushstring(L, buf);
+      lua_setfield(L, -2, "description");
+    }
+    lua_rawseti(L, -2, i + 1);
+  }
+  return 1;
+}
+
+/* cpu_features() -> {avx2 =, avx512f =, avx512bf16 =, ...}: what this processor has */
+static int l_cpu_features(lua_State *L) {
+  __builtin_cpu_init();
+  lua_createtable(L, 0, 6);
+  lua_pushboolean(L, __builtin_cpu_supports("avx2"));
+  lua_setfield(L, -2, "avx2");
+  lua_pushboolean(L, __builtin_cpu_supports("fma"));
+  lua_setfield(L, -2, "fma");
+  lua_pushboolean(L, __builtin_cpu_supports("avx512f"));
+  lua_setfield(L, -2, "avx512f");
+  lua_pushboolean(L, __builtin_cpu_supports("avx512bw"));
+  lua_setfield(L, -2, "avx512bw");
+  lua_pushboolean(L, __builtin_cpu_supports("avx512vl"));
+  lua_setfield(L, -2, "avx512vl");
+  lua_pushboolean(L, __builtin_cpu_supports("avx512bf16"));
+  lua_setfield(L, -2, "avx512bf16");
+  return 1;
+}
+
 static const luaL_Reg funcs[] = {
+    {"device_count", l_device_count}, {"deterministic", l_deterministic},
+    {"devices", l_devices},       {"cpu_features", l_cpu_features},
     {"set_grad_enabled", l_set_grad_enabled}, {"is_grad_enabled", l_is_grad_enabled},
     {"tape_size", l_tape_size},   {"tape_clear", l_tape_clear},
     {"tape_prune", l_tape_prune},

@@ -1233,6 +1233,18 @@ static const luaL_Reg metamethods[] = {
     {"__mul", l_mul},     {"__div", l_div},           {"__unm", l_unm},
     {NULL, NULL}};
 
+/* dtype_name(x): the canonical name of a dtype name ("bfloat16" -> "bf16"), nil when x names
+ * none. */
+static int l_dtype_name(lua_State *L) {
+  fsdp_dtype dt;
+  if (lua_type(L, 1) == LUA_TSTRING && fsdp_dtype_parse(lua_tostring(L, 1), &dt) == FSDP_OK)
+    lua_pushstring(L, fsdp_dtype_name(dt));
+  else
+    lua_pushnil(L);
+  fsdp_error_clear();
+  return 1;
+}
+
 /* is_tensor(x): true for a live tensor userdata (a freed one is false). */
 static int l_is_tensor(lua_State *L) {
   lua_pushboolean(L, fsdp_lua_to_tensor(L, 1) != NULL);
@@ -1240,7 +1252,7 @@ static int l_is_tensor(lua_State *L) {
 }
 
 static const luaL_Reg constructors[] = {
-    {"is_tensor", l_is_tensor},
+    {"is_tensor", l_is_tensor}, {"dtype_name", l_dtype_name},
     {"tensor", l_tensor}, {"zeros", l_zeros}, {"ones", l_ones}, {"full", l_full},
     {"empty", l_empty},   {"randn", l_randn}, {"rand", l_rand}, {"arange", l_arange},
     {NULL, NULL}};

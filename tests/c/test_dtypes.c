@@ -336,6 +336,19 @@ static int r_attention_backward(run *r, int a) {
              *att = in(r, AB * AH * AT * AT, G_UNIT);
   return K()->attention_backward(CTX, DT, d, g, qkv, att, AB, AT, AC, AH);
 }
+/* the saved-state size as an output (i64), and its dtype as the second */
+static int r_attention_saved(run *r, int a) {
+  fsdp_dtype sdt = FSDP_DTYPE_BOOL;
+  int64_t n = K()->attention_saved(CTX, DT, AB, AT, AC, AH, &sdt);
+  int64_t *o = out_dt(r, FSDP_DTYPE_I64, 2);
+  o[0] = n;
+  o[1] = sdt == DT ? 1 : 0; /* the cpu saves in the compute dtype */
+  return n == (int64_t)AB * AH * AT * AT ? FSDP_OK : fsdp_error("attention_saved: %lld", (long long)n);
+}
+/* deterministic mode: the cpu is always deterministic; the slot accepts both settings */
+static int r_set_deterministic(run *r, int a) {
+  return K()->set_deterministic(CTX, true) || K()->set_deterministic(CTX, false);
+}
 static const double targets4[] = {0, 3, -1, 4};
 static int r_cross_entropy_forward(run *r, int a) {
   const void *logits = in(r, 4 * 5, G_SIGNED), *t = vals_dt(r, FSDP_DTYPE_I64, 4, targets4);
@@ -525,6 +538,7 @@ static const row rows[] = {
     {"layernorm_backward, f32 weight grads", "layernorm", F32H, r_layernorm_backward, 1},
     {"softmax_forward", "softmax", F32H, r_softmax_forward, 0},
     {"softmax_backward", "softmax", F32H, r_softmax_backward, 0},
+    {"attention_saved", "-", ALL, r_attention_saved, 0},
     {"attention_forward", "attention", F32H, r_attention_forward, 0},
     {"attention_backward", "attention", F32H, r_attention_backward, 0},
     {"cross_entropy_forward", "cross_entropy", F32H, r_cross_entropy_forward, 0},
@@ -556,11 +570,13 @@ static const row rows[] = {
     {"mask_select", "mask_select", F32, r_mask_select, 0},
     {"mask_nm", "mask_nm", F32, r_mask_nm, 0},
     {"mask_values", "mask_values", F32, r_mask_values, 0},
+    /* modes */
+    {"set_deterministic", "-", ALL, r_set_deterministic, 0},
 };
 #define NROWS ((int)(sizeof rows / sizeof rows[0]))
 
 /* The slots the rows above cover: every member of fsdp_kernels_i. */
-#define NSLOTS 58
+#define NSLOTS 60
 
 /* ---- comparison ----------------------------------------------------------------------------- */
 

@@ -232,3 +232,86 @@ describe("data and safetensors helpers on cpu2", function()
     os.remove(dir)
   end)
 end)
+
+describe("models on another device", function()
+  local nn = fsdp.nn
+
+  it("model:to moves the parameters in place and the model trains there like on the cpu", function()
+    local function make()
+      fsdp.manual_seed(3)
+      return nn.GPT{vocab = 16, ctx = 8, d = 16, layers = 1, heads = 2}
+    end
+    local a, b = make(), make()
+    local w = b.wte.weight
+    assert.are.equal(b, b:to("cpu2"))
+    assert.are.equal(w, b.wte.weight) -- the same parameter object
+    assert.are.equal("cpu2", w.device)
+    assert.are.equal(b.head.weight, b.wte.weight) -- the tie holds
+    local ids = fsdp.tensor({{1, 2, 3, 4}, {5, 6, 7, 8}}, {dtype = "i64"})
+    local la = nn.F.cross_entropy(a(ids), ids)
+    la:backward() -- (backward consumes the thread's whole tape: one graph at a time)
+    local lb = nn.F.cross_entropy(b(ids:to("cpu2")), ids:to("cpu2"))
+    lb:backward()
+    assert.are.equal(la:item(), lb:item())
+    assert.is_true(H.same_values(a.wte.weight.grad, b.wte.weight.grad:to("cpu")))
+    b:to("bf16")
+    assert.are.equal("bf16", b.wte.weight:dtype())
+    assert.are.equal("bf16", b.wte.weight.grad:dtype()) -- gradients move with the parameters
+    H.assert_error_has(function() b:to("nowhere") end, "unknown device 'nowhere'")
+    H.assert_error_has(function() b:to("i64") end, "parameters take a float dtype, not i64")
+  end)
+
+  it("wrap{device =} puts a meta model's shards there and materialize fills them", function()
+    fsdp.manual_seed(5)
+    local eager = nn.Sequential{nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)}
+    fsdp.manual_seed(5)
+    local m = fsdp.meta(function() return nn.Sequential{nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)} end)
+    fsdp.wrap(m, {device = "cpu2"})
+    fsdp.materialize(m)
+    for _, u in ipairs(fsdp.units(m)) do assert.are.equal("cpu2", u:shard().device) end
+    local x = fsdp.randn{3, 8}
+    local want = eager(x)
+    local got = m(x:to("cpu2"))
+    assert.is_true(H.same_values(want, got:to("cpu")))
+    H.assert_error_has(function() fsdp.materialize(m, {device = "cpu"}) end,
+      "a wrapped model's shards are where wrap put them (cpu2)")
+    fsdp.unwrap(m)
+    assert.are.equal("cpu2", m[1].weight.device)
+    H.assert_error_has(function() fsdp.wrap(nn.Linear(2, 2), {device = "cpu2"}) end,
+      "is on the cpu device, the unit's buffers go on cpu2")
+    H.assert_error_has(function() fsdp.wrap(nn.Linear(2, 2), {device = 3}) end,
+      "device must be a device name")
+  end)
+
+  it("materialize{device =} gives a plain meta model's parameters storage there", function()
+    fsdp.manual_seed(6)
+    local eager = nn.Linear(4, 3)
+    fsdp.manual_seed(6)
+    local m = fsdp.meta(function() return nn.Linear(4, 3) end)
+    fsdp.materialize(m, {device = "cpu2"})
+    assert.are.equal("cpu2", m.weight.device)
+    assert.is_true(H.same_values(eager.weight, m.weight:to("cpu")))
+    H.assert_error_has(function() fsdp.materialize(m, {colour = 1}) end,
+      "fsdp.materialize: unknown option colour (init, device)")
+    local meta = fsdp.meta(function() return nn.Linear(4, 3) end)
+    H.assert_error_has(function() meta:to("cpu2") end, "has no values to move: materialize it first")
+  end)
+
+  it("device_count, devices, info and deterministic mode", function()
+    assert.are.equal(1, fsdp.device_count("cpu"))
+    assert.are.equal(0, fsdp.device_count("meta"))
+    assert.are.equal(0, fsdp.device_count("no such device"))
+    assert.are.equal(1, fsdp.device_count("cpu2"))
+    local names = {}
+    for _, d in ipairs(core.devices()) do names[#names + 1] = d.name end
+    assert.are.same({"cpu", "meta", "cpu2"}, names)
+    local text = tostring(fsdp.info())
+    assert.truthy(text:find("device cpu2", 1, true), text)
+    assert.is_boolean(fsdp.info().cpu.avx2)
+    local prev = fsdp.deterministic(true)
+    assert.is_true(fsdp.deterministic())
+    fsdp.deterministic(prev)
+    assert.are.equal(prev, fsdp.deterministic())
+    H.assert_error_has(function() fsdp.deterministic("yes") end, "boolean expected")
+  end)
+end)

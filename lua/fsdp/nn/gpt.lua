@@ -68,9 +68,11 @@ end
 -- Positions 0..T-1 (i64) as a view of one cached arange(ctx) (no tensor per step but the view).
 function GPT:positions(T)
   local pos = rawget(self, "__positions")
-  if pos == nil then
-    pos = fsdp.arange(self.ctx, {dtype = "i64"})
+  local device = self.wpe.weight.device -- the positions live where the weights compute
+  if pos == nil or pos.device ~= device then
+    pos = fsdp.arange(self.ctx, {dtype = "i64", device = device})
     rawset(self, "__positions", pos)
+    rawset(self, "__row_positions", nil)
   end
   if T == self.ctx then return pos end
   return pos:narrow(1, 1, T)

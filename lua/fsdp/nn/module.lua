@@ -294,6 +294,23 @@ function Module:eval() return self:train(false) end
 -- Drops every parameter's gradient (p.grad = nil): the next backward allocates afresh. On a
 -- wrapped root (fsdp.wrap) it also zeroes every unit's gradient shard, where the gradients of
 -- a sharded model accumulate.
+-- Module:to(device | dtype [, device | dtype]) -> self: every parameter moved in place (the same
+-- parameter objects, so ties and saved references stay; gradients move with them). A model
+-- must be moved before it is wrapped (its units' buffers live where its parameters are).
+function Module:to(a, b)
+  local core = require "fsdp.core"
+  local device, dtype
+  for _, x in ipairs{a, b} do
+    if type(x) ~= "string" then M.raise(("to: expected a device or dtype name (got %s)"):format(type(x))) end
+    if core.dtype_name(x) then dtype = x else device = x end
+  end
+  for _, p in ipairs(self:parameters()) do
+    local ok, err = pcall(core.param_to, p, device or p.device, dtype)
+    if not ok then M.raise((tostring(err):gsub("^[^\n]-%.lua:%d+: ", ""))) end
+  end
+  return self
+end
+
 function Module:zero_grad()
   for _, p in ipairs(self:parameters()) do p.grad = nil end
   local w = package.loaded["fsdp.wrap"]

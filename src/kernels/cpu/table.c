@@ -683,6 +683,16 @@ static int k_softmax_backward(void *ctx, fsdp_dtype dt, void *dinp, const void *
   return fsdp_cpu_half_softmax_backward(dt, dinp, dout, out, N, C);
 }
 
+/* the cpu's kernels are deterministic whatever the setting (fixed reduction orders) */
+static int k_set_deterministic(void *ctx, bool on) { return FSDP_OK; }
+
+/* the cpu saves the softmax probabilities (B, NH, T, T) in the compute dtype */
+static int64_t k_attention_saved(void *ctx, fsdp_dtype dt, int B, int T, int C, int NH,
+                                 fsdp_dtype *saved_dt) {
+  *saved_dt = dt;
+  return (int64_t)B * NH * T * T;
+}
+
 static int k_attention_forward(void *ctx, fsdp_dtype dt, void *out, void *att, const void *qkv,
                                int B, int T, int C, int NH) {
   if (dt == FSDP_DTYPE_F32) {
@@ -1093,6 +1103,8 @@ const fsdp_kernels_i fsdp_cpu_kernels = {
     .layernorm_backward = k_layernorm_backward,
     .softmax_forward = k_softmax_forward,
     .softmax_backward = k_softmax_backward,
+    .attention_saved = k_attention_saved,
+    .set_deterministic = k_set_deterministic,
     .attention_forward = k_attention_forward,
     .attention_backward = k_attention_backward,
     .cross_entropy_forward = k_cross_entropy_forward,
