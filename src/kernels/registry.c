@@ -13,9 +13,13 @@
 
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 
+int fsdp_cuda_register(void); /* src/kernels/cuda (or cuda_stub.c without CUDA) */
+
 static void register_all(void) {
   /* cannot fail: the cpu is already in the registry, this only attaches its kernels */
   (void)fsdp_cpu_register();
+  /* a machine without a GPU registers nothing; a failure leaves "cuda" unknown */
+  (void)fsdp_cuda_register();
 }
 
 void fsdp_kernels_init(void) { pthread_once(&once, register_all); }
