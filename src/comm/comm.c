@@ -4,7 +4,7 @@
  * calling thread's current communicator, and the world of one.
  *
  * Threads and locks: everything mutable in a fsdp_comm is guarded by c->mu, except what only
- * the thread running a collective touches (run_check_labels, read by the backend on that same
+ * the thread running a collective touches (run_check_labels, run_full_check, read by the backend on that same
  * thread). The backend runs with c->mu released, so stats and the recorder stay readable while
  * a collective blocks. One collective runs at a time per communicator: on the worker thread, or
  * inline on the caller when nothing is queued or running (a blocking call with an idle queue;
@@ -59,6 +59,7 @@ struct fsdp_comm_req {
   fsdp_coll coll;
   uint64_t seq;
   bool check_labels;
+  bool full_check;
   bool done;    /* guarded by c->mu */
   int rc;
   char *msg;    /* failure message (malloc'd), NULL on success */
@@ -85,6 +86,7 @@ struct fsdp_comm {
   double timeout;         /* seconds, > 0 */
   double default_timeout; /* FSDP_TIMEOUT or 60 */
   bool debug;
+  bool full_check; /* FSDP_COMM_CHECK=full: every rank's fingerprint reaches every rank */
   label_set labels;
   fsdp_comm_stats stats;
   rec_entry rec[FSDP_COMM_RECORDER];
@@ -97,6 +99,7 @@ struct fsdp_comm {
   char refuse[FSDP_COMM_MSG_CAP];
 
   bool run_check_labels; /* the running collective's; only its running thread touches it */
+  bool run_full_check;   /* likewise */
 };
 
 static double now_s(void) {
@@ -128,6 +131,54 @@ bool fsdp_coll_matches(const fsdp_coll *a, const fsdp_coll *b, bool labels) {
   if (a->op == FSDP_COLL_BROADCAST && a->root != b->root) return false;
   if (labels && strncmp(a->label, b->label, sizeof a->label) != 0) return false;
   return true;
+}
+
+/* splitmix64's finaliser: every input bit moves every output bit */
+static uint64_t mix64(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  x ^= x >> 31;
+  return x;
+}
+
+uint64_t fsdp_coll_hash(const fsdp_coll *k, uint64_t seq, bool labels) {
+  /* exactly what fsdp_coll_matches compares (red and root only where they apply), and seq */
+  uint64_t h = mix64(seq ^ 0x6673647072756e31ull);
+  h = mix64(h ^ (uint64_t)k->op);
+  h = mix64(h ^ (uint64_t)k->dtype);
+  h = mix64(h ^ (uint64_t)k->count);
+  h = mix64(h ^ (op_has_red(k->op) ? (uint64_t)k->red + 1 : 0));
+  h = mix64(h ^ (k->op == FSDP_COLL_BROADCAST ? (uint64_t)(uint32_t)k->root + 1 : 0));
+  if (labels) {
+    size_t n = strnlen(k->label, sizeof k->label);
+    for (size_t i = 0; i < n; i++) h = (h ^ (unsigned char)k->label[i]) * 1099511628211ull;
+    h = mix64(h ^ n);
+  }
+  return h;
+}
+
+void fsdp_coll_check_init(uint64_t v[FSDP_CHECK_WORDS], const fsdp_coll *k, uint64_t seq,
+                          bool check_labels, bool full) {
+  uint64_t a = fsdp_coll_hash(k, seq, false), b = fsdp_coll_hash(k, seq, true);
+  v[0] = a;
+  v[1] = ~a;
+  v[2] = b;
+  v[3] = ~b;
+  v[4] = check_labels;
+  v[FSDP_CHECK_FULL] = full;
+}
+
+void fsdp_coll_check_fold(uint64_t acc[FSDP_CHECK_WORDS], const uint64_t v[FSDP_CHECK_WORDS]) {
+  for (int i = 0; i < FSDP_CHECK_WORDS; i++)
+    if (v[i] > acc[i]) acc[i] = v[i];
+}
+
+bool fsdp_coll_check_agrees(const uint64_t acc[FSDP_CHECK_WORDS]) {
+  /* max(h) == min(h) = ~max(~h): every rank's hash is the same */
+  if (acc[0] != ~acc[1]) return false;
+  return !acc[4] || acc[2] == ~acc[3];
 }
 
 char *fsdp_coll_describe(char *buf, size_t n, const fsdp_coll *coll) {
@@ -219,6 +270,22 @@ static int env_timeout(double *out, bool strict) {
   return FSDP_OK;
 }
 
+/* FSDP_COMM_CHECK: "hash" (the default: the ranks agree on a hash of their fingerprints in
+ * O(log N), the full fingerprints move only after a mismatch) or "full" (every rank's full
+ * fingerprint reaches every rank on every collective: O(N) per rank, the check as it was before
+ * hashing; kept for measurement and for suspicion of the hash). */
+static int env_full_check(bool *out, bool strict) {
+  *out = false;
+  const char *s = getenv("FSDP_COMM_CHECK");
+  if (!s || !*s || strcmp(s, "hash") == 0) return FSDP_OK;
+  if (strcmp(s, "full") == 0) {
+    *out = true;
+    return FSDP_OK;
+  }
+  if (!strict) return FSDP_OK;
+  return fsdp_error("FSDP_COMM_CHECK: expected 'hash' or 'full', got '%s'", s);
+}
+
 static bool env_debug(void) {
   const char *s = getenv("FSDP_DEBUG");
   if (!s) return false;
@@ -233,6 +300,8 @@ static int comm_create(fsdp_comm **out, const fsdp_comm_i *vt, void *impl, int r
   *out = NULL;
   double timeout;
   if (env_timeout(&timeout, strict_env) != FSDP_OK) return FSDP_ERR;
+  bool full_check;
+  if (env_full_check(&full_check, strict_env) != FSDP_OK) return FSDP_ERR;
   fsdp_comm *c = calloc(1, sizeof *c);
   if (!c) return fsdp_error("communicator: out of memory");
   c->vt = vt;
@@ -242,6 +311,7 @@ static int comm_create(fsdp_comm **out, const fsdp_comm_i *vt, void *impl, int r
   c->t0 = now_s();
   c->timeout = c->default_timeout = timeout;
   c->debug = env_debug();
+  c->full_check = full_check;
   pthread_mutex_init(&c->mu, NULL);
   pthread_cond_init(&c->work_cv, NULL);
   pthread_cond_init(&c->done_cv, NULL);
@@ -384,6 +454,14 @@ void fsdp_comm_set_debug(fsdp_comm *c, bool on) {
   pthread_mutex_unlock(&c->mu);
 }
 
+void fsdp_comm_set_full_check(fsdp_comm *c, bool on) {
+  pthread_mutex_lock(&c->mu);
+  c->full_check = on;
+  pthread_mutex_unlock(&c->mu);
+}
+
+bool fsdp_comm_full_check(const fsdp_comm *c) { return c->run_full_check; }
+
 bool fsdp_comm_debug(const fsdp_comm *c) {
   fsdp_comm *m = (fsdp_comm *)c;
   pthread_mutex_lock(&m->mu);
@@ -504,6 +582,7 @@ static void exec_begin(fsdp_comm *c, fsdp_comm_req *r) {
     e->t_start = now_s();
   }
   c->run_check_labels = r->check_labels;
+  c->run_full_check = r->full_check;
   bool own_poison = !c->vt->abort && c->poisoned;
   char poison[FSDP_COMM_MSG_CAP];
   if (own_poison) memcpy(poison, c->poison, sizeof poison);
@@ -608,6 +687,7 @@ static int issue(fsdp_comm *c, const fsdp_coll *coll, bool blocking, fsdp_comm_r
   r->seq = ++c->seq;
   bool first_use = label_set_add(&c->labels, r->coll.label);
   r->check_labels = c->debug || first_use;
+  r->full_check = c->full_check;
   rec_entry *e = &c->rec[r->seq % FSDP_COMM_RECORDER];
   memset(e, 0, sizeof *e);
   e->seq = r->seq;

@@ -124,8 +124,9 @@ int fsdp_comm_local_new(fsdp_comm **out, fsdp_local_group *g, int rank);
  * the stats and recorded like any other; asynchronous ones complete at start. */
 int fsdp_comm_single_new(fsdp_comm **out);
 
-/* Creation reads FSDP_TIMEOUT (seconds > 0) and FSDP_DEBUG (1/true/yes/on) from the
- * environment; a malformed FSDP_TIMEOUT is an error naming it. */
+/* Creation reads FSDP_TIMEOUT (seconds > 0), FSDP_DEBUG (1/true/yes/on) and FSDP_COMM_CHECK
+ * (hash/full) from the environment; a malformed FSDP_TIMEOUT or FSDP_COMM_CHECK is an error
+ * naming it. */
 
 /* Waits for queued collectives (each finishes, fails on a poisoned group, or times out), frees
  * handles never waited on (waiting on them afterwards is a use-after-free) and, if c is the
@@ -192,6 +193,12 @@ double fsdp_comm_timeout(const fsdp_comm *c);
  * called all_gather(bf16 x1024, 'blocks.1')" and poisons the group with it. */
 void fsdp_comm_set_debug(fsdp_comm *c, bool on);
 bool fsdp_comm_debug(const fsdp_comm *c);
+/* The fingerprint check costs O(log N) per collective: the ranks fold hashes of their
+ * fingerprints (an all-reduce of 48 bytes on mpi, a counter on local) and exchange the full
+ * fingerprints only when the hashes disagree. Full check on (FSDP_COMM_CHECK=full, or this call,
+ * on any rank) makes every collective exchange them all (O(N) per rank): the old protocol, kept
+ * for measurement and for suspicion of the hash. Between collectives. */
+void fsdp_comm_set_full_check(fsdp_comm *c, bool on);
 
 /* The last 64 collectives of this rank, newest last, one per line:
  * "#12 all_gather f32 x1024 'blocks.1' done 0.4 ms" (states: queued, running, done, failed;
@@ -228,6 +235,25 @@ bool fsdp_comm_check_labels(const fsdp_comm *c);
 /* Fingerprint helpers: equal op, dtype, count (and red, root where they apply; label when
  * labels is true); "all_gather(f32 x1024, 'blocks.1')" into buf (returns buf). */
 bool fsdp_coll_matches(const fsdp_coll *a, const fsdp_coll *b, bool labels);
+/* A 64-bit hash of what fsdp_coll_matches compares, and seq: two fingerprints that match hash
+ * alike; two that do not collide with probability 2^-64. */
+uint64_t fsdp_coll_hash(const fsdp_coll *k, uint64_t seq, bool labels);
+/* The scalable check. Each rank makes a vector of FSDP_CHECK_WORDS words from its fingerprint
+ * (init); the ranks combine their vectors with an elementwise max (fold; MPI_MAX over
+ * MPI_UINT64_T gives the same), by any tree; the combined vector says whether every rank's
+ * fingerprint was the same (agrees): it holds max(h) and max(~h) = ~min(h) of the hash without
+ * labels, the same of the hash with labels, whether any rank asks for labels, and whether any
+ * rank asks for the full check (word FSDP_CHECK_FULL). A backend whose ranks do not agree, or
+ * one of whose ranks asks, exchanges the full fingerprints (and names the rank at fault). */
+#define FSDP_CHECK_WORDS 6
+#define FSDP_CHECK_FULL 5
+void fsdp_coll_check_init(uint64_t v[FSDP_CHECK_WORDS], const fsdp_coll *k, uint64_t seq,
+                          bool check_labels, bool full);
+void fsdp_coll_check_fold(uint64_t acc[FSDP_CHECK_WORDS], const uint64_t v[FSDP_CHECK_WORDS]);
+bool fsdp_coll_check_agrees(const uint64_t acc[FSDP_CHECK_WORDS]);
+/* Inside vt->run / vt->start: whether this rank asks for the full check for this collective
+ * (fsdp_comm_set_full_check when it was issued). */
+bool fsdp_comm_full_check(const fsdp_comm *c);
 char *fsdp_coll_describe(char *buf, size_t n, const fsdp_coll *coll);
 /* Bytes the stats count for one collective on a world of `world` ranks. */
 int64_t fsdp_coll_bytes(const fsdp_coll *coll, int world);

@@ -3,9 +3,12 @@
  * The algorithm and its guarantees are described in docs/comm.md.
  *
  * Rendezvous. For the collective with sequence number s, each rank's running thread publishes
- * its fsdp_coll (buffer pointers and fingerprint) in its slot of the group and waits until all
- * W ranks have published s. The last to arrive compares the fingerprints and records the
- * verdict (go_seq = s, go_ok); everyone reads it. Under the group mutex, "all arrived" and
+ * its fsdp_coll (buffer pointers and fingerprint) in its slot of the group, folds its check
+ * vector (comm.h: hashes of the fingerprint) into the group's, counts itself in and waits until
+ * all W ranks have. The last to arrive reads the folded vector and records the verdict
+ * (go_seq = s, go_ok); everyone reads it. Each rank does O(1) work to arrive; the full
+ * fingerprints are compared (O(W), by the last rank) only when the hashes disagree, to name the
+ * rank at fault, or on every collective under FSDP_COMM_CHECK=full. Under the group mutex, "all arrived" and
  * "poisoned" are decided once per collective: either the last rank arrives before any poison
  * (the collective runs on every rank) or a poison comes first (it fails on every rank; the
  * last rank sees the poison before publishing). The arrival wait is the only timed wait
@@ -49,7 +52,6 @@ typedef struct local_slot {
   fsdp_coll coll;     /* published for the collective `arrived` */
   bool check_labels;  /* this rank asks for a label comparison */
   uint64_t arrived;   /* last sequence number published (0: none yet) */
-  uint64_t tick;      /* syncs passed inside collectives */
   bool joined;        /* a communicator exists (or existed) for this rank */
   bool left;          /* ... and was freed */
 } local_slot;
@@ -64,6 +66,14 @@ struct fsdp_local_group {
   uint64_t go_seq; /* last collective all ranks arrived at */
   bool go_ok;      /* its fingerprints matched */
   char verdict[LOCAL_MSG_CAP];
+  /* the collective being arrived at (every rank arrives at go_seq + 1 next: none can pass it
+   * before all have arrived) */
+  int narrived;
+  uint64_t check[FSDP_CHECK_WORDS]; /* the arrived ranks' check vectors, folded */
+  int nleft;                        /* ranks whose communicator was freed */
+  /* the syncs inside a collective: a counting barrier */
+  int nsync;
+  uint64_t sync_gen;
   local_slot slot[];
 };
 
@@ -135,21 +145,21 @@ static bool local_poisoned(const fsdp_comm *c) {
 
 /* ---- rendezvous ---------------------------------------------------------------------------- */
 
-static bool all_arrived(const fsdp_local_group *g, uint64_t seq) {
-  for (int p = 0; p < g->world; p++) {
-    if (g->slot[p].arrived != seq) return false;
-  }
-  return true;
-}
-
-/* The last rank to arrive: compare every rank's fingerprint with rank 0's. Labels take part
- * when any rank asks (its first use of the label, or debug), so every rank reaches the same
- * verdict. A mismatch poisons the group: the ranks have diverged. */
+/* The last rank to arrive. The folded check vector says whether every rank's fingerprint
+ * hashed alike (labels too when any rank asks: its first use of the label, or debug), so every
+ * rank reads the same verdict. When they do not (or under FSDP_COMM_CHECK=full) the fingerprints
+ * themselves are compared with rank 0's, which names the rank at fault. A mismatch poisons the
+ * group: the ranks have diverged. */
 static void decide_locked(fsdp_local_group *g, uint64_t seq) {
-  bool labels = false;
-  for (int p = 0; p < g->world; p++) labels |= g->slot[p].check_labels;
   g->go_seq = seq;
   g->go_ok = true;
+  bool full = g->check[FSDP_CHECK_FULL] || !fsdp_coll_check_agrees(g->check);
+  bool labels = g->check[4] != 0;
+  g->narrived = 0;
+  if (!full) {
+    pthread_cond_broadcast(&g->cv);
+    return;
+  }
   for (int p = 1; p < g->world; p++) {
     if (fsdp_coll_matches(&g->slot[0].coll, &g->slot[p].coll, labels)) continue;
     char a[160], b[160];
@@ -216,14 +226,18 @@ static int arrive(fsdp_comm *c, local_comm *lc, const fsdp_coll *coll, uint64_t 
   g->slot[r].coll = *coll;
   g->slot[r].check_labels = fsdp_comm_check_labels(c);
   g->slot[r].arrived = seq;
-  if (all_arrived(g, seq)) {
+  uint64_t v[FSDP_CHECK_WORDS];
+  fsdp_coll_check_init(v, coll, seq, g->slot[r].check_labels, fsdp_comm_full_check(c));
+  if (g->narrived == 0) memcpy(g->check, v, sizeof v);
+  else fsdp_coll_check_fold(g->check, v);
+  if (++g->narrived == g->world) {
     decide_locked(g, seq);
   } else {
     struct timespec deadline;
     deadline_after(&deadline, timeout);
     while (g->go_seq < seq) {
       if (g->poisoned) goto poisoned;
-      for (int p = 0; p < g->world; p++) {
+      for (int p = 0; g->nleft && p < g->world; p++) {
         if (g->slot[p].left && g->slot[p].arrived != seq) {
           char msg[LOCAL_MSG_CAP];
           snprintf(msg, sizeof msg,
@@ -270,19 +284,19 @@ poisoned:;
   return fsdp_error("%s", poison);
 }
 
-/* A sync inside a collective (all ranks have arrived): wait until every rank has passed as
- * many syncs as this one. Untimed on purpose (see the file comment). */
+/* A sync inside a collective (all ranks have arrived): wait until every rank has reached it
+ * (a counting barrier: O(1) per rank). Untimed on purpose (see the file comment). */
 static void sync_ranks(local_comm *lc) {
   fsdp_local_group *g = lc->g;
   pthread_mutex_lock(&g->mu);
-  uint64_t t = ++g->slot[lc->rank].tick;
-  for (;;) {
-    bool all = true;
-    for (int p = 0; p < g->world; p++) all &= g->slot[p].tick >= t;
-    if (all) break;
-    pthread_cond_wait(&g->cv, &g->mu);
+  uint64_t gen = g->sync_gen;
+  if (++g->nsync == g->world) {
+    g->nsync = 0;
+    g->sync_gen++;
+    pthread_cond_broadcast(&g->cv);
+  } else {
+    while (g->sync_gen == gen) pthread_cond_wait(&g->cv, &g->mu);
   }
-  pthread_cond_broadcast(&g->cv);
   pthread_mutex_unlock(&g->mu);
 }
 
@@ -356,6 +370,7 @@ static void local_free(fsdp_comm *c) {
   fsdp_local_group *g = lc->g;
   pthread_mutex_lock(&g->mu);
   g->slot[lc->rank].left = true;
+  g->nleft++;
   pthread_cond_broadcast(&g->cv);
   pthread_mutex_unlock(&g->mu);
   free(lc->srcs);

@@ -73,6 +73,8 @@
 #define TAG_HDR 1
 #define TAG_POISON 2
 #define TAG_LEFT 3
+#define TAG_PROBE 4
+#define TAG_PROBE_REPLY 5
 #define TAG_RS 10
 #define TAG_AG 11
 /* elements per message at most (MPI counts are int) */
@@ -80,6 +82,8 @@
 /* all_reduce chunk alignment in bytes: local.c's */
 #define ALIGN_BYTES 64
 #define NOT_LEFT UINT64_MAX
+/* requests always posted: the poison, "left" and probe receives */
+#define REQ_FIXED 3
 
 /* ---- process-wide state ------------------------------------------------------------------- */
 
@@ -173,6 +177,7 @@ typedef struct mpi_op {
   fsdp_coll k;
   uint64_t seq;
   bool check_labels; /* this rank asks for a label comparison */
+  bool full_check;   /* this rank asks for the full fingerprint exchange */
   double timeout;
   op_state state;
   int rc;
@@ -186,7 +191,9 @@ typedef struct mpi_op {
 typedef enum {
   RQ_POISON = 0, /* req[0]: the poison receive */
   RQ_LEFT,       /* req[1]: the "left" receive */
+  RQ_PROBE,      /* req[2]: the probe receive (a peer timed out: where is this rank?) */
   RQ_HDR_RECV,
+  RQ_PROBE_REPLY,
   RQ_SEND,
   RQ_RECV,
   RQ_RECV_SEG, /* a reduce-scatter staging piece (slot) */
@@ -224,7 +231,7 @@ typedef struct mpi_comm {
   bool counted; /* in g_live_comms */
   pthread_t thread;
 
-  /* requests: [0] poison, [1] left, [2..nreq) the running collective's */
+  /* requests: [0] poison, [1] left, [2] probe, [REQ_FIXED..nreq) the running collective's */
   MPI_Request *req;
   rq_info *info;
   int *idx;
@@ -232,7 +239,19 @@ typedef struct mpi_comm {
   int nreq, cap;
   int live; /* the running collective's requests not yet complete */
 
-  /* arrival */
+  /* arrival: the check vectors (comm.h) folded by MPI_Iallreduce(MAX); then, only when they
+   * disagree or a rank asks for the full check, every header to every rank */
+  uint64_t check_in[FSDP_CHECK_WORDS], check_out[FSDP_CHECK_WORDS];
+  bool full_phase;   /* the headers are moving */
+  bool probing;      /* the arrival timed out: waiting for the peers' answers to a probe */
+  double probe_end;  /* when to stop waiting for them */
+  int probe_pending; /* answers still to come */
+  uint64_t agreed;   /* the last collective every rank arrived at (its check completed) */
+  uint64_t entered;  /* the last collective this rank began arriving at */
+  uint64_t probe_in; /* a peer's probe (its sequence number) */
+  uint64_t *probe_out; /* (world) our answer to each peer: `entered` when it asked */
+  bool answered;       /* an answer was sent (MPI may read probe_out until the process ends) */
+  int nleft;           /* peers whose "left" message came */
   mpi_hdr my_hdr;
   mpi_hdr *hdrs;   /* (world) */
   bool *got;       /* (world) header of the running collective in */
@@ -313,16 +332,17 @@ static int post(mpi_comm *mc, bool recv, rq_kind kind, void *buf, int64_t n, MPI
  * to MPI (the communicator is poisoned and never used again). */
 static void req_abandon(mpi_comm *mc) {
   pthread_mutex_lock(&g_mpi_mu);
-  for (int i = 2; i < mc->nreq; i++) {
+  for (int i = REQ_FIXED; i < mc->nreq; i++) {
     if (mc->req[i] == MPI_REQUEST_NULL) continue;
     rq_kind k = mc->info[i].kind;
     if (k == RQ_LIB) continue;
-    if (k == RQ_HDR_RECV || k == RQ_RECV || k == RQ_RECV_SEG) MPI_Cancel(&mc->req[i]);
+    if (k == RQ_HDR_RECV || k == RQ_PROBE_REPLY || k == RQ_RECV || k == RQ_RECV_SEG)
+      MPI_Cancel(&mc->req[i]);
     MPI_Request_free(&mc->req[i]);
   }
   pthread_mutex_unlock(&g_mpi_mu);
-  for (int i = 2; i < mc->nreq; i++) mc->req[i] = MPI_REQUEST_NULL;
-  mc->nreq = 2;
+  for (int i = REQ_FIXED; i < mc->nreq; i++) mc->req[i] = MPI_REQUEST_NULL;
+  mc->nreq = REQ_FIXED;
   mc->live = 0;
 }
 
@@ -437,7 +457,7 @@ static void drain_ctl(mpi_comm *mc) {
   for (int round = 0; round < 4 && !is_poisoned(mc, NULL); round++) {
     int outcount = 0;
     pthread_mutex_lock(&g_mpi_mu);
-    int err = MPI_Testsome(2, mc->req, &outcount, mc->idx, mc->st);
+    int err = MPI_Testsome(REQ_FIXED, mc->req, &outcount, mc->idx, mc->st);
     pthread_mutex_unlock(&g_mpi_mu);
     if (outcount == MPI_UNDEFINED) break;
     for (int j = 0; j < outcount; j++)
@@ -453,6 +473,8 @@ static int op_begin(mpi_comm *mc, mpi_op *op) {
   }
   op->state = OP_ARRIVE;
   op->t_state = now_s();
+  mc->entered = op->seq;
+  mc->full_phase = mc->probing = false;
   mpi_hdr *h = &mc->my_hdr;
   memset(h, 0, sizeof *h);
   h->seq = op->seq;
@@ -464,8 +486,33 @@ static int op_begin(mpi_comm *mc, mpi_op *op) {
   h->check_labels = op->check_labels;
   memcpy(h->label, op->k.label, sizeof h->label);
   mc->hdrs[mc->rank] = *h;
+  fsdp_coll_check_init(mc->check_in, &op->k, op->seq, op->check_labels, op->full_check);
+  mc->nreq = REQ_FIXED;
+  mc->live = 0;
+  if (mc->world == 1) {
+    memcpy(mc->check_out, mc->check_in, sizeof mc->check_out);
+    return FSDP_OK;
+  }
+  if (req_reserve(mc, 1) != FSDP_OK) return op_fail(mc, op, true, "%s", fsdp_error_msg());
+  int i = mc->nreq;
+  pthread_mutex_lock(&g_mpi_mu);
+  int err = MPI_Iallreduce(mc->check_in, mc->check_out, FSDP_CHECK_WORDS, MPI_UINT64_T, MPI_MAX,
+                           mc->ctl, &mc->req[i]);
+  pthread_mutex_unlock(&g_mpi_mu);
+  if (err != MPI_SUCCESS) return op_fail_mpi(mc, op, "MPI_Iallreduce (fingerprint check)", err);
+  mc->info[i] = (rq_info){.kind = RQ_LIB, .peer = -1};
+  mc->nreq++;
+  mc->live++;
+  return FSDP_OK;
+}
+
+/* The check vectors disagree (or a rank asked for the full check): every rank sends its header
+ * to every peer and receives theirs, so that verdict() can name the rank at fault. Every rank
+ * read the same folded vector, so every rank comes here. */
+static int full_begin(mpi_comm *mc, mpi_op *op) {
+  mc->full_phase = true;
   for (int p = 0; p < mc->world; p++) mc->got[p] = p == mc->rank;
-  mc->nreq = 2;
+  mc->nreq = REQ_FIXED;
   mc->live = 0;
   if (req_reserve(mc, 2 * (mc->world - 1)) != FSDP_OK) {
     return op_fail(mc, op, true, "%s", fsdp_error_msg());
@@ -475,7 +522,8 @@ static int op_begin(mpi_comm *mc, mpi_op *op) {
     int err = post(mc, true, RQ_HDR_RECV, &mc->hdrs[p], sizeof(mpi_hdr), MPI_BYTE, p, TAG_HDR,
                    mc->ctl, 0, 0);
     if (err == MPI_SUCCESS)
-      err = post(mc, false, RQ_SEND, h, sizeof(mpi_hdr), MPI_BYTE, p, TAG_HDR, mc->ctl, 0, 0);
+      err = post(mc, false, RQ_SEND, &mc->my_hdr, sizeof(mpi_hdr), MPI_BYTE, p, TAG_HDR, mc->ctl,
+                 0, 0);
     if (err != MPI_SUCCESS) {
       return op_fail_mpi(mc, op, "MPI_Irecv/MPI_Isend (fingerprint)", err);
     }
@@ -483,15 +531,56 @@ static int op_begin(mpi_comm *mc, mpi_op *op) {
   return FSDP_OK;
 }
 
-/* "ranks 2, 3 have not arrived (sequence numbers they reached: rank 2 #11, rank 3 none)" */
-static void describe_missing(const mpi_comm *mc, char *buf, size_t n) {
+/* The arrival timed out: ask every peer which collective it has reached (failure path only:
+ * O(N) messages once). got[p]: p answered; reached[p]: its answer. A peer that is polling (it
+ * waits in a collective, or its progress thread runs) answers at once; one that computes
+ * outside collectives does not, and the collectives it completed speak for it. */
+static int probe_begin(mpi_comm *mc, mpi_op *op, double t) {
+  mc->probing = true;
+  mc->probe_pending = 0;
+  /* long enough for a polling peer to answer on a loaded machine, short beside the timeout */
+  double wait = op->timeout / 4;
+  if (wait < 0.05) wait = 0.05;
+  if (wait > 1.0) wait = 1.0;
+  mc->probe_end = t + wait;
+  for (int p = 0; p < mc->world; p++) mc->got[p] = p == mc->rank;
+  if (req_reserve(mc, 2 * (mc->world - 1)) != FSDP_OK) {
+    return op_fail(mc, op, true, "%s", fsdp_error_msg());
+  }
+  for (int k = 1; k < mc->world; k++) {
+    int p = (mc->rank + k) % mc->world;
+    int err = post(mc, true, RQ_PROBE_REPLY, &mc->reached[p], 1, MPI_UINT64_T, p,
+                   TAG_PROBE_REPLY, mc->ctl, 0, 0);
+    if (err == MPI_SUCCESS)
+      err = post(mc, false, RQ_SEND, &mc->entered, 1, MPI_UINT64_T, p, TAG_PROBE, mc->ctl, 0, 0);
+    if (err != MPI_SUCCESS) return op_fail_mpi(mc, op, "MPI_Irecv/MPI_Isend (probe)", err);
+    mc->probe_pending++;
+  }
+  return FSDP_OK;
+}
+
+/* "ranks 2, 3 have not arrived (sequence numbers they reached: rank 2 #11, rank 3 none)".
+ * After a probe: a peer is missing when it did not answer or answered with an earlier
+ * collective; one that did not answer has reached at least the last collective every rank
+ * arrived at. In the full phase: a peer is missing when its header is not in. */
+static bool peer_missing(const mpi_comm *mc, int p, uint64_t seq) {
+  if (p == mc->rank) return false;
+  if (mc->full_phase) return !mc->got[p];
+  return !mc->got[p] || mc->reached[p] < seq;
+}
+
+static void describe_missing(const mpi_comm *mc, uint64_t seq, char *buf, size_t n) {
   int missing = 0;
-  for (int p = 0; p < mc->world; p++) missing += !mc->got[p];
+  for (int p = 0; p < mc->world; p++) missing += peer_missing(mc, p, seq);
   size_t at = 0;
+  if (missing == 0) {
+    snprintf(buf, n, "every rank has arrived, but the fingerprint check has not completed");
+    return;
+  }
   at += (size_t)snprintf(buf + at, n - at, "%s", missing == 1 ? "rank " : "ranks ");
   int k = 0;
   for (int p = 0; p < mc->world && at < n; p++) {
-    if (mc->got[p]) continue;
+    if (!peer_missing(mc, p, seq)) continue;
     at += (size_t)snprintf(buf + at, n - at, "%s%d", k++ ? ", " : "", p);
   }
   if (at < n) {
@@ -501,10 +590,11 @@ static void describe_missing(const mpi_comm *mc, char *buf, size_t n) {
   }
   k = 0;
   for (int p = 0; p < mc->world && at < n; p++) {
-    if (mc->got[p]) continue;
+    if (!peer_missing(mc, p, seq)) continue;
+    uint64_t r = mc->got[p] ? mc->reached[p] : mc->agreed;
     char where[48];
-    if (mc->reached[p] == 0) snprintf(where, sizeof where, "none");
-    else snprintf(where, sizeof where, "#%llu", (unsigned long long)mc->reached[p]);
+    if (r == 0) snprintf(where, sizeof where, "none");
+    else snprintf(where, sizeof where, "#%llu", (unsigned long long)r);
     at += (size_t)snprintf(buf + at, n - at, "%s rank %d %s%s", k++ ? "," : "", p, where,
                            mc->left_after[p] != NOT_LEFT ? " (left)" : "");
   }
@@ -656,7 +746,7 @@ static int rs_slot_done(mpi_comm *mc, mpi_op *op, int slot) {
 static int ag_chunks_begin(mpi_comm *mc, mpi_op *op) {
   const int W = mc->world, r = mc->rank;
   mc->dphase = DP_AG;
-  mc->nreq = 2;
+  mc->nreq = REQ_FIXED;
   char *buf = op->k.recv;
   int64_t pieces = 0;
   for (int p = 0; p < W; p++) pieces += (mc->hi[p] - mc->lo[p] + MAX_PIECE - 1) / MAX_PIECE;
@@ -687,7 +777,7 @@ static int data_begin(mpi_comm *mc, mpi_op *op) {
   const int64_t n = k->count;
   op->state = OP_DATA;
   op->t_progress = now_s();
-  mc->nreq = 2;
+  mc->nreq = REQ_FIXED;
   mc->live = 0;
   mc->dphase = DP_NONE;
   mc->esz = fsdp_dtype_size(k->dtype);
@@ -792,9 +882,29 @@ static int handle(mpi_comm *mc, mpi_op *op, int i, const MPI_Status *st, bool er
   }
   if (in->kind == RQ_LEFT) {
     int src = st->MPI_SOURCE;
-    if (src >= 0 && src < mc->world) mc->left_after[src] = mc->left_in;
+    if (src >= 0 && src < mc->world && mc->left_after[src] == NOT_LEFT) {
+      mc->left_after[src] = mc->left_in;
+      mc->nleft++;
+    }
     pthread_mutex_lock(&g_mpi_mu);
     MPI_Irecv(&mc->left_in, 1, MPI_UINT64_T, MPI_ANY_SOURCE, TAG_LEFT, mc->ctl, &mc->req[1]);
+    pthread_mutex_unlock(&g_mpi_mu);
+    return FSDP_OK;
+  }
+  if (in->kind == RQ_PROBE) {
+    /* a peer timed out waiting: tell it which collective this rank has reached */
+    int src = st->MPI_SOURCE;
+    pthread_mutex_lock(&g_mpi_mu);
+    if (src >= 0 && src < mc->world && src != mc->rank) {
+      MPI_Request r;
+      mc->probe_out[src] = mc->entered;
+      if (MPI_Isend(&mc->probe_out[src], 1, MPI_UINT64_T, src, TAG_PROBE_REPLY, mc->ctl, &r) ==
+          MPI_SUCCESS) {
+        MPI_Request_free(&r);
+        mc->answered = true;
+      }
+    }
+    MPI_Irecv(&mc->probe_in, 1, MPI_UINT64_T, MPI_ANY_SOURCE, TAG_PROBE, mc->ctl, &mc->req[2]);
     pthread_mutex_unlock(&g_mpi_mu);
     return FSDP_OK;
   }
@@ -808,6 +918,10 @@ static int handle(mpi_comm *mc, mpi_op *op, int i, const MPI_Status *st, bool er
   case RQ_HDR_RECV:
     mc->got[in->peer] = true;
     mc->reached[in->peer] = mc->hdrs[in->peer].seq;
+    break;
+  case RQ_PROBE_REPLY:
+    mc->got[in->peer] = true;
+    mc->probe_pending--;
     break;
   case RQ_RECV:
   case RQ_RECV_SEG: {
@@ -828,6 +942,40 @@ static int handle(mpi_comm *mc, mpi_op *op, int i, const MPI_Status *st, bool er
   return FSDP_OK;
 }
 
+/* The arrival is not complete: a peer that left before this collective, or the timeout (first
+ * a probe of the peers, then the failure naming the missing ones). */
+static int arrival_waits(mpi_comm *mc, mpi_op *op, double t) {
+  for (int p = 0; mc->nleft && p < mc->world; p++) {
+    if (mc->left_after[p] == NOT_LEFT || mc->left_after[p] >= op->seq) continue;
+    if (mc->full_phase && mc->got[p]) continue;
+    return op_fail(mc, op, true,
+                   "rank %d left the group (its communicator was freed) after #%llu: %s "
+                   "#%llu '%s' cannot complete",
+                   p, (unsigned long long)mc->left_after[p], fsdp_coll_name(op->k.op),
+                   (unsigned long long)op->seq, op->k.label);
+  }
+  if (t - op->t_state > op->timeout) {
+    if (!mc->full_phase && !mc->probing) return probe_begin(mc, op, t);
+    if (mc->probing && mc->probe_pending > 0 && t < mc->probe_end) return FSDP_OK;
+    if (mc->probing) {
+      bool any = false;
+      for (int p = 0; p < mc->world; p++) any |= peer_missing(mc, p, op->seq);
+      if (!any) {
+        /* every peer says it is here: the check is slow, not stuck; another timeout */
+        mc->probing = false;
+        op->t_state = t;
+        return FSDP_OK;
+      }
+    }
+    char missing[MPI_MSG_CAP / 2];
+    describe_missing(mc, op->seq, missing, sizeof missing);
+    return op_fail(mc, op, true, "timeout after %g s in %s #%llu '%s': %s", op->timeout,
+                   fsdp_coll_name(op->k.op), (unsigned long long)op->seq, op->k.label,
+                   missing);
+  }
+  return FSDP_OK;
+}
+
 /* After completions: phase changes, and the checks that end a collective that cannot
  * complete (a peer left, the group is poisoned, the timeout). */
 static int op_check(mpi_comm *mc, mpi_op *op) {
@@ -838,25 +986,17 @@ static int op_check(mpi_comm *mc, mpi_op *op) {
      * that sent it may have given up on this collective */
     if (mc->live == 0) drain_ctl(mc);
     if (is_poisoned(mc, poison)) return op_fail_poisoned(mc, op, poison);
-    if (mc->live == 0) {
+    if (mc->live == 0 && !mc->full_phase) {
+      /* every rank has arrived; the folded check says whether their fingerprints agree */
+      mc->agreed = op->seq;
+      if (fsdp_coll_check_agrees(mc->check_out) && !mc->check_out[FSDP_CHECK_FULL])
+        data_begin(mc, op);
+      else
+        full_begin(mc, op);
+    } else if (mc->live == 0) {
       if (verdict(mc, op)) data_begin(mc, op);
     } else {
-      for (int p = 0; p < mc->world; p++) {
-        if (mc->got[p] || mc->left_after[p] == NOT_LEFT || mc->left_after[p] >= op->seq) continue;
-        return op_fail(mc, op, true,
-                       "rank %d left the group (its communicator was freed) after #%llu: %s "
-                       "#%llu '%s' cannot complete",
-                       p, (unsigned long long)mc->left_after[p], fsdp_coll_name(op->k.op),
-                       (unsigned long long)op->seq, op->k.label);
-      }
-      if (t - op->t_state > op->timeout) {
-        char missing[MPI_MSG_CAP / 2];
-        describe_missing(mc, missing, sizeof missing);
-        return op_fail(mc, op, true, "timeout after %g s in %s #%llu '%s': %s", op->timeout,
-                       fsdp_coll_name(op->k.op), (unsigned long long)op->seq, op->k.label,
-                       missing);
-      }
-      return FSDP_OK;
+      return arrival_waits(mc, op, t);
     }
   }
   if (op->state != OP_DATA) return FSDP_OK;
@@ -869,7 +1009,7 @@ static int op_check(mpi_comm *mc, mpi_op *op) {
     ag_chunks_begin(mc, op);
   if (op->state != OP_DATA) return FSDP_OK;
   if (mc->live == 0) {
-    mc->nreq = 2;
+    mc->nreq = REQ_FIXED;
     op->state = OP_DONE;
     op->rc = FSDP_OK;
     return FSDP_OK;
@@ -881,7 +1021,7 @@ static int op_check(mpi_comm *mc, mpi_op *op) {
   if (t - op->t_progress > op->timeout) {
     char who[256] = "";
     size_t at = 0;
-    for (int i = 2; i < mc->nreq && at < sizeof who; i++) {
+    for (int i = REQ_FIXED; i < mc->nreq && at < sizeof who; i++) {
       if (mc->req[i] == MPI_REQUEST_NULL) continue;
       if (mc->info[i].kind == RQ_LIB) {
         at += (size_t)snprintf(who + at, sizeof who - at, "%sthe MPI collective", at ? ", " : "");
@@ -1034,6 +1174,7 @@ static int mpi_start(fsdp_comm *c, const fsdp_coll *coll, uint64_t seq, void **n
   op->k = *coll;
   op->seq = seq;
   op->check_labels = fsdp_comm_check_labels(c);
+  op->full_check = fsdp_comm_full_check(c);
   op->timeout = fsdp_comm_timeout(c);
   pthread_mutex_lock(&mc->mu);
   mc->last_seq = seq;
@@ -1106,7 +1247,8 @@ static void mc_destroy(mpi_comm *mc, bool tell_peers) {
   pthread_cond_broadcast(&mc->cv);
   pthread_mutex_unlock(&mc->mu);
   if (mc->thread_started) pthread_join(mc->thread, NULL);
-  bool leak = is_poisoned(mc, NULL);
+  /* an answer to a probe may still be reading probe_out */
+  bool leak = is_poisoned(mc, NULL) || mc->answered;
   /* comm.c waited for every collective, so nothing of ours is in flight. Tell the peers we left
    * (a peer waiting for us in a later collective fails at once). */
   if (tell_peers && !leak && mc->world > 1) {
@@ -1145,7 +1287,7 @@ static void mc_destroy(mpi_comm *mc, bool tell_peers) {
      * a peer's "left" message may still be on its way, and a freed context id could be reused
      * by a later communicator that would then receive it. MPI_Finalize reclaims them. */
     pthread_mutex_lock(&g_mpi_mu);
-    for (int i = 0; i < 2 && i < mc->cap; i++) {
+    for (int i = 0; i < REQ_FIXED && i < mc->cap; i++) {
       if (mc->req[i] == MPI_REQUEST_NULL) continue;
       MPI_Cancel(&mc->req[i]);
       MPI_Wait(&mc->req[i], MPI_STATUS_IGNORE);
@@ -1165,6 +1307,7 @@ static void mc_destroy(mpi_comm *mc, bool tell_peers) {
   free(mc->hdrs);
   free(mc->got);
   free(mc->reached);
+  free(mc->probe_out);
   free(mc->left_after);
   free(mc->lo);
   free(mc->hi);
@@ -1290,6 +1433,7 @@ int fsdp_comm_mpi_new(fsdp_comm **out) {
   mc->hdrs = calloc(W, sizeof *mc->hdrs);
   mc->got = calloc(W, sizeof *mc->got);
   mc->reached = calloc(W, sizeof *mc->reached);
+  mc->probe_out = calloc(W, sizeof *mc->probe_out);
   mc->left_after = calloc(W, sizeof *mc->left_after);
   mc->lo = calloc(W, sizeof *mc->lo);
   mc->hi = calloc(W, sizeof *mc->hi);
@@ -1297,19 +1441,23 @@ int fsdp_comm_mpi_new(fsdp_comm **out) {
   mc->slot_seg = calloc((size_t)mc->window, sizeof *mc->slot_seg);
   mc->slot_pending = calloc((size_t)mc->window, sizeof *mc->slot_pending);
   mc->slot_req = calloc((size_t)mc->window * (W > 1 ? W - 1 : 1), sizeof *mc->slot_req);
-  bool ok = mc->hdrs && mc->got && mc->reached && mc->left_after && mc->lo && mc->hi &&
-            mc->srcs && mc->slot_seg && mc->slot_pending && mc->slot_req && req_reserve(mc, 2) == FSDP_OK;
+  bool ok = mc->hdrs && mc->got && mc->reached && mc->probe_out && mc->left_after && mc->lo && mc->hi &&
+            mc->srcs && mc->slot_seg && mc->slot_pending && mc->slot_req && req_reserve(mc, REQ_FIXED) == FSDP_OK;
   if (ok) {
     for (size_t p = 0; p < W; p++) mc->left_after[p] = NOT_LEFT;
-    mc->nreq = 2;
+    mc->nreq = REQ_FIXED;
     mc->info[0] = (rq_info){.kind = RQ_POISON, .peer = -1};
     mc->info[1] = (rq_info){.kind = RQ_LEFT, .peer = -1};
+    mc->info[2] = (rq_info){.kind = RQ_PROBE, .peer = -1};
     pthread_mutex_lock(&g_mpi_mu);
     err = MPI_Irecv(mc->poison_in, MPI_MSG_CAP, MPI_CHAR, MPI_ANY_SOURCE, TAG_POISON, mc->ctl,
                     &mc->req[0]);
     if (err == MPI_SUCCESS)
       err = MPI_Irecv(&mc->left_in, 1, MPI_UINT64_T, MPI_ANY_SOURCE, TAG_LEFT, mc->ctl,
                       &mc->req[1]);
+    if (err == MPI_SUCCESS)
+      err = MPI_Irecv(&mc->probe_in, 1, MPI_UINT64_T, MPI_ANY_SOURCE, TAG_PROBE, mc->ctl,
+                      &mc->req[2]);
     pthread_mutex_unlock(&g_mpi_mu);
     ok = err == MPI_SUCCESS;
   }

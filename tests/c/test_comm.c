@@ -673,6 +673,131 @@ static void test_label_first_use(void **state) {
   }
 }
 
+/* ---- the scalable fingerprint check ------------------------------------------------------------ */
+
+static fsdp_coll coll_of(fsdp_coll_op op, fsdp_dtype dt, int64_t n, fsdp_reduce_op red, int root,
+                         const char *label) {
+  fsdp_coll k;
+  memset(&k, 0, sizeof k);
+  k.op = op;
+  k.dtype = dt;
+  k.count = n;
+  k.red = red;
+  k.root = root;
+  snprintf(k.label, sizeof k.label, "%s", label);
+  return k;
+}
+
+/* The hash covers exactly what fsdp_coll_matches compares, and the sequence number. */
+static void test_check_hash(void **state) {
+  (void)state;
+  fsdp_coll a = coll_of(FSDP_COLL_ALL_REDUCE, FSDP_DTYPE_F32, 100, FSDP_RED_SUM, 0, "loss");
+  fsdp_coll b = a;
+  b.send = (void *)&b; /* buffers are not part of a fingerprint */
+  assert_true(fsdp_coll_hash(&a, 7, true) == fsdp_coll_hash(&b, 7, true));
+  assert_true(fsdp_coll_hash(&a, 7, true) != fsdp_coll_hash(&a, 8, true));
+  assert_true(fsdp_coll_hash(&a, 7, false) != fsdp_coll_hash(&a, 7, true));
+  fsdp_coll diff[] = {
+      coll_of(FSDP_COLL_REDUCE_SCATTER, FSDP_DTYPE_F32, 100, FSDP_RED_SUM, 0, "loss"),
+      coll_of(FSDP_COLL_ALL_REDUCE, FSDP_DTYPE_BF16, 100, FSDP_RED_SUM, 0, "loss"),
+      coll_of(FSDP_COLL_ALL_REDUCE, FSDP_DTYPE_F32, 101, FSDP_RED_SUM, 0, "loss"),
+      coll_of(FSDP_COLL_ALL_REDUCE, FSDP_DTYPE_F32, 100, FSDP_RED_AVG, 0, "loss"),
+  };
+  for (size_t i = 0; i < sizeof diff / sizeof diff[0]; i++) {
+    assert_false(fsdp_coll_matches(&a, &diff[i], false));
+    assert_true(fsdp_coll_hash(&a, 7, false) != fsdp_coll_hash(&diff[i], 7, false));
+  }
+  /* the label counts only with labels */
+  fsdp_coll l = coll_of(FSDP_COLL_ALL_REDUCE, FSDP_DTYPE_F32, 100, FSDP_RED_SUM, 0, "lossy");
+  assert_true(fsdp_coll_hash(&a, 7, false) == fsdp_coll_hash(&l, 7, false));
+  assert_true(fsdp_coll_hash(&a, 7, true) != fsdp_coll_hash(&l, 7, true));
+  /* root only for a broadcast, the reduction only where one applies */
+  fsdp_coll g1 = coll_of(FSDP_COLL_ALL_GATHER, FSDP_DTYPE_F32, 8, FSDP_RED_SUM, 0, "g");
+  fsdp_coll g2 = coll_of(FSDP_COLL_ALL_GATHER, FSDP_DTYPE_F32, 8, FSDP_RED_MAX, 3, "g");
+  assert_true(fsdp_coll_matches(&g1, &g2, true));
+  assert_true(fsdp_coll_hash(&g1, 1, true) == fsdp_coll_hash(&g2, 1, true));
+  fsdp_coll b1 = coll_of(FSDP_COLL_BROADCAST, FSDP_DTYPE_F32, 8, FSDP_RED_SUM, 0, "b");
+  fsdp_coll b2 = coll_of(FSDP_COLL_BROADCAST, FSDP_DTYPE_F32, 8, FSDP_RED_SUM, 1, "b");
+  assert_true(fsdp_coll_hash(&b1, 1, false) != fsdp_coll_hash(&b2, 1, false));
+  /* folding: any one rank that differs, anywhere in the order, is seen */
+  for (int odd = 0; odd < 5; odd++) {
+    uint64_t acc[FSDP_CHECK_WORDS], v[FSDP_CHECK_WORDS];
+    for (int r = 0; r < 5; r++) {
+      const fsdp_coll *k = r == odd ? &diff[r % 4] : &a;
+      fsdp_coll_check_init(v, k, 3, false, false);
+      if (r == 0) memcpy(acc, v, sizeof v);
+      else fsdp_coll_check_fold(acc, v);
+    }
+    assert_false(fsdp_coll_check_agrees(acc));
+  }
+  uint64_t acc[FSDP_CHECK_WORDS], v[FSDP_CHECK_WORDS];
+  fsdp_coll_check_init(acc, &a, 3, false, false);
+  fsdp_coll_check_init(v, &l, 3, false, false); /* another label, not asked: agrees */
+  fsdp_coll_check_fold(acc, v);
+  assert_true(fsdp_coll_check_agrees(acc));
+  assert_int_equal(acc[FSDP_CHECK_FULL], 0);
+  fsdp_coll_check_init(v, &a, 3, true, true); /* a rank asks for labels: disagrees; and full */
+  fsdp_coll_check_fold(acc, v);
+  assert_false(fsdp_coll_check_agrees(acc));
+  assert_int_equal(acc[FSDP_CHECK_FULL], 1);
+}
+
+/* The full check asked by one rank only: every collective still runs right on every rank, and
+ * a mismatch on the last rank is named. */
+static void body_full_check(rank_ctx *x) {
+  if (x->rank == x->world - 1) fsdp_comm_set_full_check(x->c, true);
+  float buf[64];
+  for (int i = 0; i < 16; i++) buf[i] = (float)(x->rank + i);
+  note(x, fsdp_comm_all_reduce(x->c, buf, 16, FSDP_DTYPE_F32, FSDP_RED_SUM, "sum"), now_s());
+  for (int i = 0; i < 16; i++) {
+    float want = 0;
+    for (int p = 0; p < x->world; p++) want += (float)(p + i);
+    check_value(x, "all_reduce under the full check", i, buf[i], want);
+  }
+  note(x, fsdp_comm_barrier(x->c, "b"), now_s());
+  int n = x->rank == x->world - 1 ? 8 : 16;
+  note(x, fsdp_comm_all_reduce(x->c, buf, n, FSDP_DTYPE_F32, FSDP_RED_SUM, "sum"), now_s());
+}
+
+static void test_full_check(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  for (int W = 2; W <= 4; W++) {
+    run_world(W, 30, body_full_check, NULL, ctx);
+    assert_ranks_right(ctx, W);
+    char want[160];
+    snprintf(want, sizeof want,
+             "collective mismatch at #3: rank 0 called all_reduce(f32 x16 sum, 'sum') but rank "
+             "%d called all_reduce(f32 x8 sum, 'sum')", W - 1);
+    for (int r = 0; r < W; r++) {
+      assert_int_equal(ctx[r].rc[0], FSDP_OK);
+      assert_int_equal(ctx[r].rc[1], FSDP_OK);
+      assert_int_equal(ctx[r].rc[2], FSDP_ERR);
+      assert_contains(ctx[r].msg[2], want);
+    }
+  }
+}
+
+/* Under the default (hash) check a mismatch on the last of 4 ranks is named as well. */
+static void body_last_differs(rank_ctx *x) {
+  float buf[16] = {0};
+  note(x, fsdp_comm_barrier(x->c, "b"), now_s());
+  note(x, fsdp_comm_broadcast(x->c, buf, 16, FSDP_DTYPE_F32, x->rank == 3 ? 1 : 0, "bc"),
+       now_s());
+}
+
+static void test_last_differs(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  run_world(4, 30, body_last_differs, NULL, ctx);
+  for (int r = 0; r < 4; r++) {
+    assert_int_equal(ctx[r].rc[0], FSDP_OK);
+    assert_int_equal(ctx[r].rc[1], FSDP_ERR);
+    assert_contains(ctx[r].msg[1], "collective mismatch at #2: rank 0 called broadcast(f32 x16 "
+                                   "root 0, 'bc') but rank 3 called broadcast(f32 x16 root 1, 'bc')");
+  }
+}
+
 /* ---- abort -------------------------------------------------------------------------------------- */
 
 static atomic_int aborted;
@@ -1064,6 +1189,13 @@ static void test_env(void **state) {
   assert_int_equal(fsdp_comm_local_new(&c, g, 0), FSDP_ERR);
   assert_contains(fsdp_error_msg(), "FSDP_TIMEOUT");
   unsetenv("FSDP_TIMEOUT");
+  setenv("FSDP_COMM_CHECK", "always", 1);
+  assert_int_equal(fsdp_comm_local_new(&c, g, 0), FSDP_ERR);
+  assert_contains(fsdp_error_msg(), "FSDP_COMM_CHECK: expected 'hash' or 'full', got 'always'");
+  setenv("FSDP_COMM_CHECK", "full", 1);
+  assert_int_equal(fsdp_comm_single_new(&c), FSDP_OK);
+  fsdp_comm_free(c);
+  unsetenv("FSDP_COMM_CHECK");
   unsetenv("FSDP_DEBUG");
   assert_int_equal(fsdp_comm_single_new(&c), FSDP_OK);
   assert_true(fsdp_comm_timeout(c) == 60);
@@ -1214,6 +1346,9 @@ int main(void) {
       cmocka_unit_test(test_mismatch_count),
       cmocka_unit_test(test_mismatch_label),
       cmocka_unit_test(test_label_first_use),
+      cmocka_unit_test(test_check_hash),
+      cmocka_unit_test(test_full_check),
+      cmocka_unit_test(test_last_differs),
       cmocka_unit_test(test_abort),
       cmocka_unit_test(test_timeout),
       cmocka_unit_test(test_timeout_lists_missing),

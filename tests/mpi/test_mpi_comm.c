@@ -366,6 +366,35 @@ static void test_mismatch(void) {
   expect_fail(rc, "collective mismatch at #4: rank 0 called all_reduce(f32 x8 sum, 'a') but rank 1 "
                   "called all_reduce(f32 x8 sum, 'b')", "label mismatch under debug");
   fsdp_comm_free(c);
+  sync_all("mismatch.debug");
+  /* the full check asked by the last rank only: the others follow it (the request travels in
+   * the folded check), collectives still run, and a mismatch of the last rank is named */
+  c = fresh(20);
+  if (r == g_world - 1) fsdp_comm_set_full_check(c, true);
+  float v[16];
+  for (int i = 0; i < 16; i++) v[i] = (float)(r + i);
+  OK(fsdp_comm_all_reduce(c, v, 16, FSDP_DTYPE_F32, FSDP_RED_SUM, "full"));
+  for (int i = 0; i < 16; i++) {
+    float want = 0;
+    for (int p = 0; p < g_world; p++) want += (float)(p + i);
+    CHECK(v[i] == want, "full check: element %d is %g, want %g", i, v[i], want);
+  }
+  rc = fsdp_comm_broadcast(c, v, 16, FSDP_DTYPE_F32, r == g_world - 1 ? 1 : 0, "bc");
+  char want[200];
+  snprintf(want, sizeof want,
+           "collective mismatch at #2: rank 0 called broadcast(f32 x16 root 0, 'bc') but rank %d "
+           "called broadcast(f32 x16 root 1, 'bc')", g_world - 1);
+  expect_fail(rc, want, "mismatch under the full check");
+  fsdp_comm_free(c);
+  sync_all("mismatch.full");
+  /* the same mismatch under the hash check alone */
+  c = fresh(20);
+  rc = fsdp_comm_broadcast(c, v, 16, FSDP_DTYPE_F32, r == g_world - 1 ? 1 : 0, "bc");
+  snprintf(want, sizeof want,
+           "collective mismatch at #1: rank 0 called broadcast(f32 x16 root 0, 'bc') but rank %d "
+           "called broadcast(f32 x16 root 1, 'bc')", g_world - 1);
+  expect_fail(rc, want, "mismatch of the last rank");
+  fsdp_comm_free(c);
   passed("fingerprint mismatches fail every rank with both sides named");
 }
 

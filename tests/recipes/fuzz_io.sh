@@ -8,7 +8,7 @@
 # that did it is kept and its path printed. Run by ctest; by
 # hand for longer:
 #   FUZZ_SECONDS=600 sh tests/recipes/fuzz_io.sh
-# Skips (exit 0, "skipped: no clang ...") only when clang or its fuzzer runtime
+# Skips (exit 77, "skipped: no clang ...") only when clang or its fuzzer runtime
 # (Debian: clang, libclang-rt-14-dev) is missing.
 set -u
 SRC=${FSDP_SOURCE_DIR:-$(pwd)}
@@ -17,7 +17,7 @@ SECONDS_EACH=${FUZZ_SECONDS:-10}
 
 if ! command -v "$CLANG" >/dev/null 2>&1; then
   echo "skipped: no clang ($CLANG not found; install-deps needs clang and libclang-rt-14-dev)"
-  exit 0
+  exit 77
 fi
 T=$(mktemp -d)
 trap 'rm -rf "$T"' EXIT
@@ -26,7 +26,7 @@ printf 'int LLVMFuzzerTestOneInput(const unsigned char *d, unsigned long n) { re
 if ! "$CLANG" -fsanitize=fuzzer,address "$T/probe.c" -o "$T/probe" >"$T/probe.log" 2>&1; then
   echo "skipped: no clang fuzzer runtime (install-deps needs libclang-rt-14-dev):"
   cat "$T/probe.log"
-  exit 0
+  exit 77
 fi
 
 CFLAGS="-std=c11 -D_GNU_SOURCE -g -O1 -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined

@@ -5,12 +5,12 @@
 # compute, fingerprint mismatches, abort, timeout, a rank that leaves. Then the variants that
 # take other code paths: 4 KiB reduce-scatter segments with a window of 2 (many segments, slot
 # reuse), all_gather by point-to-point, TCP instead of shared memory, MPI_THREAD_MULTIPLE.
-# Skips (exit 0) only when mpirun is not installed.
+# Skips (exit 77) only when mpirun is not installed.
 set -u
 : "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
 if ! command -v mpirun >/dev/null 2>&1; then
   echo "SKIP: mpirun not found (install openmpi-bin to test the mpi backend)"
-  exit 0
+  exit 77
 fi
 BIN=$(dirname "$FSDPRUN")/../tests/test_mpi_comm
 if [ ! -x "$BIN" ]; then

@@ -8,12 +8,12 @@
 # with the 1-rank unwrapped reference within 1e-5 relative, as dist_equivalence.sh does. The
 # same over TCP (--mca btl tcp,self: ranks talk as they would across machines), through
 # `fsdprun -n 2 --backend mpi` (fsdprun starts mpirun itself), and a perturbed run must differ
-# (so the comparison can fail). Skips (exit 0) only when mpirun is not installed.
+# (so the comparison can fail). Skips (exit 77) only when mpirun is not installed.
 set -u
 : "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
 if ! command -v mpirun >/dev/null 2>&1; then
   echo "SKIP: mpirun not found (install openmpi-bin to test the mpi backend)"
-  exit 0
+  exit 77
 fi
 if ! "$FSDPRUN" --backend mpi -e 'assert(require("fsdp").backend() == "mpi")' >/dev/null 2>&1; then
   "$FSDPRUN" --backend mpi -e '' 2>&1 | head -3

@@ -8,7 +8,7 @@ set -u
 : "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
 if ! command -v mpirun >/dev/null 2>&1; then
   echo "SKIP: mpirun not found (install openmpi-bin to test the mpi backend)"
-  exit 0
+  exit 77
 fi
 T=$(mktemp -d)
 trap 'rm -rf "$T"' EXIT

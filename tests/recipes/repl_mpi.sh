@@ -8,7 +8,7 @@ set -u
 : "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
 if ! command -v mpirun >/dev/null 2>&1; then
   echo "repl_mpi: SKIP (mpirun not found: install openmpi-bin)"
-  exit 0
+  exit 77
 fi
 MPIRUN="mpirun --oversubscribe --allow-run-as-root --mca btl_base_warn_component_unused 0"
 T=$(mktemp -d)
@@ -22,7 +22,7 @@ if ! $MPIRUN -np 1 "$FSDPRUN" -e 'assert(require("fsdp").backend() == "mpi")' >/
 then
   if grep -qF "built without Open MPI" "$T/err"; then
     echo "repl_mpi: SKIP (fsdprun was built without Open MPI)"
-    exit 0
+    exit 77
   fi
 fi
 
