@@ -17,9 +17,11 @@
  * included) run in a fixed order, so results repeat bit for bit with or without deterministic
  * mode.
  *
- * The handle and the 32 MiB workspace (Hopper's recommendation) are the calling thread's,
- * created on its first GEMM (lt_context): the workspace is scratch of the thread's stream, so
- * only that stream uses it, in order. Without it (scratch refused) GEMMs run with none.
+ * Each thread has its own cuBLASLt handle (created on its first GEMM) and algorithm table. The
+ * 32 MiB workspace (cuBLASLt's recommendation for Hopper) is scratch of each call, from the
+ * caching allocator on the thread's stream (lt_workspace): cheap in the steady state, freed as
+ * soon as the GEMM is queued, so it neither outlives a memory domain nor shows as a leak. When
+ * the allocator refuses it, the GEMM runs without a workspace.
  */
 #include <atomic>
 #include <string.h>
@@ -57,8 +59,7 @@ typedef struct {
 } lt_entry;
 
 typedef struct {
-  cublasLtHandle_t handle = NULL;
-  void *workspace; /* LT_WORKSPACE bytes of the thread's scratch, or NULL */
+  cublasLtHandle_t handle;
   lt_entry cache[LT_CACHE];
   int next; /* the entry a miss replaces once the table is full (round robin) */
 } lt_state;
@@ -69,8 +70,8 @@ static int lt_fail(const char *what, const char *call, cublasStatus_t s) {
   return fsdp_error("cuda: %s: %s: %s", what, call, cublasLtGetStatusString(s));
 }
 
-/* The calling thread's handle and workspace (created on first use). */
-static int lt_context(const char *what, cublasLtHandle_t *handle, void **ws, size_t *ws_bytes) {
+/* The calling thread's handle (created on first use). */
+static int lt_context(const char *what, cublasLtHandle_t *handle) {
   if (!lt.handle) {
     cublasStatus_t s = cublasLtCreate(&lt.handle);
     if (s != CUBLAS_STATUS_SUCCESS) {
@@ -78,14 +79,23 @@ static int lt_context(const char *what, cublasLtHandle_t *handle, void **ws, siz
       return lt_fail(what, "cublasLtCreate", s);
     }
   }
-  if (!lt.workspace && fsdp_cuda_scratch(&lt.workspace, LT_WORKSPACE)) {
-    lt.workspace = NULL; /* run without one; try again on the next call */
-    fsdp_error_clear();
-  }
   *handle = lt.handle;
-  *ws = lt.workspace;
-  *ws_bytes = lt.workspace ? LT_WORKSPACE : 0;
   return FSDP_OK;
+}
+
+/* A workspace for one GEMM (*bytes 0 and *ws NULL when the allocator refuses one: cuBLASLt
+ * then picks among algorithms that need none); lt_workspace_free once the GEMM is queued. */
+static void lt_workspace(void **ws, size_t *bytes) {
+  *bytes = LT_WORKSPACE;
+  if (fsdp_cuda_scratch(ws, *bytes)) {
+    fsdp_error_clear();
+    *ws = NULL;
+    *bytes = 0;
+  }
+}
+
+static void lt_workspace_free(void *ws, size_t bytes) {
+  if (ws) fsdp_cuda_scratch_free(ws, bytes);
 }
 
 static lt_entry *lt_lookup(const lt_key *k) {
@@ -186,12 +196,8 @@ static int lt_desc_attr(cublasLtMatmulDesc_t op, const char *what,
 
 /* Runs g. With a bias and no algorithm for the bias epilogue, runs nothing and sets *no_bias_algo
  * (the caller adds the bias another way); without a bias that is an error. */
-static int lt_matmul(const rm_gemm *g, bool *no_bias_algo) {
-  cublasLtHandle_t handle = NULL;
-  void *ws = NULL;
-  size_t ws_bytes = 0;
-  if (lt_context(g->what, &handle, &ws, &ws_bytes)) return FSDP_ERR;
-  if (no_bias_algo) *no_bias_algo = false;
+static int lt_matmul_ws(const rm_gemm *g, cublasLtHandle_t handle, void *ws, size_t ws_bytes,
+                        bool *no_bias_algo) {
 
   const int32_t compute = g->ab == CUDA_R_32F && fsdp_cuda_tf32()
                               ? (int32_t)CUBLAS_COMPUTE_32F_FAST_TF32
@@ -297,6 +303,18 @@ static int lt_matmul(const rm_gemm *g, bool *no_bias_algo) {
                      d.lc, &e->algo, ws, ws_bytes, fsdp_cuda_stream());
   lt_descs_free(&d);
   return s == CUBLAS_STATUS_SUCCESS ? FSDP_OK : lt_fail(g->what, "cublasLtMatmul", s);
+}
+
+static int lt_matmul(const rm_gemm *g, bool *no_bias_algo) {
+  cublasLtHandle_t handle = NULL;
+  if (no_bias_algo) *no_bias_algo = false;
+  if (lt_context(g->what, &handle)) return FSDP_ERR;
+  void *ws;
+  size_t ws_bytes;
+  lt_workspace(&ws, &ws_bytes);
+  int rc = lt_matmul_ws(g, handle, ws, ws_bytes, no_bias_algo);
+  lt_workspace_free(ws, ws_bytes);
+  return rc;
 }
 
 /* ---- small kernels: what a GEMM with K == 0 leaves, and the bias without an epilogue -------- */
