@@ -17,13 +17,18 @@
  * included) run in a fixed order, so results repeat bit for bit with or without deterministic
  * mode.
  *
- * Each thread has its own cuBLASLt handle (created on its first GEMM) and algorithm table. The
+ * cuBLASLt is loaded on the first GEMM (dlopen, lt_api), not linked: the library is half a
+ * gigabyte, and mapping it costs every process that links the engine ~0.3 s and ~200 MB of
+ * resident memory at startup, with or without a GPU. Each thread has its own cuBLASLt handle (created on its first GEMM) and algorithm table. The
  * 32 MiB workspace (cuBLASLt's recommendation for Hopper) is scratch of each call, from the
  * caching allocator on the thread's stream (lt_workspace): cheap in the steady state, freed as
  * soon as the GEMM is queued, so it neither outlives a memory domain nor shows as a leak. When
  * the allocator refuses it, the GEMM runs without a workspace.
  */
 #include <atomic>
+#include <dlfcn.h>
+#include <mutex>
+#include <stdio.h>
 #include <string.h>
 
 #include <cublasLt.h>
@@ -39,6 +44,69 @@ static std::atomic<bool> tf32_on{false};
 
 extern "C" bool fsdp_cuda_set_tf32(bool on) { return tf32_on.exchange(on); }
 extern "C" bool fsdp_cuda_tf32(void) { return tf32_on.load(); }
+
+/* ---- cuBLASLt, loaded on first use ---------------------------------------------------------------- */
+
+#define LT_STR2(x) #x
+#define LT_STR(x) LT_STR2(x)
+#define LT_LIBRARY "libcublasLt.so." LT_STR(CUBLAS_VER_MAJOR)
+
+/* The functions this file calls, resolved once (lt_api_ready); the names mirror cuBLASLt's. */
+static struct {
+  bool ready;
+  char error[320];
+  decltype(&cublasLtCreate) Create;
+  decltype(&cublasLtGetStatusString) GetStatusString;
+  decltype(&cublasLtMatmulDescCreate) MatmulDescCreate;
+  decltype(&cublasLtMatmulDescDestroy) MatmulDescDestroy;
+  decltype(&cublasLtMatmulDescSetAttribute) MatmulDescSetAttribute;
+  decltype(&cublasLtMatrixLayoutCreate) MatrixLayoutCreate;
+  decltype(&cublasLtMatrixLayoutDestroy) MatrixLayoutDestroy;
+  decltype(&cublasLtMatrixLayoutSetAttribute) MatrixLayoutSetAttribute;
+  decltype(&cublasLtMatmulPreferenceCreate) MatmulPreferenceCreate;
+  decltype(&cublasLtMatmulPreferenceDestroy) MatmulPreferenceDestroy;
+  decltype(&cublasLtMatmulPreferenceSetAttribute) MatmulPreferenceSetAttribute;
+  decltype(&cublasLtMatmulAlgoGetHeuristic) MatmulAlgoGetHeuristic;
+  decltype(&cublasLtMatmul) Matmul;
+} lt_api;
+
+static std::once_flag lt_api_once;
+
+static void lt_api_load(void) {
+  /* never closed: the functions stay valid for the life of the process */
+  void *h = dlopen(LT_LIBRARY, RTLD_NOW | RTLD_LOCAL);
+  if (!h) {
+    const char *e = dlerror();
+    snprintf(lt_api.error, sizeof lt_api.error, "cannot load %s: %s", LT_LIBRARY,
+             e ? e : "not found");
+    return;
+  }
+#define LT_SYM(name)                                                                           \
+  if (!(lt_api.name = (decltype(lt_api.name))dlsym(h, "cublasLt" #name))) {                    \
+    snprintf(lt_api.error, sizeof lt_api.error, "%s has no cublasLt%s", LT_LIBRARY, #name);    \
+    return;                                                                                    \
+  }
+  LT_SYM(Create)
+  LT_SYM(GetStatusString)
+  LT_SYM(MatmulDescCreate)
+  LT_SYM(MatmulDescDestroy)
+  LT_SYM(MatmulDescSetAttribute)
+  LT_SYM(MatrixLayoutCreate)
+  LT_SYM(MatrixLayoutDestroy)
+  LT_SYM(MatrixLayoutSetAttribute)
+  LT_SYM(MatmulPreferenceCreate)
+  LT_SYM(MatmulPreferenceDestroy)
+  LT_SYM(MatmulPreferenceSetAttribute)
+  LT_SYM(MatmulAlgoGetHeuristic)
+  LT_SYM(Matmul)
+#undef LT_SYM
+  lt_api.ready = true;
+}
+
+static int lt_api_ready(const char *what) {
+  std::call_once(lt_api_once, lt_api_load);
+  return lt_api.ready ? FSDP_OK : fsdp_error("cuda: %s: %s", what, lt_api.error);
+}
 
 /* ---- the thread's cuBLASLt context and algorithm cache ------------------------------------------ */
 
@@ -67,13 +135,14 @@ typedef struct {
 static thread_local lt_state lt;
 
 static int lt_fail(const char *what, const char *call, cublasStatus_t s) {
-  return fsdp_error("cuda: %s: %s: %s", what, call, cublasLtGetStatusString(s));
+  return fsdp_error("cuda: %s: %s: %s", what, call, lt_api.GetStatusString(s));
 }
 
 /* The calling thread's handle (created on first use). */
 static int lt_context(const char *what, cublasLtHandle_t *handle) {
+  if (lt_api_ready(what)) return FSDP_ERR;
   if (!lt.handle) {
-    cublasStatus_t s = cublasLtCreate(&lt.handle);
+    cublasStatus_t s = lt_api.Create(&lt.handle);
     if (s != CUBLAS_STATUS_SUCCESS) {
       lt.handle = NULL;
       return lt_fail(what, "cublasLtCreate", s);
@@ -163,25 +232,25 @@ typedef struct {
 } lt_descs;
 
 static void lt_descs_free(lt_descs *d) {
-  if (d->pref) cublasLtMatmulPreferenceDestroy(d->pref);
-  if (d->lc) cublasLtMatrixLayoutDestroy(d->lc);
-  if (d->lb) cublasLtMatrixLayoutDestroy(d->lb);
-  if (d->la) cublasLtMatrixLayoutDestroy(d->la);
-  if (d->op) cublasLtMatmulDescDestroy(d->op);
+  if (d->pref) lt_api.MatmulPreferenceDestroy(d->pref);
+  if (d->lc) lt_api.MatrixLayoutDestroy(d->lc);
+  if (d->lb) lt_api.MatrixLayoutDestroy(d->lb);
+  if (d->la) lt_api.MatrixLayoutDestroy(d->la);
+  if (d->op) lt_api.MatmulDescDestroy(d->op);
 }
 
 static int lt_layout(cublasLtMatrixLayout_t *l, const char *what, cudaDataType_t t, int64_t rows,
                      int64_t cols, int64_t ld, int64_t batch, int64_t stride) {
-  cublasStatus_t s = cublasLtMatrixLayoutCreate(l, t, (uint64_t)rows, (uint64_t)cols, ld);
+  cublasStatus_t s = lt_api.MatrixLayoutCreate(l, t, (uint64_t)rows, (uint64_t)cols, ld);
   if (s != CUBLAS_STATUS_SUCCESS) {
     *l = NULL;
     return lt_fail(what, "cublasLtMatrixLayoutCreate", s);
   }
   if (batch > 1) {
     int32_t n = (int32_t)batch;
-    s = cublasLtMatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &n, sizeof n);
+    s = lt_api.MatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &n, sizeof n);
     if (s == CUBLAS_STATUS_SUCCESS)
-      s = cublasLtMatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+      s = lt_api.MatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
                                            &stride, sizeof stride);
     if (s != CUBLAS_STATUS_SUCCESS) return lt_fail(what, "cublasLtMatrixLayoutSetAttribute", s);
   }
@@ -190,7 +259,7 @@ static int lt_layout(cublasLtMatrixLayout_t *l, const char *what, cudaDataType_t
 
 static int lt_desc_attr(cublasLtMatmulDesc_t op, const char *what,
                         cublasLtMatmulDescAttributes_t attr, const void *v, size_t n) {
-  cublasStatus_t s = cublasLtMatmulDescSetAttribute(op, attr, v, n);
+  cublasStatus_t s = lt_api.MatmulDescSetAttribute(op, attr, v, n);
   return s == CUBLAS_STATUS_SUCCESS ? FSDP_OK : lt_fail(what, "cublasLtMatmulDescSetAttribute", s);
 }
 
@@ -208,7 +277,7 @@ static int lt_matmul_ws(const rm_gemm *g, cublasLtHandle_t handle, void *ws, siz
 
   lt_descs d;
   memset(&d, 0, sizeof d);
-  cublasStatus_t s = cublasLtMatmulDescCreate(&d.op, (cublasComputeType_t)compute, CUDA_R_32F);
+  cublasStatus_t s = lt_api.MatmulDescCreate(&d.op, (cublasComputeType_t)compute, CUDA_R_32F);
   if (s != CUBLAS_STATUS_SUCCESS) {
     d.op = NULL;
     return lt_fail(g->what, "cublasLtMatmulDescCreate", s);
@@ -255,7 +324,7 @@ static int lt_matmul_ws(const rm_gemm *g, cublasLtHandle_t handle, void *ws, siz
   lt_entry *e = lt_lookup(&key);
   if (!e) {
     const uint64_t max_ws = ws_bytes;
-    s = cublasLtMatmulPreferenceCreate(&d.pref);
+    s = lt_api.MatmulPreferenceCreate(&d.pref);
     if (s != CUBLAS_STATUS_SUCCESS) {
       d.pref = NULL;
       lt_descs_free(&d);
@@ -273,7 +342,7 @@ static int lt_matmul_ws(const rm_gemm *g, cublasLtHandle_t handle, void *ws, siz
         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.align_c, sizeof key.align_c},
     };
     for (size_t i = 0; i < sizeof prefs / sizeof prefs[0]; i++) {
-      s = cublasLtMatmulPreferenceSetAttribute(d.pref, prefs[i].attr, prefs[i].v, prefs[i].n);
+      s = lt_api.MatmulPreferenceSetAttribute(d.pref, prefs[i].attr, prefs[i].v, prefs[i].n);
       if (s != CUBLAS_STATUS_SUCCESS) {
         lt_descs_free(&d);
         return lt_fail(g->what, "cublasLtMatmulPreferenceSetAttribute", s);
@@ -282,7 +351,7 @@ static int lt_matmul_ws(const rm_gemm *g, cublasLtHandle_t handle, void *ws, siz
     cublasLtMatmulHeuristicResult_t res;
     memset(&res, 0, sizeof res);
     int found = 0;
-    s = cublasLtMatmulAlgoGetHeuristic(handle, d.op, d.la, d.lb, d.lc, d.lc, d.pref, 1, &res,
+    s = lt_api.MatmulAlgoGetHeuristic(handle, d.op, d.la, d.lb, d.lc, d.lc, d.pref, 1, &res,
                                        &found);
     e = lt_insert(&key);
     e->found = s == CUBLAS_STATUS_SUCCESS && found > 0 && res.state == CUBLAS_STATUS_SUCCESS;
@@ -299,7 +368,7 @@ static int lt_matmul_ws(const rm_gemm *g, cublasLtHandle_t handle, void *ws, siz
                       (long long)g->K, (long long)g->N,
                       g->cd != g->ab ? " into f32" : "");
   }
-  s = cublasLtMatmul(handle, d.op, &g->alpha, g->b, d.la, g->a, d.lb, &g->beta, g->c, d.lc, g->c,
+  s = lt_api.Matmul(handle, d.op, &g->alpha, g->b, d.la, g->a, d.lb, &g->beta, g->c, d.lc, g->c,
                      d.lc, &e->algo, ws, ws_bytes, fsdp_cuda_stream());
   lt_descs_free(&d);
   return s == CUBLAS_STATUS_SUCCESS ? FSDP_OK : lt_fail(g->what, "cublasLtMatmul", s);
