@@ -19,11 +19,12 @@
  *
  * cuBLASLt is loaded on the first GEMM (dlopen, lt_api), not linked: the library is half a
  * gigabyte, and mapping it costs every process that links the engine ~0.3 s and ~200 MB of
- * resident memory at startup, with or without a GPU. Each thread has its own cuBLASLt handle (created on its first GEMM) and algorithm table. The
- * 32 MiB workspace (cuBLASLt's recommendation for Hopper) is scratch of each call, from the
- * caching allocator on the thread's stream (lt_workspace): cheap in the steady state, freed as
- * soon as the GEMM is queued, so it neither outlives a memory domain nor shows as a leak. When
- * the allocator refuses it, the GEMM runs without a workspace.
+ * resident memory at startup, with or without a GPU. Each thread has its own cuBLASLt handle
+ * (created on its first GEMM) and algorithm table. The 32 MiB workspace (cuBLASLt's
+ * recommendation for Hopper) is scratch of each call, from the caching allocator on the
+ * thread's stream (lt_workspace): cheap in the steady state, freed as soon as the GEMM is
+ * queued, so it neither outlives a memory domain nor shows as a leak. When the allocator
+ * refuses it, the GEMM runs without a workspace.
  */
 #include <atomic>
 #include <dlfcn.h>
@@ -38,14 +39,14 @@
 
 #define REFUSE(op, dt) fsdp_kernels_refuse(op, dt, "cuda")
 
-/* ---- switches ---------------------------------------------------------------------------------- */
+/* ---- switches -------------------------------------------------------------------------------- */
 
 static std::atomic<bool> tf32_on{false};
 
 extern "C" bool fsdp_cuda_set_tf32(bool on) { return tf32_on.exchange(on); }
 extern "C" bool fsdp_cuda_tf32(void) { return tf32_on.load(); }
 
-/* ---- cuBLASLt, loaded on first use ---------------------------------------------------------------- */
+/* ---- cuBLASLt, loaded on first use ----------------------------------------------------------- */
 
 #define LT_STR2(x) #x
 #define LT_STR(x) LT_STR2(x)
@@ -108,7 +109,7 @@ static int lt_api_ready(const char *what) {
   return lt_api.ready ? FSDP_OK : fsdp_error("cuda: %s: %s", what, lt_api.error);
 }
 
-/* ---- the thread's cuBLASLt context and algorithm cache ------------------------------------------ */
+/* ---- the thread's cuBLASLt context and algorithm cache --------------------------------------- */
 
 #define LT_WORKSPACE ((size_t)32 << 20)
 #define LT_CACHE 64
@@ -195,7 +196,7 @@ static uint32_t align_of(const void *p, int64_t stride_bytes) {
   return al;
 }
 
-/* ---- one GEMM ------------------------------------------------------------------------------------ */
+/* ---- one GEMM -------------------------------------------------------------------------------- */
 
 /* c = alpha op(a) op(b) + beta c (+ bias), row-major, `batch` matrices `sa`, `sb`, `sc` elements
  * apart. a and b have type ab, c and the bias type cd. */
@@ -251,7 +252,7 @@ static int lt_layout(cublasLtMatrixLayout_t *l, const char *what, cudaDataType_t
     s = lt_api.MatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &n, sizeof n);
     if (s == CUBLAS_STATUS_SUCCESS)
       s = lt_api.MatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
-                                           &stride, sizeof stride);
+                                          &stride, sizeof stride);
     if (s != CUBLAS_STATUS_SUCCESS) return lt_fail(what, "cublasLtMatrixLayoutSetAttribute", s);
   }
   return FSDP_OK;
@@ -352,7 +353,7 @@ static int lt_matmul_ws(const rm_gemm *g, cublasLtHandle_t handle, void *ws, siz
     memset(&res, 0, sizeof res);
     int found = 0;
     s = lt_api.MatmulAlgoGetHeuristic(handle, d.op, d.la, d.lb, d.lc, d.lc, d.pref, 1, &res,
-                                       &found);
+                                      &found);
     e = lt_insert(&key);
     e->found = s == CUBLAS_STATUS_SUCCESS && found > 0 && res.state == CUBLAS_STATUS_SUCCESS;
     if (e->found) e->algo = res.algo;
@@ -369,7 +370,7 @@ static int lt_matmul_ws(const rm_gemm *g, cublasLtHandle_t handle, void *ws, siz
                       g->cd != g->ab ? " into f32" : "");
   }
   s = lt_api.Matmul(handle, d.op, &g->alpha, g->b, d.la, g->a, d.lb, &g->beta, g->c, d.lc, g->c,
-                     d.lc, &e->algo, ws, ws_bytes, fsdp_cuda_stream());
+                    d.lc, &e->algo, ws, ws_bytes, fsdp_cuda_stream());
   lt_descs_free(&d);
   return s == CUBLAS_STATUS_SUCCESS ? FSDP_OK : lt_fail(g->what, "cublasLtMatmul", s);
 }
@@ -386,7 +387,7 @@ static int lt_matmul(const rm_gemm *g, bool *no_bias_algo) {
   return rc;
 }
 
-/* ---- small kernels: what a GEMM with K == 0 leaves, and the bias without an epilogue -------- */
+/* ---- small kernels: what a GEMM with K == 0 leaves, and the bias without an epilogue --------- */
 
 /* c (M, N; ld ldc) = beta c, or 0 when beta is 0 (c is then not read: it may hold NaN) */
 template <typename T>
@@ -436,7 +437,7 @@ static bool is_f32_family(fsdp_dtype dt) {
   return dt == FSDP_DTYPE_F32 || dt == FSDP_DTYPE_BF16 || dt == FSDP_DTYPE_F16;
 }
 
-/* ---- the slots ------------------------------------------------------------------------------------ */
+/* ---- the slots ------------------------------------------------------------------------------- */
 
 int fsdp_cuda_gemm(void *ctx, fsdp_dtype dt, void *c, const void *a, const void *b, int M, int N,
                    int K, bool trans_a, bool trans_b, float alpha, float beta, int lda, int ldb,

@@ -25,7 +25,7 @@
 
 #define REFUSE(op, dt) fsdp_kernels_refuse(op, dt, "cuda")
 
-/* ---- forward ---------------------------------------------------------------------------------- */
+/* ---- forward --------------------------------------------------------------------------------- */
 
 /* out (N, units) = weight[ids] (rows of `units` copy units U) */
 template <typename U>
@@ -61,7 +61,7 @@ int fsdp_cuda_embedding_forward(void *ctx, fsdp_dtype dt, void *out, const void 
   return gather_t<uint8_t>(out, weight, ids, idt, N, row);
 }
 
-/* ---- backward ----------------------------------------------------------------------------------- */
+/* ---- backward -------------------------------------------------------------------------------- */
 
 #define RUN_THREADS 128 /* columns per block */
 #define RUN_BLOCKS 4096 /* runs taken at once (grid-stride beyond) */

@@ -21,7 +21,7 @@ static bool is_f32_family(fsdp_dtype dt) {
   return dt == FSDP_DTYPE_F32 || dt == FSDP_DTYPE_BF16 || dt == FSDP_DTYPE_F16;
 }
 
-/* ---- cross-entropy -------------------------------------------------------------------------------- */
+/* ---- cross-entropy --------------------------------------------------------------------------- */
 
 template <typename T>
 static __global__ void ce_forward_rows(float *lse, double *row_loss, const T *logits,
@@ -165,7 +165,7 @@ int fsdp_cuda_cross_entropy_backward(void *ctx, fsdp_dtype dt, void *dlogits, co
   return fsdp_cuda_launched("cross_entropy");
 }
 
-/* ---- mean squared error ------------------------------------------------------------------------- */
+/* ---- mean squared error ---------------------------------------------------------------------- */
 
 #define MSE_THREADS 256
 #define MSE_MAX_BLOCKS 1024

@@ -13,7 +13,7 @@
 
 #define REFUSE(op, dt) fsdp_kernels_refuse(op, dt, "cuda")
 
-/* ---- layernorm ---------------------------------------------------------------------------------- */
+/* ---- layernorm ------------------------------------------------------------------------------- */
 
 template <typename T>
 static __global__ void layernorm_forward_rows(T *out, float *mean, float *rstd, const T *inp,

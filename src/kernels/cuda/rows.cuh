@@ -20,19 +20,23 @@
 
 #include "kernels/cuda/cuda.h"
 
-/* ---- element access: f32 arithmetic for every float dtype ---------------------------------- */
+/* ---- element access: f32 arithmetic for every float dtype ------------------------------------ */
 
 static __device__ __forceinline__ float ldf(const float *p, int64_t i) { return p[i]; }
 static __device__ __forceinline__ float ldf(const __nv_bfloat16 *p, int64_t i) {
   return __bfloat162float(p[i]);
 }
-static __device__ __forceinline__ float ldf(const __half *p, int64_t i) { return __half2float(p[i]); }
+static __device__ __forceinline__ float ldf(const __half *p, int64_t i) {
+  return __half2float(p[i]);
+}
 
 static __device__ __forceinline__ void stf(float *p, int64_t i, float v) { p[i] = v; }
 static __device__ __forceinline__ void stf(__nv_bfloat16 *p, int64_t i, float v) {
   p[i] = __float2bfloat16(v);
 }
-static __device__ __forceinline__ void stf(__half *p, int64_t i, float v) { p[i] = __float2half(v); }
+static __device__ __forceinline__ void stf(__half *p, int64_t i, float v) {
+  p[i] = __float2half(v);
+}
 
 /* ---- reductions ------------------------------------------------------------------------------ */
 
