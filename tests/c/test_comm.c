@@ -25,6 +25,7 @@
 #include <cmocka.h>
 
 #include "comm/comm.h"
+#include "comm/nccl.h"
 #include "typed_ref.h"
 
 #define MAXW 4
@@ -798,6 +799,67 @@ static void test_last_differs(void **state) {
   }
 }
 
+/* ---- the NCCL unique id, shared over the local backend with a stand-in for ncclGetUniqueId -- */
+
+static int fake_id(uint8_t id[FSDP_NCCL_ID_BYTES], void *arg) {
+  int seed = *(int *)arg;
+  for (int i = 0; i < FSDP_NCCL_ID_BYTES; i++) id[i] = (uint8_t)(seed * 31 + i * 7);
+  return FSDP_OK;
+}
+
+static int failing_id(uint8_t id[FSDP_NCCL_ID_BYTES], void *arg) {
+  (void)id, (void)arg;
+  return fsdp_error("ncclGetUniqueId: unhandled system error (no network interface)");
+}
+
+static void body_share_id(rank_ctx *x) {
+  int seed = 100 + x->rank; /* only rank 0's may be used */
+  uint8_t id[FSDP_NCCL_ID_BYTES];
+  note(x, fsdp_nccl_share_id(x->c, id, fake_id, &seed), now_s());
+  int zero_seed = 100;
+  uint8_t want[FSDP_NCCL_ID_BYTES];
+  fake_id(want, &zero_seed);
+  for (int i = 0; i < FSDP_NCCL_ID_BYTES; i++) check_value(x, "unique id", i, id[i], want[i]);
+  /* the bootstrap is an ordinary collective of the communicator: the next one follows it */
+  note(x, fsdp_comm_barrier(x->c, "after"), now_s());
+}
+
+static void body_share_id_fails(rank_ctx *x) {
+  uint8_t id[FSDP_NCCL_ID_BYTES];
+  note(x, fsdp_nccl_share_id(x->c, id, failing_id, NULL), now_s());
+}
+
+static void test_nccl_share_id(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  for (int W = 1; W <= 4; W++) {
+    run_world(W, 30, body_share_id, NULL, ctx);
+    assert_ranks_right(ctx, W);
+    for (int r = 0; r < W; r++) {
+      assert_int_equal(ctx[r].rc[0], FSDP_OK);
+      assert_int_equal(ctx[r].rc[1], FSDP_OK);
+    }
+  }
+  /* rank 0 cannot make one: every rank fails with its message, at once */
+  run_world(3, 30, body_share_id_fails, NULL, ctx);
+  assert_contains(ctx[0].msg[0], "nccl bootstrap: ncclGetUniqueId: unhandled system error");
+  for (int r = 1; r < 3; r++) {
+    assert_int_equal(ctx[r].rc[0], FSDP_ERR);
+    assert_contains(ctx[r].msg[0], "rank 0 failed: nccl bootstrap: ncclGetUniqueId: unhandled");
+    assert_true(ctx[r].secs[0] < 5);
+  }
+  /* arguments */
+  uint8_t id[FSDP_NCCL_ID_BYTES];
+  assert_int_equal(fsdp_nccl_share_id(NULL, id, fake_id, NULL), FSDP_ERR);
+  assert_contains(fsdp_error_msg(), "no communicator");
+  /* this build's backend: the stub says how to get the real one */
+  if (!fsdp_nccl_available()) {
+    fsdp_comm *c = NULL;
+    assert_int_equal(fsdp_comm_nccl_new(&c, NULL), FSDP_ERR);
+    assert_contains(fsdp_error_msg(), "built without NCCL");
+  }
+}
+
 /* ---- abort -------------------------------------------------------------------------------------- */
 
 static atomic_int aborted;
@@ -1349,6 +1411,7 @@ int main(void) {
       cmocka_unit_test(test_check_hash),
       cmocka_unit_test(test_full_check),
       cmocka_unit_test(test_last_differs),
+      cmocka_unit_test(test_nccl_share_id),
       cmocka_unit_test(test_abort),
       cmocka_unit_test(test_timeout),
       cmocka_unit_test(test_timeout_lists_missing),

@@ -29,6 +29,7 @@
 
 #include "comm/comm.h"
 #include "comm/mpi.h"
+#include "comm/nccl.h"
 #include "../c/typed_ref.h"
 
 static int g_rank = -1, g_world = 0;
@@ -398,6 +399,44 @@ static void test_mismatch(void) {
   passed("fingerprint mismatches fail every rank with both sides named");
 }
 
+/* The NCCL unique id over MPI (what `mpirun ... fsdprun --backend nccl` does before
+ * ncclCommInitRank), with a stand-in for ncclGetUniqueId: every process ends with rank 0's. */
+static int fake_id(uint8_t id[FSDP_NCCL_ID_BYTES], void *arg) {
+  int seed = *(int *)arg;
+  for (int i = 0; i < FSDP_NCCL_ID_BYTES; i++) id[i] = (uint8_t)(seed * 31 + i * 7);
+  return FSDP_OK;
+}
+
+static int failing_id(uint8_t id[FSDP_NCCL_ID_BYTES], void *arg) {
+  (void)id, (void)arg;
+  return fsdp_error("ncclGetUniqueId: unhandled system error");
+}
+
+static void test_nccl_id(void) {
+  fsdp_comm *c = fresh(20);
+  int seed = 1000 + g_rank, zero = 1000;
+  uint8_t id[FSDP_NCCL_ID_BYTES], want[FSDP_NCCL_ID_BYTES];
+  OK(fsdp_nccl_share_id(c, id, fake_id, &seed));
+  fake_id(want, &zero);
+  CHECK(memcmp(id, want, sizeof id) == 0, "rank %d holds another id than rank 0 made", g_rank);
+  OK(fsdp_comm_barrier(c, "after the id"));
+  fsdp_comm_free(c);
+  sync_all("nccl id");
+  if (g_world > 1) {
+    c = fresh(20);
+    int rc = fsdp_nccl_share_id(c, id, failing_id, NULL);
+    if (g_rank == 0) {
+      CHECK(rc == FSDP_ERR && strstr(fsdp_error_msg(), "nccl bootstrap: ncclGetUniqueId: "
+                                                      "unhandled system error"),
+            "rank 0: %s", fsdp_error_msg());
+    } else {
+      expect_fail(rc, "rank 0 failed: nccl bootstrap: ncclGetUniqueId", "a failing ncclGetUniqueId");
+    }
+    fsdp_comm_free(c);
+  }
+  passed("the NCCL unique id reaches every process from rank 0");
+}
+
 static void test_abort(void) {
   if (g_world == 1) return;
   fsdp_comm *c = fresh(30);
@@ -480,6 +519,7 @@ int main(void) {
   if (!quick || strcmp(quick, "1") != 0) {
     test_overlap(c);
     test_mismatch();
+    test_nccl_id();
     test_abort();
     test_timeout();
     test_left();
