@@ -16,6 +16,7 @@
  * the request, and fsdp_comm_wait moves it into the waiter's slot.
  */
 #include "comm/comm.h"
+#include "kernels/kernels.h"
 
 #include <errno.h>
 #include <math.h>
@@ -125,8 +126,14 @@ static bool op_has_red(fsdp_coll_op op) {
   return op == FSDP_COLL_REDUCE_SCATTER || op == FSDP_COLL_ALL_REDUCE;
 }
 
+/* Where a collective's buffers live, by name: "host" for host memory. */
+static const char *coll_place(const fsdp_coll *k) {
+  return k->device && !k->device->host_memory ? k->device->name : "host";
+}
+
 bool fsdp_coll_matches(const fsdp_coll *a, const fsdp_coll *b, bool labels) {
   if (a->op != b->op || a->dtype != b->dtype || a->count != b->count) return false;
+  if (strcmp(coll_place(a), coll_place(b)) != 0) return false;
   if (op_has_red(a->op) && a->red != b->red) return false;
   if (a->op == FSDP_COLL_BROADCAST && a->root != b->root) return false;
   if (labels && strncmp(a->label, b->label, sizeof a->label) != 0) return false;
@@ -151,6 +158,8 @@ uint64_t fsdp_coll_hash(const fsdp_coll *k, uint64_t seq, bool labels) {
   h = mix64(h ^ (uint64_t)k->count);
   h = mix64(h ^ (op_has_red(k->op) ? (uint64_t)k->red + 1 : 0));
   h = mix64(h ^ (k->op == FSDP_COLL_BROADCAST ? (uint64_t)(uint32_t)k->root + 1 : 0));
+  for (const char *p = coll_place(k); *p; p++) h = (h ^ (unsigned char)*p) * 1099511628211ull;
+  h = mix64(h);
   if (labels) {
     size_t n = strnlen(k->label, sizeof k->label);
     for (size_t i = 0; i < n; i++) h = (h ^ (unsigned char)k->label[i]) * 1099511628211ull;
@@ -194,6 +203,10 @@ char *fsdp_coll_describe(char *buf, size_t n, const fsdp_coll *coll) {
   } else {
     snprintf(buf, n, "%s(%s x%lld, '%.63s')", fsdp_coll_name(coll->op), dt,
              (long long)coll->count, coll->label);
+  }
+  if (strcmp(coll_place(coll), "host") != 0) {
+    size_t at = strlen(buf);
+    if (at < n) snprintf(buf + at, n - at, " on %s", coll_place(coll));
   }
   return buf;
 }
@@ -532,6 +545,23 @@ static int validate(const fsdp_comm *c, const fsdp_coll *k) {
       return fsdp_error("%s: avg is not defined for i64 (reduce with sum and divide)", what);
     return fsdp_error("%s: %s is not defined for %s (reductions take f32, bf16, f64, i64)", what,
                       fsdp_reduce_name(k->red), fsdp_dtype_name(k->dtype));
+  }
+  bool on_device = k->device && !k->device->host_memory;
+  if (on_device && !c->vt->device_buffers) {
+    return fsdp_error("%s: the buffers are on the %s device, but the %s backend moves host "
+                      "memory only (move them to the cpu%s)", what, k->device->name, c->vt->name,
+                      strcmp(k->device->name, "cuda") == 0 ? ", or use --backend nccl" : "");
+  }
+  if (!on_device && !c->vt->host_buffers) {
+    return fsdp_error("%s: the buffers are in host memory, but the %s backend moves device "
+                      "buffers only (move them to the GPU: t:to(\"cuda\"))", what, c->vt->name);
+  }
+  if (on_device && (!k->device->has_data || !k->device->copy)) {
+    return fsdp_error("%s: the %s device has no data to move", what, k->device->name);
+  }
+  if (on_device && op_has_red(k->op) &&
+      (!k->device->kernels || !k->device->kernels->reduce_ranks)) {
+    return fsdp_error("%s: the %s device has no reduce_ranks kernel", what, k->device->name);
   }
   const size_t esz = fsdp_dtype_size(k->dtype);
   int64_t n = k->count * (int64_t)esz, w = c->world; /* bytes */
@@ -881,7 +911,10 @@ static int single_run(fsdp_comm *c, const fsdp_coll *k, uint64_t seq) {
   (void)seq;
   if ((k->op == FSDP_COLL_ALL_GATHER || k->op == FSDP_COLL_REDUCE_SCATTER) && k->count > 0 &&
       k->recv != k->send) {
-    memcpy(k->recv, k->send, (size_t)k->count * fsdp_dtype_size(k->dtype));
+    size_t bytes = (size_t)k->count * fsdp_dtype_size(k->dtype);
+    if (k->device && !k->device->host_memory)
+      return k->device->copy(k->device->ctx, k->recv, k->send, bytes); /* in device order */
+    memcpy(k->recv, k->send, bytes);
   }
   return FSDP_OK;
 }
@@ -889,6 +922,8 @@ static int single_run(fsdp_comm *c, const fsdp_coll *k, uint64_t seq) {
 static const fsdp_comm_i single_vt = {
     .name = "local",
     .run = single_run,
+    .host_buffers = true,
+    .device_buffers = true,
 };
 
 static int single_create(fsdp_comm **out, bool strict_env) {

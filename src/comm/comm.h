@@ -63,9 +63,9 @@ typedef enum {
 } fsdp_coll_op;
 const char *fsdp_coll_name(fsdp_coll_op op); /* "all_gather", ...; "?" when out of range */
 
-/* AVG is SUM followed, for f32 and bf16, by one multiplication by (float)(1.0 / world), for
- * f64 by one division by world; i64 has no AVG (see docs/comm.md). MAX and MIN propagate NaN. */
-typedef enum { FSDP_RED_SUM = 0, FSDP_RED_AVG, FSDP_RED_MAX, FSDP_RED_MIN } fsdp_reduce_op;
+/* fsdp_reduce_op (core.h): AVG is SUM followed, for f32 and bf16, by one multiplication by
+ * (float)(1.0 / world), for f64 by one division by world; i64 has no AVG (see docs/comm.md). MAX
+ * and MIN propagate NaN. */
 const char *fsdp_reduce_name(fsdp_reduce_op red); /* "sum", "avg", "max", "min" */
 
 /* One collective, as issued by a rank. */
@@ -80,6 +80,11 @@ typedef struct fsdp_coll {
   const void *send;      /* all_gather, reduce_scatter input */
   void *recv;            /* all_gather, reduce_scatter output; all_reduce / broadcast buffer */
   char label[64];        /* caller's label, e.g. the unit path ("blocks.1"); copied */
+  /* The device send and recv live on: NULL (or a device with host memory) for host memory.
+   * Otherwise the backend moves them with the device's copy and reduces them with its kernel
+   * table's reduce_ranks, in the calling thread's device order (local, world of one), or
+   * refuses (mpi: host memory only). Not part of the fingerprint. */
+  const fsdp_device_i *device;
 } fsdp_coll;
 
 typedef struct fsdp_comm fsdp_comm;
@@ -94,6 +99,10 @@ typedef struct fsdp_comm_req fsdp_comm_req;
 typedef struct fsdp_comm_i {
   const char *name; /* "local", "mpi" */
   int (*run)(fsdp_comm *c, const fsdp_coll *coll, uint64_t seq);
+  /* Which buffers the backend moves: host memory (fsdp_coll.device NULL or a host-memory
+   * device), buffers on devices without host memory, or both. The generic layer refuses the
+   * others before a collective is issued. */
+  bool host_buffers, device_buffers;
   /* Poison the group with msg (already formatted "rank R failed: ..."); wakes blocked peers.
    * Optional: NULL keeps the poison in the communicator itself (a world of one). */
   void (*abort)(fsdp_comm *c, const char *msg);
@@ -232,8 +241,10 @@ void *fsdp_comm_impl(const fsdp_comm *c);
  * (this rank's first use of the label, or debug on). Backends publish it and compare labels
  * when any rank asks. */
 bool fsdp_comm_check_labels(const fsdp_comm *c);
-/* Fingerprint helpers: equal op, dtype, count (and red, root where they apply; label when
- * labels is true); "all_gather(f32 x1024, 'blocks.1')" into buf (returns buf). */
+/* Fingerprint helpers: equal op, dtype, count, where the buffers live (host memory or a
+ * device's name), red and root where they apply, label when labels is true;
+ * "all_gather(f32 x1024, 'blocks.1')" into buf, " on cuda" added for device buffers (returns
+ * buf). */
 bool fsdp_coll_matches(const fsdp_coll *a, const fsdp_coll *b, bool labels);
 /* A 64-bit hash of what fsdp_coll_matches compares, and seq: two fingerprints that match hash
  * alike; two that do not collide with probability 2^-64. */

@@ -34,6 +34,7 @@
  * bits. So all ranks hold identical bits, and runs repeat bit for bit.
  */
 #include "comm/comm.h"
+#include "kernels/kernels.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -300,14 +301,43 @@ static void sync_ranks(local_comm *lc) {
   pthread_mutex_unlock(&g->mu);
 }
 
-/* ---- reductions: fsdp_comm_reduce (reduce.c), shared with the mpi backend so both give the
- * same bits --------------------------------------------------------------------------------- */
+/* ---- data movement: host memory, or a device's copy and reduce_ranks ------------------------ */
+
+/* How one collective moves its data. Host memory: memcpy and fsdp_comm_reduce (reduce.c, shared
+ * with the mpi backend so both give the same bits). Device buffers (ranks sharing one device,
+ * e.g. rank threads on one GPU): the device's copy and its kernel table's reduce_ranks, queued in
+ * the calling thread's device order, which reproduces reduce.c's bits; the device is
+ * synchronized before the rank arrives (its buffers are final when peers read them) and before
+ * every sync (its writes are done before peers read them or return). The first error is kept and
+ * returned after the final sync, so the peers are never left waiting. */
+typedef struct mover {
+  const fsdp_device_i *dev; /* NULL: host memory */
+  int rc;
+} mover;
 
 /* element i of buf (esz bytes each) */
 static char *at(const void *buf, int64_t i, size_t esz) { return (char *)buf + i * (int64_t)esz; }
 
-static void copy_elems(void *dst, const void *src, int64_t n, size_t esz) {
-  if (n > 0 && dst != src) memcpy(dst, src, (size_t)n * esz);
+static void copy_elems(mover *m, void *dst, const void *src, int64_t n, size_t esz) {
+  if (n <= 0 || dst == src) return;
+  if (!m->dev) {
+    memcpy(dst, src, (size_t)n * esz);
+  } else if (!m->rc) {
+    m->rc = m->dev->copy(m->dev->ctx, dst, src, (size_t)n * esz);
+  }
+}
+
+static void reduce_elems(mover *m, void *out, const void *const *src, int W, int64_t n,
+                         const fsdp_coll *coll) {
+  if (!m->dev) {
+    fsdp_comm_reduce(out, src, W, n, coll->dtype, coll->red);
+  } else if (!m->rc && n > 0) {
+    m->rc = m->dev->kernels->reduce_ranks(m->dev->ctx, coll->dtype, coll->red, out, src, W, n);
+  }
+}
+
+static void device_done(mover *m) {
+  if (m->dev && !m->rc && m->dev->synchronize) m->rc = m->dev->synchronize(m->dev->ctx);
 }
 
 /* ---- run ----------------------------------------------------------------------------------- */
@@ -316,11 +346,21 @@ static int local_run(fsdp_comm *c, const fsdp_coll *coll, uint64_t seq) {
   local_comm *lc = fsdp_comm_impl(c);
   fsdp_local_group *g = lc->g;
   const int r = lc->rank, W = g->world;
-  if (arrive(c, lc, coll, seq) != FSDP_OK) return FSDP_ERR;
   const int64_t n = coll->count;
   const size_t esz = fsdp_dtype_size(coll->dtype);
-  const fsdp_dtype dt = coll->dtype;
-  if (coll->op == FSDP_COLL_BARRIER || n == 0) return FSDP_OK; /* same on every rank */
+  const bool moves = coll->op != FSDP_COLL_BARRIER && n > 0;
+  mover m = {.dev = coll->device && !coll->device->host_memory ? coll->device : NULL};
+  if (moves) device_done(&m); /* this rank's buffers are final before peers may read them */
+  if (m.rc) {
+    /* the peers would wait for this rank: fail them too */
+    char msg[LOCAL_MSG_CAP];
+    snprintf(msg, sizeof msg, "%s #%llu '%s': %s", fsdp_coll_name(coll->op),
+             (unsigned long long)seq, coll->label, fsdp_error_msg());
+    fsdp_comm_abort(c, msg);
+    return fsdp_error("%s", msg);
+  }
+  if (arrive(c, lc, coll, seq) != FSDP_OK) return FSDP_ERR;
+  if (!moves) return FSDP_OK; /* same on every rank */
   /* Peers' slots are stable until the final sync: they were published under the mutex before
    * go, and a rank publishes again only after every rank passed that sync. */
   const local_slot *s = g->slot;
@@ -329,12 +369,12 @@ static int local_run(fsdp_comm *c, const fsdp_coll *coll, uint64_t seq) {
     /* start with the next rank's shard so the ranks do not all read rank 0 first */
     for (int k = 0; k < W; k++) {
       int p = (r + k) % W;
-      copy_elems(at(coll->recv, (int64_t)p * n, esz), s[p].coll.send, n, esz);
+      copy_elems(&m, at(coll->recv, (int64_t)p * n, esz), s[p].coll.send, n, esz);
     }
     break;
   case FSDP_COLL_REDUCE_SCATTER:
     for (int p = 0; p < W; p++) lc->srcs[p] = at(s[p].coll.send, (int64_t)r * n, esz);
-    fsdp_comm_reduce(coll->recv, lc->srcs, W, n, dt, coll->red);
+    reduce_elems(&m, coll->recv, lc->srcs, W, n, coll);
     break;
   case FSDP_COLL_ALL_REDUCE: {
     /* chunk p = [p * chunk, min(n, (p + 1) * chunk)), chunk a multiple of 64 bytes */
@@ -344,22 +384,32 @@ static int local_run(fsdp_comm *c, const fsdp_coll *coll, uint64_t seq) {
     int64_t lo = (int64_t)r * chunk < n ? (int64_t)r * chunk : n;
     int64_t hi = lo + chunk < n ? lo + chunk : n;
     for (int p = 0; p < W; p++) lc->srcs[p] = at(s[p].coll.recv, lo, esz);
-    fsdp_comm_reduce(at(coll->recv, lo, esz), lc->srcs, W, hi - lo, dt, coll->red);
+    reduce_elems(&m, at(coll->recv, lo, esz), lc->srcs, W, hi - lo, coll);
+    device_done(&m);
     sync_ranks(lc); /* every chunk reduced (and every read of the unreduced inputs done) */
     for (int k = 1; k < W; k++) {
       int p = (r + k) % W;
       int64_t plo = (int64_t)p * chunk < n ? (int64_t)p * chunk : n;
       int64_t phi = plo + chunk < n ? plo + chunk : n;
-      copy_elems(at(coll->recv, plo, esz), at(s[p].coll.recv, plo, esz), phi - plo, esz);
+      copy_elems(&m, at(coll->recv, plo, esz), at(s[p].coll.recv, plo, esz), phi - plo, esz);
     }
     break;
   }
   case FSDP_COLL_BROADCAST:
-    if (r != coll->root) copy_elems(coll->recv, s[coll->root].coll.recv, n, esz);
+    if (r != coll->root) copy_elems(&m, coll->recv, s[coll->root].coll.recv, n, esz);
     break;
   default: break;
   }
+  device_done(&m);
   sync_ranks(lc); /* nobody returns while a peer may still read its buffers */
+  if (m.rc) {
+    /* this rank's result is wrong and the ranks no longer agree: poison the group */
+    char msg[LOCAL_MSG_CAP];
+    snprintf(msg, sizeof msg, "%s #%llu '%s': %s", fsdp_coll_name(coll->op),
+             (unsigned long long)seq, coll->label, fsdp_error_msg());
+    fsdp_comm_abort(c, msg);
+    return fsdp_error("%s", msg);
+  }
   return FSDP_OK;
 }
 
@@ -381,6 +431,8 @@ static void local_free(fsdp_comm *c) {
 static const fsdp_comm_i local_vt = {
     .name = "local",
     .run = local_run,
+    .host_buffers = true,
+    .device_buffers = true,
     .abort = local_abort,
     .free = local_free,
     .poisoned = local_poisoned,

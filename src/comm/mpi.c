@@ -1327,6 +1327,7 @@ static void mpi_free(fsdp_comm *c) { mc_destroy(fsdp_comm_impl(c), true); }
 static const fsdp_comm_i mpi_vt = {
     .name = "mpi",
     .run = mpi_run,
+    .host_buffers = true,
     .abort = mpi_abort,
     .free = mpi_free,
     .start = mpi_start,

@@ -72,6 +72,11 @@ float fsdp_f16_to_f32(uint16_t h);
 double fsdp_dtype_load(const void *buf, fsdp_dtype dt, int64_t i);
 void fsdp_dtype_store(void *buf, fsdp_dtype dt, int64_t i, double v);
 
+/* Reductions across ranks (collectives, and the kernel that reduces ranks' buffers on one
+ * device). AVG is SUM followed, for f32 and bf16, by one multiplication by (float)(1.0 / n), for
+ * f64 by one division by n; i64 has no AVG (docs/comm.md). MAX and MIN propagate NaN. */
+typedef enum { FSDP_RED_SUM = 0, FSDP_RED_AVG, FSDP_RED_MAX, FSDP_RED_MIN } fsdp_reduce_op;
+
 /* What a buffer is for; the allocator accounts live and peak bytes per device and role. */
 typedef enum {
   FSDP_ROLE_OTHER = 0,

@@ -610,6 +610,16 @@ static void coll_label(char *dst, const char *path) {
   snprintf(dst, sizeof ((fsdp_coll *)0)->label, "%s", path);
 }
 
+/* A collective of the unit's buffers, blocking: they live on the unit's device, which the
+ * backend moves through (a device without host memory: its copies and reduce_ranks). */
+static int unit_coll(fsdp_unit *u, fsdp_coll_op op, fsdp_dtype dt, int64_t count, const void *send,
+                     void *recv, fsdp_reduce_op red) {
+  fsdp_coll coll = {.op = op, .dtype = dt, .red = red, .count = count, .send = send,
+                    .recv = recv, .device = u->device};
+  coll_label(coll.label, u->path);
+  return fsdp_comm_run(u->comm, &coll);
+}
+
 /* Wait for the prefetch in flight and install its buffer. */
 static int finish_prefetch(fsdp_unit *u) {
   fsdp_comm_req *req = u->req;
@@ -676,8 +686,8 @@ static int gather_as(fsdp_unit *u, fsdp_dtype dt) {
     return fsdp_error_context("gather: unit '%s'", u->path);
   int rc = u->padded ? gather_send(u, dt, &send) : FSDP_OK;
   if (!rc && u->padded &&
-      fsdp_comm_all_gather(u->comm, flat_data(buf), flat_data(send), u->shard_numel, dt,
-                           u->path))
+      unit_coll(u, FSDP_COLL_ALL_GATHER, dt, u->shard_numel, flat_data(send), flat_data(buf),
+                FSDP_RED_SUM))
     rc = fsdp_error_context("gather: unit '%s'", u->path);
   fsdp_tensor_release(send);
   if (rc) {
@@ -702,7 +712,7 @@ int fsdp_unit_prefetch(fsdp_unit *u) {
     return fsdp_error_context("prefetch");
   }
   fsdp_coll coll = {.op = FSDP_COLL_ALL_GATHER, .dtype = dt, .count = u->shard_numel,
-                    .send = flat_data(send), .recv = flat_data(buf)};
+                    .send = flat_data(send), .recv = flat_data(buf), .device = u->device};
   coll_label(coll.label, u->path);
   if (fsdp_comm_start(u->comm, &coll, &u->req)) {
     u->req = NULL;
@@ -873,12 +883,12 @@ static int finish_backward(fsdp_unit *u) {
     if (!rc) {
       void *fg = flat_data(red);
       if (u->opts.strategy == FSDP_STRATEGY_NONE) {
-        rc = fsdp_comm_all_reduce(u->comm, fg, u->padded, red->dtype, FSDP_RED_AVG, u->path);
+        rc = unit_coll(u, FSDP_COLL_ALL_REDUCE, red->dtype, u->padded, NULL, fg, FSDP_RED_AVG);
       } else {
         /* in place: this rank's chunk of the full gradient receives the average */
         void *mine = (char *)fg + u->shard_offset * (int64_t)fsdp_dtype_size(red->dtype);
-        rc = fsdp_comm_reduce_scatter(u->comm, mine, fg, u->shard_numel, red->dtype,
-                                      FSDP_RED_AVG, u->path);
+        rc = unit_coll(u, FSDP_COLL_REDUCE_SCATTER, red->dtype, u->shard_numel, fg, mine,
+                       FSDP_RED_AVG);
       }
       if (!rc) rc = add_range(u->grad_shard, 0, red, u->shard_offset, u->shard_numel);
       fsdp_tensor_release(red);

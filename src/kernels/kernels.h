@@ -241,6 +241,15 @@ typedef struct fsdp_kernels_i {
   int (*mask_values)(void *ctx, fsdp_dtype dt, void *out, const void *x, const void *m,
                      int64_t n);
 
+  /* ---- collectives ---- */
+  /* out[i] = src[0][i] (+) src[1][i] (+) ... (+) src[nsrc-1][i] for i < n: the exact arithmetic
+   * of the collectives (docs/comm.md): a left fold in f32 (bf16 inputs widened, one rounding at
+   * the end), f64 or wrapping i64; AVG then * (float)(1.0 / nsrc) (f32, bf16) or / nsrc (f64);
+   * MAX and MIN propagate NaN. Every buffer is this device's (the ranks' buffers on one device);
+   * out may be one of the inputs. f32, bf16, f64, i64 (no AVG for i64); 1 <= nsrc <= 4096. */
+  int (*reduce_ranks)(void *ctx, fsdp_dtype dt, fsdp_reduce_op red, void *out,
+                      const void *const *src, int nsrc, int64_t n);
+
   /* ---- modes ---- */
   /* optional: deterministic mode on or off (fsdp.deterministic): every kernel then gives
    * bitwise repeatable results (no atomics in reductions). NULL: always deterministic. */

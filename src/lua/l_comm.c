@@ -137,7 +137,10 @@ static int l_all_reduce(lua_State *L) {
                luaL_typename(L, 1));
   }
   void *d = inplace_data(L, t, "all_reduce");
-  if (fsdp_comm_all_reduce(c, d, fsdp_tensor_numel(t), t->dtype, red, label)) fsdp_lua_error(L);
+  fsdp_coll coll = {.op = FSDP_COLL_ALL_REDUCE, .dtype = t->dtype, .red = red,
+                    .count = fsdp_tensor_numel(t), .recv = d, .device = t->storage->device};
+  snprintf(coll.label, sizeof coll.label, "%s", label ? label : "");
+  if (fsdp_comm_run(c, &coll)) fsdp_lua_error(L);
   t->version++;
   lua_settop(L, 1);
   return 1;
@@ -171,7 +174,10 @@ static int l_broadcast(lua_State *L) {
     luaL_error(L, "broadcast: expected a number or a tensor, got %s", luaL_typename(L, 1));
   }
   void *d = inplace_data(L, t, "broadcast");
-  if (fsdp_comm_broadcast(c, d, fsdp_tensor_numel(t), t->dtype, root, label)) fsdp_lua_error(L);
+  fsdp_coll coll = {.op = FSDP_COLL_BROADCAST, .dtype = t->dtype, .root = root,
+                    .count = fsdp_tensor_numel(t), .recv = d, .device = t->storage->device};
+  snprintf(coll.label, sizeof coll.label, "%s", label ? label : "");
+  if (fsdp_comm_run(c, &coll)) fsdp_lua_error(L);
   t->version++;
   lua_settop(L, 1);
   return 1;

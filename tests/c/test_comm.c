@@ -1340,7 +1340,7 @@ static int native_wait(fsdp_comm *c, void *h) {
 
 static void native_free(fsdp_comm *c) { (void)c; /* the test owns the log */ }
 
-static const fsdp_comm_i native_vt = {.name = "native", .run = native_run, .start = native_start,
+static const fsdp_comm_i native_vt = {.name = "native", .run = native_run, .host_buffers = true, .start = native_start,
                                        .wait = native_wait, .free = native_free};
 
 static void test_native_backend(void **state) {
@@ -1368,6 +1368,18 @@ static void test_native_backend(void **state) {
   fsdp_comm_free(c);
   assert_int_equal(log->nwait, 4);
   assert_int_equal(log->waited[3], 4);
+  /* a backend that moves host memory only refuses buffers of a device without host memory,
+   * naming the device and the backend, before anything is issued */
+  static fsdp_device_i gpu = {.name = "gpu", .has_data = true};
+  memset(log, 0, sizeof *log);
+  assert_int_equal(fsdp_comm_new_backend(&c, &native_vt, log, 0, 1), FSDP_OK);
+  k.device = &gpu;
+  assert_int_equal(fsdp_comm_start(c, &k, &q[0]), FSDP_ERR);
+  assert_contains(fsdp_error_msg(), "all_gather(f32 x3, 'n') on gpu: the buffers are on the gpu "
+                                    "device, but the native backend moves host memory only (move "
+                                    "them to the cpu)");
+  assert_int_equal(log->nstart, 0);
+  fsdp_comm_free(c);
   free(log);
 }
 

@@ -363,6 +363,99 @@ static void test_fill(void **state) {
   for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) fsdp_tensor_release(ts[i]);
 }
 
+/* ---- collectives on device buffers -------------------------------------------------------- */
+
+/* The local backend (and the world of one) move buffers of a device without host memory with
+ * the device's copy and reduce them with its reduce_ranks, never by dereferencing them: every
+ * collective on cpu2 buffers gives the bits of the same collective on host buffers, through
+ * cpu2's copies and no host transfer. */
+static bool run_coll(fsdp_comm *c, const fsdp_device_i *dev, fsdp_coll_op op, fsdp_dtype dt,
+                     fsdp_reduce_op red, int64_t count, fsdp_tensor *send, fsdp_tensor *recv) {
+  fsdp_coll k = {.op = op, .dtype = dt, .red = red, .root = fsdp_comm_world(c) - 1,
+                 .count = count, .send = send ? fsdp_tensor_data(send, "test") : NULL,
+                 .recv = fsdp_tensor_data(recv, "test"), .device = dev};
+  snprintf(k.label, sizeof k.label, "%s", fsdp_coll_name(op));
+  return fsdp_comm_run(c, &k) == FSDP_OK;
+}
+
+static bool rank_device_collectives(rank_ctx *ctx) {
+  const int W = ctx->world, R = ctx->rank;
+  const int64_t n = 37; /* no vector width divides it */
+  const fsdp_dtype dts[] = {FSDP_DTYPE_F32, FSDP_DTYPE_BF16, FSDP_DTYPE_F64, FSDP_DTYPE_I64};
+  for (size_t d = 0; d < sizeof dts / sizeof dts[0]; d++) {
+    fsdp_dtype dt = dts[d];
+    for (int op = FSDP_COLL_ALL_GATHER; op <= FSDP_COLL_BROADCAST; op++) {
+      bool red = op == FSDP_COLL_REDUCE_SCATTER || op == FSDP_COLL_ALL_REDUCE;
+      fsdp_reduce_op rop = dt == FSDP_DTYPE_I64 ? FSDP_RED_MAX : FSDP_RED_AVG;
+      int64_t send_n = op == FSDP_COLL_REDUCE_SCATTER ? n * W : n;
+      int64_t recv_n = op == FSDP_COLL_ALL_GATHER ? n * W : n;
+      char name[32];
+      snprintf(name, sizeof name, "coll.%d.%d.%d", (int)d, op, R);
+      fsdp_tensor *hs = NULL, *ds = NULL, *hr, *dr;
+      if (op == FSDP_COLL_ALL_GATHER || op == FSDP_COLL_REDUCE_SCATTER) {
+        hs = rnd(&fsdp_device_cpu, FSDP_DTYPE_F32, 1, &send_n, name);
+        fsdp_tensor *t;
+        CHECK_OK(fsdp_to(&t, hs, &fsdp_device_cpu, dt, -1));
+        fsdp_tensor_release(hs);
+        hs = t;
+        CHECK_OK(fsdp_to(&ds, hs, &cpu2_device, dt, -1));
+      }
+      hr = rnd(&fsdp_device_cpu, FSDP_DTYPE_F32, 1, &recv_n, name);
+      fsdp_tensor *t;
+      CHECK_OK(fsdp_to(&t, hr, &fsdp_device_cpu, dt, -1));
+      fsdp_tensor_release(hr);
+      hr = t;
+      CHECK_OK(fsdp_to(&dr, hr, &cpu2_device, dt, -1));
+      cpu2_reset();
+      int64_t count = op == FSDP_COLL_REDUCE_SCATTER || op == FSDP_COLL_ALL_GATHER ? n : n;
+      CHECK(run_coll(ctx->comm, &cpu2_device, (fsdp_coll_op)op, dt, rop, count, ds, dr));
+      CHECK(cpu2_transfers() == 0);
+      /* every rank copies or reduces something, except the root of a broadcast and a world
+       * of one's in-place ops */
+      bool moves = W > 1 && !(op == FSDP_COLL_BROADCAST && R == W - 1);
+      if (moves && !red) CHECK(cpu2_counts.copy > 0);
+      CHECK(run_coll(ctx->comm, NULL, (fsdp_coll_op)op, dt, rop, count, hs, hr));
+      CHECK(same_bits(hr, dr));
+      fsdp_tensor_release(hs);
+      fsdp_tensor_release(ds);
+      fsdp_tensor_release(hr);
+      fsdp_tensor_release(dr);
+    }
+  }
+  return true;
+}
+
+static void test_device_collectives(void **state) {
+  (void)state;
+  for (int W = 1; W <= 3; W++) run_ranks(W, rank_device_collectives, NULL);
+}
+
+/* A device without reduce_ranks cannot be reduced on (tests/c/test_comm.c: a backend that moves
+ * host memory only refuses device buffers). */
+static void test_device_collective_refusals(void **state) {
+  (void)state;
+  static fsdp_kernels_i noreduce;
+  noreduce = fsdp_cpu_kernels;
+  noreduce.reduce_ranks = NULL;
+  static fsdp_device_i nored = {.name = "nored", .has_data = true, .alloc = cpu2_alloc,
+                                .free = cpu2_free, .copy = cpu2_copy, .to_host = cpu2_to_host,
+                                .from_host = cpu2_from_host};
+  assert_int_equal(fsdp_device_register(&nored, &noreduce), FSDP_OK);
+  fsdp_comm *c;
+  assert_int_equal(fsdp_comm_single_new(&c), FSDP_OK);
+  float buf[4] = {1, 2, 3, 4};
+  fsdp_coll k = {.op = FSDP_COLL_ALL_REDUCE, .dtype = FSDP_DTYPE_F32, .count = 4, .recv = buf,
+                 .device = &nored, .label = "g"};
+  assert_int_equal(fsdp_comm_run(c, &k), FSDP_ERR);
+  assert_msg_has("all_reduce(f32 x4 sum, 'g') on nored: the nored device has no reduce_ranks "
+                 "kernel");
+  fsdp_comm_free(c); /* (the refusal poisoned it: the peers would have waited) */
+  assert_int_equal(fsdp_comm_single_new(&c), FSDP_OK);
+  k.op = FSDP_COLL_BROADCAST; /* no reduction: copies suffice */
+  assert_int_equal(fsdp_comm_run(c, &k), FSDP_OK);
+  fsdp_comm_free(c);
+}
+
 /* ---- FSDP units over cpu2 parameters ----------------------------------------------------- */
 
 #define MAXW 2
@@ -558,6 +651,8 @@ int main(void) {
       cmocka_unit_test(test_mixing_devices),
       cmocka_unit_test(test_to_and_copy),
       cmocka_unit_test(test_fill),
+      cmocka_unit_test(test_device_collectives),
+      cmocka_unit_test(test_device_collective_refusals),
       cmocka_unit_test(test_units),
       cmocka_unit_test(test_unit_refusals),
   };

@@ -345,6 +345,15 @@ static int r_attention_saved(run *r, int a) {
   o[1] = sdt == DT ? 1 : 0; /* the cpu saves in the compute dtype */
   return n == (int64_t)AB * AH * AT * AT ? FSDP_OK : fsdp_error("attention_saved: %lld", (long long)n);
 }
+/* three ranks' buffers summed (and the same through max), out aliasing the first input too */
+static int r_reduce_ranks(run *r, int a) {
+  const void *src[3] = {in(r, N_EL, G_SIGNED), in(r, N_EL, G_SIGNED), in(r, N_EL, G_SIGNED)};
+  int rc = K()->reduce_ranks(CTX, DT, a ? FSDP_RED_MAX : FSDP_RED_SUM, out(r, N_EL), src, 3, N_EL);
+  void *inplace = acc(r, N_EL, G_SIGNED);
+  const void *src2[2] = {inplace, src[1]};
+  if (rc) return rc;
+  return K()->reduce_ranks(CTX, DT, FSDP_RED_SUM, inplace, src2, 2, N_EL);
+}
 /* deterministic mode: the cpu is always deterministic; the slot accepts both settings */
 static int r_set_deterministic(run *r, int a) {
   return K()->set_deterministic(CTX, true) || K()->set_deterministic(CTX, false);
@@ -570,13 +579,16 @@ static const row rows[] = {
     {"mask_select", "mask_select", F32, r_mask_select, 0},
     {"mask_nm", "mask_nm", F32, r_mask_nm, 0},
     {"mask_values", "mask_values", F32, r_mask_values, 0},
+    /* collectives */
+    {"reduce_ranks sum", "reduce_ranks", B_(F32) | B_(BF16) | B_(F64) | B_(I64), r_reduce_ranks, 0},
+    {"reduce_ranks max", "reduce_ranks", B_(F32) | B_(BF16) | B_(F64) | B_(I64), r_reduce_ranks, 1},
     /* modes */
     {"set_deterministic", "-", ALL, r_set_deterministic, 0},
 };
 #define NROWS ((int)(sizeof rows / sizeof rows[0]))
 
 /* The slots the rows above cover: every member of fsdp_kernels_i. */
-#define NSLOTS 60
+#define NSLOTS 61
 
 /* ---- comparison ----------------------------------------------------------------------------- */
 

@@ -33,6 +33,16 @@
 extern const fsdp_kernels_i fsdp_cpu_kernels;
 int fsdp_cpu_register(void);
 
+/* ---- reducing ranks' buffers (ranks.c) ---------------------------------------------------- */
+
+/* Whether fsdp_cpu_reduce_ranks takes (dtype, red): f32, bf16, f64 with any reduction, i64
+ * without avg. */
+bool fsdp_cpu_reduce_supported(fsdp_dtype dtype, fsdp_reduce_op red);
+/* out[i] = src[0][i] (+) ... (+) src[nsrc-1][i], left to right, for i < m: the collectives'
+ * exact arithmetic (kernels.h, reduce_ranks). out may be one of the inputs. */
+void fsdp_cpu_reduce_ranks(void *out, const void *const *src, int nsrc, int64_t m,
+                           fsdp_dtype dtype, fsdp_reduce_op red);
+
 /* ---- BLAS ---------------------------------------------------------------------------- */
 
 /* c = alpha * op(a) @ op(b) + beta * c, row-major; op(a) (M, K), op(b) (K, N), c (M, N).

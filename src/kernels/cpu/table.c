@@ -686,6 +686,14 @@ static int k_softmax_backward(void *ctx, fsdp_dtype dt, void *dinp, const void *
 /* the cpu's kernels are deterministic whatever the setting (fixed reduction orders) */
 static int k_set_deterministic(void *ctx, bool on) { return FSDP_OK; }
 
+static int k_reduce_ranks(void *ctx, fsdp_dtype dt, fsdp_reduce_op red, void *out,
+                          const void *const *src, int nsrc, int64_t n) {
+  if (!fsdp_cpu_reduce_supported(dt, red)) return fsdp_kernels_refuse("reduce_ranks", dt, "cpu");
+  if (nsrc < 1) return fsdp_error("reduce_ranks: %d inputs (at least 1)", nsrc);
+  fsdp_cpu_reduce_ranks(out, src, nsrc, n, dt, red);
+  return FSDP_OK;
+}
+
 /* the cpu saves the softmax probabilities (B, NH, T, T) in the compute dtype */
 static int64_t k_attention_saved(void *ctx, fsdp_dtype dt, int B, int T, int C, int NH,
                                  fsdp_dtype *saved_dt) {
@@ -1105,6 +1113,7 @@ const fsdp_kernels_i fsdp_cpu_kernels = {
     .softmax_backward = k_softmax_backward,
     .attention_saved = k_attention_saved,
     .set_deterministic = k_set_deterministic,
+    .reduce_ranks = k_reduce_ranks,
     .attention_forward = k_attention_forward,
     .attention_backward = k_attention_backward,
     .cross_entropy_forward = k_cross_entropy_forward,
