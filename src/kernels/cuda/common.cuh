@@ -51,6 +51,7 @@ template <> __device__ __forceinline__ bf16 from_f<bf16>(float v) {
 template <> __device__ __forceinline__ f16 from_f<f16>(float v) {
   return __ushort_as_half(fsdp_x_f32_to_f16(v));
 }
+template <> __device__ __forceinline__ double from_f<double>(float v) { return v; }
 
 /* ---- elements as double (core's fsdp_dtype_load / fsdp_dtype_store) ----------------------- */
 
