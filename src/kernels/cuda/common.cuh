@@ -111,6 +111,14 @@ template <typename F> int with_float(fsdp_dtype dt, F &&f) {
   }
 }
 
+template <typename F> int with_int(fsdp_dtype dt, F &&f) {
+  switch (dt) {
+  case FSDP_DTYPE_I64: return f(int64_t{});
+  case FSDP_DTYPE_I32: return f(int32_t{});
+  default: return f(uint8_t{});
+  }
+}
+
 template <typename F> int with_any(fsdp_dtype dt, F &&f) {
   switch (dt) {
   case FSDP_DTYPE_F32: return f(float{});
