@@ -21,11 +21,13 @@
  * freeing thread's GPU. Memory written on one thread's stream is visible to another thread's
  * stream once the first has synchronized (fsdp_device_i.synchronize), as for any two streams.
  */
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "kernels/cuda/cuda.h"
 
@@ -60,6 +62,34 @@ int fsdp_cuda_check(cudaError_t e, const char *what) {
 
 int fsdp_cuda_launched(const char *what) { return fsdp_cuda_check(cudaGetLastError(), what); }
 
+/* ---- cuBLASLt, looked up at run time ------------------------------------------------------- *
+ * The handle's create and destroy are found in the process (when the GEMMs link cuBLASLt) or
+ * in libcublasLt.so.<major>, opened on the first request, so this file adds no load-time
+ * dependency: a process that never runs a GEMM on a GPU never loads the library. */
+
+typedef cublasStatus_t (*lt_create_fn)(cublasLtHandle_t *);
+typedef cublasStatus_t (*lt_destroy_fn)(cublasLtHandle_t);
+static lt_create_fn lt_create;
+static lt_destroy_fn lt_destroy;
+static pthread_once_t lt_once = PTHREAD_ONCE_INIT;
+
+#define FSDP_STR2(x) #x
+#define FSDP_STR(x) FSDP_STR2(x)
+
+static void lt_load(void) {
+  void *lib = NULL;
+  void *create = dlsym(RTLD_DEFAULT, "cublasLtCreate");
+  if (!create) {
+    lib = dlopen("libcublasLt.so." FSDP_STR(CUBLAS_VER_MAJOR), RTLD_NOW | RTLD_GLOBAL);
+    if (lib) create = dlsym(lib, "cublasLtCreate");
+  }
+  void *destroy = lib ? dlsym(lib, "cublasLtDestroy") : dlsym(RTLD_DEFAULT, "cublasLtDestroy");
+  if (create && destroy) { /* function pointers from dlsym: POSIX guarantees the cast */
+    memcpy(&lt_create, &create, sizeof create);
+    memcpy(&lt_destroy, &destroy, sizeof destroy);
+  }
+}
+
 /* ---- GPUs ----------------------------------------------------------------------------------- */
 
 static int gpu_count = -1;
@@ -67,6 +97,12 @@ static pthread_once_t count_once = PTHREAD_ONCE_INIT;
 
 static void count_gpus(void) {
   int n = 0;
+  /* No NVIDIA device node (the Linux driver's /dev/nvidiactl, WSL's /dev/dxg): no GPU, and no
+   * reason to have the CUDA runtime look for a driver (dlopen) to learn it. */
+  if (access("/dev/nvidiactl", F_OK) != 0 && access("/dev/dxg", F_OK) != 0) {
+    gpu_count = 0;
+    return;
+  }
   if (cudaGetDeviceCount(&n) != cudaSuccess) { /* no driver, no GPU: no device */
     (void)cudaGetLastError();
     n = 0;
@@ -91,7 +127,7 @@ static void thread_release(cuda_thread *t) {
     fsdp_cuda_pool_free(t->workspace);
     fsdp_mem_uncharge(t->workspace_domain, &fsdp_device_cuda, FSDP_ROLE_OTHER, WORKSPACE_BYTES);
   }
-  if (t->blaslt) (void)cublasLtDestroy(t->blaslt);
+  if (t->blaslt) (void)lt_destroy(t->blaslt);
   for (int i = 0; i < 2; i++) {
     if (t->stage[i]) (void)cudaFreeHost(t->stage[i]);
     if (t->staged[i]) (void)cudaEventDestroy(t->staged[i]);
@@ -170,7 +206,11 @@ static void cuda_bind(void *ctx, int local_rank) {
 int fsdp_cuda_blaslt(cublasLtHandle_t *handle, void **workspace, size_t *workspace_bytes) {
   cuda_thread *t = thread_ready();
   if (!t) return FSDP_ERR;
-  if (!t->blaslt && cublasLtCreate(&t->blaslt) != CUBLAS_STATUS_SUCCESS) {
+  pthread_once(&lt_once, lt_load);
+  if (!lt_create)
+    return fsdp_error("cuda: cuBLASLt not found (libcublasLt.so.%d: %s)", CUBLAS_VER_MAJOR,
+                      "not linked and not loadable");
+  if (!t->blaslt && lt_create(&t->blaslt) != CUBLAS_STATUS_SUCCESS) {
     t->blaslt = NULL;
     return fsdp_error("cuda: cannot create a cuBLASLt handle on GPU %d", t->gpu);
   }
