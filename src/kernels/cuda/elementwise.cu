@@ -653,14 +653,15 @@ __global__ void dropout_k(T *out, T *mask, const T *in, int64_t n, float p, floa
                           uint32_t k1) {
   FSDP_CU_LOOP(t, nblocks) {
     const uint64_t block = block0 + (uint64_t)t;
-    uint32_t r[4];
-    if (p > 0.0f) fsdp_x_philox(r, block, k0, k1);
+    const bool keep_all = p <= 0.0f; /* u >= 0 always holds: the mask is all ones */
+    uint32_t r[4] = {0, 0, 0, 0};
+    if (!keep_all) fsdp_x_philox(r, block, k0, k1);
     for (int l = 0; l < 4; l++) {
       const uint64_t e = block * 4 + (uint64_t)l;
       if (e < first || e - first >= (uint64_t)n) continue;
       const int64_t i = (int64_t)(e - first);
       const float x = to_f(in[i]);
-      if (p <= 0.0f) { /* u >= 0 always holds: the mask is all ones */
+      if (keep_all) {
         mask[i] = from_f<T>(1.0f);
         out[i] = from_f<T>(x);
         continue;
