@@ -173,10 +173,12 @@ static cuda_thread *thread_ready(void) {
     return NULL;
   }
   if (t->ready) return t;
-  if (fsdp_cuda_check(cudaSetDevice(t->gpu), "selecting the thread's GPU")) return NULL;
-  if (fsdp_cuda_check(cudaStreamCreateWithFlags(&t->stream, cudaStreamNonBlocking),
-                      "creating the thread's stream"))
+  if (fsdp_cuda_check(cudaSetDevice(t->gpu), "selecting the thread's GPU") ||
+      fsdp_cuda_check(cudaStreamCreateWithFlags(&t->stream, cudaStreamNonBlocking),
+                      "creating the thread's stream")) {
+    (void)cudaGetLastError(); /* reported here, not again by the next launch check */
     return NULL;
+  }
   t->ready = true;
   return t;
 }
@@ -208,8 +210,8 @@ int fsdp_cuda_blaslt(cublasLtHandle_t *handle, void **workspace, size_t *workspa
   if (!t) return FSDP_ERR;
   pthread_once(&lt_once, lt_load);
   if (!lt_create)
-    return fsdp_error("cuda: cuBLASLt not found (libcublasLt.so.%d: %s)", CUBLAS_VER_MAJOR,
-                      "not linked and not loadable");
+    return fsdp_error("cuda: cuBLASLt not found (not linked, and libcublasLt.so.%d cannot be "
+                      "loaded)", CUBLAS_VER_MAJOR);
   if (!t->blaslt && lt_create(&t->blaslt) != CUBLAS_STATUS_SUCCESS) {
     t->blaslt = NULL;
     return fsdp_error("cuda: cannot create a cuBLASLt handle on GPU %d", t->gpu);
