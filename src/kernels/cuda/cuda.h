@@ -9,11 +9,12 @@
  * compute stream of its own; every kernel is launched on the calling thread's stream
  * (fsdp_cuda_stream) and nothing synchronizes the host except copies to the host and results
  * that land in host memory (counts, sumsq), which the slot conventions allow.
- * Memory: device buffers come from the caching allocator (alloc.c): size classes, blocks
- * reused in stream order, no cudaMalloc/cudaFree in the steady state. Scratch a kernel needs
- * for one call comes from there too (fsdp_cuda_scratch), so fsdp.memory() counts it.
+ * Memory: device buffers come from the caching allocator (alloc.c, pool.h): size classes,
+ * blocks reused in stream order, no cudaMalloc/cudaFree in the steady state. Scratch a kernel
+ * needs for one call comes from there too (fsdp_cuda_scratch), so fsdp.memory() counts it.
  * Deterministic mode (fsdp.deterministic): kernels read fsdp_cuda_deterministic() and then use
  * no atomics in reductions (fixed orders), so results repeat bit for bit.
+ * docs/cuda.md describes the device, its allocator and the kernels.
  */
 #ifndef FSDP_KERNELS_CUDA_H
 #define FSDP_KERNELS_CUDA_H
@@ -22,6 +23,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #ifdef __cplusplus /* the .cu files are C++: the engine's C headers keep C linkage */
@@ -29,6 +31,7 @@ extern "C" {
 #endif
 
 #include "core/core.h"
+#include "kernels/cuda/pool.h"
 #include "kernels/kernels.h"
 
 /* ---- the device (device.c, alloc.c) ------------------------------------------------------ */
@@ -40,10 +43,13 @@ extern const fsdp_kernels_i fsdp_cuda_kernels;
 int fsdp_cuda_register(void);
 
 /* The calling thread's GPU index and compute stream (the stream is created on first use, on
- * the thread's bound GPU). */
+ * the thread's bound GPU; 0 with the error set when that fails). */
 int fsdp_cuda_device(void);
 cudaStream_t fsdp_cuda_stream(void);
-/* Whether deterministic mode is on (fsdp.deterministic). */
+/* FSDP_OK once the calling thread has its GPU selected and its stream created (creating them
+ * if needed); FSDP_ERR with the CUDA error otherwise. */
+int fsdp_cuda_thread_ready(void);
+/* Whether deterministic mode is on (fsdp.deterministic): a process-wide atomic flag. */
 bool fsdp_cuda_deterministic(void);
 
 /* FSDP_OK, or FSDP_ERR with "cuda: <what>: <CUDA's message>" when e is an error. */
@@ -52,11 +58,21 @@ int fsdp_cuda_check(cudaError_t e, const char *what);
  * as fsdp_cuda_check does. */
 int fsdp_cuda_launched(const char *what);
 
-/* Scratch device memory for one kernel call, from the caching allocator on the thread's stream
- * (accounted as activations): freed with fsdp_cuda_scratch_free once the kernels that use it are
- * queued (stream order keeps the reuse safe). */
+/* Scratch device memory for one kernel call, from the caching allocator on the thread's stream,
+ * charged to the thread's memory domain as activations (fsdp_mem_charge; no storage): free it
+ * with fsdp_cuda_scratch_free, on the same thread and with the same size, once the kernels that
+ * use it are queued (stream order keeps the reuse safe). 0 bytes gives a real pointer. */
 int fsdp_cuda_scratch(void **out, size_t bytes);
 void fsdp_cuda_scratch_free(void *p, size_t bytes);
+
+/* The calling thread's cuBLASLt handle and GEMM workspace (workspace_bytes, 32 MiB), created on
+ * the first call on the thread's GPU and stream, destroyed when the thread exits: pass the
+ * workspace to cublasLtMatmul with fsdp_cuda_stream(). The workspace is charged to the thread's
+ * memory domain as "other". FSDP_ERR when either cannot be created. */
+int fsdp_cuda_blaslt(cublasLtHandle_t *handle, void **workspace, size_t *workspace_bytes);
+
+/* The allocator's own statistics per GPU (allocated / reserved / peaks, as
+ * torch.cuda.memory_stats), emptying its cache, resetting peaks: pool.h. */
 
 /* ---- kernels: one group per file, each function its slot of fsdp_kernels_i ------------------ */
 
