@@ -23,7 +23,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #ifdef __cplusplus /* the .cu files are C++: the engine's C headers keep C linkage */
@@ -64,12 +63,6 @@ int fsdp_cuda_launched(const char *what);
  * use it are queued (stream order keeps the reuse safe). 0 bytes gives a real pointer. */
 int fsdp_cuda_scratch(void **out, size_t bytes);
 void fsdp_cuda_scratch_free(void *p, size_t bytes);
-
-/* The calling thread's cuBLASLt handle and GEMM workspace (workspace_bytes, 32 MiB), created on
- * the first call on the thread's GPU and stream, destroyed when the thread exits: pass the
- * workspace to cublasLtMatmul with fsdp_cuda_stream(). The workspace is charged to the thread's
- * memory domain as "other". FSDP_ERR when either cannot be created. */
-int fsdp_cuda_blaslt(cublasLtHandle_t *handle, void **workspace, size_t *workspace_bytes);
 
 /* The allocator's own statistics per GPU (allocated / reserved / peaks, as
  * torch.cuda.memory_stats), emptying its cache, resetting peaks: pool.h. */

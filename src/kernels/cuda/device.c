@@ -5,10 +5,10 @@
  * Threads: every thread that touches the device has one record (thread-local, created on first
  * use): its GPU (local rank % GPU count, set by bind; GPU 0 for a thread that was never bound),
  * its compute stream (created on first use, non-blocking: it never waits for the legacy
- * default stream), its cuBLASLt handle and GEMM workspace (created when a kernel asks,
- * fsdp_cuda_blaslt), and two pinned staging buffers for host copies. Rank threads come and go
- * (src/host): a pthread key destructor waits for the thread's stream, gives its blocks to the
- * allocator as free for any stream, and destroys the stream, the handle and the buffers.
+ * default stream), and two pinned staging buffers for host copies (cuBLASLt's handles are
+ * blas.cu's). Rank threads come and go (src/host): a pthread key destructor waits for the
+ * thread's stream, gives its blocks to the allocator as free for any stream, and destroys the
+ * stream and the buffers.
  *
  * Host copies: to_host copies through the staging buffers chunk by chunk (the GPU fills one
  * while the host empties the other) and returns when the bytes are in host memory. from_host
@@ -21,7 +21,6 @@
  * freeing thread's GPU. Memory written on one thread's stream is visible to another thread's
  * stream once the first has synchronized (fsdp_device_i.synchronize), as for any two streams.
  */
-#include <dlfcn.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -32,15 +31,11 @@
 #include "kernels/cuda/cuda.h"
 
 #define STAGE_BYTES ((size_t)4 << 20)      /* each of the two pinned buffers of a thread */
-#define WORKSPACE_BYTES ((size_t)32 << 20) /* cuBLASLt's workspace (Hopper wants 32 MiB) */
 
 typedef struct cuda_thread {
   int gpu;
   bool ready;          /* GPU selected and stream created */
   cudaStream_t stream;
-  cublasLtHandle_t blaslt;
-  void *workspace;
-  fsdp_mem_domain *workspace_domain; /* where the workspace is charged */
   void *stage[2];
   cudaEvent_t staged[2]; /* recorded after each use of a buffer */
   bool pending[2];       /* an upload or download from the buffer may still run */
@@ -61,34 +56,6 @@ int fsdp_cuda_check(cudaError_t e, const char *what) {
 }
 
 int fsdp_cuda_launched(const char *what) { return fsdp_cuda_check(cudaGetLastError(), what); }
-
-/* ---- cuBLASLt, looked up at run time ------------------------------------------------------- *
- * The handle's create and destroy are found in the process (when the GEMMs link cuBLASLt) or
- * in libcublasLt.so.<major>, opened on the first request, so this file adds no load-time
- * dependency: a process that never runs a GEMM on a GPU never loads the library. */
-
-typedef cublasStatus_t (*lt_create_fn)(cublasLtHandle_t *);
-typedef cublasStatus_t (*lt_destroy_fn)(cublasLtHandle_t);
-static lt_create_fn lt_create;
-static lt_destroy_fn lt_destroy;
-static pthread_once_t lt_once = PTHREAD_ONCE_INIT;
-
-#define FSDP_STR2(x) #x
-#define FSDP_STR(x) FSDP_STR2(x)
-
-static void lt_load(void) {
-  void *lib = NULL;
-  void *create = dlsym(RTLD_DEFAULT, "cublasLtCreate");
-  if (!create) {
-    lib = dlopen("libcublasLt.so." FSDP_STR(CUBLAS_VER_MAJOR), RTLD_NOW | RTLD_GLOBAL);
-    if (lib) create = dlsym(lib, "cublasLtCreate");
-  }
-  void *destroy = lib ? dlsym(lib, "cublasLtDestroy") : dlsym(RTLD_DEFAULT, "cublasLtDestroy");
-  if (create && destroy) { /* function pointers from dlsym: POSIX guarantees the cast */
-    memcpy(&lt_create, &create, sizeof create);
-    memcpy(&lt_destroy, &destroy, sizeof destroy);
-  }
-}
 
 /* ---- GPUs ----------------------------------------------------------------------------------- */
 
@@ -123,11 +90,6 @@ static void thread_release(cuda_thread *t) {
     (void)cudaSetDevice(t->gpu);
     (void)cudaStreamSynchronize(t->stream);
   }
-  if (t->workspace) {
-    fsdp_cuda_pool_free(t->workspace);
-    fsdp_mem_uncharge(t->workspace_domain, &fsdp_device_cuda, FSDP_ROLE_OTHER, WORKSPACE_BYTES);
-  }
-  if (t->blaslt) (void)lt_destroy(t->blaslt);
   for (int i = 0; i < 2; i++) {
     if (t->stage[i]) (void)cudaFreeHost(t->stage[i]);
     if (t->staged[i]) (void)cudaEventDestroy(t->staged[i]);
@@ -203,32 +165,6 @@ static void cuda_bind(void *ctx, int local_rank) {
   if (t->ready && t->gpu != gpu) thread_release(t); /* rebound: start over on the new GPU */
   t->gpu = gpu;
   if (cudaSetDevice(gpu) != cudaSuccess) (void)cudaGetLastError(); /* reported on first use */
-}
-
-int fsdp_cuda_blaslt(cublasLtHandle_t *handle, void **workspace, size_t *workspace_bytes) {
-  cuda_thread *t = thread_ready();
-  if (!t) return FSDP_ERR;
-  pthread_once(&lt_once, lt_load);
-  if (!lt_create)
-    return fsdp_error("cuda: cuBLASLt not found (not linked, and libcublasLt.so.%d cannot be "
-                      "loaded)", CUBLAS_VER_MAJOR);
-  if (!t->blaslt && lt_create(&t->blaslt) != CUBLAS_STATUS_SUCCESS) {
-    t->blaslt = NULL;
-    return fsdp_error("cuda: cannot create a cuBLASLt handle on GPU %d", t->gpu);
-  }
-  if (!t->workspace) {
-    fsdp_mem_domain *d = fsdp_mem_domain_current();
-    if (fsdp_mem_charge(d, &fsdp_device_cuda, FSDP_ROLE_OTHER, WORKSPACE_BYTES)) return FSDP_ERR;
-    if (fsdp_cuda_pool_alloc(t->gpu, t->stream, WORKSPACE_BYTES, &t->workspace)) {
-      fsdp_mem_uncharge(d, &fsdp_device_cuda, FSDP_ROLE_OTHER, WORKSPACE_BYTES);
-      return FSDP_ERR;
-    }
-    t->workspace_domain = d;
-  }
-  *handle = t->blaslt;
-  *workspace = t->workspace;
-  *workspace_bytes = WORKSPACE_BYTES;
-  return FSDP_OK;
 }
 
 /* ---- deterministic mode ---------------------------------------------------------------------- */
