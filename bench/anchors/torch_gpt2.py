@@ -27,6 +27,7 @@ import math
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 import torch.nn as nn
@@ -206,9 +207,15 @@ def main():
     peak, source = args.peak_tflops, "gemm_peak (cuBLASLt)"
     if peak is None and not args.warm_only:
         peak, source = matmul_peak(device, args.peak_n), f"torch.matmul bf16 {args.peak_n}^3"
-    for mode in modes:
-        run_mode(mode, args, device, peak or 1.0, source)
-    return 0
+    failed = 0
+    for mode in modes:  # a mode that fails (a compiler error, say) leaves the others' figures
+        try:
+            run_mode(mode, args, device, peak or 1.0, source)
+        except Exception:
+            traceback.print_exc()
+            print(f"torch_gpt2 {mode}: FAILED", flush=True)
+            failed += 1
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
