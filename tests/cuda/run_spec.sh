@@ -7,6 +7,10 @@
 set -u
 spec=$1
 dev=${FSDP_CUDA_TEST_DEVICE:-cuda}
+case $dev in
+  cuda | cpu2) ;;
+  *) echo "FSDP_CUDA_TEST_DEVICE=$dev: only cuda and cpu2 are known" >&2; exit 1 ;;
+esac
 if [ "$dev" = cuda ]; then
   n=$(luajit -e 'io.write(require("fsdp").device_count("cuda"))') || {
     echo "run_spec: luajit could not load fsdp (LUA_PATH / LUA_CPATH?)" >&2

@@ -427,9 +427,9 @@ static int run_attention(run *r, bool backward) {
 static int r_attention_forward(run *r, int a) { return run_attention(r, false); }
 static int r_attention_backward(run *r, int a) { return run_attention(r, true); }
 /* the saved state's size: the cpu's probabilities (B, NH, T, T) of dt, or a fused kernel's row
- * log-sum-exps (B, NH, T) f32 (kernels.h); recorded as outputs so both devices must agree on
- * which it is not: only that it is one of the two */
+ * log-sum-exps (B, NH, T) f32 (kernels.h): each device may choose either, not a third */
 static int r_attention_saved(run *r, int a) {
+  if (!fsdp_dtype_is_float(DT)) return FSDP_OK; /* attention computes in floats only */
   att_shape s = BIG ? (att_shape){2, 65, 128, 2} : (att_shape){1, 3, 4, 2};
   fsdp_dtype sdt = FSDP_DTYPE_BOOL;
   int64_t n = K()->attention_saved(CTX, DT, s.B, s.T, s.C, s.NH, &sdt);
