@@ -248,7 +248,8 @@ describe("checkpoints at one rank on " .. DEV, function()
       assert.are.equal(4, info.step)
       if policy == "plain" then assert.are.equal(DEV, m.wte.weight.device) else shards_on(m, DEV) end
       assert_values_close(values(m), vals, 0, "loaded (" .. policy .. ")")
-      assert_losses_close(train(m, opt, DEV, 5, 8), want, 1e-6, "resumed (" .. policy .. ")")
+      -- the same device and kernels: only the order of atomic adds may differ (no deterministic mode)
+      assert_losses_close(train(m, opt, DEV, 5, 8), want, 1e-5, "resumed (" .. policy .. ")")
     end
   end)
 
