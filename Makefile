@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS  ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: all deps build run test bench install examples clean
+.PHONY: all deps build run test bench install examples clean gpu-debs gpu-check
 all: build
 
 deps:
@@ -30,6 +30,14 @@ install: build
 
 examples: build
 	cmake --build $(BUILD) --target examples
+
+# The one-command GPU check (docs/cuda.md): gpu-debs here, where apt's registry is reachable;
+# gpu-check on the GPU machine (results in $$OUT, else gpu-check-out/).
+gpu-debs:
+	bash scripts/gpu-check --fetch
+
+gpu-check:
+	bash scripts/gpu-check
 
 clean:
 	rm -rf $(BUILD)

@@ -48,7 +48,13 @@ local function raise(msg) base().raise(msg) end
 local function is_module(x) return base().is_module(x) end
 local function is_tensor(x) return base().is_tensor(x) end
 
-local ROLE = {role = "other"}
+-- Where p's mask lives: on the device of its weights (its unit's shards when wrapped), so the
+-- kernels that apply it take both from one device; the cpu for a parameter without values yet.
+local function mask_opts(u, p)
+  local dev = u and u:shard().device or p.device
+  if dev == "meta" then dev = "cpu" end
+  return {role = "other", device = dev}
+end
 
 local function numel_of(shape)
   local n = 1
@@ -114,7 +120,7 @@ local function sharded_record(u, p, full_flat, path, slice)
       end
       rec.slice = slice
     else
-      rec.slice = fsdp.ones({n}, ROLE)
+      rec.slice = fsdp.ones({n}, mask_opts(u, p))
       if full_flat ~= nil then rec.slice:copy(full_flat:narrow(1, s.param_first, n)) end
     end
   end
@@ -160,7 +166,7 @@ function M.set_mask(p, mask)
       raise(("fsdp.set_mask: the mask has shape %s, the parameter %s"):format(shape_str(ms), shape_str(shape)))
     end
   end
-  local full = fsdp.zeros(shape, ROLE)
+  local full = fsdp.zeros(shape, mask_opts(u, p))
   full:copy(mask)
   local flat = full:view{p:numel()}
   local bad, zeros, hash = core.mask_check(flat)
@@ -331,7 +337,7 @@ function M.set_local_mask(p, first, values)
     if first ~= 1 or flat:numel() ~= p:numel() then
       raise(("mask.set_local_mask: a plain parameter needs its whole mask (%d elements)"):format(p:numel()))
     end
-    local full = fsdp.zeros(p:shape(), ROLE)
+    local full = fsdp.zeros(p:shape(), mask_opts(nil, p))
     full:view{p:numel()}:copy(flat)
     records[p] = {full = full, flat = full:view{p:numel()}}
     if p.device ~= "meta" then core.mask_apply(flat_param(p), records[p].flat) end
@@ -474,11 +480,13 @@ function M._on_teardown(R)
     for _, p in ipairs(u:params()) do
       local rec = records[p]
       if rec ~= nil and rec.sharded then
-        local full = fsdp.zeros(rec.shape, ROLE)
+        -- assembled on the cpu (the collective), kept where the weights are
+        local full = fsdp.zeros(rec.shape, {role = "other"})
         local flat = full:view{rec.numel}
         if rec.slice ~= nil then flat:narrow(1, rec.first, rec.n):copy(rec.slice) end
         if not is_replicated(u) then fsdp.all_reduce(flat, "sum", "unwrap mask " .. rec.path) end
-        records[p] = {full = full, flat = flat}
+        full = full:to(mask_opts(u, p).device)
+        records[p] = {full = full, flat = full:view{rec.numel}}
       end
     end
   end

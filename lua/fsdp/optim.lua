@@ -168,9 +168,16 @@ function optim.named_params(x)
   return out
 end
 
--- Optimizer state buffers: zeros shaped like p (one place, so accounting can tag them).
+-- Optimizer state buffers: zeros shaped like p (one place, so accounting can tag them), on
+-- p's device.
 local function state_zeros(p)
-  return fsdp.zeros(p:shape(), { role = "optim" })
+  return fsdp.zeros(p:shape(), { role = "optim", device = p.device })
+end
+
+-- n zeros for a slice of p's state, where p's unit keeps its shards (p's device when plain).
+local function slice_zeros(p, n)
+  local u = fsdp.core.param_unit(p)
+  return fsdp.zeros({n}, { role = "optim", device = u and u:shard().device or p.device })
 end
 
 local function number_opt(opts, k, default, min)
@@ -299,7 +306,7 @@ function Optimizer:load_state_dict(sd)
     local st = {}
     for k, v in pairs(saved) do
       if type(v) == "userdata" then
-        st[k] = sl and fsdp.zeros({sl.numel}, { role = "optim" }) or state_zeros(p)
+        st[k] = sl and slice_zeros(p, sl.numel) or state_zeros(p)
         st[k]:copy(v)
       elseif k ~= "param_first" and k ~= "numel" then
         st[k] = v
@@ -388,7 +395,7 @@ function Optimizer:import_slices(list, info)
         -- the caller's buffers become the state (1-D contiguous, the caller lets go of them)
         st[k] = self.wrapped and t or t:view(it.param:shape())
       else
-        local buf = self.wrapped and fsdp.zeros({it.count}, { role = "optim" }) or state_zeros(it.param)
+        local buf = self.wrapped and slice_zeros(it.param, it.count) or state_zeros(it.param)
         buf:view{it.count}:copy(t:view{it.count})
         st[k] = buf
       end
@@ -432,7 +439,7 @@ function SGD:step()
     self:each_slice(function(st, p, g)
       local first = false
       if momentum ~= 0 and st.momentum_buffer == nil then
-        st.momentum_buffer = fsdp.zeros({p:numel()}, { role = "optim" })
+        st.momentum_buffer = fsdp.zeros({p:numel()}, { role = "optim", device = p.device })
         first = true
       end
       st.step = st.step + 1
@@ -511,8 +518,8 @@ function AdamW:step()
   if self.wrapped then
     self:each_slice(function(st, p, g, param)
       if st.exp_avg == nil then
-        st.exp_avg = fsdp.zeros({p:numel()}, { role = "optim" })
-        st.exp_avg_sq = fsdp.zeros({p:numel()}, { role = "optim" })
+        st.exp_avg = fsdp.zeros({p:numel()}, { role = "optim", device = p.device })
+        st.exp_avg_sq = fsdp.zeros({p:numel()}, { role = "optim", device = p.device })
       end
       st.step = st.step + 1
       fsdp.core.adamw_step(p, g, st.exp_avg, st.exp_avg_sq, lr, b1, b2, eps,
