@@ -580,6 +580,15 @@ static int r_mask_nm(run *r, int a) {
   const void *x = in(r, N_EL, G_SIGNED);
   return K()->mask_nm(CTX, DT, acc(r, N_EL, G_BOOL), host_i64(r, 1), x, NULL, N_EL, 2, 4, 1);
 }
+/* three ranks' buffers folded (sum, or max), and in place into the first of two */
+static int r_reduce_ranks(run *r, int a) {
+  const void *src[3] = {in(r, N_EL, G_SIGNED), in(r, N_EL, G_SIGNED), in(r, N_EL, G_SIGNED)};
+  int rc = K()->reduce_ranks(CTX, DT, a ? FSDP_RED_MAX : FSDP_RED_AVG, out(r, N_EL), src, 3, N_EL);
+  if (rc) return rc;
+  void *inplace = acc(r, N_EL, G_SIGNED);
+  const void *src2[2] = {inplace, src[1]};
+  return K()->reduce_ranks(CTX, DT, FSDP_RED_SUM, inplace, src2, 2, N_EL);
+}
 static int r_mask_values(run *r, int a) {
   const void *x = in(r, N_EL, G_SIGNED), *m = in(r, N_EL, G_BOOL);
   return K()->mask_values(CTX, DT, out(r, N_EL), x, m, N_EL);
@@ -685,6 +694,8 @@ static const row rows[] = {
     {"mask_select", r_mask_select, 0, MUST},
     {"mask_nm", r_mask_nm, 0, MUST},
     {"mask_values", r_mask_values, 0, MUST},
+    {"reduce_ranks avg", r_reduce_ranks, 0, MUST | B_(F64)},
+    {"reduce_ranks max", r_reduce_ranks, 1, MUST | B_(F64) | B_(I64)},
     {"set_deterministic", r_set_deterministic, 0, MUST},
 };
 #define NROWS ((int)(sizeof rows / sizeof rows[0]))

@@ -216,6 +216,10 @@ int fsdp_cuda_attention_backward(void *ctx, fsdp_dtype dt, void *dqkv, const voi
 /* device.c */
 int fsdp_cuda_set_deterministic(void *ctx, bool on);
 
+/* ranks.cu */
+int fsdp_cuda_reduce_ranks(void *ctx, fsdp_dtype dt, fsdp_reduce_op red, void *out,
+                           const void *const *src, int nsrc, int64_t n);
+
 #ifdef __cplusplus
 }
 #endif

@@ -65,4 +65,5 @@ const fsdp_kernels_i fsdp_cuda_kernels = {
     .mask_nm = fsdp_cuda_mask_nm,
     .mask_values = fsdp_cuda_mask_values,
     .set_deterministic = fsdp_cuda_set_deterministic,
+    .reduce_ranks = fsdp_cuda_reduce_ranks,
 };
