@@ -4,7 +4,7 @@
 --
 --   fsdprun -n N tests/dist/train_equiv.lua --model=gpt|mlp --strategy=plain|full|grad_op|none
 --     [--steps=50] [--opt=adamw|sgd] [--prefetch=true] [--lr_scale=1] [--out=path]
---     [--mp=bf16|f16] [--reduce=f32|bf16] [--micro=1]
+--     [--mp=bf16|f16] [--reduce=f32|bf16] [--micro=1] [--device=cpu|cuda] [--deterministic]
 --
 -- strategy=plain trains the model unwrapped (the reference, at -n 1). Every rank takes its
 -- rows of the same global batch, so every world size sees the same data; the logged loss is
@@ -12,6 +12,8 @@
 -- --mp wraps with mixed precision ({param = mp, reduce = reduce}); --micro=K splits this rank's
 -- rows into K micro-batches, each backward on its loss / K (gradient accumulation): at one rank,
 -- --micro=N reproduces the per-rank batches of an N-rank run (tests/recipes/dist_mp_equiv.sh).
+-- --device moves the model and the batches there (every rank thread of -n N shares the machine's
+-- GPUs: rank % count; tests/cuda/dist_local.sh).
 local fsdp = require "fsdp"
 local nn = fsdp.nn
 local a = fsdp.args
@@ -39,6 +41,9 @@ else
   model = nn.Sequential{nn.Linear(20, 48), nn.ReLU(), nn.Linear(48, 48), nn.ReLU(), nn.Linear(48, 10)}
   policy = fsdp.policy.size(1000)
 end
+local device = a.device or "cpu"
+if a.deterministic then fsdp.deterministic(true) end
+if device ~= "cpu" then model:to(device) end
 if strategy ~= "plain" then
   local mp = a.mp and {param = a.mp, reduce = a.reduce or "f32"} or nil -- mixed precision
   fsdp.wrap(model, {strategy = strategy, policy = policy, prefetch = a.prefetch ~= false, mp = mp})
@@ -68,7 +73,8 @@ local function batch(step)
       x[#x + 1], y[#y + 1] = xi, yi
     end
     -- token ids as integers (a model wrapped with mixed precision casts floating inputs)
-    return fsdp.tensor(x, {dtype = "i64"}), fsdp.tensor(y, {dtype = "i64"})
+    return fsdp.tensor(x, {dtype = "i64", device = device}),
+      fsdp.tensor(y, {dtype = "i64", device = device})
   end
   local x, y = {}, {}
   for i = first, first + rows - 1 do
@@ -77,7 +83,7 @@ local function batch(step)
     x[#x + 1] = xi
     y[#y + 1] = math.floor((xi[1] + xi[2] + 2) * 2.5) % 10 -- learnable from x
   end
-  return fsdp.tensor(x), fsdp.tensor(y)
+  return fsdp.tensor(x, {device = device}), fsdp.tensor(y, {device = device})
 end
 
 local micro = a.micro or 1
