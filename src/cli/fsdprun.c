@@ -69,7 +69,9 @@
 #include "cli/repl.h"
 #include "comm/comm.h"
 #include "comm/mpi.h"
+#include "comm/nccl.h"
 #include "core/core.h"
+#include "kernels/kernels.h"
 #include "fsdp.h"
 #include "host/host.h"
 #include "kernels/cpu/kernels.h"
@@ -89,6 +91,8 @@ typedef struct fsdprun_opts {
   bool ranked;       /* -n given: rank threads over a local group (even for -n 1) */
   double timeout;    /* --timeout; 0 when absent (the communicator's default) */
   const char *backend; /* --backend: "local", "mpi", or NULL (mpi when mpirun started us) */
+  bool nccl;           /* --backend nccl (or auto, with a GPU for every rank): data over NCCL */
+  bool auto_backend;   /* --backend auto */
   bool interactive;  /* -i */
   int nexec;         /* number of -e chunks */
   const char **exec; /* (nexec) their code, in command-line order */
@@ -514,7 +518,35 @@ static int setup_blas_threads(const fsdprun_opts *o) {
 static int run_ranks(fsdprun_opts *o) {
   if (o->script > 0 && load_recipe_once(o) != 0) return EXIT_FAILURE;
   return run_host(o, (fsdp_host_opts){.nranks = o->nranks, .group = true, .ctl = true,
-                                      .timeout_s = o->timeout});
+                                      .timeout_s = o->timeout, .nccl = o->nccl});
+}
+
+/* --backend nccl / auto: whether this machine can. nccl without a build or a GPU is an error
+ * naming what is missing; auto quietly stays with the threads' own backend. GPUs are counted
+ * per process: under mpirun each rank checks its own machine (ranks = its local share). */
+static int choose_nccl(fsdprun_opts *o, int ranks_here) {
+  if (!o->nccl && !o->auto_backend) return 0;
+  fsdp_kernels_init();
+  int gpus = fsdp_device_count_of("cuda");
+  const char *why = NULL;
+  char buf[160];
+  if (!fsdp_nccl_available()) {
+    why = "fsdprun was built without NCCL";
+  } else if (gpus < ranks_here) {
+    snprintf(buf, sizeof buf, "%d rank%s on this machine, %d GPU%s (NCCL takes one GPU per rank; "
+             "several ranks on one GPU: --backend local)", ranks_here, ranks_here == 1 ? "" : "s",
+             gpus, gpus == 1 ? "" : "s");
+    why = buf;
+  }
+  if (o->auto_backend) {
+    o->nccl = why == NULL;
+    return 0;
+  }
+  if (why) {
+    fprintf(stderr, PROGNAME ": --backend nccl: %s\n", why);
+    return EXIT_USAGE;
+  }
+  return 0;
 }
 
 /* ---- the mpi backend (docs/mpi.md) ------------------------------------------------ */
@@ -603,8 +635,32 @@ static int run_mpi_rank(fsdprun_opts *o) {
     return EXIT_USAGE;
   }
   mpi_blas_threads();
+  /* nccl or auto: every rank must choose alike, so they agree on the minimum of their wishes */
+  if (o->nccl || o->auto_backend) {
+    int local = 1;
+    const char *lw = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    if (lw && atoi(lw) > 0) local = atoi(lw);
+    bool asked = o->nccl;
+    int bad = choose_nccl(o, local);
+    double can = bad == 0 && o->nccl ? 1 : 0;
+    if (fsdp_comm_all_reduce(comm, &can, 1, FSDP_DTYPE_F64, FSDP_RED_MIN, "fsdprun.backend")) {
+      fprintf(stderr, PROGNAME ": %s\n", fsdp_error_msg());
+      fsdp_comm_free(comm);
+      fsdp_comm_free(ctl);
+      return EXIT_FAILURE;
+    }
+    if (asked && can == 0) {
+      if (bad == 0 && rank == 0)
+        fprintf(stderr, PROGNAME ": --backend nccl: another rank cannot use NCCL (see its "
+                "message)\n");
+      fsdp_comm_free(comm);
+      fsdp_comm_free(ctl);
+      return EXIT_USAGE;
+    }
+    o->nccl = can != 0;
+  }
   int status = run_host(o, (fsdp_host_opts){.nranks = 1, .comm = comm, .ctl_comm = ctl,
-                                            .timeout_s = o->timeout});
+                                            .timeout_s = o->timeout, .nccl = o->nccl});
   fflush(stdout);
   fflush(stderr);
   /* After a failure MPI is left unfinalized (collectives may be in flight) and the nonzero exit
@@ -620,7 +676,10 @@ static int run_mpi_rank(fsdprun_opts *o) {
  * status of this process's rank. */
 static int run_mpi_backend(fsdprun_opts *o) {
   bool launched = mpi_launched();
-  if (o->backend != NULL ? strcmp(o->backend, "mpi") != 0 : !launched) return -1;
+  /* nccl and auto bootstrap over mpi when mpirun started this process, over threads else */
+  bool wants = o->backend == NULL || o->nccl || o->auto_backend ? launched
+                                                                : strcmp(o->backend, "mpi") == 0;
+  if (!wants) return -1;
   if (!fsdp_mpi_available()) {
     fsdp_comm *c = NULL;
     fsdp_comm_mpi_new(&c); /* the stub's message */
@@ -643,10 +702,13 @@ static void print_usage(FILE *f) {
           "\n"
           "options:\n"
           "  -n N        run N ranks, threads of this process (local backend; default 1)\n"
-          "  --backend local|mpi\n"
+          "  --backend local|mpi|nccl|auto\n"
           "              how the ranks talk: threads of this process (local), or one process\n"
           "              per rank under Open MPI (mpi: the default when mpirun started\n"
-          "              fsdprun; with -n N outside mpirun, fsdprun runs mpirun -np N itself)\n"
+          "              fsdprun; with -n N outside mpirun, fsdprun runs mpirun -np N itself);\n"
+          "              nccl: cuda tensors move over NCCL, one GPU per rank, bootstrapped\n"
+          "              over threads or (under mpirun) mpi; auto: nccl when every rank has a\n"
+          "              GPU, else the default\n"
           "  --timeout=SECONDS\n"
           "              how long a collective waits for the other ranks (default 60)\n"
           "  -e CODE     run the Lua CODE before the recipe (may be repeated)\n"
@@ -725,9 +787,13 @@ static int parse_args(fsdprun_opts *o) {
     }
     if (strncmp(a, "--backend", 9) == 0 && (a[9] == '=' || a[9] == '\0')) {
       const char *val = a[9] == '=' ? a + 10 : (i + 1 < argc ? argv[++i] : NULL);
-      if (val == NULL || (strcmp(val, "local") != 0 && strcmp(val, "mpi") != 0))
-        return usage_error("--backend '%s': expected 'local' or 'mpi'%s", val ? val : "", "");
-      o->backend = val;
+      if (val == NULL || (strcmp(val, "local") != 0 && strcmp(val, "mpi") != 0 &&
+                          strcmp(val, "nccl") != 0 && strcmp(val, "auto") != 0))
+        return usage_error("--backend '%s': expected 'local', 'mpi', 'nccl' or 'auto'%s",
+                           val ? val : "", "");
+      o->nccl = strcmp(val, "nccl") == 0;
+      o->auto_backend = strcmp(val, "auto") == 0;
+      o->backend = o->nccl || o->auto_backend ? NULL : val;
       continue;
     }
     if (a[1] == 'n' || a[1] == 'e') {
@@ -808,7 +874,10 @@ int main(int argc, char **argv) {
   int status = run_mpi_backend(&o); /* -1: not the mpi backend */
   if (status >= 0) {
     /* one rank of an mpirun job */
-  } else if (o.ranked) {
+  } else if ((status = choose_nccl(&o, o.ranked ? o.nranks : 1)) != 0) {
+    /* --backend nccl on a machine that cannot */
+  } else if (o.ranked || o.nccl) {
+    if (!o.ranked) o.nranks = 1;
     status = run_ranks(&o);
   } else {
     /* one rank with the world of one */

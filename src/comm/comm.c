@@ -487,6 +487,11 @@ void fsdp_comm_abort(fsdp_comm *c, const char *msg) {
   if (!c) return;
   char full[FSDP_COMM_MSG_CAP];
   snprintf(full, sizeof full, "rank %d failed: %s", c->rank, msg ? msg : "(no message)");
+  fsdp_comm_poison(c, full);
+}
+
+void fsdp_comm_poison(fsdp_comm *c, const char *full) {
+  if (!c) return;
   if (c->vt->abort) {
     c->vt->abort(c, full);
     return;
@@ -494,7 +499,7 @@ void fsdp_comm_abort(fsdp_comm *c, const char *msg) {
   pthread_mutex_lock(&c->mu);
   if (!c->poisoned) {
     c->poisoned = true;
-    memcpy(c->poison, full, sizeof full);
+    snprintf(c->poison, sizeof c->poison, "%s", full);
   }
   pthread_mutex_unlock(&c->mu);
 }

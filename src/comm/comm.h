@@ -237,6 +237,9 @@ void fsdp_comm_reset_stats(fsdp_comm *c);
 int fsdp_comm_new_backend(fsdp_comm **out, const fsdp_comm_i *vt, void *impl, int rank,
                           int world);
 void *fsdp_comm_impl(const fsdp_comm *c);
+/* Poison the group with a message already formatted "rank R failed: ..." (what vt->abort
+ * receives): a backend that stacks on another communicator passes its poison down with it. */
+void fsdp_comm_poison(fsdp_comm *c, const char *full);
 /* Inside vt->run / vt->start: whether this collective's labels take part in the fingerprint
  * (this rank's first use of the label, or debug on). Backends publish it and compare labels
  * when any rank asks. */

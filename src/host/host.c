@@ -22,6 +22,7 @@
 #include <lauxlib.h>
 
 #include "host/host.h"
+#include "comm/nccl.h"
 
 #define HOST_RANK_STACK (16u << 20) /* C stack of a rank thread: as much as a main thread */
 #define HOST_ABORT_MSG 1024         /* the longest message a failing rank aborts its group with */
@@ -56,6 +57,8 @@ struct fsdp_host {
   char *cause_msg;         /* its message without traceback (the stop message quotes it) */
   char *abandoned;         /* a line per abandoned rank */
   char *failure;           /* fsdp_host_failure's answer */
+  int init_pending;        /* o.nccl: ranks still making their communicator (under mu) */
+  char *init_error;        /* the first rank's failure to make it, or NULL (under mu) */
 };
 
 static _Thread_local fsdp_host_rank *tl_rank;
@@ -398,6 +401,8 @@ void fsdp_host_rank_finish(fsdp_host_rank *r) {
   rank_close(r);
   fsdp_comm_free(r->comm);
   r->comm = NULL;
+  fsdp_comm_free(r->boot); /* after the nccl communicator stacked on it */
+  r->boot = NULL;
   fsdp_comm_free(r->ctl);
   r->ctl = NULL;
 }
@@ -417,6 +422,7 @@ static void destroy(fsdp_host *h) {
   free(h->cause_msg);
   free(h->abandoned);
   free(h->failure);
+  free(h->init_error);
   free(h);
 }
 
@@ -443,6 +449,24 @@ static void *rank_thread(void *arg) {
   fsdp_mem_domain_set(r->domain);
   fsdp_comm_set_current(r->comm);
   fsdp_devices_bind(local_rank(h, r));
+  if (h->o.nccl) {
+    /* on the rank's own thread: NCCL binds the communicator to the thread's GPU */
+    fsdp_comm *nc = NULL;
+    char *err = NULL;
+    if (fsdp_comm_nccl_new(&nc, r->comm) == FSDP_OK) {
+      r->boot = r->comm;
+      r->comm = nc;
+      fsdp_comm_set_current(nc);
+    } else {
+      err = format("rank %d: %s", r->rank, fsdp_error_msg());
+    }
+    pthread_mutex_lock(&h->mu);
+    if (err && !h->init_error) h->init_error = err;
+    else free(err);
+    h->init_pending--;
+    pthread_cond_broadcast(&h->done_cv);
+    pthread_mutex_unlock(&h->mu);
+  }
   uint64_t seen = 0;
   pthread_mutex_lock(&h->mu);
   for (;;) {
@@ -568,6 +592,7 @@ int fsdp_host_new(fsdp_host **out, const fsdp_host_opts *opts) {
   pthread_attr_t attr;
   pthread_attr_init(&attr);
   pthread_attr_setstacksize(&attr, HOST_RANK_STACK);
+  h->init_pending = opts->nccl && st == FSDP_OK ? n : 0;
   for (int i = 0; st == FSDP_OK && i < n; i++) {
     fsdp_host_rank *r = &h->ranks[i];
     atomic_fetch_add(&h->refs, 1);
@@ -575,11 +600,25 @@ int fsdp_host_new(fsdp_host **out, const fsdp_host_opts *opts) {
     if (err != 0) {
       atomic_fetch_sub(&h->refs, 1);
       st = fsdp_error("cannot start the thread of rank %d: %s", r->rank, strerror(err));
+      /* the started ones may wait in the bootstrap for this one: fail them */
+      if (opts->nccl && r->comm) fsdp_comm_abort(r->comm, fsdp_error_msg());
+      pthread_mutex_lock(&h->mu);
+      h->init_pending -= n - i;
+      pthread_mutex_unlock(&h->mu);
     } else {
       r->started = true;
     }
   }
   pthread_attr_destroy(&attr);
+  if (opts->nccl) {
+    /* every rank's nccl communicator made, or the first error (a failing rank poisons its
+     * bootstrap, so the others stop waiting) */
+    pthread_mutex_lock(&h->mu);
+    while (h->init_pending > 0) pthread_cond_wait(&h->done_cv, &h->mu);
+    if (st == FSDP_OK && h->init_error)
+      st = fsdp_error("cannot create the nccl communicators: %s", h->init_error);
+    pthread_mutex_unlock(&h->mu);
+  }
   if (st != FSDP_OK) {
     char msg[FSDP_ERROR_CAP];
     snprintf(msg, sizeof msg, "%s", fsdp_error_msg());

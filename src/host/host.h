@@ -57,6 +57,8 @@ typedef struct fsdp_host_rank {
   int rank, world;  /* in the whole job (an mpi rank: among the processes) */
   fsdp_comm *comm;  /* current on the rank's thread; NULL: a world of one made on first use */
   fsdp_comm *ctl;   /* the REPL's channel (opts.ctl / opts.ctl_comm), or NULL */
+  fsdp_comm *boot;  /* opts.nccl: the communicator comm was bootstrapped over (it runs the
+                     * checks and host-buffer collectives of comm), else NULL */
   lua_State *L;     /* made by the program on the rank's thread; closed by
                      * fsdp_host_rank_finish, or when the thread ends */
   void *ud;         /* the program's, per rank (set before the first job) */
@@ -75,6 +77,10 @@ typedef struct fsdp_host_opts {
    * of one on demand). The host owns them from fsdp_host_new on, also when it fails. */
   fsdp_comm *comm, *ctl_comm;
   double timeout_s;      /* > 0: set on every rank's comm */
+  /* Each rank thread, once bound to its GPU, makes an nccl communicator over its comm (which
+   * becomes its boot) and uses it as comm: NCCL moves cuda buffers, boot the rest (nccl.h).
+   * fsdp_host_new waits for every rank's and fails with the first error. */
+  bool nccl;
   const char *lua_dir;   /* the Lua library folder (copied), or NULL: package.path unchanged */
   void *ud;              /* passed back to the callbacks */
   /* A report to write whole, ending in a newline (fsdp_host_rank_fail, abandoned ranks).

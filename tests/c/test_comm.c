@@ -852,11 +852,22 @@ static void test_nccl_share_id(void **state) {
   uint8_t id[FSDP_NCCL_ID_BYTES];
   assert_int_equal(fsdp_nccl_share_id(NULL, id, fake_id, NULL), FSDP_ERR);
   assert_contains(fsdp_error_msg(), "no communicator");
-  /* this build's backend: the stub says how to get the real one */
+  /* this build's backend: the stub says how to get the real one; the real one, on a machine
+   * without a GPU (or without libnccl), fails with a message and poisons the bootstrap
+   * communicator, so peers waiting in the bootstrap would fail too */
+  fsdp_comm *c = NULL, *boot;
   if (!fsdp_nccl_available()) {
-    fsdp_comm *c = NULL;
     assert_int_equal(fsdp_comm_nccl_new(&c, NULL), FSDP_ERR);
     assert_contains(fsdp_error_msg(), "built without NCCL");
+  } else if (fsdp_device_count_of("cuda") == 0) {
+    assert_int_equal(fsdp_comm_nccl_new(&c, NULL), FSDP_ERR);
+    assert_contains(fsdp_error_msg(), "nccl backend: no bootstrap communicator");
+    assert_int_equal(fsdp_comm_single_new(&boot), FSDP_OK);
+    assert_int_equal(fsdp_comm_nccl_new(&c, boot), FSDP_ERR);
+    assert_contains(fsdp_error_msg(), "nccl backend: ");
+    assert_null(c);
+    assert_true(fsdp_comm_poisoned(boot));
+    fsdp_comm_free(boot);
   }
 }
 

@@ -31,6 +31,7 @@ extern "C" {
 
 #include "core/core.h"
 #include "kernels/cuda/pool.h"
+#include "kernels/cuda/thread.h"
 #include "kernels/kernels.h"
 
 /* ---- the device (device.c, alloc.c) ------------------------------------------------------ */
@@ -41,10 +42,8 @@ extern const fsdp_kernels_i fsdp_cuda_kernels;
  * without one (or without a driver) registers nothing: fsdp.device_count("cuda") is 0. */
 int fsdp_cuda_register(void);
 
-/* The calling thread's GPU index and compute stream (the stream is created on first use, on
- * the thread's bound GPU; 0 with the error set when that fails). */
-int fsdp_cuda_device(void);
-cudaStream_t fsdp_cuda_stream(void);
+/* The calling thread's GPU index and compute stream: thread.h (the stream is created on first
+ * use, on the thread's bound GPU; 0 with the error set when that fails). */
 /* FSDP_OK once the calling thread has its GPU selected and its stream created (creating them
  * if needed); FSDP_ERR with the CUDA error otherwise. */
 int fsdp_cuda_thread_ready(void);
