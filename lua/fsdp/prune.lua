@@ -154,7 +154,7 @@ end
 -- mask_from_nonzero), else a new one.
 local function out_buffer(pc, in_place)
   if in_place and pc.m ~= nil then return pc.m end
-  return fsdp.ones({pc.n}, ROLE)
+  return fsdp.ones({pc.n}, {role = ROLE.role, device = pc.x.device}) -- where the weights are
 end
 
 -- Store the new mask of entry e (values `mout` for its piece, or nil when it has none) and mask

@@ -141,7 +141,7 @@ end
 
 local strategies = {full = true, grad_op = true, none = true}
 local known_opts = {policy = true, strategy = true, reshard_after_forward = true, prefetch = true,
-  sync_module_states = true, init = true, mp = true, device = true}
+  sync_module_states = true, init = true, mp = true, device = true, offload = true}
 
 -- Mixed precision (FSDP2's MixedPrecisionPolicy): mp = "bf16" | "f16" | {param =, reduce =,
 -- output =}. param: the dtype units gather parameters in for forward and backward (the
@@ -181,7 +181,7 @@ local function check_opts(opts)
   for k in pairs(opts) do
     if not known_opts[k] then
       raise(("fsdp.wrap: unknown option %s (policy, strategy, reshard_after_forward, prefetch, "
-        .. "sync_module_states, init, mp, device)"):format(tostring(k)))
+        .. "sync_module_states, init, mp, device, offload)"):format(tostring(k)))
     end
   end
   local o = {
@@ -216,6 +216,12 @@ local function check_opts(opts)
     raise(("fsdp.wrap: device must be a device name (got %s)"):format(type(opts.device)))
   end
   o.device = opts.device
+  -- offload = "cpu": shards, gradient shards and optimizer state in host memory, the optimizer
+  -- step on the cpu, each gather copying the shard up to the parameters' device first
+  if opts.offload ~= nil and opts.offload ~= false and opts.offload ~= "cpu" then
+    raise(("fsdp.wrap: offload must be \"cpu\" (or false) (got %s)"):format(tostring(opts.offload)))
+  end
+  o.offload = opts.offload == "cpu"
   policy_fn(o.policy) -- validates
   return o
 end
@@ -493,7 +499,7 @@ local function plan_wrap(model, o)
   for _, R in ipairs(inner) do
     for _, U in ipairs(R.units) do
       forced[U.module] = {strategy = U.strategy, reshard_after_forward = R.opts.reshard_after_forward,
-        mp = R.opts.mp}
+        mp = R.opts.mp, offload = R.opts.offload}
       inner_unit[U.unit] = true
     end
     for p in pairs(R.pending or {}) do inner_pending[p] = true end
@@ -655,9 +661,11 @@ function W.wrap(model, opts)
         if f then raf = f.reshard_after_forward end
         local mp = o.mp
         if f then mp = f.mp end
+        local offload = o.offload
+        if f then offload = f.offload end
         local u = core.unit_new(rec.path, ps, pp, {strategy = strategy, root = (m == model),
           reshard_after_forward = raf, param_dtype = mp and mp.param,
-          reduce_dtype = mp and mp.reduce, device = o.device})
+          reduce_dtype = mp and mp.reduce, device = o.device, offload = offload})
         local U = {unit = u, module = m, path = rec.path, strategy = strategy, params = ps, mp = mp}
         R.units[#R.units + 1] = U
         R.unit_of[m] = U

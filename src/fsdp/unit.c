@@ -82,6 +82,7 @@ struct fsdp_unit {
   fsdp_tensor *full;       // (P) role gathered, while gathered (NONE: the shard)
   fsdp_tensor *full_grad;  // (P) role grads, during backward
   const fsdp_device_i *device; /* where the buffers live: the parameters' (cpu for meta ones) */
+  const fsdp_device_i *shard_device; /* the shards': device, or the cpu under offload */
   fsdp_storage *sharded;   /* no data; backs the parameters while sharded */
   fsdp_comm_req *req;      /* a prefetch in flight ... */
   fsdp_tensor *req_buf;    /* ... the (P) buffer it gathers into ... */
@@ -503,6 +504,19 @@ int fsdp_unit_new(fsdp_unit **out, fsdp_comm *c, const char *path, fsdp_tensor *
                            path, paths[i], d->name, o.device->name, o.device->name);
     }
   }
+  if (valid == FSDP_OK && o.offload) {
+    const fsdp_device_i *d = o.device;
+    for (int i = 0; !d && i < n; i++)
+      if (params[i]->storage->device->has_data) d = params[i]->storage->device;
+    if (o.strategy == FSDP_STRATEGY_NONE)
+      valid = fsdp_error("wrap: unit '%s': offload = \"cpu\" needs a sharding strategy (full or "
+                         "grad_op): strategy none computes on the shard itself", path);
+    else if (!d || d->host_memory)
+      valid = fsdp_error("wrap: unit '%s': offload = \"cpu\" keeps the shards in host memory "
+                         "while the parameters compute on a device, but these are on the %s "
+                         "(move the model to its device first, or give wrap a device)",
+                         path, d ? d->name : "meta device with no device given");
+  }
   char errbuf[TEXT_BYTES];
   const char *local_err = NULL;
   if (valid != FSDP_OK) {
@@ -544,8 +558,11 @@ int fsdp_unit_new(fsdp_unit **out, fsdp_comm *c, const char *path, fsdp_tensor *
   u->device = o.device ? o.device : &fsdp_device_cpu;
   for (int i = 0; !o.device && i < n; i++)
     if (params[i]->storage->device->has_data) u->device = params[i]->storage->device;
-  if (flat_new(&u->shard, u->device, FSDP_DTYPE_F32, u->shard_numel, FSDP_ROLE_PARAMS, true) ||
-      flat_new(&u->grad_shard, u->device, FSDP_DTYPE_F32, u->shard_numel, FSDP_ROLE_GRADS, true) ||
+  u->shard_device = o.offload ? &fsdp_device_cpu : u->device;
+  if (flat_new(&u->shard, u->shard_device, FSDP_DTYPE_F32, u->shard_numel, FSDP_ROLE_PARAMS,
+               true) ||
+      flat_new(&u->grad_shard, u->shard_device, FSDP_DTYPE_F32, u->shard_numel, FSDP_ROLE_GRADS,
+               true) ||
       sharded_storage_new(&u->sharded, (size_t)u->padded * sizeof(float)))
     goto fail;
   /* fill this rank's slice from each full parameter (meta ones stay zero) */

@@ -94,6 +94,12 @@ typedef struct fsdp_unit_opts {
    * Set, it must be the device of every parameter with data: it says where meta parameters'
    * shards go (a model built on meta, materialized straight onto that device). */
   const fsdp_device_i *device;
+  /* CPU offload: the shard and the gradient shard (and so the optimizer's state and step) live
+   * in host memory (the cpu device) while the parameters compute on the unit's device; a gather
+   * copies the shard up first (in the compute dtype), the reduced gradient comes down into the
+   * gradient shard. The unit's device must not be the cpu, and the strategy must shard (full or
+   * grad_op: none computes on the shard itself). */
+  bool offload;
 } fsdp_unit_opts;
 
 typedef struct fsdp_unit fsdp_unit;

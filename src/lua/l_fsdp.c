@@ -105,6 +105,7 @@ static int l_unit_new(lua_State *L) {
   }
   o.is_root = opt_bool(L, opts, "root", false);
   o.reshard_after_forward = opt_bool(L, opts, "reshard_after_forward", true);
+  o.offload = opt_bool(L, opts, "offload", false);
   /* mixed precision: param_dtype / reduce_dtype names (f32 when absent); device: where the
    * buffers go (a device name; absent: the parameters') */
   o.param_dtype = o.reduce_dtype = FSDP_DTYPE_F32;

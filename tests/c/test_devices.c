@@ -510,7 +510,7 @@ static bool step(fsdp_unit *u, bool count, long *transfers) {
   return true;
 }
 
-static bool train(rank_ctx *ctx, const fsdp_device_i *dev, trained *m) {
+static bool train(rank_ctx *ctx, const fsdp_device_i *dev, trained *m, bool offload) {
   int W = ctx->world, R = ctx->rank;
   const char *names[4] = {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"};
   m->p[0] = param(dev, 2, SHAPE(6, 5), names[0]);
@@ -518,14 +518,15 @@ static bool train(rank_ctx *ctx, const fsdp_device_i *dev, trained *m) {
   m->p[2] = param(dev, 2, SHAPE(3, 6), names[2]);
   m->p[3] = param(dev, 1, SHAPE(3), names[3]);
   for (int i = 0; i < 4; i++) CHECK(m->p[i]);
-  fsdp_unit_opts o = {.strategy = FSDP_STRATEGY_FULL, .reshard_after_forward = true};
+  fsdp_unit_opts o = {.strategy = FSDP_STRATEGY_FULL, .reshard_after_forward = true,
+                      .offload = offload};
   CHECK_OK(fsdp_unit_new(&m->inner, ctx->comm, "fc1", m->p, names, 2, &o));
   o.is_root = true;
   CHECK_OK(fsdp_unit_new(&m->root, ctx->comm, "", m->p + 2, names + 2, 2, &o));
   fsdp_unit_set_backward_prefetch(m->root, m->inner);
   fsdp_tensor *x = batch(dev, 5, "x", R, W), *y = batch(dev, 3, "y", R, W);
   CHECK(x && y);
-  bool counting = dev == &cpu2_device;
+  bool counting = dev == &cpu2_device && !offload; /* offload moves shards on purpose */
   cpu2_reset();
   for (int s = 0; s < STEPS; s++) {
     fsdp_tensor *h1, *h2, *out, *loss;
@@ -557,7 +558,7 @@ static bool train(rank_ctx *ctx, const fsdp_device_i *dev, trained *m) {
   CHECK_OK(fsdp_unit_shard(m->inner, &shards[0]));
   CHECK_OK(fsdp_unit_shard(m->root, &shards[1]));
   for (int i = 0; i < 2; i++) {
-    CHECK(shards[i]->storage->device == dev);
+    CHECK(shards[i]->storage->device == (offload ? &fsdp_device_cpu : dev));
     CHECK_OK(fsdp_to(&m->shard[i], shards[i], &fsdp_device_cpu, FSDP_DTYPE_F32, -1));
     fsdp_tensor_release(shards[i]);
   }
@@ -574,8 +575,9 @@ static void trained_free(trained *m) {
 }
 
 static bool rank_units(rank_ctx *ctx) {
-  trained a = {0}, b = {0};
-  bool ok = train(ctx, &fsdp_device_cpu, &a) && train(ctx, &cpu2_device, &b);
+  trained a = {0}, b = {0}, c = {0};
+  bool ok = train(ctx, &fsdp_device_cpu, &a, false) && train(ctx, &cpu2_device, &b, false) &&
+            train(ctx, &cpu2_device, &c, true);
   if (ok) {
     /* gathers, reduce-scatters, gradient accumulation and the steps: no host transfer */
     if (b.transfers != 0) {
@@ -593,9 +595,16 @@ static bool rank_units(rank_ctx *ctx) {
     ok = ok && a.loss[STEPS - 1] < a.loss[0]; /* it trains */
     for (int i = 0; ok && i < 2; i++)
       if (!same_bits(a.shard[i], b.shard[i])) ok = note_fail(__LINE__, "shards differ");
+    /* offload: shards and the steps on the host, compute on cpu2: the same bits */
+    for (int s = 0; ok && s < STEPS; s++)
+      if (memcmp(&a.loss[s], &c.loss[s], sizeof(float)) != 0)
+        ok = note_fail(__LINE__, "offload: a loss differs");
+    for (int i = 0; ok && i < 2; i++)
+      if (!same_bits(a.shard[i], c.shard[i])) ok = note_fail(__LINE__, "offload: shards differ");
   }
   trained_free(&a);
   trained_free(&b);
+  trained_free(&c);
   return ok;
 }
 

@@ -297,6 +297,53 @@ describe("models on another device", function()
     H.assert_error_has(function() meta:to("cpu2") end, "has no values to move: materialize it first")
   end)
 
+  it("wrap{offload = \"cpu\"} keeps shards and optimizer state on the host, trains like without", function()
+    local function run(offload, mask)
+      fsdp.manual_seed(11)
+      local m = nn.GPT{vocab = 16, ctx = 8, d = 16, layers = 2, heads = 2}
+      m:to("cpu2")
+      fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}, offload = offload})
+      for _, u in ipairs(fsdp.units(m)) do
+        assert.are.equal(offload and "cpu" or "cpu2", u:shard().device)
+        assert.are.equal(offload and "cpu" or "cpu2", u:grad_shard().device)
+      end
+      if mask then fsdp.prune.magnitude(m, {sparsity = 0.5, params = {"blocks.1.mlp.fc.weight"}}) end
+      local opt = fsdp.optim.AdamW(m, {lr = 1e-2, weight_decay = 0.1})
+      local ids = fsdp.tensor({{1, 2, 3, 4, 5}, {5, 6, 7, 8, 9}}, {dtype = "i64", device = "cpu2"})
+      local losses = {}
+      for step = 1, 3 do
+        opt:zero_grad()
+        local loss = nn.F.cross_entropy(m(ids), ids)
+        loss:backward()
+        fsdp.clip_grad_norm(m, 1.0)
+        opt:step()
+        losses[step] = loss:item()
+      end
+      local flat = {}
+      fsdp.full_params(m, function(full)
+        for path, p in full:named_parameters() do
+          assert.are.equal("cpu2", p.device) -- the parameters compute on their device
+          flat[path] = p:to("cpu")
+        end
+      end, {writeback = false})
+      return losses, flat
+    end
+    for _, mask in ipairs{false, true} do
+      local l0, p0 = run(false, mask)
+      local l1, p1 = run("cpu", mask)
+      for i = 1, #l0 do assert.are.equal(l0[i], l1[i]) end
+      for path, t in pairs(p0) do assert.is_true(H.same_values(t, p1[path]), path) end
+    end
+    H.assert_error_has(function() fsdp.wrap(nn.Linear(2, 2), {offload = "cpu"}) end,
+      "offload = \"cpu\" keeps the shards in host memory while the parameters compute on a "
+      .. "device, but these are on the cpu")
+    H.assert_error_has(function()
+      fsdp.wrap(nn.Linear(2, 2):to("cpu2"), {offload = "cpu", strategy = "none"})
+    end, "offload = \"cpu\" needs a sharding strategy (full or grad_op)")
+    H.assert_error_has(function() fsdp.wrap(nn.Linear(2, 2):to("cpu2"), {offload = "disk"}) end,
+      "fsdp.wrap: offload must be \"cpu\" (or false) (got disk)")
+  end)
+
   it("device_count, devices, info and deterministic mode", function()
     assert.are.equal(1, fsdp.device_count("cpu"))
     assert.are.equal(0, fsdp.device_count("meta"))

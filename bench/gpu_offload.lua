@@ -1,0 +1,58 @@
+-- The largest GPT that trains on one GPU, with and without CPU offload (not a test; figures in
+-- docs/nccl.md "CPU offload"). One configuration per process, so an out-of-memory leaves nothing
+-- behind for the next; bench/gpu_offload.sh walks the sizes.
+--   fsdprun bench/gpu_offload.lua --layers=L --d=D [--heads=H] [--offload=cpu] [--batch=1]
+--                                 [--ctx=1024] [--device=cuda]
+-- The model: nn.GPT{vocab = 50304, ctx, d, layers, heads} built on the meta device, wrapped
+-- with one unit per Block, bf16 mixed precision, on the device (and offload = "cpu" when asked),
+-- materialized, then two AdamW steps on random tokens. Prints one JSON line: the parameters,
+-- whether it trained ("ok") or the first line of the error ("oom: ..."), the step time and the
+-- peak device memory of the engine's accounting. Exits 0 either way (77 without the device).
+local fsdp = require "fsdp"
+local nn = fsdp.nn
+local core = fsdp.core
+local args = fsdp.args
+local dev = args.device or "cuda"
+if dev ~= "cpu" and fsdp.device_count(dev) == 0 then
+  print(("gpu_offload: no %s device here"):format(dev))
+  os.exit(77)
+end
+local d, L = args.d or 768, args.layers or 12
+local cfg = {vocab = args.vocab or 50304, ctx = args.ctx or 1024, d = d, layers = L,
+             heads = args.heads or math.max(1, math.floor(d / 64)), tie = true}
+local B, T = args.batch or 1, cfg.ctx
+local r = {what = "gpu_offload", layers = L, d = d, offload = args.offload or false, batch = B,
+           ctx = T}
+local ok, err = pcall(function()
+  fsdp.manual_seed(0)
+  local model = fsdp.meta(function() return nn.GPT(cfg) end)
+  local n = 0
+  for _, p in ipairs(model:parameters()) do n = n + p:numel() end
+  r.params = n
+  fsdp.wrap(model, {policy = fsdp.policy.modules{nn.Block}, device = dev, mp = "bf16",
+                    offload = args.offload})
+  fsdp.materialize(model)
+  local opt = fsdp.optim.AdamW(model, {lr = 1e-4, weight_decay = 0.1})
+  math.randomseed(1)
+  local ids = {}
+  for i = 1, B * (T + 1) do ids[i] = math.random(0, cfg.vocab - 1) end
+  local all = fsdp.tensor(ids, {dtype = "i64"}):view{B, T + 1}
+  local x = all:narrow(2, 1, T):contiguous():to(dev)
+  local y = all:narrow(2, 2, T):contiguous():to(dev)
+  core.reset_peak()
+  local t
+  for _ = 1, 2 do
+    local t0 = core.clock()
+    local loss = nn.F.cross_entropy(model(x), y)
+    opt:zero_grad()
+    loss:backward()
+    opt:step()
+    r.loss = loss:item()
+    t = core.clock() - t0
+  end
+  r.step_s = t
+  local mem = core.memory()[dev] or {}
+  r.peak_device_gib = (mem.peak or 0) / 2 ^ 30
+end)
+r.result = ok and "ok" or ("error: " .. tostring(err):match("[^\n]*"))
+print(core.json_encode(r))
