@@ -11,14 +11,18 @@
 --                  shard-sized reduce-scatter output
 -- The peak of params + grads + optim + gathered is thus total/N plus the largest gathered
 -- units, not total. Before wrapping, params = 4 total (dense); after, the dense storage is gone.
---   fsdprun -n N tests/dist/memory.lua [--prefetch=false]
+--   fsdprun -n N tests/dist/memory.lua [--prefetch=false] [--device=cuda]
+-- --device: the model and batches on that device (every rank thread sharing the machine's GPUs;
+-- tests/cuda/dist_memory.sh), the peaks read from that device's column of fsdp.memory().
 local fsdp = require "fsdp"
 local nn = fsdp.nn
 local W, rank = fsdp.world_size(), fsdp.rank()
 local prefetch = fsdp.args.prefetch ~= false
+local device = fsdp.args.device or "cpu"
 
 fsdp.manual_seed(5)
 local model = nn.GPT{vocab = 64, ctx = 16, d = 64, layers = 4, heads = 2}
+if device ~= "cpu" then model:to(device) end
 local total = model:num_parameters()
 local before = fsdp.memory()
 
@@ -30,7 +34,7 @@ for i = 1, 2 do
     y[i][t] = (x[i][t] + 1) % 64
   end
 end
-x, y = fsdp.tensor(x), fsdp.tensor(y)
+x, y = fsdp.tensor(x, {device = device}), fsdp.tensor(y, {device = device})
 
 fsdp.wrap(model, {policy = fsdp.policy.modules{nn.Block}, prefetch = prefetch})
 collectgarbage()
@@ -46,7 +50,7 @@ step() -- optimizer state appears; the forward order is recorded
 fsdp.core.reset_peak()
 step()
 local m = fsdp.memory()
-local cpu = m.devices.cpu
+local cpu = m.devices[device]
 
 -- the theory, from the units
 local S, Pmax, Pmax2, Proot = 0, 0, 0, 0
