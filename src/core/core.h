@@ -124,6 +124,13 @@ typedef struct fsdp_device_i {
   void (*bind)(void *ctx, int local_rank);
   /* optional: one line describing the device for fsdp.info() ("NVIDIA H200, sm_90, 139 GiB") */
   void (*describe)(void *ctx, char *buf, size_t n);
+  /* optional: the device allocator's own figures for the calling thread's physical device (a
+   * caching allocator holds more than the tensors do), as torch.cuda.memory_stats names them:
+   * allocated = bytes handed out, reserved = bytes taken from the device (allocated + cached),
+   * with their peaks since the last reset_peak. FSDP_ERR: none to give. */
+  int (*memory_stats)(void *ctx, int64_t *allocated, int64_t *allocated_peak, int64_t *reserved,
+                      int64_t *reserved_peak);
+  void (*memory_reset_peak)(void *ctx); /* optional, with memory_stats */
   /* optional, devices without data: the error for reading a tensor's data, after
    * "<what>: <tensor or parameter label> " — e.g. "is sharded: gather its unit (u:gather()) or
    * use fsdp.full_params". NULL: "tensor on <name> device has no data". */

@@ -344,6 +344,20 @@ static int l_memory(lua_State *L) {
     lua_setfield(L, -2, "live");
     lua_pushnumber(L, (lua_Number)c->peak_total);
     lua_setfield(L, -2, "peak");
+    /* the device allocator's own figures, where it has them (a caching allocator's reserve) */
+    const fsdp_device_i *dev = fsdp_device_find(r.device[d]);
+    int64_t al, alp, rs, rsp;
+    if (dev && dev->memory_stats && dev->memory_stats(dev->ctx, &al, &alp, &rs, &rsp) == FSDP_OK) {
+      lua_pushnumber(L, (lua_Number)al);
+      lua_setfield(L, -2, "allocated");
+      lua_pushnumber(L, (lua_Number)alp);
+      lua_setfield(L, -2, "peak_allocated");
+      lua_pushnumber(L, (lua_Number)rs);
+      lua_setfield(L, -2, "reserved");
+      lua_pushnumber(L, (lua_Number)rsp);
+      lua_setfield(L, -2, "peak_reserved");
+    }
+    fsdp_error_clear();
     lua_setfield(L, -2, r.device[d]);
   }
   return 1;
@@ -351,6 +365,10 @@ static int l_memory(lua_State *L) {
 
 static int l_reset_peak(lua_State *L) {
   fsdp_mem_reset_peak(fsdp_mem_domain_current());
+  for (int i = 0; i < fsdp_device_count(); i++) {
+    const fsdp_device_i *dev = fsdp_device_at(i);
+    if (dev && dev->memory_reset_peak) dev->memory_reset_peak(dev->ctx);
+  }
   return 0;
 }
 

@@ -13,6 +13,7 @@
 #ifndef FSDP_TEST_CPU2_DEVICE_H
 #define FSDP_TEST_CPU2_DEVICE_H
 
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -28,10 +29,23 @@ typedef struct cpu2_stats {
 
 static _Thread_local cpu2_stats cpu2_counts;
 
+/* An allocator's own figures, as a caching allocator reports them (memory_stats): bytes handed
+ * out (allocated, rounded to 64) and a reserve that never shrinks (reserved), process-wide. */
+static _Atomic long long cpu2_allocated, cpu2_allocated_peak, cpu2_reserved_peak;
+
+static void cpu2_account(long long delta) {
+  long long now = atomic_fetch_add(&cpu2_allocated, delta) + delta;
+  long long p = atomic_load(&cpu2_allocated_peak);
+  while (now > p && !atomic_compare_exchange_weak(&cpu2_allocated_peak, &p, now)) {}
+  p = atomic_load(&cpu2_reserved_peak);
+  while (now > p && !atomic_compare_exchange_weak(&cpu2_reserved_peak, &p, now)) {}
+}
+
 static int cpu2_alloc_impl(void **out, size_t bytes, bool zero) {
   size_t n = (bytes + 63) & ~(size_t)63; /* 64-byte aligned, a real pointer for 0 bytes */
   *out = aligned_alloc(64, n ? n : 64);
   if (!*out) return fsdp_error("cpu2: out of memory allocating %zu bytes", bytes);
+  cpu2_account((long long)(n ? n : 64));
   if (zero) memset(*out, 0, bytes);
   return FSDP_OK;
 }
@@ -44,8 +58,24 @@ static int cpu2_alloc_uninit(void *ctx, void **out, size_t bytes) {
   return cpu2_alloc_impl(out, bytes, false);
 }
 static void cpu2_free(void *ctx, void *ptr, size_t bytes) {
-  (void)ctx, (void)bytes;
+  (void)ctx;
+  if (ptr) {
+    size_t n = (bytes + 63) & ~(size_t)63;
+    cpu2_account(-(long long)(n ? n : 64));
+  }
   free(ptr);
+}
+static int cpu2_memory_stats(void *ctx, int64_t *allocated, int64_t *allocated_peak,
+                             int64_t *reserved, int64_t *reserved_peak) {
+  (void)ctx;
+  *allocated = atomic_load(&cpu2_allocated);
+  *allocated_peak = atomic_load(&cpu2_allocated_peak);
+  *reserved = *reserved_peak = atomic_load(&cpu2_reserved_peak); /* the reserve never shrinks */
+  return FSDP_OK;
+}
+static void cpu2_memory_reset_peak(void *ctx) {
+  (void)ctx;
+  atomic_store(&cpu2_allocated_peak, atomic_load(&cpu2_allocated));
 }
 static int cpu2_copy(void *ctx, void *dst, const void *src, size_t bytes) {
   (void)ctx;
@@ -78,6 +108,8 @@ static fsdp_device_i cpu2_device = {
     .copy = cpu2_copy,
     .to_host = cpu2_to_host,
     .from_host = cpu2_from_host,
+    .memory_stats = cpu2_memory_stats,
+    .memory_reset_peak = cpu2_memory_reset_peak,
 };
 
 /* Idempotent: registering the same table again only sets its kernels again. */

@@ -344,6 +344,26 @@ describe("models on another device", function()
       "fsdp.wrap: offload must be \"cpu\" (or false) (got disk)")
   end)
 
+  it("fsdp.memory() carries a device allocator's own figures where it has them", function()
+    collectgarbage()
+    core.reset_peak()
+    local before = fsdp.memory().devices.cpu2
+    assert.is_number(before.allocated)
+    local t = fsdp.zeros({1024, 256}, {device = "cpu2"}) -- 1 MiB
+    local m = fsdp.memory().devices.cpu2
+    assert.is_true(m.allocated >= before.allocated + 2 ^ 20)
+    assert.is_true(m.peak_allocated >= m.allocated)
+    assert.is_true(m.reserved >= m.allocated and m.peak_reserved >= m.reserved)
+    t = nil
+    collectgarbage()
+    local after = fsdp.memory().devices.cpu2
+    assert.is_true(after.allocated < m.allocated)
+    assert.is_true(after.peak_allocated >= m.allocated) -- the peak stays until reset_peak
+    core.reset_peak()
+    assert.is_true(fsdp.memory().devices.cpu2.peak_allocated < m.allocated)
+    assert.is_nil(fsdp.memory().devices.cpu.allocated) -- the cpu has no allocator figures
+  end)
+
   it("device_count, devices, info and deterministic mode", function()
     assert.are.equal(1, fsdp.device_count("cpu"))
     assert.are.equal(0, fsdp.device_count("meta"))

@@ -353,6 +353,22 @@ static int cuda_synchronize(void *ctx) {
   return fsdp_cuda_check(cudaStreamSynchronize(t->stream), "synchronize");
 }
 
+/* the allocator's figures for the calling thread's GPU (fsdp.memory()'s cuda entry) */
+static int cuda_memory_stats(void *ctx, int64_t *allocated, int64_t *allocated_peak,
+                             int64_t *reserved, int64_t *reserved_peak) {
+  (void)ctx;
+  fsdp_cuda_mem_stats st;
+  if (fsdp_cuda_memory_stats(fsdp_cuda_device(), &st)) return FSDP_ERR;
+  *allocated = st.allocated, *allocated_peak = st.allocated_peak;
+  *reserved = st.reserved, *reserved_peak = st.reserved_peak;
+  return FSDP_OK;
+}
+
+static void cuda_memory_reset_peak(void *ctx) {
+  (void)ctx;
+  fsdp_cuda_memory_reset_peak(fsdp_cuda_device());
+}
+
 static void cuda_describe(void *ctx, char *buf, size_t n) {
   (void)ctx;
   struct cudaDeviceProp p;
@@ -380,6 +396,8 @@ fsdp_device_i fsdp_device_cuda = {
     .count = cuda_count,
     .bind = cuda_bind,
     .describe = cuda_describe,
+    .memory_stats = cuda_memory_stats,
+    .memory_reset_peak = cuda_memory_reset_peak,
 };
 
 int fsdp_cuda_register(void) {
