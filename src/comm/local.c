@@ -340,6 +340,16 @@ static void device_done(mover *m) {
   if (m->dev && !m->rc && m->dev->synchronize) m->rc = m->dev->synchronize(m->dev->ctx);
 }
 
+/* A device operation of this rank's part failed: fail the collective and poison the group
+ * with its message (the peers must not wait for this rank, nor trust its part). */
+static int device_failed(fsdp_comm *c, const fsdp_coll *coll, uint64_t seq) {
+  char msg[LOCAL_MSG_CAP];
+  snprintf(msg, sizeof msg, "%s #%llu '%s': %s", fsdp_coll_name(coll->op),
+           (unsigned long long)seq, coll->label, fsdp_error_msg());
+  fsdp_comm_abort(c, msg);
+  return fsdp_error("%s", msg);
+}
+
 /* ---- run ----------------------------------------------------------------------------------- */
 
 static int local_run(fsdp_comm *c, const fsdp_coll *coll, uint64_t seq) {
@@ -351,14 +361,7 @@ static int local_run(fsdp_comm *c, const fsdp_coll *coll, uint64_t seq) {
   const bool moves = coll->op != FSDP_COLL_BARRIER && n > 0;
   mover m = {.dev = coll->device && !coll->device->host_memory ? coll->device : NULL};
   if (moves) device_done(&m); /* this rank's buffers are final before peers may read them */
-  if (m.rc) {
-    /* the peers would wait for this rank: fail them too */
-    char msg[LOCAL_MSG_CAP];
-    snprintf(msg, sizeof msg, "%s #%llu '%s': %s", fsdp_coll_name(coll->op),
-             (unsigned long long)seq, coll->label, fsdp_error_msg());
-    fsdp_comm_abort(c, msg);
-    return fsdp_error("%s", msg);
-  }
+  if (m.rc) return device_failed(c, coll, seq); /* the peers would wait for this rank */
   if (arrive(c, lc, coll, seq) != FSDP_OK) return FSDP_ERR;
   if (!moves) return FSDP_OK; /* same on every rank */
   /* Peers' slots are stable until the final sync: they were published under the mutex before
@@ -402,15 +405,8 @@ static int local_run(fsdp_comm *c, const fsdp_coll *coll, uint64_t seq) {
   }
   device_done(&m);
   sync_ranks(lc); /* nobody returns while a peer may still read its buffers */
-  if (m.rc) {
-    /* this rank's result is wrong and the ranks no longer agree: poison the group */
-    char msg[LOCAL_MSG_CAP];
-    snprintf(msg, sizeof msg, "%s #%llu '%s': %s", fsdp_coll_name(coll->op),
-             (unsigned long long)seq, coll->label, fsdp_error_msg());
-    fsdp_comm_abort(c, msg);
-    return fsdp_error("%s", msg);
-  }
-  return FSDP_OK;
+  /* a failed device operation: this rank's result is wrong, so the ranks no longer agree */
+  return m.rc ? device_failed(c, coll, seq) : FSDP_OK;
 }
 
 /* ---- communicators ------------------------------------------------------------------------- */

@@ -430,6 +430,35 @@ static void test_device_collectives(void **state) {
   for (int W = 1; W <= 3; W++) run_ranks(W, rank_device_collectives, NULL);
 }
 
+/* A device whose copy fails mid-collective: every rank fails (the one whose copy failed with
+ * its message, the others with it or with the poison it leaves), and the group stays poisoned. */
+static int broken_copy(void *ctx, void *dst, const void *src, size_t bytes) {
+  (void)ctx, (void)dst, (void)src, (void)bytes;
+  return fsdp_error("broken: the copy engine stopped");
+}
+static fsdp_device_i broken = {.name = "broken", .has_data = true, .alloc = cpu2_alloc,
+                               .free = cpu2_free, .copy = broken_copy,
+                               .to_host = cpu2_to_host, .from_host = cpu2_from_host};
+
+static bool rank_broken_copy(rank_ctx *ctx) {
+  float send[4] = {1, 2, 3, 4}, recv[8];
+  fsdp_coll k = {.op = FSDP_COLL_ALL_GATHER, .dtype = FSDP_DTYPE_F32, .count = 4, .send = send,
+                 .recv = recv, .device = &broken, .label = "g"};
+  CHECK(fsdp_comm_run(ctx->comm, &k) == FSDP_ERR);
+  CHECK(strstr(fsdp_error_msg(), "the copy engine stopped") != NULL);
+  CHECK(fsdp_comm_barrier(ctx->comm, "after") == FSDP_ERR);
+  CHECK(strstr(fsdp_error_msg(), "all_gather #1 'g': broken: the copy engine stopped") != NULL);
+  return true;
+}
+
+static void test_device_collective_fails(void **state) {
+  (void)state;
+  static bool registered;
+  if (!registered) assert_int_equal(fsdp_device_register(&broken, &fsdp_cpu_kernels), FSDP_OK);
+  registered = true;
+  run_ranks(2, rank_broken_copy, NULL);
+}
+
 /* A device without reduce_ranks cannot be reduced on (tests/c/test_comm.c: a backend that moves
  * host memory only refuses device buffers). */
 static void test_device_collective_refusals(void **state) {
@@ -662,6 +691,7 @@ int main(void) {
       cmocka_unit_test(test_fill),
       cmocka_unit_test(test_device_collectives),
       cmocka_unit_test(test_device_collective_refusals),
+      cmocka_unit_test(test_device_collective_fails),
       cmocka_unit_test(test_units),
       cmocka_unit_test(test_unit_refusals),
   };
