@@ -22,8 +22,7 @@ void fsdp_cpu_gemm(float *c, const float *a, const float *b, int M, int N, int K
     }
     return;
   }
-  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
-              trans_b ? CblasTrans : CblasNoTrans, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc);
+  fsdp_cpu_sgemm_serial(c, a, b, M, N, K, trans_a, trans_b, alpha, beta, lda, ldb, ldc);
 }
 
 /* OpenBLAS keeps one process-wide thread count: with ranks as threads of one process the

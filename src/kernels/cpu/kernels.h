@@ -50,6 +50,11 @@ void fsdp_cpu_reduce_ranks(void *out, const void *const *src, int nsrc, int64_t 
  * beta == 0 ignores the contents of c (NaN included). M, N or K == 0 is allowed. */
 void fsdp_cpu_gemm(float *c, const float *a, const float *b, int M, int N, int K, bool trans_a,
                    bool trans_b, float alpha, float beta, int lda, int ldb, int ldc);
+/* The same product on the calling thread alone (gemm.c: the library behind every cpu GEMM);
+ * K >= 1, M, N >= 1. fsdp_cpu_gemm splits its work into calls of this. */
+void fsdp_cpu_sgemm_serial(float *c, const float *a, const float *b, int M, int N, int K,
+                           bool trans_a, bool trans_b, float alpha, float beta, int lda, int ldb,
+                           int ldc);
 /* Set how many threads OpenBLAS uses for calls from now on (ranks call it with max(1, C/N));
  * n < 1 means 1. The setting is process-wide (OpenBLAS has no per-thread count). */
 void fsdp_cpu_set_blas_threads(int n);
