@@ -29,7 +29,7 @@ end
 -- wrapper) so that an error names the recipe line that made the call.
 fsdp.rank = core.rank             -- 0-based
 fsdp.world_size = core.world_size
-fsdp.backend = core.backend       -- "local" (threads of one process) | "mpi"
+fsdp.backend = core.backend       -- "local" (threads of one process) | "mpi" | "nccl"
 --- Collective. Returns when every rank has called it. barrier(label?)
 fsdp.barrier = core.barrier
 --- Collective. all_reduce(x, op = "sum" | "mean" | "max" | "min", label?): a number (or an
