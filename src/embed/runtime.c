@@ -636,8 +636,8 @@ FSDP_API int fsdp_runtime_new(fsdp_runtime **out, const fsdp_runtime_opts *opts)
   char lua_dir[PATH_MAX];
   int status = find_lua_dir(lua_dir, sizeof lua_dir, o.lua_path);
   if (status != FSDP_OK) return status;
-  /* BLAS threads: process-wide (fsdp.h) */
-  if (fsdp_host_blas_threads(o.blas_threads, o.world) != FSDP_OK)
+  /* the thread rule: the default of every rank thread (fsdp.h) */
+  if (fsdp_host_threads(o.blas_threads, o.world) != FSDP_OK)
     return set_tl_error(FSDP_MISUSE, "fsdp_runtime_new: %s", fsdp_error_msg());
 
   fsdp_runtime *rt = calloc(1, sizeof *rt);
