@@ -522,9 +522,9 @@ static void test_linear_bmm(void **state) {
   float *inp = frand(M * K, -1, 1), *w = frand(N * K, -1, 1), *bias = frand(N, -1, 1),
         *dout = frand(M * N, -1, 1), *din0 = frand(M * K, -1, 1), *dw0 = frand(N * K, -1, 1),
         *db0 = frand(N, -1, 1);
-  float *out[3], *din[3], *dw[3], *db[3];
-  const int tc[3] = {1, 2, 2};
-  for (int r = 0; r < 3; r++) {
+  float *out[4], *din[4], *dw[4], *db[4];
+  const int tc[4] = {1, 2, 2, 3};
+  for (int r = 0; r < 4; r++) {
     fsdp_cpu_set_threads(tc[r]);
     out[r] = malloc(sizeof(float) * M * N);
     fsdp_cpu_linear_forward(out[r], inp, w, bias, M, K, N);
@@ -535,6 +535,10 @@ static void test_linear_bmm(void **state) {
   check_close("linear dinp", din[1], din[0], M * K, 1e-6);
   check_close("linear dweight", dw[1], dw[0], N * K, 1e-6);
   check_close("linear dbias", db[1], db[0], N, 1e-6);
+  check_close("linear out at 3 threads", out[3], out[0], M * N, 1e-6);
+  check_close("linear dinp at 3 threads", din[3], din[0], M * K, 1e-6);
+  check_close("linear dweight at 3 threads", dw[3], dw[0], N * K, 1e-6);
+  check_close("linear dbias at 3 threads", db[3], db[0], N, 1e-6);
   check_bits("linear out run to run", out[2], out[1], M * N);
   check_bits("linear dinp run to run", din[2], din[1], M * K);
   check_bits("linear dweight run to run", dw[2], dw[1], N * K);
@@ -545,18 +549,19 @@ static void test_linear_bmm(void **state) {
   for (int m = 0; m < M; m += 50)
     for (int n = 0; n < N; n++) assert_float_equal(out[1][m * N + n] - nob[m * N + n], bias[n], 1e-5);
   free(nob);
-  for (int r = 0; r < 3; r++) free(out[r]), free(din[r]), free(dw[r]), free(db[r]);
+  for (int r = 0; r < 4; r++) free(out[r]), free(din[r]), free(dw[r]), free(db[r]);
   free(inp), free(w), free(bias), free(dout), free(din0), free(dw0), free(db0);
 
-  /* bmm: 6 batches (split by batch), 1 and 3 (each product split at 2 threads) */
+  /* bmm: 6 batches (split by batch), 1 and 3 (each product split at 2 threads; 3 batches
+   * by batch at 3) */
   const int Bs[] = {6, 1, 3};
   for (int bi = 0; bi < 3; bi++) {
     const int B = Bs[bi], bm = 97, bk = 75, bn = 120;
     float *a = frand(B * bm * bk, -1, 1), *b = frand(B * bk * bn, -1, 1),
           *g = frand(B * bm * bn, -1, 1), *da0 = frand(B * bm * bk, -1, 1),
           *dbb0 = frand(B * bk * bn, -1, 1);
-    float *o[3], *da[3], *dbb[3];
-    for (int r = 0; r < 3; r++) {
+    float *o[4], *da[4], *dbb[4];
+    for (int r = 0; r < 4; r++) {
       fsdp_cpu_set_threads(tc[r]);
       o[r] = malloc(sizeof(float) * B * bm * bn);
       fsdp_cpu_bmm_forward(o[r], a, b, B, bm, bk, bn);
@@ -568,10 +573,13 @@ static void test_linear_bmm(void **state) {
     check_close(what, o[1], o[0], B * bm * bn, 1e-6);
     check_close(what, da[1], da[0], B * bm * bk, 1e-6);
     check_close(what, dbb[1], dbb[0], B * bk * bn, 1e-6);
+    check_close(what, o[3], o[0], B * bm * bn, 1e-6);
+    check_close(what, da[3], da[0], B * bm * bk, 1e-6);
+    check_close(what, dbb[3], dbb[0], B * bk * bn, 1e-6);
     check_bits(what, o[2], o[1], B * bm * bn);
     check_bits(what, da[2], da[1], B * bm * bk);
     check_bits(what, dbb[2], dbb[1], B * bk * bn);
-    for (int r = 0; r < 3; r++) free(o[r]), free(da[r]), free(dbb[r]);
+    for (int r = 0; r < 4; r++) free(o[r]), free(da[r]), free(dbb[r]);
     free(a), free(b), free(g), free(da0), free(dbb0);
   }
   fsdp_cpu_set_threads(0);
