@@ -5,7 +5,7 @@
  *   fsdp_cpu_chunk_bounds; small jobs inline on the caller; chunk 0 on the caller; nested calls
  *   inline, with fsdp_cpu_threads() == 1; every item of thousands of jobs run exactly once;
  *   rank threads that come and go leave no worker behind (/proc/self/task); shrinking and
- *   releasing join workers; the per-thread and process-wide settings;
+ *   releasing join workers; a forked child runs jobs and exits without its parent's workers; the per-thread and process-wide settings;
  *   the thread rule (src/host/setup.c): FSDP_THREADS, FSDP_BLAS_THREADS, cores / ranks, the mpi
  *   form, and malformed variables named in the error;
  *   the kernels: GEMM (odd shapes, every transpose, strided views, row and column cuts), linear,
@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -335,6 +336,38 @@ static void test_release(void **state) {
   for (int i = 0; i < 1000; i++) assert_int_equal(atomic_load(&hits[i]), 3);
   free(hits);
   fsdp_cpu_set_threads(0);
+}
+
+/* A forked child (os.execute, io.popen) has none of its parent's workers: its jobs still run
+ * every item once, it starts workers of its own, and exit() joins only those. */
+static void test_fork(void **state) {
+  (void)state;
+  fsdp_cpu_set_threads(3);
+  atomic_int *hits = calloc(1000, sizeof *hits);
+  count_job j = {hits};
+  fsdp_cpu_parallel_for(1000, 1, count_task, &j);
+  assert_int_equal(fsdp_cpu_pool_workers(), 2);
+  fflush(NULL);
+  pid_t pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0) {
+    int bad = fsdp_cpu_pool_workers() != 0;
+    fsdp_cpu_parallel_for(1000, 1, count_task, &j);
+    for (int i = 0; i < 1000; i++) bad += atomic_load(&hits[i]) != 2;
+    bad += fsdp_cpu_pool_workers() != 2;
+    exit(bad ? 1 : 0); /* runs the library destructor: joins the child's own workers */
+  }
+  int status = 0;
+  assert_int_equal(waitpid(pid, &status, 0), pid);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+    fail_msg("forked child: %s %d", WIFEXITED(status) ? "exit status" : "signal",
+             WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+  assert_int_equal(fsdp_cpu_pool_workers(), 2); /* the parent's are untouched */
+  fsdp_cpu_parallel_for(1000, 1, count_task, &j);
+  for (int i = 0; i < 1000; i++) assert_int_equal(atomic_load(&hits[i]), 2);
+  free(hits);
+  fsdp_cpu_set_threads(0);
+  fsdp_cpu_pool_release();
 }
 
 /* ---- settings and the thread rule ------------------------------------------------------------ */
@@ -723,6 +756,7 @@ int main(void) {
       cmocka_unit_test(test_chunks),       cmocka_unit_test(test_small_inline),
       cmocka_unit_test(test_nested),       cmocka_unit_test(test_many_jobs),
       cmocka_unit_test(test_rank_threads), cmocka_unit_test(test_release),
+      cmocka_unit_test(test_fork),
       cmocka_unit_test(test_settings),     cmocka_unit_test(test_thread_rule),
       cmocka_unit_test(test_gemm),         cmocka_unit_test(test_linear_bmm),
       cmocka_unit_test(test_attention),    cmocka_unit_test(test_optimizers),

@@ -21,7 +21,8 @@
  *
  * Lifetime: a pthread key destructor joins a rank thread's workers when it exits; a library
  * destructor does the same for the thread that exits the process (or unloads the library), so
- * tools such as valgrind see every worker joined.
+ * tools such as valgrind see every worker joined. A forked child forgets the workers it did
+ * not inherit and starts new ones on its next job.
  */
 #include "kernels/cpu/pool.h"
 
@@ -212,8 +213,19 @@ static void key_destructor(void *arg) {
   if (tl_pool == p) tl_pool = NULL;
 }
 
+/* A forked child has only the thread that forked: its pool's workers are gone (the owner would
+ * run every chunk itself, but exit would join threads that do not exist). */
+static void after_fork_child(void) {
+  if (tl_pool) {
+    tl_pool->nworkers = 0;
+    tl_pool->create_failed = false;
+    atomic_store(&tl_pool->sleepers, 0);
+  }
+}
+
 static void make_key(void) {
   if (pthread_key_create(&g_key, key_destructor) == 0) atomic_store(&g_key_live, true);
+  pthread_atfork(NULL, NULL, after_fork_child);
 }
 
 /* The process (or this library) is going away on this thread: join its workers, and make sure
