@@ -713,6 +713,7 @@ static void print_usage(FILE *f) {
           "A recipe named '-' is read from standard input. Recipe arguments are in the global\n"
           "`arg` (arg[0] is the recipe) and, parsed (--key=value, --flag), in fsdp.args.\n"
           "Every rank runs the same recipe; errors are reported as '[rank R] ...'.\n"
+          "FSDP_THREADS=K sets each rank's cpu threads (default max(1, cores / N)).\n"
           "Exit status: 0 success, 1 Lua error (on any rank), 2 usage error, 130 interrupted.\n");
 }
 
