@@ -543,8 +543,9 @@ static void test_gemm(void **state) {
       }
     }
   }
-  /* the large products used the pool (the last ones ran at 3 threads) */
+  /* the large products used the pool (the last ones ran at 3 threads), OpenBLAS one thread */
   assert_int_equal(fsdp_cpu_pool_workers(), 2);
+  assert_int_equal(fsdp_cpu_get_blas_threads(), 1);
   fsdp_cpu_set_threads(0);
   fsdp_cpu_pool_release();
 }

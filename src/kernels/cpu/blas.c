@@ -46,7 +46,12 @@ void fsdp_cpu_set_blas_threads(int n) {
   openblas_set_num_threads(n < 1 ? 1 : n);
 }
 
-int fsdp_cpu_get_blas_threads(void) { return openblas_get_num_threads(); }
+/* What the next GEMM's OpenBLAS calls use: pinned first if nothing set it, so a caller that
+ * saves and restores the count restores the pinned 1, not OpenBLAS's load-time default. */
+int fsdp_cpu_get_blas_threads(void) {
+  pthread_once(&blas_pin_once, blas_pin);
+  return openblas_get_num_threads();
+}
 
 /* ---- gemm ------------------------------------------------------------------------------------ */
 
