@@ -5,12 +5,14 @@
  *   dispatch: one fsdp_cpu_parallel_for of 2 empty chunks, back to back (the worker is
  *   spinning) and after a 1 ms pause (the worker sleeps on its futex);
  *   kernels at 1 and at 2..max threads, interleaved (1, 2, 1, 2, ...): sgemm 1024^3 and the
- *   GPT layer shapes, attention forward + backward at B=8 T=256 C=256 NH=4, AdamW and sumsq
+ *   GPT layer shapes (split over the pool, and for comparison the pool at 1 thread with
+ *   OpenBLAS's own threads instead: the ceiling the split should reach), attention forward + backward at B=8 T=256 C=256 NH=4, AdamW and sumsq
  *   over 4 M floats, column sums of (2048, 768).
  * Prints the load average with each table: the machine is shared, compare ratios of one run.
  *
  * Usage: bench_pool [max_threads] [rounds]   (defaults: 2, 3)
  */
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -147,6 +149,7 @@ typedef struct {
   bench_fn fn;
   void *ctx;
   double flops; /* per call, 0: report time only */
+  bool native;  /* t threads are OpenBLAS's own, the pool at 1 */
 } item;
 
 int main(int argc, char **argv) {
@@ -174,15 +177,17 @@ int main(int argc, char **argv) {
   for (int64_t i = 0; i < n; i++) vec.v[i] = vec.v[i] * vec.v[i];
   const double hs = (double)C / NH;
   item items[] = {
-      {"sgemm 1024^3 (no bias)", run_linear, &sq, 2.0 * 1024 * 1024 * 1024},
-      {"linear qkv 2048x256 -> 768", run_linear, &qkv, 2.0 * 2048 * 256 * 768},
-      {"linear down 2048x1024 -> 256", run_linear, &down, 2.0 * 2048 * 1024 * 256},
-      {"linear 64x64 -> 64", run_linear, &small, 2.0 * 64 * 64 * 64},
+      {"sgemm 1024^3 (no bias)", run_linear, &sq, 2.0 * 1024 * 1024 * 1024, false},
+      {"  the same, OpenBLAS threads", run_linear, &sq, 2.0 * 1024 * 1024 * 1024, true},
+      {"linear qkv 2048x256 -> 768", run_linear, &qkv, 2.0 * 2048 * 256 * 768, false},
+      {"  the same, OpenBLAS threads", run_linear, &qkv, 2.0 * 2048 * 256 * 768, true},
+      {"linear down 2048x1024 -> 256", run_linear, &down, 2.0 * 2048 * 1024 * 256, false},
+      {"linear 64x64 -> 64", run_linear, &small, 2.0 * 64 * 64 * 64, false},
       {"attention fwd+bwd B8 T256 C256 NH4", run_attention, &at,
-       3.0 * B * NH * 2.0 * (2.0 * T * (T + 1) / 2.0 * hs)},
-      {"adamw 4M", run_adamw, &vec, 0},
-      {"sumsq 4M", run_sumsq, &vec, 0},
-      {"colsum (2048, 768)", run_colsum, &vec, 0},
+       3.0 * B * NH * 2.0 * (2.0 * T * (T + 1) / 2.0 * hs), false},
+      {"adamw 4M", run_adamw, &vec, 0, false},
+      {"sumsq 4M", run_sumsq, &vec, 0, false},
+      {"colsum (2048, 768)", run_colsum, &vec, 0, false},
   };
   const int nitems = (int)(sizeof items / sizeof items[0]);
   double best[16][64];
@@ -191,7 +196,8 @@ int main(int argc, char **argv) {
   for (int r = 0; r < rounds; r++) {
     for (int i = 0; i < nitems; i++) {
       for (int t = 1; t <= max_threads; t++) {
-        fsdp_cpu_set_threads(t);
+        fsdp_cpu_set_threads(items[i].native ? 1 : t);
+        fsdp_cpu_set_blas_threads(items[i].native ? t : 1);
         double s = time_call(items[i].fn, items[i].ctx);
         if (s < best[i][t]) best[i][t] = s;
       }
