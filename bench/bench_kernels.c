@@ -5,7 +5,8 @@
  *   (qkv), 1024 (mlp up); K = 1024 -> N = 256 (mlp down)), through fsdp_cpu_linear_forward.
  *   Time per call (forward + backward) of layernorm, gelu, softmax and attention at
  *   B = 8, T = 256, C = 256, NH = 4, plus attention's GFLOP/s as a fraction of plain sgemm.
- * Everything runs with 1 and then 2 OpenBLAS threads. Each measurement repeats until it has
+ * Everything runs with 1 and then 2 threads of the rank's pool (kernels/cpu/pool.h; OpenBLAS
+ * stays at 1 thread, called per block). Each measurement repeats until it has
  * run for ~0.25 s (best of those reps is reported), so the whole program takes ~10-20 s.
  *
  * Usage: bench_kernels [max_threads]   (default 2)
@@ -16,6 +17,7 @@
 #include <time.h>
 
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/pool.h"
 
 static double now(void) {
   struct timespec ts;
@@ -146,8 +148,8 @@ int main(int argc, char **argv) {
 
   printf("bench_kernels: CPU kernels, f32 (best of repeated calls)\n");
   for (int threads = 1; threads <= max_threads; threads++) {
-    fsdp_cpu_set_blas_threads(threads);
-    printf("\nOpenBLAS threads: %d\n", fsdp_cpu_get_blas_threads());
+    fsdp_cpu_set_threads(threads);
+    printf("\nthreads: %d\n", fsdp_cpu_threads());
     double peak = bench_gemm("sgemm a @ b", run_square, 1024, 1024, 1024);
     bench_gemm("linear (qkv)  inp @ w^T", run_linear, 2048, 256, 768);
     bench_gemm("linear (mlp up)  inp @ w^T", run_linear, 2048, 256, 1024);

@@ -88,6 +88,44 @@ static void test_create(void) {
   EXPECT(NULL, fsdp_runtime_new(&rt, &(fsdp_runtime_opts){.world = 2, .lua_path = "/tmp"}),
          FSDP_ERROR, "loading the fsdp library from /tmp");
   EXPECT(NULL, fsdp_runtime_new(NULL, NULL), FSDP_MISUSE, "out is NULL");
+  /* the thread rule: opts.blas_threads, else FSDP_THREADS, else max(1, cores / world) */
+  EXPECT(NULL, fsdp_runtime_new(&rt, &(fsdp_runtime_opts){.blas_threads = -1}), FSDP_MISUSE,
+         "blas_threads -1 is out of range (0 .. 1024)");
+  EXPECT(NULL, fsdp_runtime_new(&rt, &(fsdp_runtime_opts){.blas_threads = 1025}), FSDP_MISUSE,
+         "blas_threads 1025 is out of range (0 .. 1024)");
+  const char *env = getenv("FSDP_THREADS");
+  char *saved = env ? strdup(env) : NULL;
+  setenv("FSDP_THREADS", "lots", 1);
+  EXPECT(NULL, fsdp_runtime_new(&rt, &(fsdp_runtime_opts){.world = 2}), FSDP_MISUSE,
+         "FSDP_THREADS='lots' must be a positive integer");
+  CHECK(rt == NULL, "*out is NULL after a bad FSDP_THREADS");
+  OK(NULL, fsdp_runtime_new(&rt, &(fsdp_runtime_opts){.world = 2, .blas_threads = 3}));
+  if (rt != NULL) {
+    OK(rt, fsdp_run_string(rt, "local t = require('fsdp').core.get_threads()\n"
+                               "assert(t == 3, 'threads ' .. t)"));
+    fsdp_runtime_free(rt);
+  }
+  setenv("FSDP_THREADS", "2", 1);
+  OK(NULL, fsdp_runtime_new(&rt, &(fsdp_runtime_opts){.world = 2}));
+  if (rt != NULL) {
+    OK(rt, fsdp_run_string(rt, "local fsdp = require 'fsdp'\n"
+                               "assert(fsdp.info().threads == 2, 'threads ' .. fsdp.info().threads)"));
+    fsdp_runtime_free(rt);
+  }
+  unsetenv("FSDP_THREADS");
+  OK(NULL, fsdp_runtime_new(&rt, &(fsdp_runtime_opts){.world = 2}));
+  if (rt != NULL) {
+    const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    char code[160];
+    snprintf(code, sizeof code,
+             "local t = require('fsdp').core.get_threads()\n"
+             "assert(t >= 1 and t <= math.max(1, math.floor(%ld / 2)), 'threads ' .. t)", cores);
+    OK(rt, fsdp_run_string(rt, code));
+    fsdp_runtime_free(rt);
+  }
+  if (saved) setenv("FSDP_THREADS", saved, 1);
+  free(saved);
+  rt = NULL;
   /* defaults: one rank */
   OK(NULL, fsdp_runtime_new(&rt, NULL));
   CHECK(fsdp_runtime_world(rt) == 1, "default world %d", fsdp_runtime_world(rt));

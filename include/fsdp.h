@@ -144,10 +144,11 @@ typedef struct fsdp_runtime_opts {
    * libfsdp: <libdir>/../share/fsdprun/lua of an installed tree, else the lua/ folder of the
    * source tree libfsdp was built from. It is prepended to every rank's package.path. */
   const char *lua_path;
-  /* OpenBLAS threads. 0: FSDP_BLAS_THREADS from the environment if set, else 1 when world > 1
-   * (OpenBLAS 0.3.21 is not safe with several multithreaded callers: docs/comm.md), else
-   * OpenBLAS's own default. OpenBLAS's thread count is process-wide: it stays set after the
-   * runtime is freed. */
+  /* Each rank's cpu threads (the name is historical: they run every cpu kernel, GEMMs
+   * included), 0 .. 1024, else FSDP_MISUSE. 0: FSDP_THREADS from the environment, else
+   * FSDP_BLAS_THREADS, else max(1, cores / world); a malformed variable is FSDP_MISUSE naming
+   * it. The count is the process default of rank threads: it stays set after the runtime is
+   * freed. */
   int blas_threads;
 } fsdp_runtime_opts;
 

@@ -78,10 +78,11 @@ fsdp.device_count = core.device_count
 fsdp.deterministic = core.deterministic
 
 --- info() -> what this build runs on: version, devices (name, count, kernels, description),
---- the processor's vector features, BLAS threads, deterministic mode. tostring() prints it.
+--- the processor's vector features, the calling rank's cpu threads, deterministic mode.
+--- tostring() prints it.
 function fsdp.info()
   local info = {version = core.version, devices = core.devices(), cpu = core.cpu_features(),
-    blas_threads = core.get_threads(), deterministic = core.deterministic()}
+    threads = core.get_threads(), deterministic = core.deterministic()}
   return setmetatable(info, {__tostring = function(t)
     local lines = {("fsdprun %s"):format(t.version)}
     for _, d in ipairs(t.devices) do
@@ -94,7 +95,7 @@ function fsdp.info()
       if t.cpu[k] then feats[#feats + 1] = k end
     end
     lines[#lines + 1] = "  cpu    " .. (#feats > 0 and table.concat(feats, " ") or "baseline x86-64")
-    lines[#lines + 1] = ("  blas threads %d, deterministic %s"):format(t.blas_threads, tostring(t.deterministic))
+    lines[#lines + 1] = ("  threads %d, deterministic %s"):format(t.threads, tostring(t.deterministic))
     return table.concat(lines, "\n")
   end})
 end

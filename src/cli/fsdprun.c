@@ -17,8 +17,8 @@
  * and N rank threads; all run the same -e chunks and recipe (SPMD). Threads share nothing in
  * Lua; they meet only in collectives. A rank leaves the group (fsdp_host_rank_finish) when its
  * run ends, so a peer still waiting for it in a collective fails at once ("rank R left")
- * instead of at the timeout. BLAS threads are set once, before the rank threads start
- * (fsdp_host_blas_threads): OpenBLAS's count is process-wide.
+ * instead of at the timeout. The thread rule (each rank's cpu threads: fsdp_host_threads) is
+ * applied once, before the rank threads start.
  *
  * Under mpirun (or with --backend mpi) each process is one rank of an Open MPI job instead: see
  * "the mpi backend" below and docs/mpi.md.
@@ -51,7 +51,6 @@
  */
 #include <errno.h>
 #include <limits.h>
-#include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -74,7 +73,6 @@
 #include "kernels/kernels.h"
 #include "fsdp.h"
 #include "host/host.h"
-#include "kernels/cpu/kernels.h"
 #include "lua/binding.h"
 
 #define PROGNAME "fsdprun"
@@ -501,11 +499,11 @@ static int load_recipe_once(fsdprun_opts *o) {
   return status != 0 ? 1 : 0;
 }
 
-/* BLAS threads: FSDP_BLAS_THREADS, else one per rank with N > 1 ranks (fsdp_host_blas_threads;
- * docs/cli.md "BLAS threads"). Without -n only the variable is applied. Returns 0, or
- * EXIT_USAGE after reporting a malformed FSDP_BLAS_THREADS. */
-static int setup_blas_threads(const fsdprun_opts *o) {
-  if (fsdp_host_blas_threads(0, o->ranked ? o->nranks : 1) != FSDP_OK) {
+/* Each rank's cpu threads: FSDP_THREADS (or FSDP_BLAS_THREADS), else max(1, cores / N) with
+ * -n N, else every core (fsdp_host_threads; docs/cli.md "Threads"). Returns 0, or EXIT_USAGE
+ * after reporting a malformed variable. */
+static int setup_threads(const fsdprun_opts *o) {
+  if (fsdp_host_threads(0, o->ranked ? o->nranks : 1) != FSDP_OK) {
     fprintf(stderr, PROGNAME ": %s\n", fsdp_error_msg());
     return EXIT_USAGE;
   }
@@ -556,20 +554,13 @@ static bool mpi_launched(void) {
   return getenv("OMPI_COMM_WORLD_SIZE") != NULL || getenv("PMIX_RANK") != NULL;
 }
 
-/* BLAS threads of one rank process: FSDP_BLAS_THREADS (already applied), else the CPUs this
- * process may run on, at most this node's share of them (mpirun binds 1-2 ranks a core each,
- * more ranks to a socket or not at all). One caller per process: no OpenBLAS threading issue. */
-static void mpi_blas_threads(void) {
-  const char *env = getenv("FSDP_BLAS_THREADS");
-  if (env != NULL && env[0] != '\0') return;
-  long online = sysconf(_SC_NPROCESSORS_ONLN);
-  cpu_set_t set;
-  long cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : online;
+/* Threads of one rank process: the variables (already checked by setup_threads), else the
+ * CPUs this process may run on, at most this machine's share of them (fsdp_host_mpi_threads). */
+static void mpi_threads(void) {
   const char *ls = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
   long local = ls != NULL ? strtol(ls, NULL, 10) : 1;
-  long share = local > 0 ? online / local : online;
-  long n = cpus < share ? cpus : share;
-  fsdp_cpu_set_blas_threads(n > 0 ? (int)n : 1);
+  if (fsdp_host_mpi_threads(local > 0 && local <= INT_MAX ? (int)local : 1) != FSDP_OK)
+    fsdp_error_clear();
 }
 
 /* fsdprun -n N --backend mpi outside mpirun: start the job on this machine, N copies of this
@@ -634,7 +625,7 @@ static int run_mpi_rank(fsdprun_opts *o) {
     fsdp_comm_free(ctl);
     return EXIT_USAGE;
   }
-  mpi_blas_threads();
+  mpi_threads();
   /* nccl or auto: every rank must choose alike, so they agree on the minimum of their wishes */
   if (o->nccl || o->auto_backend) {
     int local = 1;
@@ -721,6 +712,7 @@ static void print_usage(FILE *f) {
           "A recipe named '-' is read from standard input. Recipe arguments are in the global\n"
           "`arg` (arg[0] is the recipe) and, parsed (--key=value, --flag), in fsdp.args.\n"
           "Every rank runs the same recipe; errors are reported as '[rank R] ...'.\n"
+          "FSDP_THREADS=K sets each rank's cpu threads (default max(1, cores / N)).\n"
           "Exit status: 0 success, 1 Lua error (on any rank), 2 usage error, 130 interrupted.\n");
 }
 
@@ -860,7 +852,7 @@ int main(int argc, char **argv) {
     return EXIT_FAILURE;
   }
   int rc = parse_args(&o);
-  if (rc < 0 && setup_blas_threads(&o) != 0) rc = EXIT_USAGE;
+  if (rc < 0 && setup_threads(&o) != 0) rc = EXIT_USAGE;
   if (rc >= 0) {
     free(o.exec);
     return rc;

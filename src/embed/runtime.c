@@ -33,6 +33,7 @@
 #include <lauxlib.h>
 
 #include "embed/embed.h"
+#include "kernels/cpu/pool.h"
 #include "kernels/kernels.h"
 #include "lua/binding.h"
 
@@ -630,14 +631,14 @@ FSDP_API int fsdp_runtime_new(fsdp_runtime **out, const fsdp_runtime_opts *opts)
                         "fsdp_runtime_new: backend '%s' cannot be embedded (only 'local': ranks "
                         "are threads of this process)",
                         o.backend);
-  if (o.blas_threads < 0)
-    return set_tl_error(FSDP_MISUSE, "fsdp_runtime_new: blas_threads %d is negative",
-                        o.blas_threads);
+  if (o.blas_threads < 0 || o.blas_threads > FSDP_CPU_MAX_THREADS)
+    return set_tl_error(FSDP_MISUSE, "fsdp_runtime_new: blas_threads %d is out of range (0 .. %d)",
+                        o.blas_threads, FSDP_CPU_MAX_THREADS);
   char lua_dir[PATH_MAX];
   int status = find_lua_dir(lua_dir, sizeof lua_dir, o.lua_path);
   if (status != FSDP_OK) return status;
-  /* BLAS threads: process-wide (fsdp.h) */
-  if (fsdp_host_blas_threads(o.blas_threads, o.world) != FSDP_OK)
+  /* the thread rule: the default of every rank thread (fsdp.h) */
+  if (fsdp_host_threads(o.blas_threads, o.world) != FSDP_OK)
     return set_tl_error(FSDP_MISUSE, "fsdp_runtime_new: %s", fsdp_error_msg());
 
   fsdp_runtime *rt = calloc(1, sizeof *rt);

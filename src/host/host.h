@@ -189,11 +189,16 @@ void fsdp_host_openlibs(lua_State *L, const char *lua_dir);
  * tried. */
 bool fsdp_host_find_lua_dir(char *out, size_t n, char *tried, size_t tried_n);
 
-/* OpenBLAS threads (process-wide) for `world` rank threads: requested (> 0), else
- * FSDP_BLAS_THREADS, else 1 when world > 1 (OpenBLAS 0.3.21 is not safe with several
- * multithreaded callers: docs/comm.md), else OpenBLAS's own default. FSDP_ERR when
- * FSDP_BLAS_THREADS is not an integer in 1 .. 4096. */
-int fsdp_host_blas_threads(int requested, int world);
+/* The thread rule: how many cpu threads each rank's kernels use (kernels/cpu/pool.h; a rank
+ * may change its own later with fsdp.core.set_threads). For `world` rank threads of this
+ * process: requested (> 0), else FSDP_THREADS, else FSDP_BLAS_THREADS (the old name), else
+ * max(1, cores / world), cores being the CPUs this process may run on. Sets the process
+ * default that every rank thread follows. FSDP_ERR, naming the variable, when the variable
+ * that decides is not an integer in 1 .. FSDP_CPU_MAX_THREADS (1024). */
+int fsdp_host_threads(int requested, int world);
+/* The same for an mpi rank process, one of `local` on its machine: the variables, else the
+ * CPUs this process may run on, at most max(1, online CPUs / local). */
+int fsdp_host_mpi_threads(int local);
 
 /* The rest of f (a recipe, stdin), malloc'd with a NUL after its *len bytes; NULL with errno
  * set when reading fails. */

@@ -2,7 +2,7 @@
  * setup.c — what every rank's Lua state gets from the host (src/host/host.h): the standard
  * libraries, the fsdp Lua library on package.path (found next to the binary, never through
  * the user's environment), fsdp.core preloaded as this binary's engine, and the traceback
- * message handler; with the process-wide BLAS threads and reading a recipe whole.
+ * message handler; with the thread rule (each rank's cpu threads) and reading a recipe whole.
  */
 #include <dlfcn.h>
 #include <errno.h>
@@ -17,7 +17,7 @@
 #include <lualib.h>
 
 #include "host/host.h"
-#include "kernels/cpu/kernels.h"
+#include "kernels/cpu/pool.h"
 #include "lua/binding.h"
 
 #ifndef FSDP_SOURCE_LUA_DIR
@@ -98,19 +98,54 @@ bool fsdp_host_find_lua_dir(char *out, size_t n, char *tried, size_t tried_n) {
   return false;
 }
 
-int fsdp_host_blas_threads(int requested, int world) {
-  int n = requested;
-  const char *env = getenv("FSDP_BLAS_THREADS");
-  if (n <= 0 && env != NULL && env[0] != '\0') {
-    char *end;
-    errno = 0;
-    long v = strtol(env, &end, 10);
-    if (env[0] < '0' || env[0] > '9' || errno != 0 || *end != '\0' || v < 1 || v > 4096)
-      return fsdp_error("FSDP_BLAS_THREADS='%s' must be a positive integer (at most 4096)", env);
-    n = (int)v;
+/* A thread count from the environment variable `name`: 0 when unset or empty, -1 (with the
+ * error set, naming the variable) when it is not an integer in 1 .. FSDP_CPU_MAX_THREADS. */
+static int env_threads(const char *name) {
+  const char *env = getenv(name);
+  if (env == NULL || env[0] == '\0') return 0;
+  char *end;
+  errno = 0;
+  long v = strtol(env, &end, 10);
+  if (env[0] < '0' || env[0] > '9' || errno != 0 || *end != '\0' || v < 1 ||
+      v > FSDP_CPU_MAX_THREADS) {
+    fsdp_error("%s='%s' must be a positive integer (at most %d)", name, env,
+               FSDP_CPU_MAX_THREADS);
+    return -1;
   }
-  if (n <= 0 && world > 1) n = 1;
-  if (n > 0) fsdp_cpu_set_blas_threads(n);
+  return (int)v;
+}
+
+/* The count the environment asks for: FSDP_THREADS, else FSDP_BLAS_THREADS (its old name);
+ * 0 when neither is set, -1 when the one that decides is malformed. */
+static int env_rank_threads(void) {
+  int n = env_threads("FSDP_THREADS");
+  return n != 0 ? n : env_threads("FSDP_BLAS_THREADS");
+}
+
+int fsdp_host_threads(int requested, int world) {
+  int n = requested > 0 ? requested : env_rank_threads();
+  if (n < 0) return FSDP_ERR;
+  if (n == 0) {
+    n = fsdp_cpu_cores() / (world > 0 ? world : 1);
+    if (n < 1) n = 1;
+  }
+  fsdp_cpu_set_default_threads(n);
+  return FSDP_OK;
+}
+
+int fsdp_host_mpi_threads(int local) {
+  int n = env_rank_threads();
+  if (n < 0) return FSDP_ERR;
+  if (n == 0) {
+    /* mpirun binds each rank to a core or two, to a socket, or not at all: the CPUs this
+     * process may use, at most this machine's share of them */
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    long share = online / (local > 0 ? local : 1);
+    n = fsdp_cpu_cores();
+    if (share < n) n = (int)share;
+    if (n < 1) n = 1;
+  }
+  fsdp_cpu_set_default_threads(n);
   return FSDP_OK;
 }
 

@@ -24,7 +24,8 @@ static int l_clock(lua_State *L) {
 }
 
 /* sgemm_gflops(M, N, K, seconds) -> GFLOP/s of c (M,N) = a (M,K) @ b (K,N)^T repeated for at
- * least `seconds` (after one warm-up call), with the current BLAS thread count. */
+ * least `seconds` (after one warm-up call), split over the calling rank's threads like every
+ * GEMM (kernels/cpu/pool.h). */
 static int l_sgemm_gflops(lua_State *L) {
   int M = (int)luaL_checkinteger(L, 1), N = (int)luaL_checkinteger(L, 2),
       K = (int)luaL_checkinteger(L, 3);

@@ -9,6 +9,7 @@
 
 #include "autograd/autograd.h"
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/pool.h"
 #include "kernels/kernels.h"
 #include "lua/binding.h"
 
@@ -372,15 +373,18 @@ static int l_reset_peak(lua_State *L) {
   return 0;
 }
 
+/* set_threads(n): the calling rank's cpu threads from now on (its pool, kernels/cpu/pool.h) */
 static int l_set_threads(lua_State *L) {
-  int n = (int)luaL_checkinteger(L, 1);
-  if (n < 1) luaL_error(L, "set_threads: need at least 1 thread, got %d", n);
-  fsdp_cpu_set_blas_threads(n);
+  lua_Integer n = luaL_checkinteger(L, 1);
+  if (n < 1 || n > FSDP_CPU_MAX_THREADS)
+    luaL_error(L, "set_threads: the thread count must be 1 .. %d, got %f", FSDP_CPU_MAX_THREADS,
+               (lua_Number)n);
+  fsdp_cpu_set_threads((int)n);
   return 0;
 }
 
 static int l_get_threads(lua_State *L) {
-  lua_pushinteger(L, fsdp_cpu_get_blas_threads());
+  lua_pushinteger(L, fsdp_cpu_threads());
   return 1;
 }
 

@@ -1,8 +1,9 @@
 -- ranks_env.lua — run by tests/recipes/dist_ranks.sh: what each rank's Lua state gets from the
 -- launcher. Recipe arguments (arg, ..., fsdp.args) reach every rank; globals set by -e are per
 -- state; each rank has its own memory domain (fsdp.memory() counts only its own tensors);
--- --timeout reaches every communicator; BLAS threads are set once for all ranks. Prints
--- "env <rank> threads=<n> timeout=<s>"; any failure raises.
+-- --timeout reaches every communicator; the thread rule sets every rank's cpu threads, and
+-- set_threads changes only the calling rank's. Prints "env <rank> threads=<n> timeout=<s>"
+-- (n as the launcher set it); any failure raises.
 local fsdp = require "fsdp"
 local core = fsdp.core
 local rank, world = fsdp.rank(), fsdp.world_size()
@@ -36,4 +37,14 @@ local total = fsdp.all_reduce(after.live - before.live, "sum")
 check(total == 4 * 262144 * world * (world + 1) / 2, "sum of the ranks' growth %d", total)
 t:free()
 
-print(("env %d threads=%d timeout=%g"):format(rank, core.get_threads(), core.timeout()))
+-- threads: each rank its own count
+local threads = core.get_threads()
+fsdp.barrier()
+core.set_threads(rank + 1)
+fsdp.barrier()
+check(core.get_threads() == rank + 1, "set_threads(%d) then get_threads() %d", rank + 1,
+  core.get_threads())
+fsdp.barrier()
+core.set_threads(threads)
+
+print(("env %d threads=%d timeout=%g"):format(rank, threads, core.timeout()))

@@ -25,6 +25,7 @@ run "$FSDPRUN" --help
 expect_rc 0 "--help"
 expect_has out "usage: fsdprun" "--help"
 expect_has out "-n N" "--help"
+expect_has out "FSDP_THREADS=K" "--help names the thread variable"
 run "$FSDPRUN" -h
 expect_rc 0 "-h"
 expect_has out "usage: fsdprun" "-h"

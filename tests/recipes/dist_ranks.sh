@@ -2,9 +2,10 @@
 # dist_ranks.sh — fsdprun -n N: rank()/world_size(), all_reduce (every op, numbers and
 # tensors) and broadcast equal the serial answer on every rank, barrier, comm_stats
 # (tests/dist/ranks_collectives.lua at -n 1, 2, 4 and without -n); recipe arguments, -e,
-# separate memory domains, --timeout and BLAS threads per rank (ranks_env.lua); whole output
-# lines (ranks_output.lua); the recipe read once (stdin, missing file, syntax error); -n,
-# --timeout, -i and FSDP_BLAS_THREADS validation. Run by ctest with FSDPRUN set.
+# separate memory domains, --timeout and the thread rule per rank (ranks_env.lua: max(1,
+# cores / N), FSDP_THREADS, FSDP_BLAS_THREADS); whole output lines (ranks_output.lua); the
+# recipe read once (stdin, missing file, syntax error); -n, --timeout, -i, FSDP_THREADS and
+# FSDP_BLAS_THREADS validation. Run by ctest with FSDPRUN set.
 set -u
 : "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
 SRC=${FSDP_SOURCE_DIR:-$(pwd)}
@@ -37,7 +38,7 @@ expect_rc 0 "collectives without -n (a world of one)"
 expect_ranks 1 ok
 
 # ---- what each rank's state gets --------------------------------------------------------------------
-cores=$(getconf _NPROCESSORS_ONLN)
+cores=$(nproc) # the CPUs this process may run on (sched_getaffinity), as the rule counts them
 per_rank=$((cores / 4))
 [ "$per_rank" -ge 1 ] || per_rank=1
 run "$FSDPRUN" -n 4 --timeout=7.5 -e 'FROM_E = "e" .. require("fsdp").rank()' \
@@ -45,13 +46,22 @@ run "$FSDPRUN" -n 4 --timeout=7.5 -e 'FROM_E = "e" .. require("fsdp").rank()' \
 expect_rc 0 "env -n 4"
 [ "$(lines_of out)" = 4 ] || fail "env -n 4: $(cat "$T/out")"
 for r in 0 1 2 3; do
-  expect_has out "env $r threads=$per_rank timeout=7.5" "env -n 4: rank $r: BLAS threads max(1, $cores/4), --timeout"
+  expect_has out "env $r threads=$per_rank timeout=7.5" "env -n 4: rank $r: threads max(1, $cores/4), --timeout"
 done
 run env FSDP_BLAS_THREADS=3 "$FSDPRUN" -n 2 --timeout 2 -e 'FROM_E = "e" .. require("fsdp").rank()' \
   "$D/ranks_env.lua" pos --lr=0.5 "--tag=x y"
 expect_rc 0 "env FSDP_BLAS_THREADS=3 -n 2"
 expect_has out "env 0 threads=3 timeout=2" "FSDP_BLAS_THREADS overrides"
 expect_has out "env 1 threads=3 timeout=2" "FSDP_BLAS_THREADS overrides"
+run env FSDP_THREADS=5 FSDP_BLAS_THREADS=3 "$FSDPRUN" -n 2 -e 'FROM_E = "e" .. require("fsdp").rank()' \
+  "$D/ranks_env.lua" pos --lr=0.5 "--tag=x y"
+expect_rc 0 "env FSDP_THREADS=5 -n 2"
+expect_has out "env 0 threads=5 timeout=" "FSDP_THREADS overrides, over FSDP_BLAS_THREADS"
+expect_has out "env 1 threads=5 timeout=" "FSDP_THREADS overrides, over FSDP_BLAS_THREADS"
+# without -n: one rank, every core
+run env FSDP_THREADS= "$FSDPRUN" -e 'FROM_E = "e0"' "$D/ranks_env.lua" pos --lr=0.5 "--tag=x y"
+expect_rc 0 "env without -n"
+expect_has out "env 0 threads=$cores timeout=" "without -n: every core"
 
 # ---- output: 4 ranks x 300 lines, none cut by another rank -------------------------------------------
 run "$FSDPRUN" -n 4 "$D/ranks_output.lua" --lines=300
@@ -126,6 +136,12 @@ run env FSDP_BLAS_THREADS=many "$FSDPRUN" -n 2 "$T/ok.lua"
 expect_rc 2 "FSDP_BLAS_THREADS=many"
 expect_has err "FSDP_BLAS_THREADS='many' must be a positive integer" "FSDP_BLAS_THREADS=many"
 expect_lacks out "ran" "FSDP_BLAS_THREADS=many"
+for bad in 0 x 2000; do
+  run env FSDP_THREADS=$bad "$FSDPRUN" "$T/ok.lua"
+  expect_rc 2 "FSDP_THREADS=$bad"
+  expect_has err "fsdprun: FSDP_THREADS='$bad' must be a positive integer (at most 1024)" "FSDP_THREADS=$bad"
+  expect_lacks out "ran" "FSDP_THREADS=$bad"
+done
 
 if [ "$failures" -ne 0 ]; then
   echo "dist_ranks: $failures failure(s)"

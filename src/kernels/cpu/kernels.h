@@ -55,8 +55,9 @@ void fsdp_cpu_gemm(float *c, const float *a, const float *b, int M, int N, int K
 void fsdp_cpu_sgemm_serial(float *c, const float *a, const float *b, int M, int N, int K,
                            bool trans_a, bool trans_b, float alpha, float beta, int lda, int ldb,
                            int ldc);
-/* Set how many threads OpenBLAS uses for calls from now on (ranks call it with max(1, C/N));
- * n < 1 means 1. The setting is process-wide (OpenBLAS has no per-thread count). */
+/* OpenBLAS's own threads per call: 1 (pinned on the first GEMM or query; the rank's pool is the
+ * parallelism, pool.h) unless this overrides it from now on (benchmarks, experiments; n < 1
+ * means 1). Process-wide: OpenBLAS has no per-thread count. */
 void fsdp_cpu_set_blas_threads(int n);
 int fsdp_cpu_get_blas_threads(void);
 

@@ -4,31 +4,74 @@
  * PyTorch semantics, including the order of operations, so that a recipe tuned there behaves
  * the same here: torch.optim.SGD (dampening 0, no nesterov) and torch.optim.AdamW
  * (non-amsgrad, single-tensor path). Bias corrections are computed once per call in double.
+ *
+ * Threads: every element's update depends on that element alone, so the buffers are cut into
+ * chunks over the pool (whole cache lines each, OPTIM_GRAIN elements at least) and the bits
+ * are the same at any thread count.
  */
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/pool.h"
 
 #include <math.h>
 
-void fsdp_cpu_sgd_step(float *param, float *buf, const float *grad, int64_t n, float lr,
-                       float momentum, float weight_decay, bool first_step) {
-  // param (n), buf (n) or NULL when momentum == 0, grad (n)
-  float *restrict p = param;
-  const float *restrict g = grad;
-  if (momentum == 0.0f || !buf) {
-    for (int64_t i = 0; i < n; i++) p[i] -= lr * (g[i] + weight_decay * p[i]);
+/* Elements a chunk must hold: ~10 us of a memory-bound update, well above a dispatch. */
+#define OPTIM_GRAIN 16384
+
+typedef struct sgd_job {
+  float *param, *buf;
+  const float *grad;
+  float lr, momentum, weight_decay;
+  bool first_step;
+} sgd_job;
+
+static void sgd_chunk(void *ctx, int64_t lo, int64_t hi) {
+  const sgd_job *j = ctx;
+  float *restrict p = j->param;
+  const float *restrict g = j->grad;
+  const float lr = j->lr, momentum = j->momentum, weight_decay = j->weight_decay;
+  if (momentum == 0.0f || !j->buf) {
+    for (int64_t i = lo; i < hi; i++) p[i] -= lr * (g[i] + weight_decay * p[i]);
     return;
   }
-  float *restrict m = buf;
-  if (first_step) {
-    for (int64_t i = 0; i < n; i++) {
+  float *restrict m = j->buf;
+  if (j->first_step) {
+    for (int64_t i = lo; i < hi; i++) {
       m[i] = g[i] + weight_decay * p[i];
       p[i] -= lr * m[i];
     }
   } else {
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = lo; i < hi; i++) {
       m[i] = momentum * m[i] + (g[i] + weight_decay * p[i]);
       p[i] -= lr * m[i];
     }
+  }
+}
+
+void fsdp_cpu_sgd_step(float *param, float *buf, const float *grad, int64_t n, float lr,
+                       float momentum, float weight_decay, bool first_step) {
+  // param (n), buf (n) or NULL when momentum == 0, grad (n)
+  sgd_job j = {param, buf, grad, lr, momentum, weight_decay, first_step};
+  fsdp_cpu_parallel_for(n, OPTIM_GRAIN, sgd_chunk, &j);
+}
+
+typedef struct adamw_job {
+  float *param, *m, *v;
+  const float *grad;
+  float beta1, beta2, eps, step_size, bc2_sqrt, decay;
+} adamw_job;
+
+static void adamw_chunk(void *ctx, int64_t lo, int64_t hi) {
+  const adamw_job *j = ctx;
+  float *restrict p = j->param, *restrict mm = j->m, *restrict vv = j->v;
+  const float *restrict g = j->grad;
+  const float beta1 = j->beta1, beta2 = j->beta2, eps = j->eps, step_size = j->step_size,
+              bc2_sqrt = j->bc2_sqrt, decay = j->decay;
+  for (int64_t i = lo; i < hi; i++) {
+    p[i] *= decay;
+    mm[i] = beta1 * mm[i] + (1.0f - beta1) * g[i];
+    vv[i] = beta2 * vv[i] + (1.0f - beta2) * g[i] * g[i];
+    const float denom = sqrtf(vv[i]) / bc2_sqrt + eps;
+    p[i] -= step_size * (mm[i] / denom);
   }
 }
 
@@ -36,18 +79,9 @@ void fsdp_cpu_adamw_step(float *param, float *m, float *v, const float *grad, in
                          float lr, float beta1, float beta2, float eps, float weight_decay,
                          int64_t step) {
   // param (n), m (n), v (n), grad (n); step >= 1
-  float *restrict p = param, *restrict mm = m, *restrict vv = v;
-  const float *restrict g = grad;
   const double bc1 = 1.0 - pow((double)beta1, (double)step);
   const double bc2 = 1.0 - pow((double)beta2, (double)step);
-  const float step_size = (float)(lr / bc1);
-  const float bc2_sqrt = (float)sqrt(bc2);
-  const float decay = 1.0f - lr * weight_decay;
-  for (int64_t i = 0; i < n; i++) {
-    p[i] *= decay;
-    mm[i] = beta1 * mm[i] + (1.0f - beta1) * g[i];
-    vv[i] = beta2 * vv[i] + (1.0f - beta2) * g[i] * g[i];
-    const float denom = sqrtf(vv[i]) / bc2_sqrt + eps;
-    p[i] -= step_size * (mm[i] / denom);
-  }
+  adamw_job j = {param, m, v, grad, beta1, beta2, eps, (float)(lr / bc1), (float)sqrt(bc2),
+                 1.0f - lr * weight_decay};
+  fsdp_cpu_parallel_for(n, OPTIM_GRAIN, adamw_chunk, &j);
 }
