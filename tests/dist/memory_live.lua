@@ -5,8 +5,9 @@
 -- Expected on every rank, in bytes (f32: 4 per element; S = this rank's shards, 4 total / N plus
 -- padding; batch = the x and y tensors; pos = the GPT's cached positions, 8 ctx):
 --   built            params = 4 total (a tied head never allocates a weight of its own)
---   wrapped          params = S; grads = optim = gathered = 0 (gradient shards come with the
---                    first backward); activations = batch
+--   wrapped          params = S, with the parameters' Lua references held across wrapping
+--                    (the dense pre-wrap weights are not counted); grads = optim = gathered =
+--                    0 (gradient shards come with the first backward); activations = batch
 --   after each step  params = S, grads = S, optim = 2 S (AdamW), gathered = 0;
 --                    activations = batch + pos + the logits (B/N x T x V) and loss (4) that the
 --                    loop still holds; once it frees those, batch + pos: the forward's
@@ -54,10 +55,23 @@ x, y = fsdp.tensor(x), fsdp.tensor(y)
 local batch = (x:numel() + y:numel()) * 4 -- f32
 
 local S = 4 * total
+-- references to the parameters held across wrapping: wrapping swaps what backs them, so the
+-- dense pre-wrap weights must leave the count all the same
+local held = model:parameters()
 if not plain then
   fsdp.wrap(model, {policy = fsdp.policy.modules{nn.Block}})
   S = 0
-  for _, u in ipairs(fsdp.units(model)) do S = S + u:shard_numel() * 4 end
+  local units = fsdp.units(model)
+  for _, u in ipairs(units) do S = S + u:shard_numel() * 4 end
+  -- S is this rank's 1/W of the dense bytes plus padding (each parameter starts on a 16-element
+  -- boundary, each unit is padded to 16 W elements), so a unit that kept its full weights
+  -- fails here and not only in the comparisons below
+  local pad = 4 * 16 * (#held + W * #units)
+  if S * W < 4 * total or S * W > 4 * total + pad then
+    failures = failures + 1
+    print(("[rank %d] FAIL: shards %d B at %d ranks, expected %d B / %d plus padding")
+      :format(rank, S, W, 4 * total, W))
+  end
 end
 expect_mem(plain and "plain" or "wrapped", {params = S, activations = batch})
 
@@ -80,8 +94,9 @@ for s = 1, 3 do
 end
 
 if rank == 0 then
-  print(("world %d%s: %d parameters; shards %d B, after a step params %d + grads %d + optim %d B, "
-    .. "activations held: batch %d + positions %d B (+ logits %d + loss 4 B until freed)")
-    :format(W, plain and " (plain)" or "", total, S, S, S, 2 * S, batch, pos, logits_bytes))
+  print(("world %d%s: %d parameters (%d tensors held across wrapping); shards %d B, "
+    .. "after a step params %d + grads %d + optim %d B, activations held: batch %d + "
+    .. "positions %d B (+ logits %d + loss 4 B until freed)")
+    :format(W, plain and " (plain)" or "", total, #held, S, S, S, 2 * S, batch, pos, logits_bytes))
 end
 if failures > 0 then error(("%d live-memory checks failed"):format(failures)) end
