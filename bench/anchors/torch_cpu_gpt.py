@@ -208,15 +208,17 @@ def run(rank, world, args, port):
         nonemb = params - V * d - T * d
         autocast = None
         if world > 1:
-            mpp = None
+            kw, kw_root = {}, {}
             if args.mp:
-                mpp = MixedPrecisionPolicy(param_dtype=getattr(torch, {"bf16": "bfloat16",
-                                           "f16": "float16"}[args.mp]),
-                                           reduce_dtype=torch.float32, output_dtype=torch.float32)
-            kw = {"mp_policy": mpp} if mpp else {}
+                half = {"bf16": torch.bfloat16, "f16": torch.float16}[args.mp]
+                kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=half,
+                                                        reduce_dtype=torch.float32)}
+                # the model's output in f32, as fsdp.wrap's mp (the blocks' stay half)
+                kw_root = {"mp_policy": MixedPrecisionPolicy(param_dtype=half,
+                           reduce_dtype=torch.float32, output_dtype=torch.float32)}
             for b in model.blocks:
                 fully_shard(b, **kw)
-            fully_shard(model, **kw)
+            fully_shard(model, **kw_root)
         elif args.mp:
             autocast = torch.autocast("cpu", dtype={"bf16": torch.bfloat16,
                                                     "f16": torch.float16}[args.mp])
