@@ -46,7 +46,8 @@ local configs = {
   { name = "L12-d768", layers = 12, d = 768, heads = 12 },
 }
 if args.layers or args.d or args.heads then
-  local c = { layers = int_arg("layers", 4, 0), d = int_arg("d", 256, 1), heads = int_arg("heads", 4, 1) }
+  local c = { layers = int_arg("layers", 4, 0), d = int_arg("d", 256, 1),
+              heads = int_arg("heads", 4, 1) }
   c.name = ("L%d-d%d"):format(c.layers, c.d)
   configs = { c }
 end
@@ -96,6 +97,26 @@ local precision = mp or "f32"
 local FLOPS_CONVENTION = "6 x non-embedding params (all but wte, wpe) x tokens"
   .. " + 6 x L x T x d per token (causal attention)"
 say(tostring(info))
+-- every scalar field of fsdp.info() (nested tables one level down, dotted), whatever this build
+-- has: GEMM library, ISA and thread fields appear here without this script knowing their names
+do
+  local fields = {}
+  for k, v in pairs(info) do
+    if type(k) == "string" and type(v) ~= "table" and type(v) ~= "function" then
+      fields[#fields + 1] = ("%s=%s"):format(k, tostring(v))
+    elseif type(k) == "string" and type(v) == "table" and #v == 0 then
+      for k2, v2 in pairs(v) do
+        -- (the cpu's feature flags are booleans, printed above)
+        if type(k2) == "string" and type(v2) ~= "table" and type(v2) ~= "function"
+            and not (k == "cpu" and type(v2) == "boolean") then
+          fields[#fields + 1] = ("%s.%s=%s"):format(k, k2, tostring(v2))
+        end
+      end
+    end
+  end
+  table.sort(fields)
+  say("info: " .. table.concat(fields, " "))
+end
 say(("GPT train step, batch %d x ctx %d, vocab %d, tied head, %s, %d rank(s)%s, %d threads per "
   .. "rank, median of %d steps after %d warm-up"):format(B, T, V, precision, world,
   world > 1 and (" (" .. strategy .. ")") or "", core.get_threads(), steps, warmup))
@@ -106,7 +127,8 @@ math.randomseed(1)
 for _, c in ipairs(configs) do
   if not args.only or c.name:find(args.only, 1, true) then
     fsdp.manual_seed(0)
-    local model = nn.GPT { vocab = V, ctx = T, d = c.d, layers = c.layers, heads = c.heads, tie = true }
+    local model = nn.GPT { vocab = V, ctx = T, d = c.d, layers = c.layers, heads = c.heads,
+                           tie = true }
     local params = model:num_parameters() -- before wrapping: the whole model, the tie once
     local nonemb = params - V * c.d - T * c.d
     local wrapped = world > 1 or mp ~= nil

@@ -28,7 +28,8 @@ for a in "$@"; do
 done
 SGEMM_S=${SGEMM_S:-1}
 FSDPRUN="$BUILD/bin/fsdprun"
-[ -x "$FSDPRUN" ] || { echo "run_cpu_compare.sh: no $FSDPRUN (build first, or set BUILD)" >&2; exit 2; }
+[ -x "$FSDPRUN" ] ||
+  { echo "run_cpu_compare.sh: no $FSDPRUN (build first, or set BUILD)" >&2; exit 2; }
 "$PYTHON" -c "import torch" 2>/dev/null ||
   { echo "run_cpu_compare.sh: $PYTHON cannot import torch (set PYTHON)" >&2; exit 2; }
 ANCHOR="$(dirname "$0")/anchors/torch_cpu_gpt.py"
@@ -36,7 +37,8 @@ OUT=${OUT:-$(mktemp "${TMPDIR:-/tmp}/cpu_compare.XXXXXX")}
 : > "$OUT"
 
 echo "nproc $(nproc); $(uptime)"
-echo "fsdprun: $FSDPRUN; PyTorch: $("$PYTHON" -c 'import torch; print(torch.__version__)') ($PYTHON)"
+TORCH=$("$PYTHON" -c 'import torch; print(torch.__version__)')
+echo "fsdprun: $FSDPRUN; PyTorch: $TORCH ($PYTHON)"
 opts_l="--steps=$STEPS --sgemm_s=$SGEMM_S${ONLY:+ --only=$ONLY}${MP:+ --mp=$MP}"
 opts_p="--steps $STEPS --sgemm-s $SGEMM_S${ONLY:+ --only $ONLY}${MP:+ --mp $MP}"
 # one run: its text for people, its JSON lines (tagged with the round and the uptime taken just
@@ -86,15 +88,18 @@ med = statistics.median
 print()
 print(f"{'model':9} {'ranks':>5} {'prec':>5} {'fsdprun s':>10} {'pytorch s':>10} "
       f"{'fsdprun/pt':>10} {'fsdprun:sgemm':>13} {'pt:sgemm':>9} {'runs':>5}  loads")
-for (model, ranks, prec), by in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+def order(kv):  # L4-d256 before L12-d768; then ranks, f32 first
+    (model, ranks, prec), _ = kv
+    return (int(model[1:].split("-")[0]), model, ranks, prec != "f32")
+for (model, ranks, prec), by in sorted(rows.items(), key=order):
     f, p = by.get("fsdprun", []), by.get("pytorch", [])
     fs = med([x["step_s"] for x in f]) if f else float("nan")
     ps = med([x["step_s"] for x in p]) if p else float("nan")
     fr = med([x["ratio"] for x in f]) if f else float("nan")
     pr = med([x["ratio"] for x in p]) if p else float("nan")
-    loads = sorted({x["loadavg"][0] for x in f + p if x.get("loadavg")})
+    loads = sorted({x["loadavg"][0] for x in f + p if x.get("loadavg")}) or ["?"]
     print(f"{model:9} {ranks:5d} {prec:>5} {fs:10.3f} {ps:10.3f} {fs / ps:10.2f} {fr:13.2f} "
-          f"{pr:9.2f} {len(f):2d}+{len(p):<2d}  {loads[0] if loads else '?'}-{loads[-1] if loads else '?'}")
+          f"{pr:9.2f} {len(f):2d}+{len(p):<2d}  {loads[0]}-{loads[-1]}")
 print("fsdprun/pt: step time ratio (< 1: fsdprun faster); x:sgemm: achieved GFLOP/s over the")
 print("same run's sgemm rate (docs/PERFORMANCE.md for the FLOPs convention); loads: 1-minute")
 print("load average over the runs")
