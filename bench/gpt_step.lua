@@ -1,65 +1,152 @@
 -- GPT train-step benchmark (forward + backward + AdamW), not a test.
---   fsdprun bench/gpt_step.lua [--steps=6] [--threads=N] [--only=L4] [--strategy=full]
+--   fsdprun bench/gpt_step.lua [--steps=5] [--warmup=1] [--only=L4] [--mp=bf16] [--threads=N]
+--           [--strategy=full] [--sgemm_s=1] [--layers=L --d=D --heads=H] [--batch=8] [--ctx=256]
 --   fsdprun -n 2 bench/gpt_step.lua      # the same global batch on 2 ranks, sharded
--- At N ranks the model is wrapped (one unit per Block, strategy "full" unless --strategy=) and
--- each rank runs its B/N rows of the same global batch; the step time is the slowest rank's.
--- Prints tokens/s, achieved GFLOP/s (6 x params x tokens + 12 L d T per token for attention,
--- llm.c's convention) and, measured in the same run, OpenBLAS
--- sgemm GFLOP/s at the model's MLP shape (B*T, d) @ (d, 4d), with the ratio of the two.
+-- Models: L=4 d=256, L=6 d=384, L=12 d=768 (heads d/64), vocab 256, ctx 256, batch 8, tied
+-- head; --only= picks those whose name ("L4-d256", ...) contains it; --layers/--d/--heads run
+-- that one model instead. At 1 rank the model is plain (not wrapped) unless --mp= asks for mixed
+-- precision; at N ranks, and with --mp, it is wrapped (one unit per Block, strategy "full" unless
+-- --strategy=) and each rank runs its B/N rows of the same global batch. The step time is the
+-- slowest rank's, the median of --steps steps after --warmup untimed ones.
+--
+-- FLOPs (docs/PERFORMANCE.md): per token 6 x the non-embedding parameters (every parameter but
+-- wte and wpe; the tied head's GEMM is not counted) + 6 x L x T x d for causal attention (QK^T
+-- and AV over the unmasked half, forward and backward). The same-run sgemm rate is the cpu GEMM
+-- at the MLP's shape on each rank, (B/N x T, d) @ (d, 4d), with the rank's threads, all ranks at
+-- once, summed; "ratio" is the step's achieved GFLOP/s over it.
+--
+-- Output: a table for people, and per model one JSON line (it starts with "{"; the same keys as
+-- bench/anchors/torch_cpu_gpt.py) carrying fsdp.info(), whatever fields it has.
 local fsdp = require "fsdp"
 local nn = fsdp.nn
 local core = fsdp.core
 
 local args = fsdp.args
-local steps = args.steps or 6
-if args.threads then core.set_threads(args.threads) end
-local B, T, V = args.batch or 8, args.ctx or 256, 256
+local function int_arg(name, default, min)
+  local v = args[name]
+  if v == nil then return default end
+  if type(v) ~= "number" or v ~= math.floor(v) or v < min then
+    error(("--%s must be an integer >= %d (got %s)"):format(name, min, tostring(v)), 0)
+  end
+  return v
+end
+local steps, warmup = int_arg("steps", 5, 1), int_arg("warmup", 1, 0)
+local B, T, V = int_arg("batch", 8, 1), int_arg("ctx", 256, 1), int_arg("vocab", 256, 2)
+local sgemm_s = tonumber(args.sgemm_s or 1.0)
+if not sgemm_s or sgemm_s <= 0 then error("--sgemm_s must be a positive number of seconds", 0) end
+local mp = args.mp
+if mp ~= nil and mp ~= "bf16" and mp ~= "f16" then
+  error(("--mp must be bf16 or f16 (got %s)"):format(tostring(mp)), 0)
+end
+if args.threads then core.set_threads(int_arg("threads", 1, 1)) end
 
 local configs = {
   { name = "L4-d256", layers = 4, d = 256, heads = 4 },
   { name = "L6-d384", layers = 6, d = 384, heads = 6 },
+  { name = "L12-d768", layers = 12, d = 768, heads = 12 },
 }
-
-local function median(xs)
-  table.sort(xs)
-  local n = #xs
-  return n % 2 == 1 and xs[(n + 1) / 2] or 0.5 * (xs[n / 2] + xs[n / 2 + 1])
+if args.layers or args.d or args.heads then
+  local c = { layers = int_arg("layers", 4, 0), d = int_arg("d", 256, 1),
+              heads = int_arg("heads", 4, 1) }
+  c.name = ("L%d-d%d"):format(c.layers, c.d)
+  configs = { c }
 end
 
-local function random_ids(n)
-  local t = {}
-  for i = 1, n do t[i] = math.random(0, V - 1) end
-  return t
+local function median(xs)
+  local s = {}
+  for i, x in ipairs(xs) do s[i] = x end
+  table.sort(s)
+  local n = #s
+  return n % 2 == 1 and s[(n + 1) / 2] or 0.5 * (s[n / 2] + s[n / 2 + 1])
+end
+
+-- A copy of v that json_encode takes: functions, userdata and non-finite numbers dropped, a
+-- table with both array and other keys kept by its string keys.
+local function plain(v, depth)
+  local t = type(v)
+  if t == "number" then return (v == v and v ~= math.huge and v ~= -math.huge) and v or nil end
+  if t == "string" or t == "boolean" then return v end
+  if t ~= "table" or depth > 6 then return nil end
+  local n, keys = #v, 0
+  for _ in pairs(v) do keys = keys + 1 end
+  local out = {}
+  if n > 0 and keys == n then
+    for i = 1, n do out[#out + 1] = plain(v[i], depth + 1) end
+  else
+    for k, x in pairs(v) do
+      if type(k) == "string" then out[k] = plain(x, depth + 1) end
+    end
+  end
+  return out
+end
+
+local function loadavg()
+  local f = io.open("/proc/loadavg")
+  if not f then return nil end
+  local a, b, c = f:read("*l"):match("^(%S+) (%S+) (%S+)")
+  f:close()
+  return { tonumber(a), tonumber(b), tonumber(c) }
 end
 
 local world, rank = fsdp.world_size(), fsdp.rank()
 local function say(...) if rank == 0 then print(...) end end
-if B % world ~= 0 then error(("batch %d does not split over %d ranks"):format(B, world)) end
+if B % world ~= 0 then error(("batch %d does not split over %d ranks"):format(B, world), 0) end
 local strategy = args.strategy or "full"
-say(("GPT train step, batch %d x ctx %d, vocab %d, %d rank(s)%s, BLAS threads %d per rank, %d timed steps")
-  :format(B, T, V, world, world > 1 and (" (" .. strategy .. ")") or "", core.get_threads(), steps))
-say(("%-8s %9s %9s %10s %10s %12s %7s%s"):format("model", "params", "step s", "tokens/s",
+local info = fsdp.info()
+local precision = mp or "f32"
+local FLOPS_CONVENTION = "6 x non-embedding params (all but wte, wpe) x tokens"
+  .. " + 6 x L x T x d per token (causal attention)"
+say(tostring(info))
+-- every scalar field of fsdp.info() (nested tables one level down, dotted), whatever this build
+-- has: GEMM library, ISA and thread fields appear here without this script knowing their names
+do
+  local fields = {}
+  for k, v in pairs(info) do
+    if type(k) == "string" and type(v) ~= "table" and type(v) ~= "function" then
+      fields[#fields + 1] = ("%s=%s"):format(k, tostring(v))
+    elseif type(k) == "string" and type(v) == "table" and #v == 0 then
+      for k2, v2 in pairs(v) do
+        -- (the cpu's feature flags are booleans, printed above)
+        if type(k2) == "string" and type(v2) ~= "table" and type(v2) ~= "function"
+            and not (k == "cpu" and type(v2) == "boolean") then
+          fields[#fields + 1] = ("%s.%s=%s"):format(k, k2, tostring(v2))
+        end
+      end
+    end
+  end
+  table.sort(fields)
+  say("info: " .. table.concat(fields, " "))
+end
+say(("GPT train step, batch %d x ctx %d, vocab %d, tied head, %s, %d rank(s)%s, %d threads per "
+  .. "rank, median of %d steps after %d warm-up"):format(B, T, V, precision, world,
+  world > 1 and (" (" .. strategy .. ")") or "", core.get_threads(), steps, warmup))
+say("FLOPs: " .. FLOPS_CONVENTION)
+say(("%-9s %8s %9s %9s %9s %10s %7s%s"):format("model", "params", "step s", "tokens/s",
   "GFLOP/s", "sgemm GF/s", "ratio", world > 1 and "  comm hidden" or ""))
 math.randomseed(1)
 for _, c in ipairs(configs) do
   if not args.only or c.name:find(args.only, 1, true) then
     fsdp.manual_seed(0)
-    local model = nn.GPT { vocab = V, ctx = T, d = c.d, layers = c.layers, heads = c.heads, tie = true }
-    local params = 0 -- counted before wrapping (the whole model, not this rank's shards)
-    for _, p in ipairs(model:parameters()) do params = params + p:numel() end
-    if world > 1 then
-      fsdp.wrap(model, { policy = fsdp.policy.modules { nn.Block }, strategy = strategy })
+    local model = nn.GPT { vocab = V, ctx = T, d = c.d, layers = c.layers, heads = c.heads,
+                           tie = true }
+    local params = model:num_parameters() -- before wrapping: the whole model, the tie once
+    local nonemb = params - V * c.d - T * c.d
+    local wrapped = world > 1 or mp ~= nil
+    if wrapped then
+      fsdp.wrap(model, { policy = fsdp.policy.modules { nn.Block }, strategy = strategy, mp = mp })
     end
     local opt = fsdp.optim.AdamW(model, { lr = 3e-4 })
-    local ids = fsdp.tensor(random_ids(B * (T + 1))):view { B, T + 1 }
+    local ids = {}
+    for i = 1, B * (T + 1) do ids[i] = math.random(0, V - 1) end
+    local all = fsdp.tensor(ids, { dtype = "i64" }):view { B, T + 1 }
     local Bl = B / world -- this rank's rows of the global batch
-    local mine = ids:narrow(1, rank * Bl + 1, Bl)
+    local mine = all:narrow(1, rank * Bl + 1, Bl)
     local x = mine:narrow(2, 1, T):contiguous()
     local y = mine:narrow(2, 2, T):contiguous()
-    local times = {}
+    local times, losses = {}, {}
     local stats0
-    for s = 1, steps + 1 do
-      if s == 2 and world > 1 then stats0 = fsdp.comm_stats() end
+    for s = 1, warmup + steps do
+      if s == warmup + 1 and world > 1 then stats0 = fsdp.comm_stats() end
       fsdp.barrier()
       local t0 = core.clock()
       local loss = nn.F.cross_entropy(model(x), y)
@@ -67,23 +154,41 @@ for _, c in ipairs(configs) do
       loss:backward()
       opt:step()
       local dt = fsdp.all_reduce(core.clock() - t0, "max") -- the slowest rank sets the pace
-      if s > 1 then times[#times + 1] = dt end -- step 1 warms up allocations and BLAS
+      losses[#losses + 1] = fsdp.all_reduce(loss:item(), "sum") / world
+      if s > warmup then times[#times + 1] = dt end
     end
     local dt = median(times)
-    local hidden = ""
+    local r = {
+      bench = "gpt_step", impl = "fsdprun", version = info.version, model = c.name,
+      layers = c.layers, d = c.d, heads = c.heads, vocab = V, ctx = T, batch = B, tied = true,
+      ranks = world, mode = wrapped and ("fsdp " .. strategy) or "plain", precision = precision,
+      threads = core.get_threads(), params = params, params_nonemb = nonemb, tokens = B * T,
+      steps = steps, warmup = warmup, step_s = dt, step_min_s = math.min(unpack(times)),
+      step_max_s = math.max(unpack(times)), loss_first = losses[1], loss_last = losses[#losses],
+      flops_convention = FLOPS_CONVENTION, info = plain(info, 0), loadavg = loadavg(),
+    }
     if world > 1 then
       -- busy: time collectives ran (on the communicator's worker); wait: time compute sat
       -- blocked on them. What ran but was not waited for overlapped with compute.
       local st = fsdp.comm_stats()
       local busy, wait = st.busy_s - stats0.busy_s, st.wait_s - stats0.wait_s
-      hidden = ("  %.0f%% of %.0f ms"):format(busy > 0 and 100 * math.max(0, 1 - wait / busy) or 0,
-        1000 * busy / steps)
+      r.comm_busy_s = busy / steps
+      r.comm_hidden = busy > 0 and math.max(0, 1 - wait / busy) or 0
     end
-    local tokens = B * T
-    local flops = 6 * params * tokens + 12 * c.layers * c.d * T * tokens
-    local gflops = flops / dt / 1e9
-    local sgemm = core.sgemm_gflops(B * T, 4 * c.d, c.d, 1.0)
-    say(("%-8s %8.2fM %9.3f %10.0f %10.1f %12.1f %7.2f%s"):format(c.name, params / 1e6, dt,
-      tokens / dt, gflops, sgemm * world, gflops / (sgemm * world), hidden))
+    r.tokens_per_s = r.tokens / dt
+    r.flops_per_step = (6 * nonemb + 6 * c.layers * T * c.d) * r.tokens
+    r.gflops = r.flops_per_step / dt / 1e9
+    -- the same-run ceiling: every rank at once on its own share, as in the step
+    fsdp.barrier()
+    r.sgemm_shape = { Bl * T, c.d, 4 * c.d } -- M, K, N: (M, K) @ (K, N)
+    r.sgemm_gflops = fsdp.all_reduce(core.sgemm_gflops(Bl * T, 4 * c.d, c.d, sgemm_s), "sum")
+    r.ratio = r.gflops / r.sgemm_gflops
+    say(("%-9s %7.2fM %9.3f %9.0f %9.1f %10.1f %7.2f%s"):format(c.name, params / 1e6, dt,
+      r.tokens_per_s, r.gflops, r.sgemm_gflops, r.ratio, world > 1 and
+      ("  %.0f%% of %.0f ms"):format(100 * r.comm_hidden, 1000 * r.comm_busy_s) or ""))
+    say(core.json_encode(plain(r, 0)))
+    model, opt, x, y, mine, all = nil, nil, nil, nil, nil, nil
+    collectgarbage()
+    collectgarbage()
   end
 end

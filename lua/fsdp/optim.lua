@@ -44,6 +44,10 @@ end
 
 local function raise(msg) error(where() .. msg, 0) end
 
+-- p.grad and whether this call made its Lua value: the plain paths free such a value when done,
+-- so a gradient zero_grad drops is freed then, not when Lua's collector finds the value.
+local function grad_of(p) return fsdp.core.grad_of(p) end
+
 -- The wrap root state of model when it is a wrapped root, else nil. A module inside a wrapped
 -- model (not its root), or an array holding sharded parameters, is an error: the optimizer
 -- must see the whole wrapped model to find the shards.
@@ -129,7 +133,9 @@ local function agree_grads(R, what)
     end
   end
   if n > 0 and fsdp.world_size() > 1 then
-    flags = fsdp.all_reduce(fsdp.tensor(flags), "max", "optim.has_grad"):totable()
+    local t = fsdp.tensor(flags)
+    flags = fsdp.all_reduce(t, "max", "optim.has_grad"):totable()
+    t:free() -- freed now rather than by Lua's collector: fsdp.memory() stays exact
   end
   local has, k = {}, 0
   for _, U in ipairs(units) do
@@ -449,7 +455,7 @@ function SGD:step()
   end
   for _, e in ipairs(self.params) do
     local p = e.param
-    local g = p.grad
+    local g, fresh = grad_of(p)
     if g ~= nil then
       local st = self.state[p]
       if st == nil then
@@ -465,6 +471,7 @@ function SGD:step()
       mask_dense(p, g)
       fsdp.core.sgd_step(p, g, st.momentum_buffer, lr, momentum, wd, first)
       mask_dense(p, p)
+      if fresh then g:free() end
     end
   end
 end
@@ -529,7 +536,7 @@ function AdamW:step()
   end
   for _, e in ipairs(self.params) do
     local p = e.param
-    local g = p.grad
+    local g, fresh = grad_of(p)
     if g ~= nil then
       local st = self.state[p]
       if st == nil then
@@ -541,6 +548,7 @@ function AdamW:step()
       fsdp.core.adamw_step(p, g, st.exp_avg, st.exp_avg_sq, lr, b1, b2, eps,
         self.decay[p] and wd or 0, st.step)
       mask_dense(p, p)
+      if fresh then g:free() end
     end
   end
 end
@@ -585,12 +593,13 @@ function optim.clip_grad_norm(model, max_norm)
     end
     return total
   end
-  local grads = {}
+  local grads, fresh = {}, {}
   for _, e in ipairs(optim.named_params(model)) do
-    local g = e.param.grad
+    local g, new = grad_of(e.param)
     if g ~= nil then
       mask_dense(e.param, g)
-      grads[#grads + 1] = g
+      local n = #grads + 1
+      grads[n], fresh[n] = g, new
     end
   end
   local sq = 0
@@ -599,6 +608,9 @@ function optim.clip_grad_norm(model, max_norm)
   local coef = max_norm / (total + 1e-6)
   if coef < 1 then
     for i = 1, #grads do grads[i]:mul_(coef) end
+  end
+  for i = 1, #grads do
+    if fresh[i] then grads[i]:free() end
   end
   return total
 end
@@ -730,7 +742,7 @@ local function unscale_grads(opt, inv, what)
     return found
   end
   for _, e in ipairs(opt.params) do
-    local g = e.param.grad
+    local g, fresh = grad_of(e.param)
     if g ~= nil then
       if g:dtype() == "f16" then
         raise(("%s: the gradient of %s is f16: unscaling it in f16 flushes small values to 0; "
@@ -740,6 +752,7 @@ local function unscale_grads(opt, inv, what)
       mask_dense(e.param, g)
       g:mul_(inv)
       if non_finite(fsdp.core.sumsq(g)) then found = true end
+      if fresh then g:free() end
     end
   end
   return found

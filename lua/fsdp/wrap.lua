@@ -438,7 +438,8 @@ local function install_hooks(R, U)
   if not is_root and U.parent and param_dtype(U.parent) ~= param_dtype(U) then
     cast_out = param_dtype(U.parent)
   end
-  local pre = U.module:register_forward_pre_hook(function(_, ...)
+  -- internal hooks (module.lua): they keep no tensor, so a unit's intermediates stay releasable
+  local pre = base()._add_hook(U.module, "pre", function(_, ...)
     if R.busy then return end -- inside full_params / apply: everything needed is gathered
     if R.pending then error(pending_error(R, "forward"), 0) end
     if is_root and R.order == nil then
@@ -451,8 +452,8 @@ local function install_hooks(R, U)
     local nxt = R.opts.prefetch and R.next and R.next[U]
     U.unit:pre_forward(nxt and nxt.unit or nil)
     if cast_in then return cast_floats(cast_in, ...) end
-  end)
-  local post = U.module:register_forward_hook(function(_, out)
+  end, true)
+  local post = base()._add_hook(U.module, "post", function(_, out)
     if R.busy then return end
     U.unit:post_forward()
     if R.recording and not R.finished[U] then
@@ -462,7 +463,7 @@ local function install_hooks(R, U)
     if is_root and R.recording then finish_recording(R) end
     if is_root and U.mp then return cast_output(U.mp.output, out) end
     if cast_out then return cast_output(cast_out, out) end
-  end)
+  end, true)
   U.hooks = {pre, post}
 end
 

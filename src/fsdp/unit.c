@@ -5,7 +5,9 @@
  * Buffers of a unit (all 1-D f32 tensors on the cpu device, P padded elements, S per rank):
  *   shard       (S)  role params    this rank's slice of the flat parameters (NONE: all P, and
  *                                   the parameters view it directly)
- *   grad_shard  (S)  role grads     this rank's slice of the averaged gradients (accumulates)
+ *   grad_shard  (S)  role grads     this rank's slice of the averaged gradients (accumulates);
+ *                                   made at the first backward or request (a wrapped model that
+ *                                   never trained holds no gradient memory, as FSDP2)
  *   full        (P)  role gathered  only while gathered: what the parameters view
  *   full_grad   (P)  role grads     only during backward: what the parameters' .grad view
  * While sharded, every parameter is backed by `sharded`, a storage on the no-data "sharded"
@@ -78,7 +80,7 @@ struct fsdp_unit {
   bool *got_grad; /* per parameter: a gradient reached it on this rank since zero_grad */
   int64_t numel, padded, shard_numel, shard_offset;
   fsdp_tensor *shard;      // (S) role params (NONE: (P), viewed by the parameters)
-  fsdp_tensor *grad_shard; // (S) role grads
+  fsdp_tensor *grad_shard; // (S) role grads; NULL until first needed (grad_shard_need)
   fsdp_tensor *full;       // (P) role gathered, while gathered (NONE: the shard)
   fsdp_tensor *full_grad;  // (P) role grads, during backward
   const fsdp_device_i *device; /* where the buffers live: the parameters' (cpu for meta ones) */
@@ -245,9 +247,19 @@ int fsdp_unit_shard(fsdp_unit *u, fsdp_tensor **out) {
   return FSDP_OK;
 }
 
+/* The gradient shard, made (zeros) on first use. */
+static int grad_shard_need(fsdp_unit *u) {
+  if (u->grad_shard) return FSDP_OK;
+  if (flat_new(&u->grad_shard, u->shard_device, FSDP_DTYPE_F32, u->shard_numel, FSDP_ROLE_GRADS,
+               true))
+    return fsdp_error_context("unit '%s': its gradient shard (%lld elements)", u->path,
+                              (long long)u->shard_numel);
+  return FSDP_OK;
+}
+
 int fsdp_unit_grad_shard(fsdp_unit *u, fsdp_tensor **out) {
   *out = NULL;
-  if (check_live(u, "grad_shard")) return FSDP_ERR;
+  if (check_live(u, "grad_shard") || grad_shard_need(u)) return FSDP_ERR;
   fsdp_tensor_retain(u->grad_shard);
   *out = u->grad_shard;
   return FSDP_OK;
@@ -561,8 +573,6 @@ int fsdp_unit_new(fsdp_unit **out, fsdp_comm *c, const char *path, fsdp_tensor *
   u->shard_device = o.offload ? &fsdp_device_cpu : u->device;
   if (flat_new(&u->shard, u->shard_device, FSDP_DTYPE_F32, u->shard_numel, FSDP_ROLE_PARAMS,
                true) ||
-      flat_new(&u->grad_shard, u->shard_device, FSDP_DTYPE_F32, u->shard_numel, FSDP_ROLE_GRADS,
-               true) ||
       sharded_storage_new(&u->sharded, (size_t)u->padded * sizeof(float)))
     goto fail;
   /* fill this rank's slice from each full parameter (meta ones stay zero) */
@@ -809,7 +819,7 @@ int fsdp_unit_writeback(fsdp_unit *u) {
 int fsdp_unit_zero_grad(fsdp_unit *u) {
   if (check_live(u, "zero_grad")) return FSDP_ERR;
   memset(u->got_grad, 0, (size_t)u->n * sizeof *u->got_grad);
-  return fsdp_fill(u->grad_shard, 0.0);
+  return u->grad_shard ? fsdp_fill(u->grad_shard, 0.0) : FSDP_OK;
 }
 
 bool fsdp_unit_param_has_grad(const fsdp_unit *u, int i) {
@@ -907,6 +917,7 @@ static int finish_backward(fsdp_unit *u) {
         rc = unit_coll(u, FSDP_COLL_REDUCE_SCATTER, red->dtype, u->shard_numel, fg, mine,
                        FSDP_RED_AVG);
       }
+      if (!rc) rc = grad_shard_need(u);
       if (!rc) rc = add_range(u->grad_shard, 0, red, u->shard_offset, u->shard_numel);
       fsdp_tensor_release(red);
     }

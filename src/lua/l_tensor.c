@@ -1245,6 +1245,26 @@ static int l_dtype_name(lua_State *L) {
   return 1;
 }
 
+/* grad_of(t) -> t.grad (nil when it has none), fresh: true when this call made the gradient's Lua
+ * value, which the caller may then free (t:free()) once done with it if it handed it to no one.
+ * Optimizers do: without it each step's gradients would outlive zero_grad until Lua's collector
+ * found the value the optimizer made. */
+static int l_grad_of(lua_State *L) {
+  fsdp_tensor *t = fsdp_lua_check_tensor(L, 1), *g = t->grad;
+  if (!g) {
+    lua_pushnil(L);
+    lua_pushboolean(L, 0);
+    return 2;
+  }
+  bool fresh = !fsdp_lua_box_push_cached(L, &CACHE_KEY, g);
+  if (fresh) {
+    fsdp_tensor_retain(g);
+    fsdp_lua_push_tensor(L, g);
+  }
+  lua_pushboolean(L, fresh);
+  return 2;
+}
+
 /* is_tensor(x): true for a live tensor userdata (a freed one is false). */
 static int l_is_tensor(lua_State *L) {
   lua_pushboolean(L, fsdp_lua_to_tensor(L, 1) != NULL);
@@ -1252,7 +1272,7 @@ static int l_is_tensor(lua_State *L) {
 }
 
 static const luaL_Reg constructors[] = {
-    {"is_tensor", l_is_tensor}, {"dtype_name", l_dtype_name},
+    {"is_tensor", l_is_tensor}, {"dtype_name", l_dtype_name}, {"grad_of", l_grad_of},
     {"tensor", l_tensor}, {"zeros", l_zeros}, {"ones", l_ones}, {"full", l_full},
     {"empty", l_empty},   {"randn", l_randn}, {"rand", l_rand}, {"arange", l_arange},
     {NULL, NULL}};

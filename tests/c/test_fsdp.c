@@ -840,9 +840,10 @@ static void test_stale_prefetch(void **state) {
 
 /* ---- memory per rank ------------------------------------------------------------------------- */
 
-/* A root (2 small params) and three inner units of different sizes, FULL, no prefetch: at rest
- * a rank holds its shards (params) and gradient shards (grads) only; during a step the gathered
- * memory peaks at the root plus the largest inner unit. */
+/* A root (2 small params) and three inner units of different sizes, FULL, no prefetch: after
+ * wrapping a rank holds its shards (params) only, after a backward also its gradient shards
+ * (grads), made as each unit reduces; during a step the gathered memory peaks at the root plus
+ * the largest inner unit. */
 static bool rank_memory(rank_ctx *ctx) {
   int W = ctx->world, R = ctx->rank;
   enum { K = 3 };
@@ -850,7 +851,7 @@ static bool rank_memory(rank_ctx *ctx) {
   fsdp_tensor *w[K], *b[K];
   fsdp_unit *inner[K], *root;
   char names[K][2][32];
-  int64_t sumS = 0, maxP = 0;
+  int64_t sumS = 0, maxP = 0, S[K], P[K];
   fsdp_unit_opts o = {.strategy = FSDP_STRATEGY_FULL, .reshard_after_forward = true};
   int64_t dim = 8;
   for (int k = 0; k < K; k++) {
@@ -865,8 +866,10 @@ static bool rank_memory(rank_ctx *ctx) {
     char path[16];
     snprintf(path, sizeof path, "layers.%d", k);
     CHECK_OK(fsdp_unit_new(&inner[k], ctx->comm, path, ps, pp, 2, &o));
-    sumS += fsdp_unit_shard_numel(inner[k]);
-    if (fsdp_unit_padded_numel(inner[k]) > maxP) maxP = fsdp_unit_padded_numel(inner[k]);
+    S[k] = fsdp_unit_shard_numel(inner[k]);
+    P[k] = fsdp_unit_padded_numel(inner[k]);
+    sumS += S[k];
+    if (P[k] > maxP) maxP = P[k];
     dim = out;
   }
   fsdp_tensor *hw = param_new("head.weight", 2, SHAPE(2, 8)), *hb = param_new("head.bias", 1, SHAPE(2));
@@ -876,9 +879,9 @@ static bool rank_memory(rank_ctx *ctx) {
   CHECK_OK(fsdp_unit_new(&root, ctx->comm, "", rp, rpp, 2, &o));
   sumS += fsdp_unit_shard_numel(root);
   int64_t Pr = fsdp_unit_padded_numel(root);
-  /* at rest: total / W (plus padding) of parameters and of gradients, nothing gathered */
+  /* wrapped: total / W (plus padding) of parameters, no gradient yet, nothing gathered */
   CHECK(live(FSDP_ROLE_PARAMS) == sumS * 4);
-  CHECK(live(FSDP_ROLE_GRADS) == sumS * 4);
+  CHECK(live(FSDP_ROLE_GRADS) == 0);
   CHECK(live(FSDP_ROLE_GATHERED) == 0);
   fsdp_mem_reset_peak(NULL);
   fsdp_tensor *x = data_new("x", 4, 8), *xl = rows_of(x, R, W), *t = data_new("t", 4, 2),
@@ -904,7 +907,15 @@ static bool rank_memory(rank_ctx *ctx) {
   CHECK(peak(FSDP_ROLE_GATHERED) == (Pr + maxP) * 4);
   CHECK(live(FSDP_ROLE_GATHERED) == 0);
   CHECK(live(FSDP_ROLE_GRADS) == sumS * 4);
-  CHECK(peak(FSDP_ROLE_GRADS) == (sumS + Pr + maxP) * 4); /* shards + 2 full gradients */
+  /* grads peak as inner unit k reduces: the root's and k's full gradients and the gradient
+   * shards made so far (units K-1 .. k), or as the root reduces last: its full gradient and
+   * every shard */
+  int64_t want = Pr + sumS, made = 0;
+  for (int k = K - 1; k >= 0; k--) {
+    made += S[k];
+    if (Pr + P[k] + made > want) want = Pr + P[k] + made;
+  }
+  CHECK(peak(FSDP_ROLE_GRADS) == want * 4);
   CHECK(live(FSDP_ROLE_PARAMS) == sumS * 4);
   for (int k = 0; k < K; k++) {
     fsdp_unit_release(inner[k]);
@@ -924,6 +935,46 @@ static bool rank_memory(rank_ctx *ctx) {
 static void test_memory(void **state) {
   (void)state;
   for (int W = 1; W <= MAXW; W++) run_ranks(W, rank_memory, NULL);
+}
+
+/* The gradient shard is made on first request (or backward): none after wrapping, zeros then;
+ * when the memory cap leaves no room for it, the request fails naming the unit. */
+static bool rank_grad_shard_lazy(rank_ctx *ctx) {
+  fsdp_tensor *w = param_new("w", 2, SHAPE(32, 16));
+  const char *path = "blocks.3.fc.weight";
+  fsdp_unit *u;
+  CHECK_OK(fsdp_unit_new(&u, ctx->comm, "blocks.3", &w, &path, 1, NULL));
+  int64_t S = fsdp_unit_shard_numel(u);
+  CHECK(live(FSDP_ROLE_GRADS) == 0);
+  fsdp_mem_domain *d = fsdp_mem_domain_current();
+  int64_t cap = fsdp_mem_get_limit(d);
+  fsdp_mem_report r;
+  fsdp_mem_report_get(d, &r);
+  fsdp_mem_set_limit(d, r.counts[0].live_total + S * 4 - 1); /* one byte short */
+  fsdp_tensor *g;
+  CHECK(fsdp_unit_grad_shard(u, &g) == FSDP_ERR && g == NULL);
+  CHECK(strstr(fsdp_error_msg(), "unit 'blocks.3': its gradient shard") != NULL);
+  CHECK(live(FSDP_ROLE_GRADS) == 0);
+  fsdp_mem_set_limit(d, cap);
+  fsdp_error_clear();
+  CHECK_OK(fsdp_unit_zero_grad(u)); /* nothing to zero yet */
+  CHECK(live(FSDP_ROLE_GRADS) == 0);
+  CHECK_OK(fsdp_unit_grad_shard(u, &g));
+  CHECK(live(FSDP_ROLE_GRADS) == S * 4 && fsdp_tensor_numel(g) == S);
+  for (int64_t i = 0; i < S; i++) CHECK(D(g)[i] == 0.0f);
+  fsdp_tensor *g2;
+  CHECK_OK(fsdp_unit_grad_shard(u, &g2));
+  CHECK(g2 == g); /* the same tensor on every call */
+  fsdp_tensor_release(g2);
+  fsdp_tensor_release(g);
+  fsdp_unit_release(u);
+  fsdp_tensor_release(w);
+  return true;
+}
+
+static void test_grad_shard_lazy(void **state) {
+  (void)state;
+  for (int W = 1; W <= 2; W++) run_ranks(W, rank_grad_shard_lazy, NULL);
 }
 
 /* ---- hooks without backward, no_grad, meta parameters, NONE --------------------------------- */
@@ -1134,6 +1185,7 @@ int main(void) {
       cmocka_unit_test(test_prefetch_overlap),
       cmocka_unit_test(test_stale_prefetch),
       cmocka_unit_test(test_memory),
+      cmocka_unit_test(test_grad_shard_lazy),
       cmocka_unit_test(test_misc),
       cmocka_unit_test(test_has_grad),
   };

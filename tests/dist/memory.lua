@@ -10,7 +10,9 @@
 --                  grads peaks at the shards + the root's and one unit's full gradient + one
 --                  shard-sized reduce-scatter output
 -- The peak of params + grads + optim + gathered is thus total/N plus the largest gathered
--- units, not total. Before wrapping, params = 4 total (dense); after, the dense storage is gone.
+-- units, not total. Before wrapping, params = 4 total (dense); after, the dense storage is gone
+-- and no gradient shard exists yet, exactly (no collection needed: tests/dist/memory_live.lua
+-- checks the live figures after each step).
 --   fsdprun -n N tests/dist/memory.lua [--prefetch=false] [--device=cuda]
 -- --device: the model and batches on that device (every rank thread sharing the machine's GPUs;
 -- tests/cuda/dist_memory.sh), the peaks read from that device's column of fsdp.memory().
@@ -37,7 +39,6 @@ end
 x, y = fsdp.tensor(x, {device = device}), fsdp.tensor(y, {device = device})
 
 fsdp.wrap(model, {policy = fsdp.policy.modules{nn.Block}, prefetch = prefetch})
-collectgarbage()
 local wrapped = fsdp.memory()
 local opt = fsdp.optim.AdamW(model, {lr = 1e-3})
 local function step()
@@ -80,8 +81,17 @@ local function near(label, got, want)
   end
   return got
 end
-near("dense params before wrapping", before.params, total * 4)
-near("params after wrapping (dense storage freed)", wrapped.params, per_rank)
+local function exact(label, got, want)
+  if got ~= want then
+    failures = failures + 1
+    print(("[rank %d] FAIL: %s: %d bytes, expected %d exactly"):format(rank, label, got, want))
+  end
+end
+local b, w = before.devices[device], wrapped.devices[device]
+exact("dense params before wrapping", b.params, total * 4)
+exact("params after wrapping (dense storage freed)", w.params, S)
+exact("grads after wrapping (none before a backward)", w.grads, 0)
+near("params after wrapping", wrapped.params, per_rank)
 near("params between steps", m.params, per_rank)
 near("grads between steps", m.grads, per_rank)
 near("optim between steps", m.optim, 2 * per_rank)

@@ -425,6 +425,83 @@ describe("nn forward hooks", function()
   end)
 end)
 
+describe("nn releases its intermediates", function()
+  local function act() return fsdp.memory().activations end
+  local ids = fsdp.tensor{{1, 2, 3, 4}, {5, 6, 7, 8}}
+
+  it("leaves nothing of a forward and backward but the values the caller holds", function()
+    local m = small_gpt()
+    fsdp.no_grad(function() m(ids) end) -- the positions cache
+    collectgarbage()
+    fsdp.core.tape_clear() -- graphs earlier tests left (a backward would consume them)
+    local before = act()
+    local logits = m(ids)
+    local loss = F.cross_entropy(logits, ids)
+    loss:backward()
+    assert.are.equal(before + logits:numel() * 4 + 4, act())
+    logits:free()
+    loss:free()
+    assert.are.equal(before, act())
+    -- no_grad: the intermediates go as the forward passes them
+    local out = fsdp.no_grad(function() return m(ids) end)
+    assert.are.equal(before + out:numel() * 4, act())
+  end)
+
+  it("gives the same values as the layers applied by hand", function()
+    local m = small_gpt()
+    local got = m(ids)
+    local x = m.wte(ids) + m.wpe(fsdp.arange(4, {dtype = "i64"}))
+    for i = 1, #m.blocks do
+      local b = m.blocks[i]
+      x = x + b.attn.proj(F.attention(b.attn.qkv(b.ln1(x)), b.attn.heads))
+      x = x + b.mlp.proj(F.gelu(b.mlp.fc(b.ln2(x))))
+    end
+    assert.is_true(same_values(m.head(m.ln_f(x)), got))
+  end)
+
+  it("never frees a tensor a user hook or a user module was handed", function()
+    local m = small_gpt()
+    local kept = {}
+    m.blocks[1].mlp.fc:register_forward_hook(function(_, out) kept.fc_out = out end)
+    m.blocks[1].ln2:register_forward_pre_hook(function(_, x) kept.ln2_in = x end)
+    m.blocks[2].attn:register_forward_hook(function(_, out) kept.attn_out = out end)
+    local Keep = nn.Module:extend("Keep")
+    function Keep:init(d) self.fc = nn.Linear(d, d) end
+    function Keep:forward(x)
+      kept.keep_in = x
+      kept.keep_out = self.fc(x)
+      return kept.keep_out
+    end
+    m.blocks[2].mlp = Keep(8)
+    local loss = F.cross_entropy(m(ids), ids)
+    loss:backward()
+    for name, t in pairs(kept) do
+      assert.is_true(fsdp.core.is_tensor(t), name .. " was freed")
+      assert.are.same({2, 4, name == "fc_out" and 32 or 8}, t:shape())
+      assert.is_true(t:sum():item() == t:sum():item(), name) -- readable
+    end
+  end)
+
+  it("keeps what a user hook saw only while the hook is registered", function()
+    local mlp = nn.MLP(8, 32)
+    local x = fsdp.randn{4, 8}
+    local function held() -- bytes a no_grad forward leaves besides its input and output
+      collectgarbage()
+      local before = act()
+      local out = fsdp.no_grad(function() return mlp(x) end)
+      local extra = act() - before - out:numel() * 4
+      out:free()
+      return extra
+    end
+    assert.are.equal(0, held())
+    local h = mlp.fc:register_forward_hook(function() end)
+    assert.are.equal(4 * 32 * 4, held()) -- fc's output, which the hook saw
+    h.remove()
+    h.remove() -- idempotent: the count of user hooks drops once
+    assert.are.equal(0, held())
+  end)
+end)
+
 describe("nn errors", function()
   it("prefixes the path of the failing submodule, once", function()
     local m = small_gpt()

@@ -267,3 +267,52 @@ describe("optimizer state accounting", function()
     assert.are.equal(before + 2 * 4 * (20 * 10 + 20), fsdp.memory().optim)
   end)
 end)
+
+describe("gradients the optimizer reads", function()
+  local function grads() return fsdp.memory().grads end
+
+  it("are freed by zero_grad, not left for Lua's collector", function()
+    collectgarbage()
+    local before = grads()
+    local m = nn.Linear(16, 32)
+    local opt = fsdp.optim.AdamW(m, {lr = 1e-3})
+    local x = fsdp.randn{4, 16}
+    for _ = 1, 3 do
+      opt:zero_grad()
+      m(x):sum():backward()
+      optim.clip_grad_norm(m, 1.0)
+      opt:step()
+      assert.are.equal(before + (16 * 32 + 32) * 4, grads())
+    end
+    opt:zero_grad()
+    assert.are.equal(before, grads())
+  end)
+
+  it("stay readable where the program holds them", function()
+    local m = nn.Linear(3, 2)
+    local opt = fsdp.optim.SGD(m, {lr = 0.1})
+    m(fsdp.ones{1, 3}):sum():backward()
+    local g = m.weight.grad
+    local want = flat(g)
+    optim.clip_grad_norm(m, 100)
+    opt:step()
+    opt:zero_grad()
+    assert.is_nil(m.weight.grad)
+    assert.are.same(want, flat(g)) -- the program's value outlives zero_grad, unchanged
+  end)
+
+  it("come from fsdp.core.grad_of, which says whether it made the value", function()
+    local p = nn.Parameter(fsdp.ones{2})
+    local none, made = fsdp.core.grad_of(p)
+    assert.is_nil(none)
+    assert.is_false(made)
+    local loss = (p * p):sum()
+    loss:backward()
+    local g, fresh = fsdp.core.grad_of(p)
+    assert.is_true(fresh)
+    local g2, fresh2 = fsdp.core.grad_of(p)
+    assert.is_true(rawequal(g, g2))
+    assert.is_false(fresh2)
+    assert.are.same({2, 2}, flat(g))
+  end)
+end)

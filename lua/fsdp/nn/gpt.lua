@@ -14,7 +14,7 @@ local fsdp = require "fsdp"
 local base = require "fsdp.nn.module"
 local L = require "fsdp.nn.layers"
 
-local Module = base.Module
+local Module, release = base.Module, base.release
 local GPT = Module:extend("GPT")
 
 local function need_int(cfg, k, min)
@@ -46,8 +46,19 @@ function GPT:init(cfg)
     self.blocks:append(L.Block(d, self.heads, {dropout = self.dropout, hidden = cfg.hidden}))
   end
   self.ln_f = L.LayerNorm(d)
-  self.head = L.Linear(d, self.vocab, {bias = false})
-  if self.tie then self.head.weight = self.wte.weight end
+  if self.tie then
+    -- the head's own weight is replaced by the tie at once: build it with no storage, or it
+    -- would stay allocated (and counted by fsdp.memory()) until Lua collected it
+    local device = L.param_device
+    L.param_device = "meta"
+    local ok, head = pcall(L.Linear, d, self.vocab, {bias = false})
+    L.param_device = device
+    if not ok then error(head, 0) end
+    self.head = head
+    self.head.weight = self.wte.weight
+  else
+    self.head = L.Linear(d, self.vocab, {bias = false})
+  end
 
   -- GPT-2 initialisation, as specs on the descendants (see the file header)
   for _, m in ipairs(self:modules()) do
@@ -105,16 +116,31 @@ function GPT:forward(ids)
   if T > self.ctx then
     error(("sequence length T=%d exceeds the model's context ctx=%d"):format(T, self.ctx), 0)
   end
-  local x
+  -- every intermediate is released once used (module.lua, "releasing intermediates")
+  local tok = self.wte(ids) -- (B, T, d)
+  local pos
   if self.wpe.weight:dtype() == "f32" then
-    x = self.wte(ids) + self.wpe(self:positions(T)) -- (B, T, d) + (T, d)
+    pos = self.wpe(self:positions(T)) -- (T, d)
   else
-    x = self.wte(ids) + self.wpe(self:row_positions(shape[1], T)) -- (B, T, d) + (B, T, d)
+    pos = self.wpe(self:row_positions(shape[1], T)) -- (B, T, d)
   end
-  x = L.dropout(self, x, self.dropout)
+  local x = tok + pos
+  release(tok, ids)
+  release(pos, ids)
+  local y = L.dropout(self, x, self.dropout)
+  if not rawequal(y, x) then release(x, ids) end
+  x = y
   local blocks = self.blocks
-  for i = 1, #blocks do x = blocks[i](x) end
-  return self.head(self.ln_f(x))
+  for i = 1, #blocks do
+    y = blocks[i](x)
+    release(x, ids, y)
+    x = y
+  end
+  local h = self.ln_f(x)
+  release(x, ids, h)
+  local logits = self.head(h)
+  release(h, ids, logits)
+  return logits
 end
 
 function GPT:extra_repr()
@@ -208,5 +234,7 @@ function GPT:generate(prompt, n, opts)
   if not ok then error(err, 0) end
   return ids
 end
+
+base.library_forward(GPT)
 
 return GPT

@@ -1,14 +1,16 @@
 -- fsdp.nn.layers — the built-in layers and containers.
 --
 -- Every forward is a few fsdp.F calls on whole tensors (no per-element Lua) and creates no
--- tensor it does not need. Dropout is applied only in training mode and only when p > 0.
+-- tensor it does not need; the composite ones release their intermediates as soon as they are
+-- used (module.lua, "releasing intermediates"), so dead activations never wait for Lua's
+-- collector. Dropout is applied only in training mode and only when p > 0.
 -- Each class with parameters defines reset_parameters() over its own parameters only (see
 -- module.lua, "construction and initialisation"); the values follow PyTorch's defaults.
 
 local fsdp = require "fsdp"
 local base = require "fsdp.nn.module"
 
-local Module, is_module = base.Module, base.is_module
+local Module, is_module, release = base.Module, base.is_module, base.release
 local L = {}
 
 -- The device new parameters are created on: nil (cpu) or "meta" (shape only), set through
@@ -226,8 +228,14 @@ function CausalSelfAttention:init(d, heads, opts)
 end
 
 function CausalSelfAttention:forward(x)
-  local y = fsdp.F.attention(self.qkv(x), self.heads) -- (B, T, d)
-  return dropout(self, self.proj(y), self.dropout)
+  local qkv = self.qkv(x) -- (B, T, 3d)
+  local y = fsdp.F.attention(qkv, self.heads) -- (B, T, d)
+  release(qkv, x)
+  local p = self.proj(y)
+  release(y, x)
+  local out = dropout(self, p, self.dropout)
+  release(p, x, out)
+  return out
 end
 
 function CausalSelfAttention:extra_repr()
@@ -250,7 +258,14 @@ function MLP:init(d, hidden, opts)
 end
 
 function MLP:forward(x)
-  return dropout(self, self.proj(fsdp.F.gelu(self.fc(x))), self.dropout)
+  local h = self.fc(x) -- (..., hidden)
+  local g = fsdp.F.gelu(h)
+  release(h, x)
+  local p = self.proj(g)
+  release(g, x)
+  local out = dropout(self, p, self.dropout)
+  release(p, x, out)
+  return out
 end
 
 function MLP:extra_repr()
@@ -272,12 +287,27 @@ function Block:init(d, heads, opts)
 end
 
 function Block:forward(x)
-  x = x + self.attn(self.ln1(x))
-  return x + self.mlp(self.ln2(x))
+  local h = self.ln1(x)
+  local a = self.attn(h)
+  release(h, x)
+  local x1 = x + a
+  release(a, x)
+  h = self.ln2(x1)
+  local m = self.mlp(h)
+  release(h, x, x1)
+  local out = x1 + m
+  release(m, x, x1)
+  release(x1, x, out)
+  return out
 end
 
 function Block:extra_repr()
   return ("d=%d, heads=%d"):format(self.attn.d, self.attn.heads)
+end
+
+for _, cls in ipairs{Linear, Embedding, LayerNorm, ReLU, GELU, Dropout, Sequential,
+    CausalSelfAttention, MLP, Block} do
+  base.library_forward(cls)
 end
 
 return L

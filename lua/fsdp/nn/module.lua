@@ -30,7 +30,7 @@ local ORDER = "__order"     -- array of registered field names, assignment order
 local KEYS = "__init_keys"  -- own parameter field name -> init key ("<top>/<path>"), owners only
 local SEED = "__init_seed"  -- the seed the keys were assigned under
 local SPECS = "__init_specs" -- field name -> {kind, a, b}: init override set by an ancestor
-local HOOKS = "__hooks"     -- {pre = {...}, post = {...}} or nil
+local HOOKS = "__hooks"     -- {pre = {...}, post = {...}, user = n} or nil
 
 -- ---- value kinds --------------------------------------------------------------------------
 
@@ -327,21 +327,63 @@ function Module:register_forward_pre_hook(fn) return M._add_hook(self, "pre", fn
 -- nil, that value replaces the first result.
 function Module:register_forward_hook(fn) return M._add_hook(self, "post", fn) end
 
-function M._add_hook(m, kind, fn)
+-- internal: a hook of the library itself (sharding's), which keeps no tensor it is handed, so
+-- the tensors it sees may still be released (see "releasing intermediates" below).
+function M._add_hook(m, kind, fn, internal)
   if type(fn) ~= "function" then error("hook must be a function", 3) end
   local hooks = rawget(m, HOOKS)
   if hooks == nil then
-    hooks = {pre = {}, post = {}}
+    hooks = {pre = {}, post = {}, user = 0}
     rawset(m, HOOKS, hooks)
   end
   local list = hooks[kind]
   list[#list + 1] = fn
+  if not internal then hooks.user = hooks.user + 1 end
+  local removed = false
   return {remove = function()
+    if removed then return end
+    removed = true
     for i = #list, 1, -1 do
       if list[i] == fn then table.remove(list, i) break end
     end
-    if #hooks.pre == 0 and #hooks.post == 0 then rawset(m, HOOKS, nil) end
+    if not internal then hooks.user = hooks.user - 1 end
+    if #hooks.pre == 0 and #hooks.post == 0 and rawget(m, HOOKS) == hooks then rawset(m, HOOKS, nil) end
   end}
+end
+
+-- ---- releasing intermediates ----------------------------------------------------------------
+--
+-- Lua's collector sees a tensor as a few bytes, so the activations a forward leaves behind in
+-- dead Lua values would stay allocated (and counted by fsdp.memory()) until a collection,
+-- although backward has long released the tape's references. The library's own forwards know
+-- which tensors they made and no longer need: they drop their reference at once with
+-- M.release (t:free() on that value; the tape keeps its own reference for backward), and the
+-- memory goes back as the reverse walk frees each node. A tensor that user code has been
+-- handed is never released: the inputs and results of a module whose forward is not one of
+-- the library's (M.library_forward), and of a module with user hooks, are marked seen.
+
+local seen = setmetatable({}, {__mode = "k"}) -- tensors user code may hold
+local library = {} -- forward functions that only pass tensors to module calls and ops
+
+-- Declare cls.forward one of the library's own (its intermediates may be released).
+function M.library_forward(cls) library[rawget(cls, "forward")] = true end
+
+local function mark(...)
+  for i = 1, select("#", ...) do
+    local v = select(i, ...)
+    if type(v) == "userdata" then seen[v] = true end
+  end
+  return ...
+end
+
+-- Free t, a tensor the calling library forward made, unless user code has seen it or it is
+-- one of the values kept (an input passed through, the result).
+function M.release(t, ...)
+  if t == nil or seen[t] then return end
+  for i = 1, select("#", ...) do
+    if rawequal(t, (select(i, ...))) then return end
+  end
+  t:free()
 end
 
 local function run_post(self, post, first, ...)
@@ -365,8 +407,13 @@ end
 
 local function run_forward(self, ...)
   local hooks = rawget(self, HOOKS)
-  if hooks == nil then return self:forward(...) end
-  return run_pre(self, hooks, 1, ...)
+  if library[self.forward] and (hooks == nil or hooks.user == 0) then
+    if hooks == nil then return self:forward(...) end
+    return run_pre(self, hooks, 1, ...)
+  end
+  mark(...)
+  if hooks == nil then return mark(self:forward(...)) end
+  return mark(run_pre(self, hooks, 1, ...))
 end
 
 -- ---- the module call and error paths --------------------------------------------------------
