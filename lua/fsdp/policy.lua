@@ -43,14 +43,18 @@ function M.modules(classes)
 end
 
 --- size(min_params): a module whose unclaimed parameter elements number at least min_params
---- (like PyTorch's size_based_auto_wrap_policy; decided bottom-up).
+--- (like PyTorch's size_based_auto_wrap_policy; decided bottom-up). Containers without a
+--- forward (ModuleList) are never picked: their elements' unclaimed parameters count toward
+--- their parent, as PyTorch's exclude_wrap_modules does.
 function M.size(min_params)
   if type(min_params) ~= "number" or min_params < 1 then
     raise(("fsdp.policy.size: min_params must be a number >= 1 (got %s)"):format(tostring(min_params)))
   end
-  return new_policy(("size(%d)"):format(min_params), function(_, _, numel)
+  local p = new_policy(("size(%d)"):format(min_params), function(_, _, numel)
     return numel >= min_params
   end)
+  p.skip_containers = true
+  return p
 end
 
 --- list{m1, m2, ...}: exactly these module objects (each must be part of the wrapped model).
@@ -82,6 +86,7 @@ function M.select(model, policy, forced)
   local selected = {[model] = true}
   for m in pairs(forced) do selected[m] = true end
   local select = M.check(policy)
+  local skip_containers = getmetatable(policy) == Policy and policy.skip_containers
   local seen = {[model] = true}
   -- post-order: returns the set of unclaimed parameters of m's subtree (param -> numel)
   local function visit(m, path)
@@ -99,13 +104,14 @@ function M.select(model, policy, forced)
       end
     end
     if m ~= model then
-      if not selected[m] and select then
+      local container = nn.isinstance(m, nn.ModuleList)
+      if not selected[m] and select and not (container and skip_containers) then
         local numel = 0
         for _, n in pairs(unclaimed) do numel = numel + n end
         if select(m, path, numel) then selected[m] = true end
       end
       if selected[m] then
-        if nn.isinstance(m, nn.ModuleList) then
+        if container then
           raise(("fsdp.wrap: the policy picked %s (ModuleList), which has no forward: its "
             .. "parameters could never be gathered; pick its elements instead"):format(path))
         end

@@ -402,6 +402,20 @@ describe("fsdp.policy", function()
     assert.has_error(function() fsdp.policy.size(0) end)
   end)
 
+  it("size(n) skips containers: a ModuleList's unclaimed elements count toward its parent", function()
+    local m = gpt() -- blocks (a ModuleList) holds 2 x 872 elements, each mlp 552
+    -- each mlp is picked; the blocks then leave 2 x 320 = 640 >= 500 unclaimed in the list,
+    -- which PyTorch's size policy never wraps (and which could never be gathered): the root
+    -- takes them
+    fsdp.wrap(m, {policy = fsdp.policy.size(500)})
+    assert.are.same({"blocks.1.mlp", "blocks.2.mlp", "(root)"}, unit_paths(m))
+    assert.are.same({2, 4, 11}, m(ids):shape()) -- a forward runs
+    fsdp.unwrap(m)
+    fsdp.wrap(m, {policy = fsdp.policy.size(1500)}) -- the list alone (1744) would pass
+    assert.are.same({"(root)"}, unit_paths(m))
+    fsdp.unwrap(m)
+  end)
+
   it("list{...} picks exactly these modules and names a stranger", function()
     local m = gpt()
     fsdp.wrap(m, {policy = fsdp.policy.list{m.blocks[2].mlp, m.ln_f}})
