@@ -38,11 +38,27 @@ local mask = require "fsdp.mask"
 local C = require "fsdp.checkpoint.common"
 local safetensors = require "fsdp.checkpoint.safetensors"
 local sharded = require "fsdp.checkpoint.sharded"
+local state = require "fsdp.state"
+local ties = require "fsdp.ties"
 local util = require "fsdp.util"
 
 local raise = util.raise
 
 local M = {}
+
+-- The Root of a wrapped model, false for a plain one; an error for a module inside a
+-- wrapped model.
+local function check_model(fn, model)
+  if not util.is_module(model) then
+    util.raise(("%s: expected a module (got %s)"):format(fn, type(model)))
+  end
+  local R = state.of(model)
+  if R ~= nil and R:model() ~= model then
+    util.raise(("%s: this %s is part of a wrapped model: pass the wrapped root (a %s)")
+      :format(fn, model:type_name(), R:model():type_name()))
+  end
+  return R or false
+end
 
 -- ---- options ------------------------------------------------------------------------------------
 
@@ -97,15 +113,6 @@ local function reshard_all(R)
   end
 end
 
--- Assign the parameter `target` to the field at dotted path `alias` of model.
-local function retie(model, alias, target)
-  local comps = {}
-  for c in alias:gmatch("[^.]+") do comps[#comps + 1] = tonumber(c) or c end
-  local owner = model
-  for i = 1, #comps - 1 do owner = owner[comps[i]] end
-  owner[comps[#comps]] = target
-end
-
 local function apply_plan(model, plan, opts, loaders, parts, R)
   if R then reshard_all(R) end
   local loaded = {}
@@ -124,7 +131,7 @@ local function apply_plan(model, plan, opts, loaders, parts, R)
   -- a model wrapped on meta: the loaded parameters stop being pending
   if R then R:given_values(loaded) end
   -- re-tie (plain models whose file says two paths are one parameter)
-  for _, t in ipairs(plan.retie or {}) do retie(model, t.alias, t.target.param) end
+  for _, t in ipairs(plan.retie or {}) do ties.set_path(model, t.alias, t.target.param) end
   local set, any = {}, false
   for _, x in ipairs(plan.items) do
     if x.mask then set[x.it.param] = x.mask any = true end
@@ -157,7 +164,7 @@ end
 --- to path. format: "safetensors" (one file, rank 0 writes) or "sharded" (a folder); default:
 --- "safetensors" when path ends in .safetensors, else "sharded".
 function M.save(model, path, opts)
-  local R = C.check_model("fsdp.save", model)
+  local R = check_model("fsdp.save", model)
   if R and R:has_pending() then
     raise("fsdp.save: the model was wrapped on the meta device and some parameters have no "
       .. "values yet (fsdp.materialize or fsdp.load it first)")
@@ -194,7 +201,7 @@ end
 --- optimizer, loaders, schedule, random state). Nothing changes unless every rank could read
 --- and check everything it needs. Returns extra (or {}) and {format =, step =, world_size =}.
 function M.load(model, path, opts)
-  local R = C.check_model("fsdp.load", model)
+  local R = check_model("fsdp.load", model)
   if type(path) ~= "string" or path == "" then raise("fsdp.load: path must be a non-empty string") end
   local loaders
   opts, loaders = check_opts("fsdp.load", model, opts, LOAD_OPTS)

@@ -52,18 +52,6 @@ local function as_source(x)
     get_slice = function(n, first, count) return x:read(n, first, count) end}
 end
 
---- The error for two stored tensors of one tied parameter that differ (nil when they agree).
---- a, b: the two tensors (or this rank's parts of them), named na and nb; first: the
---- parameter's first path; where: the file or source, prefixed to the message when given.
-function M.tie_conflict(a, b, na, nb, first, where)
-  local d = util.max_abs_diff(a, b)
-  if d ~= nil and d == 0 then return nil end
-  return ("%s'%s' and '%s' hold one tied parameter of the model (%s) but different values "
-    .. "(largest difference %s): load into a model where they are two parameters, or store "
-    .. "one value under both names"):format(where and (where .. ": ") or "", na, nb, first,
-      d and ("%.6g"):format(d) or "unknown")
-end
-
 -- The plan: for each distinct parameter (order), the source name to read, or nil; plus the
 -- names the source has that match no path. Errors (strict) for missing and unexpected names,
 -- any shape mismatch, and tied copies that differ.
@@ -100,7 +88,7 @@ local function plan_load(order, paths, src, strict)
     if e and #e.copies > 0 then
       local a = src.get(e.name)
       for _, c in ipairs(e.copies) do
-        local msg = M.tie_conflict(a, src.get(c), e.name, c, e.first)
+        local msg = ties.conflict(a, src.get(c), e.name, c, e.first)
         if msg then return nil, "fsdp.load: " .. msg end
       end
     end

@@ -466,17 +466,12 @@ end
 -- are masked (no communication).
 state.on("wrap", function(R)
   for _, u in ipairs(R:units()) do
-    local shard
-    local ps, pp = u:params(), u:paths()
-    for i, p in ipairs(ps) do
+    local pp = u:paths()
+    for i, p in ipairs(u:params()) do
       local rec = records[p]
       if rec ~= nil and not rec.sharded then
-        local new = sharded_record(u, p, rec.flat, pp[i])
-        records[p] = new
-        if new.slice ~= nil then
-          shard = shard or u:shard()
-          apply_sharded(u, new, shard)
-        end
+        records[p] = sharded_record(u, p, rec.flat, pp[i])
+        apply_sharded(u, records[p])
       end
     end
   end
@@ -506,15 +501,12 @@ end)
 -- After a unit's writeback (fsdp.apply / full_params): mask its shard again; a unit that
 -- stays gathered is gathered anew so its live parameters are masked too (collective).
 state.on("writeback", function(_, u, was_sharded)
-  local shard, any = nil, false
+  local any = false
   for _, p in ipairs(u:params()) do
     local rec = records[p]
     if rec ~= nil and rec.sharded then
       any = true
-      if rec.slice ~= nil then
-        shard = shard or u:shard()
-        apply_sharded(u, rec, shard)
-      end
+      apply_sharded(u, rec)
     end
   end
   if any and not was_sharded then refresh(u) end

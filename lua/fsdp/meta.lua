@@ -166,17 +166,16 @@ end
 -- m's own parameters gathered, writing back and resharding a unit as soon as the next module
 -- does not need it: memory is the units one module needs (usually one) plus the shards.
 local function gathered_pass(R, mods, call, what)
-  local current = {} -- unit -> its entry of R:gather
-  local function release(keep)
-    for _, u in ipairs(R:units()) do
-      if current[u] and not (keep and keep[u]) then
-        R:restore({current[u]}, true, true)
-        current[u] = nil
+  R:walk(what, true, function(gathered)
+    -- put back (newest first) the units gathered for earlier modules that `keep` lacks
+    local function release(keep)
+      for i = #gathered, 1, -1 do
+        if not (keep and keep[gathered[i][1]]) then
+          R:restore({gathered[i]}, true, true)
+          table.remove(gathered, i)
+        end
       end
     end
-  end
-  R:enter(what)
-  local ok, err = pcall(function()
     for _, h in ipairs(mods) do
       local need = {}
       for _, e in ipairs(own_params(h.module)) do
@@ -184,27 +183,15 @@ local function gathered_pass(R, mods, call, what)
         if u then need[u] = true end
       end
       release(need)
+      local held = {}
+      for _, g in ipairs(gathered) do held[g[1]] = true end
       for _, u in ipairs(R:units()) do -- construction order: the same on every rank
-        if need[u] and not current[u] then
-          local list = {}
-          R:gather(u, list)
-          current[u] = list[1]
-        end
+        if need[u] and not held[u] then R:gather(u, gathered) end
       end
       local fine, e = call_checked(what, call, h.module, h.path)
       if not fine then error(e, 0) end
     end
-    release(nil)
   end)
-  R:leave()
-  if not ok then
-    local left = {}
-    for _, u in ipairs(R:units()) do
-      if current[u] then left[#left + 1] = current[u] end
-    end
-    R:restore(left, false, false)
-    error(err, 0)
-  end
 end
 
 --- Collective (wrapped). The pending (meta at wrap time) parameters of wrapped model R get

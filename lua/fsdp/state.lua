@@ -147,6 +147,20 @@ end
 
 function Root:leave() self._busy = nil end
 
+--- Collective. Run fn(gathered) as the walk `what`: fn gathers units with R:gather(u, gathered)
+--- (and may put some back early: R:restore and remove their entries). What is left in
+--- `gathered` is put back when fn returns (written back when writeback), and after an error
+--- too (then without writeback), before the error is raised again. Returns fn's results.
+function Root:walk(what, writeback, fn)
+  self:enter(what)
+  local gathered = {}
+  local res = {pcall(fn, gathered)}
+  self:restore(gathered, writeback, res[1])
+  self:leave()
+  if not res[1] then error(res[2], 0) end
+  return unpack(res, 2, table.maxn(res))
+end
+
 --- Collective. Gather u, noting in `list` whether this call gathered it.
 function Root:gather(u, list)
   local was_sharded = u:state() == "sharded"

@@ -4,6 +4,7 @@
 --   fsdp.ties(model)              every shared parameter with all its paths
 --   fsdp.retie(model, groups)     make each group of paths one parameter
 --   M.all_paths(model)            every reference path of every parameter (wrap, loaders)
+--   M.conflict(a, b, ...)         the error for two stored copies of one tie that differ
 --
 -- A tie is not metadata: it is the same object in two fields (invariant 1,
 -- docs/ARCHITECTURE.md). Nothing here creates a parameter; retie reassigns fields to an
@@ -159,6 +160,18 @@ function M.retie(model, groups)
   end
   base.drop_unowned_keys(model)
   return model
+end
+
+--- The error for two stored tensors of one tied parameter that differ (nil when they agree).
+--- a, b: the two tensors (or this rank's parts of them), named na and nb; first: the
+--- parameter's first path; where: the file or source, prefixed to the message when given.
+function M.conflict(a, b, na, nb, first, where)
+  local d = util.max_abs_diff(a, b)
+  if d ~= nil and d == 0 then return nil end
+  return ("%s'%s' and '%s' hold one tied parameter of the model (%s) but different values "
+    .. "(largest difference %s): load into a model where they are two parameters, or store "
+    .. "one value under both names"):format(where and (where .. ": ") or "", na, nb, first,
+      d and ("%.6g"):format(d) or "unknown")
 end
 
 return M

@@ -546,18 +546,12 @@ function W.full_params(model, fn, opts)
       if u then need[u] = true end
     end
   end
-  local gathered = {}
-  R:enter("fsdp.full_params")
-  local ok, res = pcall(function()
+  return (R:walk("fsdp.full_params", writeback, function(gathered)
     for _, u in ipairs(R:units()) do -- construction order: the same on every rank
       if need[u] then R:gather(u, gathered) end
     end
     return util.no_grad(fn, model)
-  end)
-  R:restore(gathered, writeback, ok)
-  R:leave()
-  if not ok then error(res, 0) end
-  return res
+  end))
 end
 
 -- The units above `model` inside R's tree (root first), along its first path from the root.
@@ -596,9 +590,7 @@ function W.apply(model, fn)
     end)
     return model
   end
-  local gathered = {}
-  R:enter("fsdp.apply")
-  local ok, err = pcall(function()
+  R:walk("fsdp.apply", true, function(gathered)
     -- when model is a submodule: first gather the units above it (root first)
     if model ~= R:model() then
       for _, u in ipairs(units_above(R, model)) do R:gather(u, gathered) end
@@ -624,9 +616,6 @@ function W.apply(model, fn)
     end
     visit(model, "")
   end)
-  R:restore(gathered, true, ok)
-  R:leave()
-  if not ok then error(err, 0) end
   return model
 end
 

@@ -12,8 +12,6 @@
 
 local core = require "fsdp.core"
 local collective = require "fsdp.collective"
-local load_tensors = require "fsdp.load_tensors"
-local state = require "fsdp.state"
 local ties = require "fsdp.ties"
 local util = require "fsdp.util"
 
@@ -91,20 +89,6 @@ function C.param_table(model)
   return {list = list, by_param = by_param, by_path = by_path}
 end
 
---- The Root of a wrapped model, false for a plain one; an error for a module inside a
---- wrapped model.
-function C.check_model(fn, model)
-  if not util.is_module(model) then
-    util.raise(("%s: expected a module (got %s)"):format(fn, type(model)))
-  end
-  local R = state.of(model)
-  if R ~= nil and R:model() ~= model then
-    util.raise(("%s: this %s is part of a wrapped model: pass the wrapped root (a %s)")
-      :format(fn, model:type_name(), R:model():type_name()))
-  end
-  return R or false
-end
-
 --- This rank's part of each parameter. {first =, count =, view = 1-D tensor of count elements
 --- whose writes land in the parameter (or its shard), replicated = true when every rank holds
 --- the whole parameter (a plain model, or a unit with strategy "none")}.
@@ -159,7 +143,7 @@ end
 --- rank's parts of stored tensors na and nb (read alike), `it` the parameter. Fails naming
 --- them when they differ.
 function C.check_tied_copy(where, it, na, a, nb, b)
-  local msg = load_tensors.tie_conflict(a, b, na, nb, it.path, where)
+  local msg = ties.conflict(a, b, na, nb, it.path, where)
   if msg then C.fail(msg) end
 end
 
