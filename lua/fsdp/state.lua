@@ -38,7 +38,9 @@ local subscribers = {wrap = {}, teardown = {}, writeback = {}, materialize = {}}
 
 function M.on(event, fn)
   local list = subscribers[event]
-  if list == nil then error("fsdp.state: no event " .. tostring(event), 2) end
+  if list == nil then
+    util.raise(("fsdp.state: no event %s (wrap, teardown, writeback, materialize)"):format(tostring(event)))
+  end
   list[#list + 1] = fn
 end
 
