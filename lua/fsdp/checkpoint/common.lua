@@ -33,11 +33,7 @@ C.NO_DATA = {meta = true, sharded = true}
 --- Inside pcall'd phases: a message without a position (util.strip drops the library's).
 function C.fail(msg) error(msg, 0) end
 
-function C.same_shape(a, b)
-  if #a ~= #b then return false end
-  for i = 1, #a do if a[i] ~= b[i] then return false end end
-  return true
-end
+function C.same_shape(a, b) return util.shape_str(a) == util.shape_str(b) end
 
 -- ---- files ------------------------------------------------------------------------------------
 
