@@ -25,8 +25,7 @@ local M = {}
 
 local concat, floor, format, rep = table.concat, math.floor, string.format, string.rep
 
-local is_module, raise = util.is_module, util.raise
-local function is_tensor(x) return core.is_tensor(x) end
+local is_module, is_tensor, raise = util.is_module, util.is_tensor, util.raise
 
 -- ---- formatting ----------------------------------------------------------------------------
 
