@@ -11,7 +11,14 @@
 --
 -- Agreement costs one all_reduce of five numbers when the ranks agree (a 64-bit digest of the
 -- encoding, and whether a rank failed); only on a difference do the values themselves travel.
+--
+-- On it, the two checks the library makes before anything irreversible (invariants 2 and 3,
+-- docs/ARCHITECTURE.md): check_outcome (did every rank's local phase succeed? the lowest
+-- failing rank's message otherwise: what fsdp.save and fsdp.load raise) and check_lists (is
+-- every rank about to act on the same things? the first differing item and the ranks
+-- otherwise: what fsdp.wrap, fsdp.materialize and load_tensors raise).
 local core = require "fsdp.core"
+local util = require "fsdp.util"
 
 local M = {}
 
@@ -215,15 +222,76 @@ end
 --- from rank 0: R, ...)", naming the first differing rank R and the first place in the value
 --- where the two differ.
 function M.agree(value, what, label)
-  if type(what) ~= "string" then error("collective.agree: `what` must be a string naming the value", 2) end
+  if type(what) ~= "string" then util.raise("collective.agree: `what` must be a string naming the value") end
   local d = M.compare(value, nil, label or what)
   if d == nil then return value end
   local other = d.differ[1]
   local path, a, b = first_difference(d.values[1], d.values[other + 1], "")
   local ranks = {}
   for i, r in ipairs(d.differ) do ranks[i] = tostring(r) end
-  error(("%s differs across ranks%s: rank 0 has %s, rank %d has %s (ranks that differ from rank 0: %s)")
-    :format(what, path ~= "" and (" at " .. path) or "", show(a), other, show(b), table.concat(ranks, ", ")), 2)
+  util.raise(("%s differs across ranks%s: rank 0 has %s, rank %d has %s (ranks that differ from rank 0: %s)")
+    :format(what, path ~= "" and (" at " .. path) or "", show(a), other, show(b), table.concat(ranks, ", ")))
+end
+
+-- ---- the library's checks --------------------------------------------------------------------
+
+--- Collective. Whether every rank's local phase succeeded (ok, err as pcall returned them):
+--- nil when every rank passed ok, otherwise the same message on every rank, the lowest failing
+--- rank's (its library positions dropped), marked "rank R of W: " when there are several ranks.
+function M.check_outcome(ok, err, label)
+  local W = core.world_size()
+  local msg = nil
+  if not ok then
+    msg = util.strip(err)
+    if W > 1 and #msg > 8000 then msg = msg:sub(1, 8000) .. "..." end
+  end
+  local d = M.compare(nil, msg, label or "collective.check_outcome")
+  if d == nil then return nil end
+  if W == 1 then return d.err end
+  return ("rank %d of %d: %s"):format(d.failed, W, d.err)
+end
+
+--- Collective. Compare `entries` (an array of strings each rank builds from its own state, in
+--- an order that depends only on it) across ranks, together with this rank's local error `err`
+--- (nil when its own checks passed). Returns nil when every rank succeeded with the same
+--- entries; otherwise a message, the same on every rank except that a rank that failed gets
+--- its own error back:
+---   "<what> failed on rank R: <R's error>"
+---   "<what>: <subject> differs across ranks (item k): rank 0 has <entry>, rank R has <entry>
+---    (ranks that differ from rank 0 there: R, ...)"
+--- opts.subject names what is compared ("the model"); opts.hint(a, b) may add a sentence for
+--- a given pair of texts.
+function M.check_lists(what, entries, err, opts)
+  if core.world_size() == 1 then return err end
+  local d = M.compare(entries, err, what)
+  if d == nil then return nil end
+  if d.failed then
+    if err then return err end
+    return ("%s failed on rank %d: %s"):format(what, d.failed, d.err)
+  end
+  -- the first item where some rank differs from rank 0, and the ranks that differ there
+  local ref = d.values[1]
+  local at, first = math.huge, {}
+  for i = 2, #d.values do
+    local mine = d.values[i]
+    for k = 1, math.max(#mine, #ref) + 1 do
+      if mine[k] ~= ref[k] then first[i - 1] = k break end
+    end
+    if first[i - 1] and first[i - 1] < at then at = first[i - 1] end
+  end
+  local differ = {}
+  for r = 1, #d.values - 1 do
+    if first[r] == at then differ[#differ + 1] = tostring(r) end
+  end
+  local other = tonumber(differ[1])
+  local a, b = ref[at] or "nothing more", d.values[other + 1][at] or "nothing more"
+  local subject = opts and opts.subject or "the state"
+  local msg = ("%s: %s differs across ranks (item %d): rank 0 has %s, rank %d has %s (ranks "
+    .. "that differ from rank 0 there: %s)"):format(what, subject, at, a, other, b,
+      table.concat(differ, ", "))
+  local extra = opts and opts.hint and opts.hint(a, b)
+  if extra then msg = msg .. "; " .. extra end
+  return msg
 end
 
 return M

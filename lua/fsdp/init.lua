@@ -141,14 +141,15 @@ local wrap_names = {
 }
 -- names that live in other library files, resolved on first use
 local other_names = {
-  set_mask = "fsdp.mask", mask = "fsdp.mask", sparsity = "fsdp.mask", prune = "fsdp.mask",
+  set_mask = "fsdp.mask", mask = "fsdp.mask", sparsity = "fsdp.mask",
   save = "fsdp.checkpoint", load = "fsdp.checkpoint",
-  meta = "fsdp.meta", materialize = "fsdp.meta", ties = "fsdp.meta", retie = "fsdp.meta",
+  meta = "fsdp.meta", materialize = "fsdp.meta", ties = "fsdp.ties", retie = "fsdp.ties",
   inspect = "fsdp.inspect", debug = "fsdp.repl",
 }
+-- submodules that are fsdp fields themselves
 local lazy = {
   nn = "fsdp.nn", optim = "fsdp.optim", data = "fsdp.data", log = "fsdp.log",
-  plot = "fsdp.plot",
+  plot = "fsdp.plot", prune = "fsdp.prune",
 }
 setmetatable(fsdp, {
   -- the names resolved on first use, for the REPL's tab completion (src/cli/repl.c)
@@ -170,13 +171,13 @@ setmetatable(fsdp, {
       rawset(t, k, f)
       return f
     end
-    -- the sharding layer (lua/fsdp/wrap.lua): fsdp.wrap, unwrap, is_wrapped, units, apply,
-    -- full_params, policy, shard, inspect, ...
     if other_names[k] then
       local v = require(other_names[k])[k]
       rawset(t, k, v)
       return v
     end
+    -- the sharding layer (lua/fsdp/wrap.lua): fsdp.wrap, unwrap, is_wrapped, units, apply,
+    -- full_params, policy, shard
     if wrap_names[k] then
       local v = require("fsdp.wrap")[k]
       rawset(t, k, v)

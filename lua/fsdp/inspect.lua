@@ -15,16 +15,17 @@
 -- layout, which is the same on every rank; what only a rank knows (its mask slice, its bytes)
 -- is reported for the calling rank.
 
-local fsdp = require "fsdp"
 local core = require "fsdp.core"
+local mask = require "fsdp.mask"
+local state = require "fsdp.state"
+local ties = require "fsdp.ties"
+local util = require "fsdp.util"
 
 local M = {}
 
 local concat, floor, format, rep = table.concat, math.floor, string.format, string.rep
 
-local function base() return require "fsdp.nn.module" end
-local function is_module(x) return base().is_module(x) end
-local function is_tensor(x) return core.is_tensor(x) end
+local is_module, is_tensor, raise = util.is_module, util.is_tensor, util.raise
 
 -- ---- formatting ----------------------------------------------------------------------------
 
@@ -46,7 +47,7 @@ function M.bytes(n)
   return format(v >= 100 and "%.0f %s" or "%.1f %s", v, units[i])
 end
 
-local function shape_str(shape) return "(" .. concat(shape, ", ") .. ")" end
+local shape_str = util.shape_str
 
 -- Left-aligned text columns; `right` marks the columns aligned right (numbers).
 local function columns(rows, right, indent)
@@ -74,17 +75,11 @@ end
 
 -- ---- units ---------------------------------------------------------------------------------
 
--- The wrap layer's root state of a model, when it is a wrapped root (nil otherwise).
-local function root_state(model)
-  local ok, W = pcall(require, "fsdp.wrap")
-  if not ok or not W._root_state then return nil end
-  return W._root_state(model)
-end
 
 local DTYPE_BYTES = { f32 = 4, bf16 = 2, f16 = 2 }
 
 local function unit_row(u)
-  local rank, world = fsdp.rank(), fsdp.world_size()
+  local rank, world = core.rank(), core.world_size()
   local state = u:state()
   local numel, padded, shard = u:numel(), u:padded_numel(), u:shard_numel()
   local replicated = u:strategy() == "none"
@@ -230,18 +225,17 @@ end
 local MAX_PARAM_ROWS = 50
 
 local function model_report(x)
-  local R = root_state(x)
+  local R = state.root(x)
   local r = setmetatable({ kind = "model", type = x:type_name(), wrapped = R ~= nil,
-    nparams = #x:parameters(), numel = x:num_parameters(), rank = fsdp.rank(),
-    world_size = fsdp.world_size() }, Report)
+    nparams = #x:parameters(), numel = x:num_parameters(), rank = core.rank(),
+    world_size = core.world_size() }, Report)
   if R then
-    r.strategy = R.opts and R.opts.strategy or "full"
+    r.strategy = R:option("strategy") or "full"
     -- the policy wrap was given ({param =, reduce =, output =}; nil: f32)
-    if R.opts and R.opts.mp then
-      r.mp = { param = R.opts.mp.param, reduce = R.opts.mp.reduce, output = R.opts.mp.output }
-    end
+    local mp = R:option("mp")
+    if mp then r.mp = { param = mp.param, reduce = mp.reduce, output = mp.output } end
     r.units = {}
-    for _, u in ipairs(fsdp.units(x)) do r.units[#r.units + 1] = unit_row(u) end
+    for _, u in ipairs(R:forward_units()) do r.units[#r.units + 1] = unit_row(u) end
   else
     r.params = {}
     local n = 0
@@ -257,10 +251,10 @@ local function model_report(x)
   return r
 end
 
--- The tie paths of p in model (fsdp.ties when the tie layer is there; else its path), or nil.
+-- The tie paths of p in model (fsdp.ties; else its path), or nil.
 local function tie_paths(p, model)
   if model == nil then return nil end
-  local ok, groups = pcall(function() return fsdp.ties(model) end)
+  local ok, groups = pcall(ties.ties, model)
   if ok and type(groups) == "table" then
     for _, g in ipairs(groups) do
       if rawequal(g.param, p) then return g.paths end
@@ -273,8 +267,6 @@ local function tie_paths(p, model)
 end
 
 local function mask_info(p, sharded)
-  local ok, mask = pcall(require, "fsdp.mask")
-  if not ok or type(mask) ~= "table" or not mask.local_slice or not mask.has then return nil end
   if not mask.has(p) then return nil end
   local s = mask.local_slice(p)
   if s == nil then return nil end
@@ -286,7 +278,7 @@ end
 
 local function param_report(x, opts)
   local r = setmetatable({ kind = "param", shape = x:shape(), numel = x:numel(), dtype = x:dtype(),
-    device = x.device, rank = fsdp.rank(), world_size = fsdp.world_size() }, Report)
+    device = x.device, rank = core.rank(), world_size = core.world_size() }, Report)
   local u = core.param_unit and core.param_unit(x)
   if u then
     r.unit, r.strategy, r.state = u.path, u:strategy(), u:state()
@@ -323,14 +315,14 @@ end
 --- parameter): the model it belongs to, to list its tie paths. Not collective.
 function M.inspect(x, opts)
   opts = opts or {}
-  if type(opts) ~= "table" then error("fsdp.inspect: options must be a table", 2) end
+  if type(opts) ~= "table" then raise("fsdp.inspect: options must be a table") end
   if is_module(x) then return model_report(x) end
   if is_tensor(x) then return param_report(x, opts) end
   if is_unit(x) then
-    return setmetatable({ kind = "unit", unit_row = unit_row(x), rank = fsdp.rank(),
-      world_size = fsdp.world_size() }, Report)
+    return setmetatable({ kind = "unit", unit_row = unit_row(x), rank = core.rank(),
+      world_size = core.world_size() }, Report)
   end
-  error(("fsdp.inspect: expected a module, a parameter or a unit (got %s)"):format(type(x)), 2)
+  raise(("fsdp.inspect: expected a module, a parameter or a unit (got %s)"):format(type(x)))
 end
 
 -- ---- fsdp.memory() and fsdp.comm_stats() ------------------------------------------------------
@@ -341,8 +333,8 @@ M.MemoryReport = MemoryReport
 local ROLES = { "params", "grads", "optim", "gathered", "activations", "other" }
 
 MemoryReport.__tostring = function(m)
-  local lines = { format("memory (rank %d of %d, cpu): live %s, peak %s", fsdp.rank(),
-    fsdp.world_size(), M.bytes(m.live or 0), M.bytes(m.peak or 0)) }
+  local lines = { format("memory (rank %d of %d, cpu): live %s, peak %s", core.rank(),
+    core.world_size(), M.bytes(m.live or 0), M.bytes(m.peak or 0)) }
   local parts = {}
   for _, k in ipairs(ROLES) do
     if m[k] ~= nil then parts[#parts + 1] = format("%s %s", k, M.bytes(m[k])) end
@@ -375,7 +367,7 @@ local OPS = { "all_gather", "reduce_scatter", "all_reduce", "broadcast", "barrie
 
 CommReport.__tostring = function(s)
   local lines = { format("comm (rank %d of %d, %s): %s calls, busy %.3f s, waiting %.3f s",
-    fsdp.rank(), fsdp.world_size(), fsdp.backend(), M.int(s.calls or 0), s.busy_s or 0,
+    core.rank(), core.world_size(), core.backend(), M.int(s.calls or 0), s.busy_s or 0,
     s.wait_s or 0) }
   local rows = { { "op", "calls", "bytes" } }
   for _, op in ipairs(OPS) do

@@ -1,8 +1,10 @@
 -- fsdp.mask — masks that live with the shards. docs/pruning.md is the manual.
 --
---   fsdp.set_mask(param, mask)   fsdp.mask(param)   fsdp.sparsity(model)   fsdp.prune (prune.lua)
+--   fsdp.set_mask(param, mask)   fsdp.mask(param)   fsdp.sparsity(model)
 --   for checkpoints (lua/fsdp/checkpoint.lua): has, local_slice, set_local, masked, local_mask,
 --   set_local_mask; reapply(model)
+--   for optimizers and pruning (optim.lua, prune.lua): shard_slice, apply_plain, piece, adopt,
+--   refresh
 --
 -- A mask is a 0/1 value per element of a parameter (0 = pruned). It is stored in the form the
 -- parameter has (docs/pruning.md):
@@ -21,9 +23,10 @@
 --     (shard) after it, so a masked weight stays exactly 0 through momentum, Adam moments and
 --     weight decay; clip_grad_norm masks the gradients before measuring them;
 --   * fsdp.apply / fsdp.full_params with writeback: to the shards right after the writeback.
--- Conversions (wrap.lua calls these hooks): _on_wrap (full -> this rank's slice, no
--- communication), _on_teardown (unwrap and re-wrap: slices -> full, one all_reduce per masked
--- parameter of a sharded unit, collective), _on_writeback.
+-- Conversions, on the events of lua/fsdp/state.lua: "wrap" (full -> this rank's slice, no
+-- communication), "teardown" (unwrap and re-wrap: slices -> full, one all_reduce per masked
+-- parameter of a sharded unit, collective), "writeback" (the shard is masked again) and
+-- "materialize" (masks set on meta parameters apply to their new values).
 --
 -- Record of a parameter p (records[p]):
 --   plain:   {full = tensor (p's shape), flat = 1-D view of it}
@@ -33,20 +36,16 @@
 -- Every rank has a record for the same parameters (set_mask and prune are collective), which
 -- keeps the collectives of fsdp.mask and of teardown in step.
 
-local fsdp = require "fsdp"
 local core = require "fsdp.core"
 local collective = require "fsdp.collective"
+local state = require "fsdp.state"
+local util = require "fsdp.util"
 
 local M = {}
-package.loaded["fsdp.mask"] = M -- prune.lua requires this module back
 
 local records = setmetatable({}, {__mode = "k"})
 
-local function base() return require "fsdp.nn.module" end
-local function raise(msg) base().raise(msg) end
-
-local function is_module(x) return base().is_module(x) end
-local function is_tensor(x) return base().is_tensor(x) end
+local raise, is_module, is_tensor = util.raise, util.is_module, util.is_tensor
 
 -- Where p's mask lives: on the device of its weights (its unit's shards when wrapped), so the
 -- kernels that apply it take both from one device; the cpu for a parameter without values yet.
@@ -62,17 +61,9 @@ local function numel_of(shape)
   return n
 end
 
-local function shape_str(shape)
-  return "(" .. table.concat(shape, ", ") .. ")"
-end
+local shape_str = util.shape_str
 
--- This rank's slice of parameter p in unit u (an entry of u:local_slices()), or nil.
-local function local_slice(u, p)
-  for _, s in ipairs(u:local_slices()) do
-    if rawequal(s.param, p) then return s end
-  end
-  return nil
-end
+local local_slice = util.local_slice
 
 -- The dotted path a unit gives p (its first use), for labels and messages.
 local function unit_path(u, p)
@@ -104,7 +95,7 @@ local function refresh(u)
     u:gather()
   end
 end
-M._refresh = refresh
+M.refresh = refresh
 
 -- A sharded record for p from this rank's part of a full flat mask (or all ones), or adopting
 -- `slice` (this rank's values, not copied) when given.
@@ -120,7 +111,7 @@ local function sharded_record(u, p, full_flat, path, slice)
       end
       rec.slice = slice
     else
-      rec.slice = fsdp.ones({n}, mask_opts(u, p))
+      rec.slice = core.ones({n}, mask_opts(u, p))
       if full_flat ~= nil then rec.slice:copy(full_flat:narrow(1, s.param_first, n)) end
     end
   end
@@ -166,7 +157,7 @@ function M.set_mask(p, mask)
       raise(("fsdp.set_mask: the mask has shape %s, the parameter %s"):format(shape_str(ms), shape_str(shape)))
     end
   end
-  local full = fsdp.zeros(shape, mask_opts(u, p))
+  local full = core.zeros(shape, mask_opts(u, p))
   full:copy(mask)
   local flat = full:view{p:numel()}
   local bad, zeros, hash = core.mask_check(flat)
@@ -215,9 +206,9 @@ function M.mask(p)
   if rec == nil then return nil end
   if not rec.sharded then return rec.full:clone() end
   local u = core.param_unit(p)
-  local full = fsdp.zeros{rec.numel}
+  local full = core.zeros{rec.numel}
   if rec.slice ~= nil then full:narrow(1, rec.first, rec.n):copy(rec.slice) end
-  if u ~= nil and not is_replicated(u) then fsdp.all_reduce(full, "sum", "mask " .. rec.path) end
+  if u ~= nil and not is_replicated(u) then core.all_reduce(full, "sum", "mask " .. rec.path) end
   return full:view(rec.shape)
 end
 
@@ -242,14 +233,14 @@ function M.sparsity(model, opts)
   end
   local params
   if opts and opts.params then
-    params = require("fsdp.prune")._select(model, opts, "fsdp.sparsity")
+    params = util.select_params(model, opts, "fsdp.sparsity")
   else
     params = {}
     for path, p in model:named_parameters() do params[#params + 1] = {path = path, param = p} end
   end
   local collective = any_sharded(params)
   local counts = {}
-  local rank = fsdp.rank()
+  local rank = core.rank()
   for i, e in ipairs(params) do
     local p = e.param
     local z = 0
@@ -265,7 +256,7 @@ function M.sparsity(model, opts)
     counts[i] = z
   end
   if collective and #params > 0 then
-    counts = fsdp.all_reduce(counts, "sum", "sparsity") -- f64: exact counts
+    counts = core.all_reduce(counts, "sum", "sparsity") -- f64: exact counts
   end
   local out = setmetatable({total = 0, zeros = 0, params = {}, order = {}}, SparsityReport)
   for i, e in ipairs(params) do
@@ -291,22 +282,55 @@ SparsityReport.__tostring = function(r)
   return table.concat(lines, "\n")
 end
 
--- ---- for prune.lua, optim.lua, checkpoint.lua (not part of the fsdp table) ---------------------
+-- ---- for optim.lua and prune.lua (not part of the fsdp table) ------------------------------------
 
---- The record of p (see the file header), or nil.
-function M._record(p) return records[p] end
+--- This rank's mask values for the shard slice of p that holds n elements (nil when p has
+--- no mask there); an error when the mask holds another number of elements.
+function M.shard_slice(p, n, path)
+  local rec = records[p]
+  if rec == nil or not rec.sharded or rec.slice == nil then return nil end
+  if rec.n ~= n then
+    raise(("%s: the mask holds %d elements of this rank's slice, the shard %d (the model was "
+      .. "re-wrapped without its masks?)"):format(path, rec.n, n))
+  end
+  return rec.slice
+end
 
---- Replace p's record: plain (full = tensor of p's shape) or sharded (from sharded_record).
-function M._set_record(p, rec) records[p] = rec end
+--- Mask x, a dense parameter p's gradient or values, when p has a mask (plain models).
+function M.apply_plain(p, x)
+  local rec = records[p]
+  if rec == nil or rec.sharded then return end
+  if x:is_contiguous() then
+    core.mask_apply(x:detach():view{x:numel()}, rec.flat)
+  else
+    local c = x:detach():contiguous()
+    core.mask_apply(c:view{c:numel()}, rec.flat)
+    x:detach():copy(c)
+  end
+end
 
---- A sharded record for p in unit u holding `slice` (this rank's part, or nil when the rank
---- holds none); the slice is adopted, not copied.
-function M._sharded_record(u, p, path, slice)
-  local rec = sharded_record(u, p, nil, path, slice)
-  if rec.slice ~= nil and slice == nil then
+--- This rank's mask values of p as a 1-D live buffer: the whole mask of a plain parameter,
+--- this rank's slice of a sharded one; nil without a mask (or a slice).
+function M.piece(p)
+  local rec = records[p]
+  if rec == nil then return nil end
+  if rec.sharded then return rec.slice end
+  return rec.flat
+end
+
+--- Make `values` (a 1-D buffer: p's whole mask when u is nil, else this rank's slice of it in
+--- unit u, or nil when the rank holds none) p's mask, adopted, not copied. The weights are
+--- not touched (the caller masks them).
+function M.adopt(p, u, path, values)
+  if u == nil then
+    records[p] = {full = values:view(p:shape()), flat = values}
+    return
+  end
+  local rec = sharded_record(u, p, nil, path, values)
+  if rec.slice ~= nil and values == nil then
     error(("mask: %s: a slice of %d elements was expected"):format(path, rec.n), 0)
   end
-  return rec
+  records[p] = rec
 end
 
 --- This rank's mask values for p as {first =, n =, numel =, shape =, mask = 1-D tensor (the
@@ -337,7 +361,7 @@ function M.set_local_mask(p, first, values)
     if first ~= 1 or flat:numel() ~= p:numel() then
       raise(("mask.set_local_mask: a plain parameter needs its whole mask (%d elements)"):format(p:numel()))
     end
-    local full = fsdp.zeros(p:shape(), mask_opts(nil, p))
+    local full = core.zeros(p:shape(), mask_opts(nil, p))
     full:view{p:numel()}:copy(flat)
     records[p] = {full = full, flat = full:view{p:numel()}}
     if p.device ~= "meta" then core.mask_apply(flat_param(p), records[p].flat) end
@@ -368,7 +392,7 @@ function M.local_slice(p)
   local rec = records[p]
   if rec == nil then return nil end
   if not rec.sharded then return rec.flat end
-  return rec.slice or fsdp.zeros{0}
+  return rec.slice or core.zeros{0}
 end
 
 --- Collective when model is wrapped (every rank passes the same set of parameters): set each
@@ -417,17 +441,6 @@ function M.masked(model)
   return out
 end
 
---- Mask a dense parameter's gradient or values (plain models; optim.lua). x: p.grad or p.
-function M._apply_plain(rec, x)
-  if x:is_contiguous() then
-    core.mask_apply(x:detach():view{x:numel()}, rec.flat)
-  else
-    local c = x:detach():contiguous()
-    core.mask_apply(c:view{c:numel()}, rec.flat)
-    x:detach():copy(c)
-  end
-end
-
 --- Re-apply every mask of model to its weights (plain or wrapped; collective when wrapped only
 --- if a unit is gathered and must be refreshed).
 function M.reapply(model)
@@ -447,82 +460,59 @@ function M.reapply(model)
   for _, u in ipairs(units) do refresh(u) end
 end
 
--- ---- hooks called by wrap.lua ------------------------------------------------------------------
+-- ---- on the events of wrapped models (lua/fsdp/state.lua) ---------------------------------------
 
---- After fsdp.wrap built the units of root state R: full masks become this rank's slices, and
---- the shards are masked (no communication).
-function M._on_wrap(R)
-  for _, U in ipairs(R.units) do
-    local u = U.unit
-    local shard
-    local ps, pp = u:params(), u:paths()
-    for i, p in ipairs(ps) do
+-- After fsdp.wrap built the units of R: full masks become this rank's slices, and the shards
+-- are masked (no communication).
+state.on("wrap", function(R)
+  for _, u in ipairs(R:units()) do
+    local pp = u:paths()
+    for i, p in ipairs(u:params()) do
       local rec = records[p]
       if rec ~= nil and not rec.sharded then
-        local new = sharded_record(u, p, rec.flat, pp[i])
-        records[p] = new
-        if new.slice ~= nil then
-          shard = shard or u:shard()
-          apply_sharded(u, new, shard)
-        end
+        records[p] = sharded_record(u, p, rec.flat, pp[i])
+        apply_sharded(u, records[p])
       end
     end
   end
-end
+end)
 
---- Before the units of R are unsharded (fsdp.unwrap, or an outer wrap absorbing R): slices
---- become full masks again. Collective: one all_reduce("sum") per masked parameter of a
---- sharded unit, in construction order (each element is held by exactly one rank, so the sum
---- is exact).
-function M._on_teardown(R)
-  for _, U in ipairs(R.units) do
-    local u = U.unit
+-- Before the units of R are unsharded (fsdp.unwrap, or an outer wrap absorbing R): slices
+-- become full masks again. Collective: one all_reduce("sum") per masked parameter of a
+-- sharded unit, in construction order (each element is held by exactly one rank, so the sum
+-- is exact).
+state.on("teardown", function(R)
+  for _, u in ipairs(R:units()) do
     for _, p in ipairs(u:params()) do
       local rec = records[p]
       if rec ~= nil and rec.sharded then
         -- assembled on the cpu (the collective), kept where the weights are
-        local full = fsdp.zeros(rec.shape, {role = "other"})
+        local full = core.zeros(rec.shape, {role = "other"})
         local flat = full:view{rec.numel}
         if rec.slice ~= nil then flat:narrow(1, rec.first, rec.n):copy(rec.slice) end
-        if not is_replicated(u) then fsdp.all_reduce(flat, "sum", "unwrap mask " .. rec.path) end
+        if not is_replicated(u) then core.all_reduce(flat, "sum", "unwrap mask " .. rec.path) end
         full = full:to(mask_opts(u, p).device)
         records[p] = {full = full, flat = full:view{rec.numel}}
       end
     end
   end
-end
+end)
 
---- After a unit's writeback (fsdp.apply / full_params): mask its shard again; a unit that
---- stays gathered is gathered anew so its live parameters are masked too (collective).
-function M._on_writeback(U, was_sharded)
-  local u = U.unit
-  local shard, any = nil, false
+-- After a unit's writeback (fsdp.apply / full_params): mask its shard again; a unit that
+-- stays gathered is gathered anew so its live parameters are masked too (collective).
+state.on("writeback", function(_, u, was_sharded)
+  local any = false
   for _, p in ipairs(u:params()) do
     local rec = records[p]
     if rec ~= nil and rec.sharded then
       any = true
-      if rec.slice ~= nil then
-        shard = shard or u:shard()
-        apply_sharded(u, rec, shard)
-      end
+      apply_sharded(u, rec)
     end
   end
   if any and not was_sharded then refresh(u) end
-end
+end)
 
--- ---- names of the fsdp table ---------------------------------------------------------------
-
-setmetatable(M, {__index = function(t, k)
-  if k == "prune" then
-    local v = require "fsdp.prune"
-    rawset(t, k, v)
-    return v
-  end
-end})
-
--- Until init.lua's lazy loader knows these names, loading this module installs them.
-for _, k in ipairs{"set_mask", "mask", "sparsity"} do
-  if rawget(fsdp, k) == nil then rawset(fsdp, k, M[k]) end
-end
+-- Masks set while a model was on meta apply as soon as its values arrive.
+state.on("materialize", function(model) M.reapply(model) end)
 
 return M

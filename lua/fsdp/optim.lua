@@ -2,8 +2,8 @@
 -- See docs/nn.md ("optim").
 --
 -- Optimizers keep per-parameter state tensors, created lazily on the first step that sees a
--- gradient, and update each parameter with one fused C kernel call (fsdp.core.sgd_step /
--- fsdp.core.adamw_step): no per-element Lua. State is keyed by the parameter object, whose
+-- gradient, and update each parameter with one fused C kernel call (core.sgd_step /
+-- core.adamw_step): no per-element Lua. State is keyed by the parameter object, whose
 -- identity is stable (invariant 1, docs/ARCHITECTURE.md), and reported by parameter path.
 --
 -- Every parameter iteration of this file goes through optim.named_params, the one place
@@ -25,44 +25,33 @@
 -- Masks (lua/fsdp/mask.lua, docs/pruning.md): a parameter with
 -- a mask has its gradient (shard slice) masked before the update kernel and its weights (shard
 -- slice) masked after it, so a pruned weight stays exactly 0 through momentum, Adam moments and
--- weight decay; clip_grad_norm masks gradients before measuring them. Without fsdp.mask loaded
--- no parameter has a mask and nothing extra runs.
+-- weight decay; clip_grad_norm masks gradients before measuring them.
 
-local fsdp = require "fsdp"
+local core = require "fsdp.core"
+local mask = require "fsdp.mask"
+local state = require "fsdp.state"
+local util = require "fsdp.util"
 
 local optim = {}
 
-local function is_module(x)
-  local nn = package.loaded["fsdp.nn"]
-  return nn ~= nil and nn.is_module(x)
-end
-
-local function where()
-  local nn_module = package.loaded["fsdp.nn.module"]
-  return nn_module and nn_module.user_where() or ""
-end
-
-local function raise(msg) error(where() .. msg, 0) end
+local raise, is_module = util.raise, util.is_module
 
 -- p.grad and whether this call made its Lua value: the plain paths free such a value when done,
 -- so a gradient zero_grad drops is freed then, not when Lua's collector finds the value.
-local function grad_of(p) return fsdp.core.grad_of(p) end
+local function grad_of(p) return core.grad_of(p) end
 
--- The wrap root state of model when it is a wrapped root, else nil. A module inside a wrapped
--- model (not its root), or an array holding sharded parameters, is an error: the optimizer
--- must see the whole wrapped model to find the shards.
+-- The Root (lua/fsdp/state.lua) of model when it is a wrapped root, else nil. A module inside
+-- a wrapped model (not its root), or an array holding sharded parameters, is an error: the
+-- optimizer must see the whole wrapped model to find the shards.
 local function wrap_state(x)
-  local w = package.loaded["fsdp.wrap"]
-  if w == nil then return nil end
   if is_module(x) then
-    local R = w._root_state(x)
-    if R == nil and rawget(x, "__fsdp_wrap") ~= nil and not rawget(x, "__fsdp_wrap").dead then
+    local R = state.of(x)
+    if R ~= nil and R:model() ~= x then
       raise("this module is part of a wrapped model: give the optimizer the wrapped root")
     end
     return R
   end
-  local core = fsdp.core
-  if type(x) == "table" and core.param_unit then
+  if type(x) == "table" then
     for i, p in ipairs(x) do
       if type(p) == "userdata" and core.param_unit(p) ~= nil then
         raise(("parameter %d is sharded (its model is wrapped): give the optimizer the wrapped "
@@ -74,45 +63,22 @@ local function wrap_state(x)
 end
 optim.wrap_state = wrap_state
 
--- The mask record of parameter p (lua/fsdp/mask.lua), or nil. fsdp.mask is only consulted once
--- something loaded it (no mask can exist before).
-local function mask_record(p)
-  local mk = package.loaded["fsdp.mask"]
-  return mk and mk._record(p)
-end
-
--- This rank's mask slice for a shard slice of n elements of p, or nil.
-local function slice_mask(p, n, path)
-  local rec = mask_record(p)
-  if rec == nil or not rec.sharded or rec.slice == nil then return nil end
-  if rec.n ~= n then
-    raise(("%s: the mask holds %d elements of this rank's slice, the shard %d (the model was "
-      .. "re-wrapped without its masks?)"):format(path, rec.n, n))
-  end
-  return rec.slice
-end
-
--- Mask a dense parameter's gradient (before a step) or values (after it).
-local function mask_dense(p, x)
-  local rec = mask_record(p)
-  if rec ~= nil and not rec.sharded then package.loaded["fsdp.mask"]._apply_plain(rec, x) end
-end
+local slice_mask, mask_dense = mask.shard_slice, mask.apply_plain
 
 -- The wrapped model's units (construction order), checking the wrap is still the one the
 -- optimizer was made for.
 local function live_units(R, what)
-  if R.dead then
+  if not R:is_live() then
     raise(what .. ": the model was unwrapped (or re-wrapped) after this optimizer was created; "
       .. "create a new optimizer")
   end
-  return R.units
+  return R:units()
 end
 
--- Calls fn(U, shard, grad_shard, slices) per unit of the wrapped model, construction order.
+-- Calls fn(u, shard, grad_shard, slices) per unit of the wrapped model, construction order.
 local function each_unit(R, what, fn)
-  for _, U in ipairs(live_units(R, what)) do
-    local u = U.unit
-    fn(U, u:shard(), u:grad_shard(), u:local_slices())
+  for _, u in ipairs(live_units(R, what)) do
+    fn(u, u:shard(), u:grad_shard(), u:local_slices())
   end
 end
 
@@ -126,25 +92,25 @@ end
 local function agree_grads(R, what)
   local units = live_units(R, what)
   local flags, n = {}, 0
-  for _, U in ipairs(units) do
-    for i = 1, #U.unit:paths() do
+  for _, u in ipairs(units) do
+    for i = 1, #u:paths() do
       n = n + 1
-      flags[n] = U.unit:has_grad(i) and 1 or 0
+      flags[n] = u:has_grad(i) and 1 or 0
     end
   end
-  if n > 0 and fsdp.world_size() > 1 then
-    local t = fsdp.tensor(flags)
-    flags = fsdp.all_reduce(t, "max", "optim.has_grad"):totable()
+  if n > 0 and core.world_size() > 1 then
+    local t = core.tensor(flags)
+    flags = core.all_reduce(t, "max", "optim.has_grad"):totable()
     t:free() -- freed now rather than by Lua's collector: fsdp.memory() stays exact
   end
   local has, k = {}, 0
-  for _, U in ipairs(units) do
+  for _, u in ipairs(units) do
     local h = {}
-    for i = 1, #U.unit:paths() do
+    for i = 1, #u:paths() do
       k = k + 1
       if flags[k] ~= 0 then h[i] = true end
     end
-    has[U] = h
+    has[u] = h
   end
   return has
 end
@@ -177,13 +143,13 @@ end
 -- Optimizer state buffers: zeros shaped like p (one place, so accounting can tag them), on
 -- p's device.
 local function state_zeros(p)
-  return fsdp.zeros(p:shape(), { role = "optim", device = p.device })
+  return core.zeros(p:shape(), { role = "optim", device = p.device })
 end
 
 -- n zeros for a slice of p's state, where p's unit keeps its shards (p's device when plain).
 local function slice_zeros(p, n)
-  local u = fsdp.core.param_unit(p)
-  return fsdp.zeros({n}, { role = "optim", device = u and u:shard().device or p.device })
+  local u = core.param_unit(p)
+  return core.zeros({n}, { role = "optim", device = u and u:shard().device or p.device })
 end
 
 local function number_opt(opts, k, default, min)
@@ -216,7 +182,7 @@ end
 function Optimizer:zero_grad()
   for _, e in ipairs(self.params) do e.param.grad = nil end
   if self.wrapped then
-    each_unit(self.wrapped, "zero_grad", function(U) U.unit:zero_grad() end)
+    each_unit(self.wrapped, "zero_grad", function(u) u:zero_grad() end)
   end
 end
 
@@ -228,9 +194,9 @@ end
 function Optimizer:each_slice(fn, only_grads)
   local what = self.kind .. ":step"
   local has = only_grads and agree_grads(self.wrapped, what) or nil
-  each_unit(self.wrapped, what, function(U, shard, gshard, slices)
+  each_unit(self.wrapped, what, function(u, shard, gshard, slices)
     for _, s in ipairs(slices) do
-      if has == nil or has[U][s.index] then
+      if has == nil or has[u][s.index] then
         local n = s.shard_last - s.shard_first + 1
         local p = s.param
         local st = self.state[p]
@@ -241,9 +207,9 @@ function Optimizer:each_slice(fn, only_grads)
         end
         local ps, gs = shard:narrow(1, s.shard_first, n), gshard:narrow(1, s.shard_first, n)
         local m = slice_mask(p, n, s.path)
-        if m then fsdp.core.mask_apply(gs, m) end
+        if m then core.mask_apply(gs, m) end
         fn(st, ps, gs, p, s.path)
-        if m then fsdp.core.mask_apply(ps, m) end
+        if m then core.mask_apply(ps, m) end
       end
     end
   end)
@@ -270,7 +236,7 @@ function Optimizer:state_dict()
   end
   local sd = {kind = self.kind, step = self.step_count, lr = self.lr, hyper = self:hyper(), state = state}
   if self.wrapped then
-    sd.sharded, sd.rank, sd.world_size = true, fsdp.rank(), fsdp.world_size()
+    sd.sharded, sd.rank, sd.world_size = true, core.rank(), core.world_size()
   end
   return sd
 end
@@ -292,9 +258,9 @@ function Optimizer:load_state_dict(sd)
     raise(("load_state_dict: the state_dict is %s but this optimizer's model is %s")
       :format(sd.sharded and "sharded" or "dense", self.wrapped and "wrapped" or "not wrapped"))
   end
-  if sd.sharded and (sd.world_size ~= fsdp.world_size() or sd.rank ~= fsdp.rank()) then
+  if sd.sharded and (sd.world_size ~= core.world_size() or sd.rank ~= core.rank()) then
     raise(("load_state_dict: this sharded state_dict is rank %s of %s; this is rank %d of %d")
-      :format(tostring(sd.rank), tostring(sd.world_size), fsdp.rank(), fsdp.world_size()))
+      :format(tostring(sd.rank), tostring(sd.world_size), core.rank(), core.world_size()))
   end
   local mine = {}
   if self.wrapped then
@@ -445,11 +411,11 @@ function SGD:step()
     self:each_slice(function(st, p, g)
       local first = false
       if momentum ~= 0 and st.momentum_buffer == nil then
-        st.momentum_buffer = fsdp.zeros({p:numel()}, { role = "optim", device = p.device })
+        st.momentum_buffer = core.zeros({p:numel()}, { role = "optim", device = p.device })
         first = true
       end
       st.step = st.step + 1
-      fsdp.core.sgd_step(p, g, st.momentum_buffer, lr, momentum, wd, first)
+      core.sgd_step(p, g, st.momentum_buffer, lr, momentum, wd, first)
     end, true)
     return
   end
@@ -469,7 +435,7 @@ function SGD:step()
       end
       st.step = st.step + 1
       mask_dense(p, g)
-      fsdp.core.sgd_step(p, g, st.momentum_buffer, lr, momentum, wd, first)
+      core.sgd_step(p, g, st.momentum_buffer, lr, momentum, wd, first)
       mask_dense(p, p)
       if fresh then g:free() end
     end
@@ -525,11 +491,11 @@ function AdamW:step()
   if self.wrapped then
     self:each_slice(function(st, p, g, param)
       if st.exp_avg == nil then
-        st.exp_avg = fsdp.zeros({p:numel()}, { role = "optim", device = p.device })
-        st.exp_avg_sq = fsdp.zeros({p:numel()}, { role = "optim", device = p.device })
+        st.exp_avg = core.zeros({p:numel()}, { role = "optim", device = p.device })
+        st.exp_avg_sq = core.zeros({p:numel()}, { role = "optim", device = p.device })
       end
       st.step = st.step + 1
-      fsdp.core.adamw_step(p, g, st.exp_avg, st.exp_avg_sq, lr, b1, b2, eps,
+      core.adamw_step(p, g, st.exp_avg, st.exp_avg_sq, lr, b1, b2, eps,
         self.decay[param] and wd or 0, st.step)
     end, true)
     return
@@ -545,7 +511,7 @@ function AdamW:step()
       end
       st.step = st.step + 1
       mask_dense(p, g)
-      fsdp.core.adamw_step(p, g, st.exp_avg, st.exp_avg_sq, lr, b1, b2, eps,
+      core.adamw_step(p, g, st.exp_avg, st.exp_avg_sq, lr, b1, b2, eps,
         self.decay[p] and wd or 0, st.step)
       mask_dense(p, p)
       if fresh then g:free() end
@@ -571,22 +537,22 @@ function optim.clip_grad_norm(model, max_norm)
   if R then
     local sq_sharded, sq_replicated = 0, 0
     local gshards = {}
-    each_unit(R, "clip_grad_norm", function(U, _, g, slices)
+    each_unit(R, "clip_grad_norm", function(u, _, g, slices)
       gshards[#gshards + 1] = g
       for _, s in ipairs(slices) do
         local n = s.shard_last - s.shard_first + 1
         local gs = g:narrow(1, s.shard_first, n)
         local m = slice_mask(s.param, n, s.path)
-        if m then fsdp.core.mask_apply(gs, m) end
-        local sq = fsdp.core.sumsq(gs)
-        if U.strategy == "none" then
+        if m then core.mask_apply(gs, m) end
+        local sq = core.sumsq(gs)
+        if u:strategy() == "none" then
           sq_replicated = sq_replicated + sq
         else
           sq_sharded = sq_sharded + sq
         end
       end
     end)
-    local total = math.sqrt(fsdp.all_reduce(sq_sharded, "sum") + sq_replicated)
+    local total = math.sqrt(core.all_reduce(sq_sharded, "sum") + sq_replicated)
     local coef = max_norm / (total + 1e-6)
     if coef < 1 then
       for i = 1, #gshards do gshards[i]:mul_(coef) end
@@ -603,7 +569,7 @@ function optim.clip_grad_norm(model, max_norm)
     end
   end
   local sq = 0
-  for i = 1, #grads do sq = sq + fsdp.core.sumsq(grads[i]) end
+  for i = 1, #grads do sq = sq + core.sumsq(grads[i]) end
   local total = math.sqrt(sq)
   local coef = max_norm / (total + 1e-6)
   if coef < 1 then
@@ -702,7 +668,7 @@ function GradScaler:is_enabled() return self.enabled end
 -- loss * scale, a recorded op (its backward multiplies every gradient by the scale). A bf16 or
 -- f16 loss is scaled in f32 (f16 holds at most 65504). Disabled: loss itself.
 function GradScaler:scale(loss)
-  if not fsdp.core.is_tensor(loss) then
+  if not core.is_tensor(loss) then
     raise(("GradScaler:scale: expects the loss tensor (got %s)"):format(type(loss)))
   end
   if not self.enabled then return loss end
@@ -731,13 +697,13 @@ local function unscale_grads(opt, inv, what)
       for _, s in ipairs(slices) do
         local n = s.shard_last - s.shard_first + 1
         local m = slice_mask(s.param, n, s.path)
-        if m then fsdp.core.mask_apply(g:narrow(1, s.shard_first, n), m) end
+        if m then core.mask_apply(g:narrow(1, s.shard_first, n), m) end
       end
       g:mul_(inv)
-      if non_finite(fsdp.core.sumsq(g)) then found = true end
+      if non_finite(core.sumsq(g)) then found = true end
     end)
-    if fsdp.world_size() > 1 then
-      found = fsdp.all_reduce(found and 1 or 0, "max", "GradScaler.found_inf") ~= 0
+    if core.world_size() > 1 then
+      found = core.all_reduce(found and 1 or 0, "max", "GradScaler.found_inf") ~= 0
     end
     return found
   end
@@ -751,7 +717,7 @@ local function unscale_grads(opt, inv, what)
       end
       mask_dense(e.param, g)
       g:mul_(inv)
-      if non_finite(fsdp.core.sumsq(g)) then found = true end
+      if non_finite(core.sumsq(g)) then found = true end
       if fresh then g:free() end
     end
   end

@@ -29,84 +29,15 @@
 -- values it holds of them into one buffer, one all_reduce("sum") assembles them, and every rank
 -- decides those groups from the whole group. No alignment of the layout is needed.
 
-local fsdp = require "fsdp"
 local core = require "fsdp.core"
 local mask = require "fsdp.mask"
+local util = require "fsdp.util"
 
 local prune = {}
 
-local function base() return require "fsdp.nn.module" end
-local function raise(msg) base().raise(msg) end
-local function is_module(x) return base().is_module(x) end
+local raise = util.raise
 
 local ROLE = {role = "other"}
-
--- ---- parameter selection ----------------------------------------------------------------------
-
-local function patterns(v, what, fn)
-  if v == nil then return nil end
-  if type(v) == "string" then return {v} end
-  if type(v) ~= "table" or #v == 0 then
-    raise(("%s: %s must be a Lua pattern or a list of them (got %s)"):format(fn, what, type(v)))
-  end
-  for i, s in ipairs(v) do
-    if type(s) ~= "string" then
-      raise(("%s: %s[%d] must be a string (got %s)"):format(fn, what, i, type(s)))
-    end
-  end
-  return v
-end
-
-local function matches(path, pats)
-  for _, pat in ipairs(pats) do
-    if path:find(pat) then return true end
-  end
-  return false
-end
-
-local function path_list(all)
-  local names = {}
-  for i, e in ipairs(all) do names[i] = e.path end
-  return table.concat(names, ", ")
-end
-
---- The parameters of model selected by opts.params (default: every parameter with 2 or more
---- dimensions) minus opts.exclude, in named_parameters order: array of {path =, param =}.
---- A pattern that matches no parameter is an error listing the parameters.
-function prune._select(model, opts, fn)
-  if not is_module(model) then raise(("%s: expected a module (got %s)"):format(fn, type(model))) end
-  local inc = patterns(opts.params, "params", fn)
-  local exc = patterns(opts.exclude, "exclude", fn) or {}
-  local all = {}
-  for path, p in model:named_parameters() do all[#all + 1] = {path = path, param = p} end
-  for _, list in ipairs{inc or {}, exc} do
-    for _, pat in ipairs(list) do
-      local ok, hit = pcall(function()
-        for _, e in ipairs(all) do
-          if e.path:find(pat) then return true end
-        end
-        return false
-      end)
-      if not ok then raise(("%s: bad pattern %q: %s"):format(fn, pat, tostring(hit))) end
-      if not hit then
-        raise(("%s: the pattern %q matches no parameter; the parameters are: %s")
-          :format(fn, pat, path_list(all)))
-      end
-    end
-  end
-  local out = {}
-  for _, e in ipairs(all) do
-    local take
-    if inc then take = matches(e.path, inc) else take = #e.param:shape() >= 2 end
-    if take and not matches(e.path, exc) then out[#out + 1] = e end
-  end
-  if #out == 0 then
-    raise(("%s: no parameter left to prune (params %s, exclude %s); the parameters are: %s")
-      :format(fn, inc and table.concat(inc, " | ") or "(every weight with 2+ dimensions)",
-        #exc > 0 and table.concat(exc, " | ") or "-", path_list(all)))
-  end
-  return out
-end
 
 -- ---- this rank's pieces of the selected parameters --------------------------------------------
 
@@ -117,32 +48,26 @@ end
 -- when the rank holds no element. Returns entries, collective (some parameter is sharded).
 local function pieces(entries, fn)
   local collective = false
-  local rank = fsdp.rank()
+  local rank = core.rank()
   local shards = {} -- unit -> its shard tensor (one per unit)
   for _, e in ipairs(entries) do
     local p = e.param
     e.numel, e.shape = p:numel(), p:shape()
     local u = core.param_unit(p)
     e.unit = u
-    local rec = mask._record(p)
     if u == nil then
       if p.device ~= "cpu" then
         raise(("%s: %s is on the %s device: materialize the model first"):format(fn, e.path, p.device))
       end
-      e.piece = {x = p:detach():view{e.numel}, m = rec and rec.flat, first = 1, n = e.numel, counts = true}
+      e.piece = {x = p:detach():view{e.numel}, m = mask.piece(p), first = 1, n = e.numel, counts = true}
     else
       collective = true
-      local s
-      for _, sl in ipairs(u:local_slices()) do
-        if rawequal(sl.param, p) then s = sl break end
-      end
+      local s = util.local_slice(u, p)
       if s ~= nil then
         local n = s.shard_last - s.shard_first + 1
         shards[u] = shards[u] or u:shard()
-        local m
-        if rec ~= nil and rec.sharded then m = rec.slice end
-        e.piece = {x = shards[u]:narrow(1, s.shard_first, n), m = m, first = s.param_first, n = n,
-          shard_first = s.shard_first, counts = u:strategy() ~= "none" or rank == 0}
+        e.piece = {x = shards[u]:narrow(1, s.shard_first, n), m = mask.piece(p), first = s.param_first,
+          n = n, shard_first = s.shard_first, counts = u:strategy() ~= "none" or rank == 0}
       end
     end
   end
@@ -154,27 +79,14 @@ end
 -- mask_from_nonzero), else a new one.
 local function out_buffer(pc, in_place)
   if in_place and pc.m ~= nil then return pc.m end
-  return fsdp.ones({pc.n}, {role = ROLE.role, device = pc.x.device}) -- where the weights are
+  return core.ones({pc.n}, {role = ROLE.role, device = pc.x.device}) -- where the weights are
 end
 
 -- Store the new mask of entry e (values `mout` for its piece, or nil when it has none) and mask
 -- the weights.
 local function store(e, mout)
   local p = e.param
-  if e.unit == nil then
-    local rec = mask._record(p)
-    if not (rec and not rec.sharded and rawequal(rec.flat, mout)) then
-      local full = fsdp.zeros(e.shape, ROLE)
-      local flat = full:view{e.numel}
-      flat:copy(mout)
-      mask._set_record(p, {full = full, flat = flat})
-      mout = flat
-    end
-    core.mask_apply(e.piece.x, mout)
-    return
-  end
-  local rec = mask._sharded_record(e.unit, p, e.path, mout)
-  mask._set_record(p, rec)
+  if not (mask.has(p) and rawequal(mask.piece(p), mout)) then mask.adopt(p, e.unit, e.path, mout) end
   if mout ~= nil then core.mask_apply(e.piece.x, mout) end
 end
 
@@ -184,7 +96,7 @@ local function refresh_units(entries)
   for _, e in ipairs(entries) do
     if e.unit ~= nil and not seen[e.unit] then
       seen[e.unit] = true
-      mask._refresh(e.unit)
+      mask.refresh(e.unit)
     end
   end
 end
@@ -285,7 +197,7 @@ function prune.magnitude(model, opts)
   if scope ~= "param" and scope ~= "global" then
     raise(("%s: scope must be \"param\" or \"global\" (got %s)"):format(fn, tostring(scope)))
   end
-  local entries, collective = pieces(prune._select(model, opts, fn), fn)
+  local entries, collective = pieces(util.select_params(model, opts, fn), fn)
   local groups = {}
   local total = 0
   for _, e in ipairs(entries) do total = total + e.numel end
@@ -352,7 +264,7 @@ local function cut_groups(e, m)
     if rawequal(ps[i], e.param) then entry = layout[i] break end
   end
   local set, list = {}, {}
-  for r = 0, fsdp.world_size() - 1 do
+  for r = 0, core.world_size() - 1 do
     local s = entry.slices[r]
     if s ~= nil then
       for _, b in ipairs{s[1] - 1, s[2]} do -- 0-based boundaries before element b
@@ -378,7 +290,7 @@ function prune.nm(model, opts)
       or n > m or m > 4096 then
     raise(("%s: need integers 0 <= n <= m <= 4096 (got n = %s, m = %s)"):format(fn, tostring(n), tostring(m)))
   end
-  local entries, collective = pieces(prune._select(model, opts, fn), fn)
+  local entries, collective = pieces(util.select_params(model, opts, fn), fn)
   for _, e in ipairs(entries) do
     local last = e.shape[#e.shape] or 1
     if last % m ~= 0 then
@@ -394,7 +306,7 @@ function prune.nm(model, opts)
     if pc then
       local a = pc.first - 1 -- 0-based start
       pc.lead = (m - a % m) % m
-      pc.mout = fsdp.ones({pc.n}, ROLE)
+      pc.mout = core.ones({pc.n}, ROLE)
       core.mask_nm(pc.mout, pc.x, pc.m, n, m, pc.lead)
     end
   end
@@ -405,7 +317,7 @@ function prune.nm(model, opts)
   end
   res.cut_groups = #cuts
   if #cuts > 0 then
-    local buf = fsdp.zeros{#cuts * m}
+    local buf = core.zeros{#cuts * m}
     for ci, c in ipairs(cuts) do
       local pc = c.e.piece
       if pc then
@@ -417,7 +329,7 @@ function prune.nm(model, opts)
         end
       end
     end
-    if collective then fsdp.all_reduce(buf, "sum", fn .. " cut groups") end
+    if collective then core.all_reduce(buf, "sum", fn .. " cut groups") end
     local vals = buf:totable()
     for ci, c in ipairs(cuts) do
       local pc = c.e.piece
@@ -446,7 +358,7 @@ end
 --- parameter becomes (weight ~= 0): its current zeros are held from now on.
 function prune.hold(model, opts)
   local fn = "prune.hold"
-  local entries = pieces(prune._select(model, opts or {}, fn), fn)
+  local entries = pieces(util.select_params(model, opts or {}, fn), fn)
   for _, e in ipairs(entries) do
     local mout
     if e.piece then
@@ -483,7 +395,7 @@ function prune.gmp_sparsity(mod, t)
   return mod.final + (mod.init - mod.final) * (1 - p) ^ 3
 end
 
---- schedule{ modifier, ... } -> s. Modifiers (params/exclude: patterns, see _select):
+--- schedule{ modifier, ... } -> s. Modifiers (params/exclude: patterns, see fsdp.util.select_params):
 ---   {kind = "gmp", params =, start =, stop =, every = 1, init = 0.05, final = 0.8, scope = "param"}
 ---   {kind = "oneshot", params =, at = (or start), sparsity =, scope = "param"}
 ---   {kind = "nm", params =, at = (or start), n = 2, m = 4}
@@ -502,8 +414,8 @@ function prune.schedule(mods)
         .. "\"constant\" (got %s)"):format(i, type(src) == "table" and tostring(src.kind) or type(src)))
     end
     local mod = {kind = src.kind, params = src.params, exclude = src.exclude, index = i}
-    patterns(src.params, "params", "prune.schedule") -- validates
-    patterns(src.exclude, "exclude", "prune.schedule")
+    util.patterns(src.params, "params", "prune.schedule") -- validates
+    util.patterns(src.exclude, "exclude", "prune.schedule")
     if src.kind == "gmp" then
       mod.start = num(src, i, "start", 0, 0)
       mod.stop = num(src, i, "stop", nil, 0)
@@ -543,7 +455,7 @@ end
 function Schedule:check(model)
   if self.checked == model then return end
   for _, mod in ipairs(self.mods) do
-    local ok, err = pcall(prune._select, model, mod, ("prune.schedule: modifier %d (%s)"):format(mod.index, mod.kind))
+    local ok, err = pcall(util.select_params, model, mod, ("prune.schedule: modifier %d (%s)"):format(mod.index, mod.kind))
     if not ok then error(err, 0) end
   end
   self.checked = model
@@ -615,7 +527,7 @@ function prune.report(model, opts)
   opts = opts or {}
   local sp = mask.sparsity(model)
   local prunable = {}
-  for _, e in ipairs(prune._select(model, opts, "prune.report")) do prunable[e.path] = true end
+  for _, e in ipairs(util.select_params(model, opts, "prune.report")) do prunable[e.path] = true end
   local r = setmetatable({total = sp.total, sparse = sp.zeros, prunable = 0, prunable_sparse = 0,
     params = {}, order = sp.order}, Report)
   for _, path in ipairs(sp.order) do

@@ -56,6 +56,19 @@ fsdp_device_i fsdp_device_sharded = {
     .no_data = "is sharded: gather its unit (u:gather()) or use fsdp.full_params",
 };
 
+/* What backs the shard and gradient shard of a unit after unshard, for the views of them that
+ * outlive it (fsdp.shard(p) hands them out): no data, so a write through one raises instead
+ * of landing in memory nobody reads any more. */
+static fsdp_device_i fsdp_device_unsharded = {
+    .name = "unsharded",
+    .has_data = false,
+    .alloc = sharded_alloc,
+    .free = sharded_free,
+    .no_data = "is a view of the shard of a unit that was unsharded (fsdp.unwrap): writes to it "
+               "would go nowhere; the parameters hold the values now (take fsdp.shard(param) "
+               "again)",
+};
+
 /* The device is not in core's registry (it holds no bytes to account), so its storages are
  * made here, unaccounted (domain NULL: release only frees the header). */
 static int sharded_storage_new(fsdp_storage **out, size_t bytes) {
@@ -97,7 +110,19 @@ struct fsdp_unit {
   int pending_bwd; /* "begin" hooks on the tape that have not run */
   int open_fwd;    /* pre_forwards that pushed a "begin" and await their post_forward */
   bool emptied;    /* unshard ran: the unit holds no parameters */
+  /* After an unshard with graphs still recorded through the unit: its former parameters, to
+   * tell a backward that reaches them (an error) from one that only passes a dropped graph. */
+  struct stale_param *stale;
+  int nstale;
 };
+
+/* A former parameter and the .grad it had when backward reached the unit's "end" hook. */
+typedef struct stale_param {
+  fsdp_tensor *param;     /* retained */
+  fsdp_tensor *grad_seen; /* retained; may be NULL */
+  uint64_t version_seen;
+  bool seen;
+} stale_param;
 
 /* Units whose prefetch is in flight, per thread (a rank's units live on its thread). A
  * prefetch that is never consumed would be consumed later with stale values (after an
@@ -450,6 +475,58 @@ static void contiguous_strides(int64_t *strides, int ndim, const int64_t *shape)
   }
 }
 
+/* ---- an emptied unit's graphs ------------------------------------------------------------ */
+
+static void stale_forget(fsdp_unit *u) {
+  for (int i = 0; i < u->nstale; i++) {
+    fsdp_tensor_release(u->stale[i].grad_seen);
+    u->stale[i].grad_seen = NULL;
+    u->stale[i].seen = false;
+  }
+}
+
+static void stale_free(fsdp_unit *u) {
+  stale_forget(u);
+  for (int i = 0; i < u->nstale; i++) fsdp_tensor_release(u->stale[i].param);
+  free(u->stale);
+  u->stale = NULL;
+  u->nstale = 0;
+}
+
+/* Backward reached the "end" hook of an emptied unit: note each former parameter's .grad. */
+static void stale_snapshot(fsdp_unit *u) {
+  stale_forget(u);
+  for (int i = 0; i < u->nstale; i++) {
+    stale_param *s = &u->stale[i];
+    s->grad_seen = s->param->grad;
+    fsdp_tensor_retain(s->grad_seen);
+    s->version_seen = s->grad_seen ? s->grad_seen->version : 0;
+    s->seen = true;
+  }
+}
+
+/* Did a gradient reach a former parameter since the snapshot (the recorded graph runs through
+ * the unit's ops)? If so, drop the gradients the aborted backward gave parameters that had none:
+ * it leaves nothing half-made behind. */
+static bool stale_reached(fsdp_unit *u) {
+  bool reached = false;
+  for (int i = 0; i < u->nstale; i++) {
+    stale_param *s = &u->stale[i];
+    fsdp_tensor *g = s->param->grad;
+    if (s->seen && (g != s->grad_seen || (g && g->version != s->version_seen))) reached = true;
+  }
+  if (reached)
+    for (int i = 0; i < u->nstale; i++)
+      if (u->stale[i].seen && !u->stale[i].grad_seen) fsdp_tensor_set_grad(u->stale[i].param, NULL);
+  return reached;
+}
+
+/* One recorded use of an emptied unit is gone (its "begin" hook ran or was freed). */
+static void stale_use_done(fsdp_unit *u) {
+  stale_forget(u);
+  if (--u->pending_bwd == 0) stale_free(u);
+}
+
 static void unit_free(fsdp_unit *u) {
   drop_prefetch(u);
   for (int i = 0; i < u->n; i++) {
@@ -462,6 +539,7 @@ static void unit_free(fsdp_unit *u) {
   }
   free(u->params);
   free(u->got_grad);
+  stale_free(u);
   fsdp_tensor_release(u->shard);
   fsdp_tensor_release(u->grad_shard);
   fsdp_tensor_release(u->full);
@@ -859,7 +937,10 @@ static int hook_end(void *ud) {
   hook_ud *h = ud;
   fsdp_unit *u = h->u;
   h->ran = true;
-  if (u->emptied) return FSDP_OK;
+  if (u->emptied) {
+    stale_snapshot(u);
+    return FSDP_OK;
+  }
   if (gather_as(u, compute_dt(u))) return FSDP_ERR;
   /* only a unit whose backward is still to come in this backward (a "begin" of it is on the
    * tape): a frozen unit's, or one not used in this forward, would never be consumed */
@@ -934,7 +1015,15 @@ static int hook_begin(void *ud) {
   hook_ud *h = ud;
   fsdp_unit *u = h->u;
   h->ran = true;
-  if (u->emptied) return FSDP_OK;
+  if (u->emptied) {
+    bool reached = stale_reached(u);
+    stale_use_done(u);
+    if (reached)
+      return fsdp_error("backward: unit '%s' was unsharded (fsdp.unwrap) after the forward that "
+                        "recorded this graph: its gradients cannot reach the shards any more; "
+                        "run the forward again", u->path);
+    return FSDP_OK;
+  }
   if (--u->pending_bwd > 0) return FSDP_OK; /* an earlier use of the unit is still to come */
   return finish_backward(u);
 }
@@ -944,7 +1033,10 @@ static int hook_begin(void *ud) {
 static void hook_free(void *ud) {
   hook_ud *h = ud;
   fsdp_unit *u = h->u;
-  if (h->begin && !h->ran && !u->emptied && --u->pending_bwd == 0) {
+  if (h->begin && !h->ran && u->emptied) {
+    stale_reached(u); /* a backward stopped inside the unit: its partial gradients go */
+    stale_use_done(u);
+  } else if (h->begin && !h->ran && --u->pending_bwd == 0) {
     drop_full_grad(u);
     drop_prefetch(u);
   }
@@ -1000,11 +1092,30 @@ int fsdp_unit_post_forward(fsdp_unit *u) {
 
 /* ---- unshard ----------------------------------------------------------------------------------- */
 
+/* Free a storage's memory now and back it by the unsharded device, whoever still holds it. */
+static void disown_storage(fsdp_storage *s) {
+  if (s->device == &fsdp_device_unsharded) return;
+  if (s->domain) {
+    s->device->free(s->device->ctx, s->data, s->bytes);
+    fsdp_mem_uncharge(s->domain, s->device, s->role, s->bytes);
+  }
+  *s = (fsdp_storage){.refcount = s->refcount, .device = &fsdp_device_unsharded, .data = NULL,
+                      .bytes = s->bytes, .role = s->role, .domain = NULL};
+}
+
 int fsdp_unit_unshard(fsdp_unit *u) {
   if (u->emptied) return FSDP_OK;
   if (fsdp_unit_gather(u)) return fsdp_error_context("unshard");
   /* allocate everything first, so a failure leaves the unit as it was */
   fsdp_tensor **dense = calloc((size_t)(u->n ? u->n : 1), sizeof *dense);
+  stale_param *stale = NULL;
+  if (dense && u->pending_bwd > 0 && u->n > 0) { /* graphs through the unit are still recorded */
+    stale = calloc((size_t)u->n, sizeof *stale);
+    if (!stale) {
+      free(dense);
+      dense = NULL;
+    }
+  }
   if (!dense) return fsdp_error("unshard: unit '%s': out of host memory", u->path);
   for (int i = 0; i < u->n; i++) {
     fsdp_unit_param *q = &u->params[i];
@@ -1013,6 +1124,7 @@ int fsdp_unit_unshard(fsdp_unit *u) {
         copy_range(dense[i], 0, u->full, q->offset, q->numel)) {
       for (int j = 0; j <= i; j++) fsdp_tensor_release(dense[j]);
       free(dense);
+      free(stale);
       return fsdp_error_context("unshard: unit '%s'", u->path);
     }
   }
@@ -1023,12 +1135,19 @@ int fsdp_unit_unshard(fsdp_unit *u) {
     fsdp_tensor_set_storage(p, dense[i]->storage, 0);
     fsdp_tensor_release(dense[i]);
     if (p->user == u) p->user = NULL;
-    fsdp_tensor_release(p);
+    if (stale) stale[i].param = p; /* the reference moves there */
+    else fsdp_tensor_release(p);
     free(q->path);
   }
   free(dense);
+  if (stale) {
+    u->stale = stale;
+    u->nstale = u->n;
+  }
   u->n = 0;
   drop_prefetch(u);
+  disown_storage(u->shard->storage);
+  disown_storage(u->grad_shard->storage);
   fsdp_tensor_release(u->full);
   fsdp_tensor_release(u->shard);
   fsdp_tensor_release(u->grad_shard);

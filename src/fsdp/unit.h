@@ -225,7 +225,13 @@ bool fsdp_unit_param_has_grad(const fsdp_unit *u, int i);
  * cleared; labels stay; grads dropped). Used by unwrap; the unit should then be released.
  * Idempotent. Afterwards the unit is empty: numel 0, state SHARDED, and gather, reshard,
  * prefetch, writeback, zero_grad, forward hooks, shard and grad_shard are errors ("... was
- * unsharded (unwrapped) and holds no parameters"); hooks of it still on the tape do nothing. */
+ * unsharded (unwrapped) and holds no parameters"). The shard and gradient shard are freed at
+ * once; views of them still held (fsdp.shard) have no data from then on, so reading or writing
+ * through one is an error ("... is a view of the shard of a unit that was unsharded ...")
+ * instead of a write that goes nowhere. A backward over a graph recorded through the unit
+ * before the unshard fails when its gradients reach the unit's former parameters ("backward:
+ * unit '<path>' was unsharded (fsdp.unwrap) after the forward that recorded this graph ...",
+ * the gradients it gave them dropped); one that only passes a dropped graph's hooks goes on. */
 int fsdp_unit_unshard(fsdp_unit *u);
 
 #endif

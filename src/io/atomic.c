@@ -6,15 +6,19 @@
  * temporary in the destination folder, fsync it, rename it over the final name (atomic within
  * one file system), then fsync the folder so the rename itself is durable. A reader therefore
  * sees either the old file or the new one, never a prefix. The temporary's name starts with a
- * dot and ends in .tmp.<pid>.<tid>, so leftovers of a crash are recognizable and never mistaken
- * for a checkpoint.
+ * dot and ends in .tmp.<host>.<pid>.<tid>, so leftovers of a crash are recognizable and never
+ * mistaken for a checkpoint; opening an atomic file removes those of dead processes of this
+ * host from its folder (a process killed mid-save cannot do it itself). The host is in the name
+ * because a folder may be shared between machines, where a pid says nothing.
  *
  * Invariants: `used` bytes of `buf` are pending at file offset `flushed`; size = flushed +
  * used. Once a system call fails, `failed` is set and the handle only accepts abort/commit
  * (which then cleans up and reports the first error again).
  */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -142,6 +146,69 @@ static void free_handle(fsdp_io_atomic *f) {
   free(f);
 }
 
+/* ---- temporaries ------------------------------------------------------------------------ */
+
+#define HOST_TAG_MAX 40
+
+/* This machine's name as it goes into temporaries: letters, digits and '-' (anything else
+ * becomes '-', so the name has no dot), at most HOST_TAG_MAX bytes. */
+static void host_tag(char out[HOST_TAG_MAX + 1]) {
+  char name[256] = {0};
+  if (gethostname(name, sizeof name - 1) != 0 || name[0] == '\0') strcpy(name, "host");
+  size_t n = 0;
+  for (; name[n] && n < HOST_TAG_MAX; n++) {
+    char c = name[n];
+    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-';
+    out[n] = ok ? c : '-';
+  }
+  out[n] = '\0';
+}
+
+/* The digits that end s[0, *end), moved past: their value, or -1 when there are none (or too
+ * many for a pid). *end then points at the character before them. */
+static long trailing_number(const char *s, size_t *end) {
+  size_t e = *end, b = e;
+  while (b > 0 && s[b - 1] >= '0' && s[b - 1] <= '9') b--;
+  if (b == e || e - b > 9) return -1;
+  long v = 0;
+  for (size_t i = b; i < e; i++) v = v * 10 + (s[i] - '0');
+  *end = b;
+  return v;
+}
+
+/* The pid in a temporary's name (".<name>.tmp.<host>.<pid>.<tid>") when it was made on this
+ * host, else -1. Names from before hosts were recorded (".<name>.tmp.<pid>.<tid>") count as
+ * this host's. */
+static long temp_pid_here(const char *name, const char *host) {
+  size_t end = strlen(name);
+  if (name[0] != '.' || trailing_number(name, &end) < 0 || end == 0 || name[--end] != '.')
+    return -1;
+  long pid = trailing_number(name, &end);
+  if (pid <= 0 || end == 0 || name[--end] != '.') return -1;
+  size_t hl = strlen(host);
+  if (end >= 4 && strncmp(name + end - 4, ".tmp", 4) == 0 && end > 4) return pid; /* no host */
+  if (end < hl + 6 || strncmp(name + end - hl, host, hl) != 0) return -1;
+  end -= hl;
+  return end > 5 && strncmp(name + end - 5, ".tmp.", 5) == 0 ? pid : -1;
+}
+
+/* Remove the temporaries in dir that processes of this host left behind when they died (killed
+ * during a save). Those of live processes (another save in progress) stay. Best effort: a
+ * folder that cannot be read, or a file another process removes first, is not an error. */
+static void remove_stale_temps(const char *dir, const char *host) {
+  DIR *d = opendir(dir);
+  if (d == NULL) return;
+  int dfd = dirfd(d);
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL) {
+    long pid = temp_pid_here(e->d_name, host);
+    if (pid <= 0 || pid == (long)getpid()) continue;
+    if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue; /* alive (or not ours to ask) */
+    unlinkat(dfd, e->d_name, 0);
+  }
+  closedir(d);
+}
+
 /* ---- the handle -------------------------------------------------------------------------- */
 
 int fsdp_io_atomic_open(fsdp_io_atomic **out, const char *path) {
@@ -156,22 +223,28 @@ int fsdp_io_atomic_open(fsdp_io_atomic **out, const char *path) {
   const char *base = slash != NULL ? slash + 1 : path;
   int dirlen = slash != NULL ? (int)(slash - path) : 0;
   long tid = (long)gettid();
+  char host[HOST_TAG_MAX + 1];
+  host_tag(host);
   f->path = strdup(path);
   f->dir = slash == NULL ? strdup(".") : dirlen == 0 ? strdup("/") : strndup(path, (size_t)dirlen);
   long pid = (long)getpid();
-  f->tmp = slash != NULL ? dup_printf("%.*s/.%s.tmp.%ld.%ld", dirlen, path, base, pid, tid)
-                         : dup_printf(".%s.tmp.%ld.%ld", base, pid, tid);
+  f->tmp = slash != NULL
+               ? dup_printf("%.*s/.%s.tmp.%s.%ld.%ld", dirlen, path, base, host, pid, tid)
+               : dup_printf(".%s.tmp.%s.%ld.%ld", base, host, pid, tid);
   f->buf = malloc(ATOMIC_BUF_BYTES);
   if (f->path == NULL || f->dir == NULL || f->tmp == NULL || f->buf == NULL) {
     free_handle(f);
     return fsdp_error("%s: out of memory", path);
   }
-  if (strlen(base) + 40 > NAME_MAX) {
-    int rc = fsdp_error("%s: file name too long for its temporary (%zu bytes; at most %d)", path,
-                        strlen(base), NAME_MAX - 40);
+  /* ".", ".tmp.", the host, two dots and two numbers of up to 10 digits */
+  const size_t extra = 28 + HOST_TAG_MAX;
+  if (strlen(base) + extra > NAME_MAX) {
+    int rc = fsdp_error("%s: file name too long for its temporary (%zu bytes; at most %zu)", path,
+                        strlen(base), (size_t)NAME_MAX - extra);
     free_handle(f);
     return rc;
   }
+  remove_stale_temps(f->dir, host);
   for (int attempt = 0; attempt < 2; attempt++) {
     if (fault_fires(FSDP_IO_FAULT_OPEN)) break;
     f->fd = open(f->tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);

@@ -33,9 +33,12 @@ typedef struct cJSON cJSON;
 /* ---- atomic files (atomic.c) ------------------------------------------------------------ */
 
 /* A file that appears under its final name whole or not at all. open creates
- * "<dir>/.<name>.tmp.<pid>.<tid>" in the folder of `path` (so the rename cannot cross file
- * systems); commit flushes, fsyncs, renames it over `path` and fsyncs the folder; abort (or a
- * failed commit) removes it. Until commit, an existing file at `path` is never touched.
+ * "<dir>/.<name>.tmp.<host>.<pid>.<tid>" in the folder of `path` (so the rename cannot cross
+ * file systems; <host> is this machine's name, letters, digits and '-' only); commit flushes,
+ * fsyncs, renames it over `path` and fsyncs the folder; abort (or a failed commit) removes it.
+ * Until commit, an existing file at `path` is never touched. open first removes from the
+ * folder the temporaries of processes of this host that are no longer running (a save killed
+ * midway); those of running processes, and of other hosts, stay.
  * A write that fails leaves the handle failed: later writes and commit return an error and the
  * caller aborts. One writer per path per thread at a time: a leftover temporary of the same
  * name (a crashed process whose pid and tid this one reuses) is replaced. Writes are buffered

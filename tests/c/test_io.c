@@ -15,6 +15,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <setjmp.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -22,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -1363,11 +1365,15 @@ static void test_atomic_basics(void **state) {
   fsdp_io_atomic *f;
   assert_int_equal(fsdp_io_atomic_open(&f, path), FSDP_OK);
   assert_string_equal(fsdp_io_atomic_path(f), path);
-  char want[64];
-  snprintf(want, sizeof want, "/.f.bin.tmp.%ld.%ld", (long)getpid(), (long)gettid());
+  char want[64], host[256] = {0};
+  gethostname(host, sizeof host - 1);
+  host[strcspn(host, ".")] = '\0'; /* the tag maps a dot (and past it) to '-' */
+  snprintf(want, sizeof want, ".%ld.%ld", (long)getpid(), (long)gettid());
   char tmp[1024];
   snprintf(tmp, sizeof tmp, "%s", fsdp_io_atomic_temp_path(f));
-  assert_non_null(strstr(tmp, want));
+  assert_non_null(strstr(tmp, "/.f.bin.tmp."));
+  assert_non_null(strstr(tmp, host));
+  assert_string_equal(tmp + strlen(tmp) - strlen(want), want);
   assert_true(exists(tmp));
   assert_false(exists(path)); /* nothing under the final name before commit */
   /* bytes on both sides of the 1 MiB buffer, a patch across the flushed/buffered boundary */
@@ -1423,7 +1429,9 @@ static void test_atomic_abort_and_stale(void **state) {
   assert_int_equal(count_temps(fx->dir), 0);
   /* a leftover temporary with this pid and tid (a crashed process) is replaced */
   char stale[512];
-  snprintf(stale, sizeof stale, "%s/.f.txt.tmp.%ld.%ld", fx->dir, (long)getpid(), (long)gettid());
+  assert_int_equal(fsdp_io_atomic_open(&f, path), FSDP_OK);
+  snprintf(stale, sizeof stale, "%s", fsdp_io_atomic_temp_path(f));
+  fsdp_io_atomic_abort(f);
   spit(stale, "stale junk", 10);
   assert_int_equal(fsdp_io_atomic_open(&f, path), FSDP_OK);
   assert_int_equal(fsdp_io_atomic_write(f, "new", 3), FSDP_OK);
@@ -1453,6 +1461,56 @@ static void test_atomic_abort_and_stale(void **state) {
   got = slurp(path, &size);
   assert_memory_equal(got, "new", 3);
   free(got);
+}
+
+/* A process killed during a save leaves its temporary behind; the next atomic file opened in
+ * that folder removes it, and only it: a live process's temporary, another host's and
+ * files that are no temporary stay. */
+static void test_atomic_stale_of_dead_process(void **state) {
+  fixture *fx = *state;
+  const char *path = path_in(fx, "m.safetensors");
+  pid_t child = fork();
+  assert_true(child >= 0);
+  if (child == 0) { /* a save killed midway: kill -9 */
+    fsdp_io_atomic *cf;
+    if (fsdp_io_atomic_open(&cf, path) == FSDP_OK) fsdp_io_atomic_write(cf, "partial", 7);
+    raise(SIGKILL);
+    _exit(1);
+  }
+  int status;
+  assert_int_equal(waitpid(child, &status, 0), child);
+  assert_true(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  assert_int_equal(count_temps(fx->dir), 1); /* the dead process's */
+  /* the same dead pid in the name format before hosts were recorded, and on another host */
+  char legacy[512], other[512], plain[512];
+  snprintf(legacy, sizeof legacy, "%s/.old.bin.tmp.%ld.%ld", fx->dir, (long)child, (long)child);
+  snprintf(other, sizeof other, "%s/.m.bin.tmp.elsewhere-7.%ld.%ld", fx->dir, (long)child,
+           (long)child);
+  snprintf(plain, sizeof plain, "%s/.notes.tmp", fx->dir);
+  spit(legacy, "x", 1);
+  spit(other, "x", 1);
+  spit(plain, "x", 1);
+  /* a live process's save in progress (this one's: another thread's would look the same) */
+  fsdp_io_atomic *live;
+  assert_int_equal(fsdp_io_atomic_open(&live, path_in(fx, "live.bin")), FSDP_OK);
+  char live_tmp[512];
+  snprintf(live_tmp, sizeof live_tmp, "%s", fsdp_io_atomic_temp_path(live));
+  /* opening it already swept the folder: the dead process's temporaries are gone */
+  assert_int_equal(count_temps(fx->dir), 2); /* live's and the other host's */
+  assert_false(exists(legacy));
+  assert_true(exists(other));
+  assert_true(exists(plain));
+  assert_true(exists(live_tmp));
+  /* the next save into the folder leaves the live one alone */
+  fsdp_io_atomic *f;
+  assert_int_equal(fsdp_io_atomic_open(&f, path), FSDP_OK);
+  assert_int_equal(fsdp_io_atomic_write(f, "whole", 5), FSDP_OK);
+  assert_int_equal(fsdp_io_atomic_commit(f), FSDP_OK);
+  assert_true(exists(live_tmp));
+  fsdp_io_atomic_abort(live);
+  assert_int_equal(count_temps(fx->dir), 1); /* the other host's */
+  remove(other);
+  remove(plain);
 }
 
 static void test_atomic_unwritable(void **state) {
@@ -1728,6 +1786,7 @@ int main(void) {
       T(test_interrupted_writes),
       T(test_atomic_basics),
       T(test_atomic_abort_and_stale),
+      T(test_atomic_stale_of_dead_process),
       T(test_atomic_unwritable),
       T(test_fault_names),
       T(test_json),

@@ -18,6 +18,9 @@
 --   fsdprun -n N tests/dist/ckpt_reshard.lua --phase=extra_load --ckpt=DIR --ref=FILE [--plain]
 --     (another N) loads both: the parameters as saved, extra's tensors in their dtypes, bit for
 --     bit
+--   fsdprun -n N tests/dist/ckpt_reshard.lua --phase=tied --ckpt=DIR
+--     an untied model's two copies of a tied parameter: refused on every rank when they differ
+--     (one element), loaded when equal, both formats, strict or not
 local fsdp = require "fsdp"
 local T = dofile("tests/dist/ckpt_common.lua")
 local core = fsdp.core
@@ -171,6 +174,42 @@ elseif a.phase == "extra_save" or a.phase == "extra_load" then
     T.say(("ok: extra's bf16, i64 and bool tensors loaded at %d ranks%s, bit for bit, in their dtypes")
       :format(T.W, a.plain and " (plain model)" or ""))
   end
+elseif a.phase == "tied" then
+  -- an untied GPT whose head.weight copies wte.weight, saved (wrapped) in both formats, loads
+  -- into a tied GPT; with one element different in the copy the load fails on every rank
+  -- alike, naming both tensors, and the model keeps its values
+  for _, differ in ipairs{true, false} do
+    local u = T.gpt(21, {tie = false})
+    fsdp.no_grad(function()
+      u.head.weight:copy(u.wte.weight)
+      if differ then u.head.weight:set(32, 16, 0.5) end -- the last element
+    end)
+    T.wrap(u)
+    local dir = ("%s_%s"):format(a.ckpt, differ and "differ" or "equal")
+    fsdp.save(u, dir)
+    fsdp.save(u, dir .. ".safetensors")
+    for _, src in ipairs{dir, dir .. ".safetensors"} do
+      for _, strict in ipairs{true, false} do
+        local m = T.gpt(22)
+        T.wrap(m)
+        local before = T.values(m)
+        if differ then
+          local err = T.raises(function() fsdp.load(m, src, {strict = strict}) end,
+            "'wte.weight' and 'head.weight' hold one tied parameter of the model %(wte.weight%) but "
+            .. "different values %(largest difference", "tied copies that differ: " .. src)
+          T.check(T.W == 1 or err:find("rank %d+ of " .. T.W .. ": "), "the failing rank is named: " .. err)
+          T.same_values(T.values(m), before, "nothing loaded from " .. src)
+        else
+          fsdp.load(m, src, {strict = strict})
+          local got, want = T.values(m), T.values(u)
+          T.same_values({["wte.weight"] = got["wte.weight"]}, {["wte.weight"] = want["wte.weight"]},
+            "the tied parameter from " .. src)
+          T.check(rawequal(m.wte.weight, m.head.weight), "the tie holds")
+        end
+      end
+    end
+  end
+  T.say(("ok: tied copies that differ refused, equal ones loaded, at %d ranks (both formats)"):format(T.W))
 else
-  error("--phase=save|load|rngcheck|damaged|extra_save|extra_load")
+  error("--phase=save|load|rngcheck|damaged|extra_save|extra_load|tied")
 end

@@ -54,7 +54,7 @@ if W > 1 then
   local want = ('the config differs across ranks at ["layers"][2]: rank 0 has "b", rank %d has "c" '
     .. "(ranks that differ from rank 0: %d)"):format(W - 1, W - 1)
   check(err:find(want, 1, true), "agree message: " .. err)
-  check(err:find("collective.lua", 1, true) == nil, "the error points at the caller: " .. err)
+  check(err:find("fsdp/collective.lua", 1, true) == nil, "the error points at the caller: " .. err)
   -- several ranks differ: the first is named, all are listed
   local ok2, err2 = pcall(collective.agree, rank, "the rank")
   check(not ok2 and tostring(err2):find(("the rank differs across ranks: rank 0 has 0, rank 1 has 1 "

@@ -110,7 +110,7 @@ end
 
 -- wrap{init = fn} vs fsdp.materialize(plain, fn); gathered memory: one module's units at a time
 local function init(mod, path)
-  for _, e in ipairs(meta._own_entries(mod)) do
+  for _, e in ipairs(require("fsdp.nn.module").own_entries(mod)) do
     if nn.is_param(e[2]) then
       core.init_normal(e[2], 77, path .. "." .. tostring(e[1]), 0.1, 0.05)
     end

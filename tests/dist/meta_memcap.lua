@@ -95,7 +95,7 @@ local function with_init_fn()
   local calls = 0
   fsdp.wrap(m, {policy = policy(), prefetch = false, init = function(mod, path)
     calls = calls + 1
-    for _, e in ipairs(meta._own_entries(mod)) do
+    for _, e in ipairs(require("fsdp.nn.module").own_entries(mod)) do
       if nn.is_param(e[2]) then core.init_normal(e[2], 5, path .. "." .. tostring(e[1]), 0, 0.02) end
     end
   end})

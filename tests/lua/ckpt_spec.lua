@@ -150,15 +150,77 @@ describe("fsdp.save / fsdp.load at world size 1", function()
     end
   end)
 
-  it("loads an untied model's checkpoint into a tied model (the first path wins)", function()
+  it("loads an untied model's checkpoint into a tied model when its two copies agree", function()
     local u = gpt(1, {tie = false})
+    u.head.weight:copy(u.wte.weight)
     fsdp.save(u, dir .. "/u.safetensors")
     fsdp.save(u, dir .. "/uck")
     for _, src in ipairs{dir .. "/u.safetensors", dir .. "/uck"} do
-      local m = gpt(2)
-      fsdp.load(m, src) -- strict: head.weight is accounted for as wte.weight's other path
-      assert.are.same(values(u)["wte.weight"], values(m)["wte.weight"])
+      for _, wrapped in ipairs{false, true} do
+        local m = gpt(2)
+        if wrapped then fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}}) end
+        fsdp.load(m, src) -- strict: head.weight is accounted for as wte.weight's other path
+        if wrapped then fsdp.unwrap(m) end
+        assert.are.same(values(u)["wte.weight"], values(m)["wte.weight"])
+        assert.is_true(rawequal(m.wte.weight, m.head.weight))
+      end
     end
+  end)
+
+  it("refuses two different stored tensors for one tied parameter, naming both", function()
+    local u = gpt(1, {tie = false})
+    u.head.weight:copy(u.wte.weight)
+    u.head.weight:set(3, 2, 0.5) -- one element differs
+    fsdp.save(u, dir .. "/u.safetensors")
+    fsdp.save(u, dir .. "/uck")
+    for _, src in ipairs{dir .. "/u.safetensors", dir .. "/uck"} do
+      for _, strict in ipairs{true, false} do
+        for _, wrapped in ipairs{false, true} do
+          local m = gpt(2)
+          local before = values(m)
+          if wrapped then fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}}) end
+          errors_with(function() fsdp.load(m, src, {strict = strict}) end,
+            "'wte.weight' and 'head.weight' hold one tied parameter of the model (wte.weight)",
+            "but different values", "largest difference")
+          if wrapped then fsdp.unwrap(m) end
+          assert.are.same(before, values(m)) -- nothing loaded
+        end
+      end
+    end
+  end)
+
+  it("removes the temporaries of a save killed midway, not those of a running one", function()
+    local function temps()
+      local out = {}
+      for _, n in ipairs(core.io_listdir(dir)) do
+        if n:find(".tmp.", 1, true) then out[#out + 1] = n end
+      end
+      return out
+    end
+    -- a save killed with kill -9 while writing its file (another process)
+    local script = dir .. "/killed.lua"
+    local f = assert(io.open(script, "w"))
+    f:write(([[
+local core = require "fsdp.core"
+local w = core.st_writer(%q, {{name = "a", shape = {4}}}, {})
+w:write("a", core.zeros{2})
+os.execute("kill -9 $PPID")
+]]):format(dir .. "/m.safetensors"))
+    f:close()
+    os.execute("luajit " .. script .. " >/dev/null 2>&1")
+    os.remove(script)
+    assert.are.equal(1, #temps())
+    assert.truthy(temps()[1]:find("^%.m%.safetensors%.tmp%."))
+    -- this process's save in progress stays
+    local live = core.st_writer(dir .. "/live.safetensors", {{name = "a", shape = {4}}}, {})
+    local m = gpt(1)
+    fsdp.save(m, dir .. "/m.safetensors")
+    assert.are.equal(1, #temps())
+    assert.truthy(temps()[1]:find("^%.live%.safetensors%.tmp%."))
+    fsdp.save(m, dir, {format = "sharded"})
+    assert.are.equal(1, #temps())
+    live:abort()
+    assert.are.same({}, temps())
   end)
 
   it("reports strict-loading problems by name and shape, and leaves the model untouched", function()

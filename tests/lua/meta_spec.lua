@@ -149,7 +149,7 @@ describe("fsdp.materialize (plain model)", function()
     local seen = {}
     fsdp.materialize(m, function(mod, path)
       seen[#seen + 1] = path
-      for _, e in ipairs(meta._own_entries(mod)) do
+      for _, e in ipairs(require("fsdp.nn.module").own_entries(mod)) do
         if nn.is_param(e[2]) then e[2]:fill(#path) end
       end
     end)
@@ -224,7 +224,7 @@ describe("fsdp.materialize (wrapped, world size 1)", function()
     fsdp.unwrap(m)
 
     local function init(mod, path)
-      for _, e in ipairs(meta._own_entries(mod)) do
+      for _, e in ipairs(require("fsdp.nn.module").own_entries(mod)) do
         if nn.is_param(e[2]) then core.init_normal(e[2], 1, path .. "." .. e[1], 0, 0.1) end
       end
     end
@@ -443,7 +443,7 @@ describe("load_tensors (tensor table, world size 1)", function()
     assert.is_true(rawequal(m.head.weight, m.wte.weight))
   end)
 
-  it("both names of a tie: one object; a note when the copies differ", function()
+  it("both names of a tie: one object when the copies agree, an error naming both when not", function()
     local ref = eager_gpt(true)
     local t = {}
     for path, p in ref:named_parameters() do t[path] = p:clone() end
@@ -451,12 +451,19 @@ describe("load_tensors (tensor table, world size 1)", function()
     local m = meta_gpt(true)
     local notes = quiet_notes(function() meta.load_tensors(m, t) end)
     assert.are.same({}, notes)
+    assert.are.same({}, differing(m, snapshot(ref)))
+    assert.is_true(rawequal(m.head.weight, m.wte.weight))
     t["head.weight"]:fill(1)
-    m = meta_gpt(true)
-    notes = quiet_notes(function() meta.load_tensors(m, t) end)
-    assert.truthy(notes[1] and notes[1]:find("wte.weight and head.weight are one tied parameter", 1, true),
-      tostring(notes[1]))
-    assert.are.same({}, differing(m, snapshot(ref))) -- wte.weight's copy (the first path) won
+    for _, strict in ipairs{true, false} do
+      m = meta_gpt(true)
+      local ok, err = pcall(meta.load_tensors, m, t, {strict = strict})
+      assert.is_false(ok)
+      err = tostring(err)
+      assert.truthy(err:find("'wte.weight' and 'head.weight' hold one tied parameter", 1, true), err)
+      assert.truthy(err:find("different values", 1, true), err)
+      assert.truthy(err:find("meta_spec.lua:%d+: "), err) -- located at the caller
+      assert.are.equal("meta", m.wte.weight.device) -- nothing loaded
+    end
   end)
 
   it("strict: missing, unexpected and mis-shaped tensors are errors naming them", function()

@@ -378,6 +378,29 @@ describe("unshard", function()
     assert.are.same(want, values_of(params))
   end)
 
+  it("frees the shards at once: views of them left behind refuse reads and writes", function()
+    local m, params, paths = model()
+    local u = core.unit_new("net", params, paths)
+    local sh, gs = u:shard():narrow(1, 1, 4), u:grad_shard()
+    local function params_bytes()
+      collectgarbage(); collectgarbage()
+      return core.memory().cpu.params
+    end
+    local before = params_bytes()
+    u:unshard()
+    -- the shard (64 floats) goes, the parameters' own storage (15 + 5 + 10 + 2 floats) comes
+    assert.are.equal((32 - 64) * 4, params_bytes() - before)
+    assert.is_not_nil(m)
+    for what, fn in pairs {
+      fill = function() sh:fill(1) end, read = function() return sh:sum() end,
+      copy = function() gs:copy(fsdp.zeros{gs:numel()}) end,
+    } do
+      local ok, err = pcall(fn)
+      assert.is_false(ok, what)
+      assert.truthy(tostring(err):find("unit that was unsharded (fsdp.unwrap)", 1, true), tostring(err))
+    end
+  end)
+
   it("lets collected units release their parameters", function()
     local _, params, paths = model()
     do core.unit_new("tmp", params, paths) end

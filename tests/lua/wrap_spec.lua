@@ -402,6 +402,20 @@ describe("fsdp.policy", function()
     assert.has_error(function() fsdp.policy.size(0) end)
   end)
 
+  it("size(n) skips containers: a ModuleList's unclaimed elements count toward its parent", function()
+    local m = gpt() -- blocks (a ModuleList) holds 2 x 872 elements, each mlp 552
+    -- each mlp is picked; the blocks then leave 2 x 320 = 640 >= 500 unclaimed in the list,
+    -- which PyTorch's size policy never wraps (and which could never be gathered): the root
+    -- takes them
+    fsdp.wrap(m, {policy = fsdp.policy.size(500)})
+    assert.are.same({"blocks.1.mlp", "blocks.2.mlp", "(root)"}, unit_paths(m))
+    assert.are.same({2, 4, 11}, m(ids):shape()) -- a forward runs
+    fsdp.unwrap(m)
+    fsdp.wrap(m, {policy = fsdp.policy.size(1500)}) -- the list alone (1744) would pass
+    assert.are.same({"(root)"}, unit_paths(m))
+    fsdp.unwrap(m)
+  end)
+
   it("list{...} picks exactly these modules and names a stranger", function()
     local m = gpt()
     fsdp.wrap(m, {policy = fsdp.policy.list{m.blocks[2].mlp, m.ln_f}})
@@ -473,6 +487,52 @@ describe("sharded parameters", function()
     fsdp.full_params(m, function() assert.are.equal(0.5, w:get(3, 4)) end)
     fsdp.unwrap(m)
     assert.are.equal(0.5, w:get(1, 1))
+  end)
+end)
+
+describe("after fsdp.unwrap", function()
+  it("an old fsdp.shard view refuses reads and writes instead of dropping them", function()
+    local m = gpt()
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    local w = m.blocks[1].mlp.fc.weight
+    local s, root = fsdp.shard(w), fsdp.shard(m.wte.weight)
+    fsdp.unwrap(m)
+    local before = w:clone()
+    for what, fn in pairs {
+      fill = function() s:fill(3) end,
+      copy = function() s:copy(fsdp.ones{s:numel()}) end,
+      set = function() s:set(1, 3) end,
+      read = function() return s:sum() end,
+      root = function() root:fill(3) end,
+    } do
+      H.assert_error_has(fn, "unit that was unsharded (fsdp.unwrap)", "take fsdp.shard(param) again")
+    end
+    assert.is_true(same_values(before, w))
+    -- the parameter itself is the place to write now; its shard is the whole of it
+    fsdp.shard(w):fill(0.25)
+    assert.are.equal(0.25, w:get(2, 3))
+  end)
+
+  it("a backward over a graph recorded before the unwrap raises, naming the unit", function()
+    local m = gpt()
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    local loss = nn.F.cross_entropy(m(ids), ids)
+    fsdp.unwrap(m)
+    H.assert_error_has(function() loss:backward() end,
+      "was unsharded (fsdp.unwrap) after the forward that recorded this graph", "run the forward again")
+    for _, p in ipairs(m:parameters()) do assert.is_nil(p.grad) end
+    -- the plain model trains: a new forward and backward work
+    nn.F.cross_entropy(m(ids), ids):backward()
+    assert.is_not_nil(m.blocks[1].mlp.fc.weight.grad)
+  end)
+
+  it("a graph dropped before the unwrap does not stand in the way of the plain model", function()
+    local m = gpt()
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    do local _ = m(ids) end -- an evaluation forward recorded (no no_grad) and dropped
+    fsdp.unwrap(m)
+    nn.F.cross_entropy(m(ids), ids):backward()
+    assert.is_not_nil(m.blocks[1].mlp.fc.weight.grad)
   end)
 end)
 

@@ -14,7 +14,7 @@
 -- the instance's array part so that #m and ipairs(m) work under LuaJIT (no __len on tables);
 -- they come after the named fields in traversal order. Raw fields whose names start with "__"
 -- are this file's bookkeeping, never user fields (one exception: "__fsdp_wrap", the mark that
--- lua/fsdp/wrap.lua puts on every module of a wrapped model).
+-- lua/fsdp/state.lua puts on every module of a wrapped model).
 --
 -- Invariants: a parameter is an object with a stable identity (invariant 1, docs/ARCHITECTURE.md); this file never
 -- copies or replaces a parameter, it only holds references. Traversals deduplicate modules and
@@ -22,6 +22,9 @@
 -- first path in traversal order.
 
 local fsdp = require "fsdp"
+local core = require "fsdp.core"
+local state = require "fsdp.state"
+local util = require "fsdp.util"
 
 local M = {}
 
@@ -34,32 +37,13 @@ local HOOKS = "__hooks"     -- {pre = {...}, post = {...}, user = n} or nil
 
 -- ---- value kinds --------------------------------------------------------------------------
 
-local tensor_mt -- the tensor metatable, fetched on first use (fsdp.core is loaded by then)
-
-local function is_tensor(v)
-  if type(v) ~= "userdata" then return false end
-  if tensor_mt == nil then tensor_mt = getmetatable(fsdp.zeros{1}) end
-  return getmetatable(v) == tensor_mt
-end
-
-local function is_module(v)
-  if type(v) ~= "table" then return false end
-  local mt = getmetatable(v)
-  return mt ~= nil and rawget(mt, "__fsdp_module") == true
-end
-
-local function is_param(v)
-  return is_tensor(v) and v.is_param == true
-end
+local is_tensor, is_module, is_param = util.is_tensor, util.is_module, util.is_param
 
 M.is_tensor, M.is_module, M.is_param = is_tensor, is_module, is_param
 
 -- ---- traversal ----------------------------------------------------------------------------
 
-local function join(prefix, name)
-  if prefix == "" then return tostring(name) end
-  return prefix .. "." .. tostring(name)
-end
+local join = util.join
 
 -- Depth-first, pre-order walk in registration order (named fields, then m[1], m[2], ...).
 -- on_module(path, m) once per distinct module; on_param(path, p, owner, name) once per
@@ -82,6 +66,9 @@ local function walk(m, prefix, seen, on_module, on_param)
   end
   for i = 1, #m do visit(i, rawget(m, i)) end
 end
+
+-- The value of m's field `name` (a module, a parameter or any user value), or nil.
+function M.field(m, name) return rawget(m, FIELDS)[name] end
 
 -- The registered children and parameters of m in traversal order (named fields in assignment
 -- order, then m[1], m[2], ...), as an array of {name, value}: the order walk uses. For the
@@ -298,7 +285,6 @@ function Module:eval() return self:train(false) end
 -- parameter objects, so ties and saved references stay; gradients move with them). A model
 -- must be moved before it is wrapped (its units' buffers live where its parameters are).
 function Module:to(a, b)
-  local core = require "fsdp.core"
   local device, dtype
   for _, x in ipairs{a, b} do
     if type(x) ~= "string" then M.raise(("to: expected a device or dtype name (got %s)"):format(type(x))) end
@@ -306,15 +292,15 @@ function Module:to(a, b)
   end
   for _, p in ipairs(self:parameters()) do
     local ok, err = pcall(core.param_to, p, device or p.device, dtype)
-    if not ok then M.raise((tostring(err):gsub("^[^\n]-%.lua:%d+: ", ""))) end
+    if not ok then util.reraise(err) end
   end
   return self
 end
 
 function Module:zero_grad()
   for _, p in ipairs(self:parameters()) do p.grad = nil end
-  local w = package.loaded["fsdp.wrap"]
-  if w ~= nil and w._root_state(self) ~= nil then w._zero_grad(self) end
+  local R = state.root(self)
+  if R ~= nil then R:zero_grad() end
 end
 
 -- ---- forward hooks (used by sharding to gather/reshard around a unit's forward) -------------
@@ -428,38 +414,13 @@ end
 -- inserted, so errors in a custom forward still say where they happened.
 
 local stack, top = {}, 0
-local this_source = debug.getinfo(1, "S").source
-local lib_dir = this_source:match("^@(.*)/nn/module%.lua$") -- .../lua/fsdp
+local is_lib_source, is_lib_file = util.is_lib_source, util.is_lib_file
 
-local function is_lib_source(src)
-  return lib_dir ~= nil and src:sub(1, #lib_dir + 2) == "@" .. lib_dir .. "/"
-end
+-- "file:line: " of the innermost stack frame outside the fsdp Lua library (lua/fsdp/util.lua).
+M.user_where = util.user_where
 
--- The same test for a file name as it appears in a message (a short_src, maybe "...tail").
-local function is_lib_file(file)
-  if lib_dir == nil then return false end
-  local tail = file:match("^%.%.%.(.*)$")
-  if tail == nil then return file:sub(1, #lib_dir + 1) == lib_dir .. "/" end
-  local rel = tail:match("^.*/fsdp/(.*)$") or tail:match("^fsdp/(.*)$")
-  return rel ~= nil and (lib_dir .. "/" .. rel):sub(-#tail) == tail
-end
-
--- "file:line: " of the innermost stack frame outside the fsdp Lua library (the user's code),
--- or "" when there is none. Library errors about bad arguments point there.
-function M.user_where()
-  for level = 2, 60 do
-    local info = debug.getinfo(level, "Sl")
-    if info == nil then break end
-    if info.what ~= "C" and info.currentline and info.currentline > 0
-        and not is_lib_source(info.source) then
-      return ("%s:%d: "):format(info.short_src, info.currentline)
-    end
-  end
-  return ""
-end
-
--- Raise msg located at the user's code (see user_where).
-function M.raise(msg) error(M.user_where() .. msg, 0) end
+-- Raise msg located at the user's code (lua/fsdp/util.lua).
+M.raise = util.raise
 
 -- Path of `child` inside `parent`'s tree (first path), or nil if it is not a descendant.
 local function path_within(parent, child)

@@ -1,0 +1,294 @@
+-- fsdp.state — the state of a wrapped model: one Root object per fsdp.wrap, and the events
+-- the library's modules subscribe to. lua/fsdp/wrap.lua builds and tears down Roots; every
+-- other module reads them through the methods below.
+--
+--   state.of(module) -> the live Root whose tree holds module, or nil
+--   state.root(model) -> the live Root when model is its root, or nil
+--   state.on(event, fn)         subscribe; state.emit(event, ...) announce
+--
+-- Events (fn gets the arguments listed; subscribers run in the order they subscribed):
+--   "wrap" (R)                      a Root was built: its units exist, its modules are marked
+--   "teardown" (R)                  collective, before R's units are unsharded (unwrap, or an
+--                                   outer wrap absorbing R)
+--   "writeback" (R, u, was_sharded) unit u's gathered values were written back to its shard
+--                                   (full_params, apply, materialize with a function)
+--   "materialize" (model)           meta parameters of model (plain or wrapped) got values
+--
+-- A Root keeps the user's tree as it is (invariant 1, docs/ARCHITECTURE.md): every module of
+-- a wrapped tree carries the raw field MARK = its Root (a raw field rather than a weak table,
+-- so a dropped model is collectable); teardown removes it. Units are the core units of
+-- src/fsdp (fsdp.core.unit_new), listed in construction order (innermost first, root last),
+-- each with the module it wraps and the policy it was built with. Everything a Root does
+-- that communicates walks units in an order that depends only on the tree (the same on every
+-- rank).
+--
+-- Fields are this file's; other modules call methods.
+
+local core = require "fsdp.core"
+local util = require "fsdp.util"
+
+local M = {}
+
+local MARK = "__fsdp_wrap"
+M.ROOT_PATH = "(root)" -- the root unit's path (a label in collectives and reports)
+
+-- ---- events ------------------------------------------------------------------------------------
+
+local subscribers = {wrap = {}, teardown = {}, writeback = {}, materialize = {}}
+
+function M.on(event, fn)
+  local list = subscribers[event]
+  if list == nil then
+    util.raise(("fsdp.state: no event %s (wrap, teardown, writeback, materialize)"):format(tostring(event)))
+  end
+  list[#list + 1] = fn
+end
+
+function M.emit(event, ...)
+  for _, fn in ipairs(subscribers[event]) do fn(...) end
+end
+
+-- ---- Root ----------------------------------------------------------------------------------------
+
+local Root = {}
+Root.__index = Root
+
+--- A Root for model (not yet attached: its modules are marked by attach). opts: the options
+--- fsdp.wrap validated; members: every module of the tree.
+function M.new(model, opts, members)
+  return setmetatable({_model = model, _opts = opts, _members = members, _units = {},
+    _by_module = {}, _by_param = {}, _module_of = {}, _policy_of = {}, _hooks = {}}, Root)
+end
+
+--- Add unit u, which wraps `module` and owns `params`, built with `policy` ({strategy =,
+--- reshard_after_forward =, mp =, offload =}). Units are added in construction order.
+function Root:add_unit(u, module, params, policy)
+  self._units[#self._units + 1] = u
+  self._by_module[module] = u
+  self._module_of[u] = module
+  self._policy_of[u] = policy
+  for _, p in ipairs(params) do self._by_param[p] = u end
+end
+
+--- Keep a hook handle ({remove = fn}) to remove at teardown.
+function Root:add_hook(h) self._hooks[#self._hooks + 1] = h end
+
+--- Mark every module of the tree as part of this Root and announce it ("wrap").
+function Root:attach()
+  for _, m in ipairs(self._members) do rawset(m, MARK, self) end
+  M.emit("wrap", self)
+end
+
+--- Collective. Announce "teardown", unshard every unit (construction order), put parameters
+--- that never got values back on meta, remove the hooks and marks. The Root is dead after.
+function Root:teardown()
+  M.emit("teardown", self)
+  for _, u in ipairs(self._units) do u:unshard() end
+  if self._pending then
+    for p in pairs(self._pending) do core.param_to_meta(p) end
+  end
+  for _, h in ipairs(self._hooks) do h.remove() end
+  self._hooks = {}
+  for _, m in ipairs(self._members) do
+    if rawget(m, MARK) == self then rawset(m, MARK, nil) end
+  end
+  self._dead = true
+end
+
+-- ---- queries -------------------------------------------------------------------------------------
+
+function Root:model() return self._model end
+function Root:is_live() return not self._dead end
+--- One of the options fsdp.wrap was given (validated: strategy, prefetch, mp, device, ...).
+function Root:option(k) return self._opts[k] end
+--- The units in construction order (a new array).
+function Root:units() return {unpack(self._units)} end
+--- The units in forward order once a forward ran (then those never called, in construction
+--- order), else construction order (a new array).
+function Root:forward_units() return {unpack(self._order or self._units)} end
+function Root:unit_of(module) return self._by_module[module] end
+function Root:unit_of_param(p) return self._by_param[p] end
+function Root:module_of(u) return self._module_of[u] end
+--- The policy unit u was built with ({strategy =, reshard_after_forward =, mp =, offload =}).
+function Root:policy_of(u) return self._policy_of[u] end
+
+--- This rank's parameter slices of every unit, in construction order: array of {unit =,
+--- strategy =, path =, param =, shard_first =, shard_last =, param_first =}.
+function Root:slices()
+  local out = {}
+  for _, u in ipairs(self._units) do
+    local strategy = u:strategy()
+    for _, s in ipairs(u:local_slices()) do
+      out[#out + 1] = {unit = u, strategy = strategy, path = s.path, param = s.param,
+        shard_first = s.shard_first, shard_last = s.shard_last, param_first = s.param_first}
+    end
+  end
+  return out
+end
+
+--- Zero every unit's gradient shard.
+function Root:zero_grad()
+  for _, u in ipairs(self._units) do u:zero_grad() end
+end
+
+-- ---- walks that hold units gathered (full_params, apply, materialize) ----------------------------
+
+--- What walk is running ("fsdp.full_params", "fsdp.apply", ...), or nil.
+function Root:busy() return self._busy end
+
+--- An error (located at the user) when a walk is running: `what` may not run inside one.
+function Root:check_idle(what)
+  if self._busy then util.raise(("%s: not inside %s"):format(what, self._busy)) end
+end
+
+--- Start the walk `what` ("fsdp.apply"): an error when one runs already.
+function Root:enter(what)
+  self:check_idle(what)
+  self._busy = what
+end
+
+function Root:leave() self._busy = nil end
+
+--- Collective. Run fn(gathered) as the walk `what`: fn gathers units with R:gather(u, gathered)
+--- (and may put some back early: R:restore and remove their entries). What is left in
+--- `gathered` is put back when fn returns (written back when writeback), and after an error
+--- too (then without writeback), before the error is raised again. Returns fn's results.
+function Root:walk(what, writeback, fn)
+  self:enter(what)
+  local gathered = {}
+  local res = {pcall(fn, gathered)}
+  self:restore(gathered, writeback, res[1])
+  self:leave()
+  if not res[1] then error(res[2], 0) end
+  return unpack(res, 2, table.maxn(res))
+end
+
+--- Collective. Gather u, noting in `list` whether this call gathered it.
+function Root:gather(u, list)
+  local was_sharded = u:state() == "sharded"
+  u:gather()
+  list[#list + 1] = {u, was_sharded}
+end
+
+--- Collective. Put back what `list` (from gather) changed, newest first: write back when
+--- asked ("writeback" event after each), then reshard the units this walk gathered. After an
+--- error (ok false): no writeback, a best-effort reshard.
+function Root:restore(list, writeback, ok)
+  for i = #list, 1, -1 do
+    local u, was_sharded = list[i][1], list[i][2]
+    if ok then
+      if writeback then
+        u:writeback()
+        M.emit("writeback", self, u, was_sharded)
+      end
+      if was_sharded then u:reshard() end
+    elseif was_sharded then
+      pcall(u.reshard, u)
+    end
+  end
+end
+
+-- ---- parameters waiting for values (wrapped on meta) ---------------------------------------------
+
+--- Parameters that were on meta when wrapped and have no values yet (set: param -> true).
+function Root:set_pending(set)
+  self._pending = next(set) ~= nil and set or nil
+end
+
+function Root:has_pending() return self._pending ~= nil end
+function Root:is_pending(p) return self._pending ~= nil and self._pending[p] == true end
+
+--- The pending parameters as {param =, path =, unit =}, in unit (construction) order.
+function Root:pending_list()
+  local out = {}
+  if self._pending == nil then return out end
+  for _, u in ipairs(self._units) do
+    local paths = u:paths()
+    for i, p in ipairs(u:params()) do
+      if self._pending[p] then out[#out + 1] = {param = p, path = paths[i], unit = u} end
+    end
+  end
+  return out
+end
+
+--- These parameters hold values now (a loader wrote their shards; nil: all of them).
+function Root:given_values(params)
+  if self._pending == nil then return end
+  if params == nil then self._pending = nil return end
+  for _, p in ipairs(params) do self._pending[p] = nil end
+  if next(self._pending) == nil then self._pending = nil end
+end
+
+--- The message for using a model whose meta parameters never got values (their shards hold
+--- zeros, which must never pass for a model).
+function Root:pending_error(what)
+  local list = self:pending_list()
+  local n = #list
+  return ("%s: %d parameter%s of this model %s still on the meta device (first: %s): give "
+    .. "them values with fsdp.materialize(model[, init_fn]) or fsdp.load, or wrap with init = "
+    .. "... or sync_module_states = true"):format(what, n, n == 1 and "" or "s",
+      n == 1 and "is" or "are", tostring(list[1] and list[1].path))
+end
+
+-- ---- forward order and prefetch ---------------------------------------------------------------------
+--
+-- The first forward of the root records two orders: the order in which units START their
+-- forward (the forward prefetch chain, and forward_units), and the order in which they FINISH
+-- it. Backward meets the units' "end" hooks in the reverse of the finish order, so that
+-- reversed list is the backward prefetch chain: each unit prefetches the one whose backward
+-- comes next. Units never called come last, in construction order, and take part in no chain.
+
+--- A forward of unit u starts: returns the unit to prefetch after gathering u (or nil).
+function Root:forward_begin(u)
+  if u == self._by_module[self._model] and self._order == nil then
+    self._rec = {started = {}, finished = {}, seen_start = {}, seen_finish = {}}
+  end
+  local rec = self._rec
+  if rec and not rec.seen_start[u] then
+    rec.seen_start[u] = true
+    rec.started[#rec.started + 1] = u
+  end
+  return self._opts.prefetch and self._next and self._next[u] or nil
+end
+
+--- A forward of unit u finished.
+function Root:forward_end(u)
+  local rec = self._rec
+  if rec == nil then return end
+  if not rec.seen_finish[u] then
+    rec.seen_finish[u] = true
+    rec.finished[#rec.finished + 1] = u
+  end
+  if u ~= self._by_module[self._model] then return end
+  self._rec = nil
+  local order, done = rec.started, rec.finished
+  local all = {unpack(order)}
+  for _, v in ipairs(self._units) do
+    if not rec.seen_start[v] then all[#all + 1] = v end
+  end
+  self._order = all
+  self._next = {}
+  for i, v in ipairs(order) do self._next[v] = order[i + 1] end
+  if self._opts.prefetch then
+    for i = #done, 1, -1 do done[i]:set_backward_prefetch(done[i - 1]) end
+  end
+end
+
+-- ---- finding Roots ---------------------------------------------------------------------------------
+
+--- The live Root whose tree holds module m, or nil.
+function M.of(m)
+  if type(m) ~= "table" then return nil end
+  local R = rawget(m, MARK)
+  if R == nil or R._dead then return nil end
+  return R
+end
+
+--- The live Root when model is its root, else nil.
+function M.root(model)
+  local R = M.of(model)
+  if R ~= nil and R._model == model then return R end
+  return nil
+end
+
+return M
