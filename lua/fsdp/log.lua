@@ -22,6 +22,8 @@ local core = require "fsdp.core"
 local log = {}
 
 local PROGRESS = { auto = true, off = true, line = true, bar = true }
+local SETUP_KEYS = { "total", "every", "jsonl", "append", "progress", "tokens_per_step", "out",
+  "clock", "rank" }
 
 local S -- the state of the current run (reset by setup)
 
@@ -142,6 +144,14 @@ end
 function log.setup(opts)
   opts = opts or {}
   if type(opts) ~= "table" then error("fsdp.log.setup: expected an options table", 2) end
+  for k in pairs(opts) do
+    local known = false
+    for _, v in ipairs(SETUP_KEYS) do known = known or k == v end
+    if not known then
+      error(("fsdp.log.setup: unknown option '%s' (valid: %s)"):format(tostring(k),
+        table.concat(SETUP_KEYS, ", ")), 2)
+    end
+  end
   for _, k in ipairs { "total", "every", "tokens_per_step" } do
     local v = opts[k]
     if v ~= nil and (type(v) ~= "number" or v <= 0) then

@@ -2,7 +2,8 @@
  * fsdprun.c — the `fsdprun` launcher: runs a Lua recipe (and -e chunks, and an interactive loop)
  * on the statically linked engine, on one rank or on N ranks that are threads of this process.
  *
- *   fsdprun [-n N] [--timeout=SECONDS] [-e CODE]... [-i] [--] recipe.lua [args...]
+ *   fsdprun [-n N] [--timeout=SECONDS] [--progress=MODE] [-e CODE]... [-i] [--] recipe.lua
+ *           [args...]
  *
  * Built on the rank host (src/host/host.h) as lua.c is on lua.h: the host owns the rank
  * threads, their memory domains, communicators and Lua states, the traceback handler, the
@@ -94,6 +95,7 @@ typedef struct fsdprun_opts {
   bool nccl;           /* --backend nccl (or auto, with a GPU for every rank): data over NCCL */
   bool auto_backend;   /* --backend auto */
   bool interactive;  /* -i */
+  const char *progress; /* --progress: "auto", "bar", "line", "off"; NULL when absent */
   int nexec;         /* number of -e chunks */
   const char **exec; /* (nexec) their code, in command-line order */
   int script;        /* argv index of the recipe; 0 when none */
@@ -556,6 +558,30 @@ static bool mpi_launched(void) {
   return getenv("OMPI_COMM_WORLD_SIZE") != NULL || getenv("PMIX_RANK") != NULL;
 }
 
+/* Under mpirun a rank's stdout is a pseudo-terminal that mpirun reads and forwards, whatever
+ * mpirun's own stdout is (a file, a pipe): the user sees a terminal only when mpirun's stdout
+ * is one. mpirun is this process's parent on the node that launched the job; elsewhere the
+ * parent is a daemon whose stdout is no terminal, which is right too (the bar is rank 0's). */
+static bool mpi_stdout_is_terminal(void) {
+  if (!isatty(STDOUT_FILENO)) return false;
+  char path[64], target[256];
+  snprintf(path, sizeof path, "/proc/%ld/fd/1", (long)getppid());
+  ssize_t n = readlink(path, target, sizeof target - 1);
+  if (n <= 0) return false;
+  target[n] = '\0';
+  return strncmp(target, "/dev/pts/", 9) == 0 || strncmp(target, "/dev/tty", 8) == 0;
+}
+
+/* fsdp.log's progress mode (lua/fsdp/log.lua reads FSDP_PROGRESS): --progress, else under
+ * mpirun "line" when the user does not see a terminal (auto would see the rank's pty). */
+static void setup_progress(const fsdprun_opts *o) {
+  const char *env = getenv("FSDP_PROGRESS");
+  if (o->progress != NULL) setenv("FSDP_PROGRESS", o->progress, 1);
+  else if ((env == NULL || env[0] == '\0' || strcmp(env, "auto") == 0) && mpi_launched() &&
+           !mpi_stdout_is_terminal())
+    setenv("FSDP_PROGRESS", "line", 1);
+}
+
 /* BLAS threads of one rank process: FSDP_BLAS_THREADS (already applied), else the CPUs this
  * process may run on, at most this node's share of them (mpirun binds 1-2 ranks a core each,
  * more ranks to a socket or not at all). One caller per process: no OpenBLAS threading issue. */
@@ -711,6 +737,10 @@ static void print_usage(FILE *f) {
           "              GPU, else the default\n"
           "  --timeout=SECONDS\n"
           "              how long a collective waits for the other ranks (default 60)\n"
+          "  --progress=auto|bar|line|off\n"
+          "              fsdp.log's progress on rank 0: a bar redrawn in place, plain lines,\n"
+          "              or none; auto (the default): the bar when standard output is a\n"
+          "              terminal the user sees (under mpirun: when mpirun's is), else lines\n"
           "  -e CODE     run the Lua CODE before the recipe (may be repeated)\n"
           "  -i          open the REPL after the recipe (or alone), on every rank\n"
           "  --          stop reading options\n"
@@ -783,6 +813,15 @@ static int parse_args(fsdprun_opts *o) {
       if (!parse_seconds(val, &o->timeout))
         return usage_error("--timeout '%s': the timeout must be a positive number of seconds%s",
                            val, "");
+      continue;
+    }
+    if (strncmp(a, "--progress", 10) == 0 && (a[10] == '=' || a[10] == '\0')) {
+      const char *val = a[10] == '=' ? a + 11 : (i + 1 < argc ? argv[++i] : NULL);
+      if (val == NULL || (strcmp(val, "auto") != 0 && strcmp(val, "bar") != 0 &&
+                          strcmp(val, "line") != 0 && strcmp(val, "off") != 0))
+        return usage_error("--progress '%s': expected 'auto', 'bar', 'line' or 'off'%s",
+                           val ? val : "", "");
+      o->progress = val;
       continue;
     }
     if (strncmp(a, "--backend", 9) == 0 && (a[9] == '=' || a[9] == '\0')) {
@@ -871,6 +910,7 @@ int main(int argc, char **argv) {
     snprintf(val, sizeof val, "%g", o.timeout);
     setenv("FSDP_TIMEOUT", val, 1);
   }
+  setup_progress(&o);
   int status = run_mpi_backend(&o); /* -1: not the mpi backend */
   if (status >= 0) {
     /* one rank of an mpirun job */

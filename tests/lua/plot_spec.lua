@@ -292,7 +292,7 @@ describe("fsdp.plot.parse and fsdp.plot.read", function()
     local log = require "fsdp.log"
     local path = os.tmpname()
     local t = 0
-    log.setup { jsonl = path, out = sink(), tty = false, rank = 0, clock = function() return t end }
+    log.setup { jsonl = path, out = sink(), progress = "off", rank = 0, clock = function() return t end }
     for s = 1, 5 do
       t = t + 0.5
       log(s, { loss = s == 3 and 0 / 0 or 5 - s, lr = fsdp.tensor { 0.5 }:sum(), note = 'x"<&>', ok = true,

@@ -1,0 +1,102 @@
+# lib.sh — what every test script of tests/recipes shares (sourced, not a test itself; the
+# CMake glob leaves it out). A script starts with
+#
+#   . "${0%/*}/lib.sh"
+#
+# and has: `set -u`; FSDPRUN checked (ctest sets it to the built launcher); $TEST, the script's
+# name; $T, a temporary folder removed at exit (with $AT_EXIT run first: a script's own
+# clean-up); $MPIRUN, mpirun with the options every test uses; and the functions below.
+# Checks that find a problem call `fail` and the script goes on; `finish` ends it with the
+# verdict. `die` (and `must`) end it at once, where later checks would only repeat the cause.
+# Exit status 77 is a skip, which ctest reports as such (SKIP_RETURN_CODE).
+
+set -u
+: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
+TEST=$(basename "$0" .sh)
+T=$(mktemp -d)
+AT_EXIT=
+trap 'eval "$AT_EXIT"; rm -rf "$T"' EXIT
+failures=0
+MPIRUN="mpirun --oversubscribe --allow-run-as-root --mca btl_base_warn_component_unused 0"
+
+# fail MESSAGE: count a failure and go on
+fail() {
+  echo "FAIL: $*"
+  failures=$((failures + 1))
+}
+
+# die MESSAGE: a failure that ends the script now
+die() {
+  echo "FAIL: $*"
+  exit 1
+}
+
+# skip WHY: this machine cannot run the test
+skip() {
+  echo "$TEST: SKIP ($*)"
+  exit 77
+}
+
+# need COMMAND HOW: skip unless COMMAND is installed (HOW says how to install it)
+need() { command -v "$1" >/dev/null 2>&1 || skip "$1 is not installed: $2"; }
+
+# need_mpi: skip unless mpirun is installed and fsdprun was built with Open MPI
+need_mpi() {
+  need mpirun "apt-get install openmpi-bin"
+  if ! $MPIRUN -np 1 "$FSDPRUN" -e 'assert(require("fsdp").backend() == "mpi")' \
+    >/dev/null 2>"$T/need_mpi"; then
+    if grep -qF "built without Open MPI" "$T/need_mpi"; then skip "fsdprun was built without Open MPI"; fi
+  fi
+}
+
+# run CMD...: run it; stdout in $T/out, stderr in $T/err, the exit status in $rc
+run() {
+  if "$@" >"$T/out" 2>"$T/err"; then rc=0; else rc=$?; fi
+}
+
+# must LABEL CMD...: run CMD with both streams in $T/log; if it fails, show them and die
+must() {
+  must_label=$1
+  shift
+  if ! "$@" >"$T/log" 2>&1; then
+    cat "$T/log"
+    die "$must_label"
+  fi
+}
+
+# must_fail LABEL CMD...: CMD must fail (how a test shows that its check can fail); both
+# streams in $T/log
+must_fail() {
+  must_label=$1
+  shift
+  if "$@" >"$T/log" 2>&1; then
+    cat "$T/log"
+    die "$must_label: it succeeded"
+  fi
+}
+
+# expect_rc N WHAT: the last run exited with status N
+expect_rc() {
+  [ "$rc" -eq "$1" ] || fail "$2: exit status $rc, expected $1; stderr: $(cat "$T/err")"
+}
+
+# expect_has out|err|log TEXT WHAT, expect_lacks ...: that output of the last run holds TEXT
+# (a fixed string), or does not
+expect_has() { grep -qF -- "$2" "$T/$1" || fail "$3: std$1 lacks '$2'; it was: $(cat "$T/$1")"; }
+expect_lacks() { ! grep -qF -- "$2" "$T/$1" || fail "$3: std$1 has '$2'; it was: $(cat "$T/$1")"; }
+
+# file_has FILE TEXT WHAT: FILE holds TEXT
+file_has() { grep -qF -- "$2" "$1" 2>/dev/null || fail "$3: $1 lacks '$2'"; }
+
+# now_ms: milliseconds, for timing a run
+now_ms() { date +%s%3N; }
+
+# finish: the verdict; exit 1 after any failure
+finish() {
+  if [ "$failures" -ne 0 ]; then
+    echo "$TEST: $failures failure(s)"
+    exit 1
+  fi
+  echo "$TEST: ok"
+  exit 0
+}
