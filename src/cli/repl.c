@@ -225,7 +225,7 @@ static void msg_make(rbuf *b, char kind, int32_t arg, const char *text, size_t n
 }
 
 /* One rank's result for one input. */
-enum { OC_RAN = 1, OC_FAILED = 2, OC_CUT = 4 };
+enum { OC_RAN = 1, OC_FAILED = 2, OC_CUT = 4, OC_EXIT = 8 /* os.exit: the session ends */ };
 typedef struct outcome {
   unsigned flags;
   rbuf out; /* captured print output and the values' text */
@@ -378,7 +378,9 @@ static void eval_input(const fsdp_repl_host *h, lua_State *L, const char *text, 
     }
     tl_capture = NULL;
   }
-  if (status != 0) {
+  if (status != 0 && h->exiting != NULL && h->exiting(h->ctx)) {
+    oc->flags |= OC_EXIT; /* not an error: the rank's run ends */
+  } else if (status != 0) {
     oc->flags |= OC_FAILED;
     const char *m = lua_tostring(L, -1);
     rb_str(&oc->err, m ? m : "(error object is not a string)");
@@ -1020,6 +1022,7 @@ typedef struct repl {
   int target;      /* -1: every rank; else the one rank inputs run on (rank 0's choice) */
   double timeout;  /* the collective timeout while the REPL runs */
   bool poisoned;   /* rank 0 has said that comm is poisoned */
+  bool leaving;    /* rank 0: a rank called os.exit, the next message is quit */
   char prompt[32];
   rbuf input, msg, mine;
   outcome oc;
@@ -1140,6 +1143,10 @@ static void read_input(repl *R);
 
 /* Rank 0: read the next input (or command) into R->msg. */
 static void read_next(repl *R) {
+  if (R->leaving) {
+    msg_make(&R->msg, MSG_QUIT, 0, "", 0);
+    return;
+  }
   R->h->reading(R->h->ctx, true);
   read_input(R);
   R->h->reading(R->h->ctx, false);
@@ -1198,7 +1205,10 @@ static void read_input(repl *R) {
 /* Rank 0, W > 1: print every rank's outcome, grouped. */
 static void show(repl *R) {
   int W = R->h->world;
-  for (int p = 0; p < W; p++) outcome_decode(&R->all[p], &R->raw[p]);
+  for (int p = 0; p < W; p++) {
+    outcome_decode(&R->all[p], &R->raw[p]);
+    if (R->all[p].flags & OC_EXIT) R->leaving = true;
+  }
   rbuf out = {0}, err = {0};
   format_results(&out, R->all, W, R->group, R->members);
   format_errors(&err, R->all, W, R->group, R->members);
@@ -1362,6 +1372,7 @@ int fsdp_repl_run(const fsdp_repl_host *h, lua_State *L, const char *where, char
     }
     if (!multi) {
       show_single(&R);
+      if (R.oc.flags & OC_EXIT) break;
       continue;
     }
     outcome_encode(&R.mine, &R.oc);
