@@ -1,7 +1,8 @@
 #!/bin/sh
 # repl_tty.sh — the SPMD REPL on a real terminal: fsdprun -n 2 -i runs inside tmux (a pseudo-
 # terminal), keys are sent to it and the screen is read back. Checks the prompt, grouped output,
-# error display, tab completion (unique, listed, table fields, methods), multi-line input,
+# the preloaded globals fsdp and nn (the banner says so), error display, tab completion (unique,
+# listed, table fields, methods, a path with a bracketed key, nn), multi-line input,
 # ^C dropping a half-typed input, ^C interrupting an evaluation on every rank, history (up
 # arrow, the history file, a second session recalling the first), :quit's exit status.
 # Run by ctest with FSDPRUN=<build>/bin/fsdprun; needs tmux (Debian package tmux).
@@ -73,9 +74,9 @@ wait_dead() {
 start -n 2 -i
 wait_for "fsdp>" "prompt"  # capture-pane drops trailing blanks
 wait_for "2 ranks (local)" "banner"
+wait_for "fsdp and nn are globals" "banner: the preloaded globals"
 enter "1 + 1"
 wait_for "[0-1] 2" "grouped result"
-enter "fsdp = require 'fsdp'"
 enter "fsdp.rank() + 0.5"
 wait_for "[0] 0.5  [1] 1.5" "results per rank on one line"
 
@@ -113,7 +114,11 @@ type_text "deep.layers[1].al"
 key Tab
 key Enter
 wait_for "[0-1] 4" "completed after a bracketed key"
-enter "lin = fsdp.nn.Linear(2, 3)"
+type_text "lin = nn.Lin"
+key Tab
+type_text "(2, 3)"
+key Enter
+wait_for "fsdp> lin = nn.Linear(2, 3)" "completed a name of the preloaded nn"
 type_text "lin.wei"
 key Tab
 type_text ":nu"
