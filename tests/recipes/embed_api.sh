@@ -8,18 +8,10 @@
 # the log and data-source callbacks (and calls from inside them), two runtimes on two threads,
 # freeing with live tensors. Natively, then under valgrind's memcheck.
 # Run by ctest with FSDPRUN=<build>/bin/fsdprun (the build folder is its dirname/..).
-set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
+. "${0%/*}/lib.sh"
 B=$(cd "$(dirname "$FSDPRUN")/.." && pwd)
 EX="$B/examples/embed_check"
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-failures=0
-
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-run() { "$@" >"$T/out" 2>"$T/err"; rc=$?; }
-
-[ -x "$EX" ] || { echo "FAIL: $EX is not built (cmake --build: target examples)"; exit 1; }
+[ -x "$EX" ] || die "$EX is not built (cmake --build: target examples)"
 
 run env -u LUA_PATH -u LUA_CPATH "$EX"
 [ "$rc" -eq 0 ] || fail "embed_check: exit status $rc: $(cat "$T/out" "$T/err")"
@@ -36,5 +28,4 @@ else
   [ "$rc" -eq 0 ] || fail "embed_check under valgrind: exit status $rc: $(cat "$T/out"; head -c 2000 "$T/err")"
 fi
 
-[ "$failures" -eq 0 ] && echo "embed_api: ok"
-[ "$failures" -eq 0 ]
+finish

@@ -8,26 +8,17 @@
 # there), and a host program built the same way finds the installed Lua library (not the
 # source tree's); fsdp.h compiles as strict C99 and as C++.
 # Run by ctest with FSDPRUN=<build>/bin/fsdprun (the build folder is its dirname/..).
-set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
+. "${0%/*}/lib.sh"
 B=$(cd "$(dirname "$FSDPRUN")/.." && pwd)
-SRC=${FSDP_SOURCE_DIR:-$(pwd)}
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
 P="$T/prefix"
-failures=0
 
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-run() { "$@" >"$T/out" 2>"$T/err"; rc=$?; }
-expect_rc() { [ "$rc" -eq "$1" ] || fail "$2: exit status $rc, expected $1; stdout: $(cat "$T/out"); stderr: $(cat "$T/err")"; }
-expect_has() { grep -qF -- "$2" "$T/$1" || fail "$3: std$1 lacks '$2'; it was: $(cat "$T/$1")"; }
 # a clean environment: nothing points into the source or build tree
 clean() { env -u LUA_PATH -u LUA_CPATH -u LD_LIBRARY_PATH -u PKG_CONFIG_PATH "$@"; }
 
 # ---- install ------------------------------------------------------------------------------------
 run cmake --install "$B" --prefix "$P"
 expect_rc 0 "cmake --install"
-[ "$rc" -eq 0 ] || { echo "embed_install: cannot go on"; exit 1; }
+[ "$rc" -eq 0 ] || die "embed_install: cannot go on"
 for f in bin/fsdprun include/fsdp.h lib/libfsdp.so lib/pkgconfig/fsdp.pc \
   lib/fsdprun/fsdp/core.so share/fsdprun/lua/fsdp/init.lua share/fsdprun/lua/fsdp/nn.lua; do
   [ -e "$P/$f" ] || fail "the install lacks $f"
@@ -121,5 +112,4 @@ C
   fi
 fi
 
-[ "$failures" -eq 0 ] && echo "embed_install: ok"
-[ "$failures" -eq 0 ]
+finish

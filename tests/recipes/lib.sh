@@ -4,7 +4,8 @@
 #   . "${0%/*}/lib.sh"
 #
 # and has: `set -u`; FSDPRUN checked (ctest sets it to the built launcher); $TEST, the script's
-# name; $T, a temporary folder removed at exit (with $AT_EXIT run first: a script's own
+# name; $SRC, the source tree (FSDP_SOURCE_DIR, or the current folder, where ctest runs the
+# scripts); $T, a temporary folder removed at exit (with $AT_EXIT run first: a script's own
 # clean-up); $MPIRUN, mpirun with the options every test uses; and the functions below.
 # Checks that find a problem call `fail` and the script goes on; `finish` ends it with the
 # verdict. `die` (and `must`) end it at once, where later checks would only repeat the cause.
@@ -13,6 +14,7 @@
 set -u
 : "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
 TEST=$(basename "$0" .sh)
+SRC=${FSDP_SOURCE_DIR:-$(pwd)}
 T=$(mktemp -d)
 AT_EXIT=
 trap 'eval "$AT_EXIT"; rm -rf "$T"' EXIT
@@ -77,8 +79,20 @@ must_fail() {
 
 # expect_rc N WHAT: the last run exited with status N
 expect_rc() {
-  [ "$rc" -eq "$1" ] || fail "$2: exit status $rc, expected $1; stderr: $(cat "$T/err")"
+  [ "$rc" -eq "$1" ] ||
+    fail "$2: exit status $rc, expected $1; stdout: $(cat "$T/out" 2>/dev/null); stderr: $(cat "$T/err" 2>/dev/null)"
 }
+
+# expect_out TEXT WHAT: the last run's stdout is TEXT exactly (trailing newlines aside)
+expect_out() {
+  [ "$(cat "$T/out")" = "$1" ] || fail "$2: stdout was:
+$(cat "$T/out")
+expected:
+$1"
+}
+
+# lines_of out|err: how many lines that output of the last run has
+lines_of() { wc -l <"$T/$1" | tr -d ' '; }
 
 # expect_has out|err|log TEXT WHAT, expect_lacks ...: that output of the last run holds TEXT
 # (a fixed string), or does not

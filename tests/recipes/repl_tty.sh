@@ -6,20 +6,13 @@
 # ^C dropping a half-typed input, ^C interrupting an evaluation on every rank, history (up
 # arrow, the history file, a second session recalling the first), :quit's exit status.
 # Run by ctest with FSDPRUN=<build>/bin/fsdprun; needs tmux (Debian package tmux).
-set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
-if ! command -v tmux >/dev/null 2>&1; then
-  echo "repl_tty: SKIP (tmux is not installed: apt-get install tmux)"
-  exit 0
-fi
-T=$(mktemp -d)
+. "${0%/*}/lib.sh"
+need tmux "apt-get install tmux"
 SOCK="fsdprun-repl-tty-$$"
 tm() { tmux -L "$SOCK" -f "$T/tmux.conf" "$@"; }
-trap 'tm kill-server >/dev/null 2>&1; rm -rf "$T"' EXIT
+AT_EXIT='tm kill-server >/dev/null 2>&1'
 echo "set -g remain-on-exit on" >"$T/tmux.conf"
 mkdir -p "$T/home"
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
 
 # start ARGS...: fsdprun ARGS in a fresh 100x40 terminal (session s1, s2, ...: a new session
 # each time, since killing the last one would stop the server under the next new-session),
@@ -191,8 +184,4 @@ key C-d
 wait_dead
 [ "$(pane_status)" = "0" ] || fail "^D: exit status '$(pane_status)', expected 0"
 
-if [ "$failures" -ne 0 ]; then
-  echo "repl_tty: $failures failure(s)"
-  exit 1
-fi
-echo "repl_tty: ok"
+finish
