@@ -2,11 +2,12 @@
 # Memory proof: tests/dist/memory.lua asserts, on every rank, that fsdp.memory() shows the
 # sharded footprint (params + grads + optim = 16 total/N bytes between steps) and peaks at the
 # gathered units the schedule predicts, within 5%; at 2 and 4 ranks, with and without prefetch.
-set -eu
+. "${0%/*}/lib.sh"
 for n in 2 4; do
   for prefetch in true false; do
-    out=$("$FSDPRUN" -n "$n" tests/dist/memory.lua --prefetch=$prefetch 2>&1) || {
-      echo "$out"; echo "FAIL: memory at $n ranks, prefetch $prefetch"; exit 1; }
-    echo "ok: $out"
+    must "memory at $n ranks, prefetch $prefetch" \
+      "$FSDPRUN" -n "$n" tests/dist/memory.lua --prefetch=$prefetch
+    echo "ok: $(cat "$T/log")"
   done
 done
+finish

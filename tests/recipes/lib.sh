@@ -33,6 +33,12 @@ die() {
   exit 1
 }
 
+# die_log MESSAGE: show the output of the last must ($T/log), then die
+die_log() {
+  cat "$T/log"
+  die "$*"
+}
+
 # skip WHY: this machine cannot run the test
 skip() {
   echo "$TEST: SKIP ($*)"
@@ -64,6 +70,46 @@ must() {
     cat "$T/log"
     die "$must_label"
   fi
+}
+
+# must_show LABEL CMD...: as must, and the output is shown when CMD passes too
+must_show() {
+  must "$@"
+  cat "$T/log"
+}
+
+# on_ranks N SCRIPT ARGS...: `fsdprun -n N SCRIPT ARGS` must pass (must_show)
+on_ranks() {
+  on_n=$1 on_script=$2
+  shift 2
+  must_show "$on_script at $on_n ranks $*" "$FSDPRUN" -n "$on_n" "$on_script" "$@"
+}
+
+# train_equiv N OUT ARGS...: tests/dist/train_equiv.lua at N ranks writes its run to OUT (for
+# compare); dies when it fails
+train_equiv() {
+  te_n=$1 te_out=$2
+  shift 2
+  must "train_equiv -n $te_n $*" \
+    "$FSDPRUN" -n "$te_n" "$SRC/tests/dist/train_equiv.lua" --out="$te_out" "$@"
+}
+
+# compare REF OUT LABEL [ARGS...]: tests/dist/compare.lua finds the runs REF and OUT equal (within
+# its tolerance, or ARGS: --tol=X, --exact); else show why and die
+compare() {
+  cmp_ref=$1 cmp_out=$2 cmp_label=$3
+  shift 3
+  must "$cmp_label" "$FSDPRUN" "$SRC/tests/dist/compare.lua" "$cmp_ref" "$cmp_out" "$@"
+  echo "ok: $cmp_label: $(cat "$T/log")"
+}
+
+# compare_fails REF OUT LABEL [ARGS...]: the comparison must fail (a perturbed run: the check
+# can fail)
+compare_fails() {
+  cmp_ref=$1 cmp_out=$2 cmp_label=$3
+  shift 3
+  must_fail "$cmp_label: the comparison" "$FSDPRUN" "$SRC/tests/dist/compare.lua" "$cmp_ref" "$cmp_out" "$@"
+  echo "ok: $cmp_label fails the comparison: $(cat "$T/log")"
 }
 
 # must_fail LABEL CMD...: CMD must fail (how a test shows that its check can fail); both
