@@ -30,15 +30,7 @@ run env -u LUA_PATH -u LUA_CPATH "$EX"
 cmp -s "$T/first" "$T/out" || fail "two runs differ: $(diff "$T/first" "$T/out" | head -5)"
 
 # ---- under valgrind -----------------------------------------------------------------------------
-if ! command -v valgrind >/dev/null 2>&1; then
-  echo "note: valgrind is not installed: the memcheck run is skipped"
-elif ldd "$B/libfsdp.so" 2>/dev/null | grep -q libasan; then
-  echo "note: sanitized build (FSDP_SANITIZE): the memcheck run is skipped (ASan checks instead)"
-else
-  run env -u LUA_PATH -u LUA_CPATH OPENBLAS_NUM_THREADS=1 valgrind -q --leak-check=full \
-    --errors-for-leak-kinds=definite,indirect --error-exitcode=99 "$EX" --steps=10 --quiet
-  [ "$rc" -eq 99 ] && fail "valgrind memcheck found errors or leaks: $(head -c 4000 "$T/err")"
-  [ "$rc" -eq 0 ] || fail "host_trainer under valgrind: exit status $rc: $(head -c 2000 "$T/err")"
+if memcheck host_trainer "$EX" --steps=10 --quiet; then
   expect_has out "host_trainer: ok" "host_trainer under valgrind"
 fi
 

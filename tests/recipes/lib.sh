@@ -148,6 +148,28 @@ expect_lacks() { ! grep -qF -- "$2" "$T/$1" || fail "$3: std$1 has '$2'; it was:
 # file_has FILE TEXT WHAT: FILE holds TEXT
 file_has() { grep -qF -- "$2" "$1" 2>/dev/null || fail "$3: $1 lacks '$2'"; }
 
+# memcheck LABEL CMD...: run CMD (no LUA_PATH or LUA_CPATH, one BLAS thread) under valgrind's
+# memcheck, as run does; invalid accesses and definite or indirect leaks fail. Returns 1, with a
+# note, where it cannot run: valgrind missing, or a sanitized build (ASan and valgrind do not mix)
+memcheck() {
+  mc_label=$1
+  shift
+  if ! command -v valgrind >/dev/null 2>&1; then
+    echo "note: valgrind is not installed: the memcheck run is skipped"
+    return 1
+  fi
+  if ldd "$(dirname "$FSDPRUN")/../libfsdp.so" 2>/dev/null | grep -q libasan; then
+    echo "note: sanitized build (FSDP_SANITIZE): the memcheck run is skipped (ASan checks instead)"
+    return 1
+  fi
+  run env -u LUA_PATH -u LUA_CPATH OPENBLAS_NUM_THREADS=1 valgrind -q --leak-check=full \
+    --errors-for-leak-kinds=definite,indirect --error-exitcode=99 "$@"
+  [ "$rc" -eq 99 ] && fail "valgrind memcheck found errors or leaks in $mc_label: $(head -c 4000 "$T/err")"
+  [ "$rc" -eq 0 ] ||
+    fail "$mc_label under valgrind: exit status $rc: $(cat "$T/out"; head -c 2000 "$T/err")"
+  return 0
+}
+
 # now_ms: milliseconds, for timing a run
 now_ms() { date +%s%3N; }
 

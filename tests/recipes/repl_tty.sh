@@ -48,6 +48,13 @@ wait_for() {
 }
 # the last non-empty line of the screen
 last_line() { screen; grep -v '^ *$' "$T/screen" | tail -1; }
+# recall TEXT WHAT: the up arrow brings back the line TEXT (at most 5 s)
+recall() {
+  key Up
+  i=0
+  while [ $i -lt 50 ] && [ "$(last_line)" != "fsdp> $1" ]; do sleep 0.1; i=$((i + 1)); done
+  [ "$(last_line)" = "fsdp> $1" ] || fail "$2: last line is '$(last_line)'"
+}
 type_text() { tm send-keys -t "$S" -l -- "$1"; }
 key() { tm send-keys -t "$S" "$@"; }
 enter() { type_text "$1"; key Enter; }
@@ -142,10 +149,7 @@ enter "6 * 7 + 100"
 wait_for "[0-1] 142" "after ^C at the prompt"
 
 # up arrow: the previous line comes back
-key Up
-i=0
-while [ $i -lt 50 ] && [ "$(last_line)" != "fsdp> 6 * 7 + 100" ]; do sleep 0.1; i=$((i + 1)); done
-[ "$(last_line)" = "fsdp> 6 * 7 + 100" ] || fail "up arrow: last line is '$(last_line)'"
+recall "6 * 7 + 100" "up arrow"
 key C-u
 
 # ^C during an evaluation interrupts every rank and returns to the prompt
@@ -164,14 +168,8 @@ grep -qF 'error("boom")' "$T/history" || fail "history file lacks error(\"boom\"
 # ---- session 2: the history of session 1 ---------------------------------------------------------
 start -n 2 -i
 wait_for "fsdp>" "prompt (session 2)"
-key Up
-i=0
-while [ $i -lt 50 ] && [ "$(last_line)" != "fsdp> :quit" ]; do sleep 0.1; i=$((i + 1)); done
-[ "$(last_line)" = "fsdp> :quit" ] || fail "history across sessions: last line is '$(last_line)'"
-key Up
-i=0
-while [ $i -lt 50 ] && [ "$(last_line)" != "fsdp> 40 + 3" ]; do sleep 0.1; i=$((i + 1)); done
-[ "$(last_line)" = "fsdp> 40 + 3" ] || fail "history across sessions (2): last line is '$(last_line)'"
+recall ":quit" "history across sessions"
+recall "40 + 3" "history across sessions (2)"
 key C-u
 # a tight loop typed at the prompt is interpreted (jit.off), so ^C stops it too
 enter "n = 0; while true do n = n + 1 end"
