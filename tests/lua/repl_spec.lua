@@ -44,33 +44,41 @@ describe("fsdp.repl.complete", function()
     assert.are.equal("", names("cfg.fo", env)) -- no keywords after a '.'
   end)
 
-  it("offers __ names only after '_'", function()
-    assert.are.equal("alpha alps beta", names("cfg.", env))
-    assert.are.equal("__hidden", names("cfg._", env))
-  end)
+  -- line before the cursor -> the candidates, space-separated
+  local cases = {
+    ["__ names only after '_'"] = {
+      ["cfg."] = "alpha alps beta", ["cfg._"] = "__hidden",
+    },
+    ["__index tables, __complete and nn module fields"] = {
+      ["obj."] = "go grand inherited own",
+      ["obj:"] = "go", -- methods: functions only
+      ["listed.lazy"] = "lazy_a lazy_b",
+      ["broken."] = "",
+      ["lin.wei"] = "weight",
+    },
+    ["tensor methods through __methods"] = {
+      ["t:nu"] = "numel", ["lin.weight:nu"] = "numel",
+    },
+    ["paths with bracketed keys"] = {
+      ["deep.layers[1].al"] = "alpha",
+      ['x(deep["layers"][1].al'] = "alpha",
+      ["deep['odd key'].z"] = "zeta",
+      ["deep.layers[2].al"] = "",
+      ["deep.layers[1]"] = "",
+      ["deep.layers[x].al"] = "",
+    },
+  }
+  for what, lines in pairs(cases) do
+    it("completes " .. what, function()
+      for line, want in pairs(lines) do
+        assert.are.equal(want, names(line, env), line)
+      end
+    end)
+  end
 
-  it("follows __index tables, __complete and nn module fields", function()
-    assert.are.equal("go grand inherited own", names("obj.", env))
-    assert.are.equal("go", names("obj:", env)) -- methods: functions only
-    assert.are.equal("lazy_a lazy_b", names("listed.lazy", env))
-    assert.are.equal("", names("broken.", env))
-    assert.are.equal("weight", names("lin.wei", env))
+  it("completes the fsdp table's names, also those it loads on first use", function()
     assert.is_true(names("fsdp.wor", env):find("world_size", 1, true) ~= nil)
-    assert.is_true(names("fsdp.re", env):find("retie", 1, true) ~= nil) -- lazily loaded
-  end)
-
-  it("completes tensor methods through __methods", function()
-    assert.are.equal("numel", names("t:nu", env))
-    assert.are.equal("numel", names("lin.weight:nu", env))
-  end)
-
-  it("walks paths with bracketed keys", function()
-    assert.are.equal("alpha", names("deep.layers[1].al", env))
-    assert.are.equal("alpha", names('x(deep["layers"][1].al', env))
-    assert.are.equal("zeta", names("deep['odd key'].z", env))
-    assert.are.equal("", names("deep.layers[2].al", env))
-    assert.are.equal("", names("deep.layers[1]", env))
-    assert.are.equal("", names("deep.layers[x].al", env))
+    assert.is_true(names("fsdp.re", env):find("retie", 1, true) ~= nil)
   end)
 
   it("gives nothing for paths that do not resolve, and runs no __index function", function()
