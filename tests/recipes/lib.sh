@@ -9,7 +9,8 @@
 # clean-up); $MPIRUN, mpirun with the options every test uses; and the functions below.
 # Checks that find a problem call `fail` and the script goes on; `finish` ends it with the
 # verdict. `die` (and `must`) end it at once, where later checks would only repeat the cause.
-# Exit status 77 is a skip, which ctest reports as such (SKIP_RETURN_CODE).
+# Exit status 77 is a skip, which ctest reports as such (SKIP_RETURN_CODE). sh has no local
+# variables: a helper here names its own with a prefix (on_n, te_out), leaving the script's alone.
 
 set -u
 : "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
