@@ -214,7 +214,7 @@ function M.complete(line, env)
   return names, common:sub(#name + 1)
 end
 
--- ---- the globals of `fsdprun -i` -----------------------------------------------------------------
+-- ---- the globals of `fsdprun -i` ----------------------------------------------------------
 
 --- `fsdprun -i`: the globals `fsdp` (require "fsdp") and `nn` (fsdp.nn) in env (default: the
 --- globals), where the recipe left those names unset. Returns what the banner says of them

@@ -54,7 +54,9 @@ need_mpi() {
   need mpirun "apt-get install openmpi-bin"
   if ! $MPIRUN -np 1 "$FSDPRUN" -e 'assert(require("fsdp").backend() == "mpi")' \
     >/dev/null 2>"$T/need_mpi"; then
-    if grep -qF "built without Open MPI" "$T/need_mpi"; then skip "fsdprun was built without Open MPI"; fi
+    if grep -qF "built without Open MPI" "$T/need_mpi"; then
+      skip "fsdprun was built without Open MPI"
+    fi
   fi
 }
 
@@ -109,7 +111,8 @@ compare() {
 compare_fails() {
   cmp_ref=$1 cmp_out=$2 cmp_label=$3
   shift 3
-  must_fail "$cmp_label: the comparison" "$FSDPRUN" "$SRC/tests/dist/compare.lua" "$cmp_ref" "$cmp_out" "$@"
+  must_fail "$cmp_label: the comparison" \
+    "$FSDPRUN" "$SRC/tests/dist/compare.lua" "$cmp_ref" "$cmp_out" "$@"
   echo "ok: $cmp_label fails the comparison: $(cat "$T/log")"
 }
 
@@ -127,7 +130,8 @@ must_fail() {
 # expect_rc N WHAT: the last run exited with status N
 expect_rc() {
   [ "$rc" -eq "$1" ] ||
-    fail "$2: exit status $rc, expected $1; stdout: $(cat "$T/out" 2>/dev/null); stderr: $(cat "$T/err" 2>/dev/null)"
+    fail "$2: exit status $rc, expected $1; stdout: $(cat "$T/out" 2>/dev/null);" \
+      "stderr: $(cat "$T/err" 2>/dev/null)"
 }
 
 # expect_out TEXT WHAT: the last run's stdout is TEXT exactly (trailing newlines aside)
@@ -165,7 +169,8 @@ memcheck() {
   fi
   run env -u LUA_PATH -u LUA_CPATH OPENBLAS_NUM_THREADS=1 valgrind -q --leak-check=full \
     --errors-for-leak-kinds=definite,indirect --error-exitcode=99 "$@"
-  [ "$rc" -eq 99 ] && fail "valgrind memcheck found errors or leaks in $mc_label: $(head -c 4000 "$T/err")"
+  [ "$rc" -eq 99 ] &&
+    fail "valgrind memcheck found errors or leaks in $mc_label: $(head -c 4000 "$T/err")"
   [ "$rc" -eq 0 ] ||
     fail "$mc_label under valgrind: exit status $rc: $(cat "$T/out"; head -c 2000 "$T/err")"
   return 0
