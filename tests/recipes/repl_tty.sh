@@ -4,7 +4,8 @@
 # the preloaded globals fsdp and nn (the banner says so), error display, tab completion (unique,
 # listed, table fields, methods, a path with a bracketed key, nn), multi-line input,
 # ^C dropping a half-typed input, ^C interrupting an evaluation on every rank, history (up
-# arrow, the history file, a second session recalling the first), :quit's exit status.
+# arrow, the history file, a second session recalling the first), :quit's exit status; in
+# fsdp.debug(), completion of the caller's locals and no preloaded globals.
 # Run by ctest with FSDPRUN=<build>/bin/fsdprun; needs tmux (Debian package tmux).
 . "${0%/*}/lib.sh"
 need tmux "apt-get install tmux"
@@ -181,5 +182,26 @@ wait_for "[0-1] true" "the REPL after stopping a tight loop"
 key C-d
 wait_dead
 [ "$(pane_status)" = "0" ] || fail "^D: exit status '$(pane_status)', expected 0"
+
+# ---- session 3: fsdp.debug() completes the caller's locals, and preloads nothing ----------------
+cat >"$T/dbg.lua" <<'LUA'
+local fsdp = require "fsdp"
+local settings = { gamma = 3 }
+fsdp.debug()
+print("after " .. fsdp.rank())
+LUA
+start -n 2 "$T/dbg.lua"
+wait_for "fsdp.debug() at" "banner (fsdp.debug)"
+type_text "settings.ga"
+key Tab
+type_text " * 2"
+key Enter
+wait_for "[0-1] 6" "completed a field of the caller's local"
+enter "nn == nil"
+wait_for "[0-1] true" "fsdp.debug() adds no nn global"
+enter ":quit"
+wait_for "after 1" "the recipe goes on"
+wait_dead
+[ "$(pane_status)" = "0" ] || fail "fsdp.debug session: exit status '$(pane_status)', expected 0"
 
 finish
