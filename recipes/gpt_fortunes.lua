@@ -10,10 +10,11 @@
 --        [--ckpt_every=500 --ckpt_dir=checkpoints/gpt_fortunes] [--resume]
 --        [--export=FILE.safetensors | --export=false]
 --        [--stop_after=N]
---   checkpoints: every N steps a sharded checkpoint (model, AdamW state, schedule, loader position,
---   random state) replaces the previous one in ckpt_dir; --resume continues from it (bitwise the
---   same run); --export writes the trained model as one safetensors file at the end;
---   --stop_after=N stops after step N as if interrupted (to try --resume).
+--   checkpoints: every N steps and after the last one a sharded checkpoint (model, AdamW state,
+--   schedule, loader position, random state) replaces the previous one in ckpt_dir; --resume
+--   continues from it (bitwise the same run; the metrics file is appended to); --export writes
+--   the trained model as one safetensors file at the end; --stop_after=N stops after step N as
+--   if interrupted, without a checkpoint of its own (to try --resume).
 --   --mp: mixed precision (fsdp.wrap's mp option: parameters gathered and computed in bf16, f32
 --   master shards, gradients reduced in f32, logits and losses in f32; f16 also uses a dynamic
 --   loss scaler, fsdp.optim.GradScaler, saved in the checkpoints' extra). Checkpoints hold the
@@ -37,8 +38,8 @@ local seed = args.seed or 0
 local path = args.data or "/usr/share/games/fortunes"
 local rank, world = fsdp.rank(), fsdp.world_size()
 local function say(...) if rank == 0 then print(...) end end
--- a sharded checkpoint every 500 steps (--ckpt_every=0: none) and a safetensors export at the
--- end (--export=false: none), both in ckpt_dir by default
+-- a sharded checkpoint every 500 steps and at the end (--ckpt_every=0: none) and a safetensors
+-- export at the end (--export=false: none), both in ckpt_dir by default
 local ckpt_dir = args.ckpt_dir or "checkpoints/gpt_fortunes"
 local ckpt_every = args.ckpt_every or 500
 if ckpt_every == 0 then ckpt_every = nil end
@@ -98,13 +99,20 @@ local function validate()
   return sum / n
 end
 
--- JSONL metrics (default beside the checkpoints); rank 0 draws them as an SVG at the end
+-- JSONL metrics (default beside the checkpoints; setup makes the folder, and a resumed run
+-- appends); rank 0 draws them as an SVG at the end
 local metrics_path = args.metrics or (ckpt_dir .. "/metrics.jsonl")
-if rank == 0 then fsdp.core.io_mkdirs(metrics_path:match("^(.*)/[^/]*$") or ".") end
 fsdp.log.setup { total = steps, jsonl = metrics_path, append = args.resume and true or nil }
 local train_loss, val_loss
 local ema
 local ckpt_opts = { optimizer = opt, schedule = schedule, loaders = { train = train } }
+local saved_at -- the step of the checkpoint in ckpt_dir, when this run wrote or loaded it
+local function save_checkpoint(step)
+  ckpt_opts.step, ckpt_opts.extra = step, { train_loss = train_loss, val_loss = val_loss, ema = ema,
+    scaler = scaler:state_dict() }
+  fsdp.save(model, ckpt_dir, ckpt_opts)
+  saved_at = step
+end
 if args.resume then
   local extra = fsdp.load(model, ckpt_dir, ckpt_opts)
   train_loss, val_loss, ema = extra.train_loss, extra.val_loss, extra.ema
@@ -112,8 +120,11 @@ if args.resume then
     scaler:load_state_dict(extra.scaler)
   end
   say(("resumed from %s at step %d"):format(ckpt_dir, train.cursor))
+  saved_at = train.cursor
 end
-for step, x, y in train:batches(math.max(0, steps - train.cursor)) do
+-- (a run resumed from its own end has no step left to train)
+local todo = steps - train.cursor
+for step, x, y in todo > 0 and train:batches(todo) or function() end do
   schedule:step()
   local loss = nn.F.cross_entropy(model(x), y)
   opt:zero_grad()
@@ -131,11 +142,7 @@ for step, x, y in train:batches(math.max(0, steps - train.cursor)) do
     metrics.val_loss = val_loss
   end
   fsdp.log(step, metrics)
-  if ckpt_every and step % ckpt_every == 0 then
-    ckpt_opts.step, ckpt_opts.extra = step, { train_loss = train_loss, val_loss = val_loss, ema = ema,
-      scaler = scaler:state_dict() }
-    fsdp.save(model, ckpt_dir, ckpt_opts)
-  end
+  if ckpt_every and step % ckpt_every == 0 then save_checkpoint(step) end
   if args.stop_after and step >= args.stop_after then
     fsdp.log.finish()
     say(("stopped after step %d"):format(step))
@@ -143,6 +150,9 @@ for step, x, y in train:batches(math.max(0, steps - train.cursor)) do
   end
 end
 fsdp.log.finish()
+-- the last steps since a multiple of ckpt_every: saved too, so that --resume always finds the
+-- end of this run
+if ckpt_every and saved_at ~= train.cursor then save_checkpoint(train.cursor) end
 if rank == 0 then -- fsdp.plot is plain Lua, no collective: rank 0 alone draws it
   local svg = metrics_path:gsub("%.jsonl$", "") .. ".svg"
   local ok, err = pcall(fsdp.plot.write, metrics_path, svg, { title = "gpt_fortunes" })

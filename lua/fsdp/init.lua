@@ -152,7 +152,7 @@ local lazy = {
   plot = "fsdp.plot", prune = "fsdp.prune",
 }
 setmetatable(fsdp, {
-  -- the names resolved on first use, for the REPL's tab completion (src/cli/repl.c)
+  -- the names resolved on first use, for the REPL's tab completion (lua/fsdp/repl.lua)
   __complete = function()
     local names = { "clip_grad_norm" }
     for _, set in ipairs { lazy, other_names, wrap_names } do

@@ -1,94 +1,53 @@
--- fsdp.log: training progress for humans (a progress line or plain lines) and for programs
+-- fsdp.log: training progress for humans (a progress bar or plain lines) and for programs
 -- (a JSONL file). docs/cli.md ("Logging") is the manual.
 --
---   fsdp.log.setup{total =, every =, jsonl = "path", tokens_per_step =}   -- optional
+--   fsdp.log.setup{total =, every =, jsonl = "path", append =, progress =, tokens_per_step =}
 --   fsdp.log(step, {loss = l, lr = lr, tokens = n})                      -- each step (or less)
---   fsdp.log.print(...)                                                  -- text, line kept
---   fsdp.log.finish()                                                    -- ends the line
+--   fsdp.log.print(...)                                                  -- text, bar kept
+--   fsdp.log.finish()                                                    -- ends the bar
 --
 -- Only rank 0 writes anything; the other ranks return at once, so calling fsdp.log on every
--- rank is right (it is not collective). On a terminal the line is redrawn in place ("\r" and
--- clear-to-end-of-line) at most 10 times a second; otherwise plain lines are printed at step 1,
--- every `every` steps and at the last step. Metric values may be numbers, booleans, strings or
--- 1-element tensors; the line shows the numeric ones (loss first, the rest by name), JSONL
--- holds them all.
+-- rank is right (it is not collective). progress = "bar" redraws one line in place ("\r" and
+-- clear-to-end-of-line) at most 10 times a second; "line" prints plain lines at step 1, every
+-- `every` steps and at the last step; "off" prints none; "auto" (the default, or
+-- FSDP_PROGRESS, which `fsdprun --progress` sets) is "bar" when standard output is a
+-- terminal, else "line". A step that carries a metric the previous call did not (val_loss
+-- every 250 steps) is always shown and its line stays. Metric values may be numbers,
+-- booleans, strings, tables or 1-element tensors; the line shows the numeric ones (loss
+-- first, the rest by name), JSONL holds them all.
 
 local fsdp = require "fsdp"
 local core = require "fsdp.core"
 
 local log = {}
 
+local PROGRESS = { auto = true, off = true, line = true, bar = true }
+local SETUP_KEYS = { "total", "every", "jsonl", "append", "progress", "tokens_per_step", "out",
+  "clock", "rank" }
+
 local S -- the state of the current run (reset by setup)
 
 local function new_state(opts)
   return {
     total = opts.total, every = opts.every, tokens_per_step = opts.tokens_per_step,
-    out = opts.out or io.stdout, tty = opts.tty, clock = opts.clock or core.clock,
-    rank = opts.rank, jsonl = nil, jsonl_path = opts.jsonl,
-    t0 = nil, last_step = nil, last_t = nil, sec_per_step = nil,
-    line = nil, line_open = false, last_draw = -math.huge,
+    out = opts.out or io.stdout, progress = opts.progress, clock = opts.clock or core.clock,
+    rank = opts.rank, jsonl = nil,
+    t0 = nil, last_step = nil, last_t = nil, sec_per_step = nil, shown = nil,
+    line = nil, line_open = false, line_keys = nil, keep = false, last_draw = -math.huge,
   }
 end
 
 local function my_rank() return S.rank or fsdp.rank() end
 
--- ---- JSON (numbers, strings, booleans, tables of those) -----------------------------------
+-- ---- JSON ---------------------------------------------------------------------------------
 
-local escapes = { ['"'] = '\\"', ["\\"] = "\\\\", ["\b"] = "\\b", ["\f"] = "\\f",
-  ["\n"] = "\\n", ["\r"] = "\\r", ["\t"] = "\\t" }
+-- Metrics are written with the engine's codec (fsdp.core.json_encode, cJSON): numbers exactly,
+-- NaN and infinities as the strings "NaN", "Infinity", "-Infinity" (JSON has no such
+-- numbers; fsdp.plot and json_decode{nonfinite = true} read them back as numbers).
+local JSONL = { nonfinite = "string", first = { "step", "time", "loss" } }
 
-local function json_string(s)
-  return '"' .. s:gsub('[%c"\\]', function(c)
-    return escapes[c] or ("\\u%04x"):format(c:byte())
-  end) .. '"'
-end
-
-local function json_number(v)
-  if v ~= v or v == math.huge or v == -math.huge then return "null" end
-  if v % 1 == 0 and math.abs(v) < 2 ^ 53 then return ("%d"):format(v) end
-  local s = ("%.15g"):format(v)
-  if tonumber(s) ~= v then s = ("%.17g"):format(v) end
-  return s
-end
-
-local json_value
-
-local function json_table(t, depth)
-  if depth > 16 then error("fsdp.log: table nested too deeply for JSON", 0) end
-  local n = #t
-  local keys, count = {}, 0
-  for k in pairs(t) do
-    count = count + 1
-    if type(k) ~= "number" or k < 1 or k > n or k % 1 ~= 0 then keys[#keys + 1] = k end
-  end
-  local parts = {}
-  if n > 0 and count == n then
-    for i = 1, n do parts[i] = json_value(t[i], depth + 1) end
-    return "[" .. table.concat(parts, ",") .. "]"
-  end
-  for k in pairs(t) do
-    if type(k) == "number" and k >= 1 and k <= n and k % 1 == 0 then keys[#keys + 1] = k end
-  end
-  table.sort(keys, function(a, b) return tostring(a) < tostring(b) end)
-  for i, k in ipairs(keys) do
-    parts[i] = json_string(tostring(k)) .. ":" .. json_value(t[k], depth + 1)
-  end
-  return "{" .. table.concat(parts, ",") .. "}"
-end
-
-json_value = function(v, depth)
-  local tv = type(v)
-  if tv == "number" then return json_number(v)
-  elseif tv == "string" then return json_string(v)
-  elseif tv == "boolean" then return tostring(v)
-  elseif tv == "nil" then return "null"
-  elseif tv == "table" then return json_table(v, depth or 0)
-  end
-  return json_string(tostring(v))
-end
-
---- Encode a Lua value as JSON text (exposed for tests and recipes).
-function log.json(v) return json_value(v, 0) end
+--- Encode a Lua value as JSON text, as the JSONL lines are.
+function log.json(v) return core.json_encode(v, JSONL) end
 
 -- ---- formatting ---------------------------------------------------------------------------
 
@@ -128,6 +87,15 @@ local function plain_metrics(metrics)
   return m
 end
 
+-- The metrics the line shows: numeric ones but `tokens`, as a set.
+local function shown_keys(m)
+  local set = {}
+  for k, v in pairs(m) do
+    if type(v) == "number" and k ~= "tokens" then set[k] = true end
+  end
+  return set
+end
+
 --- The progress text for one step (no "\r", no newline).
 function log.format(step, m, total, tokens_per_sec, eta, elapsed)
   local parts = { total and ("step %d/%d"):format(step, total) or ("step %d"):format(step) }
@@ -143,35 +111,74 @@ end
 
 -- ---- output -------------------------------------------------------------------------------
 
-local function is_tty()
-  if S.tty == nil then S.tty = S.out == io.stdout and core.isatty(1) end
-  return S.tty
+-- "bar", "line" or "off": the mode asked for, "auto" resolved by the output's kind.
+local function mode()
+  if S.progress == "auto" then
+    S.progress = S.out == io.stdout and core.isatty(1) and "bar" or "line"
+  end
+  return S.progress
 end
 
-local function draw(text)
+-- Draw the bar. The line it replaces is cleared, unless it is kept (it showed a metric this
+-- one lacks): then the new line starts below it.
+local function draw(text, keys, keep)
+  if S.line_open and S.keep then S.out:write("\n") end
   S.out:write("\r\27[K", text)
   S.out:flush()
-  S.line, S.line_open = text, true
+  S.line, S.line_open, S.line_keys, S.keep = text, true, keys, keep
+end
+
+-- Whether the open bar shows a metric that `keys` lacks.
+local function loses(keys)
+  for k in pairs(S.line_keys or {}) do if not keys[k] then return true end end
+  return false
 end
 
 --- Start a run: forget the previous one (closing its JSONL file) and set its options:
 --- total (steps, for "step i/total" and ETA), every (plain-line period), jsonl (path of a
---- metrics file, truncated unless append = true: a resumed run continues its file),
---- tokens_per_step (throughput when metrics.tokens is absent).
---- For tests and hosts: out (a file handle, default io.stdout), tty (force the mode), clock
---- (a function returning seconds), rank (instead of fsdp.rank()).
+--- metrics file: its folder is made, and the file truncated unless append = true, which
+--- continues it, as a resumed run must), tokens_per_step (throughput when metrics.tokens is
+--- absent), progress ("auto" | "bar" | "line" | "off"; default FSDP_PROGRESS, else "auto").
+--- For tests and hosts: out (a file handle, default io.stdout), clock (a function returning
+--- seconds), rank (instead of fsdp.rank()).
 function log.setup(opts)
   opts = opts or {}
   if type(opts) ~= "table" then error("fsdp.log.setup: expected an options table", 2) end
+  for k in pairs(opts) do
+    local known = false
+    for _, v in ipairs(SETUP_KEYS) do known = known or k == v end
+    if not known then
+      error(("fsdp.log.setup: unknown option '%s' (valid: %s)"):format(tostring(k),
+        table.concat(SETUP_KEYS, ", ")), 2)
+    end
+  end
   for _, k in ipairs { "total", "every", "tokens_per_step" } do
     local v = opts[k]
     if v ~= nil and (type(v) ~= "number" or v <= 0) then
       error(("fsdp.log.setup: %s must be a positive number, got %s"):format(k, tostring(v)), 2)
     end
   end
+  local progress = opts.progress
+  if progress == nil then
+    progress = os.getenv("FSDP_PROGRESS")
+    if progress == "" then progress = nil end
+    if progress ~= nil and not PROGRESS[progress] then
+      error(("fsdp.log.setup: FSDP_PROGRESS must be auto, bar, line or off, got '%s'")
+        :format(progress), 2)
+    end
+  elseif not PROGRESS[progress] then
+    error(("fsdp.log.setup: progress must be \"auto\", \"bar\", \"line\" or \"off\", got %s")
+      :format(tostring(progress)), 2)
+  end
   if S then log.finish() end
   S = new_state(opts)
+  S.progress = progress or "auto"
   if opts.jsonl and my_rank() == 0 then
+    local dir = opts.jsonl:match("^(.*)/[^/]*$")
+    if dir and dir ~= "" then
+      local ok, err = pcall(core.io_mkdirs, dir)
+      if not ok then error("fsdp.log.setup: cannot make the JSONL file's folder: " .. err, 2) end
+    end
     local f, err = io.open(opts.jsonl, opts.append and "a" or "w")
     if not f then error("fsdp.log.setup: cannot open the JSONL file: " .. err, 2) end
     S.jsonl = f
@@ -186,6 +193,14 @@ local function every()
   return 10
 end
 
+local function default_state()
+  if not S then
+    S = new_state { progress = os.getenv("FSDP_PROGRESS") or "auto" }
+    if not PROGRESS[S.progress] then S.progress = "auto" end
+    S.t0 = S.clock()
+  end
+end
+
 --- Log step `step` with a table of metrics. Rank 0 only; not collective.
 local function call(_, step, metrics)
   if type(step) ~= "number" then
@@ -194,7 +209,7 @@ local function call(_, step, metrics)
   if metrics ~= nil and type(metrics) ~= "table" then
     error("fsdp.log: metrics must be a table, got " .. type(metrics), 2)
   end
-  if not S then S = new_state {}; S.t0 = S.clock() end
+  default_state()
   if my_rank() ~= 0 then return end
   local m = plain_metrics(metrics or {})
   local now = S.clock()
@@ -205,15 +220,21 @@ local function call(_, step, metrics)
   S.last_step, S.last_t = step, now
 
   if S.jsonl then
-    local parts = { '"step":' .. json_number(step), '"time":' .. json_number(now - S.t0) }
-    for _, k in ipairs(ordered_keys(m)) do
-      if k ~= "step" and k ~= "time" then
-        parts[#parts + 1] = json_string(tostring(k)) .. ":" .. json_value(m[k], 1)
-      end
-    end
-    S.jsonl:write("{", table.concat(parts, ","), "}\n")
+    local rec = {}
+    for k, v in pairs(m) do rec[k] = v end
+    rec.step, rec.time = step, now - S.t0
+    S.jsonl:write(log.json(rec), "\n")
     S.jsonl:flush()
   end
+
+  -- a metric the previous call lacked (a validation loss every N steps): shown whatever the
+  -- cadence, on a line that stays
+  local keys = shown_keys(m)
+  local new = false
+  if S.shown then
+    for k in pairs(keys) do if not S.shown[k] then new = true end end
+  end
+  S.shown = keys
 
   local sps = S.sec_per_step
   local tokens = type(m.tokens) == "number" and m.tokens or S.tokens_per_step
@@ -221,36 +242,42 @@ local function call(_, step, metrics)
   local last = S.total and step >= S.total
   local eta = (S.total and sps and not last) and (S.total - step) * sps or nil
   local elapsed = last and now - S.t0 or nil
-  if is_tty() then
-    if last or now - S.last_draw >= 0.1 then
-      draw(log.format(step, m, S.total, tps, eta, elapsed))
+  local how = mode()
+  if how == "bar" then
+    if new or last or now - S.last_draw >= 0.1 or (S.line_open and loses(keys)) then
+      if S.line_open and not S.keep and loses(keys) then S.keep = true end
+      draw(log.format(step, m, S.total, tps, eta, elapsed), keys, new)
       S.last_draw = now
     end
-  elseif step == 1 or step % every() == 0 or last then
+  elseif how == "line" and (new or step == 1 or step % every() == 0 or last) then
     S.out:write(log.format(step, m, S.total, tps, eta, elapsed), "\n")
     S.out:flush()
   end
 end
 
---- Print text (like print) on rank 0 without breaking the progress line: the line is cleared,
---- the text printed, and the line drawn again below it.
+--- Print text (like print) on rank 0 without breaking the bar: the bar is cleared, the text
+--- printed, and the bar drawn again below it (a kept line stays, and the next step draws).
 function log.print(...)
-  if not S then S = new_state {}; S.t0 = S.clock() end
+  default_state()
   if my_rank() ~= 0 then return end
   local n = select("#", ...)
   local parts = {}
   for i = 1, n do parts[i] = tostring((select(i, ...))) end
   local text = table.concat(parts, "\t")
-  if S.line_open then
+  if S.line_open and S.keep then
+    S.out:write("\n", text, "\n")
+    S.out:flush()
+    S.line_open, S.line_keys, S.keep = false, nil, false
+  elseif S.line_open then
     S.out:write("\r\27[K", text, "\n")
-    draw(S.line)
+    draw(S.line, S.line_keys, false)
   else
     S.out:write(text, "\n")
     S.out:flush()
   end
 end
 
---- End the run's output: finish the progress line with a newline and close the JSONL file.
+--- End the run's output: finish the bar with a newline and close the JSONL file.
 function log.finish()
   if not S then return end
   if S.line_open then

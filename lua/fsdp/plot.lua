@@ -1,22 +1,29 @@
 -- fsdp.plot: training curves from a JSONL metrics file (the one fsdp.log.setup{jsonl =}
--- writes) drawn as a standalone SVG, in plain Lua: no engine, no Python, no gnuplot, so it
--- runs under plain `luajit` as well as inside fsdprun. docs/plots.md is the manual.
+-- writes) drawn as a standalone SVG, in Lua with the engine's JSON codec: no Python, no
+-- gnuplot; it runs inside fsdprun and under plain `luajit` (with fsdp/core.so on LUA_CPATH).
+-- docs/plots.md is the manual.
 --
 --   fsdp.plot.svg(path_or_records, opts) -> svg text, problems
 --   fsdp.plot.write(jsonl_path, svg_path, opts) -> svg_path, problems
 --   fsdp.plot.read(path) -> records, problems          (parse(text, name) for a string)
 --   fsdp.plot.decode(line) -> record | nil, message, column
+--   fsdp.plot.metrics(records) -> the names of the metrics that hold numbers, in file order
 --   fsdp.plot.main(args, env)     -- `fsdprun plot metrics.jsonl -o loss.svg [--title=...]`
 --   fsdp.plot.command(args, env)  -- main, errors printed: returns the exit status
 --
--- Panels, top to bottom, only for series that have at least one finite value: "loss" (train
--- "loss" and "val_loss"), "lr", "sparsity". They share the horizontal axis (step, or time).
--- A record is one flat JSON object; JSON null decodes to plot.null, so that a metric that was
--- NaN or inf when logged (fsdp.log writes those as null) is counted as skipped, not missing.
--- Malformed lines are skipped and reported as "name:line:column: message" in `problems`.
+-- Every numeric metric is drawn (step and time are the axes; tokens, a constant, only when
+-- asked for), top to bottom, only when it has at least one finite value: one "loss" panel
+-- for `loss` and every metric named *loss (val_loss), then one panel per other metric, lr
+-- first, the rest in the order the file first shows them. They share the horizontal axis
+-- (step, or time). A record is one flat JSON object; NaN and infinities (strings "NaN",
+-- "Infinity", "-Infinity" as fsdp.log writes them, or the bare words) decode to numbers and
+-- JSON null to plot.null, so such a value is counted as skipped, not missing. Malformed lines
+-- are skipped and reported as "name:line:column: message" in `problems`.
 --
 -- Long series are reduced to the lowest and highest point of each pixel column (in their
 -- original order), which draws the same picture and bounds a series at two points per column.
+
+local core = require "fsdp.core"
 
 local plot = {}
 
@@ -25,169 +32,21 @@ local plot = {}
 --- The value JSON null decodes to (a metric that was NaN/inf, or absent on purpose).
 plot.null = setmetatable({}, { __tostring = function() return "null" end })
 
-local MAX_DEPTH = 32
-
--- Parse failures travel as a table {col =, msg =} raised inside decode and caught there.
-local function fail(col, msg) error({ col = col, msg = msg }, 0) end
-
-local function utf8_char(cp)
-  if cp < 0x80 then return string.char(cp) end
-  if cp < 0x800 then
-    return string.char(0xC0 + math.floor(cp / 0x40), 0x80 + cp % 0x40)
-  end
-  if cp < 0x10000 then
-    return string.char(0xE0 + math.floor(cp / 0x1000), 0x80 + math.floor(cp / 0x40) % 0x40,
-      0x80 + cp % 0x40)
-  end
-  return string.char(0xF0 + math.floor(cp / 0x40000), 0x80 + math.floor(cp / 0x1000) % 0x40,
-    0x80 + math.floor(cp / 0x40) % 0x40, 0x80 + cp % 0x40)
-end
-
-local simple_escapes = { ['"'] = '"', ["\\"] = "\\", ["/"] = "/", b = "\b", f = "\f",
-  n = "\n", r = "\r", t = "\t" }
-
-local function skip_ws(s, pos) return s:find("[^ \t\r\n]", pos) or #s + 1 end
-
-local function decode_string(s, pos) -- s:sub(pos, pos) == '"'; returns the string, next pos
-  local parts = {}
-  local i = pos + 1
-  while true do
-    local j = s:find('["\\%c]', i)
-    if not j then fail(pos, "unterminated string") end
-    parts[#parts + 1] = s:sub(i, j - 1)
-    local c = s:sub(j, j)
-    if c == '"' then return table.concat(parts), j + 1 end
-    if c ~= "\\" then fail(j, "control character inside a string") end
-    local e = s:sub(j + 1, j + 1)
-    if simple_escapes[e] then
-      parts[#parts + 1] = simple_escapes[e]
-      i = j + 2
-    elseif e == "u" then
-      local hex = s:match("^%x%x%x%x", j + 2)
-      if not hex then fail(j, "bad \\u escape") end
-      local cp = tonumber(hex, 16)
-      i = j + 6
-      if cp >= 0xD800 and cp <= 0xDBFF then -- a high surrogate: a low one should follow
-        local lo = s:match("^\\u(%x%x%x%x)", i)
-        lo = lo and tonumber(lo, 16)
-        if lo and lo >= 0xDC00 and lo <= 0xDFFF then
-          cp = 0x10000 + (cp - 0xD800) * 0x400 + (lo - 0xDC00)
-          i = i + 6
-        else
-          cp = 0xFFFD
-        end
-      elseif cp >= 0xDC00 and cp <= 0xDFFF then
-        cp = 0xFFFD
-      end
-      parts[#parts + 1] = utf8_char(cp)
-    else
-      fail(j, "bad escape '\\" .. e .. "'")
-    end
-  end
-end
-
-local function decode_number(s, pos) -- strict JSON number grammar
-  local i = pos
-  if s:sub(i, i) == "-" then i = i + 1 end
-  local c = s:sub(i, i)
-  if c == "0" then
-    i = i + 1
-  elseif c:match("[1-9]") then
-    i = select(2, s:find("^%d+", i)) + 1
-  else
-    fail(pos, "bad number")
-  end
-  if s:sub(i, i) == "." then
-    local _, e = s:find("^%d+", i + 1)
-    if not e then fail(i, "bad number: digits expected after '.'") end
-    i = e + 1
-  end
-  if s:sub(i, i):match("[eE]") then
-    local j = i + 1
-    if s:sub(j, j):match("[-+]") then j = j + 1 end
-    local _, e = s:find("^%d+", j)
-    if not e then fail(i, "bad number: digits expected in the exponent") end
-    i = e + 1
-  end
-  return tonumber(s:sub(pos, i - 1)), i
-end
-
--- Literals. NaN and Infinity are not JSON, but other writers (Python's json) emit them.
-local literals = {
-  { "true", true }, { "false", false }, { "null", plot.null },
-  { "NaN", 0 / 0 }, { "Infinity", math.huge }, { "-Infinity", -math.huge },
-}
-
-local decode_value
-
-local function decode_object(s, pos, depth)
-  local obj = {}
-  pos = skip_ws(s, pos + 1)
-  if s:sub(pos, pos) == "}" then return obj, pos + 1 end
-  while true do
-    if s:sub(pos, pos) ~= '"' then fail(pos, "expected a quoted key") end
-    local key
-    key, pos = decode_string(s, pos)
-    pos = skip_ws(s, pos)
-    if s:sub(pos, pos) ~= ":" then fail(pos, "expected ':' after the key") end
-    obj[key], pos = decode_value(s, skip_ws(s, pos + 1), depth + 1)
-    pos = skip_ws(s, pos)
-    local c = s:sub(pos, pos)
-    if c == "}" then return obj, pos + 1 end
-    if c ~= "," then fail(pos, "expected ',' or '}'") end
-    pos = skip_ws(s, pos + 1)
-  end
-end
-
-local function decode_array(s, pos, depth)
-  local arr = {}
-  pos = skip_ws(s, pos + 1)
-  if s:sub(pos, pos) == "]" then return arr, pos + 1 end
-  while true do
-    arr[#arr + 1], pos = decode_value(s, pos, depth + 1)
-    pos = skip_ws(s, pos)
-    local c = s:sub(pos, pos)
-    if c == "]" then return arr, pos + 1 end
-    if c ~= "," then fail(pos, "expected ',' or ']'") end
-    pos = skip_ws(s, pos + 1)
-  end
-end
-
-decode_value = function(s, pos, depth)
-  if depth > MAX_DEPTH then fail(pos, "nested too deeply") end
-  local c = s:sub(pos, pos)
-  if c == '"' then return decode_string(s, pos) end
-  if c == "{" then return decode_object(s, pos, depth) end
-  if c == "[" then return decode_array(s, pos, depth) end
-  if c == "-" or c:match("%d") then
-    if s:sub(pos, pos + 8) == "-Infinity" then return -math.huge, pos + 9 end
-    return decode_number(s, pos)
-  end
-  for _, lit in ipairs(literals) do
-    if s:sub(pos, pos + #lit[1] - 1) == lit[1] then return lit[2], pos + #lit[1] end
-  end
-  if c == "" then fail(pos, "unexpected end of line") end
-  fail(pos, "unexpected character '" .. c .. "'")
-end
-
-local function decode_line(line)
-  local p = skip_ws(line, 1)
-  if line:sub(p, p) ~= "{" then fail(p, "expected a JSON object ('{')") end
-  local o, q = decode_object(line, p, 1)
-  q = skip_ws(line, q)
-  if q <= #line then fail(q, "unexpected text after the object") end
-  return o
-end
+-- Lines are decoded by the engine's codec (cJSON); NaN and infinities come back as numbers,
+-- whether written as the strings fsdp.log writes or as the bare words of other writers.
+local DECODE = { nonfinite = true, null = plot.null, raise = false }
 
 --- Decode one line holding one JSON object. Returns the table, or nil, a message and the
---- 1-based column where it went wrong. Values: numbers, strings, booleans, plot.null, and
---- (decoded but not plotted) arrays and objects.
+--- 1-based column where it went wrong. Values: numbers (NaN and infinities included),
+--- strings, booleans, plot.null, and (decoded but not plotted) arrays and objects.
 function plot.decode(line)
   if type(line) ~= "string" then error("fsdp.plot.decode: expected a string", 2) end
-  local ok, obj = pcall(decode_line, line)
-  if ok then return obj end
-  if type(obj) ~= "table" then error(obj, 0) end -- a bug, not a malformed line
-  return nil, obj.msg, obj.col
+  local p = line:find("[^ \t\r\n]") or #line + 1
+  if line:sub(p, p) ~= "{" then return nil, "expected a JSON object ('{')", p end
+  local rec, msg, _, col = core.json_decode(line, "line", DECODE)
+  if rec ~= nil then return rec end
+  return nil, msg:match("%((unexpected[^()]*)%)$") or msg:match("unexpected text after the document")
+    or "not valid JSON", col
 end
 
 -- Feed lines from an iterator; blank lines are skipped, malformed ones reported.
@@ -360,13 +219,52 @@ end
 
 -- ---- series -------------------------------------------------------------------------------
 
--- Panels in drawing order. Colours: the tab10 palette, one per series.
-local PANELS = {
-  { id = "loss", label = "loss", keys = { "loss", "val_loss" }, log = true },
-  { id = "lr", label = "learning rate", keys = { "lr" } },
-  { id = "sparsity", label = "sparsity", keys = { "sparsity" } },
-}
+-- Colours: the tab10 palette; the usual metrics keep theirs, the others take the rest in turn.
 local COLORS = { loss = "#1f77b4", val_loss = "#d62728", lr = "#2ca02c", sparsity = "#9467bd" }
+local PALETTE = { "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f",
+  "#1f77b4", "#d62728", "#2ca02c", "#9467bd" }
+local LABELS = { lr = "learning rate" }
+-- Not metrics: the axes; and tokens (per step, a constant), drawn only when asked for.
+local AXES = { step = true, time = true }
+
+--- The names of the metrics in `records` that hold a number (finite or not) on some line, in
+--- the order the lines first show them (names within a line sorted): step and time excepted.
+function plot.metrics(records)
+  local names, seen = {}, {}
+  for _, r in ipairs(records) do
+    local fresh = {}
+    for k, v in pairs(r) do
+      if type(k) == "string" and not seen[k] and not AXES[k] and type(v) == "number" then
+        fresh[#fresh + 1] = k
+        seen[k] = true
+      end
+    end
+    table.sort(fresh)
+    for _, k in ipairs(fresh) do names[#names + 1] = k end
+  end
+  return names
+end
+
+local function is_loss(name) return name == "loss" or name:sub(-4) == "loss" end
+
+-- Panels in drawing order for the metrics `names`: {id, label, keys, log}.
+local function panel_specs(names)
+  local loss, lr, rest = {}, nil, {}
+  for _, k in ipairs(names) do
+    if is_loss(k) then loss[#loss + 1] = k
+    elseif k == "lr" then lr = k
+    else rest[#rest + 1] = k end
+  end
+  table.sort(loss, function(a, b) -- loss first, then the others by name
+    if a == "loss" or b == "loss" then return a == "loss" and b ~= "loss" end
+    return a < b
+  end)
+  local specs = {}
+  if #loss > 0 then specs[1] = { id = "loss", label = "loss", keys = loss, log = true } end
+  if lr then table.insert(rest, 1, lr) end
+  for _, k in ipairs(rest) do specs[#specs + 1] = { id = k, label = LABELS[k] or k, keys = { k } } end
+  return specs
+end
 
 -- The points of metric `key` against `xkey`: sorted by x (file order within equal x), with
 -- the count of values that were present but not finite (NaN, inf, null, non-numbers).
@@ -527,10 +425,11 @@ local defaults = {
 }
 
 --- Draw the SVG. `source` is a JSONL path or a list of records (tables of metrics with
---- step and time). Options: title, x ("step" | "time"), log (true | false | nil for auto:
---- log when the loss spans more than 10x), width, loss_height, panel_height, name (shown
---- under the title). Returns the SVG text and the list of problems met while reading.
---- Raises an error when there is nothing to draw.
+--- step and time). Options: title, x ("step" | "time"), metrics (a list of the metric names
+--- to draw, in place of every one but tokens; a name the records lack is an error), log
+--- (true | false | nil for auto: log when the loss spans more than 10x), width, loss_height,
+--- panel_height, name (shown under the title). Returns the SVG text and the list of problems
+--- met while reading. Raises an error when there is nothing to draw.
 function plot.svg(source, opts)
   opts = opts or {}
   if type(opts) ~= "table" then error("fsdp.plot.svg: opts must be a table", 2) end
@@ -555,9 +454,36 @@ function plot.svg(source, opts)
   local L, R = defaults.left, defaults.right
   local plot_w = W - L - R
 
+  -- the metrics and their colours
+  local names = plot.metrics(records)
+  if opts.metrics ~= nil then
+    if type(opts.metrics) ~= "table" then error("fsdp.plot.svg: metrics must be a list of names", 2) end
+    local have = {}
+    for _, k in ipairs(names) do have[k] = true end
+    for _, k in ipairs(opts.metrics) do
+      if not have[k] then
+        error(("no metric '%s' in the records (those with numbers: %s)"):format(tostring(k),
+          #names > 0 and table.concat(names, ", ") or "none"), 0)
+      end
+    end
+    names = opts.metrics
+  else
+    local kept = {}
+    for _, k in ipairs(names) do if k ~= "tokens" then kept[#kept + 1] = k end end
+    names = kept
+  end
+  local colors, next_color = {}, 0
+  for _, k in ipairs(names) do
+    colors[k] = COLORS[k]
+    if not colors[k] then
+      next_color = next_color + 1
+      colors[k] = PALETTE[(next_color - 1) % #PALETTE + 1]
+    end
+  end
+
   -- the series of each panel; panels without any point are left out
   local panels = {}
-  for _, spec in ipairs(PANELS) do
+  for _, spec in ipairs(panel_specs(names)) do
     local series = {}
     for _, key in ipairs(spec.keys) do
       local pts, skipped = extract(records, key, xkey)
@@ -573,8 +499,9 @@ function plot.svg(source, opts)
     if not any then error("no time values for the horizontal axis (try x = \"step\")", 0) end
   end
   if #panels == 0 then
-    error(("no loss, val_loss, lr or sparsity values to plot (%d records%s)"):format(#records,
-      #problems > 0 and (", %d malformed lines"):format(#problems) or ""), 0)
+    error(("no metrics to plot (%d records%s): no line holds a finite number besides step%s")
+      :format(#records, #problems > 0 and (", %d malformed lines"):format(#problems) or "",
+        opts.metrics and "" or ", time and tokens"), 0)
   end
 
   -- shared x axis
@@ -725,7 +652,7 @@ function plot.svg(source, opts)
     local function col(x) return math.floor(xs(x)) end
     local drawn = {}
     for _, s in ipairs(p.series) do
-      local color = COLORS[s.key] or "#444444"
+      local color = colors[s.key] or "#444444"
       local n = #s.pts
       local pts = plot.downsample(s.pts, col)
       w('<g class="series" id="series-', esc(s.key), '" stroke="', color, '" fill="', color, '">\n')
@@ -767,7 +694,7 @@ function plot.svg(source, opts)
     for i, e in ipairs(entries) do
       local ey = ly + 4 + (i - 1) * 16 + 8
       w('<line x1="', num(lx + 8), '" y1="', num(ey), '" x2="', num(lx + 26), '" y2="', num(ey),
-        '" stroke="', COLORS[e.key] or "#444444", '" stroke-width="2"/>')
+        '" stroke="', colors[e.key] or "#444444", '" stroke-width="2"/>')
       w('<text x="', num(lx + 32), '" y="', num(ey + 4), '" fill="#222222">', esc(e.text), "</text>\n")
     end
     w("</g>\n")
@@ -804,13 +731,15 @@ end
 
 plot.usage = [[
 usage: fsdprun plot [options] metrics.jsonl
-Draw the loss, learning rate and sparsity in a JSONL metrics file (fsdp.log's) as an SVG.
+Draw every metric of a JSONL metrics file (fsdp.log's) as an SVG: the losses in one panel,
+then one panel per other metric.
 
 options:
   -o, --output FILE  the SVG to write; '-' writes to standard output
                      (default: the input with .jsonl replaced by .svg)
   --title TEXT       the title (default: "training metrics: <input file name>")
   --x step|time      the horizontal axis (default: step)
+  --metrics A,B,...  draw only these metrics (default: every one but tokens)
   --log, --linear    loss axis scale (default: log when the loss spans more than 10x)
   --width N          width in pixels (default 800)
   -q, --quiet        do not list the malformed lines that were skipped
@@ -871,6 +800,11 @@ function plot.main(args, env)
       if opts.x ~= "step" and opts.x ~= "time" then
         usage_error("--x must be 'step' or 'time', not '%s'", opts.x)
       end
+    elseif flag == "--metrics" then
+      local list = {}
+      for name in value(flag, inline):gmatch("[^,]+") do list[#list + 1] = name end
+      if #list == 0 then usage_error("--metrics needs a comma-separated list of names") end
+      opts.metrics = list
     elseif a == "--log" then
       opts.log = true
     elseif a == "--linear" then

@@ -2,7 +2,8 @@
  * fsdprun.c — the `fsdprun` launcher: runs a Lua recipe (and -e chunks, and an interactive loop)
  * on the statically linked engine, on one rank or on N ranks that are threads of this process.
  *
- *   fsdprun [-n N] [--timeout=SECONDS] [-e CODE]... [-i] [--] recipe.lua [args...]
+ *   fsdprun [-n N] [--timeout=SECONDS] [--progress=MODE] [-e CODE]... [-i] [--] recipe.lua
+ *           [args...]
  *
  * Built on the rank host (src/host/host.h) as lua.c is on lua.h: the host owns the rank
  * threads, their memory domains, communicators and Lua states, the traceback handler, the
@@ -92,6 +93,7 @@ typedef struct fsdprun_opts {
   bool nccl;           /* --backend nccl (or auto, with a GPU for every rank): data over NCCL */
   bool auto_backend;   /* --backend auto */
   bool interactive;  /* -i */
+  const char *progress; /* --progress: "auto", "bar", "line", "off"; NULL when absent */
   int nexec;         /* number of -e chunks */
   const char **exec; /* (nexec) their code, in command-line order */
   int script;        /* argv index of the recipe; 0 when none */
@@ -107,6 +109,7 @@ typedef struct rank_ctx {
   fsdp_host_rank *hr;
   int status;          /* this rank's exit status */
   lua_State *paused_L; /* the REPL's pause: the state a ^C would have stopped */
+  bool exiting;        /* the rank called os.exit: its run unwinds and ends with status */
 } rank_ctx;
 
 /* ---- output ------------------------------------------------------------------------------ */
@@ -215,13 +218,42 @@ static void fail_rank(rank_ctx *rc, const char *msg) {
   fsdp_host_rank_fail(rc->hr, msg);
 }
 
+/* ---- os.exit ------------------------------------------------------------------------------ */
+
+#define EXIT_UNWIND "os.exit: the rank's run ends"
+
+/* Armed by os.exit: raises again at every instruction, so that a pcall in the recipe cannot
+ * keep the rank running. */
+static void exit_hook(lua_State *L, lua_Debug *ar) {
+  (void)ar;
+  luaL_error(L, EXIT_UNWIND);
+}
+
+/* os.exit([code]) in a rank. exit() would end the other ranks mid-collective and, under
+ * mpirun, skip MPI_Finalize (mpirun then prints that the process "exited improperly"). The
+ * rank's run ends instead, as if its chunk had returned, with code as its status (true 0,
+ * false 1, none 0): the error unwinds to the rank's outermost frame, the state is closed
+ * (finalizers run, files close), the rank leaves the group and fsdprun ends the way it always
+ * does, MPI finalized. */
+static int l_rank_exit(lua_State *L) {
+  rank_ctx *rc = lua_touserdata(L, lua_upvalueindex(1));
+  int code = EXIT_SUCCESS;
+  if (lua_isboolean(L, 1)) code = lua_toboolean(L, 1) ? EXIT_SUCCESS : EXIT_FAILURE;
+  else if (!lua_isnoneornil(L, 1)) code = (int)luaL_checkinteger(L, 1) & 0xff;
+  if (!rc->exiting) rc->status = code;
+  rc->exiting = true;
+  lua_sethook(L, exit_hook, LUA_MASKCALL | LUA_MASKRET | LUA_MASKCOUNT, 1);
+  return luaL_error(L, EXIT_UNWIND);
+}
+
 /* Run a chunk whose load status is given (the function, or the load error, on top) with narg
- * arguments above it; on failure report it and end the rank. Returns the status. */
+ * arguments above it; on failure report it and end the rank (after os.exit: end it quietly,
+ * rc->status is the exit code). Returns the status. */
 static int run_chunk(rank_ctx *rc, int status, int narg) {
   lua_State *L = rc->hr->L;
   if (status == 0) status = docall(rc, narg, 0);
   if (status != 0) {
-    fail_rank(rc, lua_tostring(L, -1));
+    if (!rc->exiting) fail_rank(rc, lua_tostring(L, -1));
     lua_pop(L, 1);
   }
   return status;
@@ -308,10 +340,13 @@ static void host_write(void *ctx, FILE *f, const char *s, size_t n) {
   pthread_mutex_unlock(&g_out_mu);
 }
 
+static bool host_exiting(void *ctx) { return ((rank_ctx *)ctx)->exiting; }
+
 static fsdp_repl_host repl_host(rank_ctx *rc) {
   return (fsdp_repl_host){.rank = rc->hr->rank, .world = rc->hr->world, .comm = rc->hr->comm,
                           .ctl = rc->hr->ctl, .ctx = rc, .pcall = host_pcall,
-                          .pause = host_pause, .reading = host_reading, .write = host_write};
+                          .pause = host_pause, .reading = host_reading, .write = host_write,
+                          .exiting = host_exiting};
 }
 
 /* package.loaded.fsdprun.repl(where): the REPL, from fsdp.debug() (lua/fsdp/repl.lua), on the
@@ -324,6 +359,7 @@ static int l_fsdprun_repl(lua_State *L) {
   char err[1024];
   if (fsdp_repl_run(&h, L, where, err, sizeof err) != 0)
     return luaL_error(L, "fsdp.debug: %s", err);
+  if (rc->exiting) return luaL_error(L, EXIT_UNWIND); /* os.exit in the REPL: the run ends */
   if (rc->hr->comm != NULL && fsdp_comm_poisoned(rc->hr->comm))
     return luaL_error(L, "fsdp.debug: the ranks' communicator was poisoned in the REPL (a "
                          "collective failed there): the recipe cannot go on");
@@ -346,7 +382,7 @@ static void setup_fsdprun_module(lua_State *L, rank_ctx *rc) {
 static bool repl_after_recipe(rank_ctx *rc) {
   fsdp_repl_host h = repl_host(rc);
   char err[1024];
-  if (fsdp_repl_run(&h, rc->hr->L, NULL, err, sizeof err) == 0) return true;
+  if (fsdp_repl_run(&h, rc->hr->L, NULL, err, sizeof err) == 0) return !rc->exiting;
   fail_rank(rc, err);
   return false;
 }
@@ -375,6 +411,11 @@ static int fsdprun_main(lua_State *L) {
   lua_register(L, "print", rank_print);
   setup_arg(L, o);
   setup_fsdprun_module(L, rc);
+  lua_getglobal(L, "os");
+  lua_pushlightuserdata(L, rc);
+  lua_pushcclosure(L, l_rank_exit, 1);
+  lua_setfield(L, -2, "exit");
+  lua_pop(L, 1);
   for (int i = 0; i < o->nexec; i++)
     if (dostring(rc, o->exec[i], "=(command line)") != 0) return 0;
   if (o->script > 0 && dorecipe(rc) != 0) return 0;
@@ -433,13 +474,20 @@ static int run_host(fsdprun_opts *o, fsdp_host_opts ho) {
   g_rearm_interrupt = ranks[0].hr->world == 1;
   g_host = h;
   int abandoned = fsdp_host_run(h, rank_job, NULL);
-  int status = EXIT_SUCCESS;
+  /* a failure makes it 1 (130 after SIGINT); else the first rank's nonzero os.exit code */
+  int status = EXIT_SUCCESS, exited = EXIT_SUCCESS;
   bool interrupted = false;
   for (int i = 0; i < n; i++) {
-    int st = fsdp_host_rank_abandoned(ranks[i].hr) ? EXIT_FAILURE : ranks[i].status;
+    bool gone = fsdp_host_rank_abandoned(ranks[i].hr);
+    int st = gone ? EXIT_FAILURE : ranks[i].status;
     if (st == EXIT_INTERRUPTED) interrupted = true;
-    if (st != EXIT_SUCCESS) status = EXIT_FAILURE;
+    if (ranks[i].exiting && !gone) {
+      if (exited == EXIT_SUCCESS) exited = st;
+    } else if (st != EXIT_SUCCESS) {
+      status = EXIT_FAILURE;
+    }
   }
+  if (status == EXIT_SUCCESS) status = exited;
   if (interrupted) status = EXIT_INTERRUPTED;
   if (abandoned > 0) {
     /* Nothing stops a thread in a compiled loop or a C call; only the process's end does. */
@@ -552,6 +600,30 @@ static int choose_nccl(fsdprun_opts *o, int ranks_here) {
 /* Whether mpirun (or another PMIx launcher) started this process. */
 static bool mpi_launched(void) {
   return getenv("OMPI_COMM_WORLD_SIZE") != NULL || getenv("PMIX_RANK") != NULL;
+}
+
+/* Under mpirun a rank's stdout is a pseudo-terminal that mpirun reads and forwards, whatever
+ * mpirun's own stdout is (a file, a pipe): the user sees a terminal only when mpirun's stdout
+ * is one. mpirun is this process's parent on the node that launched the job; elsewhere the
+ * parent is a daemon whose stdout is no terminal, which is right too (the bar is rank 0's). */
+static bool mpi_stdout_is_terminal(void) {
+  if (!isatty(STDOUT_FILENO)) return false;
+  char path[64], target[256];
+  snprintf(path, sizeof path, "/proc/%ld/fd/1", (long)getppid());
+  ssize_t n = readlink(path, target, sizeof target - 1);
+  if (n <= 0) return false;
+  target[n] = '\0';
+  return strncmp(target, "/dev/pts/", 9) == 0 || strncmp(target, "/dev/tty", 8) == 0;
+}
+
+/* fsdp.log's progress mode (lua/fsdp/log.lua reads FSDP_PROGRESS): --progress, else under
+ * mpirun "line" when the user does not see a terminal (auto would see the rank's pty). */
+static void setup_progress(const fsdprun_opts *o) {
+  const char *env = getenv("FSDP_PROGRESS");
+  if (o->progress != NULL) setenv("FSDP_PROGRESS", o->progress, 1);
+  else if ((env == NULL || env[0] == '\0' || strcmp(env, "auto") == 0) && mpi_launched() &&
+           !mpi_stdout_is_terminal())
+    setenv("FSDP_PROGRESS", "line", 1);
 }
 
 /* Threads of one rank process: the variables (already checked by setup_threads), else the
@@ -702,6 +774,10 @@ static void print_usage(FILE *f) {
           "              GPU, else the default\n"
           "  --timeout=SECONDS\n"
           "              how long a collective waits for the other ranks (default 60)\n"
+          "  --progress=auto|bar|line|off\n"
+          "              fsdp.log's progress on rank 0: a bar redrawn in place, plain lines,\n"
+          "              or none; auto (the default): the bar when standard output is a\n"
+          "              terminal the user sees (under mpirun: when mpirun's is), else lines\n"
           "  -e CODE     run the Lua CODE before the recipe (may be repeated)\n"
           "  -i          open the REPL after the recipe (or alone), on every rank\n"
           "  --          stop reading options\n"
@@ -775,6 +851,15 @@ static int parse_args(fsdprun_opts *o) {
       if (!parse_seconds(val, &o->timeout))
         return usage_error("--timeout '%s': the timeout must be a positive number of seconds%s",
                            val, "");
+      continue;
+    }
+    if (strncmp(a, "--progress", 10) == 0 && (a[10] == '=' || a[10] == '\0')) {
+      const char *val = a[10] == '=' ? a + 11 : (i + 1 < argc ? argv[++i] : NULL);
+      if (val == NULL || (strcmp(val, "auto") != 0 && strcmp(val, "bar") != 0 &&
+                          strcmp(val, "line") != 0 && strcmp(val, "off") != 0))
+        return usage_error("--progress '%s': expected 'auto', 'bar', 'line' or 'off'%s",
+                           val ? val : "", "");
+      o->progress = val;
       continue;
     }
     if (strncmp(a, "--backend", 9) == 0 && (a[9] == '=' || a[9] == '\0')) {
@@ -863,6 +948,7 @@ int main(int argc, char **argv) {
     snprintf(val, sizeof val, "%g", o.timeout);
     setenv("FSDP_TIMEOUT", val, 1);
   }
+  setup_progress(&o);
   int status = run_mpi_backend(&o); /* -1: not the mpi backend */
   if (status >= 0) {
     /* one rank of an mpirun job */

@@ -50,7 +50,6 @@
 #define REPL_MAX_OUT ((size_t)1 << 20) /* captured text per rank and input */
 #define REPL_MAX_INPUT ((size_t)16 << 20)
 #define REPL_HISTORY_SIZE 1000
-#define REPL_MAX_CANDIDATES 4096
 #define REPL_RECORDER_LINES 4 /* newest collectives shown of a failure's flight recorder */
 
 /* ---- growable byte buffers --------------------------------------------------------------- */
@@ -225,7 +224,7 @@ static void msg_make(rbuf *b, char kind, int32_t arg, const char *text, size_t n
 }
 
 /* One rank's result for one input. */
-enum { OC_RAN = 1, OC_FAILED = 2, OC_CUT = 4 };
+enum { OC_RAN = 1, OC_FAILED = 2, OC_CUT = 4, OC_EXIT = 8 /* os.exit: the session ends */ };
 typedef struct outcome {
   unsigned flags;
   rbuf out; /* captured print output and the values' text */
@@ -378,7 +377,9 @@ static void eval_input(const fsdp_repl_host *h, lua_State *L, const char *text, 
     }
     tl_capture = NULL;
   }
-  if (status != 0) {
+  if (status != 0 && h->exiting != NULL && h->exiting(h->ctx)) {
+    oc->flags |= OC_EXIT; /* not an error: the rank's run ends */
+  } else if (status != 0) {
     oc->flags |= OC_FAILED;
     const char *m = lua_tostring(L, -1);
     rb_str(&oc->err, m ? m : "(error object is not a string)");
@@ -601,266 +602,21 @@ static char *prompt_cb(EditLine *el) {
   return (char *)(g_rd && g_rd->prompt ? g_rd->prompt : REPL_PROMPT);
 }
 
-/* ---- tab completion ---- */
-
-typedef struct names {
-  char **v;
-  int n, cap;
-} names;
-
-static void names_add(names *ns, const char *s, size_t len) {
-  if (ns->n >= REPL_MAX_CANDIDATES) return;
-  if (ns->n == ns->cap) {
-    int cap = ns->cap ? ns->cap * 2 : 32;
-    char **v = realloc(ns->v, (size_t)cap * sizeof *v);
-    if (!v) return;
-    ns->v = v;
-    ns->cap = cap;
-  }
-  char *c = malloc(len + 1);
-  if (!c) return;
-  memcpy(c, s, len);
-  c[len] = '\0';
-  ns->v[ns->n++] = c;
-}
-
-static void names_free(names *ns) {
-  for (int i = 0; i < ns->n; i++) free(ns->v[i]);
-  free(ns->v);
-  *ns = (names){0};
-}
-
-static int cmp_str(const void *a, const void *b) {
-  return strcmp(*(char *const *)a, *(char *const *)b);
-}
-
-static bool is_identifier(const char *s, size_t n) {
-  if (n == 0 || !(isalpha((unsigned char)s[0]) || s[0] == '_')) return false;
-  for (size_t i = 1; i < n; i++)
-    if (!(isalnum((unsigned char)s[i]) || s[i] == '_')) return false;
-  return true;
-}
-
-static bool visible_name(const char *k, size_t kn, const char *partial, size_t pn) {
-  if (!is_identifier(k, kn) || kn < pn || memcmp(k, partial, pn) != 0) return false;
-  /* metamethods and private fields only when asked for ("_<TAB>") */
-  return !(kn >= 2 && k[0] == '_' && k[1] == '_') || (pn >= 1 && partial[0] == '_');
-}
-
-/* Names of the value at idx starting with partial: its string keys (a table), then what its
- * metatable offers: __complete (a list of names, or a function(value) returning one), the
- * fields of an fsdp module (__fields), a method table (__methods: tensors, units), and __index
- * when it is a table (classes, recursively). __index functions are never called. methods:
- * only names whose value is a function (after ':'). */
-static void collect(lua_State *L, int idx, const char *partial, size_t pn, bool methods,
-                    names *ns, int depth) {
-  if (depth > 8 || !lua_checkstack(L, 8)) return;
-  idx = idx < 0 ? lua_gettop(L) + idx + 1 : idx;
-  if (lua_type(L, idx) == LUA_TTABLE) {
-    lua_pushnil(L);
-    while (lua_next(L, idx) != 0) {
-      if (lua_type(L, -2) == LUA_TSTRING && (!methods || lua_isfunction(L, -1))) {
-        size_t kn;
-        const char *k = lua_tolstring(L, -2, &kn);
-        if (visible_name(k, kn, partial, pn)) names_add(ns, k, kn);
-      }
-      lua_pop(L, 1);
-    }
-  }
-  if (!lua_getmetatable(L, idx)) return;
-  int mt = lua_gettop(L);
-  lua_getfield(L, mt, "__complete");
-  if (lua_isfunction(L, -1)) {
-    lua_pushvalue(L, idx);
-    if (lua_pcall(L, 1, 1, 0) != 0) {
-      lua_pop(L, 1);
-      lua_pushnil(L);
-    }
-  }
-  if (lua_type(L, -1) == LUA_TTABLE) {
-    int t = lua_gettop(L);
-    for (int i = 1;; i++) {
-      lua_rawgeti(L, t, i);
-      if (lua_type(L, -1) != LUA_TSTRING) {
-        lua_pop(L, 1);
-        break;
-      }
-      size_t kn;
-      const char *k = lua_tolstring(L, -1, &kn);
-      if (visible_name(k, kn, partial, pn)) names_add(ns, k, kn);
-      lua_pop(L, 1);
-    }
-  }
-  lua_pop(L, 1);
-  lua_getfield(L, mt, "__fsdp_module");
-  bool module = lua_toboolean(L, -1);
-  lua_pop(L, 1);
-  if (module && lua_type(L, idx) == LUA_TTABLE) {
-    lua_pushliteral(L, "__fields");
-    lua_rawget(L, idx);
-    if (lua_type(L, -1) == LUA_TTABLE) collect(L, -1, partial, pn, methods, ns, depth + 1);
+/* Pushes the function `name` of fsdp.repl (lua/fsdp/repl.lua); false, with nothing pushed,
+ * when it cannot be had. */
+static bool push_repl_fn(lua_State *L, const char *name) {
+  if (!lua_checkstack(L, 8)) return false;
+  lua_getglobal(L, "require");
+  lua_pushliteral(L, "fsdp.repl");
+  if (lua_pcall(L, 1, 1, 0) != 0 || !lua_istable(L, -1)) {
     lua_pop(L, 1);
-    lua_getfield(L, mt, "__class");
-    if (lua_type(L, -1) == LUA_TTABLE) collect(L, -1, partial, pn, methods, ns, depth + 1);
-    lua_pop(L, 1);
+    return false;
   }
-  lua_getfield(L, mt, "__methods");
-  if (lua_type(L, -1) == LUA_TTABLE) collect(L, -1, partial, pn, methods, ns, depth + 1);
+  lua_getfield(L, -1, name);
+  lua_remove(L, -2);
+  if (lua_isfunction(L, -1)) return true;
   lua_pop(L, 1);
-  lua_getfield(L, mt, "__index");
-  if (lua_type(L, -1) == LUA_TTABLE && !lua_rawequal(L, -1, idx))
-    collect(L, -1, partial, pn, methods, ns, depth + 1);
-  lua_pop(L, 2); /* __index, the metatable */
-}
-
-/* t[k] without running code: raw fields, then __index tables and module fields. Pushes the
- * value or nil. */
-static void peek_field(lua_State *L, int idx, const char *k, size_t kn, int depth) {
-  idx = idx < 0 ? lua_gettop(L) + idx + 1 : idx;
-  if (depth > 8) {
-    lua_pushnil(L);
-    return;
-  }
-  if (lua_type(L, idx) == LUA_TTABLE) {
-    lua_pushlstring(L, k, kn);
-    lua_rawget(L, idx);
-    if (!lua_isnil(L, -1)) return;
-    lua_pop(L, 1);
-  }
-  if (!lua_getmetatable(L, idx)) {
-    lua_pushnil(L);
-    return;
-  }
-  int mt = lua_gettop(L);
-  static const char *const via[] = {"__fields", "__methods", "__class", "__index"};
-  for (int i = 0; i < 4; i++) {
-    if (i == 0) {
-      lua_getfield(L, mt, "__fsdp_module");
-      bool module = lua_toboolean(L, -1) && lua_type(L, idx) == LUA_TTABLE;
-      lua_pop(L, 1);
-      if (!module) continue;
-      lua_pushliteral(L, "__fields");
-      lua_rawget(L, idx);
-    } else {
-      lua_getfield(L, mt, via[i]);
-    }
-    if (lua_type(L, -1) == LUA_TTABLE && !lua_rawequal(L, -1, idx)) {
-      peek_field(L, -1, k, kn, depth + 1);
-      if (!lua_isnil(L, -1)) {
-        lua_replace(L, mt);
-        lua_settop(L, mt);
-        return;
-      }
-      lua_pop(L, 1);
-    }
-    lua_pop(L, 1);
-  }
-  lua_pop(L, 1);
-  lua_pushnil(L);
-}
-
-static const char *const lua_keywords[] = {
-    "and",  "break", "do",  "else", "elseif", "end",    "false", "for",  "function",
-    "goto", "if",    "in",  "local", "nil",   "not",    "or",    "repeat", "return",
-    "then", "true",  "until", "while", NULL};
-
-static bool is_name_char(char c) { return isalnum((unsigned char)c) || c == '_'; }
-
-/* Where the word to complete starts: names, '.', ':' and bracketed keys ([1], ["k"]) before the
- * cursor, so that `model.blocks[1].ml` is one word. */
-static const char *word_start(const char *buf, const char *cur) {
-  const char *p = cur;
-  for (;;) {
-    while (p > buf && (is_name_char(p[-1]) || p[-1] == '.' || p[-1] == ':')) p--;
-    if (p > buf && p[-1] == ']') {
-      const char *q = p - 1;
-      while (q > buf && q[-1] != '[') q--;
-      if (q == buf) return p;
-      p = q - 1; /* at the '[' */
-      continue;
-    }
-    return p;
-  }
-}
-
-/* The completions of a word (a.b.c, a.b:c, a.b[2].c, a["k"].c): sorted, without duplicates.
- * The path before the last name is looked up without running code (peek_field); a word that
- * does not end in a name, or whose path does not resolve, has none. *partial_len is the length
- * of the name being completed. */
-static void complete_word(lua_State *L, const char *w, size_t wn, names *ns,
-                          size_t *partial_len) {
-  int top = lua_gettop(L);
-  *partial_len = 0;
-  lua_pushvalue(L, LUA_GLOBALSINDEX);
-  size_t i = 0;
-  while (i < wn && is_name_char(w[i])) i++;
-  const char *name = w; /* the name still to resolve, or the one being completed */
-  size_t nn = i;
-  bool have_name = true, methods = false, bare = true;
-  while (i < wn) {
-    if (have_name) { /* the name before a separator: look it up */
-      if (methods || !is_identifier(name, nn)) goto done; /* a:b.c is not a path */
-      peek_field(L, -1, name, nn, 0);
-      if (lua_isnil(L, -1)) goto done;
-      have_name = false;
-    }
-    bare = false;
-    char c = w[i];
-    if (c == '.' || c == ':') {
-      methods = c == ':';
-      name = w + ++i;
-      while (i < wn && is_name_char(w[i])) i++;
-      nn = (size_t)(w + i - name);
-      have_name = true;
-    } else if (c == '[') {
-      i++;
-      if (i < wn && (w[i] == '"' || w[i] == '\'')) {
-        char q = w[i++];
-        size_t k0 = i;
-        while (i < wn && w[i] != q) i++;
-        if (i >= wn) goto done;
-        peek_field(L, -1, w + k0, i - k0, 0);
-        i++;
-      } else {
-        size_t k0 = i;
-        while (i < wn && isdigit((unsigned char)w[i])) i++;
-        if (i == k0 || i - k0 > 15) goto done;
-        char num[16];
-        memcpy(num, w + k0, i - k0);
-        num[i - k0] = '\0';
-        if (lua_type(L, -1) == LUA_TTABLE) {
-          lua_pushnumber(L, strtod(num, NULL));
-          lua_rawget(L, -2);
-        } else {
-          lua_pushnil(L);
-        }
-      }
-      if (i >= wn || w[i] != ']' || lua_isnil(L, -1)) goto done;
-      i++;
-    } else {
-      goto done;
-    }
-  }
-  if (!have_name) goto done; /* the word ends with ']' */
-  *partial_len = nn;
-  collect(L, -1, name, nn, methods, ns, 0);
-  if (bare) {
-    for (int k = 0; lua_keywords[k]; k++)
-      if (strncmp(lua_keywords[k], name, nn) == 0)
-        names_add(ns, lua_keywords[k], strlen(lua_keywords[k]));
-  }
-  qsort(ns->v, (size_t)ns->n, sizeof *ns->v, cmp_str);
-  int k = 0;
-  for (int j = 0; j < ns->n; j++) {
-    if (k > 0 && strcmp(ns->v[k - 1], ns->v[j]) == 0) {
-      free(ns->v[j]);
-      continue;
-    }
-    ns->v[k++] = ns->v[j];
-  }
-  ns->n = k;
-done:
-  lua_settop(L, top);
+  return false;
 }
 
 /* ^C at the prompt (libedit turns ISIG off while it edits, so it arrives as a key): end the
@@ -873,52 +629,57 @@ static unsigned char cancel_cb(EditLine *el, int ch) {
   return CC_NEWLINE;
 }
 
+/* Tab: fsdp.repl.complete (lua/fsdp/repl.lua) finds the candidates in rank 0's state; this
+ * inserts what they share beyond the typed name, or lists them under the line. */
 static unsigned char complete_cb(EditLine *el, int ch) {
   (void)ch;
   reader *rd = g_rd;
   if (!rd || !rd->L) return CC_ERROR;
+  lua_State *L = rd->L;
   const LineInfo *li = el_line(el);
-  const char *start = word_start(li->buffer, li->cursor);
-  size_t wn = (size_t)(li->cursor - start);
-  names ns = {0};
-  size_t pn = 0;
-  complete_word(rd->L, start, wn, &ns, &pn);
+  int top = lua_gettop(L);
   unsigned char rc = CC_ERROR; /* nothing: beep */
-  if (ns.n > 0) {
-    size_t common = strlen(ns.v[0]);
-    for (int i = 1; i < ns.n; i++) {
-      size_t j = 0;
-      while (j < common && ns.v[i][j] == ns.v[0][j]) j++;
-      common = j;
+  if (!push_repl_fn(L, "complete")) return rc;
+  lua_pushlstring(L, li->buffer, (size_t)(li->cursor - li->buffer));
+  if (lua_pcall(L, 1, 2, 0) != 0 || !lua_istable(L, -2) || !lua_isstring(L, -1)) goto done;
+  int names = lua_gettop(L) - 1, n = (int)lua_objlen(L, names);
+  size_t add_n;
+  const char *add = lua_tolstring(L, -1, &add_n);
+  if (n == 0) goto done;
+  if (add_n > 0) {
+    char *ins = strndup(add, add_n);
+    if (ins) el_insertstr(el, ins);
+    free(ins);
+    rc = CC_REFRESH;
+  } else if (n == 1) {
+    rc = CC_REFRESH; /* already complete */
+  } else {
+    /* the candidates in columns under the line, then the line again */
+    size_t w = 0;
+    for (int i = 1; i <= n; i++) {
+      lua_rawgeti(L, names, i);
+      if (lua_objlen(L, -1) > w) w = lua_objlen(L, -1);
+      lua_pop(L, 1);
     }
-    if (common > pn) {
-      char *add = strndup(ns.v[0] + pn, common - pn);
-      if (add) el_insertstr(el, add);
-      free(add);
-      rc = CC_REFRESH;
-    } else if (ns.n == 1) {
-      rc = CC_REFRESH; /* already complete */
-    } else {
-      /* list the candidates in columns under the line, then redraw it */
-      size_t w = 0;
-      for (int i = 0; i < ns.n; i++)
-        if (strlen(ns.v[i]) > w) w = strlen(ns.v[i]);
-      int cols = terminal_columns() / (int)(w + 2);
-      if (cols < 1) cols = 1;
-      int rows = (ns.n + cols - 1) / cols;
-      fputc('\n', stdout);
-      for (int r = 0; r < rows; r++) {
-        for (int c = 0; c < cols; c++) {
-          int i = c * rows + r;
-          if (i < ns.n) fprintf(stdout, "%-*s", c + 1 < cols ? (int)(w + 2) : 0, ns.v[i]);
-        }
-        fputc('\n', stdout);
+    int cols = terminal_columns() / (int)(w + 2);
+    if (cols < 1) cols = 1;
+    int rows = (n + cols - 1) / cols;
+    fputc('\n', stdout);
+    for (int r = 0; r < rows; r++) {
+      for (int c = 0; c < cols; c++) {
+        int i = c * rows + r;
+        if (i >= n) continue;
+        lua_rawgeti(L, names, i + 1);
+        fprintf(stdout, "%-*s", c + 1 < cols ? (int)(w + 2) : 0, lua_tostring(L, -1));
+        lua_pop(L, 1);
       }
-      fflush(stdout);
-      rc = CC_REDISPLAY;
+      fputc('\n', stdout);
     }
+    fflush(stdout);
+    rc = CC_REDISPLAY;
   }
-  names_free(&ns);
+done:
+  lua_settop(L, top);
   return rc;
 }
 
@@ -1020,7 +781,9 @@ typedef struct repl {
   int target;      /* -1: every rank; else the one rank inputs run on (rank 0's choice) */
   double timeout;  /* the collective timeout while the REPL runs */
   bool poisoned;   /* rank 0 has said that comm is poisoned */
+  bool leaving;    /* rank 0: a rank called os.exit, the next message is quit */
   char prompt[32];
+  char preloaded[64]; /* rank 0, fsdprun -i: what the banner says of the preloaded globals */
   rbuf input, msg, mine;
   outcome oc;
   outcome *all;    /* rank 0, W > 1: every rank's outcome */
@@ -1041,6 +804,7 @@ static const char help_text[] =
     "An expression prints its values; a statement runs; an unfinished chunk continues on the\n"
     "next line (>>). Errors are shown per rank and the REPL goes on. Tab completes globals and\n"
     "fields (fsdp.me<TAB>, t:su<TAB>); up/down recall earlier lines (~/.fsdprun_history).\n"
+    "After fsdprun -i, fsdp and nn are globals.\n"
     "\n"
     "  :rank K       run the next inputs on rank K only (collectives are refused there)\n"
     "  :all          run inputs on every rank again (the default)\n"
@@ -1140,6 +904,10 @@ static void read_input(repl *R);
 
 /* Rank 0: read the next input (or command) into R->msg. */
 static void read_next(repl *R) {
+  if (R->leaving) {
+    msg_make(&R->msg, MSG_QUIT, 0, "", 0);
+    return;
+  }
   R->h->reading(R->h->ctx, true);
   read_input(R);
   R->h->reading(R->h->ctx, false);
@@ -1198,7 +966,10 @@ static void read_input(repl *R) {
 /* Rank 0, W > 1: print every rank's outcome, grouped. */
 static void show(repl *R) {
   int W = R->h->world;
-  for (int p = 0; p < W; p++) outcome_decode(&R->all[p], &R->raw[p]);
+  for (int p = 0; p < W; p++) {
+    outcome_decode(&R->all[p], &R->raw[p]);
+    if (R->all[p].flags & OC_EXIT) R->leaving = true;
+  }
   rbuf out = {0}, err = {0};
   format_results(&out, R->all, W, R->group, R->members);
   format_errors(&err, R->all, W, R->group, R->members);
@@ -1235,6 +1006,16 @@ static double repl_timeout_default(const fsdp_repl_host *h) {
   return def;
 }
 
+/* fsdprun -i (where == NULL): the globals fsdp and nn on every rank, through fsdp.repl.preload
+ * under the host's pcall (^C and errors as an input's); a failure only leaves them out. */
+static void preload(repl *R) {
+  lua_State *L = R->L;
+  int top = lua_gettop(L);
+  if (push_repl_fn(L, "preload") && R->h->pcall(R->h->ctx, L, 0, 1) == 0 && lua_isstring(L, -1))
+    snprintf(R->preloaded, sizeof R->preloaded, "%s", lua_tostring(L, -1));
+  lua_settop(L, top);
+}
+
 static void banner(repl *R, const char *where) {
   const fsdp_repl_host *h = R->h;
   if (h->rank != 0 || !R->rd.tty) return;
@@ -1247,9 +1028,10 @@ static void banner(repl *R, const char *where) {
              where, h->world, h->world == 1 ? "" : "s", backend);
   else
     snprintf(buf, sizeof buf,
-             "fsdprun REPL: %d rank%s (%s); every input runs on every rank. :help for help, "
-             ":quit or ^D to leave.\n",
-             h->world, h->world == 1 ? "" : "s", backend);
+             "fsdprun REPL: %d rank%s (%s); every input runs on every rank%s%s. :help for "
+             "help, :quit or ^D to leave.\n",
+             h->world, h->world == 1 ? "" : "s", backend, R->preloaded[0] ? "; " : "",
+             R->preloaded);
   out_str(R, stdout, buf);
 }
 
@@ -1315,6 +1097,7 @@ int fsdp_repl_run(const fsdp_repl_host *h, lua_State *L, const char *where, char
   if (h->comm) fsdp_comm_set_timeout(h->comm, R.timeout);
   tl_depth++;
   h->pause(h->ctx, true);
+  if (where == NULL) preload(&R);
   if (h->rank == 0) reader_open(&R.rd, L);
   banner(&R, where);
   for (;;) {
@@ -1362,6 +1145,7 @@ int fsdp_repl_run(const fsdp_repl_host *h, lua_State *L, const char *where, char
     }
     if (!multi) {
       show_single(&R);
+      if (R.oc.flags & OC_EXIT) break;
       continue;
     }
     outcome_encode(&R.mine, &R.oc);

@@ -38,6 +38,9 @@ typedef struct fsdp_repl_host {
   void (*reading)(void *ctx, bool reading);
   /* write text whole to f (stdout or stderr) under the launcher's output lock, flushed */
   void (*write)(void *ctx, FILE *f, const char *s, size_t n);
+  /* optional: whether this rank asked to end its run (os.exit) in the input just evaluated;
+   * the REPL then ends on every rank, and the caller ends the run */
+  bool (*exiting)(void *ctx);
 } fsdp_repl_host;
 
 /* Run the REPL on state L (the running Lua thread) until ":quit" or end of input. Collective

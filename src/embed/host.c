@@ -232,7 +232,7 @@ static const char HOST_LUA[] =
     "  if type(opts) == 'table' and opts.out == nil then\n"
     "    local o = {}\n"
     "    for k, v in pairs(opts) do o[k] = v end\n"
-    "    o.out, o.tty = writer, false\n"
+    "    o.out, o.progress = writer, o.progress or 'line'\n"
     "    opts = o\n"
     "  end\n"
     "  return setup(opts)\n"

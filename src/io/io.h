@@ -244,6 +244,19 @@ int fsdp_io_json_write_atomic(const char *path, const cJSON *doc);
 int fsdp_io_json_read(const char *path, cJSON **out);
 /* The same over `size` bytes in memory; `name` stands for the file in messages. */
 int fsdp_io_json_parse(cJSON **out, const char *name, const char *text, size_t size);
+/* Flags of fsdp_io_json_parse_ex. */
+enum {
+  /* the bare words NaN, Infinity and -Infinity (not JSON, but Python's json writes them) parse
+   * as the strings "NaN", "Infinity" and "-Infinity" */
+  FSDP_IO_JSON_NONFINITE = 1,
+};
+/* fsdp_io_json_parse with flags; on a syntax error *err_line and *err_col (1-based, in text;
+ * either may be NULL) say where, and the message says what was found there ("unexpected end of
+ * text", "unexpected ','"). */
+int fsdp_io_json_parse_ex(cJSON **out, const char *name, const char *text, size_t size,
+                          unsigned flags, size_t *err_line, size_t *err_col);
+/* Write `text` and a final newline to `path` through an atomic file. */
+int fsdp_io_text_write_atomic(const char *path, const char *text);
 
 /* ---- sharded checkpoint index (index.c) --------------------------------------------------- */
 

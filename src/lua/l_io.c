@@ -32,18 +32,25 @@
  *                             dtype (fsdp_io_st_read_tensor), and return it
  *     r:verify([name])        check one tensor's checksum (or every tensor's) by reading it
  *     r:path(), r:close()     close is idempotent; a closed reader raises on use
- *   json_write(path, value)   value: tables (arrays 1..n, or string keys, written sorted),
- *                             strings (UTF-8), finite numbers (exact: integers as integers,
- *                             others with the fewest digits that read back the same double),
- *                             booleans; an empty table is written as {}
+ *   json_write(path, value [, opts])   value: tables (arrays 1..n, or string keys, written
+ *                             sorted), strings (UTF-8), finite numbers (exact: integers as
+ *                             integers, others with the fewest digits that read back the same
+ *                             double), booleans; an empty table is written as {}. opts:
+ *                             nonfinite = "error" (default) | "null" | "string" (NaN,
+ *                             Infinity, -Infinity as those strings); first = {keys}: objects
+ *                             put these keys first, in this order, the rest sorted
  *   json_read(path) -> value  objects and arrays become tables (arrays 1-based); null is nil
  *   io_fault(point, errno_name_or_number [, after_bytes])   this thread's next atomic-file
  *                             call at point ("open", "write", "fsync", "rename"; "none" clears)
  *                             fails with that errno; see fsdp_io_fault_set
  *
  * Checkpoint support (used by lua/fsdp/checkpoint.lua):
- *   json_encode(value) -> compact JSON text (the rules of json_write); json_decode(text
- *                             [, name]) -> value (name stands for the source in messages)
+ *   json_encode(value [, opts]) -> compact JSON text (the rules and options of json_write)
+ *   json_decode(text [, name [, opts]]) -> value   name stands for the source in messages;
+ *                             opts: nonfinite = true (the strings "NaN", "Infinity",
+ *                             "-Infinity" and those bare words read as numbers), null = v
+ *                             (what null becomes; nil by default), raise = false (a syntax
+ *                             error returns nil, the message, its line and column)
  *   ckpt_index_read(path) -> table   read and fully check a sharded checkpoint index
  *                             (fsdp_io_index_read); ckpt_index_write(path, tbl) checks the
  *                             same rules, then writes it through an atomic file
@@ -423,27 +430,68 @@ static int cmp_cstr(const void *a, const void *b) {
   return strcmp(*(const char *const *)a, *(const char *const *)b);
 }
 
+/* How a conversion runs: the function named in messages, what a NaN or an infinity becomes
+ * (JSON has neither), and the stack index of a list of keys that objects put first (0: none). */
+enum { NONFINITE_ERROR, NONFINITE_NULL, NONFINITE_STRING };
+typedef struct {
+  const char *fn;
+  int nonfinite;
+  int first;
+} json_enc;
+
 /* The value at idx as a new cJSON item, attached to parent under key (object) or appended
  * (array) before its own children are built, so that the whole partial tree is owned by the
  * document's box if a Lua error cuts the conversion short. `where` names the value in
  * messages ("$.a.b[2]"). */
-static void to_json(lua_State *L, int idx, cJSON *parent, const char *key, const char *where,
-                    int depth, cJSON **root);
+static void to_json(lua_State *L, const json_enc *e, int idx, cJSON *parent, const char *key,
+                    const char *where, int depth, cJSON **root);
 
-static void attach(lua_State *L, cJSON *parent, const char *key, cJSON *item, cJSON **root,
-                   const char *where) {
-  if (item == NULL) luaL_error(L, "json_write: out of memory at %s", where);
+static void attach(lua_State *L, const json_enc *e, cJSON *parent, const char *key, cJSON *item,
+                   cJSON **root, const char *where) {
+  if (item == NULL) luaL_error(L, "%s: out of memory at %s", e->fn, where);
   if (parent == NULL) *root = item;
   else if (key != NULL) cJSON_AddItemToObject(parent, key, item);
   else cJSON_AddItemToArray(parent, item);
 }
 
-static void table_to_json(lua_State *L, int idx, cJSON *parent, const char *key,
-                          const char *where, int depth, cJSON **root) {
+/* Keys sorted, those of e->first moved to the front in its order: the same table always
+ * gives the same text. Returns the count; the array lives in a userdata left on the stack. */
+static int object_keys(lua_State *L, const json_enc *e, int idx, int count, const char *where,
+                       const char ***out) {
+  const char **keys = lua_newuserdata(L, sizeof *keys * (size_t)(count > 0 ? count : 1));
+  int n = 0;
+  for (lua_pushnil(L); lua_next(L, idx); lua_pop(L, 1)) {
+    size_t len;
+    keys[n] = lua_tolstring(L, -2, &len);
+    if (strlen(keys[n]) != len || !fsdp_io_utf8_valid(keys[n], len))
+      luaL_error(L, "%s: %s has a key that is not valid UTF-8 text", e->fn, where);
+    n++;
+  }
+  qsort(keys, (size_t)n, sizeof *keys, cmp_cstr);
+  int front = 0;
+  for (int f = 1; e->first != 0; f++) {
+    lua_rawgeti(L, e->first, f);
+    const char *want = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
+    lua_pop(L, 1); /* the list still holds the string */
+    if (want == NULL) break;
+    for (int i = front; i < n; i++) {
+      if (strcmp(keys[i], want) != 0) continue;
+      const char *k = keys[i];
+      memmove(keys + front + 1, keys + front, sizeof *keys * (size_t)(i - front));
+      keys[front++] = k;
+      break;
+    }
+  }
+  *out = keys;
+  return n;
+}
+
+static void table_to_json(lua_State *L, const json_enc *e, int idx, cJSON *parent,
+                          const char *key, const char *where, int depth, cJSON **root) {
   if (depth > JSON_MAX_DEPTH)
-    luaL_error(L, "json_write: %s is nested deeper than %d levels (a cycle?)", where,
+    luaL_error(L, "%s: %s is nested deeper than %d levels (a cycle?)", e->fn, where,
                JSON_MAX_DEPTH);
-  luaL_checkstack(L, 8, "json_write: too deep");
+  luaL_checkstack(L, 8, "json: too deep");
   /* an array has exactly the keys 1..n (n >= 1); anything else needs string keys */
   int count = 0, strings = 0;
   double max = 0;
@@ -455,82 +503,132 @@ static void table_to_json(lua_State *L, int idx, cJSON *parent, const char *key,
       double k = lua_tonumber(L, -2);
       if (k >= 1 && k == floor(k) && k > max) max = k;
     } else {
-      luaL_error(L, "json_write: %s has a %s key; keys must be strings (or 1..n for an array)",
+      luaL_error(L, "%s: %s has a %s key; keys must be strings (or 1..n for an array)", e->fn,
                  where, luaL_typename(L, -2));
     }
   }
   bool is_array = count > 0 && strings == 0 && max == (double)count;
   if (!is_array && strings != count)
-    luaL_error(L, "json_write: %s mixes string keys and number keys, or is an array with "
-                  "holes; JSON has no such value",
-               where);
+    luaL_error(L, "%s: %s mixes string keys and number keys, or is an array with holes; JSON "
+                  "has no such value",
+               e->fn, where);
   cJSON *item = is_array ? cJSON_CreateArray() : cJSON_CreateObject();
-  attach(L, parent, key, item, root, where);
+  attach(L, e, parent, key, item, root, where);
   char sub[256];
   if (is_array) {
     for (int i = 1; i <= count; i++) {
       lua_rawgeti(L, idx, i);
       snprintf(sub, sizeof sub, "%s[%d]", where, i);
-      to_json(L, lua_gettop(L), item, NULL, sub, depth + 1, root);
+      to_json(L, e, lua_gettop(L), item, NULL, sub, depth + 1, root);
       lua_pop(L, 1);
     }
     return;
   }
-  /* keys sorted: the same table always gives the same file */
-  const char **keys = lua_newuserdata(L, sizeof *keys * (size_t)(count > 0 ? count : 1));
-  int n = 0;
-  for (lua_pushnil(L); lua_next(L, idx); lua_pop(L, 1)) {
-    size_t len;
-    keys[n] = lua_tolstring(L, -2, &len);
-    if (strlen(keys[n]) != len || !fsdp_io_utf8_valid(keys[n], len))
-      luaL_error(L, "json_write: %s has a key that is not valid UTF-8 text", where);
-    n++;
-  }
-  qsort(keys, (size_t)n, sizeof *keys, cmp_cstr);
+  const char **keys;
+  int n = object_keys(L, e, idx, count, where, &keys);
   for (int i = 0; i < n; i++) {
     lua_pushstring(L, keys[i]);
     lua_rawget(L, idx);
     snprintf(sub, sizeof sub, "%s.%s", where, keys[i]);
-    to_json(L, lua_gettop(L), item, keys[i], sub, depth + 1, root);
+    to_json(L, e, lua_gettop(L), item, keys[i], sub, depth + 1, root);
     lua_pop(L, 1);
   }
   lua_pop(L, 1); /* keys */
 }
 
-static void to_json(lua_State *L, int idx, cJSON *parent, const char *key, const char *where,
-                    int depth, cJSON **root) {
+static cJSON *nonfinite_to_json(lua_State *L, const json_enc *e, double v, const char *where) {
+  if (e->nonfinite == NONFINITE_NULL) return cJSON_CreateNull();
+  if (e->nonfinite == NONFINITE_STRING)
+    return cJSON_CreateString(v != v ? "NaN" : v > 0 ? "Infinity" : "-Infinity");
+  luaL_error(L, "%s: %s is %f, which JSON cannot hold", e->fn, where, v);
+  return NULL;
+}
+
+static void to_json(lua_State *L, const json_enc *e, int idx, cJSON *parent, const char *key,
+                    const char *where, int depth, cJSON **root) {
   switch (lua_type(L, idx)) {
   case LUA_TBOOLEAN:
-    attach(L, parent, key, cJSON_CreateBool(lua_toboolean(L, idx)), root, where);
+    attach(L, e, parent, key, cJSON_CreateBool(lua_toboolean(L, idx)), root, where);
     break;
   case LUA_TNUMBER: {
     double v = lua_tonumber(L, idx);
-    if (!isfinite(v)) luaL_error(L, "json_write: %s is %f, which JSON cannot hold", where, v);
+    if (!isfinite(v)) {
+      attach(L, e, parent, key, nonfinite_to_json(L, e, v, where), root, where);
+      break;
+    }
     char buf[40];
     format_number(buf, sizeof buf, v);
-    attach(L, parent, key, cJSON_CreateRaw(buf), root, where);
+    attach(L, e, parent, key, cJSON_CreateRaw(buf), root, where);
     break;
   }
   case LUA_TSTRING: {
     size_t len;
     const char *s = lua_tolstring(L, idx, &len);
-    if (strlen(s) != len) luaL_error(L, "json_write: %s contains a zero byte", where);
-    if (!fsdp_io_utf8_valid(s, len)) luaL_error(L, "json_write: %s is not valid UTF-8", where);
-    attach(L, parent, key, cJSON_CreateString(s), root, where);
+    if (strlen(s) != len) luaL_error(L, "%s: %s contains a zero byte", e->fn, where);
+    if (!fsdp_io_utf8_valid(s, len))
+      luaL_error(L, "%s: %s is not valid UTF-8", e->fn, where);
+    attach(L, e, parent, key, cJSON_CreateString(s), root, where);
     break;
   }
-  case LUA_TTABLE: table_to_json(L, idx, parent, key, where, depth, root); break;
+  case LUA_TTABLE: table_to_json(L, e, idx, parent, key, where, depth, root); break;
   default:
-    luaL_error(L, "json_write: %s is a %s, which JSON cannot hold", where,
+    luaL_error(L, "%s: %s is a %s, which JSON cannot hold", e->fn, where,
                luaL_typename(L, idx));
   }
+}
+
+/* The options table at idx (absent or nil: none): its keys must be among `valid`
+ * (NULL-terminated), or an error lists them. */
+static void check_json_opts(lua_State *L, int idx, const char *fn, const char *const *valid) {
+  if (lua_isnoneornil(L, idx)) return;
+  luaL_checktype(L, idx, LUA_TTABLE);
+  for (lua_pushnil(L); lua_next(L, idx); lua_pop(L, 1)) {
+    const char *k = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : NULL;
+    int i = 0;
+    while (valid[i] != NULL && (k == NULL || strcmp(k, valid[i]) != 0)) i++;
+    if (valid[i] != NULL) continue;
+    luaL_Buffer buf;
+    luaL_buffinit(L, &buf);
+    for (i = 0; valid[i] != NULL; i++) {
+      if (i > 0) luaL_addstring(&buf, ", ");
+      luaL_addstring(&buf, valid[i]);
+    }
+    luaL_pushresult(&buf);
+    luaL_error(L, "%s: unknown option '%s' (valid: %s)", fn, k ? k : luaL_typename(L, -3),
+               lua_tostring(L, -1));
+  }
+}
+
+/* Encoding options at idx: {nonfinite = "error" | "null" | "string", first = {key, ...}}. */
+static json_enc json_enc_opts(lua_State *L, int idx, const char *fn) {
+  static const char *const valid[] = {"nonfinite", "first", NULL};
+  static const char *const modes[] = {"error", "null", "string", NULL};
+  json_enc e = {.fn = fn};
+  check_json_opts(L, idx, fn, valid);
+  if (lua_isnoneornil(L, idx)) return e;
+  lua_getfield(L, idx, "nonfinite");
+  if (!lua_isnil(L, -1)) {
+    const char *m = lua_tostring(L, -1);
+    while (m != NULL && modes[e.nonfinite] != NULL && strcmp(m, modes[e.nonfinite]) != 0)
+      e.nonfinite++;
+    if (m == NULL || modes[e.nonfinite] == NULL)
+      luaL_error(L, "%s: nonfinite must be \"error\", \"null\" or \"string\", got %s", fn,
+                 m ? m : luaL_typename(L, -1));
+  }
+  lua_pop(L, 1);
+  lua_getfield(L, idx, "first");
+  if (lua_istable(L, -1)) e.first = lua_gettop(L); /* stays on the stack for the conversion */
+  else if (!lua_isnil(L, -1)) luaL_error(L, "%s: first must be a list of keys", fn);
+  else lua_pop(L, 1);
+  return e;
 }
 
 static int l_json_write(lua_State *L) {
   const char *path = luaL_checkstring(L, 1);
   luaL_checkany(L, 2);
+  json_enc e = json_enc_opts(L, 3, "json_write");
   json_box *b = json_box_push(L);
-  to_json(L, 2, NULL, NULL, "$", 0, &b->doc);
+  to_json(L, &e, 2, NULL, NULL, "$", 0, &b->doc);
   int rc = fsdp_io_json_write_atomic(path, b->doc);
   cJSON_Delete(b->doc);
   b->doc = NULL;
@@ -538,39 +636,57 @@ static int l_json_write(lua_State *L) {
   return 0;
 }
 
-static void from_json(lua_State *L, const cJSON *j) {
+/* How decoding runs: the strings "NaN", "Infinity", "-Infinity" as numbers, and the stack
+ * index of the value null becomes (0: nil). */
+typedef struct {
+  bool nonfinite;
+  int null;
+} json_dec;
+
+static void from_json(lua_State *L, const json_dec *d, const cJSON *j) {
   luaL_checkstack(L, 4, "json_read: too deep");
   if (cJSON_IsObject(j)) {
     lua_createtable(L, 0, cJSON_GetArraySize(j));
     for (const cJSON *c = j->child; c != NULL; c = c->next) {
-      from_json(L, c);
+      from_json(L, d, c);
       lua_setfield(L, -2, c->string);
     }
   } else if (cJSON_IsArray(j)) {
     lua_createtable(L, cJSON_GetArraySize(j), 0);
     int i = 1;
     for (const cJSON *c = j->child; c != NULL; c = c->next, i++) {
-      from_json(L, c);
+      from_json(L, d, c);
       lua_rawseti(L, -2, i);
     }
   } else if (cJSON_IsString(j)) {
-    lua_pushstring(L, j->valuestring);
+    const char *s = j->valuestring;
+    if (d->nonfinite && strcmp(s, "NaN") == 0) lua_pushnumber(L, NAN);
+    else if (d->nonfinite && strcmp(s, "Infinity") == 0) lua_pushnumber(L, INFINITY);
+    else if (d->nonfinite && strcmp(s, "-Infinity") == 0) lua_pushnumber(L, -INFINITY);
+    else lua_pushstring(L, s);
   } else if (cJSON_IsNumber(j)) {
     lua_pushnumber(L, j->valuedouble);
   } else if (cJSON_IsBool(j)) {
     lua_pushboolean(L, cJSON_IsTrue(j));
+  } else if (d->null != 0) {
+    lua_pushvalue(L, d->null);
   } else {
     lua_pushnil(L); /* null */
   }
+}
+
+/* Push the document in b as a Lua value and free it. */
+static void push_doc(lua_State *L, const json_dec *d, json_box *b) {
+  from_json(L, d, b->doc);
+  cJSON_Delete(b->doc);
+  b->doc = NULL;
 }
 
 static int l_json_read(lua_State *L) {
   const char *path = luaL_checkstring(L, 1);
   json_box *b = json_box_push(L);
   if (fsdp_io_json_read(path, &b->doc)) return fsdp_lua_error(L);
-  from_json(L, b->doc);
-  cJSON_Delete(b->doc);
-  b->doc = NULL;
+  push_doc(L, &(json_dec){0}, b);
   return 1;
 }
 
@@ -578,8 +694,9 @@ static int l_json_read(lua_State *L) {
 
 static int l_json_encode(lua_State *L) {
   luaL_checkany(L, 1);
+  json_enc e = json_enc_opts(L, 2, "json_encode");
   json_box *b = json_box_push(L);
-  to_json(L, 1, NULL, NULL, "$", 0, &b->doc);
+  to_json(L, &e, 1, NULL, NULL, "$", 0, &b->doc);
   char *text = cJSON_PrintUnformatted(b->doc);
   cJSON_Delete(b->doc);
   b->doc = NULL;
@@ -589,15 +706,36 @@ static int l_json_encode(lua_State *L) {
   return 1;
 }
 
+/* json_decode(text [, name [, opts]]): opts = {nonfinite = true, null = value, raise = false};
+ * with raise = false a syntax error returns nil, the message, its line and column. */
 static int l_json_decode(lua_State *L) {
+  static const char *const valid[] = {"nonfinite", "null", "raise", NULL};
   size_t n;
   const char *text = luaL_checklstring(L, 1, &n);
   const char *name = luaL_optstring(L, 2, "(json text)");
+  check_json_opts(L, 3, "json_decode", valid);
+  json_dec d = {0};
+  bool raise = true;
+  if (lua_istable(L, 3)) {
+    lua_getfield(L, 3, "nonfinite");
+    d.nonfinite = lua_toboolean(L, -1);
+    lua_getfield(L, 3, "raise");
+    raise = lua_isnil(L, -1) || lua_toboolean(L, -1);
+    lua_getfield(L, 3, "null");
+    if (!lua_isnil(L, -1)) d.null = lua_gettop(L);
+  }
   json_box *b = json_box_push(L);
-  if (fsdp_io_json_parse(&b->doc, name, text, n)) return fsdp_lua_error(L);
-  from_json(L, b->doc);
-  cJSON_Delete(b->doc);
-  b->doc = NULL;
+  size_t line, col;
+  if (fsdp_io_json_parse_ex(&b->doc, name, text, n, d.nonfinite ? FSDP_IO_JSON_NONFINITE : 0,
+                            &line, &col)) {
+    if (raise) return fsdp_lua_error(L);
+    lua_pushnil(L);
+    lua_pushstring(L, fsdp_error_msg());
+    lua_pushnumber(L, (lua_Number)line);
+    lua_pushnumber(L, (lua_Number)col);
+    return 4;
+  }
+  push_doc(L, &d, b);
   return 1;
 }
 
@@ -605,9 +743,7 @@ static int l_ckpt_index_read(lua_State *L) {
   const char *path = luaL_checkstring(L, 1);
   json_box *b = json_box_push(L);
   if (fsdp_io_index_read(path, &b->doc)) return fsdp_lua_error(L);
-  from_json(L, b->doc);
-  cJSON_Delete(b->doc);
-  b->doc = NULL;
+  push_doc(L, &(json_dec){0}, b);
   return 1;
 }
 
@@ -616,8 +752,9 @@ static int l_ckpt_index_read(lua_State *L) {
 static int l_ckpt_index_write(lua_State *L) {
   const char *path = luaL_checkstring(L, 1);
   luaL_checktype(L, 2, LUA_TTABLE);
+  json_enc e = {.fn = "ckpt_index_write"};
   json_box *b = json_box_push(L);
-  to_json(L, 2, NULL, NULL, "$", 0, &b->doc);
+  to_json(L, &e, 2, NULL, NULL, "$", 0, &b->doc);
   char *text = cJSON_Print(b->doc);
   cJSON_Delete(b->doc);
   b->doc = NULL;
@@ -625,18 +762,7 @@ static int l_ckpt_index_write(lua_State *L) {
   cJSON *parsed = NULL;
   int rc = fsdp_io_index_parse(&parsed, path, text, strlen(text));
   cJSON_Delete(parsed);
-  if (rc == FSDP_OK) {
-    fsdp_io_atomic *f;
-    rc = fsdp_io_atomic_open(&f, path);
-    if (rc == FSDP_OK) {
-      if (fsdp_io_atomic_write(f, text, strlen(text)) || fsdp_io_atomic_write(f, "\n", 1)) {
-        fsdp_io_atomic_abort(f);
-        rc = FSDP_ERR;
-      } else {
-        rc = fsdp_io_atomic_commit(f);
-      }
-    }
-  }
+  if (rc == FSDP_OK) rc = fsdp_io_text_write_atomic(path, text);
   cJSON_free(text);
   if (rc) return fsdp_lua_error(L);
   return 0;

@@ -1610,6 +1610,40 @@ static void test_json(void **state) {
   cJSON_Delete(back);
 }
 
+/* The bare words NaN, Infinity and -Infinity parse as strings only when asked, never inside a
+ * string, and an error's line and column are those of the caller's text. */
+static void test_json_parse_nonfinite(void **state) {
+  (void)state;
+  static const char text[] = "{\"a\": NaN, \"b\": [Infinity, -Infinity], \"s\": \"NaN \\\" NaN\"}";
+  cJSON *doc = (void *)1;
+  size_t line = 9, col = 9;
+  expect_error(fsdp_io_json_parse_ex(&doc, "m", text, strlen(text), 0, &line, &col),
+               "m: not valid JSON: error at line 1, column 7 (unexpected 'N')");
+  assert_null(doc);
+  assert_int_equal(line, 1);
+  assert_int_equal(col, 7);
+  assert_int_equal(
+      fsdp_io_json_parse_ex(&doc, "m", text, strlen(text), FSDP_IO_JSON_NONFINITE, NULL, NULL),
+      FSDP_OK);
+  assert_string_equal(cJSON_GetObjectItem(doc, "a")->valuestring, "NaN");
+  cJSON *b = cJSON_GetObjectItem(doc, "b");
+  assert_string_equal(cJSON_GetArrayItem(b, 0)->valuestring, "Infinity");
+  assert_string_equal(cJSON_GetArrayItem(b, 1)->valuestring, "-Infinity");
+  assert_string_equal(cJSON_GetObjectItem(doc, "s")->valuestring, "NaN \" NaN");
+  cJSON_Delete(doc);
+  /* after two rewritten words, on the next line: the column of the text as given */
+  static const char bad[] = "[NaN, -Infinity,\n  1, x]";
+  expect_error(
+      fsdp_io_json_parse_ex(&doc, "m", bad, strlen(bad), FSDP_IO_JSON_NONFINITE, &line, &col),
+      "error at line 2, column 6 (unexpected 'x')");
+  assert_int_equal(line, 2);
+  assert_int_equal(col, 6);
+  expect_error(fsdp_io_json_parse_ex(&doc, "m", "[1, NaN", 7, FSDP_IO_JSON_NONFINITE, &line, &col),
+               "error at line 1, column 8 (unexpected end of text)");
+  expect_error(fsdp_io_json_parse_ex(&doc, "m", "[1] NaN", 7, FSDP_IO_JSON_NONFINITE, &line, &col),
+               "unexpected text after the document at line 1, column 5");
+}
+
 /* ---- checkpoint index (index.c) ----------------------------------------------------------- */
 
 /* A valid 2-rank index; each case below replaces one piece of it. */
@@ -1790,6 +1824,7 @@ int main(void) {
       T(test_atomic_unwritable),
       T(test_fault_names),
       T(test_json),
+      cmocka_unit_test(test_json_parse_nonfinite),
       T(test_index),
       T(test_index_read),
       T(test_folders),

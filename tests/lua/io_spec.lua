@@ -353,4 +353,43 @@ describe("json", function()
     assert_error_has(function() core.json_write(path, { x = 1 }) end, path, "cannot rename")
     assert.equal(3, core.json_read(path).b[3])
   end)
+
+  it("writes NaN and infinities as asked, and puts chosen keys first", function()
+    local v = { b = 1, a = 0 / 0, z = { 1 / 0, -1 / 0 }, step = 3 }
+    assert_error_has(function() core.json_encode(v) end, "json_encode: $.a is", "JSON cannot hold")
+    assert.equal('{"a":null,"b":1,"step":3,"z":[null,null]}', core.json_encode(v, { nonfinite = "null" }))
+    assert.equal('{"step":3,"z":["Infinity","-Infinity"],"a":"NaN","b":1}',
+      core.json_encode(v, { nonfinite = "string", first = { "step", "missing", "z" } }))
+    local path = dir .. "/nf.json"
+    core.json_write(path, v, { nonfinite = "string" })
+    assert.equal("NaN", core.json_read(path).a)
+    assert_error_has(function() core.json_encode(v, { nonfinite = "zero" }) end,
+      'nonfinite must be "error", "null" or "string", got zero')
+    assert_error_has(function() core.json_encode(v, { sorted = true }) end,
+      "json_encode: unknown option 'sorted' (valid: nonfinite, first)")
+    assert_error_has(function() core.json_encode(v, { first = "step" }) end, "first must be a list of keys")
+  end)
+
+  it("reads NaN and infinities back on request, null as a chosen value, errors as values", function()
+    local text = '{"a":"NaN","b":Infinity,"c":[-Infinity,"-Infinity"],"d":null,"s":"Infinity!","t":"NaN"}'
+    assert_error_has(function() core.json_decode(text, "m") end, "m: not valid JSON: error at line 1, column 16")
+    local null = {}
+    local v = core.json_decode(text, "m", { nonfinite = true, null = null })
+    assert.is_true(v.a ~= v.a)
+    assert.equal(math.huge, v.b)
+    assert.same({ -math.huge, -math.huge }, v.c)
+    assert.equal(null, v.d)
+    assert.equal("Infinity!", v.s)
+    assert.equal("NaN", core.json_decode('{"t":"NaN"}').t) -- without the option a string stays one
+    local r, msg, line, col = core.json_decode('{"a":1,\n "b":NaN,\n "c":}', "m", { nonfinite = true, raise = false })
+    assert.is_nil(r)
+    assert.truthy(msg:find("m: not valid JSON: error at line 3, column 6 (unexpected '}')", 1, true), msg)
+    assert.equal(3, line)
+    assert.equal(6, col)
+    r, msg, line, col = core.json_decode('{"a":[1,2', "m", { raise = false })
+    assert.truthy(msg:find("(unexpected end of text)", 1, true), msg)
+    assert.same({ 1, 10 }, { line, col })
+    assert_error_has(function() core.json_decode("{}", "m", { strict = true }) end,
+      "json_decode: unknown option 'strict' (valid: nonfinite, null, raise)")
+  end)
 end)

@@ -1,10 +1,12 @@
 -- log_spec.lua — fsdp.log: the progress text, plain lines when not on a terminal, the
--- redrawn line on one, rank 0 only, throughput and ETA from a fake clock, and JSONL that a
--- small independent JSON decoder reads back.
+-- redrawn bar on one, no progress at all, metrics logged every so often, rank 0 only,
+-- throughput and ETA from a fake clock, and JSONL (its folder made, appended on request) with
+-- NaN and infinities that read back.
 -- Run: busted --lua=luajit tests/lua/log_spec.lua
 
 local fsdp = require "fsdp"
 local log = require "fsdp.log"
+local core = require "fsdp.core"
 
 local H = require "helpers"
 local sink = H.sink -- an output handle that keeps what is written
@@ -15,87 +17,12 @@ local function lines(text)
   return out
 end
 
--- A deliberately separate JSON decoder (objects, arrays, strings, numbers, true/false/null).
-local function json_decode(s)
-  local pos = 1
-  local function ws() pos = s:find("[^ \t\r\n]", pos) or #s + 1 end
-  local value
-  local function str()
-    assert(s:sub(pos, pos) == '"', "string expected at " .. pos)
-    pos = pos + 1
-    local out = {}
-    while true do
-      local c = s:sub(pos, pos)
-      assert(c ~= "", "unterminated string")
-      if c == '"' then pos = pos + 1 break end
-      if c == "\\" then
-        local e = s:sub(pos + 1, pos + 1)
-        local map = { n = "\n", t = "\t", r = "\r", b = "\b", f = "\f", ['"'] = '"', ["\\"] = "\\", ["/"] = "/" }
-        if e == "u" then
-          out[#out + 1] = string.char(tonumber(s:sub(pos + 2, pos + 5), 16))
-          pos = pos + 6
-        else
-          out[#out + 1] = assert(map[e], "bad escape")
-          pos = pos + 2
-        end
-      else
-        assert(c:byte() >= 32, "raw control character in a JSON string")
-        out[#out + 1] = c
-        pos = pos + 1
-      end
-    end
-    return table.concat(out)
-  end
-  value = function()
-    ws()
-    local c = s:sub(pos, pos)
-    if c == "{" then
-      pos = pos + 1
-      local t, keys = {}, {}
-      ws()
-      if s:sub(pos, pos) == "}" then pos = pos + 1 return t, keys end
-      while true do
-        ws()
-        local k = str()
-        ws()
-        assert(s:sub(pos, pos) == ":", "':' expected")
-        pos = pos + 1
-        t[k] = value()
-        keys[#keys + 1] = k
-        ws()
-        local d = s:sub(pos, pos)
-        pos = pos + 1
-        if d == "}" then return t, keys end
-        assert(d == ",", "',' or '}' expected at " .. pos)
-      end
-    elseif c == "[" then
-      pos = pos + 1
-      local t = {}
-      ws()
-      if s:sub(pos, pos) == "]" then pos = pos + 1 return t end
-      while true do
-        t[#t + 1] = value()
-        ws()
-        local d = s:sub(pos, pos)
-        pos = pos + 1
-        if d == "]" then return t end
-        assert(d == ",", "',' or ']' expected")
-      end
-    elseif c == '"' then
-      return str()
-    elseif s:sub(pos, pos + 3) == "true" then pos = pos + 4 return true
-    elseif s:sub(pos, pos + 4) == "false" then pos = pos + 5 return false
-    elseif s:sub(pos, pos + 3) == "null" then pos = pos + 4 return nil
-    end
-    local num = s:match("^-?%d+%.?%d*[eE]?[-+]?%d*", pos)
-    assert(num and #num > 0, "value expected at " .. pos .. " in " .. s)
-    pos = pos + #num
-    return assert(tonumber(num))
-  end
-  local v, keys = value()
-  ws()
-  assert(pos == #s + 1, "trailing text in " .. s)
-  return v, keys
+-- A JSONL line read back (by the same codec: what matters here is what the line holds) and the
+-- order of its keys in the text.
+local function json_decode(line)
+  local keys = {}
+  for k in line:gmatch('[{,]"([^"]+)":') do keys[#keys + 1] = k end
+  return core.json_decode(line, "jsonl", { nonfinite = true }), keys
 end
 
 -- A clock the test moves by hand.
@@ -124,7 +51,7 @@ describe("fsdp.log", function()
 
   it("prints plain lines at step 1, every `every` steps and the last step off a terminal", function()
     local out, clock = sink(), fake_clock()
-    log.setup { total = 100, out = out, tty = false, clock = clock.fn, tokens_per_step = 1000 }
+    log.setup { total = 100, out = out, progress = "line", clock = clock.fn, tokens_per_step = 1000 }
     for step = 1, 100 do
       clock.t = clock.t + 0.5
       log(step, { loss = 1 / step })
@@ -140,11 +67,11 @@ describe("fsdp.log", function()
 
   it("uses every= when given and every 10 steps without a total", function()
     local out = sink()
-    log.setup { out = out, tty = false, every = 3 }
+    log.setup { out = out, progress = "line", every = 3 }
     for step = 1, 9 do log(step, { loss = 1 }) end
     assert.equal(4, #lines(out.text)) -- 1, 3, 6, 9
     local out2 = sink()
-    log.setup { out = out2, tty = false }
+    log.setup { out = out2, progress = "line" }
     for step = 1, 25 do log(step, { loss = 1 }) end
     local ls = lines(out2.text)
     assert.same({ "step 1 | loss 1", "step 10 | loss 1", "step 20 | loss 1" }, ls)
@@ -152,7 +79,7 @@ describe("fsdp.log", function()
 
   it("takes throughput from metrics.tokens over tokens_per_step", function()
     local out, clock = sink(), fake_clock()
-    log.setup { out = out, tty = false, every = 1, clock = clock.fn, tokens_per_step = 10 }
+    log.setup { out = out, progress = "line", every = 1, clock = clock.fn, tokens_per_step = 10 }
     log(1, { tokens = 300 })
     clock.t = clock.t + 0.25
     log(2, { tokens = 300 })
@@ -161,7 +88,7 @@ describe("fsdp.log", function()
 
   it("redraws one line on a terminal and ends it with finish()", function()
     local out, clock = sink(), fake_clock()
-    log.setup { total = 4, out = out, tty = true, clock = clock.fn }
+    log.setup { total = 4, out = out, progress = "bar", clock = clock.fn }
     log(1, { loss = 4 })
     clock.t = clock.t + 0.01
     log(2, { loss = 3 }) -- within 0.1 s of the last draw: skipped
@@ -181,7 +108,7 @@ describe("fsdp.log", function()
   it("writes nothing on other ranks", function()
     local out = sink()
     local path = os.tmpname()
-    log.setup { out = out, tty = false, rank = 1, jsonl = path }
+    log.setup { out = out, progress = "line", rank = 1, jsonl = path }
     log(1, { loss = 1 })
     log.print("x")
     log.finish()
@@ -195,7 +122,7 @@ describe("fsdp.log", function()
   it("writes one JSON object per call with step, time and every metric", function()
     local path = os.tmpname()
     local clock = fake_clock()
-    log.setup { jsonl = path, out = sink(), tty = false, clock = clock.fn }
+    log.setup { jsonl = path, out = sink(), progress = "line", clock = clock.fn }
     clock.t = clock.t + 1.5
     log(1, { loss = 2.5, lr = 1e-3, note = 'a "q"\n\ttab\1', ok = true, acc = fsdp.tensor { 0.25 }:sum() })
     clock.t = clock.t + 1
@@ -219,16 +146,18 @@ describe("fsdp.log", function()
     local r2 = json_decode(ls[2])
     assert.equal(2, r2.step)
     assert.equal(2.5, r2.time)
-    assert.is_nil(r2.loss) -- NaN is null
+    assert.is_true(r2.loss ~= r2.loss) -- NaN, written as the string "NaN"
+    assert.truthy(ls[2]:find('"loss":"NaN"', 1, true))
     assert.same({ 1, 2 }, r2.sizes)
     assert.same({ a = 1 }, r2.by)
   end)
 
-  it("encodes numbers so that they read back exactly", function()
-    for _, v in ipairs { 0.1, 1 / 3, -2.5e-300, 123456789012, 2 ^ 60, 1e21 } do
-      assert.equal(v, json_decode(log.json(v)))
+  it("encodes numbers so that they read back exactly, NaN and infinities as strings", function()
+    for _, v in ipairs { 0.1, 1 / 3, -2.5e-300, 123456789012, 2 ^ 60, 1e21, math.huge, -math.huge } do
+      assert.equal(v, core.json_decode(log.json(v), "v", { nonfinite = true }))
     end
-    assert.equal("null", log.json(math.huge))
+    assert.equal('"Infinity"', log.json(math.huge))
+    assert.equal('["NaN","-Infinity"]', log.json { 0 / 0, -1 / 0 })
     assert.equal('[1,"x",false,{"k":[2]}]', log.json { 1, "x", false, { k = { 2 } } })
   end)
 
@@ -242,9 +171,94 @@ describe("fsdp.log", function()
     ok, err = pcall(log.setup, { total = -1 })
     assert.is_false(ok)
     assert.truthy(err:find("total must be a positive number", 1, true))
-    ok, err = pcall(log.setup, { jsonl = "/nonexistent-dir/x.jsonl" })
+    ok, err = pcall(log.setup, { jsonl = "/proc/version/x.jsonl" })
     assert.is_false(ok)
-    assert.truthy(err:find("cannot open the JSONL file", 1, true))
+    assert.truthy(err:find("cannot make the JSONL file's folder", 1, true), err)
+    ok, err = pcall(log.setup, { jsonl = "/proc/no-such-file" })
+    assert.is_false(ok)
+    assert.truthy(err:find("cannot open the JSONL file", 1, true), err)
+    ok, err = pcall(log.setup, { tty = true })
+    assert.is_false(ok)
+    assert.truthy(err:find("unknown option 'tty' (valid: total, every, jsonl, append, progress,", 1, true), err)
+    ok, err = pcall(log.setup, { progress = "fancy" })
+    assert.is_false(ok)
+    assert.truthy(err:find('progress must be "auto", "bar", "line" or "off", got fancy', 1, true), err)
+  end)
+
+  it("makes the JSONL file's folder", function()
+    local dir = os.tmpname()
+    os.remove(dir)
+    local path = dir .. "/a/b/metrics.jsonl"
+    log.setup { jsonl = path, out = sink(), progress = "line", rank = 0 }
+    log(1, { loss = 1 })
+    log.finish()
+    local f = assert(io.open(path, "rb"))
+    assert.equal(1, json_decode(f:read("*l")).step)
+    f:close()
+    os.execute("rm -rf '" .. dir .. "'")
+  end)
+
+  it("shows a step that carries a metric the previous one lacked, whatever the cadence", function()
+    -- piped: the validation steps print although they are off the 25-step cadence
+    local out = sink()
+    log.setup { total = 100, every = 25, out = out, progress = "line" }
+    for step = 1, 100 do
+      local m = { loss = 1 }
+      if step % 30 == 0 then m.val_loss = 2 end
+      log(step, m)
+    end
+    local ls = lines(out.text:gsub(" | ETA [^\n]*", ""):gsub(" | elapsed [^\n]*", ""))
+    assert.same({ "step 1/100 | loss 1", "step 25/100 | loss 1", "step 30/100 | loss 1 | val_loss 2",
+      "step 50/100 | loss 1", "step 60/100 | loss 1 | val_loss 2", "step 75/100 | loss 1",
+      "step 90/100 | loss 1 | val_loss 2", "step 100/100 | loss 1" }, ls)
+    -- on a terminal: the validation step is drawn at once and its line stays; the bar goes on
+    -- below it. A first line with a metric the next one lacks stays too.
+    local clock = fake_clock()
+    out = sink()
+    log.setup { total = 6, out = out, progress = "bar", clock = clock.fn }
+    log(1, { loss = 4, val_loss = 9 })
+    clock.t = clock.t + 1
+    log(2, { loss = 3 })
+    clock.t = clock.t + 0.01
+    log(3, { loss = 2, val_loss = 5 }) -- within 0.1 s of the last draw, drawn all the same
+    clock.t = clock.t + 1
+    log(4, { loss = 1 })
+    log.print("saved")
+    clock.t = clock.t + 1
+    log(5, { loss = 0.5 })
+    log.finish()
+    local expected = "\r\27[Kstep 1/6 | loss 4 | val_loss 9"
+      .. "\n\r\27[Kstep 2/6 | loss 3 | ETA 4s"
+      .. "\r\27[Kstep 3/6 | loss 2 | val_loss 5 | ETA 2s"
+      .. "\n\r\27[Kstep 4/6 | loss 1 | ETA 2s"
+      .. "\r\27[Ksaved\n\r\27[Kstep 4/6 | loss 1 | ETA 2s"
+      .. "\r\27[Kstep 5/6 | loss 0.5000 | ETA 1s"
+      .. "\n"
+    assert.equal(expected, out.text)
+  end)
+
+  it("prints no progress with progress = \"off\", and takes FSDP_PROGRESS as the default", function()
+    local out = sink()
+    log.setup { total = 3, out = out, progress = "off" }
+    for step = 1, 3 do log(step, { loss = 1, val_loss = step == 2 and 1 or nil }) end
+    log.print("kept")
+    log.finish()
+    assert.equal("kept\n", out.text)
+    -- the environment (fsdprun --progress sets it) when setup names no mode; a mode of setup wins
+    local ffi = require "ffi"
+    pcall(ffi.cdef, "int setenv(const char *, const char *, int); int unsetenv(const char *);")
+    ffi.C.setenv("FSDP_PROGRESS", "off", 1)
+    out = sink()
+    log.setup { out = out }
+    log(1, { loss = 1 })
+    log.setup { out = out, progress = "line" }
+    log(1, { loss = 2 })
+    ffi.C.setenv("FSDP_PROGRESS", "sideways", 1)
+    local ok, err = pcall(log.setup, { out = out })
+    ffi.C.unsetenv("FSDP_PROGRESS")
+    assert.equal("step 1 | loss 2\n", out.text)
+    assert.is_false(ok)
+    assert.truthy(err:find("FSDP_PROGRESS must be auto, bar, line or off, got 'sideways'", 1, true), err)
   end)
 end)
 
@@ -253,10 +267,10 @@ describe("fsdp.log JSONL append", function()
     local fsdp = require "fsdp"
     local path = os.tmpname()
     local sink = { write = function() end, flush = function() end }
-    fsdp.log.setup { jsonl = path, out = sink, tty = false, rank = 0 }
+    fsdp.log.setup { jsonl = path, out = sink, progress = "line", rank = 0 }
     fsdp.log(1, { loss = 2 })
     fsdp.log.finish()
-    fsdp.log.setup { jsonl = path, out = sink, tty = false, rank = 0, append = true }
+    fsdp.log.setup { jsonl = path, out = sink, progress = "line", rank = 0, append = true }
     fsdp.log(2, { loss = 1 })
     fsdp.log.finish()
     local n = 0

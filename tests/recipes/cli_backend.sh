@@ -3,15 +3,7 @@
 # anything else, nccl refused by name where it cannot run (no build, fewer GPUs than ranks: on a
 # machine without a GPU always; on one GPU from -n 2), auto falling back to the threads' or
 # mpi's own backend, and under mpirun every rank agreeing. Run by ctest with FSDPRUN set.
-set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-run() { "$@" >"$T/out" 2>"$T/err"; rc=$?; }
-expect_rc() { [ "$rc" -eq "$1" ] || fail "$2: exit status $rc, expected $1; stderr: $(cat "$T/err")"; }
-expect_has() { grep -qF -- "$2" "$T/$1" || fail "$3: std$1 lacks '$2'; it was: $(cat "$T/$1")"; }
+. "${0%/*}/lib.sh"
 
 gpus=$("$FSDPRUN" -e 'io.write(require("fsdp").device_count("cuda"))' 2>/dev/null || echo 0)
 echo "cuda devices here: $gpus"
@@ -39,17 +31,15 @@ fi
 
 # under mpirun: every rank decides alike
 if command -v mpirun >/dev/null 2>&1; then
-  M="mpirun --oversubscribe --allow-run-as-root --mca btl_base_warn_component_unused 0"
-  run $M -np 2 "$FSDPRUN" --backend auto -e 'local f = require "fsdp"; print(f.rank() .. " " .. f.backend())'
+  run $MPIRUN -np 2 "$FSDPRUN" --backend auto -e 'local f = require "fsdp"; print(f.rank() .. " " .. f.backend())'
   expect_rc 0 "mpirun --backend auto"
   if [ "$gpus" -lt 2 ]; then
     expect_has out "0 mpi" "mpirun --backend auto"
     expect_has out "1 mpi" "mpirun --backend auto"
-    run $M -np 2 "$FSDPRUN" --backend nccl -e 'print(1)'
+    run $MPIRUN -np 2 "$FSDPRUN" --backend nccl -e 'print(1)'
     [ "$rc" -ne 0 ] || fail "mpirun --backend nccl without GPUs succeeded"
     expect_has err "--backend nccl: 2 ranks on this machine" "mpirun --backend nccl"
   fi
 fi
 
-[ "$failures" -eq 0 ] || exit 1
-echo "ok: cli_backend"
+finish

@@ -3,17 +3,10 @@
 # stored once, loads into wrapped / plain / untied models), strict-loading errors, sharded with
 # optimizer state, extra, loader and schedule — at 1, 2 and 4 ranks, and with the grad_op and
 # none strategies at 2 ranks.
-set -eu
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-run() { # run N STRATEGY
-  rm -rf "$tmp/d" && mkdir -p "$tmp/d"
-  out=$("$FSDPRUN" -n "$1" tests/dist/ckpt_roundtrip.lua --dir="$tmp/d" --strategy="$2" 2>&1) || {
-    echo "$out"; echo "FAIL: ckpt_roundtrip at $1 ranks, strategy $2"; exit 1; }
-  echo "$out"
-}
-run 1 full
-run 2 full
-run 4 full
-run 2 grad_op
-run 2 none
+. "${0%/*}/lib.sh"
+for cfg in "1 full" "2 full" "4 full" "2 grad_op" "2 none"; do
+  set -- $cfg
+  rm -rf "$T/d" && mkdir -p "$T/d"
+  on_ranks "$1" tests/dist/ckpt_roundtrip.lua --dir="$T/d" --strategy="$2"
+done
+finish

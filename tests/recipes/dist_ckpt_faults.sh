@@ -4,12 +4,9 @@
 # the index cannot serve, damaged safetensors files read by ranges; disk full, permission
 # denied and fsync failures injected on a non-zero rank while saving, a failed index commit:
 # every rank raises the same error, the model is untouched, the previous checkpoint loads.
-set -eu
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
+. "${0%/*}/lib.sh"
 for n in 2 4; do
-  rm -rf "$tmp/d" && mkdir -p "$tmp/d"
-  out=$("$FSDPRUN" -n "$n" tests/dist/ckpt_faults.lua --dir="$tmp/d" 2>&1) || {
-    echo "$out"; echo "FAIL: ckpt_faults at $n ranks"; exit 1; }
-  echo "$out"
+  rm -rf "$T/d" && mkdir -p "$T/d"
+  on_ranks "$n" tests/dist/ckpt_faults.lua --dir="$T/d"
 done
+finish

@@ -2,16 +2,10 @@
 # Masks through checkpoints (tests/dist/ckpt_masks.lua): saved at 2 ranks (sharded slices and
 # "<path>:mask" tensors in safetensors), loaded at 1, 2 and 4 ranks into wrapped and plain
 # models with the same masks and values; masked weights stay 0 when training on.
-set -eu
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-run() { # run N ARGS...
-  n=$1; shift
-  out=$("$FSDPRUN" -n "$n" tests/dist/ckpt_masks.lua --dir="$tmp" --ref="$tmp/ref.json" "$@" 2>&1) || {
-    echo "$out"; echo "FAIL: ckpt_masks -n $n $*"; exit 1; }
-  echo "$out"
-}
-run 2 --phase=save
-run 1 --phase=load
-run 2 --phase=load
-run 4 --phase=load
+. "${0%/*}/lib.sh"
+mkdir -p "$T/ck"
+for cfg in "2 save" "1 load" "2 load" "4 load"; do
+  set -- $cfg
+  on_ranks "$1" tests/dist/ckpt_masks.lua --dir="$T/ck" --ref="$T/ref.json" --phase="$2"
+done
+finish

@@ -1,11 +1,7 @@
 #!/bin/sh
 # dist_collective.sh — fsdp.collective (tests/dist/collective.lua) at 1 to 4 ranks, without -n,
 # and under mpirun -np 3 when mpirun is installed: every rank prints "ok <rank> <world>".
-set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
-failures=0
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
+. "${0%/*}/lib.sh"
 expect() { # N COMMAND...: the command prints "ok r N" for every rank r
   n=$1
   shift
@@ -30,8 +26,4 @@ if command -v mpirun >/dev/null 2>&1; then
 else
   echo "(mpirun not installed: the mpi backend's run is skipped)"
 fi
-if [ "$failures" -ne 0 ]; then
-  echo "dist_collective: $failures failure(s)"
-  exit 1
-fi
-echo "dist_collective: ok"
+finish

@@ -10,19 +10,10 @@
 # rank blocked in a collective and one in a compiled loop. Run by ctest with
 # FSDPRUN set.
 # (Mid-forward / mid-backward injection inside FSDP units: with the wrap tests, once they land.)
-set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
-SRC=${FSDP_SOURCE_DIR:-$(pwd)}
+. "${0%/*}/lib.sh"
 R="$SRC/tests/dist/fault_inject.lua"
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-failures=0
 
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-expect_has() { grep -qF -- "$2" "$T/$1" || fail "$3: std$1 lacks '$2'; it was: $(cat "$T/$1")"; }
-expect_lacks() { ! grep -qF -- "$2" "$T/$1" || fail "$3: std$1 has '$2'; it was: $(cat "$T/$1")"; }
 count() { grep -cF -- "$2" "$T/$1"; }
-now_ms() { date +%s%3N; }
 # fault WHAT ARGS...: run fsdprun ARGS (killed after 30 s), status in rc, seconds in took
 fault() {
   what=$1
@@ -135,8 +126,4 @@ interrupt "SIGINT, a compiled loop" -n 4 "$R" --at=spin --rank=1 --compiled
 within "SIGINT, a compiled loop" 80
 expect_has err "the running code did not stop in time" "SIGINT, a compiled loop: the grace timer"
 
-if [ "$failures" -ne 0 ]; then
-  echo "dist_faults: $failures failure(s)"
-  exit 1
-fi
-echo "dist_faults: ok"
+finish

@@ -4,11 +4,11 @@
 # 10 optimizer steps, sparsity read without gathering; tests/dist/mask_sparseml.lua), and masks
 # through wrap/unwrap/re-wrap/gather/reshard with only this rank's slice in memory
 # (tests/dist/mask_rewrap.lua), at 1, 2, 3 and 4 ranks.
-set -eu
+. "${0%/*}/lib.sh"
 for t in mask_sparseml mask_rewrap; do
   for n in 1 2 3 4; do
-    out=$("$FSDPRUN" -n "$n" tests/dist/$t.lua 2>&1) || {
-      echo "$out"; echo "FAIL: $t at $n ranks"; exit 1; }
-    echo "ok: $t at $n ranks: $(echo "$out" | grep '^rank 0:')"
+    must "$t at $n ranks" "$FSDPRUN" -n "$n" tests/dist/$t.lua
+    echo "ok: $t at $n ranks: $(grep '^rank 0:' "$T/log")"
   done
 done
+finish

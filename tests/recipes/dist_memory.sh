@@ -4,17 +4,16 @@
 # gathered units the schedule predicts, within 5%; at 1, 2 and 4 ranks, with and without
 # prefetch. tests/dist/memory_live.lua asserts the live figures exactly after wrapping and
 # after each step (nothing dead left counted), at 1, 2 and 4 ranks and on a plain model.
-set -eu
+. "${0%/*}/lib.sh"
 for n in 1 2 4; do
   for prefetch in true false; do
-    out=$("$FSDPRUN" -n "$n" tests/dist/memory.lua --prefetch=$prefetch 2>&1) || {
-      echo "$out"; echo "FAIL: memory at $n ranks, prefetch $prefetch"; exit 1; }
-    echo "ok: $out"
+    must "memory at $n ranks, prefetch $prefetch" \
+      "$FSDPRUN" -n "$n" tests/dist/memory.lua --prefetch=$prefetch
+    echo "ok: $(cat "$T/log")"
   done
-  out=$("$FSDPRUN" -n "$n" tests/dist/memory_live.lua 2>&1) || {
-    echo "$out"; echo "FAIL: live memory at $n ranks"; exit 1; }
-  echo "ok: $out"
+  must "live memory at $n ranks" "$FSDPRUN" -n "$n" tests/dist/memory_live.lua
+  echo "ok: $(cat "$T/log")"
 done
-out=$("$FSDPRUN" tests/dist/memory_live.lua --plain 2>&1) || {
-  echo "$out"; echo "FAIL: live memory of a plain model"; exit 1; }
-echo "ok: $out"
+must "live memory of a plain model" "$FSDPRUN" tests/dist/memory_live.lua --plain
+echo "ok: $(cat "$T/log")"
+finish

@@ -12,18 +12,18 @@
 #   meta_load_file.lua  1/2/4 ranks: a checkpoint written by fsdp.save loaded into meta models:
 #                       fsdp.load on every rank, the file read on rank 0 only, rank 0 + sync,
 #                       a plain meta model; a bf16 copy of the file, both ways
-set -eu
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-run() { # run N SCRIPT [ARGS]
-  n=$1; s=$2; shift 2
-  out=$("$FSDPRUN" -n "$n" "tests/dist/$s" "$@" 2>&1) || { echo "$out"; echo "FAIL: $s at $n ranks"; exit 1; }
-  echo "ok: $(echo "$out" | tail -1)"
+. "${0%/*}/lib.sh"
+meta() { # meta N SCRIPT [ARGS]
+  n=$1 s=$2
+  shift 2
+  must "$s at $n ranks" "$FSDPRUN" -n "$n" "tests/dist/$s" "$@"
+  echo "ok: $(tail -1 "$T/log")"
 }
-for n in 1 2 3 4; do run "$n" meta_equal.lua; done
-for n in 2 3 4; do run "$n" meta_sync.lua; done
-for n in 1 2 4; do run "$n" meta_load.lua; done
+for n in 1 2 3 4; do meta "$n" meta_equal.lua; done
+for n in 2 3 4; do meta "$n" meta_sync.lua; done
+for n in 1 2 4; do meta "$n" meta_load.lua; done
 for n in 1 2 4; do
-  rm -rf "$tmp/f"; mkdir -p "$tmp/f"
-  run "$n" meta_load_file.lua --dir="$tmp/f"
+  rm -rf "$T/f" && mkdir -p "$T/f"
+  meta "$n" meta_load_file.lua --dir="$T/f"
 done
+finish

@@ -15,56 +15,41 @@
 # and f16 gradients underflow differently in micro-batches scaled by 1/N: printed, held to 5e-2.
 # Two 4-rank runs are bitwise identical; a run with the learning rate off by 0.1% fails the
 # 1e-5 comparison (the check can fail).
-set -eu
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-run() { # run N OUT ARGS...
-  n=$1; out=$2; shift 2
-  "$FSDPRUN" -n "$n" tests/dist/train_equiv.lua --out="$out" "$@" >"$tmp/log" 2>&1 || {
-    cat "$tmp/log"; echo "FAIL: train_equiv -n $n $* exited nonzero"; exit 1; }
-}
-compare() { # compare REF OUT LABEL [--tol=T] [--exact]
-  ref=$1; out=$2; label=$3; shift 3
-  res=$("$FSDPRUN" tests/dist/compare.lua "$ref" "$out" "$@" 2>&1) || {
-    echo "$res"; echo "FAIL: $label"; exit 1; }
-  echo "ok: $label: $res"
-}
+. "${0%/*}/lib.sh"
 for model in gpt mlp; do
-  run 1 "$tmp/f32_$model" --model=$model --strategy=plain
-  run 1 "$tmp/one_$model" --model=$model --strategy=full --mp=bf16
-  compare "$tmp/f32_$model" "$tmp/one_$model" "$model bf16 at 1 rank vs f32 (for scale)" --tol=5e-2
-  for w in 2 4; do # (run sets n)
-    run 1 "$tmp/micro_$model$w" --model=$model --strategy=full --mp=bf16 --micro=$w
+  train_equiv 1 "$T/f32_$model" --model=$model --strategy=plain
+  train_equiv 1 "$T/one_$model" --model=$model --strategy=full --mp=bf16
+  compare "$T/f32_$model" "$T/one_$model" "$model bf16 at 1 rank vs f32 (for scale)" --tol=5e-2
+  for w in 2 4; do
+    train_equiv 1 "$T/micro_$model$w" --model=$model --strategy=full --mp=bf16 --micro=$w
     for strategy in full grad_op none; do
-      run "$w" "$tmp/out" --model=$model --strategy=$strategy --mp=bf16
-      compare "$tmp/micro_$model$w" "$tmp/out" \
+      train_equiv "$w" "$T/out" --model=$model --strategy=$strategy --mp=bf16
+      compare "$T/micro_$model$w" "$T/out" \
         "$model bf16 $strategy at $w ranks vs 1 rank in $w micro-batches"
-      compare "$tmp/one_$model" "$tmp/out" \
+      compare "$T/one_$model" "$T/out" \
         "$model bf16 $strategy at $w ranks vs 1 rank on the whole batch (bf16 tolerance)" --tol=5e-2
     done
   done
   # reduce = "bf16": the average is rounded to bf16 once more
-  run 1 "$tmp/micro_rb" --model=$model --strategy=full --mp=bf16 --reduce=bf16 --micro=4
-  run 4 "$tmp/out" --model=$model --strategy=full --mp=bf16 --reduce=bf16
-  compare "$tmp/micro_rb" "$tmp/out" "$model reduce=bf16 at 4 ranks vs 1 rank in 4 micro-batches" --tol=5e-2
+  train_equiv 1 "$T/micro_rb" --model=$model --strategy=full --mp=bf16 --reduce=bf16 --micro=4
+  train_equiv 4 "$T/out" --model=$model --strategy=full --mp=bf16 --reduce=bf16
+  compare "$T/micro_rb" "$T/out" "$model reduce=bf16 at 4 ranks vs 1 rank in 4 micro-batches" --tol=5e-2
   # f16 parameters
-  run 1 "$tmp/micro_f16" --model=$model --strategy=full --mp=f16 --micro=4
-  run 4 "$tmp/out" --model=$model --strategy=full --mp=f16
-  compare "$tmp/micro_f16" "$tmp/out" "$model f16 at 4 ranks vs 1 rank in 4 micro-batches" --tol=5e-2
+  train_equiv 1 "$T/micro_f16" --model=$model --strategy=full --mp=f16 --micro=4
+  train_equiv 4 "$T/out" --model=$model --strategy=full --mp=f16
+  compare "$T/micro_f16" "$T/out" "$model f16 at 4 ranks vs 1 rank in 4 micro-batches" --tol=5e-2
 done
 # prefetch off gives the same numbers
-run 2 "$tmp/out" --model=gpt --strategy=full --mp=bf16 --prefetch=false
-compare "$tmp/micro_gpt2" "$tmp/out" "gpt bf16 full at 2 ranks without prefetch"
+train_equiv 2 "$T/out" --model=gpt --strategy=full --mp=bf16 --prefetch=false
+compare "$T/micro_gpt2" "$T/out" "gpt bf16 full at 2 ranks without prefetch"
 # bitwise reproducible at 4 ranks
-run 4 "$tmp/a" --model=gpt --strategy=full --mp=bf16
-run 4 "$tmp/b" --model=gpt --strategy=full --mp=bf16
-compare "$tmp/a" "$tmp/b" "gpt bf16 full at 4 ranks, two runs" --exact
-run 4 "$tmp/a" --model=mlp --strategy=grad_op --mp=bf16 --reduce=bf16
-run 4 "$tmp/b" --model=mlp --strategy=grad_op --mp=bf16 --reduce=bf16
-compare "$tmp/a" "$tmp/b" "mlp bf16 grad_op reduce=bf16 at 4 ranks, two runs" --exact
+train_equiv 4 "$T/a" --model=gpt --strategy=full --mp=bf16
+train_equiv 4 "$T/b" --model=gpt --strategy=full --mp=bf16
+compare "$T/a" "$T/b" "gpt bf16 full at 4 ranks, two runs" --exact
+train_equiv 4 "$T/a" --model=mlp --strategy=grad_op --mp=bf16 --reduce=bf16
+train_equiv 4 "$T/b" --model=mlp --strategy=grad_op --mp=bf16 --reduce=bf16
+compare "$T/a" "$T/b" "mlp bf16 grad_op reduce=bf16 at 4 ranks, two runs" --exact
 # the comparison can fail: a learning rate off by 0.1% is caught
-run 2 "$tmp/out" --model=mlp --strategy=full --mp=bf16 --lr_scale=1.001
-if "$FSDPRUN" tests/dist/compare.lua "$tmp/micro_mlp2" "$tmp/out" >"$tmp/log" 2>&1; then
-  cat "$tmp/log"; echo "FAIL: a perturbed run passed the comparison"; exit 1
-fi
-echo "ok: a perturbed run (lr x 1.001) fails the comparison: $(cat "$tmp/log")"
+train_equiv 2 "$T/out" --model=mlp --strategy=full --mp=bf16 --lr_scale=1.001
+compare_fails "$T/micro_mlp2" "$T/out" "a perturbed run (lr x 1.001)"
+finish

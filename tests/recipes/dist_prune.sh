@@ -6,34 +6,31 @@
 # 1e-5 relative, and masked weights exactly 0 (tests/dist/prune_compare.lua). At 3 and 4 ranks
 # the 2:6 phase must really have cut groups; wrapped runs assert that nothing is gathered.
 # A run pruning 0.01% more must FAIL the comparison, so the check can fail.
-set -eu
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-run() { # run N OUT ARGS...
-  n=$1; out=$2; shift 2
-  "$FSDPRUN" -n "$n" tests/dist/prune_equiv.lua --out="$out" "$@" >"$tmp/log" 2>&1 || {
-    cat "$tmp/log"; echo "FAIL: prune_equiv -n $n $* exited nonzero"; exit 1; }
+. "${0%/*}/lib.sh"
+prune() { # prune N OUT ARGS...
+  pr_n=$1 pr_out=$2
+  shift 2
+  must "prune_equiv -n $pr_n $*" "$FSDPRUN" -n "$pr_n" tests/dist/prune_equiv.lua --out="$pr_out" "$@"
 }
-compare() { # compare REF OUT LABEL
-  res=$("$FSDPRUN" tests/dist/prune_compare.lua "$1" "$2" 2>&1) || {
-    echo "$res"; echo "FAIL: $3"; exit 1; }
-  echo "ok: $3: $res"
+same_masks() { # same_masks REF OUT LABEL
+  must "$3" "$FSDPRUN" tests/dist/prune_compare.lua "$1" "$2"
+  echo "ok: $3: $(cat "$T/log")"
 }
-run 1 "$tmp/ref" --strategy=plain
-run 1 "$tmp/out" --strategy=full
-compare "$tmp/ref" "$tmp/out" "full at 1 rank vs unwrapped"
+prune 1 "$T/ref" --strategy=plain
+prune 1 "$T/out" --strategy=full
+same_masks "$T/ref" "$T/out" "full at 1 rank vs unwrapped"
 for cfg in "2 full" "3 full" "4 full" "2 grad_op" "4 grad_op" "2 none" "4 none"; do
   set -- $cfg
-  run "$1" "$tmp/out_$1_$2" --strategy="$2"
-  compare "$tmp/ref" "$tmp/out_$1_$2" "$2 at $1 ranks vs 1 rank unwrapped"
+  prune "$1" "$T/out_$1_$2" --strategy="$2"
+  same_masks "$T/ref" "$T/out_$1_$2" "$2 at $1 ranks vs 1 rank unwrapped"
 done
 for n in 3 4; do
-  cut=$(sed -n 's/^cut //p' "$tmp/out_${n}_full")
-  [ "$cut" -gt 0 ] || { echo "FAIL: no N:M group was cut at $n ranks (the test lost its point)"; exit 1; }
+  cut=$(sed -n 's/^cut //p' "$T/out_${n}_full")
+  [ "$cut" -gt 0 ] || die "no N:M group was cut at $n ranks (the test lost its point)"
   echo "ok: $cut groups of 6 cut by shard boundaries at $n ranks, masks identical"
 done
-run 2 "$tmp/out" --strategy=full --sparsity=0.6001
-if "$FSDPRUN" tests/dist/prune_compare.lua "$tmp/ref" "$tmp/out" >"$tmp/log" 2>&1; then
-  cat "$tmp/log"; echo "FAIL: a perturbed run passed the comparison"; exit 1
-fi
-echo "ok: a perturbed run (global sparsity 0.6001) fails the comparison: $(cat "$tmp/log")"
+prune 2 "$T/out" --strategy=full --sparsity=0.6001
+must_fail "a perturbed run (global sparsity 0.6001): the comparison" \
+  "$FSDPRUN" tests/dist/prune_compare.lua "$T/ref" "$T/out"
+echo "ok: a perturbed run (global sparsity 0.6001) fails the comparison: $(cat "$T/log")"
+finish

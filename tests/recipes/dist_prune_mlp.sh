@@ -3,12 +3,12 @@
 # 2000 test images): GMP with global scope must reach exactly 80.00% sparsity of the Linear
 # weights and the pruned MLP must still classify (accuracy >= 0.8; it reaches 0.848; the full
 # run reaches 0.8926, docs/pruning.md).
-set -eu
-out=$("$FSDPRUN" -n 2 recipes/prune_mlp.lua --epochs=3 --limit=20000 --test_limit=2000 2>&1) || {
-  echo "$out"; echo "FAIL: prune_mlp exited nonzero"; exit 1; }
-fail() { echo "$out"; echo "FAIL: $1"; exit 1; }
-echo "$out" | grep -q '^weight sparsity 0\.8000 ' || fail "sparsity is not 0.8000"
-acc=$(echo "$out" | sed -n 's/^test accuracy \([0-9.]*\).*/\1/p')
-[ -n "$acc" ] || fail "no 'test accuracy' line"
-awk -v a="$acc" 'BEGIN { exit !(a >= 0.8) }' || fail "accuracy $acc < 0.8"
+. "${0%/*}/lib.sh"
+must "prune_mlp exited nonzero" \
+  "$FSDPRUN" -n 2 recipes/prune_mlp.lua --epochs=3 --limit=20000 --test_limit=2000
+grep -q '^weight sparsity 0\.8000 ' "$T/log" || die_log "sparsity is not 0.8000"
+acc=$(sed -n 's/^test accuracy \([0-9.]*\).*/\1/p' "$T/log")
+[ -n "$acc" ] || die_log "no 'test accuracy' line"
+awk -v a="$acc" 'BEGIN { exit !(a >= 0.8) }' || die_log "accuracy $acc < 0.8"
 echo "ok: prune_mlp short run at 2 ranks: 80% sparse, test accuracy $acc"
+finish

@@ -11,53 +11,44 @@
 # plain run that gives every missing gradient a zero one (what stepping every shard slice does)
 # must FAIL the comparison, so the comparison can fail. Last, a block skipped on ONE rank only
 # stops every rank within seconds in that step's backward, the collectives' mismatch named.
-set -eu
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-T=tests/dist/skip_grad.lua
-run() { # run N OUT ARGS...
-  n=$1; out=$2; shift 2
-  "$FSDPRUN" -n "$n" "$T" --out="$out" "$@" >"$tmp/log" 2>&1 || {
-    cat "$tmp/log"; echo "FAIL: skip_grad -n $n $* exited nonzero"; exit 1; }
-}
-compare() { # compare REF OUT LABEL
-  res=$("$FSDPRUN" tests/dist/compare.lua "$1" "$2" 2>&1) || {
-    echo "$res"; echo "FAIL: $3"; exit 1; }
-  echo "ok: $3: $res"
+. "${0%/*}/lib.sh"
+S=tests/dist/skip_grad.lua
+skip_grad() { # skip_grad N OUT ARGS...
+  sg_n=$1 sg_out=$2
+  shift 2
+  must "skip_grad -n $sg_n $*" "$FSDPRUN" -n "$sg_n" "$S" --out="$sg_out" "$@"
 }
 for case in drop unused outside moe; do
-  run 1 "$tmp/ref" --case=$case --mode=plain
+  skip_grad 1 "$T/ref" --case=$case --mode=plain
   for n in 1 2 4; do
-    run "$n" "$tmp/out" --case=$case --mode=full
-    compare "$tmp/ref" "$tmp/out" "$case, full at $n ranks vs 1 rank unwrapped"
+    skip_grad "$n" "$T/out" --case=$case --mode=full
+    compare "$T/ref" "$T/out" "$case, full at $n ranks vs 1 rank unwrapped"
   done
   for mode in grad_op none; do
-    run 2 "$tmp/out" --case=$case --mode=$mode
-    compare "$tmp/ref" "$tmp/out" "$case, $mode at 2 ranks vs 1 rank unwrapped"
+    skip_grad 2 "$T/out" --case=$case --mode=$mode
+    compare "$T/ref" "$T/out" "$case, $mode at 2 ranks vs 1 rank unwrapped"
   done
-  run 1 "$tmp/out" --case=$case --mode=plain --zero_fill=true
-  if "$FSDPRUN" tests/dist/compare.lua "$tmp/ref" "$tmp/out" >"$tmp/log" 2>&1; then
-    cat "$tmp/log"; echo "FAIL: $case: zero gradients instead of none passed the comparison"; exit 1
-  fi
-  echo "ok: $case: zero gradients instead of none fail the comparison: $(cat "$tmp/log")"
-  run 1 "$tmp/ref" --case=$case --mode=plain --opt=sgd
-  run 2 "$tmp/out" --case=$case --mode=full --opt=sgd
-  compare "$tmp/ref" "$tmp/out" "$case, SGD with momentum, full at 2 ranks vs 1 rank unwrapped"
+  skip_grad 1 "$T/out" --case=$case --mode=plain --zero_fill=true
+  compare_fails "$T/ref" "$T/out" "$case: zero gradients instead of none"
+  skip_grad 1 "$T/ref" --case=$case --mode=plain --opt=sgd
+  skip_grad 2 "$T/out" --case=$case --mode=full --opt=sgd
+  compare "$T/ref" "$T/out" "$case, SGD with momentum, full at 2 ranks vs 1 rank unwrapped"
 done
 
 # the skip decision differs across ranks: every rank fails at once, in that step's backward
 for n in 2 4; do
   t0=$(date +%s)
   rc=0
-  timeout 60 "$FSDPRUN" -n "$n" --timeout=30 "$T" --case=drop --odd_rank=1 >"$tmp/log" 2>&1 || rc=$?
+  timeout 60 "$FSDPRUN" -n "$n" --timeout=30 "$S" --case=drop --odd_rank=1 >"$T/log" 2>&1 || rc=$?
   dt=$(($(date +%s) - t0))
-  [ "$rc" -eq 1 ] || { cat "$tmp/log"; echo "FAIL: one rank skipping at $n ranks: exit $rc, expected 1"; exit 1; }
-  [ "$dt" -le 10 ] || { cat "$tmp/log"; echo "FAIL: one rank skipping at $n ranks took ${dt}s"; exit 1; }
+  [ "$rc" -eq 1 ] || { cat "$T/log"; echo "FAIL: one rank skipping at $n ranks: exit $rc, expected 1"; exit 1; }
+  [ "$dt" -le 10 ] || { cat "$T/log"; echo "FAIL: one rank skipping at $n ranks took ${dt}s"; exit 1; }
   for r in $(seq 0 $((n - 1))); do
-    grep "^fsdprun: \[rank $r\]" "$tmp/log" | grep -q "collective mismatch at #[0-9]*: .*'body\.[23]'" || {
-      cat "$tmp/log"; echo "FAIL: one rank skipping at $n ranks: rank $r does not name the mismatch"; exit 1; }
+    grep "^fsdprun: \[rank $r\]" "$T/log" | grep -q "collective mismatch at #[0-9]*: .*'body\.[23]'" || {
+      cat "$T/log"; echo "FAIL: one rank skipping at $n ranks: rank $r does not name the mismatch"; exit 1; }
   done
-  grep -q "in main chunk" "$tmp/log" && grep -q "'backward'" "$tmp/log" || {
-    cat "$tmp/log"; echo "FAIL: one rank skipping at $n ranks: not stopped in backward"; exit 1; }
-  echo "ok: a block skipped on rank 1 only, $n ranks: exit 1 in ${dt}s; $(grep '^fsdprun: \[rank 0\]' "$tmp/log" | head -1)"
+  grep -q "in main chunk" "$T/log" && grep -q "'backward'" "$T/log" || {
+    cat "$T/log"; echo "FAIL: one rank skipping at $n ranks: not stopped in backward"; exit 1; }
+  echo "ok: a block skipped on rank 1 only, $n ranks: exit 1 in ${dt}s; $(grep '^fsdprun: \[rank 0\]' "$T/log" | head -1)"
 done
+finish

@@ -8,33 +8,15 @@
 # the log and data-source callbacks (and calls from inside them), two runtimes on two threads,
 # freeing with live tensors. Natively, then under valgrind's memcheck.
 # Run by ctest with FSDPRUN=<build>/bin/fsdprun (the build folder is its dirname/..).
-set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
+. "${0%/*}/lib.sh"
 B=$(cd "$(dirname "$FSDPRUN")/.." && pwd)
 EX="$B/examples/embed_check"
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-failures=0
-
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-run() { "$@" >"$T/out" 2>"$T/err"; rc=$?; }
-
-[ -x "$EX" ] || { echo "FAIL: $EX is not built (cmake --build: target examples)"; exit 1; }
+[ -x "$EX" ] || die "$EX is not built (cmake --build: target examples)"
 
 run env -u LUA_PATH -u LUA_CPATH "$EX"
 [ "$rc" -eq 0 ] || fail "embed_check: exit status $rc: $(cat "$T/out" "$T/err")"
 grep -q "^embed_check: [0-9]* checks passed" "$T/out" || fail "embed_check did not pass: $(cat "$T/out")"
 
-if ! command -v valgrind >/dev/null 2>&1; then
-  echo "note: valgrind is not installed: the memcheck run is skipped"
-elif ldd "$B/libfsdp.so" 2>/dev/null | grep -q libasan; then
-  echo "note: sanitized build (FSDP_SANITIZE): the memcheck run is skipped (ASan checks instead)"
-else
-  run env -u LUA_PATH -u LUA_CPATH OPENBLAS_NUM_THREADS=1 valgrind -q --leak-check=full \
-    --errors-for-leak-kinds=definite,indirect --error-exitcode=99 "$EX"
-  [ "$rc" -eq 99 ] && fail "valgrind memcheck found errors or leaks: $(head -c 4000 "$T/err")"
-  [ "$rc" -eq 0 ] || fail "embed_check under valgrind: exit status $rc: $(cat "$T/out"; head -c 2000 "$T/err")"
-fi
+memcheck embed_check "$EX"
 
-[ "$failures" -eq 0 ] && echo "embed_api: ok"
-[ "$failures" -eq 0 ]
+finish

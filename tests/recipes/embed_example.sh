@@ -6,20 +6,10 @@
 # clean under valgrind's memcheck (invalid accesses, definite and indirect leaks fail it;
 # LuaJIT's and OpenBLAS's still-reachable memory does not).
 # Run by ctest with FSDPRUN=<build>/bin/fsdprun (the build folder is its dirname/..).
-set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
+. "${0%/*}/lib.sh"
 B=$(cd "$(dirname "$FSDPRUN")/.." && pwd)
 EX="$B/examples/host_trainer"
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-failures=0
-
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-run() { "$@" >"$T/out" 2>"$T/err"; rc=$?; }
-expect_rc() { [ "$rc" -eq "$1" ] || fail "$2: exit status $rc, expected $1; stdout: $(cat "$T/out"); stderr: $(cat "$T/err")"; }
-expect_has() { grep -qF -- "$2" "$T/$1" || fail "$3: std$1 lacks '$2'; it was: $(cat "$T/$1")"; }
-
-[ -x "$EX" ] || { echo "FAIL: $EX is not built (cmake --build: target examples)"; exit 1; }
+[ -x "$EX" ] || die "$EX is not built (cmake --build: target examples)"
 
 # ---- the example, as a user runs it (no LUA_PATH: libfsdp finds its Lua library) -------------
 run env -u LUA_PATH -u LUA_CPATH "$EX"
@@ -40,17 +30,8 @@ run env -u LUA_PATH -u LUA_CPATH "$EX"
 cmp -s "$T/first" "$T/out" || fail "two runs differ: $(diff "$T/first" "$T/out" | head -5)"
 
 # ---- under valgrind -----------------------------------------------------------------------------
-if ! command -v valgrind >/dev/null 2>&1; then
-  echo "note: valgrind is not installed: the memcheck run is skipped"
-elif ldd "$B/libfsdp.so" 2>/dev/null | grep -q libasan; then
-  echo "note: sanitized build (FSDP_SANITIZE): the memcheck run is skipped (ASan checks instead)"
-else
-  run env -u LUA_PATH -u LUA_CPATH OPENBLAS_NUM_THREADS=1 valgrind -q --leak-check=full \
-    --errors-for-leak-kinds=definite,indirect --error-exitcode=99 "$EX" --steps=10 --quiet
-  [ "$rc" -eq 99 ] && fail "valgrind memcheck found errors or leaks: $(head -c 4000 "$T/err")"
-  [ "$rc" -eq 0 ] || fail "host_trainer under valgrind: exit status $rc: $(head -c 2000 "$T/err")"
+if memcheck host_trainer "$EX" --steps=10 --quiet; then
   expect_has out "host_trainer: ok" "host_trainer under valgrind"
 fi
 
-[ "$failures" -eq 0 ] && echo "embed_example: ok"
-[ "$failures" -eq 0 ]
+finish

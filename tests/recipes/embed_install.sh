@@ -8,26 +8,27 @@
 # there), and a host program built the same way finds the installed Lua library (not the
 # source tree's); fsdp.h compiles as strict C99 and as C++.
 # Run by ctest with FSDPRUN=<build>/bin/fsdprun (the build folder is its dirname/..).
-set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
+. "${0%/*}/lib.sh"
 B=$(cd "$(dirname "$FSDPRUN")/.." && pwd)
-SRC=${FSDP_SOURCE_DIR:-$(pwd)}
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
 P="$T/prefix"
-failures=0
 
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-run() { "$@" >"$T/out" 2>"$T/err"; rc=$?; }
-expect_rc() { [ "$rc" -eq "$1" ] || fail "$2: exit status $rc, expected $1; stdout: $(cat "$T/out"); stderr: $(cat "$T/err")"; }
-expect_has() { grep -qF -- "$2" "$T/$1" || fail "$3: std$1 lacks '$2'; it was: $(cat "$T/$1")"; }
 # a clean environment: nothing points into the source or build tree
 clean() { env -u LUA_PATH -u LUA_CPATH -u LD_LIBRARY_PATH -u PKG_CONFIG_PATH "$@"; }
+# host NAME WHAT: build $T/NAME.c as strict C99 with $flags (the install's, from pkg-config) and
+# run it in $T with only the install's library path, as run does; 1 when it did not build
+host() {
+  # shellcheck disable=SC2086
+  run cc -std=c99 -pedantic -Wall -Wextra -Werror -o "$T/$1" "$T/$1.c" $flags
+  expect_rc 0 "building $2 against the install"
+  [ -x "$T/$1" ] || return 1
+  run clean -C "$T" LD_LIBRARY_PATH="$P/lib" "./$1"
+  expect_rc 0 "$2"
+}
 
 # ---- install ------------------------------------------------------------------------------------
 run cmake --install "$B" --prefix "$P"
 expect_rc 0 "cmake --install"
-[ "$rc" -eq 0 ] || { echo "embed_install: cannot go on"; exit 1; }
+[ "$rc" -eq 0 ] || die "embed_install: cannot go on"
 for f in bin/fsdprun include/fsdp.h lib/libfsdp.so lib/pkgconfig/fsdp.pc \
   lib/fsdprun/fsdp/core.so share/fsdprun/lua/fsdp/init.lua share/fsdprun/lua/fsdp/nn.lua; do
   [ -e "$P/$f" ] || fail "the install lacks $f"
@@ -77,12 +78,7 @@ else
   awk '/^```c$/ { inside = 1; next } inside && /^```$/ { exit } inside { print }' \
     "$SRC/docs/EMBEDDING.md" >"$T/minimal.c"
   grep -q "minimal.c" "$T/minimal.c" || fail "docs/EMBEDDING.md: no minimal.c in its first C block"
-  # shellcheck disable=SC2086
-  run cc -std=c99 -pedantic -Wall -Wextra -Werror -o "$T/minimal" "$T/minimal.c" $flags
-  expect_rc 0 "building docs/EMBEDDING.md's minimal.c against the install"
-  if [ -x "$T/minimal" ]; then
-    (cd "$T" && clean LD_LIBRARY_PATH="$P/lib" ./minimal) >"$T/out" 2>"$T/err"; rc=$?
-    expect_rc 0 "minimal.c"
+  if host minimal "docs/EMBEDDING.md's minimal.c"; then
     expect_has out "loss 0.000000: y = 2.000 x + 1.000" "minimal.c fits y = 2x + 1 (the output the doc shows)"
     grep -qF "$(cat "$T/out")" "$SRC/docs/EMBEDDING.md" || fail "docs/EMBEDDING.md does not show minimal.c's output '$(cat "$T/out")'"
   fi
@@ -105,12 +101,7 @@ int main(void) {
   return st == FSDP_OK ? 0 : 1;
 }
 C
-  # shellcheck disable=SC2086
-  run cc -std=c99 -pedantic -Wall -Wextra -Werror -o "$T/where" "$T/where.c" $flags
-  expect_rc 0 "building a C99 host against the install"
-  if [ -x "$T/where" ]; then
-    (cd "$T" && clean LD_LIBRARY_PATH="$P/lib" ./where) >"$T/out" 2>"$T/err"; rc=$?
-    expect_rc 0 "the C99 host"
+  if host where "a C99 host"; then
     expect_has out "0 $P/share/fsdprun/lua/fsdp/init.lua" "libfsdp finds the installed Lua library"
     expect_has out "1 $P/share/fsdprun/lua/fsdp/init.lua" "rank 1 too"
   fi
@@ -121,5 +112,4 @@ C
   fi
 fi
 
-[ "$failures" -eq 0 ] && echo "embed_install: ok"
-[ "$failures" -eq 0 ]
+finish

@@ -7,26 +7,19 @@
 # sanitizer report or a broken reader promise (the targets trap) fails the test; the input
 # that did it is kept and its path printed. Run by ctest; by
 # hand for longer:
-#   FUZZ_SECONDS=600 sh tests/recipes/fuzz_io.sh
-# Skips (exit 77, "skipped: no clang ...") only when clang or its fuzzer runtime
+#   FSDPRUN=build/bin/fsdprun FUZZ_SECONDS=600 sh tests/recipes/fuzz_io.sh
+# Skips (exit 77, "fuzz_io: SKIP (...)") only when clang or its fuzzer runtime
 # (Debian: clang, libclang-rt-14-dev) is missing.
-set -u
-SRC=${FSDP_SOURCE_DIR:-$(pwd)}
+. "${0%/*}/lib.sh"
 CLANG=${CLANG:-clang}
 SECONDS_EACH=${FUZZ_SECONDS:-10}
 
-if ! command -v "$CLANG" >/dev/null 2>&1; then
-  echo "skipped: no clang ($CLANG not found; install-deps needs clang and libclang-rt-14-dev)"
-  exit 77
-fi
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
+need "$CLANG" "install-deps needs clang and libclang-rt-14-dev"
 printf 'int LLVMFuzzerTestOneInput(const unsigned char *d, unsigned long n) { return 0; }\n' \
   >"$T/probe.c"
 if ! "$CLANG" -fsanitize=fuzzer,address "$T/probe.c" -o "$T/probe" >"$T/probe.log" 2>&1; then
-  echo "skipped: no clang fuzzer runtime (install-deps needs libclang-rt-14-dev):"
   cat "$T/probe.log"
-  exit 77
+  skip "no clang fuzzer runtime (install-deps needs libclang-rt-14-dev)"
 fi
 
 CFLAGS="-std=c11 -D_GNU_SOURCE -g -O1 -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined
@@ -34,14 +27,12 @@ CFLAGS="-std=c11 -D_GNU_SOURCE -g -O1 -fno-omit-frame-pointer -fsanitize=fuzzer,
 LIBS="-lcjson -lxxhash -lm -lpthread"
 # the file formats only: st_tensor.c (tensors through files) needs the kernels
 IO_FILES=$(ls "$SRC"/src/io/*.c | grep -v '/st_tensor\.c$')
-failures=0
 for target in safetensors json index; do
   # shellcheck disable=SC2086 # word splitting of the flag lists is intended
   if ! "$CLANG" $CFLAGS "$SRC/tests/fuzz/fuzz_$target.c" $IO_FILES "$SRC"/src/core/*.c \
     $LIBS -o "$T/fuzz_$target" >"$T/build.log" 2>&1; then
-    echo "FAIL: building fuzz_$target:"
     cat "$T/build.log"
-    failures=$((failures + 1))
+    fail "building fuzz_$target"
     continue
   fi
   mkdir -p "$T/work_$target" "$T/crash_$target"
@@ -56,14 +47,12 @@ for target in safetensors json index; do
   if [ "$rc" -ne 0 ]; then
     keep=$(mktemp -d "${TMPDIR:-/tmp}/fsdp_fuzz_$target.XXXXXX")
     cp "$T/crash_$target"/* "$keep"/ 2>/dev/null
-    echo "FAIL: fuzz_$target exited with status $rc; inputs kept in $keep:"
     ls -l "$keep"
     tail -n 60 "$T/run.log"
-    failures=$((failures + 1))
+    fail "fuzz_$target exited with status $rc; inputs kept in $keep (listed above)"
   else
     runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$T/run.log")
     echo "ok: fuzz_$target ran ${runs:-?} inputs in ${SECONDS_EACH}s without a failure"
   fi
 done
-[ "$failures" -eq 0 ] || exit 1
-exit 0
+finish

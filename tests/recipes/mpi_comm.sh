@@ -6,21 +6,13 @@
 # take other code paths: 4 KiB reduce-scatter segments with a window of 2 (many segments, slot
 # reuse), all_gather by point-to-point, TCP instead of shared memory, MPI_THREAD_MULTIPLE.
 # Skips (exit 77) only when mpirun is not installed.
-set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
-if ! command -v mpirun >/dev/null 2>&1; then
-  echo "SKIP: mpirun not found (install openmpi-bin to test the mpi backend)"
-  exit 77
-fi
+. "${0%/*}/lib.sh"
+need mpirun "apt-get install openmpi-bin"
 BIN=$(dirname "$FSDPRUN")/../tests/test_mpi_comm
 if [ ! -x "$BIN" ]; then
   echo "FAIL: $BIN was not built (Open MPI is installed: the build should find it)"
   exit 1
 fi
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-MPIRUN="mpirun --oversubscribe --allow-run-as-root --mca btl_base_warn_component_unused 0"
-failures=0
 run() { # run LABEL MPIRUN-ARGS...
   label=$1
   shift
@@ -40,8 +32,4 @@ run "all_gather by point-to-point, -np 4" -np 4 -x FSDP_MPI_ALLGATHER=p2p
 run "TCP, -np 2" -np 2 --mca btl tcp,self
 run "TCP, -np 4" -np 4 --mca btl tcp,self
 run "MPI_THREAD_MULTIPLE, -np 2" -np 2 -x FSDP_MPI_THREAD=multiple
-if [ "$failures" -ne 0 ]; then
-  echo "mpi_comm: $failures failure(s)"
-  exit 1
-fi
-echo "mpi_comm: ok"
+finish

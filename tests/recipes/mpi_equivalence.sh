@@ -9,22 +9,13 @@
 # same over TCP (--mca btl tcp,self: ranks talk as they would across machines), through
 # `fsdprun -n 2 --backend mpi` (fsdprun starts mpirun itself), and a perturbed run must differ
 # (so the comparison can fail). Skips (exit 77) only when mpirun is not installed.
-set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
-if ! command -v mpirun >/dev/null 2>&1; then
-  echo "SKIP: mpirun not found (install openmpi-bin to test the mpi backend)"
-  exit 77
-fi
+. "${0%/*}/lib.sh"
+need mpirun "apt-get install openmpi-bin"
 if ! "$FSDPRUN" --backend mpi -e 'assert(require("fsdp").backend() == "mpi")' >/dev/null 2>&1; then
   "$FSDPRUN" --backend mpi -e '' 2>&1 | head -3
   echo "FAIL: this fsdprun has no working mpi backend (Open MPI is installed)"
   exit 1
 fi
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-MPIRUN="mpirun --oversubscribe --allow-run-as-root --mca btl_base_warn_component_unused 0"
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
 # run OUT LAUNCH...: LAUNCH fsdprun train_equiv.lua --out=OUT (the rest of the arguments follow)
 train() {
   out=$1; shift
@@ -86,8 +77,4 @@ if "$FSDPRUN" tests/dist/compare.lua "$T/local" "$T/mpi" --exact >"$T/cmp" 2>&1;
 else
   echo "ok: a perturbed run (lr x 1.001) differs: $(cat "$T/cmp")"
 fi
-if [ "$failures" -ne 0 ]; then
-  echo "mpi_equivalence: $failures failure(s)"
-  exit 1
-fi
-echo "mpi_equivalence: ok"
+finish

@@ -8,18 +8,8 @@
 # and the collective it missed, a rank that leaves early, a collective mismatch across
 # processes, and a run without a fault that finishes with exit status 0. Skips (exit 77) only
 # when mpirun is not installed.
-set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
-if ! command -v mpirun >/dev/null 2>&1; then
-  echo "SKIP: mpirun not found (install openmpi-bin to test the mpi backend)"
-  exit 77
-fi
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-MPIRUN="mpirun --oversubscribe --allow-run-as-root --mca btl_base_warn_component_unused 0"
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-now_ms() { date +%s%3N; }
+. "${0%/*}/lib.sh"
+need mpirun "apt-get install openmpi-bin"
 # fault WHAT MAXTENTHS LAUNCH...: must exit nonzero within MAXTENTHS tenths of a second
 fault() {
   what=$1 max=$2
@@ -88,8 +78,4 @@ else
   fail "the run without a fault failed: $(cat "$T/out")"
 fi
 
-if [ "$failures" -ne 0 ]; then
-  echo "mpi_faults: $failures failure(s)"
-  exit 1
-fi
-echo "mpi_faults: ok"
+finish

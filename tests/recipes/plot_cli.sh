@@ -4,20 +4,7 @@
 # the input and '-o -' writes to stdout, malformed lines are listed but do not fail the run,
 # usage errors exit 2 with one line, unreadable input exits 1, --help, and no LUA_PATH needed.
 # Run by ctest with FSDPRUN=<build>/bin/fsdprun.
-set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-failures=0
-
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-# run CMD...: stdout in $T/out, stderr in $T/err, status in $rc
-run() { "$@" >"$T/out" 2>"$T/err"; rc=$?; }
-expect_rc() { [ "$rc" -eq "$1" ] || fail "$2: exit status $rc, expected $1; stderr: $(cat "$T/err")"; }
-# expect_has out|err TEXT WHAT
-expect_has() { grep -qF -- "$2" "$T/$1" || fail "$3: std$1 lacks '$2'; it was: $(cat "$T/$1")"; }
-file_has() { grep -qF -- "$2" "$1" 2>/dev/null || fail "$3: $1 lacks '$2'"; }
-lines_of() { wc -l <"$T/$1" | tr -d ' '; }
+. "${0%/*}/lib.sh"
 
 # ---- metrics from a real run through fsdp.log --------------------------------------------------
 run "$FSDPRUN" -e "
@@ -67,7 +54,7 @@ cp "$T/m.jsonl" "$T/bad.jsonl"
 printf '{"step":201,"loss":\nnot json\n' >>"$T/bad.jsonl"
 run "$FSDPRUN" plot "$T/bad.jsonl" -o "$T/bad.svg"
 expect_rc 0 "malformed lines"
-expect_has err "fsdprun plot: $T/bad.jsonl:201:20: unexpected end of line (line skipped)" "line and column"
+expect_has err "fsdprun plot: $T/bad.jsonl:201:20: unexpected end of text (line skipped)" "line and column"
 expect_has err "$T/bad.jsonl:202:1:" "second malformed line"
 file_has "$T/bad.svg" "2 malformed lines skipped" "subtitle counts them"
 run "$FSDPRUN" plot -q "$T/bad.jsonl" -o "$T/bad.svg"
@@ -92,14 +79,10 @@ expect_has err "fsdprun plot: cannot open $T/missing.jsonl" "missing input"
 printf '{"step":1,"tokens":5}\n' >"$T/none.jsonl"
 run "$FSDPRUN" plot "$T/none.jsonl"
 expect_rc 1 "nothing to plot"
-expect_has err "no loss, val_loss, lr or sparsity values to plot" "nothing to plot"
+expect_has err "no metrics to plot (1 records)" "nothing to plot"
 [ ! -e "$T/none.svg" ] || fail "nothing to plot still wrote $T/none.svg"
 run "$FSDPRUN" plot "$T/m.jsonl" -o "$T/no-such-dir/x.svg"
 expect_rc 1 "unwritable output"
 expect_has err "fsdprun plot: cannot write $T/no-such-dir/x.svg" "unwritable output"
 
-if [ "$failures" -ne 0 ]; then
-  echo "plot_cli: $failures failure(s)"
-  exit 1
-fi
-echo "plot_cli: ok"
+finish

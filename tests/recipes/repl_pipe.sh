@@ -5,22 +5,7 @@
 # commands, fsdp.debug() from a recipe (caller's locals, write-back, the recipe goes on), entry
 # after a failed rank, fsdp.debug() called by one rank only. tests/recipes/repl_tty.sh does the
 # terminal (libedit) side. Run by ctest with FSDPRUN=<build>/bin/fsdprun.
-set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-failures=0
-
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-expect_rc() { [ "$rc" -eq "$1" ] || fail "$2: exit status $rc, expected $1; stderr: $(cat "$T/err")"; }
-expect_has() { grep -qF -- "$2" "$T/$1" || fail "$3: std$1 lacks '$2'; it was: $(cat "$T/$1")"; }
-expect_lacks() { ! grep -qF -- "$2" "$T/$1" || fail "$3: std$1 has '$2'; it was: $(cat "$T/$1")"; }
-expect_out() { # EXPECTED WHAT: stdout exactly
-  [ "$(cat "$T/out")" = "$1" ] || fail "$2: stdout was:
-$(cat "$T/out")
-expected:
-$1"
-}
+. "${0%/*}/lib.sh"
 
 # repl INPUT [fsdprun args...]: feed INPUT to fsdprun (with a 30 s guard against hangs)
 repl() {
@@ -235,8 +220,4 @@ repl '1 + 1
 expect_rc 0 "-n 1"
 expect_out "2" "-n 1 prints plainly"
 
-if [ "$failures" -ne 0 ]; then
-  echo "repl_pipe: $failures failure(s)"
-  exit 1
-fi
-echo "repl_pipe: ok"
+finish

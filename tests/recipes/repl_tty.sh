@@ -1,24 +1,19 @@
 #!/bin/sh
 # repl_tty.sh — the SPMD REPL on a real terminal: fsdprun -n 2 -i runs inside tmux (a pseudo-
 # terminal), keys are sent to it and the screen is read back. Checks the prompt, grouped output,
-# error display, tab completion (unique, listed, table fields, methods), multi-line input,
+# the preloaded globals fsdp and nn (the banner says so), error display, tab completion (unique,
+# listed, table fields, methods, a path with a bracketed key, nn), multi-line input,
 # ^C dropping a half-typed input, ^C interrupting an evaluation on every rank, history (up
-# arrow, the history file, a second session recalling the first), :quit's exit status.
+# arrow, the history file, a second session recalling the first), :quit's exit status; in
+# fsdp.debug(), completion of the caller's locals and no preloaded globals.
 # Run by ctest with FSDPRUN=<build>/bin/fsdprun; needs tmux (Debian package tmux).
-set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
-if ! command -v tmux >/dev/null 2>&1; then
-  echo "repl_tty: SKIP (tmux is not installed: apt-get install tmux)"
-  exit 0
-fi
-T=$(mktemp -d)
+. "${0%/*}/lib.sh"
+need tmux "apt-get install tmux"
 SOCK="fsdprun-repl-tty-$$"
 tm() { tmux -L "$SOCK" -f "$T/tmux.conf" "$@"; }
-trap 'tm kill-server >/dev/null 2>&1; rm -rf "$T"' EXIT
+AT_EXIT='tm kill-server >/dev/null 2>&1'
 echo "set -g remain-on-exit on" >"$T/tmux.conf"
 mkdir -p "$T/home"
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
 
 # start ARGS...: fsdprun ARGS in a fresh 100x40 terminal (session s1, s2, ...: a new session
 # each time, since killing the last one would stop the server under the next new-session),
@@ -54,6 +49,13 @@ wait_for() {
 }
 # the last non-empty line of the screen
 last_line() { screen; grep -v '^ *$' "$T/screen" | tail -1; }
+# recall TEXT WHAT: the up arrow brings back the line TEXT (at most 5 s)
+recall() {
+  key Up
+  i=0
+  while [ $i -lt 50 ] && [ "$(last_line)" != "fsdp> $1" ]; do sleep 0.1; i=$((i + 1)); done
+  [ "$(last_line)" = "fsdp> $1" ] || fail "$2: last line is '$(last_line)'"
+}
 type_text() { tm send-keys -t "$S" -l -- "$1"; }
 key() { tm send-keys -t "$S" "$@"; }
 enter() { type_text "$1"; key Enter; }
@@ -73,9 +75,9 @@ wait_dead() {
 start -n 2 -i
 wait_for "fsdp>" "prompt"  # capture-pane drops trailing blanks
 wait_for "2 ranks (local)" "banner"
+wait_for "fsdp and nn are globals" "banner: the preloaded globals"
 enter "1 + 1"
 wait_for "[0-1] 2" "grouped result"
-enter "fsdp = require 'fsdp'"
 enter "fsdp.rank() + 0.5"
 wait_for "[0] 0.5  [1] 1.5" "results per rank on one line"
 
@@ -113,7 +115,11 @@ type_text "deep.layers[1].al"
 key Tab
 key Enter
 wait_for "[0-1] 4" "completed after a bracketed key"
-enter "lin = fsdp.nn.Linear(2, 3)"
+type_text "lin = nn.Lin"
+key Tab
+type_text "(2, 3)"
+key Enter
+wait_for "fsdp> lin = nn.Linear(2, 3)" "completed a name of the preloaded nn"
 type_text "lin.wei"
 key Tab
 type_text ":nu"
@@ -144,10 +150,7 @@ enter "6 * 7 + 100"
 wait_for "[0-1] 142" "after ^C at the prompt"
 
 # up arrow: the previous line comes back
-key Up
-i=0
-while [ $i -lt 50 ] && [ "$(last_line)" != "fsdp> 6 * 7 + 100" ]; do sleep 0.1; i=$((i + 1)); done
-[ "$(last_line)" = "fsdp> 6 * 7 + 100" ] || fail "up arrow: last line is '$(last_line)'"
+recall "6 * 7 + 100" "up arrow"
 key C-u
 
 # ^C during an evaluation interrupts every rank and returns to the prompt
@@ -166,14 +169,8 @@ grep -qF 'error("boom")' "$T/history" || fail "history file lacks error(\"boom\"
 # ---- session 2: the history of session 1 ---------------------------------------------------------
 start -n 2 -i
 wait_for "fsdp>" "prompt (session 2)"
-key Up
-i=0
-while [ $i -lt 50 ] && [ "$(last_line)" != "fsdp> :quit" ]; do sleep 0.1; i=$((i + 1)); done
-[ "$(last_line)" = "fsdp> :quit" ] || fail "history across sessions: last line is '$(last_line)'"
-key Up
-i=0
-while [ $i -lt 50 ] && [ "$(last_line)" != "fsdp> 40 + 3" ]; do sleep 0.1; i=$((i + 1)); done
-[ "$(last_line)" = "fsdp> 40 + 3" ] || fail "history across sessions (2): last line is '$(last_line)'"
+recall ":quit" "history across sessions"
+recall "40 + 3" "history across sessions (2)"
 key C-u
 # a tight loop typed at the prompt is interpreted (jit.off), so ^C stops it too
 enter "n = 0; while true do n = n + 1 end"
@@ -186,8 +183,25 @@ key C-d
 wait_dead
 [ "$(pane_status)" = "0" ] || fail "^D: exit status '$(pane_status)', expected 0"
 
-if [ "$failures" -ne 0 ]; then
-  echo "repl_tty: $failures failure(s)"
-  exit 1
-fi
-echo "repl_tty: ok"
+# ---- session 3: fsdp.debug() completes the caller's locals, and preloads nothing ----------------
+cat >"$T/dbg.lua" <<'LUA'
+local fsdp = require "fsdp"
+local settings = { gamma = 3 }
+fsdp.debug()
+print("after " .. fsdp.rank())
+LUA
+start -n 2 "$T/dbg.lua"
+wait_for "fsdp.debug() at" "banner (fsdp.debug)"
+type_text "settings.ga"
+key Tab
+type_text " * 2"
+key Enter
+wait_for "[0-1] 6" "completed a field of the caller's local"
+enter "nn == nil"
+wait_for "[0-1] true" "fsdp.debug() adds no nn global"
+enter ":quit"
+wait_for "after 1" "the recipe goes on"
+wait_dead
+[ "$(pane_status)" = "0" ] || fail "fsdp.debug session: exit status '$(pane_status)', expected 0"
+
+finish

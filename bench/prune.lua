@@ -1,8 +1,8 @@
--- Benchmark (not run by ctest): fsdp.sparsity and prune.magnitude(scope = "global") on the
+-- Pruning benchmark (not a test): fsdp.sparsity and prune.magnitude(scope = "global") on the
 -- shards versus gathering the full model (fsdp.full_params), the way the SparseML report had to
 -- read sparsity (summon_full_params).
 --
---   fsdprun -n 2 tests/dist/prune_bench.lua [--d=256] [--layers=6] [--reps=5]
+--   fsdprun -n 2 bench/prune.lua [--d=256] [--layers=6] [--reps=5]
 --
 -- Prints, per operation, the median wall time over reps, the bytes this rank sent through
 -- all_gather / all_reduce, and the most memory it allocated on top of what was live (peak +). "gather + count" is full_params(model, count zeros of every full
