@@ -1147,7 +1147,7 @@ int fsdp_unit_unshard(fsdp_unit *u) {
   u->n = 0;
   drop_prefetch(u);
   disown_storage(u->shard->storage);
-  disown_storage(u->grad_shard->storage);
+  if (u->grad_shard) disown_storage(u->grad_shard->storage); /* made by the first backward */
   fsdp_tensor_release(u->full);
   fsdp_tensor_release(u->shard);
   fsdp_tensor_release(u->grad_shard);
