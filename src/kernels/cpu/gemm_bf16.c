@@ -1,0 +1,119 @@
+/*
+ * gemm_bf16.c — the native bf16 GEMM path (gemm.h): whether it is taken, and one product split
+ * by rows of the output over the rank's threads (pool.h), each piece a oneDNN matmul on one
+ * thread (onednn.c).
+ *
+ * The pieces depend only on M and the thread count, and each output row is written by one
+ * piece, so a fixed thread count gives fixed bits. Plans are made and scratch is allocated on
+ * the calling thread (the rank's: its memory domain counts the bytes); the pieces only run.
+ */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/half.h"
+#include "kernels/cpu/pool.h"
+
+/* rows of the output per piece at least: below that a piece runs far below the kernel's rate */
+#define MIN_ROWS 64
+#define MAX_PIECES 64
+
+/* ---- the choice ------------------------------------------------------------------------------ */
+
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+static bool supported, wanted; /* wanted: FSDP_BF16_GEMM is not "convert" */
+static atomic_int forced = -1;  /* fsdp_cpu_bf16_gemm_force: -1 none, 0 off, 1 on */
+static atomic_llong products;
+
+static void decide(void) {
+  supported = fsdp_cpu_onednn_bf16();
+  const char *env = getenv("FSDP_BF16_GEMM");
+  wanted = !(env && strcmp(env, "convert") == 0);
+}
+
+bool fsdp_cpu_bf16_gemm_supported(void) {
+  pthread_once(&once, decide);
+  return supported;
+}
+
+bool fsdp_cpu_bf16_gemm_native(void) {
+  pthread_once(&once, decide);
+  int f = atomic_load_explicit(&forced, memory_order_relaxed);
+  return supported && (f < 0 ? wanted : f == 1);
+}
+
+bool fsdp_cpu_bf16_gemm_force(int mode) {
+  atomic_store(&forced, mode < 0 ? -1 : mode > 0);
+  return fsdp_cpu_bf16_gemm_native();
+}
+
+int64_t fsdp_cpu_bf16_gemm_count(void) { return atomic_load(&products); }
+
+/* ---- one product over the rank's threads -------------------------------------------------------- */
+
+typedef struct {
+  int n;                     /* pieces */
+  int row0[MAX_PIECES + 1];  /* piece i: output rows [row0[i], row0[i + 1]) */
+  fsdp_cpu_mm *mm[MAX_PIECES];
+  void *scratch[MAX_PIECES];
+  int status[MAX_PIECES];
+  atomic_flag failed;        /* the first failing piece keeps its message in msg */
+  char msg[256];
+  char *c;
+  const uint16_t *a, *b;
+  const void *bias;
+  size_t csize;              /* bytes per element of c */
+  int lda, ldc;
+  bool trans_a;
+} job;
+
+static void run_pieces(void *ctx, int64_t lo, int64_t hi) {
+  job *j = ctx;
+  for (int64_t i = lo; i < hi; i++) {
+    int64_t r = j->row0[i];
+    /* a's rows are its columns when it is read transposed */
+    const uint16_t *a = j->a + (j->trans_a ? r : r * j->lda);
+    j->status[i] = fsdp_cpu_mm_run(j->mm[i], j->c + (size_t)r * (size_t)j->ldc * j->csize, a,
+                                   j->b, j->bias, j->scratch[i]);
+    /* pieces may run on other threads, each with its own error slot */
+    if (j->status[i] != FSDP_OK && !atomic_flag_test_and_set(&j->failed))
+      snprintf(j->msg, sizeof j->msg, "%s", fsdp_error_msg());
+  }
+}
+
+int fsdp_cpu_bf16_gemm(void *c, fsdp_dtype cdt, const uint16_t *a, const uint16_t *b,
+                       const void *bias, fsdp_dtype bdt, int M, int N, int K, bool trans_a,
+                       bool trans_b, float alpha, float beta, int lda, int ldb, int ldc) {
+  job j = {.failed = ATOMIC_FLAG_INIT, .c = c, .a = a, .b = b, .bias = bias, .csize = fsdp_dtype_size(cdt), .lda = lda,
+           .ldc = ldc, .trans_a = trans_a};
+  int threads = fsdp_cpu_threads(), n = M / MIN_ROWS;
+  n = n > threads ? threads : n;
+  n = n > MAX_PIECES ? MAX_PIECES : n < 1 ? 1 : n;
+  j.n = n;
+  for (int i = 0; i <= n; i++) j.row0[i] = (int)((int64_t)M * i / n);
+  fsdp_cpu_work w = {0};
+  int rc = FSDP_OK;
+  for (int i = 0; i < n && rc == FSDP_OK; i++) {
+    fsdp_cpu_mm_shape s = {.abdt = FSDP_DTYPE_BF16, .cdt = cdt,
+                           .bdt = bias ? bdt : FSDP_DTYPE_COUNT, .M = j.row0[i + 1] - j.row0[i],
+                           .N = N, .K = K, .trans_a = trans_a, .trans_b = trans_b, .lda = lda,
+                           .ldb = ldb, .ldc = ldc, .alpha = alpha, .beta = beta};
+    size_t bytes = 0;
+    rc = fsdp_cpu_mm_plan(&j.mm[i], &bytes, &s);
+    if (rc == FSDP_OK && bytes) {
+      j.scratch[i] = fsdp_cpu_work_buf(&w, (int64_t)bytes, 1);
+      if (!j.scratch[i]) rc = FSDP_ERR;
+    }
+  }
+  if (rc == FSDP_OK) {
+    fsdp_cpu_parallel_for(n, 1, run_pieces, &j);
+    for (int i = 0; i < n && rc == FSDP_OK; i++)
+      if (j.status[i] != FSDP_OK) rc = fsdp_error("%s", j.msg);
+  }
+  atomic_fetch_add_explicit(&products, 1, memory_order_relaxed);
+  int done = fsdp_cpu_work_done(&w);
+  return rc == FSDP_OK ? done : rc;
+}
