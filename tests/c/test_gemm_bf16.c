@@ -1,6 +1,7 @@
 /*
- * test_gemm_bf16.c — the native bf16 GEMM path (src/kernels/cpu/gemm_bf16.c over onednn.c)
- * against the conversion pass, through the cpu table's slots (gemm, bmm, linear).
+ * test_gemm_bf16.c — the GEMM libraries: the native bf16 GEMM path (src/kernels/cpu/gemm_bf16.c
+ * over onednn.c) against the conversion pass, through the cpu table's slots (gemm, bmm, linear);
+ * f32 through oneDNN against OpenBLAS; which of them the processor and the environment choose.
  *
  * Every product runs twice, with the native path forced off (the conversion pass: widen to f32,
  * OpenBLAS, round) and forced on, and both are held against a double-precision reference on the
@@ -349,6 +350,174 @@ static void test_threads_and_repeat(void **state) {
   fsdp_cpu_bf16_gemm_force(-1);
 }
 
+/* ---- f32: oneDNN against OpenBLAS ---------------------------------------------------------------- */
+
+static float *f32_rand(int64_t n) {
+  float *p = malloc(sizeof *p * (size_t)(n > 0 ? n : 1));
+  assert_non_null(p);
+  for (int64_t i = 0; i < n; i++) p[i] = uniform();
+  return p;
+}
+
+/* one fsdp_cpu_gemm with the f32 library forced: 1 oneDNN, 0 OpenBLAS */
+static void f32_gemm(int mode, const gshape *s, float *c, const float *a, const float *b) {
+  assert_int_equal(fsdp_cpu_sgemm_force(mode), mode == 1 && fsdp_cpu_sgemm_supported());
+  fsdp_cpu_gemm(c, a, b, s->M, s->N, s->K, s->ta, s->tb, s->alpha, s->beta, s->lda, s->ldb,
+                s->ldc);
+  fsdp_cpu_sgemm_force(-1);
+}
+
+/* Each library against double within f32 accumulation error, element by element; then the two
+ * against each other over the whole product: ||oneDNN - OpenBLAS|| <= 1e-6 ||OpenBLAS|| (the
+ * summation order is the library's, so bits differ; the size of the change is what is held). */
+static void f32_case(const gshape *s, double *worst) {
+  int64_t na = (int64_t)(s->ta ? s->K : s->M) * s->lda, nb = (int64_t)(s->tb ? s->N : s->K) * s->ldb,
+          nc = (int64_t)s->M * s->ldc;
+  float *a = f32_rand(na), *b = f32_rand(nb), *c0 = f32_rand(nc);
+  float *c[2] = {malloc(sizeof(float) * (size_t)nc), malloc(sizeof(float) * (size_t)nc)};
+  assert_non_null(c[0]), assert_non_null(c[1]);
+  if (s->beta == 0.0f) /* beta 0 ignores c, NaN included */
+    for (int i = 0; i < s->M; i++)
+      for (int j = 0; j < s->N; j++) c0[(int64_t)i * s->ldc + j] = NAN;
+  for (int m = 0; m < 2; m++) {
+    memcpy(c[m], c0, sizeof(float) * (size_t)nc);
+    f32_gemm(m, s, c[m], a, b);
+  }
+  double diff = 0, norm = 0;
+  for (int i = 0; i < s->M; i++) {
+    for (int j = 0; j < s->N; j++) {
+      int64_t at_ij = (int64_t)i * s->ldc + j;
+      double sum = 0, mag = 0;
+      for (int k = 0; k < s->K; k++) {
+        double p = (double)(s->ta ? a[(int64_t)k * s->lda + i] : a[(int64_t)i * s->lda + k]) *
+                   (s->tb ? b[(int64_t)j * s->ldb + k] : b[(int64_t)k * s->ldb + j]);
+        sum += p, mag += fabs(p);
+      }
+      double c0v = s->beta != 0.0f ? c0[at_ij] : 0.0;
+      double ref = s->alpha * sum + s->beta * c0v;
+      double tol = 2.0 * (s->K + 2) * 0x1p-24 * (fabs(s->alpha) * mag + fabs(s->beta * c0v)) + 1e-30;
+      for (int m = 0; m < 2; m++)
+        if (!(fabs(c[m][at_ij] - ref) <= tol))
+          fail_msg("%s %dx%dx%d ta%d tb%d: c[%d][%d] = %.9g, exact %.9g", m ? "onednn" : "openblas",
+                   s->M, s->N, s->K, s->ta, s->tb, i, j, c[m][at_ij], ref);
+      diff += ((double)c[1][at_ij] - c[0][at_ij]) * ((double)c[1][at_ij] - c[0][at_ij]);
+      norm += (double)c[0][at_ij] * c[0][at_ij];
+    }
+    for (int j = s->N; j < s->ldc; j++) /* the padding is not the product's */
+      for (int m = 0; m < 2; m++) assert_true(c[m][(int64_t)i * s->ldc + j] == c0[(int64_t)i * s->ldc + j]);
+  }
+  double rel = sqrt(diff / (norm > 0 ? norm : 1));
+  if (rel > *worst) *worst = rel;
+  if (!(rel <= 1e-6))
+    fail_msg("%dx%dx%d ta%d tb%d: oneDNN against OpenBLAS %.3g relative", s->M, s->N, s->K, s->ta,
+             s->tb, rel);
+  free(a), free(b), free(c0), free(c[0]), free(c[1]);
+}
+
+static void test_f32_libraries(void **state) {
+  (void)state;
+  if (!fsdp_cpu_sgemm_supported())
+    print_message("oneDNN does not take f32 GEMMs here (not built in, no AVX-512, or valgrind): "
+                  "both halves run OpenBLAS\n");
+  static const struct {
+    int M, N, K, pad;
+  } shapes[] = {{37, 29, 53, 0}, {65, 130, 7, 5}, {1, 300, 129, 1}, {200, 3, 71, 2},
+                {256, 192, 64, 0}, {128, 384, 256, 0}};
+  double worst = 0;
+  for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
+    for (int t = 0; t < 4; t++)
+      for (int ab = 0; ab < 4; ab++) {
+        int M = shapes[i].M, N = shapes[i].N, Kd = shapes[i].K, p = shapes[i].pad;
+        bool ta = t & 1, tb = t & 2;
+        gshape s = {M, N, Kd, (ta ? M : Kd) + p, (tb ? Kd : N) + p, N + p, ta, tb,
+                    ab & 1 ? 0.5f : 1.0f, ab & 2 ? 1.0f : 0.0f};
+        f32_case(&s, &worst);
+      }
+  /* the model's shapes: a linear's forward (NT), dinp (NN), dweight (TN) at d = 384 */
+  gshape big[] = {{512, 1536, 384, 384, 384, 1536, false, true, 1.0f, 1.0f},
+                  {512, 384, 1536, 1536, 384, 384, false, false, 1.0f, 1.0f},
+                  {1536, 384, 512, 1536, 384, 384, true, false, 1.0f, 1.0f}};
+  for (size_t i = 0; i < sizeof big / sizeof big[0]; i++) f32_case(&big[i], &worst);
+  print_message("f32: oneDNN against OpenBLAS, worst %.3g relative (norm-wise)\n", worst);
+}
+
+/* oneDNN's f32 GEMM is bitwise repeatable call to call and on two threads at once */
+typedef struct {
+  const float *a, *b, *ref;
+  int wrong;
+} f32job;
+
+static void *f32worker(void *p) {
+  f32job *j = p;
+  float *c = malloc(sizeof(float) * 300 * 200);
+  for (int rep = 0; rep < 20 && c; rep++) {
+    fsdp_cpu_sgemm_serial(c, j->a, j->b, 300, 200, 170, false, true, 1.0f, 0.0f, 170, 170, 200);
+    if (memcmp(c, j->ref, sizeof(float) * 300 * 200)) j->wrong++;
+  }
+  free(c);
+  return NULL;
+}
+
+static void test_f32_repeat(void **state) {
+  (void)state;
+  if (!fsdp_cpu_sgemm_supported()) {
+    print_message("skipped: oneDNN does not take f32 GEMMs here\n");
+    return;
+  }
+  assert_true(fsdp_cpu_sgemm_force(1));
+  float *a = f32_rand(300 * 170), *b = f32_rand(200 * 170), *ref = malloc(sizeof(float) * 300 * 200);
+  fsdp_cpu_sgemm_serial(ref, a, b, 300, 200, 170, false, true, 1.0f, 0.0f, 170, 170, 200);
+  f32job j[2] = {{a, b, ref, 0}, {a, b, ref, 0}};
+  pthread_t th[2];
+  for (int t = 0; t < 2; t++) assert_int_equal(pthread_create(&th[t], NULL, f32worker, &j[t]), 0);
+  for (int t = 0; t < 2; t++) pthread_join(th[t], NULL);
+  assert_int_equal(j[0].wrong + j[1].wrong, 0);
+  fsdp_cpu_sgemm_force(-1);
+  free(a), free(b), free(ref);
+}
+
+/* oneDNN's refusal is an error with its message; the engine's entry then lets OpenBLAS answer */
+static void test_f32_refused(void **state) {
+  (void)state;
+  float a[4] = {1, 2, 3, 4}, b[4] = {1, 0, 0, 1}, c[4] = {0};
+  assert_int_equal(fsdp_cpu_onednn_sgemm(c, a, b, 2, 2, 2, false, false, 1.0f, 0.0f, 1, 2, 2),
+                   FSDP_ERR);
+  char v[32];
+  assert_non_null(strstr(fsdp_error_msg(), fsdp_cpu_onednn_version(v, sizeof v)
+                                               ? "onednn: sgemm 2 x 2 x 2 (trans 00, ld 1 2 2)"
+                                               : "onednn: not built in"));
+}
+
+/* What the environment and the processor choose: ctest runs this binary three ways (CMakeLists):
+ * plainly, with oneDNN held to AVX2 (a processor like a Zen 3: no AVX-512, so OpenBLAS and the
+ * conversion pass, even when forced), and with FSDP_GEMM=openblas FSDP_BF16_GEMM=convert. */
+static void test_choice(void **state) {
+  (void)state;
+  const char *expect = getenv("FSDP_TEST_GEMM_EXPECT");
+  if (!expect) {
+    /* the default takes whatever the build and the processor can */
+    assert_int_equal(fsdp_cpu_sgemm_onednn(), fsdp_cpu_sgemm_supported());
+    assert_int_equal(fsdp_cpu_bf16_gemm_native(), fsdp_cpu_bf16_gemm_supported());
+    return;
+  }
+  if (!strcmp(expect, "avx2")) {
+    assert_false(fsdp_cpu_sgemm_supported());
+    assert_false(fsdp_cpu_bf16_gemm_supported());
+    assert_false(fsdp_cpu_sgemm_force(1));
+    assert_false(fsdp_cpu_bf16_gemm_force(1));
+  } else {
+    assert_string_equal(expect, "env");
+    assert_false(fsdp_cpu_sgemm_onednn());
+    assert_false(fsdp_cpu_bf16_gemm_native());
+    /* forcing still reaches what the processor has (tests and benchmarks) */
+    assert_int_equal(fsdp_cpu_sgemm_force(1), fsdp_cpu_sgemm_supported());
+    assert_int_equal(fsdp_cpu_bf16_gemm_force(1), fsdp_cpu_bf16_gemm_supported());
+  }
+  fsdp_cpu_sgemm_force(-1), fsdp_cpu_bf16_gemm_force(-1);
+  assert_false(fsdp_cpu_sgemm_onednn());
+  assert_false(fsdp_cpu_bf16_gemm_native());
+}
+
 /* ---- errors ------------------------------------------------------------------------------------------ */
 
 static void test_refused_shape(void **state) {
@@ -398,19 +567,22 @@ static void test_scratch_budget(void **state) {
   free(a), free(b), free(c);
 }
 
-/* what fsdp.info() shows: the f32 library always, the bf16 path as chosen */
+/* what fsdp.info() shows: the f32 library and the bf16 path as chosen */
 static void test_describe(void **state) {
   (void)state;
   char buf[160];
-  fsdp_cpu_bf16_gemm_force(1);
+  bool s = fsdp_cpu_sgemm_supported();
+  fsdp_cpu_bf16_gemm_force(1), fsdp_cpu_sgemm_force(1);
   fsdp_cpu_gemm_describe(buf, sizeof buf);
-  assert_non_null(strstr(buf, "openblas 0."));
-  assert_non_null(strstr(buf, native_here() ? "onednn 2." : "bf16 by conversion to f32"));
-  fsdp_cpu_bf16_gemm_force(0);
+  assert_non_null(strstr(buf, s ? "f32 onednn 2." : "f32 openblas 0."));
+  assert_non_null(strstr(buf, native_here() ? "bf16 onednn 2." : "bf16 by conversion to f32"));
+  fsdp_cpu_bf16_gemm_force(0), fsdp_cpu_sgemm_force(0);
   fsdp_cpu_gemm_describe(buf, sizeof buf);
+  assert_non_null(strstr(buf, s ? "f32 openblas 0.3" : "f32 openblas 0."));
+  assert_int_equal(strstr(buf, "(onednn off)") != NULL, s);
   assert_non_null(strstr(buf, native_here() ? "bf16 by conversion to f32 (native path off)"
                                             : "bf16 by conversion to f32"));
-  fsdp_cpu_bf16_gemm_force(-1);
+  fsdp_cpu_bf16_gemm_force(-1), fsdp_cpu_sgemm_force(-1);
   char tiny[8];
   fsdp_cpu_gemm_describe(tiny, sizeof tiny); /* truncated, terminated */
   assert_int_equal(strlen(tiny), 7);
@@ -422,7 +594,9 @@ int main(void) {
       cmocka_unit_test(test_f32_output),         cmocka_unit_test(test_linear),
       cmocka_unit_test(test_bmm),                cmocka_unit_test(test_threads_and_repeat),
       cmocka_unit_test(test_refused_shape),      cmocka_unit_test(test_scratch_budget),
-      cmocka_unit_test(test_describe),
+      cmocka_unit_test(test_describe),           cmocka_unit_test(test_f32_libraries),
+      cmocka_unit_test(test_f32_repeat),         cmocka_unit_test(test_f32_refused),
+      cmocka_unit_test(test_choice),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -2,7 +2,8 @@
  * gemm.h — private to src/kernels/cpu: the libraries behind the cpu GEMMs and the native bf16
  * GEMM path.
  *
- * f32: fsdp_cpu_sgemm_serial (kernels.h; gemm.c, OpenBLAS). bf16: on a processor with
+ * f32: fsdp_cpu_sgemm_serial (kernels.h; gemm.c): oneDNN's dnnl_sgemm where oneDNN runs
+ * AVX-512 code, OpenBLAS elsewhere (docs/PERFORMANCE.md "GEMM libraries" has the figures). bf16: on a processor with
  * AVX512_BF16 and a build with oneDNN, bf16 products run as oneDNN matmuls (bf16 x bf16 with f32
  * accumulation, gemm_bf16.c over onednn.c) split by rows of the output over the rank's threads
  * (pool.h), one oneDNN thread per piece; elsewhere they take the conversion pass (half.c,
@@ -12,6 +13,18 @@
 #define FSDP_KERNELS_CPU_GEMM_H
 
 #include "kernels/cpu/kernels.h"
+
+/* ---- f32: OpenBLAS or oneDNN (the choice in gemm_bf16.c) -------------------------------------- */
+
+/* Whether f32 GEMMs (fsdp_cpu_sgemm_serial) run through oneDNN's dnnl_sgemm now: built with
+ * oneDNN, oneDNN runs AVX-512 code here (avx512_core), and neither FSDP_GEMM=openblas nor
+ * fsdp_cpu_sgemm_force turned it off. Otherwise OpenBLAS. */
+bool fsdp_cpu_sgemm_onednn(void);
+/* Whether oneDNN could take f32 GEMMs here. */
+bool fsdp_cpu_sgemm_supported(void);
+/* Tests and benchmarks: 1 oneDNN (where supported), 0 OpenBLAS, -1 back to the default.
+ * Returns whether oneDNN is now taken. Process-wide. */
+bool fsdp_cpu_sgemm_force(int mode);
 
 /* ---- the native bf16 path (gemm_bf16.c) ------------------------------------------------------ */
 
@@ -37,8 +50,9 @@ int fsdp_cpu_bf16_gemm(void *c, fsdp_dtype cdt, const uint16_t *a, const uint16_
                        const void *bias, fsdp_dtype bdt, int M, int N, int K, bool trans_a,
                        bool trans_b, float alpha, float beta, int lda, int ldb, int ldc);
 
-/* What runs the GEMMs here, e.g. "openblas 0.3.21 cooperlake (f32), onednn 2.6.3 (bf16,
- * avx512_bf16)", into buf (always terminated). */
+/* What runs the GEMMs here, e.g. "f32 onednn 2.6.3 (avx512_core), bf16 onednn 2.6.3
+ * (avx512_bf16)" or "f32 openblas 0.3.21 Haswell, bf16 by conversion to f32", into buf (always
+ * terminated). */
 void fsdp_cpu_gemm_describe(char *buf, size_t n);
 
 /* ---- oneDNN (onednn.c; onednn_stub.c in a build without it) -------------------------------- */
@@ -54,6 +68,13 @@ typedef struct {
 
 typedef struct fsdp_cpu_mm fsdp_cpu_mm; /* a ready matmul primitive */
 
+/* c = alpha op(a) op(b) + beta c in f32 through dnnl_sgemm on the calling thread alone (arguments
+ * as fsdp_cpu_sgemm_serial's). FSDP_ERR (message set) when oneDNN refuses or is not built in. */
+int fsdp_cpu_onednn_sgemm(float *c, const float *a, const float *b, int M, int N, int K,
+                          bool trans_a, bool trans_b, float alpha, float beta, int lda, int ldb,
+                          int ldc);
+/* Whether oneDNN is built in and runs AVX-512 code here (avx512_core or better). */
+bool fsdp_cpu_onednn_avx512(void);
 /* Whether oneDNN is built in; its version ("2.6.3") into buf ("" without). */
 bool fsdp_cpu_onednn_version(char *buf, size_t n);
 /* Whether oneDNN is built in and runs bf16 products natively on this processor (its ISA check:

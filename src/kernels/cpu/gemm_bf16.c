@@ -1,7 +1,8 @@
 /*
- * gemm_bf16.c — the native bf16 GEMM path (gemm.h): whether it is taken, and one product split
- * by rows of the output over the rank's threads (pool.h), each piece a oneDNN matmul on one
- * thread (onednn.c).
+ * gemm_bf16.c — which library runs the cpu GEMMs (gemm.h: f32 through OpenBLAS or oneDNN's
+ * dnnl_sgemm, bf16 natively or by conversion), and the native bf16 path: one product split by
+ * rows of the output over the rank's threads (pool.h), each piece a oneDNN matmul on one thread
+ * (onednn.c).
  *
  * The pieces depend only on M and the thread count, and each output row is written by one
  * piece, so a fixed thread count gives fixed bits. Plans are made and scratch is allocated on
@@ -27,11 +28,35 @@ static pthread_once_t once = PTHREAD_ONCE_INIT;
 static bool supported, wanted; /* wanted: FSDP_BF16_GEMM is not "convert" */
 static atomic_int forced = -1;  /* fsdp_cpu_bf16_gemm_force: -1 none, 0 off, 1 on */
 static atomic_llong products;
+/* f32: oneDNN where it runs AVX-512 code (twice OpenBLAS 0.3.21 there, which does not know
+ * every AVX-512 processor and falls back to its AVX2 kernels); on AVX2 the two measured even,
+ * and OpenBLAS keeps its bits. FSDP_GEMM=openblas keeps OpenBLAS everywhere. */
+static bool s_supported, s_wanted;
+static atomic_int s_forced = -1;
 
 static void decide(void) {
   supported = fsdp_cpu_onednn_bf16();
   const char *env = getenv("FSDP_BF16_GEMM");
   wanted = !(env && strcmp(env, "convert") == 0);
+  s_supported = fsdp_cpu_onednn_avx512();
+  env = getenv("FSDP_GEMM");
+  s_wanted = !(env && strcmp(env, "openblas") == 0);
+}
+
+bool fsdp_cpu_sgemm_supported(void) {
+  pthread_once(&once, decide);
+  return s_supported;
+}
+
+bool fsdp_cpu_sgemm_onednn(void) {
+  pthread_once(&once, decide);
+  int f = atomic_load_explicit(&s_forced, memory_order_relaxed);
+  return s_supported && (f < 0 ? s_wanted : f == 1);
+}
+
+bool fsdp_cpu_sgemm_force(int mode) {
+  atomic_store(&s_forced, mode < 0 ? -1 : mode > 0);
+  return fsdp_cpu_sgemm_onednn();
 }
 
 bool fsdp_cpu_bf16_gemm_supported(void) {

@@ -1,6 +1,7 @@
 /*
- * onednn.c — matrix products through oneDNN's matmul primitive (gemm.h), for the native bf16
- * path (gemm_bf16.c) and the GEMM benchmark.
+ * onednn.c — matrix products through oneDNN (gemm.h): its matmul primitive for the native bf16
+ * path (gemm_bf16.c) and the GEMM benchmark; dnnl_sgemm for f32 GEMMs where the choice
+ * (gemm_bf16.c) takes it.
  *
  * Strided row-major operands map onto oneDNN memory descriptors by strides (a transposed
  * operand is the same matrix with its strides swapped), so nothing is copied; beta is a sum
@@ -13,7 +14,8 @@
  * Threads: Debian's oneDNN runs on OpenMP (libgomp) and would use every core per call; the rank's
  * pool owns the threads, so every thread that plans or runs sets its own OpenMP thread count to
  * 1 (omp_set_num_threads acts on the calling thread only, looked up at run time so that nothing
- * here links OpenMP), and oneDNN then runs inline without starting an OpenMP team.
+ * here links OpenMP), and oneDNN then runs inline without starting an OpenMP team. dnnl_sgemm
+ * keeps no state of ours: it only needs that setting, once per thread.
  */
 #include <dlfcn.h>
 #include <pthread.h>
@@ -86,6 +88,30 @@ static thread_state *state(void) {
   if (omp_threads) omp_threads(1);
   pthread_setspecific(state_key, t);
   return t;
+}
+
+/* The calling thread at one OpenMP thread, once per thread (dnnl_sgemm needs no other state). */
+static _Thread_local bool one_thread;
+
+int fsdp_cpu_onednn_sgemm(float *c, const float *a, const float *b, int M, int N, int K,
+                          bool trans_a, bool trans_b, float alpha, float beta, int lda, int ldb,
+                          int ldc) {
+  if (!one_thread) {
+    pthread_once(&once, init_once);
+    if (omp_threads) omp_threads(1);
+    one_thread = true;
+  }
+  dnnl_status_t st = dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, alpha, a, lda,
+                                b, ldb, beta, c, ldc);
+  if (st != dnnl_success)
+    return fsdp_error("onednn: sgemm %d x %d x %d (trans %d%d, ld %d %d %d) failed (status %d)",
+                      M, N, K, trans_a, trans_b, lda, ldb, ldc, (int)st);
+  return FSDP_OK;
+}
+
+bool fsdp_cpu_onednn_avx512(void) {
+  const unsigned want = dnnl_cpu_isa_avx512_core;
+  return ((unsigned)dnnl_get_effective_cpu_isa() & want) == want;
 }
 
 bool fsdp_cpu_onednn_version(char *buf, size_t n) {

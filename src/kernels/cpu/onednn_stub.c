@@ -11,6 +11,14 @@ bool fsdp_cpu_onednn_version(char *buf, size_t n) {
 
 bool fsdp_cpu_onednn_bf16(void) { return false; }
 
+bool fsdp_cpu_onednn_avx512(void) { return false; }
+
+int fsdp_cpu_onednn_sgemm(float *c, const float *a, const float *b, int M, int N, int K,
+                          bool trans_a, bool trans_b, float alpha, float beta, int lda, int ldb,
+                          int ldc) {
+  return fsdp_error("onednn: not built in (install libdnnl-dev and rebuild)");
+}
+
 int fsdp_cpu_mm_plan(fsdp_cpu_mm **out, size_t *scratch, const fsdp_cpu_mm_shape *s) {
   return fsdp_error("onednn: not built in (install libdnnl-dev and rebuild)");
 }
