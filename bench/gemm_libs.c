@@ -1,8 +1,8 @@
 /*
  * gemm_libs.c — the GEMM libraries side by side at the GPT's shapes, one thread per call (not a
- * test; prints numbers, exits 0). docs/PERFORMANCE.md "Choosing the GEMM library" reads it.
+ * test; prints numbers, exits 0). docs/PERFORMANCE.md "GEMM libraries" reads it.
  *
- * f32: OpenBLAS (the engine's fsdp_cpu_sgemm_serial), BLIS 0.9 (bli_sgemm; when built with
+ * f32: OpenBLAS (cblas_sgemm, at the kernels it picked for this processor), BLIS 0.9 (bli_sgemm; when built with
  * libblis-dev), oneDNN 2.6 dnnl_sgemm and oneDNN's matmul primitive (gemm.h; when the engine has
  * oneDNN). bf16 (mixed precision): the cpu table's bf16 slots with the conversion pass (widen to
  * f32, OpenBLAS, round) against the same slots on the native path (oneDNN bf16 x bf16 -> f32
@@ -32,6 +32,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include <cblas.h>
 
 #include "kernels/cpu/gemm.h"
 #include "kernels/kernels.h"
@@ -155,9 +157,10 @@ typedef struct lib {
   int (*run)(const prob *p, bufs *B); /* FSDP_OK, or FSDP_ERR when it cannot run p */
 } lib;
 
+/* OpenBLAS itself (the engine's fsdp_cpu_sgemm_serial may be oneDNN: "# engine" says which) */
 static int run_openblas(const prob *p, bufs *B) {
-  fsdp_cpu_sgemm_serial(B->c, B->a, B->b, p->M, p->N, p->K, p->ta, p->tb, 1.0f, p->beta, p->lda,
-                        p->ldb, p->ldc);
+  cblas_sgemm(CblasRowMajor, p->ta ? CblasTrans : CblasNoTrans, p->tb ? CblasTrans : CblasNoTrans,
+              p->M, p->N, p->K, 1.0f, B->a, p->lda, B->b, p->ldb, p->beta, B->c, p->ldc);
   return FSDP_OK;
 }
 

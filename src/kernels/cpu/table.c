@@ -13,6 +13,7 @@
  * them by name.
  */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -1148,5 +1149,16 @@ const fsdp_kernels_i fsdp_cpu_kernels = {
     .mask_values = k_mask_values,
 };
 
-/* The cpu registers itself: its device (in core) gets this table. */
-int fsdp_cpu_register(void) { return fsdp_device_register(&fsdp_device_cpu, &fsdp_cpu_kernels); }
+/* fsdp.info()'s line for the cpu: which library runs its GEMMs (gemm.h) */
+static void cpu_describe(void *ctx, char *buf, size_t n) {
+  (void)ctx;
+  int len = snprintf(buf, n, "gemm ");
+  if (len >= 0 && (size_t)len < n) fsdp_cpu_gemm_describe(buf + len, n - (size_t)len);
+}
+
+/* The cpu registers itself: its device (in core) gets this table, and its description here
+ * (core does not know the kernels' libraries). */
+int fsdp_cpu_register(void) {
+  fsdp_device_cpu.describe = cpu_describe;
+  return fsdp_device_register(&fsdp_device_cpu, &fsdp_cpu_kernels);
+}
