@@ -28,7 +28,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
+#include <cblas.h>
 #include <cmocka.h>
 
 #include "core/core.h"
@@ -488,16 +490,32 @@ static void test_f32_refused(void **state) {
                                                : "onednn: not built in"));
 }
 
-/* What the environment and the processor choose: ctest runs this binary three ways (CMakeLists):
- * plainly, with oneDNN held to AVX2 (a processor like a Zen 3: no AVX-512, so OpenBLAS and the
- * conversion pass, even when forced), and with FSDP_GEMM=openblas FSDP_BF16_GEMM=convert. */
+/* What the environment and the processor choose: ctest runs this binary four ways (CMakeLists):
+ * plainly; with oneDNN held to AVX2 (a processor like a Zen 3: no AVX-512, so OpenBLAS and the
+ * conversion pass, even when forced); with OpenBLAS on its AVX-512 kernels (OPENBLAS_CORETYPE,
+ * as it picks them on processors it knows: f32 stays on OpenBLAS unless forced); and with
+ * FSDP_GEMM=openblas FSDP_BF16_GEMM=convert. */
 static void test_choice(void **state) {
   (void)state;
   const char *expect = getenv("FSDP_TEST_GEMM_EXPECT");
+  const char *core = openblas_get_corename();
+  bool ob512 = !strcasecmp(core, "skylakex") || !strcasecmp(core, "cooperlake") ||
+               !strcasecmp(core, "sapphirerapids");
+  /* preferred: supported where OpenBLAS lacks AVX-512 kernels */
+  assert_int_equal(fsdp_cpu_sgemm_preferred(), fsdp_cpu_sgemm_supported() && !ob512);
   if (!expect) {
-    /* the default takes whatever the build and the processor can */
-    assert_int_equal(fsdp_cpu_sgemm_onednn(), fsdp_cpu_sgemm_supported());
+    /* the default takes whatever the build and the processor make faster */
+    assert_int_equal(fsdp_cpu_sgemm_onednn(), fsdp_cpu_sgemm_preferred());
     assert_int_equal(fsdp_cpu_bf16_gemm_native(), fsdp_cpu_bf16_gemm_supported());
+    return;
+  }
+  if (!strcmp(expect, "openblas512")) {
+    assert_true(ob512); /* else OPENBLAS_CORETYPE did not take and the case proves nothing */
+    assert_false(fsdp_cpu_sgemm_onednn());
+    assert_int_equal(fsdp_cpu_sgemm_force(1), fsdp_cpu_sgemm_supported());
+    assert_int_equal(fsdp_cpu_bf16_gemm_native(), fsdp_cpu_bf16_gemm_supported());
+    fsdp_cpu_sgemm_force(-1);
+    assert_false(fsdp_cpu_sgemm_onednn());
     return;
   }
   if (!strcmp(expect, "avx2")) {
@@ -571,7 +589,7 @@ static void test_scratch_budget(void **state) {
 static void test_describe(void **state) {
   (void)state;
   char buf[160];
-  bool s = fsdp_cpu_sgemm_supported();
+  bool s = fsdp_cpu_sgemm_supported(), pref = fsdp_cpu_sgemm_preferred();
   fsdp_cpu_bf16_gemm_force(1), fsdp_cpu_sgemm_force(1);
   fsdp_cpu_gemm_describe(buf, sizeof buf);
   assert_non_null(strstr(buf, s ? "f32 onednn 2." : "f32 openblas 0."));
@@ -579,7 +597,7 @@ static void test_describe(void **state) {
   fsdp_cpu_bf16_gemm_force(0), fsdp_cpu_sgemm_force(0);
   fsdp_cpu_gemm_describe(buf, sizeof buf);
   assert_non_null(strstr(buf, s ? "f32 openblas 0.3" : "f32 openblas 0."));
-  assert_int_equal(strstr(buf, "(onednn off)") != NULL, s);
+  assert_int_equal(strstr(buf, "(onednn off)") != NULL, pref);
   assert_non_null(strstr(buf, native_here() ? "bf16 by conversion to f32 (native path off)"
                                             : "bf16 by conversion to f32"));
   fsdp_cpu_bf16_gemm_force(-1), fsdp_cpu_sgemm_force(-1);
@@ -589,6 +607,12 @@ static void test_describe(void **state) {
 }
 
 int main(void) {
+  const char *expect = getenv("FSDP_TEST_GEMM_EXPECT");
+  __builtin_cpu_init();
+  if (expect && !strcmp(expect, "openblas512") && !__builtin_cpu_supports("avx512f")) {
+    printf("skipped: OpenBLAS's AVX-512 kernels need a processor with AVX-512\n");
+    return 77;
+  }
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_gemm_slot),          cmocka_unit_test(test_small_keeps_conversion),
       cmocka_unit_test(test_f32_output),         cmocka_unit_test(test_linear),

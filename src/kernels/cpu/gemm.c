@@ -34,7 +34,7 @@ void fsdp_cpu_gemm_describe(char *buf, size_t n) {
     len = snprintf(buf, n, "f32 onednn %s (avx512_core)", dnnl);
   else
     len = snprintf(buf, n, "f32 openblas %s %s%s", version, openblas_get_corename(),
-                   fsdp_cpu_sgemm_supported() ? " (onednn off)" : "");
+                   fsdp_cpu_sgemm_preferred() ? " (onednn off)" : "");
   if (len < 0 || (size_t)len >= n) return;
   if (fsdp_cpu_bf16_gemm_native())
     snprintf(buf + len, n - (size_t)len, ", bf16 onednn %s (avx512_bf16)", dnnl);

@@ -3,7 +3,7 @@
  * GEMM path.
  *
  * f32: fsdp_cpu_sgemm_serial (kernels.h; gemm.c): oneDNN's dnnl_sgemm where oneDNN runs
- * AVX-512 code, OpenBLAS elsewhere (docs/PERFORMANCE.md "GEMM libraries" has the figures). bf16: on a processor with
+ * AVX-512 code and OpenBLAS does not, OpenBLAS elsewhere (docs/PERFORMANCE.md "GEMM libraries" has the figures). bf16: on a processor with
  * AVX512_BF16 and a build with oneDNN, bf16 products run as oneDNN matmuls (bf16 x bf16 with f32
  * accumulation, gemm_bf16.c over onednn.c) split by rows of the output over the rank's threads
  * (pool.h), one oneDNN thread per piece; elsewhere they take the conversion pass (half.c,
@@ -16,12 +16,15 @@
 
 /* ---- f32: OpenBLAS or oneDNN (the choice in gemm_bf16.c) -------------------------------------- */
 
-/* Whether f32 GEMMs (fsdp_cpu_sgemm_serial) run through oneDNN's dnnl_sgemm now: built with
- * oneDNN, oneDNN runs AVX-512 code here (avx512_core), and neither FSDP_GEMM=openblas nor
- * fsdp_cpu_sgemm_force turned it off. Otherwise OpenBLAS. */
+/* Whether f32 GEMMs (fsdp_cpu_sgemm_serial) run through oneDNN's dnnl_sgemm now: preferred
+ * here (below) and neither FSDP_GEMM=openblas nor fsdp_cpu_sgemm_force(0) turned it off, or
+ * forced on where supported. Otherwise OpenBLAS. */
 bool fsdp_cpu_sgemm_onednn(void);
-/* Whether oneDNN could take f32 GEMMs here. */
+/* Whether oneDNN could take f32 GEMMs here: built in, and it runs AVX-512 code (avx512_core). */
 bool fsdp_cpu_sgemm_supported(void);
+/* Whether it is the default here: supported, and OpenBLAS's kernels for this processor are not
+ * AVX-512 ones (openblas_get_corename not SkylakeX, Cooperlake or SapphireRapids). */
+bool fsdp_cpu_sgemm_preferred(void);
 /* Tests and benchmarks: 1 oneDNN (where supported), 0 OpenBLAS, -1 back to the default.
  * Returns whether oneDNN is now taken. Process-wide. */
 bool fsdp_cpu_sgemm_force(int mode);

@@ -13,6 +13,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
+
+#include <cblas.h>
 
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/half.h"
@@ -28,17 +31,28 @@ static pthread_once_t once = PTHREAD_ONCE_INIT;
 static bool supported, wanted; /* wanted: FSDP_BF16_GEMM is not "convert" */
 static atomic_int forced = -1;  /* fsdp_cpu_bf16_gemm_force: -1 none, 0 off, 1 on */
 static atomic_llong products;
-/* f32: oneDNN where it runs AVX-512 code (twice OpenBLAS 0.3.21 there, which does not know
- * every AVX-512 processor and falls back to its AVX2 kernels); on AVX2 the two measured even,
- * and OpenBLAS keeps its bits. FSDP_GEMM=openblas keeps OpenBLAS everywhere. */
-static bool s_supported, s_wanted;
+/* f32: oneDNN where it runs AVX-512 code and OpenBLAS does not: OpenBLAS 0.3.21 does not know
+ * every AVX-512 processor and falls back to its AVX2 (Haswell) kernels, at half oneDNN's rate
+ * there. Where OpenBLAS picked AVX-512 kernels, and on AVX2 processors, the two measured even
+ * and OpenBLAS stays (its bits stay). FSDP_GEMM=openblas keeps OpenBLAS everywhere. */
+static bool s_supported, s_preferred, s_wanted;
 static atomic_int s_forced = -1;
+
+/* OpenBLAS's kernels for this processor are AVX-512 ones (openblas_get_corename) */
+static bool openblas_avx512(void) {
+  static const char *const cores[] = {"skylakex", "cooperlake", "sapphirerapids"};
+  const char *core = openblas_get_corename();
+  for (size_t i = 0; core && i < sizeof cores / sizeof cores[0]; i++)
+    if (strcasecmp(core, cores[i]) == 0) return true;
+  return false;
+}
 
 static void decide(void) {
   supported = fsdp_cpu_onednn_bf16();
   const char *env = getenv("FSDP_BF16_GEMM");
   wanted = !(env && strcmp(env, "convert") == 0);
   s_supported = fsdp_cpu_onednn_avx512();
+  s_preferred = s_supported && !openblas_avx512();
   env = getenv("FSDP_GEMM");
   s_wanted = !(env && strcmp(env, "openblas") == 0);
 }
@@ -48,10 +62,15 @@ bool fsdp_cpu_sgemm_supported(void) {
   return s_supported;
 }
 
+bool fsdp_cpu_sgemm_preferred(void) {
+  pthread_once(&once, decide);
+  return s_preferred;
+}
+
 bool fsdp_cpu_sgemm_onednn(void) {
   pthread_once(&once, decide);
   int f = atomic_load_explicit(&s_forced, memory_order_relaxed);
-  return s_supported && (f < 0 ? s_wanted : f == 1);
+  return s_supported && (f < 0 ? s_preferred && s_wanted : f == 1);
 }
 
 bool fsdp_cpu_sgemm_force(int mode) {
