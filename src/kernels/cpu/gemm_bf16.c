@@ -1,6 +1,7 @@
 /*
  * gemm_bf16.c — which library runs the cpu GEMMs (gemm.h: f32 through OpenBLAS or oneDNN's
- * dnnl_sgemm, bf16 natively or by conversion), and the native bf16 path: one product split by
+ * dnnl_sgemm, bf16 natively or by conversion) and its words for fsdp.info()
+ * (fsdp_cpu_gemm_describe), and the native bf16 path: one product split by
  * rows of the output over the rank's threads (pool.h), each piece a oneDNN matmul on one thread
  * (onednn.c).
  *
@@ -95,6 +96,26 @@ bool fsdp_cpu_bf16_gemm_force(int mode) {
 }
 
 int64_t fsdp_cpu_bf16_gemm_count(void) { return atomic_load(&products); }
+
+/* fsdp.info()'s words for the choice */
+void fsdp_cpu_gemm_describe(char *buf, size_t n) {
+  /* openblas_get_config(): "OpenBLAS 0.3.21 DYNAMIC_ARCH NO_AFFINITY Haswell MAX_THREADS=64" */
+  char version[32] = "?", dnnl[32] = "";
+  sscanf(openblas_get_config(), "OpenBLAS %31s", version);
+  fsdp_cpu_onednn_version(dnnl, sizeof dnnl);
+  int len;
+  if (fsdp_cpu_sgemm_onednn())
+    len = snprintf(buf, n, "f32 onednn %s (avx512_core)", dnnl);
+  else
+    len = snprintf(buf, n, "f32 openblas %s %s%s", version, openblas_get_corename(),
+                   fsdp_cpu_sgemm_preferred() ? " (onednn off)" : "");
+  if (len < 0 || (size_t)len >= n) return;
+  if (fsdp_cpu_bf16_gemm_native())
+    snprintf(buf + len, n - (size_t)len, ", bf16 onednn %s (avx512_bf16)", dnnl);
+  else
+    snprintf(buf + len, n - (size_t)len, ", bf16 by conversion to f32%s",
+             fsdp_cpu_bf16_gemm_supported() ? " (native path off)" : "");
+}
 
 /* ---- one product over the rank's threads -------------------------------------------------------- */
 
