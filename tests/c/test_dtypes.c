@@ -26,6 +26,7 @@
 #include <cmocka.h>
 
 #include "core/core.h"
+#include "kernels/cpu/gemm.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/kernels.h"
 
@@ -987,6 +988,7 @@ static void test_rounding_rule(void **state) {
  * gemm; half.c's chunked pass: linear; an i64 copy of f32 ids: embedding). */
 static void test_scratch_budget(void **state) {
   (void)state;
+  fsdp_cpu_bf16_gemm_force(0); /* the conversion pass (the native path: test_gemm_bf16.c) */
   fsdp_mem_domain *d = fsdp_mem_domain_new();
   assert_non_null(d);
   fsdp_mem_domain_set(d);
@@ -1015,6 +1017,7 @@ static void test_scratch_budget(void **state) {
   for (int i = 0; i < r.ndevices; i++) assert_int_equal(r.counts[i].live_total, 0);
   fsdp_mem_domain_set(NULL);
   fsdp_mem_domain_free(d);
+  fsdp_cpu_bf16_gemm_force(-1);
 }
 
 int main(void) {

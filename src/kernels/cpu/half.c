@@ -18,12 +18,16 @@
 #include <math.h>
 #include <string.h>
 
+#include "kernels/cpu/gemm.h"
 #include "kernels/cpu/half.h"
 
 #define CHUNK ((int64_t)1 << 16) /* elements of f32 scratch per buffer: 256 KiB */
 /* GEMM-based kernels take bigger chunks: a GEMM of a few dozen rows runs far below the BLAS's
  * speed, and re-reads the whole weight per chunk */
 #define GEMM_CHUNK ((int64_t)1 << 20)
+/* M * N * K below which a bf16 product keeps the conversion pass even where the native path is
+ * taken: oneDNN's fixed cost per call (a few microseconds) outweighs the conversions there */
+#define NATIVE_MIN ((int64_t)32 * 32 * 32)
 
 /* ---- scratch --------------------------------------------------------------------------------- */
 
@@ -238,10 +242,52 @@ int fsdp_cpu_half_dropout_backward(fsdp_dtype dt, void *din, const void *dout, c
   return fsdp_cpu_work_done(&w);
 }
 
+/* ---- products: the native bf16 path where it is taken (gemm.h) ------------------------------ */
+
+bool fsdp_cpu_half_native(fsdp_dtype dt, int M, int N, int K) {
+  return dt == FSDP_DTYPE_BF16 && M > 0 && N > 0 && K > 0 &&
+         (int64_t)M * N * K >= NATIVE_MIN && fsdp_cpu_bf16_gemm_native();
+}
+
+int fsdp_cpu_half_bmm_forward(fsdp_dtype dt, void *out, const void *a, const void *b, int B,
+                              int M, int K, int N) {
+  // out (B, M, N), a (B, M, K), b (B, K, N)
+  const uint16_t *pa = a, *pb = b;
+  uint16_t *po = out;
+  for (int i = 0; i < B; i++) {
+    if (fsdp_cpu_bf16_gemm(po + (int64_t)i * M * N, dt, pa + (int64_t)i * M * K,
+                           pb + (int64_t)i * K * N, NULL, dt, M, N, K, false, false, 1.0f, 0.0f,
+                           K, N, N))
+      return FSDP_ERR;
+  }
+  return FSDP_OK;
+}
+
+int fsdp_cpu_half_bmm_backward(fsdp_dtype dt, void *da, void *db, const void *dout,
+                               const void *a, const void *b, int B, int M, int K, int N) {
+  // da (B, M, K), db (B, K, N), dout (B, M, N), a (B, M, K), b (B, K, N)
+  const uint16_t *pa = a, *pb = b, *pg = dout;
+  uint16_t *pda = da, *pdb = db;
+  for (int i = 0; i < B; i++) {
+    const uint16_t *g = pg + (int64_t)i * M * N;
+    if (da && fsdp_cpu_bf16_gemm(pda + (int64_t)i * M * K, dt, g, pb + (int64_t)i * K * N, NULL,
+                                 dt, M, K, N, false, true, 1.0f, 1.0f, N, N, K))
+      return FSDP_ERR;
+    if (db && fsdp_cpu_bf16_gemm(pdb + (int64_t)i * K * N, dt, pa + (int64_t)i * M * K, g, NULL,
+                                 dt, K, N, M, true, false, 1.0f, 1.0f, K, N, N))
+      return FSDP_ERR;
+  }
+  return FSDP_OK;
+}
+
 /* ---- rows: linear, layernorm, softmax, cross-entropy ---------------------------------------- */
 
 int fsdp_cpu_half_linear_forward(fsdp_dtype dt, void *out, const void *inp, const void *weight,
                                  const void *bias, int M, int K, int N) {
+  if (fsdp_cpu_half_native(dt, M, N, K)) {
+    return fsdp_cpu_bf16_gemm(out, dt, inp, weight, bias, dt, M, N, K, false, true, 1.0f, 0.0f,
+                              K, K, N);
+  }
   fsdp_cpu_work w = {0};
   int64_t rows = rows_in(GEMM_CHUNK, K > N ? K : N), c = min64(M, rows);
   float *fw = whole(&w, weight, dt, (int64_t)N * K), *fb = whole(&w, bias, dt, N);
@@ -265,9 +311,34 @@ static void put_grad(void *g, fsdp_dtype gdt, fsdp_dtype dt, const float *f, int
   if (gdt != FSDP_DTYPE_F32) put(g, dt, 0, f, n);
 }
 
+/* dbias (N, of gdt) += the column sums of dout (M, N), widened chunk by chunk */
+static int half_bias_grad(fsdp_dtype dt, fsdp_dtype gdt, void *dbias, const void *dout, int M,
+                          int N) {
+  fsdp_cpu_work w = {0};
+  int64_t rows = chunk_rows(N);
+  float *fdb = grad_acc(&w, dbias, gdt, dt, N), *fg = tmp(&w, min64(M, rows) * N);
+  for (int64_t r = 0; !w.failed && r < M; r += rows) {
+    int64_t len = min64(rows, M - r);
+    get(fg, dout, dt, r * N, len * N);
+    fsdp_cpu_colsum_acc(fdb, fg, len, N);
+  }
+  if (!w.failed) put_grad(dbias, gdt, dt, fdb, N);
+  return fsdp_cpu_work_done(&w);
+}
+
 int fsdp_cpu_half_linear_backward(fsdp_dtype dt, fsdp_dtype gdt, void *dinp, void *dweight,
                                   void *dbias, const void *dout, const void *inp,
                                   const void *weight, int M, int K, int N) {
+  if (fsdp_cpu_half_native(dt, M, N, K)) {
+    /* dinp (M, K) += dout @ weight ; dweight (N, K) += dout^T @ inp, in gdt */
+    if (dinp && fsdp_cpu_bf16_gemm(dinp, dt, dout, weight, NULL, dt, M, K, N, false, false, 1.0f,
+                                   1.0f, N, K, K))
+      return FSDP_ERR;
+    if (dweight && fsdp_cpu_bf16_gemm(dweight, gdt, dout, inp, NULL, dt, N, K, M, true, false,
+                                      1.0f, 1.0f, N, K, K))
+      return FSDP_ERR;
+    return dbias ? half_bias_grad(dt, gdt, dbias, dout, M, N) : FSDP_OK;
+  }
   fsdp_cpu_work w = {0};
   int64_t rows = rows_in(GEMM_CHUNK, K > N ? K : N), c = min64(M, rows);
   float *fw = dinp ? whole(&w, weight, dt, (int64_t)N * K) : NULL;

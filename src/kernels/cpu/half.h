@@ -41,6 +41,15 @@ int fsdp_cpu_half_dropout_forward(fsdp_dtype dt, void *out, void *mask, const vo
                                   int64_t n, float p, uint64_t key, uint64_t first);
 int fsdp_cpu_half_dropout_backward(fsdp_dtype dt, void *din, const void *dout, const void *mask,
                                    int64_t n);
+/* Whether a product of dt with these sizes takes the native bf16 path (gemm.h): bf16, the path
+ * on, M, N, K >= 1 and not tiny. Then the table's gemm slot calls fsdp_cpu_bf16_gemm and its bmm
+ * slots the two below (same arguments as the f32 kernels; bf16 gradients += as theirs); linear
+ * checks it itself. */
+bool fsdp_cpu_half_native(fsdp_dtype dt, int M, int N, int K);
+int fsdp_cpu_half_bmm_forward(fsdp_dtype dt, void *out, const void *a, const void *b, int B,
+                              int M, int K, int N);
+int fsdp_cpu_half_bmm_backward(fsdp_dtype dt, void *da, void *db, const void *dout,
+                               const void *a, const void *b, int B, int M, int K, int N);
 int fsdp_cpu_half_linear_forward(fsdp_dtype dt, void *out, const void *inp, const void *weight,
                                  const void *bias, int M, int K, int N);
 /* gdt: the dtype of dweight and dbias, dt or f32 (kernels.h) */

@@ -13,9 +13,11 @@
  * them by name.
  */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/cpu/gemm.h"
 #include "kernels/cpu/half.h"
 #include "kernels/cpu/kernels.h"
 
@@ -161,12 +163,15 @@ static int k_gemm(void *ctx, fsdp_dtype dt, void *c, const void *a, const void *
     return FSDP_OK;
   }
   if (!is_half(dt)) return REFUSE("matmul", dt);
+  if (fsdp_cpu_half_native(dt, M, N, K))
+    return fsdp_cpu_bf16_gemm(c, dt, a, b, NULL, dt, M, N, K, ta, tb, alpha, beta, lda, ldb, ldc);
   /* stored extents of a, b, c with their leading dimensions */
   int64_t na = (int64_t)(ta ? K : M) * lda, nb = (int64_t)(tb ? N : K) * ldb,
           nc = (int64_t)M * ldc;
   fsdp_cpu_work t = {0};
   const float *wa = widen(&t, a, dt, na), *wb = widen(&t, b, dt, nb);
-  float *wc = out_f32(&t, c, dt, nc, beta != 0.0f);
+  /* c's padding columns (ldc > N) go back as they were: widen them too */
+  float *wc = out_f32(&t, c, dt, nc, beta != 0.0f || ldc != N);
   if (!t.failed) {
     fsdp_cpu_gemm(wc, wa, wb, M, N, K, ta, tb, alpha, beta, lda, ldb, ldc);
     narrow(c, dt, wc, nc);
@@ -181,6 +186,7 @@ static int k_bmm_forward(void *ctx, fsdp_dtype dt, void *out, const void *a, con
     return FSDP_OK;
   }
   if (!is_half(dt)) return REFUSE("matmul", dt);
+  if (fsdp_cpu_half_native(dt, M, N, K)) return fsdp_cpu_half_bmm_forward(dt, out, a, b, B, M, K, N);
   fsdp_cpu_work t = {0};
   int64_t no = (int64_t)B * M * N;
   const float *wa = widen(&t, a, dt, (int64_t)B * M * K);
@@ -200,6 +206,8 @@ static int k_bmm_backward(void *ctx, fsdp_dtype dt, void *da, void *db, const vo
     return FSDP_OK;
   }
   if (!is_half(dt)) return REFUSE("matmul", dt);
+  if (fsdp_cpu_half_native(dt, M, N, K))
+    return fsdp_cpu_half_bmm_backward(dt, da, db, dout, a, b, B, M, K, N);
   fsdp_cpu_work t = {0};
   int64_t nA = (int64_t)B * M * K, nB = (int64_t)B * K * N;
   const float *wg = widen(&t, dout, dt, (int64_t)B * M * N);
@@ -1141,5 +1149,16 @@ const fsdp_kernels_i fsdp_cpu_kernels = {
     .mask_values = k_mask_values,
 };
 
-/* The cpu registers itself: its device (in core) gets this table. */
-int fsdp_cpu_register(void) { return fsdp_device_register(&fsdp_device_cpu, &fsdp_cpu_kernels); }
+/* fsdp.info()'s line for the cpu: which library runs its GEMMs (gemm.h) */
+static void cpu_describe(void *ctx, char *buf, size_t n) {
+  (void)ctx;
+  int len = snprintf(buf, n, "gemm ");
+  if (len >= 0 && (size_t)len < n) fsdp_cpu_gemm_describe(buf + len, n - (size_t)len);
+}
+
+/* The cpu registers itself: its device (in core) gets this table, and its description here
+ * (core does not know the kernels' libraries). */
+int fsdp_cpu_register(void) {
+  fsdp_device_cpu.describe = cpu_describe;
+  return fsdp_device_register(&fsdp_device_cpu, &fsdp_cpu_kernels);
+}

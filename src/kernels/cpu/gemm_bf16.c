@@ -1,0 +1,184 @@
+/*
+ * gemm_bf16.c — which library runs the cpu GEMMs (gemm.h: f32 through OpenBLAS or oneDNN's
+ * dnnl_sgemm, bf16 natively or by conversion) and its words for fsdp.info()
+ * (fsdp_cpu_gemm_describe), and the native bf16 path: one product split by
+ * rows of the output over the rank's threads (pool.h), each piece a oneDNN matmul on one thread
+ * (onednn.c).
+ *
+ * The pieces depend only on M and the thread count, and each output row is written by one
+ * piece, so a fixed thread count gives fixed bits. Plans are made and scratch is allocated on
+ * the calling thread (the rank's: its memory domain counts the bytes); the pieces only run.
+ */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include <cblas.h>
+
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/half.h"
+#include "kernels/cpu/pool.h"
+
+/* rows of the output per piece at least: below that a piece runs far below the kernel's rate */
+#define MIN_ROWS 64
+#define MAX_PIECES 64
+
+/* ---- the choice ------------------------------------------------------------------------------ */
+
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+static bool supported, wanted; /* wanted: FSDP_BF16_GEMM is not "convert" */
+static atomic_int forced = -1;  /* fsdp_cpu_bf16_gemm_force: -1 none, 0 off, 1 on */
+static atomic_llong products;
+/* f32: oneDNN where it runs AVX-512 code and OpenBLAS does not: OpenBLAS 0.3.21 does not know
+ * every AVX-512 processor and falls back to its AVX2 (Haswell) kernels, at half oneDNN's rate
+ * there. Where OpenBLAS picked AVX-512 kernels, and on AVX2 processors, the two measured even
+ * and OpenBLAS stays (its bits stay). FSDP_GEMM=openblas keeps OpenBLAS everywhere. */
+static bool s_supported, s_preferred, s_wanted;
+static atomic_int s_forced = -1;
+
+/* OpenBLAS's kernels for this processor are AVX-512 ones (openblas_get_corename) */
+static bool openblas_avx512(void) {
+  static const char *const cores[] = {"skylakex", "cooperlake", "sapphirerapids"};
+  const char *core = openblas_get_corename();
+  for (size_t i = 0; core && i < sizeof cores / sizeof cores[0]; i++)
+    if (strcasecmp(core, cores[i]) == 0) return true;
+  return false;
+}
+
+static void decide(void) {
+  supported = fsdp_cpu_onednn_bf16();
+  const char *env = getenv("FSDP_BF16_GEMM");
+  wanted = !(env && strcmp(env, "convert") == 0);
+  s_supported = fsdp_cpu_onednn_avx512();
+  s_preferred = s_supported && !openblas_avx512();
+  env = getenv("FSDP_GEMM");
+  s_wanted = !(env && strcmp(env, "openblas") == 0);
+}
+
+bool fsdp_cpu_sgemm_supported(void) {
+  pthread_once(&once, decide);
+  return s_supported;
+}
+
+bool fsdp_cpu_sgemm_preferred(void) {
+  pthread_once(&once, decide);
+  return s_preferred;
+}
+
+bool fsdp_cpu_sgemm_onednn(void) {
+  pthread_once(&once, decide);
+  int f = atomic_load_explicit(&s_forced, memory_order_relaxed);
+  return s_supported && (f < 0 ? s_preferred && s_wanted : f == 1);
+}
+
+bool fsdp_cpu_sgemm_force(int mode) {
+  atomic_store(&s_forced, mode < 0 ? -1 : mode > 0);
+  return fsdp_cpu_sgemm_onednn();
+}
+
+bool fsdp_cpu_bf16_gemm_supported(void) {
+  pthread_once(&once, decide);
+  return supported;
+}
+
+bool fsdp_cpu_bf16_gemm_native(void) {
+  pthread_once(&once, decide);
+  int f = atomic_load_explicit(&forced, memory_order_relaxed);
+  return supported && (f < 0 ? wanted : f == 1);
+}
+
+bool fsdp_cpu_bf16_gemm_force(int mode) {
+  atomic_store(&forced, mode < 0 ? -1 : mode > 0);
+  return fsdp_cpu_bf16_gemm_native();
+}
+
+int64_t fsdp_cpu_bf16_gemm_count(void) { return atomic_load(&products); }
+
+/* fsdp.info()'s words for the choice */
+void fsdp_cpu_gemm_describe(char *buf, size_t n) {
+  /* openblas_get_config(): "OpenBLAS 0.3.21 DYNAMIC_ARCH NO_AFFINITY Haswell MAX_THREADS=64" */
+  char version[32] = "?", dnnl[32] = "";
+  sscanf(openblas_get_config(), "OpenBLAS %31s", version);
+  fsdp_cpu_onednn_version(dnnl, sizeof dnnl);
+  int len;
+  if (fsdp_cpu_sgemm_onednn())
+    len = snprintf(buf, n, "f32 onednn %s (avx512_core)", dnnl);
+  else
+    len = snprintf(buf, n, "f32 openblas %s %s%s", version, openblas_get_corename(),
+                   fsdp_cpu_sgemm_preferred() ? " (onednn off)" : "");
+  if (len < 0 || (size_t)len >= n) return;
+  if (fsdp_cpu_bf16_gemm_native())
+    snprintf(buf + len, n - (size_t)len, ", bf16 onednn %s (avx512_bf16)", dnnl);
+  else
+    snprintf(buf + len, n - (size_t)len, ", bf16 by conversion to f32%s",
+             fsdp_cpu_bf16_gemm_supported() ? " (native path off)" : "");
+}
+
+/* ---- one product over the rank's threads -------------------------------------------------------- */
+
+typedef struct {
+  int n;                     /* pieces */
+  int row0[MAX_PIECES + 1];  /* piece i: output rows [row0[i], row0[i + 1]) */
+  fsdp_cpu_mm *mm[MAX_PIECES];
+  void *scratch[MAX_PIECES];
+  int status[MAX_PIECES];
+  atomic_flag failed;        /* the first failing piece keeps its message in msg */
+  char msg[256];
+  char *c;
+  const uint16_t *a, *b;
+  const void *bias;
+  size_t csize;              /* bytes per element of c */
+  int lda, ldc;
+  bool trans_a;
+} job;
+
+static void run_pieces(void *ctx, int64_t lo, int64_t hi) {
+  job *j = ctx;
+  for (int64_t i = lo; i < hi; i++) {
+    int64_t r = j->row0[i];
+    /* a's rows are its columns when it is read transposed */
+    const uint16_t *a = j->a + (j->trans_a ? r : r * j->lda);
+    j->status[i] = fsdp_cpu_mm_run(j->mm[i], j->c + (size_t)r * (size_t)j->ldc * j->csize, a,
+                                   j->b, j->bias, j->scratch[i]);
+    /* pieces may run on other threads, each with its own error slot */
+    if (j->status[i] != FSDP_OK && !atomic_flag_test_and_set(&j->failed))
+      snprintf(j->msg, sizeof j->msg, "%s", fsdp_error_msg());
+  }
+}
+
+int fsdp_cpu_bf16_gemm(void *c, fsdp_dtype cdt, const uint16_t *a, const uint16_t *b,
+                       const void *bias, fsdp_dtype bdt, int M, int N, int K, bool trans_a,
+                       bool trans_b, float alpha, float beta, int lda, int ldb, int ldc) {
+  job j = {.failed = ATOMIC_FLAG_INIT, .c = c, .a = a, .b = b, .bias = bias, .csize = fsdp_dtype_size(cdt), .lda = lda,
+           .ldc = ldc, .trans_a = trans_a};
+  int threads = fsdp_cpu_threads(), n = M / MIN_ROWS;
+  n = n > threads ? threads : n;
+  n = n > MAX_PIECES ? MAX_PIECES : n < 1 ? 1 : n;
+  j.n = n;
+  for (int i = 0; i <= n; i++) j.row0[i] = (int)((int64_t)M * i / n);
+  fsdp_cpu_work w = {0};
+  int rc = FSDP_OK;
+  for (int i = 0; i < n && rc == FSDP_OK; i++) {
+    fsdp_cpu_mm_shape s = {.abdt = FSDP_DTYPE_BF16, .cdt = cdt,
+                           .bdt = bias ? bdt : FSDP_DTYPE_COUNT, .M = j.row0[i + 1] - j.row0[i],
+                           .N = N, .K = K, .trans_a = trans_a, .trans_b = trans_b, .lda = lda,
+                           .ldb = ldb, .ldc = ldc, .alpha = alpha, .beta = beta};
+    size_t bytes = 0;
+    rc = fsdp_cpu_mm_plan(&j.mm[i], &bytes, &s);
+    if (rc == FSDP_OK && bytes) {
+      j.scratch[i] = fsdp_cpu_work_buf(&w, (int64_t)bytes, 1);
+      if (!j.scratch[i]) rc = FSDP_ERR;
+    }
+  }
+  if (rc == FSDP_OK) {
+    fsdp_cpu_parallel_for(n, 1, run_pieces, &j);
+    for (int i = 0; i < n && rc == FSDP_OK; i++)
+      if (j.status[i] != FSDP_OK) rc = fsdp_error("%s", j.msg);
+  }
+  atomic_fetch_add_explicit(&products, 1, memory_order_relaxed);
+  int done = fsdp_cpu_work_done(&w);
+  return rc == FSDP_OK ? done : rc;
+}
