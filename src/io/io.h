@@ -162,7 +162,8 @@ int fsdp_io_st_writer_commit(fsdp_io_st_writer *w);
 void fsdp_io_st_writer_abort(fsdp_io_st_writer *w); /* NULL is a no-op */
 
 /* -- reader: open reads the header once and validates it whole: the length field against the
- * file size, the JSON (cJSON), every entry (dtype known, shape, data_offsets), sizes =
+ * file size, the JSON (cJSON; no string may hold a NUL character, raw or as \u0000, which
+ * would alias "a\u0000b" to "a"), every entry (dtype known, shape, data_offsets), sizes =
  * numel * dtype size, offsets inside the data section, no overlaps, no holes, no trailing
  * bytes, the header checksum when the file has one, the form of the tensor checksums. Reads
  * then pread only the bytes asked for. */
@@ -272,5 +273,10 @@ int fsdp_io_fsync_dir(const char *path);
 
 /* true when s[0..n) is well-formed UTF-8 (no overlongs, no surrogates, at most U+10FFFF). */
 bool fsdp_io_utf8_valid(const char *s, size_t n);
+/* FSDP_OK, or FSDP_ERR when a string of the JSON text[0..n) holds a NUL character, raw or
+ * escaped as \u0000: cJSON would decode it into a C string that ends there, so the key
+ * "wte.weight\u0000evil" would read as "wte.weight". The message names the file (name), the
+ * part (what: "header") and the string as written, with its byte offset. */
+int fsdp_io_json_refuse_nul(const char *name, const char *what, const char *text, size_t n);
 
 #endif

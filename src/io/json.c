@@ -56,6 +56,7 @@ int fsdp_io_json_parse(cJSON **out, const char *name, const char *text, size_t s
   if (name == NULL) name = "(memory)";
   if (size > 0 && text == NULL) return fsdp_error("%s: NULL buffer of %zu bytes", name, size);
   if (size == 0) return fsdp_error("%s: empty file, not a JSON document", name);
+  if (fsdp_io_json_refuse_nul(name, "JSON document", text, size)) return FSDP_ERR;
   const char *end = NULL;
   cJSON *doc = cJSON_ParseWithLengthOpts(text, size, &end, 0);
   size_t at = end != NULL && end >= text && end <= text + size ? (size_t)(end - text) : 0;
