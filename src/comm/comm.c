@@ -27,12 +27,8 @@
 #include <time.h>
 
 #define FSDP_COMM_RECORDER 64
-/* The engine's error slot (error.c) holds 1024 bytes; messages are built to fit it. */
-#ifdef FSDP_ERROR_CAP
+/* Messages are built to fit the engine's error slot (FSDP_ERROR_CAP bytes, core.h). */
 #define FSDP_COMM_MSG_CAP FSDP_ERROR_CAP
-#else
-#define FSDP_COMM_MSG_CAP 1024
-#endif
 #define FSDP_COMM_DEFAULT_TIMEOUT 60.0
 
 typedef enum { REC_EMPTY = 0, REC_QUEUED, REC_RUNNING, REC_DONE, REC_FAILED } rec_state;
