@@ -188,15 +188,14 @@ static int piece_hist(int64_t *h, const fsdp_prune_piece *pc, int i, bool pos, u
                       uint64_t prefix, int shift, int width) {
   const char *fn = pos ? "mask_hist_pos" : "mask_hist";
   operand xo, mo;
-  bool skip;
-  if (values_and_mask(&xo, &mo, pc->x, pc->m, 1, fn, NULL)) return FSDP_ERR;
-  const fsdp_kernels_i *k = kernels(&xo, fn, &skip);
-  if (skip) return FSDP_OK;
-  if (!k) return FSDP_ERR;
-  int rc = pos ? k->mask_hist_pos(CTX(&xo), pc->x->dtype, h, xo.d, mo.d, xo.n, T, pc->gbase,
-                                  prefix, shift, width)
-               : k->mask_hist(CTX(&xo), pc->x->dtype, h, xo.d, mo.d, xo.n, prefix, shift,
-                              width);
+  bool skip = false;
+  const fsdp_kernels_i *k = NULL;
+  int rc = values_and_mask(&xo, &mo, pc->x, pc->m, 1, fn, NULL) ||
+           (!(k = kernels(&xo, fn, &skip)) && !skip);
+  if (!rc && !skip)
+    rc = pos ? k->mask_hist_pos(CTX(&xo), pc->x->dtype, h, xo.d, mo.d, xo.n, T, pc->gbase,
+                                prefix, shift, width)
+             : k->mask_hist(CTX(&xo), pc->x->dtype, h, xo.d, mo.d, xo.n, prefix, shift, width);
   return rc ? fsdp_error_context("piece %d", i + 1) : FSDP_OK;
 }
 
