@@ -73,7 +73,7 @@ void fsdp_io_fault_set(fsdp_io_fault_point point, int err, uint64_t after_bytes)
 /* "open", "write", "fsync", "rename" (and "none") -> point; -1 for an unknown name. */
 int fsdp_io_fault_point_from_name(const char *name);
 
-/* ---- safetensors (safetensors.c) -------------------------------------------------------- */
+/* ---- safetensors (dtypes: util.c; writer: st_write.c; reader: st_read.c) ---------------- */
 
 /* The dtypes of the safetensors format with a whole number of bytes per element. F32 is 0 so
  * that a zero-initialized entry means f32. Eight of them are tensor dtypes (F32, BF16, F16,
@@ -135,8 +135,8 @@ typedef struct fsdp_io_kv {
 /* The largest header accepted (as in the reference implementation). */
 #define FSDP_IO_ST_MAX_HEADER 100000000u
 
-/* -- writer: streams tensors to an atomic file; memory use is the header plus a 1 MiB buffer.
- * open takes every entry (names unique, valid UTF-8, not "__metadata__"; any dtype; at most
+/* -- writer (st_write.c): streams tensors to an atomic file; memory use is the header plus a
+ * 1 MiB buffer. open takes every entry (names unique, valid UTF-8, not "__metadata__"; any dtype; at most
  * FSDP_MAX_DIMS dims) and the metadata, lays the data out in entry order and writes the
  * header. Then the tensors' bytes arrive in entry order, each tensor in one or several write
  * calls (element ranges in order: one call per shard, say); entries with no elements need no
@@ -161,7 +161,7 @@ const char *fsdp_io_st_writer_path(const fsdp_io_st_writer *w); /* the final pat
 int fsdp_io_st_writer_commit(fsdp_io_st_writer *w);
 void fsdp_io_st_writer_abort(fsdp_io_st_writer *w); /* NULL is a no-op */
 
-/* -- reader: open reads the header once and validates it whole: the length field against the
+/* -- reader (st_read.c): open reads the header once and validates it whole: the length field against the
  * file size, the JSON (cJSON; no string may hold a NUL character, raw or as \u0000, which
  * would alias "a\u0000b" to "a"), every entry (dtype known, shape, data_offsets), sizes =
  * numel * dtype size, offsets inside the data section, no overlaps, no holes, no trailing
@@ -269,7 +269,7 @@ int fsdp_io_remove(const char *path);
 /* fsync a folder (makes earlier renames and removals in it durable). */
 int fsdp_io_fsync_dir(const char *path);
 
-/* ---- helpers shared by the layer ------------------------------------------------------- */
+/* ---- helpers shared by the layer (util.c) ----------------------------------------------- */
 
 /* true when s[0..n) is well-formed UTF-8 (no overlongs, no surrogates, at most U+10FFFF). */
 bool fsdp_io_utf8_valid(const char *s, size_t n);
