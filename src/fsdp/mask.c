@@ -62,109 +62,114 @@ static const fsdp_kernels_i *kernels(const operand *x, const char *fn, bool *ski
   return *skip ? NULL : fsdp_kernels_for(x->t, fn);
 }
 
+/* The operand of fn(a) and the kernels: FSDP_OK with *k, or with *skip when there are no
+ * elements. */
+static int one_of(operand *a, const fsdp_tensor *at, const char *fn, const fsdp_kernels_i **k,
+                  bool *skip) {
+  if (operand_of(a, at, 1, fn, NULL)) return FSDP_ERR;
+  *k = kernels(a, fn, skip);
+  return *skip || *k ? FSDP_OK : FSDP_ERR;
+}
+
+/* The same for fn(a, b): arguments 1 and 2, the same length. */
+static int pair_of(operand *a, operand *b, const fsdp_tensor *at, const fsdp_tensor *bt,
+                   const char *fn, const fsdp_kernels_i **k, bool *skip) {
+  if (operand_of(a, at, 1, fn, NULL) || operand_of(b, bt, 2, fn, a) || same_len(fn, a, b))
+    return FSDP_ERR;
+  *k = kernels(a, fn, skip);
+  return *skip || *k ? FSDP_OK : FSDP_ERR;
+}
+
+/* The same for fn(out, x, m|NULL, ...): an output, the values and their optional mask. */
+static int out_of(operand *o, operand *x, operand *m, const fsdp_tensor *ot,
+                  const fsdp_tensor *xt, const fsdp_tensor *mt, const char *fn,
+                  const fsdp_kernels_i **k, bool *skip) {
+  if (operand_of(o, ot, 1, fn, NULL) || values_and_mask(x, m, xt, mt, 2, fn, o) ||
+      same_len(fn, o, x))
+    return FSDP_ERR;
+  *k = kernels(x, fn, skip);
+  return *skip || *k ? FSDP_OK : FSDP_ERR;
+}
+
+/* the kernel's status; t's version bumped when it wrote (or had nothing to write) */
+static int wrote(fsdp_tensor *t, int rc) {
+  if (rc) return FSDP_ERR;
+  t->version++;
+  return FSDP_OK;
+}
+
 #define CTX(o) ((o)->t->storage->device->ctx)
 
 int fsdp_mask_apply(fsdp_tensor *x, const fsdp_tensor *m) {
-  const char *fn = "mask_apply";
   operand xo, mo;
+  const fsdp_kernels_i *k;
   bool skip;
-  if (operand_of(&xo, x, 1, fn, NULL) || operand_of(&mo, m, 2, fn, &xo) ||
-      same_len(fn, &xo, &mo))
-    return FSDP_ERR;
-  const fsdp_kernels_i *k = kernels(&xo, fn, &skip);
-  if (!skip && (!k || k->mask_apply(CTX(&xo), x->dtype, xo.d, mo.d, xo.n))) return FSDP_ERR;
-  x->version++;
-  return FSDP_OK;
+  if (pair_of(&xo, &mo, x, m, "mask_apply", &k, &skip)) return FSDP_ERR;
+  return wrote(x, !skip && k->mask_apply(CTX(&xo), x->dtype, xo.d, mo.d, xo.n));
 }
 
 int fsdp_mask_count_zeros(const fsdp_tensor *x, int64_t *zeros) {
-  const char *fn = "count_zeros";
   operand xo;
+  const fsdp_kernels_i *k;
   bool skip;
   *zeros = 0;
-  if (operand_of(&xo, x, 1, fn, NULL)) return FSDP_ERR;
-  const fsdp_kernels_i *k = kernels(&xo, fn, &skip);
-  if (skip) return FSDP_OK;
-  return !k ? FSDP_ERR : k->count_zeros(CTX(&xo), x->dtype, zeros, xo.d, xo.n);
+  if (one_of(&xo, x, "count_zeros", &k, &skip)) return FSDP_ERR;
+  return skip ? FSDP_OK : k->count_zeros(CTX(&xo), x->dtype, zeros, xo.d, xo.n);
 }
 
 int fsdp_mask_check(const fsdp_tensor *m, int64_t *bad, int64_t *zeros, uint32_t *hash) {
-  const char *fn = "mask_check";
   operand mo;
+  const fsdp_kernels_i *k;
   bool skip;
   *bad = *zeros = 0;
   *hash = 2166136261u; /* FNV-1a of no positions */
-  if (operand_of(&mo, m, 1, fn, NULL)) return FSDP_ERR;
-  const fsdp_kernels_i *k = kernels(&mo, fn, &skip);
-  if (skip) return FSDP_OK;
-  return !k ? FSDP_ERR : k->mask_check(CTX(&mo), m->dtype, bad, zeros, hash, mo.d, mo.n);
+  if (one_of(&mo, m, "mask_check", &k, &skip)) return FSDP_ERR;
+  return skip ? FSDP_OK : k->mask_check(CTX(&mo), m->dtype, bad, zeros, hash, mo.d, mo.n);
 }
 
 int fsdp_mask_from_nonzero(fsdp_tensor *mout, const fsdp_tensor *x, int64_t *zeros) {
-  const char *fn = "mask_from_nonzero";
   operand oo, xo;
+  const fsdp_kernels_i *k;
   bool skip;
   *zeros = 0;
-  if (operand_of(&oo, mout, 1, fn, NULL) || operand_of(&xo, x, 2, fn, &oo) ||
-      same_len(fn, &oo, &xo))
-    return FSDP_ERR;
-  const fsdp_kernels_i *k = kernels(&xo, fn, &skip);
-  if (!skip && (!k || k->mask_from_nonzero(CTX(&xo), x->dtype, oo.d, zeros, xo.d, xo.n)))
-    return FSDP_ERR;
-  mout->version++;
-  return FSDP_OK;
+  if (pair_of(&oo, &xo, mout, x, "mask_from_nonzero", &k, &skip)) return FSDP_ERR;
+  return wrote(mout,
+               !skip && k->mask_from_nonzero(CTX(&xo), x->dtype, oo.d, zeros, xo.d, xo.n));
 }
 
 int fsdp_mask_select(fsdp_tensor *mout, const fsdp_tensor *x, const fsdp_tensor *m, uint32_t T,
                      uint64_t gbase, uint64_t P, int64_t *pruned) {
-  const char *fn = "mask_select";
   operand oo, xo, mo;
+  const fsdp_kernels_i *k;
   bool skip;
   *pruned = 0;
-  if (operand_of(&oo, mout, 1, fn, NULL) || values_and_mask(&xo, &mo, x, m, 2, fn, &oo) ||
-      same_len(fn, &oo, &xo))
-    return FSDP_ERR;
-  const fsdp_kernels_i *k = kernels(&xo, fn, &skip);
-  if (!skip &&
-      (!k || k->mask_select(CTX(&xo), x->dtype, oo.d, pruned, xo.d, mo.d, xo.n, T, gbase, P)))
-    return FSDP_ERR;
-  mout->version++;
-  return FSDP_OK;
+  if (out_of(&oo, &xo, &mo, mout, x, m, "mask_select", &k, &skip)) return FSDP_ERR;
+  return wrote(mout, !skip && k->mask_select(CTX(&xo), x->dtype, oo.d, pruned, xo.d, mo.d, xo.n,
+                                             T, gbase, P));
 }
 
 int fsdp_mask_nm(fsdp_tensor *mout, const fsdp_tensor *x, const fsdp_tensor *m, int64_t keep,
                  int64_t M, int64_t lead, int64_t *groups) {
   const char *fn = "mask_nm";
   operand oo, xo, mo;
+  const fsdp_kernels_i *k;
   bool skip;
   *groups = 0;
-  if (operand_of(&oo, mout, 1, fn, NULL) || values_and_mask(&xo, &mo, x, m, 2, fn, &oo) ||
-      same_len(fn, &oo, &xo))
-    return FSDP_ERR;
   if (M < 1 || M > 4096 || keep < 0 || keep > M)
     return fsdp_error("%s: need 0 <= n <= m <= 4096 (got n = %lld, m = %lld)", fn,
                       (long long)keep, (long long)M);
   if (lead < 0) return fsdp_error("%s: lead must be >= 0", fn);
-  const fsdp_kernels_i *k = kernels(&xo, fn, &skip);
-  if (!skip &&
-      (!k || k->mask_nm(CTX(&xo), x->dtype, oo.d, groups, xo.d, mo.d, xo.n, keep, M, lead)))
-    return FSDP_ERR;
-  mout->version++;
-  return FSDP_OK;
+  if (out_of(&oo, &xo, &mo, mout, x, m, fn, &k, &skip)) return FSDP_ERR;
+  return wrote(mout, !skip && k->mask_nm(CTX(&xo), x->dtype, oo.d, groups, xo.d, mo.d, xo.n,
+                                         keep, M, lead));
 }
 
 int fsdp_mask_values(fsdp_tensor *out, const fsdp_tensor *x, const fsdp_tensor *m) {
-  const char *fn = "mask_values";
   operand oo, xo, mo;
+  const fsdp_kernels_i *k;
   bool skip;
-  if (operand_of(&oo, out, 1, fn, NULL) || values_and_mask(&xo, &mo, x, m, 2, fn, &oo) ||
-      same_len(fn, &oo, &xo))
-    return FSDP_ERR;
-  const fsdp_kernels_i *k = kernels(&xo, fn, &skip);
-  if (!skip && (!k || k->mask_values(CTX(&xo), x->dtype, oo.d, xo.d, mo.d, xo.n)))
-    return FSDP_ERR;
-  out->version++;
-  return FSDP_OK;
+  if (out_of(&oo, &xo, &mo, out, x, m, "mask_values", &k, &skip)) return FSDP_ERR;
+  return wrote(out, !skip && k->mask_values(CTX(&xo), x->dtype, oo.d, xo.d, mo.d, xo.n));
 }
 
 /* ---- selection ---------------------------------------------------------------------------- */
