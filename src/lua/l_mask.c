@@ -28,14 +28,7 @@
 
 /* Argument idx: a tensor, or nil when optional. */
 static fsdp_tensor *tensor_arg(lua_State *L, int idx, const char *fn, bool optional) {
-  if (optional && lua_isnoneornil(L, idx)) return NULL;
-  fsdp_tensor *t = fsdp_lua_to_tensor(L, idx);
-  if (!t) {
-    if (luaL_testudata(L, idx, FSDP_TENSOR_MT)) fsdp_lua_check_tensor(L, idx); /* "freed" */
-    luaL_error(L, "bad argument #%d to '%s' (tensor expected, got %s)", idx, fn,
-               luaL_typename(L, idx));
-  }
-  return t;
+  return optional && lua_isnoneornil(L, idx) ? NULL : fsdp_lua_arg_tensor(L, idx, fn);
 }
 #define T_ARG(idx) tensor_arg(L, idx, fn, false)
 #define M_ARG(idx) tensor_arg(L, idx, fn, true)
