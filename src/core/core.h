@@ -275,6 +275,8 @@ void fsdp_tensor_release(fsdp_tensor *t); /* also releases grad when the last re
 
 int64_t fsdp_tensor_numel(const fsdp_tensor *t);
 bool fsdp_tensor_is_contiguous(const fsdp_tensor *t);
+/* The row-major strides of shape (a dimension of size 0 counts as 1, so they stay distinct). */
+void fsdp_contiguous_strides(int64_t *strides, int ndim, const int64_t *shape);
 bool fsdp_tensor_same_shape(const fsdp_tensor *a, const fsdp_tensor *b);
 /* "(2, 3)" into buf; returns buf. */
 char *fsdp_shape_str(char *buf, size_t n, int ndim, const int64_t *shape);

@@ -430,14 +430,6 @@ static int validate(const char *upath, fsdp_tensor *const *params, const char *c
 
 /* ---- construction ------------------------------------------------------------------------ */
 
-static void contiguous_strides(int64_t *strides, int ndim, const int64_t *shape) {
-  int64_t s = 1;
-  for (int i = ndim - 1; i >= 0; i--) {
-    strides[i] = s;
-    s *= shape[i] ? shape[i] : 1;
-  }
-}
-
 static void unit_free(fsdp_unit *u) {
   drop_prefetch(u);
   for (int i = 0; i < u->n; i++) {
@@ -590,7 +582,7 @@ int fsdp_unit_new(fsdp_unit **out, fsdp_comm *c, const char *path, fsdp_tensor *
     q->param = p;
     fsdp_tensor_set_label(p, q->path); /* best effort: only error messages use it */
     fsdp_tensor_set_grad(p, NULL);     /* gradients live in the grad shard from now on */
-    contiguous_strides(p->strides, p->ndim, p->shape);
+    fsdp_contiguous_strides(p->strides, p->ndim, p->shape);
     fsdp_tensor_set_storage(p, none ? u->shard->storage : u->sharded, q->offset);
     p->user = u;
   }
@@ -873,7 +865,7 @@ static int hook_end(void *ud) {
       if (rc) return fsdp_error_context("backward: unit '%s'", u->path);
     }
     int64_t strides[FSDP_MAX_DIMS];
-    contiguous_strides(strides, q->ndim, q->shape);
+    fsdp_contiguous_strides(strides, q->ndim, q->shape);
     fsdp_tensor *g;
     if (fsdp_tensor_new_view(&g, u->full_grad, q->offset, q->ndim, q->shape, strides))
       return fsdp_error_context("backward: unit '%s'", u->path);

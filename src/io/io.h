@@ -237,6 +237,10 @@ int fsdp_io_st_read_tensor(fsdp_io_st_reader *r, const char *name, int64_t first
 
 /* Write `doc` (printed formatted, with a final newline) to `path` through an atomic file. */
 int fsdp_io_json_write_atomic(const char *path, const cJSON *doc);
+/* Write text and a final newline to `path` through an atomic file. */
+int fsdp_io_text_write_atomic(const char *path, const char *text);
+/* *text = doc printed formatted (the caller's, freed with cJSON_free); errors name path. */
+int fsdp_io_json_print(const cJSON *doc, const char *path, char **text);
 /* Read and parse the JSON document at `path` (at most 1 GiB); *out is the caller's, freed with
  * cJSON_Delete. Errors name the file and, for bad JSON, the line and column. */
 int fsdp_io_json_read(const char *path, cJSON **out);
@@ -256,6 +260,8 @@ int fsdp_io_json_parse(cJSON **out, const char *name, const char *text, size_t s
 int fsdp_io_index_check(const cJSON *doc, const char *name);
 int fsdp_io_index_parse(cJSON **out, const char *name, const char *text, size_t size);
 int fsdp_io_index_read(const char *path, cJSON **out);
+/* Write doc to `path` (an atomic file) after checking it as the text a reader will parse. */
+int fsdp_io_index_write(const char *path, const cJSON *doc);
 
 /* ---- folders (fs.c) ------------------------------------------------------------------------ */
 

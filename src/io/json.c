@@ -18,21 +18,27 @@
 
 #define JSON_MAX_BYTES ((uint64_t)1 << 30)
 
-int fsdp_io_json_write_atomic(const char *path, const cJSON *doc) {
-  if (doc == NULL) return fsdp_error("%s: no JSON document to write", path);
-  char *text = cJSON_Print(doc);
-  if (text == NULL)
-    return fsdp_error("%s: cannot print the JSON document (out of memory)", path);
+int fsdp_io_text_write_atomic(const char *path, const char *text) {
   fsdp_io_atomic *f;
-  int rc = fsdp_io_atomic_open(&f, path);
-  if (rc == FSDP_OK) {
-    if (fsdp_io_atomic_write(f, text, strlen(text)) || fsdp_io_atomic_write(f, "\n", 1)) {
-      fsdp_io_atomic_abort(f);
-      rc = FSDP_ERR;
-    } else {
-      rc = fsdp_io_atomic_commit(f);
-    }
+  if (fsdp_io_atomic_open(&f, path)) return FSDP_ERR;
+  if (fsdp_io_atomic_write(f, text, strlen(text)) || fsdp_io_atomic_write(f, "\n", 1)) {
+    fsdp_io_atomic_abort(f);
+    return FSDP_ERR;
   }
+  return fsdp_io_atomic_commit(f);
+}
+
+int fsdp_io_json_print(const cJSON *doc, const char *path, char **text) {
+  *text = doc != NULL ? cJSON_Print(doc) : NULL;
+  if (doc == NULL) return fsdp_error("%s: no JSON document to write", path);
+  if (*text == NULL) return fsdp_error("%s: cannot print the JSON document (out of memory)", path);
+  return FSDP_OK;
+}
+
+int fsdp_io_json_write_atomic(const char *path, const cJSON *doc) {
+  char *text;
+  if (fsdp_io_json_print(doc, path, &text)) return FSDP_ERR;
+  int rc = fsdp_io_text_write_atomic(path, text);
   cJSON_free(text);
   return rc;
 }

@@ -341,18 +341,11 @@ static int l_devices(lua_State *L) {
 static int l_cpu_features(lua_State *L) {
   __builtin_cpu_init();
   lua_createtable(L, 0, 6);
-  lua_pushboolean(L, __builtin_cpu_supports("avx2"));
-  lua_setfield(L, -2, "avx2");
-  lua_pushboolean(L, __builtin_cpu_supports("fma"));
-  lua_setfield(L, -2, "fma");
-  lua_pushboolean(L, __builtin_cpu_supports("avx512f"));
-  lua_setfield(L, -2, "avx512f");
-  lua_pushboolean(L, __builtin_cpu_supports("avx512bw"));
-  lua_setfield(L, -2, "avx512bw");
-  lua_pushboolean(L, __builtin_cpu_supports("avx512vl"));
-  lua_setfield(L, -2, "avx512vl");
-  lua_pushboolean(L, __builtin_cpu_supports("avx512bf16"));
-  lua_setfield(L, -2, "avx512bf16");
+  /* __builtin_cpu_supports takes a string literal only: no loop over names */
+#define FEATURE(name) (lua_pushboolean(L, __builtin_cpu_supports(name)), lua_setfield(L, -2, name))
+  FEATURE("avx2"), FEATURE("fma"), FEATURE("avx512f");
+  FEATURE("avx512bw"), FEATURE("avx512vl"), FEATURE("avx512bf16");
+#undef FEATURE
   return 1;
 }
 

@@ -1694,6 +1694,25 @@ static void test_index_read(void **state) {
   assert_null(doc);
 }
 
+/* fsdp_io_index_write checks what it writes: a good index reads back, a bad one is refused
+ * and leaves the file as it was */
+static void test_index_write(void **state) {
+  fixture *fx = *state;
+  const char *path = path_in(fx, "written.json");
+  cJSON *doc = NULL, *back = NULL;
+  assert_int_equal(fsdp_io_index_parse(&doc, "idx.json", INDEX_OK, strlen(INDEX_OK)), FSDP_OK);
+  assert_int_equal(fsdp_io_index_write(path, doc), FSDP_OK);
+  assert_int_equal(fsdp_io_index_read(path, &back), FSDP_OK);
+  assert_int_equal(cJSON_GetObjectItem(back, "step")->valueint, 50);
+  cJSON_Delete(back);
+  cJSON_ReplaceItemInObject(doc, "step", cJSON_CreateString("fifty"));
+  expect_error(fsdp_io_index_write(path, doc), "written.json:");
+  assert_int_equal(fsdp_io_index_read(path, &back), FSDP_OK); /* the first one, still */
+  cJSON_Delete(back);
+  cJSON_Delete(doc);
+  expect_error(fsdp_io_index_write(path, NULL), "no JSON document");
+}
+
 /* ---- folders (fs.c) ----------------------------------------------------------------------- */
 
 static void test_folders(void **state) {
@@ -1757,6 +1776,7 @@ int main(void) {
       T(test_json),
       T(test_index),
       T(test_index_read),
+      T(test_index_write),
       T(test_folders),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
