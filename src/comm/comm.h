@@ -299,6 +299,13 @@ bool fsdp_coll_check_agrees(const uint64_t acc[FSDP_CHECK_WORDS]);
  * (fsdp_comm_set_full_check when it was issued). */
 bool fsdp_comm_full_check(const fsdp_comm *c);
 char *fsdp_coll_describe(char *buf, size_t n, const fsdp_coll *coll);
+/* A backend's view of peer p for a timeout message: whether it is missing and, when it is,
+ * where it is (where: "#11", "none", "never joined") and whether it left. */
+typedef bool (*fsdp_comm_peer_fn)(const void *ctx, int p, char *where, size_t n, bool *left);
+/* "ranks 2, 3 have not arrived (sequence numbers they reached: rank 2 #11, rank 3 none)" over
+ * ranks [0, world) into buf; returns how many are missing (0: buf is "", the caller says why). */
+int fsdp_comm_describe_missing(char *buf, size_t n, int world, fsdp_comm_peer_fn peer,
+                               const void *ctx);
 /* Bytes the stats count for one collective on a world of `world` ranks. */
 int64_t fsdp_coll_bytes(const fsdp_coll *coll, int world);
 
