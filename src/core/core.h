@@ -142,6 +142,10 @@ typedef struct fsdp_device_i {
 /* cpu: host memory. Its kernels are registered by src/kernels/cpu (fsdp_kernels_init). */
 extern fsdp_device_i fsdp_device_cpu;
 extern fsdp_device_i fsdp_device_meta;
+/* alloc and free of a device without data (meta, and devices like it above core): nothing to
+ * allocate (*out = NULL) or free */
+int fsdp_device_nodata_alloc(void *ctx, void **out, size_t bytes);
+void fsdp_device_nodata_free(void *ctx, void *ptr, size_t bytes);
 /* Add a device to the registry (or update the kernels of one already there): dev must stay
  * valid for the life of the process. FSDP_ERR when another device has its name or the
  * registry is full (FSDP_MAX_DEVICES). Thread-safe; devices are registered once, at start. */

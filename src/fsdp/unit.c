@@ -39,18 +39,11 @@
 
 /* ---- the sharded device ------------------------------------------------------------------ */
 
-static int sharded_alloc(void *ctx, void **out, size_t bytes) {
-  (void)ctx, (void)bytes;
-  *out = NULL;
-  return FSDP_OK;
-}
-static void sharded_free(void *ctx, void *ptr, size_t bytes) { (void)ctx, (void)ptr, (void)bytes; }
-
 fsdp_device_i fsdp_device_sharded = {
     .name = "sharded",
     .has_data = false,
-    .alloc = sharded_alloc,
-    .free = sharded_free,
+    .alloc = fsdp_device_nodata_alloc,
+    .free = fsdp_device_nodata_free,
     .no_data = "is sharded: gather its unit (u:gather()) or use fsdp.full_params",
 };
 
