@@ -136,6 +136,38 @@ static void test_tensors(void **state) {
   for (int W = 1; W <= 4; W++) run_ranks(W, tensor_body, NULL);
 }
 
+static void *no_memory(void *ud, size_t n) {
+  (void)ud, (void)n;
+  return NULL;
+}
+
+/* The errors a rank raises alone, at world size 1 (at larger ones a peer would wait on it): a
+ * NULL string of some length, an allocator out of memory. */
+static bool errors_body(rank_ctx *ctx) {
+  int64_t lens[1];
+  char *all;
+  size_t stride, n;
+  const char *out;
+  CHECK(fsdp_comm_all_gather_bytes(ctx->comm, NULL, 3, lens, &all, &stride, take, NULL, "e") ==
+        FSDP_ERR);
+  CHECK_MSG("all_gather_bytes: NULL string of 3 bytes");
+  CHECK(fsdp_comm_all_gather_bytes(ctx->comm, "abc", 3, lens, &all, &stride, no_memory, NULL,
+                                   "e") == FSDP_ERR);
+  CHECK_MSG("all_gather_bytes: out of memory for 1 x 3 bytes");
+  CHECK(all == NULL && stride == 0);
+  CHECK(fsdp_comm_broadcast_bytes(ctx->comm, NULL, 2, 0, &out, &n, take, NULL, "e") == FSDP_ERR);
+  CHECK_MSG("broadcast_bytes: NULL string of 2 bytes");
+  /* a root's NULL string of no bytes is the empty string */
+  CHECK_OK(fsdp_comm_broadcast_bytes(ctx->comm, NULL, 0, 0, &out, &n, no_memory, NULL, "e"));
+  CHECK(n == 0 && out != NULL && out[0] == '\0');
+  return true;
+}
+
+static void test_errors(void **state) {
+  (void)state;
+  run_ranks(1, errors_body, NULL);
+}
+
 /* FNV-1a 64 of "" and "a" (the published test vectors) */
 static void test_digest(void **state) {
   (void)state;
@@ -150,6 +182,7 @@ int main(void) {
       cmocka_unit_test(test_broadcast_bytes),
       cmocka_unit_test(test_tensors),
       cmocka_unit_test(test_digest),
+      cmocka_unit_test(test_errors),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
