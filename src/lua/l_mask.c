@@ -120,6 +120,17 @@ static int64_t count_field(lua_State *L, int idx, const char *key, const char *w
   return (int64_t)v;
 }
 
+/* The field at idx (x or m of piece i of group gi): a tensor, or nil when optional. */
+static fsdp_tensor *piece_tensor(lua_State *L, int idx, int gi, int i, const char *key,
+                                 bool optional) {
+  if (optional && lua_isnil(L, idx)) return NULL;
+  fsdp_tensor *t = fsdp_lua_to_tensor(L, idx);
+  if (t == NULL)
+    luaL_error(L, "prune_select: group %d, piece %d: %s must be a %stensor (got %s)", gi, i, key,
+               luaL_testudata(L, idx, FSDP_TENSOR_MT) ? "live " : "", luaL_typename(L, idx));
+  return t;
+}
+
 /* The pieces table of group gi (1-based) pushed, and its length. */
 static int push_pieces(lua_State *L, int gi) {
   lua_rawgeti(L, 1, gi);
@@ -160,8 +171,8 @@ static int l_prune_select(lua_State *L) {
       lua_getfield(L, it, "x");
       lua_getfield(L, it, "m");
       lua_getfield(L, it, "counts");
-      *pc = (fsdp_prune_piece){.x = tensor_arg(L, it + 1, fn, false),
-                               .m = tensor_arg(L, it + 2, fn, true),
+      *pc = (fsdp_prune_piece){.x = piece_tensor(L, it + 1, gi + 1, i + 1, "x", false),
+                               .m = piece_tensor(L, it + 2, gi + 1, i + 1, "m", true),
                                .gbase = (uint64_t)count_field(L, it, "gbase", "piece", i + 1),
                                .counts = lua_toboolean(L, it + 3)};
       lua_settop(L, it - 1);

@@ -114,7 +114,19 @@ describe("l_mask.c helpers", function()
     -- a piece another rank counts adds nothing
     g = {k = 3, pieces = {{x = fsdp.tensor{1, 2, 3}, gbase = 0, counts = false}}}
     assert.has_error(function() core.prune_select({g}, false, "mask_spec") end)
-    assert.has_error(function() core.prune_select({{k = -1, pieces = {}}}, false, "x") end)
+    -- the binding's own checks, naming the group or piece
+    local function refused(groups, want)
+      local ok2, err2 = pcall(core.prune_select, groups, false, "x")
+      assert.is_false(ok2)
+      assert.truthy(tostring(err2):find(want, 1, true), tostring(err2))
+    end
+    refused({{k = -1, pieces = {}}}, "prune_select: group 1: k must be an integer in [0, 2^53]")
+    refused({5}, "prune_select: group 1 is a number, not a table")
+    refused({{k = 1}}, "prune_select: group 1: pieces is a nil, not a table")
+    refused({{k = 1, pieces = {{x = fsdp.tensor{1}, counts = true}}}},
+      "prune_select: piece 1: gbase must be an integer in [0, 2^53]")
+    refused({{k = 1, pieces = {{x = 3, gbase = 0}}}}, "prune_select: group 1, piece 1: x must be a tensor (got number)")
+    refused({{k = 1, pieces = {{x = fsdp.tensor{1}, m = {}, gbase = 0}}}}, "piece 1: m must be a tensor (got table)")
   end)
 
   it("keys put masked elements below every live one", function()
