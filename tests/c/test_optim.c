@@ -204,9 +204,8 @@ static void test_param_init(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_sgd),        cmocka_unit_test(test_adamw),
+      cmocka_unit_test(test_sgd),         cmocka_unit_test(test_adamw),
       cmocka_unit_test(test_update_errors), cmocka_unit_test(test_sumsq),
-      cmocka_unit_test(test_param_make), cmocka_unit_test(test_param_init),
-  };
+      cmocka_unit_test(test_param_make),  cmocka_unit_test(test_param_init)};
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
