@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS  ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: all deps build run test bench install examples clean gpu-debs gpu-check
+.PHONY: all deps build run test sanitize bench install examples clean gpu-debs gpu-check
 all: build
 
 deps:
@@ -20,6 +20,11 @@ run: build
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+# The whole suite under AddressSanitizer and UBSan (findings fail the test), in build-asan/
+# (docs/ARCHITECTURE.md "Tests").
+sanitize:
+	$(MAKE) test BUILD=build-asan CMAKE_FLAGS="-DFSDP_CUDA=OFF -DFSDP_SANITIZE=ON $(CMAKE_FLAGS)"
 
 bench: build
 	sh bench/run.sh $(BUILD)
@@ -40,4 +45,4 @@ gpu-check:
 	bash scripts/gpu-check
 
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) build-asan

@@ -82,8 +82,9 @@ static void test_create(void) {
          "out of range");
   EXPECT(NULL, fsdp_runtime_new(&rt, &(fsdp_runtime_opts){.backend = "mpi"}), FSDP_ERROR,
          "backend 'mpi' cannot be embedded");
+  /* no library there: FSDP_ERROR, as for a folder that lacks it (fsdp.h) */
   EXPECT(NULL, fsdp_runtime_new(&rt, &(fsdp_runtime_opts){.lua_path = "/nonexistent/lua"}),
-         FSDP_MISUSE, "is not a folder");
+         FSDP_ERROR, "lua_path '/nonexistent/lua' is not a folder");
   /* a folder without the library: every rank fails to load it, nothing is left running */
   EXPECT(NULL, fsdp_runtime_new(&rt, &(fsdp_runtime_opts){.world = 2, .lua_path = "/tmp"}),
          FSDP_ERROR, "loading the fsdp library from /tmp");
@@ -169,6 +170,8 @@ static void test_run(void) {
   }
   EXPECT(rt, fsdp_run_file(rt, "/nonexistent/recipe.lua", 0, NULL), FSDP_ERROR,
          "cannot read /nonexistent/recipe.lua");
+  /* a folder: fsdprun's words */
+  EXPECT(rt, fsdp_run_file(rt, "/tmp", 0, NULL), FSDP_ERROR, "cannot read /tmp: Is a directory");
   /* os.exit would end the host: it raises instead (and that breaks the runtime) */
   EXPECT(rt, fsdp_run_string(rt, "os.exit(3)"), FSDP_BROKEN, "os.exit is not available");
   fsdp_runtime_free(rt);

@@ -142,7 +142,8 @@ typedef struct fsdp_runtime_opts {
   double timeout_s;
   /* Folder of the fsdp Lua library (the one holding fsdp/init.lua). NULL: found next to
    * libfsdp: <libdir>/../share/fsdprun/lua of an installed tree, else the lua/ folder of the
-   * source tree libfsdp was built from. It is prepended to every rank's package.path. */
+   * source tree libfsdp was built from. It is prepended to every rank's package.path. A path
+   * that is no folder, or a folder without the library, is FSDP_ERROR ("not found"). */
   const char *lua_path;
   /* Each rank's cpu threads (the name is historical: they run every cpu kernel, GEMMs
    * included), 0 .. 1024, else FSDP_MISUSE. 0: FSDP_THREADS from the environment, else
@@ -181,8 +182,9 @@ FSDP_API const char *fsdp_last_error(const fsdp_runtime *rt);
 /* Run the Lua file at path on every rank, as fsdprun runs a recipe: the global `arg` holds
  * arg[0] = path and arg[1..argc] = argv[0..argc-1], which are also the chunk's varargs, and
  * fsdp.args is parsed again from them (--key=value, --flag). argv may be NULL when argc is 0.
- * The file is read and compiled once first: a missing file or a syntax error is FSDP_ERROR
- * and runs nothing. Returns when every rank has finished: FSDP_OK, or FSDP_BROKEN if the code
+ * The file is read and compiled once first: a file that cannot be read (missing, a folder:
+ * "cannot read <path>: <reason>", fsdprun's words) or a syntax error is FSDP_ERROR and runs
+ * nothing. Returns when every rank has finished: FSDP_OK, or FSDP_BROKEN if the code
  * raised an error on any rank (at the latest 4 s after that error, even if another rank
  * never stops: "Ranks that do not stop" above). Globals the file sets stay for later calls. */
 FSDP_API int fsdp_run_file(fsdp_runtime *rt, const char *path, int argc, const char *const *argv);

@@ -288,7 +288,7 @@ function Optimizer:load_state_dict(sd)
   end
 end
 
--- ---- checkpoint support (added by ckpt; the caller is lua/fsdp/checkpoint.lua) -------------
+-- ---- checkpoint support (the caller is lua/fsdp/checkpoint.lua) ----------------------------
 --
 -- State as per-parameter flat element ranges, so that a checkpoint can store each rank's
 -- slice and load it back at another world size (resharding). Positions are 0-based here.

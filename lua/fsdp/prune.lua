@@ -17,9 +17,9 @@
 -- index), so the chosen elements are the same at any world size. The k-th key is found by
 -- radix selection: three passes of 11/11/10 bits, each one histogram per group and one
 -- all_reduce of all groups' histograms together; when only part of the elements equal to that
--- key are to go, three more passes select the cut-off position the same way (src/lua/l_mask.c
--- holds the per-element loops). Cost: at most 6 all_reduce calls of G * 16 KiB (G groups),
--- plus two passes over the local shard per call, whatever the model size.
+-- key are to go, three more passes select the cut-off position the same way (fsdp_prune_select,
+-- src/fsdp/mask.c, through the kernel table). Cost: at most 6 all_reduce calls of G * 16 KiB
+-- (G groups), plus two passes over the local shard per call, whatever the model size.
 --
 -- N:M: along the last dimension (a Linear weight's input dimension) each group of m consecutive
 -- weights keeps its n largest (the m - n smallest go, in the order of magnitude pruning: masked
@@ -101,85 +101,6 @@ local function refresh_units(entries)
   end
 end
 
--- ---- radix selection ------------------------------------------------------------------------
-
-local KEY_PASSES = {{21, 11}, {10, 11}, {0, 10}} -- {shift, width}: 32-bit keys
-local POS_PASSES = {{22, 11}, {11, 11}, {0, 11}} -- positions below 2^33
-
--- One lockstep radix selection over groups. Each group {pieces = {{x, m, gbase, counts}...},
--- rem =} looks for its rem-th smallest value (key, or position among elements of key T);
--- on return g.prefix is that value and g.rem what is left of rem within it, g.last the count of
--- elements equal to it. hist(h, off, piece, g, shift, width) accumulates a piece's histogram
--- into the int64 counts h at offset off.
-local function radix(groups, passes, collective, label, hist)
-  local G = #groups
-  for _, g in ipairs(groups) do g.prefix = 0 end
-  for _, pass in ipairs(passes) do
-    local shift, width = pass[1], pass[2]
-    local nb = 2 ^ width
-    local h = core.counts(G * nb)
-    for gi, g in ipairs(groups) do
-      if g.active then
-        for _, pc in ipairs(g.pieces) do
-          if pc.counts then hist(h, (gi - 1) * nb, pc, g, shift, width) end
-        end
-      end
-    end
-    if collective then core.counts_all_reduce(h, label) end
-    local t = core.counts_totable(h)
-    for gi, g in ipairs(groups) do
-      if g.active then
-        local off = (gi - 1) * nb
-        local cum, chosen, c = 0, nil, 0
-        for b = 0, nb - 1 do
-          c = t[off + b + 1]
-          if cum + c >= g.rem then chosen = b break end
-          cum = cum + c
-        end
-        if chosen == nil then
-          error(("prune: internal error: %s: %d elements short in radix selection"):format(label, g.rem - cum), 0)
-        end
-        g.rem = g.rem - cum
-        g.prefix = g.prefix * nb + chosen
-        g.last = c
-      end
-    end
-  end
-end
-
--- Select, in every group, its k smallest elements (keys, then positions); sets g.T and g.P.
-local function select_groups(groups, collective, label)
-  for _, g in ipairs(groups) do
-    g.active = g.k > 0
-    g.rem = g.k
-  end
-  radix(groups, KEY_PASSES, collective, label, function(h, off, pc, g, shift, width)
-    core.mask_hist(h, off, pc.x, pc.m, g.prefix, shift, width)
-  end)
-  local need_pos = false
-  for _, g in ipairs(groups) do
-    if g.active then
-      g.T = g.prefix
-      if g.rem < g.last then -- only part of the elements with key T go: by position
-        need_pos = true
-      else
-        g.active = false
-        g.P = 2 ^ 53 -- every element of key T goes
-      end
-    else
-      g.T, g.P = 0, 0 -- nothing pruned
-    end
-  end
-  if need_pos then
-    radix(groups, POS_PASSES, collective, label, function(h, off, pc, g, shift, width)
-      core.mask_hist_pos(h, off, pc.x, pc.m, g.T, pc.gbase, g.prefix, shift, width)
-    end)
-    for _, g in ipairs(groups) do
-      if g.active then g.P = g.prefix + 1 end
-    end
-  end
-end
-
 local function check_sparsity(s, fn)
   if type(s) ~= "number" or s ~= s or s < 0 or s > 1 then
     raise(("%s: sparsity must be a number in [0, 1] (got %s)"):format(fn, tostring(s)))
@@ -227,7 +148,8 @@ function prune.magnitude(model, opts)
       e.group = g
     end
   end
-  select_groups(groups, collective, fn)
+  -- every group's k smallest (keys, then positions) as g.T and g.P (fsdp_prune_select)
+  core.prune_select(groups, collective, fn)
   local res = {pruned = 0, numel = total, params = {}}
   for _, e in ipairs(entries) do
     local mout

@@ -110,7 +110,9 @@ int64_t fsdp_tape_prune(void) {
       tape[--keep] = n; /* keep >= r: only slots already read are written */
     }
   }
-  memmove(tape, tape + keep, (size_t)(tape_len - keep) * sizeof *tape);
+  /* keep == 0: the kept nodes are in place (and an empty tape has no array: memmove(NULL, ...)
+   * is undefined even for 0 bytes) */
+  if (keep > 0) memmove(tape, tape + keep, (size_t)(tape_len - keep) * sizeof *tape);
   tape_len -= keep;
   return freed;
 }

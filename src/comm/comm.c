@@ -27,12 +27,8 @@
 #include <time.h>
 
 #define FSDP_COMM_RECORDER 64
-/* The engine's error slot (error.c) holds 1024 bytes; messages are built to fit it. */
-#ifdef FSDP_ERROR_CAP
+/* Messages are built to fit the engine's error slot (FSDP_ERROR_CAP bytes, core.h). */
 #define FSDP_COMM_MSG_CAP FSDP_ERROR_CAP
-#else
-#define FSDP_COMM_MSG_CAP 1024
-#endif
 #define FSDP_COMM_DEFAULT_TIMEOUT 60.0
 
 typedef enum { REC_EMPTY = 0, REC_QUEUED, REC_RUNNING, REC_DONE, REC_FAILED } rec_state;
@@ -209,6 +205,30 @@ char *fsdp_coll_describe(char *buf, size_t n, const fsdp_coll *coll) {
     if (at < n) snprintf(buf + at, n - at, " on %s", coll_place(coll));
   }
   return buf;
+}
+
+int fsdp_comm_describe_missing(char *buf, size_t n, int world, fsdp_comm_peer_fn peer,
+                               const void *ctx) {
+  char where[64];
+  bool left;
+  int missing = 0;
+  for (int p = 0; p < world; p++) missing += peer(ctx, p, where, sizeof where, &left);
+  if (n > 0) buf[0] = '\0';
+  if (missing == 0) return 0;
+  size_t at = (size_t)snprintf(buf, n, "%s", missing == 1 ? "rank " : "ranks ");
+  for (int p = 0, k = 0; p < world && at < n; p++)
+    if (peer(ctx, p, where, sizeof where, &left))
+      at += (size_t)snprintf(buf + at, n - at, "%s%d", k++ ? ", " : "", p);
+  if (at < n)
+    at += (size_t)snprintf(buf + at, n - at, " %s not arrived (%s reached:",
+                           missing == 1 ? "has" : "have",
+                           missing == 1 ? "sequence number it" : "sequence numbers they");
+  for (int p = 0, k = 0; p < world && at < n; p++)
+    if (peer(ctx, p, where, sizeof where, &left))
+      at += (size_t)snprintf(buf + at, n - at, "%s rank %d %s%s", k++ ? "," : "", p, where,
+                             left ? " (left)" : "");
+  if (at < n) snprintf(buf + at, n - at, ")");
+  return missing;
 }
 
 int64_t fsdp_coll_bytes(const fsdp_coll *coll, int world) {

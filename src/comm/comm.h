@@ -168,6 +168,36 @@ int fsdp_comm_broadcast(fsdp_comm *c, void *buf, int64_t count, fsdp_dtype dtype
                         const char *label);
 int fsdp_comm_barrier(fsdp_comm *c, const char *label);
 
+/* ---- values (values.c): collective too -------------------------------------------------- */
+
+/* A tensor (contiguous, with data, in its own dtype, on its own device) reduced or broadcast in
+ * place; bumps t->version. A strided view is an error naming the function ("all_reduce: needs a
+ * contiguous tensor, got a strided view (2, 2) ..."), raised before anything is issued. */
+int fsdp_comm_all_reduce_tensor(fsdp_comm *c, fsdp_tensor *t, fsdp_reduce_op red,
+                                const char *label);
+int fsdp_comm_broadcast_tensor(fsdp_comm *c, fsdp_tensor *t, int root, const char *label);
+
+/* Where the byte collectives put what they receive: n bytes the caller owns (the Lua binding's
+ * are userdata, so an error raised later frees them), or NULL when out of memory. */
+typedef void *(*fsdp_comm_alloc_fn)(void *ud, size_t n);
+/* Every rank's byte string (s, len bytes): lens (world entries, the caller's) gets each rank's
+ * length, *all a buffer of world x *stride bytes from alloc holding rank p's string at
+ * all + p * stride. Two collectives: the lengths (i64), then the strings padded to the longest
+ * (u8); only the first when every string is empty (*all NULL, *stride 0). */
+int fsdp_comm_all_gather_bytes(fsdp_comm *c, const void *s, size_t len, int64_t *lens,
+                               char **all, size_t *stride, fsdp_comm_alloc_fn alloc, void *ud,
+                               const char *label);
+/* root's byte string on every rank: *out and *out_len. The root sends s as it is and gets s
+ * back; every other rank ignores its s (NULL is fine) and gets len + 1 bytes from alloc, NUL
+ * terminated. Two collectives: the length (i64), then the bytes (u8). A root that is no rank
+ * is an error before anything is issued. */
+int fsdp_comm_broadcast_bytes(fsdp_comm *c, const void *s, size_t len, int root,
+                              const char **out, size_t *out_len, fsdp_comm_alloc_fn alloc,
+                              void *ud, const char *label);
+/* Not collective: a 64-bit FNV-1a hash of n bytes, what ranks compare before sending whole
+ * values (lua/fsdp/collective.lua). */
+uint64_t fsdp_comm_digest(const void *s, size_t n);
+
 /* Asynchronous: start a collective and get a handle (never NULL on FSDP_OK). Exactly one
  * fsdp_comm_wait per handle; it frees the handle and returns the collective's status (with its
  * message in this thread's error slot). Handles may be waited in any order (waiting on a later
@@ -269,6 +299,13 @@ bool fsdp_coll_check_agrees(const uint64_t acc[FSDP_CHECK_WORDS]);
  * (fsdp_comm_set_full_check when it was issued). */
 bool fsdp_comm_full_check(const fsdp_comm *c);
 char *fsdp_coll_describe(char *buf, size_t n, const fsdp_coll *coll);
+/* A backend's view of peer p for a timeout message: whether it is missing and, when it is,
+ * where it is (where: "#11", "none", "never joined") and whether it left. */
+typedef bool (*fsdp_comm_peer_fn)(const void *ctx, int p, char *where, size_t n, bool *left);
+/* "ranks 2, 3 have not arrived (sequence numbers they reached: rank 2 #11, rank 3 none)" over
+ * ranks [0, world) into buf; returns how many are missing (0: buf is "", the caller says why). */
+int fsdp_comm_describe_missing(char *buf, size_t n, int world, fsdp_comm_peer_fn peer,
+                               const void *ctx);
 /* Bytes the stats count for one collective on a world of `world` ranks. */
 int64_t fsdp_coll_bytes(const fsdp_coll *coll, int world);
 

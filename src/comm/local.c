@@ -175,34 +175,21 @@ static void decide_locked(fsdp_local_group *g, uint64_t seq) {
   pthread_cond_broadcast(&g->cv);
 }
 
-/* "ranks 2, 3 have not arrived (sequence numbers they reached: rank 2 #11, rank 3 none)" */
-static void describe_missing_locked(const fsdp_local_group *g, uint64_t seq, char *buf, size_t n) {
-  int missing = 0;
-  for (int p = 0; p < g->world; p++) missing += g->slot[p].arrived != seq;
-  size_t at = 0;
-  at += (size_t)snprintf(buf + at, n - at, "%s", missing == 1 ? "rank " : "ranks ");
-  int k = 0;
-  for (int p = 0; p < g->world && at < n; p++) {
-    if (g->slot[p].arrived == seq) continue;
-    at += (size_t)snprintf(buf + at, n - at, "%s%d", k++ ? ", " : "", p);
-  }
-  if (at < n) {
-    at += (size_t)snprintf(buf + at, n - at, " %s not arrived (%s reached:",
-                           missing == 1 ? "has" : "have",
-                           missing == 1 ? "sequence number it" : "sequence numbers they");
-  }
-  k = 0;
-  for (int p = 0; p < g->world && at < n; p++) {
-    const local_slot *s = &g->slot[p];
-    if (s->arrived == seq) continue;
-    char where[64];
-    if (!s->joined) snprintf(where, sizeof where, "never joined");
-    else if (s->arrived == 0) snprintf(where, sizeof where, "none");
-    else snprintf(where, sizeof where, "#%llu", (unsigned long long)s->arrived);
-    at += (size_t)snprintf(buf + at, n - at, "%s rank %d %s%s", k++ ? "," : "", p, where,
-                           s->left ? " (left)" : "");
-  }
-  if (at < n) snprintf(buf + at, n - at, ")");
+/* fsdp_comm_peer_fn over the group's slots, for the collective `seq` (ctx: a missing_ctx) */
+typedef struct {
+  const fsdp_local_group *g;
+  uint64_t seq;
+} missing_ctx;
+
+static bool local_peer(const void *ctx, int p, char *where, size_t n, bool *left) {
+  const missing_ctx *m = ctx;
+  const local_slot *s = &m->g->slot[p];
+  if (s->arrived == m->seq) return false;
+  if (!s->joined) snprintf(where, n, "never joined");
+  else if (s->arrived == 0) snprintf(where, n, "none");
+  else snprintf(where, n, "#%llu", (unsigned long long)s->arrived);
+  *left = s->left;
+  return true;
 }
 
 static void deadline_after(struct timespec *ts, double seconds) {
@@ -256,7 +243,8 @@ static int arrive(fsdp_comm *c, local_comm *lc, const fsdp_coll *coll, uint64_t 
       int rc = pthread_cond_timedwait(&g->cv, &g->mu, &deadline);
       if (rc == ETIMEDOUT && g->go_seq < seq && !g->poisoned) {
         char missing[LOCAL_MSG_CAP / 2];
-        describe_missing_locked(g, seq, missing, sizeof missing);
+        fsdp_comm_describe_missing(missing, sizeof missing, g->world, local_peer,
+                                   &(missing_ctx){g, seq});
         char msg[LOCAL_MSG_CAP];
         snprintf(msg, sizeof msg, "timeout after %g s in %s #%llu '%s': %s", timeout,
                  fsdp_coll_name(coll->op), (unsigned long long)seq, coll->label, missing);

@@ -142,6 +142,10 @@ typedef struct fsdp_device_i {
 /* cpu: host memory. Its kernels are registered by src/kernels/cpu (fsdp_kernels_init). */
 extern fsdp_device_i fsdp_device_cpu;
 extern fsdp_device_i fsdp_device_meta;
+/* alloc and free of a device without data (meta, and devices like it above core): nothing to
+ * allocate (*out = NULL) or free */
+int fsdp_device_nodata_alloc(void *ctx, void **out, size_t bytes);
+void fsdp_device_nodata_free(void *ctx, void *ptr, size_t bytes);
 /* Add a device to the registry (or update the kernels of one already there): dev must stay
  * valid for the life of the process. FSDP_ERR when another device has its name or the
  * registry is full (FSDP_MAX_DEVICES). Thread-safe; devices are registered once, at start. */
@@ -275,6 +279,8 @@ void fsdp_tensor_release(fsdp_tensor *t); /* also releases grad when the last re
 
 int64_t fsdp_tensor_numel(const fsdp_tensor *t);
 bool fsdp_tensor_is_contiguous(const fsdp_tensor *t);
+/* The row-major strides of shape (a dimension of size 0 counts as 1, so they stay distinct). */
+void fsdp_contiguous_strides(int64_t *strides, int ndim, const int64_t *shape);
 bool fsdp_tensor_same_shape(const fsdp_tensor *a, const fsdp_tensor *b);
 /* "(2, 3)" into buf; returns buf. */
 char *fsdp_shape_str(char *buf, size_t n, int ndim, const int64_t *shape);

@@ -183,19 +183,21 @@ fsdp_device_i fsdp_device_cpu = {
 
 /* ---- meta ------------------------------------------------------------------------------- */
 
-static int meta_alloc(void *ctx, void **out, size_t bytes) {
+int fsdp_device_nodata_alloc(void *ctx, void **out, size_t bytes) {
   (void)ctx, (void)bytes;
   *out = NULL;
   return FSDP_OK;
 }
 
-static void meta_free(void *ctx, void *ptr, size_t bytes) { (void)ctx, (void)ptr, (void)bytes; }
+void fsdp_device_nodata_free(void *ctx, void *ptr, size_t bytes) {
+  (void)ctx, (void)ptr, (void)bytes;
+}
 
 fsdp_device_i fsdp_device_meta = {
     .name = "meta",
     .has_data = false,
-    .alloc = meta_alloc,
-    .free = meta_free,
+    .alloc = fsdp_device_nodata_alloc,
+    .free = fsdp_device_nodata_free,
 };
 
 /* ---- registry ------------------------------------------------------------------------------ */

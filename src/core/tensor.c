@@ -60,7 +60,7 @@ static int check_shape(const char *what, int ndim, const int64_t *shape, size_t 
   return FSDP_OK;
 }
 
-static void contiguous_strides(int64_t *strides, int ndim, const int64_t *shape) {
+void fsdp_contiguous_strides(int64_t *strides, int ndim, const int64_t *shape) {
   int64_t s = 1;
   for (int i = ndim - 1; i >= 0; i--) {
     strides[i] = s;
@@ -101,7 +101,7 @@ static int tensor_new(fsdp_tensor **out, const fsdp_device_i *dev, fsdp_dtype dt
       FSDP_OK)
     return FSDP_ERR;
   int64_t strides[FSDP_MAX_DIMS];
-  contiguous_strides(strides, ndim, shape);
+  fsdp_contiguous_strides(strides, ndim, shape);
   int rc = tensor_make(out, s, 0, ndim, shape, strides, dt);
   fsdp_storage_release(s); /* the tensor holds it now (or nobody does) */
   return rc;
@@ -285,7 +285,7 @@ int fsdp_tensor_view(fsdp_tensor **out, fsdp_tensor *t, int ndim, const int64_t 
                       want, have, (long long)numel);
   }
   int64_t strides[FSDP_MAX_DIMS];
-  contiguous_strides(strides, ndim, resolved);
+  fsdp_contiguous_strides(strides, ndim, resolved);
   return fsdp_tensor_new_view(out, t, t->offset, ndim, resolved, strides);
 }
 

@@ -571,7 +571,7 @@ static bool is_dir(const char *path) {
 static int find_lua_dir(char *out, size_t n, const char *given) {
   if (given != NULL) {
     if (!is_dir(given))
-      return set_tl_error(FSDP_MISUSE, "fsdp_runtime_new: lua_path '%s' is not a folder", given);
+      return set_tl_error(FSDP_ERROR, "fsdp_runtime_new: lua_path '%s' is not a folder", given);
     snprintf(out, n, "%s", given);
     return FSDP_OK;
   }
@@ -749,10 +749,17 @@ FSDP_API int fsdp_run_string(fsdp_runtime *rt, const char *code) {
   return leave(rt, load_and_run(rt));
 }
 
-/* The whole file, or NULL with errno set. */
+/* The whole file, or NULL with errno set: EISDIR for a folder, as fsdprun reports it, whatever
+ * reading a folder's stream does on this libc. */
 static char *read_file(const char *path, size_t *len) {
   FILE *f = fopen(path, "rb");
   if (f == NULL) return NULL;
+  struct stat st;
+  if (fstat(fileno(f), &st) == 0 && S_ISDIR(st.st_mode)) {
+    fclose(f);
+    errno = EISDIR;
+    return NULL;
+  }
   char *buf = fsdp_host_read_all(f, len);
   int err = errno;
   fclose(f);

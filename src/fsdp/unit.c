@@ -41,18 +41,11 @@
 
 /* ---- the sharded device ------------------------------------------------------------------ */
 
-static int sharded_alloc(void *ctx, void **out, size_t bytes) {
-  (void)ctx, (void)bytes;
-  *out = NULL;
-  return FSDP_OK;
-}
-static void sharded_free(void *ctx, void *ptr, size_t bytes) { (void)ctx, (void)ptr, (void)bytes; }
-
 fsdp_device_i fsdp_device_sharded = {
     .name = "sharded",
     .has_data = false,
-    .alloc = sharded_alloc,
-    .free = sharded_free,
+    .alloc = fsdp_device_nodata_alloc,
+    .free = fsdp_device_nodata_free,
     .no_data = "is sharded: gather its unit (u:gather()) or use fsdp.full_params",
 };
 
@@ -467,14 +460,6 @@ static int validate(const char *upath, fsdp_tensor *const *params, const char *c
 
 /* ---- construction ------------------------------------------------------------------------ */
 
-static void contiguous_strides(int64_t *strides, int ndim, const int64_t *shape) {
-  int64_t s = 1;
-  for (int i = ndim - 1; i >= 0; i--) {
-    strides[i] = s;
-    s *= shape[i] ? shape[i] : 1;
-  }
-}
-
 /* ---- an emptied unit's graphs ------------------------------------------------------------ */
 
 static void stale_forget(fsdp_unit *u) {
@@ -678,7 +663,7 @@ int fsdp_unit_new(fsdp_unit **out, fsdp_comm *c, const char *path, fsdp_tensor *
     q->param = p;
     fsdp_tensor_set_label(p, q->path); /* best effort: only error messages use it */
     fsdp_tensor_set_grad(p, NULL);     /* gradients live in the grad shard from now on */
-    contiguous_strides(p->strides, p->ndim, p->shape);
+    fsdp_contiguous_strides(p->strides, p->ndim, p->shape);
     fsdp_tensor_set_storage(p, none ? u->shard->storage : u->sharded, q->offset);
     p->user = u;
   }
@@ -964,7 +949,7 @@ static int hook_end(void *ud) {
       if (rc) return fsdp_error_context("backward: unit '%s'", u->path);
     }
     int64_t strides[FSDP_MAX_DIMS];
-    contiguous_strides(strides, q->ndim, q->shape);
+    fsdp_contiguous_strides(strides, q->ndim, q->shape);
     fsdp_tensor *g;
     if (fsdp_tensor_new_view(&g, u->full_grad, q->offset, q->ndim, q->shape, strides))
       return fsdp_error_context("backward: unit '%s'", u->path);

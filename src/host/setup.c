@@ -24,6 +24,11 @@
 #define FSDP_SOURCE_LUA_DIR ""
 #endif
 
+/* Where lua/fsdp/nn/module.lua leaves the traceback of an error raised inside a module call,
+ * taken at the error point: the outermost call raises the error again, from a frame that has
+ * lost every frame inside forward. */
+#define TRACEBACK_KEY "fsdp.traceback"
+
 int fsdp_host_traceback(lua_State *L) {
   const char *msg = lua_tostring(L, 1);
   if (msg == NULL) {
@@ -32,6 +37,14 @@ int fsdp_host_traceback(lua_State *L) {
     else
       msg = lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
   }
+  /* taken once; kept only when it is this error's ("<msg>\nstack traceback:...") */
+  lua_getfield(L, LUA_REGISTRYINDEX, TRACEBACK_KEY);
+  lua_pushnil(L);
+  lua_setfield(L, LUA_REGISTRYINDEX, TRACEBACK_KEY);
+  size_t n = strlen(msg), tn;
+  const char *tb = lua_type(L, -1) == LUA_TSTRING ? lua_tolstring(L, -1, &tn) : NULL;
+  if (tb != NULL && tn > n && memcmp(tb, msg, n) == 0 && tb[n] == '\n') return 1;
+  lua_pop(L, 1);
   luaL_traceback(L, L, msg, 1);
   return 1;
 }

@@ -415,6 +415,18 @@ int fsdp_io_index_parse(cJSON **out, const char *name, const char *text, size_t 
   return FSDP_OK;
 }
 
+int fsdp_io_index_write(const char *path, const cJSON *doc) {
+  char *text;
+  if (fsdp_io_json_print(doc, path, &text)) return FSDP_ERR;
+  /* checked as the text a reader will parse (numbers may be raw text in doc) */
+  cJSON *parsed = NULL;
+  int rc = fsdp_io_index_parse(&parsed, path, text, strlen(text));
+  cJSON_Delete(parsed);
+  if (rc == FSDP_OK) rc = fsdp_io_text_write_atomic(path, text);
+  cJSON_free(text);
+  return rc;
+}
+
 int fsdp_io_index_read(const char *path, cJSON **out) {
   if (fsdp_io_json_read(path, out)) return FSDP_ERR;
   if (fsdp_io_index_check(*out, path)) {

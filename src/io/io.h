@@ -76,7 +76,7 @@ void fsdp_io_fault_set(fsdp_io_fault_point point, int err, uint64_t after_bytes)
 /* "open", "write", "fsync", "rename" (and "none") -> point; -1 for an unknown name. */
 int fsdp_io_fault_point_from_name(const char *name);
 
-/* ---- safetensors (safetensors.c) -------------------------------------------------------- */
+/* ---- safetensors (dtypes: util.c; writer: st_write.c; reader: st_read.c) ---------------- */
 
 /* The dtypes of the safetensors format with a whole number of bytes per element. F32 is 0 so
  * that a zero-initialized entry means f32. Eight of them are tensor dtypes (F32, BF16, F16,
@@ -138,8 +138,8 @@ typedef struct fsdp_io_kv {
 /* The largest header accepted (as in the reference implementation). */
 #define FSDP_IO_ST_MAX_HEADER 100000000u
 
-/* -- writer: streams tensors to an atomic file; memory use is the header plus a 1 MiB buffer.
- * open takes every entry (names unique, valid UTF-8, not "__metadata__"; any dtype; at most
+/* -- writer (st_write.c): streams tensors to an atomic file; memory use is the header plus a
+ * 1 MiB buffer. open takes every entry (names unique, valid UTF-8, not "__metadata__"; any dtype; at most
  * FSDP_MAX_DIMS dims) and the metadata, lays the data out in entry order and writes the
  * header. Then the tensors' bytes arrive in entry order, each tensor in one or several write
  * calls (element ranges in order: one call per shard, say); entries with no elements need no
@@ -164,8 +164,9 @@ const char *fsdp_io_st_writer_path(const fsdp_io_st_writer *w); /* the final pat
 int fsdp_io_st_writer_commit(fsdp_io_st_writer *w);
 void fsdp_io_st_writer_abort(fsdp_io_st_writer *w); /* NULL is a no-op */
 
-/* -- reader: open reads the header once and validates it whole: the length field against the
- * file size, the JSON (cJSON), every entry (dtype known, shape, data_offsets), sizes =
+/* -- reader (st_read.c): open reads the header once and validates it whole: the length field against the
+ * file size, the JSON (cJSON; no string may hold a NUL character, raw or as \u0000, which
+ * would alias "a\u0000b" to "a"), every entry (dtype known, shape, data_offsets), sizes =
  * numel * dtype size, offsets inside the data section, no overlaps, no holes, no trailing
  * bytes, the header checksum when the file has one, the form of the tensor checksums. Reads
  * then pread only the bytes asked for. */
@@ -239,6 +240,10 @@ int fsdp_io_st_read_tensor(fsdp_io_st_reader *r, const char *name, int64_t first
 
 /* Write `doc` (printed formatted, with a final newline) to `path` through an atomic file. */
 int fsdp_io_json_write_atomic(const char *path, const cJSON *doc);
+/* Write text and a final newline to `path` through an atomic file. */
+int fsdp_io_text_write_atomic(const char *path, const char *text);
+/* *text = doc printed formatted (the caller's, freed with cJSON_free); errors name path. */
+int fsdp_io_json_print(const cJSON *doc, const char *path, char **text);
 /* Read and parse the JSON document at `path` (at most 1 GiB); *out is the caller's, freed with
  * cJSON_Delete. Errors name the file and, for bad JSON, the line and column. */
 int fsdp_io_json_read(const char *path, cJSON **out);
@@ -271,6 +276,8 @@ int fsdp_io_text_write_atomic(const char *path, const char *text);
 int fsdp_io_index_check(const cJSON *doc, const char *name);
 int fsdp_io_index_parse(cJSON **out, const char *name, const char *text, size_t size);
 int fsdp_io_index_read(const char *path, cJSON **out);
+/* Write doc to `path` (an atomic file) after checking it as the text a reader will parse. */
+int fsdp_io_index_write(const char *path, const cJSON *doc);
 
 /* ---- folders (fs.c) ------------------------------------------------------------------------ */
 
@@ -284,9 +291,14 @@ int fsdp_io_remove(const char *path);
 /* fsync a folder (makes earlier renames and removals in it durable). */
 int fsdp_io_fsync_dir(const char *path);
 
-/* ---- helpers shared by the layer ------------------------------------------------------- */
+/* ---- helpers shared by the layer (util.c) ----------------------------------------------- */
 
 /* true when s[0..n) is well-formed UTF-8 (no overlongs, no surrogates, at most U+10FFFF). */
 bool fsdp_io_utf8_valid(const char *s, size_t n);
+/* FSDP_OK, or FSDP_ERR when a string of the JSON text[0..n) holds a NUL character, raw or
+ * escaped as \u0000: cJSON would decode it into a C string that ends there, so the key
+ * "wte.weight\u0000evil" would read as "wte.weight". The message names the file (name), the
+ * part (what: "header") and the string as written, with its byte offset. */
+int fsdp_io_json_refuse_nul(const char *name, const char *what, const char *text, size_t n);
 
 #endif

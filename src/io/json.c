@@ -31,11 +31,16 @@ int fsdp_io_text_write_atomic(const char *path, const char *text) {
   return fsdp_io_atomic_commit(f);
 }
 
-int fsdp_io_json_write_atomic(const char *path, const cJSON *doc) {
+int fsdp_io_json_print(const cJSON *doc, const char *path, char **text) {
+  *text = doc != NULL ? cJSON_Print(doc) : NULL;
   if (doc == NULL) return fsdp_error("%s: no JSON document to write", path);
-  char *text = cJSON_Print(doc);
-  if (text == NULL)
-    return fsdp_error("%s: cannot print the JSON document (out of memory)", path);
+  if (*text == NULL) return fsdp_error("%s: cannot print the JSON document (out of memory)", path);
+  return FSDP_OK;
+}
+
+int fsdp_io_json_write_atomic(const char *path, const cJSON *doc) {
+  char *text;
+  if (fsdp_io_json_print(doc, path, &text)) return FSDP_ERR;
   int rc = fsdp_io_text_write_atomic(path, text);
   cJSON_free(text);
   return rc;
@@ -153,6 +158,7 @@ int fsdp_io_json_parse_ex(cJSON **out, const char *name, const char *text, size_
   if (name == NULL) name = "(memory)";
   if (size > 0 && text == NULL) return fsdp_error("%s: NULL buffer of %zu bytes", name, size);
   if (size == 0) return fsdp_error("%s: empty file, not a JSON document", name);
+  if (fsdp_io_json_refuse_nul(name, "JSON document", text, size)) return FSDP_ERR;
   size_t len, *quoted, nquoted;
   char *copy = parse_copy(text, size, flags, &len, &quoted, &nquoted);
   if (copy == NULL) return fsdp_error("%s: out of memory for %zu bytes of JSON", name, size);

@@ -338,6 +338,7 @@ static int parse_header(fsdp_io_st_reader *r) {
     header_checked = true;
   }
 
+  if (fsdp_io_json_refuse_nul(r->path, "header", text, hlen)) goto done;
   const char *end = NULL;
   root = cJSON_ParseWithLengthOpts(text, hlen, &end, 0);
   if (root == NULL) {

@@ -1,8 +1,11 @@
 /*
  * util.c — small pieces the io layer shares: the safetensors dtype table (and how it maps to
  * tensor dtypes) and UTF-8 validation (names and metadata must be valid UTF-8 for the JSON
- * header to be readable by strict readers such as the reference Rust implementation).
+ * header to be readable by strict readers such as the reference Rust implementation), and the
+ * search for NUL characters in JSON strings (cJSON decodes "\u0000" into a C string that ends
+ * there: "a\u0000b" would read as "a").
  */
+#include <stdio.h>
 #include <string.h>
 
 #include "io/io.h"
@@ -82,4 +85,36 @@ bool fsdp_io_utf8_valid(const char *s, size_t n) {
     if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
   }
   return true;
+}
+
+int fsdp_io_json_refuse_nul(const char *name, const char *what, const char *text, size_t n) {
+  size_t start = 0, end = n;
+  bool in_string = false, has_nul = false;
+  for (size_t i = 0; i < n && !(has_nul && !in_string); i++) {
+    char c = text[i];
+    if (!in_string) {
+      if (c == '"') in_string = true, start = i;
+    } else if (c == '\0') {
+      has_nul = true;
+    } else if (c == '\\') {
+      i++; /* the escaped character: an escaped quote ends nothing */
+      if (i + 4 < n && text[i] == 'u' && memcmp(text + i + 1, "0000", 4) == 0) has_nul = true;
+    } else if (c == '"') {
+      in_string = false;
+      end = i + 1;
+    }
+  }
+  if (!has_nul) return FSDP_OK;
+  /* the string as the file spells it, a raw NUL or control byte as its \u escape, cut at 64 */
+  char shown[64 * 6 + 4];
+  size_t o = 0;
+  for (size_t i = start; i < end && i < start + 64; i++) {
+    unsigned char c = (unsigned char)text[i];
+    if (c < 0x20) o += (size_t)snprintf(shown + o, sizeof shown - o, "\\u%04x", c);
+    else shown[o++] = (char)c;
+  }
+  shown[o] = '\0';
+  return fsdp_error("%s: %s: the string %s%s (byte %zu) holds a NUL character (\\u0000), which "
+                    "would cut it short",
+                    name, what, shown, end - start > 64 ? "..." : "", start);
 }

@@ -198,13 +198,14 @@ typedef struct fsdp_kernels_i {
                     float weight_decay, int64_t step);
 
   /* ---- fill, masks and magnitude pruning ----
-   * The binding's helpers of lua/fsdp/mask.lua and prune.lua (docs/pruning.md). x, m, mout and
-   * out are dense buffers of n elements of dt; m NULL means no mask. Counts, hashes and
-   * histograms land in host memory (the caller sums histograms across ranks). An element's key
-   * orders it by magnitude, as a 32-bit unsigned integer: 0 when m[i] == 0, else (the bits of
-   * |x[i]| as an f32) + 1 (a NaN above +inf); its value (N:M) is -1 when m[i] == 0, +inf for a
-   * NaN, else |x[i]|. Elements with equal keys are ordered by their global position gbase + i.
-   * Results are exact and independent of how the caller slices a tensor. */
+   * What src/fsdp/mask.c computes masks and the pruning selection with (docs/pruning.md).
+   * x, m, mout and out are dense buffers of n elements of dt; m NULL means no mask. Counts,
+   * hashes and histograms land in host memory (the caller sums histograms across ranks). An
+   * element's key orders it by magnitude, as a 32-bit unsigned integer: 0 when m[i] == 0, else
+   * (the bits of |x[i]| as an f32) + 1 (a NaN above +inf); its value (N:M) is -1 when
+   * m[i] == 0, +inf for a NaN, else |x[i]|. Elements with equal keys are ordered by their
+   * global position gbase + i. Results are exact and independent of how the caller slices a
+   * tensor. */
   int (*fill)(void *ctx, fsdp_dtype dt, void *out, double v, int64_t n); /* out[i] = v */
   /* x[i] = +0 where m[i] == 0 (other elements keep their bits) */
   int (*mask_apply)(void *ctx, fsdp_dtype dt, void *x, const void *m, int64_t n);

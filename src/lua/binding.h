@@ -27,6 +27,9 @@ void fsdp_lua_push_tensor(lua_State *L, fsdp_tensor *t);
 fsdp_tensor *fsdp_lua_check_tensor(lua_State *L, int idx);
 /* NULL when the value at idx is not a (live) tensor. */
 fsdp_tensor *fsdp_lua_to_tensor(lua_State *L, int idx);
+/* fsdp_lua_check_tensor naming the function fn in its messages: Lua cannot name a metamethod
+ * or a function reached through a tail call ("bad argument #1 to '?'"). */
+fsdp_tensor *fsdp_lua_arg_tensor(lua_State *L, int idx, const char *fn);
 /* Raise the calling thread's engine error as a Lua error (prefixing nothing). */
 int fsdp_lua_error(lua_State *L);
 /* Read a shape from a Lua array (or varargs of numbers starting at idx). Returns ndim. */
@@ -56,6 +59,15 @@ void fsdp_lua_box_cache_new(lua_State *L, const void *cache_key);
 bool fsdp_lua_box_push_cached(lua_State *L, const void *cache_key, void *ptr);
 void fsdp_lua_box_push_new(lua_State *L, const void *cache_key, void *ptr, size_t size,
                            const char *mt);
+/* The object of the box (metatable mt) at idx, or a Lua error: "bad argument #idx to 'fn'
+ * (<what> expected, got <type>)" (fn NULL: Lua names the calling function); when the box's
+ * object was freed "<what> was freed<hint>", or with fn "fn: argument #idx is a freed
+ * <what><hint>". */
+void *fsdp_lua_box_check(lua_State *L, int idx, const char *mt, const char *fn, const char *what,
+                         const char *hint);
+/* The object of the box (metatable mt) at idx, which no longer holds it (NULL when it was
+ * taken before): what __gc and free() release. */
+void *fsdp_lua_box_take(lua_State *L, int idx, const char *mt);
 
 /* print's formatting (tostring of every argument on the stack, tab-separated, and a newline
  * when asked): pushes the line as one string. For hosts that replace print. Raises like print

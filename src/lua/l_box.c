@@ -33,6 +33,29 @@ bool fsdp_lua_box_push_cached(lua_State *L, const void *cache_key, void *ptr) {
   return false;
 }
 
+void *fsdp_lua_box_check(lua_State *L, int idx, const char *mt, const char *fn, const char *what,
+                         const char *hint) {
+  void **box = luaL_testudata(L, idx, mt);
+  if (box == NULL) {
+    if (fn != NULL)
+      luaL_error(L, "bad argument #%d to '%s' (%s expected, got %s)", idx, fn, what,
+                 luaL_typename(L, idx));
+    luaL_argerror(L, idx, lua_pushfstring(L, "%s expected, got %s", what, luaL_typename(L, idx)));
+  }
+  if (*box == NULL) {
+    if (fn != NULL) luaL_error(L, "%s: argument #%d is a freed %s%s", fn, idx, what, hint);
+    luaL_error(L, "%s was freed%s", what, hint);
+  }
+  return *box;
+}
+
+void *fsdp_lua_box_take(lua_State *L, int idx, const char *mt) {
+  void **box = luaL_checkudata(L, idx, mt);
+  void *p = *box;
+  *box = NULL;
+  return p;
+}
+
 void fsdp_lua_box_push_new(lua_State *L, const void *cache_key, void *ptr, size_t size,
                            const char *mt) {
   lua_pushlightuserdata(L, (void *)cache_key);

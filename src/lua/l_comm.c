@@ -5,11 +5,11 @@
  * debug switch, flight recorder and abort. Every function works on the calling thread's
  * communicator (fsdp_comm_current(): the rank's, set by fsdprun; a world of one elsewhere).
  *
- * Tensors are reduced and broadcast in place (contiguous tensors with data, in their own dtype)
+ * Tensors are reduced and broadcast in place (fsdp_comm_all_reduce_tensor, ..._broadcast_tensor)
  * and returned. Numbers (a Lua number, or an array of them for all_reduce) travel as f64, so
  * they come back exact: a double is broadcast bit for bit, and sums are those of doubles
- * (integers exact up to 2^53, as far as a Lua number holds them). Strings travel as bytes (u8),
- * after their lengths (i64).
+ * (integers exact up to 2^53, as far as a Lua number holds them). Strings travel as bytes
+ * (fsdp_comm_all_gather_bytes, fsdp_comm_broadcast_bytes: src/comm/values.c).
  *
  * Errors: argument errors are raised before any collective is issued, so a bad call fails on
  * the rank that made it (peers then see that rank's failure through the launcher's abort).
@@ -81,17 +81,6 @@ static fsdp_reduce_op check_reduce_op(lua_State *L, int idx, const char *fn) {
   return FSDP_RED_SUM;
 }
 
-/* The data of a tensor a collective may write in place (in the tensor's dtype), or a Lua
- * error. */
-static void *inplace_data(lua_State *L, fsdp_tensor *t, const char *fn) {
-  void *d = fsdp_tensor_data(t, fn);
-  if (d == NULL) fsdp_lua_error(L);
-  if (!fsdp_tensor_is_contiguous(t))
-    luaL_error(L, "%s: needs a contiguous tensor, got a strided view %s (use :contiguous())",
-               fn, FSDP_SHAPE_STR(t));
-  return d;
-}
-
 /* An array of numbers at idx as f64 in a userdata pushed on the stack (so a failing collective
  * that raises frees it); its length in *n. */
 static double *numbers_arg(lua_State *L, int idx, const char *fn, int64_t *n) {
@@ -136,12 +125,7 @@ static int l_all_reduce(lua_State *L) {
     luaL_error(L, "all_reduce: expected a number, an array of numbers or a tensor, got %s",
                luaL_typename(L, 1));
   }
-  void *d = inplace_data(L, t, "all_reduce");
-  fsdp_coll coll = {.op = FSDP_COLL_ALL_REDUCE, .dtype = t->dtype, .red = red,
-                    .count = fsdp_tensor_numel(t), .recv = d, .device = t->storage->device};
-  snprintf(coll.label, sizeof coll.label, "%s", label ? label : "");
-  if (fsdp_comm_run(c, &coll)) fsdp_lua_error(L);
-  t->version++;
+  if (fsdp_comm_all_reduce_tensor(c, t, red, label)) fsdp_lua_error(L);
   lua_settop(L, 1);
   return 1;
 }
@@ -173,12 +157,7 @@ static int l_broadcast(lua_State *L) {
     if (luaL_testudata(L, 1, FSDP_TENSOR_MT)) fsdp_lua_check_tensor(L, 1);
     luaL_error(L, "broadcast: expected a number or a tensor, got %s", luaL_typename(L, 1));
   }
-  void *d = inplace_data(L, t, "broadcast");
-  fsdp_coll coll = {.op = FSDP_COLL_BROADCAST, .dtype = t->dtype, .root = root,
-                    .count = fsdp_tensor_numel(t), .recv = d, .device = t->storage->device};
-  snprintf(coll.label, sizeof coll.label, "%s", label ? label : "");
-  if (fsdp_comm_run(c, &coll)) fsdp_lua_error(L);
-  t->version++;
+  if (fsdp_comm_broadcast_tensor(c, t, root, label)) fsdp_lua_error(L);
   lua_settop(L, 1);
   return 1;
 }
@@ -192,31 +171,23 @@ static const char *bytes_arg(lua_State *L, int idx, const char *fn, size_t *len)
   return lua_tolstring(L, idx, len);
 }
 
-/* all_gather_bytes(s [, label]) -> {rank 0's s, rank 1's s, ...}: the lengths (i64), then the
- * strings padded to the longest (u8, in place); nothing more when every string is empty. */
+/* fsdp_comm_alloc_fn: a userdata left on the stack (the collector frees it, raise or not) */
+static void *alloc_userdata(void *ud, size_t n) { return lua_newuserdata((lua_State *)ud, n); }
+
+/* all_gather_bytes(s [, label]) -> {rank 0's s, rank 1's s, ...} */
 static int l_all_gather_bytes(lua_State *L) {
   fsdp_comm *c = current(L);
-  size_t len;
+  size_t len, stride;
   const char *s = bytes_arg(L, 1, "all_gather_bytes", &len);
   const char *label = opt_label(L, 2, "all_gather_bytes");
-  int W = fsdp_comm_world(c), r = fsdp_comm_rank(c);
-  /* userdata, not malloc: a failing collective raises */
+  int W = fsdp_comm_world(c);
   int64_t *lens = lua_newuserdata(L, (size_t)W * sizeof *lens);
-  lens[r] = (int64_t)len;
-  if (fsdp_comm_all_gather(c, lens, lens + r, 1, FSDP_DTYPE_I64, label)) fsdp_lua_error(L);
-  int64_t max = 0;
-  for (int p = 0; p < W; p++)
-    if (lens[p] > max) max = lens[p];
-  char *all = lua_newuserdata(L, (size_t)max * (size_t)W + 1);
-  if (max > 0) {
-    char *mine = all + (size_t)r * (size_t)max;
-    memcpy(mine, s, len);
-    memset(mine + len, 0, (size_t)max - len);
-    if (fsdp_comm_all_gather(c, all, mine, max, FSDP_DTYPE_U8, label)) fsdp_lua_error(L);
-  }
+  char *all;
+  if (fsdp_comm_all_gather_bytes(c, s, len, lens, &all, &stride, alloc_userdata, L, label))
+    fsdp_lua_error(L);
   lua_createtable(L, W, 0);
   for (int p = 0; p < W; p++) {
-    lua_pushlstring(L, all + (size_t)p * (size_t)max, (size_t)lens[p]);
+    lua_pushlstring(L, all ? all + (size_t)p * stride : "", (size_t)lens[p]);
     lua_rawseti(L, -2, p + 1);
   }
   return 1;
@@ -227,30 +198,25 @@ static int l_broadcast_bytes(lua_State *L) {
   fsdp_comm *c = current(L);
   int root = root_arg(L, 2, c, "broadcast_bytes");
   const char *label = opt_label(L, 3, "broadcast_bytes");
-  bool me = fsdp_comm_rank(c) == root;
-  size_t len = 0;
-  const char *s = NULL;
-  if (me) s = bytes_arg(L, 1, "broadcast_bytes", &len);
+  size_t len = 0, n;
+  const char *s = NULL, *out;
+  if (fsdp_comm_rank(c) == root) s = bytes_arg(L, 1, "broadcast_bytes", &len);
   else if (!lua_isnil(L, 1) && lua_type(L, 1) != LUA_TSTRING)
     luaL_error(L, "broadcast_bytes: expected a string (or nil off the root), got %s",
                luaL_typename(L, 1));
-  int64_t n = (int64_t)len;
-  if (fsdp_comm_broadcast(c, &n, 1, FSDP_DTYPE_I64, root, label)) fsdp_lua_error(L);
-  /* the root's buffer is only read: its string is sent as it is */
-  char *buf = me ? (char *)s : lua_newuserdata(L, (size_t)n + 1);
-  if (fsdp_comm_broadcast(c, buf, n, FSDP_DTYPE_U8, root, label)) fsdp_lua_error(L);
-  if (me) lua_pushvalue(L, 1);
-  else lua_pushlstring(L, buf, (size_t)n);
+  if (fsdp_comm_broadcast_bytes(c, s, len, root, &out, &n, alloc_userdata, L, label))
+    fsdp_lua_error(L);
+  if (out == s) lua_pushvalue(L, 1);
+  else lua_pushlstring(L, out, n);
   return 1;
 }
 
-/* bytes_digest(s) -> two 32-bit halves of a 64-bit FNV-1a hash of s (exact as Lua numbers and
- * in f64 collectives): what collective.lua compares across ranks before sending whole values. */
+/* bytes_digest(s) -> two 32-bit halves of fsdp_comm_digest(s) (exact as Lua numbers and in f64
+ * collectives): what collective.lua compares across ranks before sending whole values. */
 static int l_bytes_digest(lua_State *L) {
   size_t len;
-  const unsigned char *s = (const unsigned char *)luaL_checklstring(L, 1, &len);
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (size_t i = 0; i < len; i++) h = (h ^ s[i]) * 0x100000001b3ull;
+  const char *s = luaL_checklstring(L, 1, &len);
+  uint64_t h = fsdp_comm_digest(s, len);
   lua_pushnumber(L, (lua_Number)(h >> 32));
   lua_pushnumber(L, (lua_Number)(h & 0xffffffffu));
   return 2;

@@ -35,13 +35,7 @@ static void push_unit(lua_State *L, fsdp_unit *u) {
 }
 
 static fsdp_unit *check_unit(lua_State *L, int idx) {
-  unit_box *b = luaL_testudata(L, idx, FSDP_UNIT_MT);
-  if (!b) {
-    const char *msg = lua_pushfstring(L, "unit expected, got %s", luaL_typename(L, idx));
-    luaL_argerror(L, idx, msg);
-  }
-  if (!b->u) luaL_error(L, "unit was freed");
-  return b->u;
+  return fsdp_lua_box_check(L, idx, FSDP_UNIT_MT, NULL, "unit", "");
 }
 
 static fsdp_unit *opt_unit(lua_State *L, int idx) {
@@ -469,10 +463,7 @@ static int l_index(lua_State *L) {
 }
 
 static int l_gc(lua_State *L) {
-  unit_box *b = luaL_checkudata(L, 1, FSDP_UNIT_MT);
-  fsdp_unit *u = b->u;
-  b->u = NULL;
-  fsdp_unit_release(u);
+  fsdp_unit_release(fsdp_lua_box_take(L, 1, FSDP_UNIT_MT));
   return 0;
 }
 

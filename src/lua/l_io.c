@@ -747,23 +747,16 @@ static int l_ckpt_index_read(lua_State *L) {
   return 1;
 }
 
-/* The index is printed, parsed back and checked as text, so the check sees exactly what a
- * reader will (numbers are raw text in the tree to_json builds), then written atomically. */
+/* ckpt_index_write(path, index): checked and written atomically (fsdp_io_index_write) */
 static int l_ckpt_index_write(lua_State *L) {
   const char *path = luaL_checkstring(L, 1);
   luaL_checktype(L, 2, LUA_TTABLE);
   json_enc e = {.fn = "ckpt_index_write"};
-  json_box *b = json_box_push(L);
+  json_box *b = json_box_push(L); /* frees the tree when to_json raises */
   to_json(L, &e, 2, NULL, NULL, "$", 0, &b->doc);
-  char *text = cJSON_Print(b->doc);
+  int rc = fsdp_io_index_write(path, b->doc);
   cJSON_Delete(b->doc);
   b->doc = NULL;
-  if (text == NULL) return luaL_error(L, "ckpt_index_write: out of memory");
-  cJSON *parsed = NULL;
-  int rc = fsdp_io_index_parse(&parsed, path, text, strlen(text));
-  cJSON_Delete(parsed);
-  if (rc == FSDP_OK) rc = fsdp_io_text_write_atomic(path, text);
-  cJSON_free(text);
   if (rc) return fsdp_lua_error(L);
   return 0;
 }

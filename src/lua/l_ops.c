@@ -1,13 +1,15 @@
 /*
- * l_ops.c — the functional ops (fsdp.F), grad mode, seeding and parameter initialisation,
- * optimizer update kernels and memory accounting, as functions of the `fsdp.core` module.
- * The math (initialisation, optimizer steps, sums of squares) runs in the kernel table of the
- * tensors' device (kernels/kernels.h); the cpu header is here only for the BLAS thread count.
+ * l_ops.c — the functional ops (fsdp.F), grad mode, seeding, parameters and their
+ * initialisation (src/fsdp/param.h), optimizer updates and sums of squares (src/fsdp/optim.h),
+ * memory accounting and devices, as functions of the `fsdp.core` module. The cpu header is
+ * here only for the BLAS thread count.
  */
 #include <math.h>
 #include <string.h>
 
 #include "autograd/autograd.h"
+#include "fsdp/optim.h"
+#include "fsdp/param.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/pool.h"
 #include "kernels/kernels.h"
@@ -158,53 +160,11 @@ static int l_seed(lua_State *L) {
 
 /* ---- parameters and initialisation -------------------------------------------------- */
 
-/* Mark t as a parameter. Its data moves into storage accounted as params (the same tensor
- * object, so references stay valid). */
+/* parameter(t) -> t, made a parameter in place (fsdp_param_make) */
 static int l_parameter(lua_State *L) {
-  fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
-  if (!t->is_leaf)
-    luaL_error(L, "Parameter: tensor %s was computed by a recorded op; pass a leaf (use detach())",
-               FSDP_SHAPE_STR(t));
-  int64_t n = fsdp_tensor_numel(t);
-  if (t->storage->role != FSDP_ROLE_PARAMS || !fsdp_tensor_is_contiguous(t) || t->offset != 0 ||
-      t->storage->bytes != (size_t)n * fsdp_dtype_size(t->dtype)) {
-    fsdp_tensor *p;
-    if (fsdp_tensor_new(&p, t->storage->device, t->dtype, t->ndim, t->shape, FSDP_ROLE_PARAMS))
-      fsdp_lua_error(L);
-    if (t->storage->device->has_data && fsdp_copy(p, t)) {
-      fsdp_tensor_release(p);
-      fsdp_lua_error(L);
-    }
-    fsdp_tensor_set_storage(t, p->storage, 0);
-    memcpy(t->strides, p->strides, sizeof t->strides);
-    fsdp_tensor_release(p);
-  }
-  t->requires_grad = true;
-  t->is_param = true;
+  if (fsdp_param_make(fsdp_lua_check_tensor(L, 1))) fsdp_lua_error(L);
   lua_settop(L, 1);
   return 1;
-}
-
-/* The kernel table of an initialisation's target; NULL on a device without data (meta: values
- * come at materialize time). */
-static const fsdp_kernels_i *init_target(lua_State *L, fsdp_tensor *t, const char *what) {
-  if (!t->storage->device->has_data) return NULL;
-  if (!fsdp_tensor_is_contiguous(t))
-    luaL_error(L, "%s: needs a contiguous tensor, got a strided view %s", what, FSDP_SHAPE_STR(t));
-  const fsdp_kernels_i *k = fsdp_kernels_for(t, what);
-  if (!k) fsdp_lua_error(L);
-  return k;
-}
-
-/* Fill t with elements [first, first + numel) of the Philox stream of (seed, path): normal
- * (mean a, std b) or uniform in [a, b), on t's device and in its dtype. */
-static void init_random(lua_State *L, fsdp_tensor *t, const char *what, uint64_t seed,
-                        const char *path, bool normal, float a, float b, uint64_t first) {
-  const fsdp_kernels_i *k = init_target(L, t, what);
-  if (k && k->random(t->storage->device->ctx, t->dtype, fsdp_tensor_data(t, what),
-                     fsdp_tensor_numel(t), fsdp_rng_key(seed, path), first, normal, a, b))
-    fsdp_lua_error(L);
-  t->version++;
 }
 
 /* The optional element offset (argument idx, default 0): t's first element gets the value of
@@ -219,107 +179,50 @@ static uint64_t check_first(lua_State *L, int idx, const char *what) {
   return (uint64_t)f;
 }
 
-/* init_normal(t, seed, key, mean = 0, std = 1, first = 0) */
-static int l_init_normal(lua_State *L) {
+/* init_normal(t, seed, key, mean = 0, std = 1, first = 0) and init_uniform(t, seed, key, lo = 0,
+ * hi = 1, first = 0): fsdp_param_init_random */
+static int init_random(lua_State *L, const char *what, bool normal) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
   uint64_t seed = check_seed(L, 2);
   const char *path = luaL_checkstring(L, 3);
-  float mean = (float)luaL_optnumber(L, 4, 0.0), std = (float)luaL_optnumber(L, 5, 1.0);
-  uint64_t first = check_first(L, 6, "init_normal");
-  init_random(L, t, "init_normal", seed, path, true, mean, std, first);
+  float a = (float)luaL_optnumber(L, 4, 0.0), b = (float)luaL_optnumber(L, 5, 1.0);
+  uint64_t first = check_first(L, 6, what);
+  if (fsdp_param_init_random(t, what, seed, path, normal, a, b, first)) fsdp_lua_error(L);
   return 0;
 }
-
-/* init_uniform(t, seed, key, lo = 0, hi = 1, first = 0) */
-static int l_init_uniform(lua_State *L) {
-  fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
-  uint64_t seed = check_seed(L, 2);
-  const char *path = luaL_checkstring(L, 3);
-  float lo = (float)luaL_optnumber(L, 4, 0.0), hi = (float)luaL_optnumber(L, 5, 1.0);
-  uint64_t first = check_first(L, 6, "init_uniform");
-  init_random(L, t, "init_uniform", seed, path, false, lo, hi, first);
-  return 0;
-}
+static int l_init_normal(lua_State *L) { return init_random(L, "init_normal", true); }
+static int l_init_uniform(lua_State *L) { return init_random(L, "init_uniform", false); }
 
 /* ---- optimizer updates ----------------------------------------------------------------- */
 
-/* Argument idx of an optimizer update: a tensor of n elements, contiguous, on the parameter p's
- * device and of its dtype (the kernels decide which dtypes they update); its data there. */
-static void *state_arg(lua_State *L, int idx, fsdp_tensor *p, const char *what,
-                       const char *role) {
-  fsdp_tensor *t = fsdp_lua_check_tensor(L, idx);
-  int64_t n = fsdp_tensor_numel(p);
-  if (fsdp_tensor_numel(t) != n)
-    luaL_error(L, "%s: %s has %d elements, the parameter has %d", what, role,
-               (int)fsdp_tensor_numel(t), (int)n);
-  if (!fsdp_tensor_is_contiguous(t)) luaL_error(L, "%s: %s must be contiguous", what, role);
-  if (t->storage->device != p->storage->device)
-    luaL_error(L, "%s: %s is on the %s device, the parameter on %s", what, role,
-               t->storage->device->name, p->storage->device->name);
-  if (t->dtype != p->dtype)
-    luaL_error(L, "%s: %s is %s, the parameter %s", what, role, fsdp_dtype_name(t->dtype),
-               fsdp_dtype_name(p->dtype));
-  void *d = fsdp_tensor_data(t, what);
-  if (!d) fsdp_lua_error(L);
-  return d;
-}
-
-static void bump(lua_State *L, int idx) {
-  if (!lua_isnoneornil(L, idx)) fsdp_lua_check_tensor(L, idx)->version++;
-}
-
 /* sgd_step(p, g, buf|nil, lr, momentum = 0, weight_decay = 0, first_step) */
 static int l_sgd_step(lua_State *L) {
-  const char *fn = "sgd_step";
-  fsdp_tensor *p = fsdp_lua_check_tensor(L, 1);
-  void *pd = state_arg(L, 1, p, fn, "parameter");
-  void *g = state_arg(L, 2, p, fn, "gradient");
-  void *buf = lua_isnoneornil(L, 3) ? NULL : state_arg(L, 3, p, fn, "momentum buffer");
+  fsdp_tensor *p = fsdp_lua_check_tensor(L, 1), *g = fsdp_lua_check_tensor(L, 2);
+  fsdp_tensor *buf = lua_isnoneornil(L, 3) ? NULL : fsdp_lua_check_tensor(L, 3);
   float lr = (float)luaL_checknumber(L, 4), mom = (float)luaL_optnumber(L, 5, 0),
         wd = (float)luaL_optnumber(L, 6, 0);
-  bool first = lua_toboolean(L, 7);
-  if (mom != 0.0f && !buf) luaL_error(L, "sgd_step: momentum %g needs a buffer", (double)mom);
-  const fsdp_kernels_i *k = fsdp_kernels_for(p, fn);
-  if (!k || k->sgd_step(p->storage->device->ctx, p->dtype, pd, buf, g, fsdp_tensor_numel(p), lr,
-                        mom, wd, first))
-    fsdp_lua_error(L);
-  bump(L, 1), bump(L, 3);
+  if (fsdp_optim_sgd_step(p, g, buf, lr, mom, wd, lua_toboolean(L, 7))) fsdp_lua_error(L);
   return 0;
 }
 
 /* adamw_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step) */
 static int l_adamw_step(lua_State *L) {
-  const char *fn = "adamw_step";
-  fsdp_tensor *p = fsdp_lua_check_tensor(L, 1);
-  void *pd = state_arg(L, 1, p, fn, "parameter");
-  void *g = state_arg(L, 2, p, fn, "gradient");
-  void *m = state_arg(L, 3, p, fn, "first moment");
-  void *v = state_arg(L, 4, p, fn, "second moment");
-  float lr = (float)luaL_checknumber(L, 5), b1 = (float)luaL_checknumber(L, 6),
-        b2 = (float)luaL_checknumber(L, 7), eps = (float)luaL_checknumber(L, 8),
-        wd = (float)luaL_checknumber(L, 9);
+  fsdp_tensor *t[4];
+  for (int i = 0; i < 4; i++) t[i] = fsdp_lua_check_tensor(L, i + 1);
+  float h[5];
+  for (int i = 0; i < 5; i++) h[i] = (float)luaL_checknumber(L, i + 5);
   lua_Number step = luaL_checknumber(L, 10);
   if (step < 1 || step != floor(step)) luaL_error(L, "adamw_step: step must be an integer >= 1");
-  const fsdp_kernels_i *k = fsdp_kernels_for(p, fn);
-  if (!k || k->adamw_step(p->storage->device->ctx, p->dtype, pd, m, v, g, fsdp_tensor_numel(p),
-                          lr, b1, b2, eps, wd, (int64_t)step))
+  if (fsdp_optim_adamw_step(t[0], t[1], t[2], t[3], h[0], h[1], h[2], h[3], h[4],
+                            (int64_t)step))
     fsdp_lua_error(L);
-  bump(L, 1), bump(L, 3), bump(L, 4);
   return 0;
 }
 
 /* sumsq(t) -> the sum of the squares of t's elements (double), on t's device */
 static int l_sumsq(lua_State *L) {
-  fsdp_tensor *t = fsdp_lua_check_tensor(L, 1), *c;
-  if (!fsdp_tensor_data(t, "sumsq")) fsdp_lua_error(L);
-  /* a dense copy on t's own device when t is strided (t itself otherwise) */
-  if (fsdp_to(&c, t, t->storage->device, t->dtype, FSDP_ROLE_ACTIVATIONS)) fsdp_lua_error(L);
-  double s = 0;
-  const fsdp_kernels_i *k = fsdp_kernels_for(c, "sumsq");
-  int rc = !k || k->sumsq(c->storage->device->ctx, c->dtype, &s, fsdp_tensor_data(c, "sumsq"),
-                          fsdp_tensor_numel(c));
-  fsdp_tensor_release(c);
-  if (rc) fsdp_lua_error(L);
+  double s;
+  if (fsdp_optim_sumsq(fsdp_lua_check_tensor(L, 1), &s)) fsdp_lua_error(L);
   lua_pushnumber(L, s);
   return 1;
 }
@@ -442,18 +345,11 @@ static int l_devices(lua_State *L) {
 static int l_cpu_features(lua_State *L) {
   __builtin_cpu_init();
   lua_createtable(L, 0, 6);
-  lua_pushboolean(L, __builtin_cpu_supports("avx2"));
-  lua_setfield(L, -2, "avx2");
-  lua_pushboolean(L, __builtin_cpu_supports("fma"));
-  lua_setfield(L, -2, "fma");
-  lua_pushboolean(L, __builtin_cpu_supports("avx512f"));
-  lua_setfield(L, -2, "avx512f");
-  lua_pushboolean(L, __builtin_cpu_supports("avx512bw"));
-  lua_setfield(L, -2, "avx512bw");
-  lua_pushboolean(L, __builtin_cpu_supports("avx512vl"));
-  lua_setfield(L, -2, "avx512vl");
-  lua_pushboolean(L, __builtin_cpu_supports("avx512bf16"));
-  lua_setfield(L, -2, "avx512bf16");
+  /* __builtin_cpu_supports takes a string literal only: no loop over names */
+#define FEATURE(name) (lua_pushboolean(L, __builtin_cpu_supports(name)), lua_setfield(L, -2, name))
+  FEATURE("avx2"), FEATURE("fma"), FEATURE("avx512f");
+  FEATURE("avx512bw"), FEATURE("avx512vl"), FEATURE("avx512bf16");
+#undef FEATURE
   return 1;
 }
 

@@ -22,6 +22,7 @@ typedef struct {
 } tensor_box;
 
 static const char CACHE_KEY = 'c'; /* registry key (address) of the identity cache */
+#define FREED_HINT " (t:free() was called on it)"
 
 int fsdp_lua_error(lua_State *L) {
   const char *msg = fsdp_error_msg();
@@ -78,29 +79,17 @@ fsdp_tensor *fsdp_lua_to_tensor(lua_State *L, int idx) {
 }
 
 fsdp_tensor *fsdp_lua_check_tensor(lua_State *L, int idx) {
-  tensor_box *b = luaL_testudata(L, idx, FSDP_TENSOR_MT);
-  if (!b) {
-    const char *msg = lua_pushfstring(L, "tensor expected, got %s", luaL_typename(L, idx));
-    luaL_argerror(L, idx, msg);
-  }
-  if (!b->t) luaL_error(L, "tensor was freed (t:free() was called on it)");
-  return b->t;
+  return fsdp_lua_box_check(L, idx, FSDP_TENSOR_MT, NULL, "tensor", FREED_HINT);
 }
 
 static fsdp_tensor *opt_tensor(lua_State *L, int idx) {
   return lua_isnoneornil(L, idx) ? NULL : fsdp_lua_check_tensor(L, idx);
 }
 
-/* Like fsdp_lua_check_tensor, naming the function itself: Lua cannot name a metamethod or a
- * function reached through a tail call ("bad argument #1 to '?'"). */
-static fsdp_tensor *arg_tensor(lua_State *L, int idx, const char *fn) {
-  tensor_box *b = luaL_testudata(L, idx, FSDP_TENSOR_MT);
-  if (!b)
-    luaL_error(L, "bad argument #%d to '%s' (tensor expected, got %s)", idx, fn,
-               luaL_typename(L, idx));
-  if (!b->t) luaL_error(L, "%s: argument #%d is a freed tensor (t:free() was called on it)", fn, idx);
-  return b->t;
+fsdp_tensor *fsdp_lua_arg_tensor(lua_State *L, int idx, const char *fn) {
+  return fsdp_lua_box_check(L, idx, FSDP_TENSOR_MT, fn, "tensor", FREED_HINT);
 }
+#define arg_tensor fsdp_lua_arg_tensor
 
 /* The data of t, or a Lua error naming the op, the shape and the device. */
 static void *need_data(lua_State *L, fsdp_tensor *t, const char *what) {
@@ -605,11 +594,9 @@ static int l_clone(lua_State *L) {
   return 1;
 }
 
+/* t:free() and __gc: idempotent */
 static int l_free(lua_State *L) {
-  tensor_box *b = luaL_checkudata(L, 1, FSDP_TENSOR_MT);
-  fsdp_tensor *t = b->t;
-  b->t = NULL;
-  fsdp_tensor_release(t);
+  fsdp_tensor_release(fsdp_lua_box_take(L, 1, FSDP_TENSOR_MT));
   return 0;
 }
 
@@ -1196,14 +1183,6 @@ static int l_newindex(lua_State *L) {
   return luaL_error(L, "tensor has no settable field '%s' (settable: grad, requires_grad)", k);
 }
 
-static int l_gc(lua_State *L) {
-  tensor_box *b = luaL_checkudata(L, 1, FSDP_TENSOR_MT);
-  fsdp_tensor *t = b->t;
-  b->t = NULL;
-  fsdp_tensor_release(t);
-  return 0;
-}
-
 static const luaL_Reg methods[] = {
     {"shape", l_shape},       {"numel", l_numel},         {"dim", l_dim},
     {"item", l_item},         {"totable", l_totable},     {"clone", l_clone},
@@ -1228,7 +1207,7 @@ static const luaL_Reg methods[] = {
     {NULL, NULL}};
 
 static const luaL_Reg metamethods[] = {
-    {"__newindex", l_newindex}, {"__gc", l_gc},
+    {"__newindex", l_newindex}, {"__gc", l_free},
     {"__tostring", l_tostring}, {"__add", l_add},     {"__sub", l_sub},
     {"__mul", l_mul},     {"__div", l_div},           {"__unm", l_unm},
     {NULL, NULL}};

@@ -6,7 +6,7 @@
  * long for the backward's grid are an error, and the TF32 switch (blas.h) reports its previous
  * setting. The kernels' numbers are checked against the cpu on a GPU (tests/cuda).
  *
- * Built without the cuda device (no CUDA headers on the include path), the tests skip.
+ * Built without the cuda device (no toolkit, or -DFSDP_CUDA=OFF), the tests skip.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -19,7 +19,7 @@
 
 #include "core/core.h"
 
-#if __has_include(<cuda_runtime.h>)
+#ifdef FSDP_HAVE_CUDA /* the build has the cuda device (CMakeLists.txt) */
 #define HAVE_CUDA 1
 #include "kernels/cuda/blas.h"
 #include "kernels/cuda/cuda.h"

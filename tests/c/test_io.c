@@ -1200,6 +1200,11 @@ static void test_bad_headers(void **state) {
       {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}", 8,
        "header is not valid JSON"},
       {"{\"a\":1} x", 0, "unexpected byte 0x78 after the JSON object"},
+      /* cJSON would read this key as "wte.weight" */
+      {"{\"wte.weight\\u0000evil\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 8,
+       "header: the string \"wte.weight\\u0000evil\" (byte 1) holds a NUL character"},
+      {"{\"__metadata__\":{\"k\":\"v\\u0000w\"}}", 0,
+       "header: the string \"v\\u0000w\" (byte 21) holds a NUL character"},
       {"{\"__metadata__\":{\"fsdp.xxh3_64.zz\":\"0000000000000000\"}}", 0,
        "checksum for tensor 'zz', which the file does not have"},
       {"{\"__metadata__\":{\"fsdp.xxh3_64.a\":\"00000000000000zz\"},"
@@ -1223,13 +1228,27 @@ static void test_bad_headers(void **state) {
       fail_msg("case %zu: \"%s\" does not start with the path or lacks \"%s\"", k,
                fsdp_error_msg(), cases[k].needle);
   }
+  /* a raw NUL byte in a name is refused the same way (as \u0000 in the message); an escaped
+   * backslash before "u0000" is no NUL, and neither is \u00001 spelled otherwise */
+  static const char raw[] = "{\"a\0b\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[0,0]}}";
+  unsigned char buf[8 + sizeof raw - 1];
+  for (int i = 0; i < 8; i++) buf[i] = (unsigned char)((sizeof raw - 1) >> (8 * i));
+  memcpy(buf + 8, raw, sizeof raw - 1);
+  spit(path, buf, sizeof buf);
+  fsdp_io_st_reader *r = (void *)1;
+  assert_int_equal(fsdp_io_st_reader_open(&r, path), FSDP_ERR);
+  expect_msg_has("header: the string \"a\\u0000b\" (byte 1) holds a NUL character");
+  write_raw(path, "{\"a\\\\u0000\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[0,0]}}",
+            NULL, 0);
+  assert_int_equal(fsdp_io_st_reader_open(&r, path), FSDP_OK);
+  assert_non_null(fsdp_io_st_reader_find(r, "a\\u0000"));
+  fsdp_io_st_reader_close(r);
   /* zero-size tensors anywhere, dims of 0, and a scalar are fine */
   write_raw(path,
             "{\"z\":{\"dtype\":\"F32\",\"shape\":[0,5],\"data_offsets\":[0,0]},"
             "\"s\":{\"dtype\":\"BF16\",\"shape\":[],\"data_offsets\":[0,2]},"
             "\"y\":{\"dtype\":\"U8\",\"shape\":[2],\"data_offsets\":[2,4]}}",
             "abcd", 4);
-  fsdp_io_st_reader *r;
   assert_int_equal(fsdp_io_st_reader_open(&r, path), FSDP_OK);
   assert_int_equal(fsdp_io_st_reader_count(r), 3);
   assert_int_equal(fsdp_io_st_reader_find(r, "s")->numel, 1);
@@ -1605,6 +1624,11 @@ static void test_json(void **state) {
   expect_error(fsdp_io_json_read(path_in(fx, "none.json"), &back), "cannot open");
   expect_msg_has("none.json");
   expect_error(fsdp_io_json_read(fx->dir, &back), "not a regular file");
+  /* a NUL in a key would alias "a\u0000b" to "a" */
+  spit(path, "{\"a\\u0000b\": 1}", 15);
+  expect_error(fsdp_io_json_read(path, &back),
+               "JSON document: the string \"a\\u0000b\" (byte 1) holds a NUL character");
+  assert_null(back);
   assert_int_equal(fsdp_io_json_parse(&back, "m", "[1, 2] \n", 8), FSDP_OK);
   assert_int_equal(cJSON_GetArraySize(back), 2);
   cJSON_Delete(back);
@@ -1762,6 +1786,25 @@ static void test_index_read(void **state) {
   assert_null(doc);
 }
 
+/* fsdp_io_index_write checks what it writes: a good index reads back, a bad one is refused
+ * and leaves the file as it was */
+static void test_index_write(void **state) {
+  fixture *fx = *state;
+  const char *path = path_in(fx, "written.json");
+  cJSON *doc = NULL, *back = NULL;
+  assert_int_equal(fsdp_io_index_parse(&doc, "idx.json", INDEX_OK, strlen(INDEX_OK)), FSDP_OK);
+  assert_int_equal(fsdp_io_index_write(path, doc), FSDP_OK);
+  assert_int_equal(fsdp_io_index_read(path, &back), FSDP_OK);
+  assert_int_equal(cJSON_GetObjectItem(back, "step")->valueint, 50);
+  cJSON_Delete(back);
+  cJSON_ReplaceItemInObject(doc, "step", cJSON_CreateString("fifty"));
+  expect_error(fsdp_io_index_write(path, doc), "written.json:");
+  assert_int_equal(fsdp_io_index_read(path, &back), FSDP_OK); /* the first one, still */
+  cJSON_Delete(back);
+  cJSON_Delete(doc);
+  expect_error(fsdp_io_index_write(path, NULL), "no JSON document");
+}
+
 /* ---- folders (fs.c) ----------------------------------------------------------------------- */
 
 static void test_folders(void **state) {
@@ -1827,6 +1870,7 @@ int main(void) {
       cmocka_unit_test(test_json_parse_nonfinite),
       T(test_index),
       T(test_index_read),
+      T(test_index_write),
       T(test_folders),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

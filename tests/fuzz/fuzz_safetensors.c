@@ -1,6 +1,6 @@
 /*
- * fuzz_safetensors.c — libFuzzer target for the safetensors reader (src/io/st_read.c). Owner:
- * io. The input is a whole file, opened from memory. Beyond "no crash, no leak, no
+ * fuzz_safetensors.c — libFuzzer target for the safetensors reader (src/io/st_read.c).
+ * The input is a whole file, opened from memory. Beyond "no crash, no leak, no
  * out-of-bounds access" (ASan, UBSan) it checks the reader's promises:
  *   - a rejected file has a message that starts with the file's name;
  *   - an accepted file's entries are consistent (sizes = numel * dtype size, find finds each

@@ -1,6 +1,6 @@
 /*
- * make_corpus.c — writes the seed corpus of the io fuzz targets (tests/fuzz/corpus/). Owner:
- * io. The seeds are committed; run this only to regenerate them after a format change:
+ * make_corpus.c — writes the seed corpus of the io fuzz targets (tests/fuzz/corpus/).
+ * The seeds are committed; run this only to regenerate them after a format change:
  *   cc -std=c11 -D_GNU_SOURCE -Isrc -Iinclude tests/fuzz/make_corpus.c \
  *      $(ls src/io/*.c | grep -v st_tensor) src/core/*.c -lcjson -lxxhash -lm -lpthread \
  *      -o /tmp/make_corpus

@@ -94,9 +94,9 @@ describe("mask bindings on cpu2", function()
       o.check = {core.mask_check(m)}
       o.nz = fsdp.zeros({n}, opts)
       o.nz_zeros = core.mask_from_nonzero(o.nz, m)
-      o.hist = core.counts(2048 + 16)
-      core.mask_hist(o.hist, 0, x, m, 0, 21, 11)
-      core.mask_hist_pos(o.hist, 2048, x, m, 0, 100, 0, 6, 4) -- key 0: the masked elements
+      -- k = 150 of the 200 masked elements (key 0): the keys' passes, then the positions'
+      o.group = {k = 150, pieces = {{x = x, m = m, gbase = 100, counts = true}}}
+      core.prune_select({o.group}, false, "devices_spec")
       o.sel = fsdp.zeros({n}, opts)
       o.pruned = core.mask_select(o.sel, x, m, 1065353216, 0, 500)
       o.nm = fsdp.ones({n}, opts)
@@ -113,15 +113,10 @@ describe("mask bindings on cpu2", function()
     local a, b = out.cpu, out.cpu2
     for _, k in ipairs {"zeros", "nz_zeros", "pruned", "groups"} do assert.are.equal(a[k], b[k]) end
     assert.are.same(a.check, b.check)
-    assert.are.same(core.counts_totable(a.hist), core.counts_totable(b.hist))
+    assert.are.same({a.group.T, a.group.P}, {b.group.T, b.group.P})
     assert.is_true(a.zeros > 0 and a.pruned > 0 and a.groups > 0)
-    local pos = 0 -- positions of masked elements counted by mask_hist_pos
-    for i = 2048 + 1, 2048 + 16 do pos = pos + core.counts_totable(a.hist)[i] end
-    local want = 0 -- masked (key 0) at positions 100 + i < 1024 (prefix 0 above bit 10)
-    for i = 0, n - 1 do
-      if (i + 1) % 5 == 0 and 100 + i < 1024 then want = want + 1 end
-    end
-    assert.are.equal(want, pos)
+    -- the 150th masked element (index 749, 0-based) sits at position 100 + 749: P is one past it
+    assert.are.same({0, 850}, {a.group.T, a.group.P})
     for _, k in ipairs {"nz", "sel", "nm", "vals", "applied"} do bits_equal(a[k], b[k]) end
   end)
 
@@ -131,16 +126,15 @@ describe("mask bindings on cpu2", function()
       "mask_apply: argument #2 is on the cpu device, argument #1 on cpu2")
     H.assert_error_has(function() core.mask_select(fsdp.zeros{n}, xd, md, 1, 0, 0) end,
       "mask_select: argument #2 is on the cpu2 device, argument #1 on cpu")
-    H.assert_error_has(function() core.mask_hist(core.counts(4), 0, xd, m, 0, 30, 2) end,
-      "mask_hist: argument #4 is on the cpu device, argument #3 on cpu2")
+    H.assert_error_has(function()
+      core.prune_select({{k = 1, pieces = {{x = xd, m = m, gbase = 0, counts = true}}}}, false, "p")
+    end, "mask_hist: argument #2 is on the cpu device, argument #1 on cpu2")
     H.assert_error_has(function() core.mask_apply(xd, md:to("f64")) end,
       "mask_apply: argument #2 is f64, argument #1 f32")
     H.assert_error_has(function() core.count_zeros(xd:to("bf16")) end,
       "op count_zeros has no kernel for bf16")
     H.assert_error_has(function() core.mask_values(fsdp.zeros({n}, {device = "cpu2"}), xd, md:narrow(1, 1, 10)) end,
       "mask_values: the mask has 10 elements, the values 1000")
-    H.assert_error_has(function() core.mask_hist(core.counts(4), 1, xd, nil, 0, 30, 2) end,
-      "a histogram of 4 buckets at offset 1 does not fit 4 counts")
     -- empty views compute nothing and need no kernel
     assert.are.equal(0, core.count_zeros(xd:narrow(1, 1, 0)))
   end)

@@ -1,5 +1,5 @@
 -- mask_spec.lua — masks at world size 1 (lua/fsdp/mask.lua, the mask part of optim.lua and the
--- C helpers of src/lua/l_mask.c): set_mask/mask on plain and wrapped models, masked weights
+-- helpers of src/fsdp/mask.c through src/lua/l_mask.c): set_mask/mask on plain and wrapped models, masked weights
 -- exactly 0 through SGD momentum, AdamW and weight decay (mask set mid-training too),
 -- clip_grad_norm on masked gradients, wrap/unwrap/re-wrap, full_params/apply writeback, ties,
 -- fsdp.sparsity against a direct count. Multi-rank behaviour: tests/dist/mask_*.lua.
@@ -95,46 +95,38 @@ describe("l_mask.c helpers", function()
       local want = {}
       for i = 1, #v do want[i] = 1 end
       for j = 1, k do want[order[j]] = 0 end
-      -- radix over 32-bit keys, then positions (what prune.lua does, one group, one rank)
-      local T, P = 0, 0
-      if k > 0 then
-        local prefix, rem, last = 0, k, 0
-        for _, pass in ipairs{{21, 11}, {10, 11}, {0, 10}} do
-          local nb = 2 ^ pass[2]
-          local h = core.counts(nb)
-          core.mask_hist(h, 0, x, nil, prefix, pass[1], pass[2])
-          local t = core.counts_totable(h)
-          local cum = 0
-          for b = 0, nb - 1 do
-            local c = t[b + 1]
-            if cum + c >= rem then prefix, rem, last = prefix * nb + b, rem - cum, c break end
-            cum = cum + c
-          end
-        end
-        T = prefix
-        if rem == last then
-          P = 2 ^ 53
-        else
-          local pp, prem = 0, rem
-          for _, pass in ipairs{{22, 11}, {11, 11}, {0, 11}} do
-            local nb = 2 ^ pass[2]
-            local h = core.counts(nb)
-            core.mask_hist_pos(h, 0, x, nil, T, 0, pp, pass[1], pass[2])
-            local t = core.counts_totable(h)
-            local cum = 0
-            for b = 0, nb - 1 do
-              local c = t[b + 1]
-              if cum + c >= prem then pp, prem = pp * nb + b, prem - cum break end
-              cum = cum + c
-            end
-          end
-          P = pp + 1
-        end
-      end
+      -- one group, held as two pieces (positions 0..119 and 120..199), one rank
+      local g = {k = k, pieces = {{x = x:narrow(1, 1, 120), gbase = 0, counts = true},
+                                  {x = x:narrow(1, 121, 80), gbase = 120, counts = true}}}
+      core.prune_select({g}, false, "mask_spec")
+      local T, P = g.T, g.P
       local mout = fsdp.ones{#v}
       assert.are.equal(k, core.mask_select(mout, x, nil, T, 0, P))
       assert.are.same(want, mout:totable())
     end
+  end)
+
+  it("prune_select refuses a group with fewer elements than k, naming the label", function()
+    local g = {k = 5, pieces = {{x = fsdp.tensor{1, 2, 3}, gbase = 0, counts = true}}}
+    local ok, err = pcall(core.prune_select, {g}, false, "mask_spec")
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("mask_spec: group 1 has 2 elements fewer than the 5", 1, true))
+    -- a piece another rank counts adds nothing
+    g = {k = 3, pieces = {{x = fsdp.tensor{1, 2, 3}, gbase = 0, counts = false}}}
+    assert.has_error(function() core.prune_select({g}, false, "mask_spec") end)
+    -- the binding's own checks, naming the group or piece
+    local function refused(groups, want)
+      local ok2, err2 = pcall(core.prune_select, groups, false, "x")
+      assert.is_false(ok2)
+      assert.truthy(tostring(err2):find(want, 1, true), tostring(err2))
+    end
+    refused({{k = -1, pieces = {}}}, "prune_select: group 1: k must be an integer in [0, 2^53]")
+    refused({5}, "prune_select: group 1 is a number, not a table")
+    refused({{k = 1}}, "prune_select: group 1: pieces is a nil, not a table")
+    refused({{k = 1, pieces = {{x = fsdp.tensor{1}, counts = true}}}},
+      "prune_select: piece 1: gbase must be an integer in [0, 2^53]")
+    refused({{k = 1, pieces = {{x = 3, gbase = 0}}}}, "prune_select: group 1, piece 1: x must be a tensor (got number)")
+    refused({{k = 1, pieces = {{x = fsdp.tensor{1}, m = {}, gbase = 0}}}}, "piece 1: m must be a tensor (got table)")
   end)
 
   it("keys put masked elements below every live one", function()

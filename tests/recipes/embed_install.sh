@@ -64,7 +64,7 @@ else
 
   # the example, built against the installed tree only
   # shellcheck disable=SC2086 # flags are words
-  run cc -std=c11 -Wall -Wextra -Werror -o "$T/host_trainer" "$SRC/examples/host_trainer.c" $flags -lm
+  run cc -std=c11 -Wall -Wextra -Werror -o "$T/host_trainer" "$SRC/examples/host_trainer.c" $flags
   expect_rc 0 "building host_trainer.c against the install"
   if [ -x "$T/host_trainer" ]; then
     (cd "$T" && clean LD_LIBRARY_PATH="$P/lib" ./host_trainer --steps=20 --quiet) >"$T/out" 2>"$T/err"; rc=$?

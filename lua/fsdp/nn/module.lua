@@ -412,9 +412,19 @@ end
 -- The original message is kept whole. When it has no "file:line:" location (errors from C ops)
 -- and the innermost Lua frame that raised it is user code (not the nn library), that location is
 -- inserted, so errors in a custom forward still say where they happened.
+--
+-- The outermost call raises the error again, and a traceback taken there would start at
+-- module.lua and lose every frame inside forward (the user's). So the handler also takes the
+-- traceback at the error point and leaves it, message first, in the registry under
+-- TRACEBACK_KEY; the host's traceback handler (src/host/setup.c: fsdprun, the REPL, the
+-- embedding runtime) prints it when the message it is given is that message. The next
+-- outermost call clears what an error caught by the user's pcall left there.
 
 local stack, top = {}, 0
 local is_lib_source, is_lib_file = util.is_lib_source, util.is_lib_file
+local TRACEBACK_KEY = "fsdp.traceback" -- also in src/host/setup.c
+local registry = debug.getregistry()
+local traceback_left = false
 
 -- "file:line: " of the innermost stack frame outside the fsdp Lua library (lua/fsdp/util.lua).
 M.user_where = util.user_where
@@ -470,7 +480,10 @@ local function on_error(e)
       end
     end
   end
-  return error_prefix() .. msg
+  msg = error_prefix() .. msg
+  registry[TRACEBACK_KEY] = debug.traceback(msg, 2)
+  traceback_left = true
+  return msg
 end
 
 local function pop(my, ...)
@@ -490,7 +503,10 @@ call_module = function(self, ...)
   local my = top + 1
   top = my
   stack[my] = self
-  if my == 1 then return finish_outer(xpcall(run_forward, on_error, self, ...)) end
+  if my == 1 then
+    if traceback_left then registry[TRACEBACK_KEY], traceback_left = nil, false end
+    return finish_outer(xpcall(run_forward, on_error, self, ...))
+  end
   return pop(my, run_forward(self, ...))
 end
 
