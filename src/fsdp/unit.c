@@ -55,8 +55,8 @@ fsdp_device_i fsdp_device_sharded = {
 static fsdp_device_i fsdp_device_unsharded = {
     .name = "unsharded",
     .has_data = false,
-    .alloc = sharded_alloc,
-    .free = sharded_free,
+    .alloc = fsdp_device_nodata_alloc,
+    .free = fsdp_device_nodata_free,
     .no_data = "is a view of the shard of a unit that was unsharded (fsdp.unwrap): writes to it "
                "would go nowhere; the parameters hold the values now (take fsdp.shard(param) "
                "again)",
