@@ -1235,12 +1235,18 @@ static double repl_timeout_default(const fsdp_repl_host *h) {
   return def;
 }
 
-static void banner(repl *R, const char *where) {
+static void banner(repl *R, const char *where, bool post_mortem) {
   const fsdp_repl_host *h = R->h;
   if (h->rank != 0 || !R->rd.tty) return;
-  char buf[512];
+  char buf[640];
   const char *backend = h->comm ? fsdp_comm_backend(h->comm) : "local";
-  if (where)
+  if (post_mortem)
+    snprintf(buf, sizeof buf,
+             "post-mortem: %d rank%s (%s), each stopped where it failed or was told of the "
+             "failure (rank 0: %s). The locals of each rank's stack are globals there, `err` "
+             "its error. :help for help; :quit or ^D ends the run (exit status 1).\n",
+             h->world, h->world == 1 ? "" : "s", backend, where ? where : "?");
+  else if (where)
     snprintf(buf, sizeof buf,
              "fsdp.debug() at %s: %d rank%s (%s). :help for help; :quit or ^D goes on with "
              "the recipe.\n",
@@ -1273,24 +1279,80 @@ static void repl_free(repl *R) {
   free(R->members);
 }
 
-int fsdp_repl_run(const fsdp_repl_host *h, lua_State *L, const char *where, char *err,
-                  size_t errn) {
+/* Whether the REPL can start here; else -1 with the message in err. */
+static int can_start(const fsdp_repl_host *h, char *err, size_t errn) {
   if (tl_depth > 0) {
     snprintf(err, errn, "the REPL is already running (fsdp.debug() inside a REPL input)");
     return -1;
   }
-  bool multi = h->world > 1;
-  if (multi && !h->ctl) {
+  if (h->world > 1 && !h->ctl) {
     snprintf(err, errn, "the REPL needs a channel between the ranks, which the %s backend did "
                         "not provide", h->comm ? fsdp_comm_backend(h->comm) : "?");
     return -1;
   }
+  return 0;
+}
+
+static int session(const fsdp_repl_host *h, lua_State *L, const char *where, const char *note,
+                   char *err, size_t errn);
+
+int fsdp_repl_run(const fsdp_repl_host *h, lua_State *L, const char *where, char *err,
+                  size_t errn) {
+  if (can_start(h, err, errn) != 0) return -1;
   /* Every rank must be here: a rank that failed, left or is in another collective makes this
    * an error on every rank (and the communicator's rules apply), never a hang. */
-  if (multi && fsdp_comm_barrier(h->comm, "fsdp.repl") != FSDP_OK) {
+  if (h->world > 1 && fsdp_comm_barrier(h->comm, "fsdp.repl") != FSDP_OK) {
     snprintf(err, errn, "%s", fsdp_error_msg());
     return -1;
   }
+  return session(h, L, where, NULL, err, errn);
+}
+
+/* The post-mortem's entry: every rank meets on ctl (never on comm, which the failure poisoned),
+ * then they revive comm together (fsdp_comm_revive: drain, agree on the sequence number, lift
+ * the poison, meet again before anyone issues a collective). A backend that cannot revive
+ * leaves comm poisoned: why goes into note. */
+static int post_mortem_entry(const fsdp_repl_host *h, char *note, size_t noten, char *err,
+                             size_t errn) {
+  note[0] = '\0';
+  bool multi = h->world > 1;
+  if (multi) {
+    fsdp_comm_set_timeout(h->ctl, repl_timeout_default(h));
+    if (fsdp_comm_barrier(h->ctl, "fsdp.post_mortem") != FSDP_OK) {
+      snprintf(err, errn, "the post-mortem REPL needs every rank: %s", fsdp_error_msg());
+      return -1;
+    }
+  }
+  if (h->comm == NULL || !fsdp_comm_poisoned(h->comm)) return 0;
+  double seq = (double)fsdp_comm_drain(h->comm);
+  if (multi && fsdp_comm_all_reduce(h->ctl, &seq, 1, FSDP_DTYPE_F64, FSDP_RED_MAX,
+                                    "fsdp.post_mortem.seq") != FSDP_OK) {
+    snprintf(err, errn, "the post-mortem REPL's channel failed: %s", fsdp_error_msg());
+    return -1;
+  }
+  if (fsdp_comm_revive(h->comm, (uint64_t)seq) != FSDP_OK)
+    snprintf(note, noten, PROGNAME ": the ranks' communicator stays poisoned (%s): collectives "
+             "fail at once; inputs without collectives run.\n", fsdp_error_msg());
+  if (multi && fsdp_comm_barrier(h->ctl, "fsdp.post_mortem.revived") != FSDP_OK) {
+    snprintf(err, errn, "the post-mortem REPL's channel failed: %s", fsdp_error_msg());
+    return -1;
+  }
+  return 0;
+}
+
+int fsdp_repl_post_mortem(const fsdp_repl_host *h, lua_State *L, const char *where, char *err,
+                          size_t errn) {
+  char note[FSDP_ERROR_CAP + 160];
+  if (can_start(h, err, errn) != 0 || post_mortem_entry(h, note, sizeof note, err, errn) != 0)
+    return -1;
+  return session(h, L, where, note, err, errn);
+}
+
+/* The REPL once every rank is in: until :quit, end of input or a failed channel. note: NULL
+ * (fsdp_repl_run), else a post-mortem's ("" or why comm stays poisoned). */
+static int session(const fsdp_repl_host *h, lua_State *L, const char *where, const char *note,
+                   char *err, size_t errn) {
+  bool multi = h->world > 1;
   repl R = {.h = h, .L = L, .target = -1};
   set_prompt(&R);
   int status = 0;
@@ -1316,7 +1378,11 @@ int fsdp_repl_run(const fsdp_repl_host *h, lua_State *L, const char *where, char
   tl_depth++;
   h->pause(h->ctx, true);
   if (h->rank == 0) reader_open(&R.rd, L);
-  banner(&R, where);
+  banner(&R, where, note != NULL);
+  if (note != NULL && note[0] != '\0' && h->rank == 0) {
+    out_str(&R, stderr, note);
+    R.poisoned = true;
+  }
   for (;;) {
     if (h->rank == 0) read_next(&R);
     if (multi && ctl_bcast(h, &R.msg) != FSDP_OK) {
