@@ -1,0 +1,42 @@
+-- post_mortem.lua — run by tests/recipes/post_mortem*.sh under fsdprun --debug-on-error: a
+-- wrapped model trains; at step 2, rank `--bad` (default 1) fails in `step` (--how=lua: error(),
+-- --how=c: an engine error from a tensor op) while the others wait in the barrier after the
+-- step, or (--peer=spin) run an interpreted loop, or (--peer=compiled) a compiled one, or
+-- (--peer=done) have finished. `secret` is a local of the failing frame only; `model` and
+-- `loss` are visible on every rank. --enable: fsdp.debug_on_error(true) instead of the flag.
+local fsdp = require "fsdp"
+local nn = fsdp.nn
+local bad = tonumber(fsdp.args.bad) or 1
+local how = fsdp.args.how or "lua"
+local peer = fsdp.args.peer or "barrier"
+if fsdp.args.enable then fsdp.debug_on_error(true) end
+fsdp.manual_seed(0)
+local model = nn.Linear(4, 2)
+fsdp.wrap(model)
+local loss
+
+local function step(k)
+  loss = model(fsdp.ones{3, 4}):sum()
+  if k == 2 and fsdp.rank() == bad then
+    local secret = 40 + k
+    if peer == "barrier" then os.execute("sleep 0.2") end -- the others are in the barrier
+    if how == "c" then return fsdp.ones{2} + fsdp.ones{secret} end
+    error("boom at step " .. k)
+  end
+  if k == 2 and peer == "spin" then
+    jit.off()
+    local spins = 0
+    while true do spins = spins + 1 end
+  end
+  if k == 2 and peer == "compiled" then
+    local s = 0
+    for i = 1, math.huge do s = s + i % 7 end
+  end
+  fsdp.barrier("after step " .. k)
+end
+
+for k = 1, 3 do
+  if k == 2 and peer == "done" and fsdp.rank() ~= bad then break end
+  step(k)
+end
+print("finished", fsdp.rank())
