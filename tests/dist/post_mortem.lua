@@ -19,7 +19,8 @@ local function step(k)
   loss = model(fsdp.ones{3, 4}):sum()
   if k == 2 and fsdp.rank() == bad then
     local secret = 40 + k
-    if peer == "barrier" then os.execute("sleep 0.2") end -- the others are in the barrier
+    -- by then the others wait in the barrier, run their loop (compiled: as a trace), or left
+    os.execute("sleep 0.2")
     if how == "c" then return fsdp.ones{2} + fsdp.ones{secret} end
     error("boom at step " .. k)
   end

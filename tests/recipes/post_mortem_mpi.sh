@@ -1,0 +1,56 @@
+#!/bin/sh
+# post_mortem_mpi.sh — fsdprun --debug-on-error under mpirun (the mpi backend: ranks are
+# processes): with stdin from a pipe, rank 1 of tests/dist/post_mortem.lua raises, rank 0 is
+# told in its barrier, and the post-mortem REPL reads the inputs: the failing frame's local,
+# fsdp.inspect(model), `err`, a collective failing at once (the mpi group stays poisoned, said
+# once), and the end of input ending the job with exit status 1 and the failure reported; then
+# the terminal session of tests/recipes/post_mortem_tty.sh under mpirun (when tmux is there).
+# Skips when mpirun is missing or fsdprun was built without Open MPI.
+# Run by ctest with FSDPRUN=<build>/bin/fsdprun.
+set -u
+: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
+if ! command -v mpirun >/dev/null 2>&1; then
+  echo "post_mortem_mpi: SKIP (mpirun not found: install openmpi-bin)"
+  exit 77
+fi
+cd "${FSDP_SOURCE_DIR:-.}" || exit 1
+R=tests/dist/post_mortem.lua
+MPIRUN="mpirun --oversubscribe --allow-run-as-root --mca btl_base_warn_component_unused 0"
+T=$(mktemp -d)
+trap 'rm -rf "$T"' EXIT
+failures=0
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+expect_has() { grep -qF -- "$2" "$T/$1" || fail "$3: std$1 lacks '$2'; it was: $(cat "$T/$1")"; }
+if ! $MPIRUN -np 1 "$FSDPRUN" -e 'assert(require("fsdp").backend() == "mpi")' >/dev/null 2>"$T/err"
+then
+  if grep -qF "built without Open MPI" "$T/err"; then
+    echo "post_mortem_mpi: SKIP (fsdprun was built without Open MPI)"
+    exit 77
+  fi
+fi
+
+printf 'secret\nfsdp.inspect(model)\nerr\nfsdp.all_reduce(1)\n"after"\n' |
+  timeout -k 5 120 $MPIRUN -np 2 "$FSDPRUN" --debug-on-error "$R" >"$T/out" 2>"$T/err"
+rc=$?
+[ "$rc" -eq 1 ] || fail "exit status $rc, expected 1; stderr: $(cat "$T/err")"
+expect_has out "[0] nil  [1] 42" "the failing frame's local"
+expect_has out "[1] Linear: wrapped (full), 1 unit, 2 parameters (10 elements), rank 1 of 2" "fsdp.inspect(model)"
+expect_has out "[0] tests/dist/post_mortem.lua:36: rank 1 failed: tests/dist/post_mortem.lua:25: boom at step 2" "the peer's err"
+expect_has out "[1] tests/dist/post_mortem.lua:25: boom at step 2" "the failing rank's err"
+expect_has out "[0-1] after" "the session goes on"
+expect_has err "fsdprun: the ranks' communicator stays poisoned (the mpi backend cannot lift the poison of its group" "no revive on mpi, said"
+expect_has err "fsdprun: [0-1] stdin:1: rank 1 failed: tests/dist/post_mortem.lua:25: boom at step 2" "a collective fails at once"
+expect_has err "fsdprun: [rank 1] tests/dist/post_mortem.lua:25: boom at step 2
+stack traceback:" "the failure, reported as without the flag"
+
+if command -v tmux >/dev/null 2>&1; then
+  PM_MPIRUN="$MPIRUN" sh tests/recipes/post_mortem_tty.sh || fail "the terminal session under mpirun"
+else
+  echo "post_mortem_mpi: the terminal session skipped (tmux is not installed)"
+fi
+
+if [ "$failures" -ne 0 ]; then
+  echo "post_mortem_mpi: $failures failure(s)"
+  exit 1
+fi
+echo "post_mortem_mpi: ok"

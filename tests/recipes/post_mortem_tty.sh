@@ -1,0 +1,60 @@
+#!/bin/sh
+# post_mortem_tty.sh — fsdprun --debug-on-error -n 2 on a real terminal (tmux): rank 1 of
+# tests/dist/post_mortem.lua raises while rank 0 waits in a barrier; the post-mortem REPL opens
+# (banner), the failing frame's local is readable on rank 1, `loss:item()` and
+# `fsdp.inspect(model)` work on both ranks, a collective runs (the local group was revived),
+# `err` is each rank's error, and :quit ends the run with exit status 1 after the failure was
+# reported. With PM_MPIRUN set (tests/recipes/post_mortem_mpi.sh) the same session runs under
+# that mpirun command instead: collectives then fail (the mpi backend is not revived).
+# Run by ctest with FSDPRUN=<build>/bin/fsdprun; needs tmux (Debian package tmux).
+set -u
+: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
+if ! command -v tmux >/dev/null 2>&1; then
+  echo "post_mortem_tty: SKIP (tmux is not installed: apt-get install tmux)"
+  exit 77
+fi
+cd "${FSDP_SOURCE_DIR:-.}" || exit 1
+R=tests/dist/post_mortem.lua
+T=$(mktemp -d)
+failures=0
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+. tests/recipes/lib/tmux.sh
+trap 'tmux_stop; rm -rf "$T"' EXIT
+
+if [ -n "${PM_MPIRUN:-}" ]; then
+  # shellcheck disable=SC2086 # the command's words
+  tmux_start $PM_MPIRUN -np 2 "$FSDPRUN" --debug-on-error "$R"
+  name="post_mortem_tty under mpirun"
+else
+  tmux_start "$FSDPRUN" --debug-on-error -n 2 "$R"
+  name="post_mortem_tty"
+  wait_for "post-mortem: 2 ranks (local), each stopped where it failed" "the banner"
+fi
+wait_for "fsdprun: [rank 1] tests/dist/post_mortem.lua:25: boom at step 2" "the failure, reported first"
+wait_for "fsdprun: [rank 0] tests/dist/post_mortem.lua:36: rank 1 failed" "the peer's line"
+enter "secret"
+wait_for "[0] nil  [1] 42" "the failing frame's local"
+enter "loss:item() == loss:item()"
+wait_for "[0-1] true" "loss:item() on every rank"
+enter "fsdp.inspect(model)"
+wait_for "[1] Linear: wrapped (full), 1 unit" "fsdp.inspect(model)"
+enter "fsdp.all_reduce(fsdp.rank() + 1)"
+if [ -n "${PM_MPIRUN:-}" ]; then
+  wait_for "the ranks' communicator stays poisoned (the mpi backend cannot lift the poison" "mpi: no revive, said once"
+  wait_for "[0-1] stdin:1: rank 1 failed" "mpi: a collective fails at once"
+else
+  wait_for "[0-1] 3" "a collective in the session"
+fi
+enter "err"
+wait_for "[1] tests/dist/post_mortem.lua:25: boom at step 2" "err on the failing rank"
+enter ":quit"
+wait_dead
+[ "$(pane_status)" = "1" ] || { fail ":quit: exit status '$(pane_status)', expected 1"; show; }
+screen
+grep -qF "finished" "$T/screen" && fail "the recipe went on after :quit"
+
+if [ "$failures" -ne 0 ]; then
+  echo "$name: $failures failure(s)"
+  exit 1
+fi
+echo "$name: ok"
