@@ -4,14 +4,7 @@
 # machine without a GPU always; on one GPU from -n 2), auto falling back to the threads' or
 # mpi's own backend, and under mpirun every rank agreeing. Run by ctest with FSDPRUN set.
 set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-run() { "$@" >"$T/out" 2>"$T/err"; rc=$?; }
-expect_rc() { [ "$rc" -eq "$1" ] || fail "$2: exit status $rc, expected $1; stderr: $(cat "$T/err")"; }
-expect_has() { grep -qF -- "$2" "$T/$1" || fail "$3: std$1 lacks '$2'; it was: $(cat "$T/$1")"; }
+. "$(dirname "$0")/lib/check.sh"
 
 gpus=$("$FSDPRUN" -e 'io.write(require("fsdp").device_count("cuda"))' 2>/dev/null || echo 0)
 echo "cuda devices here: $gpus"
@@ -51,5 +44,4 @@ if command -v mpirun >/dev/null 2>&1; then
   fi
 fi
 
-[ "$failures" -eq 0 ] || exit 1
-echo "ok: cli_backend"
+finish cli_backend

@@ -4,21 +4,10 @@
 # `arg` and fsdp.args, exit statuses, and finding the Lua library without LUA_PATH (build tree
 # and installed tree). Run by ctest with FSDPRUN=<build>/bin/fsdprun.
 set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
+. "$(dirname "$0")/lib/check.sh"
 SRC=${FSDP_SOURCE_DIR:-$(pwd)}
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-failures=0
 
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-# run CMD...: stdout in $T/out, stderr in $T/err, status in $rc
-run() { "$@" >"$T/out" 2>"$T/err"; rc=$?; }
-expect_rc() { [ "$rc" -eq "$1" ] || fail "$2: exit status $rc, expected $1; stderr: $(cat "$T/err")"; }
-# expect_has out|err TEXT WHAT
-expect_has() { grep -qF -- "$2" "$T/$1" || fail "$3: std$1 lacks '$2'; it was: $(cat "$T/$1")"; }
-expect_lacks() { ! grep -qF -- "$2" "$T/$1" || fail "$3: std$1 has '$2'; it was: $(cat "$T/$1")"; }
 expect_out() { [ "$(cat "$T/out")" = "$1" ] || fail "$2: stdout was '$(cat "$T/out")', expected '$1'"; }
-lines_of() { wc -l <"$T/$1" | tr -d ' '; }
 
 # ---- --help, --version ------------------------------------------------------------------
 run "$FSDPRUN" --help
@@ -192,8 +181,4 @@ run env -u LUA_PATH "$T/prefix/bin/fsdprun" -e 'print(require "probe", package.p
 expect_rc 0 "installed tree"
 expect_has out "installed copy	$T/prefix/share/fsdprun/lua/?.lua" "installed tree comes first"
 
-if [ "$failures" -ne 0 ]; then
-  echo "cli_basic: $failures failure(s)"
-  exit 1
-fi
-echo "cli_basic: ok"
+finish cli_basic

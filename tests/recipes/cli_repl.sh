@@ -4,15 +4,7 @@
 # on the next line, `:quit` and end of input leave with status 0, and -i after a recipe sees
 # the recipe's globals. Run by ctest with FSDPRUN=<build>/bin/fsdprun.
 set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-failures=0
-
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-expect_rc() { [ "$rc" -eq "$1" ] || fail "$2: exit status $rc, expected $1; stderr: $(cat "$T/err")"; }
-expect_has() { grep -qF -- "$2" "$T/$1" || fail "$3: std$1 lacks '$2'; it was: $(cat "$T/$1")"; }
-expect_lacks() { ! grep -qF -- "$2" "$T/$1" || fail "$3: std$1 has '$2'; it was: $(cat "$T/$1")"; }
+. "$(dirname "$0")/lib/check.sh"
 
 # repl INPUT [fsdprun args...]: feed INPUT to fsdprun -i
 repl() {
@@ -90,8 +82,4 @@ expect_rc 0 "__tostring error"
 expect_has err "no string" "__tostring error"
 expect_has out "still here" "__tostring error"
 
-if [ "$failures" -ne 0 ]; then
-  echo "cli_repl: $failures failure(s)"
-  exit 1
-fi
-echo "cli_repl: ok"
+finish cli_repl

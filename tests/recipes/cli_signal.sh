@@ -3,13 +3,7 @@
 # traceback) and exit status 130, also when the loop is a compiled LuaJIT trace that never
 # runs a hook (the grace timer ends it). Run by ctest with FSDPRUN set.
 set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-failures=0
-
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-expect_has() { grep -qF -- "$2" "$T/$1" || fail "$3: std$1 lacks '$2'; it was: $(cat "$T/$1")"; }
+. "$(dirname "$0")/lib/check.sh"
 
 # interrupt RECIPE: send SIGINT after 1 s (SIGKILL 15 s later if it is still running)
 interrupt() {
@@ -51,8 +45,4 @@ interrupt "$T/caught.lua"
 [ "$rc" -eq 130 ] || fail "caught interrupt: exit status $rc, expected 130"
 expect_has out "interrupted" "caught interrupt"
 
-if [ "$failures" -ne 0 ]; then
-  echo "cli_signal: $failures failure(s)"
-  exit 1
-fi
-echo "cli_signal: ok"
+finish cli_signal

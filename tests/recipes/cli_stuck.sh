@@ -7,14 +7,8 @@
 # run has 60 s (timeout) and must end within a few seconds of the grace period. Run by ctest
 # with FSDPRUN set.
 set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-failures=0
+. "$(dirname "$0")/lib/check.sh"
 
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-expect_has() { grep -qF -- "$2" "$T/$1" || fail "$3: std$1 lacks '$2'; it was: $(cat "$T/$1")"; }
-expect_lacks() { ! grep -qF -- "$2" "$T/$1" || fail "$3: std$1 has '$2'; it was: $(cat "$T/$1")"; }
 now_ms() { date +%s%3N; }
 
 # stuck WHAT SPIN: rank 1 of 2 runs the Lua code SPIN while rank 0 raises "boom"; status in
@@ -61,8 +55,4 @@ expect_lacks err "stopped" "slow peer"
 expect_lacks err "abandoned" "slow peer"
 [ "$took" -le 15 ] || fail "slow peer: took $took tenths of a second: it waited for the grace period"
 
-if [ "$failures" -ne 0 ]; then
-  echo "cli_stuck: $failures failure(s)"
-  exit 1
-fi
-echo "cli_stuck: ok"
+finish cli_stuck

@@ -6,19 +6,10 @@
 # lines (ranks_output.lua); the recipe read once (stdin, missing file, syntax error); -n,
 # --timeout, -i and FSDP_BLAS_THREADS validation. Run by ctest with FSDPRUN set.
 set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
+. "$(dirname "$0")/lib/check.sh"
 SRC=${FSDP_SOURCE_DIR:-$(pwd)}
 D="$SRC/tests/dist"
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-failures=0
 
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-run() { "$@" >"$T/out" 2>"$T/err"; rc=$?; }
-expect_rc() { [ "$rc" -eq "$1" ] || fail "$2: exit status $rc, expected $1; stderr: $(cat "$T/err")"; }
-expect_has() { grep -qF -- "$2" "$T/$1" || fail "$3: std$1 lacks '$2'; it was: $(cat "$T/$1")"; }
-expect_lacks() { ! grep -qF -- "$2" "$T/$1" || fail "$3: std$1 has '$2'; it was: $(cat "$T/$1")"; }
-lines_of() { wc -l <"$T/$1" | tr -d ' '; }
 # expect_ranks N PREFIX: stdout has exactly the lines "PREFIX r N" for r = 0..N-1, in any order
 expect_ranks() {
   want=$(r=0; while [ "$r" -lt "$1" ]; do echo "$2 $r $1"; r=$((r + 1)); done)
@@ -127,8 +118,4 @@ expect_rc 2 "FSDP_BLAS_THREADS=many"
 expect_has err "FSDP_BLAS_THREADS='many' must be a positive integer" "FSDP_BLAS_THREADS=many"
 expect_lacks out "ran" "FSDP_BLAS_THREADS=many"
 
-if [ "$failures" -ne 0 ]; then
-  echo "dist_ranks: $failures failure(s)"
-  exit 1
-fi
-echo "dist_ranks: ok"
+finish dist_ranks

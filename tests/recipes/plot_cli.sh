@@ -5,19 +5,9 @@
 # usage errors exit 2 with one line, unreadable input exits 1, --help, and no LUA_PATH needed.
 # Run by ctest with FSDPRUN=<build>/bin/fsdprun.
 set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-failures=0
+. "$(dirname "$0")/lib/check.sh"
 
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-# run CMD...: stdout in $T/out, stderr in $T/err, status in $rc
-run() { "$@" >"$T/out" 2>"$T/err"; rc=$?; }
-expect_rc() { [ "$rc" -eq "$1" ] || fail "$2: exit status $rc, expected $1; stderr: $(cat "$T/err")"; }
-# expect_has out|err TEXT WHAT
-expect_has() { grep -qF -- "$2" "$T/$1" || fail "$3: std$1 lacks '$2'; it was: $(cat "$T/$1")"; }
 file_has() { grep -qF -- "$2" "$1" 2>/dev/null || fail "$3: $1 lacks '$2'"; }
-lines_of() { wc -l <"$T/$1" | tr -d ' '; }
 
 # ---- metrics from a real run through fsdp.log --------------------------------------------------
 run "$FSDPRUN" -e "
@@ -98,8 +88,4 @@ run "$FSDPRUN" plot "$T/m.jsonl" -o "$T/no-such-dir/x.svg"
 expect_rc 1 "unwritable output"
 expect_has err "fsdprun plot: cannot write $T/no-such-dir/x.svg" "unwritable output"
 
-if [ "$failures" -ne 0 ]; then
-  echo "plot_cli: $failures failure(s)"
-  exit 1
-fi
-echo "plot_cli: ok"
+finish plot_cli

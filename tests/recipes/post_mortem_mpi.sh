@@ -8,7 +8,7 @@
 # Skips when mpirun is missing or fsdprun was built without Open MPI.
 # Run by ctest with FSDPRUN=<build>/bin/fsdprun.
 set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
+. "$(dirname "$0")/lib/check.sh"
 if ! command -v mpirun >/dev/null 2>&1; then
   echo "post_mortem_mpi: SKIP (mpirun not found: install openmpi-bin)"
   exit 77
@@ -16,11 +16,6 @@ fi
 cd "${FSDP_SOURCE_DIR:-.}" || exit 1
 R=tests/dist/post_mortem.lua
 MPIRUN="mpirun --oversubscribe --allow-run-as-root --mca btl_base_warn_component_unused 0"
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-expect_has() { grep -qF -- "$2" "$T/$1" || fail "$3: std$1 lacks '$2'; it was: $(cat "$T/$1")"; }
 if ! $MPIRUN -np 1 "$FSDPRUN" -e 'assert(require("fsdp").backend() == "mpi")' >/dev/null 2>"$T/err"
 then
   if grep -qF "built without Open MPI" "$T/err"; then
@@ -49,8 +44,4 @@ else
   echo "post_mortem_mpi: the terminal session skipped (tmux is not installed)"
 fi
 
-if [ "$failures" -ne 0 ]; then
-  echo "post_mortem_mpi: $failures failure(s)"
-  exit 1
-fi
-echo "post_mortem_mpi: ok"
+finish post_mortem_mpi

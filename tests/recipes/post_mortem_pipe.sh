@@ -9,16 +9,9 @@
 # inputs that fail (no post-mortem). tests/dist/post_mortem.lua is the recipe.
 # Run by ctest with FSDPRUN=<build>/bin/fsdprun.
 set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
+. "$(dirname "$0")/lib/check.sh"
 cd "${FSDP_SOURCE_DIR:-.}" || exit 1
 R=tests/dist/post_mortem.lua
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-expect_rc() { [ "$rc" -eq "$1" ] || fail "$2: exit status $rc, expected $1; stderr: $(cat "$T/err")"; }
-expect_has() { grep -qF -- "$2" "$T/$1" || fail "$3: std$1 lacks '$2'; it was: $(cat "$T/$1")"; }
-expect_lacks() { ! grep -qF -- "$2" "$T/$1" || fail "$3: std$1 has '$2'; it was: $(cat "$T/$1")"; }
 # pm INPUT ARGS...: feed INPUT to fsdprun ARGS (killed after 60 s: a hang is a failure)
 pm() {
   input=$1
@@ -134,8 +127,4 @@ expect_rc 0 "-i with the flag"
 expect_has err "fsdprun: [0-1] stdin:1: typed" "-i: the input's error"
 expect_has out "[0-1] 2" "-i goes on"
 
-if [ "$failures" -ne 0 ]; then
-  echo "post_mortem_pipe: $failures failure(s)"
-  exit 1
-fi
-echo "post_mortem_pipe: ok"
+finish post_mortem_pipe

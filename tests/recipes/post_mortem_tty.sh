@@ -8,18 +8,14 @@
 # that mpirun command instead: collectives then fail (the mpi backend is not revived).
 # Run by ctest with FSDPRUN=<build>/bin/fsdprun; needs tmux (Debian package tmux).
 set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
+. "$(dirname "$0")/lib/check.sh"
 if ! command -v tmux >/dev/null 2>&1; then
   echo "post_mortem_tty: SKIP (tmux is not installed: apt-get install tmux)"
   exit 77
 fi
+. "$(dirname "$0")/lib/tmux.sh"
 cd "${FSDP_SOURCE_DIR:-.}" || exit 1
 R=tests/dist/post_mortem.lua
-T=$(mktemp -d)
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-. tests/recipes/lib/tmux.sh
-trap 'tmux_stop; rm -rf "$T"' EXIT
 
 if [ -n "${PM_MPIRUN:-}" ]; then
   # shellcheck disable=SC2086 # the command's words
@@ -53,8 +49,4 @@ wait_dead
 screen
 grep -qF "finished" "$T/screen" && fail "the recipe went on after :quit"
 
-if [ "$failures" -ne 0 ]; then
-  echo "$name: $failures failure(s)"
-  exit 1
-fi
-echo "$name: ok"
+finish "$name"

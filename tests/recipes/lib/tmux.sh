@@ -1,11 +1,13 @@
 # tests/recipes/lib/tmux.sh — sourced by the tests that drive fsdprun on a real terminal (a tmux
-# pane): `tmux_start ARGS...` runs ARGS in a fresh 100x40 pane (a new session each time) under
-# a small sh that records the exit status, since tmux may show a dead pane without it; the
-# helpers read the screen, type, and wait. Needs $T (a scratch folder) and fail(). Not a test
-# itself: ctest runs tests/recipes/*.sh only.
+# pane): `tmux_start ARGS...` runs ARGS in a fresh 100x40 pane (sessions s1, s2, ...: a new one
+# each time, since killing the last would stop the server under the next new-session) under a
+# small sh that records the exit status (tmux 3.3a sometimes shows a dead pane without it: the
+# pty closed before tmux collected the child); the helpers read the screen, type, and wait.
+# Source it after lib/check.sh ($T, fail); the tmux server goes with $T on exit. Not a test itself: ctest runs tests/recipes/*.sh only.
 TMUX_SOCK="fsdprun-test-$$"
 tm() { tmux -L "$TMUX_SOCK" -f "$T/tmux.conf" "$@"; }
 echo "set -g remain-on-exit on" >"$T/tmux.conf"
+trap 'tm kill-server >/dev/null 2>&1; rm -rf "$T"' EXIT
 tmux_sessions=0
 S=
 tmux_start() {
@@ -17,7 +19,6 @@ tmux_start() {
     TERM=xterm FSDPRUN_HISTORY="$T/history" EXITF="$T/exit.$S" \
     sh -c 'trap "" INT; "$@"; echo "$?" >"$EXITF"' sh "$@"
 }
-tmux_stop() { tm kill-server >/dev/null 2>&1; }
 screen() { tm capture-pane -t "$S" -p -S -1000 >"$T/screen"; }
 show() { screen; sed 's/^/    | /' "$T/screen"; }
 # wait_for TEXT [WHAT]: until the screen shows TEXT (a fixed string), at most 20 s
