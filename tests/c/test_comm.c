@@ -1443,13 +1443,18 @@ static void body_revive(rank_ctx *x) {
   fsdp_comm_flight_recorder(x->c, x->big, sizeof x->big);
 }
 
+/* body on 2 ranks that meet through a->meet besides their communicators */
+static void run_revive(rank_body body, revive_arg *a, rank_ctx *ctx) {
+  pthread_barrier_init(&a->meet, NULL, 2);
+  run_world(2, 30, body, a, ctx);
+  pthread_barrier_destroy(&a->meet);
+}
+
 static void test_revive(void **state) {
   (void)state;
   revive_arg a = {0};
-  pthread_barrier_init(&a.meet, NULL, 2);
   rank_ctx ctx[MAXW];
-  run_world(2, 30, body_revive, &a, ctx);
-  pthread_barrier_destroy(&a.meet);
+  run_revive(body_revive, &a, ctx);
   assert_int_equal(a.seq[0], 1); /* rank 0 never issued #2 */
   assert_int_equal(a.seq[1], 2);
   assert_int_equal(ctx[1].rc[1], FSDP_ERR); /* its #2 failed on the poison */
@@ -1490,10 +1495,8 @@ static bool never_poisoned(const fsdp_comm *c) { (void)c; return false; }
 static void test_revive_refused(void **state) {
   (void)state;
   revive_arg a = {0};
-  pthread_barrier_init(&a.meet, NULL, 2);
   rank_ctx ctx[MAXW];
-  run_world(2, 30, body_revive_left, &a, ctx);
-  pthread_barrier_destroy(&a.meet);
+  run_revive(body_revive_left, &a, ctx);
   assert_int_equal(ctx[0].rc[0], FSDP_ERR);
   assert_contains(ctx[0].msg[0], "cannot revive the group: a rank has left it");
   assert_true(ctx[0].secs[NOTES - 1] != 0); /* still poisoned */
