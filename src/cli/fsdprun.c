@@ -2,7 +2,8 @@
  * fsdprun.c — the `fsdprun` launcher: runs a Lua recipe (and -e chunks, and an interactive loop)
  * on the statically linked engine, on one rank or on N ranks that are threads of this process.
  *
- *   fsdprun [-n N] [--timeout=SECONDS] [-e CODE]... [-i] [--] recipe.lua [args...]
+ *   fsdprun [-n N] [--timeout=SECONDS] [-e CODE]... [-i] [--debug-on-error] [--] recipe.lua
+ *           [args...]
  *
  * Built on the rank host (src/host/host.h) as lua.c is on lua.h: the host owns the rank
  * threads, their memory domains, communicators and Lua states, the traceback handler, the
@@ -34,6 +35,12 @@
  * writes it with one fwrite under g_out_mu, so lines of different ranks never interleave;
  * error reports take the same lock (and flush stdout first, to keep the order on a shared
  * pipe). io.write is Lua's own and unlocked.
+ *
+ * Post-mortem (--debug-on-error, FSDPRUN_DEBUG_ON_ERROR, fsdp.debug_on_error): the recipe and
+ * -e chunks run under post_mortem_msgh, which on a rank's first error reports it and poisons
+ * the group as above, but holds the rank (the host stops the others at once and never abandons
+ * a held rank) and runs the REPL (fsdp_repl_post_mortem) before the stack unwinds; the peers
+ * follow from wherever their own error (the collective's, or the stop's) caught them.
  *
  * The REPL (-i, fsdp.debug()) is src/cli/repl.c: this file gives it a host (rank, communicators,
  * how to run Lua under the traceback handler and ^C) and the rank's second communicator, `ctl`,

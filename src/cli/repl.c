@@ -23,6 +23,9 @@
  * fsdp.debug() the recipe cannot go on (fsdp.debug raises). In ":rank K" mode the input runs
  * on rank K alone and comm refuses collectives (fsdp_comm_set_refuse) with a clear error.
  *
+ * The post-mortem (fsdp_repl_post_mortem, fsdprun --debug-on-error) is the same loop entered
+ * after a failure: the ranks meet on `ctl` instead, and revive `comm` before the first input.
+ *
  * Texts travel as bytes (u8 collectives) after their sizes (i64). With W == 1 nothing travels and nothing is captured: values print at once through the
  * global print and errors with their traceback, as in `luajit`.
  */
@@ -1046,7 +1049,8 @@ static const char help_text[] =
     "  :all          run inputs on every rank again (the default)\n"
     "  :timeout [S]  show or set how long a collective waits for the other ranks\n"
     "  :help         this text\n"
-    "  :quit         leave (also ^D); after fsdp.debug() the recipe goes on\n"
+    "  :quit         leave (also ^D); after fsdp.debug() the recipe goes on, after a\n"
+    "                post-mortem (--debug-on-error) the run ends (exit status 1)\n"
     "\n"
     "A collective that only some ranks enter fails after the timeout and leaves the ranks'\n"
     "communicator poisoned: collectives then fail at once, everything else still works.\n";

@@ -5,8 +5,8 @@
 # failing rank's locals, every rank's `err`, fsdp.inspect, a collective in the session (the
 # local group revived), a Lua error and an engine error, a peer stopped in an interpreted loop,
 # one rank (FSDPRUN_DEBUG_ON_ERROR, fsdp.debug_on_error), stdin at its end (no hang), no flag
-# (stdin untouched), a peer that finished or cannot stop (no post-mortem, said so), and -i
-# inputs that fail (no post-mortem). tests/dist/post_mortem.lua is the recipe.
+# (stdin untouched), a peer that finished or cannot stop (no post-mortem, said so), --help,
+# fsdp.debug_on_error in plain luajit, and -i inputs that fail (no post-mortem). tests/dist/post_mortem.lua is the recipe.
 # Run by ctest with FSDPRUN=<build>/bin/fsdprun.
 set -u
 . "$(dirname "$0")/lib/check.sh"
@@ -118,6 +118,13 @@ expect_rc 1 "a peer in a compiled loop"
 expect_has err "[rank 0] did not stop" "the compiled loop is abandoned"
 expect_has err "[rank 1] no post-mortem: the post-mortem REPL needs every rank: timeout after 1 s in barrier #1 'fsdp.post_mortem': rank 0 has not arrived" "a peer that cannot stop"
 expect_lacks out "unreachable" "no session without every rank"
+
+# ---- the option in --help; fsdp.debug_on_error outside fsdprun (plain luajit) does nothing ----
+run "$FSDPRUN" --help
+expect_has out "--debug-on-error" "--help"
+run luajit -e 'local fsdp = require "fsdp"; print(fsdp.debug_on_error(true), fsdp.debug_on_error())'
+expect_rc 0 "fsdp.debug_on_error in luajit"
+expect_has out "false	false" "fsdp.debug_on_error outside fsdprun"
 
 # ---- -i: an input that fails is the REPL's, not a post-mortem ------------------------------------
 pm 'error("typed")
