@@ -19,8 +19,9 @@ local function step(k)
   loss = model(fsdp.ones{3, 4}):sum()
   if k == 2 and fsdp.rank() == bad then
     local secret = 40 + k
-    -- by then the others wait in the barrier, run their loop (compiled: as a trace), or left
-    os.execute("sleep 0.2")
+    -- by then the others wait in the barrier or run their loop (compiled: as a trace); after
+    -- --peer=done this barrier fails once rank 0 has left, and that error is the failure
+    if peer == "done" then fsdp.barrier("after step " .. k) else os.execute("sleep 1") end
     if how == "c" then return fsdp.ones{2} + fsdp.ones{secret} end
     error("boom at step " .. k)
   end

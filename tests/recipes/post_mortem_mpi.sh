@@ -30,12 +30,12 @@ rc=$?
 [ "$rc" -eq 1 ] || fail "exit status $rc, expected 1; stderr: $(cat "$T/err")"
 expect_has out "[0] nil  [1] 42" "the failing frame's local"
 expect_has out "[1] Linear: wrapped (full), 1 unit, 2 parameters (10 elements), rank 1 of 2" "fsdp.inspect(model)"
-expect_has out "[0] tests/dist/post_mortem.lua:36: rank 1 failed: tests/dist/post_mortem.lua:25: boom at step 2" "the peer's err"
-expect_has out "[1] tests/dist/post_mortem.lua:25: boom at step 2" "the failing rank's err"
+expect_has out "[0] tests/dist/post_mortem.lua:37: rank 1 failed: tests/dist/post_mortem.lua:26: boom at step 2" "the peer's err"
+expect_has out "[1] tests/dist/post_mortem.lua:26: boom at step 2" "the failing rank's err"
 expect_has out "[0-1] after" "the session goes on"
 expect_has err "fsdprun: the ranks' communicator stays poisoned (the mpi backend cannot lift the poison of its group" "no revive on mpi, said"
-expect_has err "fsdprun: [0-1] stdin:1: rank 1 failed: tests/dist/post_mortem.lua:25: boom at step 2" "a collective fails at once"
-expect_has err "fsdprun: [rank 1] tests/dist/post_mortem.lua:25: boom at step 2
+expect_has err "fsdprun: [0-1] stdin:1: rank 1 failed: tests/dist/post_mortem.lua:26: boom at step 2" "a collective fails at once"
+expect_has err "fsdprun: [rank 1] tests/dist/post_mortem.lua:26: boom at step 2
 stack traceback:" "the failure, reported as without the flag"
 
 if command -v tmux >/dev/null 2>&1; then

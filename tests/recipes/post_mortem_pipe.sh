@@ -37,8 +37,8 @@ expect_has out "[0-1] true" "loss, a local of the recipe, on every rank"
 expect_has out "[0-1] 3" "a collective in the session (the group was revived)"
 expect_has out "[0] Linear: wrapped (full), 1 unit" "fsdp.inspect(model) on rank 0"
 expect_has out "[1] Linear: wrapped (full), 1 unit" "fsdp.inspect(model) on rank 1"
-expect_has out "[0] tests/dist/post_mortem.lua:36: rank 1 failed: tests/dist/post_mortem.lua:25: boom at step 2" "err on the peer"
-expect_has out "[1] tests/dist/post_mortem.lua:25: boom at step 2" "err on the failing rank"
+expect_has out "[0] tests/dist/post_mortem.lua:37: rank 1 failed: tests/dist/post_mortem.lua:26: boom at step 2" "err on the peer"
+expect_has out "[1] tests/dist/post_mortem.lua:26: boom at step 2" "err on the failing rank"
 expect_has err "fsdprun: [0-1] stdin:1: in the session" "an error in the session is the session's"
 expect_has out "[0] still here	0  [1] still here	1" "the session goes on after its own error"
 expect_lacks out "not reached" ":quit ends the session"
@@ -46,9 +46,9 @@ expect_lacks out "finished" "the recipe does not go on"
 # the failure is reported as without the flag: in full once, the peer in one line
 [ "$(grep -c "boom at step 2" "$T/err")" -eq 2 ] ||
   fail "the failure should be reported once and the peer's once; stderr: $(cat "$T/err")"
-expect_has err "fsdprun: [rank 1] tests/dist/post_mortem.lua:25: boom at step 2
+expect_has err "fsdprun: [rank 1] tests/dist/post_mortem.lua:26: boom at step 2
 stack traceback:" "the failing rank's report"
-expect_has err "fsdprun: [rank 0] tests/dist/post_mortem.lua:36: rank 1 failed:" "the peer's report"
+expect_has err "fsdprun: [rank 0] tests/dist/post_mortem.lua:37: rank 1 failed:" "the peer's report"
 cp "$T/err" "$T/err.flag"
 
 # without the flag: the same report, and stdin is not read
@@ -73,8 +73,8 @@ expect_rc 1 "engine error"
 expect_has out "[0] nil  [1] 42" "engine error: the failing frame's local"
 expect_has out "[0] true" "the peer's loop variable, where it stopped"
 expect_has out "[0] tests/dist/post_mortem.lua" "the peer's err"
-expect_has out "stopped: rank 1 failed: tests/dist/post_mortem.lua:24: add: shapes (2) and (42) do not broadcast" "the peer's err names the failure"
-expect_has out "[1] tests/dist/post_mortem.lua:24: add: shapes (2) and (42)" "the failing rank's err"
+expect_has out "stopped: rank 1 failed: tests/dist/post_mortem.lua:25: add: shapes (2) and (42) do not broadcast" "the peer's err names the failure"
+expect_has out "[1] tests/dist/post_mortem.lua:25: add: shapes (2) and (42)" "the failing rank's err"
 
 # ---- one rank: the environment variable, fsdp.debug_on_error; end of input is :quit ------------
 pm 'secret
@@ -88,7 +88,7 @@ rc=$?
 expect_rc 1 "FSDPRUN_DEBUG_ON_ERROR=1"
 [ "$(cat "$T/out")" = "42
 5" ] || fail "FSDPRUN_DEBUG_ON_ERROR=1: stdout was: $(cat "$T/out")"
-expect_has err "fsdprun: tests/dist/post_mortem.lua:25: boom at step 2" "one rank: the report"
+expect_has err "fsdprun: tests/dist/post_mortem.lua:26: boom at step 2" "one rank: the report"
 pm 'secret
 ' "$R" --bad=0 --enable
 expect_rc 1 "fsdp.debug_on_error(true)"
@@ -102,7 +102,7 @@ expect_rc 1 "fsdp.debug_on_error(false)"
 timeout -k 5 60 "$FSDPRUN" --debug-on-error -n 2 "$R" </dev/null >"$T/out" 2>"$T/err"
 rc=$?
 expect_rc 1 "stdin at its end"
-expect_has err "fsdprun: [rank 1] tests/dist/post_mortem.lua:25: boom at step 2" "stdin at its end: the report"
+expect_has err "fsdprun: [rank 1] tests/dist/post_mortem.lua:26: boom at step 2" "stdin at its end: the report"
 
 # ---- no post-mortem: a peer that finished, a peer that cannot stop ------------------------------
 pm '"unreachable"

@@ -26,8 +26,8 @@ else
   name="post_mortem_tty"
   wait_for "post-mortem: 2 ranks (local), each stopped where it failed" "the banner"
 fi
-wait_for "fsdprun: [rank 1] tests/dist/post_mortem.lua:25: boom at step 2" "the failure, reported first"
-wait_for "fsdprun: [rank 0] tests/dist/post_mortem.lua:36: rank 1 failed" "the peer's line"
+wait_for "fsdprun: [rank 1] tests/dist/post_mortem.lua:26: boom at step 2" "the failure, reported first"
+wait_for "fsdprun: [rank 0] tests/dist/post_mortem.lua:37: rank 1 failed" "the peer's line"
 enter "secret"
 wait_for "[0] nil  [1] 42" "the failing frame's local"
 enter "loss:item() == loss:item()"
@@ -42,7 +42,7 @@ else
   wait_for "[0-1] 3" "a collective in the session"
 fi
 enter "err"
-wait_for "[1] tests/dist/post_mortem.lua:25: boom at step 2" "err on the failing rank"
+wait_for "[1] tests/dist/post_mortem.lua:26: boom at step 2" "err on the failing rank"
 enter ":quit"
 wait_dead
 [ "$(pane_status)" = "1" ] || { fail ":quit: exit status '$(pane_status)', expected 1"; show; }
