@@ -200,7 +200,7 @@ void fsdp_comm_set_timeout(fsdp_comm *c, double seconds); /* <= 0: default (FSDP
  * the poisoned group) and returns the last sequence number c issued; every rank then calls
  * fsdp_comm_revive with the largest of them, and only when all have returned issues
  * collectives again, numbered from seq + 1 on every rank. FSDP_ERR (nothing changed) when the
- * backend cannot (mpi, nccl: its requests may still be in flight) or seq is below c's. */
+ * backend cannot (nccl: its work may still be in flight) or seq is below c's. */
 uint64_t fsdp_comm_drain(fsdp_comm *c);
 int fsdp_comm_revive(fsdp_comm *c, uint64_t seq);
 double fsdp_comm_timeout(const fsdp_comm *c);
