@@ -1346,6 +1346,9 @@ static int post_fixed(mpi_comm *mc) {
 static int mpi_revive(fsdp_comm *c, uint64_t seq) {
   mpi_comm *mc = fsdp_comm_impl(c);
   pthread_mutex_lock(&mc->mu);
+  /* collectives started and never waited (a prefetch) fail on the poison, the running one at
+   * the latest after the poison grace */
+  while (mc->head && is_poisoned(mc, NULL)) advance(mc);
   if (mc->head) {
     pthread_mutex_unlock(&mc->mu);
     return fsdp_error("mpi: cannot revive the communicator while collectives are queued");
