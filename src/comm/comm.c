@@ -517,11 +517,15 @@ int fsdp_comm_revive(fsdp_comm *c, uint64_t seq) {
     return fsdp_error("the %s backend cannot lift the poison of its group (collectives may "
                       "still be in flight)", c->vt->name);
   pthread_mutex_lock(&c->mu);
-  if (seq < c->seq) {
-    pthread_mutex_unlock(&c->mu);
+  uint64_t issued = c->seq;
+  pthread_mutex_unlock(&c->mu);
+  if (seq < issued)
     return fsdp_error("cannot revive the communicator at #%llu: rank %d issued #%llu already",
-                      (unsigned long long)seq, c->rank, (unsigned long long)c->seq);
-  }
+                      (unsigned long long)seq, c->rank, (unsigned long long)issued);
+  /* the backend first (without c->mu: it takes its own locks), so that its refusal changes
+   * nothing here */
+  if (c->vt->revive && c->vt->revive(c, seq) != FSDP_OK) return FSDP_ERR;
+  pthread_mutex_lock(&c->mu);
   /* the numbers this rank skips: recorded as such, not as older collectives' entries */
   for (uint64_t s = c->seq + 1; s <= seq && s - c->seq <= FSDP_COMM_RECORDER; s++) {
     rec_entry *e = &c->rec[s % FSDP_COMM_RECORDER];
@@ -532,7 +536,7 @@ int fsdp_comm_revive(fsdp_comm *c, uint64_t seq) {
   c->poisoned = false;
   c->poison[0] = '\0';
   pthread_mutex_unlock(&c->mu);
-  return c->vt->revive ? c->vt->revive(c, seq) : FSDP_OK;
+  return FSDP_OK;
 }
 
 void fsdp_comm_set_refuse(fsdp_comm *c, const char *msg) {
