@@ -323,13 +323,20 @@ static void stop_ranks(fsdp_host *h) {
   }
 }
 
+/* Whether a held rank has not returned from the job. Caller holds mu. */
+static bool held_busy(const fsdp_host *h) {
+  for (int i = 0; i < h->nranks; i++)
+    if (h->ranks[i].busy && atomic_load(&h->ranks[i].held)) return true;
+  return false;
+}
+
 /* Give up on the ranks still busy. Caller holds mu. Returns how many. */
 static int abandon_ranks(fsdp_host *h) {
   int n = 0;
   pthread_mutex_lock(&h->fail_mu);
   for (int i = 0; i < h->nranks; i++) {
     fsdp_host_rank *r = &h->ranks[i];
-    if (!r->busy || atomic_load(&r->held)) continue; /* held: in its post-mortem, it returns */
+    if (!r->busy) continue;
     r->busy = false;
     r->abandoned = true;
     h->pending--;
@@ -377,25 +384,30 @@ int fsdp_host_run(fsdp_host *h, fsdp_host_job job, void *arg) {
   h->job_seq++;
   pthread_cond_broadcast(&h->job_cv);
   double started = monotonic_s();
+  double held_until = 0; /* when a held rank was last seen busy */
   int gave_up = 0;
   while (h->pending > 0) {
     if (!h->failed) {
       pthread_cond_wait(&h->done_cv, &h->mu);
       continue;
     }
-    /* a job after the stop (the host stays stopped) gets the stop wait from its start */
     double now = monotonic_s(), stop_at = h->failed_at + (h->hold ? 0 : FSDP_HOST_GRACE_S);
-    double give_up_at = (stop_at > started ? stop_at : started) + FSDP_HOST_STOP_WAIT_S;
     if (now < stop_at) {
       timed_wait(h, stop_at);
     } else if (!h->stop_begun) {
       h->stop_begun = true;
       stop_ranks(h);
-    } else if (now < give_up_at) {
-      timed_wait(h, give_up_at);
+    } else if (held_busy(h)) {
+      /* a post-mortem: waited for without a deadline (a slow peer may still join it) */
+      pthread_cond_wait(&h->done_cv, &h->mu);
+      held_until = monotonic_s();
     } else {
-      gave_up += abandon_ranks(h);
-      if (h->pending > 0) pthread_cond_wait(&h->done_cv, &h->mu); /* held ranks, no deadline */
+      /* the stop wait counts from the stop, from the start of a job after it (the host stays
+       * stopped), or from the end of the post-mortem */
+      double base = stop_at > started ? stop_at : started;
+      if (held_until > base) base = held_until;
+      if (now < base + FSDP_HOST_STOP_WAIT_S) timed_wait(h, base + FSDP_HOST_STOP_WAIT_S);
+      else gave_up += abandon_ranks(h);
     }
   }
   h->job = NULL;
@@ -506,7 +518,8 @@ static void *rank_thread(void *arg) {
     pthread_mutex_lock(&h->mu);
     if (r->abandoned) break; /* its caller has gone: no more jobs, clean up and go */
     r->busy = false;
-    if (--h->pending == 0) pthread_cond_broadcast(&h->done_cv);
+    /* the owner waits for every held rank without a deadline, and then for the others */
+    if (--h->pending == 0 || atomic_load(&r->held)) pthread_cond_broadcast(&h->done_cv);
   }
   pthread_mutex_unlock(&h->mu);
   /* From here the rank has left the group: a peer still in a collective fails at once. */

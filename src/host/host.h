@@ -176,7 +176,8 @@ void fsdp_host_rank_fail(fsdp_host_rank *r, const char *msg);
  * period ("stopped: rank R failed: ..."), so that every rank stops where it is; r itself is
  * never stopped by it nor abandoned (fsdp_host_run waits for it without a deadline, and an
  * interrupt still reaches it); a rank that does not stop and is not held is abandoned
- * FSDP_HOST_STOP_WAIT_S after the failure as usual. */
+ * FSDP_HOST_STOP_WAIT_S after the last held rank returned (a peer in a long C call may still
+ * come and hold itself meanwhile). */
 void fsdp_host_rank_hold(fsdp_host_rank *r);
 
 /* The failure to report for the whole run: the root cause ("[rank R] msg" with several ranks,

@@ -2,7 +2,7 @@
 -- wrapped model trains; at step 2, rank `--bad` (default 1) fails in `step` (--how=lua: error(),
 -- --how=c: an engine error from a tensor op) while the others wait in the barrier after the
 -- step, or (--peer=spin) run an interpreted loop, or (--peer=compiled) a compiled one, or
--- (--peer=done) have finished. `secret` is a local of the failing frame only; `model` and
+-- (--peer=ccall) a long C call, or (--peer=done) have finished. `secret` is a local of the failing frame only; `model` and
 -- `loss` are visible on every rank. --enable: fsdp.debug_on_error(true) instead of the flag.
 local fsdp = require "fsdp"
 local nn = fsdp.nn
@@ -29,6 +29,10 @@ local function step(k)
     jit.off()
     local spins = 0
     while true do spins = spins + 1 end
+  end
+  if k == 2 and peer == "ccall" then
+    local slow = true -- (stopped at the statement after the call, where `slow` is in scope)
+    os.execute("sleep 4"); fsdp.barrier("slow") -- a C call, returning 3 s after the failure
   end
   if k == 2 and peer == "compiled" then
     local s = 0

@@ -34,7 +34,7 @@ rc=$?
 [ "$rc" -eq 1 ] || fail "exit status $rc, expected 1; stderr: $(cat "$T/err")"
 expect_has out "[0] nil  [1] 42" "the failing frame's local"
 expect_has out "[1] Linear: wrapped (full), 1 unit, 2 parameters (10 elements), rank 1 of 2" "fsdp.inspect(model)"
-expect_has out "[0] tests/dist/post_mortem.lua:37: rank 1 failed: tests/dist/post_mortem.lua:26: boom at step 2" "the peer's err"
+expect_has out "[0] tests/dist/post_mortem.lua:41: rank 1 failed: tests/dist/post_mortem.lua:26: boom at step 2" "the peer's err"
 expect_has out "[1] tests/dist/post_mortem.lua:26: boom at step 2" "the failing rank's err"
 expect_has out "[0-1] 3" "an all_reduce on the revived group"
 expect_has out "[0-1] tensor((), f32, cpu)

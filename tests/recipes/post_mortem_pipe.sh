@@ -3,10 +3,12 @@
 # the post-mortem REPL reads its inputs from stdin like the piped REPL, and end of input ends
 # the run as :quit does (exit status 1, the failure reported as without the flag). Checks the
 # failing rank's locals, every rank's `err`, fsdp.inspect, a collective in the session (the
-# local group revived), a Lua error and an engine error, a peer stopped in an interpreted loop,
-# one rank (FSDPRUN_DEBUG_ON_ERROR, fsdp.debug_on_error), stdin at its end (no hang), no flag
-# (stdin untouched), a peer that finished or cannot stop (no post-mortem, said so), --help,
-# fsdp.debug_on_error in plain luajit, and -i inputs that fail (no post-mortem). tests/dist/post_mortem.lua is the recipe.
+# local group revived), a Lua error and an engine error, a peer stopped in an interpreted loop
+# and one that joins after a C call longer than the stop wait, one rank
+# (FSDPRUN_DEBUG_ON_ERROR, fsdp.debug_on_error), stdin at its end (no hang), no flag (stdin
+# untouched), a peer that finished or cannot stop (no post-mortem, said so), --help,
+# fsdp.debug_on_error in plain luajit, and -i inputs that fail (no post-mortem).
+# tests/dist/post_mortem.lua is the recipe.
 # Run by ctest with FSDPRUN=<build>/bin/fsdprun.
 set -u
 . "$(dirname "$0")/lib/check.sh"
@@ -37,7 +39,7 @@ expect_has out "[0-1] true" "loss, a local of the recipe, on every rank"
 expect_has out "[0-1] 3" "a collective in the session (the group was revived)"
 expect_has out "[0] Linear: wrapped (full), 1 unit" "fsdp.inspect(model) on rank 0"
 expect_has out "[1] Linear: wrapped (full), 1 unit" "fsdp.inspect(model) on rank 1"
-expect_has out "[0] tests/dist/post_mortem.lua:37: rank 1 failed: tests/dist/post_mortem.lua:26: boom at step 2" "err on the peer"
+expect_has out "[0] tests/dist/post_mortem.lua:41: rank 1 failed: tests/dist/post_mortem.lua:26: boom at step 2" "err on the peer"
 expect_has out "[1] tests/dist/post_mortem.lua:26: boom at step 2" "err on the failing rank"
 expect_has err "fsdprun: [0-1] stdin:1: in the session" "an error in the session is the session's"
 expect_has out "[0] still here	0  [1] still here	1" "the session goes on after its own error"
@@ -48,7 +50,7 @@ expect_lacks out "finished" "the recipe does not go on"
   fail "the failure should be reported once and the peer's once; stderr: $(cat "$T/err")"
 expect_has err "fsdprun: [rank 1] tests/dist/post_mortem.lua:26: boom at step 2
 stack traceback:" "the failing rank's report"
-expect_has err "fsdprun: [rank 0] tests/dist/post_mortem.lua:37: rank 1 failed:" "the peer's report"
+expect_has err "fsdprun: [rank 0] tests/dist/post_mortem.lua:41: rank 1 failed:" "the peer's report"
 cp "$T/err" "$T/err.flag"
 
 # without the flag: the same report, and stdin is not read
@@ -75,6 +77,15 @@ expect_has out "[0] true" "the peer's loop variable, where it stopped"
 expect_has out "[0] tests/dist/post_mortem.lua" "the peer's err"
 expect_has out "stopped: rank 1 failed: tests/dist/post_mortem.lua:25: add: shapes (2) and (42) do not broadcast" "the peer's err names the failure"
 expect_has out "[1] tests/dist/post_mortem.lua:25: add: shapes (2) and (42)" "the failing rank's err"
+
+# ---- a peer in a C call longer than the stop wait joins when the call returns ------------------
+pm 'slow
+fsdp.all_reduce(fsdp.rank() + 1)
+' --debug-on-error -n 2 "$R" --peer=ccall
+expect_rc 1 "a peer in a C call"
+expect_has out "[0] true" "the peer's local, after its C call"
+expect_has out "[0-1] 3" "a peer in a C call: a collective in the session"
+expect_lacks err "abandoned" "a peer in a C call is not abandoned"
 
 # ---- one rank: the environment variable, fsdp.debug_on_error; end of input is :quit ------------
 pm 'secret

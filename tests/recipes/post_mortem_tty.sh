@@ -27,7 +27,7 @@ else
   wait_for "post-mortem: 2 ranks (local), each stopped where it failed" "the banner"
 fi
 wait_for "fsdprun: [rank 1] tests/dist/post_mortem.lua:26: boom at step 2" "the failure, reported first"
-wait_for "fsdprun: [rank 0] tests/dist/post_mortem.lua:37: rank 1 failed" "the peer's line"
+wait_for "fsdprun: [rank 0] tests/dist/post_mortem.lua:41: rank 1 failed" "the peer's line"
 enter "secret"
 wait_for "[0] nil  [1] 42" "the failing frame's local"
 enter "loss:item() == loss:item()"
