@@ -49,7 +49,7 @@ expect_lacks err "abandoned" "interpreted loop"
 [ "$(grep -c "stack traceback:" "$T/err")" = 1 ] || fail "interpreted loop: rank 1's report is more than one line: $(cat "$T/err")"
 
 # A rank that reaches a collective within the grace period fails there, as without the stop.
-stuck "slow peer" "local t = os.clock(); while os.clock() - t < 0.5 do end; fsdp.barrier('late')"
+stuck "slow peer" "local clock = fsdp.core.clock; local t = clock(); while clock() - t < 0.5 do end; fsdp.barrier('late')"
 expect_has err "fsdprun: [rank 1] $T/r.lua:2: rank 0 failed: $T/r.lua:3: boom" "slow peer"
 expect_lacks err "stopped" "slow peer"
 expect_lacks err "abandoned" "slow peer"
