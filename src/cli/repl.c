@@ -45,6 +45,8 @@
 
 #include <lauxlib.h>
 
+#include "lua/binding.h"
+
 #define PROGNAME "fsdprun"
 #define REPL_PROMPT "fsdp> "
 #define REPL_PROMPT2 ">> "
@@ -334,19 +336,7 @@ static void jit_off(lua_State *L) {
 
 /* tostring of every argument, tab-separated, as one string (what print would write). */
 static int values_text(lua_State *L) {
-  int n = lua_gettop(L);
-  luaL_Buffer b;
-  luaL_buffinit(L, &b);
-  for (int i = 1; i <= n; i++) {
-    if (i > 1) luaL_addchar(&b, '\t');
-    lua_getglobal(L, "tostring");
-    lua_pushvalue(L, i);
-    lua_call(L, 1, 1);
-    if (lua_type(L, -1) != LUA_TSTRING && lua_type(L, -1) != LUA_TNUMBER)
-      return luaL_error(L, LUA_QL("tostring") " must return a string to " LUA_QL("print"));
-    luaL_addvalue(&b);
-  }
-  luaL_pushresult(&b);
+  fsdp_lua_print_line(L, false);
   return 1;
 }
 
