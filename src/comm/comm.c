@@ -539,6 +539,29 @@ int fsdp_comm_revive(fsdp_comm *c, uint64_t seq) {
   return FSDP_OK;
 }
 
+void fsdp_comm_describe_missing(char *buf, size_t n, int world, fsdp_comm_missing_fn rank,
+                                void *ud) {
+  char where[64];
+  bool left;
+  int missing = 0;
+  for (int p = 0; p < world; p++) missing += rank(ud, p, where, sizeof where, &left);
+  size_t at = (size_t)snprintf(buf, n, "%s", missing == 1 ? "rank " : "ranks ");
+  int k = 0;
+  for (int p = 0; p < world && at < n; p++)
+    if (rank(ud, p, where, sizeof where, &left))
+      at += (size_t)snprintf(buf + at, n - at, "%s%d", k++ ? ", " : "", p);
+  if (at < n)
+    at += (size_t)snprintf(buf + at, n - at, " %s not arrived (%s reached:",
+                           missing == 1 ? "has" : "have",
+                           missing == 1 ? "sequence number it" : "sequence numbers they");
+  k = 0;
+  for (int p = 0; p < world && at < n; p++)
+    if (rank(ud, p, where, sizeof where, &left))
+      at += (size_t)snprintf(buf + at, n - at, "%s rank %d %s%s", k++ ? "," : "", p, where,
+                             left ? " (left)" : "");
+  if (at < n) snprintf(buf + at, n - at, ")");
+}
+
 void fsdp_comm_set_refuse(fsdp_comm *c, const char *msg) {
   if (!c) return;
   pthread_mutex_lock(&c->mu);

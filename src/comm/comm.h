@@ -282,6 +282,13 @@ bool fsdp_coll_check_agrees(const uint64_t acc[FSDP_CHECK_WORDS]);
  * (fsdp_comm_set_full_check when it was issued). */
 bool fsdp_comm_full_check(const fsdp_comm *c);
 char *fsdp_coll_describe(char *buf, size_t n, const fsdp_coll *coll);
+/* A timeout's list of the ranks that have not arrived, for backends: "ranks 2, 3 have not
+ * arrived (sequence numbers they reached: rank 2 #11, rank 3 none (left))". rank(ud, p, where,
+ * wn) says where rank p stands: false when it has arrived, else true with where ("#11", "none",
+ * "never joined") and *left set when it left the group. Writes at most n bytes (NUL included). */
+typedef bool (*fsdp_comm_missing_fn)(void *ud, int p, char *where, size_t wn, bool *left);
+void fsdp_comm_describe_missing(char *buf, size_t n, int world, fsdp_comm_missing_fn rank,
+                                void *ud);
 /* Bytes the stats count for one collective on a world of `world` ranks. */
 int64_t fsdp_coll_bytes(const fsdp_coll *coll, int world);
 

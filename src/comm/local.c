@@ -193,34 +193,27 @@ static void decide_locked(fsdp_local_group *g, uint64_t seq) {
   pthread_cond_broadcast(&g->cv);
 }
 
+/* For fsdp_comm_describe_missing: where slot p stands at the collective `seq`. */
+typedef struct missing_at {
+  const fsdp_local_group *g;
+  uint64_t seq;
+} missing_at;
+
+static bool slot_missing(void *ud, int p, char *where, size_t wn, bool *left) {
+  const missing_at *m = ud;
+  const local_slot *s = &m->g->slot[p];
+  if (s->arrived == m->seq) return false;
+  if (!s->joined) snprintf(where, wn, "never joined");
+  else if (s->arrived == 0) snprintf(where, wn, "none");
+  else snprintf(where, wn, "#%llu", (unsigned long long)s->arrived);
+  *left = s->left;
+  return true;
+}
+
 /* "ranks 2, 3 have not arrived (sequence numbers they reached: rank 2 #11, rank 3 none)" */
 static void describe_missing_locked(const fsdp_local_group *g, uint64_t seq, char *buf, size_t n) {
-  int missing = 0;
-  for (int p = 0; p < g->world; p++) missing += g->slot[p].arrived != seq;
-  size_t at = 0;
-  at += (size_t)snprintf(buf + at, n - at, "%s", missing == 1 ? "rank " : "ranks ");
-  int k = 0;
-  for (int p = 0; p < g->world && at < n; p++) {
-    if (g->slot[p].arrived == seq) continue;
-    at += (size_t)snprintf(buf + at, n - at, "%s%d", k++ ? ", " : "", p);
-  }
-  if (at < n) {
-    at += (size_t)snprintf(buf + at, n - at, " %s not arrived (%s reached:",
-                           missing == 1 ? "has" : "have",
-                           missing == 1 ? "sequence number it" : "sequence numbers they");
-  }
-  k = 0;
-  for (int p = 0; p < g->world && at < n; p++) {
-    const local_slot *s = &g->slot[p];
-    if (s->arrived == seq) continue;
-    char where[64];
-    if (!s->joined) snprintf(where, sizeof where, "never joined");
-    else if (s->arrived == 0) snprintf(where, sizeof where, "none");
-    else snprintf(where, sizeof where, "#%llu", (unsigned long long)s->arrived);
-    at += (size_t)snprintf(buf + at, n - at, "%s rank %d %s%s", k++ ? "," : "", p, where,
-                           s->left ? " (left)" : "");
-  }
-  if (at < n) snprintf(buf + at, n - at, ")");
+  missing_at m = {g, seq};
+  fsdp_comm_describe_missing(buf, n, g->world, slot_missing, &m);
 }
 
 static void deadline_after(struct timespec *ts, double seconds) {

@@ -570,36 +570,32 @@ static bool peer_missing(const mpi_comm *mc, int p, uint64_t seq) {
   return !mc->got[p] || mc->reached[p] < seq;
 }
 
+typedef struct missing_at {
+  const mpi_comm *mc;
+  uint64_t seq;
+} missing_at;
+
+/* For fsdp_comm_describe_missing: where peer p stands at the collective `seq`. */
+static bool rank_missing(void *ud, int p, char *where, size_t wn, bool *left) {
+  const missing_at *m = ud;
+  const mpi_comm *mc = m->mc;
+  if (!peer_missing(mc, p, m->seq)) return false;
+  uint64_t r = mc->got[p] ? mc->reached[p] : mc->agreed;
+  if (r == 0) snprintf(where, wn, "none");
+  else snprintf(where, wn, "#%llu", (unsigned long long)r);
+  *left = mc->left_after[p] != NOT_LEFT;
+  return true;
+}
+
 static void describe_missing(const mpi_comm *mc, uint64_t seq, char *buf, size_t n) {
   int missing = 0;
   for (int p = 0; p < mc->world; p++) missing += peer_missing(mc, p, seq);
-  size_t at = 0;
   if (missing == 0) {
     snprintf(buf, n, "every rank has arrived, but the fingerprint check has not completed");
     return;
   }
-  at += (size_t)snprintf(buf + at, n - at, "%s", missing == 1 ? "rank " : "ranks ");
-  int k = 0;
-  for (int p = 0; p < mc->world && at < n; p++) {
-    if (!peer_missing(mc, p, seq)) continue;
-    at += (size_t)snprintf(buf + at, n - at, "%s%d", k++ ? ", " : "", p);
-  }
-  if (at < n) {
-    at += (size_t)snprintf(buf + at, n - at, " %s not arrived (%s reached:",
-                           missing == 1 ? "has" : "have",
-                           missing == 1 ? "sequence number it" : "sequence numbers they");
-  }
-  k = 0;
-  for (int p = 0; p < mc->world && at < n; p++) {
-    if (!peer_missing(mc, p, seq)) continue;
-    uint64_t r = mc->got[p] ? mc->reached[p] : mc->agreed;
-    char where[48];
-    if (r == 0) snprintf(where, sizeof where, "none");
-    else snprintf(where, sizeof where, "#%llu", (unsigned long long)r);
-    at += (size_t)snprintf(buf + at, n - at, "%s rank %d %s%s", k++ ? "," : "", p, where,
-                           mc->left_after[p] != NOT_LEFT ? " (left)" : "");
-  }
-  if (at < n) snprintf(buf + at, n - at, ")");
+  missing_at m = {mc, seq};
+  fsdp_comm_describe_missing(buf, n, mc->world, rank_missing, &m);
 }
 
 /* Every header is in: the same verdict on every rank. false: the collective failed. */
