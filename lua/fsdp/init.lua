@@ -45,6 +45,14 @@ fsdp.broadcast = core.broadcast
 --- table of them (lua/fsdp/inspect.lua).
 function fsdp.comm_stats() return require("fsdp.inspect").comm_report(core.comm_stats()) end
 fsdp.reset_comm_stats = core.reset_comm_stats
+--- debug_on_error(on) -> the previous setting: when a rank raises, fsdprun opens the REPL
+--- where every rank stopped instead of ending the run (fsdprun --debug-on-error; docs/REPL.md).
+--- Every rank should call it alike. Outside fsdprun it does nothing and returns false.
+function fsdp.debug_on_error(on)
+  local host = package.loaded.fsdprun
+  if type(host) ~= "table" or not host.debug_on_error then return false end
+  return host.debug_on_error(on)
+end
 
 -- seeds and autograd ------------------------------------------------------------------------
 local seed_epoch = 0

@@ -2,7 +2,8 @@
  * fsdprun.c — the `fsdprun` launcher: runs a Lua recipe (and -e chunks, and an interactive loop)
  * on the statically linked engine, on one rank or on N ranks that are threads of this process.
  *
- *   fsdprun [-n N] [--timeout=SECONDS] [--progress=MODE] [-e CODE]... [-i] [--] recipe.lua
+ *   fsdprun [-n N] [--timeout=SECONDS] [--progress=MODE] [-e CODE]... [-i] [--debug-on-error]
+ *           [--] recipe.lua
  *           [args...]
  *
  * Built on the rank host (src/host/host.h) as lua.c is on lua.h: the host owns the rank
@@ -36,6 +37,12 @@
  * error reports take the same lock (and flush stdout first, to keep the order on a shared
  * pipe). io.write is Lua's own and unlocked.
  *
+ * Post-mortem (--debug-on-error, FSDPRUN_DEBUG_ON_ERROR, fsdp.debug_on_error): the recipe and
+ * -e chunks run under post_mortem_msgh, which on a rank's first error reports it and poisons
+ * the group as above, but holds the rank (the host stops the others at once and never abandons
+ * a held rank) and runs the REPL (fsdp_repl_post_mortem) before the stack unwinds; the peers
+ * follow from wherever their own error (the collective's, or the stop's) caught them.
+ *
  * The REPL (-i, fsdp.debug()) is src/cli/repl.c: this file gives it a host (rank, communicators,
  * how to run Lua under the traceback handler and ^C) and the rank's second communicator, `ctl`,
  * for the REPL's own traffic (the input from rank 0, every rank's outcome back), so that the
@@ -50,6 +57,7 @@
  * grace timer: if the run has not stopped within FSDP_HOST_GRACE_S seconds, the process prints
  * "fsdprun: interrupted" and exits 130 on its own. A second SIGINT kills at once.
  */
+#include <ctype.h>
 #include <errno.h>
 #include <limits.h>
 #include <signal.h>
@@ -110,7 +118,11 @@ typedef struct rank_ctx {
   int status;          /* this rank's exit status */
   lua_State *paused_L; /* the REPL's pause: the state a ^C would have stopped */
   bool exiting;        /* the rank called os.exit: its run unwinds and ends with status */
+  bool failed;         /* reported by the post-mortem handler already */
 } rank_ctx;
+
+/* --debug-on-error, FSDPRUN_DEBUG_ON_ERROR or fsdp.debug_on_error(true) (any rank's thread) */
+static atomic_bool g_debug_on_error;
 
 /* ---- output ------------------------------------------------------------------------------ */
 
@@ -208,10 +220,6 @@ static void on_running(void *ud, int n, bool first) {
 
 /* ---- running chunks -------------------------------------------------------------------- */
 
-static int docall(rank_ctx *rc, int narg, int nres) {
-  return fsdp_host_pcall(rc->hr, rc->hr->L, narg, nres);
-}
-
 /* A chunk failed and this rank's run ends: report it and poison the group (the host). */
 static void fail_rank(rank_ctx *rc, const char *msg) {
   rc->status = fsdp_host_interrupted(rc->hr->host) ? EXIT_INTERRUPTED : EXIT_FAILURE;
@@ -246,14 +254,16 @@ static int l_rank_exit(lua_State *L) {
   return luaL_error(L, EXIT_UNWIND);
 }
 
+static int post_mortem_msgh(lua_State *L);
+
 /* Run a chunk whose load status is given (the function, or the load error, on top) with narg
  * arguments above it; on failure report it and end the rank (after os.exit: end it quietly,
  * rc->status is the exit code). Returns the status. */
 static int run_chunk(rank_ctx *rc, int status, int narg) {
   lua_State *L = rc->hr->L;
-  if (status == 0) status = docall(rc, narg, 0);
+  if (status == 0) status = fsdp_host_pcall_msgh(rc->hr, L, narg, 0, post_mortem_msgh);
   if (status != 0) {
-    if (!rc->exiting) fail_rank(rc, lua_tostring(L, -1));
+    if (!rc->exiting && !rc->failed) fail_rank(rc, lua_tostring(L, -1));
     lua_pop(L, 1);
   }
   return status;
@@ -366,6 +376,94 @@ static int l_fsdprun_repl(lua_State *L) {
   return 0;
 }
 
+/* package.loaded.fsdprun.debug_on_error([on]) -> the previous setting (fsdp.debug_on_error). */
+static int l_fsdprun_debug_on_error(lua_State *L) {
+  bool was = g_debug_on_error;
+  if (!lua_isnoneornil(L, 1)) g_debug_on_error = lua_toboolean(L, 1);
+  lua_pushboolean(L, was);
+  return 1;
+}
+
+/* ---- the post-mortem (--debug-on-error) -------------------------------------------------- */
+
+static bool is_identifier(const char *s) {
+  if (!(isalpha((unsigned char)s[0]) || s[0] == '_')) return false;
+  for (; *s; s++)
+    if (!(isalnum((unsigned char)*s) || *s == '_')) return false;
+  return true;
+}
+
+/* The value on top into _G[name] (raw: a strict _G must not raise in a message handler), or
+ * dropped when name is not an identifier ("(for index)", a C function's ""). */
+static void set_global(lua_State *L, const char *name) {
+  if (!is_identifier(name)) {
+    lua_pop(L, 1);
+    return;
+  }
+  lua_pushstring(L, name);
+  lua_insert(L, -2);
+  lua_rawset(L, LUA_GLOBALSINDEX);
+}
+
+/* The locals and upvalues of L's Lua frames as globals, the outermost first, so that on a name
+ * clash the frame nearer the error wins. Returns where the innermost one stands
+ * ("recipe.lua:12") in where. */
+static void frames_to_globals(lua_State *L, char *where, size_t n) {
+  lua_Debug ar;
+  int levels = 1; /* level 0 is the message handler */
+  while (lua_getstack(L, levels, &ar)) levels++;
+  snprintf(where, n, "?");
+  for (int level = levels - 1; level >= 1; level--) {
+    if (!lua_getstack(L, level, &ar) || !lua_getinfo(L, "fSl", &ar)) continue;
+    if (strcmp(ar.what, "C") == 0) {
+      lua_pop(L, 1);
+      continue;
+    }
+    const char *name;
+    for (int i = 1; (name = lua_getupvalue(L, -1, i)) != NULL; i++) set_global(L, name);
+    lua_pop(L, 1);
+    for (int i = 1; (name = lua_getlocal(L, &ar, i)) != NULL; i++) set_global(L, name);
+    if (ar.currentline > 0) snprintf(where, n, "%s:%d", ar.short_src, ar.currentline);
+  }
+}
+
+/* The message handler of the recipe and -e chunks. Without --debug-on-error it is the host's
+ * traceback handler. With it, the first error of the rank's run (its own, a collective that
+ * failed because a peer did, the stop that the host sends when a peer failed) is reported as
+ * without the flag, the rank is held (the host neither stops nor abandons it) and the REPL
+ * runs here, before the stack unwinds: on a new Lua thread (this one is handling an error: an
+ * error in an input would be "error in error handling" on it), with the stack's locals and
+ * `err` as globals. An interrupt (^C) ends the run as usual. */
+static int post_mortem_msgh(lua_State *L) {
+  fsdp_host_traceback(L);
+  fsdp_host_rank *hr = fsdp_host_current();
+  rank_ctx *rc = hr != NULL ? hr->ud : NULL;
+  /* os.exit unwinds as an error too: that is no failure */
+  if (rc == NULL || !g_debug_on_error || rc->failed || rc->exiting ||
+      fsdp_host_interrupted(hr->host))
+    return 1;
+  const char *msg = lua_tostring(L, -1);
+  rc->failed = true;
+  fsdp_host_rank_hold(hr);
+  fail_rank(rc, msg);
+  luaL_checkstack(L, 8, "post-mortem");
+  char where[256];
+  frames_to_globals(L, where, sizeof where);
+  lua_pushvalue(L, -1);
+  set_global(L, "err");
+  lua_State *co = lua_newthread(L);
+  fsdp_repl_host h = repl_host(rc);
+  char err[1024];
+  if (fsdp_repl_post_mortem(&h, co, where, err, sizeof err) != 0) {
+    char line[1200];
+    if (hr->world > 1) snprintf(line, sizeof line, "[rank %d] no post-mortem: %s\n", hr->rank, err);
+    else snprintf(line, sizeof line, "no post-mortem: %s\n", err);
+    write_report(NULL, line);
+  }
+  lua_pop(L, 1); /* co */
+  return 1;
+}
+
 static void setup_fsdprun_module(lua_State *L, rank_ctx *rc) {
   lua_getglobal(L, "package");
   lua_getfield(L, -1, "loaded");
@@ -373,6 +471,8 @@ static void setup_fsdprun_module(lua_State *L, rank_ctx *rc) {
   lua_pushlightuserdata(L, rc);
   lua_pushcclosure(L, l_fsdprun_repl, 1);
   lua_setfield(L, -2, "repl");
+  lua_pushcfunction(L, l_fsdprun_debug_on_error);
+  lua_setfield(L, -2, "debug_on_error");
   lua_setfield(L, -2, "fsdprun");
   lua_pop(L, 2);
 }
@@ -780,6 +880,10 @@ static void print_usage(FILE *f) {
           "              terminal the user sees (under mpirun: when mpirun's is), else lines\n"
           "  -e CODE     run the Lua CODE before the recipe (may be repeated)\n"
           "  -i          open the REPL after the recipe (or alone), on every rank\n"
+          "  --debug-on-error\n"
+          "              when a rank raises, open the REPL where every rank stopped (the\n"
+          "              failing rank at the error, with its locals); :quit exits 1\n"
+          "              (also FSDPRUN_DEBUG_ON_ERROR=1, or fsdp.debug_on_error(true))\n"
           "  --          stop reading options\n"
           "  -h, --help  show this help and exit\n"
           "  -v, --version\n"
@@ -843,6 +947,10 @@ static int parse_args(fsdprun_opts *o) {
     }
     if (strcmp(a, "-i") == 0) {
       o->interactive = true;
+      continue;
+    }
+    if (strcmp(a, "--debug-on-error") == 0) {
+      g_debug_on_error = true;
       continue;
     }
     if (strncmp(a, "--timeout", 9) == 0 && (a[9] == '=' || a[9] == '\0')) {
@@ -931,6 +1039,8 @@ static int run_plot(int argc, char **argv) {
 int main(int argc, char **argv) {
   if (argc >= 2 && strcmp(argv[1], "plot") == 0) return run_plot(argc, argv);
   fsdprun_opts o = {.argc = argc, .argv = argv, .nranks = 1};
+  const char *doe = getenv("FSDPRUN_DEBUG_ON_ERROR");
+  g_debug_on_error = doe != NULL && doe[0] != '\0' && strcmp(doe, "0") != 0;
   o.exec = calloc((size_t)argc + 1, sizeof *o.exec);
   if (o.exec == NULL) {
     fprintf(stderr, PROGNAME ": out of memory\n");

@@ -23,6 +23,9 @@
  * fsdp.debug() the recipe cannot go on (fsdp.debug raises). In ":rank K" mode the input runs
  * on rank K alone and comm refuses collectives (fsdp_comm_set_refuse) with a clear error.
  *
+ * The post-mortem (fsdp_repl_post_mortem, fsdprun --debug-on-error) is the same loop entered
+ * after a failure: the ranks meet on `ctl` instead, and revive `comm` before the first input.
+ *
  * Texts travel as bytes (u8 collectives) after their sizes (i64). With W == 1 nothing travels and nothing is captured: values print at once through the
  * global print and errors with their traceback, as in `luajit`.
  */
@@ -41,6 +44,8 @@
 #include <unistd.h>
 
 #include <lauxlib.h>
+
+#include "lua/binding.h"
 
 #define PROGNAME "fsdprun"
 #define REPL_PROMPT "fsdp> "
@@ -330,19 +335,7 @@ static void jit_off(lua_State *L) {
 
 /* tostring of every argument, tab-separated, as one string (what print would write). */
 static int values_text(lua_State *L) {
-  int n = lua_gettop(L);
-  luaL_Buffer b;
-  luaL_buffinit(L, &b);
-  for (int i = 1; i <= n; i++) {
-    if (i > 1) luaL_addchar(&b, '\t');
-    lua_getglobal(L, "tostring");
-    lua_pushvalue(L, i);
-    lua_call(L, 1, 1);
-    if (lua_type(L, -1) != LUA_TSTRING && lua_type(L, -1) != LUA_TNUMBER)
-      return luaL_error(L, LUA_QL("tostring") " must return a string to " LUA_QL("print"));
-    luaL_addvalue(&b);
-  }
-  luaL_pushresult(&b);
+  fsdp_lua_print_line(L, false);
   return 1;
 }
 
@@ -810,7 +803,8 @@ static const char help_text[] =
     "  :all          run inputs on every rank again (the default)\n"
     "  :timeout [S]  show or set how long a collective waits for the other ranks\n"
     "  :help         this text\n"
-    "  :quit         leave (also ^D); after fsdp.debug() the recipe goes on\n"
+    "  :quit         leave (also ^D); after fsdp.debug() the recipe goes on, after a\n"
+    "                post-mortem (--debug-on-error) the run ends (exit status 1)\n"
     "\n"
     "A collective that only some ranks enter fails after the timeout and leaves the ranks'\n"
     "communicator poisoned: collectives then fail at once, everything else still works.\n";
@@ -1016,12 +1010,18 @@ static void preload(repl *R) {
   lua_settop(L, top);
 }
 
-static void banner(repl *R, const char *where) {
+static void banner(repl *R, const char *where, bool post_mortem) {
   const fsdp_repl_host *h = R->h;
   if (h->rank != 0 || !R->rd.tty) return;
-  char buf[512];
+  char buf[640];
   const char *backend = h->comm ? fsdp_comm_backend(h->comm) : "local";
-  if (where)
+  if (post_mortem)
+    snprintf(buf, sizeof buf,
+             "post-mortem: %d rank%s (%s), each stopped where it failed or was told of the "
+             "failure (rank 0: %s). The locals of each rank's stack are globals there, `err` "
+             "its error. :help for help; :quit or ^D ends the run (exit status 1).\n",
+             h->world, h->world == 1 ? "" : "s", backend, where ? where : "?");
+  else if (where)
     snprintf(buf, sizeof buf,
              "fsdp.debug() at %s: %d rank%s (%s). :help for help; :quit or ^D goes on with "
              "the recipe.\n",
@@ -1055,24 +1055,80 @@ static void repl_free(repl *R) {
   free(R->members);
 }
 
-int fsdp_repl_run(const fsdp_repl_host *h, lua_State *L, const char *where, char *err,
-                  size_t errn) {
+/* Whether the REPL can start here; else -1 with the message in err. */
+static int can_start(const fsdp_repl_host *h, char *err, size_t errn) {
   if (tl_depth > 0) {
     snprintf(err, errn, "the REPL is already running (fsdp.debug() inside a REPL input)");
     return -1;
   }
-  bool multi = h->world > 1;
-  if (multi && !h->ctl) {
+  if (h->world > 1 && !h->ctl) {
     snprintf(err, errn, "the REPL needs a channel between the ranks, which the %s backend did "
                         "not provide", h->comm ? fsdp_comm_backend(h->comm) : "?");
     return -1;
   }
+  return 0;
+}
+
+static int session(const fsdp_repl_host *h, lua_State *L, const char *where, const char *note,
+                   char *err, size_t errn);
+
+int fsdp_repl_run(const fsdp_repl_host *h, lua_State *L, const char *where, char *err,
+                  size_t errn) {
+  if (can_start(h, err, errn) != 0) return -1;
   /* Every rank must be here: a rank that failed, left or is in another collective makes this
    * an error on every rank (and the communicator's rules apply), never a hang. */
-  if (multi && fsdp_comm_barrier(h->comm, "fsdp.repl") != FSDP_OK) {
+  if (h->world > 1 && fsdp_comm_barrier(h->comm, "fsdp.repl") != FSDP_OK) {
     snprintf(err, errn, "%s", fsdp_error_msg());
     return -1;
   }
+  return session(h, L, where, NULL, err, errn);
+}
+
+/* The post-mortem's entry: every rank meets on ctl (never on comm, which the failure poisoned),
+ * then they revive comm together (fsdp_comm_revive: drain, agree on the sequence number, lift
+ * the poison, meet again before anyone issues a collective). A backend that cannot revive
+ * leaves comm poisoned: why goes into note. */
+static int post_mortem_entry(const fsdp_repl_host *h, char *note, size_t noten, char *err,
+                             size_t errn) {
+  note[0] = '\0';
+  bool multi = h->world > 1;
+  if (multi) {
+    fsdp_comm_set_timeout(h->ctl, repl_timeout_default(h));
+    if (fsdp_comm_barrier(h->ctl, "fsdp.post_mortem") != FSDP_OK) {
+      snprintf(err, errn, "the post-mortem REPL needs every rank: %s", fsdp_error_msg());
+      return -1;
+    }
+  }
+  if (h->comm == NULL || !fsdp_comm_poisoned(h->comm)) return 0;
+  double seq = (double)fsdp_comm_drain(h->comm);
+  if (multi && fsdp_comm_all_reduce(h->ctl, &seq, 1, FSDP_DTYPE_F64, FSDP_RED_MAX,
+                                    "fsdp.post_mortem.seq") != FSDP_OK) {
+    snprintf(err, errn, "the post-mortem REPL's channel failed: %s", fsdp_error_msg());
+    return -1;
+  }
+  if (fsdp_comm_revive(h->comm, (uint64_t)seq) != FSDP_OK)
+    snprintf(note, noten, PROGNAME ": the ranks' communicator stays poisoned (%s): collectives "
+             "fail at once; inputs without collectives run.\n", fsdp_error_msg());
+  if (multi && fsdp_comm_barrier(h->ctl, "fsdp.post_mortem.revived") != FSDP_OK) {
+    snprintf(err, errn, "the post-mortem REPL's channel failed: %s", fsdp_error_msg());
+    return -1;
+  }
+  return 0;
+}
+
+int fsdp_repl_post_mortem(const fsdp_repl_host *h, lua_State *L, const char *where, char *err,
+                          size_t errn) {
+  char note[FSDP_ERROR_CAP + 160];
+  if (can_start(h, err, errn) != 0 || post_mortem_entry(h, note, sizeof note, err, errn) != 0)
+    return -1;
+  return session(h, L, where, note, err, errn);
+}
+
+/* The REPL once every rank is in: until :quit, end of input or a failed channel. note: NULL
+ * (fsdp_repl_run), else a post-mortem's ("" or why comm stays poisoned). */
+static int session(const fsdp_repl_host *h, lua_State *L, const char *where, const char *note,
+                   char *err, size_t errn) {
+  bool multi = h->world > 1;
   repl R = {.h = h, .L = L, .target = -1};
   set_prompt(&R);
   int status = 0;
@@ -1099,7 +1155,11 @@ int fsdp_repl_run(const fsdp_repl_host *h, lua_State *L, const char *where, char
   h->pause(h->ctx, true);
   if (where == NULL) preload(&R);
   if (h->rank == 0) reader_open(&R.rd, L);
-  banner(&R, where);
+  banner(&R, where, note != NULL);
+  if (note != NULL && note[0] != '\0' && h->rank == 0) {
+    out_str(&R, stderr, note);
+    R.poisoned = true;
+  }
   for (;;) {
     if (h->rank == 0) read_next(&R);
     if (multi && ctl_bcast(h, &R.msg) != FSDP_OK) {

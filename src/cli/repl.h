@@ -52,6 +52,15 @@ typedef struct fsdp_repl_host {
 int fsdp_repl_run(const fsdp_repl_host *h, lua_State *L, const char *where, char *err,
                   size_t errn);
 
+/* The post-mortem REPL (fsdprun --debug-on-error), after a failure: every rank calls it, the
+ * failing one and its peers, each from where it stopped. Unlike fsdp_repl_run it meets on ctl
+ * (waiting at most the REPL timeout for the others) and first revives comm, which the failure
+ * poisoned, so that collectives run again in the session (fsdp_comm_revive; where a backend
+ * cannot, nccl, comm stays poisoned and the session says so once). where: this rank's place
+ * ("recipe.lua:12"). Returns 0 when the user left, or -1 with a message in err. */
+int fsdp_repl_post_mortem(const fsdp_repl_host *h, lua_State *L, const char *where, char *err,
+                          size_t errn);
+
 /* While an input is evaluated on a rank of a world > 1, `print` output is collected so that
  * rank 0 can group it: returns true when s was taken (the launcher's print then writes
  * nothing). Thread-local: only the evaluating rank's thread is affected. */

@@ -524,6 +524,41 @@ void fsdp_comm_poison(fsdp_comm *c, const char *full) {
   pthread_mutex_unlock(&c->mu);
 }
 
+uint64_t fsdp_comm_drain(fsdp_comm *c) {
+  pthread_mutex_lock(&c->mu);
+  while (c->head || c->worker_busy || c->inline_busy) pthread_cond_wait(&c->done_cv, &c->mu);
+  uint64_t seq = c->seq;
+  pthread_mutex_unlock(&c->mu);
+  return seq;
+}
+
+int fsdp_comm_revive(fsdp_comm *c, uint64_t seq) {
+  if (c->vt->abort && !c->vt->revive)
+    return fsdp_error("the %s backend cannot lift the poison of its group (collectives may "
+                      "still be in flight)", c->vt->name);
+  pthread_mutex_lock(&c->mu);
+  uint64_t issued = c->seq;
+  pthread_mutex_unlock(&c->mu);
+  if (seq < issued)
+    return fsdp_error("cannot revive the communicator at #%llu: rank %d issued #%llu already",
+                      (unsigned long long)seq, c->rank, (unsigned long long)issued);
+  /* the backend first (without c->mu: it takes its own locks), so that its refusal changes
+   * nothing here */
+  if (c->vt->revive && c->vt->revive(c, seq) != FSDP_OK) return FSDP_ERR;
+  pthread_mutex_lock(&c->mu);
+  /* the numbers this rank skips: recorded as such, not as older collectives' entries */
+  for (uint64_t s = c->seq + 1; s <= seq && s - c->seq <= FSDP_COMM_RECORDER; s++) {
+    rec_entry *e = &c->rec[s % FSDP_COMM_RECORDER];
+    *e = (rec_entry){.seq = s, .op = FSDP_COLL_BARRIER, .state = REC_FAILED};
+    snprintf(e->label, sizeof e->label, "(skipped: revived)");
+  }
+  c->seq = seq;
+  c->poisoned = false;
+  c->poison[0] = '\0';
+  pthread_mutex_unlock(&c->mu);
+  return FSDP_OK;
+}
+
 void fsdp_comm_set_refuse(fsdp_comm *c, const char *msg) {
   if (!c) return;
   pthread_mutex_lock(&c->mu);

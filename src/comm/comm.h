@@ -113,6 +113,9 @@ typedef struct fsdp_comm_i {
   int (*wait)(fsdp_comm *c, void *native);
   /* optional (required with abort): whether the group is poisoned, by any rank */
   bool (*poisoned)(const fsdp_comm *c);
+  /* optional: lift the group's poison; the next collective of every rank is seq + 1 (see
+   * fsdp_comm_revive). Called by every rank; must be idempotent. */
+  int (*revive)(fsdp_comm *c, uint64_t seq);
 } fsdp_comm_i;
 
 /* ---- creating communicators ----------------------------------------------------------- */
@@ -220,6 +223,16 @@ bool fsdp_comm_poisoned(const fsdp_comm *c);
  * an input. NULL or "" lifts it. Any thread. */
 void fsdp_comm_set_refuse(fsdp_comm *c, const char *msg);
 void fsdp_comm_set_timeout(fsdp_comm *c, double seconds); /* <= 0: default (FSDP_TIMEOUT or 60) */
+
+/* Reviving a poisoned group (fsdprun's post-mortem REPL), in three steps that every rank takes,
+ * with something else (the REPL's own channel) between them to agree and to wait: once no rank
+ * issues collectives on c any more, fsdp_comm_drain waits for c's queued ones (they fail on
+ * the poisoned group) and returns the last sequence number c issued; every rank then calls
+ * fsdp_comm_revive with the largest of them, and only when all have returned issues
+ * collectives again, numbered from seq + 1 on every rank. FSDP_ERR (nothing changed) when the
+ * backend cannot (nccl: its work may still be in flight) or seq is below c's. */
+uint64_t fsdp_comm_drain(fsdp_comm *c);
+int fsdp_comm_revive(fsdp_comm *c, uint64_t seq);
 double fsdp_comm_timeout(const fsdp_comm *c);
 
 /* ---- debugging and accounting ---------------------------------------------------------------- */

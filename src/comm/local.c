@@ -136,6 +136,24 @@ static void local_abort(fsdp_comm *c, const char *msg) {
   pthread_mutex_unlock(&lc->g->mu);
 }
 
+/* Every rank calls it with the same seq, none inside a collective (fsdp_comm_revive). */
+static int local_revive(fsdp_comm *c, uint64_t seq) {
+  local_comm *lc = fsdp_comm_impl(c);
+  fsdp_local_group *g = lc->g;
+  pthread_mutex_lock(&g->mu);
+  if (g->nleft > 0) {
+    pthread_mutex_unlock(&g->mu);
+    return fsdp_error("cannot revive the group: a rank has left it");
+  }
+  g->poisoned = false;
+  g->poison[0] = '\0';
+  g->go_seq = seq;
+  g->go_ok = true;
+  g->narrived = 0;
+  pthread_mutex_unlock(&g->mu);
+  return FSDP_OK;
+}
+
 static bool local_poisoned(const fsdp_comm *c) {
   local_comm *lc = fsdp_comm_impl(c);
   pthread_mutex_lock(&lc->g->mu);
@@ -420,6 +438,7 @@ static const fsdp_comm_i local_vt = {
     .abort = local_abort,
     .free = local_free,
     .poisoned = local_poisoned,
+    .revive = local_revive,
 };
 
 int fsdp_comm_local_new(fsdp_comm **out, fsdp_local_group *g, int rank) {

@@ -43,8 +43,8 @@
  * poison. One whose peers have all arrived keeps going (its peers are moving its data) unless
  * no byte has moved for FSDP_MPI_POISON_GRACE seconds. Every wait is a poll, so it is timed:
  * the arrival by the timeout, the data phase by the timeout without progress. A failed
- * collective may leave requests in flight, so a poisoned communicator is never used again and
- * MPI is not finalized (fsdp_mpi_finalize): the process exits nonzero and mpirun ends the job.
+ * collective may leave requests in flight, so a poisoned communicator's MPI communicators are
+ * never used again (mpi_revive moves the group onto fresh duplicates) and MPI is not finalized (fsdp_mpi_finalize): the process exits nonzero and mpirun ends the job.
  * A rank whose communicator is freed tells its peers ("left after #N"); a peer waiting for it in
  * a later collective fails at once, as with the local backend.
  *
@@ -251,6 +251,7 @@ typedef struct mpi_comm {
   uint64_t probe_in; /* a peer's probe (its sequence number) */
   uint64_t *probe_out; /* (world) our answer to each peer: `entered` when it asked */
   bool answered;       /* an answer was sent (MPI may read probe_out until the process ends) */
+  bool revived;        /* mpi_revive: requests of the old MPI communicators may still point here */
   int nleft;           /* peers whose "left" message came */
   mpi_hdr my_hdr;
   mpi_hdr *hdrs;   /* (world) */
@@ -329,7 +330,7 @@ static int post(mpi_comm *mc, bool recv, rq_kind kind, void *buf, int64_t n, MPI
 
 /* Give up the running collective's requests: cancel receives (so no late message lands in a
  * buffer the caller may free), free sends; library collectives cannot be cancelled and are left
- * to MPI (the communicator is poisoned and never used again). */
+ * to MPI (the communicator is poisoned: its MPI communicators are never used again). */
 static void req_abandon(mpi_comm *mc) {
   pthread_mutex_lock(&g_mpi_mu);
   for (int i = REQ_FIXED; i < mc->nreq; i++) {
@@ -1226,6 +1227,77 @@ static bool mpi_poisoned(const fsdp_comm *c) {
   return is_poisoned(mc, NULL);
 }
 
+/* The three receives always posted on ctl (poison, "left", probe). Caller holds g_mpi_mu. */
+static int post_fixed(mpi_comm *mc) {
+  int err = MPI_Irecv(mc->poison_in, MPI_MSG_CAP, MPI_CHAR, MPI_ANY_SOURCE, TAG_POISON, mc->ctl,
+                      &mc->req[0]);
+  if (err == MPI_SUCCESS)
+    err = MPI_Irecv(&mc->left_in, 1, MPI_UINT64_T, MPI_ANY_SOURCE, TAG_LEFT, mc->ctl,
+                    &mc->req[1]);
+  if (err == MPI_SUCCESS)
+    err = MPI_Irecv(&mc->probe_in, 1, MPI_UINT64_T, MPI_ANY_SOURCE, TAG_PROBE, mc->ctl,
+                    &mc->req[2]);
+  return err;
+}
+
+/* fsdp_comm_revive: every rank calls it at once, its collectives failed and waited for. The old
+ * MPI communicators may still hold requests of the failed collective (library ones cannot be
+ * cancelled) and peers' poison messages, so they are left alone (never freed, as in mc_destroy)
+ * and the group goes on over fresh duplicates of MPI_COMM_WORLD (MPI_Comm_dup is collective:
+ * hence "at once"). */
+static int mpi_revive(fsdp_comm *c, uint64_t seq) {
+  mpi_comm *mc = fsdp_comm_impl(c);
+  pthread_mutex_lock(&mc->mu);
+  /* collectives started and never waited (a prefetch) fail on the poison, the running one at
+   * the latest after the poison grace */
+  while (mc->head && is_poisoned(mc, NULL)) advance(mc);
+  if (mc->head) {
+    pthread_mutex_unlock(&mc->mu);
+    return fsdp_error("mpi: cannot revive the communicator while collectives are queued");
+  }
+  MPI_Comm data = MPI_COMM_NULL, ctl = MPI_COMM_NULL;
+  pthread_mutex_lock(&g_mpi_mu);
+  for (int i = 0; i < REQ_FIXED; i++) {
+    if (mc->req[i] == MPI_REQUEST_NULL) continue;
+    MPI_Cancel(&mc->req[i]);
+    MPI_Wait(&mc->req[i], MPI_STATUS_IGNORE);
+  }
+  int err = MPI_Comm_dup(MPI_COMM_WORLD, &data);
+  if (err == MPI_SUCCESS) err = MPI_Comm_dup(MPI_COMM_WORLD, &ctl);
+  if (err == MPI_SUCCESS) {
+    MPI_Comm_set_errhandler(data, MPI_ERRORS_RETURN);
+    MPI_Comm_set_errhandler(ctl, MPI_ERRORS_RETURN);
+    mc->data = data;
+    mc->ctl = ctl;
+    err = post_fixed(mc);
+  }
+  pthread_mutex_unlock(&g_mpi_mu);
+  mc->revived = true;
+  if (err != MPI_SUCCESS) {
+    pthread_mutex_unlock(&mc->mu);
+    char e[MPI_MAX_ERROR_STRING + 32];
+    return fsdp_error("mpi: cannot revive the communicator: %s",
+                      mpi_err(e, sizeof e, "MPI_Comm_dup", err));
+  }
+  mc->nreq = REQ_FIXED;
+  mc->live = 0;
+  mc->dphase = DP_NONE;
+  mc->full_phase = mc->probing = false;
+  mc->agreed = mc->entered = mc->last_seq = seq;
+  for (int p = 0; p < mc->world; p++) {
+    mc->reached[p] = seq;
+    mc->got[p] = false;
+    mc->left_after[p] = NOT_LEFT;
+  }
+  mc->nleft = 0;
+  pthread_mutex_lock(&mc->pmu);
+  mc->poisoned = false;
+  mc->poison[0] = '\0';
+  pthread_mutex_unlock(&mc->pmu);
+  pthread_mutex_unlock(&mc->mu);
+  return FSDP_OK;
+}
+
 /* Stop the progress thread, say goodbye (tell_peers), release the receives and the memory.
  * Memory MPI may still write or read is never freed: after a failure (the poison and "left"
  * receives stay posted, abandoned requests may point at staging buffers) or when the goodbye
@@ -1238,7 +1310,7 @@ static void mc_destroy(mpi_comm *mc, bool tell_peers) {
   pthread_mutex_unlock(&mc->mu);
   if (mc->thread_started) pthread_join(mc->thread, NULL);
   /* an answer to a probe may still be reading probe_out */
-  bool leak = is_poisoned(mc, NULL) || mc->answered;
+  bool leak = is_poisoned(mc, NULL) || mc->answered || mc->revived;
   /* comm.c waited for every collective, so nothing of ours is in flight. Tell the peers we left
    * (a peer waiting for us in a later collective fails at once). */
   if (tell_peers && !leak && mc->world > 1) {
@@ -1323,6 +1395,7 @@ static const fsdp_comm_i mpi_vt = {
     .start = mpi_start,
     .wait = mpi_wait,
     .poisoned = mpi_poisoned,
+    .revive = mpi_revive,
 };
 
 /* ---- creation ------------------------------------------------------------------------------- */
@@ -1441,14 +1514,7 @@ int fsdp_comm_mpi_new(fsdp_comm **out) {
     mc->info[1] = (rq_info){.kind = RQ_LEFT, .peer = -1};
     mc->info[2] = (rq_info){.kind = RQ_PROBE, .peer = -1};
     pthread_mutex_lock(&g_mpi_mu);
-    err = MPI_Irecv(mc->poison_in, MPI_MSG_CAP, MPI_CHAR, MPI_ANY_SOURCE, TAG_POISON, mc->ctl,
-                    &mc->req[0]);
-    if (err == MPI_SUCCESS)
-      err = MPI_Irecv(&mc->left_in, 1, MPI_UINT64_T, MPI_ANY_SOURCE, TAG_LEFT, mc->ctl,
-                      &mc->req[1]);
-    if (err == MPI_SUCCESS)
-      err = MPI_Irecv(&mc->probe_in, 1, MPI_UINT64_T, MPI_ANY_SOURCE, TAG_PROBE, mc->ctl,
-                      &mc->req[2]);
+    err = post_fixed(mc);
     pthread_mutex_unlock(&g_mpi_mu);
     ok = err == MPI_SUCCESS;
   }

@@ -45,6 +45,7 @@ struct fsdp_host {
   bool failed;
   double failed_at;
   bool stop_begun;         /* fsdp_host_run has stopped the ranks (stop_ranks) */
+  bool hold;               /* a rank holds after its failure (fsdp_host_rank_hold): no grace */
   char *stop_msg;          /* written before stopping is set, then read-only */
   atomic_int interrupted;
   atomic_int stopping;
@@ -85,17 +86,18 @@ static void stop_hook(lua_State *L, lua_Debug *ar) {
   /* Not inside the message handler: a rank whose collective failed is handling that error,
    * and raising again would replace it with "error in error handling". The hook stays armed
    * for the next instruction. */
+  fsdp_host_rank *r = tl_rank;
   if (lua_getinfo(L, "f", ar)) {
-    bool in_handler = lua_tocfunction(L, -1) == fsdp_host_traceback;
+    lua_CFunction f = lua_tocfunction(L, -1);
+    bool in_handler = f == fsdp_host_traceback || (r != NULL && f != NULL && f == r->msgh);
     lua_pop(L, 1);
     if (in_handler) return;
   }
   lua_sethook(L, NULL, 0, 0);
-  fsdp_host_rank *r = tl_rank;
   if (r == NULL) return;
   fsdp_host *h = r->host;
   if (atomic_load(&h->interrupted)) luaL_error(L, "interrupted");
-  if (atomic_load(&h->stopping)) luaL_error(L, "%s", h->stop_msg);
+  if (atomic_load(&h->stopping) && !atomic_load(&r->held)) luaL_error(L, "%s", h->stop_msg);
   /* neither (an interrupt cleared since): a stale hook, gone now */
 }
 
@@ -120,7 +122,8 @@ static bool enter(fsdp_host_rank *r, lua_State *L) {
   bool go = !r->abandoned;
   if (go) {
     set_running(r, L, true);
-    if (atomic_load(&h->interrupted) || atomic_load(&h->stopping)) arm(L);
+    if (atomic_load(&h->interrupted) || (atomic_load(&h->stopping) && !atomic_load(&r->held)))
+      arm(L);
   }
   pthread_mutex_unlock(&h->mu);
   return go;
@@ -130,7 +133,7 @@ void fsdp_host_lua_resume(fsdp_host_rank *r, lua_State *L) {
   fsdp_host *h = r->host;
   pthread_mutex_lock(&h->mu);
   set_running(r, L, false);
-  if (L != NULL && atomic_load(&h->stopping)) arm(L);
+  if (L != NULL && atomic_load(&h->stopping) && !atomic_load(&r->held)) arm(L);
   pthread_mutex_unlock(&h->mu);
 }
 
@@ -155,13 +158,21 @@ int fsdp_host_nrunning(fsdp_host *h) {
 }
 
 int fsdp_host_pcall(fsdp_host_rank *r, lua_State *L, int narg, int nres) {
+  return fsdp_host_pcall_msgh(r, L, narg, nres, fsdp_host_traceback);
+}
+
+int fsdp_host_pcall_msgh(fsdp_host_rank *r, lua_State *L, int narg, int nres,
+                         lua_CFunction msgh) {
   int base = lua_gettop(L) - narg;
-  lua_pushcfunction(L, fsdp_host_traceback);
+  lua_pushcfunction(L, msgh);
   lua_insert(L, base);
   bool abandoned = !enter(r, L);
   int status = 0;
   if (!abandoned) {
+    lua_CFunction outer = r->msgh; /* calls nest (the REPL inside a recipe) */
+    r->msgh = msgh;
     status = lua_pcall(L, narg, nres, base);
+    r->msgh = outer;
     leave(r, &abandoned);
   }
   lua_remove(L, base);
@@ -215,6 +226,17 @@ static bool is_peer_failure(const char *msg, int rank) {
 static size_t message_len(const char *msg) {
   const char *tb = strstr(msg, "\nstack traceback:");
   return tb != NULL ? (size_t)(tb - msg) : strlen(msg);
+}
+
+void fsdp_host_rank_hold(fsdp_host_rank *r) {
+  fsdp_host *h = r->host;
+  pthread_mutex_lock(&h->mu);
+  atomic_store(&r->held, true);
+  h->hold = true;
+  pthread_mutex_unlock(&h->mu);
+  /* a stop hook armed before: it would fire, harmlessly, at every instruction of the REPL */
+  lua_State *L = atomic_load(&r->running);
+  if (L != NULL && !atomic_load(&h->interrupted)) lua_sethook(L, NULL, 0, 0);
 }
 
 void fsdp_host_rank_fail(fsdp_host_rank *r, const char *msg) {
@@ -287,16 +309,25 @@ const char *fsdp_host_failure(fsdp_host *h) {
  * instruction, as do ranks that enter Lua from now on. Caller holds mu. */
 static void stop_ranks(fsdp_host *h) {
   pthread_mutex_lock(&h->fail_mu);
-  h->stop_msg = format("stopped %d s after rank %d failed: %s", FSDP_HOST_GRACE_S, h->cause_rank,
-                       h->cause_msg != NULL ? h->cause_msg : "(no message)");
+  const char *cause = h->cause_msg != NULL ? h->cause_msg : "(no message)";
+  h->stop_msg = h->hold ? format("stopped: rank %d failed: %s", h->cause_rank, cause)
+                        : format("stopped %d s after rank %d failed: %s", FSDP_HOST_GRACE_S,
+                                 h->cause_rank, cause);
   pthread_mutex_unlock(&h->fail_mu);
   if (h->stop_msg == NULL) h->stop_msg = strdup("stopped after another rank failed");
   if (h->stop_msg == NULL) return; /* out of memory: no hook; the ranks will be abandoned */
   atomic_store(&h->stopping, 1);
   for (int i = 0; i < h->nranks; i++) {
     lua_State *L = atomic_load(&h->ranks[i].running);
-    if (L != NULL) arm(L);
+    if (L != NULL && !atomic_load(&h->ranks[i].held)) arm(L);
   }
+}
+
+/* Whether a held rank has not returned from the job. Caller holds mu. */
+static bool held_busy(const fsdp_host *h) {
+  for (int i = 0; i < h->nranks; i++)
+    if (h->ranks[i].busy && atomic_load(&h->ranks[i].held)) return true;
+  return false;
 }
 
 /* Give up on the ranks still busy. Caller holds mu. Returns how many. */
@@ -353,24 +384,30 @@ int fsdp_host_run(fsdp_host *h, fsdp_host_job job, void *arg) {
   h->job_seq++;
   pthread_cond_broadcast(&h->job_cv);
   double started = monotonic_s();
+  double held_until = 0; /* when a held rank was last seen busy */
   int gave_up = 0;
   while (h->pending > 0) {
     if (!h->failed) {
       pthread_cond_wait(&h->done_cv, &h->mu);
       continue;
     }
-    /* a job after the stop (the host stays stopped) gets the stop wait from its start */
-    double now = monotonic_s(), stop_at = h->failed_at + FSDP_HOST_GRACE_S;
-    double give_up_at = (stop_at > started ? stop_at : started) + FSDP_HOST_STOP_WAIT_S;
+    double now = monotonic_s(), stop_at = h->failed_at + (h->hold ? 0 : FSDP_HOST_GRACE_S);
     if (now < stop_at) {
       timed_wait(h, stop_at);
     } else if (!h->stop_begun) {
       h->stop_begun = true;
       stop_ranks(h);
-    } else if (now < give_up_at) {
-      timed_wait(h, give_up_at);
+    } else if (held_busy(h)) {
+      /* a post-mortem: waited for without a deadline (a slow peer may still join it) */
+      pthread_cond_wait(&h->done_cv, &h->mu);
+      held_until = monotonic_s();
     } else {
-      gave_up += abandon_ranks(h);
+      /* the stop wait counts from the stop, from the start of a job after it (the host stays
+       * stopped), or from the end of the post-mortem */
+      double base = stop_at > started ? stop_at : started;
+      if (held_until > base) base = held_until;
+      if (now < base + FSDP_HOST_STOP_WAIT_S) timed_wait(h, base + FSDP_HOST_STOP_WAIT_S);
+      else gave_up += abandon_ranks(h);
     }
   }
   h->job = NULL;
@@ -481,7 +518,8 @@ static void *rank_thread(void *arg) {
     pthread_mutex_lock(&h->mu);
     if (r->abandoned) break; /* its caller has gone: no more jobs, clean up and go */
     r->busy = false;
-    if (--h->pending == 0) pthread_cond_broadcast(&h->done_cv);
+    /* the owner waits for every held rank without a deadline, and then for the others */
+    if (--h->pending == 0 || atomic_load(&r->held)) pthread_cond_broadcast(&h->done_cv);
   }
   pthread_mutex_unlock(&h->mu);
   /* From here the rank has left the group: a peer still in a collective fails at once. */

@@ -67,6 +67,8 @@ typedef struct fsdp_host_rank {
   pthread_t thread;
   bool started, busy, abandoned;  /* under the host's lock */
   _Atomic(lua_State *) running;   /* the state inside fsdp_host_pcall, or NULL */
+  lua_CFunction msgh;             /* the message handler of the innermost fsdp_host_pcall */
+  atomic_bool held;               /* fsdp_host_rank_hold */
 } fsdp_host_rank;
 
 typedef struct fsdp_host_opts {
@@ -138,6 +140,10 @@ void fsdp_host_rank_finish(fsdp_host_rank *r);
  * meanwhile, an error (the host's message) instead of results: whatever the program would do
  * with them, it must not, since its caller has gone. */
 int fsdp_host_pcall(fsdp_host_rank *r, lua_State *L, int narg, int nres);
+/* The same with another message handler (fsdprun's post-mortem, which may run the REPL before
+ * it returns); the stop hook leaves it alone as it does fsdp_host_traceback. */
+int fsdp_host_pcall_msgh(fsdp_host_rank *r, lua_State *L, int narg, int nres,
+                         lua_CFunction msgh);
 
 /* A pause inside fsdp_host_pcall (the REPL waiting for input): leave unmarks r's running
  * state and returns it (NULL if none); resume marks a state that leave returned again and
@@ -164,6 +170,15 @@ void fsdp_host_interrupt_clear(fsdp_host *h, bool if_idle);
  * is aborted (peers fail with "rank R failed: <msg without its traceback>"); the grace period
  * starts. */
 void fsdp_host_rank_fail(fsdp_host_rank *r, const char *msg);
+
+/* r stays after its failure (a post-mortem REPL, fsdprun --debug-on-error): call it before
+ * fsdp_host_rank_fail. From then on the stop after a failure comes at once, without the grace
+ * period ("stopped: rank R failed: ..."), so that every rank stops where it is; r itself is
+ * never stopped by it nor abandoned (fsdp_host_run waits for it without a deadline, and an
+ * interrupt still reaches it); a rank that does not stop and is not held is abandoned
+ * FSDP_HOST_STOP_WAIT_S after the last held rank returned (a peer in a long C call may still
+ * come and hold itself meanwhile). */
+void fsdp_host_rank_hold(fsdp_host_rank *r);
 
 /* The failure to report for the whole run: the root cause ("[rank R] msg" with several ranks,
  * traceback included), else the first failure; then a line per abandoned rank. NULL when no

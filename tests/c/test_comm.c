@@ -1414,8 +1414,108 @@ static void test_refuse(void **state) {
   fsdp_comm_free(c);
 }
 
+/* ---- reviving a poisoned group (fsdprun's post-mortem) ------------------------------------------ */
+
+typedef struct revive_arg {
+  pthread_barrier_t meet; /* what the post-mortem's own channel does between the steps */
+  uint64_t seq[2];
+} revive_arg;
+
+/* Rank 0 aborts at #2, rank 1 fails there; both drain, agree on the larger number, revive, and
+ * a collective runs again with the right sum; reviving below a rank's number is refused. */
+static void body_revive(rank_ctx *x) {
+  revive_arg *a = x->arg;
+  double one = 1;
+  note(x, fsdp_comm_all_reduce(x->c, &one, 1, FSDP_DTYPE_F64, FSDP_RED_SUM, "a"), now_s());
+  if (x->rank == 0) fsdp_comm_abort(x->c, "broke");
+  else note(x, fsdp_comm_barrier(x->c, "b"), now_s());
+  pthread_barrier_wait(&a->meet);
+  a->seq[x->rank] = fsdp_comm_drain(x->c);
+  pthread_barrier_wait(&a->meet);
+  uint64_t seq = a->seq[0] > a->seq[1] ? a->seq[0] : a->seq[1];
+  if (x->rank == 1) note(x, fsdp_comm_revive(x->c, seq - 1), now_s());
+  note(x, fsdp_comm_revive(x->c, seq), now_s());
+  pthread_barrier_wait(&a->meet);
+  x->secs[NOTES - 1] = fsdp_comm_poisoned(x->c);
+  double v = x->rank + 1;
+  note(x, fsdp_comm_all_reduce(x->c, &v, 1, FSDP_DTYPE_F64, FSDP_RED_SUM, "after"), now_s());
+  x->secs[NOTES - 2] = v;
+  fsdp_comm_flight_recorder(x->c, x->big, sizeof x->big);
+}
+
+/* body on 2 ranks that meet through a->meet besides their communicators */
+static void run_revive(rank_body body, revive_arg *a, rank_ctx *ctx) {
+  pthread_barrier_init(&a->meet, NULL, 2);
+  run_world(2, 30, body, a, ctx);
+  pthread_barrier_destroy(&a->meet);
+}
+
+static void test_revive(void **state) {
+  (void)state;
+  revive_arg a = {0};
+  rank_ctx ctx[MAXW];
+  run_revive(body_revive, &a, ctx);
+  assert_int_equal(a.seq[0], 1); /* rank 0 never issued #2 */
+  assert_int_equal(a.seq[1], 2);
+  assert_int_equal(ctx[1].rc[1], FSDP_ERR); /* its #2 failed on the poison */
+  assert_contains(ctx[1].msg[1], "rank 0 failed: broke");
+  assert_int_equal(ctx[1].rc[2], FSDP_ERR);
+  assert_contains(ctx[1].msg[2], "cannot revive the communicator at #1: rank 1 issued #2 already");
+  for (int r = 0; r < 2; r++) {
+    int k = r == 0 ? 1 : 3; /* the revive's note */
+    assert_int_equal(ctx[r].rc[k], FSDP_OK);
+    assert_true(ctx[r].secs[NOTES - 1] == 0); /* not poisoned */
+    assert_int_equal(ctx[r].rc[k + 1], FSDP_OK);
+    assert_true(ctx[r].secs[NOTES - 2] == 3); /* 1 + 2: the collective after the revive ran */
+  }
+  /* rank 0 skipped #2: its recorder says so rather than showing an older entry */
+  assert_contains(ctx[0].big, "#2 barrier '(skipped: revived)' failed");
+  assert_contains(ctx[0].big, "#3 all_reduce f64 x1 'after' done");
+}
+
+/* A group that a rank has left cannot be revived; a backend without a revive slot refuses. */
+static void body_revive_left(rank_ctx *x) {
+  revive_arg *a = x->arg;
+  if (x->rank == 1) {
+    fsdp_comm_free(x->c);
+    x->c = NULL;
+    x->keep = true; /* freed here */
+    pthread_barrier_wait(&a->meet);
+    return;
+  }
+  fsdp_comm_abort(x->c, "broke");
+  pthread_barrier_wait(&a->meet);
+  note(x, fsdp_comm_revive(x->c, fsdp_comm_drain(x->c)), now_s());
+  x->secs[NOTES - 1] = fsdp_comm_poisoned(x->c);
+}
+
+static void nop_abort(fsdp_comm *c, const char *msg) { (void)c, (void)msg; }
+static bool never_poisoned(const fsdp_comm *c) { (void)c; return false; }
+
+static void test_revive_refused(void **state) {
+  (void)state;
+  revive_arg a = {0};
+  rank_ctx ctx[MAXW];
+  run_revive(body_revive_left, &a, ctx);
+  assert_int_equal(ctx[0].rc[0], FSDP_ERR);
+  assert_contains(ctx[0].msg[0], "cannot revive the group: a rank has left it");
+  assert_true(ctx[0].secs[NOTES - 1] != 0); /* still poisoned */
+  static const fsdp_comm_i stubborn_vt = {.name = "stubborn", .run = native_run,
+                                          .host_buffers = true, .abort = nop_abort,
+                                          .poisoned = never_poisoned};
+  native_log *log = calloc(1, sizeof *log);
+  fsdp_comm *c;
+  assert_int_equal(fsdp_comm_new_backend(&c, &stubborn_vt, log, 0, 1), FSDP_OK);
+  assert_int_equal(fsdp_comm_revive(c, 0), FSDP_ERR);
+  assert_contains(fsdp_error_msg(), "the stubborn backend cannot lift the poison of its group");
+  fsdp_comm_free(c);
+  free(log);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_revive),
+      cmocka_unit_test(test_revive_refused),
       cmocka_unit_test(test_world_of_one),
       cmocka_unit_test(test_values),
       cmocka_unit_test(test_nan),

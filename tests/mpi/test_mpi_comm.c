@@ -500,6 +500,51 @@ static void test_left(void) {
   passed("a rank that left fails its peers at once");
 }
 
+/* fsdp_comm_revive as the post-mortem uses it: after an abort every rank drains, they agree on
+ * the largest sequence number (over g_sync), revive, and collectives run again with the right
+ * values (the aborting rank issued one collective fewer: it skips a number). Reviving a healthy
+ * communicator with a collective still queued is refused and changes nothing. */
+static void test_revive(void) {
+  if (g_world == 1) return;
+  fsdp_comm *c = fresh(30);
+  OK(fsdp_comm_barrier(c, "before"));
+  sync_all("revive: before"); /* every rank is out of #1: the poison fails #2 only */
+  if (g_rank == 1) fsdp_comm_abort(c, "broke");
+  else expect_fail(fsdp_comm_barrier(c, "victim"), "rank 1 failed: broke", "before the revive");
+  sync_all("revive: stopped");
+  double seq = (double)fsdp_comm_drain(c);
+  OK(fsdp_comm_all_reduce(g_sync, &seq, 1, FSDP_DTYPE_F64, FSDP_RED_MAX, "revive.seq"));
+  CHECK(seq == 2, "the largest sequence number is %g, expected 2", seq);
+  OK(fsdp_comm_revive(c, (uint64_t)seq));
+  sync_all("revive: revived");
+  CHECK(!fsdp_comm_poisoned(c), "poisoned after the revive");
+  double v = g_rank + 1;
+  OK(fsdp_comm_all_reduce(c, &v, 1, FSDP_DTYPE_F64, FSDP_RED_SUM, "after"));
+  CHECK(v == g_world * (g_world + 1) / 2.0, "the sum after the revive is %g", v);
+  float mine[4] = {(float)g_rank, 1, 2, 3}, all[4 * 8];
+  CHECK(g_world <= 8, "world %d", g_world);
+  OK(fsdp_comm_all_gather(c, all, mine, 4, FSDP_DTYPE_F32, "after.gather"));
+  for (int p = 0; p < g_world; p++) CHECK(all[4 * p] == (float)p, "gathered %g from rank %d", all[4 * p], p);
+  fsdp_comm_free(c);
+  sync_all("revive");
+
+  fsdp_comm *q = fresh(30);
+  if (g_rank == 0) {
+    fsdp_coll k = {.op = FSDP_COLL_BARRIER, .dtype = FSDP_DTYPE_F32};
+    snprintf(k.label, sizeof k.label, "alone");
+    fsdp_comm_req *req;
+    OK(fsdp_comm_start(q, &k, &req));
+    CHECK(fsdp_comm_revive(q, 1) == FSDP_ERR, "revived with a collective queued");
+    CHECK(strstr(fsdp_error_msg(), "cannot revive the communicator while collectives are queued"),
+          "%s", fsdp_error_msg());
+    fsdp_comm_abort(q, "done");
+    CHECK(fsdp_comm_wait(req) == FSDP_ERR, "the lone barrier succeeded");
+  }
+  sync_all("revive: refused");
+  fsdp_comm_free(q);
+  passed("a poisoned group revives over new MPI communicators; a queued collective refuses it");
+}
+
 int main(void) {
   fsdp_comm *c;
   OK(fsdp_comm_mpi_new(&c));
@@ -523,6 +568,7 @@ int main(void) {
     test_abort();
     test_timeout();
     test_left();
+    test_revive();
   }
   fsdp_comm_free(c);
   fsdp_comm_free(g_sync);

@@ -9,44 +9,9 @@
 # Run by ctest with FSDPRUN=<build>/bin/fsdprun; needs tmux (Debian package tmux).
 . "${0%/*}/lib.sh"
 need tmux "apt-get install tmux"
-SOCK="fsdprun-repl-tty-$$"
-tm() { tmux -L "$SOCK" -f "$T/tmux.conf" "$@"; }
-AT_EXIT='tm kill-server >/dev/null 2>&1'
-echo "set -g remain-on-exit on" >"$T/tmux.conf"
-mkdir -p "$T/home"
-
-# start ARGS...: fsdprun ARGS in a fresh 100x40 terminal (session s1, s2, ...: a new session
-# each time, since killing the last one would stop the server under the next new-session),
-# history in $T/history
-n_sessions=0
-S=
-start() {
-  n_sessions=$((n_sessions + 1))
-  S="s$n_sessions"
-  # fsdprun runs under a small sh that records its exit status: tmux 3.3a sometimes shows a
-  # dead pane without its status (the pty closed before tmux collected the child), so the
-  # status comes from the file. The sh ignores SIGINT itself (^C goes to the whole foreground
-  # group); fsdprun installs its own handler before any ^C of this test arrives.
-  rm -f "$T/exit.$S"
-  tm new-session -d -s "$S" -x 100 -y 40 env -u FSDPRUN_NO_EDIT HOME="$T/home" TERM=xterm \
-    FSDPRUN_HISTORY="$T/history" EXITF="$T/exit.$S" \
-    sh -c 'trap "" INT; "$@"; echo "$?" >"$EXITF"' sh "$FSDPRUN" "$@"
-}
-screen() { tm capture-pane -t "$S" -p -S -1000 >"$T/screen"; }
-show() { screen; sed 's/^/    | /' "$T/screen"; }
-# wait_for TEXT [WHAT]: until the screen shows TEXT (a fixed string), at most 15 s
-wait_for() {
-  i=0
-  while [ $i -lt 150 ]; do
-    screen
-    if grep -qF -- "$1" "$T/screen"; then return 0; fi
-    sleep 0.1
-    i=$((i + 1))
-  done
-  fail "${2:-$1}: the screen never showed '$1'; it shows:"
-  show
-  return 1
-}
+. "${0%/*}/lib/tmux.sh"
+# start ARGS...: fsdprun ARGS in a fresh terminal, history in $T/history
+start() { tmux_start "$FSDPRUN" "$@"; }
 # the last non-empty line of the screen
 last_line() { screen; grep -v '^ *$' "$T/screen" | tail -1; }
 # recall TEXT WHAT: the up arrow brings back the line TEXT (at most 5 s)
@@ -55,20 +20,6 @@ recall() {
   i=0
   while [ $i -lt 50 ] && [ "$(last_line)" != "fsdp> $1" ]; do sleep 0.1; i=$((i + 1)); done
   [ "$(last_line)" = "fsdp> $1" ] || fail "$2: last line is '$(last_line)'"
-}
-type_text() { tm send-keys -t "$S" -l -- "$1"; }
-key() { tm send-keys -t "$S" "$@"; }
-enter() { type_text "$1"; key Enter; }
-# fsdprun's exit status once it has ended ("" while it runs)
-pane_status() { cat "$T/exit.$S" 2>/dev/null; }
-# until fsdprun has ended and its status is recorded, at most 10 s
-wait_dead() {
-  i=0
-  while [ $i -lt 100 ]; do
-    [ -s "$T/exit.$S" ] && return 0
-    sleep 0.1
-    i=$((i + 1))
-  done
 }
 
 # ---- session 1 --------------------------------------------------------------------------------
