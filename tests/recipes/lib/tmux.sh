@@ -8,7 +8,7 @@
 TMUX_SOCK="fsdprun-test-$$"
 tm() { tmux -L "$TMUX_SOCK" -f "$T/tmux.conf" "$@"; }
 echo "set -g remain-on-exit on" >"$T/tmux.conf"
-AT_EXIT="$AT_EXIT; tm kill-server >/dev/null 2>&1"
+AT_EXIT="${AT_EXIT:+$AT_EXIT; }tm kill-server >/dev/null 2>&1"
 tmux_sessions=0
 S=
 tmux_start() {
