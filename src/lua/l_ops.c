@@ -434,10 +434,13 @@ static int l_devices(lua_State *L) {
   return 1;
 }
 
-/* cpu_features() -> {avx2 =, avx512f =, avx512bf16 =, ...}: what this processor has */
+/* cpu_features() -> {avx2 =, avx512f =, avx512bf16 =, ..., isa =}: what this processor has,
+ * and the instruction set the element-wise kernels run at */
 static int l_cpu_features(lua_State *L) {
   __builtin_cpu_init();
-  lua_createtable(L, 0, 6);
+  lua_createtable(L, 0, 7);
+  lua_pushstring(L, fsdp_cpu_isa_current());
+  lua_setfield(L, -2, "isa");
   lua_pushboolean(L, __builtin_cpu_supports("avx2"));
   lua_setfield(L, -2, "avx2");
   lua_pushboolean(L, __builtin_cpu_supports("fma"));

@@ -21,6 +21,7 @@
 #include <cmocka.h>
 
 #include "core/core.h"
+#include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/vmath.h" /* the private SIMD exp, tested directly for its accuracy */
 
@@ -1034,7 +1035,27 @@ static void test_adamw(void **state) {
   free(pv), free(mv), free(vv), free(wp), free(wm), free(wv);
 }
 
+/* FSDP_CPU_ISA forces the level these tests run at (ctest runs them at each); a level this
+ * processor lacks is a skip, any other bad value a failure. */
+static int isa_setup(void) {
+  const char *want = getenv("FSDP_CPU_ISA");
+  if (fsdp_cpu_isa_check() != FSDP_OK) {
+    fsdp_cpu_isa_level l;
+    if (fsdp_cpu_isa_parse(want, FSDP_CPU_ISA_AVX512, &l) == FSDP_OK) {
+      printf("test_kernels: skipped: %s\n", fsdp_error_msg());
+      return 77;
+    }
+    fprintf(stderr, "test_kernels: %s\n", fsdp_error_msg());
+    return 1;
+  }
+  printf("test_kernels: kernels at %s%s\n", fsdp_cpu_isa_current(),
+         want && *want ? " (FSDP_CPU_ISA)" : "");
+  return 0;
+}
+
 int main(void) {
+  int rc = isa_setup();
+  if (rc != 0) return rc;
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_vexp),
       cmocka_unit_test(test_gemm),

@@ -11,6 +11,7 @@
 
 #include "core/core.h"
 #include "kernels/cpu/isa.h"
+#include "kernels/cpu/kernels.h"
 
 static const char *const names[FSDP_CPU_ISA_COUNT] = {"scalar", "avx2", "avx512"};
 static const char *const needs[FSDP_CPU_ISA_COUNT] = {
@@ -91,6 +92,8 @@ int fsdp_cpu_isa_parse(const char *value, fsdp_cpu_isa_level best, fsdp_cpu_isa_
   if (parse(value, best, out, err, sizeof err) != FSDP_OK) return fsdp_error("%s", err);
   return FSDP_OK;
 }
+
+const char *fsdp_cpu_isa_current(void) { return names[fsdp_cpu_isa()]; }
 
 int fsdp_cpu_isa_check(void) {
   pthread_once(&once, init);

@@ -40,9 +40,8 @@ int fsdp_cpu_isa_set(fsdp_cpu_isa_level level);
 /* FSDP_CPU_ISA's rules: value (NULL or "" = best) parsed against the processor's `best`.
  * FSDP_ERR naming the variable for an unknown value or a level above `best`. */
 int fsdp_cpu_isa_parse(const char *value, fsdp_cpu_isa_level best, fsdp_cpu_isa_level *out);
-/* FSDP_OK, or FSDP_ERR with FSDP_CPU_ISA's error again (the kernels then use the best level;
- * the Lua module refuses to load, so a bad setting never runs silently). */
-int fsdp_cpu_isa_check(void);
+/* fsdp_cpu_isa_check (kernels.h) repeats FSDP_CPU_ISA's error; the Lua module refuses to load
+ * on it, so a bad setting never runs silently. */
 
 /* ---- the bodies at one level ---------------------------------------------------------------
  * Ranges of the public kernels of kernels/cpu/kernels.h, same arithmetic; `lo, hi` are rows
@@ -73,6 +72,9 @@ typedef struct fsdp_cpu_vec_i {
   double (*binary_backward_b_sum)(const float *dout, const float *a, int64_t n, fsdp_binop op);
   double (*sqdiff_sum)(const float *a, const float *b, int64_t n); /* sum (a - b)^2 */
   void (*mask_apply)(float *x, const float *m, int64_t n);
+  /* AdamW (optim.c) with the step's constants: decay = 1 - lr wd, step_size = lr / bc1 */
+  void (*adamw)(float *p, float *m, float *v, const float *g, int64_t n, float beta1,
+                float beta2, float eps, float decay, float step_size, float bc2_sqrt);
   /* rows [lo, hi) of (N, C) */
   void (*layernorm_forward)(float *out, float *mean, float *rstd, const float *inp,
                             const float *weight, const float *bias, int64_t lo, int64_t hi,

@@ -59,6 +59,12 @@ void fsdp_cpu_sgemm_serial(float *c, const float *a, const float *b, int M, int 
  * n < 1 means 1. The setting is process-wide (OpenBLAS has no per-thread count). */
 void fsdp_cpu_set_blas_threads(int n);
 int fsdp_cpu_get_blas_threads(void);
+/* The instruction set the element-wise kernels run at: "avx512", "avx2" or "scalar" (isa.c:
+ * the best this processor has, or FSDP_CPU_ISA's). */
+const char *fsdp_cpu_isa_current(void);
+/* FSDP_OK, or FSDP_ERR naming FSDP_CPU_ISA when its value is unknown or asks for an
+ * instruction set this processor lacks (the kernels then run at the best level). */
+int fsdp_cpu_isa_check(void);
 
 /* ---- linear / matmul ------------------------------------------------------------------- */
 

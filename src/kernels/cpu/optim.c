@@ -4,8 +4,11 @@
  * PyTorch semantics, including the order of operations, so that a recipe tuned there behaves
  * the same here: torch.optim.SGD (dampening 0, no nesterov) and torch.optim.AdamW
  * (non-amsgrad, single-tensor path). Bias corrections are computed once per call in double.
+ * AdamW runs vec_body.h's loop at the instruction set isa.h picked, over the rank's threads.
  */
+#include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/pool.h"
 
 #include <math.h>
 
@@ -32,22 +35,27 @@ void fsdp_cpu_sgd_step(float *param, float *buf, const float *grad, int64_t n, f
   }
 }
 
+typedef struct {
+  float *p, *m, *v;
+  const float *g;
+  float beta1, beta2, eps, decay, step_size, bc2_sqrt;
+  const fsdp_cpu_vec_i *vec;
+} adamw_ctx;
+
+static void adamw_task(void *ctx, int64_t lo, int64_t hi) {
+  const adamw_ctx *c = ctx;
+  c->vec->adamw(c->p + lo, c->m + lo, c->v + lo, c->g + lo, hi - lo, c->beta1, c->beta2, c->eps,
+                c->decay, c->step_size, c->bc2_sqrt);
+}
+
 void fsdp_cpu_adamw_step(float *param, float *m, float *v, const float *grad, int64_t n,
                          float lr, float beta1, float beta2, float eps, float weight_decay,
                          int64_t step) {
   // param (n), m (n), v (n), grad (n); step >= 1
-  float *restrict p = param, *restrict mm = m, *restrict vv = v;
-  const float *restrict g = grad;
   const double bc1 = 1.0 - pow((double)beta1, (double)step);
   const double bc2 = 1.0 - pow((double)beta2, (double)step);
-  const float step_size = (float)(lr / bc1);
-  const float bc2_sqrt = (float)sqrt(bc2);
-  const float decay = 1.0f - lr * weight_decay;
-  for (int64_t i = 0; i < n; i++) {
-    p[i] *= decay;
-    mm[i] = beta1 * mm[i] + (1.0f - beta1) * g[i];
-    vv[i] = beta2 * vv[i] + (1.0f - beta2) * g[i] * g[i];
-    const float denom = sqrtf(vv[i]) / bc2_sqrt + eps;
-    p[i] -= step_size * (mm[i] / denom);
-  }
+  adamw_ctx c = {.p = param, .m = m, .v = v, .g = grad, .beta1 = beta1, .beta2 = beta2,
+                 .eps = eps, .decay = 1.0f - lr * weight_decay, .step_size = (float)(lr / bc1),
+                 .bc2_sqrt = (float)sqrt(bc2), .vec = fsdp_cpu_vec()};
+  fsdp_cpu_parallel_for(n, FSDP_CPU_GRAIN, adamw_task, &c);
 }

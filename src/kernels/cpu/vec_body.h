@@ -244,6 +244,40 @@ static void mask_apply(float *x, const float *m, int64_t n) {
   }
 }
 
+/* ---- optimizer ----------------------------------------------------------------------------- */
+
+/* sqrt per lane: correctly rounded in every form, so each level gives the same bits */
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#if FSDP_VW == 16
+VINLINE fsdp_vf vsqrt(fsdp_vf x) { return (fsdp_vf)_mm512_sqrt_ps((__m512)x); }
+#elif FSDP_VW == 8
+VINLINE fsdp_vf vsqrt(fsdp_vf x) { return (fsdp_vf)_mm256_sqrt_ps((__m256)x); }
+#else
+VINLINE fsdp_vf vsqrt(fsdp_vf x) { return (fsdp_vf)_mm_sqrt_ps((__m128)x); }
+#endif
+#else
+VINLINE fsdp_vf vsqrt(fsdp_vf x) {
+  for (int l = 0; l < VW; l++) x[l] = sqrtf(x[l]);
+  return x;
+}
+#endif
+
+/* AdamW over n elements in torch.optim.AdamW's single-tensor order of operations (optim.c) */
+static void adamw(float *p, float *m, float *v, const float *g, int64_t n, float beta1,
+                  float beta2, float eps, float decay, float step_size, float bc2_sqrt) {
+  const float a1 = 1.0f - beta1, a2 = 1.0f - beta2;
+  for (int64_t i = 0; i < n; i += VW) {
+    fsdp_vf gi = LD(g, i, n, 0.0f);
+    fsdp_vf mi = beta1 * LD(m, i, n, 0.0f) + a1 * gi;
+    fsdp_vf vi = beta2 * LD(v, i, n, 0.0f) + a2 * gi * gi;
+    fsdp_vf denom = vsqrt(vi) / bc2_sqrt + eps;
+    ST(m, i, n, mi);
+    ST(v, i, n, vi);
+    ST(p, i, n, LD(p, i, n, 0.0f) * decay - step_size * (mi / denom));
+  }
+}
+
 /* ---- layernorm, softmax -------------------------------------------------------------------- */
 
 /* y = (x - m) * s * w + b with w, b optional: has_w / has_b are constants at each call, so
@@ -424,6 +458,7 @@ const fsdp_cpu_vec_i FSDP_VEC_TABLE = {
     .binary_backward_b_sum = binary_backward_b_sum,
     .sqdiff_sum = sqdiff_sum,
     .mask_apply = mask_apply,
+    .adamw = adamw,
     .layernorm_forward = layernorm_forward,
     .layernorm_backward = layernorm_backward,
     .layernorm_backward_cols = layernorm_backward_cols,
