@@ -5,7 +5,7 @@
  *
  * Shapes are a GPT step's at B = 8, T = 256, d = 384 (2048 rows): layernorm (2048, 384),
  * GELU (2048, 1536), cross-entropy (2048, 256), binary add with a broadcast row (2048, 384),
- * softmax (8 * 6 * 256, 256), mask apply 1 Mi. Each round times every level and memcpy once
+ * softmax (8 * 6 * 256, 256), mask apply and AdamW 1 Mi. Each round times every level and memcpy once
  * (best of a few calls each), rounds alternate; the best round is printed. "bytes" counts each
  * array read and each written once per element; "memcpy x" is the kernel's time over memcpy's
  * for those bytes (memcpy of half of them: each byte read once and written once).
@@ -81,6 +81,9 @@ static void k_add_bwd(bctx *c) {
 static void k_affine(bctx *c) { fsdp_cpu_affine_forward(c->y, c->x, 0.5f, 1.0f, c->n); }
 static void k_relu(bctx *c) { fsdp_cpu_relu_forward(c->y, c->x, c->n); }
 static void k_mask(bctx *c) { fsdp_cpu_mask_apply(c->y, c->w, c->n); }
+static void k_adamw(bctx *c) { /* v = w > 0 */
+  fsdp_cpu_adamw_step(c->y, c->dx, c->w, c->dy, c->n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.1f, 3);
+}
 
 typedef struct {
   const char *name;
@@ -103,6 +106,7 @@ static const kernel kernels[] = {
     {"affine", k_affine, ROWS, D, 8},
     {"relu", k_relu, ROWS, D, 8},
     {"mask apply", k_mask, 1024, 1024, 12},
+    {"adamw", k_adamw, 1024, 1024, 28},
 };
 
 /* best of `reps` calls, seconds */

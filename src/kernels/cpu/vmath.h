@@ -140,20 +140,40 @@ static inline void fsdp_vt_store(float *x, int64_t s, int64_t n, fsdp_vf v, int 
   else fsdp_vf_store(x + s, v);
 }
 
-/* lane l += lane l + h for h = 8, 4, 2, 1: the same tree at every width */
+/* lane l += lane l + h for h = 8, 4, 2, 1: the same tree at every width. Across the lane set's
+ * vectors that is whole-vector adds, within one vector a rotate and add (only lanes l < h
+ * matter at each step), so no lane goes through memory. */
+#if defined(__clang__)
+static inline fsdp_vf fsdp_vf_down(fsdp_vf v, int h) { /* lane l <- lane l + h */
+  fsdp_vf r = v;
+  for (int l = 0; l + h < FSDP_VW; l++) r[l] = v[l + h];
+  return r;
+}
+#else
+static inline fsdp_vf fsdp_vf_down(fsdp_vf v, int h) { /* lane l <- lane (l + h) % VW */
+  fsdp_vi idx;
+  for (int l = 0; l < FSDP_VW; l++) idx[l] = (l + h) % FSDP_VW;
+  return __builtin_shuffle(v, idx);
+}
+#endif
 static inline float fsdp_vl_fold_sum(const fsdp_vf *acc) {
-  float l[FSDP_VL];
-  memcpy(l, acc, sizeof l);
-  for (int h = FSDP_VL / 2; h >= 1; h /= 2)
-    for (int i = 0; i < h; i++) l[i] += l[i + h];
-  return l[0];
+  fsdp_vf v[FSDP_VK];
+  for (int k = 0; k < FSDP_VK; k++) v[k] = acc[k];
+  for (int h = FSDP_VK / 2; h >= 1; h /= 2)
+    for (int k = 0; k < h; k++) v[k] += v[k + h];
+  for (int h = FSDP_VW / 2; h >= 1; h /= 2) v[0] += fsdp_vf_down(v[0], h);
+  return v[0][0];
 }
 static inline float fsdp_vl_fold_max(const fsdp_vf *acc) {
-  float l[FSDP_VL];
-  memcpy(l, acc, sizeof l);
-  for (int h = FSDP_VL / 2; h >= 1; h /= 2)
-    for (int i = 0; i < h; i++) l[i] = l[i + h] > l[i] ? l[i + h] : l[i];
-  return l[0];
+  fsdp_vf v[FSDP_VK];
+  for (int k = 0; k < FSDP_VK; k++) v[k] = acc[k];
+  for (int h = FSDP_VK / 2; h >= 1; h /= 2)
+    for (int k = 0; k < h; k++) v[k] = fsdp_vf_select(v[k + h] > v[k], v[k + h], v[k]);
+  for (int h = FSDP_VW / 2; h >= 1; h /= 2) {
+    fsdp_vf d = fsdp_vf_down(v[0], h);
+    v[0] = fsdp_vf_select(d > v[0], d, v[0]);
+  }
+  return v[0][0];
 }
 
 /* ---- row helpers shared by softmax, attention, cross-entropy and layernorm ---------------
