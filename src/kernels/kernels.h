@@ -196,6 +196,12 @@ typedef struct fsdp_kernels_i {
   int (*adamw_step)(void *ctx, fsdp_dtype dt, void *param, void *m, void *v, const void *grad,
                     int64_t n, float lr, float beta1, float beta2, float eps,
                     float weight_decay, int64_t step);
+  /* optional: adamw_step with a mask (n, dt) fused in, bitwise mask_apply(grad, mask), the
+   * step, mask_apply(param, mask) (grad is left masked). NULL: the binding makes those three
+   * calls. */
+  int (*adamw_step_masked)(void *ctx, fsdp_dtype dt, void *param, void *m, void *v, void *grad,
+                           const void *mask, int64_t n, float lr, float beta1, float beta2,
+                           float eps, float weight_decay, int64_t step);
 
   /* ---- fill, masks and magnitude pruning ----
    * The binding's helpers of lua/fsdp/mask.lua and prune.lua (docs/pruning.md). x, m, mout and

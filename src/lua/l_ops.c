@@ -286,7 +286,9 @@ static int l_sgd_step(lua_State *L) {
   return 0;
 }
 
-/* adamw_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step) */
+/* adamw_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step[, mask]): with a mask, g
+ * is masked, the step taken and p masked (lua/fsdp/mask.lua's rule), fused where the device
+ * has adamw_step_masked */
 static int l_adamw_step(lua_State *L) {
   const char *fn = "adamw_step";
   fsdp_tensor *p = fsdp_lua_check_tensor(L, 1);
@@ -299,11 +301,23 @@ static int l_adamw_step(lua_State *L) {
         wd = (float)luaL_checknumber(L, 9);
   lua_Number step = luaL_checknumber(L, 10);
   if (step < 1 || step != floor(step)) luaL_error(L, "adamw_step: step must be an integer >= 1");
+  void *mask = lua_isnoneornil(L, 11) ? NULL : state_arg(L, 11, p, fn, "mask");
   const fsdp_kernels_i *k = fsdp_kernels_for(p, fn);
-  if (!k || k->adamw_step(p->storage->device->ctx, p->dtype, pd, m, v, g, fsdp_tensor_numel(p),
-                          lr, b1, b2, eps, wd, (int64_t)step))
-    fsdp_lua_error(L);
+  if (!k) fsdp_lua_error(L);
+  void *ctx = p->storage->device->ctx;
+  const int64_t n = fsdp_tensor_numel(p), t = (int64_t)step;
+  int rc;
+  if (!mask)
+    rc = k->adamw_step(ctx, p->dtype, pd, m, v, g, n, lr, b1, b2, eps, wd, t);
+  else if (k->adamw_step_masked)
+    rc = k->adamw_step_masked(ctx, p->dtype, pd, m, v, g, mask, n, lr, b1, b2, eps, wd, t);
+  else
+    rc = k->mask_apply(ctx, p->dtype, g, mask, n) ||
+         k->adamw_step(ctx, p->dtype, pd, m, v, g, n, lr, b1, b2, eps, wd, t) ||
+         k->mask_apply(ctx, p->dtype, pd, mask, n);
+  if (rc) fsdp_lua_error(L);
   bump(L, 1), bump(L, 3), bump(L, 4);
+  if (mask) bump(L, 2);
   return 0;
 }
 

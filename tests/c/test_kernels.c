@@ -1035,6 +1035,34 @@ static void test_adamw(void **state) {
   free(pv), free(mv), free(vv), free(wp), free(wm), free(wv);
 }
 
+/* The fused masked step is bitwise mask_apply(g), the step, mask_apply(p), NaN gradients under
+ * the mask included, and leaves g masked. */
+static void test_adamw_masked(void **state) {
+  (void)state;
+  const int64_t n = 1037;
+  float *p = frand(n, -1, 1), *g = frand(n, -1, 1), *mask = frand(n, 0, 1);
+  for (int64_t i = 0; i < n; i++) mask[i] = mask[i] < 0.4f ? 0.0f : 1.0f;
+  g[3] = NAN, mask[3] = 0.0f;
+  g[n - 1] = -INFINITY, mask[n - 1] = 0.0f;
+  float *p2 = fcopy(p, n), *g2 = fcopy(g, n), *m = fzeros(n), *v = fzeros(n), *m2 = fzeros(n),
+        *v2 = fzeros(n);
+  for (int step = 1; step <= 3; step++) {
+    fsdp_cpu_adamw_step_masked(p, m, v, g, mask, n, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, step);
+    fsdp_cpu_mask_apply(g2, mask, n);
+    fsdp_cpu_adamw_step(p2, m2, v2, g2, n, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, step);
+    fsdp_cpu_mask_apply(p2, mask, n);
+  }
+  assert_memory_equal(p, p2, sizeof(float) * (size_t)n);
+  assert_memory_equal(g, g2, sizeof(float) * (size_t)n);
+  assert_memory_equal(m, m2, sizeof(float) * (size_t)n);
+  assert_memory_equal(v, v2, sizeof(float) * (size_t)n);
+  assert_true(p[3] == 0.0f && !signbit(p[3]) && g[3] == 0.0f && g[n - 1] == 0.0f);
+  int64_t kept = 0;
+  for (int64_t i = 0; i < n; i++) kept += mask[i] != 0.0f && p[i] != 0.0f;
+  assert_true(kept > n / 2); /* the unmasked weights moved on */
+  free(p), free(g), free(mask), free(p2), free(g2), free(m), free(v), free(m2), free(v2);
+}
+
 /* FSDP_CPU_ISA forces the level these tests run at (ctest runs them at each); a level this
  * processor lacks is a skip, any other bad value a failure. */
 static int isa_setup(void) {
@@ -1080,6 +1108,7 @@ int main(void) {
       cmocka_unit_test(test_colsum),
       cmocka_unit_test(test_sgd),
       cmocka_unit_test(test_adamw),
+      cmocka_unit_test(test_adamw_masked),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

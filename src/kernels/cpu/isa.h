@@ -75,6 +75,10 @@ typedef struct fsdp_cpu_vec_i {
   /* AdamW (optim.c) with the step's constants: decay = 1 - lr wd, step_size = lr / bc1 */
   void (*adamw)(float *p, float *m, float *v, const float *g, int64_t n, float beta1,
                 float beta2, float eps, float decay, float step_size, float bc2_sqrt);
+  /* the same with g and the new p masked (mask_apply's rule), g written back masked */
+  void (*adamw_masked)(float *p, float *m, float *v, float *g, const float *mask, int64_t n,
+                       float beta1, float beta2, float eps, float decay, float step_size,
+                       float bc2_sqrt);
   /* rows [lo, hi) of (N, C) */
   void (*layernorm_forward)(float *out, float *mean, float *rstd, const float *inp,
                             const float *weight, const float *bias, int64_t lo, int64_t hi,

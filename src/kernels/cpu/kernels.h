@@ -207,6 +207,11 @@ void fsdp_cpu_sgd_step(float *param, float *buf, const float *grad, int64_t n, f
 void fsdp_cpu_adamw_step(float *param, float *m, float *v, const float *grad, int64_t n,
                          float lr, float beta1, float beta2, float eps, float weight_decay,
                          int64_t step);
+/* The same fused with a mask, bitwise fsdp_cpu_mask_apply(grad, mask), the step, then
+ * fsdp_cpu_mask_apply(param, mask), in one pass (grad is left masked, as there). */
+void fsdp_cpu_adamw_step_masked(float *param, float *m, float *v, float *grad, const float *mask,
+                                int64_t n, float lr, float beta1, float beta2, float eps,
+                                float weight_decay, int64_t step);
 
 /* ---- masks and magnitude pruning (mask.c) ----------------------------------------------------
  * The f32 forms of the mask slots of kernels/kernels.h (the key order is described there).

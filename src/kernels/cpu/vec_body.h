@@ -263,19 +263,42 @@ VINLINE fsdp_vf vsqrt(fsdp_vf x) {
 }
 #endif
 
-/* AdamW over n elements in torch.optim.AdamW's single-tensor order of operations (optim.c) */
-static void adamw(float *p, float *m, float *v, const float *g, int64_t n, float beta1,
-                  float beta2, float eps, float decay, float step_size, float bc2_sqrt) {
+/* AdamW over n elements in torch.optim.AdamW's single-tensor order of operations (optim.c).
+ * With a mask (has_mask, a constant at each call): the gradient is masked first and written
+ * back, the new weights masked after the update, as mask_apply before and after the plain step
+ * would: one pass instead of three. */
+VINLINE void adamw_v(float *p, float *m, float *v, float *g, const float *mask, int64_t n,
+                     float beta1, float beta2, float eps, float decay, float step_size,
+                     float bc2_sqrt, bool has_mask) {
   const float a1 = 1.0f - beta1, a2 = 1.0f - beta2;
   for (int64_t i = 0; i < n; i += VW) {
     fsdp_vf gi = LD(g, i, n, 0.0f);
+    fsdp_vi keep = {0};
+    if (has_mask) {
+      keep = LD(mask, i, n, 0.0f) != 0.0f;
+      gi = (fsdp_vf)((fsdp_vi)gi & keep);
+      ST(g, i, n, gi);
+    }
     fsdp_vf mi = beta1 * LD(m, i, n, 0.0f) + a1 * gi;
     fsdp_vf vi = beta2 * LD(v, i, n, 0.0f) + a2 * gi * gi;
     fsdp_vf denom = vsqrt(vi) / bc2_sqrt + eps;
+    fsdp_vf pi = LD(p, i, n, 0.0f) * decay - step_size * (mi / denom);
+    if (has_mask) pi = (fsdp_vf)((fsdp_vi)pi & keep);
     ST(m, i, n, mi);
     ST(v, i, n, vi);
-    ST(p, i, n, LD(p, i, n, 0.0f) * decay - step_size * (mi / denom));
+    ST(p, i, n, pi);
   }
+}
+
+static void adamw(float *p, float *m, float *v, const float *g, int64_t n, float beta1,
+                  float beta2, float eps, float decay, float step_size, float bc2_sqrt) {
+  adamw_v(p, m, v, (float *)g, NULL, n, beta1, beta2, eps, decay, step_size, bc2_sqrt, false);
+}
+
+static void adamw_masked(float *p, float *m, float *v, float *g, const float *mask, int64_t n,
+                         float beta1, float beta2, float eps, float decay, float step_size,
+                         float bc2_sqrt) {
+  adamw_v(p, m, v, g, mask, n, beta1, beta2, eps, decay, step_size, bc2_sqrt, true);
 }
 
 /* ---- layernorm, softmax -------------------------------------------------------------------- */
@@ -459,6 +482,7 @@ const fsdp_cpu_vec_i FSDP_VEC_TABLE = {
     .sqdiff_sum = sqdiff_sum,
     .mask_apply = mask_apply,
     .adamw = adamw,
+    .adamw_masked = adamw_masked,
     .layernorm_forward = layernorm_forward,
     .layernorm_backward = layernorm_backward,
     .layernorm_backward_cols = layernorm_backward_cols,
