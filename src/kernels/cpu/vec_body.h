@@ -246,16 +246,17 @@ static void mask_apply(float *x, const float *m, int64_t n) {
 
 /* ---- optimizer ----------------------------------------------------------------------------- */
 
-/* sqrt per lane: correctly rounded in every form, so each level gives the same bits */
-#if defined(__x86_64__) || defined(__i386__)
+/* sqrt per lane: correctly rounded in every form, so each level gives the same bits. The
+ * instruction where the target pragma enabled it (GCC defines the feature macros after it). */
+#if FSDP_VW == 16 && defined(__AVX512F__)
 #include <immintrin.h>
-#if FSDP_VW == 16
 VINLINE fsdp_vf vsqrt(fsdp_vf x) { return (fsdp_vf)_mm512_sqrt_ps((__m512)x); }
-#elif FSDP_VW == 8
+#elif FSDP_VW == 8 && defined(__AVX__)
+#include <immintrin.h>
 VINLINE fsdp_vf vsqrt(fsdp_vf x) { return (fsdp_vf)_mm256_sqrt_ps((__m256)x); }
-#else
+#elif FSDP_VW == 4 && defined(__SSE2__)
+#include <immintrin.h>
 VINLINE fsdp_vf vsqrt(fsdp_vf x) { return (fsdp_vf)_mm_sqrt_ps((__m128)x); }
-#endif
 #else
 VINLINE fsdp_vf vsqrt(fsdp_vf x) {
   for (int l = 0; l < VW; l++) x[l] = sqrtf(x[l]);
