@@ -61,15 +61,24 @@ static inline fsdp_vf gelu_grad_v(fsdp_vf x) {
   return q + 2.0f * x * q * (1.0f - q) * (GELU_S * (1.0f + 3.0f * GELU_A * x2));
 }
 
+/* full vectors, then the tail through partial loads: the same operations per lane */
 static void gelu_forward(float *out, const float *inp, int64_t n) {
-  for (int64_t i = 0; i < n; i += VW) ST(out, i, n, gelu_v(LD(inp, i, n, 0.0f)));
+  int64_t i = 0;
+  for (; i + VW <= n; i += VW) fsdp_vf_store(out + i, gelu_v(fsdp_vf_load(inp + i)));
+  if (i < n) ST(out, i, n, gelu_v(LD(inp, i, n, 0.0f)));
+}
+
+VINLINE void gelu_backward_at(float *dinp, const float *dout, const float *inp, int64_t i,
+                              int64_t n, int tail) {
+  fsdp_vf grad = gelu_grad_v(fsdp_vt_load(inp, i, n, 0.0f, tail));
+  fsdp_vf d = fsdp_vt_load(dinp, i, n, 0.0f, tail) + grad * fsdp_vt_load(dout, i, n, 0.0f, tail);
+  fsdp_vt_store(dinp, i, n, d, tail);
 }
 
 static void gelu_backward(float *dinp, const float *dout, const float *inp, int64_t n) {
-  for (int64_t i = 0; i < n; i += VW) {
-    fsdp_vf grad = gelu_grad_v(LD(inp, i, n, 0.0f));
-    ST(dinp, i, n, LD(dinp, i, n, 0.0f) + grad * LD(dout, i, n, 0.0f));
-  }
+  int64_t i = 0;
+  for (; i + VW <= n; i += VW) gelu_backward_at(dinp, dout, inp, i, n, 0);
+  if (i < n) gelu_backward_at(dinp, dout, inp, i, n, 1);
 }
 
 static void dropout_mask(float *out, float *mask, const float *inp, int64_t n, float p,

@@ -88,9 +88,10 @@ static inline float fsdp_vf_hmax(fsdp_vf v) {
 static inline fsdp_vf fsdp_vf_exp(fsdp_vf x) {
   const float lo = -87.3365478515625f, hi = 88.3762626647949f;
   fsdp_vi below = x < lo, above = x > 88.7228393554688f, nan = x != x;
-  fsdp_vf xc = fsdp_vf_select(below, fsdp_vf_set(lo), x);
-  xc = fsdp_vf_select(xc > hi, fsdp_vf_set(hi), xc);
-  xc = fsdp_vf_select(nan, fsdp_vf_set(0.0f), xc); /* keep the int conversion defined */
+  /* clamp to [lo, hi]; a NaN lane becomes lo (x > lo is false), which keeps the int conversion
+   * defined, and takes x back at the end */
+  fsdp_vf xc = fsdp_vf_select(x > lo, x, fsdp_vf_set(lo));
+  xc = fsdp_vf_select(xc < hi, xc, fsdp_vf_set(hi));
   /* n = round(x / ln2) with the 1.5 * 2^23 trick: exact under round-to-nearest */
   fsdp_vf fn = xc * 1.44269504088896341f + 12582912.0f;
   fn = fn - 12582912.0f;
