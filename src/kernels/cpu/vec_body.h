@@ -381,24 +381,49 @@ static inline void ln_row_sums(float *sum_dxhat, float *sum_dxhat_xhat, const fl
   *sum_dxhat_xhat = (float)t1;
 }
 
+/* one row's dx, and its dweight / dbias terms in the same pass (has_* are constants at each
+ * call, so each case is its own loop) */
+VINLINE void ln_row_dx(float *dx, float *dweight, float *dbias, const float *g, const float *x,
+                       const float *w, float m, float s, float mean_dxhat,
+                       float mean_dxhat_xhat, int C, bool has_w, bool has_dw, bool has_db) {
+  for (int64_t c = 0; c < C; c += VW) {
+    fsdp_vf xhat = (LD(x, c, C, 0.0f) - m) * s, gi = LD(g, c, C, 0.0f), dxhat = gi;
+    if (has_db) ST(dbias, c, C, LD(dbias, c, C, 0.0f) + gi);
+    if (has_dw) ST(dweight, c, C, LD(dweight, c, C, 0.0f) + xhat * gi);
+    if (has_w) dxhat = LD(w, c, C, 0.0f) * dxhat;
+    ST(dx, c, C, LD(dx, c, C, 0.0f) + s * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat));
+  }
+}
+
 static void layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
                                const float *inp, const float *weight, const float *mean,
                                const float *rstd, int64_t lo, int64_t hi, int C) {
   for (int64_t n = lo; n < hi; n++) {
     const float *g = dout + n * C, *x = inp + n * C;
     const float m = mean[n], s = rstd[n];
-    ln_row_params(dweight, dbias, g, x, m, s, 0, C);
-    if (!dinp) continue;
+    if (!dinp) {
+      ln_row_params(dweight, dbias, g, x, m, s, 0, C);
+      continue;
+    }
     /* dx = s * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)),  dxhat = w * dout */
     float sum_dxhat, sum_dxhat_xhat;
     ln_row_sums(&sum_dxhat, &sum_dxhat_xhat, g, x, weight, m, s, C);
-    const float mean_dxhat = sum_dxhat / (float)C, mean_dxhat_xhat = sum_dxhat_xhat / (float)C;
+    const float md = sum_dxhat / (float)C, mdx = sum_dxhat_xhat / (float)C;
     float *dx = dinp + n * C;
-    for (int64_t c = 0; c < C; c += VW) {
-      fsdp_vf xhat = (LD(x, c, C, 0.0f) - m) * s, dxhat = LD(g, c, C, 0.0f);
-      if (weight) dxhat = LD(weight, c, C, 0.0f) * dxhat;
-      ST(dx, c, C, LD(dx, c, C, 0.0f) + s * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat));
+    const bool dw = dweight != NULL, db = dbias != NULL;
+#define LN_DX(hw, hdw, hdb) ln_row_dx(dx, dweight, dbias, g, x, weight, m, s, md, mdx, C, hw, hdw, hdb)
+    if (weight) {
+      if (dw && db) LN_DX(true, true, true);
+      else if (dw) LN_DX(true, true, false);
+      else if (db) LN_DX(true, false, true);
+      else LN_DX(true, false, false);
+    } else {
+      if (dw && db) LN_DX(false, true, true);
+      else if (dw) LN_DX(false, true, false);
+      else if (db) LN_DX(false, false, true);
+      else LN_DX(false, false, false);
     }
+#undef LN_DX
   }
 }
 
