@@ -5,8 +5,8 @@
  *
  * Shapes are a GPT step's at B = 8, T = 256, d = 384 (2048 rows): layernorm (2048, 384),
  * GELU (2048, 1536), cross-entropy (2048, 256), binary add with a broadcast row (2048, 384),
- * softmax (8 * 6 * 256, 256), mask apply and AdamW 1 Mi. Each round times every level and memcpy once
- * (best of a few calls each), rounds alternate; the best round is printed. "bytes" counts each
+ * softmax (8 * 6 * 256, 256), mask apply and AdamW 1 Mi. Each round times every level and
+ * memcpy once (best of a few calls each), rounds alternate; the best round is printed. "bytes" counts each
  * array read and each written once per element; "memcpy x" is the kernel's time over memcpy's
  * for those bytes (memcpy of half of them: each byte read once and written once).
  * Run it on one thread (the pool's threads, once there are several, can be limited the way
@@ -74,7 +74,9 @@ static void k_ce_bwd(bctx *c) {
   fsdp_cpu_cross_entropy_backward(c->dx, 1.0f, c->x, c->mean, c->tgt, c->rows, (int)c->cols,
                                   -100, c->rows);
 }
-static void k_add(bctx *c) { fsdp_cpu_binary_forward(c->y, c->x, c->b, c->n, c->cols, FSDP_BIN_ADD); }
+static void k_add(bctx *c) {
+  fsdp_cpu_binary_forward(c->y, c->x, c->b, c->n, c->cols, FSDP_BIN_ADD);
+}
 static void k_add_bwd(bctx *c) {
   fsdp_cpu_binary_backward(c->dx, c->db, c->dy, c->x, c->b, c->n, c->cols, FSDP_BIN_ADD);
 }

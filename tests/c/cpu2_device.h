@@ -4,7 +4,8 @@
  * so every generic path that must not dereference device pointers (cross-device copies,
  * fsdp_to / fsdp_to_host, core's fill and copy, the binding's element access) has to go through
  * its to_host / from_host, which count their calls. Its kernels are the cpu's table (less the
- * optional fused slots), so results must be bitwise those of the cpu. Shared by tests/c/test_devices.c and the Lua test module
+ * optional fused slots), so results must be bitwise those of the cpu. Shared by
+ * tests/c/test_devices.c and the Lua test module
  * tests/c/lua_cpu2.c (busted: tests/lua/devices_spec.lua).
  *
  * What it cannot catch: a stray host dereference of its pointers works (the memory is the

@@ -17,8 +17,12 @@ run env -u FSDP_CPU_ISA "$FSDPRUN" -e 'print(require("fsdp").info().cpu.isa)'
 expect_rc 0 "FSDP_CPU_ISA unset"
 best=$(cat "$T/out")
 echo "best level here: $best"
-case "$best" in avx512) have="avx512 avx2 scalar" ;; avx2) have="avx2 scalar" ;; scalar) have="scalar" ;;
-  *) fail "fsdp.info().cpu.isa is '$best'"; have="" ;; esac
+case "$best" in
+  avx512) have="avx512 avx2 scalar" ;;
+  avx2) have="avx2 scalar" ;;
+  scalar) have="scalar" ;;
+  *) fail "fsdp.info().cpu.isa is '$best'"; have="" ;;
+esac
 
 for isa in $have; do
   run env FSDP_CPU_ISA=$isa "$FSDPRUN" -n 2 -e "$SHOW"
@@ -29,7 +33,9 @@ for isa in $have; do
   expect_has out ", kernels $isa" "FSDP_CPU_ISA=$isa in tostring(fsdp.info())"
 done
 run env FSDP_CPU_ISA=AVX2 "$FSDPRUN" -e "$SHOW"
-case "$have" in *avx2*) expect_rc 0 "FSDP_CPU_ISA=AVX2 (case)"; expect_has out "0 avx2" "FSDP_CPU_ISA=AVX2" ;; esac
+case "$have" in
+  *avx2*) expect_rc 0 "FSDP_CPU_ISA=AVX2 (case)"; expect_has out "0 avx2" "FSDP_CPU_ISA=AVX2" ;;
+esac
 
 for isa in avx512 avx2; do
   case "$have" in *$isa*) continue ;; esac

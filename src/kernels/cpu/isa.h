@@ -61,7 +61,8 @@ typedef struct fsdp_cpu_vec_i {
   void (*div_acc)(float *d, const float *g, const float *b, int64_t n); /* d += g / b */
   void (*scale_acc)(float *d, const float *g, float s, int64_t n);      /* d += g * s */
   void (*rdiv_acc)(float *d, const float *g, float s, int64_t n);       /* d += g / s */
-  void (*diff_acc)(float *d, const float *a, const float *b, float k, int64_t n); /* d += k (a - b) */
+  /* d += k (a - b) */
+  void (*diff_acc)(float *d, const float *a, const float *b, float k, int64_t n);
   void (*binary)(float *out, const float *a, const float *b, int64_t n, fsdp_binop op);
   void (*binary_scalar)(float *out, const float *a, float s, int64_t n, fsdp_binop op);
   void (*affine)(float *out, const float *a, float s, float t, int64_t n); /* a * s + t */

@@ -411,7 +411,8 @@ static void layernorm_backward(float *dinp, float *dweight, float *dbias, const 
     const float md = sum_dxhat / (float)C, mdx = sum_dxhat_xhat / (float)C;
     float *dx = dinp + n * C;
     const bool dw = dweight != NULL, db = dbias != NULL;
-#define LN_DX(hw, hdw, hdb) ln_row_dx(dx, dweight, dbias, g, x, weight, m, s, md, mdx, C, hw, hdw, hdb)
+#define LN_DX(hw, hdw, hdb) \
+  ln_row_dx(dx, dweight, dbias, g, x, weight, m, s, md, mdx, C, hw, hdw, hdb)
     if (weight) {
       if (dw && db) LN_DX(true, true, true);
       else if (dw) LN_DX(true, true, false);
