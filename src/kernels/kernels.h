@@ -256,6 +256,17 @@ typedef struct fsdp_kernels_i {
   int (*reduce_ranks)(void *ctx, fsdp_dtype dt, fsdp_reduce_op red, void *out,
                       const void *const *src, int nsrc, int64_t n);
 
+  /* ---- optional fusions ---- */
+  /* optional: out (N, C) = gelu(inp (N, C) + bias (C)), and its backward: dinp += t, dbias +=
+   * the column sums of t, t = gelu'(inp + bias) dout (dinp or dbias may be NULL), f32 at least.
+   * fsdp_op_bias_gelu calls them for f32 and composes add and gelu for other dtypes or where
+   * the slots are NULL. */
+  int (*bias_gelu_forward)(void *ctx, fsdp_dtype dt, void *out, const void *inp,
+                           const void *bias, int64_t N, int C);
+  int (*bias_gelu_backward)(void *ctx, fsdp_dtype dt, void *dinp, void *dbias,
+                            const void *dout, const void *inp, const void *bias, int64_t N,
+                            int C);
+
   /* ---- modes ---- */
   /* optional: deterministic mode on or off (fsdp.deterministic): every kernel then gives
    * bitwise repeatable results (no atomics in reductions). NULL: always deterministic. */

@@ -78,6 +78,11 @@ static int f_unary(lua_State *L, fsdp_unary_op op, const char *fn) {
 }
 static int f_gelu(lua_State *L) { return f_unary(L, FSDP_UNARY_GELU, "gelu"); }
 static int f_relu(lua_State *L) { return f_unary(L, FSDP_UNARY_RELU, "relu"); }
+/* bias_gelu(x, b) = gelu(x + b), fused where the device has it */
+static int f_bias_gelu(lua_State *L) {
+  fsdp_tensor *x = arg(L, 1, "bias_gelu"), *b = arg(L, 2, "bias_gelu");
+  PUSH_OR_RAISE(fsdp_op_bias_gelu(OUT, x, b));
+}
 /* softmax(x, dim = -1): dim 1-based, negative from the end */
 static int f_softmax(lua_State *L) {
   fsdp_tensor *x = arg(L, 1, "softmax");
@@ -109,7 +114,7 @@ static const luaL_Reg F[] = {
     {"linear", f_linear},   {"embedding", f_embedding}, {"layernorm", f_layernorm},
     {"attention", f_attention}, {"dropout", f_dropout}, {"gelu", f_gelu},
     {"relu", f_relu},       {"softmax", f_softmax},     {"cross_entropy", f_cross_entropy},
-    {"mse", f_mse},         {NULL, NULL}};
+    {"mse", f_mse},         {"bias_gelu", f_bias_gelu}, {NULL, NULL}};
 
 /* ---- grad mode, seeds ------------------------------------------------------------------- */
 

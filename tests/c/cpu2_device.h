@@ -121,6 +121,8 @@ static pthread_once_t cpu2_kernels_once = PTHREAD_ONCE_INIT;
 static void cpu2_kernels_init(void) {
   cpu2_kernels = fsdp_cpu_kernels;
   cpu2_kernels.adamw_step_masked = NULL;
+  cpu2_kernels.bias_gelu_forward = NULL;
+  cpu2_kernels.bias_gelu_backward = NULL;
 }
 
 /* Idempotent: registering the same table again only sets its kernels again. */

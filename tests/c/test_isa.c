@@ -158,6 +158,10 @@ static void run_all(outs_t *r, const inputs_t *in) {
   const int64_t n = N_EW, nc = (int64_t)ROWS * C;
   fsdp_cpu_gelu_forward(out_new(r, "gelu", NULL, n), in->x, n);
   fsdp_cpu_gelu_backward(out_new(r, "gelu backward", in->acc, n), in->g, in->x, n);
+  fsdp_cpu_bias_gelu_forward(out_new(r, "bias gelu", NULL, nc), in->lx, in->b, ROWS, C);
+  fsdp_cpu_bias_gelu_backward(out_new(r, "bias gelu dinp", in->lacc, nc),
+                              out_new(r, "bias gelu dbias", in->w, C), in->lg, in->lx, in->b,
+                              ROWS, C);
   fsdp_cpu_relu_forward(out_new(r, "relu", NULL, n), in->x, n);
   fsdp_cpu_relu_backward(out_new(r, "relu backward", in->acc, n), in->g, in->x, n);
   float *dm = out_new(r, "dropout mask", NULL, n);

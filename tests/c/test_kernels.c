@@ -1035,6 +1035,38 @@ static void test_adamw(void **state) {
   free(pv), free(mv), free(vv), free(wp), free(wm), free(wv);
 }
 
+/* bias + GELU fused: bitwise the add, the GELU, its backward and the bias's column sum */
+static void test_bias_gelu(void **state) {
+  (void)state;
+  const int64_t N = 29;
+  const int C = 301;
+  const int64_t n = N * C;
+  float *x = frand(n, -5, 5), *b = frand(C, -1, 1), *g = frand(n, -1, 1);
+  float *y = fzeros(n), *h = fzeros(n), *y2 = fzeros(n);
+  fsdp_cpu_bias_gelu_forward(y, x, b, N, C);
+  fsdp_cpu_binary_forward(h, x, b, n, C, FSDP_BIN_ADD);
+  fsdp_cpu_gelu_forward(y2, h, n);
+  assert_memory_equal(y, y2, sizeof(float) * (size_t)n);
+  float *dx = frand(n, -1, 1), *dh = fzeros(n), *db = frand(C, -1, 1);
+  float *dx2 = fcopy(dx, n), *db2 = fcopy(db, C);
+  fsdp_cpu_bias_gelu_backward(dx, db, g, x, b, N, C);
+  fsdp_cpu_gelu_backward(dh, g, h, n);
+  for (int64_t i = 0; i < n; i++) dx2[i] += dh[i];
+  fsdp_cpu_colsum_acc(db2, dh, N, C);
+  assert_memory_equal(dx, dx2, sizeof(float) * (size_t)n);
+  assert_memory_equal(db, db2, sizeof(float) * (size_t)C);
+  /* either output alone */
+  float *db3 = fcopy(db2, C), *dx3 = fcopy(dx2, n);
+  fsdp_cpu_bias_gelu_backward(NULL, db3, g, x, b, N, C);
+  fsdp_cpu_colsum_acc(db2, dh, N, C);
+  assert_memory_equal(db3, db2, sizeof(float) * (size_t)C);
+  fsdp_cpu_bias_gelu_backward(dx3, NULL, g, x, b, N, C);
+  for (int64_t i = 0; i < n; i++) dx2[i] += dh[i];
+  assert_memory_equal(dx3, dx2, sizeof(float) * (size_t)n);
+  free(x), free(b), free(g), free(y), free(h), free(y2), free(dx), free(dh), free(db);
+  free(dx2), free(db2), free(db3), free(dx3);
+}
+
 /* The fused masked step is bitwise mask_apply(g), the step, mask_apply(p), NaN gradients under
  * the mask included, and leaves g masked. */
 static void test_adamw_masked(void **state) {
@@ -1109,6 +1141,7 @@ int main(void) {
       cmocka_unit_test(test_sgd),
       cmocka_unit_test(test_adamw),
       cmocka_unit_test(test_adamw_masked),
+      cmocka_unit_test(test_bias_gelu),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

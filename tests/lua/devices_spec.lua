@@ -202,6 +202,31 @@ describe("optimizer, init and sumsq bindings on cpu2", function()
     end, "adamw_step: mask has 3 elements, the parameter has 4")
   end)
 
+  it("F.bias_gelu: the cpu's fused slots, cpu2's add and gelu (no such slots) and bf16 agree",
+    function()
+    local function run(device, dtype)
+      fsdp.manual_seed(9)
+      local x = fsdp.randn{13, 67}:to(device):to(dtype)
+      local b = fsdp.randn{67}:to(device):to(dtype)
+      x.requires_grad, b.requires_grad = true, true
+      local y = fsdp.F.bias_gelu(x, b)
+      local w = fsdp.randn{13, 67}:to(device):to(dtype)
+      ;(y * w):sum():backward()
+      return {y, x.grad, b.grad}
+    end
+    local fused, composed = run("cpu", "f32"), run("cpu2", "f32")
+    for i = 1, 3 do bits_equal(fused[i], composed[i]) end
+    local half = run("cpu", "bf16") -- no bf16 slot: composed on the cpu too
+    for i = 1, 3 do
+      assert.are.equal("bf16", half[i]:dtype())
+      H.assert_close(half[i]:to("f32"), fused[i], 0.05)
+    end
+    H.assert_error_has(function() fsdp.F.bias_gelu(fsdp.zeros{2, 3}, fsdp.zeros{2}) end,
+      "bias_gelu: bias (2) does not match input (2, 3): need (3)")
+    H.assert_error_has(function() fsdp.F.bias_gelu(fsdp.zeros{2, 3}, fsdp.zeros({3}, {dtype = "f64"})) end,
+      "bias_gelu: dtypes f32 and f64 differ")
+  end)
+
   it("refuse state on another device or dtype, and dtypes the kernels lack", function()
     local _, pd = pair({8}, 5)
     local g = fsdp.zeros{8}

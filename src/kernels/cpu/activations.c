@@ -53,6 +53,46 @@ void fsdp_cpu_gelu_backward(float *dinp, const float *dout, const float *inp, in
 }
 
 typedef struct {
+  float *out, *db;
+  const float *inp, *bias, *dout;
+  int64_t N;
+  int C;
+  const fsdp_cpu_vec_i *vec;
+} bias_gelu_ctx;
+
+static void bias_gelu_forward_task(void *ctx, int64_t lo, int64_t hi) {
+  const bias_gelu_ctx *c = ctx;
+  c->vec->bias_gelu_forward(c->out, c->inp, c->bias, lo, hi, c->C);
+}
+
+void fsdp_cpu_bias_gelu_forward(float *out, const float *inp, const float *bias, int64_t N,
+                                int C) {
+  // out (N, C), inp (N, C), bias (C)
+  bias_gelu_ctx c = {.out = out, .inp = inp, .bias = bias, .N = N, .C = C,
+                     .vec = fsdp_cpu_vec()};
+  fsdp_cpu_parallel_for(N, fsdp_cpu_grain_rows(C, FSDP_CPU_GRAIN_HEAVY), bias_gelu_forward_task,
+                        &c);
+}
+
+/* split by columns: each column's rows are added in order, so dbias does not depend on the
+ * thread count */
+static void bias_gelu_backward_task(void *ctx, int64_t lo, int64_t hi) {
+  const bias_gelu_ctx *c = ctx;
+  c->vec->bias_gelu_backward_cols(c->out, c->db, c->dout, c->inp, c->bias, c->N, c->C, (int)lo,
+                                  (int)hi);
+}
+
+void fsdp_cpu_bias_gelu_backward(float *dinp, float *dbias, const float *dout, const float *inp,
+                                 const float *bias, int64_t N, int C) {
+  // dinp (N, C) or NULL, dbias (C) or NULL, dout (N, C), inp (N, C), bias (C)
+  if (N <= 0 || (!dinp && !dbias)) return;
+  bias_gelu_ctx c = {.out = dinp, .db = dbias, .inp = inp, .bias = bias, .dout = dout, .N = N,
+                     .C = C, .vec = fsdp_cpu_vec()};
+  int64_t grain = fsdp_cpu_grain_rows(N, FSDP_CPU_GRAIN_HEAVY);
+  fsdp_cpu_parallel_for(C, grain < 64 ? 64 : grain, bias_gelu_backward_task, &c);
+}
+
+typedef struct {
   float *out, *mask;
   const float *inp;
   float p, scale;

@@ -53,6 +53,14 @@ typedef struct fsdp_cpu_vec_i {
   void (*relu_backward)(float *dinp, const float *dout, const float *inp, int64_t n);
   void (*gelu_forward)(float *out, const float *inp, int64_t n);
   void (*gelu_backward)(float *dinp, const float *dout, const float *inp, int64_t n);
+  /* rows [lo, hi) of (N, C): out = gelu(inp + bias (C)) */
+  void (*bias_gelu_forward)(float *out, const float *inp, const float *bias, int64_t lo,
+                            int64_t hi, int C);
+  /* columns [c0, c1): dinp += t, dbias += column sums of t, t = gelu'(inp + bias) dout; either
+   * output may be NULL */
+  void (*bias_gelu_backward_cols)(float *dinp, float *dbias, const float *dout,
+                                  const float *inp, const float *bias, int64_t N, int C, int c0,
+                                  int c1);
   /* mask holds uniforms on entry: mask = u >= p ? scale : 0, out = inp * mask */
   void (*dropout_mask)(float *out, float *mask, const float *inp, int64_t n, float p,
                        float scale);

@@ -81,6 +81,46 @@ static void gelu_backward(float *dinp, const float *dout, const float *inp, int6
   if (i < n) gelu_backward_at(dinp, dout, inp, i, n, 1);
 }
 
+/* rows [lo, hi) of (N, C): out = gelu(inp + bias), the sum rounded once as an add would */
+static void bias_gelu_forward(float *out, const float *inp, const float *bias, int64_t lo,
+                              int64_t hi, int C) {
+  for (int64_t r = lo; r < hi; r++) {
+    const float *x = inp + r * C;
+    float *y = out + r * C;
+    for (int64_t c = 0; c < C; c += VW)
+      ST(y, c, C, gelu_v(LD(x, c, C, 0.0f) + LD(bias, c, C, 0.0f)));
+  }
+}
+
+#define BG_CHUNK 256
+
+/* columns [c0, c1) over all N rows: t = gelu'(inp + bias) * dout, dinp += t, and dbias += the
+ * column sums of t (double, rows in order: fsdp_cpu_colsum_acc's arithmetic), one pass */
+static void bias_gelu_backward_cols(float *dinp, float *dbias, const float *dout,
+                                    const float *inp, const float *bias, int64_t N, int C,
+                                    int c0, int c1) {
+  double acc[BG_CHUNK];
+  for (int b0 = c0; b0 < c1; b0 += BG_CHUNK) {
+    const int len = c1 - b0 < BG_CHUNK ? c1 - b0 : BG_CHUNK;
+    memset(acc, 0, sizeof(double) * (size_t)len);
+    for (int64_t r = 0; r < N; r++) {
+      const int64_t o = r * C + b0;
+      float t[VW];
+      for (int64_t c = 0; c < len; c += VW) {
+        fsdp_vf x = LD(inp + o, c, len, 0.0f) + LD(bias + b0, c, len, 0.0f);
+        fsdp_vf tv = gelu_grad_v(x) * LD(dout + o, c, len, 0.0f);
+        if (dinp) ST(dinp + o, c, len, LD(dinp + o, c, len, 0.0f) + tv);
+        if (dbias) {
+          memcpy(t, &tv, sizeof t);
+          for (int l = 0; l < VW && c + l < len; l++) acc[c + l] += (double)t[l];
+        }
+      }
+    }
+    if (dbias)
+      for (int j = 0; j < len; j++) dbias[b0 + j] += (float)acc[j];
+  }
+}
+
 static void dropout_mask(float *out, float *mask, const float *inp, int64_t n, float p,
                          float scale) {
   for (int64_t i = 0; i < n; i += VW) {
@@ -504,6 +544,8 @@ const fsdp_cpu_vec_i FSDP_VEC_TABLE = {
     .gelu_forward = gelu_forward,
     .gelu_backward = gelu_backward,
     .dropout_mask = dropout_mask,
+    .bias_gelu_forward = bias_gelu_forward,
+    .bias_gelu_backward_cols = bias_gelu_backward_cols,
     .add_acc = add_acc,
     .mul_acc = mul_acc,
     .div_acc = div_acc,
