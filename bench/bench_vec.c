@@ -54,6 +54,23 @@ typedef void (*kern_fn)(bctx *c);
 
 static void k_gelu_fwd(bctx *c) { fsdp_cpu_gelu_forward(c->y, c->x, c->n); }
 static void k_gelu_bwd(bctx *c) { fsdp_cpu_gelu_backward(c->dx, c->dy, c->x, c->n); }
+static void k_bias_gelu_fwd(bctx *c) {
+  fsdp_cpu_bias_gelu_forward(c->y, c->x, c->b, c->rows, (int)c->cols);
+}
+static void k_bias_gelu_bwd(bctx *c) {
+  fsdp_cpu_bias_gelu_backward(c->dx, c->db, c->dy, c->x, c->b, c->rows, (int)c->cols);
+}
+/* what the fused pair replaces: the bias seeded into the output (fsdp_cpu_linear_forward), the
+ * GELU; the GELU's backward and the bias's column sum */
+static void k_unfused_fwd(bctx *c) {
+  for (int64_t r = 0; r < c->rows; r++)
+    memcpy(c->dx + r * c->cols, c->b, sizeof(float) * (size_t)c->cols);
+  fsdp_cpu_gelu_forward(c->y, c->x, c->n);
+}
+static void k_unfused_bwd(bctx *c) {
+  fsdp_cpu_gelu_backward(c->dx, c->dy, c->x, c->n);
+  fsdp_cpu_colsum_acc(c->db, c->dx, c->rows, c->cols);
+}
 static void k_ln_fwd(bctx *c) {
   fsdp_cpu_layernorm_forward(c->y, c->mean, c->rstd, c->x, c->w, c->b, c->rows, (int)c->cols,
                              1e-5f);
@@ -97,6 +114,10 @@ typedef struct {
 static const kernel kernels[] = {
     {"gelu forward", k_gelu_fwd, ROWS, 4 * D, 8},
     {"gelu backward", k_gelu_bwd, ROWS, 4 * D, 16},
+    {"bias+gelu forward", k_bias_gelu_fwd, ROWS, 4 * D, 8},
+    {"bias, gelu forward", k_unfused_fwd, ROWS, 4 * D, 8},
+    {"bias+gelu backward", k_bias_gelu_bwd, ROWS, 4 * D, 16},
+    {"gelu backward, colsum", k_unfused_bwd, ROWS, 4 * D, 16},
     {"layernorm forward", k_ln_fwd, ROWS, D, 8},
     {"layernorm backward", k_ln_bwd, ROWS, D, 16},
     {"softmax forward", k_sm_fwd, SM_ROWS, SM_C, 8},

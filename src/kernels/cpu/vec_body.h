@@ -92,7 +92,22 @@ static void bias_gelu_forward(float *out, const float *inp, const float *bias, i
   }
 }
 
-#define BG_CHUNK 256
+#define BG_CHUNK 2048
+typedef double fsdp_vd __attribute__((vector_size(FSDP_VW * 8)));
+
+/* one vector of a row strip of len columns: t = gelu'(x + b) g; d += t, acc += t (double) */
+VINLINE void bias_gelu_backward_at(float *d, double *acc, const float *g, const float *x,
+                                   const float *b, int c, int len, int tail) {
+  fsdp_vf h = fsdp_vt_load(x, c, len, 0.0f, tail) + fsdp_vt_load(b, c, len, 0.0f, tail);
+  fsdp_vf t = gelu_grad_v(h) * fsdp_vt_load(g, c, len, 0.0f, tail);
+  if (d) fsdp_vt_store(d, c, len, fsdp_vt_load(d, c, len, 0.0f, tail) + t, tail);
+  if (acc) { /* lanes past len add 0 to acc entries never read (BG_CHUNK % VW == 0) */
+    fsdp_vd a;
+    memcpy(&a, acc + c, sizeof a);
+    a += __builtin_convertvector(t, fsdp_vd);
+    memcpy(acc + c, &a, sizeof a);
+  }
+}
 
 /* columns [c0, c1) over all N rows: t = gelu'(inp + bias) * dout, dinp += t, and dbias += the
  * column sums of t (double, rows in order: fsdp_cpu_colsum_acc's arithmetic), one pass */
@@ -105,16 +120,13 @@ static void bias_gelu_backward_cols(float *dinp, float *dbias, const float *dout
     memset(acc, 0, sizeof(double) * (size_t)len);
     for (int64_t r = 0; r < N; r++) {
       const int64_t o = r * C + b0;
-      float t[VW];
-      for (int64_t c = 0; c < len; c += VW) {
-        fsdp_vf x = LD(inp + o, c, len, 0.0f) + LD(bias + b0, c, len, 0.0f);
-        fsdp_vf tv = gelu_grad_v(x) * LD(dout + o, c, len, 0.0f);
-        if (dinp) ST(dinp + o, c, len, LD(dinp + o, c, len, 0.0f) + tv);
-        if (dbias) {
-          memcpy(t, &tv, sizeof t);
-          for (int l = 0; l < VW && c + l < len; l++) acc[c + l] += (double)t[l];
-        }
-      }
+      int c = 0;
+      for (; c + VW <= len; c += VW)
+        bias_gelu_backward_at(dinp ? dinp + o : NULL, dbias ? acc : NULL, dout + o, inp + o,
+                              bias + b0, c, len, 0);
+      if (c < len)
+        bias_gelu_backward_at(dinp ? dinp + o : NULL, dbias ? acc : NULL, dout + o, inp + o,
+                              bias + b0, c, len, 1);
     }
     if (dbias)
       for (int j = 0; j < len; j++) dbias[b0 + j] += (float)acc[j];
