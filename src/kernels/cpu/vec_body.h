@@ -97,16 +97,54 @@ static void bias_gelu_forward(float *out, const float *inp, const float *bias, i
 typedef double fsdp_vd __attribute__((vector_size(FSDP_VW * 8)));
 
 /* one vector of a row strip of len columns: t = gelu'(x + b) g; d += t, acc += t (double) */
-VINLINE void bias_gelu_backward_at(float *d, double *acc, const float *g, const float *x,
-                                   const float *b, int c, int len, int tail) {
+/* t = gelu'(x + b) g for the vector at column c of one row strip of len columns */
+VINLINE fsdp_vf bias_gelu_t(const float *g, const float *x, const float *b, int c, int len,
+                            int tail) {
   fsdp_vf h = fsdp_vt_load(x, c, len, 0.0f, tail) + fsdp_vt_load(b, c, len, 0.0f, tail);
-  fsdp_vf t = gelu_grad_v(h) * fsdp_vt_load(g, c, len, 0.0f, tail);
-  if (d) fsdp_vt_store(d, c, len, fsdp_vt_load(d, c, len, 0.0f, tail) + t, tail);
-  if (acc) { /* lanes past len add 0 to acc entries never read (BG_CHUNK % VW == 0) */
+  return gelu_grad_v(h) * fsdp_vt_load(g, c, len, 0.0f, tail);
+}
+
+/* rows r0 .. r0 + nr - 1 (nr = 1 or 2) at column c: d += t per row, acc += t row by row (double:
+ * acc + t0 + t1 in that order, one load and store of acc for both). Lanes past len add 0 to
+ * acc entries never read (BG_CHUNK % VW == 0). */
+VINLINE void bias_gelu_rows_at(float *d, double *acc, const float *g, const float *x,
+                               const float *b, int64_t C, int nr, int c, int len, int tail,
+                               bool has_d, bool has_acc) {
+  fsdp_vf t0 = bias_gelu_t(g, x, b, c, len, tail), t1 = t0;
+  if (has_d) fsdp_vt_store(d, c, len, fsdp_vt_load(d, c, len, 0.0f, tail) + t0, tail);
+  if (nr == 2) {
+    t1 = bias_gelu_t(g + C, x + C, b, c, len, tail);
+    if (has_d)
+      fsdp_vt_store(d + C, c, len, fsdp_vt_load(d + C, c, len, 0.0f, tail) + t1, tail);
+  }
+  if (has_acc) {
     fsdp_vd a;
     memcpy(&a, acc + c, sizeof a);
-    a += __builtin_convertvector(t, fsdp_vd);
+    a += __builtin_convertvector(t0, fsdp_vd);
+    if (nr == 2) a += __builtin_convertvector(t1, fsdp_vd);
     memcpy(acc + c, &a, sizeof a);
+  }
+}
+
+VINLINE void bias_gelu_strip(float *dinp, double *acc, const float *dout, const float *inp,
+                             const float *b, int64_t N, int64_t C, int len, bool has_d,
+                             bool has_acc) {
+  for (int64_t r = 0; r < N; r += 2) {
+    const int nr = r + 2 <= N ? 2 : 1;
+    const int64_t o = r * C;
+    float *d = has_d ? dinp + o : NULL;
+    int c = 0;
+    if (nr == 2) {
+      for (; c + VW <= len; c += VW)
+        bias_gelu_rows_at(d, acc, dout + o, inp + o, b, C, 2, c, len, 0, has_d, has_acc);
+      if (c < len)
+        bias_gelu_rows_at(d, acc, dout + o, inp + o, b, C, 2, c, len, 1, has_d, has_acc);
+    } else {
+      for (; c + VW <= len; c += VW)
+        bias_gelu_rows_at(d, acc, dout + o, inp + o, b, C, 1, c, len, 0, has_d, has_acc);
+      if (c < len)
+        bias_gelu_rows_at(d, acc, dout + o, inp + o, b, C, 1, c, len, 1, has_d, has_acc);
+    }
   }
 }
 
@@ -119,16 +157,10 @@ static void bias_gelu_backward_cols(float *dinp, float *dbias, const float *dout
   for (int b0 = c0; b0 < c1; b0 += BG_CHUNK) {
     const int len = c1 - b0 < BG_CHUNK ? c1 - b0 : BG_CHUNK;
     memset(acc, 0, sizeof(double) * (size_t)len);
-    for (int64_t r = 0; r < N; r++) {
-      const int64_t o = r * C + b0;
-      int c = 0;
-      for (; c + VW <= len; c += VW)
-        bias_gelu_backward_at(dinp ? dinp + o : NULL, dbias ? acc : NULL, dout + o, inp + o,
-                              bias + b0, c, len, 0);
-      if (c < len)
-        bias_gelu_backward_at(dinp ? dinp + o : NULL, dbias ? acc : NULL, dout + o, inp + o,
-                              bias + b0, c, len, 1);
-    }
+    float *d = dinp ? dinp + b0 : NULL;
+    if (dinp && dbias) bias_gelu_strip(d, acc, dout + b0, inp + b0, bias + b0, N, C, len, 1, 1);
+    else if (dinp) bias_gelu_strip(d, acc, dout + b0, inp + b0, bias + b0, N, C, len, 1, 0);
+    else bias_gelu_strip(d, acc, dout + b0, inp + b0, bias + b0, N, C, len, 0, 1);
     if (dbias)
       for (int j = 0; j < len; j++) dbias[b0 + j] += (float)acc[j];
   }
