@@ -576,7 +576,7 @@ static void cross_entropy_backward(float *dlogits, float sc, const float *logits
     float *d = dlogits + i * V;
     const float l = lse[i];
     for (int64_t v = 0; v < V; v += VW) {
-      fsdp_vf p = fsdp_vf_exp(LD(x, v, V, -INFINITY) - l);
+      fsdp_vf p = fsdp_vf_exp_nonpos(LD(x, v, V, -INFINITY) - l); /* x <= max <= lse */
       ST(d, v, V, LD(d, v, V, 0.0f) + sc * p);
     }
     d[tgt] -= sc;

@@ -85,13 +85,10 @@ static inline float fsdp_vf_hmax(fsdp_vf v) {
   return m;
 }
 
-static inline fsdp_vf fsdp_vf_exp(fsdp_vf x) {
-  const float lo = -87.3365478515625f, hi = 88.3762626647949f;
-  fsdp_vi below = x < lo, above = x > 88.7228393554688f, nan = x != x;
-  /* clamp to [lo, hi]; a NaN lane becomes lo (x > lo is false), which keeps the int conversion
-   * defined, and takes x back at the end */
-  fsdp_vf xc = fsdp_vf_select(x > lo, x, fsdp_vf_set(lo));
-  xc = fsdp_vf_select(xc < hi, xc, fsdp_vf_set(hi));
+#define FSDP_EXP_LO -87.3365478515625f
+
+/* e^xc for xc already clamped to [lo, hi] (no NaN) */
+static inline fsdp_vf fsdp_vf_exp_core(fsdp_vf xc) {
   /* n = round(x / ln2) with the 1.5 * 2^23 trick: exact under round-to-nearest */
   fsdp_vf fn = xc * 1.44269504088896341f + 12582912.0f;
   fn = fn - 12582912.0f;
@@ -106,9 +103,29 @@ static inline fsdp_vf fsdp_vf_exp(fsdp_vf x) {
   p = p * r + 5.0000001201e-1f;
   p = p * r2 + r + 1.0f;
   fsdp_vi e = (__builtin_convertvector(fn, fsdp_vi) + 127) << 23;
-  fsdp_vf y = p * (fsdp_vf)e;
+  return p * (fsdp_vf)e;
+}
+
+static inline fsdp_vf fsdp_vf_exp(fsdp_vf x) {
+  const float lo = FSDP_EXP_LO, hi = 88.3762626647949f;
+  fsdp_vi below = x < lo, above = x > 88.7228393554688f, nan = x != x;
+  /* clamp to [lo, hi]; a NaN lane becomes lo (x > lo is false), which keeps the int conversion
+   * defined, and takes x back at the end */
+  fsdp_vf xc = fsdp_vf_select(x > lo, x, fsdp_vf_set(lo));
+  xc = fsdp_vf_select(xc < hi, xc, fsdp_vf_set(hi));
+  fsdp_vf y = fsdp_vf_exp_core(xc);
   y = fsdp_vf_select(below, fsdp_vf_set(0.0f), y);
   y = fsdp_vf_select(above, fsdp_vf_set(INFINITY), y);
+  return fsdp_vf_select(nan, x, y);
+}
+
+/* fsdp_vf_exp for x <= 0 or NaN only (x - max, x - logsumexp): the same results there without
+ * the upper clamp */
+static inline fsdp_vf fsdp_vf_exp_nonpos(fsdp_vf x) {
+  const float lo = FSDP_EXP_LO;
+  fsdp_vi below = x < lo, nan = x != x;
+  fsdp_vf y = fsdp_vf_exp_core(fsdp_vf_select(x > lo, x, fsdp_vf_set(lo)));
+  y = fsdp_vf_select(below, fsdp_vf_set(0.0f), y);
   return fsdp_vf_select(nan, x, y);
 }
 
@@ -205,10 +222,11 @@ static inline float fsdp_row_max(const float *x, int64_t n) {
   return fsdp_vl_fold_max(m);
 }
 
-/* sum of exp(x[i] - shift); out[i] receives the terms when out is not NULL (out may equal x) */
+/* sum of exp(x[i] - shift), shift >= max(x) (the exponents are <= 0: fsdp_vf_exp_nonpos); out[i]
+ * receives the terms when out is not NULL (out may equal x) */
 static inline fsdp_vf fsdp_row_exp_term(float *out, const float *x, float shift, int64_t s,
                                         int64_t n, int tail) {
-  fsdp_vf e = fsdp_vf_exp(fsdp_vt_load(x, s, n, -INFINITY, tail) - shift);
+  fsdp_vf e = fsdp_vf_exp_nonpos(fsdp_vt_load(x, s, n, -INFINITY, tail) - shift);
   if (out) fsdp_vt_store(out, s, n, e, tail);
   return e;
 }
