@@ -86,7 +86,9 @@ fsdp.device_count = core.device_count
 fsdp.deterministic = core.deterministic
 
 --- info() -> what this build runs on: version, devices (name, count, kernels, description),
---- the processor's vector features, the calling rank's cpu threads, deterministic mode.
+--- the processor's vector features and the instruction set of the element-wise kernels (cpu.isa:
+--- "avx512", "avx2" or "scalar"; FSDP_CPU_ISA forces one), the calling rank's cpu threads,
+--- deterministic mode.
 --- tostring() prints it.
 function fsdp.info()
   local info = {version = core.version, devices = core.devices(), cpu = core.cpu_features(),
@@ -103,6 +105,7 @@ function fsdp.info()
       if t.cpu[k] then feats[#feats + 1] = k end
     end
     lines[#lines + 1] = "  cpu    " .. (#feats > 0 and table.concat(feats, " ") or "baseline x86-64")
+      .. ", kernels " .. t.cpu.isa
     lines[#lines + 1] = ("  threads %d, deterministic %s"):format(t.threads, tostring(t.deterministic))
     return table.concat(lines, "\n")
   end})

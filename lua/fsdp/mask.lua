@@ -309,6 +309,14 @@ function M.apply_plain(p, x)
   end
 end
 
+--- The whole flat mask of a plain parameter p, for a fused step; nil without a mask or when p
+--- is sharded.
+function M.plain_flat(p)
+  local rec = records[p]
+  if rec == nil or rec.sharded then return nil end
+  return rec.flat
+end
+
 --- This rank's mask values of p as a 1-D live buffer: the whole mask of a plain parameter,
 --- this rank's slice of a sharded one; nil without a mask (or a slice).
 function M.piece(p)

@@ -65,6 +65,13 @@ optim.wrap_state = wrap_state
 
 local slice_mask, mask_dense = mask.shard_slice, mask.apply_plain
 
+-- The flat mask of an unwrapped parameter p for the fused AdamW kernel, or nil (no mask, or p or
+-- its gradient g not contiguous: then mask_dense does it around the step).
+local function dense_mask_flat(p, g)
+  if not p:is_contiguous() or not g:is_contiguous() then return nil end
+  return mask.plain_flat(p)
+end
+
 -- The wrapped model's units (construction order), checking the wrap is still the one the
 -- optimizer was made for.
 local function live_units(R, what)
@@ -190,8 +197,10 @@ end
 -- holds; st is the slice's state table (created with step = 0). With only_grads (a step:
 -- collective) the slices of parameters that received no gradient on any rank are left out,
 -- as a plain optimizer leaves out a parameter whose p.grad is nil: no update, no weight decay,
--- no state created or changed, no mask applied.
-function Optimizer:each_slice(fn, only_grads)
+-- no state created or changed, no mask applied. With fused_mask, fn gets the slice's mask (or
+-- nil) as a sixth argument and applies it itself (AdamW's fused kernel); otherwise the
+-- gradient slice is masked before fn and the weights after it.
+function Optimizer:each_slice(fn, only_grads, fused_mask)
   local what = self.kind .. ":step"
   local has = only_grads and agree_grads(self.wrapped, what) or nil
   each_unit(self.wrapped, what, function(u, shard, gshard, slices)
@@ -207,9 +216,13 @@ function Optimizer:each_slice(fn, only_grads)
         end
         local ps, gs = shard:narrow(1, s.shard_first, n), gshard:narrow(1, s.shard_first, n)
         local m = slice_mask(p, n, s.path)
-        if m then core.mask_apply(gs, m) end
-        fn(st, ps, gs, p, s.path)
-        if m then core.mask_apply(ps, m) end
+        if fused_mask then
+          fn(st, ps, gs, p, s.path, m)
+        else
+          if m then core.mask_apply(gs, m) end
+          fn(st, ps, gs, p, s.path)
+          if m then core.mask_apply(ps, m) end
+        end
       end
     end
   end)
@@ -489,15 +502,15 @@ function AdamW:step()
   self.step_count = self.step_count + 1
   local lr, b1, b2, eps, wd = self.lr, self.betas[1], self.betas[2], self.eps, self.weight_decay
   if self.wrapped then
-    self:each_slice(function(st, p, g, param)
+    self:each_slice(function(st, p, g, param, _, mask)
       if st.exp_avg == nil then
         st.exp_avg = core.zeros({p:numel()}, { role = "optim", device = p.device })
         st.exp_avg_sq = core.zeros({p:numel()}, { role = "optim", device = p.device })
       end
       st.step = st.step + 1
       core.adamw_step(p, g, st.exp_avg, st.exp_avg_sq, lr, b1, b2, eps,
-        self.decay[param] and wd or 0, st.step)
-    end, true)
+        self.decay[param] and wd or 0, st.step, mask)
+    end, true, true)
     return
   end
   for _, e in ipairs(self.params) do
@@ -510,10 +523,11 @@ function AdamW:step()
         self.state[p] = st
       end
       st.step = st.step + 1
-      mask_dense(p, g)
+      local mask = dense_mask_flat(p, g)
+      if mask == nil then mask_dense(p, g) end
       core.adamw_step(p, g, st.exp_avg, st.exp_avg_sq, lr, b1, b2, eps,
-        self.decay[p] and wd or 0, st.step)
-      mask_dense(p, p)
+        self.decay[p] and wd or 0, st.step, mask)
+      if mask == nil then mask_dense(p, p) end
       if fresh then g:free() end
     end
   end

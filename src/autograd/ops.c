@@ -452,6 +452,48 @@ done:
   return rc;
 }
 
+/* ---- bias + gelu ------------------------------------------------------------------------ */
+
+static int bw_bias_gelu(fsdp_node *n) {
+  void *dx, *db;
+  fsdp_dtype gb = NDT(n);
+  if (grad_of(n, 0, &dx) || wgrad_of(n, 1, &db, &gb)) return FSDP_ERR;
+  if (db && gb != NDT(n))
+    return fsdp_error("bias_gelu: the bias's gradient is %s, the input %s", fsdp_dtype_name(gb),
+                      fsdp_dtype_name(NDT(n)));
+  if (!dx && !db) return FSDP_OK;
+  return NK(n)->bias_gelu_backward(NCTX(n), NDT(n), dx, db, D(n->out->grad), D(n->saved[0]),
+                                   D(n->saved[1]), n->i[0], (int)n->i[1]);
+}
+
+int fsdp_op_bias_gelu(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *b) {
+  if (x->ndim < 1 || b->ndim != 1 || b->shape[0] != x->shape[x->ndim - 1])
+    return fsdp_error("bias_gelu: bias %s does not match input %s: need (%lld)",
+                      FSDP_SHAPE_STR(b), FSDP_SHAPE_STR(x),
+                      (long long)(x->ndim ? x->shape[x->ndim - 1] : 0));
+  const fsdp_kernels_i *k = KERNELS("bias_gelu", x, b);
+  if (!k || same_dtype("bias_gelu", x, b)) return FSDP_ERR;
+  if (!k->bias_gelu_forward || !k->bias_gelu_backward || x->dtype != FSDP_DTYPE_F32) {
+    fsdp_tensor *h;
+    if (fsdp_op_binary(&h, x, b, FSDP_OP_ADD)) return FSDP_ERR;
+    int rc = fsdp_op_unary(out, h, FSDP_UNARY_GELU);
+    fsdp_tensor_release(h);
+    return rc;
+  }
+  const int64_t C = b->shape[0], N = C ? fsdp_tensor_numel(x) / C : 0;
+  fsdp_tensor *xc = NULL, *bc = NULL;
+  int rc = FSDP_ERR;
+  if (contig(&xc, x, "bias_gelu") || contig(&bc, b, "bias_gelu")) goto done;
+  if (new_out(out, x, x->dtype, x->ndim, x->shape, "bias_gelu")) goto done;
+  RUN(k->bias_gelu_forward(CTX(x), x->dtype, D(*out), D(xc), D(bc), N, (int)C));
+  fsdp_tensor *in[2] = {x, b}, *sv[2] = {xc, bc};
+  rc = record("bias_gelu", bw_bias_gelu, out, in, 2, sv, 2, ARGS(N, C));
+done:
+  fsdp_tensor_release(xc);
+  fsdp_tensor_release(bc);
+  return rc;
+}
+
 static int bw_pow(fsdp_node *n) {
   void *da;
   if (grad_of(n, 0, &da)) return FSDP_ERR;

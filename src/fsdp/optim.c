@@ -48,22 +48,37 @@ int fsdp_optim_sgd_step(fsdp_tensor *p, const fsdp_tensor *g, fsdp_tensor *buf, 
   return FSDP_OK;
 }
 
-int fsdp_optim_adamw_step(fsdp_tensor *p, const fsdp_tensor *g, fsdp_tensor *m, fsdp_tensor *v,
-                          float lr, float beta1, float beta2, float eps, float weight_decay,
-                          int64_t step) {
+int fsdp_optim_adamw_step(fsdp_tensor *p, fsdp_tensor *g, fsdp_tensor *m, fsdp_tensor *v,
+                          const fsdp_tensor *mask, float lr, float beta1, float beta2, float eps,
+                          float weight_decay, int64_t step) {
   const char *fn = "adamw_step";
-  void *pd, *gd, *md, *vd;
+  void *pd, *gd, *md, *vd, *kd = NULL;
   if (!(pd = state(p, p, fn, "parameter")) || !(gd = state(g, p, fn, "gradient")) ||
-      !(md = state(m, p, fn, "first moment")) || !(vd = state(v, p, fn, "second moment")))
+      !(md = state(m, p, fn, "first moment")) || !(vd = state(v, p, fn, "second moment")) ||
+      (mask && !(kd = state(mask, p, fn, "mask"))))
     return FSDP_ERR;
   if (step < 1) return fsdp_error("%s: step must be an integer >= 1", fn);
   const fsdp_kernels_i *k = fsdp_kernels_for(p, fn);
-  if (!k || k->adamw_step(p->storage->device->ctx, p->dtype, pd, md, vd, gd,
-                          fsdp_tensor_numel(p), lr, beta1, beta2, eps, weight_decay, step))
-    return FSDP_ERR;
+  if (!k) return FSDP_ERR;
+  void *ctx = p->storage->device->ctx;
+  const int64_t n = fsdp_tensor_numel(p);
+  int rc;
+  if (!mask)
+    rc = k->adamw_step(ctx, p->dtype, pd, md, vd, gd, n, lr, beta1, beta2, eps, weight_decay,
+                       step);
+  else if (k->adamw_step_masked) /* optional: one pass */
+    rc = k->adamw_step_masked(ctx, p->dtype, pd, md, vd, gd, kd, n, lr, beta1, beta2, eps,
+                              weight_decay, step);
+  else
+    rc = k->mask_apply(ctx, p->dtype, gd, kd, n) ||
+         k->adamw_step(ctx, p->dtype, pd, md, vd, gd, n, lr, beta1, beta2, eps, weight_decay,
+                       step) ||
+         k->mask_apply(ctx, p->dtype, pd, kd, n);
+  if (rc) return FSDP_ERR;
   p->version++;
   m->version++;
   v->version++;
+  if (mask) g->version++;
   return FSDP_OK;
 }
 

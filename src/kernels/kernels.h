@@ -196,6 +196,12 @@ typedef struct fsdp_kernels_i {
   int (*adamw_step)(void *ctx, fsdp_dtype dt, void *param, void *m, void *v, const void *grad,
                     int64_t n, float lr, float beta1, float beta2, float eps,
                     float weight_decay, int64_t step);
+  /* optional: adamw_step with a mask (n, dt) fused in, bitwise mask_apply(grad, mask), the
+   * step, mask_apply(param, mask) (grad is left masked). NULL: the binding makes those three
+   * calls. */
+  int (*adamw_step_masked)(void *ctx, fsdp_dtype dt, void *param, void *m, void *v, void *grad,
+                           const void *mask, int64_t n, float lr, float beta1, float beta2,
+                           float eps, float weight_decay, int64_t step);
 
   /* ---- fill, masks and magnitude pruning ----
    * What src/fsdp/mask.c computes masks and the pruning selection with (docs/pruning.md).
@@ -250,6 +256,17 @@ typedef struct fsdp_kernels_i {
    * out may be one of the inputs. f32, bf16, f64, i64 (no AVG for i64); 1 <= nsrc <= 4096. */
   int (*reduce_ranks)(void *ctx, fsdp_dtype dt, fsdp_reduce_op red, void *out,
                       const void *const *src, int nsrc, int64_t n);
+
+  /* ---- optional fusions ---- */
+  /* optional: out (N, C) = gelu(inp (N, C) + bias (C)), and its backward: dinp += t, dbias +=
+   * the column sums of t, t = gelu'(inp + bias) dout (dinp or dbias may be NULL), f32 at least.
+   * fsdp_op_bias_gelu calls them for f32 and composes add and gelu for other dtypes or where
+   * the slots are NULL. */
+  int (*bias_gelu_forward)(void *ctx, fsdp_dtype dt, void *out, const void *inp,
+                           const void *bias, int64_t N, int C);
+  int (*bias_gelu_backward)(void *ctx, fsdp_dtype dt, void *dinp, void *dbias,
+                            const void *dout, const void *inp, const void *bias, int64_t N,
+                            int C);
 
   /* ---- modes ---- */
   /* optional: deterministic mode on or off (fsdp.deterministic): every kernel then gives

@@ -81,6 +81,11 @@ static int f_unary(lua_State *L, fsdp_unary_op op, const char *fn) {
 }
 static int f_gelu(lua_State *L) { return f_unary(L, FSDP_UNARY_GELU, "gelu"); }
 static int f_relu(lua_State *L) { return f_unary(L, FSDP_UNARY_RELU, "relu"); }
+/* bias_gelu(x, b) = gelu(x + b), fused where the device has it */
+static int f_bias_gelu(lua_State *L) {
+  fsdp_tensor *x = arg(L, 1, "bias_gelu"), *b = arg(L, 2, "bias_gelu");
+  PUSH_OR_RAISE(fsdp_op_bias_gelu(OUT, x, b));
+}
 /* softmax(x, dim = -1): dim 1-based, negative from the end */
 static int f_softmax(lua_State *L) {
   fsdp_tensor *x = arg(L, 1, "softmax");
@@ -112,7 +117,7 @@ static const luaL_Reg F[] = {
     {"linear", f_linear},   {"embedding", f_embedding}, {"layernorm", f_layernorm},
     {"attention", f_attention}, {"dropout", f_dropout}, {"gelu", f_gelu},
     {"relu", f_relu},       {"softmax", f_softmax},     {"cross_entropy", f_cross_entropy},
-    {"mse", f_mse},         {NULL, NULL}};
+    {"mse", f_mse},         {"bias_gelu", f_bias_gelu}, {NULL, NULL}};
 
 /* ---- grad mode, seeds ------------------------------------------------------------------- */
 
@@ -205,7 +210,9 @@ static int l_sgd_step(lua_State *L) {
   return 0;
 }
 
-/* adamw_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step) */
+/* adamw_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step[, mask]): with a mask, g
+ * is masked, the step taken and p masked (lua/fsdp/mask.lua's rule), fused where the device
+ * has adamw_step_masked */
 static int l_adamw_step(lua_State *L) {
   fsdp_tensor *t[4];
   for (int i = 0; i < 4; i++) t[i] = fsdp_lua_check_tensor(L, i + 1);
@@ -213,7 +220,8 @@ static int l_adamw_step(lua_State *L) {
   for (int i = 0; i < 5; i++) h[i] = (float)luaL_checknumber(L, i + 5);
   lua_Number step = luaL_checknumber(L, 10);
   if (step < 1 || step != floor(step)) luaL_error(L, "adamw_step: step must be an integer >= 1");
-  if (fsdp_optim_adamw_step(t[0], t[1], t[2], t[3], h[0], h[1], h[2], h[3], h[4],
+  fsdp_tensor *mask = lua_isnoneornil(L, 11) ? NULL : fsdp_lua_check_tensor(L, 11);
+  if (fsdp_optim_adamw_step(t[0], t[1], t[2], t[3], mask, h[0], h[1], h[2], h[3], h[4],
                             (int64_t)step))
     fsdp_lua_error(L);
   return 0;
@@ -341,10 +349,13 @@ static int l_devices(lua_State *L) {
   return 1;
 }
 
-/* cpu_features() -> {avx2 =, avx512f =, avx512bf16 =, ...}: what this processor has */
+/* cpu_features() -> {avx2 =, avx512f =, avx512bf16 =, ..., isa =}: what this processor has,
+ * and the instruction set the element-wise kernels run at */
 static int l_cpu_features(lua_State *L) {
   __builtin_cpu_init();
-  lua_createtable(L, 0, 6);
+  lua_createtable(L, 0, 7);
+  lua_pushstring(L, fsdp_cpu_isa_current());
+  lua_setfield(L, -2, "isa");
   /* __builtin_cpu_supports takes a string literal only: no loop over names */
 #define FEATURE(name) (lua_pushboolean(L, __builtin_cpu_supports(name)), lua_setfield(L, -2, name))
   FEATURE("avx2"), FEATURE("fma"), FEATURE("avx512f");

@@ -3,6 +3,8 @@
  * lua/fsdp/init.lua builds the user-facing `fsdp` module on top of it.
  */
 #include "autograd/autograd.h"
+#include "core/core.h"
+#include "kernels/cpu/kernels.h"
 #include "lua/binding.h"
 
 /* Runs when the Lua state closes (the sentinel lives in the registry). The tape is this
@@ -28,6 +30,8 @@ static void anchor_trim_sentinel(lua_State *L) {
 FSDP_API int luaopen_fsdp_core(lua_State *L) {
   /* created before any tensor, so it is finalized after every tensor at lua_close */
   anchor_trim_sentinel(L);
+  /* a bad FSDP_CPU_ISA fails here, at require, rather than running at another level */
+  if (fsdp_cpu_isa_check() != FSDP_OK) return luaL_error(L, "%s", fsdp_error_msg());
   lua_newtable(L);
   fsdp_lua_open_tensor(L);
   fsdp_lua_open_ops(L);

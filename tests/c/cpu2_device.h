@@ -3,8 +3,9 @@
  * (fsdp_device_register): its memory is host memory, but its table says host_memory = false,
  * so every generic path that must not dereference device pointers (cross-device copies,
  * fsdp_to / fsdp_to_host, core's fill and copy, the binding's element access) has to go through
- * its to_host / from_host, which count their calls. Its kernels are the cpu's table, so results
- * must be bitwise those of the cpu. Shared by tests/c/test_devices.c and the Lua test module
+ * its to_host / from_host, which count their calls. Its kernels are the cpu's table (less the
+ * optional fused slots), so results must be bitwise those of the cpu. Shared by
+ * tests/c/test_devices.c and the Lua test module
  * tests/c/lua_cpu2.c (busted: tests/lua/devices_spec.lua).
  *
  * What it cannot catch: a stray host dereference of its pointers works (the memory is the
@@ -13,6 +14,7 @@
 #ifndef FSDP_TEST_CPU2_DEVICE_H
 #define FSDP_TEST_CPU2_DEVICE_H
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -112,9 +114,21 @@ static fsdp_device_i cpu2_device = {
     .memory_reset_peak = cpu2_memory_reset_peak,
 };
 
+/* The cpu's table without its optional fused slots, so the callers' paths for a device that
+ * lacks them run here (and must give the cpu's bits). */
+static fsdp_kernels_i cpu2_kernels;
+static pthread_once_t cpu2_kernels_once = PTHREAD_ONCE_INIT;
+static void cpu2_kernels_init(void) {
+  cpu2_kernels = fsdp_cpu_kernels;
+  cpu2_kernels.adamw_step_masked = NULL;
+  cpu2_kernels.bias_gelu_forward = NULL;
+  cpu2_kernels.bias_gelu_backward = NULL;
+}
+
 /* Idempotent: registering the same table again only sets its kernels again. */
 static inline int cpu2_register(void) {
-  return fsdp_device_register(&cpu2_device, &fsdp_cpu_kernels);
+  pthread_once(&cpu2_kernels_once, cpu2_kernels_init);
+  return fsdp_device_register(&cpu2_device, &cpu2_kernels);
 }
 
 static inline void cpu2_reset(void) { memset(&cpu2_counts, 0, sizeof cpu2_counts); }

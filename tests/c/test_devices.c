@@ -97,7 +97,7 @@ static void test_registration(void **state) {
   (void)state;
   assert_ptr_equal(fsdp_device_find("cpu2"), &cpu2_device);
   assert_int_equal(cpu2_register(), FSDP_OK); /* the same table again: only its kernels */
-  assert_ptr_equal(fsdp_kernels_of(&cpu2_device, "test"), &fsdp_cpu_kernels);
+  assert_ptr_equal(fsdp_kernels_of(&cpu2_device, "test"), &cpu2_kernels);
   int n = fsdp_device_count();
   assert_int_equal(fsdp_device_index(&cpu2_device), n - 1);
   /* another table with a taken name, and a data device without host copies, are refused */

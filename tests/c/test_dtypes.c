@@ -427,6 +427,21 @@ static int r_adamw_step(run *r, int a) {
   return K()->adamw_step(CTX, DT, p, m, v, in(r, N_EL, G_SIGNED), N_EL, 1e-2f, 0.9f, 0.99f,
                          1e-8f, 0.01f, 3);
 }
+static int r_adamw_step_masked(run *r, int a) {
+  void *p = acc(r, N_EL, G_SIGNED), *m = acc(r, N_EL, G_SIGNED), *v = acc(r, N_EL, G_POS);
+  void *g = acc(r, N_EL, G_SIGNED);
+  return K()->adamw_step_masked(CTX, DT, p, m, v, g, in(r, N_EL, G_BOOL), N_EL, 1e-2f, 0.9f,
+                                0.99f, 1e-8f, 0.01f, 3);
+}
+static int r_bias_gelu_forward(run *r, int a) {
+  const void *x = in(r, 3 * 8, G_SIGNED), *b = in(r, 8, G_SIGNED);
+  return K()->bias_gelu_forward(CTX, DT, out(r, 3 * 8), x, b, 3, 8);
+}
+static int r_bias_gelu_backward(run *r, int a) {
+  void *dx = acc(r, 3 * 8, G_SIGNED), *db = acc(r, 8, G_SIGNED);
+  const void *g = in(r, 3 * 8, G_SIGNED), *x = in(r, 3 * 8, G_SIGNED), *b = in(r, 8, G_SIGNED);
+  return K()->bias_gelu_backward(CTX, DT, dx, db, g, x, b, 3, 8);
+}
 
 /* fill and the masks / magnitude-pruning helpers (counts land in host int64 outputs) */
 static int r_fill(run *r, int a) { return K()->fill(CTX, DT, out(r, N_EL), -1.75, N_EL); }
@@ -569,6 +584,7 @@ static const row rows[] = {
     /* optimizers */
     {"sgd_step", "sgd_step", F32, r_sgd_step, 0},
     {"adamw_step", "adamw_step", F32, r_adamw_step, 0},
+    {"adamw_step_masked", "adamw_step", F32, r_adamw_step_masked, 0},
     /* fill, masks and magnitude pruning */
     {"fill", "-", ALL, r_fill, 0},
     {"mask_apply", "mask_apply", F32, r_mask_apply, 0},
@@ -583,13 +599,16 @@ static const row rows[] = {
     /* collectives */
     {"reduce_ranks sum", "reduce_ranks", B_(F32) | B_(BF16) | B_(F64) | B_(I64), r_reduce_ranks, 0},
     {"reduce_ranks max", "reduce_ranks", B_(F32) | B_(BF16) | B_(F64) | B_(I64), r_reduce_ranks, 1},
+    /* optional fusions */
+    {"bias_gelu_forward", "bias_gelu", F32, r_bias_gelu_forward, 0},
+    {"bias_gelu_backward", "bias_gelu", F32, r_bias_gelu_backward, 0},
     /* modes */
     {"set_deterministic", "-", ALL, r_set_deterministic, 0},
 };
 #define NROWS ((int)(sizeof rows / sizeof rows[0]))
 
 /* The slots the rows above cover: every member of fsdp_kernels_i. */
-#define NSLOTS 61
+#define NSLOTS 64
 
 /* ---- comparison ----------------------------------------------------------------------------- */
 

@@ -21,6 +21,7 @@
 #include <cmocka.h>
 
 #include "core/core.h"
+#include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/vmath.h" /* the private SIMD exp, tested directly for its accuracy */
 
@@ -1034,7 +1035,87 @@ static void test_adamw(void **state) {
   free(pv), free(mv), free(vv), free(wp), free(wm), free(wv);
 }
 
+/* bias + GELU fused: bitwise the add, the GELU, its backward and the bias's column sum */
+static void test_bias_gelu(void **state) {
+  (void)state;
+  const int64_t N = 29;
+  const int C = 301;
+  const int64_t n = N * C;
+  float *x = frand(n, -5, 5), *b = frand(C, -1, 1), *g = frand(n, -1, 1);
+  float *y = fzeros(n), *h = fzeros(n), *y2 = fzeros(n);
+  fsdp_cpu_bias_gelu_forward(y, x, b, N, C);
+  fsdp_cpu_binary_forward(h, x, b, n, C, FSDP_BIN_ADD);
+  fsdp_cpu_gelu_forward(y2, h, n);
+  assert_memory_equal(y, y2, sizeof(float) * (size_t)n);
+  float *dx = frand(n, -1, 1), *dh = fzeros(n), *db = frand(C, -1, 1);
+  float *dx2 = fcopy(dx, n), *db2 = fcopy(db, C);
+  fsdp_cpu_bias_gelu_backward(dx, db, g, x, b, N, C);
+  fsdp_cpu_gelu_backward(dh, g, h, n);
+  for (int64_t i = 0; i < n; i++) dx2[i] += dh[i];
+  fsdp_cpu_colsum_acc(db2, dh, N, C);
+  assert_memory_equal(dx, dx2, sizeof(float) * (size_t)n);
+  assert_memory_equal(db, db2, sizeof(float) * (size_t)C);
+  /* either output alone */
+  float *db3 = fcopy(db2, C), *dx3 = fcopy(dx2, n);
+  fsdp_cpu_bias_gelu_backward(NULL, db3, g, x, b, N, C);
+  fsdp_cpu_colsum_acc(db2, dh, N, C);
+  assert_memory_equal(db3, db2, sizeof(float) * (size_t)C);
+  fsdp_cpu_bias_gelu_backward(dx3, NULL, g, x, b, N, C);
+  for (int64_t i = 0; i < n; i++) dx2[i] += dh[i];
+  assert_memory_equal(dx3, dx2, sizeof(float) * (size_t)n);
+  free(x), free(b), free(g), free(y), free(h), free(y2), free(dx), free(dh), free(db);
+  free(dx2), free(db2), free(db3), free(dx3);
+}
+
+/* The fused masked step is bitwise mask_apply(g), the step, mask_apply(p), NaN gradients under
+ * the mask included, and leaves g masked. */
+static void test_adamw_masked(void **state) {
+  (void)state;
+  const int64_t n = 1037;
+  float *p = frand(n, -1, 1), *g = frand(n, -1, 1), *mask = frand(n, 0, 1);
+  for (int64_t i = 0; i < n; i++) mask[i] = mask[i] < 0.4f ? 0.0f : 1.0f;
+  g[3] = NAN, mask[3] = 0.0f;
+  g[n - 1] = -INFINITY, mask[n - 1] = 0.0f;
+  float *p2 = fcopy(p, n), *g2 = fcopy(g, n), *m = fzeros(n), *v = fzeros(n), *m2 = fzeros(n),
+        *v2 = fzeros(n);
+  for (int step = 1; step <= 3; step++) {
+    fsdp_cpu_adamw_step_masked(p, m, v, g, mask, n, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, step);
+    fsdp_cpu_mask_apply(g2, mask, n);
+    fsdp_cpu_adamw_step(p2, m2, v2, g2, n, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, step);
+    fsdp_cpu_mask_apply(p2, mask, n);
+  }
+  assert_memory_equal(p, p2, sizeof(float) * (size_t)n);
+  assert_memory_equal(g, g2, sizeof(float) * (size_t)n);
+  assert_memory_equal(m, m2, sizeof(float) * (size_t)n);
+  assert_memory_equal(v, v2, sizeof(float) * (size_t)n);
+  assert_true(p[3] == 0.0f && !signbit(p[3]) && g[3] == 0.0f && g[n - 1] == 0.0f);
+  int64_t kept = 0;
+  for (int64_t i = 0; i < n; i++) kept += mask[i] != 0.0f && p[i] != 0.0f;
+  assert_true(kept > n / 2); /* the unmasked weights moved on */
+  free(p), free(g), free(mask), free(p2), free(g2), free(m), free(v), free(m2), free(v2);
+}
+
+/* FSDP_CPU_ISA forces the level these tests run at (ctest runs them at each); a level this
+ * processor lacks is a skip, any other bad value a failure. */
+static int isa_setup(void) {
+  const char *want = getenv("FSDP_CPU_ISA");
+  if (fsdp_cpu_isa_check() != FSDP_OK) {
+    fsdp_cpu_isa_level l;
+    if (fsdp_cpu_isa_parse(want, FSDP_CPU_ISA_AVX512, &l) == FSDP_OK) {
+      printf("test_kernels: skipped: %s\n", fsdp_error_msg());
+      return 77;
+    }
+    fprintf(stderr, "test_kernels: %s\n", fsdp_error_msg());
+    return 1;
+  }
+  printf("test_kernels: kernels at %s%s\n", fsdp_cpu_isa_current(),
+         want && *want ? " (FSDP_CPU_ISA)" : "");
+  return 0;
+}
+
 int main(void) {
+  int rc = isa_setup();
+  if (rc != 0) return rc;
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_vexp),
       cmocka_unit_test(test_gemm),
@@ -1059,6 +1140,8 @@ int main(void) {
       cmocka_unit_test(test_colsum),
       cmocka_unit_test(test_sgd),
       cmocka_unit_test(test_adamw),
+      cmocka_unit_test(test_adamw_masked),
+      cmocka_unit_test(test_bias_gelu),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

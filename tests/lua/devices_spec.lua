@@ -161,6 +161,66 @@ describe("optimizer, init and sumsq bindings on cpu2", function()
     assert.are.equal(core.sumsq(p:view{8, 8}:transpose(1, 2)), core.sumsq(pd:view{8, 8}:transpose(1, 2)))
   end)
 
+  it("adamw_step with a mask: the cpu's fused kernel, cpu2's three calls and the sequence agree",
+    function()
+    -- cpu2's table lacks the optional adamw_step_masked, so the binding masks, steps and masks
+    local function run(device, fused)
+      fsdp.manual_seed(7)
+      local p, g = fsdp.randn{1003}, fsdp.randn{1003}
+      local mask = fsdp.rand{1003}:gt(0.4):to("f32")
+      g:narrow(1, 5, 1):fill(0 / 0) -- a NaN under a zero of the mask (index 5 of 1003)
+      mask:narrow(1, 5, 1):fill(0)
+      p, g, mask = p:to(device), g:to(device), mask:to(device)
+      local m, v = fsdp.zeros({1003}, {device = device}), fsdp.zeros({1003}, {device = device})
+      for s = 1, 3 do
+        if fused then
+          core.adamw_step(p, g, m, v, 1e-2, 0.9, 0.999, 1e-8, 0.1, s, mask)
+        else
+          core.mask_apply(g, mask)
+          core.adamw_step(p, g, m, v, 1e-2, 0.9, 0.999, 1e-8, 0.1, s)
+          core.mask_apply(p, mask)
+        end
+      end
+      return {p, g, m, v}
+    end
+    local fused, fallback, seq = run("cpu", true), run("cpu2", true), run("cpu", false)
+    for i = 1, 4 do
+      bits_equal(fused[i], fallback[i])
+      assert.is_true(H.same_values_view(fused[i], seq[i]))
+    end
+    assert.are.equal(0, fused[1]:narrow(1, 5, 1):item())
+    assert.are.equal(0, fused[2]:narrow(1, 5, 1):item()) -- the gradient is left masked
+    local p, g = fsdp.zeros{4}, fsdp.zeros{4}
+    H.assert_error_has(function()
+      core.adamw_step(p, g, fsdp.zeros{4}, fsdp.zeros{4}, 0.1, 0.9, 0.99, 1e-8, 0, 1, fsdp.ones{3})
+    end, "adamw_step: mask has 3 elements, the parameter has 4")
+  end)
+
+  it("F.bias_gelu: the cpu's fused slots, cpu2's add and gelu (no such slots) and bf16 agree",
+    function()
+    local function run(device, dtype)
+      fsdp.manual_seed(9)
+      local x = fsdp.randn{13, 67}:to(device):to(dtype)
+      local b = fsdp.randn{67}:to(device):to(dtype)
+      x.requires_grad, b.requires_grad = true, true
+      local y = fsdp.F.bias_gelu(x, b)
+      local w = fsdp.randn{13, 67}:to(device):to(dtype)
+      ;(y * w):sum():backward()
+      return {y, x.grad, b.grad}
+    end
+    local fused, composed = run("cpu", "f32"), run("cpu2", "f32")
+    for i = 1, 3 do bits_equal(fused[i], composed[i]) end
+    local half = run("cpu", "bf16") -- no bf16 slot: composed on the cpu too
+    for i = 1, 3 do
+      assert.are.equal("bf16", half[i]:dtype())
+      H.assert_close(half[i]:to("f32"), fused[i], 0.05)
+    end
+    H.assert_error_has(function() fsdp.F.bias_gelu(fsdp.zeros{2, 3}, fsdp.zeros{2}) end,
+      "bias_gelu: bias (2) does not match input (2, 3): need (3)")
+    H.assert_error_has(function() fsdp.F.bias_gelu(fsdp.zeros{2, 3}, fsdp.zeros({3}, {dtype = "f64"})) end,
+      "bias_gelu: dtypes f32 and f64 differ")
+  end)
+
   it("refuse state on another device or dtype, and dtypes the kernels lack", function()
     local _, pd = pair({8}, 5)
     local g = fsdp.zeros{8}
@@ -374,6 +434,9 @@ describe("models on another device", function()
     assert.truthy(cpu_desc and cpu_desc:match("^gemm f32 %a+ [%d.]+"), cpu_desc)
     assert.truthy(cpu_desc:find(", bf16 ", 1, true), cpu_desc)
     assert.truthy(text:find("device cpu    count 1, kernels: gemm f32 ", 1, true), text)
+    local isa = fsdp.info().cpu.isa
+    assert.truthy(isa == "avx512" or isa == "avx2" or isa == "scalar", tostring(isa))
+    assert.truthy(text:find(", kernels " .. isa, 1, true), text)
     local prev = fsdp.deterministic(true)
     assert.is_true(fsdp.deterministic())
     fsdp.deterministic(prev)

@@ -790,3 +790,28 @@ describe("adoption by a container", function()
     assert.are_not.same(trained_values, seq[2].weight:totable())
   end)
 end)
+
+describe("nn.MLP's fused bias and GELU", function()
+  it("gives the unfused call's values and gradients; a hook on fc takes the usual call", function()
+    local function run(hooked)
+      fsdp.manual_seed(3)
+      local mlp = nn.MLP(8, 24)
+      local calls = 0
+      if hooked then mlp.fc:register_forward_hook(function() calls = calls + 1 end) end
+      local x = fsdp.randn{2, 5, 8}
+      local y = mlp(x)
+      local w = fsdp.randn{2, 5, 8}
+      F.mse(y * w, fsdp.zeros{2, 5, 8}):backward()
+      return y, mlp, calls
+    end
+    local y1, m1, c1 = run(false)
+    local y2, m2, c2 = run(true)
+    assert.are.equal(0, c1)
+    assert.are.equal(1, c2)
+    assert_close(y1, y2, 1e-6, "output")
+    for _, k in ipairs{"weight", "bias"} do
+      assert_close(m1.fc[k].grad, m2.fc[k].grad, 1e-6, "fc." .. k .. " grad")
+      assert_close(m1.proj[k].grad, m2.proj[k].grad, 1e-6, "proj." .. k .. " grad")
+    end
+  end)
+end)

@@ -257,12 +257,30 @@ function MLP:init(d, hidden, opts)
   self.proj = Linear(hidden, d)
 end
 
+-- fc's bias and the GELU run as one op (F.bias_gelu: one pass each way instead of three) when
+-- fc is a plain Linear with a bias and no hooks and x fits its weight; otherwise fc is called
+-- as usual (so hooks run, and a shape error names fc).
+local function fused_fc(fc, x)
+  if fc.bias == nil or base.class_of(fc) ~= Linear or base.has_hooks(fc) then return false end
+  local w = fc.weight
+  if x:dtype() ~= w:dtype() or x.device ~= w.device then return false end
+  local xs, ws = x:shape(), w:shape()
+  return #ws == 2 and #xs >= 1 and xs[#xs] == ws[2]
+end
+
 function MLP:forward(x)
-  local h = self.fc(x) -- (..., hidden)
-  local g = fsdp.F.gelu(h)
+  local fc, h = self.fc, nil
+  if fused_fc(fc, x) then
+    local y = fsdp.F.linear(x, fc.weight) -- (..., hidden)
+    h = fsdp.F.bias_gelu(y, fc.bias)
+    release(y, x)
+  else
+    local y = fc(x) -- (..., hidden)
+    h = fsdp.F.gelu(y)
+    release(y, x)
+  end
+  local p = self.proj(h)
   release(h, x)
-  local p = self.proj(g)
-  release(g, x)
   local out = dropout(self, p, self.dropout)
   release(p, x, out)
   return out

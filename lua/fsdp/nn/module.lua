@@ -154,6 +154,9 @@ function Module:extend(name)
   return make_class(name, self)
 end
 
+-- Whether m has forward hooks (a call of m then does more than m:forward).
+function M.has_hooks(m) return rawget(m, HOOKS) ~= nil end
+
 -- The class of a module instance (or nil).
 function M.class_of(m)
   if not is_module(m) then return nil end

@@ -1,87 +1,134 @@
 /*
  * activations.c — ReLU, GELU (tanh approximation) and dropout, forward and backward.
  *
- * GELU uses the vectorised exp of vmath.h, with tanh(u) written through sigmoid(2u); one code
- * path serves full vectors and tails, so a value's result does not depend on where it sits in
- * the buffer. Its backward is the exact derivative of the same tanh formula.
- * Dropout draws its uniforms from the counter-based core RNG into the mask buffer itself, so
- * no scratch is needed and element i's decision is a pure function of (key, first + i): any
- * rank can reproduce any slice.
+ * The loops are vec_body.h's at the instruction set isa.h picked, over chunks of the rank's
+ * threads (pool.h); every element is computed by one chunk, so results do not depend on the
+ * thread count. GELU uses the vectorised exp of vmath.h, with tanh(u) written through
+ * sigmoid(2u); its backward is the exact derivative of the same formula, recomputing the one
+ * exp. Dropout draws its uniforms from the counter-based core RNG into the mask buffer itself,
+ * so no scratch is needed and element i's decision is a pure function of (key, first + i): any
+ * chunk (and any rank) can reproduce any slice.
  */
+#include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernels.h"
-#include "kernels/cpu/vmath.h"
+#include "kernels/cpu/pool.h"
 #include "core/core.h"
 
-#define GELU_S 0.7978845608028654f /* sqrt(2 / pi) */
-#define GELU_A 0.044715f
+/* one element range: out (n) = f(inp) or dinp (n) += f(dout, inp) */
+typedef struct {
+  float *out;
+  const float *a, *b;
+  void (*map)(float *out, const float *inp, int64_t n);
+  void (*map_acc)(float *d, const float *g, const float *x, int64_t n);
+} act_ctx;
+
+static void map_task(void *ctx, int64_t lo, int64_t hi) {
+  const act_ctx *c = ctx;
+  c->map(c->out + lo, c->a + lo, hi - lo);
+}
+
+static void map_acc_task(void *ctx, int64_t lo, int64_t hi) {
+  const act_ctx *c = ctx;
+  c->map_acc(c->out + lo, c->a + lo, c->b + lo, hi - lo);
+}
 
 void fsdp_cpu_relu_forward(float *out, const float *inp, int64_t n) {
-  for (int64_t i = 0; i < n; i++) out[i] = inp[i] > 0.0f ? inp[i] : 0.0f;
+  act_ctx c = {.out = out, .a = inp, .map = fsdp_cpu_vec()->relu_forward};
+  fsdp_cpu_parallel_for(n, FSDP_CPU_GRAIN, map_task, &c);
 }
 
 void fsdp_cpu_relu_backward(float *dinp, const float *dout, const float *inp, int64_t n) {
-  for (int64_t i = 0; i < n; i++) dinp[i] += inp[i] > 0.0f ? dout[i] : 0.0f;
-}
-
-/* 0.5 x (1 + tanh(u)) == x * sigmoid(2u) == x / (1 + e^{-2u}),  u = s (x + a x^3): one exp and
- * one division, and no 1 + tanh cancellation for negative x. */
-static inline fsdp_vf gelu_v(fsdp_vf x) {
-  fsdp_vf u = GELU_S * (x + GELU_A * x * x * x);
-  return x / (1.0f + fsdp_vf_exp(-2.0f * u));
+  act_ctx c = {.out = dinp, .a = dout, .b = inp, .map_acc = fsdp_cpu_vec()->relu_backward};
+  fsdp_cpu_parallel_for(n, FSDP_CPU_GRAIN, map_acc_task, &c);
 }
 
 void fsdp_cpu_gelu_forward(float *out, const float *inp, int64_t n) {
-  int64_t i = 0;
-  for (; i + FSDP_VW <= n; i += FSDP_VW) fsdp_vf_store(out + i, gelu_v(fsdp_vf_load(inp + i)));
-  if (i < n) {
-    int rem = (int)(n - i);
-    fsdp_vf_store_part(out + i, gelu_v(fsdp_vf_load_part(inp + i, rem, 0.0f)), rem);
-  }
-}
-
-/* d gelu / dx = 0.5 (1 + t) + 0.5 x (1 - t^2) u',  t = tanh(u), u' = s (1 + 3 a x^2);
- * with q = sigmoid(2u) = (1 + t) / 2 this is q + 2 x q (1 - q) u'. */
-static inline fsdp_vf gelu_grad_v(fsdp_vf x) {
-  fsdp_vf x2 = x * x;
-  fsdp_vf u = GELU_S * (x + GELU_A * x2 * x);
-  fsdp_vf q = 1.0f / (1.0f + fsdp_vf_exp(-2.0f * u));
-  return q + 2.0f * x * q * (1.0f - q) * (GELU_S * (1.0f + 3.0f * GELU_A * x2));
+  act_ctx c = {.out = out, .a = inp, .map = fsdp_cpu_vec()->gelu_forward};
+  fsdp_cpu_parallel_for(n, FSDP_CPU_GRAIN_HEAVY, map_task, &c);
 }
 
 void fsdp_cpu_gelu_backward(float *dinp, const float *dout, const float *inp, int64_t n) {
-  int64_t i = 0;
-  for (; i + FSDP_VW <= n; i += FSDP_VW) {
-    fsdp_vf grad = gelu_grad_v(fsdp_vf_load(inp + i));
-    fsdp_vf_store(dinp + i, fsdp_vf_load(dinp + i) + grad * fsdp_vf_load(dout + i));
-  }
-  if (i < n) {
-    int rem = (int)(n - i);
-    fsdp_vf d = fsdp_vf_load_part(dinp + i, rem, 0.0f) +
-                gelu_grad_v(fsdp_vf_load_part(inp + i, rem, 0.0f)) *
-                    fsdp_vf_load_part(dout + i, rem, 0.0f);
-    fsdp_vf_store_part(dinp + i, d, rem);
+  act_ctx c = {.out = dinp, .a = dout, .b = inp, .map_acc = fsdp_cpu_vec()->gelu_backward};
+  fsdp_cpu_parallel_for(n, FSDP_CPU_GRAIN_HEAVY, map_acc_task, &c);
+}
+
+typedef struct {
+  float *out, *db;
+  const float *inp, *bias, *dout;
+  int64_t N;
+  int C;
+  const fsdp_cpu_vec_i *vec;
+} bias_gelu_ctx;
+
+static void bias_gelu_forward_task(void *ctx, int64_t lo, int64_t hi) {
+  const bias_gelu_ctx *c = ctx;
+  c->vec->bias_gelu_forward(c->out, c->inp, c->bias, lo, hi, c->C);
+}
+
+void fsdp_cpu_bias_gelu_forward(float *out, const float *inp, const float *bias, int64_t N,
+                                int C) {
+  // out (N, C), inp (N, C), bias (C)
+  bias_gelu_ctx c = {.out = out, .inp = inp, .bias = bias, .N = N, .C = C,
+                     .vec = fsdp_cpu_vec()};
+  fsdp_cpu_parallel_for(N, fsdp_cpu_grain_rows(C, FSDP_CPU_GRAIN_HEAVY), bias_gelu_forward_task,
+                        &c);
+}
+
+/* split by columns: each column's rows are added in order, so dbias does not depend on the
+ * thread count */
+static void bias_gelu_backward_task(void *ctx, int64_t lo, int64_t hi) {
+  const bias_gelu_ctx *c = ctx;
+  c->vec->bias_gelu_backward_cols(c->out, c->db, c->dout, c->inp, c->bias, c->N, c->C, (int)lo,
+                                  (int)hi);
+}
+
+void fsdp_cpu_bias_gelu_backward(float *dinp, float *dbias, const float *dout, const float *inp,
+                                 const float *bias, int64_t N, int C) {
+  // dinp (N, C) or NULL, dbias (C) or NULL, dout (N, C), inp (N, C), bias (C)
+  if (N <= 0 || (!dinp && !dbias)) return;
+  bias_gelu_ctx c = {.out = dinp, .db = dbias, .inp = inp, .bias = bias, .dout = dout, .N = N,
+                     .C = C, .vec = fsdp_cpu_vec()};
+  int64_t grain = fsdp_cpu_grain_rows(N, FSDP_CPU_GRAIN_HEAVY);
+  fsdp_cpu_parallel_for(C, grain < 64 ? 64 : grain, bias_gelu_backward_task, &c);
+}
+
+typedef struct {
+  float *out, *mask;
+  const float *inp;
+  float p, scale;
+  uint64_t key, first;
+  const fsdp_cpu_vec_i *vec;
+} dropout_ctx;
+
+static void dropout_task(void *ctx, int64_t lo, int64_t hi) {
+  const dropout_ctx *c = ctx;
+  /* the uniforms of elements first + lo .. first + hi, turned into the mask in place */
+  fsdp_rng_uniform(c->mask + lo, hi - lo, c->key, c->first + (uint64_t)lo);
+  c->vec->dropout_mask(c->out + lo, c->mask + lo, c->inp + lo, hi - lo, c->p, c->scale);
+}
+
+static void dropout_ones_task(void *ctx, int64_t lo, int64_t hi) {
+  const dropout_ctx *c = ctx;
+  for (int64_t i = lo; i < hi; i++) {
+    c->mask[i] = 1.0f;
+    c->out[i] = c->inp[i];
   }
 }
 
 void fsdp_cpu_dropout_forward(float *out, float *mask, const float *inp, int64_t n, float p,
                               uint64_t key, uint64_t first) {
   // out (n), mask (n), inp (n)
-  if (p <= 0.0f) {
-    /* u >= 0 always holds: skip the RNG, the mask is all ones */
-    for (int64_t i = 0; i < n; i++) {
-      mask[i] = 1.0f;
-      out[i] = inp[i];
-    }
+  dropout_ctx c = {.out = out, .mask = mask, .inp = inp, .p = p, .key = key, .first = first,
+                   .vec = fsdp_cpu_vec()};
+  if (p <= 0.0f) { /* u >= 0 always holds: skip the RNG, the mask is all ones */
+    fsdp_cpu_parallel_for(n, FSDP_CPU_GRAIN, dropout_ones_task, &c);
     return;
   }
-  const float scale = p >= 1.0f ? 0.0f : 1.0f / (1.0f - p);
-  fsdp_rng_uniform(mask, n, key, first); /* the uniforms, turned into the mask in place */
-  for (int64_t i = 0; i < n; i++) {
-    mask[i] = mask[i] >= p ? scale : 0.0f;
-    out[i] = inp[i] * mask[i];
-  }
+  c.scale = p >= 1.0f ? 0.0f : 1.0f / (1.0f - p);
+  fsdp_cpu_parallel_for(n, FSDP_CPU_GRAIN_HEAVY, dropout_task, &c);
 }
 
 void fsdp_cpu_dropout_backward(float *dinp, const float *dout, const float *mask, int64_t n) {
-  for (int64_t i = 0; i < n; i++) dinp[i] += dout[i] * mask[i];
+  act_ctx c = {.out = dinp, .a = dout, .b = mask, .map_acc = fsdp_cpu_vec()->mul_acc};
+  fsdp_cpu_parallel_for(n, FSDP_CPU_GRAIN, map_acc_task, &c);
 }

@@ -60,6 +60,12 @@ void fsdp_cpu_sgemm_serial(float *c, const float *a, const float *b, int M, int 
  * means 1). Process-wide: OpenBLAS has no per-thread count. */
 void fsdp_cpu_set_blas_threads(int n);
 int fsdp_cpu_get_blas_threads(void);
+/* The instruction set the element-wise kernels run at: "avx512", "avx2" or "scalar" (isa.c:
+ * the best this processor has, or FSDP_CPU_ISA's). */
+const char *fsdp_cpu_isa_current(void);
+/* FSDP_OK, or FSDP_ERR naming FSDP_CPU_ISA when its value is unknown or asks for an
+ * instruction set this processor lacks (the kernels then run at the best level). */
+int fsdp_cpu_isa_check(void);
 
 /* ---- linear / matmul ------------------------------------------------------------------- */
 
@@ -97,6 +103,13 @@ void fsdp_cpu_relu_backward(float *dinp, const float *dout, const float *inp, in
 /* GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
 void fsdp_cpu_gelu_forward(float *out, const float *inp, int64_t n);
 void fsdp_cpu_gelu_backward(float *dinp, const float *dout, const float *inp, int64_t n);
+/* out (N, C) = gelu(inp (N, C) + bias (C)): a linear's bias and its GELU in one pass */
+void fsdp_cpu_bias_gelu_forward(float *out, const float *inp, const float *bias, int64_t N,
+                                int C);
+/* dinp (N, C) += t, dbias (C) += column sums of t (double, rows in order), t = gelu'(inp + bias)
+ * dout, one pass; dinp or dbias may be NULL */
+void fsdp_cpu_bias_gelu_backward(float *dinp, float *dbias, const float *dout, const float *inp,
+                                 const float *bias, int64_t N, int C);
 
 /* Dropout with probability p: mask[i] = (u_i >= p) ? 1/(1-p) : 0 where u_i is
  * fsdp_rng_uniform(key, first + i); out = inp * mask. mask (n) is saved for backward.
@@ -202,6 +215,11 @@ void fsdp_cpu_sgd_step(float *param, float *buf, const float *grad, int64_t n, f
 void fsdp_cpu_adamw_step(float *param, float *m, float *v, const float *grad, int64_t n,
                          float lr, float beta1, float beta2, float eps, float weight_decay,
                          int64_t step);
+/* The same fused with a mask, bitwise fsdp_cpu_mask_apply(grad, mask), the step, then
+ * fsdp_cpu_mask_apply(param, mask), in one pass (grad is left masked, as there). */
+void fsdp_cpu_adamw_step_masked(float *param, float *m, float *v, float *grad, const float *mask,
+                                int64_t n, float lr, float beta1, float beta2, float eps,
+                                float weight_decay, int64_t step);
 
 /* ---- masks and magnitude pruning (mask.c) ----------------------------------------------------
  * The f32 forms of the mask slots of kernels/kernels.h (the key order is described there).

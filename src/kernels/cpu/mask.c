@@ -13,7 +13,9 @@
 #include <math.h>
 #include <string.h>
 
+#include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/pool.h"
 
 static inline uint32_t key_of(float x, const float *m, int64_t i) {
   uint32_t bits;
@@ -29,15 +31,22 @@ static inline float value_of(float x, const float *m, int64_t i) {
   return fabsf(x);
 }
 
+typedef struct {
+  float *x;
+  const float *m;
+  void (*apply)(float *x, const float *m, int64_t n);
+} apply_ctx;
+
+static void mask_apply_task(void *ctx, int64_t lo, int64_t hi) {
+  const apply_ctx *c = ctx;
+  c->apply(c->x + lo, c->m + lo, hi - lo);
+}
+
 void fsdp_cpu_mask_apply(float *x, const float *m, int64_t n) {
-  // x (n), m (n)
-  /* bitwise and with all-ones or zero: vectorizes, exact, +0 for masked */
-  for (int64_t i = 0; i < n; i++) {
-    uint32_t bits;
-    memcpy(&bits, &x[i], sizeof bits);
-    bits &= 0u - (uint32_t)(m[i] != 0.0f);
-    memcpy(&x[i], &bits, sizeof bits);
-  }
+  // x (n), m (n): x's bits and all-ones or zero (vec_body.h), exact, +0 for masked; split over
+  // the rank's threads
+  apply_ctx c = {x, m, fsdp_cpu_vec()->mask_apply};
+  fsdp_cpu_parallel_for(n, FSDP_CPU_GRAIN, mask_apply_task, &c);
 }
 
 int64_t fsdp_cpu_count_zeros(const float *x, int64_t n) {

@@ -1,46 +1,56 @@
 /*
  * norm.c — layer normalisation and row softmax, forward and backward.
  *
- * Rows are independent; row reductions use the SIMD helpers of vmath.h (float lanes, blocks
- * summed in double), elementwise parts are plain restrict loops the compiler vectorises.
- * Layernorm computes the variance from centred values (two passes over a row that is in
- * cache) rather than E[x^2] - E[x]^2, which cancels catastrophically for large means.
+ * Rows are independent and split over the rank's threads (pool.h); the loops are vec_body.h's
+ * at the instruction set isa.h picked: row reductions in vmath.h's fixed 16-lane order (float
+ * lanes, blocks in double), element-wise parts on the same vectors. Layernorm computes the
+ * variance from centred values (two passes over a row that is in cache) rather than
+ * E[x^2] - E[x]^2, which cancels catastrophically for large means: one read of the row from
+ * memory either way.
+ *
+ * Layernorm's backward adds each row into dweight and dbias (float, rows in order). On one
+ * thread that happens in the row pass itself; on several, the rows' input gradients are split
+ * by rows and the parameter gradients by columns (each column still adds its rows in order),
+ * so the bits are the same at any thread count.
  */
+#include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernels.h"
-#include "kernels/cpu/vmath.h"
+#include "kernels/cpu/pool.h"
 
-#include <math.h>
+typedef struct {
+  float *out, *mean, *rstd, *dweight, *dbias;
+  const float *inp, *weight, *bias, *dout, *cmean, *crstd;
+  int64_t N;
+  int C;
+  float eps;
+  const fsdp_cpu_vec_i *vec;
+} norm_ctx;
+
+static void layernorm_forward_task(void *ctx, int64_t lo, int64_t hi) {
+  const norm_ctx *c = ctx;
+  c->vec->layernorm_forward(c->out, c->mean, c->rstd, c->inp, c->weight, c->bias, lo, hi, c->C,
+                            c->eps);
+}
 
 void fsdp_cpu_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
                                 const float *weight, const float *bias, int64_t N, int C,
                                 float eps) {
   // out (N, C), mean (N), rstd (N), inp (N, C), weight (C) or NULL (= 1), bias (C) or NULL
-  for (int64_t n = 0; n < N; n++) {
-    const float *restrict x = inp + n * C;
-    float *restrict y = out + n * C;
-    float m = (float)(fsdp_row_sum(x, C) / C);
-    fsdp_vf acc = fsdp_vf_set(0.0f);
-    int c = 0;
-    for (; c + FSDP_VW <= C; c += FSDP_VW) {
-      fsdp_vf d = fsdp_vf_load(x + c) - m;
-      acc += d * d;
-    }
-    float tail = 0.0f;
-    for (; c < C; c++) tail += (x[c] - m) * (x[c] - m);
-    float var = (fsdp_vf_hsum(acc) + tail) / (float)C;
-    float s = 1.0f / sqrtf(var + eps);
-    if (weight && bias) {
-      for (c = 0; c < C; c++) y[c] = (x[c] - m) * s * weight[c] + bias[c];
-    } else if (weight) {
-      for (c = 0; c < C; c++) y[c] = (x[c] - m) * s * weight[c];
-    } else if (bias) {
-      for (c = 0; c < C; c++) y[c] = (x[c] - m) * s + bias[c];
-    } else {
-      for (c = 0; c < C; c++) y[c] = (x[c] - m) * s;
-    }
-    mean[n] = m;
-    rstd[n] = s;
-  }
+  norm_ctx c = {.out = out, .mean = mean, .rstd = rstd, .inp = inp, .weight = weight,
+                .bias = bias, .N = N, .C = C, .eps = eps, .vec = fsdp_cpu_vec()};
+  fsdp_cpu_parallel_for(N, fsdp_cpu_grain_rows(C, FSDP_CPU_GRAIN), layernorm_forward_task, &c);
+}
+
+static void layernorm_backward_task(void *ctx, int64_t lo, int64_t hi) {
+  const norm_ctx *c = ctx;
+  c->vec->layernorm_backward(c->out, c->dweight, c->dbias, c->dout, c->inp, c->weight,
+                             c->cmean, c->crstd, lo, hi, c->C);
+}
+
+static void layernorm_backward_cols_task(void *ctx, int64_t lo, int64_t hi) {
+  const norm_ctx *c = ctx;
+  c->vec->layernorm_backward_cols(c->dweight, c->dbias, c->dout, c->inp, c->cmean, c->crstd,
+                                  c->N, c->C, (int)lo, (int)hi);
 }
 
 void fsdp_cpu_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
@@ -48,85 +58,44 @@ void fsdp_cpu_layernorm_backward(float *dinp, float *dweight, float *dbias, cons
                                  const float *rstd, int64_t N, int C) {
   // dinp (N, C), dweight (C), dbias (C), dout (N, C), inp (N, C), weight (C) or NULL,
   // mean (N), rstd (N); dinp, dweight, dbias may each be NULL
-  for (int64_t n = 0; n < N; n++) {
-    const float *restrict g = dout + n * C;
-    const float *restrict x = inp + n * C;
-    const float m = mean[n], s = rstd[n];
-    if (dbias) {
-      float *restrict db = dbias;
-      for (int c = 0; c < C; c++) db[c] += g[c];
-    }
-    if (dweight) {
-      float *restrict dw = dweight;
-      for (int c = 0; c < C; c++) dw[c] += (x[c] - m) * s * g[c];
-    }
-    if (!dinp) continue;
-    /* dx = s * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)),  dxhat = w * dout */
-    float sum_dxhat = 0.0f, sum_dxhat_xhat = 0.0f;
-    if (weight) {
-      fsdp_vf a = fsdp_vf_set(0.0f), b = fsdp_vf_set(0.0f);
-      int c = 0;
-      for (; c + FSDP_VW <= C; c += FSDP_VW) {
-        fsdp_vf dxhat = fsdp_vf_load(weight + c) * fsdp_vf_load(g + c);
-        a += dxhat;
-        b += dxhat * ((fsdp_vf_load(x + c) - m) * s);
-      }
-      for (; c < C; c++) {
-        float dxhat = weight[c] * g[c];
-        sum_dxhat += dxhat;
-        sum_dxhat_xhat += dxhat * ((x[c] - m) * s);
-      }
-      sum_dxhat += fsdp_vf_hsum(a);
-      sum_dxhat_xhat += fsdp_vf_hsum(b);
-    } else {
-      fsdp_vf a = fsdp_vf_set(0.0f), b = fsdp_vf_set(0.0f);
-      int c = 0;
-      for (; c + FSDP_VW <= C; c += FSDP_VW) {
-        fsdp_vf dxhat = fsdp_vf_load(g + c);
-        a += dxhat;
-        b += dxhat * ((fsdp_vf_load(x + c) - m) * s);
-      }
-      for (; c < C; c++) {
-        sum_dxhat += g[c];
-        sum_dxhat_xhat += g[c] * ((x[c] - m) * s);
-      }
-      sum_dxhat += fsdp_vf_hsum(a);
-      sum_dxhat_xhat += fsdp_vf_hsum(b);
-    }
-    const float mean_dxhat = sum_dxhat / (float)C, mean_dxhat_xhat = sum_dxhat_xhat / (float)C;
-    float *restrict dx = dinp + n * C;
-    if (weight) {
-      for (int c = 0; c < C; c++) {
-        float xhat = (x[c] - m) * s;
-        dx[c] += s * (weight[c] * g[c] - mean_dxhat - xhat * mean_dxhat_xhat);
-      }
-    } else {
-      for (int c = 0; c < C; c++) {
-        float xhat = (x[c] - m) * s;
-        dx[c] += s * (g[c] - mean_dxhat - xhat * mean_dxhat_xhat);
-      }
-    }
+  norm_ctx c = {.out = dinp, .dweight = dweight, .dbias = dbias, .inp = inp, .weight = weight,
+                .dout = dout, .cmean = mean, .crstd = rstd, .N = N, .C = C,
+                .vec = fsdp_cpu_vec()};
+  const int64_t grain = fsdp_cpu_grain_rows(C, FSDP_CPU_GRAIN);
+  if (fsdp_cpu_threads() == 1 || N < 2 * grain || (!dweight && !dbias)) {
+    /* one pass: what several threads split below, in the same order per element */
+    fsdp_cpu_parallel_for(N, grain, layernorm_backward_task, &c);
+    return;
   }
+  if (dinp) {
+    c.dweight = c.dbias = NULL;
+    fsdp_cpu_parallel_for(N, grain, layernorm_backward_task, &c);
+    c.dweight = dweight, c.dbias = dbias;
+  }
+  int64_t cgrain = fsdp_cpu_grain_rows(N, FSDP_CPU_GRAIN);
+  fsdp_cpu_parallel_for(C, cgrain < 16 ? 16 : cgrain, layernorm_backward_cols_task, &c);
+}
+
+static void softmax_forward_task(void *ctx, int64_t lo, int64_t hi) {
+  const norm_ctx *c = ctx;
+  c->vec->softmax_forward(c->out, c->inp, lo, hi, c->C);
 }
 
 void fsdp_cpu_softmax_forward(float *out, const float *inp, int64_t N, int C) {
   // out (N, C), inp (N, C)
-  for (int64_t n = 0; n < N; n++) {
-    const float *x = inp + n * C;
-    float *restrict y = out + n * C;
-    float mx = fsdp_row_max(x, C);
-    float inv = (float)(1.0 / fsdp_row_expsum(y, x, mx, C));
-    for (int c = 0; c < C; c++) y[c] *= inv;
-  }
+  norm_ctx c = {.out = out, .inp = inp, .N = N, .C = C, .vec = fsdp_cpu_vec()};
+  fsdp_cpu_parallel_for(N, fsdp_cpu_grain_rows(C, FSDP_CPU_GRAIN_HEAVY), softmax_forward_task,
+                        &c);
+}
+
+static void softmax_backward_task(void *ctx, int64_t lo, int64_t hi) {
+  const norm_ctx *c = ctx;
+  c->vec->softmax_backward(c->out, c->dout, c->inp, lo, hi, c->C);
 }
 
 void fsdp_cpu_softmax_backward(float *dinp, const float *dout, const float *out, int64_t N,
                                int C) {
   // dinp (N, C), dout (N, C), out (N, C)
-  for (int64_t n = 0; n < N; n++) {
-    const float *restrict g = dout + n * C, *restrict y = out + n * C;
-    float *restrict d = dinp + n * C;
-    float dot = (float)fsdp_row_dot(g, y, C);
-    for (int c = 0; c < C; c++) d[c] += y[c] * (g[c] - dot);
-  }
+  norm_ctx c = {.out = dinp, .dout = dout, .inp = out, .N = N, .C = C, .vec = fsdp_cpu_vec()};
+  fsdp_cpu_parallel_for(N, fsdp_cpu_grain_rows(C, FSDP_CPU_GRAIN), softmax_backward_task, &c);
 }

@@ -7,8 +7,9 @@
  *
  * Threads: every element's update depends on that element alone, so the buffers are cut into
  * chunks over the pool (whole cache lines each, OPTIM_GRAIN elements at least) and the bits
- * are the same at any thread count.
+ * are the same at any thread count. AdamW runs vec_body.h's loop at the instruction set isa.h picked, over the rank's threads.
  */
+#include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/pool.h"
 
@@ -54,34 +55,45 @@ void fsdp_cpu_sgd_step(float *param, float *buf, const float *grad, int64_t n, f
   fsdp_cpu_parallel_for(n, OPTIM_GRAIN, sgd_chunk, &j);
 }
 
-typedef struct adamw_job {
-  float *param, *m, *v;
-  const float *grad;
-  float beta1, beta2, eps, step_size, bc2_sqrt, decay;
-} adamw_job;
+typedef struct {
+  float *p, *m, *v, *g;
+  const float *mask;
+  float beta1, beta2, eps, decay, step_size, bc2_sqrt;
+  const fsdp_cpu_vec_i *vec;
+} adamw_ctx;
 
-static void adamw_chunk(void *ctx, int64_t lo, int64_t hi) {
-  const adamw_job *j = ctx;
-  float *restrict p = j->param, *restrict mm = j->m, *restrict vv = j->v;
-  const float *restrict g = j->grad;
-  const float beta1 = j->beta1, beta2 = j->beta2, eps = j->eps, step_size = j->step_size,
-              bc2_sqrt = j->bc2_sqrt, decay = j->decay;
-  for (int64_t i = lo; i < hi; i++) {
-    p[i] *= decay;
-    mm[i] = beta1 * mm[i] + (1.0f - beta1) * g[i];
-    vv[i] = beta2 * vv[i] + (1.0f - beta2) * g[i] * g[i];
-    const float denom = sqrtf(vv[i]) / bc2_sqrt + eps;
-    p[i] -= step_size * (mm[i] / denom);
-  }
+static void adamw_task(void *ctx, int64_t lo, int64_t hi) {
+  const adamw_ctx *c = ctx;
+  if (c->mask)
+    c->vec->adamw_masked(c->p + lo, c->m + lo, c->v + lo, c->g + lo, c->mask + lo, hi - lo,
+                         c->beta1, c->beta2, c->eps, c->decay, c->step_size, c->bc2_sqrt);
+  else
+    c->vec->adamw(c->p + lo, c->m + lo, c->v + lo, c->g + lo, hi - lo, c->beta1, c->beta2,
+                  c->eps, c->decay, c->step_size, c->bc2_sqrt);
+}
+
+static void adamw_run(float *param, float *m, float *v, float *grad, const float *mask,
+                      int64_t n, float lr, float beta1, float beta2, float eps,
+                      float weight_decay, int64_t step) {
+  const double bc1 = 1.0 - pow((double)beta1, (double)step);
+  const double bc2 = 1.0 - pow((double)beta2, (double)step);
+  adamw_ctx c = {.p = param, .m = m, .v = v, .g = grad, .mask = mask, .beta1 = beta1,
+                 .beta2 = beta2, .eps = eps, .decay = 1.0f - lr * weight_decay,
+                 .step_size = (float)(lr / bc1), .bc2_sqrt = (float)sqrt(bc2),
+                 .vec = fsdp_cpu_vec()};
+  fsdp_cpu_parallel_for(n, FSDP_CPU_GRAIN, adamw_task, &c);
 }
 
 void fsdp_cpu_adamw_step(float *param, float *m, float *v, const float *grad, int64_t n,
                          float lr, float beta1, float beta2, float eps, float weight_decay,
                          int64_t step) {
   // param (n), m (n), v (n), grad (n); step >= 1
-  const double bc1 = 1.0 - pow((double)beta1, (double)step);
-  const double bc2 = 1.0 - pow((double)beta2, (double)step);
-  adamw_job j = {param, m, v, grad, beta1, beta2, eps, (float)(lr / bc1), (float)sqrt(bc2),
-                 1.0f - lr * weight_decay};
-  fsdp_cpu_parallel_for(n, OPTIM_GRAIN, adamw_chunk, &j);
+  adamw_run(param, m, v, (float *)grad, NULL, n, lr, beta1, beta2, eps, weight_decay, step);
+}
+
+void fsdp_cpu_adamw_step_masked(float *param, float *m, float *v, float *grad, const float *mask,
+                                int64_t n, float lr, float beta1, float beta2, float eps,
+                                float weight_decay, int64_t step) {
+  // param (n), m (n), v (n), grad (n), mask (n); step >= 1
+  adamw_run(param, m, v, grad, mask, n, lr, beta1, beta2, eps, weight_decay, step);
 }

@@ -989,6 +989,30 @@ static int k_adamw_step(void *ctx, fsdp_dtype dt, void *param, void *m, void *v,
   return FSDP_OK;
 }
 
+static int k_bias_gelu_forward(void *ctx, fsdp_dtype dt, void *out, const void *inp,
+                               const void *bias, int64_t N, int C) {
+  if (dt != FSDP_DTYPE_F32) return REFUSE("bias_gelu", dt);
+  fsdp_cpu_bias_gelu_forward(out, inp, bias, N, C);
+  return FSDP_OK;
+}
+
+static int k_bias_gelu_backward(void *ctx, fsdp_dtype dt, void *dinp, void *dbias,
+                                const void *dout, const void *inp, const void *bias, int64_t N,
+                                int C) {
+  if (dt != FSDP_DTYPE_F32) return REFUSE("bias_gelu", dt);
+  fsdp_cpu_bias_gelu_backward(dinp, dbias, dout, inp, bias, N, C);
+  return FSDP_OK;
+}
+
+static int k_adamw_step_masked(void *ctx, fsdp_dtype dt, void *param, void *m, void *v,
+                               void *grad, const void *mask, int64_t n, float lr, float beta1,
+                               float beta2, float eps, float weight_decay, int64_t step) {
+  if (dt != FSDP_DTYPE_F32) return REFUSE("adamw_step", dt);
+  fsdp_cpu_adamw_step_masked(param, m, v, grad, mask, n, lr, beta1, beta2, eps, weight_decay,
+                             step);
+  return FSDP_OK;
+}
+
 /* ---- fill, masks ------------------------------------------------------------------------- */
 
 static int k_fill(void *ctx, fsdp_dtype dt, void *out, double v, int64_t n) {
@@ -1137,6 +1161,9 @@ const fsdp_kernels_i fsdp_cpu_kernels = {
     .index_add_dim = k_index_add_dim,
     .sgd_step = k_sgd_step,
     .adamw_step = k_adamw_step,
+    .adamw_step_masked = k_adamw_step_masked,
+    .bias_gelu_forward = k_bias_gelu_forward,
+    .bias_gelu_backward = k_bias_gelu_backward,
     .fill = k_fill,
     .mask_apply = k_mask_apply,
     .count_zeros = k_count_zeros,

@@ -1,20 +1,29 @@
 /*
- * vmath.h — private to src/kernels/cpu: short SIMD vectors (GCC/Clang vector extensions) and
- * a vectorised exp / tanh for the transcendental-heavy kernels (softmax, attention softmax,
- * cross-entropy, GELU).
+ * vmath.h — private to src/kernels/cpu: short SIMD vectors (GCC/Clang vector extensions), a
+ * vectorised exp / tanh, and the row reductions of the transcendental-heavy kernels (softmax,
+ * attention softmax, cross-entropy, GELU, layernorm).
+ *
+ * Width: FSDP_VW lanes, the includer's choice (the vec_*.c files set 4, 8 or 16 for their
+ * instruction set, isa.h), else what the compile targets (8 with AVX, 4 otherwise).
  *
  * Why not a plain loop calling expf: glibc's expf/tanhf are opaque calls, and with the
  * default -ftrapping-math GCC also refuses to if-convert the range clamps of a hand-written
- * exp, so nothing vectorises. Vector-extension code is SIMD by construction, needs no
- * intrinsics and compiles to SSE2 by default, AVX with -march=native (FSDP_VW lanes).
+ * exp, so nothing vectorises. Vector-extension code is SIMD by construction and needs no
+ * intrinsics. Every function here is a sequence of IEEE operations per lane (ISO C: no
+ * contraction into fused multiply-adds), so a lane's result does not depend on the width.
  *
  * fsdp_vf_exp: Cody-Waite range reduction x = n ln2 + r, |r| <= ln2/2, and a degree-6
  * polynomial for e^r (Cephes expf coefficients); within 2 ulp of exp over the normal range.
  * Inputs below -87.33 give 0 (so exp(-inf) = 0 for masked entries), above 88.72 give +inf,
  * NaN stays NaN. Between 88.38 and 88.72 the result saturates near 2^127 (finite): every
  * caller here passes x - max(x) <= 0 or uses the result where that range is irrelevant.
- * Results are pure functions of the inputs: identical bits on every run (sums reduce lanes in
- * a fixed order).
+ *
+ * Row reductions accumulate in FSDP_VL = 16 lanes whatever the width (element i of a row
+ * goes to lane i % 16; a lane set is FSDP_VL / FSDP_VW vectors), four 16-element groups
+ * added as a tree before they reach the accumulator, in float over blocks of FSDP_VBLOCK
+ * elements; then the lanes fold in a fixed tree (lane l += lane l + h for h = 8, 4, 2, 1) and
+ * blocks add in double. So sums are the same bits at every width and on every run: results
+ * do not depend on the instruction set the process picked.
  */
 #ifndef FSDP_KERNELS_CPU_VMATH_H
 #define FSDP_KERNELS_CPU_VMATH_H
@@ -23,11 +32,21 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__clang__)
+#pragma clang fp contract(off) /* GCC in ISO C mode never contracts; clang would */
+#endif
+
+#ifndef FSDP_VW
 #if defined(__AVX__)
 #define FSDP_VW 8
 #else
 #define FSDP_VW 4
 #endif
+#endif
+
+#define FSDP_VL 16                /* lanes of every row reduction */
+#define FSDP_VK (FSDP_VL / FSDP_VW) /* vectors in a lane set */
+#define FSDP_VBLOCK (64 * FSDP_VL) /* elements summed in float before the double total */
 
 typedef float fsdp_vf __attribute__((vector_size(FSDP_VW * 4)));
 typedef int32_t fsdp_vi __attribute__((vector_size(FSDP_VW * 4)));
@@ -39,7 +58,8 @@ static inline fsdp_vf fsdp_vf_load(const float *p) {
   return v;
 }
 static inline void fsdp_vf_store(float *p, fsdp_vf v) { memcpy(p, &v, sizeof v); }
-/* The first n (< FSDP_VW) lanes from p, the rest `fill`: lets tails run the vector code. */
+/* The first n (0 <= n <= FSDP_VW) lanes from p, the rest `fill`: lets tails run the vector
+ * code. */
 static inline fsdp_vf fsdp_vf_load_part(const float *p, int n, float fill) {
   fsdp_vf v = fsdp_vf_set(fill);
   memcpy(&v, p, sizeof(float) * (size_t)n);
@@ -53,6 +73,7 @@ static inline fsdp_vf fsdp_vf_select(fsdp_vi m, fsdp_vf a, fsdp_vf b) {
   return (fsdp_vf)((m & (fsdp_vi)a) | (~m & (fsdp_vi)b));
 }
 static inline fsdp_vf fsdp_vf_max(fsdp_vf a, fsdp_vf b) { return fsdp_vf_select(a > b, a, b); }
+/* Lanes of one vector summed left to right (attention's and reduce.c's own loops). */
 static inline float fsdp_vf_hsum(fsdp_vf v) {
   float s = 0.0f;
   for (int i = 0; i < FSDP_VW; i++) s += v[i];
@@ -64,12 +85,10 @@ static inline float fsdp_vf_hmax(fsdp_vf v) {
   return m;
 }
 
-static inline fsdp_vf fsdp_vf_exp(fsdp_vf x) {
-  const float lo = -87.3365478515625f, hi = 88.3762626647949f;
-  fsdp_vi below = x < lo, above = x > 88.7228393554688f, nan = x != x;
-  fsdp_vf xc = fsdp_vf_select(below, fsdp_vf_set(lo), x);
-  xc = fsdp_vf_select(xc > hi, fsdp_vf_set(hi), xc);
-  xc = fsdp_vf_select(nan, fsdp_vf_set(0.0f), xc); /* keep the int conversion defined */
+#define FSDP_EXP_LO -87.3365478515625f
+
+/* e^xc for xc already clamped to [lo, hi] (no NaN) */
+static inline fsdp_vf fsdp_vf_exp_core(fsdp_vf xc) {
   /* n = round(x / ln2) with the 1.5 * 2^23 trick: exact under round-to-nearest */
   fsdp_vf fn = xc * 1.44269504088896341f + 12582912.0f;
   fn = fn - 12582912.0f;
@@ -84,9 +103,29 @@ static inline fsdp_vf fsdp_vf_exp(fsdp_vf x) {
   p = p * r + 5.0000001201e-1f;
   p = p * r2 + r + 1.0f;
   fsdp_vi e = (__builtin_convertvector(fn, fsdp_vi) + 127) << 23;
-  fsdp_vf y = p * (fsdp_vf)e;
+  return p * (fsdp_vf)e;
+}
+
+static inline fsdp_vf fsdp_vf_exp(fsdp_vf x) {
+  const float lo = FSDP_EXP_LO, hi = 88.3762626647949f;
+  fsdp_vi below = x < lo, above = x > 88.7228393554688f, nan = x != x;
+  /* clamp to [lo, hi]; a NaN lane becomes lo (x > lo is false), which keeps the int conversion
+   * defined, and takes x back at the end */
+  fsdp_vf xc = fsdp_vf_select(x > lo, x, fsdp_vf_set(lo));
+  xc = fsdp_vf_select(xc < hi, xc, fsdp_vf_set(hi));
+  fsdp_vf y = fsdp_vf_exp_core(xc);
   y = fsdp_vf_select(below, fsdp_vf_set(0.0f), y);
   y = fsdp_vf_select(above, fsdp_vf_set(INFINITY), y);
+  return fsdp_vf_select(nan, x, y);
+}
+
+/* fsdp_vf_exp for x <= 0 or NaN only (x - max, x - logsumexp): the same results there without
+ * the upper clamp */
+static inline fsdp_vf fsdp_vf_exp_nonpos(fsdp_vf x) {
+  const float lo = FSDP_EXP_LO;
+  fsdp_vi below = x < lo, nan = x != x;
+  fsdp_vf y = fsdp_vf_exp_core(fsdp_vf_select(x > lo, x, fsdp_vf_set(lo)));
+  y = fsdp_vf_select(below, fsdp_vf_set(0.0f), y);
   return fsdp_vf_select(nan, x, y);
 }
 
@@ -98,67 +137,182 @@ static inline fsdp_vf fsdp_vf_tanh(fsdp_vf z) {
 
 static inline float fsdp_expf_v(float x) { return fsdp_vf_exp(fsdp_vf_set(x))[0]; }
 
-/* ---- row helpers shared by softmax, attention and cross-entropy ------------------------- */
+/* ---- 16-lane sets: the reductions' fixed order ---------------------------------------------- */
 
-/* max of x[0..n), n >= 1 */
-static inline float fsdp_row_max(const float *x, int64_t n) {
-  fsdp_vf m = fsdp_vf_set(-INFINITY);
-  int64_t i = 0;
-  for (; i + FSDP_VW <= n; i += FSDP_VW) m = fsdp_vf_max(fsdp_vf_load(x + i), m);
-  if (i < n) m = fsdp_vf_max(fsdp_vf_load_part(x + i, (int)(n - i), -INFINITY), m);
-  return fsdp_vf_hmax(m);
+/* The FSDP_VW lanes starting at element s of a row of n, lanes past the end `fill` (any s). */
+static inline fsdp_vf fsdp_vl_load(const float *x, int64_t s, int64_t n, float fill) {
+  if (s + FSDP_VW <= n) return fsdp_vf_load(x + s);
+  return fsdp_vf_load_part(x + s, s < n ? (int)(n - s) : 0, fill);
+}
+static inline void fsdp_vl_store(float *x, int64_t s, int64_t n, fsdp_vf v) {
+  if (s + FSDP_VW <= n) fsdp_vf_store(x + s, v);
+  else if (s < n) fsdp_vf_store_part(x + s, v, (int)(n - s));
+}
+/* a full vector at s, or (tail) fsdp_vl_load's: tail is a constant at every call, so main
+ * loops compile without the branch */
+static inline fsdp_vf fsdp_vt_load(const float *x, int64_t s, int64_t n, float fill, int tail) {
+  return tail ? fsdp_vl_load(x, s, n, fill) : fsdp_vf_load(x + s);
+}
+static inline void fsdp_vt_store(float *x, int64_t s, int64_t n, fsdp_vf v, int tail) {
+  if (tail) fsdp_vl_store(x, s, n, v);
+  else fsdp_vf_store(x + s, v);
 }
 
-/* sum of exp(x[i] - shift); out[i] receives the terms when out is not NULL (out may equal x).
- * Lanes accumulate in float over blocks of 64 elements per lane, blocks in double. */
+/* lane l += lane l + h for h = 8, 4, 2, 1: the same tree at every width. Across the lane set's
+ * vectors that is whole-vector adds, within one vector a rotate and add (only lanes l < h
+ * matter at each step), so no lane goes through memory. */
+#if defined(__clang__)
+static inline fsdp_vf fsdp_vf_down(fsdp_vf v, int h) { /* lane l <- lane l + h */
+  fsdp_vf r = v;
+  for (int l = 0; l + h < FSDP_VW; l++) r[l] = v[l + h];
+  return r;
+}
+#else
+static inline fsdp_vf fsdp_vf_down(fsdp_vf v, int h) { /* lane l <- lane (l + h) % VW */
+  fsdp_vi idx;
+  for (int l = 0; l < FSDP_VW; l++) idx[l] = (l + h) % FSDP_VW;
+  return __builtin_shuffle(v, idx);
+}
+#endif
+static inline float fsdp_vl_fold_sum(const fsdp_vf *acc) {
+  fsdp_vf v[FSDP_VK];
+  for (int k = 0; k < FSDP_VK; k++) v[k] = acc[k];
+  for (int h = FSDP_VK / 2; h >= 1; h /= 2)
+    for (int k = 0; k < h; k++) v[k] += v[k + h];
+  for (int h = FSDP_VW / 2; h >= 1; h /= 2) v[0] += fsdp_vf_down(v[0], h);
+  return v[0][0];
+}
+static inline float fsdp_vl_fold_max(const fsdp_vf *acc) {
+  fsdp_vf v[FSDP_VK];
+  for (int k = 0; k < FSDP_VK; k++) v[k] = acc[k];
+  for (int h = FSDP_VK / 2; h >= 1; h /= 2)
+    for (int k = 0; k < h; k++) v[k] = fsdp_vf_select(v[k + h] > v[k], v[k + h], v[k]);
+  for (int h = FSDP_VW / 2; h >= 1; h /= 2) {
+    fsdp_vf d = fsdp_vf_down(v[0], h);
+    v[0] = fsdp_vf_select(d > v[0], d, v[0]);
+  }
+  return v[0][0];
+}
+
+/* ---- row helpers shared by softmax, attention, cross-entropy and layernorm ---------------
+ * Each walks a block in quads of four 16-element groups: lane set k gets
+ * acc += (t0 + t1) + (t2 + t3), one dependent add per 64 elements; the last, partial quad
+ * reads past-the-end lanes as a neutral fill. */
+
+#define FSDP_VQ (4 * FSDP_VL)
+
+/* max of x[0..n), n >= 1 (NaN entries are passed over) */
+static inline void fsdp_row_max_quad(fsdp_vf *m, const float *x, int64_t i, int64_t n,
+                                     int tail) {
+  for (int k = 0; k < FSDP_VK; k++) {
+    int64_t s = i + k * FSDP_VW;
+    fsdp_vf t0 = fsdp_vt_load(x, s, n, -INFINITY, tail);
+    fsdp_vf t1 = fsdp_vt_load(x, s + FSDP_VL, n, -INFINITY, tail);
+    fsdp_vf t2 = fsdp_vt_load(x, s + 2 * FSDP_VL, n, -INFINITY, tail);
+    fsdp_vf t3 = fsdp_vt_load(x, s + 3 * FSDP_VL, n, -INFINITY, tail);
+    m[k] = fsdp_vf_max(fsdp_vf_max(fsdp_vf_max(t0, t1), fsdp_vf_max(t2, t3)), m[k]);
+  }
+}
+static inline float fsdp_row_max(const float *x, int64_t n) {
+  fsdp_vf m[FSDP_VK];
+  for (int k = 0; k < FSDP_VK; k++) m[k] = fsdp_vf_set(-INFINITY);
+  int64_t i = 0;
+  for (; i + FSDP_VQ <= n; i += FSDP_VQ) fsdp_row_max_quad(m, x, i, n, 0);
+  if (i < n) fsdp_row_max_quad(m, x, i, n, 1);
+  return fsdp_vl_fold_max(m);
+}
+
+/* sum of exp(x[i] - shift), shift >= max(x) (the exponents are <= 0: fsdp_vf_exp_nonpos); out[i]
+ * receives the terms when out is not NULL (out may equal x) */
+static inline fsdp_vf fsdp_row_exp_term(float *out, const float *x, float shift, int64_t s,
+                                        int64_t n, int tail) {
+  fsdp_vf e = fsdp_vf_exp_nonpos(fsdp_vt_load(x, s, n, -INFINITY, tail) - shift);
+  if (out) fsdp_vt_store(out, s, n, e, tail);
+  return e;
+}
+static inline void fsdp_row_expsum_quad(fsdp_vf *acc, float *out, const float *x, float shift,
+                                        int64_t i, int64_t n, int tail) {
+  for (int k = 0; k < FSDP_VK; k++) {
+    int64_t s = i + k * FSDP_VW;
+    fsdp_vf t0 = fsdp_row_exp_term(out, x, shift, s, n, tail);
+    fsdp_vf t1 = fsdp_row_exp_term(out, x, shift, s + FSDP_VL, n, tail);
+    fsdp_vf t2 = fsdp_row_exp_term(out, x, shift, s + 2 * FSDP_VL, n, tail);
+    fsdp_vf t3 = fsdp_row_exp_term(out, x, shift, s + 3 * FSDP_VL, n, tail);
+    acc[k] += (t0 + t1) + (t2 + t3);
+  }
+}
 static inline double fsdp_row_expsum(float *out, const float *x, float shift, int64_t n) {
   double total = 0.0;
-  int64_t i = 0;
-  while (i < n) {
-    int64_t end = i + 64 * FSDP_VW < n ? i + 64 * FSDP_VW : n;
-    fsdp_vf acc = fsdp_vf_set(0.0f);
-    for (; i + FSDP_VW <= end; i += FSDP_VW) {
-      fsdp_vf e = fsdp_vf_exp(fsdp_vf_load(x + i) - shift);
-      if (out) fsdp_vf_store(out + i, e);
-      acc += e;
-    }
-    if (i < end) {
-      int rem = (int)(end - i);
-      fsdp_vf e = fsdp_vf_exp(fsdp_vf_load_part(x + i, rem, -INFINITY) - shift);
-      if (out) fsdp_vf_store_part(out + i, e, rem);
-      acc += e;
-      i = end;
-    }
-    total += (double)fsdp_vf_hsum(acc);
+  for (int64_t b = 0; b < n; b += FSDP_VBLOCK) {
+    int64_t end = n - b < FSDP_VBLOCK ? n : b + FSDP_VBLOCK, i = b;
+    fsdp_vf acc[FSDP_VK];
+    for (int k = 0; k < FSDP_VK; k++) acc[k] = fsdp_vf_set(0.0f);
+    for (; i + FSDP_VQ <= end; i += FSDP_VQ) fsdp_row_expsum_quad(acc, out, x, shift, i, end, 0);
+    if (i < end) fsdp_row_expsum_quad(acc, out, x, shift, i, end, 1);
+    total += (double)fsdp_vl_fold_sum(acc);
   }
   return total;
 }
 
-/* sum of x[0..n) and dot of x, y: float lanes within blocks of 64 per lane, blocks in double */
-static inline double fsdp_row_sum(const float *x, int64_t n) {
-  double total = 0.0;
-  int64_t i = 0;
-  while (i < n) {
-    int64_t end = i + 64 * FSDP_VW < n ? i + 64 * FSDP_VW : n;
-    fsdp_vf acc = fsdp_vf_set(0.0f);
-    for (; i + FSDP_VW <= end; i += FSDP_VW) acc += fsdp_vf_load(x + i);
-    float tail = 0.0f;
-    for (; i < end; i++) tail += x[i];
-    total += (double)(fsdp_vf_hsum(acc) + tail);
-  }
-  return total;
+/* sum of x[i] * y[i] (y NULL: of x[i]) */
+static inline fsdp_vf fsdp_row_dot_term(const float *x, const float *y, int64_t s, int64_t n,
+                                        int tail) {
+  fsdp_vf v = fsdp_vt_load(x, s, n, 0.0f, tail);
+  return y ? v * fsdp_vt_load(y, s, n, 0.0f, tail) : v;
 }
-
+static inline void fsdp_row_dot_quad(fsdp_vf *acc, const float *x, const float *y, int64_t i,
+                                     int64_t n, int tail) {
+  for (int k = 0; k < FSDP_VK; k++) {
+    int64_t s = i + k * FSDP_VW;
+    fsdp_vf t0 = fsdp_row_dot_term(x, y, s, n, tail);
+    fsdp_vf t1 = fsdp_row_dot_term(x, y, s + FSDP_VL, n, tail);
+    fsdp_vf t2 = fsdp_row_dot_term(x, y, s + 2 * FSDP_VL, n, tail);
+    fsdp_vf t3 = fsdp_row_dot_term(x, y, s + 3 * FSDP_VL, n, tail);
+    acc[k] += (t0 + t1) + (t2 + t3);
+  }
+}
 static inline double fsdp_row_dot(const float *x, const float *y, int64_t n) {
   double total = 0.0;
-  int64_t i = 0;
-  while (i < n) {
-    int64_t end = i + 64 * FSDP_VW < n ? i + 64 * FSDP_VW : n;
-    fsdp_vf acc = fsdp_vf_set(0.0f);
-    for (; i + FSDP_VW <= end; i += FSDP_VW) acc += fsdp_vf_load(x + i) * fsdp_vf_load(y + i);
-    float tail = 0.0f;
-    for (; i < end; i++) tail += x[i] * y[i];
-    total += (double)(fsdp_vf_hsum(acc) + tail);
+  for (int64_t b = 0; b < n; b += FSDP_VBLOCK) {
+    int64_t end = n - b < FSDP_VBLOCK ? n : b + FSDP_VBLOCK, i = b;
+    fsdp_vf acc[FSDP_VK];
+    for (int k = 0; k < FSDP_VK; k++) acc[k] = fsdp_vf_set(0.0f);
+    for (; i + FSDP_VQ <= end; i += FSDP_VQ) fsdp_row_dot_quad(acc, x, y, i, end, 0);
+    if (i < end) fsdp_row_dot_quad(acc, x, y, i, end, 1);
+    total += (double)fsdp_vl_fold_sum(acc);
+  }
+  return total;
+}
+
+/* sum of x[0..n) */
+static inline double fsdp_row_sum(const float *x, int64_t n) { return fsdp_row_dot(x, NULL, n); }
+
+/* sum of (x[i] - m)^2: layernorm's centred variance */
+static inline fsdp_vf fsdp_row_sqdev_term(const float *x, float m, int64_t s, int64_t n,
+                                          int tail) {
+  fsdp_vf d = fsdp_vt_load(x, s, n, m, tail) - m; /* fill m: past the end d = 0 */
+  return d * d;
+}
+static inline void fsdp_row_sqdev_quad(fsdp_vf *acc, const float *x, float m, int64_t i,
+                                       int64_t n, int tail) {
+  for (int k = 0; k < FSDP_VK; k++) {
+    int64_t s = i + k * FSDP_VW;
+    fsdp_vf t0 = fsdp_row_sqdev_term(x, m, s, n, tail);
+    fsdp_vf t1 = fsdp_row_sqdev_term(x, m, s + FSDP_VL, n, tail);
+    fsdp_vf t2 = fsdp_row_sqdev_term(x, m, s + 2 * FSDP_VL, n, tail);
+    fsdp_vf t3 = fsdp_row_sqdev_term(x, m, s + 3 * FSDP_VL, n, tail);
+    acc[k] += (t0 + t1) + (t2 + t3);
+  }
+}
+static inline double fsdp_row_sqdev(const float *x, float m, int64_t n) {
+  double total = 0.0;
+  for (int64_t b = 0; b < n; b += FSDP_VBLOCK) {
+    int64_t end = n - b < FSDP_VBLOCK ? n : b + FSDP_VBLOCK, i = b;
+    fsdp_vf acc[FSDP_VK];
+    for (int k = 0; k < FSDP_VK; k++) acc[k] = fsdp_vf_set(0.0f);
+    for (; i + FSDP_VQ <= end; i += FSDP_VQ) fsdp_row_sqdev_quad(acc, x, m, i, end, 0);
+    if (i < end) fsdp_row_sqdev_quad(acc, x, m, i, end, 1);
+    total += (double)fsdp_vl_fold_sum(acc);
   }
   return total;
 }

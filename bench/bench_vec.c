@@ -1,0 +1,206 @@
+/*
+ * bench_vec.c — the element-wise cpu kernels at each instruction-set level (src/kernels/cpu/
+ * isa.h), interleaved: ns per element of one call, and the same bytes through memcpy (not a
+ * test; prints numbers, exits 0).
+ *
+ * Shapes are a GPT step's at B = 8, T = 256, d = 384 (2048 rows): layernorm (2048, 384),
+ * GELU (2048, 1536), cross-entropy (2048, 256), binary add with a broadcast row (2048, 384),
+ * softmax (8 * 6 * 256, 256), mask apply and AdamW 1 Mi. Each round times every level and
+ * memcpy once (best of a few calls each), rounds alternate; the best round is printed. "bytes" counts each
+ * array read and each written once per element; "memcpy x" is the kernel's time over memcpy's
+ * for those bytes (memcpy of half of them: each byte read once and written once).
+ * Run it on one thread (the pool's threads, once there are several, can be limited the way
+ * docs/PERFORMANCE.md says) and note the load average with the figures.
+ *
+ * Usage: bench_vec [rounds] [kernel-name-substring]   (default 7 rounds, every kernel)
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kernels/cpu/isa.h"
+#include "kernels/cpu/kernels.h"
+
+static double now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static float *buf(int64_t n, float lo, float hi) {
+  float *p = malloc(sizeof(float) * (size_t)n);
+  if (!p) {
+    fprintf(stderr, "bench_vec: out of memory (%lld floats)\n", (long long)n);
+    exit(1);
+  }
+  uint32_t s = 12345u + (uint32_t)n;
+  for (int64_t i = 0; i < n; i++) {
+    s = s * 1664525u + 1013904223u;
+    p[i] = lo + (hi - lo) * ((float)(s >> 8) * (1.0f / 16777216.0f));
+  }
+  return p;
+}
+
+enum { ROWS = 2048, D = 384, V = 256, SM_ROWS = 8 * 6 * 256, SM_C = 256 };
+
+typedef struct {
+  float *x, *y, *dx, *dy, *w, *b, *dw, *db, *mean, *rstd;
+  int64_t *tgt;
+  int64_t n, rows, cols;
+} bctx;
+
+typedef void (*kern_fn)(bctx *c);
+
+static void k_gelu_fwd(bctx *c) { fsdp_cpu_gelu_forward(c->y, c->x, c->n); }
+static void k_gelu_bwd(bctx *c) { fsdp_cpu_gelu_backward(c->dx, c->dy, c->x, c->n); }
+static void k_bias_gelu_fwd(bctx *c) {
+  fsdp_cpu_bias_gelu_forward(c->y, c->x, c->b, c->rows, (int)c->cols);
+}
+static void k_bias_gelu_bwd(bctx *c) {
+  fsdp_cpu_bias_gelu_backward(c->dx, c->db, c->dy, c->x, c->b, c->rows, (int)c->cols);
+}
+/* what the fused pair replaces: the bias seeded into the output (fsdp_cpu_linear_forward), the
+ * GELU; the GELU's backward and the bias's column sum */
+static void k_unfused_fwd(bctx *c) {
+  for (int64_t r = 0; r < c->rows; r++)
+    memcpy(c->dx + r * c->cols, c->b, sizeof(float) * (size_t)c->cols);
+  fsdp_cpu_gelu_forward(c->y, c->x, c->n);
+}
+static void k_unfused_bwd(bctx *c) {
+  fsdp_cpu_gelu_backward(c->dx, c->dy, c->x, c->n);
+  fsdp_cpu_colsum_acc(c->db, c->dx, c->rows, c->cols);
+}
+static void k_ln_fwd(bctx *c) {
+  fsdp_cpu_layernorm_forward(c->y, c->mean, c->rstd, c->x, c->w, c->b, c->rows, (int)c->cols,
+                             1e-5f);
+}
+static void k_ln_bwd(bctx *c) {
+  fsdp_cpu_layernorm_backward(c->dx, c->dw, c->db, c->dy, c->x, c->w, c->mean, c->rstd, c->rows,
+                              (int)c->cols);
+}
+static void k_sm_fwd(bctx *c) { fsdp_cpu_softmax_forward(c->y, c->x, c->rows, (int)c->cols); }
+static void k_sm_bwd(bctx *c) {
+  fsdp_cpu_softmax_backward(c->dx, c->dy, c->y, c->rows, (int)c->cols);
+}
+static void k_ce_fwd(bctx *c) {
+  int64_t count;
+  fsdp_cpu_cross_entropy_forward(c->mean, c->x, c->tgt, c->rows, (int)c->cols, -100, &count);
+}
+static void k_ce_bwd(bctx *c) {
+  fsdp_cpu_cross_entropy_backward(c->dx, 1.0f, c->x, c->mean, c->tgt, c->rows, (int)c->cols,
+                                  -100, c->rows);
+}
+static void k_add(bctx *c) {
+  fsdp_cpu_binary_forward(c->y, c->x, c->b, c->n, c->cols, FSDP_BIN_ADD);
+}
+static void k_add_bwd(bctx *c) {
+  fsdp_cpu_binary_backward(c->dx, c->db, c->dy, c->x, c->b, c->n, c->cols, FSDP_BIN_ADD);
+}
+static void k_affine(bctx *c) { fsdp_cpu_affine_forward(c->y, c->x, 0.5f, 1.0f, c->n); }
+static void k_relu(bctx *c) { fsdp_cpu_relu_forward(c->y, c->x, c->n); }
+static void k_mask(bctx *c) { fsdp_cpu_mask_apply(c->y, c->w, c->n); }
+static void k_adamw(bctx *c) { /* v = w > 0 */
+  fsdp_cpu_adamw_step(c->y, c->dx, c->w, c->dy, c->n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.1f, 3);
+}
+
+typedef struct {
+  const char *name;
+  kern_fn fn;
+  int64_t rows, cols;
+  int bytes; /* per element */
+} kernel;
+
+static const kernel kernels[] = {
+    {"gelu forward", k_gelu_fwd, ROWS, 4 * D, 8},
+    {"gelu backward", k_gelu_bwd, ROWS, 4 * D, 16},
+    {"bias+gelu forward", k_bias_gelu_fwd, ROWS, 4 * D, 8},
+    {"bias, gelu forward", k_unfused_fwd, ROWS, 4 * D, 8},
+    {"bias+gelu backward", k_bias_gelu_bwd, ROWS, 4 * D, 16},
+    {"gelu backward, colsum", k_unfused_bwd, ROWS, 4 * D, 16},
+    {"layernorm forward", k_ln_fwd, ROWS, D, 8},
+    {"layernorm backward", k_ln_bwd, ROWS, D, 16},
+    {"softmax forward", k_sm_fwd, SM_ROWS, SM_C, 8},
+    {"softmax backward", k_sm_bwd, SM_ROWS, SM_C, 16},
+    {"cross_entropy forward", k_ce_fwd, ROWS, V, 4},
+    {"cross_entropy backward", k_ce_bwd, ROWS, V, 12},
+    {"add (broadcast row)", k_add, ROWS, D, 12},
+    {"add backward (da, db)", k_add_bwd, ROWS, D, 12},
+    {"affine", k_affine, ROWS, D, 8},
+    {"relu", k_relu, ROWS, D, 8},
+    {"mask apply", k_mask, 1024, 1024, 12},
+    {"adamw", k_adamw, 1024, 1024, 28},
+};
+
+/* best of `reps` calls, seconds */
+static double best_of(kern_fn fn, bctx *c, int reps) {
+  double best = 1e30;
+  for (int r = 0; r < reps; r++) {
+    double t0 = now();
+    fn(c);
+    double dt = now() - t0;
+    best = dt < best ? dt : best;
+  }
+  return best;
+}
+
+static float *g_src, *g_dst;
+static size_t g_bytes;
+static void k_memcpy(bctx *c) {
+  (void)c;
+  memcpy(g_dst, g_src, g_bytes);
+}
+
+int main(int argc, char **argv) {
+  int rounds = argc > 1 ? atoi(argv[1]) : 7;
+  const char *only = argc > 2 ? argv[2] : NULL;
+  if (rounds < 1) rounds = 1;
+  fsdp_cpu_isa_level best = fsdp_cpu_isa_best(), start = fsdp_cpu_isa();
+  printf("bench_vec: levels scalar..%s (in force: %s), %d rounds, ns per element\n",
+         fsdp_cpu_isa_name(best), fsdp_cpu_isa_name(start), rounds);
+  printf("  %-24s %-12s %5s", "kernel", "shape", "bytes");
+  for (int l = 0; l <= (int)best; l++) printf(" %9s", fsdp_cpu_isa_name((fsdp_cpu_isa_level)l));
+  printf(" %9s %9s\n", "memcpy", "memcpy x");
+  for (size_t k = 0; k < sizeof kernels / sizeof kernels[0]; k++) {
+    const kernel *K = &kernels[k];
+    if (only && !strstr(K->name, only)) continue;
+    int64_t n = K->rows * K->cols;
+    bctx c = {.x = buf(n, -4, 4), .y = buf(n, 0, 1), .dx = buf(n, -1, 1), .dy = buf(n, -1, 1),
+              .w = buf(n, 0.5f, 1.5f), .b = buf(n, -1, 1), .dw = buf(K->cols, 0, 0),
+              .db = buf(K->cols, 0, 0), .mean = buf(K->rows, 0, 0), .rstd = buf(K->rows, 1, 1),
+              .tgt = malloc(sizeof(int64_t) * (size_t)K->rows), .n = n, .rows = K->rows,
+              .cols = K->cols};
+    for (int64_t i = 0; i < K->rows; i++) c.tgt[i] = (i * 7) % K->cols;
+    if (K->fn == k_mask)
+      for (int64_t i = 0; i < n; i++) c.w[i] = (float)(i % 3 != 0);
+    /* forward state the backward kernels read */
+    fsdp_cpu_layernorm_forward(c.y, c.mean, c.rstd, c.x, c.w, c.b, K->rows, (int)K->cols, 1e-5f);
+    if (K->fn == k_sm_bwd) fsdp_cpu_softmax_forward(c.y, c.x, K->rows, (int)K->cols);
+    if (K->fn == k_ce_bwd) k_ce_fwd(&c);
+    g_bytes = (size_t)n * (size_t)K->bytes / 2;
+    g_src = malloc(g_bytes), g_dst = malloc(g_bytes);
+    memset(g_src, 1, g_bytes), memset(g_dst, 2, g_bytes);
+    double t[FSDP_CPU_ISA_COUNT + 1];
+    for (int l = 0; l <= FSDP_CPU_ISA_COUNT; l++) t[l] = 1e30;
+    const int reps = n * K->bytes > (64 << 20) ? 2 : 5;
+    for (int r = 0; r < rounds; r++) {
+      for (int l = 0; l <= (int)best; l++) {
+        fsdp_cpu_isa_set((fsdp_cpu_isa_level)l);
+        double s = best_of(K->fn, &c, reps);
+        t[l] = s < t[l] ? s : t[l];
+      }
+      double s = best_of(k_memcpy, &c, reps);
+      t[FSDP_CPU_ISA_COUNT] = s < t[FSDP_CPU_ISA_COUNT] ? s : t[FSDP_CPU_ISA_COUNT];
+    }
+    fsdp_cpu_isa_set(start);
+    char shape[32];
+    snprintf(shape, sizeof shape, "%lldx%lld", (long long)K->rows, (long long)K->cols);
+    printf("  %-24s %-12s %5d", K->name, shape, K->bytes);
+    for (int l = 0; l <= (int)best; l++) printf(" %9.3f", t[l] / (double)n * 1e9);
+    printf(" %9.3f %9.2f\n", t[FSDP_CPU_ISA_COUNT] / (double)n * 1e9,
+           t[best] / t[FSDP_CPU_ISA_COUNT]);
+    free(c.x), free(c.y), free(c.dx), free(c.dy), free(c.w), free(c.b), free(c.dw), free(c.db);
+    free(c.mean), free(c.rstd), free(c.tgt), free(g_src), free(g_dst);
+  }
+  return 0;
+}

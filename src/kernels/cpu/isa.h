@@ -1,0 +1,135 @@
+/*
+ * isa.h — private to src/kernels/cpu: the vector instruction set of the element-wise kernels,
+ * and the table of their bodies compiled for it.
+ *
+ * Three levels: AVX-512 (F, BW, DQ and VL; 16-lane vectors), AVX2 with FMA (8 lanes) and the
+ * build's baseline (4 lanes of portable vector-extension C: SSE2 on x86-64, whatever the
+ * compiler targets elsewhere). The process takes the best its processor has, once, on first
+ * use; FSDP_CPU_ISA=avx512|avx2|scalar forces one (tests compare the levels with it). Every
+ * level computes the same bits (vmath.h: per-lane IEEE operations, reductions in a fixed
+ * 16-lane order), so the choice changes speed only.
+ *
+ * The bodies (vec_body.h) are compiled once per level by vec_scalar.c, vec_avx2.c and
+ * vec_avx512.c, each under its own target pragma: the rest of the build keeps the baseline
+ * flags. The public kernels (activations.c, elementwise.c, norm.c, loss.c, mask.c) split their
+ * work over the rank's threads (pool.h) and call the bodies through fsdp_cpu_vec().
+ */
+#ifndef FSDP_KERNELS_CPU_ISA_H
+#define FSDP_KERNELS_CPU_ISA_H
+
+#include <stdint.h>
+
+#include "kernels/kernels.h"
+
+typedef enum {
+  FSDP_CPU_ISA_SCALAR = 0,
+  FSDP_CPU_ISA_AVX2 = 1,
+  FSDP_CPU_ISA_AVX512 = 2,
+  FSDP_CPU_ISA_COUNT
+} fsdp_cpu_isa_level;
+
+/* The level the kernels use now (the best the processor has, or FSDP_CPU_ISA's). */
+fsdp_cpu_isa_level fsdp_cpu_isa(void);
+/* The best level this processor (and its operating system) supports. */
+fsdp_cpu_isa_level fsdp_cpu_isa_best(void);
+/* "scalar", "avx2", "avx512" */
+const char *fsdp_cpu_isa_name(fsdp_cpu_isa_level level);
+/* Use `level` from now on (tests; not while kernels run). FSDP_ERR naming the level when this
+ * processor lacks it, the current level unchanged. */
+int fsdp_cpu_isa_set(fsdp_cpu_isa_level level);
+/* FSDP_CPU_ISA's rules: value (NULL or "" = best) parsed against the processor's `best`.
+ * FSDP_ERR naming the variable for an unknown value or a level above `best`. */
+int fsdp_cpu_isa_parse(const char *value, fsdp_cpu_isa_level best, fsdp_cpu_isa_level *out);
+/* fsdp_cpu_isa_check (kernels.h) repeats FSDP_CPU_ISA's error; the Lua module refuses to load
+ * on it, so a bad setting never runs silently. */
+
+/* ---- the bodies at one level ---------------------------------------------------------------
+ * Ranges of the public kernels of kernels/cpu/kernels.h, same arithmetic; `lo, hi` are rows
+ * (or columns for *_cols) of the full problem. Accumulating slots add (+=) as the public
+ * kernels do. */
+typedef struct fsdp_cpu_vec_i {
+  /* element ranges; out may equal the input */
+  void (*relu_forward)(float *out, const float *inp, int64_t n);
+  void (*relu_backward)(float *dinp, const float *dout, const float *inp, int64_t n);
+  void (*gelu_forward)(float *out, const float *inp, int64_t n);
+  void (*gelu_backward)(float *dinp, const float *dout, const float *inp, int64_t n);
+  /* rows [lo, hi) of (N, C): out = gelu(inp + bias (C)) */
+  void (*bias_gelu_forward)(float *out, const float *inp, const float *bias, int64_t lo,
+                            int64_t hi, int C);
+  /* columns [c0, c1): dinp += t, dbias += column sums of t, t = gelu'(inp + bias) dout; either
+   * output may be NULL */
+  void (*bias_gelu_backward_cols)(float *dinp, float *dbias, const float *dout,
+                                  const float *inp, const float *bias, int64_t N, int C, int c0,
+                                  int c1);
+  /* mask holds uniforms on entry: mask = u >= p ? scale : 0, out = inp * mask */
+  void (*dropout_mask)(float *out, float *mask, const float *inp, int64_t n, float p,
+                       float scale);
+  void (*add_acc)(float *d, const float *g, int64_t n);                 /* d += g */
+  void (*mul_acc)(float *d, const float *g, const float *b, int64_t n); /* d += g * b */
+  void (*div_acc)(float *d, const float *g, const float *b, int64_t n); /* d += g / b */
+  void (*scale_acc)(float *d, const float *g, float s, int64_t n);      /* d += g * s */
+  void (*rdiv_acc)(float *d, const float *g, float s, int64_t n);       /* d += g / s */
+  /* d += k (a - b) */
+  void (*diff_acc)(float *d, const float *a, const float *b, float k, int64_t n);
+  void (*binary)(float *out, const float *a, const float *b, int64_t n, fsdp_binop op);
+  void (*binary_scalar)(float *out, const float *a, float s, int64_t n, fsdp_binop op);
+  void (*affine)(float *out, const float *a, float s, float t, int64_t n); /* a * s + t */
+  /* db (m) columns [j0, j1) += sum over the n / m repeats of dout * d(a op b)/db, in double */
+  void (*binary_backward_b_cols)(float *db, const float *dout, const float *a, const float *b,
+                                 int64_t n, int64_t m, fsdp_binop op, int64_t j0, int64_t j1);
+  /* sum of dout (add, sub) or dout * a (mul, div) over [0, n), in double */
+  double (*binary_backward_b_sum)(const float *dout, const float *a, int64_t n, fsdp_binop op);
+  double (*sqdiff_sum)(const float *a, const float *b, int64_t n); /* sum (a - b)^2 */
+  void (*mask_apply)(float *x, const float *m, int64_t n);
+  /* AdamW (optim.c) with the step's constants: decay = 1 - lr wd, step_size = lr / bc1 */
+  void (*adamw)(float *p, float *m, float *v, const float *g, int64_t n, float beta1,
+                float beta2, float eps, float decay, float step_size, float bc2_sqrt);
+  /* the same with g and the new p masked (mask_apply's rule), g written back masked */
+  void (*adamw_masked)(float *p, float *m, float *v, float *g, const float *mask, int64_t n,
+                       float beta1, float beta2, float eps, float decay, float step_size,
+                       float bc2_sqrt);
+  /* rows [lo, hi) of (N, C) */
+  void (*layernorm_forward)(float *out, float *mean, float *rstd, const float *inp,
+                            const float *weight, const float *bias, int64_t lo, int64_t hi,
+                            int C, float eps);
+  void (*layernorm_backward)(float *dinp, float *dweight, float *dbias, const float *dout,
+                             const float *inp, const float *weight, const float *mean,
+                             const float *rstd, int64_t lo, int64_t hi, int C);
+  /* columns [c0, c1) of dweight and dbias over all N rows, rows in order */
+  void (*layernorm_backward_cols)(float *dweight, float *dbias, const float *dout,
+                                  const float *inp, const float *mean, const float *rstd,
+                                  int64_t N, int C, int c0, int c1);
+  void (*softmax_forward)(float *out, const float *inp, int64_t lo, int64_t hi, int C);
+  void (*softmax_backward)(float *dinp, const float *dout, const float *out, int64_t lo,
+                           int64_t hi, int C);
+  /* the rows' losses summed in double; *count += rows counted */
+  double (*cross_entropy_forward)(float *lse, const float *logits, const int64_t *targets,
+                                  int64_t lo, int64_t hi, int V, int64_t ignore_index,
+                                  int64_t *count);
+  void (*cross_entropy_backward)(float *dlogits, float sc, const float *logits,
+                                 const float *lse, const int64_t *targets, int64_t lo,
+                                 int64_t hi, int V, int64_t ignore_index);
+} fsdp_cpu_vec_i;
+
+extern const fsdp_cpu_vec_i fsdp_cpu_vec_scalar, fsdp_cpu_vec_avx2, fsdp_cpu_vec_avx512;
+
+/* The bodies of the level in force. */
+const fsdp_cpu_vec_i *fsdp_cpu_vec(void);
+
+/* ---- splitting work over the rank's threads (pool.h) ---------------------------------------
+ * Minimum items a chunk gets: light streaming loops, transcendental ones, and rows of C. */
+#define FSDP_CPU_GRAIN 32768
+#define FSDP_CPU_GRAIN_HEAVY 8192
+static inline int64_t fsdp_cpu_grain_rows(int64_t C, int64_t grain) {
+  return C >= grain ? 1 : grain / (C > 0 ? C : 1);
+}
+/* Fixed blocks for sums over many rows or elements: their count depends on the size alone
+ * (never on the thread count), partials are added in block order. */
+#define FSDP_CPU_MAX_BLOCKS 64
+static inline int64_t fsdp_cpu_blocks(int64_t items, int64_t per_item, int64_t grain) {
+  int64_t work = items * (per_item > 0 ? per_item : 1), nb = work / grain;
+  nb = nb < 1 ? 1 : nb > FSDP_CPU_MAX_BLOCKS ? FSDP_CPU_MAX_BLOCKS : nb;
+  return nb < items ? nb : (items > 0 ? items : 1);
+}
+
+#endif

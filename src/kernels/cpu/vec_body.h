@@ -1,0 +1,616 @@
+/*
+ * vec_body.h — the bodies of the element-wise kernels, written once on FSDP_VW-lane vectors
+ * and compiled per instruction set: vec_scalar.c, vec_avx2.c and vec_avx512.c each set the
+ * width and a target, then include this file, which defines static functions and the level's
+ * table (FSDP_VEC_TABLE, an fsdp_cpu_vec_i of isa.h). Nothing else includes it.
+ *
+ * The arithmetic is that of the scalar formulas in the public kernels' comments, operation
+ * for operation (IEEE per lane, no contraction), so element-wise results are the same bits at
+ * every width; sums use vmath.h's fixed 16-lane order. Tails run the same vector code on
+ * partial loads (fsdp_vl_load), so a value's result does not depend on where it sits.
+ */
+#ifndef FSDP_VEC_TABLE
+#error "vec_body.h is included by vec_scalar.c, vec_avx2.c and vec_avx512.c only"
+#endif
+
+#include <stdbool.h>
+
+#include "kernels/cpu/isa.h"
+#include "kernels/cpu/vmath.h"
+
+#define VW FSDP_VW
+#define VINLINE static inline __attribute__((always_inline))
+#define LD(p, i, n, fill) fsdp_vl_load((p), (i), (n), (fill))
+#define ST(p, i, n, v) fsdp_vl_store((p), (i), (n), (v))
+
+VINLINE fsdp_vf vset(float s) { return fsdp_vf_set(s); }
+
+/* ---- activations --------------------------------------------------------------------------- */
+
+static void relu_forward(float *out, const float *inp, int64_t n) {
+  for (int64_t i = 0; i < n; i += VW) {
+    fsdp_vf x = LD(inp, i, n, 0.0f);
+    ST(out, i, n, fsdp_vf_select(x > 0.0f, x, vset(0.0f)));
+  }
+}
+
+static void relu_backward(float *dinp, const float *dout, const float *inp, int64_t n) {
+  for (int64_t i = 0; i < n; i += VW) {
+    fsdp_vf x = LD(inp, i, n, 0.0f), g = LD(dout, i, n, 0.0f);
+    ST(dinp, i, n, LD(dinp, i, n, 0.0f) + fsdp_vf_select(x > 0.0f, g, vset(0.0f)));
+  }
+}
+
+#define GELU_S 0.7978845608028654f /* sqrt(2 / pi) */
+#define GELU_A 0.044715f
+/* -2 s, so -2u is one multiply: scaling by 2 is exact, so (-2 s) t == -2 (s t) except where s t
+ * is subnormal, and there e^{-2u} is 1 either way */
+#define GELU_M2S (-2.0f * GELU_S)
+
+/* 0.5 x (1 + tanh(u)) == x * sigmoid(2u) == x / (1 + e^{-2u}),  u = s (x + a x^3): one exp and
+ * one division, and no 1 + tanh cancellation for negative x. */
+static inline fsdp_vf gelu_v(fsdp_vf x) {
+  return x / (1.0f + fsdp_vf_exp(GELU_M2S * (x + GELU_A * x * x * x)));
+}
+
+/* d gelu / dx = 0.5 (1 + t) + 0.5 x (1 - t^2) u',  t = tanh(u), u' = s (1 + 3 a x^2);
+ * with q = sigmoid(2u) = (1 + t) / 2 this is q + 2 x q (1 - q) u': the one exp of the forward,
+ * recomputed once. */
+static inline fsdp_vf gelu_grad_v(fsdp_vf x) {
+  fsdp_vf x2 = x * x;
+  fsdp_vf q = 1.0f / (1.0f + fsdp_vf_exp(GELU_M2S * (x + GELU_A * x2 * x)));
+  return q + 2.0f * x * q * (1.0f - q) * (GELU_S * (1.0f + 3.0f * GELU_A * x2));
+}
+
+/* full vectors, then the tail through partial loads: the same operations per lane */
+static void gelu_forward(float *out, const float *inp, int64_t n) {
+  int64_t i = 0;
+  for (; i + VW <= n; i += VW) fsdp_vf_store(out + i, gelu_v(fsdp_vf_load(inp + i)));
+  if (i < n) ST(out, i, n, gelu_v(LD(inp, i, n, 0.0f)));
+}
+
+VINLINE void gelu_backward_at(float *dinp, const float *dout, const float *inp, int64_t i,
+                              int64_t n, int tail) {
+  fsdp_vf grad = gelu_grad_v(fsdp_vt_load(inp, i, n, 0.0f, tail));
+  fsdp_vf d = fsdp_vt_load(dinp, i, n, 0.0f, tail) + grad * fsdp_vt_load(dout, i, n, 0.0f, tail);
+  fsdp_vt_store(dinp, i, n, d, tail);
+}
+
+static void gelu_backward(float *dinp, const float *dout, const float *inp, int64_t n) {
+  int64_t i = 0;
+  for (; i + VW <= n; i += VW) gelu_backward_at(dinp, dout, inp, i, n, 0);
+  if (i < n) gelu_backward_at(dinp, dout, inp, i, n, 1);
+}
+
+/* rows [lo, hi) of (N, C): out = gelu(inp + bias), the sum rounded once as an add would */
+static void bias_gelu_forward(float *out, const float *inp, const float *bias, int64_t lo,
+                              int64_t hi, int C) {
+  for (int64_t r = lo; r < hi; r++) {
+    const float *x = inp + r * C;
+    float *y = out + r * C;
+    for (int64_t c = 0; c < C; c += VW)
+      ST(y, c, C, gelu_v(LD(x, c, C, 0.0f) + LD(bias, c, C, 0.0f)));
+  }
+}
+
+#define BG_CHUNK 2048
+typedef double fsdp_vd __attribute__((vector_size(FSDP_VW * 8)));
+
+/* one vector of a row strip of len columns: t = gelu'(x + b) g; d += t, acc += t (double) */
+/* t = gelu'(x + b) g for the vector at column c of one row strip of len columns */
+VINLINE fsdp_vf bias_gelu_t(const float *g, const float *x, const float *b, int c, int len,
+                            int tail) {
+  fsdp_vf h = fsdp_vt_load(x, c, len, 0.0f, tail) + fsdp_vt_load(b, c, len, 0.0f, tail);
+  return gelu_grad_v(h) * fsdp_vt_load(g, c, len, 0.0f, tail);
+}
+
+/* rows r0 .. r0 + nr - 1 (nr = 1 or 2) at column c: d += t per row, acc += t row by row (double:
+ * acc + t0 + t1 in that order, one load and store of acc for both). Lanes past len add 0 to
+ * acc entries never read (BG_CHUNK % VW == 0). */
+VINLINE void bias_gelu_rows_at(float *d, double *acc, const float *g, const float *x,
+                               const float *b, int64_t C, int nr, int c, int len, int tail,
+                               bool has_d, bool has_acc) {
+  fsdp_vf t0 = bias_gelu_t(g, x, b, c, len, tail), t1 = t0;
+  if (has_d) fsdp_vt_store(d, c, len, fsdp_vt_load(d, c, len, 0.0f, tail) + t0, tail);
+  if (nr == 2) {
+    t1 = bias_gelu_t(g + C, x + C, b, c, len, tail);
+    if (has_d)
+      fsdp_vt_store(d + C, c, len, fsdp_vt_load(d + C, c, len, 0.0f, tail) + t1, tail);
+  }
+  if (has_acc) {
+    fsdp_vd a;
+    memcpy(&a, acc + c, sizeof a);
+    a += __builtin_convertvector(t0, fsdp_vd);
+    if (nr == 2) a += __builtin_convertvector(t1, fsdp_vd);
+    memcpy(acc + c, &a, sizeof a);
+  }
+}
+
+VINLINE void bias_gelu_strip(float *dinp, double *acc, const float *dout, const float *inp,
+                             const float *b, int64_t N, int64_t C, int len, bool has_d,
+                             bool has_acc) {
+  for (int64_t r = 0; r < N; r += 2) {
+    const int nr = r + 2 <= N ? 2 : 1;
+    const int64_t o = r * C;
+    float *d = has_d ? dinp + o : NULL;
+    int c = 0;
+    if (nr == 2) {
+      for (; c + VW <= len; c += VW)
+        bias_gelu_rows_at(d, acc, dout + o, inp + o, b, C, 2, c, len, 0, has_d, has_acc);
+      if (c < len)
+        bias_gelu_rows_at(d, acc, dout + o, inp + o, b, C, 2, c, len, 1, has_d, has_acc);
+    } else {
+      for (; c + VW <= len; c += VW)
+        bias_gelu_rows_at(d, acc, dout + o, inp + o, b, C, 1, c, len, 0, has_d, has_acc);
+      if (c < len)
+        bias_gelu_rows_at(d, acc, dout + o, inp + o, b, C, 1, c, len, 1, has_d, has_acc);
+    }
+  }
+}
+
+/* columns [c0, c1) over all N rows: t = gelu'(inp + bias) * dout, dinp += t, and dbias += the
+ * column sums of t (double, rows in order: fsdp_cpu_colsum_acc's arithmetic), one pass */
+static void bias_gelu_backward_cols(float *dinp, float *dbias, const float *dout,
+                                    const float *inp, const float *bias, int64_t N, int C,
+                                    int c0, int c1) {
+  double acc[BG_CHUNK];
+  for (int b0 = c0; b0 < c1; b0 += BG_CHUNK) {
+    const int len = c1 - b0 < BG_CHUNK ? c1 - b0 : BG_CHUNK;
+    memset(acc, 0, sizeof(double) * (size_t)len);
+    float *d = dinp ? dinp + b0 : NULL;
+    if (dinp && dbias) bias_gelu_strip(d, acc, dout + b0, inp + b0, bias + b0, N, C, len, 1, 1);
+    else if (dinp) bias_gelu_strip(d, acc, dout + b0, inp + b0, bias + b0, N, C, len, 1, 0);
+    else bias_gelu_strip(d, acc, dout + b0, inp + b0, bias + b0, N, C, len, 0, 1);
+    if (dbias)
+      for (int j = 0; j < len; j++) dbias[b0 + j] += (float)acc[j];
+  }
+}
+
+static void dropout_mask(float *out, float *mask, const float *inp, int64_t n, float p,
+                         float scale) {
+  for (int64_t i = 0; i < n; i += VW) {
+    fsdp_vf k = fsdp_vf_select(LD(mask, i, n, 0.0f) >= p, vset(scale), vset(0.0f));
+    ST(mask, i, n, k);
+    ST(out, i, n, LD(inp, i, n, 0.0f) * k);
+  }
+}
+
+/* ---- accumulating streams (backward kernels) ------------------------------------------------ */
+
+static void add_acc(float *d, const float *g, int64_t n) {
+  for (int64_t i = 0; i < n; i += VW) ST(d, i, n, LD(d, i, n, 0.0f) + LD(g, i, n, 0.0f));
+}
+
+static void mul_acc(float *d, const float *g, const float *b, int64_t n) {
+  for (int64_t i = 0; i < n; i += VW)
+    ST(d, i, n, LD(d, i, n, 0.0f) + LD(g, i, n, 0.0f) * LD(b, i, n, 0.0f));
+}
+
+static void div_acc(float *d, const float *g, const float *b, int64_t n) {
+  for (int64_t i = 0; i < n; i += VW)
+    ST(d, i, n, LD(d, i, n, 0.0f) + LD(g, i, n, 0.0f) / LD(b, i, n, 1.0f));
+}
+
+static void scale_acc(float *d, const float *g, float s, int64_t n) {
+  for (int64_t i = 0; i < n; i += VW) ST(d, i, n, LD(d, i, n, 0.0f) + LD(g, i, n, 0.0f) * s);
+}
+
+static void rdiv_acc(float *d, const float *g, float s, int64_t n) {
+  for (int64_t i = 0; i < n; i += VW) ST(d, i, n, LD(d, i, n, 0.0f) + LD(g, i, n, 0.0f) / s);
+}
+
+static void diff_acc(float *d, const float *a, const float *b, float k, int64_t n) {
+  for (int64_t i = 0; i < n; i += VW)
+    ST(d, i, n, LD(d, i, n, 0.0f) + k * (LD(a, i, n, 0.0f) - LD(b, i, n, 0.0f)));
+}
+
+/* ---- binary, affine ------------------------------------------------------------------------ */
+
+/* One loop per op, the op chosen outside it. */
+VINLINE void binary_v(float *out, const float *a, const float *b, int64_t n,
+                            fsdp_binop op) {
+  for (int64_t i = 0; i < n; i += VW) {
+    fsdp_vf x = LD(a, i, n, 0.0f), y = LD(b, i, n, 1.0f), z;
+    switch (op) {
+    case FSDP_BIN_ADD: z = x + y; break;
+    case FSDP_BIN_SUB: z = x - y; break;
+    case FSDP_BIN_MUL: z = x * y; break;
+    default: z = x / y; break;
+    }
+    ST(out, i, n, z);
+  }
+}
+
+static void binary(float *out, const float *a, const float *b, int64_t n, fsdp_binop op) {
+  switch (op) {
+  case FSDP_BIN_ADD: binary_v(out, a, b, n, FSDP_BIN_ADD); break;
+  case FSDP_BIN_SUB: binary_v(out, a, b, n, FSDP_BIN_SUB); break;
+  case FSDP_BIN_MUL: binary_v(out, a, b, n, FSDP_BIN_MUL); break;
+  case FSDP_BIN_DIV: binary_v(out, a, b, n, FSDP_BIN_DIV); break;
+  }
+}
+
+VINLINE void binary_scalar_v(float *out, const float *a, float s, int64_t n,
+                                   fsdp_binop op) {
+  for (int64_t i = 0; i < n; i += VW) {
+    fsdp_vf x = LD(a, i, n, 0.0f), z;
+    switch (op) {
+    case FSDP_BIN_ADD: z = x + s; break;
+    case FSDP_BIN_SUB: z = x - s; break;
+    case FSDP_BIN_MUL: z = x * s; break;
+    default: z = x / s; break;
+    }
+    ST(out, i, n, z);
+  }
+}
+
+static void binary_scalar(float *out, const float *a, float s, int64_t n, fsdp_binop op) {
+  switch (op) {
+  case FSDP_BIN_ADD: binary_scalar_v(out, a, s, n, FSDP_BIN_ADD); break;
+  case FSDP_BIN_SUB: binary_scalar_v(out, a, s, n, FSDP_BIN_SUB); break;
+  case FSDP_BIN_MUL: binary_scalar_v(out, a, s, n, FSDP_BIN_MUL); break;
+  case FSDP_BIN_DIV: binary_scalar_v(out, a, s, n, FSDP_BIN_DIV); break;
+  }
+}
+
+static void affine(float *out, const float *a, float s, float t, int64_t n) {
+  for (int64_t i = 0; i < n; i += VW) ST(out, i, n, LD(a, i, n, 0.0f) * s + t);
+}
+
+#define DB_CHUNK 256
+
+static void binary_backward_b_cols(float *db, const float *dout, const float *a,
+                                   const float *b, int64_t n, int64_t m, fsdp_binop op,
+                                   int64_t j0, int64_t j1) {
+  // db (m), dout (n), a (n), b (m): each column's repeats added in order, in double
+  double acc[DB_CHUNK];
+  for (int64_t c0 = j0; c0 < j1; c0 += DB_CHUNK) {
+    const int64_t len = j1 - c0 < DB_CHUNK ? j1 - c0 : DB_CHUNK;
+    memset(acc, 0, sizeof(double) * (size_t)len);
+    const float *bj = b + c0;
+    for (int64_t r = 0; r < n; r += m) {
+      const float *g = dout + r + c0, *aj = a + r + c0;
+      switch (op) {
+      case FSDP_BIN_ADD:
+      case FSDP_BIN_SUB:
+        for (int64_t j = 0; j < len; j++) acc[j] += (double)g[j];
+        break;
+      case FSDP_BIN_MUL:
+        for (int64_t j = 0; j < len; j++) acc[j] += (double)(g[j] * aj[j]);
+        break;
+      case FSDP_BIN_DIV:
+        /* d(a/b)/db = -a / b^2, written (a / b) / b so that b^2 cannot underflow first */
+        for (int64_t j = 0; j < len; j++) acc[j] += (double)(g[j] * (aj[j] / bj[j] / bj[j]));
+        break;
+      }
+    }
+    if (op == FSDP_BIN_SUB || op == FSDP_BIN_DIV) {
+      for (int64_t j = 0; j < len; j++) db[c0 + j] -= (float)acc[j];
+    } else {
+      for (int64_t j = 0; j < len; j++) db[c0 + j] += (float)acc[j];
+    }
+  }
+}
+
+/* four double accumulators, element i in accumulator i % 4, added (s0 + s1) + (s2 + s3) */
+static double binary_backward_b_sum(const float *dout, const float *a, int64_t n,
+                                    fsdp_binop op) {
+  double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+  int64_t i = 0;
+  if (op == FSDP_BIN_ADD || op == FSDP_BIN_SUB) {
+    for (; i + 4 <= n; i += 4) {
+      s0 += dout[i]; s1 += dout[i + 1]; s2 += dout[i + 2]; s3 += dout[i + 3];
+    }
+    for (; i < n; i++) s0 += dout[i];
+  } else {
+    for (; i + 4 <= n; i += 4) {
+      s0 += dout[i] * a[i]; s1 += dout[i + 1] * a[i + 1];
+      s2 += dout[i + 2] * a[i + 2]; s3 += dout[i + 3] * a[i + 3];
+    }
+    for (; i < n; i++) s0 += dout[i] * a[i];
+  }
+  return (s0 + s1) + (s2 + s3);
+}
+
+/* sum of (a - b)^2: float lanes over blocks, blocks in double (vmath.h's order) */
+static double sqdiff_sum(const float *a, const float *b, int64_t n) {
+  double total = 0.0;
+  for (int64_t blk = 0; blk < n; blk += FSDP_VBLOCK) {
+    int64_t end = n - blk < FSDP_VBLOCK ? n : blk + FSDP_VBLOCK;
+    fsdp_vf acc[FSDP_VK];
+    for (int k = 0; k < FSDP_VK; k++) acc[k] = vset(0.0f);
+    for (int64_t i = blk; i < end; i += FSDP_VL)
+      for (int k = 0; k < FSDP_VK; k++) {
+        int64_t s = i + k * VW;
+        fsdp_vf d = LD(a, s, end, 0.0f) - LD(b, s, end, 0.0f);
+        acc[k] += d * d;
+      }
+    total += (double)fsdp_vl_fold_sum(acc);
+  }
+  return total;
+}
+
+/* bitwise and with all-ones or zero: exact, +0 for masked */
+static void mask_apply(float *x, const float *m, int64_t n) {
+  for (int64_t i = 0; i < n; i += VW) {
+    fsdp_vi keep = LD(m, i, n, 0.0f) != 0.0f;
+    ST(x, i, n, (fsdp_vf)((fsdp_vi)LD(x, i, n, 0.0f) & keep));
+  }
+}
+
+/* ---- optimizer ----------------------------------------------------------------------------- */
+
+/* sqrt per lane: correctly rounded in every form, so each level gives the same bits. The
+ * instruction where the target pragma enabled it (GCC defines the feature macros after it). */
+#if FSDP_VW == 16 && defined(__AVX512F__)
+#include <immintrin.h>
+VINLINE fsdp_vf vsqrt(fsdp_vf x) { return (fsdp_vf)_mm512_sqrt_ps((__m512)x); }
+#elif FSDP_VW == 8 && defined(__AVX__)
+#include <immintrin.h>
+VINLINE fsdp_vf vsqrt(fsdp_vf x) { return (fsdp_vf)_mm256_sqrt_ps((__m256)x); }
+#elif FSDP_VW == 4 && defined(__SSE2__)
+#include <immintrin.h>
+VINLINE fsdp_vf vsqrt(fsdp_vf x) { return (fsdp_vf)_mm_sqrt_ps((__m128)x); }
+#else
+VINLINE fsdp_vf vsqrt(fsdp_vf x) {
+  for (int l = 0; l < VW; l++) x[l] = sqrtf(x[l]);
+  return x;
+}
+#endif
+
+/* AdamW over n elements in torch.optim.AdamW's single-tensor order of operations (optim.c).
+ * With a mask (has_mask, a constant at each call): the gradient is masked first and written
+ * back, the new weights masked after the update, as mask_apply before and after the plain step
+ * would: one pass instead of three. */
+VINLINE void adamw_v(float *p, float *m, float *v, float *g, const float *mask, int64_t n,
+                     float beta1, float beta2, float eps, float decay, float step_size,
+                     float bc2_sqrt, bool has_mask) {
+  const float a1 = 1.0f - beta1, a2 = 1.0f - beta2;
+  for (int64_t i = 0; i < n; i += VW) {
+    fsdp_vf gi = LD(g, i, n, 0.0f);
+    fsdp_vi keep = {0};
+    if (has_mask) {
+      keep = LD(mask, i, n, 0.0f) != 0.0f;
+      gi = (fsdp_vf)((fsdp_vi)gi & keep);
+      ST(g, i, n, gi);
+    }
+    fsdp_vf mi = beta1 * LD(m, i, n, 0.0f) + a1 * gi;
+    fsdp_vf vi = beta2 * LD(v, i, n, 0.0f) + a2 * gi * gi;
+    fsdp_vf denom = vsqrt(vi) / bc2_sqrt + eps;
+    fsdp_vf pi = LD(p, i, n, 0.0f) * decay - step_size * (mi / denom);
+    if (has_mask) pi = (fsdp_vf)((fsdp_vi)pi & keep);
+    ST(m, i, n, mi);
+    ST(v, i, n, vi);
+    ST(p, i, n, pi);
+  }
+}
+
+static void adamw(float *p, float *m, float *v, const float *g, int64_t n, float beta1,
+                  float beta2, float eps, float decay, float step_size, float bc2_sqrt) {
+  adamw_v(p, m, v, (float *)g, NULL, n, beta1, beta2, eps, decay, step_size, bc2_sqrt, false);
+}
+
+static void adamw_masked(float *p, float *m, float *v, float *g, const float *mask, int64_t n,
+                         float beta1, float beta2, float eps, float decay, float step_size,
+                         float bc2_sqrt) {
+  adamw_v(p, m, v, g, mask, n, beta1, beta2, eps, decay, step_size, bc2_sqrt, true);
+}
+
+/* ---- layernorm, softmax -------------------------------------------------------------------- */
+
+/* y = (x - m) * s * w + b with w, b optional: has_w / has_b are constants at each call, so
+ * each case compiles to its own loop */
+VINLINE void ln_row_out(float *y, const float *x, const float *w, const float *b,
+                              float m, float s, int C, bool has_w, bool has_b) {
+  for (int64_t c = 0; c < C; c += VW) {
+    fsdp_vf v = (LD(x, c, C, 0.0f) - m) * s;
+    if (has_w) v = v * LD(w, c, C, 0.0f);
+    if (has_b) v = v + LD(b, c, C, 0.0f);
+    ST(y, c, C, v);
+  }
+}
+
+static void layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
+                              const float *weight, const float *bias, int64_t lo, int64_t hi,
+                              int C, float eps) {
+  // out (N, C), mean (N), rstd (N), inp (N, C), weight (C) or NULL, bias (C) or NULL
+  for (int64_t n = lo; n < hi; n++) {
+    const float *x = inp + n * C;
+    float *y = out + n * C;
+    /* two passes over a row in cache: the variance of centred values, which does not cancel
+     * catastrophically for large means as E[x^2] - E[x]^2 would */
+    float m = (float)(fsdp_row_sum(x, C) / C);
+    float var = (float)fsdp_row_sqdev(x, m, C) / (float)C;
+    float s = 1.0f / sqrtf(var + eps);
+    if (weight && bias) ln_row_out(y, x, weight, bias, m, s, C, true, true);
+    else if (weight) ln_row_out(y, x, weight, NULL, m, s, C, true, false);
+    else if (bias) ln_row_out(y, x, NULL, bias, m, s, C, false, true);
+    else ln_row_out(y, x, NULL, NULL, m, s, C, false, false);
+    mean[n] = m;
+    rstd[n] = s;
+  }
+}
+
+/* dweight += xhat * dout, dbias += dout over columns [c0, c1) of one row */
+static inline void ln_row_params(float *dweight, float *dbias, const float *g, const float *x,
+                                 float m, float s, int c0, int c1) {
+  if (dbias)
+    for (int64_t c = c0; c < c1; c += VW)
+      ST(dbias, c, c1, LD(dbias, c, c1, 0.0f) + LD(g, c, c1, 0.0f));
+  if (dweight)
+    for (int64_t c = c0; c < c1; c += VW)
+      ST(dweight, c, c1,
+         LD(dweight, c, c1, 0.0f) + (LD(x, c, c1, 0.0f) - m) * s * LD(g, c, c1, 0.0f));
+}
+
+/* sum of dxhat and of dxhat * xhat over a row (dxhat = w * dout, xhat = (x - m) * s) */
+static inline void ln_row_sums(float *sum_dxhat, float *sum_dxhat_xhat, const float *g,
+                               const float *x, const float *w, float m, float s, int C) {
+  double t0 = 0.0, t1 = 0.0;
+  for (int64_t blk = 0; blk < C; blk += FSDP_VBLOCK) {
+    int64_t end = C - blk < FSDP_VBLOCK ? C : blk + FSDP_VBLOCK;
+    fsdp_vf a[FSDP_VK], b[FSDP_VK];
+    for (int k = 0; k < FSDP_VK; k++) a[k] = b[k] = vset(0.0f);
+    for (int64_t i = blk; i < end; i += FSDP_VL)
+      for (int k = 0; k < FSDP_VK; k++) {
+        int64_t c = i + k * VW;
+        fsdp_vf dxhat = LD(g, c, end, 0.0f);
+        if (w) dxhat = LD(w, c, end, 0.0f) * dxhat;
+        a[k] += dxhat;
+        b[k] += dxhat * ((LD(x, c, end, 0.0f) - m) * s);
+      }
+    t0 += (double)fsdp_vl_fold_sum(a);
+    t1 += (double)fsdp_vl_fold_sum(b);
+  }
+  *sum_dxhat = (float)t0;
+  *sum_dxhat_xhat = (float)t1;
+}
+
+/* one row's dx, and its dweight / dbias terms in the same pass (has_* are constants at each
+ * call, so each case is its own loop) */
+VINLINE void ln_row_dx(float *dx, float *dweight, float *dbias, const float *g, const float *x,
+                       const float *w, float m, float s, float mean_dxhat,
+                       float mean_dxhat_xhat, int C, bool has_w, bool has_dw, bool has_db) {
+  for (int64_t c = 0; c < C; c += VW) {
+    fsdp_vf xhat = (LD(x, c, C, 0.0f) - m) * s, gi = LD(g, c, C, 0.0f), dxhat = gi;
+    if (has_db) ST(dbias, c, C, LD(dbias, c, C, 0.0f) + gi);
+    if (has_dw) ST(dweight, c, C, LD(dweight, c, C, 0.0f) + xhat * gi);
+    if (has_w) dxhat = LD(w, c, C, 0.0f) * dxhat;
+    ST(dx, c, C, LD(dx, c, C, 0.0f) + s * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat));
+  }
+}
+
+static void layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
+                               const float *inp, const float *weight, const float *mean,
+                               const float *rstd, int64_t lo, int64_t hi, int C) {
+  for (int64_t n = lo; n < hi; n++) {
+    const float *g = dout + n * C, *x = inp + n * C;
+    const float m = mean[n], s = rstd[n];
+    if (!dinp) {
+      ln_row_params(dweight, dbias, g, x, m, s, 0, C);
+      continue;
+    }
+    /* dx = s * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)),  dxhat = w * dout */
+    float sum_dxhat, sum_dxhat_xhat;
+    ln_row_sums(&sum_dxhat, &sum_dxhat_xhat, g, x, weight, m, s, C);
+    const float md = sum_dxhat / (float)C, mdx = sum_dxhat_xhat / (float)C;
+    float *dx = dinp + n * C;
+    const bool dw = dweight != NULL, db = dbias != NULL;
+#define LN_DX(hw, hdw, hdb) \
+  ln_row_dx(dx, dweight, dbias, g, x, weight, m, s, md, mdx, C, hw, hdw, hdb)
+    if (weight) {
+      if (dw && db) LN_DX(true, true, true);
+      else if (dw) LN_DX(true, true, false);
+      else if (db) LN_DX(true, false, true);
+      else LN_DX(true, false, false);
+    } else {
+      if (dw && db) LN_DX(false, true, true);
+      else if (dw) LN_DX(false, true, false);
+      else if (db) LN_DX(false, false, true);
+      else LN_DX(false, false, false);
+    }
+#undef LN_DX
+  }
+}
+
+static void layernorm_backward_cols(float *dweight, float *dbias, const float *dout,
+                                    const float *inp, const float *mean, const float *rstd,
+                                    int64_t N, int C, int c0, int c1) {
+  for (int64_t n = 0; n < N; n++)
+    ln_row_params(dweight, dbias, dout + n * C, inp + n * C, mean[n], rstd[n], c0, c1);
+}
+
+static void softmax_forward(float *out, const float *inp, int64_t lo, int64_t hi, int C) {
+  for (int64_t n = lo; n < hi; n++) {
+    const float *x = inp + n * C;
+    float *y = out + n * C;
+    float mx = fsdp_row_max(x, C);
+    float inv = (float)(1.0 / fsdp_row_expsum(y, x, mx, C));
+    for (int64_t c = 0; c < C; c += VW) ST(y, c, C, LD(y, c, C, 0.0f) * inv);
+  }
+}
+
+static void softmax_backward(float *dinp, const float *dout, const float *out, int64_t lo,
+                             int64_t hi, int C) {
+  for (int64_t n = lo; n < hi; n++) {
+    const float *g = dout + n * C, *y = out + n * C;
+    float *d = dinp + n * C;
+    float dot = (float)fsdp_row_dot(g, y, C);
+    for (int64_t c = 0; c < C; c += VW)
+      ST(d, c, C, LD(d, c, C, 0.0f) + LD(y, c, C, 0.0f) * (LD(g, c, C, 0.0f) - dot));
+  }
+}
+
+/* ---- cross-entropy ------------------------------------------------------------------------- */
+
+static double cross_entropy_forward(float *lse, const float *logits, const int64_t *targets,
+                                    int64_t lo, int64_t hi, int V, int64_t ignore_index,
+                                    int64_t *count) {
+  double total = 0.0;
+  int64_t counted = 0;
+  for (int64_t i = lo; i < hi; i++) {
+    const int64_t tgt = targets[i];
+    if (tgt == ignore_index) {
+      lse[i] = 0.0f;
+      continue;
+    }
+    const float *row = logits + i * V;
+    const float mx = fsdp_row_max(row, V);
+    const double l = (double)mx + log(fsdp_row_expsum(NULL, row, mx, V));
+    lse[i] = (float)l;
+    total += l - (double)row[tgt];
+    counted++;
+  }
+  *count += counted;
+  return total;
+}
+
+/* softmax recomputed from the saved log-sum-exp and the gradient written in the same pass */
+static void cross_entropy_backward(float *dlogits, float sc, const float *logits,
+                                   const float *lse, const int64_t *targets, int64_t lo,
+                                   int64_t hi, int V, int64_t ignore_index) {
+  for (int64_t i = lo; i < hi; i++) {
+    const int64_t tgt = targets[i];
+    if (tgt == ignore_index) continue;
+    const float *x = logits + i * V;
+    float *d = dlogits + i * V;
+    const float l = lse[i];
+    for (int64_t v = 0; v < V; v += VW) {
+      fsdp_vf p = fsdp_vf_exp_nonpos(LD(x, v, V, -INFINITY) - l); /* x <= max <= lse */
+      ST(d, v, V, LD(d, v, V, 0.0f) + sc * p);
+    }
+    d[tgt] -= sc;
+  }
+}
+
+const fsdp_cpu_vec_i FSDP_VEC_TABLE = {
+    .relu_forward = relu_forward,
+    .relu_backward = relu_backward,
+    .gelu_forward = gelu_forward,
+    .gelu_backward = gelu_backward,
+    .dropout_mask = dropout_mask,
+    .bias_gelu_forward = bias_gelu_forward,
+    .bias_gelu_backward_cols = bias_gelu_backward_cols,
+    .add_acc = add_acc,
+    .mul_acc = mul_acc,
+    .div_acc = div_acc,
+    .scale_acc = scale_acc,
+    .rdiv_acc = rdiv_acc,
+    .diff_acc = diff_acc,
+    .binary = binary,
+    .binary_scalar = binary_scalar,
+    .affine = affine,
+    .binary_backward_b_cols = binary_backward_b_cols,
+    .binary_backward_b_sum = binary_backward_b_sum,
+    .sqdiff_sum = sqdiff_sum,
+    .mask_apply = mask_apply,
+    .adamw = adamw,
+    .adamw_masked = adamw_masked,
+    .layernorm_forward = layernorm_forward,
+    .layernorm_backward = layernorm_backward,
+    .layernorm_backward_cols = layernorm_backward_cols,
+    .softmax_forward = softmax_forward,
+    .softmax_backward = softmax_backward,
+    .cross_entropy_forward = cross_entropy_forward,
+    .cross_entropy_backward = cross_entropy_backward,
+};

@@ -1,0 +1,282 @@
+/*
+ * test_isa.c — the instruction-set levels of the element-wise cpu kernels (src/kernels/cpu/
+ * isa.h): FSDP_CPU_ISA's rules and errors, and every vectorised kernel run at each level this
+ * processor has against the scalar level (within 1e-6 relative; the design gives the same
+ * bits, which the test counts and prints). Sizes are odd so every vector tail runs, and large
+ * enough that the kernels split over several chunks once the pool has threads.
+ * test_kernels checks the kernels' math at one level; ctest runs it once per forced level.
+ */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "core/core.h"
+#include "kernels/cpu/isa.h"
+#include "kernels/cpu/kernels.h"
+
+static uint64_t rng_state;
+
+static float urand(float lo, float hi) { /* xorshift64* */
+  rng_state ^= rng_state >> 12;
+  rng_state ^= rng_state << 25;
+  rng_state ^= rng_state >> 27;
+  double u = (double)((rng_state * 0x2545f4914f6cdd1dull) >> 11) * (1.0 / 9007199254740992.0);
+  return (float)(lo + (hi - lo) * u);
+}
+
+static float *frand(int64_t n, float lo, float hi) {
+  float *p = malloc(sizeof(float) * (size_t)n);
+  for (int64_t i = 0; i < n; i++) p[i] = urand(lo, hi);
+  return p;
+}
+
+static float *fcopy(const float *x, int64_t n) {
+  float *p = malloc(sizeof(float) * (size_t)n);
+  memcpy(p, x, sizeof(float) * (size_t)n);
+  return p;
+}
+
+/* ---- FSDP_CPU_ISA's rules ------------------------------------------------------------------ */
+
+static void test_parse(void **state) {
+  (void)state;
+  fsdp_cpu_isa_level l;
+  assert_int_equal(fsdp_cpu_isa_parse(NULL, FSDP_CPU_ISA_AVX2, &l), FSDP_OK);
+  assert_int_equal(l, FSDP_CPU_ISA_AVX2); /* unset: the best */
+  assert_int_equal(fsdp_cpu_isa_parse("", FSDP_CPU_ISA_AVX512, &l), FSDP_OK);
+  assert_int_equal(l, FSDP_CPU_ISA_AVX512);
+  assert_int_equal(fsdp_cpu_isa_parse("scalar", FSDP_CPU_ISA_AVX512, &l), FSDP_OK);
+  assert_int_equal(l, FSDP_CPU_ISA_SCALAR);
+  assert_int_equal(fsdp_cpu_isa_parse("AVX2", FSDP_CPU_ISA_AVX512, &l), FSDP_OK);
+  assert_int_equal(l, FSDP_CPU_ISA_AVX2);
+  assert_int_equal(fsdp_cpu_isa_parse("avx512", FSDP_CPU_ISA_AVX512, &l), FSDP_OK);
+  assert_int_equal(l, FSDP_CPU_ISA_AVX512);
+
+  /* a level the processor lacks: a Zen 3 asked for AVX-512 */
+  assert_int_equal(fsdp_cpu_isa_parse("avx512", FSDP_CPU_ISA_AVX2, &l), FSDP_ERR);
+  assert_non_null(strstr(fsdp_error_msg(), "FSDP_CPU_ISA=avx512"));
+  assert_non_null(strstr(fsdp_error_msg(), "lacks AVX-512"));
+  assert_non_null(strstr(fsdp_error_msg(), "its best is avx2"));
+  assert_int_equal(fsdp_cpu_isa_parse("avx2", FSDP_CPU_ISA_SCALAR, &l), FSDP_ERR);
+  assert_non_null(strstr(fsdp_error_msg(), "FSDP_CPU_ISA=avx2: this processor lacks AVX2"));
+
+  /* unknown values name the variable and the choices */
+  assert_int_equal(fsdp_cpu_isa_parse("sse9", FSDP_CPU_ISA_AVX512, &l), FSDP_ERR);
+  assert_non_null(strstr(fsdp_error_msg(), "FSDP_CPU_ISA='sse9': unknown instruction set"));
+  assert_non_null(strstr(fsdp_error_msg(), "avx512, avx2 or scalar"));
+  assert_int_equal(fsdp_cpu_isa_parse("avx", FSDP_CPU_ISA_AVX512, &l), FSDP_ERR);
+}
+
+static void test_set(void **state) {
+  (void)state;
+  const fsdp_cpu_isa_level best = fsdp_cpu_isa_best(), was = fsdp_cpu_isa();
+  for (int l = 0; l <= (int)best; l++) {
+    assert_int_equal(fsdp_cpu_isa_set((fsdp_cpu_isa_level)l), FSDP_OK);
+    assert_int_equal(fsdp_cpu_isa(), l);
+    assert_string_equal(fsdp_cpu_isa_current(), fsdp_cpu_isa_name((fsdp_cpu_isa_level)l));
+  }
+  if (best < FSDP_CPU_ISA_AVX512) { /* the processor's own refusal */
+    assert_int_equal(fsdp_cpu_isa_set(FSDP_CPU_ISA_AVX512), FSDP_ERR);
+    assert_non_null(strstr(fsdp_error_msg(), "this processor lacks"));
+    assert_int_equal(fsdp_cpu_isa(), best);
+  }
+  assert_int_equal(fsdp_cpu_isa_set(FSDP_CPU_ISA_COUNT), FSDP_ERR);
+  assert_int_equal(fsdp_cpu_isa_set(was), FSDP_OK);
+}
+
+/* ---- every kernel at every level ----------------------------------------------------------- */
+
+enum { N_EW = 100003, ROWS = 67, C = 389, V = 263, NOUT = 64 };
+
+typedef struct {
+  const char *name;
+  float *v;
+  int64_t n;
+} out_t;
+
+typedef struct {
+  out_t o[NOUT];
+  int count;
+} outs_t;
+
+static float *out_new(outs_t *r, const char *name, const float *init, int64_t n) {
+  assert_true(r->count < NOUT);
+  float *p = init ? fcopy(init, n) : calloc((size_t)n, sizeof(float));
+  r->o[r->count++] = (out_t){name, p, n};
+  return p;
+}
+
+static float *out_scalar(outs_t *r, const char *name, float x) {
+  return out_new(r, name, &x, 1);
+}
+
+/* inputs: the same for every level */
+typedef struct {
+  float *x, *y, *g, *acc, *b, *w, *bias, *lx, *lg, *lacc, *logits, *lacc2, *mask;
+  int64_t tgt[ROWS], ids[ROWS];
+} inputs_t;
+
+static void inputs_make(inputs_t *in) {
+  rng_state = 0x9e3779b97f4a7c15ull;
+  in->x = frand(N_EW, -6.0f, 6.0f);
+  in->y = frand(N_EW, -2.0f, 2.0f);
+  in->g = frand(N_EW, -1.0f, 1.0f);
+  in->acc = frand(N_EW, -1.0f, 1.0f);
+  in->b = frand(C, 0.5f, 2.0f);
+  in->w = frand(C, 0.5f, 1.5f);
+  in->bias = frand(C, -0.5f, 0.5f);
+  in->lx = frand(ROWS * C, -3.0f, 5.0f);
+  in->lg = frand(ROWS * C, -1.0f, 1.0f);
+  in->lacc = frand(ROWS * C, -1.0f, 1.0f);
+  in->logits = frand(ROWS * V, -8.0f, 8.0f);
+  in->lacc2 = frand(ROWS * V, -1.0f, 1.0f);
+  in->mask = frand(N_EW, 0.0f, 1.0f);
+  for (int64_t i = 0; i < N_EW; i++) in->mask[i] = in->mask[i] < 0.3f ? 0.0f : 1.0f;
+  for (int i = 0; i < ROWS; i++) {
+    in->tgt[i] = i % 5 == 3 ? -100 : (int64_t)(urand(0.0f, 1.0f) * (V - 1));
+    in->ids[i] = i % 7;
+  }
+  in->lx[C + 2] = 1e4f;  /* a row with a large mean */
+  for (int c = 0; c < C; c++) in->lx[2 * C + c] += 1000.0f;
+}
+
+static void inputs_free(inputs_t *in) {
+  float *all[] = {in->x, in->y, in->g, in->acc, in->b, in->w, in->bias, in->lx, in->lg,
+                  in->lacc, in->logits, in->lacc2, in->mask};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) free(all[i]);
+}
+
+static void run_all(outs_t *r, const inputs_t *in) {
+  r->count = 0;
+  const int64_t n = N_EW, nc = (int64_t)ROWS * C;
+  fsdp_cpu_gelu_forward(out_new(r, "gelu", NULL, n), in->x, n);
+  fsdp_cpu_gelu_backward(out_new(r, "gelu backward", in->acc, n), in->g, in->x, n);
+  fsdp_cpu_bias_gelu_forward(out_new(r, "bias gelu", NULL, nc), in->lx, in->b, ROWS, C);
+  fsdp_cpu_bias_gelu_backward(out_new(r, "bias gelu dinp", in->lacc, nc),
+                              out_new(r, "bias gelu dbias", in->w, C), in->lg, in->lx, in->b,
+                              ROWS, C);
+  fsdp_cpu_relu_forward(out_new(r, "relu", NULL, n), in->x, n);
+  fsdp_cpu_relu_backward(out_new(r, "relu backward", in->acc, n), in->g, in->x, n);
+  float *dm = out_new(r, "dropout mask", NULL, n);
+  fsdp_cpu_dropout_forward(out_new(r, "dropout", NULL, n), dm, in->x, n, 0.3f, 42, 7);
+  fsdp_cpu_dropout_backward(out_new(r, "dropout backward", in->acc, n), in->g, dm, n);
+  for (int op = FSDP_BIN_ADD; op <= FSDP_BIN_DIV; op++) {
+    /* b broadcast over rows (m = C), and a scalar b */
+    const int64_t nb = n - n % C;
+    fsdp_cpu_binary_forward(out_new(r, "binary", NULL, nb), in->x, in->b, nb, C, op);
+    fsdp_cpu_binary_forward(out_new(r, "binary scalar", NULL, n), in->x, in->b, n, 1, op);
+    fsdp_cpu_binary_backward(out_new(r, "binary backward a", in->acc, nb),
+                             out_new(r, "binary backward b", in->w, C), in->g, in->x, in->b, nb,
+                             C, op);
+  }
+  fsdp_cpu_affine_forward(out_new(r, "affine", NULL, n), in->x, 0.7f, -0.2f, n);
+  fsdp_cpu_affine_backward(out_new(r, "affine backward", in->acc, n), in->g, 0.7f, n);
+
+  float *mean = out_new(r, "layernorm mean", NULL, ROWS);
+  float *rstd = out_new(r, "layernorm rstd", NULL, ROWS);
+  float *ln = out_new(r, "layernorm", NULL, nc);
+  fsdp_cpu_layernorm_forward(ln, mean, rstd, in->lx, in->w, in->bias, ROWS, C, 1e-5f);
+  fsdp_cpu_layernorm_forward(out_new(r, "layernorm no affine", NULL, nc),
+                             out_new(r, "mean 2", NULL, ROWS), out_new(r, "rstd 2", NULL, ROWS),
+                             in->lx, NULL, NULL, ROWS, C, 1e-5f);
+  fsdp_cpu_layernorm_backward(out_new(r, "layernorm dinp", in->lacc, nc),
+                              out_new(r, "layernorm dweight", in->w, C),
+                              out_new(r, "layernorm dbias", in->bias, C), in->lg, in->lx, in->w,
+                              mean, rstd, ROWS, C);
+
+  float *sm = out_new(r, "softmax", NULL, nc);
+  fsdp_cpu_softmax_forward(sm, in->lx, ROWS, C);
+  fsdp_cpu_softmax_backward(out_new(r, "softmax backward", in->lacc, nc), in->lg, sm, ROWS, C);
+
+  float *lse = out_new(r, "cross-entropy lse", NULL, ROWS);
+  int64_t count = 0;
+  float loss = fsdp_cpu_cross_entropy_forward(lse, in->logits, in->tgt, ROWS, V, -100, &count);
+  out_scalar(r, "cross-entropy loss", loss);
+  fsdp_cpu_cross_entropy_backward(out_new(r, "cross-entropy backward", in->lacc2, ROWS * V),
+                                  0.5f, in->logits, lse, in->tgt, ROWS, V, -100, count);
+  out_scalar(r, "mse", fsdp_cpu_mse_forward(in->x, in->y, n));
+  fsdp_cpu_mse_backward(out_new(r, "mse da", in->acc, n), out_new(r, "mse db", in->g, n), 0.9f,
+                        in->x, in->y, n);
+  fsdp_cpu_embedding_backward(out_new(r, "embedding backward", in->lacc, 7 * C), in->lg,
+                              in->ids, ROWS, C);
+
+  float *p = out_new(r, "adamw p", in->x, n), *m = out_new(r, "adamw m", NULL, n);
+  float *v = out_new(r, "adamw v", NULL, n);
+  for (int step = 1; step <= 3; step++)
+    fsdp_cpu_adamw_step(p, m, v, step == 2 ? in->y : in->g, n, 1e-3f, 0.9f, 0.999f, 1e-8f,
+                        0.1f, step);
+  p = out_new(r, "masked adamw p", in->x, n);
+  float *gm = out_new(r, "masked adamw g", in->g, n);
+  m = out_new(r, "masked adamw m", NULL, n), v = out_new(r, "masked adamw v", NULL, n);
+  for (int step = 1; step <= 2; step++)
+    fsdp_cpu_adamw_step_masked(p, m, v, gm, in->mask, n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.1f, step);
+  float *mx = out_new(r, "mask apply", in->x, n);
+  fsdp_cpu_mask_apply(mx, in->mask, n);
+}
+
+static void outs_free(outs_t *r) {
+  for (int i = 0; i < r->count; i++) free(r->o[i].v);
+  r->count = 0;
+}
+
+static void test_levels_agree(void **state) {
+  (void)state;
+  const fsdp_cpu_isa_level best = fsdp_cpu_isa_best(), was = fsdp_cpu_isa();
+  if (best == FSDP_CPU_ISA_SCALAR) {
+    printf("test_isa: this processor has no AVX2: only the scalar level, nothing to compare\n");
+    skip();
+  }
+  inputs_t in;
+  inputs_make(&in);
+  outs_t ref, got;
+  assert_int_equal(fsdp_cpu_isa_set(FSDP_CPU_ISA_SCALAR), FSDP_OK);
+  run_all(&ref, &in);
+  for (int l = FSDP_CPU_ISA_AVX2; l < FSDP_CPU_ISA_COUNT; l++) {
+    if (l > (int)best) {
+      printf("test_isa: %s not compared: this processor lacks it\n",
+             fsdp_cpu_isa_name((fsdp_cpu_isa_level)l));
+      continue;
+    }
+    assert_int_equal(fsdp_cpu_isa_set((fsdp_cpu_isa_level)l), FSDP_OK);
+    run_all(&got, &in);
+    assert_int_equal(got.count, ref.count);
+    int64_t total = 0, same = 0;
+    for (int k = 0; k < ref.count; k++) {
+      const out_t *a = &ref.o[k], *b = &got.o[k];
+      for (int64_t i = 0; i < a->n; i++) {
+        float x = a->v[i], y = b->v[i];
+        total++;
+        if (memcmp(&x, &y, sizeof x) == 0) {
+          same++;
+          continue;
+        }
+        double err = fabs((double)x - (double)y), tol = 1e-6 * fmax(fabs(x), fabs(y));
+        if (!(err <= tol))
+          fail_msg("%s at %s, element %lld: %.9g, scalar level %.9g",
+                   a->name, fsdp_cpu_isa_name((fsdp_cpu_isa_level)l), (long long)i, y, x);
+      }
+    }
+    printf("test_isa: %s against scalar: %lld of %lld values bitwise equal, all within 1e-6\n",
+           fsdp_cpu_isa_name((fsdp_cpu_isa_level)l), (long long)same, (long long)total);
+    outs_free(&got);
+  }
+  outs_free(&ref);
+  inputs_free(&in);
+  assert_int_equal(fsdp_cpu_isa_set(was), FSDP_OK);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_parse),
+      cmocka_unit_test(test_set),
+      cmocka_unit_test(test_levels_agree),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
