@@ -1,5 +1,5 @@
 /*
- * l_bench.c — measurement helpers for bench/ scripts: a wall clock and raw OpenBLAS sgemm
+ * l_bench.c — measurement helpers for bench/ scripts: a wall clock and the cpu's f32 GEMM
  * throughput at a given shape, measured in the same process as the thing being compared.
  *
  * sgemm_gflops calls the cpu's f32 GEMM directly on its own host buffers, on purpose: it is the
