@@ -44,8 +44,7 @@ function M.debug()
   local where = caller and (caller.short_src .. ":" .. (caller.currentline or "?")) or "?"
   local host = package.loaded.fsdprun
   if type(host) ~= "table" or type(host.repl) ~= "function" then
-    local fsdp = require "fsdp"
-    if fsdp.world_size() > 1 then
+    if require("fsdp.core").world_size() > 1 then
       error("fsdp.debug: the REPL needs fsdprun (this program embeds the engine without it)", 2)
     end
     io.stderr:write("fsdp.debug() at ", where, ": Lua's debug.debug(); 'cont' goes on\n")
