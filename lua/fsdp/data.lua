@@ -14,7 +14,6 @@
 --    integers exactly only up to 256 (2048).
 
 local core = require "fsdp.core"
-local seeds = require "fsdp.seed"
 local bit = require "bit"
 
 local data = {}
@@ -226,7 +225,7 @@ function data.fashion_mnist(opts)
   local self = setmetatable({
     split = split, batch = opts.batch, n = n, features = features, classes = 10,
     shuffle = opts.shuffle == nil and split == "train" or not not opts.shuffle,
-    seed = opts.seed or seeds.seed(), cursor = 0, opts = opts,
+    seed = opts.seed or core.seed(), cursor = 0, opts = opts,
     images = images:view { n, features }, labels = labels,
   }, FashionMNIST)
   return self
@@ -373,7 +372,7 @@ function data.text(path, opts)
   local bytes = table.concat(parts)
   return setmetatable({
     path = path, files = used, split = split, ctx = opts.ctx, batch = opts.batch, vocab = 256,
-    bytes = bytes, seed = opts.seed or seeds.seed(), cursor = 0, opts = opts,
+    bytes = bytes, seed = opts.seed or core.seed(), cursor = 0, opts = opts,
   }, Text)
 end
 

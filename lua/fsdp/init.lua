@@ -56,12 +56,12 @@ function fsdp.debug_on_error(on)
 end
 
 -- seeds and autograd ------------------------------------------------------------------------
---- Same seed => same values on every rank. Also restarts nn's count of outermost module
---- constructions (docs/nn.md, "Initialisation"), through seed_epoch (lua/fsdp/seed.lua).
-fsdp.manual_seed = seed.manual_seed
-fsdp.seed = seed.seed
---- How many times manual_seed has run: lets nn restart its construction count.
-fsdp.seed_epoch = seed.epoch
+-- manual_seed(n): same seed => same values on every rank; also restarts nn's count of
+-- outermost module constructions (docs/nn.md, "Initialisation"). seed(): the seed in force.
+-- seed_epoch(): how many times manual_seed has run. All three live in lua/fsdp/seed.lua.
+for _, name in ipairs { "manual_seed", "seed", "seed_epoch" } do
+  fsdp[name] = seed[name]
+end
 fsdp.is_grad_enabled = core.is_grad_enabled
 
 --- Run fn(...) with gradient recording off; returns fn's results. The previous mode comes

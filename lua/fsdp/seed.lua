@@ -1,10 +1,9 @@
--- fsdp.seed — the seed in force and how many times fsdp.manual_seed has set it. init.lua
--- re-exports these as fsdp.manual_seed, fsdp.seed and fsdp.seed_epoch; the library files that
--- need them (nn, data) require this file instead of "fsdp", so nothing below init.lua
--- requires it.
+-- fsdp.seed — the seed in force and how many times fsdp.manual_seed has set it; init.lua
+-- re-exports manual_seed, seed and seed_epoch as fsdp's. A library file that needs the count
+-- (nn/module.lua) requires this file, never "fsdp".
 --
--- The epoch (a count of manual_seed calls, per Lua state, that is per rank) lets nn restart
--- its count of outermost module constructions (docs/nn.md, "Initialisation").
+-- The count (per Lua state, so per rank) lets nn restart its count of outermost module
+-- constructions (docs/nn.md, "Initialisation"); fsdp.core.manual_seed alone does not add to it.
 
 local core = require "fsdp.core"
 
@@ -22,6 +21,6 @@ end
 function S.seed() return core.seed() end
 
 --- How many times manual_seed has run.
-function S.epoch() return epoch end
+function S.seed_epoch() return epoch end
 
 return S

@@ -11,7 +11,6 @@
 -- its descendants (Module:set_init), so each module's own reset_parameters produces them.
 
 local core = require "fsdp.core"
-local seeds = require "fsdp.seed"
 local util = require "fsdp.util"
 local base = require "fsdp.nn.module"
 local L = require "fsdp.nn.layers"
@@ -215,7 +214,7 @@ function GPT:generate(prompt, n, opts)
   local seed, stream = opts.seed, "generate/"
   if seed == nil then
     sample_calls = sample_calls + 1
-    seed, stream = seeds.seed(), "generate/" .. sample_calls .. "/"
+    seed, stream = core.seed(), "generate/" .. sample_calls .. "/"
   end
   local was_training = self.training
   self:eval()

@@ -537,7 +537,7 @@ local top_count, top_epoch = 0, nil
 -- The k-th outermost construction since the last fsdp.manual_seed (fsdp.seed_epoch counts
 -- manual_seed calls), with the seed in force.
 local function next_top()
-  local epoch = seeds.epoch()
+  local epoch = seeds.seed_epoch()
   if epoch ~= top_epoch then top_count, top_epoch = 0, epoch end
   top_count = top_count + 1
   return top_count, seeds.seed()
