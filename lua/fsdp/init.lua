@@ -1,5 +1,6 @@
 -- fsdp: the user-facing module. Tensors, autograd and kernels come from the C module
--- fsdp.core; nn, optim, data and log are Lua submodules loaded on first use.
+-- fsdp.core; seed and util (with log) load with this file, nn, optim, data and the other Lua
+-- submodules on first use of one of their names.
 --
 -- No other library file requires "fsdp": each requires the lower files it uses (fsdp.core,
 -- fsdp.seed, fsdp.util, ...), so loading one never loads this file (tests/lua/requires_spec.lua).
