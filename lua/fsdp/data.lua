@@ -13,7 +13,6 @@
 --    because a mixed-precision model casts its floating inputs to bf16 or f16, which hold
 --    integers exactly only up to 256 (2048).
 
-local fsdp = require "fsdp"
 local core = require "fsdp.core"
 local bit = require "bit"
 
@@ -109,15 +108,15 @@ end
 -- This rank and the world size: options rank= / world_size= (for tests and host programs that
 -- shard data themselves) override fsdp.rank() / fsdp.world_size().
 local function rank_world(self)
-  local rank = self.opts.rank or fsdp.rank()
-  local world = self.opts.world_size or fsdp.world_size()
+  local rank = self.opts.rank or core.rank()
+  local world = self.opts.world_size or core.world_size()
   return rank, world
 end
 
 local function check_rank_world(fn, opts)
   if opts.world_size ~= nil then check_count(fn, "world_size", opts.world_size) end
   if opts.rank ~= nil then
-    local w = opts.world_size or fsdp.world_size()
+    local w = opts.world_size or core.world_size()
     if type(opts.rank) ~= "number" or opts.rank % 1 ~= 0 or opts.rank < 0 or opts.rank >= w then
       error(("%s: rank %s is not in [0, %d)"):format(fn, tostring(opts.rank), w), 3)
     end
@@ -226,7 +225,7 @@ function data.fashion_mnist(opts)
   local self = setmetatable({
     split = split, batch = opts.batch, n = n, features = features, classes = 10,
     shuffle = opts.shuffle == nil and split == "train" or not not opts.shuffle,
-    seed = opts.seed or fsdp.seed(), cursor = 0, opts = opts,
+    seed = opts.seed or core.seed(), cursor = 0, opts = opts,
     images = images:view { n, features }, labels = labels,
   }, FashionMNIST)
   return self
@@ -373,7 +372,7 @@ function data.text(path, opts)
   local bytes = table.concat(parts)
   return setmetatable({
     path = path, files = used, split = split, ctx = opts.ctx, batch = opts.batch, vocab = 256,
-    bytes = bytes, seed = opts.seed or fsdp.seed(), cursor = 0, opts = opts,
+    bytes = bytes, seed = opts.seed or core.seed(), cursor = 0, opts = opts,
   }, Text)
 end
 

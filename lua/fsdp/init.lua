@@ -1,13 +1,15 @@
 -- fsdp: the user-facing module. Tensors, autograd and kernels come from the C module
--- fsdp.core; nn, optim, data and log are Lua submodules loaded on first use.
+-- fsdp.core; seed and util (with log) load with this file, nn, optim, data and the other Lua
+-- submodules on first use of one of their names.
 --
--- The module table is registered in package.loaded before any submodule loads, so a
--- submodule may `require "fsdp"` at its top and see every function defined here.
+-- No other library file requires "fsdp": each requires the lower files it uses (fsdp.core,
+-- fsdp.seed, fsdp.util, ...), so loading one never loads this file (tests/lua/requires_spec.lua).
 
 local core = require "fsdp.core"
+local seed = require "fsdp.seed"
+local util = require "fsdp.util"
 
 local fsdp = {}
-package.loaded.fsdp = fsdp
 
 fsdp.core = core
 fsdp.version = core.version
@@ -55,27 +57,17 @@ function fsdp.debug_on_error(on)
 end
 
 -- seeds and autograd ------------------------------------------------------------------------
-local seed_epoch = 0
---- Same seed => same values on every rank. Also restarts nn's count of outermost module
---- constructions (docs/nn.md, "Initialisation"), through seed_epoch.
-function fsdp.manual_seed(n)
-  core.manual_seed(n)
-  seed_epoch = seed_epoch + 1
+-- manual_seed(n): same seed => same values on every rank; also restarts nn's count of
+-- outermost module constructions (docs/nn.md, "Initialisation"). seed(): the seed in force.
+-- seed_epoch(): how many times manual_seed has run. All three live in lua/fsdp/seed.lua.
+for _, name in ipairs { "manual_seed", "seed", "seed_epoch" } do
+  fsdp[name] = seed[name]
 end
-function fsdp.seed() return core.seed() end
---- How many times manual_seed has run: lets nn restart its construction count.
-function fsdp.seed_epoch() return seed_epoch end
 fsdp.is_grad_enabled = core.is_grad_enabled
 
 --- Run fn(...) with gradient recording off; returns fn's results. The previous mode comes
 --- back even when fn raises.
-function fsdp.no_grad(fn, ...)
-  local prev = core.set_grad_enabled(false)
-  local res = { pcall(fn, ...) }
-  core.set_grad_enabled(prev)
-  if not res[1] then error(res[2], 0) end
-  return unpack(res, 2, table.maxn(res))
-end
+fsdp.no_grad = util.no_grad
 
 -- devices and modes -------------------------------------------------------------------------
 --- device_count(name) -> how many physical devices of that kind this machine has (0 when the

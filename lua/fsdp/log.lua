@@ -16,7 +16,6 @@
 -- booleans, strings, tables or 1-element tensors; the line shows the numeric ones (loss
 -- first, the rest by name), JSONL holds them all.
 
-local fsdp = require "fsdp"
 local core = require "fsdp.core"
 
 local log = {}
@@ -37,7 +36,7 @@ local function new_state(opts)
   }
 end
 
-local function my_rank() return S.rank or fsdp.rank() end
+local function my_rank() return S.rank or core.rank() end
 
 -- ---- JSON ---------------------------------------------------------------------------------
 

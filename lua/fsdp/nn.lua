@@ -4,7 +4,7 @@
 -- error paths, path-based initialisation), layers.lua (Linear ... Block), gpt.lua (GPT).
 -- This file assembles the public table and nn.F.
 
-local fsdp = require "fsdp"
+local core = require "fsdp.core"
 local base = require "fsdp.nn.module"
 local L = require "fsdp.nn.layers"
 local GPT = require "fsdp.nn.gpt"
@@ -25,7 +25,7 @@ function nn.Parameter(t)
   if not base.is_tensor(t) then
     base.raise(("nn.Parameter: expected a tensor (got %s)"):format(type(t)))
   end
-  return fsdp.core.parameter(t)
+  return core.parameter(t)
 end
 
 -- nn.new_param(shape): a new parameter for a custom module, on the current parameter device
@@ -51,17 +51,17 @@ nn.GPT = GPT
 
 -- nn.F: every fsdp.F op (looked up at call time, so ops the engine adds later appear here),
 -- plus the losses with their documented signatures.
-nn.F = setmetatable({}, {__index = function(_, k) return fsdp.F[k] end})
+nn.F = setmetatable({}, {__index = function(_, k) return core.F[k] end})
 
 -- cross_entropy(logits (..., C), targets (...), {ignore_index = -1}) -> mean over the
 -- positions whose target is not ignore_index (0-dim tensor). Targets are class ids from 0.
 function nn.F.cross_entropy(logits, targets, opts)
-  return fsdp.F.cross_entropy(logits, targets, opts)
+  return core.F.cross_entropy(logits, targets, opts)
 end
 
 -- mse(a, b) -> mean of (a - b)^2 over all elements (0-dim tensor).
 function nn.F.mse(a, b)
-  return fsdp.F.mse(a, b)
+  return core.F.mse(a, b)
 end
 
 return nn

@@ -9,6 +9,8 @@
 -- names is written back to the variable when the REPL ends, and the globals the names hid
 -- come back. Leaving the REPL (:quit, end of input) returns to the recipe.
 
+local core = require "fsdp.core"
+
 local M = {}
 
 -- The variables of the function `level` levels above the caller of this helper: name ->
@@ -44,8 +46,7 @@ function M.debug()
   local where = caller and (caller.short_src .. ":" .. (caller.currentline or "?")) or "?"
   local host = package.loaded.fsdprun
   if type(host) ~= "table" or type(host.repl) ~= "function" then
-    local fsdp = require "fsdp"
-    if fsdp.world_size() > 1 then
+    if core.world_size() > 1 then
       error("fsdp.debug: the REPL needs fsdprun (this program embeds the engine without it)", 2)
     end
     io.stderr:write("fsdp.debug() at ", where, ": Lua's debug.debug(); 'cont' goes on\n")

@@ -10,7 +10,8 @@
 -- (attn.proj.weight, mlp.proj.weight) N(0, 0.02/sqrt(2*layers)). GPT sets these as init specs on
 -- its descendants (Module:set_init), so each module's own reset_parameters produces them.
 
-local fsdp = require "fsdp"
+local core = require "fsdp.core"
+local util = require "fsdp.util"
 local base = require "fsdp.nn.module"
 local L = require "fsdp.nn.layers"
 
@@ -81,7 +82,7 @@ function GPT:positions(T)
   local pos = rawget(self, "__positions")
   local device = self.wpe.weight.device -- the positions live where the weights compute
   if pos == nil or pos.device ~= device then
-    pos = fsdp.arange(self.ctx, {dtype = "i64", device = device})
+    pos = core.arange(self.ctx, {dtype = "i64", device = device})
     rawset(self, "__positions", pos)
     rawset(self, "__row_positions", nil)
   end
@@ -99,7 +100,7 @@ function GPT:row_positions(B, T)
   if cache == nil or cache.B ~= B or cache.T ~= T then
     local rows = {}
     for b = 1, B do rows[b] = self:positions(T) end
-    cache = {B = B, T = T, pos = fsdp.stack(rows)}
+    cache = {B = B, T = T, pos = core.stack(rows)}
     rawset(self, "__row_positions", cache)
   end
   return cache.pos
@@ -213,20 +214,20 @@ function GPT:generate(prompt, n, opts)
   local seed, stream = opts.seed, "generate/"
   if seed == nil then
     sample_calls = sample_calls + 1
-    seed, stream = fsdp.seed(), "generate/" .. sample_calls .. "/"
+    seed, stream = core.seed(), "generate/" .. sample_calls .. "/"
   end
   local was_training = self.training
   self:eval()
-  local u = fsdp.zeros{1}
-  local ok, err = pcall(fsdp.no_grad, function()
+  local u = core.zeros{1}
+  local ok, err = pcall(util.no_grad, function()
     for step = 1, n do
       local first = math.max(1, #ids - self.ctx + 1)
       local window = {}
       for j = first, #ids do window[#window + 1] = ids[j] end
       local T = #window
-      local logits = self(fsdp.tensor({window}, {dtype = "i64"})) -- (1, T, V)
+      local logits = self(core.tensor({window}, {dtype = "i64"})) -- (1, T, V)
       local last = logits:narrow(2, T, 1):reshape{self.vocab}:totable()
-      fsdp.core.init_uniform(u, seed, stream .. step, 0, 1)
+      core.init_uniform(u, seed, stream .. step, 0, 1)
       ids[#ids + 1] = draw(last, temperature, opts.top_k, u:item())
     end
   end)

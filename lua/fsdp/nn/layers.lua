@@ -7,7 +7,7 @@
 -- Each class with parameters defines reset_parameters() over its own parameters only (see
 -- module.lua, "construction and initialisation"); the values follow PyTorch's defaults.
 
-local fsdp = require "fsdp"
+local core = require "fsdp.core"
 local base = require "fsdp.nn.module"
 
 local Module, is_module, release = base.Module, base.is_module, base.release
@@ -22,11 +22,11 @@ L.param_device = nil
 function L.new_param(shape)
   local t
   if L.param_device ~= nil then
-    t = fsdp.empty(shape, {device = L.param_device})
+    t = core.empty(shape, {device = L.param_device})
   else
-    t = fsdp.zeros(shape)
+    t = core.zeros(shape)
   end
-  return fsdp.core.parameter(t)
+  return core.parameter(t)
 end
 
 local function check_int(v, what, fn, min)
@@ -42,7 +42,7 @@ local function check_p(p, fn)
 end
 
 local function dropout(self, x, p)
-  if p > 0 and self.training then return fsdp.F.dropout(x, p) end
+  if p > 0 and self.training then return core.F.dropout(x, p) end
   return x
 end
 L.dropout = dropout
@@ -69,7 +69,7 @@ function Linear:reset_parameters()
 end
 
 function Linear:forward(x)
-  return fsdp.F.linear(x, self.weight, self.bias)
+  return core.F.linear(x, self.weight, self.bias)
 end
 
 function Linear:extra_repr()
@@ -95,7 +95,7 @@ function Embedding:reset_parameters()
 end
 
 function Embedding:forward(ids)
-  return fsdp.F.embedding(ids, self.weight)
+  return core.F.embedding(ids, self.weight)
 end
 
 function Embedding:extra_repr()
@@ -122,7 +122,7 @@ function LayerNorm:reset_parameters()
 end
 
 function LayerNorm:forward(x)
-  return fsdp.F.layernorm(x, self.weight, self.bias, self.eps)
+  return core.F.layernorm(x, self.weight, self.bias, self.eps)
 end
 
 function LayerNorm:extra_repr()
@@ -133,11 +133,11 @@ end
 
 local ReLU = Module:extend("ReLU")
 L.ReLU = ReLU
-function ReLU:forward(x) return fsdp.F.relu(x) end
+function ReLU:forward(x) return core.F.relu(x) end
 
 local GELU = Module:extend("GELU")
 L.GELU = GELU
-function GELU:forward(x) return fsdp.F.gelu(x) end -- tanh form, as GPT-2
+function GELU:forward(x) return core.F.gelu(x) end -- tanh form, as GPT-2
 
 local Dropout = Module:extend("Dropout")
 L.Dropout = Dropout
@@ -229,7 +229,7 @@ end
 
 function CausalSelfAttention:forward(x)
   local qkv = self.qkv(x) -- (B, T, 3d)
-  local y = fsdp.F.attention(qkv, self.heads) -- (B, T, d)
+  local y = core.F.attention(qkv, self.heads) -- (B, T, d)
   release(qkv, x)
   local p = self.proj(y)
   release(y, x)
@@ -271,12 +271,12 @@ end
 function MLP:forward(x)
   local fc, h = self.fc, nil
   if fused_fc(fc, x) then
-    local y = fsdp.F.linear(x, fc.weight) -- (..., hidden)
-    h = fsdp.F.bias_gelu(y, fc.bias)
+    local y = core.F.linear(x, fc.weight) -- (..., hidden)
+    h = core.F.bias_gelu(y, fc.bias)
     release(y, x)
   else
     local y = fc(x) -- (..., hidden)
-    h = fsdp.F.gelu(y)
+    h = core.F.gelu(y)
     release(y, x)
   end
   local p = self.proj(h)

@@ -21,8 +21,8 @@
 -- parameters by identity: a parameter (or module) reachable twice is reported once, under the
 -- first path in traversal order.
 
-local fsdp = require "fsdp"
 local core = require "fsdp.core"
+local seeds = require "fsdp.seed"
 local state = require "fsdp.state"
 local util = require "fsdp.util"
 
@@ -537,10 +537,10 @@ local top_count, top_epoch = 0, nil
 -- The k-th outermost construction since the last fsdp.manual_seed (fsdp.seed_epoch counts
 -- manual_seed calls), with the seed in force.
 local function next_top()
-  local epoch = fsdp.seed_epoch()
+  local epoch = seeds.seed_epoch()
   if epoch ~= top_epoch then top_count, top_epoch = 0, epoch end
   top_count = top_count + 1
-  return top_count, fsdp.seed()
+  return top_count, seeds.seed()
 end
 
 -- A parameter is fresh while it holds exactly what automatic initialisation put there (or was
@@ -651,9 +651,9 @@ function Module:init_param(name, kind, a, b)
   r.kind, r.a, r.b = kind, a, b
   if p.device == "meta" then return false end
   if kind == "normal" then
-    fsdp.core.init_normal(p, seed, key, a, b)
+    core.init_normal(p, seed, key, a, b)
   elseif kind == "uniform" then
-    fsdp.core.init_uniform(p, seed, key, a, b)
+    core.init_uniform(p, seed, key, a, b)
   elseif kind == "constant" then
     p:fill(a)
   else
