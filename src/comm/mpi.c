@@ -54,6 +54,7 @@
  * sequence number.
  */
 #include "comm/mpi.h"
+#include "core/cond.h"
 
 #include <mpi.h>
 
@@ -1472,11 +1473,7 @@ int fsdp_comm_mpi_new(fsdp_comm **out) {
   mc->grace = grace;
   pthread_mutex_init(&mc->mu, NULL);
   pthread_mutex_init(&mc->pmu, NULL);
-  pthread_condattr_t ca;
-  pthread_condattr_init(&ca);
-  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-  pthread_cond_init(&mc->cv, &ca);
-  pthread_condattr_destroy(&ca);
+  fsdp_cond_init_monotonic(&mc->cv);
 
   pthread_mutex_lock(&g_mpi_mu);
   int err = MPI_Comm_dup(MPI_COMM_WORLD, &mc->data);

@@ -23,6 +23,7 @@
 
 #include "host/host.h"
 #include "comm/nccl.h"
+#include "core/cond.h"
 
 #define HOST_RANK_STACK (16u << 20) /* C stack of a rank thread: as much as a main thread */
 #define HOST_ABORT_MSG 1024         /* the longest message a failing rank aborts its group with */
@@ -599,11 +600,7 @@ static fsdp_host *host_alloc(const fsdp_host_opts *opts) {
   pthread_mutex_init(&h->mu, NULL);
   pthread_mutex_init(&h->fail_mu, NULL);
   pthread_cond_init(&h->job_cv, NULL);
-  pthread_condattr_t ca;
-  pthread_condattr_init(&ca);
-  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-  pthread_cond_init(&h->done_cv, &ca);
-  pthread_condattr_destroy(&ca);
+  fsdp_cond_init_monotonic(&h->done_cv);
   for (int i = 0; i < n; i++) {
     h->ranks[i].host = h;
     h->ranks[i].world = 1;
