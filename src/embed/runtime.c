@@ -46,21 +46,10 @@ static _Thread_local char tl_err[1024]; /* fsdp_last_error(NULL) */
 /* Whether the calling thread is a rank's (a callback's): such calls are refused. */
 static bool on_rank_thread(void) { return fsdp_host_current() != NULL; }
 
-static char *vformat(const char *fmt, va_list ap) {
-  va_list ap2;
-  va_copy(ap2, ap);
-  int n = vsnprintf(NULL, 0, fmt, ap2);
-  va_end(ap2);
-  if (n < 0) return NULL;
-  char *s = malloc((size_t)n + 1);
-  if (s != NULL) vsnprintf(s, (size_t)n + 1, fmt, ap);
-  return s;
-}
-
 int embed_fail(embed_rank *r, int status, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  char *s = vformat(fmt, ap);
+  char *s = fsdp_strdup_vprintf(fmt, ap);
   va_end(ap);
   free(r->msg);
   r->msg = s;
@@ -74,7 +63,7 @@ static int set_error(fsdp_runtime *rt, int status, const char *fmt, ...)
 static int set_error(fsdp_runtime *rt, int status, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  char *s = vformat(fmt, ap);
+  char *s = fsdp_strdup_vprintf(fmt, ap);
   va_end(ap);
   free(rt->err);
   rt->err = s;
