@@ -923,6 +923,23 @@ static bool parse_seconds(const char *s, double *out) {
   return true;
 }
 
+/* Whether a is the long option `name`, given as `name=VALUE` or `name VALUE` (then *i steps
+ * over VALUE); *val is the value, or NULL where it is missing. */
+static bool long_option(const char *a, const char *name, int argc, char **argv, int *i,
+                        const char **val) {
+  size_t n = strlen(name);
+  if (strncmp(a, name, n) != 0 || (a[n] != '=' && a[n] != '\0')) return false;
+  *val = a[n] == '=' ? a + n + 1 : (*i + 1 < argc ? argv[++*i] : NULL);
+  return true;
+}
+
+/* Whether s (possibly NULL) is one of the NULL-terminated words */
+static bool one_of(const char *s, const char *const *words) {
+  for (; s && *words; words++)
+    if (strcmp(s, *words) == 0) return true;
+  return false;
+}
+
 /* Returns -1 to go on running, or an exit status (0 after --help/--version). */
 static int parse_args(fsdprun_opts *o) {
   int argc = o->argc;
@@ -953,27 +970,23 @@ static int parse_args(fsdprun_opts *o) {
       g_debug_on_error = true;
       continue;
     }
-    if (strncmp(a, "--timeout", 9) == 0 && (a[9] == '=' || a[9] == '\0')) {
-      const char *val = a[9] == '=' ? a + 10 : (i + 1 < argc ? argv[++i] : NULL);
+    const char *val;
+    if (long_option(a, "--timeout", argc, argv, &i, &val)) {
       if (val == NULL) return usage_error("--timeout needs a number of seconds%s%s", "", "");
       if (!parse_seconds(val, &o->timeout))
         return usage_error("--timeout '%s': the timeout must be a positive number of seconds%s",
                            val, "");
       continue;
     }
-    if (strncmp(a, "--progress", 10) == 0 && (a[10] == '=' || a[10] == '\0')) {
-      const char *val = a[10] == '=' ? a + 11 : (i + 1 < argc ? argv[++i] : NULL);
-      if (val == NULL || (strcmp(val, "auto") != 0 && strcmp(val, "bar") != 0 &&
-                          strcmp(val, "line") != 0 && strcmp(val, "off") != 0))
+    if (long_option(a, "--progress", argc, argv, &i, &val)) {
+      if (!one_of(val, (const char *const[]){"auto", "bar", "line", "off", NULL}))
         return usage_error("--progress '%s': expected 'auto', 'bar', 'line' or 'off'%s",
                            val ? val : "", "");
       o->progress = val;
       continue;
     }
-    if (strncmp(a, "--backend", 9) == 0 && (a[9] == '=' || a[9] == '\0')) {
-      const char *val = a[9] == '=' ? a + 10 : (i + 1 < argc ? argv[++i] : NULL);
-      if (val == NULL || (strcmp(val, "local") != 0 && strcmp(val, "mpi") != 0 &&
-                          strcmp(val, "nccl") != 0 && strcmp(val, "auto") != 0))
+    if (long_option(a, "--backend", argc, argv, &i, &val)) {
+      if (!one_of(val, (const char *const[]){"local", "mpi", "nccl", "auto", NULL}))
         return usage_error("--backend '%s': expected 'local', 'mpi', 'nccl' or 'auto'%s",
                            val ? val : "", "");
       o->nccl = strcmp(val, "nccl") == 0;
@@ -982,7 +995,7 @@ static int parse_args(fsdprun_opts *o) {
       continue;
     }
     if (a[1] == 'n' || a[1] == 'e') {
-      const char *val = a[2] != '\0' ? a + 2 : (i + 1 < argc ? argv[++i] : NULL);
+      val = a[2] != '\0' ? a + 2 : (i + 1 < argc ? argv[++i] : NULL);
       if (a[1] == 'n') {
         if (val == NULL) return usage_error("-n needs a number of ranks%s%s", "", "");
         if (!parse_positive_int(val, &o->nranks))

@@ -34,6 +34,7 @@
  * bits. So all ranks hold identical bits, and runs repeat bit for bit.
  */
 #include "comm/comm.h"
+#include "core/cond.h"
 #include "kernels/kernels.h"
 
 #include <errno.h>
@@ -96,11 +97,7 @@ int fsdp_local_group_new(fsdp_local_group **out, int world) {
   g->world = world;
   g->refs = 1;
   pthread_mutex_init(&g->mu, NULL);
-  pthread_condattr_t ca;
-  pthread_condattr_init(&ca);
-  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-  pthread_cond_init(&g->cv, &ca);
-  pthread_condattr_destroy(&ca);
+  fsdp_cond_init_monotonic(&g->cv);
   *out = g;
   return FSDP_OK;
 }

@@ -54,6 +54,7 @@
  * sequence number.
  */
 #include "comm/mpi.h"
+#include "core/cond.h"
 
 #include <mpi.h>
 
@@ -322,6 +323,14 @@ static int post_at(mpi_comm *mc, int i, bool recv, rq_kind kind, void *buf, int6
   return MPI_SUCCESS;
 }
 
+/* Count the library collective just posted into request mc->nreq (room reserved with
+ * req_reserve); it is never cancelled. */
+static void track_lib(mpi_comm *mc) {
+  mc->info[mc->nreq] = (rq_info){.kind = RQ_LIB, .peer = -1};
+  mc->nreq++;
+  mc->live++;
+}
+
 /* post_at a new request (room reserved with req_reserve). */
 static int post(mpi_comm *mc, bool recv, rq_kind kind, void *buf, int64_t n, MPI_Datatype dt,
                 int peer, int tag, MPI_Comm comm, int slot, int64_t len) {
@@ -501,9 +510,7 @@ static int op_begin(mpi_comm *mc, mpi_op *op) {
                            mc->ctl, &mc->req[i]);
   pthread_mutex_unlock(&g_mpi_mu);
   if (err != MPI_SUCCESS) return op_fail_mpi(mc, op, "MPI_Iallreduce (fingerprint check)", err);
-  mc->info[i] = (rq_info){.kind = RQ_LIB, .peer = -1};
-  mc->nreq++;
-  mc->live++;
+  track_lib(mc);
   return FSDP_OK;
 }
 
@@ -790,9 +797,7 @@ static int data_begin(mpi_comm *mc, mpi_op *op) {
                                (int)n, mc->mdt, mc->data, &mc->req[i]);
       pthread_mutex_unlock(&g_mpi_mu);
       if (err != MPI_SUCCESS) return op_fail_mpi(mc, op, "MPI_Iallgather", err);
-      mc->info[i] = (rq_info){.kind = RQ_LIB, .peer = -1};
-      mc->nreq++;
-      mc->live++;
+      track_lib(mc);
       return FSDP_OK;
     }
     int64_t pieces = (n + MAX_PIECE - 1) / MAX_PIECE;
@@ -826,9 +831,7 @@ static int data_begin(mpi_comm *mc, mpi_op *op) {
                            &mc->req[i]);
       pthread_mutex_unlock(&g_mpi_mu);
       if (err != MPI_SUCCESS) return op_fail_mpi(mc, op, "MPI_Ibcast", err);
-      mc->info[i] = (rq_info){.kind = RQ_LIB, .peer = -1};
-      mc->nreq++;
-      mc->live++;
+      track_lib(mc);
     }
     return FSDP_OK;
   }
@@ -1472,11 +1475,7 @@ int fsdp_comm_mpi_new(fsdp_comm **out) {
   mc->grace = grace;
   pthread_mutex_init(&mc->mu, NULL);
   pthread_mutex_init(&mc->pmu, NULL);
-  pthread_condattr_t ca;
-  pthread_condattr_init(&ca);
-  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-  pthread_cond_init(&mc->cv, &ca);
-  pthread_condattr_destroy(&ca);
+  fsdp_cond_init_monotonic(&mc->cv);
 
   pthread_mutex_lock(&g_mpi_mu);
   int err = MPI_Comm_dup(MPI_COMM_WORLD, &mc->data);

@@ -14,6 +14,7 @@
 #ifndef FSDP_CORE_H
 #define FSDP_CORE_H
 
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -35,6 +36,10 @@ int fsdp_error_context(const char *fmt, ...) __attribute__((format(printf, 1, 2)
 /* The calling thread's last message ("" when none). Valid until the next fsdp_error*. */
 const char *fsdp_error_msg(void);
 void fsdp_error_clear(void);
+
+/* printf into a new string that the caller frees; NULL when out of memory */
+char *fsdp_strdup_printf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+char *fsdp_strdup_vprintf(const char *fmt, va_list ap);
 
 /* ---- dtypes, roles ------------------------------------------------------------------- */
 

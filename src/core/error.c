@@ -15,37 +15,40 @@
 
 static _Thread_local char error_msg[FSDP_ERROR_CAP];
 
-int fsdp_error(const char *fmt, ...) {
-  /* Format into a scratch buffer first: arguments may point into error_msg itself
-   * (fsdp_error("%s", fsdp_error_msg())), and vsnprintf must not read what it writes. */
+/* Set the slot to the formatted message, or with `context` to "message: <what it held>",
+ * truncated at the slot's end (the head holds the context and the cause). Formats into a
+ * scratch buffer first: arguments may point into error_msg itself
+ * (fsdp_error("%s", fsdp_error_msg())), and vsnprintf must not read what it writes. */
+static void set_msg(bool context, const char *fmt, va_list ap) {
   char tmp[FSDP_ERROR_CAP];
+  vsnprintf(tmp, sizeof tmp, fmt, ap);
+  if (context) {
+    size_t n = strlen(tmp);
+    if (n + 2 < sizeof tmp) {
+      memcpy(tmp + n, ": ", 2);
+      n += 2;
+    }
+    size_t old = strlen(error_msg);
+    if (old > sizeof tmp - 1 - n) old = sizeof tmp - 1 - n;
+    memcpy(tmp + n, error_msg, old);
+    tmp[n + old] = '\0';
+  }
+  memcpy(error_msg, tmp, sizeof tmp);
+}
+
+int fsdp_error(const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(tmp, sizeof tmp, fmt, ap);
+  set_msg(false, fmt, ap);
   va_end(ap);
-  memcpy(error_msg, tmp, sizeof tmp);
   return FSDP_ERR;
 }
 
 int fsdp_error_context(const char *fmt, ...) {
-  char ctx[FSDP_ERROR_CAP];
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(ctx, sizeof ctx, fmt, ap);
+  set_msg(true, fmt, ap);
   va_end(ap);
-  /* "ctx: old", truncated at the slot's end (the head holds the context and the cause) */
-  char tmp[FSDP_ERROR_CAP];
-  size_t n = strlen(ctx);
-  memcpy(tmp, ctx, n);
-  if (n + 2 < sizeof tmp) {
-    memcpy(tmp + n, ": ", 2);
-    n += 2;
-  }
-  size_t old = strlen(error_msg);
-  if (old > sizeof tmp - 1 - n) old = sizeof tmp - 1 - n;
-  memcpy(tmp + n, error_msg, old);
-  tmp[n + old] = '\0';
-  memcpy(error_msg, tmp, n + old + 1);
   return FSDP_ERR;
 }
 

@@ -78,6 +78,7 @@ struct fsdp_runtime {
   embed_rank *ranks;
   pthread_mutex_t api_mu; /* one host call at a time */
   embed_job_fn job_fn;    /* the current job, run on every rank */
+  lua_CFunction job_cp;   /* or this, run in protected mode on every rank */
   embed_job job;          /* its arguments */
   bool broken;
   char *broken_msg;       /* the failure that broke it */

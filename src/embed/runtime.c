@@ -46,24 +46,18 @@ static _Thread_local char tl_err[1024]; /* fsdp_last_error(NULL) */
 /* Whether the calling thread is a rank's (a callback's): such calls are refused. */
 static bool on_rank_thread(void) { return fsdp_host_current() != NULL; }
 
-static char *vformat(const char *fmt, va_list ap) {
-  va_list ap2;
-  va_copy(ap2, ap);
-  int n = vsnprintf(NULL, 0, fmt, ap2);
-  va_end(ap2);
-  if (n < 0) return NULL;
-  char *s = malloc((size_t)n + 1);
-  if (s != NULL) vsnprintf(s, (size_t)n + 1, fmt, ap);
-  return s;
+/* *slot = the formatted message (NULL when out of memory), the one it held freed */
+static void replace_msg(char **slot, const char *fmt, va_list ap) {
+  char *s = fsdp_strdup_vprintf(fmt, ap);
+  free(*slot);
+  *slot = s;
 }
 
 int embed_fail(embed_rank *r, int status, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  char *s = vformat(fmt, ap);
+  replace_msg(&r->msg, fmt, ap);
   va_end(ap);
-  free(r->msg);
-  r->msg = s;
   r->status = status;
   return status;
 }
@@ -74,10 +68,8 @@ static int set_error(fsdp_runtime *rt, int status, const char *fmt, ...)
 static int set_error(fsdp_runtime *rt, int status, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  char *s = vformat(fmt, ap);
+  replace_msg(&rt->err, fmt, ap);
   va_end(ap);
-  free(rt->err);
-  rt->err = s;
   return status;
 }
 
@@ -109,6 +101,23 @@ FSDP_API const char *fsdp_last_error(const fsdp_runtime *rt) {
 
 /* ---- rank threads and jobs ------------------------------------------------------------------- */
 
+/* lua_cpcall(L, f, r) on the rank's state; an error outside user code (out of memory) is
+ * FSDP_ERROR unless f already set a status. */
+static void protected(embed_rank *r, lua_CFunction f) {
+  lua_State *L = r->hr->L;
+  if (L == NULL) {
+    embed_fail(r, FSDP_ERROR, "rank %d has no Lua state", r->rank);
+    return;
+  }
+  int st = lua_cpcall(L, f, r);
+  if (st != 0) {
+    const char *m = lua_tostring(L, -1);
+    if (r->status == FSDP_OK)
+      embed_fail(r, FSDP_ERROR, "%s", m != NULL ? m : "(error object is not a string)");
+    lua_pop(L, 1);
+  }
+}
+
 /* A job on one rank: the outcome starts clean. An abandoned rank (host.h) runs nothing more;
  * what it does from here on (its state's finalizers) must not reach the host program. */
 static void run_job(fsdp_host_rank *hr, void *arg) {
@@ -117,7 +126,10 @@ static void run_job(fsdp_host_rank *hr, void *arg) {
   r->status = FSDP_OK;
   free(r->msg);
   r->msg = NULL;
-  rt->job_fn(r);
+  if (rt->job_cp != NULL)
+    protected(r, rt->job_cp);
+  else
+    rt->job_fn(r);
   if (fsdp_host_rank_abandoned(hr)) r->abandoned = true;
 }
 
@@ -125,6 +137,14 @@ static void run_job(fsdp_host_rank *hr, void *arg) {
  * api_mu. */
 static void dispatch(fsdp_runtime *rt, embed_job_fn fn) {
   rt->job_fn = fn;
+  rt->job_cp = NULL;
+  fsdp_host_run(rt->host, run_job, rt);
+}
+
+/* dispatch a job that is one lua_cpcall of f (protected) */
+static void dispatch_protected(fsdp_runtime *rt, lua_CFunction f) {
+  rt->job_fn = NULL;
+  rt->job_cp = f;
   fsdp_host_run(rt->host, run_job, rt);
 }
 
@@ -180,23 +200,6 @@ static void fail_user(embed_rank *r, lua_State *L) {
   fsdp_host_rank_fail(r->hr, m);
 }
 
-/* lua_cpcall(L, f, r) on the rank's state; an error outside user code (out of memory) is
- * FSDP_ERROR unless f already set a status. */
-static void protected(embed_rank *r, lua_CFunction f) {
-  lua_State *L = r->hr->L;
-  if (L == NULL) {
-    embed_fail(r, FSDP_ERROR, "rank %d has no Lua state", r->rank);
-    return;
-  }
-  int st = lua_cpcall(L, f, r);
-  if (st != 0) {
-    const char *m = lua_tostring(L, -1);
-    if (r->status == FSDP_OK)
-      embed_fail(r, FSDP_ERROR, "%s", m != NULL ? m : "(error object is not a string)");
-    lua_pop(L, 1);
-  }
-}
-
 static embed_rank *cp_rank(lua_State *L) { return (embed_rank *)lua_touserdata(L, 1); }
 
 /* The current call's registry slot: unref it (pushing nothing). */
@@ -240,10 +243,6 @@ static int cp_load(lua_State *L) {
   r->pending_ref = luaL_ref(L, LUA_REGISTRYINDEX);
   return 0;
 }
-static int job_load(embed_rank *r) {
-  protected(r, cp_load);
-  return r->status;
-}
 
 /* Phase 2: set arg / fsdp.args (run_file), run the function under the traceback handler. */
 static int cp_run(lua_State *L) {
@@ -277,10 +276,6 @@ static int cp_run(lua_State *L) {
   }
   if (fsdp_host_pcall(r->hr, L, narg, 0) != 0) fail_user(r, L);
   return 0;
-}
-static int job_run(embed_rank *r) {
-  protected(r, cp_run);
-  return r->status;
 }
 
 /* ---- fsdp_call ------------------------------------------------------------------------------- */
@@ -527,10 +522,6 @@ static int cp_param_lookup(lua_State *L) {
   }
   return 0;
 }
-static int job_param_lookup(embed_rank *r) {
-  protected(r, cp_param_lookup);
-  return r->status;
-}
 
 /* Phase 2 (collective): gather as needed, clone; rank 0 copies into the host buffer. */
 static int cp_param_read(lua_State *L) {
@@ -553,10 +544,6 @@ static int cp_param_read(lua_State *L) {
   fsdp_tensor_release(h);
   lua_settop(L, 0);
   return 0;
-}
-static int job_param_read(embed_rank *r) {
-  protected(r, cp_param_read);
-  return r->status;
 }
 
 /* ---- the public functions -------------------------------------------------------------------- */
@@ -732,10 +719,10 @@ static int cancel(fsdp_runtime *rt, int st) {
 
 /* Compile on every rank, then run (the job's code, chunkname and path are set). */
 static int load_and_run(fsdp_runtime *rt) {
-  dispatch(rt, job_load);
+  dispatch_protected(rt, cp_load);
   int status = collect(rt);
   if (status != FSDP_OK) return cancel(rt, status); /* a rank that compiled holds its chunk */
-  dispatch(rt, job_run);
+  dispatch_protected(rt, cp_run);
   return collect(rt);
 }
 
@@ -801,6 +788,20 @@ FSDP_API int fsdp_run_file(fsdp_runtime *rt, const char *path, int argc,
   return leave(rt, st);
 }
 
+/* The host tensors of a call (side "in" or "out"), each described well (embed_host_numel); with
+ * shape_queries, a tensor without data is one, whose shape is only written. */
+static int check_host_tensors(fsdp_runtime *rt, const char *what, const char *side,
+                              const fsdp_host_tensor *t, int n, bool shape_queries) {
+  for (int i = 0; i < n; i++) {
+    int64_t numel;
+    char why[160];
+    if (shape_queries && t[i].data == NULL) continue;
+    if (!embed_host_numel(&t[i], &numel, why, sizeof why))
+      return set_error(rt, FSDP_MISUSE, "%s: %s[%d]: %s", what, side, i, why);
+  }
+  return FSDP_OK;
+}
+
 static int call_common(fsdp_runtime *rt, const char *what, bool per_rank, const char *fn,
                        const fsdp_host_tensor *in, int n_in, fsdp_host_tensor *out, int n_out) {
   int st = enter(rt, what);
@@ -813,19 +814,9 @@ static int call_common(fsdp_runtime *rt, const char *what, bool per_rank, const 
     return leave(rt, set_error(rt, FSDP_MISUSE, "%s: %s is NULL", what,
                                n_in > 0 && in == NULL ? "in" : "out"));
   int sets = per_rank ? rt->world : 1;
-  for (int i = 0; i < sets * n_in; i++) {
-    int64_t numel;
-    char why[160];
-    if (!embed_host_numel(&in[i], &numel, why, sizeof why))
-      return leave(rt, set_error(rt, FSDP_MISUSE, "%s: in[%d]: %s", what, i, why));
-  }
-  for (int i = 0; i < sets * n_out; i++) {
-    int64_t numel;
-    char why[160];
-    if (out[i].data == NULL) continue; /* a shape query: the shape is only written */
-    if (!embed_host_numel(&out[i], &numel, why, sizeof why))
-      return leave(rt, set_error(rt, FSDP_MISUSE, "%s: out[%d]: %s", what, i, why));
-  }
+  st = check_host_tensors(rt, what, "in", in, sets * n_in, false);
+  if (st == FSDP_OK) st = check_host_tensors(rt, what, "out", out, sets * n_out, true);
+  if (st != FSDP_OK) return leave(rt, st);
   rt->job.fn = fn;
   rt->job.in = in;
   rt->job.n_in = n_in;
@@ -852,7 +843,7 @@ FSDP_API int fsdp_call_ranks(fsdp_runtime *rt, const char *fn, const fsdp_host_t
 static int param_lookup(fsdp_runtime *rt, const char *what, const char *path) {
   if (path == NULL) return set_error(rt, FSDP_MISUSE, "%s: path is NULL", what);
   rt->job.path = path;
-  dispatch(rt, job_param_lookup);
+  dispatch_protected(rt, cp_param_lookup);
   int st = collect(rt);
   if (st != FSDP_OK) set_error(rt, st, "%s: %s", what, fsdp_last_error(rt));
   return st;
@@ -892,14 +883,21 @@ FSDP_API int fsdp_read_param(fsdp_runtime *rt, const char *path, float *buf, int
   }
   rt->job.buf = buf;
   rt->job.count = count;
-  dispatch(rt, job_param_read);
+  dispatch_protected(rt, cp_param_read);
   return leave(rt, collect(rt));
 }
 
-FSDP_API int fsdp_set_log_callback(fsdp_runtime *rt, fsdp_log_fn fn, void *ud) {
-  if (rt == NULL) return set_tl_error(FSDP_MISUSE, "fsdp_set_log_callback: the runtime is NULL");
+/* What a callback setter checks first: a runtime, set from outside its callbacks. */
+static int setter_check(fsdp_runtime *rt, const char *what) {
+  if (rt == NULL) return set_tl_error(FSDP_MISUSE, "%s: the runtime is NULL", what);
   if (on_rank_thread())
-    return set_tl_error(FSDP_MISUSE, "fsdp_set_log_callback: called from inside a callback");
+    return set_tl_error(FSDP_MISUSE, "%s: called from inside a callback", what);
+  return FSDP_OK;
+}
+
+FSDP_API int fsdp_set_log_callback(fsdp_runtime *rt, fsdp_log_fn fn, void *ud) {
+  int st = setter_check(rt, "fsdp_set_log_callback");
+  if (st != FSDP_OK) return st;
   pthread_mutex_lock(&rt->cb_mu);
   rt->log_fn = fn;
   rt->log_ud = fn != NULL ? ud : NULL;
@@ -908,9 +906,8 @@ FSDP_API int fsdp_set_log_callback(fsdp_runtime *rt, fsdp_log_fn fn, void *ud) {
 }
 
 FSDP_API int fsdp_set_data_source(fsdp_runtime *rt, fsdp_data_fn fn, void *ud) {
-  if (rt == NULL) return set_tl_error(FSDP_MISUSE, "fsdp_set_data_source: the runtime is NULL");
-  if (on_rank_thread())
-    return set_tl_error(FSDP_MISUSE, "fsdp_set_data_source: called from inside a callback");
+  int st = setter_check(rt, "fsdp_set_data_source");
+  if (st != FSDP_OK) return st;
   pthread_mutex_lock(&rt->cb_mu);
   rt->data_fn = fn;
   rt->data_ud = fn != NULL ? ud : NULL;

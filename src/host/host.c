@@ -23,6 +23,7 @@
 
 #include "host/host.h"
 #include "comm/nccl.h"
+#include "core/cond.h"
 
 #define HOST_RANK_STACK (16u << 20) /* C stack of a rank thread: as much as a main thread */
 #define HOST_ABORT_MSG 1024         /* the longest message a failing rank aborts its group with */
@@ -68,16 +69,6 @@ static double monotonic_s(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts); /* async-signal-safe */
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static char *format(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static char *format(const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  char *s;
-  int n = vasprintf(&s, fmt, ap);
-  va_end(ap);
-  return n < 0 ? NULL : s;
 }
 
 /* ---- the stop hook and the running set ------------------------------------------------------- */
@@ -249,31 +240,31 @@ void fsdp_host_rank_fail(fsdp_host_rank *r, const char *msg) {
   char *text;
   pthread_mutex_lock(&h->fail_mu);
   if (!several) {
-    text = format("%s\n", msg);
+    text = fsdp_strdup_printf("%s\n", msg);
   } else if (peer) {
-    text = format("[rank %d] %.*s\n", r->rank, head, msg);
+    text = fsdp_strdup_printf("[rank %d] %.*s\n", r->rank, head, msg);
   } else if (h->first_line == NULL) {
     h->first_rank = r->rank;
-    h->first_line = format("%.*s", head, msg);
-    text = format("[rank %d] %s\n", r->rank, msg);
+    h->first_line = fsdp_strdup_printf("%.*s", head, msg);
+    text = fsdp_strdup_printf("[rank %d] %s\n", r->rank, msg);
   } else if ((int)strlen(h->first_line) == head && strncmp(h->first_line, msg, head) == 0) {
-    text = format("[rank %d] %.*s (the same error as rank %d)\n", r->rank, head, msg,
-                  h->first_rank);
+    text = fsdp_strdup_printf("[rank %d] %.*s (the same error as rank %d)\n", r->rank, head, msg,
+                              h->first_rank);
   } else {
-    text = format("[rank %d] %s\n", r->rank, msg);
+    text = fsdp_strdup_printf("[rank %d] %s\n", r->rank, msg);
   }
-  char *report = several ? format("[rank %d] %s", r->rank, msg) : strdup(msg);
+  char *report = several ? fsdp_strdup_printf("[rank %d] %s", r->rank, msg) : strdup(msg);
   if (!peer && h->root == NULL) {
     h->root = report;
     report = NULL;
     free(h->cause_msg);
     h->cause_rank = r->rank;
-    h->cause_msg = format("%.*s", len, msg);
+    h->cause_msg = fsdp_strdup_printf("%.*s", len, msg);
   } else if (h->root == NULL && h->first == NULL) {
     h->first = report;
     report = NULL;
     h->cause_rank = r->rank;
-    h->cause_msg = format("%.*s", len, msg);
+    h->cause_msg = fsdp_strdup_printf("%.*s", len, msg);
   }
   free(report);
   /* the report is out before the abort wakes any peer: the root cause comes first */
@@ -300,7 +291,8 @@ const char *fsdp_host_failure(fsdp_host *h) {
   free(h->failure);
   h->failure = NULL;
   if (cause != NULL)
-    h->failure = h->abandoned != NULL ? format("%s\n%s", cause, h->abandoned) : strdup(cause);
+    h->failure =
+        h->abandoned != NULL ? fsdp_strdup_printf("%s\n%s", cause, h->abandoned) : strdup(cause);
   pthread_mutex_unlock(&h->fail_mu);
   return h->failure;
 }
@@ -310,9 +302,9 @@ const char *fsdp_host_failure(fsdp_host *h) {
 static void stop_ranks(fsdp_host *h) {
   pthread_mutex_lock(&h->fail_mu);
   const char *cause = h->cause_msg != NULL ? h->cause_msg : "(no message)";
-  h->stop_msg = h->hold ? format("stopped: rank %d failed: %s", h->cause_rank, cause)
-                        : format("stopped %d s after rank %d failed: %s", FSDP_HOST_GRACE_S,
-                                 h->cause_rank, cause);
+  h->stop_msg = h->hold ? fsdp_strdup_printf("stopped: rank %d failed: %s", h->cause_rank, cause)
+                        : fsdp_strdup_printf("stopped %d s after rank %d failed: %s",
+                                             FSDP_HOST_GRACE_S, h->cause_rank, cause);
   pthread_mutex_unlock(&h->fail_mu);
   if (h->stop_msg == NULL) h->stop_msg = strdup("stopped after another rank failed");
   if (h->stop_msg == NULL) return; /* out of memory: no hook; the ranks will be abandoned */
@@ -341,16 +333,17 @@ static int abandon_ranks(fsdp_host *h) {
     r->abandoned = true;
     h->pending--;
     n++;
-    char *line = format("[rank %d] did not stop within %d s after rank %d failed (it runs "
-                        "compiled Lua code or a C call, which no hook reaches): abandoned",
-                        r->rank, FSDP_HOST_GRACE_S, h->cause_rank);
+    char *line =
+        fsdp_strdup_printf("[rank %d] did not stop within %d s after rank %d failed (it runs "
+                           "compiled Lua code or a C call, which no hook reaches): abandoned",
+                           r->rank, FSDP_HOST_GRACE_S, h->cause_rank);
     if (line == NULL) continue;
     if (h->o.report != NULL) {
-      char *text = format("%s\n", line);
+      char *text = fsdp_strdup_printf("%s\n", line);
       if (text != NULL) h->o.report(h->o.ud, text);
       free(text);
     }
-    char *all = h->abandoned != NULL ? format("%s\n%s", h->abandoned, line) : line;
+    char *all = h->abandoned != NULL ? fsdp_strdup_printf("%s\n%s", h->abandoned, line) : line;
     if (all != line) free(line);
     if (all != NULL) {
       free(h->abandoned);
@@ -495,7 +488,7 @@ static void *rank_thread(void *arg) {
       r->comm = nc;
       fsdp_comm_set_current(nc);
     } else {
-      err = format("rank %d: %s", r->rank, fsdp_error_msg());
+      err = fsdp_strdup_printf("rank %d: %s", r->rank, fsdp_error_msg());
     }
     pthread_mutex_lock(&h->mu);
     if (err && !h->init_error) h->init_error = err;
@@ -599,11 +592,7 @@ static fsdp_host *host_alloc(const fsdp_host_opts *opts) {
   pthread_mutex_init(&h->mu, NULL);
   pthread_mutex_init(&h->fail_mu, NULL);
   pthread_cond_init(&h->job_cv, NULL);
-  pthread_condattr_t ca;
-  pthread_condattr_init(&ca);
-  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-  pthread_cond_init(&h->done_cv, &ca);
-  pthread_condattr_destroy(&ca);
+  fsdp_cond_init_monotonic(&h->done_cv);
   for (int i = 0; i < n; i++) {
     h->ranks[i].host = h;
     h->ranks[i].world = 1;

@@ -87,21 +87,6 @@ static int fail(fsdp_io_atomic *f, const char *fmt, ...) {
   return fsdp_error("%s", f->errmsg);
 }
 
-static char *dup_printf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static char *dup_printf(const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  int n = vsnprintf(NULL, 0, fmt, ap);
-  va_end(ap);
-  if (n < 0) return NULL;
-  char *s = malloc((size_t)n + 1);
-  if (s == NULL) return NULL;
-  va_start(ap, fmt);
-  vsnprintf(s, (size_t)n + 1, fmt, ap);
-  va_end(ap);
-  return s;
-}
-
 /* write all of data at offset, retrying short writes and EINTR; the WRITE fault fires when the
  * file would grow past its threshold. Returns 0 or -1 with errno. */
 static int pwrite_all(int fd, const unsigned char *data, size_t n, uint64_t off) {
@@ -229,8 +214,8 @@ int fsdp_io_atomic_open(fsdp_io_atomic **out, const char *path) {
   f->dir = slash == NULL ? strdup(".") : dirlen == 0 ? strdup("/") : strndup(path, (size_t)dirlen);
   long pid = (long)getpid();
   f->tmp = slash != NULL
-               ? dup_printf("%.*s/.%s.tmp.%s.%ld.%ld", dirlen, path, base, host, pid, tid)
-               : dup_printf(".%s.tmp.%s.%ld.%ld", base, host, pid, tid);
+               ? fsdp_strdup_printf("%.*s/.%s.tmp.%s.%ld.%ld", dirlen, path, base, host, pid, tid)
+               : fsdp_strdup_printf(".%s.tmp.%s.%ld.%ld", base, host, pid, tid);
   f->buf = malloc(ATOMIC_BUF_BYTES);
   if (f->path == NULL || f->dir == NULL || f->tmp == NULL || f->buf == NULL) {
     free_handle(f);

@@ -103,6 +103,17 @@ static const char *first_duplicate(const char **names, size_t n) {
   return NULL;
 }
 
+/* rc, or where it is FSDP_OK an error naming the first of names[0..n) listed twice (as "<what>
+ * '<name>'"); frees names */
+static int unique_names(int rc, const char **names, int n, const char *name, const char *what) {
+  if (rc == FSDP_OK) {
+    const char *dup = first_duplicate(names, (size_t)n);
+    if (dup) rc = fsdp_error("%s: %s '%s' is listed twice", name, what, dup);
+  }
+  free(names);
+  return rc;
+}
+
 static int check_files(const cJSON *doc, const char *name, int64_t world) {
   const cJSON *files = cJSON_GetObjectItemCaseSensitive(doc, "files");
   if (!cJSON_IsArray(files)) return fsdp_error("%s: 'files' must be an array", name);
@@ -311,12 +322,7 @@ static int check_optimizer(const cJSON *doc, const char *name) {
     }
     names[i] = s->valuestring;
   }
-  if (rc == FSDP_OK) {
-    const char *dup = first_duplicate(names, (size_t)n);
-    if (dup) rc = fsdp_error("%s: optimizer: state '%s' is listed twice", name, dup);
-  }
-  free(names);
-  return rc;
+  return unique_names(rc, names, n, name, "optimizer: state");
 }
 
 static int check_extra_tensors(const cJSON *doc, const char *name) {
@@ -340,12 +346,7 @@ static int check_extra_tensors(const cJSON *doc, const char *name) {
     }
     names[i] = xn->valuestring;
   }
-  if (rc == FSDP_OK) {
-    const char *dup = first_duplicate(names, (size_t)n);
-    if (dup) rc = fsdp_error("%s: extra tensor '%s' is listed twice", name, dup);
-  }
-  free(names);
-  return rc;
+  return unique_names(rc, names, n, name, "extra tensor");
 }
 
 static int check_rng(const cJSON *doc, const char *name, int64_t world) {

@@ -248,29 +248,26 @@ static int l_same_storage(lua_State *L) {
 
 /* ---- methods ------------------------------------------------------------------------------ */
 
-static int l_params(lua_State *L) {
+/* u:params() or u:paths(): a list in the unit's parameter order */
+static int param_list(lua_State *L, bool paths) {
   fsdp_unit *u = check_unit(L, 1);
   int n = fsdp_unit_nparams(u);
   lua_createtable(L, n, 0);
   for (int i = 0; i < n; i++) {
-    fsdp_tensor *p = fsdp_unit_param_at(u, i)->param;
-    fsdp_tensor_retain(p);
-    fsdp_lua_push_tensor(L, p);
+    const fsdp_unit_param *p = fsdp_unit_param_at(u, i);
+    if (paths) {
+      lua_pushstring(L, p->path);
+    } else {
+      fsdp_tensor_retain(p->param);
+      fsdp_lua_push_tensor(L, p->param);
+    }
     lua_rawseti(L, -2, i + 1);
   }
   return 1;
 }
 
-static int l_paths(lua_State *L) {
-  fsdp_unit *u = check_unit(L, 1);
-  int n = fsdp_unit_nparams(u);
-  lua_createtable(L, n, 0);
-  for (int i = 0; i < n; i++) {
-    lua_pushstring(L, fsdp_unit_param_at(u, i)->path);
-    lua_rawseti(L, -2, i + 1);
-  }
-  return 1;
-}
+static int l_params(lua_State *L) { return param_list(L, false); }
+static int l_paths(lua_State *L) { return param_list(L, true); }
 
 static int l_state(lua_State *L) {
   fsdp_unit *u = check_unit(L, 1);

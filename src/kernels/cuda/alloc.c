@@ -360,6 +360,16 @@ static void *merged_tag(const block *a, const block *b) {
   return NULL;
 }
 
+/* a takes in its next neighbour (out of the bins already), which is freed; tag from merged_tag */
+static void absorb_next(block *a, void *tag) {
+  block *n = a->next;
+  a->size += n->size;
+  a->next = n->next;
+  if (n->next) n->next->prev = a;
+  a->stream = tag;
+  free(n);
+}
+
 void fsdp_cuda_pool_free(void *ptr) {
   if (!ptr) return;
   pthread_mutex_lock(&mu);
@@ -379,20 +389,12 @@ void fsdp_cuda_pool_free(void *ptr) {
   block *n = b->next;
   if (n && !n->in_use && (tag = merged_tag(b, n))) { /* absorb the next block */
     bin_remove(p, n);
-    b->size += n->size;
-    b->next = n->next;
-    if (n->next) n->next->prev = b;
-    b->stream = tag;
-    free(n);
+    absorb_next(b, tag);
   }
   block *v = b->prev;
   if (v && !v->in_use && (tag = merged_tag(v, b))) { /* the previous block absorbs it */
     bin_remove(p, v);
-    v->size += b->size;
-    v->next = b->next;
-    if (b->next) b->next->prev = v;
-    v->stream = tag;
-    free(b);
+    absorb_next(v, tag);
     b = v;
   }
   bin_insert(p, b);

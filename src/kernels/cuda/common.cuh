@@ -94,6 +94,13 @@ template <typename T> __device__ __forceinline__ int64_t exact_i64(T) { return 0
 
 /* ---- dtype dispatch: f(T{}) for the element type of dt ------------------------------------- */
 
+inline bool is_half(fsdp_dtype dt) { return dt == FSDP_DTYPE_BF16 || dt == FSDP_DTYPE_F16; }
+inline bool is_f32_family(fsdp_dtype dt) { return dt == FSDP_DTYPE_F32 || is_half(dt); }
+inline bool is_int(fsdp_dtype dt) {
+  return dt == FSDP_DTYPE_I64 || dt == FSDP_DTYPE_I32 || dt == FSDP_DTYPE_U8;
+}
+inline bool known(fsdp_dtype dt) { return (unsigned)dt < FSDP_DTYPE_COUNT; }
+
 template <typename F> int with_float_family(fsdp_dtype dt, F &&f) {
   switch (dt) {
   case FSDP_DTYPE_F32: return f(float{});
@@ -103,12 +110,7 @@ template <typename F> int with_float_family(fsdp_dtype dt, F &&f) {
 }
 
 template <typename F> int with_float(fsdp_dtype dt, F &&f) {
-  switch (dt) {
-  case FSDP_DTYPE_F32: return f(float{});
-  case FSDP_DTYPE_BF16: return f(bf16{});
-  case FSDP_DTYPE_F16: return f(f16{});
-  default: return f(double{});
-  }
+  return is_f32_family(dt) ? with_float_family(dt, f) : f(double{});
 }
 
 template <typename F> int with_int(fsdp_dtype dt, F &&f) {
@@ -120,24 +122,9 @@ template <typename F> int with_int(fsdp_dtype dt, F &&f) {
 }
 
 template <typename F> int with_any(fsdp_dtype dt, F &&f) {
-  switch (dt) {
-  case FSDP_DTYPE_F32: return f(float{});
-  case FSDP_DTYPE_BF16: return f(bf16{});
-  case FSDP_DTYPE_F16: return f(f16{});
-  case FSDP_DTYPE_F64: return f(double{});
-  case FSDP_DTYPE_I64: return f(int64_t{});
-  case FSDP_DTYPE_I32: return f(int32_t{});
-  case FSDP_DTYPE_U8: return f(uint8_t{});
-  default: return f(b8{});
-  }
+  if (is_f32_family(dt) || dt == FSDP_DTYPE_F64) return with_float(dt, f);
+  return is_int(dt) ? with_int(dt, f) : f(b8{});
 }
-
-inline bool is_half(fsdp_dtype dt) { return dt == FSDP_DTYPE_BF16 || dt == FSDP_DTYPE_F16; }
-inline bool is_f32_family(fsdp_dtype dt) { return dt == FSDP_DTYPE_F32 || is_half(dt); }
-inline bool is_int(fsdp_dtype dt) {
-  return dt == FSDP_DTYPE_I64 || dt == FSDP_DTYPE_I32 || dt == FSDP_DTYPE_U8;
-}
-inline bool known(fsdp_dtype dt) { return (unsigned)dt < FSDP_DTYPE_COUNT; }
 
 #define FSDP_CU_REFUSE(op, dt) fsdp_kernels_refuse(op, dt, "cuda")
 

@@ -36,12 +36,8 @@ static __global__ void ce_forward_rows(float *lse, double *row_loss, const T *lo
       continue;
     }
     const T *x = logits + row * V;
-    float mx = -INFINITY;
-    for (int v = threadIdx.x; v < V; v += blockDim.x) mx = fmaxf(mx, ldf(x, v));
-    mx = block_max(mx, sh);
-    float s = 0.0f;
-    for (int v = threadIdx.x; v < V; v += blockDim.x) s += expf(ldf(x, v) - mx);
-    s = block_sum(s, sh);
+    float s;
+    const float mx = row_max_sumexp(x, V, sh, &s);
     if (threadIdx.x == 0) {
       const double l = (double)mx + log((double)s);
       lse[row] = (float)l;

@@ -158,12 +158,9 @@ static __global__ void softmax_forward_rows(T *out, const T *inp, int64_t N, int
   __shared__ float sh[32];
   for (int64_t row = blockIdx.x; row < N; row += gridDim.x) {
     const T *x = inp + row * C;
-    float mx = -INFINITY;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) mx = fmaxf(mx, ldf(x, c));
-    mx = block_max(mx, sh);
-    float s = 0.0f;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) s += expf(ldf(x, c) - mx);
-    const float inv = 1.0f / block_sum(s, sh);
+    float s;
+    const float mx = row_max_sumexp(x, C, sh, &s);
+    const float inv = 1.0f / s;
     T *y = out + row * C;
     for (int c = threadIdx.x; c < C; c += blockDim.x) stf(y, c, expf(ldf(x, c) - mx) * inv);
   }

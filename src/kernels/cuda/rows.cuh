@@ -88,6 +88,19 @@ static __device__ float block_max(float v, float *sh) {
   return v;
 }
 
+/* A row's maximum and the sum of exp(x - max) over its n elements: the stable softmax's two
+ * passes. Every thread of the block must call; each gets both. */
+template <typename T>
+static __device__ float row_max_sumexp(const T *x, int n, float *sh, float *sumexp) {
+  float mx = -INFINITY;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) mx = fmaxf(mx, ldf(x, i));
+  mx = block_max(mx, sh);
+  float s = 0.0f;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) s += expf(ldf(x, i) - mx);
+  *sumexp = block_sum(s, sh);
+  return mx;
+}
+
 /* ---- launch sizes ---------------------------------------------------------------------------- */
 
 /* Threads for one block per row of C elements: a few elements per thread, a multiple of 32. */
