@@ -15,6 +15,10 @@
 -- at the MLP's shape on each rank, (B/N x T, d) @ (d, 4d), with the rank's threads, all ranks at
 -- once, summed; "ratio" is the step's achieved GFLOP/s over it.
 --
+-- cpu_busy: the process's CPU seconds per wall second over a timed step (os.clock: every thread
+-- of the process, all ranks at -n N), the median; the cores' share left idle is what waiting
+-- (on collectives, on the pool's chunks) costs.
+--
 -- Output: a table for people, and per model one JSON line (it starts with "{"; the same keys as
 -- bench/anchors/torch_cpu_gpt.py) carrying fsdp.info(), whatever fields it has.
 local fsdp = require "fsdp"
@@ -143,17 +147,19 @@ for _, c in ipairs(configs) do
     local mine = all:narrow(1, rank * Bl + 1, Bl)
     local x = mine:narrow(2, 1, T):contiguous()
     local y = mine:narrow(2, 2, T):contiguous()
-    local times, losses = {}, {}
+    local times, losses, cpus = {}, {}, {}
     local stats0
     for s = 1, warmup + steps do
       if s == warmup + 1 and world > 1 then stats0 = fsdp.comm_stats() end
       fsdp.barrier()
-      local t0 = core.clock()
+      local t0, c0 = core.clock(), os.clock()
       local loss = nn.F.cross_entropy(model(x), y)
       opt:zero_grad()
       loss:backward()
       opt:step()
-      local dt = fsdp.all_reduce(core.clock() - t0, "max") -- the slowest rank sets the pace
+      local t1, c1 = core.clock(), os.clock()
+      local dt = fsdp.all_reduce(t1 - t0, "max") -- the slowest rank sets the pace
+      if s > warmup then cpus[#cpus + 1] = (c1 - c0) / (t1 - t0) end
       losses[#losses + 1] = fsdp.all_reduce(loss:item(), "sum") / world
       if s > warmup then times[#times + 1] = dt end
     end
@@ -164,7 +170,7 @@ for _, c in ipairs(configs) do
       ranks = world, mode = wrapped and ("fsdp " .. strategy) or "plain", precision = precision,
       threads = core.get_threads(), params = params, params_nonemb = nonemb, tokens = B * T,
       steps = steps, warmup = warmup, step_s = dt, step_min_s = math.min(unpack(times)),
-      step_max_s = math.max(unpack(times)), loss_first = losses[1], loss_last = losses[#losses],
+      step_max_s = math.max(unpack(times)), cpu_busy = median(cpus), loss_first = losses[1], loss_last = losses[#losses],
       flops_convention = FLOPS_CONVENTION, info = plain(info, 0), loadavg = loadavg(),
     }
     if world > 1 then

@@ -219,6 +219,19 @@ static void run_all(outs_t *r, const inputs_t *in) {
     fsdp_cpu_adamw_step_masked(p, m, v, gm, in->mask, n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.1f, step);
   float *mx = out_new(r, "mask apply", in->x, n);
   fsdp_cpu_mask_apply(mx, in->mask, n);
+
+  /* attention: its softmax rows are the level's bodies; T = 70 leaves partial vectors and a
+   * partial tile; lx serves as qkv (B 2, T 70, 3C with C 24) and lg as dout */
+  enum { AB = 2, AT = 70, AC = 24, ANH = 3 };
+  assert_true((int64_t)AB * AT * 3 * AC <= nc && (int64_t)AB * AT * AC <= nc);
+  float *att = out_new(r, "attention att", NULL, (int64_t)AB * ANH * AT * AT);
+  fsdp_cpu_attention_forward(out_new(r, "attention out", NULL, (int64_t)AB * AT * AC), att,
+                             in->lx, AB, AT, AC, ANH);
+  float *scratch = calloc((size_t)AB * ANH * AT * AT, sizeof(float));
+  assert_non_null(scratch);
+  fsdp_cpu_attention_backward(out_new(r, "attention dqkv", NULL, (int64_t)AB * AT * 3 * AC),
+                              scratch, in->lg, in->lx, att, AB, AT, AC, ANH);
+  free(scratch);
 }
 
 static void outs_free(outs_t *r) {

@@ -65,7 +65,7 @@ eq("flops_convention", "6 x non-embedding params (all but wte, wpe) x tokens"
   .. " + 6 x L x T x d per token (causal attention)")
 eq("flops_per_step", (6 * nonemb + 6 * L * T * d) * tokens)
 for _, k in ipairs{"step_s", "step_min_s", "step_max_s", "tokens_per_s", "gflops",
-                   "sgemm_gflops", "ratio", "threads", "loss_first", "loss_last"} do
+                   "sgemm_gflops", "ratio", "threads", "loss_first", "loss_last", "cpu_busy"} do
   positive(k)
 end
 if failures == 0 then

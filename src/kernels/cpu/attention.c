@@ -7,7 +7,9 @@
  * Causality is exploited by walking query rows in tiles of ATT_BLOCK: rows [r0, r1) only see
  * keys [0, r1), so each tile multiplies against a prefix of k / v and about half the
  * T x T work of a full product is skipped. Entries a tile's gemm writes above the diagonal
- * are overwritten by the masked softmax (att holds exact zeros there).
+ * are overwritten by the masked softmax (att holds exact zeros there). The softmax rows, forward
+ * and backward, are the instruction-set level's bodies (isa.h: vectors of the level's width,
+ * the same bits at every level).
  *
  * Threads: the (batch row, head) pairs are shared out over the pool, each pair's work on one
  * thread (its T x T slice of att stays in that core's cache; the gemms inside a task run
@@ -18,11 +20,10 @@
  * longest-with-shortest (0, n-1, 1, n-2, ...) so that contiguous chunks carry equal causal work.
  */
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/isa.h"
 #include "kernels/cpu/pool.h"
-#include "kernels/cpu/vmath.h"
 
 #include <math.h>
-#include <string.h>
 
 #define ATT_BLOCK 64
 
@@ -56,14 +57,7 @@ static void forward_tile(const att_job *j, int bh, int r0) {
   /* scores[r0:r1, 0:r1] = q[r0:r1] @ k[0:r1]^T * scale */
   fsdp_cpu_gemm(Ab, q + (int64_t)r0 * C3, k, rows, cols, hs, false, true, j->scale, 0.0f, C3,
                 C3, T);
-  for (int t = r0; t < r0 + rows; t++) {
-    float *row = A + (int64_t)t * T;
-    const int len = t + 1;
-    float mx = fsdp_row_max(row, len);
-    float inv = (float)(1.0 / fsdp_row_expsum(row, row, mx, len));
-    for (int c = 0; c < len; c++) row[c] *= inv;
-    memset(row + len, 0, sizeof(float) * (size_t)(T - len));
-  }
+  fsdp_cpu_vec()->att_softmax_rows(A, T, r0, rows);
   /* out[r0:r1] = att[r0:r1, 0:r1] @ v[0:r1] */
   fsdp_cpu_gemm(o + (int64_t)r0 * C, Ab, v, rows, hs, cols, false, false, 1.0f, 0.0f, T, C3, C);
 }
@@ -125,14 +119,7 @@ static void backward_query_tile(const att_job *j, const att_views *w, int r0) {
   /* datt[r0:r1, 0:r1] = dout[r0:r1] @ v[0:r1]^T */
   fsdp_cpu_gemm(Sb, w->g + (int64_t)r0 * C, w->v, rows, cols, hs, false, true, 1.0f, 0.0f, C, C3,
                 T);
-  for (int t = r0; t < r0 + rows; t++) {
-    const float *restrict a = w->A + (int64_t)t * T;
-    float *restrict s = w->S + (int64_t)t * T;
-    const int len = t + 1;
-    float dot = (float)fsdp_row_dot(a, s, len);
-    for (int c = 0; c < len; c++) s[c] = a[c] * (s[c] - dot);
-    memset(s + len, 0, sizeof(float) * (size_t)(cols - len));
-  }
+  fsdp_cpu_vec()->att_softmax_backward_rows(w->S, w->A, T, r0, rows, cols);
   /* dq[r0:r1] += dscores[r0:r1, 0:r1] @ k[0:r1] * scale */
   fsdp_cpu_gemm(w->dq + (int64_t)r0 * C3, Sb, w->k, rows, hs, cols, false, false, j->scale, 1.0f,
                 T, C3, C3);

@@ -11,8 +11,9 @@
  *
  * The bodies (vec_body.h) are compiled once per level by vec_scalar.c, vec_avx2.c and
  * vec_avx512.c, each under its own target pragma: the rest of the build keeps the baseline
- * flags. The public kernels (activations.c, elementwise.c, norm.c, loss.c, mask.c) split their
- * work over the rank's threads (pool.h) and call the bodies through fsdp_cpu_vec().
+ * flags. The public kernels (activations.c, elementwise.c, norm.c, loss.c, mask.c; attention.c
+ * for its softmax rows) split their work over the rank's threads (pool.h) and call the bodies
+ * through fsdp_cpu_vec().
  */
 #ifndef FSDP_KERNELS_CPU_ISA_H
 #define FSDP_KERNELS_CPU_ISA_H
@@ -102,6 +103,12 @@ typedef struct fsdp_cpu_vec_i {
   void (*softmax_forward)(float *out, const float *inp, int64_t lo, int64_t hi, int C);
   void (*softmax_backward)(float *dinp, const float *dout, const float *out, int64_t lo,
                            int64_t hi, int C);
+  /* causal attention's softmax on rows [r0, r0 + rows) of a (T, T) block A, in place: row t
+   * over its first t + 1 entries, zeros after them */
+  void (*att_softmax_rows)(float *A, int T, int r0, int rows);
+  /* its backward on the same rows: S holds datt and receives dscores, a (A) the forward's
+   * probabilities; zeros from t + 1 up to column `cols` */
+  void (*att_softmax_backward_rows)(float *S, const float *A, int T, int r0, int rows, int cols);
   /* the rows' losses summed in double; *count += rows counted */
   double (*cross_entropy_forward)(float *lse, const float *logits, const int64_t *targets,
                                   int64_t lo, int64_t hi, int V, int64_t ignore_index,

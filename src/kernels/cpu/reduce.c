@@ -85,7 +85,10 @@ double fsdp_cpu_sumsq(const float *a, int64_t n) { return blocked(a, n, sumsq_ru
 
 #define COL_CHUNK 256
 
-/* out[c0:c1] += column sums of inp[:, c0:c1] (row stride C) */
+/* out[c0:c1] += column sums of inp[:, c0:c1] (row stride C). Compiled per instruction set
+ * (target_clones, as convert.c): the vectors run across columns, each column still summed row
+ * by row in double, so every width gives the same bits. */
+__attribute__((target_clones("avx512f", "avx2", "default")))
 static void colsum_run(float *out, const float *inp, int64_t R, int64_t C, int64_t c0,
                        int64_t c1) {
   double acc[COL_CHUNK];

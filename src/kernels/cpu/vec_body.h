@@ -541,6 +541,31 @@ static void softmax_backward(float *dinp, const float *dout, const float *out, i
   }
 }
 
+/* attention.c's causal rows (its scalar loops, on vectors: the same operations per lane) */
+static void att_softmax_rows(float *A, int T, int r0, int rows) {
+  for (int t = r0; t < r0 + rows; t++) {
+    float *row = A + (int64_t)t * T;
+    const int len = t + 1;
+    float mx = fsdp_row_max(row, len);
+    float inv = (float)(1.0 / fsdp_row_expsum(row, row, mx, len));
+    for (int c = 0; c < len; c += VW) ST(row, c, len, LD(row, c, len, 0.0f) * inv);
+    memset(row + len, 0, sizeof(float) * (size_t)(T - len));
+  }
+}
+
+static void att_softmax_backward_rows(float *S, const float *A, int T, int r0, int rows,
+                                      int cols) {
+  for (int t = r0; t < r0 + rows; t++) {
+    const float *a = A + (int64_t)t * T;
+    float *s = S + (int64_t)t * T;
+    const int len = t + 1;
+    float dot = (float)fsdp_row_dot(a, s, len);
+    for (int c = 0; c < len; c += VW)
+      ST(s, c, len, LD(a, c, len, 0.0f) * (LD(s, c, len, 0.0f) - dot));
+    memset(s + len, 0, sizeof(float) * (size_t)(cols - len));
+  }
+}
+
 /* ---- cross-entropy ------------------------------------------------------------------------- */
 
 static double cross_entropy_forward(float *lse, const float *logits, const int64_t *targets,
@@ -611,6 +636,8 @@ const fsdp_cpu_vec_i FSDP_VEC_TABLE = {
     .layernorm_backward_cols = layernorm_backward_cols,
     .softmax_forward = softmax_forward,
     .softmax_backward = softmax_backward,
+    .att_softmax_rows = att_softmax_rows,
+    .att_softmax_backward_rows = att_softmax_backward_rows,
     .cross_entropy_forward = cross_entropy_forward,
     .cross_entropy_backward = cross_entropy_backward,
 };
