@@ -9,8 +9,8 @@
  * memcpy once (best of a few calls each), rounds alternate; the best round is printed. "bytes" counts each
  * array read and each written once per element; "memcpy x" is the kernel's time over memcpy's
  * for those bytes (memcpy of half of them: each byte read once and written once).
- * Run it on one thread (the pool's threads, once there are several, can be limited the way
- * docs/PERFORMANCE.md says) and note the load average with the figures.
+ * The kernels run on the pool's default threads (every core this process may use; `taskset -c 0`
+ * gives one); note the load average with the figures.
  *
  * Usage: bench_vec [rounds] [kernel-name-substring]   (default 7 rounds, every kernel)
  */
