@@ -159,11 +159,13 @@ local function slice_zeros(p, n)
   return core.zeros({n}, { role = "optim", device = u and u:shard().device or p.device })
 end
 
-local function number_opt(opts, k, default, min)
+-- opts[k] (default when nil): a number, not NaN, >= min and <= max where given.
+local function number_opt(opts, k, default, min, max)
   local v = opts[k]
   if v == nil then v = default end
-  if type(v) ~= "number" or v ~= v or (min and v < min) then
-    raise(("%s must be a number%s (got %s)"):format(k, min and (" >= " .. min) or "", tostring(v)))
+  if type(v) ~= "number" or v ~= v or (min and v < min) or (max and v > max) then
+    local range = max and (" in [%s, %s]"):format(min, max) or min and (" >= " .. min) or ""
+    raise(("%s must be a number%s (got %s)"):format(k, range, tostring(v)))
   end
   return v
 end
@@ -842,50 +844,137 @@ end
 
 -- ---- schedules ---------------------------------------------------------------------------
 
-local Cosine = {}
-Cosine.__index = Cosine
+-- Every schedule is a Schedule: kind, opt, k (steps taken), base_lr, warmup, the kind's own
+-- numbers (NUMBERS[kind], saved by state_dict) and after(s, k), its lr once warmup is over.
+-- s:lr(k): lr * k / warmup for k <= warmup (linear from 0; no warmup when warmup = 0), then
+-- after(s, k). s:step(): k = k + 1 and opt.lr = s:lr(k). Call it once per iteration before
+-- opt:step(), so the first update uses s:lr(1). Creating a scheduler sets opt.lr = s:lr(0).
 
--- cosine(opt, {warmup = 0, total =, min_lr = 0, lr = opt.lr}) -> scheduler s.
---   s:lr(k): lr * k / warmup for k <= warmup (linear from 0), then
---            min_lr + (lr - min_lr) * (1 + cos(pi * (k - warmup) / (total - warmup))) / 2
---            until k = total, min_lr after.
---   s:step(): k = k + 1 and opt.lr = s:lr(k). Call it once per iteration before opt:step(), so
---   the first update uses s:lr(1). Creating the scheduler sets opt.lr = s:lr(0).
-function optim.cosine(opt, opts)
-  if type(opt) ~= "table" or opt.lr == nil then raise("cosine: first argument must be an optimizer") end
+local Schedule = {}
+Schedule.__index = Schedule
+
+-- The kind's own numbers, {name, default (nil: required), min, max}, read from the options and
+-- saved by state_dict (with warmup).
+local NUMBERS = {
+  cosine = {{"total", nil, 0}, {"min_lr", 0, 0}},
+  linear = {{"total", nil, 0}, {"min_lr", 0, 0}},
+  constant = {},
+  step_lr = {{"step_size", nil, 1}, {"gamma", 0.1, 0}},
+  wsd = {{"total", nil, 0}, {"decay", 0.2, 0, 1}, {"min_lr", 0, 0}},
+  lambda = {},
+}
+
+-- The scheduler of kind for opt (opt.lr not set yet: start does it).
+local function new_schedule(kind, opt, opts, after)
+  if type(opt) ~= "table" or opt.lr == nil then raise(kind .. ": first argument must be an optimizer") end
+  if opts ~= nil and type(opts) ~= "table" then
+    raise(("%s: second argument must be an options table (got %s)"):format(kind, type(opts)))
+  end
   opts = opts or {}
-  local s = setmetatable({opt = opt, k = 0}, Cosine)
+  local s = setmetatable({kind = kind, opt = opt, k = 0, after = after}, Schedule)
   s.base_lr = number_opt(opts, "lr", opt.lr, 0)
   s.warmup = number_opt(opts, "warmup", 0, 0)
-  s.total = number_opt(opts, "total", nil, 0)
-  s.min_lr = number_opt(opts, "min_lr", 0, 0)
-  opt.lr = s:lr(0)
+  for _, n in ipairs(NUMBERS[kind]) do s[n[1]] = number_opt(opts, n[1], n[2], n[3], n[4]) end
   return s
 end
 
-function Cosine:lr(k)
-  local lr, warmup, total = self.base_lr, self.warmup, self.total
-  if warmup > 0 and k <= warmup then return lr * k / warmup end
-  if k >= total then return self.min_lr end
-  local progress = (k - warmup) / (total - warmup)
-  return self.min_lr + (lr - self.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+local function start(s)
+  s.opt.lr = s:lr(0)
+  return s
 end
 
-function Cosine:step()
+function Schedule:lr(k)
+  local warmup = self.warmup
+  if warmup > 0 and k <= warmup then return self.base_lr * k / warmup end
+  return self.after(self, k)
+end
+
+function Schedule:step()
   self.k = self.k + 1
   self.opt.lr = self:lr(self.k)
   return self.opt.lr
 end
 
-function Cosine:state_dict()
-  return {kind = "cosine", step = self.k, warmup = self.warmup, total = self.total,
-    min_lr = self.min_lr, lr = self.base_lr}
+-- {kind =, step = k, lr = base lr, warmup =, <the kind's numbers>}. A lambda's function is not
+-- saved: load its state into a lambda made with the same function.
+function Schedule:state_dict()
+  local sd = {kind = self.kind, step = self.k, lr = self.base_lr, warmup = self.warmup}
+  for _, n in ipairs(NUMBERS[self.kind]) do sd[n[1]] = self[n[1]] end
+  return sd
 end
 
-function Cosine:load_state_dict(sd)
-  self.k, self.warmup, self.total = sd.step, sd.warmup, sd.total
-  self.min_lr, self.base_lr = sd.min_lr, sd.lr
+function Schedule:load_state_dict(sd)
+  if type(sd) ~= "table" or sd.kind ~= self.kind then
+    raise(("%s: load_state_dict: expected a %s schedule's state_dict (got %s)")
+      :format(self.kind, self.kind, type(sd) == "table" and tostring(sd.kind) or type(sd)))
+  end
+  self.k, self.base_lr, self.warmup = sd.step, sd.lr, sd.warmup
+  for _, n in ipairs(NUMBERS[self.kind]) do self[n[1]] = sd[n[1]] end
   self.opt.lr = self:lr(self.k)
+end
+
+-- cosine(opt, {warmup = 0, total =, min_lr = 0, lr = opt.lr}) -> scheduler s. After warmup:
+-- min_lr + (lr - min_lr) * (1 + cos(pi * (k - warmup) / (total - warmup))) / 2 until k = total,
+-- min_lr after.
+function optim.cosine(opt, opts)
+  return start(new_schedule("cosine", opt, opts, function(self, k)
+    if k >= self.total then return self.min_lr end
+    local progress = (k - self.warmup) / (self.total - self.warmup)
+    return self.min_lr + (self.base_lr - self.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+  end))
+end
+
+-- linear(opt, {warmup = 0, total =, min_lr = 0, lr = opt.lr}): after warmup, linear from lr
+-- down to min_lr at total, min_lr after.
+function optim.linear(opt, opts)
+  return start(new_schedule("linear", opt, opts, function(self, k)
+    if k >= self.total then return self.min_lr end
+    return self.min_lr + (self.base_lr - self.min_lr) * (self.total - k) / (self.total - self.warmup)
+  end))
+end
+
+-- constant(opt, {warmup = 0, lr = opt.lr}): lr after warmup.
+function optim.constant(opt, opts)
+  return start(new_schedule("constant", opt, opts, function(self) return self.base_lr end))
+end
+
+-- step_lr(opt, {step_size =, gamma = 0.1, warmup = 0, lr = opt.lr}): after warmup,
+-- lr * gamma ^ floor((k - warmup) / step_size) (PyTorch's StepLR, shifted by the warmup).
+function optim.step_lr(opt, opts)
+  return start(new_schedule("step_lr", opt, opts, function(self, k)
+    return self.base_lr * self.gamma ^ math.floor((k - self.warmup) / self.step_size)
+  end))
+end
+
+-- wsd(opt, {warmup = 0, total =, decay = 0.2, min_lr = 0, lr = opt.lr}): warmup-stable-decay.
+-- After warmup lr until step total - decay * total, then linear down to min_lr at total,
+-- min_lr after. The decay phase may not start before warmup ends.
+function optim.wsd(opt, opts)
+  local s = new_schedule("wsd", opt, opts, function(self, k)
+    local from = self.total - self.decay * self.total
+    if k >= self.total then return self.min_lr end
+    if k <= from then return self.base_lr end
+    return self.min_lr + (self.base_lr - self.min_lr) * (self.total - k) / (self.total - from)
+  end)
+  if s.warmup > s.total - s.decay * s.total then
+    raise(("wsd: warmup (%s) must end before the decay phase starts (step %s of %s)")
+      :format(s.warmup, s.total - s.decay * s.total, s.total))
+  end
+  return start(s)
+end
+
+-- lambda(opt, fn): lr = fn(k), a number >= 0, for every k from 0 (no warmup of its own).
+function optim.lambda(opt, fn)
+  if type(fn) ~= "function" then
+    raise(("lambda: second argument must be a function of the step (got %s)"):format(type(fn)))
+  end
+  return start(new_schedule("lambda", opt, nil, function(_, k)
+    local v = fn(k)
+    if type(v) ~= "number" or v ~= v or v < 0 then
+      raise(("lambda: fn(%d) must return a number >= 0 (got %s)"):format(k, tostring(v)))
+    end
+    return v
+  end))
 end
 
 return optim
