@@ -1,5 +1,5 @@
 -- optim_spec.lua — fsdp.optim: SGD and AdamW against hand-computed steps, weight-decay
--- exclusions, state, clip_grad_norm, the warmup + cosine schedule.
+-- exclusions, state, clip_grad_norm, the learning-rate schedules.
 -- Run: busted --lua=luajit tests/lua/optim_spec.lua
 
 local fsdp = require "fsdp"
@@ -252,6 +252,172 @@ describe("optim.cosine", function()
     assert_close(opt.lr, 0.15 * (1 + math.cos(math.pi / 4)), 1e-12, "step 1")
     s:step()
     assert_close(opt.lr, 0.15, 1e-12, "step 2")
+  end)
+end)
+
+-- fn raises an error whose message holds text (plain).
+local function raises(text, fn, ...)
+  local ok, err = pcall(fn, ...)
+  assert.is_false(ok, "expected an error holding: " .. text)
+  assert.is_truthy(tostring(err):find(text, 1, true), ("%q does not hold %q"):format(tostring(err), text))
+end
+
+-- s:lr(k) for each k of want ({[k] = value}).
+local function check_lrs(s, want)
+  for k, v in pairs(want) do assert_close(s:lr(k), v, 1e-12, s.kind .. " at k = " .. k) end
+end
+
+describe("optim.linear", function()
+  it("warms up linearly, then decays linearly to min_lr at total", function()
+    local opt = optim.SGD({param{1}}, {lr = 1})
+    local s = optim.linear(opt, {warmup = 10, total = 110, min_lr = 0.1})
+    assert.are.equal(0, opt.lr)
+    check_lrs(s, {[0] = 0, [5] = 0.5, [10] = 1, [11] = 0.1 + 0.9 * 99 / 100, [60] = 0.55,
+      [109] = 0.1 + 0.9 / 100, [110] = 0.1, [500] = 0.1})
+    for _ = 1, 11 do s:step() end
+    assert_close(opt.lr, 0.991, 1e-12, "opt.lr after 11 steps")
+  end)
+
+  it("without warmup starts at lr and reaches 0 by default", function()
+    local opt = optim.AdamW({param{1}}, {lr = 0.3})
+    local s = optim.linear(opt, {total = 4})
+    assert.are.equal(0.3, opt.lr)
+    check_lrs(s, {[1] = 0.225, [2] = 0.15, [4] = 0, [5] = 0})
+  end)
+end)
+
+describe("optim.constant", function()
+  it("warms up linearly to lr, then holds it", function()
+    local opt = optim.SGD({param{1}}, {lr = 1})
+    local s = optim.constant(opt, {warmup = 4, lr = 2})
+    assert.are.equal(0, opt.lr)
+    check_lrs(s, {[0] = 0, [1] = 0.5, [4] = 2, [5] = 2, [10 ^ 6] = 2})
+    s:step()
+    assert.are.equal(0.5, opt.lr)
+  end)
+
+  it("without warmup is opt.lr throughout", function()
+    local opt = optim.SGD({param{1}}, {lr = 0.7})
+    local s = optim.constant(opt)
+    assert.are.equal(0.7, opt.lr)
+    check_lrs(s, {[0] = 0.7, [1] = 0.7, [1000] = 0.7})
+  end)
+end)
+
+describe("optim.step_lr", function()
+  it("multiplies lr by gamma every step_size steps after warmup", function()
+    local opt = optim.SGD({param{1}}, {lr = 1})
+    local s = optim.step_lr(opt, {step_size = 3, gamma = 0.5, warmup = 2})
+    assert.are.equal(0, opt.lr)
+    check_lrs(s, {[0] = 0, [1] = 0.5, [2] = 1, [3] = 1, [4] = 1, [5] = 0.5, [7] = 0.5,
+      [8] = 0.25, [11] = 0.125})
+  end)
+
+  it("defaults to gamma 0.1 and no warmup (PyTorch's StepLR)", function()
+    local opt = optim.SGD({param{1}}, {lr = 2})
+    local s = optim.step_lr(opt, {step_size = 2})
+    assert.are.equal(2, opt.lr)
+    check_lrs(s, {[1] = 2, [2] = 0.2, [3] = 0.2, [4] = 0.02, [9] = 2e-4})
+  end)
+end)
+
+describe("optim.wsd", function()
+  it("warms up, holds lr, then decays linearly over the last decay fraction", function()
+    local opt = optim.SGD({param{1}}, {lr = 1})
+    local s = optim.wsd(opt, {warmup = 10, total = 100, min_lr = 0.1}) -- decay 0.2: from step 80
+    assert.are.equal(0, opt.lr)
+    check_lrs(s, {[0] = 0, [5] = 0.5, [10] = 1, [11] = 1, [80] = 1, [81] = 0.1 + 0.9 * 19 / 20,
+      [90] = 0.55, [99] = 0.1 + 0.9 / 20, [100] = 0.1, [150] = 0.1})
+  end)
+
+  it("takes the decay fraction; decay = 0 holds lr up to total", function()
+    local opt = optim.SGD({param{1}}, {lr = 1})
+    local s = optim.wsd(opt, {total = 100, decay = 0.5})
+    assert.are.equal(1, opt.lr)
+    check_lrs(s, {[50] = 1, [75] = 0.5, [100] = 0})
+    s = optim.wsd(opt, {total = 100, decay = 0})
+    check_lrs(s, {[99] = 1, [100] = 0, [101] = 0})
+  end)
+end)
+
+describe("optim.lambda", function()
+  it("sets opt.lr = fn(k)", function()
+    local opt = optim.SGD({param{1}}, {lr = 1})
+    local s = optim.lambda(opt, function(k) return 0.5 ^ k * 3 end)
+    assert.are.equal(3, opt.lr)
+    check_lrs(s, {[1] = 1.5, [3] = 0.375})
+    s:step()
+    assert.are.equal(1.5, opt.lr)
+  end)
+
+  it("raises naming the step when fn returns a non-number, NaN or a negative number", function()
+    local opt = optim.SGD({param{1}}, {lr = 1})
+    local s = optim.lambda(opt, function(k) if k == 2 then return "x" end return 1 end)
+    s:step()
+    raises("lambda: fn(2) must return a number >= 0 (got x)", s.step, s)
+    raises("fn(0) must return a number >= 0 (got nan)", optim.lambda, opt, function() return 0 / 0 end)
+    raises("fn(0) must return a number >= 0 (got -1)", optim.lambda, opt, function() return -1 end)
+    raises("fn(0) must return a number >= 0 (got nil)", optim.lambda, opt, function() end)
+    raises("lambda: second argument must be a function of the step (got table)", optim.lambda, opt, {})
+  end)
+end)
+
+describe("learning-rate schedules", function()
+  local make = {
+    cosine = function(opt) return optim.cosine(opt, {warmup = 2, total = 10, min_lr = 0.01}) end,
+    linear = function(opt) return optim.linear(opt, {warmup = 2, total = 10, min_lr = 0.01}) end,
+    constant = function(opt) return optim.constant(opt, {warmup = 2}) end,
+    step_lr = function(opt) return optim.step_lr(opt, {warmup = 2, step_size = 2, gamma = 0.5}) end,
+    wsd = function(opt) return optim.wsd(opt, {warmup = 2, total = 10, decay = 0.5, min_lr = 0.01}) end,
+    lambda = function(opt) return optim.lambda(opt, function(k) return 1 / (k + 1) end) end,
+  }
+
+  it("round-trip through state_dict / load_state_dict", function()
+    for kind, mk in pairs(make) do
+      local opt = optim.SGD({param{1}}, {lr = 1})
+      local s = mk(opt)
+      for _ = 1, 3 do s:step() end
+      local opt2 = optim.SGD({param{1}}, {lr = 5})
+      local s2 = make[kind](opt2)
+      s2.base_lr = 7 -- load_state_dict restores it
+      s2:load_state_dict(s:state_dict())
+      assert.are.equal(kind, s2:state_dict().kind)
+      assert.are.equal(3, s2.k, kind)
+      assert.are.equal(opt.lr, opt2.lr, kind)
+      for _ = 1, 4 do assert.are.equal(s:step(), s2:step(), kind) end
+    end
+  end)
+
+  it("refuses another kind's state_dict", function()
+    local opt = optim.SGD({param{1}}, {lr = 1})
+    local s = optim.linear(opt, {total = 10})
+    raises("linear: load_state_dict: expected a linear schedule's state_dict (got cosine)",
+      s.load_state_dict, s, optim.cosine(opt, {total = 10}):state_dict())
+    raises("(got number)", s.load_state_dict, s, 3)
+  end)
+
+  it("check their arguments", function()
+    local opt = optim.SGD({param{1}}, {lr = 1})
+    for kind, mk in pairs(make) do
+      raises(kind .. ": first argument must be an optimizer", mk, {})
+    end
+    for _, kind in ipairs{"cosine", "linear", "constant", "step_lr", "wsd"} do
+      raises(kind .. ": second argument must be an options table (got number)", optim[kind], opt, 3)
+      raises("warmup must be a number >= 0 (got -1)", optim[kind], opt, {warmup = -1, total = 1, step_size = 1})
+      raises("lr must be a number >= 0 (got nan)", optim[kind], opt, {lr = 0 / 0, total = 1, step_size = 1})
+    end
+    for _, kind in ipairs{"cosine", "linear", "wsd"} do
+      raises("total must be a number >= 0 (got nil)", optim[kind], opt, {})
+      raises("min_lr must be a number >= 0 (got -0.5)", optim[kind], opt, {total = 5, min_lr = -0.5})
+    end
+    raises("step_size must be a number >= 1 (got nil)", optim.step_lr, opt, {})
+    raises("step_size must be a number >= 1 (got 0)", optim.step_lr, opt, {step_size = 0})
+    raises("gamma must be a number >= 0 (got -1)", optim.step_lr, opt, {step_size = 1, gamma = -1})
+    raises("decay must be a number in [0, 1] (got 1.5)", optim.wsd, opt, {total = 10, decay = 1.5})
+    raises("decay must be a number in [0, 1] (got -0.1)", optim.wsd, opt, {total = 10, decay = -0.1})
+    raises("wsd: warmup (9) must end before the decay phase starts (step 8 of 10)",
+      optim.wsd, opt, {total = 10, warmup = 9})
+    assert.are.equal(1, opt.lr) -- a failed constructor leaves opt.lr alone
   end)
 end)
 
