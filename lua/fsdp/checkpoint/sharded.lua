@@ -406,7 +406,7 @@ local function match_index(ipath, index, opts, P, R)
   return plan
 end
 
--- Can this checkpoint serve the optimizer, loaders and random state? Sets plan.rng.
+-- Can this checkpoint serve the optimizer, schedule, loaders and random state? Sets plan.rng.
 local function check_extras(ipath, index, opts, loaders, plan)
   local W, rank = core.world_size(), core.rank()
   local opt = opts.optimizer
@@ -417,6 +417,11 @@ local function check_extras(ipath, index, opts, loaders, plan)
     if index.optimizer.kind ~= opt.kind then
       fail(("%s: the checkpoint holds %s state, the optimizer is %s"):format(ipath, index.optimizer.kind, opt.kind))
     end
+  end
+  local sched = opts.schedule
+  if sched and index.schedule and sched.kind ~= nil and index.schedule.kind ~= sched.kind then
+    fail(("%s: the checkpoint holds a %s schedule, the schedule is %s")
+      :format(ipath, tostring(index.schedule.kind), tostring(sched.kind)))
   end
   for name in pairs(loaders) do
     if index.loaders == nil or index.loaders[name] == nil then
