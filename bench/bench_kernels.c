@@ -16,44 +16,14 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_util.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/pool.h"
 
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static float *buf(int64_t n, float scale) {
-  float *p = malloc(sizeof(float) * (size_t)n);
-  if (!p) {
-    fprintf(stderr, "bench_kernels: out of memory (%lld floats)\n", (long long)n);
-    exit(1);
-  }
-  uint32_t s = 12345u;
-  for (int64_t i = 0; i < n; i++) {
-    s = s * 1664525u + 1013904223u;
-    p[i] = scale * ((float)(s >> 8) * (1.0f / 16777216.0f) - 0.5f);
-  }
-  return p;
-}
+static float *buf(int64_t n, float scale) { return bench_buf("bench_kernels", n, scale); }
 
 /* Seconds per call: one warm-up call, then repeat until 0.25 s have passed; best call. */
-typedef void (*bench_fn)(void *ctx);
-static double time_call(bench_fn fn, void *ctx) {
-  fn(ctx);
-  double best = 1e30, start = now();
-  int reps = 0;
-  while (reps < 3 || now() - start < 0.25) {
-    double t0 = now();
-    fn(ctx);
-    double dt = now() - t0;
-    best = dt < best ? dt : best;
-    reps++;
-  }
-  return best;
-}
+static double time_call(bench_fn fn, void *ctx) { return bench_time_call(fn, ctx, 0.25); }
 
 /* ---- gemm ------------------------------------------------------------------------------------ */
 

@@ -18,14 +18,9 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_util.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/pool.h"
-
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static void loadavg(void) {
   char line[128] = "?";
@@ -37,62 +32,32 @@ static void loadavg(void) {
   printf("load average: %s", line);
 }
 
-static float *buf(int64_t n, float scale) {
-  float *p = malloc(sizeof(float) * (size_t)n);
-  if (!p) {
-    fprintf(stderr, "bench_pool: out of memory (%lld floats)\n", (long long)n);
-    exit(1);
-  }
-  uint32_t s = 12345u;
-  for (int64_t i = 0; i < n; i++) {
-    s = s * 1664525u + 1013904223u;
-    p[i] = scale * ((float)(s >> 8) * (1.0f / 16777216.0f) - 0.5f);
-  }
-  return p;
-}
+static float *buf(int64_t n, float scale) { return bench_buf("bench_pool", n, scale); }
 
 /* Seconds per call: one warm-up call, then the best of repeated calls over ~0.2 s. */
-typedef void (*bench_fn)(void *ctx);
-static double time_call(bench_fn fn, void *ctx) {
-  fn(ctx);
-  double best = 1e30, start = now();
-  int reps = 0;
-  while (reps < 3 || now() - start < 0.2) {
-    double t0 = now();
-    fn(ctx);
-    double dt = now() - t0;
-    best = dt < best ? dt : best;
-    reps++;
-  }
-  return best;
-}
+static double time_call(bench_fn fn, void *ctx) { return bench_time_call(fn, ctx, 0.2); }
 
 /* ---- dispatch -------------------------------------------------------------------------------- */
 
 static void empty_task(void *ctx, int64_t lo, int64_t hi) { (void)ctx, (void)lo, (void)hi; }
 
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
 static void bench_dispatch(int threads) {
   fsdp_cpu_set_threads(threads);
   fsdp_cpu_parallel_for(threads, 1, empty_task, NULL); /* start the workers */
   const int hot = 200000;
-  double t0 = now();
+  double t0 = bench_now();
   for (int i = 0; i < hot; i++) fsdp_cpu_parallel_for(threads, 1, empty_task, NULL);
-  double per_hot = (now() - t0) / hot;
+  double per_hot = (bench_now() - t0) / hot;
   enum { COLD = 200 };
   double cold[COLD];
   for (int i = 0; i < COLD; i++) {
     struct timespec pause = {0, 1000000};
     nanosleep(&pause, NULL);
-    double t = now();
+    double t = bench_now();
     fsdp_cpu_parallel_for(threads, 1, empty_task, NULL);
-    cold[i] = now() - t;
+    cold[i] = bench_now() - t;
   }
-  qsort(cold, COLD, sizeof cold[0], cmp_double);
+  qsort(cold, COLD, sizeof cold[0], bench_cmp_double);
   printf("  %d threads: back to back %.2f us a call; after 1 ms idle: median %.1f us, "
          "90th percentile %.1f us\n",
          threads, per_hot * 1e6, cold[COLD / 2] * 1e6, cold[COLD * 9 / 10] * 1e6);

@@ -20,6 +20,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_util.h"
 #include "comm/comm.h"
 #include "comm/mpi.h"
 
@@ -29,22 +30,6 @@
 #endif
 
 static int g_calls = 2000, g_iters = 9;
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
-static double median(double *x, int n) {
-  qsort(x, (size_t)n, sizeof *x, cmp_double);
-  return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
-}
 
 static void check(int rc, int rank) {
   if (rc != FSDP_OK) {
@@ -62,7 +47,7 @@ static double round_of(fsdp_comm *c, int k, int rank) {
   float buf[8] = {0};
   fsdp_comm_set_full_check(c, k == C_BAR_FULL || k == C_AR_FULL);
   check(fsdp_comm_barrier(c, "sync"), rank);
-  double t0 = now_s();
+  double t0 = bench_now();
   for (int i = 0; i < g_calls; i++) {
     switch (k) {
     case C_BAR_HASH:
@@ -75,12 +60,12 @@ static double round_of(fsdp_comm *c, int k, int rank) {
     default: break;
     }
   }
-  return (now_s() - t0) / g_calls;
+  return (bench_now() - t0) / g_calls;
 }
 
 static void report(const char *backend, int world, double t[NCASE][64], bool raw) {
   double m[NCASE];
-  for (int k = 0; k < NCASE; k++) m[k] = (k == C_RAW && !raw) ? 0 : median(t[k], g_iters);
+  for (int k = 0; k < NCASE; k++) m[k] = (k == C_RAW && !raw) ? 0 : bench_median(t[k], g_iters);
   printf("%-6s %5d  %-14s %9.1f %9.1f %7.2f\n", backend, world, case_name[C_BAR_HASH],
          1e6 * m[C_BAR_HASH], 1e6 * m[C_BAR_FULL], m[C_BAR_FULL] / m[C_BAR_HASH]);
   printf("%-6s %5d  %-14s %9.1f %9.1f %7.2f\n", backend, world, case_name[C_AR_HASH],

@@ -28,6 +28,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_util.h"
 #include "comm/comm.h"
 #include "comm/mpi.h"
 
@@ -45,32 +46,16 @@ int main(void) {
 
 static int g_rank, g_world;
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
 typedef void (*op_fn)(void *ctx);
 
 /* The slowest rank's time of one call, every rank starting together. */
 static double once(op_fn fn, void *ctx) {
   MPI_Barrier(MPI_COMM_WORLD);
-  double t0 = now_s();
+  double t0 = bench_now();
   fn(ctx);
-  double dt = now_s() - t0, worst;
+  double dt = bench_now() - t0, worst;
   MPI_Allreduce(&dt, &worst, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
   return worst;
-}
-
-static double median(double *x, int n) {
-  qsort(x, (size_t)n, sizeof *x, cmp_double);
-  return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
 }
 
 /* The ops of one row, interleaved: iteration k runs each op once, in turn, so that a change of
@@ -86,8 +71,8 @@ static void timed_row(op_fn *fns, int nfn, void *ctx, int iters, double *t, doub
       if (all[j * iters + k] < best_raw) best_raw = all[j * iters + k];
     r[k] = best_raw / all[(nfn - 1) * iters + k];
   }
-  for (int j = 0; j < nfn; j++) t[j] = median(all + j * iters, iters);
-  *ratio = median(r, iters);
+  for (int j = 0; j < nfn; j++) t[j] = bench_median(all + j * iters, iters);
+  *ratio = bench_median(r, iters);
   free(all);
   free(r);
 }
@@ -148,8 +133,8 @@ static void eng_rs(void *p) {
 
 static void busy(double seconds) {
   volatile double x = 0;
-  double t0 = now_s();
-  while (now_s() - t0 < seconds) x = x + 1.0;
+  double t0 = bench_now();
+  while (bench_now() - t0 < seconds) x = x + 1.0;
 }
 
 /* The wait after `compute` seconds of compute, raw and through the engine (median of 5). */
@@ -161,9 +146,9 @@ static void progress(bench *b, double compute, double *raw_wait, double *eng_wai
     MPI_Iallgather(b->ag_send, (int)b->n, MPI_FLOAT, b->ag_recv, (int)b->n, MPI_FLOAT,
                    MPI_COMM_WORLD, &req);
     busy(compute);
-    double t0 = now_s();
+    double t0 = bench_now();
     MPI_Wait(&req, MPI_STATUS_IGNORE);
-    double dt = now_s() - t0;
+    double dt = bench_now() - t0;
     MPI_Allreduce(&dt, &rw[k], 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
 
     MPI_Barrier(MPI_COMM_WORLD);
@@ -173,13 +158,13 @@ static void progress(bench *b, double compute, double *raw_wait, double *eng_wai
     fsdp_comm_req *r;
     check(fsdp_comm_start(b->c, &kk, &r));
     busy(compute);
-    t0 = now_s();
+    t0 = bench_now();
     check(fsdp_comm_wait(r));
-    dt = now_s() - t0;
+    dt = bench_now() - t0;
     MPI_Allreduce(&dt, &ew[k], 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
   }
-  qsort(rw, 5, sizeof *rw, cmp_double);
-  qsort(ew, 5, sizeof *ew, cmp_double);
+  qsort(rw, 5, sizeof *rw, bench_cmp_double);
+  qsort(ew, 5, sizeof *ew, bench_cmp_double);
   *raw_wait = rw[2];
   *eng_wait = ew[2];
 }
@@ -246,7 +231,7 @@ int main(int argc, char **argv) {
     if (mib == 16 && g_world > 1) {
       double tb[9];
       for (int k = 0; k < 9; k++) tb[k] = once(raw_ag, &b);
-      double t_block = median(tb, 9), rw, ew;
+      double t_block = bench_median(tb, 9), rw, ew;
       progress(&b, 3 * t_block, &rw, &ew);
       if (g_rank == 0)
         printf("progress: 16 MiB all_gather (%.2f ms blocking), then %.2f ms of compute without "
