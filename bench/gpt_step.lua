@@ -24,6 +24,7 @@
 local fsdp = require "fsdp"
 local nn = fsdp.nn
 local core = fsdp.core
+local lib = dofile((arg[0]:match("^(.*[/\\])") or "") .. "lib.lua")
 
 local args = fsdp.args
 local function int_arg(name, default, min)
@@ -56,13 +57,7 @@ if args.layers or args.d or args.heads then
   configs = { c }
 end
 
-local function median(xs)
-  local s = {}
-  for i, x in ipairs(xs) do s[i] = x end
-  table.sort(s)
-  local n = #s
-  return n % 2 == 1 and s[(n + 1) / 2] or 0.5 * (s[n / 2] + s[n / 2 + 1])
-end
+local median = lib.median
 
 -- A copy of v that json_encode takes: functions, userdata and non-finite numbers dropped, a
 -- table with both array and other keys kept by its string keys.
@@ -140,13 +135,10 @@ for _, c in ipairs(configs) do
       fsdp.wrap(model, { policy = fsdp.policy.modules { nn.Block }, strategy = strategy, mp = mp })
     end
     local opt = fsdp.optim.AdamW(model, { lr = 3e-4 })
-    local ids = {}
-    for i = 1, B * (T + 1) do ids[i] = math.random(0, V - 1) end
-    local all = fsdp.tensor(ids, { dtype = "i64" }):view { B, T + 1 }
+    local all = lib.random_tokens(B, T, V)
     local Bl = B / world -- this rank's rows of the global batch
     local mine = all:narrow(1, rank * Bl + 1, Bl)
-    local x = mine:narrow(2, 1, T):contiguous()
-    local y = mine:narrow(2, 2, T):contiguous()
+    local x, y = lib.next_token(mine, T)
     local times, losses, cpus = {}, {}, {}
     local stats0
     for s = 1, warmup + steps do

@@ -11,6 +11,7 @@
 local fsdp = require "fsdp"
 local nn = fsdp.nn
 local core = fsdp.core
+local lib = dofile((arg[0]:match("^(.*[/\\])") or "") .. "lib.lua")
 local args = fsdp.args
 local dev = args.device or "cuda"
 if dev ~= "cpu" and fsdp.device_count(dev) == 0 then
@@ -34,11 +35,8 @@ local ok, err = pcall(function()
   fsdp.materialize(model)
   local opt = fsdp.optim.AdamW(model, {lr = 1e-4, weight_decay = 0.1})
   math.randomseed(1)
-  local ids = {}
-  for i = 1, B * (T + 1) do ids[i] = math.random(0, cfg.vocab - 1) end
-  local all = fsdp.tensor(ids, {dtype = "i64"}):view{B, T + 1}
-  local x = all:narrow(2, 1, T):contiguous():to(dev)
-  local y = all:narrow(2, 2, T):contiguous():to(dev)
+  local x, y = lib.next_token(lib.random_tokens(B, T, cfg.vocab), T)
+  x, y = x:to(dev), y:to(dev)
   core.reset_peak()
   local t
   for _ = 1, 2 do

@@ -20,6 +20,7 @@
 local fsdp = require "fsdp"
 local nn = fsdp.nn
 local core = fsdp.core
+local lib = dofile((arg[0]:match("^(.*[/\\])") or "") .. "lib.lua")
 
 local args = fsdp.args
 local dev = args.device or "cuda"
@@ -35,13 +36,7 @@ if dev ~= "cpu" and fsdp.device_count(dev) == 0 then
   os.exit(77)
 end
 
-local function median(xs)
-  local s = {}
-  for i, x in ipairs(xs) do s[i] = x end
-  table.sort(s)
-  local n = #s
-  return n % 2 == 1 and s[(n + 1) / 2] or 0.5 * (s[n / 2] + s[n / 2 + 1])
-end
+local median = lib.median
 
 -- the engine's own bf16 matmul rate (the fallback MFU denominator)
 local function engine_peak()
@@ -78,11 +73,8 @@ fsdp.materialize(model)
 local opt = fsdp.optim.AdamW(model, {lr = 6e-4, weight_decay = 0.1})
 
 math.randomseed(1)
-local ids = {}
-for i = 1, B * (T + 1) do ids[i] = math.random(0, cfg.vocab - 1) end
-local all = fsdp.tensor(ids, {dtype = "i64"}):view{B, T + 1}
-local x = all:narrow(2, 1, T):contiguous():to(dev)
-local y = all:narrow(2, 2, T):contiguous():to(dev)
+local x, y = lib.next_token(lib.random_tokens(B, T, cfg.vocab), T)
+x, y = x:to(dev), y:to(dev)
 
 local function step()
   local loss = nn.F.cross_entropy(model(x), y)

@@ -3,13 +3,9 @@
 # GPU: per rank, shards = total/N and the gathered peak = the root plus the largest unit (plus
 # the next one with prefetch), within 5%, at 2 and 4 ranks, read from the cuda column of
 # fsdp.memory(). Skips (77) without a cuda device.
-set -eu
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
-n=$("$FSDPRUN" -e 'io.write(require("fsdp").device_count("cuda"))' 2>/dev/null || echo 0)
-if [ "$n" = 0 ]; then
-  echo "no CUDA device: fsdp.device_count(\"cuda\") is 0"
-  exit 77
-fi
+. "${0%/*}/../recipes/lib.sh"
+set -e
+need_cuda
 for k in 2 4; do
   for prefetch in true false; do
     out=$("$FSDPRUN" -n "$k" tests/dist/memory.lua --prefetch=$prefetch --device=cuda 2>&1) || {

@@ -1,7 +1,7 @@
 # lib.sh — what every test script of tests/recipes shares (sourced, not a test itself; the
-# CMake glob leaves it out). A script starts with
+# CMake glob leaves it out), and tests/cuda's scripts too. A script starts with
 #
-#   . "${0%/*}/lib.sh"
+#   . "${0%/*}/lib.sh"                 (tests/cuda: . "${0%/*}/../recipes/lib.sh")
 #
 # and has: `set -u`; FSDPRUN checked (ctest sets it to the built launcher); $TEST, the script's
 # name; $SRC, the source tree (FSDP_SOURCE_DIR, or the current folder, where ctest runs the
@@ -48,6 +48,12 @@ skip() {
 
 # need COMMAND HOW: skip unless COMMAND is installed (HOW says how to install it)
 need() { command -v "$1" >/dev/null 2>&1 || skip "$1 is not installed: $2"; }
+
+# need_cuda: skip unless fsdprun sees a cuda device; $cuda_n is how many it sees
+need_cuda() {
+  cuda_n=$("$FSDPRUN" -e 'io.write(require("fsdp").device_count("cuda"))' 2>/dev/null || echo 0)
+  [ "$cuda_n" != 0 ] || skip 'no CUDA device: fsdp.device_count("cuda") is 0'
+}
 
 # need_mpi: skip unless mpirun is installed and fsdprun was built with Open MPI
 need_mpi() {
