@@ -4,7 +4,7 @@
 # it runs (not even behind pcall), several ranks exiting end with the code and no report, a rank
 # that exits early leaves its peers' collectives failing at once; under mpirun MPI is finalized
 # (no "exited improperly" from mpirun); in the REPL (-i, fsdp.debug()) os.exit ends the session
-# and the run with its code.
+# and the run with its code; with --debug-on-error os.exit starts no post-mortem.
 . "${0%/*}/lib.sh"
 
 # code CODE EXPECTED WHAT: fsdprun -e CODE exits with EXPECTED
@@ -49,6 +49,17 @@ rc=$?
 expect_rc 0 "os.exit(0) in fsdp.debug()"
 expect_lacks out "the recipe went on" "os.exit in fsdp.debug() ends the recipe"
 
+# --debug-on-error: os.exit is no failure, so no post-mortem (stdin is not read), no report
+printf 'print("REPL ran")\n' | timeout -k 5 60 "$FSDPRUN" --debug-on-error -e 'os.exit(4)' >"$T/out" 2>"$T/err"
+rc=$?
+expect_rc 4 "os.exit(4) with --debug-on-error"
+expect_lacks out "REPL ran" "os.exit with --debug-on-error: no post-mortem"
+[ -s "$T/err" ] && fail "os.exit(4) with --debug-on-error printed on stderr: $(cat "$T/err")"
+printf 'print("REPL ran")\n' | timeout -k 5 60 "$FSDPRUN" --debug-on-error -n 2 -e 'local f = require "fsdp"; f.barrier(); pcall(os.exit, f.rank() == 1 and 5 or 0)' >"$T/out" 2>"$T/err"
+rc=$?
+expect_rc 5 "-n 2, os.exit behind pcall with --debug-on-error"
+expect_lacks out "REPL ran" "-n 2, os.exit with --debug-on-error: no post-mortem"
+[ -s "$T/err" ] && fail "-n 2, os.exit with --debug-on-error printed on stderr: $(cat "$T/err")"
 # mpirun: MPI finalized, so mpirun has nothing to complain about
 if command -v mpirun >/dev/null 2>&1; then
   run timeout -k 5 120 $MPIRUN -np 2 "$FSDPRUN" -e 'print("rank", require("fsdp").rank()); os.exit(0)'
