@@ -248,7 +248,8 @@ static int l_rank_exit(lua_State *L) {
   int code = EXIT_SUCCESS;
   if (lua_isboolean(L, 1)) code = lua_toboolean(L, 1) ? EXIT_SUCCESS : EXIT_FAILURE;
   else if (!lua_isnoneornil(L, 1)) code = (int)luaL_checkinteger(L, 1) & 0xff;
-  if (!rc->exiting) rc->status = code;
+  /* after a failure (os.exit in the post-mortem) the status stays the failure's */
+  if (!rc->exiting && !rc->failed) rc->status = code;
   rc->exiting = true;
   lua_sethook(L, exit_hook, LUA_MASKCALL | LUA_MASKRET | LUA_MASKCOUNT, 1);
   return luaL_error(L, EXIT_UNWIND);
@@ -581,7 +582,7 @@ static int run_host(fsdprun_opts *o, fsdp_host_opts ho) {
     bool gone = fsdp_host_rank_abandoned(ranks[i].hr);
     int st = gone ? EXIT_FAILURE : ranks[i].status;
     if (st == EXIT_INTERRUPTED) interrupted = true;
-    if (ranks[i].exiting && !gone) {
+    if (ranks[i].exiting && !ranks[i].failed && !gone) {
       if (exited == EXIT_SUCCESS) exited = st;
     } else if (st != EXIT_SUCCESS) {
       status = EXIT_FAILURE;
