@@ -727,13 +727,17 @@ static void setup_progress(const fsdprun_opts *o) {
     setenv("FSDP_PROGRESS", "line", 1);
 }
 
+/* The ranks of this job on this machine (mpirun's OMPI_COMM_WORLD_LOCAL_SIZE), at least 1. */
+static int mpi_local_size(void) {
+  const char *ls = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  long local = ls != NULL ? strtol(ls, NULL, 10) : 1;
+  return local > 0 && local <= INT_MAX ? (int)local : 1;
+}
+
 /* Threads of one rank process: the variables (already checked by setup_threads), else the
  * CPUs this process may run on, at most this machine's share of them (fsdp_host_mpi_threads). */
 static void mpi_threads(void) {
-  const char *ls = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-  long local = ls != NULL ? strtol(ls, NULL, 10) : 1;
-  if (fsdp_host_mpi_threads(local > 0 && local <= INT_MAX ? (int)local : 1) != FSDP_OK)
-    fsdp_error_clear();
+  if (fsdp_host_mpi_threads(mpi_local_size()) != FSDP_OK) fsdp_error_clear();
 }
 
 /* fsdprun -n N --backend mpi outside mpirun: start the job on this machine, N copies of this
@@ -801,11 +805,8 @@ static int run_mpi_rank(fsdprun_opts *o) {
   mpi_threads();
   /* nccl or auto: every rank must choose alike, so they agree on the minimum of their wishes */
   if (o->nccl || o->auto_backend) {
-    int local = 1;
-    const char *lw = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-    if (lw && atoi(lw) > 0) local = atoi(lw);
     bool asked = o->nccl;
-    int bad = choose_nccl(o, local);
+    int bad = choose_nccl(o, mpi_local_size());
     double can = bad == 0 && o->nccl ? 1 : 0;
     if (fsdp_comm_all_reduce(comm, &can, 1, FSDP_DTYPE_F64, FSDP_RED_MIN, "fsdprun.backend")) {
       fprintf(stderr, PROGNAME ": %s\n", fsdp_error_msg());
