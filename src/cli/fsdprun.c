@@ -248,7 +248,8 @@ static int l_rank_exit(lua_State *L) {
   int code = EXIT_SUCCESS;
   if (lua_isboolean(L, 1)) code = lua_toboolean(L, 1) ? EXIT_SUCCESS : EXIT_FAILURE;
   else if (!lua_isnoneornil(L, 1)) code = (int)luaL_checkinteger(L, 1) & 0xff;
-  if (!rc->exiting) rc->status = code;
+  /* after a failure (os.exit in the post-mortem) the status stays the failure's */
+  if (!rc->exiting && !rc->failed) rc->status = code;
   rc->exiting = true;
   lua_sethook(L, exit_hook, LUA_MASKCALL | LUA_MASKRET | LUA_MASKCOUNT, 1);
   return luaL_error(L, EXIT_UNWIND);
@@ -581,7 +582,7 @@ static int run_host(fsdprun_opts *o, fsdp_host_opts ho) {
     bool gone = fsdp_host_rank_abandoned(ranks[i].hr);
     int st = gone ? EXIT_FAILURE : ranks[i].status;
     if (st == EXIT_INTERRUPTED) interrupted = true;
-    if (ranks[i].exiting && !gone) {
+    if (ranks[i].exiting && !ranks[i].failed && !gone) {
       if (exited == EXIT_SUCCESS) exited = st;
     } else if (st != EXIT_SUCCESS) {
       status = EXIT_FAILURE;
@@ -726,13 +727,17 @@ static void setup_progress(const fsdprun_opts *o) {
     setenv("FSDP_PROGRESS", "line", 1);
 }
 
+/* The ranks of this job on this machine (mpirun's OMPI_COMM_WORLD_LOCAL_SIZE), at least 1. */
+static int mpi_local_size(void) {
+  const char *ls = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  long local = ls != NULL ? strtol(ls, NULL, 10) : 1;
+  return local > 0 && local <= INT_MAX ? (int)local : 1;
+}
+
 /* Threads of one rank process: the variables (already checked by setup_threads), else the
  * CPUs this process may run on, at most this machine's share of them (fsdp_host_mpi_threads). */
 static void mpi_threads(void) {
-  const char *ls = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-  long local = ls != NULL ? strtol(ls, NULL, 10) : 1;
-  if (fsdp_host_mpi_threads(local > 0 && local <= INT_MAX ? (int)local : 1) != FSDP_OK)
-    fsdp_error_clear();
+  if (fsdp_host_mpi_threads(mpi_local_size()) != FSDP_OK) fsdp_error_clear();
 }
 
 /* fsdprun -n N --backend mpi outside mpirun: start the job on this machine, N copies of this
@@ -800,11 +805,8 @@ static int run_mpi_rank(fsdprun_opts *o) {
   mpi_threads();
   /* nccl or auto: every rank must choose alike, so they agree on the minimum of their wishes */
   if (o->nccl || o->auto_backend) {
-    int local = 1;
-    const char *lw = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-    if (lw && atoi(lw) > 0) local = atoi(lw);
     bool asked = o->nccl;
-    int bad = choose_nccl(o, local);
+    int bad = choose_nccl(o, mpi_local_size());
     double can = bad == 0 && o->nccl ? 1 : 0;
     if (fsdp_comm_all_reduce(comm, &can, 1, FSDP_DTYPE_F64, FSDP_RED_MIN, "fsdprun.backend")) {
       fprintf(stderr, PROGNAME ": %s\n", fsdp_error_msg());

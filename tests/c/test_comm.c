@@ -1394,6 +1394,38 @@ static void test_native_backend(void **state) {
   free(log);
 }
 
+/* A device collective the device cannot serve is refused before anything is issued, naming
+ * the device (and poisons the group, as any invalid collective): one without data (shapes
+ * only), one without a reduce_ranks kernel. */
+static int dev_copy(void *ctx, void *dst, const void *src, size_t bytes) {
+  (void)ctx;
+  memmove(dst, src, bytes);
+  return FSDP_OK;
+}
+
+static void test_device_refusals(void **state) {
+  (void)state;
+  fsdp_local_group *g;
+  fsdp_comm *c;
+  fsdp_comm_req *q = NULL;
+  assert_int_equal(fsdp_local_group_new(&g, 1), FSDP_OK);
+  assert_int_equal(fsdp_comm_local_new(&c, g, 0), FSDP_OK);
+  fsdp_local_group_release(g);
+  float buf[2] = {1, 2};
+  static fsdp_device_i shapes = {.name = "shapes"};
+  static fsdp_device_i nored = {.name = "nored", .has_data = true, .copy = dev_copy};
+  fsdp_coll k = {.op = FSDP_COLL_ALL_REDUCE, .dtype = FSDP_DTYPE_F32, .red = FSDP_RED_SUM,
+                 .count = 2, .recv = buf, .label = "d", .device = &shapes};
+  assert_int_equal(fsdp_comm_start(c, &k, &q), FSDP_ERR);
+  assert_contains(fsdp_error_msg(), "the shapes device has no data to move");
+  k.device = &nored;
+  assert_int_equal(fsdp_comm_start(c, &k, &q), FSDP_ERR);
+  assert_contains(fsdp_error_msg(), "the nored device has no reduce_ranks kernel");
+  /* the peers would wait for this rank: a refusal poisons the group */
+  assert_true(fsdp_comm_poisoned(c));
+  fsdp_comm_free(c);
+}
+
 /* set_refuse: collectives fail at once on this rank, take no sequence number, count nothing,
  * poison nothing; lifting it restores them. */
 static void test_refuse(void **state) {
@@ -1547,6 +1579,7 @@ int main(void) {
       cmocka_unit_test(test_env),
       cmocka_unit_test(test_invalid),
       cmocka_unit_test(test_native_backend),
+      cmocka_unit_test(test_device_refusals),
       cmocka_unit_test(test_refuse),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -4,7 +4,8 @@
 # it runs (not even behind pcall), several ranks exiting end with the code and no report, a rank
 # that exits early leaves its peers' collectives failing at once; under mpirun MPI is finalized
 # (no "exited improperly" from mpirun); in the REPL (-i, fsdp.debug()) os.exit ends the session
-# and the run with its code.
+# and the run with its code; with --debug-on-error os.exit starts no post-mortem, and in the
+# post-mortem it ends the run with status 1 (a rank failed).
 . "${0%/*}/lib.sh"
 
 # code CODE EXPECTED WHAT: fsdprun -e CODE exits with EXPECTED
@@ -48,6 +49,24 @@ printf 'os.exit(0)\n' | timeout -k 5 60 "$FSDPRUN" -n 2 "$T/debug.lua" >"$T/out"
 rc=$?
 expect_rc 0 "os.exit(0) in fsdp.debug()"
 expect_lacks out "the recipe went on" "os.exit in fsdp.debug() ends the recipe"
+
+# --debug-on-error: os.exit is no failure, so no post-mortem (stdin is not read), no report
+printf 'print("REPL ran")\n' | timeout -k 5 60 "$FSDPRUN" --debug-on-error -e 'os.exit(4)' >"$T/out" 2>"$T/err"
+rc=$?
+expect_rc 4 "os.exit(4) with --debug-on-error"
+expect_lacks out "REPL ran" "os.exit with --debug-on-error: no post-mortem"
+[ -s "$T/err" ] && fail "os.exit(4) with --debug-on-error printed on stderr: $(cat "$T/err")"
+printf 'print("REPL ran")\n' | timeout -k 5 60 "$FSDPRUN" --debug-on-error -n 2 -e 'local f = require "fsdp"; f.barrier(); pcall(os.exit, f.rank() == 1 and 5 or 0)' >"$T/out" 2>"$T/err"
+rc=$?
+expect_rc 5 "-n 2, os.exit behind pcall with --debug-on-error"
+expect_lacks out "REPL ran" "-n 2, os.exit with --debug-on-error: no post-mortem"
+[ -s "$T/err" ] && fail "-n 2, os.exit with --debug-on-error printed on stderr: $(cat "$T/err")"
+# os.exit in the post-mortem ends the run, but the failure stays one (exit status 1)
+printf 'os.exit(0)\nprint("not reached")\n' | timeout -k 5 60 "$FSDPRUN" --debug-on-error -n 2 -e 'local f = require "fsdp"; if f.rank() == 1 then error("boom") end; f.barrier()' >"$T/out" 2>"$T/err"
+rc=$?
+expect_rc 1 "os.exit(0) in the post-mortem"
+expect_lacks out "not reached" "os.exit in the post-mortem ends the session"
+expect_has err "boom" "os.exit in the post-mortem: the failure is reported"
 
 # mpirun: MPI finalized, so mpirun has nothing to complain about
 if command -v mpirun >/dev/null 2>&1; then
