@@ -924,6 +924,9 @@ static atomic_int reported;
 
 static void body_timeout(rank_ctx *x) {
   float send[8] = {0}, recv[8 * MAXW];
+  /* every rank has joined before the timed barrier: on a loaded machine a rank thread may
+   * otherwise start after the timeout, and the report would say "never joined" */
+  expect_ok(x, fsdp_comm_barrier(x->c, "start"), "start barrier");
   if (x->rank == x->world - 1) {
     /* alive but never arriving (as if stuck in compute); it enters once the others failed */
     while (atomic_load(&reported) < x->world - 1) sleep_s(0.01);
@@ -942,18 +945,19 @@ static void test_timeout(void **state) {
   double t0 = now_s();
   run_world(3, 0.3, body_timeout, NULL, ctx);
   assert_true(now_s() - t0 < 5);
-  /* ranks 0, 1 time out in the barrier (#1); whichever timed out first names rank 2, the
+  /* ranks 0, 1 time out in the barrier (#2); whichever timed out first names rank 2, the
    * other fails on the poison with that message */
   int timed_out = 0;
+  for (int r = 0; r < 3; r++) assert_string_equal(ctx[r].wrong, "");
   for (int r = 0; r < 2; r++) {
     assert_int_equal(ctx[r].rc[0], FSDP_ERR);
     assert_true(ctx[r].secs[0] < 3);
-    assert_contains(ctx[r].msg[0], "timeout after 0.3 s in barrier #1 'warmup': rank 2 has not "
-                                   "arrived (sequence number it reached: rank 2 none)");
+    assert_contains(ctx[r].msg[0], "timeout after 0.3 s in barrier #2 'warmup': rank 2 has not "
+                                   "arrived (sequence number it reached: rank 2 #1)");
     if (strncmp(ctx[r].msg[0], "timeout after", 13) == 0) timed_out++;
     else assert_true(strncmp(ctx[r].msg[0], "rank ", 5) == 0 && strstr(ctx[r].msg[0], " failed: timeout after"));
     assert_contains(ctx[r].msg[0], "\nflight recorder (rank");
-    assert_contains(ctx[r].msg[0], "#1 barrier 'warmup' failed");
+    assert_contains(ctx[r].msg[0], "#2 barrier 'warmup' failed");
     assert_int_equal(ctx[r].rc[1], FSDP_ERR); /* later collectives fail at once */
     assert_true(ctx[r].secs[1] < 1);
   }
@@ -961,7 +965,7 @@ static void test_timeout(void **state) {
   /* the late rank enters afterwards and fails at once with the poison */
   assert_int_equal(ctx[2].rc[0], FSDP_ERR);
   assert_true(ctx[2].secs[0] < 1);
-  assert_contains(ctx[2].msg[0], " failed: timeout after 0.3 s in barrier #1 'warmup'");
+  assert_contains(ctx[2].msg[0], " failed: timeout after 0.3 s in barrier #2 'warmup'");
 }
 
 static void body_timeout_two_b(rank_ctx *x) {
