@@ -199,10 +199,10 @@ end
 -- holds; st is the slice's state table (created with step = 0). With only_grads (a step:
 -- collective) the slices of parameters that received no gradient on any rank are left out,
 -- as a plain optimizer leaves out a parameter whose p.grad is nil: no update, no weight decay,
--- no state created or changed, no mask applied. With fused_mask, fn gets the slice's mask (or
--- nil) as a sixth argument and applies it itself (AdamW's fused kernel); otherwise the
--- gradient slice is masked before fn and the weights after it.
-function Optimizer:each_slice(fn, only_grads, fused_mask)
+-- no state created or changed, no mask applied. fn gets the slice's mask (or nil) as a sixth
+-- argument and applies it itself: SGD masks the gradient before its kernel and the weights
+-- after it, AdamW passes it to its fused kernel.
+function Optimizer:each_slice(fn, only_grads)
   local what = self.kind .. ":step"
   local has = only_grads and agree_grads(self.wrapped, what) or nil
   each_unit(self.wrapped, what, function(u, shard, gshard, slices)
@@ -217,14 +217,7 @@ function Optimizer:each_slice(fn, only_grads, fused_mask)
           self.slice_of[p] = {param_first = s.param_first, numel = n}
         end
         local ps, gs = shard:narrow(1, s.shard_first, n), gshard:narrow(1, s.shard_first, n)
-        local m = slice_mask(p, n, s.path)
-        if fused_mask then
-          fn(st, ps, gs, p, s.path, m)
-        else
-          if m then core.mask_apply(gs, m) end
-          fn(st, ps, gs, p, s.path)
-          if m then core.mask_apply(ps, m) end
-        end
+        fn(st, ps, gs, p, s.path, slice_mask(p, n, s.path))
       end
     end
   end)
@@ -423,14 +416,16 @@ function SGD:step()
   self.step_count = self.step_count + 1
   local lr, momentum, wd = self.lr, self.momentum, self.weight_decay
   if self.wrapped then
-    self:each_slice(function(st, p, g)
+    self:each_slice(function(st, p, g, _, _, mask)
       local first = false
       if momentum ~= 0 and st.momentum_buffer == nil then
         st.momentum_buffer = core.zeros({p:numel()}, { role = "optim", device = p.device })
         first = true
       end
       st.step = st.step + 1
+      if mask then core.mask_apply(g, mask) end
       core.sgd_step(p, g, st.momentum_buffer, lr, momentum, wd, first)
+      if mask then core.mask_apply(p, mask) end
     end, true)
     return
   end
@@ -512,7 +507,7 @@ function AdamW:step()
       st.step = st.step + 1
       core.adamw_step(p, g, st.exp_avg, st.exp_avg_sq, lr, b1, b2, eps,
         self.decay[param] and wd or 0, st.step, mask)
-    end, true, true)
+    end, true)
     return
   end
   for _, e in ipairs(self.params) do
