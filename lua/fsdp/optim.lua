@@ -38,7 +38,7 @@ local raise, is_module = util.raise, util.is_module
 
 -- p.grad and whether this call made its Lua value: the plain paths free such a value when done,
 -- so a gradient zero_grad drops is freed then, not when Lua's collector finds the value.
-local function grad_of(p) return core.grad_of(p) end
+local grad_of = core.grad_of
 
 -- The Root (lua/fsdp/state.lua) of model when it is a wrapped root, else nil. A module inside
 -- a wrapped model (not its root), or an array holding sharded parameters, is an error: the
