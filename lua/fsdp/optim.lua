@@ -65,13 +65,6 @@ optim.wrap_state = wrap_state
 
 local slice_mask, mask_dense = mask.shard_slice, mask.apply_plain
 
--- The flat mask of an unwrapped parameter p for the fused AdamW kernel, or nil (no mask, or p or
--- its gradient g not contiguous: then mask_dense does it around the step).
-local function dense_mask_flat(p, g)
-  if not p:is_contiguous() or not g:is_contiguous() then return nil end
-  return mask.plain_flat(p)
-end
-
 -- The wrapped model's units (construction order), checking the wrap is still the one the
 -- optimizer was made for.
 local function live_units(R, what)
@@ -416,16 +409,16 @@ function SGD:step()
   self.step_count = self.step_count + 1
   local lr, momentum, wd = self.lr, self.momentum, self.weight_decay
   if self.wrapped then
-    self:each_slice(function(st, p, g, _, _, mask)
+    self:each_slice(function(st, p, g, _, _, m)
       local first = false
       if momentum ~= 0 and st.momentum_buffer == nil then
         st.momentum_buffer = core.zeros({p:numel()}, { role = "optim", device = p.device })
         first = true
       end
       st.step = st.step + 1
-      if mask then core.mask_apply(g, mask) end
+      if m then core.mask_apply(g, m) end
       core.sgd_step(p, g, st.momentum_buffer, lr, momentum, wd, first)
-      if mask then core.mask_apply(p, mask) end
+      if m then core.mask_apply(p, m) end
     end, true)
     return
   end
@@ -499,14 +492,14 @@ function AdamW:step()
   self.step_count = self.step_count + 1
   local lr, b1, b2, eps, wd = self.lr, self.betas[1], self.betas[2], self.eps, self.weight_decay
   if self.wrapped then
-    self:each_slice(function(st, p, g, param, _, mask)
+    self:each_slice(function(st, p, g, param, _, m)
       if st.exp_avg == nil then
         st.exp_avg = core.zeros({p:numel()}, { role = "optim", device = p.device })
         st.exp_avg_sq = core.zeros({p:numel()}, { role = "optim", device = p.device })
       end
       st.step = st.step + 1
       core.adamw_step(p, g, st.exp_avg, st.exp_avg_sq, lr, b1, b2, eps,
-        self.decay[param] and wd or 0, st.step, mask)
+        self.decay[param] and wd or 0, st.step, m)
     end, true)
     return
   end
@@ -520,11 +513,9 @@ function AdamW:step()
         self.state[p] = st
       end
       st.step = st.step + 1
-      local mask = dense_mask_flat(p, g)
-      if mask == nil then mask_dense(p, g) end
+      -- adamw_step wants p and g contiguous (gradients always are): the whole flat mask fits
       core.adamw_step(p, g, st.exp_avg, st.exp_avg_sq, lr, b1, b2, eps,
-        self.decay[p] and wd or 0, st.step, mask)
-      if mask == nil then mask_dense(p, p) end
+        self.decay[p] and wd or 0, st.step, mask.plain_flat(p))
       if fresh then g:free() end
     end
   end
