@@ -94,8 +94,11 @@ local function check_opts(fn, model, opts, known)
       raise(("%s: loader %s must be a data loader (with a cursor field)"):format(fn, tostring(k)))
     end
   end
-  if opts.schedule ~= nil and (type(opts.schedule) ~= "table" or type(opts.schedule.state_dict) ~= "function") then
-    raise(fn .. ": schedule must have state_dict/load_state_dict (fsdp.optim.cosine)")
+  local sc = opts.schedule
+  if sc ~= nil and (type(sc) ~= "table" or type(sc.state_dict) ~= "function"
+      or type(sc.load_state_dict) ~= "function") then
+    raise(("%s: schedule must be a learning-rate schedule, one with state_dict and load_state_dict "
+      .. "(fsdp.optim.cosine, linear, constant, step_lr, wsd or lambda; got %s)"):format(fn, type(sc)))
   end
   if opts.format ~= nil and opts.format ~= "safetensors" and opts.format ~= "sharded" then
     raise(("%s: format must be \"safetensors\" or \"sharded\" (got %s)"):format(fn, tostring(opts.format)))

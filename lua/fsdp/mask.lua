@@ -3,8 +3,8 @@
 --   fsdp.set_mask(param, mask)   fsdp.mask(param)   fsdp.sparsity(model)
 --   for checkpoints (lua/fsdp/checkpoint.lua): has, local_slice, set_local, masked, local_mask,
 --   set_local_mask; reapply(model)
---   for optimizers and pruning (optim.lua, prune.lua): shard_slice, apply_plain, piece, adopt,
---   refresh
+--   for optimizers and pruning (optim.lua, prune.lua): shard_slice, apply_plain, plain_flat,
+--   piece, adopt, refresh
 --
 -- A mask is a 0/1 value per element of a parameter (0 = pruned). It is stored in the form the
 -- parameter has (docs/pruning.md):
@@ -20,8 +20,9 @@
 --   * set_mask / prune.*: at once, to the weights (the shard, and the live full parameter when its
 --     unit is gathered);
 --   * the optimizers (optim.lua): to the gradient (shard) before every step and to the weights
---     (shard) after it, so a masked weight stays exactly 0 through momentum, Adam moments and
---     weight decay; clip_grad_norm masks the gradients before measuring them;
+--     (shard) after it (AdamW's fused kernel does both), so a masked weight stays exactly 0
+--     through momentum, Adam moments and weight decay; clip_grad_norm masks the gradients
+--     before measuring them;
 --   * fsdp.apply / fsdp.full_params with writeback: to the shards right after the writeback.
 -- Conversions, on the events of lua/fsdp/state.lua: "wrap" (full -> this rank's slice, no
 -- communication), "teardown" (unwrap and re-wrap: slices -> full, one all_reduce per masked

@@ -38,7 +38,7 @@ local raise, is_module = util.raise, util.is_module
 
 -- p.grad and whether this call made its Lua value: the plain paths free such a value when done,
 -- so a gradient zero_grad drops is freed then, not when Lua's collector finds the value.
-local function grad_of(p) return core.grad_of(p) end
+local grad_of = core.grad_of
 
 -- The Root (lua/fsdp/state.lua) of model when it is a wrapped root, else nil. A module inside
 -- a wrapped model (not its root), or an array holding sharded parameters, is an error: the
@@ -64,13 +64,6 @@ end
 optim.wrap_state = wrap_state
 
 local slice_mask, mask_dense = mask.shard_slice, mask.apply_plain
-
--- The flat mask of an unwrapped parameter p for the fused AdamW kernel, or nil (no mask, or p or
--- its gradient g not contiguous: then mask_dense does it around the step).
-local function dense_mask_flat(p, g)
-  if not p:is_contiguous() or not g:is_contiguous() then return nil end
-  return mask.plain_flat(p)
-end
 
 -- The wrapped model's units (construction order), checking the wrap is still the one the
 -- optimizer was made for.
@@ -199,10 +192,10 @@ end
 -- holds; st is the slice's state table (created with step = 0). With only_grads (a step:
 -- collective) the slices of parameters that received no gradient on any rank are left out,
 -- as a plain optimizer leaves out a parameter whose p.grad is nil: no update, no weight decay,
--- no state created or changed, no mask applied. With fused_mask, fn gets the slice's mask (or
--- nil) as a sixth argument and applies it itself (AdamW's fused kernel); otherwise the
--- gradient slice is masked before fn and the weights after it.
-function Optimizer:each_slice(fn, only_grads, fused_mask)
+-- no state created or changed, no mask applied. fn gets the slice's mask (or nil) as a sixth
+-- argument and applies it itself: SGD masks the gradient before its kernel and the weights
+-- after it, AdamW passes it to its fused kernel.
+function Optimizer:each_slice(fn, only_grads)
   local what = self.kind .. ":step"
   local has = only_grads and agree_grads(self.wrapped, what) or nil
   each_unit(self.wrapped, what, function(u, shard, gshard, slices)
@@ -217,14 +210,7 @@ function Optimizer:each_slice(fn, only_grads, fused_mask)
           self.slice_of[p] = {param_first = s.param_first, numel = n}
         end
         local ps, gs = shard:narrow(1, s.shard_first, n), gshard:narrow(1, s.shard_first, n)
-        local m = slice_mask(p, n, s.path)
-        if fused_mask then
-          fn(st, ps, gs, p, s.path, m)
-        else
-          if m then core.mask_apply(gs, m) end
-          fn(st, ps, gs, p, s.path)
-          if m then core.mask_apply(ps, m) end
-        end
+        fn(st, ps, gs, p, s.path, slice_mask(p, n, s.path))
       end
     end
   end)
@@ -423,14 +409,16 @@ function SGD:step()
   self.step_count = self.step_count + 1
   local lr, momentum, wd = self.lr, self.momentum, self.weight_decay
   if self.wrapped then
-    self:each_slice(function(st, p, g)
+    self:each_slice(function(st, p, g, _, _, m)
       local first = false
       if momentum ~= 0 and st.momentum_buffer == nil then
         st.momentum_buffer = core.zeros({p:numel()}, { role = "optim", device = p.device })
         first = true
       end
       st.step = st.step + 1
+      if m then core.mask_apply(g, m) end
       core.sgd_step(p, g, st.momentum_buffer, lr, momentum, wd, first)
+      if m then core.mask_apply(p, m) end
     end, true)
     return
   end
@@ -504,15 +492,15 @@ function AdamW:step()
   self.step_count = self.step_count + 1
   local lr, b1, b2, eps, wd = self.lr, self.betas[1], self.betas[2], self.eps, self.weight_decay
   if self.wrapped then
-    self:each_slice(function(st, p, g, param, _, mask)
+    self:each_slice(function(st, p, g, param, _, m)
       if st.exp_avg == nil then
         st.exp_avg = core.zeros({p:numel()}, { role = "optim", device = p.device })
         st.exp_avg_sq = core.zeros({p:numel()}, { role = "optim", device = p.device })
       end
       st.step = st.step + 1
       core.adamw_step(p, g, st.exp_avg, st.exp_avg_sq, lr, b1, b2, eps,
-        self.decay[param] and wd or 0, st.step, mask)
-    end, true, true)
+        self.decay[param] and wd or 0, st.step, m)
+    end, true)
     return
   end
   for _, e in ipairs(self.params) do
@@ -525,11 +513,9 @@ function AdamW:step()
         self.state[p] = st
       end
       st.step = st.step + 1
-      local mask = dense_mask_flat(p, g)
-      if mask == nil then mask_dense(p, g) end
+      -- adamw_step wants p and g contiguous (gradients always are): the whole flat mask fits
       core.adamw_step(p, g, st.exp_avg, st.exp_avg_sq, lr, b1, b2, eps,
-        self.decay[p] and wd or 0, st.step, mask)
-      if mask == nil then mask_dense(p, p) end
+        self.decay[p] and wd or 0, st.step, mask.plain_flat(p))
       if fresh then g:free() end
     end
   end

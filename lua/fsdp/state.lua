@@ -112,20 +112,6 @@ function Root:module_of(u) return self._module_of[u] end
 --- The policy unit u was built with ({strategy =, reshard_after_forward =, mp =, offload =}).
 function Root:policy_of(u) return self._policy_of[u] end
 
---- This rank's parameter slices of every unit, in construction order: array of {unit =,
---- strategy =, path =, param =, shard_first =, shard_last =, param_first =}.
-function Root:slices()
-  local out = {}
-  for _, u in ipairs(self._units) do
-    local strategy = u:strategy()
-    for _, s in ipairs(u:local_slices()) do
-      out[#out + 1] = {unit = u, strategy = strategy, path = s.path, param = s.param,
-        shard_first = s.shard_first, shard_last = s.shard_last, param_first = s.param_first}
-    end
-  end
-  return out
-end
-
 --- Zero every unit's gradient shard.
 function Root:zero_grad()
   for _, u in ipairs(self._units) do u:zero_grad() end
@@ -196,7 +182,6 @@ function Root:set_pending(set)
 end
 
 function Root:has_pending() return self._pending ~= nil end
-function Root:is_pending(p) return self._pending ~= nil and self._pending[p] == true end
 
 --- The pending parameters as {param =, path =, unit =}, in unit (construction) order.
 function Root:pending_list()

@@ -132,6 +132,18 @@ describe("fsdp.save / fsdp.load at world size 1", function()
     assert.are.same(values(gpt(2)), values(m3)) -- refused before anything changed
   end)
 
+  it("refuses a schedule argument that is not a schedule, naming the schedules", function()
+    local m = gpt(1)
+    for _, bad in ipairs({42, {}, {state_dict = function() return {} end}}) do
+      for _, f in ipairs({fsdp.save, fsdp.load}) do
+        local ok, err = pcall(f, m, dir .. "/ck", {schedule = bad})
+        assert.is_false(ok)
+        assert.is_truthy(tostring(err):find("schedule must be a learning-rate schedule", 1, true))
+        assert.is_truthy(tostring(err):find("cosine, linear, constant, step_lr, wsd or lambda", 1, true))
+      end
+    end
+  end)
+
   it("keeps one generation of files: a new save replaces the previous one's", function()
     local m = gpt(1)
     fsdp.save(m, dir .. "/ck")

@@ -234,6 +234,26 @@ describe("fsdp.wrap", function()
     assert.are.equal("cpu", inner.weight.device)
   end)
 
+  it("an optimizer needs the wrapped root, and a wrap that is still live", function()
+    local m = gpt()
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    local function refuses(fn, text)
+      local ok, err = pcall(fn)
+      assert.is_false(ok)
+      assert.truthy(tostring(err):find(text, 1, true), tostring(err))
+    end
+    refuses(function() fsdp.optim.SGD(m.blocks[1], {lr = 0.1}) end,
+      "this module is part of a wrapped model: give the optimizer the wrapped root")
+    refuses(function() fsdp.optim.AdamW({m.blocks[1].mlp.fc.weight}, {lr = 0.1}) end,
+      "parameter 1 is sharded (its model is wrapped): give the optimizer the wrapped ")
+    local opt = fsdp.optim.SGD(m, {lr = 0.1})
+    fsdp.unwrap(m)
+    refuses(function() opt:zero_grad() end,
+      "zero_grad: the model was unwrapped (or re-wrapped) after this optimizer was created")
+    refuses(function() opt:step() end,
+      "SGD:step: the model was unwrapped (or re-wrapped) after this optimizer was created")
+  end)
+
   it("refuses to wrap or unwrap a part of a wrapped model", function()
     local m = gpt()
     fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
