@@ -1266,7 +1266,10 @@ static int mpi_revive(fsdp_comm *c, uint64_t seq) {
     MPI_Wait(&mc->req[i], MPI_STATUS_IGNORE);
   }
   int err = MPI_Comm_dup(MPI_COMM_WORLD, &data);
-  if (err == MPI_SUCCESS) err = MPI_Comm_dup(MPI_COMM_WORLD, &ctl);
+  if (err == MPI_SUCCESS) {
+    err = MPI_Comm_dup(MPI_COMM_WORLD, &ctl);
+    if (err != MPI_SUCCESS) MPI_Comm_free(&data); /* the first duplicate, never used */
+  }
   if (err == MPI_SUCCESS) {
     MPI_Comm_set_errhandler(data, MPI_ERRORS_RETURN);
     MPI_Comm_set_errhandler(ctl, MPI_ERRORS_RETURN);
