@@ -16,6 +16,27 @@ local U = {}
 
 -- ---- text ------------------------------------------------------------------------------------
 
+--- Refuse an options table with a key outside `names` (a list of strings), naming the function,
+--- the key and the valid keys: "fn: unknown option 'wieght_decay' (valid: lr, betas, ...)".
+--- nil passes (no options); a non-table is refused. Returns opts or {}.
+function U.check_opts(fn, opts, names)
+  if opts == nil then return {} end
+  if type(opts) ~= "table" then
+    U.raise(("%s: expects an options table {%s} (got %s)"):format(fn, table.concat(names, ", "), type(opts)))
+  end
+  local known = {}
+  for _, k in ipairs(names) do known[k] = true end
+  for k in pairs(opts) do
+    if not known[k] then
+      local valid = {}
+      for i, n in ipairs(names) do valid[i] = n end
+      table.sort(valid)
+      U.raise(("%s: unknown option '%s' (valid: %s)"):format(fn, tostring(k), table.concat(valid, ", ")))
+    end
+  end
+  return opts
+end
+
 --- "a.b" from ("a", "b"); the name alone under the root ("").
 function U.join(prefix, name)
   if prefix == "" then return tostring(name) end
