@@ -1,7 +1,7 @@
 -- An MLP on Fashion-MNIST (Debian's dataset-fashion-mnist).
 --
---   fsdprun recipes/fashion_mlp.lua [--epochs=12] [--batch=128] [--lr=0.001] [--hidden=512]
---                                   [--limit=N] [--test_limit=N] [--seed=0]
+--   fsdprun recipes/fashion_mlp.lua [--epochs=12] [--name=value ...]
+--   (`--help` lists the arguments, declared below with their defaults)
 --
 -- Prints the final test accuracy. The full run (12 epochs) reaches >= 0.885 on the test set
 -- (the dataset's own benchmark table lists an MLP 256-128-100 at 0.8833); --limit and
@@ -9,13 +9,21 @@
 local fsdp = require "fsdp"
 local nn = fsdp.nn
 
-local args = fsdp.args
-local epochs = args.epochs or 12
-local batch = args.batch or 128
-local hidden = args.hidden or 512
-fsdp.manual_seed(args.seed or 0)
+local args = fsdp.args {
+  description = "An MLP on Fashion-MNIST; prints the final test accuracy.",
+  { "epochs", 12, "integer", "passes over the training set", min = 1 },
+  { "steps", nil, "integer", "optimizer steps (default: --epochs passes)", min = 1 },
+  { "batch", 128, "integer", "images per step", min = 1 },
+  { "lr", 1e-3, "number", "peak learning rate (cosine schedule)", min = 0 },
+  { "hidden", 512, "integer", "width of the first hidden layer (the second is half)", min = 2 },
+  { "limit", nil, "integer", "use only the first N training images", min = 1 },
+  { "test_limit", nil, "integer", "use only the first N test images", min = 1 },
+  { "seed", 0, "integer", "random seed (parameters, shuffling, dropout)" },
+}
+local epochs, batch, hidden = args.epochs, args.batch, args.hidden
+fsdp.manual_seed(args.seed)
 
-local train = fsdp.data.fashion_mnist { split = "train", batch = batch, seed = args.seed or 0,
+local train = fsdp.data.fashion_mnist { split = "train", batch = batch, seed = args.seed,
   limit = args.limit }
 local test = fsdp.data.fashion_mnist { split = "test", batch = 1000, shuffle = false,
   limit = args.test_limit }
@@ -27,9 +35,9 @@ local model = nn.Sequential {
 }
 
 local steps = args.steps or epochs * math.floor(train:size() / batch)
-local opt = fsdp.optim.AdamW(model, { lr = args.lr or 1e-3, weight_decay = 0.05 })
+local opt = fsdp.optim.AdamW(model, { lr = args.lr, weight_decay = 0.05 })
 local schedule = fsdp.optim.cosine(opt, { warmup = math.floor(steps / 50), total = steps,
-  min_lr = (args.lr or 1e-3) / 50 })
+  min_lr = args.lr / 50 })
 
 print(("fashion_mlp: %d parameters, %d steps of batch %d (%d epochs)"):format(
   (function() local n = 0 for _, p in ipairs(model:parameters()) do n = n + p:numel() end return n end)(),

@@ -1,15 +1,9 @@
 -- A small byte-level GPT with tied embeddings, trained on Debian's fortunes, fully sharded.
 --
---   fsdprun -n 2 recipes/gpt_fortunes.lua [--steps=1500] [--batch=16] [--ctx=128] [--d=128]
---        [--layers=4] [--heads=4] [--lr=0.002] [--eval_every=250] [--val_batches=20]
---        [--sample=300] [--data=/usr/share/games/fortunes] [--seed=0] [--metrics=FILE]
+--   fsdprun -n 2 recipes/gpt_fortunes.lua [--steps=1500] [--name=value ...]
+--   (`--help` lists the arguments, declared below with their defaults)
 --   --metrics: JSONL metrics, default <ckpt_dir>/metrics.jsonl; at the end rank 0 draws them
 --   beside it as <FILE without .jsonl>.svg (fsdp.plot) and prints where.
---
---        [--strategy=full] [--mp=bf16|f16]
---        [--ckpt_every=500 --ckpt_dir=checkpoints/gpt_fortunes] [--resume]
---        [--export=FILE.safetensors | --export=false]
---        [--stop_after=N]
 --   checkpoints: every N steps and after the last one a sharded checkpoint (model, AdamW state,
 --   schedule, loader position, random state) replaces the previous one in ckpt_dir; --resume
 --   continues from it (bitwise the same run; the metrics file is appended to); --export writes
@@ -27,24 +21,42 @@
 local fsdp = require "fsdp"
 local nn = fsdp.nn
 
-local args = fsdp.args
-local steps = args.steps or 1500
-local batch = args.batch or 16
-local ctx = args.ctx or 128
-local lr = args.lr or 2e-3
-local eval_every = args.eval_every or 250
-local val_batches = args.val_batches or 20
-local seed = args.seed or 0
-local path = args.data or "/usr/share/games/fortunes"
+local args = fsdp.args {
+  description = "A byte-level GPT trained on Debian's fortunes, fully sharded, checkpointed.",
+  { "steps", 1500, "integer", "optimizer steps", min = 1 },
+  { "batch", 16, "integer", "sequences per step (global)", min = 1 },
+  { "ctx", 128, "integer", "context length in bytes", min = 1 },
+  { "d", 128, "integer", "model width", min = 1 },
+  { "layers", 4, "integer", "transformer blocks", min = 1 },
+  { "heads", 4, "integer", "attention heads (divides --d)", min = 1 },
+  { "lr", 2e-3, "number", "peak learning rate (cosine schedule)", min = 0 },
+  { "eval_every", 250, "integer", "validate every N steps", min = 1 },
+  { "val_batches", 20, "integer", "validation batches per evaluation", min = 1 },
+  { "sample", 300, "integer", "bytes sampled at the end", min = 0 },
+  { "data", "/usr/share/games/fortunes", "string", "a text file or a folder of them" },
+  { "seed", 0, "integer", "random seed (parameters, batches)" },
+  { "metrics", nil, "string", "JSONL metrics file (default <ckpt_dir>/metrics.jsonl)" },
+  { "strategy", "full", "string", "sharding strategy", choices = { "full", "grad_op", "none" } },
+  { "mp", nil, "string", "mixed precision", choices = { "bf16", "f16" } },
+  { "ckpt_dir", "checkpoints/gpt_fortunes", "string", "where checkpoints go" },
+  { "ckpt_every", 500, "integer", "a sharded checkpoint every N steps (0: none)", min = 0 },
+  { "resume", false, "boolean", "continue from the checkpoint in --ckpt_dir" },
+  { "export", nil, "string", "safetensors file written at the end (default "
+    .. "<ckpt_dir>/model.safetensors; false: none)" },
+  { "stop_after", nil, "integer", "stop after step N as if interrupted", min = 1 },
+}
+local steps, batch, ctx, lr = args.steps, args.batch, args.ctx, args.lr
+local eval_every, val_batches, seed, path = args.eval_every, args.val_batches, args.seed, args.data
 local rank, world = fsdp.rank(), fsdp.world_size()
 local function say(...) if rank == 0 then print(...) end end
 -- a sharded checkpoint every 500 steps and at the end (--ckpt_every=0: none) and a safetensors
 -- export at the end (--export=false: none), both in ckpt_dir by default
-local ckpt_dir = args.ckpt_dir or "checkpoints/gpt_fortunes"
-local ckpt_every = args.ckpt_every or 500
+local ckpt_dir = args.ckpt_dir
+local ckpt_every = args.ckpt_every
 if ckpt_every == 0 then ckpt_every = nil end
 local export = args.export
 if export == nil then export = ckpt_dir .. "/model.safetensors" end
+if export == "false" then export = nil end
 fsdp.manual_seed(seed)
 
 local train = fsdp.data.text(path, { ctx = ctx, batch = batch, split = "train", seed = seed })
@@ -53,16 +65,13 @@ local val = fsdp.data.text(path, { ctx = ctx, batch = batch, split = "val", seed
 -- built on the meta device (shapes only); wrap{init = true} below gives each rank only its
 -- shards, with exactly the values an eager build would have (docs/init.md)
 local model = fsdp.meta(function()
-  return nn.GPT { vocab = 256, ctx = ctx, d = args.d or 128, layers = args.layers or 4,
-    heads = args.heads or 4, tie = true }
+  return nn.GPT { vocab = 256, ctx = ctx, d = args.d, layers = args.layers,
+    heads = args.heads, tie = true }
 end)
 local nparams = 0
 for _, p in ipairs(model:parameters()) do nparams = nparams + p:numel() end
 local mp = args.mp
-if mp ~= nil and mp ~= "bf16" and mp ~= "f16" then
-  error(("gpt_fortunes: --mp must be bf16 or f16 (got %s)"):format(tostring(mp)), 0)
-end
-fsdp.wrap(model, { policy = fsdp.policy.modules { nn.Block }, strategy = args.strategy or "full",
+fsdp.wrap(model, { policy = fsdp.policy.modules { nn.Block }, strategy = args.strategy,
   init = true, mp = mp })
 say(("gpt_fortunes: %.2fM parameters (head tied to wte), %d train / %d val bytes, %d steps of %dx%d")
   :format(nparams / 1e6, train:size(), val:size(), steps, batch, ctx)
@@ -102,7 +111,7 @@ end
 -- JSONL metrics (default beside the checkpoints; setup makes the folder, and a resumed run
 -- appends); rank 0 draws them as an SVG at the end
 local metrics_path = args.metrics or (ckpt_dir .. "/metrics.jsonl")
-fsdp.log.setup { total = steps, jsonl = metrics_path, append = args.resume and true or nil }
+fsdp.log.setup { total = steps, jsonl = metrics_path, append = args.resume or nil }
 local train_loss, val_loss
 local ema
 local ckpt_opts = { optimizer = opt, schedule = schedule, loaders = { train = train } }
@@ -170,6 +179,6 @@ if scaler:is_enabled() then
     :format(scaler:get_scale(), skipped))
 end
 -- every rank runs the sampler (the forward passes are collective); rank 0 prints
-local text = model:generate(train:encode("Q: "), args.sample or 300, { temperature = 0.8 })
+local text = model:generate(train:encode("Q: "), args.sample, { temperature = 0.8 })
 say("sample:\n" .. train:decode(text))
 return val_loss

@@ -2,10 +2,8 @@
 -- gradual magnitude pruning (GMP) of the attention and MLP projections to 50%, with one
 -- projection excluded; or, with --nm, 2:4 sparsity on the MLP and GMP on the attention.
 --
---   fsdprun -n 2 recipes/prune_gpt.lua [--steps=1500] [--sparsity=0.5] [--nm]
---        [--exclude=PATTERN] [--batch=16] [--ctx=128] [--d=128] [--layers=4] [--heads=4]
---        [--lr=0.002] [--val_batches=20] [--data=/usr/share/games/fortunes] [--seed=0]
---        [--metrics=FILE] [--strategy=full]
+--   fsdprun -n 2 recipes/prune_gpt.lua [--steps=1500] [--sparsity=0.5] [--nm] [--name=value ...]
+--   (`--help` lists the arguments, declared below with their defaults)
 --
 -- Training runs dense for the first 20% of the steps; the validation loss is measured there
 -- ("before pruning"). GMP then raises the sparsity of the selected weights along the cubic
@@ -21,16 +19,27 @@ local fsdp = require "fsdp"
 local nn = fsdp.nn
 local prune = fsdp.prune
 
-local args = fsdp.args
-local steps = args.steps or 1500
-local batch = args.batch or 16
-local ctx = args.ctx or 128
-local lr = args.lr or 2e-3
-local val_batches = args.val_batches or 20
-local seed = args.seed or 0
-local target = args.sparsity or 0.5
-local path = args.data or "/usr/share/games/fortunes"
-local exclude = args.exclude or "^blocks%.1%.attn%.proj%.weight$"
+local args = fsdp.args {
+  description = "The fortunes GPT pruned during training (GMP, or 2:4 on the MLP with --nm).",
+  { "steps", 1500, "integer", "optimizer steps", min = 1 },
+  { "sparsity", 0.5, "number", "final sparsity of the pruned projections", min = 0, max = 1 },
+  { "nm", false, "boolean", "2:4 sparsity on the MLP, GMP on the attention only" },
+  { "exclude", "^blocks%.1%.attn%.proj%.weight$", "string", "Lua pattern of parameters kept dense" },
+  { "batch", 16, "integer", "sequences per step (global)", min = 1 },
+  { "ctx", 128, "integer", "context length in bytes", min = 1 },
+  { "d", 128, "integer", "model width", min = 1 },
+  { "layers", 4, "integer", "transformer blocks", min = 1 },
+  { "heads", 4, "integer", "attention heads (divides --d)", min = 1 },
+  { "lr", 2e-3, "number", "peak learning rate (cosine schedule)", min = 0 },
+  { "val_batches", 20, "integer", "validation batches per evaluation", min = 1 },
+  { "data", "/usr/share/games/fortunes", "string", "a text file or a folder of them" },
+  { "seed", 0, "integer", "random seed (parameters, batches)" },
+  { "metrics", nil, "string", "write JSONL metrics to this file" },
+  { "strategy", "full", "string", "sharding strategy", choices = { "full", "grad_op", "none" } },
+}
+local steps, batch, ctx, lr = args.steps, args.batch, args.ctx, args.lr
+local val_batches, seed, target = args.val_batches, args.seed, args.sparsity
+local path, exclude = args.data, args.exclude
 local rank, world = fsdp.rank(), fsdp.world_size()
 local function say(...) if rank == 0 then print(...) end end
 fsdp.manual_seed(seed)
@@ -38,9 +47,9 @@ fsdp.manual_seed(seed)
 local train = fsdp.data.text(path, { ctx = ctx, batch = batch, split = "train", seed = seed })
 local val = fsdp.data.text(path, { ctx = ctx, batch = batch, split = "val", seed = seed })
 
-local model = nn.GPT { vocab = 256, ctx = ctx, d = args.d or 128, layers = args.layers or 4,
-  heads = args.heads or 4, tie = true }
-fsdp.wrap(model, { policy = fsdp.policy.modules { nn.Block }, strategy = args.strategy or "full" })
+local model = nn.GPT { vocab = 256, ctx = ctx, d = args.d, layers = args.layers,
+  heads = args.heads, tie = true }
+fsdp.wrap(model, { policy = fsdp.policy.modules { nn.Block }, strategy = args.strategy })
 
 local opt = fsdp.optim.AdamW(model, { lr = lr, betas = { 0.9, 0.99 }, weight_decay = 0.1 })
 local lr_schedule = fsdp.optim.cosine(opt, { warmup = math.min(100, math.floor(steps / 10)),

@@ -1,8 +1,8 @@
 -- Gradual magnitude pruning of the Fashion-MNIST MLP (recipes/fashion_mlp.lua's model) to 80%
 -- global sparsity, with masks that live with the shards.
 --
---   fsdprun [-n N] recipes/prune_mlp.lua [--epochs=12] [--sparsity=0.8] [--batch=128]
---        [--lr=0.001] [--hidden=512] [--limit=N] [--test_limit=N] [--seed=0] [--metrics=FILE]
+--   fsdprun [-n N] recipes/prune_mlp.lua [--epochs=12] [--sparsity=0.8] [--name=value ...]
+--   (`--help` lists the arguments, declared below with their defaults)
 --
 -- The weights of the three Linear layers are pruned together (scope "global": one magnitude
 -- threshold over all of them) by GMP (Zhu & Gupta 2017): dense for the first epoch, then the
@@ -15,16 +15,25 @@ local fsdp = require "fsdp"
 local nn = fsdp.nn
 local prune = fsdp.prune
 
-local args = fsdp.args
-local epochs = args.epochs or 12
-local batch = args.batch or 128
-local hidden = args.hidden or 512
-local target = args.sparsity or 0.8
+local args = fsdp.args {
+  description = "Gradual magnitude pruning of the Fashion-MNIST MLP to a global sparsity.",
+  { "epochs", 12, "integer", "passes over the training set", min = 1 },
+  { "steps", nil, "integer", "optimizer steps (default: --epochs passes)", min = 1 },
+  { "sparsity", 0.8, "number", "final sparsity of the Linear weights", min = 0, max = 1 },
+  { "batch", 128, "integer", "images per step", min = 1 },
+  { "lr", 1e-3, "number", "peak learning rate (cosine schedule)", min = 0 },
+  { "hidden", 512, "integer", "width of the first hidden layer (the second is half)", min = 2 },
+  { "limit", nil, "integer", "use only the first N training images", min = 1 },
+  { "test_limit", nil, "integer", "use only the first N test images", min = 1 },
+  { "seed", 0, "integer", "random seed (parameters, shuffling, dropout)" },
+  { "metrics", nil, "string", "write JSONL metrics to this file" },
+}
+local epochs, batch, hidden, target = args.epochs, args.batch, args.hidden, args.sparsity
 local rank, world = fsdp.rank(), fsdp.world_size()
 local function say(...) if rank == 0 then print(...) end end
-fsdp.manual_seed(args.seed or 0)
+fsdp.manual_seed(args.seed)
 
-local train = fsdp.data.fashion_mnist { split = "train", batch = batch, seed = args.seed or 0,
+local train = fsdp.data.fashion_mnist { split = "train", batch = batch, seed = args.seed,
   limit = args.limit }
 local test = fsdp.data.fashion_mnist { split = "test", batch = 1000, shuffle = false,
   limit = args.test_limit }
@@ -38,9 +47,9 @@ if world > 1 then fsdp.wrap(model, { policy = fsdp.policy.modules { nn.Linear } 
 
 local per_epoch = math.floor(train:size() / batch)
 local steps = args.steps or epochs * per_epoch
-local opt = fsdp.optim.AdamW(model, { lr = args.lr or 1e-3, weight_decay = 0.05 })
+local opt = fsdp.optim.AdamW(model, { lr = args.lr, weight_decay = 0.05 })
 local schedule = fsdp.optim.cosine(opt, { warmup = math.floor(steps / 50), total = steps,
-  min_lr = (args.lr or 1e-3) / 50 })
+  min_lr = args.lr / 50 })
 local start = math.min(per_epoch, math.floor(steps / 10))
 local stop = math.max(start + 1, math.floor(steps * 0.6))
 local pruning = prune.schedule {

@@ -135,7 +135,17 @@ local function parse_args(argv)
   return args
 end
 fsdp.parse_args = parse_args
-fsdp.args = parse_args(rawget(_G, "arg"))
+-- fsdp.args holds them parsed loosely (no check) until the recipe declares its arguments:
+-- fsdp.args{ {name, default, type, help}, ... } (lua/fsdp/args.lua) parses `arg` against the
+-- declaration, refusing what does not fit it, and returns fsdp.args holding exactly the values.
+fsdp.args = setmetatable(parse_args(rawget(_G, "arg")), {
+  __call = function(self, decl)
+    local vals = require("fsdp.args").declare(decl, core.rank())
+    for k in pairs(self) do self[k] = nil end
+    for k, v in pairs(vals) do self[k] = v end
+    return self
+  end,
+})
 
 -- submodules, loaded on first use ------------------------------------------------------------
 local wrap_names = {

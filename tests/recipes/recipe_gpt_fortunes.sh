@@ -30,6 +30,6 @@ val=$(sed -n 's/.*val loss \([0-9.]*\) nats\/byte.*/\1/p' "$T/log")
 grep -q 'mixed precision bf16' "$T/log" || die_log "--mp=bf16 not reported"
 [ -f "$T/mp/index.json" ] && [ -f "$T/mp/model.safetensors" ] || die_log "--mp=bf16: no checkpoint or export"
 must_fail "--mp=f8 was accepted" "$FSDPRUN" recipes/gpt_fortunes.lua --mp=f8
-grep -q 'gpt_fortunes: --mp must be bf16 or f16 (got f8)' "$T/log" || die_log "--mp=f8: wrong message"
+grep -q "recipes/gpt_fortunes.lua: --mp: 'f8' is not one of bf16, f16" "$T/log" || die_log "--mp=f8: wrong message"
 echo "ok: gpt_fortunes --mp=bf16, val loss $val; --mp=f8 refused"
 finish
