@@ -525,12 +525,30 @@ static int fsdprun_main(lua_State *L) {
   return 0;
 }
 
+/* torchrun's RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE in the environment of a process
+ * that holds one rank (mpirun's, or a single run), for the programs its recipe starts; os.getenv
+ * in any rank's state gives the same (src/host/setup.c). Threads of -n N share one environment:
+ * theirs is left alone. */
+static void export_rank_env(const fsdp_host_rank *r) {
+  if (fsdp_host_nranks(r->host) != 1) return;
+  int local, local_world;
+  fsdp_host_rank_local(r, &local, &local_world);
+  const char *names[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"};
+  const int vals[] = {r->rank, r->world, local, local_world};
+  for (int i = 0; i < 4; i++) {
+    char v[16];
+    snprintf(v, sizeof v, "%d", vals[i]);
+    setenv(names[i], v, 1);
+  }
+}
+
 /* The job of every rank: make its state and run it, then leave the group. Errors outside any
  * chunk (out of memory in set-up) fail the rank like a chunk error. */
 static void rank_job(fsdp_host_rank *r, void *arg) {
   (void)arg;
   rank_ctx *rc = r->ud;
   rc->status = EXIT_FAILURE;
+  export_rank_env(r);
   r->L = luaL_newstate();
   if (r->L == NULL) {
     fail_rank(rc, "cannot create the Lua state: not enough memory");

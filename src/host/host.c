@@ -472,6 +472,21 @@ static int local_rank(const fsdp_host *h, const fsdp_host_rank *r) {
   return 0;
 }
 
+void fsdp_host_rank_local(const fsdp_host_rank *r, int *local, int *local_world) {
+  const fsdp_host *h = r->host;
+  *local = local_rank(h, r);
+  *local_world = h->nranks;
+  const char *names[] = {"OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE"};
+  for (size_t i = 0; h->nranks == 1 && i < sizeof names / sizeof names[0]; i++) {
+    const char *v = getenv(names[i]);
+    if (v && *v) {
+      *local_world = atoi(v);
+      break;
+    }
+  }
+  if (*local_world <= *local) *local_world = *local + 1; /* a launcher's values that disagree */
+}
+
 static void *rank_thread(void *arg) {
   fsdp_host_rank *r = arg;
   fsdp_host *h = r->host;

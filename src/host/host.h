@@ -112,6 +112,11 @@ fsdp_host_rank *fsdp_host_rank_at(fsdp_host *h, int i);
 const char *fsdp_host_lua_dir(const fsdp_host *h); /* NULL when none */
 /* The rank whose thread calls, or NULL on any other thread. */
 fsdp_host_rank *fsdp_host_current(void);
+/* r's place among the ranks of this machine, as torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE say
+ * it: with several rank threads, its rank among them; else the launcher's
+ * (OMPI_COMM_WORLD_LOCAL_RANK / _SIZE, else LOCAL_RANK / LOCAL_WORLD_SIZE, else 0 of 1): the
+ * local rank devices are bound by. */
+void fsdp_host_rank_local(const fsdp_host_rank *r, int *local, int *local_world);
 
 /* ---- jobs ------------------------------------------------------------------------------------ */
 
@@ -195,7 +200,9 @@ int fsdp_host_traceback(lua_State *L);
 /* Open the standard libraries (collector stopped meanwhile), prepend lua_dir's
  * "?.lua;?/init.lua" to package.path (lua_dir NULL: unchanged) and preload fsdp.core as the
  * engine of this binary (a core.so found on LUA_CPATH would be a second engine sharing no
- * tensors). May raise: call it in protected mode. */
+ * tensors). On a rank's thread, os.getenv gives that rank's RANK, WORLD_SIZE, LOCAL_RANK and
+ * LOCAL_WORLD_SIZE (torchrun's names): rank threads share one process environment. May
+ * raise: call it in protected mode. */
 void fsdp_host_openlibs(lua_State *L, const char *lua_dir);
 
 /* The Lua library folder: <dir of this binary>/../share/fsdprun/lua (an installed tree; the

@@ -49,6 +49,36 @@ int fsdp_host_traceback(lua_State *L) {
   return 1;
 }
 
+/* os.getenv(name) with the rank's own values for torchrun's four names (upvalues 2..5, in
+ * RANK_VARS order); any other name goes to the original (upvalue 1). */
+static const char *const RANK_VARS[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"};
+
+static int rank_getenv(lua_State *L) {
+  const char *name = luaL_checkstring(L, 1);
+  for (int i = 0; i < 4; i++) {
+    if (strcmp(name, RANK_VARS[i]) == 0) {
+      lua_pushvalue(L, lua_upvalueindex(i + 2));
+      return 1;
+    }
+  }
+  lua_pushvalue(L, lua_upvalueindex(1));
+  lua_insert(L, 1);
+  lua_call(L, lua_gettop(L) - 1, 1);
+  return 1;
+}
+
+static void setup_rank_env(lua_State *L, const fsdp_host_rank *r) {
+  int local, local_world;
+  fsdp_host_rank_local(r, &local, &local_world);
+  const int vals[4] = {r->rank, r->world, local, local_world};
+  lua_getglobal(L, "os");
+  lua_getfield(L, -1, "getenv");
+  for (int i = 0; i < 4; i++) lua_pushfstring(L, "%d", vals[i]);
+  lua_pushcclosure(L, rank_getenv, 5);
+  lua_setfield(L, -2, "getenv");
+  lua_pop(L, 1);
+}
+
 void fsdp_host_openlibs(lua_State *L, const char *lua_dir) {
   lua_gc(L, LUA_GCSTOP, 0);
   luaL_openlibs(L);
@@ -65,6 +95,8 @@ void fsdp_host_openlibs(lua_State *L, const char *lua_dir) {
   lua_pushcfunction(L, luaopen_fsdp_core);
   lua_setfield(L, -2, "fsdp.core");
   lua_pop(L, 2);
+  const fsdp_host_rank *r = fsdp_host_current();
+  if (r != NULL) setup_rank_env(L, r);
 }
 
 static bool is_dir(const char *path) {
