@@ -68,14 +68,7 @@ local LOAD_OPTS = {optimizer = true, strict = true, loaders = true, loader = tru
   rng = true, format = true}
 
 local function check_opts(fn, model, opts, known)
-  opts = opts or {}
-  if type(opts) ~= "table" then raise(fn .. ": options must be a table") end
-  for k in pairs(opts) do
-    if not known[k] then
-      raise(("%s: unknown option %s (%s)"):format(fn, tostring(k),
-        table.concat(util.sorted_keys(known), ", ")))
-    end
-  end
+  opts = util.check_opts(fn, opts, util.sorted_keys(known))
   local opt = opts.optimizer
   if opt ~= nil and (type(opt) ~= "table" or opt.export_slices == nil) then
     raise(fn .. ": optimizer must be an fsdp.optim optimizer")

@@ -14,6 +14,7 @@
 --    integers exactly only up to 256 (2048).
 
 local core = require "fsdp.core"
+local U = require "fsdp.util"
 local bit = require "bit"
 
 local data = {}
@@ -114,6 +115,9 @@ local function rank_world(self)
 end
 
 local function check_rank_world(fn, opts)
+  if opts.seed ~= nil and (type(opts.seed) ~= "number" or opts.seed % 1 ~= 0) then
+    error(("%s: seed must be an integer, got %s"):format(fn, tostring(opts.seed)), 3)
+  end
   if opts.world_size ~= nil then check_count(fn, "world_size", opts.world_size) end
   if opts.rank ~= nil then
     local w = opts.world_size or core.world_size()
@@ -143,7 +147,7 @@ end
 --- opts.dtype (default "f32"). opts.limit keeps only the first `limit` items along the first
 --- dimension (and reads only those bytes).
 function data.read_idx(path, opts)
-  opts = opts or {}
+  opts = U.check_opts("read_idx", opts, {"limit", "scale", "dtype"})
   if not file_exists(path) then
     error(("read_idx: cannot open %s: No such file or directory"):format(path), 2)
   end
@@ -197,8 +201,8 @@ data.FashionMNIST = FashionMNIST
 --- rank =, world_size =}: images (N, 784) f32 in [0, 1] and labels (N) i64 in 0..9.
 function data.fashion_mnist(opts)
   local fn = "fsdp.data.fashion_mnist"
-  opts = opts or {}
-  if type(opts) ~= "table" then error(fn .. ": expected an options table", 2) end
+  opts = U.check_opts(fn, opts,
+    {"split", "batch", "shuffle", "seed", "dir", "limit", "rank", "world_size"})
   local split = opts.split or "train"
   local files = FASHION_FILES[split]
   if not files then
@@ -281,7 +285,7 @@ end
 --- Iterator of (i, x, y) over the whole split in file order, in batches of opts.batch (or the
 --- loader's batch); the last batch may be smaller. Every rank sees every example.
 function FashionMNIST:epoch(opts)
-  opts = opts or {}
+  opts = U.check_opts("fashion_mnist:epoch", opts, {"batch"})
   local B = check_count("fashion_mnist:epoch", "batch", opts.batch or self.batch)
   local pos, i = 1, 0
   return function()
@@ -343,7 +347,7 @@ data.Text = Text
 function data.text(path, opts)
   local fn = "fsdp.data.text"
   if type(path) ~= "string" then error(fn .. ": path must be a string", 2) end
-  opts = opts or {}
+  opts = U.check_opts(fn, opts, {"ctx", "batch", "split", "val_fraction", "seed", "rank", "world_size"})
   check_count(fn, "ctx", opts.ctx)
   check_count(fn, "batch", opts.batch)
   check_rank_world(fn, opts)
@@ -422,8 +426,8 @@ end
 --- opts: a number (max_batches) or {max_batches =, batch =}.
 function Text:epoch(opts)
   if type(opts) == "number" then opts = { max_batches = opts } end
-  opts = opts or {}
   local fn = "text:epoch"
+  opts = U.check_opts(fn, opts, {"max_batches", "batch"})
   local B = check_count(fn, "batch", opts.batch or self.batch)
   if opts.max_batches ~= nil then check_count(fn, "max_batches", opts.max_batches) end
   self:_check_room(fn)

@@ -314,8 +314,7 @@ end
 --- A report on a model, a parameter or a unit; tostring() prints it. opts.model (for a
 --- parameter): the model it belongs to, to list its tie paths. Not collective.
 function M.inspect(x, opts)
-  opts = opts or {}
-  if type(opts) ~= "table" then raise("fsdp.inspect: options must be a table") end
+  opts = util.check_opts("fsdp.inspect", opts, {"model"})
   if is_module(x) then return model_report(x) end
   if is_tensor(x) then return param_report(x, opts) end
   if is_unit(x) then

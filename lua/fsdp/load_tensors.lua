@@ -188,7 +188,7 @@ end
 ---   parameter in turn and every rank keeps its slice: no rank ever holds more than one full
 ---   parameter beyond its shards. Loaded parameters stop being pending (see fsdp.materialize).
 function M.load_tensors(model, source, opts)
-  opts = opts or {}
+  opts = util.check_opts("fsdp.load", opts, {"strict"})
   local strict = opts.strict ~= false
   if not is_module(model) then
     raise(("fsdp.load: expected a module (got %s)"):format(type(model)))

@@ -232,8 +232,12 @@ function M.sparsity(model, opts)
   if not is_module(model) then
     raise(("fsdp.sparsity: expected a module (got %s)"):format(type(model)))
   end
+  opts = util.check_opts("fsdp.sparsity", opts, {"params", "exclude"})
+  if opts.exclude ~= nil and opts.params == nil then
+    raise("fsdp.sparsity: exclude needs params (the parameters to count, minus exclude)")
+  end
   local params
-  if opts and opts.params then
+  if opts.params then
     params = util.select_params(model, opts, "fsdp.sparsity")
   else
     params = {}

@@ -260,12 +260,7 @@ function M.materialize(model, init_fn)
   -- materialize(model, {init = fn, device = "cuda"}): the options form
   local device
   if type(init_fn) == "table" then
-    local opts = init_fn
-    for k in pairs(opts) do
-      if k ~= "init" and k ~= "device" then
-        raise(("fsdp.materialize: unknown option %s (init, device)"):format(tostring(k)))
-      end
-    end
+    local opts = util.check_opts("fsdp.materialize", init_fn, {"init", "device"})
     init_fn, device = opts.init, opts.device
     if device ~= nil and type(device) ~= "string" then
       raise(("fsdp.materialize: device must be a device name (got %s)"):format(type(device)))

@@ -24,6 +24,7 @@
 -- original order), which draws the same picture and bounds a series at two points per column.
 
 local core = require "fsdp.core"
+local util = require "fsdp.util"
 
 local plot = {}
 
@@ -431,8 +432,14 @@ local defaults = {
 --- panel_height, name (shown under the title). Returns the SVG text and the list of problems
 --- met while reading. Raises an error when there is nothing to draw.
 function plot.svg(source, opts)
-  opts = opts or {}
-  if type(opts) ~= "table" then error("fsdp.plot.svg: opts must be a table", 2) end
+  opts = util.check_opts("fsdp.plot.svg", opts,
+    {"title", "x", "metrics", "log", "width", "loss_height", "panel_height", "name"})
+  for _, k in ipairs {"loss_height", "panel_height"} do
+    local v = opts[k]
+    if v ~= nil and (type(v) ~= "number" or v < 50 or v > 10000) then
+      error(("fsdp.plot.svg: %s must be a number in [50, 10000], got %s"):format(k, tostring(v)), 2)
+    end
+  end
   local records, problems, name
   if type(source) == "string" then
     records, problems = plot.read(source)

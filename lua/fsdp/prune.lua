@@ -113,6 +113,7 @@ end
 function prune.magnitude(model, opts)
   local fn = "prune.magnitude"
   if type(opts) ~= "table" then raise(fn .. ": expects (model, {params =, sparsity =, scope =})") end
+  util.check_opts(fn, opts, {"params", "exclude", "sparsity", "scope"})
   check_sparsity(opts.sparsity, fn)
   local scope = opts.scope or "param"
   if scope ~= "param" and scope ~= "global" then
@@ -207,6 +208,7 @@ end
 function prune.nm(model, opts)
   local fn = "prune.nm"
   if type(opts) ~= "table" then raise(fn .. ": expects (model, {params =, n = 2, m = 4})") end
+  util.check_opts(fn, opts, {"params", "exclude", "n", "m"})
   local n, m = opts.n or 2, opts.m or 4
   if type(n) ~= "number" or type(m) ~= "number" or n % 1 ~= 0 or m % 1 ~= 0 or m < 1 or n < 0
       or n > m or m > 4096 then
@@ -280,7 +282,8 @@ end
 --- parameter becomes (weight ~= 0): its current zeros are held from now on.
 function prune.hold(model, opts)
   local fn = "prune.hold"
-  local entries = pieces(util.select_params(model, opts or {}, fn), fn)
+  opts = util.check_opts(fn, opts, {"params", "exclude"})
+  local entries = pieces(util.select_params(model, opts, fn), fn)
   for _, e in ipairs(entries) do
     local mout
     if e.piece then
@@ -298,6 +301,13 @@ local Schedule = {}
 Schedule.__index = Schedule
 
 local kinds = {gmp = true, constant = true, oneshot = true, nm = true}
+-- the keys each kind of modifier takes
+local MOD_KEYS = {
+  gmp = {"kind", "params", "exclude", "start", "stop", "every", "init", "final", "scope"},
+  oneshot = {"kind", "params", "exclude", "at", "start", "sparsity", "scope"},
+  nm = {"kind", "params", "exclude", "at", "start", "n", "m"},
+  constant = {"kind", "params", "exclude", "start"},
+}
 
 local function num(mod, i, k, default, min)
   local v = mod[k]
@@ -335,6 +345,7 @@ function prune.schedule(mods)
       raise(("prune.schedule: modifier %d: kind must be \"gmp\", \"oneshot\", \"nm\" or "
         .. "\"constant\" (got %s)"):format(i, type(src) == "table" and tostring(src.kind) or type(src)))
     end
+    util.check_opts(("prune.schedule: modifier %d (%s)"):format(i, src.kind), src, MOD_KEYS[src.kind])
     local mod = {kind = src.kind, params = src.params, exclude = src.exclude, index = i}
     util.patterns(src.params, "params", "prune.schedule") -- validates
     util.patterns(src.exclude, "exclude", "prune.schedule")
@@ -446,7 +457,7 @@ Report.__index = Report
 --- SparseML's: total and prunable parameter counts (prunable: opts.params/exclude, default
 --- every parameter with 2+ dimensions), their zeros, and per parameter numel and sparsity.
 function prune.report(model, opts)
-  opts = opts or {}
+  opts = util.check_opts("prune.report", opts, {"params", "exclude"})
   local sp = mask.sparsity(model)
   local prunable = {}
   for _, e in ipairs(util.select_params(model, opts, "prune.report")) do prunable[e.path] = true end

@@ -97,6 +97,10 @@ static int f_cross_entropy(lua_State *L) {
   fsdp_tensor *logits = arg(L, 1, "cross_entropy"), *targets = arg(L, 2, "cross_entropy");
   lua_Number ignore = -1;
   if (lua_istable(L, 3)) {
+    for (lua_pushnil(L); lua_next(L, 3); lua_pop(L, 1))
+      if (lua_type(L, -2) != LUA_TSTRING || strcmp(lua_tostring(L, -2), "ignore_index") != 0)
+        luaL_error(L, "cross_entropy: unknown option '%s' (valid: ignore_index)",
+                   lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : luaL_typename(L, -2));
     lua_getfield(L, 3, "ignore_index");
     if (!lua_isnil(L, -1)) ignore = num_arg(L, -1, "cross_entropy", "ignore_index");
     lua_pop(L, 1);

@@ -280,7 +280,7 @@ os.execute("kill -9 $PPID")
   it("checks its options", function()
     local m = gpt(1)
     local opt = fsdp.optim.AdamW(m, {})
-    errors_with(function() fsdp.save(m, dir .. "/x", {fromat = "sharded"}) end, "unknown option fromat")
+    errors_with(function() fsdp.save(m, dir .. "/x", {fromat = "sharded"}) end, "fsdp.save: unknown option 'fromat' (valid: extra, format, loader, loaders, optimizer, schedule, step)")
     errors_with(function() fsdp.save(m, dir .. "/x", {format = "pickle"}) end, "format must be")
     errors_with(function() fsdp.save(m, dir .. "/x.safetensors", {optimizer = opt}) end,
       "safetensors file holds the model only")

@@ -346,7 +346,7 @@ describe("models on another device", function()
     assert.are.equal("cpu2", m.weight.device)
     assert.is_true(H.same_values(eager.weight, m.weight:to("cpu")))
     H.assert_error_has(function() fsdp.materialize(m, {colour = 1}) end,
-      "fsdp.materialize: unknown option colour (init, device)")
+      "fsdp.materialize: unknown option 'colour' (valid: device, init)")
     local meta = fsdp.meta(function() return nn.Linear(4, 3) end)
     H.assert_error_has(function() meta:to("cpu2") end, "has no values to move: materialize it first")
   end)

@@ -219,7 +219,7 @@ describe("fsdp.inspect(unit) and bad arguments", function()
   it("refuses other values", function()
     assert.has_error(function() fsdp.inspect(42) end,
       "fsdp.inspect: expected a module, a parameter or a unit (got number)")
-    assert.has_error(function() fsdp.inspect(gpt(), 5) end, "fsdp.inspect: options must be a table")
+    assert.has_error(function() fsdp.inspect(gpt(), 5) end, "fsdp.inspect: expects an options table {model} (got number)")
   end)
 end)
 

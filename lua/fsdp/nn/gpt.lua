@@ -29,6 +29,10 @@ end
 -- GPT{vocab =, ctx =, d =, layers =, heads =, tie = true, dropout = 0, hidden = 4d}
 function GPT:init(cfg)
   if type(cfg) ~= "table" then base.raise("nn.GPT: expects a table {vocab=, ctx=, d=, layers=, heads=}") end
+  util.check_opts("nn.GPT", cfg, {"vocab", "ctx", "d", "layers", "heads", "tie", "dropout", "hidden"})
+  if cfg.tie ~= nil and type(cfg.tie) ~= "boolean" then
+    base.raise(("nn.GPT: tie must be true or false (got %s)"):format(tostring(cfg.tie)))
+  end
   self.vocab = need_int(cfg, "vocab", 1)
   self.ctx = need_int(cfg, "ctx", 1)
   self.d = need_int(cfg, "d", 1)
@@ -207,7 +211,17 @@ GPT.draw = draw -- exposed for tests
 -- the same call gives the same text; without it by (fsdp.seed(), call number, position), so
 -- successive calls differ but a run is reproducible and every rank samples the same text.
 function GPT:generate(prompt, n, opts)
-  opts = opts or {}
+  opts = util.check_opts("GPT:generate", opts, {"temperature", "top_k", "seed"})
+  if type(n) ~= "number" or n % 1 ~= 0 or n < 0 then
+    base.raise(("GPT:generate: n must be an integer >= 0 (got %s)"):format(tostring(n)))
+  end
+  if opts.temperature ~= nil and (type(opts.temperature) ~= "number" or not (opts.temperature >= 0)) then
+    base.raise(("GPT:generate: temperature must be a number >= 0 (got %s)"):format(tostring(opts.temperature)))
+  end
+  local k = opts.top_k
+  if k ~= nil and (type(k) ~= "number" or k % 1 ~= 0 or k < 1) then
+    base.raise(("GPT:generate: top_k must be an integer >= 1 (got %s)"):format(tostring(k)))
+  end
   local ids = prompt_ids(prompt)
   if #ids == 0 then base.raise("GPT:generate: empty prompt") end
   local temperature = opts.temperature or 1

@@ -9,6 +9,7 @@
 
 local core = require "fsdp.core"
 local base = require "fsdp.nn.module"
+local U = require "fsdp.util"
 
 local Module, is_module, release = base.Module, base.is_module, base.release
 local L = {}
@@ -41,6 +42,12 @@ local function check_p(p, fn)
   end
 end
 
+local function check_bias(opts, fn)
+  if opts.bias ~= nil and type(opts.bias) ~= "boolean" then
+    base.raise(("%s: bias must be true or false (got %s)"):format(fn, tostring(opts.bias)))
+  end
+end
+
 local function dropout(self, x, p)
   if p > 0 and self.training then return core.F.dropout(x, p) end
   return x
@@ -56,7 +63,8 @@ L.Linear = Linear
 function Linear:init(i, o, opts)
   check_int(i, "in_features", "nn.Linear")
   check_int(o, "out_features", "nn.Linear")
-  opts = opts or {}
+  opts = U.check_opts("nn.Linear", opts, {"bias"})
+  check_bias(opts, "nn.Linear")
   self.in_features, self.out_features = i, o
   self.weight = L.new_param{o, i}
   if opts.bias ~= false then self.bias = L.new_param{o} end
@@ -110,7 +118,11 @@ L.LayerNorm = LayerNorm
 -- LayerNorm(d, {eps = 1e-5, bias = true}): normalises over the last dimension.
 function LayerNorm:init(d, opts)
   check_int(d, "normalized_shape", "nn.LayerNorm")
-  opts = opts or {}
+  opts = U.check_opts("nn.LayerNorm", opts, {"eps", "bias"})
+  check_bias(opts, "nn.LayerNorm")
+  if opts.eps ~= nil and (type(opts.eps) ~= "number" or not (opts.eps > 0)) then
+    base.raise(("nn.LayerNorm: eps must be a positive number (got %s)"):format(tostring(opts.eps)))
+  end
   self.dim, self.eps = d, opts.eps or 1e-5
   self.weight = L.new_param{d}
   if opts.bias ~= false then self.bias = L.new_param{d} end
@@ -220,7 +232,7 @@ function CausalSelfAttention:init(d, heads, opts)
   if d % heads ~= 0 then
     base.raise(("nn.CausalSelfAttention: d=%d is not a multiple of heads=%d"):format(d, heads))
   end
-  opts = opts or {}
+  opts = U.check_opts("nn.CausalSelfAttention", opts, {"dropout"})
   self.d, self.heads, self.dropout = d, heads, opts.dropout or 0
   check_p(self.dropout, "nn.CausalSelfAttention")
   self.qkv = Linear(d, 3 * d)
@@ -250,7 +262,7 @@ function MLP:init(d, hidden, opts)
   check_int(d, "d", "nn.MLP")
   hidden = hidden or 4 * d
   check_int(hidden, "hidden", "nn.MLP")
-  opts = opts or {}
+  opts = U.check_opts("nn.MLP", opts, {"dropout"})
   self.dropout = opts.dropout or 0
   check_p(self.dropout, "nn.MLP")
   self.fc = Linear(d, hidden)
@@ -297,7 +309,7 @@ L.Block = Block
 -- Block(d, heads, {dropout = 0, hidden = 4d}): pre-norm transformer block,
 --   x = x + attn(ln1(x));  x = x + mlp(ln2(x)).   Children ln1, attn, ln2, mlp.
 function Block:init(d, heads, opts)
-  opts = opts or {}
+  opts = U.check_opts("nn.Block", opts, {"dropout", "hidden"})
   self.ln1 = LayerNorm(d)
   self.attn = CausalSelfAttention(d, heads, {dropout = opts.dropout})
   self.ln2 = LayerNorm(d)
