@@ -168,6 +168,29 @@ static void test_run(void) {
     EXPECT(rt, fsdp_run_file(rt, path, 1, NULL), FSDP_MISUSE, "argc 1 with argv NULL");
     unlink(path);
   }
+  /* declared arguments (a refusal is an error here: no os.exit), each rank's RANK */
+  char dpath[] = "/tmp/embed_check_args_XXXXXX.lua";
+  fd = mkstemps(dpath, 4);
+  CHECK(fd >= 0, "mkstemps");
+  if (fd >= 0) {
+    const char *src = "local fsdp = require 'fsdp'\n"
+                      "local a = fsdp.args{{'steps', 1, 'integer', 'optimizer steps'}}\n"
+                      "assert(a.steps == 5 and fsdp.args.steps == 5)\n"
+                      "assert(os.getenv('RANK') == tostring(fsdp.rank()))\n"
+                      "assert(os.getenv('WORLD_SIZE') == '2' and os.getenv('LOCAL_WORLD_SIZE') == '2')\n";
+    CHECK(write(fd, src, strlen(src)) == (ssize_t)strlen(src), "write");
+    close(fd);
+    const char *good[] = {"--steps", "5"}, *bad[] = {"--step=5"};
+    OK(rt, fsdp_run_file(rt, dpath, 2, good));
+    /* every rank raises it: a failure of ranks breaks the runtime, so in one of its own */
+    fsdp_runtime *rt2 = make(2);
+    if (rt2 != NULL) {
+      EXPECT(rt2, fsdp_run_file(rt2, dpath, 1, bad), FSDP_BROKEN,
+             ".lua: unknown argument --step; did you mean --steps?");
+      fsdp_runtime_free(rt2);
+    }
+    unlink(dpath);
+  }
   EXPECT(rt, fsdp_run_file(rt, "/nonexistent/recipe.lua", 0, NULL), FSDP_ERROR,
          "cannot read /nonexistent/recipe.lua");
   /* a folder: fsdprun's words */

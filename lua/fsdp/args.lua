@@ -270,8 +270,8 @@ function M.declare(decl, rank)
   end
   local vals, err = M.parse(spec, argv)
   if vals then return vals end
+  if type(package.loaded.fsdprun) ~= "table" then error(("%s: %s"):format(script, err), 0) end
   local msg = ("%s: %s (try '%s %s --help')"):format(script, err, prog, script)
-  if type(package.loaded.fsdprun) ~= "table" then error(msg, 0) end
   if rank == 0 then
     io.stderr:write(prog, ": ", msg, "\n")
     io.stderr:flush()

@@ -118,6 +118,18 @@ function fsdp.memory()
 end
 
 -- recipe arguments: --key=value (numbers and true/false converted), --flag (true) -------------
+-- fsdp.args holds them parsed loosely (no check) until the recipe declares its arguments:
+-- fsdp.args{ {name, default, type, help}, ... } (lua/fsdp/args.lua) parses the global `arg`
+-- against the declaration, refusing what does not fit it, and returns fsdp.args holding exactly
+-- the values. parse_args gives such a table (an embedding host sets fsdp.args with it).
+local args_mt = {
+  __call = function(self, decl)
+    local vals = require("fsdp.args").declare(decl, core.rank())
+    for k in pairs(self) do self[k] = nil end
+    for k, v in pairs(vals) do self[k] = v end
+    return self
+  end,
+}
 local function parse_args(argv)
   local args = {}
   for i = 1, #(argv or {}) do
@@ -132,20 +144,10 @@ local function parse_args(argv)
       if flag then args[flag] = true else args[#args + 1] = a end
     end
   end
-  return args
+  return setmetatable(args, args_mt)
 end
 fsdp.parse_args = parse_args
--- fsdp.args holds them parsed loosely (no check) until the recipe declares its arguments:
--- fsdp.args{ {name, default, type, help}, ... } (lua/fsdp/args.lua) parses `arg` against the
--- declaration, refusing what does not fit it, and returns fsdp.args holding exactly the values.
-fsdp.args = setmetatable(parse_args(rawget(_G, "arg")), {
-  __call = function(self, decl)
-    local vals = require("fsdp.args").declare(decl, core.rank())
-    for k in pairs(self) do self[k] = nil end
-    for k, v in pairs(vals) do self[k] = v end
-    return self
-  end,
-})
+fsdp.args = parse_args(rawget(_G, "arg"))
 
 -- submodules, loaded on first use ------------------------------------------------------------
 local wrap_names = {
