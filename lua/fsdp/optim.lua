@@ -168,16 +168,215 @@ end
 local Optimizer = {}
 Optimizer.__index = Optimizer
 
-local function new_optimizer(cls, kind, model, opts)
-  if type(opts) ~= "table" then raise(kind .. ": expects an options table {lr = ...}") end
+-- A parameter frozen by the user (p.requires_grad = false) is never updated.
+local function frozen(p) return p.requires_grad == false end
+
+-- The options every optimizer takes besides its hyper-parameters.
+local COMMON_OPTS = {"groups", "local_only", "no_decay", "params"}
+
+-- Does a group's `params` (a Lua pattern, a list of them, a function(path, p) -> boolean, or an
+-- array of parameters) take the parameter p at path? sel is the checked form (select_of).
+local function selects(sel, path, p)
+  if sel.fn then return sel.fn(path, p) and true or false end
+  if sel.set then return sel.set[p] == true end
+  for _, pat in ipairs(sel.patterns) do
+    if path:find(pat) then return true end
+  end
+  return false
+end
+
+-- The checked form of a `params` value (what names it in messages): {fn =} | {set =} |
+-- {patterns =}. A pattern that matches no parameter of entries is an error listing them.
+local function select_of(v, fn, what, entries)
+  if type(v) == "function" then return {fn = v} end
+  if type(v) == "table" and #v > 0 and type(v[1]) == "userdata" then
+    local set = {}
+    for i, p in ipairs(v) do
+      if type(p) ~= "userdata" then
+        raise(("%s: %s[%d] must be a parameter (got %s)"):format(fn, what, i, type(p)))
+      end
+      set[p] = true
+    end
+    local known = {}
+    for _, e in ipairs(entries) do known[e.param] = true end
+    for i, p in ipairs(v) do
+      if not known[p] then
+        raise(("%s: %s[%d] is not a parameter of this model"):format(fn, what, i))
+      end
+    end
+    return {set = set}
+  end
+  local pats = util.patterns(v, what, fn)
+  if pats == nil then raise(fn .. ": " .. what .. " is required (a Lua pattern, a list of them, a function "
+    .. "(path, p) or an array of parameters)") end
+  for _, pat in ipairs(pats) do
+    local ok, hit = pcall(function()
+      for _, e in ipairs(entries) do
+        if e.path:find(pat) then return true end
+      end
+      return false
+    end)
+    if not ok then raise(("%s: %s: bad pattern %q: %s"):format(fn, what, pat, tostring(hit))) end
+    if not hit then
+      local names = {}
+      for i, e in ipairs(entries) do names[i] = e.path end
+      raise(("%s: %s: the pattern %q matches no parameter; the parameters are: %s")
+        :format(fn, what, pat, util.few(names, 12)))
+    end
+  end
+  return {patterns = pats}
+end
+
+-- Which parameters an optimizer updates: (Root or nil, array of {path =, param =}).
+-- A wrapped root gives all its parameters; a module inside a wrapped model gives its own, under
+-- their paths from the root (the optimizer steps their slices of the root's shards); a plain
+-- module or an array of plain parameters gives optim.named_params.
+local function select_params(kind, x)
+  if is_module(x) then
+    local R = state.of(x)
+    if R == nil then return nil, optim.named_params(x) end
+    local all = optim.named_params(R:model())
+    if R:model() == x then return R, all end
+    local mine, out = {}, {}
+    for _, p in ipairs(x:parameters()) do mine[p] = true end
+    for _, e in ipairs(all) do
+      if mine[e.param] then out[#out + 1] = e end
+    end
+    return R, out
+  end
+  if type(x) == "table" then
+    for i, p in ipairs(x) do
+      if type(p) == "userdata" and core.param_unit(p) ~= nil then
+        raise(("%s: parameter %d is sharded (its model is wrapped): give the optimizer the "
+          .. "wrapped model, or a module of it, and choose parameters with params = {...} "
+          .. "(patterns or the parameters themselves)"):format(kind, i))
+      end
+    end
+  end
+  return nil, optim.named_params(x)
+end
+
+-- Parameters with fewer than 2 dimensions (biases, norm scales and shifts) get no weight decay.
+function optim.default_no_decay(path, p) return p:dim() < 2 end
+
+-- The hyper-parameters a group may set: hyper[kind] = names, read by read_hyper[kind].
+local HYPER = {}
+
+-- kind's optimizer over model with opts (checked: COMMON_OPTS and HYPER[kind]); read(fn, t,
+-- base) checks t's hyper-parameters (base: the defaults) and returns them; defaults: the
+-- optimizer's defaults. decay_default: whether the no-decay group (optim.default_no_decay,
+-- weight_decay = 0) is added when neither groups nor no_decay is given.
+local function new_optimizer(cls, kind, model, opts, read, defaults, decay_default)
+  if opts ~= nil and type(opts) ~= "table" then
+    raise(("%s: expects an options table {lr = ...} (got %s)"):format(kind, type(opts)))
+  end
+  opts = opts or {}
+  local names = {}
+  for _, k in ipairs(COMMON_OPTS) do names[#names + 1] = k end
+  for _, k in ipairs(HYPER[kind]) do names[#names + 1] = k end
+  util.check_opts(kind, opts, names)
   local self = setmetatable({}, cls)
   self.kind = kind
   self.model = model
-  self.params = optim.named_params(model) -- {path, param}, fixed at construction
+  local R, entries = select_params(kind, model)
+  self.wrapped = R                        -- the wrap root state: step the shards
+  if opts.params ~= nil then
+    local sel = select_of(opts.params, kind, "params", entries)
+    local out = {}
+    for _, e in ipairs(entries) do
+      if selects(sel, e.path, e.param) then out[#out + 1] = e end
+    end
+    entries = out
+  end
+  self.params = entries                   -- {path, param}, fixed at construction
+  self.member = {}
+  for _, e in ipairs(entries) do self.member[e.param] = true end
   self.state = {}                         -- param -> {step =, <buffers>}
-  self.wrapped = wrap_state(model)        -- the wrap root state: step the shards
+  self.slice_of = {}
   self.step_count = 0
+  if opts.local_only ~= nil and type(opts.local_only) ~= "boolean" then
+    raise(("%s: local_only must be a boolean (got %s)"):format(kind, tostring(opts.local_only)))
+  end
+  self.local_only = opts.local_only == true
+  for k, v in pairs(read(kind, opts, defaults)) do self[k] = v end
+  -- groups: the first group whose params select a parameter gives it its hyper-parameters;
+  -- the others follow the optimizer's (self[k], read at every step)
+  local groups = opts.groups
+  if groups ~= nil and (type(groups) ~= "table" or (next(groups) ~= nil and #groups == 0)) then
+    raise(("%s: groups must be an array of {params = PATTERNS, <hyper-parameters>} (got %s)")
+      :format(kind, type(groups)))
+  end
+  local list = {}
+  if opts.no_decay ~= nil then
+    if type(opts.no_decay) ~= "function" then
+      raise(("%s: no_decay must be a function(path, p) -> true to exempt p from weight decay")
+        :format(kind))
+    end
+    list[1] = {params = opts.no_decay, weight_decay = 0}
+  elseif groups == nil and decay_default then
+    list[1] = {params = optim.default_no_decay, weight_decay = 0}
+  end
+  for _, g in ipairs(groups or {}) do list[#list + 1] = g end
+  self.groups = {}
+  self.group_of = {} -- param -> its group's overrides (absent: the optimizer's own)
+  local base = {}
+  for _, k in ipairs(HYPER[kind]) do base[k] = self[k] end
+  for i, g in ipairs(list) do
+    local what = ("%s: group %d"):format(kind, i - (#list - #(groups or {})))
+    if type(g) ~= "table" then raise(("%s must be a table {params =, ...}"):format(what)) end
+    local gnames = {"params"}
+    for _, k in ipairs(HYPER[kind]) do gnames[#gnames + 1] = k end
+    util.check_opts(what, g, gnames)
+    local given = {}
+    for k in pairs(g) do if k ~= "params" then given[k] = true end end
+    local vals = read(what, g, base)
+    local over = {}
+    for k in pairs(given) do over[k] = vals[k] end
+    if over.lr ~= nil then
+      -- schedules set opt.lr: a group's lr scales with it (PyTorch's schedulers scale every
+      -- group's lr by one factor)
+      if self.lr == 0 then raise(what .. ": a group's lr needs the optimizer's lr > 0 (its scale)") end
+      over.lr_scale = over.lr / self.lr
+      over.lr = nil
+    end
+    local sel = select_of(g.params, what, "params", entries)
+    local grp = {over = over, paths = {}}
+    self.groups[#self.groups + 1] = grp
+    for _, e in ipairs(entries) do
+      if self.group_of[e.param] == nil and selects(sel, e.path, e.param) then
+        self.group_of[e.param] = over
+        grp.paths[#grp.paths + 1] = e.path
+      end
+    end
+  end
+  -- the paths without weight decay (reports, tests)
+  self.no_decay_paths = {}
+  for _, e in ipairs(entries) do
+    local o = self.group_of[e.param]
+    if o and o.weight_decay == 0 then self.no_decay_paths[#self.no_decay_paths + 1] = e.path end
+  end
   return self
+end
+
+-- Hyper-parameter k for parameter p: its group's, else the optimizer's current one. "lr" is the
+-- optimizer's lr times the group's scale.
+function Optimizer:hp(p, k)
+  local o = self.group_of[p]
+  if k == "lr" then return o and o.lr_scale and self.lr * o.lr_scale or self.lr end
+  local v = o and o[k]
+  if v == nil then v = self[k] end
+  return v
+end
+
+-- At world size > 1 a model that is neither wrapped nor replicated trains one drifting copy per
+-- rank: refused unless local_only says that is the intent.
+function Optimizer:check_world()
+  local W = core.world_size()
+  if self.wrapped or self.local_only or W == 1 then return end
+  raise(("%s:step: the model is not wrapped, so each of the %d ranks would train its own copy "
+    .. "and the copies drift apart; shard it with fsdp.wrap(model), or replicate it with "
+    .. "fsdp.wrap(model, {strategy = \"none\"}), before creating the optimizer (or pass "
+    .. "local_only = true to the optimizer if one model per rank is the intent)"):format(self.kind, W))
 end
 
 -- Drop every parameter's gradient (p.grad = nil); wrapped: also zero every gradient shard.
@@ -200,7 +399,7 @@ function Optimizer:each_slice(fn, only_grads)
   local has = only_grads and agree_grads(self.wrapped, what) or nil
   each_unit(self.wrapped, what, function(u, shard, gshard, slices)
     for _, s in ipairs(slices) do
-      if has == nil or has[u][s.index] then
+      if self.member[s.param] and not frozen(s.param) and (has == nil or has[u][s.index]) then
         local n = s.shard_last - s.shard_first + 1
         local p = s.param
         local st = self.state[p]
@@ -214,6 +413,46 @@ function Optimizer:each_slice(fn, only_grads)
       end
     end
   end)
+end
+
+-- fn(st, p, g, param, path, m) for every parameter this optimizer updates that has a gradient
+-- (a step: checks the world, and is collective when wrapped): p and g are the values and the
+-- gradient, contiguous and of one shape (wrapped: 1-D views of this rank's slice of the shard
+-- and of the gradient shard; plain: the parameter and p.grad), st its state table (created
+-- with step = 0; its buffers shaped like p: state_like), m its flat mask (or nil), which fn
+-- applies (apply_mask). Plain: run without recording for gradients; a gradient made for the
+-- call is freed.
+function Optimizer:each_update(fn)
+  self:check_world()
+  if self.wrapped then
+    self:each_slice(fn, true)
+    return
+  end
+  util.no_grad(function()
+    for _, e in ipairs(self.params) do
+      local p = e.param
+      local g, fresh = grad_of(p)
+      if g ~= nil and not frozen(p) then
+        local st = self.state[p]
+        if st == nil then
+          st = {step = 0}
+          self.state[p] = st
+        end
+        fn(st, p, g, p, e.path, mask.plain_flat(p))
+      end
+      if fresh then g:free() end
+    end
+  end)
+end
+
+-- A state buffer for the p of an each_update call: zeros of its shape, on its device.
+local function state_like(p)
+  return core.zeros(p:shape(), {role = "optim", device = p.device})
+end
+
+-- x (contiguous) masked in place by the flat mask m, if any.
+local function apply_mask(x, m)
+  if m then core.mask_apply(x:dim() == 1 and x or x:view{x:numel()}, m) end
 end
 
 -- {kind =, step =, lr =, hyper = {...}, state = {[path] = {step =, <name> = tensor, ...}}}.
@@ -384,104 +623,135 @@ function Optimizer:import_slices(list, info)
   for k, v in pairs(info.hyper or {}) do self[k] = v end
 end
 
+-- ---- hyper-parameter checks ----------------------------------------------------------------
+
+-- t[k] (base when nil): a number, not NaN, >= lo, and <= hi (< hi when open); fn names the
+-- optimizer or group in the message.
+local function check_num(fn, t, k, base, lo, hi, open)
+  local v = t[k]
+  if v == nil then v = base end
+  local bad = type(v) ~= "number" or v ~= v or (lo and v < lo) or (hi and (open and v >= hi or v > hi))
+  if bad then
+    local range = hi and ("in [%s, %s%s"):format(lo, hi, open and ")" or "]")
+      or lo and (">= " .. lo) or ""
+    raise(("%s: %s must be a number %s (got %s)"):format(fn, k, range, tostring(v)))
+  end
+  return v
+end
+
+-- betas {b1, b2}, each in [0, 1).
+local function check_betas(fn, t, base)
+  local b = t.betas
+  if b == nil then b = base end
+  if type(b) ~= "table" or #b ~= 2 or type(b[1]) ~= "number" or type(b[2]) ~= "number"
+      or not (b[1] >= 0 and b[1] < 1) or not (b[2] >= 0 and b[2] < 1) then
+    local shown = type(b) == "table" and ("{%s, %s}"):format(tostring(b[1]), tostring(b[2]))
+      or tostring(b)
+    raise(("%s: betas must be {beta1, beta2}, each in [0, 1) (got %s)"):format(fn, shown))
+  end
+  return {b[1], b[2]}
+end
+
+local function check_bool(fn, t, k, base)
+  local v = t[k]
+  if v == nil then v = base end
+  if type(v) ~= "boolean" then raise(("%s: %s must be a boolean (got %s)"):format(fn, k, tostring(v))) end
+  return v
+end
+
 -- ---- SGD ---------------------------------------------------------------------------------
 
 local SGD = setmetatable({}, {__index = Optimizer})
 SGD.__index = SGD
 optim.SGD_class = SGD
 
--- SGD(model_or_params, {lr =, momentum = 0, weight_decay = 0}) — PyTorch semantics:
--- g = grad + wd * p; buf = momentum * buf + g (buf = g on its first step); p -= lr * buf.
-function optim.SGD(model, opts)
-  local self = new_optimizer(SGD, "SGD", model, opts)
-  self.slice_of = {}
-  self.lr = number_opt(opts, "lr", nil, 0)
-  self.momentum = number_opt(opts, "momentum", 0, 0)
-  self.weight_decay = number_opt(opts, "weight_decay", 0, 0)
-  return self
+HYPER.SGD = {"lr", "momentum", "nesterov", "weight_decay"}
+
+local function read_sgd(fn, t, base)
+  local h = {lr = check_num(fn, t, "lr", base.lr, 0),
+    momentum = check_num(fn, t, "momentum", base.momentum, 0),
+    weight_decay = check_num(fn, t, "weight_decay", base.weight_decay, 0),
+    nesterov = check_bool(fn, t, "nesterov", base.nesterov)}
+  if h.nesterov and h.momentum == 0 then
+    raise(fn .. ": nesterov needs a momentum > 0")
+  end
+  return h
 end
 
-function SGD:hyper() return {momentum = self.momentum, weight_decay = self.weight_decay} end
+-- SGD(model_or_params, {lr =, momentum = 0, nesterov = false, weight_decay = 0, groups =,
+-- params =, local_only =}) — PyTorch semantics (dampening 0): g = grad + wd * p;
+-- buf = momentum * buf + g (buf = g on its first step); p -= lr * buf, or with nesterov
+-- p -= lr * (g + momentum * buf). Every parameter decays unless a group says otherwise.
+function optim.SGD(model, opts)
+  return new_optimizer(SGD, "SGD", model, opts, read_sgd,
+    {momentum = 0, nesterov = false, weight_decay = 0}, false)
+end
+
+function SGD:hyper()
+  return {momentum = self.momentum, weight_decay = self.weight_decay, nesterov = self.nesterov}
+end
 
 -- One update of every parameter that has a gradient; parameters without one are skipped
 -- (wrapped: those that received none on any rank; the step is then collective).
 function SGD:step()
-  self.step_count = self.step_count + 1
-  local lr, momentum, wd = self.lr, self.momentum, self.weight_decay
-  if self.wrapped then
-    self:each_slice(function(st, p, g, _, _, m)
-      local first = false
-      if momentum ~= 0 and st.momentum_buffer == nil then
-        st.momentum_buffer = core.zeros({p:numel()}, { role = "optim", device = p.device })
-        first = true
-      end
-      st.step = st.step + 1
-      if m then core.mask_apply(g, m) end
-      core.sgd_step(p, g, st.momentum_buffer, lr, momentum, wd, first)
-      if m then core.mask_apply(p, m) end
-    end, true)
-    return
-  end
-  for _, e in ipairs(self.params) do
-    local p = e.param
-    local g, fresh = grad_of(p)
-    if g ~= nil then
-      local st = self.state[p]
-      if st == nil then
-        st = {step = 0}
-        self.state[p] = st
-      end
-      local first = false
-      if momentum ~= 0 and st.momentum_buffer == nil then
-        st.momentum_buffer = state_zeros(p)
-        first = true
-      end
-      st.step = st.step + 1
-      mask_dense(p, g)
-      core.sgd_step(p, g, st.momentum_buffer, lr, momentum, wd, first)
-      mask_dense(p, p)
-      if fresh then g:free() end
+  self:each_update(function(st, p, g, param, _, m)
+    local lr, mom, wd = self:hp(param, "lr"), self:hp(param, "momentum"), self:hp(param, "weight_decay")
+    local first = false
+    if mom ~= 0 and st.momentum_buffer == nil then
+      st.momentum_buffer = state_like(p)
+      first = true
     end
-  end
+    st.step = st.step + 1
+    apply_mask(g, m)
+    if self:hp(param, "nesterov") then
+      local buf, d = st.momentum_buffer, g:clone()
+      if wd ~= 0 then d:add_(p, wd) end
+      if first then buf:copy(d) else buf:mul_(mom):add_(d) end
+      d:add_(buf, mom)
+      p:add_(d, -lr)
+      d:free()
+    else
+      core.sgd_step(p, g, st.momentum_buffer, lr, mom, wd, first)
+    end
+    apply_mask(p, m)
+  end)
+  self.step_count = self.step_count + 1
 end
 
--- ---- AdamW -------------------------------------------------------------------------------
+-- ---- Adam and AdamW ------------------------------------------------------------------------
 
 local AdamW = setmetatable({}, {__index = Optimizer})
 AdamW.__index = AdamW
 optim.AdamW_class = AdamW
 
--- Parameters with fewer than 2 dimensions (biases, norm scales and shifts) get no weight decay.
-function optim.default_no_decay(path, p) return p:dim() < 2 end
+local Adam = setmetatable({}, {__index = AdamW})
+Adam.__index = Adam
+optim.Adam_class = Adam
+
+HYPER.AdamW = {"lr", "betas", "eps", "weight_decay"}
+HYPER.Adam = HYPER.AdamW
+
+local function read_adam(fn, t, base)
+  return {lr = check_num(fn, t, "lr", base.lr, 0), betas = check_betas(fn, t, base.betas),
+    eps = check_num(fn, t, "eps", base.eps, 0),
+    weight_decay = check_num(fn, t, "weight_decay", base.weight_decay, 0)}
+end
 
 -- AdamW(model_or_params, {lr = 1e-3, betas = {0.9, 0.999}, eps = 1e-8, weight_decay = 0.01,
---   no_decay = function(path, p) -> true to exempt p from weight decay}) — decoupled weight
--- decay as in PyTorch's AdamW (p -= lr * wd * p, then the Adam update with bias correction).
+--   groups =, params =, no_decay =, local_only =}) — decoupled weight decay as in PyTorch's
+-- AdamW (p -= lr * wd * p, then the Adam update with bias correction). By default biases and
+-- norm parameters (fewer than 2 dimensions) are a group with weight_decay = 0.
 function optim.AdamW(model, opts)
-  opts = opts or {}
-  local self = new_optimizer(AdamW, "AdamW", model, opts)
-  self.slice_of = {}
-  self.lr = number_opt(opts, "lr", 1e-3, 0)
-  local betas = opts.betas or {0.9, 0.999}
-  if type(betas) ~= "table" or type(betas[1]) ~= "number" or type(betas[2]) ~= "number"
-      or betas[1] < 0 or betas[1] >= 1 or betas[2] < 0 or betas[2] >= 1 then
-    raise("AdamW: betas must be {beta1, beta2} with each in [0, 1)")
-  end
-  self.betas = {betas[1], betas[2]}
-  self.eps = number_opt(opts, "eps", 1e-8, 0)
-  self.weight_decay = number_opt(opts, "weight_decay", 0.01, 0)
-  local no_decay = opts.no_decay or optim.default_no_decay
-  if type(no_decay) ~= "function" then raise("AdamW: no_decay must be a function(path, p)") end
-  self.decay = {} -- param -> true when weight decay applies
-  self.no_decay_paths = {}
-  for _, e in ipairs(self.params) do
-    if no_decay(e.path, e.param) then
-      self.no_decay_paths[#self.no_decay_paths + 1] = e.path
-    else
-      self.decay[e.param] = true
-    end
-  end
-  return self
+  return new_optimizer(AdamW, "AdamW", model, opts, read_adam,
+    {lr = 1e-3, betas = {0.9, 0.999}, eps = 1e-8, weight_decay = 0.01}, true)
+end
+
+-- Adam(model_or_params, {lr = 1e-3, betas = {0.9, 0.999}, eps = 1e-8, weight_decay = 0, ...})
+-- — PyTorch's Adam: weight decay is L2, added to the gradient (g + wd * p) before the moments.
+-- The same no-decay default group as AdamW.
+function optim.Adam(model, opts)
+  return new_optimizer(Adam, "Adam", model, opts, read_adam,
+    {lr = 1e-3, betas = {0.9, 0.999}, eps = 1e-8, weight_decay = 0}, true)
 end
 
 function AdamW:hyper()
@@ -489,36 +759,73 @@ function AdamW:hyper()
 end
 
 function AdamW:step()
-  self.step_count = self.step_count + 1
-  local lr, b1, b2, eps, wd = self.lr, self.betas[1], self.betas[2], self.eps, self.weight_decay
-  if self.wrapped then
-    self:each_slice(function(st, p, g, param, _, m)
-      if st.exp_avg == nil then
-        st.exp_avg = core.zeros({p:numel()}, { role = "optim", device = p.device })
-        st.exp_avg_sq = core.zeros({p:numel()}, { role = "optim", device = p.device })
-      end
-      st.step = st.step + 1
-      core.adamw_step(p, g, st.exp_avg, st.exp_avg_sq, lr, b1, b2, eps,
-        self.decay[param] and wd or 0, st.step, m)
-    end, true)
-    return
-  end
-  for _, e in ipairs(self.params) do
-    local p = e.param
-    local g, fresh = grad_of(p)
-    if g ~= nil then
-      local st = self.state[p]
-      if st == nil then
-        st = {step = 0, exp_avg = state_zeros(p), exp_avg_sq = state_zeros(p)}
-        self.state[p] = st
-      end
-      st.step = st.step + 1
-      -- adamw_step wants p and g contiguous (gradients always are): the whole flat mask fits
-      core.adamw_step(p, g, st.exp_avg, st.exp_avg_sq, lr, b1, b2, eps,
-        self.decay[p] and wd or 0, st.step, mask.plain_flat(p))
-      if fresh then g:free() end
+  local l2 = self.kind == "Adam"
+  self:each_update(function(st, p, g, param, _, m)
+    if st.exp_avg == nil then
+      st.exp_avg, st.exp_avg_sq = state_like(p), state_like(p)
     end
-  end
+    st.step = st.step + 1
+    local b = self:hp(param, "betas")
+    local lr, eps, wd = self:hp(param, "lr"), self:hp(param, "eps"), self:hp(param, "weight_decay")
+    if l2 and wd ~= 0 then
+      -- masked elements of p are 0, so g + wd * p stays masked where g is
+      local g2 = g:clone()
+      g2:add_(p, wd)
+      core.adamw_step(p, g2, st.exp_avg, st.exp_avg_sq, lr, b[1], b[2], eps, 0, st.step, m)
+      g2:free()
+    else
+      core.adamw_step(p, g, st.exp_avg, st.exp_avg_sq, lr, b[1], b[2], eps, l2 and 0 or wd,
+        st.step, m)
+    end
+  end)
+  self.step_count = self.step_count + 1
+end
+
+-- ---- Lion ----------------------------------------------------------------------------------
+
+local Lion = setmetatable({}, {__index = Optimizer})
+Lion.__index = Lion
+optim.Lion_class = Lion
+
+HYPER.Lion = {"lr", "betas", "weight_decay"}
+
+local function read_lion(fn, t, base)
+  return {lr = check_num(fn, t, "lr", base.lr, 0), betas = check_betas(fn, t, base.betas),
+    weight_decay = check_num(fn, t, "weight_decay", base.weight_decay, 0)}
+end
+
+-- Lion(model_or_params, {lr = 1e-4, betas = {0.9, 0.99}, weight_decay = 0, ...}) — Chen et
+-- al. 2023 ("Symbolic Discovery of Optimization Algorithms"), as lion-pytorch:
+-- p *= 1 - lr * wd; p -= lr * sign(b1 * m + (1 - b1) * g); m = b2 * m + (1 - b2) * g.
+-- One state buffer (exp_avg); the no-decay default group as AdamW.
+function optim.Lion(model, opts)
+  return new_optimizer(Lion, "Lion", model, opts, read_lion,
+    {lr = 1e-4, betas = {0.9, 0.99}, weight_decay = 0}, true)
+end
+
+function Lion:hyper()
+  return {betas = {self.betas[1], self.betas[2]}, weight_decay = self.weight_decay}
+end
+
+function Lion:step()
+  self:each_update(function(st, p, g, param, _, m)
+    if st.exp_avg == nil then st.exp_avg = state_like(p) end
+    st.step = st.step + 1
+    local b = self:hp(param, "betas")
+    local lr, wd = self:hp(param, "lr"), self:hp(param, "weight_decay")
+    apply_mask(g, m)
+    local ea = st.exp_avg
+    local c = ea:clone()
+    c:mul_(b[1]):add_(g, 1 - b[1])
+    local s = c:sign()
+    if wd ~= 0 then p:mul_(1 - lr * wd) end
+    p:add_(s, -lr)
+    ea:mul_(b[2]):add_(g, 1 - b[2])
+    c:free()
+    s:free()
+    apply_mask(p, m)
+  end)
+  self.step_count = self.step_count + 1
 end
 
 -- ---- gradient clipping ---------------------------------------------------------------------
