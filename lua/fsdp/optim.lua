@@ -481,6 +481,20 @@ function Optimizer:state_dict()
   return sd
 end
 
+-- A new buffer for state `name` of parameter p holding a copy of v (load_state_dict): shaped
+-- like p's slice (sl) or p. An optimizer whose state is not shaped like its parameter says so.
+function Optimizer:restore_buffer(p, name, v, sl)
+  local buf = sl and slice_zeros(p, sl.numel) or state_zeros(p)
+  buf:copy(v)
+  return buf
+end
+
+-- Checkpoint hooks: state `name` (the live buffer v) of parameter p as count elements matching
+-- the parameter's elements [first, first + count); import_tensor is the inverse, nil for an
+-- elementwise state (the caller copies or adopts it).
+function Optimizer:export_tensor(p, name, v, first, count) return v:view{count} end
+function Optimizer:import_tensor() return nil end
+
 -- Restore from a state_dict (values are copied into this optimizer's own buffers).
 function Optimizer:load_state_dict(sd)
   if type(sd) ~= "table" or sd.kind ~= self.kind then
@@ -518,8 +532,7 @@ function Optimizer:load_state_dict(sd)
     local st = {}
     for k, v in pairs(saved) do
       if type(v) == "userdata" then
-        st[k] = sl and slice_zeros(p, sl.numel) or state_zeros(p)
-        st[k]:copy(v)
+        st[k] = self:restore_buffer(p, k, v, sl)
       elseif k ~= "param_first" and k ~= "numel" then
         st[k] = v
       end
@@ -534,7 +547,8 @@ end
 -- slice and load it back at another world size (resharding). Positions are 0-based here.
 
 -- -> array, in parameter order, of {path =, param =, first =, count =, scalars = {step =, ...},
--- tensors = {name = 1-D tensor of count elements (a view of the live buffer)}}: one entry per
+-- tensors = {name = 1-D tensor of count elements (a view of the live buffer; a new tensor where
+-- the state is not elementwise: Adafactor's factors, expanded)}}: one entry per
 -- parameter that has state on this rank. Wrapped: this rank's slice (first = its offset in the
 -- parameter's flattened elements); plain: the whole parameter (first 0, count numel).
 function Optimizer:export_slices()
@@ -552,7 +566,7 @@ function Optimizer:export_slices()
       local scalars, tensors = {}, {}
       for k, v in pairs(st) do
         if type(v) == "userdata" then
-          tensors[k] = v:view{count}
+          tensors[k] = self:export_tensor(e.param, k, v, first, count)
         else
           scalars[k] = v
         end
@@ -603,7 +617,10 @@ function Optimizer:import_slices(list, info)
     for k, v in pairs(it.scalars or {}) do st[k] = v end
     if st.step == nil then st.step = 0 end
     for k, t in pairs(it.tensors or {}) do
-      if info and info.adopt then
+      local own = self:import_tensor(it.param, k, t, it.first, it.count)
+      if own then
+        st[k] = own
+      elseif info and info.adopt then
         -- the caller's buffers become the state (1-D contiguous, the caller lets go of them)
         st[k] = self.wrapped and t or t:view(it.param:shape())
       else
@@ -826,6 +843,406 @@ function Lion:step()
     apply_mask(p, m)
   end)
   self.step_count = self.step_count + 1
+end
+
+-- ---- Adafactor -----------------------------------------------------------------------------
+--
+-- PyTorch's torch.optim.Adafactor (Shazeer and Stern 2018, no first moment). A parameter of 2
+-- or more dimensions, shape (..., R, C) read as B = numel / (R * C) matrices, keeps factored
+-- second moments: row_var (B * R, the row means of g^2) and col_var (B * C, the column means);
+-- its variance estimate is row_var[r] * col_var[c] / mean(row_var of its matrix). Smaller
+-- parameters keep an elementwise variance. The step size is relative to the parameter's RMS and
+-- the update is clipped by its RMS, both over the whole parameter.
+--
+-- Sharded (docs/fsdp.md "Adafactor on shards"): a rank holds a slice of the flattened
+-- parameter, which cuts rows and columns. Every rank holding a slice keeps the whole row_var
+-- and col_var (B * (R + C) elements, replicated: small next to R * C / N); the row and column
+-- sums of g^2 over its slice, and its sum of p^2, are added up over the ranks in one
+-- all_reduce per step, the sums of squares of the update in a second one (both over every
+-- factored parameter at once, the same layout on every rank, zeros where a rank holds nothing).
+-- Every rank then updates the same factors, so N ranks equal one (to the order of the sums).
+-- Units that replicate (strategy "none") hold whole parameters: nothing is reduced for them.
+-- Checkpoints store the factors elementwise, expanded over the slice (element (r, c) holds
+-- row_var[r] and col_var[c]), so they reshard like Adam's moments; loading gives each rank the
+-- factors of the rows and columns its slice touches, and the first step after completes them
+-- with one all_reduce("max") (factors are >= 0, unknown entries 0).
+
+local Adafactor = setmetatable({}, {__index = Optimizer})
+Adafactor.__index = Adafactor
+optim.Adafactor_class = Adafactor
+
+HYPER.Adafactor = {"lr", "beta2_decay", "eps", "d", "weight_decay"}
+
+local F32_EPS = 1.1920928955078125e-07 -- torch.finfo(torch.float32).eps, eps1's default
+
+local function read_adafactor(fn, t, base)
+  local eps = t.eps
+  if eps == nil then eps = base.eps end
+  if type(eps) ~= "table" or #eps ~= 2 or type(eps[1]) ~= "number" or type(eps[2]) ~= "number"
+      or not (eps[1] >= 0) or not (eps[2] >= 0) then
+    raise(("%s: eps must be {eps1, eps2}, each a number >= 0 (got %s)"):format(fn,
+      type(eps) == "table" and ("{%s, %s}"):format(tostring(eps[1]), tostring(eps[2])) or tostring(eps)))
+  end
+  return {lr = check_num(fn, t, "lr", base.lr, 0),
+    beta2_decay = check_num(fn, t, "beta2_decay", base.beta2_decay, -math.huge, 0),
+    eps = {eps[1], eps[2]}, d = check_num(fn, t, "d", base.d, 1),
+    weight_decay = check_num(fn, t, "weight_decay", base.weight_decay, 0)}
+end
+
+-- Adafactor(model_or_params, {lr = 1e-2, beta2_decay = -0.8, eps = {f32 eps, 1e-3}, d = 1,
+-- weight_decay = 0, groups =, params =, no_decay =, local_only =}) — torch.optim.Adafactor:
+-- per step t: rho = min(lr, 1 / sqrt(t)), alpha = max(eps2, RMS(p)) * rho, beta2_t = 1 -
+-- t^beta2_decay; p *= 1 - lr * wd; moments lerp towards g^2 by 1 - beta2_t; u = g /
+-- sqrt(max(V, eps1^2)); p -= alpha / max(1, RMS(u) / d) * u.
+function optim.Adafactor(model, opts)
+  return new_optimizer(Adafactor, "Adafactor", model, opts, read_adafactor,
+    {lr = 1e-2, beta2_decay = -0.8, eps = {F32_EPS, 1e-3}, d = 1, weight_decay = 0}, true)
+end
+
+function Adafactor:hyper()
+  return {beta2_decay = self.beta2_decay, eps = {self.eps[1], self.eps[2]}, d = self.d,
+    weight_decay = self.weight_decay}
+end
+
+-- B, R, C of a shape with 2 or more dimensions; nil for smaller ones.
+local function factor_dims(shape)
+  local nd = #shape
+  if nd < 2 then return nil end
+  local B = 1
+  for i = 1, nd - 2 do B = B * shape[i] end
+  return B, shape[nd - 1], shape[nd]
+end
+
+-- The rows a slice [first, first + n) of a flattened (B * R, C) parameter touches: first row
+-- r0 (0-based), k rows, and the slice's offset in that (k, C) block.
+local function row_block(first, n, C)
+  local r0 = math.floor(first / C)
+  local r1 = math.floor((first + n - 1) / C)
+  return r0, r1 - r0 + 1, first - r0 * C
+end
+
+-- fn(b, lo, kb) for every matrix b (0-based) the rows [r0, r0 + k) touch: its rows from lo
+-- (0-based within the block), kb of them.
+local function each_matrix(r0, k, R, fn)
+  local b0, b1 = math.floor(r0 / R), math.floor((r0 + k - 1) / R)
+  for b = b0, b1 do
+    local lo, hi = math.max(r0, b * R), math.min(r0 + k - 1, b * R + R - 1)
+    fn(b, lo - r0, hi - lo + 1)
+  end
+end
+
+local function zeros1(n, like, role)
+  return core.zeros({n}, {role = role or "other", device = like.device})
+end
+
+-- Row and column sums of x^2 (x: a slice [first, first + n) of a (B * R, C) parameter) added
+-- into rs (B * R) and cs (B * C).
+local function add_sq_sums(x, first, R, C, rs, cs)
+  local n = x:numel()
+  if n == 0 then return end
+  local r0, k, off = row_block(first, n, C)
+  local block = zeros1(k * C, x)
+  local sq = x * x
+  block:narrow(1, off + 1, n):copy(sq)
+  sq:free()
+  local m2 = block:view{k, C}
+  local rsum = m2:sum(2)
+  rs:narrow(1, r0 + 1, k):add_(rsum)
+  rsum:free()
+  each_matrix(r0, k, R, function(b, lo, kb)
+    local csum = m2:narrow(1, lo + 1, kb):sum(1)
+    cs:narrow(1, b * C + 1, C):add_(csum)
+    csum:free()
+  end)
+  block:free()
+end
+
+-- (k * C) block over the rows of a slice: element (r, c) = f(row value, col value) for the
+-- matrices' factors, f given as fill(b, rows (kb), cols (C)) -> (kb, C) tensor.
+local function factor_block(first, n, R, C, like, fill)
+  local r0, k, off = row_block(first, n, C)
+  local block = zeros1(k * C, like)
+  local m2 = block:view{k, C}
+  each_matrix(r0, k, R, function(b, lo, kb)
+    local t = fill(b, r0 + lo, kb)
+    m2:narrow(1, lo + 1, kb):copy(t)
+    t:free()
+  end)
+  return block, off
+end
+
+-- Per step: the parameters to update, as records {param, path, shape, B, R, C (nil: not
+-- factored), n (numel), replicated, s = {p, g, first, m} or nil (this rank holds none of it),
+-- st}. Wrapped: collective (the gradient flags are agreed); the same records, in the same
+-- order, on every rank.
+function Adafactor:records()
+  local out = {}
+  local function add(param, path, replicated, s)
+    local B, R, C = factor_dims(param:shape())
+    out[#out + 1] = {param = param, path = path, B = B, R = R, C = C, n = param:numel(),
+      replicated = replicated, s = s}
+  end
+  if self.wrapped then
+    local what = self.kind .. ":step"
+    local has = agree_grads(self.wrapped, what)
+    each_unit(self.wrapped, what, function(u, shard, gshard, slices)
+      local by_index = {}
+      for _, s in ipairs(slices) do by_index[s.index] = s end
+      local paths = u:paths()
+      for i, param in ipairs(u:params()) do
+        if self.member[param] and not frozen(param) and has[u][i] then
+          local s, sl = by_index[i], nil
+          if s then
+            local n = s.shard_last - s.shard_first + 1
+            sl = {p = shard:narrow(1, s.shard_first, n), g = gshard:narrow(1, s.shard_first, n),
+              first = s.param_first - 1, m = slice_mask(param, n, s.path)}
+            if self.slice_of[param] == nil then
+              self.slice_of[param] = {param_first = s.param_first, numel = n}
+            end
+          end
+          add(param, paths[i], u:strategy() == "none", sl)
+        end
+      end
+    end)
+    return out
+  end
+  for _, e in ipairs(self.params) do
+    local p = e.param
+    local g = not frozen(p) and grad_of(p) or nil
+    if g ~= nil then
+      local n = p:numel()
+      add(p, e.path, true, {p = p:detach():view{n}, g = g:view{n}, first = 0,
+        m = mask.plain_flat(p)})
+    end
+  end
+  return out
+end
+
+-- Collective after a load (wrapped, world size > 1): complete every factored parameter's
+-- row_var and col_var from the ranks that know each entry (all_reduce "max").
+function Adafactor:fill_factors()
+  self.fill_pending = nil
+  if not self.wrapped or core.world_size() == 1 then return end
+  local list, total = {}, 0
+  each_unit(self.wrapped, "Adafactor:load", function(u)
+    for _, param in ipairs(u:params()) do
+      local B, R, C = factor_dims(param:shape())
+      if self.member[param] and B then
+        list[#list + 1] = {param = param, off = total, nr = B * R, nc = B * C}
+        total = total + B * (R + C)
+      end
+    end
+  end)
+  if total == 0 then return end
+  local pack = core.zeros{total}
+  for _, x in ipairs(list) do
+    local st = self.state[x.param]
+    if st and st.row_var then
+      pack:narrow(1, x.off + 1, x.nr):copy(st.row_var)
+      pack:narrow(1, x.off + x.nr + 1, x.nc):copy(st.col_var)
+    end
+  end
+  core.all_reduce(pack, "max", "Adafactor.factors")
+  for _, x in ipairs(list) do
+    local st = self.state[x.param]
+    if st and st.row_var then
+      st.row_var:copy(pack:narrow(1, x.off + 1, x.nr))
+      st.col_var:copy(pack:narrow(1, x.off + x.nr + 1, x.nc))
+    end
+  end
+  pack:free()
+end
+
+function Adafactor:step()
+  self:check_world()
+  local recs = self:records()
+  if self.fill_pending then self:fill_factors() end
+  local reduce = self.wrapped ~= nil and core.world_size() > 1
+  -- round 1: sum of p^2, row and column sums of g^2 (sharded parameters share one buffer)
+  local total = 0
+  for _, r in ipairs(recs) do
+    r.off = total
+    total = total + 1 + (r.B and r.B * (r.R + r.C) or 0)
+  end
+  local pack = core.zeros{total}
+  util.no_grad(function()
+    for _, r in ipairs(recs) do
+      local s = r.s
+      if s then
+        local st = self.state[r.param]
+        if st == nil then
+          st = {step = 0}
+          if r.B then
+            st.row_var, st.col_var = zeros1(r.B * r.R, s.p, "optim"), zeros1(r.B * r.C, s.p, "optim")
+          else
+            st.variance = zeros1(s.p:numel(), s.p, "optim")
+          end
+          self.state[r.param] = st
+        end
+        r.st = st
+        apply_mask(s.g, s.m)
+        pack:narrow(1, r.off + 1, 1):fill(core.sumsq(s.p))
+        if r.B then
+          add_sq_sums(s.g, s.first, r.R, r.C, pack:narrow(1, r.off + 2, r.B * r.R),
+            pack:narrow(1, r.off + 2 + r.B * r.R, r.B * r.C))
+        end
+      end
+    end
+  end)
+  -- replicated parameters (plain, or strategy "none") hold everything already; the others are
+  -- summed over the ranks (a replicated one adds zeros on no rank: every rank holds it whole)
+  if reduce then
+    local any = false
+    for _, r in ipairs(recs) do if not r.replicated then any = true end end
+    if any then
+      -- a replicated parameter's sums would be counted once per rank: keep them aside
+      local keep = {}
+      for _, r in ipairs(recs) do
+        if r.replicated and r.s then
+          local n = 1 + (r.B and r.B * (r.R + r.C) or 0)
+          keep[r] = pack:narrow(1, r.off + 1, n):clone()
+          pack:narrow(1, r.off + 1, n):zero()
+        end
+      end
+      core.all_reduce(pack, "sum", "Adafactor.sums")
+      for r, t in pairs(keep) do
+        pack:narrow(1, r.off + 1, t:numel()):copy(t)
+        t:free()
+      end
+    end
+  end
+  -- round 2: the moments, the update and its sum of squares
+  local usq = core.zeros{math.max(#recs, 1)}
+  local upd = {}
+  util.no_grad(function()
+    for i, r in ipairs(recs) do
+      local s, st = r.s, r.st
+      if s then
+        st.step = st.step + 1
+        local w = st.step ^ self:hp(r.param, "beta2_decay") -- 1 - beta2_t
+        local eps1 = self:hp(r.param, "eps")[1]
+        local est
+        if r.B then
+          local B, R, C = r.B, r.R, r.C
+          local rv, cv = st.row_var, st.col_var
+          local rs = pack:narrow(1, r.off + 2, B * R)
+          local cs = pack:narrow(1, r.off + 2 + B * R, B * C)
+          rv:mul_(1 - w):add_(rs, w / C)
+          cv:mul_(1 - w):add_(cs, w / R)
+          local block, off = factor_block(s.first, s.p:numel(), R, C, s.p, function(b, row, kb)
+            local rmean = math.max(rv:narrow(1, b * R + 1, R):mean():item(), eps1)
+            local t = rv:narrow(1, row + 1, kb):view{kb, 1}:matmul(cv:narrow(1, b * C + 1, C):view{1, C})
+            t:mul_(1 / rmean)
+            return t
+          end)
+          est = block:narrow(1, off + 1, s.p:numel()):clone()
+          block:free()
+        else
+          local sq = s.g * s.g
+          st.variance:mul_(1 - w):add_(sq, w)
+          sq:free()
+          est = st.variance:clone()
+        end
+        local den = est:clamp(eps1 * eps1):sqrt()
+        est:free()
+        local u = s.g / den
+        den:free()
+        upd[r] = u
+        usq:narrow(1, i, 1):fill(core.sumsq(u))
+      end
+    end
+  end)
+  if reduce then
+    local keep = {}
+    for i, r in ipairs(recs) do
+      if r.replicated and r.s then
+        keep[i] = usq:narrow(1, i, 1):item()
+        usq:narrow(1, i, 1):zero()
+      end
+    end
+    core.all_reduce(usq, "sum", "Adafactor.update_sumsq")
+    for i, v in pairs(keep) do usq:narrow(1, i, 1):fill(v) end
+  end
+  -- round 3: the steps
+  util.no_grad(function()
+    for i, r in ipairs(recs) do
+      local s, u = r.s, upd[r]
+      if s then
+        local lr, wd = self:hp(r.param, "lr"), self:hp(r.param, "weight_decay")
+        local t = r.st.step
+        local rho = math.min(lr, 1 / math.sqrt(t))
+        local alpha = math.max(self:hp(r.param, "eps")[2],
+          math.sqrt(pack:narrow(1, r.off + 1, 1):item()) / math.sqrt(r.n)) * rho
+        local denom = math.max(1, math.sqrt(usq:narrow(1, i, 1):item()) / (math.sqrt(r.n) * self:hp(r.param, "d")))
+        if wd ~= 0 then s.p:mul_(1 - lr * wd) end
+        s.p:add_(u, -alpha / denom)
+        u:free()
+        apply_mask(s.p, s.m)
+      end
+    end
+  end)
+  pack:free()
+  usq:free()
+  self.step_count = self.step_count + 1
+end
+
+-- Checkpoints: row_var and col_var expanded over the slice [first, first + count).
+function Adafactor:export_tensor(p, name, v, first, count)
+  if name ~= "row_var" and name ~= "col_var" then return v:view{count} end
+  local B, R, C = factor_dims(p:shape())
+  if count == 0 then return zeros1(0, v) end
+  local block, off = factor_block(first, count, R, C, v, function(b, row, kb)
+    if name == "row_var" then
+      local ones = core.ones({1, C}, {device = v.device})
+      local t = v:narrow(1, row + 1, kb):view{kb, 1}:matmul(ones)
+      ones:free()
+      return t
+    end
+    local ones = core.ones({kb, 1}, {device = v.device})
+    local t = ones:matmul(v:narrow(1, b * C + 1, C):view{1, C})
+    ones:free()
+    return t
+  end)
+  local out = block:narrow(1, off + 1, count):clone()
+  block:free()
+  return out
+end
+
+-- The inverse: the factors of the rows and columns the slice touches (the others 0 until the
+-- next step's fill_factors).
+function Adafactor:import_tensor(p, name, t, first, count)
+  if name ~= "row_var" and name ~= "col_var" then return nil end
+  local B, R, C = factor_dims(p:shape())
+  local out = zeros1(name == "row_var" and B * R or B * C, t, "optim")
+  if count == 0 then return out end
+  local r0, k, off = row_block(first, count, C)
+  local block = zeros1(k * C, t)
+  block:narrow(1, off + 1, count):copy(t:view{count})
+  local m2 = block:view{k, C}
+  if name == "row_var" then
+    local v = m2:max(2)
+    out:narrow(1, r0 + 1, k):copy(v)
+    v:free()
+  else
+    each_matrix(r0, k, R, function(b, lo, kb)
+      local v = m2:narrow(1, lo + 1, kb):max(1)
+      out:narrow(1, b * C + 1, C):copy(v) -- each matrix once per slice
+      v:free()
+    end)
+  end
+  block:free()
+  if self.wrapped then self.fill_pending = true end
+  return out
+end
+
+-- load_state_dict: the factors are whole on every rank that holds a slice (not shaped like it).
+function Adafactor:restore_buffer(p, name, v, sl)
+  if name ~= "row_var" and name ~= "col_var" and name ~= "variance" then
+    return Optimizer.restore_buffer(self, p, name, v, sl)
+  end
+  local buf = core.zeros({v:numel()}, {role = "optim", device = v.device})
+  buf:copy(v:view{v:numel()})
+  return buf
 end
 
 -- ---- gradient clipping ---------------------------------------------------------------------
