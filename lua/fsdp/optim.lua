@@ -1581,10 +1581,16 @@ local function new_schedule(kind, opt, opts, after)
     raise(("%s: second argument must be an options table (got %s)"):format(kind, type(opts)))
   end
   opts = opts or {}
+  local names = {"lr", "warmup"}
+  for _, n in ipairs(NUMBERS[kind]) do names[#names + 1] = n[1] end
+  util.check_opts(kind, opts, names)
   local s = setmetatable({kind = kind, opt = opt, k = 0, after = after}, Schedule)
   s.base_lr = number_opt(opts, "lr", opt.lr, 0)
   s.warmup = number_opt(opts, "warmup", 0, 0)
   for _, n in ipairs(NUMBERS[kind]) do s[n[1]] = number_opt(opts, n[1], n[2], n[3], n[4]) end
+  if s.total ~= nil and s.warmup > s.total then
+    raise(("%s: warmup (%s) must be <= total (%s)"):format(kind, s.warmup, s.total))
+  end
   return s
 end
 
