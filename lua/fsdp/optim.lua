@@ -1,21 +1,21 @@
 -- fsdp.optim — optimizers, gradient clipping, learning-rate schedules and loss scaling.
 -- See docs/nn.md ("optim").
 --
--- Optimizers keep per-parameter state tensors, created lazily on the first step that sees a
--- gradient, and update each parameter with one fused C kernel call (core.sgd_step /
--- core.adamw_step): no per-element Lua. State is keyed by the parameter object, whose
--- identity is stable (invariant 1, docs/ARCHITECTURE.md), and reported by parameter path.
+-- Optimizers (SGD, Adam, AdamW, Lion, Adafactor) keep per-parameter state tensors, created
+-- lazily on the first step that sees a gradient. SGD and AdamW update each parameter with one
+-- fused C kernel call (core.sgd_step / core.adamw_step); Nesterov, Adam's L2 term, Lion and
+-- Adafactor are compositions of tensor operations: no per-element Lua either way. State is
+-- keyed by the parameter object, whose identity is stable (invariant 1, docs/ARCHITECTURE.md),
+-- and reported by parameter path. Parameter groups (patterns on paths) give parameters their
+-- own hyper-parameters (Optimizer:hp); the default group exempts 1-D parameters from decay.
 --
--- Every parameter iteration of this file goes through optim.named_params, the one place
--- sharding changes to make optimizers and clip_grad_norm act on shards.
---
--- Sharded models (docs/fsdp.md "Optimizers on shards"). When the
--- model given to an optimizer is a wrapped root (fsdp.wrap), the optimizer never touches
--- parameters: each step walks the units (construction order) and, for each parameter slice of
--- this rank's flat shard (u:local_slices()), runs the same fused kernel on the slice of the
+-- Sharded models (docs/fsdp.md "Optimizers on shards"). When the model given to an optimizer
+-- is a wrapped root (fsdp.wrap) or a module of one, the optimizer never touches parameters:
+-- each step walks the units (construction order) and, for each slice of this rank's flat
+-- shard (u:local_slices()) of a parameter it updates, runs the same update on the slice of the
 -- shard and of the gradient shard, with state tensors of the slice's size (role optim). The
--- math is elementwise, so this equals the dense update restricted to the slice. Weight-decay
--- exclusions are decided per parameter (path, parameter object) exactly as for a plain model.
+-- elementwise optimizers then equal the dense update restricted to the slice; Adafactor adds up
+-- its row and column statistics over the ranks (its section says how).
 -- A parameter that received no gradient on any rank (u:has_grad, agreed by one all_reduce per
 -- step: the step is collective) is skipped as a plain optimizer skips a nil p.grad.
 -- State is keyed by the parameter object; state_dict reports it per path with the slice's
