@@ -1405,7 +1405,7 @@ end
 
 local function check_optimizer(opt, what)
   if type(opt) ~= "table" or type(opt.step) ~= "function" or type(opt.params) ~= "table" then
-    raise(("GradScaler:%s: expects an fsdp.optim optimizer (SGD, AdamW; got %s)")
+    raise(("GradScaler:%s: expects an fsdp.optim optimizer (SGD, Adam, AdamW, Lion, Adafactor; got %s)")
       :format(what, type(opt)))
   end
 end
