@@ -279,6 +279,7 @@ local function new_optimizer(cls, kind, model, opts, read, defaults, decay_defau
   self.kind = kind
   self.model = model
   local R, entries = select_params(kind, model)
+  local n_all = R and #optim.named_params(R:model()) or #entries
   self.wrapped = R                        -- the wrap root state: step the shards
   if opts.params ~= nil then
     local sel = select_of(opts.params, kind, "params", entries)
@@ -289,6 +290,7 @@ local function new_optimizer(cls, kind, model, opts, read, defaults, decay_defau
     entries = out
   end
   self.params = entries                   -- {path, param}, fixed at construction
+  self.subset = #entries < n_all          -- wrapped: part of the model's parameters
   self.member = {}
   for _, e in ipairs(entries) do self.member[e.param] = true end
   self.state = {}                         -- param -> {step =, <buffers>}
@@ -1008,11 +1010,12 @@ function Adafactor:records()
   end
   for _, e in ipairs(self.params) do
     local p = e.param
-    local g = not frozen(p) and grad_of(p) or nil
+    local g, fresh = nil, false
+    if not frozen(p) then g, fresh = grad_of(p) end
     if g ~= nil then
       local n = p:numel()
       add(p, e.path, true, {p = p:detach():view{n}, g = g:view{n}, first = 0,
-        m = mask.plain_flat(p)})
+        m = mask.plain_flat(p), fresh = fresh and g})
     end
   end
   return out
@@ -1178,6 +1181,7 @@ function Adafactor:step()
         s.p:add_(u, -alpha / denom)
         u:free()
         apply_mask(s.p, s.m)
+        if s.fresh then s.fresh:free() end
       end
     end
   end)
@@ -1425,8 +1429,20 @@ local function unscale_grads(opt, inv, what)
         local m = slice_mask(s.param, n, s.path)
         if m then core.mask_apply(g:narrow(1, s.shard_first, n), m) end
       end
-      g:mul_(inv)
-      if non_finite(core.sumsq(g)) then found = true end
+      if not opt.subset then
+        g:mul_(inv)
+        if non_finite(core.sumsq(g)) then found = true end
+        return
+      end
+      -- an optimizer over part of the model unscales its own slices only (another optimizer
+      -- over the rest unscales those)
+      for _, s in ipairs(slices) do
+        if opt.member[s.param] then
+          local gs = g:narrow(1, s.shard_first, s.shard_last - s.shard_first + 1)
+          gs:mul_(inv)
+          if non_finite(core.sumsq(gs)) then found = true end
+        end
+      end
     end)
     if core.world_size() > 1 then
       found = core.all_reduce(found and 1 or 0, "max", "GradScaler.found_inf") ~= 0

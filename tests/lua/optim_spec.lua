@@ -750,3 +750,36 @@ describe("optimizer state (Adam, Lion, Adafactor, Nesterov SGD)", function()
     end)
   end
 end)
+
+describe("optimizers over parts of a wrapped model", function()
+  it("two optimizers, one per module, with a GradScaler equal one over the whole model", function()
+    local function run(split)
+      fsdp.manual_seed(5)
+      local m = nn.Sequential{nn.Linear(3, 4), nn.Linear(4, 2)}
+      fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Linear}})
+      local opts = split and {optim.SGD(m[1], {lr = 0.1}), optim.SGD(m[2], {lr = 0.1})}
+        or {optim.SGD(m, {lr = 0.1})}
+      if split then
+        assert.is_true(opts[1].subset)
+        assert.are.same({"1.weight", "1.bias"}, {opts[1].params[1].path, opts[1].params[2].path})
+      end
+      local scaler = optim.GradScaler{init_scale = 1024}
+      for step = 1, 3 do
+        for _, o in ipairs(opts) do o:zero_grad() end
+        local x = fsdp.tensor{{1, 2, 3}, {step, -1, 0.5}}
+        scaler:scale(m(x):sum()):backward()
+        for _, o in ipairs(opts) do assert.is_true(scaler:step(o)) end
+        scaler:update()
+      end
+      local out
+      fsdp.full_params(m, function()
+        out = {}
+        for _, p in ipairs(m:parameters()) do out[#out + 1] = H.flat_view(p) end
+      end)
+      fsdp.unwrap(m)
+      return out
+    end
+    local whole, parts = run(false), run(true)
+    for i = 1, #whole do assert.is_true(H.same_values(whole[i], parts[i]), "parameter " .. i) end
+  end)
+end)
