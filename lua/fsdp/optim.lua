@@ -401,7 +401,8 @@ function Optimizer:each_slice(fn, only_grads)
   local has = only_grads and agree_grads(self.wrapped, what) or nil
   each_unit(self.wrapped, what, function(u, shard, gshard, slices)
     for _, s in ipairs(slices) do
-      if self.member[s.param] and not frozen(s.param) and (has == nil or has[u][s.index]) then
+      -- frozen parameters are left out of steps (only_grads), not of the slices a load learns
+      if self.member[s.param] and (has == nil or (has[u][s.index] and not frozen(s.param))) then
         local n = s.shard_last - s.shard_first + 1
         local p = s.param
         local st = self.state[p]
