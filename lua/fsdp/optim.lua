@@ -1022,6 +1022,16 @@ function Adafactor:records()
   return out
 end
 
+-- The device the optimizer's sums live on: the shards' (wrapped), else the parameters'.
+function Adafactor:sum_device()
+  if self.wrapped then
+    local units = live_units(self.wrapped, self.kind .. ":step")
+    return units[1] and units[1]:shard().device or "cpu"
+  end
+  local e = self.params[1]
+  return e and e.param.device or "cpu"
+end
+
 -- Collective after a load (wrapped, world size > 1): complete every factored parameter's
 -- row_var and col_var from the ranks that know each entry (all_reduce "max").
 function Adafactor:fill_factors()
@@ -1038,7 +1048,7 @@ function Adafactor:fill_factors()
     end
   end)
   if total == 0 then return end
-  local pack = core.zeros{total}
+  local pack = core.zeros({total}, {device = self:sum_device()})
   for _, x in ipairs(list) do
     local st = self.state[x.param]
     if st and st.row_var then
@@ -1068,7 +1078,8 @@ function Adafactor:step()
     r.off = total
     total = total + 1 + (r.B and r.B * (r.R + r.C) or 0)
   end
-  local pack = core.zeros{total}
+  local dev = self:sum_device()
+  local pack = core.zeros({total}, {device = dev})
   util.no_grad(function()
     for _, r in ipairs(recs) do
       local s = r.s
@@ -1116,7 +1127,7 @@ function Adafactor:step()
     end
   end
   -- round 2: the moments, the update and its sum of squares
-  local usq = core.zeros{math.max(#recs, 1)}
+  local usq = core.zeros({math.max(#recs, 1)}, {device = dev})
   local upd = {}
   util.no_grad(function()
     for i, r in ipairs(recs) do
