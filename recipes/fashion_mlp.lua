@@ -34,6 +34,10 @@ local model = nn.Sequential {
   nn.Linear(hidden / 2, 10),
 }
 
+-- at N ranks one model, sharded (each rank trains on its slice of every batch); unwrapped,
+-- each rank would train its own copy and the optimizer refuses that
+if fsdp.world_size() > 1 then fsdp.wrap(model) end
+
 local steps = args.steps or epochs * math.floor(train:size() / batch)
 local opt = fsdp.optim.AdamW(model, { lr = args.lr, weight_decay = 0.05 })
 local schedule = fsdp.optim.cosine(opt, { warmup = math.floor(steps / 50), total = steps,

@@ -139,12 +139,13 @@ for step, x, y in todo > 0 and train:batches(todo) or function() end do
   opt:zero_grad()
   scaler:scale(loss):backward()
   scaler:unscale_(opt) -- clip the true gradients
-  fsdp.clip_grad_norm(model, 1.0)
+  local grad_norm = fsdp.clip_grad_norm(model, 1.0) -- before clipping; inf/NaN: the step is skipped
   if not scaler:step(opt) then skipped = skipped + 1 end -- every rank takes the same decision
   scaler:update()
   train_loss = fsdp.all_reduce(loss:item(), "mean") -- every rank's slice of the global batch
   ema = ema and 0.95 * ema + 0.05 * train_loss or train_loss
   local metrics = { loss = train_loss, lr = opt.lr, tokens = batch * ctx }
+  if grad_norm == grad_norm and grad_norm < math.huge then metrics.grad_norm = grad_norm end
   if scaler:is_enabled() then metrics.scale = scaler:get_scale() end
   if step % eval_every == 0 or step == steps then
     val_loss = validate()

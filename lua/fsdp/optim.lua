@@ -1,21 +1,21 @@
 -- fsdp.optim — optimizers, gradient clipping, learning-rate schedules and loss scaling.
 -- See docs/nn.md ("optim").
 --
--- Optimizers keep per-parameter state tensors, created lazily on the first step that sees a
--- gradient, and update each parameter with one fused C kernel call (core.sgd_step /
--- core.adamw_step): no per-element Lua. State is keyed by the parameter object, whose
--- identity is stable (invariant 1, docs/ARCHITECTURE.md), and reported by parameter path.
+-- Optimizers (SGD, Adam, AdamW, Lion, Adafactor) keep per-parameter state tensors, created
+-- lazily on the first step that sees a gradient. SGD and AdamW update each parameter with one
+-- fused C kernel call (core.sgd_step / core.adamw_step); Nesterov, Adam's L2 term, Lion and
+-- Adafactor are compositions of tensor operations: no per-element Lua either way. State is
+-- keyed by the parameter object, whose identity is stable (invariant 1, docs/ARCHITECTURE.md),
+-- and reported by parameter path. Parameter groups (patterns on paths) give parameters their
+-- own hyper-parameters (Optimizer:hp); the default group exempts 1-D parameters from decay.
 --
--- Every parameter iteration of this file goes through optim.named_params, the one place
--- sharding changes to make optimizers and clip_grad_norm act on shards.
---
--- Sharded models (docs/fsdp.md "Optimizers on shards"). When the
--- model given to an optimizer is a wrapped root (fsdp.wrap), the optimizer never touches
--- parameters: each step walks the units (construction order) and, for each parameter slice of
--- this rank's flat shard (u:local_slices()), runs the same fused kernel on the slice of the
+-- Sharded models (docs/fsdp.md "Optimizers on shards"). When the model given to an optimizer
+-- is a wrapped root (fsdp.wrap) or a module of one, the optimizer never touches parameters:
+-- each step walks the units (construction order) and, for each slice of this rank's flat
+-- shard (u:local_slices()) of a parameter it updates, runs the same update on the slice of the
 -- shard and of the gradient shard, with state tensors of the slice's size (role optim). The
--- math is elementwise, so this equals the dense update restricted to the slice. Weight-decay
--- exclusions are decided per parameter (path, parameter object) exactly as for a plain model.
+-- elementwise optimizers then equal the dense update restricted to the slice; Adafactor adds up
+-- its row and column statistics over the ranks (its section says how).
 -- A parameter that received no gradient on any rank (u:has_grad, agreed by one all_reduce per
 -- step: the step is collective) is skipped as a plain optimizer skips a nil p.grad.
 -- State is keyed by the parameter object; state_dict reports it per path with the slice's
@@ -168,16 +168,217 @@ end
 local Optimizer = {}
 Optimizer.__index = Optimizer
 
-local function new_optimizer(cls, kind, model, opts)
-  if type(opts) ~= "table" then raise(kind .. ": expects an options table {lr = ...}") end
+-- A parameter frozen by the user (p.requires_grad = false) is never updated.
+local function frozen(p) return p.requires_grad == false end
+
+-- The options every optimizer takes besides its hyper-parameters.
+local COMMON_OPTS = {"groups", "local_only", "no_decay", "params"}
+
+-- Does a group's `params` (a Lua pattern, a list of them, a function(path, p) -> boolean, or an
+-- array of parameters) take the parameter p at path? sel is the checked form (select_of).
+local function selects(sel, path, p)
+  if sel.fn then return sel.fn(path, p) and true or false end
+  if sel.set then return sel.set[p] == true end
+  for _, pat in ipairs(sel.patterns) do
+    if path:find(pat) then return true end
+  end
+  return false
+end
+
+-- The checked form of a `params` value (what names it in messages): {fn =} | {set =} |
+-- {patterns =}. A pattern that matches no parameter of entries is an error listing them.
+local function select_of(v, fn, what, entries)
+  if type(v) == "function" then return {fn = v} end
+  if type(v) == "table" and #v > 0 and type(v[1]) == "userdata" then
+    local set = {}
+    for i, p in ipairs(v) do
+      if type(p) ~= "userdata" then
+        raise(("%s: %s[%d] must be a parameter (got %s)"):format(fn, what, i, type(p)))
+      end
+      set[p] = true
+    end
+    local known = {}
+    for _, e in ipairs(entries) do known[e.param] = true end
+    for i, p in ipairs(v) do
+      if not known[p] then
+        raise(("%s: %s[%d] is not a parameter of this model"):format(fn, what, i))
+      end
+    end
+    return {set = set}
+  end
+  local pats = util.patterns(v, what, fn)
+  if pats == nil then raise(fn .. ": " .. what .. " is required (a Lua pattern, a list of them, a function "
+    .. "(path, p) or an array of parameters)") end
+  for _, pat in ipairs(pats) do
+    local ok, hit = pcall(function()
+      for _, e in ipairs(entries) do
+        if e.path:find(pat) then return true end
+      end
+      return false
+    end)
+    if not ok then raise(("%s: %s: bad pattern %q: %s"):format(fn, what, pat, tostring(hit))) end
+    if not hit then
+      local names = {}
+      for i, e in ipairs(entries) do names[i] = e.path end
+      raise(("%s: %s: the pattern %q matches no parameter; the parameters are: %s")
+        :format(fn, what, pat, util.few(names, 12)))
+    end
+  end
+  return {patterns = pats}
+end
+
+-- Which parameters an optimizer updates: (Root or nil, array of {path =, param =}).
+-- A wrapped root gives all its parameters; a module inside a wrapped model gives its own, under
+-- their paths from the root (the optimizer steps their slices of the root's shards); a plain
+-- module or an array of plain parameters gives optim.named_params.
+local function select_params(kind, x)
+  if is_module(x) then
+    local R = state.of(x)
+    if R == nil then return nil, optim.named_params(x) end
+    local all = optim.named_params(R:model())
+    if R:model() == x then return R, all end
+    local mine, out = {}, {}
+    for _, p in ipairs(x:parameters()) do mine[p] = true end
+    for _, e in ipairs(all) do
+      if mine[e.param] then out[#out + 1] = e end
+    end
+    return R, out
+  end
+  if type(x) == "table" then
+    for i, p in ipairs(x) do
+      if type(p) == "userdata" and core.param_unit(p) ~= nil then
+        raise(("%s: parameter %d is sharded (its model is wrapped): give the optimizer the "
+          .. "wrapped model, or a module of it, and choose parameters with params = {...} "
+          .. "(patterns or the parameters themselves)"):format(kind, i))
+      end
+    end
+  end
+  return nil, optim.named_params(x)
+end
+
+-- Parameters with fewer than 2 dimensions (biases, norm scales and shifts) get no weight decay.
+function optim.default_no_decay(path, p) return p:dim() < 2 end
+
+-- The hyper-parameters a group may set: hyper[kind] = names, read by read_hyper[kind].
+local HYPER = {}
+
+-- kind's optimizer over model with opts (checked: COMMON_OPTS and HYPER[kind]); read(fn, t,
+-- base) checks t's hyper-parameters (base: the defaults) and returns them; defaults: the
+-- optimizer's defaults. decay_default: whether the no-decay group (optim.default_no_decay,
+-- weight_decay = 0) is added when neither groups nor no_decay is given.
+local function new_optimizer(cls, kind, model, opts, read, defaults, decay_default)
+  if opts ~= nil and type(opts) ~= "table" then
+    raise(("%s: expects an options table {lr = ...} (got %s)"):format(kind, type(opts)))
+  end
+  opts = opts or {}
+  local names = {}
+  for _, k in ipairs(COMMON_OPTS) do names[#names + 1] = k end
+  for _, k in ipairs(HYPER[kind]) do names[#names + 1] = k end
+  util.check_opts(kind, opts, names)
   local self = setmetatable({}, cls)
   self.kind = kind
   self.model = model
-  self.params = optim.named_params(model) -- {path, param}, fixed at construction
+  local R, entries = select_params(kind, model)
+  local n_all = R and #optim.named_params(R:model()) or #entries
+  self.wrapped = R                        -- the wrap root state: step the shards
+  if opts.params ~= nil then
+    local sel = select_of(opts.params, kind, "params", entries)
+    local out = {}
+    for _, e in ipairs(entries) do
+      if selects(sel, e.path, e.param) then out[#out + 1] = e end
+    end
+    entries = out
+  end
+  self.params = entries                   -- {path, param}, fixed at construction
+  self.subset = #entries < n_all          -- wrapped: part of the model's parameters
+  self.member = {}
+  for _, e in ipairs(entries) do self.member[e.param] = true end
   self.state = {}                         -- param -> {step =, <buffers>}
-  self.wrapped = wrap_state(model)        -- the wrap root state: step the shards
+  self.slice_of = {}
   self.step_count = 0
+  if opts.local_only ~= nil and type(opts.local_only) ~= "boolean" then
+    raise(("%s: local_only must be a boolean (got %s)"):format(kind, tostring(opts.local_only)))
+  end
+  self.local_only = opts.local_only == true
+  for k, v in pairs(read(kind, opts, defaults)) do self[k] = v end
+  -- groups: the first group whose params select a parameter gives it its hyper-parameters;
+  -- the others follow the optimizer's (self[k], read at every step)
+  local groups = opts.groups
+  if groups ~= nil and (type(groups) ~= "table" or (next(groups) ~= nil and #groups == 0)) then
+    raise(("%s: groups must be an array of {params = PATTERNS, <hyper-parameters>} (got %s)")
+      :format(kind, type(groups)))
+  end
+  local list = {}
+  if opts.no_decay ~= nil then
+    if type(opts.no_decay) ~= "function" then
+      raise(("%s: no_decay must be a function(path, p) -> true to exempt p from weight decay")
+        :format(kind))
+    end
+    list[1] = {params = opts.no_decay, weight_decay = 0}
+  elseif groups == nil and decay_default then
+    list[1] = {params = optim.default_no_decay, weight_decay = 0}
+  end
+  for _, g in ipairs(groups or {}) do list[#list + 1] = g end
+  self.groups = {}
+  self.group_of = {} -- param -> its group's overrides (absent: the optimizer's own)
+  local base = {}
+  for _, k in ipairs(HYPER[kind]) do base[k] = self[k] end
+  for i, g in ipairs(list) do
+    local what = ("%s: group %d"):format(kind, i - (#list - #(groups or {})))
+    if type(g) ~= "table" then raise(("%s must be a table {params =, ...}"):format(what)) end
+    local gnames = {"params"}
+    for _, k in ipairs(HYPER[kind]) do gnames[#gnames + 1] = k end
+    util.check_opts(what, g, gnames)
+    local given = {}
+    for k in pairs(g) do if k ~= "params" then given[k] = true end end
+    local vals = read(what, g, base)
+    local over = {}
+    for k in pairs(given) do over[k] = vals[k] end
+    if over.lr ~= nil then
+      -- schedules set opt.lr: a group's lr scales with it (PyTorch's schedulers scale every
+      -- group's lr by one factor)
+      if self.lr == 0 then raise(what .. ": a group's lr needs the optimizer's lr > 0 (its scale)") end
+      over.lr_scale = over.lr / self.lr
+      over.lr = nil
+    end
+    local sel = select_of(g.params, what, "params", entries)
+    local grp = {over = over, paths = {}}
+    self.groups[#self.groups + 1] = grp
+    for _, e in ipairs(entries) do
+      if self.group_of[e.param] == nil and selects(sel, e.path, e.param) then
+        self.group_of[e.param] = over
+        grp.paths[#grp.paths + 1] = e.path
+      end
+    end
+  end
+  -- the paths without weight decay (reports, tests)
+  self.no_decay_paths = {}
+  for _, e in ipairs(entries) do
+    local o = self.group_of[e.param]
+    if o and o.weight_decay == 0 then self.no_decay_paths[#self.no_decay_paths + 1] = e.path end
+  end
   return self
+end
+
+-- Hyper-parameter k for parameter p: its group's, else the optimizer's current one. "lr" is the
+-- optimizer's lr times the group's scale.
+function Optimizer:hp(p, k)
+  local o = self.group_of[p]
+  if k == "lr" then return o and o.lr_scale and self.lr * o.lr_scale or self.lr end
+  local v = o and o[k]
+  if v == nil then v = self[k] end
+  return v
+end
+
+-- At world size > 1 a model that is neither wrapped nor replicated trains one drifting copy per
+-- rank: refused unless local_only says that is the intent.
+function Optimizer:check_world()
+  local W = core.world_size()
+  if self.wrapped or self.local_only or W == 1 then return end
+  raise(("%s:step: the model is not wrapped, so each of the %d ranks would train its own copy "
+    .. "and the copies drift apart; shard it with fsdp.wrap(model), or replicate it with "
+    .. "fsdp.wrap(model, {strategy = \"none\"}), before creating the optimizer (or pass "
+    .. "local_only = true to the optimizer if one model per rank is the intent)"):format(self.kind, W))
 end
 
 -- Drop every parameter's gradient (p.grad = nil); wrapped: also zero every gradient shard.
@@ -200,7 +401,8 @@ function Optimizer:each_slice(fn, only_grads)
   local has = only_grads and agree_grads(self.wrapped, what) or nil
   each_unit(self.wrapped, what, function(u, shard, gshard, slices)
     for _, s in ipairs(slices) do
-      if has == nil or has[u][s.index] then
+      -- frozen parameters are left out of steps (only_grads), not of the slices a load learns
+      if self.member[s.param] and (has == nil or (has[u][s.index] and not frozen(s.param))) then
         local n = s.shard_last - s.shard_first + 1
         local p = s.param
         local st = self.state[p]
@@ -214,6 +416,46 @@ function Optimizer:each_slice(fn, only_grads)
       end
     end
   end)
+end
+
+-- fn(st, p, g, param, path, m) for every parameter this optimizer updates that has a gradient
+-- (a step: checks the world, and is collective when wrapped): p and g are the values and the
+-- gradient, contiguous and of one shape (wrapped: 1-D views of this rank's slice of the shard
+-- and of the gradient shard; plain: the parameter and p.grad), st its state table (created
+-- with step = 0; its buffers shaped like p: state_like), m its flat mask (or nil), which fn
+-- applies (apply_mask). Plain: run without recording for gradients; a gradient made for the
+-- call is freed.
+function Optimizer:each_update(fn)
+  self:check_world()
+  if self.wrapped then
+    self:each_slice(fn, true)
+    return
+  end
+  util.no_grad(function()
+    for _, e in ipairs(self.params) do
+      local p = e.param
+      local g, fresh = grad_of(p)
+      if g ~= nil and not frozen(p) then
+        local st = self.state[p]
+        if st == nil then
+          st = {step = 0}
+          self.state[p] = st
+        end
+        fn(st, p, g, p, e.path, mask.plain_flat(p))
+      end
+      if fresh then g:free() end
+    end
+  end)
+end
+
+-- A state buffer for the p of an each_update call: zeros of its shape, on its device.
+local function state_like(p)
+  return core.zeros(p:shape(), {role = "optim", device = p.device})
+end
+
+-- x (contiguous) masked in place by the flat mask m, if any.
+local function apply_mask(x, m)
+  if m then core.mask_apply(x:dim() == 1 and x or x:view{x:numel()}, m) end
 end
 
 -- {kind =, step =, lr =, hyper = {...}, state = {[path] = {step =, <name> = tensor, ...}}}.
@@ -241,6 +483,20 @@ function Optimizer:state_dict()
   end
   return sd
 end
+
+-- A new buffer for state `name` of parameter p holding a copy of v (load_state_dict): shaped
+-- like p's slice (sl) or p. An optimizer whose state is not shaped like its parameter says so.
+function Optimizer:restore_buffer(p, name, v, sl)
+  local buf = sl and slice_zeros(p, sl.numel) or state_zeros(p)
+  buf:copy(v)
+  return buf
+end
+
+-- Checkpoint hooks: state `name` (the live buffer v) of parameter p as count elements matching
+-- the parameter's elements [first, first + count); import_tensor is the inverse, nil for an
+-- elementwise state (the caller copies or adopts it).
+function Optimizer:export_tensor(p, name, v, first, count) return v:view{count} end
+function Optimizer:import_tensor() return nil end
 
 -- Restore from a state_dict (values are copied into this optimizer's own buffers).
 function Optimizer:load_state_dict(sd)
@@ -279,8 +535,7 @@ function Optimizer:load_state_dict(sd)
     local st = {}
     for k, v in pairs(saved) do
       if type(v) == "userdata" then
-        st[k] = sl and slice_zeros(p, sl.numel) or state_zeros(p)
-        st[k]:copy(v)
+        st[k] = self:restore_buffer(p, k, v, sl)
       elseif k ~= "param_first" and k ~= "numel" then
         st[k] = v
       end
@@ -295,7 +550,8 @@ end
 -- slice and load it back at another world size (resharding). Positions are 0-based here.
 
 -- -> array, in parameter order, of {path =, param =, first =, count =, scalars = {step =, ...},
--- tensors = {name = 1-D tensor of count elements (a view of the live buffer)}}: one entry per
+-- tensors = {name = 1-D tensor of count elements (a view of the live buffer; a new tensor where
+-- the state is not elementwise: Adafactor's factors, expanded)}}: one entry per
 -- parameter that has state on this rank. Wrapped: this rank's slice (first = its offset in the
 -- parameter's flattened elements); plain: the whole parameter (first 0, count numel).
 function Optimizer:export_slices()
@@ -313,7 +569,7 @@ function Optimizer:export_slices()
       local scalars, tensors = {}, {}
       for k, v in pairs(st) do
         if type(v) == "userdata" then
-          tensors[k] = v:view{count}
+          tensors[k] = self:export_tensor(e.param, k, v, first, count)
         else
           scalars[k] = v
         end
@@ -364,7 +620,10 @@ function Optimizer:import_slices(list, info)
     for k, v in pairs(it.scalars or {}) do st[k] = v end
     if st.step == nil then st.step = 0 end
     for k, t in pairs(it.tensors or {}) do
-      if info and info.adopt then
+      local own = self:import_tensor(it.param, k, t, it.first, it.count)
+      if own then
+        st[k] = own
+      elseif info and info.adopt then
         -- the caller's buffers become the state (1-D contiguous, the caller lets go of them)
         st[k] = self.wrapped and t or t:view(it.param:shape())
       else
@@ -384,104 +643,135 @@ function Optimizer:import_slices(list, info)
   for k, v in pairs(info.hyper or {}) do self[k] = v end
 end
 
+-- ---- hyper-parameter checks ----------------------------------------------------------------
+
+-- t[k] (base when nil): a number, not NaN, >= lo, and <= hi (< hi when open); fn names the
+-- optimizer or group in the message.
+local function check_num(fn, t, k, base, lo, hi, open)
+  local v = t[k]
+  if v == nil then v = base end
+  local bad = type(v) ~= "number" or v ~= v or (lo and v < lo) or (hi and (open and v >= hi or v > hi))
+  if bad then
+    local range = hi and ("in [%s, %s%s"):format(lo, hi, open and ")" or "]")
+      or lo and (">= " .. lo) or ""
+    raise(("%s: %s must be a number %s (got %s)"):format(fn, k, range, tostring(v)))
+  end
+  return v
+end
+
+-- betas {b1, b2}, each in [0, 1).
+local function check_betas(fn, t, base)
+  local b = t.betas
+  if b == nil then b = base end
+  if type(b) ~= "table" or #b ~= 2 or type(b[1]) ~= "number" or type(b[2]) ~= "number"
+      or not (b[1] >= 0 and b[1] < 1) or not (b[2] >= 0 and b[2] < 1) then
+    local shown = type(b) == "table" and ("{%s, %s}"):format(tostring(b[1]), tostring(b[2]))
+      or tostring(b)
+    raise(("%s: betas must be {beta1, beta2}, each in [0, 1) (got %s)"):format(fn, shown))
+  end
+  return {b[1], b[2]}
+end
+
+local function check_bool(fn, t, k, base)
+  local v = t[k]
+  if v == nil then v = base end
+  if type(v) ~= "boolean" then raise(("%s: %s must be a boolean (got %s)"):format(fn, k, tostring(v))) end
+  return v
+end
+
 -- ---- SGD ---------------------------------------------------------------------------------
 
 local SGD = setmetatable({}, {__index = Optimizer})
 SGD.__index = SGD
 optim.SGD_class = SGD
 
--- SGD(model_or_params, {lr =, momentum = 0, weight_decay = 0}) — PyTorch semantics:
--- g = grad + wd * p; buf = momentum * buf + g (buf = g on its first step); p -= lr * buf.
-function optim.SGD(model, opts)
-  local self = new_optimizer(SGD, "SGD", model, opts)
-  self.slice_of = {}
-  self.lr = number_opt(opts, "lr", nil, 0)
-  self.momentum = number_opt(opts, "momentum", 0, 0)
-  self.weight_decay = number_opt(opts, "weight_decay", 0, 0)
-  return self
+HYPER.SGD = {"lr", "momentum", "nesterov", "weight_decay"}
+
+local function read_sgd(fn, t, base)
+  local h = {lr = check_num(fn, t, "lr", base.lr, 0),
+    momentum = check_num(fn, t, "momentum", base.momentum, 0),
+    weight_decay = check_num(fn, t, "weight_decay", base.weight_decay, 0),
+    nesterov = check_bool(fn, t, "nesterov", base.nesterov)}
+  if h.nesterov and h.momentum == 0 then
+    raise(fn .. ": nesterov needs a momentum > 0")
+  end
+  return h
 end
 
-function SGD:hyper() return {momentum = self.momentum, weight_decay = self.weight_decay} end
+-- SGD(model_or_params, {lr =, momentum = 0, nesterov = false, weight_decay = 0, groups =,
+-- params =, local_only =}) — PyTorch semantics (dampening 0): g = grad + wd * p;
+-- buf = momentum * buf + g (buf = g on its first step); p -= lr * buf, or with nesterov
+-- p -= lr * (g + momentum * buf). Every parameter decays unless a group says otherwise.
+function optim.SGD(model, opts)
+  return new_optimizer(SGD, "SGD", model, opts, read_sgd,
+    {momentum = 0, nesterov = false, weight_decay = 0}, false)
+end
+
+function SGD:hyper()
+  return {momentum = self.momentum, weight_decay = self.weight_decay, nesterov = self.nesterov}
+end
 
 -- One update of every parameter that has a gradient; parameters without one are skipped
 -- (wrapped: those that received none on any rank; the step is then collective).
 function SGD:step()
-  self.step_count = self.step_count + 1
-  local lr, momentum, wd = self.lr, self.momentum, self.weight_decay
-  if self.wrapped then
-    self:each_slice(function(st, p, g, _, _, m)
-      local first = false
-      if momentum ~= 0 and st.momentum_buffer == nil then
-        st.momentum_buffer = core.zeros({p:numel()}, { role = "optim", device = p.device })
-        first = true
-      end
-      st.step = st.step + 1
-      if m then core.mask_apply(g, m) end
-      core.sgd_step(p, g, st.momentum_buffer, lr, momentum, wd, first)
-      if m then core.mask_apply(p, m) end
-    end, true)
-    return
-  end
-  for _, e in ipairs(self.params) do
-    local p = e.param
-    local g, fresh = grad_of(p)
-    if g ~= nil then
-      local st = self.state[p]
-      if st == nil then
-        st = {step = 0}
-        self.state[p] = st
-      end
-      local first = false
-      if momentum ~= 0 and st.momentum_buffer == nil then
-        st.momentum_buffer = state_zeros(p)
-        first = true
-      end
-      st.step = st.step + 1
-      mask_dense(p, g)
-      core.sgd_step(p, g, st.momentum_buffer, lr, momentum, wd, first)
-      mask_dense(p, p)
-      if fresh then g:free() end
+  self:each_update(function(st, p, g, param, _, m)
+    local lr, mom, wd = self:hp(param, "lr"), self:hp(param, "momentum"), self:hp(param, "weight_decay")
+    local first = false
+    if mom ~= 0 and st.momentum_buffer == nil then
+      st.momentum_buffer = state_like(p)
+      first = true
     end
-  end
+    st.step = st.step + 1
+    apply_mask(g, m)
+    if self:hp(param, "nesterov") then
+      local buf, d = st.momentum_buffer, g:clone()
+      if wd ~= 0 then d:add_(p, wd) end
+      if first then buf:copy(d) else buf:mul_(mom):add_(d) end
+      d:add_(buf, mom)
+      p:add_(d, -lr)
+      d:free()
+    else
+      core.sgd_step(p, g, st.momentum_buffer, lr, mom, wd, first)
+    end
+    apply_mask(p, m)
+  end)
+  self.step_count = self.step_count + 1
 end
 
--- ---- AdamW -------------------------------------------------------------------------------
+-- ---- Adam and AdamW ------------------------------------------------------------------------
 
 local AdamW = setmetatable({}, {__index = Optimizer})
 AdamW.__index = AdamW
 optim.AdamW_class = AdamW
 
--- Parameters with fewer than 2 dimensions (biases, norm scales and shifts) get no weight decay.
-function optim.default_no_decay(path, p) return p:dim() < 2 end
+local Adam = setmetatable({}, {__index = AdamW})
+Adam.__index = Adam
+optim.Adam_class = Adam
+
+HYPER.AdamW = {"lr", "betas", "eps", "weight_decay"}
+HYPER.Adam = HYPER.AdamW
+
+local function read_adam(fn, t, base)
+  return {lr = check_num(fn, t, "lr", base.lr, 0), betas = check_betas(fn, t, base.betas),
+    eps = check_num(fn, t, "eps", base.eps, 0),
+    weight_decay = check_num(fn, t, "weight_decay", base.weight_decay, 0)}
+end
 
 -- AdamW(model_or_params, {lr = 1e-3, betas = {0.9, 0.999}, eps = 1e-8, weight_decay = 0.01,
---   no_decay = function(path, p) -> true to exempt p from weight decay}) — decoupled weight
--- decay as in PyTorch's AdamW (p -= lr * wd * p, then the Adam update with bias correction).
+--   groups =, params =, no_decay =, local_only =}) — decoupled weight decay as in PyTorch's
+-- AdamW (p -= lr * wd * p, then the Adam update with bias correction). By default biases and
+-- norm parameters (fewer than 2 dimensions) are a group with weight_decay = 0.
 function optim.AdamW(model, opts)
-  opts = opts or {}
-  local self = new_optimizer(AdamW, "AdamW", model, opts)
-  self.slice_of = {}
-  self.lr = number_opt(opts, "lr", 1e-3, 0)
-  local betas = opts.betas or {0.9, 0.999}
-  if type(betas) ~= "table" or type(betas[1]) ~= "number" or type(betas[2]) ~= "number"
-      or betas[1] < 0 or betas[1] >= 1 or betas[2] < 0 or betas[2] >= 1 then
-    raise("AdamW: betas must be {beta1, beta2} with each in [0, 1)")
-  end
-  self.betas = {betas[1], betas[2]}
-  self.eps = number_opt(opts, "eps", 1e-8, 0)
-  self.weight_decay = number_opt(opts, "weight_decay", 0.01, 0)
-  local no_decay = opts.no_decay or optim.default_no_decay
-  if type(no_decay) ~= "function" then raise("AdamW: no_decay must be a function(path, p)") end
-  self.decay = {} -- param -> true when weight decay applies
-  self.no_decay_paths = {}
-  for _, e in ipairs(self.params) do
-    if no_decay(e.path, e.param) then
-      self.no_decay_paths[#self.no_decay_paths + 1] = e.path
-    else
-      self.decay[e.param] = true
-    end
-  end
-  return self
+  return new_optimizer(AdamW, "AdamW", model, opts, read_adam,
+    {lr = 1e-3, betas = {0.9, 0.999}, eps = 1e-8, weight_decay = 0.01}, true)
+end
+
+-- Adam(model_or_params, {lr = 1e-3, betas = {0.9, 0.999}, eps = 1e-8, weight_decay = 0, ...})
+-- — PyTorch's Adam: weight decay is L2, added to the gradient (g + wd * p) before the moments.
+-- The same no-decay default group as AdamW.
+function optim.Adam(model, opts)
+  return new_optimizer(Adam, "Adam", model, opts, read_adam,
+    {lr = 1e-3, betas = {0.9, 0.999}, eps = 1e-8, weight_decay = 0}, true)
 end
 
 function AdamW:hyper()
@@ -489,36 +779,486 @@ function AdamW:hyper()
 end
 
 function AdamW:step()
+  local l2 = self.kind == "Adam"
+  self:each_update(function(st, p, g, param, _, m)
+    if st.exp_avg == nil then
+      st.exp_avg, st.exp_avg_sq = state_like(p), state_like(p)
+    end
+    st.step = st.step + 1
+    local b = self:hp(param, "betas")
+    local lr, eps, wd = self:hp(param, "lr"), self:hp(param, "eps"), self:hp(param, "weight_decay")
+    if l2 and wd ~= 0 then
+      -- masked elements of p are 0, so g + wd * p stays masked where g is
+      local g2 = g:clone()
+      g2:add_(p, wd)
+      core.adamw_step(p, g2, st.exp_avg, st.exp_avg_sq, lr, b[1], b[2], eps, 0, st.step, m)
+      g2:free()
+    else
+      core.adamw_step(p, g, st.exp_avg, st.exp_avg_sq, lr, b[1], b[2], eps, l2 and 0 or wd,
+        st.step, m)
+    end
+  end)
   self.step_count = self.step_count + 1
-  local lr, b1, b2, eps, wd = self.lr, self.betas[1], self.betas[2], self.eps, self.weight_decay
+end
+
+-- ---- Lion ----------------------------------------------------------------------------------
+
+local Lion = setmetatable({}, {__index = Optimizer})
+Lion.__index = Lion
+optim.Lion_class = Lion
+
+HYPER.Lion = {"lr", "betas", "weight_decay"}
+
+local function read_lion(fn, t, base)
+  return {lr = check_num(fn, t, "lr", base.lr, 0), betas = check_betas(fn, t, base.betas),
+    weight_decay = check_num(fn, t, "weight_decay", base.weight_decay, 0)}
+end
+
+-- Lion(model_or_params, {lr = 1e-4, betas = {0.9, 0.99}, weight_decay = 0, ...}) — Chen et
+-- al. 2023 ("Symbolic Discovery of Optimization Algorithms"), as lion-pytorch:
+-- p *= 1 - lr * wd; p -= lr * sign(b1 * m + (1 - b1) * g); m = b2 * m + (1 - b2) * g.
+-- One state buffer (exp_avg); the no-decay default group as AdamW.
+function optim.Lion(model, opts)
+  return new_optimizer(Lion, "Lion", model, opts, read_lion,
+    {lr = 1e-4, betas = {0.9, 0.99}, weight_decay = 0}, true)
+end
+
+function Lion:hyper()
+  return {betas = {self.betas[1], self.betas[2]}, weight_decay = self.weight_decay}
+end
+
+function Lion:step()
+  self:each_update(function(st, p, g, param, _, m)
+    if st.exp_avg == nil then st.exp_avg = state_like(p) end
+    st.step = st.step + 1
+    local b = self:hp(param, "betas")
+    local lr, wd = self:hp(param, "lr"), self:hp(param, "weight_decay")
+    apply_mask(g, m)
+    local ea = st.exp_avg
+    local c = ea:clone()
+    c:mul_(b[1]):add_(g, 1 - b[1])
+    local s = c:sign()
+    if wd ~= 0 then p:mul_(1 - lr * wd) end
+    p:add_(s, -lr)
+    ea:mul_(b[2]):add_(g, 1 - b[2])
+    c:free()
+    s:free()
+    apply_mask(p, m)
+  end)
+  self.step_count = self.step_count + 1
+end
+
+-- ---- Adafactor -----------------------------------------------------------------------------
+--
+-- PyTorch's torch.optim.Adafactor (Shazeer and Stern 2018, no first moment). A parameter of 2
+-- or more dimensions, shape (..., R, C) read as B = numel / (R * C) matrices, keeps factored
+-- second moments: row_var (B * R, the row means of g^2) and col_var (B * C, the column means);
+-- its variance estimate is row_var[r] * col_var[c] / mean(row_var of its matrix). Smaller
+-- parameters keep an elementwise variance. The step size is relative to the parameter's RMS and
+-- the update is clipped by its RMS, both over the whole parameter.
+--
+-- Sharded (docs/fsdp.md "Adafactor on shards"): a rank holds a slice of the flattened
+-- parameter, which cuts rows and columns. Every rank holding a slice keeps the whole row_var
+-- and col_var (B * (R + C) elements, replicated: small next to R * C / N); the row and column
+-- sums of g^2 over its slice, and its sum of p^2, are added up over the ranks in one
+-- all_reduce per step, the sums of squares of the update in a second one (both over every
+-- factored parameter at once, the same layout on every rank, zeros where a rank holds nothing).
+-- Every rank then updates the same factors, so N ranks equal one (to the order of the sums).
+-- Units that replicate (strategy "none") hold whole parameters: nothing is reduced for them.
+-- Checkpoints store the factors elementwise, expanded over the slice (element (r, c) holds
+-- row_var[r] and col_var[c]), so they reshard like Adam's moments; loading gives each rank the
+-- factors of the rows and columns its slice touches, and the first step after completes them
+-- with one all_reduce("max") (factors are >= 0, unknown entries 0).
+
+local Adafactor = setmetatable({}, {__index = Optimizer})
+Adafactor.__index = Adafactor
+optim.Adafactor_class = Adafactor
+
+HYPER.Adafactor = {"lr", "beta2_decay", "eps", "d", "weight_decay"}
+
+local F32_EPS = 1.1920928955078125e-07 -- torch.finfo(torch.float32).eps, eps1's default
+
+local function read_adafactor(fn, t, base)
+  local eps = t.eps
+  if eps == nil then eps = base.eps end
+  if type(eps) ~= "table" or #eps ~= 2 or type(eps[1]) ~= "number" or type(eps[2]) ~= "number"
+      or not (eps[1] >= 0) or not (eps[2] >= 0) then
+    raise(("%s: eps must be {eps1, eps2}, each a number >= 0 (got %s)"):format(fn,
+      type(eps) == "table" and ("{%s, %s}"):format(tostring(eps[1]), tostring(eps[2])) or tostring(eps)))
+  end
+  return {lr = check_num(fn, t, "lr", base.lr, 0),
+    beta2_decay = check_num(fn, t, "beta2_decay", base.beta2_decay, -math.huge, 0),
+    eps = {eps[1], eps[2]}, d = check_num(fn, t, "d", base.d, 1),
+    weight_decay = check_num(fn, t, "weight_decay", base.weight_decay, 0)}
+end
+
+-- Adafactor(model_or_params, {lr = 1e-2, beta2_decay = -0.8, eps = {f32 eps, 1e-3}, d = 1,
+-- weight_decay = 0, groups =, params =, no_decay =, local_only =}) — torch.optim.Adafactor:
+-- per step t: rho = min(lr, 1 / sqrt(t)), alpha = max(eps2, RMS(p)) * rho, beta2_t = 1 -
+-- t^beta2_decay; p *= 1 - lr * wd; moments lerp towards g^2 by 1 - beta2_t; u = g /
+-- sqrt(max(V, eps1^2)); p -= alpha / max(1, RMS(u) / d) * u.
+function optim.Adafactor(model, opts)
+  return new_optimizer(Adafactor, "Adafactor", model, opts, read_adafactor,
+    {lr = 1e-2, beta2_decay = -0.8, eps = {F32_EPS, 1e-3}, d = 1, weight_decay = 0}, true)
+end
+
+function Adafactor:hyper()
+  return {beta2_decay = self.beta2_decay, eps = {self.eps[1], self.eps[2]}, d = self.d,
+    weight_decay = self.weight_decay}
+end
+
+-- B, R, C of a shape with 2 or more dimensions; nil for smaller ones.
+local function factor_dims(shape)
+  local nd = #shape
+  if nd < 2 then return nil end
+  local B = 1
+  for i = 1, nd - 2 do B = B * shape[i] end
+  return B, shape[nd - 1], shape[nd]
+end
+
+-- The rows a slice [first, first + n) of a flattened (B * R, C) parameter touches: first row
+-- r0 (0-based), k rows, and the slice's offset in that (k, C) block.
+local function row_block(first, n, C)
+  local r0 = math.floor(first / C)
+  local r1 = math.floor((first + n - 1) / C)
+  return r0, r1 - r0 + 1, first - r0 * C
+end
+
+-- fn(b, lo, kb) for every matrix b (0-based) the rows [r0, r0 + k) touch: its rows from lo
+-- (0-based within the block), kb of them.
+local function each_matrix(r0, k, R, fn)
+  local b0, b1 = math.floor(r0 / R), math.floor((r0 + k - 1) / R)
+  for b = b0, b1 do
+    local lo, hi = math.max(r0, b * R), math.min(r0 + k - 1, b * R + R - 1)
+    fn(b, lo - r0, hi - lo + 1)
+  end
+end
+
+local function zeros1(n, like, role)
+  return core.zeros({n}, {role = role or "other", device = like.device})
+end
+
+-- Row and column sums of x^2 (x: a slice [first, first + n) of a (B * R, C) parameter) added
+-- into rs (B * R) and cs (B * C).
+local function add_sq_sums(x, first, R, C, rs, cs)
+  local n = x:numel()
+  if n == 0 then return end
+  local r0, k, off = row_block(first, n, C)
+  local block = zeros1(k * C, x)
+  local sq = x * x
+  block:narrow(1, off + 1, n):copy(sq)
+  sq:free()
+  local m2 = block:view{k, C}
+  local rsum = m2:sum(2)
+  rs:narrow(1, r0 + 1, k):add_(rsum)
+  rsum:free()
+  each_matrix(r0, k, R, function(b, lo, kb)
+    local csum = m2:narrow(1, lo + 1, kb):sum(1)
+    cs:narrow(1, b * C + 1, C):add_(csum)
+    csum:free()
+  end)
+  block:free()
+end
+
+-- (k * C) block over the rows of a slice: element (r, c) = f(row value, col value) for the
+-- matrices' factors, f given as fill(b, rows (kb), cols (C)) -> (kb, C) tensor.
+local function factor_block(first, n, R, C, like, fill)
+  local r0, k, off = row_block(first, n, C)
+  local block = zeros1(k * C, like)
+  local m2 = block:view{k, C}
+  each_matrix(r0, k, R, function(b, lo, kb)
+    local t = fill(b, r0 + lo, kb)
+    m2:narrow(1, lo + 1, kb):copy(t)
+    t:free()
+  end)
+  return block, off
+end
+
+-- Per step: the parameters to update, as records {param, path, shape, B, R, C (nil: not
+-- factored), n (numel), replicated, s = {p, g, first, m} or nil (this rank holds none of it),
+-- st}. Wrapped: collective (the gradient flags are agreed); the same records, in the same
+-- order, on every rank.
+function Adafactor:records()
+  local out = {}
+  local function add(param, path, replicated, s)
+    local B, R, C = factor_dims(param:shape())
+    out[#out + 1] = {param = param, path = path, B = B, R = R, C = C, n = param:numel(),
+      replicated = replicated, s = s}
+  end
   if self.wrapped then
-    self:each_slice(function(st, p, g, param, _, m)
-      if st.exp_avg == nil then
-        st.exp_avg = core.zeros({p:numel()}, { role = "optim", device = p.device })
-        st.exp_avg_sq = core.zeros({p:numel()}, { role = "optim", device = p.device })
+    local what = self.kind .. ":step"
+    local has = agree_grads(self.wrapped, what)
+    each_unit(self.wrapped, what, function(u, shard, gshard, slices)
+      local by_index = {}
+      for _, s in ipairs(slices) do by_index[s.index] = s end
+      local paths = u:paths()
+      for i, param in ipairs(u:params()) do
+        if self.member[param] and not frozen(param) and has[u][i] then
+          local s, sl = by_index[i], nil
+          if s then
+            local n = s.shard_last - s.shard_first + 1
+            sl = {p = shard:narrow(1, s.shard_first, n), g = gshard:narrow(1, s.shard_first, n),
+              first = s.param_first - 1, m = slice_mask(param, n, s.path)}
+            if self.slice_of[param] == nil then
+              self.slice_of[param] = {param_first = s.param_first, numel = n}
+            end
+          end
+          add(param, paths[i], u:strategy() == "none", sl)
+        end
       end
-      st.step = st.step + 1
-      core.adamw_step(p, g, st.exp_avg, st.exp_avg_sq, lr, b1, b2, eps,
-        self.decay[param] and wd or 0, st.step, m)
-    end, true)
-    return
+    end)
+    return out
   end
   for _, e in ipairs(self.params) do
     local p = e.param
-    local g, fresh = grad_of(p)
+    local g, fresh = nil, false
+    if not frozen(p) then g, fresh = grad_of(p) end
     if g ~= nil then
-      local st = self.state[p]
-      if st == nil then
-        st = {step = 0, exp_avg = state_zeros(p), exp_avg_sq = state_zeros(p)}
-        self.state[p] = st
-      end
-      st.step = st.step + 1
-      -- adamw_step wants p and g contiguous (gradients always are): the whole flat mask fits
-      core.adamw_step(p, g, st.exp_avg, st.exp_avg_sq, lr, b1, b2, eps,
-        self.decay[p] and wd or 0, st.step, mask.plain_flat(p))
-      if fresh then g:free() end
+      local n = p:numel()
+      add(p, e.path, true, {p = p:detach():view{n}, g = g:view{n}, first = 0,
+        m = mask.plain_flat(p), fresh = fresh and g})
     end
   end
+  return out
+end
+
+-- The device the optimizer's sums live on: the shards' (wrapped), else the parameters'.
+function Adafactor:sum_device()
+  if self.wrapped then
+    local units = live_units(self.wrapped, self.kind .. ":step")
+    return units[1] and units[1]:shard().device or "cpu"
+  end
+  local e = self.params[1]
+  return e and e.param.device or "cpu"
+end
+
+-- Collective after a load (wrapped, world size > 1): complete every factored parameter's
+-- row_var and col_var from the ranks that know each entry (all_reduce "max").
+function Adafactor:fill_factors()
+  self.fill_pending = nil
+  if not self.wrapped or core.world_size() == 1 then return end
+  local list, total = {}, 0
+  each_unit(self.wrapped, "Adafactor:load", function(u)
+    for _, param in ipairs(u:params()) do
+      local B, R, C = factor_dims(param:shape())
+      if self.member[param] and B then
+        list[#list + 1] = {param = param, off = total, nr = B * R, nc = B * C}
+        total = total + B * (R + C)
+      end
+    end
+  end)
+  if total == 0 then return end
+  local pack = core.zeros({total}, {device = self:sum_device()})
+  for _, x in ipairs(list) do
+    local st = self.state[x.param]
+    if st and st.row_var then
+      pack:narrow(1, x.off + 1, x.nr):copy(st.row_var)
+      pack:narrow(1, x.off + x.nr + 1, x.nc):copy(st.col_var)
+    end
+  end
+  core.all_reduce(pack, "max", "Adafactor.factors")
+  for _, x in ipairs(list) do
+    local st = self.state[x.param]
+    if st and st.row_var then
+      st.row_var:copy(pack:narrow(1, x.off + 1, x.nr))
+      st.col_var:copy(pack:narrow(1, x.off + x.nr + 1, x.nc))
+    end
+  end
+  pack:free()
+end
+
+function Adafactor:step()
+  self:check_world()
+  local recs = self:records()
+  if self.fill_pending then self:fill_factors() end
+  local reduce = self.wrapped ~= nil and core.world_size() > 1
+  -- round 1: sum of p^2, row and column sums of g^2 (sharded parameters share one buffer)
+  local total = 0
+  for _, r in ipairs(recs) do
+    r.off = total
+    total = total + 1 + (r.B and r.B * (r.R + r.C) or 0)
+  end
+  local dev = self:sum_device()
+  local pack = core.zeros({total}, {device = dev})
+  util.no_grad(function()
+    for _, r in ipairs(recs) do
+      local s = r.s
+      if s then
+        local st = self.state[r.param]
+        if st == nil then
+          st = {step = 0}
+          if r.B then
+            st.row_var, st.col_var = zeros1(r.B * r.R, s.p, "optim"), zeros1(r.B * r.C, s.p, "optim")
+          else
+            st.variance = zeros1(s.p:numel(), s.p, "optim")
+          end
+          self.state[r.param] = st
+        end
+        r.st = st
+        apply_mask(s.g, s.m)
+        pack:narrow(1, r.off + 1, 1):fill(core.sumsq(s.p))
+        if r.B then
+          add_sq_sums(s.g, s.first, r.R, r.C, pack:narrow(1, r.off + 2, r.B * r.R),
+            pack:narrow(1, r.off + 2 + r.B * r.R, r.B * r.C))
+        end
+      end
+    end
+  end)
+  -- replicated parameters (plain, or strategy "none") hold everything already; the others are
+  -- summed over the ranks (a replicated one adds zeros on no rank: every rank holds it whole)
+  if reduce then
+    local any = false
+    for _, r in ipairs(recs) do if not r.replicated then any = true end end
+    if any then
+      -- a replicated parameter's sums would be counted once per rank: keep them aside
+      local keep = {}
+      for _, r in ipairs(recs) do
+        if r.replicated and r.s then
+          local n = 1 + (r.B and r.B * (r.R + r.C) or 0)
+          keep[r] = pack:narrow(1, r.off + 1, n):clone()
+          pack:narrow(1, r.off + 1, n):zero()
+        end
+      end
+      core.all_reduce(pack, "sum", "Adafactor.sums")
+      for r, t in pairs(keep) do
+        pack:narrow(1, r.off + 1, t:numel()):copy(t)
+        t:free()
+      end
+    end
+  end
+  -- round 2: the moments, the update and its sum of squares
+  local usq = core.zeros({math.max(#recs, 1)}, {device = dev})
+  local upd = {}
+  util.no_grad(function()
+    for i, r in ipairs(recs) do
+      local s, st = r.s, r.st
+      if s then
+        st.step = st.step + 1
+        local w = st.step ^ self:hp(r.param, "beta2_decay") -- 1 - beta2_t
+        local eps1 = self:hp(r.param, "eps")[1]
+        local est
+        if r.B then
+          local B, R, C = r.B, r.R, r.C
+          local rv, cv = st.row_var, st.col_var
+          local rs = pack:narrow(1, r.off + 2, B * R)
+          local cs = pack:narrow(1, r.off + 2 + B * R, B * C)
+          rv:mul_(1 - w):add_(rs, w / C)
+          cv:mul_(1 - w):add_(cs, w / R)
+          local block, off = factor_block(s.first, s.p:numel(), R, C, s.p, function(b, row, kb)
+            local rmean = math.max(rv:narrow(1, b * R + 1, R):mean():item(), eps1)
+            local t = rv:narrow(1, row + 1, kb):view{kb, 1}:matmul(cv:narrow(1, b * C + 1, C):view{1, C})
+            t:mul_(1 / rmean)
+            return t
+          end)
+          est = block:narrow(1, off + 1, s.p:numel()):clone()
+          block:free()
+        else
+          local sq = s.g * s.g
+          st.variance:mul_(1 - w):add_(sq, w)
+          sq:free()
+          est = st.variance:clone()
+        end
+        local den = est:clamp(eps1 * eps1):sqrt()
+        est:free()
+        local u = s.g / den
+        den:free()
+        upd[r] = u
+        usq:narrow(1, i, 1):fill(core.sumsq(u))
+      end
+    end
+  end)
+  if reduce then
+    local keep = {}
+    for i, r in ipairs(recs) do
+      if r.replicated and r.s then
+        keep[i] = usq:narrow(1, i, 1):item()
+        usq:narrow(1, i, 1):zero()
+      end
+    end
+    core.all_reduce(usq, "sum", "Adafactor.update_sumsq")
+    for i, v in pairs(keep) do usq:narrow(1, i, 1):fill(v) end
+  end
+  -- round 3: the steps
+  util.no_grad(function()
+    for i, r in ipairs(recs) do
+      local s, u = r.s, upd[r]
+      if s then
+        local lr, wd = self:hp(r.param, "lr"), self:hp(r.param, "weight_decay")
+        local t = r.st.step
+        local rho = math.min(lr, 1 / math.sqrt(t))
+        local alpha = math.max(self:hp(r.param, "eps")[2],
+          math.sqrt(pack:narrow(1, r.off + 1, 1):item()) / math.sqrt(r.n)) * rho
+        local denom = math.max(1, math.sqrt(usq:narrow(1, i, 1):item()) / (math.sqrt(r.n) * self:hp(r.param, "d")))
+        if wd ~= 0 then s.p:mul_(1 - lr * wd) end
+        s.p:add_(u, -alpha / denom)
+        u:free()
+        apply_mask(s.p, s.m)
+        if s.fresh then s.fresh:free() end
+      end
+    end
+  end)
+  pack:free()
+  usq:free()
+  self.step_count = self.step_count + 1
+end
+
+-- Checkpoints: row_var and col_var expanded over the slice [first, first + count).
+function Adafactor:export_tensor(p, name, v, first, count)
+  if name ~= "row_var" and name ~= "col_var" then return v:view{count} end
+  local B, R, C = factor_dims(p:shape())
+  if count == 0 then return zeros1(0, v) end
+  local block, off = factor_block(first, count, R, C, v, function(b, row, kb)
+    if name == "row_var" then
+      local ones = core.ones({1, C}, {device = v.device})
+      local t = v:narrow(1, row + 1, kb):view{kb, 1}:matmul(ones)
+      ones:free()
+      return t
+    end
+    local ones = core.ones({kb, 1}, {device = v.device})
+    local t = ones:matmul(v:narrow(1, b * C + 1, C):view{1, C})
+    ones:free()
+    return t
+  end)
+  local out = block:narrow(1, off + 1, count):clone()
+  block:free()
+  return out
+end
+
+-- The inverse: the factors of the rows and columns the slice touches (the others 0 until the
+-- next step's fill_factors).
+function Adafactor:import_tensor(p, name, t, first, count)
+  if name ~= "row_var" and name ~= "col_var" then return nil end
+  local B, R, C = factor_dims(p:shape())
+  local out = zeros1(name == "row_var" and B * R or B * C, t, "optim")
+  if count == 0 then return out end
+  local r0, k, off = row_block(first, count, C)
+  local block = zeros1(k * C, t)
+  block:narrow(1, off + 1, count):copy(t:view{count})
+  local m2 = block:view{k, C}
+  if name == "row_var" then
+    local v = m2:max(2)
+    out:narrow(1, r0 + 1, k):copy(v)
+    v:free()
+  else
+    each_matrix(r0, k, R, function(b, lo, kb)
+      local v = m2:narrow(1, lo + 1, kb):max(1)
+      out:narrow(1, b * C + 1, C):copy(v) -- each matrix once per slice
+      v:free()
+    end)
+  end
+  block:free()
+  if self.wrapped then self.fill_pending = true end
+  return out
+end
+
+-- load_state_dict: the factors are whole on every rank that holds a slice (not shaped like it).
+function Adafactor:restore_buffer(p, name, v, sl)
+  if name ~= "row_var" and name ~= "col_var" and name ~= "variance" then
+    return Optimizer.restore_buffer(self, p, name, v, sl)
+  end
+  local buf = core.zeros({v:numel()}, {role = "optim", device = v.device})
+  buf:copy(v:view{v:numel()})
+  return buf
 end
 
 -- ---- gradient clipping ---------------------------------------------------------------------
@@ -681,7 +1421,7 @@ end
 
 local function check_optimizer(opt, what)
   if type(opt) ~= "table" or type(opt.step) ~= "function" or type(opt.params) ~= "table" then
-    raise(("GradScaler:%s: expects an fsdp.optim optimizer (SGD, AdamW; got %s)")
+    raise(("GradScaler:%s: expects an fsdp.optim optimizer (SGD, Adam, AdamW, Lion, Adafactor; got %s)")
       :format(what, type(opt)))
   end
 end
@@ -701,8 +1441,20 @@ local function unscale_grads(opt, inv, what)
         local m = slice_mask(s.param, n, s.path)
         if m then core.mask_apply(g:narrow(1, s.shard_first, n), m) end
       end
-      g:mul_(inv)
-      if non_finite(core.sumsq(g)) then found = true end
+      if not opt.subset then
+        g:mul_(inv)
+        if non_finite(core.sumsq(g)) then found = true end
+        return
+      end
+      -- an optimizer over part of the model unscales its own slices only (another optimizer
+      -- over the rest unscales those)
+      for _, s in ipairs(slices) do
+        if opt.member[s.param] then
+          local gs = g:narrow(1, s.shard_first, s.shard_last - s.shard_first + 1)
+          gs:mul_(inv)
+          if non_finite(core.sumsq(gs)) then found = true end
+        end
+      end
     end)
     if core.world_size() > 1 then
       found = core.all_reduce(found and 1 or 0, "max", "GradScaler.found_inf") ~= 0
@@ -857,10 +1609,16 @@ local function new_schedule(kind, opt, opts, after)
     raise(("%s: second argument must be an options table (got %s)"):format(kind, type(opts)))
   end
   opts = opts or {}
+  local names = {"lr", "warmup"}
+  for _, n in ipairs(NUMBERS[kind]) do names[#names + 1] = n[1] end
+  util.check_opts(kind, opts, names)
   local s = setmetatable({kind = kind, opt = opt, k = 0, after = after}, Schedule)
   s.base_lr = number_opt(opts, "lr", opt.lr, 0)
   s.warmup = number_opt(opts, "warmup", 0, 0)
   for _, n in ipairs(NUMBERS[kind]) do s[n[1]] = number_opt(opts, n[1], n[2], n[3], n[4]) end
+  if s.total ~= nil and s.warmup > s.total then
+    raise(("%s: warmup (%s) must be <= total (%s)"):format(kind, s.warmup, s.total))
+  end
   return s
 end
 

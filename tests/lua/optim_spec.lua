@@ -91,9 +91,19 @@ describe("optim.SGD", function()
   end)
 
   it("rejects bad options", function()
-    assert.has_error(function() optim.SGD({param{1}}, {}) end)
-    assert.has_error(function() optim.SGD({param{1}}, {lr = -1}) end)
-    assert.has_error(function() optim.SGD(3, {lr = 1}) end)
+    local err = H.assert_error_has
+    err(function() optim.SGD({param{1}}, {}) end, "SGD: lr must be a number >= 0 (got nil)")
+    err(function() optim.SGD({param{1}}, {lr = -1}) end, "SGD: lr must be a number >= 0 (got -1)")
+    err(function() optim.SGD(3, {lr = 1}) end, "expected a module or an array of parameters")
+    err(function() optim.SGD({param{1}}, {lr = 1, momentum = -0.5}) end,
+      "SGD: momentum must be a number >= 0 (got -0.5)")
+    err(function() optim.SGD({param{1}}, {lr = 1, nesterov = true}) end,
+      "SGD: nesterov needs a momentum > 0")
+    err(function() optim.SGD({param{1}}, {lr = 1, momentum = 0.9, nesterov = 1}) end,
+      "SGD: nesterov must be a boolean (got 1)")
+    err(function() optim.SGD({param{1}}, {lr = 1, wieght_decay = 0.1}) end,
+      "SGD: unknown option 'wieght_decay' (valid: groups, local_only, lr, momentum, nesterov, "
+      .. "no_decay, params, weight_decay)")
   end)
 end)
 
@@ -401,14 +411,28 @@ describe("learning-rate schedules", function()
     for kind, mk in pairs(make) do
       raises(kind .. ": first argument must be an optimizer", mk, {})
     end
+    local base = {cosine = {total = 1}, linear = {total = 1}, constant = {},
+      step_lr = {step_size = 1}, wsd = {total = 1}}
+    local function with(kind, t)
+      local o = {}
+      for k, v in pairs(base[kind]) do o[k] = v end
+      for k, v in pairs(t) do o[k] = v end
+      return o
+    end
     for _, kind in ipairs{"cosine", "linear", "constant", "step_lr", "wsd"} do
       raises(kind .. ": second argument must be an options table (got number)", optim[kind], opt, 3)
-      raises("warmup must be a number >= 0 (got -1)", optim[kind], opt, {warmup = -1, total = 1, step_size = 1})
-      raises("lr must be a number >= 0 (got nan)", optim[kind], opt, {lr = 0 / 0, total = 1, step_size = 1})
+      raises("warmup must be a number >= 0 (got -1)", optim[kind], opt, with(kind, {warmup = -1}))
+      raises("lr must be a number >= 0 (got nan)", optim[kind], opt, with(kind, {lr = 0 / 0}))
+      raises(kind .. ": unknown option 'wamrup' (valid: ", optim[kind], opt, with(kind, {wamrup = 3}))
     end
+    raises("step_lr: unknown option 'total' (valid: gamma, lr, step_size, warmup)", optim.step_lr, opt,
+      {step_size = 1, total = 5})
     for _, kind in ipairs{"cosine", "linear", "wsd"} do
       raises("total must be a number >= 0 (got nil)", optim[kind], opt, {})
       raises("min_lr must be a number >= 0 (got -0.5)", optim[kind], opt, {total = 5, min_lr = -0.5})
+    end
+    for _, kind in ipairs{"cosine", "linear"} do
+      raises(kind .. ": warmup (11) must be <= total (10)", optim[kind], opt, {total = 10, warmup = 11})
     end
     raises("step_size must be a number >= 1 (got nil)", optim.step_lr, opt, {})
     raises("step_size must be a number >= 1 (got 0)", optim.step_lr, opt, {step_size = 0})
@@ -480,5 +504,282 @@ describe("gradients the optimizer reads", function()
     assert.is_true(rawequal(g, g2))
     assert.is_false(fresh2)
     assert.are.same({2, 2}, flat(g))
+  end)
+end)
+
+-- ---- against torch.optim (tests/lua/fixtures/gen_optim_torch.py) ---------------------------
+
+local REF = require "fixtures.optim_torch"
+
+local Three = nn.Module:extend("Three")
+function Three:init()
+  for _, k in ipairs{"w", "t", "b"} do
+    self[k] = nn.Parameter(fsdp.tensor(REF.params[k]):view(REF.shapes[k]))
+  end
+end
+-- sum(p * G) over the three: the gradients are step i's of the fixture
+function Three:forward(i)
+  local loss
+  for _, k in ipairs{"w", "t", "b"} do
+    local term = (self[k] * fsdp.tensor(REF.grads[i][k]):view(REF.shapes[k])):sum()
+    loss = loss and loss + term or term
+  end
+  return loss
+end
+
+local function fixture_backward(m, i) m(i):backward() end
+
+local TORCH_CASES = {
+  sgd = function(m) return optim.SGD(m, {lr = 0.1, momentum = 0.9, weight_decay = 0.01}) end,
+  sgd_nesterov = function(m)
+    return optim.SGD(m, {lr = 0.1, momentum = 0.9, nesterov = true, weight_decay = 0.01})
+  end,
+  adam = function(m) return optim.Adam(m, {lr = 1e-2, betas = {0.9, 0.99}, weight_decay = 0.1}) end,
+  adamw = function(m) return optim.AdamW(m, {lr = 1e-2, weight_decay = 0.1}) end,
+  adamw_groups = function(m)
+    return optim.AdamW(m, {lr = 1e-2, weight_decay = 0.1,
+      groups = {{params = "^b$", weight_decay = 0}, {params = {"^t$"}, lr = 1e-3}}})
+  end,
+  lion = function(m) return optim.Lion(m, {lr = 1e-3, betas = {0.9, 0.99}, weight_decay = 0.1}) end,
+  adafactor = function(m) return optim.Adafactor(m, {lr = 1e-2, weight_decay = 0.1}) end,
+}
+
+local function check_case(name, wrap)
+  local m = Three()
+  if wrap then fsdp.wrap(m) end
+  local opt = TORCH_CASES[name](m)
+  for i = 1, #REF.grads do
+    opt:zero_grad()
+    fixture_backward(m, i)
+    opt:step()
+    local got = {}
+    fsdp.full_params(m, function()
+      for _, k in ipairs{"w", "t", "b"} do got[k] = H.flat_view(m[k]) end
+    end)
+    for _, k in ipairs{"w", "t", "b"} do
+      assert_close(got[k], REF.cases[name][i][k], 2e-6, ("%s step %d %s"):format(name, i, k))
+    end
+  end
+  if wrap then fsdp.unwrap(m) end
+  return opt
+end
+
+describe("optimizers against torch.optim", function()
+  for _, name in ipairs{"sgd", "sgd_nesterov", "adam", "adamw", "adamw_groups", "lion", "adafactor"} do
+    it(name .. ": three steps, plain model", function() check_case(name, false) end)
+    it(name .. ": three steps, wrapped model (its shards)", function() check_case(name, true) end)
+  end
+end)
+
+describe("optimizer options", function()
+  local err = H.assert_error_has
+  local function p2() return {param{{1, 2}, {3, 4}}, param{1, 2}} end
+
+  it("refuse unknown keys and out-of-range numbers, naming them", function()
+    for _, kind in ipairs{"Adam", "AdamW", "Lion", "Adafactor"} do
+      err(function() optim[kind](p2(), {wieght_decay = 0.1}) end,
+        kind .. ": unknown option 'wieght_decay' (valid: ")
+      err(function() optim[kind](p2(), {lr = -1e-3}) end, kind .. ": lr must be a number >= 0 (got -0.001)")
+      err(function() optim[kind](p2(), {weight_decay = -1}) end,
+        kind .. ": weight_decay must be a number >= 0 (got -1)")
+      err(function() optim[kind](p2(), 5) end, kind .. ": expects an options table")
+      err(function() optim[kind](p2(), {local_only = "yes"}) end, kind .. ": local_only must be a boolean")
+    end
+    for _, kind in ipairs{"Adam", "AdamW", "Lion"} do
+      err(function() optim[kind](p2(), {betas = {0.9, 1}}) end,
+        kind .. ": betas must be {beta1, beta2}, each in [0, 1) (got {0.9, 1})")
+      err(function() optim[kind](p2(), {betas = {-0.1, 0.9}}) end, kind .. ": betas must be")
+      err(function() optim[kind](p2(), {betas = 0.9}) end, kind .. ": betas must be")
+    end
+    err(function() optim.AdamW(p2(), {eps = -1}) end, "AdamW: eps must be a number >= 0 (got -1)")
+    err(function() optim.Adafactor(p2(), {beta2_decay = 0.5}) end,
+      "Adafactor: beta2_decay must be a number in [-inf, 0] (got 0.5)")
+    err(function() optim.Adafactor(p2(), {d = 0.5}) end, "Adafactor: d must be a number >= 1 (got 0.5)")
+    err(function() optim.Adafactor(p2(), {eps = {1e-30, -1}}) end,
+      "Adafactor: eps must be {eps1, eps2}, each a number >= 0 (got {1e-30, -1})")
+    err(function() optim.AdamW(p2(), {no_decay = "%.bias$"}) end, "AdamW: no_decay must be a function")
+  end)
+
+  it("check groups: keys, hyper-parameters, patterns", function()
+    local m = nn.Sequential{nn.Linear(2, 3), nn.LayerNorm(3)}
+    err(function() optim.AdamW(m, {groups = {{params = "bias", wd = 0}}}) end,
+      "AdamW: group 1: unknown option 'wd' (valid: betas, eps, lr, params, weight_decay)")
+    err(function() optim.AdamW(m, {groups = {{params = "bias", lr = -1}}}) end,
+      "AdamW: group 1: lr must be a number >= 0 (got -1)")
+    err(function() optim.AdamW(m, {groups = {{weight_decay = 0}}}) end,
+      "AdamW: group 1: params is required")
+    err(function() optim.AdamW(m, {groups = {{params = "^nope"}}}) end,
+      "AdamW: group 1: params: the pattern \"^nope\" matches no parameter; the parameters are: "
+      .. "1.weight, 1.bias, 2.weight, 2.bias")
+    err(function() optim.AdamW(m, {groups = {{params = "[" }}}) end, "bad pattern \"[\"")
+    err(function() optim.AdamW(m, {groups = "bias"}) end, "AdamW: groups must be an array")
+    err(function() optim.AdamW(m, {groups = {{params = {param{1}}}}}) end,
+      "AdamW: group 1: params[1] is not a parameter of this model")
+    err(function() optim.SGD(m, {lr = 1, groups = {{params = "bias", nesterov = true}}}) end,
+      "SGD: group 1: nesterov needs a momentum > 0")
+    err(function() optim.SGD(m, {lr = 0, groups = {{params = "bias", lr = 1}}}) end,
+      "SGD: group 1: a group's lr needs the optimizer's lr > 0")
+    err(function() optim.AdamW(m, {params = "^3"}) end,
+      "AdamW: params: the pattern \"^3\" matches no parameter")
+  end)
+
+  it("default to no decay for biases and norms; groups = {} decays everything", function()
+    local m = nn.Sequential{nn.Linear(2, 3), nn.LayerNorm(3)}
+    assert.are.same({"1.bias", "2.weight", "2.bias"}, optim.AdamW(m, {}).no_decay_paths)
+    assert.are.same({"1.bias", "2.weight", "2.bias"}, optim.Lion(m, {}).no_decay_paths)
+    assert.are.same({}, optim.AdamW(m, {groups = {}}).no_decay_paths)
+    assert.are.same({}, optim.SGD(m, {lr = 1, weight_decay = 0.1}).no_decay_paths)
+    local o = optim.AdamW(m, {groups = {{params = "%.bias$", weight_decay = 0}}})
+    assert.are.same({"1.bias", "2.bias"}, o.no_decay_paths)
+    -- the first group that selects a parameter wins
+    o = optim.AdamW(m, {lr = 0.1, groups = {{params = "^1%.", lr = 0.01}, {params = "weight", lr = 1}}})
+    assert.are.equal(0.01, o:hp(m[1].weight, "lr"))
+    assert.are.equal(1, o:hp(m[2].weight, "lr"))
+    assert.are.equal(0.1, o:hp(m[2].bias, "lr"))
+    -- a group's lr follows a schedule's changes of opt.lr by the same factor
+    o.lr = 0.05
+    assert.is_true(math.abs(o:hp(m[1].weight, "lr") - 0.005) < 1e-12)
+    -- a function or the parameters themselves select too
+    o = optim.AdamW(m, {groups = {{params = function(path) return path == "2.bias" end, weight_decay = 0},
+      {params = {m[1].weight}, weight_decay = 0}}})
+    assert.are.same({"1.weight", "2.bias"}, o.no_decay_paths)
+  end)
+
+  it("params = chooses the parameters the optimizer updates; the others stay", function()
+    local m = nn.Sequential{nn.Linear(2, 2), nn.Linear(2, 2)}
+    local opt = optim.SGD(m, {lr = 0.5, params = "^2%."})
+    assert.are.equal(2, #opt.params)
+    local w1, w2 = m[1].weight:clone(), m[2].weight:clone()
+    m(fsdp.ones{1, 2}):sum():backward()
+    opt:step()
+    assert_close(m[1].weight, H.flat_view(w1), 0, "not chosen: unchanged")
+    assert.is_false(pcall(assert_close, m[2].weight, H.flat_view(w2), 0))
+  end)
+
+  it("skip a parameter whose requires_grad is false (plain and wrapped)", function()
+    for _, wrap in ipairs{false, true} do
+      for _, kind in ipairs{"SGD", "AdamW", "Adam", "Lion", "Adafactor"} do
+        local m = nn.Sequential{nn.Linear(2, 2)}
+        if wrap then fsdp.wrap(m) end
+        local opt = optim[kind](m, {lr = 0.5})
+        m(fsdp.ones{1, 2}):sum():backward()
+        local before = {}
+        fsdp.full_params(m, function()
+          before.w, before.b = H.flat_view(m[1].weight), H.flat_view(m[1].bias)
+        end)
+        m[1].weight.requires_grad = false
+        opt:step()
+        fsdp.full_params(m, function()
+          assert_close(m[1].weight, before.w, 0, kind .. ": frozen weight unchanged")
+          assert.is_false(pcall(assert_close, m[1].bias, before.b, 0), kind .. ": bias steps")
+        end)
+        assert.is_nil(opt.state[m[1].weight], kind .. ": no state for a frozen parameter")
+        if wrap then fsdp.unwrap(m) end
+      end
+    end
+  end)
+
+  it("refuse at world size 1 nothing, and say local_only is accepted", function()
+    local o = optim.AdamW(p2(), {local_only = true})
+    assert.is_true(o.local_only)
+    o:step() -- no gradients: nothing to do, no refusal at 1 rank
+  end)
+end)
+
+describe("optimizer state (Adam, Lion, Adafactor, Nesterov SGD)", function()
+  local MAKE = {
+    Adam = function(m) return optim.Adam(m, {lr = 1e-2, betas = {0.9, 0.99}, weight_decay = 0.1}) end,
+    Lion = function(m) return optim.Lion(m, {lr = 1e-3, weight_decay = 0.1}) end,
+    Adafactor = function(m) return optim.Adafactor(m, {lr = 1e-2, weight_decay = 0.1}) end,
+    SGD = function(m) return optim.SGD(m, {lr = 0.1, momentum = 0.9, nesterov = true}) end,
+  }
+  local function values(m)
+    local out = {}
+    for _, k in ipairs{"w", "t", "b"} do out[k] = H.flat_view(m[k]) end
+    return out
+  end
+  local function steps(m, opt, from, to)
+    for i = from, to do
+      opt:zero_grad()
+      fixture_backward(m, i)
+      opt:step()
+    end
+  end
+  local function tmpdir()
+    local p = os.tmpname()
+    os.remove(p)
+    return p
+  end
+
+  for kind, make in pairs(MAKE) do
+    it(kind .. ": state_dict into a new optimizer, and a checkpoint, continue as the original", function()
+      local m1 = Three()
+      local o1 = make(m1)
+      steps(m1, o1, 1, 2)
+      local sd = o1:state_dict()
+      if kind == "Adafactor" then
+        assert.are.equal(3, sd.state.w.row_var:numel()) -- (3, 5): 3 rows, 5 columns
+        assert.are.equal(5, sd.state.w.col_var:numel())
+        assert.are.equal(2 * 3 + 2 * 4, sd.state.t.row_var:numel() + sd.state.t.col_var:numel())
+        assert.are.equal(5, sd.state.b.variance:numel())
+      end
+      local m2, m3 = Three(), Three()
+      fsdp.no_grad(function()
+        for _, k in ipairs{"w", "t", "b"} do m2[k]:copy(m1[k]) end
+      end)
+      local o2 = make(m2)
+      o2:load_state_dict(sd)
+      local dir = tmpdir()
+      fsdp.save(m1, dir, {format = "sharded", optimizer = o1})
+      local o3 = make(m3)
+      fsdp.load(m3, dir, {optimizer = o3})
+      steps(m1, o1, 3, 3)
+      steps(m2, o2, 3, 3)
+      steps(m3, o3, 3, 3)
+      local want = values(m1)
+      assert.is_true(H.same_values(want.w, values(m2).w) and H.same_values(want.t, values(m2).t)
+        and H.same_values(want.b, values(m2).b), kind .. ": load_state_dict")
+      assert.is_true(H.same_values(want.w, values(m3).w) and H.same_values(want.t, values(m3).t)
+        and H.same_values(want.b, values(m3).b), kind .. ": checkpoint")
+      -- and the continued runs still follow torch
+      if kind ~= "SGD" then
+        local ref = REF.cases[kind:lower()][3]
+        for _, k in ipairs{"w", "t", "b"} do assert_close(values(m3)[k], ref[k], 2e-6, k) end
+      end
+      os.execute("rm -rf '" .. dir .. "'")
+    end)
+  end
+end)
+
+describe("optimizers over parts of a wrapped model", function()
+  it("two optimizers, one per module, with a GradScaler equal one over the whole model", function()
+    local function run(split)
+      fsdp.manual_seed(5)
+      local m = nn.Sequential{nn.Linear(3, 4), nn.Linear(4, 2)}
+      fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Linear}})
+      local opts = split and {optim.SGD(m[1], {lr = 0.1}), optim.SGD(m[2], {lr = 0.1})}
+        or {optim.SGD(m, {lr = 0.1})}
+      if split then
+        assert.is_true(opts[1].subset)
+        assert.are.same({"1.weight", "1.bias"}, {opts[1].params[1].path, opts[1].params[2].path})
+      end
+      local scaler = optim.GradScaler{init_scale = 1024}
+      for step = 1, 3 do
+        for _, o in ipairs(opts) do o:zero_grad() end
+        local x = fsdp.tensor{{1, 2, 3}, {step, -1, 0.5}}
+        scaler:scale(m(x):sum()):backward()
+        for _, o in ipairs(opts) do assert.is_true(scaler:step(o)) end
+        scaler:update()
+      end
+      local out
+      fsdp.full_params(m, function()
+        out = {}
+        for _, p in ipairs(m:parameters()) do out[#out + 1] = H.flat_view(p) end
+      end)
+      fsdp.unwrap(m)
+      return out
+    end
+    local whole, parts = run(false), run(true)
+    for i = 1, #whole do assert.is_true(H.same_values(whole[i], parts[i]), "parameter " .. i) end
   end)
 end)

@@ -241,7 +241,7 @@ describe("optim.GradScaler on a plain model", function()
     assert_error_has(function() s:scale(3) end, "GradScaler:scale: expects the loss tensor (got number)")
     assert_error_has(function() s:step(p) end, "GradScaler:step: expects an fsdp.optim optimizer")
     assert_error_has(function() s:unscale_(nil) end,
-      "GradScaler:unscale_: expects an fsdp.optim optimizer (SGD, AdamW; got nil)")
+      "GradScaler:unscale_: expects an fsdp.optim optimizer (SGD, Adam, AdamW, Lion, Adafactor; got nil)")
     s:scale(quad_loss(p, { 1, 1 })):backward()
     s:unscale_(opt)
     assert_error_has(function() s:unscale_(opt) end,

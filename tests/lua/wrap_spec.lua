@@ -242,10 +242,9 @@ describe("fsdp.wrap", function()
       assert.is_false(ok)
       assert.truthy(tostring(err):find(text, 1, true), tostring(err))
     end
-    refuses(function() fsdp.optim.SGD(m.blocks[1], {lr = 0.1}) end,
-      "this module is part of a wrapped model: give the optimizer the wrapped root")
     refuses(function() fsdp.optim.AdamW({m.blocks[1].mlp.fc.weight}, {lr = 0.1}) end,
-      "parameter 1 is sharded (its model is wrapped): give the optimizer the wrapped ")
+      "parameter 1 is sharded (its model is wrapped): give the optimizer the wrapped model, "
+      .. "or a module of it, and choose parameters with params = {...}")
     local opt = fsdp.optim.SGD(m, {lr = 0.1})
     fsdp.unwrap(m)
     refuses(function() opt:zero_grad() end,
@@ -810,13 +809,14 @@ describe("optimizers on a wrapped model", function()
     end)
   end
 
-  it("refuses a submodule or the sharded parameters of a wrapped model", function()
+  it("takes a submodule of a wrapped model (its parameters, under paths from the root), "
+    .. "refuses an array of sharded parameters", function()
     local m = gpt()
     fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
-    local ok, err = pcall(fsdp.optim.SGD, m.blocks[1], {lr = 1})
-    assert.is_false(ok)
-    assert.truthy(err:find("wrapped root", 1, true))
-    ok, err = pcall(fsdp.optim.SGD, m:parameters(), {lr = 1})
+    local sub = fsdp.optim.SGD(m.blocks[1], {lr = 1})
+    assert.are.equal(#m.blocks[1]:parameters(), #sub.params)
+    assert.are.equal("blocks.1.ln1.weight", sub.params[1].path)
+    local ok, err = pcall(fsdp.optim.SGD, m:parameters(), {lr = 1})
     assert.is_false(ok)
     assert.truthy(err:find("sharded", 1, true))
     fsdp.unwrap(m)

@@ -15,6 +15,7 @@ grep -q '^sample:' "$T/log" || die_log "no sample"
 lines=$(grep -c '"step"' "$T/m.jsonl")
 [ "$lines" -ge 2 ] || die "metrics file has $lines step lines"
 grep -q '"val_loss"' "$T/m.jsonl" || die "no val_loss in metrics"
+grep -q '"grad_norm"' "$T/m.jsonl" || die "no grad_norm (fsdp.clip_grad_norm's result) in metrics"
 # the run leaves a sharded checkpoint, a safetensors export and a plot of its metrics
 [ -f "$T/ckpt/index.json" ] || die_log "no sharded checkpoint index"
 [ -f "$T/ckpt/model.safetensors" ] || die_log "no safetensors export"

@@ -1,0 +1,56 @@
+#!/bin/sh
+# Optimizers on shards equal the same optimizer on one unwrapped rank: SGD with Nesterov
+# momentum, Adam, Lion, Adafactor, AdamW with parameter groups chosen by pattern, AdamW over
+# some parameters (params =) and Lion over one module of a wrapped model, each trained 30 steps
+# (tests/dist/optim_equiv.lua) at 1 rank unwrapped (the reference) and at 1, 2 and 4 ranks
+# wrapped, compared by tests/dist/compare.lua (1e-5 relative). Adafactor's factored state is
+# also checked with the strategies that replicate (none) or keep parameters whole (grad_op),
+# saved at 2 ranks and resumed at 1, 2 and 4 and unwrapped; bitwise reproducible at 4 ranks;
+# a perturbed run must fail the comparison. An unwrapped model at 2 ranks is refused with the
+# fix named, unless local_only = true (then each rank trains its own copy).
+. "${0%/*}/lib.sh"
+oe() {
+  oe_n=$1 oe_out=$2
+  shift 2
+  must "optim_equiv -n $oe_n $*" "$FSDPRUN" -n "$oe_n" "$SRC/tests/dist/optim_equiv.lua" --out="$oe_out" "$@"
+}
+for opt in sgd_nesterov adam lion adafactor groups params module; do
+  oe 1 "$T/ref_$opt" --opt=$opt --strategy=plain
+  for n in 1 2 4; do
+    oe "$n" "$T/out" --opt=$opt --strategy=full
+    compare "$T/ref_$opt" "$T/out" "$opt full at $n ranks vs 1 rank unwrapped"
+  done
+done
+for strategy in none grad_op; do
+  oe 2 "$T/out" --opt=adafactor --strategy=$strategy
+  compare "$T/ref_adafactor" "$T/out" "adafactor $strategy at 2 ranks vs 1 rank unwrapped"
+done
+# Adafactor's factors through a sharded checkpoint, at other world sizes
+must "adafactor save at 2 ranks" "$FSDPRUN" -n 2 "$SRC/tests/dist/optim_equiv.lua" --opt=adafactor \
+  --strategy=full --save_at=15 --dir="$T/ck"
+for n in 1 2 4; do
+  oe "$n" "$T/out" --opt=adafactor --strategy=full --resume="$T/ck"
+  compare "$T/ref_adafactor" "$T/out" "adafactor saved at 2 ranks, resumed at $n"
+done
+oe 1 "$T/out" --opt=adafactor --strategy=plain --resume="$T/ck"
+compare "$T/ref_adafactor" "$T/out" "adafactor saved at 2 ranks, resumed unwrapped"
+# bitwise reproducible
+oe 4 "$T/a" --opt=adafactor --strategy=full
+oe 4 "$T/b" --opt=adafactor --strategy=full
+compare "$T/a" "$T/b" "adafactor full at 4 ranks, two runs" --exact
+# the comparison can fail
+oe 2 "$T/out" --opt=adafactor --strategy=full --lr_scale=1.001
+compare_fails "$T/ref_adafactor" "$T/out" "a perturbed adafactor run (lr x 1.001)"
+oe 2 "$T/out" --opt=groups --strategy=full --lr_scale=1.001
+compare_fails "$T/ref_groups" "$T/out" "a perturbed groups run (lr x 1.001)"
+# one model per rank: refused, naming the fix; local_only = true says it is meant
+must_fail "an unwrapped model at 2 ranks" "$FSDPRUN" -n 2 "$SRC/tests/dist/optim_equiv.lua" \
+  --opt=adam --strategy=plain --out="$T/out"
+for want in "Adam:step: the model is not wrapped, so each of the 2 ranks would train its own copy" \
+  'fsdp.wrap(model)' 'fsdp.wrap(model, {strategy = "none"})' 'local_only = true'; do
+  grep -qF "$want" "$T/log" || fail "the refusal lacks '$want': $(cat "$T/log")"
+done
+oe 1 "$T/ref_local" --opt=sgd_local --strategy=plain
+oe 2 "$T/out" --opt=sgd_local --strategy=plain
+compare "$T/ref_local" "$T/out" "local_only SGD at 2 ranks (each rank its own copy) vs 1 rank" --exact
+finish
