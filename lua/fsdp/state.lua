@@ -117,6 +117,42 @@ function Root:zero_grad()
   for _, u in ipairs(self._units) do u:zero_grad() end
 end
 
+-- ---- gradient accumulation without reduction (fsdp.no_sync, lua/fsdp/no_sync.lua) ------------
+
+--- Enter fsdp.no_sync (nestable): the outermost entry turns every unit's gradient sync off.
+function Root:no_sync_enter()
+  self._no_sync = (self._no_sync or 0) + 1
+  if self._no_sync > 1 then return end
+  for _, u in ipairs(self._units) do u:set_grad_sync(false) end
+end
+
+--- Leave it: the outermost exit turns sync back on (the next backward reduces).
+function Root:no_sync_leave()
+  self._no_sync = self._no_sync - 1
+  if self._no_sync > 0 then return end
+  self._no_sync = nil
+  for _, u in ipairs(self._units) do u:set_grad_sync(true) end
+end
+
+function Root:in_no_sync() return self._no_sync ~= nil end
+
+--- An error (located at the user) unless the gradient shards hold every gradient, for `what`
+--- reading them (a step, clipping, unscaling): not inside fsdp.no_sync, and no unit holding
+--- gradients accumulated there that no backward outside it has reduced. Same on every rank.
+function Root:check_reduced(what)
+  if self._no_sync then
+    util.raise(("%s: inside fsdp.no_sync the gradients are not reduced across ranks; call it "
+      .. "after the backward outside fsdp.no_sync (the last micro-batch's)"):format(what))
+  end
+  for _, u in ipairs(self._units) do
+    if u:grad_unreduced() then
+      util.raise(("%s: unit '%s' holds gradients accumulated under fsdp.no_sync that no backward "
+        .. "outside it has reduced: run the last micro-batch's backward outside fsdp.no_sync "
+        .. "(or zero_grad to drop them)"):format(what, u.path))
+    end
+  end
+end
+
 -- ---- walks that hold units gathered (full_params, apply, materialize) ----------------------------
 
 --- What walk is running ("fsdp.full_params", "fsdp.apply", ...), or nil.
