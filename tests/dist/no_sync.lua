@@ -1,6 +1,6 @@
 -- Gradient accumulation without reduction (tests/recipes/dist_no_sync.sh): fsdp.no_sync.
 --
---   fsdprun -n N tests/dist/no_sync.lua [--part=equiv|errors|all] [--odd_rank=R]
+--   fsdprun -n N tests/dist/no_sync.lua [--part=equiv|errors|all] [--ckpt=DIR] [--odd_rank=R]
 --
 -- equiv: a GPT (one unit per Block, the root tied) trains 4 steps on a global batch of 16 rows
 --   with SGD (momentum, weight decay), clip_grad_norm at 0.5 (it clips) and a pruning mask on
@@ -20,7 +20,8 @@
 --     every, micro-batch 1 adds nothing;
 --   * a control that drops micro-batch 1's gradient (zero_grad after it) must differ (> 1e-3):
 --     the comparison can fail.
--- errors: what no_sync refuses and restores (see the checks below).
+-- errors: what no_sync refuses and restores (see the checks below); with --ckpt, an fsdp.save
+--   into DIR inside no_sync too.
 -- --odd_rank=R: rank R runs micro-batch 1 outside no_sync, the others inside: every rank must
 --   fail at once with the collectives' mismatch named (whether to reduce must agree).
 local fsdp = require "fsdp"
@@ -35,6 +36,7 @@ local V, T, B, STEPS = 32, 8, 16, 4
 local cfg = {vocab = V, ctx = T, d = 16, layers = 2, heads = 2}
 local opt_cfg = {lr = 0.05, momentum = 0.9, weight_decay = 0.01}
 local MAX_NORM, TOL = 0.5, 1e-5
+local MP_TOL, MP_BF16_TOL = 1e-5, 1e-2
 local MASKED = "blocks.1.mlp.fc.weight"
 
 -- rows first .. first + n - 1 (global, 1-based) of step s's batch
@@ -114,15 +116,21 @@ local function train_wrapped(o)
   collectgarbage("collect") -- the previous run's buffers: gone before memory is measured
   local m, mask = build()
   fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}, strategy = o.strategy,
-    reshard_after_forward = o.raf})
+    reshard_after_forward = o.raf, mp = o.mp})
   fsdp.set_mask(m.blocks[1].mlp.fc.weight, mask)
   local opt = fsdp.optim.SGD(m, opt_cfg)
   local units = fsdp.units(m)
-  local P, n_red = 0, 0 -- padded bytes of all units; units that reduce
+  -- bytes of a gradient element while held (the gradient dtype: f32 unless mixed precision
+  -- computes and reduces in bf16) and as reduced (the reduce dtype)
+  local mp = type(o.mp) == "string" and {param = o.mp} or o.mp or {}
+  local reduce_size = mp.reduce == "bf16" and 2 or 4
+  local held_size = (mp.param == "bf16" and mp.reduce == "bf16") and 2 or 4
+  local Pn, n_red = 0, 0 -- padded elements of all units; units that reduce
   for _, u in ipairs(units) do
-    P = P + u:padded_numel() * 4
+    Pn = Pn + u:padded_numel()
     if u:padded_numel() > 0 then n_red = n_red + 1 end
   end
+  local P, R = Pn * held_size, Pn * reduce_size
   local rows = B / W
   local mb = rows / o.k
   local first = rank * rows + 1
@@ -171,8 +179,8 @@ local function train_wrapped(o)
   local t = traffic[STEPS]
   local reduced = o.mode == "no_sync" and 1 or o.k
   local rs, rs_calls, ar, ar_calls = 0, 0, 0, 0
-  if o.strategy == "none" then ar, ar_calls = reduced * P, reduced * n_red
-  else rs, rs_calls = reduced * P, reduced * n_red end
+  if o.strategy == "none" then ar, ar_calls = reduced * R, reduced * n_red
+  else rs, rs_calls = reduced * R, reduced * n_red end
   check(t.reduce_scatter_bytes == rs and t.reduce_scatter_calls == rs_calls,
     ("%s: reduce_scatter %d B in %d calls per step, expected %d B in %d"):format(label,
       t.reduce_scatter_bytes, t.reduce_scatter_calls, rs, rs_calls))
@@ -245,6 +253,24 @@ local function equiv()
       end
     end
   end
+  -- mixed precision: the held gradient is f32 (bf16 when param and reduce are both bf16); no_sync
+  -- against reducing every micro-batch (both compute in bf16, so not against the f32 reference)
+  for _, c in ipairs{{label = "mp bf16", mp = "bf16", tol = MP_TOL},
+      {label = "mp bf16 reduce bf16", mp = {param = "bf16", reduce = "bf16"}, tol = MP_BF16_TOL}} do
+    local runs = {}
+    for _, mode in ipairs{"no_sync", "every"} do
+      runs[mode] = train_wrapped{label = c.label, strategy = "full", k = 2, mode = mode, mp = c.mp}
+    end
+    local l, n, p = compare(c.label, runs.no_sync, runs.every)
+    check(l <= c.tol and n <= c.tol and p <= c.tol, ("%s k=2: no_sync vs every micro-batch: loss "
+      .. "%.2g, clip norm %.2g, parameters %.2g (tolerance %g)"):format(c.label, l, n, p, c.tol))
+    if rank == 0 then
+      print(("%-26s no_sync vs every: loss %.1e  norm %.1e  params %.1e; reduce_scatter %d B vs "
+        .. "%d B per step"):format(c.label .. " k=2", l, n, p,
+        runs.no_sync.traffic.reduce_scatter_bytes, runs.every.traffic.reduce_scatter_bytes))
+    end
+  end
+
   -- the control: micro-batch 1's gradient dropped must not pass
   local bad = train_wrapped{label = "control", strategy = "full", k = 2, mode = "no_sync",
     drop_first = true}
@@ -402,6 +428,16 @@ local function errors()
     for j = 1, #g2[i] do worst = math.max(worst, math.abs(g2[i][j] - e3[i][j])) end
   end
   check(worst < 1e-6, ("after a dropped graph the accumulated gradient is off by %g"):format(worst))
+  opt:zero_grad()
+
+  -- full_params and a checkpoint inside no_sync are fine and leave the held gradient alone
+  fsdp.no_sync(m, function()
+    backward()
+    fsdp.full_params(m, function(mm) check(mm.blocks[1].mlp.fc.weight:numel() > 0, "full_params") end)
+    if a.ckpt then fsdp.save(m, a.ckpt, {format = "sharded", optimizer = opt}) end
+  end)
+  check(unreduced() and fsdp.memory().grads - before == P,
+    "full_params or save inside no_sync took the held gradient")
   opt:zero_grad()
 
   -- refusals: a submodule, bad arguments, unwrap inside

@@ -8,7 +8,7 @@
 # restored state. Last, ranks that disagree on no_sync stop at once with the mismatch named.
 . "${0%/*}/lib.sh"
 for n in 1 2 4; do
-  on_ranks "$n" tests/dist/no_sync.lua
+  on_ranks "$n" tests/dist/no_sync.lua --ckpt="$T/ckpt$n"
   echo "ok: no_sync at $n ranks"
 done
 
