@@ -7,7 +7,8 @@
 -- reducing it when a backward finishes with it (src/fsdp/unit.h, fsdp_unit_set_grad_sync); the
 -- first backward outside reduces the accumulated sum once. This file only turns the units'
 -- flag off and back on (Root:no_sync_enter / no_sync_leave, lua/fsdp/state.lua), restoring it
--- when fn raises; the optimizers refuse to step on unreduced gradients (Root:check_reduced).
+-- when fn raises. A step, clip_grad_norm or unscale_ is refused inside no_sync and, after it,
+-- first reduces what a unit still holds (Root:reduce_held: a unit the last backward left out).
 -- Nothing here communicates: whether a backward reduces must be decided alike on every rank,
 -- so every rank calls no_sync around the same backwards.
 

@@ -136,20 +136,18 @@ end
 
 function Root:in_no_sync() return self._no_sync ~= nil end
 
---- An error (located at the user) unless the gradient shards hold every gradient, for `what`
---- reading them (a step, clipping, unscaling): not inside fsdp.no_sync, and no unit holding
---- gradients accumulated there that no backward outside it has reduced. Same on every rank.
-function Root:check_reduced(what)
+--- Collective. Make the gradient shards hold every gradient, for `what` reading them (a step,
+--- clipping, unscaling): an error (located at the user) inside fsdp.no_sync; else reduce what
+--- a unit still holds from it (a unit the last backward left out, or every micro-batch run
+--- inside no_sync), construction order, as a backward outside would have. Which units hold
+--- one is the same on every rank (their backwards were collective).
+function Root:reduce_held(what)
   if self._no_sync then
     util.raise(("%s: inside fsdp.no_sync the gradients are not reduced across ranks; call it "
       .. "after the backward outside fsdp.no_sync (the last micro-batch's)"):format(what))
   end
   for _, u in ipairs(self._units) do
-    if u:grad_unreduced() then
-      util.raise(("%s: unit '%s' holds gradients accumulated under fsdp.no_sync that no backward "
-        .. "outside it has reduced: run the last micro-batch's backward outside fsdp.no_sync "
-        .. "(or zero_grad to drop them)"):format(what, u.path))
-    end
+    if u:grad_unreduced() then u:reduce_held() end
   end
 end
 

@@ -981,6 +981,32 @@ static int hook_end(void *ud) {
   return FSDP_OK;
 }
 
+/* Average the full gradient across ranks in the reduce dtype (in place: a converted copy when
+ * it differs) and add this rank's part into the f32 gradient shard, which accumulates until
+ * zero_grad. Collective; clobbers the full gradient. `what` prefixes errors. */
+static int reduce_full_grad(fsdp_unit *u, const char *what) {
+  if (!u->full_grad || !u->padded) return FSDP_OK;
+  fsdp_tensor *red;
+  int rc = fsdp_to(&red, u->full_grad, u->device, u->opts.reduce_dtype, FSDP_ROLE_GRADS);
+  if (!rc) {
+    void *fg = flat_data(red);
+    if (u->opts.strategy == FSDP_STRATEGY_NONE) {
+      rc = unit_coll(u, FSDP_COLL_ALL_REDUCE, red->dtype, u->padded, NULL, fg, FSDP_RED_AVG);
+    } else {
+      /* in place: this rank's chunk of the full gradient receives the average */
+      void *mine = (char *)fg + u->shard_offset * (int64_t)fsdp_dtype_size(red->dtype);
+      rc = unit_coll(u, FSDP_COLL_REDUCE_SCATTER, red->dtype, u->shard_numel, fg, mine,
+                     FSDP_RED_AVG);
+    }
+    if (!rc) rc = grad_shard_need(u);
+    if (!rc) rc = add_range(u->grad_shard, 0, red, u->shard_offset, u->shard_numel);
+    fsdp_tensor_release(red);
+  }
+  if (rc) return fsdp_error_context("%s: unit '%s'", what, u->path);
+  u->grad_shard->version++;
+  return FSDP_OK;
+}
+
 /* Every use of the unit has its gradient: average across ranks into the gradient shard (added:
  * it accumulates until zero_grad), free the full gradient, reshard. */
 static int finish_backward(fsdp_unit *u) {
@@ -999,31 +1025,22 @@ static int finish_backward(fsdp_unit *u) {
     if (!rc && u->opts.is_root) rc = drop_all_prefetches();
     return rc;
   }
-  if (u->full_grad && u->padded) {
-    /* reduce in the reduce dtype (in place: a converted copy when it differs), then add this
-     * rank's part into the f32 gradient shard, which accumulates until zero_grad */
-    fsdp_tensor *red;
-    rc = fsdp_to(&red, u->full_grad, u->device, u->opts.reduce_dtype, FSDP_ROLE_GRADS);
-    if (!rc) {
-      void *fg = flat_data(red);
-      if (u->opts.strategy == FSDP_STRATEGY_NONE) {
-        rc = unit_coll(u, FSDP_COLL_ALL_REDUCE, red->dtype, u->padded, NULL, fg, FSDP_RED_AVG);
-      } else {
-        /* in place: this rank's chunk of the full gradient receives the average */
-        void *mine = (char *)fg + u->shard_offset * (int64_t)fsdp_dtype_size(red->dtype);
-        rc = unit_coll(u, FSDP_COLL_REDUCE_SCATTER, red->dtype, u->shard_numel, fg, mine,
-                       FSDP_RED_AVG);
-      }
-      if (!rc) rc = grad_shard_need(u);
-      if (!rc) rc = add_range(u->grad_shard, 0, red, u->shard_offset, u->shard_numel);
-      fsdp_tensor_release(red);
-    }
-    if (rc) fsdp_error_context("backward: unit '%s'", u->path);
-    else u->grad_shard->version++;
-  }
+  rc = reduce_full_grad(u, "backward");
   drop_full_grad(u);
   if (!rc) rc = reshard_impl(u); /* replicated: only undoes a mixed-precision copy */
   if (!rc && u->opts.is_root) rc = drop_all_prefetches(); /* the backward is over */
+  return rc;
+}
+
+int fsdp_unit_reduce_held(fsdp_unit *u) {
+  if (check_live(u, "reduce_held")) return FSDP_ERR;
+  if (!u->grad_held) return FSDP_OK;
+  for (int i = 0; i < u->n; i++)
+    if (grad_is_ours(u, u->params[i].param))
+      return fsdp_error("reduce_held: unit '%s' is inside a backward (its gradients are still "
+                        "accumulating)", u->path);
+  int rc = reduce_full_grad(u, "reduce_held");
+  drop_full_grad(u);
   return rc;
 }
 

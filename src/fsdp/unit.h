@@ -225,8 +225,13 @@ int fsdp_unit_zero_grad(fsdp_unit *u);
 void fsdp_unit_set_grad_sync(fsdp_unit *u, bool sync);
 bool fsdp_unit_grad_sync(const fsdp_unit *u);
 /* Whether the unit holds a full gradient accumulated with sync off that no backward with sync
- * on has reduced yet (the gradient shard does not include it: an optimizer must not step). */
+ * on has reduced yet (the gradient shard does not include it: reduce it before a step). */
 bool fsdp_unit_grad_unreduced(const fsdp_unit *u);
+/* Collective. Reduce a held full gradient now, as the next backward with sync on would (into
+ * the gradient shard, the buffer freed); nothing when the unit holds none. For an optimizer
+ * step after a backward that left the unit out (layer drop) or that ran with sync off. An
+ * error while a backward is inside the unit. */
+int fsdp_unit_reduce_held(fsdp_unit *u);
 /* Whether parameter i received a gradient on THIS rank since the last zero_grad (or since the
  * unit was made): some backward function accumulated into its .grad while the unit's backward
  * ran (a zero gradient counts), or it already had a .grad from an op outside the unit's

@@ -309,6 +309,7 @@ UNIT_ACTION(l_writeback, fsdp_unit_writeback(u))
 UNIT_ACTION(l_post_forward, fsdp_unit_post_forward(u))
 UNIT_ACTION(l_zero_grad, fsdp_unit_zero_grad(u))
 UNIT_ACTION(l_unshard, fsdp_unit_unshard(u))
+UNIT_ACTION(l_reduce_held, fsdp_unit_reduce_held(u))
 
 static int l_pre_forward(lua_State *L) {
   fsdp_unit *u = check_unit(L, 1);
@@ -506,6 +507,7 @@ static const luaL_Reg methods[] = {
     {"set_grad_sync", l_set_grad_sync},
     {"grad_sync", l_grad_sync},
     {"grad_unreduced", l_grad_unreduced},
+    {"reduce_held", l_reduce_held},
     {"numel", l_numel},
     {"padded_numel", l_padded_numel},
     {"shard_numel", l_shard_numel},

@@ -1208,6 +1208,20 @@ static int64_t reduced_bytes(fsdp_comm *c) {
   return st.bytes[FSDP_COLL_REDUCE_SCATTER] + st.bytes[FSDP_COLL_ALL_REDUCE];
 }
 
+/* A tape hook that tries fsdp_unit_reduce_held while the unit's backward is under way. */
+typedef struct {
+  fsdp_unit *u;
+  int rc;
+  char msg[256];
+} probe_ud;
+
+static int probe_reduce_held(void *ud) {
+  probe_ud *p = ud;
+  p->rc = fsdp_unit_reduce_held(p->u);
+  snprintf(p->msg, sizeof p->msg, "%s", p->rc ? fsdp_error_msg() : "");
+  return FSDP_OK;
+}
+
 static bool rank_grad_sync(rank_ctx *ctx) {
   static const fsdp_strategy strategies[] = {FSDP_STRATEGY_FULL, FSDP_STRATEGY_GRAD_OP,
                                              FSDP_STRATEGY_NONE};
@@ -1256,6 +1270,35 @@ static bool rank_grad_sync(rank_ctx *ctx) {
     fsdp_unit_set_grad_sync(u, true);
     CHECK(sum_linear_backward(u, x, w));
     CHECK(grad_is(u, x, 1));
+    /* reduce_held reduces what a backward with sync off left (an optimizer step after a layer
+     * dropped from the last backward), once */
+    fsdp_unit_set_grad_sync(u, false);
+    CHECK(sum_linear_backward(u, x, w));
+    fsdp_unit_set_grad_sync(u, true);
+    fsdp_comm_reset_stats(ctx->comm);
+    CHECK_OK(fsdp_unit_reduce_held(u));
+    CHECK_OK(fsdp_unit_reduce_held(u)); /* nothing held: nothing reduced */
+    CHECK(reduced_bytes(ctx->comm) == P && !fsdp_unit_grad_unreduced(u));
+    CHECK(live(FSDP_ROLE_GRADS) == shards);
+    CHECK(grad_is(u, x, 2));
+    /* ... but not while a backward is inside the unit (its gradient is still accumulating) */
+    fsdp_unit_set_grad_sync(u, false);
+    CHECK(sum_linear_backward(u, x, w));
+    probe_ud probe = {.u = u};
+    fsdp_tensor *loss;
+    CHECK_OK(fsdp_unit_pre_forward(u, NULL));
+    CHECK_OK(fsdp_tape_hook(probe_reduce_held, &probe, NULL)); /* runs between end and begin */
+    CHECK_OK(fsdp_op_linear(&y, x, w, NULL));
+    CHECK_OK(fsdp_unit_post_forward(u));
+    CHECK_OK(fsdp_op_sum(&loss, y));
+    fsdp_tensor_release(y);
+    CHECK_OK(fsdp_backward(loss, NULL));
+    fsdp_tensor_release(loss);
+    CHECK(probe.rc == FSDP_ERR && strstr(probe.msg, "reduce_held: unit 'u' is inside a backward"));
+    CHECK(fsdp_unit_grad_unreduced(u));
+    CHECK_OK(fsdp_unit_reduce_held(u));
+    CHECK(grad_is(u, x, 4)); /* both backwards of the held gradient, nothing lost */
+    fsdp_unit_set_grad_sync(u, true);
     /* unshard drops a held gradient too */
     fsdp_unit_set_grad_sync(u, false);
     CHECK(sum_linear_backward(u, x, w));

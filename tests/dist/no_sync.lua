@@ -20,8 +20,9 @@
 --     every, micro-batch 1 adds nothing;
 --   * a control that drops micro-batch 1's gradient (zero_grad after it) must differ (> 1e-3):
 --     the comparison can fail.
--- errors: what no_sync refuses and restores (see the checks below); with --ckpt, an fsdp.save
---   into DIR inside no_sync too.
+-- errors: what no_sync refuses and restores, and what a step after it reduces (see the checks
+--   below; with --ckpt, an fsdp.save into DIR inside no_sync too); a layer dropped from the
+--   last micro-batch (layer_drop).
 -- --odd_rank=R: rank R runs micro-batch 1 outside no_sync, the others inside: every rank must
 --   fail at once with the collectives' mismatch named (whether to reduce must agree).
 local fsdp = require "fsdp"
@@ -340,18 +341,39 @@ local function errors()
   located("opt:step inside no_sync", err, at)
   all_sync(true, "after an error inside fn")
   check(unreduced(), "the gradient accumulated before fn's error is not held any more")
-  err = expect_error("opt:step after no_sync", "holds gradients accumulated under fsdp.no_sync",
-    function() at = line(); opt:step() end)
-  located("opt:step after no_sync", err, at)
-  err = expect_error("clip_grad_norm after no_sync", "clip_grad_norm: unit '",
-    function() at = line(); fsdp.clip_grad_norm(m, 1.0) end)
-  located("clip_grad_norm after no_sync", err, at)
   fsdp.reset_comm_stats()
   backward()
   check(rs_bytes() == P, ("the backward after no_sync reduce-scattered %d B, expected %d"):format(
     rs_bytes(), P))
   check(not unreduced(), "still unreduced after a backward outside no_sync")
   opt:step()
+  opt:zero_grad()
+
+  -- every micro-batch inside no_sync: the clip (or the step) reduces what is held, once, into
+  -- the same gradient as a last backward outside would have
+  fsdp.no_sync(m, backward)
+  backward()
+  local want2 = grad_shards() -- the usual pattern
+  opt:zero_grad()
+  fsdp.no_sync(m, function() backward(); backward() end)
+  fsdp.reset_comm_stats()
+  fsdp.clip_grad_norm(m, 1e9) -- measures only
+  check(rs_bytes() == P and not unreduced(), ("clip_grad_norm after no_sync reduced %d B, "
+    .. "expected %d"):format(rs_bytes(), P))
+  local held2, off = grad_shards(), 0
+  for i = 1, #want2 do
+    for j = 1, #want2[i] do off = math.max(off, math.abs(want2[i][j] - held2[i][j])) end
+  end
+  check(off < 1e-6, ("two micro-batches inside no_sync, reduced by the clip, differ from the "
+    .. "usual pattern by %g"):format(off))
+  fsdp.reset_comm_stats()
+  opt:step()
+  check(rs_bytes() == 0, "opt:step reduced again what clip_grad_norm reduced")
+  opt:zero_grad()
+  fsdp.no_sync(m, backward)
+  fsdp.reset_comm_stats()
+  opt:step()
+  check(rs_bytes() == P and not unreduced(), "opt:step did not reduce what no_sync held")
   opt:zero_grad()
 
   -- clip_grad_norm and a loss scaler's unscale_ inside no_sync are refused too
@@ -466,6 +488,60 @@ local function errors()
   if rank == 0 then print("errors and state: checked") end
 end
 
+-- Layer drop: unit b runs in micro-batch 1 (inside no_sync) and is skipped, on every rank, in
+-- micro-batch 2 (outside): b still holds its gradient after the last backward, and the step
+-- (here the clip before it) reduces it, once, into what reducing every micro-batch gives.
+local Drop = nn.Module:extend("NoSyncDrop")
+function Drop:init()
+  self.a = nn.Linear(4, 4)
+  self.b = nn.Linear(4, 4)
+end
+function Drop:forward(x)
+  x = self.a(x):relu()
+  if not self.skip then x = self.b(x) end
+  return x
+end
+
+local function layer_drop()
+  local function run(use_no_sync)
+    fsdp.manual_seed(5)
+    local m = Drop()
+    fsdp.wrap(m, {policy = fsdp.policy.list{m.a, m.b}})
+    local z = fsdp.randn{2 + rank, 4} -- each rank its own rows
+    local function micro(skip)
+      m.skip = skip
+      m(z):sum():backward()
+    end
+    fsdp.reset_comm_stats()
+    if use_no_sync then fsdp.no_sync(m, function() micro(false) end) else micro(false) end
+    micro(true)
+    for _, u in ipairs(fsdp.units(m)) do
+      check(u:grad_unreduced() == (use_no_sync and u.path == "b"), ("layer drop: unit %s "
+        .. "grad_unreduced is %s after the last backward"):format(u.path, tostring(u:grad_unreduced())))
+    end
+    fsdp.clip_grad_norm(m, 1e9)
+    local out = {}
+    for _, u in ipairs(fsdp.units(m)) do
+      out[u.path] = C.flat(u:grad_shard())
+      check(not u:grad_unreduced(), u.path .. " still unreduced after the clip")
+    end
+    local rs = fsdp.comm_stats().reduce_scatter_calls
+    fsdp.unwrap(m)
+    return out, rs
+  end
+  local want, rs_every = run(false)
+  local got, rs_held = run(true)
+  local off = 0
+  for path, v in pairs(want) do
+    for j = 1, #v do off = math.max(off, math.abs(v[j] - got[path][j])) end
+  end
+  check(off < 1e-6, ("layer drop under no_sync differs from reducing every micro-batch by %g"):format(off))
+  -- every: a and b after micro-batch 1, a after 2 (the root owns nothing); no_sync: a after 2,
+  -- b at the clip
+  check(rs_every == 3 and rs_held == 2, ("layer drop: %d reduce-scatters (every), %d (no_sync); "
+    .. "expected 3 and 2"):format(rs_every, rs_held))
+end
+
 -- --odd_rank=R: rank R reduces after micro-batch 1, the others do not
 local function odd_rank(r)
   local m = build()
@@ -478,6 +554,9 @@ end
 
 if a.odd_rank then odd_rank(a.odd_rank) end
 if part == "equiv" or part == "all" then equiv() end
-if part == "errors" or part == "all" then errors() end
+if part == "errors" or part == "all" then
+  errors()
+  layer_drop()
+end
 if rank == 0 then print(("world size %d"):format(W)) end
 if C.failures() > 0 then error(("%d no_sync checks failed"):format(C.failures())) end

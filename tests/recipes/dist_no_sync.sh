@@ -5,7 +5,8 @@
 # clipping in play) for every strategy; reduce-scatter (none: all-reduce) bytes per optimizer
 # step are exactly 1/k of reducing every micro-batch; fsdp.memory().grads shows each unit's full
 # gradient held between micro-batches and freed by the last backward; the refusals and the
-# restored state. Last, ranks that disagree on no_sync stop at once with the mismatch named.
+# restored state; a layer dropped from the last micro-batch, its gradient reduced by the clip.
+# Last, ranks that disagree on no_sync stop at once with the mismatch named.
 . "${0%/*}/lib.sh"
 for n in 1 2 4; do
   on_ranks "$n" tests/dist/no_sync.lua --ckpt="$T/ckpt$n"
