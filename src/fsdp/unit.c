@@ -1021,7 +1021,7 @@ static int finish_backward(fsdp_unit *u) {
      * it); only the views go, so the parameters reshard as usual and hold no .grad */
     drop_grad_views(u);
     u->grad_held = true;
-    if (!rc) rc = reshard_impl(u);
+    rc = reshard_impl(u);
     if (!rc && u->opts.is_root) rc = drop_all_prefetches();
     return rc;
   }

@@ -1208,18 +1208,35 @@ static int64_t reduced_bytes(fsdp_comm *c) {
   return st.bytes[FSDP_COLL_REDUCE_SCATTER] + st.bytes[FSDP_COLL_ALL_REDUCE];
 }
 
-/* A tape hook that tries fsdp_unit_reduce_held while the unit's backward is under way. */
+/* A tape hook that calls fsdp_unit_reduce_held (or zero_grad) while the unit's backward is
+ * under way: pushed between the unit's pre_forward and its op, it runs after the op's
+ * backward and before the unit's "begin" hook. */
 typedef struct {
   fsdp_unit *u;
+  bool zero;
   int rc;
   char msg[256];
 } probe_ud;
 
-static int probe_reduce_held(void *ud) {
+static int probe_in_backward(void *ud) {
   probe_ud *p = ud;
-  p->rc = fsdp_unit_reduce_held(p->u);
+  p->rc = p->zero ? fsdp_unit_zero_grad(p->u) : fsdp_unit_reduce_held(p->u);
   snprintf(p->msg, sizeof p->msg, "%s", p->rc ? fsdp_error_msg() : "");
   return FSDP_OK;
+}
+
+/* sum_linear_backward with the probe inside the unit's backward */
+static bool probed_backward(fsdp_unit *u, fsdp_tensor *x, fsdp_tensor *w, probe_ud *probe) {
+  fsdp_tensor *y, *loss;
+  CHECK_OK(fsdp_unit_pre_forward(u, NULL));
+  CHECK_OK(fsdp_tape_hook(probe_in_backward, probe, NULL));
+  CHECK_OK(fsdp_op_linear(&y, x, w, NULL));
+  CHECK_OK(fsdp_unit_post_forward(u));
+  CHECK_OK(fsdp_op_sum(&loss, y));
+  fsdp_tensor_release(y);
+  CHECK_OK(fsdp_backward(loss, NULL));
+  fsdp_tensor_release(loss);
+  return true;
 }
 
 static bool rank_grad_sync(rank_ctx *ctx) {
@@ -1285,19 +1302,20 @@ static bool rank_grad_sync(rank_ctx *ctx) {
     fsdp_unit_set_grad_sync(u, false);
     CHECK(sum_linear_backward(u, x, w));
     probe_ud probe = {.u = u};
-    fsdp_tensor *loss;
-    CHECK_OK(fsdp_unit_pre_forward(u, NULL));
-    CHECK_OK(fsdp_tape_hook(probe_reduce_held, &probe, NULL)); /* runs between end and begin */
-    CHECK_OK(fsdp_op_linear(&y, x, w, NULL));
-    CHECK_OK(fsdp_unit_post_forward(u));
-    CHECK_OK(fsdp_op_sum(&loss, y));
-    fsdp_tensor_release(y);
-    CHECK_OK(fsdp_backward(loss, NULL));
-    fsdp_tensor_release(loss);
+    CHECK(probed_backward(u, x, w, &probe));
     CHECK(probe.rc == FSDP_ERR && strstr(probe.msg, "reduce_held: unit 'u' is inside a backward"));
     CHECK(fsdp_unit_grad_unreduced(u));
     CHECK_OK(fsdp_unit_reduce_held(u));
     CHECK(grad_is(u, x, 4)); /* both backwards of the held gradient, nothing lost */
+    /* zero_grad inside a backward zeroes the held buffer in place (the backward still writes
+     * into it): what the backward added before it is gone, the buffer stays held */
+    CHECK(sum_linear_backward(u, x, w));
+    probe_ud zero = {.u = u, .zero = true};
+    CHECK(probed_backward(u, x, w, &zero));
+    CHECK(zero.rc == FSDP_OK && fsdp_unit_grad_unreduced(u));
+    CHECK(live(FSDP_ROLE_GRADS) - shards == P);
+    CHECK_OK(fsdp_unit_reduce_held(u));
+    CHECK(grad_is(u, x, 0));
     fsdp_unit_set_grad_sync(u, true);
     /* unshard drops a held gradient too */
     fsdp_unit_set_grad_sync(u, false);

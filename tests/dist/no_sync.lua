@@ -484,7 +484,13 @@ local function errors()
     return "ran"
   end)
   check(ran == "ran" and pm.blocks[1].mlp.fc.weight.grad ~= nil, "no_sync on a plain model")
+  -- the unit methods under it
+  expect_error("u:set_grad_sync(1)", "boolean expected", function() units[1]:set_grad_sync(1) end)
   fsdp.unwrap(m)
+  expect_error("reduce_held on an unwrapped unit", ("reduce_held: unit '%s' was unsharded")
+    :format(units[1].path), function()
+    units[1]:reduce_held()
+  end)
   if rank == 0 then print("errors and state: checked") end
 end
 
