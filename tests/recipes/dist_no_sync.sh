@@ -1,6 +1,6 @@
 #!/bin/sh
 # Gradient accumulation without reduction (tests/dist/no_sync.lua states and asserts it): at 1,
-# 2 and 4 ranks, k micro-batches with the first k - 1 backwards inside fsdp.no_sync equal the
+# 2 and 4 ranks (and 2 on the mpi backend), k micro-batches with the first k - 1 backwards inside fsdp.no_sync equal the
 # plain model on the whole batch within 1e-5 (losses, clip norms, parameters; a mask and
 # clipping in play) for every strategy; reduce-scatter (none: all-reduce) bytes per optimizer
 # step are exactly 1/k of reducing every micro-batch; fsdp.memory().grads shows each unit's full
@@ -12,6 +12,16 @@ for n in 1 2 4; do
   on_ranks "$n" tests/dist/no_sync.lua --ckpt="$T/ckpt$n"
   echo "ok: no_sync at $n ranks"
 done
+
+# the same on the mpi backend (ranks as processes), where this build has it
+if command -v mpirun >/dev/null 2>&1 &&
+  "$FSDPRUN" --backend mpi -e 'assert(require("fsdp").backend() == "mpi")' >/dev/null 2>&1; then
+  must_show "no_sync on the mpi backend, 2 ranks" timeout -k 5 120 \
+    "$FSDPRUN" -n 2 --backend mpi tests/dist/no_sync.lua --ckpt="$T/ckpt_mpi"
+  echo "ok: no_sync at 2 ranks, mpi backend"
+else
+  echo "note: no mpirun or no mpi backend in this build: the mpi run is left out"
+fi
 
 # whether a backward reduces must agree across ranks: rank 1 reduces micro-batch 1, rank 0 not
 for n in 2 4; do
