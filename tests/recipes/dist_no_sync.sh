@@ -1,12 +1,12 @@
 #!/bin/sh
-# Gradient accumulation without reduction (tests/dist/no_sync.lua states and asserts it): at 1,
-# 2 and 4 ranks (and 2 on the mpi backend), k micro-batches with the first k - 1 backwards
-# inside fsdp.no_sync equal the plain model on the whole batch within 1e-5 (losses, clip norms, parameters; a mask and
-# clipping in play) for every strategy; reduce-scatter (none: all-reduce) bytes per optimizer
-# step are exactly 1/k of reducing every micro-batch; fsdp.memory().grads shows each unit's full
-# gradient held between micro-batches and freed by the last backward; the refusals and the
-# restored state; a layer dropped from the last micro-batch, its gradient reduced by the clip.
-# Last, ranks that disagree on no_sync stop at once with the mismatch named.
+# Gradient accumulation without reduction (tests/dist/no_sync.lua states and asserts it): at 1, 2
+# and 4 ranks (and 2 on the mpi backend), k micro-batches with the first k - 1 backwards inside
+# fsdp.no_sync equal the plain model on the whole batch within 1e-5 (losses, clip norms,
+# parameters; a mask and clipping in play) for every strategy; reduce-scatter (none: all-reduce)
+# bytes per optimizer step are exactly 1/k of reducing every micro-batch; fsdp.memory().grads
+# shows each unit's full gradient held between micro-batches and freed by the last backward; the
+# refusals and the restored state; a layer dropped from the last micro-batch, its gradient reduced
+# by the clip. Last, ranks that disagree on no_sync stop at once with the mismatch named.
 . "${0%/*}/lib.sh"
 for n in 1 2 4; do
   on_ranks "$n" tests/dist/no_sync.lua --ckpt="$T/ckpt$n"
