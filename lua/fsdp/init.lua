@@ -160,6 +160,7 @@ local other_names = {
   save = "fsdp.checkpoint", load = "fsdp.checkpoint",
   meta = "fsdp.meta", materialize = "fsdp.meta", ties = "fsdp.ties", retie = "fsdp.ties",
   inspect = "fsdp.inspect", debug = "fsdp.repl",
+  no_sync = "fsdp.no_sync",
 }
 -- submodules that are fsdp fields themselves
 local lazy = {

@@ -398,6 +398,7 @@ end
 -- after it, AdamW passes it to its fused kernel.
 function Optimizer:each_slice(fn, only_grads)
   local what = self.kind .. ":step"
+  if only_grads then self.wrapped:reduce_held(what) end -- what fsdp.no_sync left unreduced
   local has = only_grads and agree_grads(self.wrapped, what) or nil
   each_unit(self.wrapped, what, function(u, shard, gshard, slices)
     for _, s in ipairs(slices) do
@@ -1277,6 +1278,7 @@ function optim.clip_grad_norm(model, max_norm)
   end
   local R = wrap_state(model)
   if R then
+    R:reduce_held("clip_grad_norm")
     local sq_sharded, sq_replicated = 0, 0
     local gshards = {}
     each_unit(R, "clip_grad_norm", function(u, _, g, slices)
@@ -1435,6 +1437,7 @@ local function unscale_grads(opt, inv, what)
   local found = false
   local R = opt.wrapped
   if R then
+    R:reduce_held(what)
     each_unit(R, what, function(_, _, g, slices)
       for _, s in ipairs(slices) do
         local n = s.shard_last - s.shard_first + 1

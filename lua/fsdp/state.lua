@@ -117,6 +117,40 @@ function Root:zero_grad()
   for _, u in ipairs(self._units) do u:zero_grad() end
 end
 
+-- ---- gradient accumulation without reduction (fsdp.no_sync, lua/fsdp/no_sync.lua) ------------
+
+--- Enter fsdp.no_sync (nestable): the outermost entry turns every unit's gradient sync off.
+function Root:no_sync_enter()
+  self._no_sync = (self._no_sync or 0) + 1
+  if self._no_sync > 1 then return end
+  for _, u in ipairs(self._units) do u:set_grad_sync(false) end
+end
+
+--- Leave it: the outermost exit turns sync back on (the next backward reduces).
+function Root:no_sync_leave()
+  self._no_sync = self._no_sync - 1
+  if self._no_sync > 0 then return end
+  self._no_sync = nil
+  for _, u in ipairs(self._units) do u:set_grad_sync(true) end
+end
+
+function Root:in_no_sync() return self._no_sync ~= nil end
+
+--- Collective. Make the gradient shards hold every gradient, for `what` reading them (a step,
+--- clipping, unscaling): an error (located at the user) inside fsdp.no_sync; else reduce what
+--- a unit still holds from it (a unit the last backward left out, or every micro-batch run
+--- inside no_sync), construction order, as a backward outside would have. Which units hold
+--- one is the same on every rank (their backwards were collective).
+function Root:reduce_held(what)
+  if self._no_sync then
+    util.raise(("%s: inside fsdp.no_sync the gradients are not reduced across ranks; call it "
+      .. "after the backward outside fsdp.no_sync (the last micro-batch's)"):format(what))
+  end
+  for _, u in ipairs(self._units) do
+    if u:grad_unreduced() then u:reduce_held() end
+  end
+end
+
 -- ---- walks that hold units gathered (full_params, apply, materialize) ----------------------------
 
 --- What walk is running ("fsdp.full_params", "fsdp.apply", ...), or nil.

@@ -489,6 +489,7 @@ function W.unwrap(model)
       :format(model:type_name(), R:model():type_name()))
   end
   R:check_idle("fsdp.unwrap")
+  if R:in_no_sync() then raise("fsdp.unwrap: not inside fsdp.no_sync") end
   R:teardown()
   return model
 end

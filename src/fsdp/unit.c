@@ -102,6 +102,8 @@ struct fsdp_unit {
   fsdp_unit_state state;
   int pending_bwd; /* "begin" hooks on the tape that have not run */
   int open_fwd;    /* pre_forwards that pushed a "begin" and await their post_forward */
+  bool no_sync;    /* fsdp_unit_set_grad_sync(false): keep full_grad instead of reducing it */
+  bool grad_held;  /* full_grad holds gradients of backwards that finished under no_sync */
   bool emptied;    /* unshard ran: the unit holds no parameters */
   /* After an unshard with graphs still recorded through the unit: its former parameters, to
    * tell a backward that reaches them (an error) from one that only passes a dropped graph. */
@@ -879,11 +881,25 @@ int fsdp_unit_writeback(fsdp_unit *u) {
   return FSDP_OK;
 }
 
+static bool grad_is_ours(const fsdp_unit *u, const fsdp_tensor *p);
+static void drop_full_grad(fsdp_unit *u);
+
 int fsdp_unit_zero_grad(fsdp_unit *u) {
   if (check_live(u, "zero_grad")) return FSDP_ERR;
   memset(u->got_grad, 0, (size_t)u->n * sizeof *u->got_grad);
+  if (u->grad_held) {
+    bool in_backward = false; /* views exist only between a backward's end and begin hooks */
+    for (int i = 0; i < u->n; i++)
+      if (grad_is_ours(u, u->params[i].param)) in_backward = true;
+    if (!in_backward) drop_full_grad(u); /* frees what no_sync held */
+    else if (fsdp_fill(u->full_grad, 0.0)) return fsdp_error_context("zero_grad: unit '%s'", u->path);
+  }
   return u->grad_shard ? fsdp_fill(u->grad_shard, 0.0) : FSDP_OK;
 }
+
+void fsdp_unit_set_grad_sync(fsdp_unit *u, bool sync) { u->no_sync = !sync; }
+bool fsdp_unit_grad_sync(const fsdp_unit *u) { return !u->no_sync; }
+bool fsdp_unit_grad_unreduced(const fsdp_unit *u) { return u->grad_held; }
 
 bool fsdp_unit_param_has_grad(const fsdp_unit *u, int i) {
   return i >= 0 && i < u->n && u->got_grad[i];
@@ -908,12 +924,18 @@ static bool grad_is_ours(const fsdp_unit *u, const fsdp_tensor *p) {
   return u->full_grad && p->grad && p->grad->storage == u->full_grad->storage;
 }
 
-/* Drop the full gradient and the parameters' views of it. */
-static void drop_full_grad(fsdp_unit *u) {
+/* Drop the parameters' .grad views of the full gradient (the buffer stays). */
+static void drop_grad_views(fsdp_unit *u) {
   for (int i = 0; i < u->n; i++)
     if (grad_is_ours(u, u->params[i].param)) fsdp_tensor_set_grad(u->params[i].param, NULL);
+}
+
+/* Drop the full gradient and the parameters' views of it. */
+static void drop_full_grad(fsdp_unit *u) {
+  drop_grad_views(u);
   fsdp_tensor_release(u->full_grad);
   u->full_grad = NULL;
+  u->grad_held = false;
 }
 
 /* Backward reached the unit's last forward use: gather, prefetch the unit whose backward
@@ -959,6 +981,32 @@ static int hook_end(void *ud) {
   return FSDP_OK;
 }
 
+/* Average the full gradient across ranks in the reduce dtype (in place: a converted copy when
+ * it differs) and add this rank's part into the f32 gradient shard, which accumulates until
+ * zero_grad. Collective; clobbers the full gradient. `what` prefixes errors. */
+static int reduce_full_grad(fsdp_unit *u, const char *what) {
+  if (!u->full_grad || !u->padded) return FSDP_OK;
+  fsdp_tensor *red;
+  int rc = fsdp_to(&red, u->full_grad, u->device, u->opts.reduce_dtype, FSDP_ROLE_GRADS);
+  if (!rc) {
+    void *fg = flat_data(red);
+    if (u->opts.strategy == FSDP_STRATEGY_NONE) {
+      rc = unit_coll(u, FSDP_COLL_ALL_REDUCE, red->dtype, u->padded, NULL, fg, FSDP_RED_AVG);
+    } else {
+      /* in place: this rank's chunk of the full gradient receives the average */
+      void *mine = (char *)fg + u->shard_offset * (int64_t)fsdp_dtype_size(red->dtype);
+      rc = unit_coll(u, FSDP_COLL_REDUCE_SCATTER, red->dtype, u->shard_numel, fg, mine,
+                     FSDP_RED_AVG);
+    }
+    if (!rc) rc = grad_shard_need(u);
+    if (!rc) rc = add_range(u->grad_shard, 0, red, u->shard_offset, u->shard_numel);
+    fsdp_tensor_release(red);
+  }
+  if (rc) return fsdp_error_context("%s: unit '%s'", what, u->path);
+  u->grad_shard->version++;
+  return FSDP_OK;
+}
+
 /* Every use of the unit has its gradient: average across ranks into the gradient shard (added:
  * it accumulates until zero_grad), free the full gradient, reshard. */
 static int finish_backward(fsdp_unit *u) {
@@ -968,31 +1016,31 @@ static int finish_backward(fsdp_unit *u) {
     fsdp_tensor *p = u->params[i].param;
     if (grad_is_ours(u, p) && p->grad->version != 0) u->got_grad[i] = true;
   }
-  if (u->full_grad && u->padded) {
-    /* reduce in the reduce dtype (in place: a converted copy when it differs), then add this
-     * rank's part into the f32 gradient shard, which accumulates until zero_grad */
-    fsdp_tensor *red;
-    rc = fsdp_to(&red, u->full_grad, u->device, u->opts.reduce_dtype, FSDP_ROLE_GRADS);
-    if (!rc) {
-      void *fg = flat_data(red);
-      if (u->opts.strategy == FSDP_STRATEGY_NONE) {
-        rc = unit_coll(u, FSDP_COLL_ALL_REDUCE, red->dtype, u->padded, NULL, fg, FSDP_RED_AVG);
-      } else {
-        /* in place: this rank's chunk of the full gradient receives the average */
-        void *mine = (char *)fg + u->shard_offset * (int64_t)fsdp_dtype_size(red->dtype);
-        rc = unit_coll(u, FSDP_COLL_REDUCE_SCATTER, red->dtype, u->shard_numel, fg, mine,
-                       FSDP_RED_AVG);
-      }
-      if (!rc) rc = grad_shard_need(u);
-      if (!rc) rc = add_range(u->grad_shard, 0, red, u->shard_offset, u->shard_numel);
-      fsdp_tensor_release(red);
-    }
-    if (rc) fsdp_error_context("backward: unit '%s'", u->path);
-    else u->grad_shard->version++;
+  if (u->no_sync && u->full_grad) {
+    /* fsdp.no_sync: the full gradient stays for the next backward to add into (hook_end finds
+     * it); only the views go, so the parameters reshard as usual and hold no .grad */
+    drop_grad_views(u);
+    u->grad_held = true;
+    rc = reshard_impl(u);
+    if (!rc && u->opts.is_root) rc = drop_all_prefetches();
+    return rc;
   }
+  rc = reduce_full_grad(u, "backward");
   drop_full_grad(u);
   if (!rc) rc = reshard_impl(u); /* replicated: only undoes a mixed-precision copy */
   if (!rc && u->opts.is_root) rc = drop_all_prefetches(); /* the backward is over */
+  return rc;
+}
+
+int fsdp_unit_reduce_held(fsdp_unit *u) {
+  if (check_live(u, "reduce_held")) return FSDP_ERR;
+  if (!u->grad_held) return FSDP_OK;
+  for (int i = 0; i < u->n; i++)
+    if (grad_is_ours(u, u->params[i].param))
+      return fsdp_error("reduce_held: unit '%s' is inside a backward (its gradients are still "
+                        "accumulating)", u->path);
+  int rc = reduce_full_grad(u, "reduce_held");
+  drop_full_grad(u);
   return rc;
 }
 
@@ -1022,7 +1070,10 @@ static void hook_free(void *ud) {
     stale_reached(u); /* a backward stopped inside the unit: its partial gradients go */
     stale_use_done(u);
   } else if (h->begin && !h->ran && --u->pending_bwd == 0) {
-    drop_full_grad(u);
+    /* gradients held under no_sync stay (a graph dropped without backward took none of them;
+     * one stopped half way leaves its partial sums, as it does in a plain model's .grad) */
+    if (u->grad_held) drop_grad_views(u);
+    else drop_full_grad(u);
     drop_prefetch(u);
   }
   fsdp_unit_release(u);

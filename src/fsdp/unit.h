@@ -20,7 +20,8 @@
  * Gradients: during backward each parameter's .grad is a view into the unit's full flat
  * gradient buffer; when the unit's last pending backward use completes, that buffer is
  * reduce-scattered (average over ranks) and ADDED into the unit's gradient shard (so gradients
- * accumulate across backward calls until fsdp_unit_zero_grad), and the full buffer is freed.
+ * accumulate across backward calls until fsdp_unit_zero_grad), and the full buffer is freed
+ * (with gradient sync off it is kept instead and reduced later: fsdp_unit_set_grad_sync).
  * Which parameters received a gradient is noted per parameter (fsdp_unit_param_has_grad).
  *
  * Backward protocol: pre_forward pushes a "begin" hook node onto the tape and post_forward an
@@ -207,8 +208,30 @@ int fsdp_unit_post_forward(fsdp_unit *u);
  * unshard clears it); u itself is ignored. */
 void fsdp_unit_set_backward_prefetch(fsdp_unit *u, fsdp_unit *prev);
 
-/* Gradient shard := 0, and no parameter has a gradient (fsdp_unit_param_has_grad). */
+/* Gradient shard := 0, and no parameter has a gradient (fsdp_unit_param_has_grad). A full
+ * gradient held with sync off (below) is dropped (zeroed instead while a backward is inside
+ * the unit). */
 int fsdp_unit_zero_grad(fsdp_unit *u);
+
+/* Gradient synchronisation (fsdp.no_sync; on by default). With sync off, the backward that
+ * completes the unit's uses keeps its full gradient (P elements of the gradient dtype, on the
+ * unit's device) instead of reducing it: the parameters lose their .grad views and reshard as
+ * usual, the next backward adds into the same buffer, and the first one that completes with
+ * sync on reduce-scatters (NONE: all-reduces) the sum once, adds it into the gradient shard
+ * and frees the buffer. So k backwards cost one reduction and P more elements per unit held
+ * between them. Which parameters got a gradient is noted as usual. A recorded graph dropped
+ * without a backward leaves the held gradient alone; unshard drops it. Local, never
+ * communicates: every rank must set it alike, since it decides whether a backward reduces. */
+void fsdp_unit_set_grad_sync(fsdp_unit *u, bool sync);
+bool fsdp_unit_grad_sync(const fsdp_unit *u);
+/* Whether the unit holds a full gradient accumulated with sync off that no backward with sync
+ * on has reduced yet (the gradient shard does not include it: reduce it before a step). */
+bool fsdp_unit_grad_unreduced(const fsdp_unit *u);
+/* Collective. Reduce a held full gradient now, as the next backward with sync on would (into
+ * the gradient shard, the buffer freed); nothing when the unit holds none. For an optimizer
+ * step after a backward that left the unit out (layer drop) or that ran with sync off. An
+ * error while a backward is inside the unit. */
+int fsdp_unit_reduce_held(fsdp_unit *u);
 /* Whether parameter i received a gradient on THIS rank since the last zero_grad (or since the
  * unit was made): some backward function accumulated into its .grad while the unit's backward
  * ran (a zero gradient counts), or it already had a .grad from an op outside the unit's

@@ -309,6 +309,7 @@ UNIT_ACTION(l_writeback, fsdp_unit_writeback(u))
 UNIT_ACTION(l_post_forward, fsdp_unit_post_forward(u))
 UNIT_ACTION(l_zero_grad, fsdp_unit_zero_grad(u))
 UNIT_ACTION(l_unshard, fsdp_unit_unshard(u))
+UNIT_ACTION(l_reduce_held, fsdp_unit_reduce_held(u))
 
 static int l_pre_forward(lua_State *L) {
   fsdp_unit *u = check_unit(L, 1);
@@ -413,6 +414,26 @@ static int l_has_grad(lua_State *L) {
   return 1;
 }
 
+/* u:set_grad_sync(on): with false, backwards keep the unit's full gradient unreduced until one
+ * with true completes (unit.h, fsdp_unit_set_grad_sync; fsdp.no_sync drives it). */
+static int l_set_grad_sync(lua_State *L) {
+  fsdp_unit *u = check_unit(L, 1);
+  luaL_checktype(L, 2, LUA_TBOOLEAN);
+  fsdp_unit_set_grad_sync(u, lua_toboolean(L, 2));
+  return 0;
+}
+
+static int l_grad_sync(lua_State *L) {
+  lua_pushboolean(L, fsdp_unit_grad_sync(check_unit(L, 1)));
+  return 1;
+}
+
+/* u:grad_unreduced(): the unit holds gradients accumulated with sync off, not reduced yet. */
+static int l_grad_unreduced(lua_State *L) {
+  lua_pushboolean(L, fsdp_unit_grad_unreduced(check_unit(L, 1)));
+  return 1;
+}
+
 static int l_numel(lua_State *L) {
   lua_pushnumber(L, (lua_Number)fsdp_unit_numel(check_unit(L, 1)));
   return 1;
@@ -483,6 +504,10 @@ static const luaL_Reg methods[] = {
     {"layout", l_layout},
     {"local_slices", l_local_slices},
     {"has_grad", l_has_grad},
+    {"set_grad_sync", l_set_grad_sync},
+    {"grad_sync", l_grad_sync},
+    {"grad_unreduced", l_grad_unreduced},
+    {"reduce_held", l_reduce_held},
     {"numel", l_numel},
     {"padded_numel", l_padded_numel},
     {"shard_numel", l_shard_numel},

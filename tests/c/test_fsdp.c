@@ -1172,6 +1172,169 @@ static void test_has_grad(void **state) {
   for (int W = 1; W <= 3; W++) run_ranks(W, rank_has_grad, NULL);
 }
 
+/* ---- gradient sync off (fsdp.no_sync) --------------------------------------------------------- */
+
+/* One forward + backward of loss = sum(linear(x, w)) through unit u. */
+static bool sum_linear_backward(fsdp_unit *u, fsdp_tensor *x, fsdp_tensor *w) {
+  fsdp_tensor *y, *loss;
+  CHECK_OK(fsdp_unit_pre_forward(u, NULL));
+  CHECK_OK(fsdp_op_linear(&y, x, w, NULL));
+  CHECK_OK(fsdp_unit_post_forward(u));
+  CHECK_OK(fsdp_op_sum(&loss, y));
+  fsdp_tensor_release(y);
+  CHECK_OK(fsdp_backward(loss, NULL));
+  fsdp_tensor_release(loss);
+  return true;
+}
+
+/* The gradient shard is `times` x d sum(x w^T) / dw (the same x on every rank). */
+static bool grad_is(fsdp_unit *u, fsdp_tensor *x, int times) {
+  fsdp_tensor *gs;
+  CHECK_OK(fsdp_unit_grad_shard(u, &gs));
+  for (int64_t j = 0; j < gs->shape[0]; j++) {
+    int64_t f = fsdp_unit_shard_offset(u) + j;
+    float want = 0;
+    if (f < 16)
+      for (int r = 0; r < 3; r++) want += (float)times * D(x)[r * 4 + f % 4];
+    CHECK(close_to(D(gs)[j], want, 1e-6f));
+  }
+  fsdp_tensor_release(gs);
+  return true;
+}
+
+static int64_t reduced_bytes(fsdp_comm *c) {
+  fsdp_comm_stats st;
+  fsdp_comm_get_stats(c, &st);
+  return st.bytes[FSDP_COLL_REDUCE_SCATTER] + st.bytes[FSDP_COLL_ALL_REDUCE];
+}
+
+/* A tape hook that calls fsdp_unit_reduce_held (or zero_grad) while the unit's backward is
+ * under way: pushed between the unit's pre_forward and its op, it runs after the op's
+ * backward and before the unit's "begin" hook. */
+typedef struct {
+  fsdp_unit *u;
+  bool zero;
+  int rc;
+  char msg[256];
+} probe_ud;
+
+static int probe_in_backward(void *ud) {
+  probe_ud *p = ud;
+  p->rc = p->zero ? fsdp_unit_zero_grad(p->u) : fsdp_unit_reduce_held(p->u);
+  snprintf(p->msg, sizeof p->msg, "%s", p->rc ? fsdp_error_msg() : "");
+  return FSDP_OK;
+}
+
+/* sum_linear_backward with the probe inside the unit's backward */
+static bool probed_backward(fsdp_unit *u, fsdp_tensor *x, fsdp_tensor *w, probe_ud *probe) {
+  fsdp_tensor *y, *loss;
+  CHECK_OK(fsdp_unit_pre_forward(u, NULL));
+  CHECK_OK(fsdp_tape_hook(probe_in_backward, probe, NULL));
+  CHECK_OK(fsdp_op_linear(&y, x, w, NULL));
+  CHECK_OK(fsdp_unit_post_forward(u));
+  CHECK_OK(fsdp_op_sum(&loss, y));
+  fsdp_tensor_release(y);
+  CHECK_OK(fsdp_backward(loss, NULL));
+  fsdp_tensor_release(loss);
+  return true;
+}
+
+static bool rank_grad_sync(rank_ctx *ctx) {
+  static const fsdp_strategy strategies[] = {FSDP_STRATEGY_FULL, FSDP_STRATEGY_GRAD_OP,
+                                             FSDP_STRATEGY_NONE};
+  for (int k = 0; k < 3; k++) {
+    fsdp_tensor *w = param_new("w", 2, SHAPE(4, 4)), *x = data_new("x", 3, 4);
+    const char *pp[1] = {"w"};
+    fsdp_unit_opts o = {.strategy = strategies[k], .is_root = true, .reshard_after_forward = true};
+    fsdp_unit *u;
+    CHECK_OK(fsdp_unit_new(&u, ctx->comm, "u", &w, pp, 1, &o));
+    CHECK(fsdp_unit_grad_sync(u) && !fsdp_unit_grad_unreduced(u));
+    int64_t P = fsdp_unit_padded_numel(u) * 4, grads0 = live(FSDP_ROLE_GRADS);
+    /* sync off: two backwards reduce nothing and hold the full gradient (P bytes); the
+     * parameter keeps no .grad and reshards as usual */
+    fsdp_unit_set_grad_sync(u, false);
+    fsdp_comm_reset_stats(ctx->comm);
+    for (int s = 0; s < 2; s++) CHECK(sum_linear_backward(u, x, w));
+    CHECK(reduced_bytes(ctx->comm) == 0);
+    CHECK(fsdp_unit_grad_unreduced(u) && !fsdp_unit_grad_sync(u));
+    CHECK(live(FSDP_ROLE_GRADS) - grads0 == P);
+    CHECK(w->grad == NULL);
+    CHECK(fsdp_unit_param_has_grad(u, 0));
+    if (strategies[k] != FSDP_STRATEGY_NONE) CHECK(fsdp_unit_state_get(u) == FSDP_UNIT_SHARDED);
+    /* a graph dropped without backward leaves the held gradient alone */
+    fsdp_tensor *y;
+    CHECK_OK(fsdp_unit_pre_forward(u, NULL));
+    CHECK_OK(fsdp_op_linear(&y, x, w, NULL));
+    CHECK_OK(fsdp_unit_post_forward(u));
+    fsdp_tensor_release(y);
+    fsdp_tape_clear();
+    CHECK(fsdp_unit_grad_unreduced(u) && live(FSDP_ROLE_GRADS) - grads0 == P);
+    /* sync on: the third backward reduces the sum of all three once, and frees the buffer */
+    fsdp_unit_set_grad_sync(u, true);
+    CHECK(sum_linear_backward(u, x, w));
+    CHECK(reduced_bytes(ctx->comm) == P);
+    CHECK(!fsdp_unit_grad_unreduced(u));
+    CHECK(grad_is(u, x, 3));
+    int64_t shards = live(FSDP_ROLE_GRADS); /* the gradient shard, made by that backward */
+    /* zero_grad drops a held gradient: what follows counts one backward only */
+    CHECK_OK(fsdp_unit_zero_grad(u));
+    fsdp_unit_set_grad_sync(u, false);
+    CHECK(sum_linear_backward(u, x, w));
+    CHECK(live(FSDP_ROLE_GRADS) - shards == P);
+    CHECK_OK(fsdp_unit_zero_grad(u));
+    CHECK(!fsdp_unit_grad_unreduced(u) && live(FSDP_ROLE_GRADS) == shards);
+    CHECK(!fsdp_unit_param_has_grad(u, 0));
+    fsdp_unit_set_grad_sync(u, true);
+    CHECK(sum_linear_backward(u, x, w));
+    CHECK(grad_is(u, x, 1));
+    /* reduce_held reduces what a backward with sync off left (an optimizer step after a layer
+     * dropped from the last backward), once */
+    fsdp_unit_set_grad_sync(u, false);
+    CHECK(sum_linear_backward(u, x, w));
+    fsdp_unit_set_grad_sync(u, true);
+    fsdp_comm_reset_stats(ctx->comm);
+    CHECK_OK(fsdp_unit_reduce_held(u));
+    CHECK_OK(fsdp_unit_reduce_held(u)); /* nothing held: nothing reduced */
+    CHECK(reduced_bytes(ctx->comm) == P && !fsdp_unit_grad_unreduced(u));
+    CHECK(live(FSDP_ROLE_GRADS) == shards);
+    CHECK(grad_is(u, x, 2));
+    /* ... but not while a backward is inside the unit (its gradient is still accumulating) */
+    fsdp_unit_set_grad_sync(u, false);
+    CHECK(sum_linear_backward(u, x, w));
+    probe_ud probe = {.u = u};
+    CHECK(probed_backward(u, x, w, &probe));
+    CHECK(probe.rc == FSDP_ERR && strstr(probe.msg, "reduce_held: unit 'u' is inside a backward"));
+    CHECK(fsdp_unit_grad_unreduced(u));
+    CHECK_OK(fsdp_unit_reduce_held(u));
+    CHECK(grad_is(u, x, 4)); /* both backwards of the held gradient, nothing lost */
+    /* zero_grad inside a backward zeroes the held buffer in place (the backward still writes
+     * into it): what the backward added before it is gone, the buffer stays held */
+    CHECK(sum_linear_backward(u, x, w));
+    probe_ud zero = {.u = u, .zero = true};
+    CHECK(probed_backward(u, x, w, &zero));
+    CHECK(zero.rc == FSDP_OK && fsdp_unit_grad_unreduced(u));
+    CHECK(live(FSDP_ROLE_GRADS) - shards == P);
+    CHECK_OK(fsdp_unit_reduce_held(u));
+    CHECK(grad_is(u, x, 0));
+    fsdp_unit_set_grad_sync(u, true);
+    /* unshard drops a held gradient too */
+    fsdp_unit_set_grad_sync(u, false);
+    CHECK(sum_linear_backward(u, x, w));
+    CHECK_OK(fsdp_unit_unshard(u));
+    CHECK(!fsdp_unit_grad_unreduced(u) && w->grad == NULL);
+    fsdp_unit_release(u);
+    fsdp_tensor_release(w);
+    fsdp_tensor_release(x);
+    CHECK(live(FSDP_ROLE_GRADS) == grads0);
+  }
+  return true;
+}
+
+static void test_grad_sync(void **state) {
+  (void)state;
+  for (int W = 1; W <= 3; W++) run_ranks(W, rank_grad_sync, NULL);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_layout),
@@ -1188,6 +1351,7 @@ int main(void) {
       cmocka_unit_test(test_grad_shard_lazy),
       cmocka_unit_test(test_misc),
       cmocka_unit_test(test_has_grad),
+      cmocka_unit_test(test_grad_sync),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -351,6 +351,55 @@ describe("models on another device", function()
     H.assert_error_has(function() meta:to("cpu2") end, "has no values to move: materialize it first")
   end)
 
+  it("no_sync holds the full gradient on the unit's device (offload too), trains like reducing each time", function()
+    -- k = 2 micro-batches per step, the first inside fsdp.no_sync or not; the held gradient is
+    -- the unit's full gradient, on the device the parameters compute on
+    local function run(offload, no_sync)
+      fsdp.manual_seed(11)
+      local m = nn.GPT{vocab = 16, ctx = 8, d = 16, layers = 2, heads = 2}
+      m:to("cpu2")
+      fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}, offload = offload})
+      local P = 0
+      for _, u in ipairs(fsdp.units(m)) do P = P + u:padded_numel() * 4 end
+      -- SGD: Adam would blow the ~1e-9 noise of attention's key-bias gradient (exactly zero in
+      -- exact arithmetic) up to lr-sized steps, which differ between the two summation orders
+      local opt = fsdp.optim.SGD(m, {lr = 0.1, momentum = 0.9, weight_decay = 0.1})
+      local ids = fsdp.tensor({{1, 2, 3, 4, 5}, {5, 6, 7, 8, 9}}, {dtype = "i64", device = "cpu2"})
+      local function grads(dev) return fsdp.memory().devices[dev].grads or 0 end
+      for _ = 1, 3 do
+        opt:zero_grad()
+        for i = 1, 2 do
+          local function micro()
+            local x = ids:narrow(1, i, 1)
+            local loss = nn.F.cross_entropy(m(x), x) * 0.5
+            loss:backward()
+          end
+          if no_sync and i == 1 then
+            local on_dev, on_cpu = grads("cpu2"), grads("cpu")
+            fsdp.no_sync(m, micro)
+            assert.are.equal(P, grads("cpu2") - on_dev)
+            assert.are.equal(0, grads("cpu") - on_cpu)
+          else
+            micro()
+          end
+        end
+        fsdp.clip_grad_norm(m, 1.0)
+        opt:step()
+      end
+      local flat = {}
+      fsdp.full_params(m, function(full)
+        for path, p in full:named_parameters() do flat[path] = H.flat(p:to("cpu")) end
+      end, {writeback = false})
+      return flat
+    end
+    for _, offload in ipairs{false, "cpu"} do
+      local every, held = run(offload, false), run(offload, true)
+      for path, v in pairs(every) do
+        for k = 1, #v do assert.is_true(math.abs(v[k] - held[path][k]) <= 1e-6, path) end
+      end
+    end
+  end)
+
   it("wrap{offload = \"cpu\"} keeps shards and optimizer state on the host, trains like without", function()
     local function run(offload, mask)
       fsdp.manual_seed(11)
