@@ -94,7 +94,9 @@ end
 local function train_plain()
   local m, mask = build()
   fsdp.set_mask(m.blocks[1].mlp.fc.weight, mask)
-  local opt = fsdp.optim.SGD(m, opt_cfg)
+  -- the unwrapped reference: every rank trains the same whole model on the whole batch
+  local opt = fsdp.optim.SGD(m, {lr = opt_cfg.lr, momentum = opt_cfg.momentum,
+                                 weight_decay = opt_cfg.weight_decay, local_only = true})
   local losses, norms = {}, {}
   for s = 1, STEPS do
     local x, y = batch(s, 1, B)
