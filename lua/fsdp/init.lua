@@ -148,6 +148,7 @@ local other_names = {
   save = "fsdp.checkpoint", load = "fsdp.checkpoint",
   meta = "fsdp.meta", materialize = "fsdp.meta", ties = "fsdp.ties", retie = "fsdp.ties",
   inspect = "fsdp.inspect", debug = "fsdp.repl",
+  export_hf = "fsdp.hf", import_hf = "fsdp.hf",
 }
 -- submodules that are fsdp fields themselves
 local lazy = {
