@@ -15,7 +15,7 @@
 -- model each rank's shard slices only (a transposed weight is read whole, one at a time, on
 -- the ranks whose slices it touches), so a model larger than one rank's memory loads.
 -- The export's metadata holds the model's own configuration as "fsdp.config" (JSON of
--- GPT:config()), which fsdp.load_model uses to rebuild it.
+-- GPT:config(), as fsdp.save stores it too); import_hf takes its dropout from there.
 
 local core = require "fsdp.core"
 local collective = require "fsdp.collective"
@@ -23,7 +23,9 @@ local load_tensors = require "fsdp.load_tensors"
 local meta = require "fsdp.meta"
 local nn = require "fsdp.nn"
 local state = require "fsdp.state"
+local ties = require "fsdp.ties"
 local util = require "fsdp.util"
+local wrap = require "fsdp.wrap"
 
 local raise = util.raise
 
@@ -180,7 +182,7 @@ function M.export_hf(model, dir)
   local by_path = {}
   for _, e in ipairs(list) do by_path[e.path] = e end
   -- the model's parameters must be exactly GPT-2's (a subclass may add its own)
-  local order, paths = require("fsdp.ties").all_paths(model)
+  local order, paths = ties.all_paths(model)
   local item = {}
   for _, p in ipairs(order) do
     local e = by_path[paths[p][1]]
@@ -408,7 +410,7 @@ function M.import_hf(dir, opts)
     else
       model = meta.meta(function() return nn.GPT(F.cfg) end)
       if opts.meta then return end
-      if opts.wrap then require("fsdp.wrap").wrap(model, opts.wrap) end
+      if opts.wrap then wrap.wrap(model, opts.wrap) end
     end
     load_tensors.load_tensors(model, source(F), {strict = true})
   end)

@@ -267,3 +267,39 @@ describe("fsdp.export_hf", function()
       "parameter extra.weight has no GPT-2 counterpart")
   end)
 end)
+
+describe("fsdp.load_model", function()
+  it("rebuilds an nn.GPT from the configuration stored with it", function()
+    fsdp.manual_seed(2)
+    local m = nn.GPT{vocab = 30, ctx = 8, d = 16, layers = 2, heads = 2, eps = 1e-6, dropout = 0.1,
+      hidden = 24, tie = false}
+    local dir = H.mktemp_dir()
+    fsdp.save(m, dir .. "/a.safetensors")
+    fsdp.save(m, dir .. "/sharded")
+    fsdp.export_hf(m, dir .. "/hf")
+    for _, c in ipairs{{"a.safetensors", "safetensors"}, {"sharded", "sharded"}, {"hf", "hf"}} do
+      local b, _, info = fsdp.load_model(dir .. "/" .. c[1])
+      assert.are.equal(c[2], info.format)
+      assert.are.same(m:config(), b:config())
+      assert.are.same(values(m), values(b))
+      local w = fsdp.load_model(dir .. "/" .. c[1], {wrap = {policy = fsdp.policy.modules{nn.Block}}})
+      assert.is_true(fsdp.is_wrapped(w))
+      fsdp.full_params(w, function(full) assert.are.same(values(m), values(full)) end)
+    end
+    os.execute("rm -rf '" .. dir .. "'")
+  end)
+
+  it("says what is missing when a checkpoint has no configuration", function()
+    local dir = H.mktemp_dir()
+    fsdp.save(nn.Linear(2, 3), dir .. "/lin.safetensors")
+    fsdp.save(nn.Linear(2, 3), dir .. "/lin")
+    errors_with(function() fsdp.load_model(dir .. "/lin.safetensors") end,
+      "fsdp.load_model: " .. dir .. "/lin.safetensors has no fsdp.config in its metadata",
+      "build the model as the recipe does and fsdp.load it")
+    errors_with(function() fsdp.load_model(dir .. "/lin") end, dir .. "/lin/index.json has no config")
+    errors_with(function() fsdp.load_model(dir .. "/nothing") end, "is no checkpoint")
+    errors_with(function() fsdp.load_model(dir, {wrapp = 1}) end,
+      "fsdp.load_model: unknown option 'wrapp' (valid: strict, wrap)")
+    os.execute("rm -rf '" .. dir .. "'")
+  end)
+end)
