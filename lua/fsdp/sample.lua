@@ -10,6 +10,7 @@
 local core = require "fsdp.core"
 local checkpoint = require "fsdp.checkpoint"
 local nn = require "fsdp.nn"
+local policy = require "fsdp.policy"
 
 local M = {}
 
@@ -119,6 +120,7 @@ function M.command(...)
   if o == nil then return nil end
   local tok = bytes
   if o.tokenizer then
+    -- only when asked: fsdp.tokenizer needs the SentencePiece library, bytes need nothing
     local found, tokenizer = pcall(require, "fsdp.tokenizer")
     if not found then
       if not tostring(tokenizer):find("module 'fsdp.tokenizer' not found", 1, true) then
@@ -129,7 +131,7 @@ function M.command(...)
     tok = tokenizer.load(o.tokenizer)
   end
   local wrap
-  if core.world_size() > 1 then wrap = {policy = require("fsdp.policy").modules{nn.Block}} end
+  if core.world_size() > 1 then wrap = {policy = policy.modules{nn.Block}} end
   local model = checkpoint.load_model(o.checkpoint, {wrap = wrap})
   if tok == bytes and model.vocab < 256 then
     fail("%s: the model's vocabulary has %d ids, fewer than the 256 bytes: give its --tokenizer",
