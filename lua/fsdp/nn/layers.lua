@@ -233,7 +233,10 @@ end
 -- token (T = 1) whose query attends over the cached keys and its own, so it costs O(pos), not
 -- O(pos^2). Used under no_grad only.
 local function heads_view(t, B, T, nh, hs) -- (B, T, d) view of qkv's third -> (B, nh, T, hs)
-  return t:contiguous():view{B, T, nh, hs}:transpose(2, 3):contiguous()
+  local c = t:contiguous()
+  local out = c:view{B, T, nh, hs}:transpose(2, 3):contiguous()
+  if not rawequal(c, t) then c:free() end
+  return out
 end
 
 local function cached_attention(self, qkv, kv)
