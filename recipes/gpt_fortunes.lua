@@ -180,6 +180,6 @@ if scaler:is_enabled() then
     :format(scaler:get_scale(), skipped))
 end
 -- every rank runs the sampler (the forward passes are collective); rank 0 prints
-local text = model:generate(train:encode("Q: "), args.sample, { temperature = 0.8 })
+local text = model:generate(train:encode("Q: "), { max_new_tokens = args.sample, temperature = 0.8 })
 say("sample:\n" .. train:decode(text))
 return val_loss

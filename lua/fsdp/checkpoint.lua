@@ -34,7 +34,11 @@
 -- alone). Saving agrees before anything irreversible (the index commit).
 
 local core = require "fsdp.core"
+local hf = require "fsdp.hf"
 local mask = require "fsdp.mask"
+local meta = require "fsdp.meta"
+local nn = require "fsdp.nn"
+local wrap = require "fsdp.wrap"
 local C = require "fsdp.checkpoint.common"
 local safetensors = require "fsdp.checkpoint.safetensors"
 local sharded = require "fsdp.checkpoint.sharded"
@@ -173,6 +177,8 @@ function M.save(model, path, opts)
     raise("fsdp.save: step must be an integer >= 0")
   end
   local X = {tensors = {}} -- extra: its JSON (tensors as tags) and its tensors
+  -- an nn.GPT's configuration, so fsdp.load_model can rebuild it without the recipe
+  if model:type_name() == "GPT" and type(model.config) == "function" then X.config = model:config() end
   if opts.extra ~= nil then
     local ok, err = pcall(function() X.json, X.tensors = C.split_extra(opts.extra) end)
     if ok then
@@ -226,6 +232,57 @@ function M.load(model, path, opts)
     info.step, info.world_size, info.generation = plan.index.step, plan.index.world_size, plan.index.generation
   end
   return plan.extra or {}, info
+end
+
+local LOAD_MODEL_OPTS = {"wrap", "strict"}
+
+-- The nn.GPT configuration stored with a checkpoint at path, or nil and why not.
+local function stored_config(path)
+  if core.io_size(path) then -- a safetensors file
+    local r = core.st_open(path)
+    local text = r:metadata()["fsdp.config"]
+    r:close()
+    if text == nil then return nil, path .. " has no fsdp.config in its metadata" end
+    return core.json_decode(text, path .. ": fsdp.config")
+  end
+  local ipath = C.path_join(C.strip_slashes(path), "index.json")
+  if not core.io_size(ipath) then
+    return nil, path .. " is no checkpoint (no such file, and no folder with index.json or config.json)"
+  end
+  local index = core.json_read(ipath)
+  if type(index) ~= "table" or type(index.config) ~= "table" then
+    return nil, ipath .. " has no config"
+  end
+  return index.config
+end
+
+--- Collective when wrap is given. load_model(path [, {wrap =, strict = true}]) -> model,
+--- extra, info: the nn.GPT a checkpoint holds, rebuilt from the configuration saved with it
+--- (fsdp.save and fsdp.export_hf store GPT:config(); a Hugging Face GPT-2 folder's config.json
+--- serves too), built on meta and filled by fsdp.load (or fsdp.import_hf for a folder with
+--- config.json). wrap = fsdp.wrap's options: wrapped before loading, so each rank reads only
+--- its shards.
+function M.load_model(path, opts)
+  opts = util.check_opts("fsdp.load_model", opts, LOAD_MODEL_OPTS)
+  if type(path) ~= "string" or path == "" then raise("fsdp.load_model: path must be a non-empty string") end
+  if opts.wrap ~= nil and type(opts.wrap) ~= "table" then
+    raise("fsdp.load_model: wrap must be fsdp.wrap's options table")
+  end
+  if core.io_size(C.path_join(C.strip_slashes(path), "config.json")) then
+    local model = hf.import_hf(path, {wrap = opts.wrap, strict = opts.strict})
+    return model, {}, {format = "hf"}
+  end
+  local ok, cfg, why = pcall(stored_config, path)
+  if not ok then raise("fsdp.load_model: " .. util.strip(cfg)) end
+  if cfg == nil then
+    raise(("fsdp.load_model: %s: build the model as the recipe does and fsdp.load it (checkpoints "
+      .. "of an nn.GPT carry its configuration)"):format(why))
+  end
+  local built, model = pcall(meta.meta, function() return nn.GPT(cfg) end)
+  if not built then raise("fsdp.load_model: " .. path .. ": the stored configuration: " .. util.strip(model)) end
+  if opts.wrap then wrap.wrap(model, opts.wrap) end
+  local extra, info = M.load(model, path, {strict = opts.strict})
+  return model, extra, info
 end
 
 return M

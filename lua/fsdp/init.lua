@@ -157,10 +157,11 @@ local wrap_names = {
 -- names that live in other library files, resolved on first use
 local other_names = {
   set_mask = "fsdp.mask", mask = "fsdp.mask", sparsity = "fsdp.mask",
-  save = "fsdp.checkpoint", load = "fsdp.checkpoint",
+  save = "fsdp.checkpoint", load = "fsdp.checkpoint", load_model = "fsdp.checkpoint",
   meta = "fsdp.meta", materialize = "fsdp.meta", ties = "fsdp.ties", retie = "fsdp.ties",
   inspect = "fsdp.inspect", debug = "fsdp.repl",
   no_sync = "fsdp.no_sync",
+  export_hf = "fsdp.hf", import_hf = "fsdp.hf",
 }
 -- submodules that are fsdp fields themselves
 local lazy = {

@@ -24,8 +24,9 @@ local raise, is_module = util.raise, util.is_module
 local M = {}
 
 -- The source adapted to {names, shape(name), get(name), get_slice(name, first, count) or nil}.
+-- A table with an entries method is a reader (fsdp.hf's view of a Hugging Face file).
 local function as_source(x)
-  if type(x) == "table" then
+  if type(x) == "table" and type(rawget(x, "entries")) ~= "function" then
     local names = {}
     for k, v in pairs(x) do
       if type(k) ~= "string" or not util.is_tensor(v) then

@@ -625,6 +625,7 @@ static int run_host(fsdprun_opts *o, fsdp_host_opts ho) {
  * so a missing file or a syntax error is reported once rather than by every rank. Returns 0,
  * or 1 after reporting. */
 static int load_recipe_once(fsdprun_opts *o) {
+  if (o->source != NULL) return 0; /* a built-in subcommand's chunk (fsdprun sample) */
   const char *fname = o->argv[o->script];
   bool from_stdin = strcmp(fname, "-") == 0;
   FILE *f = from_stdin ? stdin : fopen(fname, "rb");
@@ -881,6 +882,8 @@ static void print_usage(FILE *f) {
           "usage: " PROGNAME " [options] [--] recipe.lua [args...]\n"
           "       " PROGNAME " plot metrics.jsonl [-o out.svg] [--title=TEXT]"
           "   (see '" PROGNAME " plot --help')\n"
+          "       " PROGNAME " [options] sample CHECKPOINT --prompt=TEXT [...]"
+          "   (see '" PROGNAME " sample --help')\n"
           "Run a Lua training recipe on the fsdprun engine.\n"
           "\n"
           "options:\n"
@@ -968,6 +971,16 @@ static int parse_args(fsdprun_opts *o) {
     const char *a = argv[i];
     if (a[0] != '-' || strcmp(a, "-") == 0) {
       o->script = i;
+      if (strcmp(a, "sample") == 0) {
+        /* `fsdprun [options] sample CHECKPOINT ...`: the recipe is lua/fsdp/sample.lua's
+         * command, on as many ranks as -n gives (docs/cli.md) */
+        static const char chunk[] = "return require('fsdp.sample').command(...)";
+        o->source = malloc(sizeof chunk); /* main frees it */
+        if (o->source == NULL) return usage_error("out of memory%s%s", "", "");
+        memcpy(o->source, chunk, sizeof chunk);
+        o->source_len = sizeof chunk - 1;
+        o->chunkname = "=fsdprun sample";
+      }
       break;
     }
     if (strcmp(a, "--") == 0) {

@@ -709,20 +709,20 @@ describe("nn GPT", function()
   it("generates reproducibly, in eval mode, without recording", function()
     fsdp.manual_seed(4)
     local m = small_gpt{dropout = 0.1}
-    local out = m:generate({1, 2, 3}, 12, {seed = 99, top_k = 5})
+    local out = m:generate({1, 2, 3}, {max_new_tokens = 12, seed = 99, top_k = 5})
     assert.are.equal(15, #out)
     assert.are.same({1, 2, 3}, {out[1], out[2], out[3]})
     for _, id in ipairs(out) do assert.is_true(id >= 0 and id < 11 and id % 1 == 0) end
-    assert.are.same(out, m:generate(fsdp.tensor{{1, 2, 3}}, 12, {seed = 99, top_k = 5}))
+    assert.are.same(out, m:generate(fsdp.tensor{{1, 2, 3}}, {max_new_tokens = 12, seed = 99, top_k = 5}))
     assert.is_true(m.training) -- restored
     -- greedy = top_k 1 = the argmax of the last logits
-    local greedy = m:generate({4}, 1, {temperature = 0})
+    local greedy = m:generate({4}, {max_new_tokens = 1, temperature = 0})
     m:eval()
     local last = m(fsdp.tensor{{4}}):totable()[1][1]
     local best = 1
     for i = 2, #last do if last[i] > last[best] then best = i end end
     assert.are.equal(best - 1, greedy[2])
-    assert.are.same(greedy, m:generate({4}, 1, {top_k = 1, seed = 1}))
+    assert.are.same(greedy, m:generate({4}, {max_new_tokens = 1, top_k = 1, seed = 1}))
   end)
 
   it("samples from the softmax distribution", function()
@@ -779,7 +779,7 @@ describe("nn training", function()
       last = loss:item()
     end
     assert.is_true(last < first / 5, ("loss %g -> %g"):format(first, last))
-    assert.are.same({1, 2, 3, 4, 5, 6, 7, 8, 9}, m:generate({1}, 8, {temperature = 0}))
+    assert.are.same({1, 2, 3, 4, 5, 6, 7, 8, 9}, m:generate({1}, {max_new_tokens = 8, temperature = 0}))
   end)
 end)
 

@@ -37,12 +37,12 @@ describe("unknown option keys", function()
     {"nn.CausalSelfAttention", function() nn.CausalSelfAttention(8, 2, {dropuot = 0.1}) end,
       "dropuot", "dropout"},
     {"nn.MLP", function() nn.MLP(8, 16, {dropuot = 0.1}) end, "dropuot", "dropout"},
-    {"nn.Block", function() nn.Block(8, 2, {hiden = 16}) end, "hiden", "dropout, hidden"},
+    {"nn.Block", function() nn.Block(8, 2, {hiden = 16}) end, "hiden", "dropout, eps, hidden"},
     {"nn.GPT", function() nn.GPT{vocab = 16, ctx = 8, d = 8, layers = 1, heads = 2, tei = true} end,
-      "tei", "ctx, d, dropout, heads, hidden, layers, tie, vocab"},
+      "tei", "ctx, d, dropout, eps, heads, hidden, layers, tie, vocab"},
     {"GPT:generate", function()
-      nn.GPT{vocab = 16, ctx = 8, d = 8, layers = 1, heads = 2}:generate({1}, 2, {temprature = 1})
-    end, "temprature", "seed, temperature, top_k"},
+      nn.GPT{vocab = 16, ctx = 8, d = 8, layers = 1, heads = 2}:generate({1}, {max_new_tokens = 2, temprature = 1})
+    end, "temprature", "cache, max_new_tokens, seed, temperature, top_k, top_p"},
     {"cross_entropy", function() nn.F.cross_entropy(fsdp.randn{2, 3}, fsdp.tensor{0, 1}, {ignore = 1}) end,
       "ignore", "ignore_index"},
     {"prune.magnitude", function() fsdp.prune.magnitude(nn.Linear(4, 4), {sparsty = 0.5}) end,
@@ -91,14 +91,19 @@ describe("option values", function()
       "nn.GPT: tie must be true or false (got 1)")
     assert.is_nil(nn.Linear(4, 4, {bias = false}).bias)
   end)
-  it("generate: n, temperature and top_k in range", function()
+  it("generate: max_new_tokens, temperature, top_k and top_p in range", function()
     local g = nn.GPT{vocab = 16, ctx = 8, d = 8, layers = 1, heads = 2}
-    errors_with(function() g:generate({1}, -1) end, "GPT:generate: n must be an integer >= 0 (got -1)")
-    errors_with(function() g:generate({1}, 1.5) end, "GPT:generate: n must be an integer >= 0 (got 1.5)")
-    errors_with(function() g:generate({1}, 2, {temperature = -1}) end,
+    errors_with(function() g:generate({1}, {max_new_tokens = -1}) end,
+      "GPT:generate: max_new_tokens must be an integer >= 0 (got -1)")
+    errors_with(function() g:generate({1}, {max_new_tokens = 1.5}) end,
+      "GPT:generate: max_new_tokens must be an integer >= 0 (got 1.5)")
+    errors_with(function() g:generate({1}, {}) end, "GPT:generate: max_new_tokens is required")
+    errors_with(function() g:generate({1}, {max_new_tokens = 2, top_p = 0}) end,
+      "GPT:generate: top_p must be a number in (0, 1] (got 0)")
+    errors_with(function() g:generate({1}, {max_new_tokens = 2, temperature = -1}) end,
       "GPT:generate: temperature must be a number >= 0 (got -1)")
-    errors_with(function() g:generate({1}, 2, {top_k = 0}) end, "GPT:generate: top_k must be an integer >= 1 (got 0)")
-    assert.equal(3, #g:generate({1}, 2, {temperature = 0, top_k = 3}))
+    errors_with(function() g:generate({1}, {max_new_tokens = 2, top_k = 0}) end, "GPT:generate: top_k must be an integer >= 1 (got 0)")
+    assert.equal(3, #g:generate({1}, {max_new_tokens = 2, temperature = 0, top_k = 3}))
   end)
   it("data: a seed must be an integer", function()
     errors_with(function() data.text(text_file(), {ctx = 8, batch = 2, seed = "x"}) end,

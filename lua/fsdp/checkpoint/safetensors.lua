@@ -66,6 +66,7 @@ function S.save(model, path, opts, R, X)
   meta["fsdp.format"] = "fsdprun.safetensors"
   meta["fsdp.version"] = "1"
   if X.text then meta["fsdp.extra"] = X.text end
+  if X.config then meta["fsdp.config"] = core.json_encode(X.config) end
   if opts.step ~= nil then meta["fsdp.step"] = tostring(opts.step) end
 
   -- rank 0 opens the writer; every rank learns whether it could

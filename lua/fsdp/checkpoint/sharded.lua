@@ -172,6 +172,7 @@ local function index_of(P, parts, slices, has_mask, all, gen, opts, loaders, X)
   end
   if opts.schedule then index.schedule = opts.schedule:state_dict() end
   if X.json ~= nil then index.extra = X.json end
+  if X.config ~= nil then index.config = X.config end
   if #X.tensors > 0 then
     index.extra_tensors = {}
     for i, x in ipairs(X.tensors) do

@@ -26,10 +26,13 @@ local function need_int(cfg, k, min)
   return v
 end
 
--- GPT{vocab =, ctx =, d =, layers =, heads =, tie = true, dropout = 0, hidden = 4d}
+local CONFIG_KEYS = {"vocab", "ctx", "d", "layers", "heads", "tie", "dropout", "hidden", "eps"}
+
+-- GPT{vocab =, ctx =, d =, layers =, heads =, tie = true, dropout = 0, hidden = 4d, eps = 1e-5}
+-- eps: every LayerNorm's (GPT-2's layer_norm_epsilon). GPT:config() gives the table back.
 function GPT:init(cfg)
   if type(cfg) ~= "table" then base.raise("nn.GPT: expects a table {vocab=, ctx=, d=, layers=, heads=}") end
-  util.check_opts("nn.GPT", cfg, {"vocab", "ctx", "d", "layers", "heads", "tie", "dropout", "hidden"})
+  util.check_opts("nn.GPT", cfg, CONFIG_KEYS)
   if cfg.tie ~= nil and type(cfg.tie) ~= "boolean" then
     base.raise(("nn.GPT: tie must be true or false (got %s)"):format(tostring(cfg.tie)))
   end
@@ -38,19 +41,25 @@ function GPT:init(cfg)
   self.d = need_int(cfg, "d", 1)
   self.layers = need_int(cfg, "layers", 0)
   self.heads = need_int(cfg, "heads", 1)
+  self.hidden = cfg.hidden == nil and 4 * self.d or need_int(cfg, "hidden", 1)
   self.tie = cfg.tie ~= false
   self.dropout = cfg.dropout or 0
   if type(self.dropout) ~= "number" or self.dropout < 0 or self.dropout >= 1 then
     base.raise(("nn.GPT: dropout must be a number in [0, 1) (got %s)"):format(tostring(cfg.dropout)))
+  end
+  self.eps = cfg.eps or 1e-5
+  if type(self.eps) ~= "number" or not (self.eps > 0) then
+    base.raise(("nn.GPT: eps must be a positive number (got %s)"):format(tostring(cfg.eps)))
   end
   local d = self.d
   self.wte = L.Embedding(self.vocab, d)
   self.wpe = L.Embedding(self.ctx, d)
   self.blocks = L.ModuleList()
   for _ = 1, self.layers do
-    self.blocks:append(L.Block(d, self.heads, {dropout = self.dropout, hidden = cfg.hidden}))
+    self.blocks:append(L.Block(d, self.heads, {dropout = self.dropout, hidden = self.hidden,
+      eps = self.eps}))
   end
-  self.ln_f = L.LayerNorm(d)
+  self.ln_f = L.LayerNorm(d, {eps = self.eps})
   if self.tie then
     -- the head's own weight is replaced by the tie at once: build it with no storage, or it
     -- would stay allocated (and counted by fsdp.memory()) until Lua collected it
@@ -79,6 +88,14 @@ function GPT:init(cfg)
     self.blocks[i].attn.proj:set_init("weight", "normal", 0, std)
     self.blocks[i].mlp.proj:set_init("weight", "normal", 0, std)
   end
+end
+
+-- The configuration this model was built from: nn.GPT(m:config()) builds the same
+-- architecture. A plain table of numbers and a boolean (JSON-able: checkpoints store it).
+function GPT:config()
+  return {vocab = self.vocab, ctx = self.ctx, d = self.d, layers = self.layers,
+    heads = self.heads, tie = self.tie, dropout = self.dropout, hidden = self.hidden,
+    eps = self.eps}
 end
 
 -- Positions 0..T-1 (i64) as a view of one cached arange(ctx) (no tensor per step but the view).
@@ -112,19 +129,29 @@ end
 
 -- ids (B, T) integral values in [0, vocab), i64 (the data loaders') or f32; a wrapped model
 -- with mp casts floating inputs to bf16/f16, which the embedding refuses -> logits (B, T, vocab)
-function GPT:forward(ids)
+-- cache (GPT:new_cache(), generate's): ids are the tokens at positions cache.pos .. cache.pos +
+-- T - 1, each layer attends over the keys and values cached before them, and cache.pos
+-- advances by T. Without a cache ids start at position 0.
+function GPT:forward(ids, cache)
   local shape = ids:shape()
   if #shape ~= 2 then
     error(("expected ids of shape (B, T), got (%s)"):format(table.concat(shape, ", ")), 0)
   end
   local T = shape[2]
-  if T > self.ctx then
+  local start = cache and cache.pos or 0
+  if start + T > self.ctx then
+    if cache then
+      error(("sequence length T=%d after %d cached tokens exceeds the model's context ctx=%d")
+        :format(T, start, self.ctx), 0)
+    end
     error(("sequence length T=%d exceeds the model's context ctx=%d"):format(T, self.ctx), 0)
   end
   -- every intermediate is released once used (module.lua, "releasing intermediates")
   local tok = self.wte(ids) -- (B, T, d)
   local pos
-  if self.wpe.weight:dtype() == "f32" then
+  if cache then
+    pos = self.wpe(self:positions(start + T):narrow(1, start + 1, T)) -- (T, d)
+  elseif self.wpe.weight:dtype() == "f32" then
     pos = self.wpe(self:positions(T)) -- (T, d)
   else
     pos = self.wpe(self:row_positions(shape[1], T)) -- (B, T, d)
@@ -137,9 +164,13 @@ function GPT:forward(ids)
   x = y
   local blocks = self.blocks
   for i = 1, #blocks do
-    y = blocks[i](x)
+    y = blocks[i](x, cache and cache.layers[i])
     release(x, ids, y)
     x = y
+  end
+  if cache then
+    cache.pos = start + T
+    for i = 1, #blocks do cache.layers[i].pos = cache.pos end
   end
   local h = self.ln_f(x)
   release(x, ids, h)
@@ -149,9 +180,26 @@ function GPT:forward(ids)
 end
 
 function GPT:extra_repr()
-  return ("vocab=%d, ctx=%d, d=%d, layers=%d, heads=%d, tie=%s%s"):format(self.vocab, self.ctx,
+  return ("vocab=%d, ctx=%d, d=%d, layers=%d, heads=%d, tie=%s%s%s%s"):format(self.vocab, self.ctx,
     self.d, self.layers, self.heads, tostring(self.tie),
-    self.dropout > 0 and (", dropout=" .. self.dropout) or "")
+    self.dropout > 0 and (", dropout=" .. self.dropout) or "",
+    self.hidden ~= 4 * self.d and (", hidden=" .. self.hidden) or "",
+    self.eps ~= 1e-5 and (", eps=" .. self.eps) or "")
+end
+
+-- An empty key/value cache for forward(ids, cache): per layer the keys and values of the
+-- positions seen so far, allocated on the first forward in the activations' dtype and device
+-- ((B, heads, ctx, d / heads) each). Cache:free() drops them.
+function GPT:new_cache()
+  local layers = {}
+  for i = 1, #self.blocks do layers[i] = {pos = 0, ctx = self.ctx} end
+  return {pos = 0, layers = layers, free = function(c)
+    for _, l in ipairs(c.layers) do
+      if l.k then l.k:free() l.v:free() end
+      l.k, l.v, l.pos = nil, nil, 0
+    end
+    c.pos = 0
+  end}
 end
 
 -- ---- sampling -----------------------------------------------------------------------------
@@ -172,7 +220,11 @@ local function prompt_ids(x)
 end
 
 -- Draw one id from logits (a Lua array over the vocabulary, ids 0-based) given u in [0, 1).
-local function draw(logits, temperature, top_k, u)
+-- temperature <= 0: the largest logit (the first of equals). Otherwise softmax(logits /
+-- temperature) restricted to the top_k largest logits (ties at the k-th all kept), then to the
+-- smallest set of most likely ids whose probability reaches top_p (nucleus; the most likely id
+-- always stays); u picks from what is left by its cumulative weights in id order.
+local function draw(logits, temperature, top_k, u, top_p)
   local V = #logits
   if temperature <= 0 then -- greedy
     local best = 1
@@ -194,6 +246,24 @@ local function draw(logits, temperature, top_k, u)
     w[i] = l >= cut and math.exp((l - mx) / temperature) or 0
     total = total + w[i]
   end
+  if top_p and top_p < 1 then
+    local order = {}
+    for i = 1, V do if w[i] > 0 then order[#order + 1] = i end end
+    table.sort(order, function(a, b)
+      if w[a] ~= w[b] then return w[a] > w[b] end
+      return a < b
+    end)
+    local acc, keep = 0, 0
+    for n, i in ipairs(order) do
+      acc = acc + w[i]
+      keep = n
+      if acc >= top_p * total then break end
+    end
+    total = 0
+    for n, i in ipairs(order) do
+      if n > keep then w[i] = 0 else total = total + w[i] end
+    end
+  end
   local r, acc = u * total, 0
   for i = 1, V do
     acc = acc + w[i]
@@ -204,28 +274,53 @@ local function draw(logits, temperature, top_k, u)
 end
 GPT.draw = draw -- exposed for tests
 
--- generate(prompt, n, {temperature = 1, top_k = nil, seed = nil}) -> Lua array of ids: the
--- prompt (a table of ids, or a (T) / (1, T) tensor) followed by n sampled ids. Runs in eval
--- mode under no_grad (the training flag is restored after). temperature 0 is greedy. Draws
--- come from the counter-based generator: with opts.seed they are keyed by (seed, position), so
--- the same call gives the same text; without it by (fsdp.seed(), call number, position), so
--- successive calls differ but a run is reproducible and every rank samples the same text.
-function GPT:generate(prompt, n, opts)
-  opts = util.check_opts("GPT:generate", opts, {"temperature", "top_k", "seed"})
-  if type(n) ~= "number" or n % 1 ~= 0 or n < 0 then
-    base.raise(("GPT:generate: n must be an integer >= 0 (got %s)"):format(tostring(n)))
+local GENERATE_OPTS = {"max_new_tokens", "temperature", "top_k", "top_p", "seed", "cache"}
+
+local function check_generate(opts, vocab)
+  opts = util.check_opts("GPT:generate", opts, GENERATE_OPTS)
+  local function int(k, min, default)
+    local v = opts[k]
+    if v == nil then return default end
+    if type(v) ~= "number" or v ~= math.floor(v) or v < min then
+      base.raise(("GPT:generate: %s must be an integer >= %d (got %s)"):format(k, min, tostring(v)))
+    end
+    return v
   end
-  if opts.temperature ~= nil and (type(opts.temperature) ~= "number" or not (opts.temperature >= 0)) then
+  local o = {n = int("max_new_tokens", 0, nil), top_k = int("top_k", 1, nil),
+    seed = int("seed", 0, nil), temperature = opts.temperature or 1, top_p = opts.top_p,
+    cache = opts.cache ~= false}
+  if o.n == nil then base.raise("GPT:generate: max_new_tokens is required") end
+  if type(o.temperature) ~= "number" or o.temperature < 0 then
     base.raise(("GPT:generate: temperature must be a number >= 0 (got %s)"):format(tostring(opts.temperature)))
   end
-  local k = opts.top_k
-  if k ~= nil and (type(k) ~= "number" or k % 1 ~= 0 or k < 1) then
-    base.raise(("GPT:generate: top_k must be an integer >= 1 (got %s)"):format(tostring(k)))
+  if o.top_p ~= nil and (type(o.top_p) ~= "number" or not (o.top_p > 0 and o.top_p <= 1)) then
+    base.raise(("GPT:generate: top_p must be a number in (0, 1] (got %s)"):format(tostring(opts.top_p)))
   end
+  if o.top_k and o.top_k > vocab then o.top_k = vocab end
+  return o
+end
+
+-- generate(ids, {max_new_tokens =, temperature = 1, top_k, top_p, seed, cache = true}) -> Lua
+-- array of ids: the prompt (a table of ids, or a (T) / (1, T) tensor) followed by
+-- max_new_tokens sampled ids. Runs in eval mode under no_grad (the training flag is restored
+-- after). temperature 0 is greedy. Draws come from the counter-based generator: with seed they
+-- are keyed by (seed, position), so the same call gives the same text; without it by
+-- (fsdp.seed(), call number, position), so successive calls differ but a run is reproducible
+-- and every rank samples the same text. With cache (the default) the prompt runs once and each
+-- new token attends over the cached keys and values (O(T) per token); once the text outgrows
+-- ctx, every token reruns the last ctx ids (the positions shift), as cache = false always does.
+-- The older form generate(ids, n, opts) is max_new_tokens = n.
+function GPT:generate(prompt, opts, more)
+  if type(opts) == "number" then
+    local o = {}
+    for k, v in pairs(more or {}) do o[k] = v end
+    o.max_new_tokens = opts
+    opts = o
+  end
+  local o = check_generate(opts, self.vocab)
   local ids = prompt_ids(prompt)
   if #ids == 0 then base.raise("GPT:generate: empty prompt") end
-  local temperature = opts.temperature or 1
-  local seed, stream = opts.seed, "generate/"
+  local seed, stream = o.seed, "generate/"
   if seed == nil then
     sample_calls = sample_calls + 1
     seed, stream = core.seed(), "generate/" .. sample_calls .. "/"
@@ -233,18 +328,30 @@ function GPT:generate(prompt, n, opts)
   local was_training = self.training
   self:eval()
   local u = core.zeros{1}
+  local cache = o.cache and self:new_cache() or nil
   local ok, err = pcall(util.no_grad, function()
-    for step = 1, n do
-      local first = math.max(1, #ids - self.ctx + 1)
-      local window = {}
-      for j = first, #ids do window[#window + 1] = ids[j] end
-      local T = #window
-      local logits = self(core.tensor({window}, {dtype = "i64"})) -- (1, T, V)
+    for step = 1, o.n do
+      local logits
+      if cache and #ids <= self.ctx then
+        local first = cache.pos + 1 -- the ids not yet in the cache
+        local window = {}
+        for j = first, #ids do window[#window + 1] = ids[j] end
+        logits = self(core.tensor({window}, {dtype = "i64"}), cache) -- (1, T, V)
+      else
+        if cache then cache:free() cache = nil end
+        local first = math.max(1, #ids - self.ctx + 1)
+        local window = {}
+        for j = first, #ids do window[#window + 1] = ids[j] end
+        logits = self(core.tensor({window}, {dtype = "i64"})) -- (1, T, V)
+      end
+      local T = logits:shape()[2]
       local last = logits:narrow(2, T, 1):reshape{self.vocab}:totable()
+      logits:free()
       core.init_uniform(u, seed, stream .. step, 0, 1)
-      ids[#ids + 1] = draw(last, temperature, opts.top_k, u:item())
+      ids[#ids + 1] = draw(last, o.temperature, o.top_k, u:item(), o.top_p)
     end
   end)
+  if cache then cache:free() end
   self:train(was_training)
   if not ok then error(err, 0) end
   return ids

@@ -239,9 +239,66 @@ function CausalSelfAttention:init(d, heads, opts)
   self.proj = Linear(d, d)
 end
 
-function CausalSelfAttention:forward(x)
+-- The key/value cache of one layer (GPT:generate): kv = {pos = tokens already cached, k =, v =
+-- (B, heads, ctx, hs) or nil until the first call}. Called with kv, a forward at pos 0 (the
+-- prompt: any T) runs the fused kernel and stores the keys and values; at pos > 0 x is one new
+-- token (T = 1) whose query attends over the cached keys and its own, so it costs O(pos), not
+-- O(pos^2). Used under no_grad only.
+local function heads_view(t, B, T, nh, hs) -- (B, T, d) view of qkv's third -> (B, nh, T, hs)
+  local c = t:contiguous()
+  local out = c:view{B, T, nh, hs}:transpose(2, 3):contiguous()
+  if not rawequal(c, t) then c:free() end
+  return out
+end
+
+local function cached_attention(self, qkv, kv)
+  local s = qkv:shape()
+  local B, T, d, nh = s[1], s[2], self.d, self.heads
+  local hs = d / nh
+  local pos = kv.pos
+  if kv.k == nil then
+    local ctx = kv.ctx
+    kv.k = core.zeros({B, nh, ctx, hs}, {dtype = qkv:dtype(), device = qkv.device})
+    kv.v = core.zeros({B, nh, ctx, hs}, {dtype = qkv:dtype(), device = qkv.device})
+  end
+  local k = heads_view(qkv:narrow(3, d + 1, d), B, T, nh, hs)
+  local v = heads_view(qkv:narrow(3, 2 * d + 1, d), B, T, nh, hs)
+  kv.k:narrow(3, pos + 1, T):copy(k)
+  kv.v:narrow(3, pos + 1, T):copy(v)
+  k:free()
+  v:free()
+  if pos == 0 then return core.F.attention(qkv, nh) end -- (B, T, d)
+  if T ~= 1 then
+    error(("attention cache: %d new tokens at position %d (one at a time after the prompt)")
+      :format(T, pos), 0)
+  end
+  local n = pos + 1
+  local q = heads_view(qkv:narrow(3, 1, d), B, 1, nh, hs) -- (B, nh, 1, hs)
+  local kt = kv.k:narrow(3, 1, n):transpose(3, 4):contiguous() -- (B, nh, hs, n)
+  local scores = q:matmul(kt) -- (B, nh, 1, n)
+  q:free()
+  kt:free()
+  local scaled = scores * (1 / math.sqrt(hs))
+  scores:free()
+  local att = scaled:softmax(-1)
+  scaled:free()
+  local vs = kv.v:narrow(3, 1, n):contiguous() -- (B, nh, n, hs)
+  local o = att:matmul(vs) -- (B, nh, 1, hs)
+  att:free()
+  vs:free()
+  local y = o:transpose(2, 3):contiguous():view{B, 1, d}
+  o:free()
+  return y
+end
+
+function CausalSelfAttention:forward(x, kv)
   local qkv = self.qkv(x) -- (B, T, 3d)
-  local y = core.F.attention(qkv, self.heads) -- (B, T, d)
+  local y
+  if kv ~= nil then
+    y = cached_attention(self, qkv, kv)
+  else
+    y = core.F.attention(qkv, self.heads) -- (B, T, d)
+  end
   release(qkv, x)
   local p = self.proj(y)
   release(y, x)
@@ -306,19 +363,20 @@ end
 local Block = Module:extend("Block")
 L.Block = Block
 
--- Block(d, heads, {dropout = 0, hidden = 4d}): pre-norm transformer block,
---   x = x + attn(ln1(x));  x = x + mlp(ln2(x)).   Children ln1, attn, ln2, mlp.
+-- Block(d, heads, {dropout = 0, hidden = 4d, eps = 1e-5}): pre-norm transformer block,
+--   x = x + attn(ln1(x));  x = x + mlp(ln2(x)).   Children ln1, attn, ln2, mlp; eps is the
+-- LayerNorms'. forward(x, kv): kv is the attention's cache (CausalSelfAttention) or nil.
 function Block:init(d, heads, opts)
-  opts = U.check_opts("nn.Block", opts, {"dropout", "hidden"})
-  self.ln1 = LayerNorm(d)
+  opts = U.check_opts("nn.Block", opts, {"dropout", "hidden", "eps"})
+  self.ln1 = LayerNorm(d, {eps = opts.eps})
   self.attn = CausalSelfAttention(d, heads, {dropout = opts.dropout})
-  self.ln2 = LayerNorm(d)
+  self.ln2 = LayerNorm(d, {eps = opts.eps})
   self.mlp = MLP(d, opts.hidden or 4 * d, {dropout = opts.dropout})
 end
 
-function Block:forward(x)
+function Block:forward(x, kv)
   local h = self.ln1(x)
-  local a = self.attn(h)
+  local a = self.attn(h, kv)
   release(h, x)
   local x1 = x + a
   release(a, x)

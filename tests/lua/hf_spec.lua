@@ -1,0 +1,305 @@
+-- hf_spec.lua — fsdp.import_hf / fsdp.export_hf (lua/fsdp/hf.lua) at world size 1, against a
+-- GPT-2 made and run by transformers (tests/fixtures/hf_gpt2: make_fixture.py wrote it).
+-- Several ranks: tests/dist/hf_ranks.lua. Run: busted --lua=luajit tests/lua/hf_spec.lua
+
+local fsdp = require "fsdp"
+local core = fsdp.core
+local nn = fsdp.nn
+local H = require "helpers"
+
+local errors_with = H.assert_error_has
+local FIXTURE = "tests/fixtures/hf_gpt2/model"
+local EXPECTED = "tests/fixtures/hf_gpt2/expected.safetensors"
+
+local function expected()
+  local r = core.st_open(EXPECTED)
+  local e = {ids = r:read("input_ids"), logits = r:read("logits"), greedy = r:read("greedy"):totable()[1]}
+  r:close()
+  return e
+end
+
+local function max_diff(a, b) return (a - b):abs():max() end
+
+local function logits(m, ids) return fsdp.no_grad(function() return m(ids) end) end
+
+local function values(m)
+  local out = {}
+  for path, p in m:named_parameters() do out[path] = H.flat_view(p:detach()) end
+  return out
+end
+
+local function copy_dir(src, dst)
+  assert(os.execute(("mkdir -p '%s' && cp '%s'/config.json '%s'/model.safetensors '%s'/")
+    :format(dst, src, src, dst)) == 0)
+end
+
+-- A copy of the fixture whose config.json has `change` applied (keys set; false values kept).
+local function with_config(change)
+  local dir = H.mktemp_dir()
+  copy_dir(FIXTURE, dir)
+  local cfg = core.json_read(dir .. "/config.json")
+  for k, v in pairs(change) do cfg[k] = v end
+  core.json_write(dir .. "/config.json", cfg)
+  return dir
+end
+
+-- A copy of the fixture whose weights file holds the fixture's tensors renamed by rename(name)
+-- (nil drops one) plus `add` ({name = tensor}).
+local function with_tensors(rename, add)
+  local dir = H.mktemp_dir()
+  copy_dir(FIXTURE, dir)
+  local r = core.st_open(FIXTURE .. "/model.safetensors")
+  local entries, data = {}, {}
+  for _, e in ipairs(r:entries()) do
+    local n = rename(e.name)
+    if n then
+      entries[#entries + 1] = {name = n, shape = e.shape, dtype = e.dtype}
+      data[#data + 1] = r:read(e.name)
+    end
+  end
+  r:close()
+  for n, t in pairs(add or {}) do
+    entries[#entries + 1] = {name = n, shape = t:shape(), dtype = "F32"}
+    data[#data + 1] = t
+  end
+  local w = core.st_writer(dir .. "/model.safetensors", entries, {format = "pt"})
+  for i, e in ipairs(entries) do w:write(e.name, data[i]) end
+  w:commit()
+  return dir
+end
+
+describe("fsdp.import_hf", function()
+  it("gives the logits transformers computed on the fixture (within 1e-4)", function()
+    local e = expected()
+    local m = fsdp.import_hf(FIXTURE)
+    assert.is_true(nn.isinstance(m, nn.GPT))
+    assert.are.same({vocab = 300, ctx = 64, d = 64, layers = 2, heads = 4, tie = true,
+      dropout = 0, hidden = 256, eps = 1e-5}, m:config())
+    assert.is_true(rawequal(m.head.weight, m.wte.weight))
+    local d = max_diff(logits(m, e.ids), e.logits)
+    assert.is_true(d < 1e-4, "max |logits - transformers'| = " .. d)
+    -- and a perturbed model is farther than that: the check can fail
+    fsdp.no_grad(function() m.blocks[2].attn.qkv.bias:add_(fsdp.full({192}, 1e-3)) end)
+    assert.is_true(max_diff(logits(m, e.ids), e.logits) > 1e-4)
+  end)
+
+  it("continues a prompt greedily as transformers' generate does", function()
+    local e = expected()
+    local m = fsdp.import_hf(FIXTURE)
+    local prompt = {}
+    for i = 1, 8 do prompt[i] = e.greedy[i] end
+    for _, cache in ipairs{true, false} do
+      assert.are.same(e.greedy, m:generate(prompt, {max_new_tokens = #e.greedy - 8,
+        temperature = 0, cache = cache}))
+    end
+  end)
+
+  it("reads GPT2Model's names (no transformer. prefix) and ignores attention buffers", function()
+    local e = expected()
+    local dir = with_tensors(function(n) return (n:gsub("^transformer%.", "")) end,
+      {["h.0.attn.bias"] = fsdp.ones{1, 1, 64, 64}})
+    local m = fsdp.import_hf(dir)
+    assert.is_true(max_diff(logits(m, e.ids), e.logits) < 1e-4)
+    os.execute("rm -rf '" .. dir .. "'")
+  end)
+
+  it("builds on meta, and fills a model wrapped on meta from the file", function()
+    local e = expected()
+    local plain = fsdp.import_hf(FIXTURE)
+    local m = fsdp.import_hf(FIXTURE, {meta = true})
+    for _, p in ipairs(m:parameters()) do assert.are.equal("meta", p.device) end
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    assert.are.equal(m, fsdp.import_hf(FIXTURE, {model = m}))
+    assert.are.equal(0, max_diff(logits(m, e.ids), logits(plain, e.ids)))
+    local w = fsdp.import_hf(FIXTURE, {wrap = {policy = fsdp.policy.modules{nn.Block}}})
+    assert.is_true(fsdp.is_wrapped(w))
+    assert.are.equal(0, max_diff(logits(w, e.ids), logits(plain, e.ids)))
+    -- and an eager model of the same shape
+    fsdp.manual_seed(1)
+    local eager = nn.GPT(plain:config())
+    fsdp.import_hf(FIXTURE, {model = eager})
+    assert.are.same(values(plain), values(eager))
+  end)
+
+  it("refuses a folder without config.json or model.safetensors, naming the file", function()
+    local dir = H.mktemp_dir()
+    errors_with(function() fsdp.import_hf(dir) end, dir .. "/config.json: no such file")
+    copy_dir(FIXTURE, dir)
+    os.remove(dir .. "/model.safetensors")
+    errors_with(function() fsdp.import_hf(dir) end, dir .. "/model.safetensors: no such file")
+    H.write_file(dir .. "/pytorch_model.bin", "x")
+    errors_with(function() fsdp.import_hf(dir) end, "only safetensors weights are read")
+    os.remove(dir .. "/pytorch_model.bin")
+    H.write_file(dir .. "/model.safetensors.index.json", "{}")
+    errors_with(function() fsdp.import_hf(dir) end, "split over several files")
+    H.write_file(dir .. "/config.json", "{not json")
+    errors_with(function() fsdp.import_hf(dir) end, "fsdp.import_hf: ", "config.json")
+    os.execute("rm -rf '" .. dir .. "'")
+  end)
+
+  it("refuses configurations nn.GPT cannot compute exactly, naming the key", function()
+    local cases = {
+      {{activation_function = "relu"}, "activation_function = relu is not supported"},
+      {{activation_function = "gelu"}, "activation_function = gelu is not supported"},
+      {{scale_attn_by_inverse_layer_idx = true}, "scale_attn_by_inverse_layer_idx = true is not supported"},
+      {{scale_attn_weights = false}, "scale_attn_weights = false is not supported"},
+      {{add_cross_attention = true}, "add_cross_attention = true is not supported"},
+      {{model_type = "llama"}, "model_type = llama is not supported"},
+      {{n_head = 5}, "n_head = 5 does not divide n_embd = 64"},
+      {{n_layer = 1.5}, "n_layer = 1.5 is not an integer >= 0"},
+    }
+    for _, c in ipairs(cases) do
+      local dir = with_config(c[1])
+      errors_with(function() fsdp.import_hf(dir) end, "fsdp.import_hf: " .. dir .. "/config.json: " .. c[2])
+      os.execute("rm -rf '" .. dir .. "'")
+    end
+  end)
+
+  it("refuses weights that do not fit config.json, naming the tensor", function()
+    local dir = with_config{vocab_size = 301}
+    errors_with(function() fsdp.import_hf(dir) end,
+      "tensor 'transformer.wte.weight' has shape (300, 64), config.json makes it (301, 64)")
+    os.execute("rm -rf '" .. dir .. "'")
+    dir = with_config{n_inner = 128}
+    errors_with(function() fsdp.import_hf(dir) end,
+      "tensor 'transformer.h.0.mlp.c_fc.weight' has shape (64, 256), config.json makes it (64, 128)")
+    os.execute("rm -rf '" .. dir .. "'")
+    dir = with_config{n_layer = 3}
+    errors_with(function() fsdp.import_hf(dir) end, "has no tensor transformer.h.2.ln_1.weight")
+    os.execute("rm -rf '" .. dir .. "'")
+    dir = with_config{tie_word_embeddings = false}
+    errors_with(function() fsdp.import_hf(dir) end, "has no tensor lm_head.weight")
+    os.execute("rm -rf '" .. dir .. "'")
+    dir = with_tensors(function(n) return n end, {["transformer.extra"] = fsdp.ones{2}})
+    errors_with(function() fsdp.import_hf(dir) end, "has no place for: transformer.extra",
+      "strict = false")
+    local m = fsdp.import_hf(dir, {strict = false})
+    assert.are.equal(300, m.vocab)
+    os.execute("rm -rf '" .. dir .. "'")
+  end)
+
+  it("refuses bad options and a model of another shape", function()
+    errors_with(function() fsdp.import_hf(FIXTURE, {wrapp = {}}) end,
+      "fsdp.import_hf: unknown option 'wrapp' (valid: meta, model, strict, wrap)")
+    errors_with(function() fsdp.import_hf(FIXTURE, {wrap = 1}) end, "wrap must be fsdp.wrap's options")
+    local m = nn.GPT{vocab = 300, ctx = 64, d = 64, layers = 1, heads = 4}
+    errors_with(function() fsdp.import_hf(FIXTURE, {model = m}) end,
+      "the model's layers is 1, the folder's 2")
+    errors_with(function() fsdp.import_hf(FIXTURE, {model = m, meta = true}) end, "takes no meta or wrap")
+    errors_with(function() fsdp.import_hf(FIXTURE, {model = nn.Linear(2, 2)}) end,
+      "fsdp.import_hf: expected an nn.GPT (got Linear)")
+  end)
+end)
+
+describe("fsdp.export_hf", function()
+  it("writes what import_hf reads back bitwise, in GPT-2's layout and names", function()
+    local m = fsdp.import_hf(FIXTURE)
+    local dir = H.mktemp_dir() .. "/out"
+    fsdp.export_hf(m, dir)
+    local back = fsdp.import_hf(dir)
+    assert.are.same(values(m), values(back))
+    local r = core.st_open(dir .. "/model.safetensors")
+    local meta = r:metadata()
+    assert.are.equal("pt", meta.format)
+    assert.are.same(m:config(), core.json_decode(meta["fsdp.config"]))
+    -- Conv1D (in, out): c_attn.weight is qkv.weight transposed; no lm_head (tied)
+    local c_attn = r:read("transformer.h.0.attn.c_attn.weight")
+    assert.are.same({64, 192}, c_attn:shape())
+    assert.are.same(H.flat_view(m.blocks[1].attn.qkv.weight:detach():transpose(1, 2):contiguous()),
+      H.flat_view(c_attn))
+    -- the file's tensors are the fixture's, byte for byte
+    local f = core.st_open(FIXTURE .. "/model.safetensors")
+    local n = 0
+    for _, e in ipairs(f:entries()) do
+      assert.are.same(H.flat_view(f:read(e.name)), H.flat_view(r:read(e.name)))
+      n = n + 1
+    end
+    assert.are.equal(n, #r:entries())
+    r:close()
+    f:close()
+    local cfg = core.json_read(dir .. "/config.json")
+    assert.are.same({"GPT2LMHeadModel"}, cfg.architectures)
+    assert.are.equal("gpt2", cfg.model_type)
+    assert.are.equal("gelu_new", cfg.activation_function)
+    assert.are.equal(1e-5, cfg.layer_norm_epsilon)
+    assert.is_true(cfg.tie_word_embeddings)
+    for k, v in pairs{vocab_size = 300, n_positions = 64, n_embd = 64, n_layer = 2, n_head = 4} do
+      assert.are.equal(v, cfg[k], k)
+    end
+    assert.is_nil(cfg.n_inner) -- null: 4 * n_embd
+    os.execute("rm -rf '" .. dir .. "'")
+  end)
+
+  it("exports an untied model with its own width, eps and dropout, and reads it back", function()
+    fsdp.manual_seed(5)
+    local m = nn.GPT{vocab = 37, ctx = 12, d = 16, layers = 2, heads = 2, tie = false,
+      hidden = 40, eps = 1e-6, dropout = 0.1}
+    local dir = H.mktemp_dir()
+    fsdp.export_hf(m, dir)
+    local cfg = core.json_read(dir .. "/config.json")
+    assert.are.equal(40, cfg.n_inner)
+    assert.are.equal(1e-6, cfg.layer_norm_epsilon)
+    assert.is_false(cfg.tie_word_embeddings)
+    assert.are.equal(0.1, cfg.resid_pdrop)
+    local back = fsdp.import_hf(dir)
+    assert.are.same(m:config(), back:config()) -- dropout from fsdp.config
+    assert.are.same(values(m), values(back))
+    local r = core.st_open(dir .. "/model.safetensors")
+    assert.are.same(H.flat_view(m.head.weight:detach()), H.flat_view(r:read("lm_head.weight")))
+    r:close()
+    os.execute("rm -rf '" .. dir .. "'")
+  end)
+
+  it("refuses what is no GPT, a module inside a wrapped one, and a model on meta", function()
+    errors_with(function() fsdp.export_hf(nn.Linear(2, 2), "/tmp/x") end,
+      "fsdp.export_hf: expected an nn.GPT (got Linear)")
+    local m = fsdp.meta(function() return nn.GPT{vocab = 5, ctx = 4, d = 4, layers = 1, heads = 1} end)
+    errors_with(function() fsdp.export_hf(m, "/tmp/x") end,
+      "fsdp.export_hf: parameter wte.weight is on the meta device")
+    errors_with(function() fsdp.export_hf(nn.GPT{vocab = 5, ctx = 4, d = 4, layers = 1, heads = 1}, "") end,
+      "dir must be a non-empty string")
+    local Sub = nn.GPT:extend("Sub")
+    function Sub:init(cfg)
+      nn.GPT.init(self, cfg)
+      self.extra = nn.Linear(2, 2)
+    end
+    errors_with(function() fsdp.export_hf(Sub{vocab = 5, ctx = 4, d = 4, layers = 1, heads = 1}, "/tmp/x") end,
+      "parameter extra.weight has no GPT-2 counterpart")
+  end)
+end)
+
+describe("fsdp.load_model", function()
+  it("rebuilds an nn.GPT from the configuration stored with it", function()
+    fsdp.manual_seed(2)
+    local m = nn.GPT{vocab = 30, ctx = 8, d = 16, layers = 2, heads = 2, eps = 1e-6, dropout = 0.1,
+      hidden = 24, tie = false}
+    local dir = H.mktemp_dir()
+    fsdp.save(m, dir .. "/a.safetensors")
+    fsdp.save(m, dir .. "/sharded")
+    fsdp.export_hf(m, dir .. "/hf")
+    for _, c in ipairs{{"a.safetensors", "safetensors"}, {"sharded", "sharded"}, {"hf", "hf"}} do
+      local b, _, info = fsdp.load_model(dir .. "/" .. c[1])
+      assert.are.equal(c[2], info.format)
+      assert.are.same(m:config(), b:config())
+      assert.are.same(values(m), values(b))
+      local w = fsdp.load_model(dir .. "/" .. c[1], {wrap = {policy = fsdp.policy.modules{nn.Block}}})
+      assert.is_true(fsdp.is_wrapped(w))
+      fsdp.full_params(w, function(full) assert.are.same(values(m), values(full)) end)
+    end
+    os.execute("rm -rf '" .. dir .. "'")
+  end)
+
+  it("says what is missing when a checkpoint has no configuration", function()
+    local dir = H.mktemp_dir()
+    fsdp.save(nn.Linear(2, 3), dir .. "/lin.safetensors")
+    fsdp.save(nn.Linear(2, 3), dir .. "/lin")
+    errors_with(function() fsdp.load_model(dir .. "/lin.safetensors") end,
+      "fsdp.load_model: " .. dir .. "/lin.safetensors has no fsdp.config in its metadata",
+      "build the model as the recipe does and fsdp.load it")
+    errors_with(function() fsdp.load_model(dir .. "/lin") end, dir .. "/lin/index.json has no config")
+    errors_with(function() fsdp.load_model(dir .. "/nothing") end, "is no checkpoint")
+    errors_with(function() fsdp.load_model(dir, {wrapp = 1}) end,
+      "fsdp.load_model: unknown option 'wrapp' (valid: strict, wrap)")
+    os.execute("rm -rf '" .. dir .. "'")
+  end)
+end)

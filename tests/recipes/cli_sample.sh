@@ -1,0 +1,65 @@
+#!/bin/sh
+# `fsdprun sample CHECKPOINT --prompt=TEXT` (lua/fsdp/sample.lua): the model is rebuilt from the
+# configuration stored with the checkpoint (fsdp.save's, or a Hugging Face folder); the text is
+# the prompt and the model's own continuation (the same as GPT:generate in a recipe), the same
+# at 1 and 2 ranks and with or without the cache; every refusal names its cause.
+. "${0%/*}/lib.sh"
+must "save a byte-level GPT" "$FSDPRUN" -e '
+  local fsdp = require "fsdp"
+  fsdp.manual_seed(1)
+  local m = fsdp.nn.GPT{vocab = 256, ctx = 32, d = 32, layers = 2, heads = 2}
+  fsdp.save(m, "'"$T"'/m.safetensors")
+  fsdp.save(m, "'"$T"'/sharded")
+  fsdp.save(fsdp.nn.Linear(2, 2), "'"$T"'/lin.safetensors")
+  local ids = m:generate({72, 105, 32}, {max_new_tokens = 40, temperature = 0})
+  local f = assert(io.open("'"$T"'/want.txt", "wb"))
+  for _, id in ipairs(ids) do f:write(string.char(id)) end
+  f:write("\n")
+  f:close()'
+
+run "$FSDPRUN" sample "$T/m.safetensors" --prompt="Hi " --max-new-tokens=40 --temperature=0
+expect_rc 0 "greedy sample"
+cmp -s "$T/out" "$T/want.txt" || fail "greedy sample differs from GPT:generate: $(od -c "$T/out" | head -3)"
+for args in "-n 2 sample $T/m.safetensors" "sample $T/sharded" "-n 2 sample $T/sharded" \
+    "sample $T/m.safetensors --no-cache"; do
+  # shellcheck disable=SC2086
+  run "$FSDPRUN" $args --prompt "Hi " --max-new-tokens 40 --temperature 0
+  expect_rc 0 "$args"
+  cmp -s "$T/out" "$T/want.txt" || fail "$args: the text differs from GPT:generate's"
+done
+run "$FSDPRUN" sample "$T/m.safetensors" --prompt="Hi " --max-new-tokens=30 --top-k=10 --top-p=0.9 --seed=3
+expect_rc 0 "seeded sample"
+cp "$T/out" "$T/seeded.txt"
+run "$FSDPRUN" -n 2 sample "$T/m.safetensors" --prompt="Hi " --max-new-tokens=30 --top-k=10 --top-p=0.9 --seed=3
+cmp -s "$T/out" "$T/seeded.txt" || fail "seeded sample at 2 ranks differs from 1 rank"
+run "$FSDPRUN" sample "$T/m.safetensors" --prompt="Hi " --max-new-tokens=30 --top-k=10 --top-p=0.9 --seed=4
+cmp -s "$T/out" "$T/seeded.txt" && fail "seeds 3 and 4 gave the same text"
+
+# a Hugging Face folder (vocabulary 300 > 256: byte prompts work)
+run "$FSDPRUN" sample tests/fixtures/hf_gpt2/model --prompt=ab --max-new-tokens=3
+expect_rc 0 "sample from a Hugging Face folder"
+expect_has out "ab" "sample from a Hugging Face folder"
+
+run "$FSDPRUN" sample --help
+expect_rc 0 "sample --help"
+expect_has out "usage: fsdprun [-n N] sample CHECKPOINT" "sample --help"
+
+# refusals
+run "$FSDPRUN" sample "$T/m.safetensors"
+expect_rc 1 "no prompt"
+expect_has err "fsdprun sample: no --prompt given" "no prompt"
+run "$FSDPRUN" sample --prompt=x
+expect_has err "fsdprun sample: no checkpoint given" "no checkpoint"
+run "$FSDPRUN" sample "$T/m.safetensors" --prompt=x --top-p=2
+expect_has err "--top-p must be a number in [0, 1], not '2'" "top-p"
+run "$FSDPRUN" sample "$T/m.safetensors" --prompt=x --frobnicate
+expect_has err "fsdprun sample: unknown option '--frobnicate'" "unknown option"
+run "$FSDPRUN" sample "$T/lin.safetensors" --prompt=x
+expect_rc 1 "no stored configuration"
+expect_has err "lin.safetensors has no fsdp.config in its metadata" "no stored configuration"
+run "$FSDPRUN" sample "$T/none" --prompt=x
+expect_has err "is no checkpoint" "no such checkpoint"
+run "$FSDPRUN" sample "$T/m.safetensors" --prompt=x --tokenizer="$T/none.model"
+expect_rc 1 "tokenizer"
+grep -qF -e "fsdp.tokenizer" -e "none.model" "$T/err" || fail "tokenizer: $(cat "$T/err")"
+finish
