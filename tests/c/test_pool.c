@@ -10,7 +10,7 @@
  *   form, and malformed variables named in the error;
  *   the kernels: GEMM (odd shapes, every transpose, strided views, row and column cuts), linear,
  *   bmm, attention (by pairs and by tiles), SGD / AdamW, sum / sumsq / column and axis sums,
- *   layernorm backward (rows in blocks, parameter sums in block order) give
+ *   layernorm backward (rows in blocks, parameter sums in block order), dtype conversions give
  *   results within 1e-6 (of the largest magnitude) at 1, 2 and 3 threads, and the same bits
  *   run to run at a fixed thread count (the optimizers and reductions at any count).
  */
@@ -800,6 +800,40 @@ static void test_layernorm_backward(void **state) {
   fsdp_cpu_pool_release();
 }
 
+/* ---- conversions ------------------------------------------------------------------------------ */
+
+/* bf16 <-> f32 split over threads: every element as core's scalar conversion gives it, at 1, 2
+ * and 3 threads, including NaN and the rounding ties; and narrowing in place (f32 read and bf16
+ * written over the same bytes), which the cast keeps on one thread, still correct. */
+static void test_convert(void **state) {
+  (void)state;
+  const int64_t n = 5 * 8192 + 77;
+  float *x = frand(n, -4, 4);
+  x[1] = NAN, x[2] = INFINITY, x[3] = 1.00390625f; /* a tie: rounds to even */
+  uint16_t *want = malloc(sizeof(uint16_t) * n), *h = malloc(sizeof(uint16_t) * n);
+  float *back = malloc(sizeof(float) * n);
+  for (int64_t i = 0; i < n; i++) want[i] = fsdp_f32_to_bf16(x[i]);
+  const int tc[3] = {1, 2, 3};
+  for (int r = 0; r < 3; r++) {
+    fsdp_cpu_set_threads(tc[r]);
+    memset(h, 0xff, sizeof(uint16_t) * n);
+    fsdp_cpu_cast(h, FSDP_DTYPE_BF16, x, FSDP_DTYPE_F32, n);
+    assert_memory_equal(h, want, sizeof(uint16_t) * n);
+    fsdp_cpu_cast(back, FSDP_DTYPE_F32, h, FSDP_DTYPE_BF16, n);
+    for (int64_t i = 0; i < n; i++) {
+      float f = fsdp_bf16_to_f32(want[i]);
+      assert_memory_equal(&back[i], &f, sizeof(float));
+    }
+    float *inplace = fcopy(x, n);
+    fsdp_cpu_cast(inplace, FSDP_DTYPE_BF16, inplace, FSDP_DTYPE_F32, n);
+    assert_memory_equal(inplace, want, sizeof(uint16_t) * n);
+    free(inplace);
+  }
+  free(x), free(want), free(h), free(back);
+  fsdp_cpu_set_threads(0);
+  fsdp_cpu_pool_release();
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_chunks),       cmocka_unit_test(test_small_inline),
@@ -810,6 +844,7 @@ int main(void) {
       cmocka_unit_test(test_gemm),         cmocka_unit_test(test_linear_bmm),
       cmocka_unit_test(test_attention),    cmocka_unit_test(test_optimizers),
       cmocka_unit_test(test_reductions),   cmocka_unit_test(test_layernorm_backward),
+      cmocka_unit_test(test_convert),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
