@@ -9,7 +9,8 @@
  *   the thread rule (src/host/setup.c): FSDP_THREADS, FSDP_BLAS_THREADS, cores / ranks, the mpi
  *   form, and malformed variables named in the error;
  *   the kernels: GEMM (odd shapes, every transpose, strided views, row and column cuts), linear,
- *   bmm, attention (by pairs and by tiles), SGD / AdamW, sum / sumsq / column and axis sums give
+ *   bmm, attention (by pairs and by tiles), SGD / AdamW, sum / sumsq / column and axis sums,
+ *   layernorm backward (rows in blocks, parameter sums in block order), dtype conversions give
  *   results within 1e-6 (of the largest magnitude) at 1, 2 and 3 threads, and the same bits
  *   run to run at a fixed thread count (the optimizers and reductions at any count).
  */
@@ -752,6 +753,87 @@ static void test_reductions(void **state) {
   fsdp_cpu_pool_release();
 }
 
+/* ---- layernorm backward --------------------------------------------------------------------- */
+
+/* dinp, dweight and dbias with the same bits at 1, 2 and 3 threads (blocks of rows fixed by N),
+ * at a row count that leaves a short last block; the parameter sums within 1e-5 of a double
+ * reference, and dweight / dbias alone (no dinp) equal to the sums beside dinp. */
+static void test_layernorm_backward(void **state) {
+  (void)state;
+  const int64_t N = 64 * 9 + 13;
+  const int C = 389;
+  float *x = frand(N * C, -3, 5), *g = frand(N * C, -1, 1), *w = frand(C, 0.5f, 1.5f);
+  float *mean = malloc(sizeof(float) * N), *rstd = malloc(sizeof(float) * N);
+  float *y = malloc(sizeof(float) * N * C);
+  fsdp_cpu_layernorm_forward(y, mean, rstd, x, w, NULL, N, C, 1e-5f);
+  float *dx0 = frand(N * C, -1, 1), *dw0 = frand(C, -1, 1), *db0 = frand(C, -1, 1);
+  float *dx[4], *dw[4], *db[4], *dw_only[4], *db_only[4];
+  const int tc[4] = {1, 2, 2, 3};
+  for (int r = 0; r < 4; r++) {
+    fsdp_cpu_set_threads(tc[r]);
+    dx[r] = fcopy(dx0, N * C), dw[r] = fcopy(dw0, C), db[r] = fcopy(db0, C);
+    fsdp_cpu_layernorm_backward(dx[r], dw[r], db[r], g, x, w, mean, rstd, N, C);
+    dw_only[r] = fcopy(dw0, C), db_only[r] = fcopy(db0, C);
+    fsdp_cpu_layernorm_backward(NULL, dw_only[r], db_only[r], g, x, w, mean, rstd, N, C);
+  }
+  for (int c = 0; c < C; c++) {
+    double sw = dw0[c], sb = db0[c];
+    for (int64_t n = 0; n < N; n++) {
+      const double gi = g[n * C + c];
+      sw += ((double)x[n * C + c] - mean[n]) * rstd[n] * gi;
+      sb += gi;
+    }
+    assert_float_equal(dw[0][c], sw, 1e-5 * (fabs(sw) + 1));
+    assert_float_equal(db[0][c], sb, 1e-5 * (fabs(sb) + 1));
+  }
+  for (int r = 0; r < 4; r++) {
+    check_bits("layernorm dweight alone", dw_only[r], dw[0], C);
+    check_bits("layernorm dbias alone", db_only[r], db[0], C);
+    if (r == 0) continue;
+    check_bits("layernorm dinp", dx[r], dx[0], N * C);
+    check_bits("layernorm dweight", dw[r], dw[0], C);
+    check_bits("layernorm dbias", db[r], db[0], C);
+  }
+  for (int r = 0; r < 4; r++) free(dx[r]), free(dw[r]), free(db[r]), free(dw_only[r]), free(db_only[r]);
+  free(x), free(g), free(w), free(mean), free(rstd), free(y), free(dx0), free(dw0), free(db0);
+  fsdp_cpu_set_threads(0);
+  fsdp_cpu_pool_release();
+}
+
+/* ---- conversions ------------------------------------------------------------------------------ */
+
+/* bf16 <-> f32 split over threads: every element as core's scalar conversion gives it, at 1, 2
+ * and 3 threads, including NaN and the rounding ties; and narrowing in place (f32 read and bf16
+ * written over the same bytes), which the cast keeps on one thread, still correct. */
+static void test_convert(void **state) {
+  (void)state;
+  const int64_t n = 5 * 8192 + 77;
+  float *x = frand(n, -4, 4);
+  x[1] = NAN, x[2] = INFINITY, x[3] = 1.00390625f; /* a tie: rounds to even */
+  uint16_t *want = malloc(sizeof(uint16_t) * n), *h = malloc(sizeof(uint16_t) * n);
+  float *back = malloc(sizeof(float) * n);
+  for (int64_t i = 0; i < n; i++) want[i] = fsdp_f32_to_bf16(x[i]);
+  const int tc[3] = {1, 2, 3};
+  for (int r = 0; r < 3; r++) {
+    fsdp_cpu_set_threads(tc[r]);
+    memset(h, 0xff, sizeof(uint16_t) * n);
+    fsdp_cpu_cast(h, FSDP_DTYPE_BF16, x, FSDP_DTYPE_F32, n);
+    assert_memory_equal(h, want, sizeof(uint16_t) * n);
+    fsdp_cpu_cast(back, FSDP_DTYPE_F32, h, FSDP_DTYPE_BF16, n);
+    for (int64_t i = 0; i < n; i++) {
+      float f = fsdp_bf16_to_f32(want[i]);
+      assert_memory_equal(&back[i], &f, sizeof(float));
+    }
+    float *inplace = fcopy(x, n);
+    fsdp_cpu_cast(inplace, FSDP_DTYPE_BF16, inplace, FSDP_DTYPE_F32, n);
+    assert_memory_equal(inplace, want, sizeof(uint16_t) * n);
+    free(inplace);
+  }
+  free(x), free(want), free(h), free(back);
+  fsdp_cpu_set_threads(0);
+  fsdp_cpu_pool_release();
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_chunks),       cmocka_unit_test(test_small_inline),
@@ -761,7 +843,8 @@ int main(void) {
       cmocka_unit_test(test_settings),     cmocka_unit_test(test_thread_rule),
       cmocka_unit_test(test_gemm),         cmocka_unit_test(test_linear_bmm),
       cmocka_unit_test(test_attention),    cmocka_unit_test(test_optimizers),
-      cmocka_unit_test(test_reductions),
+      cmocka_unit_test(test_reductions),   cmocka_unit_test(test_layernorm_backward),
+      cmocka_unit_test(test_convert),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

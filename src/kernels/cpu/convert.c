@@ -5,11 +5,16 @@
  *
  * Mixed precision runs a conversion pass around every f32 kernel a bf16 op calls, so these are
  * on the hot path: they are compiled for AVX-512 and AVX2 next to the baseline and the loader
- * picks the version for the processor it runs on (target_clones).
+ * picks the version for the processor it runs on (target_clones), and a long conversion is split
+ * over the rank's threads (pool.h): run on the calling thread alone, it left the other core idle
+ * through a tenth of a bf16 step. Each element converts on its own: the same bits at any count.
  */
+#include <stdbool.h>
 #include <string.h>
 
+#include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/pool.h"
 
 #define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 
@@ -36,7 +41,7 @@ void fsdp_cpu_f32_to_f16(uint16_t *out, const float *in, int64_t n) {
   for (int64_t i = 0; i < n; i++) out[i] = fsdp_f32_to_f16(in[i]);
 }
 
-void fsdp_cpu_cast(void *out, fsdp_dtype odt, const void *in, fsdp_dtype idt, int64_t n) {
+static void cast_serial(void *out, fsdp_dtype odt, const void *in, fsdp_dtype idt, int64_t n) {
   if (odt == idt) {
     memmove(out, in, (size_t)n * fsdp_dtype_size(odt));
     return;
@@ -56,4 +61,30 @@ void fsdp_cpu_cast(void *out, fsdp_dtype odt, const void *in, fsdp_dtype idt, in
     return;
   }
   for (int64_t i = 0; i < n; i++) fsdp_dtype_store(out, odt, i, fsdp_dtype_load(in, idt, i));
+}
+
+typedef struct {
+  void *out;
+  const void *in;
+  fsdp_dtype odt, idt;
+} cast_ctx;
+
+static void cast_task(void *ctx, int64_t lo, int64_t hi) {
+  const cast_ctx *c = ctx;
+  cast_serial((char *)c->out + (size_t)lo * fsdp_dtype_size(c->odt), c->odt,
+              (const char *)c->in + (size_t)lo * fsdp_dtype_size(c->idt), c->idt, hi - lo);
+}
+
+void fsdp_cpu_cast(void *out, fsdp_dtype odt, const void *in, fsdp_dtype idt, int64_t n) {
+  const char *o = out, *i = in;
+  const bool overlap = o < i + (size_t)n * fsdp_dtype_size(idt) &&
+                       i < o + (size_t)n * fsdp_dtype_size(odt);
+  if (n < 2 * FSDP_CPU_GRAIN_HEAVY || odt == idt || overlap) {
+    /* short; a copy (memmove is at memory speed already); or in place, where one chunk would
+     * overwrite what another has yet to read */
+    cast_serial(out, odt, in, idt, n);
+    return;
+  }
+  cast_ctx c = {.out = out, .in = in, .odt = odt, .idt = idt};
+  fsdp_cpu_parallel_for(n, FSDP_CPU_GRAIN_HEAVY, cast_task, &c);
 }

@@ -96,10 +96,6 @@ typedef struct fsdp_cpu_vec_i {
   void (*layernorm_backward)(float *dinp, float *dweight, float *dbias, const float *dout,
                              const float *inp, const float *weight, const float *mean,
                              const float *rstd, int64_t lo, int64_t hi, int C);
-  /* columns [c0, c1) of dweight and dbias over all N rows, rows in order */
-  void (*layernorm_backward_cols)(float *dweight, float *dbias, const float *dout,
-                                  const float *inp, const float *mean, const float *rstd,
-                                  int64_t N, int C, int c0, int c1);
   void (*softmax_forward)(float *out, const float *inp, int64_t lo, int64_t hi, int C);
   void (*softmax_backward)(float *dinp, const float *dout, const float *out, int64_t lo,
                            int64_t hi, int C);

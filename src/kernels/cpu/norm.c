@@ -8,14 +8,19 @@
  * E[x^2] - E[x]^2, which cancels catastrophically for large means: one read of the row from
  * memory either way.
  *
- * Layernorm's backward adds each row into dweight and dbias (float, rows in order). On one
- * thread that happens in the row pass itself; on several, the rows' input gradients are split
- * by rows and the parameter gradients by columns (each column still adds its rows in order),
- * so the bits are the same at any thread count.
+ * Layernorm's backward reads dout and the input once: each row's input gradient and its
+ * dweight / dbias terms come from one pass over the row while it is in cache. The parameter
+ * terms go into a partial sum per block of LN_BLOCK_ROWS rows (rows in order inside a block),
+ * and the blocks' partials are then added in block order into dweight and dbias. Blocks are
+ * fixed by N alone, never by the thread count, so the bits are the same at any thread count;
+ * threads split the blocks, then the columns of the final sum. (Splitting rows for dinp and
+ * columns for the parameters instead reads dout and the input twice from memory.)
  */
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/pool.h"
+
+#include <stdlib.h>
 
 typedef struct {
   float *out, *mean, *rstd, *dweight, *dbias;
@@ -47,10 +52,41 @@ static void layernorm_backward_task(void *ctx, int64_t lo, int64_t hi) {
                              c->cmean, c->crstd, lo, hi, c->C);
 }
 
-static void layernorm_backward_cols_task(void *ctx, int64_t lo, int64_t hi) {
-  const norm_ctx *c = ctx;
-  c->vec->layernorm_backward_cols(c->dweight, c->dbias, c->dout, c->inp, c->cmean, c->crstd,
-                                  c->N, c->C, (int)lo, (int)hi);
+/* Rows per block of layernorm's parameter-gradient partial sums: enough rows that the partials
+ * (2 x C floats a block) stay small beside the rows' bytes, few enough that 2048-row batches
+ * split into blocks for every thread. */
+#define LN_BLOCK_ROWS 64
+
+typedef struct {
+  norm_ctx base;
+  float *pw, *pb; /* (blocks, C) partial dweight / dbias, zeroed; either may be NULL */
+} ln_blocks_ctx;
+
+static void layernorm_backward_blocks_task(void *ctx, int64_t lo, int64_t hi) {
+  const ln_blocks_ctx *c = ctx;
+  const int64_t N = c->base.N, C = c->base.C;
+  for (int64_t b = lo; b < hi; b++) {
+    const int64_t r0 = b * LN_BLOCK_ROWS, r1 = r0 + LN_BLOCK_ROWS < N ? r0 + LN_BLOCK_ROWS : N;
+    c->base.vec->layernorm_backward(c->base.out, c->pw ? c->pw + b * C : NULL,
+                                    c->pb ? c->pb + b * C : NULL, c->base.dout, c->base.inp,
+                                    c->base.weight, c->base.cmean, c->base.crstd, r0, r1,
+                                    (int)C);
+  }
+}
+
+/* dst[c] += (p[0][c] + p[1][c] + ...) over columns [lo, hi), blocks in order */
+static void ln_sum_blocks(float *dst, float *p, int64_t blocks, int64_t C, int64_t lo,
+                          int64_t hi) {
+  for (int64_t b = 1; b < blocks; b++)
+    for (int64_t c = lo; c < hi; c++) p[c] += p[b * C + c];
+  for (int64_t c = lo; c < hi; c++) dst[c] += p[c];
+}
+
+static void layernorm_backward_sum_task(void *ctx, int64_t lo, int64_t hi) {
+  const ln_blocks_ctx *c = ctx;
+  const int64_t blocks = (c->base.N + LN_BLOCK_ROWS - 1) / LN_BLOCK_ROWS;
+  if (c->pw) ln_sum_blocks(c->base.dweight, c->pw, blocks, c->base.C, lo, hi);
+  if (c->pb) ln_sum_blocks(c->base.dbias, c->pb, blocks, c->base.C, lo, hi);
 }
 
 void fsdp_cpu_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
@@ -61,19 +97,31 @@ void fsdp_cpu_layernorm_backward(float *dinp, float *dweight, float *dbias, cons
   norm_ctx c = {.out = dinp, .dweight = dweight, .dbias = dbias, .inp = inp, .weight = weight,
                 .dout = dout, .cmean = mean, .crstd = rstd, .N = N, .C = C,
                 .vec = fsdp_cpu_vec()};
-  const int64_t grain = fsdp_cpu_grain_rows(C, FSDP_CPU_GRAIN);
-  if (fsdp_cpu_threads() == 1 || N < 2 * grain || (!dweight && !dbias)) {
-    /* one pass: what several threads split below, in the same order per element */
-    fsdp_cpu_parallel_for(N, grain, layernorm_backward_task, &c);
+  const int64_t blocks = (N + LN_BLOCK_ROWS - 1) / LN_BLOCK_ROWS;
+  if ((!dweight && !dbias) || blocks <= 1) {
+    /* no parameter sums to order, or one block: the row pass adds straight into them */
+    if (dweight || dbias) {
+      layernorm_backward_task(&c, 0, N);
+      return;
+    }
+    fsdp_cpu_parallel_for(N, fsdp_cpu_grain_rows(C, FSDP_CPU_GRAIN), layernorm_backward_task,
+                          &c);
     return;
   }
-  if (dinp) {
-    c.dweight = c.dbias = NULL;
-    fsdp_cpu_parallel_for(N, grain, layernorm_backward_task, &c);
-    c.dweight = dweight, c.dbias = dbias;
+  ln_blocks_ctx b = {.base = c};
+  float *partials = calloc((size_t)blocks * (size_t)C * 2, sizeof(float));
+  if (!partials) {
+    /* no memory for the partials (a few hundred KiB at most): one thread, rows in order, into
+     * dweight / dbias directly. Slower and rounded differently, never wrong. */
+    layernorm_backward_task(&c, 0, N);
+    return;
   }
-  int64_t cgrain = fsdp_cpu_grain_rows(N, FSDP_CPU_GRAIN);
-  fsdp_cpu_parallel_for(C, cgrain < 16 ? 16 : cgrain, layernorm_backward_cols_task, &c);
+  b.pw = dweight ? partials : NULL;
+  b.pb = dbias ? partials + blocks * C : NULL;
+  fsdp_cpu_parallel_for(blocks, 1, layernorm_backward_blocks_task, &b);
+  int64_t cgrain = C / (2 * fsdp_cpu_threads());
+  fsdp_cpu_parallel_for(C, cgrain < 64 ? 64 : cgrain, layernorm_backward_sum_task, &b);
+  free(partials);
 }
 
 static void softmax_forward_task(void *ctx, int64_t lo, int64_t hi) {

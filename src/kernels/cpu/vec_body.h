@@ -513,13 +513,6 @@ static void layernorm_backward(float *dinp, float *dweight, float *dbias, const 
   }
 }
 
-static void layernorm_backward_cols(float *dweight, float *dbias, const float *dout,
-                                    const float *inp, const float *mean, const float *rstd,
-                                    int64_t N, int C, int c0, int c1) {
-  for (int64_t n = 0; n < N; n++)
-    ln_row_params(dweight, dbias, dout + n * C, inp + n * C, mean[n], rstd[n], c0, c1);
-}
-
 static void softmax_forward(float *out, const float *inp, int64_t lo, int64_t hi, int C) {
   for (int64_t n = lo; n < hi; n++) {
     const float *x = inp + n * C;
@@ -633,7 +626,6 @@ const fsdp_cpu_vec_i FSDP_VEC_TABLE = {
     .adamw_masked = adamw_masked,
     .layernorm_forward = layernorm_forward,
     .layernorm_backward = layernorm_backward,
-    .layernorm_backward_cols = layernorm_backward_cols,
     .softmax_forward = softmax_forward,
     .softmax_backward = softmax_backward,
     .att_softmax_rows = att_softmax_rows,
