@@ -66,7 +66,8 @@ function M.run(m, ...)
   local forward = m.forward
   local rng = core.rng_state()
   local res = pack(util.quiet(forward, m, ...))
-  if not res[1] then error(res[2], 0) end
+  -- caught to restore recording: the library positions go, as module.lua drops them
+  if not res[1] then error(type(res[2]) == "string" and util.strip(res[2]) or res[2], 0) end
   local y = res[2]
   if res.n ~= 2 or not util.is_tensor(y) then
     error(("nn.checkpoint: a checkpointed forward must return one tensor (%s's returned %s)")
