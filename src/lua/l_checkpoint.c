@@ -1,6 +1,6 @@
 /*
  * l_checkpoint.c — activation checkpointing between Lua and the tape (autograd.h,
- * fsdp_op_checkpoint): core.rng_state(), core.checkpoint(y, rng, fn, inputs...), and the
+ * fsdp_op_checkpoint): core.checkpoint_rng(), core.checkpoint(y, rng, fn, inputs...), and the
  * backward every t:backward() runs through (fsdp_lua_backward), which is where a checkpoint
  * node calls back into Lua to recompute its region. lua/fsdp/nn/checkpoint.lua is the user side.
  *
@@ -106,8 +106,8 @@ int fsdp_lua_backward(lua_State *L, fsdp_tensor *t, fsdp_tensor *g) {
   return rc;
 }
 
-/* rng_state() -> the random streams' state, an opaque string for checkpoint() */
-static int l_rng_state(lua_State *L) {
+/* checkpoint_rng() -> the random streams' state, an opaque string for checkpoint() */
+static int l_checkpoint_rng(lua_State *L) {
   fsdp_rng_state s;
   memset(&s, 0, sizeof s);
   fsdp_rng_get_state(&s);
@@ -124,7 +124,7 @@ static int l_checkpoint(lua_State *L) {
   size_t len;
   const char *rng = luaL_checklstring(L, 2, &len);
   if (len != sizeof(fsdp_rng_state))
-    return luaL_error(L, "checkpoint: argument #2 is not a state from rng_state()");
+    return luaL_error(L, "checkpoint: argument #2 is not a state from checkpoint_rng()");
   luaL_checktype(L, 3, LUA_TFUNCTION);
   int nin = lua_gettop(L) - 3;
   fsdp_tensor **in = lua_newuserdata(L, (size_t)(nin ? nin : 1) * sizeof *in);
@@ -144,6 +144,6 @@ static int l_checkpoint(lua_State *L) {
 }
 
 static const luaL_Reg fns[] = {
-    {"rng_state", l_rng_state}, {"checkpoint", l_checkpoint}, {NULL, NULL}};
+    {"checkpoint_rng", l_checkpoint_rng}, {"checkpoint", l_checkpoint}, {NULL, NULL}};
 
 void fsdp_lua_open_checkpoint(lua_State *L) { luaL_register(L, NULL, fns); }

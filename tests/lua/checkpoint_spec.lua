@@ -249,10 +249,10 @@ describe("nn.checkpoint", function()
   end)
 
   it("core.checkpoint refuses a bad state and an integral output", function()
-    local rng = core.rng_state()
+    local rng = core.checkpoint_rng()
     local fn = function() end
     assert_error_has(function() core.checkpoint(fsdp.zeros{2}, "abc", fn) end,
-      "checkpoint: argument #2 is not a state from rng_state()")
+      "checkpoint: argument #2 is not a state from checkpoint_rng()")
     assert_error_has(function() core.checkpoint(fsdp.zeros({2}, {dtype = "i64"}), rng, fn) end,
       "checkpoint: the region's output is i64 (2); only a floating output")
     assert_error_has(function() core.checkpoint(fsdp.zeros{2}, rng, fn, 3) end,

@@ -64,7 +64,7 @@ function M.run(m, ...)
   local args = {...}
   if not needs_grad(m, n, args) then return m:forward(...) end
   local forward = m.forward
-  local rng = core.rng_state()
+  local rng = core.checkpoint_rng()
   local res = pack(util.quiet(forward, m, ...))
   -- caught to restore recording: the library positions go, as module.lua drops them
   if not res[1] then error(type(res[2]) == "string" and util.strip(res[2]) or res[2], 0) end
