@@ -1,13 +1,20 @@
 -- GPT train-step benchmark (forward + backward + AdamW), not a test.
 --   fsdprun bench/gpt_step.lua [--steps=5] [--warmup=1] [--only=L4] [--mp=bf16] [--threads=N]
 --           [--strategy=full] [--sgemm_s=1] [--layers=L --d=D --heads=H] [--batch=8] [--ctx=256]
+--           [--checkpoint]
 --   fsdprun -n 2 bench/gpt_step.lua      # the same global batch on 2 ranks, sharded
 -- Models: L=4 d=256, L=6 d=384, L=12 d=768 (heads d/64), vocab 256, ctx 256, batch 8, tied
 -- head; --only= picks those whose name ("L4-d256", ...) contains it; --layers/--d/--heads run
 -- that one model instead. At 1 rank the model is plain (not wrapped) unless --mp= asks for mixed
 -- precision; at N ranks, and with --mp, it is wrapped (one unit per Block, strategy "full" unless
 -- --strategy=) and each rank runs its B/N rows of the same global batch. The step time is the
--- slowest rank's, the median of --steps steps after --warmup untimed ones.
+-- slowest rank's, the median of --steps steps after --warmup untimed ones. --checkpoint
+-- checkpoints every Block (nn.checkpoint plain, fsdp.wrap{checkpoint = true} wrapped): its
+-- activations are recomputed in backward.
+--
+-- Memory: the peak live bytes and the peak activation bytes (fsdp.memory()'s counters, the
+-- largest rank's) over the timed steps, from a collected heap; the JSON line has them as
+-- peak_live_bytes and peak_activations_bytes.
 --
 -- FLOPs (docs/PERFORMANCE.md): per token 6 x the non-embedding parameters (every parameter but
 -- wte and wpe; the tied head's GEMM is not counted) + 6 x L x T x d for causal attention (QK^T
@@ -44,6 +51,10 @@ if mp ~= nil and mp ~= "bf16" and mp ~= "f16" then
   error(("--mp must be bf16 or f16 (got %s)"):format(tostring(mp)), 0)
 end
 if args.threads then core.set_threads(int_arg("threads", 1, 1)) end
+local checkpoint = args.checkpoint ~= nil and args.checkpoint ~= false
+if checkpoint and args.checkpoint ~= true then
+  error(("--checkpoint takes no value (got %s)"):format(tostring(args.checkpoint)), 0)
+end
 
 local configs = {
   { name = "L4-d256", layers = 4, d = 256, heads = 4 },
@@ -117,11 +128,12 @@ do
   say("info: " .. table.concat(fields, " "))
 end
 say(("GPT train step, batch %d x ctx %d, vocab %d, tied head, %s, %d rank(s)%s, %d threads per "
-  .. "rank, median of %d steps after %d warm-up"):format(B, T, V, precision, world,
-  world > 1 and (" (" .. strategy .. ")") or "", core.get_threads(), steps, warmup))
+  .. "rank, median of %d steps after %d warm-up%s"):format(B, T, V, precision, world,
+  world > 1 and (" (" .. strategy .. ")") or "", core.get_threads(), steps, warmup,
+  checkpoint and ", every Block checkpointed" or ""))
 say("FLOPs: " .. FLOPS_CONVENTION)
-say(("%-9s %8s %9s %9s %9s %10s %7s%s"):format("model", "params", "step s", "tokens/s",
-  "GFLOP/s", "sgemm GF/s", "ratio", world > 1 and "  comm hidden" or ""))
+say(("%-9s %8s %9s %9s %9s %10s %7s %9s%s"):format("model", "params", "step s", "tokens/s",
+  "GFLOP/s", "sgemm GF/s", "ratio", "act. MiB", world > 1 and "  comm hidden" or ""))
 math.randomseed(1)
 for _, c in ipairs(configs) do
   if not args.only or c.name:find(args.only, 1, true) then
@@ -132,7 +144,10 @@ for _, c in ipairs(configs) do
     local nonemb = params - V * c.d - T * c.d
     local wrapped = world > 1 or mp ~= nil
     if wrapped then
-      fsdp.wrap(model, { policy = fsdp.policy.modules { nn.Block }, strategy = strategy, mp = mp })
+      fsdp.wrap(model, { policy = fsdp.policy.modules { nn.Block }, strategy = strategy, mp = mp,
+                         checkpoint = checkpoint or nil })
+    elseif checkpoint then
+      for i = 1, #model.blocks do nn.checkpoint(model.blocks[i]) end
     end
     local opt = fsdp.optim.AdamW(model, { lr = 3e-4 })
     local all = lib.random_tokens(B, T, V)
@@ -143,6 +158,11 @@ for _, c in ipairs(configs) do
     local stats0
     for s = 1, warmup + steps do
       if s == warmup + 1 and world > 1 then stats0 = fsdp.comm_stats() end
+      if s == warmup + 1 then
+        collectgarbage()
+        collectgarbage()
+        core.reset_peak()
+      end
       fsdp.barrier()
       local t0, c0 = core.clock(), os.clock()
       local loss = nn.F.cross_entropy(model(x), y)
@@ -156,6 +176,7 @@ for _, c in ipairs(configs) do
       if s > warmup then times[#times + 1] = dt end
     end
     local dt = median(times)
+    local mem = core.memory().cpu
     local r = {
       bench = "gpt_step", impl = "fsdprun", version = info.version, model = c.name,
       layers = c.layers, d = c.d, heads = c.heads, vocab = V, ctx = T, batch = B, tied = true,
@@ -164,6 +185,9 @@ for _, c in ipairs(configs) do
       steps = steps, warmup = warmup, step_s = dt, step_min_s = math.min(unpack(times)),
       step_max_s = math.max(unpack(times)), cpu_busy = median(cpus), loss_first = losses[1], loss_last = losses[#losses],
       flops_convention = FLOPS_CONVENTION, info = plain(info, 0), loadavg = loadavg(),
+      checkpoint = checkpoint,
+      peak_live_bytes = fsdp.all_reduce(mem.peak or 0, "max"),
+      peak_activations_bytes = fsdp.all_reduce(mem.peak_activations or 0, "max"),
     }
     if world > 1 then
       -- busy: time collectives ran (on the communicator's worker); wait: time compute sat
@@ -181,8 +205,9 @@ for _, c in ipairs(configs) do
     r.sgemm_shape = { Bl * T, c.d, 4 * c.d } -- M, K, N: (M, K) @ (K, N)
     r.sgemm_gflops = fsdp.all_reduce(core.sgemm_gflops(Bl * T, 4 * c.d, c.d, sgemm_s), "sum")
     r.ratio = r.gflops / r.sgemm_gflops
-    say(("%-9s %7.2fM %9.3f %9.0f %9.1f %10.1f %7.2f%s"):format(c.name, params / 1e6, dt,
-      r.tokens_per_s, r.gflops, r.sgemm_gflops, r.ratio, world > 1 and
+    say(("%-9s %7.2fM %9.3f %9.0f %9.1f %10.1f %7.2f %9.1f%s"):format(c.name, params / 1e6, dt,
+      r.tokens_per_s, r.gflops, r.sgemm_gflops, r.ratio, r.peak_activations_bytes / 2 ^ 20,
+      world > 1 and
       ("  %.0f%% of %.0f ms"):format(100 * r.comm_hidden, 1000 * r.comm_busy_s) or ""))
     say(core.json_encode(plain(r, 0)))
     model, opt, x, y, mine, all = nil, nil, nil, nil, nil, nil

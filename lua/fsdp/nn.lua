@@ -8,6 +8,8 @@ local core = require "fsdp.core"
 local base = require "fsdp.nn.module"
 local L = require "fsdp.nn.layers"
 local GPT = require "fsdp.nn.gpt"
+local ckpt = require "fsdp.nn.checkpoint"
+local util = require "fsdp.util"
 
 local nn = {}
 
@@ -48,6 +50,27 @@ for _, name in ipairs{"Linear", "Embedding", "LayerNorm", "ReLU", "GELU", "Dropo
   nn[name] = L[name]
 end
 nn.GPT = GPT
+
+-- nn.checkpoint(m, {enabled = true}) -> m: activation checkpointing of m, marked in place (no
+-- wrapper: paths and parameters stay as they are). m's forward runs without saving its
+-- activations and backward runs it again before its gradients (lua/fsdp/nn/checkpoint.lua).
+-- enabled = false removes the mark. nn.is_checkpointed(m) tells.
+function nn.checkpoint(m, opts)
+  if not base.is_module(m) then
+    base.raise(("nn.checkpoint: expected a module (got %s)"):format(type(m)))
+  end
+  opts = util.check_opts("nn.checkpoint", opts, {"enabled"})
+  if opts.enabled ~= nil and type(opts.enabled) ~= "boolean" then
+    base.raise(("nn.checkpoint: enabled must be a boolean (got %s)"):format(type(opts.enabled)))
+  end
+  if base.isinstance(m, L.ModuleList) then
+    base.raise("nn.checkpoint: a ModuleList has no forward to checkpoint; checkpoint its elements")
+  end
+  ckpt.mark(m, opts.enabled ~= false)
+  return m
+end
+
+function nn.is_checkpointed(m) return base.is_module(m) and ckpt.is_marked(m) end
 
 -- nn.F: every fsdp.F op (looked up at call time, so ops the engine adds later appear here),
 -- plus the losses with their documented signatures.

@@ -72,6 +72,9 @@ function M.list(mods)
   return p
 end
 
+--- Whether p is a policy made by this module.
+function M.is_policy(p) return getmetatable(p) == Policy end
+
 --- The select function of a policy (nil: none), or an error for something else.
 function M.check(policy)
   if policy == nil then return nil end
@@ -129,6 +132,49 @@ function M.select(model, policy, forced)
     end
   end
   return selected
+end
+
+--- The modules a checkpoint policy (fsdp.wrap{checkpoint = policy}) picks: the policy is asked
+--- as a wrap policy is, for every module below the root, bottom-up, numel counting the
+--- parameter elements of the module's subtree outside picked descendants; containers without a
+--- forward (ModuleList) are never asked. Returns an array of {module =, path =}, pre-order.
+function M.select_checkpoint(model, policy)
+  local select = getmetatable(policy) == Policy and policy.select or policy
+  local picked, seen = {}, {[model] = true}
+  local function visit(m, path)
+    local unclaimed, mine = {}, {module = m, path = path}
+    local pos = #picked + 1
+    for _, e in ipairs(base.own_entries(m)) do
+      local name, v = e[1], e[2]
+      if not seen[v] then
+        seen[v] = true
+        if is_module(v) then
+          for p, n in pairs(visit(v, util.join(path, name))) do unclaimed[p] = n end
+        else
+          unclaimed[v] = v:numel()
+        end
+      end
+    end
+    if m ~= model and not nn.isinstance(m, nn.ModuleList) then
+      local numel = 0
+      for _, n in pairs(unclaimed) do numel = numel + n end
+      if select(m, path, numel) then
+        table.insert(picked, pos, mine) -- before its descendants: pre-order
+        return {}
+      end
+    end
+    return unclaimed
+  end
+  visit(model, "")
+  if getmetatable(policy) == Policy and policy.modules then
+    for i, m in ipairs(policy.modules) do
+      if not seen[m] or m == model then
+        raise(("fsdp.wrap: checkpoint: module %d of fsdp.policy.list (%s) is not below the "
+          .. "wrapped model's root"):format(i, m:type_name()))
+      end
+    end
+  end
+  return picked
 end
 
 return M

@@ -28,6 +28,7 @@
 
 local core = require "fsdp.core"
 local base = require "fsdp.nn.module"
+local ckpt = require "fsdp.nn.checkpoint"
 local collective = require "fsdp.collective"
 local meta = require "fsdp.meta"
 local policy = require "fsdp.policy"
@@ -45,7 +46,8 @@ W.policy = {modules = policy.modules, size = policy.size, list = policy.list}
 
 local strategies = {full = true, grad_op = true, none = true}
 local known_opts = {policy = true, strategy = true, reshard_after_forward = true, prefetch = true,
-  sync_module_states = true, init = true, mp = true, device = true, offload = true}
+  sync_module_states = true, init = true, mp = true, device = true, offload = true,
+  checkpoint = true}
 
 -- Mixed precision (FSDP2's MixedPrecisionPolicy): mp = "bf16" | "f16" | {param =, reduce =,
 -- output =}. param: the dtype units gather parameters in for forward and backward (the
@@ -85,7 +87,7 @@ local function check_opts(opts)
   for k in pairs(opts) do
     if not known_opts[k] then
       raise(("fsdp.wrap: unknown option %s (policy, strategy, reshard_after_forward, prefetch, "
-        .. "sync_module_states, init, mp, device, offload)"):format(tostring(k)))
+        .. "sync_module_states, init, mp, device, offload, checkpoint)"):format(tostring(k)))
     end
   end
   local o = {
@@ -127,8 +129,20 @@ local function check_opts(opts)
   end
   o.offload = opts.offload == "cpu"
   policy.check(o.policy) -- validates
+  -- checkpoint: activation checkpointing of the modules a policy picks (true: of every unit
+  -- but the root), marked as nn.checkpoint marks them
+  local c = opts.checkpoint
+  if c ~= nil and c ~= false and c ~= true and type(c) ~= "function"
+      and not policy.is_policy(c) then
+    raise(("fsdp.wrap: checkpoint must be fsdp.policy.modules{...}, .size(n), .list{...}, a "
+      .. "function(module, path, numel) or true (got %s)"):format(type(c)))
+  end
+  o.checkpoint = c ~= false and c or nil
   return o
 end
+
+-- module -> the Root whose fsdp.wrap{checkpoint =} marked it (weak: a dropped model goes)
+local marked_by = setmetatable({}, {__mode = "kv"})
 
 -- ---- choosing owners ----------------------------------------------------------------------
 
@@ -247,7 +261,8 @@ local function install_hooks(R, u, module, cast_in, cast_out)
   R:add_hook(base._add_hook(module, "pre", function(_, ...)
     if R:busy() then return end -- inside full_params / apply: everything needed is gathered
     if R:has_pending() then error(R:pending_error("forward"), 0) end
-    u:pre_forward(R:forward_begin(u))
+    -- a checkpointed region run again in backward: no forward order, no forward prefetch
+    if ckpt.recomputing() then u:pre_forward(nil) else u:pre_forward(R:forward_begin(u)) end
     if cast_in then return cast_floats(cast_in, ...) end
   end, true))
   R:add_hook(base._add_hook(module, "post", function(_, out)
@@ -294,6 +309,28 @@ local function plan_wrap(model, o)
     for _, e in ipairs(R:pending_list()) do inner_pending[e.param] = true end
   end
   local selected = policy.select(model, o.policy, forced)
+  -- the modules to checkpoint: the ranks compare them too (a recomputation gathers the units
+  -- inside it again, so ranks that differ would issue different collectives)
+  local checkpoint = {}
+  if o.checkpoint == true then
+    for path, m in model:named_modules() do
+      if selected[m] and m ~= model then checkpoint[#checkpoint + 1] = {module = m, path = path} end
+    end
+  elseif o.checkpoint ~= nil then
+    checkpoint = policy.select_checkpoint(model, o.checkpoint)
+  end
+  -- an absorbed inner wrap's checkpoints stay (as its units keep their policies)
+  local listed = {}
+  for _, c in ipairs(checkpoint) do listed[c.module] = true end
+  if #inner > 0 then
+    local is_inner = {}
+    for _, R in ipairs(inner) do is_inner[R] = true end
+    for path, m in model:named_modules() do
+      if is_inner[marked_by[m]] and not listed[m] then
+        checkpoint[#checkpoint + 1] = {module = m, path = path}
+      end
+    end
+  end
   local paths, params = {}, {}
   for path, p in model:named_parameters() do
     local u = core.param_unit(p)
@@ -348,7 +385,8 @@ local function plan_wrap(model, o)
       end
     end
   end
-  return {members = members, inner = inner, recs = recs, entries = entries}
+  for _, c in ipairs(checkpoint) do entries[#entries + 1] = "checkpoint " .. c.path end
+  return {members = members, inner = inner, recs = recs, entries = entries, checkpoint = checkpoint}
 end
 
 -- A sentence for the cross-rank message when two ranks' entries differ only in "on meta".
@@ -467,6 +505,18 @@ function W.wrap(model, opts)
   for _, inner in ipairs(plan.inner) do inner:teardown() end
   local R = build(model, o, plan)
   hook_units(R, plan)
+  -- checkpoint marks this wrap sets (not those nn.checkpoint set before) go at unwrap
+  for _, c in ipairs(plan.checkpoint) do
+    local m = c.module
+    if not ckpt.is_marked(m) then
+      ckpt.mark(m, true)
+      marked_by[m] = R
+      R:add_hook({remove = function()
+        ckpt.mark(m, false)
+        marked_by[m] = nil
+      end})
+    end
+  end
   R:attach()
   if o.init ~= nil and R:has_pending() then
     local fine, e = pcall(meta.materialize_wrapped, R, o.init ~= true and o.init or nil, "fsdp.wrap")

@@ -71,6 +71,21 @@ int64_t fsdp_tape_prune(void);
 /* Drop every recorded node without running backward (frees saved activations). */
 void fsdp_tape_clear(void);
 
+/* A tape of its own, for the recomputation of a checkpointed region inside a backward:
+ * fsdp_tape_enter saves this thread's tape, grad mode and backward state in *saved and starts
+ * an empty tape with grad mode on and no backward running (so a backward over it may run);
+ * fsdp_tape_leave frees whatever the inner tape still holds and brings *saved back. Calls
+ * nest (a checkpoint inside a checkpoint's recomputation). */
+typedef struct {
+  fsdp_node **tape;
+  int64_t len, cap, prune_at;
+  bool in_backward, grad_on;
+} fsdp_tape_frame;
+void fsdp_tape_enter(fsdp_tape_frame *saved);
+void fsdp_tape_leave(const fsdp_tape_frame *saved);
+/* Whether t is the output of a node of the current tape. */
+bool fsdp_tape_records(const fsdp_tensor *t);
+
 /* Run backward from `root`. grad NULL means d(root)/d(root) = 1, only for a one-element root.
  * Consumes the whole tape (see above); root must still be on it (a second backward over the
  * same graph is an error, not a silent no-op). A leaf root only gets its seed and leaves the
@@ -78,6 +93,11 @@ void fsdp_tape_clear(void);
  * nested fsdp_backward (from a hook) is an error. A saved tensor modified in place since its
  * op ran (its version changed) fails the backward with a message naming the op. */
 int fsdp_backward(fsdp_tensor *root, fsdp_tensor *grad);
+
+/* fsdp_backward from root (recorded on the current tape, without a gradient yet) with `grad`
+ * (root's shape and dtype, contiguous) as its gradient: the buffer itself is adopted
+ * (retained), not copied, so its values reach root's producers bit for bit. */
+int fsdp_backward_adopt(fsdp_tensor *root, fsdp_tensor *grad);
 
 /* The gradient buffer of t, created zero-filled when absent (contiguous, t's shape). Used by
  * backward functions before they accumulate. Role: grads for leaves, activations otherwise.
@@ -161,8 +181,41 @@ int fsdp_op_detach(fsdp_tensor **out, fsdp_tensor *a);
  * dropout). Same seed and same sequence of calls => same values on every rank. */
 void fsdp_rng_manual_seed(uint64_t seed);
 uint64_t fsdp_rng_seed(void);
+/* The whole state of this thread's streams (seed and offsets), to run a region again with the
+ * draws it had (activation checkpointing). Stream names are engine constants. */
+#define FSDP_RNG_STREAMS 4
+typedef struct {
+  uint64_t seed;
+  const char *name[FSDP_RNG_STREAMS];
+  uint64_t next[FSDP_RNG_STREAMS];
+} fsdp_rng_state;
+void fsdp_rng_get_state(fsdp_rng_state *s);
+void fsdp_rng_set_state(const fsdp_rng_state *s);
 /* Reserve n elements of the named anonymous stream: returns its key, and the first element
  * index in *first. */
 uint64_t fsdp_rng_reserve(const char *stream, int64_t n, uint64_t *first);
+
+/* ---- activation checkpointing (checkpoint.c) -------------------------------------------
+ * A region of forward (a module's forward) that ran with recording off, so it saved no
+ * activations, is recorded as ONE node. Its backward runs the region again through
+ * fsdp_recompute_fn: on a tape of its own (fsdp_tape_enter), grad mode on, the random
+ * streams as they were when the region first ran (same dropout masks), with the same input
+ * tensors; then it back-propagates the node's output gradient through that tape into the
+ * inputs' and parameters' gradients and restores the streams, so the run continues exactly as
+ * without checkpointing. Whatever the region needs for its recomputation that is not one of its
+ * tensor inputs (its parameters: FSDP's "end" hook has gathered them by then) is fn's. */
+
+/* Recompute the region from its inputs in[0..nin) (the tensors it was first given); *out gets
+ * its output (one reference). FSDP_ERR with a message on failure. */
+typedef int (*fsdp_recompute_fn)(void *ud, fsdp_tensor *const *in, int nin, fsdp_tensor **out);
+
+/* Record the region that computed y (with recording off) from in[0..nin), the random streams
+ * being `rng` before it ran. *out: a new tensor sharing y's storage, which requires a gradient;
+ * its node retains the inputs and refuses to run when one was modified in place since (its
+ * version changed). ud is freed with ud_free (may be NULL) when the node is freed, run or not,
+ * and when this call fails. y must be of a floating dtype. */
+int fsdp_op_checkpoint(fsdp_tensor **out, fsdp_tensor *y, fsdp_tensor *const *in, int nin,
+                       const fsdp_rng_state *rng, fsdp_recompute_fn fn, void *ud,
+                       void (*ud_free)(void *));
 
 #endif

@@ -153,6 +153,61 @@ static int check_versions(const fsdp_node *n) {
 
 static int walk(fsdp_tensor *root);
 
+void fsdp_tape_enter(fsdp_tape_frame *saved) {
+  *saved = (fsdp_tape_frame){.tape = tape, .len = tape_len, .cap = tape_cap,
+                             .prune_at = prune_at, .in_backward = in_backward,
+                             .grad_on = grad_on};
+  tape = NULL;
+  tape_len = tape_cap = 0;
+  prune_at = PRUNE_MIN;
+  in_backward = false;
+  grad_on = true;
+}
+
+void fsdp_tape_leave(const fsdp_tape_frame *saved) {
+  fsdp_tape_clear();
+  tape = saved->tape;
+  tape_len = saved->len;
+  tape_cap = saved->cap;
+  prune_at = saved->prune_at;
+  in_backward = saved->in_backward;
+  grad_on = saved->grad_on;
+}
+
+bool fsdp_tape_records(const fsdp_tensor *t) {
+  for (int64_t k = tape_len - 1; k >= 0; k--) /* the output sought is almost always newest */
+    if (tape[k]->out == t) return true;
+  return false;
+}
+
+/* The walk of a backward whose root gradient is in place. */
+static int run_walk(fsdp_tensor *root) {
+  /* Hooks may run ops (FSDP gathers): nothing they do is recorded onto the tape being
+   * consumed, and they cannot start a nested backward. */
+  in_backward = true;
+  bool prev = fsdp_set_grad_enabled(false);
+  int rc = walk(root);
+  fsdp_set_grad_enabled(prev);
+  in_backward = false;
+  return rc;
+}
+
+int fsdp_backward_adopt(fsdp_tensor *root, fsdp_tensor *grad) {
+  if (in_backward) return fsdp_error("backward: called while a backward is running");
+  if (root->is_leaf || !fsdp_tape_records(root))
+    return fsdp_error("backward: tensor %s is not recorded on this tape", FSDP_SHAPE_STR(root));
+  if (!fsdp_tensor_same_shape(grad, root) || grad->dtype != root->dtype ||
+      !fsdp_tensor_is_contiguous(grad))
+    return fsdp_error("backward: gradient %s does not fit tensor %s", FSDP_SHAPE_STR(grad),
+                      FSDP_SHAPE_STR(root));
+  if (root->grad) {
+    if (fsdp_add_into(root->grad, grad, 1.0)) return fsdp_error_context("backward");
+  } else {
+    fsdp_tensor_set_grad(root, grad);
+  }
+  return run_walk(root);
+}
+
 int fsdp_backward(fsdp_tensor *root, fsdp_tensor *grad) {
   if (in_backward)
     return fsdp_error("backward: called while a backward is running (from a hook); record "
@@ -196,14 +251,7 @@ int fsdp_backward(fsdp_tensor *root, fsdp_tensor *grad) {
   }
   /* d(leaf)/d(leaf): the seed is the whole answer; other recorded graphs stay recorded. */
   if (root->is_leaf) return FSDP_OK;
-  /* Hooks may run ops (FSDP gathers): nothing they do is recorded onto the tape being
-   * consumed, and they cannot start a nested backward. */
-  in_backward = true;
-  bool prev = fsdp_set_grad_enabled(false);
-  int rc = walk(root);
-  fsdp_set_grad_enabled(prev);
-  in_backward = false;
-  return rc;
+  return run_walk(root);
 }
 
 /* The reverse walk of fsdp_backward, once the root's gradient is seeded. */
@@ -233,7 +281,7 @@ static int walk(fsdp_tensor *root) {
 
 /* ---- per-thread random streams -------------------------------------------------------- */
 
-#define RNG_STREAMS 4
+#define RNG_STREAMS FSDP_RNG_STREAMS
 static _Thread_local uint64_t rng_seed = 0;
 static _Thread_local struct {
   const char *name;
@@ -259,4 +307,20 @@ uint64_t fsdp_rng_reserve(const char *stream, int64_t n, uint64_t *first) {
   /* keep each call's range aligned to a Philox block so normals pair up the same way */
   rng_streams[slot].next += (uint64_t)((n + 3) & ~(int64_t)3);
   return fsdp_rng_key(rng_seed, stream);
+}
+
+void fsdp_rng_get_state(fsdp_rng_state *s) {
+  s->seed = rng_seed;
+  for (int i = 0; i < RNG_STREAMS; i++) {
+    s->name[i] = rng_streams[i].name;
+    s->next[i] = rng_streams[i].next;
+  }
+}
+
+void fsdp_rng_set_state(const fsdp_rng_state *s) {
+  rng_seed = s->seed;
+  for (int i = 0; i < RNG_STREAMS; i++) {
+    rng_streams[i].name = s->name[i];
+    rng_streams[i].next = s->next[i];
+  }
 }

@@ -83,6 +83,13 @@ void fsdp_lua_open_comm(lua_State *L);
 void fsdp_lua_open_fsdp(lua_State *L);
 void fsdp_lua_open_io(lua_State *L);
 void fsdp_lua_open_mask(lua_State *L);
+void fsdp_lua_open_checkpoint(lua_State *L);
+
+/* fsdp_backward(t, g) run for L (t:backward()): a checkpointed region met on the way is
+ * recomputed by calling back into L (l_checkpoint.c). */
+int fsdp_lua_backward(lua_State *L, fsdp_tensor *t, fsdp_tensor *g);
+/* L is closing: forget the checkpoint references noted for it (l_checkpoint.c). */
+void fsdp_lua_checkpoint_forget(lua_State *L);
 
 /* luaopen for require "fsdp.core" (exported from fsdp/core.so and preloaded by fsdprun). */
 /* luaopen_fsdp_core is declared in include/fsdp.h (FSDP_API). */

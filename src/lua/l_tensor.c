@@ -799,7 +799,7 @@ static int l_unm(lua_State *L) {
 
 static int l_backward(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1), *g = opt_tensor(L, 2);
-  if (fsdp_backward(t, g)) fsdp_lua_error(L);
+  if (fsdp_lua_backward(L, t, g)) fsdp_lua_error(L);
   return 0;
 }
 

@@ -12,8 +12,8 @@
  * and parameters): drop them while the communicator is still there. Freed tensors' blocks sit
  * in the cpu device's cache, which nothing else would give back before the process ends. */
 static int close_state(lua_State *L) {
-  (void)L;
   fsdp_tape_clear();
+  fsdp_lua_checkpoint_forget(L);
   fsdp_device_cpu_trim();
   return 0;
 }
@@ -41,6 +41,7 @@ FSDP_API int luaopen_fsdp_core(lua_State *L) {
   fsdp_lua_open_fsdp(L);
   fsdp_lua_open_io(L);
   fsdp_lua_open_mask(L);
+  fsdp_lua_open_checkpoint(L);
   lua_pushstring(L, FSDP_VERSION_STRING);
   lua_setfield(L, -2, "version");
   return 1;

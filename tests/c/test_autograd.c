@@ -1777,6 +1777,194 @@ static void test_empty(void **state) {
   fsdp_tensor_release(w);
 }
 
+/* ---- activation checkpointing (checkpoint.c) ---------------------------------------------- */
+
+typedef struct {
+  fsdp_tensor *w; /* borrowed */
+  int mode;       /* 0 the region, 1 fails, 2 gives another shape */
+  int calls, frees;
+} region_ud;
+
+/* The region: relu(dropout(affine(x @ w, 2, 1), 0.3)) */
+static int region(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *w) {
+  fsdp_tensor *a, *b, *c;
+  if (fsdp_op_matmul(&a, x, w)) return FSDP_ERR;
+  int rc = fsdp_op_affine(&b, a, 2.0f, 1.0f);
+  fsdp_tensor_release(a);
+  if (rc) return rc;
+  rc = fsdp_op_dropout(&c, b, 0.3f);
+  fsdp_tensor_release(b);
+  if (rc) return rc;
+  rc = fsdp_op_unary(out, c, FSDP_UNARY_RELU);
+  fsdp_tensor_release(c);
+  return rc;
+}
+
+static int region_recompute(void *p, fsdp_tensor *const *in, int nin, fsdp_tensor **out) {
+  region_ud *r = p;
+  r->calls++;
+  assert_int_equal(nin, 1);
+  assert_true(fsdp_grad_enabled()); /* recording, on a tape of its own */
+  assert_int_equal(fsdp_tape_size(), 0);
+  if (r->mode == 1) return fsdp_error("recompute failed on purpose");
+  if (region(out, in[0], r->w)) return FSDP_ERR;
+  if (r->mode == 2) {
+    fsdp_tensor *n;
+    int rc = fsdp_op_narrow(&n, *out, 0, 0, 1);
+    fsdp_tensor_release(*out);
+    *out = rc ? NULL : n;
+    return rc;
+  }
+  return FSDP_OK;
+}
+
+static void region_free(void *p) { ((region_ud *)p)->frees++; }
+
+/* The region run checkpointed on x: *out is the node's output. */
+static void checkpointed(fsdp_tensor **out, fsdp_tensor *x, region_ud *r) {
+  fsdp_rng_state rng;
+  fsdp_rng_get_state(&rng);
+  bool prev = fsdp_set_grad_enabled(false);
+  fsdp_tensor *y;
+  assert_int_equal(region(&y, x, r->w), FSDP_OK);
+  fsdp_set_grad_enabled(prev);
+  assert_false(y->requires_grad);
+  assert_int_equal(fsdp_op_checkpoint(out, y, &x, 1, &rng, region_recompute, r, region_free),
+                   FSDP_OK);
+  assert_true((*out)->requires_grad);
+  assert_true((*out)->storage == y->storage); /* the output itself, no copy */
+  fsdp_tensor_release(y);
+}
+
+static bool same_bits(fsdp_tensor *a, fsdp_tensor *b) {
+  return fsdp_tensor_numel(a) == fsdp_tensor_numel(b) &&
+         memcmp(fsdp_tensor_data(a, "t"), fsdp_tensor_data(b, "t"),
+                sizeof(float) * (size_t)fsdp_tensor_numel(a)) == 0;
+}
+
+static int adopt_in_hook(void *ud) {
+  fsdp_tensor **t = ud;
+  EXPECT_ERR(fsdp_backward_adopt(t[0], t[1]), "backward: called while a backward is running");
+  return FSDP_OK;
+}
+
+static void test_checkpoint(void **state) {
+  (void)state;
+  rng_reset(91);
+  fsdp_tensor *x0 = rnd(2, SHAPE(3, 4), -1, 1), *w = rnd(2, SHAPE(4, 5), -1, 1);
+  fsdp_tensor *seed = rnd(2, SHAPE(3, 5), -1, 1);
+  w->requires_grad = true;
+  x0->requires_grad = true;
+  /* plain: x = x0 * 1 (a recorded input), the region, backward with `seed` */
+  fsdp_rng_manual_seed(5);
+  fsdp_tensor *x, *o;
+  assert_int_equal(fsdp_op_affine(&x, x0, 1.0f, 0.0f), FSDP_OK);
+  assert_int_equal(region(&o, x, w), FSDP_OK);
+  int64_t plain_nodes = fsdp_tape_size();
+  assert_int_equal(fsdp_backward(o, seed), FSDP_OK);
+  fsdp_tensor *gx = x0->grad, *gw = w->grad;
+  fsdp_tensor_retain(gx);
+  fsdp_tensor_retain(gw);
+  fsdp_rng_state after_plain;
+  fsdp_rng_get_state(&after_plain);
+  fsdp_tensor_release(o);
+  fsdp_tensor_release(x);
+  fsdp_tensor_set_grad(x0, NULL);
+  fsdp_tensor_set_grad(w, NULL);
+
+  /* checkpointed: one node for the region, the same bits, the streams where they were */
+  fsdp_rng_manual_seed(5);
+  region_ud r = {.w = w};
+  assert_int_equal(fsdp_op_affine(&x, x0, 1.0f, 0.0f), FSDP_OK);
+  checkpointed(&o, x, &r);
+  assert_int_equal(fsdp_tape_size(), 2);
+  assert_true(plain_nodes > 2);
+  assert_true(fsdp_tape_records(o));
+  assert_false(fsdp_tape_records(x0));
+  assert_int_equal(fsdp_backward(o, seed), FSDP_OK);
+  assert_int_equal(r.calls, 1);
+  assert_int_equal(r.frees, 1);
+  assert_int_equal(fsdp_tape_size(), 0);
+  assert_true(same_bits(x0->grad, gx));
+  assert_true(same_bits(w->grad, gw));
+  fsdp_rng_state after_ck;
+  fsdp_rng_get_state(&after_ck);
+  assert_memory_equal(after_ck.next, after_plain.next, sizeof after_ck.next);
+  fsdp_tensor_release(o);
+
+  /* dropped without backward: never run, its ud freed once */
+  r = (region_ud){.w = w};
+  checkpointed(&o, x, &r);
+  fsdp_tape_clear();
+  assert_int_equal(r.calls, 0);
+  assert_int_equal(r.frees, 1);
+  fsdp_tensor_release(o);
+  fsdp_tensor_release(x);
+
+  /* an input modified in place after the forward */
+  assert_int_equal(fsdp_op_affine(&x, x0, 1.0f, 0.0f), FSDP_OK);
+  r = (region_ud){.w = w};
+  checkpointed(&o, x, &r);
+  assert_int_equal(fsdp_tensor_fill(x, 0.0), FSDP_OK);
+  EXPECT_ERR(fsdp_backward(o, seed), "backward of checkpoint",
+             "input 1 (3, 4) of the checkpointed region was modified in place");
+  assert_int_equal(r.calls, 0);
+  assert_int_equal(fsdp_tape_size(), 0);
+  fsdp_tensor_release(o);
+  fsdp_tensor_release(x);
+
+  /* a failing recomputation, one of another shape */
+  for (int mode = 1; mode <= 2; mode++) {
+    assert_int_equal(fsdp_op_affine(&x, x0, 1.0f, 0.0f), FSDP_OK);
+    r = (region_ud){.w = w, .mode = mode};
+    checkpointed(&o, x, &r);
+    if (mode == 1)
+      EXPECT_ERR(fsdp_backward(o, seed), "backward of checkpoint", "recompute failed on purpose");
+    else
+      EXPECT_ERR(fsdp_backward(o, seed), "the recomputation gave f32 (1, 5) where the forward "
+                                         "gave f32 (3, 5)");
+    assert_int_equal(fsdp_tape_size(), 0);
+    assert_true(fsdp_grad_enabled()); /* the outer modes came back */
+    fsdp_tensor_release(o);
+    fsdp_tensor_release(x);
+  }
+
+  /* an integral output has no gradient to recompute for; ud freed on the refusal */
+  fsdp_tensor *ids;
+  assert_int_equal(fsdp_tensor_new(&ids, &fsdp_device_cpu, FSDP_DTYPE_I64, 1, SHAPE(3),
+                                   FSDP_ROLE_ACTIVATIONS),
+                   FSDP_OK);
+  fsdp_rng_state rng;
+  fsdp_rng_get_state(&rng);
+  r = (region_ud){.w = w};
+  EXPECT_ERR(fsdp_op_checkpoint(&o, ids, &x0, 1, &rng, region_recompute, &r, region_free),
+             "checkpoint: the region's output is i64 (3); only a floating output");
+  assert_null(o);
+  assert_int_equal(r.frees, 1);
+  fsdp_tensor_release(ids);
+
+  /* fsdp_backward_adopt's refusals */
+  fsdp_tensor *t, *g = rnd(1, SHAPE(2), -1, 1);
+  EXPECT_ERR(fsdp_backward_adopt(x0, seed), "backward: tensor (3, 4) is not recorded on this tape");
+  assert_int_equal(fsdp_op_affine(&x, x0, 1.0f, 0.0f), FSDP_OK);
+  EXPECT_ERR(fsdp_backward_adopt(x, g), "backward: gradient (2) does not fit tensor (3, 4)");
+  fsdp_tensor *pair[2] = {x, seed};
+  assert_int_equal(fsdp_op_affine(&t, x, 3.0f, 0.0f), FSDP_OK);
+  assert_int_equal(fsdp_tape_hook(adopt_in_hook, pair, NULL), FSDP_OK);
+  assert_int_equal(fsdp_op_sum(&o, t), FSDP_OK);
+  assert_int_equal(fsdp_backward(o, NULL), FSDP_OK);
+  fsdp_tensor_release(o);
+  fsdp_tensor_release(t);
+  fsdp_tensor_release(x);
+  fsdp_tensor_release(g);
+
+  fsdp_tensor_release(gx);
+  fsdp_tensor_release(gw);
+  fsdp_tensor_release(seed);
+  fsdp_tensor_release(w);
+  fsdp_tensor_release(x0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_gradcheck_catches_wrong_backward),
@@ -1818,6 +2006,7 @@ int main(void) {
       cmocka_unit_test(test_errors_selection),
       cmocka_unit_test(test_errors_devices),
       cmocka_unit_test(test_empty),
+      cmocka_unit_test(test_checkpoint),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -3,7 +3,7 @@
 -- the values that follow from the model and the arguments; timings only for being positive and
 -- consistent, never for their size.
 --   fsdprun tests/dist/bench_json.lua --file=OUT --ranks=N --precision=f32|bf16
---           --layers=L --d=D --heads=H --batch=B --ctx=T --steps=K
+--           --layers=L --d=D --heads=H --batch=B --ctx=T --steps=K [--checkpoint]
 local fsdp = require "fsdp"
 local core = fsdp.core
 local a = fsdp.args
@@ -56,6 +56,9 @@ eq("tied", true)
 eq("ranks", N)
 eq("precision", a.precision)
 eq("mode", (N > 1 or a.precision ~= "f32") and "fsdp full" or "plain")
+eq("checkpoint", a.checkpoint == true)
+positive("peak_live_bytes")
+positive("peak_activations_bytes")
 eq("params", params)
 eq("params_nonemb", nonemb)
 eq("tokens", tokens)

@@ -1,8 +1,9 @@
 #!/bin/sh
 # Smoke test of bench/gpt_step.lua on a tiny GPT (L=1 d=32, batch 2 x ctx 16, 2 steps): its one
 # JSON line per model has the documented shape and the values that follow from the model
-# (tests/dist/bench_json.lua), at 1 rank, at 2 ranks and at 2 ranks with mp = bf16; bad
-# arguments are refused with a message naming them. Timings are not judged.
+# (tests/dist/bench_json.lua), at 1 rank, at 2 ranks, at 2 ranks with mp = bf16, and with
+# --checkpoint at 1 and 2 ranks; bad arguments are refused with a message naming them. Timings
+# are not judged.
 set -eu
 tmp=$(mktemp)
 trap 'rm -f "$tmp"' EXIT
@@ -15,12 +16,14 @@ check() { # ranks precision [extra arguments for gpt_step.lua]
     cat "$tmp"; echo "FAIL: gpt_step.lua at $n ranks, $prec"; exit 1; }
   grep -q "^L1-d32 " "$tmp" || { cat "$tmp"; echo "FAIL: no table row for L1-d32"; exit 1; }
   # shellcheck disable=SC2086
-  "$FSDPRUN" tests/dist/bench_json.lua --file="$tmp" --ranks="$n" --precision="$prec" $tiny || {
+  "$FSDPRUN" tests/dist/bench_json.lua --file="$tmp" --ranks="$n" --precision="$prec" $tiny "$@" || {
     cat "$tmp"; echo "FAIL: gpt_step.lua's JSON at $n ranks, $prec"; exit 1; }
 }
 check 1 f32
 check 2 f32
 check 2 bf16 --mp=bf16
+check 1 f32 --checkpoint
+check 2 f32 --checkpoint
 
 refused() { # expected message, then arguments for gpt_step.lua
   want=$1
@@ -36,4 +39,5 @@ refused "--layers must be an integer >= 0 (got 1.5)" bench/gpt_step.lua --layers
 refused "--mp must be bf16 or f16 (got f8)" bench/gpt_step.lua --mp=f8
 refused "--sgemm_s must be a positive number of seconds" bench/gpt_step.lua --sgemm_s=0
 refused "batch 2 does not split over 3 ranks" -n 3 bench/gpt_step.lua --batch=2
-echo "ok: bench/gpt_step.lua's JSON shape at 1 and 2 ranks, f32 and bf16"
+refused "--checkpoint takes no value (got 3)" bench/gpt_step.lua --checkpoint=3
+echo "ok: bench/gpt_step.lua's JSON shape at 1 and 2 ranks, f32 and bf16, with --checkpoint"

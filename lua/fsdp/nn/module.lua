@@ -13,8 +13,9 @@
 -- rawget(m, ORDER). Integer keys (m[1], m[2], ... of Sequential / ModuleList) are stored raw in
 -- the instance's array part so that #m and ipairs(m) work under LuaJIT (no __len on tables);
 -- they come after the named fields in traversal order. Raw fields whose names start with "__"
--- are this file's bookkeeping, never user fields (one exception: "__fsdp_wrap", the mark that
--- lua/fsdp/state.lua puts on every module of a wrapped model).
+-- are this file's bookkeeping, never user fields (two exceptions: "__fsdp_wrap", the mark that
+-- lua/fsdp/state.lua puts on every module of a wrapped model, and "__checkpoint", the mark of
+-- nn.checkpoint, lua/fsdp/nn/checkpoint.lua).
 --
 -- Invariants: a parameter is an object with a stable identity (invariant 1, docs/ARCHITECTURE.md); this file never
 -- copies or replaces a parameter, it only holds references. Traversals deduplicate modules and
@@ -22,6 +23,7 @@
 -- first path in traversal order.
 
 local core = require "fsdp.core"
+local ckpt = require "fsdp.nn.checkpoint"
 local seeds = require "fsdp.seed"
 local state = require "fsdp.state"
 local util = require "fsdp.util"
@@ -385,10 +387,17 @@ end
 
 local function pack(...) return {n = select("#", ...), ...} end
 
+-- self:forward(...), checkpointed when nn.checkpoint marked self: inside the forward hooks, so
+-- that a unit's gather and tape hooks enclose the checkpoint.
+local function forward(self, ...)
+  if ckpt.is_marked(self) then return ckpt.run(self, ...) end
+  return self:forward(...)
+end
+
 -- Pre-hooks i.. then forward and the post-hooks; a pre-hook that returns values replaces the
 -- inputs of the ones after it and of forward.
 local function run_pre(self, hooks, i, ...)
-  if i > #hooks.pre then return run_post(self, hooks.post, self:forward(...)) end
+  if i > #hooks.pre then return run_post(self, hooks.post, forward(self, ...)) end
   local r = pack(hooks.pre[i](self, ...))
   if r.n == 0 then return run_pre(self, hooks, i + 1, ...) end
   return run_pre(self, hooks, i + 1, unpack(r, 1, r.n))
@@ -397,11 +406,11 @@ end
 local function run_forward(self, ...)
   local hooks = rawget(self, HOOKS)
   if library[self.forward] and (hooks == nil or hooks.user == 0) then
-    if hooks == nil then return self:forward(...) end
+    if hooks == nil then return forward(self, ...) end
     return run_pre(self, hooks, 1, ...)
   end
   mark(...)
-  if hooks == nil then return mark(self:forward(...)) end
+  if hooks == nil then return mark(forward(self, ...)) end
   return mark(run_pre(self, hooks, 1, ...))
 end
 
