@@ -83,6 +83,7 @@ void fsdp_lua_open_comm(lua_State *L);
 void fsdp_lua_open_fsdp(lua_State *L);
 void fsdp_lua_open_io(lua_State *L);
 void fsdp_lua_open_mask(lua_State *L);
+void fsdp_lua_open_tok(lua_State *L);
 
 /* luaopen for require "fsdp.core" (exported from fsdp/core.so and preloaded by fsdprun). */
 /* luaopen_fsdp_core is declared in include/fsdp.h (FSDP_API). */
