@@ -307,4 +307,130 @@ function tokenizer.write_dataset(opts)
     dtype = dtype, out = opts.out }
 end
 
+-- ---- fsdprun tokenize -----------------------------------------------------------------------
+
+local USAGE = [[
+usage: fsdprun tokenize --out DIR (--model TOK.model | --vocab-size N) [options] CORPUS...
+Encode text files into nanoGPT-style token files: DIR/train.bin and DIR/val.bin (raw
+little-endian uint16 ids, uint32 above 65536 pieces) with sidecars DIR/train.json and
+DIR/val.json (dtype, vocab_size, count, tokenizer), and the model as DIR/tok.model.
+CORPUS: files or folders (a folder's regular text files, as fsdp.data.text reads them).
+
+options:
+  --out DIR             the folder to write (created when missing)
+  --model PATH          a SentencePiece .model to encode with
+  --vocab-size N        train a model of N pieces on the corpus first (instead of --model)
+  --model-type TYPE     bpe (default) or unigram, for --vocab-size
+  --threads N           training threads (default 1)
+  --val-fraction F      the last F of every file goes to val.bin (default 0.1; 0: none)
+  -h, --help            this text
+]]
+
+local CliError = {}
+
+local function usage_error(fmt, ...)
+  error(setmetatable({ status = 2, message = fmt:format(...) .. " (see 'fsdprun tokenize --help')" },
+    CliError), 0)
+end
+
+local function parse_args(args)
+  local o, inputs = {}, {}
+  local valued = { ["--out"] = "out", ["--model"] = "model", ["--vocab-size"] = "vocab_size",
+    ["--model-type"] = "model_type", ["--threads"] = "threads", ["--val-fraction"] = "val_fraction" }
+  local i = 1
+  while i <= #args do
+    local a = args[i]
+    if a == "-h" or a == "--help" then
+      o.help = true
+    elseif a == "--" then
+      for j = i + 1, #args do inputs[#inputs + 1] = args[j] end
+      break
+    elseif a:find("^%-") then
+      local name, val = a:match("^(%-%-[%w%-]+)=(.*)$")
+      name = name or a
+      local key = valued[name]
+      if key == nil then usage_error("unknown option '%s'", name) end
+      if val == nil then
+        i = i + 1
+        val = args[i]
+        if val == nil then usage_error("%s needs a value", name) end
+      end
+      o[key] = val
+    else
+      inputs[#inputs + 1] = a
+    end
+    i = i + 1
+  end
+  if o.help then return o, inputs end
+  for _, k in ipairs { "vocab_size", "threads" } do
+    if o[k] ~= nil then
+      local v = tonumber(o[k])
+      if v == nil or v < 1 or v % 1 ~= 0 then
+        usage_error("--%s '%s': expected a positive integer", k:gsub("_", "-"), o[k])
+      end
+      o[k] = v
+    end
+  end
+  if o.val_fraction ~= nil then
+    local v = tonumber(o.val_fraction)
+    if v == nil or v < 0 or v >= 1 then
+      usage_error("--val-fraction '%s': expected a number in [0, 1)", o.val_fraction)
+    end
+    o.val_fraction = v
+  end
+  if o.out == nil then usage_error("--out DIR is required") end
+  if (o.model == nil) == (o.vocab_size == nil) then
+    usage_error("give --model PATH (a trained model) or --vocab-size N (train one), not %s",
+      o.model and "both" or "neither")
+  end
+  if o.model and (o.model_type or o.threads) then
+    usage_error("--model-type and --threads are for training (--vocab-size)")
+  end
+  if #inputs == 0 then usage_error("no corpus given") end
+  return o, inputs
+end
+
+--- `fsdprun tokenize ARGS...`: writes the dataset, prints what it wrote on env.stdout and
+--- returns 0; prints "fsdprun tokenize: <message>" on env.stderr and returns 1 (a file that
+--- cannot be read, a training failure) or 2 (usage).
+function tokenizer.command(args, env)
+  env = env or {}
+  local stdout, stderr = env.stdout or io.stdout, env.stderr or io.stderr
+  local ok, res = pcall(function()
+    local o, inputs = parse_args(args)
+    if o.help then
+      stdout:write(USAGE)
+      return 0
+    end
+    local tok
+    local okt, err = pcall(function()
+      if o.vocab_size then
+        local okm, merr = pcall(core.io_mkdirs, o.out)
+        if not okm then error(U.strip(merr), 0) end
+        tok = tokenizer.train { input = inputs, vocab_size = o.vocab_size, model = o.out .. "/tok.model",
+          model_type = o.model_type, threads = o.threads }
+        stdout:write(("fsdprun tokenize: trained %s (%d pieces, %s)\n"):format(tok.path,
+          tok.vocab_size, o.model_type or "bpe"))
+      else
+        tok = tokenizer.load(o.model)
+      end
+      return tokenizer.write_dataset { tokenizer = tok, input = inputs, out = o.out,
+        val_fraction = o.val_fraction }
+    end)
+    if not okt then error(setmetatable({ status = 1, message = U.strip(err) }, CliError), 0) end
+    local r = err
+    stdout:write(("fsdprun tokenize: wrote %s/train.bin (%d tokens) and %s/val.bin (%d tokens), %s ids, "
+      .. "vocabulary %d, from %d file%s\n"):format(r.out, r.train, r.out, r.val, r.dtype, r.vocab_size,
+      #r.files, #r.files == 1 and "" or "s"))
+    return 0
+  end)
+  if ok then return res end
+  if getmetatable(res) == CliError then
+    stderr:write("fsdprun tokenize: ", (res.message:gsub("^fsdp%.tokenizer%.[%w_]+: ", "")), "\n")
+    stderr:flush()
+    return res.status
+  end
+  error(res, 0)
+end
+
 return tokenizer
