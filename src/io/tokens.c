@@ -18,7 +18,6 @@ struct fsdp_io_tokens {
   size_t bytes;
   int64_t count, vocab;
   int elem_size;
-  long page;
 };
 
 int fsdp_io_tokens_open(fsdp_io_tokens **out, const char *path, int elem_size, int64_t count,
@@ -58,7 +57,6 @@ int fsdp_io_tokens_open(fsdp_io_tokens **out, const char *path, int elem_size, i
   t->count = count;
   t->vocab = vocab;
   t->elem_size = elem_size;
-  t->page = sysconf(_SC_PAGESIZE);
   if (t->bytes > 0) {
     void *m = mmap(NULL, t->bytes, PROT_READ, MAP_PRIVATE, fd, 0);
     if (m == MAP_FAILED) {
@@ -94,11 +92,18 @@ static inline int64_t id_at(const fsdp_io_tokens *t, int64_t i) {
                    (uint32_t)p[3] << 24);
 }
 
-/* Give back the pages of ids [first, first + n): the data stays in the page cache. */
+/* Give back the pages of ids [first, first + n): the data stays in the page cache. A read fault
+ * maps the cached pages around the one asked for too (the kernel's fault-around, 64 KiB aligned
+ * by default), so the range given back is widened to those 64 KiB blocks, within the map. */
+#define FAULT_AROUND ((uintptr_t)65536)
 static void release(const fsdp_io_tokens *t, int64_t first, int64_t n) {
-  uintptr_t lo = (uintptr_t)(t->map + (size_t)first * (size_t)t->elem_size);
+  uintptr_t base = (uintptr_t)t->map, end = base + t->bytes;
+  uintptr_t lo = base + (size_t)first * (size_t)t->elem_size;
   uintptr_t hi = lo + (size_t)n * (size_t)t->elem_size;
-  lo &= ~(uintptr_t)(t->page - 1);
+  lo &= ~(FAULT_AROUND - 1);
+  hi = (hi + FAULT_AROUND - 1) & ~(FAULT_AROUND - 1);
+  if (lo < base) lo = base;
+  if (hi > end) hi = end;
   madvise((void *)lo, hi - lo, MADV_DONTNEED);
 }
 

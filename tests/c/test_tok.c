@@ -319,6 +319,58 @@ static void test_tokens_refused(void **state) {
   fsdp_io_tokens_close(t);
 }
 
+/* kB of this process's resident file-backed pages (RssFile in /proc/self/status); -1 when the
+ * kernel does not say */
+static long rss_file_kb(void) {
+  FILE *f = fopen("/proc/self/status", "r");
+  if (f == NULL) return -1;
+  char line[256];
+  long kb = -1;
+  while (fgets(line, sizeof line, f) != NULL)
+    if (sscanf(line, "RssFile: %ld kB", &kb) == 1) break;
+  fclose(f);
+  return kb;
+}
+
+/* Windows spread over a 32 MiB file leave no file pages resident: each call gives its pages
+ * (and the kernel's fault-around neighbours) back. Without that, this reads most of the file
+ * into the process's resident set. */
+static void test_tokens_resident(void **state) {
+  (void)state;
+  char p[320];
+  path_in(p, sizeof p, "big.bin");
+  const int64_t count = 16 << 20; /* uint16: 32 MiB */
+  FILE *f = fopen(p, "wb");
+  assert_non_null(f);
+  static uint16_t block[65536];
+  for (int i = 0; i < 65536; i++) block[i] = (uint16_t)i;
+  for (int64_t i = 0; i < count; i += 65536) assert_int_equal(fwrite(block, 2, 65536, f), 65536);
+  fclose(f);
+  fsdp_io_tokens *t;
+  assert_int_equal(fsdp_io_tokens_open(&t, p, 2, count, 0), FSDP_OK);
+  long before = rss_file_kb();
+  if (before < 0) {
+    fsdp_io_tokens_close(t);
+    skip();
+  }
+  enum { B = 16, T = 256 };
+  static int64_t x[B * T], y[B * T];
+  int64_t starts[B];
+  uint64_t h = 88172645463325252ull;
+  for (int step = 0; step < 400; step++) {
+    for (int b = 0; b < B; b++) {
+      h ^= h << 13, h ^= h >> 7, h ^= h << 17;
+      starts[b] = (int64_t)(h % (uint64_t)(count - T - 1));
+    }
+    assert_int_equal(fsdp_io_tokens_windows(t, x, y, starts, B, T), FSDP_OK);
+    assert_int_equal(x[0], starts[0] % 65536);
+  }
+  long after = rss_file_kb();
+  fsdp_io_tokens_close(t);
+  /* 6400 windows touched up to 6400 * 64 KiB: far more than the file; a few pages may stay */
+  if (after - before > 2048) fail_msg("RssFile grew from %ld to %ld kB", before, after);
+}
+
 /* ---- setup ---------------------------------------------------------------------------------- */
 
 static int setup(void **state) {
@@ -358,6 +410,7 @@ int main(void) {
       cmocka_unit_test(test_train_errors),   cmocka_unit_test(test_unigram),
       cmocka_unit_test(test_load_errors),    cmocka_unit_test(test_tokens_u16),
       cmocka_unit_test(test_tokens_u32),     cmocka_unit_test(test_tokens_refused),
+      cmocka_unit_test(test_tokens_resident),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }
