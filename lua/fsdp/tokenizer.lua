@@ -269,25 +269,36 @@ function tokenizer.write_dataset(opts)
     counts[split] = counts[split] + n
   end
   local used = {}
-  for _, path in ipairs(files) do
-    local f = io.open(path, "rb")
-    local head = f and f:read(65536) or ""
-    if f and not head:find("\0", 1, true) then
-      local size = f:seek("end")
-      local cut = val_start(f, size, vf)
-      for _, part in ipairs { { "train", 0, cut }, { "val", cut, size } } do
-        local split, a, b = part[1], part[2], part[3]
-        if b > a then
-          stream(f, a, b, function(text) put(split, text) end)
-          if eos then
-            outs[split]:write(eos)
-            counts[split] = counts[split] + 1
+  local okl, lerr = pcall(function()
+    for _, path in ipairs(files) do
+      local f, oerr = io.open(path, "rb")
+      if not f then U.raise(("%s: cannot open %s"):format(fn, tostring(oerr))) end
+      local head = f:read(65536) or ""
+      if not head:find("\0", 1, true) then -- binary files are skipped, as fsdp.data.text does
+        local size = f:seek("end")
+        local cut = val_start(f, size, vf)
+        for _, part in ipairs { { "train", 0, cut }, { "val", cut, size } } do
+          local split, a, b = part[1], part[2], part[3]
+          if b > a then
+            stream(f, a, b, function(text) put(split, text) end)
+            if eos then
+              outs[split]:write(eos)
+              counts[split] = counts[split] + 1
+            end
           end
         end
+        used[#used + 1] = path
       end
-      used[#used + 1] = path
+      f:close()
     end
-    if f then f:close() end
+  end)
+  if not okl then
+    -- no half-written .bin is left behind; the previous files, if any, stay
+    for _, split in ipairs { "train", "val" } do
+      pcall(io.close, outs[split])
+      os.remove(("%s/%s.bin.tmp"):format(opts.out, split))
+    end
+    error(lerr, 0)
   end
   for _, split in ipairs { "train", "val" } do
     local f = outs[split]

@@ -246,5 +246,22 @@ describe("fsdp.tokenizer.write_dataset", function()
     assert_error_has(function()
       fsdp.tokenizer.write_dataset { tokenizer = 5, input = CORPUS, out = dir .. "/x" }
     end, "tokenizer must be a tokenizer or a .model path")
+    -- a file that cannot be read midway (as root, permissions cannot refuse it: io.open is
+    -- made to): named, and nothing half-written is left beside the previous files
+    local out = dir .. "/keep"
+    fsdp.tokenizer.write_dataset { tokenizer = tok, input = corpus, out = out }
+    local before = read(out .. "/train.bin")
+    local real_open = io.open
+    io.open = function(p, m)
+      if p == corpus .. "/b" then return nil, p .. ": Permission denied" end
+      return real_open(p, m)
+    end
+    local ok, err = pcall(fsdp.tokenizer.write_dataset, { tokenizer = tok, input = corpus, out = out })
+    io.open = real_open
+    assert.is_false(ok)
+    assert.matches("write_dataset: cannot open .*/corpus/b: Permission denied", err)
+    assert.are.equal(before, read(out .. "/train.bin"))
+    assert.is_nil(io.open(out .. "/train.bin.tmp", "rb"))
+    assert.is_nil(io.open(out .. "/val.bin.tmp", "rb"))
   end)
 end)
