@@ -1066,9 +1066,8 @@ static int run_tokenize(int argc, char **argv) {
   char dir[PATH_MAX];
   fsdp_host_openlibs(L, fsdp_host_find_lua_dir(dir, sizeof dir, NULL, 0) ? dir : NULL);
   lua_pushcfunction(L, fsdp_host_traceback);
-  int status = luaL_loadbuffer(L, "return require('fsdp.tokenizer').command({...})",
-                               strlen("return require('fsdp.tokenizer').command({...})"),
-                               "=fsdprun tokenize");
+  static const char code[] = "return require('fsdp.tokenizer').command({...})";
+  int status = luaL_loadbuffer(L, code, sizeof code - 1, "=fsdprun tokenize");
   if (status == 0) {
     luaL_checkstack(L, argc, "too many arguments to tokenize");
     for (int i = 2; i < argc; i++) lua_pushstring(L, argv[i]);
