@@ -490,4 +490,174 @@ function Text:encode(str)
   return ids
 end
 
+-- ---- token files (nanoGPT's layout, memory-mapped) --------------------------------------------
+
+--- A counter-based draw: a number in [0, 1) with 53 random bits, a pure function of (seed,
+--- step, row). Any row of any step comes without drawing the others, so each rank draws only
+--- its own rows and a resumed run draws what the uninterrupted one would have.
+function data.counter_uniform(seed, step, row)
+  seed = floor(tonumber(seed) or 0)
+  local lo, hi = seed % 4294967296, floor(seed / 4294967296) % 4294967296
+  local h = fmix32(bit.tobit(lo + 0x9e3779b9))
+  h = fmix32(bit.bxor(h, bit.tobit(hi + 0x632be5ab)))
+  h = fmix32(bit.bxor(h, bit.tobit(step % 4294967296)))
+  h = fmix32(bit.bxor(h, bit.tobit(floor(step / 4294967296) + 0x7f4a7c15)))
+  h = fmix32(bit.bxor(h, bit.tobit(row % 4294967296 + 0x2545f491)))
+  local a = fmix32(bit.bxor(h, 0x68e31da4)) % 4294967296
+  local b = fmix32(bit.bxor(h, 0x1b56c4e9)) % 4294967296
+  return (a * 2097152 + floor(b / 2048)) / 9007199254740992
+end
+
+local Tokens = {}
+Tokens.__index = Tokens
+data.Tokens = Tokens
+
+local TOKEN_DTYPES = { uint16 = 2, uint32 = 4 }
+local TOKENS_OPTS = { "ctx", "batch", "seed", "split", "rank", "world_size" }
+
+-- The sidecar of a token file: x.bin -> x.json (another name: name .. ".json").
+local function sidecar_of(path)
+  if path:find("%.bin$") then return (path:gsub("%.bin$", ".json")) end
+  return path .. ".json"
+end
+
+--- fsdp.data.tokens(path, {ctx =, batch =, seed =, split = "train", rank =, world_size =}): a
+--- token file written by `fsdprun tokenize` (or nanoGPT's prepare.py with a sidecar), read
+--- memory-mapped. path: the .bin file, or the folder holding <split>.bin.
+function data.tokens(path, opts)
+  local fn = "fsdp.data.tokens"
+  if type(path) ~= "string" then U.raise(fn .. ": path must be a string") end
+  U.check_opts(fn, opts, TOKENS_OPTS)
+  opts = opts or {}
+  check_count(fn, "ctx", opts.ctx)
+  check_count(fn, "batch", opts.batch)
+  check_rank_world(fn, opts)
+  local split = opts.split or "train"
+  if type(split) ~= "string" or not split:find("^[%w_%-]+$") then
+    U.raise(("%s: split must be a name such as \"train\" or \"val\", got %s"):format(fn, tostring(split)))
+  end
+  if core.file_kind(path) == "dir" then path = path:gsub("/+$", "") .. "/" .. split .. ".bin" end
+  local side = sidecar_of(path)
+  if core.file_kind(path) == nil then U.raise(("%s: %s not found"):format(fn, path)) end
+  if core.file_kind(side) == nil then
+    U.raise(("%s: %s has no sidecar: %s not found (fsdprun tokenize writes one: docs/data.md)")
+      :format(fn, path, side))
+  end
+  local ok, meta = pcall(core.json_read, side)
+  if not ok then U.raise(("%s: sidecar %s: %s"):format(fn, side, U.strip(meta))) end
+  if type(meta) ~= "table" then U.raise(("%s: sidecar %s is not a JSON object"):format(fn, side)) end
+  local es = TOKEN_DTYPES[meta.dtype]
+  if es == nil then
+    U.raise(("%s: sidecar %s: dtype must be \"uint16\" or \"uint32\", got %s"):format(fn, side,
+      tostring(meta.dtype)))
+  end
+  local V, n = meta.vocab_size, meta.count
+  if not is_count(V) then
+    U.raise(("%s: sidecar %s: vocab_size must be a positive integer, got %s"):format(fn, side, tostring(V)))
+  end
+  if type(n) ~= "number" or n < 0 or n % 1 ~= 0 then
+    U.raise(("%s: sidecar %s: count must be a whole number, got %s"):format(fn, side, tostring(n)))
+  end
+  if es == 2 and V > 65536 then
+    U.raise(("%s: sidecar %s: a vocabulary of %d does not fit uint16 ids"):format(fn, side, V))
+  end
+  local okm, map = pcall(core.tokens_open, path, es, n, V)
+  if not okm then U.raise(fn .. ": " .. U.strip(map)) end
+  local tok = meta.tokenizer
+  if type(tok) == "string" and not tok:find("^/") then
+    tok = (side:match("^(.*)/[^/]*$") or ".") .. "/" .. tok
+  end
+  return setmetatable({
+    path = path, sidecar = side, meta = meta, dtype = meta.dtype, vocab = V, count = n,
+    tokenizer = type(tok) == "string" and tok or nil, eos = meta.eos, split = split,
+    ctx = opts.ctx, batch = opts.batch, seed = opts.seed or core.seed(), cursor = 0,
+    opts = opts, _map = map,
+  }, Tokens)
+end
+
+--- Tokens in the file.
+function Tokens:size() return self.count end
+
+function Tokens:_file(fn)
+  if self._map == nil then error(fn .. ": the token loader was closed", 3) end
+  if self.count < self.ctx + 1 then
+    error(("%s: %s has %d tokens; a window of ctx = %d needs %d"):format(fn, self.path,
+      self.count, self.ctx, self.ctx + 1), 3)
+  end
+  return self._map
+end
+
+--- The window starts (0-based token positions) of global step k (1-based), rows [first, last]
+--- (0-based): start = floor(u * (count - ctx)), u = counter_uniform(seed, k, row).
+function Tokens:starts(k, first, last)
+  local span = self.count - self.ctx
+  local starts = {}
+  for j = first, last do
+    starts[#starts + 1] = floor(data.counter_uniform(self.seed, k, j) * span)
+  end
+  return starts
+end
+
+--- Iterator of (step, x, y) for n steps: x, y (B/W, ctx) i64, y is x shifted by one token.
+--- Global step k holds B windows; row j starts at a position drawn from (seed, k, j); rank r
+--- reads rows [r*B/W, (r+1)*B/W) and nothing else.
+function Tokens:batches(n)
+  local fn = "tokens:batches"
+  check_count(fn, "n", n)
+  local rank, world = rank_world(self)
+  local Bl = local_batch(fn, self.batch, world)
+  local map = self:_file(fn)
+  local done = 0
+  return function()
+    if done >= n then return nil end
+    done = done + 1
+    local k = self.cursor + 1
+    self.cursor = k
+    local x, y = map:windows(self:starts(k, rank * Bl, rank * Bl + Bl - 1), self.ctx)
+    return k, x, y
+  end
+end
+
+--- Iterator of (i, x, y) over non-overlapping windows (window w starts at w*ctx), in batches
+--- of the loader's batch (the last may be smaller), as text:epoch: opts a number (max_batches)
+--- or {max_batches =, batch =}; a capped pass spreads its windows over the whole file. Every
+--- rank sees every window.
+function Tokens:epoch(opts)
+  if type(opts) == "number" then opts = { max_batches = opts } end
+  opts = opts or {}
+  local fn = "tokens:epoch"
+  local B = check_count(fn, "batch", opts.batch or self.batch)
+  if opts.max_batches ~= nil then check_count(fn, "max_batches", opts.max_batches) end
+  local map = self:_file(fn)
+  local ctx = self.ctx
+  local nwin = floor((self.count - 1) / ctx)
+  local used = nwin
+  if opts.max_batches and opts.max_batches * B < nwin then used = opts.max_batches * B end
+  local nb = math.ceil(used / B)
+  local i = 0
+  return function()
+    if i >= nb then return nil end
+    local first = i * B
+    local starts = {}
+    for j = 1, math.min(B, used - first) do starts[j] = floor((first + j - 1) * nwin / used) * ctx end
+    i = i + 1
+    local x, y = map:windows(starts, ctx)
+    return i, x, y
+  end
+end
+
+--- Ids [first, first + n) of the file (0-based first) as a Lua array, for inspection.
+function Tokens:read(first, n)
+  local map = self._map
+  if map == nil then error("tokens:read: the token loader was closed", 2) end
+  local x = map:windows({ first }, n, false)
+  return x:totable()[1]
+end
+
+--- Unmap the file now (idempotent); the loader cannot serve batches afterwards.
+function Tokens:close()
+  if self._map ~= nil then self._map:close() end
+  self._map = nil
+end
+
 return data

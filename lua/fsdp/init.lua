@@ -168,6 +168,8 @@ local lazy = {
   nn = "fsdp.nn", optim = "fsdp.optim", data = "fsdp.data", log = "fsdp.log",
   plot = "fsdp.plot", prune = "fsdp.prune",
 }
+-- fsdp.tokenizer: SentencePiece tokenizers and token datasets (lua/fsdp/tokenizer.lua)
+lazy.tokenizer = "fsdp.tokenizer"
 setmetatable(fsdp, {
   -- the names resolved on first use, for the REPL's tab completion (lua/fsdp/repl.lua)
   __complete = function()

@@ -884,6 +884,8 @@ static void print_usage(FILE *f) {
           "   (see '" PROGNAME " plot --help')\n"
           "       " PROGNAME " [options] sample CHECKPOINT --prompt=TEXT [...]"
           "   (see '" PROGNAME " sample --help')\n"
+          "       " PROGNAME " tokenize --out DIR (--model M | --vocab-size N) corpus..."
+          "   (see '" PROGNAME " tokenize --help')\n"
           "Run a Lua training recipe on the fsdprun engine.\n"
           "\n"
           "options:\n"
@@ -1082,8 +1084,41 @@ static int run_plot(int argc, char **argv) {
   return rc;
 }
 
+/* `fsdprun tokenize ARGS...`: encode text into token files (lua/fsdp/tokenizer.lua,
+ * docs/data.md). Like plot, a plain Lua state with fsdp.core preloaded and no ranks:
+ * fsdp.tokenizer.command prints its own messages and returns the exit status (0 written,
+ * 1 unreadable input or failed training, 2 usage error). */
+static int run_tokenize(int argc, char **argv) {
+  lua_State *L = luaL_newstate();
+  if (L == NULL) {
+    fprintf(stderr, PROGNAME ": cannot create the Lua state: not enough memory\n");
+    return EXIT_FAILURE;
+  }
+  char dir[PATH_MAX];
+  fsdp_host_openlibs(L, fsdp_host_find_lua_dir(dir, sizeof dir, NULL, 0) ? dir : NULL);
+  lua_pushcfunction(L, fsdp_host_traceback);
+  static const char code[] = "return require('fsdp.tokenizer').command({...})";
+  int status = luaL_loadbuffer(L, code, sizeof code - 1, "=fsdprun tokenize");
+  if (status == 0) {
+    luaL_checkstack(L, argc, "too many arguments to tokenize");
+    for (int i = 2; i < argc; i++) lua_pushstring(L, argv[i]);
+    status = lua_pcall(L, argc - 2, 1, 1);
+  }
+  int rc = EXIT_FAILURE;
+  if (status != 0) {
+    const char *msg = lua_tostring(L, -1);
+    fprintf(stderr, PROGNAME " tokenize: %s\n", msg != NULL ? msg : "(error object is not a string)");
+  } else {
+    rc = (int)lua_tointeger(L, -1);
+  }
+  lua_close(L);
+  fflush(stdout);
+  return rc;
+}
+
 int main(int argc, char **argv) {
   if (argc >= 2 && strcmp(argv[1], "plot") == 0) return run_plot(argc, argv);
+  if (argc >= 2 && strcmp(argv[1], "tokenize") == 0) return run_tokenize(argc, argv);
   fsdprun_opts o = {.argc = argc, .argv = argv, .nranks = 1};
   const char *doe = getenv("FSDPRUN_DEBUG_ON_ERROR");
   g_debug_on_error = doe != NULL && doe[0] != '\0' && strcmp(doe, "0") != 0;

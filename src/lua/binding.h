@@ -90,6 +90,7 @@ void fsdp_lua_open_checkpoint(lua_State *L);
 int fsdp_lua_backward(lua_State *L, fsdp_tensor *t, fsdp_tensor *g);
 /* L is closing: forget the checkpoint references noted for it (l_checkpoint.c). */
 void fsdp_lua_checkpoint_forget(lua_State *L);
+void fsdp_lua_open_tok(lua_State *L);
 
 /* luaopen for require "fsdp.core" (exported from fsdp/core.so and preloaded by fsdprun). */
 /* luaopen_fsdp_core is declared in include/fsdp.h (FSDP_API). */

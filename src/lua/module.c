@@ -42,6 +42,7 @@ FSDP_API int luaopen_fsdp_core(lua_State *L) {
   fsdp_lua_open_io(L);
   fsdp_lua_open_mask(L);
   fsdp_lua_open_checkpoint(L);
+  fsdp_lua_open_tok(L);
   lua_pushstring(L, FSDP_VERSION_STRING);
   lua_setfield(L, -2, "version");
   return 1;

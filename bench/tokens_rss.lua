@@ -1,0 +1,30 @@
+-- tokens_rss.lua — resident memory of fsdp.data.tokens reading a large token file: the loader
+-- maps the file and gives each batch's pages back after copying them, so VmRSS / VmHWM stay
+-- near the process's own size whatever the file's size (docs/data.md quotes the figures).
+--   fsdprun bench/tokens_rss.lua --file=/tmp/big.bin [--steps=2000] [--ctx=1024] [--batch=64]
+-- The file needs its sidecar (/tmp/big.json: {"dtype": "uint16", "vocab_size": 65536, "count": N}).
+local fsdp = require "fsdp"
+local a = fsdp.args
+
+local function status()
+  local f = assert(io.open("/proc/self/status"))
+  local s = f:read("*a")
+  f:close()
+  local function kb(k) return tonumber(s:match(k .. ":%s*(%d+) kB")) end
+  return ("VmRSS %.1f MiB (RssFile %.1f MiB), VmHWM %.1f MiB"):format(kb("VmRSS") / 1024,
+    (kb("RssFile") or 0) / 1024, kb("VmHWM") / 1024)
+end
+
+local steps, ctx, batch = tonumber(a.steps) or 2000, tonumber(a.ctx) or 1024, tonumber(a.batch) or 64
+print("before opening:      " .. status())
+local L = fsdp.data.tokens(a.file, {ctx = ctx, batch = batch, seed = 1})
+print(("opened %s: %d tokens (%.2f GiB, %s)"):format(L.path, L.count,
+  L.count * (L.dtype == "uint16" and 2 or 4) / 2^30, L.dtype))
+print("after opening:       " .. status())
+local t0, sum = os.clock(), 0
+for step, x in L:batches(steps) do
+  sum = sum + x:get(1, 1)
+  if step == steps then print(("after %d steps:    "):format(step) .. status()) end
+end
+print(("%d steps of (%d, %d) in %.2f s cpu; windows touched %.0f MiB of the file in all"):format(
+  steps, batch, ctx, os.clock() - t0, steps * batch * (ctx + 1) * 2 / 2^20))

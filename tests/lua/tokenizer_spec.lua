@@ -1,0 +1,267 @@
+-- tokenizer_spec.lua — fsdp.tokenizer: training a small BPE (and unigram) model on a fortunes
+-- file, loading it, exact round trips (tables, nested tables, tensors), what invalid UTF-8
+-- becomes, token datasets written by write_dataset (they decode back to the corpus; encoding in
+-- pieces gives the ids of encoding whole files), and every named error.
+-- Run: busted --lua=luajit tests/lua/tokenizer_spec.lua
+
+local fsdp = require "fsdp"
+local core = require "fsdp.core"
+local tokenizer = require "fsdp.tokenizer"
+
+local H = require "helpers"
+local assert_error_has, mktemp_dir, write = H.assert_error_has, H.mktemp_dir, H.write_file
+
+local FORTUNES = "/usr/share/games/fortunes"
+local CORPUS = FORTUNES .. "/debian"
+
+local function read(path)
+  local f = assert(io.open(path, "rb"))
+  local s = f:read("*a")
+  f:close()
+  return s
+end
+
+if not core.tok_available() or not io.open(CORPUS, "rb") then
+  describe("fsdp.tokenizer", function()
+    it("needs SentencePiece and Debian's fortunes", function()
+      pending("skipped: no SentencePiece in this build, or fortunes not installed")
+    end)
+  end)
+  return
+end
+
+describe("fsdp.tokenizer", function()
+  local dir, tok
+  setup(function()
+    dir = mktemp_dir()
+    tok = fsdp.tokenizer.train { input = CORPUS, vocab_size = 500, model = dir .. "/tok.model" }
+  end)
+  teardown(function() os.execute("rm -rf '" .. dir .. "'") end)
+
+  it("trains a model of the size asked for and loads it", function()
+    assert.are.equal(500, tok.vocab_size)
+    assert.are.equal(dir .. "/tok.model", tok.path)
+    assert.are.same({ 0, 1, 2 }, { tok.unk, tok.bos, tok.eos })
+    assert.are.equal("<0x0A>", tok:piece(3 + 10)) -- byte pieces follow the three specials
+    local again = fsdp.tokenizer.load(dir .. "/tok.model")
+    assert.are.equal(500, again.vocab_size)
+    local s = "Debian developers debug Debian."
+    assert.are.same(tok:encode(s), again:encode(s))
+    assert.matches("tokenizer .*tok.model %(500 pieces%)", tostring(again))
+  end)
+
+  it("encodes to a Lua array of ids from 0 and decodes them back exactly", function()
+    for _, s in ipairs {
+      "Debian GNU/Linux",
+      "two lines\nand a\ttab, trailing spaces  \n\n",
+      "\u{e9}t\u{e9} \u{65e5}\u{672c} \u{1F600}", -- unseen characters: byte pieces
+      "\1\127 control",
+      "",
+    } do
+      local ids = tok:encode(s)
+      assert.are.equal("table", type(ids))
+      for _, id in ipairs(ids) do
+        assert.is_true(id >= 0 and id < 500 and id % 1 == 0)
+      end
+      assert.are.equal(s, tok:decode(ids))
+    end
+    assert.are.same({}, tok:encode(""))
+    assert.is_true(#tok:encode("Debian Debian Debian") < #"Debian Debian Debian")
+  end)
+
+  it("decodes tensors and nested tables", function()
+    local s = "packages and\nmore packages"
+    local ids = tok:encode(s)
+    assert.are.equal(s, tok:decode(fsdp.tensor(ids, { dtype = "i64" })))
+    local half = math.floor(#ids / 2)
+    local a, b = {}, {}
+    for i = 1, #ids do if i <= half then a[#a + 1] = ids[i] else b[#b + 1] = ids[i] end end
+    assert.are.equal(s, tok:decode { a, b })
+  end)
+
+  it("turns malformed UTF-8 bytes into U+FFFD (documented: byte fallback covers valid text)", function()
+    assert.are.equal("a\u{FFFD}b", tok:decode(tok:encode("a\255b")))
+  end)
+
+  it("trains a unigram model too", function()
+    local u = fsdp.tokenizer.train { input = { CORPUS }, vocab_size = 600, model = dir .. "/uni.model",
+      model_type = "unigram", threads = 2 }
+    assert.are.equal(600, u.vocab_size)
+    local s = "unigram\nDebian \u{e9}"
+    assert.are.equal(s, u:decode(u:encode(s)))
+  end)
+
+  it("trains the same model twice from the same text (a deterministic trainer)", function()
+    fsdp.tokenizer.train { input = CORPUS, vocab_size = 500, model = dir .. "/again.model" }
+    assert.are.equal(read(dir .. "/tok.model"), read(dir .. "/again.model"))
+  end)
+
+  it("names what is wrong", function()
+    assert_error_has(function()
+      fsdp.tokenizer.train { input = dir .. "/none.txt", vocab_size = 500, model = dir .. "/x.model" }
+    end, "fsdp.tokenizer.train: cannot open", "none.txt")
+    assert_error_has(function()
+      fsdp.tokenizer.train { input = CORPUS, vocab_size = 100000, model = dir .. "/x.model" }
+    end, "fsdp.tokenizer.train: Vocabulary size too high (100000)")
+    assert.is_nil(io.open(dir .. "/x.model", "rb")) -- nothing written
+    assert_error_has(function()
+      fsdp.tokenizer.train { input = CORPUS, vocab_size = 200, model = dir .. "/x.model" }
+    end, "vocab_size 200 is too small")
+    assert_error_has(function()
+      fsdp.tokenizer.train { input = CORPUS, vocab_size = 500, model = dir .. "/x.model", model_type = "wp" }
+    end, 'model_type must be "bpe" or "unigram", got wp')
+    assert_error_has(function()
+      fsdp.tokenizer.train { input = CORPUS, vocab = 500, model = dir .. "/x.model" }
+    end, "unknown option 'vocab'", "valid: character_coverage, input, max_sentences")
+    assert_error_has(function() fsdp.tokenizer.train { input = CORPUS, model = dir .. "/x.model" } end,
+      "vocab_size must be a positive integer")
+    assert_error_has(function() fsdp.tokenizer.train { input = CORPUS, vocab_size = 500 } end,
+      "model must be the path")
+    assert_error_has(function() fsdp.tokenizer.load(dir .. "/missing.model") end,
+      "fsdp.tokenizer.load: tokenizer: cannot open", "missing.model")
+    assert_error_has(function() fsdp.tokenizer.load(CORPUS) end,
+      "fsdp.tokenizer.load: tokenizer: " .. CORPUS .. " is not a SentencePiece model")
+    write(dir .. "/cut.model", read(dir .. "/tok.model"):sub(1, 1000))
+    assert_error_has(function() fsdp.tokenizer.load(dir .. "/cut.model") end,
+      "cut.model is not a SentencePiece model")
+    assert_error_has(function() tok:decode { 1, 500 } end,
+      "tokenizer:decode: id 500 at position 2 is out of range [0, 500)")
+    assert_error_has(function() tok:decode { 1, 2.5 } end, "id 2.5")
+    assert_error_has(function() tok:decode("ids") end, "expected a table of ids or a tensor")
+    assert_error_has(function() tok:encode(42) end, "tokenizer:encode: expected a string, got number")
+    local t = fsdp.tokenizer.load(dir .. "/tok.model")
+    t:free()
+    t:free()
+    assert_error_has(function() t:encode("x") end, "the tokenizer was freed")
+    assert.are.equal("tokenizer (freed)", tostring(t))
+  end)
+end)
+
+describe("fsdp.tokenizer.write_dataset", function()
+  local dir, tok, corpus, files
+  setup(function()
+    dir = mktemp_dir()
+    tok = fsdp.tokenizer.train { input = CORPUS, vocab_size = 500, model = dir .. "/trained.model" }
+    corpus = dir .. "/corpus"
+    os.execute("mkdir -p '" .. corpus .. "'")
+    files = {
+      a = read(CORPUS),
+      b = "short file without a final newline",
+      c = ("line %d: \u{e9}t\u{e9}\n"):rep(40):gsub("%%d", "x"),
+    }
+    for name, text in pairs(files) do write(corpus .. "/" .. name, text) end
+    write(corpus .. "/d.dat", "skipped by its name")
+    write(corpus .. "/bin", "a\0binary") -- skipped: holds a NUL byte
+  end)
+  teardown(function() os.execute("rm -rf '" .. dir .. "'") end)
+
+  -- The ids of a token file and its sidecar.
+  local function ids_of(path)
+    local meta = core.json_read(path:gsub("%.bin$", ".json"))
+    local L = fsdp.data.tokens(path, { ctx = 1, batch = 1 })
+    local ids = meta.count > 0 and L:read(0, meta.count) or {}
+    L:close()
+    return ids, meta
+  end
+
+  -- Split a stream of ids at the end-of-text id.
+  local function documents(ids, eos)
+    local docs, cur = {}, {}
+    for _, id in ipairs(ids) do
+      if id == eos then
+        docs[#docs + 1] = cur
+        cur = {}
+      else
+        cur[#cur + 1] = id
+      end
+    end
+    assert.are.same({}, cur) -- every document ends with eos
+    return docs
+  end
+
+  it("writes train and val files that decode back to the corpus, file by file", function()
+    local out = dir .. "/data"
+    local r = fsdp.tokenizer.write_dataset { tokenizer = tok, input = corpus, out = out, val_fraction = 0.25 }
+    assert.are.same({ corpus .. "/a", corpus .. "/b", corpus .. "/c" }, r.files)
+    assert.are.equal("uint16", r.dtype)
+    local train, tmeta = ids_of(out .. "/train.bin")
+    local val, vmeta = ids_of(out .. "/val.bin")
+    assert.are.equal(r.train, #train)
+    assert.are.equal(r.val, #val)
+    for _, m in ipairs { tmeta, vmeta } do
+      assert.are.equal("uint16", m.dtype)
+      assert.are.equal(500, m.vocab_size)
+      assert.are.equal("tok.model", m.tokenizer)
+      assert.are.equal(2, m.eos)
+    end
+    assert.are.equal(read(dir .. "/trained.model"), read(out .. "/tok.model"))
+    assert.are.equal(2 * #train, #read(out .. "/train.bin"))
+    local tdocs, vdocs = documents(train, tok.eos), documents(val, tok.eos)
+    -- "b" is one line: all of it is train (the cut moves to the end of the line)
+    assert.are.equal(3, #tdocs)
+    assert.are.equal(2, #vdocs)
+    local ta, tb, tc = tok:decode(tdocs[1]), tok:decode(tdocs[2]), tok:decode(tdocs[3])
+    local va, vc = tok:decode(vdocs[1]), tok:decode(vdocs[2])
+    assert.are.equal(files.a, ta .. va)
+    assert.are.equal(files.b, tb)
+    assert.are.equal(files.c, tc .. vc)
+    -- whole lines on both sides, the split near 75 %
+    assert.are.equal("\n", ta:sub(-1))
+    assert.is_true(math.abs(#ta / #files.a - 0.75) < 0.05)
+  end)
+
+  it("gives the ids of whole files when it encodes them in pieces", function()
+    local whole = dir .. "/whole"
+    fsdp.tokenizer.write_dataset { tokenizer = tok, input = CORPUS, out = whole, val_fraction = 0 }
+    local saved = tokenizer.chunk_bytes
+    tokenizer.chunk_bytes = 4096 -- the corpus is 15 kB: four pieces
+    local pieces = dir .. "/pieces"
+    local ok, err = pcall(fsdp.tokenizer.write_dataset,
+      { tokenizer = dir .. "/trained.model", input = { CORPUS }, out = pieces, val_fraction = 0 })
+    tokenizer.chunk_bytes = saved
+    assert(ok, err)
+    assert.are.equal(read(whole .. "/train.bin"), read(pieces .. "/train.bin"))
+    local ids = ids_of(whole .. "/train.bin")
+    table.remove(ids) -- the end-of-text id
+    assert.are.same(tok:encode(read(CORPUS)), ids)
+    local _, vmeta = ids_of(whole .. "/val.bin")
+    assert.are.equal(0, vmeta.count)
+  end)
+
+  it("picks uint32 ids above 65536 pieces", function()
+    assert.are.equal("uint16", tokenizer.dtype_for(65536))
+    assert.are.equal("uint32", tokenizer.dtype_for(65537))
+  end)
+
+  it("names what is wrong", function()
+    assert_error_has(function()
+      fsdp.tokenizer.write_dataset { tokenizer = tok, input = dir .. "/none", out = dir .. "/x" }
+    end, "fsdp.tokenizer.write_dataset: cannot open", "/none")
+    assert_error_has(function()
+      fsdp.tokenizer.write_dataset { tokenizer = tok, input = CORPUS, out = dir .. "/x", val_fraction = 1 }
+    end, "val_fraction must be in [0, 1), got 1")
+    assert_error_has(function()
+      fsdp.tokenizer.write_dataset { tokenizer = tok, input = CORPUS, out = dir .. "/x", split = 1 }
+    end, "unknown option 'split'")
+    assert_error_has(function()
+      fsdp.tokenizer.write_dataset { tokenizer = 5, input = CORPUS, out = dir .. "/x" }
+    end, "tokenizer must be a tokenizer or a .model path")
+    -- a file that cannot be read midway (as root, permissions cannot refuse it: io.open is
+    -- made to): named, and nothing half-written is left beside the previous files
+    local out = dir .. "/keep"
+    fsdp.tokenizer.write_dataset { tokenizer = tok, input = corpus, out = out }
+    local before = read(out .. "/train.bin")
+    local real_open = io.open
+    io.open = function(p, m)
+      if p == corpus .. "/b" then return nil, p .. ": Permission denied" end
+      return real_open(p, m)
+    end
+    local ok, err = pcall(fsdp.tokenizer.write_dataset, { tokenizer = tok, input = corpus, out = out })
+    io.open = real_open
+    assert.is_false(ok)
+    assert.matches("write_dataset: cannot open .*/corpus/b: Permission denied", err)
+    assert.are.equal(before, read(out .. "/train.bin"))
+    assert.is_nil(io.open(out .. "/train.bin.tmp", "rb"))
+    assert.is_nil(io.open(out .. "/val.bin.tmp", "rb"))
+  end)
+end)
