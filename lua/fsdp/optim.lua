@@ -75,10 +75,12 @@ local function live_units(R, what)
   return R:units()
 end
 
--- Calls fn(u, shard, grad_shard, slices) per unit of the wrapped model, construction order.
+-- Calls fn(u, shard, grad_shard, slices) per unit of the wrapped model, construction order;
+-- a unit whose parameters are all frozen (requires_grad false) has no gradient shard and is
+-- left out.
 local function each_unit(R, what, fn)
   for _, u in ipairs(live_units(R, what)) do
-    fn(u, u:shard(), u:grad_shard(), u:local_slices())
+    if u:trainable() then fn(u, u:shard(), u:grad_shard(), u:local_slices()) end
   end
 end
 
@@ -200,7 +202,7 @@ function Optimizer:each_slice(fn, only_grads)
   local has = only_grads and agree_grads(self.wrapped, what) or nil
   each_unit(self.wrapped, what, function(u, shard, gshard, slices)
     for _, s in ipairs(slices) do
-      if has == nil or has[u][s.index] then
+      if (has == nil or has[u][s.index]) and s.param.requires_grad then
         local n = s.shard_last - s.shard_first + 1
         local p = s.param
         local st = self.state[p]
