@@ -186,7 +186,7 @@ end
 function Optimizer:zero_grad()
   for _, e in ipairs(self.params) do e.param.grad = nil end
   if self.wrapped then
-    each_unit(self.wrapped, "zero_grad", function(u) u:zero_grad() end)
+    for _, u in ipairs(live_units(self.wrapped, "zero_grad")) do u:zero_grad() end
   end
 end
 

@@ -901,15 +901,13 @@ int fsdp_unit_zero_grad(fsdp_unit *u) {
   return u->grad_shard ? fsdp_fill(u->grad_shard, 0.0) : FSDP_OK;
 }
 
-int fsdp_param_set_requires_grad(fsdp_tensor *p, bool on) {
+/* Any time: every decision reads requires_grad when it is made (post_forward: is the use
+ * recorded; hook_end: which parameters get a .grad and whether to reduce), all of it the same
+ * on every rank that changed it alike. */
+void fsdp_param_set_requires_grad(fsdp_tensor *p, bool on) {
   fsdp_unit *u = fsdp_param_unit(p);
-  if (u && u->open)
-    return fsdp_error("requires_grad: parameter %s belongs to unit '%s', whose forward is "
-                      "running; freeze or unfreeze it before the forward (or after it)",
-                      p->label ? p->label : "?", u->path);
   p->requires_grad = on;
   if (u && !on) frozen_grad_shard_drop(u);
-  return FSDP_OK;
 }
 
 bool fsdp_unit_param_has_grad(const fsdp_unit *u, int i) {

@@ -209,11 +209,13 @@ int fsdp_unit_pre_forward(fsdp_unit *u, fsdp_unit *next);
 int fsdp_unit_post_forward(fsdp_unit *u, bool out_needs_grad);
 /* Whether some parameter of the unit requires a gradient. */
 bool fsdp_unit_trainable(const fsdp_unit *u);
-/* Set p->requires_grad (p any tensor; the caller checked it may require one). For a parameter
- * of a unit: refused while the unit's forward runs (between its pre and post hooks); freezing
- * a unit's last trainable parameter frees its gradient shard (unless a recorded backward of
- * the unit is still to come: then its zero_grad does). Local. */
-int fsdp_param_set_requires_grad(fsdp_tensor *p, bool on);
+/* Set p->requires_grad (p any tensor; the caller checked it may require one). Allowed at any
+ * time: a unit's forward decides from it whether its backward is recorded, the backward which
+ * parameters get gradients and whether the unit reduces (a change between a forward and its
+ * backward applies to that backward). Freezing a unit's last trainable parameter frees the
+ * unit's gradient shard (unless a recorded backward of the unit is still to come: then its
+ * zero_grad does). Local, never fails. */
+void fsdp_param_set_requires_grad(fsdp_tensor *p, bool on);
 /* The unit to prefetch when this unit's "end" hook fires in backward: the unit whose backward
  * comes next, i.e. the one whose post_forward ran just before this unit's (for a root around
  * units 1..N run in order: root -> N, k -> k-1). Prefetched only if its backward is pending.
