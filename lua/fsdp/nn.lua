@@ -1,13 +1,15 @@
 -- fsdp.nn — neural-network modules. See docs/nn.md.
 --
 -- The pieces live in lua/fsdp/nn/: module.lua (the Module protocol, registration, traversal,
--- error paths, path-based initialisation), layers.lua (Linear ... Block), gpt.lua (GPT).
+-- error paths, path-based initialisation), layers.lua (Linear ... Block), gpt.lua (GPT),
+-- lora.lua (low-rank adapters).
 -- This file assembles the public table and nn.F.
 
 local core = require "fsdp.core"
 local base = require "fsdp.nn.module"
 local L = require "fsdp.nn.layers"
 local GPT = require "fsdp.nn.gpt"
+local lora = require "fsdp.nn.lora"
 
 local nn = {}
 
@@ -48,6 +50,11 @@ for _, name in ipairs{"Linear", "Embedding", "LayerNorm", "ReLU", "GELU", "Dropo
   nn[name] = L[name]
 end
 nn.GPT = GPT
+
+-- Low-rank adapters (nn/lora.lua): nn.lora.apply(model, opts), nn.lora.merge(model); the
+-- adapter module nn.LoRA and the adapted Linear's class nn.LoRALinear.
+nn.lora = {apply = lora.apply, merge = lora.merge}
+nn.LoRA, nn.LoRALinear = lora.LoRA, lora.LoRALinear
 
 -- nn.F: every fsdp.F op (looked up at call time, so ops the engine adds later appear here),
 -- plus the losses with their documented signatures.
