@@ -839,6 +839,73 @@ static void test_stale_prefetch(void **state) {
   for (int W = 1; W <= 2; W++) run_ranks(W, rank_stale_prefetch, NULL);
 }
 
+/* A fully frozen unit that gradients pass through (f, between the trainable a and the root):
+ * recorded, gathered again in backward for the input gradient, but no full gradient, no
+ * reduce-scatter and no gradient shard. A frozen unit no gradient reaches (g, first, its
+ * input needs none) takes its "begin" hook off the tape again: nothing of it stays recorded. */
+static bool rank_frozen_passthrough(rank_ctx *ctx) {
+  fsdp_tensor *pg = param_new("g", 2, SHAPE(4, 4)), *pa = param_new("a", 2, SHAPE(4, 4)),
+              *pf = param_new("f", 2, SHAPE(4, 4)), *pr = param_new("root", 1, SHAPE(4));
+  pg->requires_grad = pf->requires_grad = false;
+  const char *ng = "g.weight", *na = "a.weight", *nf = "f.weight", *nr = "scale";
+  fsdp_unit_opts o = {.strategy = FSDP_STRATEGY_FULL, .reshard_after_forward = true};
+  fsdp_unit *g, *a, *f, *root;
+  CHECK_OK(fsdp_unit_new(&g, ctx->comm, "g", &pg, &ng, 1, &o));
+  CHECK_OK(fsdp_unit_new(&a, ctx->comm, "a", &pa, &na, 1, &o));
+  CHECK_OK(fsdp_unit_new(&f, ctx->comm, "f", &pf, &nf, 1, &o));
+  o.is_root = true;
+  CHECK_OK(fsdp_unit_new(&root, ctx->comm, "", &pr, &nr, 1, &o));
+  CHECK(!fsdp_unit_trainable(g) && fsdp_unit_trainable(a) && !fsdp_unit_trainable(f));
+  fsdp_tensor *in = data_new("in", 2, 4), *h0, *h1, *h2, *h3, *loss;
+  fsdp_comm_reset_stats(ctx->comm);
+  CHECK_OK(fsdp_unit_pre_forward(root, NULL));
+  int64_t tape0 = fsdp_tape_size();
+  CHECK_OK(fsdp_unit_pre_forward(g, NULL));
+  CHECK(fsdp_unit_pending_backward(g) == 1); /* pushed, to be decided at post */
+  CHECK_OK(fsdp_op_linear(&h0, in, pg, NULL));
+  CHECK_OK(fsdp_unit_post_forward(g, h0->requires_grad));
+  CHECK(fsdp_unit_pending_backward(g) == 0 && fsdp_tape_size() == tape0); /* off again */
+  CHECK(fsdp_unit_state_get(g) == FSDP_UNIT_SHARDED);
+  CHECK_OK(fsdp_unit_pre_forward(a, NULL));
+  CHECK_OK(fsdp_op_linear(&h1, h0, pa, NULL));
+  CHECK_OK(fsdp_unit_post_forward(a, h1->requires_grad));
+  CHECK_OK(fsdp_unit_pre_forward(f, NULL));
+  CHECK_OK(fsdp_op_linear(&h2, h1, pf, NULL));
+  CHECK(h2->requires_grad);
+  CHECK_OK(fsdp_unit_post_forward(f, h2->requires_grad));
+  CHECK(fsdp_unit_pending_backward(f) == 1); /* recorded: its backward passes gradients on */
+  CHECK_OK(fsdp_op_binary(&h3, h2, pr, FSDP_OP_MUL));
+  CHECK_OK(fsdp_unit_post_forward(root, true));
+  CHECK_OK(fsdp_op_sum(&loss, h3));
+  CHECK_OK(fsdp_backward(loss, NULL));
+  fsdp_comm_stats st;
+  fsdp_comm_get_stats(ctx->comm, &st);
+  /* forward: root, g, a, f; backward: f (for the input gradient) and a */
+  CHECK(st.calls[FSDP_COLL_ALL_GATHER] == 6);
+  CHECK(st.calls[FSDP_COLL_REDUCE_SCATTER] == 2); /* a and the root; not f, not g */
+  CHECK(fsdp_unit_param_has_grad(a, 0) && !fsdp_unit_param_has_grad(f, 0));
+  CHECK(!pf->grad && !pg->grad);
+  /* gradient memory: the shards of a and the root only */
+  CHECK(live(FSDP_ROLE_GRADS) ==
+        (fsdp_unit_shard_numel(a) + fsdp_unit_shard_numel(root)) * (int64_t)sizeof(float));
+  CHECK(live(FSDP_ROLE_GATHERED) == 0);
+  /* freezing a's last trainable parameter frees its gradient shard */
+  fsdp_param_set_requires_grad(pa, false);
+  CHECK(live(FSDP_ROLE_GRADS) == fsdp_unit_shard_numel(root) * (int64_t)sizeof(float));
+  fsdp_tensor *tensors[] = {loss, h0, h1, h2, h3, in, pg, pa, pf, pr};
+  for (size_t i = 0; i < sizeof tensors / sizeof *tensors; i++) fsdp_tensor_release(tensors[i]);
+  fsdp_unit_release(g);
+  fsdp_unit_release(a);
+  fsdp_unit_release(f);
+  fsdp_unit_release(root);
+  return true;
+}
+
+static void test_frozen_passthrough(void **state) {
+  (void)state;
+  for (int W = 1; W <= 3; W++) run_ranks(W, rank_frozen_passthrough, NULL);
+}
+
 /* ---- memory per rank ------------------------------------------------------------------------- */
 
 /* A root (2 small params) and three inner units of different sizes, FULL, no prefetch: after
@@ -1185,6 +1252,7 @@ int main(void) {
       cmocka_unit_test(test_ancestor_param_in_inner_unit),
       cmocka_unit_test(test_prefetch_overlap),
       cmocka_unit_test(test_stale_prefetch),
+      cmocka_unit_test(test_frozen_passthrough),
       cmocka_unit_test(test_memory),
       cmocka_unit_test(test_grad_shard_lazy),
       cmocka_unit_test(test_misc),
