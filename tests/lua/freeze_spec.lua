@@ -189,3 +189,37 @@ describe("freeze, wrapped", function()
     end
   end)
 end)
+
+describe("freeze and checkpoints", function()
+  local function run(frozen_at_save, frozen_at_load)
+    local dir = os.tmpname()
+    os.remove(dir)
+    local m = gpt()
+    if frozen_at_save then m:freeze("^blocks%.1%.") end
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    local opt = fsdp.optim.AdamW(m, {lr = 1e-2})
+    step(m, opt)
+    fsdp.save(m, dir, {format = "sharded", optimizer = opt})
+    -- a second model resumes from the checkpoint; both take one more step
+    local m2 = gpt()
+    if frozen_at_load then m2:freeze("^blocks%.1%.") end
+    fsdp.wrap(m2, {policy = fsdp.policy.modules{nn.Block}})
+    local opt2 = fsdp.optim.AdamW(m2, {lr = 1e-2})
+    fsdp.load(m2, dir, {optimizer = opt2})
+    if frozen_at_load then m:freeze("^blocks%.1%.") end
+    local l1, l2 = step(m, opt):item(), step(m2, opt2):item()
+    assert.are.equal(l1, l2)
+    local a = fsdp.full_params(m, function() return m.blocks[1].mlp.fc.weight:clone() end)
+    local b = fsdp.full_params(m2, function() return m2.blocks[1].mlp.fc.weight:clone() end)
+    assert.are.same(a:totable(), b:totable())
+    os.execute("rm -rf '" .. dir .. "'")
+  end
+
+  it("a frozen model saves its parameters and optimizer state and resumes to the bit", function()
+    run(true, true)
+  end)
+
+  it("an optimizer state saved before freezing loads into the frozen model", function()
+    run(false, true)
+  end)
+end)
