@@ -5,7 +5,7 @@
 --   fsdprun -n 2 recipes/gpt_lora.lua [--base=FILE.safetensors] [--short]
 --        [--data=/usr/share/games/fortunes/computers] [--base_data=/usr/share/games/fortunes]
 --        [--steps=300] [--base_steps=300] [--batch=16] [--ctx=64] [--d=64] [--layers=2]
---        [--heads=4] [--rank=8] [--alpha=16] [--lr=0.01] [--val_batches=8] [--seed=0]
+--        [--heads=4] [--rank=8] [--alpha=16] [--lr=0.003] [--val_batches=8] [--seed=0]
 --        [--out=checkpoints/gpt_lora]
 --   --base: a safetensors file of a GPT of the given shape (gpt_fortunes' export with the same
 --   --ctx/--d/--layers/--heads); without it the recipe first trains one for --base_steps on
@@ -42,7 +42,7 @@ local ctx = arg("ctx", 64, 32)
 local cfg = {vocab = 256, ctx = ctx, d = arg("d", 64, 32), layers = arg("layers", 2, 2),
   heads = arg("heads", 4, 2), tie = true}
 local lora_opts = {rank = arg("rank", 8, 4), alpha = arg("alpha", 16, 8)}
-local lr = arg("lr", 1e-2)
+local lr = arg("lr", 3e-3)
 local val_batches = arg("val_batches", 8, 2)
 local seed = arg("seed", 0)
 local data = arg("data", "/usr/share/games/fortunes/computers")
