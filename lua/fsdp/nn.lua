@@ -1,7 +1,8 @@
 -- fsdp.nn — neural-network modules. See docs/nn.md.
 --
 -- The pieces live in lua/fsdp/nn/: module.lua (the Module protocol, registration, traversal,
--- error paths, path-based initialisation), layers.lua (Linear ... Block), gpt.lua (GPT).
+-- error paths, path-based initialisation), layers.lua (Linear ... Block), gpt.lua (GPT),
+-- lora.lua (low-rank adapters).
 -- This file assembles the public table and nn.F.
 
 local core = require "fsdp.core"
@@ -10,6 +11,7 @@ local L = require "fsdp.nn.layers"
 local GPT = require "fsdp.nn.gpt"
 local ckpt = require "fsdp.nn.checkpoint"
 local util = require "fsdp.util"
+local lora = require "fsdp.nn.lora"
 
 local nn = {}
 
@@ -71,6 +73,10 @@ function nn.checkpoint(m, opts)
 end
 
 function nn.is_checkpointed(m) return base.is_module(m) and ckpt.is_marked(m) end
+-- Low-rank adapters (nn/lora.lua): nn.lora.apply(model, opts), nn.lora.merge(model); the
+-- adapter module nn.LoRA and the adapted Linear's class nn.LoRALinear.
+nn.lora = {apply = lora.apply, merge = lora.merge}
+nn.LoRA, nn.LoRALinear = lora.LoRA, lora.LoRALinear
 
 -- nn.F: every fsdp.F op (looked up at call time, so ops the engine adds later appear here),
 -- plus the losses with their documented signatures.

@@ -75,10 +75,12 @@ local function live_units(R, what)
   return R:units()
 end
 
--- Calls fn(u, shard, grad_shard, slices) per unit of the wrapped model, construction order.
+-- Calls fn(u, shard, grad_shard, slices) per unit of the wrapped model, construction order;
+-- a unit whose parameters are all frozen (requires_grad false) has no gradient shard and is
+-- left out.
 local function each_unit(R, what, fn)
   for _, u in ipairs(live_units(R, what)) do
-    fn(u, u:shard(), u:grad_shard(), u:local_slices())
+    if u:trainable() then fn(u, u:shard(), u:grad_shard(), u:local_slices()) end
   end
 end
 
@@ -385,7 +387,7 @@ end
 function Optimizer:zero_grad()
   for _, e in ipairs(self.params) do e.param.grad = nil end
   if self.wrapped then
-    each_unit(self.wrapped, "zero_grad", function(u) u:zero_grad() end)
+    for _, u in ipairs(live_units(self.wrapped, "zero_grad")) do u:zero_grad() end
   end
 end
 

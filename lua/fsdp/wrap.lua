@@ -250,6 +250,22 @@ end
 
 local function param_dtype(pol) return pol.mp and pol.mp.param or "f32" end
 
+-- Whether a module's output (its first result) carries a gradient back into the unit: a tensor
+-- that requires one, a table with such a tensor among its values; anything else (nil, a number)
+-- counts as yes, so a unit whose output is not a tensor is never left out of backward.
+local function out_needs_grad(out)
+  if core.is_tensor(out) then return out.requires_grad end
+  if type(out) ~= "table" or util.is_module(out) then return true end
+  local any = false
+  for _, v in pairs(out) do
+    if core.is_tensor(v) then
+      if v.requires_grad then return true end
+      any = true
+    end
+  end
+  return not any
+end
+
 -- The forward hooks of unit u (wrapping `module`, whose parent unit is `parent` or nil);
 -- cast_in: the dtype of its inputs (nil: no cast); the root casts its outputs to mp.output,
 -- another unit to cast_out (nil: no cast).
@@ -267,7 +283,7 @@ local function install_hooks(R, u, module, cast_in, cast_out)
   end, true))
   R:add_hook(base._add_hook(module, "post", function(_, out)
     if R:busy() then return end
-    u:post_forward()
+    u:post_forward(out_needs_grad(out))
     R:forward_end(u)
     if is_root and mp then return cast_output(mp.output, out) end
     if cast_out then return cast_output(cast_out, out) end

@@ -61,6 +61,10 @@ fsdp_node *fsdp_node_new(const char *op, fsdp_backward_fn backward);
 int fsdp_tape_push(fsdp_node *n);
 /* Record a hook node; ud is freed with hook_free when the node is freed (run or discarded). */
 int fsdp_tape_hook(fsdp_hook_fn fn, void *ud, void (*hook_free)(void *));
+/* Take the hook node whose user data is ud off the tape, newest first, and free it (its
+ * hook_free runs): a hook pushed before a stretch of ops that recorded nothing it is needed
+ * for. false when no such node is on the tape (or backward runs: the walk owns the tape). */
+bool fsdp_tape_unhook(void *ud);
 int64_t fsdp_tape_size(void);
 /* Free the nodes nothing can reach any more (their output is referenced by the tape alone, and
  * so, transitively, are their inputs' producers): the graph of a forward whose results were

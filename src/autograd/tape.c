@@ -93,6 +93,19 @@ int fsdp_tape_hook(fsdp_hook_fn fn, void *ud, void (*hook_free)(void *)) {
 
 int64_t fsdp_tape_size(void) { return tape_len; }
 
+bool fsdp_tape_unhook(void *ud) {
+  if (in_backward) return false;
+  for (int64_t k = tape_len - 1; k >= 0; k--) {
+    fsdp_node *n = tape[k];
+    if (!n->hook || n->hook_ud != ud) continue;
+    memmove(tape + k, tape + k + 1, (size_t)(tape_len - k - 1) * sizeof *tape);
+    tape_len--;
+    node_free(n);
+    return true;
+  }
+  return false;
+}
+
 /* A node whose output only the node itself still references can never be reached: no newer
  * node consumes it (a consumer holds a reference) and nobody holds it to call backward on it.
  * Walking newest to oldest, freeing such a node drops its references to its inputs, which may

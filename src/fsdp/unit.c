@@ -101,7 +101,8 @@ struct fsdp_unit {
   fsdp_unit *bwd_prefetch; /* retained; may be NULL */
   fsdp_unit_state state;
   int pending_bwd; /* "begin" hooks on the tape that have not run */
-  int open_fwd;    /* pre_forwards that pushed a "begin" and await their post_forward */
+  /* "begin" hooks pushed by pre_forwards that await their post_forward, newest first */
+  struct hook_ud *open;
   bool no_sync;    /* fsdp_unit_set_grad_sync(false): keep full_grad instead of reducing it */
   bool grad_held;  /* full_grad holds gradients of backwards that finished under no_sync */
   bool emptied;    /* unshard ran: the unit holds no parameters */
@@ -233,6 +234,12 @@ bool fsdp_unit_is_root(const fsdp_unit *u) { return u->opts.is_root; }
 bool fsdp_unit_prefetching(const fsdp_unit *u) { return u->req != NULL; }
 int fsdp_unit_pending_backward(const fsdp_unit *u) { return u->pending_bwd; }
 bool fsdp_unit_is_empty(const fsdp_unit *u) { return u->emptied; }
+
+bool fsdp_unit_trainable(const fsdp_unit *u) {
+  for (int i = 0; i < u->n; i++)
+    if (u->params[i].param->requires_grad) return true;
+  return false;
+}
 
 fsdp_unit *fsdp_param_unit(const fsdp_tensor *p) { return p ? (fsdp_unit *)p->user : NULL; }
 
@@ -883,6 +890,13 @@ int fsdp_unit_writeback(fsdp_unit *u) {
 
 static bool grad_is_ours(const fsdp_unit *u, const fsdp_tensor *p);
 static void drop_full_grad(fsdp_unit *u);
+/* A unit whose parameters are all frozen keeps no gradient shard (made again, zeros, when one
+ * is unfrozen and trains). */
+static void frozen_grad_shard_drop(fsdp_unit *u) {
+  if (!u->grad_shard || fsdp_unit_trainable(u) || u->pending_bwd > 0) return;
+  fsdp_tensor_release(u->grad_shard);
+  u->grad_shard = NULL;
+}
 
 int fsdp_unit_zero_grad(fsdp_unit *u) {
   if (check_live(u, "zero_grad")) return FSDP_ERR;
@@ -894,12 +908,22 @@ int fsdp_unit_zero_grad(fsdp_unit *u) {
     if (!in_backward) drop_full_grad(u); /* frees what no_sync held */
     else if (fsdp_fill(u->full_grad, 0.0)) return fsdp_error_context("zero_grad: unit '%s'", u->path);
   }
+  frozen_grad_shard_drop(u);
   return u->grad_shard ? fsdp_fill(u->grad_shard, 0.0) : FSDP_OK;
 }
 
 void fsdp_unit_set_grad_sync(fsdp_unit *u, bool sync) { u->no_sync = !sync; }
 bool fsdp_unit_grad_sync(const fsdp_unit *u) { return !u->no_sync; }
 bool fsdp_unit_grad_unreduced(const fsdp_unit *u) { return u->grad_held; }
+
+/* Any time: every decision reads requires_grad when it is made (post_forward: is the use
+ * recorded; hook_end: which parameters get a .grad and whether to reduce), all of it the same
+ * on every rank that changed it alike. */
+void fsdp_param_set_requires_grad(fsdp_tensor *p, bool on) {
+  fsdp_unit *u = fsdp_param_unit(p);
+  p->requires_grad = on;
+  if (u && !on) frozen_grad_shard_drop(u);
+}
 
 bool fsdp_unit_param_has_grad(const fsdp_unit *u, int i) {
   return i >= 0 && i < u->n && u->got_grad[i];
@@ -914,10 +938,12 @@ void fsdp_unit_set_backward_prefetch(fsdp_unit *u, fsdp_unit *prev) {
 
 /* ---- backward ------------------------------------------------------------------------------- */
 
-typedef struct {
+typedef struct hook_ud {
   fsdp_unit *u; /* retained */
   bool begin;   /* "begin" (pushed by pre_forward) or "end" (pushed by post_forward) */
   bool ran;
+  bool open;                /* on u->open: its post_forward has not come yet */
+  struct hook_ud *open_next;
 } hook_ud;
 
 static bool grad_is_ours(const fsdp_unit *u, const fsdp_tensor *p) {
@@ -953,6 +979,9 @@ static int hook_end(void *ud) {
    * tape): a frozen unit's, or one not used in this forward, would never be consumed */
   fsdp_unit *v = u->bwd_prefetch;
   if (v && !v->emptied && v->pending_bwd > 0 && fsdp_unit_prefetch(v)) return FSDP_ERR;
+  /* Frozen: the gather above is for the gradients that pass through the unit's ops to
+   * trainable parameters before it; none of its own: no full gradient, nothing to reduce. */
+  if (!fsdp_unit_trainable(u)) return FSDP_OK;
   /* finish_backward converts the gradients to the reduce dtype when it differs */
   if (!u->full_grad &&
       flat_new(&u->full_grad, u->device, grad_dt(u), u->padded, FSDP_ROLE_GRADS, true))
@@ -1066,6 +1095,11 @@ static int hook_begin(void *ud) {
 static void hook_free(void *ud) {
   hook_ud *h = ud;
   fsdp_unit *u = h->u;
+  for (hook_ud **pp = &u->open; h->open && *pp; pp = &(*pp)->open_next)
+    if (*pp == h) {
+      *pp = h->open_next;
+      break;
+    }
   if (h->begin && !h->ran && u->emptied) {
     stale_reached(u); /* a backward stopped inside the unit: its partial gradients go */
     stale_use_done(u);
@@ -1086,34 +1120,40 @@ static int push_hook(fsdp_unit *u, bool begin) {
   fsdp_unit_retain(u);
   *h = (hook_ud){.u = u, .begin = begin};
   if (begin) u->pending_bwd++; /* before the push: a failed push frees h through hook_free */
-  return fsdp_tape_hook(begin ? hook_begin : hook_end, h, hook_free);
-}
-
-static bool recording(const fsdp_unit *u) {
-  if (!fsdp_grad_enabled()) return false;
-  for (int i = 0; i < u->n; i++)
-    if (u->params[i].param->requires_grad) return true;
-  return false;
+  if (fsdp_tape_hook(begin ? hook_begin : hook_end, h, hook_free)) return FSDP_ERR;
+  if (begin) { /* pushed: it awaits its post_forward */
+    h->open = true;
+    h->open_next = u->open;
+    u->open = h;
+  }
+  return FSDP_OK;
 }
 
 int fsdp_unit_pre_forward(fsdp_unit *u, fsdp_unit *next) {
   if (check_live(u, "forward")) return FSDP_ERR;
   if (gather_as(u, compute_dt(u))) return FSDP_ERR;
   if (next && next != u && !next->emptied && fsdp_unit_prefetch(next)) return FSDP_ERR;
-  if (recording(u)) {
-    /* a failed push has already released (hook_free) the pending use it counted */
-    if (push_hook(u, true)) return fsdp_error_context("forward: unit '%s'", u->path);
-    u->open_fwd++;
-  }
+  /* Whether backward will need the unit is known only at post_forward (a frozen unit's ops
+   * are recorded when gradients reach its inputs from inner units or earlier ones): the
+   * "begin" goes on the tape now, where it must lie, and comes off there if not. A failed
+   * push has already released (hook_free) the pending use it counted. */
+  if (fsdp_grad_enabled() && push_hook(u, true))
+    return fsdp_error_context("forward: unit '%s'", u->path);
   return FSDP_OK;
 }
 
-int fsdp_unit_post_forward(fsdp_unit *u) {
+int fsdp_unit_post_forward(fsdp_unit *u, bool out_needs_grad) {
   if (check_live(u, "forward")) return FSDP_ERR;
-  bool rec = u->open_fwd > 0;
-  if (rec) {
-    u->open_fwd--;
-    if (push_hook(u, false)) return fsdp_error_context("forward: unit '%s'", u->path);
+  hook_ud *h = u->open;
+  bool rec = false;
+  if (h) {
+    u->open = h->open_next;
+    h->open = false;
+    h->open_next = NULL;
+    /* Recorded unless no gradient flows out of the unit and none of its parameters wants
+     * one (a frozen unit with nothing trainable below it): then backward never passes it. */
+    rec = out_needs_grad || fsdp_unit_trainable(u) || !fsdp_tape_unhook(h);
+    if (rec && push_hook(u, false)) return fsdp_error_context("forward: unit '%s'", u->path);
   }
   /* Recorded: backward will come and gather again. FULL frees the parameters now unless the
    * unit is the root (its backward starts right away) or asked to keep them; GRAD_OP keeps

@@ -193,14 +193,30 @@ int fsdp_unit_writeback(fsdp_unit *u);
 
 /* Forward hooks (called by the Lua wrap layer around the unit module's forward). pre: gather
  * (consuming a prefetch), then prefetch `next` (may be NULL: the unit whose forward comes next,
- * in forward order), and when gradients are recorded (grad mode on and some parameter of the
- * unit requires a gradient) push the "begin" hook. post: push the matching "end" hook when pre
- * pushed one, then reshard: recorded — FULL when not root and reshard_after_forward, GRAD_OP
- * and NONE never (backward needs them); not recorded (no_grad, frozen unit: no backward will
- * come) — FULL and GRAD_OP always, root included. The root's post also drops leftover
- * prefetches (see "Prefetch safety"). */
+ * in forward order), and with grad mode on push the "begin" hook. post: the use is recorded
+ * when pre pushed a "begin" and either out_needs_grad (the module's output requires a
+ * gradient: backward will pass through the unit's ops) or some parameter of the unit requires
+ * one; then it pushes the matching "end" hook, else it takes the "begin" off the tape again
+ * (a frozen unit that no gradient passes: its backward is never needed). Then reshard:
+ * recorded — FULL when not root and reshard_after_forward, GRAD_OP and NONE never (backward
+ * needs them); not recorded — FULL and GRAD_OP always, root included. The root's post also
+ * drops leftover prefetches (see "Prefetch safety").
+ * Frozen parameters (requires_grad false) get no .grad in backward; a unit none of whose
+ * parameters requires a gradient makes no full gradient, reduces nothing and keeps no gradient
+ * shard: its backward, when recorded, only gathers (for the gradients passing through it). A
+ * partly frozen unit reduces its whole flat gradient, as an unfrozen one (frozen ranges are
+ * zeros). Every rank must freeze the same parameters: the collectives depend on it. */
 int fsdp_unit_pre_forward(fsdp_unit *u, fsdp_unit *next);
-int fsdp_unit_post_forward(fsdp_unit *u);
+int fsdp_unit_post_forward(fsdp_unit *u, bool out_needs_grad);
+/* Whether some parameter of the unit requires a gradient. */
+bool fsdp_unit_trainable(const fsdp_unit *u);
+/* Set p->requires_grad (p any tensor; the caller checked it may require one). Allowed at any
+ * time: a unit's forward decides from it whether its backward is recorded, the backward which
+ * parameters get gradients and whether the unit reduces (a change between a forward and its
+ * backward applies to that backward). Freezing a unit's last trainable parameter frees the
+ * unit's gradient shard (unless a recorded backward of the unit is still to come: then its
+ * zero_grad does). Local, never fails. */
+void fsdp_param_set_requires_grad(fsdp_tensor *p, bool on);
 /* The unit to prefetch when this unit's "end" hook fires in backward: the unit whose backward
  * comes next, i.e. the one whose post_forward ran just before this unit's (for a root around
  * units 1..N run in order: root -> N, k -> k-1). Prefetched only if its backward is pending.
@@ -210,7 +226,7 @@ void fsdp_unit_set_backward_prefetch(fsdp_unit *u, fsdp_unit *prev);
 
 /* Gradient shard := 0, and no parameter has a gradient (fsdp_unit_param_has_grad). A full
  * gradient held with sync off (below) is dropped (zeroed instead while a backward is inside
- * the unit). */
+ * the unit); a unit with no trainable parameter frees its gradient shard instead. */
 int fsdp_unit_zero_grad(fsdp_unit *u);
 
 /* Gradient synchronisation (fsdp.no_sync; on by default). With sync off, the backward that

@@ -306,7 +306,6 @@ UNIT_ACTION(l_gather, fsdp_unit_gather(u))
 UNIT_ACTION(l_reshard, fsdp_unit_reshard(u))
 UNIT_ACTION(l_prefetch, fsdp_unit_prefetch(u))
 UNIT_ACTION(l_writeback, fsdp_unit_writeback(u))
-UNIT_ACTION(l_post_forward, fsdp_unit_post_forward(u))
 UNIT_ACTION(l_zero_grad, fsdp_unit_zero_grad(u))
 UNIT_ACTION(l_unshard, fsdp_unit_unshard(u))
 UNIT_ACTION(l_reduce_held, fsdp_unit_reduce_held(u))
@@ -316,6 +315,20 @@ static int l_pre_forward(lua_State *L) {
   fsdp_unit *next = opt_unit(L, 2);
   if (fsdp_unit_pre_forward(u, next)) fsdp_lua_error(L);
   return 0;
+}
+
+/* u:post_forward([out_needs_grad]): whether the module's output requires a gradient; absent:
+ * true (the use is recorded whenever pre_forward recorded it). */
+static int l_post_forward(lua_State *L) {
+  fsdp_unit *u = check_unit(L, 1);
+  bool out_grad = lua_isnoneornil(L, 2) ? true : lua_toboolean(L, 2);
+  if (fsdp_unit_post_forward(u, out_grad)) fsdp_lua_error(L);
+  return 0;
+}
+
+static int l_trainable(lua_State *L) {
+  lua_pushboolean(L, fsdp_unit_trainable(check_unit(L, 1)));
+  return 1;
 }
 
 static int l_set_backward_prefetch(lua_State *L) {
@@ -508,6 +521,7 @@ static const luaL_Reg methods[] = {
     {"grad_sync", l_grad_sync},
     {"grad_unreduced", l_grad_unreduced},
     {"reduce_held", l_reduce_held},
+    {"trainable", l_trainable},
     {"numel", l_numel},
     {"padded_numel", l_padded_numel},
     {"shard_numel", l_shard_numel},

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "autograd/autograd.h"
+#include "fsdp/unit.h"
 #include "lua/binding.h"
 
 typedef struct {
@@ -1177,7 +1178,7 @@ static int l_newindex(lua_State *L) {
     if (lua_toboolean(L, 3) && !fsdp_dtype_is_float(t->dtype))
       luaL_error(L, "requires_grad: only float tensors can require a gradient (this one is %s)",
                  fsdp_dtype_name(t->dtype));
-    t->requires_grad = lua_toboolean(L, 3);
+    fsdp_param_set_requires_grad(t, lua_toboolean(L, 3));
     return 0;
   }
   return luaL_error(L, "tensor has no settable field '%s' (settable: grad, requires_grad)", k);

@@ -563,9 +563,9 @@ static bool train(rank_ctx *ctx, const fsdp_device_i *dev, trained *m, bool offl
     CHECK_OK(fsdp_unit_pre_forward(m->inner, NULL));
     CHECK_OK(fsdp_op_linear(&h1, x, m->p[0], m->p[1]));
     CHECK_OK(fsdp_op_unary(&h2, h1, FSDP_UNARY_GELU));
-    CHECK_OK(fsdp_unit_post_forward(m->inner));
+    CHECK_OK(fsdp_unit_post_forward(m->inner, true));
     CHECK_OK(fsdp_op_linear(&out, h2, m->p[2], m->p[3]));
-    CHECK_OK(fsdp_unit_post_forward(m->root));
+    CHECK_OK(fsdp_unit_post_forward(m->root, true));
     CHECK_OK(fsdp_op_mse(&loss, out, y));
     fsdp_tensor_release(h1);
     fsdp_tensor_release(h2);

@@ -432,7 +432,7 @@ static int net_forward(net *n, fsdp_tensor *x, fsdp_tensor *tgt, bool units, boo
     if (units) TRY(fsdp_unit_pre_forward(n->inner, NULL));
     OP(h, fsdp_op_linear(&o_, x, p[0], p[1]));
     OP(h, fsdp_op_unary(&o_, h, FSDP_UNARY_RELU));
-    if (units) TRY(fsdp_unit_post_forward(n->inner));
+    if (units) TRY(fsdp_unit_post_forward(n->inner, true));
     OP(y, fsdp_op_linear(&o_, h, p[2], p[3]));
     break;
   case NET_TWICE:
@@ -441,7 +441,7 @@ static int net_forward(net *n, fsdp_tensor *x, fsdp_tensor *tgt, bool units, boo
       if (units) TRY(fsdp_unit_pre_forward(n->inner, NULL));
       OP(h, fsdp_op_linear(&o_, h, p[0], p[1]));
       OP(h, fsdp_op_unary(&o_, h, FSDP_UNARY_TANH));
-      if (units) TRY(fsdp_unit_post_forward(n->inner));
+      if (units) TRY(fsdp_unit_post_forward(n->inner, true));
     }
     OP(y, fsdp_op_linear(&o_, h, p[2], p[3]));
     break;
@@ -450,14 +450,14 @@ static int net_forward(net *n, fsdp_tensor *x, fsdp_tensor *tgt, bool units, boo
     OP(h, fsdp_op_linear(&o_, x, p[2], NULL)); /* the root's parameter, inside the inner unit */
     OP(h, fsdp_op_linear(&o_, h, p[0], p[1]));
     OP(h, fsdp_op_unary(&o_, h, FSDP_UNARY_TANH));
-    if (units) TRY(fsdp_unit_post_forward(n->inner));
+    if (units) TRY(fsdp_unit_post_forward(n->inner, true));
     OP(h, fsdp_op_linear(&o_, h, p[2], NULL));
     OP(y, fsdp_op_linear(&o_, h, p[3], p[4]));
     break;
   default:
     goto fail;
   }
-  if (units) TRY(fsdp_unit_post_forward(n->root));
+  if (units) TRY(fsdp_unit_post_forward(n->root, true));
   TRY(fsdp_op_mse(loss, y, tgt));
   pool_free(&pl);
   return FSDP_OK;
@@ -737,21 +737,21 @@ static bool rank_prefetch(rank_ctx *ctx) {
     info->peer_issued = now_s();
     CHECK_OK(fsdp_unit_prefetch(b));
   }
-  CHECK_OK(fsdp_unit_post_forward(a));
+  CHECK_OK(fsdp_unit_post_forward(a, true));
   CHECK_OK(fsdp_unit_pre_forward(b, NULL)); /* consumes the prefetch (rank 0 waits here) */
   CHECK(!fsdp_unit_prefetching(b) && fsdp_unit_state_get(b) == FSDP_UNIT_GATHERED);
   CHECK(memcmp(D(pb), orig, 32 * 32 * sizeof(float)) == 0);
-  CHECK_OK(fsdp_unit_post_forward(b));
+  CHECK_OK(fsdp_unit_post_forward(b, true));
   /* pre_forward(a, next = b) issues b's prefetch once a is gathered */
   fsdp_comm_reset_stats(ctx->comm);
   CHECK_OK(fsdp_unit_pre_forward(a, b));
   CHECK(fsdp_unit_prefetching(b));
   CHECK_OK(fsdp_op_linear(&y, x, pa, NULL));
   fsdp_tensor_release(y);
-  CHECK_OK(fsdp_unit_post_forward(a));
+  CHECK_OK(fsdp_unit_post_forward(a, true));
   CHECK_OK(fsdp_unit_pre_forward(b, NULL));
   CHECK(memcmp(D(pb), orig, 32 * 32 * sizeof(float)) == 0);
-  CHECK_OK(fsdp_unit_post_forward(b));
+  CHECK_OK(fsdp_unit_post_forward(b, true));
   fsdp_comm_stats st;
   fsdp_comm_get_stats(ctx->comm, &st);
   CHECK(st.calls[FSDP_COLL_ALL_GATHER] == 2); /* a once, b once (the prefetch) */
@@ -802,17 +802,18 @@ static bool rank_stale_prefetch(rank_ctx *ctx) {
   fsdp_comm_reset_stats(ctx->comm);
   CHECK_OK(fsdp_unit_pre_forward(root, f));
   CHECK_OK(fsdp_unit_pre_forward(f, t));
-  CHECK(fsdp_unit_pending_backward(f) == 0); /* nothing to record for a frozen unit */
   CHECK_OK(fsdp_op_linear(&h1, in, pf, NULL));
-  CHECK_OK(fsdp_unit_post_forward(f));
+  CHECK(!h1->requires_grad);
+  CHECK_OK(fsdp_unit_post_forward(f, h1->requires_grad));
+  CHECK(fsdp_unit_pending_backward(f) == 0); /* nothing to record for a frozen unit */
   CHECK(fsdp_unit_state_get(f) == FSDP_UNIT_SHARDED);
   CHECK_OK(fsdp_unit_pre_forward(t, x)); /* x's forward will not run */
   CHECK(fsdp_unit_prefetching(x));
   CHECK_OK(fsdp_op_linear(&h2, h1, pt, NULL));
-  CHECK_OK(fsdp_unit_post_forward(t));
+  CHECK_OK(fsdp_unit_post_forward(t, true));
   CHECK_OK(fsdp_op_binary(&h3, h2, pr, FSDP_OP_MUL));
   CHECK(fsdp_unit_prefetching(x));
-  CHECK_OK(fsdp_unit_post_forward(root));
+  CHECK_OK(fsdp_unit_post_forward(root, true));
   CHECK(!fsdp_unit_prefetching(x)); /* dropped at the end of the forward */
   CHECK(live(FSDP_ROLE_GATHERED) == fsdp_unit_padded_numel(root) * 4);
   CHECK_OK(fsdp_op_sum(&loss, h3));
@@ -836,6 +837,73 @@ static bool rank_stale_prefetch(rank_ctx *ctx) {
 static void test_stale_prefetch(void **state) {
   (void)state;
   for (int W = 1; W <= 2; W++) run_ranks(W, rank_stale_prefetch, NULL);
+}
+
+/* A fully frozen unit that gradients pass through (f, between the trainable a and the root):
+ * recorded, gathered again in backward for the input gradient, but no full gradient, no
+ * reduce-scatter and no gradient shard. A frozen unit no gradient reaches (g, first, its
+ * input needs none) takes its "begin" hook off the tape again: nothing of it stays recorded. */
+static bool rank_frozen_passthrough(rank_ctx *ctx) {
+  fsdp_tensor *pg = param_new("g", 2, SHAPE(4, 4)), *pa = param_new("a", 2, SHAPE(4, 4)),
+              *pf = param_new("f", 2, SHAPE(4, 4)), *pr = param_new("root", 1, SHAPE(4));
+  pg->requires_grad = pf->requires_grad = false;
+  const char *ng = "g.weight", *na = "a.weight", *nf = "f.weight", *nr = "scale";
+  fsdp_unit_opts o = {.strategy = FSDP_STRATEGY_FULL, .reshard_after_forward = true};
+  fsdp_unit *g, *a, *f, *root;
+  CHECK_OK(fsdp_unit_new(&g, ctx->comm, "g", &pg, &ng, 1, &o));
+  CHECK_OK(fsdp_unit_new(&a, ctx->comm, "a", &pa, &na, 1, &o));
+  CHECK_OK(fsdp_unit_new(&f, ctx->comm, "f", &pf, &nf, 1, &o));
+  o.is_root = true;
+  CHECK_OK(fsdp_unit_new(&root, ctx->comm, "", &pr, &nr, 1, &o));
+  CHECK(!fsdp_unit_trainable(g) && fsdp_unit_trainable(a) && !fsdp_unit_trainable(f));
+  fsdp_tensor *in = data_new("in", 2, 4), *h0, *h1, *h2, *h3, *loss;
+  fsdp_comm_reset_stats(ctx->comm);
+  CHECK_OK(fsdp_unit_pre_forward(root, NULL));
+  int64_t tape0 = fsdp_tape_size();
+  CHECK_OK(fsdp_unit_pre_forward(g, NULL));
+  CHECK(fsdp_unit_pending_backward(g) == 1); /* pushed, to be decided at post */
+  CHECK_OK(fsdp_op_linear(&h0, in, pg, NULL));
+  CHECK_OK(fsdp_unit_post_forward(g, h0->requires_grad));
+  CHECK(fsdp_unit_pending_backward(g) == 0 && fsdp_tape_size() == tape0); /* off again */
+  CHECK(fsdp_unit_state_get(g) == FSDP_UNIT_SHARDED);
+  CHECK_OK(fsdp_unit_pre_forward(a, NULL));
+  CHECK_OK(fsdp_op_linear(&h1, h0, pa, NULL));
+  CHECK_OK(fsdp_unit_post_forward(a, h1->requires_grad));
+  CHECK_OK(fsdp_unit_pre_forward(f, NULL));
+  CHECK_OK(fsdp_op_linear(&h2, h1, pf, NULL));
+  CHECK(h2->requires_grad);
+  CHECK_OK(fsdp_unit_post_forward(f, h2->requires_grad));
+  CHECK(fsdp_unit_pending_backward(f) == 1); /* recorded: its backward passes gradients on */
+  CHECK_OK(fsdp_op_binary(&h3, h2, pr, FSDP_OP_MUL));
+  CHECK_OK(fsdp_unit_post_forward(root, true));
+  CHECK_OK(fsdp_op_sum(&loss, h3));
+  CHECK_OK(fsdp_backward(loss, NULL));
+  fsdp_comm_stats st;
+  fsdp_comm_get_stats(ctx->comm, &st);
+  /* forward: root, g, a, f; backward: f (for the input gradient) and a */
+  CHECK(st.calls[FSDP_COLL_ALL_GATHER] == 6);
+  CHECK(st.calls[FSDP_COLL_REDUCE_SCATTER] == 2); /* a and the root; not f, not g */
+  CHECK(fsdp_unit_param_has_grad(a, 0) && !fsdp_unit_param_has_grad(f, 0));
+  CHECK(!pf->grad && !pg->grad);
+  /* gradient memory: the shards of a and the root only */
+  CHECK(live(FSDP_ROLE_GRADS) ==
+        (fsdp_unit_shard_numel(a) + fsdp_unit_shard_numel(root)) * (int64_t)sizeof(float));
+  CHECK(live(FSDP_ROLE_GATHERED) == 0);
+  /* freezing a's last trainable parameter frees its gradient shard */
+  fsdp_param_set_requires_grad(pa, false);
+  CHECK(live(FSDP_ROLE_GRADS) == fsdp_unit_shard_numel(root) * (int64_t)sizeof(float));
+  fsdp_tensor *tensors[] = {loss, h0, h1, h2, h3, in, pg, pa, pf, pr};
+  for (size_t i = 0; i < sizeof tensors / sizeof *tensors; i++) fsdp_tensor_release(tensors[i]);
+  fsdp_unit_release(g);
+  fsdp_unit_release(a);
+  fsdp_unit_release(f);
+  fsdp_unit_release(root);
+  return true;
+}
+
+static void test_frozen_passthrough(void **state) {
+  (void)state;
+  for (int W = 1; W <= 3; W++) run_ranks(W, rank_frozen_passthrough, NULL);
 }
 
 /* ---- memory per rank ------------------------------------------------------------------------- */
@@ -893,12 +961,12 @@ static bool rank_memory(rank_ctx *ctx) {
     CHECK_OK(fsdp_unit_pre_forward(inner[k], NULL));
     CHECK_OK(fsdp_op_linear(&o_, h, w[k], b[k]));
     h = keep(&pl, o_);
-    CHECK_OK(fsdp_unit_post_forward(inner[k]));
+    CHECK_OK(fsdp_unit_post_forward(inner[k], true));
     CHECK(fsdp_unit_state_get(inner[k]) == FSDP_UNIT_SHARDED);
   }
   CHECK_OK(fsdp_op_linear(&o_, h, hw, hb));
   h = keep(&pl, o_);
-  CHECK_OK(fsdp_unit_post_forward(root));
+  CHECK_OK(fsdp_unit_post_forward(root, true));
   CHECK(fsdp_unit_state_get(root) == FSDP_UNIT_GATHERED); /* the root stays for backward */
   CHECK_OK(fsdp_op_mse(&loss, h, tl));
   CHECK_OK(fsdp_backward(loss, NULL));
@@ -1000,7 +1068,7 @@ static bool rank_misc(rank_ctx *ctx) {
   CHECK_OK(fsdp_unit_pre_forward(u, NULL));
   CHECK(fsdp_tape_size() == 1 && fsdp_unit_pending_backward(u) == 1);
   CHECK_OK(fsdp_op_linear(&y, x, w, NULL));
-  CHECK_OK(fsdp_unit_post_forward(u));
+  CHECK_OK(fsdp_unit_post_forward(u, true));
   CHECK(fsdp_tape_size() == 3);
   CHECK(fsdp_unit_state_get(u) == FSDP_UNIT_GATHERED); /* root: kept for backward */
   fsdp_tensor_release(y);
@@ -1011,7 +1079,7 @@ static bool rank_misc(rank_ctx *ctx) {
   CHECK_OK(fsdp_unit_pre_forward(u, NULL));
   CHECK_OK(fsdp_op_linear(&y, x, w, NULL));
   fsdp_tensor_release(y);
-  CHECK_OK(fsdp_unit_post_forward(u));
+  CHECK_OK(fsdp_unit_post_forward(u, true));
   fsdp_set_grad_enabled(prev);
   CHECK(fsdp_tape_size() == 0 && fsdp_unit_pending_backward(u) == 0);
   CHECK(fsdp_unit_state_get(u) == FSDP_UNIT_SHARDED);
@@ -1020,7 +1088,7 @@ static bool rank_misc(rank_ctx *ctx) {
     fsdp_tensor *loss;
     CHECK_OK(fsdp_unit_pre_forward(u, NULL));
     CHECK_OK(fsdp_op_linear(&y, x, w, NULL));
-    CHECK_OK(fsdp_unit_post_forward(u));
+    CHECK_OK(fsdp_unit_post_forward(u, true));
     CHECK_OK(fsdp_op_sum(&loss, y));
     fsdp_tensor_release(y);
     CHECK_OK(fsdp_backward(loss, NULL));
@@ -1046,7 +1114,7 @@ static bool rank_misc(rank_ctx *ctx) {
   CHECK_OK(fsdp_tensor_clone(&wr, w)); /* the reference: the same values, unsharded */
   wr->requires_grad = true;
   CHECK_OK(fsdp_op_linear(&y, x, w, NULL));
-  CHECK_OK(fsdp_unit_post_forward(u));
+  CHECK_OK(fsdp_unit_post_forward(u, true));
   CHECK_OK(fsdp_op_linear(&z, y, w, NULL));
   fsdp_tensor_release(y);
   CHECK_OK(fsdp_op_sum(&loss, z));
@@ -1135,7 +1203,7 @@ static bool rank_has_grad(rank_ctx *ctx) {
       fsdp_tensor_release(loss);
       loss = l2;
     }
-    CHECK_OK(fsdp_unit_post_forward(u));
+    CHECK_OK(fsdp_unit_post_forward(u, true));
     /* outside the unit's forward: the root is still gathered */
     CHECK_OK(fsdp_op_binary(&qq, p[Q], p[Q], FSDP_OP_MUL));
     CHECK_OK(fsdp_op_sum(&l1, qq));
@@ -1347,6 +1415,7 @@ int main(void) {
       cmocka_unit_test(test_ancestor_param_in_inner_unit),
       cmocka_unit_test(test_prefetch_overlap),
       cmocka_unit_test(test_stale_prefetch),
+      cmocka_unit_test(test_frozen_passthrough),
       cmocka_unit_test(test_memory),
       cmocka_unit_test(test_grad_shard_lazy),
       cmocka_unit_test(test_misc),

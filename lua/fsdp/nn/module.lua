@@ -283,6 +283,51 @@ end
 
 function Module:eval() return self:train(false) end
 
+-- ---- freezing -------------------------------------------------------------------------------
+
+-- The parameters of m whose path (named_parameters: a tie under its first path) matches one of
+-- the patterns (nil: all). A pattern that matches nothing is an error listing the paths.
+local function params_matching(m, patterns, what)
+  local pats = util.patterns(patterns, "patterns", what)
+  local all, out = {}, {}
+  for path, p in m:named_parameters() do all[#all + 1] = {path, p} end
+  for _, pat in ipairs(pats or {}) do
+    local ok, hit = pcall(function()
+      for _, e in ipairs(all) do if e[1]:find(pat) then return true end end
+      return false
+    end)
+    if not ok then util.raise(("%s: bad pattern %q: %s"):format(what, pat, tostring(hit))) end
+    if not hit then
+      local names = {}
+      for i, e in ipairs(all) do names[i] = e[1] end
+      util.raise(("%s: the pattern %q matches no parameter; the parameters are: %s")
+        :format(what, pat, util.few(names, 12)))
+    end
+  end
+  for _, e in ipairs(all) do
+    local take = pats == nil
+    for _, pat in ipairs(pats or {}) do take = take or e[1]:find(pat) ~= nil end
+    if take then out[#out + 1] = e[2] end
+  end
+  return out
+end
+
+local function set_requires_grad(m, patterns, on, what)
+  for _, p in ipairs(params_matching(m, patterns, what)) do
+    local ok, err = pcall(function() p.requires_grad = on end)
+    if not ok then util.reraise(err) end
+  end
+  return m
+end
+
+-- freeze([patterns]) -> self: p.requires_grad = false for every parameter whose path (as
+-- named_parameters gives it, relative to self) matches one of the Lua patterns (a string or a
+-- list; nil: every parameter). unfreeze([patterns]) -> self sets it back to true. Frozen
+-- parameters get no gradient, optimizers skip them and, wrapped, their units reduce nothing
+-- for them when every parameter of the unit is frozen (docs/fsdp.md "Freezing parameters").
+function Module:freeze(patterns) return set_requires_grad(self, patterns, false, "freeze") end
+function Module:unfreeze(patterns) return set_requires_grad(self, patterns, true, "unfreeze") end
+
 -- Drops every parameter's gradient (p.grad = nil): the next backward allocates afresh. On a
 -- wrapped root (fsdp.wrap) it also zeroes every unit's gradient shard, where the gradients of
 -- a sharded model accumulate.
