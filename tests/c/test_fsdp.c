@@ -1247,7 +1247,7 @@ static bool sum_linear_backward(fsdp_unit *u, fsdp_tensor *x, fsdp_tensor *w) {
   fsdp_tensor *y, *loss;
   CHECK_OK(fsdp_unit_pre_forward(u, NULL));
   CHECK_OK(fsdp_op_linear(&y, x, w, NULL));
-  CHECK_OK(fsdp_unit_post_forward(u));
+  CHECK_OK(fsdp_unit_post_forward(u, true));
   CHECK_OK(fsdp_op_sum(&loss, y));
   fsdp_tensor_release(y);
   CHECK_OK(fsdp_backward(loss, NULL));
@@ -1299,7 +1299,7 @@ static bool probed_backward(fsdp_unit *u, fsdp_tensor *x, fsdp_tensor *w, probe_
   CHECK_OK(fsdp_unit_pre_forward(u, NULL));
   CHECK_OK(fsdp_tape_hook(probe_in_backward, probe, NULL));
   CHECK_OK(fsdp_op_linear(&y, x, w, NULL));
-  CHECK_OK(fsdp_unit_post_forward(u));
+  CHECK_OK(fsdp_unit_post_forward(u, true));
   CHECK_OK(fsdp_op_sum(&loss, y));
   fsdp_tensor_release(y);
   CHECK_OK(fsdp_backward(loss, NULL));
@@ -1333,7 +1333,7 @@ static bool rank_grad_sync(rank_ctx *ctx) {
     fsdp_tensor *y;
     CHECK_OK(fsdp_unit_pre_forward(u, NULL));
     CHECK_OK(fsdp_op_linear(&y, x, w, NULL));
-    CHECK_OK(fsdp_unit_post_forward(u));
+    CHECK_OK(fsdp_unit_post_forward(u, true));
     fsdp_tensor_release(y);
     fsdp_tape_clear();
     CHECK(fsdp_unit_grad_unreduced(u) && live(FSDP_ROLE_GRADS) - grads0 == P);

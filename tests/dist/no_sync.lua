@@ -139,6 +139,9 @@ local function train_wrapped(o)
   local first = rank * rows + 1
   local label = ("%s k=%d %s"):format(o.label, o.k, o.mode)
   local losses, norms, traffic = {}, {}, {}
+  -- a gradient shard is made at its unit's first reducing backward: made here, so that every
+  -- step measures the held gradients from the same base
+  for _, u in ipairs(units) do u:grad_shard() end
   for s = 1, STEPS do
     opt:zero_grad()
     fsdp.reset_comm_stats()
