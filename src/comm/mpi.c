@@ -214,6 +214,7 @@ typedef struct mpi_comm {
   MPI_Comm data, ctl;
   int rank, world;
   int family_rank; /* the rank "rank R failed: ..." names: in MPI_COMM_WORLD */
+  fsdp_comm *self;  /* the communicator over this one, once made (atomic: the progress thread) */
   /* tuning */
   int64_t seg_bytes; /* reduce-scatter segment */
   int window;       /* staging segments in flight */
@@ -873,6 +874,10 @@ static int handle(mpi_comm *mc, mpi_op *op, int i, const MPI_Status *st, bool er
     memcpy(msg, mc->poison_in, sizeof msg);
     msg[sizeof msg - 1] = '\0';
     poison_set(mc, msg, false);
+    /* the rest of the family (fsdp_comm_split) fails too, and tells its peers: a rank of
+     * another group may be waiting for one that waits for the failed rank */
+    fsdp_comm *self = __atomic_load_n(&mc->self, __ATOMIC_ACQUIRE);
+    if (self) fsdp_comm_poison(self, msg);
     return FSDP_OK;
   }
   if (in->kind == RQ_LEFT) {
@@ -1565,6 +1570,7 @@ static int mpi_build(fsdp_comm **out, MPI_Comm data, MPI_Comm ctl, int err, int 
     fsdp_error("mpi communicator: out of memory");
   }
   if (ok && fsdp_comm_new_backend(out, &mpi_vt, mc, mc->rank, mc->world) == FSDP_OK) {
+    __atomic_store_n(&mc->self, *out, __ATOMIC_RELEASE);
     return FSDP_OK;
   }
   /* failed: keep the message, undo what was made */
