@@ -32,6 +32,10 @@
  * ((x0 + x1) + x2) + ... + x(W-1) by fsdp_comm_reduce (reduce.c: per dtype, avg included),
  * independent of tiling, vector width or which rank computes it; every other rank copies those
  * bits. So all ranks hold identical bits, and runs repeat bit for bit.
+ *
+ * Sub-groups (local_split, for fsdp_comm_split): a group made from another shares its root's
+ * mutex, condition variable and poison (the family's), so a poison anywhere fails every waiter
+ * of the family at once; rendezvous, syncs and slots stay per group.
  */
 #include "comm/comm.h"
 #include "core/cond.h"
