@@ -14,6 +14,9 @@
  * Error messages: a collective that fails on the worker thread leaves its message in the
  * worker's (thread-local) error slot; exec_end() copies it, with the flight recorder appended, into
  * the request, and fsdp_comm_wait moves it into the waiter's slot.
+ *
+ * Families (fsdp_comm_split): a sub-communicator is linked under its parent (g_family_mu guards
+ * the links); a poison or a failed collective on any member poisons every member.
  */
 #include "comm/comm.h"
 #include "kernels/kernels.h"
