@@ -81,6 +81,8 @@ local function flat_param(p)
 end
 
 local function is_replicated(u) return u:strategy() == "none" end
+-- whether this rank's slices go into a sum of every rank's (hybrid: the first group's only)
+local function contributes(u) return u == nil or is_replicated(u) or util.counts_shard(u) end
 
 -- Whether u's live parameters are a copy of its shards: gathered, and not "none" (whose
 -- parameters view the shard itself) unless gathered in a mixed-precision compute dtype.
@@ -208,7 +210,7 @@ function M.mask(p)
   if not rec.sharded then return rec.full:clone() end
   local u = core.param_unit(p)
   local full = core.zeros{rec.numel}
-  if rec.slice ~= nil then full:narrow(1, rec.first, rec.n):copy(rec.slice) end
+  if rec.slice ~= nil and contributes(u) then full:narrow(1, rec.first, rec.n):copy(rec.slice) end
   if u ~= nil and not is_replicated(u) then core.all_reduce(full, "sum", "mask " .. rec.path) end
   return full:view(rec.shape)
 end
@@ -245,14 +247,13 @@ function M.sparsity(model, opts)
   end
   local collective = any_sharded(params)
   local counts = {}
-  local rank = core.rank()
   for i, e in ipairs(params) do
     local p = e.param
     local z = 0
     local u = core.param_unit(p)
     if u == nil then
       if p.device ~= "meta" then z = core.count_zeros(flat_param(p)) end
-    elseif not is_replicated(u) or rank == 0 then -- a replicated unit is counted once
+    elseif util.counts_shard(u) then -- a replicated (or hybrid) shard is counted once
       local s = local_slice(u, p)
       if s ~= nil then
         z = core.count_zeros(u:shard():narrow(1, s.shard_first, s.shard_last - s.shard_first + 1))
@@ -502,7 +503,7 @@ state.on("teardown", function(R)
         -- assembled on the cpu (the collective), kept where the weights are
         local full = core.zeros(rec.shape, {role = "other"})
         local flat = full:view{rec.numel}
-        if rec.slice ~= nil then flat:narrow(1, rec.first, rec.n):copy(rec.slice) end
+        if rec.slice ~= nil and contributes(u) then flat:narrow(1, rec.first, rec.n):copy(rec.slice) end
         if not is_replicated(u) then core.all_reduce(flat, "sum", "unwrap mask " .. rec.path) end
         full = full:to(mask_opts(u, p).device)
         records[p] = {full = full, flat = full:view{rec.numel}}

@@ -1293,7 +1293,7 @@ function optim.clip_grad_norm(model, max_norm)
         local sq = core.sumsq(gs)
         if u:strategy() == "none" then
           sq_replicated = sq_replicated + sq
-        else
+        elseif util.counts_shard(u) then -- (hybrid: the first group's copy of the shard)
           sq_sharded = sq_sharded + sq
         end
       end

@@ -44,11 +44,11 @@ local ROLE = {role = "other"}
 -- For each selected entry: e.unit (nil for a plain parameter), e.numel, e.shape and e.piece =
 -- {x = 1-D view of the weights this rank holds (shard slice or whole parameter), m = current
 -- mask values (nil: none), first = 1-based position of x[1] in the parameter, n =, counts =
--- false when another rank counts the same elements (replicated units: rank 0 counts)} or nil
+-- false when another rank counts the same elements (replicated units: rank 0 counts; hybrid:
+-- the first group)} or nil
 -- when the rank holds no element. Returns entries, collective (some parameter is sharded).
 local function pieces(entries, fn)
   local collective = false
-  local rank = core.rank()
   local shards = {} -- unit -> its shard tensor (one per unit)
   for _, e in ipairs(entries) do
     local p = e.param
@@ -67,7 +67,7 @@ local function pieces(entries, fn)
         local n = s.shard_last - s.shard_first + 1
         shards[u] = shards[u] or u:shard()
         e.piece = {x = shards[u]:narrow(1, s.shard_first, n), m = mask.piece(p), first = s.param_first,
-          n = n, shard_first = s.shard_first, counts = u:strategy() ~= "none" or rank == 0}
+          n = n, shard_first = s.shard_first, counts = util.counts_shard(u)}
       end
     end
   end
@@ -244,7 +244,7 @@ function prune.nm(model, opts)
     local buf = core.zeros{#cuts * m}
     for ci, c in ipairs(cuts) do
       local pc = c.e.piece
-      if pc then
+      if pc and pc.counts then -- (hybrid: the first group's copy)
         local a, lo = pc.first - 1, c.g * m
         local from, to = math.max(lo, a), math.min(lo + m, a + pc.n) -- [from, to) held here
         if to > from then

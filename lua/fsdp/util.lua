@@ -83,6 +83,17 @@ end
 
 function U.is_param(v) return core.is_tensor(v) and v.is_param == true end
 
+--- Whether this rank's copy of u's shard is the one counted when ranks sum what their shards
+--- hold (norms, zeros, masks): every rank of a sharded unit, rank 0 of a replicated one
+--- (strategy none), and only the first replica (group 0) of a hybrid one, whose other groups
+--- hold the same shards.
+function U.counts_shard(u)
+  local s = u:strategy()
+  if s == "none" then return core.rank() == 0 end
+  if s == "hybrid" then return u:groups().replica == 0 end
+  return true
+end
+
 --- This rank's slice of parameter p in unit u (an entry of u:local_slices()), or nil.
 function U.local_slice(u, p)
   for _, s in ipairs(u:local_slices()) do

@@ -44,10 +44,10 @@ W.policy = {modules = policy.modules, size = policy.size, list = policy.list}
 
 -- ---- options ------------------------------------------------------------------------------
 
-local strategies = {full = true, grad_op = true, none = true}
+local strategies = {full = true, grad_op = true, none = true, hybrid = true}
 local known_opts = {policy = true, strategy = true, reshard_after_forward = true, prefetch = true,
   sync_module_states = true, init = true, mp = true, device = true, offload = true,
-  checkpoint = true}
+  checkpoint = true, shard_size = true}
 
 -- Mixed precision (FSDP2's MixedPrecisionPolicy): mp = "bf16" | "f16" | {param =, reduce =,
 -- output =}. param: the dtype units gather parameters in for forward and backward (the
@@ -87,7 +87,7 @@ local function check_opts(opts)
   for k in pairs(opts) do
     if not known_opts[k] then
       raise(("fsdp.wrap: unknown option %s (policy, strategy, reshard_after_forward, prefetch, "
-        .. "sync_module_states, init, mp, device, offload, checkpoint)"):format(tostring(k)))
+        .. "sync_module_states, init, mp, device, offload, checkpoint, shard_size)"):format(tostring(k)))
     end
   end
   local o = {
@@ -98,8 +98,24 @@ local function check_opts(opts)
     sync_module_states = opts.sync_module_states == true,
   }
   if not strategies[o.strategy] then
-    raise(("fsdp.wrap: strategy must be \"full\", \"grad_op\" or \"none\" (got %s)")
+    raise(("fsdp.wrap: strategy must be \"full\", \"grad_op\", \"none\" or \"hybrid\" (got %s)")
       :format(tostring(opts.strategy)))
+  end
+  -- hybrid (HSDP): shard inside groups of shard_size consecutive ranks, replicate across them
+  if o.strategy == "hybrid" then
+    local S, world = opts.shard_size, core.world_size()
+    if type(S) ~= "number" or S ~= math.floor(S) or S < 1 then
+      raise(("fsdp.wrap: strategy \"hybrid\" needs shard_size, the ranks of a sharding group "
+        .. "(a whole number >= 1; got %s)"):format(tostring(S)))
+    end
+    if world % S ~= 0 then
+      raise(("fsdp.wrap: shard_size %d does not divide the world of %d ranks (hybrid shards "
+        .. "inside groups of shard_size ranks and replicates across %s groups)")
+        :format(S, world, "world / shard_size"))
+    end
+    o.shard_size = S
+  elseif opts.shard_size ~= nil then
+    raise(("fsdp.wrap: shard_size is for strategy \"hybrid\" (the strategy is %s)"):format(o.strategy))
   end
   for _, k in ipairs{"reshard_after_forward", "prefetch", "sync_module_states"} do
     if opts[k] ~= nil and type(opts[k]) ~= "boolean" then
@@ -385,7 +401,8 @@ local function plan_wrap(model, o)
     end
     rec.ps, rec.pp = ps, pp
     rec.policy = forced[rec.module] or {strategy = o.strategy,
-      reshard_after_forward = o.reshard_after_forward, mp = o.mp, offload = o.offload}
+      reshard_after_forward = o.reshard_after_forward, mp = o.mp, offload = o.offload,
+      shard_size = o.shard_size}
     if #ps > 0 or rec.module == model then
       -- its mixed-precision policy too: ranks gathering in different dtypes would first meet
       -- in a collective mismatch
@@ -444,7 +461,8 @@ local function build(model, o, plan)
         end
         local u = core.unit_new(rec.path, ps, pp, {strategy = pol.strategy, root = (m == model),
           reshard_after_forward = pol.reshard_after_forward, param_dtype = pol.mp and pol.mp.param,
-          reduce_dtype = pol.mp and pol.mp.reduce, device = o.device, offload = pol.offload})
+          reduce_dtype = pol.mp and pol.mp.reduce, device = o.device, offload = pol.offload,
+          shard_size = pol.shard_size})
         built[#built + 1] = u
         R:add_unit(u, m, ps, pol)
       end

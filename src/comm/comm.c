@@ -14,6 +14,9 @@
  * Error messages: a collective that fails on the worker thread leaves its message in the
  * worker's (thread-local) error slot; exec_end() copies it, with the flight recorder appended, into
  * the request, and fsdp_comm_wait moves it into the waiter's slot.
+ *
+ * Families (fsdp_comm_split): a sub-communicator is linked under its parent (g_family_mu guards
+ * the links); a poison or a failed collective on any member poisons every member.
  */
 #include "comm/comm.h"
 #include "kernels/kernels.h"
@@ -97,7 +100,18 @@ struct fsdp_comm {
 
   bool run_check_labels; /* the running collective's; only its running thread touches it */
   bool run_full_check;   /* likewise */
+
+  /* the family (fsdp_comm_split): links under g_family_mu */
+  fsdp_comm *parent, *children, *next_sibling;
+  int family_rank;     /* this rank in the family's root: what messages name */
+  int hybrid_size;     /* a child made by fsdp_comm_hybrid for this shard_size (0: not) */
+  bool hybrid_replicate; /* ... its replicate member (else its shard member) */
+  int hybrid_last;     /* the last shard_size fsdp_comm_hybrid made a pair for (0: none) */
 };
+
+/* Guards every communicator's family links. Recursive: poisoning a family calls backends'
+ * abort, and a backend stacked on another communicator (nccl) poisons that one in turn. */
+static pthread_mutex_t g_family_mu = PTHREAD_RECURSIVE_MUTEX_INITIALIZER_NP;
 
 static double now_s(void) {
   struct timespec ts;
@@ -345,6 +359,7 @@ static int comm_create(fsdp_comm **out, const fsdp_comm_i *vt, void *impl, int r
   c->timeout = c->default_timeout = timeout;
   c->debug = env_debug();
   c->full_check = full_check;
+  c->family_rank = rank;
   pthread_mutex_init(&c->mu, NULL);
   pthread_cond_init(&c->work_cv, NULL);
   pthread_cond_init(&c->done_cv, NULL);
@@ -442,7 +457,7 @@ static char *failure_message_locked(const fsdp_comm *c, const char *msg) {
   char *out = malloc(FSDP_COMM_MSG_CAP);
   if (!out) return NULL;
   int len = snprintf(out, FSDP_COMM_MSG_CAP, "%s\nflight recorder (rank %d, newest last):\n",
-                     msg, c->rank);
+                     msg, c->family_rank);
   if (len < 0 || (size_t)len >= FSDP_COMM_MSG_CAP - 1) return out;
   size_t at = (size_t)len;
   at += rec_render_locked(c, out + at, FSDP_COMM_MSG_CAP - at);
@@ -506,12 +521,11 @@ bool fsdp_comm_debug(const fsdp_comm *c) {
 void fsdp_comm_abort(fsdp_comm *c, const char *msg) {
   if (!c) return;
   char full[FSDP_COMM_MSG_CAP];
-  snprintf(full, sizeof full, "rank %d failed: %s", c->rank, msg ? msg : "(no message)");
+  snprintf(full, sizeof full, "rank %d failed: %s", c->family_rank, msg ? msg : "(no message)");
   fsdp_comm_poison(c, full);
 }
 
-void fsdp_comm_poison(fsdp_comm *c, const char *full) {
-  if (!c) return;
+static void poison_one(fsdp_comm *c, const char *full) {
   if (c->vt->abort) {
     c->vt->abort(c, full);
     return;
@@ -524,6 +538,43 @@ void fsdp_comm_poison(fsdp_comm *c, const char *full) {
   pthread_mutex_unlock(&c->mu);
 }
 
+static void poison_tree(fsdp_comm *c, const char *full) {
+  poison_one(c, full);
+  for (fsdp_comm *k = c->children; k; k = k->next_sibling) poison_tree(k, full);
+}
+
+/* The whole family: a rank waiting in a sub-communicator must fail too when a rank outside its
+ * group fails (it may be waiting for a peer that waits for the failed rank). */
+void fsdp_comm_poison(fsdp_comm *c, const char *full) {
+  if (!c) return;
+  pthread_mutex_lock(&g_family_mu);
+  fsdp_comm *root = c;
+  while (root->parent) root = root->parent;
+  poison_tree(root, full);
+  pthread_mutex_unlock(&g_family_mu);
+}
+
+/* A collective of a family member failed: its group is poisoned (by the backend); the rest of
+ * the family follows with the same message ("rank R failed: ..." as it came, else this rank's). */
+static void family_failed(fsdp_comm *c, const char *msg) {
+  pthread_mutex_lock(&g_family_mu);
+  bool family = c->parent || c->children;
+  pthread_mutex_unlock(&g_family_mu);
+  if (!family) return;
+  char *end;
+  bool formatted = strncmp(msg, "rank ", 5) == 0 && (strtol(msg + 5, &end, 10), end > msg + 5) &&
+                   strncmp(end, " failed: ", 9) == 0;
+  if (formatted) {
+    char full[FSDP_COMM_MSG_CAP];
+    snprintf(full, sizeof full, "%s", msg);
+    char *rec = strstr(full, "\nflight recorder (");
+    if (rec) *rec = '\0';
+    fsdp_comm_poison(c, full);
+  } else {
+    fsdp_comm_abort(c, msg);
+  }
+}
+
 uint64_t fsdp_comm_drain(fsdp_comm *c) {
   pthread_mutex_lock(&c->mu);
   while (c->head || c->worker_busy || c->inline_busy) pthread_cond_wait(&c->done_cv, &c->mu);
@@ -533,6 +584,13 @@ uint64_t fsdp_comm_drain(fsdp_comm *c) {
 }
 
 int fsdp_comm_revive(fsdp_comm *c, uint64_t seq) {
+  pthread_mutex_lock(&g_family_mu);
+  bool family = c->parent || c->children;
+  pthread_mutex_unlock(&g_family_mu);
+  if (family)
+    return fsdp_error("cannot revive the communicator: it belongs to a family with "
+                      "sub-communicators (hybrid sharding), whose members cannot be revived "
+                      "together");
   if (c->vt->abort && !c->vt->revive)
     return fsdp_error("the %s backend cannot lift the poison of its group (collectives may "
                       "still be in flight)", c->vt->name);
@@ -702,6 +760,7 @@ static void exec_end(fsdp_comm *c, fsdp_comm_req *r) {
   r->rc = rc;
   if (rc != FSDP_OK) r->msg = failure_message_locked(c, fsdp_error_msg());
   pthread_mutex_unlock(&c->mu);
+  if (rc != FSDP_OK) family_failed(c, fsdp_error_msg());
 }
 
 static void *worker_main(void *arg) {
@@ -922,6 +981,22 @@ static pthread_once_t lazy_once = PTHREAD_ONCE_INIT;
 
 void fsdp_comm_free(fsdp_comm *c) {
   if (!c) return;
+  /* sub-communicators first (each waits for its own collectives), then out of the parent's list */
+  for (;;) {
+    pthread_mutex_lock(&g_family_mu);
+    fsdp_comm *k = c->children;
+    pthread_mutex_unlock(&g_family_mu);
+    if (!k) break;
+    fsdp_comm_free(k);
+  }
+  pthread_mutex_lock(&g_family_mu);
+  if (c->parent) {
+    fsdp_comm **at = &c->parent->children;
+    while (*at && *at != c) at = &(*at)->next_sibling;
+    if (*at) *at = c->next_sibling;
+    c->parent = NULL;
+  }
+  pthread_mutex_unlock(&g_family_mu);
   if (tl_current == c) tl_current = NULL;
   pthread_mutex_lock(&c->mu);
   c->stop = true;
@@ -991,3 +1066,160 @@ static int single_create(fsdp_comm **out, bool strict_env) {
 }
 
 int fsdp_comm_single_new(fsdp_comm **out) { return single_create(out, true); }
+
+/* ---- sub-communicators ------------------------------------------------------------------------ */
+
+fsdp_comm *fsdp_comm_parent(const fsdp_comm *c) {
+  pthread_mutex_lock(&g_family_mu);
+  fsdp_comm *p = c->parent;
+  pthread_mutex_unlock(&g_family_mu);
+  return p;
+}
+
+int fsdp_comm_family_rank(const fsdp_comm *c) { return c->family_rank; }
+
+/* Every rank of c: the ranks that passed `color`, in (key, rank) order. */
+typedef struct {
+  int64_t key;
+  int rank;
+} split_member;
+
+static int member_cmp(const void *a, const void *b) {
+  const split_member *x = a, *y = b;
+  if (x->key != y->key) return x->key < y->key ? -1 : 1;
+  return (x->rank > y->rank) - (x->rank < y->rank);
+}
+
+/* A world of one splits into a world of one. */
+static int single_split(fsdp_comm *c, const fsdp_split *s, fsdp_comm **out) {
+  (void)c;
+  (void)s;
+  return single_create(out, false);
+}
+
+int fsdp_comm_split(fsdp_comm *c, int color, int key, fsdp_comm **out) {
+  *out = NULL;
+  if (!c) return fsdp_error("comm split: no communicator");
+  int (*split)(fsdp_comm *, const fsdp_split *, fsdp_comm **) =
+      c->vt == &single_vt ? single_split : c->vt->split;
+  /* the same on every rank (one backend): refused before anything is issued */
+  if (!split)
+    return fsdp_error("comm split: the %s backend has no sub-communicators yet (hybrid "
+                      "sharding needs them): use the local or mpi backend", c->vt->name);
+  const int W = c->world;
+  int64_t mine[2] = {color, key};
+  int64_t *all = malloc((size_t)W * sizeof mine);
+  split_member *m = malloc((size_t)W * sizeof *m);
+  int *members = malloc((size_t)W * sizeof *members);
+  if (!all || !m || !members) {
+    free(all);
+    free(m);
+    free(members);
+    fsdp_error("comm split: out of memory");
+    fsdp_comm_abort(c, fsdp_error_msg()); /* the peers would wait in the exchange */
+    return FSDP_ERR;
+  }
+  int rc = fsdp_comm_all_gather(c, all, mine, 2, FSDP_DTYPE_I64, "comm split");
+  fsdp_comm *sub = NULL;
+  int64_t failed = -1; /* the first rank whose part failed */
+  char why[512] = "";
+  if (rc == FSDP_OK) {
+    pthread_mutex_lock(&c->mu);
+    uint64_t tag = c->seq; /* the exchange's: the same on every rank */
+    pthread_mutex_unlock(&c->mu);
+    for (int p = 0; p < W && failed < 0; p++)
+      if (all[2 * p] < 0) failed = p;
+    if (failed >= 0) {
+      snprintf(why, sizeof why, "rank %lld passed color %lld (colors are >= 0)",
+               (long long)failed, (long long)all[2 * failed]);
+    } else {
+      int n = 0;
+      for (int p = 0; p < W; p++)
+        if (all[2 * p] == color) m[n++] = (split_member){all[2 * p + 1], p};
+      qsort(m, (size_t)n, sizeof *m, member_cmp);
+      int me = 0;
+      for (int i = 0; i < n; i++) {
+        members[i] = m[i].rank;
+        if (m[i].rank == c->rank) me = i;
+      }
+      fsdp_split sp = {.color = color, .rank = me, .world = n, .members = members, .tag = tag};
+      int mrc = split(c, &sp, &sub);
+      /* whether every rank made its communicator: one more collective on c */
+      int64_t flag = mrc == FSDP_OK ? W : c->rank;
+      if (mrc != FSDP_OK) snprintf(why, sizeof why, "%s", fsdp_error_msg());
+      rc = fsdp_comm_all_reduce(c, &flag, 1, FSDP_DTYPE_I64, FSDP_RED_MIN, "comm split done");
+      if (rc == FSDP_OK && flag < W) failed = flag;
+      if (rc == FSDP_OK && failed >= 0 && failed != c->rank)
+        snprintf(why, sizeof why, "it failed on rank %lld", (long long)failed);
+    }
+  }
+  free(all);
+  free(m);
+  free(members);
+  if (rc != FSDP_OK || failed >= 0) {
+    fsdp_comm_free(sub);
+    if (rc != FSDP_OK) return fsdp_error_context("comm split");
+    return fsdp_error("comm split: %s", why);
+  }
+  /* the parent's settings, its family, its rank for messages */
+  pthread_mutex_lock(&c->mu);
+  double timeout = c->timeout;
+  bool debug = c->debug, full = c->full_check;
+  pthread_mutex_unlock(&c->mu);
+  fsdp_comm_set_timeout(sub, timeout);
+  fsdp_comm_set_debug(sub, debug);
+  fsdp_comm_set_full_check(sub, full);
+  pthread_mutex_lock(&g_family_mu);
+  sub->family_rank = c->family_rank;
+  sub->parent = c;
+  sub->next_sibling = c->children;
+  c->children = sub;
+  pthread_mutex_unlock(&g_family_mu);
+  *out = sub;
+  return FSDP_OK;
+}
+
+static fsdp_comm *hybrid_child(const fsdp_comm *c, int size, bool replicate) {
+  for (fsdp_comm *k = c->children; k; k = k->next_sibling)
+    if (k->hybrid_size == size && k->hybrid_replicate == replicate) return k;
+  return NULL;
+}
+
+int fsdp_comm_hybrid(fsdp_comm *c, int shard_size, fsdp_comm **shard, fsdp_comm **replicate) {
+  *shard = *replicate = NULL;
+  if (!c) return fsdp_error("hybrid sharding: no communicator");
+  const int W = c->world, r = c->rank, S = shard_size;
+  if (S < 1 || S > W || W % S != 0)
+    return fsdp_error("hybrid sharding: shard_size %d does not divide the world of %d ranks "
+                      "(groups of shard_size ranks shard, the groups replicate: pick a divisor "
+                      "of %d)", S, W, W);
+  pthread_mutex_lock(&g_family_mu);
+  fsdp_comm *sh = hybrid_child(c, S, false), *rep = hybrid_child(c, S, true);
+  pthread_mutex_unlock(&g_family_mu);
+  if (!sh || !rep) { /* the same on every rank: the pairs were made in the same order */
+    if (fsdp_comm_split(c, r / S, r % S, &sh) != FSDP_OK) return FSDP_ERR;
+    if (fsdp_comm_split(c, r % S, r / S, &rep) != FSDP_OK) {
+      fsdp_comm_free(sh);
+      return FSDP_ERR;
+    }
+    pthread_mutex_lock(&g_family_mu);
+    sh->hybrid_size = rep->hybrid_size = S;
+    rep->hybrid_replicate = true;
+    pthread_mutex_unlock(&g_family_mu);
+  }
+  pthread_mutex_lock(&g_family_mu);
+  c->hybrid_last = S;
+  pthread_mutex_unlock(&g_family_mu);
+  *shard = sh;
+  *replicate = rep;
+  return FSDP_OK;
+}
+
+int fsdp_comm_hybrid_last(const fsdp_comm *c, fsdp_comm **shard, fsdp_comm **replicate) {
+  pthread_mutex_lock(&g_family_mu);
+  int S = c->hybrid_last;
+  *shard = S ? hybrid_child(c, S, false) : NULL;
+  *replicate = S ? hybrid_child(c, S, true) : NULL;
+  pthread_mutex_unlock(&g_family_mu);
+  return *shard && *replicate ? S : 0;
+}

@@ -89,6 +89,7 @@ typedef struct fsdp_coll {
 
 typedef struct fsdp_comm fsdp_comm;
 typedef struct fsdp_comm_req fsdp_comm_req;
+struct fsdp_split;
 
 /* A backend. Only `run` is required: it performs one collective, blocking, and returns
  * FSDP_OK or FSDP_ERR with a message. The generic layer (comm.c) gives every backend sequence
@@ -116,7 +117,21 @@ typedef struct fsdp_comm_i {
   /* optional: lift the group's poison; the next collective of every rank is seq + 1 (see
    * fsdp_comm_revive). Called by every rank; must be idempotent. */
   int (*revive)(fsdp_comm *c, uint64_t seq);
+  /* optional: make this rank's communicator of a split (fsdp_comm_split), already agreed by
+   * the generic layer: every rank of c calls it at once with its own fsdp_split. NULL: the
+   * backend has no sub-communicators, and fsdp_comm_split refuses before issuing anything. */
+  int (*split)(fsdp_comm *c, const struct fsdp_split *s, fsdp_comm **out);
 } fsdp_comm_i;
+
+/* One rank's part of a split, as the generic layer computed it from every rank's color and key:
+ * the ranks of the parent in the new communicator (`members`, world entries, in new-rank order;
+ * rank = this rank's index there), and a tag that is the same on every rank of the parent and
+ * different for every split of it (the sequence number of the exchange). */
+typedef struct fsdp_split {
+  int color, rank, world;
+  const int *members;
+  uint64_t tag;
+} fsdp_split;
 
 /* ---- creating communicators ----------------------------------------------------------- */
 
@@ -144,6 +159,34 @@ int fsdp_comm_single_new(fsdp_comm **out);
  * handles never waited on (waiting on them afterwards is a use-after-free) and, if c is the
  * calling thread's current communicator, unsets it. NULL is a no-op. */
 void fsdp_comm_free(fsdp_comm *c);
+
+/* ---- sub-communicators (a family: a communicator, its sub-communicators, theirs) ------------ */
+
+/* Collective over c: split it like MPI_Comm_split. The ranks passing the same color (>= 0)
+ * form one sub-communicator, ranked by key, then by their rank in c. It belongs to c: freed
+ * with it (children first), or earlier by fsdp_comm_free. Costs two collectives on c (the
+ * colors and keys, then whether every rank made its communicator). FSDP_ERR on every rank
+ * alike: a negative color, a backend without sub-communicators (nccl, for now; refused before
+ * anything is issued), a failed creation on any rank (named).
+ * Failure holds for the family as one group (invariant 3): a poison or a failed collective on
+ * any member poisons every member (the parent and all sub-communicators), so a rank waiting
+ * in a sub-communicator fails too when a rank outside its group fails. Messages name the rank
+ * of the family's root communicator ("rank 3 failed: ..."); sequence numbers, the flight
+ * recorder and the stats are each member's own. A family with sub-communicators cannot be
+ * revived (fsdp_comm_revive refuses). */
+int fsdp_comm_split(fsdp_comm *c, int color, int key, fsdp_comm **out);
+/* Collective over c the first time (then a lookup, the same on every rank): hybrid sharding's
+ * pair for groups of shard_size consecutive ranks. shard: the group of rank r, ranks
+ * [r - r % S, r - r % S + S), with rank r % S in it; replicate: the ranks with the same index in
+ * every group (r % S, r % S + S, ...), with rank r / S in it. Kept by c (one pair per
+ * shard_size), freed with it; both borrowed. shard_size must divide the world: otherwise an
+ * error on every rank before anything is issued. */
+int fsdp_comm_hybrid(fsdp_comm *c, int shard_size, fsdp_comm **shard, fsdp_comm **replicate);
+/* The pair fsdp_comm_hybrid made last on c: its shard_size, or 0 (and NULLs) when none.
+ * Not collective. */
+int fsdp_comm_hybrid_last(const fsdp_comm *c, fsdp_comm **shard, fsdp_comm **replicate);
+/* The communicator c was split from, or NULL. */
+fsdp_comm *fsdp_comm_parent(const fsdp_comm *c);
 
 /* ---- the calling thread's communicator --------------------------------------------------- */
 
@@ -280,6 +323,9 @@ void fsdp_comm_reset_stats(fsdp_comm *c);
 int fsdp_comm_new_backend(fsdp_comm **out, const fsdp_comm_i *vt, void *impl, int rank,
                           int world);
 void *fsdp_comm_impl(const fsdp_comm *c);
+/* This rank's rank in the family's root communicator (its own rank outside a family): the
+ * rank a backend's "rank R failed: ..." names. */
+int fsdp_comm_family_rank(const fsdp_comm *c);
 /* Poison the group with a message already formatted "rank R failed: ..." (what vt->abort
  * receives): a backend that stacks on another communicator passes its poison down with it. */
 void fsdp_comm_poison(fsdp_comm *c, const char *full);

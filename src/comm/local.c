@@ -32,6 +32,10 @@
  * ((x0 + x1) + x2) + ... + x(W-1) by fsdp_comm_reduce (reduce.c: per dtype, avg included),
  * independent of tiling, vector width or which rank computes it; every other rank copies those
  * bits. So all ranks hold identical bits, and runs repeat bit for bit.
+ *
+ * Sub-groups (local_split, for fsdp_comm_split): a group made from another shares its root's
+ * mutex, condition variable and poison (the family's), so a poison anywhere fails every waiter
+ * of the family at once; rendezvous, syncs and slots stay per group.
  */
 #include "comm/comm.h"
 #include "core/cond.h"
@@ -58,13 +62,28 @@ typedef struct local_slot {
   bool left;          /* ... and was freed */
 } local_slot;
 
+/* A split being made (local_split): the group of one color, until every member has joined. */
+typedef struct split_entry {
+  const fsdp_local_group *parent;
+  uint64_t tag;
+  int color, joined;
+  fsdp_local_group *g;
+  struct split_entry *next;
+} split_entry;
+
 struct fsdp_local_group {
   int world;
-  int refs; /* creator + one per communicator; guarded by mu */
-  pthread_mutex_t mu;
-  pthread_cond_t cv; /* CLOCK_MONOTONIC; every state change broadcasts */
-  bool poisoned;
+  int refs; /* creator + one per communicator (+ one per live sub-group: the root); under mu */
+  /* A family (a group and the groups split from it) shares the root's lock, condition variable
+   * and poison: a poison anywhere wakes and fails every waiter of the family. */
+  fsdp_local_group *fam; /* the root (itself for a root); a sub-group holds a reference */
+  pthread_mutex_t *mu;   /* &fam->own_mu */
+  pthread_cond_t *cv;    /* &fam->own_cv: CLOCK_MONOTONIC; every state change broadcasts */
+  pthread_mutex_t own_mu;
+  pthread_cond_t own_cv;
+  bool poisoned; /* the family's (read fam->poisoned) */
   char poison[LOCAL_MSG_CAP];
+  split_entry *splits; /* the family's splits in progress (root only) */
   uint64_t go_seq; /* last collective all ranks arrived at */
   bool go_ok;      /* its fingerprints matched */
   char verdict[LOCAL_MSG_CAP];
@@ -96,66 +115,76 @@ int fsdp_local_group_new(fsdp_local_group **out, int world) {
   if (!g) return fsdp_error("local group: out of memory");
   g->world = world;
   g->refs = 1;
-  pthread_mutex_init(&g->mu, NULL);
-  fsdp_cond_init_monotonic(&g->cv);
+  g->fam = g;
+  g->mu = &g->own_mu;
+  g->cv = &g->own_cv;
+  pthread_mutex_init(&g->own_mu, NULL);
+  fsdp_cond_init_monotonic(&g->own_cv);
   *out = g;
   return FSDP_OK;
 }
 
 void fsdp_local_group_release(fsdp_local_group *g) {
   if (!g) return;
-  pthread_mutex_lock(&g->mu);
+  fsdp_local_group *fam = g->fam;
+  pthread_mutex_lock(g->mu);
   bool last = --g->refs == 0;
-  pthread_mutex_unlock(&g->mu);
+  pthread_mutex_unlock(g->mu);
   if (!last) return;
-  pthread_cond_destroy(&g->cv);
-  pthread_mutex_destroy(&g->mu);
+  if (fam != g) { /* a sub-group: its lock is the root's, which it holds a reference on */
+    free(g);
+    fsdp_local_group_release(fam);
+    return;
+  }
+  pthread_cond_destroy(&g->own_cv);
+  pthread_mutex_destroy(&g->own_mu);
   free(g);
 }
 
 /* ---- poison ------------------------------------------------------------------------------- */
 
 static void poison_locked(fsdp_local_group *g, const char *msg) {
-  if (!g->poisoned) {
-    g->poisoned = true;
+  fsdp_local_group *f = g->fam;
+  if (!f->poisoned) {
+    f->poisoned = true;
     size_t len = strlen(msg);
-    if (len >= sizeof g->poison) len = sizeof g->poison - 1; /* truncated, never overflowed */
-    memcpy(g->poison, msg, len);
-    g->poison[len] = '\0';
+    if (len >= sizeof f->poison) len = sizeof f->poison - 1; /* truncated, never overflowed */
+    memcpy(f->poison, msg, len);
+    f->poison[len] = '\0';
   }
-  pthread_cond_broadcast(&g->cv);
+  pthread_cond_broadcast(g->cv);
 }
 
 static void local_abort(fsdp_comm *c, const char *msg) {
   local_comm *lc = fsdp_comm_impl(c);
-  pthread_mutex_lock(&lc->g->mu);
+  pthread_mutex_lock(lc->g->mu);
   poison_locked(lc->g, msg);
-  pthread_mutex_unlock(&lc->g->mu);
+  pthread_mutex_unlock(lc->g->mu);
 }
 
 /* Every rank calls it with the same seq, none inside a collective (fsdp_comm_revive). */
 static int local_revive(fsdp_comm *c, uint64_t seq) {
   local_comm *lc = fsdp_comm_impl(c);
   fsdp_local_group *g = lc->g;
-  pthread_mutex_lock(&g->mu);
+  pthread_mutex_lock(g->mu);
   if (g->nleft > 0) {
-    pthread_mutex_unlock(&g->mu);
+    pthread_mutex_unlock(g->mu);
     return fsdp_error("cannot revive the group: a rank has left it");
   }
-  g->poisoned = false;
-  g->poison[0] = '\0';
+  g->fam->poisoned = false; /* (the generic layer refuses a family with sub-groups) */
+  g->fam->poison[0] = '\0';
   g->go_seq = seq;
   g->go_ok = true;
   g->narrived = 0;
-  pthread_mutex_unlock(&g->mu);
+  pthread_mutex_unlock(g->mu);
   return FSDP_OK;
 }
 
 static bool local_poisoned(const fsdp_comm *c) {
   local_comm *lc = fsdp_comm_impl(c);
-  pthread_mutex_lock(&lc->g->mu);
-  bool p = lc->g->poisoned;
-  pthread_mutex_unlock(&lc->g->mu);
+  pthread_mutex_lock(lc->g->mu);
+  bool p = lc->g->fam->poisoned;
+  pthread_mutex_unlock(lc->g->mu);
   return p;
 }
 
@@ -173,7 +202,7 @@ static void decide_locked(fsdp_local_group *g, uint64_t seq) {
   bool labels = g->check[4] != 0;
   g->narrived = 0;
   if (!full) {
-    pthread_cond_broadcast(&g->cv);
+    pthread_cond_broadcast(g->cv);
     return;
   }
   for (int p = 1; p < g->world; p++) {
@@ -187,7 +216,7 @@ static void decide_locked(fsdp_local_group *g, uint64_t seq) {
     poison_locked(g, g->verdict);
     break;
   }
-  pthread_cond_broadcast(&g->cv);
+  pthread_cond_broadcast(g->cv);
 }
 
 /* fsdp_comm_peer_fn over the group's slots, for the collective `seq` (ctx: a missing_ctx) */
@@ -224,8 +253,8 @@ static int arrive(fsdp_comm *c, local_comm *lc, const fsdp_coll *coll, uint64_t 
   fsdp_local_group *g = lc->g;
   int r = lc->rank;
   double timeout = fsdp_comm_timeout(c);
-  pthread_mutex_lock(&g->mu);
-  if (g->poisoned) goto poisoned;
+  pthread_mutex_lock(g->mu);
+  if (g->fam->poisoned) goto poisoned;
   g->slot[r].coll = *coll;
   g->slot[r].check_labels = fsdp_comm_check_labels(c);
   g->slot[r].arrived = seq;
@@ -239,7 +268,7 @@ static int arrive(fsdp_comm *c, local_comm *lc, const fsdp_coll *coll, uint64_t 
     struct timespec deadline;
     deadline_after(&deadline, timeout);
     while (g->go_seq < seq) {
-      if (g->poisoned) goto poisoned;
+      if (g->fam->poisoned) goto poisoned;
       for (int p = 0; g->nleft && p < g->world; p++) {
         if (g->slot[p].left && g->slot[p].arrived != seq) {
           char msg[LOCAL_MSG_CAP];
@@ -249,14 +278,14 @@ static int arrive(fsdp_comm *c, local_comm *lc, const fsdp_coll *coll, uint64_t 
                    p, (unsigned long long)g->slot[p].arrived, fsdp_coll_name(coll->op),
                    (unsigned long long)seq, coll->label);
           char full[LOCAL_MSG_CAP + 32];
-          snprintf(full, sizeof full, "rank %d failed: %s", r, msg);
+          snprintf(full, sizeof full, "rank %d failed: %s", fsdp_comm_family_rank(c), msg);
           poison_locked(g, full);
-          pthread_mutex_unlock(&g->mu);
+          pthread_mutex_unlock(g->mu);
           return fsdp_error("%s", msg);
         }
       }
-      int rc = pthread_cond_timedwait(&g->cv, &g->mu, &deadline);
-      if (rc == ETIMEDOUT && g->go_seq < seq && !g->poisoned) {
+      int rc = pthread_cond_timedwait(g->cv, g->mu, &deadline);
+      if (rc == ETIMEDOUT && g->go_seq < seq && !g->fam->poisoned) {
         char missing[LOCAL_MSG_CAP / 2];
         fsdp_comm_describe_missing(missing, sizeof missing, g->world, local_peer,
                                    &(missing_ctx){g, seq});
@@ -264,9 +293,9 @@ static int arrive(fsdp_comm *c, local_comm *lc, const fsdp_coll *coll, uint64_t 
         snprintf(msg, sizeof msg, "timeout after %g s in %s #%llu '%s': %s", timeout,
                  fsdp_coll_name(coll->op), (unsigned long long)seq, coll->label, missing);
         char full[LOCAL_MSG_CAP + 32];
-        snprintf(full, sizeof full, "rank %d failed: %s", r, msg);
+        snprintf(full, sizeof full, "rank %d failed: %s", fsdp_comm_family_rank(c), msg);
         poison_locked(g, full);
-        pthread_mutex_unlock(&g->mu);
+        pthread_mutex_unlock(g->mu);
         return fsdp_error("%s", msg);
       }
     }
@@ -275,16 +304,16 @@ static int arrive(fsdp_comm *c, local_comm *lc, const fsdp_coll *coll, uint64_t 
   if (!g->go_ok) {
     char verdict[LOCAL_MSG_CAP];
     memcpy(verdict, g->verdict, sizeof verdict);
-    pthread_mutex_unlock(&g->mu);
+    pthread_mutex_unlock(g->mu);
     return fsdp_error("%s", verdict);
   }
-  pthread_mutex_unlock(&g->mu);
+  pthread_mutex_unlock(g->mu);
   return FSDP_OK;
 
 poisoned:;
   char poison[LOCAL_MSG_CAP];
-  memcpy(poison, g->poison, sizeof poison);
-  pthread_mutex_unlock(&g->mu);
+  memcpy(poison, g->fam->poison, sizeof poison);
+  pthread_mutex_unlock(g->mu);
   return fsdp_error("%s", poison);
 }
 
@@ -292,16 +321,16 @@ poisoned:;
  * (a counting barrier: O(1) per rank). Untimed on purpose (see the file comment). */
 static void sync_ranks(local_comm *lc) {
   fsdp_local_group *g = lc->g;
-  pthread_mutex_lock(&g->mu);
+  pthread_mutex_lock(g->mu);
   uint64_t gen = g->sync_gen;
   if (++g->nsync == g->world) {
     g->nsync = 0;
     g->sync_gen++;
-    pthread_cond_broadcast(&g->cv);
+    pthread_cond_broadcast(g->cv);
   } else {
-    while (g->sync_gen == gen) pthread_cond_wait(&g->cv, &g->mu);
+    while (g->sync_gen == gen) pthread_cond_wait(g->cv, g->mu);
   }
-  pthread_mutex_unlock(&g->mu);
+  pthread_mutex_unlock(g->mu);
 }
 
 /* ---- data movement: host memory, or a device's copy and reduce_ranks ------------------------ */
@@ -417,14 +446,59 @@ static int local_run(fsdp_comm *c, const fsdp_coll *coll, uint64_t seq) {
 static void local_free(fsdp_comm *c) {
   local_comm *lc = fsdp_comm_impl(c);
   fsdp_local_group *g = lc->g;
-  pthread_mutex_lock(&g->mu);
+  pthread_mutex_lock(g->mu);
   g->slot[lc->rank].left = true;
   g->nleft++;
-  pthread_cond_broadcast(&g->cv);
-  pthread_mutex_unlock(&g->mu);
+  pthread_cond_broadcast(g->cv);
+  pthread_mutex_unlock(g->mu);
   free(lc->srcs);
   free(lc);
   fsdp_local_group_release(g);
+}
+
+/* Every rank of c calls it at once (fsdp_comm_split). The first member of a color to come
+ * makes the sub-group (in the family: it shares the root's lock and poison) and leaves it in
+ * the root's list of splits in progress, keyed by the parent group, the split's tag and the
+ * color; the others find it there; the last to join takes it off the list. */
+static int local_split(fsdp_comm *c, const fsdp_split *sp, fsdp_comm **out) {
+  local_comm *lc = fsdp_comm_impl(c);
+  fsdp_local_group *g = lc->g, *fam = g->fam;
+  pthread_mutex_lock(g->mu);
+  split_entry *e = fam->splits;
+  while (e && !(e->parent == g && e->tag == sp->tag && e->color == sp->color)) e = e->next;
+  if (!e) {
+    e = calloc(1, sizeof *e);
+    fsdp_local_group *sub =
+        e ? calloc(1, sizeof *sub + (size_t)sp->world * sizeof(local_slot)) : NULL;
+    if (!sub) {
+      pthread_mutex_unlock(g->mu);
+      free(e);
+      return fsdp_error("local communicator: out of memory for a sub-group");
+    }
+    sub->world = sp->world;
+    sub->refs = 1; /* the entry's, dropped by the last member to join */
+    sub->fam = fam;
+    sub->mu = fam->mu;
+    sub->cv = fam->cv;
+    fam->refs++; /* the sub-group's on the root (its lock) */
+    *e = (split_entry){.parent = g, .tag = sp->tag, .color = sp->color, .g = sub,
+                       .next = fam->splits};
+    fam->splits = e;
+  }
+  fsdp_local_group *sub = e->g;
+  sub->refs++; /* this member's, while it makes its communicator */
+  bool last = ++e->joined == sp->world;
+  if (last) {
+    split_entry **at = &fam->splits;
+    while (*at != e) at = &(*at)->next;
+    *at = e->next;
+    free(e);
+    sub->refs--; /* the entry's: every member holds its own now */
+  }
+  pthread_mutex_unlock(g->mu);
+  int rc = fsdp_comm_local_new(out, sub, sp->rank);
+  fsdp_local_group_release(sub);
+  return rc;
 }
 
 static const fsdp_comm_i local_vt = {
@@ -436,6 +510,7 @@ static const fsdp_comm_i local_vt = {
     .free = local_free,
     .poisoned = local_poisoned,
     .revive = local_revive,
+    .split = local_split,
 };
 
 int fsdp_comm_local_new(fsdp_comm **out, fsdp_local_group *g, int rank) {
@@ -454,9 +529,9 @@ int fsdp_comm_local_new(fsdp_comm **out, fsdp_local_group *g, int rank) {
   lc->g = g;
   lc->rank = rank;
   lc->srcs = srcs;
-  pthread_mutex_lock(&g->mu);
+  pthread_mutex_lock(g->mu);
   if (g->slot[rank].joined) {
-    pthread_mutex_unlock(&g->mu);
+    pthread_mutex_unlock(g->mu);
     free(srcs);
     free(lc);
     return fsdp_error("local communicator: rank %d already has a communicator in this group",
@@ -464,11 +539,11 @@ int fsdp_comm_local_new(fsdp_comm **out, fsdp_local_group *g, int rank) {
   }
   g->slot[rank].joined = true;
   g->refs++;
-  pthread_mutex_unlock(&g->mu);
+  pthread_mutex_unlock(g->mu);
   if (fsdp_comm_new_backend(out, &local_vt, lc, rank, g->world) != FSDP_OK) {
-    pthread_mutex_lock(&g->mu);
+    pthread_mutex_lock(g->mu);
     g->slot[rank].joined = false;
-    pthread_mutex_unlock(&g->mu);
+    pthread_mutex_unlock(g->mu);
     free(srcs);
     free(lc);
     fsdp_local_group_release(g);

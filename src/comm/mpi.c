@@ -213,6 +213,8 @@ typedef enum { DP_NONE = 0, DP_RS, DP_AG } data_phase;
 typedef struct mpi_comm {
   MPI_Comm data, ctl;
   int rank, world;
+  int family_rank; /* the rank "rank R failed: ..." names: in MPI_COMM_WORLD */
+  fsdp_comm *self;  /* the communicator over this one, once made (atomic: the progress thread) */
   /* tuning */
   int64_t seg_bytes; /* reduce-scatter segment */
   int window;       /* staging segments in flight */
@@ -421,7 +423,7 @@ static int op_fail(mpi_comm *mc, mpi_op *op, bool send, const char *fmt, ...) {
   va_end(ap);
   if (op->state == OP_ARRIVE || op->state == OP_DATA) req_abandon(mc);
   char full[MPI_MSG_CAP + 32];
-  snprintf(full, sizeof full, "rank %d failed: %s", mc->rank, msg);
+  snprintf(full, sizeof full, "rank %d failed: %s", mc->family_rank, msg);
   poison_set(mc, full, send);
   op->rc = FSDP_ERR;
   op->msg = strdup(msg);
@@ -872,6 +874,10 @@ static int handle(mpi_comm *mc, mpi_op *op, int i, const MPI_Status *st, bool er
     memcpy(msg, mc->poison_in, sizeof msg);
     msg[sizeof msg - 1] = '\0';
     poison_set(mc, msg, false);
+    /* the rest of the family (fsdp_comm_split) fails too, and tells its peers: a rank of
+     * another group may be waiting for one that waits for the failed rank */
+    fsdp_comm *self = __atomic_load_n(&mc->self, __ATOMIC_ACQUIRE);
+    if (self) fsdp_comm_poison(self, msg);
     return FSDP_OK;
   }
   if (in->kind == RQ_LEFT) {
@@ -1161,7 +1167,7 @@ static int mpi_start(fsdp_comm *c, const fsdp_coll *coll, uint64_t seq, void **n
     snprintf(msg, sizeof msg, "%s #%llu '%s': out of memory", fsdp_coll_name(coll->op),
              (unsigned long long)seq, coll->label);
     char full[200];
-    snprintf(full, sizeof full, "rank %d failed: %s", mc->rank, msg);
+    snprintf(full, sizeof full, "rank %d failed: %s", mc->family_rank, msg);
     poison_set(mc, full, true); /* the peers would wait for it */
     return fsdp_error("%s", msg);
   }
@@ -1392,6 +1398,8 @@ static void mc_destroy(mpi_comm *mc, bool tell_peers) {
 
 static void mpi_free(fsdp_comm *c) { mc_destroy(fsdp_comm_impl(c), true); }
 
+static int mpi_split(fsdp_comm *c, const fsdp_split *sp, fsdp_comm **out);
+
 static const fsdp_comm_i mpi_vt = {
     .name = "mpi",
     .run = mpi_run,
@@ -1402,6 +1410,7 @@ static const fsdp_comm_i mpi_vt = {
     .wait = mpi_wait,
     .poisoned = mpi_poisoned,
     .revive = mpi_revive,
+    .split = mpi_split,
 };
 
 /* ---- creation ------------------------------------------------------------------------------- */
@@ -1455,7 +1464,36 @@ static int mpi_init_once(void) {
   return FSDP_OK;
 }
 
+/* A communicator over the MPI communicators data and ctl (made by the caller, ours from here,
+ * under g_mpi_mu; MPI_COMM_NULL when making them failed: err says why). */
+static int mpi_build(fsdp_comm **out, MPI_Comm data, MPI_Comm ctl, int err, int family_rank);
+
 int fsdp_comm_mpi_new(fsdp_comm **out) {
+  *out = NULL;
+  if (mpi_init_once() != FSDP_OK) return FSDP_ERR;
+  MPI_Comm data = MPI_COMM_NULL, ctl = MPI_COMM_NULL;
+  pthread_mutex_lock(&g_mpi_mu);
+  int err = MPI_Comm_dup(MPI_COMM_WORLD, &data);
+  if (err == MPI_SUCCESS) err = MPI_Comm_dup(MPI_COMM_WORLD, &ctl);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  pthread_mutex_unlock(&g_mpi_mu);
+  return mpi_build(out, data, ctl, err, rank);
+}
+
+/* fsdp_comm_split: MPI_Comm_split of both MPI communicators, ranked as the generic layer
+ * decided (every rank of c is here at once: it has just left the exchange). */
+static int mpi_split(fsdp_comm *c, const fsdp_split *sp, fsdp_comm **out) {
+  mpi_comm *mc = fsdp_comm_impl(c);
+  MPI_Comm data = MPI_COMM_NULL, ctl = MPI_COMM_NULL;
+  pthread_mutex_lock(&g_mpi_mu);
+  int err = MPI_Comm_split(mc->data, sp->color, sp->rank, &data);
+  if (err == MPI_SUCCESS) err = MPI_Comm_split(mc->ctl, sp->color, sp->rank, &ctl);
+  pthread_mutex_unlock(&g_mpi_mu);
+  return mpi_build(out, data, ctl, err, mc->family_rank);
+}
+
+static int mpi_build(fsdp_comm **out, MPI_Comm data, MPI_Comm ctl, int err, int family_rank) {
   *out = NULL;
   long seg_kib, window, poll_us;
   double grace;
@@ -1467,7 +1505,6 @@ int fsdp_comm_mpi_new(fsdp_comm **out) {
   const char *ag = getenv("FSDP_MPI_ALLGATHER");
   if (ag && *ag && strcmp(ag, "p2p") != 0 && strcmp(ag, "mpi") != 0)
     return fsdp_error("FSDP_MPI_ALLGATHER: expected 'mpi' or 'p2p', got '%s'", ag);
-  if (mpi_init_once() != FSDP_OK) return FSDP_ERR;
 
   mpi_comm *mc = calloc(1, sizeof *mc);
   if (!mc) return fsdp_error("mpi communicator: out of memory");
@@ -1480,9 +1517,10 @@ int fsdp_comm_mpi_new(fsdp_comm **out) {
   pthread_mutex_init(&mc->pmu, NULL);
   fsdp_cond_init_monotonic(&mc->cv);
 
+  mc->family_rank = family_rank;
+  mc->data = data;
+  mc->ctl = ctl;
   pthread_mutex_lock(&g_mpi_mu);
-  int err = MPI_Comm_dup(MPI_COMM_WORLD, &mc->data);
-  if (err == MPI_SUCCESS) err = MPI_Comm_dup(MPI_COMM_WORLD, &mc->ctl);
   if (err == MPI_SUCCESS) {
     MPI_Comm_set_errhandler(mc->data, MPI_ERRORS_RETURN);
     MPI_Comm_set_errhandler(mc->ctl, MPI_ERRORS_RETURN);
@@ -1493,7 +1531,7 @@ int fsdp_comm_mpi_new(fsdp_comm **out) {
   if (err != MPI_SUCCESS) {
     char e[MPI_MAX_ERROR_STRING + 32];
     free(mc);
-    return fsdp_error("mpi communicator: %s", mpi_err(e, sizeof e, "MPI_Comm_dup", err));
+    return fsdp_error("mpi communicator: %s", mpi_err(e, sizeof e, "MPI_Comm_dup/split", err));
   }
   const size_t W = (size_t)mc->world;
   mc->hdrs = calloc(W, sizeof *mc->hdrs);
@@ -1532,6 +1570,7 @@ int fsdp_comm_mpi_new(fsdp_comm **out) {
     fsdp_error("mpi communicator: out of memory");
   }
   if (ok && fsdp_comm_new_backend(out, &mpi_vt, mc, mc->rank, mc->world) == FSDP_OK) {
+    __atomic_store_n(&mc->self, *out, __ATOMIC_RELEASE);
     return FSDP_OK;
   }
   /* failed: keep the message, undo what was made */

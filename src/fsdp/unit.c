@@ -163,7 +163,12 @@ static int drop_all_prefetches(void) {
 }
 
 static const char *strategy_name(fsdp_strategy s) {
-  return s == FSDP_STRATEGY_FULL ? "full" : s == FSDP_STRATEGY_GRAD_OP ? "grad_op" : "none";
+  switch (s) {
+  case FSDP_STRATEGY_FULL: return "full";
+  case FSDP_STRATEGY_GRAD_OP: return "grad_op";
+  case FSDP_STRATEGY_HYBRID: return "hybrid";
+  default: return "none";
+  }
 }
 
 /* A 1-D tensor of n elements of dt on dev; zero-filled, or with unspecified contents for a
@@ -230,6 +235,9 @@ fsdp_unit_state fsdp_unit_state_get(const fsdp_unit *u) { return u->state; }
 fsdp_strategy fsdp_unit_strategy(const fsdp_unit *u) { return u->opts.strategy; }
 const char *fsdp_strategy_name(fsdp_strategy s) { return strategy_name(s); }
 fsdp_comm *fsdp_unit_comm(const fsdp_unit *u) { return u->comm; }
+fsdp_comm *fsdp_unit_replicate_comm(const fsdp_unit *u) {
+  return u->opts.strategy == FSDP_STRATEGY_HYBRID ? u->opts.replicate : NULL;
+}
 bool fsdp_unit_is_root(const fsdp_unit *u) { return u->opts.is_root; }
 bool fsdp_unit_prefetching(const fsdp_unit *u) { return u->req != NULL; }
 int fsdp_unit_pending_backward(const fsdp_unit *u) { return u->pending_bwd; }
@@ -566,8 +574,10 @@ int fsdp_unit_new(fsdp_unit **out, fsdp_comm *c, const char *path, fsdp_tensor *
   if (n < 0 || (n > 0 && (!params || !paths)))
     fsdp_error("wrap: unit '%s': bad parameter list (%d parameters)", path, n);
   else if (o.strategy != FSDP_STRATEGY_FULL && o.strategy != FSDP_STRATEGY_GRAD_OP &&
-           o.strategy != FSDP_STRATEGY_NONE)
+           o.strategy != FSDP_STRATEGY_NONE && o.strategy != FSDP_STRATEGY_HYBRID)
     fsdp_error("wrap: unit '%s': unknown strategy %d", path, (int)o.strategy);
+  else if (o.strategy == FSDP_STRATEGY_HYBRID && !o.replicate)
+    fsdp_error("wrap: unit '%s': strategy hybrid needs its replicate communicator", path);
   else if (!fsdp_dtype_is_float(o.param_dtype) || o.param_dtype == FSDP_DTYPE_F64)
     fsdp_error("wrap: unit '%s': parameters cannot be gathered as %s (mixed precision takes "
                "f32, bf16 or f16)", path, fsdp_dtype_name(o.param_dtype));
@@ -1026,6 +1036,14 @@ static int reduce_full_grad(fsdp_unit *u, const char *what) {
       void *mine = (char *)fg + u->shard_offset * (int64_t)fsdp_dtype_size(red->dtype);
       rc = unit_coll(u, FSDP_COLL_REDUCE_SCATTER, red->dtype, u->shard_numel, fg, mine,
                      FSDP_RED_AVG);
+      /* HYBRID: the group's average, averaged across the groups holding the same shard */
+      if (!rc && u->opts.strategy == FSDP_STRATEGY_HYBRID &&
+          fsdp_comm_world(u->opts.replicate) > 1) {
+        fsdp_coll coll = {.op = FSDP_COLL_ALL_REDUCE, .dtype = red->dtype, .red = FSDP_RED_AVG,
+                          .count = u->shard_numel, .recv = mine, .device = u->device};
+        coll_label(coll.label, u->path);
+        rc = fsdp_comm_run(u->opts.replicate, &coll);
+      }
     }
     if (!rc) rc = grad_shard_need(u);
     if (!rc) rc = add_range(u->grad_shard, 0, red, u->shard_offset, u->shard_numel);
@@ -1159,7 +1177,8 @@ int fsdp_unit_post_forward(fsdp_unit *u, bool out_needs_grad) {
    * unit is the root (its backward starts right away) or asked to keep them; GRAD_OP keeps
    * them until its backward. Not recorded: no backward will reshard, so both do it now. */
   fsdp_strategy s = u->opts.strategy;
-  bool reshard = !rec || (s == FSDP_STRATEGY_FULL && !u->opts.is_root &&
+  bool reshard = !rec || ((s == FSDP_STRATEGY_FULL || s == FSDP_STRATEGY_HYBRID) &&
+                          !u->opts.is_root &&
                           u->opts.reshard_after_forward);
   if (reshard && reshard_impl(u)) return FSDP_ERR; /* replicated: undoes a mixed-precision copy */
   /* the forward is over: a forward prefetch still in flight was for a unit that did not run */

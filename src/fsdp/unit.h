@@ -15,7 +15,10 @@
  * Strategies: FULL (ZeRO-3) reshards after forward (except the root) and after backward;
  * GRAD_OP (ZeRO-2) keeps parameters gathered from forward until the end of backward; NONE
  * (replicated) keeps the full buffer on every rank, all-reduces (averages) gradients, and its
- * "shard" is the whole flat buffer.
+ * "shard" is the whole flat buffer. HYBRID (HSDP) is FULL over the unit's communicator, the
+ * shard group (fsdp_comm_hybrid), with every gradient shard then averaged across the replicate
+ * communicator (opts.replicate): a reduce-scatter inside the group, an all-reduce of the shard
+ * across the groups, so every replica of a shard holds the average over all ranks.
  *
  * Gradients: during backward each parameter's .grad is a view into the unit's full flat
  * gradient buffer; when the unit's last pending backward use completes, that buffer is
@@ -60,7 +63,12 @@
 
 #define FSDP_ALIGN 16 /* elements: 64 bytes */
 
-typedef enum { FSDP_STRATEGY_FULL = 0, FSDP_STRATEGY_GRAD_OP, FSDP_STRATEGY_NONE } fsdp_strategy;
+typedef enum {
+  FSDP_STRATEGY_FULL = 0,
+  FSDP_STRATEGY_GRAD_OP,
+  FSDP_STRATEGY_NONE,
+  FSDP_STRATEGY_HYBRID
+} fsdp_strategy;
 typedef enum { FSDP_UNIT_SHARDED = 0, FSDP_UNIT_GATHERED } fsdp_unit_state;
 
 /* The device that backs a sharded parameter (has no data; see above). It is not in core's
@@ -101,6 +109,9 @@ typedef struct fsdp_unit_opts {
    * gradient shard. The unit's device must not be the cpu, and the strategy must shard (full or
    * grad_op: none computes on the shard itself). */
   bool offload;
+  /* HYBRID only (and required there): the ranks holding the same shard in the other groups;
+   * borrowed, it must outlive the unit (fsdp_comm_hybrid's pair lives as long as its parent). */
+  fsdp_comm *replicate;
 } fsdp_unit_opts;
 
 typedef struct fsdp_unit fsdp_unit;
@@ -147,7 +158,9 @@ fsdp_strategy fsdp_unit_strategy(const fsdp_unit *u);
 fsdp_comm *fsdp_unit_comm(const fsdp_unit *u);
 
 bool fsdp_unit_is_root(const fsdp_unit *u);
-const char *fsdp_strategy_name(fsdp_strategy s); /* "full", "grad_op", "none" */
+const char *fsdp_strategy_name(fsdp_strategy s); /* "full", "grad_op", "none", "hybrid" */
+/* HYBRID: the replicate communicator; NULL for the other strategies. */
+fsdp_comm *fsdp_unit_replicate_comm(const fsdp_unit *u);
 /* Whether a prefetch (asynchronous all-gather) is in flight: issued, not yet consumed by a
  * gather (or dropped by a reshard). */
 bool fsdp_unit_prefetching(const fsdp_unit *u);

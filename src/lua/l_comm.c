@@ -224,10 +224,10 @@ static int l_bytes_digest(lua_State *L) {
 
 /* ---- accounting, debugging, failure ------------------------------------------------------- */
 
-static int l_comm_stats(lua_State *L) {
+static void push_stats(lua_State *L, const fsdp_comm *c) {
   fsdp_comm_stats s;
-  fsdp_comm_get_stats(current(L), &s);
-  lua_createtable(L, 0, 2 * FSDP_COLL_COUNT + 3);
+  fsdp_comm_get_stats(c, &s);
+  lua_createtable(L, 0, 2 * FSDP_COLL_COUNT + 5);
   int64_t calls = 0;
   for (int op = 0; op < FSDP_COLL_COUNT; op++) {
     const char *name = fsdp_coll_name((fsdp_coll_op)op);
@@ -246,11 +246,32 @@ static int l_comm_stats(lua_State *L) {
   lua_setfield(L, -2, "busy_s");
   lua_pushnumber(L, s.wait_s);
   lua_setfield(L, -2, "wait_s");
+}
+
+/* The rank's communicator's counters; with hybrid sharding also those of its groups (the pair
+ * of the last shard_size used): shard = {...}, replicate = {...}, shard_size = S. */
+static int l_comm_stats(lua_State *L) {
+  fsdp_comm *c = current(L), *sh, *rep;
+  push_stats(L, c);
+  int S = fsdp_comm_hybrid_last(c, &sh, &rep);
+  if (S) {
+    push_stats(L, sh);
+    lua_setfield(L, -2, "shard");
+    push_stats(L, rep);
+    lua_setfield(L, -2, "replicate");
+    lua_pushinteger(L, S);
+    lua_setfield(L, -2, "shard_size");
+  }
   return 1;
 }
 
 static int l_reset_comm_stats(lua_State *L) {
-  fsdp_comm_reset_stats(current(L));
+  fsdp_comm *c = current(L), *sh, *rep;
+  fsdp_comm_reset_stats(c);
+  if (fsdp_comm_hybrid_last(c, &sh, &rep)) {
+    fsdp_comm_reset_stats(sh);
+    fsdp_comm_reset_stats(rep);
+  }
   return 0;
 }
 

@@ -48,7 +48,9 @@ static fsdp_strategy check_strategy(lua_State *L, const char *s) {
   if (strcmp(s, "full") == 0) return FSDP_STRATEGY_FULL;
   if (strcmp(s, "grad_op") == 0) return FSDP_STRATEGY_GRAD_OP;
   if (strcmp(s, "none") == 0) return FSDP_STRATEGY_NONE;
-  luaL_error(L, "unit_new: unknown strategy '%s' (expected \"full\", \"grad_op\" or \"none\")", s);
+  if (strcmp(s, "hybrid") == 0) return FSDP_STRATEGY_HYBRID;
+  luaL_error(L, "unit_new: unknown strategy '%s' (expected \"full\", \"grad_op\", \"none\" or "
+             "\"hybrid\")", s);
   return FSDP_STRATEGY_FULL;
 }
 
@@ -117,8 +119,31 @@ static int l_unit_new(lua_State *L) {
     if (!lua_isnil(L, -1)) o.reduce_dtype = fsdp_lua_check_dtype(L, -1);
     lua_pop(L, 2);
   }
+  /* hybrid: the unit shards over its group of shard_size ranks (fsdp_comm_hybrid: made once,
+   * collectively, kept by the rank's communicator) and averages gradients across the groups */
+  fsdp_comm *c = fsdp_comm_current();
+  if (!c) luaL_error(L, "unit_new: no communicator (out of memory)");
+  lua_Integer shard_size = 0;
+  if (opts) {
+    lua_getfield(L, opts, "shard_size");
+    if (!lua_isnil(L, -1)) {
+      if (lua_type(L, -1) != LUA_TNUMBER || lua_tonumber(L, -1) != (lua_Number)lua_tointeger(L, -1))
+        luaL_error(L, "unit_new: shard_size must be a whole number, got %s", luaL_typename(L, -1));
+      shard_size = lua_tointeger(L, -1);
+    }
+    lua_pop(L, 1);
+  }
+  if ((o.strategy == FSDP_STRATEGY_HYBRID) != (shard_size != 0))
+    luaL_error(L, "unit_new: shard_size goes with strategy \"hybrid\" (and only with it)");
+  if (o.strategy == FSDP_STRATEGY_HYBRID) {
+    if (shard_size < 1 || shard_size > INT32_MAX)
+      luaL_error(L, "unit_new: shard_size must be >= 1, got %d", (int)shard_size);
+    fsdp_comm *shard;
+    if (fsdp_comm_hybrid(c, (int)shard_size, &shard, &o.replicate)) fsdp_lua_error(L);
+    c = shard;
+  }
   fsdp_unit *u;
-  if (fsdp_unit_new(&u, fsdp_comm_current(), path, params, paths, n, &o)) fsdp_lua_error(L);
+  if (fsdp_unit_new(&u, c, path, params, paths, n, &o)) fsdp_lua_error(L);
   push_unit(L, u);
   return 1;
 }
@@ -293,6 +318,23 @@ static int l_dtypes(lua_State *L) {
 
 static int l_strategy(lua_State *L) {
   lua_pushstring(L, fsdp_strategy_name(fsdp_unit_strategy(check_unit(L, 1))));
+  return 1;
+}
+
+/* u:groups() -> {shard_rank =, shard_size =, replica =, replicas =}: where this rank sits in
+ * the unit's sharding (replica 0 of 1 unless hybrid) */
+static int l_groups(lua_State *L) {
+  fsdp_unit *u = check_unit(L, 1);
+  fsdp_comm *c = fsdp_unit_comm(u), *rep = fsdp_unit_replicate_comm(u);
+  lua_createtable(L, 0, 4);
+  lua_pushinteger(L, fsdp_comm_rank(c));
+  lua_setfield(L, -2, "shard_rank");
+  lua_pushinteger(L, fsdp_comm_world(c));
+  lua_setfield(L, -2, "shard_size");
+  lua_pushinteger(L, rep ? fsdp_comm_rank(rep) : 0);
+  lua_setfield(L, -2, "replica");
+  lua_pushinteger(L, rep ? fsdp_comm_world(rep) : 1);
+  lua_setfield(L, -2, "replicas");
   return 1;
 }
 
@@ -503,6 +545,7 @@ static const luaL_Reg methods[] = {
     {"paths", l_paths},
     {"state", l_state},
     {"strategy", l_strategy},
+    {"groups", l_groups},
     {"dtypes", l_dtypes},
     {"gather", l_gather},
     {"reshard", l_reshard},

@@ -1548,9 +1548,162 @@ static void test_revive_refused(void **state) {
   free(log);
 }
 
+/* ---- sub-communicators ------------------------------------------------------------------------ */
+
+/* hybrid(S) on W = 4: values within each group, ranks, per-communicator stats, a custom split */
+static void body_split(rank_ctx *x) {
+  const int W = x->world, r = x->rank;
+  for (int S = 1; S <= W; S *= 2) {
+    fsdp_comm *sh, *rep, *sh2, *rep2;
+    expect_ok(x, fsdp_comm_hybrid(x->c, S, &sh, &rep), "hybrid");
+    if (x->wrong[0]) return;
+    /* the pair is kept: asking again issues nothing and gives the same pair */
+    fsdp_comm_stats before, after;
+    fsdp_comm_get_stats(x->c, &before);
+    expect_ok(x, fsdp_comm_hybrid(x->c, S, &sh2, &rep2), "hybrid again");
+    fsdp_comm_get_stats(x->c, &after);
+    check_value(x, "same pair", 0, (float)(sh2 == sh && rep2 == rep), 1.0f);
+    check_value(x, "nothing issued", 0, (float)(after.calls[FSDP_COLL_ALL_GATHER] -
+                                                before.calls[FSDP_COLL_ALL_GATHER]), 0.0f);
+    check_value(x, "shard world", S, (float)fsdp_comm_world(sh), (float)S);
+    check_value(x, "shard rank", S, (float)fsdp_comm_rank(sh), (float)(r % S));
+    check_value(x, "replicate world", S, (float)fsdp_comm_world(rep), (float)(W / S));
+    check_value(x, "replicate rank", S, (float)fsdp_comm_rank(rep), (float)(r / S));
+    check_value(x, "parent", S, (float)(fsdp_comm_parent(sh) == x->c), 1.0f);
+    /* a sum within each group: the group's ranks' inputs, in group-rank order */
+    float a[7], b[7];
+    for (int i = 0; i < 7; i++) a[i] = b[i] = input(r, i, 500 + S);
+    expect_ok(x, fsdp_comm_all_reduce(sh, a, 7, FSDP_DTYPE_F32, FSDP_RED_SUM, "in group"), "shard all_reduce");
+    expect_ok(x, fsdp_comm_all_reduce(rep, b, 7, FSDP_DTYPE_F32, FSDP_RED_SUM, "across"), "replicate all_reduce");
+    for (int i = 0; i < 7; i++) {
+      float ws = input(r - r % S, i, 500 + S), wr = input(r % S, i, 500 + S);
+      for (int k = 1; k < S; k++) ws += input(r - r % S + k, i, 500 + S);
+      for (int k = 1; k < W / S; k++) wr += input(r % S + k * S, i, 500 + S);
+      check_value(x, "shard sum", i, a[i], ws);
+      check_value(x, "replicate sum", i, b[i], wr);
+    }
+    /* an all_gather in the group: the group's ranks, in order; counted in the group's stats */
+    float mine[3], all[3 * MAXW];
+    for (int i = 0; i < 3; i++) mine[i] = (float)(100 * r + i);
+    fsdp_comm_reset_stats(sh);
+    expect_ok(x, fsdp_comm_all_gather(sh, all, mine, 3, FSDP_DTYPE_F32, "gather"), "shard all_gather");
+    for (int p = 0; p < S; p++)
+      for (int i = 0; i < 3; i++)
+        check_value(x, "shard all_gather", 3 * p + i, all[3 * p + i], (float)(100 * (r - r % S + p) + i));
+    fsdp_comm_stats st;
+    fsdp_comm_get_stats(sh, &st);
+    check_value(x, "group bytes", 0, (float)st.bytes[FSDP_COLL_ALL_GATHER], (float)(3 * 4 * S));
+    check_value(x, "group calls", 0, (float)st.calls[FSDP_COLL_ALL_GATHER], 1.0f);
+  }
+  /* fsdp_comm_split: odd and even ranks, reversed by key */
+  fsdp_comm *sub;
+  expect_ok(x, fsdp_comm_split(x->c, r % 2, -r, &sub), "split");
+  if (x->wrong[0]) return;
+  int n = (W - r % 2 + 1) / 2; /* ranks of my parity */
+  check_value(x, "split world", 0, (float)fsdp_comm_world(sub), (float)n);
+  check_value(x, "split rank", 0, (float)fsdp_comm_rank(sub), (float)(n - 1 - r / 2));
+  double v = r;
+  expect_ok(x, fsdp_comm_broadcast(sub, &v, 1, FSDP_DTYPE_F64, 0, "top"), "split broadcast");
+  int top = r % 2 + 2 * (n - 1); /* the largest rank of my parity is rank 0 of sub */
+  check_value(x, "split broadcast", 0, (float)v, (float)top);
+  fsdp_comm_free(sub); /* before the parent: it leaves the parent's list */
+}
+
+static void test_split(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  run_world(4, 30, body_split, NULL, ctx);
+  assert_ranks_right(ctx, 4);
+}
+
+/* A shard_size that does not divide the world, or a negative color: the same error on every
+ * rank; the first before anything is issued. */
+static void body_split_refused(rank_ctx *x) {
+  fsdp_comm *sh, *rep, *sub;
+  note(x, fsdp_comm_hybrid(x->c, 3, &sh, &rep), now_s());
+  fsdp_comm_stats st;
+  fsdp_comm_get_stats(x->c, &st);
+  x->secs[NOTES - 1] = (double)st.calls[FSDP_COLL_ALL_GATHER];
+  note(x, fsdp_comm_split(x->c, x->rank == 2 ? -1 : 0, 0, &sub), now_s());
+  x->checks++;
+}
+
+static void test_split_refused(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  run_world(4, 30, body_split_refused, NULL, ctx);
+  for (int r = 0; r < 4; r++) {
+    assert_int_equal(ctx[r].rc[0], FSDP_ERR);
+    assert_contains(ctx[r].msg[0], "hybrid sharding: shard_size 3 does not divide the world of 4 ranks");
+    assert_true(ctx[r].secs[NOTES - 1] == 0);
+    assert_int_equal(ctx[r].rc[1], FSDP_ERR);
+    assert_contains(ctx[r].msg[1], "comm split: rank 2 passed color -1 (colors are >= 0)");
+  }
+  /* a world of one splits into a world of one; a backend without split refuses */
+  fsdp_comm *c, *sh, *rep;
+  assert_int_equal(fsdp_comm_single_new(&c), FSDP_OK);
+  assert_int_equal(fsdp_comm_hybrid(c, 1, &sh, &rep), FSDP_OK);
+  assert_int_equal(fsdp_comm_world(sh), 1);
+  assert_int_equal(fsdp_comm_world(rep), 1);
+  assert_int_equal(fsdp_comm_hybrid_last(c, &sh, &rep), 1);
+  fsdp_comm_free(c); /* frees the pair too (memcheck) */
+  static const fsdp_comm_i nosplit_vt = {.name = "nosplit", .run = native_run,
+                                         .host_buffers = true};
+  native_log *log = calloc(1, sizeof *log);
+  assert_int_equal(fsdp_comm_new_backend(&c, &nosplit_vt, log, 0, 1), FSDP_OK);
+  assert_int_equal(fsdp_comm_hybrid(c, 1, &sh, &rep), FSDP_ERR);
+  assert_contains(fsdp_error_msg(), "comm split: the nosplit backend has no sub-communicators yet");
+  assert_int_equal(fsdp_comm_hybrid_last(c, &sh, &rep), 0);
+  fsdp_comm_free(c);
+  free(log);
+}
+
+/* An error on one rank of one group fails the collectives of every group: rank 0 aborts its
+ * shard group; rank 3 waits in the other shard group for rank 2, which is alive but never comes
+ * (as if waiting for rank 0 elsewhere): rank 3 fails at once, not at the timeout. */
+static void body_split_failure(rank_ctx *x) {
+  fsdp_comm *sh, *rep;
+  expect_ok(x, fsdp_comm_hybrid(x->c, 2, &sh, &rep), "hybrid");
+  x->checks++;
+  if (x->wrong[0]) return;
+  expect_ok(x, fsdp_comm_barrier(x->c, "start"), "start");
+  double t0 = now_s();
+  if (x->rank == 0) {
+    fsdp_comm_abort(sh, "boom in group 0");
+    note(x, fsdp_comm_barrier(sh, "after"), t0);
+  } else if (x->rank == 2) {
+    while (!fsdp_comm_poisoned(rep) && now_s() - t0 < 20) sleep_s(0.005);
+    note(x, fsdp_comm_barrier(sh, "after"), t0);
+  } else {
+    note(x, fsdp_comm_barrier(sh, "after"), t0);
+  }
+  note(x, fsdp_comm_barrier(x->c, "world"), t0);
+  x->secs[NOTES - 1] = fsdp_comm_revive(x->c, fsdp_comm_drain(x->c));
+  snprintf(x->big, sizeof x->big, "%s", fsdp_error_msg());
+}
+
+static void test_split_failure(void **state) {
+  (void)state;
+  rank_ctx ctx[MAXW];
+  run_world(4, 30, body_split_failure, NULL, ctx);
+  for (int r = 0; r < 4; r++) {
+    if (ctx[r].wrong[0]) fail_msg("%s", ctx[r].wrong);
+    for (int k = 0; k < 2; k++) {
+      assert_int_equal(ctx[r].rc[k], FSDP_ERR);
+      assert_true(strncmp(ctx[r].msg[k], "rank 0 failed: boom in group 0", 30) == 0);
+    }
+    assert_true(ctx[r].secs[0] < 10);
+    assert_true(ctx[r].secs[NOTES - 1] == FSDP_ERR);
+    assert_contains(ctx[r].big, "cannot revive the communicator: it belongs to a family with sub-communicators");
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_revive),
+      cmocka_unit_test(test_split),
+      cmocka_unit_test(test_split_refused),
+      cmocka_unit_test(test_split_failure),
       cmocka_unit_test(test_revive_refused),
       cmocka_unit_test(test_world_of_one),
       cmocka_unit_test(test_values),

@@ -5,6 +5,7 @@
 --   fsdprun -n N tests/dist/train_equiv.lua --model=gpt|mlp --strategy=plain|full|grad_op|none
 --     [--steps=50] [--opt=adamw|sgd] [--prefetch=true] [--lr_scale=1] [--out=path]
 --     [--mp=bf16|f16] [--reduce=f32|bf16] [--micro=1] [--device=cpu|cuda] [--deterministic]
+--     [--shard_size=S] (with --strategy=hybrid)
 --
 -- strategy=plain trains the model unwrapped (the reference, at -n 1). Every rank takes its
 -- rows of the same global batch, so every world size sees the same data; the logged loss is
@@ -46,7 +47,8 @@ if a.deterministic then fsdp.deterministic(true) end
 if device ~= "cpu" then model:to(device) end
 if strategy ~= "plain" then
   local mp = a.mp and {param = a.mp, reduce = a.reduce or "f32"} or nil -- mixed precision
-  fsdp.wrap(model, {strategy = strategy, policy = policy, prefetch = a.prefetch ~= false, mp = mp})
+  fsdp.wrap(model, {strategy = strategy, policy = policy, prefetch = a.prefetch ~= false, mp = mp,
+    shard_size = a.shard_size}) -- shard_size: strategy=hybrid's groups
 end
 local opt
 local lr_scale = a.lr_scale or 1 -- the shell test perturbs it to show the comparison can fail

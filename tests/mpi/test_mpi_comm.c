@@ -545,6 +545,84 @@ static void test_revive(void) {
   passed("a poisoned group revives over new MPI communicators; a queued collective refuses it");
 }
 
+/* Sub-communicators over MPI_Comm_split: hybrid pairs for every shard_size dividing the world,
+ * every collective inside the groups bitwise against the serial fold over the group's ranks, and
+ * a split by color and key. */
+static void test_split(void) {
+  const int W = g_world, r = g_rank;
+  fsdp_comm *c = fresh(30);
+  for (int S = 1; S <= W; S++) {
+    if (W % S) continue;
+    fsdp_comm *sh, *rep;
+    OK(fsdp_comm_hybrid(c, S, &sh, &rep));
+    CHECK(fsdp_comm_world(sh) == S && fsdp_comm_rank(sh) == r % S, "shard group of %d", S);
+    CHECK(fsdp_comm_world(rep) == W / S && fsdp_comm_rank(rep) == r / S, "replicate group");
+    CHECK(strcmp(fsdp_comm_backend(sh), "mpi") == 0, "backend %s", fsdp_comm_backend(sh));
+    enum { N = 4099 };
+    static float a[N * 8], b[N];
+    CHECK(W <= 8, "world %d", W);
+    /* reduce_scatter in the group: chunk (r % S) of the sum of the group's ranks' inputs */
+    for (int64_t i = 0; i < (int64_t)N * S; i++) a[i] = input(900 + S, r, i);
+    OK(fsdp_comm_reduce_scatter(sh, b, a, N, FSDP_DTYPE_F32, FSDP_RED_SUM, "group rs"));
+    for (int64_t i = 0; i < N; i++) {
+      int64_t e = (int64_t)(r % S) * N + i;
+      float want = input(900 + S, r - r % S, e);
+      for (int k = 1; k < S; k++) want += input(900 + S, r - r % S + k, e);
+      CHECK(same_bits(b[i], want), "group reduce_scatter S=%d i=%lld: %a vs %a", S, (long long)i, b[i], want);
+    }
+    /* all_reduce across the groups: the ranks with the same index */
+    for (int64_t i = 0; i < N; i++) b[i] = input(950 + S, r, i);
+    OK(fsdp_comm_all_reduce(rep, b, N, FSDP_DTYPE_F32, FSDP_RED_SUM, "across"));
+    for (int64_t i = 0; i < N; i++) {
+      float want = input(950 + S, r % S, i);
+      for (int k = 1; k < W / S; k++) want += input(950 + S, r % S + k * S, i);
+      CHECK(same_bits(b[i], want), "replicate all_reduce S=%d i=%lld: %a vs %a", S, (long long)i, b[i], want);
+    }
+    /* all_gather in the group */
+    for (int64_t i = 0; i < 5; i++) b[i] = (float)(10 * r + i);
+    OK(fsdp_comm_all_gather(sh, a, b, 5, FSDP_DTYPE_F32, "group ag"));
+    for (int p = 0; p < S; p++)
+      for (int i = 0; i < 5; i++)
+        CHECK(a[5 * p + i] == (float)(10 * (r - r % S + p) + i), "group all_gather S=%d", S);
+  }
+  fsdp_comm *sub;
+  OK(fsdp_comm_split(c, r % 2, -r, &sub));
+  int n = (W - r % 2 + 1) / 2;
+  CHECK(fsdp_comm_world(sub) == n && fsdp_comm_rank(sub) == n - 1 - r / 2, "split by key");
+  fsdp_comm_free(sub);
+  fsdp_comm_free(c); /* the hybrid pairs with it */
+  passed("sub-communicators: hybrid pairs and a split by color and key, bitwise");
+}
+
+/* At 4 ranks as 2 x 2: rank 0 aborts its shard group; rank 3 waits in the other shard group for
+ * rank 2, which waits until its replicate group (shared with rank 0) is poisoned: every
+ * collective fails with rank 0's message, in less than the timeout. */
+static void test_split_failure(void) {
+  if (g_world != 4) return;
+  fsdp_comm *c = fresh(30), *sh, *rep;
+  OK(fsdp_comm_hybrid(c, 2, &sh, &rep));
+  OK(fsdp_comm_barrier(c, "start"));
+  double t0 = now_s();
+  if (g_rank == 0) {
+    struct timespec ts = {0, 200000000}; /* the others are waiting by then */
+    nanosleep(&ts, NULL);
+    fsdp_comm_abort(sh, "boom in group 0");
+  } else if (g_rank == 2) {
+    while (!fsdp_comm_poisoned(rep) && now_s() - t0 < 20) {
+      struct timespec ts = {0, 5000000};
+      nanosleep(&ts, NULL);
+    }
+  }
+  expect_fail(fsdp_comm_barrier(sh, "after"), "rank 0 failed: boom in group 0", "shard group");
+  expect_fail(fsdp_comm_barrier(c, "world"), "rank 0 failed: boom in group 0", "world");
+  CHECK(now_s() - t0 < 10, "the failure took %.1f s (the timeout is 30)", now_s() - t0);
+  CHECK(fsdp_comm_revive(c, fsdp_comm_drain(c)) == FSDP_ERR, "revived a family");
+  CHECK(strstr(fsdp_error_msg(), "belongs to a family with sub-communicators"), "%s", fsdp_error_msg());
+  fsdp_comm_free(c);
+  sync_all("split failure");
+  passed("an abort in one group fails every group's collectives");
+}
+
 int main(void) {
   fsdp_comm *c;
   OK(fsdp_comm_mpi_new(&c));
@@ -569,6 +647,8 @@ int main(void) {
     test_timeout();
     test_left();
     test_revive();
+    test_split();
+    test_split_failure();
   }
   fsdp_comm_free(c);
   fsdp_comm_free(g_sync);

@@ -2,8 +2,9 @@
 # mpi_comm.sh — the mpi backend's own test program, tests/mpi/test_mpi_comm.c (built as
 # <build>/tests/test_mpi_comm when Open MPI is found), under mpirun at 1 to 4 ranks: every
 # collective bitwise against the serial reference, asynchronous collectives, progress during
-# compute, fingerprint mismatches, abort, timeout, a rank that leaves, reviving a poisoned group. Then the variants that
-# take other code paths: 4 KiB reduce-scatter segments with a window of 2 (many segments, slot
+# compute, fingerprint mismatches, abort, timeout, a rank that leaves, reviving a poisoned group,
+# sub-communicators (hybrid pairs; an abort in one group fails every group). Then the variants
+# that take other code paths: 4 KiB reduce-scatter segments with a window of 2 (many segments, slot
 # reuse), all_gather by point-to-point, TCP instead of shared memory, MPI_THREAD_MULTIPLE.
 # Skips (exit 77) only when mpirun is not installed.
 . "${0%/*}/lib.sh"
