@@ -1053,11 +1053,12 @@ static int parse_args(fsdprun_opts *o) {
   return -1;
 }
 
-/* `fsdprun plot ARGS...`: a subcommand written in Lua (lua/fsdp/plot.lua, docs/plots.md). It
- * needs no ranks and no engine, so it runs in a plain state of its own: fsdp.plot.command parses
- * ARGS, prints its own messages and returns the exit status (0 written, 1 unreadable input or
- * nothing to plot, 2 usage error). */
-static int run_plot(int argc, char **argv) {
+/* `fsdprun plot ARGS...` (lua/fsdp/plot.lua, docs/plots.md) and `fsdprun tokenize ARGS...`
+ * (lua/fsdp/tokenizer.lua, docs/data.md): subcommands written in Lua. They need no ranks, so
+ * each runs in a plain state of its own (fsdp.core preloaded): `module`'s `command` parses
+ * ARGS, prints its own messages and returns the exit status (0 done, 1 unreadable input or a
+ * failure of the work itself, 2 usage error). */
+static int run_lua_command(const char *name, const char *module, int argc, char **argv) {
   lua_State *L = luaL_newstate();
   if (L == NULL) {
     fprintf(stderr, PROGNAME ": cannot create the Lua state: not enough memory\n");
@@ -1066,48 +1067,20 @@ static int run_plot(int argc, char **argv) {
   char dir[PATH_MAX];
   fsdp_host_openlibs(L, fsdp_host_find_lua_dir(dir, sizeof dir, NULL, 0) ? dir : NULL);
   lua_pushcfunction(L, fsdp_host_traceback);
-  int status = luaL_loadstring(L, "return require('fsdp.plot').command({...})");
+  char code[128], chunk[64];
+  snprintf(code, sizeof code, "return require('%s').command({...})", module);
+  snprintf(chunk, sizeof chunk, "=" PROGNAME " %s", name);
+  int status = luaL_loadbuffer(L, code, strlen(code), chunk);
   if (status == 0) {
-    luaL_checkstack(L, argc, "too many arguments to plot");
+    luaL_checkstack(L, argc, "too many arguments");
     for (int i = 2; i < argc; i++) lua_pushstring(L, argv[i]);
     status = lua_pcall(L, argc - 2, 1, 1);
   }
   int rc = EXIT_FAILURE;
   if (status != 0) {
     const char *msg = lua_tostring(L, -1);
-    fprintf(stderr, PROGNAME ": %s\n", msg != NULL ? msg : "(error object is not a string)");
-  } else {
-    rc = (int)lua_tointeger(L, -1);
-  }
-  lua_close(L);
-  fflush(stdout);
-  return rc;
-}
-
-/* `fsdprun tokenize ARGS...`: encode text into token files (lua/fsdp/tokenizer.lua,
- * docs/data.md). Like plot, a plain Lua state with fsdp.core preloaded and no ranks:
- * fsdp.tokenizer.command prints its own messages and returns the exit status (0 written,
- * 1 unreadable input or failed training, 2 usage error). */
-static int run_tokenize(int argc, char **argv) {
-  lua_State *L = luaL_newstate();
-  if (L == NULL) {
-    fprintf(stderr, PROGNAME ": cannot create the Lua state: not enough memory\n");
-    return EXIT_FAILURE;
-  }
-  char dir[PATH_MAX];
-  fsdp_host_openlibs(L, fsdp_host_find_lua_dir(dir, sizeof dir, NULL, 0) ? dir : NULL);
-  lua_pushcfunction(L, fsdp_host_traceback);
-  static const char code[] = "return require('fsdp.tokenizer').command({...})";
-  int status = luaL_loadbuffer(L, code, sizeof code - 1, "=fsdprun tokenize");
-  if (status == 0) {
-    luaL_checkstack(L, argc, "too many arguments to tokenize");
-    for (int i = 2; i < argc; i++) lua_pushstring(L, argv[i]);
-    status = lua_pcall(L, argc - 2, 1, 1);
-  }
-  int rc = EXIT_FAILURE;
-  if (status != 0) {
-    const char *msg = lua_tostring(L, -1);
-    fprintf(stderr, PROGNAME " tokenize: %s\n", msg != NULL ? msg : "(error object is not a string)");
+    fprintf(stderr, PROGNAME " %s: %s\n", name,
+            msg != NULL ? msg : "(error object is not a string)");
   } else {
     rc = (int)lua_tointeger(L, -1);
   }
@@ -1117,8 +1090,10 @@ static int run_tokenize(int argc, char **argv) {
 }
 
 int main(int argc, char **argv) {
-  if (argc >= 2 && strcmp(argv[1], "plot") == 0) return run_plot(argc, argv);
-  if (argc >= 2 && strcmp(argv[1], "tokenize") == 0) return run_tokenize(argc, argv);
+  if (argc >= 2 && strcmp(argv[1], "plot") == 0)
+    return run_lua_command("plot", "fsdp.plot", argc, argv);
+  if (argc >= 2 && strcmp(argv[1], "tokenize") == 0)
+    return run_lua_command("tokenize", "fsdp.tokenizer", argc, argv);
   fsdprun_opts o = {.argc = argc, .argv = argv, .nranks = 1};
   const char *doe = getenv("FSDPRUN_DEBUG_ON_ERROR");
   g_debug_on_error = doe != NULL && doe[0] != '\0' && strcmp(doe, "0") != 0;
