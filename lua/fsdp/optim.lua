@@ -378,8 +378,8 @@ function Optimizer:check_world()
   local W = core.world_size()
   if self.wrapped or self.local_only or W == 1 then return end
   raise(("%s:step: the model is not wrapped, so each of the %d ranks would train its own copy "
-    .. "and the copies drift apart; shard it with fsdp.wrap(model), or replicate it with "
-    .. "fsdp.wrap(model, {strategy = \"none\"}), before creating the optimizer (or pass "
+    .. "and the copies drift apart; shard it with fsdp.wrap(model), or replicate it (DDP) with "
+    .. "fsdp.wrap(model, {strategy = \"replicate\"}), before creating the optimizer (or pass "
     .. "local_only = true to the optimizer if one model per rank is the intent)"):format(self.kind, W))
 end
 

@@ -47,7 +47,7 @@ compare_fails "$T/ref_groups" "$T/out" "a perturbed groups run (lr x 1.001)"
 must_fail "an unwrapped model at 2 ranks" "$FSDPRUN" -n 2 "$SRC/tests/dist/optim_equiv.lua" \
   --opt=adam --strategy=plain --out="$T/out"
 for want in "Adam:step: the model is not wrapped, so each of the 2 ranks would train its own copy" \
-  'fsdp.wrap(model)' 'fsdp.wrap(model, {strategy = "none"})' 'local_only = true'; do
+  'fsdp.wrap(model)' 'fsdp.wrap(model, {strategy = "replicate"})' 'local_only = true'; do
   grep -qF "$want" "$T/log" || fail "the refusal lacks '$want': $(cat "$T/log")"
 done
 oe 1 "$T/ref_local" --opt=sgd_local --strategy=plain
