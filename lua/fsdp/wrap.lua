@@ -109,7 +109,7 @@ local function check_opts(opts)
     end
     o.shard_size = S
   elseif opts.shard_size ~= nil then
-    raise(("fsdp.wrap: shard_size is for strategy \"hybrid\" (the strategy is %s)"):format(o.strategy))
+    raise(("fsdp.wrap: shard_size is for strategy \"hybrid\" (the strategy is %s)"):format(opts.strategy or o.strategy))
   end
   for _, k in ipairs{"reshard_after_forward", "prefetch", "sync_module_states"} do
     if opts[k] ~= nil and type(opts[k]) ~= "boolean" then

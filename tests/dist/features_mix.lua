@@ -20,6 +20,8 @@
 --     hybrid + no_sync + checkpoint   the bits of hybrid + no_sync
 --     hybrid + no_sync, MLP units inside checkpointed Blocks: the bits of the unchecked run,
 --                                     one more all-gather per unit and micro-batch
+--     hybrid, reshard_after_forward = false, + no_sync: one gather fewer per unit and
+--                                     micro-batch
 --     full + no_sync (+ checkpoint)   the same pair under full sharding
 --     controls: the bitwise check sees no_sync's rounding, the 1e-5 check a frozen block
 --   the same GPT with block 2 frozen (gradients pass through it to block 1 and the
@@ -32,8 +34,11 @@
 --   per adapter, the Blocks fully frozen):
 --     hybrid + LoRA (+ checkpointed Blocks, + no_sync)   the checkpointed runs: the bits of the
 --                                     unchecked ones; the base weights keep their bits
---   an MLP (20-36-30-10, units by size) under hybrid: Adafactor, Lion, AdamW with parameter
---   groups, 6 steps
+--   the GPT with the embeddings (so the tied head) and block 1 frozen: no gradient reaches
+--   block 1, so its checkpointed forward runs plain and its unit stays out of backward:
+--     hybrid + bottom frozen + no_sync (+ checkpoint)    the bits of the unchecked run
+--   an MLP (20-36-30-10, units by size) under hybrid, with and without no_sync (k = 2):
+--   Adafactor, Lion, AdamW with parameter groups, 6 steps
 --   checkpoint: hybrid + no_sync + frozen, a sharded checkpoint (with AdamW's state) saved
 --   between micro-batches (inside no_sync) and after step 2; the run goes on to the bits of
 --   the same run without saving; a full-shard model loads the step-2 checkpoint and takes step 3
@@ -65,6 +70,8 @@ local function gpt(prep)
   local m = nn.GPT{vocab = V, ctx = T, d = 16, layers = 2, heads = 2}
   if prep == "top" then
     m:freeze("^blocks%.2%.")
+  elseif prep == "bottom" then
+    m:freeze{"^wte%.", "^wpe%.", "^blocks%.1%."}
   elseif prep == "lora" then
     nn.lora.apply(m, {rank = 2, alpha = 4})
     -- B starts at zeros; a small start lets A's gradient be nonzero from step 1
@@ -233,14 +240,15 @@ local function eq(got, want, what)
   check(got == want, ("%s: %s, expected %s"):format(what, tostring(got), tostring(want)))
 end
 
--- the parameters matching pattern kept their bits from `before` (a frozen part)
-local function kept(run, before, pattern, what)
+-- the parameters matching pattern kept their bits from `before` (a frozen part); with `all`,
+-- every other parameter changed
+local function kept(run, before, pattern, what, all)
   local n = 0
   for i, e in ipairs(before) do
     if e[1]:find(pattern) then
       n = n + 1
       check(C.same(run.values[i][2], e[2]), what .. ": frozen " .. e[1] .. " changed")
-    else
+    elseif all then
       check(not C.same(run.values[i][2], e[2]), what .. ": " .. e[1] .. " trains but did not change")
     end
   end
@@ -345,6 +353,17 @@ if want_case("gpt") then
   local dl, dp = rel_errors(frozen_ref, ref, "control")
   check(dl > TOL and dp > TOL, ("control: a frozen block is seen (loss %.2g, parameters %.2g)"):format(dl, dp))
 
+  -- hybrid keeping the parameters gathered from forward to backward (ZeRO-2 in the group)
+  local hk = wrapped_run(build, hybrid{reshard_after_forward = false}, "adamw", {k = 2})
+  close(hk, ref, "hybrid, reshard_after_forward = false, + no_sync")
+  local once = 0
+  for _, u in ipairs(fsdp.units(hk.model)) do
+    if not u.is_root then once = once + u:padded_numel() * 4 end
+  end
+  eq(hn.stats.ag - hk.stats.ag, 2 * once, "hybrid, reshard_after_forward = false: all-gather "
+    .. "bytes per step (one gather fewer per unit and micro-batch)")
+  eq(hk.stats.rs, hn.stats.rs, "hybrid, reshard_after_forward = false: reduce_scatter bytes")
+
   local fn = wrapped_run(build, {policy = BLOCK}, "adamw", {k = 2})
   close(fn, ref, "full + no_sync")
   local fnc = wrapped_run(build, {policy = BLOCK, checkpoint = BLOCK}, "adamw", {k = 2})
@@ -363,10 +382,10 @@ if want_case("frozen") then
   local build = function() return gpt("top") end
   local before = values(build())
   local ref = plain_run(build, "adamw")
-  kept(ref, before, "^blocks%.2%.", "plain + frozen")
+  kept(ref, before, "^blocks%.2%.", "plain + frozen", true)
   local h = wrapped_run(build, hybrid(), "adamw")
   close(h, ref, "hybrid + frozen")
-  kept(h, before, "^blocks%.2%.", "hybrid + frozen")
+  kept(h, before, "^blocks%.2%.", "hybrid + frozen", true)
   -- the frozen unit reduces nothing, in the group or across
   local rs, rep = 0, 0
   for _, u in ipairs(fsdp.units(h.model)) do
@@ -381,7 +400,7 @@ if want_case("frozen") then
     if i == 1 then for path, u in pairs(units_of(model)) do held[path] = u:grad_unreduced() end end
   end})
   close(hn, ref, "hybrid + frozen + no_sync")
-  kept(hn, before, "^blocks%.2%.", "hybrid + frozen + no_sync")
+  kept(hn, before, "^blocks%.2%.", "hybrid + frozen + no_sync", true)
   eq(held["blocks.2"], false, "hybrid + frozen + no_sync: the frozen unit holds a gradient")
   eq(held["blocks.1"], true, "hybrid + frozen + no_sync: blocks.1 holds its gradient")
   eq(hn.stats.rs, h.stats.rs, "hybrid + frozen + no_sync: reduce_scatter bytes per step")
@@ -398,6 +417,20 @@ if want_case("frozen") then
   local hnc = wrapped_run(build, hybrid{checkpoint = BLOCK}, "adamw", {k = 2})
   same_bits(hnc, hn, "hybrid + frozen + no_sync + checkpoint vs hybrid + frozen + no_sync")
   close(hnc, ref, "hybrid + frozen + no_sync + checkpoint")
+
+  -- the bottom frozen (embeddings, so the tied head, and block 1): no gradient reaches block 1,
+  -- whose checkpointed forward then runs as a plain one and whose unit is not in backward
+  local bbuild = function() return gpt("bottom") end
+  local bbefore = values(bbuild())
+  local bref = plain_run(bbuild, "adamw")
+  local bh = wrapped_run(bbuild, hybrid(), "adamw", {k = 2})
+  close(bh, bref, "hybrid + bottom frozen + no_sync")
+  kept(bh, bbefore, "^w[tp]e%.", "hybrid + bottom frozen + no_sync")
+  kept(bh, bbefore, "^blocks%.1%.", "hybrid + bottom frozen + no_sync")
+  local bhc = wrapped_run(bbuild, hybrid{checkpoint = BLOCK}, "adamw", {k = 2})
+  same_bits(bhc, bh, "hybrid + bottom frozen + no_sync + checkpoint vs unchecked")
+  close(bhc, bref, "hybrid + bottom frozen + no_sync + checkpoint")
+  eq(bhc.stats.ag, bh.stats.ag, "hybrid + bottom frozen + checkpoint: all-gather bytes per step")
 end
 
 -- ---- LoRA: frozen Blocks around trainable adapter units, checkpointed -------------------------
@@ -434,12 +467,12 @@ end
 
 -- ---- optimizers under hybrid (an MLP whose shards cut rows and columns) -----------------------
 if want_case("optim") then
+  local opts = {strategy = "hybrid", shard_size = S, policy = fsdp.policy.size(600)}
   for _, kind in ipairs{"adafactor", "lion", "groups"} do
-    local spec = function() return {rows = mlp_rows, steps = 6, clip = false} end
+    local spec = function(k) return {rows = mlp_rows, steps = 6, clip = false, k = k} end
     local ref = plain_run(mlp, kind, spec())
-    local h = wrapped_run(mlp, {strategy = "hybrid", shard_size = S, policy = fsdp.policy.size(600)},
-      kind, spec())
-    close(h, ref, "hybrid + " .. kind)
+    close(wrapped_run(mlp, opts, kind, spec()), ref, "hybrid + " .. kind)
+    close(wrapped_run(mlp, opts, kind, spec(2)), ref, "hybrid + no_sync + " .. kind)
   end
 end
 

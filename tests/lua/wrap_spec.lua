@@ -303,6 +303,9 @@ describe("fsdp.wrap", function()
     end
     assert.equal("none", fsdp.inspect(m).strategy)
     fsdp.unwrap(m); fsdp.unwrap(ref)
+    local ok, err = pcall(fsdp.wrap, m, {strategy = "replicate", shard_size = 1})
+    assert.is_false(ok)
+    assert.truthy(err:find('shard_size is for strategy "hybrid" (the strategy is replicate)', 1, true))
   end)
 end)
 
