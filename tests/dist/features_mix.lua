@@ -33,7 +33,8 @@
 --   the GPT with LoRA adapters on the attention projections (nn.lora.apply; units per Block and
 --   per adapter, the Blocks fully frozen):
 --     hybrid + LoRA (+ checkpointed Blocks, + no_sync)   the checkpointed runs: the bits of the
---                                     unchecked ones; the base weights keep their bits
+--                                     unchecked ones; the base weights keep their bits; also
+--                                     checkpoint = true (adapters checkpointed inside Blocks)
 --   the GPT with the embeddings (so the tied head) and block 1 frozen: no gradient reaches
 --   block 1, so its checkpointed forward runs plain and its unit stays out of backward:
 --     hybrid + bottom frozen + no_sync (+ checkpoint)    the bits of the unchecked run
@@ -457,6 +458,9 @@ if want_case("lora") then
   same_bits(hc, h, "hybrid + LoRA + checkpointed Blocks vs hybrid + LoRA")
   close(hc, ref, "hybrid + LoRA + checkpointed Blocks")
   check_base(hc, "hybrid + LoRA + checkpointed Blocks")
+  -- checkpoint = true: every unit but the root, the adapters' inside the Blocks' (nested)
+  local ht = wrapped_run(build, hybrid{policy = pol, checkpoint = true}, "adamw")
+  same_bits(ht, h, "hybrid + LoRA + checkpoint = true (nested) vs hybrid + LoRA")
   local hn = wrapped_run(build, hybrid{policy = pol}, "adamw", {k = 2})
   close(hn, ref, "hybrid + LoRA + no_sync")
   local hnc = wrapped_run(build, hybrid{policy = pol, checkpoint = BLOCK}, "adamw", {k = 2})
