@@ -92,8 +92,8 @@ local function check_opts(opts)
     sync_module_states = opts.sync_module_states == true,
   }
   if not o.strategy then
-    raise(("fsdp.wrap: strategy must be \"full\", \"grad_op\", \"none\" (or its other name "
-      .. "\"replicate\") or \"hybrid\" (got %s)"):format(tostring(opts.strategy)))
+    raise(("fsdp.wrap: strategy must be \"full\", \"grad_op\", \"none\" or \"hybrid\" "
+      .. "(\"replicate\" is another name for \"none\") (got %s)"):format(tostring(opts.strategy)))
   end
   -- hybrid (HSDP): shard inside groups of shard_size consecutive ranks, replicate across them
   if o.strategy == "hybrid" then
