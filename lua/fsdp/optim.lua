@@ -378,8 +378,8 @@ function Optimizer:check_world()
   local W = core.world_size()
   if self.wrapped or self.local_only or W == 1 then return end
   raise(("%s:step: the model is not wrapped, so each of the %d ranks would train its own copy "
-    .. "and the copies drift apart; shard it with fsdp.wrap(model), or replicate it with "
-    .. "fsdp.wrap(model, {strategy = \"none\"}), before creating the optimizer (or pass "
+    .. "and the copies drift apart; shard it with fsdp.wrap(model), or replicate it (DDP) with "
+    .. "fsdp.wrap(model, {strategy = \"replicate\"}), before creating the optimizer (or pass "
     .. "local_only = true to the optimizer if one model per rank is the intent)"):format(self.kind, W))
 end
 
@@ -868,6 +868,8 @@ end
 -- factored parameter at once, the same layout on every rank, zeros where a rank holds nothing).
 -- Every rank then updates the same factors, so N ranks equal one (to the order of the sums).
 -- Units that replicate (strategy "none") hold whole parameters: nothing is reduced for them.
+-- Hybrid units: every group holds the same shards, so only the first group's slices enter the
+-- sums (the others add zeros), or each would count once per group.
 -- Checkpoints store the factors elementwise, expanded over the slice (element (r, c) holds
 -- row_var[r] and col_var[c]), so they reshard like Adam's moments; loading gives each rank the
 -- factors of the rows and columns its slice touches, and the first step after completes them
@@ -978,15 +980,15 @@ local function factor_block(first, n, R, C, like, fill)
 end
 
 -- Per step: the parameters to update, as records {param, path, shape, B, R, C (nil: not
--- factored), n (numel), replicated, s = {p, g, first, m} or nil (this rank holds none of it),
--- st}. Wrapped: collective (the gradient flags are agreed); the same records, in the same
+-- factored), n (numel), replicated, counted (false: a hybrid replica whose slice another
+-- group's sum holds), s = {p, g, first, m} or nil (this rank holds none of it), st}. Wrapped: collective (the gradient flags are agreed); the same records, in the same
 -- order, on every rank.
 function Adafactor:records()
   local out = {}
-  local function add(param, path, replicated, s)
+  local function add(param, path, replicated, s, counted)
     local B, R, C = factor_dims(param:shape())
     out[#out + 1] = {param = param, path = path, B = B, R = R, C = C, n = param:numel(),
-      replicated = replicated, s = s}
+      replicated = replicated, counted = counted ~= false, s = s}
   end
   if self.wrapped then
     local what = self.kind .. ":step"
@@ -1006,7 +1008,7 @@ function Adafactor:records()
               self.slice_of[param] = {param_first = s.param_first, numel = n}
             end
           end
-          add(param, paths[i], u:strategy() == "none", sl)
+          add(param, paths[i], u:strategy() == "none", sl, util.counts_shard(u))
         end
       end
     end)
@@ -1113,12 +1115,15 @@ function Adafactor:step()
     local any = false
     for _, r in ipairs(recs) do if not r.replicated then any = true end end
     if any then
-      -- a replicated parameter's sums would be counted once per rank: keep them aside
+      -- a replicated parameter's sums would be counted once per rank: keep them aside; a
+      -- hybrid replica's once per group: only the first group's count
       local keep = {}
       for _, r in ipairs(recs) do
+        local n = 1 + (r.B and r.B * (r.R + r.C) or 0)
         if r.replicated and r.s then
-          local n = 1 + (r.B and r.B * (r.R + r.C) or 0)
           keep[r] = pack:narrow(1, r.off + 1, n):clone()
+          pack:narrow(1, r.off + 1, n):zero()
+        elseif not r.counted and r.s then
           pack:narrow(1, r.off + 1, n):zero()
         end
       end
@@ -1175,6 +1180,8 @@ function Adafactor:step()
     for i, r in ipairs(recs) do
       if r.replicated and r.s then
         keep[i] = usq:narrow(1, i, 1):item()
+        usq:narrow(1, i, 1):zero()
+      elseif not r.counted and r.s then
         usq:narrow(1, i, 1):zero()
       end
     end

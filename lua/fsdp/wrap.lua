@@ -44,10 +44,11 @@ W.policy = {modules = policy.modules, size = policy.size, list = policy.list}
 
 -- ---- options ------------------------------------------------------------------------------
 
-local strategies = {full = true, grad_op = true, none = true, hybrid = true}
-local known_opts = {policy = true, strategy = true, reshard_after_forward = true, prefetch = true,
-  sync_module_states = true, init = true, mp = true, device = true, offload = true,
-  checkpoint = true, shard_size = true}
+-- "replicate" is DDP's name for "none" (parameters whole on every rank, gradients all-reduced)
+local strategies = {full = "full", grad_op = "grad_op", none = "none", replicate = "none",
+  hybrid = "hybrid"}
+local OPTS = {"policy", "strategy", "reshard_after_forward", "prefetch", "sync_module_states",
+  "init", "mp", "device", "offload", "checkpoint", "shard_size"}
 
 -- Mixed precision (FSDP2's MixedPrecisionPolicy): mp = "bf16" | "f16" | {param =, reduce =,
 -- output =}. param: the dtype units gather parameters in for forward and backward (the
@@ -82,24 +83,17 @@ local function check_mp(mp)
 end
 
 local function check_opts(opts)
-  opts = opts or {}
-  if type(opts) ~= "table" then raise("fsdp.wrap: options must be a table") end
-  for k in pairs(opts) do
-    if not known_opts[k] then
-      raise(("fsdp.wrap: unknown option %s (policy, strategy, reshard_after_forward, prefetch, "
-        .. "sync_module_states, init, mp, device, offload, checkpoint, shard_size)"):format(tostring(k)))
-    end
-  end
+  opts = util.check_opts("fsdp.wrap", opts, OPTS)
   local o = {
     policy = opts.policy,
-    strategy = opts.strategy or "full",
+    strategy = strategies[opts.strategy or "full"],
     reshard_after_forward = opts.reshard_after_forward ~= false,
     prefetch = opts.prefetch ~= false,
     sync_module_states = opts.sync_module_states == true,
   }
-  if not strategies[o.strategy] then
-    raise(("fsdp.wrap: strategy must be \"full\", \"grad_op\", \"none\" or \"hybrid\" (got %s)")
-      :format(tostring(opts.strategy)))
+  if not o.strategy then
+    raise(("fsdp.wrap: strategy must be \"full\", \"grad_op\", \"none\" or \"hybrid\" "
+      .. "(\"replicate\" is another name for \"none\") (got %s)"):format(tostring(opts.strategy)))
   end
   -- hybrid (HSDP): shard inside groups of shard_size consecutive ranks, replicate across them
   if o.strategy == "hybrid" then
@@ -115,7 +109,7 @@ local function check_opts(opts)
     end
     o.shard_size = S
   elseif opts.shard_size ~= nil then
-    raise(("fsdp.wrap: shard_size is for strategy \"hybrid\" (the strategy is %s)"):format(o.strategy))
+    raise(("fsdp.wrap: shard_size is for strategy \"hybrid\" (the strategy is %s)"):format(opts.strategy or o.strategy))
   end
   for _, k in ipairs{"reshard_after_forward", "prefetch", "sync_module_states"} do
     if opts[k] ~= nil and type(opts[k]) ~= "boolean" then
@@ -620,7 +614,7 @@ end
 --- fn's first result.
 function W.full_params(model, fn, opts)
   if type(fn) ~= "function" then raise("fsdp.full_params: expects (model, fn[, opts])") end
-  opts = opts or {}
+  opts = util.check_opts("fsdp.full_params", opts, {"writeback"})
   local writeback = opts.writeback ~= false
   local R = walk_root(model, "fsdp.full_params")
   if R == nil then return (util.no_grad(fn, model)) end

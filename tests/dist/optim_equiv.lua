@@ -2,8 +2,8 @@
 -- (tests/recipes/dist_optim.sh): an MLP trained on a fixed global batch, written as
 -- tests/dist/train_equiv.lua writes its runs (for tests/dist/compare.lua).
 --
---   fsdprun -n N tests/dist/optim_equiv.lua --opt=KIND --strategy=plain|full|grad_op|none
---     [--steps=30] [--out=path] [--lr_scale=1] [--save_at=K --dir=D] [--resume=D]
+--   fsdprun -n N tests/dist/optim_equiv.lua --opt=KIND --strategy=plain|full|grad_op|none|hybrid
+--     [--shard_size=S] [--steps=30] [--out=path] [--lr_scale=1] [--save_at=K --dir=D] [--resume=D]
 --
 -- KIND: sgd_nesterov, adam, lion, adafactor, groups (AdamW, parameter groups chosen by
 -- pattern: the middle layer at a tenth of the lr, biases without decay), params (AdamW over
@@ -12,7 +12,8 @@
 -- trains its own copy, here on the same rows, so every copy equals the 1-rank run).
 -- --save_at=K saves a sharded checkpoint with the optimizer after step K and stops;
 -- --resume=D loads it (at any world size) and trains the remaining steps: the run then equals
--- an uninterrupted one. The policy cuts the weights into several units whose shards split
+-- an uninterrupted one. --strategy=hybrid shards in groups of --shard_size ranks (default
+-- half the world, at least 1). The policy cuts the weights into several units whose shards split
 -- rows and columns (Adafactor's factors).
 local fsdp = require "fsdp"
 local nn = fsdp.nn
@@ -30,7 +31,8 @@ fsdp.manual_seed(99)
 local model = nn.Sequential{nn.Linear(20, 36), nn.ReLU(), nn.Linear(36, 30), nn.ReLU(),
   nn.Linear(30, 10)}
 if strategy ~= "plain" then
-  fsdp.wrap(model, {strategy = strategy, policy = fsdp.policy.size(600)})
+  local S = strategy == "hybrid" and (a.shard_size or math.max(1, math.floor(fsdp.world_size() / 2))) or nil
+  fsdp.wrap(model, {strategy = strategy, shard_size = S, policy = fsdp.policy.size(600)})
 end
 local s = a.lr_scale or 1
 local opt

@@ -278,12 +278,34 @@ describe("fsdp.wrap", function()
       return err
     end
     assert.truthy(err_of{strategy = "zero3"}:find("strategy must be", 1, true))
-    assert.truthy(err_of{polcy = 1}:find("unknown option polcy", 1, true))
+    assert.truthy(err_of{strategy = "zero3"}:find('"replicate"', 1, true))
+    assert.truthy(err_of{polcy = 1}:find("fsdp.wrap: unknown option 'polcy' (valid: checkpoint, "
+      .. "device, init, mp, offload, policy, prefetch, reshard_after_forward, shard_size, "
+      .. "strategy, sync_module_states)", 1, true))
+    assert.truthy(err_of(3):find("fsdp.wrap: expects an options table", 1, true))
+    local ok, err = pcall(fsdp.full_params, m, function() end, {write_back = false})
+    assert.is_false(ok)
+    assert.truthy(err:find("fsdp.full_params: unknown option 'write_back' (valid: writeback)", 1, true))
     assert.truthy(err_of{prefetch = "yes"}:find("prefetch must be a boolean", 1, true))
     assert.truthy(err_of{init = 3}:find("init must be a function", 1, true))
     assert.truthy(err_of{init = true, sync_module_states = true}:find("both given", 1, true))
     assert.truthy(err_of{policy = 3}:find("policy must be", 1, true))
     assert.is_false(fsdp.is_wrapped(m))
+  end)
+
+  it("takes \"replicate\" as the other name of \"none\"", function()
+    local m, ref = gpt(), gpt()
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}, strategy = "replicate"})
+    fsdp.wrap(ref, {policy = fsdp.policy.modules{nn.Block}, strategy = "none"})
+    for i, u in ipairs(fsdp.units(m)) do
+      assert.equal("none", u:strategy())
+      assert.equal(fsdp.units(ref)[i]:numel(), u:numel())
+    end
+    assert.equal("none", fsdp.inspect(m).strategy)
+    fsdp.unwrap(m); fsdp.unwrap(ref)
+    local ok, err = pcall(fsdp.wrap, m, {strategy = "replicate", shard_size = 1})
+    assert.is_false(ok)
+    assert.truthy(err:find('shard_size is for strategy "hybrid" (the strategy is replicate)', 1, true))
   end)
 end)
 

@@ -4,8 +4,8 @@
 # some parameters (params =) and Lion over one module of a wrapped model, each trained 30 steps
 # (tests/dist/optim_equiv.lua) at 1 rank unwrapped (the reference) and at 1, 2 and 4 ranks
 # wrapped, compared by tests/dist/compare.lua (1e-5 relative). Adafactor's factored state is
-# also checked with the strategies that replicate (none) or keep parameters whole (grad_op),
-# saved at 2 ranks and resumed at 1, 2 and 4 and unwrapped; bitwise reproducible at 4 ranks;
+# also checked with the strategies that replicate (none), keep parameters whole (grad_op) or
+# shard in groups (hybrid: 2 x 2, 2 x 1; saved as 2 x 2 and resumed at 2 full), saved at 2 ranks and resumed at 1, 2 and 4 and unwrapped; bitwise reproducible at 4 ranks;
 # a perturbed run must fail the comparison. An unwrapped model at 2 ranks is refused with the
 # fix named, unless local_only = true (then each rank trains its own copy).
 . "${0%/*}/lib.sh"
@@ -25,7 +25,16 @@ for strategy in none grad_op; do
   oe 2 "$T/out" --opt=adafactor --strategy=$strategy
   compare "$T/ref_adafactor" "$T/out" "adafactor $strategy at 2 ranks vs 1 rank unwrapped"
 done
-# Adafactor's factors through a sharded checkpoint, at other world sizes
+# hybrid: every group holds the same shards, so only one group's enter Adafactor's sums
+oe 4 "$T/out" --opt=adafactor --strategy=hybrid --shard_size=2
+compare "$T/ref_adafactor" "$T/out" "adafactor hybrid 2 x 2 at 4 ranks vs 1 rank unwrapped"
+oe 2 "$T/out" --opt=adafactor --strategy=hybrid --shard_size=1
+compare "$T/ref_adafactor" "$T/out" "adafactor hybrid 2 x 1 at 2 ranks vs 1 rank unwrapped"
+# Adafactor's factors through a sharded checkpoint, at other world sizes (and from hybrid)
+must "adafactor save at 4 ranks, hybrid 2 x 2" "$FSDPRUN" -n 4 "$SRC/tests/dist/optim_equiv.lua" \
+  --opt=adafactor --strategy=hybrid --shard_size=2 --save_at=15 --dir="$T/ck_hybrid"
+oe 2 "$T/out" --opt=adafactor --strategy=full --resume="$T/ck_hybrid"
+compare "$T/ref_adafactor" "$T/out" "adafactor saved at 4 ranks hybrid, resumed at 2 full"
 must "adafactor save at 2 ranks" "$FSDPRUN" -n 2 "$SRC/tests/dist/optim_equiv.lua" --opt=adafactor \
   --strategy=full --save_at=15 --dir="$T/ck"
 for n in 1 2 4; do
@@ -47,7 +56,7 @@ compare_fails "$T/ref_groups" "$T/out" "a perturbed groups run (lr x 1.001)"
 must_fail "an unwrapped model at 2 ranks" "$FSDPRUN" -n 2 "$SRC/tests/dist/optim_equiv.lua" \
   --opt=adam --strategy=plain --out="$T/out"
 for want in "Adam:step: the model is not wrapped, so each of the 2 ranks would train its own copy" \
-  'fsdp.wrap(model)' 'fsdp.wrap(model, {strategy = "none"})' 'local_only = true'; do
+  'fsdp.wrap(model)' 'fsdp.wrap(model, {strategy = "replicate"})' 'local_only = true'; do
   grep -qF "$want" "$T/log" || fail "the refusal lacks '$want': $(cat "$T/log")"
 done
 oe 1 "$T/ref_local" --opt=sgd_local --strategy=plain
