@@ -603,8 +603,8 @@ int fsdp_unit_new(fsdp_unit **out, fsdp_comm *c, const char *path, fsdp_tensor *
     for (int i = 0; !d && i < n; i++)
       if (params[i]->storage->device->has_data) d = params[i]->storage->device;
     if (o.strategy == FSDP_STRATEGY_NONE)
-      valid = fsdp_error("wrap: unit '%s': offload = \"cpu\" needs a sharding strategy (full or "
-                         "grad_op): strategy none computes on the shard itself", path);
+      valid = fsdp_error("wrap: unit '%s': offload = \"cpu\" needs a sharding strategy (full, grad_op or "
+                         "hybrid): strategy none computes on the shard itself", path);
     else if (!d || d->host_memory)
       valid = fsdp_error("wrap: unit '%s': offload = \"cpu\" keeps the shards in host memory "
                          "while the parameters compute on a device, but these are on the %s "

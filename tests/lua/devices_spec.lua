@@ -442,7 +442,7 @@ describe("models on another device", function()
       .. "device, but these are on the cpu")
     H.assert_error_has(function()
       fsdp.wrap(nn.Linear(2, 2):to("cpu2"), {offload = "cpu", strategy = "none"})
-    end, "offload = \"cpu\" needs a sharding strategy (full or grad_op)")
+    end, "offload = \"cpu\" needs a sharding strategy (full, grad_op or hybrid)")
     H.assert_error_has(function() fsdp.wrap(nn.Linear(2, 2):to("cpu2"), {offload = "disk"}) end,
       "fsdp.wrap: offload must be \"cpu\" (or false) (got disk)")
   end)
