@@ -32,7 +32,7 @@ local args = fsdp.args {
   { "vocab", 2048, "integer", "tokenizer pieces (at least 260: 259 are bytes and specials)", min = 260 },
   { "model_type", "bpe", "string", "tokenizer model", choices = { "bpe", "unigram" } },
   { "val_fraction", 0.1, "number", "the last fraction of every file held out", min = 0.01, max = 0.5 },
-  { "steps", 1000, "integer", "optimizer steps", min = 1 },
+  { "steps", 3000, "integer", "optimizer steps", min = 1 },
   { "batch", 16, "integer", "sequences per step (global)", min = 1 },
   { "ctx", 128, "integer", "context length in tokens", min = 1 },
   { "d", 128, "integer", "model width", min = 1 },
@@ -40,9 +40,9 @@ local args = fsdp.args {
   { "heads", 4, "integer", "attention heads (divides --d)", min = 1 },
   { "lr", 2e-3, "number", "peak learning rate (cosine schedule)", min = 0 },
   { "mp", "bf16", "string", "mixed precision (none: f32 throughout)", choices = { "bf16", "none" } },
-  { "eval_every", 250, "integer", "validate every N steps", min = 1 },
+  { "eval_every", 500, "integer", "validate every N steps", min = 1 },
   { "val_batches", 20, "integer", "validation batches per evaluation", min = 1 },
-  { "ckpt_every", 250, "integer", "a sharded checkpoint every N steps (0: only at the end)", min = 0 },
+  { "ckpt_every", 500, "integer", "a sharded checkpoint every N steps (0: only at the end)", min = 0 },
   { "resume", false, "boolean", "continue from the checkpoint in <out>/ckpt" },
   { "stop_after", nil, "integer", "stop after step N as if interrupted", min = 1 },
   { "prompt", "Q: ", "string", "the start of the text sampled at the end" },
@@ -182,7 +182,7 @@ if args.resume then
 end
 local ckpt_every = args.ckpt_every > 0 and args.ckpt_every or nil
 local todo = steps - train.cursor
-local t0, done = clock(), 0
+local t0, done, aside = clock(), 0, 0 -- aside: seconds spent validating and checkpointing
 for step, x, y in todo > 0 and train:batches(todo) or function() end do
   schedule:step()
   local loss = nn.F.cross_entropy(model(x), y)
@@ -194,12 +194,14 @@ for step, x, y in todo > 0 and train:batches(todo) or function() end do
   first_loss = first_loss or train_loss
   done = done + 1
   local metrics = { loss = train_loss, lr = opt.lr, tokens = batch * ctx, grad_norm = grad_norm }
+  local t1 = clock()
   if step % args.eval_every == 0 or step == steps then
     val_loss = validate()
     metrics.val_loss = val_loss
   end
   fsdp.log(step, metrics)
   if ckpt_every and step % ckpt_every == 0 then save_checkpoint(step) end
+  aside = aside + clock() - t1
   if args.stop_after and step >= args.stop_after then
     fsdp.log.finish()
     say(("stopped after step %d"):format(step))
@@ -215,8 +217,9 @@ if rank == 0 then
   say(ok and ("plot of loss and learning rate: " .. svg) or ("no plot: " .. tostring(err)))
 end
 if done > 0 then
-  say(("trained %d steps in %.1f s: %.3f s/step, %.0f tokens/s"):format(done, train_s,
-    train_s / done, done * batch * ctx / train_s))
+  local step_s = train_s - aside
+  say(("trained %d steps in %.1f s (%.1f s of it validating and checkpointing): %.3f s per "
+    .. "step, %.0f tokens/s"):format(done, train_s, aside, step_s / done, done * batch * ctx / step_s))
 end
 if val_loss == nil then val_loss = validate() end
 say(("train loss %.4f (step 1: %.4f)  val loss %.4f nats/token = %.4f nats/byte"):format(
@@ -227,8 +230,10 @@ say(("train loss %.4f (step 1: %.4f)  val loss %.4f nats/token = %.4f nats/byte"
 fsdp.export_hf(model, out .. "/hf")
 say(("exported %s/hf (config.json, model.safetensors); sharded checkpoint: %s"):format(out, ckpt_dir))
 -- every rank runs the sampler (its forwards are collective); rank 0 prints
-local ids = model:generate(tok:encode(args.prompt), { max_new_tokens = args.sample,
-  temperature = 0.8, top_k = 50, seed = args.seed })
-say("sample:\n" .. tok:decode(ids))
-say(("fsdprun sample %s/hf --tokenizer=%s --prompt=%q"):format(out, tok_path, args.prompt))
+if args.sample > 0 then
+  local ids = model:generate(tok:encode(args.prompt), { max_new_tokens = args.sample,
+    temperature = 0.8, top_k = 50, seed = args.seed })
+  say("sample:\n" .. tok:decode(ids))
+end
+say(("more samples: fsdprun sample %s/hf --tokenizer=%s --prompt=%q"):format(out, tok_path, args.prompt))
 return val_loss

@@ -12,7 +12,7 @@ F=/usr/share/games/fortunes
   skip "fsdprun was built without SentencePiece (libsentencepiece-dev)"
 
 # sample_of LOG: the text the recipe sampled (between "sample:" and its closing hint line)
-sample_of() { awk '/^fsdprun sample /{ on = 0 } on { print } /^sample:$/{ on = 1 }' "$1"; }
+sample_of() { awk '/^more samples: fsdprun sample /{ on = 0 } on { print } /^sample:$/{ on = 1 }' "$1"; }
 
 SMALL="--vocab=512 --steps=40 --batch=8 --ctx=32 --d=32 --layers=1 --heads=2 --eval_every=20
   --val_batches=2 --ckpt_every=20 --sample=30"
@@ -66,7 +66,7 @@ grep -q "stopped after step 20" "$T/log" || die_log "did not stop after step 20"
 # shellcheck disable=SC2086
 must "gpt_tokens --resume" "$FSDPRUN" -n 2 recipes/gpt_tokens.lua --out="$T/b" $SMALL --resume
 grep -qF "resumed from $T/b/ckpt at step 20" "$T/log" || die_log "not resumed at step 20"
-grep -q "trained 20 steps" "$T/log" || die_log "the resumed run did not train the 20 steps left"
+grep -q "trained 20 steps in" "$T/log" || die_log "the resumed run did not train the 20 steps left"
 want=$(grep '^train loss' "$T/a.log")
 got=$(grep '^train loss' "$T/log")
 [ "$got" = "$want" ] || fail "resumed run ended with '$got', the whole run with '$want'"
