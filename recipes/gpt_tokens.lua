@@ -3,7 +3,7 @@
 -- the result exported as a GPT-2 folder that transformers (and `fsdprun sample`) load.
 --
 --   fsdprun -n 2 recipes/gpt_tokens.lua [--data=/usr/share/games/fortunes] [--out=DIR]
---        [--vocab=2048] [--steps=1000] [--mp=bf16|none] [--resume] [--name=value ...]
+--        [--vocab=2048] [--steps=3000] [--mp=bf16|none] [--resume] [--name=value ...]
 --   (`--help` lists the arguments, declared below with their defaults)
 --
 -- Everything goes into --out (default checkpoints/gpt_tokens):
@@ -108,20 +108,22 @@ if train.vocab ~= tok.vocab_size then
   error(("gpt_tokens: %s holds ids of a %d-piece vocabulary, the tokenizer has %d: remove the "
     .. "token files to write them again"):format(train.sidecar, train.vocab, tok.vocab_size), 0)
 end
--- bytes per token: the corpus' bytes over its ids (the end-of-text id after each part left out)
+-- bytes per token: the corpus' bytes over its ids (the end-of-text id after each part left
+-- out); unknown (nil) when the files the sidecar names are no longer where it says
 local bytes = 0
-for _, f in ipairs(train.meta.files) do
-  local h = assert(io.open(f, "rb"))
-  bytes = bytes + h:seek("end")
-  h:close()
+for _, f in ipairs(train.meta.files or {}) do
+  local h = io.open(f, "rb")
+  bytes = bytes and h and bytes + h:seek("end") or nil
+  if h then h:close() end
 end
 local eos_ids = 0
 for _, l in ipairs { train, val } do
-  if l.eos then eos_ids = eos_ids + #l.meta.files end
+  if l.eos then eos_ids = eos_ids + #(l.meta.files or {}) end
 end
-local bytes_per_token = bytes / (train:size() + val:size() - eos_ids)
-say(("token files: %d train / %d val tokens in %s (%s), %.2f bytes of text per token%s")
-  :format(train:size(), val:size(), out, train.dtype, bytes_per_token,
+local bytes_per_token = bytes and bytes > 0 and bytes / (train:size() + val:size() - eos_ids) or nil
+say(("token files: %d train / %d val tokens in %s (%s), %s bytes of text per token%s")
+  :format(train:size(), val:size(), out, train.dtype,
+    bytes_per_token and ("%.2f"):format(bytes_per_token) or "? (corpus not found)",
     data_s >= 0 and (", written in %.1f s"):format(data_s) or ", already there"))
 
 -- ---- 3. the model, sharded, and its training -------------------------------------------------
@@ -222,8 +224,9 @@ if done > 0 then
     .. "step, %.0f tokens/s"):format(done, train_s, aside, step_s / done, done * batch * ctx / step_s))
 end
 if val_loss == nil then val_loss = validate() end
-say(("train loss %.4f (step 1: %.4f)  val loss %.4f nats/token = %.4f nats/byte"):format(
-  train_loss or 0 / 0, first_loss or 0 / 0, val_loss, val_loss / bytes_per_token))
+say(("train loss %.4f (step 1: %.4f)  val loss %.4f nats/token%s"):format(train_loss or 0 / 0,
+  first_loss or 0 / 0, val_loss,
+  bytes_per_token and (" = %.4f nats/byte"):format(val_loss / bytes_per_token) or ""))
 
 -- ---- 4. the Hugging Face export and a sample ---------------------------------------------------
 
