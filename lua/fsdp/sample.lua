@@ -111,6 +111,32 @@ function bytes.decode(_, ids)
   return table.concat(parts)
 end
 
+-- A tokenizer whose decode shows an id past its pieces as <id> (as bytes does ids past 255)
+-- and decodes the runs between such ids.
+local function padded(t)
+  local n = t.vocab_size
+  return {
+    vocab_size = n,
+    encode = function(_, s) return t:encode(s) end,
+    decode = function(_, ids)
+      local parts, run = {}, {}
+      local function flush()
+        if #run > 0 then parts[#parts + 1] = t:decode(run) run = {} end
+      end
+      for _, id in ipairs(ids) do
+        if id < n then
+          run[#run + 1] = id
+        else
+          flush()
+          parts[#parts + 1] = ("<%d>"):format(id)
+        end
+      end
+      flush()
+      return table.concat(parts)
+    end,
+  }
+end
+
 --- Run `fsdprun sample` with the arguments after "sample"; prints on rank 0 (out: io.stdout).
 --- Returns the text (on every rank); errors name what is wrong.
 function M.command(...)
@@ -136,6 +162,20 @@ function M.command(...)
   if tok == bytes and model.vocab < 256 then
     fail("%s: the model's vocabulary has %d ids, fewer than the 256 bytes: give its --tokenizer",
       o.checkpoint, model.vocab)
+  end
+  if tok == bytes and model.vocab ~= 256 and core.rank() == 0 then
+    io.stderr:write(("fsdprun sample: note: the model has %d ids, not the 256 bytes; without "
+      .. "--tokenizer its ids are read as bytes\n"):format(model.vocab))
+  end
+  if tok ~= bytes then
+    -- a model may pad its vocabulary beyond the tokenizer's (ids past it print as <id>); a
+    -- tokenizer larger than the model is another model's
+    if tok.vocab_size > model.vocab then
+      fail("--tokenizer %s has %d pieces, more than the %d ids of the model in %s: it is not the "
+        .. "tokenizer the model was trained with", o.tokenizer, tok.vocab_size, model.vocab,
+        o.checkpoint)
+    end
+    tok = padded(tok)
   end
   local ids = tok:encode(o.prompt)
   if #ids == 0 then fail("the prompt is empty") end

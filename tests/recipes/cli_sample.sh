@@ -62,4 +62,53 @@ expect_has err "is no checkpoint" "no such checkpoint"
 run "$FSDPRUN" sample "$T/m.safetensors" --prompt=x --tokenizer="$T/none.model"
 expect_rc 1 "tokenizer"
 grep -qF -e "fsdp.tokenizer" -e "none.model" "$T/err" || fail "tokenizer: $(cat "$T/err")"
+
+# --tokenizer: a SentencePiece model on a generated corpus and GPTs of its vocabulary (300), of
+# a padded one (310: ids past the tokenizer print as <id>) and of a smaller one (refused). The
+# text is the tokenizer's decoding of GPT:generate's ids, at 1 and 2 ranks, from a safetensors
+# file and from a Hugging Face export.
+"$FSDPRUN" -e 'os.exit(require("fsdp.core").tok_available() and 0 or 1)' ||
+  { echo "$TEST: no SentencePiece in this build: --tokenizer not checked"; finish; }
+must "tokenizer and models" "$FSDPRUN" -e '
+  local fsdp = require "fsdp"
+  local f = assert(io.open("'"$T"'/corpus.txt", "wb"))
+  local words = {"alpha", "beta", "gamma", "delta", "sampling", "tokens", "the", "of", "énorme"}
+  for i = 1, 400 do
+    f:write(words[i % 9 + 1], " ", words[(i * 7) % 9 + 1], " ", words[(i * 5) % 9 + 1], ".\n")
+  end
+  f:close()
+  local tok = fsdp.tokenizer.train{input = "'"$T"'/corpus.txt", vocab_size = 300,
+    model = "'"$T"'/tok.model"}
+  for _, v in ipairs{300, 310, 290} do
+    fsdp.manual_seed(2)
+    local m = fsdp.nn.GPT{vocab = v, ctx = 32, d = 32, layers = 1, heads = 2}
+    fsdp.save(m, ("'"$T"'/v%d.safetensors"):format(v))
+    if v == 300 then
+      fsdp.export_hf(m, "'"$T"'/hf")
+      local ids = m:generate(tok:encode("the beta "), {max_new_tokens = 12, temperature = 0})
+      local w = assert(io.open("'"$T"'/want_tok.txt", "wb"))
+      w:write(tok:decode(ids), "\n")
+      w:close()
+    end
+  end'
+for args in "sample $T/v300.safetensors" "-n 2 sample $T/v300.safetensors" "sample $T/hf" \
+    "-n 2 sample $T/hf"; do
+  # shellcheck disable=SC2086
+  run "$FSDPRUN" $args --tokenizer="$T/tok.model" --prompt "the beta " --max-new-tokens 12 \
+    --temperature 0
+  expect_rc 0 "$args --tokenizer"
+  cmp -s "$T/out" "$T/want_tok.txt" ||
+    fail "$args --tokenizer: '$(cat "$T/out")', GPT:generate decoded: '$(cat "$T/want_tok.txt")'"
+done
+run "$FSDPRUN" sample "$T/v310.safetensors" --tokenizer "$T/tok.model" --prompt "the " \
+  --max-new-tokens 200 --temperature 5 --seed 1
+expect_rc 0 "a padded vocabulary"
+grep -q '<30[0-9]>' "$T/out" || fail "a padded vocabulary: no id past the tokenizer's as <id>: $(cat "$T/out")"
+run "$FSDPRUN" sample "$T/v290.safetensors" --tokenizer "$T/tok.model" --prompt "the "
+expect_rc 1 "a tokenizer larger than the model"
+expect_has err "fsdprun sample: --tokenizer $T/tok.model has 300 pieces, more than the 290 ids of the model" \
+  "a tokenizer larger than the model"
+run "$FSDPRUN" sample "$T/hf" --prompt "the " --max-new-tokens 2
+expect_rc 0 "no --tokenizer for a 300-id model"
+expect_has err "note: the model has 300 ids, not the 256 bytes" "no --tokenizer for a 300-id model"
 finish
