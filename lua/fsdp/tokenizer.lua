@@ -234,12 +234,13 @@ function tokenizer.write_dataset(opts)
   if getmetatable(tok) ~= Tokenizer then U.raise(fn .. ": tokenizer must be a tokenizer or a .model path") end
   local h = tok:_handle(fn)
   if type(opts.out) ~= "string" then U.raise(fn .. ": out must be a folder path") end
+  local out = opts.out:gsub("(.)/+$", "%1") -- "data/" names its files data/train.bin
   local vf = opts.val_fraction or 0.1
   if type(vf) ~= "number" or vf < 0 or vf >= 1 then
     U.raise(("%s: val_fraction must be in [0, 1), got %s"):format(fn, tostring(vf)))
   end
   local files = input_files(fn, opts.input)
-  local ok, err = pcall(core.io_mkdirs, opts.out)
+  local ok, err = pcall(core.io_mkdirs, out)
   if not ok then U.raise(fn .. ": " .. U.strip(err)) end
   local dtype = tokenizer.dtype_for(tok.vocab_size)
   local es = dtype == "uint16" and 2 or 4
@@ -250,14 +251,14 @@ function tokenizer.write_dataset(opts)
         floor(tok.eos / 16777216))
   end
   local model_name = "tok.model"
-  local model_dst = opts.out .. "/" .. model_name
+  local model_dst = out .. "/" .. model_name
   if tok.path ~= model_dst then
     local okc, cerr = copy_file(tok.path, model_dst)
     if not okc then U.raise(("%s: cannot copy %s to %s: %s"):format(fn, tok.path, model_dst, tostring(cerr))) end
   end
   local outs, counts = {}, { train = 0, val = 0 }
   for _, split in ipairs { "train", "val" } do
-    local tmp = ("%s/%s.bin.tmp"):format(opts.out, split)
+    local tmp = ("%s/%s.bin.tmp"):format(out, split)
     local f, ferr = io.open(tmp, "wb")
     if not f then U.raise(fn .. ": cannot write " .. tostring(ferr)) end
     outs[split] = f
@@ -265,7 +266,7 @@ function tokenizer.write_dataset(opts)
   local function put(split, text)
     local packed, n = h:encode_packed(text, es)
     local okw, werr = outs[split]:write(packed)
-    if not okw then U.raise(("%s: writing %s/%s.bin: %s"):format(fn, opts.out, split, tostring(werr))) end
+    if not okw then U.raise(("%s: writing %s/%s.bin: %s"):format(fn, out, split, tostring(werr))) end
     counts[split] = counts[split] + n
   end
   local used = {}
@@ -296,18 +297,18 @@ function tokenizer.write_dataset(opts)
     -- no half-written .bin is left behind; the previous files, if any, stay
     for _, split in ipairs { "train", "val" } do
       pcall(io.close, outs[split])
-      os.remove(("%s/%s.bin.tmp"):format(opts.out, split))
+      os.remove(("%s/%s.bin.tmp"):format(out, split))
     end
     error(lerr, 0)
   end
   for _, split in ipairs { "train", "val" } do
     local f = outs[split]
     local okc, cerr = f:close()
-    if not okc then U.raise(("%s: writing %s/%s.bin: %s"):format(fn, opts.out, split, tostring(cerr))) end
-    local final = ("%s/%s.bin"):format(opts.out, split)
+    if not okc then U.raise(("%s: writing %s/%s.bin: %s"):format(fn, out, split, tostring(cerr))) end
+    local final = ("%s/%s.bin"):format(out, split)
     local okr, rerr = os.rename(final .. ".tmp", final)
     if not okr then U.raise(("%s: cannot rename to %s: %s"):format(fn, final, tostring(rerr))) end
-    core.json_write(("%s/%s.json"):format(opts.out, split), {
+    core.json_write(("%s/%s.json"):format(out, split), {
       format = "fsdp.tokens", version = 1, dtype = dtype, vocab_size = tok.vocab_size,
       count = counts[split], tokenizer = model_name, eos = tok.eos, split = split,
       val_fraction = vf, files = used,
@@ -315,7 +316,7 @@ function tokenizer.write_dataset(opts)
   end
   if #used == 0 then U.raise(fn .. ": no text files in the input (every file holds a NUL byte)") end
   return { train = counts.train, val = counts.val, files = used, vocab_size = tok.vocab_size,
-    dtype = dtype, out = opts.out }
+    dtype = dtype, out = out }
 end
 
 -- ---- fsdprun tokenize -----------------------------------------------------------------------
@@ -390,6 +391,7 @@ local function parse_args(args)
     o.val_fraction = v
   end
   if o.out == nil then usage_error("--out DIR is required") end
+  o.out = o.out:gsub("(.)/+$", "%1")
   if (o.model == nil) == (o.vocab_size == nil) then
     usage_error("give --model PATH (a trained model) or --vocab-size N (train one), not %s",
       o.model and "both" or "neither")
