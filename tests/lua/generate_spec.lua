@@ -152,6 +152,17 @@ describe("GPT:generate", function()
     errors_with(function() m:generate({1}, {max_new_tokens = 1, temperature = -1}) end,
       "temperature must be a number >= 0")
     errors_with(function() m:generate({}, {max_new_tokens = 1}) end, "GPT:generate: empty prompt")
+    -- a batch of prompts, or ids that are not integers, are refused rather than flattened or kept
+    errors_with(function() m:generate(fsdp.tensor{{1, 2}, {3, 4}}, {max_new_tokens = 1}) end,
+      "GPT:generate: the prompt must be one sequence, a (T) or (1, T) tensor (got (2, 2))")
+    errors_with(function() m:generate({{1, 2}, {3, 4}}, {max_new_tokens = 1}) end,
+      "GPT:generate: prompt id 1 must be an integer (got table")
+    errors_with(function() m:generate({1.5, 2}, {max_new_tokens = 1}) end,
+      "GPT:generate: prompt id 1 must be an integer (got 1.5)")
+    errors_with(function() m:generate({1, "2"}, {max_new_tokens = 1}) end,
+      "GPT:generate: prompt id 2 must be an integer (got 2)")
+    assert.are.same(m:generate({5, 6}, {max_new_tokens = 2, temperature = 0}),
+      m:generate({{5, 6}}, {max_new_tokens = 2, temperature = 0}))
   end)
 
   it("samples from a wrapped model the tokens of the plain one", function()

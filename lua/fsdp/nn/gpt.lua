@@ -206,16 +206,26 @@ end
 
 local sample_calls = 0 -- distinct random streams for successive generate calls
 
+-- One sequence only: a batch of prompts would be flattened into one prompt.
 local function prompt_ids(x)
-  if base.is_tensor(x) then x = x:totable() end
-  if type(x) ~= "table" then base.raise("GPT:generate: prompt must be a table of ids or a tensor") end
-  local out = {}
-  local function flat(t)
-    for i = 1, #t do
-      if type(t[i]) == "table" then flat(t[i]) else out[#out + 1] = t[i] end
+  if base.is_tensor(x) then
+    local s = x:shape()
+    if not (#s == 1 or (#s == 2 and s[1] == 1)) then
+      base.raise(("GPT:generate: the prompt must be one sequence, a (T) or (1, T) tensor (got (%s))")
+        :format(table.concat(s, ", ")))
     end
+    x = x:totable()
   end
-  flat(x)
+  if type(x) ~= "table" then base.raise("GPT:generate: prompt must be a table of ids or a tensor") end
+  if #x == 1 and type(x[1]) == "table" then x = x[1] end -- {{ids}}: one row
+  local out = {}
+  for i = 1, #x do
+    local v = x[i]
+    if type(v) ~= "number" or v ~= math.floor(v) then
+      base.raise(("GPT:generate: prompt id %d must be an integer (got %s)"):format(i, tostring(v)))
+    end
+    out[i] = v
+  end
   return out
 end
 
