@@ -1175,6 +1175,9 @@ static int l_newindex(lua_State *L) {
   }
   if (strcmp(k, "requires_grad") == 0) {
     if (!t->is_leaf) luaL_error(L, "requires_grad: can only be set on a leaf tensor (one not computed by a recorded op); use detach()");
+    /* lua_toboolean would read "no", 0 and nil as a choice the user did not make */
+    if (!lua_isboolean(L, 3))
+      luaL_error(L, "requires_grad: must be true or false (got %s)", luaL_typename(L, 3));
     if (lua_toboolean(L, 3) && !fsdp_dtype_is_float(t->dtype))
       luaL_error(L, "requires_grad: only float tensors can require a gradient (this one is %s)",
                  fsdp_dtype_name(t->dtype));

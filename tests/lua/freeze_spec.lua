@@ -56,6 +56,17 @@ describe("freeze", function()
     end
   end)
 
+  it("refuses a requires_grad that is not a boolean, leaving the parameter as it was", function()
+    local m = gpt()
+    for _, v in ipairs{"no", 0, false} do
+      local ok, err = pcall(function() m.wte.weight.requires_grad = v or nil end)
+      assert.is_false(ok)
+      assert.truthy(tostring(err):find("requires_grad: must be true or false (got "
+        .. (v and type(v) or "nil") .. ")", 1, true), tostring(err))
+      assert.is_true(m.wte.weight.requires_grad)
+    end
+  end)
+
   it("freezes a tie once: the tied head is the embedding's parameter", function()
     local m = gpt()
     m:freeze("^wte%.")
