@@ -51,8 +51,14 @@ local function wrap_state(x)
     end
     return R
   end
+  if type(x) ~= "table" then -- named_params' message would not say which optimizer
+    raise(("%s: expected a module or an array of parameters (got %s)"):format(kind, type(x)))
+  end
   if type(x) == "table" then
     for i, p in ipairs(x) do
+      if type(p) ~= "userdata" then
+        raise(("%s: parameter %d is not a tensor (got %s)"):format(kind, i, type(p)))
+      end
       if type(p) == "userdata" and core.param_unit(p) ~= nil then
         raise(("parameter %d is sharded (its model is wrapped): give the optimizer the wrapped "
           .. "model itself"):format(i))
@@ -246,8 +252,14 @@ local function select_params(kind, x)
     end
     return R, out
   end
+  if type(x) ~= "table" then -- named_params' message would not say which optimizer
+    raise(("%s: expected a module or an array of parameters (got %s)"):format(kind, type(x)))
+  end
   if type(x) == "table" then
     for i, p in ipairs(x) do
+      if type(p) ~= "userdata" then
+        raise(("%s: parameter %d is not a tensor (got %s)"):format(kind, i, type(p)))
+      end
       if type(p) == "userdata" and core.param_unit(p) ~= nil then
         raise(("%s: parameter %d is sharded (its model is wrapped): give the optimizer the "
           .. "wrapped model, or a module of it, and choose parameters with params = {...} "

@@ -584,6 +584,9 @@ describe("optimizer options", function()
         kind .. ": weight_decay must be a number >= 0 (got -1)")
       err(function() optim[kind](p2(), 5) end, kind .. ": expects an options table")
       err(function() optim[kind](p2(), {local_only = "yes"}) end, kind .. ": local_only must be a boolean")
+      err(function() optim[kind](nil, {}) end,
+        kind .. ": expected a module or an array of parameters (got nil)")
+      err(function() optim[kind]({p2()[1], 3}, {}) end, kind .. ": parameter 2 is not a tensor (got number)")
     end
     for _, kind in ipairs{"Adam", "AdamW", "Lion"} do
       err(function() optim[kind](p2(), {betas = {0.9, 1}}) end,
