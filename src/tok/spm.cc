@@ -52,6 +52,7 @@ class LineIterator : public sentencepiece::SentenceIterator {
   bool done() const override { return done_; }
   const std::string &value() const override { return line_; }
   sentencepiece::util::Status status() const override { return status_; }
+  bool any_text() const { return text_; }
   void Next() override {
     if (done_) return;
     if (max_ > 0 && lines_ >= max_) {
@@ -84,6 +85,7 @@ class LineIterator : public sentencepiece::SentenceIterator {
       }
       if (!line_.empty() && line_.back() == '\r') line_.pop_back();
       lines_++;
+      if (!line_.empty()) text_ = true;
       return;
     }
   }
@@ -102,6 +104,7 @@ class LineIterator : public sentencepiece::SentenceIterator {
   FILE *f_ = nullptr;
   std::string line_;
   bool done_ = false;
+  bool text_ = false;
   sentencepiece::util::Status status_;
 };
 
@@ -159,6 +162,10 @@ int train(const fsdp_tok_train_opts *o) {
   sentencepiece::util::Status s = sentencepiece::SentencePieceTrainer::Train(args, &it, &model);
   if (!s.ok()) {
     if (!it.status().ok()) return fsdp_error("tokenizer train: %s", it.status().error_message());
+    /* SentencePiece's own message for an empty corpus is its failed check, with no words */
+    if (!it.any_text())
+      return fsdp_error("tokenizer train: the input has no text to train on (%d file%s, every "
+                        "line empty)", o->ninputs, o->ninputs == 1 ? "" : "s");
     return fsdp_error("tokenizer train: %s", spm_message(s));
   }
   if (write_model(o->model, model)) return fsdp_error_context("tokenizer train");

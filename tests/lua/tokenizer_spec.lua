@@ -107,6 +107,11 @@ describe("fsdp.tokenizer", function()
     assert_error_has(function()
       fsdp.tokenizer.train { input = CORPUS, vocab_size = 200, model = dir .. "/x.model" }
     end, "vocab_size 200 is too small")
+    -- an empty corpus: SentencePiece's own message has no words, only its failed check
+    write(dir .. "/blank.txt", "\n\n")
+    assert_error_has(function()
+      fsdp.tokenizer.train { input = dir .. "/blank.txt", vocab_size = 300, model = dir .. "/x.model" }
+    end, "fsdp.tokenizer.train: the input has no text to train on (1 file, every line empty)")
     assert_error_has(function()
       fsdp.tokenizer.train { input = CORPUS, vocab_size = 500, model = dir .. "/x.model", model_type = "wp" }
     end, 'model_type must be "bpe" or "unigram", got wp')
