@@ -650,6 +650,15 @@ end
 function Tokens:read(first, n)
   local map = self._map
   if map == nil then error("tokens:read: the token loader was closed", 2) end
+  -- checked here: the windows call would name a window start and its own frame
+  if type(n) ~= "number" or n < 0 or n % 1 ~= 0 then
+    error(("tokens:read: n must be an integer >= 0, got %s"):format(tostring(n)), 2)
+  end
+  if type(first) ~= "number" or first < 0 or first % 1 ~= 0 or first + n > self.count then
+    error(("tokens:read: ids [%s, %s + %d) are not inside %s's %d ids (first must be an integer in [0, %d])")
+      :format(tostring(first), tostring(first), n, self.path, self.count, self.count - n), 2)
+  end
+  if n == 0 then return {} end
   local x = map:windows({ first }, n, false)
   return x:totable()[1]
 end

@@ -80,6 +80,13 @@ describe("fsdp.data.tokens", function()
     assert.are.equal(3, L.cursor)
     local first = L:read(0, 5)
     assert.are.same({ id_at(0, V), id_at(1, V), id_at(2, V), id_at(3, V), id_at(4, V) }, first)
+    assert.are.same({ id_at(N - 2, V), id_at(N - 1, V) }, L:read(N - 2, 2))
+    assert.are.same({}, L:read(N, 0))
+    H.assert_error_has(function() L:read(N - 2, 3) end, "tokens_spec.lua",
+      ("tokens:read: ids [%d, %d + 3) are not inside %s's %d ids (first must be an integer in [0, %d])")
+        :format(N - 2, N - 2, path, N, N - 3))
+    H.assert_error_has(function() L:read(-1, 2) end, "tokens:read: ids [-1, -1 + 2)")
+    H.assert_error_has(function() L:read(0) end, "tokens:read: n must be an integer >= 0, got nil")
   end)
 
   it("opens <split>.bin in a folder", function()
