@@ -170,9 +170,13 @@ end
 
 --- Collective when model is wrapped. Write dir/config.json and dir/model.safetensors, a
 --- folder transformers.GPT2LMHeadModel.from_pretrained(dir) loads. Every tensor is F32.
-function M.export_hf(model, dir)
+function M.export_hf(model, dir, extra)
   local R = check_gpt("fsdp.export_hf", model)
   if type(dir) ~= "string" or dir == "" then raise("fsdp.export_hf: dir must be a non-empty string") end
+  if extra ~= nil then -- an options table would otherwise be ignored without a word
+    raise(("fsdp.export_hf: takes (model, dir) and no options (got a third argument, a %s); "
+      .. "every tensor is written as F32"):format(type(extra)))
+  end
   if R and R:has_pending() then
     raise("fsdp.export_hf: the model was wrapped on the meta device and some parameters have "
       .. "no values yet (fsdp.materialize or fsdp.load it first)")
@@ -187,7 +191,10 @@ function M.export_hf(model, dir)
   for _, p in ipairs(order) do
     local e = by_path[paths[p][1]]
     if e == nil then
-      raise(("fsdp.export_hf: parameter %s has no GPT-2 counterpart"):format(paths[p][1]))
+      local path = paths[p][1]
+      raise(("fsdp.export_hf: parameter %s has no GPT-2 counterpart%s"):format(path,
+        path:find("%.lora%.[AB]$") and " (merge the adapters first: nn.lora.merge(model), after "
+          .. "fsdp.unwrap on a wrapped model)" or ""))
     end
     item[p] = e
   end
@@ -275,6 +282,10 @@ end
 local function open_folder(dir, strict)
   if type(dir) ~= "string" or dir == "" then raise("fsdp.import_hf: dir must be a non-empty string") end
   local cpath, wpath = join(dir, CONFIG), join(dir, WEIGHTS)
+  if core.io_size(dir) then -- a file: most likely the model.safetensors inside the folder
+    raise(("fsdp.import_hf: %s is a file; give the folder that holds config.json and "
+      .. "model.safetensors (a checkpoint of fsdprun's own: fsdp.load_model)"):format(dir))
+  end
   if not core.io_size(cpath) then
     raise(("fsdp.import_hf: %s: no such file (a Hugging Face model folder holds config.json "
       .. "and model.safetensors)"):format(cpath))

@@ -125,6 +125,8 @@ describe("fsdp.import_hf", function()
     local dir = H.mktemp_dir()
     errors_with(function() fsdp.import_hf(dir) end, dir .. "/config.json: no such file")
     copy_dir(FIXTURE, dir)
+    errors_with(function() fsdp.import_hf(dir .. "/model.safetensors") end,
+      "fsdp.import_hf: " .. dir .. "/model.safetensors is a file; give the folder that holds config.json")
     os.remove(dir .. "/model.safetensors")
     errors_with(function() fsdp.import_hf(dir) end, dir .. "/model.safetensors: no such file")
     H.write_file(dir .. "/pytorch_model.bin", "x")
@@ -265,6 +267,12 @@ describe("fsdp.export_hf", function()
     end
     errors_with(function() fsdp.export_hf(Sub{vocab = 5, ctx = 4, d = 4, layers = 1, heads = 1}, "/tmp/x") end,
       "parameter extra.weight has no GPT-2 counterpart")
+    errors_with(function() fsdp.export_hf(nn.GPT{vocab = 5, ctx = 4, d = 4, layers = 1, heads = 1}, "/tmp/x",
+      {dtype = "bf16"}) end, "fsdp.export_hf: takes (model, dir) and no options (got a third argument, a table)")
+    local lora = nn.GPT{vocab = 5, ctx = 4, d = 4, layers = 1, heads = 1}
+    nn.lora.apply(lora, {rank = 2})
+    errors_with(function() fsdp.export_hf(lora, "/tmp/x") end,
+      "parameter blocks.1.attn.qkv.lora.A has no GPT-2 counterpart (merge the adapters first: nn.lora.merge(model)")
   end)
 end)
 
