@@ -35,8 +35,17 @@ local function fail(fmt, ...)
   error(("fsdprun sample: " .. fmt):format(...), 0)
 end
 
+-- A refused command line is reported as fsdprun's own usage errors and a recipe's refused
+-- arguments are: one line (rank 0's; every rank parses the same words before anything runs)
+-- and status 2 on every rank, no traceback. Outside fsdprun it is raised.
 local function usage_error(fmt, ...)
-  fail(fmt .. " (try 'fsdprun sample --help')", ...)
+  local msg = ("fsdprun sample: " .. fmt .. " (try 'fsdprun sample --help')"):format(...)
+  if type(package.loaded.fsdprun) ~= "table" then error(msg, 0) end
+  if core.rank() == 0 then
+    io.stderr:write(msg, "\n")
+    io.stderr:flush()
+  end
+  os.exit(2)
 end
 
 local function number(flag, v, int, min, max)

@@ -45,14 +45,23 @@ expect_rc 0 "sample --help"
 expect_has out "usage: fsdprun [-n N] sample CHECKPOINT" "sample --help"
 
 # refusals
+# a refused command line: status 2 and one line (rank 0's at -n 2), no traceback
 run "$FSDPRUN" sample "$T/m.safetensors"
-expect_rc 1 "no prompt"
-expect_has err "fsdprun sample: no --prompt given" "no prompt"
+expect_rc 2 "no prompt"
+expect_has err "fsdprun sample: no --prompt given (try 'fsdprun sample --help')" "no prompt"
+[ "$(wc -l < "$T/err")" -eq 1 ] || fail "no prompt: not one line: $(cat "$T/err")"
+run "$FSDPRUN" -n 2 sample "$T/m.safetensors" --prompt=x --max-new-tokens
+expect_rc 2 "missing value at 2 ranks"
+[ "$(cat "$T/err")" = "fsdprun sample: --max-new-tokens needs a value (try 'fsdprun sample --help')" ] ||
+  fail "missing value at 2 ranks: not one line: $(cat "$T/err")"
 run "$FSDPRUN" sample --prompt=x
+expect_rc 2 "no checkpoint"
 expect_has err "fsdprun sample: no checkpoint given" "no checkpoint"
 run "$FSDPRUN" sample "$T/m.safetensors" --prompt=x --top-p=2
+expect_rc 2 "top-p"
 expect_has err "--top-p must be a number in [0, 1], not '2'" "top-p"
 run "$FSDPRUN" sample "$T/m.safetensors" --prompt=x --frobnicate
+expect_rc 2 "unknown option"
 expect_has err "fsdprun sample: unknown option '--frobnicate'" "unknown option"
 run "$FSDPRUN" sample "$T/lin.safetensors" --prompt=x
 expect_rc 1 "no stored configuration"
