@@ -28,7 +28,28 @@
 local fsdp = require "fsdp"
 local nn = fsdp.nn
 
-local args = fsdp.args
+-- Arguments with two defaults (the full run's, --short's) are declared without one and
+-- resolved by arg() below.
+local args = fsdp.args {
+  description = "LoRA adapters on a trained byte-level GPT's attention, fully sharded; merged and exported.",
+  { "base", nil, "string", "a safetensors GPT of this shape (default: train one first)" },
+  { "short", false, "boolean", "a tiny model and a few dozen steps (the ctest smoke run)" },
+  { "data", "/usr/share/games/fortunes/computers", "string", "the text to adapt to" },
+  { "base_data", "/usr/share/games/fortunes", "string", "the base model's text, without --base" },
+  { "steps", nil, "integer", "LoRA steps (default 300; --short: 40)", min = 1 },
+  { "base_steps", nil, "integer", "base training steps without --base (default 300; --short: 60)", min = 1 },
+  { "batch", nil, "integer", "sequences per step (default 16; --short: 8)", min = 1 },
+  { "ctx", nil, "integer", "context in bytes (default 64; --short: 32)", min = 1 },
+  { "d", nil, "integer", "model width (default 64; --short: 32)", min = 1 },
+  { "layers", 2, "integer", "transformer blocks", min = 1 },
+  { "heads", nil, "integer", "attention heads (default 4; --short: 2)", min = 1 },
+  { "rank", nil, "integer", "adapter rank (default 8; --short: 4)", min = 1 },
+  { "alpha", nil, "number", "adapter scale numerator (default 16; --short: 8)", min = 0 },
+  { "lr", 3e-3, "number", "adapter learning rate", min = 0 },
+  { "val_batches", nil, "integer", "validation batches (default 8; --short: 2)", min = 1 },
+  { "seed", 0, "integer", "random seed" },
+  { "out", "checkpoints/gpt_lora", "string", "where base.safetensors and model.safetensors go" },
+}
 local short = args.short
 local function arg(k, default, short_default)
   if args[k] ~= nil then return args[k] end
@@ -103,7 +124,10 @@ if base_path == nil then
   fsdp.save(base, base_path, {format = "safetensors"})
   fsdp.unwrap(base)
   base = nil
-  collectgarbage() -- the base model and its optimizer's state go now: the figures below are LoRA's
+  -- the base model and its optimizer's state go now, so the figures below are LoRA's: compiled
+  -- traces keep the objects they saw alive until flushed
+  if jit then jit.flush() end
+  for _ = 1, 4 do collectgarbage() end -- finalizers free the buffers over a few cycles
   say("saved the base model: " .. base_path)
 end
 

@@ -13,6 +13,10 @@ grep -q "^merged: largest logit difference" "$T/log" || die_log "no merge line"
 grep -q "^the export loads into a plain GPT" "$T/log" || die_log "no export check"
 rs=$(sed -n 's/^per step: reduce_scatter \([0-9]*\) B (every parameter trainable: \([0-9]*\) B).*/\1 \2/p' "$T/log")
 [ -n "$rs" ] || die_log "no traffic line"
+# the optimizer holds AdamW's two moments of the adapter slices only, exactly twice their
+# gradient shards: the base model trained first and its optimizer are gone
+og=$(sed -n 's/.*; gradient shards \([0-9]*\) B (all trainable: [0-9]* B), optimizer state \([0-9]*\) B on rank 0$/\1 \2/p' "$T/log")
+[ -n "$og" ] || die_log "no memory figures"
 set -- $rs
 [ "$1" -gt 0 ] && [ $(($1 * 10)) -lt "$2" ] || die "adapter training reduce-scattered $1 B per step, every parameter: $2 B"
 # the export: the base GPT's names, no adapter
@@ -28,10 +32,20 @@ assert(#bad == 0, "adapters in the export: " .. table.concat(bad, ", "))
 assert(n == 2 + 2 * 12 + 2, "expected 28 tensors, got " .. n)
 LUA
 must "the export's tensors" "$FSDPRUN" "$T/check.lua" "$T/run/model.safetensors"
-echo "ok: gpt_lora --short: reduce_scatter $1 B/step against $2 B; export of 28 base tensors"
+set -- $rs $og
+[ "$4" -eq $(($3 * 2)) ] || die_log "optimizer state $4 B on rank 0, expected twice the adapters' gradient shards ($3 B)"
+echo "ok: gpt_lora --short: reduce_scatter $1 B/step against $2 B; optimizer state $4 B; export of 28 base tensors"
 must "gpt_lora --base exited nonzero" "$FSDPRUN" -n 2 recipes/gpt_lora.lua --short \
   --base="$T/run/base.safetensors" --out="$T/again"
 grep -q "training a base GPT" "$T/log" && die_log "--base given, a base was trained anyway"
 [ -f "$T/again/model.safetensors" ] || die_log "--base: no export"
 echo "ok: gpt_lora --short --base=FILE: no base training, export written"
+# the arguments are declared: --help lists them without running, a typo is refused
+must "gpt_lora --help" "$FSDPRUN" -n 2 recipes/gpt_lora.lua --help
+grep -q -- "--rank=INTEGER" "$T/log" || die_log "--help lists no --rank"
+grep -q "training a base" "$T/log" && die_log "--help ran the recipe"
+if "$FSDPRUN" -n 2 recipes/gpt_lora.lua --short --rnak=2 --out="$T/typo" >"$T/log" 2>&1; then rc=0; else rc=$?; fi
+[ "$rc" -eq 2 ] || die_log "--rnak: exit status $rc, expected 2"
+grep -q "unknown argument --rnak; did you mean --rank?" "$T/log" || die_log "--rnak: no message"
+echo "ok: gpt_lora --help and an unknown argument"
 finish
