@@ -390,6 +390,9 @@ local function parse_args(args)
     end
     o.val_fraction = v
   end
+  if o.model_type ~= nil and o.model_type ~= "bpe" and o.model_type ~= "unigram" then
+    usage_error("--model-type '%s': expected bpe or unigram", o.model_type)
+  end
   if o.out == nil then usage_error("--out DIR is required") end
   o.out = o.out:gsub("(.)/+$", "%1")
   if (o.model == nil) == (o.vocab_size == nil) then

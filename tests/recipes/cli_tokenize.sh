@@ -55,6 +55,7 @@ expect 2 "not neither" --out "$T/x" $F/debian
 expect 2 "no corpus given" --out "$T/x" --vocab-size 600
 expect 2 "unknown option '--vocab'" --out "$T/x" --vocab 600 $F/debian
 expect 2 "--val-fraction '1': expected a number in [0, 1)" --out "$T/x" --vocab-size 600 --val-fraction 1 $F/debian
+expect 2 "--model-type 'wp': expected bpe or unigram" --out "$T/x" --vocab-size 600 --model-type wp $F/debian
 expect 2 "--vocab-size 'lots': expected a positive integer" --out "$T/x" --vocab-size lots $F/debian
 expect 2 "--model-type and --threads are for training" --out "$T/x" --model "$T/a/tok.model" --threads 2 $F/debian
 expect 2 "--out needs a value" --vocab-size 600 $F/debian --out
@@ -63,5 +64,6 @@ expect 1 "cannot open $T/none.txt" --out "$T/x" --vocab-size 600 "$T/none.txt"
 expect 1 "cannot open $T/none.model" --out "$T/x" --model "$T/none.model" $F/debian
 expect 1 "is not a SentencePiece model" --out "$T/x" --model $F/debian $F/debian
 expect 1 "Vocabulary size too high (100000)" --out "$T/x" --vocab-size 100000 $F/debian
-expect 1 'model_type must be "bpe" or "unigram"' --out "$T/x" --vocab-size 600 --model-type wp $F/debian
+printf '\n\n' > "$T/blank.txt"
+expect 1 "the input has no text to train on (1 file, every line empty)" --out "$T/x" --vocab-size 300 "$T/blank.txt"
 finish
