@@ -624,8 +624,8 @@ end
 --- rank sees every window.
 function Tokens:epoch(opts)
   if type(opts) == "number" then opts = { max_batches = opts } end
-  opts = opts or {}
   local fn = "tokens:epoch"
+  opts = U.check_opts(fn, opts, {"max_batches", "batch"})
   local B = check_count(fn, "batch", opts.batch or self.batch)
   if opts.max_batches ~= nil then check_count(fn, "max_batches", opts.max_batches) end
   local map = self:_file(fn)

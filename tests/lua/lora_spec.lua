@@ -106,6 +106,7 @@ describe("nn.lora.apply", function()
       "nn.lora.apply: unknown option 'rnak' (valid: alpha, freeze, rank, targets)")
     assert_error_has(function() nn.lora.apply(m, {rank = 0}) end, "rank must be an integer >= 1")
     assert_error_has(function() nn.lora.apply(m, {alpha = -1}) end, "alpha must be a finite number > 0")
+    assert_error_has(function() nn.lora.apply(m, {freeze = "no"}) end, "nn.lora.apply: freeze must be a boolean (got no)")
     assert_error_has(function() nn.lora.apply(m, {targets = "["}) end, "bad pattern \"[\"")
     assert_error_has(function() nn.lora.apply(42) end, "expected a module (got number)")
     assert.is_true(m.wte.weight.requires_grad) -- nothing changed by the refusals

@@ -182,6 +182,9 @@ describe("fsdp.data.tokens", function()
     local capped = 0
     for _, x in L:epoch(2) do capped = capped + x:shape()[1] end
     assert.are.equal(8, capped)
+    -- a misspelt cap is refused, not read as "no cap"
+    H.assert_error_has(function() L:epoch{max_batch = 2} end,
+      "tokens:epoch: unknown option 'max_batch' (valid: batch, max_batches)")
   end)
 
   it("draws uniforms in [0, 1) that depend on seed, step and row", function()

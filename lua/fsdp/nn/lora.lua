@@ -123,6 +123,9 @@ function lora.apply(model, opts)
     .. "with fsdp.meta, apply, wrap, fsdp.load the checkpoint with strict = false, then "
     .. "fsdp.materialize the adapters)")
   opts = util.check_opts(fn, opts, {"targets", "rank", "alpha", "freeze"})
+  if opts.freeze ~= nil and type(opts.freeze) ~= "boolean" then
+    util.raise(("%s: freeze must be a boolean (got %s)"):format(fn, tostring(opts.freeze)))
+  end
   local targets = util.patterns(opts.targets or {"%.attn%.qkv$", "%.attn%.proj$"}, "targets", fn)
   local r, alpha = check_opts(fn, {rank = opts.rank, alpha = opts.alpha})
   local chosen = {}
