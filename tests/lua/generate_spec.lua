@@ -152,6 +152,8 @@ describe("GPT:generate", function()
     errors_with(function() m:generate({1}, {max_new_tokens = 1, temperature = -1}) end,
       "temperature must be a number >= 0")
     errors_with(function() m:generate({}, {max_new_tokens = 1}) end, "GPT:generate: empty prompt")
+    errors_with(function() m:generate({1}, {max_new_tokens = 1, cache = "no"}) end,
+      "GPT:generate: cache must be a boolean (got no)")
     -- a batch of prompts, or ids that are not integers, are refused rather than flattened or kept
     errors_with(function() m:generate(fsdp.tensor{{1, 2}, {3, 4}}, {max_new_tokens = 1}) end,
       "GPT:generate: the prompt must be one sequence, a (T) or (1, T) tensor (got (2, 2))")

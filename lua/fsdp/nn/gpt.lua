@@ -300,6 +300,9 @@ local function check_generate(opts, vocab)
     seed = int("seed", 0, nil), temperature = opts.temperature or 1, top_p = opts.top_p,
     cache = opts.cache ~= false}
   if o.n == nil then base.raise("GPT:generate: max_new_tokens is required") end
+  if opts.cache ~= nil and type(opts.cache) ~= "boolean" then
+    base.raise(("GPT:generate: cache must be a boolean (got %s)"):format(tostring(opts.cache)))
+  end
   if type(o.temperature) ~= "number" or o.temperature < 0 then
     base.raise(("GPT:generate: temperature must be a number >= 0 (got %s)"):format(tostring(opts.temperature)))
   end
