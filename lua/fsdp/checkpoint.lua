@@ -281,7 +281,17 @@ function M.load_model(path, opts)
   local built, model = pcall(meta.meta, function() return nn.GPT(cfg) end)
   if not built then raise("fsdp.load_model: " .. path .. ": the stored configuration: " .. util.strip(model)) end
   if opts.wrap then wrap.wrap(model, opts.wrap) end
-  local extra, info = M.load(model, path, {strict = opts.strict})
+  local loaded, extra, info = pcall(M.load, model, path, {strict = opts.strict})
+  if not loaded then
+    -- an adapted GPT saves its adapters under the base's configuration: strict = false would
+    -- drop them and give the base model's output
+    local msg = util.strip(extra)
+    if msg:find("unexpected tensors", 1, true) and msg:find("%.lora%.[AB]") then
+      raise(("fsdp.load_model: %s holds LoRA adapters, which an nn.GPT has no place for: merge "
+        .. "them before saving (nn.lora.merge(model), after fsdp.unwrap on a wrapped model)"):format(path))
+    end
+    error(extra, 0)
+  end
   return model, extra, info
 end
 

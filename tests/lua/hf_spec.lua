@@ -308,6 +308,18 @@ describe("fsdp.load_model", function()
     errors_with(function() fsdp.load_model(dir .. "/nothing") end, "is no checkpoint")
     errors_with(function() fsdp.load_model(dir, {wrapp = 1}) end,
       "fsdp.load_model: unknown option 'wrapp' (valid: strict, wrap)")
+    -- a GPT saved with its LoRA adapters unmerged: strict = false would drop them silently
+    local adapted = nn.GPT{vocab = 5, ctx = 4, d = 4, layers = 1, heads = 1}
+    nn.lora.apply(adapted, {rank = 2})
+    fsdp.save(adapted, dir .. "/lora.safetensors")
+    errors_with(function() fsdp.load_model(dir .. "/lora.safetensors") end,
+      "fsdp.load_model: " .. dir .. "/lora.safetensors holds LoRA adapters", "nn.lora.merge(model)")
+    -- other unexpected tensors keep fsdp.load's own message
+    local other = nn.GPT{vocab = 5, ctx = 4, d = 4, layers = 1, heads = 1}
+    other.extra = nn.Linear(2, 2)
+    fsdp.save(other, dir .. "/extra.safetensors")
+    errors_with(function() fsdp.load_model(dir .. "/extra.safetensors") end,
+      "unexpected tensors (in the file, not in the model): extra.weight")
     os.execute("rm -rf '" .. dir .. "'")
   end)
 end)
