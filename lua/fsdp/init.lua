@@ -122,9 +122,17 @@ end
 -- fsdp.args{ {name, default, type, help}, ... } (lua/fsdp/args.lua) parses the global `arg`
 -- against the declaration, refusing what does not fit it, and returns fsdp.args holding exactly
 -- the values. parse_args gives such a table (an embedding host sets fsdp.args with it).
+local declared_at = setmetatable({}, {__mode = "k"}) -- args table -> where it was declared
 local args_mt = {
   __call = function(self, decl)
+    -- a second declaration would replace the first, which then refuses the second's arguments
+    if declared_at[self] then
+      util.raise(("fsdp.args: the arguments were already declared (%s); declare every argument "
+        .. "in one fsdp.args{...}"):format(declared_at[self]))
+    end
     local vals = require("fsdp.args").declare(decl, core.rank())
+    local where = util.user_where():gsub(": $", "")
+    declared_at[self] = where ~= "" and "at " .. where or "earlier"
     for k in pairs(self) do self[k] = nil end
     for k, v in pairs(vals) do self[k] = v end
     return self

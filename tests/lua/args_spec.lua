@@ -121,3 +121,22 @@ describe("fsdp.args declarations", function()
     assert.falsy(err:find("args.lua", 1, true))
   end)
 end)
+
+describe("fsdp.args declared twice", function()
+  it("refuses a second declaration, naming the first (it would refuse the first's arguments)", function()
+    local fsdp = require "fsdp"
+    local saved = rawget(_G, "arg")
+    _G.arg = {[0] = "r.lua", "--steps=3"}
+    local ok, err = pcall(function()
+      local a = fsdp.parse_args({})
+      a{{"steps", 1, "integer", "x"}}
+      assert.equal(3, a.steps)
+      errors_with(function() a{{"lr", 1, "number", "y"}} end,
+        "fsdp.args: the arguments were already declared (at ", "args_spec.lua:",
+        "declare every argument in one fsdp.args{...}")
+      assert.equal(3, a.steps)
+    end)
+    _G.arg = saved
+    assert(ok, err)
+  end)
+end)
