@@ -138,6 +138,11 @@ function GPT:forward(ids, cache)
     error(("expected ids of shape (B, T), got (%s)"):format(table.concat(shape, ", ")), 0)
   end
   local T = shape[2]
+  if cache ~= nil and (type(cache) ~= "table" or type(cache.layers) ~= "table"
+      or #cache.layers ~= #self.blocks) then
+    error(("expected a cache made by this model's new_cache() (got %s)"):format(
+      type(cache) == "table" and "a table that is none" or type(cache)), 0)
+  end
   local start = cache and cache.pos or 0
   if start + T > self.ctx then
     if cache then

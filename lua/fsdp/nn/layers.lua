@@ -256,6 +256,10 @@ local function cached_attention(self, qkv, kv)
   local B, T, d, nh = s[1], s[2], self.d, self.heads
   local hs = d / nh
   local pos = kv.pos
+  if kv.k ~= nil and kv.k:shape()[1] ~= B then
+    error(("attention cache: %d rows, but the cache holds %d (one cache per batch: new_cache() "
+      .. "or free() it)"):format(B, kv.k:shape()[1]), 0)
+  end
   if kv.k == nil then
     local ctx = kv.ctx
     kv.k = core.zeros({B, nh, ctx, hs}, {dtype = qkv:dtype(), device = qkv.device})
