@@ -143,6 +143,11 @@ function GPT:forward(ids, cache)
     error(("expected a cache made by this model's new_cache() (got %s)"):format(
       type(cache) == "table" and "a table that is none" or type(cache)), 0)
   end
+  if cache ~= nil and core.is_grad_enabled() then
+    -- the cached keys and values are copies no backward reaches: gradients would be wrong
+    error("the key/value cache records nothing for backward: call the model with a cache "
+      .. "under fsdp.no_grad (GPT:generate does)", 0)
+  end
   local start = cache and cache.pos or 0
   if start + T > self.ctx then
     if cache then
