@@ -387,6 +387,16 @@ end
 -- At world size > 1 a model that is neither wrapped nor replicated trains one drifting copy per
 -- rank: refused unless local_only says that is the intent.
 function Optimizer:check_world()
+  if not self.wrapped then
+    -- made on the plain model: its parameters now hold no values of their own, so the step
+    -- would update nothing
+    for _, e in ipairs(self.params) do
+      if core.param_unit(e.param) ~= nil then
+        raise(("%s:step: the model was wrapped after this optimizer was created (%s is sharded); "
+          .. "create the optimizer after fsdp.wrap"):format(self.kind, e.path))
+      end
+    end
+  end
   local W = core.world_size()
   if self.wrapped or self.local_only or W == 1 then return end
   raise(("%s:step: the model is not wrapped, so each of the %d ranks would train its own copy "

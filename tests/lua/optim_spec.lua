@@ -786,3 +786,18 @@ describe("optimizers over parts of a wrapped model", function()
     for i = 1, #whole do assert.is_true(H.same_values(whole[i], parts[i]), "parameter " .. i) end
   end)
 end)
+
+describe("an optimizer made before fsdp.wrap", function()
+  it("refuses to step instead of updating nothing", function()
+    for _, kind in ipairs{"SGD", "AdamW", "Adafactor"} do
+      local m = nn.Sequential{nn.Linear(3, 4), nn.Linear(4, 2)}
+      local o = optim[kind](m, {lr = 0.1})
+      fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Linear}})
+      o:zero_grad()
+      m(fsdp.tensor{{1, 2, 3}}):sum():backward()
+      H.assert_error_has(function() o:step() end, kind .. ":step: the model was wrapped after this "
+        .. "optimizer was created (1.weight is sharded); create the optimizer after fsdp.wrap")
+      fsdp.unwrap(m)
+    end
+  end)
+end)
