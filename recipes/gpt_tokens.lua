@@ -108,6 +108,14 @@ if train.vocab ~= tok.vocab_size then
   error(("gpt_tokens: %s holds ids of a %d-piece vocabulary, the tokenizer has %d: remove the "
     .. "token files to write them again"):format(train.sidecar, train.vocab, tok.vocab_size), 0)
 end
+-- checked now rather than at the first validation, eval_every steps into the run
+for _, l in ipairs { train, val } do
+  if l:size() < ctx + 1 then
+    error(("gpt_tokens: %s has %d tokens, fewer than --ctx + 1 = %d: %s"):format(l.path, l:size(),
+      ctx + 1, l == val and "validation needs one window (more text in the last --val_fraction "
+        .. "of the files, or a smaller --ctx)" or "give more text, or a smaller --ctx"), 0)
+  end
+end
 -- bytes per token: the corpus' bytes over its ids (the end-of-text id after each part left
 -- out); unknown (nil) when the files the sidecar names are no longer where it says
 local bytes = 0

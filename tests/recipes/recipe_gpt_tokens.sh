@@ -96,5 +96,12 @@ cmp -s "$T/a/train.json" "$T/c/train.json" && die "train.json: vocab_size not re
 must_fail "token files of another vocabulary" "$FSDPRUN" -n 2 recipes/gpt_tokens.lua --out="$T/c" $SMALL
 grep -qF "gpt_tokens: $T/c/train.json holds ids of a 600-piece vocabulary, the tokenizer has 512" "$T/log" ||
   die_log "token files of another vocabulary: wrong message"
-echo "ok: sample matches the CLI's in f32; other vocabularies refused"
+# token files without a validation split (tokenized with --val-fraction 0): refused before training
+must "tokenize with --val-fraction 0" "$FSDPRUN" tokenize --out "$T/d" --model "$T/a/tok.model" --val-fraction 0 $F/computers
+# shellcheck disable=SC2086
+must_fail "an empty val.bin" "$FSDPRUN" -n 2 recipes/gpt_tokens.lua --out="$T/d" $SMALL
+grep -qF "gpt_tokens: $T/d/val.bin has 0 tokens, fewer than --ctx + 1 = 33: validation needs one window" "$T/log" ||
+  die_log "an empty val.bin: wrong message"
+grep -q "^step 1/" "$T/log" && die_log "an empty val.bin: training started"
+echo "ok: sample matches the CLI's in f32; other vocabularies and an empty val.bin refused"
 finish
