@@ -15,4 +15,12 @@ for k in 4 1; do
   awk -v v="$loss" 'BEGIN { exit !(v < 3.2) }' || die_log "--accumulate=$k: loss $loss >= 3.2"
   echo "ok: the snippet, 2 ranks, --accumulate=$k: loss $loss at step 100"
 done
+# its arguments are declared: a misspelt one is refused (status 2), and a k that does not divide
+# a rank's rows is named before anything runs
+if "$FSDPRUN" -n 2 "$T/snippet.lua" --acumulate=2 >"$T/log" 2>&1; then rc=0; else rc=$?; fi
+[ "$rc" -eq 2 ] && grep -q "unknown argument --acumulate; did you mean --accumulate?" "$T/log" ||
+  die_log "--acumulate=2: exit status $rc"
+must_fail "--accumulate=3" "$FSDPRUN" -n 2 "$T/snippet.lua" --accumulate=3
+grep -q "accumulate=3 does not divide the 16 rows of a rank" "$T/log" || die_log "--accumulate=3: wrong message"
+echo "ok: the snippet refuses --acumulate and --accumulate=3"
 finish
