@@ -6,9 +6,17 @@
 local fsdp = require "fsdp"
 local lib = dofile((arg[0]:match("^(.*[/\\])") or "") .. "lib.lua")
 
-local a = fsdp.args
-local d, layers, heads = tonumber(a.d or 256), tonumber(a.layers or 4), tonumber(a.heads or 4)
-local P, N, rounds = tonumber(a.prompt or 448), tonumber(a.new or 64), tonumber(a.rounds or 3)
+local a = fsdp.args {
+  description = "Tokens/s of GPT:generate with and without the key/value cache (not a test).",
+  { "d", 256, "integer", "model width", min = 1 },
+  { "layers", 4, "integer", "transformer blocks", min = 1 },
+  { "heads", 4, "integer", "attention heads (divides --d)", min = 1 },
+  { "prompt", 448, "integer", "prompt length in tokens", min = 1 },
+  { "new", 64, "integer", "tokens generated", min = 1 },
+  { "rounds", 3, "integer", "calls per mode (the median is printed)", min = 1 },
+}
+local d, layers, heads = a.d, a.layers, a.heads
+local P, N, rounds = a.prompt, a.new, a.rounds
 fsdp.manual_seed(1)
 local model = fsdp.nn.GPT{vocab = 256, ctx = P + N, d = d, layers = layers, heads = heads}
 math.randomseed(1)

@@ -33,28 +33,31 @@ local nn = fsdp.nn
 local core = fsdp.core
 local lib = dofile((arg[0]:match("^(.*[/\\])") or "") .. "lib.lua")
 
-local args = fsdp.args
-local function int_arg(name, default, min)
-  local v = args[name]
-  if v == nil then return default end
-  if type(v) ~= "number" or v ~= math.floor(v) or v < min then
-    error(("--%s must be an integer >= %d (got %s)"):format(name, min, tostring(v)), 0)
-  end
-  return v
-end
-local steps, warmup = int_arg("steps", 5, 1), int_arg("warmup", 1, 0)
-local B, T, V = int_arg("batch", 8, 1), int_arg("ctx", 256, 1), int_arg("vocab", 256, 2)
-local sgemm_s = tonumber(args.sgemm_s or 1.0)
-if not sgemm_s or sgemm_s <= 0 then error("--sgemm_s must be a positive number of seconds", 0) end
+local args = fsdp.args {
+  description = "GPT train-step benchmark: forward + backward + AdamW (not a test).",
+  { "steps", 5, "integer", "timed steps (the median is reported)", min = 1 },
+  { "warmup", 1, "integer", "untimed steps first", min = 0 },
+  { "batch", 8, "integer", "sequences per step (global)", min = 1 },
+  { "ctx", 256, "integer", "tokens per sequence", min = 1 },
+  { "vocab", 256, "integer", "vocabulary", min = 2 },
+  { "sgemm_s", 1.0, "number", "seconds spent measuring the same-run sgemm rate", min = 0 },
+  { "mp", nil, "string", "mixed precision (the model is wrapped)", choices = { "bf16", "f16" } },
+  { "threads", nil, "integer", "cpu threads per rank (default: the thread rule)", min = 1 },
+  { "checkpoint", false, "boolean", "checkpoint every Block's activations" },
+  { "only", nil, "string", "run the models whose name contains this (L4-d256, L6-d384, L12-d768)" },
+  { "strategy", "full", "string", "sharding strategy when wrapped",
+    choices = { "full", "grad_op", "none", "replicate" } },
+  { "layers", nil, "integer", "run this one model instead: blocks", min = 0 },
+  { "d", nil, "integer", "... its width", min = 1 },
+  { "heads", nil, "integer", "... its attention heads", min = 1 },
+}
+local steps, warmup = args.steps, args.warmup
+local B, T, V = args.batch, args.ctx, args.vocab
+local sgemm_s = args.sgemm_s
+if not (sgemm_s > 0) then error("--sgemm_s must be a positive number of seconds", 0) end
 local mp = args.mp
-if mp ~= nil and mp ~= "bf16" and mp ~= "f16" then
-  error(("--mp must be bf16 or f16 (got %s)"):format(tostring(mp)), 0)
-end
-if args.threads then core.set_threads(int_arg("threads", 1, 1)) end
-local checkpoint = args.checkpoint ~= nil and args.checkpoint ~= false
-if checkpoint and args.checkpoint ~= true then
-  error(("--checkpoint takes no value (got %s)"):format(tostring(args.checkpoint)), 0)
-end
+if args.threads then core.set_threads(args.threads) end
+local checkpoint = args.checkpoint
 
 local configs = {
   { name = "L4-d256", layers = 4, d = 256, heads = 4 },
@@ -62,8 +65,7 @@ local configs = {
   { name = "L12-d768", layers = 12, d = 768, heads = 12 },
 }
 if args.layers or args.d or args.heads then
-  local c = { layers = int_arg("layers", 4, 0), d = int_arg("d", 256, 1),
-              heads = int_arg("heads", 4, 1) }
+  local c = { layers = args.layers or 4, d = args.d or 256, heads = args.heads or 4 }
   c.name = ("L%d-d%d"):format(c.layers, c.d)
   configs = { c }
 end
@@ -101,7 +103,7 @@ end
 local world, rank = fsdp.world_size(), fsdp.rank()
 local function say(...) if rank == 0 then print(...) end end
 if B % world ~= 0 then error(("batch %d does not split over %d ranks"):format(B, world), 0) end
-local strategy = args.strategy or "full"
+local strategy = args.strategy
 local info = fsdp.info()
 local precision = mp or "f32"
 local FLOPS_CONVENTION = "6 x non-embedding params (all but wte, wpe) x tokens"

@@ -34,10 +34,10 @@ refused() { # expected message, then arguments for gpt_step.lua
   grep -qF -- "$want" "$tmp" || { cat "$tmp"; echo "FAIL: $* did not say: $want"; exit 1; }
   echo "ok: refused $* ($want)"
 }
-refused "--steps must be an integer >= 1 (got 0)" bench/gpt_step.lua --steps=0
-refused "--layers must be an integer >= 0 (got 1.5)" bench/gpt_step.lua --layers=1.5
-refused "--mp must be bf16 or f16 (got f8)" bench/gpt_step.lua --mp=f8
+refused "--steps: 0 is below the minimum 1" bench/gpt_step.lua --steps=0
+refused "--layers: '1.5' is not an integer" bench/gpt_step.lua --layers=1.5
+refused "--mp: 'f8' is not one of bf16, f16" bench/gpt_step.lua --mp=f8
 refused "--sgemm_s must be a positive number of seconds" bench/gpt_step.lua --sgemm_s=0
 refused "batch 2 does not split over 3 ranks" -n 3 bench/gpt_step.lua --batch=2
-refused "--checkpoint takes no value (got 3)" bench/gpt_step.lua --checkpoint=3
+refused "--checkpoint: '3' is not true or false" bench/gpt_step.lua --checkpoint=3
 echo "ok: bench/gpt_step.lua's JSON shape at 1 and 2 ranks, f32 and bf16, with --checkpoint"
