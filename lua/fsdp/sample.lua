@@ -11,6 +11,7 @@ local core = require "fsdp.core"
 local checkpoint = require "fsdp.checkpoint"
 local nn = require "fsdp.nn"
 local policy = require "fsdp.policy"
+local util = require "fsdp.util"
 
 local M = {}
 
@@ -148,11 +149,29 @@ end
 
 --- Run `fsdprun sample` with the arguments after "sample"; prints on rank 0 (out: io.stdout).
 --- Returns the text (on every rank); errors name what is wrong.
+local run -- below: the sampling itself, once the command line is parsed
+
 function M.command(...)
   local args = {...}
   local out = io.stdout
   local o = M.parse(args, out)
   if o == nil then return nil end
+  if type(package.loaded.fsdprun) ~= "table" then return run(o, out) end
+  -- Under fsdprun, a failure (a missing or foreign checkpoint, a tokenizer that does not fit)
+  -- is the command's, not a recipe's: one line on rank 0 and status 1 on every rank, no
+  -- traceback through this file. (Collectives fail on every rank alike, so every rank exits.)
+  local ok, res = pcall(run, o, out)
+  if ok then return res end
+  if core.rank() == 0 then
+    local msg = util.strip(res)
+    if not msg:find("^fsdprun sample: ") then msg = "fsdprun sample: " .. msg end
+    io.stderr:write(msg, "\n")
+    io.stderr:flush()
+  end
+  os.exit(1)
+end
+
+function run(o, out)
   local tok = bytes
   if o.tokenizer then
     -- only when asked: fsdp.tokenizer needs the SentencePiece library, bytes need nothing

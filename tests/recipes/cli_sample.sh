@@ -67,7 +67,12 @@ run "$FSDPRUN" sample "$T/lin.safetensors" --prompt=x
 expect_rc 1 "no stored configuration"
 expect_has err "lin.safetensors has no fsdp.config in its metadata" "no stored configuration"
 run "$FSDPRUN" sample "$T/none" --prompt=x
-expect_has err "is no checkpoint" "no such checkpoint"
+expect_rc 1 "no such checkpoint"
+expect_has err "fsdprun sample: fsdp.load_model: $T/none is no checkpoint" "no such checkpoint"
+expect_lacks err "traceback" "a failed sample: one line, no traceback"
+run "$FSDPRUN" -n 2 sample "$T/none" --prompt=x
+expect_rc 1 "no such checkpoint at 2 ranks"
+[ "$(grep -c 'is no checkpoint' "$T/err")" = 1 ] || fail "no such checkpoint at 2 ranks: not one line: $(cat "$T/err")"
 run "$FSDPRUN" sample "$T/m.safetensors" --prompt=x --tokenizer="$T/none.model"
 expect_rc 1 "tokenizer"
 grep -qF -e "fsdp.tokenizer" -e "none.model" "$T/err" || fail "tokenizer: $(cat "$T/err")"
