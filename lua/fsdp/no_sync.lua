@@ -20,9 +20,14 @@ local M = {}
 --- fn(model) with gradient reduction off for the wrapped model; returns fn's results. A plain
 --- model communicates nothing anyway: fn simply runs. Nests (sync comes back when the
 --- outermost returns); fn's error is raised again unchanged, after sync is back on.
-function M.no_sync(model, fn)
+function M.no_sync(model, fn, ...)
   if not util.is_module(model) or type(fn) ~= "function" then
     util.raise(("fsdp.no_sync: expects (model, fn) (got %s, %s)"):format(type(model), type(fn)))
+  end
+  if select("#", ...) > 0 then
+    -- fn is called as fn(model): what else it needs comes through its closure
+    util.raise(("fsdp.no_sync: expects (model, fn), and fn is called as fn(model) (got %d more "
+      .. "argument%s)"):format(select("#", ...), select("#", ...) == 1 and "" or "s"))
   end
   local R = state.of(model)
   if R == nil then return fn(model) end

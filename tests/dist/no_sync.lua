@@ -476,6 +476,9 @@ local function errors()
   located("no_sync without fn", err, at)
   expect_error("no_sync on a number", "fsdp.no_sync: expects (model, fn) (got number, function)",
     fsdp.no_sync, 42, function() end)
+  expect_error("no_sync with an extra argument",
+    "fsdp.no_sync: expects (model, fn), and fn is called as fn(model) (got 1 more argument)",
+    fsdp.no_sync, m, function() end, 3)
   err = expect_error("unwrap inside no_sync", "fsdp.unwrap: not inside fsdp.no_sync",
     function() fsdp.no_sync(m, function() at = line(); fsdp.unwrap(m) end) end)
   located("unwrap inside no_sync", err, at)

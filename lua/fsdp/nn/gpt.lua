@@ -200,7 +200,11 @@ end
 -- An empty key/value cache for forward(ids, cache): per layer the keys and values of the
 -- positions seen so far, allocated on the first forward in the activations' dtype and device
 -- ((B, heads, ctx, d / heads) each). Cache:free() drops them.
-function GPT:new_cache()
+function GPT:new_cache(...)
+  if select("#", ...) > 0 then
+    base.raise("GPT:new_cache: takes no arguments (the batch size and dtype come from the "
+      .. "first call that uses the cache)")
+  end
   local layers = {}
   for i = 1, #self.blocks do layers[i] = {pos = 0, ctx = self.ctx} end
   return {pos = 0, layers = layers, free = function(c)
