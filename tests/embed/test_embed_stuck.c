@@ -118,7 +118,10 @@ int main(void) {
     int st = fsdp_run_string(rt, "error('boom')");
     CHECK(st == FSDP_BROKEN && has(fsdp_last_error(rt), "host:1: boom"), "world 1: %s: %s",
           fsdp_status_name(st), fsdp_last_error(rt));
-    CHECK(now_s() - t0 < 1, "world 1: the failure took %.2f s", now_s() - t0);
+    /* no grace period to wait out (2 s): well under 1 s, but valgrind stretches every
+     * deadline, so there only the outcome is checked (as for the loops above) */
+    CHECK(getenv("FSDP_UNDER_VALGRIND") || now_s() - t0 < 1, "world 1: the failure took %.2f s",
+          now_s() - t0);
     fsdp_runtime_free(rt);
   }
 
