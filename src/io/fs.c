@@ -1,6 +1,7 @@
 /*
  * fs.c — the few folder operations a sharded checkpoint needs (io.h): create a folder (and
- * its parents), list a folder's plain files, remove a file, and fsync a folder after removals.
+ * its parents), list a folder's plain files, remove a file, fsync a folder after removals, and
+ * open a regular file for reading.
  * Errors name the path, the call and strerror, like the atomic files'.
  */
 #include <dirent.h>
@@ -94,4 +95,23 @@ int fsdp_io_fsync_dir(const char *path) {
   if (fsync(fd) != 0) rc = fsdp_error("%s: fsync of the folder failed: %s", path, strerror(errno));
   close(fd);
   return rc;
+}
+
+int fsdp_io_open_regular(const char *path, int *fd, uint64_t *size) {
+  *fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (*fd < 0) return fsdp_error("%s: cannot open: %s", path, strerror(errno));
+  struct stat st;
+  if (fstat(*fd, &st) != 0) {
+    int e = errno;
+    close(*fd);
+    *fd = -1;
+    return fsdp_error("%s: cannot stat: %s", path, strerror(e));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    close(*fd);
+    *fd = -1;
+    return fsdp_error("%s: not a regular file", path);
+  }
+  *size = (uint64_t)st.st_size;
+  return FSDP_OK;
 }

@@ -290,6 +290,10 @@ void fsdp_io_listdir_free(char **names, int count);
 int fsdp_io_remove(const char *path);
 /* fsync a folder (makes earlier renames and removals in it durable). */
 int fsdp_io_fsync_dir(const char *path);
+/* Open `path` read-only (O_CLOEXEC) and check that it is a regular file; *size its bytes.
+ * On error *fd is -1 and the message names the path and what failed (open, stat, not a
+ * regular file). The one way the readers (JSON, safetensors, token files) open a file. */
+int fsdp_io_open_regular(const char *path, int *fd, uint64_t *size);
 
 /* ---- helpers shared by the layer (util.c) ----------------------------------------------- */
 

@@ -204,24 +204,15 @@ int fsdp_io_json_parse(cJSON **out, const char *name, const char *text, size_t s
 
 int fsdp_io_json_read(const char *path, cJSON **out) {
   *out = NULL;
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return fsdp_error("%s: cannot open: %s", path, strerror(errno));
-  struct stat st;
-  if (fstat(fd, &st) != 0) {
-    int e = errno;
-    close(fd);
-    return fsdp_error("%s: cannot stat: %s", path, strerror(e));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    close(fd);
-    return fsdp_error("%s: not a regular file", path);
-  }
-  if ((uint64_t)st.st_size > JSON_MAX_BYTES) {
+  int fd;
+  uint64_t bytes;
+  if (fsdp_io_open_regular(path, &fd, &bytes)) return FSDP_ERR;
+  if (bytes > JSON_MAX_BYTES) {
     close(fd);
     return fsdp_error("%s: %lld bytes, more than a JSON document may have here (%llu)", path,
-                      (long long)st.st_size, (unsigned long long)JSON_MAX_BYTES);
+                      (long long)bytes, (unsigned long long)JSON_MAX_BYTES);
   }
-  size_t size = (size_t)st.st_size;
+  size_t size = (size_t)bytes;
   char *text = malloc(size + 1);
   if (text == NULL) {
     close(fd);

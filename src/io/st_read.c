@@ -438,21 +438,7 @@ int fsdp_io_st_reader_open(fsdp_io_st_reader **out, const char *path) {
   *out = NULL;
   fsdp_io_st_reader *r = new_reader(path);
   if (r == NULL) return fsdp_error("%s: out of memory", path);
-  struct stat st;
-  r->fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (r->fd < 0) {
-    fsdp_error("%s: cannot open: %s", path, strerror(errno));
-    goto fail;
-  }
-  if (fstat(r->fd, &st) != 0) {
-    fsdp_error("%s: cannot stat: %s", path, strerror(errno));
-    goto fail;
-  }
-  if (!S_ISREG(st.st_mode)) {
-    fsdp_error("%s: not a regular file", path);
-    goto fail;
-  }
-  r->size = (uint64_t)st.st_size;
+  if (fsdp_io_open_regular(path, &r->fd, &r->size)) goto fail;
   if (parse_header(r)) goto fail;
   *out = r;
   return FSDP_OK;

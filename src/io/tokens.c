@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "core/core.h"
+#include "io/io.h"
 #include "io/tokens.h"
 
 struct fsdp_io_tokens {
@@ -27,23 +28,14 @@ int fsdp_io_tokens_open(fsdp_io_tokens **out, const char *path, int elem_size, i
     return fsdp_error("%s: ids of %d bytes: only 2 (uint16) and 4 (uint32) are token files", path,
                       elem_size);
   if (count < 0) return fsdp_error("%s: negative token count %lld", path, (long long)count);
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return fsdp_error("%s: cannot open: %s", path, strerror(errno));
-  struct stat st;
-  if (fstat(fd, &st) != 0) {
-    int e = errno;
-    close(fd);
-    return fsdp_error("%s: cannot stat: %s", path, strerror(e));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    close(fd);
-    return fsdp_error("%s: not a regular file", path);
-  }
-  if ((uint64_t)st.st_size != (uint64_t)count * (uint64_t)elem_size) {
+  int fd;
+  uint64_t size;
+  if (fsdp_io_open_regular(path, &fd, &size)) return FSDP_ERR;
+  if (size != (uint64_t)count * (uint64_t)elem_size) {
     close(fd);
     return fsdp_error("%s: wrong size: %lld bytes, but %lld ids of %d bytes need %lld (truncated, "
                       "or the sidecar does not describe this file)",
-                      path, (long long)st.st_size, (long long)count, elem_size,
+                      path, (long long)size, (long long)count, elem_size,
                       (long long)count * elem_size);
   }
   fsdp_io_tokens *t = calloc(1, sizeof *t);
@@ -53,7 +45,7 @@ int fsdp_io_tokens_open(fsdp_io_tokens **out, const char *path, int elem_size, i
     free(t);
     return fsdp_error("%s: out of memory", path);
   }
-  t->bytes = (size_t)st.st_size;
+  t->bytes = (size_t)size;
   t->count = count;
   t->vocab = vocab;
   t->elem_size = elem_size;
@@ -64,7 +56,7 @@ int fsdp_io_tokens_open(fsdp_io_tokens **out, const char *path, int elem_size, i
       close(fd);
       free(t->path);
       free(t);
-      return fsdp_error("%s: cannot map %zu bytes: %s", path, (size_t)st.st_size, strerror(e));
+      return fsdp_error("%s: cannot map %zu bytes: %s", path, (size_t)size, strerror(e));
     }
     /* windows land anywhere: read-ahead would only fill memory with pages nobody asked for */
     madvise(m, t->bytes, MADV_RANDOM);
