@@ -418,6 +418,35 @@ function Text:batches(n)
   end
 end
 
+-- The options of an evaluation pass (text:epoch, tokens:epoch): a number (max_batches) or
+-- {max_batches =, batch =}; returns the batch and max_batches (nil: every window).
+local function epoch_opts(fn, opts, default_batch)
+  if type(opts) == "number" then opts = { max_batches = opts } end
+  opts = U.check_opts(fn, opts, {"max_batches", "batch"})
+  local B = check_count(fn, "batch", opts.batch or default_batch)
+  if opts.max_batches ~= nil then check_count(fn, "max_batches", opts.max_batches) end
+  return B, opts.max_batches
+end
+
+-- (i, x, y) over nwin non-overlapping windows of ctx (window w starts at w * ctx) in batches
+-- of B, read by windows(starts); capped at max_batches * B windows spread evenly over all
+-- (window floor(j * nwin / used) for j = 0, 1, ...), so a capped pass still samples everywhere.
+local function epoch_windows(nwin, ctx, B, max_batches, windows)
+  local used = nwin
+  if max_batches and max_batches * B < nwin then used = max_batches * B end
+  local nb = math.ceil(used / B)
+  local i = 0
+  return function()
+    if i >= nb then return nil end
+    local first = i * B
+    local starts = {}
+    for j = 1, math.min(B, used - first) do starts[j] = floor((first + j - 1) * nwin / used) * ctx end
+    i = i + 1
+    local x, y = windows(starts)
+    return i, x, y
+  end
+end
+
 --- Iterator of (i, x, y) over non-overlapping windows of ctx bytes (window w starts at
 --- w*ctx), in batches of the loader's batch (the last may be smaller), for validation loss.
 --- With max_batches below the full count, the max_batches*batch windows used are spread
@@ -425,28 +454,11 @@ end
 --- evaluation still samples every file. Every rank sees every window.
 --- opts: a number (max_batches) or {max_batches =, batch =}.
 function Text:epoch(opts)
-  if type(opts) == "number" then opts = { max_batches = opts } end
   local fn = "text:epoch"
-  opts = U.check_opts(fn, opts, {"max_batches", "batch"})
-  local B = check_count(fn, "batch", opts.batch or self.batch)
-  if opts.max_batches ~= nil then check_count(fn, "max_batches", opts.max_batches) end
+  local B, max_batches = epoch_opts(fn, opts, self.batch)
   self:_check_room(fn)
-  local ctx = self.ctx
-  local nwin = floor((#self.bytes - 1) / ctx) -- windows whose target fits
-  local used = nwin
-  if opts.max_batches and opts.max_batches * B < nwin then used = opts.max_batches * B end
-  local nb = math.ceil(used / B)
-  local i = 0
-  return function()
-    if i >= nb then return nil end
-    local first = i * B
-    local cnt = math.min(B, used - first)
-    local starts = {}
-    for j = 1, cnt do starts[j] = floor((first + j - 1) * nwin / used) * ctx end
-    i = i + 1
-    local x, y = core.byte_windows(self.bytes, starts, ctx)
-    return i, x, y
-  end
+  return epoch_windows(floor((#self.bytes - 1) / self.ctx), self.ctx, B, max_batches,
+    function(starts) return core.byte_windows(self.bytes, starts, self.ctx) end)
 end
 
 --- Token ids (a table of numbers, nested tables, or a tensor) -> string.
@@ -623,27 +635,11 @@ end
 --- or {max_batches =, batch =}; a capped pass spreads its windows over the whole file. Every
 --- rank sees every window.
 function Tokens:epoch(opts)
-  if type(opts) == "number" then opts = { max_batches = opts } end
   local fn = "tokens:epoch"
-  opts = U.check_opts(fn, opts, {"max_batches", "batch"})
-  local B = check_count(fn, "batch", opts.batch or self.batch)
-  if opts.max_batches ~= nil then check_count(fn, "max_batches", opts.max_batches) end
+  local B, max_batches = epoch_opts(fn, opts, self.batch)
   local map = self:_file(fn)
-  local ctx = self.ctx
-  local nwin = floor((self.count - 1) / ctx)
-  local used = nwin
-  if opts.max_batches and opts.max_batches * B < nwin then used = opts.max_batches * B end
-  local nb = math.ceil(used / B)
-  local i = 0
-  return function()
-    if i >= nb then return nil end
-    local first = i * B
-    local starts = {}
-    for j = 1, math.min(B, used - first) do starts[j] = floor((first + j - 1) * nwin / used) * ctx end
-    i = i + 1
-    local x, y = map:windows(starts, ctx)
-    return i, x, y
-  end
+  return epoch_windows(floor((self.count - 1) / self.ctx), self.ctx, B, max_batches,
+    function(starts) return map:windows(starts, self.ctx) end)
 end
 
 --- Ids [first, first + n) of the file (0-based first) as a Lua array, for inspection.
