@@ -458,11 +458,8 @@ static int bw_bias_gelu(fsdp_node *n) {
   void *dx, *db;
   fsdp_dtype gb = NDT(n);
   if (grad_of(n, 0, &dx) || wgrad_of(n, 1, &db, &gb)) return FSDP_ERR;
-  if (db && gb != NDT(n))
-    return fsdp_error("bias_gelu: the bias's gradient is %s, the input %s", fsdp_dtype_name(gb),
-                      fsdp_dtype_name(NDT(n)));
   if (!dx && !db) return FSDP_OK;
-  return NK(n)->bias_gelu_backward(NCTX(n), NDT(n), dx, db, D(n->out->grad), D(n->saved[0]),
+  return NK(n)->bias_gelu_backward(NCTX(n), NDT(n), gb, dx, db, D(n->out->grad), D(n->saved[0]),
                                    D(n->saved[1]), n->i[0], (int)n->i[1]);
 }
 
@@ -473,7 +470,9 @@ int fsdp_op_bias_gelu(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *b) {
                       (long long)(x->ndim ? x->shape[x->ndim - 1] : 0));
   const fsdp_kernels_i *k = KERNELS("bias_gelu", x, b);
   if (!k || same_dtype("bias_gelu", x, b)) return FSDP_ERR;
-  if (!k->bias_gelu_forward || !k->bias_gelu_backward || x->dtype != FSDP_DTYPE_F32) {
+  const bool fused_dtype = x->dtype == FSDP_DTYPE_F32 || x->dtype == FSDP_DTYPE_BF16 ||
+                           x->dtype == FSDP_DTYPE_F16;
+  if (!k->bias_gelu_forward || !k->bias_gelu_backward || !fused_dtype) {
     fsdp_tensor *h;
     if (fsdp_op_binary(&h, x, b, FSDP_OP_ADD)) return FSDP_ERR;
     int rc = fsdp_op_unary(out, h, FSDP_UNARY_GELU);

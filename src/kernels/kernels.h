@@ -259,12 +259,13 @@ typedef struct fsdp_kernels_i {
 
   /* ---- optional fusions ---- */
   /* optional: out (N, C) = gelu(inp (N, C) + bias (C)), and its backward: dinp += t, dbias +=
-   * the column sums of t, t = gelu'(inp + bias) dout (dinp or dbias may be NULL), f32 at least.
-   * fsdp_op_bias_gelu calls them for f32 and composes add and gelu for other dtypes or where
-   * the slots are NULL. */
+   * the column sums of t, t = gelu'(inp + bias) dout (dinp or dbias may be NULL); gdt is
+   * dbias's dtype (dt, or f32 when dt is bf16 or f16: mixed precision). fsdp_op_bias_gelu calls
+   * them for f32, bf16 and f16 and composes add and gelu for other dtypes or where the slots
+   * are NULL. */
   int (*bias_gelu_forward)(void *ctx, fsdp_dtype dt, void *out, const void *inp,
                            const void *bias, int64_t N, int C);
-  int (*bias_gelu_backward)(void *ctx, fsdp_dtype dt, void *dinp, void *dbias,
+  int (*bias_gelu_backward)(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *dinp, void *dbias,
                             const void *dout, const void *inp, const void *bias, int64_t N,
                             int C);
 

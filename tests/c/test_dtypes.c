@@ -438,9 +438,9 @@ static int r_bias_gelu_forward(run *r, int a) {
   return K()->bias_gelu_forward(CTX, DT, out(r, 3 * 8), x, b, 3, 8);
 }
 static int r_bias_gelu_backward(run *r, int a) {
-  void *dx = acc(r, 3 * 8, G_SIGNED), *db = acc(r, 8, G_SIGNED);
+  void *dx = acc(r, 3 * 8, G_SIGNED), *db = wacc(r, a, 8, G_SIGNED);
   const void *g = in(r, 3 * 8, G_SIGNED), *x = in(r, 3 * 8, G_SIGNED), *b = in(r, 8, G_SIGNED);
-  return K()->bias_gelu_backward(CTX, DT, dx, db, g, x, b, 3, 8);
+  return K()->bias_gelu_backward(CTX, DT, wgdt(r, a), dx, db, g, x, b, 3, 8);
 }
 
 /* fill and the masks / magnitude-pruning helpers (counts land in host int64 outputs) */
@@ -600,8 +600,9 @@ static const row rows[] = {
     {"reduce_ranks sum", "reduce_ranks", B_(F32) | B_(BF16) | B_(F64) | B_(I64), r_reduce_ranks, 0},
     {"reduce_ranks max", "reduce_ranks", B_(F32) | B_(BF16) | B_(F64) | B_(I64), r_reduce_ranks, 1},
     /* optional fusions */
-    {"bias_gelu_forward", "bias_gelu", F32, r_bias_gelu_forward, 0},
-    {"bias_gelu_backward", "bias_gelu", F32, r_bias_gelu_backward, 0},
+    {"bias_gelu_forward", "bias_gelu", F32H, r_bias_gelu_forward, 0},
+    {"bias_gelu_backward", "bias_gelu", F32H, r_bias_gelu_backward, 0},
+    {"bias_gelu_backward, f32 bias grad", "bias_gelu", F32H, r_bias_gelu_backward, 1},
     /* modes */
     {"set_deterministic", "-", ALL, r_set_deterministic, 0},
 };

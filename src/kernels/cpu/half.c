@@ -20,6 +20,8 @@
 
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/half.h"
+#include "kernels/cpu/isa.h"
+#include "kernels/cpu/pool.h"
 
 #define CHUNK ((int64_t)1 << 16) /* elements of f32 scratch per buffer: 256 KiB */
 /* GEMM-based kernels take bigger chunks: a GEMM of a few dozen rows runs far below the BLAS's
@@ -85,53 +87,140 @@ static float *whole(fsdp_cpu_work *w, const void *src, fsdp_dtype dt, int64_t n)
   return f;
 }
 
+/* ---- the fused pass: conversion and math in one task per thread -----------------------------
+ * Most kernels of the pass handle each element (or each row) on its own. Those run as one
+ * parallel_for over the rank's threads (pool.h); each task walks its range in slices of at most
+ * SLICE f32 elements per operand, widens the slice's inputs into buffers on its stack, runs the
+ * f32 kernel on them (inline: inside a task the pool runs serially) and narrows the outputs
+ * back. The f32 copies never leave the core's L1/L2, and both cores convert as well as compute,
+ * in one dispatch per call. An element's result does not depend on the slicing, so the bits are
+ * those of one f32 call on widened tensors. Kernels with sums across rows (weight and bias
+ * gradients, losses) keep the chunked loops further down, and so do rows longer than SLICE. */
+#define SLICE 2048 /* f32 elements per operand buffer: 8 KiB; MAP_MAX of them, 48 KiB of stack */
+#define MAP_MAX 6
+
+typedef struct hmap hmap;
+/* rows [u0, u0 + nu) of the call; f[i] the widened slice of operand i (NULL when absent) */
+typedef void (*hmap_fn)(const hmap *m, float *const *f, int64_t u0, int64_t nu);
+struct hmap {
+  fsdp_dtype dt;
+  void *p[MAP_MAX]; /* the half operands, NULL where absent */
+  unsigned rd, wr;  /* bit i: operand i is widened before fn / narrowed after it */
+  unsigned keep;    /* bit i: fn gets a buffer for operand i even when p[i] is NULL */
+  int64_t row;      /* elements per row (1 for element-wise kernels) */
+  hmap_fn fn;
+  /* the kernel's other arguments */
+  const float *w0, *w1; /* whole f32 operands (a broadcast b, layernorm's weight and bias) */
+  float *r0, *r1;       /* f32 per-row outputs or inputs (layernorm's mean and rstd, lse) */
+  const int64_t *targets;
+  float s, t;
+  int op;
+  uint64_t key, first;
+  int64_t ignore, count, n;
+  /* the table's f32 unary kernels */
+  void (*uf)(fsdp_unary_op, float *, const float *, int64_t);
+  void (*ub)(fsdp_unary_op, float *, const float *, const float *, const float *, int64_t);
+};
+
+static void widen(float *f, const void *src, fsdp_dtype dt, int64_t off, int64_t n) {
+  const uint16_t *s = (const uint16_t *)src + off;
+  if (dt == FSDP_DTYPE_BF16) fsdp_cpu_bf16_to_f32(f, s, n);
+  else fsdp_cpu_f16_to_f32(f, s, n);
+}
+
+static void narrow(void *dst, fsdp_dtype dt, int64_t off, const float *f, int64_t n) {
+  uint16_t *d = (uint16_t *)dst + off;
+  if (dt == FSDP_DTYPE_BF16) fsdp_cpu_f32_to_bf16(d, f, n);
+  else fsdp_cpu_f32_to_f16(d, f, n);
+}
+
+static void hmap_task(void *ctx, int64_t lo, int64_t hi) {
+  const hmap *m = ctx;
+  _Alignas(64) float buf[MAP_MAX][SLICE];
+  float *f[MAP_MAX];
+  for (int i = 0; i < MAP_MAX; i++) f[i] = m->p[i] || (m->keep >> i & 1u) ? buf[i] : NULL;
+  const int64_t per = SLICE / m->row;
+  for (int64_t u = lo; u < hi; u += per) {
+    const int64_t nu = min64(per, hi - u), off = u * m->row, len = nu * m->row;
+    for (int i = 0; i < MAP_MAX; i++)
+      if (m->p[i] && (m->rd >> i & 1u)) widen(buf[i], m->p[i], m->dt, off, len);
+    /* ask for the next slice's inputs now, so that memory works while fn computes */
+    const int64_t next = min64(per, hi - u - nu) * m->row;
+    for (int i = 0; i < MAP_MAX; i++)
+      if (m->p[i] && (m->rd >> i & 1u))
+        for (int64_t k = 0; k < next; k += 32)
+          __builtin_prefetch((const uint16_t *)m->p[i] + off + len + k);
+    m->fn(m, f, u, nu);
+    for (int i = 0; i < MAP_MAX; i++)
+      if (m->p[i] && (m->wr >> i & 1u)) narrow(m->p[i], m->dt, off, buf[i], len);
+  }
+}
+
+/* Whether rows of m->row elements fit the slices (else the caller takes its chunked loop). */
+static bool hmap_fits(int64_t row) { return row >= 1 && row <= SLICE; }
+
+/* Run m over `rows` rows of m->row elements. */
+static void hmap_run(hmap *m, int64_t rows) {
+  int64_t grain = FSDP_CPU_GRAIN_HEAVY / m->row;
+  fsdp_cpu_parallel_for(rows, grain < 1 ? 1 : grain, hmap_task, m);
+}
+
 /* ---- elementwise ------------------------------------------------------------------------------- */
 
+static void axpy_fn(const hmap *m, float *const *f, int64_t u0, int64_t nu) {
+  (void)u0;
+  for (int64_t i = 0; i < nu; i++) f[0][i] += m->s * f[1][i];
+}
+
 int fsdp_cpu_half_axpy(fsdp_dtype dt, void *y, const void *x, float alpha, int64_t n) {
-  fsdp_cpu_work w = {0};
-  float *fx = tmp(&w, min64(n, CHUNK)), *fy = tmp(&w, min64(n, CHUNK));
-  for (int64_t off = 0; !w.failed && off < n; off += CHUNK) {
-    int64_t len = min64(CHUNK, n - off);
-    get(fx, x, dt, off, len);
-    get(fy, y, dt, off, len);
-    for (int64_t i = 0; i < len; i++) fy[i] += alpha * fx[i];
-    put(y, dt, off, fy, len);
-  }
-  return fsdp_cpu_work_done(&w);
+  hmap m = {.dt = dt, .p = {y, (void *)x}, .rd = 3, .wr = 1, .keep = 3, .row = 1, .fn = axpy_fn,
+            .s = alpha};
+  hmap_run(&m, n);
+  return FSDP_OK;
+}
+
+static void affine_fn(const hmap *m, float *const *f, int64_t u0, int64_t nu) {
+  (void)u0;
+  fsdp_cpu_affine_forward(f[0], f[1], m->s, m->t, nu);
 }
 
 int fsdp_cpu_half_affine_forward(fsdp_dtype dt, void *out, const void *a, float s, float t,
                                  int64_t n) {
-  fsdp_cpu_work w = {0};
-  float *fa = tmp(&w, min64(n, CHUNK)), *fo = tmp(&w, min64(n, CHUNK));
-  for (int64_t off = 0; !w.failed && off < n; off += CHUNK) {
-    int64_t len = min64(CHUNK, n - off);
-    get(fa, a, dt, off, len);
-    fsdp_cpu_affine_forward(fo, fa, s, t, len);
-    put(out, dt, off, fo, len);
-  }
-  return fsdp_cpu_work_done(&w);
+  hmap m = {.dt = dt, .p = {out, (void *)a}, .rd = 2, .wr = 1, .keep = 3, .row = 1,
+            .fn = affine_fn, .s = s, .t = t};
+  hmap_run(&m, n);
+  return FSDP_OK;
+}
+
+/* rows of m->row elements of a against the whole b (w0) repeating every row; m->row == 1 with
+ * w0 NULL: a and b in lockstep (f[2]) */
+static void binary_fn(const hmap *m, float *const *f, int64_t u0, int64_t nu) {
+  (void)u0;
+  int64_t len = nu * m->row;
+  fsdp_cpu_binary_forward(f[0], f[1], m->w0 ? m->w0 : f[2], len, m->w0 ? m->row : len,
+                          (fsdp_binop)m->op);
 }
 
 /* out = op(a, b) with b repeating every m elements of a's n */
 int fsdp_cpu_half_binary_forward(fsdp_dtype dt, void *out, const void *a, const void *b,
                                  int64_t n, int64_t m, fsdp_binop op) {
+  if (m == n) {
+    hmap h = {.dt = dt, .p = {out, (void *)a, (void *)b}, .rd = 6, .wr = 1, .keep = 7, .row = 1,
+              .fn = binary_fn, .op = op};
+    hmap_run(&h, n);
+    return FSDP_OK;
+  }
   fsdp_cpu_work w = {0};
-  if (m == n) { /* same shapes: both in lockstep */
-    float *fa = tmp(&w, min64(n, CHUNK)), *fb = tmp(&w, min64(n, CHUNK)),
-          *fo = tmp(&w, min64(n, CHUNK));
-    for (int64_t off = 0; !w.failed && off < n; off += CHUNK) {
-      int64_t len = min64(CHUNK, n - off);
-      get(fa, a, dt, off, len);
-      get(fb, b, dt, off, len);
-      fsdp_cpu_binary_forward(fo, fa, fb, len, len, op);
-      put(out, dt, off, fo, len);
-    }
+  float *fb = whole(&w, b, dt, m);
+  if (!w.failed && hmap_fits(m)) {
+    hmap h = {.dt = dt, .p = {out, (void *)a}, .rd = 2, .wr = 1, .keep = 3, .row = m,
+              .fn = binary_fn, .w0 = fb, .op = op};
+    hmap_run(&h, n / m);
     return fsdp_cpu_work_done(&w);
   }
-  /* broadcast: b whole, a in chunks of whole repeats */
+  /* rows longer than a slice: a in chunks of whole repeats */
   int64_t step = m * chunk_rows(m);
-  float *fb = whole(&w, b, dt, m), *fa = tmp(&w, min64(n, step)), *fo = tmp(&w, min64(n, step));
+  float *fa = tmp(&w, min64(n, step)), *fo = tmp(&w, min64(n, step));
   for (int64_t off = 0; !w.failed && off < n; off += step) {
     int64_t len = min64(step, n - off);
     get(fa, a, dt, off, len);
@@ -141,28 +230,26 @@ int fsdp_cpu_half_binary_forward(fsdp_dtype dt, void *out, const void *a, const 
   return fsdp_cpu_work_done(&w);
 }
 
+/* operands: da, db (NULL when it is da: x * x), dout, a, b */
+static void binary_bw_fn(const hmap *m, float *const *f, int64_t u0, int64_t nu) {
+  (void)u0;
+  fsdp_cpu_binary_backward(f[0], m->count ? f[0] : f[1], f[2], f[3], f[4], nu, nu,
+                           (fsdp_binop)m->op);
+}
+
 int fsdp_cpu_half_binary_backward(fsdp_dtype dt, void *da, void *db, const void *dout,
                                   const void *a, const void *b, int64_t n, int64_t m,
                                   fsdp_binop op) {
-  fsdp_cpu_work w = {0};
   if (m == n) { /* lockstep; da and db may be one buffer (x * x) */
-    int64_t c = min64(n, CHUNK);
-    float *fg = tmp(&w, c), *fa = tmp(&w, c), *fb = tmp(&w, c), *fda = opt(&w, da, c);
-    float *fdb = db == da ? fda : opt(&w, db, c);
-    for (int64_t off = 0; !w.failed && off < n; off += CHUNK) {
-      int64_t len = min64(CHUNK, n - off);
-      get(fg, dout, dt, off, len);
-      get(fa, a, dt, off, len);
-      get(fb, b, dt, off, len);
-      get(fda, da, dt, off, len);
-      if (db != da) get(fdb, db, dt, off, len);
-      fsdp_cpu_binary_backward(fda, fdb, fg, fa, fb, len, len, op);
-      put(da, dt, off, fda, len);
-      if (db != da) put(db, dt, off, fdb, len);
-    }
-    return fsdp_cpu_work_done(&w);
+    const bool same = db == da;
+    hmap h = {.dt = dt, .p = {da, same ? NULL : db, (void *)dout, (void *)a, (void *)b},
+              .rd = 0x1f, .wr = 3, .keep = 0x1c, .row = 1, .fn = binary_bw_fn, .op = op,
+              .count = same};
+    hmap_run(&h, n);
+    return FSDP_OK;
   }
   /* broadcast: b and its gradient whole (f32 across chunks), a and its gradient in chunks */
+  fsdp_cpu_work w = {0};
   int64_t step = m * chunk_rows(m), c = min64(n, step);
   float *fb = whole(&w, b, dt, m), *fdb = whole(&w, db, dt, m);
   float *fg = tmp(&w, c), *fa = tmp(&w, c), *fda = opt(&w, da, c);
@@ -178,66 +265,163 @@ int fsdp_cpu_half_binary_backward(fsdp_dtype dt, void *da, void *db, const void 
   return fsdp_cpu_work_done(&w);
 }
 
+static void unary_fn(const hmap *m, float *const *f, int64_t u0, int64_t nu) {
+  (void)u0;
+  m->uf((fsdp_unary_op)m->op, f[0], f[1], nu);
+}
+
 int fsdp_cpu_half_unary_forward(fsdp_dtype dt, fsdp_unary_op op, void *out, const void *in,
                                 int64_t n, void (*f32)(fsdp_unary_op, float *, const float *, int64_t)) {
-  fsdp_cpu_work w = {0};
-  float *fi = tmp(&w, min64(n, CHUNK)), *fo = tmp(&w, min64(n, CHUNK));
-  for (int64_t off = 0; !w.failed && off < n; off += CHUNK) {
-    int64_t len = min64(CHUNK, n - off);
-    get(fi, in, dt, off, len);
-    f32(op, fo, fi, len);
-    put(out, dt, off, fo, len);
-  }
-  return fsdp_cpu_work_done(&w);
+  hmap m = {.dt = dt, .p = {out, (void *)in}, .rd = 2, .wr = 1, .keep = 3, .row = 1,
+            .fn = unary_fn, .op = op, .uf = f32};
+  hmap_run(&m, n);
+  return FSDP_OK;
+}
+
+/* operands: din, dout, in, out */
+static void unary_bw_fn(const hmap *m, float *const *f, int64_t u0, int64_t nu) {
+  (void)u0;
+  m->ub((fsdp_unary_op)m->op, f[0], f[1], f[2], f[3], nu);
 }
 
 int fsdp_cpu_half_unary_backward(fsdp_dtype dt, fsdp_unary_op op, void *din, const void *dout,
                                  const void *in, const void *out, int64_t n,
                                  void (*f32)(fsdp_unary_op, float *, const float *,
                                              const float *, const float *, int64_t)) {
-  fsdp_cpu_work w = {0};
-  int64_t c = min64(n, CHUNK);
-  float *fg = tmp(&w, c), *fi = opt(&w, in, c), *fo = opt(&w, out, c), *fd = tmp(&w, c);
-  for (int64_t off = 0; !w.failed && off < n; off += CHUNK) {
-    int64_t len = min64(CHUNK, n - off);
-    get(fg, dout, dt, off, len);
-    get(fi, in, dt, off, len);
-    get(fo, out, dt, off, len);
-    get(fd, din, dt, off, len);
-    f32(op, fd, fg, fi, fo, len);
-    put(din, dt, off, fd, len);
-  }
-  return fsdp_cpu_work_done(&w);
+  hmap m = {.dt = dt, .p = {din, (void *)dout, (void *)in, (void *)out}, .rd = 0xf, .wr = 1,
+            .keep = 3, .row = 1, .fn = unary_bw_fn, .op = op, .ub = f32};
+  hmap_run(&m, n);
+  return FSDP_OK;
+}
+
+/* operands: out, mask, in; element u0 + i draws u from the stream at first + u0 + i, so the
+ * mask is the one a single call draws */
+static void dropout_fn(const hmap *m, float *const *f, int64_t u0, int64_t nu) {
+  fsdp_cpu_dropout_forward(f[0], f[1], f[2], nu, m->s, m->key, m->first + (uint64_t)u0);
 }
 
 int fsdp_cpu_half_dropout_forward(fsdp_dtype dt, void *out, void *mask, const void *in,
                                   int64_t n, float p, uint64_t key, uint64_t first) {
-  fsdp_cpu_work w = {0};
-  int64_t c = min64(n, CHUNK);
-  float *fi = tmp(&w, c), *fo = tmp(&w, c), *fm = tmp(&w, c);
-  for (int64_t off = 0; !w.failed && off < n; off += CHUNK) {
-    int64_t len = min64(CHUNK, n - off);
-    get(fi, in, dt, off, len);
-    /* element off + i draws u from the stream at first + off + i: the same mask as one call */
-    fsdp_cpu_dropout_forward(fo, fm, fi, len, p, key, first + (uint64_t)off);
-    put(out, dt, off, fo, len);
-    put(mask, dt, off, fm, len);
-  }
-  return fsdp_cpu_work_done(&w);
+  hmap m = {.dt = dt, .p = {out, mask, (void *)in}, .rd = 4, .wr = 3, .keep = 7, .row = 1,
+            .fn = dropout_fn, .s = p, .key = key, .first = first};
+  hmap_run(&m, n);
+  return FSDP_OK;
+}
+
+static void dropout_bw_fn(const hmap *m, float *const *f, int64_t u0, int64_t nu) {
+  (void)m, (void)u0;
+  fsdp_cpu_dropout_backward(f[0], f[1], f[2], nu);
 }
 
 int fsdp_cpu_half_dropout_backward(fsdp_dtype dt, void *din, const void *dout, const void *mask,
                                    int64_t n) {
+  hmap m = {.dt = dt, .p = {din, (void *)dout, (void *)mask}, .rd = 7, .wr = 1, .keep = 7,
+            .row = 1, .fn = dropout_bw_fn};
+  hmap_run(&m, n);
+  return FSDP_OK;
+}
+
+/* A weight gradient (n elements of gdt) to accumulate into in f32: the buffer itself when it is
+ * f32 (mixed precision), else a widened copy put back by put_grad. */
+static float *grad_acc(fsdp_cpu_work *w, void *g, fsdp_dtype gdt, fsdp_dtype dt, int64_t n) {
+  return gdt == FSDP_DTYPE_F32 ? g : whole(w, g, dt, n);
+}
+
+static void put_grad(void *g, fsdp_dtype gdt, fsdp_dtype dt, const float *f, int64_t n) {
+  if (gdt != FSDP_DTYPE_F32) put(g, dt, 0, f, n);
+}
+
+/* ---- bias + GELU ------------------------------------------------------------------------------ */
+
+static void bias_gelu_fn(const hmap *m, float *const *f, int64_t u0, int64_t nu) {
+  (void)u0;
+  fsdp_cpu_bias_gelu_forward(f[0], f[1], m->w0, nu, (int)m->row);
+}
+
+int fsdp_cpu_half_bias_gelu_forward(fsdp_dtype dt, void *out, const void *inp, const void *bias,
+                                    int64_t N, int C) {
   fsdp_cpu_work w = {0};
-  int64_t c = min64(n, CHUNK);
-  float *fg = tmp(&w, c), *fm = tmp(&w, c), *fd = tmp(&w, c);
-  for (int64_t off = 0; !w.failed && off < n; off += CHUNK) {
-    int64_t len = min64(CHUNK, n - off);
-    get(fg, dout, dt, off, len);
-    get(fm, mask, dt, off, len);
-    get(fd, din, dt, off, len);
-    fsdp_cpu_dropout_backward(fd, fg, fm, len);
-    put(din, dt, off, fd, len);
+  float *fb = whole(&w, bias, dt, C);
+  if (!w.failed && hmap_fits(C)) {
+    hmap m = {.dt = dt, .p = {out, (void *)inp}, .rd = 2, .wr = 1, .keep = 3, .row = C,
+              .fn = bias_gelu_fn, .w0 = fb};
+    hmap_run(&m, N);
+    return fsdp_cpu_work_done(&w);
+  }
+  int64_t rows = chunk_rows(C), c = min64(N, rows);
+  float *fi = tmp(&w, c * C), *fo = tmp(&w, c * C);
+  for (int64_t r = 0; !w.failed && r < N; r += rows) {
+    int64_t len = min64(rows, N - r);
+    get(fi, inp, dt, r * C, len * C);
+    fsdp_cpu_bias_gelu_forward(fo, fi, fb, len, C);
+    put(out, dt, r * C, fo, len * C);
+  }
+  return fsdp_cpu_work_done(&w);
+}
+
+/* The backward sums over rows (the bias gradient), so it is split by columns, as the f32
+ * kernel is: a task takes whole columns and walks them in tiles of BG_ROWS rows x BG_COLS
+ * columns, widened into its stack; each tile's column sums (in double, rounded to f32 once per
+ * tile) are added in double in row order. The tiles depend on the sizes alone, so the bias
+ * gradient has the same bits at any thread count. */
+#define BG_COLS 256
+#define BG_ROWS (SLICE / BG_COLS)
+
+typedef struct {
+  fsdp_dtype dt;
+  void *dinp;
+  const void *dout, *inp;
+  const float *bias;
+  float *dbias;
+  int64_t N;
+  int C;
+} bias_gelu_job;
+
+static void tile_in(float *f, const void *src, fsdp_dtype dt, int64_t r0, int rows, int C,
+                    int64_t c0, int w) {
+  for (int r = 0; r < rows; r++) widen(f + (int64_t)r * w, src, dt, (r0 + r) * C + c0, w);
+}
+
+static void tile_out(void *dst, fsdp_dtype dt, const float *f, int64_t r0, int rows, int C,
+                     int64_t c0, int w) {
+  for (int r = 0; r < rows; r++) narrow(dst, dt, (r0 + r) * C + c0, f + (int64_t)r * w, w);
+}
+
+static void bias_gelu_bw_task(void *ctx, int64_t lo, int64_t hi) {
+  const bias_gelu_job *j = ctx;
+  const fsdp_cpu_vec_i *vec = fsdp_cpu_vec();
+  _Alignas(64) float g[SLICE], x[SLICE], d[SLICE], db[BG_COLS];
+  double acc[BG_COLS];
+  for (int64_t c0 = lo; c0 < hi; c0 += BG_COLS) {
+    const int w = (int)min64(BG_COLS, hi - c0);
+    memset(acc, 0, sizeof(double) * (size_t)w);
+    for (int64_t r0 = 0; r0 < j->N; r0 += BG_ROWS) {
+      const int rows = (int)min64(BG_ROWS, j->N - r0);
+      tile_in(g, j->dout, j->dt, r0, rows, j->C, c0, w);
+      tile_in(x, j->inp, j->dt, r0, rows, j->C, c0, w);
+      if (j->dinp) tile_in(d, j->dinp, j->dt, r0, rows, j->C, c0, w);
+      memset(db, 0, sizeof(float) * (size_t)w);
+      vec->bias_gelu_backward_cols(j->dinp ? d : NULL, j->dbias ? db : NULL, g, x, j->bias + c0,
+                                   rows, w, 0, w);
+      if (j->dinp) tile_out(j->dinp, j->dt, d, r0, rows, j->C, c0, w);
+      for (int k = 0; k < w; k++) acc[k] += (double)db[k];
+    }
+    if (j->dbias)
+      for (int k = 0; k < w; k++) j->dbias[c0 + k] += (float)acc[k];
+  }
+}
+
+int fsdp_cpu_half_bias_gelu_backward(fsdp_dtype dt, fsdp_dtype gdt, void *dinp, void *dbias,
+                                     const void *dout, const void *inp, const void *bias,
+                                     int64_t N, int C) {
+  if (N <= 0 || (!dinp && !dbias)) return FSDP_OK;
+  fsdp_cpu_work w = {0};
+  float *fb = whole(&w, bias, dt, C), *fdb = dbias ? grad_acc(&w, dbias, gdt, dt, C) : NULL;
+  if (!w.failed) {
+    bias_gelu_job j = {.dt = dt, .dinp = dinp, .dout = dout, .inp = inp, .bias = fb,
+                       .dbias = fdb, .N = N, .C = C};
+    fsdp_cpu_parallel_for(C, BG_COLS, bias_gelu_bw_task, &j);
+    if (dbias) put_grad(dbias, gdt, dt, fdb, C);
   }
   return fsdp_cpu_work_done(&w);
 }
@@ -301,28 +485,15 @@ int fsdp_cpu_half_linear_forward(fsdp_dtype dt, void *out, const void *inp, cons
   return fsdp_cpu_work_done(&w);
 }
 
-/* A weight gradient (n elements of gdt) to accumulate into in f32: the buffer itself when it is
- * f32 (mixed precision), else a widened copy put back by put_grad. */
-static float *grad_acc(fsdp_cpu_work *w, void *g, fsdp_dtype gdt, fsdp_dtype dt, int64_t n) {
-  return gdt == FSDP_DTYPE_F32 ? g : whole(w, g, dt, n);
-}
-
-static void put_grad(void *g, fsdp_dtype gdt, fsdp_dtype dt, const float *f, int64_t n) {
-  if (gdt != FSDP_DTYPE_F32) put(g, dt, 0, f, n);
-}
-
-/* dbias (N, of gdt) += the column sums of dout (M, N), widened chunk by chunk */
+/* dbias (N, of gdt) += the column sums of dout (M, N), read in its own dtype */
 static int half_bias_grad(fsdp_dtype dt, fsdp_dtype gdt, void *dbias, const void *dout, int M,
                           int N) {
   fsdp_cpu_work w = {0};
-  int64_t rows = chunk_rows(N);
-  float *fdb = grad_acc(&w, dbias, gdt, dt, N), *fg = tmp(&w, min64(M, rows) * N);
-  for (int64_t r = 0; !w.failed && r < M; r += rows) {
-    int64_t len = min64(rows, M - r);
-    get(fg, dout, dt, r * N, len * N);
-    fsdp_cpu_colsum_acc(fdb, fg, len, N);
+  float *fdb = grad_acc(&w, dbias, gdt, dt, N);
+  if (!w.failed) {
+    fsdp_cpu_colsum_acc_half(fdb, dout, dt, M, N);
+    put_grad(dbias, gdt, dt, fdb, N);
   }
-  if (!w.failed) put_grad(dbias, gdt, dt, fdb, N);
   return fsdp_cpu_work_done(&w);
 }
 
@@ -360,12 +531,24 @@ int fsdp_cpu_half_linear_backward(fsdp_dtype dt, fsdp_dtype gdt, void *dinp, voi
   return fsdp_cpu_work_done(&w);
 }
 
+/* operands: out, inp; w0, w1 weight and bias; r0, r1 mean and rstd */
+static void layernorm_fn(const hmap *m, float *const *f, int64_t u0, int64_t nu) {
+  fsdp_cpu_layernorm_forward(f[0], m->r0 + u0, m->r1 + u0, f[1], m->w0, m->w1, nu, (int)m->row,
+                             m->s);
+}
+
 int fsdp_cpu_half_layernorm_forward(fsdp_dtype dt, void *out, float *mean, float *rstd,
                                     const void *inp, const void *weight, const void *bias,
                                     int64_t N, int C, float eps) {
   fsdp_cpu_work w = {0};
-  int64_t rows = chunk_rows(C), c = min64(N, rows);
   float *fw = whole(&w, weight, dt, C), *fb = whole(&w, bias, dt, C);
+  if (!w.failed && hmap_fits(C)) {
+    hmap m = {.dt = dt, .p = {out, (void *)inp}, .rd = 2, .wr = 1, .keep = 3, .row = C,
+              .fn = layernorm_fn, .w0 = fw, .w1 = fb, .r0 = mean, .r1 = rstd, .s = eps};
+    hmap_run(&m, N);
+    return fsdp_cpu_work_done(&w);
+  }
+  int64_t rows = chunk_rows(C), c = min64(N, rows);
   float *fi = tmp(&w, c * C), *fo = tmp(&w, c * C);
   for (int64_t r = 0; !w.failed && r < N; r += rows) {
     int64_t len = min64(rows, N - r);
@@ -376,10 +559,99 @@ int fsdp_cpu_half_layernorm_forward(fsdp_dtype dt, void *out, float *mean, float
   return fsdp_cpu_work_done(&w);
 }
 
+/* Layernorm's backward as the f32 kernel does it (norm.c): the parameter terms go into one
+ * partial sum per block of LN_BLOCK_ROWS rows (rows in order inside a block), the blocks' partials
+ * are then added in block order; blocks are fixed by N alone. A task widens its block's rows a
+ * slice at a time; the level's row body adds each row's terms into the block's partials as it
+ * does in f32, so the sums have the f32 kernel's bits. */
+#define LN_BLOCK_ROWS 64
+
+typedef struct {
+  fsdp_dtype dt;
+  void *dinp;
+  const void *dout, *inp;
+  const float *weight, *mean, *rstd;
+  float *pw, *pb; /* (blocks, C) partials, zeroed; or dweight / dbias themselves (one block) */
+  int64_t N, block_rows;
+  int C;
+} ln_bw_job;
+
+static void ln_bw_task(void *ctx, int64_t lo, int64_t hi) {
+  const ln_bw_job *j = ctx;
+  const fsdp_cpu_vec_i *vec = fsdp_cpu_vec();
+  const int C = j->C;
+  const int64_t per = SLICE / C;
+  _Alignas(64) float g[SLICE], x[SLICE], d[SLICE];
+  for (int64_t b = lo; b < hi; b++) {
+    const int64_t r0 = b * j->block_rows, r1 = min64(r0 + j->block_rows, j->N);
+    float *pw = j->pw ? j->pw + (j->block_rows < j->N ? b * C : 0) : NULL;
+    float *pb = j->pb ? j->pb + (j->block_rows < j->N ? b * C : 0) : NULL;
+    for (int64_t r = r0; r < r1; r += per) {
+      const int64_t nr = min64(per, r1 - r), off = r * C, len = nr * C;
+      widen(g, j->dout, j->dt, off, len);
+      widen(x, j->inp, j->dt, off, len);
+      if (j->dinp) widen(d, j->dinp, j->dt, off, len);
+      vec->layernorm_backward(j->dinp ? d : NULL, pw, pb, g, x, j->weight, j->mean + r,
+                              j->rstd + r, 0, nr, C);
+      if (j->dinp) narrow(j->dinp, j->dt, off, d, len);
+    }
+  }
+}
+
+static int half_layernorm_backward_blocks(fsdp_dtype dt, fsdp_dtype gdt, void *dinp,
+                                          void *dweight, void *dbias, const void *dout,
+                                          const void *inp, const void *weight,
+                                          const float *mean, const float *rstd, int64_t N,
+                                          int C) {
+  fsdp_cpu_work w = {0};
+  float *fw = whole(&w, weight, dt, C);
+  float *fdw = dweight ? grad_acc(&w, dweight, gdt, dt, C) : NULL;
+  float *fdb = dbias ? grad_acc(&w, dbias, gdt, dt, C) : NULL;
+  const int64_t blocks = (N + LN_BLOCK_ROWS - 1) / LN_BLOCK_ROWS;
+  ln_bw_job j = {.dt = dt, .dinp = dinp, .dout = dout, .inp = inp, .weight = fw, .mean = mean,
+                 .rstd = rstd, .N = N, .block_rows = LN_BLOCK_ROWS, .C = C};
+  if ((!fdw && !fdb) || blocks <= 1) {
+    /* no sums to order, or one block: rows straight into the sums, rows of the pass split
+     * over the threads only when there are no sums */
+    j.pw = fdw, j.pb = fdb, j.block_rows = N;
+    if (!w.failed && (fdw || fdb)) ln_bw_task(&j, 0, 1);
+    else if (!w.failed) {
+      j.block_rows = SLICE / C;
+      const int64_t nb = (N + j.block_rows - 1) / j.block_rows,
+                    grain = FSDP_CPU_GRAIN / (j.block_rows * C);
+      fsdp_cpu_parallel_for(nb, grain < 1 ? 1 : grain, ln_bw_task, &j);
+    }
+  } else {
+    float *part = tmp(&w, blocks * C * 2);
+    if (!w.failed) {
+      memset(part, 0, sizeof(float) * (size_t)(blocks * C * 2));
+      j.pw = fdw ? part : NULL;
+      j.pb = fdb ? part + blocks * C : NULL;
+      fsdp_cpu_parallel_for(blocks, 1, ln_bw_task, &j);
+      for (int k = 0; k < 2; k++) { /* dst += p[0] + p[1] + ..., blocks in order */
+        float *p = k ? j.pb : j.pw, *dst = k ? fdb : fdw;
+        if (!p) continue;
+        for (int64_t b = 1; b < blocks; b++)
+          for (int c = 0; c < C; c++) p[c] += p[b * C + c];
+        for (int c = 0; c < C; c++) dst[c] += p[c];
+      }
+    }
+  }
+  if (!w.failed) {
+    if (dweight) put_grad(dweight, gdt, dt, fdw, C);
+    if (dbias) put_grad(dbias, gdt, dt, fdb, C);
+  }
+  return fsdp_cpu_work_done(&w);
+}
+
 int fsdp_cpu_half_layernorm_backward(fsdp_dtype dt, fsdp_dtype gdt, void *dinp, void *dweight,
                                      void *dbias, const void *dout, const void *inp,
                                      const void *weight, const float *mean, const float *rstd,
                                      int64_t N, int C) {
+  if (N <= 0) return FSDP_OK;
+  if (hmap_fits(C))
+    return half_layernorm_backward_blocks(dt, gdt, dinp, dweight, dbias, dout, inp, weight,
+                                          mean, rstd, N, C);
   fsdp_cpu_work w = {0};
   int64_t rows = chunk_rows(C), c = min64(N, rows);
   float *fw = whole(&w, weight, dt, C), *fdw = grad_acc(&w, dweight, gdt, dt, C),
@@ -400,7 +672,23 @@ int fsdp_cpu_half_layernorm_backward(fsdp_dtype dt, fsdp_dtype gdt, void *dinp, 
   return fsdp_cpu_work_done(&w);
 }
 
+static void softmax_fn(const hmap *m, float *const *f, int64_t u0, int64_t nu) {
+  (void)u0;
+  fsdp_cpu_softmax_forward(f[0], f[1], nu, (int)m->row);
+}
+
+static void softmax_bw_fn(const hmap *m, float *const *f, int64_t u0, int64_t nu) {
+  (void)u0;
+  fsdp_cpu_softmax_backward(f[0], f[1], f[2], nu, (int)m->row);
+}
+
 int fsdp_cpu_half_softmax_forward(fsdp_dtype dt, void *out, const void *inp, int64_t N, int C) {
+  if (hmap_fits(C)) {
+    hmap m = {.dt = dt, .p = {out, (void *)inp}, .rd = 2, .wr = 1, .keep = 3, .row = C,
+              .fn = softmax_fn};
+    hmap_run(&m, N);
+    return FSDP_OK;
+  }
   fsdp_cpu_work w = {0};
   int64_t rows = chunk_rows(C), c = min64(N, rows);
   float *fi = tmp(&w, c * C), *fo = tmp(&w, c * C);
@@ -415,6 +703,12 @@ int fsdp_cpu_half_softmax_forward(fsdp_dtype dt, void *out, const void *inp, int
 
 int fsdp_cpu_half_softmax_backward(fsdp_dtype dt, void *dinp, const void *dout, const void *out,
                                    int64_t N, int C) {
+  if (hmap_fits(C)) {
+    hmap m = {.dt = dt, .p = {dinp, (void *)dout, (void *)out}, .rd = 7, .wr = 1, .keep = 7,
+              .row = C, .fn = softmax_bw_fn};
+    hmap_run(&m, N);
+    return FSDP_OK;
+  }
   fsdp_cpu_work w = {0};
   int64_t rows = chunk_rows(C), c = min64(N, rows);
   float *fg = tmp(&w, c * C), *fo = tmp(&w, c * C), *fd = tmp(&w, c * C);
@@ -448,10 +742,23 @@ int fsdp_cpu_half_cross_entropy_forward(fsdp_dtype dt, float *loss, float *lse,
   return fsdp_cpu_work_done(&w);
 }
 
+/* operands: dlogits, logits; r0 lse */
+static void cross_entropy_bw_fn(const hmap *m, float *const *f, int64_t u0, int64_t nu) {
+  fsdp_cpu_cross_entropy_backward(f[0], m->s, f[1], m->r0 + u0, m->targets + u0, nu, (int)m->row,
+                                  m->ignore, m->count);
+}
+
 int fsdp_cpu_half_cross_entropy_backward(fsdp_dtype dt, void *dlogits, float dloss,
                                          const void *logits, const float *lse,
                                          const int64_t *targets, int64_t N, int V,
                                          int64_t ignore, int64_t count) {
+  if (hmap_fits(V)) {
+    hmap m = {.dt = dt, .p = {dlogits, (void *)logits}, .rd = 3, .wr = 1, .keep = 3, .row = V,
+              .fn = cross_entropy_bw_fn, .r0 = (float *)lse, .targets = targets, .s = dloss,
+              .ignore = ignore, .count = count};
+    hmap_run(&m, N);
+    return FSDP_OK;
+  }
   fsdp_cpu_work w = {0};
   int64_t rows = chunk_rows(V), c = min64(N, rows);
   float *fl = tmp(&w, c * V), *fd = tmp(&w, c * V);
@@ -465,10 +772,83 @@ int fsdp_cpu_half_cross_entropy_backward(fsdp_dtype dt, void *dlogits, float dlo
   return fsdp_cpu_work_done(&w);
 }
 
+/* ---- attention ----------------------------------------------------------------------------------
+ * One batch row at a time: its qkv rows are widened (one contiguous stretch), the f32 kernel
+ * runs on them, and its output rows and (NH, T, T) probabilities are narrowed back. With at least
+ * two rows a thread, the rows are shared out over the threads, each task with its own scratch
+ * slot (allocated up front) and the f32 kernel serial inside it, so every conversion runs on the
+ * thread that uses the data. Otherwise (fewer rows, e.g. sampling one sequence) the rows go one
+ * after the other and the f32 kernel splits each over the threads. */
+typedef struct {
+  fsdp_dtype dt;
+  void *out, *att, *dqkv;
+  const void *qkv, *dout, *att_in;
+  int B, T, C, NH, nchunks;
+  int64_t slot; /* floats per task's scratch slot */
+  float *scratch;
+} att_job;
+
+/* the scratch slot of the chunk that starts at lo */
+static float *att_slot(const att_job *j, int64_t lo) {
+  for (int i = 0; i < j->nchunks; i++) {
+    int64_t a, b;
+    fsdp_cpu_chunk_bounds(j->B, 1, j->nchunks, i, &a, &b);
+    if (a == lo) return j->scratch + (int64_t)i * j->slot;
+  }
+  return j->scratch;
+}
+
+static void att_forward_rows(void *ctx, int64_t lo, int64_t hi) {
+  const att_job *j = ctx;
+  const int64_t nq = (int64_t)j->T * 3 * j->C, no = (int64_t)j->T * j->C,
+                na = (int64_t)j->NH * j->T * j->T;
+  float *fq = att_slot(j, lo), *fo = fq + nq, *fa = fo + no;
+  for (int64_t b = lo; b < hi; b++) {
+    widen(fq, j->qkv, j->dt, b * nq, nq);
+    fsdp_cpu_attention_forward(fo, fa, fq, 1, j->T, j->C, j->NH);
+    narrow(j->out, j->dt, b * no, fo, no);
+    narrow(j->att, j->dt, b * na, fa, na);
+  }
+}
+
+static void att_backward_rows(void *ctx, int64_t lo, int64_t hi) {
+  const att_job *j = ctx;
+  const int64_t nq = (int64_t)j->T * 3 * j->C, no = (int64_t)j->T * j->C,
+                na = (int64_t)j->NH * j->T * j->T;
+  float *fq = att_slot(j, lo), *fd = fq + nq, *fg = fd + nq, *fa = fg + no, *sc = fa + na;
+  for (int64_t b = lo; b < hi; b++) {
+    widen(fq, j->qkv, j->dt, b * nq, nq);
+    widen(fd, j->dqkv, j->dt, b * nq, nq);
+    widen(fg, j->dout, j->dt, b * no, no);
+    widen(fa, j->att_in, j->dt, b * na, na);
+    fsdp_cpu_attention_backward(fd, sc, fg, fq, fa, 1, j->T, j->C, j->NH);
+    narrow(j->dqkv, j->dt, b * nq, fd, nq);
+  }
+}
+
+/* the rows shared out over the threads; false when there are too few to (the caller loops) */
+static bool att_rows(att_job *j, bool backward, int *rc) {
+  const int threads = fsdp_cpu_threads();
+  if (threads > 1 && j->B < 2 * threads) return false;
+  const int64_t nq = (int64_t)j->T * 3 * j->C, no = (int64_t)j->T * j->C,
+                na = (int64_t)j->NH * j->T * j->T;
+  j->nchunks = fsdp_cpu_chunks(j->B, 1);
+  j->slot = ((backward ? 2 * nq + no + 2 * na : nq + no + na) + 15) / 16 * 16;
+  fsdp_cpu_work w = {0};
+  j->scratch = tmp(&w, j->slot * j->nchunks);
+  if (!w.failed)
+    fsdp_cpu_parallel_for(j->B, 1, backward ? att_backward_rows : att_forward_rows, j);
+  *rc = fsdp_cpu_work_done(&w);
+  return true;
+}
+
 /* ---- attention: one batch element at a time ---------------------------------------------------- */
 
 int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, void *att, const void *qkv, int B,
                                     int T, int C, int NH) {
+  att_job j = {.dt = dt, .out = out, .att = att, .qkv = qkv, .B = B, .T = T, .C = C, .NH = NH};
+  int rc;
+  if (att_rows(&j, false, &rc)) return rc;
   fsdp_cpu_work w = {0};
   int64_t nq = (int64_t)T * 3 * C, no = (int64_t)T * C, na = (int64_t)NH * T * T;
   float *fq = tmp(&w, nq), *fo = tmp(&w, no), *fa = tmp(&w, na);
@@ -484,6 +864,10 @@ int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, void *att, const v
 int fsdp_cpu_half_attention_backward(fsdp_dtype dt, void *dqkv, const void *dout,
                                      const void *qkv, const void *att, int B, int T, int C,
                                      int NH) {
+  att_job j = {.dt = dt, .dqkv = dqkv, .qkv = qkv, .dout = dout, .att_in = att, .B = B, .T = T,
+              .C = C, .NH = NH};
+  int rc;
+  if (att_rows(&j, true, &rc)) return rc;
   fsdp_cpu_work w = {0};
   int64_t nq = (int64_t)T * 3 * C, no = (int64_t)T * C, na = (int64_t)NH * T * T;
   float *fq = tmp(&w, nq), *fg = tmp(&w, no), *fa = tmp(&w, na), *fd = tmp(&w, nq),

@@ -41,6 +41,12 @@ int fsdp_cpu_half_dropout_forward(fsdp_dtype dt, void *out, void *mask, const vo
                                   int64_t n, float p, uint64_t key, uint64_t first);
 int fsdp_cpu_half_dropout_backward(fsdp_dtype dt, void *din, const void *dout, const void *mask,
                                    int64_t n);
+/* bias + GELU (kernels.h's fsdp_cpu_bias_gelu_*); gdt: the dtype of dbias, dt or f32 */
+int fsdp_cpu_half_bias_gelu_forward(fsdp_dtype dt, void *out, const void *inp, const void *bias,
+                                    int64_t N, int C);
+int fsdp_cpu_half_bias_gelu_backward(fsdp_dtype dt, fsdp_dtype gdt, void *dinp, void *dbias,
+                                     const void *dout, const void *inp, const void *bias,
+                                     int64_t N, int C);
 /* Whether a product of dt with these sizes takes the native bf16 path (gemm.h): bf16, the path
  * on, M, N, K >= 1 and not tiny. Then the table's gemm slot calls fsdp_cpu_bf16_gemm and its bmm
  * slots the two below (same arguments as the f32 kernels; bf16 gradients += as theirs); linear

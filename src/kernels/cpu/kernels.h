@@ -192,6 +192,9 @@ void fsdp_cpu_sum_dim_backward(float *dinp, const float *dout, int64_t outer, in
 double fsdp_cpu_sumsq(const float *a, int64_t n);
 /* out (C) += column sums of inp (R, C), accumulated in double: bias-style gradients. */
 void fsdp_cpu_colsum_acc(float *out, const float *inp, int64_t R, int64_t C);
+/* The same for inp in bf16 or f16 (read as it is, no f32 copy): each column's sum is the f32
+ * kernel's on the widened matrix. */
+void fsdp_cpu_colsum_acc_half(float *out, const void *inp, fsdp_dtype dt, int64_t R, int64_t C);
 
 /* ---- dtype conversions (convert.c) ---------------------------------------------------------
  * Bulk forms of core's scalar conversions (same bits: round to nearest even, NaN kept). */

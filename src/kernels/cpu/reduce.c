@@ -103,25 +103,68 @@ static void colsum_run(float *out, const float *inp, int64_t R, int64_t C, int64
   }
 }
 
+/* The same over bf16 input, widened in the loop (bf16 -> f32 is exact), so the sums are those
+ * of colsum_run on the widened matrix. */
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static void colsum_bf16_run(float *out, const uint16_t *inp, int64_t R, int64_t C, int64_t c0,
+                            int64_t c1) {
+  double acc[COL_CHUNK];
+  for (; c0 < c1; c0 += COL_CHUNK) {
+    int64_t len = c1 - c0 < COL_CHUNK ? c1 - c0 : COL_CHUNK;
+    memset(acc, 0, sizeof(double) * (size_t)len);
+    for (int64_t r = 0; r < R; r++) {
+      const uint16_t *row = inp + r * C + c0;
+      for (int64_t j = 0; j < len; j++) {
+        uint32_t u = (uint32_t)row[j] << 16;
+        float x;
+        memcpy(&x, &u, sizeof x);
+        acc[j] += (double)x;
+      }
+    }
+    for (int64_t j = 0; j < len; j++) out[c0 + j] += (float)acc[j];
+  }
+}
+
+/* f16 input: element by element through core's conversion (no hot path uses f16 on the cpu) */
+static void colsum_f16_run(float *out, const uint16_t *inp, int64_t R, int64_t C, int64_t c0,
+                           int64_t c1) {
+  for (int64_t c = c0; c < c1; c++) {
+    double acc = 0;
+    for (int64_t r = 0; r < R; r++) acc += (double)fsdp_f16_to_f32(inp[r * C + c]);
+    out[c] += (float)acc;
+  }
+}
+
 typedef struct colsum_job {
   float *out;
-  const float *inp;
+  const void *inp;
+  fsdp_dtype dt;
   int64_t R, C;
 } colsum_job;
 
 static void colsum_task(void *ctx, int64_t lo, int64_t hi) {
   const colsum_job *j = ctx;
-  colsum_run(j->out, j->inp, j->R, j->C, lo, hi);
+  if (j->dt == FSDP_DTYPE_F32) colsum_run(j->out, j->inp, j->R, j->C, lo, hi);
+  else if (j->dt == FSDP_DTYPE_BF16) colsum_bf16_run(j->out, j->inp, j->R, j->C, lo, hi);
+  else colsum_f16_run(j->out, j->inp, j->R, j->C, lo, hi);
 }
 
-void fsdp_cpu_colsum_acc(float *out, const float *inp, int64_t R, int64_t C) {
+static void colsum(float *out, const void *inp, fsdp_dtype dt, int64_t R, int64_t C) {
   // out (C), inp (R, C)
   if (R <= 0 || C <= 0) return;
   /* columns in whole cache lines (grain a multiple of 16), each chunk REDUCE_GRAIN elements */
   int64_t grain = (REDUCE_GRAIN / R + 15) / 16 * 16;
   if (grain < 16) grain = 16;
-  colsum_job j = {out, inp, R, C};
+  colsum_job j = {out, inp, dt, R, C};
   fsdp_cpu_parallel_for(C, grain, colsum_task, &j);
+}
+
+void fsdp_cpu_colsum_acc(float *out, const float *inp, int64_t R, int64_t C) {
+  colsum(out, inp, FSDP_DTYPE_F32, R, C);
+}
+
+void fsdp_cpu_colsum_acc_half(float *out, const void *inp, fsdp_dtype dt, int64_t R, int64_t C) {
+  colsum(out, inp, dt, R, C);
 }
 
 typedef struct sum_dim_job {

@@ -1,0 +1,367 @@
+/*
+ * test_half.c — the cpu table's bf16 / f16 kernels (src/kernels/cpu/half.c) against the f32
+ * kernels, bit for bit.
+ *
+ * The half kernels widen their operands, run the f32 arithmetic and round the results once;
+ * they do it slice by slice inside tasks of the rank's threads (or per batch row, per block of
+ * rows, per column tile). Whatever the slicing, every output element must be exactly what the
+ * f32 slot computes on the widened inputs, rounded once to the half dtype. Each case runs the
+ * slot twice, on bf16 (or f16) buffers and on their f32 widening, and compares the rounded f32
+ * result with the half one bit for bit, at 1 and at 2 threads, with sizes that take several
+ * slices, odd tails, rows longer than a slice (the chunked fallback), one block and several.
+ * Sums over rows that the half pass orders differently from f32 (the fused bias + GELU's bias
+ * gradient) are held to 1e-6 relative instead, and to the same bits at 1 and 2 threads.
+ */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "core/core.h"
+#include "kernels/cpu/kernels.h"
+#include "kernels/cpu/pool.h"
+#include "kernels/kernels.h"
+
+#define CTX NULL
+
+static const fsdp_kernels_i *K(void) {
+  const fsdp_kernels_i *k = fsdp_kernels_of(&fsdp_device_cpu, "test");
+  assert_non_null(k);
+  return k;
+}
+
+static uint64_t rng = 88172645463325252ull;
+static float frand(float lo, float hi) {
+  rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+  return lo + (hi - lo) * (float)((rng >> 11) * (1.0 / 9007199254740992.0));
+}
+
+/* A half buffer and its f32 widening, filled with values in [lo, hi) rounded to dt. */
+typedef struct {
+  int64_t n;
+  uint16_t *h;
+  float *f;
+} buf;
+
+static fsdp_dtype DT = FSDP_DTYPE_BF16;
+
+static float widen1(uint16_t v) {
+  return DT == FSDP_DTYPE_BF16 ? fsdp_bf16_to_f32(v) : fsdp_f16_to_f32(v);
+}
+static uint16_t narrow1(float v) {
+  return DT == FSDP_DTYPE_BF16 ? fsdp_f32_to_bf16(v) : fsdp_f32_to_f16(v);
+}
+
+static buf mk(int64_t n, float lo, float hi) {
+  buf b = {n, malloc((size_t)n * 2 + 2), malloc((size_t)n * 4 + 4)};
+  assert_non_null(b.h);
+  assert_non_null(b.f);
+  for (int64_t i = 0; i < n; i++) {
+    b.h[i] = narrow1(frand(lo, hi));
+    b.f[i] = widen1(b.h[i]);
+  }
+  return b;
+}
+
+static void rm(buf *b) {
+  free(b->h);
+  free(b->f);
+}
+
+/* the half result equals the f32 result rounded once, element for element; then the f32 side
+ * takes the half values, so that accumulating buffers start the next case equal */
+static void same(const buf *b, const char *what) {
+  for (int64_t i = 0; i < b->n; i++) {
+    uint16_t want = narrow1(b->f[i]);
+    if (b->h[i] != want && !(isnan(b->f[i]) && isnan(widen1(b->h[i]))))
+      fail_msg("%s (%s): element %lld is %#06x, f32 then rounded %#06x (%g)", what,
+               fsdp_dtype_name(DT), (long long)i, b->h[i], want, (double)b->f[i]);
+  }
+  /* the next case starts from the half values on both sides */
+  for (int64_t i = 0; i < b->n; i++) b->f[i] = widen1(b->h[i]);
+}
+
+static void same_f32(const float *a, const float *b, int64_t n, const char *what) {
+  for (int64_t i = 0; i < n; i++)
+    if (memcmp(&a[i], &b[i], 4) != 0)
+      fail_msg("%s (%s): f32 element %lld is %.9g, want %.9g", what, fsdp_dtype_name(DT),
+               (long long)i, (double)a[i], (double)b[i]);
+}
+
+static void close_f32(const float *a, const float *b, int64_t n, double rel, const char *what) {
+  double scale = 0;
+  for (int64_t i = 0; i < n; i++) scale = fmax(scale, fabs(b[i]));
+  for (int64_t i = 0; i < n; i++)
+    if (fabs((double)a[i] - b[i]) > rel * (scale > 0 ? scale : 1))
+      fail_msg("%s (%s): f32 element %lld is %.9g, want %.9g", what, fsdp_dtype_name(DT),
+               (long long)i, (double)a[i], (double)b[i]);
+}
+
+/* elements of several slices of 2048 and an odd tail */
+#define NE (3 * 2048 + 77)
+
+static void elementwise_cases(void) {
+  const fsdp_kernels_i *k = K();
+  buf x = mk(NE, -3, 3), y = mk(NE, 0.5f, 2), o = mk(NE, 0, 1), d = mk(NE, -1, 1),
+      g = mk(NE, -1, 1);
+  /* GELU forward and backward (the backward adds into d) */
+  assert_int_equal(k->unary_forward(CTX, DT, FSDP_UNARY_GELU, o.h, x.h, NE), FSDP_OK);
+  assert_int_equal(k->unary_forward(CTX, FSDP_DTYPE_F32, FSDP_UNARY_GELU, o.f, x.f, NE), FSDP_OK);
+  same(&o, "gelu forward");
+  assert_int_equal(k->unary_backward(CTX, DT, FSDP_UNARY_GELU, d.h, g.h, x.h, NULL, NE), FSDP_OK);
+  assert_int_equal(
+      k->unary_backward(CTX, FSDP_DTYPE_F32, FSDP_UNARY_GELU, d.f, g.f, x.f, NULL, NE), FSDP_OK);
+  same(&d, "gelu backward");
+  /* exp backward reads the output */
+  assert_int_equal(k->unary_forward(CTX, DT, FSDP_UNARY_EXP, o.h, x.h, NE), FSDP_OK);
+  assert_int_equal(k->unary_forward(CTX, FSDP_DTYPE_F32, FSDP_UNARY_EXP, o.f, x.f, NE), FSDP_OK);
+  same(&o, "exp forward");
+  assert_int_equal(k->unary_backward(CTX, DT, FSDP_UNARY_EXP, d.h, g.h, NULL, o.h, NE), FSDP_OK);
+  assert_int_equal(
+      k->unary_backward(CTX, FSDP_DTYPE_F32, FSDP_UNARY_EXP, d.f, g.f, NULL, o.f, NE), FSDP_OK);
+  same(&d, "exp backward");
+  /* binary, same shapes and broadcast rows (a row within a slice, and one longer) */
+  for (fsdp_binop op = FSDP_BIN_ADD; op <= FSDP_BIN_DIV; op++) {
+    assert_int_equal(k->binary_forward(CTX, DT, o.h, x.h, y.h, NE, NE, op), FSDP_OK);
+    assert_int_equal(k->binary_forward(CTX, FSDP_DTYPE_F32, o.f, x.f, y.f, NE, NE, op), FSDP_OK);
+    same(&o, "binary forward");
+  }
+  const int64_t rows[] = {384, 2500};
+  for (int r = 0; r < 2; r++) {
+    const int64_t m = rows[r], n = m * 2; /* within NE */
+    assert_int_equal(k->binary_forward(CTX, DT, o.h, x.h, y.h, n, m, FSDP_BIN_MUL), FSDP_OK);
+    assert_int_equal(k->binary_forward(CTX, FSDP_DTYPE_F32, o.f, x.f, y.f, n, m, FSDP_BIN_MUL),
+                     FSDP_OK);
+    same(&o, "binary forward, broadcast");
+  }
+  /* binary backward, both gradients, and one buffer for both (x * x) */
+  assert_int_equal(k->binary_backward(CTX, DT, d.h, o.h, g.h, x.h, y.h, NE, NE, FSDP_BIN_MUL),
+                   FSDP_OK);
+  assert_int_equal(
+      k->binary_backward(CTX, FSDP_DTYPE_F32, d.f, o.f, g.f, x.f, y.f, NE, NE, FSDP_BIN_MUL),
+      FSDP_OK);
+  same(&d, "binary backward da");
+  same(&o, "binary backward db");
+  assert_int_equal(k->binary_backward(CTX, DT, d.h, d.h, g.h, x.h, x.h, NE, NE, FSDP_BIN_MUL),
+                   FSDP_OK);
+  assert_int_equal(
+      k->binary_backward(CTX, FSDP_DTYPE_F32, d.f, d.f, g.f, x.f, x.f, NE, NE, FSDP_BIN_MUL),
+      FSDP_OK);
+  same(&d, "binary backward, da == db");
+  /* axpy, affine */
+  assert_int_equal(k->axpy(CTX, DT, d.h, x.h, -0.75, NE), FSDP_OK);
+  assert_int_equal(k->axpy(CTX, FSDP_DTYPE_F32, d.f, x.f, -0.75, NE), FSDP_OK);
+  same(&d, "axpy");
+  assert_int_equal(k->affine_forward(CTX, DT, o.h, x.h, 1.5, -0.25, NE), FSDP_OK);
+  assert_int_equal(k->affine_forward(CTX, FSDP_DTYPE_F32, o.f, x.f, 1.5, -0.25, NE), FSDP_OK);
+  same(&o, "affine");
+  /* dropout: the same mask from the same stream position, and its backward */
+  buf mask = mk(NE, 0, 1);
+  assert_int_equal(k->dropout_forward(CTX, DT, o.h, mask.h, x.h, NE, 0.3f, 7, 1000), FSDP_OK);
+  assert_int_equal(k->dropout_forward(CTX, FSDP_DTYPE_F32, o.f, mask.f, x.f, NE, 0.3f, 7, 1000),
+                   FSDP_OK);
+  same(&o, "dropout forward");
+  same(&mask, "dropout mask");
+  assert_int_equal(k->dropout_backward(CTX, DT, d.h, g.h, mask.h, NE), FSDP_OK);
+  assert_int_equal(k->dropout_backward(CTX, FSDP_DTYPE_F32, d.f, g.f, mask.f, NE), FSDP_OK);
+  same(&d, "dropout backward");
+  rm(&mask), rm(&x), rm(&y), rm(&o), rm(&d), rm(&g);
+}
+
+/* rows: layernorm, softmax, cross-entropy's backward, bias + GELU */
+static void row_cases(int64_t N, int C) {
+  const fsdp_kernels_i *k = K();
+  const int64_t n = N * C;
+  buf x = mk(n, -2, 2), o = mk(n, 0, 1), d = mk(n, -1, 1), g = mk(n, -1, 1);
+  buf w = mk(C, 0.5f, 1.5f), b = mk(C, -0.5f, 0.5f), dw = mk(C, -1, 1), db = mk(C, -1, 1);
+  float *mean = malloc(sizeof(float) * (size_t)N * 4), *rstd = mean + N, *mean32 = rstd + N,
+        *rstd32 = mean32 + N;
+  assert_non_null(mean);
+  assert_int_equal(k->layernorm_forward(CTX, DT, o.h, mean, rstd, x.h, w.h, b.h, N, C, 1e-5f),
+                   FSDP_OK);
+  assert_int_equal(k->layernorm_forward(CTX, FSDP_DTYPE_F32, o.f, mean32, rstd32, x.f, w.f, b.f,
+                                        N, C, 1e-5f),
+                   FSDP_OK);
+  same(&o, "layernorm forward");
+  same_f32(mean, mean32, N, "layernorm mean");
+  same_f32(rstd, rstd32, N, "layernorm rstd");
+  /* backward: half parameter gradients, then f32 ones (mixed precision), then no dinp */
+  assert_int_equal(k->layernorm_backward(CTX, DT, DT, d.h, dw.h, db.h, g.h, x.h, w.h, mean, rstd,
+                                         N, C),
+                   FSDP_OK);
+  assert_int_equal(k->layernorm_backward(CTX, FSDP_DTYPE_F32, FSDP_DTYPE_F32, d.f, dw.f, db.f,
+                                         g.f, x.f, w.f, mean, rstd, N, C),
+                   FSDP_OK);
+  same(&d, "layernorm backward dinp");
+  same(&dw, "layernorm backward dweight");
+  same(&db, "layernorm backward dbias");
+  float *fw = calloc((size_t)C * 4, sizeof(float)), *fb = fw + C, *fw32 = fb + C, *fb32 = fw32 + C;
+  assert_non_null(fw);
+  for (int pass = 0; pass < 2; pass++) {
+    void *dinp = pass ? NULL : d.h;
+    assert_int_equal(k->layernorm_backward(CTX, DT, FSDP_DTYPE_F32, dinp, fw, fb, g.h, x.h, w.h,
+                                           mean, rstd, N, C),
+                     FSDP_OK);
+    assert_int_equal(k->layernorm_backward(CTX, FSDP_DTYPE_F32, FSDP_DTYPE_F32,
+                                           pass ? NULL : d.f, fw32, fb32, g.f, x.f, w.f, mean,
+                                           rstd, N, C),
+                     FSDP_OK);
+    same_f32(fw, fw32, C, "layernorm backward f32 dweight");
+    same_f32(fb, fb32, C, "layernorm backward f32 dbias");
+  }
+  same(&d, "layernorm backward dinp (f32 parameter gradients)");
+  /* softmax */
+  assert_int_equal(k->softmax_forward(CTX, DT, o.h, x.h, N, C), FSDP_OK);
+  assert_int_equal(k->softmax_forward(CTX, FSDP_DTYPE_F32, o.f, x.f, N, C), FSDP_OK);
+  same(&o, "softmax forward");
+  assert_int_equal(k->softmax_backward(CTX, DT, d.h, g.h, o.h, N, C), FSDP_OK);
+  assert_int_equal(k->softmax_backward(CTX, FSDP_DTYPE_F32, d.f, g.f, o.f, N, C), FSDP_OK);
+  same(&d, "softmax backward");
+  /* cross-entropy's backward (its forward sums the rows' losses: covered by test_dtypes) */
+  int64_t *tg = malloc(sizeof(int64_t) * (size_t)N);
+  float *lse = malloc(sizeof(float) * (size_t)N), loss, dloss = 0.5f;
+  assert_non_null(tg);
+  assert_non_null(lse);
+  for (int64_t r = 0; r < N; r++) tg[r] = r % 5 == 3 ? -100 : (r * 7) % C;
+  int64_t count = 0;
+  assert_int_equal(k->cross_entropy_forward(CTX, FSDP_DTYPE_F32, &loss, lse, x.f, tg,
+                                            FSDP_DTYPE_I64, N, C, -100, &count),
+                   FSDP_OK);
+  assert_int_equal(k->cross_entropy_backward(CTX, DT, d.h, &dloss, x.h, lse, tg, FSDP_DTYPE_I64,
+                                             N, C, -100, count),
+                   FSDP_OK);
+  assert_int_equal(k->cross_entropy_backward(CTX, FSDP_DTYPE_F32, d.f, &dloss, x.f, lse, tg,
+                                             FSDP_DTYPE_I64, N, C, -100, count),
+                   FSDP_OK);
+  same(&d, "cross-entropy backward");
+  /* bias + GELU: the forward and dinp exactly, the bias gradient's sum within 1e-6 */
+  assert_int_equal(k->bias_gelu_forward(CTX, DT, o.h, x.h, b.h, N, C), FSDP_OK);
+  assert_int_equal(k->bias_gelu_forward(CTX, FSDP_DTYPE_F32, o.f, x.f, b.f, N, C), FSDP_OK);
+  same(&o, "bias_gelu forward");
+  memset(fb, 0, sizeof(float) * (size_t)C);
+  memset(fb32, 0, sizeof(float) * (size_t)C);
+  assert_int_equal(
+      k->bias_gelu_backward(CTX, DT, FSDP_DTYPE_F32, d.h, fb, g.h, x.h, b.h, N, C), FSDP_OK);
+  assert_int_equal(k->bias_gelu_backward(CTX, FSDP_DTYPE_F32, FSDP_DTYPE_F32, d.f, fb32, g.f, x.f,
+                                         b.f, N, C),
+                   FSDP_OK);
+  same(&d, "bias_gelu backward dinp");
+  close_f32(fb, fb32, C, 1e-6, "bias_gelu backward dbias");
+  /* the bias gradient alone, and in the half dtype */
+  for (int64_t i = 0; i < C; i++) db.f[i] = widen1(db.h[i]);
+  assert_int_equal(k->bias_gelu_backward(CTX, DT, DT, NULL, db.h, g.h, x.h, b.h, N, C), FSDP_OK);
+  assert_int_equal(k->bias_gelu_backward(CTX, FSDP_DTYPE_F32, FSDP_DTYPE_F32, NULL, db.f, g.f,
+                                         x.f, b.f, N, C),
+                   FSDP_OK);
+  for (int64_t i = 0; i < C; i++)
+    assert_true(fabsf(widen1(db.h[i]) - db.f[i]) <= 1e-2f * (fabsf(db.f[i]) + 1e-3f));
+  free(tg), free(lse), free(fw), free(mean);
+  rm(&x), rm(&o), rm(&d), rm(&g), rm(&w), rm(&b), rm(&dw), rm(&db);
+}
+
+static void attention_case(int B, int T, int C, int NH) {
+  const fsdp_kernels_i *k = K();
+  const int64_t nq = (int64_t)B * T * 3 * C, no = (int64_t)B * T * C,
+                na = (int64_t)B * NH * T * T;
+  buf qkv = mk(nq, -1, 1), o = mk(no, 0, 1), a = mk(na, 0, 1), g = mk(no, -1, 1),
+      dq = mk(nq, -1, 1);
+  assert_int_equal(k->attention_forward(CTX, DT, o.h, a.h, qkv.h, B, T, C, NH), FSDP_OK);
+  assert_int_equal(k->attention_forward(CTX, FSDP_DTYPE_F32, o.f, a.f, qkv.f, B, T, C, NH),
+                   FSDP_OK);
+  same(&o, "attention forward");
+  same(&a, "attention probabilities");
+  assert_int_equal(k->attention_backward(CTX, DT, dq.h, g.h, qkv.h, a.h, B, T, C, NH), FSDP_OK);
+  assert_int_equal(
+      k->attention_backward(CTX, FSDP_DTYPE_F32, dq.f, g.f, qkv.f, a.f, B, T, C, NH), FSDP_OK);
+  same(&dq, "attention backward");
+  rm(&qkv), rm(&o), rm(&a), rm(&g), rm(&dq);
+}
+
+static void colsum_case(void) {
+  const int64_t R = 300, C = 700;
+  buf x = mk(R * C, -1, 1);
+  float *a = calloc((size_t)C * 2, sizeof(float)), *b = a + C;
+  assert_non_null(a);
+  fsdp_cpu_colsum_acc_half(a, x.h, DT, R, C);
+  fsdp_cpu_colsum_acc(b, x.f, R, C);
+  same_f32(a, b, C, "column sums");
+  free(a);
+  rm(&x);
+}
+
+static void all_cases(void) {
+  elementwise_cases();
+  row_cases(37, 384);  /* one layernorm block, rows within a slice */
+  row_cases(200, 256); /* several blocks */
+  row_cases(9, 2500);  /* rows longer than a slice: the chunked loops */
+  attention_case(5, 40, 64, 4);
+  attention_case(1, 70, 32, 2); /* too few rows to share: one at a time */
+  colsum_case();
+}
+
+static void test_bf16(void **state) {
+  (void)state;
+  DT = FSDP_DTYPE_BF16;
+  for (int t = 1; t <= 2; t++) {
+    fsdp_cpu_set_threads(t);
+    all_cases();
+  }
+  fsdp_cpu_set_threads(0);
+}
+
+static void test_f16(void **state) {
+  (void)state;
+  DT = FSDP_DTYPE_F16;
+  fsdp_cpu_set_threads(2);
+  all_cases();
+  fsdp_cpu_set_threads(0);
+}
+
+/* The half kernels' results do not depend on the thread count, sums included. */
+static void test_threads_same_bits(void **state) {
+  (void)state;
+  DT = FSDP_DTYPE_BF16;
+  const int64_t N = 300, C = 512;
+  float *out[2];
+  for (int t = 1; t <= 2; t++) {
+    fsdp_cpu_set_threads(t);
+    rng = 5;
+    buf x = mk(N * C, -2, 2), g = mk(N * C, -1, 1), b = mk(C, -1, 1), d = mk(N * C, 0, 0);
+    float *fb = calloc((size_t)C * 3, sizeof(float));
+    assert_non_null(fb);
+    float *mean = malloc(sizeof(float) * (size_t)N * 2), *rstd = mean + N;
+    assert_non_null(mean);
+    assert_int_equal(K()->bias_gelu_backward(CTX, DT, FSDP_DTYPE_F32, d.h, fb, g.h, x.h, b.h, N,
+                                             (int)C),
+                     FSDP_OK);
+    assert_int_equal(K()->layernorm_forward(CTX, DT, d.h, mean, rstd, x.h, b.h, b.h, N, (int)C,
+                                            1e-5f),
+                     FSDP_OK);
+    assert_int_equal(K()->layernorm_backward(CTX, DT, FSDP_DTYPE_F32, d.h, fb + C, fb + 2 * C,
+                                             g.h, x.h, b.h, mean, rstd, N, (int)C),
+                     FSDP_OK);
+    out[t - 1] = malloc(sizeof(float) * (size_t)(3 * C + N * C));
+    assert_non_null(out[t - 1]);
+    memcpy(out[t - 1], fb, sizeof(float) * (size_t)C * 3);
+    for (int64_t i = 0; i < N * C; i++) out[t - 1][3 * C + i] = widen1(d.h[i]);
+    free(fb), free(mean);
+    rm(&x), rm(&g), rm(&b), rm(&d);
+  }
+  same_f32(out[1], out[0], 3 * C + N * C, "2 threads against 1");
+  free(out[0]), free(out[1]);
+  fsdp_cpu_set_threads(0);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_bf16),
+      cmocka_unit_test(test_f16),
+      cmocka_unit_test(test_threads_same_bits),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
