@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "core/core.h"
 
@@ -31,6 +32,13 @@
  * alloc.c counts storages, and a cached block belongs to none. fsdp_device_cpu_trim() gives the
  * cache back. */
 #define CACHE_MIN ((size_t)64 << 10)
+/* Blocks of at least HUGE_MIN bytes ask for transparent huge pages over the whole 2 MiB pages
+ * inside them (madvise; Debian's kernels give THP on request only). Kernels stream through
+ * whole activations: with 4 KiB pages every 4 KiB costs a TLB miss and stops the hardware
+ * prefetcher, and a bf16 slice of 2048 elements is exactly one such page. Measured: a GPT step
+ * (L=6, d=384) about 4% faster (docs/PERFORMANCE.md). Where the kernel refuses, nothing changes. */
+#define HUGE_PAGE ((size_t)2 << 20)
+#define HUGE_MIN ((size_t)4 << 20)
 #define CACHE_BUCKETS 128
 
 typedef struct cached { struct cached *next; } cached;
@@ -116,6 +124,11 @@ static int cpu_alloc_impl(void **out, size_t bytes, bool zero) {
   }
   unsigned char *raw = zero ? calloc(1, bytes + CPU_ALIGN) : malloc(bytes + CPU_ALIGN);
   if (!raw) return fsdp_error("cpu: out of memory allocating %zu bytes", bytes);
+  if (bytes >= HUGE_MIN) {
+    uintptr_t lo = ((uintptr_t)raw + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1),
+              hi = ((uintptr_t)raw + bytes + CPU_ALIGN) & ~(uintptr_t)(HUGE_PAGE - 1);
+    if (hi > lo) (void)madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
+  }
   uintptr_t aligned = ((uintptr_t)raw + CPU_ALIGN) & ~(uintptr_t)(CPU_ALIGN - 1);
   ((void **)aligned)[-1] = raw;
   *out = (void *)aligned;
