@@ -338,10 +338,39 @@ static void bias_gelu_fn(const hmap *m, float *const *f, int64_t u0, int64_t nu)
   fsdp_cpu_bias_gelu_forward(f[0], f[1], m->w0, nu, (int)m->row);
 }
 
+/* bf16 runs natively: the level's bodies load and store bf16 lanes themselves (vmath.h), so
+ * the memory traffic overlaps the GELU's arithmetic and nothing goes through f32 buffers; f16
+ * takes the pass. */
+typedef struct {
+  uint16_t *out;
+  const uint16_t *inp, *dout;
+  const float *bias;
+  float *dbias;
+  int64_t N;
+  int C;
+} bias_gelu_bf16_job;
+
+static void bias_gelu_bf16_fw_task(void *ctx, int64_t lo, int64_t hi) {
+  const bias_gelu_bf16_job *j = ctx;
+  fsdp_cpu_vec()->bias_gelu_forward_bf16(j->out, j->inp, j->bias, lo, hi, j->C);
+}
+
+static void bias_gelu_bf16_bw_task(void *ctx, int64_t lo, int64_t hi) {
+  const bias_gelu_bf16_job *j = ctx;
+  fsdp_cpu_vec()->bias_gelu_backward_cols_bf16(j->out, j->dbias, j->dout, j->inp, j->bias, j->N,
+                                               j->C, (int)lo, (int)hi);
+}
+
 int fsdp_cpu_half_bias_gelu_forward(fsdp_dtype dt, void *out, const void *inp, const void *bias,
                                     int64_t N, int C) {
   fsdp_cpu_work w = {0};
   float *fb = whole(&w, bias, dt, C);
+  if (!w.failed && dt == FSDP_DTYPE_BF16) {
+    bias_gelu_bf16_job j = {.out = out, .inp = inp, .bias = fb, .N = N, .C = C};
+    fsdp_cpu_parallel_for(N, fsdp_cpu_grain_rows(C, FSDP_CPU_GRAIN_HEAVY), bias_gelu_bf16_fw_task,
+                          &j);
+    return fsdp_cpu_work_done(&w);
+  }
   if (!w.failed && hmap_fits(C)) {
     hmap m = {.dt = dt, .p = {out, (void *)inp}, .rd = 2, .wr = 1, .keep = 3, .row = C,
               .fn = bias_gelu_fn, .w0 = fb};
@@ -360,7 +389,8 @@ int fsdp_cpu_half_bias_gelu_forward(fsdp_dtype dt, void *out, const void *inp, c
 }
 
 /* The backward sums over rows (the bias gradient), so it is split by columns, as the f32
- * kernel is: a task takes whole columns and walks them in tiles of BG_ROWS rows x BG_COLS
+ * kernel is. bf16: the level's body on bf16 rows, the f32 kernel's sums exactly. f16: a task
+ * takes whole columns and walks them in tiles of BG_ROWS rows x BG_COLS
  * columns, widened into its stack; each tile's column sums (in double, rounded to f32 once per
  * tile) are added in double in row order. The tiles depend on the sizes alone, so the bias
  * gradient has the same bits at any thread count. */
@@ -417,7 +447,14 @@ int fsdp_cpu_half_bias_gelu_backward(fsdp_dtype dt, fsdp_dtype gdt, void *dinp, 
   if (N <= 0 || (!dinp && !dbias)) return FSDP_OK;
   fsdp_cpu_work w = {0};
   float *fb = whole(&w, bias, dt, C), *fdb = dbias ? grad_acc(&w, dbias, gdt, dt, C) : NULL;
-  if (!w.failed) {
+  if (!w.failed && dt == FSDP_DTYPE_BF16) {
+    /* by columns as the f32 kernel: each column's rows added in order, any thread count */
+    bias_gelu_bf16_job j = {.out = dinp, .inp = inp, .dout = dout, .bias = fb, .dbias = fdb,
+                            .N = N, .C = C};
+    int64_t grain = fsdp_cpu_grain_rows(N, FSDP_CPU_GRAIN_HEAVY);
+    fsdp_cpu_parallel_for(C, grain < 64 ? 64 : grain, bias_gelu_bf16_bw_task, &j);
+    if (dbias) put_grad(dbias, gdt, dt, fdb, C);
+  } else if (!w.failed) {
     bias_gelu_job j = {.dt = dt, .dinp = dinp, .dout = dout, .inp = inp, .bias = fb,
                        .dbias = fdb, .N = N, .C = C};
     fsdp_cpu_parallel_for(C, BG_COLS, bias_gelu_bw_task, &j);

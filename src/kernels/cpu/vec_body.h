@@ -148,6 +148,83 @@ VINLINE void bias_gelu_strip(float *dinp, double *acc, const float *dout, const 
   }
 }
 
+/* ---- bias + GELU on bf16 operands: the f32 bodies above with bf16 loads and stores ---------- */
+
+static void bias_gelu_forward_bf16(uint16_t *out, const uint16_t *inp, const float *bias,
+                                   int64_t lo, int64_t hi, int C) {
+  for (int64_t r = lo; r < hi; r++) {
+    const uint16_t *x = inp + r * C;
+    uint16_t *y = out + r * C;
+    int64_t c = 0;
+    for (; c + VW <= C; c += VW)
+      fsdp_vh_store(y, c, C, gelu_v(fsdp_vh_load(x, c, C, 0) + fsdp_vf_load(bias + c)), 0);
+    if (c < C) fsdp_vh_store(y, c, C, gelu_v(fsdp_vh_load(x, c, C, 1) + LD(bias, c, C, 0.0f)), 1);
+  }
+}
+
+VINLINE fsdp_vf bias_gelu_t_bf16(const uint16_t *g, const uint16_t *x, const float *b, int c,
+                                 int len, int tail) {
+  fsdp_vf h = fsdp_vh_load(x, c, len, tail) + fsdp_vt_load(b, c, len, 0.0f, tail);
+  return gelu_grad_v(h) * fsdp_vh_load(g, c, len, tail);
+}
+
+VINLINE void bias_gelu_rows_at_bf16(uint16_t *d, double *acc, const uint16_t *g,
+                                    const uint16_t *x, const float *b, int64_t C, int nr, int c,
+                                    int len, int tail, bool has_d, bool has_acc) {
+  fsdp_vf t0 = bias_gelu_t_bf16(g, x, b, c, len, tail), t1 = t0;
+  if (has_d) fsdp_vh_store(d, c, len, fsdp_vh_load(d, c, len, tail) + t0, tail);
+  if (nr == 2) {
+    t1 = bias_gelu_t_bf16(g + C, x + C, b, c, len, tail);
+    if (has_d) fsdp_vh_store(d + C, c, len, fsdp_vh_load(d + C, c, len, tail) + t1, tail);
+  }
+  if (has_acc) {
+    fsdp_vd a;
+    memcpy(&a, acc + c, sizeof a);
+    a += __builtin_convertvector(t0, fsdp_vd);
+    if (nr == 2) a += __builtin_convertvector(t1, fsdp_vd);
+    memcpy(acc + c, &a, sizeof a);
+  }
+}
+
+VINLINE void bias_gelu_strip_bf16(uint16_t *dinp, double *acc, const uint16_t *dout,
+                                  const uint16_t *inp, const float *b, int64_t N, int64_t C,
+                                  int len, bool has_d, bool has_acc) {
+  for (int64_t r = 0; r < N; r += 2) {
+    const int nr = r + 2 <= N ? 2 : 1;
+    const int64_t o = r * C;
+    uint16_t *d = has_d ? dinp + o : NULL;
+    int c = 0;
+    if (nr == 2) {
+      for (; c + VW <= len; c += VW)
+        bias_gelu_rows_at_bf16(d, acc, dout + o, inp + o, b, C, 2, c, len, 0, has_d, has_acc);
+      if (c < len)
+        bias_gelu_rows_at_bf16(d, acc, dout + o, inp + o, b, C, 2, c, len, 1, has_d, has_acc);
+    } else {
+      for (; c + VW <= len; c += VW)
+        bias_gelu_rows_at_bf16(d, acc, dout + o, inp + o, b, C, 1, c, len, 0, has_d, has_acc);
+      if (c < len)
+        bias_gelu_rows_at_bf16(d, acc, dout + o, inp + o, b, C, 1, c, len, 1, has_d, has_acc);
+    }
+  }
+}
+
+static void bias_gelu_backward_cols_bf16(uint16_t *dinp, float *dbias, const uint16_t *dout,
+                                         const uint16_t *inp, const float *bias, int64_t N,
+                                         int C, int c0, int c1) {
+  double acc[BG_CHUNK];
+  for (int b0 = c0; b0 < c1; b0 += BG_CHUNK) {
+    const int len = c1 - b0 < BG_CHUNK ? c1 - b0 : BG_CHUNK;
+    memset(acc, 0, sizeof(double) * (size_t)len);
+    uint16_t *d = dinp ? dinp + b0 : NULL;
+    if (dinp && dbias)
+      bias_gelu_strip_bf16(d, acc, dout + b0, inp + b0, bias + b0, N, C, len, 1, 1);
+    else if (dinp) bias_gelu_strip_bf16(d, acc, dout + b0, inp + b0, bias + b0, N, C, len, 1, 0);
+    else bias_gelu_strip_bf16(d, acc, dout + b0, inp + b0, bias + b0, N, C, len, 0, 1);
+    if (dbias)
+      for (int j = 0; j < len; j++) dbias[b0 + j] += (float)acc[j];
+  }
+}
+
 /* columns [c0, c1) over all N rows: t = gelu'(inp + bias) * dout, dinp += t, and dbias += the
  * column sums of t (double, rows in order: fsdp_cpu_colsum_acc's arithmetic), one pass */
 static void bias_gelu_backward_cols(float *dinp, float *dbias, const float *dout,
@@ -602,6 +679,8 @@ static void cross_entropy_backward(float *dlogits, float sc, const float *logits
 }
 
 const fsdp_cpu_vec_i FSDP_VEC_TABLE = {
+    .bias_gelu_forward_bf16 = bias_gelu_forward_bf16,
+    .bias_gelu_backward_cols_bf16 = bias_gelu_backward_cols_bf16,
     .relu_forward = relu_forward,
     .relu_backward = relu_backward,
     .gelu_forward = gelu_forward,

@@ -158,6 +158,36 @@ static inline void fsdp_vt_store(float *x, int64_t s, int64_t n, fsdp_vf v, int 
   else fsdp_vf_store(x + s, v);
 }
 
+/* bf16 lanes, for the kernels that read and write bf16 themselves (half.c's native slots).
+ * A load widens exactly (lanes past n read 0); a store rounds to nearest even and keeps NaN
+ * quiet: convert.c's fsdp_cpu_f32_to_bf16 lane by lane, so these kernels give the bits of the
+ * f32 kernel between a widening and a rounding pass. */
+typedef uint16_t fsdp_vh __attribute__((vector_size(FSDP_VW * 2)));
+typedef uint32_t fsdp_vu __attribute__((vector_size(FSDP_VW * 4)));
+
+static inline fsdp_vf fsdp_vh_widen(fsdp_vh h) {
+  return (fsdp_vf)(__builtin_convertvector(h, fsdp_vu) << 16);
+}
+static inline fsdp_vh fsdp_vh_round(fsdp_vf v) {
+  fsdp_vu x = (fsdp_vu)v;
+  fsdp_vu r = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+  fsdp_vu q = (x >> 16) | 0x40u;
+  fsdp_vi nan = (x & 0x7fffffffu) > 0x7f800000u;
+  return __builtin_convertvector((fsdp_vu)((nan & (fsdp_vi)q) | (~nan & (fsdp_vi)r)), fsdp_vh);
+}
+/* a full vector at s, or (tail: a constant at every call) the lanes of [s, n) */
+static inline fsdp_vf fsdp_vh_load(const uint16_t *x, int64_t s, int64_t n, int tail) {
+  fsdp_vh h = {0};
+  if (!tail || s + FSDP_VW <= n) memcpy(&h, x + s, sizeof h);
+  else if (s < n) memcpy(&h, x + s, sizeof(uint16_t) * (size_t)(n - s));
+  return fsdp_vh_widen(h);
+}
+static inline void fsdp_vh_store(uint16_t *x, int64_t s, int64_t n, fsdp_vf v, int tail) {
+  fsdp_vh h = fsdp_vh_round(v);
+  if (!tail || s + FSDP_VW <= n) memcpy(x + s, &h, sizeof h);
+  else if (s < n) memcpy(x + s, &h, sizeof(uint16_t) * (size_t)(n - s));
+}
+
 /* lane l += lane l + h for h = 8, 4, 2, 1: the same tree at every width. Across the lane set's
  * vectors that is whole-vector adds, within one vector a rotate and add (only lanes l < h
  * matter at each step), so no lane goes through memory. */
