@@ -362,8 +362,50 @@ static void test_threads_same_bits(void **state) {
   fsdp_cpu_set_threads(0);
 }
 
+/* Scratch over the memory budget: the slot fails with the budget's message, writes nothing and
+ * gives back what it had taken (layernorm's block partials, attention's per-task rows). */
+static void test_scratch_refused(void **state) {
+  (void)state;
+  DT = FSDP_DTYPE_BF16;
+  fsdp_cpu_set_threads(2);
+  const fsdp_kernels_i *k = K();
+  enum { N = 200, C = 256, B = 4, T = 32, AC = 64, NH = 2 };
+  buf x = mk(N * C, -1, 1), g = mk(N * C, -1, 1), d = mk(N * C, -1, 1), w = mk(C, 0.5f, 1.5f);
+  buf qkv = mk(B * T * 3 * AC, -1, 1), o = mk(B * T * AC, -1, 1), a = mk(B * NH * T * T, 0, 1);
+  float mean[N], rstd[N], dw[C];
+  for (int i = 0; i < N; i++) mean[i] = 0.1f, rstd[i] = 1.5f;
+  memset(dw, 0, sizeof dw);
+  uint16_t *d0 = malloc(sizeof(uint16_t) * N * C), *o0 = malloc(sizeof(uint16_t) * B * T * AC);
+  assert_non_null(d0);
+  assert_non_null(o0);
+  memcpy(d0, d.h, sizeof(uint16_t) * N * C);
+  memcpy(o0, o.h, sizeof(uint16_t) * B * T * AC);
+  fsdp_mem_domain *dom = fsdp_mem_domain_new();
+  assert_non_null(dom);
+  fsdp_mem_domain_set(dom);
+  fsdp_mem_set_limit(dom, 1024);
+  assert_int_equal(k->layernorm_backward(CTX, DT, FSDP_DTYPE_F32, d.h, dw, NULL, g.h, x.h, w.h,
+                                         mean, rstd, N, C),
+                   FSDP_ERR);
+  assert_non_null(strstr(fsdp_error_msg(), "out of memory budget"));
+  assert_memory_equal(d.h, d0, sizeof(uint16_t) * N * C);
+  for (int i = 0; i < C; i++) assert_true(dw[i] == 0.0f);
+  assert_int_equal(k->attention_forward(CTX, DT, o.h, a.h, qkv.h, B, T, AC, NH), FSDP_ERR);
+  assert_non_null(strstr(fsdp_error_msg(), "out of memory budget"));
+  assert_memory_equal(o.h, o0, sizeof(uint16_t) * B * T * AC);
+  fsdp_mem_report r;
+  fsdp_mem_report_get(dom, &r);
+  for (int i = 0; i < r.ndevices; i++) assert_int_equal(r.counts[i].live_total, 0);
+  fsdp_mem_domain_set(NULL);
+  fsdp_mem_domain_free(dom);
+  free(d0), free(o0);
+  rm(&x), rm(&g), rm(&d), rm(&w), rm(&qkv), rm(&o), rm(&a);
+  fsdp_cpu_set_threads(0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_scratch_refused),
       cmocka_unit_test(test_bf16),
       cmocka_unit_test(test_f16),
       cmocka_unit_test(test_threads_same_bits),

@@ -1,19 +1,26 @@
 /*
- * half.c — the bf16 / f16 conversion pass of the cpu table, chunk by chunk.
+ * half.c — the bf16 / f16 kernels of the cpu table: a conversion pass around the f32 kernels,
+ * and bf16 kernels of their own where they pay.
  *
- * Debian's OpenBLAS has no bf16 GEMM, so half-precision kernels widen their inputs to f32, run
- * the f32 kernel and round the outputs back (gradients that accumulate are widened first, so +=
- * keeps its meaning). Doing that over whole tensors would allocate f32 copies of every
- * activation a kernel touches: the mixed-precision step's peak memory would carry several full
- * f32 activations on top of the bf16 ones it saves. So the pass works on chunks of rows (at most
- * CHUNK elements per buffer): the scratch stays a few hundred KiB, in cache, and a tensor's
- * conversion and its math run back to back. Small operands (a weight, a bias, a broadcast
- * operand) are widened once per call; their gradients accumulate in f32 across chunks and are
- * rounded once at the end.
+ * The cpu has no half-precision arithmetic outside the native bf16 GEMMs (gemm.h), so a half
+ * kernel widens its inputs to f32, runs the f32 kernel and rounds the outputs back once
+ * (gradients that accumulate are widened first, so += keeps its meaning). Doing that over whole
+ * tensors would allocate f32 copies of every activation a kernel touches, so it goes piece by
+ * piece, in the way each kernel allows:
+ *  - element-wise and row kernels: one task per thread, slices on the task's stack (the fused
+ *    pass below); every output element is the f32 kernel's on the widened inputs, rounded once;
+ *  - bias + GELU on bf16: the instruction-set level's own bodies, loading and storing bf16 lanes;
+ *  - sums over rows: the f32 kernel's fixed blocks (layernorm), column tiles (bias + GELU on
+ *    f16), column sums read straight from bf16 (a linear's bias);
+ *  - attention: one batch row per task; GEMM-based kernels without the native path, losses and
+ *    rows longer than a slice: chunks of rows (at most CHUNK elements per buffer).
+ * Small operands (a weight, a bias, a broadcast operand) are widened once per call; their
+ * gradients accumulate in f32 and are rounded once at the end.
  *
- * Scratch is allocated through core (role activations), so the memory report includes it.
- * Results are deterministic; they can differ in the last f32 bits from one whole-tensor call
- * (a weight gradient sums its chunks' products in chunk order), which is below bf16's precision.
+ * Heap scratch is allocated through core (role activations), so the memory report includes it.
+ * Results are deterministic and do not depend on the thread count (tests/c/test_half.c); the
+ * chunked loops can differ in the last f32 bits from one whole-tensor call (a weight gradient
+ * sums its chunks' products in chunk order), which is below bf16's precision.
  */
 #include <math.h>
 #include <string.h>
@@ -115,8 +122,9 @@ struct hmap {
   const int64_t *targets;
   float s, t;
   int op;
+  bool same; /* binary backward: db is da (x * x) */
   uint64_t key, first;
-  int64_t ignore, count, n;
+  int64_t ignore, count;
   /* the table's f32 unary kernels */
   void (*uf)(fsdp_unary_op, float *, const float *, int64_t);
   void (*ub)(fsdp_unary_op, float *, const float *, const float *, const float *, int64_t);
@@ -233,7 +241,7 @@ int fsdp_cpu_half_binary_forward(fsdp_dtype dt, void *out, const void *a, const 
 /* operands: da, db (NULL when it is da: x * x), dout, a, b */
 static void binary_bw_fn(const hmap *m, float *const *f, int64_t u0, int64_t nu) {
   (void)u0;
-  fsdp_cpu_binary_backward(f[0], m->count ? f[0] : f[1], f[2], f[3], f[4], nu, nu,
+  fsdp_cpu_binary_backward(f[0], m->same ? f[0] : f[1], f[2], f[3], f[4], nu, nu,
                            (fsdp_binop)m->op);
 }
 
@@ -244,7 +252,7 @@ int fsdp_cpu_half_binary_backward(fsdp_dtype dt, void *da, void *db, const void 
     const bool same = db == da;
     hmap h = {.dt = dt, .p = {da, same ? NULL : db, (void *)dout, (void *)a, (void *)b},
               .rd = 0x1f, .wr = 3, .keep = 0x1c, .row = 1, .fn = binary_bw_fn, .op = op,
-              .count = same};
+              .same = same};
     hmap_run(&h, n);
     return FSDP_OK;
   }
@@ -390,10 +398,10 @@ int fsdp_cpu_half_bias_gelu_forward(fsdp_dtype dt, void *out, const void *inp, c
 
 /* The backward sums over rows (the bias gradient), so it is split by columns, as the f32
  * kernel is. bf16: the level's body on bf16 rows, the f32 kernel's sums exactly. f16: a task
- * takes whole columns and walks them in tiles of BG_ROWS rows x BG_COLS
- * columns, widened into its stack; each tile's column sums (in double, rounded to f32 once per
- * tile) are added in double in row order. The tiles depend on the sizes alone, so the bias
- * gradient has the same bits at any thread count. */
+ * takes whole columns and walks them in tiles of BG_ROWS rows x BG_COLS columns, widened into
+ * its stack; each tile's column sums (in double, rounded to f32 once per tile) are added in
+ * double in row order. The tiles depend on the sizes alone, so the bias gradient has the same
+ * bits at any thread count. */
 #define BG_COLS 256
 #define BG_ROWS (SLICE / BG_COLS)
 
