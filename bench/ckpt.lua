@@ -11,15 +11,22 @@ require "fsdp.checkpoint"
 local nn = fsdp.nn
 local core = fsdp.core
 
-local a = fsdp.args
-local dir = a.dir or "/tmp/fsdp_bench_ckpt"
-local reps = a["repeat"] or 3
+local a = fsdp.args {
+  description = "Checkpoint save / load time and peak memory per rank (not a test).",
+  { "dir", "/tmp/fsdp_bench_ckpt", "string", "where the checkpoints are written" },
+  { "repeat", 3, "integer", "runs per figure (the median is reported)", min = 1 },
+  { "layers", 6, "integer", "GPT blocks", min = 1 },
+  { "d", 384, "integer", "GPT width", min = 1 },
+  { "heads", 6, "integer", "attention heads", min = 1 },
+}
+local dir = a.dir
+local reps = a["repeat"]
 local rank, W = fsdp.rank(), fsdp.world_size()
 local function say(...) if rank == 0 then print(...) end end
 local MB = 1024 * 1024
 
 fsdp.manual_seed(0)
-local cfg = {vocab = 256, ctx = 256, d = a.d or 384, layers = a.layers or 6, heads = a.heads or 6, tie = true}
+local cfg = {vocab = 256, ctx = 256, d = a.d, layers = a.layers, heads = a.heads, tie = true}
 local model = nn.GPT(cfg)
 local nparams = model:num_parameters()
 fsdp.wrap(model, {policy = fsdp.policy.modules{nn.Block}})

@@ -12,16 +12,26 @@ local fsdp = require "fsdp"
 local nn = fsdp.nn
 local core = fsdp.core
 local lib = dofile((arg[0]:match("^(.*[/\\])") or "") .. "lib.lua")
-local args = fsdp.args
-local dev = args.device or "cuda"
+local args = fsdp.args {
+  description = "The largest GPT that trains on one GPU, with and without CPU offload (not a test).",
+  { "device", "cuda", "string", "the device" },
+  { "d", 768, "integer", "width", min = 1 },
+  { "layers", 12, "integer", "blocks", min = 1 },
+  { "heads", nil, "integer", "attention heads (default d / 64)", min = 1 },
+  { "vocab", 50304, "integer", "vocabulary", min = 2 },
+  { "ctx", 1024, "integer", "tokens per sequence", min = 1 },
+  { "batch", 1, "integer", "sequences per step", min = 1 },
+  { "offload", nil, "string", "offload the shards to this device's host memory", choices = { "cpu" } },
+}
+local dev = args.device
 if dev ~= "cpu" and fsdp.device_count(dev) == 0 then
   print(("gpu_offload: no %s device here"):format(dev))
   os.exit(77)
 end
-local d, L = args.d or 768, args.layers or 12
-local cfg = {vocab = args.vocab or 50304, ctx = args.ctx or 1024, d = d, layers = L,
+local d, L = args.d, args.layers
+local cfg = {vocab = args.vocab, ctx = args.ctx, d = d, layers = L,
              heads = args.heads or math.max(1, math.floor(d / 64)), tie = true}
-local B, T = args.batch or 1, cfg.ctx
+local B, T = args.batch, cfg.ctx
 local r = {what = "gpu_offload", layers = L, d = d, offload = args.offload or false, batch = B,
            ctx = T}
 local ok, err = pcall(function()

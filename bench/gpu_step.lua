@@ -22,14 +22,30 @@ local nn = fsdp.nn
 local core = fsdp.core
 local lib = dofile((arg[0]:match("^(.*[/\\])") or "") .. "lib.lua")
 
-local args = fsdp.args
-local dev = args.device or "cuda"
-local cfg = {vocab = args.vocab or 50304, ctx = args.ctx or 1024, d = args.d or 768,
-             layers = args.layers or 12, heads = args.heads or 12, tie = true}
-local B, T = args.batch or 8, args.ctx or 1024
-local steps, warmup = args.steps or 10, args.warmup or 3
-local mp = args.mp or "bf16"
-local budget = args.time_limit or 120 -- seconds for the timed steps: stop early past it
+local args = fsdp.args {
+  description = "GPT-2 small train step on one GPU under bf16 mixed precision (not a test).",
+  { "device", "cuda", "string", "the device (cpu for a dry run of a shrunk model)" },
+  { "steps", 10, "integer", "timed steps", min = 1 },
+  { "warmup", 3, "integer", "untimed steps first", min = 0 },
+  { "batch", 8, "integer", "sequences per step", min = 1 },
+  { "ctx", 1024, "integer", "tokens per sequence", min = 1 },
+  { "vocab", 50304, "integer", "vocabulary", min = 2 },
+  { "d", 768, "integer", "width", min = 1 },
+  { "layers", 12, "integer", "blocks", min = 1 },
+  { "heads", 12, "integer", "attention heads", min = 1 },
+  { "mp", "bf16", "string", "precision", choices = { "bf16", "f16", "f32" } },
+  { "time_limit", 120, "number", "seconds for the timed steps: stop early past it", min = 0 },
+  { "peak_tflops", nil, "number", "the MFU denominator (gemm_peak's figure)", min = 0 },
+  { "peak_n", 8192, "integer", "size of the fallback matmul that measures the peak", min = 1 },
+  { "json", nil, "string", "append one JSON line to this file" },
+}
+local dev = args.device
+local cfg = {vocab = args.vocab, ctx = args.ctx, d = args.d, layers = args.layers,
+             heads = args.heads, tie = true}
+local B, T = args.batch, args.ctx
+local steps, warmup = args.steps, args.warmup
+local mp = args.mp
+local budget = args.time_limit -- seconds for the timed steps: stop early past it
 
 if dev ~= "cpu" and fsdp.device_count(dev) == 0 then
   print(("gpu_step: no %s device here (fsdp.device_count(%q) is 0)"):format(dev, dev))
@@ -40,7 +56,7 @@ local median = lib.median
 
 -- the engine's own bf16 matmul rate (the fallback MFU denominator)
 local function engine_peak()
-  local n = args.peak_n or 8192
+  local n = args.peak_n
   fsdp.manual_seed(1)
   local a = fsdp.randn({n, n}, {dtype = "bf16", device = dev})
   local b = fsdp.randn({n, n}, {dtype = "bf16", device = dev})
@@ -59,7 +75,7 @@ end
 
 local peak, peak_source = args.peak_tflops, "gemm_peak (cuBLASLt)"
 if not peak then
-  peak, peak_source = engine_peak(), ("the engine's bf16 matmul %d^3"):format(args.peak_n or 8192)
+  peak, peak_source = engine_peak(), ("the engine's bf16 matmul %d^3"):format(args.peak_n)
 end
 
 fsdp.manual_seed(0)

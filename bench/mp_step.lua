@@ -11,10 +11,19 @@ local fsdp = require "fsdp"
 local nn = fsdp.nn
 local core = fsdp.core
 
-local args = fsdp.args
-local steps, rounds = args.steps or 5, args.rounds or 3
-local mp = args.mp or "bf16"
-local B, T, V = args.batch or 8, args.ctx or 256, 256
+local args = fsdp.args {
+  description = "Mixed-precision GPT train step against f32 (not a test).",
+  { "steps", 5, "integer", "steps per round and model", min = 1 },
+  { "rounds", 3, "integer", "rounds (f32 and mp alternate)", min = 1 },
+  { "mp", "bf16", "string", "the mixed precision", choices = { "bf16", "f16", "f32" } },
+  { "mp_only", false, "boolean", "the mixed-precision model alone (profiling)" },
+  { "only", nil, "string", "run the models whose name contains this (L4-d256, L6-d384)" },
+  { "batch", 8, "integer", "sequences per step (global)", min = 1 },
+  { "ctx", 256, "integer", "tokens per sequence", min = 1 },
+}
+local steps, rounds = args.steps, args.rounds
+local mp = args.mp
+local B, T, V = args.batch, args.ctx, 256
 local configs = {
   { name = "L4-d256", layers = 4, d = 256, heads = 4 },
   { name = "L6-d384", layers = 6, d = 384, heads = 6 },

@@ -14,11 +14,16 @@ require "fsdp.mask"
 local prune = require "fsdp.prune"
 local core = fsdp.core
 local nn = fsdp.nn
-local a = fsdp.args
-local reps = a.reps or 5
+local a = fsdp.args {
+  description = "fsdp.sparsity and global magnitude pruning on shards against full_params (not a test).",
+  { "reps", 5, "integer", "repetitions (the median is reported)", min = 1 },
+  { "d", 256, "integer", "GPT width", min = 4 },
+  { "layers", 6, "integer", "GPT blocks", min = 1 },
+}
+local reps = a.reps
 
 fsdp.manual_seed(0)
-local model = nn.GPT{vocab = 256, ctx = 128, d = a.d or 256, layers = a.layers or 6, heads = 4, tie = true}
+local model = nn.GPT{vocab = 256, ctx = 128, d = a.d, layers = a.layers, heads = 4, tie = true}
 fsdp.wrap(model, {policy = fsdp.policy.modules{nn.Block}})
 local weights = "%.weight$"
 
@@ -48,7 +53,7 @@ local function measure(name, fn)
 end
 
 if fsdp.rank() == 0 then
-  print(("GPT d=%d layers=%d: %.2fM parameters, %d ranks"):format(a.d or 256, a.layers or 6,
+  print(("GPT d=%d layers=%d: %.2fM parameters, %d ranks"):format(a.d, a.layers,
     model:num_parameters() / 1e6, fsdp.world_size()))
 end
 local t1 = measure("fsdp.sparsity (shards)", function() fsdp.sparsity(model) end)

@@ -4,7 +4,13 @@
 --   fsdprun bench/tokens_rss.lua --file=/tmp/big.bin [--steps=2000] [--ctx=1024] [--batch=64]
 -- The file needs its sidecar (/tmp/big.json: {"dtype": "uint16", "vocab_size": 65536, "count": N}).
 local fsdp = require "fsdp"
-local a = fsdp.args
+local a = fsdp.args {
+  description = "Resident memory of fsdp.data.tokens over a large token file (not a test).",
+  { "file", nil, "string", "the token file (with its .json sidecar; required)" },
+  { "steps", 2000, "integer", "batches to read", min = 1 },
+  { "ctx", 1024, "integer", "tokens per window", min = 1 },
+  { "batch", 64, "integer", "windows per batch", min = 1 },
+}
 
 local function status()
   local f = assert(io.open("/proc/self/status"))
@@ -15,7 +21,8 @@ local function status()
     (kb("RssFile") or 0) / 1024, kb("VmHWM") / 1024)
 end
 
-local steps, ctx, batch = tonumber(a.steps) or 2000, tonumber(a.ctx) or 1024, tonumber(a.batch) or 64
+if not a.file then error("tokens_rss: --file=PATH is required (a token file with its sidecar)", 0) end
+local steps, ctx, batch = a.steps, a.ctx, a.batch
 print("before opening:      " .. status())
 local L = fsdp.data.tokens(a.file, {ctx = ctx, batch = batch, seed = 1})
 print(("opened %s: %d tokens (%.2f GiB, %s)"):format(L.path, L.count,
