@@ -108,6 +108,11 @@ int fsdp_backward_adopt(fsdp_tensor *root, fsdp_tensor *grad);
  * Every call counts as an in-place write of t->grad (its version is bumped), so whoever set
  * t->grad to a buffer of its own can tell whether any gradient reached t since. */
 void *fsdp_grad_acc(fsdp_tensor *t);
+/* The same for a backward function that overwrites every element of a new buffer: when t has
+ * no gradient yet, the buffer is created uninitialised and *fresh is true (the caller writes it
+ * whole, or zero-fills it if it fails); otherwise *fresh is false and the caller accumulates.
+ * Saves the zero-fill and the read of the zeros for the first gradient of an activation. */
+void *fsdp_grad_acc_fresh(fsdp_tensor *t, bool *fresh);
 /* Whether op outputs from these inputs need recording. */
 bool fsdp_needs_grad(fsdp_tensor *const *in, int n);
 

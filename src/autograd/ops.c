@@ -590,17 +590,34 @@ bad:
                     FSDP_SHAPE_STR(a), FSDP_SHAPE_STR(b));
 }
 
+/* A linear's input gradient, when it is the input's first (the usual case: a layernorm's or an
+ * activation's output feeds one linear), is written by a GEMM with beta = 0 into a buffer that is
+ * never zero-filled: one pass over it instead of three (fill, read, write). */
 static int bw_linear(fsdp_node *n) {
-  void *dx, *dw, *db;
+  void *dx = NULL, *dw, *db;
   fsdp_dtype gw = NDT(n), gb = NDT(n);
-  if (grad_of(n, 0, &dx) || wgrad_of(n, 1, &dw, &gw) || wgrad_of(n, 2, &db, &gb))
+  bool fresh = false;
+  fsdp_tensor *x = n->in[0];
+  const fsdp_kernels_i *k = NK(n);
+  if (x && x->requires_grad && !x->grad && k->gemm && k->fill) {
+    if (!(dx = fsdp_grad_acc_fresh(x, &fresh))) return FSDP_ERR;
+  } else if (grad_of(n, 0, &dx)) {
     return FSDP_ERR;
-  if (dw && db && gw != gb)
-    return fsdp_error("linear: the weight's gradient is %s, the bias's %s", fsdp_dtype_name(gw),
-                      fsdp_dtype_name(gb));
-  return NK(n)->linear_backward(NCTX(n), NDT(n), dw ? gw : gb, dx, dw, db, D(n->out->grad),
-                                D(n->saved[0]),
-                                D(n->saved[1]), (int)n->i[0], (int)n->i[1], (int)n->i[2]);
+  }
+  int rc = wgrad_of(n, 1, &dw, &gw) || wgrad_of(n, 2, &db, &gb) ? FSDP_ERR : FSDP_OK;
+  if (!rc && dw && db && gw != gb)
+    rc = fsdp_error("linear: the weight's gradient is %s, the bias's %s", fsdp_dtype_name(gw),
+                    fsdp_dtype_name(gb));
+  const int M = (int)n->i[0], K = (int)n->i[1], N = (int)n->i[2];
+  if (!rc && fresh) /* dx (M, K) = dout (M, N) @ weight (N, K) */
+    rc = k->gemm(NCTX(n), NDT(n), dx, D(n->out->grad), D(n->saved[1]), M, K, N, false, false,
+                 1.0, 0.0, N, K, K);
+  if (!rc && (!fresh || dw || db))
+    rc = k->linear_backward(NCTX(n), NDT(n), dw ? gw : gb, fresh ? NULL : dx, dw, db,
+                            D(n->out->grad), D(n->saved[0]), D(n->saved[1]), M, K, N);
+  if (rc && fresh) /* never leave an uninitialised gradient behind */
+    k->fill(NCTX(n), NDT(n), dx, 0.0, fsdp_tensor_numel(x->grad));
+  return rc;
 }
 
 int fsdp_op_linear(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *w, fsdp_tensor *b) {

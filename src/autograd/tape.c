@@ -138,16 +138,26 @@ void fsdp_tape_clear(void) {
   tape_cap = 0;
 }
 
-void *fsdp_grad_acc(fsdp_tensor *t) {
+/* fresh NULL: a new buffer is zero-filled; else it is left as allocated and *fresh says so */
+static void *grad_acc(fsdp_tensor *t, bool *fresh) {
+  if (fresh) *fresh = false;
   if (!t->grad) {
     fsdp_tensor *g;
     fsdp_role role = t->is_leaf ? FSDP_ROLE_GRADS : FSDP_ROLE_ACTIVATIONS;
-    if (fsdp_tensor_new(&g, t->storage->device, t->dtype, t->ndim, t->shape, role)) return NULL;
+    const fsdp_device_i *dev = t->storage->device;
+    if (fresh ? fsdp_tensor_new_uninit(&g, dev, t->dtype, t->ndim, t->shape, role)
+              : fsdp_tensor_new(&g, dev, t->dtype, t->ndim, t->shape, role))
+      return NULL;
     t->grad = g; /* the new reference moves into t */
+    if (fresh) *fresh = true;
   }
   t->grad->version++; /* a write: whoever installed t->grad can see that a gradient arrived */
   return fsdp_tensor_data(t->grad, "gradient");
 }
+
+void *fsdp_grad_acc(fsdp_tensor *t) { return grad_acc(t, NULL); }
+
+void *fsdp_grad_acc_fresh(fsdp_tensor *t, bool *fresh) { return grad_acc(t, fresh); }
 
 /* The tensors n's backward reads must be as they were when n was recorded. */
 static int check_versions(const fsdp_node *n) {

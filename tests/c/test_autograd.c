@@ -25,6 +25,7 @@
 #include <cmocka.h>
 
 #include "autograd/autograd.h"
+#include "kernels/cpu/gemm.h"
 
 /* ---- helpers ---------------------------------------------------------------------------- */
 
@@ -1054,6 +1055,81 @@ static void test_used_twice(void **state) {
   fsdp_tensor_release(x);
 }
 
+/* A linear's input gradient, when it is the input's first, is written by a GEMM into a buffer
+ * that was never zero-filled; when the input already has a gradient, the linear adds to it.
+ * Both orders give ds/dx = the column sums of w + 1 for s = sum(x + linear(x)). */
+static void test_linear_first_gradient(void **state) {
+  (void)state;
+  rng_reset(31);
+  fsdp_tensor *w = rnd(2, SHAPE(4, 4), -1, 1);
+  const float *wv = fsdp_tensor_data(w, "t");
+  for (int order = 0; order < 2; order++) {
+    fsdp_tensor *x = rnd(2, SHAPE(3, 4), -1, 1), *y, *c, *z, *s;
+    x->requires_grad = true;
+    assert_int_equal(fsdp_op_affine(&c, x, 1.0f, 0.0f), FSDP_OK);
+    assert_int_equal(fsdp_op_linear(&y, x, w, NULL), FSDP_OK);
+    /* order 0: the add's backward reaches x first (x + linear(x) with x used directly);
+     * order 1: the linear's does (the affine copy of x is recorded before the linear) */
+    assert_int_equal(fsdp_op_binary(&z, order ? c : x, y, FSDP_OP_ADD), FSDP_OK);
+    assert_int_equal(fsdp_op_sum(&s, z), FSDP_OK);
+    assert_int_equal(fsdp_backward(s, NULL), FSDP_OK);
+    const float *g = fsdp_tensor_data(x->grad, "t");
+    for (int i = 0; i < 3; i++)
+      for (int k = 0; k < 4; k++) {
+        float want = 1.0f;
+        for (int n = 0; n < 4; n++) want += wv[n * 4 + k];
+        assert_float_equal(g[i * 4 + k], want, 1e-5);
+      }
+    fsdp_tensor *all[] = {x, y, c, z, s};
+    for (int i = 0; i < 5; i++) fsdp_tensor_release(all[i]);
+  }
+  fsdp_tensor_release(w);
+}
+
+/* The GEMM that writes a first input gradient fails (bf16 through the conversion pass, whose f32
+ * scratch is over the memory budget): the error comes back and the new gradient holds zeros,
+ * never what the allocator left there. */
+static void test_linear_first_gradient_failure(void **state) {
+  (void)state;
+  fsdp_cpu_bf16_gemm_force(0);
+  fsdp_mem_domain *d = fsdp_mem_domain_new();
+  assert_non_null(d);
+  fsdp_mem_domain_set(d);
+  enum { M = 64, K = 64, N = 64 };
+  fsdp_tensor *x, *w, *y, *s;
+  assert_int_equal(fsdp_tensor_new(&x, &fsdp_device_cpu, FSDP_DTYPE_BF16, 2, SHAPE(M, K),
+                                   FSDP_ROLE_OTHER),
+                   FSDP_OK);
+  assert_int_equal(fsdp_tensor_new(&w, &fsdp_device_cpu, FSDP_DTYPE_BF16, 2, SHAPE(N, K),
+                                   FSDP_ROLE_OTHER),
+                   FSDP_OK);
+  uint16_t *xv = fsdp_tensor_data(x, "t"), *wv = fsdp_tensor_data(w, "t");
+  for (int i = 0; i < M * K; i++) xv[i] = fsdp_f32_to_bf16(0.01f * (float)(i % 7));
+  for (int i = 0; i < N * K; i++) wv[i] = fsdp_f32_to_bf16(0.02f * (float)(i % 5));
+  x->requires_grad = true;
+  assert_int_equal(fsdp_op_linear(&y, x, w, NULL), FSDP_OK);
+  assert_int_equal(fsdp_op_sum(&s, y), FSDP_OK);
+  fsdp_mem_report r;
+  fsdp_mem_report_get(d, &r);
+  int64_t live = 0;
+  for (int i = 0; i < r.ndevices; i++) live += r.counts[i].live_total;
+  /* room for y's and x's bf16 gradients (8 KiB each) and for the sum's backward (16 KiB of
+   * scratch, given back), not for the GEMM's f32 copies (16 KiB each) on top of both gradients */
+  fsdp_mem_set_limit(d, live + 28 * 1024);
+  assert_int_equal(fsdp_backward(s, NULL), FSDP_ERR);
+  assert_non_null(strstr(fsdp_error_msg(), "out of memory budget"));
+  assert_non_null(x->grad);
+  const uint16_t *g = fsdp_tensor_data(x->grad, "t");
+  for (int i = 0; i < M * K; i++) assert_int_equal(g[i], 0);
+  fsdp_mem_set_limit(d, 0);
+  fsdp_tape_clear();
+  fsdp_tensor *all[] = {x, w, y, s};
+  for (int i = 0; i < 4; i++) fsdp_tensor_release(all[i]);
+  fsdp_mem_domain_set(NULL);
+  fsdp_mem_domain_free(d);
+  fsdp_cpu_bf16_gemm_force(-1);
+}
+
 static void test_accumulate_and_free(void **state) {
   (void)state;
   rng_reset(21);
@@ -1992,6 +2068,8 @@ int main(void) {
       cmocka_unit_test(test_grad_softmax_dim),
       cmocka_unit_test(test_grad_to),
       cmocka_unit_test(test_used_twice),
+      cmocka_unit_test(test_linear_first_gradient),
+      cmocka_unit_test(test_linear_first_gradient_failure),
       cmocka_unit_test(test_accumulate_and_free),
       cmocka_unit_test(test_no_grad),
       cmocka_unit_test(test_backward_errors),
