@@ -58,7 +58,7 @@ static void k_bias_gelu_fwd(bctx *c) {
   fsdp_cpu_bias_gelu_forward(c->y, c->x, c->b, c->rows, (int)c->cols);
 }
 static void k_bias_gelu_bwd(bctx *c) {
-  fsdp_cpu_bias_gelu_backward(c->dx, c->db, c->dy, c->x, c->b, c->rows, (int)c->cols);
+  fsdp_cpu_bias_gelu_backward(c->dx, c->db, c->dy, c->x, c->b, c->rows, (int)c->cols, false);
 }
 /* what the fused pair replaces: the bias seeded into the output (fsdp_cpu_linear_forward), the
  * GELU; the GELU's backward and the bias's column sum */

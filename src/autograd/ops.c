@@ -454,13 +454,26 @@ done:
 
 /* ---- bias + gelu ------------------------------------------------------------------------ */
 
+/* x's gradient, when it is its first (x is a linear's output), is written, not added: the
+ * buffer is never zero-filled (as bw_linear's input gradient) */
 static int bw_bias_gelu(fsdp_node *n) {
-  void *dx, *db;
+  void *dx = NULL, *db;
   fsdp_dtype gb = NDT(n);
-  if (grad_of(n, 0, &dx) || wgrad_of(n, 1, &db, &gb)) return FSDP_ERR;
-  if (!dx && !db) return FSDP_OK;
-  return NK(n)->bias_gelu_backward(NCTX(n), NDT(n), gb, dx, db, D(n->out->grad), D(n->saved[0]),
-                                   D(n->saved[1]), n->i[0], (int)n->i[1]);
+  bool fresh = false;
+  fsdp_tensor *x = n->in[0];
+  const fsdp_kernels_i *k = NK(n);
+  if (x && x->requires_grad && !x->grad && k->fill) {
+    if (!(dx = fsdp_grad_acc_fresh(x, &fresh))) return FSDP_ERR;
+  } else if (grad_of(n, 0, &dx)) {
+    return FSDP_ERR;
+  }
+  int rc = wgrad_of(n, 1, &db, &gb);
+  if (!rc && (dx || db))
+    rc = k->bias_gelu_backward(NCTX(n), NDT(n), gb, dx, db, D(n->out->grad), D(n->saved[0]),
+                               D(n->saved[1]), n->i[0], (int)n->i[1], fresh);
+  if (rc && fresh) /* never leave an uninitialised gradient behind */
+    k->fill(NCTX(n), NDT(n), dx, 0.0, fsdp_tensor_numel(x->grad));
+  return rc;
 }
 
 int fsdp_op_bias_gelu(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *b) {

@@ -258,8 +258,9 @@ typedef struct fsdp_kernels_i {
                       const void *const *src, int nsrc, int64_t n);
 
   /* ---- optional fusions ---- */
-  /* optional: out (N, C) = gelu(inp (N, C) + bias (C)), and its backward: dinp += t, dbias +=
-   * the column sums of t, t = gelu'(inp + bias) dout (dinp or dbias may be NULL); gdt is
+  /* optional: out (N, C) = gelu(inp (N, C) + bias (C)), and its backward: dinp += t (set_dinp:
+   * dinp = t, its old contents never read), dbias += the column sums of t, t = gelu'(inp +
+   * bias) dout (dinp or dbias may be NULL); gdt is
    * dbias's dtype (dt, or f32 when dt is bf16 or f16: mixed precision). fsdp_op_bias_gelu calls
    * them for f32, bf16 and f16 and composes add and gelu for other dtypes or where the slots
    * are NULL. */
@@ -267,7 +268,7 @@ typedef struct fsdp_kernels_i {
                            const void *bias, int64_t N, int C);
   int (*bias_gelu_backward)(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *dinp, void *dbias,
                             const void *dout, const void *inp, const void *bias, int64_t N,
-                            int C);
+                            int C, bool set_dinp);
 
   /* ---- modes ---- */
   /* optional: deterministic mode on or off (fsdp.deterministic): every kernel then gives

@@ -1130,6 +1130,47 @@ static void test_linear_first_gradient_failure(void **state) {
   fsdp_cpu_bf16_gemm_force(-1);
 }
 
+/* The same for bias + GELU's input gradient: bf16, the kernel's f32 copy of the bias over the
+ * memory budget, and the new gradient comes back zero-filled with the error. */
+static void test_bias_gelu_first_gradient_failure(void **state) {
+  (void)state;
+  fsdp_mem_domain *d = fsdp_mem_domain_new();
+  assert_non_null(d);
+  fsdp_mem_domain_set(d);
+  enum { C = 2048 };
+  const int64_t u = C * 2; /* bytes of one bf16 row */
+  fsdp_tensor *x, *b, *y, *s;
+  assert_int_equal(fsdp_tensor_new(&x, &fsdp_device_cpu, FSDP_DTYPE_BF16, 2, SHAPE(1, C),
+                                   FSDP_ROLE_OTHER),
+                   FSDP_OK);
+  assert_int_equal(fsdp_tensor_new(&b, &fsdp_device_cpu, FSDP_DTYPE_BF16, 1, SHAPE(C),
+                                   FSDP_ROLE_OTHER),
+                   FSDP_OK);
+  uint16_t *xv = fsdp_tensor_data(x, "t");
+  for (int i = 0; i < C; i++) xv[i] = fsdp_f32_to_bf16(0.01f * (float)(i % 7));
+  x->requires_grad = true;
+  assert_int_equal(fsdp_op_bias_gelu(&y, x, b), FSDP_OK);
+  assert_int_equal(fsdp_op_sum(&s, y), FSDP_OK);
+  fsdp_mem_report r;
+  fsdp_mem_report_get(d, &r);
+  int64_t live = 0;
+  for (int i = 0; i < r.ndevices; i++) live += r.counts[i].live_total;
+  /* the sum's backward needs y's gradient and f32 scratch (3 rows' bytes at once), x's new
+   * gradient one more row, and the bias's f32 copy two: one too many */
+  fsdp_mem_set_limit(d, live + 3 * u + 1024);
+  assert_int_equal(fsdp_backward(s, NULL), FSDP_ERR);
+  assert_non_null(strstr(fsdp_error_msg(), "out of memory budget"));
+  assert_non_null(x->grad);
+  const uint16_t *g = fsdp_tensor_data(x->grad, "t");
+  for (int i = 0; i < C; i++) assert_int_equal(g[i], 0);
+  fsdp_mem_set_limit(d, 0);
+  fsdp_tape_clear();
+  fsdp_tensor *all[] = {x, b, y, s};
+  for (int i = 0; i < 4; i++) fsdp_tensor_release(all[i]);
+  fsdp_mem_domain_set(NULL);
+  fsdp_mem_domain_free(d);
+}
+
 static void test_accumulate_and_free(void **state) {
   (void)state;
   rng_reset(21);
@@ -2070,6 +2111,7 @@ int main(void) {
       cmocka_unit_test(test_used_twice),
       cmocka_unit_test(test_linear_first_gradient),
       cmocka_unit_test(test_linear_first_gradient_failure),
+      cmocka_unit_test(test_bias_gelu_first_gradient_failure),
       cmocka_unit_test(test_accumulate_and_free),
       cmocka_unit_test(test_no_grad),
       cmocka_unit_test(test_backward_errors),

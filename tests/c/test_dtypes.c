@@ -440,7 +440,7 @@ static int r_bias_gelu_forward(run *r, int a) {
 static int r_bias_gelu_backward(run *r, int a) {
   void *dx = acc(r, 3 * 8, G_SIGNED), *db = wacc(r, a, 8, G_SIGNED);
   const void *g = in(r, 3 * 8, G_SIGNED), *x = in(r, 3 * 8, G_SIGNED), *b = in(r, 8, G_SIGNED);
-  return K()->bias_gelu_backward(CTX, DT, wgdt(r, a), dx, db, g, x, b, 3, 8);
+  return K()->bias_gelu_backward(CTX, DT, wgdt(r, a), dx, db, g, x, b, 3, 8, false);
 }
 
 /* fill and the masks / magnitude-pruning helpers (counts land in host int64 outputs) */

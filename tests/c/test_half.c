@@ -248,20 +248,30 @@ static void row_cases(int64_t N, int C) {
   memset(fb, 0, sizeof(float) * (size_t)C);
   memset(fb32, 0, sizeof(float) * (size_t)C);
   assert_int_equal(
-      k->bias_gelu_backward(CTX, DT, FSDP_DTYPE_F32, d.h, fb, g.h, x.h, b.h, N, C), FSDP_OK);
+      k->bias_gelu_backward(CTX, DT, FSDP_DTYPE_F32, d.h, fb, g.h, x.h, b.h, N, C, false), FSDP_OK);
   assert_int_equal(k->bias_gelu_backward(CTX, FSDP_DTYPE_F32, FSDP_DTYPE_F32, d.f, fb32, g.f, x.f,
-                                         b.f, N, C),
+                                         b.f, N, C, false),
                    FSDP_OK);
   same(&d, "bias_gelu backward dinp");
   if (DT == FSDP_DTYPE_BF16) /* the level's bf16 body: the f32 kernel's sums */
     same_f32(fb, fb32, C, "bias_gelu backward dbias");
   else /* f16's column tiles round each tile's sums once */
     close_f32(fb, fb32, C, 1e-6, "bias_gelu backward dbias");
+  /* dinp written, not added: whatever it held before (NaN here) is never read */
+  for (int64_t i = 0; i < n; i++) d.h[i] = narrow1(NAN), d.f[i] = 0.0f;
+  assert_int_equal(
+      k->bias_gelu_backward(CTX, DT, FSDP_DTYPE_F32, d.h, NULL, g.h, x.h, b.h, N, C, true),
+      FSDP_OK);
+  assert_int_equal(k->bias_gelu_backward(CTX, FSDP_DTYPE_F32, FSDP_DTYPE_F32, d.f, NULL, g.f,
+                                         x.f, b.f, N, C, true),
+                   FSDP_OK);
+  same(&d, "bias_gelu backward, dinp set");
   /* the bias gradient alone, and in the half dtype */
   for (int64_t i = 0; i < C; i++) db.f[i] = widen1(db.h[i]);
-  assert_int_equal(k->bias_gelu_backward(CTX, DT, DT, NULL, db.h, g.h, x.h, b.h, N, C), FSDP_OK);
+  assert_int_equal(k->bias_gelu_backward(CTX, DT, DT, NULL, db.h, g.h, x.h, b.h, N, C, false),
+                   FSDP_OK);
   assert_int_equal(k->bias_gelu_backward(CTX, FSDP_DTYPE_F32, FSDP_DTYPE_F32, NULL, db.f, g.f,
-                                         x.f, b.f, N, C),
+                                         x.f, b.f, N, C, false),
                    FSDP_OK);
   for (int64_t i = 0; i < C; i++)
     assert_true(fabsf(widen1(db.h[i]) - db.f[i]) <= 1e-2f * (fabsf(db.f[i]) + 1e-3f));
@@ -342,7 +352,7 @@ static void test_threads_same_bits(void **state) {
     float *mean = malloc(sizeof(float) * (size_t)N * 2), *rstd = mean + N;
     assert_non_null(mean);
     assert_int_equal(K()->bias_gelu_backward(CTX, DT, FSDP_DTYPE_F32, d.h, fb, g.h, x.h, b.h, N,
-                                             (int)C),
+                                             (int)C, false),
                      FSDP_OK);
     assert_int_equal(K()->layernorm_forward(CTX, DT, d.h, mean, rstd, x.h, b.h, b.h, N, (int)C,
                                             1e-5f),

@@ -161,7 +161,7 @@ static void run_all(outs_t *r, const inputs_t *in) {
   fsdp_cpu_bias_gelu_forward(out_new(r, "bias gelu", NULL, nc), in->lx, in->b, ROWS, C);
   fsdp_cpu_bias_gelu_backward(out_new(r, "bias gelu dinp", in->lacc, nc),
                               out_new(r, "bias gelu dbias", in->w, C), in->lg, in->lx, in->b,
-                              ROWS, C);
+                              ROWS, C, false);
   fsdp_cpu_relu_forward(out_new(r, "relu", NULL, n), in->x, n);
   fsdp_cpu_relu_backward(out_new(r, "relu backward", in->acc, n), in->g, in->x, n);
   float *dm = out_new(r, "dropout mask", NULL, n);

@@ -1049,7 +1049,7 @@ static void test_bias_gelu(void **state) {
   assert_memory_equal(y, y2, sizeof(float) * (size_t)n);
   float *dx = frand(n, -1, 1), *dh = fzeros(n), *db = frand(C, -1, 1);
   float *dx2 = fcopy(dx, n), *db2 = fcopy(db, C);
-  fsdp_cpu_bias_gelu_backward(dx, db, g, x, b, N, C);
+  fsdp_cpu_bias_gelu_backward(dx, db, g, x, b, N, C, false);
   fsdp_cpu_gelu_backward(dh, g, h, n);
   for (int64_t i = 0; i < n; i++) dx2[i] += dh[i];
   fsdp_cpu_colsum_acc(db2, dh, N, C);
@@ -1057,14 +1057,24 @@ static void test_bias_gelu(void **state) {
   assert_memory_equal(db, db2, sizeof(float) * (size_t)C);
   /* either output alone */
   float *db3 = fcopy(db2, C), *dx3 = fcopy(dx2, n);
-  fsdp_cpu_bias_gelu_backward(NULL, db3, g, x, b, N, C);
+  fsdp_cpu_bias_gelu_backward(NULL, db3, g, x, b, N, C, false);
   fsdp_cpu_colsum_acc(db2, dh, N, C);
   assert_memory_equal(db3, db2, sizeof(float) * (size_t)C);
-  fsdp_cpu_bias_gelu_backward(dx3, NULL, g, x, b, N, C);
+  fsdp_cpu_bias_gelu_backward(dx3, NULL, g, x, b, N, C, false);
   for (int64_t i = 0; i < n; i++) dx2[i] += dh[i];
   assert_memory_equal(dx3, dx2, sizeof(float) * (size_t)n);
+  /* set: dinp = t whatever it held (NaN here), with and without the bias gradient */
+  float *dx4 = frand(n, -1, 1), *db4 = fcopy(db3, C);
+  for (int64_t i = 0; i < n; i++) dx4[i] = NAN;
+  fsdp_cpu_bias_gelu_backward(dx4, db4, g, x, b, N, C, true);
+  assert_memory_equal(dx4, dh, sizeof(float) * (size_t)n);
+  fsdp_cpu_colsum_acc(db3, dh, N, C);
+  assert_memory_equal(db4, db3, sizeof(float) * (size_t)C);
+  for (int64_t i = 0; i < n; i++) dx4[i] = NAN;
+  fsdp_cpu_bias_gelu_backward(dx4, NULL, g, x, b, N, C, true);
+  assert_memory_equal(dx4, dh, sizeof(float) * (size_t)n);
   free(x), free(b), free(g), free(y), free(h), free(y2), free(dx), free(dh), free(db);
-  free(dx2), free(db2), free(db3), free(dx3);
+  free(dx2), free(db2), free(db3), free(dx3), free(dx4), free(db4);
 }
 
 /* The fused masked step is bitwise mask_apply(g), the step, mask_apply(p), NaN gradients under

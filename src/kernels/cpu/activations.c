@@ -57,6 +57,7 @@ typedef struct {
   const float *inp, *bias, *dout;
   int64_t N;
   int C;
+  bool set;
   const fsdp_cpu_vec_i *vec;
 } bias_gelu_ctx;
 
@@ -79,15 +80,15 @@ void fsdp_cpu_bias_gelu_forward(float *out, const float *inp, const float *bias,
 static void bias_gelu_backward_task(void *ctx, int64_t lo, int64_t hi) {
   const bias_gelu_ctx *c = ctx;
   c->vec->bias_gelu_backward_cols(c->out, c->db, c->dout, c->inp, c->bias, c->N, c->C, (int)lo,
-                                  (int)hi);
+                                  (int)hi, c->set);
 }
 
 void fsdp_cpu_bias_gelu_backward(float *dinp, float *dbias, const float *dout, const float *inp,
-                                 const float *bias, int64_t N, int C) {
+                                 const float *bias, int64_t N, int C, bool set) {
   // dinp (N, C) or NULL, dbias (C) or NULL, dout (N, C), inp (N, C), bias (C)
   if (N <= 0 || (!dinp && !dbias)) return;
   bias_gelu_ctx c = {.out = dinp, .db = dbias, .inp = inp, .bias = bias, .dout = dout, .N = N,
-                     .C = C, .vec = fsdp_cpu_vec()};
+                     .C = C, .set = set, .vec = fsdp_cpu_vec()};
   int64_t grain = fsdp_cpu_grain_rows(N, FSDP_CPU_GRAIN_HEAVY);
   fsdp_cpu_parallel_for(C, grain < 64 ? 64 : grain, bias_gelu_backward_task, &c);
 }

@@ -356,6 +356,7 @@ typedef struct {
   float *dbias;
   int64_t N;
   int C;
+  bool set;
 } bias_gelu_bf16_job;
 
 static void bias_gelu_bf16_fw_task(void *ctx, int64_t lo, int64_t hi) {
@@ -366,7 +367,7 @@ static void bias_gelu_bf16_fw_task(void *ctx, int64_t lo, int64_t hi) {
 static void bias_gelu_bf16_bw_task(void *ctx, int64_t lo, int64_t hi) {
   const bias_gelu_bf16_job *j = ctx;
   fsdp_cpu_vec()->bias_gelu_backward_cols_bf16(j->out, j->dbias, j->dout, j->inp, j->bias, j->N,
-                                               j->C, (int)lo, (int)hi);
+                                               j->C, (int)lo, (int)hi, j->set);
 }
 
 int fsdp_cpu_half_bias_gelu_forward(fsdp_dtype dt, void *out, const void *inp, const void *bias,
@@ -413,6 +414,7 @@ typedef struct {
   float *dbias;
   int64_t N;
   int C;
+  bool set;
 } bias_gelu_job;
 
 static void tile_in(float *f, const void *src, fsdp_dtype dt, int64_t r0, int rows, int C,
@@ -437,10 +439,10 @@ static void bias_gelu_bw_task(void *ctx, int64_t lo, int64_t hi) {
       const int rows = (int)min64(BG_ROWS, j->N - r0);
       tile_in(g, j->dout, j->dt, r0, rows, j->C, c0, w);
       tile_in(x, j->inp, j->dt, r0, rows, j->C, c0, w);
-      if (j->dinp) tile_in(d, j->dinp, j->dt, r0, rows, j->C, c0, w);
+      if (j->dinp && !j->set) tile_in(d, j->dinp, j->dt, r0, rows, j->C, c0, w);
       memset(db, 0, sizeof(float) * (size_t)w);
       vec->bias_gelu_backward_cols(j->dinp ? d : NULL, j->dbias ? db : NULL, g, x, j->bias + c0,
-                                   rows, w, 0, w);
+                                   rows, w, 0, w, j->set);
       if (j->dinp) tile_out(j->dinp, j->dt, d, r0, rows, j->C, c0, w);
       for (int k = 0; k < w; k++) acc[k] += (double)db[k];
     }
@@ -451,20 +453,20 @@ static void bias_gelu_bw_task(void *ctx, int64_t lo, int64_t hi) {
 
 int fsdp_cpu_half_bias_gelu_backward(fsdp_dtype dt, fsdp_dtype gdt, void *dinp, void *dbias,
                                      const void *dout, const void *inp, const void *bias,
-                                     int64_t N, int C) {
+                                     int64_t N, int C, bool set_dinp) {
   if (N <= 0 || (!dinp && !dbias)) return FSDP_OK;
   fsdp_cpu_work w = {0};
   float *fb = whole(&w, bias, dt, C), *fdb = dbias ? grad_acc(&w, dbias, gdt, dt, C) : NULL;
   if (!w.failed && dt == FSDP_DTYPE_BF16) {
     /* by columns as the f32 kernel: each column's rows added in order, any thread count */
     bias_gelu_bf16_job j = {.out = dinp, .inp = inp, .dout = dout, .bias = fb, .dbias = fdb,
-                            .N = N, .C = C};
+                            .N = N, .C = C, .set = set_dinp};
     int64_t grain = fsdp_cpu_grain_rows(N, FSDP_CPU_GRAIN_HEAVY);
     fsdp_cpu_parallel_for(C, grain < 64 ? 64 : grain, bias_gelu_bf16_bw_task, &j);
     if (dbias) put_grad(dbias, gdt, dt, fdb, C);
   } else if (!w.failed) {
     bias_gelu_job j = {.dt = dt, .dinp = dinp, .dout = dout, .inp = inp, .bias = fb,
-                       .dbias = fdb, .N = N, .C = C};
+                       .dbias = fdb, .N = N, .C = C, .set = set_dinp};
     fsdp_cpu_parallel_for(C, BG_COLS, bias_gelu_bw_task, &j);
     if (dbias) put_grad(dbias, gdt, dt, fdb, C);
   }

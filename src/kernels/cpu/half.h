@@ -46,7 +46,7 @@ int fsdp_cpu_half_bias_gelu_forward(fsdp_dtype dt, void *out, const void *inp, c
                                     int64_t N, int C);
 int fsdp_cpu_half_bias_gelu_backward(fsdp_dtype dt, fsdp_dtype gdt, void *dinp, void *dbias,
                                      const void *dout, const void *inp, const void *bias,
-                                     int64_t N, int C);
+                                     int64_t N, int C, bool set_dinp);
 /* Whether a product of dt with these sizes takes the native bf16 path (gemm.h): bf16, the path
  * on, M, N, K >= 1 and not tiny. Then the table's gemm slot calls fsdp_cpu_bf16_gemm and its bmm
  * slots the two below (same arguments as the f32 kernels; bf16 gradients += as theirs); linear

@@ -57,18 +57,18 @@ typedef struct fsdp_cpu_vec_i {
   /* rows [lo, hi) of (N, C): out = gelu(inp + bias (C)) */
   void (*bias_gelu_forward)(float *out, const float *inp, const float *bias, int64_t lo,
                             int64_t hi, int C);
-  /* columns [c0, c1): dinp += t, dbias += column sums of t, t = gelu'(inp + bias) dout; either
-   * output may be NULL */
+  /* columns [c0, c1): dinp += t (set: dinp = t, its old contents unread), dbias += column
+   * sums of t, t = gelu'(inp + bias) dout; either output may be NULL */
   void (*bias_gelu_backward_cols)(float *dinp, float *dbias, const float *dout,
                                   const float *inp, const float *bias, int64_t N, int C, int c0,
-                                  int c1);
+                                  int c1, bool set);
   /* the same two on bf16 operands (bias and dbias f32): bf16 loads widen, stores round once,
    * so the bits are those of the f32 bodies between a widening and a rounding pass */
   void (*bias_gelu_forward_bf16)(uint16_t *out, const uint16_t *inp, const float *bias,
                                  int64_t lo, int64_t hi, int C);
   void (*bias_gelu_backward_cols_bf16)(uint16_t *dinp, float *dbias, const uint16_t *dout,
                                        const uint16_t *inp, const float *bias, int64_t N, int C,
-                                       int c0, int c1);
+                                       int c0, int c1, bool set);
   /* mask holds uniforms on entry: mask = u >= p ? scale : 0, out = inp * mask */
   void (*dropout_mask)(float *out, float *mask, const float *inp, int64_t n, float p,
                        float scale);

@@ -106,10 +106,10 @@ void fsdp_cpu_gelu_backward(float *dinp, const float *dout, const float *inp, in
 /* out (N, C) = gelu(inp (N, C) + bias (C)): a linear's bias and its GELU in one pass */
 void fsdp_cpu_bias_gelu_forward(float *out, const float *inp, const float *bias, int64_t N,
                                 int C);
-/* dinp (N, C) += t, dbias (C) += column sums of t (double, rows in order), t = gelu'(inp + bias)
- * dout, one pass; dinp or dbias may be NULL */
+/* dinp (N, C) += t (set: dinp = t, its old contents unread), dbias (C) += column sums of t
+ * (double, rows in order), t = gelu'(inp + bias) dout, one pass; dinp or dbias may be NULL */
 void fsdp_cpu_bias_gelu_backward(float *dinp, float *dbias, const float *dout, const float *inp,
-                                 const float *bias, int64_t N, int C);
+                                 const float *bias, int64_t N, int C, bool set);
 
 /* Dropout with probability p: mask[i] = (u_i >= p) ? 1/(1-p) : 0 where u_i is
  * fsdp_rng_uniform(key, first + i); out = inp * mask. mask (n) is saved for backward.

@@ -1001,14 +1001,14 @@ static int k_bias_gelu_forward(void *ctx, fsdp_dtype dt, void *out, const void *
 
 static int k_bias_gelu_backward(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *dinp,
                                 void *dbias, const void *dout, const void *inp, const void *bias,
-                                int64_t N, int C) {
+                                int64_t N, int C, bool set_dinp) {
   if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("bias_gelu", dt);
   if (!grad_dtype_ok(dt, gdt)) return REFUSE("bias_gelu (bias gradient)", gdt);
   if (dt == FSDP_DTYPE_F32) {
-    fsdp_cpu_bias_gelu_backward(dinp, dbias, dout, inp, bias, N, C);
+    fsdp_cpu_bias_gelu_backward(dinp, dbias, dout, inp, bias, N, C, set_dinp);
     return FSDP_OK;
   }
-  return fsdp_cpu_half_bias_gelu_backward(dt, gdt, dinp, dbias, dout, inp, bias, N, C);
+  return fsdp_cpu_half_bias_gelu_backward(dt, gdt, dinp, dbias, dout, inp, bias, N, C, set_dinp);
 }
 
 static int k_adamw_step_masked(void *ctx, fsdp_dtype dt, void *param, void *m, void *v,

@@ -109,13 +109,15 @@ VINLINE fsdp_vf bias_gelu_t(const float *g, const float *x, const float *b, int 
  * acc entries never read (BG_CHUNK % VW == 0). */
 VINLINE void bias_gelu_rows_at(float *d, double *acc, const float *g, const float *x,
                                const float *b, int64_t C, int nr, int c, int len, int tail,
-                               bool has_d, bool has_acc) {
+                               int has_d, bool has_acc) {
   fsdp_vf t0 = bias_gelu_t(g, x, b, c, len, tail), t1 = t0;
-  if (has_d) fsdp_vt_store(d, c, len, fsdp_vt_load(d, c, len, 0.0f, tail) + t0, tail);
+  if (has_d)
+    fsdp_vt_store(d, c, len, has_d == 2 ? t0 : fsdp_vt_load(d, c, len, 0.0f, tail) + t0, tail);
   if (nr == 2) {
     t1 = bias_gelu_t(g + C, x + C, b, c, len, tail);
     if (has_d)
-      fsdp_vt_store(d + C, c, len, fsdp_vt_load(d + C, c, len, 0.0f, tail) + t1, tail);
+      fsdp_vt_store(d + C, c, len,
+                    has_d == 2 ? t1 : fsdp_vt_load(d + C, c, len, 0.0f, tail) + t1, tail);
   }
   if (has_acc) {
     fsdp_vd a;
@@ -126,8 +128,9 @@ VINLINE void bias_gelu_rows_at(float *d, double *acc, const float *g, const floa
   }
 }
 
+/* has_d: 0 no dinp, 1 dinp += t, 2 dinp = t (its old contents unread) */
 VINLINE void bias_gelu_strip(float *dinp, double *acc, const float *dout, const float *inp,
-                             const float *b, int64_t N, int64_t C, int len, bool has_d,
+                             const float *b, int64_t N, int64_t C, int len, int has_d,
                              bool has_acc) {
   for (int64_t r = 0; r < N; r += 2) {
     const int nr = r + 2 <= N ? 2 : 1;
@@ -170,12 +173,14 @@ VINLINE fsdp_vf bias_gelu_t_bf16(const uint16_t *g, const uint16_t *x, const flo
 
 VINLINE void bias_gelu_rows_at_bf16(uint16_t *d, double *acc, const uint16_t *g,
                                     const uint16_t *x, const float *b, int64_t C, int nr, int c,
-                                    int len, int tail, bool has_d, bool has_acc) {
+                                    int len, int tail, int has_d, bool has_acc) {
   fsdp_vf t0 = bias_gelu_t_bf16(g, x, b, c, len, tail), t1 = t0;
-  if (has_d) fsdp_vh_store(d, c, len, fsdp_vh_load(d, c, len, tail) + t0, tail);
+  if (has_d) fsdp_vh_store(d, c, len, has_d == 2 ? t0 : fsdp_vh_load(d, c, len, tail) + t0, tail);
   if (nr == 2) {
     t1 = bias_gelu_t_bf16(g + C, x + C, b, c, len, tail);
-    if (has_d) fsdp_vh_store(d + C, c, len, fsdp_vh_load(d + C, c, len, tail) + t1, tail);
+    if (has_d)
+      fsdp_vh_store(d + C, c, len, has_d == 2 ? t1 : fsdp_vh_load(d + C, c, len, tail) + t1,
+                    tail);
   }
   if (has_acc) {
     fsdp_vd a;
@@ -188,7 +193,7 @@ VINLINE void bias_gelu_rows_at_bf16(uint16_t *d, double *acc, const uint16_t *g,
 
 VINLINE void bias_gelu_strip_bf16(uint16_t *dinp, double *acc, const uint16_t *dout,
                                   const uint16_t *inp, const float *b, int64_t N, int64_t C,
-                                  int len, bool has_d, bool has_acc) {
+                                  int len, int has_d, bool has_acc) {
   for (int64_t r = 0; r < N; r += 2) {
     const int nr = r + 2 <= N ? 2 : 1;
     const int64_t o = r * C;
@@ -210,34 +215,38 @@ VINLINE void bias_gelu_strip_bf16(uint16_t *dinp, double *acc, const uint16_t *d
 
 static void bias_gelu_backward_cols_bf16(uint16_t *dinp, float *dbias, const uint16_t *dout,
                                          const uint16_t *inp, const float *bias, int64_t N,
-                                         int C, int c0, int c1) {
+                                         int C, int c0, int c1, bool set) {
   double acc[BG_CHUNK];
   for (int b0 = c0; b0 < c1; b0 += BG_CHUNK) {
     const int len = c1 - b0 < BG_CHUNK ? c1 - b0 : BG_CHUNK;
     memset(acc, 0, sizeof(double) * (size_t)len);
     uint16_t *d = dinp ? dinp + b0 : NULL;
-    if (dinp && dbias)
-      bias_gelu_strip_bf16(d, acc, dout + b0, inp + b0, bias + b0, N, C, len, 1, 1);
-    else if (dinp) bias_gelu_strip_bf16(d, acc, dout + b0, inp + b0, bias + b0, N, C, len, 1, 0);
-    else bias_gelu_strip_bf16(d, acc, dout + b0, inp + b0, bias + b0, N, C, len, 0, 1);
+#define STRIP(hd, ha) bias_gelu_strip_bf16(d, acc, dout + b0, inp + b0, bias + b0, N, C, len, hd, ha)
+    if (dinp && dbias) set ? STRIP(2, 1) : STRIP(1, 1);
+    else if (dinp) set ? STRIP(2, 0) : STRIP(1, 0);
+    else STRIP(0, 1);
+#undef STRIP
     if (dbias)
       for (int j = 0; j < len; j++) dbias[b0 + j] += (float)acc[j];
   }
 }
 
-/* columns [c0, c1) over all N rows: t = gelu'(inp + bias) * dout, dinp += t, and dbias += the
- * column sums of t (double, rows in order: fsdp_cpu_colsum_acc's arithmetic), one pass */
+/* columns [c0, c1) over all N rows: t = gelu'(inp + bias) * dout, dinp += t (set: dinp = t),
+ * and dbias += the column sums of t (double, rows in order: fsdp_cpu_colsum_acc's arithmetic),
+ * one pass */
 static void bias_gelu_backward_cols(float *dinp, float *dbias, const float *dout,
                                     const float *inp, const float *bias, int64_t N, int C,
-                                    int c0, int c1) {
+                                    int c0, int c1, bool set) {
   double acc[BG_CHUNK];
   for (int b0 = c0; b0 < c1; b0 += BG_CHUNK) {
     const int len = c1 - b0 < BG_CHUNK ? c1 - b0 : BG_CHUNK;
     memset(acc, 0, sizeof(double) * (size_t)len);
     float *d = dinp ? dinp + b0 : NULL;
-    if (dinp && dbias) bias_gelu_strip(d, acc, dout + b0, inp + b0, bias + b0, N, C, len, 1, 1);
-    else if (dinp) bias_gelu_strip(d, acc, dout + b0, inp + b0, bias + b0, N, C, len, 1, 0);
-    else bias_gelu_strip(d, acc, dout + b0, inp + b0, bias + b0, N, C, len, 0, 1);
+#define STRIP(hd, ha) bias_gelu_strip(d, acc, dout + b0, inp + b0, bias + b0, N, C, len, hd, ha)
+    if (dinp && dbias) set ? STRIP(2, 1) : STRIP(1, 1);
+    else if (dinp) set ? STRIP(2, 0) : STRIP(1, 0);
+    else STRIP(0, 1);
+#undef STRIP
     if (dbias)
       for (int j = 0; j < len; j++) dbias[b0 + j] += (float)acc[j];
   }
