@@ -293,13 +293,39 @@ int fsdp_op_to(fsdp_tensor **out, fsdp_tensor *a, const fsdp_device_i *dev, fsdp
 
 static const char *binop_name[] = {"add", "sub", "mul", "div"};
 
+/* The gradient of an addend of the same shape as the sum, when it is the addend's first (the
+ * residual stream's adds: both addends' gradients start there), is a copy of dout into a
+ * buffer that is never zero-filled. */
+static int add_first_grad(fsdp_node *n, int k, bool *done) {
+  *done = false;
+  fsdp_tensor *t = n->in[k];
+  const fsdp_kernels_i *kn = NK(n);
+  if (!t || !t->requires_grad || t->grad || !kn->cast || !kn->fill) return FSDP_OK;
+  bool fresh;
+  void *g = fsdp_grad_acc_fresh(t, &fresh);
+  if (!g) return FSDP_ERR;
+  int rc = kn->cast(NCTX(n), g, NDT(n), D(n->out->grad), NDT(n), n->i[0]);
+  if (rc) kn->fill(NCTX(n), NDT(n), g, 0.0, n->i[0]); /* never leave it uninitialised */
+  *done = rc == FSDP_OK;
+  return rc;
+}
+
 static int bw_binary(fsdp_node *n) {
   void *da, *db;
-  if (grad_of(n, 0, &da) || grad_of(n, 1, &db)) return FSDP_ERR;
   int64_t N = n->i[0], M = n->i[1];
-  if (M == 0) return FSDP_OK; /* no elements (then N is 0 too) */
+  const fsdp_binop op = (fsdp_binop)n->i[2];
+  bool a_done = false, b_done = false;
+  if (M == N && M > 0) {
+    if (op == FSDP_BIN_ADD || op == FSDP_BIN_SUB)
+      if (add_first_grad(n, 0, &a_done)) return FSDP_ERR;
+    if (op == FSDP_BIN_ADD && add_first_grad(n, 1, &b_done)) return FSDP_ERR;
+  }
+  if (grad_of(n, 0, &da) || grad_of(n, 1, &db)) return FSDP_ERR;
+  if (a_done) da = NULL;
+  if (b_done) db = NULL;
+  if (M == 0 || (!da && !db)) return FSDP_OK; /* no elements (then N is 0 too), or done */
   return NK(n)->binary_backward(NCTX(n), NDT(n), da, db, D(n->out->grad), D(n->saved[0]),
-                                D(n->saved[1]), N, M, (fsdp_binop)n->i[2]);
+                                D(n->saved[1]), N, M, op);
 }
 
 /* b's shape a suffix of a's (or b a single element) */

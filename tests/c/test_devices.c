@@ -241,6 +241,36 @@ static void test_ops_match_cpu(void **state) {
   fsdp_tape_clear();
 }
 
+/* A first gradient that a kernel writes whole (a sum's addends: a copy of dout, into a buffer
+ * never zero-filled) is zero-filled when that kernel fails: never left as the allocator made it.
+ * cpu2's cast is made to fail for the backward. */
+static int cast_refused(void *ctx, void *out, fsdp_dtype odt, const void *in, fsdp_dtype idt,
+                        int64_t n) {
+  (void)ctx, (void)out, (void)odt, (void)in, (void)idt, (void)n;
+  return fsdp_error("cpu2: cast refused (test)");
+}
+
+static void test_first_gradient_failure(void **state) {
+  (void)state;
+  fsdp_tensor *a = rnd(&cpu2_device, FSDP_DTYPE_F32, 1, SHAPE(300), "a");
+  fsdp_tensor *b = rnd(&cpu2_device, FSDP_DTYPE_F32, 1, SHAPE(300), "b"), *z = NULL, *s = NULL;
+  a->requires_grad = b->requires_grad = true;
+  assert_int_equal(fsdp_op_binary(&z, a, b, FSDP_OP_ADD), FSDP_OK);
+  assert_int_equal(fsdp_op_sum(&s, z), FSDP_OK);
+  int (*cast)(void *, void *, fsdp_dtype, const void *, fsdp_dtype, int64_t) = cpu2_kernels.cast;
+  cpu2_kernels.cast = cast_refused;
+  int rc = fsdp_backward(s, NULL);
+  cpu2_kernels.cast = cast;
+  assert_int_equal(rc, FSDP_ERR);
+  assert_msg_has("cast refused");
+  assert_non_null(a->grad);
+  const float *g = fsdp_tensor_data(a->grad, "test"); /* cpu2's memory is the host's */
+  for (int i = 0; i < 300; i++) assert_true(g[i] == 0.0f);
+  fsdp_tape_clear();
+  fsdp_tensor *all[] = {a, b, z, s};
+  for (int i = 0; i < 4; i++) fsdp_tensor_release(all[i]);
+}
+
 static void test_mixing_devices(void **state) {
   (void)state;
   fsdp_tensor *a = rnd(&fsdp_device_cpu, FSDP_DTYPE_F32, 1, SHAPE(4), "a");
@@ -686,6 +716,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_registration),
       cmocka_unit_test(test_ops_match_cpu),
+      cmocka_unit_test(test_first_gradient_failure),
       cmocka_unit_test(test_mixing_devices),
       cmocka_unit_test(test_to_and_copy),
       cmocka_unit_test(test_fill),
