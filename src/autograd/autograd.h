@@ -130,8 +130,8 @@ int fsdp_op_affine(fsdp_tensor **out, fsdp_tensor *a, float s, float t);
 int fsdp_op_unary(fsdp_tensor **out, fsdp_tensor *a, fsdp_unary_op op);
 int fsdp_op_pow(fsdp_tensor **out, fsdp_tensor *a, float p);
 /* gelu(x + b), b of x's last dim (a linear's bias): one pass forward and one backward (bias
- * gradient included) where the device has the bias_gelu slots and x is f32, bf16 or f16, else add then
- * gelu; the same values either way up to the rounding of the bias sum's order. */
+ * gradient included) where the device has the bias_gelu slots and x is f32, bf16 or f16, else
+ * add then gelu; the same values either way up to the rounding of the bias sum's order. */
 int fsdp_op_bias_gelu(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *b);
 
 int fsdp_op_matmul(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b);

@@ -339,7 +339,7 @@ static void put_grad(void *g, fsdp_dtype gdt, fsdp_dtype dt, const float *f, int
   if (gdt != FSDP_DTYPE_F32) put(g, dt, 0, f, n);
 }
 
-/* ---- bias + GELU ------------------------------------------------------------------------------ */
+/* ---- bias + GELU -------------------------------------------------------------------------- */
 
 static void bias_gelu_fn(const hmap *m, float *const *f, int64_t u0, int64_t nu) {
   (void)u0;

@@ -221,7 +221,8 @@ static void bias_gelu_backward_cols_bf16(uint16_t *dinp, float *dbias, const uin
     const int len = c1 - b0 < BG_CHUNK ? c1 - b0 : BG_CHUNK;
     memset(acc, 0, sizeof(double) * (size_t)len);
     uint16_t *d = dinp ? dinp + b0 : NULL;
-#define STRIP(hd, ha) bias_gelu_strip_bf16(d, acc, dout + b0, inp + b0, bias + b0, N, C, len, hd, ha)
+#define STRIP(hd, ha) \
+  bias_gelu_strip_bf16(d, acc, dout + b0, inp + b0, bias + b0, N, C, len, hd, ha)
     if (dinp && dbias) set ? STRIP(2, 1) : STRIP(1, 1);
     else if (dinp) set ? STRIP(2, 0) : STRIP(1, 0);
     else STRIP(0, 1);
