@@ -93,7 +93,7 @@ typedef struct {
 static void run_attention(void *p) {
   att_ctx *c = p;
   fsdp_cpu_attention_forward(c->out, c->att, c->qkv, B, T, C, NH);
-  fsdp_cpu_attention_backward(c->dqkv, c->scratch, c->dout, c->qkv, c->att, B, T, C, NH);
+  fsdp_cpu_attention_backward(c->dqkv, c->scratch, c->dout, c->qkv, c->att, B, T, C, NH, false);
 }
 
 static void run_attention_fwd(void *p) {

@@ -830,13 +830,25 @@ int fsdp_op_softmax(fsdp_tensor **out, fsdp_tensor *x, int dim) {
 
 /* ---- attention ---------------------------------------------------------------------------- */
 
+/* qkv's gradient, when it is its first (qkv is a linear's output), is written, not added: the
+ * buffer is never zero-filled (as bw_linear's input gradient) */
 static int bw_attention(fsdp_node *n) {
-  void *dqkv;
-  if (grad_of(n, 0, &dqkv)) return FSDP_ERR;
+  void *dqkv = NULL;
+  bool fresh = false;
+  fsdp_tensor *x = n->in[0];
+  const fsdp_kernels_i *k = NK(n);
+  if (x && x->requires_grad && !x->grad && k->fill) {
+    if (!(dqkv = fsdp_grad_acc_fresh(x, &fresh))) return FSDP_ERR;
+  } else if (grad_of(n, 0, &dqkv)) {
+    return FSDP_ERR;
+  }
   if (!dqkv) return FSDP_OK;
-  return NK(n)->attention_backward(NCTX(n), NDT(n), dqkv, D(n->out->grad), D(n->saved[0]),
-                                   D(n->saved[1]), (int)n->i[0], (int)n->i[1], (int)n->i[2],
-                                   (int)n->i[3]);
+  int rc = k->attention_backward(NCTX(n), NDT(n), dqkv, D(n->out->grad), D(n->saved[0]),
+                                 D(n->saved[1]), (int)n->i[0], (int)n->i[1], (int)n->i[2],
+                                 (int)n->i[3], fresh);
+  if (rc && fresh) /* never leave an uninitialised gradient behind */
+    k->fill(NCTX(n), NDT(n), dqkv, 0.0, fsdp_tensor_numel(x->grad));
+  return rc;
 }
 
 int fsdp_op_attention(fsdp_tensor **out, fsdp_tensor *qkv, int n_head) {

@@ -143,13 +143,15 @@ typedef struct fsdp_kernels_i {
   /* causal self-attention on a fused qkv (B, T, 3C). `att` is what the forward saves for the
    * backward, in a layout the device chooses: attention_saved gives its element count and dtype
    * (the cpu: the probabilities, (B, NH, T, T) of dt; a fused kernel that never materialises
-   * them: the row log-sum-exps, (B, NH, T) f32) */
+   * them: the row log-sum-exps, (B, NH, T) f32). The backward adds into dqkv, or with set_dqkv
+   * writes it whole without reading it (its first gradient: the buffer was never filled). */
   int64_t (*attention_saved)(void *ctx, fsdp_dtype dt, int B, int T, int C, int NH,
                              fsdp_dtype *saved_dt);
   int (*attention_forward)(void *ctx, fsdp_dtype dt, void *out, void *att, const void *qkv,
                            int B, int T, int C, int NH);
   int (*attention_backward)(void *ctx, fsdp_dtype dt, void *dqkv, const void *dout,
-                            const void *qkv, const void *att, int B, int T, int C, int NH);
+                            const void *qkv, const void *att, int B, int T, int C, int NH,
+                            bool set_dqkv);
   /* loss (1, f32) = mean over counted rows of -log softmax(logits)[target]; lse (N) saved;
    * *count (host) = the rows counted (target != ignore) */
   int (*cross_entropy_forward)(void *ctx, fsdp_dtype dt, float *loss, float *lse,

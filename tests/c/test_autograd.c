@@ -1171,6 +1171,37 @@ static void test_bias_gelu_first_gradient_failure(void **state) {
   fsdp_mem_domain_free(d);
 }
 
+/* And for attention's: its workspace over the memory budget, qkv's new gradient zero-filled. */
+static void test_attention_first_gradient_failure(void **state) {
+  (void)state;
+  rng_reset(33);
+  fsdp_mem_domain *d = fsdp_mem_domain_new();
+  assert_non_null(d);
+  fsdp_mem_domain_set(d);
+  enum { T = 32, C = 8, NH = 2 };
+  fsdp_tensor *qkv = rnd(3, SHAPE(1, T, 3 * C), -1, 1), *y, *s;
+  qkv->requires_grad = true;
+  assert_int_equal(fsdp_op_attention(&y, qkv, NH), FSDP_OK);
+  assert_int_equal(fsdp_op_sum(&s, y), FSDP_OK);
+  fsdp_mem_report r;
+  fsdp_mem_report_get(d, &r);
+  int64_t live = 0;
+  for (int i = 0; i < r.ndevices; i++) live += r.counts[i].live_total;
+  /* y's gradient (1 KiB), qkv's (3 KiB) and some room; not the (NH, T, T) workspace (8 KiB) */
+  fsdp_mem_set_limit(d, live + 6 * 1024);
+  assert_int_equal(fsdp_backward(s, NULL), FSDP_ERR);
+  assert_non_null(strstr(fsdp_error_msg(), "out of memory budget"));
+  assert_non_null(qkv->grad);
+  const float *g = fsdp_tensor_data(qkv->grad, "t");
+  for (int i = 0; i < T * 3 * C; i++) assert_true(g[i] == 0.0f);
+  fsdp_mem_set_limit(d, 0);
+  fsdp_tape_clear();
+  fsdp_tensor *all[] = {qkv, y, s};
+  for (int i = 0; i < 3; i++) fsdp_tensor_release(all[i]);
+  fsdp_mem_domain_set(NULL);
+  fsdp_mem_domain_free(d);
+}
+
 static void test_accumulate_and_free(void **state) {
   (void)state;
   rng_reset(21);
@@ -2112,6 +2143,7 @@ int main(void) {
       cmocka_unit_test(test_linear_first_gradient),
       cmocka_unit_test(test_linear_first_gradient_failure),
       cmocka_unit_test(test_bias_gelu_first_gradient_failure),
+      cmocka_unit_test(test_attention_first_gradient_failure),
       cmocka_unit_test(test_accumulate_and_free),
       cmocka_unit_test(test_no_grad),
       cmocka_unit_test(test_backward_errors),

@@ -335,7 +335,7 @@ static int r_attention_backward(run *r, int a) {
   void *d = acc(r, AB * AT * 3 * AC, G_SIGNED);
   const void *g = in(r, AB * AT * AC, G_SIGNED), *qkv = in(r, AB * AT * 3 * AC, G_SIGNED),
              *att = in(r, AB * AH * AT * AT, G_UNIT);
-  return K()->attention_backward(CTX, DT, d, g, qkv, att, AB, AT, AC, AH);
+  return K()->attention_backward(CTX, DT, d, g, qkv, att, AB, AT, AC, AH, false);
 }
 /* the saved-state size as an output (i64), and its dtype as the second */
 static int r_attention_saved(run *r, int a) {

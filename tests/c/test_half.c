@@ -290,10 +290,18 @@ static void attention_case(int B, int T, int C, int NH) {
                    FSDP_OK);
   same(&o, "attention forward");
   same(&a, "attention probabilities");
-  assert_int_equal(k->attention_backward(CTX, DT, dq.h, g.h, qkv.h, a.h, B, T, C, NH), FSDP_OK);
+  assert_int_equal(k->attention_backward(CTX, DT, dq.h, g.h, qkv.h, a.h, B, T, C, NH, false), FSDP_OK);
   assert_int_equal(
-      k->attention_backward(CTX, FSDP_DTYPE_F32, dq.f, g.f, qkv.f, a.f, B, T, C, NH), FSDP_OK);
+      k->attention_backward(CTX, FSDP_DTYPE_F32, dq.f, g.f, qkv.f, a.f, B, T, C, NH, false), FSDP_OK);
   same(&dq, "attention backward");
+  /* dqkv written, not added: its old contents (NaN here) never read */
+  for (int64_t i = 0; i < nq; i++) dq.h[i] = narrow1(NAN), dq.f[i] = NAN;
+  assert_int_equal(k->attention_backward(CTX, DT, dq.h, g.h, qkv.h, a.h, B, T, C, NH, true),
+                   FSDP_OK);
+  assert_int_equal(
+      k->attention_backward(CTX, FSDP_DTYPE_F32, dq.f, g.f, qkv.f, a.f, B, T, C, NH, true),
+      FSDP_OK);
+  same(&dq, "attention backward, dqkv set");
   rm(&qkv), rm(&o), rm(&a), rm(&g), rm(&dq);
 }
 

@@ -230,7 +230,7 @@ static void run_all(outs_t *r, const inputs_t *in) {
   float *scratch = calloc((size_t)AB * ANH * AT * AT, sizeof(float));
   assert_non_null(scratch);
   fsdp_cpu_attention_backward(out_new(r, "attention dqkv", NULL, (int64_t)AB * AT * 3 * AC),
-                              scratch, in->lg, in->lx, att, AB, AT, AC, ANH);
+                              scratch, in->lg, in->lx, att, AB, AT, AC, ANH, false);
   free(scratch);
 }
 

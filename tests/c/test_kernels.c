@@ -721,11 +721,19 @@ static void run_attention_case(int B, int T, int C, int NH, int64_t fd_step) {
     }
   }
   float *prior = frand(nqkv, -1, 1), *d = fcopy(prior, nqkv), *scratch = frand(natt, -9, 9);
-  fsdp_cpu_attention_backward(d, scratch, c.w, c.qkv, c.att, B, T, C, NH);
+  fsdp_cpu_attention_backward(d, scratch, c.w, c.qkv, c.att, B, T, C, NH, false);
   float *g = diff(d, prior, nqkv);
   char what[64];
   snprintf(what, sizeof what, "attention dqkv B=%d T=%d C=%d NH=%d", B, T, C, NH);
   fd_check(what, att_loss, &c, c.qkv, g, nqkv, fd_step, 1e-2f, 1e-2, 1e-3);
+  /* set: dqkv written whole whatever it held (NaN here): the bits of adding into zeros, in the
+   * split by pairs and in the split by tiles (one pair: fewer than four a thread) */
+  float *z = fzeros(nqkv), *s = fzeros(nqkv);
+  fsdp_cpu_attention_backward(z, scratch, c.w, c.qkv, c.att, B, T, C, NH, false);
+  for (int64_t i = 0; i < nqkv; i++) s[i] = NAN;
+  fsdp_cpu_attention_backward(s, scratch, c.w, c.qkv, c.att, B, T, C, NH, true);
+  assert_memory_equal(s, z, sizeof(float) * (size_t)nqkv);
+  free(z), free(s);
   free(prior), free(d), free(scratch), free(g), free(want), free(want_att);
   free(c.out), free(c.att), free(c.qkv), free(c.w);
 }
@@ -735,6 +743,7 @@ static void test_attention(void **state) {
   run_attention_case(2, 7, 12, 3, 1);  /* odd T, hs = 4 */
   run_attention_case(1, 1, 6, 2, 1);   /* a single token attends to itself */
   run_attention_case(1, 70, 16, 2, 7); /* more than one 64-row causal block */
+  run_attention_case(8, 40, 16, 2, 11); /* enough pairs to split by pairs at two threads */
 }
 
 /* ---- cross-entropy --------------------------------------------------------------------------- */

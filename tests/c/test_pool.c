@@ -636,7 +636,7 @@ static void attention_case(int B, int T, int C, int NH) {
     float *scratch = frand(natt, -9, 9);
     fsdp_cpu_attention_forward(out[r], att[r], qkv, B, T, C, NH);
     dqkv[r] = fcopy(prior, nqkv);
-    fsdp_cpu_attention_backward(dqkv[r], scratch, dout, qkv, att[r], B, T, C, NH);
+    fsdp_cpu_attention_backward(dqkv[r], scratch, dout, qkv, att[r], B, T, C, NH, false);
     free(scratch);
   }
   char what[96];

@@ -422,7 +422,7 @@ static int run_attention(run *r, bool backward) {
   void *d = acc(r, nq, G_SIGNED);
   const void *g = in(r, no, G_SIGNED);
   return K()->attention_backward(CTX, DT, d, g, qkv, fsdp_tensor_data(saved, "test"), s.B, s.T,
-                                 s.C, s.NH);
+                                 s.C, s.NH, false);
 }
 static int r_attention_forward(run *r, int a) { return run_attention(r, false); }
 static int r_attention_backward(run *r, int a) { return run_attention(r, true); }

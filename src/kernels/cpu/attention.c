@@ -24,6 +24,7 @@
 #include "kernels/cpu/pool.h"
 
 #include <math.h>
+#include <string.h>
 
 #define ATT_BLOCK 64
 
@@ -32,6 +33,7 @@ typedef struct att_job {
   const float *qkv, *dout, *att_in;
   int B, T, C, NH, ntiles;
   float scale;
+  bool set; /* backward: dqkv written, its old contents unread (zeroed pair by pair) */
 } att_job;
 
 /* Whether (pair, tile) items are needed to keep the threads busy. */
@@ -125,12 +127,33 @@ static void backward_query_tile(const att_job *j, const att_views *w, int r0) {
                 T, C3, C3);
 }
 
+/* Zero pair bh's columns of dq, dk and dv (set mode): they are accumulated right after, so
+ * the zeros are written in cache, not in a pass of their own over dqkv. */
+static void zero_pair(const att_job *j, const att_views *w) {
+  const int hs = j->C / j->NH;
+  const int64_t C3 = 3 * (int64_t)j->C;
+  for (int t = 0; t < j->T; t++) {
+    memset(w->dq + t * C3, 0, sizeof(float) * (size_t)hs);
+    memset(w->dk + t * C3, 0, sizeof(float) * (size_t)hs);
+    memset(w->dv + t * C3, 0, sizeof(float) * (size_t)hs);
+  }
+}
+
+static void zero_pairs(void *ctx, int64_t lo, int64_t hi) {
+  const att_job *j = ctx;
+  for (int64_t bh = lo; bh < hi; bh++) {
+    const att_views w = views(j, (int)bh);
+    zero_pair(j, &w);
+  }
+}
+
 /* One pair, tile by tile: after each query tile, dv and dk receive its rows' contributions. */
 static void backward_pairs(void *ctx, int64_t lo, int64_t hi) {
   const att_job *j = ctx;
   const int T = j->T, C = j->C, C3 = 3 * C, hs = C / j->NH;
   for (int64_t bh = lo; bh < hi; bh++) {
     const att_views w = views(j, (int)bh);
+    if (j->set) zero_pair(j, &w);
     for (int r0 = 0; r0 < T; r0 += ATT_BLOCK) {
       const int rows = T - r0 < ATT_BLOCK ? T - r0 : ATT_BLOCK, cols = r0 + rows;
       const float *Ab = w.A + (int64_t)r0 * T, *gb = w.g + (int64_t)r0 * C;
@@ -171,14 +194,16 @@ static void backward_key_tiles(void *ctx, int64_t lo, int64_t hi) {
 }
 
 void fsdp_cpu_attention_backward(float *dqkv, float *scratch, const float *dout,
-                                 const float *qkv, const float *att, int B, int T, int C,
-                                 int NH) {
+                                 const float *qkv, const float *att, int B, int T, int C, int NH,
+                                 bool set) {
   // dqkv (B, T, 3C), scratch (B, NH, T, T), dout (B, T, C), qkv (B, T, 3C), att (B, NH, T, T)
   att_job j = {.dqkv = dqkv, .scratch = scratch, .qkv = qkv, .dout = dout, .att_in = att,
                .B = B, .T = T, .C = C, .NH = NH, .ntiles = (T + ATT_BLOCK - 1) / ATT_BLOCK,
-               .scale = 1.0f / sqrtf((float)(C / NH))};
+               .scale = 1.0f / sqrtf((float)(C / NH)), .set = set};
   const int pairs = B * NH;
   if (att_by_tile(pairs, j.ntiles)) {
+    /* tiles of one pair run on different threads: zero every pair first */
+    if (set) fsdp_cpu_parallel_for(pairs, 1, zero_pairs, &j);
     fsdp_cpu_parallel_for((int64_t)pairs * j.ntiles, 1, backward_query_tiles, &j);
     fsdp_cpu_parallel_for((int64_t)pairs * j.ntiles, 1, backward_key_tiles, &j);
   } else {

@@ -833,6 +833,7 @@ typedef struct {
   int B, T, C, NH, nchunks;
   int64_t slot; /* floats per task's scratch slot */
   float *scratch;
+  bool set; /* backward: dqkv written, not added (never read) */
 } att_job;
 
 /* the scratch slot of the chunk that starts at lo */
@@ -865,10 +866,10 @@ static void att_backward_rows(void *ctx, int64_t lo, int64_t hi) {
   float *fq = att_slot(j, lo), *fd = fq + nq, *fg = fd + nq, *fa = fg + no, *sc = fa + na;
   for (int64_t b = lo; b < hi; b++) {
     widen(fq, j->qkv, j->dt, b * nq, nq);
-    widen(fd, j->dqkv, j->dt, b * nq, nq);
+    if (!j->set) widen(fd, j->dqkv, j->dt, b * nq, nq);
     widen(fg, j->dout, j->dt, b * no, no);
     widen(fa, j->att_in, j->dt, b * na, na);
-    fsdp_cpu_attention_backward(fd, sc, fg, fq, fa, 1, j->T, j->C, j->NH);
+    fsdp_cpu_attention_backward(fd, sc, fg, fq, fa, 1, j->T, j->C, j->NH, j->set);
     narrow(j->dqkv, j->dt, b * nq, fd, nq);
   }
 }
@@ -910,9 +911,9 @@ int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, void *att, const v
 
 int fsdp_cpu_half_attention_backward(fsdp_dtype dt, void *dqkv, const void *dout,
                                      const void *qkv, const void *att, int B, int T, int C,
-                                     int NH) {
+                                     int NH, bool set_dqkv) {
   att_job j = {.dt = dt, .dqkv = dqkv, .qkv = qkv, .dout = dout, .att_in = att, .B = B, .T = T,
-              .C = C, .NH = NH};
+              .C = C, .NH = NH, .set = set_dqkv};
   int rc;
   if (att_rows(&j, true, &rc)) return rc;
   fsdp_cpu_work w = {0};
@@ -923,8 +924,8 @@ int fsdp_cpu_half_attention_backward(fsdp_dtype dt, void *dqkv, const void *dout
     get(fq, qkv, dt, b * nq, nq);
     get(fg, dout, dt, b * no, no);
     get(fa, att, dt, b * na, na);
-    get(fd, dqkv, dt, b * nq, nq);
-    fsdp_cpu_attention_backward(fd, scratch, fg, fq, fa, 1, T, C, NH);
+    if (!set_dqkv) get(fd, dqkv, dt, b * nq, nq);
+    fsdp_cpu_attention_backward(fd, scratch, fg, fq, fa, 1, T, C, NH, set_dqkv);
     put(dqkv, dt, b * nq, fd, nq);
   }
   return fsdp_cpu_work_done(&w);

@@ -83,7 +83,7 @@ int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, void *att, const v
                                     int T, int C, int NH);
 int fsdp_cpu_half_attention_backward(fsdp_dtype dt, void *dqkv, const void *dout,
                                      const void *qkv, const void *att, int B, int T, int C,
-                                     int NH);
+                                     int NH, bool set_dqkv);
 int fsdp_cpu_half_mse_forward(fsdp_dtype dt, float *out, const void *a, const void *b,
                               int64_t n);
 int fsdp_cpu_half_mse_backward(fsdp_dtype dt, void *da, void *db, float dloss, const void *a,

@@ -154,11 +154,12 @@ void fsdp_cpu_softmax_backward(float *dinp, const float *dout, const float *out,
  * Scores are scaled by 1/sqrt(hs). Uses sgemm per (b, head). */
 void fsdp_cpu_attention_forward(float *out, float *att, const float *qkv, int B, int T, int C,
                                 int NH);
-/* dqkv (B, T, 3C) += ... ; scratch (B, NH, T, T) is caller-provided workspace (its lower
- * triangle is overwritten; no contents are read). att is the forward's. */
+/* dqkv (B, T, 3C) += ... (set: dqkv = ..., its old contents unread); scratch (B, NH, T, T) is
+ * caller-provided workspace (its lower triangle is overwritten; no contents are read). att is
+ * the forward's. */
 void fsdp_cpu_attention_backward(float *dqkv, float *scratch, const float *dout,
-                                 const float *qkv, const float *att, int B, int T, int C,
-                                 int NH);
+                                 const float *qkv, const float *att, int B, int T, int C, int NH,
+                                 bool set);
 
 /* ---- losses and reductions ------------------------------------------------------------------- */
 

@@ -720,19 +720,20 @@ static int k_attention_forward(void *ctx, fsdp_dtype dt, void *out, void *att, c
 }
 
 static int k_attention_backward(void *ctx, fsdp_dtype dt, void *dqkv, const void *dout,
-                                const void *qkv, const void *att, int B, int T, int C, int NH) {
+                                const void *qkv, const void *att, int B, int T, int C, int NH,
+                                bool set_dqkv) {
   if (dt == FSDP_DTYPE_F32) {
     /* the kernel's (B, NH, T, T) workspace: scratch of this call, accounted as activations */
     fsdp_storage *work;
     if (fsdp_storage_new_uninit(&work, &fsdp_device_cpu,
                                 (size_t)B * NH * T * T * sizeof(float), FSDP_ROLE_ACTIVATIONS))
       return FSDP_ERR;
-    fsdp_cpu_attention_backward(dqkv, work->data, dout, qkv, att, B, T, C, NH);
+    fsdp_cpu_attention_backward(dqkv, work->data, dout, qkv, att, B, T, C, NH, set_dqkv);
     fsdp_storage_release(work);
     return FSDP_OK;
   }
   if (!is_half(dt)) return REFUSE("attention", dt);
-  return fsdp_cpu_half_attention_backward(dt, dqkv, dout, qkv, att, B, T, C, NH);
+  return fsdp_cpu_half_attention_backward(dt, dqkv, dout, qkv, att, B, T, C, NH, set_dqkv);
 }
 
 static int k_cross_entropy_forward(void *ctx, fsdp_dtype dt, float *loss, float *lse,

@@ -480,14 +480,21 @@ int fsdp_cuda_attention_forward(void *ctx, fsdp_dtype dt, void *out, void *att, 
 }
 
 int fsdp_cuda_attention_backward(void *ctx, fsdp_dtype dt, void *dqkv, const void *dout,
-                                 const void *qkv, const void *att, int B, int T, int C, int NH) {
-  // dqkv (B, T, 3C) +=, dout (B, T, C), qkv (B, T, 3C), att = lse (B, NH, T) f32
+                                 const void *qkv, const void *att, int B, int T, int C, int NH,
+                                 bool set_dqkv) {
+  // dqkv (B, T, 3C) += (set_dqkv: =), dout (B, T, C), qkv (B, T, 3C), att = lse (B, NH, T) f32
   (void)ctx;
   int hsp = 0;
   if (dt != FSDP_DTYPE_F32 && dt != FSDP_DTYPE_BF16 && dt != FSDP_DTYPE_F16)
     return fsdp_kernels_refuse("attention", dt, "cuda");
   if (att_head_width(C, NH, &hsp)) return FSDP_ERR;
   if (!dqkv || (int64_t)B * NH * T == 0) return FSDP_OK;
+  /* the kernels add: a buffer that was never filled starts from zeros */
+  if (set_dqkv &&
+      fsdp_cuda_check(cudaMemsetAsync(dqkv, 0, (size_t)B * T * 3 * C * fsdp_dtype_size(dt),
+                                      fsdp_cuda_stream()),
+                      "attention_backward"))
+    return FSDP_ERR;
   const float *lse = (const float *)att;
   switch (dt) {
   case FSDP_DTYPE_BF16:

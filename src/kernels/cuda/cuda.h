@@ -210,7 +210,8 @@ int64_t fsdp_cuda_attention_saved(void *ctx, fsdp_dtype dt, int B, int T, int C,
 int fsdp_cuda_attention_forward(void *ctx, fsdp_dtype dt, void *out, void *att, const void *qkv,
                                 int B, int T, int C, int NH);
 int fsdp_cuda_attention_backward(void *ctx, fsdp_dtype dt, void *dqkv, const void *dout,
-                                 const void *qkv, const void *att, int B, int T, int C, int NH);
+                                 const void *qkv, const void *att, int B, int T, int C, int NH,
+                                 bool set_dqkv);
 
 /* device.c */
 int fsdp_cuda_set_deterministic(void *ctx, bool on);
