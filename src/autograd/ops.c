@@ -215,6 +215,30 @@ static int wgrad_of(fsdp_node *n, int k, void **g, fsdp_dtype *gdt) {
 #define NCTX(n) (dev_of((n)->out)->ctx)
 #define NDT(n) ((n)->out->dtype)
 
+/* Input k's gradient buffer for a backward function that, when `whole` (it writes every
+ * element) and the input has no gradient yet, writes the gradient rather than adds it: the new
+ * buffer is then left uninitialised (*fresh; fsdp_grad_acc_fresh), which spares a fill and a
+ * read of the zeros. Otherwise grad_of's buffer, to add into. */
+static int grad_out(fsdp_node *n, int k, bool whole, void **g, bool *fresh) {
+  fsdp_tensor *t = n->in[k];
+  *fresh = false;
+  if (whole && t && t->requires_grad && !t->grad && NK(n)->fill) {
+    *g = fsdp_grad_acc_fresh(t, fresh);
+    return *g ? FSDP_OK : FSDP_ERR;
+  }
+  return grad_of(n, k, g);
+}
+
+/* rc of the writer of a grad_out buffer: a new buffer it failed to write is zero-filled, never
+ * left as allocated */
+static int grad_out_done(fsdp_node *n, int k, void *g, bool fresh, int rc) {
+  if (rc && fresh) {
+    const fsdp_tensor *gt = n->in[k]->grad;
+    NK(n)->fill(NCTX(n), gt->dtype, g, 0.0, fsdp_tensor_numel(gt));
+  }
+  return rc;
+}
+
 static void contiguous_strides(int64_t *st, int nd, const int64_t *shape) {
   int64_t s = 1;
   for (int k = nd - 1; k >= 0; k--) {
@@ -293,38 +317,26 @@ int fsdp_op_to(fsdp_tensor **out, fsdp_tensor *a, const fsdp_device_i *dev, fsdp
 
 static const char *binop_name[] = {"add", "sub", "mul", "div"};
 
-/* The gradient of an addend of the same shape as the sum, when it is the addend's first (the
- * residual stream's adds: both addends' gradients start there), is a copy of dout into a
- * buffer that is never zero-filled. */
-static int add_first_grad(fsdp_node *n, int k, bool *done) {
-  *done = false;
-  fsdp_tensor *t = n->in[k];
-  const fsdp_kernels_i *kn = NK(n);
-  if (!t || !t->requires_grad || t->grad || !kn->cast || !kn->fill) return FSDP_OK;
-  bool fresh;
-  void *g = fsdp_grad_acc_fresh(t, &fresh);
-  if (!g) return FSDP_ERR;
-  int rc = kn->cast(NCTX(n), g, NDT(n), D(n->out->grad), NDT(n), n->i[0]);
-  if (rc) kn->fill(NCTX(n), NDT(n), g, 0.0, n->i[0]); /* never leave it uninitialised */
-  *done = rc == FSDP_OK;
-  return rc;
-}
-
+/* Same shapes: a new gradient of an addend (either of a sum, the first of a difference) is dout
+ * itself, copied into a buffer that is never zero-filled (the residual stream's adds: both
+ * addends' gradients start there). x + x: the copy makes x's gradient, the kernel then adds. */
 static int bw_binary(fsdp_node *n) {
-  void *da, *db;
-  int64_t N = n->i[0], M = n->i[1];
+  const int64_t N = n->i[0], M = n->i[1];
   const fsdp_binop op = (fsdp_binop)n->i[2];
-  bool a_done = false, b_done = false;
-  if (M == N && M > 0) {
-    if (op == FSDP_BIN_ADD || op == FSDP_BIN_SUB)
-      if (add_first_grad(n, 0, &a_done)) return FSDP_ERR;
-    if (op == FSDP_BIN_ADD && add_first_grad(n, 1, &b_done)) return FSDP_ERR;
+  if (M == 0) return FSDP_OK; /* no elements (then N is 0 too) */
+  const bool copies = M == N && NK(n)->cast;
+  void *d[2];
+  for (int k = 0; k < 2; k++) {
+    bool fresh;
+    const bool whole = copies && (op == FSDP_BIN_ADD || (op == FSDP_BIN_SUB && k == 0));
+    if (grad_out(n, k, whole, &d[k], &fresh)) return FSDP_ERR;
+    if (!fresh) continue;
+    int rc = NK(n)->cast(NCTX(n), d[k], NDT(n), D(n->out->grad), NDT(n), N);
+    if (grad_out_done(n, k, d[k], fresh, rc)) return FSDP_ERR;
+    d[k] = NULL;
   }
-  if (grad_of(n, 0, &da) || grad_of(n, 1, &db)) return FSDP_ERR;
-  if (a_done) da = NULL;
-  if (b_done) db = NULL;
-  if (M == 0 || (!da && !db)) return FSDP_OK; /* no elements (then N is 0 too), or done */
-  return NK(n)->binary_backward(NCTX(n), NDT(n), da, db, D(n->out->grad), D(n->saved[0]),
+  if (!d[0] && !d[1]) return FSDP_OK;
+  return NK(n)->binary_backward(NCTX(n), NDT(n), d[0], d[1], D(n->out->grad), D(n->saved[0]),
                                 D(n->saved[1]), N, M, op);
 }
 
@@ -483,23 +495,15 @@ done:
 /* x's gradient, when it is its first (x is a linear's output), is written, not added: the
  * buffer is never zero-filled (as bw_linear's input gradient) */
 static int bw_bias_gelu(fsdp_node *n) {
-  void *dx = NULL, *db;
+  void *dx, *db;
   fsdp_dtype gb = NDT(n);
-  bool fresh = false;
-  fsdp_tensor *x = n->in[0];
-  const fsdp_kernels_i *k = NK(n);
-  if (x && x->requires_grad && !x->grad && k->fill) {
-    if (!(dx = fsdp_grad_acc_fresh(x, &fresh))) return FSDP_ERR;
-  } else if (grad_of(n, 0, &dx)) {
-    return FSDP_ERR;
-  }
+  bool fresh;
+  if (grad_out(n, 0, true, &dx, &fresh)) return FSDP_ERR;
   int rc = wgrad_of(n, 1, &db, &gb);
   if (!rc && (dx || db))
-    rc = k->bias_gelu_backward(NCTX(n), NDT(n), gb, dx, db, D(n->out->grad), D(n->saved[0]),
-                               D(n->saved[1]), n->i[0], (int)n->i[1], fresh);
-  if (rc && fresh) /* never leave an uninitialised gradient behind */
-    k->fill(NCTX(n), NDT(n), dx, 0.0, fsdp_tensor_numel(x->grad));
-  return rc;
+    rc = NK(n)->bias_gelu_backward(NCTX(n), NDT(n), gb, dx, db, D(n->out->grad),
+                                   D(n->saved[0]), D(n->saved[1]), n->i[0], (int)n->i[1], fresh);
+  return grad_out_done(n, 0, dx, fresh, rc);
 }
 
 int fsdp_op_bias_gelu(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *b) {
@@ -633,16 +637,11 @@ bad:
  * activation's output feeds one linear), is written by a GEMM with beta = 0 into a buffer that is
  * never zero-filled: one pass over it instead of three (fill, read, write). */
 static int bw_linear(fsdp_node *n) {
-  void *dx = NULL, *dw, *db;
+  void *dx, *dw, *db;
   fsdp_dtype gw = NDT(n), gb = NDT(n);
-  bool fresh = false;
-  fsdp_tensor *x = n->in[0];
+  bool fresh;
   const fsdp_kernels_i *k = NK(n);
-  if (x && x->requires_grad && !x->grad && k->gemm && k->fill) {
-    if (!(dx = fsdp_grad_acc_fresh(x, &fresh))) return FSDP_ERR;
-  } else if (grad_of(n, 0, &dx)) {
-    return FSDP_ERR;
-  }
+  if (grad_out(n, 0, k->gemm != NULL, &dx, &fresh)) return FSDP_ERR;
   int rc = wgrad_of(n, 1, &dw, &gw) || wgrad_of(n, 2, &db, &gb) ? FSDP_ERR : FSDP_OK;
   if (!rc && dw && db && gw != gb)
     rc = fsdp_error("linear: the weight's gradient is %s, the bias's %s", fsdp_dtype_name(gw),
@@ -654,9 +653,7 @@ static int bw_linear(fsdp_node *n) {
   if (!rc && (!fresh || dw || db))
     rc = k->linear_backward(NCTX(n), NDT(n), dw ? gw : gb, fresh ? NULL : dx, dw, db,
                             D(n->out->grad), D(n->saved[0]), D(n->saved[1]), M, K, N);
-  if (rc && fresh) /* never leave an uninitialised gradient behind */
-    k->fill(NCTX(n), NDT(n), dx, 0.0, fsdp_tensor_numel(x->grad));
-  return rc;
+  return grad_out_done(n, 0, dx, fresh, rc);
 }
 
 int fsdp_op_linear(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *w, fsdp_tensor *b) {
@@ -833,22 +830,14 @@ int fsdp_op_softmax(fsdp_tensor **out, fsdp_tensor *x, int dim) {
 /* qkv's gradient, when it is its first (qkv is a linear's output), is written, not added: the
  * buffer is never zero-filled (as bw_linear's input gradient) */
 static int bw_attention(fsdp_node *n) {
-  void *dqkv = NULL;
-  bool fresh = false;
-  fsdp_tensor *x = n->in[0];
-  const fsdp_kernels_i *k = NK(n);
-  if (x && x->requires_grad && !x->grad && k->fill) {
-    if (!(dqkv = fsdp_grad_acc_fresh(x, &fresh))) return FSDP_ERR;
-  } else if (grad_of(n, 0, &dqkv)) {
-    return FSDP_ERR;
-  }
+  void *dqkv;
+  bool fresh;
+  if (grad_out(n, 0, true, &dqkv, &fresh)) return FSDP_ERR;
   if (!dqkv) return FSDP_OK;
-  int rc = k->attention_backward(NCTX(n), NDT(n), dqkv, D(n->out->grad), D(n->saved[0]),
-                                 D(n->saved[1]), (int)n->i[0], (int)n->i[1], (int)n->i[2],
-                                 (int)n->i[3], fresh);
-  if (rc && fresh) /* never leave an uninitialised gradient behind */
-    k->fill(NCTX(n), NDT(n), dqkv, 0.0, fsdp_tensor_numel(x->grad));
-  return rc;
+  int rc = NK(n)->attention_backward(NCTX(n), NDT(n), dqkv, D(n->out->grad), D(n->saved[0]),
+                                     D(n->saved[1]), (int)n->i[0], (int)n->i[1], (int)n->i[2],
+                                     (int)n->i[3], fresh);
+  return grad_out_done(n, 0, dqkv, fresh, rc);
 }
 
 int fsdp_op_attention(fsdp_tensor **out, fsdp_tensor *qkv, int n_head) {

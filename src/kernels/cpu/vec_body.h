@@ -82,42 +82,73 @@ static void gelu_backward(float *dinp, const float *dout, const float *inp, int6
   if (i < n) gelu_backward_at(dinp, dout, inp, i, n, 1);
 }
 
+/* ---- bias + GELU, on f32 or bf16 rows ---------------------------------------------------------
+ * One body for both element types: `bf16` is a constant at every call, so each public body
+ * below compiles to one kind of load and store (vmath.h: bf16 loads widen exactly, stores round
+ * once), and the bf16 results are the f32 body's between a widening and a rounding pass. */
+
+/* the lanes of an f32 or bf16 row at element c (lanes past n read 0 when tail) */
+VINLINE fsdp_vf ldx(const void *p, int64_t c, int64_t n, int tail, bool bf16) {
+  return bf16 ? fsdp_vh_load(p, c, n, tail) : fsdp_vt_load(p, c, n, 0.0f, tail);
+}
+VINLINE void stx(void *p, int64_t c, int64_t n, fsdp_vf v, int tail, bool bf16) {
+  if (bf16) fsdp_vh_store(p, c, n, v, tail);
+  else fsdp_vt_store(p, c, n, v, tail);
+}
+/* element `off` of an f32 or bf16 buffer (NULL stays NULL) */
+VINLINE const void *cat_(const void *p, int64_t off, bool bf16) {
+  return p ? (const char *)p + off * (bf16 ? 2 : 4) : NULL;
+}
+VINLINE void *mat_(void *p, int64_t off, bool bf16) {
+  return p ? (char *)p + off * (bf16 ? 2 : 4) : NULL;
+}
+
 /* rows [lo, hi) of (N, C): out = gelu(inp + bias), the sum rounded once as an add would */
+VINLINE void bias_gelu_rows(void *out, const void *inp, const float *bias, int64_t lo,
+                            int64_t hi, int C, bool bf16) {
+  for (int64_t r = lo; r < hi; r++) {
+    const void *x = cat_(inp, r * C, bf16);
+    void *y = mat_(out, r * C, bf16);
+    int64_t c = 0;
+    for (; c + VW <= C; c += VW)
+      stx(y, c, C, gelu_v(ldx(x, c, C, 0, bf16) + fsdp_vf_load(bias + c)), 0, bf16);
+    if (c < C) stx(y, c, C, gelu_v(ldx(x, c, C, 1, bf16) + LD(bias, c, C, 0.0f)), 1, bf16);
+  }
+}
+
 static void bias_gelu_forward(float *out, const float *inp, const float *bias, int64_t lo,
                               int64_t hi, int C) {
-  for (int64_t r = lo; r < hi; r++) {
-    const float *x = inp + r * C;
-    float *y = out + r * C;
-    for (int64_t c = 0; c < C; c += VW)
-      ST(y, c, C, gelu_v(LD(x, c, C, 0.0f) + LD(bias, c, C, 0.0f)));
-  }
+  bias_gelu_rows(out, inp, bias, lo, hi, C, false);
+}
+
+static void bias_gelu_forward_bf16(uint16_t *out, const uint16_t *inp, const float *bias,
+                                   int64_t lo, int64_t hi, int C) {
+  bias_gelu_rows(out, inp, bias, lo, hi, C, true);
 }
 
 #define BG_CHUNK 2048
 typedef double fsdp_vd __attribute__((vector_size(FSDP_VW * 8)));
 
-/* one vector of a row strip of len columns: t = gelu'(x + b) g; d += t, acc += t (double) */
 /* t = gelu'(x + b) g for the vector at column c of one row strip of len columns */
-VINLINE fsdp_vf bias_gelu_t(const float *g, const float *x, const float *b, int c, int len,
-                            int tail) {
-  fsdp_vf h = fsdp_vt_load(x, c, len, 0.0f, tail) + fsdp_vt_load(b, c, len, 0.0f, tail);
-  return gelu_grad_v(h) * fsdp_vt_load(g, c, len, 0.0f, tail);
+VINLINE fsdp_vf bias_gelu_t(const void *g, const void *x, const float *b, int c, int len,
+                            int tail, bool bf16) {
+  fsdp_vf h = ldx(x, c, len, tail, bf16) + fsdp_vt_load(b, c, len, 0.0f, tail);
+  return gelu_grad_v(h) * ldx(g, c, len, tail, bf16);
 }
 
-/* rows r0 .. r0 + nr - 1 (nr = 1 or 2) at column c: d += t per row, acc += t row by row (double:
- * acc + t0 + t1 in that order, one load and store of acc for both). Lanes past len add 0 to
- * acc entries never read (BG_CHUNK % VW == 0). */
-VINLINE void bias_gelu_rows_at(float *d, double *acc, const float *g, const float *x,
+/* rows r0 .. r0 + nr - 1 (nr = 1 or 2) at column c: d += t per row (has_d 2: d = t, d unread),
+ * acc += t row by row (double: acc + t0 + t1 in that order, one load and store of acc for both).
+ * Lanes past len add 0 to acc entries never read (BG_CHUNK % VW == 0). */
+VINLINE void bias_gelu_rows_at(void *d, double *acc, const void *g, const void *x,
                                const float *b, int64_t C, int nr, int c, int len, int tail,
-                               int has_d, bool has_acc) {
-  fsdp_vf t0 = bias_gelu_t(g, x, b, c, len, tail), t1 = t0;
-  if (has_d)
-    fsdp_vt_store(d, c, len, has_d == 2 ? t0 : fsdp_vt_load(d, c, len, 0.0f, tail) + t0, tail);
+                               int has_d, bool has_acc, bool bf16) {
+  fsdp_vf t0 = bias_gelu_t(g, x, b, c, len, tail, bf16), t1 = t0;
+  if (has_d) stx(d, c, len, has_d == 2 ? t0 : ldx(d, c, len, tail, bf16) + t0, tail, bf16);
   if (nr == 2) {
-    t1 = bias_gelu_t(g + C, x + C, b, c, len, tail);
+    void *d1 = mat_(d, C, bf16);
+    t1 = bias_gelu_t(cat_(g, C, bf16), cat_(x, C, bf16), b, c, len, tail, bf16);
     if (has_d)
-      fsdp_vt_store(d + C, c, len,
-                    has_d == 2 ? t1 : fsdp_vt_load(d + C, c, len, 0.0f, tail) + t1, tail);
+      stx(d1, c, len, has_d == 2 ? t1 : ldx(d1, c, len, tail, bf16) + t1, tail, bf16);
   }
   if (has_acc) {
     fsdp_vd a;
@@ -129,121 +160,40 @@ VINLINE void bias_gelu_rows_at(float *d, double *acc, const float *g, const floa
 }
 
 /* has_d: 0 no dinp, 1 dinp += t, 2 dinp = t (its old contents unread) */
-VINLINE void bias_gelu_strip(float *dinp, double *acc, const float *dout, const float *inp,
+VINLINE void bias_gelu_strip(void *dinp, double *acc, const void *dout, const void *inp,
                              const float *b, int64_t N, int64_t C, int len, int has_d,
-                             bool has_acc) {
+                             bool has_acc, bool bf16) {
   for (int64_t r = 0; r < N; r += 2) {
     const int nr = r + 2 <= N ? 2 : 1;
     const int64_t o = r * C;
-    float *d = has_d ? dinp + o : NULL;
+    void *d = has_d ? mat_(dinp, o, bf16) : NULL;
+    const void *g = cat_(dout, o, bf16), *x = cat_(inp, o, bf16);
     int c = 0;
     if (nr == 2) {
       for (; c + VW <= len; c += VW)
-        bias_gelu_rows_at(d, acc, dout + o, inp + o, b, C, 2, c, len, 0, has_d, has_acc);
-      if (c < len)
-        bias_gelu_rows_at(d, acc, dout + o, inp + o, b, C, 2, c, len, 1, has_d, has_acc);
+        bias_gelu_rows_at(d, acc, g, x, b, C, 2, c, len, 0, has_d, has_acc, bf16);
+      if (c < len) bias_gelu_rows_at(d, acc, g, x, b, C, 2, c, len, 1, has_d, has_acc, bf16);
     } else {
       for (; c + VW <= len; c += VW)
-        bias_gelu_rows_at(d, acc, dout + o, inp + o, b, C, 1, c, len, 0, has_d, has_acc);
-      if (c < len)
-        bias_gelu_rows_at(d, acc, dout + o, inp + o, b, C, 1, c, len, 1, has_d, has_acc);
+        bias_gelu_rows_at(d, acc, g, x, b, C, 1, c, len, 0, has_d, has_acc, bf16);
+      if (c < len) bias_gelu_rows_at(d, acc, g, x, b, C, 1, c, len, 1, has_d, has_acc, bf16);
     }
-  }
-}
-
-/* ---- bias + GELU on bf16 operands: the f32 bodies above with bf16 loads and stores ---------- */
-
-static void bias_gelu_forward_bf16(uint16_t *out, const uint16_t *inp, const float *bias,
-                                   int64_t lo, int64_t hi, int C) {
-  for (int64_t r = lo; r < hi; r++) {
-    const uint16_t *x = inp + r * C;
-    uint16_t *y = out + r * C;
-    int64_t c = 0;
-    for (; c + VW <= C; c += VW)
-      fsdp_vh_store(y, c, C, gelu_v(fsdp_vh_load(x, c, C, 0) + fsdp_vf_load(bias + c)), 0);
-    if (c < C) fsdp_vh_store(y, c, C, gelu_v(fsdp_vh_load(x, c, C, 1) + LD(bias, c, C, 0.0f)), 1);
-  }
-}
-
-VINLINE fsdp_vf bias_gelu_t_bf16(const uint16_t *g, const uint16_t *x, const float *b, int c,
-                                 int len, int tail) {
-  fsdp_vf h = fsdp_vh_load(x, c, len, tail) + fsdp_vt_load(b, c, len, 0.0f, tail);
-  return gelu_grad_v(h) * fsdp_vh_load(g, c, len, tail);
-}
-
-VINLINE void bias_gelu_rows_at_bf16(uint16_t *d, double *acc, const uint16_t *g,
-                                    const uint16_t *x, const float *b, int64_t C, int nr, int c,
-                                    int len, int tail, int has_d, bool has_acc) {
-  fsdp_vf t0 = bias_gelu_t_bf16(g, x, b, c, len, tail), t1 = t0;
-  if (has_d) fsdp_vh_store(d, c, len, has_d == 2 ? t0 : fsdp_vh_load(d, c, len, tail) + t0, tail);
-  if (nr == 2) {
-    t1 = bias_gelu_t_bf16(g + C, x + C, b, c, len, tail);
-    if (has_d)
-      fsdp_vh_store(d + C, c, len, has_d == 2 ? t1 : fsdp_vh_load(d + C, c, len, tail) + t1,
-                    tail);
-  }
-  if (has_acc) {
-    fsdp_vd a;
-    memcpy(&a, acc + c, sizeof a);
-    a += __builtin_convertvector(t0, fsdp_vd);
-    if (nr == 2) a += __builtin_convertvector(t1, fsdp_vd);
-    memcpy(acc + c, &a, sizeof a);
-  }
-}
-
-VINLINE void bias_gelu_strip_bf16(uint16_t *dinp, double *acc, const uint16_t *dout,
-                                  const uint16_t *inp, const float *b, int64_t N, int64_t C,
-                                  int len, int has_d, bool has_acc) {
-  for (int64_t r = 0; r < N; r += 2) {
-    const int nr = r + 2 <= N ? 2 : 1;
-    const int64_t o = r * C;
-    uint16_t *d = has_d ? dinp + o : NULL;
-    int c = 0;
-    if (nr == 2) {
-      for (; c + VW <= len; c += VW)
-        bias_gelu_rows_at_bf16(d, acc, dout + o, inp + o, b, C, 2, c, len, 0, has_d, has_acc);
-      if (c < len)
-        bias_gelu_rows_at_bf16(d, acc, dout + o, inp + o, b, C, 2, c, len, 1, has_d, has_acc);
-    } else {
-      for (; c + VW <= len; c += VW)
-        bias_gelu_rows_at_bf16(d, acc, dout + o, inp + o, b, C, 1, c, len, 0, has_d, has_acc);
-      if (c < len)
-        bias_gelu_rows_at_bf16(d, acc, dout + o, inp + o, b, C, 1, c, len, 1, has_d, has_acc);
-    }
-  }
-}
-
-static void bias_gelu_backward_cols_bf16(uint16_t *dinp, float *dbias, const uint16_t *dout,
-                                         const uint16_t *inp, const float *bias, int64_t N,
-                                         int C, int c0, int c1, bool set) {
-  double acc[BG_CHUNK];
-  for (int b0 = c0; b0 < c1; b0 += BG_CHUNK) {
-    const int len = c1 - b0 < BG_CHUNK ? c1 - b0 : BG_CHUNK;
-    memset(acc, 0, sizeof(double) * (size_t)len);
-    uint16_t *d = dinp ? dinp + b0 : NULL;
-#define STRIP(hd, ha) \
-  bias_gelu_strip_bf16(d, acc, dout + b0, inp + b0, bias + b0, N, C, len, hd, ha)
-    if (dinp && dbias) set ? STRIP(2, 1) : STRIP(1, 1);
-    else if (dinp) set ? STRIP(2, 0) : STRIP(1, 0);
-    else STRIP(0, 1);
-#undef STRIP
-    if (dbias)
-      for (int j = 0; j < len; j++) dbias[b0 + j] += (float)acc[j];
   }
 }
 
 /* columns [c0, c1) over all N rows: t = gelu'(inp + bias) * dout, dinp += t (set: dinp = t),
  * and dbias += the column sums of t (double, rows in order: fsdp_cpu_colsum_acc's arithmetic),
  * one pass */
-static void bias_gelu_backward_cols(float *dinp, float *dbias, const float *dout,
-                                    const float *inp, const float *bias, int64_t N, int C,
-                                    int c0, int c1, bool set) {
+VINLINE void bias_gelu_cols(void *dinp, float *dbias, const void *dout, const void *inp,
+                            const float *bias, int64_t N, int C, int c0, int c1, bool set,
+                            bool bf16) {
   double acc[BG_CHUNK];
   for (int b0 = c0; b0 < c1; b0 += BG_CHUNK) {
     const int len = c1 - b0 < BG_CHUNK ? c1 - b0 : BG_CHUNK;
     memset(acc, 0, sizeof(double) * (size_t)len);
-    float *d = dinp ? dinp + b0 : NULL;
-#define STRIP(hd, ha) bias_gelu_strip(d, acc, dout + b0, inp + b0, bias + b0, N, C, len, hd, ha)
+    void *d = mat_(dinp, b0, bf16);
+    const void *g = cat_(dout, b0, bf16), *x = cat_(inp, b0, bf16);
+#define STRIP(hd, ha) bias_gelu_strip(d, acc, g, x, bias + b0, N, C, len, hd, ha, bf16)
     if (dinp && dbias) set ? STRIP(2, 1) : STRIP(1, 1);
     else if (dinp) set ? STRIP(2, 0) : STRIP(1, 0);
     else STRIP(0, 1);
@@ -251,6 +201,18 @@ static void bias_gelu_backward_cols(float *dinp, float *dbias, const float *dout
     if (dbias)
       for (int j = 0; j < len; j++) dbias[b0 + j] += (float)acc[j];
   }
+}
+
+static void bias_gelu_backward_cols(float *dinp, float *dbias, const float *dout,
+                                    const float *inp, const float *bias, int64_t N, int C,
+                                    int c0, int c1, bool set) {
+  bias_gelu_cols(dinp, dbias, dout, inp, bias, N, C, c0, c1, set, false);
+}
+
+static void bias_gelu_backward_cols_bf16(uint16_t *dinp, float *dbias, const uint16_t *dout,
+                                         const uint16_t *inp, const float *bias, int64_t N,
+                                         int C, int c0, int c1, bool set) {
+  bias_gelu_cols(dinp, dbias, dout, inp, bias, N, C, c0, c1, set, true);
 }
 
 static void dropout_mask(float *out, float *mask, const float *inp, int64_t n, float p,
