@@ -85,44 +85,47 @@ double fsdp_cpu_sumsq(const float *a, int64_t n) { return blocked(a, n, sumsq_ru
 
 #define COL_CHUNK 256
 
-/* out[c0:c1] += column sums of inp[:, c0:c1] (row stride C). Compiled per instruction set
- * (target_clones, as convert.c): the vectors run across columns, each column still summed row
- * by row in double, so every width gives the same bits. */
-__attribute__((target_clones("avx512f", "avx2", "default")))
-static void colsum_run(float *out, const float *inp, int64_t R, int64_t C, int64_t c0,
-                       int64_t c1) {
+/* element j of an f32 or bf16 row, as a double (bf16 -> f32 is exact) */
+static inline __attribute__((always_inline)) double col_elem(const void *row, int64_t j,
+                                                             bool bf16) {
+  if (!bf16) return (double)((const float *)row)[j];
+  uint32_t u = (uint32_t)((const uint16_t *)row)[j] << 16;
+  float x;
+  memcpy(&x, &u, sizeof x);
+  return (double)x;
+}
+
+/* out[c0:c1] += column sums of inp[:, c0:c1] (row stride C), inp f32 or bf16 (`bf16` a constant
+ * at each caller, so each compiles to one loop; bf16 sums are those of the f32 loop on the
+ * widened matrix). Compiled per instruction set (target_clones, as convert.c): the vectors run
+ * across columns, each column still summed row by row in double, so every width gives the same
+ * bits. */
+static inline __attribute__((always_inline)) void colsum_body(float *out, const void *inp,
+                                                              bool bf16, int64_t R, int64_t C,
+                                                              int64_t c0, int64_t c1) {
+  const size_t es = bf16 ? 2 : 4;
   double acc[COL_CHUNK];
   for (; c0 < c1; c0 += COL_CHUNK) {
     int64_t len = c1 - c0 < COL_CHUNK ? c1 - c0 : COL_CHUNK;
     memset(acc, 0, sizeof(double) * (size_t)len);
     for (int64_t r = 0; r < R; r++) {
-      const float *row = inp + r * C + c0;
-      for (int64_t j = 0; j < len; j++) acc[j] += (double)row[j];
+      const void *row = (const char *)inp + (size_t)(r * C + c0) * es;
+      for (int64_t j = 0; j < len; j++) acc[j] += col_elem(row, j, bf16);
     }
     for (int64_t j = 0; j < len; j++) out[c0 + j] += (float)acc[j];
   }
 }
 
-/* The same over bf16 input, widened in the loop (bf16 -> f32 is exact), so the sums are those
- * of colsum_run on the widened matrix. */
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static void colsum_run(float *out, const float *inp, int64_t R, int64_t C, int64_t c0,
+                       int64_t c1) {
+  colsum_body(out, inp, false, R, C, c0, c1);
+}
+
 __attribute__((target_clones("avx512f", "avx2", "default")))
 static void colsum_bf16_run(float *out, const uint16_t *inp, int64_t R, int64_t C, int64_t c0,
                             int64_t c1) {
-  double acc[COL_CHUNK];
-  for (; c0 < c1; c0 += COL_CHUNK) {
-    int64_t len = c1 - c0 < COL_CHUNK ? c1 - c0 : COL_CHUNK;
-    memset(acc, 0, sizeof(double) * (size_t)len);
-    for (int64_t r = 0; r < R; r++) {
-      const uint16_t *row = inp + r * C + c0;
-      for (int64_t j = 0; j < len; j++) {
-        uint32_t u = (uint32_t)row[j] << 16;
-        float x;
-        memcpy(&x, &u, sizeof x);
-        acc[j] += (double)x;
-      }
-    }
-    for (int64_t j = 0; j < len; j++) out[c0 + j] += (float)acc[j];
-  }
+  colsum_body(out, inp, true, R, C, c0, c1);
 }
 
 /* f16 input: element by element through core's conversion (no hot path uses f16 on the cpu) */
