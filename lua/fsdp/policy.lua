@@ -83,6 +83,37 @@ function M.check(policy)
   raise("fsdp.wrap: policy must be fsdp.policy.modules{...}, .size(n), .list{...} or a function")
 end
 
+-- Bottom-up over the modules below model's root, each module and parameter at its first place:
+-- enter(m) before m's children (optional), then claim(m, path, numel) with numel the parameter
+-- elements of m's subtree that no descendant claimed; a true answer claims them. The root is
+-- never asked. Returns the set of modules and parameters seen.
+local function walk_claims(model, claim, enter)
+  local seen = {[model] = true}
+  local function visit(m, path)
+    if enter then enter(m) end
+    local unclaimed = {} -- param -> numel
+    for _, e in ipairs(base.own_entries(m)) do
+      local name, v = e[1], e[2]
+      if not seen[v] then
+        seen[v] = true
+        if is_module(v) then
+          for p, n in pairs(visit(v, util.join(path, name))) do unclaimed[p] = n end
+        else
+          unclaimed[v] = v:numel()
+        end
+      end
+    end
+    if m ~= model then
+      local numel = 0
+      for _, n in pairs(unclaimed) do numel = numel + n end
+      if claim(m, path, numel) then return {} end
+    end
+    return unclaimed
+  end
+  visit(model, "")
+  return seen
+end
+
 --- The unit modules of model: the root, the forced ones (inner units of an earlier wrap) and
 --- the policy's. Returns set module -> true.
 function M.select(model, policy, forced)
@@ -90,40 +121,18 @@ function M.select(model, policy, forced)
   for m in pairs(forced) do selected[m] = true end
   local select = M.check(policy)
   local skip_containers = getmetatable(policy) == Policy and policy.skip_containers
-  local seen = {[model] = true}
-  -- post-order: returns the set of unclaimed parameters of m's subtree (param -> numel)
-  local function visit(m, path)
-    local unclaimed = {}
-    for _, e in ipairs(base.own_entries(m)) do
-      local name, v = e[1], e[2]
-      if not seen[v] then
-        seen[v] = true
-        if is_module(v) then
-          local sub = visit(v, util.join(path, name))
-          for p, n in pairs(sub) do unclaimed[p] = n end
-        else
-          unclaimed[v] = v:numel()
-        end
-      end
+  local seen = walk_claims(model, function(m, path, numel)
+    local container = nn.isinstance(m, nn.ModuleList)
+    if not selected[m] and select and not (container and skip_containers)
+      and select(m, path, numel) then
+      selected[m] = true
     end
-    if m ~= model then
-      local container = nn.isinstance(m, nn.ModuleList)
-      if not selected[m] and select and not (container and skip_containers) then
-        local numel = 0
-        for _, n in pairs(unclaimed) do numel = numel + n end
-        if select(m, path, numel) then selected[m] = true end
-      end
-      if selected[m] then
-        if container then
-          raise(("fsdp.wrap: the policy picked %s (ModuleList), which has no forward: its "
-            .. "parameters could never be gathered; pick its elements instead"):format(path))
-        end
-        return {}
-      end
+    if selected[m] and container then
+      raise(("fsdp.wrap: the policy picked %s (ModuleList), which has no forward: its "
+        .. "parameters could never be gathered; pick its elements instead"):format(path))
     end
-    return unclaimed
-  end
-  visit(model, "")
+    return selected[m]
+  end)
   if getmetatable(policy) == Policy and policy.modules then
     for i, m in ipairs(policy.modules) do
       if not seen[m] and m ~= model then
@@ -140,32 +149,16 @@ end
 --- forward (ModuleList) are never asked. Returns an array of {module =, path =}, pre-order.
 function M.select_checkpoint(model, policy)
   local select = getmetatable(policy) == Policy and policy.select or policy
-  local picked, seen = {}, {[model] = true}
-  local function visit(m, path)
-    local unclaimed, mine = {}, {module = m, path = path}
-    local pos = #picked + 1
-    for _, e in ipairs(base.own_entries(m)) do
-      local name, v = e[1], e[2]
-      if not seen[v] then
-        seen[v] = true
-        if is_module(v) then
-          for p, n in pairs(visit(v, util.join(path, name))) do unclaimed[p] = n end
-        else
-          unclaimed[v] = v:numel()
-        end
-      end
-    end
-    if m ~= model and not nn.isinstance(m, nn.ModuleList) then
-      local numel = 0
-      for _, n in pairs(unclaimed) do numel = numel + n end
-      if select(m, path, numel) then
-        table.insert(picked, pos, mine) -- before its descendants: pre-order
-        return {}
-      end
-    end
-    return unclaimed
-  end
-  visit(model, "")
+  local picked, order, n = {}, {}, 0
+  local seen = walk_claims(model, function(m, path, numel)
+    if nn.isinstance(m, nn.ModuleList) or not select(m, path, numel) then return false end
+    picked[#picked + 1] = {module = m, path = path}
+    return true
+  end, function(m)
+    n = n + 1
+    order[m] = n
+  end)
+  table.sort(picked, function(a, b) return order[a.module] < order[b.module] end) -- pre-order
   if getmetatable(policy) == Policy and policy.modules then
     for i, m in ipairs(policy.modules) do
       if not seen[m] or m == model then
