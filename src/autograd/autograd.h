@@ -113,6 +113,13 @@ void *fsdp_grad_acc(fsdp_tensor *t);
  * whole, or zero-fills it if it fails); otherwise *fresh is false and the caller accumulates.
  * Saves the zero-fill and the read of the zeros for the first gradient of an activation. */
 void *fsdp_grad_acc_fresh(fsdp_tensor *t, bool *fresh);
+/* Make g (a gradient computed for another tensor, e.g. a sum's output) t's gradient as it is,
+ * without a copy, when t is an activation (not a leaf) with no gradient yet and g fits it (shape,
+ * dtype, device, contiguous); false, changing nothing, otherwise. The buffer stays shared until
+ * the other holders drop it: fsdp_grad_acc(t) writes into a copy while they have not. Leaves
+ * never share: parameters' gradients are modified in place after backward (clipping, the
+ * optimizer), which must not reach another parameter. */
+bool fsdp_grad_share(fsdp_tensor *t, fsdp_tensor *g);
 /* Whether op outputs from these inputs need recording. */
 bool fsdp_needs_grad(fsdp_tensor *const *in, int n);
 

@@ -318,8 +318,10 @@ int fsdp_op_to(fsdp_tensor **out, fsdp_tensor *a, const fsdp_device_i *dev, fsdp
 static const char *binop_name[] = {"add", "sub", "mul", "div"};
 
 /* Same shapes: a new gradient of an addend (either of a sum, the first of a difference) is dout
- * itself, copied into a buffer that is never zero-filled (the residual stream's adds: both
- * addends' gradients start there). x + x: the copy makes x's gradient, the kernel then adds. */
+ * itself (the residual stream's adds: both addends' gradients start there). An activation takes
+ * dout's buffer as it is (fsdp_grad_share: no pass over memory; whoever adds into it later gets
+ * a copy while dout is still shared); a parameter gets a copy in a buffer that is never
+ * zero-filled. x + x: x shares dout, then the kernel adds into x's own copy. */
 static int bw_binary(fsdp_node *n) {
   const int64_t N = n->i[0], M = n->i[1];
   const fsdp_binop op = (fsdp_binop)n->i[2];
@@ -329,6 +331,8 @@ static int bw_binary(fsdp_node *n) {
   for (int k = 0; k < 2; k++) {
     bool fresh;
     const bool whole = copies && (op == FSDP_BIN_ADD || (op == FSDP_BIN_SUB && k == 0));
+    d[k] = NULL;
+    if (whole && n->in[k] && fsdp_grad_share(n->in[k], n->out->grad)) continue;
     if (grad_out(n, k, whole, &d[k], &fresh)) return FSDP_ERR;
     if (!fresh) continue;
     int rc = NK(n)->cast(NCTX(n), d[k], NDT(n), D(n->out->grad), NDT(n), N);

@@ -141,6 +141,26 @@ void fsdp_tape_clear(void) {
 /* fresh NULL: a new buffer is zero-filled; else it is left as allocated and *fresh says so */
 static void *grad_acc(fsdp_tensor *t, bool *fresh) {
   if (fresh) *fresh = false;
+  if (t->grad && t->grad_shared) {
+    /* Another tensor's gradient, handed through (fsdp_grad_share). Once t holds the only
+     * reference left it is t's own; before that, writing into it would change the other
+     * tensors' gradients too, so t gets a copy. In the residual stream the sharers are done
+     * by then (a node's output gradient is dropped once the node ran), so no copy is made. */
+    fsdp_tensor *g = t->grad;
+    if (__atomic_load_n(&g->refcount, __ATOMIC_ACQUIRE) > 1) {
+      fsdp_tensor *own;
+      if (fsdp_tensor_new_uninit(&own, g->storage->device, g->dtype, g->ndim, g->shape,
+                                 FSDP_ROLE_ACTIVATIONS))
+        return NULL;
+      if (fsdp_copy(own, g)) {
+        fsdp_tensor_release(own);
+        return NULL;
+      }
+      fsdp_tensor_set_grad(t, own);
+      fsdp_tensor_release(own);
+    }
+    t->grad_shared = false;
+  }
   if (!t->grad) {
     fsdp_tensor *g;
     fsdp_role role = t->is_leaf ? FSDP_ROLE_GRADS : FSDP_ROLE_ACTIVATIONS;
@@ -158,6 +178,16 @@ static void *grad_acc(fsdp_tensor *t, bool *fresh) {
 void *fsdp_grad_acc(fsdp_tensor *t) { return grad_acc(t, NULL); }
 
 void *fsdp_grad_acc_fresh(fsdp_tensor *t, bool *fresh) { return grad_acc(t, fresh); }
+
+bool fsdp_grad_share(fsdp_tensor *t, fsdp_tensor *g) {
+  if (t->grad || t->is_leaf || !t->requires_grad || !fsdp_tensor_same_shape(t, g) ||
+      t->dtype != g->dtype || t->storage->device != g->storage->device ||
+      !fsdp_tensor_is_contiguous(g))
+    return false;
+  fsdp_tensor_set_grad(t, g);
+  t->grad_shared = true;
+  return true;
+}
 
 /* The tensors n's backward reads must be as they were when n was recorded. */
 static int check_versions(const fsdp_node *n) {

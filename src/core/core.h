@@ -256,6 +256,9 @@ typedef struct fsdp_tensor {
   bool requires_grad; /* leaf: set by user; non-leaf: produced by a recorded op */
   bool is_param;      /* a parameter: identity is stable, storage may change (FSDP) */
   bool is_leaf;       /* not produced by a recorded op */
+  /* grad is another tensor's gradient handed through unchanged (an addend of a sum, during
+   * backward): fsdp_grad_acc copies it before the first write while it is still shared */
+  bool grad_shared;
   struct fsdp_tensor *grad; /* owned reference or NULL */
   uint64_t version;   /* bumped by in-place writes */
   char *label;        /* optional owned name for errors (a parameter's path); NULL if none */

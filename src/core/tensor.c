@@ -631,4 +631,5 @@ void fsdp_tensor_set_grad(fsdp_tensor *t, fsdp_tensor *g) {
   fsdp_tensor_retain(g);
   fsdp_tensor_release(t->grad);
   t->grad = g;
+  t->grad_shared = false;
 }

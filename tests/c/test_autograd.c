@@ -1055,6 +1055,87 @@ static void test_used_twice(void **state) {
   fsdp_tensor_release(x);
 }
 
+/* A sum's addends that are activations take dout's buffer as their gradient (no copy); an
+ * addend that later gets more gradient while the buffer is still shared writes into a copy.
+ * a = 2p, b = 3q, m = a * w, s = a + b, u = s + m: backward reaches the adds first (a and b
+ * share u's gradient), then m's product adds w into a's gradient while m and b still hold the
+ * buffer: dp = 2 (1 + w), dq = 3. Writing into the shared buffer would give dq = 3 (1 + w). */
+static void test_shared_addend_gradient(void **state) {
+  (void)state;
+  rng_reset(32);
+  fsdp_tensor *p = rnd(1, SHAPE(7), -1, 1), *q = rnd(1, SHAPE(7), -1, 1);
+  fsdp_tensor *w = rnd(1, SHAPE(7), -1, 1), *a, *b, *m, *s, *u, *l;
+  p->requires_grad = q->requires_grad = true;
+  assert_int_equal(fsdp_op_affine(&a, p, 2.0f, 0.0f), FSDP_OK);
+  assert_int_equal(fsdp_op_affine(&b, q, 3.0f, 0.0f), FSDP_OK);
+  assert_int_equal(fsdp_op_binary(&m, a, w, FSDP_OP_MUL), FSDP_OK);
+  assert_int_equal(fsdp_op_binary(&s, a, b, FSDP_OP_ADD), FSDP_OK);
+  assert_int_equal(fsdp_op_binary(&u, s, m, FSDP_OP_ADD), FSDP_OK);
+  assert_int_equal(fsdp_op_sum(&l, u), FSDP_OK);
+  assert_int_equal(fsdp_backward(l, NULL), FSDP_OK);
+  const float *wv = fsdp_tensor_data(w, "t");
+  const float *gp = fsdp_tensor_data(p->grad, "t"), *gq = fsdp_tensor_data(q->grad, "t");
+  for (int i = 0; i < 7; i++) {
+    assert_float_equal(gp[i], 2 * (1 + wv[i]), 1e-6);
+    assert_float_equal(gq[i], 3.0f, 1e-6);
+  }
+  assert_false(p->grad_shared || q->grad_shared);
+  fsdp_tensor *all[] = {p, q, w, a, b, m, s, u, l};
+  for (int i = 0; i < 9; i++) fsdp_tensor_release(all[i]);
+}
+
+/* fsdp_grad_share itself: only an activation without a gradient takes a buffer that fits it;
+ * writing through fsdp_grad_acc copies while another holder is left (and fails cleanly, the
+ * shared buffer kept, when the copy cannot be made), and writes in place once it is the last. */
+static void test_grad_share(void **state) {
+  (void)state;
+  rng_reset(34);
+  fsdp_tensor *x = rnd(2, SHAPE(3, 4), -1, 1), *a, *g = rnd(2, SHAPE(3, 4), -1, 1);
+  fsdp_tensor *other = rnd(1, SHAPE(12), -1, 1);
+  x->requires_grad = true;
+  assert_false(fsdp_grad_share(x, g)); /* a leaf */
+  assert_int_equal(fsdp_op_affine(&a, x, 1.0f, 0.0f), FSDP_OK);
+  assert_false(fsdp_grad_share(a, other)); /* another shape */
+  assert_true(fsdp_grad_share(a, g));
+  assert_ptr_equal(a->grad, g);
+  assert_false(fsdp_grad_share(a, g)); /* it has a gradient now */
+  const float *gv = fsdp_tensor_data(g, "t");
+  float before[12];
+  memcpy(before, gv, sizeof before);
+  /* the copy over the memory budget: an error, and a still holds the shared buffer */
+  fsdp_mem_domain *d = fsdp_mem_domain_new();
+  assert_non_null(d);
+  fsdp_mem_domain_set(d);
+  fsdp_mem_set_limit(d, 1);
+  assert_null(fsdp_grad_acc(a));
+  assert_non_null(strstr(fsdp_error_msg(), "out of memory budget"));
+  assert_ptr_equal(a->grad, g);
+  assert_true(a->grad_shared);
+  fsdp_mem_set_limit(d, 0);
+  /* g is still held here: a's first write goes into a copy of it */
+  float *av = fsdp_grad_acc(a);
+  assert_non_null(av);
+  assert_ptr_not_equal(a->grad, g);
+  assert_false(a->grad_shared);
+  for (int i = 0; i < 12; i++) {
+    assert_true(av[i] == before[i]);
+    av[i] += 1.0f;
+    assert_true(gv[i] == before[i]);
+  }
+  /* the last holder writes in place */
+  fsdp_tensor *b;
+  assert_int_equal(fsdp_op_affine(&b, x, 1.0f, 0.0f), FSDP_OK);
+  assert_true(fsdp_grad_share(b, g));
+  fsdp_tensor_release(g);
+  assert_ptr_equal(fsdp_grad_acc(b), gv);
+  assert_false(b->grad_shared);
+  fsdp_tape_clear();
+  fsdp_tensor *all[] = {x, a, b, other};
+  for (int i = 0; i < 4; i++) fsdp_tensor_release(all[i]);
+  fsdp_mem_domain_set(NULL);
+  fsdp_mem_domain_free(d);
+}
+
 /* A linear's input gradient, when it is the input's first, is written by a GEMM into a buffer
  * that was never zero-filled; when the input already has a gradient, the linear adds to it.
  * Both orders give ds/dx = the column sums of w + 1 for s = sum(x + linear(x)). */
@@ -2140,6 +2221,8 @@ int main(void) {
       cmocka_unit_test(test_grad_softmax_dim),
       cmocka_unit_test(test_grad_to),
       cmocka_unit_test(test_used_twice),
+      cmocka_unit_test(test_shared_addend_gradient),
+      cmocka_unit_test(test_grad_share),
       cmocka_unit_test(test_linear_first_gradient),
       cmocka_unit_test(test_linear_first_gradient_failure),
       cmocka_unit_test(test_bias_gelu_first_gradient_failure),
