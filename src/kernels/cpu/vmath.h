@@ -60,6 +60,32 @@ static inline fsdp_vf fsdp_vf_load(const float *p) {
 static inline void fsdp_vf_store(float *p, fsdp_vf v) { memcpy(p, &v, sizeof v); }
 /* The first n (0 <= n <= FSDP_VW) lanes from p, the rest `fill`: lets tails run the vector
  * code. */
+#if FSDP_VW == 16 && defined(__AVX512F__)
+/* Masked loads and stores where the includer compiles for AVX-512 or AVX2: the memcpy form
+ * goes through the stack (a variable-length copy, then a vector reload that store forwarding
+ * cannot serve), which made short rows (attention's causal rows, 1..T long) cost several times
+ * their length. Masked-off lanes are never touched, so reading up to a page end is safe. */
+#include <immintrin.h>
+static inline fsdp_vf fsdp_vf_load_part(const float *p, int n, float fill) {
+  return (fsdp_vf)_mm512_mask_loadu_ps(_mm512_set1_ps(fill), (__mmask16)((1u << n) - 1u), p);
+}
+static inline void fsdp_vf_store_part(float *p, fsdp_vf v, int n) {
+  _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1u), (__m512)v);
+}
+#elif FSDP_VW == 8 && defined(__AVX2__)
+#include <immintrin.h>
+static inline __m256i fsdp_vf_part_mask(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static inline fsdp_vf fsdp_vf_load_part(const float *p, int n, float fill) {
+  __m256i m = fsdp_vf_part_mask(n);
+  return (fsdp_vf)_mm256_blendv_ps(_mm256_set1_ps(fill), _mm256_maskload_ps(p, m),
+                                   _mm256_castsi256_ps(m));
+}
+static inline void fsdp_vf_store_part(float *p, fsdp_vf v, int n) {
+  _mm256_maskstore_ps(p, fsdp_vf_part_mask(n), (__m256)v);
+}
+#else
 static inline fsdp_vf fsdp_vf_load_part(const float *p, int n, float fill) {
   fsdp_vf v = fsdp_vf_set(fill);
   memcpy(&v, p, sizeof(float) * (size_t)n);
@@ -68,6 +94,7 @@ static inline fsdp_vf fsdp_vf_load_part(const float *p, int n, float fill) {
 static inline void fsdp_vf_store_part(float *p, fsdp_vf v, int n) {
   memcpy(p, &v, sizeof(float) * (size_t)n);
 }
+#endif
 /* m ? a : b lane by lane; m lanes are 0 or -1 (a vector comparison). */
 static inline fsdp_vf fsdp_vf_select(fsdp_vi m, fsdp_vf a, fsdp_vf b) {
   return (fsdp_vf)((m & (fsdp_vi)a) | (~m & (fsdp_vi)b));
