@@ -23,6 +23,8 @@
 #include "core/core.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/pool.h"
+#include "kernels/kernels.h"
 #include "kernels/cpu/vmath.h" /* the private SIMD exp, tested directly for its accuracy */
 
 /* ---- helpers ---------------------------------------------------------------------------- */
@@ -961,6 +963,35 @@ static void test_colsum(void **state) {
   free(inp), free(prior), free(out), free(want);
 }
 
+/* The table's f32 axpy and scale split over the rank's threads: every element, once, the same
+ * bits as the plain loop, at 1 and 2 threads and lengths around the split. */
+static void test_axpy_scale(void **state) {
+  (void)state;
+  const fsdp_kernels_i *k = fsdp_kernels_of(&fsdp_device_cpu, "test");
+  assert_non_null(k);
+  const int64_t lens[] = {1, 1000, 2 * FSDP_CPU_GRAIN - 1, 2 * FSDP_CPU_GRAIN + 1,
+                          5 * FSDP_CPU_GRAIN + 17};
+  int before = fsdp_cpu_threads();
+  for (int threads = 1; threads <= 2; threads++) {
+    fsdp_cpu_set_threads(threads);
+    for (size_t l = 0; l < sizeof lens / sizeof lens[0]; l++) {
+      const int64_t n = lens[l];
+      float *x = frand(n, -1, 1), *y = frand(n, -1, 1), *want = fcopy(y, n);
+      for (int64_t i = 0; i < n; i++) want[i] += 0.75f * x[i];
+      assert_int_equal(k->axpy(NULL, FSDP_DTYPE_F32, y, x, 0.75, n), FSDP_OK);
+      assert_memory_equal(y, want, (size_t)n * sizeof(float));
+      for (int64_t i = 0; i < n; i++) want[i] += x[i];
+      assert_int_equal(k->axpy(NULL, FSDP_DTYPE_F32, y, x, 1.0, n), FSDP_OK);
+      assert_memory_equal(y, want, (size_t)n * sizeof(float));
+      for (int64_t i = 0; i < n; i++) want[i] *= -1.5f;
+      assert_int_equal(k->scale(NULL, FSDP_DTYPE_F32, y, -1.5, n), FSDP_OK);
+      assert_memory_equal(y, want, (size_t)n * sizeof(float));
+      free(x), free(y), free(want);
+    }
+  }
+  fsdp_cpu_set_threads(before);
+}
+
 /* ---- optimizers ------------------------------------------------------------------------------ */
 
 /* One parameter, two steps, numbers worked out by hand (lr 0.1, momentum 0.9, wd 0.01):
@@ -1157,6 +1188,7 @@ int main(void) {
       cmocka_unit_test(test_sum),
       cmocka_unit_test(test_sum_dim),
       cmocka_unit_test(test_colsum),
+      cmocka_unit_test(test_axpy_scale),
       cmocka_unit_test(test_sgd),
       cmocka_unit_test(test_adamw),
       cmocka_unit_test(test_adamw_masked),

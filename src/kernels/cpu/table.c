@@ -19,7 +19,9 @@
 
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/half.h"
+#include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/pool.h"
 
 #define REFUSE(op, dt) fsdp_kernels_refuse(op, dt, "cpu")
 
@@ -103,15 +105,32 @@ static int k_add_strided(void *ctx, fsdp_dtype dt, void *dst, const int64_t *ds,
   return FSDP_OK;
 }
 
+/* y += a x and y *= a over f32, split over the rank's threads: gradient accumulation, the
+ * gradient shards' adds and scaling run over whole parameter sets, and on the calling thread
+ * alone the other core idled through them. Each element on its own: the same bits at any split. */
+typedef struct {
+  float *y;
+  const float *x;
+  float a;
+} axpy_ctx;
+
+static void axpy_task(void *ctx, int64_t lo, int64_t hi) {
+  const axpy_ctx *c = ctx;
+  float *restrict yy = c->y;
+  const float *restrict xx = c->x;
+  const float a = c->a;
+  if (!xx)
+    for (int64_t i = lo; i < hi; i++) yy[i] *= a;
+  else if (a == 1.0f)
+    for (int64_t i = lo; i < hi; i++) yy[i] += xx[i];
+  else
+    for (int64_t i = lo; i < hi; i++) yy[i] += a * xx[i];
+}
+
 static int k_axpy(void *ctx, fsdp_dtype dt, void *y, const void *x, double alpha, int64_t n) {
   if (dt == FSDP_DTYPE_F32) {
-    float *restrict yy = y;
-    const float *restrict xx = x;
-    const float a = (float)alpha;
-    if (a == 1.0f)
-      for (int64_t i = 0; i < n; i++) yy[i] += xx[i];
-    else
-      for (int64_t i = 0; i < n; i++) yy[i] += a * xx[i];
+    axpy_ctx c = {.y = y, .x = x, .a = (float)alpha};
+    fsdp_cpu_parallel_for(n, FSDP_CPU_GRAIN, axpy_task, &c);
     return FSDP_OK;
   }
   if (dt == FSDP_DTYPE_BOOL) return REFUSE("add", dt);
@@ -122,9 +141,8 @@ static int k_axpy(void *ctx, fsdp_dtype dt, void *y, const void *x, double alpha
 
 static int k_scale(void *ctx, fsdp_dtype dt, void *y, double s, int64_t n) {
   if (dt == FSDP_DTYPE_F32) {
-    float *yy = y;
-    const float f = (float)s;
-    for (int64_t i = 0; i < n; i++) yy[i] *= f;
+    axpy_ctx c = {.y = y, .x = NULL, .a = (float)s};
+    fsdp_cpu_parallel_for(n, FSDP_CPU_GRAIN, axpy_task, &c);
     return FSDP_OK;
   }
   if (dt == FSDP_DTYPE_BOOL) return REFUSE("mul", dt);
