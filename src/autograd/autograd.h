@@ -146,6 +146,11 @@ int fsdp_op_linear(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *w, fsdp_tenso
 int fsdp_op_embedding(fsdp_tensor **out, fsdp_tensor *ids, fsdp_tensor *w);
 int fsdp_op_layernorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *w, fsdp_tensor *b,
                       float eps);
+/* sum = a + b (one shape and dtype) and out = layernorm(sum, w, b): a residual add and the
+ * layernorm after it in one pass over memory where the device has the fused slot (the same
+ * values and gradients as fsdp_op_binary then fsdp_op_layernorm, which it calls otherwise). */
+int fsdp_op_add_layernorm(fsdp_tensor **sum, fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b,
+                          fsdp_tensor *w, fsdp_tensor *bias, float eps);
 int fsdp_op_softmax(fsdp_tensor **out, fsdp_tensor *x, int dim); /* dim 0-based */
 int fsdp_op_attention(fsdp_tensor **out, fsdp_tensor *qkv, int n_head);
 /* Dropout draws from the thread's seeded stream (fsdp_rng_next_dropout). */

@@ -787,6 +787,65 @@ done:
   return rc;
 }
 
+/* sum = a + b and out = layernorm(sum, w, bias): the kernel's fused slot where a and b have one
+ * shape and dtype, recorded as the add and the layernorm would be (two nodes: backward is
+ * theirs); the two ops otherwise. */
+int fsdp_op_add_layernorm(fsdp_tensor **sum, fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b,
+                          fsdp_tensor *w, fsdp_tensor *bias, float eps) {
+  *sum = *out = NULL;
+  const fsdp_kernels_i *k = KERNELS("layernorm", a, b, w, bias);
+  if (!k) return FSDP_ERR;
+  const int64_t C = a->ndim ? a->shape[a->ndim - 1] : 0;
+  if (!k->add_layernorm_forward || !fsdp_tensor_same_shape(a, b) || a->dtype != b->dtype ||
+      a->ndim < 1) {
+    if (fsdp_op_binary(sum, a, b, FSDP_OP_ADD)) return FSDP_ERR;
+    if (fsdp_op_layernorm(out, *sum, w, bias, eps)) {
+      fsdp_tensor_release(*sum);
+      *sum = NULL;
+      return FSDP_ERR;
+    }
+    return FSDP_OK;
+  }
+  if (w->ndim != 1 || w->shape[0] != C || (bias && (bias->ndim != 1 || bias->shape[0] != C)))
+    return fsdp_error("layernorm: input %s needs weight and bias of shape (%lld), got %s and %s",
+                      FSDP_SHAPE_STR(a), (long long)C, FSDP_SHAPE_STR(w),
+                      bias ? FSDP_SHAPE_STR(bias) : "none");
+  if (same_dtype("layernorm", a, w) || same_dtype("layernorm", a, bias)) return FSDP_ERR;
+  const int64_t N = C ? fsdp_tensor_numel(a) / C : 0, n = fsdp_tensor_numel(a);
+  fsdp_tensor *ac = NULL, *bc = NULL, *wc = NULL, *biasc = NULL, *mean = NULL, *rstd = NULL;
+  int rc = FSDP_ERR;
+  if (contig(&ac, a, "add") || contig(&bc, b, "add") || contig(&wc, w, "layernorm") ||
+      (bias && contig(&biasc, bias, "layernorm")))
+    goto done;
+  if (new_out(&mean, a, FSDP_DTYPE_F32, 1, &N, "layernorm") ||
+      new_out(&rstd, a, FSDP_DTYPE_F32, 1, &N, "layernorm") ||
+      new_out(sum, a, a->dtype, a->ndim, a->shape, "add") ||
+      new_out(out, a, a->dtype, a->ndim, a->shape, "layernorm"))
+    goto fail;
+  if (k->add_layernorm_forward(CTX(a), a->dtype, D(*sum), D(*out), D(mean), D(rstd), D(ac),
+                               D(bc), D(wc), D(biasc), N, (int)C, eps))
+    goto fail;
+  fsdp_tensor *in2[2] = {a, b}, *sv2[2] = {ac, bc};
+  if (record("add", bw_binary, sum, in2, 2, sv2, 2, ARGS(n, n, FSDP_OP_ADD))) goto fail;
+  fsdp_tensor *in3[3] = {*sum, w, bias}, *sv4[4] = {*sum, wc, mean, rstd};
+  if (record("layernorm", bw_layernorm, out, in3, 3, sv4, 4, ARGS(N, C))) goto fail;
+  rc = FSDP_OK;
+  goto done;
+fail:
+  /* (a recorded add whose sum nobody holds any more is dropped with the tape's next prune) */
+  fsdp_tensor_release(*sum);
+  fsdp_tensor_release(*out);
+  *sum = *out = NULL;
+done:
+  fsdp_tensor_release(ac);
+  fsdp_tensor_release(bc);
+  fsdp_tensor_release(wc);
+  fsdp_tensor_release(biasc);
+  fsdp_tensor_release(mean);
+  fsdp_tensor_release(rstd);
+  return rc;
+}
+
 static int bw_softmax(fsdp_node *n) {
   void *dx;
   if (grad_of(n, 0, &dx)) return FSDP_ERR;

@@ -271,6 +271,14 @@ typedef struct fsdp_kernels_i {
   int (*bias_gelu_backward)(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *dinp, void *dbias,
                             const void *dout, const void *inp, const void *bias, int64_t N,
                             int C, bool set_dinp);
+  /* optional: sum (N, C) = a + b and out = layernorm(sum) (mean, rstd as layernorm_forward),
+   * in one pass over the rows: a residual add and the layernorm after it read a and b once and
+   * the sum is normalised while still in cache. The same bits as binary_forward (add) and then
+   * layernorm_forward on the stored sum (in dt: bf16 and f16 round the sum first).
+   * fsdp_op_add_layernorm makes those two calls where the slot is NULL. */
+  int (*add_layernorm_forward)(void *ctx, fsdp_dtype dt, void *sum, void *out, float *mean,
+                               float *rstd, const void *a, const void *b, const void *weight,
+                               const void *bias, int64_t N, int C, float eps);
 
   /* ---- modes ---- */
   /* optional: deterministic mode on or off (fsdp.deterministic): every kernel then gives

@@ -57,6 +57,18 @@ static int f_layernorm(lua_State *L) {
   PUSH_OR_RAISE(fsdp_op_layernorm(OUT, x, w, b, eps));
 }
 
+/* F.add_layernorm(a, b, w, bias, eps) -> a + b, layernorm(a + b) */
+static int f_add_layernorm(lua_State *L) {
+  fsdp_tensor *a = arg(L, 1, "add_layernorm"), *b = arg(L, 2, "add_layernorm"),
+              *w = arg(L, 3, "add_layernorm"), *bias = opt_arg(L, 4, "add_layernorm");
+  float eps = lua_isnoneornil(L, 5) ? 1e-5f : (float)num_arg(L, 5, "add_layernorm", "eps");
+  fsdp_tensor *sum, *out;
+  if (fsdp_op_add_layernorm(&sum, &out, a, b, w, bias, eps)) fsdp_lua_error(L);
+  fsdp_lua_push_tensor(L, sum);
+  fsdp_lua_push_tensor(L, out);
+  return 2;
+}
+
 static int f_attention(lua_State *L) {
   fsdp_tensor *qkv = arg(L, 1, "attention");
   lua_Number nh = num_arg(L, 2, "attention", "n_head");
@@ -121,7 +133,8 @@ static const luaL_Reg F[] = {
     {"linear", f_linear},   {"embedding", f_embedding}, {"layernorm", f_layernorm},
     {"attention", f_attention}, {"dropout", f_dropout}, {"gelu", f_gelu},
     {"relu", f_relu},       {"softmax", f_softmax},     {"cross_entropy", f_cross_entropy},
-    {"mse", f_mse},         {"bias_gelu", f_bias_gelu}, {NULL, NULL}};
+    {"mse", f_mse},         {"bias_gelu", f_bias_gelu}, {"add_layernorm", f_add_layernorm},
+    {NULL, NULL}};
 
 /* ---- grad mode, seeds ------------------------------------------------------------------- */
 

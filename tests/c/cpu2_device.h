@@ -123,6 +123,7 @@ static void cpu2_kernels_init(void) {
   cpu2_kernels.adamw_step_masked = NULL;
   cpu2_kernels.bias_gelu_forward = NULL;
   cpu2_kernels.bias_gelu_backward = NULL;
+  cpu2_kernels.add_layernorm_forward = NULL;
 }
 
 /* Idempotent: registering the same table again only sets its kernels again. */

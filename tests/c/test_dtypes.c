@@ -317,6 +317,16 @@ static int r_layernorm_backward(run *r, int a) {
   const float *mean = in_dt(r, FSDP_DTYPE_F32, 3, G_SIGNED), *rstd = in_dt(r, FSDP_DTYPE_F32, 3, G_POS);
   return K()->layernorm_backward(CTX, DT, wgdt(r, a), dx, dw, db, g, x, w, mean, rstd, 3, 8);
 }
+/* x + x: a sum every dtype holds exactly, so the f32 kernel on widened inputs is the reference
+ * here too (bf16 and f16 normalise the sum as stored, rounded: test_half checks that against
+ * the add and the layernorm one after the other) */
+static int r_add_layernorm_forward(run *r, int a) {
+  const void *x = in(r, 3 * 8, G_SIGNED), *w = in(r, 8, G_POS), *b = in(r, 8, G_SIGNED);
+  float *mean = out_dt(r, FSDP_DTYPE_F32, 3), *rstd = out_dt(r, FSDP_DTYPE_F32, 3);
+  void *sum = out(r, 3 * 8);
+  return K()->add_layernorm_forward(CTX, DT, sum, out(r, 3 * 8), mean, rstd, x, x, w, b, 3, 8,
+                                    1e-5f);
+}
 static int r_softmax_forward(run *r, int a) {
   return K()->softmax_forward(CTX, DT, out(r, 3 * 7), in(r, 3 * 7, G_SIGNED), 3, 7);
 }
@@ -603,13 +613,14 @@ static const row rows[] = {
     {"bias_gelu_forward", "bias_gelu", F32H, r_bias_gelu_forward, 0},
     {"bias_gelu_backward", "bias_gelu", F32H, r_bias_gelu_backward, 0},
     {"bias_gelu_backward, f32 bias grad", "bias_gelu", F32H, r_bias_gelu_backward, 1},
+    {"add_layernorm_forward", "layernorm", F32H, r_add_layernorm_forward, 0},
     /* modes */
     {"set_deterministic", "-", ALL, r_set_deterministic, 0},
 };
 #define NROWS ((int)(sizeof rows / sizeof rows[0]))
 
 /* The slots the rows above cover: every member of fsdp_kernels_i. */
-#define NSLOTS 64
+#define NSLOTS 65
 
 /* ---- comparison ----------------------------------------------------------------------------- */
 

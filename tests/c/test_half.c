@@ -217,6 +217,39 @@ static void row_cases(int64_t N, int C) {
     same_f32(fb, fb32, C, "layernorm backward f32 dbias");
   }
   same(&d, "layernorm backward dinp (f32 parameter gradients)");
+  /* residual add + layernorm: the add and then the layernorm, bit for bit, in the dtype (the sum
+   * rounded before it is normalised) and in f32 */
+  {
+    uint16_t *hs = malloc((size_t)n * 8), *ho = hs + n, *hs2 = ho + n, *ho2 = hs2 + n;
+    float *fs = malloc((size_t)n * 16 + (size_t)N * 16), *fo = fs + n, *fs2 = fo + n,
+          *fo2 = fs2 + n, *m1 = fo2 + n, *r1 = m1 + N, *m2 = r1 + N, *r2 = m2 + N;
+    assert_non_null(hs);
+    assert_non_null(fs);
+    assert_int_equal(k->add_layernorm_forward(CTX, DT, hs, ho, m1, r1, x.h, g.h, w.h, b.h, N, C,
+                                              1e-5f),
+                     FSDP_OK);
+    assert_int_equal(k->binary_forward(CTX, DT, hs2, x.h, g.h, n, n, FSDP_BIN_ADD), FSDP_OK);
+    assert_int_equal(k->layernorm_forward(CTX, DT, ho2, m2, r2, hs2, w.h, b.h, N, C, 1e-5f),
+                     FSDP_OK);
+    if (memcmp(hs, hs2, (size_t)n * 2) || memcmp(ho, ho2, (size_t)n * 2))
+      fail_msg("add_layernorm (%s, N %lld, C %d): not the add and the layernorm's bits",
+               fsdp_dtype_name(DT), (long long)N, C);
+    same_f32(m1, m2, N, "add_layernorm mean");
+    same_f32(r1, r2, N, "add_layernorm rstd");
+    assert_int_equal(k->add_layernorm_forward(CTX, FSDP_DTYPE_F32, fs, fo, m1, r1, x.f, g.f, w.f,
+                                              b.f, N, C, 1e-5f),
+                     FSDP_OK);
+    assert_int_equal(k->binary_forward(CTX, FSDP_DTYPE_F32, fs2, x.f, g.f, n, n, FSDP_BIN_ADD),
+                     FSDP_OK);
+    assert_int_equal(k->layernorm_forward(CTX, FSDP_DTYPE_F32, fo2, m2, r2, fs2, w.f, b.f, N, C,
+                                          1e-5f),
+                     FSDP_OK);
+    same_f32(fs, fs2, n, "add_layernorm f32 sum");
+    same_f32(fo, fo2, n, "add_layernorm f32 out");
+    same_f32(m1, m2, N, "add_layernorm f32 mean");
+    same_f32(r1, r2, N, "add_layernorm f32 rstd");
+    free(hs), free(fs);
+  }
   /* softmax */
   assert_int_equal(k->softmax_forward(CTX, DT, o.h, x.h, N, C), FSDP_OK);
   assert_int_equal(k->softmax_forward(CTX, FSDP_DTYPE_F32, o.f, x.f, N, C), FSDP_OK);

@@ -221,6 +221,51 @@ describe("optimizer, init and sumsq bindings on cpu2", function()
       "bias_gelu: dtypes f32 and f64 differ")
   end)
 
+  it("F.add_layernorm: the cpu's fused slot, cpu2's add and layernorm (no such slot) and the "
+    .. "two ops agree bit for bit, values and gradients, f32 and bf16", function()
+    local function run(device, dtype, fused)
+      fsdp.manual_seed(10)
+      local x = fsdp.randn{2, 9, 70}:to(device):to(dtype)
+      local a = fsdp.randn{2, 9, 70}:to(device):to(dtype)
+      local w = (fsdp.randn{70} * 0.1 + 1):to(device):to(dtype)
+      local b = fsdp.randn{70}:to(device):to(dtype)
+      for _, t in ipairs {x, a, w, b} do t.requires_grad = true end
+      local s, y
+      if fused then
+        s, y = fsdp.F.add_layernorm(x, a, w, b, 1e-5)
+      else
+        s = x + a
+        y = fsdp.F.layernorm(s, w, b, 1e-5)
+      end
+      local g1 = fsdp.randn{2, 9, 70}:to(device):to(dtype)
+      local g2 = fsdp.randn{2, 9, 70}:to(device):to(dtype)
+      ;((y * g1):sum() + (s * g2):sum()):backward()
+      return {s, y, x.grad, a.grad, w.grad, b.grad}
+    end
+    for _, dt in ipairs {"f32", "bf16"} do
+      local want = run("cpu", dt, false)
+      for _, got in ipairs {run("cpu", dt, true), run("cpu2", dt, true)} do
+        for i = 1, 6 do
+          assert.are.equal(dt, got[i]:dtype())
+          assert.is_true(H.same_values_view(got[i]:to("cpu"), want[i]))
+        end
+      end
+    end
+    -- shapes that only broadcast: the add and the layernorm, as x + a would
+    local s, y = fsdp.F.add_layernorm(fsdp.ones{2, 3}, fsdp.ones{3}, fsdp.ones{3})
+    assert.are.same({2, 3}, s:shape())
+    assert.are.same({{2, 2, 2}, {2, 2, 2}}, s:totable())
+    assert.are.same({2, 3}, y:shape())
+    H.assert_error_has(function() fsdp.F.add_layernorm(fsdp.zeros{2, 3}, fsdp.zeros{2, 3},
+      fsdp.zeros{2}) end, "layernorm: input (2, 3) needs weight and bias of shape (3), got (2)")
+    H.assert_error_has(function() fsdp.F.add_layernorm(fsdp.zeros{2, 3}, fsdp.zeros{2, 3},
+      fsdp.zeros({3}, {dtype = "f64"})) end, "layernorm: dtypes f32 and f64 differ")
+    H.assert_error_has(function() fsdp.F.add_layernorm(fsdp.zeros{2, 3}, fsdp.zeros{2, 3}) end,
+      "bad argument #3 to 'add_layernorm' (tensor expected, got no value)")
+    H.assert_error_has(function() fsdp.F.add_layernorm(fsdp.zeros{2, 3}, fsdp.zeros{2, 3},
+      fsdp.ones{3}, nil, "x") end, "bad argument #5 to 'add_layernorm' (eps: number expected")
+  end)
+
   it("refuse state on another device or dtype, and dtypes the kernels lack", function()
     local _, pd = pair({8}, 5)
     local g = fsdp.zeros{8}

@@ -378,13 +378,37 @@ function Block:init(d, heads, opts)
   self.mlp = MLP(d, opts.hidden or 4 * d, {dropout = opts.dropout})
 end
 
+-- x + a and ln2 of it as one op (F.add_layernorm: one pass over the rows, the same values) when
+-- ln2 is a plain LayerNorm without hooks (a hook, e.g. its own FSDP unit, must see its call)
+local function fused_ln(ln, x, a)
+  if base.class_of(ln) ~= LayerNorm or base.has_hooks(ln) then return false end
+  local w = ln.weight
+  if x:dtype() ~= a:dtype() or x:dtype() ~= w:dtype() or x.device ~= a.device
+      or x.device ~= w.device then
+    return false
+  end
+  local xs, as = x:shape(), a:shape()
+  if #xs ~= #as or #xs < 1 or xs[#xs] ~= ln.dim then return false end
+  for i = 1, #xs do
+    if xs[i] ~= as[i] then return false end
+  end
+  return true
+end
+
 function Block:forward(x, kv)
   local h = self.ln1(x)
   local a = self.attn(h, kv)
   release(h, x)
-  local x1 = x + a
-  release(a, x)
-  h = self.ln2(x1)
+  local x1
+  if fused_ln(self.ln2, x, a) then
+    local ln2 = self.ln2
+    x1, h = core.F.add_layernorm(x, a, ln2.weight, ln2.bias, ln2.eps)
+    release(a, x)
+  else
+    x1 = x + a
+    release(a, x)
+    h = self.ln2(x1)
+  end
   local m = self.mlp(h)
   release(h, x, x1)
   local out = x1 + m

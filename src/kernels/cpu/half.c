@@ -606,6 +606,39 @@ int fsdp_cpu_half_layernorm_forward(fsdp_dtype dt, void *out, float *mean, float
   return fsdp_cpu_work_done(&w);
 }
 
+/* operands: sum, out (narrowed), a, b (widened); w0, w1 weight and bias; r0, r1 mean and rstd.
+ * The sum is rounded to the dtype before it is normalised: the layernorm reads the sum as it is
+ * stored, as the unfused add and layernorm do. */
+static void add_layernorm_fn(const hmap *m, float *const *f, int64_t u0, int64_t nu) {
+  const int64_t len = nu * m->row;
+  uint16_t h[SLICE];
+  fsdp_cpu_binary_forward(f[0], f[2], f[3], len, len, FSDP_BIN_ADD);
+  narrow(h, m->dt, 0, f[0], len);
+  widen(f[0], h, m->dt, 0, len);
+  fsdp_cpu_layernorm_forward(f[1], m->r0 + u0, m->r1 + u0, f[0], m->w0, m->w1, nu, (int)m->row,
+                             m->s);
+}
+
+int fsdp_cpu_half_add_layernorm_forward(fsdp_dtype dt, void *sum, void *out, float *mean,
+                                        float *rstd, const void *a, const void *b,
+                                        const void *weight, const void *bias, int64_t N, int C,
+                                        float eps) {
+  if (!hmap_fits(C)) { /* rows longer than a slice: the two kernels one after the other */
+    const int64_t n = N * C;
+    if (fsdp_cpu_half_binary_forward(dt, sum, a, b, n, n, FSDP_BIN_ADD)) return FSDP_ERR;
+    return fsdp_cpu_half_layernorm_forward(dt, out, mean, rstd, sum, weight, bias, N, C, eps);
+  }
+  fsdp_cpu_work w = {0};
+  float *fw = whole(&w, weight, dt, C), *fb = whole(&w, bias, dt, C);
+  if (!w.failed) {
+    hmap m = {.dt = dt, .p = {sum, out, (void *)a, (void *)b}, .rd = 0xc, .wr = 0x3, .keep = 3,
+              .row = C, .fn = add_layernorm_fn, .w0 = fw, .w1 = fb, .r0 = mean, .r1 = rstd,
+              .s = eps};
+    hmap_run(&m, N);
+  }
+  return fsdp_cpu_work_done(&w);
+}
+
 /* Layernorm's backward as the f32 kernel does it (norm.c): the parameter terms go into one
  * partial sum per block of LN_BLOCK_ROWS rows (rows in order inside a block), the blocks' partials
  * are then added in block order; blocks are fixed by N alone. A task widens its block's rows a

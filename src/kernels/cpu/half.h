@@ -65,6 +65,10 @@ int fsdp_cpu_half_linear_backward(fsdp_dtype dt, fsdp_dtype gdt, void *dinp, voi
 int fsdp_cpu_half_layernorm_forward(fsdp_dtype dt, void *out, float *mean, float *rstd,
                                     const void *inp, const void *weight, const void *bias,
                                     int64_t N, int C, float eps);
+int fsdp_cpu_half_add_layernorm_forward(fsdp_dtype dt, void *sum, void *out, float *mean,
+                                        float *rstd, const void *a, const void *b,
+                                        const void *weight, const void *bias, int64_t N, int C,
+                                        float eps);
 int fsdp_cpu_half_layernorm_backward(fsdp_dtype dt, fsdp_dtype gdt, void *dinp, void *dweight,
                                      void *dbias, const void *dout, const void *inp,
                                      const void *weight, const float *mean, const float *rstd,

@@ -134,6 +134,11 @@ void fsdp_cpu_embedding_backward(float *dweight, const float *dout, const int64_
 void fsdp_cpu_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
                                 const float *weight, const float *bias, int64_t N, int C,
                                 float eps);
+/* sum = a + b, out = layernorm(sum): fsdp_cpu_binary_forward then fsdp_cpu_layernorm_forward, a
+ * few rows at a time (the same bits) */
+void fsdp_cpu_add_layernorm_forward(float *sum, float *out, float *mean, float *rstd,
+                                    const float *a, const float *b, const float *weight,
+                                    const float *bias, int64_t N, int C, float eps);
 /* dinp (N, C) += ..., dweight (C) += ..., dbias (C) += ... ; any of the three may be NULL;
  * weight NULL as in the forward. */
 void fsdp_cpu_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,

@@ -46,6 +46,39 @@ void fsdp_cpu_layernorm_forward(float *out, float *mean, float *rstd, const floa
   fsdp_cpu_parallel_for(N, fsdp_cpu_grain_rows(C, FSDP_CPU_GRAIN), layernorm_forward_task, &c);
 }
 
+/* Elements of the fused residual add + layernorm per step: the sum of that many rows is still
+ * in L2 when the layernorm reads it back, and the add still runs long loops (a few rows at a
+ * time measured slower than the two kernels apart). */
+#define ADD_LN_ELEMS 16384
+
+typedef struct {
+  float *sum, *out, *mean, *rstd;
+  const float *a, *b, *weight, *bias;
+  int C;
+  float eps;
+  const fsdp_cpu_vec_i *vec;
+} add_ln_ctx;
+
+static void add_layernorm_task(void *ctx, int64_t lo, int64_t hi) {
+  const add_ln_ctx *c = ctx;
+  const int64_t C = c->C, rows = C < ADD_LN_ELEMS ? ADD_LN_ELEMS / C : 1;
+  for (int64_t r = lo; r < hi; r += rows) {
+    const int64_t r1 = r + rows < hi ? r + rows : hi, len = (r1 - r) * C;
+    /* inside a task the add runs inline, on this thread */
+    fsdp_cpu_binary_forward(c->sum + r * C, c->a + r * C, c->b + r * C, len, len, FSDP_BIN_ADD);
+    c->vec->layernorm_forward(c->out, c->mean, c->rstd, c->sum, c->weight, c->bias, r, r1,
+                              c->C, c->eps);
+  }
+}
+
+void fsdp_cpu_add_layernorm_forward(float *sum, float *out, float *mean, float *rstd,
+                                    const float *a, const float *b, const float *weight,
+                                    const float *bias, int64_t N, int C, float eps) {
+  add_ln_ctx c = {.sum = sum, .out = out, .mean = mean, .rstd = rstd, .a = a, .b = b,
+                  .weight = weight, .bias = bias, .C = C, .eps = eps, .vec = fsdp_cpu_vec()};
+  fsdp_cpu_parallel_for(N, fsdp_cpu_grain_rows(C, FSDP_CPU_GRAIN), add_layernorm_task, &c);
+}
+
 static void layernorm_backward_task(void *ctx, int64_t lo, int64_t hi) {
   const norm_ctx *c = ctx;
   c->vec->layernorm_backward(c->out, c->dweight, c->dbias, c->dout, c->inp, c->weight,

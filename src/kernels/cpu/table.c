@@ -1018,6 +1018,18 @@ static int k_bias_gelu_forward(void *ctx, fsdp_dtype dt, void *out, const void *
   return fsdp_cpu_half_bias_gelu_forward(dt, out, inp, bias, N, C);
 }
 
+static int k_add_layernorm_forward(void *ctx, fsdp_dtype dt, void *sum, void *out, float *mean,
+                                   float *rstd, const void *a, const void *b, const void *weight,
+                                   const void *bias, int64_t N, int C, float eps) {
+  if (dt == FSDP_DTYPE_F32) {
+    fsdp_cpu_add_layernorm_forward(sum, out, mean, rstd, a, b, weight, bias, N, C, eps);
+    return FSDP_OK;
+  }
+  if (!is_half(dt)) return REFUSE("layernorm", dt);
+  return fsdp_cpu_half_add_layernorm_forward(dt, sum, out, mean, rstd, a, b, weight, bias, N, C,
+                                             eps);
+}
+
 static int k_bias_gelu_backward(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *dinp,
                                 void *dbias, const void *dout, const void *inp, const void *bias,
                                 int64_t N, int C, bool set_dinp) {
@@ -1190,6 +1202,7 @@ const fsdp_kernels_i fsdp_cpu_kernels = {
     .adamw_step_masked = k_adamw_step_masked,
     .bias_gelu_forward = k_bias_gelu_forward,
     .bias_gelu_backward = k_bias_gelu_backward,
+    .add_layernorm_forward = k_add_layernorm_forward,
     .fill = k_fill,
     .mask_apply = k_mask_apply,
     .count_zeros = k_count_zeros,
