@@ -1283,6 +1283,58 @@ static void test_attention_first_gradient_failure(void **state) {
   fsdp_mem_domain_free(d);
 }
 
+/* The fused residual add + layernorm failing (bf16: the kernel's f32 copies of the weight and
+ * bias over the memory budget; then the outputs themselves): an error naming the budget, both
+ * results NULL, nothing recorded and nothing left allocated. */
+static void test_add_layernorm_failure(void **state) {
+  (void)state;
+  fsdp_mem_domain *d = fsdp_mem_domain_new();
+  assert_non_null(d);
+  fsdp_mem_domain_set(d);
+  enum { C = 2048 };
+  fsdp_tensor *x, *a, *w, *b;
+  fsdp_tensor **all[] = {&x, &a, &w, &b};
+  for (int i = 0; i < 4; i++)
+    assert_int_equal(fsdp_tensor_new(all[i], &fsdp_device_cpu, FSDP_DTYPE_BF16, i < 2 ? 2 : 1,
+                                     i < 2 ? SHAPE(1, C) : SHAPE(C), FSDP_ROLE_OTHER),
+                     FSDP_OK);
+  x->requires_grad = true;
+  const int64_t tape = fsdp_tape_size();
+  fsdp_mem_report r;
+  fsdp_mem_report_get(d, &r);
+  int64_t live = 0;
+  for (int i = 0; i < r.ndevices; i++) live += r.counts[i].live_total;
+  /* room for the outputs (4 KiB each, mean and rstd), not for the 16 KiB of f32 copies; then
+   * not even for the outputs */
+  const int64_t room[2] = {8 * 1024 + 1024, 1024};
+  for (int k = 0; k < 2; k++) {
+    fsdp_mem_set_limit(d, live + room[k]);
+    fsdp_tensor *s = (fsdp_tensor *)1, *y = (fsdp_tensor *)1;
+    assert_int_equal(fsdp_op_add_layernorm(&s, &y, x, a, w, b, 1e-5f), FSDP_ERR);
+    assert_non_null(strstr(fsdp_error_msg(), "out of memory budget"));
+    /* the kernel's scratch first, then the sum (new_out names the op) */
+    assert_int_equal(strncmp(fsdp_error_msg(), "add: ", 5) == 0, k == 1);
+    assert_null(s);
+    assert_null(y);
+    assert_int_equal(fsdp_tape_size(), tape);
+    fsdp_mem_set_limit(d, 0);
+    fsdp_mem_report_get(d, &r);
+    int64_t now = 0;
+    for (int i = 0; i < r.ndevices; i++) now += r.counts[i].live_total;
+    assert_int_equal(now, live);
+  }
+  /* with room it works, recorded as the add and the layernorm */
+  fsdp_tensor *s, *y;
+  assert_int_equal(fsdp_op_add_layernorm(&s, &y, x, a, w, b, 1e-5f), FSDP_OK);
+  assert_int_equal(fsdp_tape_size(), tape + 2);
+  fsdp_tape_clear();
+  fsdp_tensor_release(s);
+  fsdp_tensor_release(y);
+  for (int i = 0; i < 4; i++) fsdp_tensor_release(*all[i]);
+  fsdp_mem_domain_set(NULL);
+  fsdp_mem_domain_free(d);
+}
+
 static void test_accumulate_and_free(void **state) {
   (void)state;
   rng_reset(21);
@@ -2223,6 +2275,7 @@ int main(void) {
       cmocka_unit_test(test_used_twice),
       cmocka_unit_test(test_shared_addend_gradient),
       cmocka_unit_test(test_grad_share),
+      cmocka_unit_test(test_add_layernorm_failure),
       cmocka_unit_test(test_linear_first_gradient),
       cmocka_unit_test(test_linear_first_gradient_failure),
       cmocka_unit_test(test_bias_gelu_first_gradient_failure),
