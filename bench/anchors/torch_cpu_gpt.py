@@ -120,19 +120,25 @@ def fully_shard_api():
     return fully_shard, MixedPrecisionPolicy
 
 
-def sgemm_gflops(m, n, k, seconds):
-    """f32 c (m, n) = a (m, k) @ b (n, k)^T, as fsdprun's core.sgemm_gflops: GFLOP/s."""
+def sgemm_gflops(m, n, k, seconds, windows=5):
+    """f32 c (m, n) = a (m, k) @ b (n, k)^T, as fsdprun's core.sgemm_gflops: GFLOP/s of the
+    fastest of `windows` equal windows over at least `seconds` (another tenant's work only ever
+    lowers a measured rate)."""
     a = (torch.arange(m * k, dtype=torch.float32) % 7 * 0.1).view(m, k)
     b = (torch.arange(n * k, dtype=torch.float32) % 5 * 0.1).view(n, k)
     c = torch.empty(m, n)
     torch.mm(a, b.t(), out=c)
-    iters, t0 = 0, time.perf_counter()
-    while True:
-        torch.mm(a, b.t(), out=c)
-        iters += 1
-        t = time.perf_counter() - t0
-        if t >= seconds:
-            return 2.0 * m * n * k * iters / t / 1e9
+    best = 0.0
+    for _ in range(windows):
+        iters, t0 = 0, time.perf_counter()
+        while True:
+            torch.mm(a, b.t(), out=c)
+            iters += 1
+            t = time.perf_counter() - t0
+            if t >= seconds / windows:
+                break
+        best = max(best, 2.0 * m * n * k * iters / t / 1e9)
+    return best
 
 
 def torch_info():

@@ -23,9 +23,14 @@ static int l_clock(lua_State *L) {
   return 1;
 }
 
-/* sgemm_gflops(M, N, K, seconds) -> GFLOP/s of c (M,N) = a (M,K) @ b (K,N)^T repeated for at
- * least `seconds` (after one warm-up call), split over the calling rank's threads like every
- * GEMM (kernels/cpu/pool.h). */
+/* sgemm_gflops(M, N, K, seconds) -> GFLOP/s of c (M,N) = a (M,K) @ b (K,N)^T, split over the
+ * calling rank's threads like every GEMM (kernels/cpu/pool.h): after one warm-up call, calls for
+ * at least `seconds` in SGEMM_WINDOWS windows of equal length, and the fastest window's rate. On
+ * a shared machine the other tenants' work only ever lowers a measured rate, so the fastest
+ * window is the closest to what the GEMM can do here (one average over the whole time moved by
+ * 2x between runs of the same binary). */
+#define SGEMM_WINDOWS 5
+
 static int l_sgemm_gflops(lua_State *L) {
   int M = (int)luaL_checkinteger(L, 1), N = (int)luaL_checkinteger(L, 2),
       K = (int)luaL_checkinteger(L, 3);
@@ -40,15 +45,20 @@ static int l_sgemm_gflops(lua_State *L) {
   for (size_t i = 0; i < (size_t)M * K; i++) a[i] = (float)(i % 7) * 0.1f;
   for (size_t i = 0; i < (size_t)K * N; i++) b[i] = (float)(i % 5) * 0.1f;
   fsdp_cpu_gemm(c, a, b, M, N, K, false, true, 1.0f, 0.0f, K, K, N);
-  int iters = 0;
-  double t0 = now(), t;
-  do {
-    fsdp_cpu_gemm(c, a, b, M, N, K, false, true, 1.0f, 0.0f, K, K, N);
-    iters++;
-    t = now() - t0;
-  } while (t < secs);
+  double best = 0.0;
+  for (int w = 0; w < SGEMM_WINDOWS; w++) {
+    int iters = 0;
+    double t0 = now(), t;
+    do {
+      fsdp_cpu_gemm(c, a, b, M, N, K, false, true, 1.0f, 0.0f, K, K, N);
+      iters++;
+      t = now() - t0;
+    } while (t < secs / SGEMM_WINDOWS);
+    double rate = 2.0 * M * N * K * iters / t / 1e9;
+    if (rate > best) best = rate;
+  }
   free(a), free(b), free(c);
-  lua_pushnumber(L, 2.0 * M * N * K * iters / t / 1e9);
+  lua_pushnumber(L, best);
   return 1;
 }
 
