@@ -755,15 +755,24 @@ static int bw_layernorm(fsdp_node *n) {
                                    (int)n->i[1]);
 }
 
-int fsdp_op_layernorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *w, fsdp_tensor *b,
-                      float eps) {
-  int64_t C = x->ndim ? x->shape[x->ndim - 1] : 0;
+/* layernorm's weight and bias (b may be NULL) against its input x: shape (C), x's dtype */
+static int layernorm_params_check(const fsdp_tensor *x, const fsdp_tensor *w,
+                                  const fsdp_tensor *b) {
+  const int64_t C = x->ndim ? x->shape[x->ndim - 1] : 0;
   if (w->ndim != 1 || w->shape[0] != C || (b && (b->ndim != 1 || b->shape[0] != C)))
     return fsdp_error("layernorm: input %s needs weight and bias of shape (%lld), got %s and %s",
                       FSDP_SHAPE_STR(x), (long long)C, FSDP_SHAPE_STR(w),
                       b ? FSDP_SHAPE_STR(b) : "none");
+  if (same_dtype("layernorm", x, w) || same_dtype("layernorm", x, b)) return FSDP_ERR;
+  return FSDP_OK;
+}
+
+int fsdp_op_layernorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *w, fsdp_tensor *b,
+                      float eps) {
+  if (layernorm_params_check(x, w, b)) return FSDP_ERR;
   const fsdp_kernels_i *k = KERNELS("layernorm", x, w, b);
-  if (!k || same_dtype("layernorm", x, w) || same_dtype("layernorm", x, b)) return FSDP_ERR;
+  if (!k) return FSDP_ERR;
+  const int64_t C = x->ndim ? x->shape[x->ndim - 1] : 0;
   int64_t N = C ? fsdp_tensor_numel(x) / C : 0;
   fsdp_tensor *xc = NULL, *wc = NULL, *bc = NULL, *mean = NULL, *rstd = NULL;
   int rc = FSDP_ERR;
@@ -806,11 +815,7 @@ int fsdp_op_add_layernorm(fsdp_tensor **sum, fsdp_tensor **out, fsdp_tensor *a, 
     }
     return FSDP_OK;
   }
-  if (w->ndim != 1 || w->shape[0] != C || (bias && (bias->ndim != 1 || bias->shape[0] != C)))
-    return fsdp_error("layernorm: input %s needs weight and bias of shape (%lld), got %s and %s",
-                      FSDP_SHAPE_STR(a), (long long)C, FSDP_SHAPE_STR(w),
-                      bias ? FSDP_SHAPE_STR(bias) : "none");
-  if (same_dtype("layernorm", a, w) || same_dtype("layernorm", a, bias)) return FSDP_ERR;
+  if (layernorm_params_check(a, w, bias)) return FSDP_ERR;
   const int64_t N = C ? fsdp_tensor_numel(a) / C : 0, n = fsdp_tensor_numel(a);
   fsdp_tensor *ac = NULL, *bc = NULL, *wc = NULL, *biasc = NULL, *mean = NULL, *rstd = NULL;
   int rc = FSDP_ERR;

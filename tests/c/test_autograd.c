@@ -110,6 +110,15 @@ static double *values(fsdp_tensor *t) {
   return v;
 }
 
+/* live bytes of a memory domain, all devices and roles */
+static int64_t domain_live(fsdp_mem_domain *d) {
+  fsdp_mem_report r;
+  fsdp_mem_report_get(d, &r);
+  int64_t live = 0;
+  for (int i = 0; i < r.ndevices; i++) live += r.counts[i].live_total;
+  return live;
+}
+
 static int64_t live_bytes(fsdp_role role) {
   fsdp_mem_report r;
   fsdp_mem_report_get(NULL, &r);
@@ -1190,10 +1199,7 @@ static void test_linear_first_gradient_failure(void **state) {
   x->requires_grad = true;
   assert_int_equal(fsdp_op_linear(&y, x, w, NULL), FSDP_OK);
   assert_int_equal(fsdp_op_sum(&s, y), FSDP_OK);
-  fsdp_mem_report r;
-  fsdp_mem_report_get(d, &r);
-  int64_t live = 0;
-  for (int i = 0; i < r.ndevices; i++) live += r.counts[i].live_total;
+  const int64_t live = domain_live(d);
   /* room for y's and x's bf16 gradients (8 KiB each) and for the sum's backward (16 KiB of
    * scratch, given back), not for the GEMM's f32 copies (16 KiB each) on top of both gradients */
   fsdp_mem_set_limit(d, live + 28 * 1024);
@@ -1232,10 +1238,7 @@ static void test_bias_gelu_first_gradient_failure(void **state) {
   x->requires_grad = true;
   assert_int_equal(fsdp_op_bias_gelu(&y, x, b), FSDP_OK);
   assert_int_equal(fsdp_op_sum(&s, y), FSDP_OK);
-  fsdp_mem_report r;
-  fsdp_mem_report_get(d, &r);
-  int64_t live = 0;
-  for (int i = 0; i < r.ndevices; i++) live += r.counts[i].live_total;
+  const int64_t live = domain_live(d);
   /* the sum's backward needs y's gradient and f32 scratch (3 rows' bytes at once), x's new
    * gradient one more row, and the bias's f32 copy two: one too many */
   fsdp_mem_set_limit(d, live + 3 * u + 1024);
@@ -1264,10 +1267,7 @@ static void test_attention_first_gradient_failure(void **state) {
   qkv->requires_grad = true;
   assert_int_equal(fsdp_op_attention(&y, qkv, NH), FSDP_OK);
   assert_int_equal(fsdp_op_sum(&s, y), FSDP_OK);
-  fsdp_mem_report r;
-  fsdp_mem_report_get(d, &r);
-  int64_t live = 0;
-  for (int i = 0; i < r.ndevices; i++) live += r.counts[i].live_total;
+  const int64_t live = domain_live(d);
   /* y's gradient (1 KiB), qkv's (3 KiB) and some room; not the (NH, T, T) workspace (8 KiB) */
   fsdp_mem_set_limit(d, live + 6 * 1024);
   assert_int_equal(fsdp_backward(s, NULL), FSDP_ERR);
@@ -1300,10 +1300,7 @@ static void test_add_layernorm_failure(void **state) {
                      FSDP_OK);
   x->requires_grad = true;
   const int64_t tape = fsdp_tape_size();
-  fsdp_mem_report r;
-  fsdp_mem_report_get(d, &r);
-  int64_t live = 0;
-  for (int i = 0; i < r.ndevices; i++) live += r.counts[i].live_total;
+  const int64_t live = domain_live(d);
   /* room for the outputs (4 KiB each, mean and rstd), not for the 16 KiB of f32 copies; then
    * not even for the outputs */
   const int64_t room[2] = {8 * 1024 + 1024, 1024};
@@ -1318,10 +1315,7 @@ static void test_add_layernorm_failure(void **state) {
     assert_null(y);
     assert_int_equal(fsdp_tape_size(), tape);
     fsdp_mem_set_limit(d, 0);
-    fsdp_mem_report_get(d, &r);
-    int64_t now = 0;
-    for (int i = 0; i < r.ndevices; i++) now += r.counts[i].live_total;
-    assert_int_equal(now, live);
+    assert_int_equal(domain_live(d), live);
   }
   /* with room it works, recorded as the add and the layernorm */
   fsdp_tensor *s, *y;

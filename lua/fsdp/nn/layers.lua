@@ -330,14 +330,21 @@ function MLP:init(d, hidden, opts)
   self.proj = Linear(hidden, d)
 end
 
+-- Whether a fused op may stand in for calling module m on x: m is a plain cls (its forward is
+-- the library's) without hooks (a hook, e.g. m's own FSDP unit, must see its call), and x is
+-- in the dtype and on the device of m's weight.
+local function fusable(m, cls, x)
+  if base.class_of(m) ~= cls or base.has_hooks(m) then return false end
+  local w = m.weight
+  return x:dtype() == w:dtype() and x.device == w.device
+end
+
 -- fc's bias and the GELU run as one op (F.bias_gelu: one pass each way instead of three) when
--- fc is a plain Linear with a bias and no hooks and x fits its weight; otherwise fc is called
--- as usual (so hooks run, and a shape error names fc).
+-- fc is a plain Linear with a bias and x fits its weight; otherwise fc is called as usual (so
+-- hooks run, and a shape error names fc).
 local function fused_fc(fc, x)
-  if fc.bias == nil or base.class_of(fc) ~= Linear or base.has_hooks(fc) then return false end
-  local w = fc.weight
-  if x:dtype() ~= w:dtype() or x.device ~= w.device then return false end
-  local xs, ws = x:shape(), w:shape()
+  if fc.bias == nil or not fusable(fc, Linear, x) then return false end
+  local xs, ws = x:shape(), fc.weight:shape()
   return #ws == 2 and #xs >= 1 and xs[#xs] == ws[2]
 end
 
@@ -379,12 +386,9 @@ function Block:init(d, heads, opts)
 end
 
 -- x + a and ln2 of it as one op (F.add_layernorm: one pass over the rows, the same values) when
--- ln2 is a plain LayerNorm without hooks (a hook, e.g. its own FSDP unit, must see its call)
+-- ln2 is a plain LayerNorm and x and a match (shape, dtype, device) and fit it
 local function fused_ln(ln, x, a)
-  if base.class_of(ln) ~= LayerNorm or base.has_hooks(ln) then return false end
-  local w = ln.weight
-  if x:dtype() ~= a:dtype() or x:dtype() ~= w:dtype() or x.device ~= a.device
-      or x.device ~= w.device then
+  if not fusable(ln, LayerNorm, x) or a:dtype() ~= x:dtype() or a.device ~= x.device then
     return false
   end
   local xs, as = x:shape(), a:shape()

@@ -349,24 +349,26 @@ static void bias_gelu_fn(const hmap *m, float *const *f, int64_t u0, int64_t nu)
 /* bf16 runs natively: the level's bodies load and store bf16 lanes themselves (vmath.h), so
  * the memory traffic overlaps the GELU's arithmetic and nothing goes through f32 buffers; f16
  * takes the pass. */
+/* one bias + GELU call: y is the forward's out, or the backward's dinp */
 typedef struct {
-  uint16_t *out;
-  const uint16_t *inp, *dout;
+  fsdp_dtype dt;
+  void *y;
+  const void *dout, *inp;
   const float *bias;
   float *dbias;
   int64_t N;
   int C;
   bool set;
-} bias_gelu_bf16_job;
+} bias_gelu_job;
 
 static void bias_gelu_bf16_fw_task(void *ctx, int64_t lo, int64_t hi) {
-  const bias_gelu_bf16_job *j = ctx;
-  fsdp_cpu_vec()->bias_gelu_forward_bf16(j->out, j->inp, j->bias, lo, hi, j->C);
+  const bias_gelu_job *j = ctx;
+  fsdp_cpu_vec()->bias_gelu_forward_bf16(j->y, j->inp, j->bias, lo, hi, j->C);
 }
 
 static void bias_gelu_bf16_bw_task(void *ctx, int64_t lo, int64_t hi) {
-  const bias_gelu_bf16_job *j = ctx;
-  fsdp_cpu_vec()->bias_gelu_backward_cols_bf16(j->out, j->dbias, j->dout, j->inp, j->bias, j->N,
+  const bias_gelu_job *j = ctx;
+  fsdp_cpu_vec()->bias_gelu_backward_cols_bf16(j->y, j->dbias, j->dout, j->inp, j->bias, j->N,
                                                j->C, (int)lo, (int)hi, j->set);
 }
 
@@ -375,7 +377,7 @@ int fsdp_cpu_half_bias_gelu_forward(fsdp_dtype dt, void *out, const void *inp, c
   fsdp_cpu_work w = {0};
   float *fb = whole(&w, bias, dt, C);
   if (!w.failed && dt == FSDP_DTYPE_BF16) {
-    bias_gelu_bf16_job j = {.out = out, .inp = inp, .bias = fb, .N = N, .C = C};
+    bias_gelu_job j = {.dt = dt, .y = out, .inp = inp, .bias = fb, .N = N, .C = C};
     fsdp_cpu_parallel_for(N, fsdp_cpu_grain_rows(C, FSDP_CPU_GRAIN_HEAVY), bias_gelu_bf16_fw_task,
                           &j);
     return fsdp_cpu_work_done(&w);
@@ -406,17 +408,6 @@ int fsdp_cpu_half_bias_gelu_forward(fsdp_dtype dt, void *out, const void *inp, c
 #define BG_COLS 256
 #define BG_ROWS (SLICE / BG_COLS)
 
-typedef struct {
-  fsdp_dtype dt;
-  void *dinp;
-  const void *dout, *inp;
-  const float *bias;
-  float *dbias;
-  int64_t N;
-  int C;
-  bool set;
-} bias_gelu_job;
-
 static void tile_in(float *f, const void *src, fsdp_dtype dt, int64_t r0, int rows, int C,
                     int64_t c0, int w) {
   for (int r = 0; r < rows; r++) widen(f + (int64_t)r * w, src, dt, (r0 + r) * C + c0, w);
@@ -439,11 +430,11 @@ static void bias_gelu_bw_task(void *ctx, int64_t lo, int64_t hi) {
       const int rows = (int)min64(BG_ROWS, j->N - r0);
       tile_in(g, j->dout, j->dt, r0, rows, j->C, c0, w);
       tile_in(x, j->inp, j->dt, r0, rows, j->C, c0, w);
-      if (j->dinp && !j->set) tile_in(d, j->dinp, j->dt, r0, rows, j->C, c0, w);
+      if (j->y && !j->set) tile_in(d, j->y, j->dt, r0, rows, j->C, c0, w);
       memset(db, 0, sizeof(float) * (size_t)w);
-      vec->bias_gelu_backward_cols(j->dinp ? d : NULL, j->dbias ? db : NULL, g, x, j->bias + c0,
-                                   rows, w, 0, w, j->set);
-      if (j->dinp) tile_out(j->dinp, j->dt, d, r0, rows, j->C, c0, w);
+      vec->bias_gelu_backward_cols(j->y ? d : NULL, j->dbias ? db : NULL, g, x, j->bias + c0, rows,
+                                   w, 0, w, j->set);
+      if (j->y) tile_out(j->y, j->dt, d, r0, rows, j->C, c0, w);
       for (int k = 0; k < w; k++) acc[k] += (double)db[k];
     }
     if (j->dbias)
@@ -457,17 +448,16 @@ int fsdp_cpu_half_bias_gelu_backward(fsdp_dtype dt, fsdp_dtype gdt, void *dinp, 
   if (N <= 0 || (!dinp && !dbias)) return FSDP_OK;
   fsdp_cpu_work w = {0};
   float *fb = whole(&w, bias, dt, C), *fdb = dbias ? grad_acc(&w, dbias, gdt, dt, C) : NULL;
-  if (!w.failed && dt == FSDP_DTYPE_BF16) {
-    /* by columns as the f32 kernel: each column's rows added in order, any thread count */
-    bias_gelu_bf16_job j = {.out = dinp, .inp = inp, .dout = dout, .bias = fb, .dbias = fdb,
-                            .N = N, .C = C, .set = set_dinp};
-    int64_t grain = fsdp_cpu_grain_rows(N, FSDP_CPU_GRAIN_HEAVY);
-    fsdp_cpu_parallel_for(C, grain < 64 ? 64 : grain, bias_gelu_bf16_bw_task, &j);
-    if (dbias) put_grad(dbias, gdt, dt, fdb, C);
-  } else if (!w.failed) {
-    bias_gelu_job j = {.dt = dt, .dinp = dinp, .dout = dout, .inp = inp, .bias = fb,
-                       .dbias = fdb, .N = N, .C = C, .set = set_dinp};
-    fsdp_cpu_parallel_for(C, BG_COLS, bias_gelu_bw_task, &j);
+  if (!w.failed) {
+    bias_gelu_job j = {.dt = dt, .y = dinp, .dout = dout, .inp = inp, .bias = fb, .dbias = fdb,
+                       .N = N, .C = C, .set = set_dinp};
+    if (dt == FSDP_DTYPE_BF16) {
+      /* by columns as the f32 kernel: each column's rows added in order, any thread count */
+      int64_t grain = fsdp_cpu_grain_rows(N, FSDP_CPU_GRAIN_HEAVY);
+      fsdp_cpu_parallel_for(C, grain < 64 ? 64 : grain, bias_gelu_bf16_bw_task, &j);
+    } else {
+      fsdp_cpu_parallel_for(C, BG_COLS, bias_gelu_bw_task, &j);
+    }
     if (dbias) put_grad(dbias, gdt, dt, fdb, C);
   }
   return fsdp_cpu_work_done(&w);

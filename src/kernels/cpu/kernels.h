@@ -134,8 +134,8 @@ void fsdp_cpu_embedding_backward(float *dweight, const float *dout, const int64_
 void fsdp_cpu_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
                                 const float *weight, const float *bias, int64_t N, int C,
                                 float eps);
-/* sum = a + b, out = layernorm(sum): fsdp_cpu_binary_forward then fsdp_cpu_layernorm_forward, a
- * few rows at a time (the same bits) */
+/* sum = a + b, out = layernorm(sum): fsdp_cpu_binary_forward then fsdp_cpu_layernorm_forward on
+ * blocks of rows that stay in L2 (the same bits) */
 void fsdp_cpu_add_layernorm_forward(float *sum, float *out, float *mean, float *rstd,
                                     const float *a, const float *b, const float *weight,
                                     const float *bias, int64_t N, int C, float eps);
