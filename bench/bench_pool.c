@@ -96,7 +96,7 @@ typedef struct {
 
 static void run_adamw(void *p) {
   vec_ctx *c = p;
-  fsdp_cpu_adamw_step(c->p, c->m, c->v, c->g, c->n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, 3);
+  fsdp_cpu_adamw_step(c->p, c->m, c->v, c->g, c->n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, 1.0f, 3);
 }
 
 static void run_sumsq(void *p) {

@@ -101,7 +101,7 @@ static void k_affine(bctx *c) { fsdp_cpu_affine_forward(c->y, c->x, 0.5f, 1.0f, 
 static void k_relu(bctx *c) { fsdp_cpu_relu_forward(c->y, c->x, c->n); }
 static void k_mask(bctx *c) { fsdp_cpu_mask_apply(c->y, c->w, c->n); }
 static void k_adamw(bctx *c) { /* v = w > 0 */
-  fsdp_cpu_adamw_step(c->y, c->dx, c->w, c->dy, c->n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.1f, 3);
+  fsdp_cpu_adamw_step(c->y, c->dx, c->w, c->dy, c->n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.1f, 1.0f, 3);
 }
 
 typedef struct {

@@ -1,6 +1,8 @@
 /*
  * optim.c — optimizer updates and sums of squares (optim.h): the checks, then one kernel call.
  */
+#include <math.h>
+
 #include "fsdp/optim.h"
 #include "kernels/kernels.h"
 
@@ -50,7 +52,7 @@ int fsdp_optim_sgd_step(fsdp_tensor *p, const fsdp_tensor *g, fsdp_tensor *buf, 
 
 int fsdp_optim_adamw_step(fsdp_tensor *p, fsdp_tensor *g, fsdp_tensor *m, fsdp_tensor *v,
                           const fsdp_tensor *mask, float lr, float beta1, float beta2, float eps,
-                          float weight_decay, int64_t step) {
+                          float weight_decay, float grad_scale, int64_t step) {
   const char *fn = "adamw_step";
   void *pd, *gd, *md, *vd, *kd = NULL;
   if (!(pd = state(p, p, fn, "parameter")) || !(gd = state(g, p, fn, "gradient")) ||
@@ -58,6 +60,9 @@ int fsdp_optim_adamw_step(fsdp_tensor *p, fsdp_tensor *g, fsdp_tensor *m, fsdp_t
       (mask && !(kd = state(mask, p, fn, "mask"))))
     return FSDP_ERR;
   if (step < 1) return fsdp_error("%s: step must be an integer >= 1", fn);
+  if (!(grad_scale > 0.0f) || !isfinite(grad_scale))
+    return fsdp_error("%s: grad_scale must be a finite number > 0 (got %g)", fn,
+                      (double)grad_scale);
   const fsdp_kernels_i *k = fsdp_kernels_for(p, fn);
   if (!k) return FSDP_ERR;
   void *ctx = p->storage->device->ctx;
@@ -65,14 +70,14 @@ int fsdp_optim_adamw_step(fsdp_tensor *p, fsdp_tensor *g, fsdp_tensor *m, fsdp_t
   int rc;
   if (!mask)
     rc = k->adamw_step(ctx, p->dtype, pd, md, vd, gd, n, lr, beta1, beta2, eps, weight_decay,
-                       step);
+                       grad_scale, step);
   else if (k->adamw_step_masked) /* optional: one pass */
     rc = k->adamw_step_masked(ctx, p->dtype, pd, md, vd, gd, kd, n, lr, beta1, beta2, eps,
-                              weight_decay, step);
+                              weight_decay, grad_scale, step);
   else
     rc = k->mask_apply(ctx, p->dtype, gd, kd, n) ||
          k->adamw_step(ctx, p->dtype, pd, md, vd, gd, n, lr, beta1, beta2, eps, weight_decay,
-                       step) ||
+                       grad_scale, step) ||
          k->mask_apply(ctx, p->dtype, pd, kd, n);
   if (rc) return FSDP_ERR;
   p->version++;

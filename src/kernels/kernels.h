@@ -195,15 +195,17 @@ typedef struct fsdp_kernels_i {
   /* ---- optimizers (f32 master buffers, in place) ---- */
   int (*sgd_step)(void *ctx, fsdp_dtype dt, void *param, void *buf, const void *grad, int64_t n,
                   float lr, float momentum, float weight_decay, bool first_step);
+  /* the gradient is read times grad_scale (gradient clipping's coefficient, 1 for none: the
+   * same bits as scaling grad first) and not written */
   int (*adamw_step)(void *ctx, fsdp_dtype dt, void *param, void *m, void *v, const void *grad,
                     int64_t n, float lr, float beta1, float beta2, float eps,
-                    float weight_decay, int64_t step);
+                    float weight_decay, float grad_scale, int64_t step);
   /* optional: adamw_step with a mask (n, dt) fused in, bitwise mask_apply(grad, mask), the
-   * step, mask_apply(param, mask) (grad is left masked). NULL: the binding makes those three
-   * calls. */
+   * step, mask_apply(param, mask) (grad is left masked, not scaled). NULL: the binding makes
+   * those three calls. */
   int (*adamw_step_masked)(void *ctx, fsdp_dtype dt, void *param, void *m, void *v, void *grad,
                            const void *mask, int64_t n, float lr, float beta1, float beta2,
-                           float eps, float weight_decay, int64_t step);
+                           float eps, float weight_decay, float grad_scale, int64_t step);
 
   /* ---- fill, masks and magnitude pruning ----
    * What src/fsdp/mask.c computes masks and the pruning selection with (docs/pruning.md).

@@ -227,9 +227,10 @@ static int l_sgd_step(lua_State *L) {
   return 0;
 }
 
-/* adamw_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step[, mask]): with a mask, g
- * is masked, the step taken and p masked (lua/fsdp/mask.lua's rule), fused where the device
- * has adamw_step_masked */
+/* adamw_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step[, mask[, grad_scale]]):
+ * with a mask, g is masked, the step taken and p masked (lua/fsdp/mask.lua's rule), fused
+ * where the device has adamw_step_masked; the step uses g times grad_scale (default 1; g is
+ * not scaled) */
 static int l_adamw_step(lua_State *L) {
   fsdp_tensor *t[4];
   for (int i = 0; i < 4; i++) t[i] = fsdp_lua_check_tensor(L, i + 1);
@@ -238,7 +239,8 @@ static int l_adamw_step(lua_State *L) {
   lua_Number step = luaL_checknumber(L, 10);
   if (step < 1 || step != floor(step)) luaL_error(L, "adamw_step: step must be an integer >= 1");
   fsdp_tensor *mask = lua_isnoneornil(L, 11) ? NULL : fsdp_lua_check_tensor(L, 11);
-  if (fsdp_optim_adamw_step(t[0], t[1], t[2], t[3], mask, h[0], h[1], h[2], h[3], h[4],
+  const float gscale = (float)luaL_optnumber(L, 12, 1.0);
+  if (fsdp_optim_adamw_step(t[0], t[1], t[2], t[3], mask, h[0], h[1], h[2], h[3], h[4], gscale,
                             (int64_t)step))
     fsdp_lua_error(L);
   return 0;

@@ -435,13 +435,13 @@ static int r_sgd_step(run *r, int a) {
 static int r_adamw_step(run *r, int a) {
   void *p = acc(r, N_EL, G_SIGNED), *m = acc(r, N_EL, G_SIGNED), *v = acc(r, N_EL, G_POS);
   return K()->adamw_step(CTX, DT, p, m, v, in(r, N_EL, G_SIGNED), N_EL, 1e-2f, 0.9f, 0.99f,
-                         1e-8f, 0.01f, 3);
+                         1e-8f, 0.01f, 0.75f, 3);
 }
 static int r_adamw_step_masked(run *r, int a) {
   void *p = acc(r, N_EL, G_SIGNED), *m = acc(r, N_EL, G_SIGNED), *v = acc(r, N_EL, G_POS);
   void *g = acc(r, N_EL, G_SIGNED);
   return K()->adamw_step_masked(CTX, DT, p, m, v, g, in(r, N_EL, G_BOOL), N_EL, 1e-2f, 0.9f,
-                                0.99f, 1e-8f, 0.01f, 3);
+                                0.99f, 1e-8f, 0.01f, 0.75f, 3);
 }
 static int r_bias_gelu_forward(run *r, int a) {
   const void *x = in(r, 3 * 8, G_SIGNED), *b = in(r, 8, G_SIGNED);

@@ -211,12 +211,13 @@ static void run_all(outs_t *r, const inputs_t *in) {
   float *v = out_new(r, "adamw v", NULL, n);
   for (int step = 1; step <= 3; step++)
     fsdp_cpu_adamw_step(p, m, v, step == 2 ? in->y : in->g, n, 1e-3f, 0.9f, 0.999f, 1e-8f,
-                        0.1f, step);
+                        0.1f, step == 3 ? 0.6f : 1.0f, step);
   p = out_new(r, "masked adamw p", in->x, n);
   float *gm = out_new(r, "masked adamw g", in->g, n);
   m = out_new(r, "masked adamw m", NULL, n), v = out_new(r, "masked adamw v", NULL, n);
   for (int step = 1; step <= 2; step++)
-    fsdp_cpu_adamw_step_masked(p, m, v, gm, in->mask, n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.1f, step);
+    fsdp_cpu_adamw_step_masked(p, m, v, gm, in->mask, n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.1f,
+                               step == 2 ? 0.6f : 1.0f, step);
   float *mx = out_new(r, "mask apply", in->x, n);
   fsdp_cpu_mask_apply(mx, in->mask, n);
 

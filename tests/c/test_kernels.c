@@ -1044,12 +1044,12 @@ static void test_sgd(void **state) {
 static void test_adamw(void **state) {
   (void)state;
   float p = 1.0f, m = 0.0f, v = 0.0f, g = 0.5f;
-  fsdp_cpu_adamw_step(&p, &m, &v, &g, 1, 0.1f, 0.9f, 0.999f, 1e-8f, 0.01f, 1);
+  fsdp_cpu_adamw_step(&p, &m, &v, &g, 1, 0.1f, 0.9f, 0.999f, 1e-8f, 0.01f, 1.0f, 1);
   /* betas arrive as floats: 1 - 0.999f is 0.000999987, so v is off 1.3e-5 relative */
   assert_true(fabsf(m - 0.05f) < 1e-7f && fabsf(v - 0.00025f) < 1e-8f);
   assert_true(fabsf(p - 0.899000002f) < 2e-7f);
   g = -0.25f;
-  fsdp_cpu_adamw_step(&p, &m, &v, &g, 1, 0.1f, 0.9f, 0.999f, 1e-8f, 0.01f, 2);
+  fsdp_cpu_adamw_step(&p, &m, &v, &g, 1, 0.1f, 0.9f, 0.999f, 1e-8f, 0.01f, 1.0f, 2);
   assert_true(fabsf(m - 0.02f) < 1e-7f && fabsf(v - 0.00031225f) < 1e-8f);
   assert_true(fabsf(p - 0.871467298706f) < 5e-7f);
   /* a vector over three steps against the same formulas in double */
@@ -1066,7 +1066,7 @@ static void test_adamw(void **state) {
       double mh = wm[i] / (1 - pow(0.8, step)), vh = wv[i] / (1 - pow(0.99, step));
       wp[i] -= 1e-3 * mh / (sqrt(vh) + 1e-6);
     }
-    fsdp_cpu_adamw_step(pv, mv, vv, gv, n, 1e-3f, 0.8f, 0.99f, 1e-6f, 0.1f, step);
+    fsdp_cpu_adamw_step(pv, mv, vv, gv, n, 1e-3f, 0.8f, 0.99f, 1e-6f, 0.1f, 1.0f, step);
     free(gv);
   }
   check_close_d("adamw p", pv, wp, n, 1e-5, 1e-6);
@@ -1117,6 +1117,43 @@ static void test_bias_gelu(void **state) {
   free(dx2), free(db2), free(db3), free(dx3), free(dx4), free(db4);
 }
 
+/* A step with a gradient scale (clipping's coefficient) is bitwise scaling a copy of the
+ * gradient by it and stepping with that, masked or not, over a length with a partial vector;
+ * the gradient buffer is left unscaled (masked, with a mask). */
+static void test_adamw_grad_scale(void **state) {
+  (void)state;
+  const int64_t n = 1037;
+  const float s = 0.3173f;
+  float *g = frand(n, -1, 1), *mask = frand(n, 0, 1);
+  for (int64_t i = 0; i < n; i++) mask[i] = mask[i] < 0.4f ? 0.0f : 1.0f;
+  for (int masked = 0; masked <= 1; masked++) {
+    float *p = frand(n, -1, 1), *p2 = fcopy(p, n), *g1 = fcopy(g, n), *m = fzeros(n),
+          *v = fzeros(n), *m2 = fzeros(n), *v2 = fzeros(n);
+    for (int step = 1; step <= 3; step++) {
+      float *gs = fcopy(g, n);
+      if (masked) fsdp_cpu_mask_apply(gs, mask, n);
+      for (int64_t i = 0; i < n; i++) gs[i] *= s; /* the cpu table's scale (clip_grad_norm) */
+      if (masked) {
+        fsdp_cpu_adamw_step_masked(p, m, v, g1, mask, n, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, s,
+                                   step);
+        fsdp_cpu_adamw_step_masked(p2, m2, v2, gs, mask, n, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f,
+                                   1.0f, step);
+      } else {
+        fsdp_cpu_adamw_step(p, m, v, g1, n, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, s, step);
+        fsdp_cpu_adamw_step(p2, m2, v2, gs, n, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 1.0f, step);
+      }
+      free(gs);
+    }
+    assert_memory_equal(p, p2, sizeof(float) * (size_t)n);
+    assert_memory_equal(m, m2, sizeof(float) * (size_t)n);
+    assert_memory_equal(v, v2, sizeof(float) * (size_t)n);
+    for (int64_t i = 0; i < n; i++) /* read, not scaled */
+      assert_true(g1[i] == (masked && mask[i] == 0.0f ? 0.0f : g[i]));
+    free(p), free(p2), free(g1), free(m), free(v), free(m2), free(v2);
+  }
+  free(g), free(mask);
+}
+
 /* The fused masked step is bitwise mask_apply(g), the step, mask_apply(p), NaN gradients under
  * the mask included, and leaves g masked. */
 static void test_adamw_masked(void **state) {
@@ -1129,9 +1166,10 @@ static void test_adamw_masked(void **state) {
   float *p2 = fcopy(p, n), *g2 = fcopy(g, n), *m = fzeros(n), *v = fzeros(n), *m2 = fzeros(n),
         *v2 = fzeros(n);
   for (int step = 1; step <= 3; step++) {
-    fsdp_cpu_adamw_step_masked(p, m, v, g, mask, n, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, step);
+    fsdp_cpu_adamw_step_masked(p, m, v, g, mask, n, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 1.0f,
+                               step);
     fsdp_cpu_mask_apply(g2, mask, n);
-    fsdp_cpu_adamw_step(p2, m2, v2, g2, n, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, step);
+    fsdp_cpu_adamw_step(p2, m2, v2, g2, n, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 1.0f, step);
     fsdp_cpu_mask_apply(p2, mask, n);
   }
   assert_memory_equal(p, p2, sizeof(float) * (size_t)n);
@@ -1191,6 +1229,7 @@ int main(void) {
       cmocka_unit_test(test_axpy_scale),
       cmocka_unit_test(test_sgd),
       cmocka_unit_test(test_adamw),
+      cmocka_unit_test(test_adamw_grad_scale),
       cmocka_unit_test(test_adamw_masked),
       cmocka_unit_test(test_bias_gelu),
   };

@@ -75,7 +75,7 @@ static void test_adamw(void **state) {
   for (int s = 1; s <= 3; s++) {
     uint64_t vm = m->version, vv = v->version;
     assert_int_equal(fsdp_optim_adamw_step(p, g, m, v, NULL, (float)lr, (float)b1, (float)b2,
-                                           (float)eps, (float)wd, s),
+                                           (float)eps, (float)wd, 1.0f, s),
                      FSDP_OK);
     assert_true(m->version > vm && v->version > vv);
     for (int i = 0; i < NP; i++) {
@@ -99,15 +99,22 @@ static void test_update_errors(void **state) {
   assert_msg_has("sgd_step: gradient has 3 elements, the parameter has 4");
   assert_int_equal(fsdp_optim_sgd_step(p, g, NULL, 0.1f, 0.9f, 0, false), FSDP_ERR);
   assert_msg_has("sgd_step: momentum 0.9 needs a buffer");
-  assert_int_equal(fsdp_optim_adamw_step(p, g, m, g3, NULL, 0.1f, 0.9f, 0.99f, 1e-8f, 0, 1),
+  assert_int_equal(fsdp_optim_adamw_step(p, g, m, g3, NULL, 0.1f, 0.9f, 0.99f, 1e-8f, 0, 1.0f, 1),
                    FSDP_ERR);
   assert_msg_has("adamw_step: second moment has 3 elements, the parameter has 4");
-  assert_int_equal(fsdp_optim_adamw_step(p, g, m, m, g3, 0.1f, 0.9f, 0.99f, 1e-8f, 0, 1),
+  assert_int_equal(fsdp_optim_adamw_step(p, g, m, m, g3, 0.1f, 0.9f, 0.99f, 1e-8f, 0, 1.0f, 1),
                    FSDP_ERR);
   assert_msg_has("adamw_step: mask has 3 elements, the parameter has 4");
-  assert_int_equal(fsdp_optim_adamw_step(p, g, m, m, NULL, 0.1f, 0.9f, 0.99f, 1e-8f, 0, 0),
+  assert_int_equal(fsdp_optim_adamw_step(p, g, m, m, NULL, 0.1f, 0.9f, 0.99f, 1e-8f, 0, 1.0f, 0),
                    FSDP_ERR);
   assert_msg_has("adamw_step: step must be an integer >= 1");
+  const float bad_scales[] = {0.0f, -0.5f, NAN, INFINITY};
+  for (int i = 0; i < 4; i++) {
+    assert_int_equal(fsdp_optim_adamw_step(p, g, m, m, NULL, 0.1f, 0.9f, 0.99f, 1e-8f, 0,
+                                           bad_scales[i], 1),
+                     FSDP_ERR);
+    assert_msg_has("adamw_step: grad_scale must be a finite number > 0");
+  }
   assert_int_equal(fsdp_tensor_view(&v, m, 2, SHAPE(2, 2)), FSDP_OK);
   assert_int_equal(fsdp_tensor_transpose(&tr, v, 0, 1), FSDP_OK);
   assert_int_equal(fsdp_optim_sgd_step(p, g, tr, 0.1f, 0.9f, 0, true), FSDP_ERR);
@@ -115,7 +122,7 @@ static void test_update_errors(void **state) {
   assert_int_equal(fsdp_tensor_new(&d, &fsdp_device_cpu, FSDP_DTYPE_F64, 1, SHAPE(4),
                                    FSDP_ROLE_ACTIVATIONS),
                    FSDP_OK);
-  assert_int_equal(fsdp_optim_adamw_step(p, g, d, m, NULL, 0.1f, 0.9f, 0.99f, 1e-8f, 0, 1),
+  assert_int_equal(fsdp_optim_adamw_step(p, g, d, m, NULL, 0.1f, 0.9f, 0.99f, 1e-8f, 0, 1.0f, 1),
                    FSDP_ERR);
   assert_msg_has("adamw_step: first moment is f64, the parameter f32");
   /* the kernels decide the dtypes they update */

@@ -682,7 +682,7 @@ static void test_optimizers(void **state) {
     fsdp_cpu_sgd_step(p2, buf, g, n, 0.1f, 0.9f, 0.01f, true);
     fsdp_cpu_sgd_step(p2, buf, g, n, 0.1f, 0.9f, 0.01f, false);
     for (int64_t step = 1; step <= 3; step++)
-      fsdp_cpu_adamw_step(p3, m, v, g, n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, step);
+      fsdp_cpu_adamw_step(p3, m, v, g, n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, 1.0f, step);
     float *got[4] = {p, p2, p3, v};
     const char *names[4] = {"sgd", "sgd momentum", "adamw param", "adamw v"};
     for (int k = 0; k < 4; k++) {

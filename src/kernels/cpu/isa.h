@@ -89,13 +89,16 @@ typedef struct fsdp_cpu_vec_i {
   double (*binary_backward_b_sum)(const float *dout, const float *a, int64_t n, fsdp_binop op);
   double (*sqdiff_sum)(const float *a, const float *b, int64_t n); /* sum (a - b)^2 */
   void (*mask_apply)(float *x, const float *m, int64_t n);
-  /* AdamW (optim.c) with the step's constants: decay = 1 - lr wd, step_size = lr / bc1 */
+  /* AdamW (optim.c) with the step's constants: decay = 1 - lr wd, step_size = lr / bc1; the
+   * gradient read times gscale (g itself unchanged) */
   void (*adamw)(float *p, float *m, float *v, const float *g, int64_t n, float beta1,
-                float beta2, float eps, float decay, float step_size, float bc2_sqrt);
-  /* the same with g and the new p masked (mask_apply's rule), g written back masked */
+                float beta2, float eps, float decay, float step_size, float bc2_sqrt,
+                float gscale);
+  /* the same with g and the new p masked (mask_apply's rule), g written back masked (not
+   * scaled) */
   void (*adamw_masked)(float *p, float *m, float *v, float *g, const float *mask, int64_t n,
                        float beta1, float beta2, float eps, float decay, float step_size,
-                       float bc2_sqrt);
+                       float bc2_sqrt, float gscale);
   /* rows [lo, hi) of (N, C) */
   void (*layernorm_forward)(float *out, float *mean, float *rstd, const float *inp,
                             const float *weight, const float *bias, int64_t lo, int64_t hi,

@@ -218,17 +218,18 @@ void fsdp_cpu_cast(void *out, fsdp_dtype odt, const void *in, fsdp_dtype idt, in
  * buf may be NULL when momentum == 0. */
 void fsdp_cpu_sgd_step(float *param, float *buf, const float *grad, int64_t n, float lr,
                        float momentum, float weight_decay, bool first_step);
-/* AdamW (decoupled weight decay), PyTorch semantics; step counts from 1:
+/* AdamW (decoupled weight decay), PyTorch semantics; step counts from 1, g = grad * gscale
+ * (gradient clipping's coefficient, read in; grad itself is not written):
  * p -= lr * wd * p ; m = b1 m + (1-b1) g ; v = b2 v + (1-b2) g^2 ;
  * p -= lr * (m / (1 - b1^step)) / (sqrt(v / (1 - b2^step)) + eps) */
 void fsdp_cpu_adamw_step(float *param, float *m, float *v, const float *grad, int64_t n,
                          float lr, float beta1, float beta2, float eps, float weight_decay,
-                         int64_t step);
+                         float gscale, int64_t step);
 /* The same fused with a mask, bitwise fsdp_cpu_mask_apply(grad, mask), the step, then
- * fsdp_cpu_mask_apply(param, mask), in one pass (grad is left masked, as there). */
+ * fsdp_cpu_mask_apply(param, mask), in one pass (grad is left masked, as there, not scaled). */
 void fsdp_cpu_adamw_step_masked(float *param, float *m, float *v, float *grad, const float *mask,
                                 int64_t n, float lr, float beta1, float beta2, float eps,
-                                float weight_decay, int64_t step);
+                                float weight_decay, float gscale, int64_t step);
 
 /* ---- masks and magnitude pruning (mask.c) ----------------------------------------------------
  * The f32 forms of the mask slots of kernels/kernels.h (the key order is described there).

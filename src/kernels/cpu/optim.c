@@ -58,7 +58,7 @@ void fsdp_cpu_sgd_step(float *param, float *buf, const float *grad, int64_t n, f
 typedef struct {
   float *p, *m, *v, *g;
   const float *mask;
-  float beta1, beta2, eps, decay, step_size, bc2_sqrt;
+  float beta1, beta2, eps, decay, step_size, bc2_sqrt, gscale;
   const fsdp_cpu_vec_i *vec;
 } adamw_ctx;
 
@@ -66,34 +66,36 @@ static void adamw_task(void *ctx, int64_t lo, int64_t hi) {
   const adamw_ctx *c = ctx;
   if (c->mask)
     c->vec->adamw_masked(c->p + lo, c->m + lo, c->v + lo, c->g + lo, c->mask + lo, hi - lo,
-                         c->beta1, c->beta2, c->eps, c->decay, c->step_size, c->bc2_sqrt);
+                         c->beta1, c->beta2, c->eps, c->decay, c->step_size, c->bc2_sqrt,
+                         c->gscale);
   else
     c->vec->adamw(c->p + lo, c->m + lo, c->v + lo, c->g + lo, hi - lo, c->beta1, c->beta2,
-                  c->eps, c->decay, c->step_size, c->bc2_sqrt);
+                  c->eps, c->decay, c->step_size, c->bc2_sqrt, c->gscale);
 }
 
 static void adamw_run(float *param, float *m, float *v, float *grad, const float *mask,
                       int64_t n, float lr, float beta1, float beta2, float eps,
-                      float weight_decay, int64_t step) {
+                      float weight_decay, float gscale, int64_t step) {
   const double bc1 = 1.0 - pow((double)beta1, (double)step);
   const double bc2 = 1.0 - pow((double)beta2, (double)step);
   adamw_ctx c = {.p = param, .m = m, .v = v, .g = grad, .mask = mask, .beta1 = beta1,
                  .beta2 = beta2, .eps = eps, .decay = 1.0f - lr * weight_decay,
                  .step_size = (float)(lr / bc1), .bc2_sqrt = (float)sqrt(bc2),
-                 .vec = fsdp_cpu_vec()};
+                 .gscale = gscale, .vec = fsdp_cpu_vec()};
   fsdp_cpu_parallel_for(n, FSDP_CPU_GRAIN, adamw_task, &c);
 }
 
 void fsdp_cpu_adamw_step(float *param, float *m, float *v, const float *grad, int64_t n,
                          float lr, float beta1, float beta2, float eps, float weight_decay,
-                         int64_t step) {
+                         float gscale, int64_t step) {
   // param (n), m (n), v (n), grad (n); step >= 1
-  adamw_run(param, m, v, (float *)grad, NULL, n, lr, beta1, beta2, eps, weight_decay, step);
+  adamw_run(param, m, v, (float *)grad, NULL, n, lr, beta1, beta2, eps, weight_decay, gscale,
+            step);
 }
 
 void fsdp_cpu_adamw_step_masked(float *param, float *m, float *v, float *grad, const float *mask,
                                 int64_t n, float lr, float beta1, float beta2, float eps,
-                                float weight_decay, int64_t step) {
+                                float weight_decay, float gscale, int64_t step) {
   // param (n), m (n), v (n), grad (n), mask (n); step >= 1
-  adamw_run(param, m, v, grad, mask, n, lr, beta1, beta2, eps, weight_decay, step);
+  adamw_run(param, m, v, grad, mask, n, lr, beta1, beta2, eps, weight_decay, gscale, step);
 }

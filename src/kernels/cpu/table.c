@@ -1002,9 +1002,10 @@ static int k_sgd_step(void *ctx, fsdp_dtype dt, void *param, void *buf, const vo
 
 static int k_adamw_step(void *ctx, fsdp_dtype dt, void *param, void *m, void *v,
                         const void *grad, int64_t n, float lr, float beta1, float beta2,
-                        float eps, float weight_decay, int64_t step) {
+                        float eps, float weight_decay, float grad_scale, int64_t step) {
   if (dt != FSDP_DTYPE_F32) return REFUSE("adamw_step", dt);
-  fsdp_cpu_adamw_step(param, m, v, grad, n, lr, beta1, beta2, eps, weight_decay, step);
+  fsdp_cpu_adamw_step(param, m, v, grad, n, lr, beta1, beta2, eps, weight_decay, grad_scale,
+                      step);
   return FSDP_OK;
 }
 
@@ -1044,10 +1045,11 @@ static int k_bias_gelu_backward(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *
 
 static int k_adamw_step_masked(void *ctx, fsdp_dtype dt, void *param, void *m, void *v,
                                void *grad, const void *mask, int64_t n, float lr, float beta1,
-                               float beta2, float eps, float weight_decay, int64_t step) {
+                               float beta2, float eps, float weight_decay, float grad_scale,
+                               int64_t step) {
   if (dt != FSDP_DTYPE_F32) return REFUSE("adamw_step", dt);
   fsdp_cpu_adamw_step_masked(param, m, v, grad, mask, n, lr, beta1, beta2, eps, weight_decay,
-                             step);
+                             grad_scale, step);
   return FSDP_OK;
 }
 

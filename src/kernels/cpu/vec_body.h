@@ -410,10 +410,12 @@ VINLINE fsdp_vf vsqrt(fsdp_vf x) {
 /* AdamW over n elements in torch.optim.AdamW's single-tensor order of operations (optim.c).
  * With a mask (has_mask, a constant at each call): the gradient is masked first and written
  * back, the new weights masked after the update, as mask_apply before and after the plain step
- * would: one pass instead of three. */
+ * would: one pass instead of three. The gradient is multiplied by gscale as it is read
+ * (clipping's coefficient; 1 is exact), the buffer keeps its unscaled values: the same bits as
+ * scaling the buffer first, without that pass. */
 VINLINE void adamw_v(float *p, float *m, float *v, float *g, const float *mask, int64_t n,
                      float beta1, float beta2, float eps, float decay, float step_size,
-                     float bc2_sqrt, bool has_mask) {
+                     float bc2_sqrt, float gscale, bool has_mask) {
   const float a1 = 1.0f - beta1, a2 = 1.0f - beta2;
   for (int64_t i = 0; i < n; i += VW) {
     fsdp_vf gi = LD(g, i, n, 0.0f);
@@ -423,6 +425,7 @@ VINLINE void adamw_v(float *p, float *m, float *v, float *g, const float *mask, 
       gi = (fsdp_vf)((fsdp_vi)gi & keep);
       ST(g, i, n, gi);
     }
+    gi = gi * gscale;
     fsdp_vf mi = beta1 * LD(m, i, n, 0.0f) + a1 * gi;
     fsdp_vf vi = beta2 * LD(v, i, n, 0.0f) + a2 * gi * gi;
     fsdp_vf denom = vsqrt(vi) / bc2_sqrt + eps;
@@ -435,14 +438,16 @@ VINLINE void adamw_v(float *p, float *m, float *v, float *g, const float *mask, 
 }
 
 static void adamw(float *p, float *m, float *v, const float *g, int64_t n, float beta1,
-                  float beta2, float eps, float decay, float step_size, float bc2_sqrt) {
-  adamw_v(p, m, v, (float *)g, NULL, n, beta1, beta2, eps, decay, step_size, bc2_sqrt, false);
+                  float beta2, float eps, float decay, float step_size, float bc2_sqrt,
+                  float gscale) {
+  adamw_v(p, m, v, (float *)g, NULL, n, beta1, beta2, eps, decay, step_size, bc2_sqrt, gscale,
+          false);
 }
 
 static void adamw_masked(float *p, float *m, float *v, float *g, const float *mask, int64_t n,
                          float beta1, float beta2, float eps, float decay, float step_size,
-                         float bc2_sqrt) {
-  adamw_v(p, m, v, g, mask, n, beta1, beta2, eps, decay, step_size, bc2_sqrt, true);
+                         float bc2_sqrt, float gscale) {
+  adamw_v(p, m, v, g, mask, n, beta1, beta2, eps, decay, step_size, bc2_sqrt, gscale, true);
 }
 
 /* ---- layernorm, softmax -------------------------------------------------------------------- */

@@ -136,7 +136,7 @@ int fsdp_cuda_sgd_step(void *ctx, fsdp_dtype dt, void *param, void *buf, const v
                        int64_t n, float lr, float momentum, float weight_decay, bool first_step);
 int fsdp_cuda_adamw_step(void *ctx, fsdp_dtype dt, void *param, void *m, void *v,
                          const void *grad, int64_t n, float lr, float beta1, float beta2,
-                         float eps, float weight_decay, int64_t step);
+                         float eps, float weight_decay, float grad_scale, int64_t step);
 
 /* mask.cu */
 int fsdp_cuda_mask_apply(void *ctx, fsdp_dtype dt, void *x, const void *m, int64_t n);

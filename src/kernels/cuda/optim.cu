@@ -42,10 +42,11 @@ int fsdp_cuda_sgd_step(void *ctx, fsdp_dtype dt, void *param, void *buf, const v
 }
 
 __global__ void adamw_k(float *p, float *m, float *v, const float *g, int64_t n, float beta1,
-                        float beta2, float eps, float decay, float step_size, float bc2_sqrt) {
+                        float beta2, float eps, float decay, float step_size, float bc2_sqrt,
+                        float gscale) {
   const float c1 = XF_SUB(1.0f, beta1), c2 = XF_SUB(1.0f, beta2);
   FSDP_CU_LOOP(i, n) {
-    const float gi = g[i];
+    const float gi = XF_MUL(g[i], gscale); /* clipping's coefficient: g itself is not written */
     const float pi = XF_MUL(p[i], decay);
     const float mi = XF_ADD(XF_MUL(beta1, m[i]), XF_MUL(c1, gi));
     const float vi = XF_ADD(XF_MUL(beta2, v[i]), XF_MUL(XF_MUL(c2, gi), gi));
@@ -58,7 +59,7 @@ __global__ void adamw_k(float *p, float *m, float *v, const float *g, int64_t n,
 
 int fsdp_cuda_adamw_step(void *ctx, fsdp_dtype dt, void *param, void *m, void *v,
                          const void *grad, int64_t n, float lr, float beta1, float beta2,
-                         float eps, float weight_decay, int64_t step) {
+                         float eps, float weight_decay, float grad_scale, int64_t step) {
   // param (n), m (n), v (n), grad (n); step >= 1
   if (dt != FSDP_DTYPE_F32) return FSDP_CU_REFUSE("adamw_step", dt);
   if (n <= 0) return FSDP_OK;
@@ -70,6 +71,6 @@ int fsdp_cuda_adamw_step(void *ctx, fsdp_dtype dt, void *param, void *m, void *v
   const float decay = 1.0f - lr_wd;
   adamw_k<<<blocks_for(n), THREADS, 0, fsdp_cuda_stream()>>>(
       (float *)param, (float *)m, (float *)v, (const float *)grad, n, beta1, beta2, eps, decay,
-      step_size, bc2_sqrt);
+      step_size, bc2_sqrt, grad_scale);
   return fsdp_cuda_launched("adamw_step");
 }
