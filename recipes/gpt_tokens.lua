@@ -147,7 +147,10 @@ say(("gpt_tokens: %.2fM parameters (head tied to wte), vocabulary %d, %d steps o
   .. "%d rank%s, %s"):format(nparams / 1e6, tok.vocab_size, steps, batch, ctx, world,
   world == 1 and "" or "s", mp and ("mixed precision " .. mp) or "f32"))
 
-local opt = fsdp.optim.AdamW(model, { lr = lr, betas = { 0.9, 0.99 }, weight_decay = 0.1 })
+-- max_grad_norm: each step clips the gradients to norm 1 (as fsdp.clip_grad_norm would, the
+-- coefficient going into AdamW's kernel) and keeps the norm before clipping in opt.grad_norm
+local opt = fsdp.optim.AdamW(model, { lr = lr, betas = { 0.9, 0.99 }, weight_decay = 0.1,
+  max_grad_norm = 1.0 })
 local schedule = fsdp.optim.cosine(opt, { warmup = math.min(100, math.floor(steps / 10)),
   total = steps, min_lr = lr / 10 })
 
@@ -198,8 +201,8 @@ for step, x, y in todo > 0 and train:batches(todo) or function() end do
   local loss = nn.F.cross_entropy(model(x), y)
   opt:zero_grad()
   loss:backward()
-  local grad_norm = fsdp.clip_grad_norm(model, 1.0)
   opt:step()
+  local grad_norm = opt.grad_norm
   train_loss = fsdp.all_reduce(loss:item(), "mean") -- every rank's slice of the global batch
   first_loss = first_loss or train_loss
   done = done + 1

@@ -180,7 +180,35 @@ Optimizer.__index = Optimizer
 local function frozen(p) return p.requires_grad == false end
 
 -- The options every optimizer takes besides its hyper-parameters.
-local COMMON_OPTS = {"groups", "local_only", "no_decay", "params"}
+local COMMON_OPTS = {"groups", "local_only", "max_grad_norm", "no_decay", "params"}
+
+-- The L2 norm of gradient pieces taken as one vector: pieces = array of {g, u} (u the unit of a
+-- wrapped model's gradient-shard slice g, nil for a plain gradient), squares summed in order.
+-- Wrapped (R given; collective): one all_reduce("sum") of this rank's share; units with
+-- strategy "none" hold the same averaged gradient on every rank, so theirs is added after it,
+-- once; a hybrid unit's shard counts on its first replica group only (util.counts_shard).
+local function grad_norm(R, pieces)
+  local sq_sharded, sq_replicated = 0, 0
+  for _, e in ipairs(pieces) do
+    local sq = core.sumsq(e[1])
+    local u = e[2]
+    if u and u:strategy() == "none" then
+      sq_replicated = sq_replicated + sq
+    elseif not u or util.counts_shard(u) then
+      sq_sharded = sq_sharded + sq
+    end
+  end
+  if R then return math.sqrt(core.all_reduce(sq_sharded, "sum") + sq_replicated) end
+  return math.sqrt(sq_sharded)
+end
+
+-- Clipping's coefficient for a total norm (PyTorch's clip_grad_norm_): max_norm / (total +
+-- 1e-6) where that is below 1, else nil (no scaling; a NaN or infinite norm scales nothing).
+local function clip_coef(max_norm, total)
+  local coef = max_norm / (total + 1e-6)
+  if coef < 1 then return coef end
+  return nil
+end
 
 -- Does a group's `params` (a Lua pattern, a list of them, a function(path, p) -> boolean, or an
 -- array of parameters) take the parameter p at path? sel is the checked form (select_of).
@@ -314,6 +342,14 @@ local function new_optimizer(cls, kind, model, opts, read, defaults, decay_defau
     raise(("%s: local_only must be a boolean (got %s)"):format(kind, tostring(opts.local_only)))
   end
   self.local_only = opts.local_only == true
+  if opts.max_grad_norm ~= nil then
+    if cls.clip_unsupported then raise(("%s: %s"):format(kind, cls.clip_unsupported)) end
+    local v = opts.max_grad_norm
+    if type(v) ~= "number" or not (v > 0) or v == math.huge then
+      raise(("%s: max_grad_norm must be a finite number > 0 (got %s)"):format(kind, tostring(v)))
+    end
+    self.max_grad_norm = v -- each step clips (each_update); the norm lands in self.grad_norm
+  end
   for k, v in pairs(read(kind, opts, defaults)) do self[k] = v end
   -- groups: the first group whose params select a parameter gives it its hyper-parameters;
   -- the others follow the optimizer's (self[k], read at every step)
@@ -413,13 +449,18 @@ function Optimizer:zero_grad()
   end
 end
 
+-- x (contiguous) masked in place by the flat mask m, if any.
+local function apply_mask(x, m)
+  if m then core.mask_apply(x:dim() == 1 and x or x:view{x:numel()}, m) end
+end
+
 -- Wrapped models: fn(st, p_slice, g_slice, param, path) for every parameter slice this rank
 -- holds; st is the slice's state table (created with step = 0). With only_grads (a step:
 -- collective) the slices of parameters that received no gradient on any rank are left out,
 -- as a plain optimizer leaves out a parameter whose p.grad is nil: no update, no weight decay,
 -- no state created or changed, no mask applied. fn gets the slice's mask (or nil) as a sixth
 -- argument and applies it itself: SGD masks the gradient before its kernel and the weights
--- after it, AdamW passes it to its fused kernel.
+-- after it, AdamW passes it to its fused kernel. The seventh is the slice's unit.
 function Optimizer:each_slice(fn, only_grads)
   local what = self.kind .. ":step"
   if only_grads then self.wrapped:reduce_held(what) end -- what fsdp.no_sync left unreduced
@@ -437,7 +478,7 @@ function Optimizer:each_slice(fn, only_grads)
           self.slice_of[p] = {param_first = s.param_first, numel = n}
         end
         local ps, gs = shard:narrow(1, s.shard_first, n), gshard:narrow(1, s.shard_first, n)
-        fn(st, ps, gs, p, s.path, slice_mask(p, n, s.path))
+        fn(st, ps, gs, p, s.path, slice_mask(p, n, s.path), u)
       end
     end
   end)
@@ -450,10 +491,16 @@ end
 -- with step = 0; its buffers shaped like p: state_like), m its flat mask (or nil), which fn
 -- applies (apply_mask). Plain: run without recording for gradients; a gradient made for the
 -- call is freed.
+-- With max_grad_norm the gradients are clipped first, as fsdp.clip_grad_norm over exactly these
+-- gradients would (masked, measured, scaled by the same coefficient: the same bits), and the
+-- norm is kept in self.grad_norm. An optimizer whose kernel takes the coefficient (fused_clip:
+-- AdamW) gets it as fn's seventh argument (nil: no scaling) and its gradients are not written
+-- (the pass over them that scaling takes is saved); the others get them scaled in place.
 function Optimizer:each_update(fn)
   self:check_world()
+  if self.max_grad_norm then return self:each_clipped_update(fn) end
   if self.wrapped then
-    self:each_slice(fn, true)
+    self:each_slice(function(st, p, g, param, path, m) fn(st, p, g, param, path, m) end, true)
     return
   end
   util.no_grad(function()
@@ -473,14 +520,52 @@ function Optimizer:each_update(fn)
   end)
 end
 
+function Optimizer:each_clipped_update(fn)
+  local items, pieces, fresh = {}, {}, {}
+  local function keep(st, p, g, param, path, m, u)
+    items[#items + 1] = {st, p, g, param, path, m}
+    pieces[#pieces + 1] = {g, u}
+  end
+  local function run()
+    for _, it in ipairs(items) do apply_mask(it[3], it[6]) end -- masked before measuring
+    local total = grad_norm(self.wrapped, pieces)
+    self.grad_norm = total
+    local coef = clip_coef(self.max_grad_norm, total)
+    if coef and not self.fused_clip then
+      for _, it in ipairs(items) do it[3]:mul_(coef) end
+    end
+    for _, it in ipairs(items) do
+      fn(it[1], it[2], it[3], it[4], it[5], it[6], self.fused_clip and coef or nil)
+    end
+  end
+  if self.wrapped then
+    self:each_slice(keep, true)
+    run()
+    return
+  end
+  util.no_grad(function()
+    for _, e in ipairs(self.params) do
+      local p = e.param
+      local g, new = grad_of(p)
+      if new then fresh[#fresh + 1] = g end
+      if g ~= nil and not frozen(p) then
+        local st = self.state[p]
+        if st == nil then
+          st = {step = 0}
+          self.state[p] = st
+        end
+        keep(st, p, g, p, e.path, mask.plain_flat(p))
+      end
+    end
+    local ok, err = pcall(run)
+    for _, g in ipairs(fresh) do g:free() end
+    if not ok then error(err, 0) end
+  end)
+end
+
 -- A state buffer for the p of an each_update call: zeros of its shape, on its device.
 local function state_like(p)
   return core.zeros(p:shape(), {role = "optim", device = p.device})
-end
-
--- x (contiguous) masked in place by the flat mask m, if any.
-local function apply_mask(x, m)
-  if m then core.mask_apply(x:dim() == 1 and x or x:view{x:numel()}, m) end
 end
 
 -- {kind =, step =, lr =, hyper = {...}, state = {[path] = {step =, <name> = tensor, ...}}}.
@@ -767,6 +852,7 @@ end
 
 local AdamW = setmetatable({}, {__index = Optimizer})
 AdamW.__index = AdamW
+AdamW.fused_clip = true -- max_grad_norm's coefficient goes into the kernel (each_update)
 optim.AdamW_class = AdamW
 
 local Adam = setmetatable({}, {__index = AdamW})
@@ -805,7 +891,7 @@ end
 
 function AdamW:step()
   local l2 = self.kind == "Adam"
-  self:each_update(function(st, p, g, param, _, m)
+  self:each_update(function(st, p, g, param, _, m, coef)
     if st.exp_avg == nil then
       st.exp_avg, st.exp_avg_sq = state_like(p), state_like(p)
     end
@@ -815,12 +901,13 @@ function AdamW:step()
     if l2 and wd ~= 0 then
       -- masked elements of p are 0, so g + wd * p stays masked where g is
       local g2 = g:clone()
+      if coef then g2:mul_(coef) end -- clipped, then the L2 term (clip_grad_norm's order)
       g2:add_(p, wd)
       core.adamw_step(p, g2, st.exp_avg, st.exp_avg_sq, lr, b[1], b[2], eps, 0, st.step, m)
       g2:free()
     else
       core.adamw_step(p, g, st.exp_avg, st.exp_avg_sq, lr, b[1], b[2], eps, l2 and 0 or wd,
-        st.step, m)
+        st.step, m, coef)
     end
   end)
   self.step_count = self.step_count + 1
@@ -899,6 +986,8 @@ end
 
 local Adafactor = setmetatable({}, {__index = Optimizer})
 Adafactor.__index = Adafactor
+Adafactor.clip_unsupported = "max_grad_norm is not supported (Adafactor clips its updates by "
+  .. "their RMS, d; call fsdp.clip_grad_norm(model, max_norm) before step to clip gradients)"
 optim.Adafactor_class = Adafactor
 
 HYPER.Adafactor = {"lr", "beta2_decay", "eps", "d", "weight_decay"}
@@ -1310,8 +1399,7 @@ function optim.clip_grad_norm(model, max_norm)
   local R = wrap_state(model)
   if R then
     R:reduce_held("clip_grad_norm")
-    local sq_sharded, sq_replicated = 0, 0
-    local gshards = {}
+    local gshards, pieces = {}, {}
     each_unit(R, "clip_grad_norm", function(u, _, g, slices)
       gshards[#gshards + 1] = g
       for _, s in ipairs(slices) do
@@ -1319,17 +1407,12 @@ function optim.clip_grad_norm(model, max_norm)
         local gs = g:narrow(1, s.shard_first, n)
         local m = slice_mask(s.param, n, s.path)
         if m then core.mask_apply(gs, m) end
-        local sq = core.sumsq(gs)
-        if u:strategy() == "none" then
-          sq_replicated = sq_replicated + sq
-        elseif util.counts_shard(u) then -- (hybrid: the first group's copy of the shard)
-          sq_sharded = sq_sharded + sq
-        end
+        pieces[#pieces + 1] = {gs, u}
       end
     end)
-    local total = math.sqrt(core.all_reduce(sq_sharded, "sum") + sq_replicated)
-    local coef = max_norm / (total + 1e-6)
-    if coef < 1 then
+    local total = grad_norm(R, pieces)
+    local coef = clip_coef(max_norm, total)
+    if coef then
       for i = 1, #gshards do gshards[i]:mul_(coef) end
     end
     return total
@@ -1343,11 +1426,11 @@ function optim.clip_grad_norm(model, max_norm)
       grads[n], fresh[n] = g, new
     end
   end
-  local sq = 0
-  for i = 1, #grads do sq = sq + core.sumsq(grads[i]) end
-  local total = math.sqrt(sq)
-  local coef = max_norm / (total + 1e-6)
-  if coef < 1 then
+  local pieces = {}
+  for i = 1, #grads do pieces[i] = {grads[i]} end
+  local total = grad_norm(nil, pieces)
+  local coef = clip_coef(max_norm, total)
+  if coef then
     for i = 1, #grads do grads[i]:mul_(coef) end
   end
   for i = 1, #grads do

@@ -4,12 +4,17 @@
 --
 --   fsdprun -n N tests/dist/optim_equiv.lua --opt=KIND --strategy=plain|full|grad_op|none|hybrid
 --     [--shard_size=S] [--steps=30] [--out=path] [--lr_scale=1] [--save_at=K --dir=D] [--resume=D]
+--     [--explicit]
 --
 -- KIND: sgd_nesterov, adam, lion, adafactor, groups (AdamW, parameter groups chosen by
 -- pattern: the middle layer at a tenth of the lr, biases without decay), params (AdamW over
 -- the last two layers only, chosen with params =), module (Lion over one module of the
 -- model; the rest stays), sgd_local (plain SGD with local_only = true: at N ranks each rank
--- trains its own copy, here on the same rows, so every copy equals the 1-rank run).
+-- trains its own copy, here on the same rows, so every copy equals the 1-rank run),
+-- adamw_clip / adam_clip / sgd_clip (max_grad_norm = 0.05, which clips every step here: AdamW
+-- takes the coefficient in its kernel, Adam with its L2 term and SGD scale the gradients; with
+-- --explicit the run calls fsdp.clip_grad_norm(model, 0.05) before a step without it instead:
+-- the same bits).
 -- --save_at=K saves a sharded checkpoint with the optimizer after step K and stops;
 -- --resume=D loads it (at any world size) and trains the remaining steps: the run then equals
 -- an uninterrupted one. --strategy=hybrid shards in groups of --shard_size ranks (default
@@ -51,6 +56,15 @@ elseif kind == "params" then
   opt = fsdp.optim.AdamW(model, {lr = 3e-3 * s, params = {"^3%.", "^5%."}})
 elseif kind == "module" then
   opt = fsdp.optim.Lion(model[3], {lr = 1e-3 * s, weight_decay = 0.1})
+elseif kind:match("_clip$") then
+  local clip = not a.explicit and 0.05 or nil
+  if kind == "adamw_clip" then
+    opt = fsdp.optim.AdamW(model, {lr = 3e-3 * s, weight_decay = 0.1, max_grad_norm = clip})
+  elseif kind == "adam_clip" then
+    opt = fsdp.optim.Adam(model, {lr = 3e-3 * s, weight_decay = 0.01, max_grad_norm = clip})
+  else
+    opt = fsdp.optim.SGD(model, {lr = 0.05 * s, momentum = 0.9, max_grad_norm = clip})
+  end
 elseif kind == "sgd_local" then
   opt = fsdp.optim.SGD(model, {lr = 0.05 * s, momentum = 0.9, local_only = true})
 else
@@ -81,7 +95,21 @@ for step = from, steps do
   opt:zero_grad()
   local loss = nn.F.cross_entropy(model(x), y)
   loss:backward()
-  opt:step()
+  if kind:match("_clip$") then
+    local total
+    if a.explicit then
+      total = fsdp.clip_grad_norm(model, 0.05)
+      opt:step()
+    else
+      opt:step()
+      total = opt.grad_norm
+    end
+    -- the norm before clipping, on every rank: above max_grad_norm (the test clips every step)
+    assert(total > 0.05, ("step %d: gradient norm %s does not exceed 0.05"):format(step, total))
+    assert(fsdp.all_reduce(total, "max") == total, "ranks disagree on the gradient norm")
+  else
+    opt:step()
+  end
   losses[step] = kind == "sgd_local" and loss:item() or fsdp.all_reduce(loss:item(), "mean")
   if a.save_at == step then
     fsdp.save(model, a.dir, {optimizer = opt, extra = {losses = losses, step = step}})

@@ -1,5 +1,5 @@
 -- optim_spec.lua — fsdp.optim: SGD and AdamW against hand-computed steps, weight-decay
--- exclusions, state, clip_grad_norm, the learning-rate schedules.
+-- exclusions, state, clip_grad_norm and max_grad_norm, the learning-rate schedules.
 -- Run: busted --lua=luajit tests/lua/optim_spec.lua
 
 local fsdp = require "fsdp"
@@ -102,8 +102,8 @@ describe("optim.SGD", function()
     err(function() optim.SGD({param{1}}, {lr = 1, momentum = 0.9, nesterov = 1}) end,
       "SGD: nesterov must be a boolean (got 1)")
     err(function() optim.SGD({param{1}}, {lr = 1, wieght_decay = 0.1}) end,
-      "SGD: unknown option 'wieght_decay' (valid: groups, local_only, lr, momentum, nesterov, "
-      .. "no_decay, params, weight_decay)")
+      "SGD: unknown option 'wieght_decay' (valid: groups, local_only, lr, max_grad_norm, "
+      .. "momentum, nesterov, no_decay, params, weight_decay)")
   end)
 end)
 
@@ -232,6 +232,92 @@ describe("optim.clip_grad_norm", function()
     m.weight:copy(fsdp.tensor{{1, 1}})
     m(fsdp.tensor{{3, 4}}):sum():backward() -- grads: weight (3, 4), bias 1
     assert_close(optim.clip_grad_norm(m, 1e9), math.sqrt(26), 1e-6, "norm")
+  end)
+end)
+
+describe("max_grad_norm", function()
+  -- a small MLP, its loss on a fixed batch; every optimizer kind gets the same start
+  local function mlp()
+    fsdp.manual_seed(7)
+    return nn.Sequential{nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3)}
+  end
+  local x, y = fsdp.randn{6, 5}, fsdp.tensor({0, 2, 1, 1, 0, 2}, {dtype = "i64"})
+  local function backward(m) nn.F.cross_entropy(m(x), y):backward() end
+  local function params(m)
+    local out = {}
+    for _, e in ipairs(optim.named_params(m)) do out[#out + 1] = flat(e.param) end
+    return out
+  end
+  local kinds = {
+    {"AdamW", {lr = 1e-2, weight_decay = 0.1}}, {"Adam", {lr = 1e-2, weight_decay = 0.05}},
+    {"Adam", {lr = 1e-2}}, {"SGD", {lr = 0.1, momentum = 0.9}}, {"Lion", {lr = 1e-3}},
+  }
+
+  it("equals clip_grad_norm then the step, bit for bit, and keeps the norm", function()
+    for _, k in ipairs(kinds) do
+      for _, max in ipairs{0.05, 1e9} do -- clipping, and a norm below the limit
+        local a, b = mlp(), mlp()
+        local oa = optim[k[1]](a, setmetatable({max_grad_norm = max}, {__index = k[2]}))
+        local ob = optim[k[1]](b, k[2])
+        for step = 1, 3 do
+          oa:zero_grad()
+          ob:zero_grad()
+          backward(a)
+          backward(b)
+          oa:step()
+          local total = optim.clip_grad_norm(b, max)
+          ob:step()
+          assert.are.equal(total, oa.grad_norm)
+          if max < 1 then assert.is_true(total > max, "the test clips") end
+          assert.are.same(params(b), params(a), ("%s max %g step %d"):format(k[1], max, step))
+        end
+      end
+    end
+  end)
+
+  it("leaves AdamW's gradients unscaled (the kernel takes the coefficient); SGD's are scaled", function()
+    local a, b = mlp(), mlp()
+    local oa = optim.AdamW(a, {lr = 1e-2, max_grad_norm = 0.05})
+    local ob = optim.SGD(b, {lr = 0.1, max_grad_norm = 0.05})
+    backward(a)
+    backward(b)
+    local ga, gb = flat(a[1].weight.grad), flat(b[1].weight.grad)
+    oa:step()
+    ob:step()
+    assert.are.same(ga, flat(a[1].weight.grad))
+    local coef = 0.05 / (ob.grad_norm + 1e-6)
+    assert_close(flat(b[1].weight.grad), map2(gb, gb, function(g) return g * coef end), 1e-6,
+      "SGD's gradient scaled in place")
+  end)
+
+  it("masks before measuring, as clip_grad_norm does", function()
+    local a, b = mlp(), mlp()
+    local mk = fsdp.tensor{{1, 0, 1, 0, 1}, {0, 1, 1, 1, 0}, {1, 1, 0, 0, 1}, {1, 0, 0, 1, 1},
+      {0, 0, 1, 1, 1}, {1, 1, 1, 0, 0}, {0, 1, 0, 1, 0}, {1, 0, 1, 1, 1}}
+    fsdp.set_mask(a[1].weight, mk)
+    fsdp.set_mask(b[1].weight, mk)
+    local oa = optim.AdamW(a, {lr = 1e-2, max_grad_norm = 0.05})
+    local ob = optim.AdamW(b, {lr = 1e-2})
+    for _ = 1, 2 do
+      oa:zero_grad()
+      ob:zero_grad()
+      backward(a)
+      backward(b)
+      oa:step()
+      assert.are.equal(optim.clip_grad_norm(b, 0.05), oa.grad_norm)
+      ob:step()
+      assert.are.same(params(b), params(a))
+    end
+  end)
+
+  it("refuses a bad limit and Adafactor, naming them", function()
+    local err = H.assert_error_has
+    for _, v in ipairs{0, -1, 0 / 0, math.huge, "1"} do
+      err(function() optim.AdamW(mlp(), {max_grad_norm = v}) end,
+        "AdamW: max_grad_norm must be a finite number > 0 (got " .. tostring(v) .. ")")
+    end
+    err(function() optim.Adafactor(mlp(), {max_grad_norm = 1}) end,
+      "Adafactor: max_grad_norm is not supported")
   end)
 end)
 

@@ -1,7 +1,8 @@
 #!/bin/sh
 # Optimizers on shards equal the same optimizer on one unwrapped rank: SGD with Nesterov
 # momentum, Adam, Lion, Adafactor, AdamW with parameter groups chosen by pattern, AdamW over
-# some parameters (params =) and Lion over one module of a wrapped model, each trained 30 steps
+# some parameters (params =), Lion over one module of a wrapped model, and AdamW, Adam and SGD
+# clipping their gradients (max_grad_norm; bitwise clip_grad_norm then the step, too), each trained 30 steps
 # (tests/dist/optim_equiv.lua) at 1 rank unwrapped (the reference) and at 1, 2 and 4 ranks
 # wrapped, compared by tests/dist/compare.lua (1e-5 relative). Adafactor's factored state is
 # also checked with the strategies that replicate (none), keep parameters whole (grad_op) or
@@ -14,7 +15,7 @@ oe() {
   shift 2
   must "optim_equiv -n $oe_n $*" "$FSDPRUN" -n "$oe_n" "$SRC/tests/dist/optim_equiv.lua" --out="$oe_out" "$@"
 }
-for opt in sgd_nesterov adam lion adafactor groups params module; do
+for opt in sgd_nesterov adam lion adafactor groups params module adamw_clip adam_clip sgd_clip; do
   oe 1 "$T/ref_$opt" --opt=$opt --strategy=plain
   for n in 1 2 4; do
     oe "$n" "$T/out" --opt=$opt --strategy=full
@@ -52,6 +53,20 @@ oe 2 "$T/out" --opt=adafactor --strategy=full --lr_scale=1.001
 compare_fails "$T/ref_adafactor" "$T/out" "a perturbed adafactor run (lr x 1.001)"
 oe 2 "$T/out" --opt=groups --strategy=full --lr_scale=1.001
 compare_fails "$T/ref_groups" "$T/out" "a perturbed groups run (lr x 1.001)"
+# max_grad_norm clips as clip_grad_norm before the step does, bit for bit (AdamW: the
+# coefficient goes into its kernel, the gradients are not scaled in place)
+for opt in adamw_clip adam_clip sgd_clip; do
+  for n in 1 2; do
+    oe "$n" "$T/a" --opt=$opt --strategy=full
+    oe "$n" "$T/b" --opt=$opt --strategy=full --explicit
+    compare "$T/a" "$T/b" "$opt at $n ranks: max_grad_norm vs clip_grad_norm then step" --exact
+  done
+done
+oe 1 "$T/a" --opt=adamw_clip --strategy=plain
+oe 1 "$T/b" --opt=adamw_clip --strategy=plain --explicit
+compare "$T/a" "$T/b" "adamw_clip unwrapped: max_grad_norm vs clip_grad_norm then step" --exact
+oe 2 "$T/out" --opt=adamw_clip --strategy=full --lr_scale=1.001
+compare_fails "$T/ref_adamw_clip" "$T/out" "a perturbed adamw_clip run (lr x 1.001)"
 # one model per rank: refused, naming the fix; local_only = true says it is meant
 must_fail "an unwrapped model at 2 ranks" "$FSDPRUN" -n 2 "$SRC/tests/dist/optim_equiv.lua" \
   --opt=adam --strategy=plain --out="$T/out"
