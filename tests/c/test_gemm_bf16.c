@@ -35,6 +35,7 @@
 
 #include "core/core.h"
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/pool.h"
 #include "kernels/kernels.h"
 
 static const fsdp_kernels_i *K(void) {
@@ -482,6 +483,89 @@ static void test_f32_repeat(void **state) {
   free(a), free(b), free(ref);
 }
 
+/* A linear forward with a bias (fsdp_cpu_linear_forward), f32: through oneDNN the bias goes into
+ * the matmul's epilogue from 128 rows (fsdp_cpu_sgemm_bias counts it), below that and on OpenBLAS
+ * the rows are seeded with it; every way within f32 accumulation error of the exact affine map,
+ * bitwise repeatable at a fixed thread count, and over the memory budget (the matmul's scratch
+ * refused) the seeding way answers. */
+static void linear_check(const char *what, const float *y, const float *x, const float *w,
+                         const float *bias, int M, int K, int N) {
+  for (int i = 0; i < M; i++)
+    for (int j = 0; j < N; j++) {
+      double sum = bias[j], mag = fabs(bias[j]);
+      for (int k = 0; k < K; k++) {
+        double p = (double)x[(int64_t)i * K + k] * w[(int64_t)j * K + k];
+        sum += p, mag += fabs(p);
+      }
+      double tol = 2.0 * (K + 2) * 0x1p-24 * mag + 1e-30;
+      if (!(fabs(y[(int64_t)i * N + j] - sum) <= tol))
+        fail_msg("%s %dx%dx%d: y[%d][%d] = %.9g, exact %.9g", what, M, K, N, i, j,
+                 y[(int64_t)i * N + j], sum);
+    }
+}
+
+static void test_f32_linear_bias(void **state) {
+  (void)state;
+  const bool on = fsdp_cpu_sgemm_supported();
+  if (!on) print_message("oneDNN does not take f32 GEMMs here: the seeding way only\n");
+  static const int shapes[][3] = {{300, 170, 200}, {512, 384, 1152}, {100, 64, 96}, {128, 7, 33}};
+  size_t nshapes = getenv("FSDP_UNDER_VALGRIND") ? 1 : sizeof shapes / sizeof shapes[0];
+  const int saved = fsdp_cpu_threads();
+  for (size_t i = 0; i < nshapes; i++) {
+    const int M = shapes[i][0], Kd = shapes[i][1], N = shapes[i][2];
+    float *x = f32_rand((int64_t)M * Kd), *w = f32_rand((int64_t)N * Kd), *b = f32_rand(N);
+    float *y = malloc(sizeof(float) * (size_t)M * N), *y2 = malloc(sizeof(float) * (size_t)M * N);
+    assert_non_null(y), assert_non_null(y2);
+    for (int mode = 0; mode <= 1; mode++) {
+      fsdp_cpu_sgemm_force(mode);
+      for (int threads = 1; threads <= 2; threads++) {
+        fsdp_cpu_set_threads(threads);
+        int64_t before = fsdp_cpu_sgemm_bias_count();
+        fsdp_cpu_linear_forward(y, x, w, b, M, Kd, N);
+        const bool fused = mode == 1 && on && M >= 128;
+        assert_int_equal(fsdp_cpu_sgemm_bias_count() - before, fused ? 1 : 0);
+        linear_check(fused ? "epilogue" : "seeded", y, x, w, b, M, Kd, N);
+        fsdp_cpu_linear_forward(y2, x, w, b, M, Kd, N);
+        assert_memory_equal(y, y2, sizeof(float) * (size_t)M * N);
+      }
+    }
+    free(x), free(w), free(b), free(y), free(y2);
+  }
+  fsdp_cpu_set_threads(saved);
+  fsdp_cpu_sgemm_force(-1);
+  if (!on) return;
+  /* the matmul's scratch over the budget: the seeding way answers, nothing is left allocated */
+  enum { M = 256, Kd = 96, N = 160 };
+  fsdp_cpu_mm_shape s = {F32, F32, F32, M, N, Kd, false, true, Kd, Kd, N, 1.0f, 0.0f};
+  fsdp_cpu_mm *mm;
+  size_t bytes = 0;
+  assert_int_equal(fsdp_cpu_mm_plan(&mm, &bytes, &s), FSDP_OK);
+  if (bytes == 0) {
+    print_message("the f32 matmul needs no scratch here: its budget refusal is not reachable\n");
+    return;
+  }
+  float *x = f32_rand((int64_t)M * Kd), *w = f32_rand((int64_t)N * Kd), *b = f32_rand(N),
+        *y = malloc(sizeof(float) * M * N);
+  fsdp_mem_domain *d = fsdp_mem_domain_new();
+  assert_non_null(d);
+  fsdp_mem_domain_set(d);
+  fsdp_mem_set_limit(d, 16);
+  fsdp_cpu_sgemm_force(1);
+  int64_t before = fsdp_cpu_sgemm_bias_count();
+  assert_int_equal(fsdp_cpu_sgemm_bias(y, x, w, b, M, N, Kd, Kd, Kd, N), FSDP_ERR);
+  assert_non_null(strstr(fsdp_error_msg(), "out of memory budget"));
+  fsdp_cpu_linear_forward(y, x, w, b, M, Kd, N);
+  assert_int_equal(fsdp_cpu_sgemm_bias_count(), before);
+  linear_check("over the budget", y, x, w, b, M, Kd, N);
+  fsdp_cpu_sgemm_force(-1);
+  fsdp_mem_report r;
+  fsdp_mem_report_get(d, &r);
+  for (int i = 0; i < r.ndevices; i++) assert_int_equal(r.counts[i].live_total, 0);
+  fsdp_mem_domain_set(NULL);
+  fsdp_mem_domain_free(d);
+  free(x), free(w), free(b), free(y);
+}
+
 /* oneDNN's refusal is an error with its message; the engine's entry then lets OpenBLAS answer */
 static void test_f32_refused(void **state) {
   (void)state;
@@ -624,6 +708,7 @@ int main(void) {
       cmocka_unit_test(test_refused_shape),      cmocka_unit_test(test_scratch_budget),
       cmocka_unit_test(test_describe),           cmocka_unit_test(test_f32_libraries),
       cmocka_unit_test(test_f32_repeat),         cmocka_unit_test(test_f32_refused),
+      cmocka_unit_test(test_f32_linear_bias),
       cmocka_unit_test(test_choice),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

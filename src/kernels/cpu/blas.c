@@ -14,6 +14,7 @@
  * product too small to pay for waking a thread (GEMM_MIN_CHUNK multiply-adds a block) runs on
  * the calling thread, as does every GEMM called from inside a pool task.
  */
+#include "kernels/cpu/gemm.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/pool.h"
 
@@ -29,6 +30,8 @@
  * 16 x 4 on AVX-512 and 8 x 4 or 16 x 2 elsewhere), except the last: a grain that is a
  * multiple of 16 makes pool.h cut so. */
 #define GEMM_ALIGN 16
+/* Rows from which a linear forward's bias goes into a oneDNN matmul's epilogue */
+#define SGEMM_BIAS_ROWS 128
 
 /* ---- OpenBLAS threads ------------------------------------------------------------------------ */
 
@@ -146,8 +149,13 @@ void fsdp_cpu_gemm(float *c, const float *a, const float *b, int M, int N, int K
 void fsdp_cpu_linear_forward(float *out, const float *inp, const float *weight,
                              const float *bias, int M, int K, int N) {
   // out (M, N), inp (M, K), weight (N, K), bias (N) or NULL
-  /* Each block seeds its rows with the bias and lets sgemm add into them (beta = 1) while
-   * they are in cache: one pass over out. */
+  /* With oneDNN, a bias goes into the matmul's epilogue (gemm.h, fsdp_cpu_sgemm_bias; from
+   * SGEMM_BIAS_ROWS rows: fewer rows are sampling's shapes, which change call to call and would
+   * each plan a primitive). Otherwise each block seeds its rows with the bias and lets sgemm add
+   * into them (beta = 1): one more pass over out. A failed matmul leaves the second way. */
+  if (bias && M >= SGEMM_BIAS_ROWS && fsdp_cpu_sgemm_onednn() &&
+      fsdp_cpu_sgemm_bias(out, inp, weight, bias, M, N, K, K, K, N) == FSDP_OK)
+    return;
   gemm_run(out, inp, weight, bias, M, N, K, false, true, 1.0f, bias ? 1.0f : 0.0f, K, K, N);
 }
 

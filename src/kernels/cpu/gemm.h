@@ -53,6 +53,18 @@ int fsdp_cpu_bf16_gemm(void *c, fsdp_dtype cdt, const uint16_t *a, const uint16_
                        const void *bias, fsdp_dtype bdt, int M, int N, int K, bool trans_a,
                        bool trans_b, float alpha, float beta, int lda, int ldb, int ldc);
 
+/* c (M, N) = a (M, K, row stride lda) @ b^T (b: N x K, row stride ldb) + bias (N), f32, as
+ * oneDNN matmuls with the bias in their epilogue, split by rows over the rank's threads like
+ * fsdp_cpu_bf16_gemm (a fixed thread count gives fixed bits). A linear forward with a bias
+ * otherwise seeds c's rows with the bias and lets sgemm add into them: one more pass over c,
+ * measured 5% of the product in isolation and more inside a step, where c is not in cache.
+ * Call only when fsdp_cpu_sgemm_onednn(); FSDP_ERR (message set) when oneDNN or the scratch
+ * fails, c then unspecified (the caller computes it the other way). */
+int fsdp_cpu_sgemm_bias(float *c, const float *a, const float *b, const float *bias, int M,
+                        int N, int K, int lda, int ldb, int ldc);
+/* Products fsdp_cpu_sgemm_bias has completed in this process (tests check which path ran). */
+int64_t fsdp_cpu_sgemm_bias_count(void);
+
 /* What runs the GEMMs here, e.g. "f32 onednn 2.6.3 (avx512_core), bf16 onednn 2.6.3
  * (avx512_bf16)" or "f32 openblas 0.3.21 Haswell, bf16 by conversion to f32", into buf (always
  * terminated). */

@@ -1,9 +1,9 @@
 /*
  * gemm_bf16.c — which library runs the cpu GEMMs (gemm.h: f32 through OpenBLAS or oneDNN's
  * dnnl_sgemm, bf16 natively or by conversion) and its words for fsdp.info()
- * (fsdp_cpu_gemm_describe), and the native bf16 path: one product split by
- * rows of the output over the rank's threads (pool.h), each piece a oneDNN matmul on one thread
- * (onednn.c).
+ * (fsdp_cpu_gemm_describe), and the products that run as oneDNN matmuls (the native bf16 path,
+ * and f32 linears with a bias): one product split by rows of the output over the rank's threads
+ * (pool.h), each piece a oneDNN matmul on one thread (onednn.c).
  *
  * The pieces depend only on M and the thread count, and each output row is written by one
  * piece, so a fixed thread count gives fixed bits. Plans are made and scratch is allocated on
@@ -31,7 +31,7 @@
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static bool supported, wanted; /* wanted: FSDP_BF16_GEMM is not "convert" */
 static atomic_int forced = -1;  /* fsdp_cpu_bf16_gemm_force: -1 none, 0 off, 1 on */
-static atomic_llong products;
+static atomic_llong products, f32_products;
 /* f32: oneDNN where it runs AVX-512 code and OpenBLAS does not: OpenBLAS 0.3.21 does not know
  * every AVX-512 processor and falls back to its AVX2 (Haswell) kernels, at half oneDNN's rate
  * there. Where OpenBLAS picked AVX-512 kernels, and on AVX2 processors, the two measured even
@@ -128,9 +128,10 @@ typedef struct {
   atomic_flag failed;        /* the first failing piece keeps its message in msg */
   char msg[256];
   char *c;
-  const uint16_t *a, *b;
+  const char *a;
+  const void *b;
   const void *bias;
-  size_t csize;              /* bytes per element of c */
+  size_t csize, asize;       /* bytes per element of c and of a */
   int lda, ldc;
   bool trans_a;
 } job;
@@ -140,7 +141,7 @@ static void run_pieces(void *ctx, int64_t lo, int64_t hi) {
   for (int64_t i = lo; i < hi; i++) {
     int64_t r = j->row0[i];
     /* a's rows are its columns when it is read transposed */
-    const uint16_t *a = j->a + (j->trans_a ? r : r * j->lda);
+    const char *a = j->a + (size_t)(j->trans_a ? r : r * j->lda) * j->asize;
     j->status[i] = fsdp_cpu_mm_run(j->mm[i], j->c + (size_t)r * (size_t)j->ldc * j->csize, a,
                                    j->b, j->bias, j->scratch[i]);
     /* pieces may run on other threads, each with its own error slot */
@@ -149,10 +150,13 @@ static void run_pieces(void *ctx, int64_t lo, int64_t hi) {
   }
 }
 
-int fsdp_cpu_bf16_gemm(void *c, fsdp_dtype cdt, const uint16_t *a, const uint16_t *b,
-                       const void *bias, fsdp_dtype bdt, int M, int N, int K, bool trans_a,
-                       bool trans_b, float alpha, float beta, int lda, int ldb, int ldc) {
-  job j = {.failed = ATOMIC_FLAG_INIT, .c = c, .a = a, .b = b, .bias = bias, .csize = fsdp_dtype_size(cdt), .lda = lda,
+/* c = alpha op(a) op(b) (+ bias) + beta c with a and b of abdt, as pieces of rows over the
+ * threads (fsdp_cpu_bf16_gemm's contract, any abdt oneDNN takes) */
+static int mm_gemm(fsdp_dtype abdt, void *c, fsdp_dtype cdt, const void *a, const void *b,
+                   const void *bias, fsdp_dtype bdt, int M, int N, int K, bool trans_a,
+                   bool trans_b, float alpha, float beta, int lda, int ldb, int ldc) {
+  job j = {.failed = ATOMIC_FLAG_INIT, .c = c, .a = a, .b = b, .bias = bias,
+           .csize = fsdp_dtype_size(cdt), .asize = fsdp_dtype_size(abdt), .lda = lda,
            .ldc = ldc, .trans_a = trans_a};
   int threads = fsdp_cpu_threads(), n = M / MIN_ROWS;
   n = n > threads ? threads : n;
@@ -162,7 +166,7 @@ int fsdp_cpu_bf16_gemm(void *c, fsdp_dtype cdt, const uint16_t *a, const uint16_
   fsdp_cpu_work w = {0};
   int rc = FSDP_OK;
   for (int i = 0; i < n && rc == FSDP_OK; i++) {
-    fsdp_cpu_mm_shape s = {.abdt = FSDP_DTYPE_BF16, .cdt = cdt,
+    fsdp_cpu_mm_shape s = {.abdt = abdt, .cdt = cdt,
                            .bdt = bias ? bdt : FSDP_DTYPE_COUNT, .M = j.row0[i + 1] - j.row0[i],
                            .N = N, .K = K, .trans_a = trans_a, .trans_b = trans_b, .lda = lda,
                            .ldb = ldb, .ldc = ldc, .alpha = alpha, .beta = beta};
@@ -178,7 +182,24 @@ int fsdp_cpu_bf16_gemm(void *c, fsdp_dtype cdt, const uint16_t *a, const uint16_
     for (int i = 0; i < n && rc == FSDP_OK; i++)
       if (j.status[i] != FSDP_OK) rc = fsdp_error("%s", j.msg);
   }
-  atomic_fetch_add_explicit(&products, 1, memory_order_relaxed);
   int done = fsdp_cpu_work_done(&w);
   return rc == FSDP_OK ? done : rc;
 }
+
+int fsdp_cpu_bf16_gemm(void *c, fsdp_dtype cdt, const uint16_t *a, const uint16_t *b,
+                       const void *bias, fsdp_dtype bdt, int M, int N, int K, bool trans_a,
+                       bool trans_b, float alpha, float beta, int lda, int ldb, int ldc) {
+  atomic_fetch_add_explicit(&products, 1, memory_order_relaxed);
+  return mm_gemm(FSDP_DTYPE_BF16, c, cdt, a, b, bias, bdt, M, N, K, trans_a, trans_b, alpha,
+                 beta, lda, ldb, ldc);
+}
+
+int fsdp_cpu_sgemm_bias(float *c, const float *a, const float *b, const float *bias, int M,
+                        int N, int K, int lda, int ldb, int ldc) {
+  int rc = mm_gemm(FSDP_DTYPE_F32, c, FSDP_DTYPE_F32, a, b, bias, FSDP_DTYPE_F32, M, N, K, false,
+                   true, 1.0f, 0.0f, lda, ldb, ldc);
+  if (rc == FSDP_OK) atomic_fetch_add_explicit(&f32_products, 1, memory_order_relaxed);
+  return rc;
+}
+
+int64_t fsdp_cpu_sgemm_bias_count(void) { return atomic_load(&f32_products); }
