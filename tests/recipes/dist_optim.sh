@@ -62,6 +62,15 @@ for opt in adamw_clip adam_clip sgd_clip; do
     compare "$T/a" "$T/b" "$opt at $n ranks: max_grad_norm vs clip_grad_norm then step" --exact
   done
 done
+# the norm over replicated units (none) and over groups that hold the same shards (hybrid 2 x 2)
+oe 2 "$T/a" --opt=adamw_clip --strategy=none
+oe 2 "$T/b" --opt=adamw_clip --strategy=none --explicit
+compare "$T/a" "$T/b" "adamw_clip none at 2 ranks: max_grad_norm vs clip_grad_norm then step" --exact
+compare "$T/ref_adamw_clip" "$T/a" "adamw_clip none at 2 ranks vs 1 rank unwrapped"
+oe 4 "$T/a" --opt=adamw_clip --strategy=hybrid --shard_size=2
+oe 4 "$T/b" --opt=adamw_clip --strategy=hybrid --shard_size=2 --explicit
+compare "$T/a" "$T/b" "adamw_clip hybrid 2 x 2: max_grad_norm vs clip_grad_norm then step" --exact
+compare "$T/ref_adamw_clip" "$T/a" "adamw_clip hybrid 2 x 2 at 4 ranks vs 1 rank unwrapped"
 oe 1 "$T/a" --opt=adamw_clip --strategy=plain
 oe 1 "$T/b" --opt=adamw_clip --strategy=plain --explicit
 compare "$T/a" "$T/b" "adamw_clip unwrapped: max_grad_norm vs clip_grad_norm then step" --exact
