@@ -210,7 +210,7 @@ static int run_dnnl_sgemm(const prob *p, bufs *B) {
 
 static int run_dnnl_matmul(const prob *p, bufs *B) {
   fsdp_cpu_mm_shape s = {FSDP_DTYPE_F32, FSDP_DTYPE_F32, FSDP_DTYPE_COUNT, p->M, p->N, p->K,
-                         p->ta, p->tb, p->lda, p->ldb, p->ldc, 1.0f, p->beta};
+                         p->ta, p->tb, p->lda, p->ldb, p->ldc, 1.0f, p->beta, 0, 0, 0, 0};
   fsdp_cpu_mm *mm;
   size_t bytes;
   if (fsdp_cpu_mm_plan(&mm, &bytes, &s)) return FSDP_ERR;
@@ -567,7 +567,7 @@ int main(int argc, char **argv) {
   {
     /* the plan pins this thread to one OpenMP thread before dnnl_sgemm runs here */
     fsdp_cpu_mm_shape s = {FSDP_DTYPE_F32, FSDP_DTYPE_F32, FSDP_DTYPE_COUNT, 64, 64, 64,
-                           false, false, 64, 64, 64, 1.0f, 0.0f};
+                           false, false, 64, 64, 64, 1.0f, 0.0f, 0, 0, 0, 0};
     fsdp_cpu_mm *mm;
     size_t bytes;
     if (fsdp_cpu_mm_plan(&mm, &bytes, &s) == FSDP_OK)

@@ -536,7 +536,7 @@ static void test_f32_linear_bias(void **state) {
   if (!on) return;
   /* the matmul's scratch over the budget: the seeding way answers, nothing is left allocated */
   enum { M = 256, Kd = 96, N = 160 };
-  fsdp_cpu_mm_shape s = {F32, F32, F32, M, N, Kd, false, true, Kd, Kd, N, 1.0f, 0.0f};
+  fsdp_cpu_mm_shape s = {F32, F32, F32, M, N, Kd, false, true, Kd, Kd, N, 1.0f, 0.0f, 0, 0, 0, 0};
   fsdp_cpu_mm *mm;
   size_t bytes = 0;
   assert_int_equal(fsdp_cpu_mm_plan(&mm, &bytes, &s), FSDP_OK);
@@ -629,7 +629,7 @@ static void test_choice(void **state) {
 static void test_refused_shape(void **state) {
   (void)state;
   char v[32];
-  fsdp_cpu_mm_shape s = {BF16, BF16, FSDP_DTYPE_COUNT, -1, 4, 4, false, false, 4, 4, 4, 1.0f, 0.0f};
+  fsdp_cpu_mm_shape s = {BF16, BF16, FSDP_DTYPE_COUNT, -1, 4, 4, false, false, 4, 4, 4, 1.0f, 0.0f, 0, 0, 0, 0};
   fsdp_cpu_mm *mm = NULL;
   size_t bytes = 0;
   assert_int_equal(fsdp_cpu_mm_plan(&mm, &bytes, &s), FSDP_ERR);
@@ -647,7 +647,7 @@ static void test_scratch_budget(void **state) {
     return;
   }
   enum { M = 64, C = 64 };
-  fsdp_cpu_mm_shape s = {BF16, BF16, FSDP_DTYPE_COUNT, M, M, C, false, false, C, M, M, 1.0f, 0.0f};
+  fsdp_cpu_mm_shape s = {BF16, BF16, FSDP_DTYPE_COUNT, M, M, C, false, false, C, M, M, 1.0f, 0.0f, 0, 0, 0, 0};
   fsdp_cpu_mm *mm;
   size_t bytes = 0;
   assert_int_equal(fsdp_cpu_mm_plan(&mm, &bytes, &s), FSDP_OK);

@@ -12,7 +12,10 @@
  * Sums over rows that the f16 pass orders differently from f32 (the fused bias + GELU's bias
  * gradient, summed per column tile) are held to 1e-6 relative instead, and to the same bits at
  * 1 and 2 threads. bf16's bias + GELU runs on the level's own bf16 bodies: ctest runs this file
- * at every instruction-set level (FSDP_CPU_ISA), as test_kernels.
+ * at every instruction-set level (FSDP_CPU_ISA), as test_kernels. bf16 attention with the
+ * processor's bf16 products (attention_bf16.c) is not the f32 kernel's bits: it is held to
+ * bf16's precision of it, and to the same bits row by row and at either thread count; the
+ * widening way is checked bit for bit with those products forced off.
  */
 #include <math.h>
 #include <setjmp.h>
@@ -25,6 +28,8 @@
 #include <cmocka.h>
 
 #include "core/core.h"
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/half.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/pool.h"
 #include "kernels/kernels.h"
@@ -312,8 +317,80 @@ static void row_cases(int64_t N, int C) {
   rm(&x), rm(&o), rm(&d), rm(&g), rm(&w), rm(&b), rm(&dw), rm(&db);
 }
 
+/* the half result near the f32 one: norm-wise within rel, and each element within 4 rel of the
+ * largest magnitude; then the f32 side takes the half values (as same) */
+static void near(const buf *b, double rel, const char *what) {
+  double diff = 0, norm = 0, big = 0, worst = 0;
+  for (int64_t i = 0; i < b->n; i++) {
+    double d = (double)widen1(b->h[i]) - b->f[i];
+    diff += d * d, norm += (double)b->f[i] * b->f[i];
+    big = fmax(big, fabs(b->f[i])), worst = fmax(worst, fabs(d));
+  }
+  if (!(sqrt(diff) <= rel * sqrt(norm)) || !(worst <= 4 * rel * big))
+    fail_msg("%s (%s): %.3g relative norm-wise, worst element off by %.3g of %.3g", what,
+             fsdp_dtype_name(DT), sqrt(diff) / sqrt(norm), worst, big);
+  for (int64_t i = 0; i < b->n; i++) b->f[i] = widen1(b->h[i]);
+}
+
+/* bf16 attention with the processor's bf16 products (attention_bf16.c), against the f32 kernel
+ * on the widened inputs: the probabilities rounded once either way (within a unit of bf16), the
+ * outputs and gradients within bf16 precision (the products read the rounded probabilities and
+ * score gradients), written and accumulated; a batch row's results the same bits whichever call
+ * and thread count computes it. */
+static void attention_native_case(int B, int T, int C, int NH) {
+  const fsdp_kernels_i *k = K();
+  if (DT != FSDP_DTYPE_BF16 || !fsdp_cpu_bf16_gemm_force(1)) return;
+  assert_true(fsdp_cpu_bf16_attention_native(B, T, C, NH));
+  const int64_t nq = (int64_t)B * T * 3 * C, no = (int64_t)B * T * C,
+                na = (int64_t)B * NH * T * T;
+  buf qkv = mk(nq, -2, 2), o = mk(no, 0, 1), a = mk(na, 0, 1), g = mk(no, -1, 1),
+      dq = mk(nq, -1, 1);
+  assert_int_equal(k->attention_forward(CTX, DT, o.h, a.h, qkv.h, B, T, C, NH), FSDP_OK);
+  assert_int_equal(k->attention_forward(CTX, FSDP_DTYPE_F32, o.f, a.f, qkv.f, B, T, C, NH),
+                   FSDP_OK);
+  near(&a, 4e-3, "native attention probabilities");
+  near(&o, 1e-2, "native attention forward");
+  /* the backward from the same probabilities on both sides */
+  for (int64_t i = 0; i < nq; i++) dq.h[i] = narrow1(NAN), dq.f[i] = NAN;
+  assert_int_equal(k->attention_backward(CTX, DT, dq.h, g.h, qkv.h, a.h, B, T, C, NH, true),
+                   FSDP_OK);
+  assert_int_equal(
+      k->attention_backward(CTX, FSDP_DTYPE_F32, dq.f, g.f, qkv.f, a.f, B, T, C, NH, true),
+      FSDP_OK);
+  near(&dq, 2e-2, "native attention backward, dqkv set");
+  assert_int_equal(k->attention_backward(CTX, DT, dq.h, g.h, qkv.h, a.h, B, T, C, NH, false),
+                   FSDP_OK);
+  assert_int_equal(
+      k->attention_backward(CTX, FSDP_DTYPE_F32, dq.f, g.f, qkv.f, a.f, B, T, C, NH, false),
+      FSDP_OK);
+  near(&dq, 2e-2, "native attention backward, added");
+  /* row by row, and at the other thread count: the same bits */
+  buf o1 = mk(no, 0, 1), a1 = mk(na, 0, 1), dq1 = mk(nq, 0, 0), dq2 = mk(nq, 0, 0);
+  const int saved = fsdp_cpu_threads();
+  assert_int_equal(k->attention_backward(CTX, DT, dq2.h, g.h, qkv.h, a.h, B, T, C, NH, true),
+                   FSDP_OK);
+  fsdp_cpu_set_threads(saved == 1 ? 2 : 1);
+  for (int b = 0; b < B; b++) {
+    const int64_t q0 = (int64_t)b * T * 3 * C, o0 = (int64_t)b * T * C,
+                  a0 = (int64_t)b * NH * T * T;
+    assert_int_equal(
+        k->attention_forward(CTX, DT, o1.h + o0, a1.h + a0, qkv.h + q0, 1, T, C, NH), FSDP_OK);
+    assert_int_equal(k->attention_backward(CTX, DT, dq1.h + q0, g.h + o0, qkv.h + q0, a.h + a0,
+                                           1, T, C, NH, true),
+                     FSDP_OK);
+  }
+  fsdp_cpu_set_threads(saved);
+  assert_memory_equal(o1.h, o.h, (size_t)no * 2);
+  assert_memory_equal(a1.h, a.h, (size_t)na * 2);
+  assert_memory_equal(dq1.h, dq2.h, (size_t)nq * 2);
+  fsdp_cpu_bf16_gemm_force(-1);
+  rm(&qkv), rm(&o), rm(&a), rm(&g), rm(&dq), rm(&o1), rm(&a1), rm(&dq1), rm(&dq2);
+}
+
+/* the widening way (the native bf16 products forced off): the f32 kernel's bits */
 static void attention_case(int B, int T, int C, int NH) {
   const fsdp_kernels_i *k = K();
+  fsdp_cpu_bf16_gemm_force(0);
   const int64_t nq = (int64_t)B * T * 3 * C, no = (int64_t)B * T * C,
                 na = (int64_t)B * NH * T * T;
   buf qkv = mk(nq, -1, 1), o = mk(no, 0, 1), a = mk(na, 0, 1), g = mk(no, -1, 1),
@@ -335,6 +412,7 @@ static void attention_case(int B, int T, int C, int NH) {
       k->attention_backward(CTX, FSDP_DTYPE_F32, dq.f, g.f, qkv.f, a.f, B, T, C, NH, true),
       FSDP_OK);
   same(&dq, "attention backward, dqkv set");
+  fsdp_cpu_bf16_gemm_force(-1);
   rm(&qkv), rm(&o), rm(&a), rm(&g), rm(&dq);
 }
 
@@ -357,6 +435,8 @@ static void all_cases(void) {
   row_cases(9, 2500);  /* rows longer than a slice: the chunked loops */
   attention_case(5, 40, 64, 4);
   attention_case(1, 70, 32, 2); /* too few rows to share: one at a time */
+  attention_native_case(3, 200, 96, 3); /* a partial last tile */
+  attention_native_case(2, 64, 128, 2);
   colsum_case();
 }
 

@@ -72,13 +72,18 @@ void fsdp_cpu_gemm_describe(char *buf, size_t n);
 
 /* ---- oneDNN (onednn.c; onednn_stub.c in a build without it) -------------------------------- */
 
-/* One product for oneDNN: a and b of abdt, c of cdt, bias of bdt (FSDP_DTYPE_COUNT: none). */
+/* One product for oneDNN: a and b of abdt, c of cdt, bias of bdt (FSDP_DTYPE_COUNT: none).
+ * batch > 1 makes it `batch` products at once, the i-th operands at element offsets i * bsa,
+ * i * bsb, i * bsc from the given pointers (attention's heads: column blocks of one buffer);
+ * batched products take no bias. */
 typedef struct {
   fsdp_dtype abdt, cdt, bdt;
   int M, N, K;
   bool trans_a, trans_b;
   int lda, ldb, ldc;
   float alpha, beta;
+  int batch;
+  int64_t bsa, bsb, bsc;
 } fsdp_cpu_mm_shape;
 
 typedef struct fsdp_cpu_mm fsdp_cpu_mm; /* a ready matmul primitive */

@@ -917,6 +917,10 @@ static bool att_rows(att_job *j, bool backward, int *rc) {
 
 int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, void *att, const void *qkv, int B,
                                     int T, int C, int NH) {
+  if (dt == FSDP_DTYPE_BF16 && fsdp_cpu_bf16_attention_native(B, T, C, NH)) {
+    int rc = fsdp_cpu_bf16_attention_forward(out, att, qkv, B, T, C, NH);
+    if (rc != FSDP_CPU_OTHER_WAY) return rc;
+  }
   att_job j = {.dt = dt, .out = out, .att = att, .qkv = qkv, .B = B, .T = T, .C = C, .NH = NH};
   int rc;
   if (att_rows(&j, false, &rc)) return rc;
@@ -935,6 +939,10 @@ int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, void *att, const v
 int fsdp_cpu_half_attention_backward(fsdp_dtype dt, void *dqkv, const void *dout,
                                      const void *qkv, const void *att, int B, int T, int C,
                                      int NH, bool set_dqkv) {
+  if (dt == FSDP_DTYPE_BF16 && fsdp_cpu_bf16_attention_native(B, T, C, NH)) {
+    int rc = fsdp_cpu_bf16_attention_backward(dqkv, dout, qkv, att, B, T, C, NH, set_dqkv);
+    if (rc != FSDP_CPU_OTHER_WAY) return rc;
+  }
   att_job j = {.dt = dt, .dqkv = dqkv, .qkv = qkv, .dout = dout, .att_in = att, .B = B, .T = T,
               .C = C, .NH = NH, .set = set_dqkv};
   int rc;

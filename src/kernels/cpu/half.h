@@ -83,6 +83,17 @@ int fsdp_cpu_half_cross_entropy_backward(fsdp_dtype dt, void *dlogits, float dlo
                                          const void *logits, const float *lse,
                                          const int64_t *targets, int64_t N, int V,
                                          int64_t ignore, int64_t count);
+/* Native bf16 attention (attention_bf16.c): whether it takes a call of these sizes (the native
+ * bf16 GEMM path on, T within its tile limit), and the two kernels (set: dqkv written, else
+ * added). Each returns FSDP_OK, FSDP_ERR (message set: scratch over the budget, or oneDNN failing
+ * after part of an accumulating backward) or FSDP_CPU_OTHER_WAY (oneDNN refused or failed with
+ * every output still to be rewritten: the caller computes it all the widening way). */
+#define FSDP_CPU_OTHER_WAY 2
+bool fsdp_cpu_bf16_attention_native(int B, int T, int C, int NH);
+int fsdp_cpu_bf16_attention_forward(uint16_t *out, uint16_t *att, const uint16_t *qkv, int B,
+                                    int T, int C, int NH);
+int fsdp_cpu_bf16_attention_backward(uint16_t *dqkv, const uint16_t *dout, const uint16_t *qkv,
+                                     const uint16_t *att, int B, int T, int C, int NH, bool set);
 int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, void *att, const void *qkv, int B,
                                     int T, int C, int NH);
 int fsdp_cpu_half_attention_backward(fsdp_dtype dt, void *dqkv, const void *dout,

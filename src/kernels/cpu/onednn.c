@@ -27,7 +27,7 @@
 
 #include "kernels/cpu/gemm.h"
 
-#define CACHE 64
+#define CACHE 128
 
 struct fsdp_cpu_mm {
   fsdp_cpu_mm_shape s;
@@ -132,7 +132,12 @@ static dnnl_data_type_t dnnl_dt(fsdp_dtype dt) {
 /* Row-major rows x cols with row stride ld, read transposed when trans: the (r, c) element of
  * the logical matrix is at c * ld + r then. */
 static dnnl_status_t md_init(dnnl_memory_desc_t *md, fsdp_dtype dt, int rows, int cols, int ld,
-                             bool trans) {
+                             bool trans, int batch, int64_t bs) {
+  if (batch > 1) {
+    dnnl_dims_t dims = {batch, rows, cols};
+    dnnl_dims_t strides = {bs, trans ? 1 : ld, trans ? ld : 1};
+    return dnnl_memory_desc_init_by_strides(md, 3, dims, dnnl_dt(dt), strides);
+  }
   dnnl_dims_t dims = {rows, cols};
   dnnl_dims_t strides = {trans ? 1 : ld, trans ? ld : 1};
   return dnnl_memory_desc_init_by_strides(md, 2, dims, dnnl_dt(dt), strides);
@@ -142,10 +147,12 @@ static dnnl_status_t md_init(dnnl_memory_desc_t *md, fsdp_dtype dt, int rows, in
 static dnnl_status_t shape_mds(const fsdp_cpu_mm_shape *s, dnnl_memory_desc_t *a,
                                dnnl_memory_desc_t *b, dnnl_memory_desc_t *c,
                                dnnl_memory_desc_t *bias) {
-  dnnl_status_t st = md_init(a, s->abdt, s->M, s->K, s->lda, s->trans_a);
-  if (st == dnnl_success) st = md_init(b, s->abdt, s->K, s->N, s->ldb, s->trans_b);
-  if (st == dnnl_success) st = md_init(c, s->cdt, s->M, s->N, s->ldc, false);
-  if (st == dnnl_success && s->bdt != FSDP_DTYPE_COUNT) st = md_init(bias, s->bdt, 1, s->N, s->N, false);
+  if (s->batch > 1 && s->bdt != FSDP_DTYPE_COUNT) return dnnl_invalid_arguments;
+  dnnl_status_t st = md_init(a, s->abdt, s->M, s->K, s->lda, s->trans_a, s->batch, s->bsa);
+  if (st == dnnl_success) st = md_init(b, s->abdt, s->K, s->N, s->ldb, s->trans_b, s->batch, s->bsb);
+  if (st == dnnl_success) st = md_init(c, s->cdt, s->M, s->N, s->ldc, false, s->batch, s->bsc);
+  if (st == dnnl_success && s->bdt != FSDP_DTYPE_COUNT)
+    st = md_init(bias, s->bdt, 1, s->N, s->N, false, 0, 0);
   return st;
 }
 
@@ -154,7 +161,9 @@ static bool same_shape(const fsdp_cpu_mm_shape *x, const fsdp_cpu_mm_shape *y) {
          x->N == y->N && x->K == y->K && x->trans_a == y->trans_a && x->trans_b == y->trans_b &&
          x->lda == y->lda && x->ldb == y->ldb && x->ldc == y->ldc &&
          memcmp(&x->alpha, &y->alpha, sizeof x->alpha) == 0 &&
-         memcmp(&x->beta, &y->beta, sizeof x->beta) == 0;
+         memcmp(&x->beta, &y->beta, sizeof x->beta) == 0 &&
+         (x->batch > 1 ? x->batch : 1) == (y->batch > 1 ? y->batch : 1) &&
+         (x->batch <= 1 || (x->bsa == y->bsa && x->bsb == y->bsb && x->bsc == y->bsc));
 }
 
 static dnnl_status_t create(fsdp_cpu_mm *m, const fsdp_cpu_mm_shape *s) {
