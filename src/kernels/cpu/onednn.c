@@ -1,6 +1,7 @@
 /*
  * onednn.c — matrix products through oneDNN (gemm.h): its matmul primitive for the native bf16
- * path (gemm_bf16.c) and the GEMM benchmark; dnnl_sgemm for f32 GEMMs where the choice
+ * path and f32 linears with a bias (gemm_bf16.c), bf16 attention's products batched over the
+ * heads (attention_bf16.c) and the GEMM benchmark; dnnl_sgemm for f32 GEMMs where the choice
  * (gemm_bf16.c) takes it.
  *
  * Strided row-major operands map onto oneDNN memory descriptors by strides (a transposed
@@ -149,7 +150,8 @@ static dnnl_status_t shape_mds(const fsdp_cpu_mm_shape *s, dnnl_memory_desc_t *a
                                dnnl_memory_desc_t *bias) {
   if (s->batch > 1 && s->bdt != FSDP_DTYPE_COUNT) return dnnl_invalid_arguments;
   dnnl_status_t st = md_init(a, s->abdt, s->M, s->K, s->lda, s->trans_a, s->batch, s->bsa);
-  if (st == dnnl_success) st = md_init(b, s->abdt, s->K, s->N, s->ldb, s->trans_b, s->batch, s->bsb);
+  if (st == dnnl_success)
+    st = md_init(b, s->abdt, s->K, s->N, s->ldb, s->trans_b, s->batch, s->bsb);
   if (st == dnnl_success) st = md_init(c, s->cdt, s->M, s->N, s->ldc, false, s->batch, s->bsc);
   if (st == dnnl_success && s->bdt != FSDP_DTYPE_COUNT)
     st = md_init(bias, s->bdt, 1, s->N, s->N, false, 0, 0);
