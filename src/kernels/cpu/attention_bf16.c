@@ -76,30 +76,25 @@ static bool mm(bf_job *j, const fsdp_cpu_mm_shape *s, void *c, const void *a, co
   return true;
 }
 
-/* The shapes of tile r0 (forward: 2, backward: 4) into out; their count. */
+/* The products of tile r0 into out, their count. Forward: the scores of query rows [r0, r1)
+ * against keys [0, r1), then their probabilities times v. Backward: datt of those rows, dq from
+ * their dscores, then for the key tile [r0, r1) (seen by the T - r0 query rows from r0 on) dv
+ * and dk. */
 static int tile_shapes(const bf_job *j, bool backward, int r0, fsdp_cpu_mm_shape *out) {
   const int T = j->T, C = j->C, C3 = 3 * C, hs = C / j->NH;
   const int64_t TT = (int64_t)T * T;
-  int n = 0;
-  {
-    const int rows = T - r0 < ATT_BLOCK ? T - r0 : ATT_BLOCK, cols = r0 + rows;
-    if (!backward) {
-      out[n++] = shape(j, FSDP_DTYPE_F32, rows, cols, hs, false, true, C3, C3, T, hs, hs, TT,
-                       j->scale);
-      out[n++] = shape(j, FSDP_DTYPE_BF16, rows, hs, cols, false, false, T, C3, C, TT, hs, hs,
-                       1.0f);
-    } else {
-      out[n++] = shape(j, FSDP_DTYPE_F32, rows, cols, hs, false, true, C, C3, T, hs, hs, TT, 1.0f);
-      out[n++] = shape(j, FSDP_DTYPE_BF16, rows, hs, cols, false, false, T, C3, C3, TT, hs, hs,
-                       j->scale);
-      /* key tile c0 = r0: n = rows keys, seen by the T - c0 query rows from c0 on */
-      out[n++] = shape(j, FSDP_DTYPE_BF16, rows, hs, T - r0, true, false, T, C, C3, TT, hs, hs,
-                       1.0f);
-      out[n++] = shape(j, FSDP_DTYPE_BF16, rows, hs, T - r0, true, false, T, C3, C3, TT, hs, hs,
-                       j->scale);
-    }
+  const int rows = T - r0 < ATT_BLOCK ? T - r0 : ATT_BLOCK, cols = r0 + rows;
+  const fsdp_dtype F32 = FSDP_DTYPE_F32, BF16 = FSDP_DTYPE_BF16;
+  if (!backward) {
+    out[0] = shape(j, F32, rows, cols, hs, false, true, C3, C3, T, hs, hs, TT, j->scale);
+    out[1] = shape(j, BF16, rows, hs, cols, false, false, T, C3, C, TT, hs, hs, 1.0f);
+    return 2;
   }
-  return n;
+  out[0] = shape(j, F32, rows, cols, hs, false, true, C, C3, T, hs, hs, TT, 1.0f);
+  out[1] = shape(j, BF16, rows, hs, cols, false, false, T, C3, C3, TT, hs, hs, j->scale);
+  out[2] = shape(j, BF16, rows, hs, T - r0, true, false, T, C, C3, TT, hs, hs, 1.0f);
+  out[3] = shape(j, BF16, rows, hs, T - r0, true, false, T, C3, C3, TT, hs, hs, j->scale);
+  return 4;
 }
 
 static char *slot_of(const bf_job *j, int64_t lo) {
@@ -113,7 +108,7 @@ static char *slot_of(const bf_job *j, int64_t lo) {
 
 static void forward_rows(void *ctx, int64_t lo, int64_t hi) {
   bf_job *j = ctx;
-  const int T = j->T, C = j->C, C3 = 3 * C, NH = j->NH, hs = C / NH;
+  const int T = j->T, C = j->C, C3 = 3 * C, NH = j->NH;
   const int64_t TT = (int64_t)T * T;
   char *slot = slot_of(j, lo);
   float *S = (float *)slot;
@@ -123,24 +118,23 @@ static void forward_rows(void *ctx, int64_t lo, int64_t hi) {
     const uint16_t *q = j->qkv + b * T * C3, *k = q + C, *v = q + 2 * C;
     uint16_t *att = j->att + b * NH * TT, *out = j->out + b * T * C;
     for (int r0 = 0; r0 < T; r0 += ATT_BLOCK) {
-      const int rows = T - r0 < ATT_BLOCK ? T - r0 : ATT_BLOCK, cols = r0 + rows;
-      fsdp_cpu_mm_shape s = shape(j, FSDP_DTYPE_F32, rows, cols, hs, false, true, C3, C3, T, hs,
-                                  hs, TT, j->scale);
-      if (!mm(j, &s, S + (int64_t)r0 * T, q + (int64_t)r0 * C3, k, mms)) return;
+      const int rows = T - r0 < ATT_BLOCK ? T - r0 : ATT_BLOCK;
+      fsdp_cpu_mm_shape s[2];
+      tile_shapes(j, false, r0, s);
+      if (!mm(j, &s[0], S + (int64_t)r0 * T, q + (int64_t)r0 * C3, k, mms)) return;
       for (int h = 0; h < NH; h++) {
         vec->att_softmax_rows(S + h * TT, T, r0, rows);
         fsdp_cpu_f32_to_bf16(att + h * TT + (int64_t)r0 * T, S + h * TT + (int64_t)r0 * T,
                              (int64_t)rows * T);
       }
-      s = shape(j, FSDP_DTYPE_BF16, rows, hs, cols, false, false, T, C3, C, TT, hs, hs, 1.0f);
-      if (!mm(j, &s, out + (int64_t)r0 * C, att + (int64_t)r0 * T, v, mms)) return;
+      if (!mm(j, &s[1], out + (int64_t)r0 * C, att + (int64_t)r0 * T, v, mms)) return;
     }
   }
 }
 
 static void backward_rows(void *ctx, int64_t lo, int64_t hi) {
   bf_job *j = ctx;
-  const int T = j->T, C = j->C, C3 = 3 * C, NH = j->NH, hs = C / NH;
+  const int T = j->T, C = j->C, C3 = 3 * C, NH = j->NH;
   const int64_t TT = (int64_t)T * T;
   char *slot = slot_of(j, lo);
   float *S = (float *)slot, *A = S + NH * TT;
@@ -153,9 +147,9 @@ static void backward_rows(void *ctx, int64_t lo, int64_t hi) {
     uint16_t *dq = j->dqkv + b * T * C3, *dk = dq + C, *dv = dq + 2 * C;
     for (int r0 = 0; r0 < T; r0 += ATT_BLOCK) { /* query tiles: datt, dscores, dq */
       const int rows = T - r0 < ATT_BLOCK ? T - r0 : ATT_BLOCK, cols = r0 + rows;
-      fsdp_cpu_mm_shape s = shape(j, FSDP_DTYPE_F32, rows, cols, hs, false, true, C, C3, T, hs,
-                                  hs, TT, 1.0f);
-      if (!mm(j, &s, S + (int64_t)r0 * T, g + (int64_t)r0 * C, v, mms)) return;
+      fsdp_cpu_mm_shape s[4];
+      tile_shapes(j, true, r0, s);
+      if (!mm(j, &s[0], S + (int64_t)r0 * T, g + (int64_t)r0 * C, v, mms)) return;
       for (int h = 0; h < NH; h++) {
         const int64_t at = h * TT + (int64_t)r0 * T;
         fsdp_cpu_bf16_to_f32(A + at, att + at, (int64_t)rows * T);
@@ -163,18 +157,14 @@ static void backward_rows(void *ctx, int64_t lo, int64_t hi) {
         for (int i = 0; i < rows; i++)
           fsdp_cpu_f32_to_bf16(D + at + (int64_t)i * T, S + at + (int64_t)i * T, cols);
       }
-      s = shape(j, FSDP_DTYPE_BF16, rows, hs, cols, false, false, T, C3, C3, TT, hs, hs,
-                j->scale);
-      if (!mm(j, &s, dq + (int64_t)r0 * C3, D + (int64_t)r0 * T, k, mms)) return;
+      if (!mm(j, &s[1], dq + (int64_t)r0 * C3, D + (int64_t)r0 * T, k, mms)) return;
     }
     for (int c0 = 0; c0 < T; c0 += ATT_BLOCK) { /* key tiles: dv, dk over rows c0.. */
-      const int n = T - c0 < ATT_BLOCK ? T - c0 : ATT_BLOCK;
       const int64_t corner = (int64_t)c0 * T + c0;
-      fsdp_cpu_mm_shape s = shape(j, FSDP_DTYPE_BF16, n, hs, T - c0, true, false, T, C, C3, TT,
-                                  hs, hs, 1.0f);
-      if (!mm(j, &s, dv + (int64_t)c0 * C3, att + corner, g + (int64_t)c0 * C, mms)) return;
-      s = shape(j, FSDP_DTYPE_BF16, n, hs, T - c0, true, false, T, C3, C3, TT, hs, hs, j->scale);
-      if (!mm(j, &s, dk + (int64_t)c0 * C3, D + corner, q + (int64_t)c0 * C3, mms)) return;
+      fsdp_cpu_mm_shape s[4];
+      tile_shapes(j, true, c0, s);
+      if (!mm(j, &s[2], dv + (int64_t)c0 * C3, att + corner, g + (int64_t)c0 * C, mms)) return;
+      if (!mm(j, &s[3], dk + (int64_t)c0 * C3, D + corner, q + (int64_t)c0 * C3, mms)) return;
     }
   }
 }
