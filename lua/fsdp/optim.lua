@@ -508,16 +508,21 @@ function Optimizer:each_update(fn)
       local p = e.param
       local g, fresh = grad_of(p)
       if g ~= nil and not frozen(p) then
-        local st = self.state[p]
-        if st == nil then
-          st = {step = 0}
-          self.state[p] = st
-        end
-        fn(st, p, g, p, e.path, mask.plain_flat(p))
+        fn(self:plain_state(p), p, g, p, e.path, mask.plain_flat(p))
       end
       if fresh then g:free() end
     end
   end)
+end
+
+-- The state table of a plain parameter p (created with step = 0).
+function Optimizer:plain_state(p)
+  local st = self.state[p]
+  if st == nil then
+    st = {step = 0}
+    self.state[p] = st
+  end
+  return st
 end
 
 function Optimizer:each_clipped_update(fn)
@@ -549,12 +554,7 @@ function Optimizer:each_clipped_update(fn)
       local g, new = grad_of(p)
       if new then fresh[#fresh + 1] = g end
       if g ~= nil and not frozen(p) then
-        local st = self.state[p]
-        if st == nil then
-          st = {step = 0}
-          self.state[p] = st
-        end
-        keep(st, p, g, p, e.path, mask.plain_flat(p))
+        keep(self:plain_state(p), p, g, p, e.path, mask.plain_flat(p))
       end
     end
     local ok, err = pcall(run)
