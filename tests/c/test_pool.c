@@ -2,7 +2,8 @@
  * test_pool.c — the rank's thread pool (src/kernels/cpu/pool.h) and the kernels split over it.
  *
  *   the pool: chunking (counts, bounds, alignment, coverage) at 1-8 threads against
- *   fsdp_cpu_chunk_bounds; small jobs inline on the caller; chunk 0 on the caller; nested calls
+ *   fsdp_cpu_chunk_bounds (fsdp_cpu_chunk_at finding each chunk by its start); small jobs
+ *   inline on the caller; chunk 0 on the caller; nested calls
  *   inline, with fsdp_cpu_threads() == 1; every item of thousands of jobs run exactly once;
  *   rank threads that come and go leave no worker behind (/proc/self/task); shrinking and
  *   releasing join workers; a forked child runs jobs and exits without its parent's workers; the per-thread and process-wide settings;
@@ -149,6 +150,7 @@ static void test_chunks(void **state) {
                      threads[ti], (long long)n, (long long)grain, c, (long long)lo,
                      (long long)hi);
           assert_int_equal(lo, covered);
+          if (hi > lo) assert_int_equal(fsdp_cpu_chunk_at(n, grain, want, lo), c);
           covered = hi;
           if (want > 1) assert_true(hi - lo >= g1);
           if (want > 1 && g1 % 16 == 0 && c < want - 1) assert_int_equal(hi % 16, 0);

@@ -98,12 +98,7 @@ static int tile_shapes(const bf_job *j, bool backward, int r0, fsdp_cpu_mm_shape
 }
 
 static char *slot_of(const bf_job *j, int64_t lo) {
-  for (int i = 0; i < j->nchunks; i++) {
-    int64_t a, b;
-    fsdp_cpu_chunk_bounds(j->B, 1, j->nchunks, i, &a, &b);
-    if (a == lo) return j->scratch + (size_t)i * j->slot;
-  }
-  return j->scratch;
+  return j->scratch + (size_t)fsdp_cpu_chunk_at(j->B, 1, j->nchunks, lo) * j->slot;
 }
 
 static void forward_rows(void *ctx, int64_t lo, int64_t hi) {

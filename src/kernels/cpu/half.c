@@ -861,12 +861,7 @@ typedef struct {
 
 /* the scratch slot of the chunk that starts at lo */
 static float *att_slot(const att_job *j, int64_t lo) {
-  for (int i = 0; i < j->nchunks; i++) {
-    int64_t a, b;
-    fsdp_cpu_chunk_bounds(j->B, 1, j->nchunks, i, &a, &b);
-    if (a == lo) return j->scratch + (int64_t)i * j->slot;
-  }
-  return j->scratch;
+  return j->scratch + (int64_t)fsdp_cpu_chunk_at(j->B, 1, j->nchunks, lo) * j->slot;
 }
 
 static void att_forward_rows(void *ctx, int64_t lo, int64_t hi) {

@@ -150,6 +150,15 @@ void fsdp_cpu_chunk_bounds(int64_t n, int64_t grain, int nchunks, int i, int64_t
   chunk_bounds(n, chunk_unit(grain < 1 ? 1 : grain), nchunks, i, lo, hi);
 }
 
+int fsdp_cpu_chunk_at(int64_t n, int64_t grain, int nchunks, int64_t lo) {
+  for (int i = 0; i < nchunks; i++) {
+    int64_t a, b;
+    fsdp_cpu_chunk_bounds(n, grain, nchunks, i, &a, &b);
+    if (a == lo) return i;
+  }
+  return 0;
+}
+
 static void run_chunk(pool *p, int i) {
   int64_t lo, hi;
   chunk_bounds(p->n, p->unit, p->nchunks, i, &lo, &hi);

@@ -41,6 +41,9 @@ int fsdp_cpu_threads(void);
 int fsdp_cpu_chunks(int64_t n, int64_t grain);
 void fsdp_cpu_chunk_bounds(int64_t n, int64_t grain, int nchunks, int i, int64_t *lo,
                            int64_t *hi);
+/* The index of the chunk that starts at lo (a task's lo), for per-chunk scratch slots; 0 when
+ * none does. */
+int fsdp_cpu_chunk_at(int64_t n, int64_t grain, int nchunks, int64_t lo);
 
 /* ---- settings (the host's thread rule, fsdp.core.set_threads) ------------------------------ */
 
