@@ -1,7 +1,8 @@
 /*
  * convert.c — bulk dtype conversions on the cpu. The narrowing loops are branch-free integer
  * arithmetic on the bit patterns (the same rounding as core's fsdp_f32_to_bf16, which the tests
- * compare them with), so they vectorise; the widening ones are shifts.
+ * compare them with), so they vectorise; the widening ones are shifts. f32 -> bf16 takes the
+ * processor's own instruction where it has AVX512_BF16 (below), with the same bits.
  *
  * Mixed precision runs a conversion pass around every f32 kernel a bf16 op calls, so these are
  * on the hot path: they are compiled for AVX-512 and AVX2 next to the baseline and the loader
