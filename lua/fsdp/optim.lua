@@ -498,66 +498,58 @@ end
 -- (the pass over them that scaling takes is saved); the others get them scaled in place.
 function Optimizer:each_update(fn)
   self:check_world()
-  if self.max_grad_norm then return self:each_clipped_update(fn) end
-  if self.wrapped then
-    self:each_slice(function(st, p, g, param, path, m) fn(st, p, g, param, path, m) end, true)
-    return
-  end
-  util.no_grad(function()
-    for _, e in ipairs(self.params) do
-      local p = e.param
-      local g, fresh = grad_of(p)
-      if g ~= nil and not frozen(p) then
-        fn(self:plain_state(p), p, g, p, e.path, mask.plain_flat(p))
-      end
-      if fresh then g:free() end
-    end
-  end)
-end
-
--- The state table of a plain parameter p (created with step = 0).
-function Optimizer:plain_state(p)
-  local st = self.state[p]
-  if st == nil then
-    st = {step = 0}
-    self.state[p] = st
-  end
-  return st
-end
-
-function Optimizer:each_clipped_update(fn)
-  local items, pieces, fresh = {}, {}, {}
+  -- The updates are collected first: clipping measures every gradient before any is used. The
+  -- lists are emptied after use: a compiled trace may keep a closure's upvalue tables as
+  -- constants, and with them every gradient view (a frozen unit's gradient shard could then not
+  -- be freed).
+  local items, pieces = {}, {}
   local function keep(st, p, g, param, path, m, u)
     items[#items + 1] = {st, p, g, param, path, m}
     pieces[#pieces + 1] = {g, u}
   end
   local function run()
-    for _, it in ipairs(items) do apply_mask(it[3], it[6]) end -- masked before measuring
-    local total = grad_norm(self.wrapped, pieces)
-    self.grad_norm = total
-    local coef = clip_coef(self.max_grad_norm, total)
-    if coef and not self.fused_clip then
-      for _, it in ipairs(items) do it[3]:mul_(coef) end
+    local coef
+    if self.max_grad_norm then
+      for _, it in ipairs(items) do apply_mask(it[3], it[6]) end -- masked before measuring
+      self.grad_norm = grad_norm(self.wrapped, pieces)
+      coef = clip_coef(self.max_grad_norm, self.grad_norm)
+      if coef and not self.fused_clip then
+        for _, it in ipairs(items) do it[3]:mul_(coef) end
+        coef = nil
+      end
     end
-    for _, it in ipairs(items) do
-      fn(it[1], it[2], it[3], it[4], it[5], it[6], self.fused_clip and coef or nil)
-    end
+    for _, it in ipairs(items) do fn(it[1], it[2], it[3], it[4], it[5], it[6], coef) end
+  end
+  local function clear()
+    for i = #items, 1, -1 do items[i] = nil end
+    for i = #pieces, 1, -1 do pieces[i] = nil end
   end
   if self.wrapped then
-    self:each_slice(keep, true)
-    run()
+    local ok, err = pcall(function()
+      self:each_slice(keep, true)
+      run()
+    end)
+    clear()
+    if not ok then error(err, 0) end
     return
   end
   util.no_grad(function()
+    local fresh = {}
     for _, e in ipairs(self.params) do
       local p = e.param
       local g, new = grad_of(p)
       if new then fresh[#fresh + 1] = g end
       if g ~= nil and not frozen(p) then
-        keep(self:plain_state(p), p, g, p, e.path, mask.plain_flat(p))
+        local st = self.state[p]
+        if st == nil then
+          st = {step = 0}
+          self.state[p] = st
+        end
+        keep(st, p, g, p, e.path, mask.plain_flat(p))
       end
     end
     local ok, err = pcall(run)
+    clear()
     for _, g in ipairs(fresh) do g:free() end
     if not ok then error(err, 0) end
   end)

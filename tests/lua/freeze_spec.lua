@@ -122,26 +122,31 @@ describe("freeze, wrapped", function()
     assert.is_true(unit_of(m, "(root)"):trainable())
   end)
 
-  it("a frozen unit keeps no gradient shard; freezing after training frees it", function()
-    local m = wrapped()
-    local opt = fsdp.optim.AdamW(m, {lr = 1e-2})
-    step(m, opt)
-    local u2 = unit_of(m, "blocks.2")
-    collectgarbage() -- the optimizer's Lua values of the gradient shards
-    local all = fsdp.memory().grads
-    m:freeze("^blocks%.2%.")
-    collectgarbage()
-    assert.are.equal(all - u2:shard_numel() * 4, fsdp.memory().grads)
-    local before = fsdp.memory().optim
-    step(m, opt)
-    collectgarbage()
-    assert.are.equal(all - u2:shard_numel() * 4, fsdp.memory().grads)
-    assert.are.equal(before, fsdp.memory().optim) -- no new state; the old stays (as PyTorch)
-    m:unfreeze()
-    step(m, opt)
-    collectgarbage()
-    assert.are.equal(all, fsdp.memory().grads) -- made again at its next backward
-  end)
+  -- (also with an optimizer that clips: its step collects the gradient views before using
+  -- them, and must not keep them)
+  for _, opts in ipairs{{lr = 1e-2}, {lr = 1e-2, max_grad_norm = 1e-3}} do
+    it("a frozen unit keeps no gradient shard; freezing after training frees it"
+      .. (opts.max_grad_norm and " (max_grad_norm)" or ""), function()
+      local m = wrapped()
+      local opt = fsdp.optim.AdamW(m, opts)
+      step(m, opt)
+      local u2 = unit_of(m, "blocks.2")
+      collectgarbage() -- the optimizer's Lua values of the gradient shards
+      local all = fsdp.memory().grads
+      m:freeze("^blocks%.2%.")
+      collectgarbage()
+      assert.are.equal(all - u2:shard_numel() * 4, fsdp.memory().grads)
+      local before = fsdp.memory().optim
+      step(m, opt)
+      collectgarbage()
+      assert.are.equal(all - u2:shard_numel() * 4, fsdp.memory().grads)
+      assert.are.equal(before, fsdp.memory().optim) -- no new state; the old stays (as PyTorch)
+      m:unfreeze()
+      step(m, opt)
+      collectgarbage()
+      assert.are.equal(all, fsdp.memory().grads) -- made again at its next backward
+    end)
+  end
 
   it("a frozen unit no gradient passes leaves nothing on the tape", function()
     local m = wrapped()
