@@ -3,8 +3,14 @@
  *
  *   sgemm GFLOP/s at 1024^3 and at the GPT layer shapes (M = B*T = 2048; K = 256 -> N = 768
  *   (qkv), 1024 (mlp up); K = 1024 -> N = 256 (mlp down)), through fsdp_cpu_linear_forward.
+ *   The same linears with a bias (through oneDNN the bias is the matmul's epilogue, gemm.h).
  *   Time per call (forward + backward) of layernorm, gelu, softmax and attention at
- *   B = 8, T = 256, C = 256, NH = 4, plus attention's GFLOP/s as a fraction of plain sgemm.
+ *   B = 8, T = 256, C = 256, NH = 4, plus attention's GFLOP/s as a fraction of plain sgemm;
+ *   bf16 attention at that shape on the processor's bf16 products (attention_bf16.c) and the
+ *   widening way (the f32 kernel on widened rows), where the processor has AVX512_BF16; the
+ *   f32 -> bf16 narrowing of 64 Ki elements (in cache) and 16 Mi (memory), at the current
+ *   instruction-set level (on AVX512_BF16 at the AVX-512 level: the processor's instruction)
+ *   and with the level held to AVX2 (the integer loop).
  * Everything runs with 1 and then 2 threads of the rank's pool (kernels/cpu/pool.h; OpenBLAS
  * stays at 1 thread, called per block). Each measurement repeats until it has
  * run for ~0.25 s (best of those reps is reported), so the whole program takes ~10-20 s.
@@ -17,6 +23,10 @@
 #include <time.h>
 
 #include "bench_util.h"
+#include "core/core.h"
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/half.h"
+#include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/pool.h"
 
@@ -28,7 +38,7 @@ static double time_call(bench_fn fn, void *ctx) { return bench_time_call(fn, ctx
 /* ---- gemm ------------------------------------------------------------------------------------ */
 
 typedef struct {
-  float *out, *inp, *weight;
+  float *out, *inp, *weight, *bias;
   int M, K, N;
 } gemm_ctx;
 
@@ -43,13 +53,19 @@ static void run_linear(void *p) {
   fsdp_cpu_linear_forward(g->out, g->inp, g->weight, NULL, g->M, g->K, g->N);
 }
 
+static void run_linear_bias(void *p) {
+  gemm_ctx *g = p;
+  fsdp_cpu_linear_forward(g->out, g->inp, g->weight, g->bias, g->M, g->K, g->N);
+}
+
 static double bench_gemm(const char *label, bench_fn fn, int M, int K, int N) {
-  gemm_ctx g = {buf((int64_t)M * N, 1), buf((int64_t)M * K, 1), buf((int64_t)N * K, 1), M, K, N};
+  gemm_ctx g = {buf((int64_t)M * N, 1), buf((int64_t)M * K, 1), buf((int64_t)N * K, 1),
+                buf(N, 1), M, K, N};
   double t = time_call(fn, &g);
   double gflops = 2.0 * M * N * K / t * 1e-9;
   printf("  %-34s M=%-5d K=%-5d N=%-5d %8.2f ms  %7.1f GFLOP/s\n", label, M, K, N, t * 1e3,
          gflops);
-  free(g.out), free(g.inp), free(g.weight);
+  free(g.out), free(g.inp), free(g.weight), free(g.bias);
   return gflops;
 }
 
@@ -101,6 +117,44 @@ static void run_attention_fwd(void *p) {
   fsdp_cpu_attention_forward(c->out, c->att, c->qkv, B, T, C, NH);
 }
 
+/* bf16 attention, forward + backward (dqkv written), the way fsdp_cpu_bf16_gemm_force chose */
+typedef struct {
+  uint16_t *qkv, *out, *att, *dqkv, *dout;
+} hatt_ctx;
+
+static void run_attention_bf16(void *p) {
+  hatt_ctx *c = p;
+  if (fsdp_cpu_half_attention_forward(FSDP_DTYPE_BF16, c->out, c->att, c->qkv, B, T, C, NH) ||
+      fsdp_cpu_half_attention_backward(FSDP_DTYPE_BF16, c->dqkv, c->dout, c->qkv, c->att, B, T,
+                                       C, NH, true)) {
+    fprintf(stderr, "bench_kernels: bf16 attention failed: %s\n", fsdp_error_msg());
+    exit(1);
+  }
+}
+
+static uint16_t *hbuf(int64_t n) {
+  uint16_t *h = malloc(sizeof(uint16_t) * (size_t)n);
+  float *f = buf(n, 1);
+  if (!h) {
+    fprintf(stderr, "bench_kernels: out of memory\n");
+    exit(1);
+  }
+  fsdp_cpu_f32_to_bf16(h, f, n);
+  free(f);
+  return h;
+}
+
+typedef struct {
+  uint16_t *h;
+  const float *f;
+  int64_t n;
+} narrow_ctx;
+
+static void run_narrow(void *p) {
+  narrow_ctx *c = p;
+  fsdp_cpu_f32_to_bf16(c->h, c->f, c->n);
+}
+
 int main(int argc, char **argv) {
   int max_threads = argc > 1 ? atoi(argv[1]) : 2;
   if (max_threads < 1) max_threads = 1;
@@ -116,6 +170,11 @@ int main(int argc, char **argv) {
   att_ctx at = {buf(NT * 3 * C, 2), buf(NT * C, 1), buf((int64_t)B * NH * T * T, 1),
                 buf(NT * 3 * C, 1), buf(NT * C, 1), buf((int64_t)B * NH * T * T, 1)};
 
+  hatt_ctx hat = {hbuf(NT * 3 * C), hbuf(NT * C), hbuf((int64_t)B * NH * T * T),
+                  hbuf(NT * 3 * C), hbuf(NT * C)};
+  float *fsmall = buf(1 << 16, 1), *fbig = buf((int64_t)1 << 24, 1);
+  uint16_t *nsmall = hbuf(1 << 16), *nbig = hbuf((int64_t)1 << 24);
+
   printf("bench_kernels: CPU kernels, f32 (best of repeated calls)\n");
   for (int threads = 1; threads <= max_threads; threads++) {
     fsdp_cpu_set_threads(threads);
@@ -124,6 +183,8 @@ int main(int argc, char **argv) {
     bench_gemm("linear (qkv)  inp @ w^T", run_linear, 2048, 256, 768);
     bench_gemm("linear (mlp up)  inp @ w^T", run_linear, 2048, 256, 1024);
     bench_gemm("linear (mlp down)  inp @ w^T", run_linear, 2048, 1024, 256);
+    bench_gemm("linear (qkv) + bias", run_linear_bias, 2048, 256, 768);
+    bench_gemm("linear (mlp down) + bias", run_linear_bias, 2048, 1024, 256);
 
     printf("  at B=%d T=%d C=%d NH=%d, forward + backward per call:\n", B, T, C, NH);
     double t = time_call(run_layernorm, &ln);
@@ -143,6 +204,26 @@ int main(int argc, char **argv) {
     printf("    %-30s %8.3f ms  (forward %.3f ms; %.1f GFLOP/s causal = %.0f%% of sgemm)\n",
            "attention", t * 1e3, tf * 1e3, 3.0 * fwd_flops / t * 1e-9,
            100.0 * 3.0 * fwd_flops / t * 1e-9 / peak);
+    if (fsdp_cpu_bf16_gemm_supported()) {
+      for (int native = 1; native >= 0; native--) {
+        fsdp_cpu_bf16_gemm_force(native);
+        t = time_call(run_attention_bf16, &hat);
+        printf("    %-30s %8.3f ms\n", native ? "attention bf16, bf16 products" :
+               "attention bf16, widened to f32", t * 1e3);
+      }
+      fsdp_cpu_bf16_gemm_force(-1);
+    }
+    for (int k = 0; k < 2; k++) {
+      narrow_ctx nc = {k ? nbig : nsmall, k ? fbig : fsmall, k ? (int64_t)1 << 24 : 1 << 16};
+      const fsdp_cpu_isa_level level = fsdp_cpu_isa();
+      double tl = time_call(run_narrow, &nc);
+      fsdp_cpu_isa_set(FSDP_CPU_ISA_AVX2 < level ? FSDP_CPU_ISA_AVX2 : level);
+      double ti = time_call(run_narrow, &nc);
+      fsdp_cpu_isa_set(level);
+      printf("    f32 -> bf16 %-8lld %-9s %6.3f ns/element (%s), integer loop %6.3f\n",
+             (long long)nc.n, k ? "(memory)" : "(cache)", tl * 1e9 / (double)nc.n,
+             fsdp_cpu_isa_name(level), ti * 1e9 / (double)nc.n);
+    }
   }
   return 0;
 }
