@@ -348,8 +348,7 @@ static void bias_gelu_fn(const hmap *m, float *const *f, int64_t u0, int64_t nu)
 
 /* bf16 runs natively: the level's bodies load and store bf16 lanes themselves (vmath.h), so
  * the memory traffic overlaps the GELU's arithmetic and nothing goes through f32 buffers; f16
- * takes the pass. */
-/* one bias + GELU call: y is the forward's out, or the backward's dinp */
+ * takes the pass. One call's arguments: y is the forward's out, or the backward's dinp. */
 typedef struct {
   fsdp_dtype dt;
   void *y;
