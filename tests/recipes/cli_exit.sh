@@ -70,11 +70,11 @@ expect_has err "boom" "os.exit in the post-mortem: the failure is reported"
 
 # mpirun: MPI finalized, so mpirun has nothing to complain about
 if command -v mpirun >/dev/null 2>&1; then
-  run timeout -k 5 120 $MPIRUN -np 2 "$FSDPRUN" -e 'print("rank", require("fsdp").rank()); os.exit(0)'
+  run timeout -k 5 120 $MPIRUN -np 2 "$FSDPRUN" -e 'print("rank" .. require("fsdp").rank()); os.exit(0)'
   expect_rc 0 "mpirun, os.exit(0)"
   expect_lacks err "exited improperly" "mpirun, os.exit(0)"
   expect_lacks out "exited improperly" "mpirun, os.exit(0)"
-  expect_has out "rank	1" "mpirun, os.exit(0): rank 1's output"
+  expect_has out "rank1" "mpirun, os.exit(0): rank 1's output"
   run timeout -k 5 120 $MPIRUN -np 2 "$FSDPRUN" -e 'os.exit(3)'
   expect_rc 3 "mpirun, os.exit(3)"
   expect_lacks err "exited improperly" "mpirun, os.exit(3)"

@@ -49,11 +49,14 @@ cat >"$T/debug.lua" <<'LUA'
 local fsdp = require "fsdp"
 local x = (fsdp.rank() + 1) * 10
 fsdp.debug()
-print("after", fsdp.rank(), x)
+-- one line, from rank 0: under mpirun each rank's stdout is a pseudo-terminal whose lines
+-- reach mpirun in pieces (split at tabs), so lines printed by both ranks at once can interleave
+local sum = fsdp.all_reduce(x)
+if fsdp.rank() == 0 then print("after " .. sum) end
 LUA
 printf 'x\nx = x + 1\n' | timeout 120 $MPIRUN -np 2 "$FSDPRUN" "$T/debug.lua" >"$T/out" 2>"$T/err"
 rc=$?
 expect_rc 0 "fsdp.debug under mpirun"
 expect_has out "[0] 10  [1] 20" "fsdp.debug sees the caller's locals"
-expect_has out "after	1	21" "the recipe goes on with the value the REPL assigned"
+expect_has out "after 32" "the recipe goes on with the values the REPL assigned (11 + 21)"
 finish
