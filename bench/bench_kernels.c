@@ -103,18 +103,18 @@ static void run_softmax(void *p) {
 }
 
 typedef struct {
-  float *qkv, *out, *att, *dqkv, *dout, *scratch;
+  float *qkv, *out, *dqkv, *dout, *scratch; /* scratch: enough for any thread count here */
 } att_ctx;
 
 static void run_attention(void *p) {
   att_ctx *c = p;
-  fsdp_cpu_attention_forward(c->out, c->att, c->qkv, B, T, C, NH);
-  fsdp_cpu_attention_backward(c->dqkv, c->scratch, c->dout, c->qkv, c->att, B, T, C, NH, false);
+  fsdp_cpu_attention_forward(c->out, c->scratch, c->qkv, B, T, C, NH);
+  fsdp_cpu_attention_backward(c->dqkv, c->scratch, c->dout, c->qkv, B, T, C, NH, false);
 }
 
 static void run_attention_fwd(void *p) {
   att_ctx *c = p;
-  fsdp_cpu_attention_forward(c->out, c->att, c->qkv, B, T, C, NH);
+  fsdp_cpu_attention_forward(c->out, c->scratch, c->qkv, B, T, C, NH);
 }
 
 /* bf16 attention, forward + backward (dqkv written), the way fsdp_cpu_bf16_gemm_force chose */
@@ -167,8 +167,8 @@ int main(int argc, char **argv) {
   ew_ctx sm = {buf((int64_t)B * NH * T * T, 8), buf((int64_t)B * NH * T * T, 1),
                buf((int64_t)B * NH * T * T, 1), buf((int64_t)B * NH * T * T, 1),
                (int64_t)B * NH * T * T, B * NH * T, T};
-  att_ctx at = {buf(NT * 3 * C, 2), buf(NT * C, 1), buf((int64_t)B * NH * T * T, 1),
-                buf(NT * 3 * C, 1), buf(NT * C, 1), buf((int64_t)B * NH * T * T, 1)};
+  att_ctx at = {buf(NT * 3 * C, 2), buf(NT * C, 1), buf(NT * 3 * C, 1), buf(NT * C, 1),
+                buf(fsdp_cpu_attention_scratch(B, T, NH, FSDP_CPU_MAX_THREADS, true), 1)};
 
   hatt_ctx hat = {hbuf(NT * 3 * C), hbuf(NT * C), hbuf((int64_t)B * NH * T * T),
                   hbuf(NT * 3 * C), hbuf(NT * C)};

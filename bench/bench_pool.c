@@ -78,13 +78,13 @@ static void run_linear(void *p) {
 enum { B = 8, T = 256, C = 256, NH = 4 };
 
 typedef struct {
-  float *qkv, *out, *att, *dqkv, *dout, *scratch;
+  float *qkv, *out, *dqkv, *dout, *scratch; /* scratch: enough for any thread count here */
 } att_ctx;
 
 static void run_attention(void *p) {
   att_ctx *c = p;
-  fsdp_cpu_attention_forward(c->out, c->att, c->qkv, B, T, C, NH);
-  fsdp_cpu_attention_backward(c->dqkv, c->scratch, c->dout, c->qkv, c->att, B, T, C, NH, false);
+  fsdp_cpu_attention_forward(c->out, c->scratch, c->qkv, B, T, C, NH);
+  fsdp_cpu_attention_backward(c->dqkv, c->scratch, c->dout, c->qkv, B, T, C, NH, false);
 }
 
 typedef struct {
@@ -134,9 +134,9 @@ int main(int argc, char **argv) {
   gemm_ctx down = {buf(2048 * 256, 1), buf(2048 * 1024, 1), buf(256 * 1024, 1), buf(256, 1),
                    2048, 1024, 256};
   gemm_ctx small = {buf(64 * 64, 1), buf(64 * 64, 1), buf(64 * 64, 1), NULL, 64, 64, 64};
-  const int64_t NT = (int64_t)B * T, A = (int64_t)B * NH * T * T;
-  att_ctx at = {buf(NT * 3 * C, 2), buf(NT * C, 1), buf(A, 1), buf(NT * 3 * C, 1),
-                buf(NT * C, 1), buf(A, 1)};
+  const int64_t NT = (int64_t)B * T;
+  att_ctx at = {buf(NT * 3 * C, 2), buf(NT * C, 1), buf(NT * 3 * C, 1), buf(NT * C, 1),
+                buf(fsdp_cpu_attention_scratch(B, T, NH, FSDP_CPU_MAX_THREADS, true), 1)};
   const int64_t n = 4 << 20;
   vec_ctx vec = {buf(n, 1), buf(n, 1), buf(n, 0), buf(n, 1), n, 2048, 768, 0.0};
   for (int64_t i = 0; i < n; i++) vec.v[i] = vec.v[i] * vec.v[i];

@@ -27,6 +27,7 @@
 
 #include "core/core.h"
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/half.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/kernels.h"
 
@@ -337,34 +338,39 @@ static int r_softmax_backward(run *r, int a) {
 }
 enum { AB = 1, AT = 3, AC = 4, AH = 2 };
 /* Attention in bf16 by the widening way (the f32 kernel on widened rows, held to this file's
- * bf16 tolerance): with the processor's bf16 products (attention_bf16.c) its products read the
+ * bf16 tolerance; neither saves anything for the backward, which recomputes the
+ * probabilities): with the processor's bf16 products (attention_bf16.c) its products read the
  * probabilities and score gradients rounded to bf16, and tests/c/test_half.c holds that way to
  * its own bounds. */
 static int r_attention_forward(run *r, int a) {
   const void *qkv = in(r, AB * AT * 3 * AC, G_SIGNED);
   fsdp_cpu_bf16_gemm_force(0);
-  int rc = K()->attention_forward(CTX, DT, out(r, AB * AT * AC), out(r, AB * AH * AT * AT), qkv,
-                                  AB, AT, AC, AH);
+  int rc = K()->attention_forward(CTX, DT, out(r, AB * AT * AC), NULL, qkv, AB, AT, AC, AH);
   fsdp_cpu_bf16_gemm_force(-1);
   return rc;
 }
 static int r_attention_backward(run *r, int a) {
   void *d = acc(r, AB * AT * 3 * AC, G_SIGNED);
-  const void *g = in(r, AB * AT * AC, G_SIGNED), *qkv = in(r, AB * AT * 3 * AC, G_SIGNED),
-             *att = in(r, AB * AH * AT * AT, G_UNIT);
+  const void *g = in(r, AB * AT * AC, G_SIGNED), *qkv = in(r, AB * AT * 3 * AC, G_SIGNED);
   fsdp_cpu_bf16_gemm_force(0);
-  int rc = K()->attention_backward(CTX, DT, d, g, qkv, att, AB, AT, AC, AH, false);
+  int rc = K()->attention_backward(CTX, DT, d, g, qkv, NULL, AB, AT, AC, AH, false);
   fsdp_cpu_bf16_gemm_force(-1);
   return rc;
 }
-/* the saved-state size as an output (i64), and its dtype as the second */
+/* the saved state: nothing, except bf16 on the processor's bf16 products, which saves its
+ * bf16 probabilities; outputs whether the size is that (i64) and whether its dtype is the
+ * compute dtype */
 static int r_attention_saved(run *r, int a) {
   fsdp_dtype sdt = FSDP_DTYPE_BOOL;
   int64_t n = K()->attention_saved(CTX, DT, AB, AT, AC, AH, &sdt);
+  const int64_t want = DT == FSDP_DTYPE_BF16 && fsdp_cpu_bf16_attention_native(AB, AT, AC, AH)
+                           ? (int64_t)AB * AH * AT * AT
+                           : 0;
   int64_t *o = out_dt(r, FSDP_DTYPE_I64, 2);
-  o[0] = n;
-  o[1] = sdt == DT ? 1 : 0; /* the cpu saves in the compute dtype */
-  return n == (int64_t)AB * AH * AT * AT ? FSDP_OK : fsdp_error("attention_saved: %lld", (long long)n);
+  o[0] = n == want;
+  o[1] = sdt == DT ? 1 : 0;
+  return n == want ? FSDP_OK : fsdp_error("attention_saved: %lld, want %lld", (long long)n,
+                                          (long long)want);
 }
 /* three ranks' buffers summed (and the same through max), out aliasing the first input too */
 static int r_reduce_ranks(run *r, int a) {

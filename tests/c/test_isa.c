@@ -20,6 +20,7 @@
 #include "core/core.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/pool.h"
 
 static uint64_t rng_state;
 
@@ -225,13 +226,14 @@ static void run_all(outs_t *r, const inputs_t *in) {
    * partial tile; lx serves as qkv (B 2, T 70, 3C with C 24) and lg as dout */
   enum { AB = 2, AT = 70, AC = 24, ANH = 3 };
   assert_true((int64_t)AB * AT * 3 * AC <= nc && (int64_t)AB * AT * AC <= nc);
-  float *att = out_new(r, "attention att", NULL, (int64_t)AB * ANH * AT * AT);
-  fsdp_cpu_attention_forward(out_new(r, "attention out", NULL, (int64_t)AB * AT * AC), att,
-                             in->lx, AB, AT, AC, ANH);
-  float *scratch = calloc((size_t)AB * ANH * AT * AT, sizeof(float));
+  const int64_t ns = fsdp_cpu_attention_scratch(AB, AT, ANH, fsdp_cpu_threads(), true);
+  assert_true(ns >= fsdp_cpu_attention_scratch(AB, AT, ANH, fsdp_cpu_threads(), false));
+  float *scratch = calloc((size_t)ns, sizeof(float));
   assert_non_null(scratch);
+  fsdp_cpu_attention_forward(out_new(r, "attention out", NULL, (int64_t)AB * AT * AC), scratch,
+                             in->lx, AB, AT, AC, ANH);
   fsdp_cpu_attention_backward(out_new(r, "attention dqkv", NULL, (int64_t)AB * AT * 3 * AC),
-                              scratch, in->lg, in->lx, att, AB, AT, AC, ANH, false);
+                              scratch, in->lg, in->lx, AB, AT, AC, ANH, false);
   free(scratch);
 }
 

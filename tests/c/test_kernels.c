@@ -659,31 +659,26 @@ static void test_softmax(void **state) {
 /* ---- attention ------------------------------------------------------------------------------- */
 
 typedef struct {
-  float *out, *att, *qkv, *w;
+  float *out, *scratch, *qkv, *w;
   int B, T, C, NH;
 } att_ctx;
 
 static double att_loss(void *p) {
   att_ctx *c = p;
-  fsdp_cpu_attention_forward(c->out, c->att, c->qkv, c->B, c->T, c->C, c->NH);
+  fsdp_cpu_attention_forward(c->out, c->scratch, c->qkv, c->B, c->T, c->C, c->NH);
   return dot_fd(c->out, c->w, (int64_t)c->B * c->T * c->C);
 }
 
-static void ref_attention(double *out, double *att, const float *qkv, int B, int T, int C,
-                          int NH) {
+static void ref_attention(double *out, const float *qkv, int B, int T, int C, int NH) {
   const int hs = C / NH;
   const double scale = 1.0 / sqrt(hs);
+  double *a = dzeros(T);
   for (int b = 0; b < B; b++) {
     for (int h = 0; h < NH; h++) {
       for (int t = 0; t < T; t++) {
         const float *q = qkv + ((int64_t)b * T + t) * 3 * C + h * hs;
-        double *a = att + (((int64_t)b * NH + h) * T + t) * T;
         double mx = -INFINITY;
-        for (int s = 0; s < T; s++) {
-          if (s > t) {
-            a[s] = 0;
-            continue;
-          }
+        for (int s = 0; s <= t; s++) {
           const float *k = qkv + ((int64_t)b * T + s) * 3 * C + C + h * hs;
           double d = 0;
           for (int i = 0; i < hs; i++) d += (double)q[i] * k[i];
@@ -704,26 +699,33 @@ static void ref_attention(double *out, double *att, const float *qkv, int B, int
       }
     }
   }
+  free(a);
+}
+
+/* scratch for both directions at the calling thread's count, 64-byte aligned as the engine's
+ * storages are (the kernel's bits may depend on its operands' alignment), filled with garbage
+ * (no contents may be read) */
+static float *att_scratch(int B, int T, int NH) {
+  const int th = fsdp_cpu_threads();
+  int64_t n = fsdp_cpu_attention_scratch(B, T, NH, th, false),
+          bw = fsdp_cpu_attention_scratch(B, T, NH, th, true);
+  if (bw > n) n = bw;
+  float *p = aligned_alloc(64, (size_t)(n + 15) / 16 * 64);
+  assert_non_null(p);
+  for (int64_t i = 0; i < n; i++) p[i] = (float)(-9 + 18 * urand());
+  return p;
 }
 
 static void run_attention_case(int B, int T, int C, int NH, int64_t fd_step) {
-  const int64_t nqkv = (int64_t)B * T * 3 * C, nout = (int64_t)B * T * C,
-                natt = (int64_t)B * NH * T * T;
-  att_ctx c = {fzeros(nout), frand(natt, 5, 6) /* garbage: must be overwritten */,
+  const int64_t nqkv = (int64_t)B * T * 3 * C, nout = (int64_t)B * T * C;
+  att_ctx c = {frand(nout, 5, 6) /* garbage: must be overwritten */, att_scratch(B, T, NH),
                frand(nqkv, -1.5, 1.5), frand(nout, -1, 1), B, T, C, NH};
-  fsdp_cpu_attention_forward(c.out, c.att, c.qkv, B, T, C, NH);
-  double *want = dzeros(nout), *want_att = dzeros(natt);
-  ref_attention(want, want_att, c.qkv, B, T, C, NH);
+  fsdp_cpu_attention_forward(c.out, c.scratch, c.qkv, B, T, C, NH);
+  double *want = dzeros(nout);
+  ref_attention(want, c.qkv, B, T, C, NH);
   check_close_d("attention out", c.out, want, nout, 1e-4, 1e-5);
-  check_close_d("attention att", c.att, want_att, natt, 1e-4, 1e-6);
-  for (int64_t i = 0; i < natt; i++) { /* exact zeros above the diagonal */
-    int64_t t = (i / T) % T, s = i % T;
-    if (s > t && c.att[i] != 0.0f) {
-      fail_msg("att[%lld] above diagonal is %g", (long long)i, c.att[i]);
-    }
-  }
-  float *prior = frand(nqkv, -1, 1), *d = fcopy(prior, nqkv), *scratch = frand(natt, -9, 9);
-  fsdp_cpu_attention_backward(d, scratch, c.w, c.qkv, c.att, B, T, C, NH, false);
+  float *prior = frand(nqkv, -1, 1), *d = fcopy(prior, nqkv);
+  fsdp_cpu_attention_backward(d, c.scratch, c.w, c.qkv, B, T, C, NH, false);
   float *g = diff(d, prior, nqkv);
   char what[64];
   snprintf(what, sizeof what, "attention dqkv B=%d T=%d C=%d NH=%d", B, T, C, NH);
@@ -731,13 +733,24 @@ static void run_attention_case(int B, int T, int C, int NH, int64_t fd_step) {
   /* set: dqkv written whole whatever it held (NaN here): the bits of adding into zeros, in the
    * split by pairs and in the split by tiles (one pair: fewer than four a thread) */
   float *z = fzeros(nqkv), *s = fzeros(nqkv);
-  fsdp_cpu_attention_backward(z, scratch, c.w, c.qkv, c.att, B, T, C, NH, false);
+  fsdp_cpu_attention_backward(z, c.scratch, c.w, c.qkv, B, T, C, NH, false);
   for (int64_t i = 0; i < nqkv; i++) s[i] = NAN;
-  fsdp_cpu_attention_backward(s, scratch, c.w, c.qkv, c.att, B, T, C, NH, true);
+  fsdp_cpu_attention_backward(s, c.scratch, c.w, c.qkv, B, T, C, NH, true);
   assert_memory_equal(s, z, sizeof(float) * (size_t)nqkv);
+  /* one thread (every pair on it, the scratch of one task) gives the forward's bits, written
+   * to the same buffer (tests/c/test_pool.c compares thread counts in both directions) */
+  fsdp_cpu_attention_forward(c.out, c.scratch, c.qkv, B, T, C, NH); /* fd_check left others */
+  float *o1 = fcopy(c.out, nout);
+  const int before = fsdp_cpu_threads();
+  fsdp_cpu_set_threads(1);
+  float *sc1 = att_scratch(B, T, NH);
+  fsdp_cpu_attention_forward(c.out, sc1, c.qkv, B, T, C, NH);
+  fsdp_cpu_set_threads(before);
+  assert_memory_equal(o1, c.out, sizeof(float) * (size_t)nout);
+  free(o1), free(sc1);
   free(z), free(s);
-  free(prior), free(d), free(scratch), free(g), free(want), free(want_att);
-  free(c.out), free(c.att), free(c.qkv), free(c.w);
+  free(prior), free(d), free(g), free(want);
+  free(c.out), free(c.scratch), free(c.qkv), free(c.w);
 }
 
 static void test_attention(void **state) {

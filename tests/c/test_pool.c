@@ -626,34 +626,31 @@ static void test_linear_bmm(void **state) {
 /* ---- attention ------------------------------------------------------------------------------- */
 
 static void attention_case(int B, int T, int C, int NH) {
-  const int64_t nqkv = (int64_t)B * T * 3 * C, nout = (int64_t)B * T * C,
-                natt = (int64_t)B * NH * T * T;
+  const int64_t nqkv = (int64_t)B * T * 3 * C, nout = (int64_t)B * T * C;
   float *qkv = frand(nqkv, -1.5f, 1.5f), *dout = frand(nout, -1, 1), *prior = frand(nqkv, -1, 1);
   const int tc[4] = {1, 2, 2, 3};
-  float *out[4], *att[4], *dqkv[4];
+  float *out[4], *dqkv[4];
   for (int r = 0; r < 4; r++) {
     fsdp_cpu_set_threads(tc[r]);
     out[r] = frand(nout, 7, 8); /* garbage: overwritten */
-    att[r] = frand(natt, 7, 8);
-    float *scratch = frand(natt, -9, 9);
-    fsdp_cpu_attention_forward(out[r], att[r], qkv, B, T, C, NH);
+    float *fw = frand(fsdp_cpu_attention_scratch(B, T, NH, tc[r], false), -9, 9);
+    float *bw = frand(fsdp_cpu_attention_scratch(B, T, NH, tc[r], true), -9, 9);
+    fsdp_cpu_attention_forward(out[r], fw, qkv, B, T, C, NH);
     dqkv[r] = fcopy(prior, nqkv);
-    fsdp_cpu_attention_backward(dqkv[r], scratch, dout, qkv, att[r], B, T, C, NH, false);
-    free(scratch);
+    fsdp_cpu_attention_backward(dqkv[r], bw, dout, qkv, B, T, C, NH, false);
+    free(fw), free(bw);
   }
   char what[96];
   for (int r = 1; r < 4; r++) {
     snprintf(what, sizeof what, "attention B=%d T=%d C=%d NH=%d at %d threads", B, T, C, NH,
              tc[r]);
-    check_close(what, out[r], out[0], nout, 1e-6);
-    check_close(what, att[r], att[0], natt, 1e-6);
+    /* the forward's tiles are the same products whoever runs them */
+    check_bits(what, out[r], out[0], nout);
     check_close(what, dqkv[r], dqkv[0], nqkv, 1e-6);
   }
   snprintf(what, sizeof what, "attention B=%d T=%d C=%d NH=%d run to run", B, T, C, NH);
-  check_bits(what, out[2], out[1], nout);
-  check_bits(what, att[2], att[1], natt);
   check_bits(what, dqkv[2], dqkv[1], nqkv);
-  for (int r = 0; r < 4; r++) free(out[r]), free(att[r]), free(dqkv[r]);
+  for (int r = 0; r < 4; r++) free(out[r]), free(dqkv[r]);
   free(qkv), free(dout), free(prior);
 }
 

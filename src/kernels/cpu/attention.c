@@ -7,17 +7,26 @@
  * Causality is exploited by walking query rows in tiles of ATT_BLOCK: rows [r0, r1) only see
  * keys [0, r1), so each tile multiplies against a prefix of k / v and about half the
  * T x T work of a full product is skipped. Entries a tile's gemm writes above the diagonal
- * are overwritten by the masked softmax (att holds exact zeros there). The softmax rows, forward
- * and backward, are the instruction-set level's bodies (isa.h: vectors of the level's width,
- * the same bits at every level).
+ * are overwritten by the masked softmax (exact zeros there). The softmax rows, forward and
+ * backward, are the instruction-set level's bodies (isa.h: vectors of the level's width, the
+ * same bits at every level).
+ *
+ * Nothing of size T x T outlives a call: the forward computes a tile's probabilities in a
+ * per-task scratch (its rows stay in the core's cache while they are multiplied with v) and
+ * keeps nothing; the backward recomputes each query tile's probabilities with the same
+ * product and the same softmax rows, so they are the forward's bits, just before it uses them.
+ * That costs one more q k^T product per tile in the backward, and saves writing the
+ * (B, NH, T, T) probabilities to memory in the forward, keeping them until the backward and
+ * reading them back (at T = 256 and 6 heads of 64, 12.6 MB a layer for 8 sequences).
  *
  * Threads: the (batch row, head) pairs are shared out over the pool, each pair's work on one
- * thread (its T x T slice of att stays in that core's cache; the gemms inside a task run
- * serially), so the results are those of one thread. When there are too few pairs to keep the
- * threads busy (fewer than 4 a thread), the forward shares out (pair, query tile) items
- * instead, and the backward runs in two passes: query tiles (datt, dscores, dq), then key tiles
- * (dk and dv as one product over every query row that sees the tile). Tiles are dealt
- * longest-with-shortest (0, n-1, 1, n-2, ...) so that contiguous chunks carry equal causal work.
+ * thread (the gemms inside a task run serially), so the results are those of one thread. When
+ * there are too few pairs to keep the threads busy (fewer than 4 a thread), the forward shares
+ * out (pair, query tile) items instead, and the backward runs in two passes: query tiles
+ * (probabilities, datt, dscores, dq), then key tiles (dk and dv as one product over every query
+ * row that sees the tile); the two passes keep each pair's probabilities and dscores in the
+ * scratch in between. Tiles are dealt longest-with-shortest (0, n-1, 1, n-2, ...) so that
+ * contiguous chunks carry equal causal work.
  */
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/isa.h"
@@ -29,75 +38,114 @@
 #define ATT_BLOCK 64
 
 typedef struct att_job {
-  float *out, *att, *dqkv, *scratch;
-  const float *qkv, *dout, *att_in;
+  float *out, *dqkv, *scratch;
+  const float *qkv, *dout;
   int B, T, C, NH, ntiles;
+  int64_t items;  /* forward: the items shared out (pairs, or pairs x tiles) */
+  int nchunks;    /* forward, backward by pairs: chunks of items, a scratch slot each */
   float scale;
   bool set; /* backward: dqkv written, its old contents unread (zeroed pair by pair) */
 } att_job;
 
 /* Whether (pair, tile) items are needed to keep the threads busy. */
-static bool att_by_tile(int pairs, int ntiles) {
-  const int threads = fsdp_cpu_threads();
+static bool att_by_tile(int pairs, int ntiles, int threads) {
   return threads > 1 && ntiles > 1 && pairs < 4 * threads;
 }
+
+/* Floats of one (T, T) scratch matrix, rounded up to 64 bytes: every matrix starts as aligned
+ * as the scratch, so a pair's products see the same operand alignment whichever task (and
+ * slot) runs it, and oneDNN's kernel choice, which alignment may steer, cannot make the bits
+ * depend on how the pairs were shared out. */
+static int64_t tt_of(int T) { return ((int64_t)T * T + 15) / 16 * 16; }
+
+/* chunks of n items shared out over threads (fsdp_cpu_chunks with the count given) */
+static int64_t chunks_of(int64_t n, int threads) { return n < threads ? (n < 1 ? 1 : n) : threads; }
 
 /* The k-th tile in dealing order: 0, n-1, 1, n-2, ... */
 static int dealt_tile(int k, int ntiles) { return k % 2 == 0 ? k / 2 : ntiles - 1 - k / 2; }
 
 /* ---- forward --------------------------------------------------------------------------------- */
 
-/* Query rows [r0, r0 + ATT_BLOCK) of pair bh: att rows and out rows. */
-static void forward_tile(const att_job *j, int bh, int r0) {
+/* The probabilities of query rows [r0, r0 + ATT_BLOCK) of pair bh into rows r0.. of A (T, T):
+ * the forward's, and the backward's recomputation of them (the same call, the same bits). */
+static void probs_tile(const att_job *j, float *A, int bh, int r0) {
   const int T = j->T, C = j->C, C3 = 3 * C, hs = C / j->NH, b = bh / j->NH, h = bh % j->NH;
   const float *q = j->qkv + (int64_t)b * T * C3 + h * hs; // (T, hs), row stride 3C
-  const float *k = q + C, *v = q + 2 * C;
-  float *A = j->att + (int64_t)bh * T * T;             // (T, T)
-  float *o = j->out + (int64_t)b * T * C + h * hs;     // (T, hs), row stride C
   const int rows = T - r0 < ATT_BLOCK ? T - r0 : ATT_BLOCK, cols = r0 + rows;
-  float *Ab = A + (int64_t)r0 * T;
   /* scores[r0:r1, 0:r1] = q[r0:r1] @ k[0:r1]^T * scale */
-  fsdp_cpu_gemm(Ab, q + (int64_t)r0 * C3, k, rows, cols, hs, false, true, j->scale, 0.0f, C3,
-                C3, T);
+  fsdp_cpu_gemm(A + (int64_t)r0 * T, q + (int64_t)r0 * C3, q + C, rows, cols, hs, false, true,
+                j->scale, 0.0f, C3, C3, T);
   fsdp_cpu_vec()->att_softmax_rows(A, T, r0, rows);
+}
+
+/* Query rows [r0, r0 + ATT_BLOCK) of pair bh: their probabilities in A (the task's scratch),
+ * then out rows. */
+static void forward_tile(const att_job *j, float *A, int bh, int r0) {
+  const int T = j->T, C = j->C, C3 = 3 * C, hs = C / j->NH, b = bh / j->NH, h = bh % j->NH;
+  const float *v = j->qkv + (int64_t)b * T * C3 + h * hs + 2 * C;
+  float *o = j->out + (int64_t)b * T * C + h * hs; // (T, hs), row stride C
+  const int rows = T - r0 < ATT_BLOCK ? T - r0 : ATT_BLOCK, cols = r0 + rows;
+  probs_tile(j, A, bh, r0);
   /* out[r0:r1] = att[r0:r1, 0:r1] @ v[0:r1] */
-  fsdp_cpu_gemm(o + (int64_t)r0 * C, Ab, v, rows, hs, cols, false, false, 1.0f, 0.0f, T, C3, C);
+  fsdp_cpu_gemm(o + (int64_t)r0 * C, A + (int64_t)r0 * T, v, rows, hs, cols, false, false, 1.0f,
+                0.0f, T, C3, C);
+}
+
+/* the (T, T) scratch of the chunk of items that starts at lo */
+static float *forward_slot(const att_job *j, int64_t lo) {
+  return j->scratch + (int64_t)fsdp_cpu_chunk_at(j->items, 1, j->nchunks, lo) * tt_of(j->T);
 }
 
 static void forward_pairs(void *ctx, int64_t lo, int64_t hi) {
   const att_job *j = ctx;
+  float *A = forward_slot(j, lo);
   for (int64_t bh = lo; bh < hi; bh++)
-    for (int r0 = 0; r0 < j->T; r0 += ATT_BLOCK) forward_tile(j, (int)bh, r0);
+    for (int r0 = 0; r0 < j->T; r0 += ATT_BLOCK) forward_tile(j, A, (int)bh, r0);
 }
 
 static void forward_tiles(void *ctx, int64_t lo, int64_t hi) {
   const att_job *j = ctx;
+  float *A = forward_slot(j, lo);
   for (int64_t i = lo; i < hi; i++)
-    forward_tile(j, (int)(i / j->ntiles), ATT_BLOCK * dealt_tile((int)(i % j->ntiles), j->ntiles));
+    forward_tile(j, A, (int)(i / j->ntiles),
+                 ATT_BLOCK * dealt_tile((int)(i % j->ntiles), j->ntiles));
 }
 
-void fsdp_cpu_attention_forward(float *out, float *att, const float *qkv, int B, int T, int C,
-                                int NH) {
-  // out (B, T, C), att (B, NH, T, T), qkv (B, T, 3C)
-  att_job j = {.out = out, .att = att, .qkv = qkv, .B = B, .T = T, .C = C, .NH = NH,
+static int64_t forward_items(int B, int T, int NH, int threads) {
+  const int pairs = B * NH, ntiles = (T + ATT_BLOCK - 1) / ATT_BLOCK;
+  return att_by_tile(pairs, ntiles, threads) ? (int64_t)pairs * ntiles : pairs;
+}
+
+int64_t fsdp_cpu_attention_scratch(int B, int T, int NH, int threads, bool backward) {
+  const int64_t TT = tt_of(T);
+  const int pairs = B * NH, ntiles = (T + ATT_BLOCK - 1) / ATT_BLOCK;
+  if (!backward) return chunks_of(forward_items(B, T, NH, threads), threads) * TT;
+  /* probabilities and dscores: per task by pairs, per pair when two passes share them */
+  if (att_by_tile(pairs, ntiles, threads)) return 2 * pairs * TT;
+  return 2 * chunks_of(pairs, threads) * TT;
+}
+
+void fsdp_cpu_attention_forward(float *out, float *scratch, const float *qkv, int B, int T,
+                                int C, int NH) {
+  // out (B, T, C), qkv (B, T, 3C), scratch fsdp_cpu_attention_scratch(B, T, NH, false) floats
+  att_job j = {.out = out, .scratch = scratch, .qkv = qkv, .B = B, .T = T, .C = C, .NH = NH,
                .ntiles = (T + ATT_BLOCK - 1) / ATT_BLOCK,
                .scale = 1.0f / sqrtf((float)(C / NH))};
-  const int pairs = B * NH;
-  if (att_by_tile(pairs, j.ntiles))
-    fsdp_cpu_parallel_for((int64_t)pairs * j.ntiles, 1, forward_tiles, &j);
-  else
-    fsdp_cpu_parallel_for(pairs, 1, forward_pairs, &j);
+  j.items = forward_items(B, T, NH, fsdp_cpu_threads());
+  j.nchunks = fsdp_cpu_chunks(j.items, 1);
+  fsdp_cpu_parallel_for(j.items, 1, j.items == B * NH ? forward_pairs : forward_tiles, &j);
 }
 
 /* ---- backward -------------------------------------------------------------------------------- */
 
-/* Views of pair bh's operands. */
+/* Views of pair bh's operands; A and S in scratch (A, S). */
 typedef struct att_views {
-  const float *q, *k, *v, *A, *g; // (T, hs) row stride 3C; A (T, T); g (T, hs) row stride C
-  float *dq, *dk, *dv, *S;        // (T, hs) row stride 3C; S (T, T): datt, then dscores
+  const float *q, *k, *v, *g; // (T, hs) row stride 3C; g (T, hs) row stride C
+  float *dq, *dk, *dv;        // (T, hs) row stride 3C
+  float *A, *S;               // (T, T): the probabilities; datt, then dscores
 } att_views;
 
-static att_views views(const att_job *j, int bh) {
+static att_views views(const att_job *j, int bh, float *A, float *S) {
   const int T = j->T, C = j->C, C3 = 3 * C, hs = C / j->NH, b = bh / j->NH, h = bh % j->NH;
   att_views w;
   w.q = j->qkv + (int64_t)b * T * C3 + h * hs;
@@ -106,18 +154,20 @@ static att_views views(const att_job *j, int bh) {
   w.dq = j->dqkv + (int64_t)b * T * C3 + h * hs;
   w.dk = w.dq + C;
   w.dv = w.dq + 2 * C;
-  w.A = j->att_in + (int64_t)bh * T * T;
-  w.S = j->scratch + (int64_t)bh * T * T;
+  w.A = A;
+  w.S = S;
   w.g = j->dout + (int64_t)b * T * C + h * hs;
   return w;
 }
 
-/* Query tile r0 of one pair: datt = dout @ v^T, the softmax backward into dscores (zero above
- * the diagonal up to the tile's last column), and dq += dscores @ k * scale. */
-static void backward_query_tile(const att_job *j, const att_views *w, int r0) {
+/* Query tile r0 of pair bh: its probabilities again, datt = dout @ v^T, the softmax backward
+ * into dscores (zero above the diagonal up to the tile's last column), and
+ * dq += dscores @ k * scale. */
+static void backward_query_tile(const att_job *j, const att_views *w, int bh, int r0) {
   const int T = j->T, C = j->C, C3 = 3 * C, hs = C / j->NH;
   const int rows = T - r0 < ATT_BLOCK ? T - r0 : ATT_BLOCK, cols = r0 + rows;
   float *Sb = w->S + (int64_t)r0 * T;
+  probs_tile(j, w->A, bh, r0);
   /* datt[r0:r1, 0:r1] = dout[r0:r1] @ v[0:r1]^T */
   fsdp_cpu_gemm(Sb, w->g + (int64_t)r0 * C, w->v, rows, cols, hs, false, true, 1.0f, 0.0f, C, C3,
                 T);
@@ -142,24 +192,33 @@ static void zero_pair(const att_job *j, const att_views *w) {
 static void zero_pairs(void *ctx, int64_t lo, int64_t hi) {
   const att_job *j = ctx;
   for (int64_t bh = lo; bh < hi; bh++) {
-    const att_views w = views(j, (int)bh);
+    const att_views w = views(j, (int)bh, NULL, NULL);
     zero_pair(j, &w);
   }
+}
+
+/* the (T, T) probabilities and dscores of pair bh when two passes share them */
+static att_views pair_views(const att_job *j, int bh) {
+  const int64_t TT = tt_of(j->T);
+  float *A = j->scratch + 2 * bh * TT;
+  return views(j, bh, A, A + TT);
 }
 
 /* One pair, tile by tile: after each query tile, dv and dk receive its rows' contributions. */
 static void backward_pairs(void *ctx, int64_t lo, int64_t hi) {
   const att_job *j = ctx;
   const int T = j->T, C = j->C, C3 = 3 * C, hs = C / j->NH;
+  const int64_t TT = tt_of(T);
+  float *A = j->scratch + 2 * (int64_t)fsdp_cpu_chunk_at(j->B * j->NH, 1, j->nchunks, lo) * TT;
   for (int64_t bh = lo; bh < hi; bh++) {
-    const att_views w = views(j, (int)bh);
+    const att_views w = views(j, (int)bh, A, A + TT);
     if (j->set) zero_pair(j, &w);
     for (int r0 = 0; r0 < T; r0 += ATT_BLOCK) {
       const int rows = T - r0 < ATT_BLOCK ? T - r0 : ATT_BLOCK, cols = r0 + rows;
       const float *Ab = w.A + (int64_t)r0 * T, *gb = w.g + (int64_t)r0 * C;
+      backward_query_tile(j, &w, (int)bh, r0);
       /* dv[0:r1] += att[r0:r1, 0:r1]^T @ dout[r0:r1] */
       fsdp_cpu_gemm(w.dv, Ab, gb, cols, hs, rows, true, false, 1.0f, 1.0f, T, C, C3);
-      backward_query_tile(j, &w, r0);
       /* dk[0:r1] += dscores[r0:r1, 0:r1]^T @ q[r0:r1] * scale */
       fsdp_cpu_gemm(w.dk, w.S + (int64_t)r0 * T, w.q + (int64_t)r0 * C3, cols, hs, rows, true,
                     false, j->scale, 1.0f, T, C3, C3);
@@ -170,8 +229,9 @@ static void backward_pairs(void *ctx, int64_t lo, int64_t hi) {
 static void backward_query_tiles(void *ctx, int64_t lo, int64_t hi) {
   const att_job *j = ctx;
   for (int64_t i = lo; i < hi; i++) {
-    const att_views w = views(j, (int)(i / j->ntiles));
-    backward_query_tile(j, &w, ATT_BLOCK * dealt_tile((int)(i % j->ntiles), j->ntiles));
+    const int bh = (int)(i / j->ntiles);
+    const att_views w = pair_views(j, bh);
+    backward_query_tile(j, &w, bh, ATT_BLOCK * dealt_tile((int)(i % j->ntiles), j->ntiles));
   }
 }
 
@@ -181,7 +241,7 @@ static void backward_key_tiles(void *ctx, int64_t lo, int64_t hi) {
   const att_job *j = ctx;
   const int T = j->T, C = j->C, C3 = 3 * C, hs = C / j->NH;
   for (int64_t i = lo; i < hi; i++) {
-    const att_views w = views(j, (int)(i / j->ntiles));
+    const att_views w = pair_views(j, (int)(i / j->ntiles));
     const int c0 = ATT_BLOCK * dealt_tile((int)(i % j->ntiles), j->ntiles);
     const int n = T - c0 < ATT_BLOCK ? T - c0 : ATT_BLOCK;
     /* dv[c0:c1] += att[c0:T, c0:c1]^T @ dout[c0:T] */
@@ -194,14 +254,15 @@ static void backward_key_tiles(void *ctx, int64_t lo, int64_t hi) {
 }
 
 void fsdp_cpu_attention_backward(float *dqkv, float *scratch, const float *dout,
-                                 const float *qkv, const float *att, int B, int T, int C, int NH,
-                                 bool set) {
-  // dqkv (B, T, 3C), scratch (B, NH, T, T), dout (B, T, C), qkv (B, T, 3C), att (B, NH, T, T)
-  att_job j = {.dqkv = dqkv, .scratch = scratch, .qkv = qkv, .dout = dout, .att_in = att,
-               .B = B, .T = T, .C = C, .NH = NH, .ntiles = (T + ATT_BLOCK - 1) / ATT_BLOCK,
+                                 const float *qkv, int B, int T, int C, int NH, bool set) {
+  // dqkv (B, T, 3C), dout (B, T, C), qkv (B, T, 3C),
+  // scratch fsdp_cpu_attention_scratch(B, T, NH, true) floats
+  att_job j = {.dqkv = dqkv, .scratch = scratch, .qkv = qkv, .dout = dout, .B = B, .T = T,
+               .C = C, .NH = NH, .ntiles = (T + ATT_BLOCK - 1) / ATT_BLOCK,
                .scale = 1.0f / sqrtf((float)(C / NH)), .set = set};
   const int pairs = B * NH;
-  if (att_by_tile(pairs, j.ntiles)) {
+  j.nchunks = fsdp_cpu_chunks(pairs, 1);
+  if (att_by_tile(pairs, j.ntiles, fsdp_cpu_threads())) {
     /* tiles of one pair run on different threads: zero every pair first */
     if (set) fsdp_cpu_parallel_for(pairs, 1, zero_pairs, &j);
     fsdp_cpu_parallel_for((int64_t)pairs * j.ntiles, 1, backward_query_tiles, &j);

@@ -843,15 +843,16 @@ int fsdp_cpu_half_cross_entropy_backward(fsdp_dtype dt, void *dlogits, float dlo
 
 /* ---- attention ----------------------------------------------------------------------------------
  * One batch row at a time: its qkv rows are widened (one contiguous stretch), the f32 kernel
- * runs on them, and its output rows and (NH, T, T) probabilities are narrowed back. With at least
- * two rows a thread, the rows are shared out over the threads, each task with its own scratch
- * slot (allocated up front) and the f32 kernel serial inside it, so every conversion runs on the
- * thread that uses the data. Otherwise (fewer rows, e.g. sampling one sequence) the rows go one
- * after the other and the f32 kernel splits each over the threads. */
+ * runs on them and its output rows are narrowed back. Nothing is saved: the backward widens the
+ * row again and the f32 kernel recomputes the probabilities (f32, the forward's bits). With at
+ * least two rows a thread, the rows are shared out over the threads, each task with its own
+ * scratch slot (allocated up front) and the f32 kernel serial inside it, so every conversion
+ * runs on the thread that uses the data. Otherwise (fewer rows, e.g. sampling one sequence) the
+ * rows go one after the other and the f32 kernel splits each over the threads. */
 typedef struct {
   fsdp_dtype dt;
-  void *out, *att, *dqkv;
-  const void *qkv, *dout, *att_in;
+  void *out, *dqkv;
+  const void *qkv, *dout;
   int B, T, C, NH, nchunks;
   int64_t slot; /* floats per task's scratch slot */
   float *scratch;
@@ -865,28 +866,24 @@ static float *att_slot(const att_job *j, int64_t lo) {
 
 static void att_forward_rows(void *ctx, int64_t lo, int64_t hi) {
   const att_job *j = ctx;
-  const int64_t nq = (int64_t)j->T * 3 * j->C, no = (int64_t)j->T * j->C,
-                na = (int64_t)j->NH * j->T * j->T;
-  float *fq = att_slot(j, lo), *fo = fq + nq, *fa = fo + no;
+  const int64_t nq = (int64_t)j->T * 3 * j->C, no = (int64_t)j->T * j->C;
+  float *fq = att_slot(j, lo), *fo = fq + nq, *sc = fo + no;
   for (int64_t b = lo; b < hi; b++) {
     widen(fq, j->qkv, j->dt, b * nq, nq);
-    fsdp_cpu_attention_forward(fo, fa, fq, 1, j->T, j->C, j->NH);
+    fsdp_cpu_attention_forward(fo, sc, fq, 1, j->T, j->C, j->NH);
     narrow(j->out, j->dt, b * no, fo, no);
-    narrow(j->att, j->dt, b * na, fa, na);
   }
 }
 
 static void att_backward_rows(void *ctx, int64_t lo, int64_t hi) {
   const att_job *j = ctx;
-  const int64_t nq = (int64_t)j->T * 3 * j->C, no = (int64_t)j->T * j->C,
-                na = (int64_t)j->NH * j->T * j->T;
-  float *fq = att_slot(j, lo), *fd = fq + nq, *fg = fd + nq, *fa = fg + no, *sc = fa + na;
+  const int64_t nq = (int64_t)j->T * 3 * j->C, no = (int64_t)j->T * j->C;
+  float *fq = att_slot(j, lo), *fd = fq + nq, *fg = fd + nq, *sc = fg + no;
   for (int64_t b = lo; b < hi; b++) {
     widen(fq, j->qkv, j->dt, b * nq, nq);
     if (!j->set) widen(fd, j->dqkv, j->dt, b * nq, nq);
     widen(fg, j->dout, j->dt, b * no, no);
-    widen(fa, j->att_in, j->dt, b * na, na);
-    fsdp_cpu_attention_backward(fd, sc, fg, fq, fa, 1, j->T, j->C, j->NH, j->set);
+    fsdp_cpu_attention_backward(fd, sc, fg, fq, 1, j->T, j->C, j->NH, j->set);
     narrow(j->dqkv, j->dt, b * nq, fd, nq);
   }
 }
@@ -895,10 +892,11 @@ static void att_backward_rows(void *ctx, int64_t lo, int64_t hi) {
 static bool att_rows(att_job *j, bool backward, int *rc) {
   const int threads = fsdp_cpu_threads();
   if (threads > 1 && j->B < 2 * threads) return false;
-  const int64_t nq = (int64_t)j->T * 3 * j->C, no = (int64_t)j->T * j->C,
-                na = (int64_t)j->NH * j->T * j->T;
+  const int64_t nq = (int64_t)j->T * 3 * j->C, no = (int64_t)j->T * j->C;
+  /* inside a task the f32 kernel runs on one thread */
+  const int64_t sc = fsdp_cpu_attention_scratch(1, j->T, j->NH, 1, backward);
   j->nchunks = fsdp_cpu_chunks(j->B, 1);
-  j->slot = ((backward ? 2 * nq + no + 2 * na : nq + no + na) + 15) / 16 * 16;
+  j->slot = ((backward ? 2 * nq + no : nq + no) + sc + 15) / 16 * 16;
   fsdp_cpu_work w = {0};
   j->scratch = tmp(&w, j->slot * j->nchunks);
   if (!w.failed)
@@ -915,17 +913,17 @@ int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, void *att, const v
     int rc = fsdp_cpu_bf16_attention_forward(out, att, qkv, B, T, C, NH);
     if (rc != FSDP_CPU_OTHER_WAY) return rc;
   }
-  att_job j = {.dt = dt, .out = out, .att = att, .qkv = qkv, .B = B, .T = T, .C = C, .NH = NH};
+  att_job j = {.dt = dt, .out = out, .qkv = qkv, .B = B, .T = T, .C = C, .NH = NH};
   int rc;
   if (att_rows(&j, false, &rc)) return rc;
   fsdp_cpu_work w = {0};
-  int64_t nq = (int64_t)T * 3 * C, no = (int64_t)T * C, na = (int64_t)NH * T * T;
-  float *fq = tmp(&w, nq), *fo = tmp(&w, no), *fa = tmp(&w, na);
+  int64_t nq = (int64_t)T * 3 * C, no = (int64_t)T * C;
+  float *fq = tmp(&w, nq), *fo = tmp(&w, no),
+        *sc = tmp(&w, fsdp_cpu_attention_scratch(1, T, NH, fsdp_cpu_threads(), false));
   for (int b = 0; !w.failed && b < B; b++) {
     get(fq, qkv, dt, b * nq, nq);
-    fsdp_cpu_attention_forward(fo, fa, fq, 1, T, C, NH);
+    fsdp_cpu_attention_forward(fo, sc, fq, 1, T, C, NH);
     put(out, dt, b * no, fo, no);
-    put(att, dt, b * na, fa, na);
   }
   return fsdp_cpu_work_done(&w);
 }
@@ -937,20 +935,19 @@ int fsdp_cpu_half_attention_backward(fsdp_dtype dt, void *dqkv, const void *dout
     int rc = fsdp_cpu_bf16_attention_backward(dqkv, dout, qkv, att, B, T, C, NH, set_dqkv);
     if (rc != FSDP_CPU_OTHER_WAY) return rc;
   }
-  att_job j = {.dt = dt, .dqkv = dqkv, .qkv = qkv, .dout = dout, .att_in = att, .B = B, .T = T,
-              .C = C, .NH = NH, .set = set_dqkv};
+  att_job j = {.dt = dt, .dqkv = dqkv, .qkv = qkv, .dout = dout, .B = B, .T = T, .C = C,
+              .NH = NH, .set = set_dqkv};
   int rc;
   if (att_rows(&j, true, &rc)) return rc;
   fsdp_cpu_work w = {0};
-  int64_t nq = (int64_t)T * 3 * C, no = (int64_t)T * C, na = (int64_t)NH * T * T;
-  float *fq = tmp(&w, nq), *fg = tmp(&w, no), *fa = tmp(&w, na), *fd = tmp(&w, nq),
-        *scratch = tmp(&w, na);
+  int64_t nq = (int64_t)T * 3 * C, no = (int64_t)T * C;
+  float *fq = tmp(&w, nq), *fg = tmp(&w, no), *fd = tmp(&w, nq),
+        *sc = tmp(&w, fsdp_cpu_attention_scratch(1, T, NH, fsdp_cpu_threads(), true));
   for (int b = 0; !w.failed && b < B; b++) {
     get(fq, qkv, dt, b * nq, nq);
     get(fg, dout, dt, b * no, no);
-    get(fa, att, dt, b * na, na);
     if (!set_dqkv) get(fd, dqkv, dt, b * nq, nq);
-    fsdp_cpu_attention_backward(fd, scratch, fg, fq, fa, 1, T, C, NH, set_dqkv);
+    fsdp_cpu_attention_backward(fd, sc, fg, fq, 1, T, C, NH, set_dqkv);
     put(dqkv, dt, b * nq, fd, nq);
   }
   return fsdp_cpu_work_done(&w);

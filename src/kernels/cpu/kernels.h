@@ -154,17 +154,17 @@ void fsdp_cpu_softmax_backward(float *dinp, const float *dout, const float *out,
 
 /* Causal multi-head self-attention on a fused qkv projection (llm.c layout).
  * qkv (B, T, 3C): q = qkv[..., 0:C], k = qkv[..., C:2C], v = qkv[..., 2C:3C], each split into
- * NH heads of hs = C / NH. att (B, NH, T, T) receives the softmax probabilities (saved for
- * backward; entries above the diagonal are 0). out (B, T, C) = heads concatenated.
- * Scores are scaled by 1/sqrt(hs). Uses sgemm per (b, head). */
-void fsdp_cpu_attention_forward(float *out, float *att, const float *qkv, int B, int T, int C,
-                                int NH);
-/* dqkv (B, T, 3C) += ... (set: dqkv = ..., its old contents unread); scratch (B, NH, T, T) is
- * caller-provided workspace (its lower triangle is overwritten; no contents are read). att is
- * the forward's. */
+ * NH heads of hs = C / NH. out (B, T, C) = heads concatenated. Scores are scaled by 1/sqrt(hs).
+ * Nothing is saved for the backward: it recomputes the probabilities (the same bits). scratch
+ * is caller-provided workspace of fsdp_cpu_attention_scratch floats for the same sizes and
+ * the calling context's fsdp_cpu_threads() (which decides how the work is shared out: 1 inside
+ * a pool task); no contents are read. */
+int64_t fsdp_cpu_attention_scratch(int B, int T, int NH, int threads, bool backward);
+void fsdp_cpu_attention_forward(float *out, float *scratch, const float *qkv, int B, int T,
+                                int C, int NH);
+/* dqkv (B, T, 3C) += ... (set: dqkv = ..., its old contents unread) */
 void fsdp_cpu_attention_backward(float *dqkv, float *scratch, const float *dout,
-                                 const float *qkv, const float *att, int B, int T, int C, int NH,
-                                 bool set);
+                                 const float *qkv, int B, int T, int C, int NH, bool set);
 
 /* ---- losses and reductions ------------------------------------------------------------------- */
 

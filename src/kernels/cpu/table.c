@@ -720,18 +720,30 @@ static int k_reduce_ranks(void *ctx, fsdp_dtype dt, fsdp_reduce_op red, void *ou
   return FSDP_OK;
 }
 
-/* the cpu saves the softmax probabilities (B, NH, T, T) in the compute dtype */
+/* What the cpu saves for the backward: nothing in f32 and on the widening way (the backward
+ * recomputes the probabilities); bf16 attention on the processor's bf16 products saves its
+ * bf16 probabilities (B, NH, T, T), which its backward multiplies with. */
 static int64_t k_attention_saved(void *ctx, fsdp_dtype dt, int B, int T, int C, int NH,
                                  fsdp_dtype *saved_dt) {
   *saved_dt = dt;
-  return (int64_t)B * NH * T * T;
+  if (dt == FSDP_DTYPE_BF16 && fsdp_cpu_bf16_attention_native(B, T, C, NH))
+    return (int64_t)B * NH * T * T;
+  return 0;
+}
+
+/* the f32 kernel's workspace: scratch of this call, accounted as activations */
+static float *attention_scratch(fsdp_cpu_work *w, int B, int T, int NH, bool backward) {
+  return fsdp_cpu_work_buf(w, fsdp_cpu_attention_scratch(B, T, NH, fsdp_cpu_threads(), backward),
+                           sizeof(float));
 }
 
 static int k_attention_forward(void *ctx, fsdp_dtype dt, void *out, void *att, const void *qkv,
                                int B, int T, int C, int NH) {
   if (dt == FSDP_DTYPE_F32) {
-    fsdp_cpu_attention_forward(out, att, qkv, B, T, C, NH);
-    return FSDP_OK;
+    fsdp_cpu_work w = {0};
+    float *scratch = attention_scratch(&w, B, T, NH, false);
+    if (!w.failed) fsdp_cpu_attention_forward(out, scratch, qkv, B, T, C, NH);
+    return fsdp_cpu_work_done(&w);
   }
   if (!is_half(dt)) return REFUSE("attention", dt);
   return fsdp_cpu_half_attention_forward(dt, out, att, qkv, B, T, C, NH);
@@ -741,14 +753,10 @@ static int k_attention_backward(void *ctx, fsdp_dtype dt, void *dqkv, const void
                                 const void *qkv, const void *att, int B, int T, int C, int NH,
                                 bool set_dqkv) {
   if (dt == FSDP_DTYPE_F32) {
-    /* the kernel's (B, NH, T, T) workspace: scratch of this call, accounted as activations */
-    fsdp_storage *work;
-    if (fsdp_storage_new_uninit(&work, &fsdp_device_cpu,
-                                (size_t)B * NH * T * T * sizeof(float), FSDP_ROLE_ACTIVATIONS))
-      return FSDP_ERR;
-    fsdp_cpu_attention_backward(dqkv, work->data, dout, qkv, att, B, T, C, NH, set_dqkv);
-    fsdp_storage_release(work);
-    return FSDP_OK;
+    fsdp_cpu_work w = {0};
+    float *scratch = attention_scratch(&w, B, T, NH, true);
+    if (!w.failed) fsdp_cpu_attention_backward(dqkv, scratch, dout, qkv, B, T, C, NH, set_dqkv);
+    return fsdp_cpu_work_done(&w);
   }
   if (!is_half(dt)) return REFUSE("attention", dt);
   return fsdp_cpu_half_attention_backward(dt, dqkv, dout, qkv, att, B, T, C, NH, set_dqkv);
