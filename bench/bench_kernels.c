@@ -119,14 +119,14 @@ static void run_attention_fwd(void *p) {
 
 /* bf16 attention, forward + backward (dqkv written), the way fsdp_cpu_bf16_gemm_force chose */
 typedef struct {
-  uint16_t *qkv, *out, *att, *dqkv, *dout;
+  uint16_t *qkv, *out, *dqkv, *dout;
 } hatt_ctx;
 
 static void run_attention_bf16(void *p) {
   hatt_ctx *c = p;
-  if (fsdp_cpu_half_attention_forward(FSDP_DTYPE_BF16, c->out, c->att, c->qkv, B, T, C, NH) ||
-      fsdp_cpu_half_attention_backward(FSDP_DTYPE_BF16, c->dqkv, c->dout, c->qkv, c->att, B, T,
-                                       C, NH, true)) {
+  if (fsdp_cpu_half_attention_forward(FSDP_DTYPE_BF16, c->out, c->qkv, B, T, C, NH) ||
+      fsdp_cpu_half_attention_backward(FSDP_DTYPE_BF16, c->dqkv, c->dout, c->qkv, B, T, C, NH,
+                                       true)) {
     fprintf(stderr, "bench_kernels: bf16 attention failed: %s\n", fsdp_error_msg());
     exit(1);
   }
@@ -170,8 +170,7 @@ int main(int argc, char **argv) {
   att_ctx at = {buf(NT * 3 * C, 2), buf(NT * C, 1), buf(NT * 3 * C, 1), buf(NT * C, 1),
                 buf(fsdp_cpu_attention_scratch(B, T, NH, FSDP_CPU_MAX_THREADS, true), 1)};
 
-  hatt_ctx hat = {hbuf(NT * 3 * C), hbuf(NT * C), hbuf((int64_t)B * NH * T * T),
-                  hbuf(NT * 3 * C), hbuf(NT * C)};
+  hatt_ctx hat = {hbuf(NT * 3 * C), hbuf(NT * C), hbuf(NT * 3 * C), hbuf(NT * C)};
   float *fsmall = buf(1 << 16, 1), *fbig = buf((int64_t)1 << 24, 1);
   uint16_t *nsmall = hbuf(1 << 16), *nbig = hbuf((int64_t)1 << 24);
 

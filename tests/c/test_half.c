@@ -332,37 +332,11 @@ static void near(const buf *b, double rel, const char *what) {
   for (int64_t i = 0; i < b->n; i++) b->f[i] = widen1(b->h[i]);
 }
 
-/* The causal softmax probabilities (B, NH, T, T) of f32 qkv, in double, rounded to f32 (the f32
- * kernel keeps none to compare with). */
-static void ref_probs(float *att, const float *qkv, int B, int T, int C, int NH) {
-  const int hs = C / NH;
-  double *a = malloc(sizeof(double) * (size_t)T);
-  assert_non_null(a);
-  for (int b = 0; b < B; b++)
-    for (int h = 0; h < NH; h++)
-      for (int t = 0; t < T; t++) {
-        const float *q = qkv + ((int64_t)b * T + t) * 3 * C + h * hs;
-        double mx = -INFINITY, sum = 0;
-        for (int s = 0; s <= t; s++) {
-          const float *kk = qkv + ((int64_t)b * T + s) * 3 * C + C + h * hs;
-          double d = 0;
-          for (int i = 0; i < hs; i++) d += (double)q[i] * kk[i];
-          a[s] = d / sqrt((double)hs);
-          mx = fmax(mx, a[s]);
-        }
-        for (int s = 0; s <= t; s++) sum += (a[s] = exp(a[s] - mx));
-        float *row = att + (((int64_t)b * NH + h) * T + t) * T;
-        for (int s = 0; s < T; s++) row[s] = s <= t ? (float)(a[s] / sum) : 0.0f;
-      }
-  free(a);
-}
-
-/* The bf16 / f16 attention against the f32 kernel on the widened inputs. The widening way
- * (native false: the bf16 products forced off) gives the f32 kernel's bits, and keeps nothing
- * for the backward (it recomputes the probabilities as the f32 kernel does). bf16 attention
- * with the processor's bf16 products (attention_bf16.c, native true; skipped where it cannot
- * run) is held to bf16's precision: the probabilities it saves within a unit of bf16 of the
- * exact ones, the outputs and gradients within 1-2% norm-wise of the f32 kernel's (its products
+/* The bf16 / f16 attention against the f32 kernel on the widened inputs (no way saves anything
+ * for the backward: each recomputes the probabilities). The widening way (native false: the
+ * bf16 products forced off) gives the f32 kernel's bits. bf16 attention with the processor's
+ * bf16 products (attention_bf16.c, native true; skipped where it cannot run) is held to bf16's
+ * precision: the outputs and gradients within 1-2% norm-wise of the f32 kernel's (its products
  * read the rounded probabilities and score gradients), written and accumulated; and a batch
  * row's results are the same bits whichever call and thread count computes it. */
 static void attention_case(int B, int T, int C, int NH, bool native) {
@@ -370,57 +344,50 @@ static void attention_case(int B, int T, int C, int NH, bool native) {
   if (native && (DT != FSDP_DTYPE_BF16 || !fsdp_cpu_bf16_gemm_force(1))) return;
   if (!native) fsdp_cpu_bf16_gemm_force(0);
   assert_int_equal(fsdp_cpu_bf16_attention_native(B, T, C, NH), native);
-  const int64_t nq = (int64_t)B * T * 3 * C, no = (int64_t)B * T * C,
-                na = (int64_t)B * NH * T * T;
-  buf qkv = mk(nq, -1, 1), o = mk(no, 0, 1), a = mk(na, 0, 1), g = mk(no, -1, 1),
-      dq = mk(nq, -1, 1);
-  assert_int_equal(k->attention_forward(CTX, DT, o.h, a.h, qkv.h, B, T, C, NH), FSDP_OK);
-  assert_int_equal(k->attention_forward(CTX, FSDP_DTYPE_F32, o.f, a.f, qkv.f, B, T, C, NH),
+  const int64_t nq = (int64_t)B * T * 3 * C, no = (int64_t)B * T * C;
+  fsdp_dtype sdt;
+  assert_int_equal(k->attention_saved(CTX, DT, B, T, C, NH, &sdt), 0);
+  buf qkv = mk(nq, -1, 1), o = mk(no, 0, 1), g = mk(no, -1, 1), dq = mk(nq, -1, 1);
+  assert_int_equal(k->attention_forward(CTX, DT, o.h, NULL, qkv.h, B, T, C, NH), FSDP_OK);
+  assert_int_equal(k->attention_forward(CTX, FSDP_DTYPE_F32, o.f, NULL, qkv.f, B, T, C, NH),
                    FSDP_OK);
-  if (native) {
-    near(&o, 1e-2, "attention forward");
-    ref_probs(a.f, qkv.f, B, T, C, NH);
-    near(&a, 4e-3, "attention probabilities");
-  } else {
-    same(&o, "attention forward");
-  }
-  assert_int_equal(k->attention_backward(CTX, DT, dq.h, g.h, qkv.h, a.h, B, T, C, NH, false),
+  if (native) near(&o, 1e-2, "attention forward");
+  else same(&o, "attention forward");
+  assert_int_equal(k->attention_backward(CTX, DT, dq.h, g.h, qkv.h, NULL, B, T, C, NH, false),
                    FSDP_OK);
   assert_int_equal(
-      k->attention_backward(CTX, FSDP_DTYPE_F32, dq.f, g.f, qkv.f, a.f, B, T, C, NH, false),
+      k->attention_backward(CTX, FSDP_DTYPE_F32, dq.f, g.f, qkv.f, NULL, B, T, C, NH, false),
       FSDP_OK);
   if (native) near(&dq, 2e-2, "attention backward, added");
   else same(&dq, "attention backward");
   /* dqkv written, not added: its old contents (NaN here) never read */
   for (int64_t i = 0; i < nq; i++) dq.h[i] = narrow1(NAN), dq.f[i] = NAN;
-  assert_int_equal(k->attention_backward(CTX, DT, dq.h, g.h, qkv.h, a.h, B, T, C, NH, true),
+  assert_int_equal(k->attention_backward(CTX, DT, dq.h, g.h, qkv.h, NULL, B, T, C, NH, true),
                    FSDP_OK);
   assert_int_equal(
-      k->attention_backward(CTX, FSDP_DTYPE_F32, dq.f, g.f, qkv.f, a.f, B, T, C, NH, true),
+      k->attention_backward(CTX, FSDP_DTYPE_F32, dq.f, g.f, qkv.f, NULL, B, T, C, NH, true),
       FSDP_OK);
   if (native) near(&dq, 2e-2, "attention backward, dqkv set");
   else same(&dq, "attention backward, dqkv set");
   if (native) { /* row by row, at the other thread count: the same bits */
-    buf o1 = mk(no, 0, 1), a1 = mk(na, 0, 1), dq1 = mk(nq, 0, 0);
+    buf o1 = mk(no, 0, 1), dq1 = mk(nq, 0, 0);
     const int saved = fsdp_cpu_threads();
     fsdp_cpu_set_threads(saved == 1 ? 2 : 1);
     for (int b = 0; b < B; b++) {
-      const int64_t q0 = (int64_t)b * T * 3 * C, o0 = (int64_t)b * T * C,
-                    a0 = (int64_t)b * NH * T * T;
-      assert_int_equal(
-          k->attention_forward(CTX, DT, o1.h + o0, a1.h + a0, qkv.h + q0, 1, T, C, NH), FSDP_OK);
-      assert_int_equal(k->attention_backward(CTX, DT, dq1.h + q0, g.h + o0, qkv.h + q0,
-                                             a.h + a0, 1, T, C, NH, true),
+      const int64_t q0 = (int64_t)b * T * 3 * C, o0 = (int64_t)b * T * C;
+      assert_int_equal(k->attention_forward(CTX, DT, o1.h + o0, NULL, qkv.h + q0, 1, T, C, NH),
+                       FSDP_OK);
+      assert_int_equal(k->attention_backward(CTX, DT, dq1.h + q0, g.h + o0, qkv.h + q0, NULL, 1,
+                                             T, C, NH, true),
                        FSDP_OK);
     }
     fsdp_cpu_set_threads(saved);
     assert_memory_equal(o1.h, o.h, (size_t)no * 2);
-    assert_memory_equal(a1.h, a.h, (size_t)na * 2);
     assert_memory_equal(dq1.h, dq.h, (size_t)nq * 2);
-    rm(&o1), rm(&a1), rm(&dq1);
+    rm(&o1), rm(&dq1);
   }
   fsdp_cpu_bf16_gemm_force(-1);
-  rm(&qkv), rm(&o), rm(&a), rm(&g), rm(&dq);
+  rm(&qkv), rm(&o), rm(&g), rm(&dq);
 }
 
 static void colsum_case(void) {
@@ -509,7 +476,7 @@ static void test_scratch_refused(void **state) {
   const fsdp_kernels_i *k = K();
   enum { N = 200, C = 256, B = 4, T = 32, AC = 64, NH = 2 };
   buf x = mk(N * C, -1, 1), g = mk(N * C, -1, 1), d = mk(N * C, -1, 1), w = mk(C, 0.5f, 1.5f);
-  buf qkv = mk(B * T * 3 * AC, -1, 1), o = mk(B * T * AC, -1, 1), a = mk(B * NH * T * T, 0, 1);
+  buf qkv = mk(B * T * 3 * AC, -1, 1), o = mk(B * T * AC, -1, 1);
   float mean[N], rstd[N], dw[C];
   for (int i = 0; i < N; i++) mean[i] = 0.1f, rstd[i] = 1.5f;
   memset(dw, 0, sizeof dw);
@@ -528,7 +495,7 @@ static void test_scratch_refused(void **state) {
   assert_non_null(strstr(fsdp_error_msg(), "out of memory budget"));
   assert_memory_equal(d.h, d0, sizeof(uint16_t) * N * C);
   for (int i = 0; i < C; i++) assert_true(dw[i] == 0.0f);
-  assert_int_equal(k->attention_forward(CTX, DT, o.h, a.h, qkv.h, B, T, AC, NH), FSDP_ERR);
+  assert_int_equal(k->attention_forward(CTX, DT, o.h, NULL, qkv.h, B, T, AC, NH), FSDP_ERR);
   assert_non_null(strstr(fsdp_error_msg(), "out of memory budget"));
   assert_memory_equal(o.h, o0, sizeof(uint16_t) * B * T * AC);
   fsdp_mem_report r;
@@ -537,7 +504,7 @@ static void test_scratch_refused(void **state) {
   fsdp_mem_domain_set(NULL);
   fsdp_mem_domain_free(dom);
   free(d0), free(o0);
-  rm(&x), rm(&g), rm(&d), rm(&w), rm(&qkv), rm(&o), rm(&a);
+  rm(&x), rm(&g), rm(&d), rm(&w), rm(&qkv), rm(&o);
   fsdp_cpu_set_threads(0);
 }
 

@@ -10,12 +10,13 @@
  * and one strided product covers them all (6 heads: 6 times fewer calls than one per head).
  *
  * Forward, per query tile: scores (f32) = q k^T / sqrt(hs); the causal softmax rows (the f32
- * kernel's, isa.h); att (bf16) = the probabilities rounded once; out (bf16) = att v, the same
- * bf16 probabilities the backward reads. Backward, per query tile: datt (f32) = dout v^T, the
- * softmax backward on att widened, dscores rounded to bf16 into a scratch, dq = dscores k /
- * sqrt(hs); then per key tile, over every query row that sees it: dv = att^T dout, dk =
- * dscores^T q / sqrt(hs). Every output element is written by one product (no bf16 running sums;
- * added into dqkv with one rounding when the backward accumulates).
+ * kernel's, isa.h); att (bf16) = the probabilities rounded once; out (bf16) = att v. Nothing is
+ * kept for the backward: per query tile it recomputes the scores with the same product, the
+ * same softmax rows and the same rounding (the forward's bf16 probabilities, bit for bit), then
+ * datt (f32) = dout v^T, the softmax backward on att widened, dscores rounded to bf16 into a
+ * scratch, dq = dscores k / sqrt(hs); then per key tile, over every query row that sees it:
+ * dv = att^T dout, dk = dscores^T q / sqrt(hs). Every output element is written by one product
+ * (no bf16 running sums; added into dqkv with one rounding when the backward accumulates).
  *
  * Against the widening way the products' sums run in another order and two operands are bf16
  * where that way keeps f32: the probabilities in att v and dscores in dq and dk. The results
@@ -24,7 +25,8 @@
  * the same bits at any thread count and however the rows are split over ranks.
  *
  * Batch rows are shared out over the rank's threads, each task with its own scratch: the
- * scores (NH, T, T) f32, for the backward also att widened (f32) and dscores (bf16). The path is
+ * scores (NH, T, T) f32 and att (bf16), for the backward also att widened (f32) and dscores
+ * (bf16). The path is
  * taken for every bf16 call it can serve, whatever the batch size and thread count, so that a
  * model's results do not depend on how its batch is split.
  */
@@ -40,13 +42,13 @@
 #define ATT_BLOCK 64 /* attention.c's tile */
 
 typedef struct {
-  uint16_t *out, *att, *dqkv;
-  const uint16_t *qkv, *dout, *att_in;
+  uint16_t *out, *dqkv;
+  const uint16_t *qkv, *dout;
   int B, T, C, NH, nchunks;
   float scale;
   bool set;           /* backward: dqkv written (else added: each product's sum post-op) */
   char *scratch;      /* per chunk: slot bytes */
-  size_t slot, mm_bytes; /* slot: scores (+ widened att, dscores) and oneDNN's scratch */
+  size_t slot, mm_bytes; /* slot: scores, att (+ widened att, dscores), oneDNN's scratch */
   atomic_int failed;  /* a product failed in a task (oneDNN): the caller takes the other way */
 } bf_job;
 
@@ -79,7 +81,7 @@ static bool mm(bf_job *j, const fsdp_cpu_mm_shape *s, void *c, const void *a, co
 /* The products of tile r0 into out, their count. Forward: the scores of query rows [r0, r1)
  * against keys [0, r1), then their probabilities times v. Backward: datt of those rows, dq from
  * their dscores, then for the key tile [r0, r1) (seen by the T - r0 query rows from r0 on) dv
- * and dk. */
+ * and dk; and (out[4]) the forward's scores product again. */
 static int tile_shapes(const bf_job *j, bool backward, int r0, fsdp_cpu_mm_shape *out) {
   const int T = j->T, C = j->C, C3 = 3 * C, hs = C / j->NH;
   const int64_t TT = (int64_t)T * T;
@@ -94,7 +96,21 @@ static int tile_shapes(const bf_job *j, bool backward, int r0, fsdp_cpu_mm_shape
   out[1] = shape(j, BF16, rows, hs, cols, false, false, T, C3, C3, TT, hs, hs, j->scale);
   out[2] = shape(j, BF16, rows, hs, T - r0, true, false, T, C, C3, TT, hs, hs, 1.0f);
   out[3] = shape(j, BF16, rows, hs, T - r0, true, false, T, C3, C3, TT, hs, hs, j->scale);
-  return 4;
+  out[4] = shape(j, F32, rows, cols, hs, false, true, C3, C3, T, hs, hs, TT, j->scale);
+  return 5;
+}
+
+/* The bf16 probabilities of query rows [r0, r0 + rows) of every head into att (NH, T, T), from
+ * the f32 scores in S (NH, T, T) they leave softmaxed: the forward's, and the backward's
+ * recomputation of them (the same product before, the same bits). */
+static void probs_rows(uint16_t *att, float *S, int T, int NH, int r0, int rows) {
+  const int64_t TT = (int64_t)T * T;
+  const fsdp_cpu_vec_i *vec = fsdp_cpu_vec();
+  for (int h = 0; h < NH; h++) {
+    vec->att_softmax_rows(S + h * TT, T, r0, rows);
+    fsdp_cpu_f32_to_bf16(att + h * TT + (int64_t)r0 * T, S + h * TT + (int64_t)r0 * T,
+                         (int64_t)rows * T);
+  }
 }
 
 static char *slot_of(const bf_job *j, int64_t lo) {
@@ -107,21 +123,17 @@ static void forward_rows(void *ctx, int64_t lo, int64_t hi) {
   const int64_t TT = (int64_t)T * T;
   char *slot = slot_of(j, lo);
   float *S = (float *)slot;
+  uint16_t *att = (uint16_t *)(S + NH * TT);
   void *mms = slot + j->slot - j->mm_bytes;
-  const fsdp_cpu_vec_i *vec = fsdp_cpu_vec();
   for (int64_t b = lo; b < hi && !atomic_load(&j->failed); b++) {
     const uint16_t *q = j->qkv + b * T * C3, *k = q + C, *v = q + 2 * C;
-    uint16_t *att = j->att + b * NH * TT, *out = j->out + b * T * C;
+    uint16_t *out = j->out + b * T * C;
     for (int r0 = 0; r0 < T; r0 += ATT_BLOCK) {
       const int rows = T - r0 < ATT_BLOCK ? T - r0 : ATT_BLOCK;
       fsdp_cpu_mm_shape s[2];
       tile_shapes(j, false, r0, s);
       if (!mm(j, &s[0], S + (int64_t)r0 * T, q + (int64_t)r0 * C3, k, mms)) return;
-      for (int h = 0; h < NH; h++) {
-        vec->att_softmax_rows(S + h * TT, T, r0, rows);
-        fsdp_cpu_f32_to_bf16(att + h * TT + (int64_t)r0 * T, S + h * TT + (int64_t)r0 * T,
-                             (int64_t)rows * T);
-      }
+      probs_rows(att, S, T, NH, r0, rows);
       if (!mm(j, &s[1], out + (int64_t)r0 * C, att + (int64_t)r0 * T, v, mms)) return;
     }
   }
@@ -133,17 +145,20 @@ static void backward_rows(void *ctx, int64_t lo, int64_t hi) {
   const int64_t TT = (int64_t)T * T;
   char *slot = slot_of(j, lo);
   float *S = (float *)slot, *A = S + NH * TT;
-  uint16_t *D = (uint16_t *)(A + NH * TT);
+  uint16_t *D = (uint16_t *)(A + NH * TT), *att = D + NH * TT;
   void *mms = slot + j->slot - j->mm_bytes;
   const fsdp_cpu_vec_i *vec = fsdp_cpu_vec();
   for (int64_t b = lo; b < hi && !atomic_load(&j->failed); b++) {
     const uint16_t *q = j->qkv + b * T * C3, *k = q + C, *v = q + 2 * C;
-    const uint16_t *att = j->att_in + b * NH * TT, *g = j->dout + b * T * C;
+    const uint16_t *g = j->dout + b * T * C;
     uint16_t *dq = j->dqkv + b * T * C3, *dk = dq + C, *dv = dq + 2 * C;
-    for (int r0 = 0; r0 < T; r0 += ATT_BLOCK) { /* query tiles: datt, dscores, dq */
+    for (int r0 = 0; r0 < T; r0 += ATT_BLOCK) { /* query tiles: att, datt, dscores, dq */
       const int rows = T - r0 < ATT_BLOCK ? T - r0 : ATT_BLOCK, cols = r0 + rows;
-      fsdp_cpu_mm_shape s[4];
+      fsdp_cpu_mm_shape s[5];
       tile_shapes(j, true, r0, s);
+      /* the forward's probabilities again: scores into S, softmaxed and rounded into att */
+      if (!mm(j, &s[4], S + (int64_t)r0 * T, q + (int64_t)r0 * C3, k, mms)) return;
+      probs_rows(att, S, T, NH, r0, rows);
       if (!mm(j, &s[0], S + (int64_t)r0 * T, g + (int64_t)r0 * C, v, mms)) return;
       for (int h = 0; h < NH; h++) {
         const int64_t at = h * TT + (int64_t)r0 * T;
@@ -156,7 +171,7 @@ static void backward_rows(void *ctx, int64_t lo, int64_t hi) {
     }
     for (int c0 = 0; c0 < T; c0 += ATT_BLOCK) { /* key tiles: dv, dk over rows c0.. */
       const int64_t corner = (int64_t)c0 * T + c0;
-      fsdp_cpu_mm_shape s[4];
+      fsdp_cpu_mm_shape s[5];
       tile_shapes(j, true, c0, s);
       if (!mm(j, &s[2], dv + (int64_t)c0 * C3, att + corner, g + (int64_t)c0 * C, mms)) return;
       if (!mm(j, &s[3], dk + (int64_t)c0 * C3, D + corner, q + (int64_t)c0 * C3, mms)) return;
@@ -185,7 +200,7 @@ static int run(bf_job *j, bool backward) {
   const int64_t TT = (int64_t)j->T * j->T;
   size_t most = 0;
   for (int r0 = 0; r0 < j->T; r0 += ATT_BLOCK) {
-    fsdp_cpu_mm_shape shapes[4];
+    fsdp_cpu_mm_shape shapes[5];
     const int ns = tile_shapes(j, backward, r0, shapes);
     for (int i = 0; i < ns; i++) {
       fsdp_cpu_mm *p;
@@ -195,7 +210,8 @@ static int run(bf_job *j, bool backward) {
     }
   }
   j->mm_bytes = (most + 63) / 64 * 64;
-  size_t work = (size_t)j->NH * (size_t)TT * (backward ? 2 * sizeof(float) + 2 : sizeof(float));
+  /* scores and att; the backward also att widened and dscores */
+  size_t work = (size_t)j->NH * (size_t)TT * (backward ? 2 * sizeof(float) + 4 : sizeof(float) + 2);
   j->slot = (work + 63) / 64 * 64 + j->mm_bytes;
   j->nchunks = fsdp_cpu_chunks(j->B, 1);
   fsdp_cpu_work w = {0};
@@ -211,17 +227,16 @@ static int run(bf_job *j, bool backward) {
   return FSDP_CPU_OTHER_WAY;
 }
 
-int fsdp_cpu_bf16_attention_forward(uint16_t *out, uint16_t *att, const uint16_t *qkv, int B,
-                                    int T, int C, int NH) {
-  bf_job j = {.out = out, .att = att, .qkv = qkv, .B = B, .T = T, .C = C, .NH = NH,
+int fsdp_cpu_bf16_attention_forward(uint16_t *out, const uint16_t *qkv, int B, int T, int C,
+                                    int NH) {
+  bf_job j = {.out = out, .qkv = qkv, .B = B, .T = T, .C = C, .NH = NH,
               .scale = 1.0f / sqrtf((float)(C / NH))};
   return run(&j, false);
 }
 
 int fsdp_cpu_bf16_attention_backward(uint16_t *dqkv, const uint16_t *dout, const uint16_t *qkv,
-                                     const uint16_t *att, int B, int T, int C, int NH,
-                                     bool set) {
-  bf_job j = {.dqkv = dqkv, .dout = dout, .qkv = qkv, .att_in = att, .B = B, .T = T, .C = C,
-              .NH = NH, .set = set, .scale = 1.0f / sqrtf((float)(C / NH))};
+                                     int B, int T, int C, int NH, bool set) {
+  bf_job j = {.dqkv = dqkv, .dout = dout, .qkv = qkv, .B = B, .T = T, .C = C, .NH = NH,
+              .set = set, .scale = 1.0f / sqrtf((float)(C / NH))};
   return run(&j, true);
 }

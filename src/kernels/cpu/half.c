@@ -907,10 +907,10 @@ static bool att_rows(att_job *j, bool backward, int *rc) {
 
 /* ---- attention: one batch element at a time ---------------------------------------------------- */
 
-int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, void *att, const void *qkv, int B,
-                                    int T, int C, int NH) {
+int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, const void *qkv, int B, int T,
+                                    int C, int NH) {
   if (dt == FSDP_DTYPE_BF16 && fsdp_cpu_bf16_attention_native(B, T, C, NH)) {
-    int rc = fsdp_cpu_bf16_attention_forward(out, att, qkv, B, T, C, NH);
+    int rc = fsdp_cpu_bf16_attention_forward(out, qkv, B, T, C, NH);
     if (rc != FSDP_CPU_OTHER_WAY) return rc;
   }
   att_job j = {.dt = dt, .out = out, .qkv = qkv, .B = B, .T = T, .C = C, .NH = NH};
@@ -929,10 +929,10 @@ int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, void *att, const v
 }
 
 int fsdp_cpu_half_attention_backward(fsdp_dtype dt, void *dqkv, const void *dout,
-                                     const void *qkv, const void *att, int B, int T, int C,
-                                     int NH, bool set_dqkv) {
+                                     const void *qkv, int B, int T, int C, int NH,
+                                     bool set_dqkv) {
   if (dt == FSDP_DTYPE_BF16 && fsdp_cpu_bf16_attention_native(B, T, C, NH)) {
-    int rc = fsdp_cpu_bf16_attention_backward(dqkv, dout, qkv, att, B, T, C, NH, set_dqkv);
+    int rc = fsdp_cpu_bf16_attention_backward(dqkv, dout, qkv, B, T, C, NH, set_dqkv);
     if (rc != FSDP_CPU_OTHER_WAY) return rc;
   }
   att_job j = {.dt = dt, .dqkv = dqkv, .qkv = qkv, .dout = dout, .B = B, .T = T, .C = C,

@@ -90,15 +90,16 @@ int fsdp_cpu_half_cross_entropy_backward(fsdp_dtype dt, void *dlogits, float dlo
  * every output still to be rewritten: the caller computes it all the widening way). */
 #define FSDP_CPU_OTHER_WAY 2
 bool fsdp_cpu_bf16_attention_native(int B, int T, int C, int NH);
-int fsdp_cpu_bf16_attention_forward(uint16_t *out, uint16_t *att, const uint16_t *qkv, int B,
-                                    int T, int C, int NH);
+int fsdp_cpu_bf16_attention_forward(uint16_t *out, const uint16_t *qkv, int B, int T, int C,
+                                    int NH);
 int fsdp_cpu_bf16_attention_backward(uint16_t *dqkv, const uint16_t *dout, const uint16_t *qkv,
-                                     const uint16_t *att, int B, int T, int C, int NH, bool set);
-int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, void *att, const void *qkv, int B,
-                                    int T, int C, int NH);
+                                     int B, int T, int C, int NH, bool set);
+/* Nothing is saved between the two: each backward recomputes the probabilities. */
+int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, const void *qkv, int B, int T,
+                                    int C, int NH);
 int fsdp_cpu_half_attention_backward(fsdp_dtype dt, void *dqkv, const void *dout,
-                                     const void *qkv, const void *att, int B, int T, int C,
-                                     int NH, bool set_dqkv);
+                                     const void *qkv, int B, int T, int C, int NH,
+                                     bool set_dqkv);
 int fsdp_cpu_half_mse_forward(fsdp_dtype dt, float *out, const void *a, const void *b,
                               int64_t n);
 int fsdp_cpu_half_mse_backward(fsdp_dtype dt, void *da, void *db, float dloss, const void *a,

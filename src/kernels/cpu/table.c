@@ -720,14 +720,11 @@ static int k_reduce_ranks(void *ctx, fsdp_dtype dt, fsdp_reduce_op red, void *ou
   return FSDP_OK;
 }
 
-/* What the cpu saves for the backward: nothing in f32 and on the widening way (the backward
- * recomputes the probabilities); bf16 attention on the processor's bf16 products saves its
- * bf16 probabilities (B, NH, T, T), which its backward multiplies with. */
+/* The cpu saves nothing for the backward: every way of it recomputes the probabilities
+ * (attention.c, attention_bf16.c, half.c). */
 static int64_t k_attention_saved(void *ctx, fsdp_dtype dt, int B, int T, int C, int NH,
                                  fsdp_dtype *saved_dt) {
   *saved_dt = dt;
-  if (dt == FSDP_DTYPE_BF16 && fsdp_cpu_bf16_attention_native(B, T, C, NH))
-    return (int64_t)B * NH * T * T;
   return 0;
 }
 
@@ -746,7 +743,7 @@ static int k_attention_forward(void *ctx, fsdp_dtype dt, void *out, void *att, c
     return fsdp_cpu_work_done(&w);
   }
   if (!is_half(dt)) return REFUSE("attention", dt);
-  return fsdp_cpu_half_attention_forward(dt, out, att, qkv, B, T, C, NH);
+  return fsdp_cpu_half_attention_forward(dt, out, qkv, B, T, C, NH);
 }
 
 static int k_attention_backward(void *ctx, fsdp_dtype dt, void *dqkv, const void *dout,
@@ -759,7 +756,7 @@ static int k_attention_backward(void *ctx, fsdp_dtype dt, void *dqkv, const void
     return fsdp_cpu_work_done(&w);
   }
   if (!is_half(dt)) return REFUSE("attention", dt);
-  return fsdp_cpu_half_attention_backward(dt, dqkv, dout, qkv, att, B, T, C, NH, set_dqkv);
+  return fsdp_cpu_half_attention_backward(dt, dqkv, dout, qkv, B, T, C, NH, set_dqkv);
 }
 
 static int k_cross_entropy_forward(void *ctx, fsdp_dtype dt, float *loss, float *lse,
