@@ -468,7 +468,8 @@ static void test_threads_same_bits(void **state) {
 }
 
 /* Scratch over the memory budget: the slot fails with the budget's message, writes nothing and
- * gives back what it had taken (layernorm's block partials, attention's per-task rows). */
+ * gives back what it had taken (layernorm's block partials, attention's per-task rows, the f32
+ * attention's probabilities scratch). */
 static void test_scratch_refused(void **state) {
   (void)state;
   DT = FSDP_DTYPE_BF16;
@@ -498,6 +499,22 @@ static void test_scratch_refused(void **state) {
   assert_int_equal(k->attention_forward(CTX, DT, o.h, NULL, qkv.h, B, T, AC, NH), FSDP_ERR);
   assert_non_null(strstr(fsdp_error_msg(), "out of memory budget"));
   assert_memory_equal(o.h, o0, sizeof(uint16_t) * B * T * AC);
+  /* the f32 kernel's scratch too, forward and backward: nothing written */
+  float *of = malloc(sizeof(float) * B * T * AC), *df = malloc(sizeof(float) * B * T * 3 * AC);
+  assert_non_null(of);
+  assert_non_null(df);
+  for (int i = 0; i < B * T * AC; i++) of[i] = 7.0f;
+  for (int i = 0; i < B * T * 3 * AC; i++) df[i] = 7.0f;
+  assert_int_equal(
+      k->attention_forward(CTX, FSDP_DTYPE_F32, of, NULL, qkv.f, B, T, AC, NH), FSDP_ERR);
+  assert_non_null(strstr(fsdp_error_msg(), "out of memory budget"));
+  assert_int_equal(k->attention_backward(CTX, FSDP_DTYPE_F32, df, of, qkv.f, NULL, B, T, AC, NH,
+                                         false),
+                   FSDP_ERR);
+  assert_non_null(strstr(fsdp_error_msg(), "out of memory budget"));
+  for (int i = 0; i < B * T * AC; i++) assert_true(of[i] == 7.0f);
+  for (int i = 0; i < B * T * 3 * AC; i++) assert_true(df[i] == 7.0f);
+  free(of), free(df);
   fsdp_mem_report r;
   fsdp_mem_report_get(dom, &r);
   for (int i = 0; i < r.ndevices; i++) assert_int_equal(r.counts[i].live_total, 0);

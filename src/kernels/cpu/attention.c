@@ -127,7 +127,7 @@ int64_t fsdp_cpu_attention_scratch(int B, int T, int NH, int threads, bool backw
 
 void fsdp_cpu_attention_forward(float *out, float *scratch, const float *qkv, int B, int T,
                                 int C, int NH) {
-  // out (B, T, C), qkv (B, T, 3C), scratch fsdp_cpu_attention_scratch(B, T, NH, false) floats
+  // out (B, T, C), qkv (B, T, 3C), scratch: fsdp_cpu_attention_scratch(B, T, NH, threads, false)
   att_job j = {.out = out, .scratch = scratch, .qkv = qkv, .B = B, .T = T, .C = C, .NH = NH,
                .ntiles = (T + ATT_BLOCK - 1) / ATT_BLOCK,
                .scale = 1.0f / sqrtf((float)(C / NH))};
@@ -256,7 +256,7 @@ static void backward_key_tiles(void *ctx, int64_t lo, int64_t hi) {
 void fsdp_cpu_attention_backward(float *dqkv, float *scratch, const float *dout,
                                  const float *qkv, int B, int T, int C, int NH, bool set) {
   // dqkv (B, T, 3C), dout (B, T, C), qkv (B, T, 3C),
-  // scratch fsdp_cpu_attention_scratch(B, T, NH, true) floats
+  // scratch: fsdp_cpu_attention_scratch(B, T, NH, threads, true)
   att_job j = {.dqkv = dqkv, .scratch = scratch, .qkv = qkv, .dout = dout, .B = B, .T = T,
                .C = C, .NH = NH, .ntiles = (T + ATT_BLOCK - 1) / ATT_BLOCK,
                .scale = 1.0f / sqrtf((float)(C / NH)), .set = set};

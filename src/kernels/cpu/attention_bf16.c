@@ -26,9 +26,8 @@
  *
  * Batch rows are shared out over the rank's threads, each task with its own scratch: the
  * scores (NH, T, T) f32 and att (bf16), for the backward also att widened (f32) and dscores
- * (bf16). The path is
- * taken for every bf16 call it can serve, whatever the batch size and thread count, so that a
- * model's results do not depend on how its batch is split.
+ * (bf16). The path is taken for every bf16 call it can serve, whatever the batch size and
+ * thread count, so that a model's results do not depend on how its batch is split.
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -211,7 +210,8 @@ static int run(bf_job *j, bool backward) {
   }
   j->mm_bytes = (most + 63) / 64 * 64;
   /* scores and att; the backward also att widened and dscores */
-  size_t work = (size_t)j->NH * (size_t)TT * (backward ? 2 * sizeof(float) + 4 : sizeof(float) + 2);
+  size_t work =
+      (size_t)j->NH * (size_t)TT * (backward ? 2 * sizeof(float) + 4 : sizeof(float) + 2);
   j->slot = (work + 63) / 64 * 64 + j->mm_bytes;
   j->nchunks = fsdp_cpu_chunks(j->B, 1);
   fsdp_cpu_work w = {0};
