@@ -499,6 +499,23 @@ static void test_scratch_refused(void **state) {
   assert_int_equal(k->attention_forward(CTX, DT, o.h, NULL, qkv.h, B, T, AC, NH), FSDP_ERR);
   assert_non_null(strstr(fsdp_error_msg(), "out of memory budget"));
   assert_memory_equal(o.h, o0, sizeof(uint16_t) * B * T * AC);
+  /* the backward (its recomputed probabilities' scratch), added into and written: untouched */
+  uint16_t *q0 = malloc(sizeof(uint16_t) * B * T * 3 * AC);
+  assert_non_null(q0);
+  memcpy(q0, qkv.h, sizeof(uint16_t) * B * T * 3 * AC);
+  buf dq = mk(B * T * 3 * AC, -1, 1);
+  uint16_t *dq0 = malloc(sizeof(uint16_t) * B * T * 3 * AC);
+  assert_non_null(dq0);
+  memcpy(dq0, dq.h, sizeof(uint16_t) * B * T * 3 * AC);
+  for (int set = 0; set < 2; set++) {
+    assert_int_equal(
+        k->attention_backward(CTX, DT, dq.h, o.h, qkv.h, NULL, B, T, AC, NH, set == 1), FSDP_ERR);
+    assert_non_null(strstr(fsdp_error_msg(), "out of memory budget"));
+    assert_memory_equal(dq.h, dq0, sizeof(uint16_t) * B * T * 3 * AC);
+  }
+  assert_memory_equal(qkv.h, q0, sizeof(uint16_t) * B * T * 3 * AC);
+  free(q0), free(dq0);
+  rm(&dq);
   /* the f32 kernel's scratch too, forward and backward: nothing written */
   float *of = malloc(sizeof(float) * B * T * AC), *df = malloc(sizeof(float) * B * T * 3 * AC);
   assert_non_null(of);
