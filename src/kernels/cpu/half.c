@@ -864,10 +864,15 @@ static float *att_slot(const att_job *j, int64_t lo) {
   return j->scratch + (int64_t)fsdp_cpu_chunk_at(j->B, 1, j->nchunks, lo) * j->slot;
 }
 
+/* n floats rounded up to 64 bytes: each buffer in a slot starts as aligned as the scratch (as
+ * the separate buffers of the one-row-at-a-time way do), so the f32 kernel's products see the
+ * same alignments whichever way a row takes (attention.c: alignment may steer oneDNN's bits) */
+static int64_t al16(int64_t n) { return (n + 15) / 16 * 16; }
+
 static void att_forward_rows(void *ctx, int64_t lo, int64_t hi) {
   const att_job *j = ctx;
   const int64_t nq = (int64_t)j->T * 3 * j->C, no = (int64_t)j->T * j->C;
-  float *fq = att_slot(j, lo), *fo = fq + nq, *sc = fo + no;
+  float *fq = att_slot(j, lo), *fo = fq + al16(nq), *sc = fo + al16(no);
   for (int64_t b = lo; b < hi; b++) {
     widen(fq, j->qkv, j->dt, b * nq, nq);
     fsdp_cpu_attention_forward(fo, sc, fq, 1, j->T, j->C, j->NH);
@@ -878,7 +883,7 @@ static void att_forward_rows(void *ctx, int64_t lo, int64_t hi) {
 static void att_backward_rows(void *ctx, int64_t lo, int64_t hi) {
   const att_job *j = ctx;
   const int64_t nq = (int64_t)j->T * 3 * j->C, no = (int64_t)j->T * j->C;
-  float *fq = att_slot(j, lo), *fd = fq + nq, *fg = fd + nq, *sc = fg + no;
+  float *fq = att_slot(j, lo), *fd = fq + al16(nq), *fg = fd + al16(nq), *sc = fg + al16(no);
   for (int64_t b = lo; b < hi; b++) {
     widen(fq, j->qkv, j->dt, b * nq, nq);
     if (!j->set) widen(fd, j->dqkv, j->dt, b * nq, nq);
@@ -896,7 +901,7 @@ static bool att_rows(att_job *j, bool backward, int *rc) {
   /* inside a task the f32 kernel runs on one thread */
   const int64_t sc = fsdp_cpu_attention_scratch(1, j->T, j->NH, 1, backward);
   j->nchunks = fsdp_cpu_chunks(j->B, 1);
-  j->slot = ((backward ? 2 * nq + no : nq + no) + sc + 15) / 16 * 16;
+  j->slot = (backward ? 2 * al16(nq) : al16(nq)) + al16(no) + al16(sc);
   fsdp_cpu_work w = {0};
   j->scratch = tmp(&w, j->slot * j->nchunks);
   if (!w.failed)
