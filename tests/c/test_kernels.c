@@ -703,8 +703,7 @@ static void ref_attention(double *out, const float *qkv, int B, int T, int C, in
 }
 
 /* scratch for both directions at the calling thread's count, 64-byte aligned as the engine's
- * storages are (the kernel's bits may depend on its operands' alignment), filled with garbage
- * (no contents may be read) */
+ * storages are, filled with garbage (no contents may be read) */
 static float *att_scratch(int B, int T, int NH) {
   const int th = fsdp_cpu_threads();
   int64_t n = fsdp_cpu_attention_scratch(B, T, NH, th, false),

@@ -52,10 +52,8 @@ static bool att_by_tile(int pairs, int ntiles, int threads) {
   return threads > 1 && ntiles > 1 && pairs < 4 * threads;
 }
 
-/* Floats of one (T, T) scratch matrix, rounded up to 64 bytes: every matrix starts as aligned
- * as the scratch, so a pair's products see the same operand alignment whichever task (and
- * slot) runs it, and oneDNN's kernel choice, which alignment may steer, cannot make the bits
- * depend on how the pairs were shared out. */
+/* Floats of one (T, T) scratch matrix, rounded up to 64 bytes: every matrix starts on a cache
+ * line (as the scratch does), whatever T. */
 static int64_t tt_of(int T) { return ((int64_t)T * T + 15) / 16 * 16; }
 
 /* chunks of n items shared out over threads (fsdp_cpu_chunks with the count given) */

@@ -864,9 +864,8 @@ static float *att_slot(const att_job *j, int64_t lo) {
   return j->scratch + (int64_t)fsdp_cpu_chunk_at(j->B, 1, j->nchunks, lo) * j->slot;
 }
 
-/* n floats rounded up to 64 bytes: each buffer in a slot starts as aligned as the scratch (as
- * the separate buffers of the one-row-at-a-time way do), so the f32 kernel's products see the
- * same alignments whichever way a row takes (attention.c: alignment may steer oneDNN's bits) */
+/* n floats rounded up to 64 bytes: each buffer in a slot starts on a cache line, as the
+ * separate buffers of the one-row-at-a-time way do */
 static int64_t al16(int64_t n) { return (n + 15) / 16 * 16; }
 
 static void att_forward_rows(void *ctx, int64_t lo, int64_t hi) {
