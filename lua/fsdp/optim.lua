@@ -203,7 +203,8 @@ local function grad_norm(R, pieces)
 end
 
 -- Clipping's coefficient for a total norm (PyTorch's clip_grad_norm_): max_norm / (total +
--- 1e-6) where that is below 1, else nil (no scaling; a NaN or infinite norm scales nothing).
+-- 1e-6) where that is below 1, else nil (no scaling). An infinite norm gives 0 (finite
+-- elements become 0, infinite ones NaN, as in PyTorch); a NaN norm scales nothing.
 local function clip_coef(max_norm, total)
   local coef = max_norm / (total + 1e-6)
   if coef < 1 then return coef end

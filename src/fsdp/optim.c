@@ -60,8 +60,8 @@ int fsdp_optim_adamw_step(fsdp_tensor *p, fsdp_tensor *g, fsdp_tensor *m, fsdp_t
       (mask && !(kd = state(mask, p, fn, "mask"))))
     return FSDP_ERR;
   if (step < 1) return fsdp_error("%s: step must be an integer >= 1", fn);
-  if (!(grad_scale > 0.0f) || !isfinite(grad_scale))
-    return fsdp_error("%s: grad_scale must be a finite number > 0 (got %g)", fn,
+  if (!(grad_scale >= 0.0f) || !isfinite(grad_scale))
+    return fsdp_error("%s: grad_scale must be a finite number >= 0 (got %g)", fn,
                       (double)grad_scale);
   const fsdp_kernels_i *k = fsdp_kernels_for(p, fn);
   if (!k) return FSDP_ERR;

@@ -229,8 +229,8 @@ static int l_sgd_step(lua_State *L) {
 
 /* adamw_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step[, mask[, grad_scale]]):
  * with a mask, g is masked, the step taken and p masked (lua/fsdp/mask.lua's rule), fused
- * where the device has adamw_step_masked; the step uses g times grad_scale (default 1; g is
- * not scaled) */
+ * where the device has adamw_step_masked; the step uses g times grad_scale (finite, >= 0;
+ * default 1; g is not scaled) */
 static int l_adamw_step(lua_State *L) {
   fsdp_tensor *t[4];
   for (int i = 0; i < 4; i++) t[i] = fsdp_lua_check_tensor(L, i + 1);

@@ -1130,15 +1130,18 @@ static void test_bias_gelu(void **state) {
 }
 
 /* A step with a gradient scale (clipping's coefficient) is bitwise scaling a copy of the
- * gradient by it and stepping with that, masked or not, over a length with a partial vector;
- * the gradient buffer is left unscaled (masked, with a mask). */
+ * gradient by it and stepping with that, masked or not, over a length with a partial vector,
+ * infinite gradient elements included (a scale of 0, an infinite norm's, makes them NaN as the
+ * scaling would); the gradient buffer is left unscaled (masked, with a mask). */
 static void test_adamw_grad_scale(void **state) {
   (void)state;
   const int64_t n = 1037;
-  const float s = 0.3173f;
   float *g = frand(n, -1, 1), *mask = frand(n, 0, 1);
   for (int64_t i = 0; i < n; i++) mask[i] = mask[i] < 0.4f ? 0.0f : 1.0f;
-  for (int masked = 0; masked <= 1; masked++) {
+  g[5] = INFINITY, g[700] = -INFINITY, mask[5] = mask[700] = 1.0f;
+  for (int run = 0; run < 4; run++) {
+    const int masked = run % 2;
+    const float s = run < 2 ? 0.3173f : 0.0f;
     float *p = frand(n, -1, 1), *p2 = fcopy(p, n), *g1 = fcopy(g, n), *m = fzeros(n),
           *v = fzeros(n), *m2 = fzeros(n), *v2 = fzeros(n);
     for (int step = 1; step <= 3; step++) {
@@ -1159,6 +1162,7 @@ static void test_adamw_grad_scale(void **state) {
     assert_memory_equal(p, p2, sizeof(float) * (size_t)n);
     assert_memory_equal(m, m2, sizeof(float) * (size_t)n);
     assert_memory_equal(v, v2, sizeof(float) * (size_t)n);
+    if (s == 0.0f) assert_true(isnan(p[5]) && isnan(p[700]) && !isnan(p[6]));
     for (int64_t i = 0; i < n; i++) /* read, not scaled */
       assert_true(g1[i] == (masked && mask[i] == 0.0f ? 0.0f : g[i]));
     free(p), free(p2), free(g1), free(m), free(v), free(m2), free(v2);

@@ -108,12 +108,12 @@ static void test_update_errors(void **state) {
   assert_int_equal(fsdp_optim_adamw_step(p, g, m, m, NULL, 0.1f, 0.9f, 0.99f, 1e-8f, 0, 1.0f, 0),
                    FSDP_ERR);
   assert_msg_has("adamw_step: step must be an integer >= 1");
-  const float bad_scales[] = {0.0f, -0.5f, NAN, INFINITY};
-  for (int i = 0; i < 4; i++) {
+  const float bad_scales[] = {-0.5f, NAN, INFINITY};
+  for (int i = 0; i < 3; i++) {
     assert_int_equal(fsdp_optim_adamw_step(p, g, m, m, NULL, 0.1f, 0.9f, 0.99f, 1e-8f, 0,
                                            bad_scales[i], 1),
                      FSDP_ERR);
-    assert_msg_has("adamw_step: grad_scale must be a finite number > 0");
+    assert_msg_has("adamw_step: grad_scale must be a finite number >= 0");
   }
   assert_int_equal(fsdp_tensor_view(&v, m, 2, SHAPE(2, 2)), FSDP_OK);
   assert_int_equal(fsdp_tensor_transpose(&tr, v, 0, 1), FSDP_OK);

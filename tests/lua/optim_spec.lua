@@ -275,6 +275,41 @@ describe("max_grad_norm", function()
     end
   end)
 
+  it("an infinite gradient norm: the same bits as clip_grad_norm then the step (NaN weights)", function()
+    -- every number as text, so that NaNs compare (their sign included)
+    local function text(ts)
+      local out = {}
+      for i, t in ipairs(ts) do
+        out[i] = {}
+        for j, v in ipairs(t) do out[i][j] = tostring(v) end
+      end
+      return out
+    end
+    for _, k in ipairs(kinds) do
+      local a, b = mlp(), mlp()
+      local oa = optim[k[1]](a, setmetatable({max_grad_norm = 0.05}, {__index = k[2]}))
+      local ob = optim[k[1]](b, k[2])
+      for step = 1, 2 do
+        oa:zero_grad()
+        ob:zero_grad()
+        backward(a)
+        backward(b)
+        if step == 2 then
+          a[1].weight.grad:set(2, 3, math.huge)
+          b[1].weight.grad:set(2, 3, math.huge)
+        end
+        oa:step()
+        local total = optim.clip_grad_norm(b, 0.05)
+        ob:step()
+        assert.are.equal(total, oa.grad_norm)
+        assert.are.same(text(params(b)), text(params(a)), ("%s step %d"):format(k[1], step))
+      end
+      assert.are.equal(math.huge, oa.grad_norm)
+      assert.is_true(flat(a[1].weight)[(2 - 1) * 5 + 3] ~= flat(a[1].weight)[(2 - 1) * 5 + 3],
+        k[1] .. ": the infinite element's weight is NaN")
+    end
+  end)
+
   it("leaves AdamW's gradients unscaled (the kernel takes the coefficient); SGD's are scaled", function()
     local a, b = mlp(), mlp()
     local oa = optim.AdamW(a, {lr = 1e-2, max_grad_norm = 0.05})
