@@ -499,25 +499,25 @@ end
 -- (the pass over them that scaling takes is saved); the others get them scaled in place.
 function Optimizer:each_update(fn)
   self:check_world()
-  -- The updates are collected first: clipping measures every gradient before any is used. The
-  -- lists are emptied after use: a compiled trace may keep a closure's upvalue tables as
-  -- constants, and with them every gradient view (a frozen unit's gradient shard could then not
-  -- be freed).
+  -- Clipping measures every gradient before any is used: the updates are collected first,
+  -- and the lists emptied after use (a compiled trace may keep a closure's upvalue tables as
+  -- constants, and with them every gradient view: a frozen unit's gradient shard could then
+  -- not be freed). Without clipping each update runs as its gradient comes.
+  local clip = self.max_grad_norm ~= nil
   local items, pieces = {}, {}
-  local function keep(st, p, g, param, path, m, u)
+  local function take(st, p, g, param, path, m, u)
+    if not clip then return fn(st, p, g, param, path, m) end
     items[#items + 1] = {st, p, g, param, path, m}
     pieces[#pieces + 1] = {g, u}
   end
   local function run()
-    local coef
-    if self.max_grad_norm then
-      for _, it in ipairs(items) do apply_mask(it[3], it[6]) end -- masked before measuring
-      self.grad_norm = grad_norm(self.wrapped, pieces)
-      coef = clip_coef(self.max_grad_norm, self.grad_norm)
-      if coef and not self.fused_clip then
-        for _, it in ipairs(items) do it[3]:mul_(coef) end
-        coef = nil
-      end
+    if not clip then return end
+    for _, it in ipairs(items) do apply_mask(it[3], it[6]) end -- masked before measuring
+    self.grad_norm = grad_norm(self.wrapped, pieces)
+    local coef = clip_coef(self.max_grad_norm, self.grad_norm)
+    if coef and not self.fused_clip then
+      for _, it in ipairs(items) do it[3]:mul_(coef) end
+      coef = nil
     end
     for _, it in ipairs(items) do fn(it[1], it[2], it[3], it[4], it[5], it[6], coef) end
   end
@@ -527,7 +527,7 @@ function Optimizer:each_update(fn)
   end
   if self.wrapped then
     local ok, err = pcall(function()
-      self:each_slice(keep, true)
+      self:each_slice(take, true)
       run()
     end)
     clear()
@@ -535,21 +535,23 @@ function Optimizer:each_update(fn)
     return
   end
   util.no_grad(function()
-    local fresh = {}
-    for _, e in ipairs(self.params) do
-      local p = e.param
-      local g, new = grad_of(p)
-      if new then fresh[#fresh + 1] = g end
-      if g ~= nil and not frozen(p) then
-        local st = self.state[p]
-        if st == nil then
-          st = {step = 0}
-          self.state[p] = st
+    local fresh = {} -- gradients made for the call, freed once their update has run
+    local ok, err = pcall(function()
+      for _, e in ipairs(self.params) do
+        local p = e.param
+        local g, new = grad_of(p)
+        if g ~= nil and not frozen(p) then
+          local st = self.state[p]
+          if st == nil then
+            st = {step = 0}
+            self.state[p] = st
+          end
+          take(st, p, g, p, e.path, mask.plain_flat(p))
         end
-        keep(st, p, g, p, e.path, mask.plain_flat(p))
+        if new and clip then fresh[#fresh + 1] = g elseif new then g:free() end
       end
-    end
-    local ok, err = pcall(run)
+      run()
+    end)
     clear()
     for _, g in ipairs(fresh) do g:free() end
     if not ok then error(err, 0) end
