@@ -12,6 +12,7 @@
 local fsdp = require "fsdp"
 local nn = fsdp.nn
 local core = fsdp.core
+local lib = dofile((arg[0]:match("^(.*[/\\])") or "") .. "lib.lua")
 
 local args = fsdp.args {
   description = "clip_grad_norm then AdamW against AdamW with max_grad_norm (not a test).",
@@ -21,12 +22,6 @@ local args = fsdp.args {
   { "rounds", 9, "integer", "updates of each way (the median is reported)", min = 1 },
 }
 local V, T, B = 256, 32, 2 * fsdp.world_size()
-
-local function median(t)
-  table.sort(t)
-  local n = #t
-  return n % 2 == 1 and t[(n + 1) / 2] or (t[n / 2] + t[n / 2 + 1]) / 2
-end
 
 local runs = {}
 for i, mode in ipairs {"explicit", "fused"} do
@@ -39,12 +34,8 @@ for i, mode in ipairs {"explicit", "fused"} do
   for _, e in ipairs(fsdp.optim.named_params(model)) do runs[i].params = runs[i].params + e.param:numel() end
 end
 math.randomseed(1)
-local ids = {}
-for i = 1, B * (T + 1) do ids[i] = math.random(0, V - 1) end
-local all = fsdp.tensor(ids, { dtype = "i64" }):view { B, T + 1 }
 local Bl = B / fsdp.world_size()
-local mine = all:narrow(1, fsdp.rank() * Bl + 1, Bl)
-local x, y = mine:narrow(2, 1, T):contiguous(), mine:narrow(2, 2, T):contiguous()
+local x, y = lib.next_token(lib.random_tokens(B, T, V):narrow(1, fsdp.rank() * Bl + 1, Bl), T)
 
 for _ = 1, args.rounds + 1 do -- the first round warms up (state allocation), not counted
   for _, r in ipairs(runs) do
@@ -80,7 +71,7 @@ local same = worst == 0
 if fsdp.rank() == 0 then
   print(("clip + AdamW update, GPT L=%d d=%d (%d parameters), %d rank(s), %d threads, %d rounds")
     :format(args.layers, args.d, runs[1].params, fsdp.world_size(), core.get_threads(), args.rounds))
-  local we, wf = median(runs[1].wall), median(runs[2].wall)
+  local we, wf = lib.median(runs[1].wall), lib.median(runs[2].wall)
   print(("%-28s %10.3f ms"):format("clip_grad_norm + step", we))
   print(("%-28s %10.3f ms"):format("step with max_grad_norm", wf))
   print(("%-28s %10.2f"):format("ratio", wf / we))

@@ -24,10 +24,10 @@ int fsdp_optim_sgd_step(fsdp_tensor *p, const fsdp_tensor *g, fsdp_tensor *buf, 
                         float momentum, float weight_decay, bool first_step);
 /* AdamW (PyTorch's): m and v the first and second moments, step the 1-based step count.
  * The step uses g times grad_scale (finite, >= 0: gradient clipping's coefficient, 1 for none,
- * 0 for an infinite norm), bit for bit scaling g first, without writing g. mask (NULL: none) is a pruning mask of p's
- * shape: g is masked, the step taken and p masked (lua/fsdp/mask.lua's rule), in one pass where
- * the device has adamw_step_masked, else as the three calls; g is written then (masked, not
- * scaled). */
+ * 0 for an infinite norm), bit for bit scaling g first, without writing g. mask (NULL: none)
+ * is a pruning mask of p's shape: g is masked, the step taken and p masked
+ * (lua/fsdp/mask.lua's rule), in one pass where the device has adamw_step_masked, else as the
+ * three calls; g is written then (masked, not scaled). */
 int fsdp_optim_adamw_step(fsdp_tensor *p, fsdp_tensor *g, fsdp_tensor *m, fsdp_tensor *v,
                           const fsdp_tensor *mask, float lr, float beta1, float beta2, float eps,
                           float weight_decay, float grad_scale, int64_t step);

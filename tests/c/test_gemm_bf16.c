@@ -483,6 +483,24 @@ static void test_f32_repeat(void **state) {
   free(a), free(b), free(ref);
 }
 
+/* A memory domain of `limit` bytes, current on this thread, for the scratch-budget cases. */
+static fsdp_mem_domain *budget_begin(int64_t limit) {
+  fsdp_mem_domain *d = fsdp_mem_domain_new();
+  assert_non_null(d);
+  fsdp_mem_domain_set(d);
+  fsdp_mem_set_limit(d, limit);
+  return d;
+}
+
+/* Nothing of the case is left allocated in d; d is dropped. */
+static void budget_end(fsdp_mem_domain *d) {
+  fsdp_mem_report r;
+  fsdp_mem_report_get(d, &r);
+  for (int i = 0; i < r.ndevices; i++) assert_int_equal(r.counts[i].live_total, 0);
+  fsdp_mem_domain_set(NULL);
+  fsdp_mem_domain_free(d);
+}
+
 /* A linear forward with a bias (fsdp_cpu_linear_forward), f32: through oneDNN the bias goes into
  * the matmul's epilogue from 128 rows (fsdp_cpu_sgemm_bias counts it), below that and on OpenBLAS
  * the rows are seeded with it; every way within f32 accumulation error of the exact affine map,
@@ -546,10 +564,7 @@ static void test_f32_linear_bias(void **state) {
   }
   float *x = f32_rand((int64_t)M * Kd), *w = f32_rand((int64_t)N * Kd), *b = f32_rand(N),
         *y = malloc(sizeof(float) * M * N);
-  fsdp_mem_domain *d = fsdp_mem_domain_new();
-  assert_non_null(d);
-  fsdp_mem_domain_set(d);
-  fsdp_mem_set_limit(d, 16);
+  fsdp_mem_domain *d = budget_begin(16);
   fsdp_cpu_sgemm_force(1);
   int64_t before = fsdp_cpu_sgemm_bias_count();
   assert_int_equal(fsdp_cpu_sgemm_bias(y, x, w, b, M, N, Kd, Kd, Kd, N), FSDP_ERR);
@@ -558,11 +573,7 @@ static void test_f32_linear_bias(void **state) {
   assert_int_equal(fsdp_cpu_sgemm_bias_count(), before);
   linear_check("over the budget", y, x, w, b, M, Kd, N);
   fsdp_cpu_sgemm_force(-1);
-  fsdp_mem_report r;
-  fsdp_mem_report_get(d, &r);
-  for (int i = 0; i < r.ndevices; i++) assert_int_equal(r.counts[i].live_total, 0);
-  fsdp_mem_domain_set(NULL);
-  fsdp_mem_domain_free(d);
+  budget_end(d);
   free(x), free(w), free(b), free(y);
 }
 
@@ -653,10 +664,7 @@ static void test_scratch_budget(void **state) {
   assert_int_equal(fsdp_cpu_mm_plan(&mm, &bytes, &s), FSDP_OK);
   assert_true(bytes > 16); /* this shape needs scratch (else the test proves nothing) */
   uint16_t *a = bf16_rand(M * C), *b = bf16_rand(C * M), *c = calloc(M * M, 2);
-  fsdp_mem_domain *d = fsdp_mem_domain_new();
-  assert_non_null(d);
-  fsdp_mem_domain_set(d);
-  fsdp_mem_set_limit(d, 16);
+  fsdp_mem_domain *d = budget_begin(16);
   assert_true(fsdp_cpu_bf16_gemm_force(1));
   assert_int_equal(K()->gemm(CTX, BF16, c, a, b, M, M, C, false, false, 1.0f, 0.0f, C, M, M),
                    FSDP_ERR);
@@ -665,11 +673,7 @@ static void test_scratch_budget(void **state) {
   assert_int_equal(K()->gemm(CTX, BF16, c, a, b, M, M, C, false, false, 1.0f, 0.0f, C, M, M),
                    FSDP_OK);
   fsdp_cpu_bf16_gemm_force(-1);
-  fsdp_mem_report r;
-  fsdp_mem_report_get(d, &r);
-  for (int i = 0; i < r.ndevices; i++) assert_int_equal(r.counts[i].live_total, 0);
-  fsdp_mem_domain_set(NULL);
-  fsdp_mem_domain_free(d);
+  budget_end(d);
   free(a), free(b), free(c);
 }
 

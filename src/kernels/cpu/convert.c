@@ -63,13 +63,7 @@ f32_to_bf16_hw(uint16_t *out, const float *in, int64_t n) {
 /* The instruction is used at the AVX-512 level only (FSDP_CPU_ISA=avx2 or scalar tests the
  * integer loop on the same processor). */
 static bool hw_bf16(void) {
-  static int has = -1; /* every thread that finds it unset stores the same value */
-  int h = __atomic_load_n(&has, __ATOMIC_RELAXED);
-  if (h < 0) {
-    h = __builtin_cpu_supports("avx512bf16") ? 1 : 0;
-    __atomic_store_n(&has, h, __ATOMIC_RELAXED);
-  }
-  return h && fsdp_cpu_isa() == FSDP_CPU_ISA_AVX512;
+  return fsdp_cpu_isa() == FSDP_CPU_ISA_AVX512 && __builtin_cpu_supports("avx512bf16");
 }
 #else
 static void f32_to_bf16_hw(uint16_t *out, const float *in, int64_t n) {
