@@ -35,7 +35,7 @@
 #include <math.h>
 #include <string.h>
 
-#define ATT_BLOCK 64
+#define ATT_BLOCK FSDP_CPU_ATT_BLOCK
 
 typedef struct att_job {
   float *out, *dqkv, *scratch;
@@ -69,7 +69,7 @@ static int dealt_tile(int k, int ntiles) { return k % 2 == 0 ? k / 2 : ntiles - 
 static void probs_tile(const att_job *j, float *A, int bh, int r0) {
   const int T = j->T, C = j->C, C3 = 3 * C, hs = C / j->NH, b = bh / j->NH, h = bh % j->NH;
   const float *q = j->qkv + (int64_t)b * T * C3 + h * hs; // (T, hs), row stride 3C
-  const int rows = T - r0 < ATT_BLOCK ? T - r0 : ATT_BLOCK, cols = r0 + rows;
+  const int rows = fsdp_cpu_att_rows(T, r0), cols = r0 + rows;
   /* scores[r0:r1, 0:r1] = q[r0:r1] @ k[0:r1]^T * scale */
   fsdp_cpu_gemm(A + (int64_t)r0 * T, q + (int64_t)r0 * C3, q + C, rows, cols, hs, false, true,
                 j->scale, 0.0f, C3, C3, T);
@@ -82,7 +82,7 @@ static void forward_tile(const att_job *j, float *A, int bh, int r0) {
   const int T = j->T, C = j->C, C3 = 3 * C, hs = C / j->NH, b = bh / j->NH, h = bh % j->NH;
   const float *v = j->qkv + (int64_t)b * T * C3 + h * hs + 2 * C;
   float *o = j->out + (int64_t)b * T * C + h * hs; // (T, hs), row stride C
-  const int rows = T - r0 < ATT_BLOCK ? T - r0 : ATT_BLOCK, cols = r0 + rows;
+  const int rows = fsdp_cpu_att_rows(T, r0), cols = r0 + rows;
   probs_tile(j, A, bh, r0);
   /* out[r0:r1] = att[r0:r1, 0:r1] @ v[0:r1] */
   fsdp_cpu_gemm(o + (int64_t)r0 * C, A + (int64_t)r0 * T, v, rows, hs, cols, false, false, 1.0f,
@@ -163,7 +163,7 @@ static att_views views(const att_job *j, int bh, float *A, float *S) {
  * dq += dscores @ k * scale. */
 static void backward_query_tile(const att_job *j, const att_views *w, int bh, int r0) {
   const int T = j->T, C = j->C, C3 = 3 * C, hs = C / j->NH;
-  const int rows = T - r0 < ATT_BLOCK ? T - r0 : ATT_BLOCK, cols = r0 + rows;
+  const int rows = fsdp_cpu_att_rows(T, r0), cols = r0 + rows;
   float *Sb = w->S + (int64_t)r0 * T;
   probs_tile(j, w->A, bh, r0);
   /* datt[r0:r1, 0:r1] = dout[r0:r1] @ v[0:r1]^T */
@@ -212,7 +212,7 @@ static void backward_pairs(void *ctx, int64_t lo, int64_t hi) {
     const att_views w = views(j, (int)bh, A, A + TT);
     if (j->set) zero_pair(j, &w);
     for (int r0 = 0; r0 < T; r0 += ATT_BLOCK) {
-      const int rows = T - r0 < ATT_BLOCK ? T - r0 : ATT_BLOCK, cols = r0 + rows;
+      const int rows = fsdp_cpu_att_rows(T, r0), cols = r0 + rows;
       const float *Ab = w.A + (int64_t)r0 * T, *gb = w.g + (int64_t)r0 * C;
       backward_query_tile(j, &w, (int)bh, r0);
       /* dv[0:r1] += att[r0:r1, 0:r1]^T @ dout[r0:r1] */
@@ -241,7 +241,7 @@ static void backward_key_tiles(void *ctx, int64_t lo, int64_t hi) {
   for (int64_t i = lo; i < hi; i++) {
     const att_views w = pair_views(j, (int)(i / j->ntiles));
     const int c0 = ATT_BLOCK * dealt_tile((int)(i % j->ntiles), j->ntiles);
-    const int n = T - c0 < ATT_BLOCK ? T - c0 : ATT_BLOCK;
+    const int n = fsdp_cpu_att_rows(T, c0);
     /* dv[c0:c1] += att[c0:T, c0:c1]^T @ dout[c0:T] */
     fsdp_cpu_gemm(w.dv + (int64_t)c0 * C3, w.A + (int64_t)c0 * T + c0, w.g + (int64_t)c0 * C, n,
                   hs, T - c0, true, false, 1.0f, 1.0f, T, C, C3);

@@ -38,7 +38,7 @@
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/pool.h"
 
-#define ATT_BLOCK 64 /* attention.c's tile */
+#define ATT_BLOCK FSDP_CPU_ATT_BLOCK
 
 typedef struct {
   uint16_t *out, *dqkv;
@@ -84,7 +84,7 @@ static bool mm(bf_job *j, const fsdp_cpu_mm_shape *s, void *c, const void *a, co
 static int tile_shapes(const bf_job *j, bool backward, int r0, fsdp_cpu_mm_shape *out) {
   const int T = j->T, C = j->C, C3 = 3 * C, hs = C / j->NH;
   const int64_t TT = (int64_t)T * T;
-  const int rows = T - r0 < ATT_BLOCK ? T - r0 : ATT_BLOCK, cols = r0 + rows;
+  const int rows = fsdp_cpu_att_rows(T, r0), cols = r0 + rows;
   const fsdp_dtype F32 = FSDP_DTYPE_F32, BF16 = FSDP_DTYPE_BF16;
   if (!backward) {
     out[0] = shape(j, F32, rows, cols, hs, false, true, C3, C3, T, hs, hs, TT, j->scale);
@@ -128,7 +128,7 @@ static void forward_rows(void *ctx, int64_t lo, int64_t hi) {
     const uint16_t *q = j->qkv + b * T * C3, *k = q + C, *v = q + 2 * C;
     uint16_t *out = j->out + b * T * C;
     for (int r0 = 0; r0 < T; r0 += ATT_BLOCK) {
-      const int rows = T - r0 < ATT_BLOCK ? T - r0 : ATT_BLOCK;
+      const int rows = fsdp_cpu_att_rows(T, r0);
       fsdp_cpu_mm_shape s[2];
       tile_shapes(j, false, r0, s);
       if (!mm(j, &s[0], S + (int64_t)r0 * T, q + (int64_t)r0 * C3, k, mms)) return;
@@ -152,7 +152,7 @@ static void backward_rows(void *ctx, int64_t lo, int64_t hi) {
     const uint16_t *g = j->dout + b * T * C;
     uint16_t *dq = j->dqkv + b * T * C3, *dk = dq + C, *dv = dq + 2 * C;
     for (int r0 = 0; r0 < T; r0 += ATT_BLOCK) { /* query tiles: att, datt, dscores, dq */
-      const int rows = T - r0 < ATT_BLOCK ? T - r0 : ATT_BLOCK, cols = r0 + rows;
+      const int rows = fsdp_cpu_att_rows(T, r0), cols = r0 + rows;
       fsdp_cpu_mm_shape s[5];
       tile_shapes(j, true, r0, s);
       /* the forward's probabilities again: scores into S, softmaxed and rounded into att */
