@@ -2,8 +2,8 @@
 # Optimizers on shards equal the same optimizer on one unwrapped rank: SGD with Nesterov
 # momentum, Adam, Lion, Adafactor, AdamW with parameter groups chosen by pattern, AdamW over
 # some parameters (params =), Lion over one module of a wrapped model, and AdamW, Adam and SGD
-# clipping their gradients (max_grad_norm; bitwise clip_grad_norm then the step, too), each trained 30 steps
-# (tests/dist/optim_equiv.lua) at 1 rank unwrapped (the reference) and at 1, 2 and 4 ranks
+# clipping their gradients (max_grad_norm; bitwise clip_grad_norm then the step, too), each
+# trained 30 steps (tests/dist/optim_equiv.lua) at 1 rank unwrapped (the reference) and at 1, 2 and 4 ranks
 # wrapped, compared by tests/dist/compare.lua (1e-5 relative). Adafactor's factored state is
 # also checked with the strategies that replicate (none), keep parameters whole (grad_op) or
 # shard in groups (hybrid: 2 x 2, 2 x 1; saved as 2 x 2 and resumed at 2 full), saved at 2 ranks and resumed at 1, 2 and 4 and unwrapped; bitwise reproducible at 4 ranks;
