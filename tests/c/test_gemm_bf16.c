@@ -589,10 +589,11 @@ static void test_f32_refused(void **state) {
                                                : "onednn: not built in"));
 }
 
-/* What the environment and the processor choose: ctest runs this binary four ways (CMakeLists):
+/* What the environment and the processor choose: ctest runs this binary five ways (CMakeLists):
  * plainly; with oneDNN held to AVX2 (a processor like a Zen 3: no AVX-512, so OpenBLAS and the
- * conversion pass, even when forced); with OpenBLAS on its AVX-512 kernels (OPENBLAS_CORETYPE,
- * as it picks them on processors it knows: f32 stays on OpenBLAS unless forced); and with
+ * conversion pass, even when forced); the same asking for oneDNN (refused, with the variable's
+ * name); with OpenBLAS on its AVX-512 kernels (OPENBLAS_CORETYPE, as it picks them on
+ * processors it knows: oneDNN still takes f32 where it runs AVX-512 code); and with
  * FSDP_GEMM=openblas FSDP_BF16_GEMM=convert. */
 static void test_choice(void **state) {
   (void)state;
@@ -600,30 +601,35 @@ static void test_choice(void **state) {
   const char *core = openblas_get_corename();
   bool ob512 = !strcasecmp(core, "skylakex") || !strcasecmp(core, "cooperlake") ||
                !strcasecmp(core, "sapphirerapids");
-  /* preferred: supported where OpenBLAS lacks AVX-512 kernels */
-  assert_int_equal(fsdp_cpu_sgemm_preferred(), fsdp_cpu_sgemm_supported() && !ob512);
-  if (!expect) {
+  if (!expect || !strcmp(expect, "openblas512")) {
     /* the default takes whatever the build and the processor make faster */
-    assert_int_equal(fsdp_cpu_sgemm_onednn(), fsdp_cpu_sgemm_preferred());
+    if (expect) assert_true(ob512); /* else OPENBLAS_CORETYPE did not take: proves nothing */
+    assert_int_equal(fsdp_cpu_gemm_check(), FSDP_OK);
+    assert_int_equal(fsdp_cpu_sgemm_onednn(), fsdp_cpu_sgemm_supported());
+    assert_int_equal(fsdp_cpu_bf16_gemm_native(), fsdp_cpu_bf16_gemm_supported());
+    assert_false(fsdp_cpu_sgemm_force(0));
+    assert_false(fsdp_cpu_bf16_gemm_force(0));
+    fsdp_cpu_sgemm_force(-1), fsdp_cpu_bf16_gemm_force(-1);
+    assert_int_equal(fsdp_cpu_sgemm_onednn(), fsdp_cpu_sgemm_supported());
     assert_int_equal(fsdp_cpu_bf16_gemm_native(), fsdp_cpu_bf16_gemm_supported());
     return;
   }
-  if (!strcmp(expect, "openblas512")) {
-    assert_true(ob512); /* else OPENBLAS_CORETYPE did not take and the case proves nothing */
-    assert_false(fsdp_cpu_sgemm_onednn());
-    assert_int_equal(fsdp_cpu_sgemm_force(1), fsdp_cpu_sgemm_supported());
-    assert_int_equal(fsdp_cpu_bf16_gemm_native(), fsdp_cpu_bf16_gemm_supported());
-    fsdp_cpu_sgemm_force(-1);
-    assert_false(fsdp_cpu_sgemm_onednn());
-    return;
-  }
-  if (!strcmp(expect, "avx2")) {
+  if (!strcmp(expect, "avx2") || !strcmp(expect, "avx2_asked")) {
     assert_false(fsdp_cpu_sgemm_supported());
     assert_false(fsdp_cpu_bf16_gemm_supported());
+    if (expect[4]) { /* FSDP_GEMM=onednn FSDP_BF16_GEMM=native: refused, the first named */
+      assert_int_equal(fsdp_cpu_gemm_check(), FSDP_ERR);
+      assert_non_null(strstr(fsdp_error_msg(), "FSDP_GEMM=onednn: oneDNN cannot run f32 GEMMs"));
+    } else {
+      assert_int_equal(fsdp_cpu_gemm_check(), FSDP_OK);
+    }
+    assert_false(fsdp_cpu_sgemm_onednn());
+    assert_false(fsdp_cpu_bf16_gemm_native());
     assert_false(fsdp_cpu_sgemm_force(1));
     assert_false(fsdp_cpu_bf16_gemm_force(1));
   } else {
     assert_string_equal(expect, "env");
+    assert_int_equal(fsdp_cpu_gemm_check(), FSDP_OK);
     assert_false(fsdp_cpu_sgemm_onednn());
     assert_false(fsdp_cpu_bf16_gemm_native());
     /* forcing still reaches what the processor has (tests and benchmarks) */
@@ -681,7 +687,7 @@ static void test_scratch_budget(void **state) {
 static void test_describe(void **state) {
   (void)state;
   char buf[160];
-  bool s = fsdp_cpu_sgemm_supported(), pref = fsdp_cpu_sgemm_preferred();
+  bool s = fsdp_cpu_sgemm_supported();
   fsdp_cpu_bf16_gemm_force(1), fsdp_cpu_sgemm_force(1);
   fsdp_cpu_gemm_describe(buf, sizeof buf);
   assert_non_null(strstr(buf, s ? "f32 onednn 2." : "f32 openblas 0."));
@@ -689,7 +695,7 @@ static void test_describe(void **state) {
   fsdp_cpu_bf16_gemm_force(0), fsdp_cpu_sgemm_force(0);
   fsdp_cpu_gemm_describe(buf, sizeof buf);
   assert_non_null(strstr(buf, s ? "f32 openblas 0.3" : "f32 openblas 0."));
-  assert_int_equal(strstr(buf, "(onednn off)") != NULL, pref);
+  assert_int_equal(strstr(buf, "(onednn off)") != NULL, s);
   assert_non_null(strstr(buf, native_here() ? "bf16 by conversion to f32 (native path off)"
                                             : "bf16 by conversion to f32"));
   fsdp_cpu_bf16_gemm_force(-1), fsdp_cpu_sgemm_force(-1);

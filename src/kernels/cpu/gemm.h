@@ -3,7 +3,7 @@
  * GEMM path.
  *
  * f32: fsdp_cpu_sgemm_serial (kernels.h; gemm.c): oneDNN's dnnl_sgemm where oneDNN runs
- * AVX-512 code and OpenBLAS does not, OpenBLAS elsewhere (docs/PERFORMANCE.md "GEMM libraries" has the figures). bf16: on a processor with
+ * AVX-512 code, OpenBLAS elsewhere (docs/PERFORMANCE.md "GEMM libraries" has the figures). bf16: on a processor with
  * AVX512_BF16 and a build with oneDNN, bf16 products run as oneDNN matmuls (bf16 x bf16 with f32
  * accumulation, gemm_bf16.c over onednn.c) split by rows of the output over the rank's threads
  * (pool.h), one oneDNN thread per piece; elsewhere they take the conversion pass (half.c,
@@ -16,15 +16,13 @@
 
 /* ---- f32: OpenBLAS or oneDNN (the choice in gemm_bf16.c) -------------------------------------- */
 
-/* Whether f32 GEMMs (fsdp_cpu_sgemm_serial) run through oneDNN's dnnl_sgemm now: preferred
- * here (below) and neither FSDP_GEMM=openblas nor fsdp_cpu_sgemm_force(0) turned it off, or
- * forced on where supported. Otherwise OpenBLAS. */
+/* Whether f32 GEMMs (fsdp_cpu_sgemm_serial) run through oneDNN's dnnl_sgemm now: supported
+ * (below), and neither FSDP_GEMM=openblas nor fsdp_cpu_sgemm_force(0) turned it off.
+ * Otherwise OpenBLAS. */
 bool fsdp_cpu_sgemm_onednn(void);
-/* Whether oneDNN could take f32 GEMMs here: built in, and it runs AVX-512 code (avx512_core). */
+/* Whether oneDNN could take f32 GEMMs here: built in, and it runs AVX-512 code (avx512_core).
+ * It then does by default. */
 bool fsdp_cpu_sgemm_supported(void);
-/* Whether it is the default here: supported, and OpenBLAS's kernels for this processor are not
- * AVX-512 ones (openblas_get_corename not SkylakeX, Cooperlake or SapphireRapids). */
-bool fsdp_cpu_sgemm_preferred(void);
 /* Tests and benchmarks: 1 oneDNN (where supported), 0 OpenBLAS, -1 back to the default.
  * Returns whether oneDNN is now taken. Process-wide. */
 bool fsdp_cpu_sgemm_force(int mode);
@@ -32,12 +30,13 @@ bool fsdp_cpu_sgemm_force(int mode);
 /* ---- the native bf16 path (gemm_bf16.c) ------------------------------------------------------ */
 
 /* Whether bf16 GEMMs take the native path now: built with oneDNN, the processor has
- * AVX512_BF16, and neither FSDP_BF16_GEMM=convert nor fsdp_cpu_bf16_gemm_force turned it off. */
+ * AVX512_BF16, and neither FSDP_BF16_GEMM=convert nor fsdp_cpu_bf16_gemm_force(0) turned it
+ * off. */
 bool fsdp_cpu_bf16_gemm_native(void);
 /* Whether the native path could run here (oneDNN built in, AVX512_BF16): what "on" can mean. */
 bool fsdp_cpu_bf16_gemm_supported(void);
 /* Tests and benchmarks: 1 native (where supported), 0 conversion pass, -1 back to the default
- * (the environment's choice). Returns whether the native path is now taken. Process-wide. */
+ * (the environment's choice, else native where supported). Returns whether the native path is now taken. Process-wide. */
 bool fsdp_cpu_bf16_gemm_force(int mode);
 
 /* Products the native path has run in this process (tests check which path a slot took). */

@@ -29,33 +29,52 @@
 /* ---- the choice ------------------------------------------------------------------------------ */
 
 static pthread_once_t once = PTHREAD_ONCE_INIT;
-static bool supported, wanted; /* wanted: FSDP_BF16_GEMM is not "convert" */
-static atomic_int forced = -1;  /* fsdp_cpu_bf16_gemm_force: -1 none, 0 off, 1 on */
 static atomic_llong products, f32_products;
-/* f32: oneDNN where it runs AVX-512 code and OpenBLAS does not: OpenBLAS 0.3.21 does not know
- * every AVX-512 processor and falls back to its AVX2 (Haswell) kernels, at half oneDNN's rate
- * there. Where OpenBLAS picked AVX-512 kernels, and on AVX2 processors, the two measured even
- * and OpenBLAS stays (its bits stay). FSDP_GEMM=openblas keeps OpenBLAS everywhere. */
-static bool s_supported, s_preferred, s_wanted;
-static atomic_int s_forced = -1;
+/* f32: oneDNN's dnnl_sgemm wherever it runs AVX-512 code (avx512_core), OpenBLAS elsewhere.
+ * Measured per processor in docs/PERFORMANCE.md "GEMM libraries": where OpenBLAS 0.3.21 does
+ * not know an AVX-512 processor it runs its AVX2 (Haswell) kernels at half oneDNN's rate, and
+ * where it does pick its AVX-512 kernels (Cooperlake on a Zen 4) dnnl_sgemm still ran the
+ * model's products 1.02-1.21 x faster and the step 10-15% faster. On AVX2 processors oneDNN is
+ * not taken (not measured on such a processor; OpenBLAS keeps its bits there).
+ * bf16: natively where oneDNN has AVX512_BF16 code, by conversion elsewhere. */
+static bool s_supported, supported;
+/* the environment's words (FSDP_GEMM, FSDP_BF16_GEMM): -1 the default, 0 off, 1 on */
+static int s_env = -1, env = -1;
+static char env_error[256]; /* non-empty: a variable was malformed or asks for what is absent */
+static atomic_int s_forced = -1, forced = -1; /* the *_force calls: -1 none, 0 off, 1 on */
 
-/* OpenBLAS's kernels for this processor are AVX-512 ones (openblas_get_corename) */
-static bool openblas_avx512(void) {
-  static const char *const cores[] = {"skylakex", "cooperlake", "sapphirerapids"};
-  const char *core = openblas_get_corename();
-  for (size_t i = 0; core && i < sizeof cores / sizeof cores[0]; i++)
-    if (strcasecmp(core, cores[i]) == 0) return true;
-  return false;
+/* One variable's value: "", "auto" or unset the default (-1), off_word 0, on_word 1; anything
+ * else, or on_word where the library cannot run, leaves the default and records why. */
+static int env_choice(const char *name, const char *off_word, const char *on_word, bool can,
+                      const char *cannot) {
+  const char *v = getenv(name);
+  if (!v || !*v || strcasecmp(v, "auto") == 0) return -1;
+  if (strcasecmp(v, off_word) == 0) return 0;
+  if (strcasecmp(v, on_word) == 0) {
+    if (can) return 1;
+    if (!env_error[0]) snprintf(env_error, sizeof env_error, "%s=%s: %s", name, v, cannot);
+    return -1;
+  }
+  if (!env_error[0])
+    snprintf(env_error, sizeof env_error, "%s='%.64s': unknown (%s, %s or auto)", name, v,
+             off_word, on_word);
+  return -1;
 }
 
 static void decide(void) {
   supported = fsdp_cpu_onednn_bf16();
-  const char *env = getenv("FSDP_BF16_GEMM");
-  wanted = !(env && strcmp(env, "convert") == 0);
   s_supported = fsdp_cpu_onednn_avx512();
-  s_preferred = s_supported && !openblas_avx512();
-  env = getenv("FSDP_GEMM");
-  s_wanted = !(env && strcmp(env, "openblas") == 0);
+  s_env = env_choice("FSDP_GEMM", "openblas", "onednn", s_supported,
+                     "oneDNN cannot run f32 GEMMs here (it needs oneDNN 2.x built in and a "
+                     "processor with AVX-512)");
+  env = env_choice("FSDP_BF16_GEMM", "convert", "native", supported,
+                   "no native bf16 GEMMs here (they need oneDNN 2.x built in and a processor "
+                   "with AVX512_BF16)");
+}
+
+int fsdp_cpu_gemm_check(void) {
+  pthread_once(&once, decide);
+  return env_error[0] ? fsdp_error("%s", env_error) : FSDP_OK;
 }
 
 bool fsdp_cpu_sgemm_supported(void) {
@@ -63,15 +82,10 @@ bool fsdp_cpu_sgemm_supported(void) {
   return s_supported;
 }
 
-bool fsdp_cpu_sgemm_preferred(void) {
-  pthread_once(&once, decide);
-  return s_preferred;
-}
-
 bool fsdp_cpu_sgemm_onednn(void) {
   pthread_once(&once, decide);
   int f = atomic_load_explicit(&s_forced, memory_order_relaxed);
-  return s_supported && (f < 0 ? s_preferred && s_wanted : f == 1);
+  return s_supported && (f >= 0 ? f == 1 : s_env != 0);
 }
 
 bool fsdp_cpu_sgemm_force(int mode) {
@@ -87,7 +101,7 @@ bool fsdp_cpu_bf16_gemm_supported(void) {
 bool fsdp_cpu_bf16_gemm_native(void) {
   pthread_once(&once, decide);
   int f = atomic_load_explicit(&forced, memory_order_relaxed);
-  return supported && (f < 0 ? wanted : f == 1);
+  return supported && (f >= 0 ? f == 1 : env != 0);
 }
 
 bool fsdp_cpu_bf16_gemm_force(int mode) {
@@ -108,7 +122,7 @@ void fsdp_cpu_gemm_describe(char *buf, size_t n) {
     len = snprintf(buf, n, "f32 onednn %s (avx512_core)", dnnl);
   else
     len = snprintf(buf, n, "f32 openblas %s %s%s", version, openblas_get_corename(),
-                   fsdp_cpu_sgemm_preferred() ? " (onednn off)" : "");
+                   fsdp_cpu_sgemm_supported() ? " (onednn off)" : "");
   if (len < 0 || (size_t)len >= n) return;
   if (fsdp_cpu_bf16_gemm_native())
     snprintf(buf + len, n - (size_t)len, ", bf16 onednn %s (avx512_bf16)", dnnl);

@@ -66,6 +66,9 @@ const char *fsdp_cpu_isa_current(void);
 /* FSDP_OK, or FSDP_ERR naming FSDP_CPU_ISA when its value is unknown or asks for an
  * instruction set this processor lacks (the kernels then run at the best level). */
 int fsdp_cpu_isa_check(void);
+/* FSDP_OK, or FSDP_ERR naming FSDP_GEMM or FSDP_BF16_GEMM when its value is unknown or asks for
+ * a library that cannot run here (the GEMMs then take the default; gemm.h). */
+int fsdp_cpu_gemm_check(void);
 
 /* ---- linear / matmul ------------------------------------------------------------------- */
 
