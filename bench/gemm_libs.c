@@ -258,7 +258,9 @@ static int run_native(const prob *p, bufs *B) {
 }
 
 static lib libs[8];
+#ifdef FSDP_BENCH_BLIS
 static bool have_blis;
+#endif
 static int nlibs;
 
 /* ---- timing ----------------------------------------------------------------------------------- */
