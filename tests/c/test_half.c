@@ -406,6 +406,8 @@ static void all_cases(void) {
   elementwise_cases();
   row_cases(37, 384);  /* one layernorm block, rows within a slice */
   row_cases(200, 256); /* several blocks */
+  row_cases(70, 101);  /* rows that end inside a vector at every width (bf16: the row body's
+                        * partial loads and stores), two blocks */
   row_cases(9, 2500);  /* rows longer than a slice: the chunked loops */
   attention_case(5, 40, 64, 4, false);
   attention_case(1, 70, 32, 2, false); /* too few rows to share: one at a time */

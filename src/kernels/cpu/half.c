@@ -630,9 +630,10 @@ int fsdp_cpu_half_add_layernorm_forward(fsdp_dtype dt, void *sum, void *out, flo
 
 /* Layernorm's backward as the f32 kernel does it (norm.c): the parameter terms go into one
  * partial sum per block of LN_BLOCK_ROWS rows (rows in order inside a block), the blocks' partials
- * are then added in block order; blocks are fixed by N alone. A task widens its block's rows a
- * slice at a time; the level's row body adds each row's terms into the block's partials as it
- * does in f32, so the sums have the f32 kernel's bits. */
+ * are then added in block order; blocks are fixed by N alone. On bf16 a task runs the level's
+ * bf16 row body over its block (loads widen, stores round: no scratch); on f16 it widens its
+ * block's rows a slice at a time for the f32 row body. Either way each row's terms go into the
+ * block's partials as in f32, so the sums have the f32 kernel's bits. */
 #define LN_BLOCK_ROWS 64
 
 typedef struct {
@@ -655,6 +656,14 @@ static void ln_bw_task(void *ctx, int64_t lo, int64_t hi) {
     const int64_t r0 = b * j->block_rows, r1 = min64(r0 + j->block_rows, j->N);
     float *pw = j->pw ? j->pw + (j->block_rows < j->N ? b * C : 0) : NULL;
     float *pb = j->pb ? j->pb + (j->block_rows < j->N ? b * C : 0) : NULL;
+    if (j->dt == FSDP_DTYPE_BF16) { /* the level's bf16 body: no slices to widen */
+      const int64_t off = r0 * C;
+      vec->layernorm_backward_bf16(j->dinp ? (uint16_t *)j->dinp + off : NULL, pw, pb,
+                                   (const uint16_t *)j->dout + off,
+                                   (const uint16_t *)j->inp + off, j->weight, j->mean + r0,
+                                   j->rstd + r0, 0, r1 - r0, C);
+      continue;
+    }
     for (int64_t r = r0; r < r1; r += per) {
       const int64_t nr = min64(per, r1 - r), off = r * C, len = nr * C;
       widen(g, j->dout, j->dt, off, len);

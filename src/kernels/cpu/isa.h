@@ -106,6 +106,12 @@ typedef struct fsdp_cpu_vec_i {
   void (*layernorm_backward)(float *dinp, float *dweight, float *dbias, const float *dout,
                              const float *inp, const float *weight, const float *mean,
                              const float *rstd, int64_t lo, int64_t hi, int C);
+  /* the same on bf16 dinp, dout and inp (the rest f32), with the f32 body's bits between a
+   * widening and a rounding pass */
+  void (*layernorm_backward_bf16)(uint16_t *dinp, float *dweight, float *dbias,
+                                  const uint16_t *dout, const uint16_t *inp,
+                                  const float *weight, const float *mean, const float *rstd,
+                                  int64_t lo, int64_t hi, int C);
   void (*softmax_forward)(float *out, const float *inp, int64_t lo, int64_t hi, int C);
   void (*softmax_backward)(float *dinp, const float *dout, const float *out, int64_t lo,
                            int64_t hi, int C);

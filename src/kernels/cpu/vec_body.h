@@ -485,21 +485,34 @@ static void layernorm_forward(float *out, float *mean, float *rstd, const float 
   }
 }
 
-/* dweight += xhat * dout, dbias += dout over columns [c0, c1) of one row */
-static inline void ln_row_params(float *dweight, float *dbias, const float *g, const float *x,
-                                 float m, float s, int c0, int c1) {
+/* Layernorm's backward on f32 or bf16 rows (dout, inp, dinp; weight, mean, rstd and the
+ * parameter gradients are f32): `bf16` is a constant at every call, as for bias + GELU, so the
+ * bf16 body's bits are the f32 body's between a widening and a rounding pass. */
+
+/* the lanes of [i, n) of an f32 or bf16 row (lanes past n read 0), and their store */
+VINLINE fsdp_vf ldr(const void *p, int64_t i, int64_t n, bool bf16) {
+  return bf16 ? fsdp_vh_load(p, i, n, 1) : LD((const float *)p, i, n, 0.0f);
+}
+VINLINE void str(void *p, int64_t i, int64_t n, fsdp_vf v, bool bf16) {
+  if (bf16) fsdp_vh_store(p, i, n, v, 1);
+  else ST((float *)p, i, n, v);
+}
+
+/* dweight += xhat * dout, dbias += dout over the C columns of one row */
+VINLINE void ln_row_params(float *dweight, float *dbias, const void *g, const void *x, float m,
+                           float s, int C, bool bf16) {
   if (dbias)
-    for (int64_t c = c0; c < c1; c += VW)
-      ST(dbias, c, c1, LD(dbias, c, c1, 0.0f) + LD(g, c, c1, 0.0f));
+    for (int64_t c = 0; c < C; c += VW)
+      ST(dbias, c, C, LD(dbias, c, C, 0.0f) + ldr(g, c, C, bf16));
   if (dweight)
-    for (int64_t c = c0; c < c1; c += VW)
-      ST(dweight, c, c1,
-         LD(dweight, c, c1, 0.0f) + (LD(x, c, c1, 0.0f) - m) * s * LD(g, c, c1, 0.0f));
+    for (int64_t c = 0; c < C; c += VW)
+      ST(dweight, c, C,
+         LD(dweight, c, C, 0.0f) + (ldr(x, c, C, bf16) - m) * s * ldr(g, c, C, bf16));
 }
 
 /* sum of dxhat and of dxhat * xhat over a row (dxhat = w * dout, xhat = (x - m) * s) */
-static inline void ln_row_sums(float *sum_dxhat, float *sum_dxhat_xhat, const float *g,
-                               const float *x, const float *w, float m, float s, int C) {
+VINLINE void ln_row_sums(float *sum_dxhat, float *sum_dxhat_xhat, const void *g, const void *x,
+                         const float *w, float m, float s, int C, bool bf16) {
   double t0 = 0.0, t1 = 0.0;
   for (int64_t blk = 0; blk < C; blk += FSDP_VBLOCK) {
     int64_t end = C - blk < FSDP_VBLOCK ? C : blk + FSDP_VBLOCK;
@@ -508,10 +521,10 @@ static inline void ln_row_sums(float *sum_dxhat, float *sum_dxhat_xhat, const fl
     for (int64_t i = blk; i < end; i += FSDP_VL)
       for (int k = 0; k < FSDP_VK; k++) {
         int64_t c = i + k * VW;
-        fsdp_vf dxhat = LD(g, c, end, 0.0f);
+        fsdp_vf dxhat = ldr(g, c, end, bf16);
         if (w) dxhat = LD(w, c, end, 0.0f) * dxhat;
         a[k] += dxhat;
-        b[k] += dxhat * ((LD(x, c, end, 0.0f) - m) * s);
+        b[k] += dxhat * ((ldr(x, c, end, bf16) - m) * s);
       }
     t0 += (double)fsdp_vl_fold_sum(a);
     t1 += (double)fsdp_vl_fold_sum(b);
@@ -522,36 +535,39 @@ static inline void ln_row_sums(float *sum_dxhat, float *sum_dxhat_xhat, const fl
 
 /* one row's dx, and its dweight / dbias terms in the same pass (has_* are constants at each
  * call, so each case is its own loop) */
-VINLINE void ln_row_dx(float *dx, float *dweight, float *dbias, const float *g, const float *x,
+VINLINE void ln_row_dx(void *dx, float *dweight, float *dbias, const void *g, const void *x,
                        const float *w, float m, float s, float mean_dxhat,
-                       float mean_dxhat_xhat, int C, bool has_w, bool has_dw, bool has_db) {
+                       float mean_dxhat_xhat, int C, bool has_w, bool has_dw, bool has_db,
+                       bool bf16) {
   for (int64_t c = 0; c < C; c += VW) {
-    fsdp_vf xhat = (LD(x, c, C, 0.0f) - m) * s, gi = LD(g, c, C, 0.0f), dxhat = gi;
+    fsdp_vf xhat = (ldr(x, c, C, bf16) - m) * s, gi = ldr(g, c, C, bf16), dxhat = gi;
     if (has_db) ST(dbias, c, C, LD(dbias, c, C, 0.0f) + gi);
     if (has_dw) ST(dweight, c, C, LD(dweight, c, C, 0.0f) + xhat * gi);
     if (has_w) dxhat = LD(w, c, C, 0.0f) * dxhat;
-    ST(dx, c, C, LD(dx, c, C, 0.0f) + s * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat));
+    str(dx, c, C,
+        ldr(dx, c, C, bf16) + s * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat), bf16);
   }
 }
 
-static void layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
-                               const float *inp, const float *weight, const float *mean,
-                               const float *rstd, int64_t lo, int64_t hi, int C) {
+VINLINE void layernorm_backward_rows(void *dinp, float *dweight, float *dbias, const void *dout,
+                                     const void *inp, const float *weight, const float *mean,
+                                     const float *rstd, int64_t lo, int64_t hi, int C,
+                                     bool bf16) {
   for (int64_t n = lo; n < hi; n++) {
-    const float *g = dout + n * C, *x = inp + n * C;
+    const void *g = cat_(dout, n * C, bf16), *x = cat_(inp, n * C, bf16);
     const float m = mean[n], s = rstd[n];
     if (!dinp) {
-      ln_row_params(dweight, dbias, g, x, m, s, 0, C);
+      ln_row_params(dweight, dbias, g, x, m, s, C, bf16);
       continue;
     }
     /* dx = s * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)),  dxhat = w * dout */
     float sum_dxhat, sum_dxhat_xhat;
-    ln_row_sums(&sum_dxhat, &sum_dxhat_xhat, g, x, weight, m, s, C);
+    ln_row_sums(&sum_dxhat, &sum_dxhat_xhat, g, x, weight, m, s, C, bf16);
     const float md = sum_dxhat / (float)C, mdx = sum_dxhat_xhat / (float)C;
-    float *dx = dinp + n * C;
+    void *dx = mat_(dinp, n * C, bf16);
     const bool dw = dweight != NULL, db = dbias != NULL;
 #define LN_DX(hw, hdw, hdb) \
-  ln_row_dx(dx, dweight, dbias, g, x, weight, m, s, md, mdx, C, hw, hdw, hdb)
+  ln_row_dx(dx, dweight, dbias, g, x, weight, m, s, md, mdx, C, hw, hdw, hdb, bf16)
     if (weight) {
       if (dw && db) LN_DX(true, true, true);
       else if (dw) LN_DX(true, true, false);
@@ -565,6 +581,19 @@ static void layernorm_backward(float *dinp, float *dweight, float *dbias, const 
     }
 #undef LN_DX
   }
+}
+
+static void layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
+                               const float *inp, const float *weight, const float *mean,
+                               const float *rstd, int64_t lo, int64_t hi, int C) {
+  layernorm_backward_rows(dinp, dweight, dbias, dout, inp, weight, mean, rstd, lo, hi, C, false);
+}
+
+static void layernorm_backward_bf16(uint16_t *dinp, float *dweight, float *dbias,
+                                    const uint16_t *dout, const uint16_t *inp,
+                                    const float *weight, const float *mean, const float *rstd,
+                                    int64_t lo, int64_t hi, int C) {
+  layernorm_backward_rows(dinp, dweight, dbias, dout, inp, weight, mean, rstd, lo, hi, C, true);
 }
 
 static void softmax_forward(float *out, const float *inp, int64_t lo, int64_t hi, int C) {
@@ -682,6 +711,7 @@ const fsdp_cpu_vec_i FSDP_VEC_TABLE = {
     .adamw_masked = adamw_masked,
     .layernorm_forward = layernorm_forward,
     .layernorm_backward = layernorm_backward,
+    .layernorm_backward_bf16 = layernorm_backward_bf16,
     .softmax_forward = softmax_forward,
     .softmax_backward = softmax_backward,
     .att_softmax_rows = att_softmax_rows,
