@@ -10,11 +10,11 @@
  * and one strided product covers them all (6 heads: 6 times fewer calls than one per head).
  *
  * Forward, per query tile: scores (f32) = q k^T / sqrt(hs); the causal softmax rows (the f32
- * kernel's, isa.h); att (bf16) = the probabilities rounded once; out (bf16) = att v. Nothing is
- * kept for the backward: per query tile it recomputes the scores with the same product, the
- * same softmax rows and the same rounding (the forward's bf16 probabilities, bit for bit), then
- * datt (f32) = dout v^T, the softmax backward on att widened, dscores rounded to bf16 into a
- * scratch, dq = dscores k / sqrt(hs); then per key tile, over every query row that sees it:
+ * kernel's arithmetic, isa.h) storing att (bf16), the probabilities rounded once; out (bf16) =
+ * att v. Nothing is kept for the backward: per query tile it recomputes the scores with the
+ * same product, the same softmax rows and the same rounding (the forward's bf16 probabilities,
+ * bit for bit), then datt (f32) = dout v^T, the softmax backward reading att and storing
+ * dscores rounded to bf16 into a scratch, dq = dscores k / sqrt(hs); then per key tile, over every query row that sees it:
  * dv = att^T dout, dk = dscores^T q / sqrt(hs). Every output element is written by one product
  * (no bf16 running sums; added into dqkv with one rounding when the backward accumulates).
  *
@@ -25,8 +25,7 @@
  * the same bits at any thread count and however the rows are split over ranks.
  *
  * Batch rows are shared out over the rank's threads, each task with its own scratch: the
- * scores (NH, T, T) f32 and att (bf16), for the backward also att widened (f32) and dscores
- * (bf16). The path is taken for every bf16 call it can serve, whatever the batch size and
+ * scores (NH, T, T) f32 and att (bf16), for the backward also dscores (bf16). The path is taken for every bf16 call it can serve, whatever the batch size and
  * thread count, so that a model's results do not depend on how its batch is split.
  */
 #include <math.h>
@@ -47,7 +46,7 @@ typedef struct {
   float scale;
   bool set;           /* backward: dqkv written (else added: each product's sum post-op) */
   char *scratch;      /* per chunk: slot bytes */
-  size_t slot, mm_bytes; /* slot: scores, att (+ widened att, dscores), oneDNN's scratch */
+  size_t slot, mm_bytes; /* slot: scores, att (+ dscores), oneDNN's scratch */
   atomic_int failed;  /* a product failed in a task (oneDNN): the caller takes the other way */
 } bf_job;
 
@@ -105,11 +104,7 @@ static int tile_shapes(const bf_job *j, bool backward, int r0, fsdp_cpu_mm_shape
 static void probs_rows(uint16_t *att, float *S, int T, int NH, int r0, int rows) {
   const int64_t TT = (int64_t)T * T;
   const fsdp_cpu_vec_i *vec = fsdp_cpu_vec();
-  for (int h = 0; h < NH; h++) {
-    vec->att_softmax_rows(S + h * TT, T, r0, rows);
-    fsdp_cpu_f32_to_bf16(att + h * TT + (int64_t)r0 * T, S + h * TT + (int64_t)r0 * T,
-                         (int64_t)rows * T);
-  }
+  for (int h = 0; h < NH; h++) vec->att_softmax_rows_bf16(att + h * TT, S + h * TT, T, r0, rows);
 }
 
 static char *slot_of(const bf_job *j, int64_t lo) {
@@ -143,8 +138,8 @@ static void backward_rows(void *ctx, int64_t lo, int64_t hi) {
   const int T = j->T, C = j->C, C3 = 3 * C, NH = j->NH;
   const int64_t TT = (int64_t)T * T;
   char *slot = slot_of(j, lo);
-  float *S = (float *)slot, *A = S + NH * TT;
-  uint16_t *D = (uint16_t *)(A + NH * TT), *att = D + NH * TT;
+  float *S = (float *)slot;
+  uint16_t *D = (uint16_t *)(S + NH * TT), *att = D + NH * TT;
   void *mms = slot + j->slot - j->mm_bytes;
   const fsdp_cpu_vec_i *vec = fsdp_cpu_vec();
   for (int64_t b = lo; b < hi && !atomic_load(&j->failed); b++) {
@@ -159,13 +154,9 @@ static void backward_rows(void *ctx, int64_t lo, int64_t hi) {
       if (!mm(j, &s[4], S + (int64_t)r0 * T, q + (int64_t)r0 * C3, k, mms)) return;
       probs_rows(att, S, T, NH, r0, rows);
       if (!mm(j, &s[0], S + (int64_t)r0 * T, g + (int64_t)r0 * C, v, mms)) return;
-      for (int h = 0; h < NH; h++) {
-        const int64_t at = h * TT + (int64_t)r0 * T;
-        fsdp_cpu_bf16_to_f32(A + at, att + at, (int64_t)rows * T);
-        vec->att_softmax_backward_rows(S + h * TT, A + h * TT, T, r0, rows, cols);
-        for (int i = 0; i < rows; i++)
-          fsdp_cpu_f32_to_bf16(D + at + (int64_t)i * T, S + at + (int64_t)i * T, cols);
-      }
+      for (int h = 0; h < NH; h++)
+        vec->att_softmax_backward_rows_bf16(D + h * TT, S + h * TT, att + h * TT, T, r0, rows,
+                                            cols);
       if (!mm(j, &s[1], dq + (int64_t)r0 * C3, D + (int64_t)r0 * T, k, mms)) return;
     }
     for (int c0 = 0; c0 < T; c0 += ATT_BLOCK) { /* key tiles: dv, dk over rows c0.. */
@@ -211,7 +202,7 @@ static int run(bf_job *j, bool backward) {
   j->mm_bytes = (most + 63) / 64 * 64;
   /* scores and att; the backward also att widened and dscores */
   size_t work =
-      (size_t)j->NH * (size_t)TT * (backward ? 2 * sizeof(float) + 4 : sizeof(float) + 2);
+      (size_t)j->NH * (size_t)TT * (backward ? sizeof(float) + 4 : sizeof(float) + 2);
   j->slot = (work + 63) / 64 * 64 + j->mm_bytes;
   j->nchunks = fsdp_cpu_chunks(j->B, 1);
   fsdp_cpu_work w = {0};

@@ -121,6 +121,12 @@ typedef struct fsdp_cpu_vec_i {
   /* its backward on the same rows: S holds datt and receives dscores, a (A) the forward's
    * probabilities; zeros from t + 1 up to column `cols` */
   void (*att_softmax_backward_rows)(float *S, const float *A, int T, int r0, int rows, int cols);
+  /* the same two writing bf16 (attention_bf16.c): the forward's probabilities rounded into P
+   * (A holds the scores and is left with their exponentials), the backward's dscores rounded
+   * into D from datt in S and the bf16 probabilities P; zeros as above, in P and D */
+  void (*att_softmax_rows_bf16)(uint16_t *P, float *A, int T, int r0, int rows);
+  void (*att_softmax_backward_rows_bf16)(uint16_t *D, const float *S, const uint16_t *P, int T,
+                                         int r0, int rows, int cols);
   /* the rows' losses summed in double; *count += rows counted */
   double (*cross_entropy_forward)(float *lse, const float *logits, const int64_t *targets,
                                   int64_t lo, int64_t hi, int V, int64_t ignore_index,

@@ -642,6 +642,37 @@ static void att_softmax_backward_rows(float *S, const float *A, int T, int r0, i
   }
 }
 
+/* The two above for the bf16 attention (attention_bf16.c), which multiplies bf16 probabilities:
+ * the forward's rows leave P rounded (A keeps the unnormalised exponentials), the backward's
+ * read P and write the rounded dscores into D (S is left as it was); both round as they store,
+ * so the bits are those of the f32 rows followed by a rounding pass (and, backward, preceded
+ * by a widening one), without those passes over the block. */
+static void att_softmax_rows_bf16(uint16_t *P, float *A, int T, int r0, int rows) {
+  for (int t = r0; t < r0 + rows; t++) {
+    float *row = A + (int64_t)t * T;
+    uint16_t *p = P + (int64_t)t * T;
+    const int len = t + 1;
+    float mx = fsdp_row_max(row, len);
+    float inv = (float)(1.0 / fsdp_row_expsum(row, row, mx, len));
+    for (int c = 0; c < len; c += VW) fsdp_vh_store(p, c, len, LD(row, c, len, 0.0f) * inv, 1);
+    memset(p + len, 0, sizeof(uint16_t) * (size_t)(T - len));
+  }
+}
+
+static void att_softmax_backward_rows_bf16(uint16_t *D, const float *S, const uint16_t *P,
+                                           int T, int r0, int rows, int cols) {
+  for (int t = r0; t < r0 + rows; t++) {
+    const uint16_t *a = P + (int64_t)t * T;
+    const float *s = S + (int64_t)t * T;
+    uint16_t *d = D + (int64_t)t * T;
+    const int len = t + 1;
+    float dot = (float)fsdp_row_dot_h(a, s, len);
+    for (int c = 0; c < len; c += VW)
+      fsdp_vh_store(d, c, len, fsdp_vh_load(a, c, len, 1) * (LD(s, c, len, 0.0f) - dot), 1);
+    memset(d + len, 0, sizeof(uint16_t) * (size_t)(cols - len));
+  }
+}
+
 /* ---- cross-entropy ------------------------------------------------------------------------- */
 
 static double cross_entropy_forward(float *lse, const float *logits, const int64_t *targets,
@@ -712,6 +743,8 @@ const fsdp_cpu_vec_i FSDP_VEC_TABLE = {
     .layernorm_forward = layernorm_forward,
     .layernorm_backward = layernorm_backward,
     .layernorm_backward_bf16 = layernorm_backward_bf16,
+    .att_softmax_rows_bf16 = att_softmax_rows_bf16,
+    .att_softmax_backward_rows_bf16 = att_softmax_backward_rows_bf16,
     .softmax_forward = softmax_forward,
     .softmax_backward = softmax_backward,
     .att_softmax_rows = att_softmax_rows,

@@ -344,6 +344,31 @@ static inline double fsdp_row_dot(const float *x, const float *y, int64_t n) {
 /* sum of x[0..n) */
 static inline double fsdp_row_sum(const float *x, int64_t n) { return fsdp_row_dot(x, NULL, n); }
 
+/* fsdp_row_dot(widened x, y, n) for bf16 x: the same terms in the same tree, so the same bits */
+static inline void fsdp_row_dot_h_quad(fsdp_vf *acc, const uint16_t *x, const float *y,
+                                       int64_t i, int64_t n, int tail) {
+  for (int k = 0; k < FSDP_VK; k++) {
+    fsdp_vf t[4];
+    for (int q = 0; q < 4; q++) {
+      int64_t s = i + k * FSDP_VW + q * FSDP_VL;
+      t[q] = fsdp_vh_load(x, s, n, tail) * fsdp_vt_load(y, s, n, 0.0f, tail);
+    }
+    acc[k] += (t[0] + t[1]) + (t[2] + t[3]);
+  }
+}
+static inline double fsdp_row_dot_h(const uint16_t *x, const float *y, int64_t n) {
+  double total = 0.0;
+  for (int64_t b = 0; b < n; b += FSDP_VBLOCK) {
+    int64_t end = n - b < FSDP_VBLOCK ? n : b + FSDP_VBLOCK, i = b;
+    fsdp_vf acc[FSDP_VK];
+    for (int k = 0; k < FSDP_VK; k++) acc[k] = fsdp_vf_set(0.0f);
+    for (; i + FSDP_VQ <= end; i += FSDP_VQ) fsdp_row_dot_h_quad(acc, x, y, i, end, 0);
+    if (i < end) fsdp_row_dot_h_quad(acc, x, y, i, end, 1);
+    total += (double)fsdp_vl_fold_sum(acc);
+  }
+  return total;
+}
+
 /* sum of (x[i] - m)^2: layernorm's centred variance */
 static inline fsdp_vf fsdp_row_sqdev_term(const float *x, float m, int64_t s, int64_t n,
                                           int tail) {
