@@ -200,7 +200,7 @@ static int run(bf_job *j, bool backward) {
     }
   }
   j->mm_bytes = (most + 63) / 64 * 64;
-  /* scores and att; the backward also att widened and dscores */
+  /* scores and att; the backward also dscores */
   size_t work =
       (size_t)j->NH * (size_t)TT * (backward ? sizeof(float) + 4 : sizeof(float) + 2);
   j->slot = (work + 63) / 64 * 64 + j->mm_bytes;

@@ -9,7 +9,8 @@
  * piece, in the way each kernel allows:
  *  - element-wise and row kernels: one task per thread, slices on the task's stack (the fused
  *    pass below); every output element is the f32 kernel's on the widened inputs, rounded once;
- *  - bias + GELU on bf16: the instruction-set level's own bodies, loading and storing bf16 lanes;
+ *  - bias + GELU and layernorm's backward on bf16: the instruction-set level's own bodies,
+ *    loading and storing bf16 lanes;
  *  - sums over rows: the f32 kernel's fixed blocks (layernorm), column tiles (bias + GELU on
  *    f16), column sums read straight from bf16 (a linear's bias);
  *  - attention: one batch row per task; GEMM-based kernels without the native path, losses and
