@@ -34,7 +34,7 @@ static atomic_llong products, f32_products;
  * Measured per processor in docs/PERFORMANCE.md "GEMM libraries": where OpenBLAS 0.3.21 does
  * not know an AVX-512 processor it runs its AVX2 (Haswell) kernels at half oneDNN's rate, and
  * where it does pick its AVX-512 kernels (Cooperlake on a Zen 4) dnnl_sgemm still ran the
- * model's products 1.02-1.21 x faster and the step 10-15% faster. On AVX2 processors oneDNN is
+ * model's products 1.02-1.21 x faster and the step 8-13% faster. On AVX2 processors oneDNN is
  * not taken (not measured on such a processor; OpenBLAS keeps its bits there).
  * bf16: natively where oneDNN has AVX512_BF16 code, by conversion elsewhere. */
 static bool s_supported, supported;
