@@ -2,15 +2,7 @@
 # cpu_isa.sh — FSDP_CPU_ISA through the launcher: each level this processor has runs and shows
 # in fsdp.info() on every rank; a level it lacks and an unknown value fail at require "fsdp"
 # with a message naming the variable. Run by ctest with FSDPRUN set.
-set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-run() { "$@" >"$T/out" 2>"$T/err"; rc=$?; }
-expect_rc() { [ "$rc" -eq "$1" ] || fail "$2: exit status $rc, expected $1; stderr: $(cat "$T/err")"; }
-expect_has() { grep -qF -- "$2" "$T/$1" || fail "$3: std$1 lacks '$2'; it was: $(cat "$T/$1")"; }
+. "${0%/*}/lib.sh"
 
 SHOW='local f = require "fsdp"; print(f.rank() .. " " .. f.info().cpu.isa)'
 run env -u FSDP_CPU_ISA "$FSDPRUN" -e 'print(require("fsdp").info().cpu.isa)'
@@ -52,5 +44,4 @@ for bad in sse9 avx512f 1; do
   [ -s "$T/out" ] && fail "FSDP_CPU_ISA=$bad: a rank ran: $(cat "$T/out")"
 done
 
-[ "$failures" -eq 0 ] || { echo "$failures failure(s)"; exit 1; }
-echo "cpu_isa: ok"
+finish

@@ -3,15 +3,7 @@
 # processor can run is taken when asked and shows in fsdp.info() on every rank; asking for one
 # that cannot run here, or an unknown value, fails at require "fsdp" with a message naming the
 # variable, before any rank runs. Run by ctest with FSDPRUN set.
-set -u
-: "${FSDPRUN:?set FSDPRUN to the fsdprun executable}"
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-run() { "$@" >"$T/out" 2>"$T/err"; rc=$?; }
-expect_rc() { [ "$rc" -eq "$1" ] || fail "$2: exit status $rc, expected $1; stderr: $(cat "$T/err")"; }
-expect_has() { grep -qF -- "$2" "$T/$1" || fail "$3: std$1 lacks '$2'; it was: $(cat "$T/$1")"; }
+. "${0%/*}/lib.sh"
 
 SHOW='local f = require "fsdp"; print(f.rank() .. " " .. f.info().devices[1].description)'
 run env -u FSDP_GEMM -u FSDP_BF16_GEMM "$FSDPRUN" -e "$SHOW"
@@ -77,5 +69,4 @@ for bad in mkl blis 1; do
   expect_has err "FSDP_BF16_GEMM='$bad': unknown (convert, native or auto)" "FSDP_BF16_GEMM=$bad"
 done
 
-[ "$failures" -eq 0 ] || { echo "$failures failure(s)"; exit 1; }
-echo "gemm_env: ok"
+finish
