@@ -160,6 +160,9 @@ const fsdp_device_i *fsdp_device_find(const char *name);
 /* The cpu device keeps freed blocks of >= 64 KiB for reuse, up to FSDP_CPU_CACHE bytes
  * (default 2 GiB, 0 disables). Cached bytes are not live bytes. trim gives them back. */
 void fsdp_device_cpu_trim(void);
+/* FSDP_OK, or FSDP_ERR naming FSDP_CPU_CACHE when its value is malformed
+ * (the cache then keeps its default size). */
+int fsdp_device_cpu_check(void);
 size_t fsdp_device_cpu_cached_bytes(void);
 /* The registry behind fsdp_device_find, in registration order (cpu, meta, then others): device
  * i is column i of a fsdp_mem_report. fsdp_device_index gives -1 for an unregistered device. */

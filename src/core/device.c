@@ -53,13 +53,28 @@ static struct {
 
 static size_t round_size(size_t bytes) { return (bytes + 4095) & ~(size_t)4095; }
 
+static char cache_env_error[160]; /* non-empty: FSDP_CPU_CACHE was malformed (default kept) */
+
+/* Under cache.mu, or before any thread can allocate (fsdp_device_cpu_check). */
 static void cache_configure(void) {
   if (cache.configured) return;
   cache.configured = true;
   cache.cap = (size_t)2 << 30;
   const char *env = getenv("FSDP_CPU_CACHE");
   int64_t v;
-  if (env && fsdp_mem_parse_size(env, &v) == FSDP_OK && v >= 0) cache.cap = (size_t)v;
+  if (!env || !*env) return;
+  if (fsdp_mem_parse_size(env, &v) == FSDP_OK && v >= 0)
+    cache.cap = (size_t)v;
+  else
+    snprintf(cache_env_error, sizeof cache_env_error,
+             "FSDP_CPU_CACHE='%.64s': expected bytes, or a number with K, M or G", env);
+}
+
+int fsdp_device_cpu_check(void) {
+  pthread_mutex_lock(&cache.mu);
+  cache_configure();
+  pthread_mutex_unlock(&cache.mu);
+  return cache_env_error[0] ? fsdp_error("%s", cache_env_error) : FSDP_OK;
 }
 
 /* A cached block of exactly `size` bytes, or NULL. */

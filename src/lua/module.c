@@ -30,9 +30,10 @@ static void anchor_trim_sentinel(lua_State *L) {
 FSDP_API int luaopen_fsdp_core(lua_State *L) {
   /* created before any tensor, so it is finalized after every tensor at lua_close */
   anchor_trim_sentinel(L);
-  /* a bad FSDP_CPU_ISA, FSDP_GEMM or FSDP_BF16_GEMM fails here, at require, rather than running
-   * at another level or on another library than asked */
-  if (fsdp_cpu_isa_check() != FSDP_OK || fsdp_cpu_gemm_check() != FSDP_OK)
+  /* a bad FSDP_CPU_ISA, FSDP_GEMM, FSDP_BF16_GEMM or FSDP_CPU_CACHE fails here, at require,
+   * rather than running at another level, on another library or with another cache than asked */
+  if (fsdp_cpu_isa_check() != FSDP_OK || fsdp_cpu_gemm_check() != FSDP_OK ||
+      fsdp_device_cpu_check() != FSDP_OK)
     return luaL_error(L, "%s", fsdp_error_msg());
   lua_newtable(L);
   fsdp_lua_open_tensor(L);
