@@ -14,9 +14,10 @@
  * att v. Nothing is kept for the backward: per query tile it recomputes the scores with the
  * same product, the same softmax rows and the same rounding (the forward's bf16 probabilities,
  * bit for bit), then datt (f32) = dout v^T, the softmax backward reading att and storing
- * dscores rounded to bf16 into a scratch, dq = dscores k / sqrt(hs); then per key tile, over every query row that sees it:
- * dv = att^T dout, dk = dscores^T q / sqrt(hs). Every output element is written by one product
- * (no bf16 running sums; added into dqkv with one rounding when the backward accumulates).
+ * dscores rounded to bf16 into a scratch, dq = dscores k / sqrt(hs); then per key tile, over
+ * every query row that sees it: dv = att^T dout, dk = dscores^T q / sqrt(hs). Every output
+ * element is written by one product (no bf16 running sums; added into dqkv with one rounding
+ * when the backward accumulates).
  *
  * Against the widening way the products' sums run in another order and two operands are bf16
  * where that way keeps f32: the probabilities in att v and dscores in dq and dk. The results
@@ -25,8 +26,9 @@
  * the same bits at any thread count and however the rows are split over ranks.
  *
  * Batch rows are shared out over the rank's threads, each task with its own scratch: the
- * scores (NH, T, T) f32 and att (bf16), for the backward also dscores (bf16). The path is taken for every bf16 call it can serve, whatever the batch size and
- * thread count, so that a model's results do not depend on how its batch is split.
+ * scores (NH, T, T) f32 and att (bf16), for the backward also dscores (bf16). The path is
+ * taken for every bf16 call it can serve, whatever the batch size and thread count, so that a
+ * model's results do not depend on how its batch is split.
  */
 #include <math.h>
 #include <stdatomic.h>

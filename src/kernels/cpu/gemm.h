@@ -3,11 +3,12 @@
  * GEMM path.
  *
  * f32: fsdp_cpu_sgemm_serial (kernels.h; gemm.c): oneDNN's dnnl_sgemm where oneDNN runs
- * AVX-512 code, OpenBLAS elsewhere (docs/PERFORMANCE.md "GEMM libraries" has the figures). bf16: on a processor with
- * AVX512_BF16 and a build with oneDNN, bf16 products run as oneDNN matmuls (bf16 x bf16 with f32
- * accumulation, gemm_bf16.c over onednn.c) split by rows of the output over the rank's threads
- * (pool.h), one oneDNN thread per piece; elsewhere they take the conversion pass (half.c,
- * table.c: widen to f32, sgemm, round back). FSDP_BF16_GEMM=convert forces the conversion pass.
+ * AVX-512 code, OpenBLAS elsewhere (docs/PERFORMANCE.md "GEMM libraries" has the figures).
+ * bf16: on a processor with AVX512_BF16 and a build with oneDNN, bf16 products run as oneDNN
+ * matmuls (bf16 x bf16 with f32 accumulation, gemm_bf16.c over onednn.c) split by rows of the
+ * output over the rank's threads (pool.h), one oneDNN thread per piece; elsewhere they take the
+ * conversion pass (half.c, table.c: widen to f32, sgemm, round back). FSDP_GEMM and
+ * FSDP_BF16_GEMM override the choice (docs/cli.md "GEMM library").
  */
 #ifndef FSDP_KERNELS_CPU_GEMM_H
 #define FSDP_KERNELS_CPU_GEMM_H
@@ -36,7 +37,8 @@ bool fsdp_cpu_bf16_gemm_native(void);
 /* Whether the native path could run here (oneDNN built in, AVX512_BF16): what "on" can mean. */
 bool fsdp_cpu_bf16_gemm_supported(void);
 /* Tests and benchmarks: 1 native (where supported), 0 conversion pass, -1 back to the default
- * (the environment's choice, else native where supported). Returns whether the native path is now taken. Process-wide. */
+ * (the environment's choice, else native where supported). Returns whether the native path is
+ * now taken. Process-wide. */
 bool fsdp_cpu_bf16_gemm_force(int mode);
 
 /* Products the native path has run in this process (tests check which path a slot took). */
