@@ -487,27 +487,19 @@ static void layernorm_forward(float *out, float *mean, float *rstd, const float 
 
 /* Layernorm's backward on f32 or bf16 rows (dout, inp, dinp; weight, mean, rstd and the
  * parameter gradients are f32): `bf16` is a constant at every call, as for bias + GELU, so the
- * bf16 body's bits are the f32 body's between a widening and a rounding pass. */
-
-/* the lanes of [i, n) of an f32 or bf16 row (lanes past n read 0), and their store */
-VINLINE fsdp_vf ldr(const void *p, int64_t i, int64_t n, bool bf16) {
-  return bf16 ? fsdp_vh_load(p, i, n, 1) : LD((const float *)p, i, n, 0.0f);
-}
-VINLINE void str(void *p, int64_t i, int64_t n, fsdp_vf v, bool bf16) {
-  if (bf16) fsdp_vh_store(p, i, n, v, 1);
-  else ST((float *)p, i, n, v);
-}
+ * bf16 body's bits are the f32 body's between a widening and a rounding pass. Loads and stores
+ * go through ldx / stx with the tail checked at every vector, as LD / ST do. */
 
 /* dweight += xhat * dout, dbias += dout over the C columns of one row */
 VINLINE void ln_row_params(float *dweight, float *dbias, const void *g, const void *x, float m,
                            float s, int C, bool bf16) {
   if (dbias)
     for (int64_t c = 0; c < C; c += VW)
-      ST(dbias, c, C, LD(dbias, c, C, 0.0f) + ldr(g, c, C, bf16));
+      ST(dbias, c, C, LD(dbias, c, C, 0.0f) + ldx(g, c, C, 1, bf16));
   if (dweight)
     for (int64_t c = 0; c < C; c += VW)
       ST(dweight, c, C,
-         LD(dweight, c, C, 0.0f) + (ldr(x, c, C, bf16) - m) * s * ldr(g, c, C, bf16));
+         LD(dweight, c, C, 0.0f) + (ldx(x, c, C, 1, bf16) - m) * s * ldx(g, c, C, 1, bf16));
 }
 
 /* sum of dxhat and of dxhat * xhat over a row (dxhat = w * dout, xhat = (x - m) * s) */
@@ -521,10 +513,10 @@ VINLINE void ln_row_sums(float *sum_dxhat, float *sum_dxhat_xhat, const void *g,
     for (int64_t i = blk; i < end; i += FSDP_VL)
       for (int k = 0; k < FSDP_VK; k++) {
         int64_t c = i + k * VW;
-        fsdp_vf dxhat = ldr(g, c, end, bf16);
+        fsdp_vf dxhat = ldx(g, c, end, 1, bf16);
         if (w) dxhat = LD(w, c, end, 0.0f) * dxhat;
         a[k] += dxhat;
-        b[k] += dxhat * ((ldr(x, c, end, bf16) - m) * s);
+        b[k] += dxhat * ((ldx(x, c, end, 1, bf16) - m) * s);
       }
     t0 += (double)fsdp_vl_fold_sum(a);
     t1 += (double)fsdp_vl_fold_sum(b);
@@ -540,12 +532,12 @@ VINLINE void ln_row_dx(void *dx, float *dweight, float *dbias, const void *g, co
                        float mean_dxhat_xhat, int C, bool has_w, bool has_dw, bool has_db,
                        bool bf16) {
   for (int64_t c = 0; c < C; c += VW) {
-    fsdp_vf xhat = (ldr(x, c, C, bf16) - m) * s, gi = ldr(g, c, C, bf16), dxhat = gi;
+    fsdp_vf xhat = (ldx(x, c, C, 1, bf16) - m) * s, gi = ldx(g, c, C, 1, bf16), dxhat = gi;
     if (has_db) ST(dbias, c, C, LD(dbias, c, C, 0.0f) + gi);
     if (has_dw) ST(dweight, c, C, LD(dweight, c, C, 0.0f) + xhat * gi);
     if (has_w) dxhat = LD(w, c, C, 0.0f) * dxhat;
-    str(dx, c, C,
-        ldr(dx, c, C, bf16) + s * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat), bf16);
+    stx(dx, c, C, ldx(dx, c, C, 1, bf16) + s * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat), 1,
+        bf16);
   }
 }
 
@@ -617,60 +609,57 @@ static void softmax_backward(float *dinp, const float *dout, const float *out, i
   }
 }
 
-/* attention.c's causal rows (its scalar loops, on vectors: the same operations per lane) */
-static void att_softmax_rows(float *A, int T, int r0, int rows) {
+/* attention.c's causal rows (its scalar loops, on vectors: the same operations per lane); the
+ * bf16 attention (attention_bf16.c) multiplies bf16 probabilities, and its rows store them
+ * rounded (`bf16`, a constant at every call): the f32 rows' bits followed by a rounding pass,
+ * without that pass over the block. */
+
+/* rows [r0, r0 + rows) of A softmaxed, the probabilities stored into P: A itself (f32, in
+ * place) or a bf16 block (A then keeps the unnormalised exponentials) */
+VINLINE void att_softmax_rows_x(void *P, float *A, int T, int r0, int rows, bool bf16) {
   for (int t = r0; t < r0 + rows; t++) {
     float *row = A + (int64_t)t * T;
+    void *p = mat_(P, (int64_t)t * T, bf16);
     const int len = t + 1;
     float mx = fsdp_row_max(row, len);
     float inv = (float)(1.0 / fsdp_row_expsum(row, row, mx, len));
-    for (int c = 0; c < len; c += VW) ST(row, c, len, LD(row, c, len, 0.0f) * inv);
-    memset(row + len, 0, sizeof(float) * (size_t)(T - len));
+    for (int c = 0; c < len; c += VW) stx(p, c, len, LD(row, c, len, 0.0f) * inv, 1, bf16);
+    memset(mat_(p, len, bf16), 0, (bf16 ? 2 : 4) * (size_t)(T - len));
+  }
+}
+
+static void att_softmax_rows(float *A, int T, int r0, int rows) {
+  att_softmax_rows_x(A, A, T, r0, rows, false);
+}
+
+static void att_softmax_rows_bf16(uint16_t *P, float *A, int T, int r0, int rows) {
+  att_softmax_rows_x(P, A, T, r0, rows, true);
+}
+
+/* its backward: datt in S, the probabilities P (f32 or bf16), dscores into D (f32: S itself,
+ * in place; bf16: a block of their own, S left as it was) */
+VINLINE void att_softmax_backward_rows_x(void *D, const float *S, const void *P, int T, int r0,
+                                         int rows, int cols, bool bf16) {
+  for (int t = r0; t < r0 + rows; t++) {
+    const void *a = cat_(P, (int64_t)t * T, bf16);
+    const float *s = S + (int64_t)t * T;
+    void *d = mat_(D, (int64_t)t * T, bf16);
+    const int len = t + 1;
+    float dot = (float)fsdp_row_dot_x(a, bf16, s, len);
+    for (int c = 0; c < len; c += VW)
+      stx(d, c, len, ldx(a, c, len, 1, bf16) * (LD(s, c, len, 0.0f) - dot), 1, bf16);
+    memset(mat_(d, len, bf16), 0, (bf16 ? 2 : 4) * (size_t)(cols - len));
   }
 }
 
 static void att_softmax_backward_rows(float *S, const float *A, int T, int r0, int rows,
                                       int cols) {
-  for (int t = r0; t < r0 + rows; t++) {
-    const float *a = A + (int64_t)t * T;
-    float *s = S + (int64_t)t * T;
-    const int len = t + 1;
-    float dot = (float)fsdp_row_dot(a, s, len);
-    for (int c = 0; c < len; c += VW)
-      ST(s, c, len, LD(a, c, len, 0.0f) * (LD(s, c, len, 0.0f) - dot));
-    memset(s + len, 0, sizeof(float) * (size_t)(cols - len));
-  }
-}
-
-/* The two above for the bf16 attention (attention_bf16.c), which multiplies bf16 probabilities:
- * the forward's rows leave P rounded (A keeps the unnormalised exponentials), the backward's
- * read P and write the rounded dscores into D (S is left as it was); both round as they store,
- * so the bits are those of the f32 rows followed by a rounding pass (and, backward, preceded
- * by a widening one), without those passes over the block. */
-static void att_softmax_rows_bf16(uint16_t *P, float *A, int T, int r0, int rows) {
-  for (int t = r0; t < r0 + rows; t++) {
-    float *row = A + (int64_t)t * T;
-    uint16_t *p = P + (int64_t)t * T;
-    const int len = t + 1;
-    float mx = fsdp_row_max(row, len);
-    float inv = (float)(1.0 / fsdp_row_expsum(row, row, mx, len));
-    for (int c = 0; c < len; c += VW) fsdp_vh_store(p, c, len, LD(row, c, len, 0.0f) * inv, 1);
-    memset(p + len, 0, sizeof(uint16_t) * (size_t)(T - len));
-  }
+  att_softmax_backward_rows_x(S, S, A, T, r0, rows, cols, false);
 }
 
 static void att_softmax_backward_rows_bf16(uint16_t *D, const float *S, const uint16_t *P,
                                            int T, int r0, int rows, int cols) {
-  for (int t = r0; t < r0 + rows; t++) {
-    const uint16_t *a = P + (int64_t)t * T;
-    const float *s = S + (int64_t)t * T;
-    uint16_t *d = D + (int64_t)t * T;
-    const int len = t + 1;
-    float dot = (float)fsdp_row_dot_h(a, s, len);
-    for (int c = 0; c < len; c += VW)
-      fsdp_vh_store(d, c, len, fsdp_vh_load(a, c, len, 1) * (LD(s, c, len, 0.0f) - dot), 1);
-    memset(d + len, 0, sizeof(uint16_t) * (size_t)(cols - len));
-  }
+  att_softmax_backward_rows_x(D, S, P, T, r0, rows, cols, true);
 }
 
 /* ---- cross-entropy ------------------------------------------------------------------------- */

@@ -29,6 +29,7 @@
 #define FSDP_KERNELS_CPU_VMATH_H
 
 #include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -311,63 +312,44 @@ static inline double fsdp_row_expsum(float *out, const float *x, float shift, in
   return total;
 }
 
-/* sum of x[i] * y[i] (y NULL: of x[i]) */
-static inline fsdp_vf fsdp_row_dot_term(const float *x, const float *y, int64_t s, int64_t n,
-                                        int tail) {
-  fsdp_vf v = fsdp_vt_load(x, s, n, 0.0f, tail);
+/* sum of x[i] * y[i] (y NULL: of x[i]); x f32, or bf16 (xh) widened exactly, which gives the
+ * terms and the tree of the widened f32 row, so the same bits. xh is a constant at every call,
+ * and these are always inlined so that no loop tests it. */
+#define FSDP_VM_INLINE static inline __attribute__((always_inline))
+FSDP_VM_INLINE fsdp_vf fsdp_row_dot_term(const void *x, bool xh, const float *y, int64_t s,
+                                         int64_t n, int tail) {
+  fsdp_vf v = xh ? fsdp_vh_load(x, s, n, tail) : fsdp_vt_load(x, s, n, 0.0f, tail);
   return y ? v * fsdp_vt_load(y, s, n, 0.0f, tail) : v;
 }
-static inline void fsdp_row_dot_quad(fsdp_vf *acc, const float *x, const float *y, int64_t i,
-                                     int64_t n, int tail) {
+FSDP_VM_INLINE void fsdp_row_dot_quad(fsdp_vf *acc, const void *x, bool xh, const float *y,
+                                      int64_t i, int64_t n, int tail) {
   for (int k = 0; k < FSDP_VK; k++) {
     int64_t s = i + k * FSDP_VW;
-    fsdp_vf t0 = fsdp_row_dot_term(x, y, s, n, tail);
-    fsdp_vf t1 = fsdp_row_dot_term(x, y, s + FSDP_VL, n, tail);
-    fsdp_vf t2 = fsdp_row_dot_term(x, y, s + 2 * FSDP_VL, n, tail);
-    fsdp_vf t3 = fsdp_row_dot_term(x, y, s + 3 * FSDP_VL, n, tail);
+    fsdp_vf t0 = fsdp_row_dot_term(x, xh, y, s, n, tail);
+    fsdp_vf t1 = fsdp_row_dot_term(x, xh, y, s + FSDP_VL, n, tail);
+    fsdp_vf t2 = fsdp_row_dot_term(x, xh, y, s + 2 * FSDP_VL, n, tail);
+    fsdp_vf t3 = fsdp_row_dot_term(x, xh, y, s + 3 * FSDP_VL, n, tail);
     acc[k] += (t0 + t1) + (t2 + t3);
   }
 }
-static inline double fsdp_row_dot(const float *x, const float *y, int64_t n) {
+FSDP_VM_INLINE double fsdp_row_dot_x(const void *x, bool xh, const float *y, int64_t n) {
   double total = 0.0;
   for (int64_t b = 0; b < n; b += FSDP_VBLOCK) {
     int64_t end = n - b < FSDP_VBLOCK ? n : b + FSDP_VBLOCK, i = b;
     fsdp_vf acc[FSDP_VK];
     for (int k = 0; k < FSDP_VK; k++) acc[k] = fsdp_vf_set(0.0f);
-    for (; i + FSDP_VQ <= end; i += FSDP_VQ) fsdp_row_dot_quad(acc, x, y, i, end, 0);
-    if (i < end) fsdp_row_dot_quad(acc, x, y, i, end, 1);
+    for (; i + FSDP_VQ <= end; i += FSDP_VQ) fsdp_row_dot_quad(acc, x, xh, y, i, end, 0);
+    if (i < end) fsdp_row_dot_quad(acc, x, xh, y, i, end, 1);
     total += (double)fsdp_vl_fold_sum(acc);
   }
   return total;
+}
+static inline double fsdp_row_dot(const float *x, const float *y, int64_t n) {
+  return fsdp_row_dot_x(x, false, y, n);
 }
 
 /* sum of x[0..n) */
 static inline double fsdp_row_sum(const float *x, int64_t n) { return fsdp_row_dot(x, NULL, n); }
-
-/* fsdp_row_dot(widened x, y, n) for bf16 x: the same terms in the same tree, so the same bits */
-static inline void fsdp_row_dot_h_quad(fsdp_vf *acc, const uint16_t *x, const float *y,
-                                       int64_t i, int64_t n, int tail) {
-  for (int k = 0; k < FSDP_VK; k++) {
-    fsdp_vf t[4];
-    for (int q = 0; q < 4; q++) {
-      int64_t s = i + k * FSDP_VW + q * FSDP_VL;
-      t[q] = fsdp_vh_load(x, s, n, tail) * fsdp_vt_load(y, s, n, 0.0f, tail);
-    }
-    acc[k] += (t[0] + t[1]) + (t[2] + t[3]);
-  }
-}
-static inline double fsdp_row_dot_h(const uint16_t *x, const float *y, int64_t n) {
-  double total = 0.0;
-  for (int64_t b = 0; b < n; b += FSDP_VBLOCK) {
-    int64_t end = n - b < FSDP_VBLOCK ? n : b + FSDP_VBLOCK, i = b;
-    fsdp_vf acc[FSDP_VK];
-    for (int k = 0; k < FSDP_VK; k++) acc[k] = fsdp_vf_set(0.0f);
-    for (; i + FSDP_VQ <= end; i += FSDP_VQ) fsdp_row_dot_h_quad(acc, x, y, i, end, 0);
-    if (i < end) fsdp_row_dot_h_quad(acc, x, y, i, end, 1);
-    total += (double)fsdp_vl_fold_sum(acc);
-  }
-  return total;
-}
 
 /* sum of (x[i] - m)^2: layernorm's centred variance */
 static inline fsdp_vf fsdp_row_sqdev_term(const float *x, float m, int64_t s, int64_t n,
