@@ -207,6 +207,14 @@ static void row_cases(int64_t N, int C) {
   same(&d, "layernorm backward dinp");
   same(&dw, "layernorm backward dweight");
   same(&db, "layernorm backward dbias");
+  /* dinp alone (frozen parameters): rows split over the threads, no sums to order */
+  assert_int_equal(k->layernorm_backward(CTX, DT, DT, d.h, NULL, NULL, g.h, x.h, w.h, mean, rstd,
+                                         N, C),
+                   FSDP_OK);
+  assert_int_equal(k->layernorm_backward(CTX, FSDP_DTYPE_F32, FSDP_DTYPE_F32, d.f, NULL, NULL,
+                                         g.f, x.f, w.f, mean, rstd, N, C),
+                   FSDP_OK);
+  same(&d, "layernorm backward dinp alone");
   float *fw = calloc((size_t)C * 4, sizeof(float)), *fb = fw + C, *fw32 = fb + C, *fb32 = fw32 + C;
   assert_non_null(fw);
   for (int pass = 0; pass < 2; pass++) {

@@ -695,7 +695,7 @@ static int half_layernorm_backward_blocks(fsdp_dtype dt, fsdp_dtype gdt, void *d
     j.pw = fdw, j.pb = fdb, j.block_rows = N;
     if (!w.failed && (fdw || fdb)) ln_bw_task(&j, 0, 1);
     else if (!w.failed) {
-      j.block_rows = SLICE / C;
+      j.block_rows = C <= SLICE ? SLICE / C : 1; /* longer rows: bf16 only, one a block */
       const int64_t nb = (N + j.block_rows - 1) / j.block_rows,
                     grain = FSDP_CPU_GRAIN / (j.block_rows * C);
       fsdp_cpu_parallel_for(nb, grain < 1 ? 1 : grain, ln_bw_task, &j);
@@ -728,7 +728,8 @@ int fsdp_cpu_half_layernorm_backward(fsdp_dtype dt, fsdp_dtype gdt, void *dinp, 
                                      const void *weight, const float *mean, const float *rstd,
                                      int64_t N, int C) {
   if (N <= 0) return FSDP_OK;
-  if (hmap_fits(C))
+  /* bf16 rows of any length go through the level's bf16 row body: nothing to widen */
+  if (hmap_fits(C) || dt == FSDP_DTYPE_BF16)
     return half_layernorm_backward_blocks(dt, gdt, dinp, dweight, dbias, dout, inp, weight,
                                           mean, rstd, N, C);
   fsdp_cpu_work w = {0};
