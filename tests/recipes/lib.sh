@@ -6,7 +6,8 @@
 # and has: `set -u`; FSDPRUN checked (ctest sets it to the built launcher); $TEST, the script's
 # name; $SRC, the source tree (FSDP_SOURCE_DIR, or the current folder, where ctest runs the
 # scripts); $T, a temporary folder removed at exit (with $AT_EXIT run first: a script's own
-# clean-up); $MPIRUN, mpirun with the options every test uses; and the functions below.
+# clean-up); $MPIRUN, mpirun with the options every test uses (through lib/mpirun_retry.sh, which
+# runs it again when Open MPI's launch race fails a correct run); and the functions below.
 # Checks that find a problem call `fail` and the script goes on; `finish` ends it with the
 # verdict. `die` (and `must`) end it at once, where later checks would only repeat the cause.
 # Exit status 77 is a skip, which ctest reports as such (SKIP_RETURN_CODE). sh has no local
@@ -20,7 +21,8 @@ T=$(mktemp -d)
 AT_EXIT=
 trap 'eval "$AT_EXIT"; rm -rf "$T"' EXIT
 failures=0
-MPIRUN="mpirun --oversubscribe --allow-run-as-root --mca btl_base_warn_component_unused 0"
+MPIRUN="sh $SRC/tests/recipes/lib/mpirun_retry.sh mpirun --oversubscribe --allow-run-as-root"
+MPIRUN="$MPIRUN --mca btl_base_warn_component_unused 0"
 
 # fail MESSAGE: count a failure and go on
 fail() {

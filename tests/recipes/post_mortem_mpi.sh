@@ -10,20 +10,9 @@
 # Run by ctest with FSDPRUN=<build>/bin/fsdprun.
 set -u
 . "${0%/*}/lib.sh"
-if ! command -v mpirun >/dev/null 2>&1; then
-  echo "post_mortem_mpi: SKIP (mpirun not found: install openmpi-bin)"
-  exit 77
-fi
+need_mpi
 cd "${FSDP_SOURCE_DIR:-.}" || exit 1
 R=tests/dist/post_mortem.lua
-MPIRUN="mpirun --oversubscribe --allow-run-as-root --mca btl_base_warn_component_unused 0"
-if ! $MPIRUN -np 1 "$FSDPRUN" -e 'assert(require("fsdp").backend() == "mpi")' >/dev/null 2>"$T/err"
-then
-  if grep -qF "built without Open MPI" "$T/err"; then
-    echo "post_mortem_mpi: SKIP (fsdprun was built without Open MPI)"
-    exit 77
-  fi
-fi
 
 printf '%s\n' 'secret' 'fsdp.inspect(model)' 'err' 'fsdp.all_reduce(fsdp.rank() + 1)' \
   'fsdp.all_reduce(fsdp.ones{100000}):sum()' \

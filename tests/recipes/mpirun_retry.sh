@@ -1,0 +1,53 @@
+#!/bin/sh
+# The tests' mpirun wrapper (lib/mpirun_retry.sh) against a stand-in for mpirun: Open MPI's
+# launch race ("rank 0 with PID 0 ... exiting improperly") gets one more run, whose streams and
+# status are the result; a real failure (a real pid, or the race twice) keeps its status and
+# its message; a success runs once. Needs no MPI.
+. "${0%/*}/lib.sh"
+W="$SRC/tests/recipes/lib/mpirun_retry.sh"
+cat >"$T/fake" <<'FAKE'
+#!/bin/sh
+# $1: how many runs fail with the race; $2: the exit status after them; counts runs in $T/n
+n=$(($(cat "$FAKE_DIR/n" 2>/dev/null || echo 0) + 1))
+echo "$n" >"$FAKE_DIR/n"
+echo "run $n"
+if [ "$n" -le "$1" ]; then
+  printf '%s\n' "mpirun has exited due to process rank 0 with PID 0 on" \
+    "node box exiting improperly. There are three reasons this could occur:" >&2
+  exit 1
+fi
+if [ "$2" != 0 ]; then
+  printf '%s\n' "mpirun has exited due to process rank 1 with PID 4242 on" \
+    "node box exiting improperly." >&2
+fi
+echo "done $n" >&2
+exit "$2"
+FAKE
+chmod +x "$T/fake"
+export FAKE_DIR="$T"
+
+rm -f "$T/n"
+run sh "$W" "$T/fake" 1 0
+expect_rc 0 "the race once, then a correct run"
+expect_has out "run 2" "the second run's output"
+expect_has err "running again" "the second run is announced"
+expect_has err "done 2" "the second run's stderr"
+expect_lacks err "with PID 0 on" "the first run's race message"
+
+rm -f "$T/n"
+run sh "$W" "$T/fake" 2 0
+expect_rc 1 "the race twice"
+expect_has err "with PID 0 on" "the race message, the second time"
+[ "$(cat "$T/n")" = 2 ] || fail "the race twice: $(cat "$T/n") runs, expected 2"
+
+rm -f "$T/n"
+run sh "$W" "$T/fake" 0 3
+expect_rc 3 "a real failure"
+expect_has err "with PID 4242 on" "a real failure's message"
+[ "$(cat "$T/n")" = 1 ] || fail "a real failure: $(cat "$T/n") runs, expected 1"
+
+rm -f "$T/n"
+run sh "$W" "$T/fake" 0 0
+expect_rc 0 "a correct run"
+[ "$(cat "$T/n")" = 1 ] || fail "a correct run: $(cat "$T/n") runs, expected 1"
+finish
