@@ -1,7 +1,8 @@
 /*
  * vec_avx2.c — the element-wise kernel bodies (vec_body.h) on 8-lane AVX2 vectors. Only this
  * file is compiled for AVX2 + FMA (the pragma), and isa.c calls it only where the processor
- * has both. ISO C never contracts a * b + c into an FMA, so results equal the other levels'.
+ * has both. ISO C never contracts a * b + c into an FMA (the bodies' fused multiply-adds are
+ * written out and are fused at every level), so results equal the other levels'.
  */
 #if defined(__x86_64__) || defined(__i386__)
 #pragma GCC target("avx2,fma")

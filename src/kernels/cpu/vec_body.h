@@ -5,9 +5,10 @@
  * table (FSDP_VEC_TABLE, an fsdp_cpu_vec_i of isa.h). Nothing else includes it.
  *
  * The arithmetic is that of the scalar formulas in the public kernels' comments, operation
- * for operation (IEEE per lane, no contraction), so element-wise results are the same bits at
- * every width; sums use vmath.h's fixed 16-lane order. Tails run the same vector code on
- * partial loads (fsdp_vl_load), so a value's result does not depend on where it sits.
+ * for operation (IEEE per lane; fused multiply-adds only where written, vmath.h's fsdp_vf_fma),
+ * so element-wise results are the same bits at every width; sums use vmath.h's fixed 16-lane
+ * order. Tails run the same vector code on partial loads (fsdp_vl_load), so a value's result
+ * does not depend on where it sits.
  */
 #ifndef FSDP_VEC_TABLE
 #error "vec_body.h is included by vec_scalar.c, vec_avx2.c and vec_avx512.c only"
@@ -48,18 +49,19 @@ static void relu_backward(float *dinp, const float *dout, const float *inp, int6
 #define GELU_M2S (-2.0f * GELU_S)
 
 /* 0.5 x (1 + tanh(u)) == x * sigmoid(2u) == x / (1 + e^{-2u}),  u = s (x + a x^3): one exp and
- * one division, and no 1 + tanh cancellation for negative x. */
+ * one division, and no 1 + tanh cancellation for negative x. x + a x^3 is (a x x) x + x, fused. */
 static inline fsdp_vf gelu_v(fsdp_vf x) {
-  return x / (1.0f + fsdp_vf_exp(GELU_M2S * (x + GELU_A * x * x * x)));
+  return x / (1.0f + fsdp_vf_exp(GELU_M2S * fsdp_vf_fma(GELU_A * x * x, x, x)));
 }
 
 /* d gelu / dx = 0.5 (1 + t) + 0.5 x (1 - t^2) u',  t = tanh(u), u' = s (1 + 3 a x^2);
  * with q = sigmoid(2u) = (1 + t) / 2 this is q + 2 x q (1 - q) u': the one exp of the forward,
- * recomputed once. */
+ * recomputed once (the products that end in a sum fused, as in the forward). */
 static inline fsdp_vf gelu_grad_v(fsdp_vf x) {
   fsdp_vf x2 = x * x;
-  fsdp_vf q = 1.0f / (1.0f + fsdp_vf_exp(GELU_M2S * (x + GELU_A * x2 * x)));
-  return q + 2.0f * x * q * (1.0f - q) * (GELU_S * (1.0f + 3.0f * GELU_A * x2));
+  fsdp_vf q = 1.0f / (1.0f + fsdp_vf_exp(GELU_M2S * fsdp_vf_fma(GELU_A * x2, x, x)));
+  fsdp_vf du = GELU_S * fsdp_vf_fma(fsdp_vf_set(3.0f * GELU_A), x2, fsdp_vf_set(1.0f));
+  return fsdp_vf_fma(2.0f * x * q * (1.0f - q), du, q);
 }
 
 /* full vectors, then the tail through partial loads: the same operations per lane */

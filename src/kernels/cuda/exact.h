@@ -7,9 +7,10 @@
  * What is exact here: the dtype conversions (core's dtype.c), Philox4x32-10 and its uniforms
  * (core's rng.c), the cpu's polynomial exp and the GELU built on it (cpu/vmath.h,
  * cpu/activations.c), and the normals of fsdp_rng_normal. nvcc contracts a * b + c into a
- * fused multiply-add unless told not to; the cpu (baseline x86-64, ISO C) never does. So every
- * float operation whose rounding matters is written with the XF_ / XD_ macros, which are the
- * _rn intrinsics on the device (never contracted) and plain operators on the host.
+ * fused multiply-add unless told not to; the cpu (ISO C) fuses only where its code says so
+ * (vmath.h's fsdp_vf_fma). So every float operation whose rounding matters is written with the
+ * XF_ / XD_ macros, which are the _rn intrinsics on the device (never contracted) and plain
+ * operators on the host, and XF_FMA where the cpu fuses (__fmaf_rn; fmaf on the host).
  *
  * Normals: the cpu computes logf and sincosf with the C library, which is not correctly rounded
  * (glibc's logf differs from the correctly rounded value for ~0.7% of the 2^24 possible
@@ -39,6 +40,7 @@
 #define XF_MUL(a, b) __fmul_rn((a), (b))
 #define XF_DIV(a, b) __fdiv_rn((a), (b))
 #define XF_SQRT(a) __fsqrt_rn(a)
+#define XF_FMA(a, b, c) __fmaf_rn((a), (b), (c))
 #define XD_ADD(a, b) __dadd_rn((a), (b))
 #define XD_SUB(a, b) __dsub_rn((a), (b))
 #define XD_MUL(a, b) __dmul_rn((a), (b))
@@ -49,6 +51,7 @@
 #define XF_MUL(a, b) ((a) * (b))
 #define XF_DIV(a, b) ((a) / (b))
 #define XF_SQRT(a) sqrtf(a)
+#define XF_FMA(a, b, c) fmaf((a), (b), (c))
 #define XD_ADD(a, b) ((a) + (b))
 #define XD_SUB(a, b) ((a) - (b))
 #define XD_MUL(a, b) ((a) * (b))
@@ -148,18 +151,18 @@ FSDP_HD float fsdp_x_expf(float x) {
   float xc = below ? lo : x;
   xc = xc > hi ? hi : xc;
   xc = nan ? 0.0f : xc;
-  float fn = XF_ADD(XF_MUL(xc, 1.44269504088896341f), 12582912.0f);
+  float fn = XF_FMA(xc, 1.44269504088896341f, 12582912.0f);
   fn = XF_SUB(fn, 12582912.0f);
-  float r = XF_SUB(xc, XF_MUL(fn, 0.693359375f));
-  r = XF_SUB(r, XF_MUL(fn, -2.12194440e-4f));
+  float r = XF_FMA(fn, -0.693359375f, xc);
+  r = XF_FMA(fn, 2.12194440e-4f, r);
   float r2 = XF_MUL(r, r);
   float p = 1.9875691500e-4f;
-  p = XF_ADD(XF_MUL(p, r), 1.3981999507e-3f);
-  p = XF_ADD(XF_MUL(p, r), 8.3334519073e-3f);
-  p = XF_ADD(XF_MUL(p, r), 4.1665795894e-2f);
-  p = XF_ADD(XF_MUL(p, r), 1.6666665459e-1f);
-  p = XF_ADD(XF_MUL(p, r), 5.0000001201e-1f);
-  p = XF_ADD(XF_ADD(XF_MUL(p, r2), r), 1.0f);
+  p = XF_FMA(p, r, 1.3981999507e-3f);
+  p = XF_FMA(p, r, 8.3334519073e-3f);
+  p = XF_FMA(p, r, 4.1665795894e-2f);
+  p = XF_FMA(p, r, 1.6666665459e-1f);
+  p = XF_FMA(p, r, 5.0000001201e-1f);
+  p = XF_ADD(XF_FMA(p, r2, r), 1.0f);
   int32_t e = ((int32_t)fn + 127) * (1 << 23); /* fn in [-126, 128]: no overflow */
   float y = XF_MUL(p, fsdp_x_bits_f32((uint32_t)e));
   y = below ? 0.0f : y;
@@ -172,20 +175,19 @@ FSDP_HD float fsdp_x_expf(float x) {
 
 /* x / (1 + e^{-2u}), u = s (x + a x^3) */
 FSDP_HD float fsdp_x_gelu(float x) {
-  float ax3 = XF_MUL(XF_MUL(XF_MUL(FSDP_X_GELU_A, x), x), x);
-  float u = XF_MUL(FSDP_X_GELU_S, XF_ADD(x, ax3));
+  float ax2 = XF_MUL(XF_MUL(FSDP_X_GELU_A, x), x);
+  float u = XF_MUL(FSDP_X_GELU_S, XF_FMA(ax2, x, x));
   return XF_DIV(x, XF_ADD(1.0f, fsdp_x_expf(XF_MUL(-2.0f, u))));
 }
 
 /* q + 2 x q (1 - q) s (1 + 3 a x^2), q = sigmoid(2u) */
 FSDP_HD float fsdp_x_gelu_grad(float x) {
   float x2 = XF_MUL(x, x);
-  float u = XF_MUL(FSDP_X_GELU_S, XF_ADD(x, XF_MUL(XF_MUL(FSDP_X_GELU_A, x2), x)));
+  float u = XF_MUL(FSDP_X_GELU_S, XF_FMA(XF_MUL(FSDP_X_GELU_A, x2), x, x));
   float q = XF_DIV(1.0f, XF_ADD(1.0f, fsdp_x_expf(XF_MUL(-2.0f, u))));
-  float du = XF_MUL(FSDP_X_GELU_S,
-                    XF_ADD(1.0f, XF_MUL(XF_MUL(3.0f, FSDP_X_GELU_A), x2)));
+  float du = XF_MUL(FSDP_X_GELU_S, XF_FMA(XF_MUL(3.0f, FSDP_X_GELU_A), x2, 1.0f));
   float t = XF_MUL(XF_MUL(XF_MUL(2.0f, x), q), XF_SUB(1.0f, q));
-  return XF_ADD(q, XF_MUL(t, du));
+  return XF_FMA(t, du, q);
 }
 
 /* ---- normals (core's fsdp_rng_normal): log and sincos in double, then the host's fix-ups --- */
