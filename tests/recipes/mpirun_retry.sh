@@ -2,7 +2,8 @@
 # The tests' mpirun wrapper (lib/mpirun_retry.sh) against a stand-in for mpirun: Open MPI's
 # launch race ("rank 0 with PID 0 ... exiting improperly") gets one more run, whose streams and
 # status are the result; a real failure (a real pid, or the race twice) keeps its status and
-# its message; a success runs once. Needs no MPI.
+# its message; a success runs once; standard input reaches the command; a signal to the wrapper
+# (timeout ending a hung test) reaches the command too, leaving nothing behind. Needs no MPI.
 . "${0%/*}/lib.sh"
 W="$SRC/tests/recipes/lib/mpirun_retry.sh"
 cat >"$T/fake" <<'FAKE'
@@ -50,4 +51,32 @@ rm -f "$T/n"
 run sh "$W" "$T/fake" 0 0
 expect_rc 0 "a correct run"
 [ "$(cat "$T/n")" = 1 ] || fail "a correct run: $(cat "$T/n") runs, expected 1"
+
+printf 'line one\nline two\n' | sh "$W" cat >"$T/out" 2>"$T/err"
+expect_out "line one
+line two" "standard input through the wrapper"
+
+cat >"$T/hang" <<'HANG'
+#!/bin/sh
+echo $$ >"$FAKE_DIR/hang.pid"
+exec sleep 600
+HANG
+chmod +x "$T/hang"
+# TERM to the wrapper alone (not its process group, as timeout(1) would): it must reach the command
+sh "$W" "$T/hang" >/dev/null 2>&1 &
+w_pid=$!
+for i in $(seq 50); do [ -s "$T/hang.pid" ] && break; sleep 0.1; done
+kill -TERM "$w_pid"
+wait "$w_pid"
+rc=$?
+[ "$rc" -ne 0 ] || fail "TERM to the wrapper: exit status 0"
+hang_pid=$(cat "$T/hang.pid" 2>/dev/null)
+for i in 1 2 3 4 5 6 7 8 9 10; do
+  kill -0 "$hang_pid" 2>/dev/null || break
+  sleep 0.2
+done
+if kill -0 "$hang_pid" 2>/dev/null; then
+  kill -9 "$hang_pid"
+  fail "TERM to the wrapper: the command outlived it (pid $hang_pid)"
+fi
 finish

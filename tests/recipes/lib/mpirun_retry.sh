@@ -6,13 +6,28 @@
 # the process's pid. A real failure names the real pid, so only that message earns the second
 # run; its streams and status are the ones the caller sees. With a terminal on stderr (a
 # test's interactive session) mpirun runs directly, once.
+# TERM, INT or HUP sent to this script alone (timeout(1) signals the whole process group, other
+# harnesses may not) goes on to mpirun, which ends its ranks; mpirun runs in the background for
+# that, its standard input still this script's.
 if [ -t 2 ]; then exec "$@"; fi
 mr_err=$(mktemp)
+exec 3<&0 # a background command's standard input would be /dev/null: it reads fd 3's
+mr_pid=
+mr_sig=
 trap 'rm -f "$mr_err"' EXIT
+trap 'mr_sig=1; [ -n "$mr_pid" ] && kill -TERM "$mr_pid" 2>/dev/null' TERM INT HUP
 mr_try=1
 while :; do
-  if "$@" 2>"$mr_err"; then mr_rc=0; else mr_rc=$?; fi
-  if [ "$mr_rc" != 0 ] && [ "$mr_try" = 1 ] && grep -q "with PID 0 on" "$mr_err" &&
+  "$@" 2>"$mr_err" <&3 3<&- &
+  mr_pid=$!
+  # wait returns early (status > 128) when a trapped signal arrives: wait again for mpirun
+  while :; do
+    wait "$mr_pid"
+    mr_rc=$?
+    kill -0 "$mr_pid" 2>/dev/null || break
+  done
+  mr_pid=
+  if [ "$mr_rc" != 0 ] && [ "$mr_try" = 1 ] && [ -z "$mr_sig" ] && grep -q "with PID 0 on" "$mr_err" &&
     grep -q "exiting improperly" "$mr_err"; then
     echo "mpirun_retry.sh: Open MPI's launch race (PID 0 exiting improperly): running again" >&2
     mr_try=2
