@@ -2,7 +2,8 @@
 # cli_backend.sh — choosing the backend: --backend local|mpi|nccl|auto, the usage error for
 # anything else, nccl refused by name where it cannot run (no build, fewer GPUs than ranks: on a
 # machine without a GPU always; on one GPU from -n 2), auto falling back to the threads' or
-# mpi's own backend, and under mpirun every rank agreeing. Run by ctest with FSDPRUN set.
+# mpi's own backend, under mpirun every rank agreeing, and the launcher `-n N --backend mpi`
+# starts (FSDP_MPIRUN: its arguments; one that cannot be run). Run by ctest with FSDPRUN set.
 . "${0%/*}/lib.sh"
 
 gpus=$("$FSDPRUN" -e 'io.write(require("fsdp").device_count("cuda"))' 2>/dev/null || echo 0)
@@ -50,6 +51,30 @@ if command -v mpirun >/dev/null 2>&1; then
       expect_has err "--backend nccl: fsdprun was built without NCCL" "mpirun --backend nccl"
     fi
   fi
+fi
+
+# FSDP_MPIRUN: the launcher fsdprun -n N --backend mpi execs, with mpirun's arguments (in a
+# build with Open MPI; without it --backend mpi is refused before any launch)
+if "$FSDPRUN" --backend mpi -e '' >/dev/null 2>&1; then
+  cat >"$T/launcher" <<'EOF2'
+#!/bin/sh
+printf '%s\n' "$@" >"$LAUNCHER_ARGS"
+exit 7
+EOF2
+  chmod +x "$T/launcher"
+  cores=$(nproc)
+  run env FSDP_MPIRUN="$T/launcher" LAUNCHER_ARGS="$T/args" "$FSDPRUN" -n $((cores + 1)) \
+    --backend mpi -e 'print(1)'
+  expect_rc 7 "FSDP_MPIRUN: the launcher's exit status"
+  [ "$(sed -n 1,2p "$T/args" | tr '\n' ' ')" = "-np $((cores + 1)) " ] ||
+    fail "FSDP_MPIRUN: the launcher's first arguments: $(tr '\n' ' ' <"$T/args")"
+  file_has "$T/args" "--oversubscribe" "FSDP_MPIRUN with more ranks than cores"
+  file_has "$T/args" "$(readlink -f "$FSDPRUN")" "FSDP_MPIRUN: fsdprun itself"
+  [ "$(tail -n 2 "$T/args" | tr '\n' ' ')" = "-e print(1) " ] ||
+    fail "FSDP_MPIRUN: fsdprun's own arguments last: $(tr '\n' ' ' <"$T/args")"
+  run env FSDP_MPIRUN="$T/no_such_launcher" "$FSDPRUN" -n 2 --backend mpi -e 'print(1)'
+  expect_rc 1 "FSDP_MPIRUN naming nothing"
+  expect_has err "--backend mpi: cannot run $T/no_such_launcher" "FSDP_MPIRUN naming nothing"
 fi
 
 finish

@@ -7,7 +7,8 @@
 # name; $SRC, the source tree (FSDP_SOURCE_DIR, or the current folder, where ctest runs the
 # scripts); $T, a temporary folder removed at exit (with $AT_EXIT run first: a script's own
 # clean-up); $MPIRUN, mpirun with the options every test uses (through lib/mpirun_retry.sh, which
-# runs it again when Open MPI's launch race fails a correct run); and the functions below.
+# runs it again when Open MPI's launch race fails a correct run; FSDP_MPIRUN, what
+# `fsdprun -n N --backend mpi` starts, is that wrapper too); and the functions below.
 # Checks that find a problem call `fail` and the script goes on; `finish` ends it with the
 # verdict. `die` (and `must`) end it at once, where later checks would only repeat the cause.
 # Exit status 77 is a skip, which ctest reports as such (SKIP_RETURN_CODE). sh has no local
@@ -23,6 +24,8 @@ trap 'eval "$AT_EXIT"; rm -rf "$T"' EXIT
 failures=0
 MPIRUN="sh $SRC/tests/recipes/lib/mpirun_retry.sh mpirun --oversubscribe --allow-run-as-root"
 MPIRUN="$MPIRUN --mca btl_base_warn_component_unused 0"
+FSDP_MPIRUN="$SRC/tests/recipes/lib/mpirun_retry.sh"
+export FSDP_MPIRUN
 
 # fail MESSAGE: count a failure and go on
 fail() {

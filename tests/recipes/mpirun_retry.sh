@@ -2,8 +2,9 @@
 # The tests' mpirun wrapper (lib/mpirun_retry.sh) against a stand-in for mpirun: Open MPI's
 # launch race ("rank 0 with PID 0 ... exiting improperly") gets one more run, whose streams and
 # status are the result; a real failure (a real pid, or the race twice) keeps its status and
-# its message; a success runs once; standard input reaches the command; a signal to the wrapper
-# (timeout ending a hung test) reaches the command too, leaving nothing behind. Needs no MPI.
+# its message; a success runs once; mpirun's options alone run mpirun; standard input reaches
+# the command; a signal to the wrapper alone reaches the command too, leaving nothing behind.
+# Needs no MPI.
 . "${0%/*}/lib.sh"
 W="$SRC/tests/recipes/lib/mpirun_retry.sh"
 cat >"$T/fake" <<'FAKE'
@@ -51,6 +52,14 @@ rm -f "$T/n"
 run sh "$W" "$T/fake" 0 0
 expect_rc 0 "a correct run"
 [ "$(cat "$T/n")" = 1 ] || fail "a correct run: $(cat "$T/n") runs, expected 1"
+
+# mpirun's options alone (FSDP_MPIRUN's call): the wrapper runs `mpirun` with them
+mkdir -p "$T/bin"
+printf '#!/bin/sh\necho "mpirun $*"\n' >"$T/bin/mpirun"
+chmod +x "$T/bin/mpirun"
+run env PATH="$T/bin:$PATH" sh "$W" -np 2 prog arg
+expect_rc 0 "options alone"
+expect_out "mpirun -np 2 prog arg" "options alone: mpirun runs with them"
 
 printf 'line one\nline two\n' | sh "$W" cat >"$T/out" 2>"$T/err"
 expect_out "line one

@@ -4,11 +4,16 @@
 # makes mpirun report a correct run as failed, about once in a thousand launches, with
 # "process rank N with PID 0 on node ... exiting improperly": PID 0 because mpirun never learnt
 # the process's pid. A real failure names the real pid, so only that message earns the second
-# run; its streams and status are the ones the caller sees. With a terminal on stderr (a
-# test's interactive session) mpirun runs directly, once.
-# TERM, INT or HUP sent to this script alone (timeout(1) signals the whole process group, other
-# harnesses may not) goes on to mpirun, which ends its ranks; mpirun runs in the background for
-# that, its standard input still this script's.
+# run; its streams and status are the ones the caller sees (standard input a first run read is
+# gone for the second).
+# - With mpirun's options alone (the first argument an option) it runs `mpirun` with them, so
+#   that it can stand as FSDP_MPIRUN, the launcher `fsdprun -n N --backend mpi` starts (lib.sh
+#   sets it so).
+# - With a terminal on stderr (a test's interactive session) mpirun runs directly, once.
+# - TERM, INT or HUP sent to this script alone (timeout(1) signals the whole process group,
+#   other harnesses may not) goes on to mpirun, which ends its ranks; mpirun runs in the
+#   background for that, its standard input still this script's.
+case ${1-} in -*) set -- mpirun "$@" ;; esac
 if [ -t 2 ]; then exec "$@"; fi
 mr_err=$(mktemp)
 exec 3<&0 # a background command's standard input would be /dev/null: it reads fd 3's
