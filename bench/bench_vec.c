@@ -13,7 +13,11 @@
  * gives one); note the load average with the figures.
  *
  * Usage: bench_vec [rounds] [kernel-name-substring]   (default 7 rounds, every kernel)
+ *        bench_vec accuracy [stride]   GELU and its gradient against double over every
+ *                                      stride-th float in [-30, 30] (default 1: all 2^31 or so)
  */
+#include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -151,7 +155,62 @@ static void k_memcpy(bctx *c) {
   memcpy(g_dst, g_src, g_bytes);
 }
 
+/* GELU (tanh form) and its derivative in double, the functions the kernels approximate */
+static double gelu_d(double x, double *grad) {
+  const double s = 0.7978845608028654, a = 0.044715;
+  double u = s * (x + a * x * x * x), q = 1.0 / (1.0 + exp(-2.0 * u));
+  *grad = q + 2.0 * x * q * (1.0 - q) * s * (1.0 + 3.0 * a * x * x);
+  return x * q;
+}
+
+/* Every stride-th float of [-30, 30] (by bit pattern) through fsdp_cpu_gelu_forward and
+ * _backward at the level in force (every level gives the same bits): GELU's largest relative
+ * error against gelu_d where |GELU| >= 1e-30, in three ranges of x, and the gradient's largest
+ * absolute error. */
+static int accuracy(uint32_t stride) {
+  enum { N = 1 << 20 };
+  static float x[N], y[N], g[N], one[N];
+  double rel[3] = {0, 0, 0}, where[3] = {0, 0, 0}, gabs = 0, gwhere = 0;
+  const char *range[3] = {"x >= -3", "-5 <= x < -3", "x < -5"};
+  long long count = 0;
+  for (int i = 0; i < N; i++) one[i] = 1.0f;
+  printf("bench_vec accuracy: GELU against double at %s, every %u-th float in [-30, 30]\n",
+         fsdp_cpu_isa_name(fsdp_cpu_isa()), stride);
+  uint64_t u = 0;
+  while (u < 0x100000000ull) {
+    int n = 0;
+    for (; n < N && u < 0x100000000ull; u += stride) {
+      float f;
+      uint32_t b = (uint32_t)u;
+      memcpy(&f, &b, sizeof f);
+      if (fabsf(f) <= 30.0f) x[n++] = f; /* NaN fails the test too */
+    }
+    fsdp_cpu_gelu_forward(y, x, n);
+    memset(g, 0, sizeof(float) * (size_t)n);
+    fsdp_cpu_gelu_backward(g, one, x, n);
+    for (int i = 0; i < n; i++) {
+      double dg, want = gelu_d(x[i], &dg);
+      if (fabs(want) >= 1e-30) {
+        int r = x[i] >= -3.0f ? 0 : x[i] >= -5.0f ? 1 : 2;
+        double e = fabs(y[i] - want) / fabs(want);
+        if (e > rel[r]) rel[r] = e, where[r] = x[i];
+      }
+      if (fabs(g[i] - dg) > gabs) gabs = fabs(g[i] - dg), gwhere = x[i];
+    }
+    count += n;
+  }
+  printf("  %lld floats\n", count);
+  for (int r = 0; r < 3; r++)
+    printf("  gelu %-14s largest relative error %.3g (x = %.7g)\n", range[r], rel[r], where[r]);
+  printf("  gelu'                 largest absolute error %.3g (x = %.7g)\n", gabs, gwhere);
+  return 0;
+}
+
 int main(int argc, char **argv) {
+  if (argc > 1 && strcmp(argv[1], "accuracy") == 0) {
+    long stride = argc > 2 ? atol(argv[2]) : 1;
+    return accuracy(stride < 1 ? 1u : (uint32_t)stride);
+  }
   int rounds = argc > 1 ? atoi(argv[1]) : 7;
   const char *only = argc > 2 ? argv[2] : NULL;
   if (rounds < 1) rounds = 1;
