@@ -168,7 +168,7 @@ int main(int argc, char **argv) {
                buf((int64_t)B * NH * T * T, 1), buf((int64_t)B * NH * T * T, 1),
                (int64_t)B * NH * T * T, B * NH * T, T};
   att_ctx at = {buf(NT * 3 * C, 2), buf(NT * C, 1), buf(NT * 3 * C, 1), buf(NT * C, 1),
-                buf(fsdp_cpu_attention_scratch(B, T, NH, FSDP_CPU_MAX_THREADS, true), 1)};
+                buf(fsdp_cpu_attention_scratch(B, T, C, NH, FSDP_CPU_MAX_THREADS, true), 1)};
 
   hatt_ctx hat = {hbuf(NT * 3 * C), hbuf(NT * C), hbuf(NT * 3 * C), hbuf(NT * C)};
   float *fsmall = buf(1 << 16, 1), *fbig = buf((int64_t)1 << 24, 1);

@@ -136,7 +136,7 @@ int main(int argc, char **argv) {
   gemm_ctx small = {buf(64 * 64, 1), buf(64 * 64, 1), buf(64 * 64, 1), NULL, 64, 64, 64};
   const int64_t NT = (int64_t)B * T;
   att_ctx at = {buf(NT * 3 * C, 2), buf(NT * C, 1), buf(NT * 3 * C, 1), buf(NT * C, 1),
-                buf(fsdp_cpu_attention_scratch(B, T, NH, FSDP_CPU_MAX_THREADS, true), 1)};
+                buf(fsdp_cpu_attention_scratch(B, T, C, NH, FSDP_CPU_MAX_THREADS, true), 1)};
   const int64_t n = 4 << 20;
   vec_ctx vec = {buf(n, 1), buf(n, 1), buf(n, 0), buf(n, 1), n, 2048, 768, 0.0};
   for (int64_t i = 0; i < n; i++) vec.v[i] = vec.v[i] * vec.v[i];

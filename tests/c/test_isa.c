@@ -5,6 +5,8 @@
  * bits, which the test counts and prints). Sizes are odd so every vector tail runs, and large
  * enough that the kernels split over several chunks once the pool has threads.
  * test_kernels checks the kernels' math at one level; ctest runs it once per forced level.
+ * Attention's products (att_mm) and packing are checked at every level against what they
+ * promise exactly: each element's chain of fused multiply-adds, bit for bit.
  */
 #include <math.h>
 #include <setjmp.h>
@@ -226,8 +228,8 @@ static void run_all(outs_t *r, const inputs_t *in) {
    * partial tile; lx serves as qkv (B 2, T 70, 3C with C 24) and lg as dout */
   enum { AB = 2, AT = 70, AC = 24, ANH = 3 };
   assert_true((int64_t)AB * AT * 3 * AC <= nc && (int64_t)AB * AT * AC <= nc);
-  const int64_t ns = fsdp_cpu_attention_scratch(AB, AT, ANH, fsdp_cpu_threads(), true);
-  assert_true(ns >= fsdp_cpu_attention_scratch(AB, AT, ANH, fsdp_cpu_threads(), false));
+  const int64_t ns = fsdp_cpu_attention_scratch(AB, AT, AC, ANH, fsdp_cpu_threads(), true);
+  assert_true(ns >= fsdp_cpu_attention_scratch(AB, AT, AC, ANH, fsdp_cpu_threads(), false));
   float *scratch = calloc((size_t)ns, sizeof(float));
   assert_non_null(scratch);
   fsdp_cpu_attention_forward(out_new(r, "attention out", NULL, (int64_t)AB * AT * AC), scratch,
@@ -288,11 +290,103 @@ static void test_levels_agree(void **state) {
   assert_int_equal(fsdp_cpu_isa_set(was), FSDP_OK);
 }
 
+/* ---- attention's products: every level against the chain they promise ---------------------- */
+
+/* What att_mm promises for element (m, n) of kind `kind` (isa.h): a fused multiply-add chain
+ * from zero over p in its range, times alpha, plus c0 when acc; false where the element is not
+ * defined (ATT_COLS above the diagonal). */
+static bool att_ref(float *out, const float *a, int64_t sam, int64_t sap, const float *b,
+                    int64_t ldb, int m, int n, int K, int diag, int kind, float alpha, bool acc,
+                    float c0) {
+  int p0 = 0, p1 = K;
+  if (kind == FSDP_ATT_COLS && n > m + diag) return false;
+  if (kind == FSDP_ATT_KHEAD && m + diag + 1 < K) p1 = m + diag + 1 < 0 ? 0 : m + diag + 1;
+  if (kind == FSDP_ATT_KTAIL && m + diag > 0) p0 = m + diag < K ? m + diag : K;
+  float s = 0.0f;
+  for (int p = p0; p < p1; p++) s = fmaf(a[m * sam + p * sap], b[p * ldb + n], s);
+  float r = s * alpha;
+  *out = acc ? c0 + r : r;
+  return true;
+}
+
+static void att_mm_case(const fsdp_cpu_vec_i *vec, const char *level, int M, int N, int K,
+                        int diag, int kind, bool trans_a, bool acc) {
+  /* a is (M, K) read through strides (trans_a: stored (K, M)); b's rows padded past N (what
+   * ATT_COLS may read) with NaN, which must never reach a stored element; c has a guard column
+   * band and guard rows that must stay as they were */
+  const int lda = (trans_a ? M : K) + 3, ldb = (N + 15) / 16 * 16 + 16, ldc = N + 21;
+  const int64_t na = (int64_t)(trans_a ? K : M) * lda, nc = (int64_t)(M + 2) * ldc;
+  float *a = frand(na > 0 ? na : 1, -1, 1), *b = frand((int64_t)(K > 0 ? K : 1) * ldb, -1, 1);
+  for (int p = 0; p < K; p++)
+    for (int n = N; n < ldb; n++) b[p * ldb + n] = NAN;
+  const int64_t sam = trans_a ? 1 : lda, sap = trans_a ? lda : 1;
+  /* the K kinds read a past each row's range: the contract wants zeros there */
+  for (int m = 0; m < M; m++)
+    for (int p = 0; p < K; p++) {
+      bool out = (kind == FSDP_ATT_KHEAD && p > m + diag) || (kind == FSDP_ATT_KTAIL && p < m + diag);
+      if (out) a[m * sam + p * sap] = 0.0f;
+    }
+  float *c = frand(nc, -1, 1), *c0 = fcopy(c, nc);
+  const float alpha = 0.375f;
+  vec->att_mm(c + ldc, ldc, a, sam, sap, b, ldb, M, N, K, diag, kind, alpha, acc);
+  for (int64_t i = 0; i < nc; i++) {
+    const int row = (int)(i / ldc) - 1, col = (int)(i % ldc);
+    float want;
+    if (row >= 0 && row < M && col < N &&
+        att_ref(&want, a, sam, sap, b, ldb, row, col, K, diag, kind, alpha, acc, c0[i])) {
+      if (memcmp(&want, &c[i], sizeof want) != 0)
+        fail_msg("att_mm at %s, kind %d, M %d N %d K %d diag %d trans_a %d acc %d: (%d, %d) "
+                 "%.9g, the chain gives %.9g", level, kind, M, N, K, diag, trans_a, acc, row,
+                 col, c[i], want);
+    } else if (row < 0 || row >= M || col >= N) {
+      if (memcmp(&c0[i], &c[i], sizeof c[i]) != 0)
+        fail_msg("att_mm at %s, kind %d, M %d N %d K %d: wrote (%d, %d) outside the output",
+                 level, kind, M, N, K, row, col);
+    }
+  }
+  free(a), free(b), free(c), free(c0);
+}
+
+static void test_att_mm(void **state) {
+  (void)state;
+  const fsdp_cpu_vec_i *levels[FSDP_CPU_ISA_COUNT] = {&fsdp_cpu_vec_scalar, &fsdp_cpu_vec_avx2,
+                                                      &fsdp_cpu_vec_avx512};
+  /* sizes around the block (6 rows, 1-4 vectors) and vector widths, diagonals on both sides */
+  const int sizes[][4] = {{1, 1, 1, 0},   {7, 13, 5, 0},  {6, 64, 64, 0},  {13, 70, 33, 6},
+                          {20, 100, 17, -4}, {64, 48, 64, 64}, {37, 8, 120, -30}, {5, 129, 3, 2}};
+  for (int l = 0; l <= (int)fsdp_cpu_isa_best(); l++) {
+    const char *name = fsdp_cpu_isa_name((fsdp_cpu_isa_level)l);
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++)
+      for (int kind = FSDP_ATT_FULL; kind <= FSDP_ATT_KTAIL; kind++)
+        for (int t = 0; t < 2; t++)
+          for (int acc = 0; acc < 2; acc++)
+            att_mm_case(levels[l], name, sizes[i][0], sizes[i][1], sizes[i][2], sizes[i][3],
+                        kind, t, acc);
+    /* the packing: blocks of the level's width and the edges past them */
+    const int shapes[][2] = {{16, 16}, {37, 21}, {256, 64}, {3, 70}, {70, 3}};
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+      const int rows = shapes[i][0], cols = shapes[i][1], lds = cols + 5, ldd = rows + 7;
+      float *src = frand((int64_t)rows * lds, -1, 1), *dst = frand((int64_t)cols * ldd, 5, 6);
+      float *was = fcopy(dst, (int64_t)cols * ldd);
+      levels[l]->att_pack(dst, ldd, src, lds, rows, cols);
+      for (int c = 0; c < cols; c++)
+        for (int r = 0; r < ldd; r++) {
+          const float want = r < rows ? src[r * lds + c] : was[c * ldd + r];
+          if (memcmp(&want, &dst[c * ldd + r], sizeof want) != 0)
+            fail_msg("att_pack at %s, %d x %d: (%d, %d) %.9g, want %.9g", name, rows, cols, c,
+                     r, dst[c * ldd + r], want);
+        }
+      free(src), free(dst), free(was);
+    }
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_parse),
       cmocka_unit_test(test_set),
       cmocka_unit_test(test_levels_agree),
+      cmocka_unit_test(test_att_mm),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

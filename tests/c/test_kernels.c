@@ -709,10 +709,10 @@ static void ref_attention(double *out, const float *qkv, int B, int T, int C, in
 
 /* scratch for both directions at the calling thread's count, 64-byte aligned as the engine's
  * storages are, filled with garbage (no contents may be read) */
-static float *att_scratch(int B, int T, int NH) {
+static float *att_scratch(int B, int T, int C, int NH) {
   const int th = fsdp_cpu_threads();
-  int64_t n = fsdp_cpu_attention_scratch(B, T, NH, th, false),
-          bw = fsdp_cpu_attention_scratch(B, T, NH, th, true);
+  int64_t n = fsdp_cpu_attention_scratch(B, T, C, NH, th, false),
+          bw = fsdp_cpu_attention_scratch(B, T, C, NH, th, true);
   if (bw > n) n = bw;
   float *p = aligned_alloc(64, (size_t)(n + 15) / 16 * 64);
   assert_non_null(p);
@@ -722,7 +722,7 @@ static float *att_scratch(int B, int T, int NH) {
 
 static void run_attention_case(int B, int T, int C, int NH, int64_t fd_step) {
   const int64_t nqkv = (int64_t)B * T * 3 * C, nout = (int64_t)B * T * C;
-  att_ctx c = {frand(nout, 5, 6) /* garbage: must be overwritten */, att_scratch(B, T, NH),
+  att_ctx c = {frand(nout, 5, 6) /* garbage: must be overwritten */, att_scratch(B, T, C, NH),
                frand(nqkv, -1.5, 1.5), frand(nout, -1, 1), B, T, C, NH};
   fsdp_cpu_attention_forward(c.out, c.scratch, c.qkv, B, T, C, NH);
   double *want = dzeros(nout);
@@ -747,7 +747,7 @@ static void run_attention_case(int B, int T, int C, int NH, int64_t fd_step) {
   float *o1 = fcopy(c.out, nout);
   const int before = fsdp_cpu_threads();
   fsdp_cpu_set_threads(1);
-  float *sc1 = att_scratch(B, T, NH);
+  float *sc1 = att_scratch(B, T, C, NH);
   fsdp_cpu_attention_forward(c.out, sc1, c.qkv, B, T, C, NH);
   fsdp_cpu_set_threads(before);
   assert_memory_equal(o1, c.out, sizeof(float) * (size_t)nout);

@@ -2,14 +2,21 @@
  * attention.c — causal multi-head self-attention on a fused qkv buffer (llm.c layout),
  * forward and backward.
  *
- * All products are sgemm calls on strided views: q, k, v of head h are the column blocks
- * [h*hs, (h+1)*hs) of qkv's three C-wide thirds, with row stride 3C, so nothing is copied.
- * Causality is exploited by walking query rows in tiles of ATT_BLOCK: rows [r0, r1) only see
- * keys [0, r1), so each tile multiplies against a prefix of k / v and about half the
- * T x T work of a full product is skipped. Entries a tile's gemm writes above the diagonal
- * are overwritten by the masked softmax (exact zeros there). The softmax rows, forward and
- * backward, are the instruction-set level's bodies (isa.h: vectors of the level's width, the
- * same bits at every level).
+ * q, k, v of head h are the column blocks [h*hs, (h+1)*hs) of qkv's three C-wide thirds, with
+ * row stride 3C. Query rows are walked in tiles of ATT_BLOCK: rows [r0, r1) only see keys
+ * [0, r1). The products are the instruction-set level's att_mm (isa.h), a register-blocked
+ * kernel that reads the operands where they lie (strided views) except k and v, which it needs
+ * transposed for q k^T and dout v^T: each pair packs them once (att_pack, hs x T floats each, rows
+ * padded to 16). att_mm follows the causal mask at its block size (6 rows by one to four vectors)
+ * rather than the tile's: q k^T stops at each row block's diagonal, att v and dscores k sum
+ * only the keys a row block sees, and the key-side products (dv, dk) only the query rows at or
+ * after each key. A library GEMM per tile did the whole tile's rectangle (a quarter more work at
+ * T = 256) and paid a call, a packing and allocation each time. Every element of a product is
+ * one chain of fused multiply-adds in a fixed order, so the bits are the same at every level,
+ * every thread count and either way of sharing the work. The softmax rows, forward and
+ * backward, are the level's bodies too (isa.h), with the same property. Entries a product
+ * writes above the diagonal are overwritten by the masked softmax (exact zeros there), and the
+ * products that read past a row's diagonal read those zeros.
  *
  * Nothing of size T x T outlives a call: the forward computes a tile's probabilities in a
  * per-task scratch (its rows stay in the core's cache while they are multiplied with v) and
@@ -19,14 +26,17 @@
  * (B, NH, T, T) probabilities to memory in the forward, keeping them until the backward and
  * reading them back (at T = 256 and 6 heads of 64, 12.6 MB a layer for 8 sequences).
  *
+ * The backward runs in two passes over a pair: query tiles (probabilities, datt, dscores, dq),
+ * then key tiles (dk and dv as one product over every query row that sees the tile), keeping the
+ * pair's probabilities and dscores in the scratch in between. Every element of dqkv is written
+ * once, by one product, so set mode needs no zeroing pass.
+ *
  * Threads: the (batch row, head) pairs are shared out over the pool, each pair's work on one
- * thread (the gemms inside a task run serially), so the results are those of one thread. When
- * there are too few pairs to keep the threads busy (fewer than 4 a thread), the forward shares
- * out (pair, query tile) items instead, and the backward runs in two passes: query tiles
- * (probabilities, datt, dscores, dq), then key tiles (dk and dv as one product over every query
- * row that sees the tile); the two passes keep each pair's probabilities and dscores in the
- * scratch in between. Tiles are dealt longest-with-shortest (0, n-1, 1, n-2, ...) so that
- * contiguous chunks carry equal causal work.
+ * thread. When there are too few pairs to keep the threads busy (fewer than 4 a thread), every
+ * pair is packed first and (pair, tile) items are shared out instead: the forward's query
+ * tiles; the backward's query tiles, then its key tiles. Tiles are dealt longest-with-shortest
+ * (0, n-1, 1, n-2, ...) so that contiguous chunks carry equal causal work. Either way each
+ * element is the same chain of operations: the results are the same bits at any thread count.
  */
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/isa.h"
@@ -39,12 +49,13 @@
 
 typedef struct att_job {
   float *out, *dqkv, *scratch;
+  float *packs; /* by tiles: every pair's k^T (and v^T) packed before the tiles run */
   const float *qkv, *dout;
   int B, T, C, NH, ntiles;
   int64_t items;  /* forward: the items shared out (pairs, or pairs x tiles) */
-  int nchunks;    /* forward, backward by pairs: chunks of items, a scratch slot each */
+  int nchunks;    /* by pairs: chunks of pairs, a scratch slot each */
   float scale;
-  bool set; /* backward: dqkv written, its old contents unread (zeroed pair by pair) */
+  bool set; /* backward: dqkv written, its old contents unread */
 } att_job;
 
 /* Whether (pair, tile) items are needed to keep the threads busy. */
@@ -52,9 +63,11 @@ static bool att_by_tile(int pairs, int ntiles, int threads) {
   return threads > 1 && ntiles > 1 && pairs < 4 * threads;
 }
 
-/* Floats of one (T, T) scratch matrix, rounded up to 64 bytes: every matrix starts on a cache
- * line (as the scratch does), whatever T. */
+/* Floats of one (T, T) scratch matrix and of one packed (hs, T) operand, rounded up to 64
+ * bytes: every matrix starts on a cache line (as the scratch does), whatever T. */
 static int64_t tt_of(int T) { return ((int64_t)T * T + 15) / 16 * 16; }
+static int ldk_of(int T) { return (T + 15) / 16 * 16; } /* att_mm reads whole vectors */
+static int64_t pk_of(int T, int hs) { return (int64_t)ldk_of(T) * hs; }
 
 /* chunks of n items shared out over threads (fsdp_cpu_chunks with the count given) */
 static int64_t chunks_of(int64_t n, int threads) { return n < threads ? (n < 1 ? 1 : n) : threads; }
@@ -62,51 +75,116 @@ static int64_t chunks_of(int64_t n, int threads) { return n < threads ? (n < 1 ?
 /* The k-th tile in dealing order: 0, n-1, 1, n-2, ... */
 static int dealt_tile(int k, int ntiles) { return k % 2 == 0 ? k / 2 : ntiles - 1 - k / 2; }
 
+/* Views of one pair's operands and of its work space. */
+typedef struct att_views {
+  const float *q, *k, *v, *g; // (T, hs) row stride 3C; g (T, hs) row stride C
+  float *o;                   // forward: (T, hs) row stride C
+  float *dq, *dk, *dv;        // backward: (T, hs) row stride 3C
+  float *A, *S;               // (T, T): the probabilities; datt, then dscores
+  float *kt, *vt;             // (hs, T): k and v transposed (vt in the backward only)
+} att_views;
+
+/* pair bh's operands; its work space at `space` (the by-pairs layout: A, [S,] kt, [vt]) */
+static att_views views(const att_job *j, int bh, float *space) {
+  const int T = j->T, C = j->C, C3 = 3 * C, hs = C / j->NH, b = bh / j->NH, h = bh % j->NH;
+  const int64_t TT = tt_of(T), PK = pk_of(T, hs);
+  att_views w = {0};
+  w.q = j->qkv + (int64_t)b * T * C3 + h * hs;
+  w.k = w.q + C;
+  w.v = w.q + 2 * C;
+  w.A = space;
+  if (j->dqkv) {
+    w.g = j->dout + (int64_t)b * T * C + h * hs;
+    w.dq = j->dqkv + (int64_t)b * T * C3 + h * hs;
+    w.dk = w.dq + C;
+    w.dv = w.dq + 2 * C;
+    w.S = space + TT;
+    w.kt = space + 2 * TT;
+    w.vt = w.kt + PK;
+  } else {
+    w.o = j->out + (int64_t)b * T * C + h * hs;
+    w.kt = space + TT;
+  }
+  return w;
+}
+
+/* floats of one by-pairs work space */
+static int64_t space_of(int T, int hs, bool backward) {
+  return (backward ? 2 : 1) * (tt_of(T) + pk_of(T, hs));
+}
+
+/* k^T (and v^T for the backward) of pair w into its packs */
+static void pack_pair(const att_job *j, const att_views *w) {
+  const fsdp_cpu_vec_i *vec = fsdp_cpu_vec();
+  const int hs = j->C / j->NH;
+  vec->att_pack(w->kt, ldk_of(j->T), w->k, 3 * (int64_t)j->C, j->T, hs);
+  if (w->vt) vec->att_pack(w->vt, ldk_of(j->T), w->v, 3 * (int64_t)j->C, j->T, hs);
+}
+
+/* By tiles, pair bh's views: its probabilities and dscores (backward) in the scratch, its
+ * packs after them. The forward's A is the chunk's (tile_probs). */
+static att_views tile_views(const att_job *j, int bh) {
+  const int hs = j->C / j->NH;
+  if (j->dqkv) return views(j, bh, j->scratch + (int64_t)bh * space_of(j->T, hs, true));
+  att_views w = views(j, bh, NULL);
+  w.kt = j->packs + (int64_t)bh * pk_of(j->T, hs);
+  return w;
+}
+
+static void pack_pairs(void *ctx, int64_t lo, int64_t hi) {
+  const att_job *j = ctx;
+  for (int64_t bh = lo; bh < hi; bh++) {
+    const att_views w = tile_views(j, (int)bh);
+    pack_pair(j, &w);
+  }
+}
+
 /* ---- forward --------------------------------------------------------------------------------- */
 
-/* The probabilities of query rows [r0, r0 + ATT_BLOCK) of pair bh into rows r0.. of A (T, T):
+/* The probabilities of query rows [r0, r0 + ATT_BLOCK) of pair w into rows r0.. of A (T, T):
  * the forward's, and the backward's recomputation of them (the same call, the same bits). */
-static void probs_tile(const att_job *j, float *A, int bh, int r0) {
-  const int T = j->T, C = j->C, C3 = 3 * C, hs = C / j->NH, b = bh / j->NH, h = bh % j->NH;
-  const float *q = j->qkv + (int64_t)b * T * C3 + h * hs; // (T, hs), row stride 3C
+static void probs_tile(const att_job *j, const att_views *w, float *A, int r0) {
+  const int T = j->T, C3 = 3 * j->C, hs = j->C / j->NH;
   const int rows = fsdp_cpu_att_rows(T, r0), cols = r0 + rows;
-  /* scores[r0:r1, 0:r1] = q[r0:r1] @ k[0:r1]^T * scale */
-  fsdp_cpu_gemm(A + (int64_t)r0 * T, q + (int64_t)r0 * C3, q + C, rows, cols, hs, false, true,
-                j->scale, 0.0f, C3, C3, T);
-  fsdp_cpu_vec()->att_softmax_rows(A, T, r0, rows);
+  const fsdp_cpu_vec_i *vec = fsdp_cpu_vec();
+  /* scores[r0:r1, 0:r1] = q[r0:r1] @ k[0:r1]^T * scale, on and below the diagonal */
+  vec->att_mm(A + (int64_t)r0 * T, T, w->q + (int64_t)r0 * C3, C3, 1, w->kt, ldk_of(T), rows,
+              cols, hs, r0, FSDP_ATT_COLS, j->scale, false);
+  vec->att_softmax_rows(A, T, r0, rows);
 }
 
-/* Query rows [r0, r0 + ATT_BLOCK) of pair bh: their probabilities in A (the task's scratch),
- * then out rows. */
-static void forward_tile(const att_job *j, float *A, int bh, int r0) {
-  const int T = j->T, C = j->C, C3 = 3 * C, hs = C / j->NH, b = bh / j->NH, h = bh % j->NH;
-  const float *v = j->qkv + (int64_t)b * T * C3 + h * hs + 2 * C;
-  float *o = j->out + (int64_t)b * T * C + h * hs; // (T, hs), row stride C
+/* Query rows [r0, r0 + ATT_BLOCK) of pair w: their probabilities in A, then out rows. */
+static void forward_tile(const att_job *j, const att_views *w, float *A, int r0) {
+  const int T = j->T, C = j->C, hs = C / j->NH;
   const int rows = fsdp_cpu_att_rows(T, r0), cols = r0 + rows;
-  probs_tile(j, A, bh, r0);
-  /* out[r0:r1] = att[r0:r1, 0:r1] @ v[0:r1] */
-  fsdp_cpu_gemm(o + (int64_t)r0 * C, A + (int64_t)r0 * T, v, rows, hs, cols, false, false, 1.0f,
-                0.0f, T, C3, C);
+  probs_tile(j, w, A, r0);
+  /* out[r0:r1] = att[r0:r1, 0:r1] @ v[0:r1]: row t sums keys 0..t */
+  fsdp_cpu_vec()->att_mm(w->o + (int64_t)r0 * C, C, A + (int64_t)r0 * T, T, 1, w->v, 3 * C,
+                         rows, hs, cols, r0, FSDP_ATT_KHEAD, 1.0f, false);
 }
 
-/* the (T, T) scratch of the chunk of items that starts at lo */
-static float *forward_slot(const att_job *j, int64_t lo) {
-  return j->scratch + (int64_t)fsdp_cpu_chunk_at(j->items, 1, j->nchunks, lo) * tt_of(j->T);
+/* the work space of the chunk of items that starts at lo */
+static float *chunk_space(const att_job *j, int64_t items, int64_t lo, int64_t per) {
+  return j->scratch + (int64_t)fsdp_cpu_chunk_at(items, 1, j->nchunks, lo) * per;
 }
 
 static void forward_pairs(void *ctx, int64_t lo, int64_t hi) {
   const att_job *j = ctx;
-  float *A = forward_slot(j, lo);
-  for (int64_t bh = lo; bh < hi; bh++)
-    for (int r0 = 0; r0 < j->T; r0 += ATT_BLOCK) forward_tile(j, A, (int)bh, r0);
+  float *space = chunk_space(j, j->items, lo, space_of(j->T, j->C / j->NH, false));
+  for (int64_t bh = lo; bh < hi; bh++) {
+    const att_views w = views(j, (int)bh, space);
+    pack_pair(j, &w);
+    for (int r0 = 0; r0 < j->T; r0 += ATT_BLOCK) forward_tile(j, &w, w.A, r0);
+  }
 }
 
 static void forward_tiles(void *ctx, int64_t lo, int64_t hi) {
   const att_job *j = ctx;
-  float *A = forward_slot(j, lo);
-  for (int64_t i = lo; i < hi; i++)
-    forward_tile(j, A, (int)(i / j->ntiles),
-                 ATT_BLOCK * dealt_tile((int)(i % j->ntiles), j->ntiles));
+  float *A = chunk_space(j, j->items, lo, tt_of(j->T));
+  for (int64_t i = lo; i < hi; i++) {
+    const att_views w = tile_views(j, (int)(i / j->ntiles));
+    forward_tile(j, &w, A, ATT_BLOCK * dealt_tile((int)(i % j->ntiles), j->ntiles));
+  }
 }
 
 static int64_t forward_items(int B, int T, int NH, int threads) {
@@ -114,155 +192,122 @@ static int64_t forward_items(int B, int T, int NH, int threads) {
   return att_by_tile(pairs, ntiles, threads) ? (int64_t)pairs * ntiles : pairs;
 }
 
-int64_t fsdp_cpu_attention_scratch(int B, int T, int NH, int threads, bool backward) {
-  const int64_t TT = tt_of(T);
-  const int pairs = B * NH, ntiles = (T + ATT_BLOCK - 1) / ATT_BLOCK;
-  if (!backward) return chunks_of(forward_items(B, T, NH, threads), threads) * TT;
-  /* probabilities and dscores: per task by pairs, per pair when two passes share them */
-  if (att_by_tile(pairs, ntiles, threads)) return 2 * pairs * TT;
-  return 2 * chunks_of(pairs, threads) * TT;
+int64_t fsdp_cpu_attention_scratch(int B, int T, int C, int NH, int threads, bool backward) {
+  const int pairs = B * NH, ntiles = (T + ATT_BLOCK - 1) / ATT_BLOCK, hs = C / NH;
+  const bool by_tile = att_by_tile(pairs, ntiles, threads);
+  if (!backward) {
+    const int64_t chunks = chunks_of(forward_items(B, T, NH, threads), threads);
+    return by_tile ? chunks * tt_of(T) + pairs * pk_of(T, hs) : chunks * space_of(T, hs, false);
+  }
+  /* by tiles, every pair's space: the two passes share its probabilities, dscores and packs */
+  return (by_tile ? pairs : chunks_of(pairs, threads)) * space_of(T, hs, true);
 }
 
 void fsdp_cpu_attention_forward(float *out, float *scratch, const float *qkv, int B, int T,
                                 int C, int NH) {
-  // out (B, T, C), qkv (B, T, 3C), scratch: fsdp_cpu_attention_scratch(B, T, NH, threads, false)
+  // out (B, T, C), qkv (B, T, 3C), scratch: fsdp_cpu_attention_scratch(B, T, C, NH, threads,
+  // false)
   att_job j = {.out = out, .scratch = scratch, .qkv = qkv, .B = B, .T = T, .C = C, .NH = NH,
                .ntiles = (T + ATT_BLOCK - 1) / ATT_BLOCK,
                .scale = 1.0f / sqrtf((float)(C / NH))};
+  const int pairs = B * NH;
   j.items = forward_items(B, T, NH, fsdp_cpu_threads());
   j.nchunks = fsdp_cpu_chunks(j.items, 1);
-  fsdp_cpu_parallel_for(j.items, 1, j.items == B * NH ? forward_pairs : forward_tiles, &j);
+  if (j.items == pairs) {
+    fsdp_cpu_parallel_for(pairs, 1, forward_pairs, &j);
+    return;
+  }
+  j.packs = scratch + chunks_of(j.items, fsdp_cpu_threads()) * tt_of(T);
+  fsdp_cpu_parallel_for(pairs, 1, pack_pairs, &j);
+  fsdp_cpu_parallel_for(j.items, 1, forward_tiles, &j);
 }
 
 /* ---- backward -------------------------------------------------------------------------------- */
 
-/* Views of pair bh's operands; A and S in scratch (A, S). */
-typedef struct att_views {
-  const float *q, *k, *v, *g; // (T, hs) row stride 3C; g (T, hs) row stride C
-  float *dq, *dk, *dv;        // (T, hs) row stride 3C
-  float *A, *S;               // (T, T): the probabilities; datt, then dscores
-} att_views;
-
-static att_views views(const att_job *j, int bh, float *A, float *S) {
-  const int T = j->T, C = j->C, C3 = 3 * C, hs = C / j->NH, b = bh / j->NH, h = bh % j->NH;
-  att_views w;
-  w.q = j->qkv + (int64_t)b * T * C3 + h * hs;
-  w.k = w.q + C;
-  w.v = w.q + 2 * C;
-  w.dq = j->dqkv + (int64_t)b * T * C3 + h * hs;
-  w.dk = w.dq + C;
-  w.dv = w.dq + 2 * C;
-  w.A = A;
-  w.S = S;
-  w.g = j->dout + (int64_t)b * T * C + h * hs;
-  return w;
-}
-
-/* Query tile r0 of pair bh: its probabilities again, datt = dout @ v^T, the softmax backward
+/* Query tile r0 of pair w: its probabilities again, datt = dout @ v^T, the softmax backward
  * into dscores (zero above the diagonal up to the tile's last column), and
- * dq += dscores @ k * scale. */
-static void backward_query_tile(const att_job *j, const att_views *w, int bh, int r0) {
+ * dq = dscores @ k * scale (its rows belong to this tile alone: written in set mode, else
+ * added). */
+static void backward_query_tile(const att_job *j, const att_views *w, int r0) {
   const int T = j->T, C = j->C, C3 = 3 * C, hs = C / j->NH;
   const int rows = fsdp_cpu_att_rows(T, r0), cols = r0 + rows;
+  const fsdp_cpu_vec_i *vec = fsdp_cpu_vec();
   float *Sb = w->S + (int64_t)r0 * T;
-  probs_tile(j, w->A, bh, r0);
-  /* datt[r0:r1, 0:r1] = dout[r0:r1] @ v[0:r1]^T */
-  fsdp_cpu_gemm(Sb, w->g + (int64_t)r0 * C, w->v, rows, cols, hs, false, true, 1.0f, 0.0f, C, C3,
-                T);
-  fsdp_cpu_vec()->att_softmax_backward_rows(w->S, w->A, T, r0, rows, cols);
-  /* dq[r0:r1] += dscores[r0:r1, 0:r1] @ k[0:r1] * scale */
-  fsdp_cpu_gemm(w->dq + (int64_t)r0 * C3, Sb, w->k, rows, hs, cols, false, false, j->scale, 1.0f,
-                T, C3, C3);
+  probs_tile(j, w, w->A, r0);
+  /* datt[r0:r1, 0:r1] = dout[r0:r1] @ v[0:r1]^T, on and below the diagonal */
+  vec->att_mm(Sb, T, w->g + (int64_t)r0 * C, C, 1, w->vt, ldk_of(T), rows, cols, hs, r0,
+              FSDP_ATT_COLS, 1.0f, false);
+  vec->att_softmax_backward_rows(w->S, w->A, T, r0, rows, cols);
+  /* dq[r0:r1] (+)= dscores[r0:r1, 0:r1] @ k[0:r1] * scale */
+  vec->att_mm(w->dq + (int64_t)r0 * C3, C3, Sb, T, 1, w->k, C3, rows, hs, cols, r0,
+              FSDP_ATT_KHEAD, j->scale, !j->set);
 }
 
-/* Zero pair bh's columns of dq, dk and dv (set mode): they are accumulated right after, so
- * the zeros are written in cache, not in a pass of their own over dqkv. */
-static void zero_pair(const att_job *j, const att_views *w) {
-  const int hs = j->C / j->NH;
-  const int64_t C3 = 3 * (int64_t)j->C;
-  for (int t = 0; t < j->T; t++) {
-    memset(w->dq + t * C3, 0, sizeof(float) * (size_t)hs);
-    memset(w->dk + t * C3, 0, sizeof(float) * (size_t)hs);
-    memset(w->dv + t * C3, 0, sizeof(float) * (size_t)hs);
-  }
+/* Key tile [c0, c1) of pair w: every query row t >= c0 sees it (att and dscores are zero
+ * above the diagonal), so dv and dk of the tile are one product each over rows [c0, T):
+ * att^T @ dout and dscores^T @ q * scale, each key row's whole sum in one chain (written in set
+ * mode, else added). */
+static void backward_keys(const att_job *j, const att_views *w, int c0) {
+  const int T = j->T, C = j->C, C3 = 3 * C, hs = C / j->NH, n = fsdp_cpu_att_rows(T, c0);
+  const fsdp_cpu_vec_i *vec = fsdp_cpu_vec();
+  const int64_t at = (int64_t)c0 * T + c0;
+  vec->att_mm(w->dv + (int64_t)c0 * C3, C3, w->A + at, 1, T, w->g + (int64_t)c0 * C, C, n, hs,
+              T - c0, 0, FSDP_ATT_KTAIL, 1.0f, !j->set);
+  vec->att_mm(w->dk + (int64_t)c0 * C3, C3, w->S + at, 1, T, w->q + (int64_t)c0 * C3, C3, n, hs,
+              T - c0, 0, FSDP_ATT_KTAIL, j->scale, !j->set);
 }
 
-static void zero_pairs(void *ctx, int64_t lo, int64_t hi) {
+/* by tiles, before the query tiles: every pair's packs */
+static void prepare_pairs(void *ctx, int64_t lo, int64_t hi) {
   const att_job *j = ctx;
   for (int64_t bh = lo; bh < hi; bh++) {
-    const att_views w = views(j, (int)bh, NULL, NULL);
-    zero_pair(j, &w);
+    const att_views w = tile_views(j, (int)bh);
+    pack_pair(j, &w);
   }
 }
 
-/* the (T, T) probabilities and dscores of pair bh when two passes share them */
-static att_views pair_views(const att_job *j, int bh) {
-  const int64_t TT = tt_of(j->T);
-  float *A = j->scratch + 2 * bh * TT;
-  return views(j, bh, A, A + TT);
-}
-
-/* One pair, tile by tile: after each query tile, dv and dk receive its rows' contributions. */
+/* One pair: its query tiles (the probabilities and dscores of every row stay in the task's
+ * scratch), then its key tiles, the same products as the split by tiles (the same bits). */
 static void backward_pairs(void *ctx, int64_t lo, int64_t hi) {
   const att_job *j = ctx;
-  const int T = j->T, C = j->C, C3 = 3 * C, hs = C / j->NH;
-  const int64_t TT = tt_of(T);
-  float *A = j->scratch + 2 * (int64_t)fsdp_cpu_chunk_at(j->B * j->NH, 1, j->nchunks, lo) * TT;
+  const int T = j->T, hs = j->C / j->NH;
+  float *space = chunk_space(j, j->B * j->NH, lo, space_of(T, hs, true));
   for (int64_t bh = lo; bh < hi; bh++) {
-    const att_views w = views(j, (int)bh, A, A + TT);
-    if (j->set) zero_pair(j, &w);
-    for (int r0 = 0; r0 < T; r0 += ATT_BLOCK) {
-      const int rows = fsdp_cpu_att_rows(T, r0), cols = r0 + rows;
-      const float *Ab = w.A + (int64_t)r0 * T, *gb = w.g + (int64_t)r0 * C;
-      backward_query_tile(j, &w, (int)bh, r0);
-      /* dv[0:r1] += att[r0:r1, 0:r1]^T @ dout[r0:r1] */
-      fsdp_cpu_gemm(w.dv, Ab, gb, cols, hs, rows, true, false, 1.0f, 1.0f, T, C, C3);
-      /* dk[0:r1] += dscores[r0:r1, 0:r1]^T @ q[r0:r1] * scale */
-      fsdp_cpu_gemm(w.dk, w.S + (int64_t)r0 * T, w.q + (int64_t)r0 * C3, cols, hs, rows, true,
-                    false, j->scale, 1.0f, T, C3, C3);
-    }
+    const att_views w = views(j, (int)bh, space);
+    pack_pair(j, &w);
+    for (int r0 = 0; r0 < T; r0 += ATT_BLOCK) backward_query_tile(j, &w, r0);
+    for (int c0 = 0; c0 < T; c0 += ATT_BLOCK) backward_keys(j, &w, c0);
   }
 }
 
 static void backward_query_tiles(void *ctx, int64_t lo, int64_t hi) {
   const att_job *j = ctx;
   for (int64_t i = lo; i < hi; i++) {
-    const int bh = (int)(i / j->ntiles);
-    const att_views w = pair_views(j, bh);
-    backward_query_tile(j, &w, bh, ATT_BLOCK * dealt_tile((int)(i % j->ntiles), j->ntiles));
+    const att_views w = tile_views(j, (int)(i / j->ntiles));
+    backward_query_tile(j, &w, ATT_BLOCK * dealt_tile((int)(i % j->ntiles), j->ntiles));
   }
 }
 
-/* Key tile [c0, c1) of one pair: every query row t >= c0 sees it (att and dscores are zero
- * above the diagonal), so dv and dk of the tile are one product each over rows [c0, T). */
 static void backward_key_tiles(void *ctx, int64_t lo, int64_t hi) {
   const att_job *j = ctx;
-  const int T = j->T, C = j->C, C3 = 3 * C, hs = C / j->NH;
   for (int64_t i = lo; i < hi; i++) {
-    const att_views w = pair_views(j, (int)(i / j->ntiles));
-    const int c0 = ATT_BLOCK * dealt_tile((int)(i % j->ntiles), j->ntiles);
-    const int n = fsdp_cpu_att_rows(T, c0);
-    /* dv[c0:c1] += att[c0:T, c0:c1]^T @ dout[c0:T] */
-    fsdp_cpu_gemm(w.dv + (int64_t)c0 * C3, w.A + (int64_t)c0 * T + c0, w.g + (int64_t)c0 * C, n,
-                  hs, T - c0, true, false, 1.0f, 1.0f, T, C, C3);
-    /* dk[c0:c1] += dscores[c0:T, c0:c1]^T @ q[c0:T] * scale */
-    fsdp_cpu_gemm(w.dk + (int64_t)c0 * C3, w.S + (int64_t)c0 * T + c0, w.q + (int64_t)c0 * C3, n,
-                  hs, T - c0, true, false, j->scale, 1.0f, T, C3, C3);
+    const att_views w = tile_views(j, (int)(i / j->ntiles));
+    backward_keys(j, &w, ATT_BLOCK * dealt_tile((int)(i % j->ntiles), j->ntiles));
   }
 }
 
 void fsdp_cpu_attention_backward(float *dqkv, float *scratch, const float *dout,
                                  const float *qkv, int B, int T, int C, int NH, bool set) {
   // dqkv (B, T, 3C), dout (B, T, C), qkv (B, T, 3C),
-  // scratch: fsdp_cpu_attention_scratch(B, T, NH, threads, true)
+  // scratch: fsdp_cpu_attention_scratch(B, T, C, NH, threads, true)
   att_job j = {.dqkv = dqkv, .scratch = scratch, .qkv = qkv, .dout = dout, .B = B, .T = T,
                .C = C, .NH = NH, .ntiles = (T + ATT_BLOCK - 1) / ATT_BLOCK,
                .scale = 1.0f / sqrtf((float)(C / NH)), .set = set};
   const int pairs = B * NH;
   j.nchunks = fsdp_cpu_chunks(pairs, 1);
   if (att_by_tile(pairs, j.ntiles, fsdp_cpu_threads())) {
-    /* tiles of one pair run on different threads: zero every pair first */
-    if (set) fsdp_cpu_parallel_for(pairs, 1, zero_pairs, &j);
+    /* tiles of one pair run on different threads: pack every pair first */
+    fsdp_cpu_parallel_for(pairs, 1, prepare_pairs, &j);
     fsdp_cpu_parallel_for((int64_t)pairs * j.ntiles, 1, backward_query_tiles, &j);
     fsdp_cpu_parallel_for((int64_t)pairs * j.ntiles, 1, backward_key_tiles, &j);
   } else {

@@ -909,7 +909,7 @@ static bool att_rows(att_job *j, bool backward, int *rc) {
   if (threads > 1 && j->B < 2 * threads) return false;
   const int64_t nq = (int64_t)j->T * 3 * j->C, no = (int64_t)j->T * j->C;
   /* inside a task the f32 kernel runs on one thread */
-  const int64_t sc = fsdp_cpu_attention_scratch(1, j->T, j->NH, 1, backward);
+  const int64_t sc = fsdp_cpu_attention_scratch(1, j->T, j->C, j->NH, 1, backward);
   j->nchunks = fsdp_cpu_chunks(j->B, 1);
   j->slot = (backward ? 2 * al16(nq) : al16(nq)) + al16(no) + al16(sc);
   fsdp_cpu_work w = {0};
@@ -934,7 +934,7 @@ int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, const void *qkv, i
   fsdp_cpu_work w = {0};
   int64_t nq = (int64_t)T * 3 * C, no = (int64_t)T * C;
   float *fq = tmp(&w, nq), *fo = tmp(&w, no),
-        *sc = tmp(&w, fsdp_cpu_attention_scratch(1, T, NH, fsdp_cpu_threads(), false));
+        *sc = tmp(&w, fsdp_cpu_attention_scratch(1, T, C, NH, fsdp_cpu_threads(), false));
   for (int b = 0; !w.failed && b < B; b++) {
     get(fq, qkv, dt, b * nq, nq);
     fsdp_cpu_attention_forward(fo, sc, fq, 1, T, C, NH);
@@ -957,7 +957,7 @@ int fsdp_cpu_half_attention_backward(fsdp_dtype dt, void *dqkv, const void *dout
   fsdp_cpu_work w = {0};
   int64_t nq = (int64_t)T * 3 * C, no = (int64_t)T * C;
   float *fq = tmp(&w, nq), *fg = tmp(&w, no), *fd = tmp(&w, nq),
-        *sc = tmp(&w, fsdp_cpu_attention_scratch(1, T, NH, fsdp_cpu_threads(), true));
+        *sc = tmp(&w, fsdp_cpu_attention_scratch(1, T, C, NH, fsdp_cpu_threads(), true));
   for (int b = 0; !w.failed && b < B; b++) {
     get(fq, qkv, dt, b * nq, nq);
     get(fg, dout, dt, b * no, no);

@@ -127,6 +127,20 @@ typedef struct fsdp_cpu_vec_i {
   void (*att_softmax_rows_bf16)(uint16_t *P, float *A, int T, int r0, int rows);
   void (*att_softmax_backward_rows_bf16)(uint16_t *D, const float *S, const uint16_t *P, int T,
                                          int r0, int rows, int cols);
+  /* attention's products (attention.c): c (M, N, row stride ldc) = alpha * a @ b (acc: c +=),
+   * a's (m, p) element at a[m * sam + p * sap], b (K, N) row-major with row stride ldb. Each
+   * element is one fused multiply-add chain over p in order, started from zero, then scaled
+   * (and added to c): the same bits at every level and every blocking. `kind` (FSDP_ATT_*)
+   * says which part the causal mask needs, with diag the offset of the diagonal: ATT_COLS
+   * computes (m, n) for n <= m + diag, ATT_KHEAD sums p <= m + diag, ATT_KTAIL p >= m + diag;
+   * whole vectors past the bound may be computed too (ATT_COLS: written, never past N; the
+   * ATT_K* kinds read a there, which must hold zeros). ATT_COLS reads b's rows in whole
+   * vectors: up to N rounded up to 16 floats must be readable (their values do not matter). */
+  void (*att_mm)(float *c, int64_t ldc, const float *a, int64_t sam, int64_t sap,
+                 const float *b, int64_t ldb, int M, int N, int K, int diag, int kind,
+                 float alpha, bool acc);
+  /* dst (cols, rows), row stride ldd = src (rows, cols), row stride lds, transposed */
+  void (*att_pack)(float *dst, int64_t ldd, const float *src, int64_t lds, int rows, int cols);
   /* the rows' losses summed in double; *count += rows counted */
   double (*cross_entropy_forward)(float *lse, const float *logits, const int64_t *targets,
                                   int64_t lo, int64_t hi, int V, int64_t ignore_index,
@@ -135,6 +149,8 @@ typedef struct fsdp_cpu_vec_i {
                                  const float *lse, const int64_t *targets, int64_t lo,
                                  int64_t hi, int V, int64_t ignore_index);
 } fsdp_cpu_vec_i;
+
+enum { FSDP_ATT_FULL = 0, FSDP_ATT_COLS = 1, FSDP_ATT_KHEAD = 2, FSDP_ATT_KTAIL = 3 };
 
 extern const fsdp_cpu_vec_i fsdp_cpu_vec_scalar, fsdp_cpu_vec_avx2, fsdp_cpu_vec_avx512;
 

@@ -162,7 +162,7 @@ void fsdp_cpu_softmax_backward(float *dinp, const float *dout, const float *out,
  * is caller-provided workspace of fsdp_cpu_attention_scratch floats for the same sizes and
  * the calling context's fsdp_cpu_threads() (which decides how the work is shared out: 1 inside
  * a pool task); no contents are read. */
-int64_t fsdp_cpu_attention_scratch(int B, int T, int NH, int threads, bool backward);
+int64_t fsdp_cpu_attention_scratch(int B, int T, int C, int NH, int threads, bool backward);
 /* The attention kernels' tile (f32 here, bf16 in attention_bf16.c): query rows r0 .. r0 +
  * fsdp_cpu_att_rows(T, r0) - 1 against the keys [0, r0 + rows) they see. */
 #define FSDP_CPU_ATT_BLOCK 64

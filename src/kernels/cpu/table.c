@@ -729,16 +729,16 @@ static int64_t k_attention_saved(void *ctx, fsdp_dtype dt, int B, int T, int C, 
 }
 
 /* the f32 kernel's workspace: scratch of this call, accounted as activations */
-static float *attention_scratch(fsdp_cpu_work *w, int B, int T, int NH, bool backward) {
-  return fsdp_cpu_work_buf(w, fsdp_cpu_attention_scratch(B, T, NH, fsdp_cpu_threads(), backward),
-                           sizeof(float));
+static float *attention_scratch(fsdp_cpu_work *w, int B, int T, int C, int NH, bool backward) {
+  return fsdp_cpu_work_buf(
+      w, fsdp_cpu_attention_scratch(B, T, C, NH, fsdp_cpu_threads(), backward), sizeof(float));
 }
 
 static int k_attention_forward(void *ctx, fsdp_dtype dt, void *out, void *att, const void *qkv,
                                int B, int T, int C, int NH) {
   if (dt == FSDP_DTYPE_F32) {
     fsdp_cpu_work w = {0};
-    float *scratch = attention_scratch(&w, B, T, NH, false);
+    float *scratch = attention_scratch(&w, B, T, C, NH, false);
     if (!w.failed) fsdp_cpu_attention_forward(out, scratch, qkv, B, T, C, NH);
     return fsdp_cpu_work_done(&w);
   }
@@ -751,7 +751,7 @@ static int k_attention_backward(void *ctx, fsdp_dtype dt, void *dqkv, const void
                                 bool set_dqkv) {
   if (dt == FSDP_DTYPE_F32) {
     fsdp_cpu_work w = {0};
-    float *scratch = attention_scratch(&w, B, T, NH, true);
+    float *scratch = attention_scratch(&w, B, T, C, NH, true);
     if (!w.failed) fsdp_cpu_attention_backward(dqkv, scratch, dout, qkv, B, T, C, NH, set_dqkv);
     return fsdp_cpu_work_done(&w);
   }

@@ -664,6 +664,169 @@ static void att_softmax_backward_rows_bf16(uint16_t *D, const float *S, const ui
   att_softmax_backward_rows_x(D, S, P, T, r0, rows, cols, true);
 }
 
+/* ---- attention's products ------------------------------------------------------------------ */
+
+/* Register blocks of ATT_MR rows by ATT_NV vectors of accumulators: 24 of AVX-512's 32 vector
+ * registers, 12 of AVX2's (and SSE's) 16, the rest for b's vectors and a broadcast. */
+#if VW == 16
+#define ATT_MR 6
+#define ATT_NV 4
+#else
+#define ATT_MR 6
+#define ATT_NV 2
+#endif
+
+/* One block: rows [0, mr) by vectors [0, nz) of c, over kc terms. With `tail` the last vector
+ * holds only `last` columns: c is stored (and read) there through partial stores, b read whole
+ * unless `tail_b` (ATT_COLS's b may be read past N: see isa.h). mr, nz and the tails are
+ * constants at every call (att_block_any), so the accumulators stay in registers; partial
+ * loads in the inner loop cost a quarter of the product's speed, hence the padded b. */
+VINLINE void att_block(const int mr, const int nz, const bool tail, const bool tail_b, int last,
+                       int kc, const float *a, int64_t sam, int64_t sap, const float *b,
+                       int64_t ldb, float *c, int64_t ldc, float alpha, bool acc) {
+  fsdp_vf s[ATT_MR][ATT_NV];
+  for (int m = 0; m < mr; m++)
+    for (int z = 0; z < nz; z++) s[m][z] = vset(0.0f);
+  for (int p = 0; p < kc; p++) {
+    const float *bp = b + p * ldb;
+    fsdp_vf bv[ATT_NV];
+    for (int z = 0; z < nz; z++)
+      bv[z] = tail_b && z == nz - 1 ? fsdp_vf_load_part(bp + z * VW, last, 0.0f)
+                                    : fsdp_vf_load(bp + z * VW);
+    const float *ap = a + p * sap;
+    for (int m = 0; m < mr; m++) {
+      const fsdp_vf av = vset(ap[m * sam]);
+      for (int z = 0; z < nz; z++) s[m][z] = fsdp_vf_fma(av, bv[z], s[m][z]);
+    }
+  }
+  for (int m = 0; m < mr; m++)
+    for (int z = 0; z < nz; z++) {
+      float *cp = c + m * ldc + z * VW;
+      const bool part = tail && z == nz - 1;
+      fsdp_vf r = s[m][z] * alpha;
+      if (acc) r = (part ? fsdp_vf_load_part(cp, last, 0.0f) : fsdp_vf_load(cp)) + r;
+      if (part) fsdp_vf_store_part(cp, r, last);
+      else fsdp_vf_store(cp, r);
+    }
+}
+
+/* t: 0 no tail, 1 a tail in c only, 2 in b too */
+static void att_block_any(int mr, int nz, int t, int last, int kc, const float *a, int64_t sam,
+                          int64_t sap, const float *b, int64_t ldb, float *c, int64_t ldc,
+                          float alpha, bool acc) {
+#define ATT_B(m, z, t, tb) \
+  att_block(m, z, t, tb, last, kc, a, sam, sap, b, ldb, c, ldc, alpha, acc)
+#define ATT_Z(m, z) \
+  case ((m) * ATT_NV + (z) - 1) * 3: ATT_B(m, z, false, false); break; \
+  case ((m) * ATT_NV + (z) - 1) * 3 + 1: ATT_B(m, z, true, false); break; \
+  case ((m) * ATT_NV + (z) - 1) * 3 + 2: ATT_B(m, z, true, true); break;
+#if ATT_NV == 4
+#define ATT_M(m) ATT_Z(m, 1) ATT_Z(m, 2) ATT_Z(m, 3) ATT_Z(m, 4)
+#else
+#define ATT_M(m) ATT_Z(m, 1) ATT_Z(m, 2)
+#endif
+  switch ((mr * ATT_NV + nz - 1) * 3 + t) {
+    ATT_M(1) ATT_M(2) ATT_M(3) ATT_M(4) ATT_M(5) ATT_M(6)
+  default: break; /* mr in [1, ATT_MR], nz in [1, ATT_NV] by construction */
+  }
+#undef ATT_B
+#undef ATT_Z
+#undef ATT_M
+}
+
+static void att_mm(float *c, int64_t ldc, const float *a, int64_t sam, int64_t sap,
+                   const float *b, int64_t ldb, int M, int N, int K, int diag, int kind,
+                   float alpha, bool acc) {
+  const int NR = ATT_NV * VW;
+  for (int m0 = 0; m0 < M; m0 += ATT_MR) {
+    const int mr = M - m0 < ATT_MR ? M - m0 : ATT_MR;
+    /* the block's bounds: those of its last row (ATT_COLS, ATT_KHEAD) or its first (ATT_KTAIL);
+     * ATT_COLS in whole vectors (a partial one costs more than the columns it saves) */
+    int n1 = N, k0 = 0, k1 = K;
+    if (kind == FSDP_ATT_COLS) {
+      const int lim = (m0 + mr + diag + VW - 1) / VW * VW;
+      if (lim < N) n1 = lim;
+    }
+    if (kind == FSDP_ATT_KHEAD && m0 + mr + diag < K) k1 = m0 + mr + diag;
+    if (kind == FSDP_ATT_KTAIL && m0 + diag > 0) k0 = m0 + diag < K ? m0 + diag : K;
+    for (int n0 = 0; n0 < n1; n0 += NR) {
+      const int w = n1 - n0 < NR ? n1 - n0 : NR, nz = (w + VW - 1) / VW;
+      const int last = w - (nz - 1) * VW;
+      const int t = last == VW ? 0 : kind == FSDP_ATT_COLS ? 1 : 2;
+      att_block_any(mr, nz, t, last, k1 - k0, a + m0 * sam + k0 * sap, sam, sap,
+                    b + k0 * ldb + n0, ldb, c + m0 * ldc + n0, ldc, alpha, acc);
+    }
+  }
+}
+
+/* A square block of the level's width transposed in registers (AVX-512: 16 x 16, AVX2: 8 x 8,
+ * the standard unpack and lane-shuffle stages); the baseline level copies element by element. */
+#if VW == 16 && defined(__AVX512F__)
+#define ATT_TB 16
+VINLINE void att_transpose_block(float *dst, int64_t ldd, const float *src, int64_t lds) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * lds);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4)
+    for (int k = 0; k < 2; k++) {
+      const __m512d x = _mm512_castps_pd(t[i + k]), y = _mm512_castps_pd(t[i + k + 2]);
+      r[i + 2 * k] = _mm512_castpd_ps(_mm512_unpacklo_pd(x, y));
+      r[i + 2 * k + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x, y));
+    }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; i++) {
+      t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + 4 + i], 0x88);
+      t[h + 4 + i] = _mm512_shuffle_f32x4(r[h + i], r[h + 4 + i], 0xdd);
+    }
+  for (int i = 0; i < 8; i++) {
+    _mm512_storeu_ps(dst + i * ldd, _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88));
+    _mm512_storeu_ps(dst + (8 + i) * ldd, _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd));
+  }
+}
+#elif VW == 8 && defined(__AVX2__)
+#define ATT_TB 8
+VINLINE void att_transpose_block(float *dst, int64_t ldd, const float *src, int64_t lds) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * lds);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  for (int i = 0; i < 4; i++) {
+    _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
+#else
+#define ATT_TB 4
+VINLINE void att_transpose_block(float *dst, int64_t ldd, const float *src, int64_t lds) {
+  for (int r = 0; r < 4; r++)
+    for (int k = 0; k < 4; k++) dst[k * ldd + r] = src[r * lds + k];
+}
+#endif
+
+static void att_pack(float *dst, int64_t ldd, const float *src, int64_t lds, int rows,
+                     int cols) {
+  const int rb = rows / ATT_TB * ATT_TB, cb = cols / ATT_TB * ATT_TB;
+  for (int r0 = 0; r0 < rb; r0 += ATT_TB)
+    for (int c0 = 0; c0 < cb; c0 += ATT_TB)
+      att_transpose_block(dst + c0 * ldd + r0, ldd, src + r0 * lds + c0, lds);
+  /* the edges: rows past the last whole block, then columns past it */
+  for (int r = rb; r < rows; r++)
+    for (int c = 0; c < cols; c++) dst[c * ldd + r] = src[r * lds + c];
+  for (int r = 0; r < rb; r++)
+    for (int c = cb; c < cols; c++) dst[c * ldd + r] = src[r * lds + c];
+}
+
 /* ---- cross-entropy ------------------------------------------------------------------------- */
 
 static double cross_entropy_forward(float *lse, const float *logits, const int64_t *targets,
@@ -740,6 +903,8 @@ const fsdp_cpu_vec_i FSDP_VEC_TABLE = {
     .softmax_backward = softmax_backward,
     .att_softmax_rows = att_softmax_rows,
     .att_softmax_backward_rows = att_softmax_backward_rows,
+    .att_mm = att_mm,
+    .att_pack = att_pack,
     .cross_entropy_forward = cross_entropy_forward,
     .cross_entropy_backward = cross_entropy_backward,
 };
