@@ -43,7 +43,6 @@
 #include "kernels/cpu/pool.h"
 
 #include <math.h>
-#include <string.h>
 
 #define ATT_BLOCK FSDP_CPU_ATT_BLOCK
 
@@ -92,17 +91,21 @@ static att_views views(const att_job *j, int bh, float *space) {
   w.q = j->qkv + (int64_t)b * T * C3 + h * hs;
   w.k = w.q + C;
   w.v = w.q + 2 * C;
-  w.A = space;
   if (j->dqkv) {
     w.g = j->dout + (int64_t)b * T * C + h * hs;
     w.dq = j->dqkv + (int64_t)b * T * C3 + h * hs;
     w.dk = w.dq + C;
     w.dv = w.dq + 2 * C;
+  } else {
+    w.o = j->out + (int64_t)b * T * C + h * hs;
+  }
+  if (!space) return w; /* the forward by tiles: tile_views places the pack */
+  w.A = space;
+  if (j->dqkv) {
     w.S = space + TT;
     w.kt = space + 2 * TT;
     w.vt = w.kt + PK;
   } else {
-    w.o = j->out + (int64_t)b * T * C + h * hs;
     w.kt = space + TT;
   }
   return w;
