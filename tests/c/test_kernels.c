@@ -763,6 +763,10 @@ static void test_attention(void **state) {
   run_attention_case(1, 1, 6, 2, 1);   /* a single token attends to itself */
   run_attention_case(1, 70, 16, 2, 7); /* more than one 64-row causal block */
   run_attention_case(8, 40, 16, 2, 11); /* enough pairs to split by pairs at two threads */
+  /* head sizes past one vector with a partial one after (20 = 16 + 4; 72 = 64 + 8: two column
+   * blocks at AVX-512), T past two tiles and not a multiple of the vector width */
+  run_attention_case(1, 130, 40, 2, 41);
+  run_attention_case(1, 67, 144, 2, 53);
 }
 
 /* ---- cross-entropy --------------------------------------------------------------------------- */
