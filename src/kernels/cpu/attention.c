@@ -125,7 +125,7 @@ static void pack_pair(const att_job *j, const att_views *w) {
 }
 
 /* By tiles, pair bh's views: its probabilities and dscores (backward) in the scratch, its
- * packs after them. The forward's A is the chunk's (tile_probs). */
+ * packs after them. The forward's A is the chunk's (forward_tiles). */
 static att_views tile_views(const att_job *j, int bh) {
   const int hs = j->C / j->NH;
   if (j->dqkv) return views(j, bh, j->scratch + (int64_t)bh * space_of(j->T, hs, true));
