@@ -11,6 +11,10 @@
  *   f32 -> bf16 narrowing of 64 Ki elements (in cache) and 16 Mi (memory), at the current
  *   instruction-set level (on AVX512_BF16 at the AVX-512 level: the processor's instruction)
  *   and with the level held to AVX2 (the integer loop).
+ *   Then attention's pieces on one thread, one (batch row, head) pair: each product of the
+ *   instruction-set level's att_mm over the 64-row tiles as attention.c calls it, the packing of
+ *   k^T, and the softmax rows (the plain body on rows of 64 to 1024, attention's causal rows):
+ *   GFLOP/s counted causally, ns per element.
  * Everything runs with 1 and then 2 threads of the rank's pool (kernels/cpu/pool.h; OpenBLAS
  * stays at 1 thread, called per block). Each measurement repeats until it has
  * run for ~0.25 s (best of those reps is reported), so the whole program takes ~10-20 s.
@@ -155,6 +159,75 @@ static void run_narrow(void *p) {
   fsdp_cpu_f32_to_bf16(c->h, c->f, c->n);
 }
 
+/* ---- attention's pieces: one (batch row, head) pair through the level's table ------------- */
+
+typedef struct {
+  float *q, *A, *kt, *o;
+  int kind, rows; /* rows: softmax rows' length (0: attention's causal rows) */
+} part_ctx;
+
+/* The pair's products at T, hs = C / NH over its 64-row tiles as attention.c calls them (kind
+ * 1: q k^T, 2: att v, 3: att^T dout by key tile, 4: packing k^T), or softmax rows. */
+static void run_part(void *p) {
+  part_ctx *c = p;
+  const fsdp_cpu_vec_i *v = fsdp_cpu_vec();
+  const int hs = C / NH, C3 = 3 * C, ldk = (T + 15) / 16 * 16;
+  if (c->kind == 5) {
+    if (c->rows) v->softmax_forward(c->A, c->q, 0, (int64_t)T * T / 2 / c->rows, c->rows);
+    else
+      for (int r0 = 0; r0 < T; r0 += FSDP_CPU_ATT_BLOCK)
+        v->att_softmax_rows(c->A, T, r0, fsdp_cpu_att_rows(T, r0));
+    return;
+  }
+  for (int r0 = 0; r0 < T; r0 += FSDP_CPU_ATT_BLOCK) {
+    const int rows = fsdp_cpu_att_rows(T, r0), cols = r0 + rows;
+    if (c->kind == 1)
+      v->att_mm(c->A + (int64_t)r0 * T, T, c->q + (int64_t)r0 * C3, C3, 1, c->kt, ldk, rows,
+                cols, hs, r0, FSDP_ATT_COLS, 0.125f, false);
+    else if (c->kind == 2)
+      v->att_mm(c->o + (int64_t)r0 * C, C, c->A + (int64_t)r0 * T, T, 1, c->q + 2 * C, C3, rows,
+                hs, cols, r0, FSDP_ATT_KHEAD, 1.0f, false);
+    else if (c->kind == 3)
+      v->att_mm(c->q + 2 * C + (int64_t)r0 * C3, C3, c->A + (int64_t)r0 * T + r0, 1, T,
+                c->o + (int64_t)r0 * C, C, rows, hs, T - r0, 0, FSDP_ATT_KTAIL, 1.0f, true);
+    else
+      v->att_pack(c->kt, ldk, c->q + C, C3, T, hs);
+  }
+}
+
+static void bench_parts(double peak) {
+  const int hs = C / NH, ldk = (T + 15) / 16 * 16;
+  part_ctx c = {buf((int64_t)T * 3 * C, 1), buf((int64_t)T * T, 0.01f),
+                buf((int64_t)hs * ldk, 1), buf((int64_t)T * C, 1), 0, 0};
+  const double causal = 2.0 * hs * T * (T + 1) / 2.0; /* a product's causal FLOPs */
+  const char *name[4] = {"q k^T (64-row tiles)", "att v", "att^T dout (key tiles)",
+                         "packing k^T (4 times)"};
+  printf("\nattention's pieces, one pair at T=%d hs=%d, one thread, %s level:\n", T, hs,
+         fsdp_cpu_isa_name(fsdp_cpu_isa()));
+  for (int k = 1; k <= 4; k++) {
+    c.kind = k;
+    double t = time_call(run_part, &c);
+    if (k < 4)
+      printf("  %-34s %8.2f us  %7.1f GFLOP/s causal (%.2f of sgemm)\n", name[k - 1], t * 1e6,
+             causal / t * 1e-9, causal / t * 1e-9 / peak);
+    else
+      printf("  %-34s %8.2f us  (%.2f ns/element)\n", name[k - 1], t * 1e6,
+             t * 1e9 / (4.0 * T * hs));
+  }
+  const int lens[5] = {64, 128, 256, 1024, 0};
+  c.kind = 5;
+  for (int i = 0; i < 5; i++) {
+    c.rows = lens[i];
+    double t = time_call(run_part, &c);
+    char label[64];
+    if (lens[i]) snprintf(label, sizeof label, "softmax rows of %d", lens[i]);
+    else snprintf(label, sizeof label, "attention's causal rows (1..%d)", T);
+    printf("  %-34s %8.3f ns/element\n", label,
+           t * 1e9 / (lens[i] ? (double)(T * T / 2 / lens[i] * lens[i]) : T * (T + 1) / 2.0));
+  }
+  free(c.q), free(c.A), free(c.kt), free(c.o);
+}
+
 int main(int argc, char **argv) {
   int max_threads = argc > 1 ? atoi(argv[1]) : 2;
   if (max_threads < 1) max_threads = 1;
@@ -175,10 +248,12 @@ int main(int argc, char **argv) {
   uint16_t *nsmall = hbuf(1 << 16), *nbig = hbuf((int64_t)1 << 24);
 
   printf("bench_kernels: CPU kernels, f32 (best of repeated calls)\n");
+  double peak1 = 0;
   for (int threads = 1; threads <= max_threads; threads++) {
     fsdp_cpu_set_threads(threads);
     printf("\nthreads: %d\n", fsdp_cpu_threads());
     double peak = bench_gemm("sgemm a @ b", run_square, 1024, 1024, 1024);
+    if (threads == 1) peak1 = peak;
     bench_gemm("linear (qkv)  inp @ w^T", run_linear, 2048, 256, 768);
     bench_gemm("linear (mlp up)  inp @ w^T", run_linear, 2048, 256, 1024);
     bench_gemm("linear (mlp down)  inp @ w^T", run_linear, 2048, 1024, 256);
@@ -224,5 +299,7 @@ int main(int argc, char **argv) {
              fsdp_cpu_isa_name(level), ti * 1e9 / (double)nc.n);
     }
   }
+  fsdp_cpu_set_threads(1);
+  bench_parts(peak1);
   return 0;
 }

@@ -7,7 +7,7 @@
  * [0, r1). The products are the instruction-set level's att_mm (isa.h), a register-blocked
  * kernel that reads the operands where they lie (strided views) except k and v, which it needs
  * transposed for q k^T and dout v^T: each pair packs them once (att_pack, hs x T floats each, rows
- * padded to 16). att_mm follows the causal mask at its block size (6 rows by one to four vectors)
+ * padded to 16). att_mm follows the causal mask at its block size (a few rows by a few vectors)
  * rather than the tile's: q k^T stops at each row block's diagonal, att v and dscores k sum
  * only the keys a row block sees, and the key-side products (dv, dk) only the query rows at or
  * after each key. A library GEMM per tile did the whole tile's rectangle (a quarter more work at

@@ -666,14 +666,16 @@ static void att_softmax_backward_rows_bf16(uint16_t *D, const float *S, const ui
 
 /* ---- attention's products ------------------------------------------------------------------ */
 
-/* Register blocks of ATT_MR rows by ATT_NV vectors of accumulators: 24 of AVX-512's 32 vector
- * registers, 12 of AVX2's (and SSE's) 16, the rest for b's vectors and a broadcast. */
+/* Register blocks of ATT_MR rows by ATT_NV vectors of accumulators: 6 x 4 = 24 of AVX-512's 32
+ * vector registers; 4 x 3 = 12 of AVX2's (and SSE's) 16, leaving room for b's vectors and a
+ * broadcast (6 x 2 ran at half the speed there, its registers spilling; 5 x 2 and 3 x 4 were
+ * slower than 4 x 3 too: `FSDP_CPU_ISA=avx2 build/bench/bench_kernels 1`). */
 #if VW == 16
 #define ATT_MR 6
 #define ATT_NV 4
 #else
-#define ATT_MR 6
-#define ATT_NV 2
+#define ATT_MR 4
+#define ATT_NV 3
 #endif
 
 /* One block: rows [0, mr) by vectors [0, nz) of c, over kc terms. With `tail` the last vector
@@ -720,17 +722,31 @@ static void att_block_any(int mr, int nz, int t, int last, int kc, const float *
   case ((m) * ATT_NV + (z) - 1) * 3: ATT_B(m, z, false, false); break; \
   case ((m) * ATT_NV + (z) - 1) * 3 + 1: ATT_B(m, z, true, false); break; \
   case ((m) * ATT_NV + (z) - 1) * 3 + 2: ATT_B(m, z, true, true); break;
-#if ATT_NV == 4
-#define ATT_M(m) ATT_Z(m, 1) ATT_Z(m, 2) ATT_Z(m, 3) ATT_Z(m, 4)
+#if ATT_NV >= 3
+#define ATT_Z3(m) ATT_Z(m, 3)
 #else
-#define ATT_M(m) ATT_Z(m, 1) ATT_Z(m, 2)
+#define ATT_Z3(m)
 #endif
+#if ATT_NV >= 4
+#define ATT_Z4(m) ATT_Z(m, 4)
+#else
+#define ATT_Z4(m)
+#endif
+#define ATT_M(m) ATT_Z(m, 1) ATT_Z(m, 2) ATT_Z3(m) ATT_Z4(m)
   switch ((mr * ATT_NV + nz - 1) * 3 + t) {
-    ATT_M(1) ATT_M(2) ATT_M(3) ATT_M(4) ATT_M(5) ATT_M(6)
+    ATT_M(1) ATT_M(2) ATT_M(3) ATT_M(4)
+#if ATT_MR >= 5
+    ATT_M(5)
+#endif
+#if ATT_MR >= 6
+    ATT_M(6)
+#endif
   default: break; /* mr in [1, ATT_MR], nz in [1, ATT_NV] by construction */
   }
 #undef ATT_B
 #undef ATT_Z
+#undef ATT_Z3
+#undef ATT_Z4
 #undef ATT_M
 }
 
