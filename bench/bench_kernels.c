@@ -195,6 +195,67 @@ static void run_part(void *p) {
   }
 }
 
+/* The bf16 attention's products (attention_bf16.c) on one pair, the same way: kind 1 q k^T,
+ * 2 att v, 3 att^T dout by key tile with the tile's interleave of att, 4 the pair's packs (k^T
+ * as words, v interleaved by rows). */
+typedef struct {
+  uint16_t *q, *att, *g, *o;
+  float *S;
+  uint32_t *kt, *vi, *tile;
+  int kind;
+} bpart_ctx;
+
+static void run_part_bf16(void *p) {
+  bpart_ctx *c = p;
+  const int hs = C / NH, C3 = 3 * C, ldk = (T + 15) / 16 * 16, ldh = (hs + 15) / 16 * 16;
+  const int TB = FSDP_CPU_ATT_BLOCK;
+  for (int r0 = 0; r0 < T; r0 += TB) {
+    const int rows = fsdp_cpu_att_rows(T, r0), cols = r0 + rows;
+    if (c->kind == 1)
+      fsdp_cpu_att_bf16_mm(c->S + (int64_t)r0 * T, T, false, c->q + (int64_t)r0 * C3, C3, 2,
+                           c->kt, ldk, rows, cols, hs, r0, FSDP_ATT_COLS, 0.125f, false);
+    else if (c->kind == 2)
+      fsdp_cpu_att_bf16_mm(c->o + (int64_t)r0 * C, C, true, c->att + (int64_t)r0 * T, T, 2,
+                           c->vi, ldh, rows, hs, cols, r0, FSDP_ATT_KHEAD, 1.0f, false);
+    else if (c->kind == 3) {
+      fsdp_cpu_att_bf16_interleave(c->tile, TB, c->att + (int64_t)r0 * T + r0, T, T - r0, rows);
+      fsdp_cpu_att_bf16_mm(c->o + (int64_t)r0 * C, C, true, (const uint16_t *)c->tile, 2, 2 * TB,
+                           c->vi + (r0 / 2) * ldh, ldh, rows, hs, T - r0, 0, FSDP_ATT_KTAIL,
+                           1.0f, true);
+    } else if (r0 == 0) {
+      fsdp_cpu_vec()->att_pack((float *)c->kt, ldk, (const float *)(c->q + C), C3 / 2, T, hs / 2);
+      fsdp_cpu_att_bf16_interleave(c->vi, ldh, c->q + 2 * C, C3, T, hs);
+    }
+  }
+}
+
+static void bench_parts_bf16(double peak) {
+  const int hs = C / NH, ldk = (T + 15) / 16 * 16, ldh = (hs + 15) / 16 * 16;
+  bpart_ctx c = {hbuf((int64_t)T * 3 * C), hbuf((int64_t)T * T), hbuf((int64_t)T * C),
+                 hbuf((int64_t)T * C), buf((int64_t)T * T, 1), malloc(4 * (size_t)hs * ldk),
+                 malloc(4 * (size_t)T * ldh), malloc(4 * (size_t)T * FSDP_CPU_ATT_BLOCK), 0};
+  if (!c.kt || !c.vi || !c.tile) {
+    fprintf(stderr, "bench_kernels: out of memory\n");
+    exit(1);
+  }
+  for (int64_t i = 0; i < (int64_t)T * T; i++) c.att[i] = 0x3c00; /* 1/128 */
+  const double causal = 2.0 * hs * T * (T + 1) / 2.0;
+  const char *name[4] = {"q k^T (64-row tiles)", "att v", "att^T dout (key tiles, packed)",
+                         "packing k^T and v"};
+  printf("bf16 products (AVX512_BF16), the same pair:\n");
+  for (int k = 1; k <= 4; k++) {
+    c.kind = k;
+    double t = time_call(run_part_bf16, &c);
+    if (k < 4)
+      printf("  %-34s %8.2f us  %7.1f GFLOP/s causal (%.2f of sgemm)\n", name[k - 1], t * 1e6,
+             causal / t * 1e-9, causal / t * 1e-9 / peak);
+    else
+      printf("  %-34s %8.2f us  (%.2f ns/element)\n", name[k - 1], t * 1e6,
+             t * 1e9 / (2.0 * T * hs));
+  }
+  free(c.q), free(c.att), free(c.g), free(c.o), free(c.S), free(c.kt), free(c.vi), free(c.tile);
+}
+
 static void bench_parts(double peak) {
   const int hs = C / NH, ldk = (T + 15) / 16 * 16;
   part_ctx c = {buf((int64_t)T * 3 * C, 1), buf((int64_t)T * T, 0.01f),
@@ -226,6 +287,7 @@ static void bench_parts(double peak) {
            t * 1e9 / (lens[i] ? (double)(T * T / 2 / lens[i] * lens[i]) : T * (T + 1) / 2.0));
   }
   free(c.q), free(c.A), free(c.kt), free(c.o);
+  if (fsdp_cpu_att_bf16_supported()) bench_parts_bf16(peak);
 }
 
 int main(int argc, char **argv) {

@@ -350,6 +350,10 @@ static void near(const buf *b, double rel, const char *what) {
 static void attention_case(int B, int T, int C, int NH, bool native) {
   const fsdp_kernels_i *k = K();
   if (native && (DT != FSDP_DTYPE_BF16 || !fsdp_cpu_bf16_gemm_force(1))) return;
+  if (native && !fsdp_cpu_att_bf16_supported()) { /* AVX512_BF16 at the AVX-512 level only */
+    fsdp_cpu_bf16_gemm_force(-1);
+    return;
+  }
   if (!native) fsdp_cpu_bf16_gemm_force(0);
   assert_int_equal(fsdp_cpu_bf16_attention_native(B, T, C, NH), native);
   const int64_t nq = (int64_t)B * T * 3 * C, no = (int64_t)B * T * C;
@@ -398,6 +402,42 @@ static void attention_case(int B, int T, int C, int NH, bool native) {
   rm(&qkv), rm(&o), rm(&g), rm(&dq);
 }
 
+/* Where the bf16 products cannot serve a call, the widening way computes it, with the f32
+ * kernel's bits: an odd head size or T (a pair of bf16 would straddle a head or a row), T past
+ * the scratch's bound, qkv or dout at an odd 16-bit address (the packs move 32-bit words). */
+static void widened_case(int B, int T, int C, int NH, int q_off, int g_off) {
+  const fsdp_kernels_i *k = K();
+  const int64_t nq = (int64_t)B * T * 3 * C, no = (int64_t)B * T * C;
+  buf qs = mk(nq + 1, -1, 1), gs = mk(no + 1, -1, 1), o = mk(no, 0, 1), dq = mk(nq, -1, 1);
+  buf qkv = {nq, qs.h + q_off, qs.f + q_off}, g = {no, gs.h + g_off, gs.f + g_off};
+  assert_int_equal(k->attention_forward(CTX, DT, o.h, NULL, qkv.h, B, T, C, NH), FSDP_OK);
+  assert_int_equal(k->attention_forward(CTX, FSDP_DTYPE_F32, o.f, NULL, qkv.f, B, T, C, NH),
+                   FSDP_OK);
+  if (g_off == 0) same(&o, "attention forward, widened"); /* else the forward is native */
+  assert_int_equal(k->attention_backward(CTX, DT, dq.h, g.h, qkv.h, NULL, B, T, C, NH, false),
+                   FSDP_OK);
+  assert_int_equal(
+      k->attention_backward(CTX, FSDP_DTYPE_F32, dq.f, g.f, qkv.f, NULL, B, T, C, NH, false),
+      FSDP_OK);
+  same(&dq, "attention backward, widened");
+  rm(&qs), rm(&gs), rm(&o), rm(&dq);
+}
+
+static void native_bounds_cases(void) {
+  if (DT != FSDP_DTYPE_BF16 || !fsdp_cpu_bf16_gemm_force(1)) return;
+  const bool can = fsdp_cpu_att_bf16_supported();
+  assert_int_equal(fsdp_cpu_bf16_attention_native(2, 64, 64, 2), can);
+  assert_int_equal(fsdp_cpu_bf16_attention_native(1, 1024, 64, 2), can);
+  assert_false(fsdp_cpu_bf16_attention_native(2, 64, 30, 2));   /* head size 15 */
+  assert_false(fsdp_cpu_bf16_attention_native(2, 63, 64, 2));   /* T odd */
+  assert_false(fsdp_cpu_bf16_attention_native(1, 1026, 64, 2)); /* past the bound */
+  widened_case(2, 24, 30, 2, 0, 0);
+  widened_case(2, 23, 32, 2, 0, 0);
+  widened_case(2, 40, 64, 2, 1, 0); /* qkv misaligned */
+  widened_case(2, 40, 64, 2, 0, 1); /* dout misaligned (the forward is native here) */
+  fsdp_cpu_bf16_gemm_force(-1);
+}
+
 static void colsum_case(void) {
   const int64_t R = 300, C = 700;
   buf x = mk(R * C, -1, 1);
@@ -421,6 +461,9 @@ static void all_cases(void) {
   attention_case(1, 70, 32, 2, false); /* too few rows to share: one at a time */
   attention_case(3, 200, 96, 3, true); /* a partial last tile */
   attention_case(2, 64, 128, 2, true);
+  attention_case(2, 64, 40, 2, true);   /* head size 20: partial vectors */
+  attention_case(1, 130, 144, 2, true); /* head size 72, a last tile of 2 rows */
+  native_bounds_cases();
   colsum_case();
 }
 

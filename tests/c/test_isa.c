@@ -20,6 +20,7 @@
 #include <cmocka.h>
 
 #include "core/core.h"
+#include "kernels/cpu/half.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/pool.h"
@@ -381,12 +382,155 @@ static void test_att_mm(void **state) {
   }
 }
 
+/* ---- the bf16 attention's products (att_bf16.c) against the chain they compute -------------- */
+
+static uint16_t bf_of(float x) { /* truncated: any bf16 will do */
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  return (uint16_t)(u >> 16);
+}
+static float f_of(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float x;
+  memcpy(&x, &u, sizeof x);
+  return x;
+}
+static uint16_t bf_round(float x) { /* to nearest even (no NaN or subnormal here) */
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* VDPBF16PS's arithmetic: per lane the odd element's product added, then the even one's, each
+ * sum rounded to f32 (the products of bf16 are exact in f32); over the pairs in order from zero.
+ * Pairs outside an element's causal bound hold zeros in a, which leave the sum as it is. */
+static float bf_chain(const uint16_t *a, int64_t sam, int64_t sap, const uint32_t *b,
+                      int64_t ldb, int m, int n, int kp) {
+  float s = 0.0f;
+  for (int p = 0; p < kp; p++) {
+    const uint16_t *ap = a + m * sam + p * sap;
+    const uint32_t w = b[p * ldb + n];
+    s = fmaf(f_of(ap[1]), f_of((uint16_t)(w >> 16)), s);
+    s = fmaf(f_of(ap[0]), f_of((uint16_t)w), s);
+  }
+  return s;
+}
+
+static void bf_mm_case(int M, int N, int K, int diag, int kind, bool trans_a, bool acc,
+                       bool cbf16) {
+  const int kp = (K + 1) / 2;
+  /* a: (M, K) row-major with pairs along k, or the interleave of a stored (K, M) */
+  const int64_t lda = trans_a ? (M + 5) : 2 * kp + 6, sam = trans_a ? 2 : lda,
+                sap = trans_a ? 2 * lda : 2;
+  const int64_t na = trans_a ? (int64_t)kp * lda * 2 : (int64_t)M * lda;
+  uint16_t *a = malloc(2 * (size_t)(na > 0 ? na : 1));
+  for (int64_t i = 0; i < na; i++) a[i] = bf_of(urand(-1, 1));
+  for (int m = 0; m < M; m++)
+    for (int k = 0; k < 2 * kp; k++) {
+      bool out = k >= K || (kind == FSDP_ATT_KHEAD && k > m + diag) ||
+                 (kind == FSDP_ATT_KTAIL && k < m + diag);
+      if (out) a[m * sam + (k / 2) * sap + k % 2] = 0;
+    }
+  /* b's words past N (read in whole vectors) hold NaNs that must never reach an output */
+  const int64_t ldb = (N + 15) / 16 * 16 + 16;
+  uint32_t *b = malloc(4 * (size_t)(kp > 0 ? kp : 1) * (size_t)ldb);
+  for (int p = 0; p < kp; p++)
+    for (int64_t n = 0; n < ldb; n++)
+      b[p * ldb + n] = n < N ? (uint32_t)bf_of(urand(-1, 1)) | (uint32_t)bf_of(urand(-1, 1)) << 16
+                             : 0x7fc07fc0u;
+  /* c with guard columns and a guard row on each side */
+  const int64_t ldc = N + 19, nc = (int64_t)(M + 2) * ldc;
+  const size_t es = cbf16 ? 2 : 4;
+  char *c = malloc(es * (size_t)nc), *c0 = malloc(es * (size_t)nc);
+  for (int64_t i = 0; i < nc; i++) {
+    float x = urand(-1, 1);
+    if (cbf16) ((uint16_t *)c)[i] = bf_of(x);
+    else ((float *)c)[i] = x;
+  }
+  memcpy(c0, c, es * (size_t)nc);
+  const float alpha = 0.375f;
+  fsdp_cpu_att_bf16_mm(c + es * (size_t)ldc, ldc, cbf16, a, sam, sap, b, ldb, M, N, K, diag,
+                       kind, alpha, acc);
+  for (int64_t i = 0; i < nc; i++) {
+    const int row = (int)(i / ldc) - 1, col = (int)(i % ldc);
+    const bool inside = row >= 0 && row < M && col < N;
+    if (inside && kind == FSDP_ATT_COLS && col > row + diag) continue; /* undefined there */
+    if (!inside) {
+      if (memcmp(c0 + es * (size_t)i, c + es * (size_t)i, es) != 0)
+        fail_msg("att_bf16_mm, kind %d, M %d N %d K %d: wrote (%d, %d) outside the output",
+                 kind, M, N, K, row, col);
+      continue;
+    }
+    const float r = bf_chain(a, sam, sap, b, ldb, row, col, kp) * alpha;
+    if (cbf16) {
+      const uint16_t want = bf_round(acc ? f_of(((uint16_t *)c0)[i]) + r : r),
+                     got = ((uint16_t *)c)[i];
+      if (want != got)
+        fail_msg("att_bf16_mm (bf16 out), kind %d, M %d N %d K %d diag %d trans_a %d acc %d: "
+                 "(%d, %d) %#x, the chain gives %#x", kind, M, N, K, diag, trans_a, acc, row,
+                 col, got, want);
+    } else {
+      const float want = acc ? ((float *)c0)[i] + r : r, got = ((float *)c)[i];
+      if (memcmp(&want, &got, sizeof want) != 0)
+        fail_msg("att_bf16_mm, kind %d, M %d N %d K %d diag %d trans_a %d acc %d: (%d, %d) "
+                 "%.9g, the chain gives %.9g", kind, M, N, K, diag, trans_a, acc, row, col, got,
+                 want);
+    }
+  }
+  free(a), free(b), free(c), free(c0);
+}
+
+static void test_att_bf16_mm(void **state) {
+  (void)state;
+  if (!fsdp_cpu_att_bf16_supported()) {
+    printf("test_isa: the bf16 attention products not checked: %s\n",
+           fsdp_cpu_isa() != FSDP_CPU_ISA_AVX512 ? "the AVX-512 level is not in force"
+                                                : "this processor has no AVX512_BF16");
+    skip();
+  }
+  const int sizes[][4] = {{1, 1, 1, 0},     {7, 13, 5, 0},   {6, 64, 64, 0},  {13, 70, 33, 6},
+                          {20, 100, 18, -4}, {64, 48, 64, 64}, {37, 8, 120, -30}, {5, 129, 3, 2},
+                          {64, 64, 256, 0}};
+  for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++)
+    for (int kind = FSDP_ATT_FULL; kind <= FSDP_ATT_KTAIL; kind++)
+      for (int t = 0; t < 2; t++)
+        for (int acc = 0; acc < 2; acc++)
+          for (int cb = 0; cb < 2; cb++)
+            bf_mm_case(sizes[i][0], sizes[i][1], sizes[i][2], sizes[i][3], kind, t, acc, cb);
+  /* the interleave: pairs of rows into words, zeros past the last row and column */
+  const int shapes[][2] = {{2, 1}, {37, 21}, {256, 64}, {4, 70}, {70, 3}};
+  for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+    const int rows = shapes[i][0], cols = shapes[i][1], lds = cols + 5;
+    const int64_t ldd = (cols + 15) / 16 * 16 + 16, nd = (int64_t)(rows / 2 + 2) * ldd;
+    uint16_t *src = malloc(2 * (size_t)rows * (size_t)lds);
+    uint32_t *dst = malloc(4 * (size_t)nd);
+    for (int64_t k = 0; k < (int64_t)rows * lds; k++) src[k] = (uint16_t)(k * 2654435761u >> 7);
+    for (int64_t k = 0; k < nd; k++) dst[k] = 0xdeadbeefu;
+    fsdp_cpu_att_bf16_interleave(dst, ldd, src, lds, rows, cols);
+    const int wide = (cols + 15) / 16 * 16;
+    for (int64_t k = 0; k < nd; k++) {
+      const int r = (int)(k / ldd) * 2, col = (int)(k % ldd);
+      uint32_t want = 0xdeadbeefu;
+      if (r < rows && col < wide) {
+        const uint32_t lo = col < cols ? src[r * lds + col] : 0,
+                       hi = col < cols && r + 1 < rows ? src[(r + 1) * lds + col] : 0;
+        want = lo | hi << 16;
+      }
+      if (dst[k] != want)
+        fail_msg("att_bf16_interleave %d x %d: word (%d, %d) %#x, want %#x", rows, cols, r / 2,
+                 col, dst[k], want);
+    }
+    free(src), free(dst);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_parse),
       cmocka_unit_test(test_set),
       cmocka_unit_test(test_levels_agree),
       cmocka_unit_test(test_att_mm),
+      cmocka_unit_test(test_att_bf16_mm),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,37 +1,40 @@
 /*
  * attention_bf16.c — causal self-attention on bf16 operands with the processor's bf16 dot
- * products (AVX512_BF16 through oneDNN matmuls, gemm.h), for the mixed-precision step. The other
- * way (half.c) widens a batch row to f32, runs the f32 kernel (attention.c) and narrows the
- * results: its products run at the f32 rate and the widening is a pass of its own.
+ * products (AVX512_BF16's VDPBF16PS, att_bf16.c), for the mixed-precision step. The other way
+ * (half.c) widens a batch row to f32, runs the f32 kernel (attention.c) and narrows the results:
+ * its products run at the f32 rate and the widening is a pass of its own.
  *
- * The same tiling as attention.c (query rows in tiles of ATT_BLOCK, each against the prefix of
- * keys it sees), with every head of a batch row in one batched matmul: q, k and v of head h are
- * column blocks of the row's (T, 3C) qkv, so head h's operands sit hs elements after head h-1's
- * and one strided product covers them all (6 heads: 6 times fewer calls than one per head).
+ * The shape of attention.c: each (batch row, head) pair on one thread, query rows in tiles of
+ * ATT_BLOCK, each against the keys it sees, the products following the causal mask at their
+ * register block's size. The products read bf16 pairs adjacent along the sum; the operands that
+ * are not laid out so are packed once per pair: k and v transposed (q k^T, dout v^T: their rows
+ * hold the pairs, so a transpose of 32-bit words, isa.h's att_pack), k, v, q and dout with two
+ * rows interleaved (att v, dscores k, and the key tiles' att^T dout and dscores^T q), and for
+ * each key tile the probabilities and dscores below it, interleaved by rows.
  *
  * Forward, per query tile: scores (f32) = q k^T / sqrt(hs); the causal softmax rows (the f32
  * kernel's arithmetic, isa.h) storing att (bf16), the probabilities rounded once; out (bf16) =
  * att v. Nothing is kept for the backward: per query tile it recomputes the scores with the
  * same product, the same softmax rows and the same rounding (the forward's bf16 probabilities,
  * bit for bit), then datt (f32) = dout v^T, the softmax backward reading att and storing
- * dscores rounded to bf16 into a scratch, dq = dscores k / sqrt(hs); then per key tile, over
- * every query row that sees it: dv = att^T dout, dk = dscores^T q / sqrt(hs). Every output
- * element is written by one product (no bf16 running sums; added into dqkv with one rounding
- * when the backward accumulates).
+ * dscores rounded to bf16, dq = dscores k / sqrt(hs); then per key tile, over every query row
+ * that sees it: dv = att^T dout, dk = dscores^T q / sqrt(hs). Every output element is written
+ * by one product (no bf16 running sums; added into dqkv with one rounding when the backward
+ * accumulates).
  *
  * Against the widening way the products' sums run in another order and two operands are bf16
  * where that way keeps f32: the probabilities in att v and dscores in dq and dk. The results
- * differ by about bf16's precision (tests/c/test_half.c bounds them); each is computed by one
- * thread with one oneDNN thread and the tiles depend on T alone, so a batch row's results are
- * the same bits at any thread count and however the rows are split over ranks.
+ * differ by about bf16's precision (tests/c/test_half.c bounds them); each pair is computed by
+ * one thread in a fixed order, so the results are the same bits at any thread count and however
+ * the rows are split over ranks.
  *
- * Batch rows are shared out over the rank's threads, each task with its own scratch: the
- * scores (NH, T, T) f32 and att (bf16), for the backward also dscores (bf16). The path is
- * taken for every bf16 call it can serve, whatever the batch size and thread count, so that a
- * model's results do not depend on how its batch is split.
+ * Where it runs: the native bf16 products on (FSDP_BF16_GEMM), AVX512_BF16 at the AVX-512 level,
+ * even T and head size (pairs never straddle a row or a head), T up to ATT_NATIVE_T (the
+ * per-task scratch holds a pair's T x T scores, probabilities and dscores), and qkv and dout at
+ * even addresses of 32-bit words. Elsewhere the widening way computes it.
  */
 #include <math.h>
-#include <stdatomic.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "kernels/cpu/gemm.h"
@@ -40,184 +43,159 @@
 #include "kernels/cpu/pool.h"
 
 #define ATT_BLOCK FSDP_CPU_ATT_BLOCK
+#define ATT_NATIVE_T 1024
 
 typedef struct {
   uint16_t *out, *dqkv;
   const uint16_t *qkv, *dout;
   int B, T, C, NH, nchunks;
   float scale;
-  bool set;           /* backward: dqkv written (else added: each product's sum post-op) */
-  char *scratch;      /* per chunk: slot bytes */
-  size_t slot, mm_bytes; /* slot: scores, att (+ dscores), oneDNN's scratch */
-  atomic_int failed;  /* a product failed in a task (oneDNN): the caller takes the other way */
+  bool set;      /* backward: dqkv written (else added, one rounding) */
+  char *scratch; /* per chunk: slot bytes */
+  size_t slot;
 } bf_job;
 
-/* The batched product over the heads; a, b and c are head 0's operands. A bf16 result of the
- * backward is added to dqkv's contents unless set (oneDNN's sum post-op: one rounding). */
-static fsdp_cpu_mm_shape shape(const bf_job *j, fsdp_dtype cdt, int M, int N, int K, bool ta,
-                               bool tb, int lda, int ldb, int ldc, int64_t bsa, int64_t bsb,
-                               int64_t bsc, float alpha) {
-  const bool add = j->dqkv && !j->set && cdt == FSDP_DTYPE_BF16;
-  fsdp_cpu_mm_shape s = {.abdt = FSDP_DTYPE_BF16, .cdt = cdt, .bdt = FSDP_DTYPE_COUNT, .M = M,
-                         .N = N, .K = K, .trans_a = ta, .trans_b = tb, .lda = lda, .ldb = ldb,
-                         .ldc = ldc, .alpha = alpha, .beta = add ? 1.0f : 0.0f, .batch = j->NH,
-                         .bsa = bsa, .bsb = bsb, .bsc = bsc};
-  return s;
-}
+/* 32-bit words: a row of T (the transposed packs: k^T, v^T), of hs (the interleaved packs) */
+static int64_t ld_t(int T) { return (T + 15) / 16 * 16; }
+static int64_t ld_h(int hs) { return (hs + 15) / 16 * 16; }
 
-/* Plan and run one product on this thread; false (and j->failed) when oneDNN fails. */
-static bool mm(bf_job *j, const fsdp_cpu_mm_shape *s, void *c, const void *a, const void *b,
-               void *scratch) {
-  fsdp_cpu_mm *p;
-  size_t bytes;
-  if (fsdp_cpu_mm_plan(&p, &bytes, s) != FSDP_OK || bytes > j->mm_bytes ||
-      fsdp_cpu_mm_run(p, c, a, b, NULL, scratch) != FSDP_OK) {
-    atomic_store(&j->failed, 1);
-    return false;
-  }
-  return true;
-}
+/* One task's scratch: the pair's scores (T x T f32), probabilities and, in the backward,
+ * dscores (T x T bf16), then the packs (64-byte aligned each). */
+typedef struct {
+  float *S;
+  uint16_t *att, *D;
+  uint32_t *kt, *vt, *ki, *vi, *qi, *gi, *tile_a, *tile_d;
+} bf_work;
 
-/* The products of tile r0 into out, their count. Forward: the scores of query rows [r0, r1)
- * against keys [0, r1), then their probabilities times v. Backward: datt of those rows, dq from
- * their dscores, then for the key tile [r0, r1) (seen by the T - r0 query rows from r0 on) dv
- * and dk; and (out[4]) the forward's scores product again. */
-static int tile_shapes(const bf_job *j, bool backward, int r0, fsdp_cpu_mm_shape *out) {
-  const int T = j->T, C = j->C, C3 = 3 * C, hs = C / j->NH;
-  const int64_t TT = (int64_t)T * T;
-  const int rows = fsdp_cpu_att_rows(T, r0), cols = r0 + rows;
-  const fsdp_dtype F32 = FSDP_DTYPE_F32, BF16 = FSDP_DTYPE_BF16;
-  if (!backward) {
-    out[0] = shape(j, F32, rows, cols, hs, false, true, C3, C3, T, hs, hs, TT, j->scale);
-    out[1] = shape(j, BF16, rows, hs, cols, false, false, T, C3, C, TT, hs, hs, 1.0f);
-    return 2;
-  }
-  out[0] = shape(j, F32, rows, cols, hs, false, true, C, C3, T, hs, hs, TT, 1.0f);
-  out[1] = shape(j, BF16, rows, hs, cols, false, false, T, C3, C3, TT, hs, hs, j->scale);
-  out[2] = shape(j, BF16, rows, hs, T - r0, true, false, T, C, C3, TT, hs, hs, 1.0f);
-  out[3] = shape(j, BF16, rows, hs, T - r0, true, false, T, C3, C3, TT, hs, hs, j->scale);
-  out[4] = shape(j, F32, rows, cols, hs, false, true, C3, C3, T, hs, hs, TT, j->scale);
-  return 5;
-}
+static size_t round64(size_t n) { return (n + 63) / 64 * 64; }
 
-/* The bf16 probabilities of query rows [r0, r0 + rows) of every head into att (NH, T, T), from
- * the f32 scores in S (NH, T, T) they leave softmaxed: the forward's, and the backward's
- * recomputation of them (the same product before, the same bits). */
-static void probs_rows(uint16_t *att, float *S, int T, int NH, int r0, int rows) {
-  const int64_t TT = (int64_t)T * T;
-  const fsdp_cpu_vec_i *vec = fsdp_cpu_vec();
-  for (int h = 0; h < NH; h++) vec->att_softmax_rows_bf16(att + h * TT, S + h * TT, T, r0, rows);
+static size_t work_layout(const bf_job *j, bool backward, char *base, bf_work *w) {
+  const int T = j->T, hs = j->C / j->NH;
+  const size_t TT = (size_t)T * (size_t)T;
+  const size_t tpack = round64((size_t)(hs / 2) * (size_t)ld_t(T) * 4),
+               ipack = round64((size_t)(T / 2) * (size_t)ld_h(hs) * 4),
+               tile = round64((size_t)(T / 2) * ATT_BLOCK * 4);
+  size_t off = 0;
+#define TAKE(field, type, bytes, when)                                              \
+  do {                                                                              \
+    if (w) w->field = (when) ? (type *)(base + off) : NULL;                         \
+    if (when) off += (bytes);                                                       \
+  } while (0)
+  TAKE(S, float, round64(TT * 4), true);
+  TAKE(att, uint16_t, round64(TT * 2), true);
+  TAKE(D, uint16_t, round64(TT * 2), backward);
+  TAKE(kt, uint32_t, tpack, true);
+  TAKE(vt, uint32_t, tpack, backward);
+  TAKE(ki, uint32_t, ipack, backward);
+  TAKE(vi, uint32_t, ipack, !backward);
+  TAKE(qi, uint32_t, ipack, backward);
+  TAKE(gi, uint32_t, ipack, backward);
+  TAKE(tile_a, uint32_t, tile, backward);
+  TAKE(tile_d, uint32_t, tile, backward);
+#undef TAKE
+  return off;
 }
 
 static char *slot_of(const bf_job *j, int64_t lo) {
-  return j->scratch + (size_t)fsdp_cpu_chunk_at(j->B, 1, j->nchunks, lo) * j->slot;
+  return j->scratch + (size_t)fsdp_cpu_chunk_at((int64_t)j->B * j->NH, 1, j->nchunks, lo) *
+                          j->slot;
 }
 
-static void forward_rows(void *ctx, int64_t lo, int64_t hi) {
+/* S rows [r0, r0 + rows) = scale q k^T against the keys they see, their probabilities rounded
+ * into att (the forward's, and the backward's recomputation: the same bits) */
+static void probs_tile(const bf_job *j, const bf_work *w, const uint16_t *q, int r0, int rows) {
+  const int T = j->T, hs = j->C / j->NH;
+  fsdp_cpu_att_bf16_mm(w->S + (int64_t)r0 * T, T, false, q + (int64_t)r0 * 3 * j->C, 3 * j->C,
+                       2, w->kt, ld_t(T), rows, r0 + rows, hs, r0, FSDP_ATT_COLS, j->scale,
+                       false);
+  fsdp_cpu_vec()->att_softmax_rows_bf16(w->att, w->S, T, r0, rows);
+}
+
+/* k (or v) of one head, T rows of hs with stride 3C, transposed as 32-bit words: (hs / 2, T) */
+static void pack_t(uint32_t *dst, const uint16_t *src, int T, int hs, int C3) {
+  fsdp_cpu_vec()->att_pack((float *)dst, ld_t(T), (const float *)src, C3 / 2, T, hs / 2);
+}
+
+static void forward_pairs(void *ctx, int64_t lo, int64_t hi) {
   bf_job *j = ctx;
-  const int T = j->T, C = j->C, C3 = 3 * C, NH = j->NH;
-  const int64_t TT = (int64_t)T * T;
-  char *slot = slot_of(j, lo);
-  float *S = (float *)slot;
-  uint16_t *att = (uint16_t *)(S + NH * TT);
-  void *mms = slot + j->slot - j->mm_bytes;
-  for (int64_t b = lo; b < hi && !atomic_load(&j->failed); b++) {
-    const uint16_t *q = j->qkv + b * T * C3, *k = q + C, *v = q + 2 * C;
-    uint16_t *out = j->out + b * T * C;
+  const int T = j->T, C = j->C, C3 = 3 * C, hs = C / j->NH;
+  bf_work w;
+  work_layout(j, false, slot_of(j, lo), &w);
+  for (int64_t pr = lo; pr < hi; pr++) {
+    const int64_t b = pr / j->NH, h = pr % j->NH;
+    const uint16_t *q = j->qkv + b * T * C3 + h * hs, *k = q + C, *v = q + 2 * C;
+    uint16_t *out = j->out + b * T * C + h * hs;
+    pack_t(w.kt, k, T, hs, C3);
+    fsdp_cpu_att_bf16_interleave(w.vi, ld_h(hs), v, C3, T, hs);
     for (int r0 = 0; r0 < T; r0 += ATT_BLOCK) {
-      const int rows = fsdp_cpu_att_rows(T, r0);
-      fsdp_cpu_mm_shape s[2];
-      tile_shapes(j, false, r0, s);
-      if (!mm(j, &s[0], S + (int64_t)r0 * T, q + (int64_t)r0 * C3, k, mms)) return;
-      probs_rows(att, S, T, NH, r0, rows);
-      if (!mm(j, &s[1], out + (int64_t)r0 * C, att + (int64_t)r0 * T, v, mms)) return;
+      const int rows = fsdp_cpu_att_rows(T, r0), cols = r0 + rows;
+      probs_tile(j, &w, q, r0, rows);
+      fsdp_cpu_att_bf16_mm(out + (int64_t)r0 * C, C, true, w.att + (int64_t)r0 * T, T, 2, w.vi,
+                           ld_h(hs), rows, hs, cols, r0, FSDP_ATT_KHEAD, 1.0f, false);
     }
   }
 }
 
-static void backward_rows(void *ctx, int64_t lo, int64_t hi) {
+static void backward_pairs(void *ctx, int64_t lo, int64_t hi) {
   bf_job *j = ctx;
-  const int T = j->T, C = j->C, C3 = 3 * C, NH = j->NH;
-  const int64_t TT = (int64_t)T * T;
-  char *slot = slot_of(j, lo);
-  float *S = (float *)slot;
-  uint16_t *D = (uint16_t *)(S + NH * TT), *att = D + NH * TT;
-  void *mms = slot + j->slot - j->mm_bytes;
+  const int T = j->T, C = j->C, C3 = 3 * C, hs = C / j->NH;
   const fsdp_cpu_vec_i *vec = fsdp_cpu_vec();
-  for (int64_t b = lo; b < hi && !atomic_load(&j->failed); b++) {
-    const uint16_t *q = j->qkv + b * T * C3, *k = q + C, *v = q + 2 * C;
-    const uint16_t *g = j->dout + b * T * C;
-    uint16_t *dq = j->dqkv + b * T * C3, *dk = dq + C, *dv = dq + 2 * C;
+  bf_work w;
+  work_layout(j, true, slot_of(j, lo), &w);
+  const int64_t lh = ld_h(hs);
+  for (int64_t pr = lo; pr < hi; pr++) {
+    const int64_t b = pr / j->NH, h = pr % j->NH;
+    const uint16_t *q = j->qkv + b * T * C3 + h * hs, *k = q + C, *v = q + 2 * C;
+    const uint16_t *g = j->dout + b * T * C + h * hs;
+    uint16_t *dq = j->dqkv + b * T * C3 + h * hs, *dk = dq + C, *dv = dq + 2 * C;
+    pack_t(w.kt, k, T, hs, C3);
+    pack_t(w.vt, v, T, hs, C3);
+    fsdp_cpu_att_bf16_interleave(w.ki, lh, k, C3, T, hs);
+    fsdp_cpu_att_bf16_interleave(w.qi, lh, q, C3, T, hs);
+    fsdp_cpu_att_bf16_interleave(w.gi, lh, g, C, T, hs);
     for (int r0 = 0; r0 < T; r0 += ATT_BLOCK) { /* query tiles: att, datt, dscores, dq */
       const int rows = fsdp_cpu_att_rows(T, r0), cols = r0 + rows;
-      fsdp_cpu_mm_shape s[5];
-      tile_shapes(j, true, r0, s);
-      /* the forward's probabilities again: scores into S, softmaxed and rounded into att */
-      if (!mm(j, &s[4], S + (int64_t)r0 * T, q + (int64_t)r0 * C3, k, mms)) return;
-      probs_rows(att, S, T, NH, r0, rows);
-      if (!mm(j, &s[0], S + (int64_t)r0 * T, g + (int64_t)r0 * C, v, mms)) return;
-      for (int h = 0; h < NH; h++)
-        vec->att_softmax_backward_rows_bf16(D + h * TT, S + h * TT, att + h * TT, T, r0, rows,
-                                            cols);
-      if (!mm(j, &s[1], dq + (int64_t)r0 * C3, D + (int64_t)r0 * T, k, mms)) return;
+      probs_tile(j, &w, q, r0, rows);
+      fsdp_cpu_att_bf16_mm(w.S + (int64_t)r0 * T, T, false, g + (int64_t)r0 * C, C, 2, w.vt,
+                           ld_t(T), rows, cols, hs, r0, FSDP_ATT_COLS, 1.0f, false);
+      vec->att_softmax_backward_rows_bf16(w.D, w.S, w.att, T, r0, rows, cols);
+      fsdp_cpu_att_bf16_mm(dq + (int64_t)r0 * C3, C3, true, w.D + (int64_t)r0 * T, T, 2, w.ki,
+                           lh, rows, hs, cols, r0, FSDP_ATT_KHEAD, j->scale, !j->set);
     }
-    for (int c0 = 0; c0 < T; c0 += ATT_BLOCK) { /* key tiles: dv, dk over rows c0.. */
+    for (int c0 = 0; c0 < T; c0 += ATT_BLOCK) { /* key tiles: dv, dk over the rows from c0 */
+      const int n = fsdp_cpu_att_rows(T, c0);
       const int64_t corner = (int64_t)c0 * T + c0;
-      fsdp_cpu_mm_shape s[5];
-      tile_shapes(j, true, c0, s);
-      if (!mm(j, &s[2], dv + (int64_t)c0 * C3, att + corner, g + (int64_t)c0 * C, mms)) return;
-      if (!mm(j, &s[3], dk + (int64_t)c0 * C3, D + corner, q + (int64_t)c0 * C3, mms)) return;
+      /* the tile's columns of att and dscores, rows c0.. interleaved: a^T's pairs */
+      fsdp_cpu_att_bf16_interleave(w.tile_a, ATT_BLOCK, w.att + corner, T, T - c0, n);
+      fsdp_cpu_att_bf16_interleave(w.tile_d, ATT_BLOCK, w.D + corner, T, T - c0, n);
+      fsdp_cpu_att_bf16_mm(dv + (int64_t)c0 * C3, C3, true, (const uint16_t *)w.tile_a, 2,
+                           2 * ATT_BLOCK, w.gi + (c0 / 2) * lh, lh, n, hs, T - c0, 0,
+                           FSDP_ATT_KTAIL, 1.0f, !j->set);
+      fsdp_cpu_att_bf16_mm(dk + (int64_t)c0 * C3, C3, true, (const uint16_t *)w.tile_d, 2,
+                           2 * ATT_BLOCK, w.qi + (c0 / 2) * lh, lh, n, hs, T - c0, 0,
+                           FSDP_ATT_KTAIL, j->scale, !j->set);
     }
   }
 }
-
-/* Each tile height is its own product shape, a primitive in every thread's plan cache
- * (onednn.c): up to ATT_NATIVE_TILES tiles (6 shapes a tile, forward and backward) the
- * attention's plans and a model's GEMMs stay in it; longer sequences take the other way. */
-#define ATT_NATIVE_TILES 8
 
 /* Not the batch size or the thread count: the same rows give the same bits however a batch is
- * split over ranks, micro-batches and threads (a call with fewer rows than threads leaves some
- * threads idle). */
+ * split over ranks, micro-batches and threads. */
 bool fsdp_cpu_bf16_attention_native(int B, int T, int C, int NH) {
-  return fsdp_cpu_bf16_gemm_native() && B >= 1 && NH >= 1 && C % NH == 0 && T >= 1 &&
-         T <= ATT_NATIVE_TILES * ATT_BLOCK;
+  return fsdp_cpu_bf16_gemm_native() && fsdp_cpu_att_bf16_supported() && B >= 1 && NH >= 1 &&
+         C % NH == 0 && (C / NH) % 2 == 0 && T >= 2 && T % 2 == 0 && T <= ATT_NATIVE_T;
 }
 
-/* Plan every shape on the calling thread (oneDNN's refusal shows here, before any output is
- * written), size the slots, run the rows. FSDP_CPU_OTHER_WAY when oneDNN refused, or failed
- * while every output is still to be rewritten; a failure after part of an accumulating backward
- * has been added into dqkv is an error (the other way would add it twice). */
+/* FSDP_CPU_OTHER_WAY when an operand is not at an even address of 32-bit words (the transposed
+ * packs move whole words); FSDP_ERR when the scratch is refused. */
 static int run(bf_job *j, bool backward) {
-  const int64_t TT = (int64_t)j->T * j->T;
-  size_t most = 0;
-  for (int r0 = 0; r0 < j->T; r0 += ATT_BLOCK) {
-    fsdp_cpu_mm_shape shapes[5];
-    const int ns = tile_shapes(j, backward, r0, shapes);
-    for (int i = 0; i < ns; i++) {
-      fsdp_cpu_mm *p;
-      size_t bytes;
-      if (fsdp_cpu_mm_plan(&p, &bytes, &shapes[i]) != FSDP_OK) return FSDP_CPU_OTHER_WAY;
-      if (bytes > most) most = bytes;
-    }
-  }
-  j->mm_bytes = (most + 63) / 64 * 64;
-  /* scores and att; the backward also dscores */
-  size_t work =
-      (size_t)j->NH * (size_t)TT * (backward ? sizeof(float) + 4 : sizeof(float) + 2);
-  j->slot = (work + 63) / 64 * 64 + j->mm_bytes;
-  j->nchunks = fsdp_cpu_chunks(j->B, 1);
+  if (((uintptr_t)j->qkv | (uintptr_t)(backward ? j->dout : NULL)) % 4) return FSDP_CPU_OTHER_WAY;
+  const int64_t pairs = (int64_t)j->B * j->NH;
+  j->slot = work_layout(j, backward, NULL, NULL);
+  j->nchunks = fsdp_cpu_chunks(pairs, 1);
   fsdp_cpu_work w = {0};
   j->scratch = fsdp_cpu_work_buf(&w, (int64_t)(j->slot * (size_t)j->nchunks), 1);
-  if (!w.failed)
-    fsdp_cpu_parallel_for(j->B, 1, backward ? backward_rows : forward_rows, j);
-  int rc = fsdp_cpu_work_done(&w);
-  if (rc != FSDP_OK) return rc;
-  if (!atomic_load(&j->failed)) return FSDP_OK;
-  if (backward && !j->set)
-    return fsdp_error("attention backward (bf16): a oneDNN product failed after part of the "
-                      "gradient was added into dqkv");
-  return FSDP_CPU_OTHER_WAY;
+  if (!w.failed) fsdp_cpu_parallel_for(pairs, 1, backward ? backward_pairs : forward_pairs, j);
+  return fsdp_cpu_work_done(&w);
 }
 
 int fsdp_cpu_bf16_attention_forward(uint16_t *out, const uint16_t *qkv, int B, int T, int C,

@@ -84,16 +84,32 @@ int fsdp_cpu_half_cross_entropy_backward(fsdp_dtype dt, void *dlogits, float dlo
                                          const int64_t *targets, int64_t N, int V,
                                          int64_t ignore, int64_t count);
 /* Native bf16 attention (attention_bf16.c): whether it takes a call of these sizes (the native
- * bf16 GEMM path on, T within its tile limit), and the two kernels (set: dqkv written, else
- * added). Each returns FSDP_OK, FSDP_ERR (message set: scratch over the budget, or oneDNN failing
- * after part of an accumulating backward) or FSDP_CPU_OTHER_WAY (oneDNN refused or failed with
- * every output still to be rewritten: the caller computes it all the widening way). */
+ * bf16 products on, AVX512_BF16 at the AVX-512 level, even T and head size, T within its
+ * bound), and the two kernels (set: dqkv written, else added). Each returns FSDP_OK, FSDP_ERR
+ * (message set: scratch over the budget) or FSDP_CPU_OTHER_WAY (qkv or dout not at an even
+ * address of 32-bit words; nothing written: the caller computes it all the widening way). */
 #define FSDP_CPU_OTHER_WAY 2
 bool fsdp_cpu_bf16_attention_native(int B, int T, int C, int NH);
 int fsdp_cpu_bf16_attention_forward(uint16_t *out, const uint16_t *qkv, int B, int T, int C,
                                     int NH);
 int fsdp_cpu_bf16_attention_backward(uint16_t *dqkv, const uint16_t *dout, const uint16_t *qkv,
                                      int B, int T, int C, int NH, bool set);
+/* The bf16 attention's products on AVX512_BF16 (att_bf16.c); supported: the processor has it
+ * and the AVX-512 level is in force (FSDP_CPU_ISA). c (M, N, row stride ldc, f32 or bf16 when
+ * cbf16) = alpha * a @ b (acc: + c, a bf16 c rounded once), sums f32. a's (m, k) element at
+ * a[m * sam + (k / 2) * sap + k % 2]: pairs adjacent along k, read as one 32-bit word. b is
+ * (K / 2, N) words, row stride ldb, each the pair (b[k][n], b[k + 1][n]) in its low and high
+ * half, rows readable up to N rounded up to 16. kind and diag as isa.h's att_mm, bounds taken in
+ * whole pairs: the element of a pair past a bound (and past K) must be zero in a. Denormal
+ * inputs count as zero, denormal results are flushed (the instruction's rule). */
+bool fsdp_cpu_att_bf16_supported(void);
+void fsdp_cpu_att_bf16_mm(void *c, int64_t ldc, bool cbf16, const uint16_t *a, int64_t sam,
+                          int64_t sap, const uint32_t *b, int64_t ldb, int M, int N, int K,
+                          int diag, int kind, float alpha, bool acc);
+/* dst (rows / 2 rounded up, cols rounded up to 16) words: dst[r / 2][c] = (src[r][c],
+ * src[r + 1][c]), zeros past the last row and column (rows of src with stride lds) */
+void fsdp_cpu_att_bf16_interleave(uint32_t *dst, int64_t ldd, const uint16_t *src, int64_t lds,
+                                  int rows, int cols);
 /* Nothing is saved between the two: each backward recomputes the probabilities. */
 int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, const void *qkv, int B, int T,
                                     int C, int NH);
