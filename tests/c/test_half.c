@@ -463,6 +463,8 @@ static void all_cases(void) {
   attention_case(2, 64, 128, 2, true);
   attention_case(2, 64, 40, 2, true);   /* head size 20: partial vectors */
   attention_case(1, 130, 144, 2, true); /* head size 72, a last tile of 2 rows */
+  attention_case(2, 6, 4, 2, true);     /* head size 2: one pair */
+  attention_case(1, 1024, 32, 2, true); /* the longest sequence it takes */
   native_bounds_cases();
   colsum_case();
 }
