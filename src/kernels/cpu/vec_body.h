@@ -667,15 +667,17 @@ static void att_softmax_backward_rows_bf16(uint16_t *D, const float *S, const ui
 /* ---- attention's products ------------------------------------------------------------------ */
 
 /* Register blocks of ATT_MR rows by ATT_NV vectors of accumulators: 6 x 4 = 24 of AVX-512's 32
- * vector registers; 4 x 3 = 12 of AVX2's (and SSE's) 16, leaving room for b's vectors and a
- * broadcast (6 x 2 ran at half the speed there, its registers spilling; 5 x 2 and 3 x 4 were
- * slower than 4 x 3 too: `FSDP_CPU_ISA=avx2 build/bench/bench_kernels 1`). */
+ * vector registers; 6 x 2 = 12 of AVX2's (and SSE's) 16, leaving room for b's vectors and a
+ * broadcast. The broadcast is fsdp_vf_dup (one instruction from memory): with fsdp_vf_set's
+ * add before it, 6 x 2 spilled and ran at half the speed, and 4 x 3 was best at 74-83 GFLOP/s;
+ * with it 6 x 2 runs at 95-105, 4 x 3 at 83-98, 5 x 2 at 83-100 and 3 x 3 at 70-89
+ * (`FSDP_CPU_ISA=avx2 build/bench/bench_kernels 1`). */
 #if VW == 16
 #define ATT_MR 6
 #define ATT_NV 4
 #else
-#define ATT_MR 4
-#define ATT_NV 3
+#define ATT_MR 6
+#define ATT_NV 2
 #endif
 
 /* One block: rows [0, mr) by vectors [0, nz) of c, over kc terms. With `tail` the last vector
@@ -697,7 +699,7 @@ VINLINE void att_block(const int mr, const int nz, const bool tail, const bool t
                                     : fsdp_vf_load(bp + z * VW);
     const float *ap = a + p * sap;
     for (int m = 0; m < mr; m++) {
-      const fsdp_vf av = vset(ap[m * sam]);
+      const fsdp_vf av = fsdp_vf_dup(ap[m * sam]);
       for (int z = 0; z < nz; z++) s[m][z] = fsdp_vf_fma(av, bv[z], s[m][z]);
     }
   }
