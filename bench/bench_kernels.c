@@ -176,7 +176,7 @@ static void run_part(void *p) {
     if (c->rows) v->softmax_forward(c->A, c->q, 0, (int64_t)T * T / 2 / c->rows, c->rows);
     else
       for (int r0 = 0; r0 < T; r0 += FSDP_CPU_ATT_BLOCK)
-        v->att_softmax_rows(c->A, T, r0, fsdp_cpu_att_rows(T, r0));
+        v->att_softmax_rows(c->A, T, r0, fsdp_cpu_att_rows(T, r0), r0 + fsdp_cpu_att_rows(T, r0));
     return;
   }
   for (int r0 = 0; r0 < T; r0 += FSDP_CPU_ATT_BLOCK) {

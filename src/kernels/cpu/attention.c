@@ -153,7 +153,7 @@ static void probs_tile(const att_job *j, const att_views *w, float *A, int r0) {
   /* scores[r0:r1, 0:r1] = q[r0:r1] @ k[0:r1]^T * scale, on and below the diagonal */
   vec->att_mm(A + (int64_t)r0 * T, T, w->q + (int64_t)r0 * C3, C3, 1, w->kt, ldk_of(T), rows,
               cols, hs, r0, FSDP_ATT_COLS, j->scale, false);
-  vec->att_softmax_rows(A, T, r0, rows);
+  vec->att_softmax_rows(A, T, r0, rows, cols);
 }
 
 /* Query rows [r0, r0 + ATT_BLOCK) of pair w: their probabilities in A, then out rows. */

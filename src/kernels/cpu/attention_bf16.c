@@ -108,7 +108,7 @@ static void probs_tile(const bf_job *j, const bf_work *w, const uint16_t *q, int
   fsdp_cpu_att_bf16_mm(w->S + (int64_t)r0 * T, T, false, q + (int64_t)r0 * 3 * j->C, 3 * j->C,
                        2, w->kt, ld_t(T), rows, r0 + rows, hs, r0, FSDP_ATT_COLS, j->scale,
                        false);
-  fsdp_cpu_vec()->att_softmax_rows_bf16(w->att, w->S, T, r0, rows);
+  fsdp_cpu_vec()->att_softmax_rows_bf16(w->att, w->S, T, r0, rows, r0 + rows);
 }
 
 /* k (or v) of one head, T rows of hs with stride 3C, transposed as 32-bit words: (hs / 2, T) */

@@ -116,15 +116,16 @@ typedef struct fsdp_cpu_vec_i {
   void (*softmax_backward)(float *dinp, const float *dout, const float *out, int64_t lo,
                            int64_t hi, int C);
   /* causal attention's softmax on rows [r0, r0 + rows) of a (T, T) block A, in place: row t
-   * over its first t + 1 entries, zeros after them */
-  void (*att_softmax_rows)(float *A, int T, int r0, int rows);
+   * over its first t + 1 entries, zeros after them up to column `cols` (>= r0 + rows; the
+   * products read no further: the rest of the row is left as it was) */
+  void (*att_softmax_rows)(float *A, int T, int r0, int rows, int cols);
   /* its backward on the same rows: S holds datt and receives dscores, a (A) the forward's
    * probabilities; zeros from t + 1 up to column `cols` */
   void (*att_softmax_backward_rows)(float *S, const float *A, int T, int r0, int rows, int cols);
   /* the same two writing bf16 (attention_bf16.c): the forward's probabilities rounded into P
    * (A holds the scores and is left with their exponentials), the backward's dscores rounded
    * into D from datt in S and the bf16 probabilities P; zeros as above, in P and D */
-  void (*att_softmax_rows_bf16)(uint16_t *P, float *A, int T, int r0, int rows);
+  void (*att_softmax_rows_bf16)(uint16_t *P, float *A, int T, int r0, int rows, int cols);
   void (*att_softmax_backward_rows_bf16)(uint16_t *D, const float *S, const uint16_t *P, int T,
                                          int r0, int rows, int cols);
   /* attention's products (attention.c): c (M, N, row stride ldc) = alpha * a @ b (acc: c +=),

@@ -617,8 +617,8 @@ static void softmax_backward(float *dinp, const float *dout, const float *out, i
  * without that pass over the block. */
 
 /* rows [r0, r0 + rows) of A softmaxed, the probabilities stored into P: A itself (f32, in
- * place) or a bf16 block (A then keeps the unnormalised exponentials) */
-VINLINE void att_softmax_rows_x(void *P, float *A, int T, int r0, int rows, bool bf16) {
+ * place) or a bf16 block (A then keeps the unnormalised exponentials); zeros up to column cols */
+VINLINE void att_softmax_rows_x(void *P, float *A, int T, int r0, int rows, int cols, bool bf16) {
   for (int t = r0; t < r0 + rows; t++) {
     float *row = A + (int64_t)t * T;
     void *p = mat_(P, (int64_t)t * T, bf16);
@@ -626,16 +626,16 @@ VINLINE void att_softmax_rows_x(void *P, float *A, int T, int r0, int rows, bool
     float mx = fsdp_row_max(row, len);
     float inv = (float)(1.0 / fsdp_row_expsum(row, row, mx, len));
     for (int c = 0; c < len; c += VW) stx(p, c, len, LD(row, c, len, 0.0f) * inv, 1, bf16);
-    memset(mat_(p, len, bf16), 0, (bf16 ? 2 : 4) * (size_t)(T - len));
+    memset(mat_(p, len, bf16), 0, (bf16 ? 2 : 4) * (size_t)(cols - len));
   }
 }
 
-static void att_softmax_rows(float *A, int T, int r0, int rows) {
-  att_softmax_rows_x(A, A, T, r0, rows, false);
+static void att_softmax_rows(float *A, int T, int r0, int rows, int cols) {
+  att_softmax_rows_x(A, A, T, r0, rows, cols, false);
 }
 
-static void att_softmax_rows_bf16(uint16_t *P, float *A, int T, int r0, int rows) {
-  att_softmax_rows_x(P, A, T, r0, rows, true);
+static void att_softmax_rows_bf16(uint16_t *P, float *A, int T, int r0, int rows, int cols) {
+  att_softmax_rows_x(P, A, T, r0, rows, cols, true);
 }
 
 /* its backward: datt in S, the probabilities P (f32 or bf16), dscores into D (f32: S itself,

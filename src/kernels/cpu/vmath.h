@@ -328,6 +328,9 @@ static inline float fsdp_row_max(const float *x, int64_t n) {
  * receives the terms when out is not NULL (out may equal x) */
 static inline fsdp_vf fsdp_row_exp_term(float *out, const float *x, float shift, int64_t s,
                                         int64_t n, int tail) {
+  /* a vector wholly past the end: exp(-inf) is +0 exactly, so the sum's bits are the same
+   * without computing it (a short row's last quad is mostly such vectors) */
+  if (tail && s >= n) return fsdp_vf_set(0.0f);
   fsdp_vf e = fsdp_vf_exp_nonpos(fsdp_vt_load(x, s, n, -INFINITY, tail) - shift);
   if (out) fsdp_vt_store(out, s, n, e, tail);
   return e;
