@@ -14,7 +14,8 @@
  *   Then attention's pieces on one thread, one (batch row, head) pair: each product of the
  *   instruction-set level's att_mm over the 64-row tiles as attention.c calls it, the packing of
  *   k^T, and the softmax rows (the plain body on rows of 64 to 1024, attention's causal rows):
- *   GFLOP/s counted causally, ns per element.
+ *   GFLOP/s counted causally, ns per element; where the processor has AVX512_BF16 (at the
+ *   AVX-512 level) the bf16 attention's products on the same pair (att_bf16.c) and its packs.
  * Everything runs with 1 and then 2 threads of the rank's pool (kernels/cpu/pool.h; OpenBLAS
  * stays at 1 thread, called per block). Each measurement repeats until it has
  * run for ~0.25 s (best of those reps is reported), so the whole program takes ~10-20 s.
@@ -195,6 +196,21 @@ static void run_part(void *p) {
   }
 }
 
+/* Kinds 1-3 of fn (products: GFLOP/s counted causally, against the same run's sgemm), then
+ * kind 4 (packing: ns per element of `packed`). */
+static void time_parts(void (*fn)(void *), void *ctx, int *kind, const char *const name[4],
+                       double causal, double packed, double peak) {
+  for (int k = 1; k <= 4; k++) {
+    *kind = k;
+    double t = time_call(fn, ctx);
+    if (k < 4)
+      printf("  %-34s %8.2f us  %7.1f GFLOP/s causal (%.2f of sgemm)\n", name[k - 1], t * 1e6,
+             causal / t * 1e-9, causal / t * 1e-9 / peak);
+    else
+      printf("  %-34s %8.2f us  (%.2f ns/element)\n", name[k - 1], t * 1e6, t * 1e9 / packed);
+  }
+}
+
 /* The bf16 attention's products (attention_bf16.c) on one pair, the same way: kind 1 q k^T,
  * 2 att v, 3 att^T dout by key tile with the tile's interleave of att, 4 the pair's packs (k^T
  * as words, v interleaved by rows). */
@@ -240,19 +256,11 @@ static void bench_parts_bf16(double peak) {
   }
   for (int64_t i = 0; i < (int64_t)T * T; i++) c.att[i] = 0x3c00; /* 1/128 */
   const double causal = 2.0 * hs * T * (T + 1) / 2.0;
-  const char *name[4] = {"q k^T (64-row tiles)", "att v", "att^T dout (key tiles, packed)",
+  const char *const name[4] = {"q k^T (64-row tiles)", "att v",
+                               "att^T dout (key tiles, packed)",
                          "packing k^T and v"};
   printf("bf16 products (AVX512_BF16), the same pair:\n");
-  for (int k = 1; k <= 4; k++) {
-    c.kind = k;
-    double t = time_call(run_part_bf16, &c);
-    if (k < 4)
-      printf("  %-34s %8.2f us  %7.1f GFLOP/s causal (%.2f of sgemm)\n", name[k - 1], t * 1e6,
-             causal / t * 1e-9, causal / t * 1e-9 / peak);
-    else
-      printf("  %-34s %8.2f us  (%.2f ns/element)\n", name[k - 1], t * 1e6,
-             t * 1e9 / (2.0 * T * hs));
-  }
+  time_parts(run_part_bf16, &c, &c.kind, name, causal, 2.0 * T * hs, peak);
   free(c.q), free(c.att), free(c.g), free(c.o), free(c.S), free(c.kt), free(c.vi), free(c.tile);
 }
 
@@ -261,20 +269,11 @@ static void bench_parts(double peak) {
   part_ctx c = {buf((int64_t)T * 3 * C, 1), buf((int64_t)T * T, 0.01f),
                 buf((int64_t)hs * ldk, 1), buf((int64_t)T * C, 1), 0, 0};
   const double causal = 2.0 * hs * T * (T + 1) / 2.0; /* a product's causal FLOPs */
-  const char *name[4] = {"q k^T (64-row tiles)", "att v", "att^T dout (key tiles)",
+  const char *const name[4] = {"q k^T (64-row tiles)", "att v", "att^T dout (key tiles)",
                          "packing k^T (4 times)"};
   printf("\nattention's pieces, one pair at T=%d hs=%d, one thread, %s level:\n", T, hs,
          fsdp_cpu_isa_name(fsdp_cpu_isa()));
-  for (int k = 1; k <= 4; k++) {
-    c.kind = k;
-    double t = time_call(run_part, &c);
-    if (k < 4)
-      printf("  %-34s %8.2f us  %7.1f GFLOP/s causal (%.2f of sgemm)\n", name[k - 1], t * 1e6,
-             causal / t * 1e-9, causal / t * 1e-9 / peak);
-    else
-      printf("  %-34s %8.2f us  (%.2f ns/element)\n", name[k - 1], t * 1e6,
-             t * 1e9 / (4.0 * T * hs));
-  }
+  time_parts(run_part, &c, &c.kind, name, causal, 4.0 * T * hs, peak);
   const int lens[5] = {64, 128, 256, 1024, 0};
   c.kind = 5;
   for (int i = 0; i < 5; i++) {
