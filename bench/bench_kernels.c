@@ -215,7 +215,7 @@ static void time_parts(void (*fn)(void *), void *ctx, int *kind, const char *con
  * 2 att v, 3 att^T dout by key tile with the tile's interleave of att, 4 the pair's packs (k^T
  * as words, v interleaved by rows). */
 typedef struct {
-  uint16_t *q, *att, *g, *o;
+  uint16_t *q, *att, *o;
   float *S;
   uint32_t *kt, *vi, *tile;
   int kind;
@@ -248,7 +248,7 @@ static void run_part_bf16(void *p) {
 static void bench_parts_bf16(double peak) {
   const int hs = C / NH, ldk = (T + 15) / 16 * 16, ldh = (hs + 15) / 16 * 16;
   bpart_ctx c = {hbuf((int64_t)T * 3 * C), hbuf((int64_t)T * T), hbuf((int64_t)T * C),
-                 hbuf((int64_t)T * C), buf((int64_t)T * T, 1), malloc(4 * (size_t)hs * ldk),
+                 buf((int64_t)T * T, 1), malloc(4 * (size_t)hs * ldk),
                  malloc(4 * (size_t)T * ldh), malloc(4 * (size_t)T * FSDP_CPU_ATT_BLOCK), 0};
   if (!c.kt || !c.vi || !c.tile) {
     fprintf(stderr, "bench_kernels: out of memory\n");
@@ -261,7 +261,7 @@ static void bench_parts_bf16(double peak) {
                          "packing k^T and v"};
   printf("bf16 products (AVX512_BF16), the same pair:\n");
   time_parts(run_part_bf16, &c, &c.kind, name, causal, 2.0 * T * hs, peak);
-  free(c.q), free(c.att), free(c.g), free(c.o), free(c.S), free(c.kt), free(c.vi), free(c.tile);
+  free(c.q), free(c.att), free(c.o), free(c.S), free(c.kt), free(c.vi), free(c.tile);
 }
 
 static void bench_parts(double peak) {

@@ -98,19 +98,14 @@ static void block_any(int mr, int nz, bool tail, int last, int kp, const uint16_
 void fsdp_cpu_att_bf16_mm(void *c, int64_t ldc, bool cbf16, const uint16_t *a, int64_t sam,
                           int64_t sap, const uint32_t *b, int64_t ldb, int M, int N, int K,
                           int diag, int kind, float alpha, bool acc) {
-  const int NR = NV * 16, kp = (K + 1) / 2;
+  const int NR = NV * 16;
   const size_t csize = cbf16 ? 2 : 4;
   for (int m0 = 0; m0 < M; m0 += MR) {
     const int mr = M - m0 < MR ? M - m0 : MR;
-    /* the block's bounds, from its last row (ATT_COLS, ATT_KHEAD) or its first (ATT_KTAIL), in
-     * whole vectors (ATT_COLS) and whole pairs (the K kinds) */
-    int n1 = N, p0 = 0, p1 = kp;
-    if (kind == FSDP_ATT_COLS) {
-      const int lim = (m0 + mr + diag + 15) / 16 * 16;
-      if (lim < N) n1 = lim;
-    }
-    if (kind == FSDP_ATT_KHEAD && m0 + mr + diag < K) p1 = (m0 + mr + diag + 1) / 2;
-    if (kind == FSDP_ATT_KTAIL && m0 + diag > 0) p0 = m0 + diag < K ? (m0 + diag) / 2 : kp;
+    /* the f32 kernel's bounds in whole pairs: a pair a bound cuts holds a zero in a outside it */
+    int n1, k0, k1;
+    fsdp_cpu_att_bounds(kind, m0, mr, diag, N, K, 16, &n1, &k0, &k1);
+    const int p0 = k0 / 2, p1 = (k1 + 1) / 2;
     for (int n0 = 0; n0 < n1; n0 += NR) {
       const int w = n1 - n0 < NR ? n1 - n0 : NR, nz = (w + 15) / 16;
       const int last = w - (nz - 1) * 16;

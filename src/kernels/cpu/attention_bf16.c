@@ -35,7 +35,6 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/half.h"

@@ -153,6 +153,23 @@ typedef struct fsdp_cpu_vec_i {
 
 enum { FSDP_ATT_FULL = 0, FSDP_ATT_COLS = 1, FSDP_ATT_KHEAD = 2, FSDP_ATT_KTAIL = 3 };
 
+/* The causal bounds of one register block of attention's products (rows [m0, m0 + mr)), for
+ * att_mm and the bf16 kernel (att_bf16.c) alike: ATT_COLS computes columns [0, *n1), the last
+ * row's bound rounded up to whole vectors of vw lanes (a partial one costs more than the
+ * columns it saves) and capped at N; ATT_KHEAD sums terms [0, *k1) to the last row's bound,
+ * ATT_KTAIL terms [*k0, K) from the first row's (rows inside the block read the zeros the
+ * contract puts in a outside their own bound). */
+static inline void fsdp_cpu_att_bounds(int kind, int m0, int mr, int diag, int N, int K, int vw,
+                                       int *n1, int *k0, int *k1) {
+  *n1 = N, *k0 = 0, *k1 = K;
+  if (kind == FSDP_ATT_COLS) {
+    const int lim = (m0 + mr + diag + vw - 1) / vw * vw;
+    if (lim < N) *n1 = lim;
+  }
+  if (kind == FSDP_ATT_KHEAD && m0 + mr + diag < K) *k1 = m0 + mr + diag;
+  if (kind == FSDP_ATT_KTAIL && m0 + diag > 0) *k0 = m0 + diag < K ? m0 + diag : K;
+}
+
 extern const fsdp_cpu_vec_i fsdp_cpu_vec_scalar, fsdp_cpu_vec_avx2, fsdp_cpu_vec_avx512;
 
 /* The bodies of the level in force. */

@@ -672,11 +672,10 @@ static void att_softmax_backward_rows_bf16(uint16_t *D, const float *S, const ui
  * add before it, 6 x 2 spilled and ran at half the speed, and 4 x 3 was best at 74-83 GFLOP/s;
  * with it 6 x 2 runs at 95-105, 4 x 3 at 83-98, 5 x 2 at 83-100 and 3 x 3 at 70-89
  * (`FSDP_CPU_ISA=avx2 build/bench/bench_kernels 1`). */
-#if VW == 16
 #define ATT_MR 6
+#if VW == 16
 #define ATT_NV 4
 #else
-#define ATT_MR 6
 #define ATT_NV 2
 #endif
 
@@ -736,13 +735,7 @@ static void att_block_any(int mr, int nz, int t, int last, int kc, const float *
 #endif
 #define ATT_M(m) ATT_Z(m, 1) ATT_Z(m, 2) ATT_Z3(m) ATT_Z4(m)
   switch ((mr * ATT_NV + nz - 1) * 3 + t) {
-    ATT_M(1) ATT_M(2) ATT_M(3) ATT_M(4)
-#if ATT_MR >= 5
-    ATT_M(5)
-#endif
-#if ATT_MR >= 6
-    ATT_M(6)
-#endif
+    ATT_M(1) ATT_M(2) ATT_M(3) ATT_M(4) ATT_M(5) ATT_M(6)
   default: break; /* mr in [1, ATT_MR], nz in [1, ATT_NV] by construction */
   }
 #undef ATT_B
@@ -758,15 +751,8 @@ static void att_mm(float *c, int64_t ldc, const float *a, int64_t sam, int64_t s
   const int NR = ATT_NV * VW;
   for (int m0 = 0; m0 < M; m0 += ATT_MR) {
     const int mr = M - m0 < ATT_MR ? M - m0 : ATT_MR;
-    /* the block's bounds: those of its last row (ATT_COLS, ATT_KHEAD) or its first (ATT_KTAIL);
-     * ATT_COLS in whole vectors (a partial one costs more than the columns it saves) */
-    int n1 = N, k0 = 0, k1 = K;
-    if (kind == FSDP_ATT_COLS) {
-      const int lim = (m0 + mr + diag + VW - 1) / VW * VW;
-      if (lim < N) n1 = lim;
-    }
-    if (kind == FSDP_ATT_KHEAD && m0 + mr + diag < K) k1 = m0 + mr + diag;
-    if (kind == FSDP_ATT_KTAIL && m0 + diag > 0) k0 = m0 + diag < K ? m0 + diag : K;
+    int n1, k0, k1;
+    fsdp_cpu_att_bounds(kind, m0, mr, diag, N, K, VW, &n1, &k0, &k1);
     for (int n0 = 0; n0 < n1; n0 += NR) {
       const int w = n1 - n0 < NR ? n1 - n0 : NR, nz = (w + VW - 1) / VW;
       const int last = w - (nz - 1) * VW;
