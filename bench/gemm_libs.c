@@ -36,6 +36,7 @@
 #include <cblas.h>
 
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/pool.h"
 #include "kernels/kernels.h"
 
 #ifdef FSDP_BENCH_BLIS
@@ -545,6 +546,9 @@ int main(int argc, char **argv) {
   printf("# gemm_libs: one thread per call; GFLOP/s, best of %d interleaved rounds\n", rounds);
   int t0 = threads_now();
   fsdp_cpu_set_blas_threads(1);
+  /* the bf16 columns run the table's slots, which split a product over the rank's pool: one
+   * thread too, like the libraries called directly */
+  fsdp_cpu_set_threads(1);
   char desc[160];
   fsdp_cpu_gemm_describe(desc, sizeof desc);
   printf("# engine: %s\n", desc);
