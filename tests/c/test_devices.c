@@ -309,7 +309,27 @@ static void test_to_and_copy(void **state) {
   assert_int_equal(fsdp_to(&i64, d64, &cpu2_device, FSDP_DTYPE_I64, -1), FSDP_OK);
   assert_int_equal(fsdp_to(&back, d64, &cpu2_device, FSDP_DTYPE_BF16, -1), FSDP_OK);
   assert_int_equal(cpu2_transfers(), 0);
+  /* a cast into a dense destination on the same device writes it directly: no scratch
+   * buffer copied after the cast */
+  assert_int_equal(cpu2_counts.copy, 0);
   assert_true(same_bits(back, b));
+  /* ... and into a dense view of a larger tensor, leaving the rest alone */
+  fsdp_tensor *big, *row, *row_ref;
+  assert_int_equal(fsdp_tensor_new(&big, &cpu2_device, FSDP_DTYPE_F32, 2, SHAPE(5, 5),
+                                   FSDP_ROLE_ACTIVATIONS), FSDP_OK);
+  assert_int_equal(fsdp_tensor_narrow(&row, big, 0, 1, 3), FSDP_OK); /* rows 1..3: dense */
+  assert_int_equal(fsdp_to(&row_ref, b, &cpu2_device, FSDP_DTYPE_F32, -1), FSDP_OK);
+  int64_t v0 = row->version;
+  cpu2_reset();
+  assert_int_equal(fsdp_copy(row, b), FSDP_OK);
+  assert_int_equal(cpu2_counts.copy, 0);
+  assert_int_equal(row->version, v0 + 1);
+  assert_true(same_bits(row, row_ref));
+  const float *bd = fsdp_tensor_data(big, "test");
+  for (int k = 0; k < 5; k++) assert_true(bd[k] == 0.0f && bd[20 + k] == 0.0f);
+  fsdp_tensor_release(row_ref);
+  fsdp_tensor_release(row);
+  fsdp_tensor_release(big);
   /* a strided view on cpu2 to the cpu: its kernels make it dense first */
   fsdp_tensor *bt, *bt_host, *at, *at_dense;
   assert_int_equal(fsdp_tensor_transpose(&bt, c, 0, 1), FSDP_OK); /* cpu */
