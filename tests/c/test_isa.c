@@ -524,6 +524,107 @@ static void test_att_bf16_mm(void **state) {
   }
 }
 
+/* ---- bf16 stores through AVX512_BF16: the same bits as the integer rounding -------------- */
+
+static uint16_t *hbits(int64_t n) {
+  uint16_t *p = malloc(sizeof(uint16_t) * (size_t)(n > 0 ? n : 1));
+  for (int64_t i = 0; i < n; i++) p[i] = 0;
+  return p;
+}
+
+static void same_u16(const char *what, const uint16_t *a, const uint16_t *b, int64_t n,
+                     const uint16_t *inp) {
+  for (int64_t i = 0; i < n; i++)
+    if (a[i] != b[i])
+      fail_msg("%s, element %lld (input bits %#06x): %#06x with VCVTNEPS2BF16, %#06x with the "
+               "integer rounding", what, (long long)i, inp ? inp[i] : 0, b[i], a[i]);
+}
+
+static void same_f32(const char *what, const float *a, const float *b, int64_t n) {
+  if (memcmp(a, b, sizeof(float) * (size_t)n) != 0) fail_msg("%s: f32 outputs differ", what);
+}
+
+/* Every bf16 slot of the two AVX-512 tables on the same inputs, bit for bit: every bf16 bit
+ * pattern through bias + GELU (subnormal, infinite and NaN inputs, and outputs that are
+ * subnormal: the integer path's share) and random rows through the rest. */
+static void test_bf16_round(void **state) {
+  (void)state;
+  if (fsdp_cpu_isa_best() != FSDP_CPU_ISA_AVX512 || !__builtin_cpu_supports("avx512bf16")) {
+    printf("test_isa: the bf16 rounding table not checked: this processor has no %s\n",
+           fsdp_cpu_isa_best() != FSDP_CPU_ISA_AVX512 ? "AVX-512" : "AVX512_BF16");
+    skip();
+  }
+  const fsdp_cpu_isa_level was = fsdp_cpu_isa();
+  assert_int_equal(fsdp_cpu_isa_set(FSDP_CPU_ISA_AVX512), FSDP_OK);
+  assert_ptr_equal(fsdp_cpu_vec(), &fsdp_cpu_vec_avx512bf16); /* the level's table here */
+  assert_int_equal(fsdp_cpu_isa_set(was), FSDP_OK);
+  const fsdp_cpu_vec_i *ref = &fsdp_cpu_vec_avx512, *hw = &fsdp_cpu_vec_avx512bf16;
+
+  /* bias + GELU, forward and backward: rows of 37 (a tail in every row) */
+  const int C = 37;
+  const int64_t N = (65536 + C - 1) / C, n = N * C;
+  uint16_t *x = hbits(n), *g = hbits(n), *y0 = hbits(n), *y1 = hbits(n);
+  for (int64_t i = 0; i < n; i++) {
+    x[i] = (uint16_t)(i & 0xffff);
+    g[i] = (uint16_t)((i * 40503u) & 0xffff);
+  }
+  float *bias = calloc((size_t)C, sizeof(float)), *db0 = calloc((size_t)C, sizeof(float)),
+        *db1 = calloc((size_t)C, sizeof(float));
+  ref->bias_gelu_forward_bf16(y0, x, bias, 0, N, C);
+  hw->bias_gelu_forward_bf16(y1, x, bias, 0, N, C);
+  same_u16("bias_gelu_forward_bf16", y0, y1, n, x);
+  /* a bias that moves some inputs into the subnormal range and out of it */
+  for (int c = 0; c < C; c++) bias[c] = (c % 3 - 1) * 1.0e-38f;
+  ref->bias_gelu_forward_bf16(y0, x, bias, 0, N, C);
+  hw->bias_gelu_forward_bf16(y1, x, bias, 0, N, C);
+  same_u16("bias_gelu_forward_bf16 with a bias", y0, y1, n, x);
+  for (int set = 0; set < 2; set++) {
+    for (int64_t i = 0; i < n; i++) y0[i] = y1[i] = (uint16_t)(0x3f80 + (i & 0x7f));
+    ref->bias_gelu_backward_cols_bf16(y0, db0, g, x, bias, N, C, 0, C, set);
+    hw->bias_gelu_backward_cols_bf16(y1, db1, g, x, bias, N, C, 0, C, set);
+    same_u16(set ? "bias_gelu_backward_cols_bf16 (set)" : "bias_gelu_backward_cols_bf16", y0, y1,
+             n, g);
+    same_f32("bias_gelu_backward_cols_bf16's dbias", db0, db1, C);
+  }
+
+  /* layernorm's backward on random rows */
+  const int LC = 75, LN = 9;
+  float *w = frand(LC, 0.5f, 1.5f), *mean = frand(LN, -0.2f, 0.2f), *rstd = frand(LN, 0.5f, 2.f);
+  uint16_t *li = hbits((int64_t)LN * LC), *lg = hbits((int64_t)LN * LC),
+           *ld0 = hbits((int64_t)LN * LC), *ld1 = hbits((int64_t)LN * LC);
+  for (int64_t i = 0; i < (int64_t)LN * LC; i++) {
+    float v = urand(-2, 2), u = urand(-1, 1);
+    uint32_t b, c;
+    memcpy(&b, &v, 4), memcpy(&c, &u, 4);
+    li[i] = (uint16_t)(b >> 16), lg[i] = (uint16_t)(c >> 16);
+  }
+  float *dw0 = calloc(LC, sizeof(float)), *dw1 = calloc(LC, sizeof(float)),
+        *dbb0 = calloc(LC, sizeof(float)), *dbb1 = calloc(LC, sizeof(float));
+  ref->layernorm_backward_bf16(ld0, dw0, dbb0, lg, li, w, mean, rstd, 0, LN, LC);
+  hw->layernorm_backward_bf16(ld1, dw1, dbb1, lg, li, w, mean, rstd, 0, LN, LC);
+  same_u16("layernorm_backward_bf16", ld0, ld1, (int64_t)LN * LC, NULL);
+  same_f32("layernorm_backward_bf16's dweight", dw0, dw1, LC);
+  same_f32("layernorm_backward_bf16's dbias", dbb0, dbb1, LC);
+
+  /* attention's softmax rows, forward and backward, on a causal (T, T) block */
+  const int T = 70;
+  const int64_t tt = (int64_t)T * T;
+  float *A0 = frand(tt, -4, 4), *A1 = fcopy(A0, tt), *S = frand(tt, -1, 1);
+  uint16_t *P0 = hbits(tt), *P1 = hbits(tt), *D0 = hbits(tt), *D1 = hbits(tt);
+  ref->att_softmax_rows_bf16(P0, A0, T, 0, T, T);
+  hw->att_softmax_rows_bf16(P1, A1, T, 0, T, T);
+  same_u16("att_softmax_rows_bf16", P0, P1, tt, NULL);
+  same_f32("att_softmax_rows_bf16's exponentials", A0, A1, tt);
+  ref->att_softmax_backward_rows_bf16(D0, S, P0, T, 0, T, T);
+  hw->att_softmax_backward_rows_bf16(D1, S, P0, T, 0, T, T);
+  same_u16("att_softmax_backward_rows_bf16", D0, D1, tt, NULL);
+
+  free(x), free(g), free(y0), free(y1), free(bias), free(db0), free(db1);
+  free(w), free(mean), free(rstd), free(li), free(lg), free(ld0), free(ld1);
+  free(dw0), free(dw1), free(dbb0), free(dbb1);
+  free(A0), free(A1), free(S), free(P0), free(P1), free(D0), free(D1);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_parse),
@@ -531,6 +632,7 @@ int main(void) {
       cmocka_unit_test(test_levels_agree),
       cmocka_unit_test(test_att_mm),
       cmocka_unit_test(test_att_bf16_mm),
+      cmocka_unit_test(test_bf16_round),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

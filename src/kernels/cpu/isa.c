@@ -19,6 +19,7 @@ static const char *const needs[FSDP_CPU_ISA_COUNT] = {
 
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static fsdp_cpu_isa_level best_level;
+static bool bf16_round; /* the AVX-512 level takes fsdp_cpu_vec_avx512bf16 */
 static int level; /* read by every kernel call: relaxed atomics */
 static char env_error[256]; /* FSDP_CPU_ISA's error, "" when it was fine */
 
@@ -56,6 +57,9 @@ static int parse(const char *value, fsdp_cpu_isa_level best, fsdp_cpu_isa_level 
 
 static void init(void) {
   best_level = detect();
+#if defined(__x86_64__) || defined(__i386__)
+  bf16_round = best_level == FSDP_CPU_ISA_AVX512 && __builtin_cpu_supports("avx512bf16");
+#endif
   fsdp_cpu_isa_level l;
   if (parse(getenv("FSDP_CPU_ISA"), best_level, &l, env_error, sizeof env_error) != FSDP_OK)
     l = best_level; /* the kernels keep working; fsdp_cpu_isa_check reports the error */
@@ -103,5 +107,6 @@ int fsdp_cpu_isa_check(void) {
 const fsdp_cpu_vec_i *fsdp_cpu_vec(void) {
   static const fsdp_cpu_vec_i *const tables[FSDP_CPU_ISA_COUNT] = {
       &fsdp_cpu_vec_scalar, &fsdp_cpu_vec_avx2, &fsdp_cpu_vec_avx512};
-  return tables[fsdp_cpu_isa()];
+  fsdp_cpu_isa_level l = fsdp_cpu_isa(); /* (runs init) */
+  return l == FSDP_CPU_ISA_AVX512 && bf16_round ? &fsdp_cpu_vec_avx512bf16 : tables[l];
 }

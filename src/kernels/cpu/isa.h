@@ -171,6 +171,9 @@ static inline void fsdp_cpu_att_bounds(int kind, int m0, int mr, int diag, int N
 }
 
 extern const fsdp_cpu_vec_i fsdp_cpu_vec_scalar, fsdp_cpu_vec_avx2, fsdp_cpu_vec_avx512;
+/* The AVX-512 bodies with bf16 stores through AVX512_BF16 (vec_avx512bf16.c): the same bits;
+ * the AVX-512 level's table on a processor with the instruction. */
+extern const fsdp_cpu_vec_i fsdp_cpu_vec_avx512bf16;
 
 /* The bodies of the level in force. */
 const fsdp_cpu_vec_i *fsdp_cpu_vec(void);
