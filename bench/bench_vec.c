@@ -4,7 +4,7 @@
  * test; prints numbers, exits 0).
  *
  * Shapes are a GPT step's at B = 8, T = 256, d = 384 (2048 rows): layernorm (2048, 384),
- * GELU (2048, 1536), cross-entropy (2048, 256), binary add with a broadcast row (2048, 384),
+ * GELU (2048, 1536; f32, and bf16 as mixed precision runs it), cross-entropy (2048, 256), binary add with a broadcast row (2048, 384),
  * softmax (8 * 6 * 256, 256), mask apply and AdamW 1 Mi. Each round times every level and
  * memcpy once (best of a few calls each), rounds alternate; the best round is printed. "bytes" counts each
  * array read and each written once per element; "memcpy x" is the kernel's time over memcpy's
@@ -23,6 +23,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "kernels/cpu/half.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernels.h"
 
@@ -50,6 +51,7 @@ enum { ROWS = 2048, D = 384, V = 256, SM_ROWS = 8 * 6 * 256, SM_C = 256 };
 
 typedef struct {
   float *x, *y, *dx, *dy, *w, *b, *dw, *db, *mean, *rstd;
+  uint16_t *hx, *hy, *hdx, *hdy, *hb; /* x, y, dx, dy, b rounded to bf16 */
   int64_t *tgt;
   int64_t n, rows, cols;
 } bctx;
@@ -63,6 +65,14 @@ static void k_bias_gelu_fwd(bctx *c) {
 }
 static void k_bias_gelu_bwd(bctx *c) {
   fsdp_cpu_bias_gelu_backward(c->dx, c->db, c->dy, c->x, c->b, c->rows, (int)c->cols, false);
+}
+/* the same on bf16 rows (the bias's gradient f32), as a mixed-precision step runs them */
+static void k_bias_gelu_fwd_bf16(bctx *c) {
+  fsdp_cpu_half_bias_gelu_forward(FSDP_DTYPE_BF16, c->hy, c->hx, c->hb, c->rows, (int)c->cols);
+}
+static void k_bias_gelu_bwd_bf16(bctx *c) {
+  fsdp_cpu_half_bias_gelu_backward(FSDP_DTYPE_BF16, FSDP_DTYPE_F32, c->hdx, c->db, c->hdy, c->hx,
+                                   c->hb, c->rows, (int)c->cols, true);
 }
 /* what the fused pair replaces: the bias seeded into the output (fsdp_cpu_linear_forward), the
  * GELU; the GELU's backward and the bias's column sum */
@@ -122,6 +132,8 @@ static const kernel kernels[] = {
     {"bias, gelu forward", k_unfused_fwd, ROWS, 4 * D, 8},
     {"bias+gelu backward", k_bias_gelu_bwd, ROWS, 4 * D, 16},
     {"gelu backward, colsum", k_unfused_bwd, ROWS, 4 * D, 16},
+    {"bias+gelu forward bf16", k_bias_gelu_fwd_bf16, ROWS, 4 * D, 4},
+    {"bias+gelu backward bf16", k_bias_gelu_bwd_bf16, ROWS, 4 * D, 6},
     {"layernorm forward", k_ln_fwd, ROWS, D, 8},
     {"layernorm backward", k_ln_bwd, ROWS, D, 16},
     {"softmax forward", k_sm_fwd, SM_ROWS, SM_C, 8},
@@ -230,6 +242,16 @@ int main(int argc, char **argv) {
               .tgt = malloc(sizeof(int64_t) * (size_t)K->rows), .n = n, .rows = K->rows,
               .cols = K->cols};
     for (int64_t i = 0; i < K->rows; i++) c.tgt[i] = (i * 7) % K->cols;
+    uint16_t **h[] = {&c.hx, &c.hy, &c.hdx, &c.hdy, &c.hb};
+    float *f[] = {c.x, c.y, c.dx, c.dy, c.b};
+    for (int i = 0; i < 5; i++) {
+      *h[i] = malloc(sizeof(uint16_t) * (size_t)n);
+      if (!*h[i]) {
+        fprintf(stderr, "bench_vec: out of memory (%lld bf16 elements)\n", (long long)n);
+        return 1;
+      }
+      fsdp_cpu_f32_to_bf16(*h[i], f[i], n);
+    }
     if (K->fn == k_mask)
       for (int64_t i = 0; i < n; i++) c.w[i] = (float)(i % 3 != 0);
     /* forward state the backward kernels read */
@@ -260,6 +282,7 @@ int main(int argc, char **argv) {
            t[best] / t[FSDP_CPU_ISA_COUNT]);
     free(c.x), free(c.y), free(c.dx), free(c.dy), free(c.w), free(c.b), free(c.dw), free(c.db);
     free(c.mean), free(c.rstd), free(c.tgt), free(g_src), free(g_dst);
+    free(c.hx), free(c.hy), free(c.hdx), free(c.hdy), free(c.hb);
   }
   return 0;
 }
