@@ -524,6 +524,52 @@ static void test_att_bf16_mm(void **state) {
   }
 }
 
+/* ---- attention's softmax rows: any grouping of rows, the same bits ------------------------- */
+
+/* The row bodies take rows two at a time (vmath.h's pair helpers) and one at a time at the end:
+ * a tile's rows must come out as each row alone would, whatever the tile's start and length,
+ * at every level, f32 and bf16, forward and backward. */
+static void test_att_rows_grouping(void **state) {
+  (void)state;
+  const fsdp_cpu_isa_level best = fsdp_cpu_isa_best(), was = fsdp_cpu_isa();
+  const int Ts[] = {1, 2, 3, 17, 64, 70, 131};
+  for (int l = 0; l <= (int)best; l++) {
+    assert_int_equal(fsdp_cpu_isa_set((fsdp_cpu_isa_level)l), FSDP_OK);
+    const fsdp_cpu_vec_i *v = fsdp_cpu_vec();
+    for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
+      for (int r0 = 0; r0 < 2 && r0 < Ts[i]; r0++) {
+        const int T = Ts[i], rows = T - r0;
+        const int64_t tt = (int64_t)T * T;
+        float *A = frand(tt, -6, 6), *A1 = fcopy(A, tt), *A2 = fcopy(A, tt);
+        float *S = frand(tt, -1, 1), *S1 = fcopy(S, tt), *S2 = fcopy(S, tt);
+        uint16_t *P1 = calloc((size_t)tt, 2), *P2 = calloc((size_t)tt, 2),
+                 *D1 = calloc((size_t)tt, 2), *D2 = calloc((size_t)tt, 2);
+        v->att_softmax_rows(A1, T, r0, rows, T);
+        for (int t = r0; t < T; t++) v->att_softmax_rows(A2, T, t, 1, T);
+        if (memcmp(A1, A2, sizeof(float) * (size_t)tt) != 0)
+          fail_msg("att_softmax_rows at %s, T %d from row %d: a tile's rows differ from the rows "
+                   "alone", fsdp_cpu_isa_name((fsdp_cpu_isa_level)l), T, r0);
+        v->att_softmax_backward_rows(S1, A1, T, r0, rows, T);
+        for (int t = r0; t < T; t++) v->att_softmax_backward_rows(S2, A1, T, t, 1, T);
+        if (memcmp(S1, S2, sizeof(float) * (size_t)tt) != 0)
+          fail_msg("att_softmax_backward_rows at %s, T %d from row %d: a tile's rows differ",
+                   fsdp_cpu_isa_name((fsdp_cpu_isa_level)l), T, r0);
+        memcpy(A1, A, sizeof(float) * (size_t)tt), memcpy(A2, A, sizeof(float) * (size_t)tt);
+        v->att_softmax_rows_bf16(P1, A1, T, r0, rows, T);
+        for (int t = r0; t < T; t++) v->att_softmax_rows_bf16(P2, A2, T, t, 1, T);
+        v->att_softmax_backward_rows_bf16(D1, S, P1, T, r0, rows, T);
+        for (int t = r0; t < T; t++) v->att_softmax_backward_rows_bf16(D2, S, P1, T, t, 1, T);
+        if (memcmp(P1, P2, 2 * (size_t)tt) != 0 || memcmp(D1, D2, 2 * (size_t)tt) != 0 ||
+            memcmp(A1, A2, sizeof(float) * (size_t)tt) != 0)
+          fail_msg("the bf16 softmax rows at %s, T %d from row %d: a tile's rows differ",
+                   fsdp_cpu_isa_name((fsdp_cpu_isa_level)l), T, r0);
+        free(A), free(A1), free(A2), free(S), free(S1), free(S2);
+        free(P1), free(P2), free(D1), free(D2);
+      }
+  }
+  assert_int_equal(fsdp_cpu_isa_set(was), FSDP_OK);
+}
+
 /* ---- bf16 stores through AVX512_BF16: the same bits as the integer rounding -------------- */
 
 static uint16_t *hbits(int64_t n) {
@@ -632,6 +678,7 @@ int main(void) {
       cmocka_unit_test(test_levels_agree),
       cmocka_unit_test(test_att_mm),
       cmocka_unit_test(test_att_bf16_mm),
+      cmocka_unit_test(test_att_rows_grouping),
       cmocka_unit_test(test_bf16_round),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

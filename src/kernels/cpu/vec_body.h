@@ -628,15 +628,33 @@ static void softmax_backward(float *dinp, const float *dout, const float *out, i
 
 /* rows [r0, r0 + rows) of A softmaxed, the probabilities stored into P: A itself (f32, in
  * place) or a bf16 block (A then keeps the unnormalised exponentials); zeros up to column cols */
+VINLINE void att_softmax_row_out(void *P, const float *A, int T, int t, float inv, int cols,
+                                 bool bf16) {
+  const float *row = A + (int64_t)t * T;
+  void *p = mat_(P, (int64_t)t * T, bf16);
+  const int len = t + 1;
+  for (int c = 0; c < len; c += VW) stx(p, c, len, LD(row, c, len, 0.0f) * inv, 1, bf16);
+  memset(mat_(p, len, bf16), 0, (bf16 ? 2 : 4) * (size_t)(cols - len));
+}
+
 VINLINE void att_softmax_rows_x(void *P, float *A, int T, int r0, int rows, int cols, bool bf16) {
-  for (int t = r0; t < r0 + rows; t++) {
+  int t = r0;
+  /* two rows at a time where a row fits one summation block (the pair helpers' domain) */
+  if (T <= FSDP_VBLOCK)
+    for (; t + 2 <= r0 + rows; t += 2) {
+      float *x0 = A + (int64_t)t * T, *x1 = x0 + T, m0, m1;
+      double e0, e1;
+      fsdp_row_max2(x0, t + 1, x1, t + 2, &m0, &m1);
+      fsdp_row_expsum2(x0, m0, t + 1, x1, m1, t + 2, &e0, &e1);
+      att_softmax_row_out(P, A, T, t, (float)(1.0 / e0), cols, bf16);
+      att_softmax_row_out(P, A, T, t + 1, (float)(1.0 / e1), cols, bf16);
+    }
+  for (; t < r0 + rows; t++) {
     float *row = A + (int64_t)t * T;
-    void *p = mat_(P, (int64_t)t * T, bf16);
     const int len = t + 1;
     float mx = fsdp_row_max(row, len);
-    float inv = (float)(1.0 / fsdp_row_expsum(row, row, mx, len));
-    for (int c = 0; c < len; c += VW) stx(p, c, len, LD(row, c, len, 0.0f) * inv, 1, bf16);
-    memset(mat_(p, len, bf16), 0, (bf16 ? 2 : 4) * (size_t)(cols - len));
+    att_softmax_row_out(P, A, T, t, (float)(1.0 / fsdp_row_expsum(row, row, mx, len)), cols,
+                        bf16);
   }
 }
 
@@ -650,17 +668,33 @@ static void att_softmax_rows_bf16(uint16_t *P, float *A, int T, int r0, int rows
 
 /* its backward: datt in S, the probabilities P (f32 or bf16), dscores into D (f32: S itself,
  * in place; bf16: a block of their own, S left as it was) */
+VINLINE void att_softmax_backward_row_out(void *D, const float *S, const void *P, int T, int t,
+                                          float dot, int cols, bool bf16) {
+  const void *a = cat_(P, (int64_t)t * T, bf16);
+  const float *s = S + (int64_t)t * T;
+  void *d = mat_(D, (int64_t)t * T, bf16);
+  const int len = t + 1;
+  for (int c = 0; c < len; c += VW)
+    stx(d, c, len, ldx(a, c, len, 1, bf16) * (LD(s, c, len, 0.0f) - dot), 1, bf16);
+  memset(mat_(d, len, bf16), 0, (bf16 ? 2 : 4) * (size_t)(cols - len));
+}
+
 VINLINE void att_softmax_backward_rows_x(void *D, const float *S, const void *P, int T, int r0,
                                          int rows, int cols, bool bf16) {
-  for (int t = r0; t < r0 + rows; t++) {
-    const void *a = cat_(P, (int64_t)t * T, bf16);
-    const float *s = S + (int64_t)t * T;
-    void *d = mat_(D, (int64_t)t * T, bf16);
-    const int len = t + 1;
-    float dot = (float)fsdp_row_dot_x(a, bf16, s, len);
-    for (int c = 0; c < len; c += VW)
-      stx(d, c, len, ldx(a, c, len, 1, bf16) * (LD(s, c, len, 0.0f) - dot), 1, bf16);
-    memset(mat_(d, len, bf16), 0, (bf16 ? 2 : 4) * (size_t)(cols - len));
+  int t = r0;
+  if (T <= FSDP_VBLOCK) /* two rows at a time, as the forward */
+    for (; t + 2 <= r0 + rows; t += 2) {
+      double d0, d1;
+      fsdp_row_dot2_x(cat_(P, (int64_t)t * T, bf16), S + (int64_t)t * T, t + 1,
+                      cat_(P, (int64_t)(t + 1) * T, bf16), S + (int64_t)(t + 1) * T, t + 2, bf16,
+                      &d0, &d1);
+      att_softmax_backward_row_out(D, S, P, T, t, (float)d0, cols, bf16);
+      att_softmax_backward_row_out(D, S, P, T, t + 1, (float)d1, cols, bf16);
+    }
+  for (; t < r0 + rows; t++) {
+    const float dot = (float)fsdp_row_dot_x(cat_(P, (int64_t)t * T, bf16), bf16,
+                                            S + (int64_t)t * T, t + 1);
+    att_softmax_backward_row_out(D, S, P, T, t, dot, cols, bf16);
   }
 }
 

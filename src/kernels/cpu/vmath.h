@@ -386,6 +386,53 @@ static inline double fsdp_row_expsum(float *out, const float *x, float shift, in
   return total;
 }
 
+/* fsdp_row_max and fsdp_row_expsum (out = x) of two rows at once, rows of at most
+ * FSDP_VBLOCK elements: each row's quads and fold are those of the row alone (the same bits),
+ * interleaved while both rows have full quads. A short row's max, exponentials, fold and
+ * division form one chain of dependent steps; two independent chains keep the pipes busier
+ * (attention's causal rows, 1 to T long). */
+static inline void fsdp_row_max2(const float *x0, int64_t n0, const float *x1, int64_t n1,
+                                 float *m0, float *m1) {
+  fsdp_vf a0[FSDP_VK], a1[FSDP_VK];
+  for (int k = 0; k < FSDP_VK; k++) a0[k] = a1[k] = fsdp_vf_set(-INFINITY);
+  const int64_t n = n0 < n1 ? n0 : n1;
+  int64_t i = 0;
+  for (; i + FSDP_VQ <= n; i += FSDP_VQ) {
+    fsdp_row_max_quad(a0, x0, i, n0, 0);
+    fsdp_row_max_quad(a1, x1, i, n1, 0);
+  }
+  for (int64_t j = i; j < n0; j += FSDP_VQ)
+    if (j + FSDP_VQ <= n0) fsdp_row_max_quad(a0, x0, j, n0, 0);
+    else fsdp_row_max_quad(a0, x0, j, n0, 1);
+  for (int64_t j = i; j < n1; j += FSDP_VQ)
+    if (j + FSDP_VQ <= n1) fsdp_row_max_quad(a1, x1, j, n1, 0);
+    else fsdp_row_max_quad(a1, x1, j, n1, 1);
+  *m0 = fsdp_vl_fold_max(a0);
+  *m1 = fsdp_vl_fold_max(a1);
+}
+static inline void fsdp_row_expsum2(float *x0, float s0, int64_t n0, float *x1, float s1,
+                                    int64_t n1, double *e0, double *e1) {
+  fsdp_vf a0[FSDP_VK], a1[FSDP_VK];
+  for (int k = 0; k < FSDP_VK; k++) a0[k] = a1[k] = fsdp_vf_set(0.0f);
+  const int64_t n = n0 < n1 ? n0 : n1;
+  int64_t i = 0;
+  for (; i + FSDP_VQ <= n; i += FSDP_VQ) {
+    fsdp_row_expsum_quad(a0, x0, x0, s0, i, n0, 0);
+    fsdp_row_expsum_quad(a1, x1, x1, s1, i, n1, 0);
+  }
+  for (int64_t j = i; j < n0; j += FSDP_VQ)
+    if (j + FSDP_VQ <= n0) fsdp_row_expsum_quad(a0, x0, x0, s0, j, n0, 0);
+    else fsdp_row_expsum_quad(a0, x0, x0, s0, j, n0, 1);
+  for (int64_t j = i; j < n1; j += FSDP_VQ)
+    if (j + FSDP_VQ <= n1) fsdp_row_expsum_quad(a1, x1, x1, s1, j, n1, 0);
+    else fsdp_row_expsum_quad(a1, x1, x1, s1, j, n1, 1);
+  double t0 = 0.0, t1 = 0.0; /* fsdp_row_expsum's total, one block */
+  t0 += (double)fsdp_vl_fold_sum(a0);
+  t1 += (double)fsdp_vl_fold_sum(a1);
+  *e0 = t0;
+  *e1 = t1;
+}
+
 /* sum of x[i] * y[i] (y NULL: of x[i]); x f32, or bf16 (xh) widened exactly, which gives the
  * terms and the tree of the widened f32 row, so the same bits. xh is a constant at every call,
  * and these are always inlined so that no loop tests it. */
@@ -420,6 +467,31 @@ FSDP_VM_INLINE double fsdp_row_dot_x(const void *x, bool xh, const float *y, int
 }
 static inline double fsdp_row_dot(const float *x, const float *y, int64_t n) {
   return fsdp_row_dot_x(x, false, y, n);
+}
+/* fsdp_row_dot_x of two rows at once, rows of at most FSDP_VBLOCK elements (as
+ * fsdp_row_expsum2: each row's bits are those of the row alone) */
+FSDP_VM_INLINE void fsdp_row_dot2_x(const void *x0, const float *y0, int64_t n0, const void *x1,
+                                    const float *y1, int64_t n1, bool xh, double *d0,
+                                    double *d1) {
+  fsdp_vf a0[FSDP_VK], a1[FSDP_VK];
+  for (int k = 0; k < FSDP_VK; k++) a0[k] = a1[k] = fsdp_vf_set(0.0f);
+  const int64_t n = n0 < n1 ? n0 : n1;
+  int64_t i = 0;
+  for (; i + FSDP_VQ <= n; i += FSDP_VQ) {
+    fsdp_row_dot_quad(a0, x0, xh, y0, i, n0, 0);
+    fsdp_row_dot_quad(a1, x1, xh, y1, i, n1, 0);
+  }
+  for (int64_t j = i; j < n0; j += FSDP_VQ)
+    if (j + FSDP_VQ <= n0) fsdp_row_dot_quad(a0, x0, xh, y0, j, n0, 0);
+    else fsdp_row_dot_quad(a0, x0, xh, y0, j, n0, 1);
+  for (int64_t j = i; j < n1; j += FSDP_VQ)
+    if (j + FSDP_VQ <= n1) fsdp_row_dot_quad(a1, x1, xh, y1, j, n1, 0);
+    else fsdp_row_dot_quad(a1, x1, xh, y1, j, n1, 1);
+  double t0 = 0.0, t1 = 0.0; /* fsdp_row_dot_x's total, one block */
+  t0 += (double)fsdp_vl_fold_sum(a0);
+  t1 += (double)fsdp_vl_fold_sum(a1);
+  *d0 = t0;
+  *d1 = t1;
 }
 
 /* sum of x[0..n) */
