@@ -386,53 +386,6 @@ static inline double fsdp_row_expsum(float *out, const float *x, float shift, in
   return total;
 }
 
-/* fsdp_row_max and fsdp_row_expsum (out = x) of two rows at once, rows of at most
- * FSDP_VBLOCK elements: each row's quads and fold are those of the row alone (the same bits),
- * interleaved while both rows have full quads. A short row's max, exponentials, fold and
- * division form one chain of dependent steps; two independent chains keep the pipes busier
- * (attention's causal rows, 1 to T long). */
-static inline void fsdp_row_max2(const float *x0, int64_t n0, const float *x1, int64_t n1,
-                                 float *m0, float *m1) {
-  fsdp_vf a0[FSDP_VK], a1[FSDP_VK];
-  for (int k = 0; k < FSDP_VK; k++) a0[k] = a1[k] = fsdp_vf_set(-INFINITY);
-  const int64_t n = n0 < n1 ? n0 : n1;
-  int64_t i = 0;
-  for (; i + FSDP_VQ <= n; i += FSDP_VQ) {
-    fsdp_row_max_quad(a0, x0, i, n0, 0);
-    fsdp_row_max_quad(a1, x1, i, n1, 0);
-  }
-  for (int64_t j = i; j < n0; j += FSDP_VQ)
-    if (j + FSDP_VQ <= n0) fsdp_row_max_quad(a0, x0, j, n0, 0);
-    else fsdp_row_max_quad(a0, x0, j, n0, 1);
-  for (int64_t j = i; j < n1; j += FSDP_VQ)
-    if (j + FSDP_VQ <= n1) fsdp_row_max_quad(a1, x1, j, n1, 0);
-    else fsdp_row_max_quad(a1, x1, j, n1, 1);
-  *m0 = fsdp_vl_fold_max(a0);
-  *m1 = fsdp_vl_fold_max(a1);
-}
-static inline void fsdp_row_expsum2(float *x0, float s0, int64_t n0, float *x1, float s1,
-                                    int64_t n1, double *e0, double *e1) {
-  fsdp_vf a0[FSDP_VK], a1[FSDP_VK];
-  for (int k = 0; k < FSDP_VK; k++) a0[k] = a1[k] = fsdp_vf_set(0.0f);
-  const int64_t n = n0 < n1 ? n0 : n1;
-  int64_t i = 0;
-  for (; i + FSDP_VQ <= n; i += FSDP_VQ) {
-    fsdp_row_expsum_quad(a0, x0, x0, s0, i, n0, 0);
-    fsdp_row_expsum_quad(a1, x1, x1, s1, i, n1, 0);
-  }
-  for (int64_t j = i; j < n0; j += FSDP_VQ)
-    if (j + FSDP_VQ <= n0) fsdp_row_expsum_quad(a0, x0, x0, s0, j, n0, 0);
-    else fsdp_row_expsum_quad(a0, x0, x0, s0, j, n0, 1);
-  for (int64_t j = i; j < n1; j += FSDP_VQ)
-    if (j + FSDP_VQ <= n1) fsdp_row_expsum_quad(a1, x1, x1, s1, j, n1, 0);
-    else fsdp_row_expsum_quad(a1, x1, x1, s1, j, n1, 1);
-  double t0 = 0.0, t1 = 0.0; /* fsdp_row_expsum's total, one block */
-  t0 += (double)fsdp_vl_fold_sum(a0);
-  t1 += (double)fsdp_vl_fold_sum(a1);
-  *e0 = t0;
-  *e1 = t1;
-}
-
 /* sum of x[i] * y[i] (y NULL: of x[i]); x f32, or bf16 (xh) widened exactly, which gives the
  * terms and the tree of the widened f32 row, so the same bits. xh is a constant at every call,
  * and these are always inlined so that no loop tests it. */
@@ -468,30 +421,78 @@ FSDP_VM_INLINE double fsdp_row_dot_x(const void *x, bool xh, const float *y, int
 static inline double fsdp_row_dot(const float *x, const float *y, int64_t n) {
   return fsdp_row_dot_x(x, false, y, n);
 }
-/* fsdp_row_dot_x of two rows at once, rows of at most FSDP_VBLOCK elements (as
- * fsdp_row_expsum2: each row's bits are those of the row alone) */
+/* Two rows at once: fsdp_row_max, fsdp_row_expsum (out = x) and fsdp_row_dot_x of rows of at
+ * most FSDP_VBLOCK elements. A short row's max, exponentials, fold and division form one chain
+ * of dependent steps; two independent chains keep the pipes busier (attention's causal rows, 1
+ * to T long). Both rows' quads are walked in one loop while both have full ones, then each
+ * row's rest; every row gets the quads and the fold it has alone, so its bits are its own. */
+typedef struct {
+  const void *x; /* f32, or bf16 for FSDP_ROW_DOT_H */
+  float *out;    /* FSDP_ROW_EXPSUM: the terms (x itself) */
+  const float *y;
+  float shift;
+  int64_t n;
+} fsdp_row_arg;
+enum { FSDP_ROW_MAX, FSDP_ROW_EXPSUM, FSDP_ROW_DOT, FSDP_ROW_DOT_H };
+
+FSDP_VM_INLINE void fsdp_row_quad_of(int kind, fsdp_vf *acc, const fsdp_row_arg *r, int64_t i,
+                                     int tail) {
+  if (kind == FSDP_ROW_MAX) fsdp_row_max_quad(acc, (const float *)r->x, i, r->n, tail);
+  else if (kind == FSDP_ROW_EXPSUM)
+    fsdp_row_expsum_quad(acc, r->out, (const float *)r->x, r->shift, i, r->n, tail);
+  else fsdp_row_dot_quad(acc, r->x, kind == FSDP_ROW_DOT_H, r->y, i, r->n, tail);
+}
+/* row r's quads from element i on */
+FSDP_VM_INLINE void fsdp_row_rest(int kind, fsdp_vf *acc, const fsdp_row_arg *r, int64_t i) {
+  for (; i < r->n; i += FSDP_VQ)
+    if (i + FSDP_VQ <= r->n) fsdp_row_quad_of(kind, acc, r, i, 0);
+    else fsdp_row_quad_of(kind, acc, r, i, 1);
+}
+/* a (r) and b (s): the two rows' lane sets, initialised by the caller (each set addressed
+ * directly, never through a pointer chosen at run time, so both stay in registers) */
+FSDP_VM_INLINE void fsdp_row_pair(int kind, fsdp_vf *a, const fsdp_row_arg *r, fsdp_vf *b,
+                                  const fsdp_row_arg *s) {
+  const int64_t n = r->n < s->n ? r->n : s->n;
+  int64_t i = 0;
+  for (; i + FSDP_VQ <= n; i += FSDP_VQ) {
+    fsdp_row_quad_of(kind, a, r, i, 0);
+    fsdp_row_quad_of(kind, b, s, i, 0);
+  }
+  fsdp_row_rest(kind, a, r, i);
+  fsdp_row_rest(kind, b, s, i);
+}
+static inline void fsdp_row_max2(const float *x0, int64_t n0, const float *x1, int64_t n1,
+                                 float *m0, float *m1) {
+  fsdp_vf a[FSDP_VK], b[FSDP_VK];
+  for (int k = 0; k < FSDP_VK; k++) a[k] = b[k] = fsdp_vf_set(-INFINITY);
+  const fsdp_row_arg r = {.x = x0, .n = n0}, s = {.x = x1, .n = n1};
+  fsdp_row_pair(FSDP_ROW_MAX, a, &r, b, &s);
+  *m0 = fsdp_vl_fold_max(a);
+  *m1 = fsdp_vl_fold_max(b);
+}
+/* the sums' totals as the one-row helpers make them, one block: 0.0 + the folded lanes */
+FSDP_VM_INLINE void fsdp_row_pair_sums(int kind, const fsdp_row_arg *r, const fsdp_row_arg *s,
+                                       double *t0, double *t1) {
+  fsdp_vf a[FSDP_VK], b[FSDP_VK];
+  for (int k = 0; k < FSDP_VK; k++) a[k] = b[k] = fsdp_vf_set(0.0f);
+  fsdp_row_pair(kind, a, r, b, s);
+  double u0 = 0.0, u1 = 0.0;
+  u0 += (double)fsdp_vl_fold_sum(a);
+  u1 += (double)fsdp_vl_fold_sum(b);
+  *t0 = u0;
+  *t1 = u1;
+}
+static inline void fsdp_row_expsum2(float *x0, float s0, int64_t n0, float *x1, float s1,
+                                    int64_t n1, double *e0, double *e1) {
+  const fsdp_row_arg r = {.x = x0, .out = x0, .shift = s0, .n = n0},
+                     s = {.x = x1, .out = x1, .shift = s1, .n = n1};
+  fsdp_row_pair_sums(FSDP_ROW_EXPSUM, &r, &s, e0, e1);
+}
 FSDP_VM_INLINE void fsdp_row_dot2_x(const void *x0, const float *y0, int64_t n0, const void *x1,
                                     const float *y1, int64_t n1, bool xh, double *d0,
                                     double *d1) {
-  fsdp_vf a0[FSDP_VK], a1[FSDP_VK];
-  for (int k = 0; k < FSDP_VK; k++) a0[k] = a1[k] = fsdp_vf_set(0.0f);
-  const int64_t n = n0 < n1 ? n0 : n1;
-  int64_t i = 0;
-  for (; i + FSDP_VQ <= n; i += FSDP_VQ) {
-    fsdp_row_dot_quad(a0, x0, xh, y0, i, n0, 0);
-    fsdp_row_dot_quad(a1, x1, xh, y1, i, n1, 0);
-  }
-  for (int64_t j = i; j < n0; j += FSDP_VQ)
-    if (j + FSDP_VQ <= n0) fsdp_row_dot_quad(a0, x0, xh, y0, j, n0, 0);
-    else fsdp_row_dot_quad(a0, x0, xh, y0, j, n0, 1);
-  for (int64_t j = i; j < n1; j += FSDP_VQ)
-    if (j + FSDP_VQ <= n1) fsdp_row_dot_quad(a1, x1, xh, y1, j, n1, 0);
-    else fsdp_row_dot_quad(a1, x1, xh, y1, j, n1, 1);
-  double t0 = 0.0, t1 = 0.0; /* fsdp_row_dot_x's total, one block */
-  t0 += (double)fsdp_vl_fold_sum(a0);
-  t1 += (double)fsdp_vl_fold_sum(a1);
-  *d0 = t0;
-  *d1 = t1;
+  const fsdp_row_arg r = {.x = x0, .y = y0, .n = n0}, s = {.x = x1, .y = y1, .n = n1};
+  fsdp_row_pair_sums(xh ? FSDP_ROW_DOT_H : FSDP_ROW_DOT, &r, &s, d0, d1);
 }
 
 /* sum of x[0..n) */
