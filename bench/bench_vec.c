@@ -4,8 +4,9 @@
  * test; prints numbers, exits 0).
  *
  * Shapes are a GPT step's at B = 8, T = 256, d = 384 (2048 rows): layernorm (2048, 384),
- * GELU (2048, 1536; f32, and bf16 as mixed precision runs it), cross-entropy (2048, 256), binary add with a broadcast row (2048, 384),
- * softmax (8 * 6 * 256, 256), mask apply and AdamW 1 Mi. Each round times every level and
+ * GELU (2048, 1536; bias + GELU also on bf16 rows, as mixed precision runs it), cross-entropy
+ * (2048, 256), binary add with a broadcast row (2048, 384), softmax (8 * 6 * 256, 256), mask
+ * apply and AdamW 1 Mi. Each round times every level and
  * memcpy once (best of a few calls each), rounds alternate; the best round is printed. "bytes" counts each
  * array read and each written once per element; "memcpy x" is the kernel's time over memcpy's
  * for those bytes (memcpy of half of them: each byte read once and written once).
