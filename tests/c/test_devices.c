@@ -327,6 +327,17 @@ static void test_to_and_copy(void **state) {
   assert_true(same_bits(row, row_ref));
   const float *bd = fsdp_tensor_data(big, "test");
   for (int k = 0; k < 5; k++) assert_true(bd[k] == 0.0f && bd[20 + k] == 0.0f);
+  /* the device's cast failing: the error reaches the caller, named as a copy's, and the
+   * destination's version stays */
+  int (*cast)(void *, void *, fsdp_dtype, const void *, fsdp_dtype, int64_t) = cpu2_kernels.cast;
+  cpu2_kernels.cast = cast_refused;
+  const int64_t v1 = row->version;
+  int rc = fsdp_copy(row, b);
+  cpu2_kernels.cast = cast;
+  assert_int_equal(rc, FSDP_ERR);
+  assert_msg_has("copy");
+  assert_msg_has("cast refused");
+  assert_int_equal(row->version, v1);
   fsdp_tensor_release(row_ref);
   fsdp_tensor_release(row);
   fsdp_tensor_release(big);
