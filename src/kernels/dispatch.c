@@ -59,34 +59,31 @@ int fsdp_copy(fsdp_tensor *dst, const fsdp_tensor *src) {
       if (dense_copy(&dense, s, FSDP_ROLE_ACTIVATIONS)) return fsdp_error_context("copy");
       s = dense;
     }
-    if (s->dtype != dst->dtype && fsdp_tensor_is_contiguous(dst) && ddev == sdev &&
-        dst->storage != s->storage) {
-      /* a dense destination on the source's device takes the cast itself: no buffer in
-       * between and no second pass over the values (every mixed-precision gather and
-       * gradient conversion goes this way) */
-      const fsdp_kernels_i *k = fsdp_kernels_for(s, "copy");
-      void *d = k ? fsdp_tensor_data(dst, "copy") : NULL;
-      rc = d ? k->cast(sdev->ctx, d, dst->dtype, fsdp_tensor_data(s, "copy"), s->dtype,
-                       fsdp_tensor_numel(s))
-             : FSDP_ERR;
-      fsdp_tensor_release(dense);
-      if (rc) return fsdp_error_context("copy");
-      dst->version++;
-      return FSDP_OK;
-    }
     if (s->dtype != dst->dtype) {
+      /* a dense destination on the source's device takes the cast itself: no buffer in
+       * between and no second pass over the values (every mixed-precision gather and gradient
+       * conversion goes this way); any other gets a dense buffer in its dtype on the source's
+       * device, moved to it in step 2 */
+      const bool direct =
+          fsdp_tensor_is_contiguous(dst) && ddev == sdev && dst->storage != s->storage;
       const fsdp_kernels_i *k = fsdp_kernels_for(s, "copy");
-      if (!k || fsdp_tensor_new_uninit(&tmp, sdev, dst->dtype, s->ndim, s->shape,
-                                       FSDP_ROLE_ACTIVATIONS)) {
+      if (!k || (!direct && fsdp_tensor_new_uninit(&tmp, sdev, dst->dtype, s->ndim, s->shape,
+                                                   FSDP_ROLE_ACTIVATIONS))) {
         fsdp_tensor_release(dense);
         return fsdp_error_context("copy");
       }
-      rc = k->cast(sdev->ctx, fsdp_tensor_data(tmp, "copy"), dst->dtype,
-                   fsdp_tensor_data(s, "copy"), s->dtype, fsdp_tensor_numel(s));
+      void *to = fsdp_tensor_data(direct ? dst : tmp, "copy");
+      rc = to ? k->cast(sdev->ctx, to, dst->dtype, fsdp_tensor_data(s, "copy"), s->dtype,
+                        fsdp_tensor_numel(s))
+              : FSDP_ERR;
       fsdp_tensor_release(dense);
       if (rc) {
         fsdp_tensor_release(tmp);
         return fsdp_error_context("copy");
+      }
+      if (direct) {
+        dst->version++;
+        return FSDP_OK;
       }
       s = tmp;
     } else {
