@@ -170,6 +170,20 @@ static inline void fsdp_cpu_att_bounds(int kind, int m0, int mr, int diag, int N
   if (kind == FSDP_ATT_KTAIL && m0 + diag > 0) *k0 = m0 + diag < K ? m0 + diag : K;
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+/* The lanes of x (16 f32 bit patterns) that hold a subnormal. AVX512_BF16's VCVTNEPS2BF16
+ * rounds to nearest even as the integer rounding does, NaN included, but reads subnormal
+ * inputs as zero: a vector with such a lane is rounded the integer way (convert.c's narrowing
+ * loop, vmath.h's fsdp_vh_round at vec_avx512bf16.c), so the bits are the same. */
+__attribute__((target("avx512f"), always_inline)) static inline __mmask16
+fsdp_cpu_subnormal16(__m512i x) {
+  const __mmask16 zero_exp = _mm512_cmpeq_epi32_mask(
+      _mm512_and_si512(x, _mm512_set1_epi32(0x7f800000)), _mm512_setzero_si512());
+  return _mm512_mask_test_epi32_mask(zero_exp, x, _mm512_set1_epi32(0x007fffff));
+}
+#endif
+
 extern const fsdp_cpu_vec_i fsdp_cpu_vec_scalar, fsdp_cpu_vec_avx2, fsdp_cpu_vec_avx512;
 /* The AVX-512 bodies with bf16 stores through AVX512_BF16 (vec_avx512bf16.c): the same bits;
  * the AVX-512 level's table on a processor with the instruction. */

@@ -257,18 +257,12 @@ static inline fsdp_vh fsdp_vh_round_int(fsdp_vf v) {
 }
 #if defined(FSDP_VH_HW) && FSDP_VW == 16
 /* AVX512_BF16's VCVTNEPS2BF16 (the including file, vec_avx512bf16.c, targets it) rounds 16
- * lanes in one instruction where the integer sequence above takes about ten: the same rounding
- * (to nearest even; a NaN keeps its sign and top payload bits and is made quiet) except that it
- * reads subnormal inputs as zero. A vector holding a subnormal (rare: below 1.2e-38) takes the
- * integer sequence, so the bits are the same. */
-#include <immintrin.h>
+ * lanes in one instruction where the integer sequence above takes about ten; a vector holding
+ * a subnormal (rare: below 1.2e-38), which the instruction reads as zero, takes the integer
+ * sequence (isa.h, fsdp_cpu_subnormal16), so the bits are the same. */
+#include "kernels/cpu/isa.h"
 static inline fsdp_vh fsdp_vh_round(fsdp_vf v) {
-  __m512i x = (__m512i)v;
-  __mmask16 sub = _mm512_mask_test_epi32_mask(
-      _mm512_cmpeq_epi32_mask(_mm512_and_si512(x, _mm512_set1_epi32(0x7f800000)),
-                              _mm512_setzero_si512()),
-      x, _mm512_set1_epi32(0x007fffff));
-  if (__builtin_expect(sub != 0, 0)) return fsdp_vh_round_int(v);
+  if (__builtin_expect(fsdp_cpu_subnormal16((__m512i)v) != 0, 0)) return fsdp_vh_round_int(v);
   return (fsdp_vh)_mm512_cvtneps_pbh((__m512)v);
 }
 #else
