@@ -257,8 +257,7 @@ static void bench_parts_bf16(double peak) {
   for (int64_t i = 0; i < (int64_t)T * T; i++) c.att[i] = 0x3c00; /* 1/128 */
   const double causal = 2.0 * hs * T * (T + 1) / 2.0;
   const char *const name[4] = {"q k^T (64-row tiles)", "att v",
-                               "att^T dout (key tiles, packed)",
-                         "packing k^T and v"};
+                               "att^T dout (key tiles, packed)", "packing k^T and v"};
   printf("bf16 products (AVX512_BF16), the same pair:\n");
   time_parts(run_part_bf16, &c, &c.kind, name, causal, 2.0 * T * hs, peak);
   free(c.q), free(c.att), free(c.o), free(c.S), free(c.kt), free(c.vi), free(c.tile);
@@ -270,7 +269,7 @@ static void bench_parts(double peak) {
                 buf((int64_t)hs * ldk, 1), buf((int64_t)T * C, 1), 0, 0};
   const double causal = 2.0 * hs * T * (T + 1) / 2.0; /* a product's causal FLOPs */
   const char *const name[4] = {"q k^T (64-row tiles)", "att v", "att^T dout (key tiles)",
-                         "packing k^T (4 times)"};
+                               "packing k^T (4 times)"};
   printf("\nattention's pieces, one pair at T=%d hs=%d, one thread, %s level:\n", T, hs,
          fsdp_cpu_isa_name(fsdp_cpu_isa()));
   time_parts(run_part, &c, &c.kind, name, causal, 4.0 * T * hs, peak);
