@@ -532,13 +532,15 @@ static void test_att_bf16_mm(void **state) {
 static void test_att_rows_grouping(void **state) {
   (void)state;
   const fsdp_cpu_isa_level best = fsdp_cpu_isa_best(), was = fsdp_cpu_isa();
-  const int Ts[] = {1, 2, 3, 17, 64, 70, 131};
+  /* 1100: rows longer than one summation block (1024), which go one at a time */
+  const int Ts[] = {1, 2, 3, 17, 64, 70, 131, 1100};
   for (int l = 0; l <= (int)best; l++) {
     assert_int_equal(fsdp_cpu_isa_set((fsdp_cpu_isa_level)l), FSDP_OK);
     const fsdp_cpu_vec_i *v = fsdp_cpu_vec();
     for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++)
-      for (int r0 = 0; r0 < 2 && r0 < Ts[i]; r0++) {
-        const int T = Ts[i], rows = T - r0;
+      for (int s0 = 0; s0 < 2 && s0 < Ts[i]; s0++) {
+        /* a tile from row 0 or 1, the long rows' from near the end */
+        const int T = Ts[i], r0 = T > 1024 ? T - 12 + s0 : s0, rows = T - r0;
         const int64_t tt = (int64_t)T * T;
         float *A = frand(tt, -6, 6), *A1 = fcopy(A, tt), *A2 = fcopy(A, tt);
         float *S = frand(tt, -1, 1), *S1 = fcopy(S, tt), *S2 = fcopy(S, tt);
