@@ -496,12 +496,41 @@ done:
 
 /* ---- bias + gelu ------------------------------------------------------------------------ */
 
+/* Input k's first gradient written over the output's: when this backward is the last reader of
+ * n->out's gradient (the tape drops it once n ran) and nothing else holds it or its storage,
+ * it becomes input k's gradient and the kernel writes the input gradient in place (a kernel
+ * that allows it reads each element of dout before it writes that element of dinp). That
+ * spares one buffer of the input's size at the backward's peak. False: take grad_out's way. */
+static bool grad_over_out(fsdp_node *n, int k, void **g) {
+  fsdp_tensor *t = n->in[k], *og = n->out->grad;
+  if (!t || !t->requires_grad || t->grad || t->is_leaf || !og || n->out->is_leaf ||
+      !NK(n)->fill || __atomic_load_n(&og->refcount, __ATOMIC_ACQUIRE) != 1 ||
+      __atomic_load_n(&og->storage->refcount, __ATOMIC_ACQUIRE) != 1 ||
+      og->dtype != t->dtype || og->storage->device != t->storage->device ||
+      !fsdp_tensor_same_shape(og, t) || !fsdp_tensor_is_contiguous(og))
+    return false;
+  fsdp_tensor_set_grad(t, og);
+  og->version++;
+  *g = D(og);
+  return true;
+}
+
 /* x's gradient, when it is its first (x is a linear's output), is written, not added: the
- * buffer is never zero-filled (as bw_linear's input gradient) */
+ * buffer is never zero-filled (as bw_linear's input gradient), and is the output's gradient
+ * when that is free (grad_over_out) */
 static int bw_bias_gelu(fsdp_node *n) {
   void *dx, *db;
   fsdp_dtype gb = NDT(n);
-  bool fresh;
+  bool fresh = false;
+  if (grad_over_out(n, 0, &dx)) {
+    int rc = wgrad_of(n, 1, &db, &gb);
+    if (!rc)
+      rc = NK(n)->bias_gelu_backward(NCTX(n), NDT(n), gb, dx, db, dx, D(n->saved[0]),
+                                     D(n->saved[1]), n->i[0], (int)n->i[1], true);
+    if (rc) /* no half-written gradient is left behind */
+      NK(n)->fill(NCTX(n), NDT(n), dx, 0.0, fsdp_tensor_numel(n->in[0]));
+    return rc;
+  }
   if (grad_out(n, 0, true, &dx, &fresh)) return FSDP_ERR;
   int rc = wgrad_of(n, 1, &db, &gb);
   if (!rc && (dx || db))

@@ -266,7 +266,8 @@ typedef struct fsdp_kernels_i {
   /* ---- optional fusions ---- */
   /* optional: out (N, C) = gelu(inp (N, C) + bias (C)), and its backward: dinp += t (set_dinp:
    * dinp = t, its old contents never read), dbias += the column sums of t, t = gelu'(inp +
-   * bias) dout (dinp or dbias may be NULL); gdt is
+   * bias) dout (dinp or dbias may be NULL; with set_dinp, dinp may be dout itself: autograd
+   * writes the input gradient over the output's when nothing else reads that); gdt is
    * dbias's dtype (dt, or f32 when dt is bf16 or f16: mixed precision). fsdp_op_bias_gelu calls
    * them for f32, bf16 and f16 and composes add and gelu for other dtypes or where the slots
    * are NULL. */

@@ -1255,6 +1255,112 @@ static void test_bias_gelu_first_gradient_failure(void **state) {
   fsdp_mem_domain_free(d);
 }
 
+/* A hook that notes a tensor's gradient buffer when it fires, and can hold a reference to it. */
+typedef struct {
+  fsdp_tensor *watch;
+  const void *data; /* watch's gradient's data when the hook fired (NULL: none) */
+  bool hold;
+  fsdp_tensor *held;
+} grad_seen;
+
+static int grad_seen_fn(void *p) {
+  grad_seen *u = p;
+  u->data = u->watch->grad ? fsdp_tensor_data(u->watch->grad, "t") : NULL;
+  if (u->hold && u->watch->grad) {
+    u->held = u->watch->grad;
+    fsdp_tensor_retain(u->held);
+  }
+  return FSDP_OK;
+}
+
+/* p (leaf) -> x = p + 0 -> [after] y = bias_gelu(x, b) -> [before] z = y * w -> sum. `before`
+ * fires between the product's backward and bias + GELU's, `after` just after bias + GELU's. */
+static void bias_gelu_chain(fsdp_tensor *p, fsdp_tensor *b, fsdp_tensor *w, grad_seen *before,
+                            grad_seen *after) {
+  fsdp_tensor *x, *y, *z, *l;
+  assert_int_equal(fsdp_op_affine(&x, p, 1.0f, 0.0f), FSDP_OK);
+  after->watch = x;
+  assert_int_equal(fsdp_tape_hook(grad_seen_fn, after, NULL), FSDP_OK);
+  assert_int_equal(fsdp_op_bias_gelu(&y, x, b), FSDP_OK);
+  before->watch = y;
+  assert_int_equal(fsdp_tape_hook(grad_seen_fn, before, NULL), FSDP_OK);
+  assert_int_equal(fsdp_op_binary(&z, y, w, FSDP_OP_MUL), FSDP_OK);
+  assert_int_equal(fsdp_op_sum(&l, z), FSDP_OK);
+  assert_int_equal(fsdp_backward(l, NULL), FSDP_OK);
+  fsdp_tensor *all[] = {x, y, z, l};
+  for (int i = 0; i < 4; i++) fsdp_tensor_release(all[i]);
+}
+
+/* bias + GELU's input gradient is written over its output's gradient when nothing else holds
+ * that (the same buffer before and after its backward), and into a buffer of its own when
+ * something does (here the hook's reference); both give the same bits, and the held gradient
+ * keeps its values. */
+static void test_bias_gelu_gradient_over_output(void **state) {
+  (void)state;
+  rng_reset(35);
+  enum { N = 6, C = 40 };
+  fsdp_tensor *p = rnd(2, SHAPE(N, C), -3, 3), *b = rnd(1, SHAPE(C), -1, 1);
+  fsdp_tensor *w = rnd(2, SHAPE(N, C), -2, 2);
+  p->requires_grad = b->requires_grad = true;
+  grad_seen before = {0}, after = {0};
+  bias_gelu_chain(p, b, w, &before, &after);
+  assert_non_null(before.data);
+  assert_ptr_equal(after.data, before.data);
+  float dp[N * C], db[C];
+  memcpy(dp, fsdp_tensor_data(p->grad, "t"), sizeof dp);
+  memcpy(db, fsdp_tensor_data(b->grad, "t"), sizeof db);
+  fsdp_tensor_set_grad(p, NULL);
+  fsdp_tensor_set_grad(b, NULL);
+
+  grad_seen held = {.hold = true}, after2 = {0};
+  bias_gelu_chain(p, b, w, &held, &after2);
+  assert_non_null(held.held);
+  assert_non_null(after2.data);
+  assert_ptr_not_equal(after2.data, held.data);
+  const float *g = fsdp_tensor_data(held.held, "t"), *wv = fsdp_tensor_data(w, "t");
+  for (int i = 0; i < N * C; i++) assert_true(g[i] == wv[i]); /* d sum(y * w) / dy */
+  assert_memory_equal(fsdp_tensor_data(p->grad, "t"), dp, sizeof dp);
+  assert_memory_equal(fsdp_tensor_data(b->grad, "t"), db, sizeof db);
+  fsdp_tensor *all[] = {p, b, w, held.held};
+  for (int i = 0; i < 4; i++) fsdp_tensor_release(all[i]);
+}
+
+/* The same failure when the input gradient was to be written over the output's: the bias's
+ * gradient over the memory budget, and x's gradient (the output's buffer, which held dout)
+ * comes back zero-filled. x is an activation whose own node already ran, so its gradient
+ * outlives the failed backward. */
+static void test_bias_gelu_gradient_over_output_failure(void **state) {
+  (void)state;
+  rng_reset(36);
+  enum { N = 4, C = 64 };
+  fsdp_mem_domain *d = fsdp_mem_domain_new();
+  assert_non_null(d);
+  fsdp_mem_domain_set(d);
+  fsdp_tensor *p = rnd(2, SHAPE(N, C), -1, 1), *b = rnd(1, SHAPE(C), -1, 1);
+  fsdp_tensor *g = rnd(2, SHAPE(N, C), 1, 2), *x, *s, *y;
+  p->requires_grad = b->requires_grad = true;
+  assert_int_equal(fsdp_op_affine(&x, p, 1.0f, 0.0f), FSDP_OK);
+  assert_int_equal(fsdp_op_sum(&s, x), FSDP_OK);
+  assert_int_equal(fsdp_backward(s, NULL), FSDP_OK); /* x's node is gone */
+  assert_null(x->grad);
+  assert_int_equal(fsdp_op_bias_gelu(&y, x, b), FSDP_OK);
+  const int64_t live = domain_live(d);
+  /* y's gradient fits, b's does not */
+  fsdp_mem_set_limit(d, live + N * C * 4 + C * 2);
+  assert_int_equal(fsdp_backward(y, g), FSDP_ERR);
+  assert_non_null(strstr(fsdp_error_msg(), "out of memory budget"));
+  assert_non_null(strstr(fsdp_error_msg(), "bias_gelu"));
+  assert_non_null(x->grad);
+  const float *xg = fsdp_tensor_data(x->grad, "t");
+  for (int i = 0; i < N * C; i++) assert_true(xg[i] == 0.0f);
+  assert_null(b->grad);
+  fsdp_mem_set_limit(d, 0);
+  fsdp_tensor *all[] = {p, b, g, x, s, y};
+  for (int i = 0; i < 6; i++) fsdp_tensor_release(all[i]);
+  fsdp_mem_domain_set(NULL);
+  fsdp_mem_domain_free(d);
+}
+
 /* And for attention's: its workspace over the memory budget, qkv's new gradient zero-filled. */
 static void test_attention_first_gradient_failure(void **state) {
   (void)state;
@@ -2269,6 +2375,8 @@ int main(void) {
       cmocka_unit_test(test_used_twice),
       cmocka_unit_test(test_shared_addend_gradient),
       cmocka_unit_test(test_grad_share),
+      cmocka_unit_test(test_bias_gelu_gradient_over_output),
+      cmocka_unit_test(test_bias_gelu_gradient_over_output_failure),
       cmocka_unit_test(test_add_layernorm_failure),
       cmocka_unit_test(test_linear_first_gradient),
       cmocka_unit_test(test_linear_first_gradient_failure),

@@ -312,6 +312,29 @@ static void row_cases(int64_t N, int C) {
                                          x.f, b.f, N, C, true),
                    FSDP_OK);
   same(&d, "bias_gelu backward, dinp set");
+  /* dinp over dout (autograd writes it there when dout has no other reader): the same bits */
+  {
+    uint16_t *h2 = malloc(sizeof(uint16_t) * (size_t)n);
+    float *f2 = malloc(sizeof(float) * (size_t)n);
+    assert_non_null(h2);
+    assert_non_null(f2);
+    memcpy(h2, g.h, sizeof(uint16_t) * (size_t)n);
+    memcpy(f2, g.f, sizeof(float) * (size_t)n);
+    assert_int_equal(
+        k->bias_gelu_backward(CTX, DT, FSDP_DTYPE_F32, h2, NULL, h2, x.h, b.h, N, C, true),
+        FSDP_OK);
+    assert_int_equal(k->bias_gelu_backward(CTX, FSDP_DTYPE_F32, FSDP_DTYPE_F32, f2, NULL, f2,
+                                           x.f, b.f, N, C, true),
+                     FSDP_OK);
+    assert_memory_equal(h2, d.h, sizeof(uint16_t) * (size_t)n);
+    /* d.f holds the half values now (same): the f32 kernel out of place again */
+    assert_int_equal(k->bias_gelu_backward(CTX, FSDP_DTYPE_F32, FSDP_DTYPE_F32, d.f, NULL, g.f,
+                                           x.f, b.f, N, C, true),
+                     FSDP_OK);
+    assert_memory_equal(f2, d.f, sizeof(float) * (size_t)n);
+    for (int64_t i = 0; i < n; i++) d.f[i] = widen1(d.h[i]);
+    free(h2), free(f2);
+  }
   /* the bias gradient alone, and in the half dtype */
   for (int64_t i = 0; i < C; i++) db.f[i] = widen1(db.h[i]);
   assert_int_equal(k->bias_gelu_backward(CTX, DT, DT, NULL, db.h, g.h, x.h, b.h, N, C, false),
