@@ -219,6 +219,7 @@ typedef struct {
   float *S;
   uint32_t *kt, *vi, *tile;
   int kind;
+  uint16_t *d; /* kind 6's dscores */
 } bpart_ctx;
 
 static void run_part_bf16(void *p) {
@@ -227,7 +228,11 @@ static void run_part_bf16(void *p) {
   const int TB = FSDP_CPU_ATT_BLOCK;
   for (int r0 = 0; r0 < T; r0 += TB) {
     const int rows = fsdp_cpu_att_rows(T, r0), cols = r0 + rows;
-    if (c->kind == 1)
+    if (c->kind == 5) /* the causal softmax rows into bf16 probabilities */
+      fsdp_cpu_vec()->att_softmax_rows_bf16(c->att, c->S, T, r0, rows, cols);
+    else if (c->kind == 6) /* and their backward, bf16 dscores */
+      fsdp_cpu_vec()->att_softmax_backward_rows_bf16(c->d, c->S, c->att, T, r0, rows, cols);
+    else if (c->kind == 1)
       fsdp_cpu_att_bf16_mm(c->S + (int64_t)r0 * T, T, false, c->q + (int64_t)r0 * C3, C3, 2,
                            c->kt, ldk, rows, cols, hs, r0, FSDP_ATT_COLS, 0.125f, false);
     else if (c->kind == 2)
@@ -249,7 +254,7 @@ static void bench_parts_bf16(double peak) {
   const int hs = C / NH, ldk = (T + 15) / 16 * 16, ldh = (hs + 15) / 16 * 16;
   bpart_ctx c = {hbuf((int64_t)T * 3 * C), hbuf((int64_t)T * T), hbuf((int64_t)T * C),
                  buf((int64_t)T * T, 1), malloc(4 * (size_t)hs * ldk),
-                 malloc(4 * (size_t)T * ldh), malloc(4 * (size_t)T * FSDP_CPU_ATT_BLOCK), 0};
+                 malloc(4 * (size_t)T * ldh), malloc(4 * (size_t)T * FSDP_CPU_ATT_BLOCK), 0, NULL};
   if (!c.kt || !c.vi || !c.tile) {
     fprintf(stderr, "bench_kernels: out of memory\n");
     exit(1);
@@ -260,7 +265,14 @@ static void bench_parts_bf16(double peak) {
                                "att^T dout (key tiles, packed)", "packing k^T and v"};
   printf("bf16 products (AVX512_BF16), the same pair:\n");
   time_parts(run_part_bf16, &c, &c.kind, name, causal, 2.0 * T * hs, peak);
-  free(c.q), free(c.att), free(c.o), free(c.S), free(c.kt), free(c.vi), free(c.tile);
+  c.d = hbuf((int64_t)T * T);
+  for (c.kind = 5; c.kind <= 6; c.kind++) {
+    double t = time_call(run_part_bf16, &c);
+    printf("  %-34s %8.3f ns/element\n",
+           c.kind == 5 ? "causal rows, bf16 out" : "causal rows' backward, bf16",
+           t * 1e9 / (T * (T + 1) / 2.0));
+  }
+  free(c.q), free(c.att), free(c.o), free(c.S), free(c.kt), free(c.vi), free(c.tile), free(c.d);
 }
 
 static void bench_parts(double peak) {

@@ -510,6 +510,53 @@ static void test_f16(void **state) {
   fsdp_cpu_set_threads(0);
 }
 
+/* The level's bf16 bodies end every row of C elements with a partial vector when C is not a
+ * multiple of the width: their stores must stop at the row's end. One row, C = 1..40, the
+ * output followed by guard words that must keep their value (inside a longer row, a store past
+ * the end would land in the next row, which is written afterwards and hides it). */
+static void test_bf16_row_ends(void **state) {
+  (void)state;
+  DT = FSDP_DTYPE_BF16;
+  enum { GUARD = 48, CMAX = 40 };
+  const uint16_t canary = 0x7fc1; /* a NaN no kernel writes */
+  for (int C = 1; C <= CMAX; C++) {
+    buf x = mk(C, -2, 2), g = mk(C, -1, 1), b = mk(C, -1, 1), w = mk(C, 0.5f, 1.5f);
+    uint16_t *o = malloc(sizeof(uint16_t) * (C + GUARD));
+    float mean, rstd, db[CMAX];
+    assert_non_null(o);
+    for (int step = 0; step < 3; step++) {
+      for (int i = 0; i < C + GUARD; i++) o[i] = canary;
+      memset(db, 0, sizeof db);
+      const char *what = "";
+      if (step == 0) {
+        what = "bias_gelu forward";
+        assert_int_equal(K()->bias_gelu_forward(CTX, DT, o, x.h, b.h, 1, C), FSDP_OK);
+      } else if (step == 1) {
+        what = "bias_gelu backward";
+        assert_int_equal(K()->bias_gelu_backward(CTX, DT, FSDP_DTYPE_F32, o, db, g.h, x.h, b.h,
+                                                 1, C, true),
+                         FSDP_OK);
+      } else {
+        what = "layernorm backward";
+        assert_int_equal(K()->layernorm_forward(CTX, DT, o, &mean, &rstd, x.h, w.h, b.h, 1, C,
+                                                1e-5f),
+                         FSDP_OK);
+        for (int i = 0; i < C + GUARD; i++) o[i] = i < C ? 0 : canary; /* it adds into dinp */
+        assert_int_equal(K()->layernorm_backward(CTX, DT, DT, o, NULL, NULL, g.h, x.h, w.h,
+                                                 &mean, &rstd, 1, C),
+                         FSDP_OK);
+      }
+      for (int i = 0; i < C; i++)
+        if (o[i] == canary) /* (layernorm's values are row_cases' to check) */
+          fail_msg("%s, C %d: element %d not written", what, C, i);
+      for (int i = C; i < C + GUARD; i++)
+        if (o[i] != canary) fail_msg("%s, C %d: wrote past the row's end at %d", what, C, i);
+    }
+    free(o);
+    rm(&x), rm(&g), rm(&b), rm(&w);
+  }
+}
+
 /* The half kernels' results do not depend on the thread count, sums included. */
 static void test_threads_same_bits(void **state) {
   (void)state;
@@ -625,6 +672,7 @@ int main(void) {
       cmocka_unit_test(test_scratch_refused),
       cmocka_unit_test(test_bf16),
       cmocka_unit_test(test_f16),
+      cmocka_unit_test(test_bf16_row_ends),
       cmocka_unit_test(test_threads_same_bits),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -268,17 +268,59 @@ static inline fsdp_vh fsdp_vh_round(fsdp_vf v) {
 #else
 static inline fsdp_vh fsdp_vh_round(fsdp_vf v) { return fsdp_vh_round_int(v); }
 #endif
-/* a full vector at s, or (tail: a constant at every call) the lanes of [s, n) */
-static inline fsdp_vf fsdp_vh_load(const uint16_t *x, int64_t s, int64_t n, int tail) {
+/* The first n (0 <= n <= FSDP_VW) bf16 lanes from p, the rest 0; and their store. Masked
+ * where the level has them, as fsdp_vf_load_part: the memcpy form is a call per row end (GCC
+ * does not inline the variable-length copy) and a reload through the stack, and attention's
+ * causal rows all end in one. AVX2 has no 16-bit masks: whole 32-bit pairs masked, then the
+ * odd last lane on its own (nothing past p[n - 1] is touched either way). These and the loads
+ * and stores below are always inlined: left to itself GCC kept the tail forms out of line in
+ * the large bf16 bodies. */
+#define FSDP_VM_INLINE static inline __attribute__((always_inline))
+#if FSDP_VW == 16 && defined(__AVX512BW__) && defined(__AVX512VL__)
+FSDP_VM_INLINE fsdp_vh fsdp_vh_load_part(const uint16_t *p, int n) {
+  return (fsdp_vh)_mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1u), p);
+}
+FSDP_VM_INLINE void fsdp_vh_store_part(uint16_t *p, fsdp_vh h, int n) {
+  _mm256_mask_storeu_epi16(p, (__mmask16)((1u << n) - 1u), (__m256i)h);
+}
+#elif FSDP_VW == 8 && defined(__AVX2__)
+FSDP_VM_INLINE __m128i fsdp_vh_pair_mask(int n) {
+  return _mm_cmpgt_epi32(_mm_set1_epi32(n >> 1), _mm_setr_epi32(0, 1, 2, 3));
+}
+FSDP_VM_INLINE fsdp_vh fsdp_vh_load_part(const uint16_t *p, int n) {
+  __m128i v = _mm_maskload_epi32((const int *)(const void *)p, fsdp_vh_pair_mask(n));
+  if (n & 1) {
+    __m128i at = _mm_cmpeq_epi16(_mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7),
+                                 _mm_set1_epi16((short)(n - 1)));
+    v = _mm_blendv_epi8(v, _mm_set1_epi16((short)p[n - 1]), at);
+  }
+  return (fsdp_vh)v;
+}
+FSDP_VM_INLINE void fsdp_vh_store_part(uint16_t *p, fsdp_vh h, int n) {
+  _mm_maskstore_epi32((int *)(void *)p, fsdp_vh_pair_mask(n), (__m128i)h);
+  if (n & 1) p[n - 1] = h[n - 1];
+}
+#else
+FSDP_VM_INLINE fsdp_vh fsdp_vh_load_part(const uint16_t *p, int n) {
   fsdp_vh h = {0};
+  memcpy(&h, p, sizeof(uint16_t) * (size_t)n);
+  return h;
+}
+FSDP_VM_INLINE void fsdp_vh_store_part(uint16_t *p, fsdp_vh h, int n) {
+  memcpy(p, &h, sizeof(uint16_t) * (size_t)n);
+}
+#endif
+/* a full vector at s, or (tail: a constant at every call) the lanes of [s, n) */
+FSDP_VM_INLINE fsdp_vf fsdp_vh_load(const uint16_t *x, int64_t s, int64_t n, int tail) {
+  fsdp_vh h;
   if (!tail || s + FSDP_VW <= n) memcpy(&h, x + s, sizeof h);
-  else if (s < n) memcpy(&h, x + s, sizeof(uint16_t) * (size_t)(n - s));
+  else h = fsdp_vh_load_part(x + s, s < n ? (int)(n - s) : 0);
   return fsdp_vh_widen(h);
 }
-static inline void fsdp_vh_store(uint16_t *x, int64_t s, int64_t n, fsdp_vf v, int tail) {
+FSDP_VM_INLINE void fsdp_vh_store(uint16_t *x, int64_t s, int64_t n, fsdp_vf v, int tail) {
   fsdp_vh h = fsdp_vh_round(v);
   if (!tail || s + FSDP_VW <= n) memcpy(x + s, &h, sizeof h);
-  else if (s < n) memcpy(x + s, &h, sizeof(uint16_t) * (size_t)(n - s));
+  else if (s < n) fsdp_vh_store_part(x + s, h, (int)(n - s));
 }
 
 /* lane l += lane l + h for h = 8, 4, 2, 1: the same tree at every width. Across the lane set's
@@ -383,7 +425,6 @@ static inline double fsdp_row_expsum(float *out, const float *x, float shift, in
 /* sum of x[i] * y[i] (y NULL: of x[i]); x f32, or bf16 (xh) widened exactly, which gives the
  * terms and the tree of the widened f32 row, so the same bits. xh is a constant at every call,
  * and these are always inlined so that no loop tests it. */
-#define FSDP_VM_INLINE static inline __attribute__((always_inline))
 FSDP_VM_INLINE fsdp_vf fsdp_row_dot_term(const void *x, bool xh, const float *y, int64_t s,
                                          int64_t n, int tail) {
   fsdp_vf v = xh ? fsdp_vh_load(x, s, n, tail) : fsdp_vt_load(x, s, n, 0.0f, tail);
