@@ -15,7 +15,8 @@
  *   instruction-set level's att_mm over the 64-row tiles as attention.c calls it, the packing of
  *   k^T, and the softmax rows (the plain body on rows of 64 to 1024, attention's causal rows):
  *   GFLOP/s counted causally, ns per element; where the processor has AVX512_BF16 (at the
- *   AVX-512 level) the bf16 attention's products on the same pair (att_bf16.c) and its packs.
+ *   AVX-512 level) the bf16 attention's products on the same pair (att_bf16.c), its packs, and
+ *   its causal softmax rows (bf16 probabilities out; the backward's bf16 dscores).
  * Everything runs with 1 and then 2 threads of the rank's pool (kernels/cpu/pool.h; OpenBLAS
  * stays at 1 thread, called per block). Each measurement repeats until it has
  * run for ~0.25 s (best of those reps is reported), so the whole program takes ~10-20 s.
