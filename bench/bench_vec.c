@@ -52,7 +52,7 @@ enum { ROWS = 2048, D = 384, V = 256, SM_ROWS = 8 * 6 * 256, SM_C = 256 };
 
 typedef struct {
   float *x, *y, *dx, *dy, *w, *b, *dw, *db, *mean, *rstd;
-  uint16_t *hx, *hy, *hdx, *hdy, *hb; /* x, y, dx, dy, b rounded to bf16 */
+  uint16_t *hx, *hy, *hdx, *hdy, *hb, *hw; /* x, y, dx, dy, b, w rounded to bf16 */
   int64_t *tgt;
   int64_t n, rows, cols;
 } bctx;
@@ -89,6 +89,20 @@ static void k_unfused_bwd(bctx *c) {
 static void k_ln_fwd(bctx *c) {
   fsdp_cpu_layernorm_forward(c->y, c->mean, c->rstd, c->x, c->w, c->b, c->rows, (int)c->cols,
                              1e-5f);
+}
+/* the residual add and the layernorm after it, fused (y the sum, dx the normalised rows) */
+static void k_add_ln_fwd(bctx *c) {
+  fsdp_cpu_add_layernorm_forward(c->y, c->dx, c->mean, c->rstd, c->x, c->dy, c->w, c->b,
+                                 c->rows, (int)c->cols, 1e-5f);
+}
+/* both on bf16 rows with bf16 parameters, as a mixed-precision step runs them */
+static void k_ln_fwd_bf16(bctx *c) {
+  fsdp_cpu_half_layernorm_forward(FSDP_DTYPE_BF16, c->hy, c->mean, c->rstd, c->hx, c->hw, c->hb,
+                                  c->rows, (int)c->cols, 1e-5f);
+}
+static void k_add_ln_fwd_bf16(bctx *c) {
+  fsdp_cpu_half_add_layernorm_forward(FSDP_DTYPE_BF16, c->hy, c->hdx, c->mean, c->rstd, c->hx,
+                                      c->hdy, c->hw, c->hb, c->rows, (int)c->cols, 1e-5f);
 }
 static void k_ln_bwd(bctx *c) {
   fsdp_cpu_layernorm_backward(c->dx, c->dw, c->db, c->dy, c->x, c->w, c->mean, c->rstd, c->rows,
@@ -137,6 +151,9 @@ static const kernel kernels[] = {
     {"bias+gelu backward bf16", k_bias_gelu_bwd_bf16, ROWS, 4 * D, 6},
     {"layernorm forward", k_ln_fwd, ROWS, D, 8},
     {"layernorm backward", k_ln_bwd, ROWS, D, 16},
+    {"add+layernorm forward", k_add_ln_fwd, ROWS, D, 16},
+    {"layernorm forward bf16", k_ln_fwd_bf16, ROWS, D, 4},
+    {"add+layernorm fwd bf16", k_add_ln_fwd_bf16, ROWS, D, 8},
     {"softmax forward", k_sm_fwd, SM_ROWS, SM_C, 8},
     {"softmax backward", k_sm_bwd, SM_ROWS, SM_C, 16},
     {"cross_entropy forward", k_ce_fwd, ROWS, V, 4},
@@ -244,10 +261,11 @@ int main(int argc, char **argv) {
               .cols = K->cols};
     for (int64_t i = 0; i < K->rows; i++) c.tgt[i] = (i * 7) % K->cols;
     /* the bf16 kernels' rows: the f32 ones rounded */
-    const bool bf16 = K->fn == k_bias_gelu_fwd_bf16 || K->fn == k_bias_gelu_bwd_bf16;
-    uint16_t **h[] = {&c.hx, &c.hy, &c.hdx, &c.hdy, &c.hb};
-    float *f[] = {c.x, c.y, c.dx, c.dy, c.b};
-    for (int i = 0; bf16 && i < 5; i++) {
+    const bool bf16 = K->fn == k_bias_gelu_fwd_bf16 || K->fn == k_bias_gelu_bwd_bf16 ||
+                      K->fn == k_ln_fwd_bf16 || K->fn == k_add_ln_fwd_bf16;
+    uint16_t **h[] = {&c.hx, &c.hy, &c.hdx, &c.hdy, &c.hb, &c.hw};
+    float *f[] = {c.x, c.y, c.dx, c.dy, c.b, c.w};
+    for (int i = 0; bf16 && i < 6; i++) {
       *h[i] = malloc(sizeof(uint16_t) * (size_t)n);
       if (!*h[i]) {
         fprintf(stderr, "bench_vec: out of memory (%lld bf16 elements)\n", (long long)n);
@@ -285,7 +303,7 @@ int main(int argc, char **argv) {
            t[best] / t[FSDP_CPU_ISA_COUNT]);
     free(c.x), free(c.y), free(c.dx), free(c.dy), free(c.w), free(c.b), free(c.dw), free(c.db);
     free(c.mean), free(c.rstd), free(c.tgt), free(g_src), free(g_dst);
-    free(c.hx), free(c.hy), free(c.hdx), free(c.hdy), free(c.hb);
+    free(c.hx), free(c.hy), free(c.hdx), free(c.hdy), free(c.hb), free(c.hw);
   }
   return 0;
 }

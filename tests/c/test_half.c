@@ -480,6 +480,7 @@ static void all_cases(void) {
   row_cases(70, 101);  /* rows that end inside a vector at every width (bf16: the row body's
                         * partial loads and stores), two blocks */
   row_cases(9, 2500);  /* rows longer than a slice: the chunked loops */
+  row_cases(2, 4100);  /* past the bf16 layernorm forward's row bound (FSDP_CPU_LN_ROW_MAX) */
   attention_case(5, 40, 64, 4, false);
   attention_case(1, 70, 32, 2, false); /* too few rows to share: one at a time */
   attention_case(3, 200, 96, 3, true); /* a partial last tile */
@@ -541,6 +542,8 @@ static void test_bf16_row_ends(void **state) {
         assert_int_equal(K()->layernorm_forward(CTX, DT, o, &mean, &rstd, x.h, w.h, b.h, 1, C,
                                                 1e-5f),
                          FSDP_OK);
+        for (int i = C; i < C + GUARD; i++)
+          if (o[i] != canary) fail_msg("layernorm forward, C %d: wrote past the row's end", C);
         for (int i = 0; i < C + GUARD; i++) o[i] = i < C ? 0 : canary; /* it adds into dinp */
         assert_int_equal(K()->layernorm_backward(CTX, DT, DT, o, NULL, NULL, g.h, x.h, w.h,
                                                  &mean, &rstd, 1, C),

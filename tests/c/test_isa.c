@@ -653,6 +653,20 @@ static void test_bf16_round(void **state) {
   same_u16("layernorm_backward_bf16", ld0, ld1, (int64_t)LN * LC, NULL);
   same_f32("layernorm_backward_bf16's dweight", dw0, dw1, LC);
   same_f32("layernorm_backward_bf16's dbias", dbb0, dbb1, LC);
+  /* and its forward, alone and after the residual add (lg as the second addend) */
+  float *lb = frand(LC, -0.5f, 0.5f), *m0 = calloc(2 * LN, sizeof(float)), *m1 = m0 + LN;
+  float *r0 = calloc(2 * LN, sizeof(float)), *r1 = r0 + LN;
+  uint16_t *s0 = hbits((int64_t)LN * LC), *s1 = hbits((int64_t)LN * LC);
+  ref->layernorm_forward_bf16(ld0, NULL, m0, r0, li, NULL, w, lb, 0, LN, LC, 1e-5f);
+  hw->layernorm_forward_bf16(ld1, NULL, m1, r1, li, NULL, w, lb, 0, LN, LC, 1e-5f);
+  same_u16("layernorm_forward_bf16", ld0, ld1, (int64_t)LN * LC, NULL);
+  same_f32("layernorm_forward_bf16's rstd", r0, r1, LN);
+  ref->layernorm_forward_bf16(ld0, s0, m0, r0, li, lg, w, lb, 0, LN, LC, 1e-5f);
+  hw->layernorm_forward_bf16(ld1, s1, m1, r1, li, lg, w, lb, 0, LN, LC, 1e-5f);
+  same_u16("layernorm_forward_bf16 (add)", ld0, ld1, (int64_t)LN * LC, NULL);
+  same_u16("layernorm_forward_bf16's sum", s0, s1, (int64_t)LN * LC, NULL);
+  same_f32("layernorm_forward_bf16's mean (add)", m0, m1, LN);
+  free(lb), free(m0), free(r0), free(s0), free(s1);
 
   /* attention's softmax rows, forward and backward, on a causal (T, T) block */
   const int T = 70;

@@ -48,6 +48,9 @@ int fsdp_cpu_isa_parse(const char *value, fsdp_cpu_isa_level best, fsdp_cpu_isa_
  * Ranges of the public kernels of kernels/cpu/kernels.h, same arithmetic; `lo, hi` are rows
  * (or columns for *_cols) of the full problem. Accumulating slots add (+=) as the public
  * kernels do. */
+/* the longest row layernorm_forward_bf16 takes (its f32 copy of a row lives on the stack) */
+#define FSDP_CPU_LN_ROW_MAX 4096
+
 typedef struct fsdp_cpu_vec_i {
   /* element ranges; out may equal the input */
   void (*relu_forward)(float *out, const float *inp, int64_t n);
@@ -103,6 +106,12 @@ typedef struct fsdp_cpu_vec_i {
   void (*layernorm_forward)(float *out, float *mean, float *rstd, const float *inp,
                             const float *weight, const float *bias, int64_t lo, int64_t hi,
                             int C, float eps);
+  /* the same on bf16 rows a (out rounded once; weight, bias, mean, rstd f32), C <=
+   * FSDP_CPU_LN_ROW_MAX; with b, the residual add first: sum = a + b rounded to bf16 and
+   * stored, and that normalised. The f32 body's bits between a widening and a rounding pass. */
+  void (*layernorm_forward_bf16)(uint16_t *out, uint16_t *sum, float *mean, float *rstd,
+                                 const uint16_t *a, const uint16_t *b, const float *weight,
+                                 const float *bias, int64_t lo, int64_t hi, int C, float eps);
   void (*layernorm_backward)(float *dinp, float *dweight, float *dbias, const float *dout,
                              const float *inp, const float *weight, const float *mean,
                              const float *rstd, int64_t lo, int64_t hi, int C);

@@ -465,35 +465,63 @@ static void adamw_masked(float *p, float *m, float *v, float *g, const float *ma
 /* ---- layernorm, softmax -------------------------------------------------------------------- */
 
 /* y = (x - m) * s * w + b with w, b optional: has_w / has_b are constants at each call, so
- * each case compiles to its own loop */
-VINLINE void ln_row_out(float *y, const float *x, const float *w, const float *b,
-                              float m, float s, int C, bool has_w, bool has_b) {
+ * each case compiles to its own loop; y f32 or bf16 (rounded once) */
+VINLINE void ln_row_out(void *y, const float *x, const float *w, const float *b, float m,
+                        float s, int C, bool has_w, bool has_b, bool bf16) {
   for (int64_t c = 0; c < C; c += VW) {
     fsdp_vf v = (LD(x, c, C, 0.0f) - m) * s;
     if (has_w) v = v * LD(w, c, C, 0.0f);
     if (has_b) v = v + LD(b, c, C, 0.0f);
-    ST(y, c, C, v);
+    stx(y, c, C, v, 1, bf16);
   }
+}
+
+/* one row x (f32) normalised into y: mean and rstd returned through m, s */
+VINLINE void ln_row(void *y, const float *x, const float *weight, const float *bias, int C,
+                    float eps, float *m_out, float *s_out, bool bf16) {
+  /* two passes over a row in cache: the variance of centred values, which does not cancel
+   * catastrophically for large means as E[x^2] - E[x]^2 would */
+  float m = (float)(fsdp_row_sum(x, C) / C);
+  float var = (float)fsdp_row_sqdev(x, m, C) / (float)C;
+  float s = 1.0f / sqrtf(var + eps);
+  if (weight && bias) ln_row_out(y, x, weight, bias, m, s, C, true, true, bf16);
+  else if (weight) ln_row_out(y, x, weight, NULL, m, s, C, true, false, bf16);
+  else if (bias) ln_row_out(y, x, NULL, bias, m, s, C, false, true, bf16);
+  else ln_row_out(y, x, NULL, NULL, m, s, C, false, false, bf16);
+  *m_out = m;
+  *s_out = s;
 }
 
 static void layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
                               const float *weight, const float *bias, int64_t lo, int64_t hi,
                               int C, float eps) {
   // out (N, C), mean (N), rstd (N), inp (N, C), weight (C) or NULL, bias (C) or NULL
+  for (int64_t n = lo; n < hi; n++)
+    ln_row(out + n * C, inp + n * C, weight, bias, C, eps, mean + n, rstd + n, false);
+}
+
+/* The same on bf16 rows, and the residual add before it when b is given (sum = a + b rounded to
+ * bf16 and stored, then normalised as stored, as the add and the layernorm apart do). Each row
+ * is widened (or added and rounded, then widened) into an f32 row on the stack and the f32
+ * body runs on it, so the results are the f32 kernel's between a widening and a rounding pass,
+ * in one walk over the row instead of a conversion pass for every operand. */
+static void layernorm_forward_bf16(uint16_t *out, uint16_t *sum, float *mean, float *rstd,
+                                   const uint16_t *a, const uint16_t *b, const float *weight,
+                                   const float *bias, int64_t lo, int64_t hi, int C, float eps) {
+  float row[FSDP_CPU_LN_ROW_MAX] __attribute__((aligned(64)));
   for (int64_t n = lo; n < hi; n++) {
-    const float *x = inp + n * C;
-    float *y = out + n * C;
-    /* two passes over a row in cache: the variance of centred values, which does not cancel
-     * catastrophically for large means as E[x^2] - E[x]^2 would */
-    float m = (float)(fsdp_row_sum(x, C) / C);
-    float var = (float)fsdp_row_sqdev(x, m, C) / (float)C;
-    float s = 1.0f / sqrtf(var + eps);
-    if (weight && bias) ln_row_out(y, x, weight, bias, m, s, C, true, true);
-    else if (weight) ln_row_out(y, x, weight, NULL, m, s, C, true, false);
-    else if (bias) ln_row_out(y, x, NULL, bias, m, s, C, false, true);
-    else ln_row_out(y, x, NULL, NULL, m, s, C, false, false);
-    mean[n] = m;
-    rstd[n] = s;
+    const uint16_t *x = a + n * C;
+    if (b) {
+      const uint16_t *x2 = b + n * C;
+      uint16_t *sn = sum + n * C;
+      for (int64_t c = 0; c < C; c += VW) {
+        stx(sn, c, C, ldx(x, c, C, 1, true) + ldx(x2, c, C, 1, true), 1, true);
+        ST(row, c, C, ldx(sn, c, C, 1, true));
+      }
+    } else {
+      for (int64_t c = 0; c < C; c += VW) ST(row, c, C, ldx(x, c, C, 1, true));
+    }
+    ln_row(out + n * C, row, weight, bias, C, eps, mean + n, rstd + n, true);
   }
 }
 
@@ -943,6 +971,7 @@ const fsdp_cpu_vec_i FSDP_VEC_TABLE = {
     .adamw = adamw,
     .adamw_masked = adamw_masked,
     .layernorm_forward = layernorm_forward,
+    .layernorm_forward_bf16 = layernorm_forward_bf16,
     .layernorm_backward = layernorm_backward,
     .layernorm_backward_bf16 = layernorm_backward_bf16,
     .att_softmax_rows_bf16 = att_softmax_rows_bf16,
