@@ -44,13 +44,14 @@ int fsdp_cpu_isa_parse(const char *value, fsdp_cpu_isa_level best, fsdp_cpu_isa_
 /* fsdp_cpu_isa_check (kernels.h) repeats FSDP_CPU_ISA's error; the Lua module refuses to load
  * on it, so a bad setting never runs silently. */
 
+/* the longest row layernorm_forward_bf16 takes (its f32 copy of a row lives on the stack:
+ * 16 KiB) */
+#define FSDP_CPU_LN_ROW_MAX 4096
+
 /* ---- the bodies at one level ---------------------------------------------------------------
  * Ranges of the public kernels of kernels/cpu/kernels.h, same arithmetic; `lo, hi` are rows
  * (or columns for *_cols) of the full problem. Accumulating slots add (+=) as the public
  * kernels do. */
-/* the longest row layernorm_forward_bf16 takes (its f32 copy of a row lives on the stack) */
-#define FSDP_CPU_LN_ROW_MAX 4096
-
 typedef struct fsdp_cpu_vec_i {
   /* element ranges; out may equal the input */
   void (*relu_forward)(float *out, const float *inp, int64_t n);
