@@ -229,8 +229,8 @@ static int grad_out(fsdp_node *n, int k, bool whole, void **g, bool *fresh) {
   return grad_of(n, k, g);
 }
 
-/* rc of the writer of a grad_out buffer: a new buffer it failed to write is zero-filled, never
- * left as allocated */
+/* rc of the writer of a grad_out (or grad_over_out) buffer: one it was to write whole and
+ * failed to is zero-filled, never left as allocated or half written */
 static int grad_out_done(fsdp_node *n, int k, void *g, bool fresh, int rc) {
   if (rc && fresh) {
     const fsdp_tensor *gt = n->in[k]->grad;
@@ -496,42 +496,31 @@ done:
 
 /* ---- bias + gelu ------------------------------------------------------------------------ */
 
-/* Input k's first gradient written over the output's: when this backward is the last reader of
- * n->out's gradient (the tape drops it once n ran) and nothing else holds it or its storage,
- * it becomes input k's gradient and the kernel writes the input gradient in place (a kernel
- * that allows it reads each element of dout before it writes that element of dinp). That
- * spares one buffer of the input's size at the backward's peak. False: take grad_out's way. */
+/* Input k's first gradient written over the output's, for a backward that writes it whole
+ * and whose kernel allows dinp == dout (each element of dout read before that element of dinp
+ * is written): when nothing but the output holds the output's gradient (no view, no Lua
+ * handle, no other sharer), fsdp_grad_share hands it to input k, and the output drops it once
+ * n ran, so nobody sees it change. That spares one buffer of the input's size at the
+ * backward's peak. True: *g is that buffer, to be written whole as grad_out's fresh one (and
+ * zero-filled by grad_out_done should the kernel fail). */
 static bool grad_over_out(fsdp_node *n, int k, void **g) {
   fsdp_tensor *t = n->in[k], *og = n->out->grad;
-  if (!t || !t->requires_grad || t->grad || t->is_leaf || !og || n->out->is_leaf ||
-      !NK(n)->fill || __atomic_load_n(&og->refcount, __ATOMIC_ACQUIRE) != 1 ||
-      __atomic_load_n(&og->storage->refcount, __ATOMIC_ACQUIRE) != 1 ||
-      og->dtype != t->dtype || og->storage->device != t->storage->device ||
-      !fsdp_tensor_same_shape(og, t) || !fsdp_tensor_is_contiguous(og))
+  if (!t || !og || !NK(n)->fill || __atomic_load_n(&og->refcount, __ATOMIC_ACQUIRE) != 1 ||
+      __atomic_load_n(&og->storage->refcount, __ATOMIC_ACQUIRE) != 1 || !fsdp_grad_share(t, og))
     return false;
-  fsdp_tensor_set_grad(t, og);
-  og->version++;
+  og->version++; /* a write, as fsdp_grad_acc's */
   *g = D(og);
   return true;
 }
 
-/* x's gradient, when it is its first (x is a linear's output), is written, not added: the
- * buffer is never zero-filled (as bw_linear's input gradient), and is the output's gradient
- * when that is free (grad_over_out) */
+/* x's gradient, when it is its first (x is a linear's output), is written, not added: into the
+ * output's gradient when that is free (grad_over_out), else into a buffer that is never
+ * zero-filled (as bw_linear's input gradient) */
 static int bw_bias_gelu(fsdp_node *n) {
   void *dx, *db;
   fsdp_dtype gb = NDT(n);
-  bool fresh = false;
-  if (grad_over_out(n, 0, &dx)) {
-    int rc = wgrad_of(n, 1, &db, &gb);
-    if (!rc)
-      rc = NK(n)->bias_gelu_backward(NCTX(n), NDT(n), gb, dx, db, dx, D(n->saved[0]),
-                                     D(n->saved[1]), n->i[0], (int)n->i[1], true);
-    if (rc) /* no half-written gradient is left behind */
-      NK(n)->fill(NCTX(n), NDT(n), dx, 0.0, fsdp_tensor_numel(n->in[0]));
-    return rc;
-  }
-  if (grad_out(n, 0, true, &dx, &fresh)) return FSDP_ERR;
+  bool fresh = grad_over_out(n, 0, &dx);
+  if (!fresh && grad_out(n, 0, true, &dx, &fresh)) return FSDP_ERR;
   int rc = wgrad_of(n, 1, &db, &gb);
   if (!rc && (dx || db))
     rc = NK(n)->bias_gelu_backward(NCTX(n), NDT(n), gb, dx, db, D(n->out->grad),

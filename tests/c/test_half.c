@@ -624,6 +624,18 @@ static void test_scratch_refused(void **state) {
   assert_non_null(strstr(fsdp_error_msg(), "out of memory budget"));
   assert_memory_equal(d.h, d0, sizeof(uint16_t) * N * C);
   for (int i = 0; i < C; i++) assert_true(dw[i] == 0.0f);
+  /* the forward, alone and after the add: the f32 copies of weight and bias refused, the
+   * output and the sum untouched */
+  assert_int_equal(k->layernorm_forward(CTX, DT, d.h, mean, rstd, x.h, w.h, w.h, N, C, 1e-5f),
+                   FSDP_ERR);
+  assert_non_null(strstr(fsdp_error_msg(), "out of memory budget"));
+  assert_memory_equal(d.h, d0, sizeof(uint16_t) * N * C);
+  assert_int_equal(k->add_layernorm_forward(CTX, DT, d.h, d.h, mean, rstd, x.h, g.h, w.h, w.h, N,
+                                            C, 1e-5f),
+                   FSDP_ERR);
+  assert_non_null(strstr(fsdp_error_msg(), "out of memory budget"));
+  assert_memory_equal(d.h, d0, sizeof(uint16_t) * N * C);
+  for (int i = 0; i < N; i++) assert_true(mean[i] == 0.1f && rstd[i] == 1.5f);
   assert_int_equal(k->attention_forward(CTX, DT, o.h, NULL, qkv.h, B, T, AC, NH), FSDP_ERR);
   assert_non_null(strstr(fsdp_error_msg(), "out of memory budget"));
   assert_memory_equal(o.h, o0, sizeof(uint16_t) * B * T * AC);

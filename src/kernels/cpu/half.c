@@ -574,8 +574,9 @@ static void layernorm_fn(const hmap *m, float *const *f, int64_t u0, int64_t nu)
                              m->s);
 }
 
-/* bf16 rows up to FSDP_CPU_LN_ROW_MAX: the level's bf16 body (isa.h), each row widened once
- * into an f32 row on the stack, the sum of the fused add rounded and stored on the way */
+/* Layernorm's forward on bf16 rows up to FSDP_CPU_LN_ROW_MAX, after the residual add when b
+ * is given (sum = a + b): the level's bf16 body (isa.h), each row widened once into an f32 row
+ * on the stack, the add's sum rounded and stored on the way; weight and bias widened once. */
 typedef struct {
   uint16_t *out, *sum;
   float *mean, *rstd;
@@ -595,21 +596,25 @@ static bool ln_fw_native(fsdp_dtype dt, int C) {
   return dt == FSDP_DTYPE_BF16 && C >= 1 && C <= FSDP_CPU_LN_ROW_MAX;
 }
 
-static void ln_fw_bf16(ln_fw_job *j, int64_t N) {
-  fsdp_cpu_parallel_for(N, fsdp_cpu_grain_rows(j->C, FSDP_CPU_GRAIN), ln_fw_bf16_task, j);
+static int ln_fw_bf16(void *out, void *sum, float *mean, float *rstd, const void *a,
+                      const void *b, const void *weight, const void *bias, int64_t N, int C,
+                      float eps) {
+  fsdp_cpu_work w = {0};
+  ln_fw_job j = {.out = out, .sum = sum, .mean = mean, .rstd = rstd, .a = a, .b = b,
+                 .w = whole(&w, weight, FSDP_DTYPE_BF16, C),
+                 .bias = whole(&w, bias, FSDP_DTYPE_BF16, C), .C = C, .eps = eps};
+  if (!w.failed)
+    fsdp_cpu_parallel_for(N, fsdp_cpu_grain_rows(C, FSDP_CPU_GRAIN), ln_fw_bf16_task, &j);
+  return fsdp_cpu_work_done(&w);
 }
 
 int fsdp_cpu_half_layernorm_forward(fsdp_dtype dt, void *out, float *mean, float *rstd,
                                     const void *inp, const void *weight, const void *bias,
                                     int64_t N, int C, float eps) {
+  if (ln_fw_native(dt, C))
+    return ln_fw_bf16(out, NULL, mean, rstd, inp, NULL, weight, bias, N, C, eps);
   fsdp_cpu_work w = {0};
   float *fw = whole(&w, weight, dt, C), *fb = whole(&w, bias, dt, C);
-  if (!w.failed && ln_fw_native(dt, C)) {
-    ln_fw_job j = {.out = out, .mean = mean, .rstd = rstd, .a = inp, .w = fw, .bias = fb,
-                   .C = C, .eps = eps};
-    ln_fw_bf16(&j, N);
-    return fsdp_cpu_work_done(&w);
-  }
   if (!w.failed && hmap_fits(C)) {
     hmap m = {.dt = dt, .p = {out, (void *)inp}, .rd = 2, .wr = 1, .keep = 3, .row = C,
               .fn = layernorm_fn, .w0 = fw, .w1 = fb, .r0 = mean, .r1 = rstd, .s = eps};
@@ -644,6 +649,8 @@ int fsdp_cpu_half_add_layernorm_forward(fsdp_dtype dt, void *sum, void *out, flo
                                         float *rstd, const void *a, const void *b,
                                         const void *weight, const void *bias, int64_t N, int C,
                                         float eps) {
+  if (ln_fw_native(dt, C))
+    return ln_fw_bf16(out, sum, mean, rstd, a, b, weight, bias, N, C, eps);
   if (!hmap_fits(C)) { /* rows longer than a slice: the two kernels one after the other */
     const int64_t n = N * C;
     if (fsdp_cpu_half_binary_forward(dt, sum, a, b, n, n, FSDP_BIN_ADD)) return FSDP_ERR;
@@ -651,11 +658,7 @@ int fsdp_cpu_half_add_layernorm_forward(fsdp_dtype dt, void *sum, void *out, flo
   }
   fsdp_cpu_work w = {0};
   float *fw = whole(&w, weight, dt, C), *fb = whole(&w, bias, dt, C);
-  if (!w.failed && ln_fw_native(dt, C)) {
-    ln_fw_job j = {.out = out, .sum = sum, .mean = mean, .rstd = rstd, .a = a, .b = b,
-                   .w = fw, .bias = fb, .C = C, .eps = eps};
-    ln_fw_bf16(&j, N);
-  } else if (!w.failed) {
+  if (!w.failed) {
     hmap m = {.dt = dt, .p = {sum, out, (void *)a, (void *)b}, .rd = 0xc, .wr = 0x3, .keep = 3,
               .row = C, .fn = add_layernorm_fn, .w0 = fw, .w1 = fb, .r0 = mean, .r1 = rstd,
               .s = eps};

@@ -476,7 +476,8 @@ VINLINE void ln_row_out(void *y, const float *x, const float *w, const float *b,
   }
 }
 
-/* one row x (f32) normalised into y: mean and rstd returned through m, s */
+/* one row x (f32) normalised into y (f32, or bf16 rounded once); its mean and rstd into
+ * *m_out, *s_out */
 VINLINE void ln_row(void *y, const float *x, const float *weight, const float *bias, int C,
                     float eps, float *m_out, float *s_out, bool bf16) {
   /* two passes over a row in cache: the variance of centred values, which does not cancel
