@@ -6,6 +6,8 @@
 
 local fsdp = require "fsdp"
 local nn = fsdp.nn
+local H = require "helpers"
+teardown(H.remove_temps)
 
 local function read_page()
   local dir = os.getenv("FSDP_SOURCE_DIR") or "."
@@ -49,7 +51,7 @@ local code = code_of(page)
 
 -- the objects methods are looked up on
 local function tmpfile(text)
-  local p = os.tmpname()
+  local p = H.tmpname()
   local f = assert(io.open(p, "wb"))
   f:write(text)
   f:close()

@@ -8,18 +8,9 @@ local core = fsdp.core
 local nn = fsdp.nn
 require "fsdp.checkpoint"
 
-local function tmpdir()
-  local p = os.tmpname()
-  os.remove(p)
-  core.io_mkdirs(p)
-  return p
-end
-
-local function rmtree(p)
-  os.execute("rm -rf '" .. p .. "'")
-end
-
 local H = require "helpers"
+local tmpdir, rmtree = H.mktemp_dir, H.rmtree
+teardown(H.remove_temps)
 local errors_with = H.assert_error_has
 
 local function gpt(seed, cfg)

@@ -13,6 +13,7 @@ local FORTUNES = "/usr/share/games/fortunes"
 local H = require "helpers"
 local assert_error_has, flat = H.assert_error_has, H.flat
 local mktemp_dir, write = H.mktemp_dir, H.write_file
+teardown(H.remove_temps)
 
 local function be32(n)
   return string.char(math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256,

@@ -11,6 +11,7 @@ local cpu2 = require "fsdp_cpu2" -- first: its fsdp.core is the engine cpu2 is r
 local fsdp = require "fsdp"
 local core = fsdp.core
 local H = require "helpers"
+teardown(H.remove_temps)
 
 -- the same stream on both devices
 local function pair(shape, seed)

@@ -6,6 +6,8 @@
 
 local fsdp = require "fsdp"
 local nn = fsdp.nn
+local H = require "helpers"
+teardown(H.remove_temps)
 
 local ids = fsdp.tensor({{1, 2, 3, 4}, {5, 6, 7, 8}}, {dtype = "i64"})
 local targets = fsdp.tensor({{2, 3, 4, 5}, {6, 7, 8, 9}}, {dtype = "i64"})
@@ -208,8 +210,7 @@ end)
 
 describe("freeze and checkpoints", function()
   local function run(frozen_at_save, frozen_at_load)
-    local dir = os.tmpname()
-    os.remove(dir)
+    local dir = H.tmpname()
     local m = gpt()
     if frozen_at_save then m:freeze("^blocks%.1%.") end
     fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})

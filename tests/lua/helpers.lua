@@ -76,12 +76,38 @@ end
 -- The common one: default tolerance 1e-5, 7 significant digits.
 H.assert_close = H.make_assert_close(1e-5, "%.7g")
 
--- A fresh empty directory under the system temp dir.
-function H.mktemp_dir()
+-- Temporary paths under the system temp dir. H.tmpname() is a fresh name with nothing there
+-- (os.tmpname's empty file removed), for the file or folder a test makes; H.mktemp_dir() a fresh
+-- empty folder. Each is noted, and H.remove_temps() removes all those noted so far, with what is
+-- under them: a spec that makes any has `teardown(H.remove_temps)` at its top level, so that a
+-- failing test leaves nothing behind either. H.rmtree(path) removes one at once.
+local temps = {}
+
+local function quote(p) return "'" .. p:gsub("'", "'\\''") .. "'" end
+
+function H.tmpname()
   local p = os.tmpname()
   os.remove(p)
-  assert(os.execute("mkdir -p '" .. p .. "'") == 0)
+  temps[#temps + 1] = p
   return p
+end
+
+function H.mktemp_dir()
+  local p = H.tmpname()
+  assert(os.execute("mkdir -p " .. quote(p)) == 0)
+  return p
+end
+
+function H.rmtree(p)
+  os.execute("rm -rf " .. quote(p))
+end
+
+function H.remove_temps()
+  if #temps == 0 then return end
+  local q = {}
+  for i, p in ipairs(temps) do q[i] = quote(p) end
+  os.execute("rm -rf " .. table.concat(q, " "))
+  temps = {}
 end
 
 -- Writes text to path (binary), failing loudly.

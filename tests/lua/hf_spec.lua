@@ -6,6 +6,7 @@ local fsdp = require "fsdp"
 local core = fsdp.core
 local nn = fsdp.nn
 local H = require "helpers"
+teardown(H.remove_temps)
 
 local errors_with = H.assert_error_has
 local FIXTURE = "tests/fixtures/hf_gpt2/model"
@@ -259,10 +260,11 @@ describe("fsdp.export_hf", function()
   end)
 
   it("refuses what is no GPT, a module inside a wrapped one, and a model on meta", function()
-    errors_with(function() fsdp.export_hf(nn.Linear(2, 2), "/tmp/x") end,
+    local dir = "/nonexistent-dir/x" -- never written: each call is refused first
+    errors_with(function() fsdp.export_hf(nn.Linear(2, 2), dir) end,
       "fsdp.export_hf: expected an nn.GPT (got Linear)")
     local m = fsdp.meta(function() return nn.GPT{vocab = 5, ctx = 4, d = 4, layers = 1, heads = 1} end)
-    errors_with(function() fsdp.export_hf(m, "/tmp/x") end,
+    errors_with(function() fsdp.export_hf(m, dir) end,
       "fsdp.export_hf: parameter wte.weight is on the meta device")
     errors_with(function() fsdp.export_hf(nn.GPT{vocab = 5, ctx = 4, d = 4, layers = 1, heads = 1}, "") end,
       "dir must be a non-empty string")
@@ -271,13 +273,13 @@ describe("fsdp.export_hf", function()
       nn.GPT.init(self, cfg)
       self.extra = nn.Linear(2, 2)
     end
-    errors_with(function() fsdp.export_hf(Sub{vocab = 5, ctx = 4, d = 4, layers = 1, heads = 1}, "/tmp/x") end,
+    errors_with(function() fsdp.export_hf(Sub{vocab = 5, ctx = 4, d = 4, layers = 1, heads = 1}, dir) end,
       "parameter extra.weight has no GPT-2 counterpart")
-    errors_with(function() fsdp.export_hf(nn.GPT{vocab = 5, ctx = 4, d = 4, layers = 1, heads = 1}, "/tmp/x",
+    errors_with(function() fsdp.export_hf(nn.GPT{vocab = 5, ctx = 4, d = 4, layers = 1, heads = 1}, dir,
       {dtype = "bf16"}) end, "fsdp.export_hf: takes (model, dir) and no options (got a third argument, a table)")
     local lora = nn.GPT{vocab = 5, ctx = 4, d = 4, layers = 1, heads = 1}
     nn.lora.apply(lora, {rank = 2})
-    errors_with(function() fsdp.export_hf(lora, "/tmp/x") end,
+    errors_with(function() fsdp.export_hf(lora, dir) end,
       "parameter blocks.1.attn.qkv.lora.A has no GPT-2 counterpart (merge the adapters first: nn.lora.merge(model)")
   end)
 end)

@@ -5,6 +5,7 @@
 local core = require "fsdp.core"
 
 local H = require "helpers"
+teardown(H.remove_temps)
 local assert_error_has, mktemp_dir, flat = H.assert_error_has, H.mktemp_dir, H.flat
 
 local function read_file(path)

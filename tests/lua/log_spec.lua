@@ -9,6 +9,7 @@ local log = require "fsdp.log"
 local core = require "fsdp.core"
 
 local H = require "helpers"
+teardown(H.remove_temps)
 local sink = H.sink -- an output handle that keeps what is written
 
 local function lines(text)
@@ -107,7 +108,7 @@ describe("fsdp.log", function()
 
   it("writes nothing on other ranks", function()
     local out = sink()
-    local path = os.tmpname()
+    local path = H.tmpname()
     log.setup { out = out, progress = "line", rank = 1, jsonl = path }
     log(1, { loss = 1 })
     log.print("x")
@@ -120,7 +121,7 @@ describe("fsdp.log", function()
   end)
 
   it("writes one JSON object per call with step, time and every metric", function()
-    local path = os.tmpname()
+    local path = H.tmpname()
     local clock = fake_clock()
     log.setup { jsonl = path, out = sink(), progress = "line", clock = clock.fn }
     clock.t = clock.t + 1.5
@@ -186,8 +187,7 @@ describe("fsdp.log", function()
   end)
 
   it("makes the JSONL file's folder", function()
-    local dir = os.tmpname()
-    os.remove(dir)
+    local dir = H.tmpname()
     local path = dir .. "/a/b/metrics.jsonl"
     log.setup { jsonl = path, out = sink(), progress = "line", rank = 0 }
     log(1, { loss = 1 })
@@ -265,7 +265,7 @@ end)
 describe("fsdp.log JSONL append", function()
   it("continues an existing metrics file when append = true", function()
     local fsdp = require "fsdp"
-    local path = os.tmpname()
+    local path = H.tmpname()
     local sink = { write = function() end, flush = function() end }
     fsdp.log.setup { jsonl = path, out = sink, progress = "line", rank = 0 }
     fsdp.log(1, { loss = 2 })

@@ -8,6 +8,8 @@
 local fsdp = require "fsdp"
 local nn = fsdp.nn
 require "fsdp.meta"
+local H = require "helpers"
+teardown(H.remove_temps)
 
 local ids = fsdp.tensor({{1, 2, 3, 4}, {5, 6, 7, 8}}, {dtype = "i64"})
 local targets = fsdp.tensor({{2, 3, 4, 5}, {6, 7, 8, 9}}, {dtype = "i64"})
@@ -176,9 +178,8 @@ describe("LoRA with meta, checkpoints and wrapping", function()
 
   it("a checkpoint holds the adapters; a wrapped meta model loads the base and materializes "
     .. "the adapters", function()
-    local dir = os.tmpname()
-    os.remove(dir)
-    local path = dir .. ".safetensors"
+    local dir = H.mktemp_dir()
+    local path = dir .. "/m.safetensors"
     local base = gpt()
     train(base, 2)
     fsdp.save(base, path)
@@ -207,6 +208,6 @@ describe("LoRA with meta, checkpoints and wrapping", function()
     local adapted = fsdp.no_grad(function() return m(ids) end)
     nn.lora.merge(m)
     assert.is_true(max_diff(adapted, fsdp.no_grad(function() return m(ids) end)) < 1e-5)
-    os.remove(path)
+    H.rmtree(dir)
   end)
 end)

@@ -7,6 +7,7 @@ local nn = fsdp.nn
 local optim = fsdp.optim
 
 local H = require "helpers"
+teardown(H.remove_temps)
 local flat, assert_close = H.flat, H.assert_close
 
 local function param(values) return nn.Parameter(fsdp.tensor(values)) end
@@ -823,12 +824,6 @@ describe("optimizer state (Adam, Lion, Adafactor, Nesterov SGD)", function()
       opt:step()
     end
   end
-  local function tmpdir()
-    local p = os.tmpname()
-    os.remove(p)
-    return p
-  end
-
   for kind, make in pairs(MAKE) do
     it(kind .. ": state_dict into a new optimizer, and a checkpoint, continue as the original", function()
       local m1 = Three()
@@ -847,7 +842,7 @@ describe("optimizer state (Adam, Lion, Adafactor, Nesterov SGD)", function()
       end)
       local o2 = make(m2)
       o2:load_state_dict(sd)
-      local dir = tmpdir()
+      local dir = H.tmpname()
       fsdp.save(m1, dir, {format = "sharded", optimizer = o1})
       local o3 = make(m3)
       fsdp.load(m3, dir, {optimizer = o3})

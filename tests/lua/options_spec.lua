@@ -7,6 +7,7 @@ local fsdp = require "fsdp"
 local nn = fsdp.nn
 local data = require "fsdp.data"
 local H = require "helpers"
+teardown(H.remove_temps)
 local errors_with = H.assert_error_has
 
 local function text_file()
@@ -59,7 +60,7 @@ describe("unknown option keys", function()
     end, "sparsity", "at, exclude, kind, m, n, params, start"},
     {"fsdp.sparsity", function() fsdp.sparsity(nn.Linear(4, 4), {paramz = "weight"}) end, "paramz", "exclude, params"},
     {"fsdp.inspect", function() fsdp.inspect(nn.Linear(4, 4).weight, {modle = 1}) end, "modle", "model"},
-    {"fsdp.save", function() fsdp.save(nn.Linear(2, 2), "/tmp/never.safetensors", {fromat = "x"}) end,
+    {"fsdp.save", function() fsdp.save(nn.Linear(2, 2), "/nonexistent-dir/never.safetensors", {fromat = "x"}) end,
       "fromat", "extra, format, loader, loaders, optimizer, schedule, step"},
     {"fsdp.load", function() require("fsdp.meta").load_tensors(nn.Linear(2, 2), {}, {strct = false}) end,
       "strct", "strict"},

@@ -11,6 +11,7 @@ local plot = require "fsdp.plot"
 -- ---- helpers --------------------------------------------------------------------------------
 
 local H = require "helpers"
+teardown(H.remove_temps)
 local sink, write_file = H.sink, H.write_file
 
 local function read_file(path)
@@ -272,7 +273,7 @@ describe("fsdp.plot.parse and fsdp.plot.read", function()
   end)
 
   it("reads a file, and reports a truncated last line", function()
-    local path = os.tmpname()
+    local path = H.tmpname()
     write_file(path, '{"step":1,"loss":2}\n{"step":2,"lo')
     local recs, problems = plot.read(path)
     os.remove(path)
@@ -290,7 +291,7 @@ describe("fsdp.plot.parse and fsdp.plot.read", function()
   it("reads back what fsdp.log wrote (NaN and inf as numbers, strings, tensors as numbers)", function()
     local fsdp = require "fsdp"
     local log = require "fsdp.log"
-    local path = os.tmpname()
+    local path = H.tmpname()
     local t = 0
     log.setup { jsonl = path, out = sink(), progress = "off", rank = 0, clock = function() return t end }
     for s = 1, 5 do
@@ -673,7 +674,8 @@ end)
 
 describe("fsdp.plot.write", function()
   it("writes the SVG and no temporary file; reports malformed lines", function()
-    local jsonl, svg = os.tmpname(), os.tmpname() .. ".svg"
+    local dir = H.mktemp_dir()
+    local jsonl, svg = dir .. "/m.jsonl", dir .. "/m.svg"
     write_file(jsonl, '{"step":1,"loss":2}\n{"step":2,"loss":1}\nbroken\n')
     local out, problems = plot.write(jsonl, svg, { title = "t" })
     assert.equal(svg, out)
@@ -682,12 +684,11 @@ describe("fsdp.plot.write", function()
     assert_xml(text)
     assert.truthy(text:find("1 malformed line skipped", 1, true))
     assert.is_false(exists(svg .. ".tmp"))
-    os.remove(jsonl)
-    os.remove(svg)
+    H.rmtree(dir)
   end)
 
   it("raises a plain message when it cannot write", function()
-    local jsonl = os.tmpname()
+    local jsonl = H.tmpname()
     write_file(jsonl, '{"step":1,"loss":2}\n')
     local ok, err = pcall(plot.write, jsonl, "/nonexistent-dir/x.svg")
     os.remove(jsonl)
@@ -701,15 +702,13 @@ end)
 describe("fsdprun plot (plot.main and plot.command)", function()
   local dir, jsonl
   before_each(function()
-    dir = os.tmpname()
-    os.remove(dir)
-    assert(os.execute("mkdir -p " .. dir) == 0)
+    dir = H.mktemp_dir()
     jsonl = dir .. "/metrics.jsonl"
     local lines = {}
     for s = 1, 30 do lines[s] = ('{"step":%d,"time":%g,"loss":%g,"lr":0.01}'):format(s, s / 4, 3 - s / 20) end
     write_file(jsonl, table.concat(lines, "\n") .. "\n")
   end)
-  after_each(function() os.execute("rm -rf " .. dir) end)
+  after_each(function() H.rmtree(dir) end)
 
   local function run(args)
     local env = { stdout = sink(), stderr = sink() }

@@ -10,6 +10,7 @@ local nn = fsdp.nn
 local optim = fsdp.optim
 
 local H = require "helpers"
+teardown(H.remove_temps)
 local flat, assert_close, assert_error_has = H.flat, H.assert_close, H.assert_error_has
 
 local function param(values) return nn.Parameter(fsdp.tensor(values)) end

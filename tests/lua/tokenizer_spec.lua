@@ -10,6 +10,7 @@ local tokenizer = require "fsdp.tokenizer"
 
 local H = require "helpers"
 local assert_error_has, mktemp_dir, write = H.assert_error_has, H.mktemp_dir, H.write_file
+teardown(H.remove_temps)
 
 local FORTUNES = "/usr/share/games/fortunes"
 local CORPUS = FORTUNES .. "/debian"

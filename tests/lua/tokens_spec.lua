@@ -12,6 +12,7 @@ require "fsdp.checkpoint"
 
 local H = require "helpers"
 local assert_error_has, mktemp_dir, write = H.assert_error_has, H.mktemp_dir, H.write_file
+teardown(H.remove_temps)
 
 -- The id at position i (0-based) of the test files: a formula, so any window can be checked.
 local function id_at(i, vocab) return (i * 7919 + 13) % vocab end

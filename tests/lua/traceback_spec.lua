@@ -39,11 +39,14 @@ local function later() error("later error") end
 later()
 ]]
 
+local H = require "helpers"
+teardown(H.remove_temps)
+
 -- run fsdprun on text (with args and environment prefix env): its output and exit status
 local function run(text, args, env)
   local fsdprun = os.getenv("FSDPRUN")
   if not fsdprun then return nil end
-  local path = os.tmpname()
+  local path = H.tmpname()
   local f = assert(io.open(path, "w"))
   f:write(text)
   f:close()

@@ -11,6 +11,7 @@ local nn = fsdp.nn
 local F = nn.F
 
 local H = require "helpers"
+teardown(H.remove_temps)
 local flat = H.flat
 local assert_close = H.make_assert_close(1e-6, "%.9g")
 local errors_with = H.assert_error_has -- (fn, needle)
@@ -470,7 +471,7 @@ print("units-ok " .. core.rank())
   it("lays out, slices and averages gradients across ranks", function()
     local fsdprun = os.getenv("FSDPRUN")
     if not fsdprun then pending("FSDPRUN is not set (run through ctest)") return end
-    local path = os.tmpname()
+    local path = H.tmpname()
     local f = assert(io.open(path, "w"))
     f:write(script)
     f:close()
