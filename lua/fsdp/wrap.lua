@@ -456,7 +456,7 @@ local function build(model, o, plan)
         local u = core.unit_new(rec.path, ps, pp, {strategy = pol.strategy, root = (m == model),
           reshard_after_forward = pol.reshard_after_forward, param_dtype = pol.mp and pol.mp.param,
           reduce_dtype = pol.mp and pol.mp.reduce, device = o.device, offload = pol.offload,
-          shard_size = pol.shard_size})
+          shard_size = pol.shard_size, overlap_reduce = o.prefetch})
         built[#built + 1] = u
         R:add_unit(u, m, ps, pol)
       end

@@ -98,6 +98,14 @@ bool fsdp_tape_records(const fsdp_tensor *t);
  * op ran (its version changed) fails the backward with a message naming the op. */
 int fsdp_backward(fsdp_tensor *root, fsdp_tensor *grad);
 
+/* A function run on the backward's thread when its outermost backward ends, after the walk
+ * (also when it failed): the layer above finishes there what its hooks left in flight (FSDP's
+ * gradient reductions). Its error (with its own message) fails a backward that had none; after
+ * a failed walk it runs for its cleanup and the walk's message stays. One per process, set before any backward that
+ * needs it (setting it again replaces it). */
+typedef int (*fsdp_backward_epilogue_fn)(void);
+void fsdp_backward_set_epilogue(fsdp_backward_epilogue_fn fn);
+
 /* fsdp_backward from root (recorded on the current tape, without a gradient yet) with `grad`
  * (root's shape and dtype, contiguous) as its gradient: the buffer itself is adopted
  * (retained), not copied, so its values reach root's producers bit for bit. */

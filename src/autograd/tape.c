@@ -5,6 +5,7 @@
  * Backward frees each node right after running it, so the activations it saved are released
  * as early as the reverse walk allows (peak memory is the forward's, not forward + backward).
  */
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -233,15 +234,31 @@ bool fsdp_tape_records(const fsdp_tensor *t) {
   return false;
 }
 
+static _Atomic(fsdp_backward_epilogue_fn) epilogue;
+/* walks running on this thread: a checkpointed region's backward runs inside its outer one */
+static _Thread_local int walk_depth;
+
+void fsdp_backward_set_epilogue(fsdp_backward_epilogue_fn fn) { atomic_store(&epilogue, fn); }
+
 /* The walk of a backward whose root gradient is in place. */
 static int run_walk(fsdp_tensor *root) {
   /* Hooks may run ops (FSDP gathers): nothing they do is recorded onto the tape being
    * consumed, and they cannot start a nested backward. */
   in_backward = true;
   bool prev = fsdp_set_grad_enabled(false);
+  walk_depth++;
   int rc = walk(root);
+  walk_depth--;
   fsdp_set_grad_enabled(prev);
   in_backward = false;
+  fsdp_backward_epilogue_fn fn = atomic_load(&epilogue);
+  if (walk_depth > 0 || !fn) return rc;
+  if (!rc) return fn(); /* its message names what failed (FSDP's: "backward: unit ...") */
+  /* the walk's message is the one to report: the epilogue's (a peer failed too) would hide it */
+  char *msg = fsdp_strdup_printf("%s", fsdp_error_msg());
+  (void)fn();
+  fsdp_error("%s", msg ? msg : "backward failed (out of host memory for its message)");
+  free(msg);
   return rc;
 }
 

@@ -92,6 +92,8 @@ struct fsdp_unit {
   const fsdp_device_i *device; /* where the buffers live: the parameters' (cpu for meta ones) */
   const fsdp_device_i *shard_device; /* the shards': device, or the cpu under offload */
   fsdp_storage *sharded;   /* no data; backs the parameters while sharded */
+  fsdp_comm_req *rs_req;   /* the gradient reduction in flight (reducing) ... */
+  fsdp_tensor *rs_buf;     /* ... and the full gradient it reduces in place */
   fsdp_comm_req *req;      /* a prefetch in flight ... */
   fsdp_tensor *req_buf;    /* ... the (P) buffer it gathers into ... */
   fsdp_tensor *req_send;   /* ... and its send buffer when it is not the shard (a cast) */
@@ -161,6 +163,37 @@ static int drop_all_prefetches(void) {
   }
   return rc;
 }
+
+/* The gradient reduction in flight on this thread (at most one; retained). finish_backward
+ * starts a unit's reduce-scatter and lets the backward go on while it runs, so the peers'
+ * arrival and the reduction itself overlap the next unit's backward instead of stalling it;
+ * the reduced chunk is added into the gradient shard when it lands: before the next
+ * reduction starts, at the end of the backward (backward_done) and before anything reads or
+ * changes the gradient shard. Waiting never issues a collective (the request was issued on
+ * every rank), so landing it may happen at a different point on each rank. */
+static _Thread_local fsdp_unit *reducing;
+
+static int reduce_add(fsdp_unit *u, fsdp_tensor *red);
+
+/* Wait for the reduction in flight, add its chunk into its unit's gradient shard, free its
+ * buffer. On failure nothing is added and the buffer goes all the same. */
+static int land_reduction(void) {
+  fsdp_unit *u = reducing;
+  if (!u) return FSDP_OK;
+  reducing = NULL;
+  fsdp_tensor *red = u->rs_buf;
+  int rc = fsdp_comm_wait(u->rs_req);
+  u->rs_req = NULL;
+  u->rs_buf = NULL;
+  if (!rc) rc = reduce_add(u, red);
+  fsdp_tensor_release(red);
+  if (rc) fsdp_error_context("backward: unit '%s'", u->path);
+  fsdp_unit_release(u);
+  return rc;
+}
+
+/* fsdp_backward's epilogue (autograd.h): the backward is over, every gradient shard final. */
+static int backward_done(void) { return land_reduction(); }
 
 static const char *strategy_name(fsdp_strategy s) {
   switch (s) {
@@ -240,6 +273,7 @@ fsdp_comm *fsdp_unit_replicate_comm(const fsdp_unit *u) {
 }
 bool fsdp_unit_is_root(const fsdp_unit *u) { return u->opts.is_root; }
 bool fsdp_unit_prefetching(const fsdp_unit *u) { return u->req != NULL; }
+bool fsdp_unit_reducing(const fsdp_unit *u) { return u->rs_req != NULL; }
 int fsdp_unit_pending_backward(const fsdp_unit *u) { return u->pending_bwd; }
 bool fsdp_unit_is_empty(const fsdp_unit *u) { return u->emptied; }
 
@@ -294,7 +328,7 @@ static int grad_shard_need(fsdp_unit *u) {
 
 int fsdp_unit_grad_shard(fsdp_unit *u, fsdp_tensor **out) {
   *out = NULL;
-  if (check_live(u, "grad_shard") || grad_shard_need(u)) return FSDP_ERR;
+  if (check_live(u, "grad_shard") || land_reduction() || grad_shard_need(u)) return FSDP_ERR;
   fsdp_tensor_retain(u->grad_shard);
   *out = u->grad_shard;
   return FSDP_OK;
@@ -568,7 +602,9 @@ int fsdp_unit_new(fsdp_unit **out, fsdp_comm *c, const char *path, fsdp_tensor *
   if (!path) path = "";
   fsdp_unit_opts o = opts ? *opts
                           : (fsdp_unit_opts){.strategy = FSDP_STRATEGY_FULL,
-                                             .reshard_after_forward = true};
+                                             .reshard_after_forward = true,
+                                             .overlap_reduce = true};
+  fsdp_backward_set_epilogue(backward_done);
   /* Local validation first, but its verdict travels with the layout check (collective). */
   int valid = FSDP_ERR;
   if (n < 0 || (n > 0 && (!params || !paths)))
@@ -909,7 +945,7 @@ static void frozen_grad_shard_drop(fsdp_unit *u) {
 }
 
 int fsdp_unit_zero_grad(fsdp_unit *u) {
-  if (check_live(u, "zero_grad")) return FSDP_ERR;
+  if (check_live(u, "zero_grad") || land_reduction()) return FSDP_ERR;
   memset(u->got_grad, 0, (size_t)u->n * sizeof *u->got_grad);
   if (u->grad_held) {
     bool in_backward = false; /* views exist only between a backward's end and begin hooks */
@@ -1020,37 +1056,60 @@ static int hook_end(void *ud) {
   return FSDP_OK;
 }
 
+/* Add this rank's part of the reduced gradient `red` into the f32 gradient shard. */
+static int reduce_add(fsdp_unit *u, fsdp_tensor *red) {
+  int rc = grad_shard_need(u);
+  if (!rc) rc = add_range(u->grad_shard, 0, red, u->shard_offset, u->shard_numel);
+  if (!rc) u->grad_shard->version++;
+  return rc;
+}
+
 /* Average the full gradient across ranks in the reduce dtype (in place: a converted copy when
  * it differs) and add this rank's part into the f32 gradient shard, which accumulates until
- * zero_grad. Collective; clobbers the full gradient. `what` prefixes errors. */
-static int reduce_full_grad(fsdp_unit *u, const char *what) {
+ * zero_grad. Collective; clobbers the full gradient. With `overlap`, a reduction that needs
+ * nothing after its one collective (not hybrid) is started and left in flight (reducing), to
+ * land later; the full gradient's buffer stays with it. `what` prefixes errors. */
+static int reduce_full_grad(fsdp_unit *u, const char *what, bool overlap) {
   if (!u->full_grad || !u->padded) return FSDP_OK;
   fsdp_tensor *red;
   int rc = fsdp_to(&red, u->full_grad, u->device, u->opts.reduce_dtype, FSDP_ROLE_GRADS);
-  if (!rc) {
-    void *fg = flat_data(red);
-    if (u->opts.strategy == FSDP_STRATEGY_NONE) {
-      rc = unit_coll(u, FSDP_COLL_ALL_REDUCE, red->dtype, u->padded, NULL, fg, FSDP_RED_AVG);
-    } else {
-      /* in place: this rank's chunk of the full gradient receives the average */
-      void *mine = (char *)fg + u->shard_offset * (int64_t)fsdp_dtype_size(red->dtype);
-      rc = unit_coll(u, FSDP_COLL_REDUCE_SCATTER, red->dtype, u->shard_numel, fg, mine,
-                     FSDP_RED_AVG);
-      /* HYBRID: the group's average, averaged across the groups holding the same shard */
-      if (!rc && u->opts.strategy == FSDP_STRATEGY_HYBRID &&
-          fsdp_comm_world(u->opts.replicate) > 1) {
-        fsdp_coll coll = {.op = FSDP_COLL_ALL_REDUCE, .dtype = red->dtype, .red = FSDP_RED_AVG,
-                          .count = u->shard_numel, .recv = mine, .device = u->device};
-        coll_label(coll.label, u->path);
-        rc = fsdp_comm_run(u->opts.replicate, &coll);
-      }
-    }
-    if (!rc) rc = grad_shard_need(u);
-    if (!rc) rc = add_range(u->grad_shard, 0, red, u->shard_offset, u->shard_numel);
-    fsdp_tensor_release(red);
-  }
   if (rc) return fsdp_error_context("%s: unit '%s'", what, u->path);
-  u->grad_shard->version++;
+  void *fg = flat_data(red);
+  const bool none = u->opts.strategy == FSDP_STRATEGY_NONE;
+  /* NONE: every rank averages the whole buffer; else, in place: this rank's chunk of the full
+   * gradient receives the average */
+  fsdp_coll coll = {.op = none ? FSDP_COLL_ALL_REDUCE : FSDP_COLL_REDUCE_SCATTER,
+                    .dtype = red->dtype, .red = FSDP_RED_AVG,
+                    .count = none ? u->padded : u->shard_numel, .send = none ? NULL : fg,
+                    .recv = none ? fg : (char *)fg + u->shard_offset *
+                                                        (int64_t)fsdp_dtype_size(red->dtype),
+                    .device = u->device};
+  coll_label(coll.label, u->path);
+  const bool hybrid = u->opts.strategy == FSDP_STRATEGY_HYBRID &&
+                      fsdp_comm_world(u->opts.replicate) > 1;
+  if (overlap && !hybrid) {
+    rc = land_reduction(); /* one in flight: its buffer is the only extra full gradient */
+    if (!rc) rc = fsdp_comm_start(u->comm, &coll, &u->rs_req);
+    if (rc) {
+      fsdp_tensor_release(red);
+      return fsdp_error_context("%s: unit '%s'", what, u->path);
+    }
+    u->rs_buf = red;
+    fsdp_unit_retain(u);
+    reducing = u;
+    return FSDP_OK;
+  }
+  rc = fsdp_comm_run(u->comm, &coll);
+  /* HYBRID: the group's average, averaged across the groups holding the same shard */
+  if (!rc && hybrid) {
+    fsdp_coll rep = {.op = FSDP_COLL_ALL_REDUCE, .dtype = red->dtype, .red = FSDP_RED_AVG,
+                     .count = u->shard_numel, .recv = coll.recv, .device = u->device};
+    coll_label(rep.label, u->path);
+    rc = fsdp_comm_run(u->opts.replicate, &rep);
+  }
+  if (!rc) rc = reduce_add(u, red);
+  fsdp_tensor_release(red);
+  if (rc) return fsdp_error_context("%s: unit '%s'", what, u->path);
   return FSDP_OK;
 }
 
@@ -1072,7 +1131,10 @@ static int finish_backward(fsdp_unit *u) {
     if (!rc && u->opts.is_root) rc = drop_all_prefetches();
     return rc;
   }
-  rc = reduce_full_grad(u, "backward");
+  /* overlapped with the backward of the units still to come; the root's is the backward's
+   * last, so waiting on it now costs nothing and leaves no buffer behind */
+  rc = reduce_full_grad(u, "backward", u->opts.overlap_reduce && u->world > 1 &&
+                                           !u->opts.is_root);
   drop_full_grad(u);
   if (!rc) rc = reshard_impl(u); /* replicated: only undoes a mixed-precision copy */
   if (!rc && u->opts.is_root) rc = drop_all_prefetches(); /* the backward is over */
@@ -1086,7 +1148,8 @@ int fsdp_unit_reduce_held(fsdp_unit *u) {
     if (grad_is_ours(u, u->params[i].param))
       return fsdp_error("reduce_held: unit '%s' is inside a backward (its gradients are still "
                         "accumulating)", u->path);
-  int rc = reduce_full_grad(u, "reduce_held");
+  int rc = land_reduction();
+  if (!rc) rc = reduce_full_grad(u, "reduce_held", false);
   drop_full_grad(u);
   return rc;
 }
@@ -1200,6 +1263,7 @@ static void disown_storage(fsdp_storage *s) {
 
 int fsdp_unit_unshard(fsdp_unit *u) {
   if (u->emptied) return FSDP_OK;
+  if (land_reduction()) return fsdp_error_context("unshard");
   if (fsdp_unit_gather(u)) return fsdp_error_context("unshard");
   /* allocate everything first, so a failure leaves the unit as it was */
   fsdp_tensor **dense = calloc((size_t)(u->n ? u->n : 1), sizeof *dense);

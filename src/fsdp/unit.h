@@ -91,6 +91,13 @@ typedef struct fsdp_unit_opts {
   /* FULL only; the root never reshards after forward. "Default true" means: the Lua binding and
    * fsdp_unit_new(opts = NULL) use true; a zero-initialised C struct says false. */
   bool reshard_after_forward;
+  /* Overlap each unit's gradient reduction with the rest of the backward (default true, as
+   * reshard_after_forward; fsdp.wrap's prefetch option): its collective is started at the
+   * unit's last "begin" hook and lands in the gradient shard before the next unit's starts, or
+   * when the backward ends (unit.c, "reducing"), so one more full gradient is alive meanwhile.
+   * Off: each reduction completes before the backward goes on. Not for hybrid, whose second
+   * collective must follow the first on every rank at the same point. */
+  bool overlap_reduce;
   /* Mixed precision (f32 = off; a zero-initialised struct says f32). param_dtype: the dtype the
    * forward and backward gather the parameters in (f32, bf16 or f16): the all-gather moves that
    * dtype, the parameters and their gradients have it while gathered for compute.
@@ -164,6 +171,11 @@ fsdp_comm *fsdp_unit_replicate_comm(const fsdp_unit *u);
 /* Whether a prefetch (asynchronous all-gather) is in flight: issued, not yet consumed by a
  * gather (or dropped by a reshard). */
 bool fsdp_unit_prefetching(const fsdp_unit *u);
+/* Whether the unit's gradient reduction is in flight (overlap_reduce): started by its backward,
+ * not yet added into the gradient shard. The backward's end lands it, as does anything that
+ * reads or changes the gradient shard (fsdp_unit_grad_shard, zero_grad, reduce_held,
+ * unshard) and the next unit's reduction. */
+bool fsdp_unit_reducing(const fsdp_unit *u);
 /* "begin" hooks of this unit on the tape that have not run yet (uses still to backward). */
 int fsdp_unit_pending_backward(const fsdp_unit *u);
 /* true once fsdp_unit_unshard ran: the unit holds no parameters; everything but queries,
@@ -178,7 +190,7 @@ int64_t fsdp_unit_param_slice(const fsdp_unit *u, int i, int rank, int64_t *para
                               int64_t *shard_first);
 /* The flat shard (S elements, role params) and gradient shard (S elements, role grads) as 1-D
  * tensors; new references to the same tensor on every call (an optimizer may key its state on
- * it). Writes to them land in the shard. NONE: the parameters view the shard itself. The
+ * it; a reduction in flight lands first, so the gradient shard is final). Writes to them land in the shard. NONE: the parameters view the shard itself. The
  * gradient shard is made (zeros) by the first backward or the first call here, so a unit that
  * never trained holds no gradient memory; making it can fail (out of memory, naming the unit). */
 int fsdp_unit_shard(fsdp_unit *u, fsdp_tensor **out);

@@ -89,7 +89,8 @@ static int l_unit_new(lua_State *L) {
     paths[i] = lua_tostring(L, -1);
     lua_pop(L, 1);
   }
-  fsdp_unit_opts o = {.strategy = FSDP_STRATEGY_FULL, .reshard_after_forward = true};
+  fsdp_unit_opts o = {.strategy = FSDP_STRATEGY_FULL, .reshard_after_forward = true,
+                      .overlap_reduce = true};
   if (opts) {
     lua_getfield(L, opts, "strategy");
     if (!lua_isnil(L, -1)) {
@@ -102,6 +103,7 @@ static int l_unit_new(lua_State *L) {
   o.is_root = opt_bool(L, opts, "root", false);
   o.reshard_after_forward = opt_bool(L, opts, "reshard_after_forward", true);
   o.offload = opt_bool(L, opts, "offload", false);
+  o.overlap_reduce = opt_bool(L, opts, "overlap_reduce", true);
   /* mixed precision: param_dtype / reduce_dtype names (f32 when absent); device: where the
    * buffers go (a device name; absent: the parameters') */
   o.param_dtype = o.reduce_dtype = FSDP_DTYPE_F32;

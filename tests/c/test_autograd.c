@@ -2229,6 +2229,69 @@ static int adopt_in_hook(void *ud) {
   return FSDP_OK;
 }
 
+/* ---- the backward's epilogue ------------------------------------------------------------- */
+
+static int epilogue_calls, epilogue_walks; /* calls, and walks running during the last call */
+static bool epilogue_fails;
+static int epilogue(void) {
+  epilogue_calls++;
+  epilogue_walks = fsdp_tape_size();
+  return epilogue_fails ? fsdp_error("epilogue failed on purpose") : FSDP_OK;
+}
+
+static int failing_hook(void *ud) {
+  (void)ud;
+  return fsdp_error("hook failed on purpose");
+}
+
+/* It runs once per outermost backward, after the walk (the tape consumed), not at the end of a
+ * checkpointed region's inner backward; its error fails the backward with its message; after
+ * a failed walk it runs too, and the walk's message is the one reported. */
+static void test_backward_epilogue(void **state) {
+  (void)state;
+  fsdp_backward_set_epilogue(epilogue);
+  rng_reset(17);
+  fsdp_tensor *x0 = rnd(2, SHAPE(3, 4), -1, 1), *w = rnd(2, SHAPE(4, 5), -1, 1), *x, *o, *s;
+  w->requires_grad = true;
+  x0->requires_grad = true;
+  /* a checkpointed region: its recomputation's backward is a walk inside the outer one */
+  region_ud r = {.w = w};
+  assert_int_equal(fsdp_op_affine(&x, x0, 1.0f, 0.0f), FSDP_OK);
+  checkpointed(&o, x, &r);
+  assert_int_equal(fsdp_op_sum(&s, o), FSDP_OK);
+  epilogue_calls = 0;
+  epilogue_walks = -1;
+  assert_int_equal(fsdp_backward(s, NULL), FSDP_OK);
+  assert_int_equal(r.calls, 1);
+  assert_int_equal(epilogue_calls, 1);
+  assert_int_equal(epilogue_walks, 0); /* after the walk: the tape is consumed */
+  fsdp_tensor_release(s);
+  fsdp_tensor_release(o);
+  fsdp_tensor_release(x);
+  /* the epilogue's failure is the backward's */
+  epilogue_fails = true;
+  assert_int_equal(fsdp_op_affine(&x, x0, 2.0f, 0.0f), FSDP_OK);
+  assert_int_equal(fsdp_op_sum(&s, x), FSDP_OK);
+  EXPECT_ERR(fsdp_backward(s, NULL), "epilogue failed on purpose");
+  assert_int_equal(epilogue_calls, 2);
+  fsdp_tensor_release(s);
+  fsdp_tensor_release(x);
+  /* a failed walk: the epilogue runs (its cleanup), the walk's message stays */
+  assert_int_equal(fsdp_op_affine(&x, x0, 2.0f, 0.0f), FSDP_OK);
+  assert_int_equal(fsdp_tape_hook(failing_hook, NULL, NULL), FSDP_OK);
+  assert_int_equal(fsdp_op_sum(&s, x), FSDP_OK);
+  EXPECT_ERR(fsdp_backward(s, NULL), "hook failed on purpose");
+  assert_null(strstr(fsdp_error_msg(), "epilogue"));
+  assert_int_equal(epilogue_calls, 3);
+  assert_int_equal(fsdp_tape_size(), 0);
+  epilogue_fails = false;
+  fsdp_backward_set_epilogue(NULL);
+  fsdp_tensor_release(s);
+  fsdp_tensor_release(x);
+  fsdp_tensor_release(x0);
+  fsdp_tensor_release(w);
+}
+
 static void test_checkpoint(void **state) {
   (void)state;
   rng_reset(91);
@@ -2397,6 +2460,7 @@ int main(void) {
       cmocka_unit_test(test_errors_devices),
       cmocka_unit_test(test_empty),
       cmocka_unit_test(test_checkpoint),
+      cmocka_unit_test(test_backward_epilogue),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

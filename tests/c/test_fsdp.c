@@ -12,6 +12,7 @@
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -388,7 +389,8 @@ static int net_wrap(net *n, fsdp_comm *c, const model_cfg *cfg) {
   fsdp_tensor *ps[NP];
   const char *paths[NP];
   for (int i = 0; i < n->nin; i++) ps[i] = n->p[n->in[i]], paths[i] = n->path[n->in[i]];
-  fsdp_unit_opts o = {.strategy = cfg->strategy, .reshard_after_forward = true};
+  fsdp_unit_opts o = {.strategy = cfg->strategy, .reshard_after_forward = true,
+                      .overlap_reduce = cfg->prefetch};
   if (fsdp_unit_new(&n->inner, c, inner_path(n->kind), ps, paths, n->nin, &o)) return FSDP_ERR;
   for (int i = 0; i < n->nout; i++) ps[i] = n->p[n->out[i]], paths[i] = n->path[n->out[i]];
   o.is_root = cfg->root_is_root;
@@ -558,6 +560,7 @@ static bool after_backward(const net *n, const model_cfg *cfg) {
   CHECK(fsdp_unit_state_get(n->root) == want);
   CHECK(fsdp_unit_pending_backward(n->inner) == 0 && fsdp_unit_pending_backward(n->root) == 0);
   CHECK(!fsdp_unit_prefetching(n->inner) && !fsdp_unit_prefetching(n->root));
+  CHECK(!fsdp_unit_reducing(n->inner) && !fsdp_unit_reducing(n->root)); /* landed */
   for (int i = 0; i < n->np; i++) CHECK(n->p[i]->grad == NULL);
   CHECK(fsdp_tape_size() == 0);
   CHECK(live(FSDP_ROLE_GATHERED) == 0);
@@ -779,6 +782,136 @@ static void test_prefetch_overlap(void **state) {
   assert_true(info.prefetch_s < 0.15);                  /* issuing did not wait for the peer */
   assert_true(info.in_flight_during_compute);
   assert_true(info.compute_done < info.peer_issued);    /* computed before the peer joined */
+}
+
+/* ---- the gradient reduction overlapped with the backward ------------------------------------ */
+
+typedef struct {
+  bool overlap;
+  bool fail_peer;   /* rank 1 aborts its communicator instead of running its backward */
+  bool root_frozen; /* the root has nothing to reduce: the walk itself succeeds */
+  _Atomic bool probed;
+  double probe_t;   /* rank 0: when its probe ran */
+  double peer_t;    /* rank 1: when it started its backward */
+  bool reducing;    /* rank 0's inner unit's reduction was in flight at the probe */
+  int64_t grads_at_probe, grads_after, grad_shards;
+  char msg[256];
+} overlap_cfg;
+
+typedef struct {
+  fsdp_unit *inner;
+  overlap_cfg *cfg; /* rank 0's probe reports; rank 1's does nothing */
+} probe;
+
+/* A tape hook pushed before the inner unit's forward: in backward it runs right after the
+ * inner unit's last "begin" hook (its reduction started), before the root's. */
+static int probe_hook(void *ud) {
+  probe *pr = ud;
+  overlap_cfg *cfg = pr->cfg;
+  if (!cfg) return FSDP_OK;
+  cfg->probe_t = now_s();
+  cfg->reducing = fsdp_unit_reducing(pr->inner);
+  cfg->grads_at_probe = live(FSDP_ROLE_GRADS);
+  atomic_store(&cfg->probed, true);
+  return FSDP_OK;
+}
+
+/* NET_BASIC, grad_op (the backward gathers nothing, so only the reductions meet the peer).
+ * Rank 1 starts its backward only once rank 0's probe has run (or after a while: 10 s with
+ * overlap, 300 ms without). With overlap_reduce, rank 0's inner unit starts its reduce-scatter
+ * and goes on: its probe runs before rank 1 has started, with the reduction in flight and the
+ * inner unit's full gradient still alive. Without, the reduce-scatter waits for rank 1, and the
+ * probe runs after rank 1 started. */
+static bool rank_reduce_overlap(rank_ctx *ctx) {
+  overlap_cfg *cfg = ctx->arg;
+  int R = ctx->rank, W = ctx->world;
+  net n;
+  CHECK(net_init(&n, NET_BASIC));
+  if (cfg->root_frozen)
+    for (int i = 0; i < n.nout; i++) n.p[n.out[i]]->requires_grad = false;
+  fsdp_tensor *ps[NP];
+  const char *paths[NP];
+  for (int i = 0; i < n.nin; i++) ps[i] = n.p[n.in[i]], paths[i] = n.path[n.in[i]];
+  fsdp_unit_opts o = {.strategy = FSDP_STRATEGY_GRAD_OP, .overlap_reduce = cfg->overlap};
+  CHECK_OK(fsdp_unit_new(&n.inner, ctx->comm, "fc1", ps, paths, n.nin, &o));
+  for (int i = 0; i < n.nout; i++) ps[i] = n.p[n.out[i]], paths[i] = n.path[n.out[i]];
+  o.is_root = true;
+  CHECK_OK(fsdp_unit_new(&n.root, ctx->comm, "", ps, paths, n.nout, &o));
+  fsdp_tensor *xf = data_new("x", BATCH, 6), *tf = data_new("t", BATCH, 3);
+  fsdp_tensor *x = rows_of(xf, R, W), *tgt = rows_of(tf, R, W), *h1, *h2, *y, *loss;
+  probe *pr = calloc(1, sizeof *pr);
+  CHECK(pr && x && tgt);
+  *pr = (probe){.inner = n.inner, .cfg = R == 0 ? cfg : NULL};
+  CHECK_OK(fsdp_unit_pre_forward(n.root, NULL));
+  CHECK_OK(fsdp_tape_hook(probe_hook, pr, free));
+  CHECK_OK(fsdp_unit_pre_forward(n.inner, NULL));
+  CHECK_OK(fsdp_op_linear(&h1, x, n.p[0], n.p[1]));
+  CHECK_OK(fsdp_op_unary(&h2, h1, FSDP_UNARY_RELU));
+  CHECK_OK(fsdp_unit_post_forward(n.inner, true));
+  CHECK_OK(fsdp_op_linear(&y, h2, n.p[2], n.p[3]));
+  CHECK_OK(fsdp_unit_post_forward(n.root, true));
+  CHECK_OK(fsdp_op_mse(&loss, y, tgt));
+  if (R == 1) {
+    for (int k = 0; k < (cfg->overlap ? 10000 : 300) && !atomic_load(&cfg->probed); k++)
+      sleep_ms(1);
+    cfg->peer_t = now_s();
+  }
+  if (cfg->fail_peer && R == 1) {
+    fsdp_comm_abort(ctx->comm, "rank 1 gave up");
+    fsdp_tape_clear();
+  } else {
+    int rc = fsdp_backward(loss, NULL);
+    if (R == 0) {
+      cfg->grads_after = live(FSDP_ROLE_GRADS);
+      cfg->grad_shards = (fsdp_unit_shard_numel(n.inner) +
+                          (cfg->root_frozen ? 0 : fsdp_unit_shard_numel(n.root))) * 4;
+      snprintf(cfg->msg, sizeof cfg->msg, "%s", rc ? fsdp_error_msg() : "");
+    }
+    CHECK(!fsdp_unit_reducing(n.inner) && !fsdp_unit_reducing(n.root));
+    CHECK((rc != FSDP_OK) == cfg->fail_peer);
+  }
+  fsdp_tensor *tensors[] = {loss, y, h1, h2, x, tgt, xf, tf};
+  for (size_t i = 0; i < sizeof tensors / sizeof *tensors; i++) fsdp_tensor_release(tensors[i]);
+  net_free(&n);
+  return true;
+}
+
+static void test_reduce_overlap(void **state) {
+  (void)state;
+  overlap_cfg on = {.overlap = true}, off = {.overlap = false};
+  run_ranks(2, rank_reduce_overlap, &on);
+  run_ranks(2, rank_reduce_overlap, &off);
+  /* overlapped: rank 0's backward went past the inner unit before rank 1 started its own, with
+   * the reduction in flight and its full gradient alive; it had landed when backward returned */
+  assert_true(on.probe_t < on.peer_t);
+  assert_true(on.reducing);
+  assert_true(on.grads_at_probe > on.grads_after);
+  assert_int_equal(on.grads_after, on.grad_shards);
+  /* not overlapped: the inner unit's reduce-scatter met rank 1 first */
+  assert_true(off.probe_t > off.peer_t);
+  assert_false(off.reducing);
+  assert_int_equal(off.grads_after, off.grad_shards);
+}
+
+/* A reduction in flight that fails (the peer gave up): the backward fails, naming the unit
+ * whose reduction it was when nothing else failed before it (the root has nothing to reduce),
+ * and nothing is left in flight; no gradient memory is left (the full gradients are freed, and
+ * the gradient shards, made when a first reduction lands, never were). */
+static void test_reduce_overlap_failure(void **state) {
+  (void)state;
+  overlap_cfg frozen = {.overlap = true, .fail_peer = true, .root_frozen = true};
+  run_ranks(2, rank_reduce_overlap, &frozen);
+  assert_non_null(strstr(frozen.msg, "backward: unit 'fc1'"));
+  assert_non_null(strstr(frozen.msg, "rank 1 gave up"));
+  assert_true(frozen.grads_at_probe > 0);
+  assert_int_equal(frozen.grads_after, 0);
+  /* the root's own reduction fails first: its message is the backward's, and the inner one's
+   * still lands (freed) */
+  overlap_cfg both = {.overlap = true, .fail_peer = true};
+  run_ranks(2, rank_reduce_overlap, &both);
+  assert_non_null(strstr(both.msg, "rank 1 gave up"));
+  assert_null(strstr(both.msg, "unit 'fc1'"));
+  assert_int_equal(both.grads_after, 0);
 }
 
 /* Prefetches that would never be consumed are not left in flight (a later gather would hand
@@ -1414,6 +1547,8 @@ int main(void) {
       cmocka_unit_test(test_module_called_twice),
       cmocka_unit_test(test_ancestor_param_in_inner_unit),
       cmocka_unit_test(test_prefetch_overlap),
+      cmocka_unit_test(test_reduce_overlap),
+      cmocka_unit_test(test_reduce_overlap_failure),
       cmocka_unit_test(test_stale_prefetch),
       cmocka_unit_test(test_frozen_passthrough),
       cmocka_unit_test(test_memory),

@@ -7,8 +7,9 @@
 --                  root plus the two largest (prefetch: the next unit's all-gather is in flight
 --                  while the current one computes); the root stays gathered from its forward
 --                  to the end of its backward, being the first and last unit used
---                  grads peaks at the shards + the root's and one unit's full gradient + one
---                  shard-sized reduce-scatter output
+--                  grads peaks at the shards + the root's and one unit's full gradient
+--                  (prefetch = false, or one rank), or two units' (prefetch, N > 1: a unit's
+--                  reduce-scatter is in flight while the next unit's gradient accumulates)
 -- The peak of params + grads + optim + gathered is thus total/N plus the largest gathered
 -- units, not total. Before wrapping, params = 4 total (dense); after, the dense storage is gone
 -- and no gradient shard exists yet, exactly (no collection needed: tests/dist/memory_live.lua
@@ -69,8 +70,10 @@ end
 local per_rank = total * 4 / W
 local want_gathered = Proot + Pmax + (prefetch and Pmax2 or 0)
 -- grad shards + the root's full gradient + the largest inner unit's full gradient (the
--- reduce-scatter runs in place in the full gradient buffer: no temporary)
-local want_grads_peak = S + Proot + Pmax
+-- reduce-scatter runs in place in the full gradient buffer: no temporary), + the next largest
+-- while a reduce-scatter overlaps the next unit's backward
+local overlap = prefetch and W > 1
+local want_grads_peak = S + Proot + Pmax + (overlap and Pmax2 or 0)
 
 local failures = 0
 local function near(label, got, want)
@@ -108,10 +111,11 @@ local peak_sum = cpu.peak_params + cpu.peak_grads + cpu.peak_optim + cpu.peak_ga
 if rank == 0 then
   print(("world %d, prefetch %s: %d parameters (%d bytes dense); per rank: shards params %d, "
     .. "grads %d, optim %d = %d B (16 total/N = %d B); peak gathered %d B (root %d + unit %d%s); "
-    .. "peak grads %d B; peak params+grads+optim+gathered <= %d B = %.3f of unsharded %d B")
+    .. "peak grads %d B%s; peak params+grads+optim+gathered <= %d B = %.3f of unsharded %d B")
     :format(W, tostring(prefetch), total, total * 4, m.params, m.grads, m.optim,
       m.params + m.grads + m.optim, 4 * per_rank, cpu.peak_gathered, Proot, Pmax,
-      prefetch and (" + next " .. Pmax2) or "", cpu.peak_grads, peak_sum,
+      prefetch and (" + next " .. Pmax2) or "", cpu.peak_grads,
+      overlap and (" (one unit's more in flight: " .. Pmax2 .. ")") or "", peak_sum,
       peak_sum / (16 * total), 16 * total))
 end
 if failures > 0 then error(("%d memory checks failed"):format(failures)) end
