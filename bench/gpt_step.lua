@@ -192,11 +192,14 @@ for _, c in ipairs(configs) do
       peak_activations_bytes = fsdp.all_reduce(mem.peak_activations or 0, "max"),
     }
     if world > 1 then
-      -- busy: time collectives ran (on the communicator's worker); wait: time compute sat
-      -- blocked on them. What ran but was not waited for overlapped with compute.
+      -- busy: time collectives ran (on the communicator's worker, from their start, so a
+      -- reduce-scatter left in flight counts while it waits for the peers); wait: time compute
+      -- sat blocked on them (queued ones included), what the step pays. What ran but was not
+      -- waited for overlapped with compute.
       local st = fsdp.comm_stats()
       local busy, wait = st.busy_s - stats0.busy_s, st.wait_s - stats0.wait_s
       r.comm_busy_s = busy / steps
+      r.comm_wait_s = wait / steps
       r.comm_hidden = busy > 0 and math.max(0, 1 - wait / busy) or 0
     end
     r.tokens_per_s = r.tokens / dt
@@ -210,7 +213,8 @@ for _, c in ipairs(configs) do
     say(("%-9s %7.2fM %9.3f %9.0f %9.1f %10.1f %7.2f %9.1f%s"):format(c.name, params / 1e6, dt,
       r.tokens_per_s, r.gflops, r.sgemm_gflops, r.ratio, r.peak_activations_bytes / 2 ^ 20,
       world > 1 and
-      ("  %.0f%% of %.0f ms"):format(100 * r.comm_hidden, 1000 * r.comm_busy_s) or ""))
+      ("  %.0f%% of %.0f ms, %.1f ms waited"):format(100 * r.comm_hidden, 1000 * r.comm_busy_s,
+        1000 * r.comm_wait_s) or ""))
     say(core.json_encode(plain(r, 0)))
     model, opt, x, y, mine, all = nil, nil, nil, nil, nil, nil
     collectgarbage()

@@ -91,11 +91,15 @@ end
 if type(r.loadavg) ~= "table" or #r.loadavg ~= 3 then fail("loadavg is not 3 numbers") end
 if N > 1 then
   positive("comm_busy_s")
+  -- not bounded by busy: a wait also covers a collective's time in the worker's queue
+  if type(r.comm_wait_s) ~= "number" or r.comm_wait_s < 0 then
+    fail("comm_wait_s = %s, expected seconds", tostring(r.comm_wait_s))
+  end
   if type(r.comm_hidden) ~= "number" or r.comm_hidden < 0 or r.comm_hidden > 1 then
     fail("comm_hidden = %s, expected a fraction", tostring(r.comm_hidden))
   end
-elseif r.comm_busy_s ~= nil or r.comm_hidden ~= nil then
-  fail("comm_busy_s / comm_hidden at 1 rank")
+elseif r.comm_busy_s ~= nil or r.comm_hidden ~= nil or r.comm_wait_s ~= nil then
+  fail("comm_busy_s / comm_wait_s / comm_hidden at 1 rank")
 end
 if failures > 0 then error(("%d checks of gpt_step's JSON line failed"):format(failures), 0) end
 print(("ok: %s, %d rank(s), %s: %d keys"):format(r.model, N, r.precision,
