@@ -112,15 +112,19 @@ typedef struct {
   float *qkv, *out, *dqkv, *dout, *scratch; /* scratch: enough for any thread count here */
 } att_ctx;
 
+/* the rows' softmax stats, kept by the forward for the backward as the engine does */
+static float att_stats[B * NH * T * 2];
+
 static void run_attention(void *p) {
   att_ctx *c = p;
-  fsdp_cpu_attention_forward(c->out, c->scratch, c->qkv, B, T, C, NH);
-  fsdp_cpu_attention_backward(c->dqkv, c->scratch, c->dout, c->qkv, B, T, C, NH, false);
+  fsdp_cpu_attention_forward(c->out, att_stats, c->scratch, c->qkv, B, T, C, NH);
+  fsdp_cpu_attention_backward(c->dqkv, c->scratch, c->dout, c->qkv, att_stats, B, T, C, NH,
+                              false);
 }
 
 static void run_attention_fwd(void *p) {
   att_ctx *c = p;
-  fsdp_cpu_attention_forward(c->out, c->scratch, c->qkv, B, T, C, NH);
+  fsdp_cpu_attention_forward(c->out, att_stats, c->scratch, c->qkv, B, T, C, NH);
 }
 
 /* bf16 attention, forward + backward (dqkv written), the way fsdp_cpu_bf16_gemm_force chose */
@@ -165,7 +169,9 @@ static void run_narrow(void *p) {
 
 typedef struct {
   float *q, *A, *kt, *o;
-  int kind, rows; /* rows: softmax rows' length (0: attention's causal rows) */
+  float *st; /* the causal rows' stats (max, reciprocal sum), T x 2 */
+  int kind, rows; /* rows: softmax rows' length (0: attention's causal rows; -1: the same,
+                   * rebuilt from the stats, as the backward does) */
 } part_ctx;
 
 /* The pair's products at T, hs = C / NH over its 64-row tiles as attention.c calls them (kind
@@ -175,10 +181,13 @@ static void run_part(void *p) {
   const fsdp_cpu_vec_i *v = fsdp_cpu_vec();
   const int hs = C / NH, C3 = 3 * C, ldk = (T + 15) / 16 * 16;
   if (c->kind == 5) {
-    if (c->rows) v->softmax_forward(c->A, c->q, 0, (int64_t)T * T / 2 / c->rows, c->rows);
+    if (c->rows > 0) v->softmax_forward(c->A, c->q, 0, (int64_t)T * T / 2 / c->rows, c->rows);
     else
-      for (int r0 = 0; r0 < T; r0 += FSDP_CPU_ATT_BLOCK)
-        v->att_softmax_rows(c->A, T, r0, fsdp_cpu_att_rows(T, r0), r0 + fsdp_cpu_att_rows(T, r0));
+      for (int r0 = 0; r0 < T; r0 += FSDP_CPU_ATT_BLOCK) {
+        const int rows = fsdp_cpu_att_rows(T, r0);
+        if (c->rows) v->att_softmax_rows_saved(c->A, T, r0, rows, r0 + rows, c->st + 2 * r0);
+        else v->att_softmax_rows(c->A, T, r0, rows, r0 + rows, c->st + 2 * r0);
+      }
     return;
   }
   for (int r0 = 0; r0 < T; r0 += FSDP_CPU_ATT_BLOCK) {
@@ -279,25 +288,26 @@ static void bench_parts_bf16(double peak) {
 static void bench_parts(double peak) {
   const int hs = C / NH, ldk = (T + 15) / 16 * 16;
   part_ctx c = {buf((int64_t)T * 3 * C, 1), buf((int64_t)T * T, 0.01f),
-                buf((int64_t)hs * ldk, 1), buf((int64_t)T * C, 1), 0, 0};
+                buf((int64_t)hs * ldk, 1), buf((int64_t)T * C, 1), buf(2 * (int64_t)T, 1), 0, 0};
   const double causal = 2.0 * hs * T * (T + 1) / 2.0; /* a product's causal FLOPs */
   const char *const name[4] = {"q k^T (64-row tiles)", "att v", "att^T dout (key tiles)",
                                "packing k^T (4 times)"};
   printf("\nattention's pieces, one pair at T=%d hs=%d, one thread, %s level:\n", T, hs,
          fsdp_cpu_isa_name(fsdp_cpu_isa()));
   time_parts(run_part, &c, &c.kind, name, causal, 4.0 * T * hs, peak);
-  const int lens[5] = {64, 128, 256, 1024, 0};
+  const int lens[6] = {64, 128, 256, 1024, 0, -1};
   c.kind = 5;
-  for (int i = 0; i < 5; i++) {
+  for (int i = 0; i < 6; i++) {
     c.rows = lens[i];
-    double t = time_call(run_part, &c);
+    double t = time_call(run_part, &c); /* rows 0 leave the stats that rows -1 read */
     char label[64];
-    if (lens[i]) snprintf(label, sizeof label, "softmax rows of %d", lens[i]);
-    else snprintf(label, sizeof label, "attention's causal rows (1..%d)", T);
+    if (lens[i] > 0) snprintf(label, sizeof label, "softmax rows of %d", lens[i]);
+    else if (lens[i] == 0) snprintf(label, sizeof label, "attention's causal rows (1..%d)", T);
+    else snprintf(label, sizeof label, "the same from their stats");
     printf("  %-34s %8.3f ns/element\n", label,
-           t * 1e9 / (lens[i] ? (double)(T * T / 2 / lens[i] * lens[i]) : T * (T + 1) / 2.0));
+           t * 1e9 / (lens[i] > 0 ? (double)(T * T / 2 / lens[i] * lens[i]) : T * (T + 1) / 2.0));
   }
-  free(c.q), free(c.A), free(c.kt), free(c.o);
+  free(c.q), free(c.A), free(c.kt), free(c.o), free(c.st);
   if (fsdp_cpu_att_bf16_supported()) bench_parts_bf16(peak);
 }
 

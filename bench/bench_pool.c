@@ -81,10 +81,14 @@ typedef struct {
   float *qkv, *out, *dqkv, *dout, *scratch; /* scratch: enough for any thread count here */
 } att_ctx;
 
+/* the rows' softmax stats, kept by the forward for the backward as the engine does */
+static float att_stats[B * NH * T * 2];
+
 static void run_attention(void *p) {
   att_ctx *c = p;
-  fsdp_cpu_attention_forward(c->out, c->scratch, c->qkv, B, T, C, NH);
-  fsdp_cpu_attention_backward(c->dqkv, c->scratch, c->dout, c->qkv, B, T, C, NH, false);
+  fsdp_cpu_attention_forward(c->out, att_stats, c->scratch, c->qkv, B, T, C, NH);
+  fsdp_cpu_attention_backward(c->dqkv, c->scratch, c->dout, c->qkv, att_stats, B, T, C, NH,
+                              false);
 }
 
 typedef struct {

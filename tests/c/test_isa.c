@@ -233,10 +233,14 @@ static void run_all(outs_t *r, const inputs_t *in) {
   assert_true(ns >= fsdp_cpu_attention_scratch(AB, AT, AC, ANH, fsdp_cpu_threads(), false));
   float *scratch = calloc((size_t)ns, sizeof(float));
   assert_non_null(scratch);
-  fsdp_cpu_attention_forward(out_new(r, "attention out", NULL, (int64_t)AB * AT * AC), scratch,
-                             in->lx, AB, AT, AC, ANH);
+  float *ast = out_new(r, "attention's softmax stats", NULL, (int64_t)AB * ANH * AT * 2);
+  fsdp_cpu_attention_forward(out_new(r, "attention out", NULL, (int64_t)AB * AT * AC), ast,
+                             scratch, in->lx, AB, AT, AC, ANH);
   fsdp_cpu_attention_backward(out_new(r, "attention dqkv", NULL, (int64_t)AB * AT * 3 * AC),
-                              scratch, in->lg, in->lx, AB, AT, AC, ANH, false);
+                              scratch, in->lg, in->lx, ast, AB, AT, AC, ANH, false);
+  fsdp_cpu_attention_backward(out_new(r, "attention dqkv, recomputed", NULL,
+                                      (int64_t)AB * AT * 3 * AC),
+                              scratch, in->lg, in->lx, NULL, AB, AT, AC, ANH, false);
   free(scratch);
 }
 
@@ -546,11 +550,20 @@ static void test_att_rows_grouping(void **state) {
         float *S = frand(tt, -1, 1), *S1 = fcopy(S, tt), *S2 = fcopy(S, tt);
         uint16_t *P1 = calloc((size_t)tt, 2), *P2 = calloc((size_t)tt, 2),
                  *D1 = calloc((size_t)tt, 2), *D2 = calloc((size_t)tt, 2);
-        v->att_softmax_rows(A1, T, r0, rows, T);
-        for (int t = r0; t < T; t++) v->att_softmax_rows(A2, T, t, 1, T);
-        if (memcmp(A1, A2, sizeof(float) * (size_t)tt) != 0)
+        float *st1 = frand(2 * (int64_t)rows, 5, 6), *st2 = frand(2 * (int64_t)rows, 5, 6);
+        v->att_softmax_rows(A1, T, r0, rows, T, st1);
+        for (int t = r0; t < T; t++) v->att_softmax_rows(A2, T, t, 1, T, st2 + 2 * (t - r0));
+        if (memcmp(A1, A2, sizeof(float) * (size_t)tt) != 0 ||
+            memcmp(st1, st2, sizeof(float) * 2 * (size_t)rows) != 0)
           fail_msg("att_softmax_rows at %s, T %d from row %d: a tile's rows differ from the rows "
                    "alone", fsdp_cpu_isa_name((fsdp_cpu_isa_level)l), T, r0);
+        /* from the stats: the same bits in one pass, the columns after each row zeroed */
+        memcpy(A2, A, sizeof(float) * (size_t)tt);
+        v->att_softmax_rows_saved(A2, T, r0, rows, T, st1);
+        if (memcmp(A1, A2, sizeof(float) * (size_t)tt) != 0)
+          fail_msg("att_softmax_rows_saved at %s, T %d from row %d: not the forward's bits",
+                   fsdp_cpu_isa_name((fsdp_cpu_isa_level)l), T, r0);
+        free(st1), free(st2);
         v->att_softmax_backward_rows(S1, A1, T, r0, rows, T);
         for (int t = r0; t < T; t++) v->att_softmax_backward_rows(S2, A1, T, t, 1, T);
         if (memcmp(S1, S2, sizeof(float) * (size_t)tt) != 0)

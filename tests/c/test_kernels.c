@@ -670,7 +670,7 @@ typedef struct {
 
 static double att_loss(void *p) {
   att_ctx *c = p;
-  fsdp_cpu_attention_forward(c->out, c->scratch, c->qkv, c->B, c->T, c->C, c->NH);
+  fsdp_cpu_attention_forward(c->out, NULL, c->scratch, c->qkv, c->B, c->T, c->C, c->NH);
   return dot_fd(c->out, c->w, (int64_t)c->B * c->T * c->C);
 }
 
@@ -724,34 +724,57 @@ static void run_attention_case(int B, int T, int C, int NH, int64_t fd_step) {
   const int64_t nqkv = (int64_t)B * T * 3 * C, nout = (int64_t)B * T * C;
   att_ctx c = {frand(nout, 5, 6) /* garbage: must be overwritten */, att_scratch(B, T, C, NH),
                frand(nqkv, -1.5, 1.5), frand(nout, -1, 1), B, T, C, NH};
-  fsdp_cpu_attention_forward(c.out, c.scratch, c.qkv, B, T, C, NH);
+  const int64_t nst = (int64_t)B * NH * T * 2;
+  float *st = frand(nst, 5, 6); /* garbage: every row's pair is written */
+  fsdp_cpu_attention_forward(c.out, st, c.scratch, c.qkv, B, T, C, NH);
   double *want = dzeros(nout);
   ref_attention(want, c.qkv, B, T, C, NH);
   check_close_d("attention out", c.out, want, nout, 1e-4, 1e-5);
+  /* the stats: row t of pair (b, h) holds its scores' max and 1 / sum exp(score - max) */
+  for (int b = 0; b < B; b++)
+    for (int h = 0; h < NH; h++)
+      for (int t = 0; t < T; t++) {
+        const int hs = C / NH;
+        const float *q = c.qkv + ((int64_t)b * T + t) * 3 * C + h * hs;
+        double sc[512], mx = -INFINITY, sum = 0;
+        assert_true(T <= 512);
+        for (int u = 0; u <= t; u++) {
+          const float *k = c.qkv + ((int64_t)b * T + u) * 3 * C + C + h * hs;
+          double dd = 0;
+          for (int i = 0; i < hs; i++) dd += (double)q[i] * k[i];
+          mx = fmax(mx, sc[u] = dd / sqrt(hs));
+        }
+        for (int u = 0; u <= t; u++) sum += exp(sc[u] - mx);
+        const float *r = st + 2 * (((int64_t)b * NH + h) * T + t);
+        assert_true(fabs(r[0] - mx) <= 1e-4 * (1 + fabs(mx)));
+        assert_true(fabs(r[1] - 1 / sum) <= 1e-4 / sum);
+      }
   float *prior = frand(nqkv, -1, 1), *d = fcopy(prior, nqkv);
-  fsdp_cpu_attention_backward(d, c.scratch, c.w, c.qkv, B, T, C, NH, false);
+  fsdp_cpu_attention_backward(d, c.scratch, c.w, c.qkv, st, B, T, C, NH, false);
   float *g = diff(d, prior, nqkv);
   char what[64];
   snprintf(what, sizeof what, "attention dqkv B=%d T=%d C=%d NH=%d", B, T, C, NH);
   fd_check(what, att_loss, &c, c.qkv, g, nqkv, fd_step, 1e-2f, 1e-2, 1e-3);
   /* set: dqkv written whole whatever it held (NaN here): the bits of adding into zeros, in the
-   * split by pairs and in the split by tiles (one pair: fewer than four a thread) */
+   * split by pairs and in the split by tiles (one pair: fewer than four a thread); and the
+   * probabilities rebuilt from the stats are the recomputed ones, bit for bit */
   float *z = fzeros(nqkv), *s = fzeros(nqkv);
-  fsdp_cpu_attention_backward(z, c.scratch, c.w, c.qkv, B, T, C, NH, false);
+  fsdp_cpu_attention_backward(z, c.scratch, c.w, c.qkv, NULL, B, T, C, NH, false);
   for (int64_t i = 0; i < nqkv; i++) s[i] = NAN;
-  fsdp_cpu_attention_backward(s, c.scratch, c.w, c.qkv, B, T, C, NH, true);
+  fsdp_cpu_attention_backward(s, c.scratch, c.w, c.qkv, st, B, T, C, NH, true);
   assert_memory_equal(s, z, sizeof(float) * (size_t)nqkv);
-  /* one thread (every pair on it, the scratch of one task) gives the forward's bits, written
-   * to the same buffer (tests/c/test_pool.c compares thread counts in both directions) */
-  fsdp_cpu_attention_forward(c.out, c.scratch, c.qkv, B, T, C, NH); /* fd_check left others */
-  float *o1 = fcopy(c.out, nout);
+  /* one thread (every pair on it, the scratch of one task) gives the forward's bits and stats,
+   * written to the same buffers (tests/c/test_pool.c compares thread counts both ways) */
+  fsdp_cpu_attention_forward(c.out, st, c.scratch, c.qkv, B, T, C, NH); /* fd_check left others */
+  float *o1 = fcopy(c.out, nout), *st1 = fcopy(st, nst);
   const int before = fsdp_cpu_threads();
   fsdp_cpu_set_threads(1);
   float *sc1 = att_scratch(B, T, C, NH);
-  fsdp_cpu_attention_forward(c.out, sc1, c.qkv, B, T, C, NH);
+  fsdp_cpu_attention_forward(c.out, st, sc1, c.qkv, B, T, C, NH);
   fsdp_cpu_set_threads(before);
   assert_memory_equal(o1, c.out, sizeof(float) * (size_t)nout);
-  free(o1), free(sc1);
+  assert_memory_equal(st1, st, sizeof(float) * (size_t)nst);
+  free(o1), free(sc1), free(st1), free(st);
   free(z), free(s);
   free(prior), free(d), free(g), free(want);
   free(c.out), free(c.scratch), free(c.qkv), free(c.w);

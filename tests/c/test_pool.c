@@ -643,15 +643,19 @@ static void attention_case(int B, int T, int C, int NH) {
   const int64_t nqkv = (int64_t)B * T * 3 * C, nout = (int64_t)B * T * C;
   float *qkv = frand(nqkv, -1.5f, 1.5f), *dout = frand(nout, -1, 1), *prior = frand(nqkv, -1, 1);
   const int tc[4] = {1, 2, 2, 3};
-  float *out[4], *dqkv[4];
+  const int64_t nst = (int64_t)B * NH * T * 2;
+  float *out[4], *dqkv[4], *st[4];
   for (int r = 0; r < 4; r++) {
     fsdp_cpu_set_threads(tc[r]);
     out[r] = frand(nout, 7, 8); /* garbage: overwritten */
+    st[r] = frand(nst, 7, 8);
     float *fw = frand(fsdp_cpu_attention_scratch(B, T, C, NH, tc[r], false), -9, 9);
     float *bw = frand(fsdp_cpu_attention_scratch(B, T, C, NH, tc[r], true), -9, 9);
-    fsdp_cpu_attention_forward(out[r], fw, qkv, B, T, C, NH);
+    fsdp_cpu_attention_forward(out[r], st[r], fw, qkv, B, T, C, NH);
     dqkv[r] = fcopy(prior, nqkv);
-    fsdp_cpu_attention_backward(dqkv[r], bw, dout, qkv, B, T, C, NH, false);
+    /* the probabilities from the stats at even counts, recomputed whole at odd ones */
+    fsdp_cpu_attention_backward(dqkv[r], bw, dout, qkv, r % 2 ? NULL : st[r], B, T, C, NH,
+                                false);
     free(fw), free(bw);
   }
   char what[96];
@@ -661,11 +665,12 @@ static void attention_case(int B, int T, int C, int NH) {
     /* the same chains of operations for every element whoever runs them, pair by pair or
      * tile by tile */
     check_bits(what, out[r], out[0], nout);
+    check_bits(what, st[r], st[0], nst);
     check_bits(what, dqkv[r], dqkv[0], nqkv);
   }
   snprintf(what, sizeof what, "attention B=%d T=%d C=%d NH=%d run to run", B, T, C, NH);
   check_bits(what, dqkv[2], dqkv[1], nqkv);
-  for (int r = 0; r < 4; r++) free(out[r]), free(dqkv[r]);
+  for (int r = 0; r < 4; r++) free(out[r]), free(dqkv[r]), free(st[r]);
   free(qkv), free(dout), free(prior);
 }
 

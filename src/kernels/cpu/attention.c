@@ -20,11 +20,14 @@
  *
  * Nothing of size T x T outlives a call: the forward computes a tile's probabilities in a
  * per-task scratch (its rows stay in the core's cache while they are multiplied with v) and
- * keeps nothing; the backward recomputes each query tile's probabilities with the same
- * product and the same softmax rows, so they are the forward's bits, just before it uses them.
- * That costs one more q k^T product per tile in the backward, and saves writing the
- * (B, NH, T, T) probabilities to memory in the forward, keeping them until the backward and
- * reading them back (at T = 256 and 6 heads of 64, 12.6 MB a layer for 8 sequences).
+ * keeps only each row's max and reciprocal sum (`stats`, (B, NH, T, 2), when the caller gives
+ * room for them); the backward recomputes each query tile's probabilities with the same
+ * product, and from those two numbers a row in one pass (att_softmax_rows_saved: the same
+ * exponentials times the same reciprocal, so the forward's bits; without stats, the same
+ * softmax rows as the forward), just before it uses them. That costs one more q k^T product
+ * per tile in the backward, and saves writing the (B, NH, T, T) probabilities to memory in the
+ * forward, keeping them until the backward and reading them back (at T = 256 and 6 heads of
+ * 64, 12.6 MB a layer for 8 sequences, against 98 KB of stats).
  *
  * The backward runs in two passes over a pair: query tiles (probabilities, datt, dscores, dq),
  * then key tiles (dk and dv as one product over every query row that sees the tile), keeping the
@@ -48,6 +51,10 @@
 
 typedef struct att_job {
   float *out, *dqkv, *scratch;
+  /* (B, NH, T, 2), per row the softmax's max and reciprocal sum, or NULL: the forward writes
+   * keep, the backward reads saved */
+  float *keep;
+  const float *saved;
   float *packs; /* by tiles: every pair's k^T (and v^T) packed before the tiles run */
   const float *qkv, *dout;
   int B, T, C, NH, ntiles;
@@ -81,13 +88,14 @@ typedef struct att_views {
   float *dq, *dk, *dv;        // backward: (T, hs) row stride 3C
   float *A, *S;               // (T, T): the probabilities; datt, then dscores
   float *kt, *vt;             // (hs, T): k and v transposed (vt in the backward only)
+  int bh;                     // the pair: b * NH + h
 } att_views;
 
 /* pair bh's operands; its work space at `space` (the by-pairs layout: A, [S,] kt, [vt]) */
 static att_views views(const att_job *j, int bh, float *space) {
   const int T = j->T, C = j->C, C3 = 3 * C, hs = C / j->NH, b = bh / j->NH, h = bh % j->NH;
   const int64_t TT = tt_of(T), PK = pk_of(T, hs);
-  att_views w = {0};
+  att_views w = {.bh = bh};
   w.q = j->qkv + (int64_t)b * T * C3 + h * hs;
   w.k = w.q + C;
   w.v = w.q + 2 * C;
@@ -145,7 +153,8 @@ static void pack_pairs(void *ctx, int64_t lo, int64_t hi) {
 /* ---- forward --------------------------------------------------------------------------------- */
 
 /* The probabilities of query rows [r0, r0 + ATT_BLOCK) of pair w into rows r0.. of A (T, T):
- * the forward's, and the backward's recomputation of them (the same call, the same bits). */
+ * the forward's (keeping the rows' stats when there is room), and the backward's recomputation
+ * of them (from the stats when kept, else the forward's call: the same bits either way). */
 static void probs_tile(const att_job *j, const att_views *w, float *A, int r0) {
   const int T = j->T, C3 = 3 * j->C, hs = j->C / j->NH;
   const int rows = fsdp_cpu_att_rows(T, r0), cols = r0 + rows;
@@ -153,7 +162,9 @@ static void probs_tile(const att_job *j, const att_views *w, float *A, int r0) {
   /* scores[r0:r1, 0:r1] = q[r0:r1] @ k[0:r1]^T * scale, on and below the diagonal */
   vec->att_mm(A + (int64_t)r0 * T, T, w->q + (int64_t)r0 * C3, C3, 1, w->kt, ldk_of(T), rows,
               cols, hs, r0, FSDP_ATT_COLS, j->scale, false);
-  vec->att_softmax_rows(A, T, r0, rows, cols);
+  const int64_t at = 2 * ((int64_t)w->bh * T + r0);
+  if (j->saved) vec->att_softmax_rows_saved(A, T, r0, rows, cols, j->saved + at);
+  else vec->att_softmax_rows(A, T, r0, rows, cols, j->keep ? j->keep + at : NULL);
 }
 
 /* Query rows [r0, r0 + ATT_BLOCK) of pair w: their probabilities in A, then out rows. */
@@ -206,12 +217,12 @@ int64_t fsdp_cpu_attention_scratch(int B, int T, int C, int NH, int threads, boo
   return (by_tile ? pairs : chunks_of(pairs, threads)) * space_of(T, hs, true);
 }
 
-void fsdp_cpu_attention_forward(float *out, float *scratch, const float *qkv, int B, int T,
-                                int C, int NH) {
-  // out (B, T, C), qkv (B, T, 3C), scratch: fsdp_cpu_attention_scratch(B, T, C, NH, threads,
-  // false)
-  att_job j = {.out = out, .scratch = scratch, .qkv = qkv, .B = B, .T = T, .C = C, .NH = NH,
-               .ntiles = (T + ATT_BLOCK - 1) / ATT_BLOCK,
+void fsdp_cpu_attention_forward(float *out, float *stats, float *scratch, const float *qkv,
+                                int B, int T, int C, int NH) {
+  // out (B, T, C), stats (B, NH, T, 2) or NULL, qkv (B, T, 3C),
+  // scratch: fsdp_cpu_attention_scratch(B, T, C, NH, threads, false)
+  att_job j = {.out = out, .keep = stats, .scratch = scratch, .qkv = qkv, .B = B, .T = T,
+               .C = C, .NH = NH, .ntiles = (T + ATT_BLOCK - 1) / ATT_BLOCK,
                .scale = 1.0f / sqrtf((float)(C / NH))};
   const int pairs = B * NH;
   j.items = forward_items(B, T, NH, fsdp_cpu_threads());
@@ -300,11 +311,12 @@ static void backward_key_tiles(void *ctx, int64_t lo, int64_t hi) {
 }
 
 void fsdp_cpu_attention_backward(float *dqkv, float *scratch, const float *dout,
-                                 const float *qkv, int B, int T, int C, int NH, bool set) {
-  // dqkv (B, T, 3C), dout (B, T, C), qkv (B, T, 3C),
+                                 const float *qkv, const float *stats, int B, int T, int C,
+                                 int NH, bool set) {
+  // dqkv (B, T, 3C), dout (B, T, C), qkv (B, T, 3C), stats: the forward's or NULL,
   // scratch: fsdp_cpu_attention_scratch(B, T, C, NH, threads, true)
-  att_job j = {.dqkv = dqkv, .scratch = scratch, .qkv = qkv, .dout = dout, .B = B, .T = T,
-               .C = C, .NH = NH, .ntiles = (T + ATT_BLOCK - 1) / ATT_BLOCK,
+  att_job j = {.dqkv = dqkv, .scratch = scratch, .saved = stats, .qkv = qkv, .dout = dout,
+               .B = B, .T = T, .C = C, .NH = NH, .ntiles = (T + ATT_BLOCK - 1) / ATT_BLOCK,
                .scale = 1.0f / sqrtf((float)(C / NH)), .set = set};
   const int pairs = B * NH;
   j.nchunks = fsdp_cpu_chunks(pairs, 1);

@@ -923,7 +923,7 @@ static void att_forward_rows(void *ctx, int64_t lo, int64_t hi) {
   float *fq = att_slot(j, lo), *fo = fq + al16(nq), *sc = fo + al16(no);
   for (int64_t b = lo; b < hi; b++) {
     widen(fq, j->qkv, j->dt, b * nq, nq);
-    fsdp_cpu_attention_forward(fo, sc, fq, 1, j->T, j->C, j->NH);
+    fsdp_cpu_attention_forward(fo, NULL, sc, fq, 1, j->T, j->C, j->NH);
     narrow(j->out, j->dt, b * no, fo, no);
   }
 }
@@ -936,7 +936,7 @@ static void att_backward_rows(void *ctx, int64_t lo, int64_t hi) {
     widen(fq, j->qkv, j->dt, b * nq, nq);
     if (!j->set) widen(fd, j->dqkv, j->dt, b * nq, nq);
     widen(fg, j->dout, j->dt, b * no, no);
-    fsdp_cpu_attention_backward(fd, sc, fg, fq, 1, j->T, j->C, j->NH, j->set);
+    fsdp_cpu_attention_backward(fd, sc, fg, fq, NULL, 1, j->T, j->C, j->NH, j->set);
     narrow(j->dqkv, j->dt, b * nq, fd, nq);
   }
 }
@@ -975,7 +975,7 @@ int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, const void *qkv, i
         *sc = tmp(&w, fsdp_cpu_attention_scratch(1, T, C, NH, fsdp_cpu_threads(), false));
   for (int b = 0; !w.failed && b < B; b++) {
     get(fq, qkv, dt, b * nq, nq);
-    fsdp_cpu_attention_forward(fo, sc, fq, 1, T, C, NH);
+    fsdp_cpu_attention_forward(fo, NULL, sc, fq, 1, T, C, NH);
     put(out, dt, b * no, fo, no);
   }
   return fsdp_cpu_work_done(&w);
@@ -1000,7 +1000,7 @@ int fsdp_cpu_half_attention_backward(fsdp_dtype dt, void *dqkv, const void *dout
     get(fq, qkv, dt, b * nq, nq);
     get(fg, dout, dt, b * no, no);
     if (!set_dqkv) get(fd, dqkv, dt, b * nq, nq);
-    fsdp_cpu_attention_backward(fd, sc, fg, fq, 1, T, C, NH, set_dqkv);
+    fsdp_cpu_attention_backward(fd, sc, fg, fq, NULL, 1, T, C, NH, set_dqkv);
     put(dqkv, dt, b * nq, fd, nq);
   }
   return fsdp_cpu_work_done(&w);

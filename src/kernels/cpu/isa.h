@@ -127,8 +127,13 @@ typedef struct fsdp_cpu_vec_i {
                            int64_t hi, int C);
   /* causal attention's softmax on rows [r0, r0 + rows) of a (T, T) block A, in place: row t
    * over its first t + 1 entries, zeros after them up to column `cols` (>= r0 + rows; the
-   * products read no further: the rest of the row is left as it was) */
-  void (*att_softmax_rows)(float *A, int T, int r0, int rows, int cols);
+   * products read no further: the rest of the row is left as it was); with `stats`, row t's
+   * max and reciprocal sum go to stats[2 (t - r0)] and stats[2 (t - r0) + 1] */
+  void (*att_softmax_rows)(float *A, int T, int r0, int rows, int cols, float *stats);
+  /* the same probabilities, the same bits, from the scores in A and the stats the forward
+   * kept: one pass, no max or sum */
+  void (*att_softmax_rows_saved)(float *A, int T, int r0, int rows, int cols,
+                                 const float *stats);
   /* its backward on the same rows: S holds datt and receives dscores, a (A) the forward's
    * probabilities; zeros from t + 1 up to column `cols` */
   void (*att_softmax_backward_rows)(float *S, const float *A, int T, int r0, int rows, int cols);

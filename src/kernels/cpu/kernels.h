@@ -169,11 +169,15 @@ int64_t fsdp_cpu_attention_scratch(int B, int T, int C, int NH, int threads, boo
 static inline int fsdp_cpu_att_rows(int T, int r0) {
   return T - r0 < FSDP_CPU_ATT_BLOCK ? T - r0 : FSDP_CPU_ATT_BLOCK;
 }
-void fsdp_cpu_attention_forward(float *out, float *scratch, const float *qkv, int B, int T,
-                                int C, int NH);
-/* dqkv (B, T, 3C) += ... (set: dqkv = ..., its old contents unread) */
+/* stats: NULL, or (B, NH, T, 2) floats that receive each query row's softmax max and
+ * reciprocal sum, for the backward to rebuild the probabilities in one pass */
+void fsdp_cpu_attention_forward(float *out, float *stats, float *scratch, const float *qkv,
+                                int B, int T, int C, int NH);
+/* dqkv (B, T, 3C) += ... (set: dqkv = ..., its old contents unread); stats: the forward's, or
+ * NULL (the probabilities recomputed whole): the same bits either way */
 void fsdp_cpu_attention_backward(float *dqkv, float *scratch, const float *dout,
-                                 const float *qkv, int B, int T, int C, int NH, bool set);
+                                 const float *qkv, const float *stats, int B, int T, int C,
+                                 int NH, bool set);
 
 /* ---- losses and reductions ------------------------------------------------------------------- */
 

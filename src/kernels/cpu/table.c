@@ -720,12 +720,13 @@ static int k_reduce_ranks(void *ctx, fsdp_dtype dt, fsdp_reduce_op red, void *ou
   return FSDP_OK;
 }
 
-/* The cpu saves nothing for the backward: every way of it recomputes the probabilities
- * (attention.c, attention_bf16.c, half.c). */
+/* The cpu's backward recomputes the probabilities (attention.c, attention_bf16.c, half.c); f32
+ * keeps each query row's softmax max and reciprocal sum, (B, NH, T, 2) f32, to rebuild a row in
+ * one pass. The half dtypes keep nothing. */
 static int64_t k_attention_saved(void *ctx, fsdp_dtype dt, int B, int T, int C, int NH,
                                  fsdp_dtype *saved_dt) {
-  *saved_dt = dt;
-  return 0;
+  *saved_dt = FSDP_DTYPE_F32;
+  return dt == FSDP_DTYPE_F32 ? (int64_t)B * NH * T * 2 : 0;
 }
 
 /* the f32 kernel's workspace: scratch of this call, accounted as activations */
@@ -739,7 +740,7 @@ static int k_attention_forward(void *ctx, fsdp_dtype dt, void *out, void *att, c
   if (dt == FSDP_DTYPE_F32) {
     fsdp_cpu_work w = {0};
     float *scratch = attention_scratch(&w, B, T, C, NH, false);
-    if (!w.failed) fsdp_cpu_attention_forward(out, scratch, qkv, B, T, C, NH);
+    if (!w.failed) fsdp_cpu_attention_forward(out, att, scratch, qkv, B, T, C, NH);
     return fsdp_cpu_work_done(&w);
   }
   if (!is_half(dt)) return REFUSE("attention", dt);
@@ -752,7 +753,8 @@ static int k_attention_backward(void *ctx, fsdp_dtype dt, void *dqkv, const void
   if (dt == FSDP_DTYPE_F32) {
     fsdp_cpu_work w = {0};
     float *scratch = attention_scratch(&w, B, T, C, NH, true);
-    if (!w.failed) fsdp_cpu_attention_backward(dqkv, scratch, dout, qkv, B, T, C, NH, set_dqkv);
+    if (!w.failed)
+      fsdp_cpu_attention_backward(dqkv, scratch, dout, qkv, att, B, T, C, NH, set_dqkv);
     return fsdp_cpu_work_done(&w);
   }
   if (!is_half(dt)) return REFUSE("attention", dt);

@@ -666,7 +666,10 @@ VINLINE void att_softmax_row_out(void *P, const float *A, int T, int t, float in
   memset(mat_(p, len, bf16), 0, (bf16 ? 2 : 4) * (size_t)(cols - len));
 }
 
-VINLINE void att_softmax_rows_x(void *P, float *A, int T, int r0, int rows, int cols, bool bf16) {
+/* `stats` (f32 only; NULL: not kept): row t's max and the reciprocal of its sum at
+ * stats[2 (t - r0)], stats[2 (t - r0) + 1], what att_softmax_rows_saved needs */
+VINLINE void att_softmax_rows_x(void *P, float *A, int T, int r0, int rows, int cols, bool bf16,
+                                float *stats) {
   int t = r0;
   /* two rows at a time where a row fits one summation block (the pair helpers' domain) */
   if (T <= FSDP_VBLOCK)
@@ -675,24 +678,45 @@ VINLINE void att_softmax_rows_x(void *P, float *A, int T, int r0, int rows, int 
       double e0, e1;
       fsdp_row_max2(x0, t + 1, x1, t + 2, &m0, &m1);
       fsdp_row_expsum2(x0, m0, t + 1, x1, m1, t + 2, &e0, &e1);
-      att_softmax_row_out(P, A, T, t, (float)(1.0 / e0), cols, bf16);
-      att_softmax_row_out(P, A, T, t + 1, (float)(1.0 / e1), cols, bf16);
+      const float i0 = (float)(1.0 / e0), i1 = (float)(1.0 / e1);
+      att_softmax_row_out(P, A, T, t, i0, cols, bf16);
+      att_softmax_row_out(P, A, T, t + 1, i1, cols, bf16);
+      if (stats) {
+        float *st = stats + 2 * (t - r0);
+        st[0] = m0, st[1] = i0, st[2] = m1, st[3] = i1;
+      }
     }
   for (; t < r0 + rows; t++) {
     float *row = A + (int64_t)t * T;
     const int len = t + 1;
     float mx = fsdp_row_max(row, len);
-    att_softmax_row_out(P, A, T, t, (float)(1.0 / fsdp_row_expsum(row, row, mx, len)), cols,
-                        bf16);
+    const float inv = (float)(1.0 / fsdp_row_expsum(row, row, mx, len));
+    att_softmax_row_out(P, A, T, t, inv, cols, bf16);
+    if (stats) stats[2 * (t - r0)] = mx, stats[2 * (t - r0) + 1] = inv;
   }
 }
 
-static void att_softmax_rows(float *A, int T, int r0, int rows, int cols) {
-  att_softmax_rows_x(A, A, T, r0, rows, cols, false);
+static void att_softmax_rows(float *A, int T, int r0, int rows, int cols, float *stats) {
+  att_softmax_rows_x(A, A, T, r0, rows, cols, false, stats);
 }
 
 static void att_softmax_rows_bf16(uint16_t *P, float *A, int T, int r0, int rows, int cols) {
-  att_softmax_rows_x(P, A, T, r0, rows, cols, true);
+  att_softmax_rows_x(P, A, T, r0, rows, cols, true, NULL);
+}
+
+/* The same probabilities from the rows' saved max and reciprocal sum, in one pass: each
+ * element is the exponential the forward computed (the same operations on the same score)
+ * times the same reciprocal, so the same bits, without the max and sum passes. */
+static void att_softmax_rows_saved(float *A, int T, int r0, int rows, int cols,
+                                   const float *stats) {
+  for (int t = r0; t < r0 + rows; t++) {
+    float *row = A + (int64_t)t * T;
+    const int len = t + 1;
+    const fsdp_vf m = vset(stats[2 * (t - r0)]), inv = vset(stats[2 * (t - r0) + 1]);
+    for (int c = 0; c < len; c += VW)
+      ST(row, c, len, fsdp_vf_exp_nonpos(LD(row, c, len, -INFINITY) - m) * inv);
+    memset(row + len, 0, sizeof(float) * (size_t)(cols - len));
+  }
 }
 
 /* its backward: datt in S, the probabilities P (f32 or bf16), dscores into D (f32: S itself,
@@ -980,6 +1004,7 @@ const fsdp_cpu_vec_i FSDP_VEC_TABLE = {
     .softmax_forward = softmax_forward,
     .softmax_backward = softmax_backward,
     .att_softmax_rows = att_softmax_rows,
+    .att_softmax_rows_saved = att_softmax_rows_saved,
     .att_softmax_backward_rows = att_softmax_backward_rows,
     .att_mm = att_mm,
     .att_pack = att_pack,
