@@ -101,8 +101,8 @@ int fsdp_backward(fsdp_tensor *root, fsdp_tensor *grad);
 /* A function run on the backward's thread when its outermost backward ends, after the walk
  * (also when it failed): the layer above finishes there what its hooks left in flight (FSDP's
  * gradient reductions). Its error (with its own message) fails a backward that had none; after
- * a failed walk it runs for its cleanup and the walk's message stays. One per process, set before any backward that
- * needs it (setting it again replaces it). */
+ * a failed walk it runs for its cleanup and the walk's message stays. One per process, set
+ * before any backward that needs it (setting it again replaces it). */
 typedef int (*fsdp_backward_epilogue_fn)(void);
 void fsdp_backward_set_epilogue(fsdp_backward_epilogue_fn fn);
 
