@@ -337,8 +337,8 @@ static int r_softmax_backward(run *r, int a) {
 }
 enum { AB = 1, AT = 3, AC = 4, AH = 2 };
 /* Attention in bf16 by the widening way (the f32 kernel on widened rows, held to this file's
- * bf16 tolerance; neither saves anything for the backward, which recomputes the
- * probabilities): with the processor's bf16 products (attention_bf16.c) its products read the
+ * bf16 tolerance; no saved state is passed, so the f32 backward recomputes the rows whole, as
+ * the half dtypes' always does; tests/c/test_kernels.c runs it from the rows' stats): with the processor's bf16 products (attention_bf16.c) its products read the
  * probabilities and score gradients rounded to bf16, and tests/c/test_half.c holds that way to
  * its own bounds. */
 static int r_attention_forward(run *r, int a) {
@@ -356,15 +356,21 @@ static int r_attention_backward(run *r, int a) {
   fsdp_cpu_bf16_gemm_force(-1);
   return rc;
 }
-/* the saved state: the cpu saves nothing (its backward recomputes the probabilities); the
- * size as an output (i64), and whether its dtype is the compute dtype as the second */
+/* the saved state: the cpu's f32 keeps each query row's softmax max and reciprocal sum
+ * ((B, NH, T, 2) f32), the other dtypes nothing (the half dtypes' backward recomputes the
+ * probabilities whole); as outputs (i64, the same for every dtype): whether the size is that,
+ * and whether the dtype is f32 */
 static int r_attention_saved(run *r, int a) {
   fsdp_dtype sdt = FSDP_DTYPE_BOOL;
   int64_t n = K()->attention_saved(CTX, DT, AB, AT, AC, AH, &sdt);
   int64_t *o = out_dt(r, FSDP_DTYPE_I64, 2);
-  o[0] = n;
-  o[1] = sdt == DT ? 1 : 0;
-  return n == 0 ? FSDP_OK : fsdp_error("attention_saved: %lld, want 0", (long long)n);
+  const int64_t want = DT == FSDP_DTYPE_F32 ? (int64_t)AB * AH * AT * 2 : 0;
+  o[0] = n == want ? 1 : 0;
+  o[1] = sdt == FSDP_DTYPE_F32 ? 1 : 0;
+  return n == want && sdt == FSDP_DTYPE_F32
+             ? FSDP_OK
+             : fsdp_error("attention_saved: %lld of %s, want %lld of f32", (long long)n,
+                          fsdp_dtype_name(sdt), (long long)want);
 }
 /* three ranks' buffers summed (and the same through max), out aliasing the first input too */
 static int r_reduce_ranks(run *r, int a) {

@@ -427,19 +427,21 @@ static int run_attention(run *r, bool backward) {
 static int r_attention_forward(run *r, int a) { return run_attention(r, false); }
 static int r_attention_backward(run *r, int a) { return run_attention(r, true); }
 /* the saved state's size: the probabilities (B, NH, T, T) of dt, a fused kernel's row
- * log-sum-exps (B, NH, T) f32, or nothing (kernels.h): each device may choose one of them, not
- * a fourth */
+ * log-sum-exps (B, NH, T) f32, the rows' max and reciprocal sum (B, NH, T, 2) f32, or nothing
+ * (kernels.h): each device may choose one of them, not a fifth */
 static int r_attention_saved(run *r, int a) {
   if (!fsdp_dtype_is_float(DT)) return FSDP_OK; /* attention computes in floats only */
   att_shape s = BIG ? (att_shape){2, 65, 128, 2} : (att_shape){1, 3, 4, 2};
   fsdp_dtype sdt = FSDP_DTYPE_BOOL;
   int64_t n = K()->attention_saved(CTX, DT, s.B, s.T, s.C, s.NH, &sdt);
   int64_t probs = (int64_t)s.B * s.NH * s.T * s.T, lse = (int64_t)s.B * s.NH * s.T;
-  if ((n == probs && sdt == DT) || (n == lse && sdt == FSDP_DTYPE_F32) || n == 0)
+  if ((n == probs && sdt == DT) || ((n == lse || n == 2 * lse) && sdt == FSDP_DTYPE_F32) ||
+      n == 0)
     return FSDP_OK;
   return fsdp_error("attention_saved: %lld elements of %s, neither the probabilities (%lld of "
-                    "%s) nor the row log-sum-exps (%lld of f32) nor nothing", (long long)n,
-                    fsdp_dtype_name(sdt), (long long)probs, fsdp_dtype_name(DT), (long long)lse);
+                    "%s) nor the row log-sum-exps (%lld of f32) nor the rows' max and reciprocal "
+                    "sum (%lld of f32) nor nothing", (long long)n, fsdp_dtype_name(sdt),
+                    (long long)probs, fsdp_dtype_name(DT), (long long)lse, (long long)(2 * lse));
 }
 /* deterministic mode: the slot accepts both settings (left off) */
 static int r_set_deterministic(run *r, int a) {
