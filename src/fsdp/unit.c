@@ -92,8 +92,6 @@ struct fsdp_unit {
   const fsdp_device_i *device; /* where the buffers live: the parameters' (cpu for meta ones) */
   const fsdp_device_i *shard_device; /* the shards': device, or the cpu under offload */
   fsdp_storage *sharded;   /* no data; backs the parameters while sharded */
-  fsdp_comm_req *rs_req;   /* the gradient reduction in flight (reducing) ... */
-  fsdp_tensor *rs_buf;     /* ... and the full gradient it reduces in place */
   fsdp_comm_req *req;      /* a prefetch in flight ... */
   fsdp_tensor *req_buf;    /* ... the (P) buffer it gathers into ... */
   fsdp_tensor *req_send;   /* ... and its send buffer when it is not the shard (a cast) */
@@ -125,7 +123,8 @@ typedef struct stale_param {
 /* Units whose prefetch is in flight, per thread (a rank's units live on its thread). A
  * prefetch that is never consumed would be consumed later with stale values (after an
  * optimizer step changed the shard) while its send buffer, the shard, is still being read:
- * the root drops every leftover at the end of its forward and of its backward. */
+ * the root drops every leftover at the end of its forward, and every backward's end does
+ * (backward_done). */
 static _Thread_local fsdp_unit *inflight_head;
 
 static void inflight_add(fsdp_unit *u) {
@@ -171,20 +170,22 @@ static int drop_all_prefetches(void) {
  * reduction starts, at the end of the backward (backward_done) and before anything reads or
  * changes the gradient shard. Waiting never issues a collective (the request was issued on
  * every rank), so landing it may happen at a different point on each rank. */
-static _Thread_local fsdp_unit *reducing;
+static _Thread_local struct {
+  fsdp_unit *u;       /* retained; NULL: none in flight */
+  fsdp_comm_req *req;
+  fsdp_tensor *buf;   /* the full gradient it reduces in place (retained) */
+} reducing;
 
 static int reduce_add(fsdp_unit *u, fsdp_tensor *red);
 
 /* Wait for the reduction in flight, add its chunk into its unit's gradient shard, free its
  * buffer. On failure nothing is added and the buffer goes all the same. */
 static int land_reduction(void) {
-  fsdp_unit *u = reducing;
+  fsdp_unit *u = reducing.u;
   if (!u) return FSDP_OK;
-  reducing = NULL;
-  fsdp_tensor *red = u->rs_buf;
-  int rc = fsdp_comm_wait(u->rs_req);
-  u->rs_req = NULL;
-  u->rs_buf = NULL;
+  fsdp_tensor *red = reducing.buf;
+  int rc = fsdp_comm_wait(reducing.req);
+  reducing.u = NULL, reducing.req = NULL, reducing.buf = NULL;
   if (!rc) rc = reduce_add(u, red);
   fsdp_tensor_release(red);
   if (rc) fsdp_error_context("backward: unit '%s'", u->path);
@@ -192,8 +193,14 @@ static int land_reduction(void) {
   return rc;
 }
 
-/* fsdp_backward's epilogue (autograd.h): the backward is over, every gradient shard final. */
-static int backward_done(void) { return land_reduction(); }
+/* fsdp_backward's epilogue (autograd.h), after every outermost backward on this thread: the
+ * reduction in flight lands (every gradient shard is final) and the prefetches nobody consumed
+ * are dropped (a backward that did not reach a unit it prefetched, or failed half way). */
+static int backward_done(void) {
+  int rc = land_reduction();
+  if (drop_all_prefetches() && !rc) rc = fsdp_error_context("backward");
+  return rc;
+}
 
 static const char *strategy_name(fsdp_strategy s) {
   switch (s) {
@@ -273,7 +280,7 @@ fsdp_comm *fsdp_unit_replicate_comm(const fsdp_unit *u) {
 }
 bool fsdp_unit_is_root(const fsdp_unit *u) { return u->opts.is_root; }
 bool fsdp_unit_prefetching(const fsdp_unit *u) { return u->req != NULL; }
-bool fsdp_unit_reducing(const fsdp_unit *u) { return u->rs_req != NULL; }
+bool fsdp_unit_reducing(const fsdp_unit *u) { return reducing.u == u; }
 int fsdp_unit_pending_backward(const fsdp_unit *u) { return u->pending_bwd; }
 bool fsdp_unit_is_empty(const fsdp_unit *u) { return u->emptied; }
 
@@ -755,14 +762,15 @@ static void coll_label(char *dst, const char *path) {
   snprintf(dst, sizeof ((fsdp_coll *)0)->label, "%s", path);
 }
 
-/* A collective of the unit's buffers, blocking: they live on the unit's device, which the
- * backend moves through (a device without host memory: its copies and reduce_ranks). */
-static int unit_coll(fsdp_unit *u, fsdp_coll_op op, fsdp_dtype dt, int64_t count, const void *send,
-                     void *recv, fsdp_reduce_op red) {
+/* A collective of the unit's buffers, labelled with its path: they live on the unit's device,
+ * which the backend moves through (a device without host memory: its copies and
+ * reduce_ranks). */
+static fsdp_coll unit_coll(const fsdp_unit *u, fsdp_coll_op op, fsdp_dtype dt, int64_t count,
+                           const void *send, void *recv, fsdp_reduce_op red) {
   fsdp_coll coll = {.op = op, .dtype = dt, .red = red, .count = count, .send = send,
                     .recv = recv, .device = u->device};
   coll_label(coll.label, u->path);
-  return fsdp_comm_run(u->comm, &coll);
+  return coll;
 }
 
 /* Wait for the prefetch in flight and install its buffer. */
@@ -830,10 +838,11 @@ static int gather_as(fsdp_unit *u, fsdp_dtype dt) {
   if (flat_new(&buf, u->device, dt, u->padded, FSDP_ROLE_GATHERED, u->padded == 0))
     return fsdp_error_context("gather: unit '%s'", u->path);
   int rc = u->padded ? gather_send(u, dt, &send) : FSDP_OK;
-  if (!rc && u->padded &&
-      unit_coll(u, FSDP_COLL_ALL_GATHER, dt, u->shard_numel, flat_data(send), flat_data(buf),
-                FSDP_RED_SUM))
-    rc = fsdp_error_context("gather: unit '%s'", u->path);
+  if (!rc && u->padded) {
+    fsdp_coll coll = unit_coll(u, FSDP_COLL_ALL_GATHER, dt, u->shard_numel, flat_data(send),
+                               flat_data(buf), FSDP_RED_SUM);
+    if (fsdp_comm_run(u->comm, &coll)) rc = fsdp_error_context("gather: unit '%s'", u->path);
+  }
   fsdp_tensor_release(send);
   if (rc) {
     fsdp_tensor_release(buf);
@@ -856,9 +865,8 @@ int fsdp_unit_prefetch(fsdp_unit *u) {
     fsdp_tensor_release(buf);
     return fsdp_error_context("prefetch");
   }
-  fsdp_coll coll = {.op = FSDP_COLL_ALL_GATHER, .dtype = dt, .count = u->shard_numel,
-                    .send = flat_data(send), .recv = flat_data(buf), .device = u->device};
-  coll_label(coll.label, u->path);
+  fsdp_coll coll = unit_coll(u, FSDP_COLL_ALL_GATHER, dt, u->shard_numel, flat_data(send),
+                             flat_data(buf), FSDP_RED_SUM);
   if (fsdp_comm_start(u->comm, &coll, &u->req)) {
     u->req = NULL;
     fsdp_tensor_release(buf);
@@ -1075,36 +1083,38 @@ static int reduce_full_grad(fsdp_unit *u, const char *what, bool overlap) {
   int rc = fsdp_to(&red, u->full_grad, u->device, u->opts.reduce_dtype, FSDP_ROLE_GRADS);
   if (rc) return fsdp_error_context("%s: unit '%s'", what, u->path);
   void *fg = flat_data(red);
-  const bool none = u->opts.strategy == FSDP_STRATEGY_NONE;
   /* NONE: every rank averages the whole buffer; else, in place: this rank's chunk of the full
    * gradient receives the average */
-  fsdp_coll coll = {.op = none ? FSDP_COLL_ALL_REDUCE : FSDP_COLL_REDUCE_SCATTER,
-                    .dtype = red->dtype, .red = FSDP_RED_AVG,
-                    .count = none ? u->padded : u->shard_numel, .send = none ? NULL : fg,
-                    .recv = none ? fg : (char *)fg + u->shard_offset *
-                                                        (int64_t)fsdp_dtype_size(red->dtype),
-                    .device = u->device};
-  coll_label(coll.label, u->path);
+  fsdp_coll coll =
+      u->opts.strategy == FSDP_STRATEGY_NONE
+          ? unit_coll(u, FSDP_COLL_ALL_REDUCE, red->dtype, u->padded, NULL, fg, FSDP_RED_AVG)
+          : unit_coll(u, FSDP_COLL_REDUCE_SCATTER, red->dtype, u->shard_numel, fg,
+                      (char *)fg + u->shard_offset * (int64_t)fsdp_dtype_size(red->dtype),
+                      FSDP_RED_AVG);
   const bool hybrid = u->opts.strategy == FSDP_STRATEGY_HYBRID &&
                       fsdp_comm_world(u->opts.replicate) > 1;
   if (overlap && !hybrid) {
-    rc = land_reduction(); /* one in flight: its buffer is the only extra full gradient */
-    if (!rc) rc = fsdp_comm_start(u->comm, &coll, &u->rs_req);
-    if (rc) {
+    /* one in flight: its buffer is the only extra full gradient; a failure landing it is the
+     * earlier unit's, and says so */
+    if (land_reduction()) {
+      fsdp_tensor_release(red);
+      return FSDP_ERR;
+    }
+    if (fsdp_comm_start(u->comm, &coll, &reducing.req)) {
+      reducing.req = NULL;
       fsdp_tensor_release(red);
       return fsdp_error_context("%s: unit '%s'", what, u->path);
     }
-    u->rs_buf = red;
     fsdp_unit_retain(u);
-    reducing = u;
+    reducing.u = u;
+    reducing.buf = red;
     return FSDP_OK;
   }
   rc = fsdp_comm_run(u->comm, &coll);
   /* HYBRID: the group's average, averaged across the groups holding the same shard */
   if (!rc && hybrid) {
-    fsdp_coll rep = {.op = FSDP_COLL_ALL_REDUCE, .dtype = red->dtype, .red = FSDP_RED_AVG,
-                     .count = u->shard_numel, .recv = coll.recv, .device = u->device};
-    coll_label(rep.label, u->path);
+    fsdp_coll rep = unit_coll(u, FSDP_COLL_ALL_REDUCE, red->dtype, u->shard_numel, NULL,
+                              coll.recv, FSDP_RED_AVG);
     rc = fsdp_comm_run(u->opts.replicate, &rep);
   }
   if (!rc) rc = reduce_add(u, red);
@@ -1127,9 +1137,7 @@ static int finish_backward(fsdp_unit *u) {
      * it); only the views go, so the parameters reshard as usual and hold no .grad */
     drop_grad_views(u);
     u->grad_held = true;
-    rc = reshard_impl(u);
-    if (!rc && u->opts.is_root) rc = drop_all_prefetches();
-    return rc;
+    return reshard_impl(u);
   }
   /* overlapped with the backward of the units still to come; the root's is the backward's
    * last, so waiting on it now costs nothing and leaves no buffer behind */
@@ -1137,7 +1145,6 @@ static int finish_backward(fsdp_unit *u) {
                                            !u->opts.is_root);
   drop_full_grad(u);
   if (!rc) rc = reshard_impl(u); /* replicated: only undoes a mixed-precision copy */
-  if (!rc && u->opts.is_root) rc = drop_all_prefetches(); /* the backward is over */
   return rc;
 }
 

@@ -41,9 +41,10 @@
  * Prefetch safety: a prefetch (asynchronous all-gather) reads the shard until it is consumed,
  * and a gather consumes it as is. So nothing may change a shard while its prefetch is in
  * flight. The engine keeps that true on its own where it can: a backward prefetch is issued
- * only for a unit whose backward is still to come, and the root drops every unconsumed
- * prefetch of the thread at the end of its forward and of its backward (so an optimizer step
- * after backward never races one). Without a root unit, reshard (or gather) a unit whose
+ * only for a unit whose backward is still to come, the root drops every unconsumed prefetch
+ * of the thread at the end of its forward, and the end of every backward does (autograd's
+ * epilogue, which also lands the gradient reduction in flight: so an optimizer step after
+ * backward never races one). Without a root unit, reshard (or gather) a unit whose forward
  * prefetch may be left over before changing its shard.
  *
  * Errors name the unit ("gather: unit 'blocks.1': ...") and, where there is one, the parameter

@@ -790,6 +790,7 @@ typedef struct {
   bool overlap;
   bool fail_peer;   /* rank 1 aborts its communicator instead of running its backward */
   bool root_frozen; /* the root has nothing to reduce: the walk itself succeeds */
+  bool outer_unit;  /* the outer unit is not the root: its reduction overlaps too */
   _Atomic bool probed;
   double probe_t;   /* rank 0: when its probe ran */
   double peer_t;    /* rank 1: when it started its backward */
@@ -835,7 +836,7 @@ static bool rank_reduce_overlap(rank_ctx *ctx) {
   fsdp_unit_opts o = {.strategy = FSDP_STRATEGY_GRAD_OP, .overlap_reduce = cfg->overlap};
   CHECK_OK(fsdp_unit_new(&n.inner, ctx->comm, "fc1", ps, paths, n.nin, &o));
   for (int i = 0; i < n.nout; i++) ps[i] = n.p[n.out[i]], paths[i] = n.path[n.out[i]];
-  o.is_root = true;
+  o.is_root = !cfg->outer_unit;
   CHECK_OK(fsdp_unit_new(&n.root, ctx->comm, "", ps, paths, n.nout, &o));
   fsdp_tensor *xf = data_new("x", BATCH, 6), *tf = data_new("t", BATCH, 3);
   fsdp_tensor *x = rows_of(xf, R, W), *tgt = rows_of(tf, R, W), *h1, *h2, *y, *loss;
@@ -912,6 +913,14 @@ static void test_reduce_overlap_failure(void **state) {
   assert_non_null(strstr(both.msg, "rank 1 gave up"));
   assert_null(strstr(both.msg, "unit 'fc1'"));
   assert_int_equal(both.grads_after, 0);
+  /* the outer unit overlaps too: starting its reduction lands the inner one's first, which
+   * fails; the message is the inner unit's alone */
+  overlap_cfg outer = {.overlap = true, .fail_peer = true, .outer_unit = true};
+  run_ranks(2, rank_reduce_overlap, &outer);
+  assert_non_null(strstr(outer.msg, "backward: unit 'fc1': "));
+  assert_non_null(strstr(outer.msg, "rank 1 gave up"));
+  assert_null(strstr(outer.msg, "unit ''"));
+  assert_int_equal(outer.grads_after, 0);
 }
 
 /* Prefetches that would never be consumed are not left in flight (a later gather would hand
@@ -970,6 +979,45 @@ static bool rank_stale_prefetch(rank_ctx *ctx) {
 static void test_stale_prefetch(void **state) {
   (void)state;
   for (int W = 1; W <= 2; W++) run_ranks(W, rank_stale_prefetch, NULL);
+}
+
+/* A tape hook that prefetches unit ud when backward reaches it. */
+static int prefetch_hook(void *ud) { return fsdp_unit_prefetch(ud); }
+
+/* No prefetch outlives a backward, whoever issued it and wherever: here a hook recorded before
+ * the root's forward, so it runs after the root's last backward hook, prefetches a unit whose
+ * backward is over. The end of the backward drops it (an optimizer step may change the shard
+ * next). */
+static bool rank_prefetch_after_root(rank_ctx *ctx) {
+  fsdp_tensor *pa = param_new("a", 2, SHAPE(4, 4)), *pr = param_new("root", 1, SHAPE(4));
+  const char *na = "a.weight", *nr = "scale";
+  fsdp_unit_opts o = {.strategy = FSDP_STRATEGY_FULL, .reshard_after_forward = true};
+  fsdp_unit *a, *root;
+  CHECK_OK(fsdp_unit_new(&a, ctx->comm, "a", &pa, &na, 1, &o));
+  o.is_root = true;
+  CHECK_OK(fsdp_unit_new(&root, ctx->comm, "", &pr, &nr, 1, &o));
+  fsdp_tensor *in = data_new("in", 2, 4), *h1, *h2, *loss;
+  CHECK_OK(fsdp_tape_hook(prefetch_hook, a, NULL));
+  CHECK_OK(fsdp_unit_pre_forward(root, NULL));
+  CHECK_OK(fsdp_unit_pre_forward(a, NULL));
+  CHECK_OK(fsdp_op_linear(&h1, in, pa, NULL));
+  CHECK_OK(fsdp_unit_post_forward(a, true));
+  CHECK_OK(fsdp_op_binary(&h2, h1, pr, FSDP_OP_MUL));
+  CHECK_OK(fsdp_unit_post_forward(root, true));
+  CHECK_OK(fsdp_op_sum(&loss, h2));
+  CHECK_OK(fsdp_backward(loss, NULL));
+  CHECK(!fsdp_unit_prefetching(a) && fsdp_unit_state_get(a) == FSDP_UNIT_SHARDED);
+  CHECK(live(FSDP_ROLE_GATHERED) == 0);
+  fsdp_tensor *tensors[] = {loss, h1, h2, in, pa, pr};
+  for (size_t i = 0; i < sizeof tensors / sizeof *tensors; i++) fsdp_tensor_release(tensors[i]);
+  fsdp_unit_release(a);
+  fsdp_unit_release(root);
+  return true;
+}
+
+static void test_prefetch_after_root(void **state) {
+  (void)state;
+  for (int W = 1; W <= 2; W++) run_ranks(W, rank_prefetch_after_root, NULL);
 }
 
 /* A fully frozen unit that gradients pass through (f, between the trainable a and the root):
@@ -1550,6 +1598,7 @@ int main(void) {
       cmocka_unit_test(test_reduce_overlap),
       cmocka_unit_test(test_reduce_overlap_failure),
       cmocka_unit_test(test_stale_prefetch),
+      cmocka_unit_test(test_prefetch_after_root),
       cmocka_unit_test(test_frozen_passthrough),
       cmocka_unit_test(test_memory),
       cmocka_unit_test(test_grad_shard_lazy),
