@@ -611,6 +611,8 @@ int fsdp_unit_new(fsdp_unit **out, fsdp_comm *c, const char *path, fsdp_tensor *
                           : (fsdp_unit_opts){.strategy = FSDP_STRATEGY_FULL,
                                              .reshard_after_forward = true,
                                              .overlap_reduce = true};
+  /* the same function every time: a plain store, so any unit made registers it before the
+   * backward that needs it, with no once-flag to keep */
   fsdp_backward_set_epilogue(backward_done);
   /* Local validation first, but its verdict travels with the layout check (collective). */
   int valid = FSDP_ERR;
