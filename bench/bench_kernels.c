@@ -134,9 +134,10 @@ typedef struct {
 
 static void run_attention_bf16(void *p) {
   hatt_ctx *c = p;
-  if (fsdp_cpu_half_attention_forward(FSDP_DTYPE_BF16, c->out, c->qkv, B, T, C, NH) ||
-      fsdp_cpu_half_attention_backward(FSDP_DTYPE_BF16, c->dqkv, c->dout, c->qkv, B, T, C, NH,
-                                       true)) {
+  if (fsdp_cpu_half_attention_forward(FSDP_DTYPE_BF16, c->out, att_stats, c->qkv, B, T, C,
+                                      NH) ||
+      fsdp_cpu_half_attention_backward(FSDP_DTYPE_BF16, c->dqkv, c->dout, c->qkv, att_stats, B, T,
+                                       C, NH, true)) {
     fprintf(stderr, "bench_kernels: bf16 attention failed: %s\n", fsdp_error_msg());
     exit(1);
   }
@@ -230,6 +231,7 @@ typedef struct {
   uint32_t *kt, *vi, *tile;
   int kind;
   uint16_t *d; /* kind 6's dscores */
+  float *st;   /* kind 5 keeps the rows' stats, kind 7 rebuilds the rows from them */
 } bpart_ctx;
 
 static void run_part_bf16(void *p) {
@@ -239,7 +241,10 @@ static void run_part_bf16(void *p) {
   for (int r0 = 0; r0 < T; r0 += TB) {
     const int rows = fsdp_cpu_att_rows(T, r0), cols = r0 + rows;
     if (c->kind == 5) /* the causal softmax rows into bf16 probabilities */
-      fsdp_cpu_vec()->att_softmax_rows_bf16(c->att, c->S, T, r0, rows, cols);
+      fsdp_cpu_vec()->att_softmax_rows_bf16(c->att, c->S, T, r0, rows, cols, c->st + 2 * r0);
+    else if (c->kind == 7) /* the same from their stats (the scores left in S) */
+      fsdp_cpu_vec()->att_softmax_rows_saved_bf16(c->att, c->S, T, r0, rows, cols,
+                                                  c->st + 2 * r0);
     else if (c->kind == 6) /* and their backward, bf16 dscores */
       fsdp_cpu_vec()->att_softmax_backward_rows_bf16(c->d, c->S, c->att, T, r0, rows, cols);
     else if (c->kind == 1)
@@ -264,7 +269,8 @@ static void bench_parts_bf16(double peak) {
   const int hs = C / NH, ldk = (T + 15) / 16 * 16, ldh = (hs + 15) / 16 * 16;
   bpart_ctx c = {hbuf((int64_t)T * 3 * C), hbuf((int64_t)T * T), hbuf((int64_t)T * C),
                  buf((int64_t)T * T, 1), malloc(4 * (size_t)hs * ldk),
-                 malloc(4 * (size_t)T * ldh), malloc(4 * (size_t)T * FSDP_CPU_ATT_BLOCK), 0, NULL};
+                 malloc(4 * (size_t)T * ldh), malloc(4 * (size_t)T * FSDP_CPU_ATT_BLOCK), 0, NULL,
+                 buf(2 * (int64_t)T, 1)};
   if (!c.kt || !c.vi || !c.tile) {
     fprintf(stderr, "bench_kernels: out of memory\n");
     exit(1);
@@ -276,13 +282,29 @@ static void bench_parts_bf16(double peak) {
   printf("bf16 products (AVX512_BF16), the same pair:\n");
   time_parts(run_part_bf16, &c, &c.kind, name, causal, 2.0 * T * hs, peak);
   c.d = hbuf((int64_t)T * T);
-  for (c.kind = 5; c.kind <= 6; c.kind++) {
+  /* kind 5 turns the scores in S into exponentials at every call: kind 7 runs on the scores
+   * of one q k^T (kept here; the packs are made by now) and the stats one call of kind 5
+   * takes of them */
+  const char *const rows_name[3] = {"causal rows, bf16 out", "causal rows' backward, bf16",
+                                    "the same rows from their stats"};
+  float *scores = malloc(sizeof(float) * (size_t)T * T);
+  if (!scores) {
+    fprintf(stderr, "bench_kernels: out of memory\n");
+    exit(1);
+  }
+  c.kind = 1, run_part_bf16(&c);
+  memcpy(scores, c.S, sizeof(float) * (size_t)T * T);
+  for (c.kind = 5; c.kind <= 7; c.kind++) {
+    if (c.kind == 7) {
+      memcpy(c.S, scores, sizeof(float) * (size_t)T * T);
+      c.kind = 5, run_part_bf16(&c), c.kind = 7;
+      memcpy(c.S, scores, sizeof(float) * (size_t)T * T);
+    }
     double t = time_call(run_part_bf16, &c);
-    printf("  %-34s %8.3f ns/element\n",
-           c.kind == 5 ? "causal rows, bf16 out" : "causal rows' backward, bf16",
-           t * 1e9 / (T * (T + 1) / 2.0));
+    printf("  %-34s %8.3f ns/element\n", rows_name[c.kind - 5], t * 1e9 / (T * (T + 1) / 2.0));
   }
   free(c.q), free(c.att), free(c.o), free(c.S), free(c.kt), free(c.vi), free(c.tile), free(c.d);
+  free(c.st), free(scores);
 }
 
 static void bench_parts(double peak) {

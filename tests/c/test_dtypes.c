@@ -356,15 +356,15 @@ static int r_attention_backward(run *r, int a) {
   fsdp_cpu_bf16_gemm_force(-1);
   return rc;
 }
-/* the saved state: the cpu's f32 keeps each query row's softmax max and reciprocal sum
- * ((B, NH, T, 2) f32), the other dtypes nothing (the half dtypes' backward recomputes the
- * probabilities whole); as outputs (i64, the same for every dtype): whether the size is that,
- * and whether the dtype is f32 */
+/* the saved state: the cpu keeps each query row's softmax max and reciprocal sum ((B, NH, T, 2)
+ * f32) for f32 and the half dtypes, nothing for the others; as outputs (i64, the same for every
+ * dtype): whether the size is that, and whether the dtype is f32 */
 static int r_attention_saved(run *r, int a) {
   fsdp_dtype sdt = FSDP_DTYPE_BOOL;
   int64_t n = K()->attention_saved(CTX, DT, AB, AT, AC, AH, &sdt);
   int64_t *o = out_dt(r, FSDP_DTYPE_I64, 2);
-  const int64_t want = DT == FSDP_DTYPE_F32 ? (int64_t)AB * AH * AT * 2 : 0;
+  const bool keeps = DT == FSDP_DTYPE_F32 || DT == FSDP_DTYPE_BF16 || DT == FSDP_DTYPE_F16;
+  const int64_t want = keeps ? (int64_t)AB * AH * AT * 2 : 0;
   o[0] = n == want ? 1 : 0;
   o[1] = sdt == FSDP_DTYPE_F32 ? 1 : 0;
   return n == want && sdt == FSDP_DTYPE_F32

@@ -363,13 +363,15 @@ static void near(const buf *b, double rel, const char *what) {
   for (int64_t i = 0; i < b->n; i++) b->f[i] = widen1(b->h[i]);
 }
 
-/* The bf16 / f16 attention against the f32 kernel on the widened inputs (no way saves anything
- * for the backward: each recomputes the probabilities). The widening way (native false: the
+/* The bf16 / f16 attention against the f32 kernel on the widened inputs, first without saved
+ * stats (each backward recomputes the probabilities whole). The widening way (native false: the
  * bf16 products forced off) gives the f32 kernel's bits. bf16 attention with the processor's
  * bf16 products (attention_bf16.c, native true; skipped where it cannot run) is held to bf16's
  * precision: the outputs and gradients within 1-2% norm-wise of the f32 kernel's (its products
  * read the rounded probabilities and score gradients), written and accumulated; and a batch
- * row's results are the same bits whichever call and thread count computes it. */
+ * row's results are the same bits whichever call and thread count computes it. Then with the
+ * rows' stats kept by the forward (attention_saved's (B, NH, T, 2) f32): the same outputs, and
+ * a backward that rebuilds the probabilities from them gives the same bits, written and added. */
 static void attention_case(int B, int T, int C, int NH, bool native) {
   const fsdp_kernels_i *k = K();
   if (native && (DT != FSDP_DTYPE_BF16 || !fsdp_cpu_bf16_gemm_force(1))) return;
@@ -380,8 +382,10 @@ static void attention_case(int B, int T, int C, int NH, bool native) {
   if (!native) fsdp_cpu_bf16_gemm_force(0);
   assert_int_equal(fsdp_cpu_bf16_attention_native(B, T, C, NH), native);
   const int64_t nq = (int64_t)B * T * 3 * C, no = (int64_t)B * T * C;
-  fsdp_dtype sdt;
-  assert_int_equal(k->attention_saved(CTX, DT, B, T, C, NH, &sdt), 0);
+  fsdp_dtype sdt = FSDP_DTYPE_BOOL;
+  const int64_t ns = (int64_t)B * NH * T * 2;
+  assert_int_equal(k->attention_saved(CTX, DT, B, T, C, NH, &sdt), ns);
+  assert_int_equal(sdt, FSDP_DTYPE_F32);
   buf qkv = mk(nq, -1, 1), o = mk(no, 0, 1), g = mk(no, -1, 1), dq = mk(nq, -1, 1);
   assert_int_equal(k->attention_forward(CTX, DT, o.h, NULL, qkv.h, B, T, C, NH), FSDP_OK);
   assert_int_equal(k->attention_forward(CTX, FSDP_DTYPE_F32, o.f, NULL, qkv.f, B, T, C, NH),
@@ -404,46 +408,77 @@ static void attention_case(int B, int T, int C, int NH, bool native) {
       FSDP_OK);
   if (native) near(&dq, 2e-2, "attention backward, dqkv set");
   else same(&dq, "attention backward, dqkv set");
-  if (native) { /* row by row, at the other thread count: the same bits */
+  /* with the stats: the forward's outputs unchanged, every row's stats written (NaN before) */
+  float *st = malloc(sizeof(float) * (size_t)ns);
+  assert_non_null(st);
+  for (int64_t i = 0; i < ns; i++) st[i] = NAN;
+  buf o2 = mk(no, 0, 1), dq2 = mk(nq, -1, 1), dq3 = mk(nq, 0, 0);
+  assert_int_equal(k->attention_forward(CTX, DT, o2.h, st, qkv.h, B, T, C, NH), FSDP_OK);
+  assert_memory_equal(o2.h, o.h, (size_t)no * 2);
+  for (int64_t i = 0; i < ns; i++)
+    if (!isfinite(st[i])) fail_msg("attention forward: stat %lld not written", (long long)i);
+  /* the backward from them: written, and added (onto the same values both ways) */
+  assert_int_equal(k->attention_backward(CTX, DT, dq3.h, g.h, qkv.h, st, B, T, C, NH, true),
+                   FSDP_OK);
+  assert_memory_equal(dq3.h, dq.h, (size_t)nq * 2);
+  memcpy(dq3.h, dq2.h, (size_t)nq * 2);
+  assert_int_equal(k->attention_backward(CTX, DT, dq2.h, g.h, qkv.h, NULL, B, T, C, NH, false),
+                   FSDP_OK);
+  assert_int_equal(k->attention_backward(CTX, DT, dq3.h, g.h, qkv.h, st, B, T, C, NH, false),
+                   FSDP_OK);
+  assert_memory_equal(dq3.h, dq2.h, (size_t)nq * 2);
+  if (native) { /* row by row, at the other thread count: the same bits, stats included */
     buf o1 = mk(no, 0, 1), dq1 = mk(nq, 0, 0);
+    float *st1 = calloc((size_t)ns, sizeof(float));
+    assert_non_null(st1);
     const int saved = fsdp_cpu_threads();
     fsdp_cpu_set_threads(saved == 1 ? 2 : 1);
     for (int b = 0; b < B; b++) {
       const int64_t q0 = (int64_t)b * T * 3 * C, o0 = (int64_t)b * T * C;
-      assert_int_equal(k->attention_forward(CTX, DT, o1.h + o0, NULL, qkv.h + q0, 1, T, C, NH),
+      float *sb = st1 + (int64_t)b * NH * T * 2;
+      assert_int_equal(k->attention_forward(CTX, DT, o1.h + o0, sb, qkv.h + q0, 1, T, C, NH),
                        FSDP_OK);
-      assert_int_equal(k->attention_backward(CTX, DT, dq1.h + q0, g.h + o0, qkv.h + q0, NULL, 1,
+      assert_int_equal(k->attention_backward(CTX, DT, dq1.h + q0, g.h + o0, qkv.h + q0, sb, 1,
                                              T, C, NH, true),
                        FSDP_OK);
     }
     fsdp_cpu_set_threads(saved);
     assert_memory_equal(o1.h, o.h, (size_t)no * 2);
     assert_memory_equal(dq1.h, dq.h, (size_t)nq * 2);
-    rm(&o1), rm(&dq1);
+    assert_memory_equal(st1, st, sizeof(float) * (size_t)ns);
+    rm(&o1), rm(&dq1), free(st1);
   }
   fsdp_cpu_bf16_gemm_force(-1);
-  rm(&qkv), rm(&o), rm(&g), rm(&dq);
+  rm(&qkv), rm(&o), rm(&g), rm(&dq), rm(&o2), rm(&dq2), rm(&dq3), free(st);
 }
 
 /* Where the bf16 products cannot serve a call, the widening way computes it, with the f32
  * kernel's bits: an odd head size or T (a pair of bf16 would straddle a head or a row), T past
- * the scratch's bound, qkv or dout at an odd 16-bit address (the packs move 32-bit words). */
+ * the scratch's bound, qkv or dout at an odd 16-bit address (the packs move 32-bit words). The
+ * rows' stats go from the forward to the backward as in a step. With dout misaligned the
+ * forward is native, and its stats (of the bf16 products' scores, summed in another order) must
+ * not reach the widened backward: their differences would mostly vanish in the bf16 rounding,
+ * so the test spoils them (a backward that read them would be far off the f32 kernel's bits). */
 static void widened_case(int B, int T, int C, int NH, int q_off, int g_off) {
   const fsdp_kernels_i *k = K();
-  const int64_t nq = (int64_t)B * T * 3 * C, no = (int64_t)B * T * C;
+  const int64_t nq = (int64_t)B * T * 3 * C, no = (int64_t)B * T * C, ns = (int64_t)B * NH * T * 2;
   buf qs = mk(nq + 1, -1, 1), gs = mk(no + 1, -1, 1), o = mk(no, 0, 1), dq = mk(nq, -1, 1);
   buf qkv = {nq, qs.h + q_off, qs.f + q_off}, g = {no, gs.h + g_off, gs.f + g_off};
-  assert_int_equal(k->attention_forward(CTX, DT, o.h, NULL, qkv.h, B, T, C, NH), FSDP_OK);
+  float *st = calloc((size_t)ns, sizeof(float));
+  assert_non_null(st);
+  assert_int_equal(k->attention_forward(CTX, DT, o.h, st, qkv.h, B, T, C, NH), FSDP_OK);
   assert_int_equal(k->attention_forward(CTX, FSDP_DTYPE_F32, o.f, NULL, qkv.f, B, T, C, NH),
                    FSDP_OK);
   if (g_off == 0) same(&o, "attention forward, widened"); /* else the forward is native */
-  assert_int_equal(k->attention_backward(CTX, DT, dq.h, g.h, qkv.h, NULL, B, T, C, NH, false),
+  if (g_off && fsdp_cpu_bf16_attention_native(B, T, C, NH))
+    for (int64_t i = 0; i < ns; i++) st[i] = i % 2 ? 1e3f : -1.0f; /* max -1, sum 1e-3 */
+  assert_int_equal(k->attention_backward(CTX, DT, dq.h, g.h, qkv.h, st, B, T, C, NH, false),
                    FSDP_OK);
   assert_int_equal(
       k->attention_backward(CTX, FSDP_DTYPE_F32, dq.f, g.f, qkv.f, NULL, B, T, C, NH, false),
       FSDP_OK);
   same(&dq, "attention backward, widened");
-  rm(&qs), rm(&gs), rm(&o), rm(&dq);
+  rm(&qs), rm(&gs), rm(&o), rm(&dq), free(st);
 }
 
 static void native_bounds_cases(void) {

@@ -563,21 +563,38 @@ static void test_att_rows_grouping(void **state) {
         if (memcmp(A1, A2, sizeof(float) * (size_t)tt) != 0)
           fail_msg("att_softmax_rows_saved at %s, T %d from row %d: not the forward's bits",
                    fsdp_cpu_isa_name((fsdp_cpu_isa_level)l), T, r0);
-        free(st1), free(st2);
         v->att_softmax_backward_rows(S1, A1, T, r0, rows, T);
         for (int t = r0; t < T; t++) v->att_softmax_backward_rows(S2, A1, T, t, 1, T);
         if (memcmp(S1, S2, sizeof(float) * (size_t)tt) != 0)
           fail_msg("att_softmax_backward_rows at %s, T %d from row %d: a tile's rows differ",
                    fsdp_cpu_isa_name((fsdp_cpu_isa_level)l), T, r0);
         memcpy(A1, A, sizeof(float) * (size_t)tt), memcpy(A2, A, sizeof(float) * (size_t)tt);
-        v->att_softmax_rows_bf16(P1, A1, T, r0, rows, T);
-        for (int t = r0; t < T; t++) v->att_softmax_rows_bf16(P2, A2, T, t, 1, T);
+        v->att_softmax_rows_bf16(P1, A1, T, r0, rows, T, st1);
+        for (int t = r0; t < T; t++)
+          v->att_softmax_rows_bf16(P2, A2, T, t, 1, T, t % 2 ? st2 + 2 * (t - r0) : NULL);
         v->att_softmax_backward_rows_bf16(D1, S, P1, T, r0, rows, T);
         for (int t = r0; t < T; t++) v->att_softmax_backward_rows_bf16(D2, S, P1, T, t, 1, T);
         if (memcmp(P1, P2, 2 * (size_t)tt) != 0 || memcmp(D1, D2, 2 * (size_t)tt) != 0 ||
             memcmp(A1, A2, sizeof(float) * (size_t)tt) != 0)
           fail_msg("the bf16 softmax rows at %s, T %d from row %d: a tile's rows differ",
                    fsdp_cpu_isa_name((fsdp_cpu_isa_level)l), T, r0);
+        for (int t = r0 + 1; t < T; t += 2) /* the rows that kept theirs: the tile's stats */
+          if (memcmp(st1 + 2 * (t - r0), st2 + 2 * (t - r0), 2 * sizeof(float)) != 0)
+            fail_msg("att_softmax_rows_bf16 at %s, T %d: row %d's stats differ",
+                     fsdp_cpu_isa_name((fsdp_cpu_isa_level)l), T, t);
+        /* the bf16 probabilities from the stats, on the scores (left as they were): the same
+         * bits in one pass, the columns after each row zeroed */
+        memcpy(A2, A, sizeof(float) * (size_t)tt);
+        memset(P2, 0xff, 2 * (size_t)tt);
+        v->att_softmax_rows_saved_bf16(P2, A2, T, r0, rows, T, st1);
+        for (int t = r0; t < T; t++)
+          if (memcmp(P1 + (int64_t)t * T, P2 + (int64_t)t * T, 2 * (size_t)T) != 0)
+            fail_msg("att_softmax_rows_saved_bf16 at %s, T %d, row %d: not the forward's bits",
+                     fsdp_cpu_isa_name((fsdp_cpu_isa_level)l), T, t);
+        if (memcmp(A2, A, sizeof(float) * (size_t)tt) != 0)
+          fail_msg("att_softmax_rows_saved_bf16 at %s: the scores changed",
+                   fsdp_cpu_isa_name((fsdp_cpu_isa_level)l));
+        free(st1), free(st2);
         free(A), free(A1), free(A2), free(S), free(S1), free(S2);
         free(P1), free(P2), free(D1), free(D2);
       }
@@ -686,10 +703,15 @@ static void test_bf16_round(void **state) {
   const int64_t tt = (int64_t)T * T;
   float *A0 = frand(tt, -4, 4), *A1 = fcopy(A0, tt), *S = frand(tt, -1, 1);
   uint16_t *P0 = hbits(tt), *P1 = hbits(tt), *D0 = hbits(tt), *D1 = hbits(tt);
-  ref->att_softmax_rows_bf16(P0, A0, T, 0, T, T);
-  hw->att_softmax_rows_bf16(P1, A1, T, 0, T, T);
+  float *As = fcopy(A0, tt), *st0 = frand(2 * T, 0, 1), *st1 = frand(2 * T, 0, 1);
+  ref->att_softmax_rows_bf16(P0, A0, T, 0, T, T, st0);
+  hw->att_softmax_rows_bf16(P1, A1, T, 0, T, T, st1);
   same_u16("att_softmax_rows_bf16", P0, P1, tt, NULL);
   same_f32("att_softmax_rows_bf16's exponentials", A0, A1, tt);
+  same_f32("att_softmax_rows_bf16's stats", st0, st1, 2 * T);
+  hw->att_softmax_rows_saved_bf16(P1, As, T, 0, T, T, st0);
+  same_u16("att_softmax_rows_saved_bf16", P0, P1, tt, NULL);
+  free(As), free(st0), free(st1);
   ref->att_softmax_backward_rows_bf16(D0, S, P0, T, 0, T, T);
   hw->att_softmax_backward_rows_bf16(D1, S, P0, T, 0, T, T);
   same_u16("att_softmax_backward_rows_bf16", D0, D1, tt, NULL);

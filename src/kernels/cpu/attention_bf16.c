@@ -13,14 +13,16 @@
  * each key tile the probabilities and dscores below it, interleaved by rows.
  *
  * Forward, per query tile: scores (f32) = q k^T / sqrt(hs); the causal softmax rows (the f32
- * kernel's arithmetic, isa.h) storing att (bf16), the probabilities rounded once; out (bf16) =
- * att v. Nothing is kept for the backward: per query tile it recomputes the scores with the
- * same product, the same softmax rows and the same rounding (the forward's bf16 probabilities,
- * bit for bit), then datt (f32) = dout v^T, the softmax backward reading att and storing
- * dscores rounded to bf16, dq = dscores k / sqrt(hs); then per key tile, over every query row
- * that sees it: dv = att^T dout, dk = dscores^T q / sqrt(hs). Every output element is written
- * by one product (no bf16 running sums; added into dqkv with one rounding when the backward
- * accumulates).
+ * kernel's arithmetic, isa.h) storing att (bf16), the probabilities rounded once, and keeping
+ * each row's max and reciprocal sum when the caller gives room for them; out (bf16) = att v.
+ * The backward recomputes each query tile's scores with the same product and rebuilds att from
+ * the stats in one pass (att_softmax_rows_saved_bf16: the same exponentials times the same
+ * reciprocal, the same rounding; without stats, the forward's rows again): the forward's bf16
+ * probabilities, bit for bit. Then datt (f32) = dout v^T, the softmax backward reading att
+ * and storing dscores rounded to bf16, dq = dscores k / sqrt(hs); then per key tile, over
+ * every query row that sees it: dv = att^T dout, dk = dscores^T q / sqrt(hs). Every output
+ * element is written by one product (no bf16 running sums; added into dqkv with one rounding
+ * when the backward accumulates).
  *
  * Against the widening way the products' sums run in another order and two operands are bf16
  * where that way keeps f32: the probabilities in att v and dscores in dq and dk. The results
@@ -47,6 +49,10 @@
 typedef struct {
   uint16_t *out, *dqkv;
   const uint16_t *qkv, *dout;
+  /* (B, NH, T, 2), per row the softmax's max and reciprocal sum, or NULL: the forward writes
+   * keep, the backward reads saved */
+  float *keep;
+  const float *saved;
   int B, T, C, NH, nchunks;
   float scale;
   bool set;      /* backward: dqkv written (else added, one rounding) */
@@ -100,14 +106,22 @@ static char *slot_of(const bf_job *j, int64_t lo) {
                           j->slot;
 }
 
-/* S rows [r0, r0 + rows) = scale q k^T against the keys they see, their probabilities rounded
- * into att (the forward's, and the backward's recomputation: the same bits) */
-static void probs_tile(const bf_job *j, const bf_work *w, const uint16_t *q, int r0, int rows) {
+/* S rows [r0, r0 + rows) of pair pr = scale q k^T against the keys they see, their
+ * probabilities rounded into att (the forward's, keeping the rows' stats when there is room,
+ * and the backward's recomputation, in one pass from the stats when kept: the same bits) */
+static void probs_tile(const bf_job *j, const bf_work *w, int64_t pr, const uint16_t *q, int r0,
+                       int rows) {
   const int T = j->T, hs = j->C / j->NH;
+  const fsdp_cpu_vec_i *vec = fsdp_cpu_vec();
   fsdp_cpu_att_bf16_mm(w->S + (int64_t)r0 * T, T, false, q + (int64_t)r0 * 3 * j->C, 3 * j->C,
                        2, w->kt, ld_t(T), rows, r0 + rows, hs, r0, FSDP_ATT_COLS, j->scale,
                        false);
-  fsdp_cpu_vec()->att_softmax_rows_bf16(w->att, w->S, T, r0, rows, r0 + rows);
+  const int64_t at = 2 * (pr * T + r0);
+  if (j->saved)
+    vec->att_softmax_rows_saved_bf16(w->att, w->S, T, r0, rows, r0 + rows, j->saved + at);
+  else
+    vec->att_softmax_rows_bf16(w->att, w->S, T, r0, rows, r0 + rows,
+                               j->keep ? j->keep + at : NULL);
 }
 
 /* k (or v) of one head, T rows of hs with stride 3C, transposed as 32-bit words: (hs / 2, T) */
@@ -128,7 +142,7 @@ static void forward_pairs(void *ctx, int64_t lo, int64_t hi) {
     fsdp_cpu_att_bf16_interleave(w.vi, ld_h(hs), v, C3, T, hs);
     for (int r0 = 0; r0 < T; r0 += ATT_BLOCK) {
       const int rows = fsdp_cpu_att_rows(T, r0), cols = r0 + rows;
-      probs_tile(j, &w, q, r0, rows);
+      probs_tile(j, &w, pr, q, r0, rows);
       fsdp_cpu_att_bf16_mm(out + (int64_t)r0 * C, C, true, w.att + (int64_t)r0 * T, T, 2, w.vi,
                            ld_h(hs), rows, hs, cols, r0, FSDP_ATT_KHEAD, 1.0f, false);
     }
@@ -154,7 +168,7 @@ static void backward_pairs(void *ctx, int64_t lo, int64_t hi) {
     fsdp_cpu_att_bf16_interleave(w.gi, lh, g, C, T, hs);
     for (int r0 = 0; r0 < T; r0 += ATT_BLOCK) { /* query tiles: att, datt, dscores, dq */
       const int rows = fsdp_cpu_att_rows(T, r0), cols = r0 + rows;
-      probs_tile(j, &w, q, r0, rows);
+      probs_tile(j, &w, pr, q, r0, rows);
       fsdp_cpu_att_bf16_mm(w.S + (int64_t)r0 * T, T, false, g + (int64_t)r0 * C, C, 2, w.vt,
                            ld_t(T), rows, cols, hs, r0, FSDP_ATT_COLS, 1.0f, false);
       vec->att_softmax_backward_rows_bf16(w.D, w.S, w.att, T, r0, rows, cols);
@@ -197,16 +211,17 @@ static int run(bf_job *j, bool backward) {
   return fsdp_cpu_work_done(&w);
 }
 
-int fsdp_cpu_bf16_attention_forward(uint16_t *out, const uint16_t *qkv, int B, int T, int C,
-                                    int NH) {
-  bf_job j = {.out = out, .qkv = qkv, .B = B, .T = T, .C = C, .NH = NH,
+int fsdp_cpu_bf16_attention_forward(uint16_t *out, float *stats, const uint16_t *qkv, int B,
+                                    int T, int C, int NH) {
+  bf_job j = {.out = out, .keep = stats, .qkv = qkv, .B = B, .T = T, .C = C, .NH = NH,
               .scale = 1.0f / sqrtf((float)(C / NH))};
   return run(&j, false);
 }
 
 int fsdp_cpu_bf16_attention_backward(uint16_t *dqkv, const uint16_t *dout, const uint16_t *qkv,
-                                     int B, int T, int C, int NH, bool set) {
-  bf_job j = {.dqkv = dqkv, .dout = dout, .qkv = qkv, .B = B, .T = T, .C = C, .NH = NH,
+                                     const float *stats, int B, int T, int C, int NH, bool set) {
+  bf_job j = {.dqkv = dqkv, .dout = dout, .qkv = qkv, .saved = stats, .B = B, .T = T, .C = C,
+              .NH = NH,
               .set = set, .scale = 1.0f / sqrtf((float)(C / NH))};
   return run(&j, true);
 }

@@ -892,8 +892,9 @@ int fsdp_cpu_half_cross_entropy_backward(fsdp_dtype dt, void *dlogits, float dlo
 
 /* ---- attention ----------------------------------------------------------------------------------
  * One batch row at a time: its qkv rows are widened (one contiguous stretch), the f32 kernel
- * runs on them and its output rows are narrowed back. Nothing is saved: the backward widens the
- * row again and the f32 kernel recomputes the probabilities (f32, the forward's bits). With at
+ * runs on them and its output rows are narrowed back, keeping the f32 kernel's row stats (a
+ * batch row's are contiguous in the (B, NH, T, 2) layout); the backward widens the row again and
+ * the f32 kernel rebuilds the probabilities from them (f32, the forward's bits). With at
  * least two rows a thread, the rows are shared out over the threads, each task with its own
  * scratch slot (allocated up front) and the f32 kernel serial inside it, so every conversion
  * runs on the thread that uses the data. Otherwise (fewer rows, e.g. sampling one sequence) the
@@ -902,6 +903,8 @@ typedef struct {
   fsdp_dtype dt;
   void *out, *dqkv;
   const void *qkv, *dout;
+  float *keep;        /* forward: the rows' stats, or NULL */
+  const float *saved; /* backward: the forward's stats, or NULL */
   int B, T, C, NH, nchunks;
   int64_t slot; /* floats per task's scratch slot */
   float *scratch;
@@ -911,6 +914,11 @@ typedef struct {
 /* the scratch slot of the chunk that starts at lo */
 static float *att_slot(const att_job *j, int64_t lo) {
   return j->scratch + (int64_t)fsdp_cpu_chunk_at(j->B, 1, j->nchunks, lo) * j->slot;
+}
+
+/* batch row b's stats in st (NULL: none) */
+static float *row_stats(const float *st, const att_job *j, int64_t b) {
+  return st ? (float *)st + b * j->NH * j->T * 2 : NULL;
 }
 
 /* n floats rounded up to 64 bytes: each buffer in a slot starts on a cache line, as the
@@ -923,7 +931,7 @@ static void att_forward_rows(void *ctx, int64_t lo, int64_t hi) {
   float *fq = att_slot(j, lo), *fo = fq + al16(nq), *sc = fo + al16(no);
   for (int64_t b = lo; b < hi; b++) {
     widen(fq, j->qkv, j->dt, b * nq, nq);
-    fsdp_cpu_attention_forward(fo, NULL, sc, fq, 1, j->T, j->C, j->NH);
+    fsdp_cpu_attention_forward(fo, row_stats(j->keep, j, b), sc, fq, 1, j->T, j->C, j->NH);
     narrow(j->out, j->dt, b * no, fo, no);
   }
 }
@@ -936,7 +944,8 @@ static void att_backward_rows(void *ctx, int64_t lo, int64_t hi) {
     widen(fq, j->qkv, j->dt, b * nq, nq);
     if (!j->set) widen(fd, j->dqkv, j->dt, b * nq, nq);
     widen(fg, j->dout, j->dt, b * no, no);
-    fsdp_cpu_attention_backward(fd, sc, fg, fq, NULL, 1, j->T, j->C, j->NH, j->set);
+    fsdp_cpu_attention_backward(fd, sc, fg, fq, row_stats(j->saved, j, b), 1, j->T, j->C, j->NH,
+                                j->set);
     narrow(j->dqkv, j->dt, b * nq, fd, nq);
   }
 }
@@ -960,13 +969,21 @@ static bool att_rows(att_job *j, bool backward, int *rc) {
 
 /* ---- attention: one batch element at a time ---------------------------------------------------- */
 
-int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, const void *qkv, int B, int T,
-                                    int C, int NH) {
+/* Whether the native way takes the forward of this call (the backward's own conditions include
+ * these): otherwise the widening way computes it, and its stats are the f32 kernel's. */
+static bool att_native_forward(fsdp_dtype dt, const void *qkv, int B, int T, int C, int NH) {
+  return dt == FSDP_DTYPE_BF16 && fsdp_cpu_bf16_attention_native(B, T, C, NH) &&
+         (uintptr_t)qkv % 4 == 0;
+}
+
+int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, float *stats, const void *qkv,
+                                    int B, int T, int C, int NH) {
   if (dt == FSDP_DTYPE_BF16 && fsdp_cpu_bf16_attention_native(B, T, C, NH)) {
-    int rc = fsdp_cpu_bf16_attention_forward(out, qkv, B, T, C, NH);
+    int rc = fsdp_cpu_bf16_attention_forward(out, stats, qkv, B, T, C, NH);
     if (rc != FSDP_CPU_OTHER_WAY) return rc;
   }
-  att_job j = {.dt = dt, .out = out, .qkv = qkv, .B = B, .T = T, .C = C, .NH = NH};
+  att_job j = {.dt = dt, .out = out, .keep = stats, .qkv = qkv, .B = B, .T = T, .C = C,
+               .NH = NH};
   int rc;
   if (att_rows(&j, false, &rc)) return rc;
   fsdp_cpu_work w = {0};
@@ -975,21 +992,23 @@ int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, const void *qkv, i
         *sc = tmp(&w, fsdp_cpu_attention_scratch(1, T, C, NH, fsdp_cpu_threads(), false));
   for (int b = 0; !w.failed && b < B; b++) {
     get(fq, qkv, dt, b * nq, nq);
-    fsdp_cpu_attention_forward(fo, NULL, sc, fq, 1, T, C, NH);
+    fsdp_cpu_attention_forward(fo, row_stats(stats, &j, b), sc, fq, 1, T, C, NH);
     put(out, dt, b * no, fo, no);
   }
   return fsdp_cpu_work_done(&w);
 }
 
 int fsdp_cpu_half_attention_backward(fsdp_dtype dt, void *dqkv, const void *dout,
-                                     const void *qkv, int B, int T, int C, int NH,
-                                     bool set_dqkv) {
+                                     const void *qkv, const float *stats, int B, int T, int C,
+                                     int NH, bool set_dqkv) {
   if (dt == FSDP_DTYPE_BF16 && fsdp_cpu_bf16_attention_native(B, T, C, NH)) {
-    int rc = fsdp_cpu_bf16_attention_backward(dqkv, dout, qkv, B, T, C, NH, set_dqkv);
+    int rc = fsdp_cpu_bf16_attention_backward(dqkv, dout, qkv, stats, B, T, C, NH, set_dqkv);
     if (rc != FSDP_CPU_OTHER_WAY) return rc;
   }
-  att_job j = {.dt = dt, .dqkv = dqkv, .qkv = qkv, .dout = dout, .B = B, .T = T, .C = C,
-              .NH = NH, .set = set_dqkv};
+  /* the stats of a native forward (dout misaligned here) are not the widened scores' */
+  if (att_native_forward(dt, qkv, B, T, C, NH)) stats = NULL;
+  att_job j = {.dt = dt, .dqkv = dqkv, .qkv = qkv, .dout = dout, .saved = stats, .B = B,
+               .T = T, .C = C, .NH = NH, .set = set_dqkv};
   int rc;
   if (att_rows(&j, true, &rc)) return rc;
   fsdp_cpu_work w = {0};
@@ -1000,7 +1019,7 @@ int fsdp_cpu_half_attention_backward(fsdp_dtype dt, void *dqkv, const void *dout
     get(fq, qkv, dt, b * nq, nq);
     get(fg, dout, dt, b * no, no);
     if (!set_dqkv) get(fd, dqkv, dt, b * nq, nq);
-    fsdp_cpu_attention_backward(fd, sc, fg, fq, NULL, 1, T, C, NH, set_dqkv);
+    fsdp_cpu_attention_backward(fd, sc, fg, fq, row_stats(stats, &j, b), 1, T, C, NH, set_dqkv);
     put(dqkv, dt, b * nq, fd, nq);
   }
   return fsdp_cpu_work_done(&w);

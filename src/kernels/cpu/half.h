@@ -90,10 +90,10 @@ int fsdp_cpu_half_cross_entropy_backward(fsdp_dtype dt, void *dlogits, float dlo
  * address of 32-bit words; nothing written: the caller computes it all the widening way). */
 #define FSDP_CPU_OTHER_WAY 2
 bool fsdp_cpu_bf16_attention_native(int B, int T, int C, int NH);
-int fsdp_cpu_bf16_attention_forward(uint16_t *out, const uint16_t *qkv, int B, int T, int C,
-                                    int NH);
+int fsdp_cpu_bf16_attention_forward(uint16_t *out, float *stats, const uint16_t *qkv, int B,
+                                    int T, int C, int NH);
 int fsdp_cpu_bf16_attention_backward(uint16_t *dqkv, const uint16_t *dout, const uint16_t *qkv,
-                                     int B, int T, int C, int NH, bool set);
+                                     const float *stats, int B, int T, int C, int NH, bool set);
 /* The bf16 attention's products on AVX512_BF16 (att_bf16.c); supported: the processor has it
  * and the AVX-512 level is in force (FSDP_CPU_ISA). c (M, N, row stride ldc, f32 or bf16 when
  * cbf16) = alpha * a @ b (acc: + c, a bf16 c rounded once), sums f32. a's (m, k) element at
@@ -110,12 +110,17 @@ void fsdp_cpu_att_bf16_mm(void *c, int64_t ldc, bool cbf16, const uint16_t *a, i
  * src[r + 1][c]), zeros past the last row and column (rows of src with stride lds) */
 void fsdp_cpu_att_bf16_interleave(uint32_t *dst, int64_t ldd, const uint16_t *src, int64_t lds,
                                   int rows, int cols);
-/* Nothing is saved between the two: each backward recomputes the probabilities. */
-int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, const void *qkv, int B, int T,
-                                    int C, int NH);
+/* The half dtypes' attention, natively or widened to f32. stats: (B, NH, T, 2) f32, each query
+ * row's softmax max and reciprocal sum, or NULL; the forward writes them, the backward rebuilds
+ * the probabilities from them in one pass (the forward's bits either way: without them it
+ * recomputes each row whole). The forward and the backward of one call must see the same
+ * settings (FSDP_BF16_GEMM, the instruction-set level): the native way's stats are not the
+ * widening way's. */
+int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, float *stats, const void *qkv,
+                                    int B, int T, int C, int NH);
 int fsdp_cpu_half_attention_backward(fsdp_dtype dt, void *dqkv, const void *dout,
-                                     const void *qkv, int B, int T, int C, int NH,
-                                     bool set_dqkv);
+                                     const void *qkv, const float *stats, int B, int T, int C,
+                                     int NH, bool set_dqkv);
 int fsdp_cpu_half_mse_forward(fsdp_dtype dt, float *out, const void *a, const void *b,
                               int64_t n);
 int fsdp_cpu_half_mse_backward(fsdp_dtype dt, void *da, void *db, float dloss, const void *a,

@@ -137,10 +137,14 @@ typedef struct fsdp_cpu_vec_i {
   /* its backward on the same rows: S holds datt and receives dscores, a (A) the forward's
    * probabilities; zeros from t + 1 up to column `cols` */
   void (*att_softmax_backward_rows)(float *S, const float *A, int T, int r0, int rows, int cols);
-  /* the same two writing bf16 (attention_bf16.c): the forward's probabilities rounded into P
-   * (A holds the scores and is left with their exponentials), the backward's dscores rounded
-   * into D from datt in S and the bf16 probabilities P; zeros as above, in P and D */
-  void (*att_softmax_rows_bf16)(uint16_t *P, float *A, int T, int r0, int rows, int cols);
+  /* the same three writing bf16 (attention_bf16.c): the forward's probabilities rounded into
+   * P (A holds the scores and is left with their exponentials; stats as above), the same from
+   * the stats (A's scores read, left as they were), the backward's dscores rounded into D from
+   * datt in S and the bf16 probabilities P; zeros as above, in P and D */
+  void (*att_softmax_rows_bf16)(uint16_t *P, float *A, int T, int r0, int rows, int cols,
+                                float *stats);
+  void (*att_softmax_rows_saved_bf16)(uint16_t *P, const float *A, int T, int r0, int rows,
+                                      int cols, const float *stats);
   void (*att_softmax_backward_rows_bf16)(uint16_t *D, const float *S, const uint16_t *P, int T,
                                          int r0, int rows, int cols);
   /* attention's products (attention.c): c (M, N, row stride ldc) = alpha * a @ b (acc: c +=),

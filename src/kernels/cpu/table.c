@@ -720,13 +720,13 @@ static int k_reduce_ranks(void *ctx, fsdp_dtype dt, fsdp_reduce_op red, void *ou
   return FSDP_OK;
 }
 
-/* The cpu's backward recomputes the probabilities (attention.c, attention_bf16.c, half.c); f32
- * keeps each query row's softmax max and reciprocal sum, (B, NH, T, 2) f32, to rebuild a row in
- * one pass. The half dtypes keep nothing. */
+/* The cpu's backward recomputes the probabilities (attention.c, attention_bf16.c, half.c); every
+ * dtype keeps each query row's softmax max and reciprocal sum, (B, NH, T, 2) f32, to rebuild a
+ * row in one pass. */
 static int64_t k_attention_saved(void *ctx, fsdp_dtype dt, int B, int T, int C, int NH,
                                  fsdp_dtype *saved_dt) {
   *saved_dt = FSDP_DTYPE_F32;
-  return dt == FSDP_DTYPE_F32 ? (int64_t)B * NH * T * 2 : 0;
+  return dt == FSDP_DTYPE_F32 || is_half(dt) ? (int64_t)B * NH * T * 2 : 0;
 }
 
 /* the f32 kernel's workspace: scratch of this call, accounted as activations */
@@ -744,7 +744,7 @@ static int k_attention_forward(void *ctx, fsdp_dtype dt, void *out, void *att, c
     return fsdp_cpu_work_done(&w);
   }
   if (!is_half(dt)) return REFUSE("attention", dt);
-  return fsdp_cpu_half_attention_forward(dt, out, qkv, B, T, C, NH);
+  return fsdp_cpu_half_attention_forward(dt, out, att, qkv, B, T, C, NH);
 }
 
 static int k_attention_backward(void *ctx, fsdp_dtype dt, void *dqkv, const void *dout,
@@ -758,7 +758,7 @@ static int k_attention_backward(void *ctx, fsdp_dtype dt, void *dqkv, const void
     return fsdp_cpu_work_done(&w);
   }
   if (!is_half(dt)) return REFUSE("attention", dt);
-  return fsdp_cpu_half_attention_backward(dt, dqkv, dout, qkv, B, T, C, NH, set_dqkv);
+  return fsdp_cpu_half_attention_backward(dt, dqkv, dout, qkv, att, B, T, C, NH, set_dqkv);
 }
 
 static int k_cross_entropy_forward(void *ctx, fsdp_dtype dt, float *loss, float *lse,

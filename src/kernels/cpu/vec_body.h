@@ -666,8 +666,8 @@ VINLINE void att_softmax_row_out(void *P, const float *A, int T, int t, float in
   memset(mat_(p, len, bf16), 0, (bf16 ? 2 : 4) * (size_t)(cols - len));
 }
 
-/* `stats` (f32 only; NULL: not kept): row t's max and the reciprocal of its sum at
- * stats[2 (t - r0)], stats[2 (t - r0) + 1], what att_softmax_rows_saved needs */
+/* `stats` (NULL: not kept): row t's max and the reciprocal of its sum at stats[2 (t - r0)],
+ * stats[2 (t - r0) + 1], what att_softmax_rows_saved needs */
 VINLINE void att_softmax_rows_x(void *P, float *A, int T, int r0, int rows, int cols, bool bf16,
                                 float *stats) {
   int t = r0;
@@ -700,23 +700,36 @@ static void att_softmax_rows(float *A, int T, int r0, int rows, int cols, float 
   att_softmax_rows_x(A, A, T, r0, rows, cols, false, stats);
 }
 
-static void att_softmax_rows_bf16(uint16_t *P, float *A, int T, int r0, int rows, int cols) {
-  att_softmax_rows_x(P, A, T, r0, rows, cols, true, NULL);
+static void att_softmax_rows_bf16(uint16_t *P, float *A, int T, int r0, int rows, int cols,
+                                  float *stats) {
+  att_softmax_rows_x(P, A, T, r0, rows, cols, true, stats);
 }
 
 /* The same probabilities from the rows' saved max and reciprocal sum, in one pass: each
  * element is the exponential the forward computed (the same operations on the same score)
- * times the same reciprocal, so the same bits, without the max and sum passes. */
-static void att_softmax_rows_saved(float *A, int T, int r0, int rows, int cols,
-                                   const float *stats) {
+ * times the same reciprocal, so the same bits (rounded the same way into a bf16 P), without
+ * the max and sum passes. f32: P is A, in place; bf16: A's scores are left as they were. */
+VINLINE void att_softmax_rows_saved_x(void *P, float *A, int T, int r0, int rows, int cols,
+                                      const float *stats, bool bf16) {
   for (int t = r0; t < r0 + rows; t++) {
-    float *row = A + (int64_t)t * T;
+    const float *row = A + (int64_t)t * T;
+    void *p = mat_(P, (int64_t)t * T, bf16);
     const int len = t + 1;
     const fsdp_vf m = vset(stats[2 * (t - r0)]), inv = vset(stats[2 * (t - r0) + 1]);
     for (int c = 0; c < len; c += VW)
-      ST(row, c, len, fsdp_vf_exp_nonpos(LD(row, c, len, -INFINITY) - m) * inv);
-    memset(row + len, 0, sizeof(float) * (size_t)(cols - len));
+      stx(p, c, len, fsdp_vf_exp_nonpos(LD(row, c, len, -INFINITY) - m) * inv, 1, bf16);
+    memset(mat_(p, len, bf16), 0, (bf16 ? 2 : 4) * (size_t)(cols - len));
   }
+}
+
+static void att_softmax_rows_saved(float *A, int T, int r0, int rows, int cols,
+                                   const float *stats) {
+  att_softmax_rows_saved_x(A, A, T, r0, rows, cols, stats, false);
+}
+
+static void att_softmax_rows_saved_bf16(uint16_t *P, const float *A, int T, int r0, int rows,
+                                        int cols, const float *stats) {
+  att_softmax_rows_saved_x(P, (float *)A, T, r0, rows, cols, stats, true);
 }
 
 /* its backward: datt in S, the probabilities P (f32 or bf16), dscores into D (f32: S itself,
@@ -1000,6 +1013,7 @@ const fsdp_cpu_vec_i FSDP_VEC_TABLE = {
     .layernorm_backward = layernorm_backward,
     .layernorm_backward_bf16 = layernorm_backward_bf16,
     .att_softmax_rows_bf16 = att_softmax_rows_bf16,
+    .att_softmax_rows_saved_bf16 = att_softmax_rows_saved_bf16,
     .att_softmax_backward_rows_bf16 = att_softmax_backward_rows_bf16,
     .softmax_forward = softmax_forward,
     .softmax_backward = softmax_backward,
