@@ -5,6 +5,7 @@
  *   fsdp_cpu_chunk_bounds (fsdp_cpu_chunk_at finding each chunk by its start); small jobs
  *   inline on the caller; chunk 0 on the caller; nested calls
  *   inline, with fsdp_cpu_threads() == 1; every item of thousands of jobs run exactly once;
+ *   idle workers asleep on their futex after the spin and the yielding;
  *   rank threads that come and go leave no worker behind (/proc/self/task); shrinking and
  *   releasing join workers; a forked child runs jobs and exits without its parent's workers; the per-thread and process-wide settings;
  *   the thread rule (src/host/setup.c): FSDP_THREADS, FSDP_BLAS_THREADS, cores / ranks, the mpi
@@ -263,8 +264,9 @@ static void run_many_jobs(int threads, int jobs, uint32_t seed) {
     for (int i = 0; i < n; i++) expect[i]++;
     fsdp_cpu_parallel_for(n, 1 + (int)(seed >> 20) % 4, count_task, &j);
     if (k % 97 == 0) {
-      /* a pause longer than the spin: the workers go to sleep and must be woken */
-      struct timespec pause = {0, 200000};
+      /* a pause longer than the spin and the yielding: the workers go to sleep and must be
+       * woken */
+      struct timespec pause = {0, 1500000};
       nanosleep(&pause, NULL);
     }
   }
@@ -283,6 +285,36 @@ static void test_many_jobs(void **state) {
   run_many_jobs(8, jobs / 4, 3);
   fsdp_cpu_set_threads(0);
   fsdp_cpu_pool_release();
+}
+
+/* Idle workers end up asleep on their futex (a rank blocked in a collective or in Lua burns no
+ * core), and a job wakes them all. The sleep comes after the spin and the yielding (0.55 ms);
+ * the test allows 2 s for it on a loaded host. */
+static void wait_asleep(int want) {
+  for (int k = 0; k < 2000 && fsdp_cpu_pool_sleeping() != want; k++) {
+    struct timespec ms = {0, 1000000};
+    nanosleep(&ms, NULL);
+  }
+  assert_int_equal(fsdp_cpu_pool_sleeping(), want);
+}
+
+static void test_workers_sleep(void **state) {
+  (void)state;
+  const int before = os_threads();
+  atomic_int *hits = calloc(1000, sizeof *hits);
+  count_job j = {hits};
+  fsdp_cpu_set_threads(3);
+  for (int r = 1; r <= 3; r++) {
+    fsdp_cpu_parallel_for(1000, 1, count_task, &j);
+    assert_int_equal(fsdp_cpu_pool_workers(), 2);
+    wait_asleep(2);
+  }
+  for (int i = 0; i < 1000; i++) assert_int_equal(atomic_load(&hits[i]), 3);
+  fsdp_cpu_pool_release();
+  assert_int_equal(fsdp_cpu_pool_sleeping(), 0);
+  assert_int_equal(os_threads_settled(before), before);
+  free(hits);
+  fsdp_cpu_set_threads(0);
 }
 
 /* ---- rank threads that come and go ------------------------------------------------------------ */
@@ -857,6 +889,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_chunks),       cmocka_unit_test(test_small_inline),
       cmocka_unit_test(test_nested),       cmocka_unit_test(test_many_jobs),
+      cmocka_unit_test(test_workers_sleep),
       cmocka_unit_test(test_rank_threads), cmocka_unit_test(test_release),
       cmocka_unit_test(test_fork),
       cmocka_unit_test(test_settings),     cmocka_unit_test(test_thread_rule),

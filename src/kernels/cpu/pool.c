@@ -15,9 +15,14 @@
  * never changes what it computes: results depend on the chunking alone.
  *
  * Waiting: after a job a worker spins SPIN_NS on `gen` (the next kernel usually follows within
- * microseconds), then sleeps on the futex; the owner wakes sleepers only when there are some.
- * No thread spins while its owner is busy elsewhere for longer than SPIN_NS. Workers block
- * every signal (signals are the rank threads' business).
+ * microseconds), then keeps checking it between sched_yield calls until YIELD_NS, then sleeps
+ * on the futex; the owner wakes sleepers only when there are some. Yielding keeps a worker off
+ * the futex through the owner's short serial stretches (the Lua and autograd work between two
+ * kernels often takes longer than SPIN_NS, and on a shared host a woken thread can wait long
+ * for its core), while any other runnable thread on that core (a rank's communication thread,
+ * another process) gets it. No thread spins while its owner is busy elsewhere for longer than
+ * SPIN_NS, or yields for longer than YIELD_NS. Workers block every signal (signals are the rank
+ * threads' business).
  *
  * Lifetime: a pthread key destructor joins a rank thread's workers when it exits; a library
  * destructor does the same for the thread that exits the process (or unloads the library), so
@@ -41,6 +46,10 @@
  * rank's thread pool": a futex wake costs ~5-60 us on a loaded machine, a spinning worker picks a
  * job up in well under a microsecond). */
 #define SPIN_NS 50000
+/* Until when an idle worker yields its core, checking for the next job in between, before it
+ * sleeps (docs/PERFORMANCE.md, "The rank's thread pool": at 50 us alone the workers of a
+ * one-rank L=4 step went to sleep some 70 times a step). */
+#define YIELD_NS 500000
 
 typedef struct pool {
   int nworkers;
@@ -189,11 +198,13 @@ static void *worker_main(void *arg) {
   uint32_t g = atomic_load(&p->gen);
   for (;;) {
     claim_chunks(p);
-    int64_t until = now_ns() + SPIN_NS;
+    const int64_t idle = now_ns();
     for (int k = 0; atomic_load_explicit(&p->gen, memory_order_relaxed) == g; k++) {
       cpu_relax();
-      if ((k & 63) == 63 && now_ns() > until) break;
+      if ((k & 63) == 63 && now_ns() > idle + SPIN_NS) break;
     }
+    while (atomic_load_explicit(&p->gen, memory_order_relaxed) == g && now_ns() < idle + YIELD_NS)
+      sched_yield();
     if (atomic_load(&p->gen) == g) {
       atomic_fetch_add(&p->sleepers, 1);
       /* stop is set before gen moves: a g read after the last move still sees it here */
@@ -254,6 +265,8 @@ void fsdp_cpu_pool_release(void) {
 }
 
 int fsdp_cpu_pool_workers(void) { return tl_pool ? tl_pool->nworkers : 0; }
+
+int fsdp_cpu_pool_sleeping(void) { return tl_pool ? atomic_load(&tl_pool->sleepers) : 0; }
 
 /* The calling thread's pool with at least `want` workers started (fewer if threads cannot be
  * created: the owner then runs the rest of the chunks); NULL without memory. */

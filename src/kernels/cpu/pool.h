@@ -58,7 +58,8 @@ int fsdp_cpu_cores(void);
 /* Join the calling thread's workers now (later calls start them again). Thread exit and
  * process exit do this for the exiting thread. */
 void fsdp_cpu_pool_release(void);
-/* Workers the calling thread has running (tests). */
+/* Workers the calling thread has running, and how many of them sleep on their futex (tests). */
 int fsdp_cpu_pool_workers(void);
+int fsdp_cpu_pool_sleeping(void);
 
 #endif
