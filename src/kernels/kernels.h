@@ -144,11 +144,10 @@ typedef struct fsdp_kernels_i {
    * backward, in a layout the device chooses: attention_saved gives its element count and dtype
    * (the probabilities, (B, NH, T, T) of dt; the row log-sum-exps, (B, NH, T) f32, as a fused
    * kernel that never materialises them keeps them (CUDA); the rows' max and reciprocal sum,
-   * (B, NH, T, 2) f32, for a backward that recomputes the scores (the cpu's, every dtype); or
-   * nothing (0 elements, att unused) when the backward recomputes the probabilities whole).
-   * The backward
-   * adds into dqkv, or with set_dqkv writes it whole without reading it (its first gradient:
-   * the buffer was never filled). */
+   * (B, NH, T, 2) f32, for a backward that recomputes the scores (the cpu's, f32, bf16 and
+   * f16); or nothing (0 elements, att unused) when the backward recomputes the probabilities
+   * whole). The backward adds into dqkv, or with set_dqkv writes it whole without reading it
+   * (its first gradient: the buffer was never filled). */
   int64_t (*attention_saved)(void *ctx, fsdp_dtype dt, int B, int T, int C, int NH,
                              fsdp_dtype *saved_dt);
   int (*attention_forward)(void *ctx, fsdp_dtype dt, void *out, void *att, const void *qkv,

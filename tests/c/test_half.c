@@ -461,7 +461,8 @@ static void attention_case(int B, int T, int C, int NH, bool native) {
  * so the test spoils them (a backward that read them would be far off the f32 kernel's bits). */
 static void widened_case(int B, int T, int C, int NH, int q_off, int g_off) {
   const fsdp_kernels_i *k = K();
-  const int64_t nq = (int64_t)B * T * 3 * C, no = (int64_t)B * T * C, ns = (int64_t)B * NH * T * 2;
+  const int64_t nq = (int64_t)B * T * 3 * C, no = (int64_t)B * T * C;
+  const int64_t ns = (int64_t)B * NH * T * 2;
   buf qs = mk(nq + 1, -1, 1), gs = mk(no + 1, -1, 1), o = mk(no, 0, 1), dq = mk(nq, -1, 1);
   buf qkv = {nq, qs.h + q_off, qs.f + q_off}, g = {no, gs.h + g_off, gs.f + g_off};
   float *st = calloc((size_t)ns, sizeof(float));

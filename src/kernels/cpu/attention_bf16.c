@@ -221,7 +221,6 @@ int fsdp_cpu_bf16_attention_forward(uint16_t *out, float *stats, const uint16_t 
 int fsdp_cpu_bf16_attention_backward(uint16_t *dqkv, const uint16_t *dout, const uint16_t *qkv,
                                      const float *stats, int B, int T, int C, int NH, bool set) {
   bf_job j = {.dqkv = dqkv, .dout = dout, .qkv = qkv, .saved = stats, .B = B, .T = T, .C = C,
-              .NH = NH,
-              .set = set, .scale = 1.0f / sqrtf((float)(C / NH))};
+              .NH = NH, .set = set, .scale = 1.0f / sqrtf((float)(C / NH))};
   return run(&j, true);
 }

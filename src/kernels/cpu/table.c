@@ -720,9 +720,9 @@ static int k_reduce_ranks(void *ctx, fsdp_dtype dt, fsdp_reduce_op red, void *ou
   return FSDP_OK;
 }
 
-/* The cpu's backward recomputes the probabilities (attention.c, attention_bf16.c, half.c); every
- * dtype keeps each query row's softmax max and reciprocal sum, (B, NH, T, 2) f32, to rebuild a
- * row in one pass. */
+/* The cpu's backward recomputes the probabilities (attention.c, attention_bf16.c, half.c); f32,
+ * bf16 and f16 keep each query row's softmax max and reciprocal sum, (B, NH, T, 2) f32, to
+ * rebuild a row in one pass. */
 static int64_t k_attention_saved(void *ctx, fsdp_dtype dt, int B, int T, int C, int NH,
                                  fsdp_dtype *saved_dt) {
   *saved_dt = FSDP_DTYPE_F32;
