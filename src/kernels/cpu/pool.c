@@ -10,7 +10,8 @@
  * bumps `gen`, the workers' futex word. Chunk 0 is the owner's; anyone (owner or worker) takes
  * the next chunk by a compare-and-swap on the claim word, which fails for a stale job, so a
  * late worker can never run a chunk of a job it did not see published. `remaining` counts
- * unfinished chunks; the owner waits for it to reach 0 (spinning briefly, then on a futex),
+ * unfinished chunks; the owner waits for it to reach 0 (spinning briefly, then yielding as the
+ * workers do below, then on a futex),
  * which is also what keeps the slot unchanged while anyone still reads it. Who runs a chunk
  * never changes what it computes: results depend on the chunking alone.
  *
@@ -333,12 +334,16 @@ void fsdp_cpu_parallel_for(int64_t n, int64_t grain, fsdp_cpu_task fn, void *ctx
   if (atomic_load(&p->sleepers) > 0) futex_wake(&p->gen, nchunks - 1);
   run_chunk(p, 0);
   claim_chunks(p);
-  /* wait for the workers' chunks: briefly spinning, then on the futex */
-  int64_t until = now_ns() + SPIN_NS;
+  /* wait for the workers' chunks: briefly spinning, then yielding, then on the futex (a
+   * worker's chunk on a core the host slows can end a little later than ours) */
+  const int64_t done = now_ns();
   for (int k = 0; atomic_load_explicit(&p->remaining, memory_order_acquire) != 0; k++) {
     cpu_relax();
-    if ((k & 63) == 63 && now_ns() > until) break;
+    if ((k & 63) == 63 && now_ns() > done + SPIN_NS) break;
   }
+  while (atomic_load_explicit(&p->remaining, memory_order_acquire) != 0 &&
+         now_ns() < done + YIELD_NS)
+    sched_yield();
   for (;;) {
     int32_t r = atomic_load(&p->remaining);
     if (r == 0) break;
