@@ -190,11 +190,12 @@ fsdp_unit *fsdp_param_unit(const fsdp_tensor *p);
 int64_t fsdp_unit_param_slice(const fsdp_unit *u, int i, int rank, int64_t *param_first,
                               int64_t *shard_first);
 /* The flat shard (S elements, role params) and gradient shard (S elements, role grads) as 1-D
- * tensors; new references to the same tensor on every call (an optimizer may key its state on it; a
- * reduction in flight lands first, so the gradient shard is final). Writes to them land in the
- * shard. NONE: the parameters view the shard itself. The gradient shard is made (zeros) by the
- * first backward or the first call here, so a unit that never trained holds no gradient memory;
- * making it can fail (out of memory, naming the unit). */
+ * tensors; new references to the same tensor on every call (an optimizer may key its state on
+ * it). Writes to them land in the shard. NONE: the parameters view the shard itself. The
+ * gradient shard is made (zeros) by the first backward or the first call here, so a unit that
+ * never trained holds no gradient memory; making it can fail (out of memory, naming the unit).
+ * fsdp_unit_grad_shard lands a reduction in flight first (fsdp_unit_reducing): the gradient
+ * shard it gives is final. */
 int fsdp_unit_shard(fsdp_unit *u, fsdp_tensor **out);
 int fsdp_unit_grad_shard(fsdp_unit *u, fsdp_tensor **out);
 

@@ -30,6 +30,12 @@
 #define SHAPE(...) ((const int64_t[]){__VA_ARGS__})
 #define NDIM(...) ((int)(sizeof((int64_t[]){__VA_ARGS__}) / sizeof(int64_t)))
 #define MAXW 4
+/* release every tensor listed */
+#define RELEASE_ALL(...)                                                                           \
+  do {                                                                                             \
+    fsdp_tensor *all_[] = {__VA_ARGS__};                                                           \
+    for (size_t i_ = 0; i_ < sizeof all_ / sizeof *all_; i_++) fsdp_tensor_release(all_[i_]);     \
+  } while (0)
 
 /* ---- tensors ---------------------------------------------------------------------------------- */
 
@@ -871,8 +877,7 @@ static bool rank_reduce_overlap(rank_ctx *ctx) {
     CHECK(!fsdp_unit_reducing(n.inner) && !fsdp_unit_reducing(n.root));
     CHECK((rc != FSDP_OK) == cfg->fail_peer);
   }
-  fsdp_tensor *tensors[] = {loss, y, h1, h2, x, tgt, xf, tf};
-  for (size_t i = 0; i < sizeof tensors / sizeof *tensors; i++) fsdp_tensor_release(tensors[i]);
+  RELEASE_ALL(loss, y, h1, h2, x, tgt, xf, tf);
   net_free(&n);
   return true;
 }
@@ -967,8 +972,7 @@ static bool rank_stale_prefetch(rank_ctx *ctx) {
   CHECK(st.calls[FSDP_COLL_ALL_GATHER] == 5);
   CHECK(st.calls[FSDP_COLL_REDUCE_SCATTER] == 2); /* t and the root; not the frozen f */
   CHECK(live(FSDP_ROLE_GATHERED) == 0);
-  fsdp_tensor *tensors[] = {loss, h1, h2, h3, in, pf, pt, pr, px};
-  for (size_t i = 0; i < sizeof tensors / sizeof *tensors; i++) fsdp_tensor_release(tensors[i]);
+  RELEASE_ALL(loss, h1, h2, h3, in, pf, pt, pr, px);
   fsdp_unit_release(f);
   fsdp_unit_release(t);
   fsdp_unit_release(x);
@@ -1008,8 +1012,7 @@ static bool rank_prefetch_after_root(rank_ctx *ctx) {
   CHECK_OK(fsdp_backward(loss, NULL));
   CHECK(!fsdp_unit_prefetching(a) && fsdp_unit_state_get(a) == FSDP_UNIT_SHARDED);
   CHECK(live(FSDP_ROLE_GATHERED) == 0);
-  fsdp_tensor *tensors[] = {loss, h1, h2, in, pa, pr};
-  for (size_t i = 0; i < sizeof tensors / sizeof *tensors; i++) fsdp_tensor_release(tensors[i]);
+  RELEASE_ALL(loss, h1, h2, in, pa, pr);
   fsdp_unit_release(a);
   fsdp_unit_release(root);
   return true;
@@ -1073,8 +1076,7 @@ static bool rank_frozen_passthrough(rank_ctx *ctx) {
   /* freezing a's last trainable parameter frees its gradient shard */
   fsdp_param_set_requires_grad(pa, false);
   CHECK(live(FSDP_ROLE_GRADS) == fsdp_unit_shard_numel(root) * (int64_t)sizeof(float));
-  fsdp_tensor *tensors[] = {loss, h0, h1, h2, h3, in, pg, pa, pf, pr};
-  for (size_t i = 0; i < sizeof tensors / sizeof *tensors; i++) fsdp_tensor_release(tensors[i]);
+  RELEASE_ALL(loss, h0, h1, h2, h3, in, pg, pa, pf, pr);
   fsdp_unit_release(g);
   fsdp_unit_release(a);
   fsdp_unit_release(f);

@@ -198,10 +198,15 @@ bool fsdp_cpu_bf16_attention_native(int B, int T, int C, int NH) {
          C % NH == 0 && (C / NH) % 2 == 0 && T >= 2 && T % 2 == 0 && T <= ATT_NATIVE_T;
 }
 
-/* FSDP_CPU_OTHER_WAY when an operand is not at an even address of 32-bit words (the transposed
- * packs move whole words); FSDP_ERR when the scratch is refused. */
+/* the transposed packs move whole 32-bit words: both operands at even 16-bit addresses */
+bool fsdp_cpu_bf16_attention_aligned(const void *qkv, const void *dout) {
+  return ((uintptr_t)qkv | (uintptr_t)dout) % 4 == 0;
+}
+
+/* FSDP_CPU_OTHER_WAY when an operand is not aligned so; FSDP_ERR when the scratch is refused. */
 static int run(bf_job *j, bool backward) {
-  if (((uintptr_t)j->qkv | (uintptr_t)(backward ? j->dout : NULL)) % 4) return FSDP_CPU_OTHER_WAY;
+  if (!fsdp_cpu_bf16_attention_aligned(j->qkv, backward ? j->dout : NULL))
+    return FSDP_CPU_OTHER_WAY;
   const int64_t pairs = (int64_t)j->B * j->NH;
   j->slot = work_layout(j, backward, NULL, NULL);
   j->nchunks = fsdp_cpu_chunks(pairs, 1);

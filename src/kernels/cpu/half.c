@@ -973,7 +973,7 @@ static bool att_rows(att_job *j, bool backward, int *rc) {
  * these): otherwise the widening way computes it, and its stats are the f32 kernel's. */
 static bool att_native_forward(fsdp_dtype dt, const void *qkv, int B, int T, int C, int NH) {
   return dt == FSDP_DTYPE_BF16 && fsdp_cpu_bf16_attention_native(B, T, C, NH) &&
-         (uintptr_t)qkv % 4 == 0;
+         fsdp_cpu_bf16_attention_aligned(qkv, NULL);
 }
 
 int fsdp_cpu_half_attention_forward(fsdp_dtype dt, void *out, float *stats, const void *qkv,

@@ -90,6 +90,9 @@ int fsdp_cpu_half_cross_entropy_backward(fsdp_dtype dt, void *dlogits, float dlo
  * address of 32-bit words; nothing written: the caller computes it all the widening way). */
 #define FSDP_CPU_OTHER_WAY 2
 bool fsdp_cpu_bf16_attention_native(int B, int T, int C, int NH);
+/* whether qkv and dout (NULL: the forward) are where the native kernels take them: else
+ * FSDP_CPU_OTHER_WAY */
+bool fsdp_cpu_bf16_attention_aligned(const void *qkv, const void *dout);
 int fsdp_cpu_bf16_attention_forward(uint16_t *out, float *stats, const uint16_t *qkv, int B,
                                     int T, int C, int NH);
 int fsdp_cpu_bf16_attention_backward(uint16_t *dqkv, const uint16_t *dout, const uint16_t *qkv,

@@ -193,19 +193,35 @@ static void claim_chunks(pool *p) {
 
 /* ---- workers --------------------------------------------------------------------------------- */
 
+/* Wait a while for done(p, arg) before the caller sleeps on its futex: spinning SPIN_NS, then
+ * yielding until YIELD_NS ("Waiting" above). The workers wait so for the next job, the owner
+ * for the workers' chunks. */
+static inline void wait_awhile(const pool *p, bool (*done)(const pool *, uint32_t),
+                               uint32_t arg) {
+  const int64_t t0 = now_ns();
+  for (int k = 0; !done(p, arg); k++) {
+    cpu_relax();
+    if ((k & 63) == 63 && now_ns() > t0 + SPIN_NS) break;
+  }
+  while (!done(p, arg) && now_ns() < t0 + YIELD_NS) sched_yield();
+}
+
+static bool job_after(const pool *p, uint32_t g) {
+  return atomic_load_explicit(&p->gen, memory_order_relaxed) != g;
+}
+
+static bool chunks_done(const pool *p, uint32_t unused) {
+  (void)unused;
+  return atomic_load_explicit(&p->remaining, memory_order_acquire) == 0;
+}
+
 static void *worker_main(void *arg) {
   pool *p = arg;
   tl_depth = 1;
   uint32_t g = atomic_load(&p->gen);
   for (;;) {
     claim_chunks(p);
-    const int64_t idle = now_ns();
-    for (int k = 0; atomic_load_explicit(&p->gen, memory_order_relaxed) == g; k++) {
-      cpu_relax();
-      if ((k & 63) == 63 && now_ns() > idle + SPIN_NS) break;
-    }
-    while (atomic_load_explicit(&p->gen, memory_order_relaxed) == g && now_ns() < idle + YIELD_NS)
-      sched_yield();
+    wait_awhile(p, job_after, g);
     if (atomic_load(&p->gen) == g) {
       atomic_fetch_add(&p->sleepers, 1);
       /* stop is set before gen moves: a g read after the last move still sees it here */
@@ -334,16 +350,9 @@ void fsdp_cpu_parallel_for(int64_t n, int64_t grain, fsdp_cpu_task fn, void *ctx
   if (atomic_load(&p->sleepers) > 0) futex_wake(&p->gen, nchunks - 1);
   run_chunk(p, 0);
   claim_chunks(p);
-  /* wait for the workers' chunks: briefly spinning, then yielding, then on the futex (a
-   * worker's chunk on a core the host slows can end a little later than ours) */
-  const int64_t done = now_ns();
-  for (int k = 0; atomic_load_explicit(&p->remaining, memory_order_acquire) != 0; k++) {
-    cpu_relax();
-    if ((k & 63) == 63 && now_ns() > done + SPIN_NS) break;
-  }
-  while (atomic_load_explicit(&p->remaining, memory_order_acquire) != 0 &&
-         now_ns() < done + YIELD_NS)
-    sched_yield();
+  /* wait for the workers' chunks: a while (a worker's chunk on a core the host slows can end a
+   * little later than ours), then on the futex */
+  wait_awhile(p, chunks_done, 0);
   for (;;) {
     int32_t r = atomic_load(&p->remaining);
     if (r == 0) break;
