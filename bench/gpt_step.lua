@@ -22,6 +22,15 @@
 -- at the MLP's shape on each rank, (B/N x T, d) @ (d, 4d), with the rank's threads, all ranks at
 -- once, summed; "ratio" is the step's achieved GFLOP/s over it.
 --
+-- GEMMs ("GEMM:sg", "GEMM %"; JSON gemm_*): the library products of the timed steps (linears
+-- and batched matmuls through the cpu kernel table, fsdp.core.cpu_gemm_stats; attention's own
+-- products are not among them), timed from call to return on each rank's thread. gemm_gflops is
+-- their rate summed over the ranks (as the sgemm's), gemm_ratio that over the same-run sgemm,
+-- gemm_share their part of the ranks' step time, gemm_s their seconds a step (mean over ranks),
+-- gemm_flops_per_step their FLOPs (2 M N K a product, every rank). ratio is at most about
+-- gemm_ratio x gemm_share x (counted FLOPs / GEMM FLOPs): with nothing else in the step, the
+-- step would reach what the GEMMs reach inside it.
+--
 -- cpu_busy: the process's CPU seconds per wall second over a timed step (os.clock: every thread
 -- of the process, all ranks at -n N), the median; the cores' share left idle is what waiting
 -- (on collectives, on the pool's chunks) costs.
@@ -134,8 +143,9 @@ say(("GPT train step, batch %d x ctx %d, vocab %d, tied head, %s, %d rank(s)%s, 
   world > 1 and (" (" .. strategy .. ")") or "", core.get_threads(), steps, warmup,
   checkpoint and ", every Block checkpointed" or ""))
 say("FLOPs: " .. FLOPS_CONVENTION)
-say(("%-9s %8s %9s %9s %9s %10s %7s %9s%s"):format("model", "params", "step s", "tokens/s",
-  "GFLOP/s", "sgemm GF/s", "ratio", "act. MiB", world > 1 and "  comm hidden" or ""))
+say(("%-9s %8s %9s %9s %9s %10s %7s %8s %7s %9s%s"):format("model", "params", "step s",
+  "tokens/s", "GFLOP/s", "sgemm GF/s", "ratio", "GEMM:sg", "GEMM %", "act. MiB",
+  world > 1 and "  comm hidden" or ""))
 math.randomseed(1)
 for _, c in ipairs(configs) do
   if not args.only or c.name:find(args.only, 1, true) then
@@ -157,9 +167,11 @@ for _, c in ipairs(configs) do
     local mine = all:narrow(1, rank * Bl + 1, Bl)
     local x, y = lib.next_token(mine, T)
     local times, losses, cpus = {}, {}, {}
-    local stats0
+    local stats0, gemm0
+    local own_s = 0 -- this rank's own time in the timed steps (times holds the slowest rank's)
     for s = 1, warmup + steps do
       if s == warmup + 1 and world > 1 then stats0 = fsdp.comm_stats() end
+      if s == warmup + 1 then gemm0 = core.cpu_gemm_stats() end
       if s == warmup + 1 then
         collectgarbage()
         collectgarbage()
@@ -176,7 +188,10 @@ for _, c in ipairs(configs) do
       if s > warmup then cpus[#cpus + 1] = (c1 - c0) / (t1 - t0) end
       losses[#losses + 1] = fsdp.all_reduce(loss:item(), "sum") / world
       if s > warmup then times[#times + 1] = dt end
+      if s > warmup then own_s = own_s + (t1 - t0) end
     end
+    local gemm1 = core.cpu_gemm_stats()
+    local gemm_flops, gemm_s = gemm1.flops - gemm0.flops, gemm1.seconds - gemm0.seconds
     local dt = median(times)
     local mem = core.memory().cpu
     local r = {
@@ -202,6 +217,15 @@ for _, c in ipairs(configs) do
       r.comm_wait_s = wait / steps
       r.comm_hidden = busy > 0 and math.max(0, 1 - wait / busy) or 0
     end
+    -- the library GEMMs inside the timed steps (fsdp.core.cpu_gemm_stats: linears and batched
+    -- matmuls, wall time from call to return on the rank's thread; attention's own products are
+    -- not among them): FLOPs of the whole step (every rank), seconds per step (mean over the
+    -- ranks), their share of the ranks' step time, and their rate summed over the ranks as the
+    -- sgemm's is
+    r.gemm_flops_per_step = fsdp.all_reduce(gemm_flops, "sum") / steps
+    r.gemm_s = fsdp.all_reduce(gemm_s, "sum") / world / steps
+    r.gemm_share = fsdp.all_reduce(gemm_s, "sum") / fsdp.all_reduce(own_s, "sum")
+    r.gemm_gflops = fsdp.all_reduce(gemm_s > 0 and gemm_flops / gemm_s / 1e9 or 0, "sum")
     r.tokens_per_s = r.tokens / dt
     r.flops_per_step = (6 * nonemb + 6 * c.layers * T * c.d) * r.tokens
     r.gflops = r.flops_per_step / dt / 1e9
@@ -210,8 +234,10 @@ for _, c in ipairs(configs) do
     r.sgemm_shape = { Bl * T, c.d, 4 * c.d } -- M, K, N: (M, K) @ (K, N)
     r.sgemm_gflops = fsdp.all_reduce(core.sgemm_gflops(Bl * T, 4 * c.d, c.d, sgemm_s), "sum")
     r.ratio = r.gflops / r.sgemm_gflops
-    say(("%-9s %7.2fM %9.3f %9.0f %9.1f %10.1f %7.2f %9.1f%s"):format(c.name, params / 1e6, dt,
-      r.tokens_per_s, r.gflops, r.sgemm_gflops, r.ratio, r.peak_activations_bytes / 2 ^ 20,
+    r.gemm_ratio = r.gemm_gflops / r.sgemm_gflops
+    say(("%-9s %7.2fM %9.3f %9.0f %9.1f %10.1f %7.2f %8.2f %6.0f%% %9.1f%s"):format(c.name,
+      params / 1e6, dt, r.tokens_per_s, r.gflops, r.sgemm_gflops, r.ratio, r.gemm_ratio,
+      100 * r.gemm_share, r.peak_activations_bytes / 2 ^ 20,
       world > 1 and
       ("  %.0f%% of %.0f ms, %.1f ms waited"):format(100 * r.comm_hidden, 1000 * r.comm_busy_s,
         1000 * r.comm_wait_s) or ""))

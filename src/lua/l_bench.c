@@ -1,6 +1,7 @@
 /*
- * l_bench.c — measurement helpers for bench/ scripts: a wall clock and the cpu's f32 GEMM
- * throughput at a given shape, measured in the same process as the thing being compared.
+ * l_bench.c — measurement helpers for bench/ scripts: a wall clock, the cpu's f32 GEMM
+ * throughput at a given shape, measured in the same process as the thing being compared, and
+ * the time the calling thread's products took through the cpu kernel table.
  *
  * sgemm_gflops calls the cpu's f32 GEMM directly on its own host buffers, on purpose: it is the
  * ceiling of the cpu BLAS that the benchmarks compare a cpu training step against, not a tensor
@@ -62,6 +63,26 @@ static int l_sgemm_gflops(lua_State *L) {
   return 1;
 }
 
-static const luaL_Reg funcs[] = {{"clock", l_clock}, {"sgemm_gflops", l_sgemm_gflops}, {NULL, NULL}};
+/* cpu_gemm_stats() -> {calls =, flops =, seconds =}: the calling rank thread's matrix products
+ * through the cpu kernel table so far (kernels/cpu/kernels.h, fsdp_cpu_gemm_stats); a bench takes
+ * the difference over its timed steps. */
+static int l_cpu_gemm_stats(lua_State *L) {
+  int64_t calls;
+  double flops, seconds;
+  fsdp_cpu_gemm_stats(&calls, &flops, &seconds);
+  lua_createtable(L, 0, 3);
+  lua_pushnumber(L, (lua_Number)calls);
+  lua_setfield(L, -2, "calls");
+  lua_pushnumber(L, flops);
+  lua_setfield(L, -2, "flops");
+  lua_pushnumber(L, seconds);
+  lua_setfield(L, -2, "seconds");
+  return 1;
+}
+
+static const luaL_Reg funcs[] = {{"clock", l_clock},
+                                 {"sgemm_gflops", l_sgemm_gflops},
+                                 {"cpu_gemm_stats", l_cpu_gemm_stats},
+                                 {NULL, NULL}};
 
 void fsdp_lua_open_bench(lua_State *L) { luaL_register(L, NULL, funcs); }

@@ -10,6 +10,7 @@
  * accuracy, and hand-computed two-step SGD / AdamW trajectories.
  */
 #include <math.h>
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -310,6 +311,95 @@ static void test_bmm(void **state) {
   check_close_f("bmm db alone", db1, gb, B * K * N, 1e-5, 1e-6);
   free(da1), free(db1), free(ga), free(gb), free(pa), free(pb), free(da), free(db), free(want);
   free(c.out), free(c.a), free(c.b), free(c.w);
+}
+
+/* ---- the products' tally (fsdp_cpu_gemm_stats) ------------------------------------------------ */
+
+typedef struct {
+  int64_t calls;
+  double flops, seconds;
+} tally;
+
+static tally tally_now(void) {
+  tally t;
+  fsdp_cpu_gemm_stats(&t.calls, &t.flops, &t.seconds);
+  return t;
+}
+
+/* calls and FLOPs added since `from`; its seconds moved forward */
+static void tally_expect(tally from, int64_t calls, double flops) {
+  tally t = tally_now();
+  assert_int_equal(t.calls - from.calls, calls);
+  assert_true(t.flops - from.flops == flops);
+  assert_true(t.seconds >= from.seconds);
+  if (calls) assert_true(t.seconds > from.seconds);
+}
+
+static void *tally_other_thread(void *arg) {
+  float *buf = arg;
+  const fsdp_kernels_i *k = fsdp_kernels_of(&fsdp_device_cpu, "test");
+  tally t0 = tally_now();
+  assert_int_equal(t0.calls, 0); /* a new thread starts at zero */
+  k->gemm(NULL, FSDP_DTYPE_F32, buf, buf + 64, buf + 128, 8, 8, 8, false, false, 1, 0, 8, 8, 8);
+  tally_expect(t0, 1, 2.0 * 8 * 8 * 8);
+  return NULL;
+}
+
+/* The kernel table's gemm, bmm and linear slots add to the calling thread's tally: a call each,
+ * 2 M N K FLOPs a product (a linear's backward counts each gradient it makes, a bmm each of its B
+ * products, any dtype); the kernels under them, called directly, do not; another thread's
+ * products are its own. */
+static void test_gemm_stats(void **state) {
+  (void)state;
+  const fsdp_kernels_i *k = fsdp_kernels_of(&fsdp_device_cpu, "test");
+  const int M = 40, K = 24, N = 16, B = 3;
+  float *x = frand(B * M * K, -1, 1), *w = frand(B * K * N, -1, 1), *bias = frand(N, -1, 1),
+        *o = fzeros(B * M * N), *g = frand(B * M * N, -1, 1), *dx = fzeros(B * M * K),
+        *dw = fzeros(B * K * N), *db = fzeros(N);
+  const double mnk = 2.0 * M * N * K;
+  tally t = tally_now();
+  assert_int_equal(k->linear_forward(NULL, FSDP_DTYPE_F32, o, x, w, bias, M, K, N), FSDP_OK);
+  tally_expect(t, 1, mnk);
+  t = tally_now();
+  assert_int_equal(k->linear_backward(NULL, FSDP_DTYPE_F32, FSDP_DTYPE_F32, dx, dw, db, g, x, w,
+                                      M, K, N),
+                   FSDP_OK);
+  tally_expect(t, 1, 2 * mnk);
+  t = tally_now();
+  assert_int_equal(k->linear_backward(NULL, FSDP_DTYPE_F32, FSDP_DTYPE_F32, NULL, dw, NULL, g, x,
+                                      w, M, K, N),
+                   FSDP_OK);
+  assert_int_equal(k->linear_backward(NULL, FSDP_DTYPE_F32, FSDP_DTYPE_F32, NULL, NULL, db, g, x,
+                                      w, M, K, N),
+                   FSDP_OK);
+  tally_expect(t, 2, mnk); /* the column sum alone is no product */
+  t = tally_now();
+  assert_int_equal(k->gemm(NULL, FSDP_DTYPE_F32, o, x, w, M, N, K, false, false, 1, 0, K, N, N),
+                   FSDP_OK);
+  tally_expect(t, 1, mnk);
+  t = tally_now();
+  assert_int_equal(k->bmm_forward(NULL, FSDP_DTYPE_F32, o, x, w, B, M, K, N), FSDP_OK);
+  assert_int_equal(k->bmm_backward(NULL, FSDP_DTYPE_F32, dx, NULL, g, x, w, B, M, K, N), FSDP_OK);
+  tally_expect(t, 2, 2 * B * mnk);
+  /* bf16 (native or through the conversion pass): the same count */
+  uint16_t *hx = calloc((size_t)M * K, 2), *hw = calloc((size_t)N * K, 2),
+           *ho = calloc((size_t)M * N, 2);
+  t = tally_now();
+  assert_int_equal(k->linear_forward(NULL, FSDP_DTYPE_BF16, ho, hx, hw, NULL, M, K, N), FSDP_OK);
+  tally_expect(t, 1, mnk);
+  /* below the table: not counted */
+  t = tally_now();
+  fsdp_cpu_gemm(o, x, w, M, N, K, false, false, 1, 0, K, N, N);
+  fsdp_cpu_linear_forward(o, x, w, bias, M, K, N);
+  tally_expect(t, 0, 0);
+  /* another thread's products are its own */
+  t = tally_now();
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, tally_other_thread, o), 0);
+  assert_int_equal(pthread_join(th, NULL), 0);
+  tally_expect(t, 0, 0);
+  free(hx), free(hw), free(ho);
+  free(x), free(w), free(bias), free(o), free(g), free(dx), free(dw), free(db);
 }
 
 /* ---- binary with broadcasting, affine -------------------------------------------------------- */
@@ -1258,6 +1348,7 @@ int main(void) {
       cmocka_unit_test(test_blas_threads),
       cmocka_unit_test(test_linear),
       cmocka_unit_test(test_bmm),
+      cmocka_unit_test(test_gemm_stats),
       cmocka_unit_test(test_binary),
       cmocka_unit_test(test_binary_aliased_grads),
       cmocka_unit_test(test_affine),

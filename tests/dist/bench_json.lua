@@ -67,8 +67,15 @@ eq("warmup", 1)
 eq("flops_convention", "6 x non-embedding params (all but wte, wpe) x tokens"
   .. " + 6 x L x T x d per token (causal attention)")
 eq("flops_per_step", (6 * nonemb + 6 * L * T * d) * tokens)
+-- the library GEMMs of a step, counted by hand: per token and block qkv, proj, fc and proj
+-- (12 d^2 multiply-adds), the tied head V d; each once forward and twice backward (the input's and
+-- the weight's gradients), and a checkpointed block's forward once more
+local gemm_flops = 2 * tokens * (3 * (12 * d * d * L + V * d)
+  + (a.checkpoint and 12 * d * d * L or 0))
+eq("gemm_flops_per_step", gemm_flops)
 for _, k in ipairs{"step_s", "step_min_s", "step_max_s", "tokens_per_s", "gflops",
-                   "sgemm_gflops", "ratio", "threads", "loss_first", "loss_last", "cpu_busy"} do
+                   "sgemm_gflops", "ratio", "threads", "loss_first", "loss_last", "cpu_busy",
+                   "gemm_s", "gemm_gflops", "gemm_ratio", "gemm_share"} do
   positive(k)
 end
 if failures == 0 then
@@ -78,6 +85,9 @@ if failures == 0 then
   near("tokens_per_s", tokens / r.step_s)
   near("gflops", r.flops_per_step / r.step_s / 1e9)
   near("ratio", r.gflops / r.sgemm_gflops)
+  near("gemm_ratio", r.gemm_gflops / r.sgemm_gflops)
+  -- the products run inside the ranks' steps
+  if r.gemm_share > 1 then fail("gemm_share = %g, more than the whole step", r.gemm_share) end
   -- random tokens over 256 values: the first loss is near ln 256 = 5.545
   if math.abs(r.loss_first - math.log(V)) > 0.5 then fail("loss_first = %g", r.loss_first) end
 end

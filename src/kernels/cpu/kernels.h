@@ -86,6 +86,15 @@ void fsdp_cpu_bmm_forward(float *out, const float *a, const float *b, int B, int
 void fsdp_cpu_bmm_backward(float *da, float *db, const float *dout, const float *a,
                            const float *b, int B, int M, int K, int N);
 
+/* The matrix products the calling thread has run through the cpu kernel table (its gemm, bmm and
+ * linear slots, any dtype) since the thread started: calls, FLOPs (2 M N K per product: a
+ * linear's backward counts its input and weight gradients, a bmm each of its B products) and
+ * the wall seconds from each slot's entry to its return. That time includes what the slot does
+ * around its products (the pool's dispatch and waits, a linear's bias epilogue or column sum, a
+ * half dtype's conversions). For benchmarks: the rate the GEMMs reach inside a training step,
+ * against the same GEMM alone. Attention's own products (attention.c) are not counted. */
+void fsdp_cpu_gemm_stats(int64_t *calls, double *flops, double *seconds);
+
 /* ---- elementwise with broadcasting over leading dimensions ------------------------------
  * a has n elements, b has m elements, n % m == 0: b repeats along the leading dimensions
  * (b's shape is a suffix of a's). out has n elements. m == n is the plain case. */

@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/half.h"
@@ -174,8 +175,36 @@ static int k_random(void *ctx, fsdp_dtype dt, void *out, int64_t n, uint64_t key
 
 /* ---- linear algebra --------------------------------------------------------------------------- */
 
-static int k_gemm(void *ctx, fsdp_dtype dt, void *c, const void *a, const void *b, int M, int N,
-                  int K, bool ta, bool tb, float alpha, float beta, int lda, int ldb, int ldc) {
+/* The calling thread's products through the slots below (fsdp_cpu_gemm_stats). Each slot runs
+ * on the thread that called it and returns when its product is done (the pool's threads work
+ * inside the call), so the wall time from entry to return is what the caller waited. */
+static _Thread_local struct {
+  int64_t calls;
+  double flops, seconds;
+} tally;
+
+static double tally_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* One product of `products` (M, N, K) matrix products, started at t0, and its result. */
+static int tally_add(int rc, double t0, double products, int M, int N, int K) {
+  tally.calls++;
+  tally.flops += products * 2.0 * (double)M * (double)N * (double)K;
+  tally.seconds += tally_now() - t0;
+  return rc;
+}
+
+void fsdp_cpu_gemm_stats(int64_t *calls, double *flops, double *seconds) {
+  *calls = tally.calls;
+  *flops = tally.flops;
+  *seconds = tally.seconds;
+}
+
+static int gemm_run(fsdp_dtype dt, void *c, const void *a, const void *b, int M, int N, int K,
+                    bool ta, bool tb, float alpha, float beta, int lda, int ldb, int ldc) {
   if (dt == FSDP_DTYPE_F32) {
     fsdp_cpu_gemm(c, a, b, M, N, K, ta, tb, alpha, beta, lda, ldb, ldc);
     return FSDP_OK;
@@ -197,8 +226,15 @@ static int k_gemm(void *ctx, fsdp_dtype dt, void *c, const void *a, const void *
   return fsdp_cpu_work_done(&t);
 }
 
-static int k_bmm_forward(void *ctx, fsdp_dtype dt, void *out, const void *a, const void *b,
-                         int B, int M, int K, int N) {
+static int k_gemm(void *ctx, fsdp_dtype dt, void *c, const void *a, const void *b, int M, int N,
+                  int K, bool ta, bool tb, float alpha, float beta, int lda, int ldb, int ldc) {
+  const double t0 = tally_now();
+  return tally_add(gemm_run(dt, c, a, b, M, N, K, ta, tb, alpha, beta, lda, ldb, ldc), t0, 1, M,
+                   N, K);
+}
+
+static int bmm_forward_run(fsdp_dtype dt, void *out, const void *a, const void *b, int B, int M,
+                           int K, int N) {
   if (dt == FSDP_DTYPE_F32) {
     fsdp_cpu_bmm_forward(out, a, b, B, M, K, N);
     return FSDP_OK;
@@ -217,8 +253,14 @@ static int k_bmm_forward(void *ctx, fsdp_dtype dt, void *out, const void *a, con
   return fsdp_cpu_work_done(&t);
 }
 
-static int k_bmm_backward(void *ctx, fsdp_dtype dt, void *da, void *db, const void *dout,
-                          const void *a, const void *b, int B, int M, int K, int N) {
+static int k_bmm_forward(void *ctx, fsdp_dtype dt, void *out, const void *a, const void *b,
+                         int B, int M, int K, int N) {
+  const double t0 = tally_now();
+  return tally_add(bmm_forward_run(dt, out, a, b, B, M, K, N), t0, B, M, N, K);
+}
+
+static int bmm_backward_run(fsdp_dtype dt, void *da, void *db, const void *dout, const void *a,
+                            const void *b, int B, int M, int K, int N) {
   if (dt == FSDP_DTYPE_F32) {
     fsdp_cpu_bmm_backward(da, db, dout, a, b, B, M, K, N);
     return FSDP_OK;
@@ -240,8 +282,15 @@ static int k_bmm_backward(void *ctx, fsdp_dtype dt, void *da, void *db, const vo
   return fsdp_cpu_work_done(&t);
 }
 
-static int k_linear_forward(void *ctx, fsdp_dtype dt, void *out, const void *inp,
-                            const void *weight, const void *bias, int M, int K, int N) {
+static int k_bmm_backward(void *ctx, fsdp_dtype dt, void *da, void *db, const void *dout,
+                          const void *a, const void *b, int B, int M, int K, int N) {
+  const double t0 = tally_now();
+  return tally_add(bmm_backward_run(dt, da, db, dout, a, b, B, M, K, N), t0,
+                   (double)B * ((da != NULL) + (db != NULL)), M, N, K);
+}
+
+static int linear_forward_run(fsdp_dtype dt, void *out, const void *inp, const void *weight,
+                              const void *bias, int M, int K, int N) {
   if (dt == FSDP_DTYPE_F32) {
     fsdp_cpu_linear_forward(out, inp, weight, bias, M, K, N);
     return FSDP_OK;
@@ -255,9 +304,15 @@ static bool grad_dtype_ok(fsdp_dtype dt, fsdp_dtype gdt) {
   return gdt == dt || (is_half(dt) && gdt == FSDP_DTYPE_F32);
 }
 
-static int k_linear_backward(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *dinp,
-                             void *dweight, void *dbias, const void *dout, const void *inp,
-                             const void *weight, int M, int K, int N) {
+static int k_linear_forward(void *ctx, fsdp_dtype dt, void *out, const void *inp,
+                            const void *weight, const void *bias, int M, int K, int N) {
+  const double t0 = tally_now();
+  return tally_add(linear_forward_run(dt, out, inp, weight, bias, M, K, N), t0, 1, M, N, K);
+}
+
+static int linear_backward_run(fsdp_dtype dt, fsdp_dtype gdt, void *dinp, void *dweight,
+                               void *dbias, const void *dout, const void *inp,
+                               const void *weight, int M, int K, int N) {
   if (dt != FSDP_DTYPE_F32 && !is_half(dt)) return REFUSE("linear", dt);
   if (!grad_dtype_ok(dt, gdt)) return REFUSE("linear (weight gradient)", gdt);
   if (dt == FSDP_DTYPE_F32) {
@@ -266,6 +321,14 @@ static int k_linear_backward(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *din
   }
   return fsdp_cpu_half_linear_backward(dt, gdt, dinp, dweight, dbias, dout, inp, weight, M, K,
                                        N);
+}
+
+static int k_linear_backward(void *ctx, fsdp_dtype dt, fsdp_dtype gdt, void *dinp,
+                             void *dweight, void *dbias, const void *dout, const void *inp,
+                             const void *weight, int M, int K, int N) {
+  const double t0 = tally_now();
+  return tally_add(linear_backward_run(dt, gdt, dinp, dweight, dbias, dout, inp, weight, M, K, N),
+                   t0, (dinp != NULL) + (dweight != NULL), M, N, K);
 }
 
 /* ---- elementwise ------------------------------------------------------------------------------ */
