@@ -167,10 +167,10 @@ for _, c in ipairs(configs) do
     local mine = all:narrow(1, rank * Bl + 1, Bl)
     local x, y = lib.next_token(mine, T)
     local times, losses, cpus = {}, {}, {}
-    local stats0, gemm0
+    local gemm0
     local own_s = 0 -- this rank's own time in the timed steps (times holds the slowest rank's)
+    local comm_busy, comm_wait = 0, 0 -- collectives inside the timed steps' bodies
     for s = 1, warmup + steps do
-      if s == warmup + 1 and world > 1 then stats0 = fsdp.comm_stats() end
       if s == warmup + 1 then gemm0 = core.cpu_gemm_stats() end
       if s == warmup + 1 then
         collectgarbage()
@@ -178,12 +178,19 @@ for _, c in ipairs(configs) do
         core.reset_peak()
       end
       fsdp.barrier()
+      local cs0 = world > 1 and fsdp.comm_stats()
       local t0, c0 = core.clock(), os.clock()
       local loss = nn.F.cross_entropy(model(x), y)
       opt:zero_grad()
       loss:backward()
       opt:step()
       local t1, c1 = core.clock(), os.clock()
+      if cs0 and s > warmup then
+        -- the step's own collectives only: not this loop's barrier and all-reduces around it
+        local cs1 = fsdp.comm_stats()
+        comm_busy = comm_busy + (cs1.busy_s - cs0.busy_s)
+        comm_wait = comm_wait + (cs1.wait_s - cs0.wait_s)
+      end
       local dt = fsdp.all_reduce(t1 - t0, "max") -- the slowest rank sets the pace
       if s > warmup then cpus[#cpus + 1] = (c1 - c0) / (t1 - t0) end
       losses[#losses + 1] = fsdp.all_reduce(loss:item(), "sum") / world
@@ -210,12 +217,11 @@ for _, c in ipairs(configs) do
       -- busy: time collectives ran (on the communicator's worker, from their start, so a
       -- reduce-scatter left in flight counts while it waits for the peers); wait: time compute
       -- sat blocked on them (queued ones included), what the step pays. What ran but was not
-      -- waited for overlapped with compute.
-      local st = fsdp.comm_stats()
-      local busy, wait = st.busy_s - stats0.busy_s, st.wait_s - stats0.wait_s
-      r.comm_busy_s = busy / steps
-      r.comm_wait_s = wait / steps
-      r.comm_hidden = busy > 0 and math.max(0, 1 - wait / busy) or 0
+      -- waited for overlapped with compute. Both over the steps' bodies alone (the loop's
+      -- barrier and the all-reduces of its timings and losses are not the step's).
+      r.comm_busy_s = comm_busy / steps
+      r.comm_wait_s = comm_wait / steps
+      r.comm_hidden = comm_busy > 0 and math.max(0, 1 - comm_wait / comm_busy) or 0
     end
     -- the library GEMMs inside the timed steps (fsdp.core.cpu_gemm_stats: linears and batched
     -- matmuls, wall time from call to return on the rank's thread; attention's own products are
