@@ -335,13 +335,21 @@ static void tally_expect(tally from, int64_t calls, double flops) {
   if (calls) assert_true(t.seconds > from.seconds);
 }
 
+/* A product on a thread of its own: its tally before and after, for the test's thread to check
+ * (cmocka's assertions belong to the test's thread). */
+typedef struct {
+  float *buf;
+  tally before, after;
+  int rc;
+} other_thread;
+
 static void *tally_other_thread(void *arg) {
-  float *buf = arg;
+  other_thread *o = arg;
   const fsdp_kernels_i *k = fsdp_kernels_of(&fsdp_device_cpu, "test");
-  tally t0 = tally_now();
-  assert_int_equal(t0.calls, 0); /* a new thread starts at zero */
-  k->gemm(NULL, FSDP_DTYPE_F32, buf, buf + 64, buf + 128, 8, 8, 8, false, false, 1, 0, 8, 8, 8);
-  tally_expect(t0, 1, 2.0 * 8 * 8 * 8);
+  o->before = tally_now();
+  o->rc = k->gemm(NULL, FSDP_DTYPE_F32, o->buf, o->buf + 64, o->buf + 128, 8, 8, 8, false, false,
+                  1, 0, 8, 8, 8);
+  o->after = tally_now();
   return NULL;
 }
 
@@ -394,9 +402,15 @@ static void test_gemm_stats(void **state) {
   tally_expect(t, 0, 0);
   /* another thread's products are its own */
   t = tally_now();
+  other_thread ot = {.buf = o};
   pthread_t th;
-  assert_int_equal(pthread_create(&th, NULL, tally_other_thread, o), 0);
+  assert_int_equal(pthread_create(&th, NULL, tally_other_thread, &ot), 0);
   assert_int_equal(pthread_join(th, NULL), 0);
+  assert_int_equal(ot.rc, FSDP_OK);
+  assert_int_equal(ot.before.calls, 0); /* a new thread starts at zero */
+  assert_true(ot.before.flops == 0.0 && ot.before.seconds == 0.0);
+  assert_int_equal(ot.after.calls, 1);
+  assert_true(ot.after.flops == 2.0 * 8 * 8 * 8 && ot.after.seconds > 0.0);
   tally_expect(t, 0, 0);
   free(hx), free(hw), free(ho);
   free(x), free(w), free(bias), free(o), free(g), free(dx), free(dw), free(db);
