@@ -87,7 +87,8 @@ for line in open(sys.argv[1]):
 med = statistics.median
 print()
 print(f"{'model':9} {'ranks':>5} {'prec':>5} {'fsdprun s':>10} {'pytorch s':>10} "
-      f"{'fsdprun/pt':>10} {'fsdprun:sgemm':>13} {'pt:sgemm':>9} {'runs':>5}  loads")
+      f"{'fsdprun/pt':>10} {'fsdprun:sgemm':>13} {'pt:sgemm':>9} {'GEMM:sg':>8} {'GEMM %':>7} "
+      f"{'runs':>5}  loads")
 def order(kv):  # L4-d256 before L12-d768; then ranks, f32 first
     (model, ranks, prec), _ = kv
     return (int(model[1:].split("-")[0]), model, ranks, prec != "f32")
@@ -97,11 +98,17 @@ for (model, ranks, prec), by in sorted(rows.items(), key=order):
     ps = med([x["step_s"] for x in p]) if p else float("nan")
     fr = med([x["ratio"] for x in f]) if f else float("nan")
     pr = med([x["ratio"] for x in p]) if p else float("nan")
+    # fsdprun's library GEMMs inside its step (absent from older JSON lines)
+    gr = [x["gemm_ratio"] for x in f if "gemm_ratio" in x]
+    gs = [x["gemm_share"] for x in f if "gemm_share" in x]
+    gr = med(gr) if gr else float("nan")
+    gs = 100 * med(gs) if gs else float("nan")
     loads = sorted({x["loadavg"][0] for x in f + p if x.get("loadavg")}) or ["?"]
     print(f"{model:9} {ranks:5d} {prec:>5} {fs:10.3f} {ps:10.3f} {fs / ps:10.2f} {fr:13.2f} "
-          f"{pr:9.2f} {len(f):2d}+{len(p):<2d}  {loads[0]}-{loads[-1]}")
+          f"{pr:9.2f} {gr:8.2f} {gs:6.0f}% {len(f):2d}+{len(p):<2d}  {loads[0]}-{loads[-1]}")
 print("fsdprun/pt: step time ratio (< 1: fsdprun faster); x:sgemm: achieved GFLOP/s over the")
-print("same run's sgemm rate (docs/PERFORMANCE.md for the FLOPs convention); loads: 1-minute")
-print("load average over the runs")
+print("same run's sgemm rate (docs/PERFORMANCE.md for the FLOPs convention); GEMM:sg, GEMM %:")
+print("fsdprun's library GEMMs inside its step, their rate over the sgemm's and their share of")
+print("the step's time; loads: 1-minute load average over the runs")
 EOF
 echo "JSON lines: $OUT"
