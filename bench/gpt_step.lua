@@ -171,11 +171,11 @@ for _, c in ipairs(configs) do
     local own_s = 0 -- this rank's own time in the timed steps (times holds the slowest rank's)
     local comm_busy, comm_wait = 0, 0 -- collectives inside the timed steps' bodies
     for s = 1, warmup + steps do
-      if s == warmup + 1 then gemm0 = core.cpu_gemm_stats() end
       if s == warmup + 1 then
         collectgarbage()
         collectgarbage()
         core.reset_peak()
+        gemm0 = core.cpu_gemm_stats()
       end
       fsdp.barrier()
       local cs0 = world > 1 and fsdp.comm_stats()
@@ -192,10 +192,12 @@ for _, c in ipairs(configs) do
         comm_wait = comm_wait + (cs1.wait_s - cs0.wait_s)
       end
       local dt = fsdp.all_reduce(t1 - t0, "max") -- the slowest rank sets the pace
-      if s > warmup then cpus[#cpus + 1] = (c1 - c0) / (t1 - t0) end
       losses[#losses + 1] = fsdp.all_reduce(loss:item(), "sum") / world
-      if s > warmup then times[#times + 1] = dt end
-      if s > warmup then own_s = own_s + (t1 - t0) end
+      if s > warmup then
+        cpus[#cpus + 1] = (c1 - c0) / (t1 - t0)
+        times[#times + 1] = dt
+        own_s = own_s + (t1 - t0)
+      end
     end
     local gemm1 = core.cpu_gemm_stats()
     local gemm_flops, gemm_s = gemm1.flops - gemm0.flops, gemm1.seconds - gemm0.seconds
@@ -228,9 +230,10 @@ for _, c in ipairs(configs) do
     -- not among them): FLOPs of the whole step (every rank), seconds per step (mean over the
     -- ranks), their share of the ranks' step time, and their rate summed over the ranks as the
     -- sgemm's is
+    local gemm_s_all = fsdp.all_reduce(gemm_s, "sum")
     r.gemm_flops_per_step = fsdp.all_reduce(gemm_flops, "sum") / steps
-    r.gemm_s = fsdp.all_reduce(gemm_s, "sum") / world / steps
-    r.gemm_share = fsdp.all_reduce(gemm_s, "sum") / fsdp.all_reduce(own_s, "sum")
+    r.gemm_s = gemm_s_all / world / steps
+    r.gemm_share = gemm_s_all / fsdp.all_reduce(own_s, "sum")
     r.gemm_gflops = fsdp.all_reduce(gemm_s > 0 and gemm_flops / gemm_s / 1e9 or 0, "sum")
     r.tokens_per_s = r.tokens / dt
     r.flops_per_step = (6 * nonemb + 6 * c.layers * T * c.d) * r.tokens

@@ -709,8 +709,8 @@ static void att_softmax_rows_bf16(uint16_t *P, float *A, int T, int r0, int rows
  * element is the exponential the forward computed (the same operations on the same score)
  * times the same reciprocal, so the same bits (rounded the same way into a bf16 P), without
  * the max and sum passes. f32: P is A, in place; bf16: A's scores are left as they were. */
-VINLINE void att_softmax_rows_saved_x(void *P, float *A, int T, int r0, int rows, int cols,
-                                      const float *stats, bool bf16) {
+VINLINE void att_softmax_rows_saved_x(void *P, const float *A, int T, int r0, int rows,
+                                      int cols, const float *stats, bool bf16) {
   for (int t = r0; t < r0 + rows; t++) {
     const float *row = A + (int64_t)t * T;
     void *p = mat_(P, (int64_t)t * T, bf16);
@@ -729,7 +729,7 @@ static void att_softmax_rows_saved(float *A, int T, int r0, int rows, int cols,
 
 static void att_softmax_rows_saved_bf16(uint16_t *P, const float *A, int T, int r0, int rows,
                                         int cols, const float *stats) {
-  att_softmax_rows_saved_x(P, (float *)A, T, r0, rows, cols, stats, true);
+  att_softmax_rows_saved_x(P, A, T, r0, rows, cols, stats, true);
 }
 
 /* its backward: datt in S, the probabilities P (f32 or bf16), dscores into D (f32: S itself,
