@@ -24,9 +24,10 @@
  * layernorms, copies, the pool's waits, the Lua between kernels, collectives) only lowers the
  * floor. The step's FLOPs are bench/gpt_step.lua's convention (6 x non-embedding parameters x
  * tokens + 6 x L x T x d per token for causal attention), and its reference sgemm, (B/N x T, d)
- * @ (d, 4d) on the rank's threads, is measured as fsdp.core.sgemm_gflops does. "ceiling" =
- * counted FLOPs / (floor time x sgemm rate): no step made of these kernels reaches more;
- * "bound" is the same with attention's products at the sgemm rate in place of the op.
+ * @ (d, 4d) on the rank's threads, is measured by the same function (fsdp_cpu_sgemm_gflops),
+ * before and after the kernels, the better of the two. "ceiling" = counted FLOPs / (floor time
+ * x sgemm rate): no step made of these kernels reaches more; "bound" is the same with
+ * attention's products at the sgemm rate in place of the op.
  *
  * Usage: step_floor [--ranks=1|2] [--models=4,6,12] [--reps_s=0.2] [--products]
  *   --products also prints each GEMM's rate (forward, input and weight gradients) above its
@@ -116,27 +117,17 @@ static void run_cross_entropy(const job *j) {
 static void run_adamw(const job *j) {
   fsdp_cpu_adamw_step(j->a, j->b, j->c, j->d, j->n, 1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f, 10);
 }
-static void run_sgemm(const job *j) {
-  fsdp_cpu_gemm(j->c, j->a, j->b, j->M, j->N, j->K, false, true, 1.0f, 0.0f, j->K, j->K, j->N);
-}
 
-/* Seconds a call of the reference sgemm: the best of 5 windows of reps_s / 2 each, each
- * window's mean, as fsdp.core.sgemm_gflops takes the best of its 5. */
-static double window(job j) {
-  run_sgemm(&j);
-  double bestw = 1e30;
-  for (int w = 0; w < 5; w++) {
-    int calls = 0;
-    const double t0 = bench_now();
-    double t;
-    do {
-      run_sgemm(&j);
-      calls++;
-      t = bench_now() - t0;
-    } while (t < reps_s / 2);
-    if (t / calls < bestw) bestw = t / calls;
+/* The reference, (rows, d) @ (d, 4d), as bench/gpt_step.lua takes it (fsdp_cpu_sgemm_gflops):
+ * windows of reps_s / 2 each, the fastest */
+static double reference(int rows, int d) {
+  double gflops;
+  if (fsdp_cpu_sgemm_gflops(rows, 4 * d, d, FSDP_CPU_SGEMM_WINDOWS * reps_s / 2, &gflops) !=
+      FSDP_OK) {
+    fprintf(stderr, "step_floor: %s\n", fsdp_error_msg());
+    exit(1);
   }
-  return bestw;
+  return gflops * 1e9;
 }
 
 /* ---- one model ----------------------------------------------------------------------------- */
@@ -156,9 +147,8 @@ static void model(int L, int d, int ranks) {
   }
   for (int i = 0; i < rows; i++) ids[i] = (i * 7919) % V;
 
-  /* the reference, windows before the kernels (and after them: the better) */
-  const job sj = {.a = x, .b = w, .c = y, .M = rows, .N = 4 * d, .K = d};
-  double sg_s = window(sj);
+  /* the reference before the kernels (and after them: the better) */
+  const double sgemm_before = reference(rows, d);
 
   /* GEMMs: K -> N of a layer's linears, and whether the forward takes its bias in the product
    * (the MLP's first one's bias goes with its GELU); the tied head once */
@@ -206,9 +196,8 @@ static void model(int L, int d, int ranks) {
   const double rest = L * (2 * t_ln + t_bg + t_cs) + t_ln + 2 * best(run_embedding, ej) +
                       best(run_cross_entropy, xj) + best(run_adamw, oj);
 
-  const double sg2 = window(sj);
-  if (sg2 < sg_s) sg_s = sg2;
-  const double sgemm = 2.0 * rows * 4.0 * d * d / sg_s;
+  const double sgemm_after = reference(rows, d);
+  const double sgemm = sgemm_before > sgemm_after ? sgemm_before : sgemm_after;
   const int64_t nonemb = params - (int64_t)V * d - (int64_t)T * d;
   const double att_flops = 6.0 * L * T * d * rows; /* counted: causal, forward and backward */
   const double counted = 6.0 * nonemb * rows + att_flops; /* this rank's tokens */
@@ -245,22 +234,29 @@ int main(int argc, char **argv) {
     fprintf(stderr, "step_floor: --reps_s must be a positive number of seconds\n");
     return 2;
   }
-  /* the thread rule's share of the cores (docs/cli.md) */
+  int layers[8], nmodels = 0;
+  char list[64];
+  snprintf(list, sizeof list, "%s", models);
+  for (char *tok = strtok(list, ","); tok; tok = strtok(NULL, ",")) {
+    const int L = atoi(tok);
+    if (L != 4 && L != 6 && L != 12) {
+      fprintf(stderr, "step_floor: models are 4, 6 and 12 (layers), got %s\n", tok);
+      return 2;
+    }
+    if (nmodels == 8) {
+      fprintf(stderr, "step_floor: at most 8 models a run\n");
+      return 2;
+    }
+    layers[nmodels++] = L;
+  }
+  /* the thread rule without FSDP_THREADS: cores / ranks (docs/cli.md, "Ranks") */
   const int threads = fsdp_cpu_cores() / ranks > 0 ? fsdp_cpu_cores() / ranks : 1;
   fsdp_cpu_set_threads(threads);
   printf("# step_floor: one rank of %d, %d thread(s); seconds a step, each kernel's best call\n",
          ranks, threads);
   printf("# model    N  sgemm GF/s  GEMMs s  GEMM:sg  attn s  attn@sg  rest s   floor s bound s"
          "   ceiling bound\n");
-  char list[64];
-  snprintf(list, sizeof list, "%s", models);
-  for (char *tok = strtok(list, ","); tok; tok = strtok(NULL, ",")) {
-    const int L = atoi(tok), d = L == 4 ? 256 : L == 6 ? 384 : L == 12 ? 768 : 0;
-    if (!d) {
-      fprintf(stderr, "step_floor: models are 4, 6 and 12 (layers), got %s\n", tok);
-      return 2;
-    }
-    model(L, d, ranks);
-  }
+  for (int i = 0; i < nmodels; i++)
+    model(layers[i], layers[i] == 4 ? 256 : layers[i] == 6 ? 384 : 768, ranks);
   return 0;
 }

@@ -19,6 +19,12 @@
 
 #define FSDP_TENSOR_MT "fsdp.Tensor"
 
+/* t[k] = v for the table on top of the stack (counters and figures handed to Lua) */
+static inline void fsdp_lua_set_number(lua_State *L, const char *k, lua_Number v) {
+  lua_pushnumber(L, v);
+  lua_setfield(L, -2, k);
+}
+
 /* Push t as a Lua tensor. Steals one reference. The same C tensor always maps to the same
  * userdata while that userdata is alive (identity: m.head.weight == m.wte.weight). */
 void fsdp_lua_push_tensor(lua_State *L, fsdp_tensor *t);

@@ -233,19 +233,14 @@ static void push_stats(lua_State *L, const fsdp_comm *c) {
     const char *name = fsdp_coll_name((fsdp_coll_op)op);
     char key[64];
     snprintf(key, sizeof key, "%s_bytes", name);
-    lua_pushnumber(L, (lua_Number)s.bytes[op]);
-    lua_setfield(L, -2, key);
+    fsdp_lua_set_number(L, key, (lua_Number)s.bytes[op]);
     snprintf(key, sizeof key, "%s_calls", name);
-    lua_pushnumber(L, (lua_Number)s.calls[op]);
-    lua_setfield(L, -2, key);
+    fsdp_lua_set_number(L, key, (lua_Number)s.calls[op]);
     calls += s.calls[op];
   }
-  lua_pushnumber(L, (lua_Number)calls);
-  lua_setfield(L, -2, "calls");
-  lua_pushnumber(L, s.busy_s);
-  lua_setfield(L, -2, "busy_s");
-  lua_pushnumber(L, s.wait_s);
-  lua_setfield(L, -2, "wait_s");
+  fsdp_lua_set_number(L, "calls", (lua_Number)calls);
+  fsdp_lua_set_number(L, "busy_s", s.busy_s);
+  fsdp_lua_set_number(L, "wait_s", s.wait_s);
 }
 
 /* The rank's communicator's counters; with hybrid sharding also those of its groups (the pair

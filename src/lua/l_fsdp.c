@@ -395,11 +395,6 @@ static int l_grad_shard(lua_State *L) {
   return 1;
 }
 
-static void set_num(lua_State *L, const char *k, int64_t v) {
-  lua_pushnumber(L, (lua_Number)v);
-  lua_setfield(L, -2, k);
-}
-
 static int l_layout(lua_State *L) {
   fsdp_unit *u = check_unit(L, 1);
   int n = fsdp_unit_nparams(u), W = fsdp_comm_world(fsdp_unit_comm(u));
@@ -409,8 +404,8 @@ static int l_layout(lua_State *L) {
     lua_createtable(L, 0, 5);
     lua_pushstring(L, q->path);
     lua_setfield(L, -2, "path");
-    set_num(L, "offset", q->offset);
-    set_num(L, "numel", q->numel);
+    fsdp_lua_set_number(L, "offset", (lua_Number)q->offset);
+    fsdp_lua_set_number(L, "numel", (lua_Number)q->numel);
     lua_createtable(L, q->ndim, 0);
     for (int d = 0; d < q->ndim; d++) {
       lua_pushnumber(L, (lua_Number)q->shape[d]);
@@ -443,15 +438,15 @@ static int l_local_slices(lua_State *L) {
     if (!len) continue;
     const fsdp_unit_param *q = fsdp_unit_param_at(u, i);
     lua_createtable(L, 0, 6);
-    set_num(L, "index", i + 1);
+    fsdp_lua_set_number(L, "index", (lua_Number)(i + 1));
     lua_pushstring(L, q->path);
     lua_setfield(L, -2, "path");
     fsdp_tensor_retain(q->param);
     fsdp_lua_push_tensor(L, q->param);
     lua_setfield(L, -2, "param");
-    set_num(L, "shard_first", sf + 1);
-    set_num(L, "shard_last", sf + len);
-    set_num(L, "param_first", pf + 1);
+    fsdp_lua_set_number(L, "shard_first", (lua_Number)(sf + 1));
+    fsdp_lua_set_number(L, "shard_last", (lua_Number)(sf + len));
+    fsdp_lua_set_number(L, "param_first", (lua_Number)(pf + 1));
     lua_rawseti(L, -2, ++k);
   }
   return 1;

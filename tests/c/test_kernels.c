@@ -356,7 +356,7 @@ static void *tally_other_thread(void *arg) {
 /* The kernel table's gemm, bmm and linear slots add to the calling thread's tally: a call each,
  * 2 M N K FLOPs a product (a linear's backward counts each gradient it makes, a bmm each of its B
  * products, any dtype); the kernels under them, called directly, do not; another thread's
- * products are its own. */
+ * products are its own; a call the slot refuses is not counted. */
 static void test_gemm_stats(void **state) {
   (void)state;
   const fsdp_kernels_i *k = fsdp_kernels_of(&fsdp_device_cpu, "test");
@@ -395,6 +395,12 @@ static void test_gemm_stats(void **state) {
   t = tally_now();
   assert_int_equal(k->linear_forward(NULL, FSDP_DTYPE_BF16, ho, hx, hw, NULL, M, K, N), FSDP_OK);
   tally_expect(t, 1, mnk);
+  /* a refused call runs no product: not counted */
+  t = tally_now();
+  assert_int_not_equal(
+      k->gemm(NULL, FSDP_DTYPE_I64, o, x, w, M, N, K, false, false, 1, 0, K, N, N), FSDP_OK);
+  assert_int_not_equal(k->linear_forward(NULL, FSDP_DTYPE_I64, o, x, w, NULL, M, K, N), FSDP_OK);
+  tally_expect(t, 0, 0);
   /* below the table: not counted */
   t = tally_now();
   fsdp_cpu_gemm(o, x, w, M, N, K, false, false, 1, 0, K, N, N);

@@ -1,6 +1,7 @@
 /*
  * blas.c — GEMM and the ops built directly on it (linear, batched matmul), split over the
- * rank's threads (pool.h), plus the OpenBLAS thread-count knob.
+ * rank's threads (pool.h), plus the OpenBLAS thread-count knob and the benchmarks' reference
+ * rate (fsdp_cpu_sgemm_gflops).
  *
  * Every matrix product goes through fsdp_cpu_gemm with explicit strides: callers (and the
  * attention kernel) pass views into bigger buffers without copying. Backward passes use
@@ -21,7 +22,9 @@
 #include <cblas.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* Multiply-adds a block must carry before a product is split: ~5 us of sgemm at ~100 GFLOP/s
  * per core, several times a pool dispatch (docs/PERFORMANCE.md, "The rank's thread pool"). */
@@ -142,6 +145,45 @@ static void gemm_run(float *c, const float *a, const float *b, const float *bias
 void fsdp_cpu_gemm(float *c, const float *a, const float *b, int M, int N, int K, bool trans_a,
                    bool trans_b, float alpha, float beta, int lda, int ldb, int ldc) {
   gemm_run(c, a, b, NULL, M, N, K, trans_a, trans_b, alpha, beta, lda, ldb, ldc);
+}
+
+/* ---- the reference rate ------------------------------------------------------------------- */
+
+static double seconds_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+int fsdp_cpu_sgemm_gflops(int M, int N, int K, double seconds, double *gflops) {
+  *gflops = 0.0;
+  if (M < 1 || N < 1 || K < 1)
+    return fsdp_error("sgemm_gflops: sizes must be positive (got %d x %d x %d)", M, N, K);
+  if (!(seconds > 0.0))
+    return fsdp_error("sgemm_gflops: seconds must be positive (got %g)", seconds);
+  float *a = calloc((size_t)M * K, sizeof(float)), *b = calloc((size_t)K * N, sizeof(float)),
+        *c = calloc((size_t)M * N, sizeof(float));
+  if (!a || !b || !c) {
+    free(a), free(b), free(c);
+    return fsdp_error("sgemm_gflops: out of memory for %d x %d x %d", M, N, K);
+  }
+  for (size_t i = 0; i < (size_t)M * K; i++) a[i] = (float)(i % 7) * 0.1f;
+  for (size_t i = 0; i < (size_t)K * N; i++) b[i] = (float)(i % 5) * 0.1f;
+  fsdp_cpu_gemm(c, a, b, M, N, K, false, true, 1.0f, 0.0f, K, K, N);
+  for (int w = 0; w < FSDP_CPU_SGEMM_WINDOWS; w++) {
+    int64_t calls = 0;
+    const double t0 = seconds_now();
+    double t;
+    do {
+      fsdp_cpu_gemm(c, a, b, M, N, K, false, true, 1.0f, 0.0f, K, K, N);
+      calls++;
+      t = seconds_now() - t0;
+    } while (t < seconds / FSDP_CPU_SGEMM_WINDOWS);
+    const double rate = 2.0 * M * N * K * (double)calls / t / 1e9;
+    if (rate > *gflops) *gflops = rate;
+  }
+  free(a), free(b), free(c);
+  return FSDP_OK;
 }
 
 /* ---- linear ------------------------------------------------------------------------------- */

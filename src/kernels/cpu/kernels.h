@@ -91,9 +91,21 @@ void fsdp_cpu_bmm_backward(float *da, float *db, const float *dout, const float 
  * linear's backward counts its input and weight gradients, a bmm each of its B products) and
  * the wall seconds from each slot's entry to its return. That time includes what the slot does
  * around its products (the pool's dispatch and waits, a linear's bias epilogue or column sum, a
- * half dtype's conversions). For benchmarks: the rate the GEMMs reach inside a training step,
- * against the same GEMM alone. Attention's own products (attention.c) are not counted. */
+ * half dtype's conversions). A call the slot refuses or fails is not counted. For benchmarks:
+ * the rate the GEMMs reach inside a training step, against the same GEMM alone. Attention's own
+ * products (attention.c) are not counted. */
 void fsdp_cpu_gemm_stats(int64_t *calls, double *flops, double *seconds);
+
+/* The benchmarks' reference rate: GFLOP/s of c (M, N) = a (M, K) @ b (N, K)^T through
+ * fsdp_cpu_gemm on buffers of its own (split over the calling thread's pool like every GEMM):
+ * after one warm-up call, calls for at least `seconds` in FSDP_CPU_SGEMM_WINDOWS windows of
+ * equal length, and the fastest window's mean rate. On a shared machine the other tenants' work
+ * only ever lowers a measured rate, so the fastest window is the closest to what the GEMM can do
+ * here (one average over the whole time moved by 2x between runs of the same binary).
+ * fsdp.core.sgemm_gflops (bench/gpt_step.lua's "sgemm GF/s") and bench/step_floor use it.
+ * FSDP_ERR (message set) for sizes < 1, seconds not > 0, or no memory. */
+#define FSDP_CPU_SGEMM_WINDOWS 5
+int fsdp_cpu_sgemm_gflops(int M, int N, int K, double seconds, double *gflops);
 
 /* ---- elementwise with broadcasting over leading dimensions ------------------------------
  * a has n elements, b has m elements, n % m == 0: b repeats along the leading dimensions

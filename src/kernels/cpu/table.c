@@ -189,8 +189,10 @@ static double tally_now(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* One product of `products` (M, N, K) matrix products, started at t0, and its result. */
+/* A slot's call that started at t0 and ran `products` (M, N, K) matrix products; rc, its
+ * result, passed through. A refused or failed call did not run them and is not counted. */
 static int tally_add(int rc, double t0, double products, int M, int N, int K) {
+  if (rc != FSDP_OK) return rc;
   tally.calls++;
   tally.flops += products * 2.0 * (double)M * (double)N * (double)K;
   tally.seconds += tally_now() - t0;
