@@ -165,6 +165,7 @@ end
 --- "safetensors" when path ends in .safetensors, else "sharded".
 function M.save(model, path, opts)
   local R = check_model("fsdp.save", model)
+  if R then R:check_idle("fsdp.save") end
   if R and R:has_pending() then
     raise("fsdp.save: the model was wrapped on the meta device and some parameters have no "
       .. "values yet (fsdp.materialize or fsdp.load it first)")
@@ -190,6 +191,13 @@ function M.save(model, path, opts)
       raise("fsdp.save: extra must be JSON-able values and tensors (" .. why .. ")")
     end
   end
+  -- Both formats save the shards' values. A unit still gathered (after a forward whose
+  -- backward has not run) holds a copy: resharded first, which refuses a parameter written in
+  -- place while gathered (a change no shard holds) instead of saving one value or the other.
+  if R then
+    local ok, err = pcall(reshard_all, R)
+    if not ok then raise("fsdp.save: " .. util.strip(err)) end
+  end
   if format == "safetensors" then
     if next(loaders) or opts.schedule then
       raise("fsdp.save: a safetensors file holds the model only; save loaders and schedules with format = \"sharded\"")
@@ -204,6 +212,7 @@ end
 --- and check everything it needs. Returns extra (or {}) and {format =, step =, world_size =}.
 function M.load(model, path, opts)
   local R = check_model("fsdp.load", model)
+  if R then R:check_idle("fsdp.load") end
   if type(path) ~= "string" or path == "" then raise("fsdp.load: path must be a non-empty string") end
   local loaders
   opts, loaders = check_opts("fsdp.load", model, opts, LOAD_OPTS)

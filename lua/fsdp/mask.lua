@@ -198,6 +198,7 @@ function M.set_mask(p, mask)
       core.mask_apply(wide, flat)
       live:copy(wide)
     end
+    u:accept_changes() -- shard and live copy changed alike: kept, neither stale nor dropped
   end
 end
 
@@ -235,6 +236,7 @@ function M.sparsity(model, opts)
     raise(("fsdp.sparsity: expected a module (got %s)"):format(type(model)))
   end
   opts = util.check_opts("fsdp.sparsity", opts, {"params", "exclude"})
+  state.check_values(model, "fsdp.sparsity")
   if opts.exclude ~= nil and opts.params == nil then
     raise("fsdp.sparsity: exclude needs params (the parameters to count, minus exclude)")
   end

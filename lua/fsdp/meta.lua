@@ -188,8 +188,11 @@ local function gathered_pass(R, mods, call, what)
       for _, u in ipairs(R:units()) do -- construction order: the same on every rank
         if need[u] and not held[u] then R:gather(u, gathered) end
       end
-      local fine, e = call_checked(what, call, h.module, h.path)
-      if not fine then error(e, 0) end
+      -- agreed at every module: a rank whose init failed must not leave the others gathering
+      R:call_agreed(what, function()
+        local fine, e = call_checked(what, call, h.module, h.path)
+        if not fine then error(e, 0) end
+      end)
     end
   end)
 end

@@ -90,6 +90,15 @@ local function each_unit(R, what, fn)
   end
 end
 
+-- A step writes the shards. A unit still gathered (the root, or a grad_op unit, after a
+-- forward whose backward has not run) would go on computing with the values from before the
+-- step, and unwrap or a save would take them: every unit is resharded first (a backward still
+-- to come gathers again). A parameter written in place while its unit was gathered makes this
+-- fail, before anything is updated, rather than be dropped (u:reshard).
+local function reshard_for_step(R, what)
+  for _, u in ipairs(live_units(R, what)) do u:reshard() end
+end
+
 -- Collective (wrapped model, world size > 1). Which parameters received a gradient since
 -- zero_grad on ANY rank -> {[U] = {[i] = true | nil}} (i as u:has_grad(i) and slice.index).
 -- Each unit knows it for this rank only (a parameter used on some ranks' rows only, an expert
@@ -464,7 +473,10 @@ end
 -- after it, AdamW passes it to its fused kernel. The seventh is the slice's unit.
 function Optimizer:each_slice(fn, only_grads)
   local what = self.kind .. ":step"
-  if only_grads then self.wrapped:reduce_held(what) end -- what fsdp.no_sync left unreduced
+  if only_grads then
+    reshard_for_step(self.wrapped, what)
+    self.wrapped:reduce_held(what) -- what fsdp.no_sync left unreduced
+  end
   local has = only_grads and agree_grads(self.wrapped, what) or nil
   each_unit(self.wrapped, what, function(u, shard, gshard, slices)
     for _, s in ipairs(slices) do
@@ -1098,6 +1110,7 @@ function Adafactor:records()
   end
   if self.wrapped then
     local what = self.kind .. ":step"
+    reshard_for_step(self.wrapped, what)
     local has = agree_grads(self.wrapped, what)
     each_unit(self.wrapped, what, function(u, shard, gshard, slices)
       local by_index = {}

@@ -31,6 +31,7 @@
 
 local core = require "fsdp.core"
 local mask = require "fsdp.mask"
+local state = require "fsdp.state"
 local util = require "fsdp.util"
 
 local prune = {}
@@ -47,7 +48,8 @@ local ROLE = {role = "other"}
 -- false when another rank counts the same elements (replicated units: rank 0 counts; hybrid:
 -- the first group)} or nil
 -- when the rank holds no element. Returns entries, collective (some parameter is sharded).
-local function pieces(entries, fn)
+local function pieces(model, entries, fn)
+  state.check_values(model, fn)
   local collective = false
   local shards = {} -- unit -> its shard tensor (one per unit)
   for _, e in ipairs(entries) do
@@ -119,7 +121,7 @@ function prune.magnitude(model, opts)
   if scope ~= "param" and scope ~= "global" then
     raise(("%s: scope must be \"param\" or \"global\" (got %s)"):format(fn, tostring(scope)))
   end
-  local entries, collective = pieces(util.select_params(model, opts, fn), fn)
+  local entries, collective = pieces(model, util.select_params(model, opts, fn), fn)
   local groups = {}
   local total = 0
   for _, e in ipairs(entries) do total = total + e.numel end
@@ -214,7 +216,7 @@ function prune.nm(model, opts)
       or n > m or m > 4096 then
     raise(("%s: need integers 0 <= n <= m <= 4096 (got n = %s, m = %s)"):format(fn, tostring(n), tostring(m)))
   end
-  local entries, collective = pieces(util.select_params(model, opts, fn), fn)
+  local entries, collective = pieces(model, util.select_params(model, opts, fn), fn)
   for _, e in ipairs(entries) do
     local last = e.shape[#e.shape] or 1
     if last % m ~= 0 then
@@ -283,7 +285,7 @@ end
 function prune.hold(model, opts)
   local fn = "prune.hold"
   opts = util.check_opts(fn, opts, {"params", "exclude"})
-  local entries = pieces(util.select_params(model, opts, fn), fn)
+  local entries = pieces(model, util.select_params(model, opts, fn), fn)
   for _, e in ipairs(entries) do
     local mout
     if e.piece then

@@ -26,6 +26,7 @@
 
 local core = require "fsdp.core"
 local util = require "fsdp.util"
+local collective = require "fsdp.collective"
 
 local M = {}
 
@@ -169,14 +170,27 @@ end
 
 function Root:leave() self._busy = nil end
 
+--- Collective. fn(...) on every rank, then the ranks agree on how it went: when it raised on
+--- any rank it raises on every rank (its own error where it raised, the lowest failing rank's
+--- elsewhere), so that what follows (writing back or not) is the same on every rank. Returns
+--- fn's results.
+function Root:call_agreed(what, fn, ...)
+  local res = {pcall(fn, ...)}
+  local msg = collective.check_outcome(res[1], not res[1] and res[2] or nil, what)
+  if not res[1] then error(res[2], 0) end
+  if msg then error(what .. ": " .. msg, 0) end
+  return unpack(res, 2, table.maxn(res))
+end
+
 --- Collective. Run fn(gathered) as the walk `what`: fn gathers units with R:gather(u, gathered)
 --- (and may put some back early: R:restore and remove their entries). What is left in
 --- `gathered` is put back when fn returns (written back when writeback), and after an error
---- too (then without writeback), before the error is raised again. Returns fn's results.
+--- too (then without writeback), before the error is raised again. fn failing on one rank
+--- fails the walk on every rank (call_agreed): no rank writes back then. Returns fn's results.
 function Root:walk(what, writeback, fn)
   self:enter(what)
   local gathered = {}
-  local res = {pcall(fn, gathered)}
+  local res = {pcall(self.call_agreed, self, what, fn, gathered)}
   self:restore(gathered, writeback, res[1])
   self:leave()
   if not res[1] then error(res[2], 0) end
@@ -191,19 +205,23 @@ function Root:gather(u, list)
 end
 
 --- Collective. Put back what `list` (from gather) changed, newest first: write back when
---- asked ("writeback" event after each), then reshard the units this walk gathered. After an
---- error (ok false): no writeback, a best-effort reshard.
+--- asked ("writeback" event after each), then reshard the units this walk gathered. Without
+--- writeback the changes are dropped, so that no unit keeps values its shard does not hold:
+--- every unit of the list is resharded discarding them, and one that was gathered before the
+--- walk is gathered again. After an error (ok false: on every rank, see walk) the same
+--- without gathering again, best effort (a later use of such a unit gathers it).
 function Root:restore(list, writeback, ok)
   for i = #list, 1, -1 do
     local u, was_sharded = list[i][1], list[i][2]
-    if ok then
-      if writeback then
-        u:writeback()
-        M.emit("writeback", self, u, was_sharded)
-      end
+    if ok and writeback then
+      u:writeback()
+      M.emit("writeback", self, u, was_sharded)
       if was_sharded then u:reshard() end
-    elseif was_sharded then
-      pcall(u.reshard, u)
+    elseif ok then
+      u:reshard{discard = true}
+      if not was_sharded then u:gather() end
+    else
+      pcall(u.reshard, u, {discard = true})
     end
   end
 end
@@ -301,6 +319,13 @@ function M.of(m)
   local R = rawget(m, MARK)
   if R == nil or R._dead then return nil end
   return R
+end
+
+--- Raise (at the user) when module m belongs to a wrapped model whose meta parameters have no
+--- values yet: their shards hold zeros, which must not be read as weights (pruned, counted).
+function M.check_values(m, what)
+  local R = M.of(m)
+  if R ~= nil and R:has_pending() then util.raise(R:pending_error(what)) end
 end
 
 --- The live Root when model is its root, else nil.

@@ -119,6 +119,7 @@ function M.retie(model, groups)
     index[p] = i
   end
   local plans = {}
+  local group_of = {} -- parameter -> {group, path} that named it first
   for g, group in ipairs(groups) do
     if type(group) ~= "table" or #group < 2 then
       raise(("fsdp.retie: group %d must list at least two paths"):format(g))
@@ -129,6 +130,14 @@ function M.retie(model, groups)
         raise(("fsdp.retie: group %d, element %d is a %s, not a path"):format(g, k, type(path)))
       end
       local m, key, p = resolve(model, path, "fsdp.retie")
+      -- groups apply one after another: a parameter in two of them would be replaced by the
+      -- first and then tied by the second as the object it no longer is
+      local seen = group_of[p]
+      if seen ~= nil and seen[1] ~= g then
+        raise(("fsdp.retie: groups %d and %d both name %s (%s in group %d): list every path of "
+          .. "one tie in one group"):format(seen[1], g, path, seen[2], seen[1]))
+      end
+      group_of[p] = group_of[p] or {g, path}
       items[#items + 1] = {module = m, key = key, param = p, path = path}
     end
     local keep = items[1]

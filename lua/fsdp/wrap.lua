@@ -682,7 +682,8 @@ function W.apply(model, fn)
     local function visit(m, path)
       local u = R:unit_of(m)
       if u then R:gather(u, gathered) end
-      util.no_grad(fn, m, path)
+      -- agreed at every module: a rank whose fn failed must not leave the others gathering
+      R:call_agreed("fsdp.apply", util.no_grad, fn, m, path)
       for _, entry in ipairs(base.own_entries(m)) do
         local v = entry[2]
         if is_module(v) and not seen[v] then

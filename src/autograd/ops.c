@@ -508,7 +508,7 @@ static bool grad_over_out(fsdp_node *n, int k, void **g) {
   if (!t || !og || !NK(n)->fill || __atomic_load_n(&og->refcount, __ATOMIC_ACQUIRE) != 1 ||
       __atomic_load_n(&og->storage->refcount, __ATOMIC_ACQUIRE) != 1 || !fsdp_grad_share(t, og))
     return false;
-  og->version++; /* a write, as fsdp_grad_acc's */
+  fsdp_tensor_written(og); /* a write, as fsdp_grad_acc's */
   *g = D(og);
   return true;
 }

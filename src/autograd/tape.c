@@ -172,7 +172,8 @@ static void *grad_acc(fsdp_tensor *t, bool *fresh) {
     t->grad = g; /* the new reference moves into t */
     if (fresh) *fresh = true;
   }
-  t->grad->version++; /* a write: whoever installed t->grad can see that a gradient arrived */
+  /* a write: whoever installed t->grad can see that a gradient arrived */
+  fsdp_tensor_written(t->grad);
   return fsdp_tensor_data(t->grad, "gradient");
 }
 

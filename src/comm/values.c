@@ -29,7 +29,7 @@ static int run_inplace(fsdp_comm *c, fsdp_coll *coll, fsdp_tensor *t, const char
   coll->device = t->storage->device;
   snprintf(coll->label, sizeof coll->label, "%s", label ? label : "");
   if (fsdp_comm_run(c, coll)) return FSDP_ERR;
-  t->version++;
+  fsdp_tensor_written(t);
   return FSDP_OK;
 }
 

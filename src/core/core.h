@@ -232,6 +232,9 @@ typedef struct fsdp_storage {
   size_t bytes;
   fsdp_role role;
   fsdp_mem_domain *domain; /* where it was charged; NULL for wrapped memory */
+  /* Bumped with the version of every tensor written in place over this memory, whichever view
+   * it was: a gathered unit tells from it that its parameters, or its shard, changed. */
+  uint64_t version;
 } fsdp_storage;
 
 int fsdp_storage_new(fsdp_storage **out, const fsdp_device_i *dev, size_t bytes, fsdp_role role);
@@ -263,7 +266,7 @@ typedef struct fsdp_tensor {
    * backward): fsdp_grad_acc copies it before the first write while it is still shared */
   bool grad_shared;
   struct fsdp_tensor *grad; /* owned reference or NULL */
-  uint64_t version;   /* bumped by in-place writes */
+  uint64_t version;   /* bumped by in-place writes (fsdp_tensor_written) */
   char *label;        /* optional owned name for errors (a parameter's path); NULL if none */
   void *user;         /* opaque slot for the layer above (e.g. FSDP parameter record) */
 } fsdp_tensor;
@@ -287,6 +290,12 @@ int fsdp_tensor_new_view(fsdp_tensor **out, fsdp_tensor *t, int64_t offset, int 
                          const int64_t *shape, const int64_t *strides);
 void fsdp_tensor_retain(fsdp_tensor *t);
 void fsdp_tensor_release(fsdp_tensor *t); /* also releases grad when the last ref goes */
+/* t's elements were written in place: its version (autograd refuses a backward through a saved
+ * tensor written since) and its storage's (writes through any view of the memory). */
+static inline void fsdp_tensor_written(fsdp_tensor *t) {
+  t->version++;
+  t->storage->version++;
+}
 
 int64_t fsdp_tensor_numel(const fsdp_tensor *t);
 bool fsdp_tensor_is_contiguous(const fsdp_tensor *t);

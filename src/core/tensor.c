@@ -513,7 +513,7 @@ int fsdp_tensor_copy(fsdp_tensor *dst, const fsdp_tensor *src) {
     fsdp_tensor_data(dst, "copy");
     return FSDP_ERR;
   }
-  dst->version++;
+  fsdp_tensor_written(dst);
   if (!ddev->has_data) return FSDP_OK; /* shape only: nothing to write */
   int64_t numel = fsdp_tensor_numel(dst);
   if (numel == 0) return FSDP_OK;
@@ -562,7 +562,7 @@ int fsdp_tensor_fill(fsdp_tensor *t, double v) {
     fsdp_tensor_data(t, "fill");
     return FSDP_ERR;
   }
-  t->version++;
+  fsdp_tensor_written(t);
   const fsdp_device_i *dev = t->storage->device;
   int64_t numel = fsdp_tensor_numel(t);
   if (!dev->has_data || numel == 0) return FSDP_OK;

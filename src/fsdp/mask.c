@@ -94,7 +94,7 @@ static int out_of(operand *o, operand *x, operand *m, const fsdp_tensor *ot,
 /* the kernel's status; t's version bumped when it wrote (or had nothing to write) */
 static int wrote(fsdp_tensor *t, int rc) {
   if (rc) return FSDP_ERR;
-  t->version++;
+  fsdp_tensor_written(t);
   return FSDP_OK;
 }
 

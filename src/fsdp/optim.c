@@ -45,8 +45,8 @@ int fsdp_optim_sgd_step(fsdp_tensor *p, const fsdp_tensor *g, fsdp_tensor *buf, 
   if (!k || k->sgd_step(p->storage->device->ctx, p->dtype, pd, bd, gd, fsdp_tensor_numel(p),
                         lr, momentum, weight_decay, first_step))
     return FSDP_ERR;
-  p->version++;
-  if (buf) buf->version++;
+  fsdp_tensor_written(p);
+  if (buf) fsdp_tensor_written(buf);
   return FSDP_OK;
 }
 
@@ -80,10 +80,10 @@ int fsdp_optim_adamw_step(fsdp_tensor *p, fsdp_tensor *g, fsdp_tensor *m, fsdp_t
                        grad_scale, step) ||
          k->mask_apply(ctx, p->dtype, pd, kd, n);
   if (rc) return FSDP_ERR;
-  p->version++;
-  m->version++;
-  v->version++;
-  if (mask) g->version++;
+  fsdp_tensor_written(p);
+  fsdp_tensor_written(m);
+  fsdp_tensor_written(v);
+  if (mask) fsdp_tensor_written(g);
   return FSDP_OK;
 }
 

@@ -42,6 +42,6 @@ int fsdp_param_init_random(fsdp_tensor *t, const char *what, uint64_t seed, cons
                         fsdp_rng_key(seed, path), first, normal, a, b))
       return FSDP_ERR;
   }
-  t->version++;
+  fsdp_tensor_written(t);
   return FSDP_OK;
 }

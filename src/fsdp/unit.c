@@ -96,6 +96,10 @@ struct fsdp_unit {
   fsdp_tensor *req_buf;    /* ... the (P) buffer it gathers into ... */
   fsdp_tensor *req_send;   /* ... and its send buffer when it is not the shard (a cast) */
   fsdp_dtype gathered_dt;  /* while gathered: the dtype of `full` and of the parameters */
+  /* While gathered: the storage versions (fsdp_tensor_written) of `full` and of the shard when
+   * the gathered values last matched the shard. `full` written since holds a change a reshard
+   * would drop; the shard written since leaves the gathered values stale. */
+  uint64_t full_seen, shard_seen;
   fsdp_unit *if_next;      /* the thread's list of units with a prefetch in flight */
   fsdp_unit **if_pprev;    /* NULL when not on it */
   fsdp_unit *bwd_prefetch; /* retained; may be NULL */
@@ -758,6 +762,28 @@ static void install(fsdp_unit *u, fsdp_tensor *buf) {
   }
   u->state = FSDP_UNIT_GATHERED;
   u->gathered_dt = buf->dtype;
+  u->full_seen = buf->storage->version;
+  u->shard_seen = u->shard->storage->version;
+}
+
+/* Gathered, with the parameters viewing a buffer of their own (not NONE's view of the f32
+ * shard, where a write is a write of the shard). */
+static bool gathered_copy(const fsdp_unit *u) {
+  return u->state == FSDP_UNIT_GATHERED && u->full && u->full->storage != u->shard->storage;
+}
+
+/* A parameter was written in place since the gather or the last writeback: resharding would
+ * drop the change. Writes through fsdp.full_params / fsdp.apply are written back before their
+ * reshard; any other write to a gathered unit (a reference kept from before wrapping, between
+ * a forward and its backward) is refused here rather than lost. */
+static int check_unchanged(fsdp_unit *u, const char *what) {
+  if (!gathered_copy(u) || u->full->storage->version == u->full_seen) return FSDP_OK;
+  return fsdp_error("%s: unit '%s': a parameter of it was written while it was gathered (%s), "
+                    "and resharding would drop the change: change a wrapped model's "
+                    "parameters inside fsdp.full_params or fsdp.apply (by hand: u:gather(), "
+                    "change, u:writeback()), or drop the change with u:reshard{discard = true}",
+                    what, u->path,
+                    u->gathered_dt == u->shard->dtype ? "f32" : "for compute, mixed precision");
 }
 
 static void coll_label(char *dst, const char *path) {
@@ -827,6 +853,14 @@ static int reshard_impl(fsdp_unit *u);
  * gathers in the compute dtype again before its ops read the parameters). */
 static int gather_as(fsdp_unit *u, fsdp_dtype dt) {
   if (u->state == FSDP_UNIT_GATHERED) {
+    /* The gathered values are the shard's as of the gather: a shard written since (through
+     * u:shard() or fsdp.shard by hand; the optimizers and loads reshard first) is refused
+     * rather than computed with stale values. */
+    if (gathered_copy(u) && u->shard->storage->version != u->shard_seen)
+      return fsdp_error("gather: unit '%s': its shard was written while its parameters were "
+                        "gathered, which still hold the old values: reshard the unit "
+                        "(u:reshard()) before writing its shard",
+                        u->path);
     if (u->gathered_dt == dt) return FSDP_OK;
     if (reshard_impl(u)) return FSDP_ERR;
     if (u->state == FSDP_UNIT_GATHERED && u->gathered_dt == dt) return FSDP_OK; /* replicated */
@@ -891,6 +925,7 @@ static int reshard_impl(fsdp_unit *u) {
   /* a prefetch nobody consumed: let it land, then drop it */
   if (drop_prefetch(u)) return fsdp_error_context("reshard: unit '%s'", u->path);
   if (u->state == FSDP_UNIT_SHARDED) return FSDP_OK;
+  if (check_unchanged(u, "reshard")) return FSDP_ERR;
   if (u->opts.strategy == FSDP_STRATEGY_NONE) {
     if (u->gathered_dt == FSDP_DTYPE_F32) return FSDP_OK;
     fsdp_tensor_retain(u->shard);
@@ -910,6 +945,21 @@ static int reshard_impl(fsdp_unit *u) {
 
 int fsdp_unit_reshard(fsdp_unit *u) {
   if (check_live(u, "reshard")) return FSDP_ERR;
+  return reshard_impl(u);
+}
+
+int fsdp_unit_accept_changes(fsdp_unit *u) {
+  if (check_live(u, "accept_changes")) return FSDP_ERR;
+  if (gathered_copy(u)) {
+    u->full_seen = u->full->storage->version;
+    u->shard_seen = u->shard->storage->version;
+  }
+  return FSDP_OK;
+}
+
+int fsdp_unit_reshard_discard(fsdp_unit *u) {
+  if (check_live(u, "reshard")) return FSDP_ERR;
+  if (gathered_copy(u)) u->full_seen = u->full->storage->version;
   return reshard_impl(u);
 }
 
@@ -940,7 +990,10 @@ int fsdp_unit_writeback(fsdp_unit *u) {
     fsdp_tensor_release(pc);
     if (rc) return fsdp_error_context("writeback: unit '%s'", u->path);
   }
-  u->shard->version++;
+  fsdp_tensor_written(u->shard);
+  /* the gathered values are the shard's again (every rank wrote back its own slice) */
+  u->full_seen = u->full->storage->version;
+  u->shard_seen = u->shard->storage->version;
   return FSDP_OK;
 }
 
@@ -1070,7 +1123,7 @@ static int hook_end(void *ud) {
 static int reduce_add(fsdp_unit *u, fsdp_tensor *red) {
   int rc = grad_shard_need(u);
   if (!rc) rc = add_range(u->grad_shard, 0, red, u->shard_offset, u->shard_numel);
-  if (!rc) u->grad_shard->version++;
+  if (!rc) fsdp_tensor_written(u->grad_shard);
   return rc;
 }
 
@@ -1273,7 +1326,7 @@ static void disown_storage(fsdp_storage *s) {
 int fsdp_unit_unshard(fsdp_unit *u) {
   if (u->emptied) return FSDP_OK;
   if (land_reduction()) return fsdp_error_context("unshard");
-  if (fsdp_unit_gather(u)) return fsdp_error_context("unshard");
+  if (fsdp_unit_gather(u) || check_unchanged(u, "unshard")) return fsdp_error_context("unshard");
   /* allocate everything first, so a failure leaves the unit as it was */
   fsdp_tensor **dense = calloc((size_t)(u->n ? u->n : 1), sizeof *dense);
   stale_param *stale = NULL;

@@ -204,9 +204,18 @@ int fsdp_unit_grad_shard(fsdp_unit *u, fsdp_tensor **out);
  * to sharded, full buffer freed (NONE: back to viewing the shard; a no-op without mixed
  * precision). A unit gathered in the compute dtype (mixed precision, between a forward and its
  * backward) is resharded and gathered again in f32 by gather; backward gathers in the compute
- * dtype again before its ops read the parameters. */
+ * dtype again before its ops read the parameters.
+ * The gathered values are a copy of the shards, and nothing is lost or read stale silently:
+ * reshard (and every path that reshards: the end of a unit's forward or backward, unshard) fails
+ * while a parameter has been written in place since the gather or the last writeback (the
+ * change would be dropped), and gather fails on a unit still gathered whose shard has been
+ * written since (its parameters hold the old values). reshard_discard drops such a change. */
 int fsdp_unit_gather(fsdp_unit *u);
 int fsdp_unit_reshard(fsdp_unit *u);
+int fsdp_unit_reshard_discard(fsdp_unit *u);
+/* The caller wrote the same change into the shard and into the gathered parameters (a mask
+ * set while gathered): both hold the same values again, and the change is kept. */
+int fsdp_unit_accept_changes(fsdp_unit *u);
 /* While gathered: the parameters' dtype (f32, or the param dtype when gathered for compute). */
 fsdp_dtype fsdp_unit_gathered_dtype(const fsdp_unit *u);
 const fsdp_unit_opts *fsdp_unit_options(const fsdp_unit *u);

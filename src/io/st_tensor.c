@@ -159,6 +159,6 @@ int fsdp_io_st_read_tensor(fsdp_io_st_reader *r, const char *name, int64_t first
                                        read_piece, &c);
     free(stage);
   }
-  if (rc == FSDP_OK) dst->version++;
+  if (rc == FSDP_OK) fsdp_tensor_written(dst);
   return rc;
 }

@@ -47,7 +47,7 @@ int fsdp_copy(fsdp_tensor *dst, const fsdp_tensor *src) {
   if (plain || !ddev->has_data || !sdev->has_data || !fsdp_tensor_same_shape(dst, src))
     return fsdp_tensor_copy(dst, src);
   if (fsdp_tensor_numel(dst) == 0) {
-    dst->version++;
+    fsdp_tensor_written(dst);
     return FSDP_OK;
   }
   fsdp_tensor *s = (fsdp_tensor *)src, *tmp = NULL;
@@ -82,7 +82,7 @@ int fsdp_copy(fsdp_tensor *dst, const fsdp_tensor *src) {
         return fsdp_error_context("copy");
       }
       if (direct) {
-        dst->version++;
+        fsdp_tensor_written(dst);
         return FSDP_OK;
       }
       s = tmp;
@@ -106,7 +106,7 @@ int fsdp_copy(fsdp_tensor *dst, const fsdp_tensor *src) {
       dense_strides(st, dst->ndim, dst->shape);
       rc = k->copy_strided(ddev->ctx, dst->dtype, fsdp_tensor_data(dst, "copy"), dst->strides,
                            fsdp_tensor_data(from, "copy"), st, dst->ndim, dst->shape);
-      if (!rc) dst->version++;
+      if (!rc) fsdp_tensor_written(dst);
     }
     fsdp_tensor_release(near);
     if (rc) rc = FSDP_ERR;
@@ -160,7 +160,7 @@ int fsdp_add_into(fsdp_tensor *dst, const fsdp_tensor *src, double alpha) {
   int rc = k->axpy(dst->storage->device->ctx, dst->dtype, fsdp_tensor_data(dst, "add"),
                    fsdp_tensor_data(s, "add"), alpha, fsdp_tensor_numel(dst));
   fsdp_tensor_release(s);
-  if (!rc) dst->version++;
+  if (!rc) fsdp_tensor_written(dst);
   return rc;
 }
 
@@ -187,6 +187,6 @@ int fsdp_fill(fsdp_tensor *t, double v) {
     fsdp_tensor_release(d);
   }
   if (rc) return fsdp_error_context("fill");
-  t->version++;
+  fsdp_tensor_written(t);
   return FSDP_OK;
 }

@@ -25,6 +25,10 @@ static inline void fsdp_lua_set_number(lua_State *L, const char *k, lua_Number v
   lua_setfield(L, -2, k);
 }
 
+/* The options table at index opts (0: none) refuses keys not in valid (NULL-terminated),
+ * naming the valid ones: "fn: unknown option 'k' (valid: a, b)". */
+void fsdp_lua_check_keys(lua_State *L, int opts, const char *fn, const char *const *valid);
+
 /* Push t as a Lua tensor. Steals one reference. The same C tensor always maps to the same
  * userdata while that userdata is alive (identity: m.head.weight == m.wte.weight). */
 void fsdp_lua_push_tensor(lua_State *L, fsdp_tensor *t);

@@ -236,7 +236,7 @@ static int l_param_to(lua_State *L) {
   p->offset = 0;
   fsdp_tensor_set_storage(p, moved->storage, moved->offset);
   p->dtype = dt;
-  p->version++;
+  fsdp_tensor_written(p);
   fsdp_tensor_set_grad(p, grad);
   fsdp_tensor_release(grad);
   fsdp_tensor_release(moved);
@@ -347,9 +347,28 @@ static int l_groups(lua_State *L) {
     return 0;                                                                                      \
   }
 UNIT_ACTION(l_gather, fsdp_unit_gather(u))
-UNIT_ACTION(l_reshard, fsdp_unit_reshard(u))
+
+/* u:reshard([{discard = true}]): discard drops changes written to the gathered parameters
+ * (without it such a change is an error, not lost silently). */
+static int l_reshard(lua_State *L) {
+  static const char *const valid[] = {"discard", NULL};
+  fsdp_unit *u = check_unit(L, 1);
+  bool discard = false;
+  if (!lua_isnoneornil(L, 2)) {
+    luaL_checktype(L, 2, LUA_TTABLE);
+    fsdp_lua_check_keys(L, 2, "reshard", valid);
+    lua_getfield(L, 2, "discard");
+    if (!lua_isnil(L, -1) && !lua_isboolean(L, -1))
+      luaL_error(L, "reshard: discard must be a boolean (got %s)", luaL_typename(L, -1));
+    discard = lua_toboolean(L, -1);
+    lua_pop(L, 1);
+  }
+  if (discard ? fsdp_unit_reshard_discard(u) : fsdp_unit_reshard(u)) fsdp_lua_error(L);
+  return 0;
+}
 UNIT_ACTION(l_prefetch, fsdp_unit_prefetch(u))
 UNIT_ACTION(l_writeback, fsdp_unit_writeback(u))
+UNIT_ACTION(l_accept_changes, fsdp_unit_accept_changes(u))
 UNIT_ACTION(l_zero_grad, fsdp_unit_zero_grad(u))
 UNIT_ACTION(l_unshard, fsdp_unit_unshard(u))
 UNIT_ACTION(l_reduce_held, fsdp_unit_reduce_held(u))
@@ -548,6 +567,7 @@ static const luaL_Reg methods[] = {
     {"reshard", l_reshard},
     {"prefetch", l_prefetch},
     {"writeback", l_writeback},
+    {"accept_changes", l_accept_changes},
     {"pre_forward", l_pre_forward},
     {"post_forward", l_post_forward},
     {"set_backward_prefetch", l_set_backward_prefetch},

@@ -235,7 +235,7 @@ static void check_keys_in(lua_State *L, int opts, int shape, const char *fn,
   }
 }
 
-static void check_keys(lua_State *L, int opts, const char *fn, const char *const *valid) {
+void fsdp_lua_check_keys(lua_State *L, int opts, const char *fn, const char *const *valid) {
   check_keys_in(L, opts, 0, fn, valid);
 }
 
@@ -547,7 +547,7 @@ static int l_set(lua_State *L) {
   size_t es = fsdp_dtype_size(t->dtype);
   fsdp_dtype_store(v, t->dtype, 0, x);
   if (dev->from_host(dev->ctx, d + off * (int64_t)es, v, es)) fsdp_lua_error(L);
-  t->version++;
+  fsdp_tensor_written(t);
   lua_settop(L, 1);
   return 1;
 }
@@ -556,7 +556,7 @@ static int l_fill(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
   double v = luaL_checknumber(L, 2);
   if (fsdp_fill(t, v)) fsdp_lua_error(L);
-  t->version++;
+  fsdp_tensor_written(t);
   lua_settop(L, 1);
   return 1;
 }
@@ -564,7 +564,7 @@ static int l_fill(lua_State *L) {
 static int l_zero(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
   if (fsdp_fill(t, 0.0)) fsdp_lua_error(L);
-  t->version++;
+  fsdp_tensor_written(t);
   lua_settop(L, 1);
   return 1;
 }
@@ -572,7 +572,7 @@ static int l_zero(lua_State *L) {
 static int l_copy(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1), *s = fsdp_lua_check_tensor(L, 2);
   if (fsdp_copy(t, s)) fsdp_lua_error(L);
-  t->version++;
+  fsdp_tensor_written(t);
   lua_settop(L, 1);
   return 1;
 }
@@ -695,7 +695,7 @@ static int l_to(lua_State *L) {
   fsdp_dtype dt = t->dtype;
   if (lua_istable(L, 2)) {
     static const char *const keys[] = {"device", "dtype", NULL};
-    check_keys(L, 2, "to", keys);
+    fsdp_lua_check_keys(L, 2, "to", keys);
     lua_getfield(L, 2, "device");
     if (!lua_isnil(L, -1)) {
       if (lua_type(L, -1) != LUA_TSTRING) luaL_error(L, "to: device must be a name");
@@ -863,7 +863,7 @@ static int sel_dim(lua_State *L, fsdp_tensor *t, int opts, const char *fn, const
   int dim = t->ndim - 1;
   if (!opts) return dim;
   const char *const keys[] = {"dim", flag, NULL};
-  check_keys(L, opts, fn, keys);
+  fsdp_lua_check_keys(L, opts, fn, keys);
   lua_getfield(L, opts, "dim");
   if (!lua_isnil(L, -1)) dim = check_dim(L, t, lua_gettop(L), fn);
   lua_getfield(L, opts, flag);
@@ -1047,7 +1047,7 @@ static int l_mul_(lua_State *L) {
   if (!k || k->scale(t->storage->device->ctx, t->dtype, fsdp_tensor_data(t, "mul_"), s,
                      fsdp_tensor_numel(t)))
     fsdp_lua_error(L);
-  t->version++;
+  fsdp_tensor_written(t);
   lua_settop(L, 1);
   return 1;
 }

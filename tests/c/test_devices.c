@@ -591,7 +591,7 @@ static bool step(fsdp_unit *u, bool count, long *transfers) {
   CHECK_OK(k->sgd_step(s->storage->device->ctx, FSDP_DTYPE_F32, fsdp_tensor_data(s, "test"), NULL,
                        fsdp_tensor_data(g, "test"), fsdp_tensor_numel(s), 0.1f, 0, 0.01f,
                        false));
-  s->version++;
+  fsdp_tensor_written(s);
   fsdp_tensor_release(s);
   fsdp_tensor_release(g);
   if (count) *transfers += cpu2_transfers();

@@ -347,6 +347,18 @@ describe("fsdp.retie", function()
     assert.is_false(ok)
     assert.truthy(tostring(err):find("unwrap it", 1, true), err)
   end)
+
+  it("refuses a parameter named by two groups, changing nothing", function()
+    local m = fsdp.nn.Sequential{fsdp.nn.Linear(4, 4), fsdp.nn.Linear(4, 4), fsdp.nn.Linear(4, 4)}
+    local w1, w2, w3 = m[1].weight, m[2].weight, m[3].weight
+    local ok, err = pcall(fsdp.retie, m, {{"1.weight", "2.weight"}, {"2.weight", "3.weight"}})
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("groups 1 and 2 both name 2.weight", 1, true), err)
+    assert.is_true(rawequal(m[1].weight, w1) and rawequal(m[2].weight, w2) and rawequal(m[3].weight, w3))
+    -- one group with the three paths ties them all
+    quiet_notes(function() fsdp.retie(m, {{"1.weight", "2.weight", "3.weight"}}) end)
+    assert.is_true(rawequal(m[2].weight, w1) and rawequal(m[3].weight, w1))
+  end)
 end)
 
 describe("a tie", function()

@@ -1,0 +1,215 @@
+-- A gathered unit holds a copy of its shards (tests/recipes/dist_gathered.sh, 1 to 3 ranks):
+-- nothing may be computed from a stale copy, and no write into it may vanish.
+--   fsdprun -n N tests/dist/gathered_copy.lua
+-- Checks, on every rank:
+--   * a forward with gradients and no backward (a logged loss) between backward and step, with
+--     the root (full) or every unit (grad_op, bf16 mixed precision) still gathered after it:
+--     the step reaches the next forward, unwrap and both checkpoint formats; the run is the same
+--     bits as one without that forward;
+--   * a write through a parameter reference while its unit is gathered (outside full_params /
+--     apply) is an error at the reshard that would drop it (backward, a step, save), and
+--     u:reshard{discard = true} drops it; by hand, u:gather(), change, u:writeback() keeps it;
+--   * a shard written while its unit is gathered is an error at the next gather, not a forward
+--     with the old values;
+--   * fsdp.full_params / fsdp.apply whose fn fails on one rank fail on every rank and write
+--     nothing back; fsdp.save inside full_params is refused;
+--   * pruning and counting zeros of a model wrapped on meta, before it has values, is refused.
+local fsdp = require "fsdp"
+local nn = fsdp.nn
+local rank, W = fsdp.rank(), fsdp.world_size()
+
+local C = dofile("tests/dist/common.lua")
+local check = C.check
+
+local x = fsdp.tensor({{1, 2, 3, 4, 5, 6, 7, 8}, {9, 10, 11, 12, 13, 14, 15, 16}}, {dtype = "i64"})
+local y = fsdp.tensor({{2, 3, 4, 5, 6, 7, 8, 9}, {10, 11, 12, 13, 14, 15, 16, 17}}, {dtype = "i64"})
+
+local function gpt()
+  fsdp.manual_seed(3)
+  return nn.GPT{vocab = 32, ctx = 16, d = 32, layers = 2, heads = 2, tie = true}
+end
+
+local function wrap(m, strategy, mp)
+  return fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}, strategy = strategy, mp = mp})
+end
+
+local function root_unit(m)
+  for _, u in ipairs(fsdp.units(m)) do
+    if u.path == "(root)" then return u end
+  end
+end
+
+local function errs(fn, ...)
+  local ok, err = pcall(fn, ...)
+  return not ok and tostring(err) or nil
+end
+
+local function values(m)
+  local out = {}
+  fsdp.full_params(m, function(mm)
+    for path, p in mm:named_parameters() do out[path] = C.flat(p) end
+  end)
+  return out
+end
+
+local function same_values(a, b)
+  for path, v in pairs(a) do
+    if not C.same(v, b[path]) then return false, path end
+  end
+  return true
+end
+
+local function tmpdir(name)
+  local d = (os.getenv("TMPDIR") or "/tmp") .. ("/fsdp_gathered_%s_%d"):format(name, W)
+  return d
+end
+
+-- ---- a forward without backward between backward and step ----------------------------------
+for _, case in ipairs{{"full"}, {"grad_op"}, {"full", "bf16"}} do
+  local strategy, mp = case[1], case[2]
+  local what = strategy .. (mp and (" " .. mp) or "")
+  local function run(probe)
+    local m = wrap(gpt(), strategy, mp)
+    local opt = fsdp.optim.AdamW(m, {lr = 1e-2})
+    local losses = {}
+    for s = 1, 3 do
+      opt:zero_grad()
+      nn.F.cross_entropy(m(x), y):backward()
+      if probe then losses[#losses + 1] = nn.F.cross_entropy(m(x), y):item() end
+      opt:step()
+      losses[#losses + 1] = s
+    end
+    losses[#losses + 1] = nn.F.cross_entropy(m(x), y):item()
+    return m, losses
+  end
+  local m0, l0 = run(false)
+  local m1, l1 = run(true)
+  check(l0[#l0] == l1[#l1], ("%s: a forward after 3 steps: %.9g with logged losses, %.9g without")
+    :format(what, l1[#l1], l0[#l0]))
+  local v0, v1 = values(m0), values(m1)
+  local ok, path = same_values(v0, v1)
+  check(ok, what .. ": the logged losses changed the trained parameters (" .. tostring(path) .. ")")
+  -- both checkpoint formats save the stepped values
+  if strategy == "full" and not mp then
+    local a, b = tmpdir("st") .. ".safetensors", tmpdir("sh")
+    nn.F.cross_entropy(m1(x), y) -- the root gathered again, no backward
+    check(root_unit(m1):state() == "gathered", what .. ": the root stays gathered after a forward")
+    fsdp.save(m1, a)
+    fsdp.save(m1, b)
+    local ra, rb = gpt(), gpt()
+    fsdp.load(ra, a)
+    fsdp.load(rb, b)
+    for p, v in pairs(v1) do
+      local pa, pb = ra, rb
+      for k in p:gmatch("[^.]+") do pa, pb = pa[tonumber(k) or k], pb[tonumber(k) or k] end
+      check(C.same(C.flat(pa), v) and C.same(C.flat(pb), v), what .. ": saved " .. p .. " differs from the model")
+    end
+    if rank == 0 then os.remove(a) os.execute("rm -rf " .. b) end
+  end
+  fsdp.unwrap(m1)
+  local flat = C.flat(m1.wte.weight)
+  check(C.same(flat, v0["wte.weight"]), what .. ": unwrap after logged losses holds the stepped values")
+  fsdp.unwrap(m0)
+end
+print(("ok: rank %d: a forward without backward between backward and step changes nothing"):format(rank))
+
+-- ---- writes into a gathered unit --------------------------------------------------------------
+do
+  local m = gpt()
+  local w = m.wpe.weight -- a reference kept from before wrapping: the root owns it
+  wrap(m, "full")
+  local root = root_unit(m)
+  local before = values(m)
+  local opt = fsdp.optim.SGD(m, {lr = 0})
+  local _ = nn.F.cross_entropy(m(x), y) -- the root stays gathered
+  w:fill(0)
+  local e = errs(function()
+    opt:zero_grad()
+    nn.F.cross_entropy(m(x), y):backward()
+  end)
+  check(e and e:find("was written while it was gathered", 1, true) and e:find("fsdp.full_params", 1, true),
+    "a write through a reference to a gathered unit fails the backward that would drop it: " .. tostring(e))
+  e = errs(opt.step, opt)
+  check(e and e:find("was written while it was gathered", 1, true), "and the step: " .. tostring(e))
+  e = errs(fsdp.save, m, tmpdir("dirty") .. ".safetensors")
+  check(e and e:find("fsdp.save: reshard", 1, true), "and a save: " .. tostring(e))
+  root:reshard{discard = true}
+  check(root:state() == "sharded", "reshard{discard = true} reshards")
+  check(same_values(before, values(m)), "the discarded write left the model as it was")
+  e = errs(root.reshard, root, {drop = true})
+  check(e and e:find("unknown option 'drop'", 1, true), "reshard refuses unknown options: " .. tostring(e))
+  -- by hand: gather, change, write back
+  root:gather()
+  w:fill(0.5)
+  root:writeback()
+  root:reshard()
+  local v = values(m)["wpe.weight"]
+  check(v[1] == 0.5 and v[#v] == 0.5, "gather, fill, writeback, reshard keeps the change")
+  root:gather()
+  w:view{w:numel()}:narrow(1, 1, 1):fill(2) -- through a view of the parameter
+  e = errs(root.reshard, root)
+  check(e and e:find("unit '(root)'", 1, true), "a write through a view of a gathered parameter is seen: " .. tostring(e))
+  root:reshard{discard = true}
+  -- a shard written while its unit is gathered
+  local _ = nn.F.cross_entropy(m(x), y)
+  root:shard():fill(1) -- every rank holds a slice of the root
+  e = errs(function() return m(x) end)
+  check(e and e:find("its shard was written while its parameters were gathered", 1, true),
+    "a forward over a stale gathered copy is an error: " .. tostring(e))
+  root:reshard()
+  v = values(m)["wpe.weight"]
+  check(v[1] == 1 and v[#v] == 1, "the shard's write is kept")
+  fsdp.unwrap(m)
+end
+print(("ok: rank %d: writes to gathered units are refused or kept, never dropped"):format(rank))
+
+-- ---- full_params / apply failing on one rank ---------------------------------------------------
+do
+  local m = wrap(gpt(), "full")
+  local before = values(m)
+  local e = errs(fsdp.full_params, m, function(mm)
+    mm.wte.weight:fill(5)
+    if rank == W - 1 then error("fn fails on the last rank") end
+  end)
+  check(e and e:find("fn fails on the last rank", 1, true), "full_params fails on every rank: " .. tostring(e))
+  if W > 1 and rank ~= W - 1 then
+    check(e and e:find(("rank %d of %d"):format(W - 1, W), 1, true), "naming the failing rank: " .. tostring(e))
+  end
+  check(same_values(before, values(m)), "full_params wrote nothing back after a failure on one rank")
+  local visited = 0
+  e = errs(fsdp.apply, m, function(mod, path)
+    visited = visited + 1
+    if mod.weight then mod.weight:fill(7) end
+    if path == "blocks.2" and rank == 0 then error("apply fails on rank 0") end
+  end)
+  check(e and e:find("apply fails on rank 0", 1, true), "apply fails on every rank: " .. tostring(e))
+  -- every rank stopped at blocks.2: blocks.1 was written back when the walk left it, the root
+  -- (still gathered at the failure) was not
+  local after = values(m)
+  local fc = after["blocks.1.mlp.fc.weight"]
+  check(fc[1] == 7 and fc[#fc] == 7, "apply wrote back the units it had left before the failure")
+  check(C.same(after["wte.weight"], before["wte.weight"]), "apply's failure left the root unwritten")
+  e = errs(fsdp.full_params, m, function(mm) fsdp.save(mm, tmpdir("in_fp")) end)
+  check(e and e:find("fsdp.save: not inside fsdp.full_params", 1, true), "save inside full_params: " .. tostring(e))
+  e = errs(fsdp.full_params, m, function(mm) fsdp.load(mm, tmpdir("in_fp")) end)
+  check(e and e:find("fsdp.load: not inside fsdp.full_params", 1, true), "load inside full_params: " .. tostring(e))
+  fsdp.unwrap(m)
+end
+print(("ok: rank %d: full_params and apply fail everywhere or nowhere"):format(rank))
+
+-- ---- a model wrapped on meta, before it has values -------------------------------------------------
+do
+  local m = fsdp.meta(gpt)
+  wrap(m, "full")
+  local e = errs(fsdp.prune.magnitude, m, {params = "mlp%.fc%.weight", sparsity = 0.5})
+  check(e and e:find("still on the meta device", 1, true), "prune.magnitude waits for values: " .. tostring(e))
+  e = errs(fsdp.prune.hold, m, {params = "weight"})
+  check(e and e:find("still on the meta device", 1, true), "prune.hold waits for values: " .. tostring(e))
+  e = errs(fsdp.sparsity, m)
+  check(e and e:find("fsdp.sparsity: ", 1, true), "fsdp.sparsity waits for values: " .. tostring(e))
+  fsdp.materialize(m)
+  check(fsdp.sparsity(m, {params = "mlp%.fc%.weight"}).sparsity < 0.01, "after materialize: nothing pruned")
+end
+print(("ok: rank %d: a model without values is neither pruned nor counted"):format(rank))
+
+if C.failures() > 0 then error(("%d gathered-copy checks failed"):format(C.failures())) end
