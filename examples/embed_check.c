@@ -85,9 +85,9 @@ static void test_create(void) {
   /* no library there: FSDP_ERROR, as for a folder that lacks it (fsdp.h) */
   EXPECT(NULL, fsdp_runtime_new(&rt, &(fsdp_runtime_opts){.lua_path = "/nonexistent/lua"}),
          FSDP_ERROR, "lua_path '/nonexistent/lua' is not a folder");
-  /* a folder without the library: every rank fails to load it, nothing is left running */
+  /* a folder without the library: refused before any rank starts, whatever LUA_PATH holds */
   EXPECT(NULL, fsdp_runtime_new(&rt, &(fsdp_runtime_opts){.world = 2, .lua_path = "/tmp"}),
-         FSDP_ERROR, "loading the fsdp library from /tmp");
+         FSDP_ERROR, "lua_path '/tmp' holds no fsdp Lua library (fsdp/init.lua not found");
   EXPECT(NULL, fsdp_runtime_new(NULL, NULL), FSDP_MISUSE, "out is NULL");
   /* the thread rule: opts.blas_threads, else FSDP_THREADS, else max(1, cores / world) */
   EXPECT(NULL, fsdp_runtime_new(&rt, &(fsdp_runtime_opts){.blas_threads = -1}), FSDP_MISUSE,

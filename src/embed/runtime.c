@@ -553,12 +553,27 @@ static bool is_dir(const char *path) {
   return path[0] != '\0' && stat(path, &st) == 0 && S_ISDIR(st.st_mode);
 }
 
+/* Whether dir holds the fsdp Lua library. Asked here rather than left to `require "fsdp"`:
+ * package.path goes on with the user's LUA_PATH after dir, where require could find another
+ * copy of the library, and the runtime would then run a library the host did not name. */
+static bool has_lua_library(const char *dir) {
+  char path[PATH_MAX + 16];
+  struct stat st;
+  int n = snprintf(path, sizeof path, "%s/fsdp/init.lua", dir);
+  return n > 0 && (size_t)n < sizeof path && stat(path, &st) == 0 && S_ISREG(st.st_mode);
+}
+
 /* The Lua library: opts.lua_path, else next to libfsdp or in the source tree
  * (fsdp_host_find_lua_dir). Returns a status with a message in tl_err. */
 static int find_lua_dir(char *out, size_t n, const char *given) {
   if (given != NULL) {
     if (!is_dir(given))
       return set_tl_error(FSDP_ERROR, "fsdp_runtime_new: lua_path '%s' is not a folder", given);
+    if (!has_lua_library(given))
+      return set_tl_error(FSDP_ERROR,
+                          "fsdp_runtime_new: lua_path '%s' holds no fsdp Lua library "
+                          "(fsdp/init.lua not found there)",
+                          given);
     snprintf(out, n, "%s", given);
     return FSDP_OK;
   }

@@ -1,0 +1,146 @@
+/*
+ * test_embed_create.c — what fsdp_runtime_new takes from its options and from the environment
+ * (include/fsdp.h: fsdp_runtime_opts; linked against libfsdp.so only, like a host program).
+ *
+ * lua_path: a folder without the library is FSDP_ERROR even when LUA_PATH would find a copy of
+ * it elsewhere; a library that fails to load is FSDP_ERROR naming the folder; the host's own
+ * modules on LUA_PATH still load, with lua_path given or found.
+ *
+ * Needs FSDP_SOURCE_DIR (ctest sets it): the source tree's Lua library, put on LUA_PATH.
+ * Exit status 0 when every check passed, 77 (skipped) without FSDP_SOURCE_DIR.
+ */
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fsdp.h>
+
+static int checks, failures;
+
+#define CHECK(cond, ...)                                                                          \
+  do {                                                                                            \
+    checks++;                                                                                     \
+    if (!(cond)) {                                                                                \
+      failures++;                                                                                 \
+      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                             \
+      fprintf(stderr, __VA_ARGS__);                                                               \
+      fputc('\n', stderr);                                                                        \
+    }                                                                                             \
+  } while (0)
+
+static bool has(const char *s, const char *part) { return strstr(s, part) != NULL; }
+
+static char tmp[64];          /* this test's folder */
+static const char *src_lua;   /* the source tree's Lua library */
+
+/* <tmp>/<rel> as a new string in buf */
+static const char *at(char *buf, size_t n, const char *rel) {
+  snprintf(buf, n, "%s/%s", tmp, rel);
+  return buf;
+}
+
+static void write_file(const char *rel, const char *text) {
+  char path[256];
+  FILE *f = fopen(at(path, sizeof path, rel), "w");
+  CHECK(f != NULL, "cannot write %s", path);
+  if (f == NULL) return;
+  fputs(text, f);
+  fclose(f);
+}
+
+/* Setting or restoring an environment variable (NULL: unset). */
+static void set_env(const char *name, const char *value) {
+  if (value != NULL)
+    setenv(name, value, 1);
+  else
+    unsetenv(name);
+}
+
+static char *saved_env(const char *name) {
+  const char *v = getenv(name);
+  return v != NULL ? strdup(v) : NULL;
+}
+
+/* ---- lua_path -------------------------------------------------------------------------------- */
+
+static void test_lua_path(void) {
+  char path[512], lpath[1024], dir[256];
+  char *saved = saved_env("LUA_PATH");
+  /* the real library and a module of the host's on LUA_PATH, as a user's environment may have */
+  snprintf(lpath, sizeof lpath, "%s/?.lua;%s/?/init.lua;%s/mods/?.lua;;", src_lua, src_lua, tmp);
+  set_env("LUA_PATH", lpath);
+
+  fsdp_runtime *rt = (fsdp_runtime *)1;
+  at(dir, sizeof dir, "empty");
+  int st = fsdp_runtime_new(&rt, &(fsdp_runtime_opts){.world = 2, .lua_path = dir});
+  snprintf(path, sizeof path, "lua_path '%s' holds no fsdp Lua library", dir);
+  CHECK(st == FSDP_ERROR && has(fsdp_last_error(NULL), path) &&
+            has(fsdp_last_error(NULL), "fsdp/init.lua not found"),
+        "a folder without the library, with the library on LUA_PATH: %s: '%s'",
+        fsdp_status_name(st), fsdp_last_error(NULL));
+  CHECK(rt == NULL, "*out is NULL after a refused lua_path");
+  if (rt != NULL && rt != (fsdp_runtime *)1) fsdp_runtime_free(rt);
+
+  /* a folder with a library that fails: every rank fails to load it, nothing is left running */
+  rt = (fsdp_runtime *)1;
+  at(dir, sizeof dir, "broken");
+  st = fsdp_runtime_new(&rt, &(fsdp_runtime_opts){.world = 2, .lua_path = dir});
+  snprintf(path, sizeof path, "loading the fsdp library from %s", dir);
+  CHECK(st == FSDP_ERROR && has(fsdp_last_error(NULL), path) &&
+            has(fsdp_last_error(NULL), "this library is broken"),
+        "a library that fails to load: %s: '%s'", fsdp_status_name(st), fsdp_last_error(NULL));
+  CHECK(rt == NULL, "*out is NULL after a library that fails to load");
+
+  /* the host's own modules keep loading from LUA_PATH, after the library's folder */
+  const char *given[2] = {NULL, src_lua};
+  for (int i = 0; i < 2; i++) {
+    rt = NULL;
+    st = fsdp_runtime_new(&rt, &(fsdp_runtime_opts){.world = 2, .lua_path = given[i]});
+    CHECK(st == FSDP_OK, "lua_path %s: %s: '%s'", given[i] ? given[i] : "NULL",
+          fsdp_status_name(st), fsdp_last_error(NULL));
+    if (rt == NULL) continue;
+    st = fsdp_run_string(rt, "assert(require('embed_user_mod').answer == 42)");
+    CHECK(st == FSDP_OK, "lua_path %s: a module on LUA_PATH: %s: '%s'",
+          given[i] ? given[i] : "NULL", fsdp_status_name(st), fsdp_last_error(rt));
+    fsdp_runtime_free(rt);
+  }
+  set_env("LUA_PATH", saved);
+  free(saved);
+}
+
+int main(void) {
+  alarm(getenv("FSDP_UNDER_VALGRIND") ? 300 : 60); /* a hang fails the test */
+  const char *src = getenv("FSDP_SOURCE_DIR");
+  if (src == NULL || src[0] == '\0') {
+    printf("test_embed_create: skipped (FSDP_SOURCE_DIR is not set)\n");
+    return 77;
+  }
+  char lua_dir[1024];
+  snprintf(lua_dir, sizeof lua_dir, "%s/lua", src);
+  src_lua = lua_dir;
+  snprintf(tmp, sizeof tmp, "/tmp/fsdp_embed_create.XXXXXX");
+  if (mkdtemp(tmp) == NULL) {
+    perror("mkdtemp");
+    return 1;
+  }
+  char p[256];
+  mkdir(at(p, sizeof p, "empty"), 0755);
+  mkdir(at(p, sizeof p, "broken"), 0755);
+  mkdir(at(p, sizeof p, "broken/fsdp"), 0755);
+  mkdir(at(p, sizeof p, "mods"), 0755);
+  write_file("broken/fsdp/init.lua", "error('this library is broken', 0)\n");
+  write_file("mods/embed_user_mod.lua", "return {answer = 42}\n");
+
+  test_lua_path();
+
+  const char *made[] = {"mods/embed_user_mod.lua", "broken/fsdp/init.lua", "broken/fsdp",
+                        "broken", "empty", "mods"};
+  for (size_t i = 0; i < sizeof made / sizeof made[0]; i++) remove(at(p, sizeof p, made[i]));
+  rmdir(tmp);
+
+  printf("test_embed_create: %d checks, %d failed\n", checks, failures);
+  return failures == 0 ? 0 : 1;
+}
