@@ -138,7 +138,9 @@ typedef struct fsdp_runtime_opts {
    * where each process is one rank) are not embeddable yet: FSDP_ERROR naming them. */
   const char *backend;
   /* Seconds a collective waits for the other ranks before it fails (and breaks the runtime).
-   * <= 0: the engine's default (FSDP_TIMEOUT in the environment, else 60). */
+   * > 0: also the ranks' default timeout (fsdp.core.set_timeout(0) returns to it), and
+   * FSDP_TIMEOUT is not read. <= 0: the engine's default, FSDP_TIMEOUT in the environment,
+   * else 60; a malformed FSDP_TIMEOUT is then FSDP_ERROR naming it. */
   double timeout_s;
   /* Folder of the fsdp Lua library (the one holding fsdp/init.lua). NULL: found next to
    * libfsdp: <libdir>/../share/fsdprun/lua of an installed tree, else the lua/ folder of the
@@ -159,8 +161,8 @@ typedef struct fsdp_runtime_opts {
  * communicator. opts may be NULL (all defaults).
  * On FSDP_OK *out is the runtime, to be freed with fsdp_runtime_free. Otherwise *out is NULL,
  * nothing is left running, and fsdp_last_error(NULL) on the calling thread says why (FSDP_MISUSE:
- * bad options; FSDP_ERROR: the Lua library was not found or failed to load, a thread could not
- * start; FSDP_NOMEM). */
+ * bad options; FSDP_ERROR: the Lua library was not found or failed to load, a malformed
+ * FSDP_TIMEOUT, a thread could not start; FSDP_NOMEM). */
 FSDP_API int fsdp_runtime_new(fsdp_runtime **out, const fsdp_runtime_opts *opts);
 
 /* Close every rank's Lua state (tensors still referenced from Lua are freed with it), free the

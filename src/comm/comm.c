@@ -84,7 +84,7 @@ struct fsdp_comm {
   pthread_t worker;
 
   double timeout;         /* seconds, > 0 */
-  double default_timeout; /* FSDP_TIMEOUT or 60 */
+  double default_timeout; /* the creator's, else FSDP_TIMEOUT or 60 */
   bool debug;
   bool full_check; /* FSDP_COMM_CHECK=full: every rank's fingerprint reaches every rank */
   label_set labels;
@@ -342,11 +342,13 @@ static bool env_debug(void) {
 
 /* ---- creation ------------------------------------------------------------------------------ */
 
+/* timeout > 0: the default timeout, given by the creator in place of FSDP_TIMEOUT, which is then
+ * not read (a malformed value there must not fail a communicator that never uses it). */
 static int comm_create(fsdp_comm **out, const fsdp_comm_i *vt, void *impl, int rank, int world,
-                       bool strict_env) {
+                       bool strict_env, double timeout) {
   *out = NULL;
-  double timeout;
-  if (env_timeout(&timeout, strict_env) != FSDP_OK) return FSDP_ERR;
+  if (!(timeout > 0 && isfinite(timeout)) && env_timeout(&timeout, strict_env) != FSDP_OK)
+    return FSDP_ERR;
   bool full_check;
   if (env_full_check(&full_check, strict_env) != FSDP_OK) return FSDP_ERR;
   fsdp_comm *c = calloc(1, sizeof *c);
@@ -367,13 +369,18 @@ static int comm_create(fsdp_comm **out, const fsdp_comm_i *vt, void *impl, int r
   return FSDP_OK;
 }
 
-int fsdp_comm_new_backend(fsdp_comm **out, const fsdp_comm_i *vt, void *impl, int rank,
-                          int world) {
+int fsdp_comm_new_backend_timeout(fsdp_comm **out, const fsdp_comm_i *vt, void *impl, int rank,
+                                  int world, double timeout) {
   if (!vt || !vt->run) return fsdp_error("communicator: backend without run");
   if (world < 1 || rank < 0 || rank >= world) {
     return fsdp_error("communicator: rank %d out of range for world %d", rank, world);
   }
-  return comm_create(out, vt, impl, rank, world, true);
+  return comm_create(out, vt, impl, rank, world, true, timeout);
+}
+
+int fsdp_comm_new_backend(fsdp_comm **out, const fsdp_comm_i *vt, void *impl, int rank,
+                          int world) {
+  return fsdp_comm_new_backend_timeout(out, vt, impl, rank, world, 0);
 }
 
 void *fsdp_comm_impl(const fsdp_comm *c) { return c->impl; }
@@ -1062,7 +1069,7 @@ static const fsdp_comm_i single_vt = {
 };
 
 static int single_create(fsdp_comm **out, bool strict_env) {
-  return comm_create(out, &single_vt, NULL, 0, 1, strict_env);
+  return comm_create(out, &single_vt, NULL, 0, 1, strict_env, 0);
 }
 
 int fsdp_comm_single_new(fsdp_comm **out) { return single_create(out, true); }

@@ -144,6 +144,10 @@ typedef struct fsdp_split {
 typedef struct fsdp_local_group fsdp_local_group;
 int fsdp_local_group_new(fsdp_local_group **out, int world); /* 1 <= world <= 4096 */
 void fsdp_local_group_release(fsdp_local_group *g);         /* NULL is a no-op */
+/* seconds > 0: the default timeout of the communicators made from g from now on and of those
+ * split from them, in place of FSDP_TIMEOUT, which their creation then does not read (the
+ * embedding runtime's explicit timeout_s). Call it before the ranks make their communicators. */
+void fsdp_local_group_set_timeout(fsdp_local_group *g, double seconds);
 int fsdp_comm_local_new(fsdp_comm **out, fsdp_local_group *g, int rank);
 
 /* A world of one (what a plain `luajit` or `fsdprun` without -n gets). Its collectives are
@@ -151,9 +155,9 @@ int fsdp_comm_local_new(fsdp_comm **out, fsdp_local_group *g, int rank);
  * the stats and recorded like any other; asynchronous ones complete at start. */
 int fsdp_comm_single_new(fsdp_comm **out);
 
-/* Creation reads FSDP_TIMEOUT (seconds > 0), FSDP_DEBUG (1/true/yes/on) and FSDP_COMM_CHECK
- * (hash/full) from the environment; a malformed FSDP_TIMEOUT or FSDP_COMM_CHECK is an error
- * naming it. */
+/* Creation reads FSDP_TIMEOUT (seconds > 0; not when the group has a timeout of its own:
+ * fsdp_local_group_set_timeout), FSDP_DEBUG (1/true/yes/on) and FSDP_COMM_CHECK (hash/full) from
+ * the environment; a malformed FSDP_TIMEOUT or FSDP_COMM_CHECK is an error naming it. */
 
 /* Waits for queued collectives (each finishes, fails on a poisoned group, or times out), frees
  * handles never waited on (waiting on them afterwards is a use-after-free) and, if c is the
@@ -265,7 +269,8 @@ bool fsdp_comm_poisoned(const fsdp_comm *c);
  * counting nothing and poisoning nothing: the REPL's ":rank K" mode, where only one rank runs
  * an input. NULL or "" lifts it. Any thread. */
 void fsdp_comm_set_refuse(fsdp_comm *c, const char *msg);
-void fsdp_comm_set_timeout(fsdp_comm *c, double seconds); /* <= 0: default (FSDP_TIMEOUT or 60) */
+/* seconds <= 0: the default (the group's timeout, else FSDP_TIMEOUT or 60) */
+void fsdp_comm_set_timeout(fsdp_comm *c, double seconds);
 
 /* Reviving a poisoned group (fsdprun's post-mortem REPL), in three steps that every rank takes,
  * with something else (the REPL's own channel) between them to agree and to wait: once no rank
@@ -322,6 +327,10 @@ void fsdp_comm_reset_stats(fsdp_comm *c);
  * described above. */
 int fsdp_comm_new_backend(fsdp_comm **out, const fsdp_comm_i *vt, void *impl, int rank,
                           int world);
+/* The same with a default timeout (> 0) that the creator gives: FSDP_TIMEOUT is then not read.
+ * timeout <= 0: as fsdp_comm_new_backend. */
+int fsdp_comm_new_backend_timeout(fsdp_comm **out, const fsdp_comm_i *vt, void *impl, int rank,
+                                  int world, double timeout);
 void *fsdp_comm_impl(const fsdp_comm *c);
 /* This rank's rank in the family's root communicator (its own rank outside a family): the
  * rank a backend's "rank R failed: ..." names. */

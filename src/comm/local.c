@@ -82,6 +82,7 @@ struct fsdp_local_group {
   pthread_mutex_t own_mu;
   pthread_cond_t own_cv;
   bool poisoned; /* the family's (read fam->poisoned) */
+  double timeout; /* the family's default timeout (> 0), or 0: FSDP_TIMEOUT's (read fam->timeout) */
   char poison[LOCAL_MSG_CAP];
   split_entry *splits; /* the family's splits in progress (root only) */
   uint64_t go_seq; /* last collective all ranks arrived at */
@@ -122,6 +123,10 @@ int fsdp_local_group_new(fsdp_local_group **out, int world) {
   fsdp_cond_init_monotonic(&g->own_cv);
   *out = g;
   return FSDP_OK;
+}
+
+void fsdp_local_group_set_timeout(fsdp_local_group *g, double seconds) {
+  g->fam->timeout = seconds > 0 ? seconds : 0;
 }
 
 void fsdp_local_group_release(fsdp_local_group *g) {
@@ -540,7 +545,8 @@ int fsdp_comm_local_new(fsdp_comm **out, fsdp_local_group *g, int rank) {
   g->slot[rank].joined = true;
   g->refs++;
   pthread_mutex_unlock(g->mu);
-  if (fsdp_comm_new_backend(out, &local_vt, lc, rank, g->world) != FSDP_OK) {
+  if (fsdp_comm_new_backend_timeout(out, &local_vt, lc, rank, g->world, g->fam->timeout) !=
+      FSDP_OK) {
     pthread_mutex_lock(g->mu);
     g->slot[rank].joined = false;
     pthread_mutex_unlock(g->mu);

@@ -562,6 +562,9 @@ static int make_comms(fsdp_host *h) {
   if (fsdp_local_group_new(&g, h->nranks) != FSDP_OK ||
       (o->ctl && fsdp_local_group_new(&cg, h->nranks) != FSDP_OK))
     st = fsdp_error_context("cannot start %d ranks", h->nranks);
+  /* an explicit timeout is the communicators' default from their creation on: FSDP_TIMEOUT is
+   * then not read, so a malformed value there cannot fail them (fsdp.h: timeout_s) */
+  if (st == FSDP_OK && o->timeout_s > 0) fsdp_local_group_set_timeout(g, o->timeout_s);
   for (int i = 0; st == FSDP_OK && i < h->nranks; i++) {
     fsdp_host_rank *r = &h->ranks[i];
     r->rank = i;

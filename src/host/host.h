@@ -78,7 +78,7 @@ typedef struct fsdp_host_opts {
   /* Without group (nranks 1): the rank's communicators (an mpi rank's), or NULL (comm: a world
    * of one on demand). The host owns them from fsdp_host_new on, also when it fails. */
   fsdp_comm *comm, *ctl_comm;
-  double timeout_s;      /* > 0: set on every rank's comm */
+  double timeout_s;      /* > 0: every rank's comm's (with group: FSDP_TIMEOUT is not read) */
   /* Each rank thread, once bound to its GPU, makes an nccl communicator over its comm (which
    * becomes its boot) and uses it as comm: NCCL moves cuda buffers, boot the rest (nccl.h).
    * fsdp_host_new waits for every rank's and fails with the first error. */

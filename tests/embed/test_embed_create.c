@@ -4,7 +4,10 @@
  *
  * lua_path: a folder without the library is FSDP_ERROR even when LUA_PATH would find a copy of
  * it elsewhere; a library that fails to load is FSDP_ERROR naming the folder; the host's own
- * modules on LUA_PATH still load, with lua_path given or found.
+ * modules on LUA_PATH still load, with lua_path given or found. timeout_s > 0: FSDP_TIMEOUT is
+ * not read (a malformed value there fails nothing, not even a communicator split later), and
+ * the runtime's timeout is the ranks' default; timeout_s 0: a malformed FSDP_TIMEOUT fails
+ * creation naming it.
  *
  * Needs FSDP_SOURCE_DIR (ctest sets it): the source tree's Lua library, put on LUA_PATH.
  * Exit status 0 when every check passed, 77 (skipped) without FSDP_SOURCE_DIR.
@@ -111,6 +114,57 @@ static void test_lua_path(void) {
   free(saved);
 }
 
+/* ---- timeout_s and FSDP_TIMEOUT -------------------------------------------------------------- */
+
+static void test_timeout(void) {
+  char *saved = saved_env("FSDP_TIMEOUT");
+  set_env("FSDP_TIMEOUT", "abc");
+
+  /* timeout_s given: the variable is not read (as FSDP_THREADS is not, with blas_threads) */
+  fsdp_runtime *rt = NULL;
+  int st = fsdp_runtime_new(&rt, &(fsdp_runtime_opts){.world = 2, .timeout_s = 7});
+  CHECK(st == FSDP_OK, "timeout_s 7, FSDP_TIMEOUT=abc: %s: '%s'", fsdp_status_name(st),
+        fsdp_last_error(NULL));
+  if (rt != NULL) {
+    /* the runtime's timeout is the ranks' default; a split (hybrid sharding) makes new
+     * communicators, which must not read the variable either */
+    st = fsdp_run_string(rt, "local fsdp = require 'fsdp'\n"
+                             "assert(fsdp.core.timeout() == 7, 'timeout ' .. fsdp.core.timeout())\n"
+                             "fsdp.core.set_timeout(2)\n"
+                             "fsdp.core.set_timeout(0)\n"
+                             "assert(fsdp.core.timeout() == 7, 'default ' .. fsdp.core.timeout())\n"
+                             "local m = fsdp.wrap(fsdp.nn.Linear(4, 2),\n"
+                             "                    {strategy = 'hybrid', shard_size = 1})\n"
+                             "local loss = m(fsdp.ones{3, 4}):sum()\n"
+                             "loss:backward()\n"
+                             "assert(fsdp.all_reduce(1, 'sum') == 2)");
+    CHECK(st == FSDP_OK, "timeout_s 7, FSDP_TIMEOUT=abc: running: %s: '%s'",
+          fsdp_status_name(st), fsdp_last_error(rt));
+    fsdp_runtime_free(rt);
+  }
+
+  /* no timeout_s: the variable is the default, and a malformed one is refused naming it */
+  rt = (fsdp_runtime *)1;
+  st = fsdp_runtime_new(&rt, &(fsdp_runtime_opts){.world = 2});
+  CHECK(st == FSDP_ERROR && has(fsdp_last_error(NULL), "FSDP_TIMEOUT") &&
+            has(fsdp_last_error(NULL), "'abc'"),
+        "timeout_s 0, FSDP_TIMEOUT=abc: %s: '%s'", fsdp_status_name(st), fsdp_last_error(NULL));
+  CHECK(rt == NULL, "*out is NULL after a malformed FSDP_TIMEOUT");
+  set_env("FSDP_TIMEOUT", "9");
+  rt = NULL;
+  st = fsdp_runtime_new(&rt, &(fsdp_runtime_opts){.world = 1});
+  CHECK(st == FSDP_OK, "timeout_s 0, FSDP_TIMEOUT=9: %s: '%s'", fsdp_status_name(st),
+        fsdp_last_error(NULL));
+  if (rt != NULL) {
+    st = fsdp_run_string(rt, "local t = require('fsdp').core.timeout()\n"
+                             "assert(t == 9, 'timeout ' .. t)");
+    CHECK(st == FSDP_OK, "FSDP_TIMEOUT=9: %s: '%s'", fsdp_status_name(st), fsdp_last_error(rt));
+    fsdp_runtime_free(rt);
+  }
+  set_env("FSDP_TIMEOUT", saved);
+  free(saved);
+}
+
 int main(void) {
   alarm(getenv("FSDP_UNDER_VALGRIND") ? 300 : 60); /* a hang fails the test */
   const char *src = getenv("FSDP_SOURCE_DIR");
@@ -135,6 +189,7 @@ int main(void) {
   write_file("mods/embed_user_mod.lua", "return {answer = 42}\n");
 
   test_lua_path();
+  test_timeout();
 
   const char *made[] = {"mods/embed_user_mod.lua", "broken/fsdp/init.lua", "broken/fsdp",
                         "broken", "empty", "mods"};
