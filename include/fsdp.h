@@ -211,9 +211,10 @@ FSDP_API int fsdp_run_string(fsdp_runtime *rt, const char *code);
  * Results: each out[k] is a host tensor whose shape the host sets to what it expects; result k
  * (a tensor of that many elements, or a number when the shape holds one element) is copied
  * into out[k].data, and out[k].ndim / shape are set to the result's shape (a number: ndim 0).
- * With out[k].data NULL nothing is copied and only the shape is reported. A missing result, a
- * result of another type or of another number of elements is FSDP_ERROR (after the function
- * ran: its effects stay, and the runtime remains usable). n_out may be 0 (out may be NULL).
+ * With out[k].data NULL nothing is copied and only the shape is reported (out[k].shape is not
+ * read, but out[k].ndim must be in range as for any host tensor). A missing result, a result
+ * of another type or of another number of elements is FSDP_ERROR (after the function ran: its
+ * effects stay, and the runtime remains usable). n_out may be 0 (out may be NULL).
  *
  * Returns FSDP_OK; FSDP_ERROR when fn is not a global function on every rank (nothing runs) or
  * a result did not fit; FSDP_MISUSE for a bad host tensor (NULL data with elements, ndim or a

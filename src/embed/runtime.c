@@ -338,13 +338,21 @@ static int job_call_prepare(embed_rank *r) {
   return r->status;
 }
 
+/* The number of elements out's buffer holds; 0 for a shape query (no data), whose shape is not
+ * read (check_host_tensors checked only its ndim). */
+static int64_t out_capacity(const fsdp_host_tensor *out) {
+  if (out->data == NULL) return 0;
+  int64_t cap = 1;
+  for (int d = 0; d < out->ndim; d++) cap *= out->shape[d];
+  return cap;
+}
+
 /* Copy result k (at stack index idx) into out (may be NULL: this rank reports nothing). */
 static int copy_result(embed_rank *r, lua_State *L, int idx, int k, fsdp_host_tensor *out) {
   const char *fn = r->rt->job.fn;
   if (lua_type(L, idx) == LUA_TNUMBER) {
     if (out == NULL) return FSDP_OK;
-    int64_t cap = 1;
-    for (int d = 0; d < out->ndim; d++) cap *= out->shape[d];
+    int64_t cap = out_capacity(out);
     if (out->data != NULL && cap != 1)
       return embed_fail(r, FSDP_ERROR,
                         "result %d of '%s' is a number, but out[%d] holds %lld elements", k + 1,
@@ -358,8 +366,7 @@ static int copy_result(embed_rank *r, lua_State *L, int idx, int k, fsdp_host_te
     return embed_fail(r, FSDP_ERROR, "result %d of '%s' is a %s, expected a tensor or a number",
                       k + 1, fn, lua_isnil(L, idx) ? "nil (missing)" : luaL_typename(L, idx));
   if (out == NULL) return FSDP_OK;
-  int64_t numel = fsdp_tensor_numel(t), cap = 1;
-  for (int d = 0; d < out->ndim; d++) cap *= out->shape[d];
+  int64_t numel = fsdp_tensor_numel(t), cap = out_capacity(out);
   if (out->data != NULL && numel != cap)
     return embed_fail(r, FSDP_ERROR,
                       "result %d of '%s' has shape %s (%lld elements), but out[%d] holds %lld",
@@ -804,13 +811,19 @@ FSDP_API int fsdp_run_file(fsdp_runtime *rt, const char *path, int argc,
 }
 
 /* The host tensors of a call (side "in" or "out"), each described well (embed_host_numel); with
- * shape_queries, a tensor without data is one, whose shape is only written. */
+ * shape_queries, a tensor without data is one, whose shape is only written: its shape is not
+ * read, but its ndim still must be in range (a result's shape is written over ndim entries). */
 static int check_host_tensors(fsdp_runtime *rt, const char *what, const char *side,
                               const fsdp_host_tensor *t, int n, bool shape_queries) {
   for (int i = 0; i < n; i++) {
     int64_t numel;
     char why[160];
-    if (shape_queries && t[i].data == NULL) continue;
+    if (shape_queries && t[i].data == NULL) {
+      if (t[i].ndim < 0 || t[i].ndim > FSDP_HOST_MAX_DIMS)
+        return set_error(rt, FSDP_MISUSE, "%s: %s[%d]: ndim %d is out of range (0 .. %d)", what,
+                         side, i, t[i].ndim, FSDP_HOST_MAX_DIMS);
+      continue;
+    }
     if (!embed_host_numel(&t[i], &numel, why, sizeof why))
       return set_error(rt, FSDP_MISUSE, "%s: %s[%d]: %s", what, side, i, why);
   }

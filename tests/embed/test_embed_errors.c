@@ -1,0 +1,111 @@
+/*
+ * test_embed_errors.c — error paths of the embedding API (include/fsdp.h; linked against
+ * libfsdp.so only, like a host program): the status each returns and the message it leaves.
+ *
+ * Shape queries (out[k].data NULL) with ndim out of range are FSDP_MISUSE naming out[k] before
+ * anything runs, and nothing reads past their shape (under memcheck: no invalid read).
+ *
+ * Exit status 0 when every check passed; a hang ends the program after 60 s (SIGALRM).
+ */
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <fsdp.h>
+
+static int checks, failures;
+
+#define CHECK(cond, ...)                                                                          \
+  do {                                                                                            \
+    checks++;                                                                                     \
+    if (!(cond)) {                                                                                \
+      failures++;                                                                                 \
+      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                             \
+      fprintf(stderr, __VA_ARGS__);                                                               \
+      fputc('\n', stderr);                                                                        \
+    }                                                                                             \
+  } while (0)
+
+/* A status and a message fragment the last error must hold. */
+#define EXPECT(rt, call, want_status, want_text)                                                  \
+  do {                                                                                            \
+    int st_ = (call);                                                                             \
+    const char *msg_ = fsdp_last_error(rt);                                                       \
+    CHECK(st_ == (want_status) && strstr(msg_, (want_text)) != NULL,                              \
+          "%s returned %s, expected %s; message '%s' should hold '%s'", #call,                    \
+          fsdp_status_name(st_), fsdp_status_name(want_status), msg_, want_text);                 \
+  } while (0)
+
+#define OK(rt, call) EXPECT(rt, call, FSDP_OK, "")
+
+static fsdp_runtime *make(int world) {
+  fsdp_runtime *rt = NULL;
+  int st = fsdp_runtime_new(&rt, &(fsdp_runtime_opts){.world = world, .timeout_s = 30});
+  CHECK(st == FSDP_OK && rt != NULL, "fsdp_runtime_new(world %d): %s", world,
+        fsdp_last_error(NULL));
+  return rt;
+}
+
+/* ---- shape queries --------------------------------------------------------------------------- */
+
+static void test_shape_queries(void) {
+  fsdp_runtime *rt = make(2);
+  if (rt == NULL) return;
+  OK(rt, fsdp_run_string(rt, "local fsdp = require 'fsdp'\n"
+                             "calls = 0\n"
+                             "function num() calls = calls + 1; return 1 end\n"
+                             "function vec()\n"
+                             "  calls = calls + 1\n"
+                             "  return fsdp.zeros{fsdp.rank() + 2}\n"
+                             "end"));
+  /* on the heap, sized for one tensor: a read past its shape is an invalid read under memcheck */
+  fsdp_host_tensor *q = calloc(1, sizeof *q);
+  const int bad[] = {1 << 28, FSDP_HOST_MAX_DIMS + 1, 12, -1};
+  const char *fns[] = {"num", "vec"};
+  for (size_t f = 0; f < 2; f++) {
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+      *q = (fsdp_host_tensor){.data = NULL, .ndim = bad[i]};
+      char want[96];
+      snprintf(want, sizeof want, "fsdp_call: out[0]: ndim %d is out of range (0 .. %d)", bad[i],
+               FSDP_HOST_MAX_DIMS);
+      EXPECT(rt, fsdp_call(rt, fns[f], NULL, 0, q, 1), FSDP_MISUSE, want);
+      CHECK(q->ndim == bad[i], "%s: a refused query's ndim was written: %d", fns[f], q->ndim);
+    }
+  }
+  /* fsdp_call_ranks: rank 1's query, out[1] */
+  fsdp_host_tensor qs[2] = {{.ndim = 0}, {.ndim = 1 << 28}};
+  EXPECT(rt, fsdp_call_ranks(rt, "vec", NULL, 0, qs, 1), FSDP_MISUSE,
+         "fsdp_call_ranks: out[1]: ndim 268435456 is out of range (0 .. 8)");
+  /* nothing ran: the checks come first */
+  float calls = -1;
+  fsdp_host_tensor n = {.data = &calls};
+  OK(rt, fsdp_call(rt, "num", NULL, 0, &n, 1));
+  CHECK(calls == 1, "a refused query ran the function: %g calls", calls);
+
+  /* a query in range works whatever its shape holds (the shape is only written) */
+  *q = (fsdp_host_tensor){.data = NULL, .ndim = FSDP_HOST_MAX_DIMS,
+                          .shape = {-5, 1 << 30, -1, 0, 7, 7, 7, 7}};
+  OK(rt, fsdp_call(rt, "vec", NULL, 0, q, 1));
+  CHECK(q->ndim == 1 && q->shape[0] == 2, "query of vec: ndim %d shape[0] %lld", q->ndim,
+        (long long)q->shape[0]);
+  *q = (fsdp_host_tensor){.data = NULL, .ndim = 3, .shape = {-1, -1, -1}};
+  OK(rt, fsdp_call(rt, "num", NULL, 0, q, 1));
+  CHECK(q->ndim == 0, "query of num: ndim %d", q->ndim);
+  qs[0] = (fsdp_host_tensor){.ndim = 0};
+  qs[1] = (fsdp_host_tensor){.ndim = 2, .shape = {-3, -3}};
+  OK(rt, fsdp_call_ranks(rt, "vec", NULL, 0, qs, 1));
+  CHECK(qs[0].ndim == 1 && qs[0].shape[0] == 2 && qs[1].ndim == 1 && qs[1].shape[0] == 3,
+        "queries per rank: (%d: %lld) (%d: %lld)", qs[0].ndim, (long long)qs[0].shape[0],
+        qs[1].ndim, (long long)qs[1].shape[0]);
+  free(q);
+  fsdp_runtime_free(rt);
+}
+
+int main(void) {
+  alarm(getenv("FSDP_UNDER_VALGRIND") ? 300 : 60); /* a hang fails the test */
+  test_shape_queries();
+  printf("test_embed_errors: %d checks, %d failed\n", checks, failures);
+  return failures == 0 ? 0 : 1;
+}
