@@ -347,8 +347,10 @@ static int64_t out_capacity(const fsdp_host_tensor *out) {
   return cap;
 }
 
-/* Copy result k (at stack index idx) into out (may be NULL: this rank reports nothing). */
-static int copy_result(embed_rank *r, lua_State *L, int idx, int k, fsdp_host_tensor *out) {
+/* Copy result k (at stack index idx) into out (may be NULL: this rank reports nothing), which
+ * is out[at] of the host's array (messages name it so). */
+static int copy_result(embed_rank *r, lua_State *L, int idx, int k, int at,
+                       fsdp_host_tensor *out) {
   const char *fn = r->rt->job.fn;
   if (lua_type(L, idx) == LUA_TNUMBER) {
     if (out == NULL) return FSDP_OK;
@@ -356,7 +358,7 @@ static int copy_result(embed_rank *r, lua_State *L, int idx, int k, fsdp_host_te
     if (out->data != NULL && cap != 1)
       return embed_fail(r, FSDP_ERROR,
                         "result %d of '%s' is a number, but out[%d] holds %lld elements", k + 1,
-                        fn, k, (long long)cap);
+                        fn, at, (long long)cap);
     if (out->data != NULL) out->data[0] = (float)lua_tonumber(L, idx);
     out->ndim = 0;
     return FSDP_OK;
@@ -370,7 +372,7 @@ static int copy_result(embed_rank *r, lua_State *L, int idx, int k, fsdp_host_te
   if (out->data != NULL && numel != cap)
     return embed_fail(r, FSDP_ERROR,
                       "result %d of '%s' has shape %s (%lld elements), but out[%d] holds %lld",
-                      k + 1, fn, FSDP_SHAPE_STR(t), (long long)numel, k, (long long)cap);
+                      k + 1, fn, FSDP_SHAPE_STR(t), (long long)numel, at, (long long)cap);
   if (out->data != NULL && numel > 0) {
     /* the values as contiguous f32 in host memory, from any device and dtype */
     fsdp_tensor *c;
@@ -403,8 +405,10 @@ static int cp_call_run(lua_State *L) {
     return 0;
   }
   fsdp_host_tensor *out = rank_outputs(j, r->rank);
+  /* fsdp_call_ranks: this rank's results are out[rank * n_out ...] of the host's array */
+  int first = j->per_rank ? r->rank * j->n_out : 0;
   for (int k = 0; k < j->n_out; k++)
-    if (copy_result(r, L, 1 + k, k, out != NULL ? &out[k] : NULL) != FSDP_OK) break;
+    if (copy_result(r, L, 1 + k, k, first + k, out != NULL ? &out[k] : NULL) != FSDP_OK) break;
   lua_settop(L, 0);
   return 0;
 }

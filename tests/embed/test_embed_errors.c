@@ -3,7 +3,8 @@
  * libfsdp.so only, like a host program): the status each returns and the message it leaves.
  *
  * Shape queries (out[k].data NULL) with ndim out of range are FSDP_MISUSE naming out[k] before
- * anything runs, and nothing reads past their shape (under memcheck: no invalid read).
+ * anything runs, and nothing reads past their shape (under memcheck: no invalid read). A result
+ * of fsdp_call_ranks that does not fit names the host's out[r * n_out + k].
  *
  * Exit status 0 when every check passed; a hang ends the program after 60 s (SIGALRM).
  */
@@ -103,9 +104,51 @@ static void test_shape_queries(void) {
   fsdp_runtime_free(rt);
 }
 
+/* ---- results per rank ------------------------------------------------------------------------ */
+
+static void test_ranks_results(void) {
+  fsdp_runtime *rt = make(3);
+  if (rt == NULL) return;
+  /* rank r returns a number and a tensor of r + 2 elements; `odd` makes one rank's first result
+   * a tensor instead */
+  OK(rt, fsdp_run_string(rt, "local fsdp = require 'fsdp'\n"
+                             "function g(odd)\n"
+                             "  local r = fsdp.rank()\n"
+                             "  local first = r == odd and fsdp.zeros{2} or r\n"
+                             "  return first, fsdp.zeros{r + 2}\n"
+                             "end\n"
+                             "function g2() return g(-1) end\n"
+                             "function g1() return g(1) end"));
+  float num[3], vec[3][4];
+  fsdp_host_tensor out[6];
+  for (int r = 0; r < 3; r++) {
+    out[2 * r] = (fsdp_host_tensor){.data = &num[r]};
+    out[2 * r + 1] = (fsdp_host_tensor){.data = vec[r], .ndim = 1, .shape = {r + 2}};
+  }
+  OK(rt, fsdp_call_ranks(rt, "g2", NULL, 0, out, 2));
+  /* rank 2's second result does not fit: out[2 * 2 + 1], not the per-rank index 1 */
+  out[5] = (fsdp_host_tensor){.data = vec[2], .ndim = 1, .shape = {3}};
+  EXPECT(rt, fsdp_call_ranks(rt, "g2", NULL, 0, out, 2), FSDP_ERROR,
+         "[rank 2] result 2 of 'g2' has shape (4) (4 elements), but out[5] holds 3");
+  /* rank 1's first result is a tensor of 2 for a one-element buffer: out[2] */
+  out[5] = (fsdp_host_tensor){.data = vec[2], .ndim = 1, .shape = {4}};
+  EXPECT(rt, fsdp_call_ranks(rt, "g1", NULL, 0, out, 2), FSDP_ERROR,
+         "[rank 1] result 1 of 'g1' has shape (2) (2 elements), but out[2] holds 1");
+  /* and a number into a buffer of more: out[4] */
+  out[4] = (fsdp_host_tensor){.data = vec[2], .ndim = 1, .shape = {4}};
+  EXPECT(rt, fsdp_call_ranks(rt, "g2", NULL, 0, out, 2), FSDP_ERROR,
+         "[rank 2] result 1 of 'g2' is a number, but out[4] holds 4 elements");
+  /* fsdp_call: rank 0's results, out[k] */
+  out[1] = (fsdp_host_tensor){.data = vec[0], .ndim = 1, .shape = {3}};
+  EXPECT(rt, fsdp_call(rt, "g2", NULL, 0, out, 2), FSDP_ERROR,
+         "result 2 of 'g2' has shape (2) (2 elements), but out[1] holds 3");
+  fsdp_runtime_free(rt);
+}
+
 int main(void) {
   alarm(getenv("FSDP_UNDER_VALGRIND") ? 300 : 60); /* a hang fails the test */
   test_shape_queries();
+  test_ranks_results();
   printf("test_embed_errors: %d checks, %d failed\n", checks, failures);
   return failures == 0 ? 0 : 1;
 }
