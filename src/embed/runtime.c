@@ -101,6 +101,13 @@ FSDP_API const char *fsdp_last_error(const fsdp_runtime *rt) {
 
 /* ---- rank threads and jobs ------------------------------------------------------------------- */
 
+/* The text of the error object at idx, for a message: Lua code may raise any value, and a
+ * table's has no text here. Never NULL. */
+static const char *error_text(lua_State *L, int idx) {
+  const char *m = lua_tostring(L, idx);
+  return m != NULL ? m : "(error object is not a string)";
+}
+
 /* lua_cpcall(L, f, r) on the rank's state; an error outside user code (out of memory) is
  * FSDP_ERROR unless f already set a status. */
 static void protected(embed_rank *r, lua_CFunction f) {
@@ -111,9 +118,7 @@ static void protected(embed_rank *r, lua_CFunction f) {
   }
   int st = lua_cpcall(L, f, r);
   if (st != 0) {
-    const char *m = lua_tostring(L, -1);
-    if (r->status == FSDP_OK)
-      embed_fail(r, FSDP_ERROR, "%s", m != NULL ? m : "(error object is not a string)");
+    if (r->status == FSDP_OK) embed_fail(r, FSDP_ERROR, "%s", error_text(L, -1));
     lua_pop(L, 1);
   }
 }
@@ -194,8 +199,7 @@ static int collect(fsdp_runtime *rt) {
 /* User code failed on this rank with the message on top of the stack: record it, and fail the
  * rank through the host (peers fail fast, the grace period starts). */
 static void fail_user(embed_rank *r, lua_State *L) {
-  const char *m = lua_tostring(L, -1);
-  if (m == NULL) m = "(error object is not a string)";
+  const char *m = error_text(L, -1);
   embed_fail(r, FSDP_BROKEN, "%s", m);
   fsdp_host_rank_fail(r->hr, m);
 }
@@ -222,9 +226,8 @@ static int job_init(embed_rank *r) {
   r->pending_ref = LUA_NOREF;
   int st = lua_cpcall(L, embed_setup_state, r);
   if (st != 0) {
-    const char *m = lua_tostring(L, -1);
     embed_fail(r, FSDP_ERROR, "loading the fsdp library from %s: %s",
-               fsdp_host_lua_dir(r->rt->host), m != NULL ? m : "(error object is not a string)");
+               fsdp_host_lua_dir(r->rt->host), error_text(L, -1));
     lua_pop(L, 1);
   }
   return r->status;
@@ -237,7 +240,7 @@ static int cp_load(lua_State *L) {
   embed_rank *r = cp_rank(L);
   const embed_job *j = &r->rt->job;
   if (luaL_loadbuffer(L, j->code, j->code_len, j->chunkname) != 0) {
-    embed_fail(r, FSDP_ERROR, "%s", lua_tostring(L, -1));
+    embed_fail(r, FSDP_ERROR, "%s", error_text(L, -1));
     return 0;
   }
   r->pending_ref = luaL_ref(L, LUA_REGISTRYINDEX);
@@ -516,7 +519,8 @@ static int cp_param_lookup(lua_State *L) {
   embed_rank *r = cp_rank(L);
   embed_job *j = &r->rt->job;
   if (call_helper(L, r, "find", false) != 0) {
-    embed_fail(r, FSDP_ERROR, "%s", lua_tostring(L, -1));
+    /* the model's own code runs here (named_modules): it may raise any value */
+    embed_fail(r, FSDP_ERROR, "%s", error_text(L, -1));
     return 0;
   }
   fsdp_tensor *t = fsdp_lua_to_tensor(L, -1);

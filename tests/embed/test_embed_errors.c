@@ -4,7 +4,8 @@
  *
  * Shape queries (out[k].data NULL) with ndim out of range are FSDP_MISUSE naming out[k] before
  * anything runs, and nothing reads past their shape (under memcheck: no invalid read). A result
- * of fsdp_call_ranks that does not fit names the host's out[r * n_out + k].
+ * of fsdp_call_ranks that does not fit names the host's out[r * n_out + k]. A parameter lookup
+ * whose model raises a value that is not a string says so (not "(null)").
  *
  * Exit status 0 when every check passed; a hang ends the program after 60 s (SIGALRM).
  */
@@ -145,10 +146,42 @@ static void test_ranks_results(void) {
   fsdp_runtime_free(rt);
 }
 
+/* ---- parameter lookup ------------------------------------------------------------------------ */
+
+static void test_param_lookup(void) {
+  fsdp_runtime *rt = make(2);
+  if (rt == NULL) return;
+  int ndim = -1;
+  int64_t shape[FSDP_HOST_MAX_DIMS];
+  float w;
+  /* the model's own code raises while the parameter is looked up: a table, nil, a number */
+  const char *raised[][2] = {{"{reason = 'x'}", "(error object is not a string)"},
+                             {"nil", "(error object is not a string)"},
+                             {"42", "host:1: 42"}};
+  for (size_t i = 0; i < sizeof raised / sizeof raised[0]; i++) {
+    char code[160], want[96];
+    snprintf(code, sizeof code, "model = {named_modules = function() error(%s) end}",
+             raised[i][0]);
+    OK(rt, fsdp_run_string(rt, code));
+    snprintf(want, sizeof want, "fsdp_param_shape: [rank 0] %s", raised[i][1]);
+    EXPECT(rt, fsdp_param_shape(rt, "weight", &ndim, shape), FSDP_ERROR, want);
+    snprintf(want, sizeof want, "fsdp_read_param: [rank 0] %s", raised[i][1]);
+    EXPECT(rt, fsdp_read_param(rt, "weight", &w, 1), FSDP_ERROR, want);
+    CHECK(strstr(fsdp_last_error(rt), "(null)") == NULL, "error(%s): '%s'", raised[i][0],
+          fsdp_last_error(rt));
+  }
+  /* a lookup failure breaks nothing */
+  OK(rt, fsdp_run_string(rt, "model = require('fsdp').nn.Linear(2, 1)"));
+  OK(rt, fsdp_param_shape(rt, "weight", &ndim, shape));
+  CHECK(ndim == 2 && shape[0] == 1 && shape[1] == 2, "shape of weight: ndim %d", ndim);
+  fsdp_runtime_free(rt);
+}
+
 int main(void) {
   alarm(getenv("FSDP_UNDER_VALGRIND") ? 300 : 60); /* a hang fails the test */
   test_shape_queries();
   test_ranks_results();
+  test_param_lookup();
   printf("test_embed_errors: %d checks, %d failed\n", checks, failures);
   return failures == 0 ? 0 : 1;
 }
