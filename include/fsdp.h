@@ -260,7 +260,8 @@ FSDP_API int fsdp_param_shape(fsdp_runtime *rt, const char *path, int *ndim,
 typedef void (*fsdp_log_fn)(void *ud, int rank, const char *line);
 
 /* Set (or, fn NULL, remove) the log callback; ud is passed back. Takes effect for output
- * written after it returns. FSDP_MISUSE from a callback. */
+ * written after it returns. FSDP_MISUSE from a callback; FSDP_BROKEN (nothing changed) on a
+ * broken runtime, as every call. */
 FSDP_API int fsdp_set_log_callback(fsdp_runtime *rt, fsdp_log_fn fn, void *ud);
 
 /* A batch handed from the host to a rank: the runtime fills the fields marked "in", the data
@@ -287,7 +288,7 @@ typedef int (*fsdp_data_fn)(void *ud, fsdp_batch *batch);
  *     local v = fsdp.host.next_batch("val")      -- batch->what = "val"
  * next_batch returns the batch's tensors (fresh tensors owned by Lua), or nil after FSDP_DONE;
  * FSDP_ERROR raises "fsdp.host.next_batch: <batch->error>", as does calling it with no data
- * source set. FSDP_MISUSE from a callback. */
+ * source set. FSDP_MISUSE from a callback; FSDP_BROKEN (nothing changed) on a broken runtime. */
 FSDP_API int fsdp_set_data_source(fsdp_runtime *rt, fsdp_data_fn fn, void *ud);
 
 #ifdef __cplusplus

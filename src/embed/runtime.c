@@ -923,30 +923,26 @@ FSDP_API int fsdp_read_param(fsdp_runtime *rt, const char *path, float *buf, int
   return leave(rt, collect(rt));
 }
 
-/* What a callback setter checks first: a runtime, set from outside its callbacks. */
-static int setter_check(fsdp_runtime *rt, const char *what) {
-  if (rt == NULL) return set_tl_error(FSDP_MISUSE, "%s: the runtime is NULL", what);
-  if (on_rank_thread())
-    return set_tl_error(FSDP_MISUSE, "%s: called from inside a callback", what);
-  return FSDP_OK;
-}
-
+/* The callback setters are calls like the others (enter): refused from a callback, FSDP_BROKEN
+ * on a broken runtime, and the last error cleared on success. The lock order is api_mu, then
+ * cb_mu; rank threads take only cb_mu (a callback calling in is refused before api_mu), so the
+ * host thread never waits for cb_mu while a rank waits for api_mu. */
 FSDP_API int fsdp_set_log_callback(fsdp_runtime *rt, fsdp_log_fn fn, void *ud) {
-  int st = setter_check(rt, "fsdp_set_log_callback");
+  int st = enter(rt, "fsdp_set_log_callback");
   if (st != FSDP_OK) return st;
   pthread_mutex_lock(&rt->cb_mu);
   rt->log_fn = fn;
   rt->log_ud = fn != NULL ? ud : NULL;
   pthread_mutex_unlock(&rt->cb_mu);
-  return FSDP_OK;
+  return leave(rt, FSDP_OK);
 }
 
 FSDP_API int fsdp_set_data_source(fsdp_runtime *rt, fsdp_data_fn fn, void *ud) {
-  int st = setter_check(rt, "fsdp_set_data_source");
+  int st = enter(rt, "fsdp_set_data_source");
   if (st != FSDP_OK) return st;
   pthread_mutex_lock(&rt->cb_mu);
   rt->data_fn = fn;
   rt->data_ud = fn != NULL ? ud : NULL;
   pthread_mutex_unlock(&rt->cb_mu);
-  return FSDP_OK;
+  return leave(rt, FSDP_OK);
 }

@@ -5,7 +5,8 @@
  * Shape queries (out[k].data NULL) with ndim out of range are FSDP_MISUSE naming out[k] before
  * anything runs, and nothing reads past their shape (under memcheck: no invalid read). A result
  * of fsdp_call_ranks that does not fit names the host's out[r * n_out + k]. A parameter lookup
- * whose model raises a value that is not a string says so (not "(null)").
+ * whose model raises a value that is not a string says so (not "(null)"). The callback setters
+ * clear the last error when they succeed and return FSDP_BROKEN once the runtime is broken.
  *
  * Exit status 0 when every check passed; a hang ends the program after 60 s (SIGALRM).
  */
@@ -177,11 +178,58 @@ static void test_param_lookup(void) {
   fsdp_runtime_free(rt);
 }
 
+/* ---- callback setters ------------------------------------------------------------------------ */
+
+static void on_log_quiet(void *ud, int rank, const char *line) {
+  (void)ud;
+  (void)rank;
+  (void)line;
+}
+
+static int no_data(void *ud, fsdp_batch *b) {
+  (void)ud;
+  (void)b;
+  return FSDP_DONE;
+}
+
+static void test_setters(void) {
+  fsdp_runtime *rt = make(2);
+  if (rt == NULL) return;
+  /* a successful setter clears the last failure, as every successful call does */
+  EXPECT(rt, fsdp_call(rt, "missing", NULL, 0, NULL, 0), FSDP_ERROR, "'missing' is not");
+  OK(rt, fsdp_set_log_callback(rt, on_log_quiet, NULL));
+  CHECK(strcmp(fsdp_last_error(rt), "") == 0, "after fsdp_set_log_callback: '%s'",
+        fsdp_last_error(rt));
+  EXPECT(rt, fsdp_call(rt, "missing", NULL, 0, NULL, 0), FSDP_ERROR, "'missing' is not");
+  OK(rt, fsdp_set_data_source(rt, no_data, NULL));
+  CHECK(strcmp(fsdp_last_error(rt), "") == 0, "after fsdp_set_data_source: '%s'",
+        fsdp_last_error(rt));
+  OK(rt, fsdp_run_string(rt, "assert(require('fsdp').host.next_batch() == nil)"));
+
+  /* once broken, every call returns FSDP_BROKEN with the first failure, setters included */
+  EXPECT(rt, fsdp_run_string(rt, "error('boom')"), FSDP_BROKEN, "host:1: boom");
+  EXPECT(rt, fsdp_set_log_callback(rt, NULL, NULL), FSDP_BROKEN,
+         "fsdp_set_log_callback: the runtime is broken by an earlier failure");
+  CHECK(strstr(fsdp_last_error(rt), "boom") != NULL, "the first failure: '%s'",
+        fsdp_last_error(rt));
+  EXPECT(rt, fsdp_set_log_callback(rt, on_log_quiet, NULL), FSDP_BROKEN, "boom");
+  EXPECT(rt, fsdp_set_data_source(rt, no_data, NULL), FSDP_BROKEN,
+         "fsdp_set_data_source: the runtime is broken by an earlier failure");
+  EXPECT(rt, fsdp_set_data_source(rt, NULL, NULL), FSDP_BROKEN, "boom");
+  fsdp_runtime_free(rt);
+
+  EXPECT(NULL, fsdp_set_log_callback(NULL, on_log_quiet, NULL), FSDP_MISUSE,
+         "fsdp_set_log_callback: the runtime is NULL");
+  EXPECT(NULL, fsdp_set_data_source(NULL, NULL, NULL), FSDP_MISUSE,
+         "fsdp_set_data_source: the runtime is NULL");
+}
+
 int main(void) {
   alarm(getenv("FSDP_UNDER_VALGRIND") ? 300 : 60); /* a hang fails the test */
   test_shape_queries();
   test_ranks_results();
   test_param_lookup();
+  test_setters();
   printf("test_embed_errors: %d checks, %d failed\n", checks, failures);
   return failures == 0 ? 0 : 1;
 }
