@@ -31,7 +31,8 @@
  * serialized by a lock). Lua runs on the rank threads, never on the caller's thread; the
  * calling thread blocks until every rank has finished. Callbacks (logging, data source) run on
  * rank threads, one at a time (the runtime serializes them), and must not call into the
- * runtime: such a call returns FSDP_MISUSE.
+ * runtime: such a call returns FSDP_MISUSE, with its message for fsdp_last_error on that
+ * thread (the message of the call in progress, the host thread's, is left alone).
  *
  * Errors. Every fallible function returns a status: FSDP_OK (0) or a negative code below, and
  * leaves a message for fsdp_last_error(rt). Nothing in libfsdp exits or aborts the host
@@ -176,8 +177,10 @@ FSDP_API int fsdp_runtime_world(const fsdp_runtime *rt);
 
 /* The message of the last failed call on rt ("" after a successful one), e.g.
  * "[rank 1] recipe.lua:12: boom\nstack traceback:\n...". rt NULL: the calling thread's last
- * failure of a call given no runtime (fsdp_runtime_new). Valid until the next call on rt (on
- * this thread, for NULL). Never NULL. */
+ * failure of a call given no runtime (fsdp_runtime_new). Inside a callback (on a rank thread),
+ * for rt or NULL: the message of the last call refused on that thread ("called from inside a
+ * runtime callback"). Valid until the next call on rt (on this thread, for NULL and inside a
+ * callback). Never NULL. */
 FSDP_API const char *fsdp_last_error(const fsdp_runtime *rt);
 
 /* ---- running Lua on every rank --------------------------------------------------------------- */

@@ -95,7 +95,12 @@ FSDP_API const char *fsdp_status_name(int status) {
 }
 
 FSDP_API const char *fsdp_last_error(const fsdp_runtime *rt) {
-  if (rt == NULL) return tl_err;
+  /* On a rank thread (inside a callback) every call is refused with its message in tl_err, and
+   * rt->err is not touched there: the host thread frees and rewrites it under api_mu, which a
+   * callback cannot take (the call that runs it holds it), and nothing orders the two once
+   * that call is over (a rank abandoned in a callback outlives it). So a callback reads its
+   * own refusals, whichever rt it names. */
+  if (rt == NULL || on_rank_thread()) return tl_err;
   return rt->err != NULL ? rt->err : "";
 }
 
@@ -707,7 +712,8 @@ FSDP_API void fsdp_runtime_free(fsdp_runtime *rt) {
 static int enter(fsdp_runtime *rt, const char *what) {
   if (rt == NULL) return set_tl_error(FSDP_MISUSE, "%s: the runtime is NULL", what);
   if (on_rank_thread()) {
-    /* not rt->err: the host thread owns it while the call that runs this callback is out */
+    /* not rt->err: the host thread owns it while the call that runs this callback is out;
+     * fsdp_last_error(rt) on this thread reads tl_err */
     return set_tl_error(FSDP_MISUSE, "%s: called from inside a runtime callback", what);
   }
   pthread_mutex_lock(&rt->api_mu);

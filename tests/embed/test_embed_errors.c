@@ -6,7 +6,9 @@
  * anything runs, and nothing reads past their shape (under memcheck: no invalid read). A result
  * of fsdp_call_ranks that does not fit names the host's out[r * n_out + k]. A parameter lookup
  * whose model raises a value that is not a string says so (not "(null)"). The callback setters
- * clear the last error when they succeed and return FSDP_BROKEN once the runtime is broken.
+ * clear the last error when they succeed and return FSDP_BROKEN once the runtime is broken. A
+ * call from inside a callback is FSDP_MISUSE with its message for fsdp_last_error(rt) on that
+ * thread, and leaves the host's message of the call in progress alone.
  *
  * Exit status 0 when every check passed; a hang ends the program after 60 s (SIGALRM).
  */
@@ -224,12 +226,101 @@ static void test_setters(void) {
          "fsdp_set_data_source: the runtime is NULL");
 }
 
+/* ---- calls from inside callbacks ------------------------------------------------------------- */
+
+typedef struct reentry {
+  fsdp_runtime *rt;
+  int st[2][3];         /* per rank: the statuses of the calls it made from its callback */
+  char msg[2][3][160];  /* and fsdp_last_error(rt) after each */
+  char tl[2][160];      /* fsdp_last_error(NULL) after the first */
+} reentry;
+
+static void keep(char *dst, const char *src) { snprintf(dst, 160, "%s", src); }
+
+static void on_log_calls_in(void *ud, int rank, const char *line) {
+  reentry *e = ud;
+  (void)line;
+  if (rank < 0 || rank > 1) return;
+  e->st[rank][0] = fsdp_run_string(e->rt, "x = 1");
+  keep(e->msg[rank][0], fsdp_last_error(e->rt));
+  keep(e->tl[rank], fsdp_last_error(NULL));
+  e->st[rank][1] = fsdp_set_log_callback(e->rt, NULL, NULL);
+  keep(e->msg[rank][1], fsdp_last_error(e->rt));
+  fsdp_runtime *other = NULL;
+  e->st[rank][2] = fsdp_runtime_new(&other, NULL);
+  keep(e->msg[rank][2], fsdp_last_error(e->rt));
+  fsdp_runtime_free(other);
+}
+
+static int source_calls_in(void *ud, fsdp_batch *b) {
+  reentry *e = ud;
+  static float one = 1;
+  if (b->rank < 0 || b->rank > 1) return FSDP_ERROR;
+  float v;
+  fsdp_host_tensor out = {.data = &v};
+  e->st[b->rank][0] = fsdp_call(e->rt, "f", NULL, 0, &out, 1);
+  keep(e->msg[b->rank][0], fsdp_last_error(e->rt));
+  e->st[b->rank][1] = fsdp_param_shape(e->rt, "weight", NULL, NULL);
+  keep(e->msg[b->rank][1], fsdp_last_error(e->rt));
+  b->n = 1;
+  b->tensors[0] = (fsdp_host_tensor){.data = &one};
+  return FSDP_OK;
+}
+
+static void test_callback_errors(void) {
+  reentry e = {.rt = make(2)};
+  if (e.rt == NULL) return;
+  /* the log callback: each rank's refusals read back through fsdp_last_error(rt) */
+  OK(e.rt, fsdp_set_log_callback(e.rt, on_log_calls_in, &e));
+  OK(e.rt, fsdp_run_string(e.rt, "print('hello')"));
+  CHECK(strcmp(fsdp_last_error(e.rt), "") == 0,
+        "the host's last error after a call whose callback was refused: '%s'",
+        fsdp_last_error(e.rt));
+  const char *want[3] = {"fsdp_run_string: called from inside a runtime callback",
+                         "fsdp_set_log_callback: called from inside a runtime callback",
+                         "fsdp_runtime_new: called from inside a runtime callback"};
+  for (int r = 0; r < 2; r++) {
+    for (int c = 0; c < 3; c++)
+      CHECK(e.st[r][c] == FSDP_MISUSE && strstr(e.msg[r][c], want[c]) != NULL,
+            "rank %d, call %d from the log callback: %s, fsdp_last_error(rt) '%s'", r, c,
+            fsdp_status_name(e.st[r][c]), e.msg[r][c]);
+    CHECK(strstr(e.tl[r], want[0]) != NULL, "rank %d: fsdp_last_error(NULL) '%s'", r, e.tl[r]);
+  }
+  /* the refused setter changed nothing: the callback is still set */
+  memset(e.st, 0, sizeof e.st);
+  OK(e.rt, fsdp_run_string(e.rt, "if require('fsdp').rank() == 1 then print('again') end"));
+  CHECK(e.st[1][0] == FSDP_MISUSE && e.st[0][0] == 0, "the log callback is still set: %d %d",
+        e.st[0][0], e.st[1][0]);
+  OK(e.rt, fsdp_set_log_callback(e.rt, NULL, NULL));
+
+  /* the data source */
+  memset(&e.st, 0, sizeof e.st);
+  OK(e.rt, fsdp_set_data_source(e.rt, source_calls_in, &e));
+  OK(e.rt, fsdp_run_string(e.rt, "function f() return 1 end\n"
+                                 "assert(require('fsdp').host.next_batch():item() == 1)"));
+  CHECK(strcmp(fsdp_last_error(e.rt), "") == 0, "the host's last error: '%s'",
+        fsdp_last_error(e.rt));
+  for (int r = 0; r < 2; r++) {
+    CHECK(e.st[r][0] == FSDP_MISUSE &&
+              strstr(e.msg[r][0], "fsdp_call: called from inside a runtime callback") != NULL,
+          "rank %d: fsdp_call from the data source: %s, '%s'", r, fsdp_status_name(e.st[r][0]),
+          e.msg[r][0]);
+    CHECK(e.st[r][1] == FSDP_MISUSE &&
+              strstr(e.msg[r][1], "fsdp_param_shape: called from inside a runtime callback") !=
+                  NULL,
+          "rank %d: fsdp_param_shape from the data source: %s, '%s'", r,
+          fsdp_status_name(e.st[r][1]), e.msg[r][1]);
+  }
+  fsdp_runtime_free(e.rt);
+}
+
 int main(void) {
   alarm(getenv("FSDP_UNDER_VALGRIND") ? 300 : 60); /* a hang fails the test */
   test_shape_queries();
   test_ranks_results();
   test_param_lookup();
   test_setters();
+  test_callback_errors();
   printf("test_embed_errors: %d checks, %d failed\n", checks, failures);
   return failures == 0 ? 0 : 1;
 }
