@@ -37,6 +37,34 @@ function U.check_opts(fn, opts, names)
   return opts
 end
 
+--- The largest integer a Lua number holds exactly (2^53), and the largest size a shape holds.
+U.INT_MAX = 2 ^ 53
+
+--- Whether v is an integer in [min, max] (max: U.INT_MAX when nil); NaN and the infinities
+--- are not.
+function U.is_int(v, min, max)
+  return type(v) == "number" and v >= min and v <= (max or U.INT_MAX) and v == math.floor(v)
+end
+
+--- What an integer check's message says v must be: "an integer >= 1", or "an integer in
+--- [1, 2^53]" when v is a finite number beyond that.
+function U.int_range(v, min)
+  if type(v) == "number" and v > U.INT_MAX and v < math.huge then
+    return ("an integer in [%d, 2^53]"):format(min)
+  end
+  return ("an integer >= %d"):format(min)
+end
+
+--- A value as a message shows what it got: a number or a boolean as itself, a string quoted
+--- ('the string "2"'), anything else by its type.
+function U.got(v)
+  local t = type(v)
+  if t == "number" or t == "boolean" or t == "nil" then return tostring(v) end
+  if t == "string" then return ("the string %q"):format(v) end
+  if core.is_tensor(v) then return "a tensor" end
+  return "a " .. t
+end
+
 --- "a.b" from ("a", "b"); the name alone under the root ("").
 function U.join(prefix, name)
   if prefix == "" then return tostring(name) end

@@ -580,6 +580,29 @@ describe("nn errors", function()
     assert.truthy(err:find("multiple of heads"), err)
     assert.has_error(function() nn.GPT{vocab = 10} end)
   end)
+
+  it("refuses sizes that are infinite, too large or not numbers, and NaN options", function()
+    local err = H.assert_error_has
+    local cfg = {vocab = 10, ctx = 4, d = 8, layers = 1, heads = 2}
+    local function gpt(k, v)
+      local c = {}
+      for key, x in pairs(cfg) do c[key] = x end
+      c[k] = v
+      return function() return nn.GPT(c) end
+    end
+    err(gpt("layers", math.huge), "nn.GPT: layers must be an integer >= 0 (got inf)")
+    err(gpt("layers", 0 / 0), "nn.GPT: layers must be an integer >= 0 (got nan)")
+    err(gpt("vocab", 2 ^ 60), "nn.GPT: vocab must be an integer in [1, 2^53] (got 1.1529215046068e+18)")
+    err(gpt("d", "8"), 'nn.GPT: d must be an integer >= 1 (got the string "8")')
+    err(gpt("dropout", 0 / 0), "nn.GPT: dropout must be a number in [0, 1) (got nan)")
+    err(function() nn.Linear(math.huge, 3) end, "nn.Linear: in_features must be an integer >= 1 (got inf)")
+    err(function() nn.Linear("2", 3) end, 'nn.Linear: in_features must be an integer >= 1 (got the string "2")')
+    err(function() nn.Linear(2, {}) end, "nn.Linear: out_features must be an integer >= 1 (got a table)")
+    err(function() nn.Embedding(4, -math.huge) end, "nn.Embedding: embedding_dim must be an integer >= 1 (got -inf)")
+    err(function() nn.LoRA(8, 8, {rank = math.huge}) end, "nn.LoRA: rank must be an integer >= 1 (got inf)")
+    err(function() nn.Dropout(0 / 0) end, "nn.Dropout: dropout p must be a number in [0, 1) (got nan)")
+    err(function() nn.MLP(8, nil, {dropout = 0 / 0}) end, "nn.MLP: dropout p must be a number in [0, 1) (got nan)")
+  end)
 end)
 
 describe("nn layer forwards", function()

@@ -20,8 +20,8 @@ local GPT = Module:extend("GPT")
 
 local function need_int(cfg, k, min)
   local v = cfg[k]
-  if type(v) ~= "number" or v ~= math.floor(v) or v < min then
-    base.raise(("nn.GPT: %s must be an integer >= %d (got %s)"):format(k, min, tostring(v)))
+  if not util.is_int(v, min) then
+    base.raise(("nn.GPT: %s must be %s (got %s)"):format(k, util.int_range(v, min), util.got(v)))
   end
   return v
 end
@@ -44,7 +44,7 @@ function GPT:init(cfg)
   self.hidden = cfg.hidden == nil and 4 * self.d or need_int(cfg, "hidden", 1)
   self.tie = cfg.tie ~= false
   self.dropout = cfg.dropout or 0
-  if type(self.dropout) ~= "number" or self.dropout < 0 or self.dropout >= 1 then
+  if type(self.dropout) ~= "number" or not (self.dropout >= 0 and self.dropout < 1) then
     base.raise(("nn.GPT: dropout must be a number in [0, 1) (got %s)"):format(tostring(cfg.dropout)))
   end
   self.eps = cfg.eps or 1e-5

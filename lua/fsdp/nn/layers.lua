@@ -31,13 +31,14 @@ function L.new_param(shape)
 end
 
 local function check_int(v, what, fn, min)
-  if type(v) ~= "number" or v ~= math.floor(v) or v < (min or 1) then
-    base.raise(("%s: %s must be an integer >= %d (got %s)"):format(fn, what, min or 1, tostring(v)))
+  min = min or 1
+  if not U.is_int(v, min) then
+    base.raise(("%s: %s must be %s (got %s)"):format(fn, what, U.int_range(v, min), U.got(v)))
   end
 end
 
 local function check_p(p, fn)
-  if type(p) ~= "number" or p < 0 or p >= 1 then
+  if type(p) ~= "number" or not (p >= 0 and p < 1) then
     base.raise(("%s: dropout p must be a number in [0, 1) (got %s)"):format(fn, tostring(p)))
   end
 end

@@ -35,8 +35,8 @@ lora.LoRA = LoRA
 local function check_opts(fn, opts)
   opts = util.check_opts(fn, opts, {"rank", "alpha"})
   local r = opts.rank or 8
-  if type(r) ~= "number" or r ~= math.floor(r) or r < 1 then
-    raise(("%s: rank must be an integer >= 1 (got %s)"):format(fn, tostring(opts.rank)))
+  if not util.is_int(r, 1) then
+    raise(("%s: rank must be %s (got %s)"):format(fn, util.int_range(r, 1), util.got(opts.rank)))
   end
   local alpha = opts.alpha or r
   if type(alpha) ~= "number" or alpha ~= alpha or alpha <= 0 or alpha == math.huge then
@@ -48,8 +48,8 @@ end
 -- LoRA(in, out, {rank = 8, alpha = rank}): x (..., in) -> (alpha / rank) (x A^T) B^T (..., out).
 function LoRA:init(i, o, opts)
   for _, v in ipairs{{i, "in_features"}, {o, "out_features"}} do
-    if type(v[1]) ~= "number" or v[1] ~= math.floor(v[1]) or v[1] < 1 then
-      raise(("nn.LoRA: %s must be an integer >= 1 (got %s)"):format(v[2], tostring(v[1])))
+    if not util.is_int(v[1], 1) then
+      raise(("nn.LoRA: %s must be %s (got %s)"):format(v[2], util.int_range(v[1], 1), util.got(v[1])))
     end
   end
   local r, alpha = check_opts("nn.LoRA", opts)
