@@ -60,6 +60,16 @@ describe("the key/value cache", function()
     errors_with(function()
       fsdp.no_grad(function() m(fsdp.tensor({{1}}, {dtype = "i64"}), {}) end)
     end, "GPT: expected a cache made by this model's new_cache() (got a table that is none)")
+    -- another model of the same architecture: its cache holds that model's keys and values
+    local other = model()
+    local c3 = other:new_cache()
+    assert.is_true(rawequal(other, c3.model))
+    fsdp.no_grad(function() other(fsdp.tensor({{1, 2}}, {dtype = "i64"}), c3) end)
+    errors_with(function()
+      fsdp.no_grad(function() m(fsdp.tensor({{3}}, {dtype = "i64"}), c3) end)
+    end, "GPT: the cache was made by another model's new_cache() (a cache is for the model that made it)")
+    -- ids that are no tensor: named, not an index error inside the library
+    errors_with(function() m({{1, 2}}) end, "GPT: expected ids, a (B, T) tensor (got a table)")
     -- with gradients recorded the cache would give wrong ones (its copies are not recorded)
     errors_with(function() m(fsdp.tensor({{1, 2}}, {dtype = "i64"}), m:new_cache()) end,
       "GPT: the key/value cache records nothing for backward: call the model with a cache under fsdp.no_grad")
@@ -152,6 +162,26 @@ describe("GPT:generate", function()
     assert.are.equal(0, draw({0, 0, 0}, 1, nil, 0.9, 0.2))
   end)
 
+  it("gives +inf logits all the probability and refuses a NaN logit", function()
+    local draw = nn.GPT.draw
+    local inf = math.huge
+    for _, u in ipairs{0, 0.5, 0.99} do
+      assert.are.equal(0, draw({inf, 1, 5}, 1, nil, u))
+      assert.are.equal(0, draw({inf, 1, 5}, 1, 2, u, 0.5))
+    end
+    assert.are.equal(0, draw({inf, 1, 5}, 0, nil, 0.5))
+    -- two +inf logits share it evenly
+    assert.are.equal(1, draw({1, inf, 3, inf}, 1, nil, 0.4))
+    assert.are.equal(3, draw({1, inf, 3, inf}, 1, nil, 0.6))
+    -- -inf logits never come up; all -inf share it evenly
+    for _, u in ipairs{0, 0.5, 0.99} do assert.are.equal(1, draw({-inf, 0, -inf}, 1, nil, u)) end
+    assert.are.equal(0, draw({-inf, -inf}, 1, nil, 0.4))
+    assert.are.equal(1, draw({-inf, -inf}, 1, nil, 0.6))
+    errors_with(function() draw({0, 0 / 0, 1}, 1, nil, 0.5) end,
+      "GPT:generate: the logit of id 1 is nan (the model's output is not finite)")
+    errors_with(function() draw({0, 0 / 0, 1}, 0, nil, 0.5) end, "the logit of id 1 is nan")
+  end)
+
   it("refuses bad options, naming them", function()
     local m = model()
     errors_with(function() m:generate({1}, {}) end, "GPT:generate: max_new_tokens is required")
@@ -162,7 +192,15 @@ describe("GPT:generate", function()
     errors_with(function() m:generate({1}, {max_new_tokens = 1, top_p = 0}) end, "top_p must be a number in (0, 1]")
     errors_with(function() m:generate({1}, {max_new_tokens = 1, top_p = 1.5}) end, "top_p must be a number in (0, 1]")
     errors_with(function() m:generate({1}, {max_new_tokens = 1, temperature = -1}) end,
-      "temperature must be a number >= 0")
+      "temperature must be a finite number >= 0")
+    errors_with(function() m:generate({1}, {max_new_tokens = 1, temperature = 0 / 0}) end,
+      "GPT:generate: temperature must be a finite number >= 0 (got nan)")
+    errors_with(function() m:generate({1}, {max_new_tokens = 1, temperature = math.huge}) end,
+      "GPT:generate: temperature must be a finite number >= 0 (got inf)")
+    errors_with(function() m:generate({1}, {max_new_tokens = 1, seed = 2 ^ 62}) end,
+      "GPT:generate: seed must be an integer in [0, 2^53] (got 4.6116860184274e+18)")
+    errors_with(function() m:generate({1}, {max_new_tokens = math.huge}) end,
+      "GPT:generate: max_new_tokens must be an integer >= 0 (got inf)")
     errors_with(function() m:generate({}, {max_new_tokens = 1}) end, "GPT:generate: empty prompt")
     errors_with(function() m:generate({1}, {max_new_tokens = 1, cache = "no"}) end,
       "GPT:generate: cache must be a boolean (got no)")

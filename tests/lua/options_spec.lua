@@ -102,7 +102,7 @@ describe("option values", function()
     errors_with(function() g:generate({1}, {max_new_tokens = 2, top_p = 0}) end,
       "GPT:generate: top_p must be a number in (0, 1] (got 0)")
     errors_with(function() g:generate({1}, {max_new_tokens = 2, temperature = -1}) end,
-      "GPT:generate: temperature must be a number >= 0 (got -1)")
+      "GPT:generate: temperature must be a finite number >= 0 (got -1)")
     errors_with(function() g:generate({1}, {max_new_tokens = 2, top_k = 0}) end, "GPT:generate: top_k must be an integer >= 1 (got 0)")
     assert.equal(3, #g:generate({1}, {max_new_tokens = 2, temperature = 0, top_k = 3}))
   end)

@@ -133,6 +133,9 @@ end
 -- T - 1, each layer attends over the keys and values cached before them, and cache.pos
 -- advances by T. Without a cache ids start at position 0.
 function GPT:forward(ids, cache)
+  if not base.is_tensor(ids) then
+    error(("expected ids, a (B, T) tensor (got %s)"):format(util.got(ids)), 0)
+  end
   local shape = ids:shape()
   if #shape ~= 2 then
     error(("expected ids of shape (B, T), got (%s)"):format(table.concat(shape, ", ")), 0)
@@ -142,6 +145,11 @@ function GPT:forward(ids, cache)
       or #cache.layers ~= #self.blocks) then
     error(("expected a cache made by this model's new_cache() (got %s)"):format(
       type(cache) == "table" and "a table that is none" or type(cache)), 0)
+  end
+  if cache ~= nil and not rawequal(cache.model, self) then
+    -- another model's keys and values, though its layers match: the logits would be wrong
+    error("the cache was made by another model's new_cache() (a cache is for the model that "
+      .. "made it)", 0)
   end
   if cache ~= nil and core.is_grad_enabled() then
     -- the cached keys and values are copies no backward reaches: gradients would be wrong
@@ -199,7 +207,8 @@ end
 
 -- An empty key/value cache for forward(ids, cache): per layer the keys and values of the
 -- positions seen so far, allocated on the first forward in the activations' dtype and device
--- ((B, heads, ctx, d / heads) each). Cache:free() drops them.
+-- ((B, heads, ctx, d / heads) each). Cache:free() drops them. cache.model is this model: a
+-- forward of any other refuses the cache.
 function GPT:new_cache(...)
   if select("#", ...) > 0 then
     base.raise("GPT:new_cache: takes no arguments (the batch size and dtype come from the "
@@ -207,7 +216,7 @@ function GPT:new_cache(...)
   end
   local layers = {}
   for i = 1, #self.blocks do layers[i] = {pos = 0, ctx = self.ctx} end
-  return {pos = 0, layers = layers, free = function(c)
+  return {pos = 0, layers = layers, model = self, free = function(c)
     for _, l in ipairs(c.layers) do
       if l.k then l.k:free() l.v:free() end
       l.k, l.v, l.pos = nil, nil, 0
@@ -247,9 +256,17 @@ end
 -- temperature <= 0: the largest logit (the first of equals). Otherwise softmax(logits /
 -- temperature) restricted to the top_k largest logits (ties at the k-th all kept), then to the
 -- smallest set of most likely ids whose probability reaches top_p (nucleus; the most likely id
--- always stays); u picks from what is left by its cumulative weights in id order.
+-- always stays); u picks from what is left by its cumulative weights in id order. Logits of
+-- +inf take all the probability, split evenly among them (the limit of a growing logit); when
+-- every logit is -inf they share it evenly. A NaN logit is an error naming its id.
 local function draw(logits, temperature, top_k, u, top_p)
   local V = #logits
+  for i = 1, V do
+    if logits[i] ~= logits[i] then
+      base.raise(("GPT:generate: the logit of id %d is nan (the model's output is not finite)")
+        :format(i - 1))
+    end
+  end
   if temperature <= 0 then -- greedy
     local best = 1
     for i = 2, V do if logits[i] > logits[best] then best = i end end
@@ -265,9 +282,16 @@ local function draw(logits, temperature, top_k, u, top_p)
   local mx = -math.huge
   for i = 1, V do if logits[i] > mx then mx = logits[i] end end
   local w, total = {}, 0
+  local infinite = mx == math.huge or mx == -math.huge -- then l - mx is NaN for l == mx
   for i = 1, V do
     local l = logits[i]
-    w[i] = l >= cut and math.exp((l - mx) / temperature) or 0
+    if l < cut then
+      w[i] = 0
+    elseif infinite then
+      w[i] = l == mx and 1 or 0
+    else
+      w[i] = math.exp((l - mx) / temperature)
+    end
     total = total + w[i]
   end
   if top_p and top_p < 1 then
@@ -305,8 +329,9 @@ local function check_generate(opts, vocab)
   local function int(k, min, default)
     local v = opts[k]
     if v == nil then return default end
-    if type(v) ~= "number" or v ~= math.floor(v) or v < min then
-      base.raise(("GPT:generate: %s must be an integer >= %d (got %s)"):format(k, min, tostring(v)))
+    if not util.is_int(v, min) then
+      base.raise(("GPT:generate: %s must be %s (got %s)"):format(k, util.int_range(v, min),
+        util.got(v)))
     end
     return v
   end
@@ -317,8 +342,9 @@ local function check_generate(opts, vocab)
   if opts.cache ~= nil and type(opts.cache) ~= "boolean" then
     base.raise(("GPT:generate: cache must be a boolean (got %s)"):format(tostring(opts.cache)))
   end
-  if type(o.temperature) ~= "number" or o.temperature < 0 then
-    base.raise(("GPT:generate: temperature must be a number >= 0 (got %s)"):format(tostring(opts.temperature)))
+  if type(o.temperature) ~= "number" or not (o.temperature >= 0 and o.temperature < math.huge) then
+    base.raise(("GPT:generate: temperature must be a finite number >= 0 (got %s)")
+      :format(util.got(opts.temperature)))
   end
   if o.top_p ~= nil and (type(o.top_p) ~= "number" or not (o.top_p > 0 and o.top_p <= 1)) then
     base.raise(("GPT:generate: top_p must be a number in (0, 1] (got %s)"):format(tostring(opts.top_p)))
