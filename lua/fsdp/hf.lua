@@ -100,8 +100,8 @@ function M.gpt_config(hf, where)
   end
   local function int(k, min)
     local v = get(k)
-    if type(v) ~= "number" or v ~= math.floor(v) or v < min then
-      bad(k, ("is not an integer >= %d"):format(min))
+    if not util.is_int(v, min) then
+      bad(k, ("is not %s"):format(util.int_range(v, min)))
     end
     return v
   end
@@ -306,6 +306,16 @@ local function open_folder(dir, strict)
   if not ok then raise("fsdp.import_hf: " .. util.strip(r)) end
   local entry = {}
   for _, e in ipairs(r:entries()) do entry[e.name] = e end
+  -- the blocks the file holds, before listing n_layer blocks' tensors: a config.json that
+  -- claims more (n_layer = 1e12) fails at once, naming its field
+  for i = 0, cfg.layers - 1 do
+    local h = ("h.%d.ln_1.weight"):format(i)
+    if entry["transformer." .. h] == nil and entry[h] == nil then
+      r:close()
+      raise(("fsdp.import_hf: %s has no tensor transformer.%s (%s: n_layer = %s)")
+        :format(wpath, h, cpath, tostring(hf.n_layer)))
+    end
+  end
   local list = tensor_map(cfg)
   local used, missing, problems = {}, {}, {}
   for _, e in ipairs(list) do

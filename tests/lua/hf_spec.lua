@@ -156,6 +156,7 @@ describe("fsdp.import_hf", function()
       {{model_type = "llama"}, "model_type = llama is not supported"},
       {{n_head = 5}, "n_head = 5 does not divide n_embd = 64"},
       {{n_layer = 1.5}, "n_layer = 1.5 is not an integer >= 0"},
+      {{n_layer = 2 ^ 60}, "n_layer = " .. tostring(2 ^ 60) .. " is not an integer in [0, 2^53]"},
     }
     for _, c in ipairs(cases) do
       local dir = with_config(c[1])
@@ -175,6 +176,12 @@ describe("fsdp.import_hf", function()
     os.execute("rm -rf '" .. dir .. "'")
     dir = with_config{n_layer = 3}
     errors_with(function() fsdp.import_hf(dir) end, "has no tensor transformer.h.2.ln_1.weight")
+    os.execute("rm -rf '" .. dir .. "'")
+    -- far more blocks than the file holds: refused at once (the blocks are not listed first)
+    dir = with_config{n_layer = 1e12}
+    errors_with(function() fsdp.import_hf(dir) end,
+      "/model.safetensors has no tensor transformer.h.2.ln_1.weight (" .. dir
+      .. "/config.json: n_layer = " .. tostring(1e12) .. ")")
     os.execute("rm -rf '" .. dir .. "'")
     dir = with_config{tie_word_embeddings = false}
     errors_with(function() fsdp.import_hf(dir) end, "has no tensor lm_head.weight")
