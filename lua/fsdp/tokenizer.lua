@@ -206,16 +206,19 @@ local function val_start(f, size, vf)
   return size
 end
 
+-- src's bytes written to dst (a temporary the caller renames); true, or nil and the reason.
 local function copy_file(src, dst)
   local i, err = io.open(src, "rb")
   if not i then return nil, err end
   local s = i:read("*a")
   i:close()
-  local o, err2 = io.open(dst .. ".tmp", "wb")
+  local o, err2 = io.open(dst, "wb")
   if not o then return nil, err2 end
-  o:write(s)
-  o:close()
-  return os.rename(dst .. ".tmp", dst)
+  local okw, werr = o:write(s)
+  local okc, cerr = o:close()
+  if not okw then return nil, werr end
+  if not okc then return nil, cerr end
+  return true
 end
 
 local DATASET_OPTS = { "tokenizer", "input", "out", "val_fraction" }
@@ -236,7 +239,7 @@ function tokenizer.write_dataset(opts)
   if type(opts.out) ~= "string" then U.raise(fn .. ": out must be a folder path") end
   local out = opts.out:gsub("(.)/+$", "%1") -- "data/" names its files data/train.bin
   local vf = opts.val_fraction or 0.1
-  if type(vf) ~= "number" or vf < 0 or vf >= 1 then
+  if type(vf) ~= "number" or not (vf >= 0 and vf < 1) then
     U.raise(("%s: val_fraction must be in [0, 1), got %s"):format(fn, tostring(vf)))
   end
   local files = input_files(fn, opts.input)
@@ -252,16 +255,20 @@ function tokenizer.write_dataset(opts)
   end
   local model_name = "tok.model"
   local model_dst = out .. "/" .. model_name
-  if tok.path ~= model_dst then
-    local okc, cerr = copy_file(tok.path, model_dst)
-    if not okc then U.raise(("%s: cannot copy %s to %s: %s"):format(fn, tok.path, model_dst, tostring(cerr))) end
-  end
-  local outs, counts = {}, { train = 0, val = 0 }
+  -- Every file is written as <name>.tmp first and renamed only once all of them are written:
+  -- an error before that removes the temporaries and leaves the folder as it was.
+  local finals = {}
   for _, split in ipairs { "train", "val" } do
-    local tmp = ("%s/%s.bin.tmp"):format(out, split)
-    local f, ferr = io.open(tmp, "wb")
-    if not f then U.raise(fn .. ": cannot write " .. tostring(ferr)) end
-    outs[split] = f
+    finals[#finals + 1] = ("%s/%s.bin"):format(out, split)
+    finals[#finals + 1] = ("%s/%s.json"):format(out, split)
+  end
+  if tok.path ~= model_dst then finals[#finals + 1] = model_dst end
+  local outs, counts = {}, { train = 0, val = 0 }
+  local function discard()
+    for _, split in ipairs { "train", "val" } do
+      if outs[split] then pcall(io.close, outs[split]) end
+    end
+    for _, final in ipairs(finals) do os.remove(final .. ".tmp") end
   end
   local function put(split, text)
     local packed, n = h:encode_packed(text, es)
@@ -271,6 +278,17 @@ function tokenizer.write_dataset(opts)
   end
   local used = {}
   local okl, lerr = pcall(function()
+    if tok.path ~= model_dst then
+      local okc, cerr = copy_file(tok.path, model_dst .. ".tmp")
+      if not okc then
+        U.raise(("%s: cannot copy %s to %s: %s"):format(fn, tok.path, model_dst, tostring(cerr)))
+      end
+    end
+    for _, split in ipairs { "train", "val" } do
+      local f, ferr = io.open(("%s/%s.bin.tmp"):format(out, split), "wb")
+      if not f then U.raise(fn .. ": cannot write " .. tostring(ferr)) end
+      outs[split] = f
+    end
     for _, path in ipairs(files) do
       local f, oerr = io.open(path, "rb")
       if not f then U.raise(("%s: cannot open %s"):format(fn, tostring(oerr))) end
@@ -292,29 +310,27 @@ function tokenizer.write_dataset(opts)
       end
       f:close()
     end
+    if #used == 0 then U.raise(fn .. ": no text files in the input (every file holds a NUL byte)") end
+    for _, split in ipairs { "train", "val" } do
+      local okc, cerr = outs[split]:close()
+      outs[split] = nil
+      if not okc then U.raise(("%s: writing %s/%s.bin: %s"):format(fn, out, split, tostring(cerr))) end
+      local okj, jerr = pcall(core.json_write, ("%s/%s.json.tmp"):format(out, split), {
+        format = "fsdp.tokens", version = 1, dtype = dtype, vocab_size = tok.vocab_size,
+        count = counts[split], tokenizer = model_name, eos = tok.eos, split = split,
+        val_fraction = vf, files = used,
+      }, { first = { "format", "version", "dtype", "vocab_size", "count", "tokenizer" } })
+      if not okj then U.raise(("%s: writing %s/%s.json: %s"):format(fn, out, split, U.strip(jerr))) end
+    end
   end)
   if not okl then
-    -- no half-written .bin is left behind; the previous files, if any, stay
-    for _, split in ipairs { "train", "val" } do
-      pcall(io.close, outs[split])
-      os.remove(("%s/%s.bin.tmp"):format(out, split))
-    end
-    error(lerr, 0)
+    discard()
+    U.reraise(lerr)
   end
-  for _, split in ipairs { "train", "val" } do
-    local f = outs[split]
-    local okc, cerr = f:close()
-    if not okc then U.raise(("%s: writing %s/%s.bin: %s"):format(fn, out, split, tostring(cerr))) end
-    local final = ("%s/%s.bin"):format(out, split)
+  for _, final in ipairs(finals) do
     local okr, rerr = os.rename(final .. ".tmp", final)
     if not okr then U.raise(("%s: cannot rename to %s: %s"):format(fn, final, tostring(rerr))) end
-    core.json_write(("%s/%s.json"):format(out, split), {
-      format = "fsdp.tokens", version = 1, dtype = dtype, vocab_size = tok.vocab_size,
-      count = counts[split], tokenizer = model_name, eos = tok.eos, split = split,
-      val_fraction = vf, files = used,
-    }, { first = { "format", "version", "dtype", "vocab_size", "count", "tokenizer" } })
   end
-  if #used == 0 then U.raise(fn .. ": no text files in the input (every file holds a NUL byte)") end
   return { train = counts.train, val = counts.val, files = used, vocab_size = tok.vocab_size,
     dtype = dtype, out = out }
 end

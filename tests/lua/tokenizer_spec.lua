@@ -270,4 +270,33 @@ describe("fsdp.tokenizer.write_dataset", function()
     assert.is_nil(io.open(out .. "/train.bin.tmp", "rb"))
     assert.is_nil(io.open(out .. "/val.bin.tmp", "rb"))
   end)
+
+  it("replaces no file of the dataset when any part fails, and leaves no temporary", function()
+    local out = dir .. "/whole"
+    fsdp.tokenizer.write_dataset { tokenizer = tok, input = corpus, out = out }
+    local names = { "train.bin", "val.bin", "train.json", "val.json", "tok.model" }
+    local before = {}
+    for _, n in ipairs(names) do before[n] = read(out .. "/" .. n) end
+    local function unchanged()
+      for _, n in ipairs(names) do
+        assert.are.equal(before[n], read(out .. "/" .. n), n)
+        assert.is_nil(io.open(out .. "/" .. n .. ".tmp", "rb"), n .. ".tmp")
+      end
+    end
+    assert_error_has(function()
+      fsdp.tokenizer.write_dataset { tokenizer = tok, input = corpus, out = out, val_fraction = 0 / 0 }
+    end, "fsdp.tokenizer.write_dataset: val_fraction must be in [0, 1), got nan")
+    unchanged()
+    -- no text file: found after the .bin files are written, before anything is renamed
+    assert_error_has(function()
+      fsdp.tokenizer.write_dataset { tokenizer = tok, input = { corpus .. "/bin" }, out = out }
+    end, "fsdp.tokenizer.write_dataset: no text files in the input")
+    unchanged()
+    -- a sidecar that cannot be written (a folder in the temporary's place)
+    os.execute("mkdir '" .. out .. "/val.json.tmp'")
+    assert_error_has(function()
+      fsdp.tokenizer.write_dataset { tokenizer = tok, input = { corpus .. "/b" }, out = out }
+    end, "fsdp.tokenizer.write_dataset: writing " .. out .. "/val.json: ")
+    unchanged()
+  end)
 end)
