@@ -356,7 +356,7 @@ function data.text(path, opts)
     error(("%s: split must be \"train\" or \"val\", got %s"):format(fn, tostring(split)), 2)
   end
   local vf = opts.val_fraction or 0.1
-  if type(vf) ~= "number" or vf < 0 or vf >= 1 then
+  if type(vf) ~= "number" or not (vf >= 0 and vf < 1) then
     error(("%s: val_fraction must be in [0, 1), got %s"):format(fn, tostring(vf)), 2)
   end
   local ok, files = pcall(data.text_files, path)

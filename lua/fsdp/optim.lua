@@ -1401,8 +1401,8 @@ end
 -- same averaged gradient on every rank: their part is added after the all_reduce, once); the
 -- gradient shards are scaled.
 function optim.clip_grad_norm(model, max_norm)
-  if type(max_norm) ~= "number" or max_norm <= 0 then
-    raise(("clip_grad_norm: max_norm must be a positive number (got %s)"):format(tostring(max_norm)))
+  if type(max_norm) ~= "number" or not (max_norm > 0 and max_norm < math.huge) then
+    raise(("clip_grad_norm: max_norm must be a finite number > 0 (got %s)"):format(tostring(max_norm)))
   end
   local R = wrap_state(model)
   if R then

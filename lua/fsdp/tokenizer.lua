@@ -401,7 +401,7 @@ local function parse_args(args)
   end
   if o.val_fraction ~= nil then
     local v = tonumber(o.val_fraction)
-    if v == nil or v < 0 or v >= 1 then
+    if v == nil or not (v >= 0 and v < 1) then
       usage_error("--val-fraction '%s': expected a number in [0, 1)", o.val_fraction)
     end
     o.val_fraction = v

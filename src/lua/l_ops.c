@@ -50,10 +50,19 @@ static int f_embedding(lua_State *L) {
   PUSH_OR_RAISE(fsdp_op_embedding(OUT, ids, w));
 }
 
+/* A layernorm's eps at idx (1e-5 when absent): a number > 0, as nn.LayerNorm's; 0, a negative
+ * one or NaN would make the outputs NaN. */
+static float eps_arg(lua_State *L, int idx, const char *fn) {
+  if (lua_isnoneornil(L, idx)) return 1e-5f;
+  lua_Number e = num_arg(L, idx, fn, "eps");
+  if (!(e > 0)) luaL_error(L, "%s: eps must be a number > 0, got %g", fn, (double)e);
+  return (float)e;
+}
+
 static int f_layernorm(lua_State *L) {
   fsdp_tensor *x = arg(L, 1, "layernorm"), *w = arg(L, 2, "layernorm"),
               *b = opt_arg(L, 3, "layernorm");
-  float eps = lua_isnoneornil(L, 4) ? 1e-5f : (float)num_arg(L, 4, "layernorm", "eps");
+  float eps = eps_arg(L, 4, "layernorm");
   PUSH_OR_RAISE(fsdp_op_layernorm(OUT, x, w, b, eps));
 }
 
@@ -61,7 +70,7 @@ static int f_layernorm(lua_State *L) {
 static int f_add_layernorm(lua_State *L) {
   fsdp_tensor *a = arg(L, 1, "add_layernorm"), *b = arg(L, 2, "add_layernorm"),
               *w = arg(L, 3, "add_layernorm"), *bias = opt_arg(L, 4, "add_layernorm");
-  float eps = lua_isnoneornil(L, 5) ? 1e-5f : (float)num_arg(L, 5, "add_layernorm", "eps");
+  float eps = eps_arg(L, 5, "add_layernorm");
   fsdp_tensor *sum, *out;
   if (fsdp_op_add_layernorm(&sum, &out, a, b, w, bias, eps)) fsdp_lua_error(L);
   fsdp_lua_push_tensor(L, sum);

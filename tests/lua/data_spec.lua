@@ -505,6 +505,8 @@ describe("text", function()
       'split must be "train" or "val"')
     assert_error_has(function() data.text(dir, { ctx = 4, batch = 2, val_fraction = 1 }) end,
       "val_fraction")
+    assert_error_has(function() data.text(dir, { ctx = 4, batch = 2, val_fraction = 0 / 0 }) end,
+      "fsdp.data.text: val_fraction must be in [0, 1), got nan")
     local v = data.text(dir, { ctx = 100, batch = 2, split = "val" })
     assert_error_has(function() v:batches(1) end, "the val split", "needs 101")
     assert_error_has(function() v:epoch() end, "the val split")

@@ -603,6 +603,17 @@ describe("nn errors", function()
     err(function() nn.Dropout(0 / 0) end, "nn.Dropout: dropout p must be a number in [0, 1) (got nan)")
     err(function() nn.MLP(8, nil, {dropout = 0 / 0}) end, "nn.MLP: dropout p must be a number in [0, 1) (got nan)")
   end)
+
+  it("F.layernorm and F.add_layernorm refuse an eps that is not > 0, as nn.LayerNorm does", function()
+    local x, w = fsdp.tensor{{1, 2, 3, 4}}, fsdp.ones{4}
+    for _, eps in ipairs{0, -2, 0 / 0} do
+      H.assert_error_has(function() F.layernorm(x, w, nil, eps) end,
+        "layernorm: eps must be a number > 0, got " .. tostring(eps))
+      H.assert_error_has(function() F.add_layernorm(x, x, w, nil, eps) end,
+        "add_layernorm: eps must be a number > 0, got " .. tostring(eps))
+    end
+    assert_close(F.layernorm(x, w, nil, 1e-5), F.layernorm(x, w), 0, "eps 1e-5 is the default")
+  end)
 end)
 
 describe("nn layer forwards", function()

@@ -234,6 +234,15 @@ describe("optim.clip_grad_norm", function()
     m(fsdp.tensor{{3, 4}}):sum():backward() -- grads: weight (3, 4), bias 1
     assert_close(optim.clip_grad_norm(m, 1e9), math.sqrt(26), 1e-6, "norm")
   end)
+
+  it("refuses a limit that is not a finite number > 0, as max_grad_norm does", function()
+    local m = nn.Linear(2, 1)
+    m(fsdp.tensor{{3, 4}}):sum():backward()
+    for _, v in ipairs{0, -1, 0 / 0, math.huge, "1"} do
+      H.assert_error_has(function() optim.clip_grad_norm(m, v) end,
+        "clip_grad_norm: max_norm must be a finite number > 0 (got " .. tostring(v) .. ")")
+    end
+  end)
 end)
 
 describe("max_grad_norm", function()
