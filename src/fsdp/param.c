@@ -25,7 +25,7 @@ int fsdp_param_make(fsdp_tensor *t) {
     memcpy(t->strides, p->strides, sizeof t->strides);
     fsdp_tensor_release(p);
   }
-  t->requires_grad = true;
+  t->requires_grad = fsdp_dtype_is_float(t->dtype); /* only float tensors can */
   t->is_param = true;
   return FSDP_OK;
 }

@@ -14,7 +14,8 @@
 #include "core/core.h"
 
 /* Make t (a leaf) a parameter in place: its values move into a storage of its own, dense and
- * accounted as params, unless they already are; requires_grad and is_param are set. A tensor
+ * accounted as params, unless they already are; is_param is set, and requires_grad when t is of
+ * a float dtype (an integer or bool parameter holds values kept with the model). A tensor
  * computed by a recorded op is an error ("Parameter: tensor (2, 3) was computed by a recorded
  * op; pass a leaf (use detach())"). */
 int fsdp_param_make(fsdp_tensor *t);

@@ -10,6 +10,7 @@
  * Positions are 1-based here (parameter indices, slices) and 0-based in C; offsets are flat
  * element offsets, 0-based as the contract says.
  */
+#include <stdio.h>
 #include <string.h>
 
 #include "comm/comm.h"
@@ -172,7 +173,16 @@ static void contiguous_strides(int64_t *strides, int ndim, const int64_t *shape)
   }
 }
 
-static const char *param_name(const fsdp_tensor *p) { return p->label ? p->label : "parameter"; }
+/* A parameter as messages name it: its label (its path, once a model is wrapped or loaded), or
+ * its dtype and shape ("the f32 parameter (2, 3)") in buf. */
+static const char *param_name_in(char *buf, size_t cap, const fsdp_tensor *p) {
+  if (p->label) return p->label;
+  char shape[96];
+  snprintf(buf, cap, "the %s parameter %s", fsdp_dtype_name(p->dtype),
+           fsdp_shape_str(shape, sizeof shape, p->ndim, p->shape));
+  return buf;
+}
+#define param_name(p) param_name_in((char[128]){0}, 128, (p))
 
 /* core.param_materialize(p [, device]): a parameter on the meta device gets dense, zero-filled
  * storage of its size on device (the cpu by default; role params), in place: the same tensor object, so every reference to it (a tie,
@@ -211,8 +221,8 @@ static int l_param_to(lua_State *L) {
   if (fsdp_param_unit(p))
     luaL_error(L, "to: %s belongs to a unit: move the model before wrapping it (or wrap it "
                "with its parameters where they should live)", param_name(p));
-  if (!fsdp_dtype_is_float(dt))
-    luaL_error(L, "to: %s is a parameter; parameters take a float dtype, not %s", param_name(p),
+  if (dt != p->dtype && !fsdp_dtype_is_float(dt)) /* an integer parameter may keep its own */
+    luaL_error(L, "to: %s: parameters take a float dtype, not %s", param_name(p),
                fsdp_dtype_name(dt));
   if (p->storage->device == dev && p->dtype == dt) {
     lua_settop(L, 1);

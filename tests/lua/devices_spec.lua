@@ -358,7 +358,8 @@ describe("models on another device", function()
     assert.are.equal("bf16", b.wte.weight:dtype())
     assert.are.equal("bf16", b.wte.weight.grad:dtype()) -- gradients move with the parameters
     H.assert_error_has(function() b:to("nowhere") end, "unknown device 'nowhere'")
-    H.assert_error_has(function() b:to("i64") end, "parameters take a float dtype, not i64")
+    H.assert_error_has(function() b:to("i64") end,
+      "to: parameters take a float dtype (f32, bf16, f16, f64), not i64")
   end)
 
   it("wrap{device =} puts a meta model's shards there and materialize fills them", function()

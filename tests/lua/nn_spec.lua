@@ -604,6 +604,41 @@ describe("nn errors", function()
     err(function() nn.MLP(8, nil, {dropout = 0 / 0}) end, "nn.MLP: dropout p must be a number in [0, 1) (got nan)")
   end)
 
+  it("keeps integer and bool parameters without a gradient: saved, skipped by optimizers", function()
+    for _, dt in ipairs{"i64", "bool"} do
+      local p = nn.Parameter(fsdp.ones({2}, {dtype = dt}))
+      assert.is_true(p.is_param)
+      assert.is_false(p.requires_grad, dt)
+      H.assert_error_has(function() p.requires_grad = true end,
+        "requires_grad: only float tensors can require a gradient (this one is " .. dt .. ")")
+    end
+    for _, dt in ipairs{"f32", "bf16", "f16", "f64"} do
+      assert.is_true(nn.Parameter(fsdp.ones({2}, {dtype = dt})).requires_grad, dt)
+    end
+    local N = nn.Module:extend("WithIds")
+    function N:init()
+      self.fc = nn.Linear(2, 2)
+      self.ids = nn.Parameter(fsdp.tensor({3, 2 ^ 40}, {dtype = "i64"}))
+    end
+    function N:forward(x) return self.fc(x) end
+    local m = N()
+    m:freeze():unfreeze() -- unfreeze leaves the integer parameter alone
+    assert.is_true(m.fc.weight.requires_grad)
+    assert.is_false(m.ids.requires_grad)
+    m:to("bf16") -- converts the float parameters only
+    assert.are.equal("bf16", m.fc.weight:dtype())
+    assert.are.equal("i64", m.ids:dtype())
+    m:to("f32")
+    local opt = fsdp.optim.AdamW(m, {lr = 0.1, max_grad_norm = 1})
+    m(fsdp.ones{1, 2}):sum():backward()
+    opt:step()
+    assert.are.same({3, 2 ^ 40}, m.ids:totable())
+    H.assert_error_has(function() m:to("i64") end,
+      "to: parameters take a float dtype (f32, bf16, f16, f64), not i64")
+    H.assert_error_has(function() fsdp.core.param_to(m.fc.weight, "cpu", "i64") end,
+      "to: the f32 parameter (2, 2): parameters take a float dtype, not i64")
+  end)
+
   it("F.layernorm and F.add_layernorm refuse an eps that is not > 0, as nn.LayerNorm does", function()
     local x, w = fsdp.tensor{{1, 2, 3, 4}}, fsdp.ones{4}
     for _, eps in ipairs{0, -2, 0 / 0} do

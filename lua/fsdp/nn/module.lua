@@ -312,17 +312,24 @@ local function params_matching(m, patterns, what)
   return out
 end
 
+-- The dtypes a parameter may require a gradient in (and Module:to may convert it to); a
+-- parameter of another dtype (i64, i32, u8, bool: values kept with the model) never does.
+local FLOAT = {f32 = true, bf16 = true, f16 = true, f64 = true}
+
 local function set_requires_grad(m, patterns, on, what)
   for _, p in ipairs(params_matching(m, patterns, what)) do
-    local ok, err = pcall(function() p.requires_grad = on end)
-    if not ok then util.reraise(err) end
+    if FLOAT[p:dtype()] or on == false then -- unfreeze leaves integer parameters alone
+      local ok, err = pcall(function() p.requires_grad = on end)
+      if not ok then util.reraise(err) end
+    end
   end
   return m
 end
 
 -- freeze([patterns]) -> self: p.requires_grad = false for every parameter whose path (as
 -- named_parameters gives it, relative to self) matches one of the Lua patterns (a string or a
--- list; nil: every parameter). unfreeze([patterns]) -> self sets it back to true. Frozen
+-- list; nil: every parameter). unfreeze([patterns]) -> self sets it back to true, on the
+-- parameters of a float dtype (an integer or bool one never requires a gradient). Frozen
 -- parameters get no gradient, optimizers skip them and, wrapped, their units reduce nothing
 -- for them when every parameter of the unit is frozen (docs/fsdp.md "Freezing parameters").
 function Module:freeze(patterns) return set_requires_grad(self, patterns, false, "freeze") end
@@ -333,16 +340,24 @@ function Module:unfreeze(patterns) return set_requires_grad(self, patterns, true
 -- a sharded model accumulate.
 -- Module:to(device | dtype [, device | dtype]) -> self: every parameter moved in place (the same
 -- parameter objects, so ties and saved references stay; gradients move with them). A model
--- must be moved before it is wrapped (its units' buffers live where its parameters are).
+-- must be moved before it is wrapped (its units' buffers live where its parameters are). The
+-- dtype is a float one; it converts the float parameters only (as PyTorch's Module.to):
+-- integer and bool parameters keep theirs and move to the device.
 function Module:to(a, b)
   local device, dtype
   for _, x in ipairs{a, b} do
     if type(x) ~= "string" then M.raise(("to: expected a device or dtype name (got %s)"):format(type(x))) end
     if core.dtype_name(x) then dtype = x else device = x end
   end
-  for _, p in ipairs(self:parameters()) do
-    local ok, err = pcall(core.param_to, p, device or p.device, dtype)
-    if not ok then util.reraise(err) end
+  if dtype ~= nil and not FLOAT[core.dtype_name(dtype)] then
+    M.raise(("to: parameters take a float dtype (f32, bf16, f16, f64), not %s")
+      :format(core.dtype_name(dtype)))
+  end
+  for path, p in self:named_parameters() do
+    local ok, err = pcall(core.param_to, p, device or p.device, FLOAT[p:dtype()] and dtype or nil)
+    if not ok then
+      util.reraise(("to: %s: %s"):format(path, (util.strip(err):gsub("^to: ", ""))))
+    end
   end
   return self
 end
