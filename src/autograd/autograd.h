@@ -194,7 +194,8 @@ int fsdp_op_cat(fsdp_tensor **out, fsdp_tensor *const *ts, int n, int dim);
 int fsdp_op_stack(fsdp_tensor **out, fsdp_tensor *const *ts, int n, int dim);
 /* Maximum (max true) or minimum of a along dim: values (recorded; the gradient goes to the
  * chosen element) and/or indices (i64, 0-based, not recorded); either out may be NULL. The dim
- * is removed from the shape, unless keepdim. NaN counts as the largest and the smallest. */
+ * is removed from the shape, unless keepdim. NaN counts as the largest and the smallest. Errors
+ * name the op as the user called it: max or min, argmax or argmin when values is NULL. */
 int fsdp_op_extreme(fsdp_tensor **values, fsdp_tensor **indices, fsdp_tensor *a, int dim,
                     bool max, bool keepdim);
 /* The k largest (or smallest) along dim, sorted, with their i64 indices (ties: lower index

@@ -1584,7 +1584,7 @@ done:
 
 int fsdp_op_extreme(fsdp_tensor **values, fsdp_tensor **indices, fsdp_tensor *a, int dim,
                     bool max, bool keepdim) {
-  const char *name = max ? "max" : "min";
+  const char *name = !values ? (max ? "argmax" : "argmin") : max ? "max" : "min";
   if (dim < 0 || dim >= a->ndim)
     return fsdp_error("%s: dimension %d out of range for a tensor %s", name, dim + 1,
                       FSDP_SHAPE_STR(a));

@@ -143,6 +143,22 @@ static void check_sizes(lua_State *L, int n, const int64_t *shape) {
     if (shape[i] < 0) luaL_error(L, "shape entry %d is %d; sizes are integers >= 0", i + 1, (int)shape[i]);
 }
 
+/* The number at idx, or a Lua error naming the function and the argument (a C function called
+ * through pcall or a tail call has no name Lua could give). */
+static lua_Number num_arg(lua_State *L, int idx, const char *fn, const char *what) {
+  if (lua_type(L, idx) != LUA_TNUMBER)
+    luaL_error(L, "bad argument #%d to '%s' (%s: number expected, got %s)", idx, fn, what,
+               luaL_typename(L, idx));
+  return lua_tonumber(L, idx);
+}
+
+/* A Lua error unless idx holds a table, naming the function and the argument. */
+static void table_arg(lua_State *L, int idx, const char *fn, const char *what) {
+  if (!lua_istable(L, idx))
+    luaL_error(L, "bad argument #%d to '%s' (%s: table expected, got %s)", idx, fn, what,
+               luaL_typename(L, idx));
+}
+
 /* ---- constructors ---------------------------------------------------------------------- */
 
 /* Index of an options table argument after a shape given as table or varargs. */
@@ -298,9 +314,9 @@ static int l_full(lua_State *L) {
   double v;
   int opts = 0;
   if (lua_istable(L, 1)) {
-    v = luaL_checknumber(L, 2);
+    v = num_arg(L, 2, "full", "value");
     if (!lua_isnoneornil(L, 3)) {
-      luaL_checktype(L, 3, LUA_TTABLE);
+      table_arg(L, 3, "full", "options");
       if (has_string_key(L, 1))
         luaL_error(L, "full: options given both in the shape table and after the value; give "
                    "them in one place");
@@ -311,7 +327,7 @@ static int l_full(lua_State *L) {
   } else {
     int top = lua_gettop(L);
     if (top < 1) luaL_error(L, "full: expected a shape and a value");
-    v = luaL_checknumber(L, top);
+    v = num_arg(L, top, "full", "value");
     lua_settop(L, top - 1);
   }
   int n = fsdp_lua_check_shape(L, 1, shape);
@@ -416,7 +432,7 @@ static void nested_fill(lua_State *L, int idx, int dim, int n, const int64_t *sh
 static int l_tensor(lua_State *L) {
   int opts = has_string_key(L, 1) ? 1 : 0;
   if (!lua_isnoneornil(L, 2)) {
-    luaL_checktype(L, 2, LUA_TTABLE);
+    table_arg(L, 2, "tensor", "options");
     if (opts)
       luaL_error(L, "tensor: options given both in the table and after it; give them in one "
                  "place");
@@ -429,7 +445,9 @@ static int l_tensor(lua_State *L) {
   int64_t shape[FSDP_MAX_DIMS];
   int n = 0;
   if (lua_type(L, 1) != LUA_TNUMBER) {
-    luaL_checktype(L, 1, LUA_TTABLE);
+    if (!lua_istable(L, 1))
+      luaL_error(L, "bad argument #1 to 'tensor' (values: a number or a nested table of numbers "
+                 "expected, got %s)", luaL_typename(L, 1));
     n = nested_shape(L, 1, shape);
   }
   const fsdp_device_i *host = dev->host_memory || !dev->has_data ? dev : &fsdp_device_cpu;
@@ -540,7 +558,7 @@ static int l_set(lua_State *L) {
     luaL_error(L, "set: tensor %s needs %d positions and a value, got %d arguments",
                FSDP_SHAPE_STR(t), t->ndim, lua_gettop(L) - 1);
   int64_t off = position(L, t, 2, "set");
-  double x = luaL_checknumber(L, t->ndim + 2);
+  double x = num_arg(L, t->ndim + 2, "set", "value");
   char *d = need_data(L, t, "set");
   const fsdp_device_i *dev = t->storage->device;
   unsigned char v[8];
@@ -554,7 +572,7 @@ static int l_set(lua_State *L) {
 
 static int l_fill(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
-  double v = luaL_checknumber(L, 2);
+  double v = num_arg(L, 2, "fill", "value");
   if (fsdp_fill(t, v)) fsdp_lua_error(L);
   fsdp_tensor_written(t);
   lua_settop(L, 1);
@@ -986,6 +1004,8 @@ static fsdp_tensor **tensor_list(lua_State *L, int idx, const char *fn, int *n) 
   for (int i = 0; i < *n; i++) {
     lua_rawgeti(L, idx, i + 1);
     ts[i] = fsdp_lua_to_tensor(L, -1);
+    if (!ts[i] && luaL_testudata(L, -1, FSDP_TENSOR_MT))
+      luaL_error(L, "%s: entry %d is a freed tensor%s", fn, i + 1, FREED_HINT);
     if (!ts[i]) luaL_error(L, "%s: entry %d is a %s, expected a tensor", fn, i + 1, luaL_typename(L, -1));
     lua_pop(L, 1);
   }

@@ -37,7 +37,7 @@ describe("constructors", function()
     assert_error_has(function() fsdp.tensor { {}, { 1 } } end, "ragged")
     assert_error_has(function() fsdp.tensor { 1, "x" } end, "string", "expected a number")
     assert_error_has(function() fsdp.tensor { 1, true } end, "boolean")
-    assert_error_has(function() fsdp.tensor "abc" end, "table expected")
+    assert_error_has(function() fsdp.tensor "abc" end, "bad argument #1 to 'tensor' (values: a number or a nested table")
   end)
 
   it("zeros, ones and full take a table or varargs", function()
@@ -424,6 +424,38 @@ describe("bad arguments never crash", function()
     end
     assert.is_true(fsdp.is_grad_enabled())
     assert.is_true(calls > 10000 and errors > calls / 2)
+  end)
+end)
+
+describe("argument errors name the function", function()
+  it("however the function is called (through pcall, or in a tail call)", function()
+    local t = fsdp.ones{2}
+    local function fails(f, ...)
+      local ok, err = pcall(f, ...)
+      assert.is_false(ok)
+      return err
+    end
+    assert.are.equal("bad argument #1 to 'tensor' (values: a number or a nested table of numbers "
+      .. "expected, got string)", fails(fsdp.tensor, "abc"))
+    assert.are.equal("bad argument #2 to 'tensor' (options: table expected, got string)",
+      fails(fsdp.tensor, {1}, "f32"))
+    assert.are.equal("bad argument #2 to 'full' (value: number expected, got no value)",
+      fails(fsdp.full, {2}))
+    assert.are.equal("bad argument #3 to 'full' (value: number expected, got string)",
+      fails(fsdp.full, 2, 3, "x"))
+    assert.are.equal("bad argument #3 to 'set' (value: number expected, got string)",
+      fails(t.set, t, 1, "x"))
+    assert.are.equal("bad argument #2 to 'fill' (value: number expected, got string)",
+      fails(t.fill, t, "1"))
+    assert_error_has(function() return fsdp.zeros{0}:argmax() end,
+      "argmax: dimension 1 of the tensor (0) is empty")
+    local freed = fsdp.ones{3}
+    freed:free()
+    assert_error_has(function() return fsdp.cat{fsdp.ones{3}, freed} end,
+      "cat: entry 2 is a freed tensor (t:free() was called on it)")
+    assert_error_has(function() return fsdp.stack{freed} end, "stack: entry 1 is a freed tensor")
+    assert_error_has(function() return fsdp.cat{fsdp.ones{3}, 5} end,
+      "cat: entry 2 is a number, expected a tensor")
   end)
 end)
 
