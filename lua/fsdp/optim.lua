@@ -169,13 +169,14 @@ local function slice_zeros(p, n)
   return core.zeros({n}, { role = "optim", device = u and u:shard().device or p.device })
 end
 
--- opts[k] (default when nil): a number, not NaN, >= min and <= max where given.
-local function number_opt(opts, k, default, min, max)
+-- opts[k] (default when nil): a number, not NaN, >= min and <= max where given; errors name
+-- fn (the function given opts).
+local function number_opt(fn, opts, k, default, min, max)
   local v = opts[k]
   if v == nil then v = default end
   if type(v) ~= "number" or v ~= v or (min and v < min) or (max and v > max) then
     local range = max and (" in [%s, %s]"):format(min, max) or min and (" >= " .. min) or ""
-    raise(("%s must be a number%s (got %s)"):format(k, range, tostring(v)))
+    raise(("%s: %s must be a number%s (got %s)"):format(fn, k, range, tostring(v)))
   end
   return v
 end
@@ -509,8 +510,14 @@ end
 -- norm is kept in self.grad_norm. An optimizer whose kernel takes the coefficient (fused_clip:
 -- AdamW) gets it as fn's seventh argument (nil: no scaling) and its gradients are not written
 -- (the pass over them that scaling takes is saved); the others get them scaled in place.
-function Optimizer:each_update(fn)
+function Optimizer:each_update(update)
   self:check_world()
+  -- an update's error names the parameter it was updating
+  local kind = self.kind
+  local function fn(st, p, g, param, path, m, coef)
+    local ok, err = pcall(update, st, p, g, param, path, m, coef)
+    if not ok then error(("%s: parameter %s: %s"):format(kind, path, util.strip(err)), 0) end
+  end
   -- Clipping measures every gradient before any is used: the updates are collected first,
   -- and the lists emptied after use (a compiled trace may keep a closure's upvalue tables as
   -- constants, and with them every gradient view: a frozen unit's gradient shard could then
@@ -566,7 +573,7 @@ function Optimizer:each_update(fn)
     end)
     clear()
     for _, g in ipairs(fresh) do g:free() end
-    if not ok then error(err, 0) end
+    if not ok then util.reraise(err) end
   end)
 end
 
@@ -652,7 +659,9 @@ function Optimizer:load_state_dict(sd)
     local st = {}
     for k, v in pairs(saved) do
       if type(v) == "userdata" then
-        st[k] = self:restore_buffer(p, k, v, sl)
+        local ok, buf = pcall(self.restore_buffer, self, p, k, v, sl)
+        if not ok then raise(("load_state_dict: %s: %s: %s"):format(path, k, util.strip(buf))) end
+        st[k] = buf
       elseif k ~= "param_first" and k ~= "numel" then
         st[k] = v
       end
@@ -1738,9 +1747,9 @@ local function new_schedule(kind, opt, opts, after)
   for _, n in ipairs(NUMBERS[kind]) do names[#names + 1] = n[1] end
   util.check_opts(kind, opts, names)
   local s = setmetatable({kind = kind, opt = opt, k = 0, after = after}, Schedule)
-  s.base_lr = number_opt(opts, "lr", opt.lr, 0)
-  s.warmup = number_opt(opts, "warmup", 0, 0)
-  for _, n in ipairs(NUMBERS[kind]) do s[n[1]] = number_opt(opts, n[1], n[2], n[3], n[4]) end
+  s.base_lr = number_opt(kind, opts, "lr", opt.lr, 0)
+  s.warmup = number_opt(kind, opts, "warmup", 0, 0)
+  for _, n in ipairs(NUMBERS[kind]) do s[n[1]] = number_opt(kind, opts, n[1], n[2], n[3], n[4]) end
   if s.total ~= nil and s.warmup > s.total then
     raise(("%s: warmup (%s) must be <= total (%s)"):format(kind, s.warmup, s.total))
   end

@@ -235,6 +235,27 @@ describe("optim.clip_grad_norm", function()
     assert_close(optim.clip_grad_norm(m, 1e9), math.sqrt(26), 1e-6, "norm")
   end)
 
+  it("names the parameter when its update or its saved state fails", function()
+    local m = nn.Linear(2, 2)
+    m:to("bf16")
+    local o = optim.AdamW(m)
+    m(fsdp.ones({1, 2}, {dtype = "bf16"})):sum():backward()
+    H.assert_error_has(function() o:step() end, "optim_spec.lua:",
+      "AdamW: parameter weight: adamw_step: ")
+    local a = nn.Linear(2, 2)
+    local oa = optim.AdamW(a)
+    a(fsdp.ones{1, 2}):sum():backward()
+    oa:step()
+    local b = nn.Linear(3, 3)
+    local ob = optim.AdamW(b)
+    H.assert_error_has(function() ob:load_state_dict(oa:state_dict()) end, "optim_spec.lua:",
+      "load_state_dict: ", ": copy: shape mismatch")
+    local ok, err = pcall(ob.load_state_dict, ob, oa:state_dict())
+    assert.is_false(ok)
+    assert.truthy(err:find("load_state_dict: weight: exp_avg", 1, true)
+      or err:find("load_state_dict: bias: exp_avg", 1, true), err)
+  end)
+
   it("refuses a limit that is not a finite number > 0, as max_grad_norm does", function()
     local m = nn.Linear(2, 1)
     m(fsdp.tensor{{3, 4}}):sum():backward()
@@ -546,24 +567,24 @@ describe("learning-rate schedules", function()
     end
     for _, kind in ipairs{"cosine", "linear", "constant", "step_lr", "wsd"} do
       raises(kind .. ": second argument must be an options table (got number)", optim[kind], opt, 3)
-      raises("warmup must be a number >= 0 (got -1)", optim[kind], opt, with(kind, {warmup = -1}))
-      raises("lr must be a number >= 0 (got nan)", optim[kind], opt, with(kind, {lr = 0 / 0}))
+      raises(kind .. ": warmup must be a number >= 0 (got -1)", optim[kind], opt, with(kind, {warmup = -1}))
+      raises(kind .. ": lr must be a number >= 0 (got nan)", optim[kind], opt, with(kind, {lr = 0 / 0}))
       raises(kind .. ": unknown option 'wamrup' (valid: ", optim[kind], opt, with(kind, {wamrup = 3}))
     end
     raises("step_lr: unknown option 'total' (valid: gamma, lr, step_size, warmup)", optim.step_lr, opt,
       {step_size = 1, total = 5})
     for _, kind in ipairs{"cosine", "linear", "wsd"} do
-      raises("total must be a number >= 0 (got nil)", optim[kind], opt, {})
-      raises("min_lr must be a number >= 0 (got -0.5)", optim[kind], opt, {total = 5, min_lr = -0.5})
+      raises(kind .. ": total must be a number >= 0 (got nil)", optim[kind], opt, {})
+      raises(kind .. ": min_lr must be a number >= 0 (got -0.5)", optim[kind], opt, {total = 5, min_lr = -0.5})
     end
     for _, kind in ipairs{"cosine", "linear"} do
       raises(kind .. ": warmup (11) must be <= total (10)", optim[kind], opt, {total = 10, warmup = 11})
     end
-    raises("step_size must be a number >= 1 (got nil)", optim.step_lr, opt, {})
-    raises("step_size must be a number >= 1 (got 0)", optim.step_lr, opt, {step_size = 0})
-    raises("gamma must be a number >= 0 (got -1)", optim.step_lr, opt, {step_size = 1, gamma = -1})
-    raises("decay must be a number in [0, 1] (got 1.5)", optim.wsd, opt, {total = 10, decay = 1.5})
-    raises("decay must be a number in [0, 1] (got -0.1)", optim.wsd, opt, {total = 10, decay = -0.1})
+    raises("step_lr: step_size must be a number >= 1 (got nil)", optim.step_lr, opt, {})
+    raises("step_lr: step_size must be a number >= 1 (got 0)", optim.step_lr, opt, {step_size = 0})
+    raises("step_lr: gamma must be a number >= 0 (got -1)", optim.step_lr, opt, {step_size = 1, gamma = -1})
+    raises("wsd: decay must be a number in [0, 1] (got 1.5)", optim.wsd, opt, {total = 10, decay = 1.5})
+    raises("wsd: decay must be a number in [0, 1] (got -0.1)", optim.wsd, opt, {total = 10, decay = -0.1})
     raises("wsd: warmup (9) must end before the decay phase starts (step 8 of 10)",
       optim.wsd, opt, {total = 10, warmup = 9})
     assert.are.equal(1, opt.lr) -- a failed constructor leaves opt.lr alone
