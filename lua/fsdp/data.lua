@@ -209,6 +209,7 @@ function data.fashion_mnist(opts)
     error(("%s: split must be \"train\" or \"test\", got %s"):format(fn, tostring(split)), 2)
   end
   check_count(fn, "batch", opts.batch)
+  if opts.limit ~= nil then check_count(fn, "limit", opts.limit) end
   check_rank_world(fn, opts)
   local dir = opts.dir or "/usr/share/datasets/fashion-mnist"
   local ipath, lpath = dir .. "/" .. files[1], dir .. "/" .. files[2]

@@ -216,11 +216,11 @@ static int l_tok_decode(lua_State *L) {
       luaL_error(L, "tokenizer:decode: id at position %d is a %s, not a number", (int)i + 1,
                  luaL_typename(L, -1));
     lua_Number v = lua_tonumber(L, -1);
-    if (v != floor(v) || v < -2147483648.0 || v > 2147483647.0)
+    if (v != floor(v)) /* NaN too; an infinite id is out of range below */
       luaL_error(L, "tokenizer:decode: id %f at position %d is not an integer id", (double)v,
                  (int)i + 1);
-    if (v < 0 || v >= V)
-      luaL_error(L, "tokenizer:decode: id %d at position %d is out of range [0, %d)", (int)v,
+    if (!(v >= 0 && v < V))
+      luaL_error(L, "tokenizer:decode: id %f at position %d is out of range [0, %d)", (double)v,
                  (int)i + 1, V);
     ids[i] = (int32_t)v;
     lua_pop(L, 1);

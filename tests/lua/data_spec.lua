@@ -243,6 +243,10 @@ describe("fashion_mnist", function()
     assert_error_has(function() data.fashion_mnist { dir = dir } end, "batch must be a positive integer")
     assert_error_has(function() data.fashion_mnist { dir = dir, batch = 0 } end, "batch")
     assert_error_has(function() data.fashion_mnist { dir = dir, batch = 2.5 } end, "batch")
+    for _, limit in ipairs { 0, 1.5, 0 / 0, math.huge } do
+      assert_error_has(function() data.fashion_mnist { dir = dir, batch = 4, limit = limit } end,
+        "data_spec.lua:", "fsdp.data.fashion_mnist: limit must be a positive integer, got " .. tostring(limit))
+    end
     assert_error_has(function() data.fashion_mnist { dir = dir, batch = 4, split = "val" } end,
       'split must be "train" or "test"')
     assert_error_has(function() data.fashion_mnist { dir = dir, batch = 4, rank = 2, world_size = 2 } end,

@@ -132,7 +132,12 @@ describe("fsdp.tokenizer", function()
       "cut.model is not a SentencePiece model")
     assert_error_has(function() tok:decode { 1, 500 } end,
       "tokenizer:decode: id 500 at position 2 is out of range [0, 500)")
-    assert_error_has(function() tok:decode { 1, 2.5 } end, "id 2.5")
+    assert_error_has(function() tok:decode { 1, 2.5 } end, "id 2.5 at position 2 is not an integer id")
+    assert_error_has(function() tok:decode { 2 ^ 40 } end,
+      "tokenizer:decode: id 1099511627776 at position 1 is out of range [0, 500)")
+    assert_error_has(function() tok:decode { -1 } end, "id -1 at position 1 is out of range [0, 500)")
+    assert_error_has(function() tok:decode { 0 / 0 } end, "id nan at position 1 is not an integer id")
+    assert_error_has(function() tok:decode { math.huge } end, "id inf at position 1 is out of range")
     assert_error_has(function() tok:decode("ids") end, "expected a table of ids or a tensor")
     assert_error_has(function() tok:encode(42) end, "tokenizer:encode: expected a string, got number")
     local t = fsdp.tokenizer.load(dir .. "/tok.model")
