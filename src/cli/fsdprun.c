@@ -55,17 +55,21 @@
  * LuaJIT does not run hooks inside compiled traces (`while true do end` never leaves its
  * trace), and a rank may be blocked in C (a kernel, a collective), so the handler also arms a
  * grace timer: if the run has not stopped within FSDP_HOST_GRACE_S seconds, the process prints
- * "fsdprun: interrupted" and exits 130 on its own. A second SIGINT kills at once.
+ * "fsdprun: interrupted" and exits 130 on its own. A second SIGINT kills at once. os.execute is
+ * replaced in every rank's state by one that does not use system(3), which ignores SIGINT in the
+ * whole process while it waits.
  */
 #include <ctype.h>
 #include <errno.h>
 #include <limits.h>
 #include <signal.h>
+#include <spawn.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -253,6 +257,54 @@ static int l_rank_exit(lua_State *L) {
   rc->exiting = true;
   lua_sethook(L, exit_hook, LUA_MASKCALL | LUA_MASKRET | LUA_MASKCOUNT, 1);
   return luaL_error(L, EXIT_UNWIND);
+}
+
+/* ---- os.execute ------------------------------------------------------------------------- */
+
+/* The status of `/bin/sh -c cmd`, as system(3) gives it: a wait status, the exit status 127
+ * when the shell cannot be started, -1 when it cannot be waited for. system(3) itself ignores
+ * SIGINT and SIGQUIT in the whole process while it waits, which would lose a ^C for every rank
+ * (and with it the interrupt and the grace period). The command gets the dispositions that exec
+ * gives it, as under system(3): fsdprun's handled SIGINT is the default again there, an ignored
+ * signal stays ignored; it is in fsdprun's process group, so a ^C at the terminal reaches it too,
+ * while a signal sent to fsdprun's pid alone does not. */
+static int spawn_shell(const char *cmd) {
+  extern char **environ;
+  char *argv[] = {"sh", "-c", (char *)cmd, NULL};
+  pid_t pid;
+  if (posix_spawn(&pid, "/bin/sh", NULL, NULL, argv, environ) != 0) return 127 << 8;
+  int status;
+  pid_t w;
+  while ((w = waitpid(pid, &status, 0)) < 0 && errno == EINTR) {
+  }
+  return w == pid ? status : -1;
+}
+
+/* os.execute([command]) in a rank: LuaJIT's (the status of system(3), or with Lua 5.2
+ * compatibility true|nil, "exit"|"signal", code; without a command whether a shell exists),
+ * but run by spawn_shell. Upvalue: whether LuaJIT has 5.2 compatibility. */
+static int l_rank_execute(lua_State *L) {
+  bool lua52 = lua_toboolean(L, lua_upvalueindex(1));
+  const char *cmd = luaL_optstring(L, 1, NULL);
+  if (cmd == NULL) {
+    if (lua52) lua_pushboolean(L, 1);
+    else lua_pushinteger(L, access("/bin/sh", X_OK) == 0);
+    return 1;
+  }
+  int status = spawn_shell(cmd);
+  if (lua52) return luaL_execresult(L, status);
+  lua_pushinteger(L, status);
+  return 1;
+}
+
+/* Replace os.execute in the rank's state (os on top). LuaJIT built with Lua 5.2 compatibility
+ * makes `goto` a keyword, which is how its os.execute's results are told apart. */
+static void setup_execute(lua_State *L) {
+  bool lua52 = luaL_loadstring(L, "local goto = 1") != 0;
+  lua_pop(L, 1);
+  lua_pushboolean(L, lua52);
+  lua_pushcclosure(L, l_rank_execute, 1);
+  lua_setfield(L, -2, "execute");
 }
 
 static int post_mortem_msgh(lua_State *L);
@@ -516,6 +568,7 @@ static int fsdprun_main(lua_State *L) {
   lua_pushlightuserdata(L, rc);
   lua_pushcclosure(L, l_rank_exit, 1);
   lua_setfield(L, -2, "exit");
+  setup_execute(L);
   lua_pop(L, 1);
   for (int i = 0; i < o->nexec; i++)
     if (dostring(rc, o->exec[i], "=(command line)") != 0) return 0;
