@@ -928,6 +928,19 @@ static int run_mpi_backend(fsdprun_opts *o) {
   return run_mpi_rank(o);
 }
 
+/* The environment that fsdprun reads later, checked before anything runs, as FSDP_THREADS is:
+ * a launcher's local rank variables (read by one rank of a process: no -n, -n 1, under
+ * mpirun). Returns 0, or
+ * EXIT_USAGE after reporting the malformed variable. */
+static int check_env(const fsdprun_opts *o) {
+  int nranks = o->ranked && !mpi_launched() ? o->nranks : 1;
+  if (fsdp_host_local_env_check(nranks) != FSDP_OK) {
+    fprintf(stderr, PROGNAME ": %s\n", fsdp_error_msg());
+    return EXIT_USAGE;
+  }
+  return 0;
+}
+
 /* ---- command line ---------------------------------------------------------------------- */
 
 static void print_usage(FILE *f) {
@@ -1156,7 +1169,7 @@ int main(int argc, char **argv) {
     return EXIT_FAILURE;
   }
   int rc = parse_args(&o);
-  if (rc < 0 && setup_threads(&o) != 0) rc = EXIT_USAGE;
+  if (rc < 0 && (setup_threads(&o) != 0 || check_env(&o) != 0)) rc = EXIT_USAGE;
   if (rc >= 0) {
     free(o.exec);
     return rc;

@@ -460,31 +460,63 @@ static void release(fsdp_host *h) {
   if (atomic_fetch_sub(&h->refs, 1) == 1) destroy(h);
 }
 
-/* The rank's index among this machine's ranks (devices pick theirs from it): the thread's rank
- * when the host runs several, else the launcher's (mpirun, torchrun-style) LOCAL_RANK. */
-static int local_rank(const fsdp_host *h, const fsdp_host_rank *r) {
-  if (h->nranks > 1) return r->rank;
-  const char *names[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_RANK"};
-  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+/* A launcher's local rank or local world size: the first of `names` that is set and not empty,
+ * an integer in lo .. FSDP_HOST_MAX_LOCAL (no sign, no blanks). Returns 1 with *out set, 0 when
+ * none is set, -1 (the error set, naming the variable) when the one that decides is malformed:
+ * atoi would wrap a huge value, take "-1" and "3x", and LOCAL_RANK + 1 could overflow. */
+static int env_local(const char *const names[2], long lo, int *out, bool report) {
+  for (int i = 0; i < 2; i++) {
     const char *v = getenv(names[i]);
-    if (v && *v) return atoi(v);
+    if (v == NULL || v[0] == '\0') continue;
+    char *end;
+    errno = 0;
+    long x = strtol(v, &end, 10);
+    if (v[0] < '0' || v[0] > '9' || errno != 0 || *end != '\0' || x < lo ||
+        x > (lo == 0 ? FSDP_HOST_MAX_LOCAL - 1 : FSDP_HOST_MAX_LOCAL)) {
+      if (!report) return -1;
+      if (lo == 0)
+        fsdp_error("%s='%s' must be a non-negative integer (below %d)", names[i], v,
+                   FSDP_HOST_MAX_LOCAL);
+      else
+        fsdp_error("%s='%s' must be a positive integer (at most %d)", names[i], v,
+                   FSDP_HOST_MAX_LOCAL);
+      return -1;
+    }
+    *out = (int)x;
+    return 1;
   }
   return 0;
+}
+
+static const char *const LOCAL_RANK_VARS[2] = {"OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_RANK"};
+static const char *const LOCAL_SIZE_VARS[2] = {"OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE"};
+
+int fsdp_host_local_env_check(int nranks) {
+  if (nranks > 1) return FSDP_OK; /* rank threads: their own indices, the variables unread */
+  int v;
+  if (env_local(LOCAL_RANK_VARS, 0, &v, true) < 0 || env_local(LOCAL_SIZE_VARS, 1, &v, true) < 0)
+    return FSDP_ERR;
+  return FSDP_OK;
+}
+
+/* The rank's index among this machine's ranks (devices pick theirs from it): the thread's rank
+ * when the host runs several, else the launcher's (mpirun, torchrun-style) LOCAL_RANK; 0 for a
+ * malformed one, which fsdp_host_new refused already. */
+static int local_rank(const fsdp_host *h, const fsdp_host_rank *r) {
+  if (h->nranks > 1) return r->rank;
+  int v;
+  return env_local(LOCAL_RANK_VARS, 0, &v, false) == 1 ? v : 0;
 }
 
 void fsdp_host_rank_local(const fsdp_host_rank *r, int *local, int *local_world) {
   const fsdp_host *h = r->host;
   *local = local_rank(h, r);
   *local_world = h->nranks;
-  const char *names[] = {"OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE"};
-  for (size_t i = 0; h->nranks == 1 && i < sizeof names / sizeof names[0]; i++) {
-    const char *v = getenv(names[i]);
-    if (v && *v) {
-      *local_world = atoi(v);
-      break;
-    }
-  }
-  if (*local_world <= *local) *local_world = *local + 1; /* a launcher's values that disagree */
+  int v;
+  if (h->nranks == 1 && env_local(LOCAL_SIZE_VARS, 1, &v, false) == 1) *local_world = v;
+  /* a launcher that set only LOCAL_RANK, or values that disagree: the rank is still one of
+   * local_world (below 2^20, so no overflow) */
+  if (*local_world <= *local) *local_world = *local + 1;
 }
 
 static void *rank_thread(void *arg) {
@@ -620,6 +652,11 @@ static fsdp_host *host_alloc(const fsdp_host_opts *opts) {
 
 int fsdp_host_new(fsdp_host **out, const fsdp_host_opts *opts) {
   *out = NULL;
+  if (fsdp_host_local_env_check(opts->nranks > 0 ? opts->nranks : 1) != FSDP_OK) {
+    fsdp_comm_free(opts->comm);
+    fsdp_comm_free(opts->ctl_comm);
+    return FSDP_ERR;
+  }
   fsdp_host *h = host_alloc(opts);
   if (h == NULL) {
     fsdp_comm_free(opts->comm);

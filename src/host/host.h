@@ -117,6 +117,13 @@ fsdp_host_rank *fsdp_host_current(void);
  * (OMPI_COMM_WORLD_LOCAL_RANK / _SIZE, else LOCAL_RANK / LOCAL_WORLD_SIZE, else 0 of 1): the
  * local rank devices are bound by. */
 void fsdp_host_rank_local(const fsdp_host_rank *r, int *local, int *local_world);
+/* Most ranks on one machine that a launcher's local variables may describe. */
+#define FSDP_HOST_MAX_LOCAL 1048576
+/* Whether the launcher's local variables that a host of nranks ranks reads (only one of a single
+ * rank does: OMPI_COMM_WORLD_LOCAL_RANK / _SIZE, else LOCAL_RANK / LOCAL_WORLD_SIZE) are well
+ * formed: FSDP_OK, or FSDP_ERR naming the malformed one ("LOCAL_RANK='x' must be a non-negative
+ * integer (below 1048576)"). fsdp_host_new refuses to start on the same. */
+int fsdp_host_local_env_check(int nranks);
 
 /* ---- jobs ------------------------------------------------------------------------------------ */
 
