@@ -62,6 +62,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <limits.h>
+#include <math.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdatomic.h>
@@ -1004,12 +1005,14 @@ static bool parse_positive_int(const char *s, int *out) {
   return true;
 }
 
+/* A timeout: any finite number of seconds > 0, as FSDP_TIMEOUT takes (a huge one is no limit in
+ * practice: the communicators cap their waits at about 30 years). */
 static bool parse_seconds(const char *s, double *out) {
   if ((s[0] < '0' || s[0] > '9') && s[0] != '.') return false;
   errno = 0;
   char *end;
   double v = strtod(s, &end);
-  if (errno != 0 || *end != '\0' || !(v > 0) || v > 1e9) return false;
+  if (errno != 0 || *end != '\0' || !(v > 0) || !isfinite(v)) return false;
   *out = v;
   return true;
 }
@@ -1177,7 +1180,7 @@ int main(int argc, char **argv) {
   if (o.timeout > 0) {
     /* for communicators made later without fsdprun's help (the world of one reads it too) */
     char val[32];
-    snprintf(val, sizeof val, "%g", o.timeout);
+    snprintf(val, sizeof val, "%.17g", o.timeout);
     setenv("FSDP_TIMEOUT", val, 1);
   }
   setup_progress(&o);

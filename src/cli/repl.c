@@ -35,6 +35,7 @@
 #include <errno.h>
 #include <histedit.h>
 #include <limits.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -814,12 +815,14 @@ static void set_prompt(repl *R) {
   else snprintf(R->prompt, sizeof R->prompt, "fsdp[%d]> ", R->target);
 }
 
+/* A timeout: any finite number of seconds > 0, as --timeout and FSDP_TIMEOUT take (a huge one
+ * is no limit in practice: the communicators cap their waits at about 30 years). */
 static bool parse_seconds(const char *s, double *out) {
   char *end;
   errno = 0;
   double v = strtod(s, &end);
   while (*end == ' ' || *end == '\t') end++;
-  if (end == s || *end != '\0' || errno != 0 || !(v > 0) || v > 1e9) return false;
+  if (end == s || *end != '\0' || errno != 0 || !(v > 0) || !isfinite(v)) return false;
   *out = v;
   return true;
 }

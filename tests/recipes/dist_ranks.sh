@@ -120,7 +120,20 @@ check_usage "-n 2.5" "-n '2.5'" -n 2.5 "$T/ok.lua"
 check_usage "-n 5000" "-n '5000': at most 1024 ranks" -n 5000 "$T/ok.lua"
 check_usage "--timeout=0" "--timeout '0': the timeout must be a positive number of seconds" --timeout=0 -n 2 "$T/ok.lua"
 check_usage "--timeout=abc" "--timeout 'abc'" --timeout=abc "$T/ok.lua"
+check_usage "--timeout=1e400" "--timeout '1e400': the timeout must be a positive number of seconds" --timeout=1e400 "$T/ok.lua"
+check_usage "--timeout=inf" "--timeout 'inf'" --timeout=inf "$T/ok.lua"
 check_usage "--timeout" "--timeout needs a number of seconds" --timeout
+# any finite timeout is taken, as FSDP_TIMEOUT takes it (a huge one: no limit in practice)
+for t in 1e12 1e300; do
+  run "$FSDPRUN" --timeout=$t -n 2 -e "local c = require 'fsdp.core'
+if require('fsdp').rank() == 0 then print(c.timeout() == $t, tonumber(os.getenv('FSDP_TIMEOUT')) == $t) end
+require('fsdp').barrier()"
+  expect_rc 0 "--timeout=$t"
+  expect_out "true	true" "--timeout=$t"
+  run env FSDP_TIMEOUT=$t "$FSDPRUN" -e "print(require('fsdp.core').timeout() == $t)"
+  expect_rc 0 "FSDP_TIMEOUT=$t"
+  expect_out "true" "FSDP_TIMEOUT=$t"
+done
 run env FSDP_BLAS_THREADS=many "$FSDPRUN" -n 2 "$T/ok.lua"
 expect_rc 2 "FSDP_BLAS_THREADS=many"
 expect_has err "FSDP_BLAS_THREADS='many' must be a positive integer" "FSDP_BLAS_THREADS=many"

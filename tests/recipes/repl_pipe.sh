@@ -220,4 +220,23 @@ repl '1 + 1
 expect_rc 0 "-n 1"
 expect_out "2" "-n 1 prints plainly"
 
+# ---- the timeout: any finite number, FSDP_REPL_TIMEOUT, the one in force ---------------------
+# any finite number of seconds, as --timeout and FSDP_TIMEOUT take (1e300: no limit in practice)
+repl ':timeout 1e300
+:timeout
+fsdp.core.timeout() == 1e300
+:timeout 1e400
+:timeout inf
+' -n 2 -i
+expect_rc 0 ":timeout 1e300"
+expect_out "(a collective now waits 1e+300 s for the other ranks)
+(a collective waits 1e+300 s for the other ranks)
+[0-1] true" ":timeout 1e300"
+expect_has err "fsdprun: :timeout needs a positive number of seconds (got '1e400')" ":timeout 1e400"
+expect_has err "fsdprun: :timeout needs a positive number of seconds (got 'inf')" ":timeout inf"
+printf ':timeout\n' | FSDP_REPL_TIMEOUT=1e300 timeout 30 "$FSDPRUN" -n 2 -i >"$T/out" 2>"$T/err"
+rc=$?
+expect_rc 0 "FSDP_REPL_TIMEOUT=1e300"
+expect_out "(a collective waits 1e+300 s for the other ranks)" "FSDP_REPL_TIMEOUT=1e300"
+
 finish
