@@ -930,13 +930,18 @@ static int run_mpi_backend(fsdprun_opts *o) {
 }
 
 /* The environment that fsdprun reads later, checked before anything runs, as FSDP_THREADS is:
- * a launcher's local rank variables (read by one rank of a process: no -n, -n 1, under
- * mpirun). Returns 0, or
+ * a launcher's local rank variables (read by one rank of a process: no -n, -n 1, under mpirun)
+ * and FSDP_REPL_TIMEOUT (the REPL may open from any recipe, fsdp.debug()). Returns 0, or
  * EXIT_USAGE after reporting the malformed variable. */
 static int check_env(const fsdprun_opts *o) {
   int nranks = o->ranked && !mpi_launched() ? o->nranks : 1;
   if (fsdp_host_local_env_check(nranks) != FSDP_OK) {
     fprintf(stderr, PROGNAME ": %s\n", fsdp_error_msg());
+    return EXIT_USAGE;
+  }
+  char err[256];
+  if (fsdp_repl_env_timeout(NULL, err, sizeof err) != 0) {
+    fprintf(stderr, PROGNAME ": %s\n", err);
     return EXIT_USAGE;
   }
   return 0;

@@ -994,10 +994,23 @@ static void show_single(repl *R) {
   rb_free(&err);
 }
 
-static double repl_timeout_default(const fsdp_repl_host *h) {
+int fsdp_repl_env_timeout(double *out, char *err, size_t errn) {
   const char *env = getenv("FSDP_REPL_TIMEOUT");
+  double t = 0;
+  if (env != NULL && env[0] != '\0' && !parse_seconds(env, &t)) {
+    snprintf(err, errn, "FSDP_REPL_TIMEOUT='%s' must be a positive number of seconds", env);
+    return -1;
+  }
+  if (out != NULL) *out = t;
+  return 0;
+}
+
+/* FSDP_REPL_TIMEOUT, else 10 s or the communicator's timeout if shorter. A malformed variable
+ * (fsdprun refused it at start) counts as unset. */
+static double repl_timeout_default(const fsdp_repl_host *h) {
   double t;
-  if (env && parse_seconds(env, &t)) return t;
+  char err[160];
+  if (fsdp_repl_env_timeout(&t, err, sizeof err) == 0 && t > 0) return t;
   double def = REPL_DEFAULT_TIMEOUT;
   if (h->comm && fsdp_comm_timeout(h->comm) < def) def = fsdp_comm_timeout(h->comm);
   return def;

@@ -61,6 +61,11 @@ int fsdp_repl_run(const fsdp_repl_host *h, lua_State *L, const char *where, char
 int fsdp_repl_post_mortem(const fsdp_repl_host *h, lua_State *L, const char *where, char *err,
                           size_t errn);
 
+/* FSDP_REPL_TIMEOUT, the REPL's collective timeout, from the environment: 0 with *out (when not
+ * NULL) its seconds, or 0 when it is unset or empty; -1 with a message naming it in err when it
+ * is not a finite number of seconds > 0. fsdprun refuses to start on the latter. */
+int fsdp_repl_env_timeout(double *out, char *err, size_t errn);
+
 /* While an input is evaluated on a rank of a world > 1, `print` output is collected so that
  * rank 0 can group it: returns true when s was taken (the launcher's print then writes
  * nothing). Thread-local: only the evaluating rank's thread is affected. */

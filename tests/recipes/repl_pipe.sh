@@ -239,4 +239,14 @@ rc=$?
 expect_rc 0 "FSDP_REPL_TIMEOUT=1e300"
 expect_out "(a collective waits 1e+300 s for the other ranks)" "FSDP_REPL_TIMEOUT=1e300"
 
+# a malformed FSDP_REPL_TIMEOUT stops fsdprun before it runs anything, as FSDP_THREADS does
+for bad in abc -1 0 1e400 inf; do
+  printf '"ran"\n' | FSDP_REPL_TIMEOUT=$bad timeout 30 "$FSDPRUN" -n 2 -i >"$T/out" 2>"$T/err"
+  rc=$?
+  expect_rc 2 "FSDP_REPL_TIMEOUT=$bad"
+  expect_out "" "FSDP_REPL_TIMEOUT=$bad ran the input"
+  expect_has err "fsdprun: FSDP_REPL_TIMEOUT='$bad' must be a positive number of seconds" \
+    "FSDP_REPL_TIMEOUT=$bad"
+done
+
 finish
