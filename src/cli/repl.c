@@ -873,7 +873,9 @@ static bool command(repl *R, const char *line) {
   }
   if (IS("timeout")) {
     if (arg[0] == '\0') {
-      snprintf(buf, sizeof buf, "(a collective waits %g s for the other ranks)\n", R->timeout);
+      /* the communicator's own: an input may have changed it (fsdp.core.set_timeout) */
+      double t = h->comm ? fsdp_comm_timeout(h->comm) : R->timeout;
+      snprintf(buf, sizeof buf, "(a collective waits %g s for the other ranks)\n", t);
       out_str(R, stdout, buf);
       return false;
     }

@@ -249,4 +249,11 @@ for bad in abc -1 0 1e400 inf; do
     "FSDP_REPL_TIMEOUT=$bad"
 done
 
+# :timeout shows the communicator's timeout, also after an input changed it
+repl 'fsdp.core.set_timeout(1)
+:timeout
+' -n 2 -i
+expect_rc 0 ":timeout after fsdp.core.set_timeout"
+expect_out "(a collective waits 1 s for the other ranks)" ":timeout after fsdp.core.set_timeout"
+
 finish
