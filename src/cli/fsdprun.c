@@ -1081,23 +1081,30 @@ static int parse_args(fsdprun_opts *o) {
     }
     const char *val;
     if (long_option(a, "--timeout", argc, argv, &i, &val)) {
-      if (val == NULL) return usage_error("--timeout needs a number of seconds%s%s", "", "");
+      if (val == NULL)
+        return usage_error("--timeout needs a value: a positive number of seconds%s%s", "", "");
       if (!parse_seconds(val, &o->timeout))
         return usage_error("--timeout '%s': the timeout must be a positive number of seconds%s",
                            val, "");
       continue;
     }
     if (long_option(a, "--progress", argc, argv, &i, &val)) {
+      if (val == NULL)
+        return usage_error("--progress needs a value: 'auto', 'bar', 'line' or 'off'%s%s", "",
+                           "");
       if (!one_of(val, (const char *const[]){"auto", "bar", "line", "off", NULL}))
         return usage_error("--progress '%s': expected 'auto', 'bar', 'line' or 'off'%s",
-                           val ? val : "", "");
+                           val, "");
       o->progress = val;
       continue;
     }
     if (long_option(a, "--backend", argc, argv, &i, &val)) {
+      if (val == NULL)
+        return usage_error("--backend needs a value: 'local', 'mpi', 'nccl' or 'auto'%s%s", "",
+                           "");
       if (!one_of(val, (const char *const[]){"local", "mpi", "nccl", "auto", NULL}))
-        return usage_error("--backend '%s': expected 'local', 'mpi', 'nccl' or 'auto'%s",
-                           val ? val : "", "");
+        return usage_error("--backend '%s': expected 'local', 'mpi', 'nccl' or 'auto'%s", val,
+                           "");
       o->nccl = strcmp(val, "nccl") == 0;
       o->auto_backend = strcmp(val, "auto") == 0;
       o->backend = o->nccl || o->auto_backend ? NULL : val;

@@ -122,7 +122,11 @@ check_usage "--timeout=0" "--timeout '0': the timeout must be a positive number 
 check_usage "--timeout=abc" "--timeout 'abc'" --timeout=abc "$T/ok.lua"
 check_usage "--timeout=1e400" "--timeout '1e400': the timeout must be a positive number of seconds" --timeout=1e400 "$T/ok.lua"
 check_usage "--timeout=inf" "--timeout 'inf'" --timeout=inf "$T/ok.lua"
-check_usage "--timeout" "--timeout needs a number of seconds" --timeout
+# an option whose value is missing says so, rather than naming an empty value
+check_usage "--timeout" "fsdprun: --timeout needs a value: a positive number of seconds (try" --timeout
+check_usage "--backend" "fsdprun: --backend needs a value: 'local', 'mpi', 'nccl' or 'auto' (try" --backend
+check_usage "--progress" "fsdprun: --progress needs a value: 'auto', 'bar', 'line' or 'off' (try" --progress
+check_usage "--backend=" "fsdprun: --backend '': expected 'local'" --backend= "$T/ok.lua"
 # any finite timeout is taken, as FSDP_TIMEOUT takes it (a huge one: no limit in practice)
 for t in 1e12 1e300; do
   run "$FSDPRUN" --timeout=$t -n 2 -e "local c = require 'fsdp.core'
