@@ -4,8 +4,7 @@
  * calling thread's current communicator, and the world of one.
  *
  * Threads and locks: everything mutable in a fsdp_comm is guarded by c->mu, except what only
- * the thread running a collective touches (run_check_labels, run_full_check, read by the backend on that same
- * thread). The backend runs with c->mu released, so stats and the recorder stay readable while
+ * the thread running a collective touches (run_full_check, read by the backend on that same thread). The backend runs with c->mu released, so stats and the recorder stay readable while
  * a collective blocks. One collective runs at a time per communicator: on the worker thread, or
  * inline on the caller when nothing is queued or running (a blocking call with an idle queue;
  * any call on a world of one, which never waits). Requests leave the queue in FIFO order, which
@@ -47,18 +46,10 @@ typedef struct rec_entry {
   rec_state state;
 } rec_entry;
 
-/* The set of labels this communicator has used (their first use takes part in the
- * fingerprint). Open addressing, power-of-two capacity, at most half full. */
-typedef struct label_set {
-  char **slots;
-  size_t cap, n;
-} label_set;
-
 struct fsdp_comm_req {
   fsdp_comm *c;
   fsdp_coll coll;
   uint64_t seq;
-  bool check_labels;
   bool full_check;
   bool done;    /* guarded by c->mu */
   int rc;
@@ -85,9 +76,7 @@ struct fsdp_comm {
 
   double timeout;         /* seconds, > 0 */
   double default_timeout; /* the creator's, else FSDP_TIMEOUT or 60 */
-  bool debug;
   bool full_check; /* FSDP_COMM_CHECK=full: every rank's fingerprint reaches every rank */
-  label_set labels;
   fsdp_comm_stats stats;
   rec_entry rec[FSDP_COMM_RECORDER];
 
@@ -98,7 +87,6 @@ struct fsdp_comm {
   /* fsdp_comm_set_refuse's message ("" when collectives are allowed); under mu */
   char refuse[FSDP_COMM_MSG_CAP];
 
-  bool run_check_labels; /* the running collective's; only its running thread touches it */
   bool run_full_check;   /* likewise */
 
   /* the family (fsdp_comm_split): links under g_family_mu */
@@ -141,12 +129,12 @@ static const char *coll_place(const fsdp_coll *k) {
   return k->device && !k->device->host_memory ? k->device->name : "host";
 }
 
-bool fsdp_coll_matches(const fsdp_coll *a, const fsdp_coll *b, bool labels) {
+bool fsdp_coll_matches(const fsdp_coll *a, const fsdp_coll *b) {
   if (a->op != b->op || a->dtype != b->dtype || a->count != b->count) return false;
   if (strcmp(coll_place(a), coll_place(b)) != 0) return false;
   if (op_has_red(a->op) && a->red != b->red) return false;
   if (a->op == FSDP_COLL_BROADCAST && a->root != b->root) return false;
-  if (labels && strncmp(a->label, b->label, sizeof a->label) != 0) return false;
+  if (strncmp(a->label, b->label, sizeof a->label) != 0) return false;
   return true;
 }
 
@@ -160,7 +148,7 @@ static uint64_t mix64(uint64_t x) {
   return x;
 }
 
-uint64_t fsdp_coll_hash(const fsdp_coll *k, uint64_t seq, bool labels) {
+uint64_t fsdp_coll_hash(const fsdp_coll *k, uint64_t seq) {
   /* exactly what fsdp_coll_matches compares (red and root only where they apply), and seq */
   uint64_t h = mix64(seq ^ 0x6673647072756e31ull);
   h = mix64(h ^ (uint64_t)k->op);
@@ -170,22 +158,16 @@ uint64_t fsdp_coll_hash(const fsdp_coll *k, uint64_t seq, bool labels) {
   h = mix64(h ^ (k->op == FSDP_COLL_BROADCAST ? (uint64_t)(uint32_t)k->root + 1 : 0));
   for (const char *p = coll_place(k); *p; p++) h = (h ^ (unsigned char)*p) * 1099511628211ull;
   h = mix64(h);
-  if (labels) {
-    size_t n = strnlen(k->label, sizeof k->label);
-    for (size_t i = 0; i < n; i++) h = (h ^ (unsigned char)k->label[i]) * 1099511628211ull;
-    h = mix64(h ^ n);
-  }
-  return h;
+  size_t n = strnlen(k->label, sizeof k->label);
+  for (size_t i = 0; i < n; i++) h = (h ^ (unsigned char)k->label[i]) * 1099511628211ull;
+  return mix64(h ^ n);
 }
 
 void fsdp_coll_check_init(uint64_t v[FSDP_CHECK_WORDS], const fsdp_coll *k, uint64_t seq,
-                          bool check_labels, bool full) {
-  uint64_t a = fsdp_coll_hash(k, seq, false), b = fsdp_coll_hash(k, seq, true);
-  v[0] = a;
-  v[1] = ~a;
-  v[2] = b;
-  v[3] = ~b;
-  v[4] = check_labels;
+                          bool full) {
+  uint64_t h = fsdp_coll_hash(k, seq);
+  v[0] = h;
+  v[1] = ~h;
   v[FSDP_CHECK_FULL] = full;
 }
 
@@ -196,8 +178,7 @@ void fsdp_coll_check_fold(uint64_t acc[FSDP_CHECK_WORDS], const uint64_t v[FSDP_
 
 bool fsdp_coll_check_agrees(const uint64_t acc[FSDP_CHECK_WORDS]) {
   /* max(h) == min(h) = ~max(~h): every rank's hash is the same */
-  if (acc[0] != ~acc[1]) return false;
-  return !acc[4] || acc[2] == ~acc[3];
+  return acc[0] == ~acc[1];
 }
 
 char *fsdp_coll_describe(char *buf, size_t n, const fsdp_coll *coll) {
@@ -256,50 +237,6 @@ int64_t fsdp_coll_bytes(const fsdp_coll *coll, int world) {
   }
 }
 
-/* ---- label set -------------------------------------------------------------------------- */
-
-static uint64_t hash_str(const char *s) {
-  uint64_t h = 1469598103934665603ull; /* FNV-1a */
-  for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
-  return h;
-}
-
-/* Add label; true when it was not there yet. On OOM the label counts as new (an extra
- * comparison is harmless; a missed one is not). */
-static bool label_set_add(label_set *ls, const char *label) {
-  if (2 * (ls->n + 1) > ls->cap) {
-    size_t cap = ls->cap ? 2 * ls->cap : 64;
-    char **slots = calloc(cap, sizeof *slots);
-    if (!slots) return true;
-    for (size_t i = 0; i < ls->cap; i++) {
-      if (!ls->slots[i]) continue;
-      size_t j = hash_str(ls->slots[i]) & (cap - 1);
-      while (slots[j]) j = (j + 1) & (cap - 1);
-      slots[j] = ls->slots[i];
-    }
-    free(ls->slots);
-    ls->slots = slots;
-    ls->cap = cap;
-  }
-  size_t j = hash_str(label) & (ls->cap - 1);
-  while (ls->slots[j]) {
-    if (strcmp(ls->slots[j], label) == 0) return false;
-    j = (j + 1) & (ls->cap - 1);
-  }
-  char *copy = strdup(label);
-  if (!copy) return true;
-  ls->slots[j] = copy;
-  ls->n++;
-  return true;
-}
-
-static void label_set_free(label_set *ls) {
-  for (size_t i = 0; i < ls->cap; i++) free(ls->slots[i]);
-  free(ls->slots);
-  ls->slots = NULL;
-  ls->cap = ls->n = 0;
-}
-
 /* ---- environment ------------------------------------------------------------------------ */
 
 static int env_timeout(double *out, bool strict) {
@@ -333,13 +270,6 @@ static int env_full_check(bool *out, bool strict) {
   return fsdp_error("FSDP_COMM_CHECK: expected 'hash' or 'full', got '%s'", s);
 }
 
-static bool env_debug(void) {
-  const char *s = getenv("FSDP_DEBUG");
-  if (!s) return false;
-  return strcmp(s, "1") == 0 || strcasecmp(s, "true") == 0 || strcasecmp(s, "yes") == 0 ||
-         strcasecmp(s, "on") == 0;
-}
-
 /* ---- creation ------------------------------------------------------------------------------ */
 
 /* timeout > 0: the default timeout, given by the creator in place of FSDP_TIMEOUT, which is then
@@ -359,7 +289,6 @@ static int comm_create(fsdp_comm **out, const fsdp_comm_i *vt, void *impl, int r
   c->world = world;
   c->t0 = now_s();
   c->timeout = c->default_timeout = timeout;
-  c->debug = env_debug();
   c->full_check = full_check;
   c->family_rank = rank;
   pthread_mutex_init(&c->mu, NULL);
@@ -385,7 +314,6 @@ int fsdp_comm_new_backend(fsdp_comm **out, const fsdp_comm_i *vt, void *impl, in
 
 void *fsdp_comm_impl(const fsdp_comm *c) { return c->impl; }
 
-bool fsdp_comm_check_labels(const fsdp_comm *c) { return c->run_check_labels; }
 
 int fsdp_comm_rank(const fsdp_comm *c) { return c->rank; }
 int fsdp_comm_world(const fsdp_comm *c) { return c->world; }
@@ -503,12 +431,6 @@ double fsdp_comm_timeout(const fsdp_comm *c) {
   return t;
 }
 
-void fsdp_comm_set_debug(fsdp_comm *c, bool on) {
-  pthread_mutex_lock(&c->mu);
-  c->debug = on;
-  pthread_mutex_unlock(&c->mu);
-}
-
 void fsdp_comm_set_full_check(fsdp_comm *c, bool on) {
   pthread_mutex_lock(&c->mu);
   c->full_check = on;
@@ -516,14 +438,6 @@ void fsdp_comm_set_full_check(fsdp_comm *c, bool on) {
 }
 
 bool fsdp_comm_full_check(const fsdp_comm *c) { return c->run_full_check; }
-
-bool fsdp_comm_debug(const fsdp_comm *c) {
-  fsdp_comm *m = (fsdp_comm *)c;
-  pthread_mutex_lock(&m->mu);
-  bool on = c->debug;
-  pthread_mutex_unlock(&m->mu);
-  return on;
-}
 
 void fsdp_comm_abort(fsdp_comm *c, const char *msg) {
   if (!c) return;
@@ -736,7 +650,6 @@ static void exec_begin(fsdp_comm *c, fsdp_comm_req *r) {
     e->state = REC_RUNNING;
     e->t_start = now_s();
   }
-  c->run_check_labels = r->check_labels;
   c->run_full_check = r->full_check;
   bool own_poison = !c->vt->abort && c->poisoned;
   char poison[FSDP_COMM_MSG_CAP];
@@ -841,8 +754,6 @@ static int issue(fsdp_comm *c, const fsdp_coll *coll, bool blocking, fsdp_comm_r
     c->worker_started = true;
   }
   r->seq = ++c->seq;
-  bool first_use = label_set_add(&c->labels, r->coll.label);
-  r->check_labels = c->debug || first_use;
   r->full_check = c->full_check;
   rec_entry *e = &c->rec[r->seq % FSDP_COMM_RECORDER];
   memset(e, 0, sizeof *e);
@@ -1019,7 +930,6 @@ void fsdp_comm_free(fsdp_comm *c) {
     free(r);
   }
   if (c->vt->free) c->vt->free(c);
-  label_set_free(&c->labels);
   pthread_cond_destroy(&c->done_cv);
   pthread_cond_destroy(&c->work_cv);
   pthread_mutex_destroy(&c->mu);
@@ -1171,10 +1081,9 @@ int fsdp_comm_split(fsdp_comm *c, int color, int key, fsdp_comm **out) {
   /* the parent's settings, its family, its rank for messages */
   pthread_mutex_lock(&c->mu);
   double timeout = c->timeout;
-  bool debug = c->debug, full = c->full_check;
+  bool full = c->full_check;
   pthread_mutex_unlock(&c->mu);
   fsdp_comm_set_timeout(sub, timeout);
-  fsdp_comm_set_debug(sub, debug);
   fsdp_comm_set_full_check(sub, full);
   pthread_mutex_lock(&g_family_mu);
   sub->family_rank = c->family_rank;

@@ -156,7 +156,7 @@ int fsdp_comm_local_new(fsdp_comm **out, fsdp_local_group *g, int rank);
 int fsdp_comm_single_new(fsdp_comm **out);
 
 /* Creation reads FSDP_TIMEOUT (seconds > 0; not when the group has a timeout of its own:
- * fsdp_local_group_set_timeout), FSDP_DEBUG (1/true/yes/on) and FSDP_COMM_CHECK (hash/full) from
+ * fsdp_local_group_set_timeout) and FSDP_COMM_CHECK (hash/full) from
  * the environment; a malformed FSDP_TIMEOUT or FSDP_COMM_CHECK is an error naming it. */
 
 /* Waits for queued collectives (each finishes, fails on a poisoned group, or times out), frees
@@ -285,16 +285,14 @@ double fsdp_comm_timeout(const fsdp_comm *c);
 
 /* ---- debugging and accounting ---------------------------------------------------------------- */
 
-/* Fingerprints (op, dtype, count, label) are always compared for op, dtype and count (a
- * mismatch there would corrupt memory), and for reduction and root; labels too on a label's
- * first use on any rank and on every call when FSDP_DEBUG=1 or fsdp_comm_set_debug(c, true)
- * on any rank. A mismatch fails the collective on every rank with
+/* Fingerprints (op, dtype, count, where the buffers live, reduction and root where they apply,
+ * label) are compared on every collective: a mismatch fails the collective on every rank with
  * "collective mismatch at #12: rank 0 called all_gather(f32 x1024, 'blocks.1') but rank 1
- * called all_gather(bf16 x1024, 'blocks.1')" and poisons the group with it. */
-void fsdp_comm_set_debug(fsdp_comm *c, bool on);
-bool fsdp_comm_debug(const fsdp_comm *c);
+ * called all_gather(bf16 x1024, 'blocks.1')" and poisons the group with it. The label counts
+ * too: two units of the same size reduced in a different order on two ranks would otherwise
+ * pass, and the replicas drift apart. */
 /* The fingerprint check costs O(log N) per collective: the ranks fold hashes of their
- * fingerprints (an all-reduce of 48 bytes on mpi, a counter on local) and exchange the full
+ * fingerprints (an all-reduce of 24 bytes on mpi, a counter on local) and exchange the full
  * fingerprints only when the hashes disagree. Full check on (FSDP_COMM_CHECK=full, or this call,
  * on any rank) makes every collective exchange them all (O(N) per rank): the old protocol, kept
  * for measurement and for suspicion of the hash. Between collectives. */
@@ -338,29 +336,24 @@ int fsdp_comm_family_rank(const fsdp_comm *c);
 /* Poison the group with a message already formatted "rank R failed: ..." (what vt->abort
  * receives): a backend that stacks on another communicator passes its poison down with it. */
 void fsdp_comm_poison(fsdp_comm *c, const char *full);
-/* Inside vt->run / vt->start: whether this collective's labels take part in the fingerprint
- * (this rank's first use of the label, or debug on). Backends publish it and compare labels
- * when any rank asks. */
-bool fsdp_comm_check_labels(const fsdp_comm *c);
 /* Fingerprint helpers: equal op, dtype, count, where the buffers live (host memory or a
- * device's name), red and root where they apply, label when labels is true;
+ * device's name), red and root where they apply, label;
  * "all_gather(f32 x1024, 'blocks.1')" into buf, " on cuda" added for device buffers (returns
  * buf). */
-bool fsdp_coll_matches(const fsdp_coll *a, const fsdp_coll *b, bool labels);
+bool fsdp_coll_matches(const fsdp_coll *a, const fsdp_coll *b);
 /* A 64-bit hash of what fsdp_coll_matches compares, and seq: two fingerprints that match hash
  * alike; two that do not collide with probability 2^-64. */
-uint64_t fsdp_coll_hash(const fsdp_coll *k, uint64_t seq, bool labels);
+uint64_t fsdp_coll_hash(const fsdp_coll *k, uint64_t seq);
 /* The scalable check. Each rank makes a vector of FSDP_CHECK_WORDS words from its fingerprint
  * (init); the ranks combine their vectors with an elementwise max (fold; MPI_MAX over
  * MPI_UINT64_T gives the same), by any tree; the combined vector says whether every rank's
- * fingerprint was the same (agrees): it holds max(h) and max(~h) = ~min(h) of the hash without
- * labels, the same of the hash with labels, whether any rank asks for labels, and whether any
- * rank asks for the full check (word FSDP_CHECK_FULL). A backend whose ranks do not agree, or
+ * fingerprint was the same (agrees): it holds max(h) and max(~h) = ~min(h) of the hash, and
+ * whether any rank asks for the full check (word FSDP_CHECK_FULL). A backend whose ranks do not agree, or
  * one of whose ranks asks, exchanges the full fingerprints (and names the rank at fault). */
-#define FSDP_CHECK_WORDS 6
-#define FSDP_CHECK_FULL 5
+#define FSDP_CHECK_WORDS 3
+#define FSDP_CHECK_FULL 2
 void fsdp_coll_check_init(uint64_t v[FSDP_CHECK_WORDS], const fsdp_coll *k, uint64_t seq,
-                          bool check_labels, bool full);
+                          bool full);
 void fsdp_coll_check_fold(uint64_t acc[FSDP_CHECK_WORDS], const uint64_t v[FSDP_CHECK_WORDS]);
 bool fsdp_coll_check_agrees(const uint64_t acc[FSDP_CHECK_WORDS]);
 /* Inside vt->run / vt->start: whether this rank asks for the full check for this collective

@@ -56,7 +56,6 @@
 
 typedef struct local_slot {
   fsdp_coll coll;     /* published for the collective `arrived` */
-  bool check_labels;  /* this rank asks for a label comparison */
   uint64_t arrived;   /* last sequence number published (0: none yet) */
   bool joined;        /* a communicator exists (or existed) for this rank */
   bool left;          /* ... and was freed */
@@ -196,22 +195,20 @@ static bool local_poisoned(const fsdp_comm *c) {
 /* ---- rendezvous ---------------------------------------------------------------------------- */
 
 /* The last rank to arrive. The folded check vector says whether every rank's fingerprint
- * hashed alike (labels too when any rank asks: its first use of the label, or debug), so every
- * rank reads the same verdict. When they do not (or under FSDP_COMM_CHECK=full) the fingerprints
+ * hashed alike, so every rank reads the same verdict. When they do not (or under FSDP_COMM_CHECK=full) the fingerprints
  * themselves are compared with rank 0's, which names the rank at fault. A mismatch poisons the
  * group: the ranks have diverged. */
 static void decide_locked(fsdp_local_group *g, uint64_t seq) {
   g->go_seq = seq;
   g->go_ok = true;
   bool full = g->check[FSDP_CHECK_FULL] || !fsdp_coll_check_agrees(g->check);
-  bool labels = g->check[4] != 0;
   g->narrived = 0;
   if (!full) {
     pthread_cond_broadcast(g->cv);
     return;
   }
   for (int p = 1; p < g->world; p++) {
-    if (fsdp_coll_matches(&g->slot[0].coll, &g->slot[p].coll, labels)) continue;
+    if (fsdp_coll_matches(&g->slot[0].coll, &g->slot[p].coll)) continue;
     char a[160], b[160];
     snprintf(g->verdict, sizeof g->verdict,
              "collective mismatch at #%llu: rank 0 called %s but rank %d called %s",
@@ -261,10 +258,9 @@ static int arrive(fsdp_comm *c, local_comm *lc, const fsdp_coll *coll, uint64_t 
   pthread_mutex_lock(g->mu);
   if (g->fam->poisoned) goto poisoned;
   g->slot[r].coll = *coll;
-  g->slot[r].check_labels = fsdp_comm_check_labels(c);
   g->slot[r].arrived = seq;
   uint64_t v[FSDP_CHECK_WORDS];
-  fsdp_coll_check_init(v, coll, seq, g->slot[r].check_labels, fsdp_comm_full_check(c));
+  fsdp_coll_check_init(v, coll, seq, fsdp_comm_full_check(c));
   if (g->narrived == 0) memcpy(g->check, v, sizeof v);
   else fsdp_coll_check_fold(g->check, v);
   if (++g->narrived == g->world) {

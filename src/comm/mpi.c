@@ -168,7 +168,6 @@ typedef struct mpi_hdr {
   uint64_t seq;
   int64_t count;
   int32_t op, dtype, red, root;
-  int32_t check_labels, pad;
   char label[64];
 } mpi_hdr;
 
@@ -177,7 +176,6 @@ typedef enum { OP_QUEUED = 0, OP_ARRIVE, OP_DATA, OP_DONE } op_state;
 typedef struct mpi_op {
   fsdp_coll k;
   uint64_t seq;
-  bool check_labels; /* this rank asks for a label comparison */
   bool full_check;   /* this rank asks for the full fingerprint exchange */
   double timeout;
   op_state state;
@@ -495,10 +493,9 @@ static int op_begin(mpi_comm *mc, mpi_op *op) {
   h->dtype = (int32_t)op->k.dtype;
   h->red = (int32_t)op->k.red;
   h->root = op->k.root;
-  h->check_labels = op->check_labels;
   memcpy(h->label, op->k.label, sizeof h->label);
   mc->hdrs[mc->rank] = *h;
-  fsdp_coll_check_init(mc->check_in, &op->k, op->seq, op->check_labels, op->full_check);
+  fsdp_coll_check_init(mc->check_in, &op->k, op->seq, op->full_check);
   mc->nreq = REQ_FIXED;
   mc->live = 0;
   if (mc->world == 1) {
@@ -603,13 +600,11 @@ static void describe_missing(const mpi_comm *mc, uint64_t seq, char *buf, size_t
 
 /* Every header is in: the same verdict on every rank. false: the collective failed. */
 static bool verdict(mpi_comm *mc, mpi_op *op) {
-  bool labels = false;
-  for (int p = 0; p < mc->world; p++) labels |= mc->hdrs[p].check_labels != 0;
   fsdp_coll k0, kp;
   hdr_to_coll(&k0, &mc->hdrs[0]);
   for (int p = 1; p < mc->world; p++) {
     hdr_to_coll(&kp, &mc->hdrs[p]);
-    if (fsdp_coll_matches(&k0, &kp, labels) && mc->hdrs[p].seq == mc->hdrs[0].seq) continue;
+    if (fsdp_coll_matches(&k0, &kp) && mc->hdrs[p].seq == mc->hdrs[0].seq) continue;
     char a[160], b[160];
     fsdp_coll_describe(a, sizeof a, &k0);
     fsdp_coll_describe(b, sizeof b, &kp);
@@ -1173,7 +1168,6 @@ static int mpi_start(fsdp_comm *c, const fsdp_coll *coll, uint64_t seq, void **n
   }
   op->k = *coll;
   op->seq = seq;
-  op->check_labels = fsdp_comm_check_labels(c);
   op->full_check = fsdp_comm_full_check(c);
   op->timeout = fsdp_comm_timeout(c);
   pthread_mutex_lock(&mc->mu);

@@ -20,8 +20,8 @@
  * MPI_THREAD_SERIALIZED; FSDP_MPI_THREAD=multiple asks for MPI_THREAD_MULTIPLE) unless the
  * host already did, in which case it must have at least MPI_THREAD_SERIALIZED (the backend
  * calls MPI from its progress thread, one call at a time). Collective over MPI_COMM_WORLD:
- * every process creates its communicators in the same order. Reads FSDP_TIMEOUT/FSDP_DEBUG
- * like the other backends, and the FSDP_MPI_* tuning variables of docs/mpi.md. */
+ * every process creates its communicators in the same order. Reads FSDP_TIMEOUT like the
+ * other backends, and the FSDP_MPI_* tuning variables of docs/mpi.md. */
 int fsdp_comm_mpi_new(fsdp_comm **out);
 
 /* Whether this build has the mpi backend (false with mpi_stub.c). */

@@ -252,10 +252,10 @@ typedef struct wire_fp {
   char place[16]; /* "cuda" (device buffers are all this backend moves) */
 } wire_fp;
 
-static int check(nccl_comm *nc, const fsdp_coll *k, uint64_t seq, bool labels, bool full) {
+static int check(nccl_comm *nc, const fsdp_coll *k, uint64_t seq, bool full) {
   uint64_t v[FSDP_CHECK_WORDS];
   int64_t w[FSDP_CHECK_WORDS];
-  fsdp_coll_check_init(v, k, seq, labels, full);
+  fsdp_coll_check_init(v, k, seq, full);
   /* boot reduces i64 (signed): flip the top bit, so signed order is the unsigned order */
   for (int i = 0; i < FSDP_CHECK_WORDS; i++) w[i] = (int64_t)(v[i] ^ 0x8000000000000000ull);
   if (fsdp_comm_all_reduce(nc->boot, w, FSDP_CHECK_WORDS, FSDP_DTYPE_I64, FSDP_RED_MAX,
@@ -264,7 +264,6 @@ static int check(nccl_comm *nc, const fsdp_coll *k, uint64_t seq, bool labels, b
   for (int i = 0; i < FSDP_CHECK_WORDS; i++) v[i] = (uint64_t)w[i] ^ 0x8000000000000000ull;
   if (fsdp_coll_check_agrees(v) && !v[FSDP_CHECK_FULL]) return FSDP_OK;
   /* disagreement (or the full check): every fingerprint to every rank, then rank 0's verdict */
-  bool any_labels = v[4] != 0;
   wire_fp mine = {.op = k->op, .dtype = k->dtype, .red = k->red, .root = k->root,
                   .count = k->count};
   memcpy(mine.label, k->label, sizeof mine.label);
@@ -292,7 +291,7 @@ static int check(nccl_comm *nc, const fsdp_coll *k, uint64_t seq, bool labels, b
     memcpy(b.label, all[p].label, sizeof b.label);
     b.label[sizeof b.label - 1] = '\0';
     b.device = k->device;
-    if (fsdp_coll_matches(&a, &b, any_labels)) continue;
+    if (fsdp_coll_matches(&a, &b)) continue;
     char da[160], db[160], msg[MSG_CAP];
     snprintf(msg, sizeof msg, "collective mismatch at #%llu: rank 0 called %s but rank %d called %s",
              (unsigned long long)seq, fsdp_coll_describe(da, sizeof da, &a), p,
@@ -381,7 +380,7 @@ static int nccl_start(fsdp_comm *c, const fsdp_coll *k, uint64_t seq, void **nat
     return failed_error(nc, k, seq);
   }
   pthread_mutex_unlock(&nc->mu);
-  if (check(nc, k, seq, fsdp_comm_check_labels(c), fsdp_comm_full_check(c))) {
+  if (check(nc, k, seq, fsdp_comm_full_check(c))) {
     free(op);
     return FSDP_ERR;
   }

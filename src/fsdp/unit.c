@@ -772,16 +772,18 @@ static bool gathered_copy(const fsdp_unit *u) {
   return u->state == FSDP_UNIT_GATHERED && u->full && u->full->storage != u->shard->storage;
 }
 
-/* A parameter was written in place since the gather or the last writeback: resharding would
- * drop the change. Writes through fsdp.full_params / fsdp.apply are written back before their
- * reshard; any other write to a gathered unit (a reference kept from before wrapping, between
- * a forward and its backward) is refused here rather than lost. */
+/* A parameter was written in place since the gather or the last writeback: no shard holds the
+ * change (a reshard would drop it, and another rank's copy may not have it). Writes through
+ * fsdp.full_params / fsdp.apply are written back before anything else reads or drops the
+ * copy; any other write to a gathered unit (a reference kept from before wrapping, between a
+ * forward and its backward) is refused at the next gather or reshard rather than lost or
+ * adopted. */
 static int check_unchanged(fsdp_unit *u, const char *what) {
   if (!gathered_copy(u) || u->full->storage->version == u->full_seen) return FSDP_OK;
   return fsdp_error("%s: unit '%s': a parameter of it was written while it was gathered (%s), "
-                    "and resharding would drop the change: change a wrapped model's "
-                    "parameters inside fsdp.full_params or fsdp.apply (by hand: u:gather(), "
-                    "change, u:writeback()), or drop the change with u:reshard{discard = true}",
+                    "and no shard holds the change: change a wrapped model's parameters "
+                    "inside fsdp.full_params or fsdp.apply (by hand: u:gather(), change, "
+                    "u:writeback()), or drop the change with u:reshard{discard = true}",
                     what, u->path,
                     u->gathered_dt == u->shard->dtype ? "f32" : "for compute, mixed precision");
 }
@@ -861,6 +863,7 @@ static int gather_as(fsdp_unit *u, fsdp_dtype dt) {
                         "gathered, which still hold the old values: reshard the unit "
                         "(u:reshard()) before writing its shard",
                         u->path);
+    if (check_unchanged(u, "gather")) return FSDP_ERR;
     if (u->gathered_dt == dt) return FSDP_OK;
     if (reshard_impl(u)) return FSDP_ERR;
     if (u->state == FSDP_UNIT_GATHERED && u->gathered_dt == dt) return FSDP_OK; /* replicated */

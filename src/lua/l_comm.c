@@ -284,13 +284,6 @@ static int l_timeout(lua_State *L) {
   return 1;
 }
 
-static int l_set_debug(lua_State *L) {
-  fsdp_comm *c = current(L);
-  luaL_checkany(L, 1);
-  fsdp_comm_set_debug(c, lua_toboolean(L, 1));
-  return 0;
-}
-
 static int l_flight_recorder(lua_State *L) {
   char buf[16384];
   buf[0] = '\0';
@@ -325,7 +318,6 @@ static const luaL_Reg comm_funcs[] = {
     {"reset_comm_stats", l_reset_comm_stats},
     {"set_timeout", l_set_timeout},
     {"timeout", l_timeout},
-    {"set_debug", l_set_debug},
     {"flight_recorder", l_flight_recorder},
     {"abort", l_abort},
     {"poisoned", l_poisoned},

@@ -631,15 +631,14 @@ static void test_mismatch_count(void **state) {
                             "'blocks.1') but rank 1 called all_gather(bf16 x8, 'blocks.1')");
 }
 
-/* Labels: compared on each label's first use and, with debug, always; not otherwise. */
+/* Labels are compared on every collective, a label used before too: two same-size units
+ * reduced in a different order on two ranks must not pass. */
 static void body_labels(rank_ctx *x) {
   fsdp_comm *c = x->c;
   const int r = x->rank;
-  note(x, fsdp_comm_barrier(c, "a"), now_s());                 /* first use, same: ok */
-  note(x, fsdp_comm_barrier(c, "b"), now_s());                 /* first use, same: ok */
-  note(x, fsdp_comm_barrier(c, r == 0 ? "a" : "b"), now_s());  /* seen before: not compared */
-  if (r == 1) fsdp_comm_set_debug(c, true);                    /* debug on one rank suffices */
-  note(x, fsdp_comm_barrier(c, r == 0 ? "a" : "b"), now_s());  /* compared: mismatch */
+  note(x, fsdp_comm_barrier(c, "a"), now_s());                 /* same: ok */
+  note(x, fsdp_comm_barrier(c, "b"), now_s());                 /* same: ok */
+  note(x, fsdp_comm_barrier(c, r == 0 ? "a" : "b"), now_s());  /* both seen before: mismatch */
 }
 
 static void test_mismatch_label(void **state) {
@@ -647,17 +646,16 @@ static void test_mismatch_label(void **state) {
   rank_ctx ctx[MAXW];
   run_world(2, 30, body_labels, NULL, ctx);
   for (int r = 0; r < 2; r++) {
-    assert_int_equal(ctx[r].nnotes, 4);
+    assert_int_equal(ctx[r].nnotes, 3);
     assert_int_equal(ctx[r].rc[0], FSDP_OK);
     assert_int_equal(ctx[r].rc[1], FSDP_OK);
-    assert_int_equal(ctx[r].rc[2], FSDP_OK);
-    assert_int_equal(ctx[r].rc[3], FSDP_ERR);
-    assert_contains(ctx[r].msg[3], "collective mismatch at #4: rank 0 called barrier('a') but "
+    assert_int_equal(ctx[r].rc[2], FSDP_ERR);
+    assert_contains(ctx[r].msg[2], "collective mismatch at #3: rank 0 called barrier('a') but "
                                    "rank 1 called barrier('b')");
   }
 }
 
-/* A label used for the first time on one rank only is compared (the other rank's reuse). */
+/* A label new on one rank, used before on the others, is compared. */
 static void body_label_first_use(rank_ctx *x) {
   note(x, fsdp_comm_barrier(x->c, "blocks.0"), now_s());
   note(x, fsdp_comm_barrier(x->c, x->rank == 2 ? "blocks.9" : "blocks.0"), now_s());
@@ -695,9 +693,8 @@ static void test_check_hash(void **state) {
   fsdp_coll a = coll_of(FSDP_COLL_ALL_REDUCE, FSDP_DTYPE_F32, 100, FSDP_RED_SUM, 0, "loss");
   fsdp_coll b = a;
   b.send = (void *)&b; /* buffers are not part of a fingerprint */
-  assert_true(fsdp_coll_hash(&a, 7, true) == fsdp_coll_hash(&b, 7, true));
-  assert_true(fsdp_coll_hash(&a, 7, true) != fsdp_coll_hash(&a, 8, true));
-  assert_true(fsdp_coll_hash(&a, 7, false) != fsdp_coll_hash(&a, 7, true));
+  assert_true(fsdp_coll_hash(&a, 7) == fsdp_coll_hash(&b, 7));
+  assert_true(fsdp_coll_hash(&a, 7) != fsdp_coll_hash(&a, 8));
   fsdp_coll diff[] = {
       coll_of(FSDP_COLL_REDUCE_SCATTER, FSDP_DTYPE_F32, 100, FSDP_RED_SUM, 0, "loss"),
       coll_of(FSDP_COLL_ALL_REDUCE, FSDP_DTYPE_BF16, 100, FSDP_RED_SUM, 0, "loss"),
@@ -705,39 +702,39 @@ static void test_check_hash(void **state) {
       coll_of(FSDP_COLL_ALL_REDUCE, FSDP_DTYPE_F32, 100, FSDP_RED_AVG, 0, "loss"),
   };
   for (size_t i = 0; i < sizeof diff / sizeof diff[0]; i++) {
-    assert_false(fsdp_coll_matches(&a, &diff[i], false));
-    assert_true(fsdp_coll_hash(&a, 7, false) != fsdp_coll_hash(&diff[i], 7, false));
+    assert_false(fsdp_coll_matches(&a, &diff[i]));
+    assert_true(fsdp_coll_hash(&a, 7) != fsdp_coll_hash(&diff[i], 7));
   }
-  /* the label counts only with labels */
+  /* the label counts */
   fsdp_coll l = coll_of(FSDP_COLL_ALL_REDUCE, FSDP_DTYPE_F32, 100, FSDP_RED_SUM, 0, "lossy");
-  assert_true(fsdp_coll_hash(&a, 7, false) == fsdp_coll_hash(&l, 7, false));
-  assert_true(fsdp_coll_hash(&a, 7, true) != fsdp_coll_hash(&l, 7, true));
+  assert_false(fsdp_coll_matches(&a, &l));
+  assert_true(fsdp_coll_hash(&a, 7) != fsdp_coll_hash(&l, 7));
   /* root only for a broadcast, the reduction only where one applies */
   fsdp_coll g1 = coll_of(FSDP_COLL_ALL_GATHER, FSDP_DTYPE_F32, 8, FSDP_RED_SUM, 0, "g");
   fsdp_coll g2 = coll_of(FSDP_COLL_ALL_GATHER, FSDP_DTYPE_F32, 8, FSDP_RED_MAX, 3, "g");
-  assert_true(fsdp_coll_matches(&g1, &g2, true));
-  assert_true(fsdp_coll_hash(&g1, 1, true) == fsdp_coll_hash(&g2, 1, true));
+  assert_true(fsdp_coll_matches(&g1, &g2));
+  assert_true(fsdp_coll_hash(&g1, 1) == fsdp_coll_hash(&g2, 1));
   fsdp_coll b1 = coll_of(FSDP_COLL_BROADCAST, FSDP_DTYPE_F32, 8, FSDP_RED_SUM, 0, "b");
   fsdp_coll b2 = coll_of(FSDP_COLL_BROADCAST, FSDP_DTYPE_F32, 8, FSDP_RED_SUM, 1, "b");
-  assert_true(fsdp_coll_hash(&b1, 1, false) != fsdp_coll_hash(&b2, 1, false));
+  assert_true(fsdp_coll_hash(&b1, 1) != fsdp_coll_hash(&b2, 1));
   /* folding: any one rank that differs, anywhere in the order, is seen */
   for (int odd = 0; odd < 5; odd++) {
     uint64_t acc[FSDP_CHECK_WORDS], v[FSDP_CHECK_WORDS];
     for (int r = 0; r < 5; r++) {
       const fsdp_coll *k = r == odd ? &diff[r % 4] : &a;
-      fsdp_coll_check_init(v, k, 3, false, false);
+      fsdp_coll_check_init(v, k, 3, false);
       if (r == 0) memcpy(acc, v, sizeof v);
       else fsdp_coll_check_fold(acc, v);
     }
     assert_false(fsdp_coll_check_agrees(acc));
   }
   uint64_t acc[FSDP_CHECK_WORDS], v[FSDP_CHECK_WORDS];
-  fsdp_coll_check_init(acc, &a, 3, false, false);
-  fsdp_coll_check_init(v, &l, 3, false, false); /* another label, not asked: agrees */
+  fsdp_coll_check_init(acc, &a, 3, false);
+  fsdp_coll_check_init(v, &a, 3, false); /* the same fingerprint: agrees */
   fsdp_coll_check_fold(acc, v);
   assert_true(fsdp_coll_check_agrees(acc));
   assert_int_equal(acc[FSDP_CHECK_FULL], 0);
-  fsdp_coll_check_init(v, &a, 3, true, true); /* a rank asks for labels: disagrees; and full */
+  fsdp_coll_check_init(v, &l, 3, true); /* another label: disagrees; and a rank asks for full */
   fsdp_coll_check_fold(acc, v);
   assert_false(fsdp_coll_check_agrees(acc));
   assert_int_equal(acc[FSDP_CHECK_FULL], 1);
@@ -1248,10 +1245,8 @@ static void test_env(void **state) {
   (void)state;
   fsdp_comm *c;
   setenv("FSDP_TIMEOUT", "2.5", 1);
-  setenv("FSDP_DEBUG", "1", 1);
   assert_int_equal(fsdp_comm_single_new(&c), FSDP_OK);
   assert_true(fsdp_comm_timeout(c) == 2.5);
-  assert_true(fsdp_comm_debug(c));
   fsdp_comm_set_timeout(c, 7);
   assert_true(fsdp_comm_timeout(c) == 7);
   fsdp_comm_set_timeout(c, 0); /* back to the default, which is FSDP_TIMEOUT's */
@@ -1273,10 +1268,8 @@ static void test_env(void **state) {
   assert_int_equal(fsdp_comm_single_new(&c), FSDP_OK);
   fsdp_comm_free(c);
   unsetenv("FSDP_COMM_CHECK");
-  unsetenv("FSDP_DEBUG");
   assert_int_equal(fsdp_comm_single_new(&c), FSDP_OK);
   assert_true(fsdp_comm_timeout(c) == 60);
-  assert_false(fsdp_comm_debug(c));
   fsdp_comm_free(c);
   /* group errors: rank range, a rank twice, world range */
   assert_int_equal(fsdp_comm_local_new(&c, g, 2), FSDP_ERR);
@@ -1329,7 +1322,6 @@ static void test_invalid(void **state) {
 
 typedef struct native_log {
   int started[16], waited[16], nstart, nwait;
-  bool check[16];
 } native_log;
 
 static int native_run(fsdp_comm *c, const fsdp_coll *k, uint64_t seq) {
@@ -1339,7 +1331,6 @@ static int native_run(fsdp_comm *c, const fsdp_coll *k, uint64_t seq) {
 
 static int native_start(fsdp_comm *c, const fsdp_coll *k, uint64_t seq, void **h) {
   native_log *log = fsdp_comm_impl(c);
-  log->check[log->nstart] = fsdp_comm_check_labels(c);
   log->started[log->nstart++] = (int)seq;
   *h = (void *)(uintptr_t)seq;
   if (k->count > 0 && k->op == FSDP_COLL_ALL_GATHER) memcpy(k->recv, k->send, sizeof(float) * (size_t)k->count);
@@ -1370,8 +1361,6 @@ static void test_native_backend(void **state) {
   for (int i = 0; i < 4; i++) assert_int_equal(fsdp_comm_start(c, &k, &q[i]), FSDP_OK);
   assert_int_equal(log->nstart, 4); /* started at issue, in order */
   assert_int_equal(log->started[3], 4);
-  assert_true(log->check[0]);   /* first use of 'n' */
-  assert_false(log->check[1]);
   assert_int_equal(fsdp_comm_wait(q[1]), FSDP_OK);
   assert_int_equal(fsdp_comm_wait(q[2]), FSDP_ERR);
   assert_true(strncmp(fsdp_error_msg(), "native collective 3 broke\nflight recorder (rank 0", 49) == 0);

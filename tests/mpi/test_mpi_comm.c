@@ -13,7 +13,7 @@
  * broadcast root; every collective in every dtype against tests/c/typed_ref.h (the reference
  * test_comm.c holds the local backend to, so both give the same bits), NaN through max/min, several asynchronous collectives waited out of order,
  * that an asynchronous all_gather advances while the caller computes without calling MPI,
- * fingerprint mismatches (op, count, label on first use, label under debug) failing on every
+ * fingerprint mismatches (op, count, label on its first use and on a later one) failing on every
  * rank with the same message, abort, a timeout naming the missing rank, a rank that left,
  * the stats and the flight recorder. Each failure case uses a communicator of its own (a failed
  * one is never used again); a separate healthy one keeps the ranks in step between cases.
@@ -348,7 +348,7 @@ static void test_mismatch(void) {
                   "called all_gather(bf16 x8, 'd')", "dtype mismatch");
   fsdp_comm_free(c);
   sync_all("mismatch.dtype");
-  /* label: compared on its first use */
+  /* label: compared on its first use (and on every later one, below) */
   c = fresh(20);
   char label[32];
   snprintf(label, sizeof label, "lbl%d", r);
@@ -357,17 +357,15 @@ static void test_mismatch(void) {
                   "rank 1 called all_reduce(f32 x8 sum, 'lbl1')", "label mismatch");
   fsdp_comm_free(c);
   sync_all("mismatch.label");
-  /* label on a later use: only with debug (on one rank is enough) */
+  /* a label used before: compared too */
   c = fresh(20);
   OK(fsdp_comm_all_reduce(c, buf, 8, FSDP_DTYPE_F32, FSDP_RED_SUM, "a"));
   OK(fsdp_comm_all_reduce(c, buf, 8, FSDP_DTYPE_F32, FSDP_RED_SUM, "b"));
-  OK(fsdp_comm_all_reduce(c, buf, 8, FSDP_DTYPE_F32, FSDP_RED_SUM, r == 1 ? "b" : "a")); /* not checked */
-  if (r == 0) fsdp_comm_set_debug(c, true);
   rc = fsdp_comm_all_reduce(c, buf, 8, FSDP_DTYPE_F32, FSDP_RED_SUM, r == 1 ? "b" : "a");
-  expect_fail(rc, "collective mismatch at #4: rank 0 called all_reduce(f32 x8 sum, 'a') but rank 1 "
-                  "called all_reduce(f32 x8 sum, 'b')", "label mismatch under debug");
+  expect_fail(rc, "collective mismatch at #3: rank 0 called all_reduce(f32 x8 sum, 'a') but rank 1 "
+                  "called all_reduce(f32 x8 sum, 'b')", "label mismatch on a later use");
   fsdp_comm_free(c);
-  sync_all("mismatch.debug");
+  sync_all("mismatch.later");
   /* the full check asked by the last rank only: the others follow it (the request travels in
    * the folded check), collectives still run, and a mismatch of the last rank is named */
   c = fresh(20);
