@@ -13,7 +13,9 @@
 --     with the old values;
 --   * fsdp.full_params / fsdp.apply whose fn fails on one rank fail on every rank and write
 --     nothing back; fsdp.save inside full_params is refused;
---   * pruning and counting zeros of a model wrapped on meta, before it has values, is refused.
+--   * pruning and counting zeros of a model wrapped on meta, before it has values, is refused;
+--   * replicas (strategy none) whose ranks reduce different units of one size fail, naming
+--     both (collectives compare labels on every call).
 local fsdp = require "fsdp"
 local nn = fsdp.nn
 local rank, W = fsdp.rank(), fsdp.world_size()
@@ -211,5 +213,28 @@ do
   check(fsdp.sparsity(m, {params = "mlp%.fc%.weight"}).sparsity < 0.01, "after materialize: nothing pruned")
 end
 print(("ok: rank %d: a model without values is neither pruned nor counted"):format(rank))
+
+-- ---- replicas: same-size units reduced in a different order on two ranks ----------------------
+-- (last: the mismatch poisons the communicator)
+if W > 1 then
+  local Net = nn.Module:extend("Net")
+  function Net:init() self.a = nn.Linear(8, 8) self.b = nn.Linear(8, 8) self.out = nn.Linear(8, 2) end
+  function Net:forward(z, use_b) return self.out(use_b and self.b(z) or self.a(z)) end
+  fsdp.manual_seed(1)
+  local m = Net()
+  fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Linear}, strategy = "none"})
+  local opt = fsdp.optim.SGD(m, {lr = 0.1})
+  local z = fsdp.ones{2, 8}
+  local e = errs(function()
+    for s = 1, 2 do
+      m(z, s == 2 and rank == 1):sum():backward()
+      opt:step()
+      opt:zero_grad()
+    end
+  end)
+  check(e and e:find("collective mismatch", 1, true) and e:find("'a'", 1, true) and e:find("'b'", 1, true),
+    "replicas reducing different units of one size fail, naming both: " .. tostring(e))
+  print(("ok: rank %d: replicas reducing different units fail"):format(rank))
+end
 
 if C.failures() > 0 then error(("%d gathered-copy checks failed"):format(C.failures())) end
