@@ -23,6 +23,16 @@ local floor = math.floor
 
 -- The files of an input: a path (file or folder, as fsdp.data.text reads them) or a list of
 -- paths. Errors name fn and the path.
+-- A file whose first 64 KiB hold a NUL byte is binary, and left out of training and of the
+-- token files alike (fsdp.data.text leaves out files with a NUL byte too).
+local function is_binary(path)
+  local f = io.open(path, "rb")
+  if not f then return false end -- reading it later names the error
+  local head = f:read(65536) or ""
+  f:close()
+  return head:find("\0", 1, true) ~= nil
+end
+
 local function input_files(fn, input)
   if type(input) == "string" then input = { input } end
   if type(input) ~= "table" or #input == 0 then
@@ -35,9 +45,11 @@ local function input_files(fn, input)
     if kind == nil then U.raise(("%s: cannot open %s"):format(fn, err)) end
     local ok, found = pcall(data.text_files, p)
     if not ok then U.raise(fn .. ": " .. tostring(found):gsub("^fsdp%.data%.text: ", "")) end
-    for _, f in ipairs(found) do files[#files + 1] = f end
+    for _, f in ipairs(found) do
+      if not is_binary(f) then files[#files + 1] = f end
+    end
   end
-  if #files == 0 then U.raise(fn .. ": no text files in the input") end
+  if #files == 0 then U.raise(fn .. ": no text files in the input (a file holding a NUL byte is binary)") end
   return files
 end
 
@@ -292,25 +304,21 @@ function tokenizer.write_dataset(opts)
     for _, path in ipairs(files) do
       local f, oerr = io.open(path, "rb")
       if not f then U.raise(("%s: cannot open %s"):format(fn, tostring(oerr))) end
-      local head = f:read(65536) or ""
-      if not head:find("\0", 1, true) then -- binary files are skipped, as fsdp.data.text does
-        local size = f:seek("end")
-        local cut = val_start(f, size, vf)
-        for _, part in ipairs { { "train", 0, cut }, { "val", cut, size } } do
-          local split, a, b = part[1], part[2], part[3]
-          if b > a then
-            stream(f, a, b, function(text) put(split, text) end)
-            if eos then
-              outs[split]:write(eos)
-              counts[split] = counts[split] + 1
-            end
+      local size = f:seek("end")
+      local cut = val_start(f, size, vf)
+      for _, part in ipairs { { "train", 0, cut }, { "val", cut, size } } do
+        local split, a, b = part[1], part[2], part[3]
+        if b > a then
+          stream(f, a, b, function(text) put(split, text) end)
+          if eos then
+            outs[split]:write(eos)
+            counts[split] = counts[split] + 1
           end
         end
-        used[#used + 1] = path
       end
+      used[#used + 1] = path
       f:close()
     end
-    if #used == 0 then U.raise(fn .. ": no text files in the input (every file holds a NUL byte)") end
     for _, split in ipairs { "train", "val" } do
       local okc, cerr = outs[split]:close()
       outs[split] = nil

@@ -97,6 +97,19 @@ describe("fsdp.tokenizer", function()
     assert.are.equal(read(dir .. "/tok.model"), read(dir .. "/again.model"))
   end)
 
+  it("trains on the files write_dataset encodes: a binary file (a NUL byte) is left out", function()
+    local folder = dir .. "/mixed"
+    os.execute("mkdir -p '" .. folder .. "'")
+    write(folder .. "/a", read(CORPUS))
+    write(folder .. "/blob", ("\0\1\2\255binary "):rep(2000))
+    fsdp.tokenizer.train { input = folder, vocab_size = 500, model = dir .. "/mixed.model" }
+    assert.are.equal(read(dir .. "/tok.model"), read(dir .. "/mixed.model"))
+    write(folder .. "/a", "\0 binary too")
+    assert_error_has(function()
+      fsdp.tokenizer.train { input = folder, vocab_size = 500, model = dir .. "/x.model" }
+    end, "fsdp.tokenizer.train: no text files in the input (a file holding a NUL byte is binary)")
+  end)
+
   it("names what is wrong", function()
     assert_error_has(function()
       fsdp.tokenizer.train { input = dir .. "/none.txt", vocab_size = 500, model = dir .. "/x.model" }
