@@ -178,8 +178,19 @@ function log.setup(opts)
       local ok, err = pcall(core.io_mkdirs, dir)
       if not ok then error("fsdp.log.setup: cannot make the JSONL file's folder: " .. err, 2) end
     end
-    local f, err = io.open(opts.jsonl, opts.append and "a" or "w")
+    local f, err = io.open(opts.jsonl, opts.append and "a+" or "w")
     if not f then error("fsdp.log.setup: cannot open the JSONL file: " .. err, 2) end
+    if opts.append then
+      -- a run killed while writing leaves its last record cut short: the resumed run's first
+      -- record starts a line of its own instead of finishing that one
+      local size = f:seek("end")
+      if size and size > 0 then
+        f:seek("set", size - 1)
+        local last = f:read(1)
+        f:seek("end")
+        if last ~= "\n" then f:write("\n") end
+      end
+    end
     S.jsonl = f
   end
   S.t0 = S.clock()

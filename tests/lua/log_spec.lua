@@ -278,4 +278,25 @@ describe("fsdp.log JSONL append", function()
     os.remove(path)
     assert.are.equal(2, n)
   end)
+
+  it("starts on a line of its own after a record a killed run cut short", function()
+    local fsdp = require "fsdp"
+    local core = require "fsdp.core"
+    local path = H.tmpname()
+    local f = assert(io.open(path, "w"))
+    f:write('{"step":5,"loss":1}\n{"step":6,"ti')
+    f:close()
+    local sink = { write = function() end, flush = function() end }
+    fsdp.log.setup { jsonl = path, out = sink, progress = "line", rank = 0, append = true }
+    fsdp.log(6, { loss = 0.5 })
+    fsdp.log.finish()
+    local lines = {}
+    for line in io.lines(path) do lines[#lines + 1] = line end
+    os.remove(path)
+    assert.are.equal(3, #lines)
+    assert.are.equal('{"step":6,"ti', lines[2])
+    local ok, rec = pcall(core.json_decode, lines[3])
+    assert.is_true(ok, rec)
+    assert.are.equal(6, rec.step)
+  end)
 end)
