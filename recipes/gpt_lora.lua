@@ -71,8 +71,14 @@ local base_data = arg("base_data", "/usr/share/games/fortunes")
 local out = arg("out", "checkpoints/gpt_lora")
 local rank, world = fsdp.rank(), fsdp.world_size()
 local function say(...) if rank == 0 then print(...) end end
-os.execute("mkdir -p '" .. out .. "'")
-fsdp.barrier()
+-- rank 0 makes the output folder (as mkdir -p, the path taken as it is); if it cannot, every
+-- rank stops, with rank 0's reason
+local made, why = true, nil
+if rank == 0 then made, why = pcall(fsdp.core.io_mkdirs, out) end
+if fsdp.all_reduce(made and 1 or 0, "min") == 0 then
+  error(("gpt_lora: --out=%s: %s"):format(out, rank == 0
+    and (tostring(why):gsub("^[^\n]-:%d+: ", "", 1)) or "rank 0 could not make the folder"), 0)
+end
 
 -- Mean loss over val_batches batches of the loader's held-out split: each rank evaluates its
 -- rows of every batch, the ranks average.

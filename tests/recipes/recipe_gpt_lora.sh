@@ -48,4 +48,14 @@ if "$FSDPRUN" -n 2 recipes/gpt_lora.lua --short --rnak=2 --out="$T/typo" >"$T/lo
 [ "$rc" -eq 2 ] || die_log "--rnak: exit status $rc, expected 2"
 grep -q "unknown argument --rnak; did you mean --rank?" "$T/log" || die_log "--rnak: no message"
 echo "ok: gpt_lora --help and an unknown argument"
+# --out is a path, not shell text; one that cannot be made stops every rank, naming it
+q="$T/it's \$(touch $T/injected)"
+must "gpt_lora --out with a quote" "$FSDPRUN" recipes/gpt_lora.lua --short --steps=1 --base_steps=1 --out="$q"
+[ -f "$q/model.safetensors" ] || die_log "--out with a quote: no export in '$q'"
+[ -e "$T/injected" ] && die "--out was run as shell text"
+: >"$T/file"
+if "$FSDPRUN" -n 2 recipes/gpt_lora.lua --short --out="$T/file/sub" >"$T/log" 2>&1; then rc=0; else rc=$?; fi
+[ "$rc" -eq 1 ] || die_log "--out under a file: exit status $rc, expected 1"
+grep -q "gpt_lora: --out=$T/file/sub: .*Not a directory" "$T/log" || die_log "--out under a file: no message naming it"
+echo "ok: gpt_lora --out: a path with a quote, a path that cannot be made"
 finish
