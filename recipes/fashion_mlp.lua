@@ -21,6 +21,7 @@ local args = fsdp.args {
   { "seed", 0, "integer", "random seed (parameters, shuffling, dropout)" },
 }
 local epochs, batch, hidden = args.epochs, args.batch, args.hidden
+local function say(...) if fsdp.rank() == 0 then print(...) end end
 fsdp.manual_seed(args.seed)
 
 local train = fsdp.data.fashion_mnist { split = "train", batch = batch, seed = args.seed,
@@ -38,12 +39,16 @@ local model = nn.Sequential {
 -- each rank would train its own copy and the optimizer refuses that
 if fsdp.world_size() > 1 then fsdp.wrap(model) end
 
+if train:size() < batch then
+  error(("fashion_mlp: --limit=%d leaves fewer training images than one batch (--batch=%d)")
+    :format(train:size(), batch), 0)
+end
 local steps = args.steps or epochs * math.floor(train:size() / batch)
 local opt = fsdp.optim.AdamW(model, { lr = args.lr, weight_decay = 0.05 })
 local schedule = fsdp.optim.cosine(opt, { warmup = math.floor(steps / 50), total = steps,
   min_lr = args.lr / 50 })
 
-print(("fashion_mlp: %d parameters, %d steps of batch %d (%d epochs)"):format(
+say(("fashion_mlp: %d parameters, %d steps of batch %d (%d epochs)"):format(
   (function() local n = 0 for _, p in ipairs(model:parameters()) do n = n + p:numel() end return n end)(),
   steps, batch, math.ceil(steps * batch / train:size())))
 
@@ -58,7 +63,8 @@ for step, x, y in train:batches(steps) do
 end
 fsdp.log.finish()
 
--- Test accuracy: argmax of the logits against the labels, over the whole test split.
+-- Test accuracy: argmax of the logits against the labels, over the whole test split. Every
+-- rank evaluates every batch (the forward passes of a wrapped model are collective).
 model:eval()
 local correct, total = 0, 0
 fsdp.no_grad(function()
@@ -72,5 +78,9 @@ fsdp.no_grad(function()
   end
 end)
 local acc = correct / total
-print(("test accuracy %.4f (%d/%d)"):format(acc, correct, total))
+-- one model: every rank must have counted the same (printed once, by rank 0)
+if fsdp.world_size() > 1 and fsdp.all_reduce(acc, "min") ~= fsdp.all_reduce(acc, "max") then
+  error(("fashion_mlp: the ranks' test accuracies differ (this rank: %.6f)"):format(acc), 0)
+end
+say(("test accuracy %.4f (%d/%d)"):format(acc, correct, total))
 return acc

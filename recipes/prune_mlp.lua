@@ -46,6 +46,10 @@ local model = nn.Sequential {
 if world > 1 then fsdp.wrap(model, { policy = fsdp.policy.modules { nn.Linear } }) end
 
 local per_epoch = math.floor(train:size() / batch)
+if per_epoch < 1 then
+  error(("prune_mlp: --limit=%d leaves fewer training images than one batch (--batch=%d)")
+    :format(train:size(), batch), 0)
+end
 local steps = args.steps or epochs * per_epoch
 local opt = fsdp.optim.AdamW(model, { lr = args.lr, weight_decay = 0.05 })
 local schedule = fsdp.optim.cosine(opt, { warmup = math.floor(steps / 50), total = steps,
