@@ -51,9 +51,11 @@ end
 
 local function number(flag, v, int, min, max)
   local n = tonumber(v)
-  if n == nil or (int and n % 1 ~= 0) or n < min or (max and n > max) then
-    usage_error("%s must be %s in [%s, %s], not '%s'", flag, int and "an integer" or "a number",
-      tostring(min), max and tostring(max) or "inf", tostring(v))
+  -- finite (NaN fails every comparison, so test the range the way round that refuses it)
+  if n == nil or not (n >= min and n < math.huge) or (int and n % 1 ~= 0) or (max and n > max) then
+    usage_error("%s must be %s %s, not '%s'", flag, int and "an integer" or "a number",
+      max and ("in [%s, %s]"):format(tostring(min), tostring(max)) or (">= %s, finite"):format(min),
+      tostring(v))
   end
   return n
 end

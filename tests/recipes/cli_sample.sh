@@ -60,6 +60,11 @@ expect_has err "fsdprun sample: no checkpoint given" "no checkpoint"
 run "$FSDPRUN" sample "$T/m.safetensors" --prompt=x --top-p=2
 expect_rc 2 "top-p"
 expect_has err "--top-p must be a number in [0, 1], not '2'" "top-p"
+for t in inf nan -1; do
+  run "$FSDPRUN" sample "$T/m.safetensors" --prompt=x --temperature=$t
+  expect_rc 2 "temperature $t"
+  expect_has err "--temperature must be a number >= 0, finite, not '$t'" "temperature $t"
+done
 run "$FSDPRUN" sample "$T/m.safetensors" --prompt=x --frobnicate
 expect_rc 2 "unknown option"
 expect_has err "fsdprun sample: unknown option '--frobnicate'" "unknown option"
