@@ -761,8 +761,14 @@ static int arith(lua_State *L, fsdp_binary_op op) {
    * not for f64 (precision) or integers (i * 2.5 would truncate, i / 2 divide silently). Those
    * make the number a tensor and take the binary op's promotion and refusals. */
   fsdp_tensor *t = a && bn ? a : an ? b : NULL;
-  if (t && t->dtype != FSDP_DTYPE_F32 && t->dtype != FSDP_DTYPE_BF16 &&
-      t->dtype != FSDP_DTYPE_F16) {
+  /* Division by a number divides: x / 3 is not x * (1/3) in floats, and 1/s overflows for the
+   * smallest divisors (0 / 1e-39 would be NaN). f32 divides by the number as an f32 scalar
+   * tensor, and so does number / tensor in every float dtype; bf16 and f16 tensor / number
+   * keep the f32 reciprocal, whose error their own rounding dominates, unless it overflows. */
+  bool divide = op == FSDP_OP_DIV && t &&
+                (t->dtype == FSDP_DTYPE_F32 || an || !isfinite(1.0f / (float)lua_tonumber(L, 2)));
+  if (t && (divide || (t->dtype != FSDP_DTYPE_F32 && t->dtype != FSDP_DTYPE_BF16 &&
+                       t->dtype != FSDP_DTYPE_F16))) {
     need_data(L, t, arith_name[op]);
     fsdp_tensor *x = a ? a : operand(L, 1, t, arith_name[op]);
     fsdp_tensor *y = b ? b : operand(L, 2, t, arith_name[op]);
@@ -775,8 +781,9 @@ static int arith(lua_State *L, fsdp_binary_op op) {
     switch (op) {
     case FSDP_OP_ADD: PUSH_OR_RAISE(fsdp_op_affine(OUT, a, 1.0f, s));
     case FSDP_OP_SUB: PUSH_OR_RAISE(fsdp_op_affine(OUT, a, 1.0f, -s));
-    case FSDP_OP_MUL: PUSH_OR_RAISE(fsdp_op_affine(OUT, a, s, 0.0f));
-    case FSDP_OP_DIV: PUSH_OR_RAISE(fsdp_op_affine(OUT, a, 1.0f / s, 0.0f));
+    /* + -0: x * s + +0 would turn a product -0 into +0 */
+    case FSDP_OP_MUL: PUSH_OR_RAISE(fsdp_op_affine(OUT, a, s, -0.0f));
+    case FSDP_OP_DIV: PUSH_OR_RAISE(fsdp_op_affine(OUT, a, 1.0f / s, -0.0f));
     }
   }
   if (an && b) {
@@ -784,17 +791,8 @@ static int arith(lua_State *L, fsdp_binary_op op) {
     switch (op) {
     case FSDP_OP_ADD: PUSH_OR_RAISE(fsdp_op_affine(OUT, b, 1.0f, s));
     case FSDP_OP_SUB: PUSH_OR_RAISE(fsdp_op_affine(OUT, b, -1.0f, s));
-    case FSDP_OP_MUL: PUSH_OR_RAISE(fsdp_op_affine(OUT, b, s, 0.0f));
-    case FSDP_OP_DIV: {
-      fsdp_tensor *inv;
-      if (fsdp_op_pow(&inv, b, -1.0f)) fsdp_lua_error(L);
-      fsdp_tensor *out;
-      int rc = fsdp_op_affine(&out, inv, s, 0.0f);
-      fsdp_tensor_release(inv);
-      if (rc) fsdp_lua_error(L);
-      fsdp_lua_push_tensor(L, out);
-      return 1;
-    }
+    case FSDP_OP_MUL: PUSH_OR_RAISE(fsdp_op_affine(OUT, b, s, -0.0f));
+    case FSDP_OP_DIV: break; /* divided above */
     }
   }
   /* a freed tensor or a wrong type: name what was given */
@@ -812,8 +810,8 @@ static int l_add(lua_State *L) { return arith(L, FSDP_OP_ADD); }
 static int l_sub(lua_State *L) { return arith(L, FSDP_OP_SUB); }
 static int l_mul(lua_State *L) { return arith(L, FSDP_OP_MUL); }
 static int l_div(lua_State *L) { return arith(L, FSDP_OP_DIV); }
-static int l_unm(lua_State *L) {
-  PUSH_OR_RAISE(fsdp_op_affine(OUT, arg_tensor(L, 1, "neg"), -1.0f, 0.0f));
+static int l_unm(lua_State *L) { /* -x, not 0 - x: -(+0) is -0 */
+  PUSH_OR_RAISE(fsdp_op_affine(OUT, arg_tensor(L, 1, "neg"), -1.0f, -0.0f));
 }
 
 static int l_backward(lua_State *L) {

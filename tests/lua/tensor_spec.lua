@@ -320,6 +320,29 @@ describe("operators", function()
     assert_error_has(function() return fsdp.Tensor.sum(42) end, "tensor expected", "number")
     assert_error_has(function() a.shape = 3 end, "no settable field 'shape'")
   end)
+
+  it("divides by a number (not times its reciprocal) and keeps the sign of zero", function()
+    local function bits(t)
+      local out = {}
+      for i, v in ipairs(t:totable()) do out[i] = (v == 0 and 1 / v < 0) and "-0" or ("%a"):format(v) end
+      return table.concat(out, " ")
+    end
+    local x = fsdp.tensor { 0, 1e-30, 3e38 }
+    -- 1 / 1e-39 overflows f32: the reciprocal would give NaN for 0 and inf for 1e-30
+    assert.are.equal(bits(x / fsdp.full({ 3 }, 1e-39)), bits(x / 1e-39))
+    assert.are.equal(bits(x / fsdp.full({ 3 }, 3e38)), bits(x / 3e38))
+    assert.are.equal(1, (fsdp.tensor { 3e38 } / 3e38):item())
+    local r = fsdp.randn { 257 }
+    assert.are.equal(bits(r / fsdp.full({ 257 }, 3)), bits(r / 3))
+    assert.are.equal(bits(fsdp.full({ 3 }, 1e-30) / x), bits(1e-30 / x))
+    local h = fsdp.tensor({ 0, 1 }, { dtype = "bf16" })
+    assert.are.equal(bits(h / fsdp.tensor({ 1e-39, 1e-39 }, { dtype = "bf16" })), bits(h / 1e-39))
+    -- -x is -1 * x, and a product -0 stays -0
+    assert.are.equal("-0 -0x1p+0", bits(-fsdp.tensor { 0, 1 }))
+    assert.are.equal("-0 0x0p+0", bits(fsdp.tensor { 0, -0.0 } * -1 * 1))
+    assert.are.equal("-0", bits(-2 * fsdp.tensor { 0 }))
+    assert.are.equal("0x0p+0", bits(fsdp.tensor { -0.0 } + 0))
+  end)
 end)
 
 describe("lifetime and identity", function()
