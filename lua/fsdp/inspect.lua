@@ -79,10 +79,11 @@ end
 local DTYPE_BYTES = { f32 = 4, bf16 = 2, f16 = 2 }
 
 local function unit_row(u)
-  local rank, world = core.rank(), core.world_size()
   local state = u:state()
   local numel, padded, shard = u:numel(), u:padded_numel(), u:shard_numel()
   local replicated = u:strategy() == "none"
+  -- the shard is this rank's place in its shard group (hybrid: every group holds the unit)
+  local rank = u:groups().shard_rank
   local first = replicated and 1 or rank * shard + 1
   local last = replicated and padded or (rank + 1) * shard
   -- mixed precision: the dtype parameters are gathered in for compute and gradients reduced
@@ -183,11 +184,15 @@ local function param_text(r)
         range_str(r.offset + 1, r.offset + r.numel), M.int(r.offset)) }
     end
     local parts = {}
-    for k = 0, r.world_size - 1 do
+    for k = 0, (r.shard_size or r.world_size) - 1 do
       local s = r.slices and r.slices[k]
       parts[#parts + 1] = format("%d: %s", k, s and range_str(s[1], s[2]) or "-")
     end
-    rows[#rows + 1] = { "slices", concat(parts, "   ") .. "  (elements of the parameter)" }
+    local whose = (r.replicas or 1) > 1
+      and format("elements of the parameter, by rank within each of the %d groups of %d ranks",
+        r.replicas, r.shard_size)
+      or "elements of the parameter"
+    rows[#rows + 1] = { "slices", concat(parts, "   ") .. "  (" .. whose .. ")" }
     rows[#rows + 1] = { "this rank", format("rank %d holds %s element%s", r.rank,
       M.int(r.local_numel), r.local_numel == 1 and "" or "s") }
   else
@@ -291,6 +296,8 @@ local function param_report(x, opts)
     for _, l in ipairs(u:layout()) do
       if l.path == r.path then r.offset, r.slices = l.offset, l.slices end
     end
+    local g = u:groups() -- hybrid: the slices are by rank within a shard group
+    r.shard_size, r.replicas = g.shard_size, g.replicas
     r.local_numel = 0
     for _, s in ipairs(u:local_slices()) do
       if rawequal(s.param, x) then r.local_numel = s.shard_last - s.shard_first + 1 end

@@ -108,6 +108,17 @@ do
     want.war = want.war + #u:paths() * 4 -- the optimizer's has_grad flags
     check_eq(u:shard_numel() * 4, P / S, "unit " .. u.path .. " shard bytes")
   end
+  -- fsdp.inspect places this rank's shard by its rank within the group, and lists the
+  -- parameter's slices per group rank
+  local report = fsdp.inspect(model)
+  for _, row in ipairs(report.units) do
+    local first = (rank % S) * row.shard_numel + 1
+    check(row.slice[1] == first and row.slice[2] == first + row.shard_numel - 1,
+      ("inspect: unit %s slice %d-%d, expected from %d"):format(row.path, row.slice[1], row.slice[2], first))
+  end
+  local text = tostring(fsdp.inspect(model.wte.weight))
+  check(text:find(("by rank within each of the %d groups of %d ranks"):format(W / S, S), 1, true)
+    and not text:find(("%d: -"):format(S), 1, true), "inspect(param) lists group ranks:\n" .. text)
   local sh, rep = s.shard or {}, s.replicate or {}
   check_eq(sh.all_gather_bytes / steps, want.ag, "shard group all_gather bytes/step")
   check_eq(sh.all_gather_calls / steps, want.ag_calls, "shard group all_gather calls/step")
