@@ -1336,10 +1336,14 @@ int fsdp_op_where(fsdp_tensor **out, fsdp_tensor *cond, fsdp_tensor *a, fsdp_ten
   *out = NULL;
   const fsdp_kernels_i *k = KERNELS("where", cond, a, b);
   if (!k) return FSDP_ERR;
-  /* the output shape: the one of the three the others are suffixes of */
+  /* the output shape: the one of the three the others are suffixes of, so the most dimensions
+   * (an empty (0, 4) holds fewer elements than the (4) or the number that broadcast to it) */
   fsdp_tensor *big = cond;
-  if (fsdp_tensor_numel(a) > fsdp_tensor_numel(big) || a->ndim > big->ndim) big = a;
-  if (fsdp_tensor_numel(b) > fsdp_tensor_numel(big) || b->ndim > big->ndim) big = b;
+  fsdp_tensor *const ops[2] = {a, b};
+  for (int i = 0; i < 2; i++)
+    if (ops[i]->ndim > big->ndim ||
+        (ops[i]->ndim == big->ndim && fsdp_tensor_numel(ops[i]) > fsdp_tensor_numel(big)))
+      big = ops[i];
   fsdp_tensor *pa = NULL, *pb = NULL, *ea = NULL, *eb = NULL, *c1 = NULL, *cb = NULL,
               *ac = NULL, *bc = NULL;
   int rc = FSDP_ERR;

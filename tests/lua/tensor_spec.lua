@@ -343,6 +343,14 @@ describe("operators", function()
     assert.are.equal("-0", bits(-2 * fsdp.tensor { 0 }))
     assert.are.equal("0x0p+0", bits(fsdp.tensor { -0.0 } + 0))
   end)
+
+  it("where broadcasts onto an empty tensor from either side", function()
+    local e = fsdp.zeros { 0, 4 }
+    for _, r in ipairs { fsdp.where(e:gt(0), 1, e), fsdp.where(e:gt(0), e, 1),
+      fsdp.where(e:gt(0), e, fsdp.ones { 4 }), fsdp.where(fsdp.ones({ 4 }):gt(0), e, 2) } do
+      assert.are.same({ 0, 4 }, r:shape())
+    end
+  end)
 end)
 
 describe("lifetime and identity", function()
