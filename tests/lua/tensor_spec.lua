@@ -344,6 +344,19 @@ describe("operators", function()
     assert.are.equal("0x0p+0", bits(fsdp.tensor { -0.0 } + 0))
   end)
 
+  it("relu lets NaN through in every float dtype, at every position", function()
+    for _, dt in ipairs { "f32", "bf16", "f16", "f64" } do
+      for n = 1, 40, 13 do
+        local v = {}
+        for i = 1, n do v[i] = (i % 3) - 1 end
+        v[n] = 0 / 0
+        local r = fsdp.tensor(v, { dtype = dt }):relu():totable()
+        assert.is_true(r[n] ~= r[n], dt .. " n " .. n)
+        for i = 1, n - 1 do assert.are.equal(math.max(v[i], 0), r[i]) end
+      end
+    end
+  end)
+
   it("where broadcasts onto an empty tensor from either side", function()
     local e = fsdp.zeros { 0, 4 }
     for _, r in ipairs { fsdp.where(e:gt(0), 1, e), fsdp.where(e:gt(0), e, 1),

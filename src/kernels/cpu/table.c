@@ -454,7 +454,7 @@ static void unary_bw_f32(fsdp_unary_op op, float *da, const float *g, const floa
 
 static double unary_f64(fsdp_unary_op op, double x) {
   switch (op) {
-  case FSDP_UNARY_RELU: return x > 0 ? x : 0;
+  case FSDP_UNARY_RELU: return x <= 0 ? 0 : x; /* NaN passes */
   case FSDP_UNARY_GELU: return 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)));
   case FSDP_UNARY_EXP: return exp(x);
   case FSDP_UNARY_LOG: return log(x);

@@ -31,7 +31,8 @@ VINLINE fsdp_vf vset(float s) { return fsdp_vf_set(s); }
 static void relu_forward(float *out, const float *inp, int64_t n) {
   for (int64_t i = 0; i < n; i += VW) {
     fsdp_vf x = LD(inp, i, n, 0.0f);
-    ST(out, i, n, fsdp_vf_select(x > 0.0f, x, vset(0.0f)));
+    /* not (x <= 0) rather than x > 0: a NaN passes through, as max(x, 0) would not hide it */
+    ST(out, i, n, fsdp_vf_select(~(x <= 0.0f), x, vset(0.0f)));
   }
 }
 

@@ -343,7 +343,7 @@ int fsdp_cuda_affine_backward(void *ctx, fsdp_dtype dt, void *da, const void *do
 
 __device__ __forceinline__ float unary_f(fsdp_unary_op op, float x) {
   switch (op) {
-  case FSDP_UNARY_RELU: return x > 0.0f ? x : 0.0f;
+  case FSDP_UNARY_RELU: return x <= 0.0f ? 0.0f : x; /* NaN passes */
   case FSDP_UNARY_GELU: return fsdp_x_gelu(x);
   case FSDP_UNARY_EXP: return expf(x);
   case FSDP_UNARY_LOG: return logf(x);
@@ -358,7 +358,7 @@ __device__ __forceinline__ float unary_f(fsdp_unary_op op, float x) {
 
 __device__ __forceinline__ double unary_d(fsdp_unary_op op, double x) {
   switch (op) {
-  case FSDP_UNARY_RELU: return x > 0 ? x : 0;
+  case FSDP_UNARY_RELU: return x <= 0 ? 0 : x;
   case FSDP_UNARY_GELU: {
     const double u = XD_MUL(0.7978845608028654,
                             XD_ADD(x, XD_MUL(XD_MUL(XD_MUL(0.044715, x), x), x)));
