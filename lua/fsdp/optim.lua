@@ -319,6 +319,23 @@ local HYPER = {}
 -- base) checks t's hyper-parameters (base: the defaults) and returns them; defaults: the
 -- optimizer's defaults. decay_default: whether the no-decay group (optim.default_no_decay,
 -- weight_decay = 0) is added when neither groups nor no_decay is given.
+-- The optimizers made over each wrapped model (weak both ways): unwrapping frees their state,
+-- which lives on the shards that unwrap drops (docs/fsdp.md: gradient shards and optimizer
+-- states are dropped); such an optimizer refuses to step afterwards (live_units).
+local optimizers_of = setmetatable({}, {__mode = "k"})
+
+state.on("teardown", function(R)
+  for opt in pairs(optimizers_of[R] or {}) do
+    for _, st in pairs(opt.state) do
+      for _, v in pairs(st) do
+        if core.is_tensor(v) then v:free() end
+      end
+    end
+    opt.state, opt.slice_of = {}, {}
+  end
+  optimizers_of[R] = nil
+end)
+
 local function new_optimizer(cls, kind, model, opts, read, defaults, decay_default)
   if opts ~= nil and type(opts) ~= "table" then
     raise(("%s: expects an options table {lr = ...} (got %s)"):format(kind, type(opts)))
@@ -334,6 +351,10 @@ local function new_optimizer(cls, kind, model, opts, read, defaults, decay_defau
   local R, entries = select_params(kind, model)
   local n_all = R and #optim.named_params(R:model()) or #entries
   self.wrapped = R                        -- the wrap root state: step the shards
+  if R then
+    optimizers_of[R] = optimizers_of[R] or setmetatable({}, {__mode = "k"})
+    optimizers_of[R][self] = true
+  end
   if opts.params ~= nil then
     local sel = select_of(opts.params, kind, "params", entries)
     local out = {}
