@@ -103,20 +103,27 @@ local function own_params(m)
 end
 
 -- Run call(m, path) with gradients off and check that it left m's parameter fields holding
--- the same objects (replacing one would split a tie and leave a unit's shard behind).
+-- the same objects (replacing one would split a tie and leave a unit's shard behind). A
+-- replaced parameter is an error, and the original object goes back into its field first, so
+-- that the error leaves the tie whole.
 local function call_checked(what, call, m, path)
   local before = own_params(m)
   local ok, err = util.quiet(call, m, path)
   if not ok then return false, err end
+  local replaced
   for _, e in ipairs(before) do
     local name = e[1]
     local v = type(name) == "number" and rawget(m, name) or base.field(m, name)
     if not rawequal(v, e[2]) then
-      return false, ("%s: %s replaced parameter %s with a new object; write into the "
-        .. "parameter instead (p:copy(t), p:fill(v), fsdp.core.init_normal(p, ...)): a new "
-        .. "object would break ties and references"):format(what,
-          what == "fsdp.materialize" and "init_fn" or "the init function", util.join(path, name))
+      m[name] = e[2]
+      replaced = replaced or name
     end
+  end
+  if replaced ~= nil then
+    return false, ("%s: %s replaced parameter %s with a new object; write into the "
+      .. "parameter instead (p:copy(t), p:fill(v), fsdp.core.init_normal(p, ...)): a new "
+      .. "object would break ties and references"):format(what,
+        what == "fsdp.materialize" and "init_fn" or "the init function", util.join(path, replaced))
   end
   return true
 end

@@ -548,7 +548,12 @@ function W.wrap(model, opts)
   R:attach()
   if o.init ~= nil and R:has_pending() then
     local fine, e = pcall(meta.materialize_wrapped, R, o.init ~= true and o.init or nil, "fsdp.wrap")
-    if not fine then util.reraise(e) end
+    if not fine then
+      -- every rank failed alike (the init runs agreed, module by module): leave the model plain,
+      -- as every other failed wrap does (parameters still waiting for values go back to meta)
+      pcall(W.unwrap, model)
+      util.reraise(e)
+    end
     state.emit("materialize", model)
   end
   return model

@@ -170,6 +170,19 @@ describe("fsdp.materialize (plain model)", function()
     end)
     assert.is_false(ok)
     assert.truthy(tostring(err):find("replaced parameter head.weight", 1, true), err)
+    -- the error put the original back: the tie is whole, no parameter was added
+    assert.is_true(rawequal(m.head.weight, m.wte.weight))
+    assert.are.equal(#meta_gpt(true):parameters(), #m:parameters())
+    -- the same through wrap{init = ...}: the failed wrap leaves the model plain
+    local w = meta_gpt(true)
+    ok, err = pcall(fsdp.wrap, w, {policy = fsdp.policy.modules{nn.Block}, init = function(mod)
+      if mod == w.head then mod.weight = nn.Parameter(fsdp.zeros{cfg.vocab, cfg.d}) end
+    end})
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("replaced parameter head.weight", 1, true), err)
+    assert.is_false(fsdp.is_wrapped(w))
+    assert.is_true(rawequal(w.head.weight, w.wte.weight))
+    assert.are.equal("meta", w.head.weight.device)
   end)
 
   it("leaves materialized parameters alone and is idempotent", function()
