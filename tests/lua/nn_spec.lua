@@ -187,6 +187,20 @@ describe("nn ties", function()
 end)
 
 describe("nn path-based initialisation", function()
+  it("keeps the values of a parameter the user put in a built-in layer's field", function()
+    local Net = nn.Module:extend("KeepNet")
+    function Net:init()
+      self.fc = nn.Linear(2, 2, {bias = false})
+      self.fc.weight = nn.Parameter(fsdp.ones{2, 2})
+    end
+    assert.are.equal(4, Net().fc.weight:sum():item())
+    local l = nn.Linear(2, 2)
+    l.weight = nn.Parameter(fsdp.full({2, 2}, 3))
+    local s = nn.Sequential{l}
+    assert.are.equal(12, s[1].weight:sum():item())
+    assert.is_true(l.bias:abs():sum():item() > 0) -- the layer's own bias is initialised
+  end)
+
   it("gives the same values for the same seed and different values for another seed", function()
     fsdp.manual_seed(5)
     local a = small_gpt()

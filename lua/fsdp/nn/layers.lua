@@ -27,7 +27,7 @@ function L.new_param(shape)
   else
     t = core.zeros(shape)
   end
-  return core.parameter(t)
+  return base.mark_new(core.parameter(t))
 end
 
 local function check_int(v, what, fn, min)

@@ -600,6 +600,15 @@ end
 local records = setmetatable({}, {__mode = "k"}) -- parameter -> {seed, key, kind, a, b}
 M.init_records = records
 
+-- Parameters made by nn.new_param (every built-in layer's), whose values automatic
+-- initialisation gives; any other parameter (nn.Parameter(t) of a tensor the user filled) is
+-- the user's, and keeps its values unless an ancestor set an init spec for it.
+local made = setmetatable({}, {__mode = "k"})
+function M.mark_new(p)
+  made[p] = true
+  return p
+end
+
 local depth = 0
 local top_count, top_epoch = 0, nil
 
@@ -620,7 +629,9 @@ end
 local function fresh(p)
   if not p.has_data and p.device ~= "meta" then return false end
   local r = records[p]
-  return r == nil or r.version == nil or r.version == p.version
+  if r == nil then return made[p] == true end
+  if r.user then return false end
+  return r.version == nil or r.version == p.version
 end
 
 -- Give every distinct fresh parameter of root's tree its key; owners record it by field name
@@ -639,7 +650,7 @@ local function assign_keys(root, top_index, seed)
     local key = prefix .. path
     rawget(owner, KEYS)[name] = key
     if r == nil then
-      r = {}
+      r = {user = not made[p] or nil} -- the user's own values: kept (fresh is false)
       records[p] = r
     end
     r.seed, r.key, r.kind, r.a, r.b, r.version = seed, key, nil, nil, nil, nil
@@ -716,8 +727,10 @@ function Module:init_param(name, kind, a, b)
     r = {seed = seed, key = key}
     records[p] = r
   end
-  if auto_init and not fresh(p) then return false end
-  r.kind, r.a, r.b = kind, a, b
+  -- kept: trained or user-written values, and the user's own parameters, unless an ancestor's
+  -- spec names them
+  if auto_init and not fresh(p) and not (spec and r.user) then return false end
+  r.kind, r.a, r.b, r.user = kind, a, b, nil
   if p.device == "meta" then return false end
   if kind == "normal" then
     core.init_normal(p, seed, key, a, b)
