@@ -117,6 +117,22 @@ describe("nn.lora.apply", function()
       "blocks.1.attn.qkv already has an adapter (merge it first)")
     assert_error_has(function() nn.LoRA(8, 0) end, "nn.LoRA: out_features must be an integer >= 1")
   end)
+
+  it("refuses a tied weight and a Linear subclass, and adapts in the weight's dtype", function()
+    local m = gpt() -- tied: head.weight is wte.weight
+    assert_error_has(function() nn.lora.apply(m, {targets = "^head$"}) end,
+      "nn.lora.apply: head.weight is tied to another module's parameter")
+    assert.is_true(rawequal(m.head.weight, m.wte.weight) and nn.class_of(m.head) == nn.Linear)
+    local Scaled = nn.Linear:extend("Scaled")
+    function Scaled:forward(x) return nn.Linear.forward(self, x) * 2 end
+    local s = nn.Sequential{Scaled(4, 4)}
+    assert_error_has(function() nn.lora.apply(s, {targets = "^1$"}) end,
+      "nn.lora.apply: 1 is a Scaled: adapters go on nn.Linear itself")
+    local h = gpt():to("bf16")
+    nn.lora.apply(h)
+    assert.are.equal("bf16", h.blocks[1].attn.qkv.lora.A:dtype())
+    assert.are.equal("bf16", h(ids):dtype())
+  end)
 end)
 
 describe("nn.lora.merge", function()

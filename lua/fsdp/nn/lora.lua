@@ -128,6 +128,13 @@ function lora.apply(model, opts)
   end
   local targets = util.patterns(opts.targets or {"%.attn%.qkv$", "%.attn%.proj$"}, "targets", fn)
   local r, alpha = check_opts(fn, {rank = opts.rank, alpha = opts.alpha})
+  -- how many module fields hold each parameter: a tied weight is held by two
+  local holders = {}
+  for _, mod in model:named_modules() do
+    for _, e in ipairs(base.own_entries(mod)) do
+      if base.is_param(e[2]) then holders[e[2]] = (holders[e[2]] or 0) + 1 end
+    end
+  end
   local chosen = {}
   for _, pat in ipairs(targets) do
     local ok, hit = pcall(function()
@@ -141,6 +148,15 @@ function lora.apply(model, opts)
           end
           if base.isinstance(m, LoRALinear) then
             return ("%s already has an adapter (merge it first)"):format(path)
+          end
+          if base.class_of(m) ~= L.Linear then
+            return ("%s is a %s: adapters go on nn.Linear itself (the adapter's forward would "
+              .. "replace the subclass's)"):format(path, m:type_name())
+          end
+          if (holders[m.weight] or 0) > 1 then
+            return ("%s.weight is tied to another module's parameter: merging an adapter into "
+              .. "it would change that module too (leave it out of targets, or untie it)")
+              :format(path)
           end
           chosen[m] = path
         end
@@ -162,7 +178,12 @@ function lora.apply(model, opts)
     local path, m = e[1], e[2]
     if chosen[m] then
       setmetatable(m, rawget(LoRALinear, "__mt"))
-      m.lora = LoRA(m.in_features, m.out_features, {rank = r, alpha = alpha})
+      -- the adapter computes beside the weight: its dtype, and its device when it has values
+      local a = LoRA(m.in_features, m.out_features, {rank = r, alpha = alpha})
+      local dev = m.weight.device
+      if dev ~= "cpu" and dev ~= "meta" then a:to(dev) end
+      if m.weight:dtype() ~= "f32" then a:to(m.weight:dtype()) end
+      m.lora = a
       paths[#paths + 1] = path
     end
   end
