@@ -32,6 +32,29 @@ end
 function Pair:forward(x) return self.second(self.first(x) * self.scale) end
 
 describe("nn.Module registration", function()
+  it("refuses what it could not register: plain tables, odd keys, writes over elements, holes", function()
+    local Net = nn.Module:extend("TableNet")
+    for _, fn in pairs {
+      list = function(self) self.layers = {nn.Linear(2, 2)} end,
+      dict = function(self) self.layers = {a = nn.Linear(2, 2)} end,
+      params = function(self) self.ws = {nn.Parameter(fsdp.ones{2})} end,
+    } do
+      Net.init = fn
+      H.assert_error_has(function() return Net() end, "a plain table of modules or parameters is not registered")
+    end
+    Net.init = function(self) self[0] = nn.Linear(2, 2) end
+    H.assert_error_has(function() return Net() end, "TableNet[0]: integer fields are positions 1, 2, ...")
+    Net.init = function(self) self.config = {d = 2, name = "x"} end -- plain values are fine
+    assert.are.equal(2, Net().config.d)
+    local s = nn.Sequential{nn.Linear(2, 2)}
+    s[1] = fsdp.zeros{3} -- over an existing element: Lua does not tell the module
+    H.assert_error_has(function() return s:parameters() end,
+      "Sequential[1]: integer fields hold modules or parameters (got tensor)")
+    local t = nn.Sequential{nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 3)}
+    t[2] = nil
+    H.assert_error_has(function() return t:parameters() end, "without a hole")
+  end)
+
   it("registers modules and parameters in assignment order with dotted paths", function()
     local m = Pair(3)
     assert.are.same({"first.weight", "first.bias", "scale", "second.weight"}, paths_of(m))

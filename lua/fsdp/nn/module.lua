@@ -47,6 +47,33 @@ M.is_tensor, M.is_module, M.is_param = is_tensor, is_module, is_param
 
 local join = util.join
 
+local function describe(v)
+  if is_module(v) then return v:type_name() end
+  if is_tensor(v) then return "tensor" end
+  return type(v)
+end
+
+-- m's array part, m[1] .. m[n], checked. A write over an existing element never reaches the
+-- module (Lua calls __newindex for new keys only), so what set_field refuses is refused here,
+-- when the tree is walked: a value that is neither a module nor a parameter, and a hole (an
+-- element set to nil before others, which #m would silently cut off).
+local function array_len(m)
+  local n = #m
+  for k, v in pairs(m) do
+    if type(k) == "number" then
+      if k > n or k < 1 or k % 1 ~= 0 then
+        error(("%s[%s]: the elements must be m[1], m[2], ... without a hole (m[%d] is nil); "
+          .. "remove one with table.remove(m, i)"):format(m:type_name(), tostring(k), n + 1), 0)
+      end
+      if not is_module(v) and not is_param(v) then
+        error(("%s[%d]: integer fields hold modules or parameters (got %s)")
+          :format(m:type_name(), k, describe(v)), 0)
+      end
+    end
+  end
+  return n
+end
+
 -- Depth-first, pre-order walk in registration order (named fields, then m[1], m[2], ...).
 -- on_module(path, m) once per distinct module; on_param(path, p, owner, name) once per
 -- distinct parameter, under its first path. Either callback may be nil.
@@ -66,7 +93,7 @@ local function walk(m, prefix, seen, on_module, on_param)
     local name = order[i]
     visit(name, fields[name])
   end
-  for i = 1, #m do visit(i, rawget(m, i)) end
+  for i = 1, array_len(m) do visit(i, rawget(m, i)) end
 end
 
 -- The value of m's field `name` (a module, a parameter or any user value), or nil.
@@ -82,7 +109,7 @@ function M.own_entries(m)
     local v = fields[order[i]]
     if v ~= nil then out[#out + 1] = {order[i], v} end
   end
-  for i = 1, #m do
+  for i = 1, array_len(m) do
     local v = rawget(m, i)
     if v ~= nil then out[#out + 1] = {i, v} end
   end
@@ -186,15 +213,14 @@ end
 
 -- ---- fields -------------------------------------------------------------------------------
 
-local function describe(v)
-  if is_module(v) then return v:type_name() end
-  if is_tensor(v) then return "tensor" end
-  return type(v)
-end
-
 set_field = function(self, k, v)
   if type(k) == "number" then
-    -- array part: only modules and parameters (Sequential, ModuleList, lists of parameters)
+    -- array part: only modules and parameters (Sequential, ModuleList, lists of parameters),
+    -- at positions 1, 2, ... (walk reads m[1] .. m[#m])
+    if k < 1 or k % 1 ~= 0 then
+      error(("%s[%s]: integer fields are positions 1, 2, ..."):format(self:type_name(),
+        tostring(k)), 3)
+    end
     if v ~= nil and not is_module(v) and not is_param(v) then
       error(("%s[%s]: integer fields hold modules or parameters (got %s)")
         :format(self:type_name(), tostring(k), describe(v)), 3)
@@ -202,9 +228,16 @@ set_field = function(self, k, v)
     rawset(self, k, v)
     return
   end
-  if type(v) == "table" and not is_module(v) and is_module(rawget(v, 1)) then
-    error(("%s.%s: a plain table of modules is not registered; use nn.ModuleList{...}")
-      :format(self:type_name(), tostring(k)), 3)
+  if type(v) == "table" and not is_module(v) then
+    -- a plain table's modules and parameters would be invisible to parameters(), optimizers,
+    -- wrapping and checkpoints
+    for _, x in pairs(v) do
+      if is_module(x) or is_param(x) then
+        error(("%s.%s: a plain table of modules or parameters is not registered; use "
+          .. "nn.ModuleList{...}, or a field of the module for each"):format(self:type_name(),
+            tostring(k)), 3)
+      end
+    end
   end
   local fields, order = rawget(self, FIELDS), rawget(self, ORDER)
   local pos
