@@ -457,6 +457,23 @@ describe("nn train/eval and dropout", function()
 end)
 
 describe("nn forward hooks", function()
+  it("runs the hooks a call started with when one removes itself; a pre-hook's nil keeps the input", function()
+    for _, kind in ipairs {"register_forward_pre_hook", "register_forward_hook"} do
+      local l = nn.Linear(2, 2)
+      local ran, ha = {}, nil
+      ha = l[kind](l, function() ran[#ran + 1] = "A" ha:remove() end)
+      l[kind](l, function() ran[#ran + 1] = "B" end)
+      l(fsdp.ones{1, 2})
+      assert.are.equal("A,B", table.concat(ran, ","), kind)
+      l(fsdp.ones{1, 2})
+      assert.are.equal("A,B,B", table.concat(ran, ","), kind)
+    end
+    local l = nn.Linear(2, 2)
+    local want = l(fsdp.ones{1, 2}):totable()
+    l:register_forward_pre_hook(function() return nil end)
+    assert.are.same(want, l(fsdp.ones{1, 2}):totable())
+  end)
+
   it("runs pre and post hooks around forward until removed", function()
     local l = nn.Linear(2, 3)
     local log = {}

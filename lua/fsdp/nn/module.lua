@@ -405,7 +405,7 @@ end
 
 -- fn(module, ...inputs) runs before forward; returns a handle with :remove(). When fn returns
 -- values, they replace the inputs (all of them), as a PyTorch forward pre-hook returning a
--- tuple; returning nothing keeps them.
+-- tuple; returning nothing (or a single nil) keeps them.
 function Module:register_forward_pre_hook(fn) return M._add_hook(self, "pre", fn) end
 -- fn(module, output) runs after forward (first result only). When it returns a value other than
 -- nil, that value replaces the first result.
@@ -420,16 +420,21 @@ function M._add_hook(m, kind, fn, internal)
     hooks = {pre = {}, post = {}, user = 0}
     rawset(m, HOOKS, hooks)
   end
-  local list = hooks[kind]
+  -- The lists are replaced, never changed in place: a call in progress runs the hooks it
+  -- started with, whatever a hook adds or removes meanwhile (removing itself, say).
+  local list = {unpack(hooks[kind])}
   list[#list + 1] = fn
+  hooks[kind] = list
   if not internal then hooks.user = hooks.user + 1 end
   local removed = false
   return {remove = function()
     if removed then return end
     removed = true
-    for i = #list, 1, -1 do
-      if list[i] == fn then table.remove(list, i) break end
+    local rest, dropped = {}, false
+    for _, h in ipairs(hooks[kind]) do
+      if h == fn and not dropped then dropped = true else rest[#rest + 1] = h end
     end
+    hooks[kind] = rest
     if not internal then hooks.user = hooks.user - 1 end
     if #hooks.pre == 0 and #hooks.post == 0 and rawget(m, HOOKS) == hooks then rawset(m, HOOKS, nil) end
   end}
@@ -487,24 +492,25 @@ local function forward(self, ...)
   return self:forward(...)
 end
 
--- Pre-hooks i.. then forward and the post-hooks; a pre-hook that returns values replaces the
--- inputs of the ones after it and of forward.
-local function run_pre(self, hooks, i, ...)
-  if i > #hooks.pre then return run_post(self, hooks.post, forward(self, ...)) end
-  local r = pack(hooks.pre[i](self, ...))
-  if r.n == 0 then return run_pre(self, hooks, i + 1, ...) end
-  return run_pre(self, hooks, i + 1, unpack(r, 1, r.n))
+-- Pre-hooks pre[i..] then forward and the post-hooks (the lists as the call found them); a
+-- pre-hook that returns values replaces the inputs of the ones after it and of forward
+-- (returning nothing, or nil, keeps them).
+local function run_pre(self, pre, post, i, ...)
+  if i > #pre then return run_post(self, post, forward(self, ...)) end
+  local r = pack(pre[i](self, ...))
+  if r.n == 0 or (r.n == 1 and r[1] == nil) then return run_pre(self, pre, post, i + 1, ...) end
+  return run_pre(self, pre, post, i + 1, unpack(r, 1, r.n))
 end
 
 local function run_forward(self, ...)
   local hooks = rawget(self, HOOKS)
   if library[self.forward] and (hooks == nil or hooks.user == 0) then
     if hooks == nil then return forward(self, ...) end
-    return run_pre(self, hooks, 1, ...)
+    return run_pre(self, hooks.pre, hooks.post, 1, ...)
   end
   mark(...)
   if hooks == nil then return mark(forward(self, ...)) end
-  return mark(run_pre(self, hooks, 1, ...))
+  return mark(run_pre(self, hooks.pre, hooks.post, 1, ...))
 end
 
 -- ---- the module call and error paths --------------------------------------------------------
