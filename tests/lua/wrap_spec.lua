@@ -531,6 +531,19 @@ describe("sharded parameters", function()
   end)
 end)
 
+describe("model:to on a wrapped model", function()
+  it("is refused naming the wrap, a dtype alone too; odd arguments are refused", function()
+    local m = gpt()
+    H.assert_error_has(function() m:to() end, "to: expected a device or dtype name (got nothing)")
+    H.assert_error_has(function() m:to("bf16", "f32") end, "to: two dtypes (bf16 and f32)")
+    fsdp.wrap(m)
+    for _, arg in ipairs {"bf16", "cpu"} do
+      H.assert_error_has(function() m:to(arg) end, "to: the model is wrapped")
+      H.assert_error_has(function() m.blocks[1]:to(arg) end, "to: the model is wrapped")
+    end
+  end)
+end)
+
 describe("after fsdp.unwrap", function()
   it("the optimizers' state over the shards is freed with them", function()
     local m = gpt()

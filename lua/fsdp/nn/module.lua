@@ -378,9 +378,20 @@ function Module:unfreeze(patterns) return set_requires_grad(self, patterns, true
 -- integer and bool parameters keep theirs and move to the device.
 function Module:to(a, b)
   local device, dtype
+  if a == nil then M.raise("to: expected a device or dtype name (got nothing)") end
   for _, x in ipairs{a, b} do
     if type(x) ~= "string" then M.raise(("to: expected a device or dtype name (got %s)"):format(type(x))) end
-    if core.dtype_name(x) then dtype = x else device = x end
+    if core.dtype_name(x) then
+      if dtype ~= nil then M.raise(("to: two dtypes (%s and %s)"):format(dtype, x)) end
+      dtype = x
+    else
+      if device ~= nil then M.raise(("to: two devices (%s and %s)"):format(device, x)) end
+      device = x
+    end
+  end
+  if state.of(self) ~= nil then
+    M.raise("to: the model is wrapped: move it and set its dtype before fsdp.wrap (for "
+      .. "computing in bf16 or f16, wrap with mp = ...)")
   end
   if dtype ~= nil and not FLOAT[core.dtype_name(dtype)] then
     M.raise(("to: parameters take a float dtype (f32, bf16, f16, f64), not %s")
