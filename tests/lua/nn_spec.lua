@@ -46,6 +46,10 @@ describe("nn.Module registration", function()
     H.assert_error_has(function() return Net() end, "TableNet[0]: integer fields are positions 1, 2, ...")
     Net.init = function(self) self.config = {d = 2, name = "x"} end -- plain values are fine
     assert.are.equal(2, Net().config.d)
+    Net.init = function(self) self.modules = nn.Linear(2, 2) end
+    H.assert_error_has(function() return Net() end, "TableNet.modules: a field of that name would hide the method TableNet:modules")
+    Net.init = function(self) self.training = nn.Linear(2, 2) end
+    H.assert_error_has(function() return Net() end, "TableNet.training: the train/eval flag is a boolean")
     local s = nn.Sequential{nn.Linear(2, 2)}
     s[1] = fsdp.zeros{3} -- over an existing element: Lua does not tell the module
     H.assert_error_has(function() return s:parameters() end,

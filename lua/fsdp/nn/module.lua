@@ -228,6 +228,15 @@ set_field = function(self, k, v)
     rawset(self, k, v)
     return
   end
+  -- a field is read before the class: one named like a method would hide it from the library
+  if k == "training" and type(v) ~= "boolean" then
+    error(("%s.training: the train/eval flag is a boolean (got %s); name the field otherwise")
+      :format(self:type_name(), describe(v)), 3)
+  end
+  if type(M.class_of(self)[k]) == "function" and not (v == nil or type(v) == "function") then
+    error(("%s.%s: a field of that name would hide the method %s:%s; name it otherwise")
+      :format(self:type_name(), tostring(k), self:type_name(), tostring(k)), 3)
+  end
   if type(v) == "table" and not is_module(v) then
     -- a plain table's modules and parameters would be invisible to parameters(), optimizers,
     -- wrapping and checkpoints
