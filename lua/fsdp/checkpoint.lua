@@ -40,6 +40,7 @@ local meta = require "fsdp.meta"
 local nn = require "fsdp.nn"
 local wrap = require "fsdp.wrap"
 local C = require "fsdp.checkpoint.common"
+local collective = require "fsdp.collective"
 local safetensors = require "fsdp.checkpoint.safetensors"
 local sharded = require "fsdp.checkpoint.sharded"
 local state = require "fsdp.state"
@@ -191,6 +192,16 @@ function M.save(model, path, opts)
       raise("fsdp.save: extra must be JSON-able values and tensors (" .. why .. ")")
     end
   end
+  -- What the checkpoint holds is decided by every rank's options together: they must agree (an
+  -- optimizer given on one rank only would be saved with the other ranks' state missing).
+  local names = {}
+  for k in pairs(loaders) do names[#names + 1] = k end
+  table.sort(names)
+  local summary = {format = format, optimizer = opts.optimizer and opts.optimizer.kind or false,
+    loaders = names, schedule = opts.schedule ~= nil, step = opts.step or false,
+    extra = opts.extra ~= nil}
+  local same, why = pcall(collective.agree, summary, "fsdp.save: what to save", "fsdp.save options")
+  if not same then util.reraise(why) end
   -- Both formats save the shards' values. A unit still gathered (after a forward whose
   -- backward has not run) holds a copy: resharded first, which refuses a parameter written in
   -- place while gathered (a change no shard holds) instead of saving one value or the other.

@@ -219,4 +219,11 @@ T.same_values(T.values(m2), T.values(model), "new checkpoint's parameters")
 if rank == 0 then
   T.check(#core.io_listdir(good) == W + 1, "old generation removed")
 end
+-- options that differ across ranks: an optimizer on rank 0 only would be saved without the
+-- other ranks' state; every rank refuses, naming the difference, and writes nothing
+T.raises(function()
+  fsdp.save(model, dir .. "/half_opt", {optimizer = rank == 0 and opt or nil})
+end, 'fsdp%.save: what to save differs across ranks at %["optimizer"%]: rank 0 has "AdamW", rank 1 has false',
+  "an optimizer on rank 0 only")
+T.check(not core.io_size(dir .. "/half_opt/index.json"), "the refused save wrote no index")
 T.say(("ok: ckpt_faults at %d ranks"):format(W))
