@@ -94,9 +94,23 @@ local function plan_load(order, paths, src, strict)
       end
     end
   end
-  local unexpected = {}
+  local unexpected, masks = {}, {}
   for _, n in ipairs(src.names) do
-    if not used[n] then unexpected[#unexpected + 1] = n end
+    if not used[n] then
+      -- fsdp.save stores a pruned parameter's mask as "<path>:mask": not a parameter, and not
+      -- restored here (fsdp.load restores masks)
+      if n:sub(-5) == ":mask" then masks[#masks + 1] = n else unexpected[#unexpected + 1] = n end
+    end
+  end
+  if #masks > 0 and strict then
+    return nil, ("fsdp.load_tensors: the source holds pruning masks (%s), which loading tensors "
+      .. "by name does not restore: load the file with fsdp.load, which does, or pass strict = "
+      .. "false to load the weights without them"):format(util.few(masks))
+  end
+  if #masks > 0 then
+    util.note(("fsdp.load_tensors: the masks in the source were not loaded (%s): the weights are "
+      .. "as pruned, but the zeros are not held from now on (fsdp.load restores masks)")
+      :format(util.few(masks)))
   end
   if strict and #missing > 0 then
     return nil, ("fsdp.load: the source has no tensor for %s (strict; pass strict = false to "

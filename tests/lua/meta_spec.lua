@@ -457,6 +457,20 @@ describe("a tie", function()
 end)
 
 describe("load_tensors (tensor table, world size 1)", function()
+  it("names the masks of a pruned model's file rather than taking them for parameters", function()
+    local ref = eager_gpt(true)
+    local t = {}
+    for path, p in ref:named_parameters() do t[path] = p:clone() end
+    t["blocks.1.mlp.fc.weight:mask"] = fsdp.ones(ref.blocks[1].mlp.fc.weight:shape())
+    local ok, err = pcall(meta.load_tensors, meta_gpt(true), t)
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("the source holds pruning masks (blocks.1.mlp.fc.weight:mask)", 1, true), err)
+    local m = meta_gpt(true)
+    local notes = quiet_notes(function() meta.load_tensors(m, t, {strict = false}) end)
+    assert.truthy(table.concat(notes, "\n"):find("the masks in the source were not loaded", 1, true))
+    assert.are.same({}, differing(m, snapshot(ref)))
+  end)
+
   it("loads into meta parameters; one name fills both paths of a tie", function()
     local ref = eager_gpt(true)
     local t = {}
