@@ -226,6 +226,16 @@ describe("nn path-based initialisation", function()
     local s = nn.Sequential{l}
     assert.are.equal(12, s[1].weight:sum():item())
     assert.is_true(l.bias:abs():sum():item() > 0) -- the layer's own bias is initialised
+    -- a custom module's own nn.Parameter, made in its init, is its reset_parameters' to fill,
+    -- and so is one it ties to another module's
+    local C = nn.Module:extend("OwnInit")
+    function C:init() self.w = nn.Parameter(fsdp.zeros{4}) end
+    function C:reset_parameters() self:init_param("w", "normal", 0, 1) end
+    assert.is_true(C().w:abs():sum():item() > 0)
+    local Two = nn.Module:extend("TwoOwn")
+    function Two:init() self.a = C() self.b = C() self.b.w = self.a.w end
+    local two = Two()
+    assert.is_true(rawequal(two.a.w, two.b.w) and two.a.w:abs():sum():item() > 0)
   end)
 
   it("gives the same values for the same seed and different values for another seed", function()

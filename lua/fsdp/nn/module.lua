@@ -35,6 +35,28 @@ local ORDER = "__order"     -- array of registered field names, assignment order
 local KEYS = "__init_keys"  -- own parameter field name -> init key ("<top>/<path>"), owners only
 local SEED = "__init_seed"  -- the seed the keys were assigned under
 local SPECS = "__init_specs" -- field name -> {kind, a, b}: init override set by an ancestor
+local IN_INIT = "__in_init" -- true while the module's own init runs
+
+-- Whose values a parameter holds. Parameters made by nn.new_param (every built-in layer's), and
+-- those a module puts in its own fields while its own init runs (a custom module's
+-- nn.Parameter(zeros) that its reset_parameters fills), are the constructors' to initialise. A
+-- parameter first put into a module's field from outside that module's init (a Linear's weight
+-- replaced by the user's nn.Parameter(t), inside a parent's init or after construction) holds
+-- the user's values, and keeps them unless an ancestor set an init spec for it.
+local made = setmetatable({}, {__mode = "k"})
+local constructed = setmetatable({}, {__mode = "k"})
+local user_given = setmetatable({}, {__mode = "k"})
+function M.mark_new(p)
+  made[p] = true
+  return p
+end
+local function note_param(owner, p)
+  if rawget(owner, IN_INIT) then
+    constructed[p] = true
+  elseif not made[p] and not constructed[p] then
+    user_given[p] = true
+  end
+end
 local HOOKS = "__hooks"     -- {pre = {...}, post = {...}, user = n} or nil
 
 -- ---- value kinds --------------------------------------------------------------------------
@@ -225,9 +247,11 @@ set_field = function(self, k, v)
       error(("%s[%s]: integer fields hold modules or parameters (got %s)")
         :format(self:type_name(), tostring(k), describe(v)), 3)
     end
+    if is_param(v) then note_param(self, v) end
     rawset(self, k, v)
     return
   end
+  if is_param(v) then note_param(self, v) end
   -- a field is read before the class: one named like a method would hide it from the library
   if k == "training" and type(v) ~= "boolean" then
     error(("%s.training: the train/eval flag is a boolean (got %s); name the field otherwise")
@@ -659,14 +683,6 @@ end
 local records = setmetatable({}, {__mode = "k"}) -- parameter -> {seed, key, kind, a, b}
 M.init_records = records
 
--- Parameters made by nn.new_param (every built-in layer's), whose values automatic
--- initialisation gives; any other parameter (nn.Parameter(t) of a tensor the user filled) is
--- the user's, and keeps its values unless an ancestor set an init spec for it.
-local made = setmetatable({}, {__mode = "k"})
-function M.mark_new(p)
-  made[p] = true
-  return p
-end
 
 local depth = 0
 local top_count, top_epoch = 0, nil
@@ -688,7 +704,7 @@ end
 local function fresh(p)
   if not p.has_data and p.device ~= "meta" then return false end
   local r = records[p]
-  if r == nil then return made[p] == true end
+  if r == nil then return not user_given[p] end
   if r.user then return false end
   return r.version == nil or r.version == p.version
 end
@@ -709,7 +725,7 @@ local function assign_keys(root, top_index, seed)
     local key = prefix .. path
     rawget(owner, KEYS)[name] = key
     if r == nil then
-      r = {user = not made[p] or nil} -- the user's own values: kept (fresh is false)
+      r = {user = user_given[p] or nil} -- the user's own values: kept (fresh is false)
       records[p] = r
     end
     r.seed, r.key, r.kind, r.a, r.b, r.version = seed, key, nil, nil, nil, nil
@@ -738,12 +754,15 @@ construct = function(C, ...)
   local self = setmetatable({[FIELDS] = {training = true}, [ORDER] = {}}, rawget(C, "__mt"))
   local d = depth
   depth = d + 1
+  rawset(self, IN_INIT, true)
   if d > 0 then
     self:init(...)
+    rawset(self, IN_INIT, nil)
     depth = d
     return self
   end
   local ok, err = pcall(self.init, self, ...)
+  rawset(self, IN_INIT, nil)
   depth = 0
   if not ok then error(err, 0) end
   assign_keys(self, next_top())
