@@ -407,7 +407,9 @@ int fsdp_op_binary(fsdp_tensor **out, fsdp_tensor *a0, fsdp_tensor *b0, fsdp_bin
   fsdp_tensor *a, *b, *ea = NULL, *ac = NULL, *bc = NULL;
   if (promoted(name, &a, &b, a0, b0)) return FSDP_ERR;
   int rc = FSDP_ERR;
-  if (!is_suffix(a, b)) {
+  /* the output has b's shape when b does not end a's, and when a is one element with fewer
+   * dimensions (a number with a (1, 1) tensor gives (1, 1), not a scalar) */
+  if (!is_suffix(a, b) || (fsdp_tensor_numel(a) == 1 && b->ndim > a->ndim)) {
     if (expand_to(&ea, a, b, name)) goto done;
     fsdp_tensor_release(a);
     a = ea;

@@ -337,6 +337,11 @@ describe("operators", function()
     assert.are.equal(bits(fsdp.full({ 3 }, 1e-30) / x), bits(1e-30 / x))
     local h = fsdp.tensor({ 0, 1 }, { dtype = "bf16" })
     assert.are.equal(bits(h / fsdp.tensor({ 1e-39, 1e-39 }, { dtype = "bf16" })), bits(h / 1e-39))
+    -- a number keeps the tensor's shape, one element or not
+    assert.are.same({ 1, 1 }, (1 / fsdp.ones { 1, 1 }):shape())
+    assert.are.same({ 1 }, (3 / fsdp.tensor { 2 }):shape())
+    assert.are.same({ 1, 1 }, (fsdp.full({}, 1) + fsdp.ones { 1, 1 }):shape())
+    assert.are.same({ 2, 3 }, (fsdp.ones { 2, 3 } + fsdp.ones { 1, 1, 1 }):shape())
     -- -x is -1 * x, and a product -0 stays -0
     assert.are.equal("-0 -0x1p+0", bits(-fsdp.tensor { 0, 1 }))
     assert.are.equal("-0 0x0p+0", bits(fsdp.tensor { 0, -0.0 } * -1 * 1))
