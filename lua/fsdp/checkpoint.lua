@@ -106,12 +106,10 @@ end
 
 -- ---- phase B: apply a staged plan (after every rank agreed) -------------------------------------------
 
--- Reshard every unit that shards (collective, idempotent) so no gathered copy or prefetch
--- outlives a change of the shards.
+-- Reshard every unit (collective, idempotent) so no gathered copy or prefetch outlives a change
+-- of the shards ("none" too: one gathered in a mixed-precision dtype holds a copy).
 local function reshard_all(R)
-  for _, u in ipairs(R:units()) do
-    if u:strategy() ~= "none" then u:reshard() end
-  end
+  for _, u in ipairs(R:units()) do u:reshard() end
 end
 
 local function apply_plan(model, plan, opts, loaders, parts, R)

@@ -319,20 +319,15 @@ local HYPER = {}
 -- base) checks t's hyper-parameters (base: the defaults) and returns them; defaults: the
 -- optimizer's defaults. decay_default: whether the no-decay group (optim.default_no_decay,
 -- weight_decay = 0) is added when neither groups nor no_decay is given.
--- The optimizers made over each wrapped model (weak both ways): unwrapping frees their state,
--- which lives on the shards that unwrap drops (docs/fsdp.md: gradient shards and optimizer
--- states are dropped); such an optimizer refuses to step afterwards (live_units).
+-- The optimizers made over each wrapped model (weak both ways): unwrapping drops their state,
+-- which belongs to the shards that unwrap drops (docs/fsdp.md: gradient shards and optimizer
+-- states are dropped), so that it goes with the next collection even while the optimizer object
+-- lives on (a buffer a state_dict handed out stays valid while it is held); such an optimizer
+-- refuses to step afterwards (live_units).
 local optimizers_of = setmetatable({}, {__mode = "k"})
 
 state.on("teardown", function(R)
-  for opt in pairs(optimizers_of[R] or {}) do
-    for _, st in pairs(opt.state) do
-      for _, v in pairs(st) do
-        if core.is_tensor(v) then v:free() end
-      end
-    end
-    opt.state, opt.slice_of = {}, {}
-  end
+  for opt in pairs(optimizers_of[R] or {}) do opt.state, opt.slice_of = {}, {} end
   optimizers_of[R] = nil
 end)
 
