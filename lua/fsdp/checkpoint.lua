@@ -204,8 +204,8 @@ function M.save(model, path, opts)
   -- backward has not run) holds a copy: resharded first, which refuses a parameter written in
   -- place while gathered (a change no shard holds) instead of saving one value or the other.
   if R then
-    local ok, err = pcall(reshard_all, R)
-    if not ok then raise("fsdp.save: " .. util.strip(err)) end
+    R:check_clean("fsdp.save")
+    reshard_all(R)
   end
   if format == "safetensors" then
     if next(loaders) or opts.schedule then

@@ -93,8 +93,8 @@ end
 -- A step writes the shards. A unit still gathered (the root, or a grad_op unit, after a
 -- forward whose backward has not run) would go on computing with the values from before the
 -- step, and unwrap or a save would take them: every unit is resharded first (a backward still
--- to come gathers again). A parameter written in place while its unit was gathered makes this
--- fail, before anything is updated, rather than be dropped (u:reshard).
+-- to come gathers again). A unit whose gathered copy was changed (a parameter written in place
+-- while gathered) has made agree_grads fail on every rank before this, and nothing is updated.
 local function reshard_for_step(R, what)
   for _, u in ipairs(live_units(R, what)) do u:reshard() end
 end
@@ -110,9 +110,12 @@ local function agree_grads(R, what)
   local units = live_units(R, what)
   local flags, n = {}, 0
   for _, u in ipairs(units) do
+    -- 2: the unit's gathered copy was changed on this rank (a step must not go on: see
+    -- reshard_for_step); it rides on the same max, so every rank learns it at no cost
+    local dirty = u:dirty()
     for i = 1, #u:paths() do
       n = n + 1
-      flags[n] = u:has_grad(i) and 1 or 0
+      flags[n] = dirty and 2 or (u:has_grad(i) and 1 or 0)
     end
   end
   if n > 0 and core.world_size() > 1 then
@@ -125,6 +128,7 @@ local function agree_grads(R, what)
     local h = {}
     for i = 1, #u:paths() do
       k = k + 1
+      if flags[k] == 2 then raise(what .. ": " .. state.changed_error(u.path)) end
       if flags[k] ~= 0 then h[i] = true end
     end
     has[u] = h
@@ -490,11 +494,9 @@ end
 -- after it, AdamW passes it to its fused kernel. The seventh is the slice's unit.
 function Optimizer:each_slice(fn, only_grads)
   local what = self.kind .. ":step"
-  if only_grads then
-    reshard_for_step(self.wrapped, what)
-    self.wrapped:reduce_held(what) -- what fsdp.no_sync left unreduced
-  end
+  if only_grads then self.wrapped:reduce_held(what) end -- what fsdp.no_sync left unreduced
   local has = only_grads and agree_grads(self.wrapped, what) or nil
+  if only_grads then reshard_for_step(self.wrapped, what) end
   each_unit(self.wrapped, what, function(u, shard, gshard, slices)
     for _, s in ipairs(slices) do
       -- frozen parameters are left out of steps (only_grads), not of the slices a load learns
@@ -1135,8 +1137,8 @@ function Adafactor:records()
   end
   if self.wrapped then
     local what = self.kind .. ":step"
-    reshard_for_step(self.wrapped, what)
     local has = agree_grads(self.wrapped, what)
+    reshard_for_step(self.wrapped, what)
     each_unit(self.wrapped, what, function(u, shard, gshard, slices)
       local by_index = {}
       for _, s in ipairs(slices) do by_index[s.index] = s end

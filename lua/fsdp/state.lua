@@ -170,6 +170,27 @@ end
 
 function Root:leave() self._busy = nil end
 
+--- Collective. `what` may start only when no unit holds a gathered copy that differs from its
+--- shard on any rank (a parameter written in place outside full_params/apply, or a shard
+--- written under the copy): otherwise it fails on every rank, naming the first such unit and
+--- the remedy, before anything communicates on one rank only.
+function Root:check_clean(what)
+  local bad
+  for _, u in ipairs(self._units) do
+    if u:dirty() then bad = u.path break end
+  end
+  local msg = collective.check_outcome(bad == nil, bad and M.changed_error(bad), what .. " check")
+  if msg then util.raise(what .. ": " .. msg) end
+end
+
+--- The message for a unit whose gathered copy no longer matches its shard (u:dirty()).
+function M.changed_error(path)
+  return ("unit '%s' was changed while gathered (a parameter written outside fsdp.full_params "
+    .. "/ fsdp.apply, or its shard written under the copy): change a wrapped model's "
+    .. "parameters inside fsdp.full_params or fsdp.apply (by hand: u:gather(), change, "
+    .. "u:writeback()), or drop the change with u:reshard{discard = true}"):format(path)
+end
+
 --- Collective. fn(...) on every rank, then the ranks agree on how it went: when it raised on
 --- any rank it raises on every rank (its own error where it raised, the lowest failing rank's
 --- elsewhere), so that what follows (writing back or not) is the same on every rank. Returns
@@ -188,12 +209,15 @@ end
 --- too (then without writeback), before the error is raised again. fn failing on one rank
 --- fails the walk on every rank (call_agreed): no rank writes back then. Returns fn's results.
 function Root:walk(what, writeback, fn)
+  self:check_idle(what)
+  self:check_clean(what)
   self:enter(what)
   local gathered = {}
   local res = {pcall(self.call_agreed, self, what, fn, gathered)}
-  self:restore(gathered, writeback, res[1])
-  self:leave()
+  local restored, why = pcall(self.restore, self, gathered, writeback, res[1])
+  self:leave() -- even when restoring failed: the walk is over
   if not res[1] then error(res[2], 0) end
+  if not restored then error(why, 0) end
   return unpack(res, 2, table.maxn(res))
 end
 

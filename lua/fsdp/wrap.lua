@@ -573,6 +573,7 @@ function W.unwrap(model)
   end
   R:check_idle("fsdp.unwrap")
   if R:in_no_sync() then raise("fsdp.unwrap: not inside fsdp.no_sync") end
+  R:check_clean("fsdp.unwrap") -- before teardown changes anything
   R:teardown()
   return model
 end

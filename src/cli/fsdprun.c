@@ -293,6 +293,16 @@ static int l_rank_execute(lua_State *L) {
     return 1;
   }
   int status = spawn_shell(cmd);
+  /* A ^C at the terminal reaches the command and fsdprun together: the command dies of SIGINT
+   * and the handler marks the run interrupted, in whichever order the threads get there. Raise
+   * the interrupt here rather than let the rank run on until the hook's next instruction (which
+   * a compiled loop never reaches); a command killed by SIGINT from elsewhere returns as usual
+   * once the handler has had its chance (at most 0.2 s). */
+  if (status != -1 && WIFSIGNALED(status) && WTERMSIG(status) == SIGINT && g_host) {
+    for (int i = 0; i < 200 && !fsdp_host_interrupted(g_host); i++)
+      nanosleep(&(struct timespec){0, 1000000}, NULL);
+    if (fsdp_host_interrupted(g_host)) return luaL_error(L, "interrupted");
+  }
   if (lua52) return luaL_execresult(L, status);
   lua_pushinteger(L, status);
   return 1;

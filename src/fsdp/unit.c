@@ -951,6 +951,12 @@ int fsdp_unit_reshard(fsdp_unit *u) {
   return reshard_impl(u);
 }
 
+bool fsdp_unit_dirty(const fsdp_unit *u) {
+  return !u->emptied && gathered_copy(u) &&
+         (u->full->storage->version != u->full_seen ||
+          u->shard->storage->version != u->shard_seen);
+}
+
 int fsdp_unit_accept_changes(fsdp_unit *u) {
   if (check_live(u, "accept_changes")) return FSDP_ERR;
   if (gathered_copy(u)) {

@@ -216,6 +216,10 @@ int fsdp_unit_reshard_discard(fsdp_unit *u);
 /* The caller wrote the same change into the shard and into the gathered parameters (a mask
  * set while gathered): both hold the same values again, and the change is kept. */
 int fsdp_unit_accept_changes(fsdp_unit *u);
+/* Gathered, and its copy and its shard no longer match (a parameter or the shard written since
+ * the gather or the last writeback): what reshard and gather refuse. Local: callers that must
+ * fail on every rank agree on it first (the Lua Root's check_clean). */
+bool fsdp_unit_dirty(const fsdp_unit *u);
 /* While gathered: the parameters' dtype (f32, or the param dtype when gathered for compute). */
 fsdp_dtype fsdp_unit_gathered_dtype(const fsdp_unit *u);
 const fsdp_unit_opts *fsdp_unit_options(const fsdp_unit *u);

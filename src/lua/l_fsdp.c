@@ -379,6 +379,11 @@ static int l_reshard(lua_State *L) {
 UNIT_ACTION(l_prefetch, fsdp_unit_prefetch(u))
 UNIT_ACTION(l_writeback, fsdp_unit_writeback(u))
 UNIT_ACTION(l_accept_changes, fsdp_unit_accept_changes(u))
+
+static int l_dirty(lua_State *L) {
+  lua_pushboolean(L, fsdp_unit_dirty(check_unit(L, 1)));
+  return 1;
+}
 UNIT_ACTION(l_zero_grad, fsdp_unit_zero_grad(u))
 UNIT_ACTION(l_unshard, fsdp_unit_unshard(u))
 UNIT_ACTION(l_reduce_held, fsdp_unit_reduce_held(u))
@@ -578,6 +583,7 @@ static const luaL_Reg methods[] = {
     {"prefetch", l_prefetch},
     {"writeback", l_writeback},
     {"accept_changes", l_accept_changes},
+    {"dirty", l_dirty},
     {"pre_forward", l_pre_forward},
     {"post_forward", l_post_forward},
     {"set_backward_prefetch", l_set_backward_prefetch},
