@@ -20,30 +20,7 @@
 
 #include <fsdp.h>
 
-static int checks, failures;
-
-#define CHECK(cond, ...)                                                                          \
-  do {                                                                                            \
-    checks++;                                                                                     \
-    if (!(cond)) {                                                                                \
-      failures++;                                                                                 \
-      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                             \
-      fprintf(stderr, __VA_ARGS__);                                                               \
-      fputc('\n', stderr);                                                                        \
-    }                                                                                             \
-  } while (0)
-
-/* A status and a message fragment the last error must hold. */
-#define EXPECT(rt, call, want_status, want_text)                                                  \
-  do {                                                                                            \
-    int st_ = (call);                                                                             \
-    const char *msg_ = fsdp_last_error(rt);                                                       \
-    CHECK(st_ == (want_status) && strstr(msg_, (want_text)) != NULL,                              \
-          "%s returned %s, expected %s; message '%s' should hold '%s'", #call,                    \
-          fsdp_status_name(st_), fsdp_status_name(want_status), msg_, want_text);                 \
-  } while (0)
-
-#define OK(rt, call) EXPECT(rt, call, FSDP_OK, "")
+#include "check.h"
 
 static fsdp_runtime *make(int world) {
   fsdp_runtime *rt = NULL;

@@ -21,18 +21,7 @@
 
 #include <fsdp.h>
 
-static int checks, failures;
-
-#define CHECK(cond, ...)                                                                          \
-  do {                                                                                            \
-    checks++;                                                                                     \
-    if (!(cond)) {                                                                                \
-      failures++;                                                                                 \
-      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                             \
-      fprintf(stderr, __VA_ARGS__);                                                               \
-      fputc('\n', stderr);                                                                        \
-    }                                                                                             \
-  } while (0)
+#include "check.h"
 
 static double now_s(void) {
   struct timespec ts;
