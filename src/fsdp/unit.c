@@ -752,6 +752,13 @@ fail:
 
 /* Point every parameter at `buf` (P elements) and make it the unit's full buffer; the
  * parameters take its dtype (f32, or the compute dtype under mixed precision). */
+/* The gathered values and the shard hold the same values now (gathered, written back, or both
+ * changed alike): what check_unchanged and the stale-shard check compare against. */
+static void note_matched(fsdp_unit *u) {
+  u->full_seen = u->full->storage->version;
+  u->shard_seen = u->shard->storage->version;
+}
+
 static void install(fsdp_unit *u, fsdp_tensor *buf) {
   fsdp_tensor_release(u->full);
   u->full = buf; /* the reference moves in */
@@ -762,8 +769,7 @@ static void install(fsdp_unit *u, fsdp_tensor *buf) {
   }
   u->state = FSDP_UNIT_GATHERED;
   u->gathered_dt = buf->dtype;
-  u->full_seen = buf->storage->version;
-  u->shard_seen = u->shard->storage->version;
+  note_matched(u);
 }
 
 /* Gathered, with the parameters viewing a buffer of their own (not NONE's view of the f32
@@ -952,17 +958,14 @@ int fsdp_unit_reshard(fsdp_unit *u) {
 }
 
 bool fsdp_unit_dirty(const fsdp_unit *u) {
-  return !u->emptied && gathered_copy(u) &&
+  return gathered_copy(u) &&
          (u->full->storage->version != u->full_seen ||
           u->shard->storage->version != u->shard_seen);
 }
 
 int fsdp_unit_accept_changes(fsdp_unit *u) {
   if (check_live(u, "accept_changes")) return FSDP_ERR;
-  if (gathered_copy(u)) {
-    u->full_seen = u->full->storage->version;
-    u->shard_seen = u->shard->storage->version;
-  }
+  if (gathered_copy(u)) note_matched(u);
   return FSDP_OK;
 }
 
@@ -1000,9 +1003,7 @@ int fsdp_unit_writeback(fsdp_unit *u) {
     if (rc) return fsdp_error_context("writeback: unit '%s'", u->path);
   }
   fsdp_tensor_written(u->shard);
-  /* the gathered values are the shard's again (every rank wrote back its own slice) */
-  u->full_seen = u->full->storage->version;
-  u->shard_seen = u->shard->storage->version;
+  note_matched(u); /* every rank wrote back its own slice */
   return FSDP_OK;
 }
 
@@ -1335,7 +1336,8 @@ static void disown_storage(fsdp_storage *s) {
 int fsdp_unit_unshard(fsdp_unit *u) {
   if (u->emptied) return FSDP_OK;
   if (land_reduction()) return fsdp_error_context("unshard");
-  if (fsdp_unit_gather(u) || check_unchanged(u, "unshard")) return fsdp_error_context("unshard");
+  /* gather refuses a changed copy (check_unchanged) */
+  if (fsdp_unit_gather(u)) return fsdp_error_context("unshard");
   /* allocate everything first, so a failure leaves the unit as it was */
   fsdp_tensor **dense = calloc((size_t)(u->n ? u->n : 1), sizeof *dense);
   stale_param *stale = NULL;

@@ -72,6 +72,17 @@ stop_cmd() {
 }
 AT_EXIT='stop_cmd'
 
+# stopped_in_time LABEL MS: the run started at $start ended with $rc = 130 within MS ms, said
+# "interrupted" and never printed "finished" (no rank went on); the sleeps it left are stopped
+stopped_in_time() {
+  sit_took=$(($(now_ms) - start))
+  expect_rc 130 "$1"
+  expect_has err "interrupted" "$1"
+  expect_lacks out "finished" "$1"
+  [ "$sit_took" -le "$2" ] || fail "$1: took ${sit_took} ms"
+  stop_cmd
+}
+
 # kill -INT to fsdprun's pid alone: the command does not get it
 "$FSDPRUN" -n 2 "$T/exec_spin.lua" >"$T/out" 2>"$T/err" &
 pid=$!
@@ -89,12 +100,7 @@ if kill -0 "$pid" 2>/dev/null; then
 fi
 wait "$pid"
 rc=$?
-took=$(($(now_ms) - start))
-expect_rc 130 "kill -INT while a rank is in os.execute"
-expect_has err "interrupted" "kill -INT while a rank is in os.execute"
-expect_lacks out "finished" "kill -INT while a rank is in os.execute"
-[ "$took" -le 6000 ] || fail "kill -INT while a rank is in os.execute: took ${took} ms"
-stop_cmd
+stopped_in_time "kill -INT while a rank is in os.execute" 6000
 
 # SIGINT to the process group (coreutils timeout sends it to fsdprun and then to its group, as the
 # terminal sends a ^C): the command ends too, and its rank raises `interrupted` at once (every
@@ -103,11 +109,6 @@ stop_cmd
 start=$(now_ms)
 timeout -k 15 --preserve-status -s INT 2 "$FSDPRUN" -n 2 "$T/exec_spin.lua" >"$T/out" 2>"$T/err"
 rc=$?
-took=$(($(now_ms) - start))
-expect_rc 130 "SIGINT to the group while a rank is in os.execute"
-expect_has err "interrupted" "SIGINT to the group: the rank in os.execute"
-expect_lacks out "finished" "SIGINT to the group while a rank is in os.execute"
-[ "$took" -le 7000 ] || fail "SIGINT to the group while a rank is in os.execute: took ${took} ms"
-stop_cmd
+stopped_in_time "SIGINT to the group while a rank is in os.execute" 7000
 
 finish
