@@ -4,6 +4,7 @@
 --
 --   state.of(module) -> the live Root whose tree holds module, or nil
 --   state.root(model) -> the live Root when model is its root, or nil
+--   state.of_unit(u) -> the live Root that built unit u, or nil
 --   state.on(event, fn)         subscribe; state.emit(event, ...) announce
 --
 -- Events (fn gets the arguments listed; subscribers run in the order they subscribed):
@@ -31,6 +32,8 @@ local collective = require "fsdp.collective"
 local M = {}
 
 local MARK = "__fsdp_wrap"
+-- unit -> the Root that built it (weak: a dropped Root and its units are collectable)
+local root_of_unit = setmetatable({}, {__mode = "k"})
 M.ROOT_PATH = "(root)" -- the root unit's path (a label in collectives and reports)
 
 -- ---- events ------------------------------------------------------------------------------------
@@ -68,6 +71,7 @@ function Root:add_unit(u, module, params, policy)
   self._by_module[module] = u
   self._module_of[u] = module
   self._policy_of[u] = policy
+  root_of_unit[u] = self
   for _, p in ipairs(params) do self._by_param[p] = u end
 end
 
@@ -168,7 +172,21 @@ function Root:enter(what)
   self._busy = what
 end
 
-function Root:leave() self._busy = nil end
+function Root:leave()
+  self._busy = nil
+  self._held = nil
+end
+
+--- Whether the running walk holds unit u gathered (u is in the list its fn gathers into, see
+--- walk): writes into u's gathered parameters are then the walk's to write back (or drop), not
+--- stray writes that gather and reshard refuse.
+function Root:walk_holds(u)
+  if self._held == nil then return false end
+  for _, g in ipairs(self._held) do
+    if rawequal(g[1], u) then return true end
+  end
+  return false
+end
 
 --- Collective. `what` may start only when no unit holds a gathered copy that differs from its
 --- shard on any rank (a parameter written in place outside full_params/apply, or a shard
@@ -213,6 +231,7 @@ function Root:walk(what, writeback, fn)
   self:check_clean(what)
   self:enter(what)
   local gathered = {}
+  self._held = gathered -- walk_holds reads it (fn adds and removes entries in place)
   local res = {pcall(self.call_agreed, self, what, fn, gathered)}
   local restored, why = pcall(self.restore, self, gathered, writeback, res[1])
   self:leave() -- even when restoring failed: the walk is over
@@ -341,6 +360,13 @@ end
 function M.of(m)
   if type(m) ~= "table" then return nil end
   local R = rawget(m, MARK)
+  if R == nil or R._dead then return nil end
+  return R
+end
+
+--- The live Root that built unit u, or nil.
+function M.of_unit(u)
+  local R = root_of_unit[u]
   if R == nil or R._dead then return nil end
   return R
 end
