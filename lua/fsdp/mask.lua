@@ -129,6 +129,19 @@ local function apply_sharded(u, rec, shard)
   end
 end
 
+-- This rank's reason to refuse masking p in unit u (nil: none). A gathered copy that no longer
+-- matches its shard outside a walk holding it (a parameter written in place outside
+-- fsdp.full_params / fsdp.apply, or the shard written under the copy) is what gather and
+-- reshard refuse; masking the copy and accepting it would adopt that change silently (into
+-- the shards at the next writeback, on the ranks that made it). Inside fsdp.apply /
+-- full_params the walk writes the copy back (or drops it) itself: writes there are expected.
+local function changed_copy(u, path)
+  if not u:dirty() then return nil end
+  local R = state.of_unit(u)
+  if R ~= nil and R:walk_holds(u) then return nil end
+  return ("%s (no mask set): %s"):format(path, state.changed_error(u.path))
+end
+
 -- ---- the user API ---------------------------------------------------------------------------
 
 local function check_param(p, fn)
@@ -139,7 +152,9 @@ end
 
 --- set_mask(param, mask): mask is a 0/1 tensor of param's shape (nil removes param's mask).
 --- Collective when param is sharded (every rank passes the same mask: checked). The masked
---- weights become 0 at once and stay 0 through every optimizer step.
+--- weights become 0 at once and stay 0 through every optimizer step. Refused on every rank,
+--- setting nothing, when param's unit is gathered and its copy was changed outside
+--- fsdp.full_params / fsdp.apply on some rank (docs/pruning.md).
 function M.set_mask(p, mask)
   check_param(p, "fsdp.set_mask")
   local u = core.param_unit(p)
@@ -173,10 +188,16 @@ function M.set_mask(p, mask)
     return
   end
   -- sharded: every rank must pass the same mask (a different one would leave the slices of
-  -- different masks side by side): compare the zero count and a hash of the zero positions
+  -- different masks side by side): compare the zero count and a hash of the zero positions,
+  -- with whether this rank refuses a changed gathered copy, so that every rank refuses alike
+  -- before anything is masked
   local path = unit_path(u, p)
   local label = "set_mask " .. path
-  local d = collective.compare({zeros, hash}, nil, label)
+  local d = collective.compare({zeros, hash}, changed_copy(u, path), label)
+  if d ~= nil and d.failed ~= nil then
+    local W = core.world_size()
+    raise("fsdp.set_mask: " .. (W > 1 and ("rank %d of %d: "):format(d.failed, W) or "") .. d.err)
+  end
   if d ~= nil then
     local zmin, zmax = math.huge, -math.huge
     for _, v in ipairs(d.values) do zmin, zmax = math.min(zmin, v[1]), math.max(zmax, v[1]) end
@@ -198,7 +219,9 @@ function M.set_mask(p, mask)
       core.mask_apply(wide, flat)
       live:copy(wide)
     end
-    u:accept_changes() -- shard and live copy changed alike: kept, neither stale nor dropped
+    -- shard and live copy changed alike: kept, neither stale nor dropped (a change of the copy
+    -- made outside a walk holding it was refused above)
+    u:accept_changes()
   end
 end
 

@@ -11,6 +11,9 @@
 --     u:reshard{discard = true} drops it; by hand, u:gather(), change, u:writeback() keeps it;
 --   * a shard written while its unit is gathered is an error at the next gather, not a forward
 --     with the old values;
+--   * fsdp.set_mask on a unit whose gathered copy was written outside full_params / apply on
+--     one rank is refused on every rank, setting no mask and adopting nothing; inside
+--     fsdp.apply / full_params (writes expected) and between a forward and its backward it masks;
 --   * fsdp.full_params / fsdp.apply whose fn fails on one rank fail on every rank and write
 --     nothing back; fsdp.save inside full_params is refused;
 --   * pruning and counting zeros of a model wrapped on meta, before it has values, is refused;
@@ -173,6 +176,71 @@ do
   fsdp.unwrap(m)
 end
 print(("ok: rank %d: writes to gathered units are refused or kept, never dropped"):format(rank))
+
+-- ---- set_mask on a gathered unit ----------------------------------------------------------------
+do
+  local m = gpt()
+  local w = m.wpe.weight -- the root's
+  wrap(m, "full")
+  local root = root_unit(m)
+  local before = values(m)
+  local mv = {}
+  for j = 1, w:numel() do mv[j] = (j % 3 == 0) and 0 or 1 end
+  local mk = fsdp.tensor(mv):view(w:shape())
+  local loss = nn.F.cross_entropy(m(x), y) -- the root stays gathered for the backward
+  if rank == W - 1 then w:fill(5) end -- a stray write, on one rank
+  local e = errs(fsdp.set_mask, w, mk)
+  check(e and e:find("fsdp.set_mask: ", 1, true)
+    and e:find("wpe.weight (no mask set): unit '(root)' was changed while gathered", 1, true)
+    and e:find("u:reshard{discard = true}", 1, true),
+    "set_mask after a stray write into the gathered copy is refused on every rank: " .. tostring(e))
+  if W > 1 then
+    check(e and e:find(("rank %d of %d"):format(W - 1, W), 1, true),
+      "naming the rank: " .. tostring(e))
+  end
+  check(fsdp.mask(w) == nil, "the refused set_mask recorded no mask")
+  root:reshard{discard = true}
+  check(same_values(before, values(m)), "the refused set_mask adopted nothing")
+  -- inside fsdp.apply the walk writes the copy back: fn's writes and the mask are both kept
+  fsdp.apply(m, function(mod)
+    if mod == m then
+      mod.wpe.weight:fill(2)
+      fsdp.set_mask(mod.wpe.weight, mk)
+    end
+  end)
+  local v = values(m)["wpe.weight"]
+  local bad = 0
+  for j = 1, #v do if v[j] ~= (mv[j] == 0 and 0 or 2) then bad = bad + 1 end end
+  check(bad == 0, ("set_mask inside fsdp.apply: %d weights neither masked nor written"):format(bad))
+  -- and inside full_params
+  fsdp.full_params(m, function()
+    w:fill(3)
+    fsdp.set_mask(w, mk)
+  end)
+  v = values(m)["wpe.weight"]
+  bad = 0
+  for j = 1, #v do if v[j] ~= (mv[j] == 0 and 0 or 3) then bad = bad + 1 end end
+  check(bad == 0,
+    ("set_mask inside fsdp.full_params: %d weights neither masked nor written"):format(bad))
+  -- between a forward and its backward, with nothing written: masks the live copy
+  fsdp.set_mask(w, nil)
+  fsdp.full_params(m, function() w:fill(1) end)
+  loss = nn.F.cross_entropy(m(x), y)
+  check(root:state() == "gathered", "the root is gathered between forward and backward")
+  fsdp.set_mask(w, mk)
+  local live = C.flat(w)
+  bad = 0
+  for j = 1, #live do if mv[j] == 0 and live[j] ~= 0 then bad = bad + 1 end end
+  check(bad == 0, ("set_mask between forward and backward: %d live weights not masked"):format(bad))
+  loss:backward()
+  v = values(m)["wpe.weight"]
+  bad = 0
+  for j = 1, #v do if v[j] ~= (mv[j] == 0 and 0 or 1) then bad = bad + 1 end end
+  check(bad == 0, ("set_mask between forward and backward: %d shard weights wrong"):format(bad))
+  fsdp.unwrap(m)
+end
+print(("ok: rank %d: set_mask refuses a stray write into a gathered copy, masks inside walks")
+  :format(rank))
 
 -- ---- full_params / apply failing on one rank ---------------------------------------------------
 do

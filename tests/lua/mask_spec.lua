@@ -2,7 +2,8 @@
 -- helpers of src/fsdp/mask.c through src/lua/l_mask.c): set_mask/mask on plain and wrapped models, masked weights
 -- exactly 0 through SGD momentum, AdamW and weight decay (mask set mid-training too),
 -- clip_grad_norm on masked gradients, wrap/unwrap/re-wrap, full_params/apply writeback, ties,
--- fsdp.sparsity against a direct count. Multi-rank behaviour: tests/dist/mask_*.lua.
+-- set_mask on gathered units (inside walks, between forward and backward, refused after a stray
+-- write into the copy), fsdp.sparsity against a direct count. Multi-rank behaviour: tests/dist/mask_*.lua.
 -- Run: busted --lua=luajit tests/lua/mask_spec.lua
 
 local fsdp = require "fsdp"
@@ -318,6 +319,121 @@ describe("masks across wrap, unwrap, re-wrap and writeback", function()
       local v, mv = flat(w), flat(mk)
       for i = 1, #v do if mv[i] == 0 then assert.are.equal(0, v[i]) end end
     end)
+    assert_masked(m, w, mk)
+    fsdp.unwrap(m)
+  end)
+end)
+
+describe("set_mask on a gathered unit", function()
+  local function root_unit(m)
+    for _, u in ipairs(fsdp.units(m)) do
+      if u.path == "(root)" then return u end
+    end
+  end
+
+  local function wrapped()
+    local m = gpt()
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    return m, root_unit(m)
+  end
+
+  local function refusal(fn, ...)
+    local ok, err = pcall(fn, ...)
+    assert.is_false(ok, "set_mask should have been refused")
+    return tostring(err)
+  end
+
+  it("refuses a copy written outside full_params / apply, setting and changing nothing", function()
+    local m, root = wrapped()
+    local w = m.wpe.weight -- the root unit's
+    local before = values(m, w)
+    local _ = nn.F.cross_entropy(m(ids), tgt) -- the root stays gathered for the backward
+    assert.are.equal("gathered", root:state())
+    w:fill(5) -- a stray write: no walk will write it back
+    local mk = some_mask(w:shape(), 0.5, 19)
+    local err = refusal(fsdp.set_mask, w, mk)
+    assert.truthy(err:find("fsdp.set_mask: wpe.weight (no mask set): unit '(root)' was changed "
+      .. "while gathered", 1, true), err)
+    assert.truthy(err:find("fsdp.full_params or fsdp.apply", 1, true), err)
+    assert.truthy(err:find("u:reshard{discard = true}", 1, true), err)
+    assert.is_nil(fsdp.mask(w))
+    assert.is_true(root:dirty(), "the write was adopted by set_mask")
+    root:reshard{discard = true}
+    assert.are.same(before, values(m, w))
+    -- a shard written under the gathered copy: refused too (the copy is stale)
+    local _ = nn.F.cross_entropy(m(ids), tgt)
+    root:shard():narrow(1, 1, 1):fill(7)
+    err = refusal(fsdp.set_mask, w, mk)
+    assert.truthy(err:find("unit '(root)' was changed while gathered", 1, true), err)
+    assert.is_nil(fsdp.mask(w))
+    root:reshard()
+    -- with nothing changed, the same call goes through
+    fsdp.set_mask(w, mk)
+    assert_masked(m, w, mk)
+    fsdp.unwrap(m)
+  end)
+
+  it("inside a walk, refuses a gathered unit the walk does not hold", function()
+    local m, root = wrapped()
+    local w = m.wpe.weight
+    local before = values(m, w)
+    local _ = nn.F.cross_entropy(m(ids), tgt) -- the root stays gathered
+    local mk = some_mask(w:shape(), 0.5, 19)
+    -- full_params of blocks.1 holds its unit, not the root: nothing writes the root back
+    local err = refusal(fsdp.full_params, m.blocks[1], function()
+      w:fill(5)
+      fsdp.set_mask(w, mk)
+    end)
+    assert.truthy(err:find("fsdp.set_mask: wpe.weight (no mask set): unit '(root)'", 1, true), err)
+    assert.is_nil(fsdp.mask(w))
+    root:reshard{discard = true}
+    assert.are.same(before, values(m, w))
+    fsdp.unwrap(m)
+  end)
+
+  it("inside fsdp.apply and fsdp.full_params masks what fn wrote", function()
+    local m = wrapped()
+    local w = m.blocks[1].mlp.fc.weight
+    local function expect(v, want)
+      for i = 1, #v do assert.are.equal(want(i), v[i]) end
+    end
+    local mv = flat(some_mask(w:shape(), 0.5, 23))
+    fsdp.apply(m, function(mod)
+      if mod == m.blocks[1].mlp.fc then
+        mod.weight:fill(2)
+        fsdp.set_mask(mod.weight, fsdp.tensor(mv):view(w:shape()))
+        expect(flat(mod.weight), function(i) return mv[i] == 0 and 0 or 2 end)
+      end
+    end)
+    expect(values(m, w), function(i) return mv[i] == 0 and 0 or 2 end)
+    assert.are.same(mv, flat(fsdp.mask(w)))
+    local mv2 = flat(some_mask(w:shape(), 0.3, 29))
+    fsdp.full_params(m, function()
+      w:fill(3)
+      fsdp.set_mask(w, fsdp.tensor(mv2):view(w:shape()))
+    end)
+    expect(values(m, w), function(i) return mv2[i] == 0 and 0 or 3 end)
+    -- without writeback fn's write is dropped and the mask kept
+    local mv3 = flat(some_mask(w:shape(), 0.3, 31))
+    fsdp.full_params(m, function()
+      w:fill(4)
+      fsdp.set_mask(w, fsdp.tensor(mv3):view(w:shape()))
+    end, {writeback = false})
+    expect(values(m, w), function(i) return (mv3[i] == 0 or mv2[i] == 0) and 0 or 3 end)
+    assert.are.same(mv3, flat(fsdp.mask(w)))
+    fsdp.unwrap(m)
+  end)
+
+  it("between a forward and its backward masks the live copy", function()
+    local m, root = wrapped()
+    local w = m.wpe.weight
+    local loss = nn.F.cross_entropy(m(ids), tgt)
+    assert.are.equal("gathered", root:state())
+    local mk = some_mask(w:shape(), 0.5, 37)
+    fsdp.set_mask(w, mk)
+    local v, mv = flat(w), flat(mk)
+    for i = 1, #v do if mv[i] == 0 then assert.are.equal(0, v[i]) end end
+    loss:backward()
     assert_masked(m, w, mk)
     fsdp.unwrap(m)
   end)
