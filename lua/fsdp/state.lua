@@ -32,8 +32,10 @@ local collective = require "fsdp.collective"
 local M = {}
 
 local MARK = "__fsdp_wrap"
--- unit -> the Root that built it (weak: a dropped Root and its units are collectable)
-local root_of_unit = setmetatable({}, {__mode = "k"})
+-- unit -> the Root that built it. Weak both ways: a Root holds its units, and LuaJIT's weak
+-- keys are not ephemerons (a value that reaches its key keeps the entry, and with it the
+-- whole wrapped model, alive for good); the model's mark keeps its Root alive while in use.
+local root_of_unit = setmetatable({}, {__mode = "kv"})
 M.ROOT_PATH = "(root)" -- the root unit's path (a label in collectives and reports)
 
 -- ---- events ------------------------------------------------------------------------------------
