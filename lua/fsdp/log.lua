@@ -133,6 +133,18 @@ local function loses(keys)
   return false
 end
 
+-- FSDP_PROGRESS (fsdprun --progress sets it): nil when unset or empty, else one of PROGRESS;
+-- another value is an error naming `fn`, raised at `level` as error() counts from the caller.
+local function env_progress(fn, level)
+  local progress = os.getenv("FSDP_PROGRESS")
+  if progress == "" then return nil end
+  if progress ~= nil and not PROGRESS[progress] then
+    error(("%s: FSDP_PROGRESS must be auto, bar, line or off, got '%s'"):format(fn, progress),
+      level)
+  end
+  return progress
+end
+
 --- Start a run: forget the previous one (closing its JSONL file) and set its options:
 --- total (steps, for "step i/total" and ETA), every (plain-line period), jsonl (path of a
 --- metrics file: its folder is made, and the file truncated unless append = true, which
@@ -159,12 +171,7 @@ function log.setup(opts)
   end
   local progress = opts.progress
   if progress == nil then
-    progress = os.getenv("FSDP_PROGRESS")
-    if progress == "" then progress = nil end
-    if progress ~= nil and not PROGRESS[progress] then
-      error(("fsdp.log.setup: FSDP_PROGRESS must be auto, bar, line or off, got '%s'")
-        :format(progress), 2)
-    end
+    progress = env_progress("fsdp.log.setup", 3)
   elseif not PROGRESS[progress] then
     error(("fsdp.log.setup: progress must be \"auto\", \"bar\", \"line\" or \"off\", got %s")
       :format(tostring(progress)), 2)
@@ -203,10 +210,14 @@ local function every()
   return 10
 end
 
-local function default_state()
+-- A run without setup takes its mode from the environment as setup would, and refuses a bad
+-- one the same way (a typo in FSDP_PROGRESS must not quietly become "auto"). `fn` is the
+-- function the user called; the error points at the user's call.
+local function default_state(fn)
   if not S then
-    S = new_state { progress = os.getenv("FSDP_PROGRESS") or "auto" }
-    if not PROGRESS[S.progress] then S.progress = "auto" end
+    local progress = env_progress(fn, 4)
+    S = new_state {}
+    S.progress = progress or "auto"
     S.t0 = S.clock()
   end
 end
@@ -219,7 +230,7 @@ local function call(_, step, metrics)
   if metrics ~= nil and type(metrics) ~= "table" then
     error("fsdp.log: metrics must be a table, got " .. type(metrics), 2)
   end
-  default_state()
+  default_state("fsdp.log")
   if my_rank() ~= 0 then return end
   local m = plain_metrics(metrics or {})
   local now = S.clock()
@@ -268,7 +279,7 @@ end
 --- Print text (like print) on rank 0 without breaking the bar: the bar is cleared, the text
 --- printed, and the bar drawn again below it (a kept line stays, and the next step draws).
 function log.print(...)
-  default_state()
+  default_state("fsdp.log.print")
   if my_rank() ~= 0 then return end
   local n = select("#", ...)
   local parts = {}

@@ -260,6 +260,29 @@ describe("fsdp.log", function()
     assert.is_false(ok)
     assert.truthy(err:find("FSDP_PROGRESS must be auto, bar, line or off, got 'sideways'", 1, true), err)
   end)
+
+  it("refuses a bad FSDP_PROGRESS without setup too, naming the function called", function()
+    local ffi = require "ffi"
+    pcall(ffi.cdef, "int setenv(const char *, const char *, int); int unsetenv(const char *);")
+    -- a fresh module: its state is made on its first call, as in a recipe that skips setup
+    local function fresh()
+      package.loaded["fsdp.log"] = nil
+      local l = require "fsdp.log"
+      package.loaded["fsdp.log"] = log
+      return l
+    end
+    ffi.C.setenv("FSDP_PROGRESS", "sideways", 1)
+    local l1, l2 = fresh(), fresh()
+    local ok1, err1 = pcall(l1, 1, { loss = 1 })
+    local ok2, err2 = pcall(l2.print, "text")
+    ffi.C.unsetenv("FSDP_PROGRESS")
+    assert.is_false(ok1)
+    assert.truthy(err1:find("fsdp.log: FSDP_PROGRESS must be auto, bar, line or off, got 'sideways'",
+      1, true), err1)
+    assert.is_false(ok2)
+    assert.truthy(err2:find("fsdp.log.print: FSDP_PROGRESS must be auto, bar, line or off, got "
+      .. "'sideways'", 1, true), err2)
+  end)
 end)
 
 describe("fsdp.log JSONL append", function()
