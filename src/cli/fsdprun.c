@@ -957,6 +957,22 @@ static int check_env(const fsdprun_opts *o) {
   return 0;
 }
 
+/* Without -n the rank's world of one is made on first use, where a malformed FSDP_TIMEOUT or
+ * FSDP_COMM_CHECK is taken as unset (fsdp_comm_current must not fail: plain luajit and hosts
+ * rely on it). fsdprun refuses them as -n 1's communicator creation does, before anything
+ * runs, by making one world of one under the strict rules and dropping it. Returns 0, or
+ * EXIT_FAILURE after reporting. */
+static int check_world_of_one(void) {
+  fsdp_comm *c = NULL;
+  if (fsdp_comm_single_new(&c) != FSDP_OK) {
+    fprintf(stderr, PROGNAME ": cannot create the communicator of rank 0: %s\n",
+            fsdp_error_msg());
+    return EXIT_FAILURE;
+  }
+  fsdp_comm_free(c);
+  return 0;
+}
+
 /* ---- command line ---------------------------------------------------------------------- */
 
 static void print_usage(FILE *f) {
@@ -1214,7 +1230,7 @@ int main(int argc, char **argv) {
   } else if (o.ranked || o.nccl) {
     if (!o.ranked) o.nranks = 1;
     status = run_ranks(&o);
-  } else {
+  } else if ((status = check_world_of_one()) == 0) {
     /* one rank with the world of one */
     status = run_host(&o, (fsdp_host_opts){.nranks = 1});
   }

@@ -138,6 +138,23 @@ require('fsdp').barrier()"
   expect_rc 0 "FSDP_TIMEOUT=$t"
   expect_out "true" "FSDP_TIMEOUT=$t"
 done
+# a malformed FSDP_TIMEOUT or FSDP_COMM_CHECK fails the communicator's creation, before the
+# recipe runs: with -n 1 and also without -n, where the world of one is made on first use
+for ranks in "-n 1" ""; do
+  for var in FSDP_TIMEOUT=abc FSDP_COMM_CHECK=xx; do
+    what="$var fsdprun ${ranks:-(no -n)}"
+    # shellcheck disable=SC2086 # ranks is empty or two words
+    run env $var "$FSDPRUN" $ranks "$T/ok.lua"
+    expect_rc 1 "$what"
+    expect_has err "fsdprun: cannot create the communicator of rank 0: ${var%%=*}: expected" "$what"
+    expect_has err "got '${var#*=}'" "$what"
+    expect_lacks out "ran" "$what"
+  done
+done
+# --timeout replaces the variable, so a malformed one is not read
+run env FSDP_TIMEOUT=abc "$FSDPRUN" --timeout=5 -e "print(require('fsdp.core').timeout())"
+expect_rc 0 "FSDP_TIMEOUT=abc --timeout=5"
+expect_out "5" "FSDP_TIMEOUT=abc --timeout=5"
 run env FSDP_BLAS_THREADS=many "$FSDPRUN" -n 2 "$T/ok.lua"
 expect_rc 2 "FSDP_BLAS_THREADS=many"
 expect_has err "FSDP_BLAS_THREADS='many' must be a positive integer" "FSDP_BLAS_THREADS=many"
