@@ -29,7 +29,8 @@ local args = fsdp.args {
   description = "A tokenizer, token files, a GPT trained on them fully sharded, a Hugging Face export.",
   { "data", "/usr/share/games/fortunes", "string", "a text file or a folder of them" },
   { "out", "checkpoints/gpt_tokens", "string", "where the tokenizer, token files, checkpoint and export go" },
-  { "vocab", 2048, "integer", "tokenizer pieces (at least 260: 259 are bytes and specials)", min = 260 },
+  { "vocab", 2048, "integer", "tokenizer pieces: 259 bytes and specials, one per character of "
+    .. "--data (the default needs 346 or more), then merges", min = 260 },
   { "model_type", "bpe", "string", "tokenizer model", choices = { "bpe", "unigram" } },
   { "val_fraction", 0.1, "number", "the last fraction of every file held out", min = 0.01, max = 0.5 },
   { "steps", 3000, "integer", "optimizer steps", min = 1 },

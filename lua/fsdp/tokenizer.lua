@@ -80,9 +80,23 @@ end
 local TRAIN_OPTS = { "input", "vocab_size", "model", "model_type", "threads",
   "character_coverage", "max_sentences" }
 
---- Train a model on the lines of the input files and write it to opts.model (returns it
---- loaded). Local: on several ranks, train on one and load everywhere (or use fsdprun tokenize).
-function tokenizer.train(opts)
+-- SentencePiece's refusal of a vocabulary smaller than the pieces it must hold says what to do
+-- in its own command line's terms (--character_coverage), which neither train nor fsdprun
+-- tokenize has: say it in the caller's, with the numbers. `cli`: fsdprun tokenize's flags.
+local function explain_required_chars(msg, v, cov, cli)
+  local asked, need = msg:match("Vocabulary size is smaller than required_chars%. (%d+) vs (%d+)%.")
+  if not need then return msg end
+  local chars = tonumber(need) - 259
+  local text = ("%s %s is too small for this corpus: it needs at least %s (259 byte and special "
+    .. "pieces, and %d characters of the corpus that get pieces of their own"):format(
+    cli and "--vocab-size" or "vocab_size", asked, need, chars)
+  if cli then return text .. ("); give --vocab-size %s or more"):format(need) end
+  return text .. (" at character_coverage %g); give vocab_size = %s or more, or a lower "
+    .. "character_coverage (characters left out become byte pieces)"):format(cov or 0.9995, need)
+end
+
+-- train, with its errors worded for fsdprun tokenize's flags when `cli`
+local function train(opts, cli)
   local fn = "fsdp.tokenizer.train"
   U.check_opts(fn, opts, TRAIN_OPTS)
   if opts == nil then U.raise(fn .. ": expects {input =, vocab_size =, model =}") end
@@ -103,8 +117,19 @@ function tokenizer.train(opts)
     inputs = files, vocab_size = v, model = opts.model, model_type = mt, threads = opts.threads,
     character_coverage = opts.character_coverage, max_sentences = opts.max_sentences,
   })
-  if not ok then U.raise(fn .. ": " .. U.strip(err):gsub("^tok_train: ", ""):gsub("^tokenizer train: ", "")) end
+  if not ok then
+    local msg = U.strip(err):gsub("^tok_train: ", ""):gsub("^tokenizer train: ", "")
+    msg = explain_required_chars(msg, v, opts.character_coverage, cli)
+    if cli then msg = msg:gsub("^vocab_size ", "--vocab-size ") end
+    U.raise(fn .. ": " .. msg)
+  end
   return tokenizer.load(opts.model)
+end
+
+--- Train a model on the lines of the input files and write it to opts.model (returns it
+--- loaded). Local: on several ranks, train on one and load everywhere (or use fsdprun tokenize).
+function tokenizer.train(opts)
+  return train(opts)
 end
 
 function Tokenizer:_handle(fn)
@@ -447,8 +472,8 @@ function tokenizer.command(args, env)
       if o.vocab_size then
         local okm, merr = pcall(core.io_mkdirs, o.out)
         if not okm then error(U.strip(merr), 0) end
-        tok = tokenizer.train { input = inputs, vocab_size = o.vocab_size, model = o.out .. "/tok.model",
-          model_type = o.model_type, threads = o.threads }
+        tok = train({ input = inputs, vocab_size = o.vocab_size, model = o.out .. "/tok.model",
+          model_type = o.model_type, threads = o.threads }, true)
         stdout:write(("fsdprun tokenize: trained %s (%d pieces, %s)\n"):format(tok.path,
           tok.vocab_size, o.model_type or "bpe"))
       else

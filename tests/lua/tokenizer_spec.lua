@@ -121,6 +121,31 @@ describe("fsdp.tokenizer", function()
     assert_error_has(function()
       fsdp.tokenizer.train { input = CORPUS, vocab_size = 200, model = dir .. "/x.model" }
     end, "vocab_size 200 is too small")
+    -- above 259 but below the pieces the corpus's characters need: said in train's options
+    -- (SentencePiece's own hint names a --character_coverage flag that nothing here has)
+    local ok, err = pcall(fsdp.tokenizer.train, { input = CORPUS, vocab_size = 260,
+      model = dir .. "/x.model" })
+    assert.is_false(ok)
+    err = tostring(err)
+    local need = tonumber(err:match("it needs at least (%d+) %(259 byte and special pieces, and "))
+    assert.truthy(need and need > 260, err)
+    assert.truthy(err:find("fsdp.tokenizer.train: vocab_size 260 is too small for this corpus", 1,
+      true), err)
+    assert.truthy(err:find(("%d characters of the corpus that get pieces of their own at "
+      .. "character_coverage 0.9995); give vocab_size = %d or more, or a lower character_coverage")
+      :format(need - 259, need), 1, true), err)
+    assert.is_nil(err:find("--character_coverage", 1, true), err)
+    assert.is_nil(io.open(dir .. "/x.model", "rb"))
+    -- the number it gives is enough; a lower coverage needs fewer
+    local ok2, err2 = pcall(fsdp.tokenizer.train, { input = CORPUS, vocab_size = 260,
+      model = dir .. "/x.model", character_coverage = 0.99 })
+    assert.is_false(ok2)
+    assert.truthy(tonumber(tostring(err2):match("it needs at least (%d+)")) < need, err2)
+    local enough = fsdp.tokenizer.train { input = CORPUS, vocab_size = need,
+      model = dir .. "/x.model" }
+    assert.are.equal(need, enough.vocab_size)
+    enough:free()
+    os.remove(dir .. "/x.model")
     -- an empty corpus: SentencePiece's own message has no words, only its failed check
     write(dir .. "/blank.txt", "\n\n")
     assert_error_has(function()

@@ -64,6 +64,12 @@ expect 1 "cannot open $T/none.txt" --out "$T/x" --vocab-size 600 "$T/none.txt"
 expect 1 "cannot open $T/none.model" --out "$T/x" --model "$T/none.model" $F/debian
 expect 1 "is not a SentencePiece model" --out "$T/x" --model $F/debian $F/debian
 expect 1 "Vocabulary size too high (100000)" --out "$T/x" --vocab-size 100000 $F/debian
+# a vocabulary that the corpus's characters do not fit in: said in tokenize's flags (it has no
+# --character_coverage, which SentencePiece's own message names)
+expect 1 "--vocab-size 260 is too small for this corpus: it needs at least" --out "$T/x" --vocab-size 260 $F/debian
+grep -qF -e "--character_coverage" -e "required_chars" "$T/err" &&
+  fail "SentencePiece's flag named: $(cat "$T/err")"
+grep -qE "give --vocab-size [0-9]+ or more$" "$T/err" || fail "no --vocab-size advice: $(cat "$T/err")"
 printf '\n\n' > "$T/blank.txt"
 expect 1 "the input has no text to train on (1 file, every line empty)" --out "$T/x" --vocab-size 300 "$T/blank.txt"
 finish
