@@ -113,6 +113,12 @@ local function train(opts, cli)
     U.raise(fn .. ": this build has no SentencePiece (install libsentencepiece-dev)")
   end
   local files = input_files(fn, opts.input)
+  -- the model's folder is made, as fsdp.save and fsdprun tokenize --out make theirs
+  local dir = opts.model:match("^(.*)/[^/]*$")
+  if dir and dir ~= "" then
+    local okm, merr = pcall(core.io_mkdirs, dir)
+    if not okm then U.raise(("%s: cannot make the model's folder: %s"):format(fn, U.strip(merr))) end
+  end
   local ok, err = pcall(core.tok_train, {
     inputs = files, vocab_size = v, model = opts.model, model_type = mt, threads = opts.threads,
     character_coverage = opts.character_coverage, max_sentences = opts.max_sentences,

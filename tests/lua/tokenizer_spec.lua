@@ -110,6 +110,17 @@ describe("fsdp.tokenizer", function()
     end, "fsdp.tokenizer.train: no text files in the input (a file holding a NUL byte is binary)")
   end)
 
+  it("makes the model's folder, as fsdp.save makes its own", function()
+    local t = fsdp.tokenizer.train { input = CORPUS, vocab_size = 500,
+      model = dir .. "/new/sub/tok.model" }
+    assert.are.equal(read(dir .. "/tok.model"), read(dir .. "/new/sub/tok.model"))
+    t:free()
+    write(dir .. "/plain", "a file, not a folder")
+    assert_error_has(function()
+      fsdp.tokenizer.train { input = CORPUS, vocab_size = 500, model = dir .. "/plain/tok.model" }
+    end, "fsdp.tokenizer.train: cannot make the model's folder: ", "plain")
+  end)
+
   it("names what is wrong", function()
     assert_error_has(function()
       fsdp.tokenizer.train { input = dir .. "/none.txt", vocab_size = 500, model = dir .. "/x.model" }
