@@ -41,28 +41,27 @@ local raise, is_module = util.raise, util.is_module
 local grad_of = core.grad_of
 
 -- The Root (lua/fsdp/state.lua) of model when it is a wrapped root, else nil. A module inside
--- a wrapped model (not its root), or an array holding sharded parameters, is an error: the
--- optimizer must see the whole wrapped model to find the shards.
-local function wrap_state(x)
+-- a wrapped model (not its root), or an array holding sharded parameters, is an error: fn (the
+-- caller, named in messages) must see the whole wrapped model to find the shards.
+local function wrap_state(fn, x)
   if is_module(x) then
     local R = state.of(x)
     if R ~= nil and R:model() ~= x then
-      raise("this module is part of a wrapped model: give the optimizer the wrapped root")
+      raise(("%s: this %s is part of a wrapped model: pass the wrapped root (a %s)")
+        :format(fn, x:type_name(), R:model():type_name()))
     end
     return R
   end
-  if type(x) ~= "table" then -- named_params' message would not say which optimizer
-    raise(("%s: expected a module or an array of parameters (got %s)"):format(kind, type(x)))
+  if type(x) ~= "table" then -- named_params' message would not say which function
+    raise(("%s: expected a module or an array of parameters (got %s)"):format(fn, type(x)))
   end
-  if type(x) == "table" then
-    for i, p in ipairs(x) do
-      if type(p) ~= "userdata" then
-        raise(("%s: parameter %d is not a tensor (got %s)"):format(kind, i, type(p)))
-      end
-      if type(p) == "userdata" and core.param_unit(p) ~= nil then
-        raise(("parameter %d is sharded (its model is wrapped): give the optimizer the wrapped "
-          .. "model itself"):format(i))
-      end
+  for i, p in ipairs(x) do
+    if type(p) ~= "userdata" then
+      raise(("%s: parameter %d is not a tensor (got %s)"):format(fn, i, type(p)))
+    end
+    if core.param_unit(p) ~= nil then
+      raise(("%s: parameter %d is sharded (its model is wrapped): pass the wrapped model "
+        .. "itself"):format(fn, i))
     end
   end
   return nil
@@ -1431,7 +1430,7 @@ function optim.clip_grad_norm(model, max_norm)
   if type(max_norm) ~= "number" or not (max_norm > 0 and max_norm < math.huge) then
     raise(("clip_grad_norm: max_norm must be a finite number > 0 (got %s)"):format(tostring(max_norm)))
   end
-  local R = wrap_state(model)
+  local R = wrap_state("clip_grad_norm", model)
   if R then
     R:reduce_held("clip_grad_norm")
     local gshards, pieces = {}, {}

@@ -264,6 +264,22 @@ describe("optim.clip_grad_norm", function()
         "clip_grad_norm: max_norm must be a finite number > 0 (got " .. tostring(v) .. ")")
     end
   end)
+
+  it("names itself when refusing what it was given, a part of a wrapped model too", function()
+    H.assert_error_has(function() optim.clip_grad_norm(5, 1.0) end,
+      "clip_grad_norm: expected a module or an array of parameters (got number)")
+    H.assert_error_has(function() fsdp.clip_grad_norm({5}, 1.0) end,
+      "clip_grad_norm: parameter 1 is not a tensor (got number)")
+    local m = nn.Sequential{nn.Linear(4, 4), nn.Linear(4, 2)}
+    fsdp.wrap(m, {policy = fsdp.policy.list{m[1], m[2]}})
+    m(fsdp.ones{2, 4}):sum():backward()
+    H.assert_error_has(function() fsdp.clip_grad_norm(m[1], 1.0) end,
+      "clip_grad_norm: this Linear is part of a wrapped model: pass the wrapped root "
+      .. "(a Sequential)")
+    H.assert_error_has(function() fsdp.clip_grad_norm({m[1].weight}, 1.0) end,
+      "clip_grad_norm: parameter 1 is sharded (its model is wrapped): pass the wrapped model")
+    assert.truthy(fsdp.clip_grad_norm(m, 1e9) > 0)
+  end)
 end)
 
 describe("max_grad_norm", function()
