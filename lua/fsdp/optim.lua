@@ -1402,8 +1402,17 @@ function Adafactor:import_tensor(p, name, t, first, count)
     end)
   end
   block:free()
-  if self.wrapped then self.fill_pending = true end
   return out
+end
+
+-- A checkpoint's factors are partial on each rank (import_tensor): the next step completes them
+-- with fill_factors' all_reduce. Whether it runs must not depend on what this rank imported (a
+-- rank holding no slice of any factored parameter imports no factor, and would skip the
+-- collective the others call): every rank of a wrapped model at world size > 1 that imports
+-- (fsdp.load imports on every rank) schedules it; with nothing factored it communicates nothing.
+function Adafactor:import_slices(list, info)
+  Optimizer.import_slices(self, list, info)
+  if self.wrapped and core.world_size() > 1 then self.fill_pending = true end
 end
 
 -- load_state_dict: the factors are whole on every rank that holds a slice (not shaped like it).
