@@ -104,6 +104,24 @@ local function check_opts(fn, model, opts, known)
   return opts, loaders
 end
 
+-- Phase A's end for the optimizer: the staged state as the list import_slices takes, checked
+-- by the optimizer (its parameters, this rank's slices of them, frozen units' included) now,
+-- while a refusal still fails every rank before anything is written.
+local function stage_optimizer(plan, opt)
+  local list = {}
+  for _, x in ipairs(plan.items) do
+    if x.optim then
+      local tensors = {}
+      for k, t in pairs(x.optim.tensors) do tensors[k] = t end
+      list[#list + 1] = {param = x.it.param, path = x.it.path, first = x.optim.first,
+        count = x.optim.count, scalars = x.optim.scalars, tensors = tensors}
+    end
+  end
+  local why = opt:import_problem(list, "the optimizer's state")
+  if why then C.fail(why) end
+  plan.optim = list
+end
+
 -- ---- phase B: apply a staged plan (after every rank agreed) -------------------------------------------
 
 -- Reshard every unit (collective, idempotent) so no gathered copy or prefetch outlives a change
@@ -136,19 +154,12 @@ local function apply_plan(model, plan, opts, loaders, parts, R)
     if x.mask then set[x.it.param] = x.mask any = true end
   end
   if any then mask.set_local(model, set) end
-  if opts.optimizer and plan.index then
-    local list = {}
-    for _, x in ipairs(plan.items) do
-      if x.optim then
-        local tensors = {}
-        for k, t in pairs(x.optim.tensors) do tensors[k] = t end
-        list[#list + 1] = {param = x.it.param, first = x.optim.first, count = x.optim.count,
-          scalars = x.optim.scalars, tensors = tensors}
-      end
-    end
+  if plan.optim then
     local o = plan.index.optimizer
-    -- the staged buffers are new and ours: the optimizer adopts them (no second copy)
-    opts.optimizer:import_slices(list, {step = o.step, lr = o.lr, hyper = o.hyper, adopt = true})
+    -- the staged buffers are new and ours: the optimizer adopts them (no second copy); staging
+    -- checked the list (import_problem), so this cannot refuse it after the parameters changed
+    opts.optimizer:import_slices(plan.optim,
+      {step = o.step, lr = o.lr, hyper = o.hyper, adopt = true})
   end
   if plan.index then
     for name, l in pairs(loaders) do l.cursor = plan.index.loaders[name] end
@@ -241,6 +252,7 @@ function M.load(model, path, opts)
     else
       plan = sharded.stage(path, opts, loaders, P, parts, R)
     end
+    if opts.optimizer and plan.index then stage_optimizer(plan, opts.optimizer) end
   end)
   local msg = C.agree(ok, err)
   if msg then raise("fsdp.load: " .. msg) end

@@ -89,6 +89,21 @@ local function each_unit(R, what, fn)
   end
 end
 
+-- This rank's slice of every parameter of the wrapped model, frozen units included (a load
+-- restores their state too, as a plain optimizer keeps a frozen parameter's state, for when it
+-- is unfrozen): {[param] = {param_first =, numel =}} (param_first 1-based, as slice_of); a
+-- parameter this rank holds nothing of is absent. Reads the layout only: no gradient shard is
+-- made.
+local function rank_slices(R, what)
+  local out = {}
+  for _, u in ipairs(live_units(R, what)) do
+    for _, s in ipairs(u:local_slices()) do
+      out[s.param] = {param_first = s.param_first, numel = s.shard_last - s.shard_first + 1}
+    end
+  end
+  return out
+end
+
 -- A step writes the shards. A unit still gathered (the root, or a grad_op unit, after a
 -- forward whose backward has not run) would go on computing with the values from before the
 -- step, and unwrap or a save would take them: every unit is resharded first (a backward still
@@ -498,7 +513,8 @@ function Optimizer:each_slice(fn, only_grads)
   if only_grads then reshard_for_step(self.wrapped, what) end
   each_unit(self.wrapped, what, function(u, shard, gshard, slices)
     for _, s in ipairs(slices) do
-      -- frozen parameters are left out of steps (only_grads), not of the slices a load learns
+      -- frozen parameters are left out of steps (only_grads); loads learn every slice, frozen
+      -- units' too, from rank_slices
       if self.member[s.param] and (has == nil or (has[u][s.index] and not frozen(s.param))) then
         local n = s.shard_last - s.shard_first + 1
         local p = s.param
@@ -639,7 +655,9 @@ end
 function Optimizer:export_tensor(p, name, v, first, count) return v:view{count} end
 function Optimizer:import_tensor() return nil end
 
--- Restore from a state_dict (values are copied into this optimizer's own buffers).
+-- Restore from a state_dict (values are copied into this optimizer's own buffers). Everything
+-- is checked, and the new buffers made, before anything changes: a refused state_dict leaves
+-- the optimizer as it was.
 function Optimizer:load_state_dict(sd)
   if type(sd) ~= "table" or sd.kind ~= self.kind then
     raise(("load_state_dict: expected a %s state_dict (got %s)")
@@ -650,8 +668,6 @@ function Optimizer:load_state_dict(sd)
   for path in pairs(sd.state or {}) do
     if by_path[path] == nil then raise(("load_state_dict: unknown parameter %s"):format(path)) end
   end
-  self.step_count, self.lr = sd.step or 0, sd.lr or self.lr
-  for k, v in pairs(sd.hyper or {}) do self[k] = v end
   if (sd.sharded == true) ~= (self.wrapped ~= nil) then
     raise(("load_state_dict: the state_dict is %s but this optimizer's model is %s")
       :format(sd.sharded and "sharded" or "dense", self.wrapped and "wrapped" or "not wrapped"))
@@ -660,31 +676,48 @@ function Optimizer:load_state_dict(sd)
     raise(("load_state_dict: this sharded state_dict is rank %s of %s; this is rank %d of %d")
       :format(tostring(sd.rank), tostring(sd.world_size), core.rank(), core.world_size()))
   end
-  local mine = {}
-  if self.wrapped then
-    self:each_slice(function() end) -- learn this rank's slices (creates empty states)
-    for p, sl in pairs(self.slice_of) do mine[p] = sl end
-  end
-  self.state = {}
-  for path, saved in pairs(sd.state or {}) do
-    local p = by_path[path]
-    local sl = mine[p]
+  -- this rank's slices, frozen units' too (their state is kept, as a plain optimizer keeps it)
+  local mine = self.wrapped and rank_slices(self.wrapped, "load_state_dict") or {}
+  local paths = util.sorted_keys(sd.state or {})
+  for _, path in ipairs(paths) do
+    local saved, sl = sd.state[path], mine[by_path[path]]
     if self.wrapped and (sl == nil or sl.param_first ~= saved.param_first or sl.numel ~= saved.numel) then
       raise(("load_state_dict: %s: the saved slice (first %s, %s elements) is not this rank's")
         :format(path, tostring(saved.param_first), tostring(saved.numel)))
     end
-    local st = {}
-    for k, v in pairs(saved) do
-      if type(v) == "userdata" then
-        local ok, buf = pcall(self.restore_buffer, self, p, k, v, sl)
-        if not ok then raise(("load_state_dict: %s: %s: %s"):format(path, k, util.strip(buf))) end
-        st[k] = buf
-      elseif k ~= "param_first" and k ~= "numel" then
-        st[k] = v
-      end
-    end
-    self.state[p] = st
   end
+  local state, slice_of = {}, {}
+  local ok, err = pcall(function()
+    for _, path in ipairs(paths) do
+      local p, saved = by_path[path], sd.state[path]
+      local sl = mine[p]
+      local st = {}
+      state[p] = st
+      for k, v in pairs(saved) do
+        if type(v) == "userdata" then
+          local made, buf = pcall(self.restore_buffer, self, p, k, v, sl)
+          if not made then
+            raise(("load_state_dict: %s: %s: %s"):format(path, k, util.strip(buf)))
+          end
+          st[k] = buf
+        elseif k ~= "param_first" and k ~= "numel" then
+          st[k] = v
+        end
+      end
+      if sl then slice_of[p] = {param_first = sl.param_first, numel = sl.numel} end
+    end
+  end)
+  if not ok then
+    -- the buffers made so far are freed now rather than by Lua's collector
+    for _, st in pairs(state) do
+      for _, v in pairs(st) do if type(v) == "userdata" then v:free() end end
+    end
+    util.reraise(err)
+  end
+  self.step_count, self.lr = sd.step or 0, sd.lr or self.lr
+  for k, v in pairs(sd.hyper or {}) do self[k] = v end
+  self.state = state
+  if self.wrapped then self.slice_of = slice_of end
 end
 
 -- ---- checkpoint support (the caller is lua/fsdp/checkpoint.lua) ----------------------------
@@ -724,39 +757,53 @@ function Optimizer:export_slices()
   return out
 end
 
+-- Why import_slices would refuse list (a message starting with what), or nil: every entry must
+-- be a parameter this optimizer updates, at this rank's part of it (wrapped: its slice, frozen
+-- units included; plain: the whole parameter), with tensors of that many elements. An entry
+-- may carry path (the caller's name for the parameter, for messages). Changes nothing:
+-- fsdp.load asks while staging, before the ranks agree and anything is written.
+function Optimizer:import_problem(list, what)
+  local known = {}
+  for _, e in ipairs(self.params) do known[e.param] = e.path end
+  local mine = self.wrapped and rank_slices(self.wrapped, what) or nil
+  for _, it in ipairs(list) do
+    local path = known[it.param]
+    if path == nil then
+      return ("%s: %s: state for a parameter this optimizer does not update")
+        :format(what, it.path or "?")
+    end
+    local want
+    if mine then
+      local sl = mine[it.param]
+      want = sl and {first = sl.param_first - 1, count = sl.numel}
+    else
+      want = {first = 0, count = it.param:numel()}
+    end
+    if want == nil or want.first ~= it.first or want.count ~= it.count then
+      return ("%s: %s: elements [%d, %d) are not this rank's part of the parameter")
+        :format(what, path, it.first, it.first + it.count)
+    end
+    for k, t in pairs(it.tensors or {}) do
+      if t:numel() ~= it.count then
+        return ("%s: %s: state %s has %d elements, expected %d")
+          :format(what, path, k, t:numel(), it.count)
+      end
+    end
+  end
+  return nil
+end
+
 -- Replace the whole state: list as export_slices returns it (param, first, count, scalars,
 -- tensors: values are copied into new buffers; parameters absent from the list get no state);
 -- info = {step =, lr =, hyper = {...}} restores the optimizer's step count, learning rate and
 -- hyper-parameters; info.adopt = true makes the given tensors the state buffers themselves
 -- (contiguous, 1-D, count elements, not used by the caller afterwards) instead of copies.
--- Wrapped: each slice must be this rank's slice of the parameter; plain: the whole parameter.
--- Checks everything before changing anything.
+-- Wrapped: each slice must be this rank's slice of the parameter (frozen units' too: their
+-- state is kept for when they are unfrozen, as on a plain model); plain: the whole parameter.
+-- Checks everything (import_problem) before changing anything.
 function Optimizer:import_slices(list, info)
-  local known = {}
-  for _, e in ipairs(self.params) do known[e.param] = e.path end
-  local mine = {}
-  if self.wrapped then
-    each_unit(self.wrapped, "import_slices", function(_, _, _, slices)
-      for _, s in ipairs(slices) do
-        mine[s.param] = {first = s.param_first - 1, count = s.shard_last - s.shard_first + 1}
-      end
-    end)
-  end
-  for _, it in ipairs(list) do
-    local path = known[it.param]
-    if path == nil then raise("import_slices: a parameter this optimizer does not update") end
-    local want = self.wrapped and mine[it.param] or {first = 0, count = it.param:numel()}
-    if want == nil or want.first ~= it.first or want.count ~= it.count then
-      raise(("import_slices: %s: elements [%d, %d) are not this rank's part of the parameter")
-        :format(path, it.first, it.first + it.count))
-    end
-    for k, t in pairs(it.tensors or {}) do
-      if t:numel() ~= it.count then
-        raise(("import_slices: %s: state %s has %d elements, expected %d")
-          :format(path, k, t:numel(), it.count))
-      end
-    end
-  end
+  local why = self:import_problem(list, "import_slices")
+  if why then raise(why) end
   local state, slice_of = {}, {}
   for _, it in ipairs(list) do
     local st = {}
@@ -1183,12 +1230,13 @@ function Adafactor:sum_device()
 end
 
 -- Collective after a load (wrapped, world size > 1): complete every factored parameter's
--- row_var and col_var from the ranks that know each entry (all_reduce "max").
+-- row_var and col_var from the ranks that know each entry (all_reduce "max"). Frozen units'
+-- too: their state was loaded, and a later unfreeze steps on it.
 function Adafactor:fill_factors()
   self.fill_pending = nil
   if not self.wrapped or core.world_size() == 1 then return end
   local list, total = {}, 0
-  each_unit(self.wrapped, "Adafactor:load", function(u)
+  for _, u in ipairs(live_units(self.wrapped, self.kind .. ":step")) do
     for _, param in ipairs(u:params()) do
       local B, R, C = factor_dims(param:shape())
       if self.member[param] and B then
@@ -1196,7 +1244,7 @@ function Adafactor:fill_factors()
         total = total + B * (R + C)
       end
     end
-  end)
+  end
   if total == 0 then return end
   local pack = core.zeros({total}, {device = self:sum_device()})
   for _, x in ipairs(list) do

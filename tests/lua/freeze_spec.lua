@@ -239,4 +239,30 @@ describe("freeze and checkpoints", function()
   it("an optimizer state saved before freezing loads into the frozen model", function()
     run(false, true)
   end)
+
+  it("a state_dict taken before freezing a unit loads, keeping the frozen unit's state", function()
+    -- the same run twice: one optimizer throughout, or its state_dict loaded into a new one
+    -- after freezing block 1 (a unit); block 1 is unfrozen later and must go on from its state
+    local function train(roundtrip)
+      local m = gpt()
+      fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+      local opt = fsdp.optim.AdamW(m, {lr = 1e-2})
+      step(m, opt)
+      step(m, opt)
+      m:freeze("^blocks%.1%.")
+      if roundtrip then
+        local sd = opt:state_dict()
+        opt = fsdp.optim.AdamW(m, {lr = 1e-2})
+        opt:load_state_dict(sd)
+        local st = opt:state_dict().state["blocks.1.mlp.fc.weight"]
+        assert.truthy(st, "the frozen unit's state was loaded")
+        assert.are.equal(2, st.step)
+      end
+      step(m, opt)
+      m:unfreeze()
+      step(m, opt)
+      return fsdp.full_params(m, function() return m.blocks[1].mlp.fc.weight:clone() end)
+    end
+    assert.are.same(train(false):totable(), train(true):totable())
+  end)
 end)

@@ -256,6 +256,33 @@ describe("optim.clip_grad_norm", function()
       or err:find("load_state_dict: bias: exp_avg", 1, true), err)
   end)
 
+  it("load_state_dict that fails half way leaves the optimizer as it was", function()
+    -- a's weight has b's shape, a's bias does not: whichever comes first, nothing changes
+    local a = nn.Sequential{nn.Linear(2, 2), nn.Linear(2, 3)}
+    local oa = optim.AdamW(a, {lr = 0.5})
+    a(fsdp.ones{1, 2}):sum():backward()
+    oa:step()
+    oa:step()
+    local b = nn.Sequential{nn.Linear(2, 2), nn.Linear(2, 2)}
+    local ob = optim.AdamW(b, {lr = 0.1})
+    b(fsdp.ones{1, 2}):sum():backward()
+    ob:step()
+    local before = ob:state_dict()
+    local kept = {}
+    for path, st in pairs(before.state) do kept[path] = flat(st.exp_avg) end
+    H.assert_error_has(function() ob:load_state_dict(oa:state_dict()) end, "load_state_dict: 2.")
+    local after = ob:state_dict()
+    assert.are.equal(1, after.step)
+    assert.are.equal(0.1, ob.lr)
+    local n = 0
+    for path, st in pairs(after.state) do
+      n = n + 1
+      assert.are.equal(1, st.step, path)
+      assert.are.same(kept[path], flat(st.exp_avg), path)
+    end
+    assert.are.equal(4, n)
+  end)
+
   it("refuses a limit that is not a finite number > 0, as max_grad_norm does", function()
     local m = nn.Linear(2, 1)
     m(fsdp.tensor{{3, 4}}):sum():backward()
