@@ -1031,6 +1031,35 @@ int fsdp_unit_zero_grad(fsdp_unit *u) {
   return u->grad_shard ? fsdp_fill(u->grad_shard, 0.0) : FSDP_OK;
 }
 
+/* t's flat elements [off, off + n) := 0 (t contiguous, 1-D), through the kernels. */
+static int zero_range(fsdp_tensor *t, int64_t off, int64_t n) {
+  static const int64_t one = 1;
+  if (n <= 0) return FSDP_OK;
+  fsdp_tensor *v;
+  if (fsdp_tensor_new_view(&v, t, t->offset + off, 1, &n, &one)) return FSDP_ERR;
+  int rc = fsdp_fill(v, 0.0);
+  fsdp_tensor_release(v);
+  return rc;
+}
+
+int fsdp_unit_zero_param_grad(fsdp_unit *u, int i) {
+  if (check_live(u, "zero_grad") || land_reduction()) return FSDP_ERR;
+  if (i < 0 || i >= u->n)
+    return fsdp_error("zero_grad: unit '%s' has no parameter %d (it has %d)", u->path, i + 1,
+                      u->n);
+  const fsdp_unit_param *q = &u->params[i];
+  u->got_grad[i] = false;
+  /* a held (no_sync) full gradient would bring the dropped gradient back when it is reduced */
+  if (u->full_grad && zero_range(u->full_grad, q->offset, q->numel))
+    return fsdp_error_context("zero_grad: unit '%s', parameter '%s'", u->path, q->path);
+  if (u->grad_shard) {
+    int64_t pf, sf, len = slice_of(u, q, u->rank, &pf, &sf);
+    if (zero_range(u->grad_shard, sf, len))
+      return fsdp_error_context("zero_grad: unit '%s', parameter '%s'", u->path, q->path);
+  }
+  return FSDP_OK;
+}
+
 void fsdp_unit_set_grad_sync(fsdp_unit *u, bool sync) { u->no_sync = !sync; }
 bool fsdp_unit_grad_sync(const fsdp_unit *u) { return !u->no_sync; }
 bool fsdp_unit_grad_unreduced(const fsdp_unit *u) { return u->grad_held; }

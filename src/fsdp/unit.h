@@ -269,6 +269,12 @@ void fsdp_unit_set_backward_prefetch(fsdp_unit *u, fsdp_unit *prev);
  * gradient held with sync off (below) is dropped (zeroed instead while a backward is inside
  * the unit); a unit with no trainable parameter frees its gradient shard instead. */
 int fsdp_unit_zero_grad(fsdp_unit *u);
+/* The same for parameter i alone (0-based; a module inside a wrapped model that is not a unit,
+ * or holds part of one, dropping its parameters' gradients): its range of the gradient shard
+ * and of a full gradient held with sync off (or accumulating in a backward) := 0, and it has
+ * no gradient (fsdp_unit_param_has_grad), so an optimizer skips it as a plain one skips a nil
+ * p.grad. Local, never communicates; an error for a bad i. */
+int fsdp_unit_zero_param_grad(fsdp_unit *u, int i);
 
 /* Gradient synchronisation (fsdp.no_sync; on by default). With sync off, the backward that
  * completes the unit's uses keeps its full gradient (P elements of the gradient dtype, on the

@@ -500,6 +500,20 @@ static int l_has_grad(lua_State *L) {
   return 1;
 }
 
+/* u:zero_param_grad(i): parameter i (1-based, as in u:params()) loses its gradient: its
+ * range of the gradient shard (and of a held full gradient) := 0, and u:has_grad(i) is false
+ * (unit.h, fsdp_unit_zero_param_grad; Module:zero_grad on a part of a wrapped model). */
+static int l_zero_param_grad(lua_State *L) {
+  fsdp_unit *u = check_unit(L, 1);
+  lua_Number i = luaL_checknumber(L, 2);
+  int n = fsdp_unit_nparams(u);
+  if (!(i >= 1 && i <= n) || i != (lua_Number)(int)i) /* in range first: then the cast is safe */
+    luaL_error(L, "zero_param_grad: %s is not a parameter index of unit '%s' (1 to %d)",
+               lua_tostring(L, 2), fsdp_unit_path(u), n);
+  if (fsdp_unit_zero_param_grad(u, (int)i - 1)) fsdp_lua_error(L);
+  return 0;
+}
+
 /* u:set_grad_sync(on): with false, backwards keep the unit's full gradient unreduced until one
  * with true completes (unit.h, fsdp_unit_set_grad_sync; fsdp.no_sync drives it). */
 static int l_set_grad_sync(lua_State *L) {
@@ -593,6 +607,7 @@ static const luaL_Reg methods[] = {
     {"layout", l_layout},
     {"local_slices", l_local_slices},
     {"has_grad", l_has_grad},
+    {"zero_param_grad", l_zero_param_grad},
     {"set_grad_sync", l_set_grad_sync},
     {"grad_sync", l_grad_sync},
     {"grad_unreduced", l_grad_unreduced},

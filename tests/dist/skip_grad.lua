@@ -2,7 +2,8 @@
 -- train exactly like the plain one, where the optimizer skips a parameter whose p.grad is nil
 -- (no update, no weight decay, no moment update, its Adam step count unchanged).
 --
---   fsdprun -n N tests/dist/skip_grad.lua --case=drop|unused|moe --mode=plain|full|grad_op|none
+--   fsdprun -n N tests/dist/skip_grad.lua --case=drop|unused|outside|moe|zeroed
+--     --mode=plain|full|grad_op|none
 --     [--steps=8] [--opt=adamw|sgd] [--eps=E] [--out=path] [--zero_fill=true] [--odd_rank=R]
 --
 -- Cases (a residual MLP: inp, body, out; each body module is a unit when wrapped):
@@ -14,6 +15,10 @@
 --           the global batch is routed by a rule of (step, global row), the same on every
 --           rank: on some steps an expert gets rows on every rank, on some only on one rank's
 --           rows, on some on none (then it is not called on any rank)
+--   zeroed  every parameter gets a gradient, and some modules drop theirs after the backward
+--           with module:zero_grad() (p.grad = nil on the plain model): block 2 (a unit) on
+--           even steps, block 1's fc1 (part of a unit) on steps 1, 4 and 7, out (part of the
+--           root) on step 5
 -- Every rank takes its rows of the same global batch (8 rows), so every world size trains the
 -- same model; rank 0 writes, as tests/dist/train_equiv.lua does, the loss of every step and
 -- the final parameters (%a) to --out for tests/dist/compare.lua.
@@ -100,6 +105,16 @@ function Net:init()
   if case == "outside" then self.penalty = nn.Parameter(fsdp.randn{4, D}) end
 end
 
+-- The modules whose gradients case "zeroed" drops after the backward of a step.
+local function zeroed(step)
+  if case ~= "zeroed" then return {} end
+  local out = {}
+  if step % 2 == 0 then out[#out + 1] = "body.2." end
+  if step % 3 == 1 then out[#out + 1] = "body.1.fc1." end
+  if step == 5 then out[#out + 1] = "out." end
+  return out
+end
+
 -- The expert of global row i at a step: only expert 1 (2-4 get nothing); expert 2 on the
 -- first half of the batch only (at 2 ranks: rank 0's rows only); experts 1-3 (4 gets
 -- nothing); all four.
@@ -138,6 +153,12 @@ local function gets_grad(path, step, lo, hi)
     return not (path:find("%.spare%.") or path == "unused")
   end
   if case == "outside" then return path ~= "penalty" or step % 2 == 0 end
+  if case == "zeroed" then
+    for _, prefix in ipairs(zeroed(step)) do
+      if path:sub(1, #prefix) == prefix then return false end
+    end
+    return true
+  end
   if case == "drop" then
     if path:find("^body%.2%.") then
       for r = lo, hi do if not dropped(step, r) then return true end end
@@ -196,6 +217,11 @@ for step = 1, steps do
     loss = loss + (model.penalty * model.penalty):mean() * 0.5
   end
   loss:backward()
+  for _, prefix in ipairs(zeroed(step)) do
+    local m = model
+    for name in prefix:gmatch("[^.]+") do m = m[tonumber(name) or name] end
+    m:zero_grad()
+  end
   if mode ~= "plain" then
     for _, u in ipairs(fsdp.units(model)) do
       for i, path in ipairs(u:paths()) do

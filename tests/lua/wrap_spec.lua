@@ -837,6 +837,68 @@ describe("optimizers on a wrapped model", function()
     fsdp.unwrap(m)
   end)
 
+  it("a submodule's zero_grad drops its parameters' gradients only, as on a plain model", function()
+    -- m.b a unit, m.a and m.spare in the root: b:zero_grad() zeroes a whole unit, a:zero_grad()
+    -- part of the root's shard; under fsdp.no_sync the held gradient is dropped too
+    local Pair = nn.Module:extend("WrapSpecZeroPair")
+    function Pair:init()
+      self.a = nn.Linear(4, 4)
+      self.b = nn.Linear(4, 4)
+      self.c = nn.Linear(4, 4)
+    end
+    function Pair:forward(x) return self.c(self.b(self.a(x)):relu()) end
+    local function run(wrap)
+      fsdp.manual_seed(5)
+      local m = Pair()
+      if wrap then fsdp.wrap(m, {policy = fsdp.policy.list{m.b}}) end
+      local opt = fsdp.optim.SGD(m, {lr = 0.1, momentum = 0.9, weight_decay = 0.1,
+        local_only = not wrap})
+      local x = fsdp.tensor{{1, -2, 3, 0.5}, {0, 1, -1, 2}}
+      local function loss() return m(x):sum() end
+      -- step 1: b dropped after the backward; step 2: a dropped; step 3: a micro-batch under
+      -- no_sync, a and b dropped, then one more outside it (theirs is the second one only)
+      opt:zero_grad(); loss():backward(); m.b:zero_grad(); opt:step()
+      opt:zero_grad(); loss():backward(); m.a:zero_grad(); opt:step()
+      opt:zero_grad()
+      fsdp.no_sync(m, function() loss():backward() end)
+      m.a:zero_grad()
+      m.b:zero_grad()
+      loss():backward()
+      opt:step()
+      local steps = {}
+      for _, name in ipairs{"a", "b", "c"} do
+        local st = opt.state[m[name].weight]
+        steps[name] = st and st.step
+      end
+      if wrap then
+        -- the flags say so: no gradient after zero_grad, until the next backward
+        for _, u in ipairs(fsdp.units(m)) do
+          for i, path in ipairs(u:paths()) do assert.is_true(u:has_grad(i), path) end
+        end
+        m.a:zero_grad()
+        for _, u in ipairs(fsdp.units(m)) do
+          for i, path in ipairs(u:paths()) do
+            assert.are.equal(path:sub(1, 2) ~= "a.", u:has_grad(i), path)
+          end
+        end
+        fsdp.unwrap(m)
+      end
+      return m, steps
+    end
+    local plain, ps = run(false)
+    local m, ws = run(true)
+    assert.are.same({a = 2, b = 2, c = 3}, ps)
+    assert.are.same(ps, ws)
+    local a, b = plain:parameters(), m:parameters()
+    for i = 1, #a do
+      local x, y = flat(a[i]), flat(b[i])
+      for k = 1, #x do
+        assert.is_true(math.abs(x[k] - y[k]) <= 1e-6 * (1 + math.abs(x[k])),
+          ("param %d element %d: %g vs %g"):format(i, k, x[k], y[k]))
+      end
+    end
+  end)
+
   -- A block whose "spare" Linear is never called, and a block left out on step 2.
   local Skip = nn.Module:extend("WrapSpecSkip")
   function Skip:init()

@@ -1,16 +1,17 @@
 #!/bin/sh
 # Parameters without a gradient (tests/dist/skip_grad.lua): a wrapped model at 1, 2 and 4 ranks
-# trains like the plain model at 1 rank on the same global batch, whose optimizer skips a
-# parameter whose p.grad is nil. Cases: layer drop (a block skipped on steps 3 and 6), an
-# unused parameter inside a unit (and one in the root), a root parameter whose gradient only
-# comes from outside the forward (on even steps), and a mixture of experts whose experts get
-# rows on some ranks, all ranks or none. AdamW with weight decay, 8 steps; strategy "full" at
-# 1, 2 and 4 ranks, "grad_op" and "none" at 2, SGD with momentum at 2. Losses and final
-# parameters within 1e-5 relative (tests/dist/compare.lua, as dist_equivalence.sh); the script
-# itself checks u:has_grad after every backward and the optimizer step counts. For each case, a
-# plain run that gives every missing gradient a zero one (what stepping every shard slice does)
-# must FAIL the comparison, so the comparison can fail. Last, a block skipped on ONE rank only
-# stops every rank within seconds in that step's backward, the collectives' mismatch named.
+# trains like the plain model at 1 rank on the same global batch, whose optimizer skips a parameter
+# whose p.grad is nil. Cases: layer drop (a block skipped on steps 3 and 6), an unused parameter
+# inside a unit (and one in the root), a root parameter whose gradient only comes from outside the
+# forward (on even steps), a mixture of experts whose experts get rows on some ranks, all ranks or
+# none, and modules whose gradients are dropped after the backward with module:zero_grad() (a unit,
+# part of a unit, part of the root). AdamW with weight decay, 8 steps; strategy "full" at 1, 2 and 4
+# ranks, "grad_op" and "none" at 2, SGD with momentum at 2. Losses and final parameters within 1e-5
+# relative (tests/dist/compare.lua, as dist_equivalence.sh); the script itself checks u:has_grad
+# after every backward and the optimizer step counts. For each case, a plain run that gives every
+# missing gradient a zero one (what stepping every shard slice does) must FAIL the comparison, so
+# the comparison can fail. Last, a block skipped on ONE rank only stops every rank within seconds in
+# that step's backward, the collectives' mismatch named.
 . "${0%/*}/lib.sh"
 S=tests/dist/skip_grad.lua
 skip_grad() { # skip_grad N OUT ARGS...
@@ -18,7 +19,7 @@ skip_grad() { # skip_grad N OUT ARGS...
   shift 2
   must "skip_grad -n $sg_n $*" "$FSDPRUN" -n "$sg_n" "$S" --out="$sg_out" "$@"
 }
-for case in drop unused outside moe; do
+for case in drop unused outside moe zeroed; do
   skip_grad 1 "$T/ref" --case=$case --mode=plain
   for n in 1 2 4; do
     skip_grad "$n" "$T/out" --case=$case --mode=full

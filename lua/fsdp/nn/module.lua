@@ -439,10 +439,31 @@ function Module:to(a, b)
   return self
 end
 
+-- Drops the gradients of this module's parameters (p.grad = nil). A wrapped model keeps them in
+-- its units' gradient shards (and, under fsdp.no_sync, held full gradients): its root zeroes
+-- every unit; a module inside it drops its own parameters' gradients only, their ranges of
+-- those buffers and their has-gradient flags (a unit all of whose parameters are its own is
+-- zeroed whole), so a step skips them as a plain optimizer skips a nil p.grad. Local: every
+-- rank calls it alike, as every rank's flags are agreed at the step.
 function Module:zero_grad()
-  for _, p in ipairs(self:parameters()) do p.grad = nil end
-  local R = state.root(self)
-  if R ~= nil then R:zero_grad() end
+  local params = self:parameters()
+  for _, p in ipairs(params) do p.grad = nil end
+  local R = state.of(self)
+  if R == nil then return end
+  if R:model() == self then return R:zero_grad() end
+  local mine = {}
+  for _, p in ipairs(params) do mine[p] = true end
+  for _, u in ipairs(R:units()) do
+    local own, all = {}, true
+    for i, p in ipairs(u:params()) do
+      if mine[p] then own[#own + 1] = i else all = false end
+    end
+    if #own > 0 and all then
+      u:zero_grad()
+    else
+      for _, i in ipairs(own) do u:zero_param_grad(i) end
+    end
+  end
 end
 
 -- ---- forward hooks (used by sharding to gather/reshard around a unit's forward) -------------
