@@ -225,15 +225,38 @@ function M.agree(value, what, label)
   if type(what) ~= "string" then util.raise("collective.agree: `what` must be a string naming the value") end
   local d = M.compare(value, nil, label or what)
   if d == nil then return value end
+  util.raise(M.difference(d, what))
+end
+
+--- The message agree raises for a result of compare whose values differ (d.differ): "<what>
+--- differs across ranks[ at <where>]: rank 0 has <v>, rank R has <v> (ranks that differ from
+--- rank 0: R, ...)". Local: every rank has the same d, so every rank gets the same message.
+function M.difference(d, what)
   local other = d.differ[1]
   local path, a, b = first_difference(d.values[1], d.values[other + 1], "")
   local ranks = {}
   for i, r in ipairs(d.differ) do ranks[i] = tostring(r) end
-  util.raise(("%s differs across ranks%s: rank 0 has %s, rank %d has %s (ranks that differ from rank 0: %s)")
-    :format(what, path ~= "" and (" at " .. path) or "", show(a), other, show(b), table.concat(ranks, ", ")))
+  return ("%s differs across ranks%s: rank 0 has %s, rank %d has %s (ranks that differ from "
+    .. "rank 0: %s)"):format(what, path ~= "" and (" at " .. path) or "", show(a), other, show(b),
+      table.concat(ranks, ", "))
 end
 
 -- ---- the library's checks --------------------------------------------------------------------
+
+--- Collective. One agreement for a call `fn` about to act on every rank: compare(value, err)
+--- (value: what every rank must hold alike, e.g. its arguments; err: this rank's own reason to
+--- refuse, or nil). nil when every rank may go on; otherwise the same message on every rank:
+---   "<fn>: rank R of W: <R's err>"      (the lowest refusing rank; "<fn>: <err>" at one rank)
+---   "<fn>: <what> differs across ranks[ at <where>]: rank 0 has ..., rank R has ... (...)"
+function M.check_agreement(fn, value, err, what, label)
+  local d = M.compare(value, err, label or fn)
+  if d == nil then return nil end
+  if d.failed ~= nil then
+    local W = core.world_size()
+    return fn .. ": " .. (W > 1 and ("rank %d of %d: "):format(d.failed, W) or "") .. d.err
+  end
+  return fn .. ": " .. M.difference(d, what)
+end
 
 --- Collective. Whether every rank's local phase succeeded (ok, err as pcall returned them):
 --- nil when every rank passed ok, otherwise the same message on every rank, the lowest failing
