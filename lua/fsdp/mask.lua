@@ -4,7 +4,7 @@
 --   for checkpoints (lua/fsdp/checkpoint.lua): has, local_slice, set_local, masked, local_mask,
 --   set_local_mask; reapply(model)
 --   for optimizers and pruning (optim.lua, prune.lua): shard_slice, apply_plain, plain_flat,
---   piece, adopt, refresh
+--   piece, adopt, changed_copy, refresh
 --
 -- A mask is a 0/1 value per element of a parameter (0 = pruned). It is stored in the form the
 -- parameter has (docs/pruning.md):
@@ -90,10 +90,81 @@ local function holds_copy(u)
   return u:state() == "gathered" and (not is_replicated(u) or u:dtypes().gathered ~= "f32")
 end
 
--- A unit holding a full copy that a change of the shards does not reach: gather it again.
--- Collective; every rank has the same unit states.
+-- Mask p's live (gathered) values with flat, p's full 1-D mask on the same device: a copy
+-- gathered in bf16/f16 for compute is masked through f32 (exact both ways).
+local function mask_live(p, flat)
+  local live = flat_param(p)
+  if live:dtype() == "f32" then
+    core.mask_apply(live, flat)
+  else
+    local wide = live:to("f32")
+    core.mask_apply(wide, flat)
+    live:copy(wide)
+  end
+end
+
+-- p's full 1-D mask from every rank's slice (sharded record rec of p in unit u), where p's
+-- mask lives. Collective unless u is replicated: one all_reduce("sum") of p's size (every
+-- element is held by exactly one rank, or counted by one: the sum is exact).
+local function full_mask(u, p, rec)
+  local flat = core.zeros{rec.numel}
+  if rec.slice ~= nil and contributes(u) then flat:narrow(1, rec.first, rec.n):copy(rec.slice) end
+  if not is_replicated(u) then core.all_reduce(flat, "sum", "mask " .. rec.path) end
+  return flat:to(mask_opts(u, p).device)
+end
+
+-- This rank's reason to refuse changing the shards of unit u (nil: none); `what` names the
+-- parameter and what is then not done ("wpe.weight (no mask set)"). A gathered copy that no
+-- longer matches its shard outside a walk holding it (a parameter written in place outside
+-- fsdp.full_params / fsdp.apply, or the shard written under the copy) is what gather and
+-- reshard refuse; masking the copy and accepting it, or refreshing it, would adopt that change
+-- silently (into the shards at the next writeback, on the ranks that made it) or fail on the
+-- ranks that made it only. Inside fsdp.apply / full_params the walk writes the copy back (or
+-- drops it) itself: writes there are expected. Local: callers fold it into an agreement.
+local function changed_copy(u, what)
+  if not u:dirty() then return nil end
+  local R = state.of_unit(u)
+  if R ~= nil and R:walk_holds(u) then return nil end
+  return ("%s: %s"):format(what, state.changed_error(u.path))
+end
+M.changed_copy = changed_copy
+
+-- Collective when one of units ({unit, path} pairs) holds a gathered copy (the same on every
+-- rank; nothing communicates otherwise): raise on every rank alike, naming fn, the lowest rank
+-- and the unit, when some rank's copy changed outside a walk holding it (changed_copy, with
+-- `note` saying what is not done). For callers about to change shards and refresh the units.
+local function check_copies(units, fn, note)
+  local any, err = false, nil
+  for _, e in ipairs(units) do
+    if holds_copy(e[1]) then
+      any = true
+      err = err or changed_copy(e[1], ("%s (%s)"):format(e[2], note))
+    end
+  end
+  if not any then return end
+  local msg = collective.check_agreement(fn, nil, err, nil, fn .. " copies")
+  if msg then raise(msg) end
+end
+
+-- A unit holding a full copy that a change of the shards does not reach: make the copy match
+-- the masked shards again. Collective; every rank has the same unit states, and a walk holds
+-- the same units on every rank. A unit a walk holds (fsdp.apply / full_params) keeps its copy,
+-- which may hold fn's writes for the walk to write back or drop: the copy is masked in place
+-- with each masked parameter's full mask (one all_reduce each). Any other copy is gathered
+-- again from the shards; the caller made sure no rank's copy changed outside a walk
+-- (changed_copy), which that reshard would refuse on that rank only.
 local function refresh(u)
-  if holds_copy(u) then
+  if not holds_copy(u) then return end
+  local R = state.of_unit(u)
+  if R ~= nil and R:walk_holds(u) then
+    for _, p in ipairs(u:params()) do
+      local rec = records[p]
+      if rec ~= nil and rec.sharded then mask_live(p, full_mask(u, p, rec)) end
+    end
+    -- shard and live copy masked alike: kept as matching (the walk's own writes in the copy
+    -- are its to write back or drop, as before)
+    u:accept_changes()
+  else
     u:reshard()
     u:gather()
   end
@@ -129,19 +200,6 @@ local function apply_sharded(u, rec, shard)
   end
 end
 
--- This rank's reason to refuse masking p in unit u (nil: none). A gathered copy that no longer
--- matches its shard outside a walk holding it (a parameter written in place outside
--- fsdp.full_params / fsdp.apply, or the shard written under the copy) is what gather and
--- reshard refuse; masking the copy and accepting it would adopt that change silently (into
--- the shards at the next writeback, on the ranks that made it). Inside fsdp.apply /
--- full_params the walk writes the copy back (or drops it) itself: writes there are expected.
-local function changed_copy(u, path)
-  if not u:dirty() then return nil end
-  local R = state.of_unit(u)
-  if R ~= nil and R:walk_holds(u) then return nil end
-  return ("%s (no mask set): %s"):format(path, state.changed_error(u.path))
-end
-
 -- ---- the user API ---------------------------------------------------------------------------
 
 local function check_param(p, fn)
@@ -150,75 +208,94 @@ local function check_param(p, fn)
   end
 end
 
---- set_mask(param, mask): mask is a 0/1 tensor of param's shape (nil removes param's mask).
---- Collective when param is sharded (every rank passes the same mask: checked). The masked
---- weights become 0 at once and stay 0 through every optimizer step. Refused on every rank,
---- setting nothing, when param's unit is gathered and its copy was changed outside
---- fsdp.full_params / fsdp.apply on some rank (docs/pruning.md).
-function M.set_mask(p, mask)
-  check_param(p, "fsdp.set_mask")
-  local u = core.param_unit(p)
-  if mask == nil then
-    records[p] = nil
-    return
-  end
+-- The mask as {full = a new 0/1 tensor of p's shape where p's mask lives, flat = its 1-D view,
+-- zeros =, hash = (of the zero positions)}, or nil and why not (its type, shape or values).
+local function checked_mask(p, u, mask)
   if not is_tensor(mask) then
-    raise(("fsdp.set_mask: the mask must be a tensor of the parameter's shape (got %s)"):format(type(mask)))
+    return nil, ("the mask must be a tensor of the parameter's shape (got %s)"):format(type(mask))
   end
-  local shape = p:shape()
-  local ms = mask:shape()
-  if #ms ~= #shape or mask:numel() ~= p:numel() then
-    raise(("fsdp.set_mask: the mask has shape %s, the parameter %s"):format(shape_str(ms), shape_str(shape)))
-  end
-  for i = 1, #shape do
-    if ms[i] ~= shape[i] then
-      raise(("fsdp.set_mask: the mask has shape %s, the parameter %s"):format(shape_str(ms), shape_str(shape)))
-    end
+  local shape, ms = p:shape(), mask:shape()
+  local same = #ms == #shape and mask:numel() == p:numel()
+  for i = 1, #shape do same = same and ms[i] == shape[i] end
+  if not same then
+    return nil, ("the mask has shape %s, the parameter %s"):format(shape_str(ms), shape_str(shape))
   end
   local full = core.zeros(shape, mask_opts(u, p))
   full:copy(mask)
   local flat = full:view{p:numel()}
   local bad, zeros, hash = core.mask_check(flat)
-  if bad > 0 then
-    raise(("fsdp.set_mask: the mask must hold only 0 and 1 (%d other values)"):format(bad))
-  end
+  if bad > 0 then return nil, ("the mask must hold only 0 and 1 (%d other values)"):format(bad) end
+  return {full = full, flat = flat, zeros = zeros, hash = hash}
+end
+
+-- What a rank passed to set_mask, in the message for ranks that passed different masks.
+local function passed(v)
+  if v == "none" then return "nil (no mask)" end
+  return ("a mask with %d zeros"):format(v[1])
+end
+
+--- set_mask(param, mask): mask is a 0/1 tensor of param's shape (nil removes param's mask).
+--- Collective when param is sharded (every rank passes the same mask, or nil: checked). The
+--- masked weights become 0 at once and stay 0 through every optimizer step. Refused on every
+--- rank, setting nothing, when some rank's mask is not a 0/1 tensor of param's shape, or when
+--- param's unit is gathered and its copy was changed outside fsdp.full_params / fsdp.apply on
+--- some rank (docs/pruning.md).
+function M.set_mask(p, mask)
+  check_param(p, "fsdp.set_mask")
+  local u = core.param_unit(p)
   if u == nil then
-    records[p] = {full = full, flat = flat}
-    if p.device ~= "meta" then core.mask_apply(flat_param(p), flat) end
+    if mask == nil then
+      records[p] = nil
+      return
+    end
+    local m, why = checked_mask(p, nil, mask)
+    if m == nil then raise("fsdp.set_mask: " .. why) end
+    records[p] = {full = m.full, flat = m.flat}
+    if p.device ~= "meta" then core.mask_apply(flat_param(p), m.flat) end
     return
   end
   -- sharded: every rank must pass the same mask (a different one would leave the slices of
-  -- different masks side by side): compare the zero count and a hash of the zero positions,
-  -- with whether this rank refuses a changed gathered copy, so that every rank refuses alike
-  -- before anything is masked
+  -- different masks side by side; one removed on some ranks only, records that differ):
+  -- compare the zero count and a hash of the zero positions ("none" for nil), with this rank's
+  -- reason to refuse (its mask's type, shape or values; a changed gathered copy), so that
+  -- every rank refuses alike before anything is recorded or masked
   local path = unit_path(u, p)
-  local label = "set_mask " .. path
-  local d = collective.compare({zeros, hash}, changed_copy(u, path), label)
+  local m, why, value = nil, nil, "none"
+  if mask ~= nil then
+    local ok
+    ok, m, why = pcall(checked_mask, p, u, mask)
+    if not ok then m, why = nil, util.strip(m) end
+    if m == nil then
+      why = ("%s: %s"):format(path, why)
+    else
+      value = {m.zeros, m.hash}
+      why = changed_copy(u, path .. " (no mask set)")
+    end
+  end
+  local d = collective.compare(value, why, "set_mask " .. path)
   if d ~= nil and d.failed ~= nil then
     local W = core.world_size()
     raise("fsdp.set_mask: " .. (W > 1 and ("rank %d of %d: "):format(d.failed, W) or "") .. d.err)
   end
   if d ~= nil then
-    local zmin, zmax = math.huge, -math.huge
-    for _, v in ipairs(d.values) do zmin, zmax = math.min(zmin, v[1]), math.max(zmax, v[1]) end
-    raise(("fsdp.set_mask: %s: the ranks passed different masks (zeros from %d to %d); "
-      .. "every rank must pass the same full mask"):format(path, zmin, zmax))
+    local other = d.differ[1]
+    local ranks = {}
+    for i, r in ipairs(d.differ) do ranks[i] = tostring(r) end
+    raise(("fsdp.set_mask: %s: the ranks passed different masks: rank 0 %s, rank %d %s (ranks "
+      .. "that differ from rank 0: %s); every rank must pass the same full mask, or nil")
+      :format(path, passed(d.values[1]), other, passed(d.values[other + 1]),
+        table.concat(ranks, ", ")))
   end
-  local rec = sharded_record(u, p, flat, path)
+  if mask == nil then
+    records[p] = nil
+    return
+  end
+  local rec = sharded_record(u, p, m.flat, path)
   records[p] = rec
   apply_sharded(u, rec)
-  -- a gathered unit: its live full parameter gets the full mask too (every rank has it); a
-  -- unit gathered for a mixed-precision forward holds bf16 or f16 values, masked through f32
-  -- (exact both ways)
+  -- a gathered unit: its live full parameter gets the full mask too (every rank has it)
   if holds_copy(u) then
-    local live = flat_param(p)
-    if live:dtype() == "f32" then
-      core.mask_apply(live, flat)
-    else
-      local wide = live:to("f32")
-      core.mask_apply(wide, flat)
-      live:copy(wide)
-    end
+    mask_live(p, m.flat)
     -- shard and live copy changed alike: kept, neither stale nor dropped (a change of the copy
     -- made outside a walk holding it was refused above)
     u:accept_changes()
@@ -390,7 +467,9 @@ end
 --- first .. first + numel - 1 of p's flattened mask (it may cover more than this rank's slice:
 --- the part this rank holds is taken). Not collective, but every rank must call it for the
 --- same parameters (as with set_mask). The weights are masked at once. A plain parameter needs
---- the whole mask (first = 1, numel = p:numel()).
+--- the whole mask (first = 1, numel = p:numel()). Refused (on every rank: unit states are the
+--- same) while p's unit holds a gathered copy, which a change of the shard alone would leave
+--- stale: mask.set_local refreshes such units.
 function M.set_local_mask(p, first, values)
   check_param(p, "mask.set_local_mask")
   local u = core.param_unit(p)
@@ -407,6 +486,11 @@ function M.set_local_mask(p, first, values)
     return
   end
   local rec = sharded_record(u, p, nil, unit_path(u, p))
+  if holds_copy(u) then
+    raise(("mask.set_local_mask: %s: unit '%s' holds a gathered copy, which a change of its "
+      .. "shard would leave stale: reshard it first (u:reshard()), or use mask.set_local")
+      :format(rec.path, u.path))
+  end
   if rec.slice ~= nil then
     if rec.first < first or rec.first + rec.n - 1 > last then
       raise(("mask.set_local_mask: %s: values cover elements %d..%d, this rank holds %d..%d")
@@ -434,41 +518,92 @@ function M.local_slice(p)
   return rec.slice or core.zeros{0}
 end
 
+-- Whether some parameter of model belongs to a unit (then its mask calls are collective).
+local function has_units(model)
+  for _, p in ipairs(model:parameters()) do
+    if core.param_unit(p) ~= nil then return true end
+  end
+  return false
+end
+
 --- Collective when model is wrapped (every rank passes the same set of parameters): set each
 --- listed parameter's mask from this rank's slice (a 1-D tensor with fsdp.shard(param)'s
---- elements), or remove it (false). The weights are masked at once.
+--- elements: the whole mask of a plain parameter), or remove it (false). The weights are
+--- masked at once, and units holding a gathered copy refreshed. Each rank checks its slices
+--- (sizes, 0/1 values) and its gathered copies first, and the ranks agree on it (one small
+--- all_reduce when wrapped): a slice refused on one rank fails every rank alike, and nothing is
+--- set.
 function M.set_local(model, slices)
   if not is_module(model) or type(slices) ~= "table" then
     raise("mask.set_local: expects (model, {[param] = slice or false, ...})")
   end
-  local units, seen = {}, {}
-  for path, p in model:named_parameters() do
-    local v = slices[p]
-    if v == false then
-      records[p] = nil
-    elseif v ~= nil then
-      local u = core.param_unit(p)
-      if u == nil then
-        M.set_local_mask(p, 1, v)
-      else
-        local s = local_slice(u, p)
-        local n = s and (s.shard_last - s.shard_first + 1) or 0
-        if v:numel() ~= n then
-          raise(("mask.set_local: %s: this rank holds %d elements, the slice has %d"):format(path, n, v:numel()))
+  local plan, units, seen = {}, {}, {}
+  -- this rank's checks: the new records are built, nothing is set yet
+  local ok, err = pcall(function()
+    for path, p in model:named_parameters() do
+      local v = slices[p]
+      if v == false then
+        plan[#plan + 1] = {p = p}
+      elseif v ~= nil then
+        if not is_tensor(v) then
+          error(("%s: the slice must be a tensor (got %s)"):format(path, type(v)), 0)
         end
-        local rec = sharded_record(u, p, nil, path)
-        if rec.slice ~= nil then
-          rec.slice:copy(v:contiguous():view{n})
-          local bad = core.mask_check(rec.slice)
-          if bad > 0 then raise(("mask.set_local: %s: the mask must hold only 0 and 1"):format(path)) end
+        local u = core.param_unit(p)
+        local rec
+        if u == nil then
+          if v:numel() ~= p:numel() then
+            error(("%s: a plain parameter needs its whole mask (%d elements, the slice has %d)")
+              :format(path, p:numel(), v:numel()), 0)
+          end
+          local full = core.zeros(p:shape(), mask_opts(nil, p))
+          full:view{p:numel()}:copy(v:contiguous():view{p:numel()})
+          rec = {full = full, flat = full:view{p:numel()}}
+        else
+          local s = local_slice(u, p)
+          local n = s and (s.shard_last - s.shard_first + 1) or 0
+          if v:numel() ~= n then
+            error(("%s: this rank holds %d elements, the slice has %d")
+              :format(path, n, v:numel()), 0)
+          end
+          rec = sharded_record(u, p, nil, path)
+          if rec.slice ~= nil then rec.slice:copy(v:contiguous():view{n}) end
+          if not seen[u] then
+            seen[u] = true
+            units[#units + 1] = {u, path}
+          end
         end
-        records[p] = rec
-        apply_sharded(u, rec)
-        if not seen[u] then seen[u] = true units[#units + 1] = u end
+        local t = rec.flat or rec.slice
+        local bad = t and core.mask_check(t) or 0
+        if bad > 0 then
+          error(("%s: the mask must hold only 0 and 1 (%d other values)"):format(path, bad), 0)
+        end
+        plan[#plan + 1] = {p = p, u = u, rec = rec}
+      end
+    end
+  end)
+  err = not ok and util.strip(err) or nil
+  if err == nil then
+    for _, e in ipairs(units) do
+      if holds_copy(e[1]) then err = err or changed_copy(e[1], e[2] .. " (no mask set)") end
+    end
+  end
+  if has_units(model) then
+    local msg = collective.check_agreement("mask.set_local", nil, err)
+    if msg then raise(msg) end
+  elseif err then
+    raise("mask.set_local: " .. err)
+  end
+  for _, x in ipairs(plan) do
+    records[x.p] = x.rec
+    if x.rec ~= nil then
+      if x.u ~= nil then
+        apply_sharded(x.u, x.rec)
+      elseif x.p.device ~= "meta" then
+        core.mask_apply(flat_param(x.p), x.rec.flat)
       end
     end
   end
-  for _, u in ipairs(units) do refresh(u) end
+  for _, e in ipairs(units) do refresh(e[1]) end
 end
 
 --- The parameters of model that have a mask: array of {path =, param =} (named_parameters order).
@@ -481,22 +616,28 @@ function M.masked(model)
 end
 
 --- Re-apply every mask of model to its weights (plain or wrapped; collective when wrapped only
---- if a unit is gathered and must be refreshed).
+--- if a unit is gathered and must be refreshed). Refused on every rank, changing nothing, when
+--- such a unit's copy was changed outside fsdp.full_params / fsdp.apply on some rank.
 function M.reapply(model)
-  local units, seen = {}, {}
-  for _, e in ipairs(M.masked(model)) do
+  local list, units, seen = M.masked(model), {}, {}
+  for _, e in ipairs(list) do
+    local u = core.param_unit(e.param)
+    if records[e.param].sharded and u ~= nil and not seen[u] then
+      seen[u] = true
+      units[#units + 1] = {u, e.path}
+    end
+  end
+  check_copies(units, "mask.reapply", "masks not applied")
+  for _, e in ipairs(list) do
     local p, rec = e.param, records[e.param]
     local u = core.param_unit(p)
     if rec.sharded then
-      if u ~= nil then
-        apply_sharded(u, rec)
-        if not seen[u] then seen[u] = true units[#units + 1] = u end
-      end
+      if u ~= nil then apply_sharded(u, rec) end
     elseif p.device ~= "meta" then
       core.mask_apply(flat_param(p), rec.flat)
     end
   end
-  for _, u in ipairs(units) do refresh(u) end
+  for _, e in ipairs(units) do refresh(e[1]) end
 end
 
 -- ---- on the events of wrapped models (lua/fsdp/state.lua) ---------------------------------------
@@ -548,7 +689,11 @@ state.on("writeback", function(_, u, was_sharded)
       apply_sharded(u, rec)
     end
   end
-  if any and not was_sharded then refresh(u) end
+  -- (the copy was just written back: it matches the shard but for the masked elements)
+  if any and not was_sharded then
+    u:reshard()
+    u:gather()
+  end
 end)
 
 -- Masks set while a model was on meta apply as soon as its values arrive.

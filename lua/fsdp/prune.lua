@@ -8,7 +8,10 @@
 --
 -- All of them are collective when the model is wrapped, and none gathers a unit: each rank
 -- works on its own slices of the weights (u:local_slices()) and the ranks agree through a few
--- all_reduce calls of histograms.
+-- all_reduce calls of histograms. Before any of that, the ranks agree on the call itself (one
+-- all_reduce of five numbers, `agreed` below): every rank's checks of its arguments and of the
+-- gathered copies it would refresh, and the arguments that decide the masks; a refusal on one
+-- rank fails every rank alike, before anything is pruned.
 --
 -- Magnitude: a group (one parameter for scope "param", every selected parameter for "global")
 -- loses exactly k = floor(sparsity * numel + 0.5) elements: those with the smallest keys, where
@@ -30,6 +33,7 @@
 -- decides those groups from the whole group. No alignment of the layout is needed.
 
 local core = require "fsdp.core"
+local collective_m = require "fsdp.collective"
 local mask = require "fsdp.mask"
 local state = require "fsdp.state"
 local util = require "fsdp.util"
@@ -47,10 +51,9 @@ local ROLE = {role = "other"}
 -- mask values (nil: none), first = 1-based position of x[1] in the parameter, n =, counts =
 -- false when another rank counts the same elements (replicated units: rank 0 counts; hybrid:
 -- the first group)} or nil
--- when the rank holds no element. Returns entries, collective (some parameter is sharded).
+-- when the rank holds no element. Returns entries.
 local function pieces(model, entries, fn)
   state.check_values(model, fn)
-  local collective = false
   local shards = {} -- unit -> its shard tensor (one per unit)
   for _, e in ipairs(entries) do
     local p = e.param
@@ -63,7 +66,6 @@ local function pieces(model, entries, fn)
       end
       e.piece = {x = p:detach():view{e.numel}, m = mask.piece(p), first = 1, n = e.numel, counts = true}
     else
-      collective = true
       local s = util.local_slice(u, p)
       if s ~= nil then
         local n = s.shard_last - s.shard_first + 1
@@ -73,7 +75,7 @@ local function pieces(model, entries, fn)
       end
     end
   end
-  return entries, collective
+  return entries
 end
 
 -- A buffer for the new mask values of a piece: the current mask's own buffer when the values
@@ -90,6 +92,75 @@ local function store(e, mout)
   local p = e.param
   if not (mask.has(p) and rawequal(mask.piece(p), mout)) then mask.adopt(p, e.unit, e.path, mout) end
   if mout ~= nil then core.mask_apply(e.piece.x, mout) end
+end
+
+-- ---- agreeing before anything changes ---------------------------------------------------------
+
+-- Whether some parameter of model belongs to a unit: the pruning functions are then collective
+-- (the same answer on every rank: wrapping is collective).
+local function wrapped(model)
+  if not util.is_module(model) then return false end
+  for _, p in ipairs(model:parameters()) do
+    if core.param_unit(p) ~= nil then return true end
+  end
+  return false
+end
+
+-- A caught error of fn's checks as a bare message: without positions, and without "fn: " in
+-- front (put back once, with the rank, when raised).
+local function bare(err, fn)
+  local msg, where = util.strip(err), util.user_where()
+  if where ~= "" and msg:sub(1, #where) == where then msg = msg:sub(#where + 1) end
+  if msg:sub(1, #fn + 2) == fn .. ": " then msg = msg:sub(#fn + 3) end
+  return msg
+end
+
+-- Run check(), this rank's checks of a call of fn (it raises on bad arguments, and returns the
+-- selected entries, with their pieces, and the value every rank must hold alike: the
+-- arguments that decide the masks and the selected paths), and add this rank's refusal of a
+-- gathered copy changed outside a walk holding it (mask.changed_copy: refreshing that unit
+-- after pruning would fail on this rank only, or adopt the change). On a wrapped model the
+-- ranks then agree (one all_reduce of five numbers): any rank's refusal, or a difference in
+-- the values (a sparsity computed per rank, a selection that differs), raises on every rank
+-- alike ("fn: rank R of W: <R's reason>"), before anything is pruned or recorded. Returns the
+-- entries.
+local function agreed(fn, model, check)
+  local together = wrapped(model)
+  local ok, entries, value = pcall(check)
+  local err
+  if not ok then
+    err, entries = bare(entries, fn), nil
+  else
+    local seen = {}
+    for _, e in ipairs(entries) do
+      if e.unit ~= nil and not seen[e.unit] then
+        seen[e.unit] = true
+        err = err or mask.changed_copy(e.unit, e.path .. " (nothing pruned)")
+      end
+    end
+  end
+  if together then
+    local msg = collective_m.check_agreement(fn, value, err, "what to prune", fn)
+    if msg then raise(msg) end
+  elseif err then
+    raise(fn .. ": " .. err)
+  end
+  return entries
+end
+
+-- The selected paths, in selection order (part of what every rank must hold alike).
+local function paths_of(entries)
+  local out = {}
+  for i, e in ipairs(entries) do out[i] = e.path end
+  return out
+end
+
+-- Whether an entry is sharded (then the selection communicates).
+local function any_sharded(entries)
+  for _, e in ipairs(entries) do
+    if e.unit ~= nil then return true end
+  end
+  return false
 end
 
 -- Gathered units of the entries get their full copies refreshed (collective, in entry order).
@@ -114,18 +185,25 @@ end
 --- mask zeros, the same on every rank).
 function prune.magnitude(model, opts)
   local fn = "prune.magnitude"
-  if type(opts) ~= "table" then raise(fn .. ": expects (model, {params =, sparsity =, scope =})") end
-  util.check_opts(fn, opts, {"params", "exclude", "sparsity", "scope"})
-  check_sparsity(opts.sparsity, fn)
-  local scope = opts.scope or "param"
-  if scope ~= "param" and scope ~= "global" then
-    raise(("%s: scope must be \"param\" or \"global\" (got %s)"):format(fn, tostring(scope)))
-  end
-  local entries, collective = pieces(model, util.select_params(model, opts, fn), fn)
+  local scope, total
+  local entries = agreed(fn, model, function()
+    if type(opts) ~= "table" then
+      raise(fn .. ": expects (model, {params =, sparsity =, scope =})")
+    end
+    util.check_opts(fn, opts, {"params", "exclude", "sparsity", "scope"})
+    check_sparsity(opts.sparsity, fn)
+    scope = opts.scope or "param"
+    if scope ~= "param" and scope ~= "global" then
+      raise(("%s: scope must be \"param\" or \"global\" (got %s)"):format(fn, tostring(scope)))
+    end
+    local list = pieces(model, util.select_params(model, opts, fn), fn)
+    total = 0
+    for _, e in ipairs(list) do total = total + e.numel end
+    if total >= 2 ^ 33 then raise(fn .. ": more than 2^33 elements selected") end
+    return list, {sparsity = opts.sparsity, scope = scope, params = paths_of(list)}
+  end)
+  local collective = any_sharded(entries)
   local groups = {}
-  local total = 0
-  for _, e in ipairs(entries) do total = total + e.numel end
-  if total >= 2 ^ 33 then raise(fn .. ": more than 2^33 elements selected") end
   if scope == "global" then
     local g = {pieces = {}, numel = total}
     local gbase = 0
@@ -209,21 +287,27 @@ end
 --- ranks, decided from the assembled group).
 function prune.nm(model, opts)
   local fn = "prune.nm"
-  if type(opts) ~= "table" then raise(fn .. ": expects (model, {params =, n = 2, m = 4})") end
-  util.check_opts(fn, opts, {"params", "exclude", "n", "m"})
-  local n, m = opts.n or 2, opts.m or 4
-  if type(n) ~= "number" or type(m) ~= "number" or n % 1 ~= 0 or m % 1 ~= 0 or m < 1 or n < 0
-      or n > m or m > 4096 then
-    raise(("%s: need integers 0 <= n <= m <= 4096 (got n = %s, m = %s)"):format(fn, tostring(n), tostring(m)))
-  end
-  local entries, collective = pieces(model, util.select_params(model, opts, fn), fn)
-  for _, e in ipairs(entries) do
-    local last = e.shape[#e.shape] or 1
-    if last % m ~= 0 then
-      raise(("%s: %s has shape (%s): its last dimension %d is not a multiple of m = %d")
-        :format(fn, e.path, table.concat(e.shape, ", "), last, m))
+  local n, m
+  local entries = agreed(fn, model, function()
+    if type(opts) ~= "table" then raise(fn .. ": expects (model, {params =, n = 2, m = 4})") end
+    util.check_opts(fn, opts, {"params", "exclude", "n", "m"})
+    n, m = opts.n or 2, opts.m or 4
+    if type(n) ~= "number" or type(m) ~= "number" or n % 1 ~= 0 or m % 1 ~= 0 or m < 1 or n < 0
+        or n > m or m > 4096 then
+      raise(("%s: need integers 0 <= n <= m <= 4096 (got n = %s, m = %s)")
+        :format(fn, tostring(n), tostring(m)))
     end
-  end
+    local list = pieces(model, util.select_params(model, opts, fn), fn)
+    for _, e in ipairs(list) do
+      local last = e.shape[#e.shape] or 1
+      if last % m ~= 0 then
+        raise(("%s: %s has shape (%s): its last dimension %d is not a multiple of m = %d")
+          :format(fn, e.path, table.concat(e.shape, ", "), last, m))
+      end
+    end
+    return list, {n = n, m = m, params = paths_of(list)}
+  end)
+  local collective = any_sharded(entries)
   -- full groups inside each piece
   local res = {groups = 0, cut_groups = 0}
   for _, e in ipairs(entries) do
@@ -280,12 +364,16 @@ end
 
 -- ---- constant: hold the zeros there are ------------------------------------------------------
 
---- Collective when wrapped (only to refresh gathered units). The mask of each selected
---- parameter becomes (weight ~= 0): its current zeros are held from now on.
+--- Collective when wrapped (one all_reduce of five numbers: the ranks agree; then gathered
+--- units are refreshed). The mask of each selected parameter becomes (weight ~= 0): its
+--- current zeros are held from now on.
 function prune.hold(model, opts)
   local fn = "prune.hold"
-  opts = util.check_opts(fn, opts, {"params", "exclude"})
-  local entries = pieces(model, util.select_params(model, opts, fn), fn)
+  local entries = agreed(fn, model, function()
+    opts = util.check_opts(fn, opts, {"params", "exclude"})
+    local list = pieces(model, util.select_params(model, opts, fn), fn)
+    return list, {params = paths_of(list)}
+  end)
   for _, e in ipairs(entries) do
     local mout
     if e.piece then

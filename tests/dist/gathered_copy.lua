@@ -14,6 +14,10 @@
 --   * fsdp.set_mask on a unit whose gathered copy was written outside full_params / apply on
 --     one rank is refused on every rank, setting no mask and adopting nothing; inside
 --     fsdp.apply / full_params (writes expected) and between a forward and its backward it masks;
+--   * fsdp.prune.magnitude / nm / hold, mask.reapply and mask.set_local after such a write on
+--     one rank are refused on every rank alike, recording and masking nothing; pruning inside
+--     fsdp.apply / full_params prunes the shards and masks the live copy, keeping fn's writes
+--     (written back, or dropped without writeback);
 --   * fsdp.full_params / fsdp.apply whose fn fails on one rank fail on every rank and write
 --     nothing back; fsdp.save inside full_params is refused;
 --   * pruning and counting zeros of a model wrapped on meta, before it has values, is refused;
@@ -241,6 +245,93 @@ do
 end
 print(("ok: rank %d: set_mask refuses a stray write into a gathered copy, masks inside walks")
   :format(rank))
+
+-- ---- pruning and re-masking a gathered unit ---------------------------------------------------
+do
+  local mask = require "fsdp.mask"
+  local m = gpt()
+  local w = m.wpe.weight -- the root's: (16, 32)
+  wrap(m, "full")
+  local root = root_unit(m)
+  local before = values(m)
+  -- refused on every rank alike, naming the call, the rank, the parameter, the unit, the remedy
+  local function refused(e, fn, note)
+    return e and e:find(fn .. ": ", 1, true)
+      and e:find(("wpe.weight (%s): unit '(root)' was changed while gathered"):format(note), 1,
+        true)
+      and e:find("u:reshard{discard = true}", 1, true)
+      and (W == 1 or e:find(("%s: rank %d of %d: "):format(fn, W - 1, W), 1, true)) and true
+  end
+  local function stray_write() -- the root left gathered by a forward; one rank writes into it
+    local _ = nn.F.cross_entropy(m(x), y)
+    if rank == W - 1 then w:fill(5) end
+  end
+  local calls = {
+    {"prune.magnitude", function() fsdp.prune.magnitude(m, {params = "wpe", sparsity = 0.5}) end},
+    {"prune.nm", function() fsdp.prune.nm(m, {params = "wpe", n = 2, m = 4}) end},
+    {"prune.hold", function() fsdp.prune.hold(m, {params = "wpe"}) end},
+  }
+  for _, c in ipairs(calls) do
+    stray_write()
+    local e = errs(c[2])
+    check(refused(e, c[1], "nothing pruned"), c[1] .. " after a stray write: " .. tostring(e))
+    check(fsdp.mask(w) == nil, c[1] .. ": the refused call recorded no mask")
+    root:reshard{discard = true}
+    check(same_values(before, values(m)), c[1] .. ": the refused call changed nothing")
+  end
+  -- the checkpoint helpers that mask shards and refresh gathered units
+  local mv = {}
+  for j = 1, w:numel() do mv[j] = (j % 4 == 0) and 0 or 1 end
+  fsdp.set_mask(w, fsdp.tensor(mv):view(w:shape()))
+  before = values(m)
+  stray_write()
+  local e = errs(mask.reapply, m)
+  check(refused(e, "mask.reapply", "masks not applied"), "reapply after the write: " .. tostring(e))
+  e = errs(mask.set_local, m, {[w] = fsdp.zeros{mask.local_slice(w):numel()}})
+  check(refused(e, "mask.set_local", "no mask set"), "set_local after the write: " .. tostring(e))
+  check(C.same(C.flat(fsdp.mask(w)), mv), "the refused set_local kept the mask")
+  root:reshard{discard = true}
+  check(same_values(before, values(m)), "the refused reapply and set_local changed nothing")
+  fsdp.set_mask(w, nil)
+  -- inside fsdp.apply the walk holds the root: the shards are pruned (by their values, not
+  -- yet fn's), the live copy is masked in place keeping fn's writes, and both are kept
+  local ramp = {}
+  for j = 1, w:numel() do ramp[j] = j end
+  fsdp.full_params(m, function() w:copy(fsdp.tensor(ramp):view(w:shape())) end)
+  local live
+  fsdp.apply(m, function(mod)
+    if mod == m then
+      w:fill(2)
+      fsdp.prune.magnitude(m, {params = "wpe", sparsity = 0.5})
+      live = C.flat(w)
+    end
+  end)
+  local v = values(m)["wpe.weight"]
+  local bad = 0
+  for j = 1, #v do
+    local want = j <= #v / 2 and 0 or 2
+    if v[j] ~= want or live[j] ~= want then bad = bad + 1 end
+  end
+  check(bad == 0, ("prune inside fsdp.apply: %d weights wrong (live or written back)"):format(bad))
+  -- inside full_params without writeback: fn's write dropped, the pruning kept
+  fsdp.set_mask(w, nil)
+  fsdp.full_params(m, function() w:copy(fsdp.tensor(ramp):view(w:shape())) end)
+  fsdp.full_params(m, function()
+    w:fill(3)
+    fsdp.prune.magnitude(m, {params = "wpe", sparsity = 0.25})
+    live = C.flat(w)
+  end, {writeback = false})
+  v = values(m)["wpe.weight"]
+  bad = 0
+  for j = 1, #v do
+    local pruned = j <= #v / 4
+    if v[j] ~= (pruned and 0 or j) or live[j] ~= (pruned and 0 or 3) then bad = bad + 1 end
+  end
+  check(bad == 0, ("prune inside fsdp.full_params without writeback: %d weights wrong"):format(bad))
+  fsdp.unwrap(m)
+end
+print(("ok: rank %d: pruning refuses a stray write into a gathered copy on every rank, prunes "
+  .. "inside walks"):format(rank))
 
 -- ---- full_params / apply failing on one rank ---------------------------------------------------
 do

@@ -7,7 +7,10 @@
 --   * fsdp.mask(p) gives the same full mask after wrap, training, u:gather()/u:reshard(),
 --     unwrap, and re-wraps with other strategies and policies (inner wrap absorbed too), and
 --     the masked weights are exactly 0 at every stage;
---   * set_mask with a different mask on some rank is an error on every rank.
+--   * set_mask with a different mask on some rank is an error on every rank; so are a bad mask
+--     (values, shape) or nil on one rank only, bad or differing pruning arguments on one rank
+--     (sparsity, m, the selection), and a bad slice for mask.set_local on one rank, each naming
+--     that rank and setting nothing.
 local fsdp = require "fsdp"
 local mask = require "fsdp.mask"
 local nn = fsdp.nn
@@ -118,7 +121,67 @@ if W > 1 then
     "different masks on the ranks are refused: " .. tostring(err))
 else
   check(ok, "one rank: any mask is fine")
+  fsdp.set_mask(p, nil)
 end
+
+-- one rank's bad arguments: refused on every rank alike (the local checks ride on the
+-- comparison), naming that rank, and nothing is set; the ranks go on in step
+local last = W - 1
+local function on_last(a, b) if rank == last then return a end return b end
+local function refused_alike(fn, err, text)
+  err = tostring(err)
+  local head = fn .. ": " .. (W > 1 and ("rank %d of %d: "):format(last, W) or "")
+  return err:find(head .. text, 1, true) ~= nil
+end
+local good = {}
+for j = 1, p:numel() do good[j] = j % 3 == 0 and 0 or 1 end
+local bad = {unpack(good)}
+bad[5] = 0.5
+local name = "blocks.1.mlp.fc.weight"
+ok, err = pcall(fsdp.set_mask, p, fsdp.tensor(on_last(bad, good)):view(p:shape()))
+check(not ok and refused_alike("fsdp.set_mask", err, name .. ": the mask must hold only 0 and 1"),
+  "a mask with a 0.5 on one rank: " .. tostring(err))
+ok, err = pcall(fsdp.set_mask, p, on_last(fsdp.ones{3, 3}, fsdp.tensor(good):view(p:shape())))
+check(not ok and refused_alike("fsdp.set_mask", err, name .. ": the mask has shape (3, 3)"),
+  "a mask of another shape on one rank: " .. tostring(err))
+ok, err = pcall(fsdp.set_mask, p, on_last(nil, fsdp.tensor(good):view(p:shape())))
+if W > 1 then
+  check(not ok and tostring(err):find(name .. ": the ranks passed different masks: rank 0 a mask "
+    .. "with", 1, true) and tostring(err):find(("rank %d nil"):format(last), 1, true),
+    "nil on one rank, a mask on the others: " .. tostring(err))
+end
+check(fsdp.mask(p) == nil, "the refused set_mask calls set nothing")
+local sel = "blocks%.1%.mlp%.fc%.weight"
+ok, err = pcall(fsdp.prune.magnitude, model, {params = sel, sparsity = on_last(1.5, 0.5)})
+check(not ok and refused_alike("prune.magnitude", err,
+  "sparsity must be a number in [0, 1] (got 1.5)"),
+  "a sparsity out of range on one rank: " .. tostring(err))
+ok, err = pcall(fsdp.prune.nm, model, {params = sel, n = 2, m = on_last(5, 4)})
+check(not ok and refused_alike("prune.nm", err,
+  name .. " has shape (64, 16): its last dimension 16 is not a multiple of m = 5"),
+  "an m that does not divide on one rank: " .. tostring(err))
+if W > 1 then
+  ok, err = pcall(fsdp.prune.magnitude, model, {params = sel, sparsity = 0.5 + rank / 8})
+  check(not ok and tostring(err):find('prune.magnitude: what to prune differs across ranks at '
+    .. '["sparsity"]: rank 0 has 0.5, rank 1 has 0.625', 1, true),
+    "a sparsity that differs across ranks: " .. tostring(err))
+  ok, err = pcall(fsdp.prune.hold, model, {params = on_last("blocks%.2%.mlp%.fc%.weight", sel)})
+  check(not ok and tostring(err):find('prune.hold: what to prune differs across ranks at '
+    .. '["params"][1]', 1, true),
+    "a selection that differs across ranks: " .. tostring(err))
+end
+check(fsdp.mask(p) == nil, "the refused pruning set nothing")
+-- mask.set_local (checkpoints): a slice with 2s on the last rank that holds part of p
+local held = require("fsdp.collective").all_gather(fsdp.shard(p):numel(), "held")
+local culprit = 0
+for r = 0, W - 1 do if held[r + 1] > 0 then culprit = r end end
+local slice = fsdp.zeros{fsdp.shard(p):numel()}
+if rank == culprit then slice:fill(2) end
+ok, err = pcall(mask.set_local, model, {[p] = slice})
+local head = "mask.set_local: " .. (W > 1 and ("rank %d of %d: "):format(culprit, W) or "")
+check(not ok and tostring(err):find(head .. name .. ": the mask must hold only 0 and 1", 1, true),
+  "a slice with 2s on one rank: " .. tostring(err))
+check(fsdp.mask(p) == nil, "the refused set_local set nothing")
 fsdp.unwrap(model)
 verify("final unwrap")
 

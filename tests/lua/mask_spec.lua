@@ -439,6 +439,88 @@ describe("set_mask on a gathered unit", function()
   end)
 end)
 
+describe("the checkpoint helpers on a gathered unit, and bad slices", function()
+  local mask = require "fsdp.mask"
+
+  local function wrapped()
+    local m = gpt()
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    for _, u in ipairs(fsdp.units(m)) do
+      if u.path == "(root)" then return m, u end
+    end
+  end
+
+  it("set_mask on a wrapped parameter names it in a refusal, setting nothing", function()
+    local m = wrapped()
+    local w = m.blocks[1].mlp.fc.weight
+    local bad = fsdp.ones(w:shape())
+    bad:set(1, 1, 0.5)
+    local ok, err = pcall(fsdp.set_mask, w, bad)
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("fsdp.set_mask: blocks.1.mlp.fc.weight: the mask must hold "
+      .. "only 0 and 1 (1 other values)", 1, true), err)
+    ok, err = pcall(fsdp.set_mask, w, fsdp.ones{3, 3})
+    assert.truthy(tostring(err):find("fsdp.set_mask: blocks.1.mlp.fc.weight: the mask has shape "
+      .. "(3, 3), the parameter (64, 16)", 1, true), err)
+    ok, err = pcall(fsdp.set_mask, w, 1)
+    assert.truthy(tostring(err):find("the mask must be a tensor", 1, true), err)
+    assert.is_nil(fsdp.mask(w))
+    fsdp.unwrap(m)
+  end)
+
+  it("mask.set_local checks every slice before setting any", function()
+    for _, wrap in ipairs{false, true} do
+      local m = wrap and wrapped() or gpt()
+      local a, b = m.blocks[1].mlp.fc.weight, m.blocks[2].mlp.fc.weight
+      local sa, sb = fsdp.ones{fsdp.shard(a):numel()}, fsdp.ones{fsdp.shard(b):numel()}
+      sb:view{sb:numel()}:narrow(1, 1, 1):fill(2)
+      local ok, err = pcall(mask.set_local, m, {[a] = sa, [b] = sb})
+      assert.is_false(ok)
+      assert.truthy(tostring(err):find("mask.set_local: blocks.2.mlp.fc.weight: the mask must hold "
+        .. "only 0 and 1", 1, true), err)
+      assert.is_nil(fsdp.mask(a), "a mask was set before the bad slice was found")
+      ok, err = pcall(mask.set_local, m, {[a] = fsdp.ones{3}})
+      assert.truthy(tostring(err):find("mask.set_local: blocks.1.mlp.fc.weight: ", 1, true), err)
+      mask.set_local(m, {[a] = sa})
+      assert.are.same(flat(fsdp.ones(a:shape())), flat(fsdp.mask(a)))
+      if wrap then fsdp.unwrap(m) end
+    end
+  end)
+
+  it("reapply and set_local refuse a copy changed outside full_params / apply, changing nothing",
+    function()
+    local m, root = wrapped()
+    local w = m.wpe.weight
+    local mk = some_mask(w:shape(), 0.5, 41)
+    fsdp.set_mask(w, mk)
+    local before = values(m, w)
+    local _ = nn.F.cross_entropy(m(ids), tgt) -- the root stays gathered
+    w:fill(5)
+    local ok, err = pcall(mask.reapply, m)
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("mask.reapply: wpe.weight (masks not applied): unit '(root)' "
+      .. "was changed while gathered", 1, true), err)
+    ok, err = pcall(mask.set_local, m, {[w] = fsdp.ones{fsdp.shard(w):numel()}})
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("mask.set_local: wpe.weight (no mask set): unit '(root)'", 1,
+      true), err)
+    assert.are.same(flat(mk), flat(fsdp.mask(w)))
+    assert.is_true(root:dirty())
+    -- not collective, so it cannot refresh the copy: refused while the unit holds one
+    ok, err = pcall(mask.set_local_mask, w, 1, fsdp.ones{w:numel()})
+    assert.truthy(tostring(err):find("mask.set_local_mask: wpe.weight: unit '(root)' holds a "
+      .. "gathered copy", 1, true), err)
+    root:reshard{discard = true}
+    assert.are.same(before, values(m, w))
+    -- with nothing changed both refresh the copy
+    local _ = nn.F.cross_entropy(m(ids), tgt)
+    mask.set_local(m, {[w] = fsdp.ones{fsdp.shard(w):numel()}})
+    mask.reapply(m)
+    assert.is_false(root:dirty())
+    fsdp.unwrap(m)
+  end)
+end)
+
 describe("fsdp.sparsity", function()
   it("counts zeros of every parameter (plain and wrapped give the same table)", function()
     local m = gpt()

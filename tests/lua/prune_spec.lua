@@ -173,6 +173,91 @@ describe("prune.magnitude", function()
   end)
 end)
 
+describe("pruning a gathered unit", function()
+  local function wrapped()
+    local m = gpt()
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
+    for _, u in ipairs(fsdp.units(m)) do
+      if u.path == "(root)" then return m, u end
+    end
+  end
+
+  it("refuses a copy written outside full_params / apply, recording and pruning nothing", function()
+    local m, root = wrapped()
+    local w = m.wpe.weight -- the root unit's (8, 16)
+    local before = values(m, w)
+    local calls = {
+      {"prune.magnitude", function() prune.magnitude(m, {params = "wpe", sparsity = 0.5}) end},
+      {"prune.nm", function() prune.nm(m, {params = "wpe", n = 2, m = 4}) end},
+      {"prune.hold", function() prune.hold(m, {params = "wpe"}) end},
+    }
+    for _, c in ipairs(calls) do
+      local _ = nn.F.cross_entropy(m(ids), tgt) -- the root stays gathered for the backward
+      w:fill(5) -- a stray write: no walk will write it back
+      local ok, err = pcall(c[2])
+      assert.is_false(ok, c[1])
+      err = tostring(err)
+      assert.truthy(err:find(c[1] .. ": wpe.weight (nothing pruned): unit '(root)' was changed "
+        .. "while gathered", 1, true), err)
+      assert.truthy(err:find("u:reshard{discard = true}", 1, true), err)
+      assert.is_nil(fsdp.mask(w), c[1])
+      assert.is_true(root:dirty(), c[1] .. ": the write was adopted")
+      root:reshard{discard = true}
+      assert.are.same(before, values(m, w))
+    end
+    -- with nothing changed, pruning a gathered unit refreshes its copy
+    local _ = nn.F.cross_entropy(m(ids), tgt)
+    prune.magnitude(m, {params = "wpe", sparsity = 0.5})
+    local live, mk = flat(w), mask_of(w)
+    for i = 1, #mk do if mk[i] == 0 then assert.are.equal(0, live[i]) end end
+    assert.is_false(root:dirty())
+    fsdp.unwrap(m)
+  end)
+
+  it("inside fsdp.apply / full_params prunes the shards and masks the live copy, keeping fn's "
+    .. "writes", function()
+    local m = wrapped()
+    local w = m.wpe.weight
+    local n = w:numel()
+    local ramp = {}
+    for j = 1, n do ramp[j] = j end
+    local function set_ramp()
+      fsdp.full_params(m, function() w:copy(fsdp.tensor(ramp):view(w:shape())) end)
+    end
+    set_ramp()
+    local live
+    fsdp.apply(m, function(mod)
+      if mod == m then
+        w:fill(2) -- fn's write: pruned by the shards' values, masked, written back
+        prune.magnitude(m, {params = "wpe", sparsity = 0.5})
+        live = flat(w)
+      end
+    end)
+    local v = values(m, w)
+    for j = 1, n do
+      local want = j <= n / 2 and 0 or 2
+      assert.are.equal(want, live[j])
+      assert.are.equal(want, v[j])
+    end
+    -- without writeback fn's write is dropped, the pruning kept
+    fsdp.set_mask(w, nil)
+    set_ramp()
+    fsdp.full_params(m, function()
+      w:fill(3)
+      prune.hold(m, {params = "wpe"}) -- nothing is zero: no element masked
+      prune.nm(m, {params = "wpe", n = 3, m = 4})
+      live = flat(w)
+    end, {writeback = false})
+    v = values(m, w)
+    for j = 1, n do
+      local keep = (j - 1) % 4 ~= 0 -- the smallest of every 4 goes (by the shards' ramp)
+      assert.are.equal(keep and 3 or 0, live[j])
+      assert.are.equal(keep and j or 0, v[j])
+    end
+    fsdp.unwrap(m)
+  end)
+end)
+
 describe("prune.nm", function()
   for _, wrapped in ipairs{false, true} do
     it("keeps the n largest of every m along the last dimension (" .. (wrapped and "wrapped" or "plain") .. ")", function()
