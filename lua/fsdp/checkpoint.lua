@@ -246,6 +246,14 @@ function M.load(model, path, opts)
   local P = C.param_table(model)
   local parts, plan
   local ok, err = util.quiet(function()
+    -- apply_plan reshards every unit first: one whose gathered copy changed outside
+    -- full_params / apply (a change no shard holds) would be refused there on the ranks that
+    -- made the change only, after the others loaded; refused here, where the ranks agree
+    if R then
+      for _, u in ipairs(R:units()) do
+        if u:dirty() then error(state.changed_error(u.path), 0) end
+      end
+    end
     parts = C.local_parts(P, true)
     if format == "safetensors" then
       plan = safetensors.stage(path, opts, P, parts, R)
@@ -253,6 +261,17 @@ function M.load(model, path, opts)
       plan = sharded.stage(path, opts, loaders, P, parts, R)
     end
     if opts.optimizer and plan.index then stage_optimizer(plan, opts.optimizer) end
+    -- a mask read from the file must be 0/1 before any weight changes (mask.set_local checks
+    -- it again, after the weights are in)
+    for _, x in ipairs(plan.items) do
+      if x.mask ~= nil and x.mask:numel() > 0 then
+        local bad = core.mask_check(x.mask)
+        if bad > 0 then
+          error(("%s: the mask of %s holds %d values other than 0 and 1"):format(path, x.it.path,
+            bad), 0)
+        end
+      end
+    end
   end)
   local msg = C.agree(ok, err)
   if msg then raise("fsdp.load: " .. msg) end

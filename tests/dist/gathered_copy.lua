@@ -17,7 +17,8 @@
 --   * fsdp.prune.magnitude / nm / hold, mask.reapply and mask.set_local after such a write on
 --     one rank are refused on every rank alike, recording and masking nothing; pruning inside
 --     fsdp.apply / full_params prunes the shards and masks the live copy, keeping fn's writes
---     (written back, or dropped without writeback);
+--     (written back, or dropped without writeback); fsdp.load after such a write on one rank
+--     is refused on every rank, loading nothing;
 --   * fsdp.full_params / fsdp.apply whose fn fails on one rank fail on every rank and write
 --     nothing back; fsdp.save inside full_params is refused;
 --   * pruning and counting zeros of a model wrapped on meta, before it has values, is refused;
@@ -328,6 +329,19 @@ do
     if v[j] ~= (pruned and 0 or j) or live[j] ~= (pruned and 0 or 3) then bad = bad + 1 end
   end
   check(bad == 0, ("prune inside fsdp.full_params without writeback: %d weights wrong"):format(bad))
+  -- fsdp.load reshards every unit before loading: agreed while staging, nothing loaded
+  local file = tmpdir("load") .. ".safetensors"
+  fsdp.save(m, file)
+  before = values(m)
+  stray_write()
+  e = errs(fsdp.load, m, file)
+  check(e and e:find("fsdp.load: ", 1, true)
+    and e:find("unit '(root)' was changed while gathered", 1, true)
+    and (W == 1 or e:find(("rank %d of %d: "):format(W - 1, W), 1, true)),
+    "fsdp.load after a stray write on one rank is refused on every rank: " .. tostring(e))
+  root:reshard{discard = true}
+  check(same_values(before, values(m)), "the refused load changed nothing")
+  if rank == 0 then os.remove(file) end
   fsdp.unwrap(m)
 end
 print(("ok: rank %d: pruning refuses a stray write into a gathered copy on every rank, prunes "

@@ -268,6 +268,60 @@ os.execute("kill -9 $PPID")
     end
   end)
 
+  it("refuses a stored mask that is not 0/1 before loading anything", function()
+    local src = gpt(1)
+    local w = src.blocks[1].mlp.fc.weight
+    fsdp.set_mask(w, fsdp.ones(w:shape()))
+    local good, bad = dir .. "/good.safetensors", dir .. "/bad.safetensors"
+    fsdp.save(src, good)
+    -- the same file with a 2 in the mask
+    local r = core.st_open(good)
+    local entries = r:entries()
+    local meta = {}
+    for k, v in pairs(r:metadata()) do
+      if not k:find("xxh3", 1, true) then meta[k] = v end -- (the writer's own checksums)
+    end
+    local wr = core.st_writer(bad, entries, meta)
+    for _, e in ipairs(entries) do
+      local t = r:read(e.name)
+      if e.name == "blocks.1.mlp.fc.weight:mask" then t:view{t:numel()}:narrow(1, 3, 1):fill(2) end
+      wr:write(e.name, t)
+    end
+    wr:commit()
+    r:close()
+    for _, wrap in ipairs{false, true} do
+      local m = gpt(2)
+      if wrap then fsdp.wrap(m) end
+      local before = fsdp.sparsity(m)
+      errors_with(function() fsdp.load(m, bad) end, "fsdp.load: ",
+        "the mask of blocks.1.mlp.fc.weight holds 1 values other than 0 and 1")
+      assert.is_nil(fsdp.mask(m.blocks[1].mlp.fc.weight))
+      assert.are.same(before.zeros, fsdp.sparsity(m).zeros) -- no weight loaded
+      fsdp.load(m, good)
+      assert.is_not_nil(fsdp.mask(m.blocks[1].mlp.fc.weight))
+      if wrap then fsdp.unwrap(m) end
+    end
+  end)
+
+  it("refuses a wrapped model whose gathered copy was written outside full_params", function()
+    local m = gpt(2)
+    fsdp.wrap(m)
+    local root = fsdp.units(m)[#fsdp.units(m)]
+    local src = dir .. "/m.safetensors"
+    fsdp.save(gpt(1), src)
+    local x = fsdp.tensor{{1, 2, 3, 4}}
+    local _ = nn.F.cross_entropy(m(x), x) -- the root stays gathered for the backward
+    m.wpe.weight:fill(5) -- a stray write
+    errors_with(function() fsdp.load(m, src) end, "fsdp.load: unit '(root)' was changed while gathered")
+    root:reshard{discard = true}
+    fsdp.full_params(m, function()
+      assert.are_not.equal(5, m.wpe.weight:view{m.wpe.weight:numel()}:totable()[1])
+    end)
+    fsdp.load(m, src)
+    fsdp.unwrap(m)
+    assert.are.same(values(gpt(1)), values(m))
+  end)
+
   it("checks its options", function()
     local m = gpt(1)
     local opt = fsdp.optim.AdamW(m, {})
