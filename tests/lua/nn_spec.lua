@@ -631,6 +631,164 @@ describe("nn errors", function()
     assert.truthy(err:find("^bad %(Bad%): matmul"), err)
   end)
 
+  -- A module whose forward runs `try` (a function of the module and x that may raise, and that
+  -- the forward catches), then its Linear child fc (4 -> 3): with a 5-wide x, fc fails.
+  local Try = nn.Module:extend("Try")
+  function Try:init(try) self.try, self.fc = try, nn.Linear(4, 3) end
+  function Try:forward(x)
+    local ok, e = pcall(self.try, self, x)
+    self.caught = not ok and e or nil
+    return self.fc(x)
+  end
+  local Boom = nn.Module:extend("Boom")
+  function Boom:forward() error("boom", 0) end
+  local Wrap = nn.Module:extend("Wrap") -- inner = the module given
+  function Wrap:init(inner) self.inner = inner end
+  function Wrap:forward(x) return self.inner(x) end
+
+  -- m = Wrap(Wrap(t)), t a Try running `try` with t.bad = Wrap(Boom()): the forward caught
+  -- `caught` (the message it got), and the later error of t.fc has its own path
+  local function check_later_error(try, caught)
+    local t = Try(try)
+    t.bad = Wrap(Boom())
+    local m = Wrap(Wrap(t))
+    for _ = 1, 2 do -- and again in a new call
+      local ok, err = pcall(m, fsdp.zeros{2, 5})
+      assert.is_false(ok)
+      assert.are.equal(caught, t.caught)
+      assert.truthy(err:find("^inner%.inner%.fc %(Linear%): linear: input %(2, 5%)"), err)
+    end
+    assert.are.same({2, 3}, m(fsdp.zeros{2, 4}):shape()) -- and a good call works
+  end
+
+  it("keeps the path of a later error after an error a forward caught", function()
+    local BOOM = "inner.inner.bad.inner (Boom): boom" -- the path within the outermost call
+    check_later_error(function(self, x) return self.bad(x) end, BOOM)
+    -- caught two levels down, under a pcall inside a pcall, and raised again as it was
+    check_later_error(function(self, x)
+      local ok, e = pcall(self.bad, x)
+      error(e, 0)
+    end, BOOM)
+    -- raised again after other module calls: it keeps the path of its error point
+    check_later_error(function(self, x)
+      local ok, e = pcall(self.bad, x)
+      self.fc(fsdp.zeros{2, 4})
+      error(e, 0)
+    end, BOOM)
+  end)
+
+  it("keeps the path of a later error after a hook's error a forward caught", function()
+    check_later_error(function(self, x)
+      local h = self.bad:register_forward_pre_hook(function() error("boom in pre-hook", 0) end)
+      local ok, e = pcall(self.bad, x)
+      h.remove()
+      error(e, 0)
+    end, "inner.inner.bad (Wrap): boom in pre-hook")
+    check_later_error(function(self, x)
+      local boom = self.bad
+      self.bad = Wrap(nn.ReLU())
+      local h = self.bad.inner:register_forward_hook(function() error("boom in hook", 0) end)
+      local ok, e = pcall(self.bad, x)
+      h.remove()
+      self.bad = boom
+      error(e, 0)
+    end, "inner.inner.bad.inner (ReLU): boom in hook")
+  end)
+
+  it("keeps the path of a later error after a module call in a coroutine failed", function()
+    -- the coroutine's calls are nested ones: their path starts at its first module call
+    check_later_error(function(self, x)
+      local co = coroutine.create(function() return self.bad(x) end)
+      local ok, e = coroutine.resume(co)
+      assert(not ok)
+      error(e, 0)
+    end, "inner (Boom): boom")
+    check_later_error(function(self, x)
+      return coroutine.wrap(function() return self.bad(x) end)()
+    end, "inner (Boom): boom")
+  end)
+
+  it("names the module whose hook raised", function()
+    local m = Wrap(Wrap(nn.ReLU()))
+    local h = m.inner.inner:register_forward_pre_hook(function() error("no", 0) end)
+    local ok, err = pcall(m, fsdp.zeros{2})
+    assert.is_false(ok)
+    assert.are.equal("inner.inner (ReLU): no", err)
+    h.remove()
+    h = m.inner:register_forward_hook(function() error("late", 0) end)
+    ok, err = pcall(m, fsdp.zeros{2})
+    assert.are.equal("inner (Wrap): late", err)
+    h.remove()
+    h = m:register_forward_pre_hook(function() error("first", 0) end)
+    ok, err = pcall(m, fsdp.zeros{2})
+    assert.are.equal("Wrap: first", err)
+    h.remove()
+    assert.are.same({2}, m(fsdp.zeros{2}):shape())
+  end)
+
+  it("keeps the paths right around a coroutine that yields inside a forward", function()
+    local Yield = nn.Module:extend("Yield")
+    function Yield:forward(x) coroutine.yield() return x end
+    local y = Wrap(Wrap(Yield()))
+    local lin = Wrap(nn.Linear(4, 3))
+    local function lin_error()
+      local ok, err = pcall(lin, fsdp.zeros{2, 5})
+      assert.is_false(ok)
+      assert.truthy(err:find("^inner %(Linear%): linear: "), err)
+    end
+    local co = coroutine.wrap(function(x) return y(x) end)
+    co(fsdp.zeros{2}) -- suspended inside y.inner.inner
+    assert.are.same({2, 3}, lin(fsdp.zeros{2, 4}):shape()) -- calls meanwhile run
+    lin_error() -- and their errors have their path
+    assert.are.same({2}, co():shape()) -- the coroutine's call returns
+    lin_error()
+    -- a call made in a coroutine is an outermost call there
+    coroutine.wrap(lin_error)()
+    -- a coroutine left suspended inside a call changes nothing either
+    coroutine.wrap(function(x) return y(x) end)(fsdp.zeros{2})
+    lin_error()
+    local ok, err = pcall(y, fsdp.zeros{2}) -- yields outside a coroutine
+    assert.is_false(ok)
+    assert.truthy(err:find("^inner%.inner %(Yield%): .*yield"), err)
+  end)
+
+  it("prefixes a message once, also when a forward raises a caught error again", function()
+    local t = Try(function(self, x) return self.bad(x) end)
+    t.bad = Boom()
+    function t.forward(self, x) -- raises what it caught
+      local ok, e = pcall(self.bad, x)
+      error(e, 0)
+    end
+    local ok, err = pcall(Wrap(t), fsdp.zeros{2})
+    assert.is_false(ok)
+    assert.are.equal("inner.bad (Boom): boom", err)
+    -- an error made by an earlier call, raised again inside another call, is kept as it was
+    local Again = nn.Module:extend("Again")
+    function Again:forward() error(err, 0) end
+    local ok2, err2 = pcall(Wrap(Again()), fsdp.zeros{2})
+    assert.is_false(ok2)
+    assert.are.equal(err, err2)
+  end)
+
+  it("passes error values that are not strings through unchanged", function()
+    local obj, ten = {what = "boom"}, fsdp.zeros{3}
+    local Raise = nn.Module:extend("Raise")
+    function Raise:forward(x) error(self.value, 0) end -- level 0: Lua makes no string of 42
+    local r = Raise()
+    local m = Wrap(Wrap(r))
+    for _, v in ipairs{obj, ten, 42, true} do
+      r.value = v
+      local ok, err = pcall(m, fsdp.zeros{2})
+      assert.is_false(ok)
+      assert.is_true(rawequal(v, err), tostring(err))
+    end
+    -- and a string error afterwards still gets its path
+    r.value = "plain"
+    local ok, err = pcall(m, fsdp.zeros{2})
+    assert.is_false(ok)
+    assert.are.equal("inner.inner (Raise): plain", err)
+  end)
+
   it("names both lengths when a sequence is longer than the context", function()
     local m = small_gpt()
     local ok, err = pcall(m, fsdp.zeros{1, 9})

@@ -580,11 +580,25 @@ end
 
 -- ---- the module call and error paths --------------------------------------------------------
 --
--- Only the outermost module call (the one the user made) runs under xpcall; nested calls are
--- plain calls that push themselves on `stack`. When an error is raised anywhere below, the
--- handler runs at the error point (the stack is still intact), reads the chain of active module
--- calls and prefixes the innermost module's path relative to the outermost one, once:
+-- Every module call runs its forward under xpcall with on_error (one handler for all, no
+-- closure per call). The handler runs at the error point, in the innermost module call, while
+-- the Lua stack still holds every active call. It finds them by walking the stack up to the
+-- outermost call's frame (call_module and call_outer frames hold their module as their first
+-- local) and prefixes the innermost module's path relative to the outermost one:
 --   "blocks.2.mlp.fc (Linear): linear: ... shapes ..."
+-- Each enclosing call raises the message again and their handlers pass it through unchanged
+-- (it is `last_made`), so the prefix is applied once, and code that catches an error inside a
+-- forward (a pcall of a child, nn.checkpoint, fsdp.no_grad) gets the finished message: raising
+-- it again keeps its path and is not prefixed again. Since the stack is the record of active
+-- calls, nothing is left behind by an error caught below: a later error gets its own path.
+-- Errors that are not strings (tables, tensors) pass through untouched.
+--
+-- Only the outermost call (`inside` false) marks where the walk stops and clears a traceback
+-- left by an earlier error. The flag is one for all threads (a coroutine.running() per call
+-- would stop the trace): a module called in a coroutine resumed inside a forward, or while a
+-- coroutine is suspended inside its own outermost call, is a nested call, and its path starts
+-- at the first module call on its thread.
+--
 -- The original message is kept whole. When it has no "file:line:" location (errors from C ops)
 -- and the innermost Lua frame that raised it is user code (not the nn library), that location is
 -- inserted, so errors in a custom forward still say where they happened.
@@ -596,11 +610,14 @@ end
 -- embedding runtime) prints it when the message it is given is that message. The next
 -- outermost call clears what an error caught by the user's pcall left there.
 
-local stack, top = {}, 0
 local is_lib_source, is_lib_file = util.is_lib_source, util.is_lib_file
 local TRACEBACK_KEY = "fsdp.traceback" -- also in src/host/setup.c
 local registry = debug.getregistry()
+local getinfo, getlocal = debug.getinfo, debug.getlocal
+local inside = false -- true while an outermost module call runs
 local traceback_left = false
+local last_made -- the last message on_error made (passed through, not prefixed again)
+local call_outer -- defined below, after on_error
 
 -- "file:line: " of the innermost stack frame outside the fsdp Lua library (lua/fsdp/util.lua).
 M.user_where = util.user_where
@@ -617,35 +634,68 @@ local function path_within(parent, child)
   return found
 end
 
-local function error_prefix()
+-- The modules of the module calls active on this thread, outermost first, read from the Lua
+-- stack of the caller (up to the outermost call's frame).
+local function active_modules()
+  local chain, n = {}, 0
+  for level = 3, 1e6 do
+    local info = getinfo(level, "f")
+    if info == nil then break end
+    local f = info.func
+    if f == call_module or f == call_outer then
+      n = n + 1
+      local _, m = getlocal(level, 1)
+      chain[n] = m
+      if f == call_outer then break end
+    end
+  end
+  for i = 1, math.floor(n / 2) do chain[i], chain[n + 1 - i] = chain[n + 1 - i], chain[i] end
+  return chain, n
+end
+
+local function error_prefix(chain, n)
   local path = ""
-  for i = 2, top do
-    local rel = path_within(stack[i - 1], stack[i])
+  for i = 2, n do
+    local rel = path_within(chain[i - 1], chain[i])
     if rel == nil then
       path = "" -- called from outside its caller's tree: restart from here
     elseif rel ~= "" then
       path = path == "" and rel or (path .. "." .. rel)
     end
   end
-  local name = stack[top]:type_name()
+  local name = chain[n]:type_name()
   if path == "" then return name .. ": " end
   return ("%s (%s): "):format(path, name)
 end
 
+-- Leave the traceback of the error point (on_error's caller) for the host.
+local function leave_traceback(msg)
+  registry[TRACEBACK_KEY] = debug.traceback(msg, 3)
+  traceback_left = true
+end
+
 local function on_error(e)
-  if type(e) ~= "string" or top == 0 then return e end
+  if type(e) ~= "string" then return e end
+  if rawequal(e, last_made) then
+    -- raised again by an enclosing call, or by code that caught it: its traceback is the one
+    -- of its error point, unless a later outermost call cleared that
+    if not traceback_left then leave_traceback(e) end
+    return e
+  end
+  local chain, n = active_modules()
+  if n == 0 then return e end
   local msg = e
   -- An engine op (a C function other than `error`) locates its message at its Lua caller.
   -- When that caller is the library (a built-in forward, or a tail call that left only the
   -- module-call frame) the location says nothing: drop it, and name the innermost Lua frame
   -- instead when that is user code. Errors raised by Lua code keep their message untouched.
-  local raiser = debug.getinfo(2, "Sf")
+  local raiser = getinfo(2, "Sf")
   if raiser ~= nil and raiser.what == "C" and raiser.func ~= error then
     local file, rest = msg:match("^([^\n]-):%d+: (.*)$")
     if file ~= nil and is_lib_file(file) then msg, file = rest, nil end
     if file == nil then
       for level = 3, 40 do
-        local info = debug.getinfo(level, "Sl")
+        local info = getinfo(level, "Sl")
         if info == nil then break end
         if info.what ~= "C" and info.currentline and info.currentline > 0 then
           if not is_lib_source(info.source) then
@@ -656,34 +706,34 @@ local function on_error(e)
       end
     end
   end
-  msg = error_prefix() .. msg
-  registry[TRACEBACK_KEY] = debug.traceback(msg, 2)
-  traceback_left = true
+  msg = error_prefix(chain, n) .. msg
+  leave_traceback(msg)
+  last_made = msg
   return msg
 end
 
-local function pop(my, ...)
-  stack[my] = nil
-  top = my - 1
-  return ...
-end
-
-local function finish_outer(ok, ...)
-  for i = #stack, 1, -1 do stack[i] = nil end
-  top = 0
+local function finish_nested(ok, ...)
   if not ok then error((...), 0) end
   return ...
 end
 
+local function finish_outer(ok, ...)
+  inside = false
+  if not ok then error((...), 0) end
+  return ...
+end
+
+-- The outermost module call (its frame marks where active_modules stops).
+call_outer = function(self, ...)
+  inside = true
+  if traceback_left then registry[TRACEBACK_KEY], traceback_left = nil, false end
+  return finish_outer(xpcall(run_forward, on_error, self, ...))
+end
+
+-- A nested call: not a tail call, so that its frame stays on the stack for active_modules.
 call_module = function(self, ...)
-  local my = top + 1
-  top = my
-  stack[my] = self
-  if my == 1 then
-    if traceback_left then registry[TRACEBACK_KEY], traceback_left = nil, false end
-    return finish_outer(xpcall(run_forward, on_error, self, ...))
-  end
-  return pop(my, run_forward(self, ...))
+  if inside then return finish_nested(xpcall(run_forward, on_error, self, ...)) end
+  return call_outer(self, ...)
 end
 
 -- ---- construction and initialisation --------------------------------------------------------
