@@ -1810,6 +1810,25 @@ local NUMBERS = {
   lambda = {},
 }
 
+-- Set s's numbers (base_lr, warmup, the kind's own) from t, checked: its options when made
+-- (lr defaults to the optimizer's, the others to NUMBERS' defaults), a state_dict when loaded
+-- (defaults = false: every number must be there).
+local function set_numbers(s, t, defaults)
+  local kind = s.kind
+  s.base_lr = number_opt(kind, t, "lr", defaults and s.opt.lr or nil, 0)
+  s.warmup = number_opt(kind, t, "warmup", defaults and 0 or nil, 0)
+  for _, n in ipairs(NUMBERS[kind]) do
+    s[n[1]] = number_opt(kind, t, n[1], defaults and n[2] or nil, n[3], n[4])
+  end
+  if s.total ~= nil and s.warmup > s.total then
+    raise(("%s: warmup (%s) must be <= total (%s)"):format(kind, s.warmup, s.total))
+  end
+  if kind == "wsd" and s.warmup > s.total - s.decay * s.total then
+    raise(("wsd: warmup (%s) must end before the decay phase starts (step %s of %s)")
+      :format(s.warmup, s.total - s.decay * s.total, s.total))
+  end
+end
+
 -- The scheduler of kind for opt (opt.lr not set yet: start does it).
 local function new_schedule(kind, opt, opts, after)
   if type(opt) ~= "table" or opt.lr == nil then raise(kind .. ": first argument must be an optimizer") end
@@ -1821,12 +1840,7 @@ local function new_schedule(kind, opt, opts, after)
   for _, n in ipairs(NUMBERS[kind]) do names[#names + 1] = n[1] end
   util.check_opts(kind, opts, names)
   local s = setmetatable({kind = kind, opt = opt, k = 0, after = after}, Schedule)
-  s.base_lr = number_opt(kind, opts, "lr", opt.lr, 0)
-  s.warmup = number_opt(kind, opts, "warmup", 0, 0)
-  for _, n in ipairs(NUMBERS[kind]) do s[n[1]] = number_opt(kind, opts, n[1], n[2], n[3], n[4]) end
-  if s.total ~= nil and s.warmup > s.total then
-    raise(("%s: warmup (%s) must be <= total (%s)"):format(kind, s.warmup, s.total))
-  end
+  set_numbers(s, opts, true)
   return s
 end
 
@@ -1855,13 +1869,32 @@ function Schedule:state_dict()
   return sd
 end
 
-function Schedule:load_state_dict(sd)
+-- Why load_state_dict would refuse sd (a message), or nil: a state_dict of this kind, its step
+-- an integer >= 0, its numbers what this kind's options accept, and the learning rate at its
+-- step computable (a lambda's function runs on it). Changes nothing: fsdp.load asks while
+-- staging, before the ranks agree and anything is written.
+function Schedule:load_problem(sd)
   if type(sd) ~= "table" or sd.kind ~= self.kind then
-    raise(("%s: load_state_dict: expected a %s schedule's state_dict (got %s)")
-      :format(self.kind, self.kind, type(sd) == "table" and tostring(sd.kind) or type(sd)))
+    return ("expected a %s schedule's state_dict (got %s)")
+      :format(self.kind, type(sd) == "table" and tostring(sd.kind) or type(sd))
   end
-  self.k, self.base_lr, self.warmup = sd.step, sd.lr, sd.warmup
-  for _, n in ipairs(NUMBERS[self.kind]) do self[n[1]] = sd[n[1]] end
+  if not util.is_int(sd.step, 0) then
+    return ("step must be %s (got %s)"):format(util.int_range(sd.step, 0), util.got(sd.step))
+  end
+  local trial = setmetatable({kind = self.kind, after = self.after}, Schedule)
+  local ok, err = pcall(set_numbers, trial, sd, false)
+  if not ok then return (util.message(err):gsub("^" .. self.kind .. ": ", "", 1)) end
+  ok, err = pcall(trial.lr, trial, sd.step)
+  if not ok then return ("the learning rate at step %d: %s"):format(sd.step, util.message(err)) end
+  return nil
+end
+
+-- Checked whole (load_problem) before anything changes.
+function Schedule:load_state_dict(sd)
+  local why = self:load_problem(sd)
+  if why then raise(("%s: load_state_dict: %s"):format(self.kind, why)) end
+  self.k = sd.step
+  set_numbers(self, sd, false)
   self.opt.lr = self:lr(self.k)
 end
 
@@ -1902,17 +1935,12 @@ end
 -- After warmup lr until step total - decay * total, then linear down to min_lr at total,
 -- min_lr after. The decay phase may not start before warmup ends.
 function optim.wsd(opt, opts)
-  local s = new_schedule("wsd", opt, opts, function(self, k)
+  return start(new_schedule("wsd", opt, opts, function(self, k)
     local from = self.total - self.decay * self.total
     if k >= self.total then return self.min_lr end
     if k <= from then return self.base_lr end
     return self.min_lr + (self.base_lr - self.min_lr) * (self.total - k) / (self.total - from)
-  end)
-  if s.warmup > s.total - s.decay * s.total then
-    raise(("wsd: warmup (%s) must end before the decay phase starts (step %s of %s)")
-      :format(s.warmup, s.total - s.decay * s.total, s.total))
-  end
-  return start(s)
+  end))
 end
 
 -- lambda(opt, fn): lr = fn(k), a number >= 0, for every k from 0 (no warmup of its own).

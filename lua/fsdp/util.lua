@@ -203,6 +203,15 @@ function U.strip(err)
   end
 end
 
+--- A caught error's message without any position: the library's (util.strip) and the user's
+--- line util.raise put in front of it (the caller's user_where); for a message shown elsewhere
+--- (on another rank) or inside another one.
+function U.message(err)
+  local msg, where = U.strip(err), U.user_where()
+  if where ~= "" and msg:sub(1, #where) == where then msg = msg:sub(#where + 1) end
+  return msg
+end
+
 --- Raise a caught error again, located at the user's code (once: a message util.raise
 --- already located there keeps its position).
 function U.reraise(err)

@@ -595,6 +595,55 @@ describe("learning-rate schedules", function()
     raises("(got number)", s.load_state_dict, s, 3)
   end)
 
+  it("refuse a state_dict they cannot take whole, changing nothing (load_problem: why)", function()
+    for kind, mk in pairs(make) do
+      local opt = optim.SGD({param{1}}, {lr = 1})
+      local s = mk(opt)
+      s:step()
+      local good = s:state_dict()
+      good.step = 3
+      assert.is_nil(s:load_problem(good), kind)
+      local function bad(change, want)
+        local sd = {}
+        for k, v in pairs(good) do sd[k] = v end
+        change(sd)
+        local before, lr = s:state_dict(), opt.lr
+        assert.are.equal(want, s:load_problem(sd), kind)
+        raises(kind .. ": load_state_dict: " .. want, s.load_state_dict, s, sd)
+        assert.are.same(before, s:state_dict(), kind)
+        assert.are.equal(lr, opt.lr, kind)
+      end
+      bad(function(sd) sd.step = -1 end, "step must be an integer >= 0 (got -1)")
+      bad(function(sd) sd.step = 1.5 end, "step must be an integer >= 0 (got 1.5)")
+      bad(function(sd) sd.lr = nil end, "lr must be a number >= 0 (got nil)")
+      bad(function(sd) sd.warmup = "2" end, "warmup must be a number >= 0 (got 2)")
+      if good.total then
+        bad(function(sd) sd.total = nil end, "total must be a number >= 0 (got nil)")
+        bad(function(sd) sd.total = 1 end, "warmup (2) must be <= total (1)")
+      end
+      -- the kinds' own rules, as when made
+      if kind == "step_lr" then
+        bad(function(sd) sd.step_size = 0 end, "step_size must be a number >= 1 (got 0)")
+      end
+      if kind == "wsd" then
+        bad(function(sd) sd.decay = 0.9 end,
+          "warmup (2) must end before the decay phase starts (step 1 of 10)")
+      end
+    end
+    -- a lambda's function runs on the saved step: one made for fewer steps refuses it
+    local opt = optim.SGD({param{1}}, {lr = 1})
+    local s = optim.lambda(opt, function(k)
+      if k > 2 then error("made for 2 steps", 0) end
+      return 1 / (k + 1)
+    end)
+    local sd = {kind = "lambda", step = 3, lr = 1, warmup = 0}
+    assert.are.equal("the learning rate at step 3: made for 2 steps", s:load_problem(sd))
+    raises("lambda: load_state_dict: the learning rate at step 3: made for 2 steps",
+      s.load_state_dict, s, sd)
+    assert.are.equal(0, s.k)
+    assert.are.equal(1, opt.lr)
+  end)
+
   it("check their arguments", function()
     local opt = optim.SGD({param{1}}, {lr = 1})
     for kind, mk in pairs(make) do
