@@ -29,9 +29,11 @@
 -- sharded: in rank 0's file, listed in the index's extra_tensors) and stand in the JSON of
 -- extra as {"fsdp.tensor": "<name>"}.
 --
--- Loading is two phases: stage (local, may fail: read and check everything this rank needs
--- into new tensors), the ranks agree, then apply (nothing left that can fail on one rank
--- alone). Saving agrees before anything irreversible (the index commit).
+-- Both first agree on what the options decide (agree_options: one all_reduce). Loading is
+-- then two phases: stage (local, may fail: read and check everything this rank needs into new
+-- tensors, and ask the optimizer, the schedule and set_rng_state whether they take what was
+-- read), the ranks agree, then apply (nothing left that can fail on one rank alone). Saving
+-- agrees before anything irreversible (the index commit).
 
 local core = require "fsdp.core"
 local hf = require "fsdp.hf"
@@ -104,6 +106,35 @@ local function check_opts(fn, model, opts, known)
   return opts, loaders
 end
 
+-- What the options decide about the checkpoint, for the ranks to agree on (fsdp.save adds its
+-- step and extra, fsdp.load its strict and rng): the format, the optimizer's kind, the loaders'
+-- names and the schedule's kind (true for one without a kind).
+local function options_summary(format, opts, loaders)
+  local names = {}
+  for k in pairs(loaders) do names[#names + 1] = k end
+  table.sort(names)
+  local sc, kind = opts.schedule, false
+  if sc ~= nil then kind = type(sc.kind) == "string" and sc.kind or true end
+  return {format = format, optimizer = opts.optimizer and opts.optimizer.kind or false,
+    loaders = names, schedule = kind}
+end
+
+-- Collective. What a save or a load does is decided by every rank's options together, so the
+-- ranks agree on them before anything is read or written: an optimizer (a loader, a
+-- schedule...) given on one rank only would be saved or loaded there alone, and the ranks would
+-- go on diverging. prepare() checks this rank's options and returns their summary (a plain
+-- value), then whatever else it computed; summaries that differ raise on every rank, naming the
+-- option and the ranks (fsdp.load: what to load differs across ranks at ["optimizer"]: rank 0
+-- has "AdamW", rank 1 has false (ranks that differ from rank 0: 1)), and options refused on
+-- one rank raise on every rank too ("rank R of W: <R's message>"). One all_reduce when they
+-- agree.
+local function agree_options(fn, what, prepare)
+  local res = {pcall(prepare)}
+  local err = not res[1] and res[2] or nil
+  collective.agree(res[1] and res[2] or nil, fn .. ": what to " .. what, fn .. " options", err)
+  return unpack(res, 3, table.maxn(res))
+end
+
 -- Phase A's end for the optimizer: the staged state as the list import_slices takes, checked
 -- by the optimizer (its parameters, this rank's slices of them, frozen units' included) now,
 -- while a refusal still fails every rank before anything is written.
@@ -163,7 +194,10 @@ local function apply_plan(model, plan, opts, loaders, parts, R)
   end
   if plan.index then
     for name, l in pairs(loaders) do l.cursor = plan.index.loaders[name] end
-    if opts.schedule and plan.index.schedule then opts.schedule:load_state_dict(plan.index.schedule) end
+    -- checked while staging (load_problem), or loaded already
+    if opts.schedule and not plan.schedule_loaded then
+      opts.schedule:load_state_dict(plan.index.schedule)
+    end
   end
   if plan.rng then core.set_rng_state(plan.rng) end
 end
@@ -181,36 +215,33 @@ function M.save(model, path, opts)
       .. "values yet (fsdp.materialize or fsdp.load it first)")
   end
   if type(path) ~= "string" or path == "" then raise("fsdp.save: path must be a non-empty string") end
-  local loaders
-  opts, loaders = check_opts("fsdp.save", model, opts, SAVE_OPTS)
-  local format = opts.format or (path:match("%.safetensors$") and "safetensors" or "sharded")
-  if opts.step ~= nil and (type(opts.step) ~= "number" or opts.step < 0 or opts.step ~= math.floor(opts.step)) then
-    raise("fsdp.save: step must be an integer >= 0")
-  end
+  local loaders, format
   local X = {tensors = {}} -- extra: its JSON (tensors as tags) and its tensors
+  -- What the checkpoint holds is decided by every rank's options together (agree_options: an
+  -- optimizer given on one rank only would be saved with the other ranks' state missing).
+  opts, loaders, format = agree_options("fsdp.save", "save", function()
+    local o, l = check_opts("fsdp.save", model, opts, SAVE_OPTS)
+    local f = o.format or (path:match("%.safetensors$") and "safetensors" or "sharded")
+    if o.step ~= nil and not util.is_int(o.step, 0) then
+      raise("fsdp.save: step must be an integer >= 0")
+    end
+    if o.extra ~= nil then
+      local ok, err = pcall(function() X.json, X.tensors = C.split_extra(o.extra) end)
+      if ok then
+        ok, err = pcall(core.json_encode, X.json)
+        X.text = ok and err or nil
+      end
+      if not ok then
+        local why = util.strip(err):gsub("^json_write: ", "")
+        raise("fsdp.save: extra must be JSON-able values and tensors (" .. why .. ")")
+      end
+    end
+    local summary = options_summary(f, o, l)
+    summary.step, summary.extra = o.step or false, o.extra ~= nil
+    return summary, o, l, f
+  end)
   -- an nn.GPT's configuration, so fsdp.load_model can rebuild it without the recipe
   if model:type_name() == "GPT" and type(model.config) == "function" then X.config = model:config() end
-  if opts.extra ~= nil then
-    local ok, err = pcall(function() X.json, X.tensors = C.split_extra(opts.extra) end)
-    if ok then
-      ok, err = pcall(core.json_encode, X.json)
-      X.text = ok and err or nil
-    end
-    if not ok then
-      local why = util.strip(err):gsub("^json_write: ", "")
-      raise("fsdp.save: extra must be JSON-able values and tensors (" .. why .. ")")
-    end
-  end
-  -- What the checkpoint holds is decided by every rank's options together: they must agree (an
-  -- optimizer given on one rank only would be saved with the other ranks' state missing).
-  local names = {}
-  for k in pairs(loaders) do names[#names + 1] = k end
-  table.sort(names)
-  local summary = {format = format, optimizer = opts.optimizer and opts.optimizer.kind or false,
-    loaders = names, schedule = opts.schedule ~= nil, step = opts.step or false,
-    extra = opts.extra ~= nil}
-  local same, why = pcall(collective.agree, summary, "fsdp.save: what to save", "fsdp.save options")
-  if not same then util.reraise(why) end
   -- Both formats save the shards' values. A unit still gathered (after a forward whose
   -- backward has not run) holds a copy: resharded first, which refuses a parameter written in
   -- place while gathered (a change no shard holds) instead of saving one value or the other.
@@ -234,15 +265,31 @@ function M.load(model, path, opts)
   local R = check_model("fsdp.load", model)
   if R then R:check_idle("fsdp.load") end
   if type(path) ~= "string" or path == "" then raise("fsdp.load: path must be a non-empty string") end
-  local loaders
-  opts, loaders = check_opts("fsdp.load", model, opts, LOAD_OPTS)
-  if opts.strict ~= nil and type(opts.strict) ~= "boolean" then raise("fsdp.load: strict must be a boolean") end
-  -- a regular file is a safetensors file; a folder a sharded checkpoint
-  local format = opts.format or (core.io_size(path) and "safetensors" or "sharded")
-  if format == "safetensors" and (opts.optimizer or next(loaders) or opts.schedule) then
-    raise("fsdp.load: a safetensors file holds the model only (optimizer, loaders and schedules "
-      .. "come from sharded checkpoints)")
-  end
+  local loaders, format
+  -- What is loaded is decided by every rank's options together (agree_options: an optimizer
+  -- given on one rank only would be loaded there alone); agreed before anything is read.
+  opts, loaders, format = agree_options("fsdp.load", "load", function()
+    local o, l = check_opts("fsdp.load", model, opts, LOAD_OPTS)
+    for _, k in ipairs{"strict", "rng"} do
+      if o[k] ~= nil and type(o[k]) ~= "boolean" then
+        raise(("fsdp.load: %s must be a boolean"):format(k))
+      end
+    end
+    -- a regular file is a safetensors file; a folder a sharded checkpoint
+    local f = o.format or (core.io_size(path) and "safetensors" or "sharded")
+    if f == "safetensors" and (o.optimizer or next(l) or o.schedule) then
+      raise("fsdp.load: a safetensors file holds the model only (optimizer, loaders and schedules "
+        .. "come from sharded checkpoints)")
+    end
+    -- the format as given: one told from what path is on this rank's file system is checked
+    -- while staging (a path missing on one rank fails there, naming the path)
+    local summary = options_summary(o.format or false, o, l)
+    summary.strict, summary.rng = o.strict ~= false, o.rng ~= false
+    -- a schedule without load_problem costs the load one more agreement (below)
+    local sc = o.schedule
+    summary.schedule_load_problem = sc ~= nil and type(sc.load_problem) == "function"
+    return summary, o, l, f
+  end)
   local P = C.param_table(model)
   local parts, plan
   local ok, err = util.quiet(function()
@@ -275,6 +322,25 @@ function M.load(model, path, opts)
   end)
   local msg = C.agree(ok, err)
   if msg then raise("fsdp.load: " .. msg) end
+  -- A schedule that cannot tell beforehand whether it takes the saved state (a schedule of the
+  -- user's own, without load_problem: staging could not ask it) takes it now, before anything
+  -- else changes; the ranks agree on how that went, and if any refused, those that took it go
+  -- back to the state they had.
+  local sched = opts.schedule
+  if sched and plan.index and type(sched.load_problem) ~= "function" then
+    local before
+    ok, err = pcall(function()
+      before = sched:state_dict()
+      local took, why = pcall(sched.load_state_dict, sched, plan.index.schedule)
+      if not took then error(("%s: the schedule: %s"):format(path, util.message(why)), 0) end
+    end)
+    msg = C.agree(ok, err)
+    if msg then
+      if before ~= nil then pcall(sched.load_state_dict, sched, before) end
+      raise("fsdp.load: " .. msg)
+    end
+    plan.schedule_loaded = true
+  end
   apply_plan(model, plan, opts, loaders, parts, R)
   local info = {format = format}
   if plan.index then

@@ -220,11 +220,18 @@ end
 --- Collective. Every rank must hold the same value: returns it, or raises (on every rank)
 --- "<what> differs across ranks[ at <where>]: rank 0 has <v>, rank R has <v> (ranks that differ
 --- from rank 0: R, ...)", naming the first differing rank R and the first place in the value
---- where the two differ.
-function M.agree(value, what, label)
+--- where the two differ. err: this rank's error instead of a value (it could not make one):
+--- then every rank raises "rank R of W: <R's message>", R the lowest rank with an error (at
+--- world size 1: the error itself), so that no rank goes on alone.
+function M.agree(value, what, label, err)
   if type(what) ~= "string" then util.raise("collective.agree: `what` must be a string naming the value") end
-  local d = M.compare(value, nil, label or what)
+  -- sent without its positions (this rank's user line means nothing elsewhere)
+  local d = M.compare(value, err ~= nil and util.message(err) or nil, label or what)
   if d == nil then return value end
+  if d.failed then
+    if core.world_size() == 1 then util.reraise(err) end
+    util.raise(("rank %d of %d: %s"):format(d.failed, core.world_size(), d.err))
+  end
   util.raise(M.difference(d, what))
 end
 

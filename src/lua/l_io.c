@@ -58,7 +58,9 @@
  *   io_size(path) -> bytes of a regular file, or nil and the message
  *   rng_state() -> {seed = "16 hex", streams = {randn = "16 hex", rand =, dropout =}}: the
  *                             calling thread's random state (autograd.h); set_rng_state(t)
- *                             restores one (streams absent from t restart at 0)
+ *                             restores one (streams absent from t restart at 0);
+ *                             check_rng_state(t) raises what set_rng_state(t) would, changing
+ *                             nothing (fsdp.load checks while staging)
  *
  * Resource rule (binding.h): every C object that must survive a Lua error lives in a userdata
  * whose __gc frees it (writer, reader, cJSON document), created before the call that fills it.
@@ -847,12 +849,13 @@ static uint64_t check_hex(lua_State *L, int idx, const char *what) {
   return (uint64_t)strtoull(s, NULL, 16);
 }
 
-static int l_set_rng_state(lua_State *L) {
+/* Reads and checks the state at index 1 (raising as set_rng_state) into *seed and next[]. */
+static void read_rng_state(lua_State *L, uint64_t *seed_out, uint64_t *next) {
   luaL_checktype(L, 1, LUA_TTABLE);
   lua_getfield(L, 1, "seed");
   uint64_t seed = check_hex(L, -1, "seed");
   lua_pop(L, 1);
-  uint64_t next[N_RNG_STREAMS] = {0};
+  for (size_t i = 0; i < N_RNG_STREAMS; i++) next[i] = 0;
   lua_getfield(L, 1, "streams");
   if (!lua_isnil(L, -1)) {
     luaL_checktype(L, -1, LUA_TTABLE);
@@ -861,18 +864,29 @@ static int l_set_rng_state(lua_State *L) {
       size_t i = 0;
       while (i < N_RNG_STREAMS && strcmp(name, rng_streams[i]) != 0) i++;
       if (i == N_RNG_STREAMS)
-        return luaL_error(L, "set_rng_state: unknown random stream '%s' (randn, rand, dropout)",
-                          name);
+        luaL_error(L, "set_rng_state: unknown random stream '%s' (randn, rand, dropout)", name);
       next[i] = check_hex(L, -1, name);
       if (next[i] % 4 != 0 || next[i] > ((uint64_t)1 << 62)) {
         char num[24]; /* luaL_error knows no %llu */
         snprintf(num, sizeof num, "%llu", (unsigned long long)next[i]);
-        return luaL_error(L, "set_rng_state: stream '%s' offset %s is not a multiple of 4 "
-                             "(below 2^62)", name, num);
+        luaL_error(L, "set_rng_state: stream '%s' offset %s is not a multiple of 4 (below 2^62)",
+                   name, num);
       }
     }
   }
   lua_pop(L, 1);
+  *seed_out = seed;
+}
+
+static int l_check_rng_state(lua_State *L) {
+  uint64_t seed, next[N_RNG_STREAMS];
+  read_rng_state(L, &seed, next);
+  return 0;
+}
+
+static int l_set_rng_state(lua_State *L) {
+  uint64_t seed, next[N_RNG_STREAMS];
+  read_rng_state(L, &seed, next);
   /* everything checked: reset to the seed (every stream at 0), then advance each stream */
   fsdp_rng_manual_seed(seed);
   for (size_t i = 0; i < N_RNG_STREAMS; i++) {
@@ -930,7 +944,7 @@ static const luaL_Reg io_funcs[] = {
     {"ckpt_index_read", l_ckpt_index_read}, {"ckpt_index_write", l_ckpt_index_write},
     {"io_mkdirs", l_io_mkdirs}, {"io_listdir", l_io_listdir}, {"io_remove", l_io_remove},
     {"io_fsync_dir", l_io_fsync_dir}, {"io_size", l_io_size}, {"rng_state", l_rng_state},
-    {"set_rng_state", l_set_rng_state}, {NULL, NULL}};
+    {"set_rng_state", l_set_rng_state}, {"check_rng_state", l_check_rng_state}, {NULL, NULL}};
 
 static void new_class(lua_State *L, const char *mt, const luaL_Reg *methods, lua_CFunction gc,
                       lua_CFunction tostring) {

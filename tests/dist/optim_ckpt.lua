@@ -4,14 +4,16 @@
 -- plain one made in the same process (local_only) and fails with an error when they differ.
 --
 --   fsdprun -n N tests/dist/optim_ckpt.lua --case=ada_save|ada_load|freeze|atomic --dir=D
---     [--opt=adamw|adafactor] [--plain=true]
+--     [--opt=adamw|adafactor] [--plain=true] [--one_rank=true]
 --
 -- ada_save / ada_load: Adafactor over a Linear(4, 4) (16 + 4 elements: at 2 ranks one rank
 --   holds the bias only, at 3 one holds padding only), saved after 2 steps at one world size
 --   and resumed at another (or the same) for 2 more. A rank holding no slice of any factored
 --   parameter imports no factor; the first step after the load completes the factors with an
 --   all_reduce every rank must call. Checked: some rank holds no factored slice (the case is
---   what it claims), and the resumed run equals 4 uninterrupted plain steps.
+--   what it claims), and the resumed run equals 4 uninterrupted plain steps. --one_rank=true:
+--   first a load with the optimizer passed on rank 0 only, refused on every rank with nothing
+--   changed (the ranks agree on what to load before anything is read).
 -- freeze: a Sequential of two Linear units trained 2 steps with everything trainable, its
 --   optimizer state restored into the model with the first unit frozen (fine-tuning the head),
 --   then one step, the unit unfrozen, one more step; twice: through fsdp.save / fsdp.load into
@@ -87,6 +89,20 @@ if case == "ada_save" or case == "ada_load" then
     if W > 1 then
       check(fsdp.all_reduce(factored, "min") == 0,
         "some rank should hold no slice of a factored parameter (the case this tests)")
+    end
+    if a.one_rank == true and W > 1 then
+      -- the optimizer passed on rank 0 only: rank 0 alone would import the state (and its
+      -- first step then complete the factors with an all_reduce the others never call)
+      local before = values(m)
+      local ok, err = pcall(fsdp.load, m, dir, {optimizer = rank == 0 and opt or nil})
+      local want = 'fsdp.load: what to load differs across ranks at ["optimizer"]: rank 0 has '
+        .. '"Adafactor", rank 1 has false'
+      check(not ok and tostring(err):find(want, 1, true) ~= nil,
+        ("an optimizer on rank 0 only: the refusal should say %q; it says %s")
+          :format(want, tostring(err)))
+      close(values(m), before, 0, "the model after a refused load")
+      check(opt.step_count == 0 and next(opt:state_dict().state) == nil,
+        "the optimizer after a refused load")
     end
     fsdp.load(m, dir, {optimizer = opt})
     steps(m, opt, 2, x)

@@ -420,9 +420,19 @@ local function check_extras(ipath, index, opts, loaders, plan)
     end
   end
   local sched = opts.schedule
-  if sched and index.schedule and sched.kind ~= nil and index.schedule.kind ~= sched.kind then
-    fail(("%s: the checkpoint holds a %s schedule, the schedule is %s")
-      :format(ipath, tostring(index.schedule.kind), tostring(sched.kind)))
+  if sched then
+    if index.schedule == nil then
+      fail(("%s: the checkpoint holds no schedule (saved without schedule =)"):format(ipath))
+    end
+    if sched.kind ~= nil and index.schedule.kind ~= sched.kind then
+      fail(("%s: the checkpoint holds a %s schedule, the schedule is %s")
+        :format(ipath, tostring(index.schedule.kind), tostring(sched.kind)))
+    end
+    -- the schedule takes its state after the parameters are written: whatever would refuse
+    -- it must refuse it now (fsdp.optim's schedules say so; a schedule without load_problem
+    -- is loaded first after the agreement, checkpoint.lua)
+    local why = type(sched.load_problem) == "function" and sched:load_problem(index.schedule)
+    if why then fail(("%s: the schedule: %s"):format(ipath, why)) end
   end
   for name in pairs(loaders) do
     if index.loaders == nil or index.loaders[name] == nil then
@@ -442,6 +452,13 @@ local function check_extras(ipath, index, opts, loaders, plan)
         end
       end
       plan.rng = index.rng[1]
+    end
+    -- the index's check leaves the streams' names and offsets to set_rng_state, which runs
+    -- last when applying: checked now, while a refusal still changes nothing
+    local okr, why = pcall(core.check_rng_state, plan.rng)
+    if not okr then
+      why = util.message(why):gsub("^set_rng_state: ", "")
+      fail(("%s: the random state: %s"):format(ipath, why))
     end
   end
 end
