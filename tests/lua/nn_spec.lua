@@ -675,6 +675,25 @@ describe("nn errors", function()
       self.fc(fsdp.zeros{2, 4})
       error(e, 0)
     end, BOOM)
+    -- caught inside a module that raises it out of its own forward after catching another
+    -- error: the first keeps its one prefix
+    local Msg = nn.Module:extend("Msg")
+    function Msg:init(msg) self.msg = msg end
+    function Msg:forward() error(self.msg, 0) end
+    local Either = nn.Module:extend("Either") -- tries a, then b; raises a's error
+    function Either:init() self.a, self.b = Msg("a failed"), Msg("b failed") end
+    function Either:forward(x)
+      local _, ea = pcall(self.a, x)
+      local _, eb = pcall(self.b, x)
+      assert.are.equal("e.b (Msg): b failed", eb)
+      error(ea, 0)
+    end
+    local Top = nn.Module:extend("Top")
+    function Top:init() self.e = Either() end
+    function Top:forward(x) return self.e(x) end
+    local ok, err = pcall(Top(), fsdp.zeros{2})
+    assert.is_false(ok)
+    assert.are.equal("e.a (Msg): a failed", err)
   end)
 
   it("keeps the path of a later error after a hook's error a forward caught", function()

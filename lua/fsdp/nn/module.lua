@@ -587,7 +587,7 @@ end
 -- local) and prefixes the innermost module's path relative to the outermost one:
 --   "blocks.2.mlp.fc (Linear): linear: ... shapes ..."
 -- Each enclosing call raises the message again and their handlers pass it through unchanged
--- (it is `last_made`), so the prefix is applied once, and code that catches an error inside a
+-- (it is one of `made`), so the prefix is applied once, and code that catches an error inside a
 -- forward (a pcall of a child, nn.checkpoint, fsdp.no_grad) gets the finished message: raising
 -- it again keeps its path and is not prefixed again. Since the stack is the record of active
 -- calls, nothing is left behind by an error caught below: a later error gets its own path.
@@ -616,7 +616,11 @@ local registry = debug.getregistry()
 local getinfo, getlocal = debug.getinfo, debug.getlocal
 local inside = false -- true while an outermost module call runs
 local traceback_left = false
-local last_made -- the last message on_error made (passed through, not prefixed again)
+-- The messages on_error made lately (passed through, not prefixed again): a set, not the last
+-- one, so that a forward which caught two errors can raise the first again. Bounded: emptied
+-- when it grows past MADE_MAX (a message made that long ago is raised again rarely, and then
+-- only gets a second prefix).
+local made, n_made, MADE_MAX = {}, 0, 64
 local call_outer -- defined below, after on_error
 
 -- "file:line: " of the innermost stack frame outside the fsdp Lua library (lua/fsdp/util.lua).
@@ -676,7 +680,7 @@ end
 
 local function on_error(e)
   if type(e) ~= "string" then return e end
-  if rawequal(e, last_made) then
+  if made[e] then
     -- raised again by an enclosing call, or by code that caught it: its traceback is the one
     -- of its error point, unless a later outermost call cleared that
     if not traceback_left then leave_traceback(e) end
@@ -708,7 +712,8 @@ local function on_error(e)
   end
   msg = error_prefix(chain, n) .. msg
   leave_traceback(msg)
-  last_made = msg
+  if n_made >= MADE_MAX then made, n_made = {}, 0 end
+  made[msg], n_made = true, n_made + 1
   return msg
 end
 
