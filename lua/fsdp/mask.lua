@@ -543,7 +543,7 @@ function M.set_local(model, slices)
     for path, p in model:named_parameters() do
       local v = slices[p]
       if v == false then
-        plan[#plan + 1] = {p = p}
+        plan[#plan + 1] = {p = p, path = path}
       elseif v ~= nil then
         if not is_tensor(v) then
           error(("%s: the slice must be a tensor (got %s)"):format(path, type(v)), 0)
@@ -577,7 +577,7 @@ function M.set_local(model, slices)
         if bad > 0 then
           error(("%s: the mask must hold only 0 and 1 (%d other values)"):format(path, bad), 0)
         end
-        plan[#plan + 1] = {p = p, u = u, rec = rec}
+        plan[#plan + 1] = {p = p, u = u, rec = rec, path = path}
       end
     end
   end)
@@ -588,7 +588,11 @@ function M.set_local(model, slices)
     end
   end
   if has_units(model) then
-    local msg = collective.check_agreement("mask.set_local", nil, err)
+    -- the same parameters on every rank (what refresh communicates for depends on them)
+    local which = {}
+    for i, x in ipairs(plan) do which[i] = (x.rec and "set " or "remove ") .. x.path end
+    local msg = collective.check_agreement("mask.set_local", which, err,
+      "which parameters get masks")
     if msg then raise(msg) end
   elseif err then
     raise("mask.set_local: " .. err)

@@ -182,6 +182,13 @@ local head = "mask.set_local: " .. (W > 1 and ("rank %d of %d: "):format(culprit
 check(not ok and tostring(err):find(head .. name .. ": the mask must hold only 0 and 1", 1, true),
   "a slice with 2s on one rank: " .. tostring(err))
 check(fsdp.mask(p) == nil, "the refused set_local set nothing")
+if W > 1 then -- a mask for p on rank 0 only: the ranks must set the same parameters
+  local ones = fsdp.ones{fsdp.shard(p):numel()}
+  ok, err = pcall(mask.set_local, model, rank == 0 and {[p] = ones} or {})
+  check(not ok and tostring(err):find("mask.set_local: which parameters get masks differs "
+    .. "across ranks", 1, true), "set_local for p on rank 0 only: " .. tostring(err))
+  check(fsdp.mask(p) == nil, "the refused set_local set nothing on any rank")
+end
 fsdp.unwrap(model)
 verify("final unwrap")
 
