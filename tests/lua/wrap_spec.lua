@@ -11,6 +11,18 @@ local nn = fsdp.nn
 local H = require "helpers"
 local flat, same_values = H.flat_view, H.same_values_view
 
+-- Every parameter of module a within 1e-6 (relative) of module b's, in order.
+local function assert_params_close(a, b)
+  local pa, pb = a:parameters(), b:parameters()
+  for i = 1, #pa do
+    local x, y = flat(pa[i]), flat(pb[i])
+    for k = 1, #x do
+      assert.is_true(math.abs(x[k] - y[k]) <= 1e-6 * (1 + math.abs(x[k])),
+        ("param %d element %d: %g vs %g"):format(i, k, x[k], y[k]))
+    end
+  end
+end
+
 local function unit_paths(model)
   local out = {}
   for _, u in ipairs(fsdp.units(model)) do out[#out + 1] = u.path end
@@ -784,14 +796,7 @@ describe("optimizers on a wrapped model", function()
       local wrapped, opt, n1 = train(true, case[2], 4)
       for i = 1, #n0 do assert.is_true(math.abs(n0[i] - n1[i]) <= 1e-6 * n0[i]) end
       fsdp.unwrap(wrapped)
-      local a, b = plain:parameters(), wrapped:parameters()
-      for i = 1, #a do
-        local x, y = flat(a[i]), flat(b[i])
-        for k = 1, #x do
-          assert.is_true(math.abs(x[k] - y[k]) <= 1e-6 * (1 + math.abs(x[k])),
-            ("param %d element %d: %g vs %g"):format(i, k, x[k], y[k]))
-        end
-      end
+      assert_params_close(plain, wrapped)
       -- the optimizer refuses to step a model unwrapped under it
       local ok, err = pcall(opt.step, opt)
       assert.is_false(ok)
@@ -889,14 +894,7 @@ describe("optimizers on a wrapped model", function()
     local m, ws = run(true)
     assert.are.same({a = 2, b = 2, c = 3}, ps)
     assert.are.same(ps, ws)
-    local a, b = plain:parameters(), m:parameters()
-    for i = 1, #a do
-      local x, y = flat(a[i]), flat(b[i])
-      for k = 1, #x do
-        assert.is_true(math.abs(x[k] - y[k]) <= 1e-6 * (1 + math.abs(x[k])),
-          ("param %d element %d: %g vs %g"):format(i, k, x[k], y[k]))
-      end
-    end
+    assert_params_close(plain, m)
   end)
 
   -- A block whose "spare" Linear is never called, and a block left out on step 2.
@@ -938,14 +936,7 @@ describe("optimizers on a wrapped model", function()
       assert.are.equal(2, popt.state[plain.b.weight].step)
       fsdp.unwrap(m)
       assert.are.same(spare, flat(m.spare.weight)) -- no weight decay either
-      local a, b = plain:parameters(), m:parameters()
-      for i = 1, #a do
-        local x, y = flat(a[i]), flat(b[i])
-        for k = 1, #x do
-          assert.is_true(math.abs(x[k] - y[k]) <= 1e-6 * (1 + math.abs(x[k])),
-            ("param %d element %d: %g vs %g"):format(i, k, x[k], y[k]))
-        end
-      end
+      assert_params_close(plain, m)
     end)
   end
 
