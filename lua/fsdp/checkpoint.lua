@@ -364,8 +364,8 @@ local function stored_config(path)
   if not core.io_size(ipath) then
     return nil, path .. " is no checkpoint (no such file, and no folder with index.json or config.json)"
   end
-  local index = core.json_read(ipath)
-  if type(index) ~= "table" or type(index.config) ~= "table" then
+  local index = core.ckpt_index_read(ipath) -- checked (checksum, schema) before its config is used
+  if type(index.config) ~= "table" then
     return nil, ipath .. " has no config"
   end
   return index.config

@@ -6,10 +6,18 @@
  * compute ranges from it without re-checking, and so that the fuzz target can hold the
  * checker to its promises.
  *
+ * The index's own bytes are protected as a rank file's header is (docs/checkpoints.md "The
+ * index's checksum"): version 2 starts with a fixed prefix and the XXH3 of the whole file, so
+ * the reader finds the checksum without trusting the JSON and checks it before anything else;
+ * one flipped bit that keeps the JSON and the schema valid ("lr": 0.003 -> 0.002) would
+ * otherwise load and silently change the resumed run. Version 1 indexes (written before the
+ * checksum) have none and are read unchecked.
+ *
  * What is checked (everything, first error wins; messages name the file and the field, and
  * the parameter where there is one):
- *   format "fsdprun.sharded", version 1, world_size in [1, 2^20], generation and step
- *   integers >= 0;
+ *   the checksum, when the text starts with the prefix (always, for version 2);
+ *   format "fsdprun.sharded", version 1 or 2, world_size in [1, 2^20], generation and step
+ *   integers >= 0; version 2: index_xxh3 16 lowercase hex digits;
  *   files: exactly world_size objects, files[i].rank == i, name a plain file name (no '/',
  *   not starting with '.', valid UTF-8, at most 255 bytes, names unique), bytes >= 8,
  *   header_xxh3 16 lowercase hex digits;
@@ -32,8 +40,10 @@
  */
 #include <cjson/cJSON.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <xxhash.h>
 
 #include "io/io.h"
 
@@ -379,9 +389,12 @@ int fsdp_io_index_check(const cJSON *doc, const char *name) {
     return fsdp_error("%s: not a sharded checkpoint index ('format' is not \"%s\")", name,
                       FSDP_IO_INDEX_FORMAT);
   int64_t version, world, v;
-  if (!get_int(doc, "version", 0, &version) || version != FSDP_IO_INDEX_VERSION)
-    return fsdp_error("%s: index version must be %d (this build reads version %d only)", name,
-                      FSDP_IO_INDEX_VERSION, FSDP_IO_INDEX_VERSION);
+  if (!get_int(doc, "version", 0, &version) || version < 1 || version > FSDP_IO_INDEX_VERSION)
+    return fsdp_error("%s: index version must be 1 or %d (the versions this build reads)", name,
+                      FSDP_IO_INDEX_VERSION);
+  if (version >= 2 && !is_hex16(cJSON_GetObjectItemCaseSensitive(doc, FSDP_IO_INDEX_CHECKSUM_KEY)))
+    return fsdp_error("%s: '%s' must be 16 lowercase hex digits (the index's checksum)", name,
+                      FSDP_IO_INDEX_CHECKSUM_KEY);
   if (!get_int(doc, "world_size", 1, &world) || world > MAX_WORLD)
     return fsdp_error("%s: 'world_size' must be an integer from 1 to %d", name, MAX_WORLD);
   if (!get_int(doc, "generation", 0, &v))
@@ -406,34 +419,153 @@ int fsdp_io_index_check(const cJSON *doc, const char *name) {
   return FSDP_OK;
 }
 
-int fsdp_io_index_parse(cJSON **out, const char *name, const char *text, size_t size) {
-  if (fsdp_io_json_parse(out, name, text, size)) return FSDP_ERR;
-  if (fsdp_io_index_check(*out, name)) {
-    cJSON_Delete(*out);
-    *out = NULL;
-    return FSDP_ERR;
+/* ---- the checksum ------------------------------------------------------------------------ */
+
+#define PREFIX_LEN (sizeof FSDP_IO_INDEX_PREFIX - 1)
+
+static bool parse_hex16(const char *s, uint64_t *out) {
+  uint64_t v = 0;
+  for (int i = 0; i < 16; i++) {
+    char c = s[i];
+    if (c >= '0' && c <= '9') v = v << 4 | (uint64_t)(c - '0');
+    else if (c >= 'a' && c <= 'f') v = v << 4 | (uint64_t)(c - 'a' + 10);
+    else return false;
   }
+  *out = v;
+  return true;
+}
+
+/* true when text[0..size) has the prefix, 16 characters and '"' (the digits are not checked) */
+static bool has_prefix(const char *text, size_t size) {
+  return text != NULL && size >= PREFIX_LEN + 17 &&
+         memcmp(text, FSDP_IO_INDEX_PREFIX, PREFIX_LEN) == 0 && text[PREFIX_LEN + 16] == '"';
+}
+
+/* XXH3 of text[0..size) with the 16 digits after the prefix read as '0's (has_prefix holds) */
+static int checksum_of(const char *text, size_t size, const char *name, uint64_t *out) {
+  XXH3_state_t *xs = XXH3_createState();
+  if (xs == NULL) return fsdp_error("%s: out of memory", name);
+  XXH3_64bits_reset(xs);
+  XXH3_64bits_update(xs, text, PREFIX_LEN);
+  XXH3_64bits_update(xs, "0000000000000000", 16);
+  XXH3_64bits_update(xs, text + PREFIX_LEN + 16, size - PREFIX_LEN - 16);
+  *out = XXH3_64bits_digest(xs);
+  XXH3_freeState(xs);
   return FSDP_OK;
 }
 
+int fsdp_io_index_stamp(char *text, size_t size, const char *name) {
+  if (name == NULL) name = "(index)";
+  if (!has_prefix(text, size))
+    return fsdp_error("%s: the index text does not start with its checksum member (%s)", name,
+                      FSDP_IO_INDEX_CHECKSUM_KEY);
+  uint64_t h = 0;
+  if (checksum_of(text, size, name, &h)) return FSDP_ERR;
+  char digits[17];
+  snprintf(digits, sizeof digits, "%016llx", (unsigned long long)h);
+  memcpy(text + PREFIX_LEN, digits, 16);
+  return FSDP_OK;
+}
+
+/* The checksum at the start of text, checked; *stamped says whether there was one. Looked for
+ * at its fixed place, before the JSON is parsed: a damaged index is reported as damaged, not as
+ * whatever the damage happens to look like. */
+static int verify_checksum(const char *text, size_t size, const char *name, bool *stamped) {
+  *stamped = false;
+  if (text == NULL || size < PREFIX_LEN || memcmp(text, FSDP_IO_INDEX_PREFIX, PREFIX_LEN) != 0)
+    return FSDP_OK;
+  uint64_t stored, computed = 0;
+  if (!has_prefix(text, size) || !parse_hex16(text + PREFIX_LEN, &stored))
+    return fsdp_error("%s: the index's checksum (its first member, '%s') is not 16 lowercase "
+                      "hex digits: the index is corrupted",
+                      name, FSDP_IO_INDEX_CHECKSUM_KEY);
+  if (checksum_of(text, size, name, &computed)) return FSDP_ERR;
+  if (computed != stored)
+    return fsdp_error("%s: index checksum mismatch (stored %016llx, computed %016llx): the index "
+                      "is corrupted",
+                      name, (unsigned long long)stored, (unsigned long long)computed);
+  *stamped = true;
+  return FSDP_OK;
+}
+
+int fsdp_io_index_parse(cJSON **out, const char *name, const char *text, size_t size) {
+  *out = NULL;
+  if (name == NULL) name = "(index)";
+  bool stamped;
+  if (verify_checksum(text, size, name, &stamped)) return FSDP_ERR;
+  if (fsdp_io_json_parse(out, name, text, size)) return FSDP_ERR;
+  /* a version 2 index without the checksum at its start: before the schema, which whatever
+   * rewrote it may have broken too */
+  int rc = FSDP_OK;
+  int64_t version = 0;
+  if (cJSON_IsObject(*out) && get_int(*out, "version", 0, &version) && version >= 2 &&
+      version <= FSDP_IO_INDEX_VERSION && !stamped)
+    rc = fsdp_error("%s: an index of version %lld starts with its checksum ('%s', the first "
+                    "member), this one does not: it was damaged, or rewritten by another "
+                    "program (fsdp.core.ckpt_index_write writes an index with its checksum)",
+                    name, (long long)version, FSDP_IO_INDEX_CHECKSUM_KEY);
+  if (rc == FSDP_OK) rc = fsdp_io_index_check(*out, name);
+  if (rc != FSDP_OK) {
+    cJSON_Delete(*out);
+    *out = NULL;
+  }
+  return rc;
+}
+
 int fsdp_io_index_write(const char *path, const cJSON *doc) {
-  char *text;
-  if (fsdp_io_json_print(doc, path, &text)) return FSDP_ERR;
-  /* checked as the text a reader will parse (numbers may be raw text in doc) */
-  cJSON *parsed = NULL;
-  int rc = fsdp_io_index_parse(&parsed, path, text, strlen(text));
-  cJSON_Delete(parsed);
-  if (rc == FSDP_OK) rc = fsdp_io_text_write_atomic(path, text);
+  if (doc == NULL) return fsdp_error("%s: no JSON document to write", path);
+  if (!cJSON_IsObject(doc)) return fsdp_io_index_check(doc, path);
+  /* the checksum first (a placeholder until the text is known), then the version, then doc's
+   * other members, borrowed */
+  cJSON *top = cJSON_CreateObject();
+  bool ok = top != NULL &&
+            cJSON_AddStringToObject(top, FSDP_IO_INDEX_CHECKSUM_KEY, "0000000000000000") &&
+            cJSON_AddNumberToObject(top, "version", FSDP_IO_INDEX_VERSION);
+  for (cJSON *c = doc->child; ok && c != NULL; c = c->next) {
+    if (c->string == NULL || strcmp(c->string, FSDP_IO_INDEX_CHECKSUM_KEY) == 0 ||
+        strcmp(c->string, "version") == 0)
+      continue;
+    ok = cJSON_AddItemReferenceToObject(top, c->string, c);
+  }
+  char *text = ok ? cJSON_Print(top) : NULL;
+  cJSON_Delete(top);
+  if (text == NULL) return fsdp_error("%s: cannot print the index (out of memory)", path);
+  /* the file's bytes: the text and a final newline, all covered by the checksum */
+  size_t n = strlen(text);
+  char *bytes = malloc(n + 2);
+  if (bytes == NULL) {
+    cJSON_free(text);
+    return fsdp_error("%s: out of memory", path);
+  }
+  memcpy(bytes, text, n);
   cJSON_free(text);
+  bytes[n++] = '\n';
+  bytes[n] = '\0';
+  /* checked as the text a reader will parse (numbers may be raw text in doc), checksum too */
+  cJSON *parsed = NULL;
+  int rc = fsdp_io_index_stamp(bytes, n, path);
+  if (rc == FSDP_OK) rc = fsdp_io_index_parse(&parsed, path, bytes, n);
+  cJSON_Delete(parsed);
+  fsdp_io_atomic *f = NULL;
+  if (rc == FSDP_OK) rc = fsdp_io_atomic_open(&f, path);
+  if (rc == FSDP_OK) {
+    if (fsdp_io_atomic_write(f, bytes, n)) {
+      fsdp_io_atomic_abort(f);
+      rc = FSDP_ERR;
+    } else {
+      rc = fsdp_io_atomic_commit(f);
+    }
+  }
+  free(bytes);
   return rc;
 }
 
 int fsdp_io_index_read(const char *path, cJSON **out) {
-  if (fsdp_io_json_read(path, out)) return FSDP_ERR;
-  if (fsdp_io_index_check(*out, path)) {
-    cJSON_Delete(*out);
-    *out = NULL;
-    return FSDP_ERR;
-  }
-  return FSDP_OK;
+  *out = NULL;
+  char *text;
+  size_t size;
+  if (fsdp_io_text_read(path, &text, &size)) return FSDP_ERR;
+  int rc = fsdp_io_index_parse(out, path, text, size);
+  free(text);
+  return rc;
 }

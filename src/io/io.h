@@ -247,6 +247,9 @@ int fsdp_io_json_print(const cJSON *doc, const char *path, char **text);
 /* Read and parse the JSON document at `path` (at most 1 GiB); *out is the caller's, freed with
  * cJSON_Delete. Errors name the file and, for bad JSON, the line and column. */
 int fsdp_io_json_read(const char *path, cJSON **out);
+/* Read the whole file at `path` (at most 1 GiB, as a JSON document): *text (malloc'd, the
+ * caller's, with a NUL after the *size bytes read) and *size. Errors name the file. */
+int fsdp_io_text_read(const char *path, char **text, size_t *size);
 /* The same over `size` bytes in memory; `name` stands for the file in messages. */
 int fsdp_io_json_parse(cJSON **out, const char *name, const char *text, size_t size);
 /* Flags of fsdp_io_json_parse_ex. */
@@ -270,14 +273,33 @@ int fsdp_io_text_write_atomic(const char *path, const char *text);
  * file holds. check validates the whole schema (index.c lists every rule: files one per rank,
  * plain names; params unique, shapes, slices tiling [0, numel) exactly; optimizer, rng,
  * loaders); errors name `name` (the file), the field and the parameter. parse and read also
- * check, and leave *out NULL on any error. */
+ * check, and leave *out NULL on any error.
+ *
+ * Version 2 (what write writes) carries a checksum of its own bytes: the text starts with
+ * exactly FSDP_IO_INDEX_PREFIX, 16 lowercase hex digits and `",` — the first member,
+ * "index_xxh3", is XXH3_64bits (seed 0) of every byte of the file (the final newline
+ * included) with those 16 digits read as '0' characters. parse and read find it at that fixed
+ * place, before trusting the JSON it protects, and check it first: a mismatch is an error
+ * naming the file. A version 2 index that does not start with the prefix is refused (damaged,
+ * or rewritten by another program); one of version 1 (written before the checksum) has none
+ * and is read unchecked. */
 #define FSDP_IO_INDEX_FORMAT "fsdprun.sharded"
-#define FSDP_IO_INDEX_VERSION 1
+#define FSDP_IO_INDEX_VERSION 2
+#define FSDP_IO_INDEX_CHECKSUM_KEY "index_xxh3"
+#define FSDP_IO_INDEX_PREFIX "{\n\t\"" FSDP_IO_INDEX_CHECKSUM_KEY "\":\t\""
 int fsdp_io_index_check(const cJSON *doc, const char *name);
 int fsdp_io_index_parse(cJSON **out, const char *name, const char *text, size_t size);
 int fsdp_io_index_read(const char *path, cJSON **out);
-/* Write doc to `path` (an atomic file) after checking it as the text a reader will parse. */
+/* Write doc to `path` (an atomic file) as an index of version FSDP_IO_INDEX_VERSION after
+ * checking it as the text a reader will parse. The writer owns "version" and "index_xxh3":
+ * doc's values of them, if any, are replaced (an index read and written back is rewritten
+ * with a checksum of its new bytes); the checksum comes first, then "version", then doc's
+ * other members in doc's order. */
 int fsdp_io_index_write(const char *path, const cJSON *doc);
+/* Put the checksum of text[0..size) into its 16 digits after FSDP_IO_INDEX_PREFIX (for the
+ * writer, and for tests and fuzzers that make an index whose checksum matches); an error
+ * naming `name` when the text does not start with the prefix and 16 characters and '"'. */
+int fsdp_io_index_stamp(char *text, size_t size, const char *name);
 
 /* ---- folders (fs.c) ------------------------------------------------------------------------ */
 

@@ -202,8 +202,9 @@ int fsdp_io_json_parse(cJSON **out, const char *name, const char *text, size_t s
   return fsdp_io_json_parse_ex(out, name, text, size, 0, NULL, NULL);
 }
 
-int fsdp_io_json_read(const char *path, cJSON **out) {
-  *out = NULL;
+int fsdp_io_text_read(const char *path, char **text, size_t *size) {
+  *text = NULL;
+  *size = 0;
   int fd;
   uint64_t bytes;
   if (fsdp_io_open_regular(path, &fd, &bytes)) return FSDP_ERR;
@@ -212,19 +213,19 @@ int fsdp_io_json_read(const char *path, cJSON **out) {
     return fsdp_error("%s: %lld bytes, more than a JSON document may have here (%llu)", path,
                       (long long)bytes, (unsigned long long)JSON_MAX_BYTES);
   }
-  size_t size = (size_t)bytes;
-  char *text = malloc(size + 1);
-  if (text == NULL) {
+  size_t want = (size_t)bytes;
+  char *buf = malloc(want + 1);
+  if (buf == NULL) {
     close(fd);
-    return fsdp_error("%s: out of memory for %zu bytes", path, size);
+    return fsdp_error("%s: out of memory for %zu bytes", path, want);
   }
   size_t got = 0;
-  while (got < size) {
-    ssize_t n = read(fd, text + got, size - got);
+  while (got < want) {
+    ssize_t n = read(fd, buf + got, want - got);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) {
       int e = errno;
-      free(text);
+      free(buf);
       close(fd);
       return fsdp_error("%s: read failed: %s", path, strerror(e));
     }
@@ -232,8 +233,18 @@ int fsdp_io_json_read(const char *path, cJSON **out) {
     got += (size_t)n;
   }
   close(fd);
-  text[got] = '\0';
-  int rc = fsdp_io_json_parse(out, path, text, got);
+  buf[got] = '\0';
+  *text = buf;
+  *size = got;
+  return FSDP_OK;
+}
+
+int fsdp_io_json_read(const char *path, cJSON **out) {
+  *out = NULL;
+  char *text;
+  size_t size;
+  if (fsdp_io_text_read(path, &text, &size)) return FSDP_ERR;
+  int rc = fsdp_io_json_parse(out, path, text, size);
   free(text);
   return rc;
 }

@@ -52,8 +52,10 @@
  *                             (what null becomes; nil by default), raise = false (a syntax
  *                             error returns nil, the message, its line and column)
  *   ckpt_index_read(path) -> table   read and fully check a sharded checkpoint index
- *                             (fsdp_io_index_read); ckpt_index_write(path, tbl) checks the
- *                             same rules, then writes it through an atomic file
+ *                             (fsdp_io_index_read: its checksum first); ckpt_index_write(path,
+ *                             tbl) writes it as the current version with the checksum of its
+ *                             bytes (tbl's version and index_xxh3 are replaced), checked by
+ *                             the same rules, through an atomic file
  *   io_mkdirs(path)  io_listdir(path) -> sorted names  io_remove(path)  io_fsync_dir(path)
  *   io_size(path) -> bytes of a regular file, or nil and the message
  *   rng_state() -> {seed = "16 hex", streams = {randn = "16 hex", rand =, dropout =}}: the

@@ -1714,7 +1714,8 @@ static void test_index(void **state) {
     const char *from, *to, *expect;
   } cases[] = {
       {"\"fsdprun.sharded\"", "\"other\"", "not a sharded checkpoint index"},
-      {"\"version\": 1", "\"version\": 2", "index version must be 1"},
+      {"\"version\": 1", "\"version\": 3", "index version must be 1 or 2"},
+      {"\"version\": 1", "\"version\": 0", "index version must be 1 or 2"},
       {"\"world_size\": 2", "\"world_size\": 3", "the index cannot serve its world size"},
       {"\"world_size\": 2", "\"world_size\": 0", "'world_size' must be an integer from 1"},
       {"\"step\": 50,", "\"step\": 1.5,", "'step' must be an integer"},
@@ -1805,6 +1806,95 @@ static void test_index_write(void **state) {
   expect_error(fsdp_io_index_write(path, NULL), "no JSON document");
 }
 
+/* The index's checksum (version 2): what the writer writes starts with the prefix and the
+ * checksum, reads back, and carries the version; every single byte changed in any of 8 ways
+ * (each bit) is an error naming the file: the checksum's own digits and the prefix included,
+ * and most of them are checksum mismatches found before the JSON is parsed. */
+static void test_index_checksum(void **state) {
+  fixture *fx = *state;
+  const char *path = path_in(fx, "index.json");
+  cJSON *doc = NULL, *back = NULL;
+  assert_int_equal(fsdp_io_index_parse(&doc, "idx.json", INDEX_OK, strlen(INDEX_OK)), FSDP_OK);
+  /* a stale checksum and version in doc are replaced */
+  cJSON_AddStringToObject(doc, FSDP_IO_INDEX_CHECKSUM_KEY, "ffffffffffffffff");
+  assert_int_equal(fsdp_io_index_write(path, doc), FSDP_OK);
+  size_t size;
+  unsigned char *buf = slurp(path, &size);
+  buf[size] = '\0';
+  assert_memory_equal(buf, FSDP_IO_INDEX_PREFIX, strlen(FSDP_IO_INDEX_PREFIX));
+  assert_non_null(strstr((char *)buf, "\",\n\t\"version\":\t2,\n"));
+  assert_int_equal(buf[size - 1], '\n');
+  assert_int_equal(fsdp_io_index_read(path, &back), FSDP_OK);
+  assert_int_equal(cJSON_GetObjectItem(back, "version")->valueint, FSDP_IO_INDEX_VERSION);
+  char digits[17] = {0};
+  memcpy(digits, buf + strlen(FSDP_IO_INDEX_PREFIX), 16);
+  assert_string_equal(cJSON_GetObjectItem(back, FSDP_IO_INDEX_CHECKSUM_KEY)->valuestring, digits);
+  cJSON_DeleteItemFromObject(back, "version");
+  cJSON_DeleteItemFromObject(back, FSDP_IO_INDEX_CHECKSUM_KEY);
+  cJSON_DeleteItemFromObject(doc, "version");
+  cJSON_DeleteItemFromObject(doc, FSDP_IO_INDEX_CHECKSUM_KEY);
+  assert_true(cJSON_Compare(doc, back, 1));
+  cJSON_Delete(back);
+  cJSON_Delete(doc);
+
+  int mismatches = 0;
+  for (size_t b = 0; b < size; b++)
+    for (int bit = 0; bit < 8; bit++) {
+      buf[b] ^= (unsigned char)(1u << bit);
+      back = (void *)1;
+      int rc = fsdp_io_index_parse(&back, "flip.json", (char *)buf, size);
+      if (rc != FSDP_ERR)
+        fail_msg("flipping bit %d of index byte %zu ('%c') went unnoticed", bit, b,
+                 buf[b] ^ (1u << bit));
+      assert_null(back);
+      expect_msg_has("flip.json: ");
+      if (strstr(fsdp_error_msg(), "index checksum mismatch")) mismatches++;
+      buf[b] ^= (unsigned char)(1u << bit);
+    }
+  assert_true(mismatches > (int)(7 * size)); /* most: the prefix's flips are the others */
+  /* "lr": 0.001 -> 0.000 (valid JSON, valid schema): the checksum, naming the file */
+  char *lr = strstr((char *)buf, "\"lr\":\t0.001");
+  assert_non_null(lr);
+  lr[strlen("\"lr\":\t0.00")] ^= 0x01;
+  spit(path, buf, size);
+  expect_error(fsdp_io_index_read(path, &back), "index.json: index checksum mismatch (stored ");
+  assert_null(back);
+  /* restamped (what a program that means the change does), it reads */
+  assert_int_equal(fsdp_io_index_stamp((char *)buf, size, "x"), FSDP_OK);
+  assert_int_equal(fsdp_io_index_parse(&back, "idx.json", (char *)buf, size), FSDP_OK);
+  assert_true(cJSON_GetObjectItem(cJSON_GetObjectItem(back, "optimizer"), "lr")->valuedouble == 0);
+  cJSON_Delete(back);
+  /* damaged digits: named as such */
+  buf[strlen(FSDP_IO_INDEX_PREFIX) + 3] = 'g';
+  expect_error(fsdp_io_index_parse(&back, "idx.json", (char *)buf, size),
+               "idx.json: the index's checksum (its first member, 'index_xxh3') is not 16");
+  free(buf);
+
+  /* version 2 rewritten by another program (another layout, the checksum elsewhere) */
+  char *moved = replace_once(INDEX_OK, "\"version\": 1",
+                             "\"version\": 2, \"index_xxh3\": \"0123456789abcdef\"");
+  expect_error(fsdp_io_index_parse(&back, "idx.json", moved, strlen(moved)),
+               "idx.json: an index of version 2 starts with its checksum");
+  assert_null(back);
+  free(moved);
+  moved = replace_once(INDEX_OK, "\"version\": 1", "\"version\": 2");
+  expect_error(fsdp_io_index_parse(&back, "idx.json", moved, strlen(moved)),
+               "idx.json: an index of version 2 starts with its checksum");
+  /* the document alone (no text to check the checksum against): the member's form */
+  cJSON *parsed = cJSON_Parse(moved);
+  expect_error(fsdp_io_index_check(parsed, "idx.json"),
+               "idx.json: 'index_xxh3' must be 16 lowercase hex digits");
+  cJSON_Delete(parsed);
+  free(moved);
+  /* version 1 (before the checksum): read unchecked, as before */
+  assert_int_equal(fsdp_io_index_parse(&back, "idx.json", INDEX_OK, strlen(INDEX_OK)), FSDP_OK);
+  cJSON_Delete(back);
+  /* stamp needs the prefix */
+  char plain[] = "{\"a\": 1}";
+  expect_error(fsdp_io_index_stamp(plain, strlen(plain), "p.json"),
+               "p.json: the index text does not start with its checksum member");
+}
+
 /* ---- folders (fs.c) ----------------------------------------------------------------------- */
 
 static void test_folders(void **state) {
@@ -1871,6 +1961,7 @@ int main(void) {
       T(test_index),
       T(test_index_read),
       T(test_index_write),
+      T(test_index_checksum),
       T(test_folders),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -113,29 +113,47 @@ damaged("missing rank file", good, function(d)
   core.io_remove(file_of(d, victim))
 end, {"index.json", vname, "holding tensor '", "No such file"})
 
-damaged("world size the index cannot serve", good, function(d)
+-- index.json carries a checksum of its bytes: one flipped bit that keeps the JSON and the schema
+-- valid (the learning rate's digit) is an error naming the file, on every rank, nothing loaded
+damaged("flipped bit in the index's lr", good, function(d)
+  local p = d .. "/index.json"
+  local s = T.read_file(p)
+  local at = assert(s:find('"lr":\t0.01', 1, true), "lr 0.01 in index.json") + #'"lr":\t0.0' - 1
+  patch(p, at, bit.bxor(s:byte(at + 1), 1)) -- 0.01 -> 0.00
+end, {"index.json", "index checksum mismatch", "the index is corrupted"})
+
+damaged("index rewritten without its checksum", good, function(d)
+  core.json_write(d .. "/index.json", index_of(d))
+end, {"index.json", "starts with its checksum"})
+
+-- broken schemas, in indexes of version 1 (no checksum: written before there was one, read
+-- unchecked, so only the schema stands between them and the loader)
+local function old_index(d, edit)
   local idx = index_of(d)
-  idx.world_size = W + 1
+  idx.version, idx.index_xxh3 = 1, nil
+  edit(idx)
   core.json_write(d .. "/index.json", idx)
+end
+
+damaged("world size the index cannot serve", good, function(d)
+  old_index(d, function(idx) idx.world_size = W + 1 end)
 end, {"index.json", "cannot serve"})
 
 damaged("slices with a hole", good, function(d)
-  local idx = index_of(d)
-  local e = idx.params[1]
-  e.slices[#e.slices].count = e.slices[#e.slices].count - 1
-  core.json_write(d .. "/index.json", idx)
+  old_index(d, function(idx)
+    local e = idx.params[1]
+    e.slices[#e.slices].count = e.slices[#e.slices].count - 1
+  end)
 end, {"index.json", "param '" .. index_of(good).params[1].path .. "'", "no rank holds elements"})
 
 damaged("index of another format", good, function(d)
-  local idx = index_of(d)
-  idx.format = "something.else"
-  core.json_write(d .. "/index.json", idx)
+  old_index(d, function(idx) idx.format = "something.else" end)
 end, {"index.json", "not a sharded checkpoint index"})
 
 damaged("truncated index", good, function(d)
   local s = T.read_file(d .. "/index.json")
   T.write_file(d .. "/index.json", s:sub(1, 200))
-end, {"index.json", "not valid JSON"})
+end, {"index.json", "index checksum mismatch"}) -- found before the JSON is parsed
 
 -- a valid file that is not the one the index names (another checkpoint's rank file)
 local other = dir .. "/other"

@@ -62,10 +62,10 @@ elseif a.phase == "rngcheck" then
     for _, name in ipairs(core.io_listdir(a.ckpt)) do
       T.write_file(copy .. "/" .. name, T.read_file(a.ckpt .. "/" .. name))
     end
-    local idx = core.json_read(copy .. "/index.json")
+    local idx = core.ckpt_index_read(copy .. "/index.json")
     T.check(idx.world_size ~= T.W, "rngcheck needs another world size than the checkpoint's")
     idx.rng[#idx.rng].seed = "00000000000004d2"
-    core.json_write(copy .. "/index.json", idx)
+    core.ckpt_index_write(copy .. "/index.json", idx) -- a new checksum for the changed index
   end
   fsdp.barrier()
   local model = T.wrap(T.gpt(12, {d = 24, layers = 2}))

@@ -8,11 +8,16 @@
  *     being the product of the shape — what the loader relies on to compute ranges without
  *     checking again; checking it twice gives the same answer;
  *   - a parameter's or an extra tensor's dtype, when given, is one of the eight tensor dtypes
- *     as the format names them (what the loader maps to tensor dtypes).
+ *     as the format names them (what the loader maps to tensor dtypes);
+ *   - an index of version 2 is accepted only with a checksum that matches at its start.
+ * An input that starts with the checksum prefix is also tried restamped (its checksum made to
+ * match), so that mutations of version 2 indexes reach the JSON parser and the schema check
+ * rather than all stopping at the checksum.
  * Built and run by tests/recipes/fuzz_io.sh (seeds: tests/fuzz/corpus/index/).
  */
 #include <cjson/cJSON.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "io/io.h"
@@ -34,13 +39,18 @@ static double num(const cJSON *o, const char *k) {
   return v->valuedouble;
 }
 
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+static void one(const char *text, size_t size) {
   cJSON *doc = NULL;
-  if (fsdp_io_index_parse(&doc, NAME, (const char *)data, size) != FSDP_OK) {
+  if (fsdp_io_index_parse(&doc, NAME, text, size) != FSDP_OK) {
     if (doc != NULL || strncmp(fsdp_error_msg(), NAME ": ", strlen(NAME) + 2) != 0)
       __builtin_trap();
-    return 0;
+    return;
   }
+  /* version 2 only with the checksum at its fixed place */
+  const size_t plen = strlen(FSDP_IO_INDEX_PREFIX);
+  if (num(doc, "version") == 2 &&
+      (size < plen + 17 || memcmp(text, FSDP_IO_INDEX_PREFIX, plen) != 0))
+    __builtin_trap();
   double world = num(doc, "world_size");
   const cJSON *files = cJSON_GetObjectItemCaseSensitive(doc, "files");
   if (world < 1 || cJSON_GetArraySize(files) != (int)world) __builtin_trap();
@@ -75,5 +85,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   }
   if (fsdp_io_index_check(doc, NAME) != FSDP_OK) __builtin_trap();
   cJSON_Delete(doc);
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+  one((const char *)data, size);
+  char *copy = malloc(size + 1);
+  if (copy == NULL) return 0;
+  memcpy(copy, data, size);
+  copy[size] = '\0';
+  if (fsdp_io_index_stamp(copy, size, NAME) == FSDP_OK) one(copy, size);
+  free(copy);
   return 0;
 }

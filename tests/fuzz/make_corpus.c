@@ -8,8 +8,9 @@
  * Valid files from the writer (with checksums, every tensor dtype) and by hand (without, as
  * other tools write them, with every dtype the reader knows), and invalid ones: one defect
  * each. Sharded checkpoint indexes (corpus/index/, for fuzz_index): valid ones and one-defect
- * ones.
+ * ones, of version 1 (by hand, no checksum) and 2 (from the writer, with its checksum).
  */
+#include <cjson/cJSON.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -203,5 +204,23 @@ int main(int argc, char **argv) {
       " \"header_xxh3\": \"00000000000000aa\"}], \"params\": [{\"path\": \"w\", \"shape\": [2],"
       " \"numel\": 2, \"dtype\": \"U16\", \"slices\": [{\"rank\": 0, \"first\": 0, \"count\": 2}]}]}";
   put("index", "bad_dtype.json", badt, strlen(badt));
+  /* version 2: what fsdp_io_index_write writes (the checksum first, then the version), and the
+   * same with one byte of its lr changed (valid JSON and schema, a checksum mismatch) */
+  cJSON *doc = NULL;
+  snprintf(path, sizeof path, "%s/index/ok_v2.json", dir);
+  if (fsdp_io_index_parse(&doc, "ok_2ranks.json", ok2, strlen(ok2)) ||
+      fsdp_io_index_write(path, doc)) {
+    fprintf(stderr, "%s\n", fsdp_error_msg());
+    return 1;
+  }
+  cJSON_Delete(doc);
+  unsigned char *v2 = slurp(path, &n);
+  const char *pat = "\"lr\":\t0.001";
+  size_t at = 0;
+  while (at + strlen(pat) <= n && memcmp(v2 + at, pat, strlen(pat)) != 0) at++;
+  if (at + strlen(pat) > n) return 1;
+  v2[at + strlen(pat) - 1] ^= 0x01; /* 0.001 -> 0.000 */
+  put("index", "bad_v2_checksum.json", v2, n);
+  free(v2);
   return 0;
 }

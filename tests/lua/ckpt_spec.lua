@@ -148,6 +148,46 @@ describe("fsdp.save / fsdp.load at world size 1", function()
     assert.are.equal(6, core.ckpt_index_read(dir .. "/ck/index.json").generation)
   end)
 
+  it("check index.json's checksum: a flipped lr fails, version 1 loads unchecked", function()
+    local m = gpt(1)
+    local opt = fsdp.optim.AdamW(m, {lr = 3e-3})
+    step(m, opt, 1)
+    fsdp.save(m, dir .. "/ck", {optimizer = opt})
+    local ipath = dir .. "/ck/index.json"
+    local f = assert(io.open(ipath, "rb"))
+    local text = f:read("*a")
+    f:close()
+    assert.are.equal('{\n\t"index_xxh3":\t"', text:sub(1, 18))
+    local function write(s)
+      local w = assert(io.open(ipath, "wb"))
+      w:write(s)
+      w:close()
+    end
+    -- one bit: 0.003 -> 0.002, valid JSON and schema
+    local at = assert(text:find('"lr":\t0.003', 1, true)) + #'"lr":\t0.00'
+    write(text:sub(1, at - 1) .. "2" .. text:sub(at + 1))
+    local m2, o2 = gpt(2), nil
+    o2 = fsdp.optim.AdamW(m2, {lr = 1})
+    local before = values(m2)
+    errors_with(function() fsdp.load(m2, dir .. "/ck", {optimizer = o2}) end,
+      ipath .. ": index checksum mismatch (stored ")
+    assert.are.same(before, values(m2))
+    assert.are.equal(1, o2.lr)
+    errors_with(function() fsdp.load_model(dir .. "/ck") end, ipath .. ": index checksum mismatch")
+    -- an index of version 1 (written before the checksum) is read unchecked
+    local idx = core.json_decode(text)
+    idx.version, idx.index_xxh3 = 1, nil
+    core.json_write(ipath, idx)
+    fsdp.load(m2, dir .. "/ck", {optimizer = o2})
+    assert.are.same(values(m), values(m2))
+    assert.are.equal(3e-3, o2.lr)
+    -- the index as another program writes it (keys sorted: the checksum not at the start) is
+    -- refused
+    core.json_write(ipath, core.json_decode(text))
+    errors_with(function() fsdp.load(m2, dir .. "/ck", {optimizer = o2}) end,
+      ipath .. ": an index of version 2 starts with its checksum")
+  end)
+
   it("loads into a model built on the meta device (plain): parameters get storage and values", function()
     local m = gpt(1)
     fsdp.save(m, dir .. "/m.safetensors")
@@ -534,7 +574,12 @@ describe("checkpoint support in fsdp.core", function()
       files = {{rank = 0, name = "g1-rank0-of1.safetensors", bytes = 64, header_xxh3 = "0123456789abcdef"}},
       params = {{path = "w", shape = {2, 3}, numel = 6, slices = {{rank = 0, first = 0, count = 6}}}}}
     core.ckpt_index_write(dir .. "/index.json", good)
-    assert.are.same(good, core.ckpt_index_read(dir .. "/index.json"))
+    local back = core.ckpt_index_read(dir .. "/index.json")
+    -- written as version 2, with the checksum of its bytes
+    assert.are.equal(2, back.version)
+    assert.is_truthy(back.index_xxh3:match("^%x+$") and #back.index_xxh3 == 16)
+    back.version, back.index_xxh3 = 1, nil
+    assert.are.same(good, back)
     good.params[1].slices[1].count = 5
     errors_with(function() core.ckpt_index_write(dir .. "/bad.json", good) end,
       dir .. "/bad.json: param 'w': no rank holds elements [5, 6)")

@@ -160,7 +160,7 @@ local function index_of(P, parts, slices, has_mask, all, gen, opts, loaders, X)
     if has_mask[it.param] then e.mask = true end
     params[#params + 1] = e
   end
-  local index = {format = FORMAT_TAG, version = 1, generation = gen, world_size = #all,
+  local index = {format = FORMAT_TAG, version = 2, generation = gen, world_size = #all,
     step = opts.step or (opt and opt.step_count) or 0, files = files, params = params, rng = rng}
   if opt then
     index.optimizer = {kind = opt.kind, step = opt.step_count, lr = opt.lr, hyper = opt:hyper(),
