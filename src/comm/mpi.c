@@ -42,7 +42,10 @@
  * MPI_Irecv(ANY_SOURCE); the first one wins. A collective still arriving fails at once on a
  * poison. One whose peers have all arrived keeps going (its peers are moving its data) unless
  * no byte has moved for FSDP_MPI_POISON_GRACE seconds. Every wait is a poll, so it is timed:
- * the arrival by the timeout, the data phase by the timeout without progress. A failed
+ * the arrival by the timeout, the data phase by the timeout without progress. A timeout names
+ * the ranks at fault: in the arrival, those missing (a probe asks the peers where they are); in
+ * the data phase, those a pending receive waits for or, where the library collective (or sends
+ * alone) cannot say, those that do not answer the same probe. A failed
  * collective may leave requests in flight, so a poisoned communicator's MPI communicators are
  * never used again (mpi_revive moves the group onto fresh duplicates) and MPI is not finalized (fsdp_mpi_finalize): the process exits nonzero and mpirun ends the job.
  * A rank whose communicator is freed tells its peers ("left after #N"); a peer waiting for it in
@@ -193,6 +196,7 @@ typedef enum {
   RQ_PROBE,      /* req[2]: the probe receive (a peer timed out: where is this rank?) */
   RQ_HDR_RECV,
   RQ_PROBE_REPLY,
+  RQ_PROBE_SEND,
   RQ_SEND,
   RQ_RECV,
   RQ_RECV_SEG, /* a reduce-scatter staging piece (slot) */
@@ -204,6 +208,8 @@ typedef struct rq_info {
   int peer;
   int slot;
   int64_t len; /* elements expected (receives) */
+  bool aside;  /* not counted in mc->live: a probe in the data phase, which the data's
+                * completion does not wait for */
 } rq_info;
 
 typedef enum { DP_NONE = 0, DP_RS, DP_AG } data_phase;
@@ -244,7 +250,8 @@ typedef struct mpi_comm {
    * disagree or a rank asks for the full check, every header to every rank */
   uint64_t check_in[FSDP_CHECK_WORDS], check_out[FSDP_CHECK_WORDS];
   bool full_phase;   /* the headers are moving */
-  bool probing;      /* the arrival timed out: waiting for the peers' answers to a probe */
+  bool probing;      /* the arrival (or the data phase) timed out: waiting for the peers'
+                      * answers to a probe */
   double probe_end;  /* when to stop waiting for them */
   int probe_pending; /* answers still to come */
   uint64_t agreed;   /* the last collective every rank arrived at (its check completed) */
@@ -541,7 +548,12 @@ static int full_begin(mpi_comm *mc, mpi_op *op) {
 /* The arrival timed out: ask every peer which collective it has reached (failure path only:
  * O(N) messages once). got[p]: p answered; reached[p]: its answer. A peer that is polling (it
  * waits in a collective, or its progress thread runs) answers at once; one that computes
- * outside collectives does not, and the collectives it completed speak for it. */
+ * outside collectives does not, and the collectives it completed speak for it. The data phase
+ * of a library collective asks the same when it times out: every peer has arrived, so each
+ * one still in the collective polls and answers, and one that does not answer is stopped,
+ * hung, or gone (or finished the collective and computes outside collectives). There the
+ * probe's requests are set aside from mc->live, so that data completing meanwhile still
+ * completes the collective. */
 static int probe_begin(mpi_comm *mc, mpi_op *op, double t) {
   mc->probing = true;
   mc->probe_pending = 0;
@@ -558,8 +570,17 @@ static int probe_begin(mpi_comm *mc, mpi_op *op, double t) {
     int p = (mc->rank + k) % mc->world;
     int err = post(mc, true, RQ_PROBE_REPLY, &mc->reached[p], 1, MPI_UINT64_T, p,
                    TAG_PROBE_REPLY, mc->ctl, 0, 0);
+    if (err == MPI_SUCCESS && op->state == OP_DATA) {
+      mc->info[mc->nreq - 1].aside = true;
+      mc->live--;
+    }
     if (err == MPI_SUCCESS)
-      err = post(mc, false, RQ_SEND, &mc->entered, 1, MPI_UINT64_T, p, TAG_PROBE, mc->ctl, 0, 0);
+      err = post(mc, false, RQ_PROBE_SEND, &mc->entered, 1, MPI_UINT64_T, p, TAG_PROBE, mc->ctl,
+                 0, 0);
+    if (err == MPI_SUCCESS && op->state == OP_DATA) {
+      mc->info[mc->nreq - 1].aside = true;
+      mc->live--;
+    }
     if (err != MPI_SUCCESS) return op_fail_mpi(mc, op, "MPI_Irecv/MPI_Isend (probe)", err);
     mc->probe_pending++;
   }
@@ -596,6 +617,23 @@ static bool mpi_peer(const void *ctx, int p, char *where, size_t n, bool *left) 
 static void describe_missing(const mpi_comm *mc, uint64_t seq, char *buf, size_t n) {
   if (fsdp_comm_describe_missing(buf, n, mc->world, mpi_peer, &(missing_ctx){mc, seq}) == 0)
     snprintf(buf, n, "every rank has arrived, but the fingerprint check has not completed");
+}
+
+/* After a data-phase probe: ": rank 1 does not answer" / ": ranks 1, 3 do not answer" (each
+ * peer still in the collective polls, so it answers), or "; every rank answers". */
+static void describe_silent(const mpi_comm *mc, char *buf, size_t n) {
+  int count = 0;
+  size_t at = 0;
+  char list[128] = "";
+  for (int p = 0; p < mc->world; p++) {
+    if (p == mc->rank || mc->got[p]) continue;
+    if (at < sizeof list)
+      at += (size_t)snprintf(list + at, sizeof list - at, "%s%d", count ? ", " : "", p);
+    count++;
+  }
+  if (count == 0) snprintf(buf, n, "; every rank answers");
+  else snprintf(buf, n, ": rank%s %s do%s not answer", count > 1 ? "s" : "", list,
+                count > 1 ? "" : "es");
 }
 
 /* Every header is in: the same verdict on every rank. false: the collective failed. */
@@ -774,6 +812,7 @@ static int data_begin(mpi_comm *mc, mpi_op *op) {
   op->t_progress = now_s();
   mc->nreq = REQ_FIXED;
   mc->live = 0;
+  mc->probing = false; /* the arrival's probe, if any, is over: every reply is in */
   mc->dphase = DP_NONE;
   mc->esz = fsdp_dtype_size(k->dtype);
   mc->mdt = mpi_type_of_size(mc->esz);
@@ -904,8 +943,9 @@ static int handle(mpi_comm *mc, mpi_op *op, int i, const MPI_Status *st, bool er
     return FSDP_OK;
   }
   if (!op || op->state == OP_DONE) return FSDP_OK;
-  mc->live--;
-  op->t_progress = now_s();
+  if (!in->aside) mc->live--;
+  /* a probe's messages are no progress of the collective's data */
+  if (in->kind != RQ_PROBE_REPLY && in->kind != RQ_PROBE_SEND) op->t_progress = now_s();
   if (err_in_status && st->MPI_ERROR != MPI_SUCCESS) {
     return op_fail_mpi(mc, op, in->kind == RQ_LIB ? "collective" : "point-to-point", st->MPI_ERROR);
   }
@@ -1004,6 +1044,7 @@ static int op_check(mpi_comm *mc, mpi_op *op) {
     ag_chunks_begin(mc, op);
   if (op->state != OP_DATA) return FSDP_OK;
   if (mc->live == 0) {
+    if (mc->probing) req_abandon(mc); /* the probe's requests, set aside, still in flight */
     mc->nreq = REQ_FIXED;
     op->state = OP_DONE;
     op->rc = FSDP_OK;
@@ -1016,23 +1057,36 @@ static int op_check(mpi_comm *mc, mpi_op *op) {
   if (t - op->t_progress > op->timeout) {
     char who[256] = "";
     size_t at = 0;
+    bool named = false; /* a pending receive names the peer it waits for */
     for (int i = REQ_FIXED; i < mc->nreq && at < sizeof who; i++) {
-      if (mc->req[i] == MPI_REQUEST_NULL) continue;
+      if (mc->req[i] == MPI_REQUEST_NULL || mc->info[i].aside) continue;
       if (mc->info[i].kind == RQ_LIB) {
-        at += (size_t)snprintf(who + at, sizeof who - at, "%sthe MPI collective", at ? ", " : "");
+        at = (size_t)snprintf(who, sizeof who, "the MPI collective");
+        named = false;
         break;
       }
       if (mc->info[i].kind == RQ_RECV || mc->info[i].kind == RQ_RECV_SEG) {
         char r[32];
         snprintf(r, sizeof r, "rank %d", mc->info[i].peer);
         if (!strstr(who, r)) at += (size_t)snprintf(who + at, sizeof who - at, "%s%s", at ? ", " : "", r);
+        named = true;
       }
+    }
+    if (!named) {
+      /* the library collective (or sends alone) does not say whose data is missing: ask the
+       * peers, as the arrival does, and name those that do not answer */
+      if (!mc->probing) return probe_begin(mc, op, t);
+      if (mc->probe_pending > 0 && t < mc->probe_end) return FSDP_OK;
+      char silent[160];
+      describe_silent(mc, silent, sizeof silent);
+      if (!at) at = (size_t)snprintf(who, sizeof who, "sends to complete");
+      snprintf(who + at, sizeof who - at, "%s", silent);
     }
     return op_fail(mc, op, true,
                    "timeout after %g s in %s #%llu '%s': every rank arrived, but no data has "
                    "moved for %g s (waiting for %s)",
                    op->timeout, fsdp_coll_name(op->k.op), (unsigned long long)op->seq,
-                   op->k.label, op->timeout, at ? who : "sends to complete");
+                   op->k.label, op->timeout, who);
   }
   return FSDP_OK;
 }

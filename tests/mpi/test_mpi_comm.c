@@ -17,9 +17,13 @@
  * rank with the same message, abort, a timeout naming the missing rank, a rank that left,
  * the stats and the flight recorder. Each failure case uses a communicator of its own (a failed
  * one is never used again); a separate healthy one keeps the ranks in step between cases.
+ * FSDP_TEST_ONLY=stall runs one case alone (mpi_comm.sh runs it with Open MPI's single-copy
+ * transfers off): a rank stopped (SIGSTOP) in the middle of an all_gather's data phase, which
+ * its peers' timeout names.
  */
 #include <math.h>
 #include <mpi.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -621,6 +625,76 @@ static void test_split_failure(void) {
   passed("an abort in one group fails every group's collectives");
 }
 
+/* A rank stopped in the middle of an all_gather's data phase (every rank arrived, the data is
+ * moving): its peers time out without progress and name it, whether the data moves by the
+ * library's MPI_Iallgather (the default: a probe finds the peer that does not answer) or by
+ * point-to-point (FSDP_MPI_ALLGATHER=p2p: the pending receive names it, or when only sends are
+ * pending, the probe). Rank 1 stops itself (raise(SIGSTOP)) as soon as the first peer data
+ * lands in its output, so that everyone has arrived and nothing can finish without it: with
+ * single-copy transfers off, the blocks move in 32 KiB fragments that need both sides. Rank 0
+ * resumes it (SIGCONT) after its own failure. */
+static void test_stall(void) {
+  if (g_world == 1) return;
+  const int W = g_world, r = g_rank;
+  int64_t pid = (int64_t)getpid(), *pids = calloc((size_t)W, sizeof *pids);
+  CHECK(pids, "oom");
+  OK(fsdp_comm_all_gather(g_sync, pids, &pid, 1, FSDP_DTYPE_I64, "pids"));
+  CHECK(pids[1] > 0, "rank 1 pid %lld", (long long)pids[1]);
+  const int64_t n = (int64_t)32 << 20; /* bytes per rank */
+  unsigned char *in = malloc((size_t)n), *out = calloc((size_t)W, (size_t)n);
+  CHECK(in && out, "oom");
+  memset(in, 0x5a, (size_t)n);
+  fsdp_comm *c = fresh(1.0);
+  OK(fsdp_comm_barrier(c, "before"));
+  fsdp_coll k = {.op = FSDP_COLL_ALL_GATHER, .dtype = FSDP_DTYPE_U8, .count = n, .send = in,
+                 .recv = out};
+  snprintf(k.label, sizeof k.label, "stalled");
+  fsdp_comm_req *req;
+  OK(fsdp_comm_start(c, &k, &req));
+  if (r == 1) {
+    /* the progress thread moves the data; stop at the first peer byte (it arrived, so every
+     * rank did) */
+    double t0 = now_s();
+    bool seen = false;
+    while (!seen) {
+      for (int p = 0; p < W && !seen; p++)
+        seen = p != r && ((volatile unsigned char *)out)[(size_t)p * (size_t)n] != 0;
+      CHECK(seen || now_s() - t0 < 30, "no peer data arrived in 30 s");
+    }
+    raise(SIGSTOP);
+  }
+  double t0 = now_s();
+  int rc = fsdp_comm_wait(req);
+  double t = now_s() - t0;
+  if (r == 0) {
+    const char *ag = getenv("FSDP_MPI_ALLGATHER");
+    bool p2p = ag && strcmp(ag, "p2p") == 0;
+    CHECK(rc == FSDP_ERR, "the stalled all_gather succeeded");
+    const char *m = fsdp_error_msg();
+    CHECK(strstr(m, "timeout after 1 s in all_gather #2 'stalled': every rank arrived, but no "
+                    "data has moved for 1 s (waiting for "),
+          "the message:\n%s", m);
+    if (p2p)
+      CHECK(strstr(m, "(waiting for rank 1)") || strstr(m, ": rank 1 does not answer)"),
+            "point-to-point: the message does not name rank 1:\n%s", m);
+    else
+      CHECK(strstr(m, "(waiting for the MPI collective: rank 1 does not answer)"),
+            "the library collective: the message does not name rank 1:\n%s", m);
+    CHECK(t < 8, "failed after %.1f s (timeout 1 s)", t);
+    struct timespec ts = {0, 300000000}; /* the others learn of it first */
+    nanosleep(&ts, NULL);
+    CHECK(kill((pid_t)pids[1], SIGCONT) == 0, "SIGCONT to rank 1");
+  }
+  /* rank 1 (resumed) and ranks 2.. may fail with rank 0's poison or, the data having moved
+   * after all, succeed: either is right for them */
+  fsdp_comm_free(c);
+  /* in and out stay: the abandoned MPI_Iallgather (MPI cannot cancel it) may still move data
+   * into them once rank 1 runs again */
+  free(pids);
+  sync_all("stall");
+  passed("a rank stopped in an all_gather's data phase is named by its peers' timeout");
+}
+
 int main(void) {
   fsdp_comm *c;
   OK(fsdp_comm_mpi_new(&c));
@@ -630,6 +704,15 @@ int main(void) {
   if (g_rank == 0) {
     printf("test_mpi_comm: world %d, thread level %s\n", g_world, fsdp_mpi_thread_level());
     fflush(stdout);
+  }
+  const char *only = getenv("FSDP_TEST_ONLY");
+  if (only && strcmp(only, "stall") == 0) {
+    test_stall();
+    fsdp_comm_free(c);
+    fsdp_comm_free(g_sync);
+    MPI_Finalize();
+    if (g_rank == 0) printf("test_mpi_comm: ok\n");
+    return 0;
   }
   test_collectives(c);
   test_typed(c);

@@ -5,7 +5,8 @@
 # compute, fingerprint mismatches, abort, timeout, a rank that leaves, reviving a poisoned group,
 # sub-communicators (hybrid pairs; an abort in one group fails every group). Then the variants
 # that take other code paths: 4 KiB reduce-scatter segments with a window of 2 (many segments, slot
-# reuse), all_gather by point-to-point, TCP instead of shared memory, MPI_THREAD_MULTIPLE.
+# reuse), all_gather by point-to-point, TCP instead of shared memory, MPI_THREAD_MULTIPLE; and a
+# rank stopped (SIGSTOP) in an all_gather's data phase, which its peers' timeout names.
 # Skips (exit 77) only when mpirun is not installed.
 . "${0%/*}/lib.sh"
 need mpirun "apt-get install openmpi-bin"
@@ -33,4 +34,13 @@ run "all_gather by point-to-point, -np 4" -np 4 -x FSDP_MPI_ALLGATHER=p2p
 run "TCP, -np 2" -np 2 --mca btl tcp,self
 run "TCP, -np 4" -np 4 --mca btl tcp,self
 run "MPI_THREAD_MULTIPLE, -np 2" -np 2 -x FSDP_MPI_THREAD=multiple
+# a rank stopped in an all_gather's data phase, named by its peers (MPI_Iallgather, then by
+# point-to-point); single-copy transfers off, so that the data moves in fragments that need both
+# sides and nothing can complete without the stopped rank
+NOCMA="-x OMPI_MCA_btl_vader_single_copy_mechanism=none -x FSDP_TEST_ONLY=stall"
+# shellcheck disable=SC2086 # word splitting of the flag list is intended
+run "a stopped rank named in MPI_Iallgather's data phase, -np 3" -np 3 $NOCMA
+# shellcheck disable=SC2086
+run "a stopped rank named in a point-to-point all_gather, -np 3" -np 3 $NOCMA \
+  -x FSDP_MPI_ALLGATHER=p2p
 finish
