@@ -45,6 +45,9 @@ struct fsdp_node {
   uint64_t saved_version[FSDP_NODE_MAX_SAVED];
   uint64_t out_version;
   bool reads_out;    /* backward reads out's values (exp, softmax, ...): out is checked too */
+  /* out shared an input's storage when recorded (view, transpose, narrow): its memory is that
+   * input's, not made by this op (fsdp_tape_push sets it; fsdp_inplace_check reads it) */
+  bool out_aliases_input;
   fsdp_hook_fn hook; /* hook node when non-NULL */
   void *hook_ud;
   void (*hook_free)(void *ud); /* called once when the node is freed; may be NULL */
@@ -89,6 +92,23 @@ void fsdp_tape_enter(fsdp_tape_frame *saved);
 void fsdp_tape_leave(const fsdp_tape_frame *saved);
 /* Whether t is the output of a node of the current tape. */
 bool fsdp_tape_records(const fsdp_tensor *t);
+
+/* In-place writes (the Lua methods add_, mul_, fill, zero, copy, set, and every function that
+ * writes into a tensor it is given) are not recorded: a write into the memory of a graph still
+ * to be differentiated would leave its values and its gradient disagreeing, silently. The node
+ * of this thread's tape such a write into t would go behind: one that made the memory t views
+ * (its output shares t's storage and was not a view of one of its inputs), whatever t is: that
+ * output, a recorded view of it, a detach(), a view made under no_grad; in any grad mode.
+ * *is_out: t is that node's output. NULL when nothing live is behind t: a leaf's memory
+ * (parameters, inputs, optimizer state, and views of them, recorded or not), a tensor outside
+ * any graph, a graph that backward has consumed or that was cleared. Memory of the roles
+ * params, gathered, grads and optim is never a graph's. O(tape) for activations (and role
+ * other), while the tape holds nodes. */
+const fsdp_node *fsdp_tape_graph_behind(const fsdp_tensor *t, bool *is_out);
+/* FSDP_OK when a write into t is safe (above), else FSDP_ERR with a message naming `what`
+ * (the method or function), t, the op behind it and what to do instead: `instead` (e.g.
+ * "write t = t * s instead (recorded)"; NULL: a clone() alone). */
+int fsdp_inplace_check(const fsdp_tensor *t, const char *what, const char *instead);
 
 /* Run backward from `root`. grad NULL means d(root)/d(root) = 1, only for a one-element root.
  * Consumes the whole tape (see above); root must still be on it (a second backward over the

@@ -6,6 +6,7 @@
  * as early as the reverse walk allows (peak memory is the forward's, not forward + backward).
  */
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -75,6 +76,12 @@ int fsdp_tape_push(fsdp_node *n) {
     }
     tape = t;
     tape_cap = cap;
+  }
+  if (n->out) {
+    for (int i = 0; i < n->nin; i++)
+      if (n->in[i] && n->in[i]->storage == n->out->storage) n->out_aliases_input = true;
+    for (int i = 0; i < n->nmore; i++)
+      if (n->more[i] && n->more[i]->storage == n->out->storage) n->out_aliases_input = true;
   }
   tape[tape_len++] = n;
   return FSDP_OK;
@@ -233,6 +240,49 @@ bool fsdp_tape_records(const fsdp_tensor *t) {
   for (int64_t k = tape_len - 1; k >= 0; k--) /* the output sought is almost always newest */
     if (tape[k]->out == t) return true;
   return false;
+}
+
+const fsdp_node *fsdp_tape_graph_behind(const fsdp_tensor *t, bool *is_out) {
+  *is_out = false;
+  /* Recorded ops make their outputs as activations: memory of another role (a parameter's, a
+   * unit's gathered buffer, gradients, optimizer state) is a leaf's, whatever view of it is
+   * written, even one a checkpoint node's output shares (a checkpointed forward may return a
+   * view of a parameter). Optimizers and masks write there without a walk of the tape. */
+  fsdp_role role = t->storage->role;
+  if (t->is_param || (role != FSDP_ROLE_ACTIVATIONS && role != FSDP_ROLE_OTHER)) return NULL;
+  /* The storage is compared, not the element ranges: an op's output owns its storage whole
+   * (a fresh one), so every view of it is the graph's memory. A view node's output is its
+   * input's memory (noted when recorded: FSDP swaps a parameter's storage after its views
+   * were recorded), a leaf's when the input is one, so writing through it is writing that
+   * leaf. Newest first: the tensor written is almost always recent. */
+  for (int64_t k = tape_len - 1; k >= 0; k--) {
+    const fsdp_node *n = tape[k];
+    if (!n->hook && n->out && !n->out_aliases_input && n->out->storage == t->storage) {
+      *is_out = n->out == t;
+      return n;
+    }
+  }
+  return NULL;
+}
+
+int fsdp_inplace_check(const fsdp_tensor *t, const char *what, const char *instead) {
+  bool is_out;
+  const fsdp_node *n = fsdp_tape_graph_behind(t, &is_out);
+  if (!n) return FSDP_OK;
+  /* affine is the engine's name for a tensor-and-number +, -, *, / (and neg) */
+  const char *op = strcmp(n->op, "affine") == 0 ? "affine (a tensor and a number: +, -, *, /)"
+                                                : n->op;
+  char whose[192];
+  if (is_out)
+    snprintf(whose, sizeof whose, "was made by %s", op);
+  else
+    snprintf(whose, sizeof whose, "shares the memory of a tensor %s that was made by %s",
+             FSDP_SHAPE_STR(n->out), op);
+  return fsdp_error("%s: this tensor %s %s and is part of the autograd graph; an in-place "
+                    "write is not recorded and would make the gradient wrong: %s%s "
+                    "(docs/tensor.md \"Autograd and in-place updates\")",
+                    what, FSDP_SHAPE_STR(t), whose, instead ? instead : "write into a clone()",
+                    instead ? ", or write into a clone()" : " instead");
 }
 
 static _Atomic(fsdp_backward_epilogue_fn) epilogue;

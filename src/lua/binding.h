@@ -40,6 +40,11 @@ fsdp_tensor *fsdp_lua_to_tensor(lua_State *L, int idx);
 /* fsdp_lua_check_tensor naming the function fn in its messages: Lua cannot name a metamethod
  * or a function reached through a tail call ("bad argument #1 to '?'"). */
 fsdp_tensor *fsdp_lua_arg_tensor(lua_State *L, int idx, const char *fn);
+/* A Lua error when writing into t in place would go behind a live autograd graph
+ * (fsdp_inplace_check: what names the method or function, instead the recorded way or NULL).
+ * Every binding that writes into a tensor it was given calls it before writing anything. */
+void fsdp_lua_check_write(lua_State *L, const fsdp_tensor *t, const char *what,
+                          const char *instead);
 /* Raise the calling thread's engine error as a Lua error (prefixing nothing). */
 int fsdp_lua_error(lua_State *L);
 /* Read a shape from a Lua array (or varargs of numbers starting at idx). Returns ndim. */

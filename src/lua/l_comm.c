@@ -125,6 +125,7 @@ static int l_all_reduce(lua_State *L) {
     luaL_error(L, "all_reduce: expected a number, an array of numbers or a tensor, got %s",
                luaL_typename(L, 1));
   }
+  fsdp_lua_check_write(L, t, "all_reduce", "reduce its :item() (a number)");
   if (fsdp_comm_all_reduce_tensor(c, t, red, label)) fsdp_lua_error(L);
   lua_settop(L, 1);
   return 1;
@@ -157,6 +158,7 @@ static int l_broadcast(lua_State *L) {
     if (luaL_testudata(L, 1, FSDP_TENSOR_MT)) fsdp_lua_check_tensor(L, 1);
     luaL_error(L, "broadcast: expected a number or a tensor, got %s", luaL_typename(L, 1));
   }
+  fsdp_lua_check_write(L, t, "broadcast", NULL);
   if (fsdp_comm_broadcast_tensor(c, t, root, label)) fsdp_lua_error(L);
   lua_settop(L, 1);
   return 1;

@@ -347,6 +347,7 @@ static int l_reader_read(lua_State *L) {
     if (!fsdp_tensor_is_contiguous(o) || fsdp_tensor_numel(o) != count)
       return luaL_error(L, "r:read: out must be a contiguous tensor of %f elements (got %s)",
                         (double)count, FSDP_SHAPE_STR(o));
+    fsdp_lua_check_write(L, o, "r:read", NULL);
     if (fsdp_io_st_read_tensor(r, name, first, count, o)) return fsdp_lua_error(L);
     lua_pushvalue(L, 5);
     return 1;

@@ -53,6 +53,7 @@ static int push_count(lua_State *L, int rc, const int64_t *n) {
 static int l_mask_apply(lua_State *L) {
   const char *fn = "mask_apply";
   fsdp_tensor *x = T_ARG(1), *m = T_ARG(2);
+  fsdp_lua_check_write(L, x, fn, NULL);
   if (fsdp_mask_apply(x, m)) fsdp_lua_error(L);
   return 0;
 }
@@ -78,6 +79,7 @@ static int l_mask_from_nonzero(lua_State *L) {
   const char *fn = "mask_from_nonzero";
   int64_t z;
   fsdp_tensor *mout = T_ARG(1), *x = T_ARG(2);
+  fsdp_lua_check_write(L, mout, fn, NULL);
   return push_count(L, fsdp_mask_from_nonzero(mout, x, &z), &z);
 }
 
@@ -86,6 +88,7 @@ static int l_mask_select(lua_State *L) {
   fsdp_tensor *mout = T_ARG(1), *x = T_ARG(2), *m = M_ARG(3);
   uint32_t T = (uint32_t)uint_arg(L, 4, fn, "the key T", KEY_MAX);
   uint64_t gbase = uint_arg(L, 5, fn, "gbase", POS_MAX), P = uint_arg(L, 6, fn, "P", POS_MAX);
+  fsdp_lua_check_write(L, mout, fn, NULL);
   int64_t z;
   return push_count(L, fsdp_mask_select(mout, x, m, T, gbase, P, &z), &z);
 }
@@ -95,6 +98,7 @@ static int l_mask_nm(lua_State *L) {
   fsdp_tensor *mout = T_ARG(1), *x = T_ARG(2), *m = M_ARG(3);
   lua_Integer keep = luaL_checkinteger(L, 4), M = luaL_checkinteger(L, 5),
               lead = luaL_checkinteger(L, 6);
+  fsdp_lua_check_write(L, mout, fn, NULL);
   int64_t groups;
   return push_count(L, fsdp_mask_nm(mout, x, m, keep, M, lead, &groups), &groups);
 }
@@ -102,6 +106,7 @@ static int l_mask_nm(lua_State *L) {
 static int l_mask_values(lua_State *L) {
   const char *fn = "mask_values";
   fsdp_tensor *out = T_ARG(1), *x = T_ARG(2), *m = M_ARG(3);
+  fsdp_lua_check_write(L, out, fn, NULL);
   if (fsdp_mask_values(out, x, m)) fsdp_lua_error(L);
   return 0;
 }

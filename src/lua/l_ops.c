@@ -218,6 +218,7 @@ static int init_random(lua_State *L, const char *what, bool normal) {
   const char *path = luaL_checkstring(L, 3);
   float a = (float)luaL_optnumber(L, 4, 0.0), b = (float)luaL_optnumber(L, 5, 1.0);
   uint64_t first = check_first(L, 6, what);
+  fsdp_lua_check_write(L, t, what, NULL);
   if (fsdp_param_init_random(t, what, seed, path, normal, a, b, first)) fsdp_lua_error(L);
   return 0;
 }
@@ -232,6 +233,8 @@ static int l_sgd_step(lua_State *L) {
   fsdp_tensor *buf = lua_isnoneornil(L, 3) ? NULL : fsdp_lua_check_tensor(L, 3);
   float lr = (float)luaL_checknumber(L, 4), mom = (float)luaL_optnumber(L, 5, 0),
         wd = (float)luaL_optnumber(L, 6, 0);
+  fsdp_lua_check_write(L, p, "sgd_step", NULL);
+  if (buf) fsdp_lua_check_write(L, buf, "sgd_step", NULL);
   if (fsdp_optim_sgd_step(p, g, buf, lr, mom, wd, lua_toboolean(L, 7))) fsdp_lua_error(L);
   return 0;
 }
@@ -249,6 +252,8 @@ static int l_adamw_step(lua_State *L) {
   if (step < 1 || step != floor(step)) luaL_error(L, "adamw_step: step must be an integer >= 1");
   fsdp_tensor *mask = lua_isnoneornil(L, 11) ? NULL : fsdp_lua_check_tensor(L, 11);
   const float gscale = (float)luaL_optnumber(L, 12, 1.0);
+  for (int i = 0; i < 4; i++) /* p, m and v are written; g too, with a mask */
+    if (i != 1 || mask) fsdp_lua_check_write(L, t[i], "adamw_step", NULL);
   if (fsdp_optim_adamw_step(t[0], t[1], t[2], t[3], mask, h[0], h[1], h[2], h[3], h[4], gscale,
                             (int64_t)step))
     fsdp_lua_error(L);

@@ -74,6 +74,11 @@ void fsdp_lua_push_tensor(lua_State *L, fsdp_tensor *t) {
   fsdp_lua_box_push_new(L, &CACHE_KEY, t, sizeof(tensor_box), FSDP_TENSOR_MT);
 }
 
+void fsdp_lua_check_write(lua_State *L, const fsdp_tensor *t, const char *what,
+                          const char *instead) {
+  if (fsdp_inplace_check(t, what, instead)) fsdp_lua_error(L);
+}
+
 fsdp_tensor *fsdp_lua_to_tensor(lua_State *L, int idx) {
   tensor_box *b = luaL_testudata(L, idx, FSDP_TENSOR_MT);
   return b ? b->t : NULL;
@@ -557,6 +562,7 @@ static int l_set(lua_State *L) {
   if (lua_gettop(L) - 2 != t->ndim)
     luaL_error(L, "set: tensor %s needs %d positions and a value, got %d arguments",
                FSDP_SHAPE_STR(t), t->ndim, lua_gettop(L) - 1);
+  fsdp_lua_check_write(L, t, "set", "build the values out of place (t = fsdp.where(mask, v, t))");
   int64_t off = position(L, t, 2, "set");
   double x = num_arg(L, t->ndim + 2, "set", "value");
   char *d = need_data(L, t, "set");
@@ -573,6 +579,7 @@ static int l_set(lua_State *L) {
 static int l_fill(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
   double v = num_arg(L, 2, "fill", "value");
+  fsdp_lua_check_write(L, t, "fill", "make a new tensor (fsdp.full(t:shape(), v))");
   if (fsdp_fill(t, v)) fsdp_lua_error(L);
   fsdp_tensor_written(t);
   lua_settop(L, 1);
@@ -581,6 +588,7 @@ static int l_fill(lua_State *L) {
 
 static int l_zero(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
+  fsdp_lua_check_write(L, t, "zero", "make a new tensor (fsdp.zeros(t:shape()))");
   if (fsdp_fill(t, 0.0)) fsdp_lua_error(L);
   fsdp_tensor_written(t);
   lua_settop(L, 1);
@@ -589,6 +597,7 @@ static int l_zero(lua_State *L) {
 
 static int l_copy(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1), *s = fsdp_lua_check_tensor(L, 2);
+  fsdp_lua_check_write(L, t, "copy", "use the source itself (src:to(t:dtype()) converts it)");
   if (fsdp_copy(t, s)) fsdp_lua_error(L);
   fsdp_tensor_written(t);
   lua_settop(L, 1);
@@ -1040,10 +1049,12 @@ static int l_stack(lua_State *L) {
 UNARY(l_abs, FSDP_UNARY_ABS)
 UNARY(l_sign, FSDP_UNARY_SIGN)
 
-/* In-place updates for optimizers and clipping: contiguous destinations, no autograd. */
+/* In-place updates for optimizers and clipping: contiguous destinations, not recorded (so a
+ * tensor of a live graph is refused: fsdp_lua_check_write). */
 static int l_add_(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1), *u = fsdp_lua_check_tensor(L, 2);
   double alpha = luaL_optnumber(L, 3, 1.0);
+  fsdp_lua_check_write(L, t, "add_", "write t = t + alpha * u instead (recorded)");
   if (!fsdp_tensor_same_shape(t, u))
     luaL_error(L, "add_: shapes %s and %s differ", FSDP_SHAPE_STR(t), FSDP_SHAPE_STR(u));
   need_data(L, t, "add_");
@@ -1058,6 +1069,7 @@ static int l_add_(lua_State *L) {
 static int l_mul_(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
   double s = luaL_checknumber(L, 2);
+  fsdp_lua_check_write(L, t, "mul_", "write t = t * s instead (recorded)");
   need_data(L, t, "mul_");
   if (!fsdp_tensor_is_contiguous(t))
     luaL_error(L, "mul_: needs a contiguous tensor, got a strided view %s", FSDP_SHAPE_STR(t));

@@ -69,6 +69,19 @@ fsdp.all_reduce(m, "sum")
 check(m:get(2, 3) == world, "2-D tensor sum")
 local ok, err = pcall(fsdp.all_reduce, fsdp.ones{2, 3}:transpose(1, 2), "sum")
 check(not ok and tostring(err):find("contiguous", 1, true), "strided view: %s", tostring(err))
+-- a tensor of a live autograd graph (or a view of one) is refused before anything is sent, on
+-- every rank that passes one, as a strided view is; the collectives below run on
+local xg = fsdp.ones{3}
+xg.requires_grad = true
+local yg = xg * 2
+ok, err = pcall(fsdp.all_reduce, yg, "sum")
+check(not ok and tostring(err):find("all_reduce: this tensor (3) was made by affine", 1, true),
+  "graph tensor: %s", tostring(err))
+ok, err = pcall(fsdp.broadcast, yg:detach(), 0)
+check(not ok and tostring(err):find("broadcast: this tensor (3) shares the memory", 1, true),
+  "view of a graph tensor: %s", tostring(err))
+check(yg:get(1) == 2 and yg:get(3) == 2, "the refused tensor is unchanged")
+check(fsdp.all_reduce(yg:sum():item(), "sum") == 6 * world, "its :item() reduces")
 
 -- bitwise: a sum of non-exact floats is the same bits on every rank (fixed order)
 fsdp.manual_seed(100 + rank)

@@ -1,6 +1,6 @@
 -- autograd_spec.lua — autograd from Lua: backward through fsdp.F and tensor methods against
 -- finite differences, gradient accumulation and dropping, no_grad, the errors backward gives,
--- memory accounting, and fsdp.args parsing.
+-- in-place writes refused on a live graph's memory, memory accounting, and fsdp.args parsing.
 -- Run: busted --lua=luajit tests/lua/autograd_spec.lua
 
 local fsdp = require "fsdp"
@@ -147,10 +147,13 @@ describe("backward", function()
     assert_error_has(function() l:backward() end, "backward of linear", "(4, 3)",
       "modified in place")
     assert.are.equal(0, core.tape_size())
+    -- exp's backward reads its output, but a write into that output (a non-leaf) is refused
+    -- when made ("in-place writes into a graph" below), so the backward stays right
     local e = w:exp()
     l = e:sum()
-    e:mul_(2)
-    assert_error_has(function() l:backward() end, "backward of exp", "modified in place")
+    assert_error_has(function() e:mul_(2) end, "mul_", "made by exp")
+    l:backward()
+    assert.are.same(flat(w:exp()), flat(w.grad))
   end)
 
   it("detach cuts the graph", function()
@@ -187,6 +190,210 @@ describe("no_grad", function()
       assert.is_false(fsdp.is_grad_enabled())
     end)
     assert.is_true(fsdp.is_grad_enabled())
+  end)
+end)
+
+describe("in-place writes into a graph", function()
+  before_each(function() core.tape_clear() end)
+  teardown(H.remove_temps)
+
+  -- x, a leaf that requires a gradient, and y = x * 2, a non-leaf of a live graph
+  local function graph(dtype)
+    local x = fsdp.tensor({ 1, 2, 3 }, { dtype = dtype })
+    x.requires_grad = true
+    return x, x * 2
+  end
+
+  -- write(t) must be refused naming what, leaving t and y (values and versions) as they were and
+  -- the graph whole: backward gives x the gradient of y = x * 2. Returns the message.
+  local function refused(x, y, t, what, write, ...)
+    local tv, yv, tver, yver = flat(t), flat(y), t.version, y.version
+    local err = assert_error_has(function() write(t) end, what .. ": this tensor",
+      "and is part of the autograd graph", "an in-place write is not recorded",
+      "would make the gradient wrong", "clone()", "docs/tensor.md", ...)
+    assert.are.same(tv, flat(t))
+    assert.are.same(yv, flat(y))
+    assert.are.equal(tver, t.version)
+    assert.are.equal(yver, y.version)
+    y:sum():backward()
+    assert.are.same({ 2, 2, 2 }, flat(x.grad))
+    return err
+  end
+
+  -- (t:set takes one position per dim, then the value)
+  local function set_first(t, v)
+    local a = {}
+    for i = 1, t:dim() do a[i] = 1 end
+    a[#a + 1] = v
+    return t:set(unpack(a))
+  end
+
+  -- the tensor methods that write in place, and what each says to do instead
+  local methods = {
+    { "add_", function(t) t:add_(fsdp.ones(t:shape())) end, "t = t + alpha * u" },
+    { "mul_", function(t) t:mul_(3) end, "t = t * s" },
+    { "fill", function(t) t:fill(1) end, "fsdp.full(t:shape(), v)" },
+    { "zero", function(t) t:zero() end, "fsdp.zeros(t:shape())" },
+    { "copy", function(t) t:copy(fsdp.ones(t:shape())) end, "src:to(t:dtype())" },
+    { "set", function(t) set_first(t, 5) end, "fsdp.where" },
+  }
+
+  it("refuses every in-place method on a non-leaf of a live graph", function()
+    for _, m in ipairs(methods) do
+      local x, y = graph()
+      refused(x, y, y, m[1], m[2], "(3) was made by affine", m[3])
+    end
+    -- a non-leaf of a longer chain, named by the op that made it
+    local x = fsdp.tensor { 1, 2, 3 }
+    x.requires_grad = true
+    local y = (x * 2):exp():log()
+    assert_error_has(function() y:mul_(2) end, "mul_: this tensor (3) was made by log")
+  end)
+
+  it("refuses the functions that write into a tensor of a live graph", function()
+    local dir = H.mktemp_dir()
+    local w = core.st_writer(dir .. "/t.safetensors", { { name = "a", shape = { 3 } } })
+    w:write("a", fsdp.ones(3))
+    w:commit()
+    local r = core.st_open(dir .. "/t.safetensors")
+    local ones = function() return fsdp.ones(3) end
+    local function adamw(p, g, m, v, mask)
+      core.adamw_step(p, g, m, v, 0.1, 0.9, 0.99, 1e-8, 0, 1, mask)
+    end
+    local writers = {
+      { "mask_apply", function(t) core.mask_apply(t, fsdp.zeros(3)) end },
+      { "mask_from_nonzero", function(t) core.mask_from_nonzero(t, ones()) end },
+      { "mask_select", function(t) core.mask_select(t, ones(), nil, 0, 0, 0) end },
+      { "mask_nm", function(t) core.mask_nm(t, ones(), nil, 1, 3, 0) end },
+      { "mask_values", function(t) core.mask_values(t, ones(), nil) end },
+      { "init_normal", function(t) core.init_normal(t, 1, "k") end },
+      { "init_uniform", function(t) core.init_uniform(t, 1, "k") end },
+      { "sgd_step", function(t) core.sgd_step(t, ones(), nil, 0.1) end },
+      { "sgd_step", function(t) core.sgd_step(ones(), ones(), t, 0.1, 0.9) end },
+      { "adamw_step", function(t) adamw(t, ones(), ones(), ones()) end },
+      { "adamw_step", function(t) adamw(ones(), ones(), t, ones()) end },
+      { "adamw_step", function(t) adamw(ones(), ones(), ones(), t) end },
+      -- with a mask the gradient is written too
+      { "adamw_step", function(t) adamw(ones(), t, ones(), ones(), ones()) end },
+      { "all_reduce", function(t) fsdp.all_reduce(t) end, ":item()" },
+      { "broadcast", function(t) fsdp.broadcast(t) end },
+      { "r:read", function(t) r:read("a", 0, 3, t) end },
+    }
+    for _, f in ipairs(writers) do
+      local x, y = graph()
+      refused(x, y, y, f[1], f[2], f[3])
+    end
+    r:close()
+    -- the gradient is read, not written, by adamw_step without a mask
+    local x, y = graph()
+    adamw(ones(), y, ones(), ones())
+    y:sum():backward()
+    assert.are.same({ 2, 2, 2 }, flat(x.grad))
+  end)
+
+  it("refuses writes through any view of such a tensor", function()
+    local views = {
+      { "narrow", function(y) return y:narrow(1, 2, 2) end,
+        "(2) shares the memory of a tensor (3) that was made by affine" },
+      { "view", function(y) return y:view { 3, 1 } end, "(3, 1) shares the memory" },
+      { "a view chain", function(y) return y:view { 1, 3 }:transpose(1, 2) end,
+        "(3, 1) shares the memory of a tensor (3) that was made by affine" },
+      -- view copies a strided tensor first: the copy is the graph's memory
+      { "a view of a copy", function(y)
+        return fsdp.cat { y, y }:view { 2, 3 }:transpose(1, 2):view { 6 }
+      end, "(6) shares the memory of a tensor (3, 2) that was made by contiguous" },
+      { "detach", function(y) return y:detach() end,
+        "(3) shares the memory of a tensor (3) that was made by affine" },
+      { "a view made under no_grad", function(y)
+        return fsdp.no_grad(function() return y:narrow(1, 1, 2) end)
+      end, "(2) shares the memory of a tensor (3) that was made by affine" },
+      { "a view of a detach", function(y) return y:detach():view { 1, 3 } end,
+        "(1, 3) shares the memory" },
+    }
+    for _, v in ipairs(views) do
+      for _, m in ipairs(methods) do
+        local x, y = graph()
+        local t = v[2](y)
+        refused(x, y, t, m[1], m[2], v[3])
+      end
+    end
+  end)
+
+  it("takes a write through a view of a leaf as a write into the leaf", function()
+    -- a recorded view of a leaf that requires a gradient is a non-leaf, but its memory is the
+    -- leaf's: the view stays the leaf's view, and the graph holds as for the leaf itself
+    for _, m in ipairs(methods) do
+      local x = fsdp.tensor { 1, 2, 3 }
+      x.requires_grad = true
+      local v = x:view { 3, 1 }
+      local l = (v * 2):sum()
+      m[2](v)
+      m[2](x:narrow(1, 1, 2))
+      assert.are.same(flat(x), flat(v))
+      l:backward()
+      assert.are.same({ 2, 2, 2 }, flat(x.grad))
+    end
+  end)
+
+  it("refuses inside no_grad too", function()
+    for _, m in ipairs(methods) do
+      local x, y = graph()
+      refused(x, y, y, m[1], function(t) fsdp.no_grad(m[2], t) end)
+    end
+  end)
+
+  it("refuses bf16 and f16 graph tensors alike", function()
+    for _, dt in ipairs { "bf16", "f16" } do
+      for _, m in ipairs(methods) do
+        local x, y = graph(dt)
+        refused(x, y, y, m[1], m[2])
+        local _, b = graph("f32")
+        local c = b:to(dt) -- made by the conversion
+        assert_error_has(function() m[2](c) end, m[1] .. ": this tensor (3) was made by")
+      end
+      -- a bf16 / f16 leaf takes writes
+      local x = graph(dt)
+      x:mul_(2)
+      assert.are.same({ 2, 4, 6 }, flat(x))
+    end
+  end)
+
+  it("leaves, tensors outside a graph and consumed graphs take every write", function()
+    for _, m in ipairs(methods) do
+      -- a leaf that requires a gradient, while a graph made from it lives
+      local x, y = graph()
+      m[2](x)
+      m[2](x:detach())
+      m[2](x:detach():narrow(1, 1, 2))
+      y:sum():backward()
+      assert.are.same({ 2, 2, 2 }, flat(x.grad))
+      -- a parameter, its graph live
+      local p = core.parameter(fsdp.ones(3))
+      local l = (p * 2):sum()
+      m[2](p)
+      l:backward()
+      assert.are.same({ 2, 2, 2 }, flat(p.grad))
+      -- computed from tensors that require no gradient, or under no_grad
+      m[2](fsdp.ones(3) * 2)
+      m[2](fsdp.no_grad(function() return x * 2 end))
+      -- after backward consumed the graph, and after the tape was cleared
+      x, y = graph()
+      y:sum():backward()
+      m[2](y)
+      x, y = graph()
+      core.tape_clear()
+      m[2](y)
+      m[2](y:narrow(1, 1, 2)) -- recorded (y requires a gradient), but nothing is behind y now
+      m[2](y:detach():narrow(1, 1, 2))
+      m[2](fsdp.no_grad(function() return y:narrow(1, 1, 2) end))
+    end
+    -- optimizer steps on a parameter while its graph lives
+    local p = core.parameter(fsdp.ones(3))
+    local l = (p * 2):sum()
+    core.sgd_step(p, fsdp.ones(3), nil, 0.5)
+    assert.are.same({ 0.5, 0.5, 0.5 }, flat(p))
+    l:backward()
+    assert.are.same({ 2, 2, 2 }, flat(p.grad))
   end)
 end)
 

@@ -212,15 +212,35 @@ describe("nn.checkpoint", function()
     assert_error_has(function() m.blocks[2](fsdp.randn{1, 2, 5}) end, "ln1 (LayerNorm): layernorm")
   end)
 
+  it("leaves a parameter writable when its forward returns a view of it", function()
+    -- the node's output is the parameter's memory, not an activation the graph made
+    local P = nn.Module:extend("P")
+    function P:init() self.w = nn.Parameter(fsdp.ones{3}) end
+    function P:forward() return self.w:view{3} end
+    local m = nn.checkpoint(P())
+    local y = m(fsdp.ones{3})
+    assert.are.equal(1, core.tape_size())
+    m.w:detach():fill(2)
+    y:mul_(3)
+    assert.are.same({6, 6, 6}, m.w:totable())
+    y:sum():backward()
+    assert.are.same({1, 1, 1}, m.w.grad:totable())
+  end)
+
   it("refuses to recompute from an input modified in place since the forward", function()
     local l = nn.checkpoint(nn.Linear(3, 3))
     local x = fsdp.randn{2, 3}
     x.requires_grad = true
-    local h = x * 1
-    local y = l(h)
-    h:fill(0)
+    local y = l(x)
+    x:fill(0) -- a leaf takes the write; the node's version check catches it
     assert_error_has(function() y:sum():backward() end, "backward of checkpoint",
       "input 1 (2, 3) of the checkpointed region was modified in place after the forward")
+    assert.are.equal(0, core.tape_size())
+    -- an input that is a graph's own tensor cannot be written at all while the graph lives
+    local h = x * 1
+    y = l(h)
+    assert_error_has(function() h:fill(0) end, "fill: this tensor (2, 3) was made by affine")
+    y:sum():backward()
     assert.are.equal(0, core.tape_size())
   end)
 
