@@ -5,10 +5,16 @@
  *
  * Gradient checks: for an op out = f(in...), the autograd gradient of L = sum(out * R) (R a
  * fixed random tensor, passed to fsdp_backward as the seed gradient) w.r.t. each input is
- * compared with (L(x + eps) - L(x - eps)) / 2 eps, with L summed in double from the f32
- * forward. The error reported is max_i |autograd_i - fd_i| / max_i |fd_i| (the gradient's
- * own scale, so entries near zero do not blow it up); a deliberately wrong backward is
- * checked to fail the same test (test_gradcheck_catches_wrong_backward). The selection ops
+ * compared with (L(x + eps) - L(x - eps)) / 2 eps, with L summed in double from the forward.
+ * The error reported is max_i |autograd_i - fd_i| / max_i |fd_i| (the gradient's own scale,
+ * so entries near zero do not blow it up); a deliberately wrong backward is checked to fail
+ * the same test (test_gradcheck_catches_wrong_backward), and so is a NaN gradient. Ops whose
+ * kernels have f64 (binary, affine, unary, pow, reductions, views, where, clamp, cat,
+ * selection) are checked in f64 too, with steps of 1e-5 and a tolerance of 1e-8, which an
+ * f32-rounded constant in a backward fails; the others (matmul, linear, layernorm, softmax,
+ * attention, losses, ...) in f32 only. Ops are also checked on strided inputs and size-1
+ * dimensions, and those whose backward writes a first gradient rather than adding to it
+ * (linear, bias_gelu, attention, view) with an input that already holds one. The selection ops
  * (where, clamp, cat, stack, max/min, topk, sort) use inputs a step cannot reorder or push
  * across a bound; `to` is checked across dtypes and across two devices ("cpu2" below: the cpu
  * under another name), which the device-mismatch errors use too.
@@ -92,23 +98,63 @@ static fsdp_tensor *rnd_transposed(int ndim, const int64_t *shape, double lo, do
   return v;
 }
 
-/* Pointer to element i (row-major logical order) of any strided view. */
-static float *elem(fsdp_tensor *t, int64_t i) {
+/* Offset in elements of element i (row-major logical order) of any strided view. */
+static int64_t elem_off(const fsdp_tensor *t, int64_t i) {
   int64_t off = 0;
   for (int k = t->ndim - 1; k >= 0; k--) {
     off += (i % t->shape[k]) * t->strides[k];
     i /= t->shape[k];
   }
-  return (float *)fsdp_tensor_data(t, "test") + off;
+  return off;
+}
+
+/* Pointer to element i of an f32 view. */
+static float *elem(fsdp_tensor *t, int64_t i) {
+  assert_int_equal(t->dtype, FSDP_DTYPE_F32);
+  return (float *)fsdp_tensor_data(t, "test") + elem_off(t, i);
+}
+
+/* Element i of an f32 or f64 view as a double, and its store (rounded to the dtype) */
+static double getv(fsdp_tensor *t, int64_t i) {
+  if (t->dtype == FSDP_DTYPE_F64) return ((double *)fsdp_tensor_data(t, "test"))[elem_off(t, i)];
+  return *elem(t, i);
+}
+static void setv(fsdp_tensor *t, int64_t i, double v) {
+  if (t->dtype == FSDP_DTYPE_F64) ((double *)fsdp_tensor_data(t, "test"))[elem_off(t, i)] = v;
+  else *elem(t, i) = (float)v;
 }
 
 /* Logical-order contents of t as a malloc'd double array. */
 static double *values(fsdp_tensor *t) {
   int64_t n = fsdp_tensor_numel(t);
   double *v = malloc(sizeof(double) * (size_t)(n ? n : 1));
-  for (int64_t i = 0; i < n; i++) v[i] = *elem(t, i);
+  for (int64_t i = 0; i < n; i++) v[i] = getv(t, i);
   return v;
 }
+
+/* t (an f32 tensor or view, consumed) in another dtype with the same layout: the whole storage
+ * converted, then the same view over it, so a transposed or narrowed input stays one. */
+static fsdp_tensor *as_dtype(fsdp_tensor *t, fsdp_dtype dt) {
+  assert_int_equal(t->dtype, FSDP_DTYPE_F32);
+  int64_t n = (int64_t)(t->storage->bytes / sizeof(float));
+  fsdp_tensor *base, *v;
+  assert_int_equal(fsdp_tensor_new(&base, &fsdp_device_cpu, dt, 1, &n, FSDP_ROLE_ACTIVATIONS),
+                   FSDP_OK);
+  const float *src = t->storage->data;
+  void *d = fsdp_tensor_data(base, "test");
+  for (int64_t i = 0; i < n; i++) {
+    if (dt == FSDP_DTYPE_F64) ((double *)d)[i] = src[i];
+    else if (dt == FSDP_DTYPE_I64) ((int64_t *)d)[i] = (int64_t)src[i];
+    else fail_msg("as_dtype: %s", fsdp_dtype_name(dt));
+  }
+  assert_int_equal(fsdp_tensor_new_view(&v, base, t->offset, t->ndim, t->shape, t->strides),
+                   FSDP_OK);
+  fsdp_tensor_release(base);
+  fsdp_tensor_release(t);
+  return v;
+}
+static fsdp_tensor *f64(fsdp_tensor *t) { return as_dtype(t, FSDP_DTYPE_F64); }
+static fsdp_tensor *i64(fsdp_tensor *t) { return as_dtype(t, FSDP_DTYPE_I64); }
 
 /* live bytes of a memory domain, all devices and roles */
 static int64_t domain_live(fsdp_mem_domain *d) {
@@ -159,20 +205,27 @@ typedef struct {
   int nin;
   fsdp_tensor *in[4];
   unsigned wrt;   /* bit k: check the gradient w.r.t. in[k] */
-  double eps;     /* 0: 1e-2 */
-  double tol;     /* 0: 2e-3 */
+  double eps;     /* 0: 1e-2, or 1e-5 when every checked input is f64 */
+  double tol;     /* 0: 2e-3, or 1e-8 when every checked input is f64 */
 } gc_case;
 
 static double loss_value(fsdp_tensor *out, const double *R) {
   double L = 0;
-  for (int64_t i = 0; i < fsdp_tensor_numel(out); i++) L += (double)*elem(out, i) * R[i];
+  for (int64_t i = 0; i < fsdp_tensor_numel(out); i++) L += getv(out, i) * R[i];
   return L;
+}
+
+/* Every checked input is f64: steps of 1e-5 and a tolerance of 1e-8 (f32: 1e-2 and 2e-3) */
+static bool checks_f64(const gc_case *c) {
+  for (int k = 0; k < c->nin; k++)
+    if ((c->wrt & (1u << k)) && c->in[k]->dtype != FSDP_DTYPE_F64) return false;
+  return true;
 }
 
 /* Runs the check; returns the worst error over the checked inputs (and prints each). The
  * inputs keep their values; their requires_grad and grad are reset afterwards. */
 static double gradcheck_measure(gc_case *c) {
-  double eps = c->eps > 0 ? c->eps : 1e-2, worst = 0;
+  double eps = c->eps > 0 ? c->eps : checks_f64(c) ? 1e-5 : 1e-2, worst = 0;
   fsdp_tape_clear();
   bool prev = fsdp_set_grad_enabled(true);
   for (int k = 0; k < c->nin; k++) {
@@ -192,6 +245,7 @@ static double gradcheck_measure(gc_case *c) {
   assert_false(out->is_leaf);
   int64_t n = fsdp_tensor_numel(out);
   fsdp_tensor *R = rnd(out->ndim, out->shape, -1, 1);
+  if (out->dtype == FSDP_DTYPE_F64) R = f64(R);
   double *Rv = values(R);
   if (fsdp_backward(out, R)) {
     fprintf(stderr, "%s: backward failed: %s\n", c->name, fsdp_error_msg());
@@ -215,11 +269,12 @@ static double gradcheck_measure(gc_case *c) {
     double *ag = values(x->grad);
     int64_t m = fsdp_tensor_numel(x);
     double maxdiff = 0, maxfd = 0, maxrel = 0;
+    bool nan = false; /* a NaN on either side fails the check (comparisons would skip it) */
     for (int64_t i = 0; i < m; i++) {
-      float *p = elem(x, i), v = *p;
-      double L[2];
+      double v = getv(x, i), L[2], at[2];
       for (int s = 0; s < 2; s++) {
-        *p = (float)(v + (s ? -eps : eps));
+        setv(x, i, v + (s ? -eps : eps));
+        at[s] = getv(x, i); /* the step actually taken, in x's dtype */
         fsdp_tensor *o;
         if (c->f(&o, c->in, c->ctx)) {
           fprintf(stderr, "%s: forward failed: %s\n", c->name, fsdp_error_msg());
@@ -229,21 +284,24 @@ static double gradcheck_measure(gc_case *c) {
         L[s] = loss_value(o, Rv);
         fsdp_tensor_release(o);
       }
-      *p = v;
-      /* the step actually taken in f32 */
-      double h = ((double)(float)(v + eps) - (double)(float)(v - eps));
-      double fd = (L[0] - L[1]) / h;
+      setv(x, i, v);
+      double fd = (L[0] - L[1]) / (at[0] - at[1]);
       double d = fabs(ag[i] - fd);
+      if (d != d) {
+        fprintf(stderr, "%s: d/in%d[%lld]: autograd %g, finite differences %g\n", c->name, k,
+                (long long)i, ag[i], fd);
+        nan = true;
+      }
       if (d > maxdiff) maxdiff = d;
       if (fabs(fd) > maxfd) maxfd = fabs(fd);
       double rel = d / fmax(fabs(fd), 1e-3);
       if (rel > maxrel) maxrel = rel;
     }
-    double err = maxdiff / fmax(maxfd, 1e-6);
+    double err = nan ? NAN : maxdiff / fmax(maxfd, 1e-6);
     printf("  gradcheck %-34s d/in%d: max err %.2e (scaled), max elementwise rel %.2e, "
            "max |g| %.2e\n",
            c->name, k, err, maxrel, maxfd);
-    if (err > worst) worst = err;
+    if (err != err || err > worst) worst = err; /* a NaN sticks */
     free(ag);
   }
   assert_int_equal(fsdp_tape_size(), 0); /* nothing recorded under no_grad */
@@ -258,7 +316,7 @@ static double gradcheck_measure(gc_case *c) {
 }
 
 static void gradcheck(gc_case c) {
-  double tol = c.tol > 0 ? c.tol : 2e-3;
+  double tol = c.tol > 0 ? c.tol : checks_f64(&c) ? 1e-8 : 2e-3;
   double err = gradcheck_measure(&c);
   if (!(err <= tol)) {
     fprintf(stderr, "%s: gradient error %.3e exceeds %.1e\n", c.name, err, tol);
@@ -708,12 +766,15 @@ static void test_grad_views(void **state) {
                       {rnd(2, SHAPE(3, 6), -1, 1), rnd(2, SHAPE(6, 5), -1, 1)}, 3});
 }
 
-/* The checker itself must catch a wrong gradient: an op whose backward is 10% off. */
+/* The checker itself must catch a wrong gradient: an op whose backward is 10% off, and one
+ * whose gradient has a NaN (which a plain max over the differences would skip). */
+static bool wrong_nan;
 static int bw_wrong(fsdp_node *n) {
   float *da = fsdp_grad_acc(n->in[0]);
   if (!da) return FSDP_ERR;
   const float *g = fsdp_tensor_data(n->out->grad, "t");
-  for (int64_t i = 0; i < fsdp_tensor_numel(n->out); i++) da[i] += 2.2f * g[i];
+  for (int64_t i = 0; i < fsdp_tensor_numel(n->out); i++)
+    da[i] += wrong_nan ? (i == 4 ? NAN : 2.0f * g[i]) : 2.2f * g[i];
   return FSDP_OK;
 }
 static int f_wrong_double(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
@@ -739,6 +800,10 @@ static void test_gradcheck_catches_wrong_backward(void **state) {
   gc_case c = {"deliberately wrong backward", f_wrong_double, NULL, 1, {rnd(2, SHAPE(3, 3), -1, 1)}, 1};
   double err = gradcheck_measure(&c);
   assert_true(err > 0.05);
+  wrong_nan = true;
+  err = gradcheck_measure(&c);
+  wrong_nan = false;
+  assert_true(isnan(err));
   fsdp_tensor_release(c.in[0]);
 }
 
@@ -1038,6 +1103,317 @@ static void test_grad_to(void **state) {
   assert_int_equal(fsdp_tape_size(), 0);
   fsdp_tensor_release(y);
   fsdp_tensor_release(x);
+}
+
+/* ---- f64, the fused ops, size-1 dimensions, strided inputs, accumulating paths ------------- */
+
+static int f_bias_gelu(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  return fsdp_op_bias_gelu(o, in[0], in[1]);
+}
+/* layernorm(a + b) + sum / 2: both outputs of the fused op carry a gradient, and the sum's
+ * arrives from two consumers */
+static int f_add_layernorm(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  fsdp_tensor *sum = NULL, *ln = NULL, *h = NULL;
+  int rc = fsdp_op_add_layernorm(&sum, &ln, in[0], in[1], in[2], in[3], 1e-5f) ||
+           fsdp_op_affine(&h, sum, 0.5f, 0.0f) || fsdp_op_binary(o, ln, h, FSDP_OP_ADD);
+  fsdp_tensor_release(sum);
+  fsdp_tensor_release(ln);
+  fsdp_tensor_release(h);
+  return rc ? FSDP_ERR : FSDP_OK;
+}
+/* op(x, ...) + x[..., :n]: the add's backward, which runs first, gives x a gradient, so the
+ * op's own backward takes its accumulating path (no first-gradient shortcut) */
+typedef enum { ACC_LINEAR, ACC_BIAS_GELU, ACC_ATTENTION, ACC_LAYERNORM, ACC_CROSS_ENTROPY } acc_op;
+static int f_accumulating(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  fsdp_tensor *y = NULL, *x = NULL;
+  int rc = FSDP_ERR;
+  switch (*(const acc_op *)ctx) {
+  case ACC_LINEAR: rc = fsdp_op_linear(&y, in[0], in[1], in[2]); break;
+  case ACC_BIAS_GELU: rc = fsdp_op_bias_gelu(&y, in[0], in[1]); break;
+  case ACC_ATTENTION: rc = fsdp_op_attention(&y, in[0], 2); break;
+  case ACC_LAYERNORM: rc = fsdp_op_layernorm(&y, in[0], in[1], in[2], 1e-5f); break;
+  case ACC_CROSS_ENTROPY: rc = fsdp_op_cross_entropy(&y, in[0], in[1], -1); break;
+  }
+  if (!rc && y->ndim == 0) { /* a loss: add the logits' sum */
+    rc = fsdp_op_sum(&x, in[0]);
+  } else if (!rc) {
+    rc = fsdp_op_narrow(&x, in[0], in[0]->ndim - 1, 0, y->shape[y->ndim - 1]);
+  }
+  if (!rc) rc = fsdp_op_binary(o, y, x, FSDP_OP_ADD);
+  fsdp_tensor_release(y);
+  fsdp_tensor_release(x);
+  return rc;
+}
+/* Every op with an f64 kernel, in f64: a tolerance of 1e-8 of the gradient's scale catches what
+ * f32's 2e-3 cannot (a constant or a step computed in f32) */
+static void test_grad_f64_elementwise(void **state) {
+  (void)state;
+  rng_reset(60);
+  const fsdp_binary_op *ops[] = {&OP_ADD, &OP_SUB, &OP_MUL, &OP_DIV};
+  const char *names[] = {"add", "sub", "mul", "div"};
+  for (int i = 0; i < 4; i++) {
+    char nm[64];
+    snprintf(nm, sizeof nm, "f64 %s same shape", names[i]);
+    gradcheck((gc_case){nm, f_binary, ops[i], 2,
+                        {f64(rnd_away(2, SHAPE(3, 4), 0.5, 1.5)),
+                         f64(rnd_away(2, SHAPE(3, 4), 0.5, 1.5))},
+                        3});
+    snprintf(nm, sizeof nm, "f64 %s (2,3,4) op transposed (3,4)", names[i]);
+    gradcheck((gc_case){nm, f_binary, ops[i], 2,
+                        {f64(rnd_away(3, SHAPE(2, 3, 4), 0.5, 1.5)),
+                         f64(rnd_transposed(2, SHAPE(3, 4), 0.5, 1.5))},
+                        3});
+    snprintf(nm, sizeof nm, "f64 %s (4) op (2,3,4)", names[i]);
+    gradcheck((gc_case){nm, f_binary, ops[i], 2,
+                        {f64(rnd_away(1, SHAPE(4), 0.5, 1.5)),
+                         f64(rnd_away(3, SHAPE(2, 3, 4), 0.5, 1.5))},
+                        3});
+    snprintf(nm, sizeof nm, "f64 %s (1,1) op (2,3)", names[i]);
+    gradcheck((gc_case){nm, f_binary, ops[i], 2,
+                        {f64(rnd_away(2, SHAPE(1, 1), 0.5, 1.5)),
+                         f64(rnd_away(2, SHAPE(2, 3), 0.5, 1.5))},
+                        3});
+  }
+  static const float st[2] = {-1.5f, 0.25f};
+  gradcheck((gc_case){"f64 affine transposed", f_affine, st, 1,
+                      {f64(rnd_transposed(2, SHAPE(3, 4), -1, 1))}, 1});
+  static const fsdp_unary_op uops[] = {FSDP_UNARY_RELU, FSDP_UNARY_GELU, FSDP_UNARY_EXP,
+                                       FSDP_UNARY_LOG,  FSDP_UNARY_SQRT, FSDP_UNARY_TANH,
+                                       FSDP_UNARY_SIGMOID, FSDP_UNARY_ABS, FSDP_UNARY_SIGN};
+  for (int i = 0; i < 9; i++) {
+    bool positive = uops[i] == FSDP_UNARY_LOG || uops[i] == FSDP_UNARY_SQRT;
+    char nm[64];
+    snprintf(nm, sizeof nm, "f64 %s", fsdp_unary_name(uops[i]));
+    fsdp_tensor *x = positive ? rnd(2, SHAPE(3, 5), 0.3, 2.0) : rnd_away(2, SHAPE(3, 5), 0.05, 3.0);
+    gradcheck((gc_case){nm, f_unary, &uops[i], 1, {f64(x)}, 1});
+  }
+  static const fsdp_unary_op sign = FSDP_UNARY_SIGN;
+  gradcheck((gc_case){"sign (zero gradient)", f_unary, &sign, 1,
+                      {rnd_away(2, SHAPE(3, 5), 0.05, 3.0)}, 1});
+  static const float ps[] = {2.0f, 3.0f, 0.5f, -1.0f, 1.5f};
+  for (int i = 0; i < 5; i++) {
+    char nm[64];
+    snprintf(nm, sizeof nm, "f64 pow %g", (double)ps[i]);
+    gradcheck((gc_case){nm, f_pow, &ps[i], 1, {f64(rnd(2, SHAPE(3, 4), 0.5, 2.0))}, 1});
+  }
+}
+
+static void test_grad_f64_reductions_selection(void **state) {
+  (void)state;
+  rng_reset(61);
+  gradcheck((gc_case){"f64 sum transposed", f_sum, NULL, 1,
+                      {f64(rnd_transposed(2, SHAPE(3, 4), -1, 1))}, 1});
+  for (int d = 0; d < 3; d++)
+    for (int m = 0; m < 2; m++) {
+      sum_dim_ctx c = {d, m == 1};
+      char nm[64];
+      snprintf(nm, sizeof nm, "f64 %s dim %d of (3,5,7)", m ? "mean" : "sum", d);
+      gradcheck((gc_case){nm, f_sum_dim, &c, 1, {f64(rnd(3, SHAPE(3, 5, 7), -1, 1))}, 1});
+    }
+  view_ctx v = {3, {2, -1, 3}};
+  gradcheck((gc_case){"f64 view of transposed", f_view, &v, 1,
+                      {f64(rnd_transposed(3, SHAPE(2, 3, 4), -1, 1))}, 1});
+  static const int tr02[2] = {0, 2};
+  gradcheck((gc_case){"f64 transpose 0,2", f_transpose, tr02, 1,
+                      {f64(rnd(3, SHAPE(2, 3, 4), -1, 1))}, 1});
+  static const int64_t n1[3] = {1, 1, 2};
+  gradcheck((gc_case){"f64 narrow of transposed", f_narrow, n1, 1,
+                      {f64(rnd_transposed(2, SHAPE(3, 4), -1, 1))}, 1});
+  static const float c12[] = {1, 0, 0, 1, 1, 1, 0, 0, 1, 0, 1, 0};
+  gradcheck((gc_case){"f64 where, b (4) broadcast", f_where, NULL, 3,
+                      {from(2, SHAPE(3, 4), c12), f64(rnd_transposed(2, SHAPE(3, 4), -1, 1)),
+                       f64(rnd(1, SHAPE(4), -1, 1))},
+                      6});
+  gradcheck((gc_case){"where f64 a, f32 b promoted", f_where, NULL, 3,
+                      {from(2, SHAPE(3, 4), c12), f64(rnd(2, SHAPE(3, 4), -1, 1)),
+                       rnd(1, SHAPE(4), -1, 1)},
+                      6});
+  static const double both[2] = {-1.0, 0.5};
+  gradcheck((gc_case){"f64 clamp [-1, 0.5]", f_clamp, both, 1,
+                      {f64(rnd_avoid(2, SHAPE(4, 5), -2, 2, -1.0, 0.5, 0.05))}, 1});
+  static const list_ctx d1n3 = {1, 3}, s0n2 = {0, 2};
+  gradcheck((gc_case){"f64 cat dim 1, transposed middle", f_cat, &d1n3, 3,
+                      {f64(rnd(2, SHAPE(3, 1), -1, 1)), f64(rnd_transposed(2, SHAPE(3, 4), -1, 1)),
+                       f64(rnd(2, SHAPE(3, 2), -1, 1))},
+                      7});
+  gradcheck((gc_case){"f64 stack dim 0", f_stack, &s0n2, 2,
+                      {f64(rnd(2, SHAPE(2, 3), -1, 1)), f64(rnd(2, SHAPE(2, 3), -1, 1))}, 3});
+  for (int d = 0; d < 3; d++) {
+    extreme_ctx c = {d, d != 1, d == 2};
+    char nm[64];
+    snprintf(nm, sizeof nm, "f64 %s dim %d of (3,4,5)", c.max ? "max" : "min", d);
+    gradcheck((gc_case){nm, f_extreme, &c, 1, {f64(rnd_distinct(3, SHAPE(3, 4, 5)))}, 1});
+  }
+  static const topk_ctx k2d1 = {2, 1, true}, sort0 = {-1, 0, false};
+  gradcheck((gc_case){"f64 topk 2 largest dim 1", f_topk, &k2d1, 1,
+                      {f64(rnd_distinct(2, SHAPE(3, 5)))}, 1});
+  gradcheck((gc_case){"f64 sort ascending dim 0", f_topk, &sort0, 1,
+                      {f64(rnd_distinct(2, SHAPE(4, 5)))}, 1});
+}
+
+/* bias_gelu: the fused kernel (f32) on every input layout, and the add-then-gelu path (f64) */
+static void test_grad_bias_gelu(void **state) {
+  (void)state;
+  rng_reset(62);
+  gradcheck((gc_case){"bias_gelu x (2,3,5)", f_bias_gelu, NULL, 2,
+                      {rnd(3, SHAPE(2, 3, 5), -3, 3), rnd(1, SHAPE(5), -1, 1)}, 3});
+  gradcheck((gc_case){"bias_gelu x (37), vector tail", f_bias_gelu, NULL, 2,
+                      {rnd(1, SHAPE(37), -3, 3), rnd(1, SHAPE(37), -1, 1)}, 3});
+  gradcheck((gc_case){"bias_gelu transposed x", f_bias_gelu, NULL, 2,
+                      {rnd_transposed(2, SHAPE(4, 5), -3, 3), rnd(1, SHAPE(5), -1, 1)}, 3});
+  gradcheck((gc_case){"bias_gelu only b", f_bias_gelu, NULL, 2,
+                      {rnd(2, SHAPE(4, 5), -3, 3), rnd(1, SHAPE(5), -1, 1)}, 2});
+  gradcheck((gc_case){"bias_gelu only x", f_bias_gelu, NULL, 2,
+                      {rnd(2, SHAPE(4, 5), -3, 3), rnd(1, SHAPE(5), -1, 1)}, 1});
+  gradcheck((gc_case){"f64 bias_gelu (add, gelu)", f_bias_gelu, NULL, 2,
+                      {f64(rnd(3, SHAPE(2, 3, 5), -3, 3)), f64(rnd(1, SHAPE(5), -1, 1))}, 3});
+}
+
+/* add_layernorm: the fused slot (a and b of one shape) and the two ops (b broadcast) */
+static void test_grad_add_layernorm(void **state) {
+  (void)state;
+  rng_reset(63);
+  gradcheck((gc_case){"add_layernorm (2,3,6)", f_add_layernorm, NULL, 4,
+                      {rnd(3, SHAPE(2, 3, 6), -2, 2), rnd(3, SHAPE(2, 3, 6), -2, 2),
+                       rnd(1, SHAPE(6), 0.5, 1.5), rnd(1, SHAPE(6), -1, 1)},
+                      15});
+  gradcheck((gc_case){"add_layernorm (3,37) no bias, transposed a", f_add_layernorm, NULL, 4,
+                      {rnd_transposed(2, SHAPE(3, 37), -2, 2), rnd(2, SHAPE(3, 37), -2, 2),
+                       rnd(1, SHAPE(37), 0.5, 1.5), NULL},
+                      7});
+  gradcheck((gc_case){"add_layernorm b (5) broadcast", f_add_layernorm, NULL, 4,
+                      {rnd(2, SHAPE(4, 5), -2, 2), rnd(1, SHAPE(5), -2, 2),
+                       rnd(1, SHAPE(5), 0.5, 1.5), rnd(1, SHAPE(5), -1, 1)},
+                      15});
+  gradcheck((gc_case){"add_layernorm only the bias", f_add_layernorm, NULL, 4,
+                      {rnd(2, SHAPE(4, 5), -2, 2), rnd(2, SHAPE(4, 5), -2, 2),
+                       rnd(1, SHAPE(5), 0.5, 1.5), rnd(1, SHAPE(5), -1, 1)},
+                      8});
+}
+
+/* Size-1 dimensions everywhere they can be; wider rows than a vector (layernorm, softmax) */
+static void test_grad_size_one(void **state) {
+  (void)state;
+  rng_reset(64);
+  gradcheck((gc_case){"matmul (1,1)@(1,3)", f_matmul, NULL, 2,
+                      {rnd(2, SHAPE(1, 1), -1, 1), rnd(2, SHAPE(1, 3), -1, 1)}, 3});
+  gradcheck((gc_case){"matmul (2,3,1)@(2,1,1)", f_matmul, NULL, 2,
+                      {rnd(3, SHAPE(2, 3, 1), -1, 1), rnd(3, SHAPE(2, 1, 1), -1, 1)}, 3});
+  gradcheck((gc_case){"linear K=1 N=1", f_linear, NULL, 3,
+                      {rnd(2, SHAPE(3, 1), -1, 1), rnd(2, SHAPE(1, 1), -1, 1),
+                       rnd(1, SHAPE(1), -1, 1)},
+                      7});
+  gradcheck((gc_case){"layernorm C=1 (zero gradients)", f_layernorm, NULL, 3,
+                      {rnd(2, SHAPE(3, 1), -2, 2), rnd(1, SHAPE(1), 0.5, 1.5),
+                       rnd(1, SHAPE(1), -1, 1)},
+                      7});
+  fsdp_tensor *wbase = rnd(1, SHAPE(74), 0.5, 1.5), *w; /* every second element: strided */
+  assert_int_equal(fsdp_tensor_new_view(&w, wbase, 1, 1, SHAPE(37), SHAPE(2)), FSDP_OK);
+  fsdp_tensor_release(wbase);
+  gradcheck((gc_case){"layernorm (3,37), strided weight", f_layernorm, NULL, 3,
+                      {rnd(2, SHAPE(3, 37), -2, 2), w, rnd(1, SHAPE(37), -1, 1)}, 7});
+  gradcheck((gc_case){"softmax C=1", f_softmax, NULL, 1, {rnd(2, SHAPE(3, 1), -2, 2)}, 1});
+  gradcheck((gc_case){"softmax (2,37)", f_softmax, NULL, 1, {rnd(2, SHAPE(2, 37), -2, 2)}, 1});
+  static const int d0 = 0;
+  gradcheck((gc_case){"softmax over a size-1 dim 0", f_softmax_dim, &d0, 1,
+                      {rnd(2, SHAPE(1, 4), -2, 2)}, 1});
+  static const sum_dim_ctx s1 = {1, false}, m1 = {1, true}, s0 = {0, true};
+  gradcheck((gc_case){"sum over a size-1 dim", f_sum_dim, &s1, 1,
+                      {rnd(3, SHAPE(2, 1, 3), -1, 1)}, 1});
+  gradcheck((gc_case){"mean over a size-1 dim", f_sum_dim, &m1, 1,
+                      {rnd(3, SHAPE(2, 1, 3), -1, 1)}, 1});
+  gradcheck((gc_case){"mean dim 0 of a vector (to a scalar)", f_sum_dim, &s0, 1,
+                      {rnd(1, SHAPE(5), -1, 1)}, 1});
+  static const extreme_ctx mx1 = {1, true, true};
+  gradcheck((gc_case){"max over a size-1 dim", f_extreme, &mx1, 1,
+                      {rnd_distinct(3, SHAPE(2, 1, 3))}, 1});
+  gradcheck((gc_case){"mul (2,3) op (1,1)", f_binary, &OP_MUL, 2,
+                      {rnd_away(2, SHAPE(2, 3), 0.5, 1.5), rnd_away(2, SHAPE(1, 1), 0.5, 1.5)}, 3});
+  gradcheck((gc_case){"div (1) op (2,3)", f_binary, &OP_DIV, 2,
+                      {rnd_away(1, SHAPE(1), 0.5, 1.5), rnd_away(2, SHAPE(2, 3), 0.5, 1.5)}, 3});
+  gradcheck((gc_case){"sub (0,4) op (4): b's gradient is 0", f_binary, &OP_SUB, 2,
+                      {rnd(2, SHAPE(0, 4), -1, 1), rnd(1, SHAPE(4), -1, 1)}, 2});
+  static const float z1[] = {0, 0, 0};
+  static const int ign = -1;
+  gradcheck((gc_case){"cross_entropy V=1", f_cross_entropy, &ign, 2,
+                      {rnd(2, SHAPE(3, 1), -2, 2), from(1, SHAPE(3), z1)}, 1});
+  static const float id3[] = {3};
+  gradcheck((gc_case){"embedding of a 0-d id", f_embedding, NULL, 2,
+                      {from(0, NULL, id3), rnd(2, SHAPE(5, 4), -1, 1)}, 2});
+  gradcheck((gc_case){"embedding V=1", f_embedding, NULL, 2,
+                      {from(1, SHAPE(3), z1), rnd(2, SHAPE(1, 4), -1, 1)}, 2});
+  static const int64_t nl1[3] = {1, 2, 1};
+  gradcheck((gc_case){"narrow to length 1", f_narrow, nl1, 1, {rnd(2, SHAPE(3, 4), -1, 1)}, 1});
+  view_ctx v = {3, {2, 1, 3}};
+  gradcheck((gc_case){"view adding a size-1 dim", f_view, &v, 1, {rnd(2, SHAPE(2, 3), -1, 1)}, 1});
+  static const int nh2 = 2;
+  gradcheck((gc_case){"attention B2 T1 C4 NH2", f_attention, &nh2, 1,
+                      {rnd(3, SHAPE(2, 1, 12), -1, 1)}, 1});
+  static const list_ctx d0n3 = {0, 3};
+  gradcheck((gc_case){"cat with an empty piece", f_cat, &d0n3, 3,
+                      {rnd(2, SHAPE(2, 3), -1, 1), rnd(2, SHAPE(0, 3), -1, 1),
+                       rnd(2, SHAPE(1, 3), -1, 1)},
+                      5});
+}
+
+/* Ids, targets and inputs as the other layouts and dtypes ops accept */
+static void test_grad_layouts(void **state) {
+  (void)state;
+  rng_reset(65);
+  static const float ids[] = {0, 4, 2, 2, 1, 4};
+  gradcheck((gc_case){"embedding i64 ids", f_embedding, NULL, 2,
+                      {i64(from(2, SHAPE(2, 3), ids)), rnd(2, SHAPE(5, 4), -1, 1)}, 2});
+  gradcheck((gc_case){"embedding transposed ids", f_embedding, NULL, 2,
+                      {i64(rnd_transposed(2, SHAPE(2, 3), 0, 4.99)), rnd(2, SHAPE(5, 4), -1, 1)},
+                      2});
+  static const int ign = -1, ign0 = 0;
+  static const float t6[] = {0, 3, 0, 2, 4, 1}, t8[] = {2, 9, 0, 9, 4, 9, 1, 9};
+  gradcheck((gc_case){"cross_entropy i64 targets", f_cross_entropy, &ign, 2,
+                      {rnd(2, SHAPE(6, 5), -2, 2), i64(from(1, SHAPE(6), t6))}, 1});
+  gradcheck((gc_case){"cross_entropy ignore_index 0 (a class)", f_cross_entropy, &ign0, 2,
+                      {rnd(2, SHAPE(6, 5), -2, 2), from(1, SHAPE(6), t6)}, 1});
+  fsdp_tensor *t8t = from(2, SHAPE(4, 2), t8), *tn;
+  assert_int_equal(fsdp_tensor_narrow(&tn, t8t, 1, 0, 1), FSDP_OK); /* {2, 0, 4, 1}, strided */
+  fsdp_tensor_release(t8t);
+  gradcheck((gc_case){"cross_entropy strided targets (4,1)", f_cross_entropy, &ign, 2,
+                      {rnd(3, SHAPE(4, 1, 5), -2, 2), tn}, 1});
+  static const float p = 0.3f;
+  gradcheck((gc_case){"dropout transposed x", f_dropout, &p, 1,
+                      {rnd_transposed(2, SHAPE(8, 16), -1, 1)}, 1});
+  gradcheck((gc_case){"mse only b, transposed", f_mse, NULL, 2,
+                      {rnd(2, SHAPE(3, 4), -1, 1), rnd_transposed(2, SHAPE(3, 4), -1, 1)}, 2});
+  gradcheck((gc_case){"mse of scalars", f_mse, NULL, 2,
+                      {rnd(0, NULL, -1, 1), rnd(0, NULL, -1, 1)}, 3});
+  fsdp_tensor *wide = rnd(3, SHAPE(3, 2, 15), -1, 1), *qkv, *qt;
+  assert_int_equal(fsdp_tensor_narrow(&qkv, wide, 2, 3, 12), FSDP_OK);
+  assert_int_equal(fsdp_tensor_transpose(&qt, qkv, 0, 1), FSDP_OK); /* (2, 3, 12), strided */
+  fsdp_tensor_release(wide);
+  fsdp_tensor_release(qkv);
+  static const int nh2 = 2;
+  gradcheck((gc_case){"attention transposed narrowed qkv", f_attention, &nh2, 1, {qt}, 1});
+}
+
+/* Inputs that already hold a gradient when the op's backward runs */
+static void test_grad_accumulating(void **state) {
+  (void)state;
+  rng_reset(66);
+  static const acc_op lin = ACC_LINEAR, bg = ACC_BIAS_GELU, att = ACC_ATTENTION,
+                      ln = ACC_LAYERNORM, ce = ACC_CROSS_ENTROPY;
+  gradcheck((gc_case){"linear, x's gradient accumulated", f_accumulating, &lin, 3,
+                      {rnd(2, SHAPE(3, 5), -1, 1), rnd(2, SHAPE(4, 5), -1, 1),
+                       rnd(1, SHAPE(4), -1, 1)},
+                      7});
+  gradcheck((gc_case){"bias_gelu, x's gradient accumulated", f_accumulating, &bg, 2,
+                      {rnd(2, SHAPE(3, 5), -3, 3), rnd(1, SHAPE(5), -1, 1)}, 3});
+  gradcheck((gc_case){"attention, qkv's gradient accumulated", f_accumulating, &att, 1,
+                      {rnd(3, SHAPE(2, 3, 12), -1, 1)}, 1});
+  gradcheck((gc_case){"layernorm, x's gradient accumulated", f_accumulating, &ln, 3,
+                      {rnd(2, SHAPE(3, 5), -2, 2), rnd(1, SHAPE(5), 0.5, 1.5),
+                       rnd(1, SHAPE(5), -1, 1)},
+                      7});
+  static const float t3[] = {2, -1, 4};
+  gradcheck((gc_case){"cross_entropy, logits' gradient accumulated", f_accumulating, &ce, 2,
+                      {rnd(2, SHAPE(3, 5), -2, 2), from(1, SHAPE(3), t3)}, 1});
 }
 
 /* ---- tape semantics ---------------------------------------------------------------------- */
@@ -2409,6 +2785,26 @@ static void test_checkpoint(void **state) {
   fsdp_tensor_release(x0);
 }
 
+/* The checkpointed region against finite differences, with its input a leaf (no recorded op
+ * before the node) and the weight it reads requiring a gradient as well. Under no_grad (the
+ * checker's steps) the region runs plain. */
+static region_ud fd_region;
+static int f_checkpointed(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  fsdp_rng_manual_seed(9); /* one dropout mask for every call */
+  if (!fsdp_grad_enabled()) return region(o, in[0], in[1]);
+  fd_region = (region_ud){.w = in[1]};
+  checkpointed(o, in[0], &fd_region);
+  return FSDP_OK;
+}
+static void test_grad_checkpoint(void **state) {
+  (void)state;
+  rng_reset(92);
+  gradcheck((gc_case){"checkpoint relu(dropout(2 x@w + 1))", f_checkpointed, NULL, 2,
+                      {rnd(2, SHAPE(3, 4), -1, 1), rnd(2, SHAPE(4, 5), -1, 1)}, 3});
+  assert_int_equal(fd_region.calls, 1); /* the backward recomputed the region once */
+  assert_int_equal(fd_region.frees, 1);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_gradcheck_catches_wrong_backward),
@@ -2435,6 +2831,13 @@ int main(void) {
       cmocka_unit_test(test_grad_max_min_topk_sort),
       cmocka_unit_test(test_grad_softmax_dim),
       cmocka_unit_test(test_grad_to),
+      cmocka_unit_test(test_grad_f64_elementwise),
+      cmocka_unit_test(test_grad_f64_reductions_selection),
+      cmocka_unit_test(test_grad_bias_gelu),
+      cmocka_unit_test(test_grad_add_layernorm),
+      cmocka_unit_test(test_grad_size_one),
+      cmocka_unit_test(test_grad_layouts),
+      cmocka_unit_test(test_grad_accumulating),
       cmocka_unit_test(test_used_twice),
       cmocka_unit_test(test_shared_addend_gradient),
       cmocka_unit_test(test_grad_share),
@@ -2460,6 +2863,7 @@ int main(void) {
       cmocka_unit_test(test_errors_devices),
       cmocka_unit_test(test_empty),
       cmocka_unit_test(test_checkpoint),
+      cmocka_unit_test(test_grad_checkpoint),
       cmocka_unit_test(test_backward_epilogue),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
