@@ -1150,8 +1150,11 @@ done:
  * input is a non-leaf without a gradient yet, it takes the output's gradient buffer as its
  * own (a view of it: gradient buffers are contiguous in logical order, so the bytes are the
  * same): no zero-fill and no pass over what can be a (B*T, V) logits gradient. The output's
- * gradient is dropped right after this node, so nothing else writes through the alias. Leaf
- * gradients (parameters) keep their own storage, accounted as grads. */
+ * gradient is dropped right after this node, but the buffer may still be another tensor's
+ * gradient (the output was an addend of a sum: fsdp_grad_share), so the alias is marked
+ * shared: a later write into the input's gradient goes into a copy while any other tensor
+ * still holds that memory (fsdp_grad_acc), and in place once none does. Leaf gradients
+ * (parameters) keep their own storage, accounted as grads. */
 static int bw_flat(fsdp_node *n) {
   fsdp_tensor *in = n->in[0];
   if (!in->requires_grad) return FSDP_OK;
@@ -1159,6 +1162,7 @@ static int bw_flat(fsdp_node *n) {
     fsdp_tensor *g;
     if (fsdp_tensor_view(&g, n->out->grad, in->ndim, in->shape)) return FSDP_ERR;
     in->grad = g; /* the new reference moves into in */
+    in->grad_shared = true;
     return FSDP_OK;
   }
   void *da;

@@ -150,12 +150,14 @@ void fsdp_tape_clear(void) {
 static void *grad_acc(fsdp_tensor *t, bool *fresh) {
   if (fresh) *fresh = false;
   if (t->grad && t->grad_shared) {
-    /* Another tensor's gradient, handed through (fsdp_grad_share). Once t holds the only
-     * reference left it is t's own; before that, writing into it would change the other
+    /* Another tensor's gradient, handed through (fsdp_grad_share), or a view of one (the
+     * backward of view and contiguous). Once t holds the only reference left, to the tensor
+     * and to its memory, it is t's own; before that, writing into it would change the other
      * tensors' gradients too, so t gets a copy. In the residual stream the sharers are done
      * by then (a node's output gradient is dropped once the node ran), so no copy is made. */
     fsdp_tensor *g = t->grad;
-    if (__atomic_load_n(&g->refcount, __ATOMIC_ACQUIRE) > 1) {
+    if (__atomic_load_n(&g->refcount, __ATOMIC_ACQUIRE) > 1 ||
+        __atomic_load_n(&g->storage->refcount, __ATOMIC_ACQUIRE) > 1) {
       fsdp_tensor *own;
       if (fsdp_tensor_new_uninit(&own, g->storage->device, g->dtype, g->ndim, g->shape,
                                  FSDP_ROLE_ACTIVATIONS))

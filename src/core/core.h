@@ -263,7 +263,8 @@ typedef struct fsdp_tensor {
   bool is_param;      /* a parameter: identity is stable, storage may change (FSDP) */
   bool is_leaf;       /* not produced by a recorded op */
   /* grad is another tensor's gradient handed through unchanged (an addend of a sum, during
-   * backward): fsdp_grad_acc copies it before the first write while it is still shared */
+   * backward), or a view of one's memory (a view's input): fsdp_grad_acc copies it before the
+   * first write while the tensor or its memory is still shared */
   bool grad_shared;
   struct fsdp_tensor *grad; /* owned reference or NULL */
   uint64_t version;   /* bumped by in-place writes (fsdp_tensor_written) */

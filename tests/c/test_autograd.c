@@ -1144,6 +1144,25 @@ static int f_accumulating(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
   fsdp_tensor_release(x);
   return rc;
 }
+/* A view whose output is an addend of a same-shape add: the add hands the view's output and
+ * the other addend b one gradient buffer, and the view hands its memory on to its input y. y
+ * and b each have an older consumer (p, q), whose backward adds into their gradient later:
+ * neither write may reach the other's gradient, in either order.
+ *   y = x * 1, b = z * 1, p = y * y, q = b * b, s = view(y) + b, out = s * s + p + q */
+static int f_view_of_shared(fsdp_tensor **o, fsdp_tensor **in, const void *ctx) {
+  fsdp_tensor *y = NULL, *b = NULL, *p = NULL, *q = NULL, *v = NULL, *s = NULL, *m = NULL,
+              *t = NULL;
+  const fsdp_tensor *x = in[0];
+  int rc = fsdp_op_affine(&y, in[0], 1.0f, 0.0f) || fsdp_op_affine(&b, in[1], 1.0f, 0.0f) ||
+           fsdp_op_binary(&p, y, y, FSDP_OP_MUL) || fsdp_op_binary(&q, b, b, FSDP_OP_MUL) ||
+           fsdp_op_view(&v, y, x->ndim, x->shape) || fsdp_op_binary(&s, v, b, FSDP_OP_ADD) ||
+           fsdp_op_binary(&m, s, s, FSDP_OP_MUL) || fsdp_op_binary(&t, m, p, FSDP_OP_ADD) ||
+           fsdp_op_binary(o, t, q, FSDP_OP_ADD);
+  fsdp_tensor *all[] = {y, b, p, q, v, s, m, t};
+  for (int i = 0; i < 8; i++) fsdp_tensor_release(all[i]);
+  return rc ? FSDP_ERR : FSDP_OK;
+}
+
 /* Every op with an f64 kernel, in f64: a tolerance of 1e-8 of the gradient's scale catches what
  * f32's 2e-3 cannot (a constant or a step computed in f32) */
 static void test_grad_f64_elementwise(void **state) {
@@ -1414,6 +1433,8 @@ static void test_grad_accumulating(void **state) {
   static const float t3[] = {2, -1, 4};
   gradcheck((gc_case){"cross_entropy, logits' gradient accumulated", f_accumulating, &ce, 2,
                       {rnd(2, SHAPE(3, 5), -2, 2), from(1, SHAPE(3), t3)}, 1});
+  gradcheck((gc_case){"view of an addend sharing its gradient", f_view_of_shared, NULL, 2,
+                      {rnd(2, SHAPE(3, 4), -1, 1), rnd(2, SHAPE(3, 4), -1, 1)}, 3});
 }
 
 /* ---- tape semantics ---------------------------------------------------------------------- */

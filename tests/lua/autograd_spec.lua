@@ -109,6 +109,20 @@ describe("backward", function()
     assert.is_true(math.abs(x.grad:get(1) + 1 / 3) < 1e-6)
   end)
 
+  it("keeps the gradients of a view's input and of the addend beside it apart", function()
+    -- the add hands view(y) and b one gradient buffer, which the view passes on to y; the
+    -- older consumers p and q then add into y's and b's gradients
+    local x, z = fsdp.tensor { { 1, -2, 3 } }, fsdp.tensor { { 0.5, 2, -1 } }
+    x.requires_grad, z.requires_grad = true, true
+    local y, b = x * 1, z * 1
+    local p, q = y * y, b * b
+    local s = y:view { 1, 3 } + b
+    ;(s * s + p + q):sum():backward()
+    -- d/dx = 2 (x + z) + 2 x, d/dz = 2 (x + z) + 2 z
+    assert.are.same({ { 5, -4, 10 } }, x.grad:totable())
+    assert.are.same({ { 4, 4, 2 } }, z.grad:totable())
+  end)
+
   it("frees non-leaf gradients and the tape", function()
     local w = core.parameter(fsdp.randn { 3, 3 })
     local h = F.relu(w:matmul(w))
