@@ -1074,13 +1074,21 @@ done:
   return rc;
 }
 
-/* sum over a middle axis: i[0..2] = outer, R, inner; f[0] the scale */
+/* The scale of a mean over R elements: 1 / R in double for f64, whose gradient and values an
+ * f32 reciprocal would leave with f32's precision; the f32 reciprocal for the other dtypes,
+ * whose kernels multiply by it as a float. */
+static double mean_scale(fsdp_dtype dt, int64_t R) {
+  if (R == 0) return NAN;
+  return dt == FSDP_DTYPE_F64 ? 1.0 / (double)R : (double)(1.0f / (float)R);
+}
+
+/* sum over a middle axis: i[0..2] = outer, R, inner; i[3] 1 for a mean */
 static int bw_sum_dim(fsdp_node *n) {
   void *da;
   if (grad_of(n, 0, &da)) return FSDP_ERR;
   if (!da) return FSDP_OK;
   return NK(n)->sum_dim_backward(NCTX(n), NDT(n), da, D(n->out->grad), n->i[0], n->i[1],
-                                 n->i[2], n->f[0]);
+                                 n->i[2], n->i[3] ? mean_scale(NDT(n), n->i[1]) : 1.0);
 }
 
 static int sum_all(fsdp_tensor **out, fsdp_tensor *a, bool mean) {
@@ -1095,8 +1103,7 @@ static int sum_all(fsdp_tensor **out, fsdp_tensor *a, bool mean) {
   int rc = new_out(out, a, odt, 0, NULL, name);
   if (rc) goto done;
   RUN(k->sum(CTX(a), a->dtype, D(*out), D(ac), N, mean));
-  float s = mean ? 1.0f / (float)N : 1.0f;
-  rc = record(name, bw_sum_dim, out, &a, 1, NULL, 0, &(const rec_args){.i = {1, N, 1}, .f0 = s});
+  rc = record(name, bw_sum_dim, out, &a, 1, NULL, 0, ARGS(1, N, 1, mean));
 done:
   fsdp_tensor_release(ac);
   return rc;
@@ -1135,10 +1142,9 @@ int fsdp_op_sum_dim(fsdp_tensor **out, fsdp_tensor *a, int dim, bool mean) {
   if (contig(&ac, a, name)) return FSDP_ERR;
   int rc = new_out(out, a, a->dtype, ond, oshape, name);
   if (rc) goto done;
-  float s = mean ? (R ? 1.0f / (float)R : NAN) : 1.0f;
-  RUN(k->sum_dim_forward(CTX(a), a->dtype, D(*out), D(ac), outer, R, inner, s));
-  rc = record(name, bw_sum_dim, out, &a, 1, NULL, 0,
-              &(const rec_args){.i = {outer, R, inner}, .f0 = s});
+  RUN(k->sum_dim_forward(CTX(a), a->dtype, D(*out), D(ac), outer, R, inner,
+                         mean ? mean_scale(a->dtype, R) : 1.0));
+  rc = record(name, bw_sum_dim, out, &a, 1, NULL, 0, ARGS(outer, R, inner, mean));
 done:
   fsdp_tensor_release(ac);
   return rc;

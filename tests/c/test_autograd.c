@@ -1222,6 +1222,7 @@ static void test_grad_f64_reductions_selection(void **state) {
   rng_reset(61);
   gradcheck((gc_case){"f64 sum transposed", f_sum, NULL, 1,
                       {f64(rnd_transposed(2, SHAPE(3, 4), -1, 1))}, 1});
+  gradcheck((gc_case){"f64 mean (3,7)", f_mean, NULL, 1, {f64(rnd(2, SHAPE(3, 7), -1, 1))}, 1});
   for (int d = 0; d < 3; d++)
     for (int m = 0; m < 2; m++) {
       sum_dim_ctx c = {d, m == 1};
@@ -1229,6 +1230,13 @@ static void test_grad_f64_reductions_selection(void **state) {
       snprintf(nm, sizeof nm, "f64 %s dim %d of (3,5,7)", m ? "mean" : "sum", d);
       gradcheck((gc_case){nm, f_sum_dim, &c, 1, {f64(rnd(3, SHAPE(3, 5, 7), -1, 1))}, 1});
     }
+  /* and the values: an f64 mean of three ones is 1, not 3 * (float)(1 / 3) */
+  static const float ones[6] = {1, 1, 1, 1, 1, 1};
+  fsdp_tensor *o6 = f64(from(2, SHAPE(2, 3), ones)), *mo;
+  assert_int_equal(fsdp_op_sum_dim(&mo, o6, 1, true), FSDP_OK);
+  assert_true(getv(mo, 0) == 1.0 && getv(mo, 1) == 1.0);
+  fsdp_tensor_release(mo);
+  fsdp_tensor_release(o6);
   view_ctx v = {3, {2, -1, 3}};
   gradcheck((gc_case){"f64 view of transposed", f_view, &v, 1,
                       {f64(rnd_transposed(3, SHAPE(2, 3, 4), -1, 1))}, 1});
