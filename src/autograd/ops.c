@@ -563,7 +563,9 @@ done:
 static int bw_pow(fsdp_node *n) {
   void *da;
   if (grad_of(n, 0, &da)) return FSDP_ERR;
-  if (!da) return FSDP_OK;
+  /* x^0 is 1 everywhere: its gradient is 0, at x = 0 too, where p x^(p - 1) is 0 * inf, NaN
+   * (PyTorch's convention as well) */
+  if (!da || n->f[0] == 0.0f) return FSDP_OK;
   return NK(n)->pow_backward(NCTX(n), NDT(n), da, D(n->out->grad), D(n->saved[0]), n->f[0],
                              fsdp_tensor_numel(n->out));
 }

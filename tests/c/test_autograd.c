@@ -1215,6 +1215,10 @@ static void test_grad_f64_elementwise(void **state) {
     snprintf(nm, sizeof nm, "f64 pow %g", (double)ps[i]);
     gradcheck((gc_case){nm, f_pow, &ps[i], 1, {f64(rnd(2, SHAPE(3, 4), 0.5, 2.0))}, 1});
   }
+  /* x^0 is 1 everywhere: its gradient is 0, at x = 0 too (not 0 * 0^-1) */
+  static const float p0 = 0.0f, xs[] = {0, 0.5f, -1.5f, 0, 2, -0.25f};
+  gradcheck((gc_case){"pow 0 through 0", f_pow, &p0, 1, {from(2, SHAPE(2, 3), xs)}, 1});
+  gradcheck((gc_case){"f64 pow 0 through 0", f_pow, &p0, 1, {f64(from(2, SHAPE(2, 3), xs))}, 1});
 }
 
 static void test_grad_f64_reductions_selection(void **state) {
