@@ -416,6 +416,17 @@ static void poison_set(mpi_comm *mc, const char *msg, bool send) {
   free(reqs);
 }
 
+/* Fail the running (or a queued) collective with msg, and poison the group with `poison`. */
+static int op_fail_with(mpi_comm *mc, mpi_op *op, const char *msg, const char *poison,
+                        bool send) {
+  if (op->state == OP_ARRIVE || op->state == OP_DATA) req_abandon(mc);
+  poison_set(mc, poison, send);
+  op->rc = FSDP_ERR;
+  op->msg = strdup(msg);
+  op->state = OP_DONE;
+  return FSDP_ERR;
+}
+
 /* Fail the running (or a queued) collective with a message: "<msg>" for it, and the group is
  * poisoned with "rank R failed: <msg>" (sent to the peers when send). */
 static int op_fail(mpi_comm *mc, mpi_op *op, bool send, const char *fmt, ...)
@@ -426,14 +437,9 @@ static int op_fail(mpi_comm *mc, mpi_op *op, bool send, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
-  if (op->state == OP_ARRIVE || op->state == OP_DATA) req_abandon(mc);
   char full[MPI_MSG_CAP + 32];
   snprintf(full, sizeof full, "rank %d failed: %s", mc->family_rank, msg);
-  poison_set(mc, full, send);
-  op->rc = FSDP_ERR;
-  op->msg = strdup(msg);
-  op->state = OP_DONE;
-  return FSDP_ERR;
+  return op_fail_with(mc, op, msg, full, send);
 }
 
 /* Fail a collective because the group is poisoned: its message is the poison itself. */
@@ -643,12 +649,16 @@ static bool verdict(mpi_comm *mc, mpi_op *op) {
   for (int p = 1; p < mc->world; p++) {
     hdr_to_coll(&kp, &mc->hdrs[p]);
     if (fsdp_coll_matches(&k0, &kp) && mc->hdrs[p].seq == mc->hdrs[0].seq) continue;
-    char a[160], b[160];
+    char a[160], b[160], msg[MPI_MSG_CAP];
     fsdp_coll_describe(a, sizeof a, &k0);
     fsdp_coll_describe(b, sizeof b, &kp);
-    /* every rank sees the same headers and reaches this same message: nothing to send */
-    op_fail(mc, op, false, "collective mismatch at #%llu: rank 0 called %s but rank %d called %s",
-            (unsigned long long)op->seq, a, p, b);
+    snprintf(msg, sizeof msg,
+             "collective mismatch at #%llu: rank 0 called %s but rank %d called %s",
+             (unsigned long long)op->seq, a, p, b);
+    /* every rank sees the same headers and reaches this same message: nothing to send, and the
+     * poison is the verdict itself, blaming no rank, so that every later collective fails with
+     * the same message on every rank (as local.c's decide_locked) */
+    op_fail_with(mc, op, msg, msg, false);
     return false;
   }
   return true;

@@ -322,6 +322,14 @@ static void expect_fail(int rc, const char *want, const char *what) {
         fsdp_error_msg());
 }
 
+/* the first line of an error message (the flight recorder follows it) */
+static void first_line(char *buf, size_t n, const char *msg) {
+  size_t len = strcspn(msg, "\n");
+  if (len >= n) len = n - 1;
+  memcpy(buf, msg, len);
+  buf[len] = '\0';
+}
+
 static void test_mismatch(void) {
   if (g_world == 1) return;
   const int r = g_rank;
@@ -334,8 +342,17 @@ static void test_mismatch(void) {
                   : fsdp_comm_reduce_scatter(c, buf, buf + 1024, 8, FSDP_DTYPE_F32, FSDP_RED_SUM, "x");
   expect_fail(rc, "collective mismatch at #2: rank 0 called all_gather(f32 x8, 'x') but rank 1 "
                   "called reduce_scatter(f32 x8 sum, 'x')", "op mismatch");
-  /* and the group stays poisoned with it */
-  expect_fail(fsdp_comm_barrier(c, "after"), "collective mismatch at #2", "after a mismatch");
+  /* and the group stays poisoned with the verdict itself: every later collective fails with
+   * the same message on every rank, blaming no rank (docs/comm.md, as the local backend) */
+  char verdict[256];
+  first_line(verdict, sizeof verdict, fsdp_error_msg());
+  for (int i = 0; i < 2; i++) {
+    expect_fail(fsdp_comm_barrier(c, "after"), "collective mismatch at #2", "after a mismatch");
+    char later[256];
+    first_line(later, sizeof later, fsdp_error_msg());
+    CHECK(strcmp(later, verdict) == 0,
+          "after a mismatch: the message is\n%s\nnot the verdict\n%s", later, verdict);
+  }
   fsdp_comm_free(c);
   sync_all("mismatch.op");
   /* count */
