@@ -44,8 +44,8 @@
  * no byte has moved for FSDP_MPI_POISON_GRACE seconds. Every wait is a poll, so it is timed:
  * the arrival by the timeout, the data phase by the timeout without progress. A timeout names
  * the ranks at fault: in the arrival, those missing (a probe asks the peers where they are); in
- * the data phase, those a pending receive waits for or, where the library collective (or sends
- * alone) cannot say, those that do not answer the same probe. A failed
+ * the data phase, those a pending receive waits for, else those a pending send waits for, or,
+ * where the library collective cannot say, those that do not answer the same probe. A failed
  * collective may leave requests in flight, so a poisoned communicator's MPI communicators are
  * never used again (mpi_revive moves the group onto fresh duplicates) and MPI is not finalized (fsdp_mpi_finalize): the process exits nonzero and mpirun ends the job.
  * A rank whose communicator is freed tells its peers ("left after #N"); a peer waiting for it in
@@ -1021,6 +1021,44 @@ static int arrival_waits(mpi_comm *mc, mpi_op *op, double t) {
   return FSDP_OK;
 }
 
+/* Append ", rank P" to the list in buf (at: its length) unless P is in it already. */
+static size_t list_rank(char *buf, size_t n, size_t at, int p) {
+  char r[32];
+  snprintf(r, sizeof r, "rank %d", p);
+  for (const char *s = buf; (s = strstr(s, r)) != NULL; s += strlen(r)) {
+    char c = s[strlen(r)];
+    if (c == '\0' || c == ',' || c == ' ') return at; /* (rank 1 is not rank 12) */
+  }
+  if (at >= n) return at;
+  int k = snprintf(buf + at, n - at, "%s%s", at ? ", " : "", r);
+  return k < 0 ? at : at + (size_t)k;
+}
+
+/* The data phase stalled: whom its pending requests wait for, into buf. Pending receives name
+ * the ranks whose data has not come ("rank 2, rank 3"). With none, pending sends name the ranks
+ * that have not taken this rank's data ("rank 1 to receive"): over shared memory with
+ * single-copy transfers a receiver pulls the data out of the sender's posted send, so a rank
+ * whose peer stopped may have every byte it needs and only its sends pending. false: a library
+ * collective is pending, which names nobody (the caller probes). */
+static bool data_waits_for(const mpi_comm *mc, char *buf, size_t n) {
+  size_t recv_at = 0, send_at = 0;
+  char sends[192] = "";
+  buf[0] = '\0';
+  for (int i = REQ_FIXED; i < mc->nreq; i++) {
+    if (mc->req[i] == MPI_REQUEST_NULL || mc->info[i].aside) continue;
+    switch (mc->info[i].kind) {
+    case RQ_LIB: return false;
+    case RQ_RECV:
+    case RQ_RECV_SEG: recv_at = list_rank(buf, n, recv_at, mc->info[i].peer); break;
+    case RQ_SEND: send_at = list_rank(sends, sizeof sends, send_at, mc->info[i].peer); break;
+    default: break;
+    }
+  }
+  if (recv_at == 0 && send_at > 0) snprintf(buf, n, "%s to receive", sends);
+  else if (recv_at == 0) snprintf(buf, n, "a transfer it cannot name"); /* (live > 0: never) */
+  return true;
+}
+
 /* After completions: phase changes, and the checks that end a collective that cannot
  * complete (a peer left, the group is poisoned, the timeout). */
 static int op_check(mpi_comm *mc, mpi_op *op) {
@@ -1066,31 +1104,14 @@ static int op_check(mpi_comm *mc, mpi_op *op) {
     return op_fail_poisoned(mc, op, poison);
   if (t - op->t_progress > op->timeout) {
     char who[256] = "";
-    size_t at = 0;
-    bool named = false; /* a pending receive names the peer it waits for */
-    for (int i = REQ_FIXED; i < mc->nreq && at < sizeof who; i++) {
-      if (mc->req[i] == MPI_REQUEST_NULL || mc->info[i].aside) continue;
-      if (mc->info[i].kind == RQ_LIB) {
-        at = (size_t)snprintf(who, sizeof who, "the MPI collective");
-        named = false;
-        break;
-      }
-      if (mc->info[i].kind == RQ_RECV || mc->info[i].kind == RQ_RECV_SEG) {
-        char r[32];
-        snprintf(r, sizeof r, "rank %d", mc->info[i].peer);
-        if (!strstr(who, r)) at += (size_t)snprintf(who + at, sizeof who - at, "%s%s", at ? ", " : "", r);
-        named = true;
-      }
-    }
-    if (!named) {
-      /* the library collective (or sends alone) does not say whose data is missing: ask the
-       * peers, as the arrival does, and name those that do not answer */
+    if (!data_waits_for(mc, who, sizeof who)) {
+      /* the library collective does not say whose data is missing: ask the peers, as the
+       * arrival does, and name those that do not answer */
       if (!mc->probing) return probe_begin(mc, op, t);
       if (mc->probe_pending > 0 && t < mc->probe_end) return FSDP_OK;
       char silent[160];
       describe_silent(mc, silent, sizeof silent);
-      if (!at) at = (size_t)snprintf(who, sizeof who, "sends to complete");
-      snprintf(who + at, sizeof who - at, "%s", silent);
+      snprintf(who, sizeof who, "the MPI collective%s", silent);
     }
     return op_fail(mc, op, true,
                    "timeout after %g s in %s #%llu '%s': every rank arrived, but no data has "

@@ -19,11 +19,14 @@
  * one is never used again); a separate healthy one keeps the ranks in step between cases.
  * FSDP_TEST_ONLY=stall runs one case alone (mpi_comm.sh runs it with Open MPI's single-copy
  * transfers off): a rank stopped (SIGSTOP) in the middle of an all_gather's data phase, which
- * its peers' timeout names.
+ * its peers' timeout names. FSDP_TEST_ONLY=stall_sends: a rank stopped in an all_reduce's and a
+ * reduce_scatter's data phase once its peers hold all its data, so that they wait on sends
+ * alone, and name it (this program wraps MPI_Isend and MPI_Irecv to stop it there).
  */
 #include <math.h>
 #include <mpi.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -646,7 +649,7 @@ static void test_split_failure(void) {
  * moving): its peers time out without progress and name it, whether the data moves by the
  * library's MPI_Iallgather (the default: a probe finds the peer that does not answer) or by
  * point-to-point (FSDP_MPI_ALLGATHER=p2p: the pending receive names it, or when only sends are
- * pending, the probe). Rank 1 stops itself (raise(SIGSTOP)) as soon as the first peer data
+ * pending, the pending sends). Rank 1 stops itself (raise(SIGSTOP)) as soon as the first peer data
  * lands in its output, so that everyone has arrived and nothing can finish without it: with
  * single-copy transfers off, the blocks move in 32 KiB fragments that need both sides. Rank 0
  * resumes it (SIGCONT) after its own failure. */
@@ -692,7 +695,7 @@ static void test_stall(void) {
                     "data has moved for 1 s (waiting for "),
           "the message:\n%s", m);
     if (p2p)
-      CHECK(strstr(m, "(waiting for rank 1)") || strstr(m, ": rank 1 does not answer)"),
+      CHECK(strstr(m, "(waiting for rank 1)") || strstr(m, "(waiting for rank 1 to receive)"),
             "point-to-point: the message does not name rank 1:\n%s", m);
     else
       CHECK(strstr(m, "(waiting for the MPI collective: rank 1 does not answer)"),
@@ -712,6 +715,102 @@ static void test_stall(void) {
   passed("a rank stopped in an all_gather's data phase is named by its peers' timeout");
 }
 
+/* ---- a rank whose peers hold only sends to it (test_stall_sends) -------------------------------
+ * The backend's MPI_Isend and MPI_Irecv calls come here first (MPI's profiling interface: the
+ * library's own entry points are PMPI_*). While armed, rank 1 records its reduce-scatter sends
+ * and, at its first reduce-scatter receive, waits until every one of them has completed (its
+ * peers have received all of its data), then stops itself (SIGSTOP) before posting that receive.
+ * Its peers then have no receive pending, only their sends to rank 1, which nobody takes: the
+ * state that single-copy transfers produce by chance when a rank stops in the data phase (the
+ * receivers pull the stopped rank's posted sends), here reached on every transport. The
+ * backend holds its MPI lock around these calls, so no other thread of rank 1 moves data
+ * meanwhile. */
+#define STALL_TAG 10 /* mpi.c's TAG_RS: reduce_scatter's data, and all_reduce's first half */
+#define STALL_MAX 256
+static atomic_bool g_stall_armed;
+static MPI_Request g_stall_sends[STALL_MAX];
+static int g_stall_nsends;
+
+int MPI_Isend(const void *buf, int count, MPI_Datatype dt, int dest, int tag, MPI_Comm comm,
+              MPI_Request *req) {
+  int err = PMPI_Isend(buf, count, dt, dest, tag, comm, req);
+  if (atomic_load(&g_stall_armed) && tag == STALL_TAG && err == MPI_SUCCESS) {
+    CHECK(g_stall_nsends < STALL_MAX, "more than %d sends", STALL_MAX);
+    g_stall_sends[g_stall_nsends++] = *req;
+  }
+  return err;
+}
+
+int MPI_Irecv(void *buf, int count, MPI_Datatype dt, int src, int tag, MPI_Comm comm,
+              MPI_Request *req) {
+  if (atomic_load(&g_stall_armed) && tag == STALL_TAG) {
+    atomic_store(&g_stall_armed, false);
+    CHECK(g_stall_nsends > 0, "no send recorded before the first receive");
+    double t0 = now_s();
+    for (int i = 0; i < g_stall_nsends; i++) {
+      int done = 0;
+      while (!done) { /* (get_status leaves the request to its owner) */
+        PMPI_Request_get_status(g_stall_sends[i], &done, MPI_STATUS_IGNORE);
+        CHECK(done || now_s() - t0 < 30, "send %d of %d did not complete in 30 s", i,
+              g_stall_nsends);
+      }
+    }
+    raise(SIGSTOP);
+  }
+  return PMPI_Irecv(buf, count, dt, src, tag, comm, req);
+}
+
+/* Rank 1 stops in an all_reduce's (then a reduce_scatter's) data phase once its peers hold all
+ * of its data and before it takes any of theirs (above): every peer's pending requests are
+ * sends to rank 1, and rank 0's timeout names it as the rank that does not receive. Rank 0
+ * resumes it (SIGCONT) after its own failure. */
+static void test_stall_sends(void) {
+  if (g_world == 1) return;
+  const int W = g_world, r = g_rank;
+  int64_t pid = (int64_t)getpid(), *pids = calloc((size_t)W, sizeof *pids);
+  CHECK(pids, "oom");
+  OK(fsdp_comm_all_gather(g_sync, pids, &pid, 1, FSDP_DTYPE_I64, "pids"));
+  const int64_t n = (int64_t)1 << 20; /* f32 elements per chunk: 4 MiB, four 1 MiB segments */
+  for (int round = 0; round < 2; round++) {
+    const bool ar = round == 0;
+    const char *what = ar ? "all_reduce" : "reduce_scatter";
+    /* never freed: rank 1, resumed, may still move data in or out of them */
+    float *in = malloc((size_t)(n * W) * sizeof(float)), *out = malloc((size_t)n * sizeof(float));
+    CHECK(in && out, "oom");
+    for (int64_t i = 0; i < n * W; i++) in[i] = (float)r;
+    /* rank 0 times out first, well before the others (whose poison would otherwise race it) */
+    fsdp_comm *c = fresh(r == 0 ? 1.0 : 4.0);
+    OK(fsdp_comm_barrier(c, "before"));
+    g_stall_nsends = 0;
+    if (r == 1) atomic_store(&g_stall_armed, true);
+    double t0 = now_s();
+    int rc = ar ? fsdp_comm_all_reduce(c, in, n * W, FSDP_DTYPE_F32, FSDP_RED_SUM, "stalled")
+                : fsdp_comm_reduce_scatter(c, out, in, n, FSDP_DTYPE_F32, FSDP_RED_SUM,
+                                           "stalled");
+    double t = now_s() - t0;
+    CHECK(!atomic_load(&g_stall_armed), "%s: rank %d never reached its first receive", what, r);
+    if (r == 0) {
+      CHECK(rc == FSDP_ERR, "%s: the stalled collective succeeded", what);
+      char want[256];
+      snprintf(want, sizeof want,
+               "timeout after 1 s in %s #2 'stalled': every rank arrived, but no data has moved "
+               "for 1 s (waiting for rank 1 to receive)\n", what);
+      CHECK(strncmp(fsdp_error_msg(), want, strlen(want)) == 0, "%s: the message is\n%s\nnot\n%s",
+            what, fsdp_error_msg(), want);
+      CHECK(t < 8, "%s: failed after %.1f s (timeout 1 s)", what, t);
+      struct timespec ts = {0, 300000000}; /* the others learn of it first */
+      nanosleep(&ts, NULL);
+      CHECK(kill((pid_t)pids[1], SIGCONT) == 0, "SIGCONT to rank 1");
+    }
+    /* the others may fail with rank 0's poison, with their own timeout, or (rank 1, resumed)
+     * succeed: each is right for them */
+    fsdp_comm_free(c);
+    sync_all("stall sends");
+  }
+  free(pids);
+  passed("a rank that takes none of its peers' data is named by their timeout");
+}
+
 int main(void) {
   fsdp_comm *c;
   OK(fsdp_comm_mpi_new(&c));
@@ -723,8 +822,9 @@ int main(void) {
     fflush(stdout);
   }
   const char *only = getenv("FSDP_TEST_ONLY");
-  if (only && strcmp(only, "stall") == 0) {
-    test_stall();
+  if (only && (strcmp(only, "stall") == 0 || strcmp(only, "stall_sends") == 0)) {
+    if (strcmp(only, "stall") == 0) test_stall();
+    else test_stall_sends();
     fsdp_comm_free(c);
     fsdp_comm_free(g_sync);
     MPI_Finalize();

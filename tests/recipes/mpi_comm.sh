@@ -6,7 +6,8 @@
 # sub-communicators (hybrid pairs; an abort in one group fails every group). Then the variants
 # that take other code paths: 4 KiB reduce-scatter segments with a window of 2 (many segments, slot
 # reuse), all_gather by point-to-point, TCP instead of shared memory, MPI_THREAD_MULTIPLE; and a
-# rank stopped (SIGSTOP) in an all_gather's data phase, which its peers' timeout names.
+# rank stopped (SIGSTOP) in an all_gather's data phase, and one stopped in an all_reduce's and a
+# reduce_scatter's with only its peers' sends to it pending, which its peers' timeout names.
 # Skips (exit 77) only when mpirun is not installed.
 . "${0%/*}/lib.sh"
 need mpirun "apt-get install openmpi-bin"
@@ -43,4 +44,11 @@ run "a stopped rank named in MPI_Iallgather's data phase, -np 3" -np 3 $NOCMA
 # shellcheck disable=SC2086
 run "a stopped rank named in a point-to-point all_gather, -np 3" -np 3 $NOCMA \
   -x FSDP_MPI_ALLGATHER=p2p
+# a rank stopped in an all_reduce's and a reduce_scatter's data phase once its peers hold all its
+# data, before it takes any of theirs: its peers wait on sends alone, and name it (single-copy
+# transfers on and off)
+run "a stopped rank named by peers with sends alone pending, -np 2" -np 2 \
+  -x FSDP_TEST_ONLY=stall_sends
+run "a stopped rank named by peers with sends alone pending, no single copy, -np 3" -np 3 \
+  -x OMPI_MCA_btl_vader_single_copy_mechanism=none -x FSDP_TEST_ONLY=stall_sends
 finish
