@@ -243,7 +243,7 @@ static void exit_hook(lua_State *L, lua_Debug *ar) {
 }
 
 /* os.exit([code]) in a rank. exit() would end the other ranks mid-collective and, under
- * mpirun, skip MPI_Finalize (mpirun then prints that the process "exited improperly"). The
+ * mpirun, skip MPI_Finalize (mpirun then prints that the process "exiting improperly"). The
  * rank's run ends instead, as if its chunk had returned, with code as its status (true 0,
  * false 1, none 0): the error unwinds to the rank's outermost frame, the state is closed
  * (finalizers run, files close), the rank leaves the group and fsdprun ends the way it always
@@ -909,11 +909,21 @@ static int run_mpi_rank(fsdprun_opts *o) {
   }
   int status = run_host(o, (fsdp_host_opts){.nranks = 1, .comm = comm, .ctl_comm = ctl,
                                             .timeout_s = o->timeout, .nccl = o->nccl});
+  /* After a failure MPI is left unfinalized (collectives may be in flight: MPI_Finalize could
+   * wait for a hung peer forever) and the nonzero exit makes mpirun end the job, killing the
+   * ranks still running. That holds when the recipe caught the failure and ended normally too
+   * (pcall, the REPL): a process that exits 0 without MPI_Finalize is what mpirun reports as
+   * "exiting improperly", which cannot be told from Open MPI's launch race, so it exits 1. */
+  const char *blocked = fsdp_mpi_finalize_blocked();
+  if (status == EXIT_SUCCESS && blocked) {
+    fprintf(stderr, PROGNAME ": [rank %d] exits with status 1 without MPI_Finalize: %s\n", rank,
+            blocked);
+    status = EXIT_FAILURE;
+  }
   fflush(stdout);
   fflush(stderr);
-  /* After a failure MPI is left unfinalized (collectives may be in flight) and the nonzero exit
-   * makes mpirun end the job, killing the ranks still running. Linger a second first, so that
-   * the peers this rank's poison woke have reported too. */
+  /* Linger a second before a failing exit, so that the peers this rank's poison woke have
+   * reported before mpirun ends the job. */
   if (status != EXIT_SUCCESS && world > 1) nanosleep(&(struct timespec){1, 0}, NULL);
   fsdp_mpi_finalize();
   return status;

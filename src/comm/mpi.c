@@ -1674,6 +1674,25 @@ const char *fsdp_mpi_thread_level(void) {
   }
 }
 
+const char *fsdp_mpi_finalize_blocked(void) {
+  static char why[64];
+  const char *r = NULL;
+  pthread_mutex_lock(&g_init_mu);
+  int fin = 0;
+  if (g_we_initialized && !g_finalized) MPI_Finalized(&fin); /* (the host may have) */
+  if (g_we_initialized && !g_finalized && !fin) {
+    if (atomic_load(&g_any_failed)) {
+      r = "a communicator of this process failed, and collectives may be in flight";
+    } else if (g_live_comms > 0) {
+      snprintf(why, sizeof why, "%d communicator%s still open", g_live_comms,
+               g_live_comms > 1 ? "s are" : " is");
+      r = why;
+    }
+  }
+  pthread_mutex_unlock(&g_init_mu);
+  return r;
+}
+
 bool fsdp_mpi_finalize(void) {
   pthread_mutex_lock(&g_init_mu);
   int fin = 0;

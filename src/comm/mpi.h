@@ -34,6 +34,13 @@ bool fsdp_mpi_available(void);
  * MPI was finalized. A no-op without the backend or when the host initialized MPI. */
 bool fsdp_mpi_finalize(void);
 
+/* Why fsdp_mpi_finalize would skip MPI_Finalize now ("a communicator of this process failed,
+ * ..."; "2 communicators are still open"), or NULL when it would finalize or has nothing to do (the
+ * host initialized MPI, or it is finalized already, or there is no backend). A process that
+ * would end with status 0 but gets a reason must not: mpirun reports a process that exits 0
+ * without MPI_Finalize as "exiting improperly", the message of Open MPI's launch race. */
+const char *fsdp_mpi_finalize_blocked(void);
+
 /* MPI's thread level as granted ("serialized", "multiple", ...; "none" before MPI_Init). */
 const char *fsdp_mpi_thread_level(void);
 

@@ -14,4 +14,6 @@ bool fsdp_mpi_available(void) { return false; }
 
 bool fsdp_mpi_finalize(void) { return false; }
 
+const char *fsdp_mpi_finalize_blocked(void) { return NULL; }
+
 const char *fsdp_mpi_thread_level(void) { return "none"; }

@@ -3,7 +3,7 @@
 # status is the code (true 0, false 1, none 0), output written so far is kept, nothing after
 # it runs (not even behind pcall), several ranks exiting end with the code and no report, a rank
 # that exits early leaves its peers' collectives failing at once; under mpirun MPI is finalized
-# (no "exited improperly" from mpirun); in the REPL (-i, fsdp.debug()) os.exit ends the session
+# (no "exiting improperly" from mpirun); in the REPL (-i, fsdp.debug()) os.exit ends the session
 # and the run with its code; with --debug-on-error os.exit starts no post-mortem, and in the
 # post-mortem it ends the run with status 1 (a rank failed).
 . "${0%/*}/lib.sh"
@@ -72,12 +72,12 @@ expect_has err "boom" "os.exit in the post-mortem: the failure is reported"
 if command -v mpirun >/dev/null 2>&1; then
   run timeout -k 5 120 $MPIRUN -np 2 "$FSDPRUN" -e 'print("rank" .. require("fsdp").rank()); os.exit(0)'
   expect_rc 0 "mpirun, os.exit(0)"
-  expect_lacks err "exited improperly" "mpirun, os.exit(0)"
-  expect_lacks out "exited improperly" "mpirun, os.exit(0)"
+  expect_lacks err "improperly" "mpirun, os.exit(0)"
+  expect_lacks out "improperly" "mpirun, os.exit(0)"
   expect_has out "rank1" "mpirun, os.exit(0): rank 1's output"
   run timeout -k 5 120 $MPIRUN -np 2 "$FSDPRUN" -e 'os.exit(3)'
   expect_rc 3 "mpirun, os.exit(3)"
-  expect_lacks err "exited improperly" "mpirun, os.exit(3)"
+  expect_lacks err "improperly" "mpirun, os.exit(3)"
 else
   echo "(mpirun is not installed: the mpirun cases are left out)"
 fi

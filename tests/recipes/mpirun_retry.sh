@@ -1,19 +1,22 @@
 #!/bin/sh
 # The tests' mpirun wrapper (lib/mpirun_retry.sh) against a stand-in for mpirun: Open MPI's
 # launch race ("rank 0 with PID 0 ... exiting improperly") gets one more run, whose streams and
-# status are the result; a real failure (a real pid, or the race twice) keeps its status and
-# its message; a success runs once; mpirun's options alone run mpirun; standard input reaches
+# status are the result; a real failure (a real pid, the race twice, or the same message after
+# a rank said it exits without MPI_Finalize) keeps its status and its message; a success runs
+# once; mpirun's options alone run mpirun; standard input reaches
 # the command; a signal to the wrapper alone reaches the command too, leaving nothing behind.
 # Needs no MPI.
 . "${0%/*}/lib.sh"
 W="$SRC/tests/recipes/lib/mpirun_retry.sh"
 cat >"$T/fake" <<'FAKE'
 #!/bin/sh
-# $1: how many runs fail with the race; $2: the exit status after them; counts runs in $T/n
+# $1: how many runs fail with the race; $2: the exit status after them; counts runs in $T/n;
+# $3 (optional): a rank's line on stderr before the race's message
 n=$(($(cat "$FAKE_DIR/n" 2>/dev/null || echo 0) + 1))
 echo "$n" >"$FAKE_DIR/n"
 echo "run $n"
 if [ "$n" -le "$1" ]; then
+  [ -n "${3-}" ] && echo "$3" >&2
   printf '%s\n' "mpirun has exited due to process rank 0 with PID 0 on" \
     "node box exiting improperly. There are three reasons this could occur:" >&2
   exit 1
@@ -47,6 +50,14 @@ run sh "$W" "$T/fake" 0 3
 expect_rc 3 "a real failure"
 expect_has err "with PID 4242 on" "a real failure's message"
 [ "$(cat "$T/n")" = 1 ] || fail "a real failure: $(cat "$T/n") runs, expected 1"
+
+# the same message after fsdprun said it skips MPI_Finalize: a process that did, not the race
+rm -f "$T/n"
+run sh "$W" "$T/fake" 1 0 "fsdprun: [rank 0] exits with status 1 without MPI_Finalize: ..."
+expect_rc 1 "without MPI_Finalize"
+expect_has err "with PID 0 on" "without MPI_Finalize: mpirun's message"
+expect_lacks err "running again" "without MPI_Finalize: no second run"
+[ "$(cat "$T/n")" = 1 ] || fail "without MPI_Finalize: $(cat "$T/n") runs, expected 1"
 
 rm -f "$T/n"
 run sh "$W" "$T/fake" 0 0

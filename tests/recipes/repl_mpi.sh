@@ -4,9 +4,11 @@
 # `mpirun -np 2 fsdprun -i` and to `fsdprun -n 2 -i` prints the same standard output (the
 # backend's name aside): the preloaded fsdp, grouped output, print capture, collectives across
 # the processes, an error on one rank that the session survives, ":rank 1" refusing a
-# collective, and :quit ending every process with status 0. Then fsdp.debug() with the
-# caller's locals. Skips (77) when mpirun is not installed or fsdprun was built without Open
-# MPI. Run by ctest with FSDPRUN=<build>/bin/fsdprun.
+# collective, and :quit ending every process with status 0. A collective mismatch in the
+# session: the same verdict on every rank for it and the next collective, as with -n 2, and
+# exit status 1 (MPI cannot be finalized). Then fsdp.debug() with the caller's locals. Skips
+# (77) when mpirun is not installed or fsdprun was built without Open MPI. Run by ctest with
+# FSDPRUN=<build>/bin/fsdprun.
 . "${0%/*}/lib.sh"
 need_mpi
 
@@ -44,6 +46,26 @@ cmp -s "$T/local.n" "$T/mpi.n" || fail "stdout differs; -n 2:
 $(cat "$T/out")
 mpirun -np 2:
 $(cat "$T/mpi")"
+
+# a collective mismatch in the session: it and every later collective fail with the same verdict
+# on both ranks (grouped as [0-1]), as with -n 2; the poisoned communicator keeps MPI from being
+# finalized, so each process then exits 1 saying so
+mismatch='fsdp.all_reduce(1, "sum", "l" .. fsdp.rank())
+fsdp.barrier()
+:quit
+'
+printf '%s' "$mismatch" | timeout -k 5 60 "$FSDPRUN" -n 2 -i >"$T/out" 2>"$T/err"
+rc=$?
+expect_rc 0 "a mismatch in the session, -n 2"
+[ "$(grep -c "^fsdprun: \[0-1\] stdin:1: collective mismatch at #2" "$T/err")" = 2 ] ||
+  fail "a mismatch in the session, -n 2: not the same verdict twice on both ranks: $(cat "$T/err")"
+printf '%s' "$mismatch" | timeout -k 5 120 $MPIRUN -np 2 "$FSDPRUN" -i >"$T/out" 2>"$T/err"
+rc=$?
+expect_rc 1 "a mismatch in the session, mpirun"
+[ "$(grep -c "^fsdprun: \[0-1\] stdin:1: collective mismatch at #2" "$T/err")" = 2 ] ||
+  fail "a mismatch in the session, mpirun: not the same verdict twice on both ranks:
+$(cat "$T/err")"
+expect_has err "fsdprun: [rank 1] exits with status 1 without MPI_Finalize" "a mismatch, mpirun"
 
 cat >"$T/debug.lua" <<'LUA'
 local fsdp = require "fsdp"
