@@ -128,4 +128,13 @@ function H.sink()
   return s
 end
 
+-- m wrapped with one unit per nn.Block: returns m and its root unit.
+function H.wrap_blocks(m)
+  local fsdp = require "fsdp"
+  fsdp.wrap(m, {policy = fsdp.policy.modules{fsdp.nn.Block}})
+  for _, u in ipairs(fsdp.units(m)) do
+    if u.path == "(root)" then return m, u end
+  end
+end
+
 return H

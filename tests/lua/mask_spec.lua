@@ -442,13 +442,7 @@ end)
 describe("the checkpoint helpers on a gathered unit, and bad slices", function()
   local mask = require "fsdp.mask"
 
-  local function wrapped()
-    local m = gpt()
-    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
-    for _, u in ipairs(fsdp.units(m)) do
-      if u.path == "(root)" then return m, u end
-    end
-  end
+  local function wrapped() return H.wrap_blocks(gpt()) end
 
   it("set_mask on a wrapped parameter names it in a refusal, setting nothing", function()
     local m = wrapped()

@@ -174,13 +174,7 @@ describe("prune.magnitude", function()
 end)
 
 describe("pruning a gathered unit", function()
-  local function wrapped()
-    local m = gpt()
-    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block}})
-    for _, u in ipairs(fsdp.units(m)) do
-      if u.path == "(root)" then return m, u end
-    end
-  end
+  local function wrapped() return H.wrap_blocks(gpt()) end
 
   it("refuses a copy written outside full_params / apply, recording and pruning nothing", function()
     local m, root = wrapped()
