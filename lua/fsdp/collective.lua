@@ -16,7 +16,9 @@
 -- docs/ARCHITECTURE.md): check_outcome (did every rank's local phase succeed? the lowest
 -- failing rank's message otherwise: what fsdp.save and fsdp.load raise) and check_lists (is
 -- every rank about to act on the same things? the first differing item and the ranks
--- otherwise: what fsdp.wrap, fsdp.materialize and load_tensors raise).
+-- otherwise: what fsdp.wrap, fsdp.materialize and load_tensors raise). check_agreement joins
+-- one call's arguments and its refusals in one comparison; refusal and difference are the two
+-- messages every rank raises from a comparison's result, the same on every rank.
 local core = require "fsdp.core"
 local util = require "fsdp.util"
 
@@ -230,9 +232,17 @@ function M.agree(value, what, label, err)
   if d == nil then return value end
   if d.failed then
     if core.world_size() == 1 then util.reraise(err) end
-    util.raise(("rank %d of %d: %s"):format(d.failed, core.world_size(), d.err))
+    util.raise(M.refusal(d))
   end
   util.raise(M.difference(d, what))
+end
+
+--- The message every rank raises for a result of compare in which a rank refused (d.failed):
+--- "rank R of W: <R's message>", R the lowest refusing rank; its message alone at world size 1.
+--- Local: every rank has the same d.
+function M.refusal(d)
+  local W = core.world_size()
+  return (W > 1 and ("rank %d of %d: "):format(d.failed, W) or "") .. d.err
 end
 
 --- The message agree raises for a result of compare whose values differ (d.differ): "<what>
@@ -258,10 +268,7 @@ end
 function M.check_agreement(fn, value, err, what, label)
   local d = M.compare(value, err, label or fn)
   if d == nil then return nil end
-  if d.failed ~= nil then
-    local W = core.world_size()
-    return fn .. ": " .. (W > 1 and ("rank %d of %d: "):format(d.failed, W) or "") .. d.err
-  end
+  if d.failed ~= nil then return fn .. ": " .. M.refusal(d) end
   return fn .. ": " .. M.difference(d, what)
 end
 
@@ -277,8 +284,7 @@ function M.check_outcome(ok, err, label)
   end
   local d = M.compare(nil, msg, label or "collective.check_outcome")
   if d == nil then return nil end
-  if W == 1 then return d.err end
-  return ("rank %d of %d: %s"):format(d.failed, W, d.err)
+  return M.refusal(d)
 end
 
 --- Collective. Compare `entries` (an array of strings each rank builds from its own state, in

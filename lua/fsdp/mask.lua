@@ -4,7 +4,7 @@
 --   for checkpoints (lua/fsdp/checkpoint.lua): has, local_slice, set_local, masked, local_mask,
 --   set_local_mask; reapply(model)
 --   for optimizers and pruning (optim.lua, prune.lua): shard_slice, apply_plain, plain_flat,
---   piece, adopt, changed_copy, refresh
+--   piece, adopt, changed_copy, refresh, wrapped
 --
 -- A mask is a 0/1 value per element of a parameter (0 = pruned). It is stored in the form the
 -- parameter has (docs/pruning.md):
@@ -273,10 +273,7 @@ function M.set_mask(p, mask)
     end
   end
   local d = collective.compare(value, why, "set_mask " .. path)
-  if d ~= nil and d.failed ~= nil then
-    local W = core.world_size()
-    raise("fsdp.set_mask: " .. (W > 1 and ("rank %d of %d: "):format(d.failed, W) or "") .. d.err)
-  end
+  if d ~= nil and d.failed ~= nil then raise("fsdp.set_mask: " .. collective.refusal(d)) end
   if d ~= nil then
     local other = d.differ[1]
     local ranks = {}
@@ -519,12 +516,16 @@ function M.local_slice(p)
 end
 
 -- Whether some parameter of model belongs to a unit (then its mask calls are collective).
-local function has_units(model)
+--- Whether any parameter of model belongs to a unit (then set_local and pruning are
+--- collective): false for anything that is not a module.
+function M.wrapped(model)
+  if not is_module(model) then return false end
   for _, p in ipairs(model:parameters()) do
     if core.param_unit(p) ~= nil then return true end
   end
   return false
 end
+local has_units = M.wrapped
 
 --- Collective when model is wrapped (every rank passes the same set of parameters): set each
 --- listed parameter's mask from this rank's slice (a 1-D tensor with fsdp.shard(param)'s

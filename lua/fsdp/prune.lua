@@ -98,13 +98,7 @@ end
 
 -- Whether some parameter of model belongs to a unit: the pruning functions are then collective
 -- (the same answer on every rank: wrapping is collective).
-local function wrapped(model)
-  if not util.is_module(model) then return false end
-  for _, p in ipairs(model:parameters()) do
-    if core.param_unit(p) ~= nil then return true end
-  end
-  return false
-end
+local wrapped = mask.wrapped
 
 -- A caught error of fn's checks as a bare message: without positions, and without "fn: " in
 -- front (put back once, with the rank, when raised).
