@@ -843,7 +843,7 @@ describe("optimizers on a wrapped model", function()
   end)
 
   it("a submodule's zero_grad drops its parameters' gradients only, as on a plain model", function()
-    -- m.b a unit, m.a and m.spare in the root: b:zero_grad() zeroes a whole unit, a:zero_grad()
+    -- m.b a unit, m.a and m.c in the root: b:zero_grad() zeroes a whole unit, a:zero_grad()
     -- part of the root's shard; under fsdp.no_sync the held gradient is dropped too
     local Pair = nn.Module:extend("WrapSpecZeroPair")
     function Pair:init()
