@@ -27,6 +27,30 @@
 typedef int (*fsdp_backward_fn)(fsdp_node *n);
 typedef int (*fsdp_hook_fn)(void *ud);
 
+/* What a backward needs to tell that a tensor it reads was written since the forward: the
+ * tensor's own version, and the version of the storage under it with that storage's id. A write
+ * through another tensor over the same memory (a view, detach()) bumps only the storage's; as in
+ * PyTorch, a write into a part of the memory the saved tensor does not cover counts too. Not
+ * writes: a storage swapped since (an FSDP parameter resharded and gathered again), and writes
+ * into an FSDP unit's flat buffers (fsdp_storage.unit_books: storage_id 0, never an id), which
+ * hold many parameters and which the unit checks against its shard itself. */
+typedef struct {
+  uint64_t version, storage_id, storage_version;
+} fsdp_stamp;
+
+static inline fsdp_stamp fsdp_stamp_of(const fsdp_tensor *t) {
+  return (fsdp_stamp){t->version, t->storage->unit_books ? 0 : t->storage->id,
+                      t->storage->version};
+}
+
+static inline bool fsdp_stamp_changed(const fsdp_tensor *t, fsdp_stamp s) {
+  return t->version != s.version ||
+         (t->storage->id == s.storage_id && t->storage->version != s.storage_version);
+}
+/* The error for a changed t: "<what> was modified in place [through another tensor over its
+ * memory] after the forward (...)" with the versions that tell, and what to do instead. */
+int fsdp_stamp_error(const fsdp_tensor *t, fsdp_stamp s, const char *what);
+
 struct fsdp_node {
   const char *op; /* for error messages: "linear", "layernorm", ... */
   fsdp_backward_fn backward;
@@ -40,10 +64,10 @@ struct fsdp_node {
   fsdp_tensor *saved[FSDP_NODE_MAX_SAVED]; /* retained */
   float f[4];    /* scalar arguments */
   int64_t i[8];  /* integer arguments (sizes, dims) */
-  /* Versions (fsdp_tensor.version) of saved[k] and of out when recorded: backward refuses to
-   * read a tensor that was modified in place since, instead of computing a wrong gradient. */
-  uint64_t saved_version[FSDP_NODE_MAX_SAVED];
-  uint64_t out_version;
+  /* Stamps of saved[k] and of out when recorded: backward refuses to read a tensor that was
+   * modified in place since, instead of computing a wrong gradient. */
+  fsdp_stamp saved_stamp[FSDP_NODE_MAX_SAVED];
+  fsdp_stamp out_stamp;
   bool reads_out;    /* backward reads out's values (exp, softmax, ...): out is checked too */
   /* out shared an input's storage when recorded (view, transpose, narrow): its memory is that
    * input's, not made by this op (fsdp_tape_push sets it; fsdp_inplace_check reads it) */
@@ -115,7 +139,8 @@ int fsdp_inplace_check(const fsdp_tensor *t, const char *what, const char *inste
  * same graph is an error, not a silent no-op). A leaf root only gets its seed and leaves the
  * tape alone. While it runs, grad mode is off (hooks may run ops; nothing is recorded) and a
  * nested fsdp_backward (from a hook) is an error. A saved tensor modified in place since its
- * op ran (its version changed) fails the backward with a message naming the op. */
+ * op ran, through itself or another tensor over its memory (fsdp_stamp), fails the backward
+ * with a message naming the op. */
 int fsdp_backward(fsdp_tensor *root, fsdp_tensor *grad);
 
 /* A function run on the backward's thread when its outermost backward ends, after the walk

@@ -11,6 +11,7 @@
  * would; drop the inner tape; restore the streams. So a run with checkpointing computes the
  * same bits as one without, and draws the same random numbers afterwards.
  */
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "autograd/autograd.h"
@@ -21,14 +22,14 @@ typedef struct {
   void *ud;
   void (*ud_free)(void *);
   fsdp_rng_state rng;
-  uint64_t *versions; /* of n->more[k] when recorded */
+  fsdp_stamp *stamps; /* of n->more[k] when recorded */
 } ckpt;
 
 static void ckpt_free(void *p) {
   ckpt *c = p;
   if (!c) return;
   if (c->ud_free) c->ud_free(c->ud);
-  free(c->versions);
+  free(c->stamps);
   free(c);
 }
 
@@ -51,12 +52,12 @@ static int propagate(fsdp_node *n, fsdp_tensor *y) {
 static int ckpt_backward(fsdp_node *n) {
   ckpt *c = n->hook_ud;
   for (int k = 0; k < n->nmore; k++)
-    if (n->more[k]->version != c->versions[k])
-      return fsdp_error("checkpoint: input %d %s of the checkpointed region was modified in "
-                        "place after the forward (version %llu, now %llu); modify a clone() "
-                        "instead, or modify it after backward",
-                        k + 1, FSDP_SHAPE_STR(n->more[k]), (unsigned long long)c->versions[k],
-                        (unsigned long long)n->more[k]->version);
+    if (fsdp_stamp_changed(n->more[k], c->stamps[k])) {
+      char what[160];
+      snprintf(what, sizeof what, "checkpoint: input %d %s of the checkpointed region", k + 1,
+               FSDP_SHAPE_STR(n->more[k]));
+      return fsdp_stamp_error(n->more[k], c->stamps[k], what);
+    }
   fsdp_rng_state now;
   fsdp_rng_get_state(&now);
   fsdp_tape_frame outer;
@@ -88,23 +89,23 @@ int fsdp_op_checkpoint(fsdp_tensor **out, fsdp_tensor *y, fsdp_tensor *const *in
   ckpt *c = calloc(1, sizeof *c);
   fsdp_node *n = c ? fsdp_node_new("checkpoint", ckpt_backward) : NULL;
   fsdp_tensor **more = nin ? calloc((size_t)nin, sizeof *more) : NULL;
-  uint64_t *versions = nin ? calloc((size_t)nin, sizeof *versions) : NULL;
-  if (!c || !n || (nin && (!more || !versions))) {
+  fsdp_stamp *stamps = nin ? calloc((size_t)nin, sizeof *stamps) : NULL;
+  if (!c || !n || (nin && (!more || !stamps))) {
     free(c);
     free(n);
     free(more);
-    free(versions);
+    free(stamps);
     fsdp_tensor_release(o);
     if (ud_free) ud_free(ud);
     return fsdp_error("checkpoint: out of host memory recording the node");
   }
-  *c = (ckpt){.fn = fn, .ud = ud, .ud_free = ud_free, .rng = *rng, .versions = versions};
+  *c = (ckpt){.fn = fn, .ud = ud, .ud_free = ud_free, .rng = *rng, .stamps = stamps};
   n->hook_ud = c; /* not a hook node (hook stays NULL): node_free frees c through hook_free */
   n->hook_free = ckpt_free;
   for (int k = 0; k < nin; k++) {
     fsdp_tensor_retain(in[k]);
     more[k] = in[k];
-    versions[k] = in[k]->version;
+    stamps[k] = fsdp_stamp_of(in[k]);
   }
   n->more = more;
   n->nmore = nin;
@@ -112,7 +113,7 @@ int fsdp_op_checkpoint(fsdp_tensor **out, fsdp_tensor *y, fsdp_tensor *const *in
   o->is_leaf = false;
   fsdp_tensor_retain(o);
   n->out = o;
-  n->out_version = o->version;
+  n->out_stamp = fsdp_stamp_of(o);
   if (fsdp_tape_push(n)) { /* frees n (and c, the inputs, its reference to o) */
     fsdp_tensor_release(o);
     return FSDP_ERR;

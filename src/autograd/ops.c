@@ -132,7 +132,7 @@ static int record(const char *op, fsdp_backward_fn fn, fsdp_tensor **out, fsdp_t
     n->saved[i] = saved[i];
     if (saved[i]) {
       fsdp_tensor_retain(saved[i]);
-      n->saved_version[i] = saved[i]->version;
+      n->saved_stamp[i] = fsdp_stamp_of(saved[i]);
     }
   }
   if (a) {
@@ -141,7 +141,7 @@ static int record(const char *op, fsdp_backward_fn fn, fsdp_tensor **out, fsdp_t
     n->f[1] = a->f1;
     n->reads_out = a->reads_out;
   }
-  n->out_version = o->version;
+  n->out_stamp = fsdp_stamp_of(o);
   if (fsdp_tape_push(n) == FSDP_OK) return FSDP_OK;
 fail:
   fsdp_tensor_release(*out);
@@ -1504,7 +1504,7 @@ int fsdp_op_cat(fsdp_tensor **out, fsdp_tensor *const *ts, int n, int dim) {
   o->is_leaf = false;
   fsdp_tensor_retain(o);
   node->out = o;
-  node->out_version = o->version;
+  node->out_stamp = fsdp_stamp_of(o);
   node->i[0] = dim;
   for (int i = 0; i < n; i++) {
     fsdp_tensor_retain(ts[i]);

@@ -200,17 +200,28 @@ bool fsdp_grad_share(fsdp_tensor *t, fsdp_tensor *g) {
   return true;
 }
 
+int fsdp_stamp_error(const fsdp_tensor *t, fsdp_stamp s, const char *what) {
+  const bool direct = t->version != s.version;
+  return fsdp_error("%s was modified in place%s after the forward (%s %llu, now %llu); modify a "
+                    "clone() instead, or modify it after backward",
+                    what, direct ? "" : " through another tensor over its memory (a view or "
+                                        "detach())",
+                    direct ? "version" : "its memory's version",
+                    (unsigned long long)(direct ? s.version : s.storage_version),
+                    (unsigned long long)(direct ? t->version : t->storage->version));
+}
+
 /* The tensors n's backward reads must be as they were when n was recorded. */
 static int check_versions(const fsdp_node *n) {
   for (int k = 0; k <= n->nsaved; k++) {
     const fsdp_tensor *t = k < n->nsaved ? n->saved[k] : (n->reads_out ? n->out : NULL);
-    uint64_t want = k < n->nsaved ? n->saved_version[k] : n->out_version;
-    if (t && t->version != want)
-      return fsdp_error("a tensor %s that %s saved for its gradient was modified in place "
-                        "after the forward (version %llu, now %llu); modify a clone() "
-                        "instead, or modify it after backward",
-                        FSDP_SHAPE_STR(t), n->op, (unsigned long long)want,
-                        (unsigned long long)t->version);
+    fsdp_stamp want = k < n->nsaved ? n->saved_stamp[k] : n->out_stamp;
+    if (t && fsdp_stamp_changed(t, want)) {
+      char what[160];
+      snprintf(what, sizeof what, "a tensor %s that %s saved for its gradient",
+               FSDP_SHAPE_STR(t), n->op);
+      return fsdp_stamp_error(t, want, what);
+    }
   }
   return FSDP_OK;
 }

@@ -233,8 +233,16 @@ typedef struct fsdp_storage {
   fsdp_role role;
   fsdp_mem_domain *domain; /* where it was charged; NULL for wrapped memory */
   /* Bumped with the version of every tensor written in place over this memory, whichever view
-   * it was: a gathered unit tells from it that its parameters, or its shard, changed. */
+   * it was: a gathered unit tells from it that its parameters, or its shard, changed, and a
+   * backward that a write through another view (or detach()) changed what it saved. */
   uint64_t version;
+  /* Unique for the process's life: tells this storage from one allocated later at the same
+   * address (a backward compares versions only of the storage it recorded). */
+  uint64_t id;
+  /* An FSDP unit's flat buffer (its shard, a gathered copy): many parameters over one storage,
+   * written in place by design (masks, full_params' writeback) and checked by the unit against
+   * its shard. A backward does not compare this storage's version (autograd.h, fsdp_stamp). */
+  bool unit_books;
 } fsdp_storage;
 
 int fsdp_storage_new(fsdp_storage **out, const fsdp_device_i *dev, size_t bytes, fsdp_role role);
@@ -245,6 +253,8 @@ int fsdp_storage_new_uninit(fsdp_storage **out, const fsdp_device_i *dev, size_t
 /* Wrap memory the caller owns (not freed, not accounted); used for zero-copy views. */
 int fsdp_storage_wrap(fsdp_storage **out, void *data, size_t bytes);
 void fsdp_storage_retain(fsdp_storage *s);
+/* A new fsdp_storage.id (from 1, any thread), for storages made outside storage.c. */
+uint64_t fsdp_storage_new_id(void);
 void fsdp_storage_release(fsdp_storage *s);
 
 /* ---- tensors (tensor.c) ------------------------------------------------------------ */

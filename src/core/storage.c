@@ -12,6 +12,11 @@
 
 #include "core/core.h"
 
+uint64_t fsdp_storage_new_id(void) {
+  static uint64_t last;
+  return __atomic_add_fetch(&last, 1, __ATOMIC_RELAXED);
+}
+
 static int storage_new(fsdp_storage **out, const fsdp_device_i *dev, size_t bytes,
                        fsdp_role role, bool zero) {
   *out = NULL;
@@ -32,7 +37,7 @@ static int storage_new(fsdp_storage **out, const fsdp_device_i *dev, size_t byte
     return FSDP_ERR;
   }
   *s = (fsdp_storage){.refcount = 1, .device = dev, .data = data, .bytes = bytes,
-                      .role = role, .domain = domain};
+                      .role = role, .domain = domain, .id = fsdp_storage_new_id()};
   *out = s;
   return FSDP_OK;
 }
@@ -53,7 +58,8 @@ int fsdp_storage_wrap(fsdp_storage **out, void *data, size_t bytes) {
   fsdp_storage *s = malloc(sizeof *s);
   if (!s) return fsdp_error("storage: out of host memory for the storage header");
   *s = (fsdp_storage){.refcount = 1, .device = &fsdp_device_cpu, .data = data,
-                      .bytes = bytes, .role = FSDP_ROLE_OTHER, .domain = NULL};
+                      .bytes = bytes, .role = FSDP_ROLE_OTHER, .domain = NULL,
+                      .id = fsdp_storage_new_id()};
   *out = s;
   return FSDP_OK;
 }

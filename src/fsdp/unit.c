@@ -68,7 +68,8 @@ static int sharded_storage_new(fsdp_storage **out, size_t bytes) {
   fsdp_storage *s = malloc(sizeof *s);
   if (!s) return fsdp_error("wrap: out of host memory for a storage header");
   *s = (fsdp_storage){.refcount = 1, .device = &fsdp_device_sharded, .data = NULL,
-                      .bytes = bytes, .role = FSDP_ROLE_PARAMS, .domain = NULL};
+                      .bytes = bytes, .role = FSDP_ROLE_PARAMS, .domain = NULL,
+                      .id = fsdp_storage_new_id()};
   *out = s;
   return FSDP_OK;
 }
@@ -706,6 +707,7 @@ int fsdp_unit_new(fsdp_unit **out, fsdp_comm *c, const char *path, fsdp_tensor *
                true) ||
       sharded_storage_new(&u->sharded, (size_t)u->padded * sizeof(float)))
     goto fail;
+  u->shard->storage->unit_books = true;
   /* fill this rank's slice from each full parameter (meta ones stay zero) */
   for (int i = 0; i < n; i++) {
     fsdp_tensor *p = params[i];
@@ -762,6 +764,7 @@ static void note_matched(fsdp_unit *u) {
 static void install(fsdp_unit *u, fsdp_tensor *buf) {
   fsdp_tensor_release(u->full);
   u->full = buf; /* the reference moves in */
+  buf->storage->unit_books = true;
   for (int i = 0; i < u->n; i++) {
     fsdp_tensor *p = u->params[i].param;
     fsdp_tensor_set_storage(p, buf->storage, u->params[i].offset);
@@ -1359,7 +1362,8 @@ static void disown_storage(fsdp_storage *s) {
     fsdp_mem_uncharge(s->domain, s->device, s->role, s->bytes);
   }
   *s = (fsdp_storage){.refcount = s->refcount, .device = &fsdp_device_unsharded, .data = NULL,
-                      .bytes = s->bytes, .role = s->role, .domain = NULL};
+                      .bytes = s->bytes, .role = s->role, .domain = NULL,
+                      .version = s->version, .id = s->id, .unit_books = s->unit_books};
 }
 
 int fsdp_unit_unshard(fsdp_unit *u) {

@@ -581,7 +581,6 @@ static int l_fill(lua_State *L) {
   double v = num_arg(L, 2, "fill", "value");
   fsdp_lua_check_write(L, t, "fill", "make a new tensor (fsdp.full(t:shape(), v))");
   if (fsdp_fill(t, v)) fsdp_lua_error(L);
-  fsdp_tensor_written(t);
   lua_settop(L, 1);
   return 1;
 }
@@ -590,7 +589,6 @@ static int l_zero(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
   fsdp_lua_check_write(L, t, "zero", "make a new tensor (fsdp.zeros(t:shape()))");
   if (fsdp_fill(t, 0.0)) fsdp_lua_error(L);
-  fsdp_tensor_written(t);
   lua_settop(L, 1);
   return 1;
 }
@@ -599,7 +597,6 @@ static int l_copy(lua_State *L) {
   fsdp_tensor *t = fsdp_lua_check_tensor(L, 1), *s = fsdp_lua_check_tensor(L, 2);
   fsdp_lua_check_write(L, t, "copy", "use the source itself (src:to(t:dtype()) converts it)");
   if (fsdp_copy(t, s)) fsdp_lua_error(L);
-  fsdp_tensor_written(t);
   lua_settop(L, 1);
   return 1;
 }
@@ -1284,8 +1281,19 @@ static int l_is_tensor(lua_State *L) {
   return 1;
 }
 
+/* memory_stamp(t) -> id, version: t's storage and that storage's version (fsdp_storage), which
+ * every in-place write through any tensor over the memory (a view, detach()) bumps; t.version
+ * counts only writes through t. Both as numbers (exact below 2^53). */
+static int l_memory_stamp(lua_State *L) {
+  fsdp_tensor *t = fsdp_lua_check_tensor(L, 1);
+  lua_pushnumber(L, (lua_Number)t->storage->id);
+  lua_pushnumber(L, (lua_Number)t->storage->version);
+  return 2;
+}
+
 static const luaL_Reg constructors[] = {
     {"is_tensor", l_is_tensor}, {"dtype_name", l_dtype_name}, {"grad_of", l_grad_of},
+    {"memory_stamp", l_memory_stamp},
     {"tensor", l_tensor}, {"zeros", l_zeros}, {"ones", l_ones}, {"full", l_full},
     {"empty", l_empty},   {"randn", l_randn}, {"rand", l_rand}, {"arange", l_arange},
     {NULL, NULL}};

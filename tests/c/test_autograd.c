@@ -1956,6 +1956,33 @@ static void test_inplace_after_forward(void **state) {
   assert_int_equal(fsdp_tape_size(), 0);
   fsdp_tensor_release(h);
   fsdp_tensor_release(l);
+  /* the same written through another tensor over x's memory: x's own version stays */
+  fsdp_tensor *xv;
+  assert_int_equal(fsdp_op_linear(&h, x, w, NULL), FSDP_OK);
+  assert_int_equal(fsdp_op_sum(&l, h), FSDP_OK);
+  assert_int_equal(fsdp_tensor_new_view(&xv, x, 4, 1, SHAPE(4), (int64_t[]){1}), FSDP_OK);
+  const uint64_t xver = x->version;
+  assert_int_equal(fsdp_tensor_fill(xv, 1.0f), FSDP_OK);
+  assert_int_equal(x->version, xver);
+  EXPECT_ERR(fsdp_backward(l, NULL), "backward of linear", "(2, 4)",
+             "modified in place through another tensor over its memory");
+  assert_int_equal(fsdp_tape_size(), 0);
+  fsdp_tensor_release(xv);
+  fsdp_tensor_release(h);
+  fsdp_tensor_release(l);
+  /* x moved to another storage since (as FSDP moves a parameter between its shard and a
+   * gathered copy) is not a write: that storage's versions are not the recorded one's */
+  fsdp_tensor *x2;
+  assert_int_equal(fsdp_tensor_clone(&x2, x), FSDP_OK);
+  assert_int_equal(fsdp_op_linear(&h, x, w, NULL), FSDP_OK);
+  assert_int_equal(fsdp_op_sum(&l, h), FSDP_OK);
+  assert_int_equal(fsdp_tensor_fill(x2, 1.0f), FSDP_OK); /* its storage's version moves */
+  fsdp_tensor_set_storage(x, x2->storage, 0);
+  assert_int_equal(fsdp_backward(l, NULL), FSDP_OK);
+  fsdp_tensor_release(x2);
+  fsdp_tensor_release(h);
+  fsdp_tensor_release(l);
+  fsdp_tensor_set_grad(w, NULL);
   /* an output exp reads in its backward */
   fsdp_tensor *e, *s;
   assert_int_equal(fsdp_op_unary(&e, w, FSDP_UNARY_EXP), FSDP_OK);

@@ -170,6 +170,40 @@ describe("backward", function()
     assert.are.same(flat(w:exp()), flat(w.grad))
   end)
 
+  it("refuses a saved leaf written through another tensor over its memory", function()
+    -- detach(), a view, a narrow: each is a tensor of its own (its own version) over w's memory
+    local writes = {
+      detach = function(w) w:detach():mul_(10) end,
+      view = function(w) w:view { 6 }:mul_(10) end,
+      narrow = function(w) w:narrow(1, 2, 1):fill(0) end,
+      detach_view = function(w) w:detach():view { 6 }:add_(fsdp.ones(6)) end,
+    }
+    for name, write in pairs(writes) do
+      core.tape_clear()
+      local w = core.parameter(fsdp.randn { 2, 3 })
+      local x = fsdp.randn { 4, 3 }
+      x.requires_grad = true
+      local l = F.linear(x, w):sum()
+      write(w)
+      local err = assert_error_has(function() l:backward() end, "backward of linear",
+        "a tensor (2, 3) that linear saved for its gradient was modified in place through "
+        .. "another tensor over its memory (a view or detach()) after the forward",
+        "(its memory's version ", "clone()")
+      assert.is_nil(x.grad, name)
+      assert.are.equal(0, core.tape_size(), name .. ": " .. err)
+    end
+    -- a write after backward, or into a clone, is fine; so is a graph over a clone of w
+    local w = core.parameter(fsdp.ones { 2, 3 })
+    local x = fsdp.ones { 4, 3 }
+    x.requires_grad = true
+    local l = F.linear(x, w):sum()
+    w:clone():mul_(10)
+    l:backward()
+    assert.are.same({ 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2 }, flat(x.grad))
+    w:detach():mul_(10)
+    assert.are.same({ 10, 10, 10, 10, 10, 10 }, flat(w))
+  end)
+
   it("detach cuts the graph", function()
     local w = core.parameter(fsdp.ones(2))
     local d = (w * 3):detach()

@@ -236,6 +236,13 @@ describe("nn.checkpoint", function()
     assert_error_has(function() y:sum():backward() end, "backward of checkpoint",
       "input 1 (2, 3) of the checkpointed region was modified in place after the forward")
     assert.are.equal(0, core.tape_size())
+    -- the same through another tensor over x's memory
+    y = l(x)
+    x:detach():fill(1)
+    assert_error_has(function() y:sum():backward() end, "backward of checkpoint",
+      "input 1 (2, 3) of the checkpointed region was modified in place through another tensor "
+      .. "over its memory (a view or detach()) after the forward")
+    assert.are.equal(0, core.tape_size())
     -- an input that is a graph's own tensor cannot be written at all while the graph lives
     local h = x * 1
     y = l(h)
