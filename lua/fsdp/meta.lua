@@ -156,8 +156,7 @@ local function materialize_plain(model, init_fn, device)
       custom[o.module] = true
     else
       util.no_grad(M.fill_from_record, p, p, 0)
-      local r = base.init_record(p)
-      if r ~= nil and r.kind ~= nil then r.version = p.version end -- fresh, as after an eager init
+      base.note_init(p) -- fresh, as after an eager init
     end
   end
   for path, m in model:named_modules() do

@@ -1116,6 +1116,33 @@ describe("adoption by a container", function()
     seq[2]:reset_parameters()
     assert.are_not.same(trained_values, seq[2].weight:totable())
   end)
+
+  it("keeps values written through a view or detach() of a parameter", function()
+    local writes = {
+      direct = function(w) w:fill(7) end,
+      detach = function(w) w:detach():fill(7) end,
+      view = function(w) w:view { 16 }:fill(7) end,
+      narrow = function(w) w:detach():narrow(1, 1, 1):fill(7) end,
+    }
+    for name, write in pairs(writes) do
+      fsdp.manual_seed(3)
+      local lin = nn.Linear(4, 4)
+      write(lin.weight)
+      local written = lin.weight:totable()
+      local seq = nn.Sequential { lin, nn.Linear(4, 4) }
+      assert.are.same(written, seq[1].weight:totable(), name)
+      assert.are.equal(7, seq[1].weight:totable()[1][1], name)
+    end
+    -- the memory's stamp: a write through any tensor over it moves its version
+    local w = fsdp.zeros { 2, 2 }
+    local id, v = fsdp.core.memory_stamp(w)
+    w:detach():fill(1)
+    local id2, v2 = fsdp.core.memory_stamp(w)
+    assert.are.equal(id, id2)
+    assert.is_true(v2 > v)
+    assert.are.equal(0, w.version)
+    assert.are_not.equal(id, (fsdp.core.memory_stamp(w:clone())))
+  end)
 end)
 
 describe("nn.MLP's fused bias and GELU", function()

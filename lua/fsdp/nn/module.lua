@@ -782,7 +782,17 @@ local function fresh(p)
   local r = records[p]
   if r == nil then return not user_given[p] end
   if r.user then return false end
-  return r.version == nil or r.version == p.version
+  if r.version == nil then return true end
+  local id, v = core.memory_stamp(p)
+  return r.version == p.version and r.mem_id == id and r.mem_version == v
+end
+
+-- p (with record r) holds what initialisation put there: fresh() compares writes since through
+-- p itself (p.version) and through any other tensor over its memory (a view, detach(), whose
+-- versions are their own: core.memory_stamp), so values written either way are kept.
+local function note_init(r, p)
+  r.version = p.version
+  r.mem_id, r.mem_version = core.memory_stamp(p)
 end
 
 -- Give every distinct fresh parameter of root's tree its key; owners record it by field name
@@ -895,7 +905,7 @@ function Module:init_param(name, kind, a, b)
   else
     error(("init_param: unknown kind %s"):format(tostring(kind)), 2)
   end
-  r.version = p.version
+  note_init(r, p)
   return true
 end
 
@@ -910,6 +920,13 @@ end
 -- The init record of a parameter: {seed =, key =, kind =, a =, b =} (kind nil: the values are
 -- the user's own). For materialize and inspection.
 function M.init_record(p) return records[p] end
+
+-- p was just filled from its init record (fsdp.materialize): it is fresh, as after an eager
+-- init. No-op for a parameter without a record of a kind.
+function M.note_init(p)
+  local r = records[p]
+  if r ~= nil and r.kind ~= nil then note_init(r, p) end
+end
 
 -- ---- for fsdp.materialize and fsdp.retie (lua/fsdp/meta.lua) --------------------------------
 
