@@ -32,8 +32,20 @@ void SetMinLogLevel(int v);
 }  // namespace logging
 }  // namespace sentencepiece
 
+/* SentencePiece writes a space as U+2581 (kSpace below) before it looks for pieces, and decodes
+ * that symbol in a piece as a space. So a U+2581 of the text would come back as a space, and in a
+ * model without a piece for the symbol (a corpus without spaces) a space becomes the symbol's
+ * three byte pieces, which decode as U+2581. For a model that keeps text as is (every byte
+ * piece, no dummy prefix: those trained here), encode() gives such a character its byte pieces
+ * itself: a U+2581 always (byte pieces decode as the bytes they are), a space when the model
+ * has no piece for it, and encodes the text between them with SentencePiece. Text holding no
+ * U+2581 thus gets SentencePiece's own ids (a model without a piece for the symbol has no piece
+ * that spans a space either), write_dataset's pieces of a file those of the whole file. */
 struct fsdp_tok {
   sentencepiece::SentencePieceProcessor sp;
+  bool literal;       /* encode() gives U+2581 (and spaces when space_bytes) their byte pieces */
+  bool space_bytes;   /* the model has no piece for a space */
+  int byte_id[256];   /* the id of the byte piece <0xXX> */
 };
 
 namespace {
@@ -113,6 +125,35 @@ const char *spm_message(const sentencepiece::util::Status &s) {
   const char *m = s.error_message();
   const char *p = strstr(m, "] ");
   return p != nullptr ? p + 2 : m;
+}
+
+const char kSpace[] = "\xe2\x96\x81"; /* U+2581, SentencePiece's symbol for a space */
+
+/* Fills t's byte ids and decides whether encode() keeps U+2581 and spaces itself (struct
+ * fsdp_tok). A model without every byte piece, or one that adds a dummy prefix (it starts
+ * every text with a space, so it could not encode the text in parts), is left to
+ * SentencePiece. */
+void classify(fsdp_tok *t) {
+  t->literal = false;
+  t->space_bytes = false;
+  for (int b = 0; b < 256; b++) {
+    char piece[8];
+    snprintf(piece, sizeof piece, "<0x%02X>", b);
+    t->byte_id[b] = t->sp.PieceToId(piece);
+    if (!t->sp.IsByte(t->byte_id[b])) return;
+  }
+  std::vector<int> probe;
+  if (!t->sp.Encode("a", &probe).ok() || probe.empty()) return;
+  if (probe[0] == t->byte_id[0xe2] || t->sp.IdToPiece(probe[0]).rfind(kSpace, 0) == 0) return;
+  t->literal = true;
+  t->space_bytes = t->sp.PieceToId(kSpace) == t->sp.unk_id();
+}
+
+/* The length of the character at text[i] that encode() gives byte pieces itself, or 0. */
+size_t own_bytes(const fsdp_tok *t, const char *text, size_t len, size_t i) {
+  if (text[i] == ' ') return t->space_bytes ? 1 : 0;
+  if (i + 3 <= len && memcmp(text + i, kSpace, 3) == 0) return 3;
+  return 0;
 }
 
 int write_model(const char *path, const std::string &bytes) {
@@ -205,6 +246,7 @@ int fsdp_tok_load(fsdp_tok **out, const char *path) {
       return fsdp_error("tokenizer: %s is not a SentencePiece model (%s)", path,
                         why[0] != '\0' ? why : "it does not parse as one");
     }
+    classify(t);
     *out = t;
     return FSDP_OK;
   } catch (const std::bad_alloc &) {
@@ -241,8 +283,28 @@ int fsdp_tok_encode(const fsdp_tok *t, const char *text, size_t len, int32_t **i
   *n = 0;
   try {
     std::vector<int> v;
-    sentencepiece::util::Status s = t->sp.Encode(absl::string_view(text, len), &v);
-    if (!s.ok()) return fsdp_error("tokenizer encode: %s", spm_message(s));
+    size_t from = 0; /* the text not yet encoded starts here */
+    for (size_t i = 0; t->literal && i < len; i++) {
+      size_t k = own_bytes(t, text, len, i);
+      if (k == 0) continue;
+      if (i > from) {
+        std::vector<int> part;
+        sentencepiece::util::Status s = t->sp.Encode(absl::string_view(text + from, i - from),
+                                                     &part);
+        if (!s.ok()) return fsdp_error("tokenizer encode: %s", spm_message(s));
+        v.insert(v.end(), part.begin(), part.end());
+      }
+      for (size_t j = 0; j < k; j++) v.push_back(t->byte_id[(unsigned char)text[i + j]]);
+      i += k - 1;
+      from = i + 1;
+    }
+    if (from < len) {
+      std::vector<int> part;
+      sentencepiece::util::Status s = t->sp.Encode(absl::string_view(text + from, len - from),
+                                                   &part);
+      if (!s.ok()) return fsdp_error("tokenizer encode: %s", spm_message(s));
+      v.insert(v.end(), part.begin(), part.end());
+    }
     int32_t *out = (int32_t *)malloc((v.size() > 0 ? v.size() : 1) * sizeof *out);
     if (out == nullptr) return fsdp_error("tokenizer encode: out of memory (%zu ids)", v.size());
     for (size_t i = 0; i < v.size(); i++) out[i] = v[i];

@@ -9,9 +9,12 @@
  *
  * Models trained here always fall back to bytes (byte_fallback: 256 pieces <0x00>..<0xFF>), use
  * the identity normalization and no dummy prefix, so decode(encode(s)) == s for every valid
- * UTF-8 string s (newlines and characters never seen in training become byte pieces). Invalid
- * UTF-8 is not kept: SentencePiece reads each malformed byte as U+FFFD, which decodes as the
- * three bytes EF BF BD. Ids: 0 <unk>, 1 <s>, 2 </s> (SentencePiece's defaults), then the bytes.
+ * UTF-8 string s (newlines and characters never seen in training become byte pieces; a
+ * U+2581, SentencePiece's symbol for a space, and a space in a model without a piece for it
+ * are given their byte pieces by fsdp_tok_encode, since SentencePiece would decode them as each
+ * other). Invalid UTF-8 is not kept: SentencePiece reads each malformed byte as U+FFFD, which
+ * decodes as the three bytes EF BF BD. Ids: 0 <unk>, 1 <s>, 2 </s> (SentencePiece's defaults),
+ * then the bytes.
  *
  * Threads: a loaded tokenizer is read-only and may encode and decode from several threads at
  * once; training uses `threads` threads of its own.

@@ -118,6 +118,57 @@ static void test_invalid_utf8(void **state) {
   fsdp_tok_free(t);
 }
 
+/* SentencePiece writes a space as U+2581 ("\xe2\x96\x81") and turns that symbol back into a
+ * space when decoding: a U+2581 of the text itself must come back as U+2581, not a space. */
+static void test_space_symbol(void **state) {
+  (void)state;
+  fsdp_tok *t = load_model();
+  static const char *const texts[] = {
+      "\xe2\x96\x81", "a\xe2\x96\x81" "b", "\xe2\x96\x81the the\xe2\x96\x81\xe2\x96\x81 x ",
+      " \xe2\x96\x81 ",
+  };
+  for (size_t i = 0; i < sizeof texts / sizeof *texts; i++)
+    round_trip(t, texts[i], strlen(texts[i]), texts[i], strlen(texts[i]));
+  /* text without the symbol is encoded as SentencePiece encodes it: "the" after a space is one
+   * piece with the space */
+  int32_t *ids;
+  size_t n;
+  assert_int_equal(fsdp_tok_encode(t, "the the", 7, &ids, &n), FSDP_OK);
+  assert_true(n <= 3);
+  free(ids);
+  fsdp_tok_free(t);
+}
+
+/* A corpus without spaces gives a model without a space piece: a space of the text is a byte
+ * piece, and decodes as a space (not as SentencePiece's U+2581). */
+static void test_no_space_piece(void **state) {
+  (void)state;
+  char corpus[320], out[320];
+  path_in(corpus, sizeof corpus, "nospace.txt");
+  path_in(out, sizeof out, "nospace.model");
+  FILE *f = fopen(corpus, "wb");
+  assert_non_null(f);
+  fputs("abcabc\nbcabca\ncab\n", f);
+  fclose(f);
+  const char *inputs[] = {corpus};
+  fsdp_tok_train_opts o = {.inputs = inputs, .ninputs = 1, .vocab_size = 263, .model = out};
+  if (fsdp_tok_train(&o)) fail_msg("%s", fsdp_error_msg());
+  fsdp_tok *t;
+  assert_int_equal(fsdp_tok_load(&t, out), FSDP_OK);
+  static const char *const texts[] = {
+      " ", "abc abc", "  abc\n cab  ", "\xe2\x96\x81 \xe2\x96\x81", "a b\xe2\x96\x81" "c",
+  };
+  for (size_t i = 0; i < sizeof texts / sizeof *texts; i++)
+    round_trip(t, texts[i], strlen(texts[i]), texts[i], strlen(texts[i]));
+  int32_t *ids;
+  size_t n;
+  assert_int_equal(fsdp_tok_encode(t, " ", 1, &ids, &n), FSDP_OK);
+  assert_int_equal(n, 1);
+  assert_int_equal(ids[0], 3 + ' '); /* the byte piece <0x20> */
+  free(ids);
+  fsdp_tok_free(t);
+}
+
 static void test_decode_errors(void **state) {
   (void)state;
   fsdp_tok *t = load_model();
@@ -409,7 +460,8 @@ int main(void) {
   }
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_train_and_load), cmocka_unit_test(test_round_trip),
-      cmocka_unit_test(test_invalid_utf8),   cmocka_unit_test(test_decode_errors),
+      cmocka_unit_test(test_invalid_utf8),   cmocka_unit_test(test_space_symbol),
+      cmocka_unit_test(test_no_space_piece), cmocka_unit_test(test_decode_errors),
       cmocka_unit_test(test_train_errors),   cmocka_unit_test(test_unigram),
       cmocka_unit_test(test_load_errors),    cmocka_unit_test(test_tokens_u16),
       cmocka_unit_test(test_tokens_u32),     cmocka_unit_test(test_tokens_refused),
