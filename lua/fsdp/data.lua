@@ -362,10 +362,12 @@ function data.text(path, opts)
   end
   local ok, files = pcall(data.text_files, path)
   if not ok then error(files, 2) end
-  local parts, used = {}, {}
+  local parts, used, binary = {}, {}, {}
   for _, f in ipairs(files) do
     local s = read_file(f)
-    if not s:find("\0", 1, true) then
+    if s:find("\0", 1, true) then
+      binary[#binary + 1] = f
+    else
       -- The validation split is the last val_fraction of every file: each file (each fortune
       -- category) is represented in both splits.
       local cut = floor(#s * (1 - vf))
@@ -373,7 +375,15 @@ function data.text(path, opts)
       used[#used + 1] = f
     end
   end
-  if #used == 0 then error(("%s: no text files in %s"):format(fn, path), 2) end
+  if #used == 0 then
+    -- say why the files that are there were left out
+    local why = ""
+    if #binary > 0 then
+      why = (" (%s %s a NUL byte: binary)"):format(table.concat(binary, ", "),
+        #binary == 1 and "holds" or "hold")
+    end
+    error(("%s: no text files in %s%s"):format(fn, path, why), 2)
+  end
   local bytes = table.concat(parts)
   return setmetatable({
     path = path, files = used, split = split, ctx = opts.ctx, batch = opts.batch, vocab = 256,

@@ -502,6 +502,14 @@ describe("text", function()
     local empty = mktemp_dir()
     write(empty .. "/x.dat", "\0")
     assert_error_has(function() data.text(empty, { ctx = 4, batch = 2 }) end, "no text files in")
+    -- a file named directly, and a folder of binaries: the refusal says why
+    assert_error_has(function() data.text(dir .. "/zbin", { ctx = 4, batch = 2 }) end,
+      "fsdp.data.text: no text files in " .. dir .. "/zbin (" .. dir
+      .. "/zbin holds a NUL byte: binary)")
+    write(empty .. "/y", "\0y")
+    write(empty .. "/z", "z\0")
+    assert_error_has(function() data.text(empty, { ctx = 4, batch = 2 }) end,
+      ("no text files in %s (%s/y, %s/z hold a NUL byte: binary)"):format(empty, empty, empty))
     os.execute("rm -rf '" .. empty .. "'")
     assert_error_has(function() data.text(dir, { batch = 2 }) end, "ctx must be a positive integer")
     assert_error_has(function() data.text(dir, { ctx = 4 }) end, "batch must be a positive integer")
