@@ -559,7 +559,8 @@ function data.tokens(path, opts)
   if type(split) ~= "string" or not split:find("^[%w_%-]+$") then
     U.raise(("%s: split must be a name such as \"train\" or \"val\", got %s"):format(fn, tostring(split)))
   end
-  if core.file_kind(path) == "dir" then path = path:gsub("/+$", "") .. "/" .. split .. ".bin" end
+  local folder = core.file_kind(path) == "dir"
+  if folder then path = path:gsub("/+$", "") .. "/" .. split .. ".bin" end
   local side = sidecar_of(path)
   if core.file_kind(path) == nil then U.raise(("%s: %s not found"):format(fn, path)) end
   if core.file_kind(side) == nil then
@@ -583,6 +584,15 @@ function data.tokens(path, opts)
   end
   if es == 2 and V > 65536 then
     U.raise(("%s: sidecar %s: a vocabulary of %d does not fit uint16 ids"):format(fn, side, V))
+  end
+  if not folder and type(meta.split) == "string" then
+    -- a file is the split its sidecar names: a split = that names another would be silently
+    -- ignored (it picks <split>.bin of a folder), and loader.split would say what it is not
+    if opts.split ~= nil and opts.split ~= meta.split then
+      U.raise(("%s: split = \"%s\", but %s is the %s split (its sidecar %s says so); split = picks "
+        .. "<split>.bin of a folder"):format(fn, opts.split, path, meta.split, side))
+    end
+    split = meta.split
   end
   local okm, map = pcall(core.tokens_open, path, es, n, V)
   if not okm then U.raise(fn .. ": " .. U.strip(map)) end

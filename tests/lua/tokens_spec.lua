@@ -96,6 +96,22 @@ describe("fsdp.data.tokens", function()
     assert.are.equal(300, L:size())
   end)
 
+  it("takes a file's split from its sidecar, and refuses a split = that names another", function()
+    local sub = mktemp_dir()
+    local v = token_file(sub, "val", 300, V, "uint16", { split = "val" })
+    local L = fsdp.data.tokens(v, { ctx = 8, batch = 2, rank = 0, world_size = 1 })
+    assert.are.equal("val", L.split)
+    L = fsdp.data.tokens(v, { ctx = 8, batch = 2, split = "val", rank = 0, world_size = 1 })
+    assert.are.equal("val", L.split)
+    assert_error_has(function() fsdp.data.tokens(v, { ctx = 8, batch = 2, split = "train" }) end,
+      ('fsdp.data.tokens: split = "train", but %s is the val split (its sidecar %s/val.json says '
+        .. 'so); split = picks <split>.bin of a folder'):format(v, sub))
+    -- a sidecar without the word (nanoGPT's files with a sidecar of their own): as asked
+    L = fsdp.data.tokens(path, { ctx = 8, batch = 2, split = "val", rank = 0, world_size = 1 })
+    assert.are.equal("val", L.split)
+    os.execute("rm -rf '" .. sub .. "'")
+  end)
+
   it("draws the same batches for the same seed, others for another", function()
     local opts = { ctx = 8, batch = 4, seed = 7, rank = 0, world_size = 1 }
     local a = collect(fsdp.data.tokens(path, opts), 5)
