@@ -157,6 +157,7 @@ end
 function Tokenizer:decode(ids)
   local h = self:_handle("tokenizer:decode")
   if type(ids) == "userdata" and ids.totable then ids = ids:totable() end
+  if type(ids) == "number" then ids = { ids } end -- one id; a 0-dim tensor's totable() too
   if type(ids) ~= "table" then
     U.raise("tokenizer:decode: expected a table of ids or a tensor, got " .. type(ids))
   end

@@ -78,6 +78,10 @@ describe("fsdp.tokenizer", function()
     local a, b = {}, {}
     for i = 1, #ids do if i <= half then a[#a + 1] = ids[i] else b[#b + 1] = ids[i] end end
     assert.are.equal(s, tok:decode { a, b })
+    -- any shape: a 0-dim tensor is one id, as is a number
+    local one = tok:encode("x")[1]
+    assert.are.equal(tok:decode { one }, tok:decode(fsdp.tensor(one, { dtype = "i64" })))
+    assert.are.equal(tok:decode { one }, tok:decode(one))
   end)
 
   it("turns malformed UTF-8 bytes into U+FFFD (documented: byte fallback covers valid text)", function()
