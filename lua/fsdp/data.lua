@@ -577,10 +577,10 @@ function data.tokens(path, opts)
   end
   local V, n = meta.vocab_size, meta.count
   if not is_count(V) then
-    U.raise(("%s: sidecar %s: vocab_size must be a positive integer, got %s"):format(fn, side, tostring(V)))
+    U.raise(("%s: sidecar %s: vocab_size must be a positive integer, got %s"):format(fn, side, U.got(V)))
   end
   if type(n) ~= "number" or n < 0 or n % 1 ~= 0 then
-    U.raise(("%s: sidecar %s: count must be a whole number, got %s"):format(fn, side, tostring(n)))
+    U.raise(("%s: sidecar %s: count must be a whole number, got %s"):format(fn, side, U.got(n)))
   end
   if es == 2 and V > 65536 then
     U.raise(("%s: sidecar %s: a vocabulary of %d does not fit uint16 ids"):format(fn, side, V))

@@ -237,7 +237,11 @@ describe("fsdp.data.tokens", function()
       'dtype must be "uint16" or "uint32", got float16')
     token_file(bad, "novocab", 10, V, "uint16", { vocab_size = "many" })
     assert_error_has(function() fsdp.data.tokens(bad .. "/novocab.bin", { ctx = 1, batch = 1 }) end,
-      "vocab_size must be a positive integer, got many")
+      'vocab_size must be a positive integer, got the string "many"')
+    -- a number written as a string is named as one (not "got 300", which reads as a number)
+    token_file(bad, "quoted", 10, V, "uint16", { count = "10" })
+    assert_error_has(function() fsdp.data.tokens(bad .. "/quoted.bin", { ctx = 1, batch = 1 }) end,
+      'quoted.json: count must be a whole number, got the string "10"')
     token_file(bad, "narrow", 10, 70000, "uint16")
     assert_error_has(function() fsdp.data.tokens(bad .. "/narrow.bin", { ctx = 1, batch = 1 }) end,
       "a vocabulary of 70000 does not fit uint16 ids")
