@@ -474,14 +474,17 @@ function tokenizer.command(args, env)
       stdout:write(USAGE)
       return 0
     end
-    local tok
+    local tok, trained
     local okt, err = pcall(function()
       if o.vocab_size then
         local okm, merr = pcall(core.io_mkdirs, o.out)
         if not okm then error(U.strip(merr), 0) end
-        tok = train({ input = inputs, vocab_size = o.vocab_size, model = o.out .. "/tok.model",
+        -- trained beside tok.model, which write_dataset replaces with the token files: the
+        -- ids already there must never be left beside a model that did not make them
+        trained = o.out .. "/tok.model.train.tmp"
+        tok = train({ input = inputs, vocab_size = o.vocab_size, model = trained,
           model_type = o.model_type, threads = o.threads }, true)
-        stdout:write(("fsdprun tokenize: trained %s (%d pieces, %s)\n"):format(tok.path,
+        stdout:write(("fsdprun tokenize: trained %s/tok.model (%d pieces, %s)\n"):format(o.out,
           tok.vocab_size, o.model_type or "bpe"))
       else
         tok = tokenizer.load(o.model)
@@ -489,6 +492,7 @@ function tokenizer.command(args, env)
       return tokenizer.write_dataset { tokenizer = tok, input = inputs, out = o.out,
         val_fraction = o.val_fraction }
     end)
+    if trained then os.remove(trained) end
     if not okt then error(setmetatable({ status = 1, message = U.strip(err) }, CliError), 0) end
     local r = err
     stdout:write(("fsdprun tokenize: wrote %s/train.bin (%d tokens) and %s/val.bin (%d tokens), %s ids, "

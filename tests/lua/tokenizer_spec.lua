@@ -356,5 +356,17 @@ describe("fsdp.tokenizer.write_dataset", function()
       fsdp.tokenizer.write_dataset { tokenizer = tok, input = { corpus .. "/b" }, out = out }
     end, "fsdp.tokenizer.write_dataset: writing " .. out .. "/val.json: ")
     unchanged()
+    os.execute("rmdir '" .. out .. "/val.json.tmp'")
+    -- fsdprun tokenize --vocab-size: the model it trains replaces tok.model only with the ids
+    -- it encodes (else the old ids would be read with the new model)
+    os.execute("mkdir '" .. out .. "/val.bin.tmp'")
+    local sink = { write = function() end, flush = function() end }
+    assert.are.equal(1, tokenizer.command({ "--out", out, "--vocab-size", "600", CORPUS },
+      { stdout = sink, stderr = sink }))
+    os.execute("rmdir '" .. out .. "/val.bin.tmp'")
+    unchanged()
+    for _, name in ipairs(core.list_dir(out)) do
+      assert.is_nil(name.name:find("%.tmp$"), name.name)
+    end
   end)
 end)
