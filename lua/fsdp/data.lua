@@ -535,6 +535,14 @@ local Tokens = {}
 Tokens.__index = Tokens
 data.Tokens = Tokens
 
+-- map:windows(...) under fn's name, raised at the user's line (a corrupt id is found here,
+-- inside an iterator: the message would otherwise carry this file's position)
+local function windows(fn, map, ...)
+  local ok, x, y = pcall(map.windows, map, ...)
+  if not ok then U.raise(fn .. ": " .. U.strip(x)) end
+  return x, y
+end
+
 local TOKEN_DTYPES = { uint16 = 2, uint32 = 4 }
 local TOKENS_OPTS = { "ctx", "batch", "seed", "split", "rank", "world_size" }
 
@@ -646,7 +654,7 @@ function Tokens:batches(n)
     done = done + 1
     local k = self.cursor + 1
     self.cursor = k
-    local x, y = map:windows(self:starts(k, rank * Bl, rank * Bl + Bl - 1), self.ctx)
+    local x, y = windows(fn, map, self:starts(k, rank * Bl, rank * Bl + Bl - 1), self.ctx)
     return k, x, y
   end
 end
@@ -660,7 +668,7 @@ function Tokens:epoch(opts)
   local B, max_batches = epoch_opts(fn, opts, self.batch)
   local map = self:_file(fn)
   return epoch_windows(floor((self.count - 1) / self.ctx), self.ctx, B, max_batches,
-    function(starts) return map:windows(starts, self.ctx) end)
+    function(starts) return windows(fn, map, starts, self.ctx) end)
 end
 
 --- Ids [first, first + n) of the file (0-based first) as a Lua array, for inspection.
@@ -676,7 +684,7 @@ function Tokens:read(first, n)
       :format(tostring(first), tostring(first), n, self.path, self.count, self.count - n), 2)
   end
   if n == 0 then return {} end
-  local x = map:windows({ first }, n, false)
+  local x = windows("tokens:read", map, { first }, n, false)
   return x:totable()[1]
 end
 

@@ -253,6 +253,15 @@ describe("fsdp.data.tokens", function()
     token_file(bad, "corrupt", 50, V, "uint16", { vocab_size = 10 })
     local C = fsdp.data.tokens(bad .. "/corrupt.bin", { ctx = 4, batch = 2, rank = 0, world_size = 1 })
     assert_error_has(function() for _ in C:batches(1) do end end, "not below the vocabulary size 10")
+    -- named by the call, at the caller's line (not a line of the library)
+    for _, f in ipairs {
+      { "tokens:batches: ", function() for _ in C:batches(1) do end end },
+      { "tokens:epoch: ", function() for _ in C:epoch() do end end },
+      { "tokens:read: ", function() C:read(0, 50) end },
+    } do
+      local err = assert_error_has(f[2], "tokens_spec.lua:", f[1] .. bad .. "/corrupt.bin: token ")
+      assert.is_nil(err:find("fsdp/data.lua", 1, true), err)
+    end
     -- a file too short for one window
     local S = fsdp.data.tokens(dir .. "/val.bin", { ctx = 300, batch = 1, rank = 0, world_size = 1 })
     assert_error_has(function() S:batches(1) end, "has 300 tokens; a window of ctx = 300 needs 301")
