@@ -314,11 +314,8 @@ end
 -- indexes), *.u8 (fortune's UTF-8 aliases), symbolic links, folders and other non-regular
 -- entries, and any file containing a NUL byte (binary).
 function data.text_files(path)
-  local kind, err = core.file_kind(path)
-  if kind == "link" then
-    local f = io.open(path, "rb")
-    if f then f:close() kind = "file" end
-  end
+  -- the path itself may be a link: to a file or to a folder, read as that file or folder
+  local kind, err = core.file_kind(path, true)
   if kind == nil then
     local hint = path:find("^/usr/share/games/fortunes") and " (install fortunes: scripts/install-deps)"
       or ""
@@ -567,11 +564,11 @@ function data.tokens(path, opts)
   if type(split) ~= "string" or not split:find("^[%w_%-]+$") then
     U.raise(("%s: split must be a name such as \"train\" or \"val\", got %s"):format(fn, tostring(split)))
   end
-  local folder = core.file_kind(path) == "dir"
+  local folder = core.file_kind(path, true) == "dir" -- a link to a folder is that folder
   if folder then path = path:gsub("/+$", "") .. "/" .. split .. ".bin" end
   local side = sidecar_of(path)
-  if core.file_kind(path) == nil then U.raise(("%s: %s not found"):format(fn, path)) end
-  if core.file_kind(side) == nil then
+  if core.file_kind(path, true) == nil then U.raise(("%s: %s not found"):format(fn, path)) end
+  if core.file_kind(side, true) == nil then
     U.raise(("%s: %s has no sidecar: %s not found (fsdprun tokenize writes one: docs/data.md)")
       :format(fn, path, side))
   end

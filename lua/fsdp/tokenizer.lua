@@ -41,7 +41,7 @@ local function input_files(fn, input)
   local files = {}
   for _, p in ipairs(input) do
     if type(p) ~= "string" then U.raise(fn .. ": input paths must be strings, got " .. type(p)) end
-    local kind, err = core.file_kind(p)
+    local kind, err = core.file_kind(p, true)
     if kind == nil then U.raise(("%s: cannot open %s"):format(fn, err)) end
     local ok, found = pcall(data.text_files, p)
     if not ok then U.raise(fn .. ": " .. tostring(found):gsub("^fsdp%.data%.text: ", "")) end

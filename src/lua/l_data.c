@@ -14,8 +14,8 @@
  *                                                (starts 0-based)
  *   isatty(fd) -> boolean
  *   list_dir(path) -> { {name =, kind =}, ... } (unsorted; kind as file_kind)
- *   file_kind(path) -> "file" | "dir" | "link" | "other", or nil, message (lstat: links not
- *                      followed)
+ *   file_kind(path [, follow]) -> "file" | "dir" | "link" | "other", or nil, message (lstat:
+ *                      links not followed; with follow, stat: what a link points to)
  *
  * (fsdp.log also uses core.clock, the monotonic clock that l_bench.c registers.)
  * Every argument is checked before anything is allocated. Resources that must outlive a call
@@ -278,8 +278,9 @@ static const char *kind_of(mode_t m) {
 
 static int l_file_kind(lua_State *L) {
   const char *path = luaL_checkstring(L, 1);
+  bool follow = lua_toboolean(L, 2); /* a link's target (stat), not the link (lstat) */
   struct stat st;
-  if (lstat(path, &st) != 0) {
+  if ((follow ? stat(path, &st) : lstat(path, &st)) != 0) {
     lua_pushnil(L);
     lua_pushfstring(L, "%s: %s", path, strerror(errno));
     return 2;

@@ -407,6 +407,18 @@ describe("text", function()
     assert.equal(B, t.bytes)
   end)
 
+  it("reads a folder through a link to it, and names a link to nothing", function()
+    local other = mktemp_dir()
+    os.execute("ln -s '" .. dir .. "' '" .. other .. "/data'; ln -s '" .. other
+      .. "/none' '" .. other .. "/dangling'")
+    local t = data.text(other .. "/data", { ctx = 8, batch = 4, val_fraction = 0 })
+    assert.same({ other .. "/data/a", other .. "/data/b.txt" }, t.files)
+    assert.equal(A .. B, t.bytes)
+    assert_error_has(function() data.text(other .. "/dangling", { ctx = 4, batch = 2 }) end,
+      "fsdp.data.text: cannot open " .. other .. "/dangling: No such file or directory")
+    os.execute("rm -rf '" .. other .. "'")
+  end)
+
   it("yields windows x and y = x shifted by one, found in the split's bytes", function()
     local t = data.text(dir, { ctx = 16, batch = 6, seed = 5 })
     local n = 0

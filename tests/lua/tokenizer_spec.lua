@@ -292,6 +292,19 @@ describe("fsdp.tokenizer.write_dataset", function()
     assert.are.equal(0, vmeta.count)
   end)
 
+  it("reads a folder through a link to it (not as an empty file)", function()
+    local other = mktemp_dir()
+    os.execute("ln -s '" .. corpus .. "' '" .. other .. "/corpus'")
+    local r = fsdp.tokenizer.write_dataset { tokenizer = tok, input = other .. "/corpus",
+      out = other .. "/out" }
+    local direct = fsdp.tokenizer.write_dataset { tokenizer = tok, input = corpus,
+      out = other .. "/direct" }
+    assert.are.equal(3, #r.files)
+    assert.are.same({ direct.train, direct.val }, { r.train, r.val })
+    assert.are.equal(read(other .. "/direct/train.bin"), read(other .. "/out/train.bin"))
+    os.execute("rm -rf '" .. other .. "'")
+  end)
+
   it("picks uint32 ids above 65536 pieces", function()
     assert.are.equal("uint16", tokenizer.dtype_for(65536))
     assert.are.equal("uint32", tokenizer.dtype_for(65537))
