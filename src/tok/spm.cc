@@ -50,6 +50,9 @@ struct fsdp_tok {
 
 namespace {
 
+/* SentencePiece's --max_sentence_length: it leaves longer lines (in bytes) out of training. */
+constexpr size_t kMaxLine = 65536;
+
 /* The lines of the input files, in order, each without its newline. Opening or reading a file
  * that fails stops the iteration with a status naming the file. */
 class LineIterator : public sentencepiece::SentenceIterator {
@@ -64,7 +67,9 @@ class LineIterator : public sentencepiece::SentenceIterator {
   bool done() const override { return done_; }
   const std::string &value() const override { return line_; }
   sentencepiece::util::Status status() const override { return status_; }
+  /* a line SentencePiece trains on: not empty, and not longer than kMaxLine */
   bool any_text() const { return text_; }
+  int64_t long_lines() const { return long_; }
   void Next() override {
     if (done_) return;
     if (max_ > 0 && lines_ >= max_) {
@@ -97,7 +102,10 @@ class LineIterator : public sentencepiece::SentenceIterator {
       }
       if (!line_.empty() && line_.back() == '\r') line_.pop_back();
       lines_++;
-      if (!line_.empty()) text_ = true;
+      if (line_.size() > kMaxLine)
+        long_++;
+      else if (!line_.empty())
+        text_ = true;
       return;
     }
   }
@@ -111,7 +119,7 @@ class LineIterator : public sentencepiece::SentenceIterator {
   }
   const char *const *paths_;
   int n_, next_ = 0;
-  int64_t max_, lines_ = 0;
+  int64_t max_, lines_ = 0, long_ = 0;
   const char *cur_ = "";
   FILE *f_ = nullptr;
   std::string line_;
@@ -194,9 +202,9 @@ int train(const fsdp_tok_train_opts *o) {
            "--model_type=%s --vocab_size=%d --byte_fallback=true "
            "--normalization_rule_name=identity --add_dummy_prefix=false "
            "--remove_extra_whitespaces=false --split_digits=false --num_threads=%d "
-           "--character_coverage=%.17g --minloglevel=2 --max_sentence_length=65536 "
+           "--character_coverage=%.17g --minloglevel=2 --max_sentence_length=%zu "
            "--train_extremely_large_corpus=false",
-           type, o->vocab_size, o->threads > 0 ? o->threads : 1, cov);
+           type, o->vocab_size, o->threads > 0 ? o->threads : 1, cov, kMaxLine);
   sentencepiece::logging::SetMinLogLevel(2);
   LineIterator it(o->inputs, o->ninputs, o->max_sentences);
   std::string model;
@@ -204,6 +212,11 @@ int train(const fsdp_tok_train_opts *o) {
   if (!s.ok()) {
     if (!it.status().ok()) return fsdp_error("tokenizer train: %s", it.status().error_message());
     /* SentencePiece's own message for an empty corpus is its failed check, with no words */
+    if (!it.any_text() && it.long_lines() > 0)
+      return fsdp_error("tokenizer train: the input has no line to train on: %lld line%s "
+                        "longer than %zu bytes (SentencePiece leaves those out), the rest empty",
+                        (long long)it.long_lines(), it.long_lines() == 1 ? " is" : "s are",
+                        kMaxLine);
     if (!it.any_text())
       return fsdp_error("tokenizer train: the input has no text to train on (%d file%s, every "
                         "line empty)", o->ninputs, o->ninputs == 1 ? "" : "s");

@@ -228,6 +228,24 @@ static void test_train_errors(void **state) {
   o.character_coverage = 1.5;
   assert_int_equal(fsdp_tok_train(&o), FSDP_ERR);
   assert_error_has("character_coverage 1.5 is above 1");
+  o.character_coverage = 0;
+
+  /* every line with text longer than SentencePiece's sentence limit: it trains on none of
+   * them, and the refusal says so (SentencePiece's own message is empty) */
+  char longf[320];
+  path_in(longf, sizeof longf, "long.txt");
+  FILE *f = fopen(longf, "wb");
+  assert_non_null(f);
+  for (int i = 0; i < 70000; i++) fputc("ab c"[i % 4], f);
+  fputs("\n\n", f);
+  fclose(f);
+  const char *long_inputs[] = {longf};
+  o.inputs = long_inputs;
+  o.ninputs = 1;
+  o.vocab_size = 300;
+  assert_int_equal(fsdp_tok_train(&o), FSDP_ERR);
+  assert_error_has("the input has no line to train on: 1 line is longer than 65536 bytes "
+                   "(SentencePiece leaves those out)");
 }
 
 static void test_unigram(void **state) {
