@@ -124,6 +124,10 @@ local function check_rank_world(fn, opts)
     if type(opts.rank) ~= "number" or opts.rank % 1 ~= 0 or opts.rank < 0 or opts.rank >= w then
       error(("%s: rank %s is not in [0, %d)"):format(fn, tostring(opts.rank), w), 3)
     end
+  elseif opts.world_size ~= nil and core.rank() >= opts.world_size then
+    -- this rank's slice would lie past the global batch: rows of other steps, or none
+    error(("%s: world_size = %d, but this is rank %d: give rank = too (rank = 0, world_size = "
+      .. "1 reads the whole global batch)"):format(fn, opts.world_size, core.rank()), 3)
   end
 end
 

@@ -18,6 +18,24 @@ local L = fsdp.data.tokens(a.data, {ctx = CTX, batch = B, seed = seed})
 local ref = fsdp.data.tokens(a.data, {ctx = CTX, batch = B, seed = seed, rank = 0, world_size = 1})
 local per = B / T.W
 
+-- world_size without rank keeps this rank's number: past the world it names, it is refused
+-- (its rows would lie outside the global batch)
+for _, open in ipairs {
+  function() return fsdp.data.tokens(a.data, {ctx = CTX, batch = B, world_size = 1}) end,
+  function()
+    return fsdp.data.text("tests/dist/tokens_ranks.lua", {ctx = 4, batch = 2, world_size = 1})
+  end,
+} do
+  local ok, err = pcall(open)
+  if T.rank == 0 then
+    T.check(ok, "world_size = 1 on rank 0: " .. tostring(err))
+  else
+    T.check(not ok and tostring(err):find(("world_size = 1, but this is rank %d: give rank = too")
+      :format(T.rank), 1, true) ~= nil, "world_size = 1 without rank on rank " .. T.rank .. ": "
+      .. tostring(err))
+  end
+end
+
 local mine = {} -- mine[step] = this rank's x rows
 for step, x, y in L:batches(STEPS) do
   local _, gx, gy = ref:batches(1)()
