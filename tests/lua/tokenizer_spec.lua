@@ -114,6 +114,22 @@ describe("fsdp.tokenizer", function()
     end, "fsdp.tokenizer.train: no text files in the input (a file holding a NUL byte is binary)")
   end)
 
+  it("trains on the first max_sentences lines of the input, empty ones counted", function()
+    local folder = dir .. "/firstlines"
+    os.execute("mkdir -p '" .. folder .. "'")
+    write(folder .. "/a", "aaa\n\nbbb\n")
+    write(folder .. "/b", "zzz\n")
+    -- the first three lines hold two characters: 259 + 2 pieces; all four lines need 262
+    local t = fsdp.tokenizer.train { input = folder, vocab_size = 261, max_sentences = 3,
+      model = dir .. "/first.model" }
+    assert.are.equal(261, t.vocab_size)
+    t:free()
+    assert_error_has(function()
+      fsdp.tokenizer.train { input = folder, vocab_size = 261, max_sentences = 4,
+        model = dir .. "/first.model" }
+    end, "it needs at least 262")
+  end)
+
   it("makes the model's folder, as fsdp.save makes its own", function()
     local t = fsdp.tokenizer.train { input = CORPUS, vocab_size = 500,
       model = dir .. "/new/sub/tok.model" }
