@@ -8,6 +8,8 @@
 --     load_problem on some ranks only): refused before anything is read, naming the option
 --     and the ranks that differ (2 and 3 ranks);
 --   * options refused on one rank only: every rank raises that rank's message;
+--   * fsdp.save: a refusal on one rank, and loaders that served different batches on different
+--     ranks, fail every rank and commit nothing;
 --   * what the schedule and the random state take is checked while staging, before the
 --     parameters are written: a lambda schedule whose function fails at the saved step (on
 --     one rank, or all), a saved schedule with a number missing, a schedule given for a
@@ -169,6 +171,16 @@ if W > 1 then
     "a step refused on one rank")
   T.check(not core.io_size(dir .. "/half_step/index.json"), "the refused save wrote no index")
   T.say("ok: fsdp.save options refused on one rank fail every rank")
+  -- loaders that served different batches on different ranks: one position cannot serve both
+  local ahead = {cursor = mine and 3 or 2}
+  T.raises(function()
+    fsdp.save(model, dir .. "/apart", {loaders = {a = {cursor = 1}, train = ahead}})
+  end, ("data loader 'train' has served 2 batches on rank 0 but 3 on rank %d: the checkpoint "
+    .. "holds one position, which every rank resumes from"):format(victim):gsub("[%(%)%.%-]", "%%%0"),
+    "loaders apart")
+  T.check(not core.io_size(dir .. "/apart/index.json"), "the refused save wrote no index")
+  T.check(#core.io_listdir(dir .. "/apart") == 0, "the refused save left no rank's file")
+  T.say("ok: fsdp.save refuses loaders at different positions on the ranks")
 end
 
 -- ---- what the schedule and the random state take: checked before anything is written ------------

@@ -182,6 +182,28 @@ local function index_of(P, parts, slices, has_mask, all, gen, opts, loaders, X)
   return index
 end
 
+-- The index holds one position per loader, rank 0's, which every rank resumes from: loaders
+-- that have served different numbers of batches on different ranks (a loop that skipped a step
+-- on one rank) would resume in step where they ran apart. nil when they agree, else the error.
+local function cursors_apart(all, W)
+  local names = {}
+  for name in pairs(all[1].cursors) do names[#names + 1] = name end
+  table.sort(names)
+  for _, name in ipairs(names) do
+    local c0, apart = all[1].cursors[name], {}
+    for i = 2, W do
+      local c = all[i].cursors[name]
+      if c ~= c0 then apart[#apart + 1] = ("%s on rank %d"):format(tostring(c), i - 1) end
+    end
+    if #apart > 0 then
+      return ("data loader '%s' has served %s batches on rank 0 but %s: the checkpoint holds one "
+        .. "position, which every rank resumes from; save where every rank's loader has served "
+        .. "the same batches"):format(name, tostring(c0), table.concat(apart, ", "))
+    end
+  end
+  return nil
+end
+
 --- Collective. Save model (R: its Root, false when plain) to the folder dir; loaders: {name =
 --- loader}; X: extra's JSON and tensors.
 function S.save(model, dir, opts, loaders, R, X)
@@ -241,14 +263,18 @@ function S.save(model, dir, opts, loaders, R, X)
     r:close()
     info = {name = my_name, bytes = bytes, header_xxh3 = hx, states = states}
   end)
-  -- agreement before the index commit: every rank's outcome, file and random state
+  -- agreement before the index commit: every rank's outcome, file, random state and loader
+  -- positions
+  local cursors = {}
+  for name, l in pairs(loaders) do cursors[name] = l.cursor end
   local all = C.allgather({ok = ok, err = ok and "" or util.strip(err), file = info,
-    rng = core.rng_state()})
+    rng = core.rng_state(), cursors = cursors})
   local failed
   for i, a in ipairs(all) do
     if not a.ok and failed == nil then failed = ("rank %d of %d: %s"):format(i - 1, W, a.err) end
   end
   if W == 1 and failed then failed = all[1].err end
+  if not failed then failed = cursors_apart(all, W) end
   local function drop_mine() pcall(core.io_remove, my_path) end
   if failed then
     drop_mine()
