@@ -214,6 +214,11 @@ function data.fashion_mnist(opts)
   end
   check_count(fn, "batch", opts.batch)
   if opts.limit ~= nil then check_count(fn, "limit", opts.limit) end
+  if opts.shuffle ~= nil and type(opts.shuffle) ~= "boolean" then
+    -- a string such as "no" would count as true
+    error(("%s: shuffle must be a boolean, got %s %s"):format(fn, type(opts.shuffle),
+      tostring(opts.shuffle)), 2)
+  end
   check_rank_world(fn, opts)
   local dir = opts.dir or "/usr/share/datasets/fashion-mnist"
   local ipath, lpath = dir .. "/" .. files[1], dir .. "/" .. files[2]

@@ -249,6 +249,9 @@ describe("fashion_mnist", function()
     end
     assert_error_has(function() data.fashion_mnist { dir = dir, batch = 4, split = "val" } end,
       'split must be "train" or "test"')
+    assert_error_has(function() data.fashion_mnist { dir = dir, batch = 4, shuffle = "no" } end,
+      "data_spec.lua:", "fsdp.data.fashion_mnist: shuffle must be a boolean, got string no")
+    assert.is_false(data.fashion_mnist { dir = dir, batch = 4, shuffle = false }.shuffle)
     assert_error_has(function() data.fashion_mnist { dir = dir, batch = 4, rank = 2, world_size = 2 } end,
       "rank 2 is not in [0, 2)")
     local l = data.fashion_mnist { dir = dir, batch = 6, world_size = 4 }
