@@ -283,12 +283,13 @@ function FashionMNIST:batches(n)
     if done >= n then return nil end
     done = done + 1
     local k = self.cursor
-    self.cursor = k + 1
     local order = self:_order(floor(k / per_epoch))
     local base = (k % per_epoch) * B + rank * Bl
     local idx = {}
     for j = 1, Bl do idx[j] = order[base + j] end
-    return k + 1, core.index_rows(self.images, idx), core.index_rows(self.labels, idx)
+    local x, y = core.index_rows(self.images, idx), core.index_rows(self.labels, idx)
+    self.cursor = k + 1 -- served: a batch that failed is not counted (a save resumes there)
+    return k + 1, x, y
   end
 end
 
@@ -422,7 +423,6 @@ function Text:batches(n)
     if done >= n then return nil end
     done = done + 1
     local k = self.cursor
-    self.cursor = k + 1
     local rng = Rng.new(self.seed, k)
     local starts = {}
     for j = 1, B do
@@ -431,6 +431,7 @@ function Text:batches(n)
       if l >= 1 and l <= Bl then starts[l] = s end
     end
     local x, y = core.byte_windows(self.bytes, starts, self.ctx)
+    self.cursor = k + 1 -- served: a batch that failed is not counted (a save resumes there)
     return k + 1, x, y
   end
 end
@@ -659,8 +660,8 @@ function Tokens:batches(n)
     if done >= n then return nil end
     done = done + 1
     local k = self.cursor + 1
-    self.cursor = k
     local x, y = windows(fn, map, self:starts(k, rank * Bl, rank * Bl + Bl - 1), self.ctx)
+    self.cursor = k -- served: a batch that failed is not counted (a save resumes there)
     return k, x, y
   end
 end

@@ -261,6 +261,8 @@ describe("fsdp.data.tokens", function()
     token_file(bad, "corrupt", 50, V, "uint16", { vocab_size = 10 })
     local C = fsdp.data.tokens(bad .. "/corrupt.bin", { ctx = 4, batch = 2, rank = 0, world_size = 1 })
     assert_error_has(function() for _ in C:batches(1) do end end, "not below the vocabulary size 10")
+    -- a batch that failed is not counted as served: a save made after the error resumes there
+    assert.are.equal(0, C.cursor)
     -- named by the call, at the caller's line (not a line of the library)
     for _, f in ipairs {
       { "tokens:batches: ", function() for _ in C:batches(1) do end end },
