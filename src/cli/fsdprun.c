@@ -1083,6 +1083,13 @@ static int parse_args(fsdprun_opts *o) {
     const char *a = argv[i];
     if (a[0] != '-' || strcmp(a, "-") == 0) {
       o->script = i;
+      /* plot and tokenize run in a plain Lua state without ranks (main), so they come first;
+       * after fsdprun's options the word would otherwise be read as a recipe file named so,
+       * and a run would end with "cannot open plot" */
+      if (strcmp(a, "plot") == 0 || strcmp(a, "tokenize") == 0)
+        return usage_error("'%s' runs without ranks and takes none of fsdprun's options: "
+                           "'fsdprun %s ...'",
+                           a, a);
       if (strcmp(a, "sample") == 0) {
         /* `fsdprun [options] sample CHECKPOINT ...`: the recipe is lua/fsdp/sample.lua's
          * command, on as many ranks as -n gives (docs/cli.md) */

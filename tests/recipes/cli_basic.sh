@@ -36,6 +36,15 @@ expect_has err "--help" "no arguments"
 run "$FSDPRUN" -e
 expect_rc 2 "-e without code"
 expect_has err "-e needs" "-e without code"
+# plot and tokenize have no ranks: after fsdprun's options they are refused, naming the word
+# (not taken for a recipe file of that name that cannot be opened)
+for sub in plot tokenize; do
+  run "$FSDPRUN" -n 2 "$sub" --help
+  expect_rc 2 "-n 2 $sub"
+  expect_has err "'$sub' runs without ranks" "-n 2 $sub"
+  expect_has err "'fsdprun $sub ...'" "-n 2 $sub"
+  [ "$(lines_of err)" = 1 ] || fail "-n 2 $sub: more than one line: $(cat "$T/err")"
+done
 
 # ---- -n ---------------------------------------------------------------------------------------
 echo 'print("ran")' >"$T/ok.lua"
