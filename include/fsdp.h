@@ -291,7 +291,8 @@ typedef int (*fsdp_data_fn)(void *ud, fsdp_batch *batch);
  *     local v = fsdp.host.next_batch("val")      -- batch->what = "val"
  * next_batch returns the batch's tensors (fresh tensors owned by Lua), or nil after FSDP_DONE;
  * FSDP_ERROR raises "fsdp.host.next_batch: <batch->error>", as does calling it with no data
- * source set. FSDP_MISUSE from a callback; FSDP_BROKEN (nothing changed) on a broken runtime. */
+ * source set; any other status raises "... the data source returned status N (<its name>) ...".
+ * FSDP_MISUSE from a callback; FSDP_BROKEN (nothing changed) on a broken runtime. */
 FSDP_API int fsdp_set_data_source(fsdp_runtime *rt, fsdp_data_fn fn, void *ud);
 
 #ifdef __cplusplus

@@ -127,10 +127,17 @@ static int host_next_batch(lua_State *L) {
           memcpy(fsdp_tensor_data(made[i], "next_batch"), h->data, (size_t)numel * sizeof(float));
         }
       }
-    } else if (status != FSDP_DONE) {
+    } else if (status == FSDP_ERROR) {
       batch.error[sizeof batch.error - 1] = '\0';
       snprintf(err, sizeof err, "%s",
                batch.error[0] != '\0' ? batch.error : "the data source failed (no message)");
+    } else if (status != FSDP_DONE) {
+      /* not one of its three answers: say which it gave, whatever batch->error holds */
+      snprintf(err, sizeof err,
+               "the data source returned status %d (%s); expected FSDP_OK, FSDP_DONE or "
+               "FSDP_ERROR",
+               status, fsdp_status_name(status));
+      status = FSDP_ERROR;
     }
   }
   pthread_mutex_unlock(&rt->cb_mu);

@@ -203,6 +203,27 @@ static void test_setters(void) {
          "fsdp_set_data_source: the runtime is NULL");
 }
 
+/* A data source that answers with a status that is none of its three (FSDP_OK, FSDP_DONE,
+ * FSDP_ERROR): next_batch raises naming the status, not "failed (no message)". */
+static int odd_status(void *ud, fsdp_batch *b) {
+  (void)b;
+  return *(int *)ud;
+}
+
+static void test_source_status(void) {
+  static const int odd[] = {42, FSDP_MISUSE};
+  static const char *const want[] = {"the data source returned status 42 (unknown status)",
+                                     "the data source returned status -2 (misuse)"};
+  for (int i = 0; i < 2; i++) {
+    fsdp_runtime *rt = make(1);
+    if (rt == NULL) return;
+    int st = odd[i];
+    OK(rt, fsdp_set_data_source(rt, odd_status, &st));
+    EXPECT(rt, fsdp_run_string(rt, "require('fsdp').host.next_batch()"), FSDP_BROKEN, want[i]);
+    fsdp_runtime_free(rt);
+  }
+}
+
 /* ---- calls from inside callbacks ------------------------------------------------------------- */
 
 typedef struct reentry {
@@ -297,6 +318,7 @@ int main(void) {
   test_ranks_results();
   test_param_lookup();
   test_setters();
+  test_source_status();
   test_callback_errors();
   printf("test_embed_errors: %d checks, %d failed\n", checks, failures);
   return failures == 0 ? 0 : 1;
