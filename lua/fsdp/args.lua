@@ -122,6 +122,12 @@ local function convert(d, s)
     if d.type == "integer" and not check_value(d, v) then
       return nil, ("--%s: '%s' is not an integer"):format(d.name, s)
     end
+    -- from 2^53 on a double skips integers: the text would quietly become another value
+    -- ('9007199254740993' reads as 9007199254740992)
+    if d.type == "integer" and math.abs(v) >= 2 ^ 53 then
+      return nil, ("--%s: '%s' is too large for an exact integer (its size must be below 2^53)")
+        :format(d.name, s)
+    end
   end
   local bad = M.check(d, v)
   if bad then return nil, bad end

@@ -48,6 +48,11 @@ describe("fsdp.args parsing", function()
   it("refuses a value of the wrong type, naming the argument", function()
     refused("--steps: 'abc' is not an integer", "--steps=abc")
     refused("--steps: '1.5' is not an integer", "--steps", "1.5")
+    -- past 2^53 the text would be read as a neighbouring integer
+    local too_large = "is too large for an exact integer (its size must be below 2^53)"
+    refused("--steps: '9007199254740993' " .. too_large, "--steps=9007199254740993")
+    refused("--steps: '-1e20' " .. too_large, "--steps=-1e20")
+    assert.equal(9007199254740991, parse("--steps=9007199254740991").steps)
     refused("--lr: 'fast' is not a number", "--lr=fast")
     refused("--lr: 'nan' is not a number", "--lr=nan")
     refused("--resume: 'yes' is not true or false", "--resume=yes")
