@@ -491,6 +491,20 @@ static void frames_to_globals(lua_State *L, char *where, size_t n) {
   }
 }
 
+/* The post-mortem REPL on L for a rank that failed (held, reported), or one line saying why
+ * there is none. */
+static void open_post_mortem(rank_ctx *rc, lua_State *L, const char *where) {
+  fsdp_host_rank *hr = rc->hr;
+  fsdp_repl_host h = repl_host(rc);
+  char err[1024];
+  if (fsdp_repl_post_mortem(&h, L, where, err, sizeof err) != 0) {
+    char line[1200];
+    if (hr->world > 1) snprintf(line, sizeof line, "[rank %d] no post-mortem: %s\n", hr->rank, err);
+    else snprintf(line, sizeof line, "no post-mortem: %s\n", err);
+    write_report(NULL, line);
+  }
+}
+
 /* The message handler of the recipe and -e chunks. Without --debug-on-error it is the host's
  * traceback handler. With it, the first error of the rank's run (its own, a collective that
  * failed because a peer did, the stop that the host sends when a peer failed) is reported as
@@ -516,14 +530,7 @@ static int post_mortem_msgh(lua_State *L) {
   lua_pushvalue(L, -1);
   set_global(L, "err");
   lua_State *co = lua_newthread(L);
-  fsdp_repl_host h = repl_host(rc);
-  char err[1024];
-  if (fsdp_repl_post_mortem(&h, co, where, err, sizeof err) != 0) {
-    char line[1200];
-    if (hr->world > 1) snprintf(line, sizeof line, "[rank %d] no post-mortem: %s\n", hr->rank, err);
-    else snprintf(line, sizeof line, "no post-mortem: %s\n", err);
-    write_report(NULL, line);
-  }
+  open_post_mortem(rc, co, where);
   lua_pop(L, 1); /* co */
   return 1;
 }
@@ -547,7 +554,29 @@ static bool repl_after_recipe(rank_ctx *rc) {
   fsdp_repl_host h = repl_host(rc);
   char err[1024];
   if (fsdp_repl_run(&h, rc->hr->L, NULL, err, sizeof err) == 0) return !rc->exiting;
+  if (!g_debug_on_error || rc->failed || rc->exiting || fsdp_host_interrupted(rc->hr->host)) {
+    fail_rank(rc, err);
+    return false;
+  }
+  /* --debug-on-error: this rank finished its recipe and learnt of a peer's failure at the
+   * entry's collective, as a rank in a collective of the recipe does; it opens the post-mortem
+   * as that rank would (without its stack, which is gone), rather than leaving the group and
+   * its failed peer with "no post-mortem: ... left the group". */
+  rc->failed = true;
+  fsdp_host_rank_hold(rc->hr);
   fail_rank(rc, err);
+  lua_State *L = rc->hr->L;
+  int top = lua_gettop(L);
+  lua_getglobal(L, "require"); /* the globals of -i (fsdp, nn), as its session sets them */
+  lua_pushliteral(L, "fsdp.repl");
+  if (lua_pcall(L, 1, 1, 0) == 0 && lua_istable(L, -1)) {
+    lua_getfield(L, -1, "preload");
+    lua_pcall(L, 0, 0, 0); /* a failure leaves a message, dropped below */
+  }
+  lua_settop(L, top);
+  lua_pushstring(L, err);
+  set_global(L, "err");
+  open_post_mortem(rc, L, "the entry of the REPL of -i");
   return false;
 }
 

@@ -6,7 +6,8 @@
 # local group revived), a Lua error and an engine error, a peer stopped in an interpreted loop
 # and one that joins after a C call longer than the stop wait, one rank
 # (FSDPRUN_DEBUG_ON_ERROR, fsdp.debug_on_error), stdin at its end (no hang), no flag (stdin
-# untouched), a peer that finished or cannot stop (no post-mortem, said so), --help,
+# untouched), a peer that finished or cannot stop (no post-mortem, said so), a peer that
+# finished and waits at the entry of the REPL of -i (it joins), --help,
 # fsdp.debug_on_error in plain luajit, and -i inputs that fail (no post-mortem).
 # tests/dist/post_mortem.lua is the recipe.
 # Run by ctest with FSDPRUN=<build>/bin/fsdprun.
@@ -129,6 +130,19 @@ expect_rc 1 "a peer in a compiled loop"
 expect_has err "[rank 0] did not stop" "the compiled loop is abandoned"
 expect_has err "[rank 1] no post-mortem: the post-mortem REPL needs every rank: timeout after 1 s in barrier #1 'fsdp.post_mortem': rank 0 has not arrived" "a peer that cannot stop"
 expect_lacks out "unreachable" "no session without every rank"
+
+# ---- -i: a peer that finished its recipe waits at the REPL's entry and joins the post-mortem ---
+pm 'fsdp.rank()
+err ~= nil
+fsdp.all_reduce(1)
+:quit
+' --debug-on-error -n 2 -i "$R" --peer=done
+expect_rc 1 "-i, a peer at the REPL's entry"
+expect_has out "finished	0" "-i: the peer finished its recipe"
+expect_has out "[0] 0  [1] 1" "-i: every rank in the post-mortem"
+expect_has out "[0-1] true" "-i: err on every rank"
+expect_has out "[0-1] 2" "-i: a collective in the post-mortem"
+expect_lacks err "no post-mortem" "-i: a peer at the REPL's entry"
 
 # ---- the option in --help; fsdp.debug_on_error outside fsdprun (plain luajit) does nothing ----
 run "$FSDPRUN" --help
