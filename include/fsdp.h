@@ -146,7 +146,8 @@ typedef struct fsdp_runtime_opts {
   /* Folder of the fsdp Lua library (the one holding fsdp/init.lua). NULL: found next to
    * libfsdp: <libdir>/../share/fsdprun/lua of an installed tree, else the lua/ folder of the
    * source tree libfsdp was built from. It is prepended to every rank's package.path (the
-   * host's own modules on LUA_PATH still load). A path that is no folder, or a folder without
+   * host's own modules on LUA_PATH still load); a relative path is made absolute at creation,
+   * so changing the working directory later does not lose the library. A path that is no folder, or a folder without
    * fsdp/init.lua, is FSDP_ERROR ("not found"), even where LUA_PATH would find the library. */
   const char *lua_path;
   /* Each rank's cpu threads (the name is historical: they run every cpu kernel, GEMMs

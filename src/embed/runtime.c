@@ -594,7 +594,13 @@ static int find_lua_dir(char *out, size_t n, const char *given) {
                           "fsdp_runtime_new: lua_path '%s' holds no fsdp Lua library "
                           "(fsdp/init.lua not found there)",
                           given);
-    snprintf(out, n, "%s", given);
+    /* absolute: the ranks require modules of the library lazily (fsdp.nn on first use), when
+     * the host may have changed its working directory */
+    char real[PATH_MAX];
+    if (realpath(given, real) == NULL)
+      return set_tl_error(FSDP_ERROR, "fsdp_runtime_new: lua_path '%s': %s", given,
+                          strerror(errno));
+    snprintf(out, n, "%s", real);
     return FSDP_OK;
   }
   char tried[2 * PATH_MAX + 64];

@@ -4,7 +4,8 @@
  *
  * lua_path: a folder without the library is FSDP_ERROR even when LUA_PATH would find a copy of
  * it elsewhere; a library that fails to load is FSDP_ERROR naming the folder; the host's own
- * modules on LUA_PATH still load, with lua_path given or found. timeout_s > 0: FSDP_TIMEOUT is
+ * modules on LUA_PATH still load, with lua_path given or found; a relative lua_path still names
+ * its folder after the host changed its working directory. timeout_s > 0: FSDP_TIMEOUT is
  * not read (a malformed value there fails nothing, not even a communicator split later), and
  * the runtime's timeout is the ranks' default; timeout_s 0: a malformed FSDP_TIMEOUT fails
  * creation naming it.
@@ -103,6 +104,29 @@ static void test_lua_path(void) {
   free(saved);
 }
 
+/* A relative lua_path names the folder as the working directory was at creation: a module the
+ * ranks load later (fsdp.nn, on first use) still comes from it after the host changed its
+ * working directory. No LUA_PATH, which would find the library by itself. */
+static void test_relative_lua_path(const char *src) {
+  char *saved = saved_env("LUA_PATH");
+  char cwd[1024];
+  set_env("LUA_PATH", NULL);
+  CHECK(getcwd(cwd, sizeof cwd) != NULL && chdir(src) == 0, "cannot enter %s", src);
+  fsdp_runtime *rt = NULL;
+  int st = fsdp_runtime_new(&rt, &(fsdp_runtime_opts){.world = 2, .lua_path = "lua"});
+  CHECK(st == FSDP_OK, "lua_path 'lua' in %s: %s: '%s'", src, fsdp_status_name(st),
+        fsdp_last_error(NULL));
+  CHECK(chdir(tmp) == 0, "cannot enter %s", tmp);
+  if (rt != NULL) {
+    OK(rt, fsdp_run_string(rt, "local m = require('fsdp').nn.Linear(2, 3)\n"
+                               "assert(m.weight:shape()[1] == 3)"));
+    fsdp_runtime_free(rt);
+  }
+  CHECK(chdir(cwd) == 0, "cannot go back to %s", cwd);
+  set_env("LUA_PATH", saved);
+  free(saved);
+}
+
 /* ---- timeout_s and FSDP_TIMEOUT -------------------------------------------------------------- */
 
 static void test_timeout(void) {
@@ -178,6 +202,7 @@ int main(void) {
   write_file("mods/embed_user_mod.lua", "return {answer = 42}\n");
 
   test_lua_path();
+  test_relative_lua_path(src);
   test_timeout();
 
   const char *made[] = {"mods/embed_user_mod.lua", "broken/fsdp/init.lua", "broken/fsdp",
