@@ -218,7 +218,8 @@ FSDP_API int fsdp_run_string(fsdp_runtime *rt, const char *code);
  * With out[k].data NULL nothing is copied and only the shape is reported (out[k].shape is not
  * read, but out[k].ndim must be in range as for any host tensor). A missing result, a result
  * of another type or of another number of elements is FSDP_ERROR (after the function ran: its
- * effects stay, and the runtime remains usable). n_out may be 0 (out may be NULL).
+ * effects stay, and the runtime remains usable). n_out may be 0 (out may be NULL); n_in and
+ * n_out are at most 200 each (more is FSDP_MISUSE).
  *
  * Returns FSDP_OK; FSDP_ERROR when fn is not a global function on every rank (nothing runs) or
  * a result did not fit; FSDP_MISUSE for a bad host tensor (NULL data with elements, ndim or a

@@ -203,6 +203,29 @@ static void test_setters(void) {
          "fsdp_set_data_source: the runtime is NULL");
 }
 
+/* n_in and n_out: 200 each at most (fsdp.h), more is FSDP_MISUSE naming them, and runs nothing */
+static void test_counts(void) {
+  fsdp_runtime *rt = make(2);
+  if (rt == NULL) return;
+  static float v[201], o[201];
+  static fsdp_host_tensor in[201], out[201];
+  for (int i = 0; i < 201; i++) {
+    v[i] = (float)i;
+    in[i] = (fsdp_host_tensor){.data = &v[i]};
+    out[i] = (fsdp_host_tensor){.data = &o[i]};
+  }
+  OK(rt, fsdp_run_string(rt, "calls = 0\n"
+                             "function echo(...) calls = calls + 1; return ... end"));
+  OK(rt, fsdp_call(rt, "echo", in, 200, out, 200));
+  CHECK(o[0] == 0 && o[199] == 199, "200 values through: %g %g", o[0], o[199]);
+  EXPECT(rt, fsdp_call(rt, "echo", in, 201, out, 0), FSDP_MISUSE,
+         "fsdp_call: n_in 201 / n_out 0 out of range (0 .. 200)");
+  EXPECT(rt, fsdp_call_ranks(rt, "echo", NULL, 0, out, 201), FSDP_MISUSE,
+         "fsdp_call_ranks: n_in 0 / n_out 201 out of range (0 .. 200)");
+  OK(rt, fsdp_run_string(rt, "assert(calls == 1, calls)"));
+  fsdp_runtime_free(rt);
+}
+
 /* A data source that answers with a status that is none of its three (FSDP_OK, FSDP_DONE,
  * FSDP_ERROR): next_batch raises naming the status, not "failed (no message)". */
 static int odd_status(void *ud, fsdp_batch *b) {
@@ -319,6 +342,7 @@ int main(void) {
   test_param_lookup();
   test_setters();
   test_source_status();
+  test_counts();
   test_callback_errors();
   printf("test_embed_errors: %d checks, %d failed\n", checks, failures);
   return failures == 0 ? 0 : 1;
