@@ -39,14 +39,16 @@ end
 
 --- Collective: open the REPL here on every rank (fsdprun -n N); the recipe goes on when the
 --- user leaves it. Outside fsdprun (plain luajit, a world of one) it falls back to Lua's
---- debug.debug(). Raises when the REPL cannot run, and when a collective failed in it (the
+--- debug.debug(); in a program embedding libfsdp it raises. Raises when the REPL cannot run, and when a collective failed in it (the
 --- ranks' communicator is then poisoned, so the recipe could not go on anyway).
 function M.debug()
   local caller = debug.getinfo(2, "Sl")
   local where = caller and (caller.short_src .. ":" .. (caller.currentline or "?")) or "?"
   local host = package.loaded.fsdprun
   if type(host) ~= "table" or type(host.repl) ~= "function" then
-    if core.world_size() > 1 then
+    -- in a program embedding libfsdp (fsdp.host is loaded) debug.debug() would read that
+    -- program's standard input from a rank thread: refused there at any world size
+    if core.world_size() > 1 or package.loaded["fsdp.host"] ~= nil then
       error("fsdp.debug: the REPL needs fsdprun (this program embeds the engine without it)", 2)
     end
     io.stderr:write("fsdp.debug() at ", where, ": Lua's debug.debug(); 'cont' goes on\n")

@@ -203,6 +203,18 @@ static void test_setters(void) {
          "fsdp_set_data_source: the runtime is NULL");
 }
 
+/* fsdp.debug() has no REPL in a host program: refused at one rank as at two, without reading
+ * the host's standard input (Lua's debug.debug() would) */
+static void test_debug_refused(void) {
+  for (int world = 1; world <= 2; world++) {
+    fsdp_runtime *rt = make(world);
+    if (rt == NULL) return;
+    EXPECT(rt, fsdp_run_string(rt, "require('fsdp').debug()"), FSDP_BROKEN,
+           "fsdp.debug: the REPL needs fsdprun");
+    fsdp_runtime_free(rt);
+  }
+}
+
 /* n_in and n_out: 200 each at most (fsdp.h), more is FSDP_MISUSE naming them, and runs nothing */
 static void test_counts(void) {
   fsdp_runtime *rt = make(2);
@@ -343,6 +355,7 @@ int main(void) {
   test_setters();
   test_source_status();
   test_counts();
+  test_debug_refused();
   test_callback_errors();
   printf("test_embed_errors: %d checks, %d failed\n", checks, failures);
   return failures == 0 ? 0 : 1;
