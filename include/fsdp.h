@@ -215,7 +215,9 @@ FSDP_API int fsdp_run_string(fsdp_runtime *rt, const char *code);
  * Results: each out[k] is a host tensor whose shape the host sets to what it expects; result k
  * (a tensor of that many elements, or a number when the shape holds one element) is copied
  * into out[k].data, and out[k].ndim / shape are set to the result's shape (a number: ndim 0).
- * With out[k].data NULL nothing is copied and only the shape is reported (out[k].shape is not
+ * Results reach out[] once every rank has finished the call and let go of its inputs, so a
+ * result buffer may also be an input (an in-place update, x = f(x)): no rank reads a result as
+ * its input. With out[k].data NULL nothing is copied and only the shape is reported (out[k].shape is not
  * read, but out[k].ndim must be in range as for any host tensor). A missing result, a result
  * of another type or of another number of elements is FSDP_ERROR (after the function ran: its
  * effects stay, and the runtime remains usable). n_out may be 0 (out may be NULL); n_in and

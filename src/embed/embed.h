@@ -31,6 +31,16 @@
 #include "host/host.h"
 
 typedef struct embed_rank embed_rank;
+
+/* One result of fsdp_call on a rank, copied out of Lua and held until the host thread hands it
+ * to the host's buffer (deliver_results in runtime.c). */
+typedef struct embed_result {
+  bool set;                          /* the result was read (else out[k] is left alone) */
+  float *data;                       /* malloc'd values, or NULL: a shape query, no elements */
+  int64_t numel;
+  int ndim;
+  int64_t shape[FSDP_HOST_MAX_DIMS];
+} embed_result;
 typedef int (*embed_job_fn)(embed_rank *r); /* runs on the rank's thread */
 
 struct embed_rank {
@@ -48,6 +58,11 @@ struct embed_rank {
    * the call: see release_inputs in runtime.c) */
   fsdp_storage **wrapped;
   int nwrapped;
+  /* fsdp_call: this rank's results (n_out of them, or NULL), written to the host's buffers
+   * only once every rank has finished and let go of its inputs: a result buffer may be an
+   * input's memory, which other ranks, and views kept by Lua, still read until then */
+  embed_result *results;
+  int nresults;
 };
 
 /* A job's arguments, set by the host thread before dispatch and read-only while ranks run. */

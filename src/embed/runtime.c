@@ -355,10 +355,20 @@ static int64_t out_capacity(const fsdp_host_tensor *out) {
   return cap;
 }
 
-/* Copy result k (at stack index idx) into out (may be NULL: this rank reports nothing), which
- * is out[at] of the host's array (messages name it so). */
+/* Free a rank's staged results. */
+static void free_results(embed_rank *r) {
+  if (r->results == NULL) return;
+  for (int k = 0; k < r->nresults; k++) free(r->results[k].data);
+  free(r->results);
+  r->results = NULL;
+  r->nresults = 0;
+}
+
+/* Read result k (at stack index idx) for out (may be NULL: this rank reports nothing), which is
+ * out[at] of the host's array (messages name it so), into res: out itself is written later,
+ * by deliver_results. */
 static int copy_result(embed_rank *r, lua_State *L, int idx, int k, int at,
-                       fsdp_host_tensor *out) {
+                       const fsdp_host_tensor *out, embed_result *res) {
   const char *fn = r->rt->job.fn;
   if (lua_type(L, idx) == LUA_TNUMBER) {
     if (out == NULL) return FSDP_OK;
@@ -367,8 +377,14 @@ static int copy_result(embed_rank *r, lua_State *L, int idx, int k, int at,
       return embed_fail(r, FSDP_ERROR,
                         "result %d of '%s' is a number, but out[%d] holds %lld elements", k + 1,
                         fn, at, (long long)cap);
-    if (out->data != NULL) out->data[0] = (float)lua_tonumber(L, idx);
-    out->ndim = 0;
+    if (out->data != NULL) {
+      res->data = malloc(sizeof(float));
+      if (res->data == NULL) return embed_fail(r, FSDP_ERROR, "result %d: out of memory", k + 1);
+      res->data[0] = (float)lua_tonumber(L, idx);
+      res->numel = 1;
+    }
+    res->ndim = 0;
+    res->set = true;
     return FSDP_OK;
   }
   fsdp_tensor *t = fsdp_lua_to_tensor(L, idx);
@@ -387,16 +403,41 @@ static int copy_result(embed_rank *r, lua_State *L, int idx, int k, int at,
     if (fsdp_to(&c, t, &fsdp_device_cpu, FSDP_DTYPE_F32, FSDP_ROLE_ACTIVATIONS) != FSDP_OK)
       return embed_fail(r, FSDP_ERROR, "result %d of '%s': %s", k + 1, fn, fsdp_error_msg());
     const float *src = fsdp_tensor_data(c, "fsdp_call result");
-    if (src == NULL) {
+    res->data = src != NULL ? malloc((size_t)numel * sizeof(float)) : NULL;
+    if (res->data == NULL) {
       fsdp_tensor_release(c);
-      return embed_fail(r, FSDP_ERROR, "result %d of '%s': %s", k + 1, fn, fsdp_error_msg());
+      return embed_fail(r, FSDP_ERROR, "result %d of '%s': %s", k + 1, fn,
+                        src == NULL ? fsdp_error_msg() : "out of memory");
     }
-    memcpy(out->data, src, (size_t)numel * sizeof(float));
+    memcpy(res->data, src, (size_t)numel * sizeof(float));
+    res->numel = numel;
     fsdp_tensor_release(c);
   }
-  out->ndim = t->ndim;
-  for (int d = 0; d < t->ndim; d++) out->shape[d] = t->shape[d];
+  res->ndim = t->ndim;
+  for (int d = 0; d < t->ndim; d++) res->shape[d] = t->shape[d];
+  res->set = true;
   return FSDP_OK;
+}
+
+/* On the host thread, once every rank has finished the call and released its inputs: each
+ * rank's staged results into the host's buffers and shapes. An abandoned rank's are not read
+ * (its thread may still write them; runtime_release frees them). */
+static void deliver_results(fsdp_runtime *rt) {
+  const embed_job *j = &rt->job;
+  for (int i = 0; i < rt->world; i++) {
+    embed_rank *r = &rt->ranks[i];
+    fsdp_host_tensor *out = rank_outputs(j, i);
+    if (r->results == NULL || fsdp_host_rank_abandoned(r->hr)) continue;
+    for (int k = 0; out != NULL && k < j->n_out; k++) {
+      const embed_result *res = &r->results[k];
+      if (!res->set) continue;
+      if (out[k].data != NULL && res->data != NULL)
+        memcpy(out[k].data, res->data, (size_t)res->numel * sizeof(float));
+      out[k].ndim = res->ndim;
+      for (int d = 0; d < res->ndim; d++) out[k].shape[d] = res->shape[d];
+    }
+    free_results(r);
+  }
 }
 
 /* Phase 2: call, then copy this rank's results. */
@@ -412,11 +453,18 @@ static int cp_call_run(lua_State *L) {
     fail_user(r, L);
     return 0;
   }
-  fsdp_host_tensor *out = rank_outputs(j, r->rank);
+  const fsdp_host_tensor *out = rank_outputs(j, r->rank);
+  if (out != NULL && j->n_out > 0) {
+    r->results = calloc((size_t)j->n_out, sizeof *r->results);
+    if (r->results == NULL) return embed_fail(r, FSDP_ERROR, "results: out of memory"), 0;
+    r->nresults = j->n_out;
+  }
   /* fsdp_call_ranks: this rank's results are out[rank * n_out ...] of the host's array */
   int first = j->per_rank ? r->rank * j->n_out : 0;
   for (int k = 0; k < j->n_out; k++)
-    if (copy_result(r, L, 1 + k, k, first + k, out != NULL ? &out[k] : NULL) != FSDP_OK) break;
+    if (copy_result(r, L, 1 + k, k, first + k, out != NULL ? &out[k] : NULL,
+                    out != NULL ? &r->results[k] : NULL) != FSDP_OK)
+      break;
   lua_settop(L, 0);
   return 0;
 }
@@ -621,6 +669,7 @@ static void runtime_release(void *ud) {
   for (int i = 0; i < rt->world; i++) {
     free(rt->ranks[i].msg);
     free(rt->ranks[i].wrapped);
+    free_results(&rt->ranks[i]);
   }
   free(rt->ranks);
   free(rt->err);
@@ -875,7 +924,9 @@ static int call_common(fsdp_runtime *rt, const char *what, bool per_rank, const 
   st = collect(rt);
   if (st != FSDP_OK) return leave(rt, cancel(rt, st));
   dispatch(rt, job_call_run);
-  return leave(rt, collect(rt));
+  st = collect(rt);
+  deliver_results(rt);
+  return leave(rt, st);
 }
 
 FSDP_API int fsdp_call(fsdp_runtime *rt, const char *fn, const fsdp_host_tensor *in, int n_in,
