@@ -147,8 +147,9 @@ typedef struct fsdp_runtime_opts {
    * libfsdp: <libdir>/../share/fsdprun/lua of an installed tree, else the lua/ folder of the
    * source tree libfsdp was built from. It is prepended to every rank's package.path (the
    * host's own modules on LUA_PATH still load); a relative path is made absolute at creation,
-   * so changing the working directory later does not lose the library. A path that is no folder, or a folder without
-   * fsdp/init.lua, is FSDP_ERROR ("not found"), even where LUA_PATH would find the library. */
+   * so changing the working directory later does not lose the library. A path that is no
+   * folder, or a folder without fsdp/init.lua, is FSDP_ERROR ("not found"), even where
+   * LUA_PATH would find the library. */
   const char *lua_path;
   /* Each rank's cpu threads (the name is historical: they run every cpu kernel, GEMMs
    * included), 0 .. 1024, else FSDP_MISUSE. 0: FSDP_THREADS from the environment, else
@@ -217,11 +218,11 @@ FSDP_API int fsdp_run_string(fsdp_runtime *rt, const char *code);
  * into out[k].data, and out[k].ndim / shape are set to the result's shape (a number: ndim 0).
  * Results reach out[] once every rank has finished the call and let go of its inputs, so a
  * result buffer may also be an input (an in-place update, x = f(x)): no rank reads a result as
- * its input. With out[k].data NULL nothing is copied and only the shape is reported (out[k].shape is not
- * read, but out[k].ndim must be in range as for any host tensor). A missing result, a result
- * of another type or of another number of elements is FSDP_ERROR (after the function ran: its
- * effects stay, and the runtime remains usable). n_out may be 0 (out may be NULL); n_in and
- * n_out are at most 200 each (more is FSDP_MISUSE).
+ * its input. With out[k].data NULL nothing is copied and only the shape is reported
+ * (out[k].shape is not read, but out[k].ndim must be in range as for any host tensor). A
+ * missing result, a result of another type or of another number of elements is FSDP_ERROR
+ * (after the function ran: its effects stay, and the runtime remains usable). n_out may be 0
+ * (out may be NULL); n_in and n_out are at most 200 each (more is FSDP_MISUSE).
  *
  * Returns FSDP_OK; FSDP_ERROR when fn is not a global function on every rank (nothing runs) or
  * a result did not fit; FSDP_MISUSE for a bad host tensor (NULL data with elements, ndim or a

@@ -39,8 +39,9 @@ end
 
 --- Collective: open the REPL here on every rank (fsdprun -n N); the recipe goes on when the
 --- user leaves it. Outside fsdprun (plain luajit, a world of one) it falls back to Lua's
---- debug.debug(); in a program embedding libfsdp it raises. Raises when the REPL cannot run, and when a collective failed in it (the
---- ranks' communicator is then poisoned, so the recipe could not go on anyway).
+--- debug.debug(); in a program embedding libfsdp it raises. Raises when the REPL cannot run,
+--- and when a collective failed in it (the ranks' communicator is then poisoned, so the recipe
+--- could not go on anyway).
 function M.debug()
   local caller = debug.getinfo(2, "Sl")
   local where = caller and (caller.short_src .. ":" .. (caller.currentline or "?")) or "?"
