@@ -92,16 +92,20 @@ end
 
 -- Mask p's live (gathered) values with flat, p's full 1-D mask on the same device: a copy
 -- gathered in bf16/f16 for compute is masked through f32 (exact both ways).
-local function mask_live(p, flat)
-  local live = flat_param(p)
-  if live:dtype() == "f32" then
-    core.mask_apply(live, flat)
+-- x (1-D, in place) = +0 where the f32 0/1 mask flat is 0, in x's own dtype. The kernels
+-- compute masks in f32 only; a plain parameter moved to bf16, f16 or f64 (model:to) keeps its
+-- f32 mask, so other dtypes take the mask through where (a copy of x's size, exact: x's other
+-- elements keep their bits).
+local function apply_flat(x, flat)
+  if x:dtype() == "f32" then
+    core.mask_apply(x, flat)
   else
-    local wide = live:to("f32")
-    core.mask_apply(wide, flat)
-    live:copy(wide)
+    x:copy(flat:where(x, 0))
   end
 end
+M.apply_flat = apply_flat
+
+local function mask_live(p, flat) apply_flat(flat_param(p), flat) end
 
 -- p's full 1-D mask from every rank's slice (sharded record rec of p in unit u), where p's
 -- mask lives. Collective unless u is replicated: one all_reduce("sum") of p's size (every
@@ -251,7 +255,7 @@ function M.set_mask(p, mask)
     local m, why = checked_mask(p, nil, mask)
     if m == nil then raise("fsdp.set_mask: " .. why) end
     records[p] = {full = m.full, flat = m.flat}
-    if p.device ~= "meta" then core.mask_apply(flat_param(p), m.flat) end
+    if p.device ~= "meta" then apply_flat(flat_param(p), m.flat) end
     return
   end
   -- sharded: every rank must pass the same mask (a different one would leave the slices of
@@ -351,7 +355,11 @@ function M.sparsity(model, opts)
     local z = 0
     local u = core.param_unit(p)
     if u == nil then
-      if p.device ~= "meta" then z = core.count_zeros(flat_param(p)) end
+      if p.device ~= "meta" then
+        local x = flat_param(p)
+        -- the kernel counts in f32; another dtype (model:to) counts through its 0/1 of nonzeros
+        z = core.count_zeros(x:dtype() == "f32" and x or x:ne(0):to("f32"))
+      end
     elseif util.counts_shard(u) then -- a replicated (or hybrid) shard is counted once
       local s = local_slice(u, p)
       if s ~= nil then
@@ -406,10 +414,10 @@ function M.apply_plain(p, x)
   local rec = records[p]
   if rec == nil or rec.sharded then return end
   if x:is_contiguous() then
-    core.mask_apply(x:detach():view{x:numel()}, rec.flat)
+    apply_flat(x:detach():view{x:numel()}, rec.flat)
   else
     local c = x:detach():contiguous()
-    core.mask_apply(c:view{c:numel()}, rec.flat)
+    apply_flat(c:view{c:numel()}, rec.flat)
     x:detach():copy(c)
   end
 end
@@ -479,7 +487,7 @@ function M.set_local_mask(p, first, values)
     local full = core.zeros(p:shape(), mask_opts(nil, p))
     full:view{p:numel()}:copy(flat)
     records[p] = {full = full, flat = full:view{p:numel()}}
-    if p.device ~= "meta" then core.mask_apply(flat_param(p), records[p].flat) end
+    if p.device ~= "meta" then apply_flat(flat_param(p), records[p].flat) end
     return
   end
   local rec = sharded_record(u, p, nil, unit_path(u, p))
@@ -604,7 +612,7 @@ function M.set_local(model, slices)
       if x.u ~= nil then
         apply_sharded(x.u, x.rec)
       elseif x.p.device ~= "meta" then
-        core.mask_apply(flat_param(x.p), x.rec.flat)
+        apply_flat(flat_param(x.p), x.rec.flat)
       end
     end
   end
@@ -639,7 +647,7 @@ function M.reapply(model)
     if rec.sharded then
       if u ~= nil then apply_sharded(u, rec) end
     elseif p.device ~= "meta" then
-      core.mask_apply(flat_param(p), rec.flat)
+      apply_flat(flat_param(p), rec.flat)
     end
   end
   for _, e in ipairs(units) do refresh(e[1]) end

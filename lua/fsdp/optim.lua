@@ -494,9 +494,10 @@ function Optimizer:zero_grad()
   end
 end
 
--- x (contiguous) masked in place by the flat mask m, if any.
+-- x (contiguous) masked in place by the flat mask m, if any (in x's dtype: a plain parameter
+-- moved to bf16 keeps its f32 mask).
 local function apply_mask(x, m)
-  if m then core.mask_apply(x:dim() == 1 and x or x:view{x:numel()}, m) end
+  if m then mask.apply_flat(x:dim() == 1 and x or x:view{x:numel()}, m) end
 end
 
 -- Wrapped models: fn(st, p_slice, g_slice, param, path) for every parameter slice this rank

@@ -47,7 +47,8 @@ local ROLE = {role = "other"}
 -- ---- this rank's pieces of the selected parameters --------------------------------------------
 
 -- For each selected entry: e.unit (nil for a plain parameter), e.numel, e.shape and e.piece =
--- {x = 1-D view of the weights this rank holds (shard slice or whole parameter), m = current
+-- {x = 1-D view of the weights this rank holds (shard slice or whole parameter; an f32 copy of a
+-- bf16/f16 plain parameter, which is then target), m = current
 -- mask values (nil: none), first = 1-based position of x[1] in the parameter, n =, counts =
 -- false when another rank counts the same elements (replicated units: rank 0 counts; hybrid:
 -- the first group)} or nil
@@ -64,7 +65,17 @@ local function pieces(model, entries, fn)
       if p.device ~= "cpu" then
         raise(("%s: %s is on the %s device: materialize the model first"):format(fn, e.path, p.device))
       end
-      e.piece = {x = p:detach():view{e.numel}, m = mask.piece(p), first = 1, n = e.numel, counts = true}
+      local x = p:detach():view{e.numel}
+      local dt = x:dtype()
+      -- the selection's kernels compute in f32; a plain parameter moved to bf16 or f16
+      -- (model:to) is selected on an f32 copy, exact and in the same order, and masked itself
+      -- (target); f64 would round its magnitudes, so it is refused
+      if dt ~= "f32" and dt ~= "bf16" and dt ~= "f16" then
+        raise(("%s: %s is %s: pruning selects in f32, bf16 or f16 (model:to(\"f32\") first)")
+          :format(fn, e.path, dt))
+      end
+      e.piece = {x = dt == "f32" and x or x:to("f32"), target = dt ~= "f32" and x or nil,
+        m = mask.piece(p), first = 1, n = e.numel, counts = true}
     else
       local s = util.local_slice(u, p)
       if s ~= nil then
@@ -91,7 +102,10 @@ end
 local function store(e, mout)
   local p = e.param
   if not (mask.has(p) and rawequal(mask.piece(p), mout)) then mask.adopt(p, e.unit, e.path, mout) end
-  if mout ~= nil then core.mask_apply(e.piece.x, mout) end
+  if mout ~= nil then
+    core.mask_apply(e.piece.x, mout)
+    if e.piece.target ~= nil then mask.apply_flat(e.piece.target, mout) end
+  end
 end
 
 -- ---- agreeing before anything changes ---------------------------------------------------------

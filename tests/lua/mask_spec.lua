@@ -559,3 +559,83 @@ describe("masks on a meta model", function()
     assert.are_not.equal(0, m.weight:get(1, 2))
   end)
 end)
+
+describe("masks on a plain model moved to bf16 or f16 (model:to)", function()
+  -- the mask stays f32 (0/1) while the weights and gradients have the parameter's dtype
+  local function bits(t) return flat(t:to("f32")) end
+
+  it("set_mask, reapply and the optimizer's masking keep masked weights exactly 0", function()
+    for _, dt in ipairs{"bf16", "f16"} do
+      fsdp.manual_seed(3)
+      local m = nn.Linear(8, 8):to(dt)
+      local before = bits(m.weight)
+      local mask = some_mask({8, 8}, 0.4, 1)
+      fsdp.set_mask(m.weight, mask)
+      assert.are.equal(dt, m.weight:dtype())
+      local w, mk = bits(m.weight), flat(mask)
+      for i = 1, #mk do assert.are.equal(mk[i] == 0 and 0 or before[i], w[i]) end
+      local opt = fsdp.optim.Lion(m, {lr = 0.05, weight_decay = 0.1})
+      for _ = 1, 3 do
+        opt:zero_grad()
+        m(fsdp.randn{4, 8}:to(dt)):pow(2):sum():backward()
+        fsdp.clip_grad_norm(m, 0.1)
+        local g = bits(m.weight.grad)
+        for i = 1, #mk do if mk[i] == 0 then assert.are.equal(0, g[i]) end end
+        opt:step()
+      end
+      w = bits(m.weight)
+      for i = 1, #mk do if mk[i] == 0 then assert.are.equal(0, w[i]) end end
+      m.weight:detach():fill(1)
+      require("fsdp.mask").reapply(m)
+      w = bits(m.weight)
+      for i = 1, #mk do assert.are.equal(mk[i], w[i]) end
+      assert.are.equal(#mk - (function() local n = 0 for _, v in ipairs(mk) do n = n + v end return n end)(),
+        fsdp.sparsity(m).params.weight.zeros)
+    end
+  end)
+
+  it("a masked checkpoint loads into a bf16 model", function()
+    local path = os.tmpname()
+    os.remove(path)
+    path = path .. ".safetensors"
+    local a = gpt(true)
+    fsdp.set_mask(a.blocks[1].mlp.fc.weight, some_mask({64, 16}, 0.5, 2))
+    fsdp.save(a, path)
+    local b = nn.GPT{vocab = 16, ctx = 8, d = 16, layers = 2, heads = 2}:to("bf16")
+    fsdp.load(b, path)
+    os.remove(path)
+    local mk = flat(fsdp.mask(b.blocks[1].mlp.fc.weight))
+    local w, wa = bits(b.blocks[1].mlp.fc.weight), flat(a.blocks[1].mlp.fc.weight:to("bf16"):to("f32"))
+    for i = 1, #mk do assert.are.equal(mk[i] == 0 and 0 or wa[i], w[i]) end
+  end)
+
+  it("pruning selects as on the f32 weights of the same values; f64 is refused by name", function()
+    fsdp.manual_seed(5)
+    local a = nn.GPT{vocab = 16, ctx = 8, d = 16, layers = 2, heads = 2}:to("bf16")
+    fsdp.manual_seed(5)
+    local b = nn.GPT{vocab = 16, ctx = 8, d = 16, layers = 2, heads = 2}:to("bf16"):to("f32")
+    for _, m in ipairs{a, b} do
+      fsdp.prune.magnitude(m, {params = "attn", sparsity = 0.6, scope = "global"})
+      fsdp.prune.nm(m, {params = "mlp", n = 2, m = 4})
+    end
+    local pa, pb = a:parameters(), b:parameters()
+    local masked = 0
+    for i = 1, #pa do
+      assert.are.equal("bf16", pa[i]:dtype())
+      local ma, mb = fsdp.mask(pa[i]), fsdp.mask(pb[i])
+      assert.are.equal(ma == nil, mb == nil)
+      if ma then
+        masked = masked + 1
+        assert.are.same(flat(mb), flat(ma))
+      end
+      assert.are.same(flat(pb[i]), bits(pa[i]))
+    end
+    assert.are.equal(16, masked) -- per Block: qkv, proj (weights and biases), fc, proj (weights)
+    local c = nn.Linear(4, 4):to("f64")
+    local ok, err = pcall(fsdp.prune.magnitude, c, {sparsity = 0.5})
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("prune.magnitude: weight is f64: pruning selects in f32, bf16 or f16", 1, true),
+      tostring(err))
+    assert.is_nil(fsdp.mask(c.weight))
+  end)
+end)
