@@ -587,6 +587,24 @@ function Optimizer:each_update(update)
     if not ok then error(err, 0) end
     return
   end
+  -- a parameter the update kernel cannot take is refused before any update (a model with
+  -- parameters of several dtypes is not half stepped)
+  if self.f32_kernel then
+    for _, e in ipairs(self.params) do
+      local p = e.param
+      local dt = p:dtype()
+      local g, new = nil, false
+      if dt ~= "f32" and not frozen(p) then g, new = grad_of(p) end
+      if new then g:free() end
+      if g ~= nil and self:f32_kernel(p) then
+        raise(("%s: parameter %s is %s, but %s's update kernel takes f32 parameters only: "
+          .. "keep the parameters f32%s (Lion, Adafactor and SGD with nesterov = true update "
+          .. "%s parameters as they are)"):format(self.kind, e.path, dt, self.kind,
+          dt == "f64" and "" or (" and compute in %s with fsdp.wrap(model, {mp = \"%s\"})")
+            :format(dt, dt), dt))
+      end
+    end
+  end
   util.no_grad(function()
     local fresh = {} -- gradients made for the call, freed once their update has run
     local ok, err = pcall(function()
@@ -874,6 +892,8 @@ end
 
 local SGD = setmetatable({}, {__index = Optimizer})
 SGD.__index = SGD
+-- whether p's update runs core.sgd_step, whose kernels take f32 only (nesterov: tensor ops)
+function SGD:f32_kernel(p) return not self:hp(p, "nesterov") end
 optim.SGD_class = SGD
 
 HYPER.SGD = {"lr", "momentum", "nesterov", "weight_decay"}
@@ -934,6 +954,7 @@ end
 local AdamW = setmetatable({}, {__index = Optimizer})
 AdamW.__index = AdamW
 AdamW.fused_clip = true -- max_grad_norm's coefficient goes into the kernel (each_update)
+function AdamW:f32_kernel() return true end -- core.adamw_step: f32 kernels only
 optim.AdamW_class = AdamW
 
 local Adam = setmetatable({}, {__index = AdamW})

@@ -241,7 +241,18 @@ describe("optim.clip_grad_norm", function()
     local o = optim.AdamW(m)
     m(fsdp.ones({1, 2}, {dtype = "bf16"})):sum():backward()
     H.assert_error_has(function() o:step() end, "optim_spec.lua:",
-      "AdamW: parameter weight: adamw_step: ")
+      "AdamW: parameter weight is bf16, but AdamW's update kernel takes f32 parameters only")
+    -- an update that fails while it runs is named too
+    local f = nn.Linear(2, 2)
+    local of = optim.AdamW(f)
+    f(fsdp.ones{1, 2}):sum():backward()
+    local kernel = fsdp.core.adamw_step
+    fsdp.core.adamw_step = function() error("adamw_step: a failing kernel", 0) end
+    local ok, err = pcall(of.step, of)
+    fsdp.core.adamw_step = kernel
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("AdamW: parameter weight: adamw_step: a failing kernel", 1, true),
+      tostring(err))
     local a = nn.Linear(2, 2)
     local oa = optim.AdamW(a)
     a(fsdp.ones{1, 2}):sum():backward()
@@ -1030,6 +1041,51 @@ describe("an optimizer made before fsdp.wrap", function()
       H.assert_error_has(function() o:step() end, kind .. ":step: the model was wrapped after this "
         .. "optimizer was created (1.weight is sharded); create the optimizer after fsdp.wrap")
       fsdp.unwrap(m)
+    end
+  end)
+end)
+
+describe("plain parameters of another dtype than f32 (model:to)", function()
+  -- SGD's and Adam(W)'s update kernels take f32 parameters only
+  local function model_of(dt)
+    local a = param{1, 2, 3}                 -- f32, first: left alone when the step is refused
+    local b = nn.Parameter(fsdp.tensor{4, 5, 6}:to(dt))
+    a.grad, b.grad = fsdp.tensor{1, 1, 1}, fsdp.tensor({1, 1, 1}):to(dt)
+    return {a, b}
+  end
+
+  it("SGD, Adam and AdamW refuse them by name before updating anything", function()
+    for _, dt in ipairs{"bf16", "f16", "f64"} do
+      for _, mk in ipairs{
+          function(ps) return optim.SGD(ps, {lr = 0.1}) end,
+          function(ps) return optim.SGD(ps, {lr = 0.1, momentum = 0.9}) end,
+          function(ps) return optim.Adam(ps, {lr = 0.1}) end,
+          function(ps) return optim.AdamW(ps, {lr = 0.1}) end} do
+        local ps = model_of(dt)
+        local opt = mk(ps)
+        local ok, err = pcall(opt.step, opt)
+        assert.is_false(ok)
+        local want = ("%s: parameter 2 is %s, but %s's update kernel takes f32 parameters only: "
+          .. "keep the parameters f32"):format(opt.kind, dt, opt.kind)
+        assert.truthy(tostring(err):find(want, 1, true), tostring(err))
+        assert.are.equal(dt ~= "f64", tostring(err):find(("fsdp.wrap(model, {mp = \"%s\"})"):format(dt), 1, true) ~= nil)
+        assert.are.same({1, 2, 3}, flat(ps[1]))
+        assert.are.same({4, 5, 6}, flat(ps[2]:to("f32")))
+        assert.is_nil(opt.state[ps[1]] and opt.state[ps[1]].exp_avg)
+      end
+    end
+  end)
+
+  it("Lion, Adafactor and SGD with nesterov step them", function()
+    for _, mk in ipairs{
+        function(ps) return optim.Lion(ps, {lr = 0.5}) end,
+        function(ps) return optim.Adafactor(ps, {lr = 0.5}) end,
+        function(ps) return optim.SGD(ps, {lr = 0.5, momentum = 0.9, nesterov = true}) end} do
+      local ps = model_of("bf16")
+      mk(ps):step()
+      assert.are.equal("bf16", ps[2]:dtype())
+      local v = flat(ps[2]:to("f32"))
+      for i, w in ipairs{4, 5, 6} do assert.is_true(v[i] < w) end
     end
   end)
 end)
