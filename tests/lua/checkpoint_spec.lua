@@ -275,6 +275,72 @@ describe("nn.checkpoint", function()
     assert.is_not_nil(m.l.weight.grad)
   end)
 
+  it("names the recomputed module's path in its errors, as the forward's errors do", function()
+    -- fail = a module: it raises when it runs in backward (a recomputation)
+    local fail
+    local Boom = nn.Module:extend("Boom")
+    function Boom:init() self.l = nn.Linear(4, 4) end
+    function Boom:forward(x)
+      if fail == self and self.armed then
+        self.armed = self.armed - 1
+        if self.armed == 0 then error("boom", 0) end
+      end
+      return self.l(x)
+    end
+    local Inner = nn.Module:extend("Inner")
+    function Inner:init() self.a = nn.Linear(4, 4) self.boom = Boom() end
+    function Inner:forward(x) return self.boom(self.a(x)):relu() end
+    local Net = nn.Module:extend("Net")
+    function Net:init()
+      self.first = nn.Linear(4, 4)
+      self.blocks = nn.ModuleList{Inner(), Inner()}
+    end
+    function Net:forward(x) return self.blocks[2](self.blocks[1](self.first(x))) end
+    -- target fails on its `at`-th run in backward (default: the first)
+    local function run(m, target, at)
+      fail = target
+      target.armed = false
+      local out = m(fsdp.randn{2, 4})
+      target.armed = at or 1 -- the forward ran: what runs now is a recomputation
+      local ok, err = pcall(function() out:sum():backward() end)
+      target.armed = false
+      assert.is_false(ok)
+      assert.are.equal(0, core.tape_size())
+      return tostring(err)
+    end
+    local m = Net()
+    nn.checkpoint(m.blocks[1])
+    nn.checkpoint(m.blocks[2])
+    -- raised by a module the recomputation calls, and by the checkpointed module itself
+    local err = run(m, m.blocks[2].boom)
+    assert.truthy(err:find("backward of checkpoint: blocks.2.boom (Boom): boom", 1, true), err)
+    local Self = nn.Module:extend("Self")
+    function Self:init() self.l = nn.Linear(4, 4) end
+    function Self:forward(x)
+      if self.armed then error("boom itself", 0) end -- any number: on the first run
+      return self.l(x)
+    end
+    local s = nn.Sequential(nn.Linear(4, 4), Self())
+    nn.checkpoint(s[2])
+    err = run(s, s[2])
+    assert.truthy(err:find("backward of checkpoint: 2 (Self): boom itself", 1, true), err)
+    -- nested: the inner checkpoint runs in the outer one's recomputation (run 1 in backward),
+    -- then its own (run 2): both named from the model
+    nn.checkpoint(m.blocks[1].boom)
+    for at = 1, 2 do
+      err = run(m, m.blocks[1].boom, at)
+      assert.truthy(err:find("backward of checkpoint: blocks.1.boom (Boom): boom", 1, true), err)
+    end
+    -- a checkpointed model called by itself: its own name
+    local whole = nn.checkpoint(Self())
+    err = run(whole, whole)
+    assert.truthy(err:find("backward of checkpoint: Self: boom itself", 1, true), err)
+    -- the model still trains afterwards, and forward errors keep their paths
+    m(fsdp.randn{2, 4}):sum():backward()
+    assert.is_not_nil(m.first.weight.grad)
+    assert_error_has(function() m(fsdp.randn{2, 5}) end, "first (Linear): ")
+  end)
+
   it("core.checkpoint refuses a bad state and an integral output", function()
     local rng = core.checkpoint_rng()
     local fn = function() end

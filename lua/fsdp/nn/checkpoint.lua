@@ -24,6 +24,14 @@ local MARK = "__checkpoint"
 local floating = {f32 = true, bf16 = true, f16 = true, f64 = true}
 local depth = 0 -- recomputations running (nested checkpoints nest them)
 
+-- module.lua's call of a recomputation (errors named by the module's path) and the module of
+-- the outermost module call running, given by module.lua when it loads (it requires this file)
+local call_recompute, outer_module
+
+function M.bind(call, outer)
+  call_recompute, outer_module = call, outer
+end
+
 function M.mark(m, on) rawset(m, MARK, on and true or nil) end
 function M.is_marked(m) return rawget(m, MARK) == true end
 
@@ -45,13 +53,14 @@ end
 local function pack(...) return {n = select("#", ...), ...} end
 
 -- The recomputation of m's forward: tensor arguments come back as the node's inputs, in order;
--- the other arguments are the ones first given.
-local function recomputation(m, forward, n, args, at)
+-- the other arguments are the ones first given. `outer` is the outermost module of the call
+-- that first ran it: an error of the recomputation names m's path from there.
+local function recomputation(m, forward, n, args, at, outer)
   return function(...)
     local a = {unpack(args, 1, n)}
     for k = 1, #at do a[at[k]] = (select(k, ...)) end
     depth = depth + 1
-    local r = pack(pcall(forward, m, unpack(a, 1, n)))
+    local r = pack(pcall(call_recompute, m, outer, forward, unpack(a, 1, n)))
     depth = depth - 1
     if not r[1] then error(r[2], 0) end
     return r[2]
@@ -82,7 +91,8 @@ function M.run(m, ...)
       args[i] = false
     end
   end
-  return core.checkpoint(y, rng, recomputation(m, forward, n, args, at), unpack(tensors))
+  return core.checkpoint(y, rng, recomputation(m, forward, n, args, at, outer_module()),
+    unpack(tensors))
 end
 
 return M

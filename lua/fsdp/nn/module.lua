@@ -622,6 +622,10 @@ local traceback_left = false
 -- only gets a second prefix).
 local made, n_made, MADE_MAX = {}, 0, 64
 local call_outer -- defined below, after on_error
+local call_recompute -- likewise
+-- The module of the outermost call running (nil outside one); a checkpointed call keeps it, so
+-- that an error of its recomputation in backward can name its path from there.
+local outer_module = nil
 
 -- "file:line: " of the innermost stack frame outside the fsdp Lua library (lua/fsdp/util.lua).
 M.user_where = util.user_where
@@ -640,25 +644,33 @@ end
 
 -- The modules of the module calls active on this thread, outermost first, read from the Lua
 -- stack of the caller (up to the outermost call's frame).
+-- A recomputation (call_recompute, in backward) is where the walk stops too; its frame also
+-- holds the module of the outermost call that first ran it (nil: none), returned third.
 local function active_modules()
-  local chain, n = {}, 0
+  local chain, n, outer = {}, 0, nil
   for level = 3, 1e6 do
     local info = getinfo(level, "f")
     if info == nil then break end
     local f = info.func
-    if f == call_module or f == call_outer then
+    if f == call_module or f == call_outer or f == call_recompute then
       n = n + 1
       local _, m = getlocal(level, 1)
       chain[n] = m
+      if f == call_recompute then
+        local _, o = getlocal(level, 2)
+        outer = o
+        break
+      end
       if f == call_outer then break end
     end
   end
   for i = 1, math.floor(n / 2) do chain[i], chain[n + 1 - i] = chain[n + 1 - i], chain[i] end
-  return chain, n
+  return chain, n, outer
 end
 
-local function error_prefix(chain, n)
-  local path = ""
+local function error_prefix(chain, n, outer)
+  -- a recomputation's module has the path it had in the call that first ran it
+  local path = outer ~= nil and path_within(outer, chain[1]) or ""
   for i = 2, n do
     local rel = path_within(chain[i - 1], chain[i])
     if rel == nil then
@@ -686,7 +698,7 @@ local function on_error(e)
     if not traceback_left then leave_traceback(e) end
     return e
   end
-  local chain, n = active_modules()
+  local chain, n, outer = active_modules()
   if n == 0 then return e end
   local msg = e
   -- An engine op (a C function other than `error`) locates its message at its Lua caller.
@@ -710,7 +722,7 @@ local function on_error(e)
       end
     end
   end
-  msg = error_prefix(chain, n) .. msg
+  msg = error_prefix(chain, n, outer) .. msg
   leave_traceback(msg)
   if n_made >= MADE_MAX then made, n_made = {}, 0 end
   made[msg], n_made = true, n_made + 1
@@ -723,17 +735,33 @@ local function finish_nested(ok, ...)
 end
 
 local function finish_outer(ok, ...)
-  inside = false
+  inside, outer_module = false, nil
   if not ok then error((...), 0) end
   return ...
 end
 
 -- The outermost module call (its frame marks where active_modules stops).
 call_outer = function(self, ...)
-  inside = true
+  inside, outer_module = true, self
   if traceback_left then registry[TRACEBACK_KEY], traceback_left = nil, false end
   return finish_outer(xpcall(run_forward, on_error, self, ...))
 end
+
+local function finish_recompute(was_inside, was_outer, ok, ...)
+  inside, outer_module = was_inside, was_outer
+  if not ok then error((...), 0) end
+  return ...
+end
+
+-- nn.checkpoint's recomputation of self's forward fn in backward: an outermost call of its own
+-- (no hooks), whose errors get self's path from `outer`, the outermost module of the call that
+-- first ran it (checkpoint.lua keeps it), as a forward error would have.
+call_recompute = function(self, outer, fn, ...)
+  local was_inside, was_outer = inside, outer_module
+  inside, outer_module = true, outer
+  return finish_recompute(was_inside, was_outer, xpcall(fn, on_error, self, ...))
+end
+ckpt.bind(call_recompute, function() return outer_module end)
 
 -- A nested call: not a tail call, so that its frame stays on the stack for active_modules.
 call_module = function(self, ...)
