@@ -12,8 +12,8 @@
 -- module inside another's first pass) are plain forwards.
 --
 -- The mark is the raw field MARK on the module (module.lua's bookkeeping fields start with
--- "__"). The closure holds the module and the non-tensor arguments only; tensors stay with the
--- node, so dropping the graph frees them.
+-- "__"). The closure holds the module, the outermost module of its call (for error paths) and
+-- the non-tensor arguments only; tensors stay with the node, so dropping the graph frees them.
 
 local core = require "fsdp.core"
 local util = require "fsdp.util"
