@@ -67,12 +67,12 @@ local function recomputation(m, forward, n, args, at, outer)
   end
 end
 
---- m's forward(...) checkpointed (see the file header).
-function M.run(m, ...)
+--- forward(m, ...) checkpointed as m's region (see the file header): m's forward, or a fused
+--- op standing in for a call of m (nn.MLP's fc and GELU).
+function M.run_as(m, forward, ...)
   local n = select("#", ...)
   local args = {...}
-  if not needs_grad(m, n, args) then return m:forward(...) end
-  local forward = m.forward
+  if not needs_grad(m, n, args) then return forward(m, ...) end
   local rng = core.checkpoint_rng()
   local res = pack(util.quiet(forward, m, ...))
   -- caught to restore recording: the library positions go, as module.lua drops them
@@ -94,5 +94,8 @@ function M.run(m, ...)
   return core.checkpoint(y, rng, recomputation(m, forward, n, args, at, outer_module()),
     unpack(tensors))
 end
+
+--- m's forward(...) checkpointed.
+function M.run(m, ...) return M.run_as(m, m.forward, ...) end
 
 return M

@@ -10,6 +10,7 @@
 local core = require "fsdp.core"
 local base = require "fsdp.nn.module"
 local U = require "fsdp.util"
+local ckpt = require "fsdp.nn.checkpoint"
 
 local Module, is_module, release = base.Module, base.is_module, base.release
 local L = {}
@@ -349,12 +350,21 @@ local function fused_fc(fc, x)
   return #ws == 2 and #xs >= 1 and xs[#xs] == ws[2]
 end
 
+-- fc's linear and bias + GELU, fused (fused_fc)
+local function fc_gelu(fc, x)
+  local y = core.F.linear(x, fc.weight) -- (..., hidden)
+  local h = core.F.bias_gelu(y, fc.bias)
+  release(y, x)
+  return h
+end
+
 function MLP:forward(x)
   local fc, h = self.fc, nil
   if fused_fc(fc, x) then
-    local y = core.F.linear(x, fc.weight) -- (..., hidden)
-    h = core.F.bias_gelu(y, fc.bias)
-    release(y, x)
+    -- fc checkpointed (nn.checkpoint): the fused op is its region, so the GELU is recomputed
+    -- with it and the bits stay those of the unchecked run (fc(x), then gelu, rounds the bias
+    -- into a bf16 output before the GELU)
+    if ckpt.is_marked(fc) then h = ckpt.run_as(fc, fc_gelu, x) else h = fc_gelu(fc, x) end
   else
     local y = fc(x) -- (..., hidden)
     h = core.F.gelu(y)
@@ -387,9 +397,11 @@ function Block:init(d, heads, opts)
 end
 
 -- x + a and ln2 of it as one op (F.add_layernorm: one pass over the rows, the same values) when
--- ln2 is a plain LayerNorm and x and a match (shape, dtype, device) and fit it
+-- ln2 is a plain LayerNorm and x and a match (shape, dtype, device) and fit it; not when ln2 is
+-- checkpointed (nn.checkpoint), whose call then runs as a checkpoint (the same values)
 local function fused_ln(ln, x, a)
-  if not fusable(ln, LayerNorm, x) or a:dtype() ~= x:dtype() or a.device ~= x.device then
+  if not fusable(ln, LayerNorm, x) or ckpt.is_marked(ln) or a:dtype() ~= x:dtype()
+    or a.device ~= x.device then
     return false
   end
   local xs, as = x:shape(), a:shape()
