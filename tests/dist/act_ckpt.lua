@@ -13,7 +13,7 @@
 --   * unwrap removes the marks wrap set and keeps those nn.checkpoint set; an inner wrap's marks
 --     stay when an outer wrap absorbs it
 --   * errors: a bad checkpoint option; a listed module outside the model; ranks that disagree
---     on what to checkpoint (more than one rank)
+--     on what to checkpoint (more than one rank); a backward after fsdp.unwrap (f32 and bf16)
 --   fsdprun -n N tests/dist/act_ckpt.lua
 local fsdp = require "fsdp"
 local nn = fsdp.nn
@@ -225,6 +225,31 @@ do
   fsdp.unwrap(m)
   say("ok: errors name the option; ranks must agree on what they checkpoint")
 end
+
+-- ---- a model unwrapped between a forward and its backward ------------------------------------
+-- The recomputation would run on the dense f32 parameters (under mp, on the forward's bf16
+-- activations: a dtype error inside a layer); it is refused first, naming what happened, as the
+-- unit's hooks refuse it without checkpointing. Every rank alike; the model trains afterwards.
+for _, mp in ipairs{"f32", "bf16"} do
+  local m = fsdp.wrap(gpt(), {policy = BLOCK, mp = mp, checkpoint = BLOCK})
+  local x, y = batch(1)
+  local loss = nn.F.cross_entropy(m(x), y)
+  fsdp.unwrap(m)
+  local bad, err = errs(function() loss:backward() end)
+  check(bad and err:find("backward of checkpoint: blocks.2 (Block): the model was unwrapped "
+    .. "(fsdp.unwrap) after the forward that recorded this graph, so unit 'blocks.2' holds none "
+    .. "of its parameters any more: run the forward again", 1, true) ~= nil,
+    mp .. ": backward after unwrap is refused by name: " .. err)
+  check(core.tape_size() == 0, mp .. ": the failed backward leaves no graph")
+  fsdp.wrap(m, {policy = BLOCK, mp = mp, checkpoint = BLOCK})
+  loss = nn.F.cross_entropy(m(x), y)
+  loss:backward()
+  local opt = fsdp.optim.AdamW(m, {lr = 1e-2})
+  opt:step()
+  check(core.tape_size() == 0, mp .. ": the re-wrapped model trains")
+  fsdp.unwrap(m)
+end
+say("ok: a backward after unwrap is refused with the unwrap named, mixed precision too")
 
 if C.failures() > 0 then error(("%d activation checkpointing checks failed"):format(C.failures())) end
 say(("all activation checkpointing checks passed at %d rank(s)"):format(W))

@@ -55,12 +55,24 @@ local function pack(...) return {n = select("#", ...), ...} end
 -- The recomputation of m's forward: tensor arguments come back as the node's inputs, in order;
 -- the other arguments are the ones first given. `outer` is the outermost module of the call
 -- that first ran it: an error of the recomputation names m's path from there.
-local function recomputation(m, forward, n, args, at, outer)
+-- `p`, when not nil, is a parameter of m that unit `u` (fsdp.wrap) held at the forward: a model
+-- unwrapped (or wrapped anew) since would recompute on other parameters than the forward's (dense
+-- f32 ones, where the forward computed in the units' dtype), so that is refused first, naming
+-- what happened, as the units' own backward hooks do.
+local function recomputation(m, forward, n, args, at, outer, p, u)
+  local function checked(self, ...)
+    if core.param_unit(p) ~= u then
+      error(("the model was unwrapped (fsdp.unwrap) after the forward that recorded this graph, "
+        .. "so unit '%s' holds none of its parameters any more: run the forward again")
+        :format(u.path), 0)
+    end
+    return forward(self, ...)
+  end
   return function(...)
     local a = {unpack(args, 1, n)}
     for k = 1, #at do a[at[k]] = (select(k, ...)) end
     depth = depth + 1
-    local r = pack(pcall(call_recompute, m, outer, forward, unpack(a, 1, n)))
+    local r = pack(pcall(call_recompute, m, outer, p and checked or forward, unpack(a, 1, n)))
     depth = depth - 1
     if not r[1] then error(r[2], 0) end
     return r[2]
@@ -91,8 +103,16 @@ function M.run_as(m, forward, ...)
       args[i] = false
     end
   end
-  return core.checkpoint(y, rng, recomputation(m, forward, n, args, at, outer_module()),
-    unpack(tensors))
+  local held, unit
+  for _, p in ipairs(m:parameters()) do
+    unit = core.param_unit(p)
+    if unit ~= nil then
+      held = p
+      break
+    end
+  end
+  return core.checkpoint(y, rng,
+    recomputation(m, forward, n, args, at, outer_module(), held, unit), unpack(tensors))
 end
 
 --- m's forward(...) checkpointed.
