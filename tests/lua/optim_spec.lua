@@ -251,8 +251,8 @@ describe("optim.clip_grad_norm", function()
     local ok, err = pcall(of.step, of)
     fsdp.core.adamw_step = kernel
     assert.is_false(ok)
-    assert.truthy(tostring(err):find("AdamW: parameter weight: adamw_step: a failing kernel", 1, true),
-      tostring(err))
+    assert.truthy(tostring(err):find("AdamW: parameter weight: adamw_step: a failing kernel", 1,
+      true), tostring(err))
     local a = nn.Linear(2, 2)
     local oa = optim.AdamW(a)
     a(fsdp.ones{1, 2}):sum():backward()
@@ -1068,7 +1068,8 @@ describe("plain parameters of another dtype than f32 (model:to)", function()
         local want = ("%s: parameter 2 is %s, but %s's update kernel takes f32 parameters only: "
           .. "keep the parameters f32"):format(opt.kind, dt, opt.kind)
         assert.truthy(tostring(err):find(want, 1, true), tostring(err))
-        assert.are.equal(dt ~= "f64", tostring(err):find(("fsdp.wrap(model, {mp = \"%s\"})"):format(dt), 1, true) ~= nil)
+        local hint = ("fsdp.wrap(model, {mp = \"%s\"})"):format(dt)
+        assert.are.equal(dt ~= "f64", tostring(err):find(hint, 1, true) ~= nil)
         assert.are.same({1, 2, 3}, flat(ps[1]))
         assert.are.same({4, 5, 6}, flat(ps[2]:to("f32")))
         assert.is_nil(opt.state[ps[1]] and opt.state[ps[1]].exp_avg)
