@@ -358,8 +358,10 @@ int fsdp_backward(fsdp_tensor *root, fsdp_tensor *grad) {
     int64_t k = tape_len - 1;
     while (k >= 0 && tape[k]->out != root) k--;
     if (k < 0)
-      return fsdp_error("backward: the graph of tensor %s is no longer recorded (backward "
-                        "already ran over it, or the tape was cleared)",
+      return fsdp_error("backward: the graph of tensor %s is no longer recorded (a backward "
+                        "already ran over it: each consumes every graph recorded before it "
+                        "ran, so sum the losses and run one backward; or the tape was "
+                        "cleared)",
                         FSDP_SHAPE_STR(root));
   }
   if (grad) {

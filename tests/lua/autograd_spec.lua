@@ -204,6 +204,21 @@ describe("backward", function()
     assert.are.same({ 10, 10, 10, 10, 10, 10 }, flat(w))
   end)
 
+  it("consumes every recorded graph: a second loss's backward is refused, their sum works", function()
+    local w = core.parameter(fsdp.ones(3))
+    local la, lb = (w * 2):sum(), (w * 3):sum()
+    la:backward()
+    assert_error_has(function() lb:backward() end, "backward: the graph of tensor () is no "
+      .. "longer recorded (a backward already ran over it: each consumes every graph recorded "
+      .. "before it ran, so sum the losses and run one backward")
+    assert.are.same({ 2, 2, 2 }, w.grad:totable())
+    w.grad = nil
+    la, lb = (w * 2):sum(), (w * 3):sum()
+    ;(la + lb):backward()
+    assert.are.same({ 5, 5, 5 }, w.grad:totable())
+    assert.are.equal(0, core.tape_size())
+  end)
+
   it("detach cuts the graph", function()
     local w = core.parameter(fsdp.ones(2))
     local d = (w * 3):detach()
