@@ -106,7 +106,12 @@ end
 -- the same objects (replacing one would split a tie and leave a unit's shard behind). A
 -- replaced parameter is an error, and the original object goes back into its field first, so
 -- that the error leaves the tie whole.
+local call_checked_here
 local function call_checked(what, call, m, path)
+  -- a wrapped model refuses field writes (nn.module): this check names the parameter instead
+  return base.with_checked_fields(call_checked_here, what, call, m, path)
+end
+call_checked_here = function(what, call, m, path)
   local before = own_params(m)
   local ok, err = util.quiet(call, m, path)
   if not ok then return false, err end

@@ -387,4 +387,7 @@ function M.root(model)
   return nil
 end
 
+-- the raw field that marks a module of a wrapped model (nn.module refuses rewiring it)
+M.MARK = MARK
+
 return M

@@ -282,6 +282,41 @@ describe("fsdp.wrap", function()
     fsdp.unwrap(m)
   end)
 
+  it("refuses to add, replace or remove a parameter or module of a wrapped model", function()
+    fsdp.manual_seed(3)
+    local m = nn.Sequential{nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)}
+    m[3].weight = m[1].weight -- a tie across two units: the root owns it
+    fsdp.wrap(m, {policy = fsdp.policy.list{m[1], m[3]}})
+    local tied = m[1].weight
+    -- untying by assignment would leave the new parameter in no unit: trained unsharded,
+    -- unreduced and never stepped
+    local ok, err = pcall(function() m[3].weight = nn.Parameter(fsdp.zeros{6, 6}) end)
+    assert.is_false(ok)
+    assert.truthy(err:find("Linear.weight: the module belongs to a wrapped model, and replacing "
+      .. "a parameter", 1, true), err)
+    assert.truthy(err:find("fsdp.unwrap the model, change it, and wrap it again", 1, true), err)
+    assert.is_true(rawequal(m[3].weight, tied))
+    ok, err = pcall(function() m[2].bias = nil end)
+    assert.is_false(ok)
+    assert.truthy(err:find("Linear.bias: the module belongs to a wrapped model, and removing",
+      1, true), err)
+    ok, err = pcall(function() m[2].extra = nn.Linear(6, 6) end)
+    assert.is_false(ok)
+    assert.truthy(err:find("and adding a Linear there", 1, true), err)
+    ok, err = pcall(function() m[4] = nn.Linear(6, 6) end)
+    assert.is_false(ok)
+    assert.truthy(err:find("Sequential.4: the module belongs to a wrapped model", 1, true), err)
+    assert.are.equal(3, #m)
+    -- the same object again, and fields that hold neither, are fine
+    m[3].weight = tied
+    m[2].note = "kept"
+    assert.are.same({"1.weight", "3.weight"}, fsdp.ties(m)[1].paths)
+    -- unwrapped, the model is the user's to change
+    fsdp.unwrap(m)
+    m[3].weight = nn.Parameter(fsdp.zeros{6, 6})
+    assert.are.same({}, fsdp.ties(m))
+  end)
+
   it("validates its options", function()
     local m = gpt()
     local function err_of(opts)

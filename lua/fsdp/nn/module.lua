@@ -235,8 +235,36 @@ end
 
 -- ---- fields -------------------------------------------------------------------------------
 
+-- Nonzero while the library runs user code whose field writes it checks itself (an init_fn
+-- on a wrapped model: lua/fsdp/meta.lua puts a replaced parameter back and names it).
+local rewire_checked = 0
+local function checked_done(...)
+  rewire_checked = rewire_checked - 1
+  return ...
+end
+--- fn(...) with the wrapped-model field check off; fn must not raise (it returns its errors),
+--- and must itself put back any parameter the user code replaced.
+function M.with_checked_fields(fn, ...)
+  rewire_checked = rewire_checked + 1
+  return checked_done(fn(...))
+end
+
+-- A wrapped model's units own the parameter objects its fields held when it was wrapped: a
+-- parameter or module put into (or taken out of) a field afterwards would belong to no unit,
+-- and train unsharded, unreduced and unstepped on each rank without a word.
+local function refuse_rewire(self, k, old, v)
+  if rewire_checked > 0 or rawget(self, state.MARK) == nil or rawequal(old, v) then return end
+  if not (is_module(old) or is_param(old) or is_module(v) or is_param(v)) then return end
+  error(("%s.%s: the module belongs to a wrapped model, and %s a %s there would leave it "
+    .. "outside the model's units (neither sharded nor reduced nor stepped); fsdp.unwrap the "
+    .. "model, change it, and wrap it again"):format(self:type_name(), tostring(k),
+      v == nil and "removing" or (old == nil and "adding" or "replacing"),
+      is_module(v == nil and old or v) and (v == nil and old or v):type_name() or "parameter"), 4)
+end
+
 set_field = function(self, k, v)
   if type(k) == "number" then
+    refuse_rewire(self, k, rawget(self, k), v)
     -- array part: only modules and parameters (Sequential, ModuleList, lists of parameters),
     -- at positions 1, 2, ... (walk reads m[1] .. m[#m])
     if k < 1 or k % 1 ~= 0 then
@@ -251,6 +279,7 @@ set_field = function(self, k, v)
     rawset(self, k, v)
     return
   end
+  refuse_rewire(self, k, rawget(self, FIELDS)[k], v)
   if is_param(v) then note_param(self, v) end
   -- a field is read before the class: one named like a method would hide it from the library
   if k == "training" and type(v) ~= "boolean" then
