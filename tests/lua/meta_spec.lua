@@ -290,6 +290,37 @@ describe("fsdp.materialize (wrapped, world size 1)", function()
     assert.is_false(ok)
     assert.truthy(tostring(err):find("rank 0's parameter wte.weight is on the meta device", 1, true), err)
   end)
+  it("refuses an init_fn that adds or removes a parameter or module of a wrapped model", function()
+    -- the new object would belong to no unit: a plain parameter inside a wrapped model
+    local w = meta_gpt(true)
+    local ok, err = pcall(fsdp.wrap, w, {policy = fsdp.policy.modules{nn.Block}, init = function(mod)
+      if mod.reset_parameters then mod:reset_parameters() end
+      if mod == w.head then mod.extra = nn.Parameter(fsdp.zeros{3}) end
+    end})
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("Linear.extra: the module belongs to a wrapped model, and "
+      .. "adding a parameter there", 1, true), err)
+    assert.is_false(fsdp.is_wrapped(w))
+    assert.is_nil(w.head.extra)
+    assert.are.equal(#meta_gpt(true):parameters(), #w:parameters())
+    -- fsdp.materialize of a model wrapped on meta, removing a parameter and adding a module
+    fsdp.wrap(w, {policy = fsdp.policy.modules{nn.Block}})
+    ok, err = pcall(fsdp.materialize, w, function(mod)
+      if mod == w.blocks[1].ln1 then mod.bias = nil end
+    end)
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("LayerNorm.bias: the module belongs to a wrapped model, and "
+      .. "removing a parameter there", 1, true), err)
+    assert.is_not_nil(w.blocks[1].ln1.bias)
+    ok, err = pcall(fsdp.materialize, w, function(mod)
+      if mod == w.blocks[1].ln1 then mod.sub = nn.Linear(2, 2) end
+    end)
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("adding a Linear there", 1, true), err)
+    fsdp.materialize(w)
+    assert.are.equal(#meta_gpt(true):parameters(), #w:parameters())
+    fsdp.unwrap(w)
+  end)
 end)
 
 describe("fsdp.ties", function()

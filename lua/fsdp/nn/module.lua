@@ -235,15 +235,16 @@ end
 
 -- ---- fields -------------------------------------------------------------------------------
 
--- Nonzero while the library runs user code whose field writes it checks itself (an init_fn
--- on a wrapped model: lua/fsdp/meta.lua puts a replaced parameter back and names it).
+-- Nonzero while the library runs user code whose parameter replacements it checks itself (an
+-- init_fn on a wrapped model: lua/fsdp/meta.lua puts a replaced parameter back and names it);
+-- additions and removals stay refused.
 local rewire_checked = 0
 local function checked_done(...)
   rewire_checked = rewire_checked - 1
   return ...
 end
---- fn(...) with the wrapped-model field check off; fn must not raise (it returns its errors),
---- and must itself put back any parameter the user code replaced.
+--- fn(...) with parameter replacements on a wrapped model let through; fn must not raise (it
+--- returns its errors), and must itself put back any parameter the user code replaced.
 function M.with_checked_fields(fn, ...)
   rewire_checked = rewire_checked + 1
   return checked_done(fn(...))
@@ -253,8 +254,9 @@ end
 -- parameter or module put into (or taken out of) a field afterwards would belong to no unit,
 -- and train unsharded, unreduced and unstepped on each rank without a word.
 local function refuse_rewire(self, k, old, v)
-  if rewire_checked > 0 or rawget(self, state.MARK) == nil or rawequal(old, v) then return end
+  if rawget(self, state.MARK) == nil or rawequal(old, v) then return end
   if not (is_module(old) or is_param(old) or is_module(v) or is_param(v)) then return end
+  if rewire_checked > 0 and is_param(old) and is_param(v) then return end
   error(("%s.%s: the module belongs to a wrapped model, and %s a %s there would leave it "
     .. "outside the model's units (neither sharded nor reduced nor stepped); fsdp.unwrap the "
     .. "model, change it, and wrap it again"):format(self:type_name(), tostring(k),
