@@ -154,20 +154,32 @@ local function materialize_plain(model, init_fn, device)
     return model
   end
   local owners = base.init_owners(model)
-  local custom = {}
+  local custom, recorded = {}, {}
   for _, p in ipairs(list) do
     local o = owners[p]
     if o ~= nil and not replays_records(o.module) then
       custom[o.module] = true
+    elseif o ~= nil then
+      local ps = recorded[o.module] or {}
+      recorded[o.module] = ps
+      ps[#ps + 1] = p
     else
       util.no_grad(M.fill_from_record, p, p, 0)
-      base.note_init(p) -- fresh, as after an eager init
+      base.note_init(p)
     end
   end
+  -- in the order of an eager build (every module's reset in pre-order): a custom
+  -- reset_parameters that also writes into a later module's parameters is overwritten by that
+  -- module's reset, as it is eagerly
   for path, m in model:named_modules() do
     if custom[m] then
       local ok, err = call_checked("fsdp.materialize", function(x) x:reset_parameters() end, m, path)
       if not ok then error(err, 0) end
+    elseif recorded[m] then
+      for _, p in ipairs(recorded[m]) do
+        util.no_grad(M.fill_from_record, p, p, 0)
+        base.note_init(p) -- fresh, as after an eager init
+      end
     end
   end
   return model
@@ -188,6 +200,14 @@ local function gathered_pass(R, mods, call, what)
       end
     end
     for _, h in ipairs(mods) do
+      if h.fill ~= nil then
+        -- no gather for this one: its parameters go into the gathered copy when their unit is
+        -- held, else straight into this rank's shard
+        local held = {}
+        for _, g in ipairs(gathered) do held[g[1]] = true end
+        h.fill(held)
+        goto continue
+      end
       local need = {}
       for _, e in ipairs(own_params(h.module)) do
         local u = R:unit_of_param(e[2])
@@ -204,6 +224,7 @@ local function gathered_pass(R, mods, call, what)
         local fine, e = call_checked(what, call, h.module, h.path)
         if not fine then error(e, 0) end
       end)
+      ::continue::
     end
   end)
 end
@@ -232,27 +253,51 @@ function M.materialize_wrapped(R, init_fn, what)
     gathered_pass(R, holders(model, pending), init_fn, what)
   else
     local owners = base.init_owners(model)
-    local custom = {}
+    local custom, owning = {}, {}
     for p in pairs(pending) do
       local o = owners[p]
       if o ~= nil and not replays_records(o.module) then custom[o.module] = true end
+      if o ~= nil then owning[o.module] = true end
     end
-    for _, u in ipairs(R:units()) do
-      u:reshard() -- no full buffer (or prefetch) may be left holding stale values
-      local shard
+    -- an eager build resets every module in pre-order, so a custom reset_parameters that writes
+    -- into a later module's parameters is overwritten by that module's reset: the modules from
+    -- the first custom one on run in that order on their gathered units, record owners
+    -- included; the parameters of record owners before it are filled straight into the shards
+    -- this rank's slice of p, in u's shard, from p's record
+    local function fill_slice(u, p)
       for _, s in ipairs(u:local_slices()) do
-        local p = s.param
-        local o = owners[p]
-        if pending[p] and not (o ~= nil and custom[o.module]) then
-          shard = shard or u:shard()
-          local dst = shard:narrow(1, s.shard_first, s.shard_last - s.shard_first + 1)
+        if s.param == p then
+          local dst = u:shard():narrow(1, s.shard_first, s.shard_last - s.shard_first + 1)
           util.no_grad(M.fill_from_record, dst, p, s.param_first - 1)
         end
       end
     end
-    local mods = {}
+    local mods, late = {}, {}
     for path, m in model:named_modules() do
-      if custom[m] then mods[#mods + 1] = {module = m, path = path} end
+      if custom[m] then
+        mods[#mods + 1] = {module = m, path = path}
+      elseif #mods > 0 and owning[m] then
+        late[m] = true
+        mods[#mods + 1] = {module = m, path = path, fill = function(held)
+          for _, e in ipairs(own_params(m)) do
+            local p, o = e[2], owners[e[2]]
+            if pending[p] and o ~= nil and o.module == m then
+              local u = R:unit_of_param(p)
+              if held[u] then util.no_grad(M.fill_from_record, p, p, 0) else fill_slice(u, p) end
+            end
+          end
+        end}
+      end
+    end
+    for _, u in ipairs(R:units()) do
+      u:reshard() -- no full buffer (or prefetch) may be left holding stale values
+      for _, s in ipairs(u:local_slices()) do
+        local p = s.param
+        local o = owners[p]
+        if pending[p] and not (o ~= nil and (custom[o.module] or late[o.module])) then
+          fill_slice(u, p)
+        end
+      end
     end
     if #mods > 0 then
       gathered_pass(R, mods, function(m) m:reset_parameters() end, what)

@@ -321,6 +321,35 @@ describe("fsdp.materialize (wrapped, world size 1)", function()
     assert.are.equal(#meta_gpt(true):parameters(), #w:parameters())
     fsdp.unwrap(w)
   end)
+  it("runs resets in an eager build's order: a parent's write into a child is overwritten", function()
+    -- the parent's reset_parameters also fills its child's weight; an
+    -- eager build runs every module's reset in pre-order, so the child's own reset (the Linear's
+    -- record) wins, while the parent's own parameter keeps the parent's value
+    local Parent = nn.Module:extend("ParentInit")
+    function Parent:init() self.lin = nn.Linear(4, 4); self.scale = nn.new_param{4} end
+    function Parent:reset_parameters()
+      self:init_param("scale", "constant", 2)
+      if self.lin.weight.has_data then self.lin.weight:fill(0.5) end
+    end
+    function Parent:forward(x) return self.lin(x) * self.scale end
+    local function build() return nn.Sequential{nn.Linear(4, 4), Parent(), nn.LayerNorm(4)} end
+    fsdp.manual_seed(21)
+    local ref = snapshot(build())
+    assert.are_not.equal(0.5, ref["2.lin.weight"]:get(1, 1))
+    fsdp.manual_seed(21)
+    local plain = fsdp.meta(build)
+    fsdp.materialize(plain)
+    assert.are.same({}, differing(plain, ref))
+    -- wrapped: the child in the parent's unit, in a unit of its own, and with an init_fn
+    for _, pick in ipairs{function() return {} end, function(m) return {m[2].lin} end,
+      function(m) return {m[2], m[3]} end} do
+      fsdp.manual_seed(21)
+      local w = fsdp.meta(build)
+      fsdp.wrap(w, {policy = fsdp.policy.list(pick(w)), init = true})
+      fsdp.full_params(w, function() assert.are.same({}, differing(w, ref)) end)
+      fsdp.unwrap(w)
+    end
+  end)
 end)
 
 describe("fsdp.ties", function()
