@@ -46,7 +46,9 @@ fsdp_device_i fsdp_device_sharded = {
     .has_data = false,
     .alloc = fsdp_device_nodata_alloc,
     .free = fsdp_device_nodata_free,
-    .no_data = "is sharded: gather its unit (u:gather()) or use fsdp.full_params",
+    /* the hint: m:forward(x) runs the module's own forward past the unit's gather */
+    .no_data = "is sharded: gather its unit (u:gather()) or use fsdp.full_params; a wrapped "
+               "model gathers its units when it is called (m(x)), not through m:forward(x)",
 };
 
 /* What backs the shard and gradient shard of a unit after unshard, for the views of them that

@@ -174,7 +174,8 @@ static bool rank_shard_gather(rank_ctx *ctx) {
   }
   CHECK(fsdp_tensor_data(p[0], "read") == NULL);
   CHECK_MSG("read: parameter blocks.0.fc.weight is sharded: gather its unit (u:gather()) or "
-            "use fsdp.full_params");
+            "use fsdp.full_params; a wrapped model gathers its units when it is called (m(x)), "
+            "not through m:forward(x)");
   /* an op on a sharded parameter fails (and says so) */
   fsdp_tensor *x = data_new("x", 2, 5), *y = NULL;
   CHECK(fsdp_op_linear(&y, x, p[0], p[1]) == FSDP_ERR);
@@ -203,7 +204,8 @@ static bool rank_shard_gather(rank_ctx *ctx) {
   CHECK(live(FSDP_ROLE_GATHERED) == 0);
   CHECK(fsdp_tensor_data(p[1], "print") == NULL);
   CHECK_MSG("print: parameter blocks.0.fc.bias is sharded: gather its unit (u:gather()) or use "
-            "fsdp.full_params");
+            "fsdp.full_params; a wrapped model gathers its units when it is called (m(x)), not "
+            "through m:forward(x)");
   /* writeback: change a parameter while gathered, write back, regather: the change stays */
   CHECK(fsdp_unit_writeback(u) == FSDP_ERR);
   CHECK(strstr(fsdp_error_msg(), "not gathered") != NULL);

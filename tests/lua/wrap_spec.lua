@@ -562,6 +562,19 @@ describe("sharded parameters", function()
     assert.is_true(m.blocks[1].mlp.fc.weight:sum():item() ~= 0)
   end)
 
+  it("name the call that gathers when a forward method is called directly", function()
+    local m = nn.Sequential { nn.Linear(4, 3), nn.Linear(3, 2) }
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Linear}})
+    local x = fsdp.randn{2, 4}
+    local ok, err = pcall(function() return m[1]:forward(x) end)
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("1.weight is sharded: gather its unit (u:gather()) or use "
+      .. "fsdp.full_params; a wrapped model gathers its units when it is called (m(x)), not "
+      .. "through m:forward(x)", 1, true), tostring(err))
+    assert.are.same({2, 3}, m[1](x):shape())
+    fsdp.unwrap(m)
+  end)
+
   it("fsdp.shard gives this rank's slice as a view (all of it at world size 1)", function()
     local m = gpt()
     local w = m.blocks[1].mlp.fc.weight
