@@ -154,6 +154,23 @@ describe("nn.lora.merge", function()
     nn.lora.merge(m) -- nothing left to merge: no-op
   end)
 
+  it("merges a bf16 model in f32, rounding once", function()
+    local m = gpt():to("bf16")
+    nn.lora.apply(m, {rank = 4, alpha = 8})
+    local q = m.blocks[1].attn.qkv
+    fsdp.manual_seed(3)
+    fsdp.no_grad(function()
+      q.lora.A:copy(fsdp.randn{4, 8})
+      q.lora.B:copy(fsdp.randn{24, 4} * 4)
+    end)
+    local w32, b32, a32 = q.weight:to("f32"), q.lora.B:to("f32"), q.lora.A:to("f32")
+    local want = (w32 + b32:matmul(a32) * 2):to("bf16")
+    nn.lora.merge(m)
+    assert.are.equal("bf16", q.weight:dtype())
+    -- B A rounded to bf16 and then added (two roundings) gives other bits here
+    assert.are.same(want:to("f32"):view{192}:totable(), q.weight:to("f32"):view{192}:totable())
+  end)
+
   it("refuses a wrapped model and meta values", function()
     local m = gpt()
     nn.lora.apply(m, {rank = 2})

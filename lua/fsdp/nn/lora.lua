@@ -212,9 +212,21 @@ function lora.merge(model)
   util.no_grad(function()
     for _, m in ipairs(list) do
       local a = m.lora
-      local ba = a.B:matmul(a.A) -- (out, in)
-      m.weight:add_(ba, a.scale)
-      ba:free()
+      if m.weight:dtype() == "f32" then
+        local ba = a.B:matmul(a.A) -- (out, in)
+        m.weight:add_(ba, a.scale)
+        ba:free()
+      else
+        -- in f32 and rounded once: B A rounded to bf16 and then added would round twice
+        local b32, a32, w32 = a.B:to("f32"), a.A:to("f32"), m.weight:to("f32")
+        local ba = b32:matmul(a32)
+        w32:add_(ba, a.scale)
+        m.weight:copy(w32)
+        ba:free()
+        w32:free()
+        if b32 ~= a.B then b32:free() end -- :to gives the tensor itself when already f32
+        if a32 ~= a.A then a32:free() end
+      end
       m.lora = nil
       setmetatable(m, rawget(L.Linear, "__mt"))
     end
