@@ -428,12 +428,26 @@ function M.import_hf(dir, opts)
         error(("fsdp.import_hf: the model's %s is %s, the folder's %s (%s)"):format(k,
           tostring(model:config()[k]), tostring(F.cfg[k]), join(dir, CONFIG)), 0)
       end
+      -- parameters of its own (LoRA adapters) get no values from the folder
+      local known = {}
+      for _, e in ipairs(F.list) do known[e.path] = true end
+      local order, paths = ties.all_paths(model)
+      local extra = {}
+      for _, p in ipairs(order) do
+        if not known[paths[p][1]] then extra[#extra + 1] = paths[p][1] end
+      end
+      if strict and #extra > 0 then
+        error(("fsdp.import_hf: the model has parameters GPT-2 has no place for: %s (pass "
+          .. "strict = false to fill the rest and leave them as they are)"):format(util.few(extra)), 0)
+      end
     else
       model = meta.meta(function() return nn.GPT(F.cfg) end)
       if opts.meta then return end
       if opts.wrap then wrap.wrap(model, opts.wrap) end
     end
-    load_tensors.load_tensors(model, source(F), {strict = true})
+    -- strict: the folder has every tensor the map lists; without it, the model's own extras
+    -- (checked above) are left alone
+    load_tensors.load_tensors(model, source(F), {strict = strict})
   end)
   F.reader:close()
   if not ok then util.reraise(err) end

@@ -194,6 +194,21 @@ describe("fsdp.import_hf", function()
     os.execute("rm -rf '" .. dir .. "'")
   end)
 
+  it("fills the base of a model with LoRA adapters with strict = false, leaving them", function()
+    local e = expected()
+    local plain = fsdp.import_hf(FIXTURE)
+    local m = fsdp.import_hf(FIXTURE, {meta = true})
+    nn.lora.apply(m, {rank = 2})
+    fsdp.wrap(m, {policy = fsdp.policy.modules{nn.Block, nn.LoRA}})
+    errors_with(function() fsdp.import_hf(FIXTURE, {model = m}) end,
+      "fsdp.import_hf: the model has parameters GPT-2 has no place for: "
+        .. "blocks.1.attn.qkv.lora.A, blocks.1.attn.qkv.lora.B",
+      "(pass strict = false to fill the rest and leave them as they are)")
+    assert.are.equal(m, fsdp.import_hf(FIXTURE, {model = m, strict = false}))
+    fsdp.materialize(m) -- the adapters: B is zeros, so the base's logits
+    assert.are.equal(0, max_diff(logits(m, e.ids), logits(plain, e.ids)))
+  end)
+
   it("refuses bad options and a model of another shape", function()
     errors_with(function() fsdp.import_hf(FIXTURE, {wrapp = {}}) end,
       "fsdp.import_hf: unknown option 'wrapp' (valid: meta, model, strict, wrap)")
