@@ -92,8 +92,10 @@ function M.gpt_config(hf, where)
     if v == nil then v = HF_DEFAULTS[k] end
     return v
   end
-  local function bad(k, why)
-    raise(("fsdp.import_hf: %s: %s = %s %s"):format(where, k, tostring(hf[k]), why))
+  local function bad(k, why, quote)
+    local v = hf[k] -- quote: a string where a number is due (n_embd = "64" is not 64)
+    raise(("fsdp.import_hf: %s: %s = %s %s"):format(where, k,
+      quote and type(v) == "string" and ("%q"):format(v) or tostring(v), why))
   end
   if hf.model_type ~= nil and hf.model_type ~= "gpt2" then
     bad("model_type", "is not supported (only \"gpt2\": GPT2LMHeadModel)")
@@ -101,7 +103,7 @@ function M.gpt_config(hf, where)
   local function int(k, min)
     local v = get(k)
     if not util.is_int(v, min) then
-      bad(k, ("is not %s"):format(util.int_range(v, min)))
+      bad(k, ("is not %s"):format(util.int_range(v, min)), true)
     end
     return v
   end
@@ -115,10 +117,12 @@ function M.gpt_config(hf, where)
       .. "gelu_pytorch_tanh)")
   end
   local eps = get("layer_norm_epsilon")
-  if type(eps) ~= "number" or not (eps > 0) then bad("layer_norm_epsilon", "is not a positive number") end
+  if type(eps) ~= "number" or not (eps > 0) then
+    bad("layer_norm_epsilon", "is not a positive number", true)
+  end
   cfg.eps = eps
   local tie = get("tie_word_embeddings")
-  if type(tie) ~= "boolean" then bad("tie_word_embeddings", "is not a boolean") end
+  if type(tie) ~= "boolean" then bad("tie_word_embeddings", "is not a boolean", true) end
   cfg.tie = tie
   if get("scale_attn_weights") ~= true then
     bad("scale_attn_weights", "is not supported (nn.GPT always scales scores by 1/sqrt(head size))")
@@ -292,7 +296,10 @@ local function open_folder(dir, strict)
   end
   local ok, hf = pcall(core.json_read, cpath)
   if not ok then raise("fsdp.import_hf: " .. util.strip(hf)) end
-  if type(hf) ~= "table" then raise(("fsdp.import_hf: %s: not a JSON object"):format(cpath)) end
+  -- a JSON array is a Lua table too: its first element tells it from an object
+  if type(hf) ~= "table" or hf[1] ~= nil then
+    raise(("fsdp.import_hf: %s: not a JSON object"):format(cpath))
+  end
   local cfg = M.gpt_config(hf, cpath)
   if not core.io_size(wpath) then
     local why = core.io_size(join(dir, "model.safetensors.index.json"))
@@ -312,8 +319,9 @@ local function open_folder(dir, strict)
     local h = ("h.%d.ln_1.weight"):format(i)
     if entry["transformer." .. h] == nil and entry[h] == nil then
       r:close()
-      raise(("fsdp.import_hf: %s has no tensor transformer.%s (%s: n_layer = %s)")
-        :format(wpath, h, cpath, tostring(hf.n_layer)))
+      raise(("fsdp.import_hf: %s has no tensor transformer.%s (%s: n_layer = %s%s)")
+        :format(wpath, h, cpath, tostring(cfg.layers),
+          hf.n_layer == nil and ", GPT2Config's default: the key is absent" or ""))
     end
   end
   local list = tensor_map(cfg)
@@ -438,7 +446,8 @@ function M.import_hf(dir, opts)
       end
       if strict and #extra > 0 then
         error(("fsdp.import_hf: the model has parameters GPT-2 has no place for: %s (pass "
-          .. "strict = false to fill the rest and leave them as they are)"):format(util.few(extra)), 0)
+          .. "strict = false to fill the rest and leave them as they are)")
+          :format(util.few(extra)), 0)
       end
     else
       model = meta.meta(function() return nn.GPT(F.cfg) end)

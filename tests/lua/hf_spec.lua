@@ -141,6 +141,8 @@ describe("fsdp.import_hf", function()
     os.remove(dir .. "/pytorch_model.bin")
     H.write_file(dir .. "/model.safetensors.index.json", "{}")
     errors_with(function() fsdp.import_hf(dir) end, "split over several files")
+    H.write_file(dir .. "/config.json", "[1, 2]")
+    errors_with(function() fsdp.import_hf(dir) end, dir .. "/config.json: not a JSON object")
     H.write_file(dir .. "/config.json", "{not json")
     errors_with(function() fsdp.import_hf(dir) end, "fsdp.import_hf: ", "config.json")
     os.execute("rm -rf '" .. dir .. "'")
@@ -157,6 +159,9 @@ describe("fsdp.import_hf", function()
       {{n_head = 5}, "n_head = 5 does not divide n_embd = 64"},
       {{n_layer = 1.5}, "n_layer = 1.5 is not an integer >= 0"},
       {{n_layer = 2 ^ 60}, "n_layer = " .. tostring(2 ^ 60) .. " is not an integer in [0, 2^53]"},
+      {{n_embd = "64"}, 'n_embd = "64" is not an integer >= 1'},
+      {{layer_norm_epsilon = "1e-5"}, 'layer_norm_epsilon = "1e-5" is not a positive number'},
+      {{tie_word_embeddings = "true"}, 'tie_word_embeddings = "true" is not a boolean'},
     }
     for _, c in ipairs(cases) do
       local dir = with_config(c[1])
@@ -182,6 +187,14 @@ describe("fsdp.import_hf", function()
     errors_with(function() fsdp.import_hf(dir) end,
       "/model.safetensors has no tensor transformer.h.2.ln_1.weight (" .. dir
       .. "/config.json: n_layer = " .. tostring(1e12) .. ")")
+    os.execute("rm -rf '" .. dir .. "'")
+    -- n_layer absent: GPT2Config's 12, said as such
+    dir = with_config{}
+    local cfg = core.json_read(dir .. "/config.json")
+    cfg.n_layer = nil
+    core.json_write(dir .. "/config.json", cfg)
+    errors_with(function() fsdp.import_hf(dir) end, "has no tensor transformer.h.2.ln_1.weight ("
+      .. dir .. "/config.json: n_layer = 12, GPT2Config's default: the key is absent)")
     os.execute("rm -rf '" .. dir .. "'")
     dir = with_config{tie_word_embeddings = false}
     errors_with(function() fsdp.import_hf(dir) end, "has no tensor lm_head.weight")
