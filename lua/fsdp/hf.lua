@@ -415,8 +415,9 @@ end
 --- import_hf(dir [, {meta =, wrap =, model =, strict = true}]) -> model. An nn.GPT with the
 --- folder's weights. wrap = fsdp.wrap's options: build on meta, wrap (collective), and fill
 --- each rank's shards from the file. meta = true: the model on meta, without weights (wrap it,
---- then import_hf(dir, {model = m})). model = an nn.GPT of the folder's configuration, plain
---- or wrapped (collective): fill it. strict = false ignores tensors GPT-2 has no place for.
+--- then import_hf(dir, {model = m})); with wrap as well, wrapped on meta. model = an nn.GPT of
+--- the folder's configuration, plain or wrapped (collective): fill it. strict = false ignores
+--- tensors GPT-2 has no place for, and parameters of the model's own (LoRA adapters).
 function M.import_hf(dir, opts)
   opts = util.check_opts("fsdp.import_hf", opts, IMPORT_OPTS)
   if opts.wrap ~= nil and type(opts.wrap) ~= "table" then
@@ -451,8 +452,8 @@ function M.import_hf(dir, opts)
       end
     else
       model = meta.meta(function() return nn.GPT(F.cfg) end)
-      if opts.meta then return end
       if opts.wrap then wrap.wrap(model, opts.wrap) end
+      if opts.meta then return end -- with wrap: wrapped on meta, to be filled or materialized
     end
     -- strict: the folder has every tensor the map lists; without it, the model's own extras
     -- (checked above) are left alone

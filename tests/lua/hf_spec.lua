@@ -121,6 +121,13 @@ describe("fsdp.import_hf", function()
     local w = fsdp.import_hf(FIXTURE, {wrap = {policy = fsdp.policy.modules{nn.Block}}})
     assert.is_true(fsdp.is_wrapped(w))
     assert.are.equal(0, max_diff(logits(w, e.ids), logits(plain, e.ids)))
+    -- meta and wrap: wrapped on meta (wrap was ignored), then filled
+    local mw = fsdp.import_hf(FIXTURE, {meta = true, wrap = {policy = fsdp.policy.modules{nn.Block}}})
+    assert.is_true(fsdp.is_wrapped(mw))
+    errors_with(function() fsdp.export_hf(mw, H.mktemp_dir()) end,
+      "was wrapped on the meta device and some parameters have no values yet")
+    fsdp.import_hf(FIXTURE, {model = mw})
+    assert.are.equal(0, max_diff(logits(mw, e.ids), logits(plain, e.ids)))
     -- and an eager model of the same shape
     fsdp.manual_seed(1)
     local eager = nn.GPT(plain:config())
