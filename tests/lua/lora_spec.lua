@@ -81,6 +81,20 @@ describe("nn.lora.apply", function()
     assert.are.equal(8, m.blocks[1].mlp.fc.lora.rank)
   end)
 
+  it("a second apply (other targets, another rank) leaves the first one's adapters trainable",
+    function()
+    local m = gpt()
+    nn.lora.apply(m, {targets = "%.attn%.qkv$", rank = 4})
+    nn.lora.apply(m, {targets = "%.mlp%.fc$", rank = 2})
+    local trainable = {}
+    for path, p in m:named_parameters() do
+      if p.requires_grad then trainable[#trainable + 1] = path end
+    end
+    assert.are.same({"blocks.1.attn.qkv.lora.A", "blocks.1.attn.qkv.lora.B",
+      "blocks.1.mlp.fc.lora.A", "blocks.1.mlp.fc.lora.B", "blocks.2.attn.qkv.lora.A",
+      "blocks.2.attn.qkv.lora.B", "blocks.2.mlp.fc.lora.A", "blocks.2.mlp.fc.lora.B"}, trainable)
+  end)
+
   it("trains the adapters only; the base keeps its bits", function()
     local m = gpt()
     nn.lora.apply(m, {rank = 2})

@@ -7,7 +7,8 @@
 --     y = x W^T + b + (alpha / rank) (x A^T) B^T
 -- A starts small and random (uniform +-1/sqrt(in), as PEFT), B at zeros, so an adapted model
 -- computes what the base did until B trains. apply freezes every other parameter of the model
--- (module:freeze), so an optimizer over the model trains the adapters only.
+-- (module:freeze) but earlier applies' adapters, so an optimizer over the model trains the
+-- adapters only.
 -- nn.lora.merge(model) folds each adapter into its Linear (W += (alpha / rank) B A), removes
 -- the adapter and makes the Linear a Linear again: the model's parameters and paths are the
 -- base model's once more.
@@ -172,7 +173,18 @@ function lora.apply(model, opts)
         :format(fn, pat, util.few(names, 8)))
     end
   end
-  if opts.freeze ~= false then model:freeze() end
+  if opts.freeze ~= false then
+    -- the adapters of an earlier apply (other targets, another rank) keep their requires_grad:
+    -- freezing is for the base
+    local kept = {}
+    for _, mod in model:named_modules() do
+      if base.isinstance(mod, LoRA) then
+        for _, p in ipairs{mod.A, mod.B} do kept[#kept + 1] = {p, p.requires_grad} end
+      end
+    end
+    model:freeze()
+    for _, e in ipairs(kept) do e[1].requires_grad = e[2] end
+  end
   local paths = {}
   for _, e in ipairs(linears(model)) do
     local path, m = e[1], e[2]
