@@ -342,7 +342,9 @@ local function open_folder(dir, strict)
       end
       if fe.tensor_dtype == nil or not (fe.dtype == "F32" or fe.dtype == "BF16" or fe.dtype == "F16"
           or fe.dtype == "F64") then
-        problems[#problems + 1] = ("tensor '%s' is %s, not a floating-point dtype"):format(name, fe.dtype)
+        -- F8_E4M3 and the like are floating-point too, but no dtype nn.GPT computes in
+        problems[#problems + 1] = ("tensor '%s' is %s; only F32, BF16, F16 and F64 are read")
+          :format(name, fe.dtype)
       end
     end
   end

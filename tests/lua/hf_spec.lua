@@ -51,8 +51,8 @@ local function with_config(change)
 end
 
 -- A copy of the fixture whose weights file holds the fixture's tensors renamed by rename(name)
--- (nil drops one) plus `add` ({name = tensor}).
-local function with_tensors(rename, add)
+-- (nil drops one) plus `add` ({name = tensor}), stored as `dtypes` says ({name = dtype}).
+local function with_tensors(rename, add, dtypes)
   local dir = H.mktemp_dir()
   copy_dir(FIXTURE, dir)
   local r = core.st_open(FIXTURE .. "/model.safetensors")
@@ -60,7 +60,7 @@ local function with_tensors(rename, add)
   for _, e in ipairs(r:entries()) do
     local n = rename(e.name)
     if n then
-      entries[#entries + 1] = {name = n, shape = e.shape, dtype = e.dtype}
+      entries[#entries + 1] = {name = n, shape = e.shape, dtype = (dtypes or {})[n] or e.dtype}
       data[#data + 1] = r:read(e.name)
     end
   end
@@ -205,6 +205,10 @@ describe("fsdp.import_hf", function()
     os.execute("rm -rf '" .. dir .. "'")
     dir = with_config{tie_word_embeddings = false}
     errors_with(function() fsdp.import_hf(dir) end, "has no tensor lm_head.weight")
+    os.execute("rm -rf '" .. dir .. "'")
+    dir = with_tensors(function(n) return n end, nil, {["transformer.wpe.weight"] = "I32"})
+    errors_with(function() fsdp.import_hf(dir) end,
+      "tensor 'transformer.wpe.weight' is I32; only F32, BF16, F16 and F64 are read")
     os.execute("rm -rf '" .. dir .. "'")
     dir = with_tensors(function(n) return n end, {["transformer.extra"] = fsdp.ones{2}})
     errors_with(function() fsdp.import_hf(dir) end, "has no place for: transformer.extra",
