@@ -356,7 +356,18 @@ local function stored_config(path)
   if core.io_size(path) then -- a safetensors file
     local r = core.st_open(path)
     local text = r:metadata()["fsdp.config"]
+    -- export_hf's weights carry fsdp.config too, under GPT-2's names: their folder is the model
+    local hf_names = false
+    for _, e in ipairs(r:entries()) do
+      if e.name == "transformer.wte.weight" then hf_names = true end
+    end
     r:close()
+    if hf_names then
+      local folder = path:match("^(.*)/[^/]*$") or "."
+      error(("%s holds a Hugging Face GPT-2's tensors (transformer.wte.weight, ...): give its "
+        .. "folder, %s, which holds config.json as well (fsdp.import_hf reads it)")
+        :format(path, folder), 0)
+    end
     if text == nil then return nil, path .. " has no fsdp.config in its metadata" end
     return core.json_decode(text, path .. ": fsdp.config")
   end
@@ -406,6 +417,22 @@ function M.load_model(path, opts)
         .. "them before saving (nn.lora.merge(model), after fsdp.unwrap on a wrapped model)"):format(path))
     end
     error(extra, 0)
+  end
+  -- strict = false skips what the model has no place for; parameters the file lacks would be
+  -- left on meta, a model that cannot compute
+  local R = state.of(model)
+  local empty = {}
+  if R then
+    for _, e in ipairs(R:pending_list()) do empty[#empty + 1] = e.path end
+  else
+    for p_path, p in model:named_parameters() do
+      if p.device == "meta" then empty[#empty + 1] = p_path end
+    end
+  end
+  if #empty > 0 then
+    raise(("fsdp.load_model: %s has no tensor for %s: the model would have no values there "
+      .. "(strict = false skips tensors the model has no place for, not missing ones)")
+      :format(path, util.few(empty)))
   end
   return model, extra, info
 end

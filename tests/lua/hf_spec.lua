@@ -376,4 +376,38 @@ describe("fsdp.load_model", function()
       "unexpected tensors (in the file, not in the model): extra.weight")
     os.execute("rm -rf '" .. dir .. "'")
   end)
+
+  it("refuses an export's weights file, and a model strict = false would leave on meta", function()
+    local g = nn.GPT{vocab = 5, ctx = 4, d = 4, layers = 1, heads = 1}
+    local dir = H.mktemp_dir()
+    fsdp.export_hf(g, dir .. "/hf")
+    -- it carries fsdp.config, under GPT-2's names: strict = false loaded nothing, without a word
+    for _, strict in ipairs{true, false} do
+      errors_with(function() fsdp.load_model(dir .. "/hf/model.safetensors", {strict = strict}) end,
+        "fsdp.load_model: " .. dir .. "/hf/model.safetensors holds a Hugging Face GPT-2's tensors",
+        "give its folder, " .. dir .. "/hf, which holds config.json")
+    end
+    -- a checkpoint of the configuration without ln_f.bias (its metadata kept)
+    fsdp.save(g, dir .. "/full.safetensors")
+    local r = core.st_open(dir .. "/full.safetensors")
+    local entries, data = {}, {}
+    for _, e in ipairs(r:entries()) do
+      if e.name ~= "ln_f.bias" then
+        entries[#entries + 1] = {name = e.name, shape = e.shape, dtype = e.dtype}
+        data[#data + 1] = r:read(e.name)
+      end
+    end
+    local w = core.st_writer(dir .. "/part.safetensors", entries,
+      {["fsdp.config"] = r:metadata()["fsdp.config"]})
+    r:close()
+    for i, e in ipairs(entries) do w:write(e.name, data[i]) end
+    w:commit()
+    for _, wrap in ipairs{false, {}} do
+      errors_with(function()
+        fsdp.load_model(dir .. "/part.safetensors", {strict = false, wrap = wrap or nil})
+      end, "fsdp.load_model: " .. dir .. "/part.safetensors has no tensor for ln_f.bias: the model "
+        .. "would have no values there")
+    end
+    os.execute("rm -rf '" .. dir .. "'")
+  end)
 end)
