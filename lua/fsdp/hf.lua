@@ -202,6 +202,22 @@ function M.export_hf(model, dir, extra)
     end
     item[p] = e
   end
+  -- and each of GPT-2's tensors a parameter of its own: a head tied by hand on a GPT built with
+  -- tie = false would leave lm_head.weight unwritten, a folder config.json contradicts
+  local written = {}
+  for _, e in pairs(item) do written[e] = true end
+  for _, e in ipairs(list) do
+    if not written[e] then
+      local shared = ""
+      for _, p in ipairs(order) do
+        for _, q in ipairs(paths[p]) do
+          if q == e.path then shared = (" (it is %s)"):format(paths[p][1]) end
+        end
+      end
+      raise(("fsdp.export_hf: %s has no parameter of its own for GPT-2's %s%s; the GPT's tie is "
+        .. "%s"):format(e.path, e.hf, shared, tostring(cfg.tie)))
+    end
+  end
   -- tensors in the order they are written: unit by unit when wrapped
   local groups = {}
   if R then

@@ -327,6 +327,12 @@ describe("fsdp.export_hf", function()
     nn.lora.apply(lora, {rank = 2})
     errors_with(function() fsdp.export_hf(lora, dir) end,
       "parameter blocks.1.attn.qkv.lora.A has no GPT-2 counterpart (merge the adapters first: nn.lora.merge(model)")
+    -- tie = false with the head tied by hand: lm_head.weight was left out of a folder whose
+    -- config.json says tie_word_embeddings = false
+    local tied = nn.GPT{vocab = 5, ctx = 4, d = 4, layers = 1, heads = 1, tie = false}
+    tied.head.weight = tied.wte.weight
+    errors_with(function() fsdp.export_hf(tied, H.mktemp_dir()) end, "fsdp.export_hf: head.weight has no "
+      .. "parameter of its own for GPT-2's lm_head.weight (it is wte.weight); the GPT's tie is false")
   end)
 end)
 
