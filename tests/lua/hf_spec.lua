@@ -122,7 +122,8 @@ describe("fsdp.import_hf", function()
     assert.is_true(fsdp.is_wrapped(w))
     assert.are.equal(0, max_diff(logits(w, e.ids), logits(plain, e.ids)))
     -- meta and wrap: wrapped on meta (wrap was ignored), then filled
-    local mw = fsdp.import_hf(FIXTURE, {meta = true, wrap = {policy = fsdp.policy.modules{nn.Block}}})
+    local mw = fsdp.import_hf(FIXTURE,
+      {meta = true, wrap = {policy = fsdp.policy.modules{nn.Block}}})
     assert.is_true(fsdp.is_wrapped(mw))
     errors_with(function() fsdp.export_hf(mw, H.mktemp_dir()) end,
       "was wrapped on the meta device and some parameters have no values yet")
@@ -331,8 +332,9 @@ describe("fsdp.export_hf", function()
     -- config.json says tie_word_embeddings = false
     local tied = nn.GPT{vocab = 5, ctx = 4, d = 4, layers = 1, heads = 1, tie = false}
     tied.head.weight = tied.wte.weight
-    errors_with(function() fsdp.export_hf(tied, H.mktemp_dir()) end, "fsdp.export_hf: head.weight has no "
-      .. "parameter of its own for GPT-2's lm_head.weight (it is wte.weight); the GPT's tie is false")
+    errors_with(function() fsdp.export_hf(tied, H.mktemp_dir()) end, "fsdp.export_hf: head.weight "
+      .. "has no parameter of its own for GPT-2's lm_head.weight (it is wte.weight); the GPT's tie "
+      .. "is false")
   end)
 end)
 
