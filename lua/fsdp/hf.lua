@@ -9,11 +9,12 @@
 -- c_proj and c_fc weights are transposed on the way in and out; and GPT-2's paths
 -- (transformer.h.0.ln_1) are renamed (blocks.1.ln1). Nothing else is converted.
 --
--- Export is collective on a wrapped model: one unit gathered at a time, rank 0 writes, so the
--- file equals a one-rank export. Import builds the model on meta and fills it through
--- fsdp.load_tensors: a plain model gets each parameter's storage as it is read, a wrapped
--- model each rank's shard slices only (a transposed weight is read whole, one at a time, on
--- the ranks whose slices it touches), so a model larger than one rank's memory loads.
+-- Export is collective (every rank, the same dir): on a wrapped model one unit gathered at a
+-- time, rank 0 writes, so the file equals a one-rank export. Import builds the model on meta
+-- and fills it through fsdp.load_tensors: a plain model gets each parameter's storage as it is
+-- read, a wrapped model each rank's shard slices only (a transposed weight is read whole, one
+-- at a time, on the ranks whose slices it touches), so a model larger than one rank's memory
+-- loads.
 -- The export's metadata holds the model's own configuration as "fsdp.config" (JSON of
 -- GPT:config(), as fsdp.save stores it too); import_hf takes its dropout from there.
 
@@ -172,8 +173,9 @@ local function check_gpt(fn, model)
   return R
 end
 
---- Collective when model is wrapped. Write dir/config.json and dir/model.safetensors, a
---- folder transformers.GPT2LMHeadModel.from_pretrained(dir) loads. Every tensor is F32.
+--- Collective (every rank, the same dir; rank 0 writes). Write dir/config.json and
+--- dir/model.safetensors, a folder transformers.GPT2LMHeadModel.from_pretrained(dir) loads.
+--- Every tensor is F32.
 function M.export_hf(model, dir, extra)
   local R = check_gpt("fsdp.export_hf", model)
   if type(dir) ~= "string" or dir == "" then raise("fsdp.export_hf: dir must be a non-empty string") end
@@ -240,6 +242,10 @@ function M.export_hf(model, dir, extra)
   end
   local metadata = {format = "pt", ["fsdp.config"] = core.json_encode(cfg)}
   local rank = core.rank()
+  -- rank 0 writes, a plain model too: a folder given per rank would be written on rank 0 only
+  local differ = collective.check_lists("fsdp.export_hf", {dir}, nil,
+    {subject = "the folder", hint = function() return "every rank gives the same dir" end})
+  if differ then raise(differ) end
   local w
   local ok, err = true, nil
   if rank == 0 then

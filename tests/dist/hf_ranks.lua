@@ -5,7 +5,7 @@
 --   * generate on the wrapped model, with and without the cache, greedy and seeded: the plain
 --     model's tokens on every rank, and every rank the same
 --   * export_hf of the wrapped model to --out (collective; the script compares it byte for
---     byte with the 1-rank export) holds the plain model's tensors
+--     byte with the 1-rank export) holds the plain model's tensors; a folder per rank is refused
 local fsdp = require "fsdp"
 local C = dofile("tests/dist/common.lua")
 local collective = require "fsdp.collective"
@@ -61,6 +61,16 @@ if rank == 0 then
   C.check(#a:entries() == #b:entries(), "the export has other tensors than the fixture")
 end
 fsdp.barrier()
+
+-- a plain model is exported by rank 0 as well: a folder per rank is refused on every rank (only
+-- rank 0's was written); nothing is written then
+if W > 1 then
+  local mine = ("%s-plain-rank%d"):format(out, rank)
+  local ok, err = pcall(fsdp.export_hf, plain, mine)
+  C.check(not ok and tostring(err):find("the folder differs across ranks", 1, true) ~= nil,
+    "export_hf of a plain model to a folder per rank: " .. tostring(err))
+  C.check(fsdp.core.io_size(mine .. "/model.safetensors") == nil, mine .. " was written")
+end
 
 local failures = fsdp.all_reduce(C.failures(), "sum")
 if failures > 0 then error(("%d check(s) failed"):format(failures), 0) end
