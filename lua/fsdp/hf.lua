@@ -298,6 +298,11 @@ end
 
 -- ---- import -------------------------------------------------------------------------------
 
+-- GPT:config()'s keys that config.json sets, with their config.json names
+local SAME_AS_EXPORT = {{"vocab", "vocab_size"}, {"ctx", "n_positions"}, {"d", "n_embd"},
+  {"layers", "n_layer"}, {"heads", "n_head"}, {"hidden", "n_inner"},
+  {"tie", "tie_word_embeddings"}, {"eps", "layer_norm_epsilon"}}
+
 -- Buffers GPT-2 checkpoints may hold that are no parameters (older transformers saved them).
 local function is_buffer(name)
   return name:match("%.attn%.bias$") ~= nil or name:match("%.attn%.masked_bias$") ~= nil
@@ -394,7 +399,21 @@ local function open_folder(dir, strict)
   local own = r:metadata()["fsdp.config"]
   if own then
     local ok2, t = pcall(core.json_decode, own, wpath .. ": fsdp.config")
-    if ok2 and type(t) == "table" and type(t.dropout) == "number" then cfg.dropout = t.dropout end
+    if ok2 and type(t) == "table" then
+      -- the configuration export_hf wrote with these weights: a config.json that says otherwise
+      -- (n_head and layer_norm_epsilon change no shape) came from elsewhere, and which of the
+      -- two is right cannot be told
+      for _, k in ipairs(SAME_AS_EXPORT) do
+        local v = t[k[1]]
+        if v ~= nil and v ~= cfg[k[1]] then
+          r:close()
+          raise(("fsdp.import_hf: %s: %s = %s, but %s's fsdp.config (written with the weights "
+            .. "by fsdp.export_hf) has %s = %s: the two files come from different models")
+            :format(cpath, k[2], tostring(cfg[k[1]]), wpath, k[1], tostring(v)))
+        end
+      end
+      if type(t.dropout) == "number" then cfg.dropout = t.dropout end
+    end
   end
   return {cfg = cfg, reader = r, list = list, path = wpath}
 end

@@ -306,6 +306,27 @@ describe("fsdp.export_hf", function()
     os.execute("rm -rf '" .. dir .. "'")
   end)
 
+  it("refuses a config.json that contradicts the configuration exported with the weights",
+    function()
+    local g = nn.GPT{vocab = 7, ctx = 4, d = 8, layers = 1, heads = 2, eps = 1e-6, hidden = 12}
+    local dir = H.mktemp_dir()
+    fsdp.export_hf(g, dir)
+    assert.are.same(g:config(), fsdp.import_hf(dir):config())
+    -- n_head and layer_norm_epsilon change no tensor's shape: config.json was taken as it was
+    for _, c in ipairs{{"n_head", 4, "heads = 2"}, {"layer_norm_epsilon", 1e-5, "eps = 1e-06"}} do
+      local cfg = core.json_read(dir .. "/config.json")
+      local was = cfg[c[1]]
+      cfg[c[1]] = c[2]
+      core.json_write(dir .. "/config.json", cfg)
+      errors_with(function() fsdp.import_hf(dir) end, "fsdp.import_hf: " .. dir .. "/config.json: "
+        .. c[1] .. " = " .. tostring(c[2]) .. ", but " .. dir .. "/model.safetensors's fsdp.config "
+        .. "(written with the weights by fsdp.export_hf) has " .. c[3])
+      cfg[c[1]] = was
+      core.json_write(dir .. "/config.json", cfg)
+    end
+    os.execute("rm -rf '" .. dir .. "'")
+  end)
+
   it("refuses what is no GPT, a module inside a wrapped one, and a model on meta", function()
     local dir = "/nonexistent-dir/x" -- never written: each call is refused first
     errors_with(function() fsdp.export_hf(nn.Linear(2, 2), dir) end,
