@@ -298,10 +298,11 @@ end
 
 -- ---- import -------------------------------------------------------------------------------
 
--- GPT:config()'s keys that config.json sets, with their config.json names
+-- GPT:config()'s keys that config.json sets, with their config.json names (not n_layer: a
+-- config.json with fewer layers, read with strict = false, takes the first ones)
 local SAME_AS_EXPORT = {{"vocab", "vocab_size"}, {"ctx", "n_positions"}, {"d", "n_embd"},
-  {"layers", "n_layer"}, {"heads", "n_head"}, {"hidden", "n_inner"},
-  {"tie", "tie_word_embeddings"}, {"eps", "layer_norm_epsilon"}}
+  {"heads", "n_head"}, {"hidden", "n_inner"}, {"tie", "tie_word_embeddings"},
+  {"eps", "layer_norm_epsilon"}}
 
 -- Buffers GPT-2 checkpoints may hold that are no parameters (older transformers saved them).
 local function is_buffer(name)

@@ -324,6 +324,13 @@ describe("fsdp.export_hf", function()
       cfg[c[1]] = was
       core.json_write(dir .. "/config.json", cfg)
     end
+    -- fewer layers than exported: strict = false still takes the first ones
+    g = nn.GPT{vocab = 7, ctx = 4, d = 8, layers = 2, heads = 2}
+    fsdp.export_hf(g, dir)
+    local cfg = core.json_read(dir .. "/config.json")
+    cfg.n_layer = 1
+    core.json_write(dir .. "/config.json", cfg)
+    assert.are.equal(1, fsdp.import_hf(dir, {strict = false}):config().layers)
     os.execute("rm -rf '" .. dir .. "'")
   end)
 
