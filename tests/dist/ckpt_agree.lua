@@ -175,9 +175,9 @@ if W > 1 then
   local ahead = {cursor = mine and 3 or 2}
   T.raises(function()
     fsdp.save(model, dir .. "/apart", {loaders = {a = {cursor = 1}, train = ahead}})
-  end, ("data loader 'train' has served 2 batches on rank 0 but 3 on rank %d: the checkpoint "
-    .. "holds one position, which every rank resumes from"):format(victim):gsub("[%(%)%.%-]", "%%%0"),
-    "loaders apart")
+  end, (("data loader 'train' has served 2 batches on rank 0 but 3 on rank %d: the checkpoint "
+    .. "holds one position, which every rank resumes from"):format(victim)
+    :gsub("[%(%)%.%-]", "%%%0")), "loaders apart")
   T.check(not core.io_size(dir .. "/apart/index.json"), "the refused save wrote no index")
   T.check(#core.io_listdir(dir .. "/apart") == 0, "the refused save left no rank's file")
   T.say("ok: fsdp.save refuses loaders at different positions on the ranks")

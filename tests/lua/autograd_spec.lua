@@ -204,7 +204,7 @@ describe("backward", function()
     assert.are.same({ 10, 10, 10, 10, 10, 10 }, flat(w))
   end)
 
-  it("consumes every recorded graph: a second loss's backward is refused, their sum works", function()
+  it("consumes every recorded graph: a second loss's backward is refused, a sum works", function()
     local w = core.parameter(fsdp.ones(3))
     local la, lb = (w * 2):sum(), (w * 3):sum()
     la:backward()
